@@ -1,0 +1,65 @@
+"""The gpubroker client SDK: the GpuCompute interface, its types, errors, and RemoteGpu."""
+
+from ._compute import GpuCompute
+from ._errors import (
+    Aborted,
+    AlreadyExists,
+    ArgumentTypeError,
+    Cancelled,
+    CompileError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    GpuBrokerError,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    Unimplemented,
+    WorkerCrashed,
+)
+from ._host import HostBuffer
+from ._types import Buffer, DeviceInfo, Kernel, Module, ModuleFormat, Stream
+
+__all__ = [
+    "Aborted",
+    "AlreadyExists",
+    "ArgumentTypeError",
+    "Buffer",
+    "Cancelled",
+    "CompileError",
+    "DeadlineExceeded",
+    "DeviceInfo",
+    "FailedPrecondition",
+    "GpuBrokerError",
+    "GpuCompute",
+    "HostBuffer",
+    "Internal",
+    "InvalidArgument",
+    "Kernel",
+    "Module",
+    "ModuleFormat",
+    "NotFound",
+    "OutOfRange",
+    "PermissionDenied",
+    "RemoteGpu",
+    "ResourceExhausted",
+    "Stream",
+    "Unauthenticated",
+    "Unavailable",
+    "Unimplemented",
+    "WorkerCrashed",
+    "connect",
+]
+
+
+def __getattr__(name: str) -> object:
+    # RemoteGpu pulls in grpc; in-process backends import this package without paying for it.
+    if name in ("RemoteGpu", "connect"):
+        from . import _remote
+
+        return getattr(_remote, name)
+    raise AttributeError(name)

@@ -1,0 +1,63 @@
+"""The GpuCompute Protocol: one interface, implemented in-process by backends and remotely by RemoteGpu."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from ._host import HostBuffer
+from ._types import Buffer, DeviceInfo, Kernel, Module, ModuleFormat, Stream
+
+__all__ = ["GpuCompute"]
+
+
+@runtime_checkable
+class GpuCompute(Protocol):
+    """Device operations. Launches are asynchronous: their errors surface at the next synchronize.
+
+    grid = blocks (work-groups) per dimension; block = threads per block. Kernel args are Buffers
+    (a view made with ``Buffer.at`` passes a pointer into the allocation) or numpy scalars.
+    """
+
+    def initialize(self) -> None: ...
+
+    def device_info(self) -> DeviceInfo: ...
+
+    def allocate_memory(self, size: int) -> Buffer: ...
+
+    def free_memory(self, buf: Buffer) -> None: ...
+
+    def copy_h2d(self, src: HostBuffer, buf: Buffer, offset: int = 0,
+                 stream: Stream | None = None) -> None:
+        """Copy all of ``src`` into ``buf`` starting ``offset`` bytes into it; returns once ``src`` is consumed."""
+        ...
+
+    def copy_d2h(self, buf: Buffer, dst: HostBuffer, offset: int = 0,
+                 stream: Stream | None = None) -> None:
+        """Fill the writable ``dst`` from ``buf`` starting ``offset`` bytes into it; returns once ``dst`` holds the data."""
+        ...
+
+    def copy_d2d(self, src: Buffer, dst: Buffer, size: int, src_offset: int = 0, dst_offset: int = 0,
+                 stream: Stream | None = None) -> None: ...
+
+    def memset(self, buf: Buffer, value: int, size: int | None = None, offset: int = 0,
+               stream: Stream | None = None) -> None:
+        """Set ``size`` bytes (default: to the end) to the byte ``value``."""
+        ...
+
+    def compile_kernel(self, source: str, name: str, options: Sequence[str] = ()) -> Kernel: ...
+
+    def load_module(self, image: str | bytes, format: ModuleFormat, options: Sequence[str] = ()) -> Module: ...
+
+    def get_kernel(self, module: Module, name: str) -> Kernel: ...
+
+    def execute_kernel(self, kernel: Kernel, grid: int | Sequence[int], block: int | Sequence[int],
+                       args: Sequence[object], shared_mem: int = 0, stream: Stream | None = None) -> None: ...
+
+    def create_stream(self) -> Stream: ...
+
+    def destroy_stream(self, stream: Stream) -> None: ...
+
+    def synchronize(self, stream: Stream | None = None) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,49 @@
+"""Host-side buffers and the range checks every implementation applies the same way."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import numpy as np
+
+from ._errors import InvalidArgument, OutOfRange
+from ._types import Buffer
+
+__all__ = ["HostBuffer", "check_device_range", "readable_bytes", "writable_bytes"]
+
+# Anything with the buffer protocol (numpy arrays, bytes, bytearray, memoryview, mmap).
+HostBuffer = Union[bytes, bytearray, memoryview, np.ndarray]
+
+
+def readable_bytes(src: object) -> memoryview:
+    """A flat byte view of a C-contiguous buffer-protocol object, without copying."""
+    try:
+        view = memoryview(src)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgument(f"{type(src).__name__} does not support the buffer protocol") from None
+    if not view.c_contiguous:
+        raise InvalidArgument("host buffer must be C-contiguous")
+    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+
+
+def writable_bytes(dst: object) -> memoryview:
+    view = readable_bytes(dst)
+    if view.readonly:
+        raise InvalidArgument("destination host buffer is read-only")
+    return view
+
+
+def check_device_range(buf: Buffer, offset: int, size: int, what: str = "copy") -> int:
+    """Validate [offset, offset+size) against the view and return the absolute allocation offset."""
+    if offset < 0:
+        raise InvalidArgument(f"{what}: negative offset {offset}")
+    if size < 0:
+        raise InvalidArgument(f"{what}: negative size {size}")
+    if buf.offset < 0 or buf.offset > buf.size:
+        raise InvalidArgument(f"{what}: buffer view offset {buf.offset} is outside its {buf.size}-byte allocation")
+    start = buf.offset + offset
+    if start + size > buf.size:
+        raise OutOfRange(
+            f"{what}: {size} bytes at offset {offset} run past the end of the buffer "
+            f"({buf.nbytes} bytes available from the view's start)")
+    return start

@@ -1,0 +1,305 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModuleFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODULE_FORMAT_UNSPECIFIED: _ClassVar[ModuleFormat]
+    MODULE_FORMAT_CUDA_C: _ClassVar[ModuleFormat]
+    MODULE_FORMAT_OPENCL_C: _ClassVar[ModuleFormat]
+    MODULE_FORMAT_PTX: _ClassVar[ModuleFormat]
+    MODULE_FORMAT_CUBIN: _ClassVar[ModuleFormat]
+    MODULE_FORMAT_FATBIN: _ClassVar[ModuleFormat]
+MODULE_FORMAT_UNSPECIFIED: ModuleFormat
+MODULE_FORMAT_CUDA_C: ModuleFormat
+MODULE_FORMAT_OPENCL_C: ModuleFormat
+MODULE_FORMAT_PTX: ModuleFormat
+MODULE_FORMAT_CUBIN: ModuleFormat
+MODULE_FORMAT_FATBIN: ModuleFormat
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("device", "client_name")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    client_name: str
+    def __init__(self, device: _Optional[int] = ..., client_name: _Optional[str] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session", "lease_seconds", "max_chunk_bytes", "device")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    lease_seconds: float
+    max_chunk_bytes: int
+    device: DeviceInfo
+    def __init__(self, session: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_seconds",)
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: float
+    def __init__(self, lease_seconds: _Optional[float] = ...) -> None: ...
+
+class ListDevicesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListDevicesResponse(_message.Message):
+    __slots__ = ("devices",)
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
+    def __init__(self, devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ...) -> None: ...
+
+class DeviceInfo(_message.Message):
+    __slots__ = ("id", "name", "vendor", "backend", "total_memory", "free_memory", "multiprocessor_count", "clock_mhz", "l2_cache_bytes", "unified_memory", "max_threads_per_block", "max_block_dims", "max_grid_dims", "compute_capability", "opencl_version", "driver_version", "memory_quota", "memory_used")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VENDOR_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    FREE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    MULTIPROCESSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_MHZ_FIELD_NUMBER: _ClassVar[int]
+    L2_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNIFIED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    MAX_THREADS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCK_DIMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRID_DIMS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    OPENCL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    name: str
+    vendor: str
+    backend: str
+    total_memory: int
+    free_memory: int
+    multiprocessor_count: int
+    clock_mhz: int
+    l2_cache_bytes: int
+    unified_memory: bool
+    max_threads_per_block: int
+    max_block_dims: _containers.RepeatedScalarFieldContainer[int]
+    max_grid_dims: _containers.RepeatedScalarFieldContainer[int]
+    compute_capability: _containers.RepeatedScalarFieldContainer[int]
+    opencl_version: str
+    driver_version: str
+    memory_quota: int
+    memory_used: int
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., vendor: _Optional[str] = ..., backend: _Optional[str] = ..., total_memory: _Optional[int] = ..., free_memory: _Optional[int] = ..., multiprocessor_count: _Optional[int] = ..., clock_mhz: _Optional[int] = ..., l2_cache_bytes: _Optional[int] = ..., unified_memory: _Optional[bool] = ..., max_threads_per_block: _Optional[int] = ..., max_block_dims: _Optional[_Iterable[int]] = ..., max_grid_dims: _Optional[_Iterable[int]] = ..., compute_capability: _Optional[_Iterable[int]] = ..., opencl_version: _Optional[str] = ..., driver_version: _Optional[str] = ..., memory_quota: _Optional[int] = ..., memory_used: _Optional[int] = ...) -> None: ...
+
+class BufferHandle(_message.Message):
+    __slots__ = ("handle", "size")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    size: int
+    def __init__(self, handle: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class BufferRef(_message.Message):
+    __slots__ = ("handle", "offset")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    offset: int
+    def __init__(self, handle: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("session", "size")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    size: int
+    def __init__(self, session: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("session", "buffer")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    buffer: str
+    def __init__(self, session: _Optional[str] = ..., buffer: _Optional[str] = ...) -> None: ...
+
+class MemsetRequest(_message.Message):
+    __slots__ = ("session", "buffer", "offset", "size", "value", "stream")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    buffer: BufferRef
+    offset: int
+    size: int
+    value: int
+    stream: str
+    def __init__(self, session: _Optional[str] = ..., buffer: _Optional[_Union[BufferRef, _Mapping]] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., value: _Optional[int] = ..., stream: _Optional[str] = ...) -> None: ...
+
+class CopyDeviceToDeviceRequest(_message.Message):
+    __slots__ = ("session", "src", "src_offset", "dst", "dst_offset", "size", "stream")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    SRC_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    DST_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    src: BufferRef
+    src_offset: int
+    dst: BufferRef
+    dst_offset: int
+    size: int
+    stream: str
+    def __init__(self, session: _Optional[str] = ..., src: _Optional[_Union[BufferRef, _Mapping]] = ..., src_offset: _Optional[int] = ..., dst: _Optional[_Union[BufferRef, _Mapping]] = ..., dst_offset: _Optional[int] = ..., size: _Optional[int] = ..., stream: _Optional[str] = ...) -> None: ...
+
+class HostToDeviceHeader(_message.Message):
+    __slots__ = ("session", "buffer", "offset", "size", "stream")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    buffer: BufferRef
+    offset: int
+    size: int
+    stream: str
+    def __init__(self, session: _Optional[str] = ..., buffer: _Optional[_Union[BufferRef, _Mapping]] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., stream: _Optional[str] = ...) -> None: ...
+
+class HostToDeviceChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: HostToDeviceHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[HostToDeviceHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class CopyDeviceToHostRequest(_message.Message):
+    __slots__ = ("session", "buffer", "offset", "size", "chunk_bytes", "stream")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    buffer: BufferRef
+    offset: int
+    size: int
+    chunk_bytes: int
+    stream: str
+    def __init__(self, session: _Optional[str] = ..., buffer: _Optional[_Union[BufferRef, _Mapping]] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., stream: _Optional[str] = ...) -> None: ...
+
+class DeviceToHostChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class LoadModuleRequest(_message.Message):
+    __slots__ = ("session", "format", "image", "options")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    format: ModuleFormat
+    image: bytes
+    options: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session: _Optional[str] = ..., format: _Optional[_Union[ModuleFormat, str]] = ..., image: _Optional[bytes] = ..., options: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ModuleHandle(_message.Message):
+    __slots__ = ("handle", "kernel_names")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_NAMES_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    kernel_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, handle: _Optional[str] = ..., kernel_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetKernelRequest(_message.Message):
+    __slots__ = ("session", "module", "name")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    module: str
+    name: str
+    def __init__(self, session: _Optional[str] = ..., module: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class KernelHandle(_message.Message):
+    __slots__ = ("handle", "name")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    name: str
+    def __init__(self, handle: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class ScalarArg(_message.Message):
+    __slots__ = ("dtype", "value")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    value: bytes
+    def __init__(self, dtype: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+
+class KernelArg(_message.Message):
+    __slots__ = ("buffer", "scalar")
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    SCALAR_FIELD_NUMBER: _ClassVar[int]
+    buffer: BufferRef
+    scalar: ScalarArg
+    def __init__(self, buffer: _Optional[_Union[BufferRef, _Mapping]] = ..., scalar: _Optional[_Union[ScalarArg, _Mapping]] = ...) -> None: ...
+
+class LaunchKernelRequest(_message.Message):
+    __slots__ = ("session", "kernel", "grid", "block", "shared_mem", "stream", "args")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    GRID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEM_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    kernel: str
+    grid: _containers.RepeatedScalarFieldContainer[int]
+    block: _containers.RepeatedScalarFieldContainer[int]
+    shared_mem: int
+    stream: str
+    args: _containers.RepeatedCompositeFieldContainer[KernelArg]
+    def __init__(self, session: _Optional[str] = ..., kernel: _Optional[str] = ..., grid: _Optional[_Iterable[int]] = ..., block: _Optional[_Iterable[int]] = ..., shared_mem: _Optional[int] = ..., stream: _Optional[str] = ..., args: _Optional[_Iterable[_Union[KernelArg, _Mapping]]] = ...) -> None: ...
+
+class StreamHandle(_message.Message):
+    __slots__ = ("handle",)
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    handle: str
+    def __init__(self, handle: _Optional[str] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("session", "stream")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    stream: str
+    def __init__(self, session: _Optional[str] = ..., stream: _Optional[str] = ...) -> None: ...
