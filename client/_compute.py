@@ -34,7 +34,7 @@ class GpuCompute(Protocol):
 
     def copy_d2h(self, buf: Buffer, dst: HostBuffer, offset: int = 0,
                  stream: Stream | None = None) -> None:
-        """Fill the writable ``dst`` from ``buf`` starting ``offset`` bytes into it; returns once ``dst`` holds the data."""
+        """Fill the writable ``dst`` from ``buf`` starting ``offset`` bytes into it; returns once ``dst`` is full."""
         ...
 
     def copy_d2d(self, src: Buffer, dst: Buffer, size: int, src_offset: int = 0, dst_offset: int = 0,

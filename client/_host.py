@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Union
-
 import numpy as np
 
 from ._errors import InvalidArgument, OutOfRange
@@ -12,7 +10,7 @@ from ._types import Buffer
 __all__ = ["HostBuffer", "check_device_range", "readable_bytes", "writable_bytes"]
 
 # Anything with the buffer protocol (numpy arrays, bytes, bytearray, memoryview, mmap).
-HostBuffer = Union[bytes, bytearray, memoryview, np.ndarray]
+HostBuffer = bytes | bytearray | memoryview | np.ndarray
 
 
 def readable_bytes(src: object) -> memoryview:

@@ -126,9 +126,7 @@ def check_kernel_args(args: Sequence[object]) -> list[KernelArg]:
         raise ArgumentTypeError(f"kernel args must be a sequence, got {type(args).__name__}")
     checked: list[KernelArg] = []
     for i, arg in enumerate(args):
-        if isinstance(arg, Buffer):
-            checked.append(arg)
-        elif isinstance(arg, np.generic) and arg.dtype.kind in "biuf" and not isinstance(arg, np.bool_):
+        if isinstance(arg, Buffer) or (isinstance(arg, np.generic) and arg.dtype.kind in "iuf"):
             checked.append(arg)
         elif isinstance(arg, (bool, int, float)):
             raise ArgumentTypeError(

@@ -1,0 +1,428 @@
+"""GpuCompute in-process on an NVIDIA GPU through CuPy (cupy-cuda13x).
+
+Kernels are CUDA C compiled by NVRTC, or PTX / cubin / fatbin images. Look kernels up by the name
+in the source, so declare them ``extern "C" __global__``: C++ kernels get mangled names (the
+mangled name, as listed in ``Module.kernel_names``, works too).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import cupy
+import numpy as np
+from cupy.cuda import compiler, driver, function, runtime
+from cupy.cuda.memory import Memory, MemoryPointer
+
+from gpubroker.client import (
+    Aborted,
+    Buffer,
+    CompileError,
+    DeviceInfo,
+    FailedPrecondition,
+    GpuBrokerError,
+    Internal,
+    InvalidArgument,
+    Kernel,
+    Module,
+    ModuleFormat,
+    NotFound,
+    ResourceExhausted,
+    Stream,
+)
+from gpubroker.client._errors import ArgumentTypeError
+from gpubroker.client._host import HostBuffer, check_device_range, readable_bytes, writable_bytes
+
+from ._common import HandleTable, check_launch
+from ._cuda_driver import driver_extras
+
+__all__ = ["CudaBackend", "list_cuda_devices"]
+
+log = logging.getLogger(__name__)
+
+_MAX_DYNAMIC_SHARED = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_MAX_THREADS = driver.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
+# Objects we must not hand back to CUDA after a fatal error (their destructors would call it).
+_ABANDONED: list[object] = []
+
+
+@dataclass
+class _KernelRec:
+    func: function.Function  # holds its Module, keeping the code loaded
+    name: str
+    module: str | None  # handle of the load_module Module, None for compile_kernel
+    params: list[int] | None  # byte size of each parameter; None when the driver can't tell
+    max_threads: int
+    dynamic_shared: int = 48 * 1024  # the default cap until raised with cuFuncSetAttribute
+
+
+@dataclass
+class _ModuleRec:
+    module: function.Module
+    kernels: dict[str, str] = field(default_factory=dict)  # name -> kernel handle
+
+
+class CudaBackend:
+    """One CUDA device in this process. Launches and d2d copies / memsets are asynchronous.
+
+    Kernels must be ``extern "C"`` (or looked up by mangled name). ``stream=None`` is the legacy
+    default stream; streams from ``create_stream`` are non-blocking, so order work across them
+    with ``synchronize``.
+    """
+
+    def __init__(self, device: int = 0) -> None:
+        if not isinstance(device, (int, np.integer)) or isinstance(device, bool):
+            raise InvalidArgument(f"device must be an int, got {device!r}")
+        self._device = int(device)
+        self._ready = False
+        self._closed = False
+        self._fatal: Aborted | None = None
+        self._buffers: HandleTable[Memory] = HandleTable("buf")
+        self._streams: HandleTable[cupy.cuda.Stream] = HandleTable("stream")
+        self._modules: HandleTable[_ModuleRec] = HandleTable("module")
+        self._kernels: HandleTable[_KernelRec] = HandleTable("kernel")
+        self.allocated_bytes = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def initialize(self) -> None:
+        if self._closed:
+            raise FailedPrecondition("the CUDA backend is closed")
+        if self._ready:
+            return
+        try:
+            count = runtime.getDeviceCount()
+            if not 0 <= self._device < count:
+                raise NotFound(f"no CUDA device {self._device} ({count} present)")
+            cupy.cuda.Device(self._device).use()
+            self._info, self._smem_optin = props_info(self._device, runtime.memGetInfo()[0])
+            self._null = cupy.cuda.Stream.null
+            self._extras = driver_extras()
+        except Exception as exc:
+            raise translate("initialize", exc) from exc
+        self._ready = True
+
+    def __enter__(self) -> CudaBackend:
+        self.initialize()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for the device, then free everything. Never raises; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._ready:
+            return
+        if self._fatal is None:
+            try:
+                self._use()
+                runtime.deviceSynchronize()
+            except Exception as exc:
+                err = translate("close", exc)
+                log.warning("error surfaced while closing the CUDA backend: %s", err.message)
+                if isinstance(err, Aborted):
+                    self._fatal = err
+        tables = (self._kernels, self._modules, self._streams, self._buffers)
+        for table in tables:
+            for handle in table.handles():
+                obj = table.pop(handle)
+                if self._fatal is not None:
+                    _ABANDONED.append(obj)  # freeing would only raise from a destructor
+        self.allocated_bytes = 0
+
+    def _use(self) -> None:
+        """Refuse work when closed or broken; make our device current on this thread."""
+        if not self._ready:
+            self.initialize()
+        if self._closed:
+            raise FailedPrecondition("the CUDA backend is closed")
+        if self._fatal is not None:
+            raise Aborted(f"the CUDA context is unusable after an earlier error: {self._fatal.message}",
+                          fatal=True)
+        if runtime.getDevice() != self._device:
+            runtime.setDevice(self._device)
+
+    def _fail(self, what: str, exc: BaseException) -> GpuBrokerError:
+        err = translate(what, exc)
+        if isinstance(err, Aborted) and err.details.get("fatal"):
+            self._fatal = err
+        return err
+
+    def device_info(self) -> DeviceInfo:
+        self._use()
+        try:
+            info, _ = props_info(self._device, runtime.memGetInfo()[0])
+        except Exception as exc:
+            raise self._fail("device_info", exc) from exc
+        return info
+
+    # -- memory ------------------------------------------------------------------------------
+    def allocate_memory(self, size: int) -> Buffer:
+        self._use()
+        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size <= 0:
+            raise InvalidArgument(f"allocation size must be a positive int, got {size!r}")
+        size = int(size)
+        if size > self._info.total_memory:
+            raise ResourceExhausted(f"{size} bytes is more than the device's {self._info.total_memory}")
+        try:
+            mem = Memory(size)  # plain cudaMalloc, not CuPy's pool: exact accounting, real frees
+        except Exception as exc:
+            raise self._fail(f"allocate {size} bytes", exc) from exc
+        self.allocated_bytes += size
+        return Buffer(self._buffers.add(mem), size)
+
+    def free_memory(self, buf: Buffer) -> None:
+        self._use()
+        self._mem(buf)
+        # Dropping the last reference calls cudaFree, which also waits for work that may use it.
+        self.allocated_bytes -= self._buffers.pop(buf.handle).size
+
+    def _mem(self, buf: Buffer) -> Memory:
+        if not isinstance(buf, Buffer):
+            raise InvalidArgument(f"expected a Buffer, got {type(buf).__name__}")
+        mem = self._buffers.get(buf.handle)
+        if buf.size != mem.size:  # a forged size would let range checks pass past the allocation
+            raise InvalidArgument(f"buffer {buf.handle} has {mem.size} bytes, not {buf.size}")
+        return mem
+
+    def _stream(self, stream: Stream | None) -> cupy.cuda.Stream:
+        if stream is None:
+            return self._null
+        if not isinstance(stream, Stream):
+            raise InvalidArgument(f"expected a Stream or None, got {type(stream).__name__}")
+        return self._streams.get(stream.handle)
+
+    def copy_h2d(self, src: HostBuffer, buf: Buffer, offset: int = 0, stream: Stream | None = None) -> None:
+        self._use()
+        view = readable_bytes(src)
+        mem, s = self._mem(buf), self._stream(stream)
+        start = check_device_range(buf, offset, view.nbytes, "copy_h2d")
+        if view.nbytes == 0:
+            return
+        host = np.frombuffer(view, dtype=np.uint8)  # no copy; only for its address
+        try:
+            runtime.memcpyAsync(mem.ptr + start, host.ctypes.data, view.nbytes, runtime.memcpyHostToDevice, s.ptr)
+            s.synchronize()  # the caller may reuse src as soon as we return
+        except Exception as exc:
+            raise self._fail("copy_h2d", exc) from exc
+
+    def copy_d2h(self, buf: Buffer, dst: HostBuffer, offset: int = 0, stream: Stream | None = None) -> None:
+        self._use()
+        view = writable_bytes(dst)
+        mem, s = self._mem(buf), self._stream(stream)
+        start = check_device_range(buf, offset, view.nbytes, "copy_d2h")
+        if view.nbytes == 0:
+            return
+        host = np.frombuffer(view, dtype=np.uint8)
+        try:
+            runtime.memcpyAsync(host.ctypes.data, mem.ptr + start, view.nbytes, runtime.memcpyDeviceToHost, s.ptr)
+            s.synchronize()  # dst must hold the data when we return
+        except Exception as exc:
+            raise self._fail("copy_d2h", exc) from exc
+
+    def copy_d2d(self, src: Buffer, dst: Buffer, size: int, src_offset: int = 0, dst_offset: int = 0,
+                 stream: Stream | None = None) -> None:
+        self._use()
+        smem, dmem, s = self._mem(src), self._mem(dst), self._stream(stream)
+        a = check_device_range(src, src_offset, size, "copy_d2d source")
+        b = check_device_range(dst, dst_offset, size, "copy_d2d destination")
+        if size == 0:
+            return
+        if src.handle == dst.handle and a < b + size and b < a + size:
+            raise InvalidArgument("copy_d2d: source and destination ranges overlap")
+        try:
+            runtime.memcpyAsync(dmem.ptr + b, smem.ptr + a, size, runtime.memcpyDeviceToDevice, s.ptr)
+        except Exception as exc:
+            raise self._fail("copy_d2d", exc) from exc
+
+    def memset(self, buf: Buffer, value: int, size: int | None = None, offset: int = 0,
+               stream: Stream | None = None) -> None:
+        self._use()
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value <= 255:
+            raise InvalidArgument(f"memset value must be a byte (0..255), got {value!r}")
+        mem, s = self._mem(buf), self._stream(stream)
+        if size is None:
+            size = max(0, buf.nbytes - offset) if isinstance(offset, int) else 0
+        start = check_device_range(buf, offset, size, "memset")
+        if size == 0:
+            return
+        try:
+            runtime.memsetAsync(mem.ptr + start, int(value), size, s.ptr)
+        except Exception as exc:
+            raise self._fail("memset", exc) from exc
+
+    # -- code --------------------------------------------------------------------------------
+    def _compile(self, source: str | bytes, options: Sequence[str]) -> function.Module:
+        if isinstance(source, bytes):
+            source = source.decode("utf-8")
+        if not isinstance(source, str) or isinstance(options, str) or not all(isinstance(o, str) for o in options):
+            raise InvalidArgument("CUDA C source must be a str and options a sequence of str")
+        # compile_using_nvrtc, not RawModule: RawModule memoizes modules for the process's life,
+        # so unload_module could never unload them. This picks -arch=sm_XX for the device.
+        binary, _ = compiler.compile_using_nvrtc(source, tuple(options), cache_in_memory=True)
+        mod = function.Module()
+        mod.load(binary)
+        return mod
+
+    def _kernel_rec(self, mod: function.Module, name: str, module: str | None) -> _KernelRec:
+        try:
+            func = mod.get_function(name)
+        except driver.CUDADriverError as exc:
+            if exc.status == 500:
+                raise NotFound(f'no kernel named {name!r} in the module (is it declared extern "C"?)') from exc
+            raise
+        # Reading an attribute also makes a lazily loaded function resident before we query it.
+        max_threads = driver.funcGetAttribute(_MAX_THREADS, func.ptr)
+        return _KernelRec(func, name, module, self._extras.param_sizes(func.ptr), max_threads)
+
+    def compile_kernel(self, source: str, name: str, options: Sequence[str] = ()) -> Kernel:
+        """Compile CUDA C with NVRTC and return kernel ``name`` (declare it ``extern "C"``)."""
+        self._use()
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"kernel name must be a non-empty str, got {name!r}")
+        try:
+            rec = self._kernel_rec(self._compile(source, options), name, None)
+        except Exception as exc:
+            raise self._fail(f"compile kernel {name!r}", exc) from exc
+        return Kernel(self._kernels.add(rec), name)
+
+    def load_module(self, image: str | bytes, format: ModuleFormat, options: Sequence[str] = ()) -> Module:
+        """Load CUDA C (compiled; ``options`` go to NVRTC), PTX, cubin or fatbin."""
+        self._use()
+        if not isinstance(format, ModuleFormat) or format is ModuleFormat.OPENCL_C:
+            raise InvalidArgument(f"the CUDA backend cannot load {format!r}")
+        if not isinstance(image, (str, bytes, bytearray, memoryview)):
+            raise InvalidArgument(f"module image must be str or bytes, got {type(image).__name__}")
+        try:
+            if format is ModuleFormat.CUDA_C:
+                mod = self._compile(image if isinstance(image, str) else bytes(image), options)
+            else:
+                data = image.encode() if isinstance(image, str) else bytes(image)
+                if format is ModuleFormat.PTX and not data.endswith(b"\0"):
+                    data += b"\0"  # cuModuleLoadData reads PTX as a C string
+                elif format is ModuleFormat.CUBIN and not data.startswith(b"\x7fELF"):
+                    raise InvalidArgument("a CUBIN image must be an ELF file")
+                elif not data:
+                    raise InvalidArgument("empty module image")
+                mod = function.Module()
+                mod.load(data)
+        except Exception as exc:
+            err = self._fail(f"load {format.name} module", exc)
+            if format is ModuleFormat.PTX and err.details.get("cuda_error") in BAD_IMAGE:
+                err = CompileError(err.message, log=err.message, cuda_error=err.details["cuda_error"])
+            raise err from exc
+        names = self._extras.function_names(mod.ptr)
+        return Module(self._modules.add(_ModuleRec(mod)), names)
+
+    def get_kernel(self, module: Module, name: str) -> Kernel:
+        self._use()
+        if not isinstance(module, Module):
+            raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
+        rec = self._modules.get(module.handle)
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"kernel name must be a non-empty str, got {name!r}")
+        if name not in rec.kernels:
+            try:
+                krec = self._kernel_rec(rec.module, name, module.handle)
+            except Exception as exc:
+                raise self._fail(f"get kernel {name!r}", exc) from exc
+            rec.kernels[name] = self._kernels.add(krec)
+        return Kernel(rec.kernels[name], name)
+
+    def unload_module(self, module: Module) -> None:
+        """Unload a module; its kernels' handles become NOT_FOUND."""
+        self._use()
+        if not isinstance(module, Module):
+            raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
+        rec = self._modules.get(module.handle)
+        try:
+            runtime.deviceSynchronize()  # no launch of its code may still be running
+        except Exception as exc:
+            raise self._fail("unload_module", exc) from exc
+        self._modules.pop(module.handle)
+        for handle in rec.kernels.values():
+            self._kernels.pop(handle)
+
+    # -- launch ------------------------------------------------------------------------------
+    def execute_kernel(self, kernel: Kernel, grid: int | Sequence[int], block: int | Sequence[int],
+                       args: Sequence[object], shared_mem: int = 0, stream: Stream | None = None) -> None:
+        """Launch asynchronously; errors inside the kernel surface at the next synchronize."""
+        self._use()
+        if not isinstance(kernel, Kernel):
+            raise InvalidArgument(f"expected a Kernel, got {type(kernel).__name__}")
+        rec = self._kernels.get(kernel.handle)
+        shape = check_launch(self._info, grid, block, args, shared_mem)
+        threads = shape.block[0] * shape.block[1] * shape.block[2]
+        if threads > rec.max_threads:
+            raise InvalidArgument(f"kernel {rec.name!r} can run at most {rec.max_threads} threads per block "
+                                  f"(its register use), not {threads}")
+        if shared_mem > self._smem_optin:
+            raise InvalidArgument(f"{shared_mem} bytes of dynamic shared memory exceeds the device's "
+                                  f"{self._smem_optin} per block")
+        if rec.params is not None:
+            self._check_params(rec, shape.args)
+        s = self._stream(stream)
+        cargs: list[object] = []
+        for arg in shape.args:
+            if isinstance(arg, Buffer):
+                cargs.append(MemoryPointer(self._mem(arg), arg.offset))
+            else:
+                cargs.append(arg)
+        try:
+            if shared_mem > rec.dynamic_shared:  # above 48 KiB needs an explicit opt-in per function
+                driver.funcSetAttribute(rec.func.ptr, _MAX_DYNAMIC_SHARED, shared_mem)
+                rec.dynamic_shared = shared_mem
+            rec.func(shape.grid, shape.block, tuple(cargs), shared_mem=shared_mem, stream=s)
+        except Exception as exc:
+            raise self._fail(f"launch {rec.name!r}", exc) from exc
+
+    @staticmethod
+    def _check_params(rec: _KernelRec, args: list[Any]) -> None:
+        """A wrong count or width on CUDA launches silently with garbage, so refuse it here."""
+        expected = rec.params or []
+        if len(args) != len(expected):
+            raise InvalidArgument(f"kernel {rec.name!r} takes {len(expected)} arguments, got {len(args)}",
+                                  expected=len(expected), got=len(args))
+        for i, (arg, size) in enumerate(zip(args, expected, strict=True)):
+            got = 8 if isinstance(arg, Buffer) else int(arg.itemsize)
+            if got != size:
+                what = "a Buffer (8-byte pointer)" if isinstance(arg, Buffer) else f"{arg.dtype} ({got} bytes)"
+                raise ArgumentTypeError(f"kernel {rec.name!r} arg {i} is a {size}-byte parameter; got {what}",
+                                        index=i, expected=size, got=got)
+
+    # -- streams -----------------------------------------------------------------------------
+    def create_stream(self) -> Stream:
+        self._use()
+        try:
+            s = cupy.cuda.Stream(non_blocking=True)
+        except Exception as exc:
+            raise self._fail("create_stream", exc) from exc
+        return Stream(self._streams.add(s))
+
+    def destroy_stream(self, stream: Stream) -> None:
+        self._use()
+        s = self._stream(stream)
+        if s is self._null:
+            raise InvalidArgument("cannot destroy the default stream")
+        try:
+            s.synchronize()
+        except Exception as exc:
+            raise self._fail("destroy_stream", exc) from exc
+        self._streams.pop(stream.handle)
+
+    def synchronize(self, stream: Stream | None = None) -> None:
+        """Wait for one stream, or for the whole device when ``stream`` is None."""
+        self._use()
+        s = None if stream is None else self._stream(stream)
+        try:
+            if s is None:
+                runtime.deviceSynchronize()
+            else:
+                s.synchronize()
+        except Exception as exc:
+            raise self._fail("synchronize", exc) from exc

@@ -1,0 +1,415 @@
+"""GpuCompute in-process on an OpenCL device through pyopencl (PoCL's CPU device when there is no GPU)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from types import TracebackType
+
+import numpy as np
+import pyopencl as cl
+from gpubroker.client import (
+    Buffer,
+    DeviceInfo,
+    FailedPrecondition,
+    HostBuffer,
+    InvalidArgument,
+    Kernel,
+    Module,
+    ModuleFormat,
+    NotFound,
+    ResourceExhausted,
+    Stream,
+)
+from gpubroker.client._host import check_device_range, readable_bytes, writable_bytes
+
+from ._common import HandleTable, check_launch
+from ._opencl_info import KernelRec, all_devices, as_int, build_program, check_arg, cl_errors, describe_device
+from ._opencl_info import list_opencl_devices as list_opencl_devices
+
+__all__ = ["OpenCLBackend", "list_opencl_devices"]
+
+
+@dataclass
+class _Alloc:
+    mem: cl.Buffer
+    size: int
+
+
+@dataclass
+class _ModuleRec:
+    program: cl._cl._Program
+    kernel_names: tuple[str, ...]
+    kernels: set[str] = field(default_factory=set)
+
+
+class OpenCLBackend:
+    """One OpenCL device, driven in-process. Construct cheaply; ``initialize()`` opens the device."""
+
+    def __init__(self, device: int = 0) -> None:
+        self._index = as_int(device, "device")
+        self._device: cl.Device | None = None
+        self._context: cl.Context | None = None
+        self._queue: cl.CommandQueue | None = None
+        self._info: DeviceInfo | None = None
+        self._align = 1
+        self._max_alloc = 0
+        self._local_mem = 0
+        self._allocated = 0
+        self._closed = False
+        # Guards bookkeeping and the set-args-then-enqueue pair (a cl.Kernel's args are shared state).
+        self._lock = threading.RLock()
+        self._buffers: HandleTable[_Alloc] = HandleTable("buf")
+        self._streams: HandleTable[cl.CommandQueue] = HandleTable("stream")
+        self._modules: HandleTable[_ModuleRec] = HandleTable("mod")
+        self._kernels: HandleTable[KernelRec] = HandleTable("kern")
+        # Sub-buffers made for launches stay referenced until their launch completes.
+        self._in_flight: list[tuple[cl.CommandQueue, cl.Event, list[cl.Buffer]]] = []
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def initialize(self) -> None:
+        """Create the context and the default in-order queue; a second call does nothing."""
+        with self._lock:
+            if self._closed:
+                raise FailedPrecondition("the opencl backend is closed")
+            if self._context is not None:
+                return
+            devices = all_devices()
+            if not 0 <= self._index < len(devices):
+                raise NotFound(f"opencl device {self._index} not found ({len(devices)} device(s) available)")
+            device = devices[self._index]
+            with cl_errors("initialize"):
+                context = cl.Context([device])
+                self._queue = cl.CommandQueue(context, device)
+                # mem_base_addr_align is in bits; sub-buffer origins must be multiples of it.
+                self._align = max(int(device.mem_base_addr_align) // 8, 1)
+                self._max_alloc = int(device.max_mem_alloc_size)
+                self._local_mem = int(device.local_mem_size)
+            self._info = describe_device(device, self._index)
+            self._device, self._context = device, context
+
+    def close(self) -> None:
+        """Finish all queued work and release everything; safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for queue in self._all_queues():
+                # Closing must release everything even if a queued command failed.
+                with contextlib.suppress(cl.Error):
+                    queue.finish()
+            for handle in self._buffers.handles():
+                with contextlib.suppress(cl.Error):
+                    self._buffers.pop(handle).mem.release()
+            self._in_flight.clear()
+            self._kernels = HandleTable("kern")
+            self._modules = HandleTable("mod")
+            self._streams = HandleTable("stream")
+            self._allocated = 0
+            self._queue = self._context = self._device = None
+
+    def __enter__(self) -> OpenCLBackend:
+        self.initialize()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _ready(self) -> DeviceInfo:
+        if self._closed:
+            raise FailedPrecondition("the opencl backend is closed")
+        if self._info is None:
+            raise FailedPrecondition("the opencl backend is not initialized; call initialize() first")
+        return self._info
+
+    def _all_queues(self) -> list[cl.CommandQueue]:
+        queues = [] if self._queue is None else [self._queue]
+        return queues + [self._streams.get(h) for h in self._streams.handles()]
+
+    def _queue_for(self, stream: Stream | None) -> cl.CommandQueue:
+        self._ready()
+        if stream is None:
+            assert self._queue is not None
+            return self._queue
+        if not isinstance(stream, Stream):
+            raise InvalidArgument(f"stream must be a Stream or None, got {type(stream).__name__}")
+        return self._streams.get(stream.handle)
+
+    # -- device and memory -----------------------------------------------------------------------
+
+    def device_info(self) -> DeviceInfo:
+        """Real device properties; free_memory is total minus what this instance has allocated."""
+        info = self._ready()
+        return replace(info, free_memory=max(info.total_memory - self._allocated, 0))
+
+    def allocate_memory(self, size: int) -> Buffer:
+        info = self._ready()
+        size = as_int(size, "allocation size")
+        if size <= 0:
+            raise InvalidArgument(f"allocation size must be > 0, got {size}")
+        if size > self._max_alloc:
+            raise ResourceExhausted(
+                f"cannot allocate {size} bytes: the device's largest single allocation is {self._max_alloc} bytes"
+            )
+        with self._lock:
+            free = info.total_memory - self._allocated
+            if size > free:
+                raise ResourceExhausted(
+                    f"cannot allocate {size} bytes: {free} of {info.total_memory} bytes of device memory are free"
+                )
+            with cl_errors("allocate_memory"):
+                mem = cl.Buffer(self._context, cl.mem_flags.READ_WRITE, size)
+            self._allocated += size
+            return Buffer(self._buffers.add(_Alloc(mem, size)), size)
+
+    def free_memory(self, buf: Buffer) -> None:
+        self._ready()
+        with self._lock:
+            alloc = self._buffers.pop(self._handle_of(buf))
+            self._allocated -= alloc.size
+            # clReleaseMemObject defers the real free until queued commands using the buffer finish.
+            with cl_errors("free_memory"):
+                alloc.mem.release()
+
+    @staticmethod
+    def _handle_of(buf: object) -> str:
+        if not isinstance(buf, Buffer):
+            raise InvalidArgument(f"expected a Buffer, got {type(buf).__name__}")
+        return buf.handle
+
+    def _resolve(self, buf: Buffer) -> tuple[_Alloc, Buffer]:
+        """The allocation behind a view, and the view re-sized to the real allocation (never trust buf.size)."""
+        alloc = self._buffers.get(self._handle_of(buf))
+        return alloc, Buffer(buf.handle, alloc.size, as_int(buf.offset, "buffer offset"))
+
+    def copy_h2d(self, src: HostBuffer, buf: Buffer, offset: int = 0, stream: Stream | None = None) -> None:
+        """Blocking: returns once ``src`` has been read."""
+        queue = self._queue_for(stream)
+        alloc, view = self._resolve(buf)
+        data = readable_bytes(src)
+        start = check_device_range(view, as_int(offset, "offset"), data.nbytes, "copy_h2d")
+        if data.nbytes:
+            with cl_errors("copy_h2d"):
+                cl.enqueue_copy(queue, alloc.mem, data, dst_offset=start, is_blocking=True)
+
+    def copy_d2h(self, buf: Buffer, dst: HostBuffer, offset: int = 0, stream: Stream | None = None) -> None:
+        """Blocking: returns once ``dst`` holds the data."""
+        queue = self._queue_for(stream)
+        alloc, view = self._resolve(buf)
+        data = writable_bytes(dst)
+        start = check_device_range(view, as_int(offset, "offset"), data.nbytes, "copy_d2h")
+        if data.nbytes:
+            with cl_errors("copy_d2h"):
+                cl.enqueue_copy(queue, data, alloc.mem, src_offset=start, is_blocking=True)
+
+    def copy_d2d(
+        self,
+        src: Buffer,
+        dst: Buffer,
+        size: int,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        stream: Stream | None = None,
+    ) -> None:
+        """Asynchronous on the stream's queue."""
+        queue = self._queue_for(stream)
+        size = as_int(size, "size")
+        src_alloc, src_view = self._resolve(src)
+        dst_alloc, dst_view = self._resolve(dst)
+        s = check_device_range(src_view, as_int(src_offset, "src_offset"), size, "copy_d2d source")
+        d = check_device_range(dst_view, as_int(dst_offset, "dst_offset"), size, "copy_d2d destination")
+        if size == 0:
+            return
+        if src_alloc is dst_alloc and s < d + size and d < s + size:
+            # clEnqueueCopyBuffer refuses overlapping regions (CL_MEM_COPY_OVERLAP); say why up front.
+            raise InvalidArgument(
+                f"copy_d2d: source [{s}, {s + size}) and destination [{d}, {d + size}) overlap within one buffer"
+            )
+        with cl_errors("copy_d2d"):
+            cl.enqueue_copy(queue, dst_alloc.mem, src_alloc.mem, byte_count=size, src_offset=s, dst_offset=d)
+
+    def memset(
+        self, buf: Buffer, value: int, size: int | None = None, offset: int = 0, stream: Stream | None = None
+    ) -> None:
+        """Fill ``size`` bytes (default: to the end of the view) with the byte ``value``; asynchronous."""
+        queue = self._queue_for(stream)
+        value = as_int(value, "memset value")
+        if not 0 <= value <= 255:
+            raise InvalidArgument(f"memset value must be a byte (0..255), got {value}")
+        alloc, view = self._resolve(buf)
+        offset = as_int(offset, "offset")
+        size = max(view.nbytes - offset, 0) if size is None else as_int(size, "size")
+        start = check_device_range(view, offset, size, "memset")
+        if size:
+            with cl_errors("memset"):
+                cl.enqueue_fill_buffer(queue, alloc.mem, np.array([value], dtype=np.uint8), start, size)
+
+    # -- programs and kernels --------------------------------------------------------------------
+
+    def load_module(self, image: str | bytes, format: ModuleFormat, options: Sequence[str] = ()) -> Module:
+        """Build OpenCL C source into a module; binary formats are CUDA-only."""
+        self._ready()
+        if format is not ModuleFormat.OPENCL_C:
+            shown = format.value if isinstance(format, ModuleFormat) else repr(format)
+            raise InvalidArgument(
+                f"module format {shown} is not supported by the opencl backend (only {ModuleFormat.OPENCL_C.value} is)"
+            )
+        if isinstance(image, bytes):
+            try:
+                image = image.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidArgument(f"OpenCL C source is not valid UTF-8: {exc}") from None
+        if not isinstance(image, str):
+            raise InvalidArgument(f"OpenCL C source must be str or bytes, got {type(image).__name__}")
+        handle = self._build(image, options)
+        return Module(handle, self._modules.get(handle).kernel_names)
+
+    def compile_kernel(self, source: str, name: str, options: Sequence[str] = ()) -> Kernel:
+        """Build ``source`` and return its kernel ``name``; the program lives as long as the backend."""
+        module = self.load_module(source, ModuleFormat.OPENCL_C, options)
+        try:
+            return self.get_kernel(module, name)
+        except NotFound:
+            self.unload_module(module)
+            raise
+
+    def _build(self, source: str, options: Sequence[str]) -> str:
+        program, kernel_names = build_program(self._context, self._device, source, options)
+        with self._lock:
+            return self._modules.add(_ModuleRec(program, kernel_names))
+
+    def get_kernel(self, module: Module, name: str) -> Kernel:
+        """A fresh kernel object for ``name``; it belongs to ``module``."""
+        self._ready()
+        if not isinstance(module, Module):
+            raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
+        rec = self._modules.get(module.handle)
+        if name not in rec.kernel_names:
+            raise NotFound(
+                f"kernel {name!r} is not in module {module.handle!r}; "
+                f"it has: {', '.join(rec.kernel_names) or '(no kernels)'}"
+            )
+        kernel_rec = KernelRec.create(rec.program, name, module.handle, self._device)
+        with self._lock:
+            handle = self._kernels.add(kernel_rec)
+            rec.kernels.add(handle)
+        return Kernel(handle, name)
+
+    def unload_module(self, module: Module) -> None:
+        """Drop a module and every kernel taken from it; launches already queued still run."""
+        self._ready()
+        if not isinstance(module, Module):
+            raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
+        with self._lock:
+            rec = self._modules.pop(module.handle)
+            for handle in rec.kernels:
+                self._kernels.pop(handle)
+
+    def execute_kernel(
+        self,
+        kernel: Kernel,
+        grid: int | Sequence[int],
+        block: int | Sequence[int],
+        args: Sequence[object],
+        shared_mem: int = 0,
+        stream: Stream | None = None,
+    ) -> None:
+        """Queue a launch: grid work-groups of block work-items. With shared_mem > 0 the kernel's last
+        parameter must be a __local pointer, which receives shared_mem bytes (the caller does not pass it)."""
+        shape = check_launch(self._ready(), grid, block, args, shared_mem)
+        queue = self._queue_for(stream)
+        if not isinstance(kernel, Kernel):
+            raise InvalidArgument(f"expected a Kernel, got {type(kernel).__name__}")
+        rec = self._kernels.get(kernel.handle)
+        specs = rec.specs
+        rec.check_shape(shape.block, shape.shared_mem, self._local_mem)
+        if shape.shared_mem:
+            specs = specs[:-1]
+        if len(shape.args) != len(specs):
+            hint = (
+                " (its last parameter is __local: pass shared_mem > 0 for it)"
+                if rec.specs and rec.specs[-1].kind == "local" and not shape.shared_mem
+                else ""
+            )
+            raise InvalidArgument(f"kernel {rec.name!r} takes {len(specs)} argument(s){hint}, got {len(shape.args)}")
+        for spec, arg in zip(specs, shape.args, strict=True):
+            check_arg(rec.name, spec, arg)
+        with self._lock:
+            subs: list[cl.Buffer] = []
+            values = [
+                self._mem_arg(arg, i, subs) if isinstance(arg, Buffer) else arg for i, arg in enumerate(shape.args)
+            ]
+            if shape.shared_mem:
+                values.append(cl.LocalMemory(shape.shared_mem))
+            with cl_errors(f"launching kernel {rec.name!r}"):
+                for i, value in enumerate(values):
+                    rec.kernel.set_arg(i, value)
+                event = cl.enqueue_nd_range_kernel(queue, rec.kernel, shape.global_size, shape.block)
+            self._in_flight = [e for e in self._in_flight if not self._done(e[1])]
+            if subs:
+                self._in_flight.append((queue, event, subs))
+
+    def _mem_arg(self, arg: Buffer, index: int, subs: list[cl.Buffer]) -> cl.Buffer:
+        """The cl.Buffer for a kernel arg; a view with an offset becomes a sub-buffer."""
+        alloc, view = self._resolve(arg)
+        if view.offset == 0:
+            return alloc.mem
+        if not 0 < view.offset < view.size:
+            raise InvalidArgument(
+                f"kernel arg {index}: view offset {view.offset} leaves no bytes of its {view.size}-byte buffer"
+            )
+        if view.offset % self._align:
+            raise InvalidArgument(
+                f"kernel arg {index}: view offset {view.offset} is not a multiple of {self._align} bytes; "
+                f"this OpenCL device only passes views aligned to its mem_base_addr_align "
+                f"(pass the whole buffer and an index offset instead)"
+            )
+        with cl_errors(f"kernel arg {index} sub-buffer"):
+            sub = alloc.mem.get_sub_region(view.offset, view.nbytes)
+        subs.append(sub)
+        return sub
+
+    @staticmethod
+    def _done(event: cl.Event) -> bool:
+        try:
+            return int(event.command_execution_status) <= cl.command_execution_status.COMPLETE
+        except cl.Error:
+            return True  # negative statuses (errors) also mean the command will not touch the buffer again
+
+    # -- streams ---------------------------------------------------------------------------------
+
+    def create_stream(self) -> Stream:
+        self._ready()
+        with cl_errors("create_stream"):
+            queue = cl.CommandQueue(self._context, self._device)
+        with self._lock:
+            return Stream(self._streams.add(queue))
+
+    def destroy_stream(self, stream: Stream) -> None:
+        """Finish the stream's work, then drop its queue."""
+        if stream is None:
+            raise InvalidArgument("destroy_stream needs a Stream; the default stream cannot be destroyed")
+        queue = self._queue_for(stream)
+        with cl_errors("destroy_stream"):
+            queue.finish()
+        with self._lock:
+            self._streams.pop(stream.handle)
+            self._in_flight = [e for e in self._in_flight if e[0] is not queue]
+
+    def synchronize(self, stream: Stream | None = None) -> None:
+        """Wait for one stream, or for every queue when ``stream`` is None."""
+        if stream is None:
+            self._ready()
+            queues = self._all_queues()
+        else:
+            queues = [self._queue_for(stream)]
+        with cl_errors("synchronize"):
+            for queue in queues:
+                queue.finish()
+        with self._lock:
+            self._in_flight = [e for e in self._in_flight if not any(e[0] is q for q in queues)]

@@ -1,0 +1,157 @@
+"""The broker's TOML config: listen addresses, limits and tenants (tokens stored only as salted hashes)."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpubroker.client import AlreadyExists, InvalidArgument, NotFound
+
+__all__ = [
+    "DEFAULT_SOCKET",
+    "BrokerConfig",
+    "TenantConfig",
+    "format_size",
+    "load_config",
+    "parse_size",
+    "save_config",
+]
+
+DEFAULT_SOCKET = "unix:/run/gpubroker/gpubroker.sock"
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def parse_size(value: str | int) -> int:
+    """'8GiB', '512MiB', '1000' or an int, as bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise InvalidArgument(f"not a size: {value!r} (examples: 8GiB, 512MiB, 1000000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+@dataclass
+class TenantConfig:
+    name: str
+    token_id: str
+    token_hash: str
+    memory_quota: int = 8 * 1024**3
+    weight: int = 1
+
+
+@dataclass
+class BrokerConfig:
+    """Everything `gpubroker serve` reads; defaults suit a single host."""
+
+    listen: list[str] = field(default_factory=lambda: [DEFAULT_SOCKET])
+    backend: str = "auto"  # auto | cuda | opencl
+    devices: list[int] | None = None  # None: every device the backend finds
+    chunk_bytes: int = 1024 * 1024
+    max_message_bytes: int = 4 * 1024 * 1024
+    lease_seconds: float = 30.0
+    worker_idle_seconds: float = 60.0
+    worker_start_timeout: float = 60.0
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)
+    path: Path | None = None
+
+    def add_tenant(self, tenant: TenantConfig) -> None:
+        if not _NAME.match(tenant.name):
+            raise InvalidArgument(f"tenant name {tenant.name!r} must be 1-64 of [A-Za-z0-9_.-]")
+        if tenant.name in self.tenants:
+            raise AlreadyExists(f"tenant {tenant.name!r} already exists")
+        if tenant.weight < 1:
+            raise InvalidArgument("weight must be >= 1")
+        if tenant.memory_quota < 1:
+            raise InvalidArgument("memory quota must be > 0")
+        self.tenants[tenant.name] = tenant
+
+    def remove_tenant(self, name: str) -> None:
+        if name not in self.tenants:
+            raise NotFound(f"no tenant {name!r}")
+        del self.tenants[name]
+
+
+def load_config(path: str | os.PathLike[str]) -> BrokerConfig:
+    """Read a config; a missing file is an empty config (so `tenant add` can create it)."""
+    path = Path(path)
+    if not path.exists():
+        return BrokerConfig(path=path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidArgument(f"{path}: {exc}") from exc
+    broker = data.get("broker", {})
+    cfg = BrokerConfig(path=path)
+    if "listen" in broker:
+        listen = broker["listen"]
+        cfg.listen = [listen] if isinstance(listen, str) else list(listen)
+    cfg.backend = str(broker.get("backend", cfg.backend))
+    if cfg.backend not in ("auto", "cuda", "opencl"):
+        raise InvalidArgument(f"{path}: backend must be auto, cuda or opencl, not {cfg.backend!r}")
+    if "devices" in broker:
+        cfg.devices = [int(d) for d in broker["devices"]]
+    cfg.chunk_bytes = parse_size(broker.get("chunk_bytes", cfg.chunk_bytes))
+    cfg.max_message_bytes = parse_size(broker.get("max_message_bytes", cfg.max_message_bytes))
+    if cfg.chunk_bytes < 1 or cfg.chunk_bytes + 4096 > cfg.max_message_bytes:
+        raise InvalidArgument(f"{path}: chunk_bytes must be positive and leave room under max_message_bytes")
+    cfg.lease_seconds = float(broker.get("lease_seconds", cfg.lease_seconds))
+    cfg.worker_idle_seconds = float(broker.get("worker_idle_seconds", cfg.worker_idle_seconds))
+    cfg.worker_start_timeout = float(broker.get("worker_start_timeout", cfg.worker_start_timeout))
+    for name, t in data.get("tenants", {}).items():
+        try:
+            cfg.add_tenant(TenantConfig(
+                name=name, token_id=str(t["token_id"]), token_hash=str(t["token_hash"]),
+                memory_quota=parse_size(t.get("memory", 8 * 1024**3)), weight=int(t.get("weight", 1))))
+        except KeyError as exc:
+            raise InvalidArgument(f"{path}: tenant {name!r} lacks {exc.args[0]}") from None
+    return cfg
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    text = str(value)
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def save_config(cfg: BrokerConfig, path: str | os.PathLike[str] | None = None) -> Path:
+    """Write atomically with mode 0600: the file holds token hashes."""
+    target = Path(path or cfg.path or "gpubroker.toml")
+    lines = ["# gpubroker config; tokens are stored only as salted scrypt hashes.", "[broker]"]
+    lines.append(f"listen = {_toml_value(cfg.listen)}")
+    lines.append(f"backend = {_toml_value(cfg.backend)}")
+    if cfg.devices is not None:
+        lines.append(f"devices = {_toml_value(cfg.devices)}")
+    for key in ("chunk_bytes", "max_message_bytes", "lease_seconds", "worker_idle_seconds",
+                "worker_start_timeout"):
+        lines.append(f"{key} = {_toml_value(getattr(cfg, key))}")
+    for t in cfg.tenants.values():
+        lines += ["", f"[tenants.{_toml_value(t.name)}]", f"token_id = {_toml_value(t.token_id)}",
+                  f"token_hash = {_toml_value(t.token_hash)}", f"memory = {_toml_value(format_size(t.memory_quota))}",
+                  f"weight = {t.weight}"]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".gpubroker-", suffix=".toml")
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, target)
+    cfg.path = target
+    return target

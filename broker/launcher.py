@@ -1,0 +1,112 @@
+"""Start a broker in a child process on a temp Unix socket: for the demo, the benchmark and tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpubroker.client import Unavailable
+
+from .auth import mint_token
+from .config import BrokerConfig, TenantConfig, save_config
+
+__all__ = ["BrokerProcess", "TenantSpec"]
+
+
+@dataclass
+class TenantSpec:
+    name: str
+    memory_quota: int = 2 * 1024**3
+    weight: int = 1
+
+
+@dataclass
+class BrokerProcess:
+    """A real `gpubroker serve` process; ``tokens`` maps tenant names to their bearer tokens."""
+
+    tenants: list[TenantSpec]
+    backend: str = "auto"
+    settings: dict[str, object] = field(default_factory=dict)
+    start_timeout: float = 120.0
+    tokens: dict[str, str] = field(default_factory=dict)
+    workdir: Path | None = None
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def target(self) -> str:
+        assert self.workdir is not None
+        return f"unix:{self.workdir / 'broker.sock'}"
+
+    @property
+    def log_path(self) -> Path:
+        assert self.workdir is not None
+        return self.workdir / "broker.log"
+
+    def start(self) -> BrokerProcess:
+        # Unix socket paths are limited to ~107 bytes: keep the directory short.
+        self.workdir = Path(tempfile.mkdtemp(prefix="gpb-", dir="/tmp"))
+        cfg = BrokerConfig(listen=[self.target], backend=self.backend)
+        for key, value in self.settings.items():
+            setattr(cfg, key, value)
+        for spec in self.tenants:
+            token = mint_token()
+            cfg.add_tenant(TenantConfig(spec.name, token.token_id, token.token_hash, spec.memory_quota, spec.weight))
+            self.tokens[spec.name] = token.token
+        config_path = save_config(cfg, self.workdir / "gpubroker.toml")
+        ready = self.workdir / "ready.json"
+        log = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it for its lifetime
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gpubroker.broker.cli", "serve", "--config", str(config_path),
+             "--ready-file", str(ready)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + self.start_timeout
+        # The broker writes the ready file only after its server has started; poll for it with a deadline.
+        while not ready.exists():
+            if self.process.poll() is not None:
+                raise Unavailable(f"broker exited with {self.process.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise Unavailable(f"broker did not start within {self.start_timeout} s:\n{self.log_tail()}")
+            time.sleep(0.02)
+        json.loads(ready.read_text())
+        return self
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL the whole process group (the broker and its workers)."""
+        code = None
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                code = self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            code = self.process.wait()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        return code
+
+    def __enter__(self) -> BrokerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

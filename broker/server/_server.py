@@ -1,0 +1,134 @@
+"""Run the broker: probe devices, start the grpc.aio server on its listeners, stop cleanly on signals."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import stat
+import sys
+from pathlib import Path
+
+import grpc
+from gpubroker.client import DeviceInfo, FailedPrecondition, InvalidArgument
+from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+
+from ..auth import TokenVerifier
+from ..config import BrokerConfig
+from ..sessions import SessionManager
+from ..workers import WorkerPool, device_info_from_dict
+from ._service import GpuBrokerService
+
+__all__ = ["Broker", "probe_devices", "run_broker"]
+
+log = logging.getLogger("gpubroker.server")
+
+
+def probe_devices(backend: str) -> tuple[str, list[DeviceInfo]]:
+    """Ask a throwaway process which devices the backend sees: the front never opens a device context."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "gpubroker.broker.workers", "--list", "--backend", backend],
+                          capture_output=True, text=True, timeout=120)
+    try:
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise FailedPrecondition(f"device probe failed: {proc.stderr.strip()[-2000:]}") from None
+    if "error" in result:
+        raise FailedPrecondition(f"no {result['backend']} devices: {result['error']}")
+    return result["backend"], [device_info_from_dict(d) for d in result["devices"]]
+
+
+def _prepare_unix_socket(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise InvalidArgument(f"{path} exists and is not a socket")
+        path.unlink()  # a stale socket from a previous run
+
+
+class Broker:
+    """The front: one grpc.aio server, its sessions and its worker pool."""
+
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        self.server: grpc.aio.Server | None = None
+        self.sessions: SessionManager | None = None
+        self.pool: WorkerPool | None = None
+        self.ports: list[str] = []
+
+    async def start(self) -> None:
+        cfg = self.config
+        backend, devices = await asyncio.to_thread(probe_devices, cfg.backend)
+        if cfg.devices is not None:
+            missing = [d for d in cfg.devices if d >= len(devices)]
+            if missing:
+                raise FailedPrecondition(f"configured devices {missing} do not exist ({len(devices)} found)")
+            devices = [devices[d] for d in cfg.devices]
+        if not devices:
+            raise FailedPrecondition(f"the {backend} backend found no devices")
+        log.info("backend %s: %s", backend, ", ".join(f"{d.id}: {d.name}" for d in devices))
+        self.pool = WorkerPool(backend, cfg.worker_start_timeout, cfg.worker_idle_seconds,
+                               on_worker_exit=lambda w: self.sessions.worker_exited(w) if self.sessions else None)
+        self.sessions = SessionManager(cfg, self.pool)
+        service = GpuBrokerService(cfg, TokenVerifier(cfg), self.sessions, devices)
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ])
+        pb_grpc.add_GpuBrokerServicer_to_server(service, self.server)
+        for address in cfg.listen:
+            if address.startswith("unix:"):
+                path = Path(address[len("unix:"):])
+                _prepare_unix_socket(path)
+                self.server.add_insecure_port(address)
+                self.ports.append(address)
+            else:
+                port = self.server.add_insecure_port(address)
+                self.ports.append(address.rsplit(":", 1)[0] + f":{port}")
+        await self.server.start()
+        for address in self.ports:
+            if address.startswith("unix:"):
+                os.chmod(address[len("unix:"):], 0o660)
+        self.sessions.start()
+        log.info("serving on %s", ", ".join(self.ports))
+
+    async def stop(self, grace: float = 5.0) -> None:
+        if self.server is not None:
+            await self.server.stop(grace)
+        if self.sessions is not None:
+            await self.sessions.stop()
+        if self.pool is not None:
+            await self.pool.close()
+
+
+async def _serve(config: BrokerConfig, ready_file: str | None) -> None:
+    broker = Broker(config)
+    await broker.start()
+    if ready_file:
+        Path(ready_file).write_text(json.dumps({"ports": broker.ports, "pid": os.getpid()}))
+    print(f"gpubroker: serving on {', '.join(broker.ports)}", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping")
+    await broker.stop()
+
+
+def run_broker(config: BrokerConfig, ready_file: str | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, on uvloop where it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None  # type: ignore[assignment]
+    with contextlib.suppress(KeyboardInterrupt):
+        if uvloop is not None:
+            uvloop.run(_serve(config, ready_file))
+        else:
+            asyncio.run(_serve(config, ready_file))

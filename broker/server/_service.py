@@ -1,0 +1,287 @@
+"""The GpuBroker gRPC service: authenticate, resolve session handles, forward to the tenant's worker."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from gpubroker.client import (
+    DeviceInfo,
+    InvalidArgument,
+    ModuleFormat,
+    NotFound,
+    OutOfRange,
+)
+from gpubroker.v1 import broker_pb2 as pb
+from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+
+from ..auth import TokenVerifier
+from ..config import BrokerConfig
+from ..sessions import Session, SessionManager
+from ..workers import device_info_from_dict
+from ._status import rpc, stream_rpc
+
+__all__ = ["GpuBrokerService", "device_info_to_pb"]
+
+_FORMATS = {
+    pb.MODULE_FORMAT_CUDA_C: ModuleFormat.CUDA_C,
+    pb.MODULE_FORMAT_OPENCL_C: ModuleFormat.OPENCL_C,
+    pb.MODULE_FORMAT_PTX: ModuleFormat.PTX,
+    pb.MODULE_FORMAT_CUBIN: ModuleFormat.CUBIN,
+    pb.MODULE_FORMAT_FATBIN: ModuleFormat.FATBIN,
+}
+_MAX_DIMS = 3
+
+
+def device_info_to_pb(info: DeviceInfo) -> pb.DeviceInfo:
+    fields: dict[str, Any] = dataclasses.asdict(info)
+    fields["compute_capability"] = list(info.compute_capability or ())
+    fields["opencl_version"] = info.opencl_version or ""
+    for key in ("memory_quota", "memory_used"):
+        if fields[key] is None:
+            del fields[key]
+    return pb.DeviceInfo(**fields)
+
+
+def _dims(values: Any, what: str) -> list[int]:
+    dims = list(values)
+    if not 1 <= len(dims) <= _MAX_DIMS:
+        raise InvalidArgument(f"{what} needs 1 to 3 extents, got {len(dims)}")
+    return dims
+
+
+class GpuBrokerService(pb_grpc.GpuBrokerServicer):
+    def __init__(self, config: BrokerConfig, verifier: TokenVerifier, sessions: SessionManager,
+                 devices: list[DeviceInfo]) -> None:
+        self.config = config
+        self.verifier = verifier
+        self.sessions = sessions
+        self.devices = devices
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        return self.verifier.tenant_for(TokenVerifier.token_from_metadata(context.invocation_metadata()))
+
+    def _session(self, context: grpc.aio.ServicerContext, session_id: str) -> Session:
+        session = self.sessions.get(session_id, self._tenant(context))
+        session.check_alive()
+        return session
+
+    def _buffer_ref(self, session: Session, ref: pb.BufferRef) -> list[Any]:
+        entry = session.resolve(ref.handle, "buf")
+        if ref.offset > entry.size:
+            raise OutOfRange(f"buffer view offset {ref.offset} is past the end of its {entry.size}-byte allocation")
+        return [entry.backend, entry.size, ref.offset]
+
+    def _stream(self, session: Session, handle: str) -> str | None:
+        return session.resolve(handle, "stream").backend if handle else None
+
+    def _tenant_view(self, session: Session, info: DeviceInfo) -> pb.DeviceInfo:
+        view = dataclasses.replace(info, memory_quota=self.sessions.quota(session.tenant),
+                                   memory_used=self.sessions.used(session.tenant, session.device))
+        return device_info_to_pb(view)
+
+    # -- sessions ----------------------------------------------------------------------------------
+    @rpc
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext
+                          ) -> pb.OpenSessionResponse:
+        tenant = self._tenant(context)
+        if request.device >= len(self.devices):
+            raise NotFound(f"no device {request.device}; this broker serves {len(self.devices)}")
+        session = await self.sessions.open(tenant, request.device)
+        info = await session.worker.call("device_info", session.id)
+        return pb.OpenSessionResponse(
+            session=session.id, lease_seconds=session.lease_seconds, max_chunk_bytes=self.config.chunk_bytes,
+            device=self._tenant_view(session, device_info_from_dict(info)))
+
+    @rpc
+    async def CloseSession(self, request: pb.SessionRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+        session = self.sessions.get(request.session, self._tenant(context))
+        await self.sessions.close(session)
+        return pb.Empty()
+
+    @rpc
+    async def Heartbeat(self, request: pb.SessionRequest, context: grpc.aio.ServicerContext
+                        ) -> pb.HeartbeatResponse:
+        session = self._session(context, request.session)
+        return pb.HeartbeatResponse(lease_seconds=session.lease_seconds)
+
+    # -- devices -----------------------------------------------------------------------------------
+    @rpc
+    async def ListDevices(self, request: pb.ListDevicesRequest, context: grpc.aio.ServicerContext
+                          ) -> pb.ListDevicesResponse:
+        self._tenant(context)
+        return pb.ListDevicesResponse(devices=[device_info_to_pb(d) for d in self.devices])
+
+    @rpc
+    async def GetDeviceInfo(self, request: pb.SessionRequest, context: grpc.aio.ServicerContext) -> pb.DeviceInfo:
+        session = self._session(context, request.session)
+        info = device_info_from_dict(await session.worker.call("device_info", session.id))
+        return self._tenant_view(session, info)
+
+    # -- memory ------------------------------------------------------------------------------------
+    @rpc
+    async def Allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext) -> pb.BufferHandle:
+        session = self._session(context, request.session)
+        if request.size <= 0:
+            raise InvalidArgument(f"allocation size must be > 0, got {request.size}")
+        self.sessions.reserve(session, request.size)
+        try:
+            backend_handle = await session.worker.call("allocate", session.id, size=request.size)
+        except BaseException:
+            self.sessions.release(session, request.size)
+            raise
+        return pb.BufferHandle(handle=session.add("buf", backend_handle, size=request.size), size=request.size)
+
+    @rpc
+    async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+        session = self._session(context, request.session)
+        entry = session.resolve(request.buffer, "buf")
+        await session.worker.call("free", session.id, handle=entry.backend)
+        del session.handles[request.buffer]
+        self.sessions.release(session, entry.size)
+        return pb.Empty()
+
+    @rpc
+    async def Memset(self, request: pb.MemsetRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+        session = self._session(context, request.session)
+        await session.worker.call("memset", session.id, buf=self._buffer_ref(session, request.buffer),
+                                  offset=request.offset, size=request.size, value=request.value,
+                                  stream=self._stream(session, request.stream))
+        return pb.Empty()
+
+    @rpc
+    async def CopyDeviceToDevice(self, request: pb.CopyDeviceToDeviceRequest, context: grpc.aio.ServicerContext
+                                 ) -> pb.Empty:
+        session = self._session(context, request.session)
+        await session.worker.call("copy_d2d", session.id, src=self._buffer_ref(session, request.src),
+                                  dst=self._buffer_ref(session, request.dst), size=request.size,
+                                  src_offset=request.src_offset, dst_offset=request.dst_offset,
+                                  stream=self._stream(session, request.stream))
+        return pb.Empty()
+
+    @rpc
+    async def CopyHostToDevice(self, request_iterator: AsyncIterator[pb.HostToDeviceChunk],
+                               context: grpc.aio.ServicerContext) -> pb.Empty:
+        tenant = self._tenant(context)
+        first = await anext(aiter(request_iterator), None)
+        if first is None or not first.HasField("header"):
+            raise InvalidArgument("the first chunk must carry the copy header")
+        header = first.header
+        session = self.sessions.get(header.session, tenant)
+        session.check_alive()
+        buf = self._buffer_ref(session, header.buffer)
+        stream = self._stream(session, header.stream)
+        if header.offset < 0 or header.size < 0:
+            raise InvalidArgument(f"copy offset and size must be >= 0, got {header.offset} and {header.size}")
+        if buf[2] + header.offset + header.size > buf[1]:
+            raise OutOfRange(f"copy of {header.size} bytes at offset {header.offset} runs past the end of the "
+                             f"buffer ({buf[1] - buf[2]} bytes from the view's start)")
+        written = 0
+        chunk: pb.HostToDeviceChunk | None = first
+        iterator = aiter(request_iterator)
+        # One chunk in flight at a time: the broker never holds more than a chunk of the copy.
+        while chunk is not None:
+            data = chunk.data
+            if len(data) > self.config.chunk_bytes:
+                raise InvalidArgument(f"chunk of {len(data)} bytes exceeds the broker's {self.config.chunk_bytes}")
+            if written + len(data) > header.size:
+                raise InvalidArgument(f"chunks carry more than the {header.size} bytes the header announced")
+            if data:
+                await session.worker.call("write", session.id, buf=buf, offset=header.offset + written,
+                                          data=data, stream=stream)
+                written += len(data)
+            session.touch()
+            chunk = await anext(iterator, None)
+        if written != header.size:
+            raise InvalidArgument(f"chunks carried {written} bytes; the header announced {header.size}")
+        return pb.Empty()
+
+    @stream_rpc
+    async def CopyDeviceToHost(self, request: pb.CopyDeviceToHostRequest, context: grpc.aio.ServicerContext
+                               ) -> AsyncIterator[pb.DeviceToHostChunk]:
+        session = self._session(context, request.session)
+        buf = self._buffer_ref(session, request.buffer)
+        stream = self._stream(session, request.stream)
+        if request.offset < 0 or request.size < 0:
+            raise InvalidArgument(f"copy offset and size must be >= 0, got {request.offset} and {request.size}")
+        if buf[2] + request.offset + request.size > buf[1]:
+            raise OutOfRange(f"copy of {request.size} bytes at offset {request.offset} runs past the end of the "
+                             f"buffer ({buf[1] - buf[2]} bytes from the view's start)")
+        chunk = min(request.chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
+        done = 0
+        while done < request.size:
+            n = min(chunk, request.size - done)
+            data = await session.worker.call("read", session.id, buf=buf, offset=request.offset + done, size=n,
+                                             stream=stream)
+            done += n
+            session.touch()
+            yield pb.DeviceToHostChunk(data=data)
+
+    # -- code --------------------------------------------------------------------------------------
+    @rpc
+    async def LoadModule(self, request: pb.LoadModuleRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.ModuleHandle:
+        session = self._session(context, request.session)
+        fmt = _FORMATS.get(request.format)
+        if fmt is None:
+            raise InvalidArgument("module format is missing or unknown")
+        image: bytes | str = request.image
+        if fmt in (ModuleFormat.CUDA_C, ModuleFormat.OPENCL_C, ModuleFormat.PTX):
+            try:
+                image = request.image.decode()
+            except UnicodeDecodeError:
+                raise InvalidArgument("module source must be UTF-8 text") from None
+        result = await session.worker.call("load_module", session.id, format=fmt.value, image=image,
+                                           options=list(request.options))
+        handle = session.add("module", result["handle"])
+        return pb.ModuleHandle(handle=handle, kernel_names=result["kernel_names"])
+
+    @rpc
+    async def GetKernel(self, request: pb.GetKernelRequest, context: grpc.aio.ServicerContext) -> pb.KernelHandle:
+        session = self._session(context, request.session)
+        module = session.resolve(request.module, "module")
+        backend = await session.worker.call("get_kernel", session.id, module=module.backend, name=request.name)
+        return pb.KernelHandle(handle=session.add("kernel", backend, name=request.name), name=request.name)
+
+    @rpc
+    async def LaunchKernel(self, request: pb.LaunchKernelRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+        session = self._session(context, request.session)
+        kernel = session.resolve(request.kernel, "kernel")
+        args: list[list[Any]] = []
+        for arg in request.args:
+            kind = arg.WhichOneof("kind")
+            if kind == "buffer":
+                args.append(["b", *self._buffer_ref(session, arg.buffer)])
+            elif kind == "scalar":
+                args.append(["s", arg.scalar.dtype, arg.scalar.value])
+            else:
+                raise InvalidArgument(f"kernel arg {len(args)} is empty")
+        await session.worker.call("launch", session.id, kernel=kernel.backend, name=kernel.name,
+                                  grid=_dims(request.grid, "grid"), block=_dims(request.block, "block"),
+                                  shared_mem=request.shared_mem, stream=self._stream(session, request.stream),
+                                  args=args)
+        return pb.Empty()
+
+    # -- streams -----------------------------------------------------------------------------------
+    @rpc
+    async def CreateStream(self, request: pb.SessionRequest, context: grpc.aio.ServicerContext) -> pb.StreamHandle:
+        session = self._session(context, request.session)
+        backend = await session.worker.call("create_stream", session.id)
+        return pb.StreamHandle(handle=session.add("stream", backend))
+
+    @rpc
+    async def DestroyStream(self, request: pb.StreamRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+        session = self._session(context, request.session)
+        entry = session.resolve(request.stream, "stream")
+        await session.worker.call("destroy_stream", session.id, stream=entry.backend)
+        del session.handles[request.stream]
+        return pb.Empty()
+
+    @rpc
+    async def Synchronize(self, request: pb.StreamRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+        session = self._session(context, request.session)
+        await session.worker.call("synchronize", session.id, stream=self._stream(session, request.stream))
+        return pb.Empty()

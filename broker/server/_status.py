@@ -1,0 +1,67 @@
+"""The transport boundary: GpuBrokerError <-> gRPC status, with structured details in a trailer."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import msgpack
+from gpubroker.client import GpuBrokerError, Internal
+
+__all__ = ["ERROR_TRAILER", "rpc", "stream_rpc"]
+
+log = logging.getLogger("gpubroker.server")
+ERROR_TRAILER = "gpubroker-error-bin"
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: GpuBrokerError) -> None:
+    details = msgpack.packb({"type": type(exc).__name__, "details": exc.details}, use_bin_type=True)
+    await context.abort(grpc.StatusCode[exc.code], exc.message, trailing_metadata=((ERROR_TRAILER, details),))
+
+
+def _unexpected(exc: Exception) -> GpuBrokerError:
+    log.exception("unexpected error in an RPC handler")
+    return Internal(f"internal broker error: {type(exc).__name__}")
+
+
+def rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -> Callable[..., Awaitable[Resp]]:
+    """Wrap a unary (or stream-in) handler: gpubroker errors become statuses, bugs become INTERNAL."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        try:
+            return await fn(self, request, context)
+        except GpuBrokerError as exc:
+            await abort_with(context, exc)
+        except Exception as exc:
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            await abort_with(context, _unexpected(exc))
+        raise AssertionError("unreachable: abort raises")
+
+    return wrapper
+
+
+def stream_rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]]
+               ) -> Callable[..., AsyncIterator[Resp]]:
+    """The same for server-streaming handlers."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
+        try:
+            async for item in fn(self, request, context):
+                yield item
+        except GpuBrokerError as exc:
+            await abort_with(context, exc)
+        except Exception as exc:
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            await abort_with(context, _unexpected(exc))
+
+    return wrapper

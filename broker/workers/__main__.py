@@ -1,0 +1,11 @@
+import os
+import sys
+
+from ._main import main
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: device runtimes can crash or hang in atexit handlers.
+    os._exit(code)

@@ -1,0 +1,187 @@
+"""The front's side of a worker: start the process, send requests, and notice when it dies."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpubroker.client import (
+    DeviceInfo,
+    FailedPrecondition,
+    GpuBrokerError,
+    Unavailable,
+    WorkerCrashed,
+)
+from gpubroker.client._errors import error_from_wire
+
+from ._frames import FrameClosed, read_frame_async, write_frame_async
+
+__all__ = ["WorkerClient", "device_info_from_dict"]
+
+log = logging.getLogger("gpubroker.workers")
+
+
+def device_info_from_dict(d: dict[str, Any]) -> DeviceInfo:
+    d = dict(d)
+    for key in ("max_block_dims", "max_grid_dims"):
+        d[key] = tuple(d[key])
+    if d.get("compute_capability") is not None:
+        d["compute_capability"] = tuple(d["compute_capability"])
+    return DeviceInfo(**d)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "its connection closed while it was still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    if code == 3:
+        return "exited after a fatal device error (its context was corrupted)"
+    return f"exited with status {code}"
+
+
+class WorkerClient:
+    """One worker process for one (tenant, device); requests may overlap, replies match by id."""
+
+    def __init__(self, tenant: str, device: int, backend: str,
+                 on_exit: Callable[[WorkerClient], None] | None = None) -> None:
+        self.tenant = tenant
+        self.device = device
+        self.backend = backend
+        self.info: DeviceInfo | None = None
+        self.process: asyncio.subprocess.Process | None = None
+        self.death: str | None = None
+        self.last_used = time.monotonic()
+        self._on_exit = on_exit
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._write_lock = asyncio.Lock()
+        self._stopping = False
+
+    @property
+    def alive(self) -> bool:
+        return self.death is None and self.process is not None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    async def start(self, timeout: float) -> DeviceInfo:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "gpubroker.broker.workers", "--fd", str(child.fileno()),
+                "--backend", self.backend, "--device", str(self.device), "--tenant", self.tenant,
+                pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL)
+        finally:
+            child.close()
+        reader, self._writer = await asyncio.open_unix_connection(sock=parent, limit=1 << 20)
+        try:
+            _, status, result = await asyncio.wait_for(read_frame_async(reader), timeout)
+        except (FrameClosed, TimeoutError) as exc:
+            await self.kill()
+            code = self.process.returncode
+            raise Unavailable(f"worker for tenant {self.tenant!r} on device {self.device} failed to start "
+                              f"({'timed out' if isinstance(exc, TimeoutError) else _describe_exit(code)})") from None
+        if status != 0:
+            await self.kill()
+            raise error_from_wire(result["code"], result["message"], result.get("type"), result.get("details"))
+        self.info = device_info_from_dict(result)
+        self._reader_task = asyncio.create_task(self._read_replies(reader), name=f"worker-{self.tenant}-{self.device}")
+        log.info("worker for tenant %s on device %d started (pid %d)", self.tenant, self.device, self.process.pid)
+        return self.info
+
+    async def call(self, op: str, session: str, **params: Any) -> Any:
+        """Run one operation; raises the worker's error, or WorkerCrashed if it dies meanwhile."""
+        if self.death is not None:
+            raise WorkerCrashed(self.death)
+        if self._writer is None:
+            raise FailedPrecondition("worker not started")
+        self.last_used = time.monotonic()
+        req_id = next(self._ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[req_id] = fut
+        try:
+            async with self._write_lock:
+                await write_frame_async(self._writer, [req_id, op, session, params])
+        except (ConnectionError, OSError):
+            self._pending.pop(req_id, None)
+            await self._died()
+            raise WorkerCrashed(self.death or "worker connection lost") from None
+        try:
+            return await fut
+        finally:
+            self._pending.pop(req_id, None)
+
+    async def _read_replies(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                req_id, status, result = await read_frame_async(reader)
+                fut = self._pending.pop(req_id, None)
+                if fut is None or fut.done():
+                    continue  # the caller gave up (deadline, cancel); the reply is moot
+                if status == 0:
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(error_from_wire(result["code"], result["message"], result.get("type"),
+                                                      result.get("details")))
+        except (FrameClosed, ConnectionError, OSError, ValueError):
+            pass
+        await self._died()
+
+    async def _died(self) -> None:
+        if self.death is not None:
+            return
+        code = None
+        if self.process is not None:
+            try:
+                code = await asyncio.wait_for(self.process.wait(), 5.0)
+            except TimeoutError:
+                self.process.kill()
+                code = await self.process.wait()
+        self.death = (f"the worker process for tenant {self.tenant!r} on device {self.device} "
+                      f"(pid {self.pid}) {_describe_exit(code)}; this session's device state is lost, "
+                      "open a new session")
+        (log.info if self._stopping else log.error)("%s", self.death)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(WorkerCrashed(self.death))
+        self._pending.clear()
+        if self._writer is not None:
+            self._writer.close()
+        if self._on_exit is not None:
+            self._on_exit(self)
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Ask the worker to exit by closing its socket; kill it if it lingers."""
+        if self.process is None:
+            return
+        self._stopping = True
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.close()
+        try:
+            await asyncio.wait_for(self.process.wait(), timeout)
+        except TimeoutError:
+            await self.kill()
+        if self._reader_task is not None:
+            try:
+                await asyncio.wait_for(self._reader_task, timeout)
+            except (TimeoutError, GpuBrokerError):
+                pass
+
+    async def kill(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.kill()
+            await self.process.wait()

@@ -1,0 +1,251 @@
+"""The worker process: owns one device context for one tenant and serves the front over a socketpair.
+
+It knows nothing of gRPC. Requests are ``[id, op, session, params]``; replies ``[id, 0, result]`` or
+``[id, 1, error]``. A fatal device error (a corrupted CUDA context) is reported, then the process exits,
+so the tenant's next session starts on a fresh context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+from collections import defaultdict
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+from gpubroker.client import (
+    Buffer,
+    GpuBrokerError,
+    GpuCompute,
+    Internal,
+    InvalidArgument,
+    Kernel,
+    Module,
+    ModuleFormat,
+    NotFound,
+    Stream,
+)
+
+from ._frames import FrameClosed, recv_frame, send_frame
+
+__all__ = ["WorkerServer", "main"]
+
+log = logging.getLogger("gpubroker.worker")
+EXIT_FATAL = 3
+
+_KINDS = ("buf", "module", "kernel", "stream")
+
+
+def _scalar(dtype: str, raw: bytes) -> np.generic:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise InvalidArgument(f"unknown scalar dtype {dtype!r}") from None
+    if dt.kind not in "iuf" or dt.itemsize > 8 or len(raw) != dt.itemsize:
+        raise InvalidArgument(f"scalar of dtype {dtype!r} must be an int or float of {dt.itemsize} bytes")
+    return np.frombuffer(raw, dtype=dt)[0]
+
+
+class WorkerServer:
+    """Dispatches front requests to a backend and tracks which session owns each handle."""
+
+    def __init__(self, backend: GpuCompute) -> None:
+        self.backend = backend
+        self.owned: dict[str, dict[str, set[str]]] = defaultdict(lambda: {k: set() for k in _KINDS})
+        self.kernel_module: dict[str, str] = {}
+
+    # -- ownership ---------------------------------------------------------------------------------
+    def _own(self, session: str, kind: str, handle: str) -> str:
+        if handle not in self.owned[session][kind]:
+            raise NotFound(f"unknown {kind} handle")
+        return handle
+
+    def _buffer(self, session: str, ref: list[Any]) -> Buffer:
+        handle, size, view_offset = ref
+        return Buffer(self._own(session, "buf", handle), int(size), int(view_offset))
+
+    def _stream(self, session: str, handle: str | None) -> Stream | None:
+        return Stream(self._own(session, "stream", handle)) if handle else None
+
+    # -- operations --------------------------------------------------------------------------------
+    def handle(self, op: str, session: str, p: dict[str, Any]) -> Any:
+        method = getattr(self, f"op_{op}", None)
+        if method is None:
+            raise InvalidArgument(f"unknown worker operation {op!r}")
+        return method(session, p)
+
+    def op_ping(self, session: str, p: dict[str, Any]) -> Any:
+        return os.getpid()
+
+    def op_device_info(self, session: str, p: dict[str, Any]) -> Any:
+        return asdict(self.backend.device_info())
+
+    def op_allocate(self, session: str, p: dict[str, Any]) -> Any:
+        buf = self.backend.allocate_memory(int(p["size"]))
+        self.owned[session]["buf"].add(buf.handle)
+        return buf.handle
+
+    def op_free(self, session: str, p: dict[str, Any]) -> Any:
+        handle = self._own(session, "buf", p["handle"])
+        self.backend.free_memory(Buffer(handle, 0))
+        self.owned[session]["buf"].discard(handle)
+
+    def op_memset(self, session: str, p: dict[str, Any]) -> Any:
+        size = p["size"]
+        self.backend.memset(self._buffer(session, p["buf"]), int(p["value"]), None if size < 0 else size,
+                            int(p["offset"]), self._stream(session, p.get("stream")))
+
+    def op_copy_d2d(self, session: str, p: dict[str, Any]) -> Any:
+        self.backend.copy_d2d(self._buffer(session, p["src"]), self._buffer(session, p["dst"]), int(p["size"]),
+                              int(p["src_offset"]), int(p["dst_offset"]), self._stream(session, p.get("stream")))
+
+    def op_write(self, session: str, p: dict[str, Any]) -> Any:
+        self.backend.copy_h2d(p["data"], self._buffer(session, p["buf"]), int(p["offset"]),
+                              self._stream(session, p.get("stream")))
+
+    def op_read(self, session: str, p: dict[str, Any]) -> Any:
+        out = bytearray(int(p["size"]))
+        self.backend.copy_d2h(self._buffer(session, p["buf"]), out, int(p["offset"]),
+                              self._stream(session, p.get("stream")))
+        return bytes(out)
+
+    def op_load_module(self, session: str, p: dict[str, Any]) -> Any:
+        try:
+            fmt = ModuleFormat(p["format"])
+        except ValueError:
+            raise InvalidArgument(f"unknown module format {p['format']!r}") from None
+        module = self.backend.load_module(p["image"], fmt, tuple(p.get("options", ())))
+        self.owned[session]["module"].add(module.handle)
+        return {"handle": module.handle, "kernel_names": list(module.kernel_names)}
+
+    def op_get_kernel(self, session: str, p: dict[str, Any]) -> Any:
+        module = self._own(session, "module", p["module"])
+        kernel = self.backend.get_kernel(Module(module), str(p["name"]))
+        self.owned[session]["kernel"].add(kernel.handle)
+        self.kernel_module[kernel.handle] = module
+        return kernel.handle
+
+    def op_unload_module(self, session: str, p: dict[str, Any]) -> Any:
+        module = self._own(session, "module", p["module"])
+        self._unload(session, module)
+
+    def _unload(self, session: str, module: str) -> None:
+        self.backend.unload_module(Module(module))  # type: ignore[attr-defined]
+        self.owned[session]["module"].discard(module)
+        for kernel, owner in list(self.kernel_module.items()):
+            if owner == module:
+                del self.kernel_module[kernel]
+                self.owned[session]["kernel"].discard(kernel)
+
+    def op_launch(self, session: str, p: dict[str, Any]) -> Any:
+        kernel = Kernel(self._own(session, "kernel", p["kernel"]), p.get("name", ""))
+        args: list[object] = []
+        for arg in p["args"]:
+            if arg[0] == "b":
+                args.append(self._buffer(session, arg[1:]))
+            elif arg[0] == "s":
+                args.append(_scalar(arg[1], arg[2]))
+            else:
+                raise InvalidArgument(f"unknown kernel arg kind {arg[0]!r}")
+        self.backend.execute_kernel(kernel, tuple(p["grid"]), tuple(p["block"]), args, int(p["shared_mem"]),
+                                    self._stream(session, p.get("stream")))
+
+    def op_create_stream(self, session: str, p: dict[str, Any]) -> Any:
+        stream = self.backend.create_stream()
+        self.owned[session]["stream"].add(stream.handle)
+        return stream.handle
+
+    def op_destroy_stream(self, session: str, p: dict[str, Any]) -> Any:
+        handle = self._own(session, "stream", p["stream"])
+        self.backend.destroy_stream(Stream(handle))
+        self.owned[session]["stream"].discard(handle)
+
+    def op_synchronize(self, session: str, p: dict[str, Any]) -> Any:
+        self.backend.synchronize(self._stream(session, p.get("stream")))
+
+    def op_close_session(self, session: str, p: dict[str, Any]) -> Any:
+        """Free everything the session owned; errors on one object do not stop the rest."""
+        owned = self.owned.pop(session, None)
+        if owned is None:
+            return 0
+        freed = 0
+        cleanups = ([(self.backend.destroy_stream, Stream(h)) for h in owned["stream"]]
+                    + [(self.backend.free_memory, Buffer(h, 0)) for h in owned["buf"]])
+        for fn, obj in cleanups:
+            try:
+                fn(obj)  # type: ignore[operator]
+                freed += 1
+            except GpuBrokerError as exc:
+                log.warning("close_session %s: %s", session, exc)
+        for module in owned["module"]:
+            self.owned[session]["module"].add(module)
+            self._unload(session, module)
+        self.owned.pop(session, None)
+        return freed
+
+
+def serve(sock: socket.socket, server: WorkerServer) -> int:
+    """Serve until the front closes the socket; returns the exit code."""
+    while True:
+        try:
+            req_id, op, session, params = recv_frame(sock)
+        except FrameClosed:
+            return 0
+        fatal = False
+        try:
+            reply = [req_id, 0, server.handle(op, session, params or {})]
+        except GpuBrokerError as exc:
+            fatal = bool(exc.details.get("fatal"))
+            reply = [req_id, 1, exc.to_wire()]
+        except Exception as exc:  # a bug or an untranslated runtime error: report it, keep serving
+            log.exception("worker op %s failed", op)
+            reply = [req_id, 1, Internal(f"{type(exc).__name__}: {exc}").to_wire()]
+        send_frame(sock, reply)
+        if fatal:
+            log.error("fatal device error; exiting so the tenant gets a fresh context")
+            return EXIT_FATAL
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpubroker-worker")
+    parser.add_argument("--fd", type=int)
+    parser.add_argument("--list", action="store_true", help="print the backend's devices as JSON and exit")
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--tenant", default="")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{args.tenant}] %(levelname)s %(message)s")
+    from gpubroker.broker.backends import detect_backend, list_devices, open_backend
+
+    if args.list:
+        kind = detect_backend() if args.backend == "auto" else args.backend
+        try:
+            devices = [asdict(d) for d in list_devices(kind)]
+        except Exception as exc:
+            print(json.dumps({"backend": kind, "error": f"{type(exc).__name__}: {exc}"}))
+            return 1
+        print(json.dumps({"backend": kind, "devices": devices}))
+        return 0
+    if args.fd is None:
+        parser.error("--fd is required")
+    sock = socket.socket(fileno=args.fd)
+
+    try:
+        backend = open_backend(args.backend, args.device)
+        send_frame(sock, [0, 0, asdict(backend.device_info())])
+    except GpuBrokerError as exc:
+        send_frame(sock, [0, 1, exc.to_wire()])
+        return 2
+    except Exception as exc:
+        send_frame(sock, [0, 1, Internal(f"device init failed: {type(exc).__name__}: {exc}").to_wire()])
+        return 2
+    code = serve(sock, WorkerServer(backend))
+    if code == 0:
+        backend.close()
+    sys.stdout.flush()
+    return code

@@ -1,0 +1,242 @@
+"""RemoteGpu: GpuCompute over gRPC to a gpubroker, as a session that ends when it is closed."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+from gpubroker.v1 import broker_pb2 as pb
+from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+
+from ._errors import FailedPrecondition, GpuBrokerError, InvalidArgument
+from ._host import readable_bytes, writable_bytes
+from ._transport import make_channel, translated, translated_iter
+from ._types import (
+    Buffer,
+    DeviceInfo,
+    Kernel,
+    Module,
+    ModuleFormat,
+    Stream,
+    check_kernel_args,
+    normalize_dims,
+)
+
+__all__ = ["RemoteGpu", "connect"]
+
+_FORMATS = {
+    ModuleFormat.CUDA_C: pb.MODULE_FORMAT_CUDA_C,
+    ModuleFormat.OPENCL_C: pb.MODULE_FORMAT_OPENCL_C,
+    ModuleFormat.PTX: pb.MODULE_FORMAT_PTX,
+    ModuleFormat.CUBIN: pb.MODULE_FORMAT_CUBIN,
+    ModuleFormat.FATBIN: pb.MODULE_FORMAT_FATBIN,
+}
+
+
+def _device_info(msg: pb.DeviceInfo) -> DeviceInfo:
+    return DeviceInfo(
+        id=msg.id, name=msg.name, vendor=msg.vendor, backend=msg.backend, total_memory=msg.total_memory,
+        free_memory=msg.free_memory, multiprocessor_count=msg.multiprocessor_count, clock_mhz=msg.clock_mhz,
+        l2_cache_bytes=msg.l2_cache_bytes, unified_memory=msg.unified_memory,
+        max_threads_per_block=msg.max_threads_per_block,
+        max_block_dims=tuple(msg.max_block_dims),  # type: ignore[arg-type]
+        max_grid_dims=tuple(msg.max_grid_dims),  # type: ignore[arg-type]
+        compute_capability=tuple(msg.compute_capability) if msg.compute_capability else None,  # type: ignore[arg-type]
+        opencl_version=msg.opencl_version or None, driver_version=msg.driver_version,
+        memory_quota=msg.memory_quota if msg.HasField("memory_quota") else None,
+        memory_used=msg.memory_used if msg.HasField("memory_used") else None)
+
+
+def _ref(buf: Buffer) -> pb.BufferRef:
+    if not isinstance(buf, Buffer):
+        raise InvalidArgument(f"expected a Buffer, got {type(buf).__name__}")
+    return pb.BufferRef(handle=buf.handle, offset=buf.offset)
+
+
+def _stream(stream: Stream | None) -> str:
+    return stream.handle if stream is not None else ""
+
+
+class RemoteGpu:
+    """A session on one device of a broker. Same interface as the in-process backends.
+
+    ``timeout`` bounds each call (seconds); a background thread sends heartbeats within the lease.
+    """
+
+    def __init__(self, target: str, token: str, device: int = 0, *, timeout: float | None = 300.0,
+                 chunk_bytes: int | None = None, client_name: str = "gpubroker-python") -> None:
+        self.target = target
+        self.timeout = timeout
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._channel = make_channel(target)
+        self._stub = pb_grpc.GpuBrokerStub(self._channel)
+        self._device = device
+        self._client_name = client_name
+        self._requested_chunk = chunk_bytes
+        self._session = ""
+        self._info: DeviceInfo | None = None
+        self._closed = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self.chunk_bytes = 1024 * 1024
+        self.lease_seconds = 0.0
+
+    # -- plumbing ----------------------------------------------------------------------------------
+    def _call(self, method: str, request: Any) -> Any:
+        if self._closed.is_set():
+            raise FailedPrecondition("this RemoteGpu is closed")
+        return translated(getattr(self._stub, method), request, metadata=self._metadata, timeout=self.timeout)
+
+    def _heartbeat_loop(self) -> None:
+        interval = max(0.05, self.lease_seconds / 3)
+        while not self._closed.wait(interval):
+            try:
+                self._stub.Heartbeat(pb.SessionRequest(session=self._session), metadata=self._metadata,
+                                     timeout=max(1.0, self.lease_seconds))
+            except grpc.RpcError as err:
+                if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED,
+                                  grpc.StatusCode.UNAUTHENTICATED):
+                    return  # the session is gone; the next call reports why
+
+    # -- GpuCompute --------------------------------------------------------------------------------
+    def initialize(self) -> None:
+        if self._session:
+            return
+        resp = self._call("OpenSession", pb.OpenSessionRequest(device=self._device, client_name=self._client_name))
+        self._session = resp.session
+        self._info = _device_info(resp.device)
+        self.lease_seconds = resp.lease_seconds
+        self.chunk_bytes = min(self._requested_chunk or resp.max_chunk_bytes, resp.max_chunk_bytes)
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="gpubroker-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    @property
+    def session(self) -> str:
+        return self._session
+
+    def device_info(self) -> DeviceInfo:
+        return _device_info(self._call("GetDeviceInfo", pb.SessionRequest(session=self._session)))
+
+    def allocate_memory(self, size: int) -> Buffer:
+        if not isinstance(size, (int, np.integer)):
+            raise InvalidArgument(f"size must be an int, got {type(size).__name__}")
+        resp = self._call("Allocate", pb.AllocateRequest(session=self._session, size=int(size)))
+        return Buffer(resp.handle, resp.size)
+
+    def free_memory(self, buf: Buffer) -> None:
+        self._call("Free", pb.FreeRequest(session=self._session, buffer=_ref(buf).handle))
+
+    def copy_h2d(self, src: Any, buf: Buffer, offset: int = 0, stream: Stream | None = None) -> None:
+        data = readable_bytes(src)
+        header = pb.HostToDeviceHeader(session=self._session, buffer=_ref(buf), offset=offset, size=data.nbytes,
+                                       stream=_stream(stream))
+        chunk = self.chunk_bytes
+
+        def chunks() -> Iterator[pb.HostToDeviceChunk]:
+            yield pb.HostToDeviceChunk(header=header, data=bytes(data[:chunk]))
+            for start in range(chunk, data.nbytes, chunk):
+                yield pb.HostToDeviceChunk(data=bytes(data[start:start + chunk]))
+
+        if self._closed.is_set():
+            raise FailedPrecondition("this RemoteGpu is closed")
+        translated(self._stub.CopyHostToDevice, chunks(), metadata=self._metadata, timeout=self.timeout)
+
+    def copy_d2h(self, buf: Buffer, dst: Any, offset: int = 0, stream: Stream | None = None) -> None:
+        out = writable_bytes(dst)
+        if self._closed.is_set():
+            raise FailedPrecondition("this RemoteGpu is closed")
+        request = pb.CopyDeviceToHostRequest(session=self._session, buffer=_ref(buf), offset=offset,
+                                             size=out.nbytes, chunk_bytes=self.chunk_bytes, stream=_stream(stream))
+        done = 0
+        responses = self._stub.CopyDeviceToHost(request, metadata=self._metadata, timeout=self.timeout)
+        for msg in translated_iter(responses):
+            n = len(msg.data)
+            if done + n > out.nbytes:
+                raise GpuBrokerError(f"broker sent more than the {out.nbytes} bytes asked for")
+            out[done:done + n] = msg.data
+            done += n
+        if done != out.nbytes:
+            raise GpuBrokerError(f"broker sent {done} of {out.nbytes} bytes")
+
+    def copy_d2d(self, src: Buffer, dst: Buffer, size: int, src_offset: int = 0, dst_offset: int = 0,
+                 stream: Stream | None = None) -> None:
+        self._call("CopyDeviceToDevice", pb.CopyDeviceToDeviceRequest(
+            session=self._session, src=_ref(src), src_offset=src_offset, dst=_ref(dst), dst_offset=dst_offset,
+            size=size, stream=_stream(stream)))
+
+    def memset(self, buf: Buffer, value: int, size: int | None = None, offset: int = 0,
+               stream: Stream | None = None) -> None:
+        if not 0 <= value <= 255:
+            raise InvalidArgument(f"memset value must be a byte (0..255), got {value}")
+        self._call("Memset", pb.MemsetRequest(session=self._session, buffer=_ref(buf), offset=offset,
+                                              size=-1 if size is None else size, value=value,
+                                              stream=_stream(stream)))
+
+    def compile_kernel(self, source: str, name: str, options: Sequence[str] = ()) -> Kernel:
+        backend = self._info.backend if self._info else "opencl"
+        fmt = ModuleFormat.CUDA_C if backend == "cuda" else ModuleFormat.OPENCL_C
+        return self.get_kernel(self.load_module(source, fmt, options), name)
+
+    def load_module(self, image: str | bytes, format: ModuleFormat, options: Sequence[str] = ()) -> Module:
+        raw = image.encode() if isinstance(image, str) else bytes(image)
+        resp = self._call("LoadModule", pb.LoadModuleRequest(session=self._session, format=_FORMATS[format],
+                                                              image=raw, options=list(options)))
+        return Module(resp.handle, tuple(resp.kernel_names))
+
+    def get_kernel(self, module: Module, name: str) -> Kernel:
+        resp = self._call("GetKernel", pb.GetKernelRequest(session=self._session, module=module.handle, name=name))
+        return Kernel(resp.handle, resp.name)
+
+    def execute_kernel(self, kernel: Kernel, grid: int | Sequence[int], block: int | Sequence[int],
+                       args: Sequence[object], shared_mem: int = 0, stream: Stream | None = None) -> None:
+        wire_args = []
+        for arg in check_kernel_args(args):
+            if isinstance(arg, Buffer):
+                wire_args.append(pb.KernelArg(buffer=_ref(arg)))
+            else:
+                wire_args.append(pb.KernelArg(scalar=pb.ScalarArg(dtype=arg.dtype.str, value=arg.tobytes())))
+        self._call("LaunchKernel", pb.LaunchKernelRequest(
+            session=self._session, kernel=kernel.handle, grid=normalize_dims(grid, "grid"),
+            block=normalize_dims(block, "block"), shared_mem=shared_mem, stream=_stream(stream), args=wire_args))
+
+    def create_stream(self) -> Stream:
+        return Stream(self._call("CreateStream", pb.SessionRequest(session=self._session)).handle)
+
+    def destroy_stream(self, stream: Stream) -> None:
+        self._call("DestroyStream", pb.StreamRequest(session=self._session, stream=stream.handle))
+
+    def synchronize(self, stream: Stream | None = None) -> None:
+        self._call("Synchronize", pb.StreamRequest(session=self._session, stream=_stream(stream)))
+
+    def close(self) -> None:
+        """End the session (the broker frees its buffers, modules and streams) and the channel."""
+        if self._closed.is_set():
+            return
+        try:
+            if self._session:
+                self._call("CloseSession", pb.SessionRequest(session=self._session))
+        except GpuBrokerError:
+            pass  # already gone (expired, worker lost): nothing left to free
+        finally:
+            self._closed.set()
+            self._channel.close()
+
+    def __enter__(self) -> RemoteGpu:
+        self.initialize()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(target: str, token: str, device: int = 0, **kwargs: Any) -> RemoteGpu:
+    """Open a session on ``device`` of the broker at ``target`` (``unix:/path`` or ``host:port``)."""
+    gpu = RemoteGpu(target, token, device, **kwargs)
+    try:
+        gpu.initialize()
+    except BaseException:
+        gpu._channel.close()
+        raise
+    return gpu

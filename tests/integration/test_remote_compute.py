@@ -1,0 +1,184 @@
+"""Real kernels through a real broker process, compared with numpy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from gpubroker.broker import samples
+from gpubroker.broker.launcher import BrokerProcess
+from gpubroker.client import GpuCompute, RemoteGpu, connect
+
+
+@pytest.fixture(scope="module")
+def gpu(broker: BrokerProcess) -> Iterator[RemoteGpu]:
+    with connect(broker.target, token=broker.tokens["alice"]) as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def kernels(gpu: RemoteGpu) -> dict[str, object]:
+    src = samples.source(gpu.device_info().backend)
+    return {name: gpu.compile_kernel(src, name) for name in ("vector_add", "saxpy", "reduce_sum", "matmul")}
+
+
+def _upload(gpu: GpuCompute, array: np.ndarray):
+    buf = gpu.allocate_memory(max(array.nbytes, 1))
+    gpu.copy_h2d(array, buf)
+    return buf
+
+
+def test_device_info_is_real_and_tenant_scoped(gpu: RemoteGpu, backend: str) -> None:
+    info = gpu.device_info()
+    assert info.backend == backend
+    assert info.name and info.vendor
+    assert info.total_memory > 0 and 0 < info.free_memory <= info.total_memory
+    assert info.multiprocessor_count > 0 and info.clock_mhz > 0
+    assert info.max_threads_per_block >= 64 and min(info.max_block_dims) >= 1
+    assert (info.compute_capability is not None) == (backend == "cuda")
+    assert (info.opencl_version is not None) == (backend == "opencl")
+    assert info.memory_quota == 1 << 40
+    assert info.memory_used is not None
+
+
+def test_vector_add(gpu: RemoteGpu, kernels: dict) -> None:
+    n = 100_003
+    rng = np.random.default_rng(0)
+    a, b = rng.random(n, dtype=np.float32), rng.random(n, dtype=np.float32)
+    da, db, dc = _upload(gpu, a), _upload(gpu, b), gpu.allocate_memory(a.nbytes)
+    gpu.execute_kernel(kernels["vector_add"], (n + 255) // 256, 256, [da, db, dc, np.int32(n)])
+    gpu.synchronize()
+    out = np.empty_like(a)
+    gpu.copy_d2h(dc, out)
+    np.testing.assert_array_equal(out, a + b)
+    for buf in (da, db, dc):
+        gpu.free_memory(buf)
+
+
+def test_saxpy_on_a_stream(gpu: RemoteGpu, kernels: dict) -> None:
+    n = 4097
+    x = np.arange(n, dtype=np.float32)
+    y = np.full(n, 2.0, dtype=np.float32)
+    dx, dy = _upload(gpu, x), _upload(gpu, y)
+    stream = gpu.create_stream()
+    gpu.execute_kernel(kernels["saxpy"], (n + 127) // 128, 128, [np.float32(3.0), dx, dy, np.int32(n)],
+                       stream=stream)
+    gpu.synchronize(stream)
+    out = np.empty_like(y)
+    gpu.copy_d2h(dy, out)
+    np.testing.assert_allclose(out, 3.0 * x + 2.0)
+    gpu.destroy_stream(stream)
+
+
+def test_reduction_with_shared_memory(gpu: RemoteGpu, kernels: dict) -> None:
+    n, block = 1 << 16, 128
+    x = np.random.default_rng(3).random(n, dtype=np.float32)
+    dx = _upload(gpu, x)
+    blocks = n // block
+    partial = gpu.allocate_memory(blocks * 4)
+    gpu.execute_kernel(kernels["reduce_sum"], blocks, block, [dx, partial, np.int32(n)], shared_mem=block * 4)
+    gpu.synchronize()
+    out = np.empty(blocks, dtype=np.float32)
+    gpu.copy_d2h(partial, out)
+    np.testing.assert_allclose(out, x.reshape(blocks, block).sum(axis=1), rtol=1e-5)
+    assert abs(out.sum(dtype=np.float64) - x.sum(dtype=np.float64)) < 1e-2
+
+
+def test_two_dimensional_matmul(gpu: RemoteGpu, kernels: dict) -> None:
+    m, k, n = 70, 33, 45
+    rng = np.random.default_rng(4)
+    a, b = rng.random((m, k), dtype=np.float32), rng.random((k, n), dtype=np.float32)
+    da, db, dc = _upload(gpu, a), _upload(gpu, b), gpu.allocate_memory(m * n * 4)
+    gpu.execute_kernel(kernels["matmul"], ((n + 7) // 8, (m + 7) // 8), (8, 8),
+                       [da, db, dc, np.int32(m), np.int32(k), np.int32(n)])
+    gpu.synchronize()
+    out = np.empty((m, n), dtype=np.float32)
+    gpu.copy_d2h(dc, out)
+    np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("size", [0, 1, 1001, 3 * 1024 * 1024 + 7])
+def test_copy_round_trip_sizes(gpu: RemoteGpu, size: int) -> None:
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    buf = gpu.allocate_memory(size + 16)
+    gpu.copy_h2d(data, buf, offset=16)
+    out = np.zeros(size, dtype=np.uint8)
+    gpu.copy_d2h(buf, out, offset=16)
+    np.testing.assert_array_equal(out, data)
+    gpu.free_memory(buf)
+
+
+def test_copy_64_mib_in_chunks(gpu: RemoteGpu) -> None:
+    size = 64 * 1024 * 1024
+    data = np.random.default_rng(64).integers(0, 256, size, dtype=np.uint8)
+    buf = gpu.allocate_memory(size)
+    gpu.copy_h2d(data, buf)
+    out = np.empty(size, dtype=np.uint8)
+    gpu.copy_d2h(buf, out)
+    assert gpu.chunk_bytes <= 1024 * 1024 < size  # so this really went as many chunks
+    np.testing.assert_array_equal(out, data)
+    gpu.free_memory(buf)
+
+
+def test_bytes_memoryview_and_views(gpu: RemoteGpu) -> None:
+    buf = gpu.allocate_memory(64)
+    gpu.copy_h2d(b"\x01" * 64, buf)
+    gpu.copy_h2d(memoryview(b"\x02" * 8), buf.at(8))
+    gpu.memset(buf, 7, size=4, offset=20)
+    out = bytearray(64)
+    gpu.copy_d2h(buf, out)
+    assert out == b"\x01" * 8 + b"\x02" * 8 + b"\x01" * 4 + b"\x07" * 4 + b"\x01" * 40
+    tail = bytearray(8)
+    gpu.copy_d2h(buf.at(56), tail)
+    assert tail == b"\x01" * 8
+
+
+def test_device_to_device_copy_and_memset(gpu: RemoteGpu) -> None:
+    src = _upload(gpu, np.arange(256, dtype=np.uint8))
+    dst = gpu.allocate_memory(256)
+    gpu.memset(dst, 0xAB)
+    gpu.copy_d2d(src, dst, 100, src_offset=10, dst_offset=50)
+    gpu.synchronize()
+    out = np.empty(256, dtype=np.uint8)
+    gpu.copy_d2h(dst, out)
+    expected = np.full(256, 0xAB, dtype=np.uint8)
+    expected[50:150] = np.arange(10, 110)
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_buffer_view_as_kernel_argument(gpu: RemoteGpu, kernels: dict) -> None:
+    n = 256
+    x = np.ones(2 * n, dtype=np.float32)
+    dx = _upload(gpu, x)
+    dy = _upload(gpu, np.zeros(2 * n, dtype=np.float32))
+    # Offsets of 1 KiB keep every backend's alignment rule satisfied.
+    gpu.execute_kernel(kernels["saxpy"], 2, 128, [np.float32(5.0), dx.at(1024), dy.at(1024), np.int32(n)])
+    gpu.synchronize()
+    out = np.empty(2 * n, dtype=np.float32)
+    gpu.copy_d2h(dy, out)
+    np.testing.assert_array_equal(out[:n], 0.0)
+    np.testing.assert_array_equal(out[n:], 5.0)
+
+
+def test_load_module_lists_kernels_and_get_kernel(gpu: RemoteGpu, backend: str) -> None:
+    from gpubroker.client import ModuleFormat
+
+    fmt = ModuleFormat.CUDA_C if backend == "cuda" else ModuleFormat.OPENCL_C
+    module = gpu.load_module(samples.source(backend), fmt)
+    if backend == "opencl":
+        assert set(samples.KERNELS) <= set(module.kernel_names)
+    kernel = gpu.get_kernel(module, "empty_kernel")
+    gpu.execute_kernel(kernel, 1, 1, [])
+    gpu.synchronize()
+
+
+def test_same_code_runs_in_process(backend: str) -> None:
+    """The GpuCompute interface: the demo's jobs run unchanged on the in-process backend."""
+    from gpubroker.broker.backends import open_backend
+    from gpubroker.broker.demo import matmul_job, vector_add_job
+
+    with open_backend(backend, 0) as local:
+        assert vector_add_job(local, n=10_000)["ok"]
+        assert matmul_job(local, m=20, k=10, n=30)["ok"]
