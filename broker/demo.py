@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import numpy as np
+
 from gpubroker.client import GpuCompute, connect
 
 from . import samples

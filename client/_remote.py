@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import cupy
 import numpy as np
-from cupy.cuda import compiler, driver, function, runtime
+from cupy.cuda import driver, function, runtime
 from cupy.cuda.memory import Memory, MemoryPointer
 
 from gpubroker.client import (
@@ -24,7 +22,6 @@ from gpubroker.client import (
     DeviceInfo,
     FailedPrecondition,
     GpuBrokerError,
-    Internal,
     InvalidArgument,
     Kernel,
     Module,
@@ -33,11 +30,20 @@ from gpubroker.client import (
     ResourceExhausted,
     Stream,
 )
-from gpubroker.client._errors import ArgumentTypeError
 from gpubroker.client._host import HostBuffer, check_device_range, readable_bytes, writable_bytes
 
 from ._common import HandleTable, check_launch
 from ._cuda_driver import driver_extras
+from ._cuda_util import (
+    BAD_IMAGE,
+    KernelRec,
+    ModuleRec,
+    check_params,
+    compile_module,
+    list_cuda_devices,
+    props_info,
+    translate,
+)
 
 __all__ = ["CudaBackend", "list_cuda_devices"]
 
@@ -47,22 +53,6 @@ _MAX_DYNAMIC_SHARED = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _MAX_THREADS = driver.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
 # Objects we must not hand back to CUDA after a fatal error (their destructors would call it).
 _ABANDONED: list[object] = []
-
-
-@dataclass
-class _KernelRec:
-    func: function.Function  # holds its Module, keeping the code loaded
-    name: str
-    module: str | None  # handle of the load_module Module, None for compile_kernel
-    params: list[int] | None  # byte size of each parameter; None when the driver can't tell
-    max_threads: int
-    dynamic_shared: int = 48 * 1024  # the default cap until raised with cuFuncSetAttribute
-
-
-@dataclass
-class _ModuleRec:
-    module: function.Module
-    kernels: dict[str, str] = field(default_factory=dict)  # name -> kernel handle
 
 
 class CudaBackend:
@@ -82,14 +72,14 @@ class CudaBackend:
         self._fatal: Aborted | None = None
         self._buffers: HandleTable[Memory] = HandleTable("buf")
         self._streams: HandleTable[cupy.cuda.Stream] = HandleTable("stream")
-        self._modules: HandleTable[_ModuleRec] = HandleTable("module")
-        self._kernels: HandleTable[_KernelRec] = HandleTable("kernel")
+        self._modules: HandleTable[ModuleRec] = HandleTable("module")
+        self._kernels: HandleTable[KernelRec] = HandleTable("kernel")
         self.allocated_bytes = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
     def initialize(self) -> None:
         if self._closed:
-            raise FailedPrecondition("the CUDA backend is closed")
+            raise FailedPrecondition("the cuda backend is closed")
         if self._ready:
             return
         try:
@@ -120,7 +110,7 @@ class CudaBackend:
             return
         if self._fatal is None:
             try:
-                self._use()
+                runtime.setDevice(self._device)
                 runtime.deviceSynchronize()
             except Exception as exc:
                 err = translate("close", exc)
@@ -137,10 +127,10 @@ class CudaBackend:
 
     def _use(self) -> None:
         """Refuse work when closed or broken; make our device current on this thread."""
-        if not self._ready:
-            self.initialize()
         if self._closed:
-            raise FailedPrecondition("the CUDA backend is closed")
+            raise FailedPrecondition("the cuda backend is closed")
+        if not self._ready:
+            raise FailedPrecondition("the cuda backend is not initialized; call initialize() first")
         if self._fatal is not None:
             raise Aborted(f"the CUDA context is unusable after an earlier error: {self._fatal.message}",
                           fatal=True)
@@ -178,17 +168,18 @@ class CudaBackend:
 
     def free_memory(self, buf: Buffer) -> None:
         self._use()
-        self._mem(buf)
+        self._resolve(buf)
         # Dropping the last reference calls cudaFree, which also waits for work that may use it.
         self.allocated_bytes -= self._buffers.pop(buf.handle).size
 
-    def _mem(self, buf: Buffer) -> Memory:
+    def _resolve(self, buf: Buffer) -> tuple[Memory, Buffer]:
+        """The allocation behind a view, and the view re-sized to it (a client's buf.size is not trusted)."""
         if not isinstance(buf, Buffer):
             raise InvalidArgument(f"expected a Buffer, got {type(buf).__name__}")
         mem = self._buffers.get(buf.handle)
-        if buf.size != mem.size:  # a forged size would let range checks pass past the allocation
-            raise InvalidArgument(f"buffer {buf.handle} has {mem.size} bytes, not {buf.size}")
-        return mem
+        if not isinstance(buf.offset, (int, np.integer)):
+            raise InvalidArgument(f"buffer view offset must be an int, got {buf.offset!r}")
+        return mem, Buffer(buf.handle, mem.size, int(buf.offset))
 
     def _stream(self, stream: Stream | None) -> cupy.cuda.Stream:
         if stream is None:
@@ -200,7 +191,7 @@ class CudaBackend:
     def copy_h2d(self, src: HostBuffer, buf: Buffer, offset: int = 0, stream: Stream | None = None) -> None:
         self._use()
         view = readable_bytes(src)
-        mem, s = self._mem(buf), self._stream(stream)
+        (mem, buf), s = self._resolve(buf), self._stream(stream)
         start = check_device_range(buf, offset, view.nbytes, "copy_h2d")
         if view.nbytes == 0:
             return
@@ -214,7 +205,7 @@ class CudaBackend:
     def copy_d2h(self, buf: Buffer, dst: HostBuffer, offset: int = 0, stream: Stream | None = None) -> None:
         self._use()
         view = writable_bytes(dst)
-        mem, s = self._mem(buf), self._stream(stream)
+        (mem, buf), s = self._resolve(buf), self._stream(stream)
         start = check_device_range(buf, offset, view.nbytes, "copy_d2h")
         if view.nbytes == 0:
             return
@@ -228,7 +219,7 @@ class CudaBackend:
     def copy_d2d(self, src: Buffer, dst: Buffer, size: int, src_offset: int = 0, dst_offset: int = 0,
                  stream: Stream | None = None) -> None:
         self._use()
-        smem, dmem, s = self._mem(src), self._mem(dst), self._stream(stream)
+        (smem, src), (dmem, dst), s = self._resolve(src), self._resolve(dst), self._stream(stream)
         a = check_device_range(src, src_offset, size, "copy_d2d source")
         b = check_device_range(dst, dst_offset, size, "copy_d2d destination")
         if size == 0:
@@ -245,7 +236,7 @@ class CudaBackend:
         self._use()
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value <= 255:
             raise InvalidArgument(f"memset value must be a byte (0..255), got {value!r}")
-        mem, s = self._mem(buf), self._stream(stream)
+        (mem, buf), s = self._resolve(buf), self._stream(stream)
         if size is None:
             size = max(0, buf.nbytes - offset) if isinstance(offset, int) else 0
         start = check_device_range(buf, offset, size, "memset")
@@ -257,19 +248,7 @@ class CudaBackend:
             raise self._fail("memset", exc) from exc
 
     # -- code --------------------------------------------------------------------------------
-    def _compile(self, source: str | bytes, options: Sequence[str]) -> function.Module:
-        if isinstance(source, bytes):
-            source = source.decode("utf-8")
-        if not isinstance(source, str) or isinstance(options, str) or not all(isinstance(o, str) for o in options):
-            raise InvalidArgument("CUDA C source must be a str and options a sequence of str")
-        # compile_using_nvrtc, not RawModule: RawModule memoizes modules for the process's life,
-        # so unload_module could never unload them. This picks -arch=sm_XX for the device.
-        binary, _ = compiler.compile_using_nvrtc(source, tuple(options), cache_in_memory=True)
-        mod = function.Module()
-        mod.load(binary)
-        return mod
-
-    def _kernel_rec(self, mod: function.Module, name: str, module: str | None) -> _KernelRec:
+    def _kernel_rec(self, mod: function.Module, name: str, module: str | None) -> KernelRec:
         try:
             func = mod.get_function(name)
         except driver.CUDADriverError as exc:
@@ -278,7 +257,7 @@ class CudaBackend:
             raise
         # Reading an attribute also makes a lazily loaded function resident before we query it.
         max_threads = driver.funcGetAttribute(_MAX_THREADS, func.ptr)
-        return _KernelRec(func, name, module, self._extras.param_sizes(func.ptr), max_threads)
+        return KernelRec(func, name, module, self._extras.param_sizes(func.ptr), max_threads)
 
     def compile_kernel(self, source: str, name: str, options: Sequence[str] = ()) -> Kernel:
         """Compile CUDA C with NVRTC and return kernel ``name`` (declare it ``extern "C"``)."""
@@ -286,7 +265,7 @@ class CudaBackend:
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"kernel name must be a non-empty str, got {name!r}")
         try:
-            rec = self._kernel_rec(self._compile(source, options), name, None)
+            rec = self._kernel_rec(compile_module(source, options), name, None)
         except Exception as exc:
             raise self._fail(f"compile kernel {name!r}", exc) from exc
         return Kernel(self._kernels.add(rec), name)
@@ -300,15 +279,15 @@ class CudaBackend:
             raise InvalidArgument(f"module image must be str or bytes, got {type(image).__name__}")
         try:
             if format is ModuleFormat.CUDA_C:
-                mod = self._compile(image if isinstance(image, str) else bytes(image), options)
+                mod = compile_module(image if isinstance(image, str) else bytes(image), options)
             else:
                 data = image.encode() if isinstance(image, str) else bytes(image)
+                if not data.strip(b"\0"):
+                    raise InvalidArgument("empty module image")
                 if format is ModuleFormat.PTX and not data.endswith(b"\0"):
                     data += b"\0"  # cuModuleLoadData reads PTX as a C string
                 elif format is ModuleFormat.CUBIN and not data.startswith(b"\x7fELF"):
                     raise InvalidArgument("a CUBIN image must be an ELF file")
-                elif not data:
-                    raise InvalidArgument("empty module image")
                 mod = function.Module()
                 mod.load(data)
         except Exception as exc:
@@ -317,7 +296,7 @@ class CudaBackend:
                 err = CompileError(err.message, log=err.message, cuda_error=err.details["cuda_error"])
             raise err from exc
         names = self._extras.function_names(mod.ptr)
-        return Module(self._modules.add(_ModuleRec(mod)), names)
+        return Module(self._modules.add(ModuleRec(mod)), names)
 
     def get_kernel(self, module: Module, name: str) -> Kernel:
         self._use()
@@ -365,12 +344,15 @@ class CudaBackend:
             raise InvalidArgument(f"{shared_mem} bytes of dynamic shared memory exceeds the device's "
                                   f"{self._smem_optin} per block")
         if rec.params is not None:
-            self._check_params(rec, shape.args)
+            check_params(rec, shape.args)
         s = self._stream(stream)
         cargs: list[object] = []
         for arg in shape.args:
             if isinstance(arg, Buffer):
-                cargs.append(MemoryPointer(self._mem(arg), arg.offset))
+                mem, view = self._resolve(arg)
+                if view.offset > view.size:
+                    raise InvalidArgument(f"view offset {view.offset} is past its {view.size}-byte allocation")
+                cargs.append(MemoryPointer(mem, view.offset))
             else:
                 cargs.append(arg)
         try:
@@ -380,20 +362,6 @@ class CudaBackend:
             rec.func(shape.grid, shape.block, tuple(cargs), shared_mem=shared_mem, stream=s)
         except Exception as exc:
             raise self._fail(f"launch {rec.name!r}", exc) from exc
-
-    @staticmethod
-    def _check_params(rec: _KernelRec, args: list[Any]) -> None:
-        """A wrong count or width on CUDA launches silently with garbage, so refuse it here."""
-        expected = rec.params or []
-        if len(args) != len(expected):
-            raise InvalidArgument(f"kernel {rec.name!r} takes {len(expected)} arguments, got {len(args)}",
-                                  expected=len(expected), got=len(args))
-        for i, (arg, size) in enumerate(zip(args, expected, strict=True)):
-            got = 8 if isinstance(arg, Buffer) else int(arg.itemsize)
-            if got != size:
-                what = "a Buffer (8-byte pointer)" if isinstance(arg, Buffer) else f"{arg.dtype} ({got} bytes)"
-                raise ArgumentTypeError(f"kernel {rec.name!r} arg {i} is a {size}-byte parameter; got {what}",
-                                        index=i, expected=size, got=got)
 
     # -- streams -----------------------------------------------------------------------------
     def create_stream(self) -> Stream:

@@ -1,16 +1,21 @@
-"""Pieces of the CUDA backend without state: error translation and device properties."""
+"""Stateless pieces of the CUDA backend: error translation, device properties, kernel records, NVRTC."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import cupy
-from cupy.cuda import compiler, driver, runtime
+from cupy.cuda import compiler, driver, function, runtime
 
 from gpubroker.client import (
     Aborted,
+    ArgumentTypeError,
+    Buffer,
     CompileError,
     DeviceInfo,
+    FailedPrecondition,
     GpuBrokerError,
     Internal,
     InvalidArgument,
@@ -20,14 +25,18 @@ from gpubroker.client import (
 
 from ._cuda_driver import driver_extras
 
-__all__ = ["BAD_IMAGE", "list_cuda_devices", "props_info", "translate"]
+__all__ = [
+    "BAD_IMAGE", "KernelRec", "ModuleRec", "check_params", "compile_module", "list_cuda_devices", "props_info",
+    "translate",
+]
 
 # Errors after which the context is unusable: every later call fails, so the worker must exit.
 _FATAL = {214, 700, 702, 710, 714, 715, 716, 717, 718, 719}
 _EXHAUSTED = {2}  # cudaErrorMemoryAllocation / CUDA_ERROR_OUT_OF_MEMORY
 _NOT_FOUND = {100, 101, 500}  # no device, invalid device ordinal, CUDA_ERROR_NOT_FOUND
-_BAD_INPUT = {1, 9, 98, 200, 209, 218, 222, 400, 701}
-BAD_IMAGE = {200, 209, 218, 222}
+_BAD_INPUT = {1, 9, 98, 200, 209, 218, 222, 300, 400, 701}
+BAD_IMAGE = {200, 209, 218, 222, 300}
+_NO_DRIVER = {34, 35}  # stub library, insufficient driver: this machine cannot run CUDA at all
 
 
 def translate(what: str, exc: BaseException) -> GpuBrokerError:
@@ -45,11 +54,15 @@ def translate(what: str, exc: BaseException) -> GpuBrokerError:
             return Aborted(msg + " (the CUDA context is now unusable)", fatal=True, cuda_error=status)
         if status in _EXHAUSTED:
             return ResourceExhausted(msg, cuda_error=status)
+        if status in _NO_DRIVER:
+            return FailedPrecondition(msg, cuda_error=status)
         if status in _NOT_FOUND:
             return NotFound(msg, cuda_error=status)
         if status in _BAD_INPUT:
             return InvalidArgument(msg, cuda_error=status)
         return Internal(msg, cuda_error=status)
+    if isinstance(exc, MemoryError):  # cupy.cuda.memory.OutOfMemoryError
+        return ResourceExhausted(f"{what}: {exc}")
     if isinstance(exc, (TypeError, ValueError, OverflowError)):
         return InvalidArgument(f"{what}: {exc}")
     return Internal(f"{what}: {type(exc).__name__}: {exc}")
@@ -104,3 +117,47 @@ def list_cuda_devices() -> list[DeviceInfo]:
                 free = runtime.memGetInfo()[0]
         devices.append(props_info(dev, free)[0])
     return devices
+
+
+@dataclass
+class KernelRec:
+    func: function.Function  # holds its Module, keeping the code loaded
+    name: str
+    module: str | None  # handle of the load_module Module, None for compile_kernel
+    params: list[int] | None  # byte size of each parameter; None when the driver can't tell
+    max_threads: int
+    dynamic_shared: int = 48 * 1024  # the default cap until raised with cuFuncSetAttribute
+
+
+@dataclass
+class ModuleRec:
+    module: function.Module
+    kernels: dict[str, str] = field(default_factory=dict)  # name -> kernel handle
+
+
+def check_params(rec: KernelRec, args: list[Any]) -> None:
+    """A wrong count or width on CUDA launches silently with garbage, so refuse it here."""
+    expected = rec.params or []
+    if len(args) != len(expected):
+        raise InvalidArgument(f"kernel {rec.name!r} takes {len(expected)} arguments, got {len(args)}",
+                              expected=len(expected), got=len(args))
+    for i, (arg, size) in enumerate(zip(args, expected, strict=True)):
+        got = 8 if isinstance(arg, Buffer) else int(arg.itemsize)
+        if got != size:
+            what = "a Buffer (8-byte pointer)" if isinstance(arg, Buffer) else f"{arg.dtype} ({got} bytes)"
+            raise ArgumentTypeError(f"kernel {rec.name!r} arg {i} is a {size}-byte parameter; got {what}",
+                                    index=i, expected=size, got=got)
+
+
+def compile_module(source: str | bytes, options: Sequence[str]) -> function.Module:
+    """Compile CUDA C with NVRTC for the current device and load it."""
+    if isinstance(source, bytes):
+        source = source.decode("utf-8")
+    if not isinstance(source, str) or isinstance(options, str) or not all(isinstance(o, str) for o in options):
+        raise InvalidArgument("CUDA C source must be a str and options a sequence of str")
+    # compile_using_nvrtc, not RawModule: RawModule memoizes modules for the process's life,
+    # so unload_module could never unload them. This picks -arch=sm_XX for the device.
+    binary, _ = compiler.compile_using_nvrtc(source, tuple(options), cache_in_memory=True)
+    mod = function.Module()
+    mod.load(binary)
+    return mod

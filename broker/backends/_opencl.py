@@ -10,6 +10,7 @@ from types import TracebackType
 
 import numpy as np
 import pyopencl as cl
+
 from gpubroker.client import (
     Buffer,
     DeviceInfo,

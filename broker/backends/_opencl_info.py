@@ -12,6 +12,7 @@ from typing import Literal
 
 import numpy as np
 import pyopencl as cl
+
 from gpubroker.client import (
     ArgumentTypeError,
     Buffer,

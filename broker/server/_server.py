@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import grpc
+
 from gpubroker.client import DeviceInfo, FailedPrecondition, InvalidArgument
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+
 from gpubroker.client import (
     DeviceInfo,
     InvalidArgument,

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import grpc
 import msgpack
+
 from gpubroker.client import GpuBrokerError, Internal
 
 __all__ = ["ERROR_TRAILER", "rpc", "stream_rpc"]

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from typing import Any
 
 import numpy as np
+
 from gpubroker.client import (
     Buffer,
     GpuBrokerError,

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 import pyopencl as cl
 import pytest
+
 from gpubroker.broker.backends._opencl import OpenCLBackend, list_opencl_devices
 from gpubroker.broker.backends._opencl_info import translate_cl_error
 from gpubroker.client import (
@@ -365,6 +366,8 @@ def test_compile_errors(gpu: OpenCLBackend) -> None:
         gpu.load_module(b"\x7fELF", ModuleFormat.CUBIN)
     with pytest.raises(InvalidArgument):
         gpu.load_module("", ModuleFormat.OPENCL_C)
+    with pytest.raises(CompileError, match="INVALID_BUILD_OPTIONS"):
+        gpu.compile_kernel("__kernel void k(__global int* a) { a[0] = 1; }", "k", ["-no-such-option"])
 
 
 def test_get_kernel_and_unload(gpu: OpenCLBackend) -> None:
@@ -430,6 +433,11 @@ def test_launch_shape_errors(gpu: OpenCLBackend, kernels: dict[str, Kernel]) -> 
             gpu.execute_kernel(fill, grid, block, args)
     with pytest.raises(InvalidArgument):
         gpu.execute_kernel(fill, 1, 1, args, shared_mem=-1)
+    fixed = gpu.compile_kernel(
+        "__kernel __attribute__((reqd_work_group_size(4, 1, 1))) void r(__global int* a) {}", "r"
+    )
+    with pytest.raises(InvalidArgument, match="reqd_work_group_size"):
+        gpu.execute_kernel(fixed, 1, 8, [buf])
 
 
 def test_cl_errors_are_translated() -> None:

@@ -1,0 +1,114 @@
+"""Remote (through a broker) against in-process, in one run: launch round trip and copy bandwidth.
+
+Prints JSON and a ratio table. Run: ``gpubroker bench [--backend cuda] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from gpubroker.broker import samples
+from gpubroker.broker.backends import detect_backend, open_backend
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.client import GpuCompute, connect
+
+__all__ = ["main", "measure"]
+
+
+def _launch_round_trip(gpu: GpuCompute, backend: str, iterations: int) -> dict[str, float]:
+    kernel = gpu.compile_kernel(samples.source(backend), "empty_kernel")
+    for _ in range(max(5, iterations // 10)):
+        gpu.execute_kernel(kernel, 1, 1, [])
+        gpu.synchronize()
+    times = []
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        gpu.execute_kernel(kernel, 1, 1, [])
+        gpu.synchronize()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return {"p50_us": statistics.median(times) * 1e6, "p99_us": times[int(len(times) * 0.99) - 1] * 1e6}
+
+
+def _bandwidth(gpu: GpuCompute, size: int, repeats: int) -> dict[str, float]:
+    host = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    out = np.empty_like(host)
+    buf = gpu.allocate_memory(size)
+    gpu.copy_h2d(host, buf)  # warm-up: first-touch and any lazy setup
+    gpu.copy_d2h(buf, out)
+    h2d, d2h = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        gpu.copy_h2d(host, buf)
+        gpu.synchronize()
+        h2d.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        gpu.copy_d2h(buf, out)
+        d2h.append(time.perf_counter() - t0)
+    if not np.array_equal(out, host):
+        raise AssertionError("copy round trip returned different bytes")
+    gpu.free_memory(buf)
+    return {"h2d_gbps": size / min(h2d) / 1e9, "d2h_gbps": size / min(d2h) / 1e9}
+
+
+def measure(gpu: GpuCompute, backend: str, quick: bool) -> dict[str, Any]:
+    sizes = [1 << 20, 16 << 20] if quick else [1 << 20, 16 << 20, 64 << 20, 256 << 20]
+    return {
+        "launch_sync": _launch_round_trip(gpu, backend, 200 if quick else 2000),
+        "copies": {str(size): _bandwidth(gpu, size, 2 if quick else 5) for size in sizes},
+    }
+
+
+def _ratios(local: dict[str, Any], remote: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "launch_sync_p50": remote["launch_sync"]["p50_us"] / local["launch_sync"]["p50_us"],
+    }
+    for size, figures in remote["copies"].items():
+        out[f"h2d_{size}"] = figures["h2d_gbps"] / local["copies"][size]["h2d_gbps"]
+        out[f"d2h_{size}"] = figures["d2h_gbps"] / local["copies"][size]["d2h_gbps"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpubroker bench")
+    parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "opencl"])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    backend = detect_backend() if args.backend == "auto" else args.backend
+
+    with open_backend(backend, 0) as local_gpu:
+        device = local_gpu.device_info().name
+        local = measure(local_gpu, backend, args.quick)
+    with BrokerProcess([TenantSpec("bench", memory_quota=1 << 40)], backend=backend) as broker, \
+            connect(broker.target, token=broker.tokens["bench"]) as remote_gpu:
+        remote = measure(remote_gpu, backend, args.quick)
+        transport = "grpc-stream over a unix socket"
+
+    result = {"backend": backend, "device": device, "transport": transport, "in_process": local,
+              "remote": remote, "remote_over_in_process": _ratios(local, remote)}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(f"\n{'metric':<28} {'in-process':>12} {'remote':>12} {'ratio':>8}", file=sys.stderr)
+    lp, rp = local["launch_sync"]["p50_us"], remote["launch_sync"]["p50_us"]
+    print(f"{'launch+sync p50 (us)':<28} {lp:>12.1f} {rp:>12.1f} {rp / lp:>8.2f}", file=sys.stderr)
+    for size, figures in remote["copies"].items():
+        for kind in ("h2d", "d2h"):
+            lv, rv = local["copies"][size][f"{kind}_gbps"], figures[f"{kind}_gbps"]
+            label = f"{kind.upper()} {int(size) >> 20} MiB (GB/s)"
+            print(f"{label:<28} {lv:>12.2f} {rv:>12.2f} {rv / lv:>8.2f}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,507 @@
+"""CudaBackend against a real NVIDIA GPU (run with -m cuda): results checked with numpy."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+from gpubroker.broker.backends._cuda import CudaBackend, list_cuda_devices  # noqa: E402
+from gpubroker.client import (  # noqa: E402
+    ArgumentTypeError,
+    Buffer,
+    CompileError,
+    FailedPrecondition,
+    GpuCompute,
+    InvalidArgument,
+    Kernel,
+    Module,
+    ModuleFormat,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+    Stream,
+)
+
+pytestmark = pytest.mark.cuda
+
+SOURCE = r"""
+extern "C" __global__ void vadd(const float* a, const float* b, float* c, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) c[i] = a[i] + b[i];
+}
+
+extern "C" __global__ void saxpy(float alpha, const float* x, float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = alpha * x[i] + y[i];
+}
+
+extern "C" __global__ void block_sum(const float* x, float* out, int n) {
+    extern __shared__ float scratch[];
+    int t = threadIdx.x;
+    int i = blockIdx.x * blockDim.x + t;
+    scratch[t] = i < n ? x[i] : 0.0f;
+    __syncthreads();
+    for (int k = blockDim.x / 2; k > 0; k >>= 1) {
+        if (t < k) scratch[t] += scratch[t + k];
+        __syncthreads();
+    }
+    if (t == 0) out[blockIdx.x] = scratch[0];
+}
+
+extern "C" __global__ void fill2d(int* out, int w, int h) {
+    int x = blockIdx.x * blockDim.x + threadIdx.x;
+    int y = blockIdx.y * blockDim.y + threadIdx.y;
+    if (x < w && y < h) out[y * w + x] = y * 10000 + x;
+}
+
+extern "C" __global__ void fill_index(int* out, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = i;
+}
+"""
+
+F32 = np.float32
+
+
+@pytest.fixture
+def gpu() -> Iterator[CudaBackend]:
+    with CudaBackend(0) as backend:
+        yield backend
+
+
+@pytest.fixture
+def module(gpu: CudaBackend) -> Module:
+    return gpu.load_module(SOURCE, ModuleFormat.CUDA_C)
+
+
+def upload(gpu: CudaBackend, arr: np.ndarray) -> Buffer:
+    buf = gpu.allocate_memory(arr.nbytes)
+    gpu.copy_h2d(arr, buf)
+    return buf
+
+
+def download(gpu: CudaBackend, buf: Buffer, dtype: type, count: int, offset: int = 0) -> np.ndarray:
+    out = np.empty(count, dtype=dtype)
+    gpu.copy_d2h(buf, out, offset)
+    return out
+
+
+def blocks(n: int, block: int) -> int:
+    return (n + block - 1) // block
+
+
+def nvrtc_compile(source: str, option: str) -> tuple[bytes, bytes]:
+    """(ptx, cubin-or-empty) straight from NVRTC, bypassing the backend."""
+    from cupy.cuda import nvrtc
+
+    prog = nvrtc.createProgram(source, "test.cu", (), ())
+    try:
+        nvrtc.compileProgram(prog, (option,))
+        return nvrtc.getPTX(prog), (nvrtc.getCUBIN(prog) if "sm_" in option else b"")
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+# -- device ----------------------------------------------------------------------------------------
+
+def test_device_info_is_real(gpu: CudaBackend) -> None:
+    info = gpu.device_info()
+    assert isinstance(gpu, GpuCompute)
+    assert info.vendor == "NVIDIA" and info.backend == "cuda" and info.name
+    assert info.total_memory > info.free_memory > 0
+    assert info.multiprocessor_count > 0 and info.clock_mhz > 0 and info.l2_cache_bytes > 0
+    assert info.max_threads_per_block >= 1024 and info.max_block_dims[0] >= 1024
+    assert info.max_grid_dims[0] >= 2**31 - 1
+    assert info.compute_capability is not None and info.compute_capability >= (7, 0)
+    major, minor = info.driver_version.split(".")
+    assert int(major) >= 12 and minor.isdigit()
+    listed = list_cuda_devices()
+    assert listed[0].name == info.name and listed[0].total_memory == info.total_memory
+    print("DEVICE", info)
+
+
+def test_bad_device_index() -> None:
+    backend = CudaBackend(99)
+    with pytest.raises(NotFound):
+        backend.initialize()
+    with pytest.raises(InvalidArgument):
+        CudaBackend("0")  # type: ignore[arg-type]
+
+
+def test_close_is_idempotent_and_final() -> None:
+    backend = CudaBackend(0)
+    with pytest.raises(FailedPrecondition):
+        backend.allocate_memory(16)  # not initialized yet
+    backend.initialize()
+    backend.initialize()
+    buf = backend.allocate_memory(1 << 20)
+    backend.close()
+    backend.close()
+    for call in (lambda: backend.allocate_memory(16), lambda: backend.free_memory(buf), backend.device_info,
+                 backend.initialize, backend.synchronize):
+        with pytest.raises(FailedPrecondition):
+            call()
+
+
+# -- kernels ---------------------------------------------------------------------------------------
+
+def test_vector_add(gpu: CudaBackend, module: Module) -> None:
+    n = 1_000_003
+    a, b = np.arange(n, dtype=F32), np.arange(n, dtype=F32) * 2
+    da, db, dc = upload(gpu, a), upload(gpu, b), gpu.allocate_memory(a.nbytes)
+    vadd = gpu.get_kernel(module, "vadd")
+    gpu.execute_kernel(vadd, blocks(n, 256), 256, [da, db, dc, np.int32(n)])
+    gpu.synchronize()
+    np.testing.assert_array_equal(download(gpu, dc, F32, n), a + b)
+
+
+def test_saxpy_with_compile_kernel(gpu: CudaBackend) -> None:
+    n = 4099
+    x, y = np.linspace(0, 1, n, dtype=F32), np.linspace(3, 4, n, dtype=F32)
+    dx, dy = upload(gpu, x), upload(gpu, y)
+    saxpy = gpu.compile_kernel(SOURCE, "saxpy")
+    gpu.execute_kernel(saxpy, [blocks(n, 128)], [128], [F32(2.5), dx, dy, np.int32(n)])
+    np.testing.assert_allclose(download(gpu, dy, F32, n), F32(2.5) * x + y, rtol=1e-6)
+
+
+def test_shared_memory_reduction(gpu: CudaBackend, module: Module) -> None:
+    n, block = 100_003, 256
+    x = (np.arange(n) % 7).astype(F32)
+    dx, dout = upload(gpu, x), gpu.allocate_memory(blocks(n, block) * 4)
+    kern = gpu.get_kernel(module, "block_sum")
+    gpu.execute_kernel(kern, blocks(n, block), block, [dx, dout, np.int32(n)], shared_mem=block * 4)
+    padded = np.zeros(blocks(n, block) * block, dtype=F32)
+    padded[:n] = x
+    expected = padded.reshape(-1, block).sum(axis=1)
+    np.testing.assert_array_equal(download(gpu, dout, F32, blocks(n, block)), expected)
+    # More than 48 KiB of dynamic shared memory needs the per-function opt-in.
+    gpu.execute_kernel(kern, blocks(n, block), block, [dx, dout, np.int32(n)], shared_mem=100 * 1024)
+    np.testing.assert_array_equal(download(gpu, dout, F32, blocks(n, block)), expected)
+    with pytest.raises(InvalidArgument):
+        gpu.execute_kernel(kern, 1, block, [dx, dout, np.int32(n)], shared_mem=10 << 20)
+
+
+def test_2d_kernel(gpu: CudaBackend, module: Module) -> None:
+    w, h = 1000, 517
+    out = gpu.allocate_memory(w * h * 4)
+    kern = gpu.get_kernel(module, "fill2d")
+    gpu.execute_kernel(kern, (blocks(w, 16), blocks(h, 16)), (16, 16), [out, np.int32(w), np.int32(h)])
+    ys, xs = np.mgrid[0:h, 0:w]
+    np.testing.assert_array_equal(download(gpu, out, np.int32, w * h).reshape(h, w), ys * 10000 + xs)
+
+
+def test_view_as_kernel_arg(gpu: CudaBackend, module: Module) -> None:
+    n = 1000
+    buf = gpu.allocate_memory(4 * n)
+    gpu.memset(buf, 0xFF)
+    kern = gpu.get_kernel(module, "fill_index")
+    gpu.execute_kernel(kern, 1, 256, [buf.at(400), np.int32(100)])
+    got = download(gpu, buf, np.int32, n)
+    assert (got[:100] == -1).all() and (got[200:] == -1).all()
+    np.testing.assert_array_equal(got[100:200], np.arange(100))
+
+
+def test_load_module_lists_kernels_and_caches(gpu: CudaBackend, module: Module) -> None:
+    print("KERNEL_NAMES", module.kernel_names)
+    assert set(module.kernel_names) >= {"vadd", "saxpy", "block_sum", "fill2d"} or module.kernel_names == ()
+    assert gpu.get_kernel(module, "vadd") == gpu.get_kernel(module, "vadd")
+
+
+def check_image(gpu: CudaBackend, image: str | bytes, fmt: ModuleFormat) -> None:
+    n = 777
+    mod = gpu.load_module(image, fmt)
+    out = gpu.allocate_memory(4 * n)
+    kern = gpu.get_kernel(mod, "fill_index")
+    gpu.execute_kernel(kern, blocks(n, 128), 128, [out, np.int32(n)])
+    np.testing.assert_array_equal(download(gpu, out, np.int32, n), np.arange(n))
+    gpu.unload_module(mod)
+    with pytest.raises(NotFound):
+        gpu.execute_kernel(kern, 1, 1, [out, np.int32(1)])
+    with pytest.raises(NotFound):
+        gpu.get_kernel(mod, "fill_index")
+
+
+def arch(gpu: CudaBackend) -> str:
+    return "".join(map(str, gpu.device_info().compute_capability or (0, 0)))
+
+
+def test_load_ptx(gpu: CudaBackend) -> None:
+    ptx, _ = nvrtc_compile(SOURCE, f"-arch=compute_{arch(gpu)}")
+    try:
+        check_image(gpu, ptx, ModuleFormat.PTX)
+    except CompileError as exc:
+        if exc.details.get("cuda_error") == 222:  # NVRTC's PTX ISA is newer than the driver's JIT
+            pytest.skip(f"driver cannot JIT this NVRTC's PTX: {exc}")
+        raise
+    check_image(gpu, ptx.rstrip(b"\0").decode(), ModuleFormat.PTX)
+
+
+def test_load_cubin(gpu: CudaBackend) -> None:
+    _, cubin = nvrtc_compile(SOURCE, f"-arch=sm_{arch(gpu)}")
+    check_image(gpu, cubin, ModuleFormat.CUBIN)
+
+
+def test_load_fatbin_with_nvcc(gpu: CudaBackend) -> None:
+    nvcc = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
+    if nvcc is None:
+        pytest.skip("nvcc not available")
+    major, minor = gpu.device_info().compute_capability or (0, 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = os.path.join(tmp, "k.cu"), os.path.join(tmp, "k.fatbin")
+        with open(src, "w") as f:
+            f.write(SOURCE)
+        subprocess.run([nvcc, "-fatbin", f"-arch=sm_{major}{minor}", src, "-o", out], check=True)
+        with open(out, "rb") as f:
+            image = f.read()
+    mod = gpu.load_module(image, ModuleFormat.FATBIN)
+    n = 300
+    buf = gpu.allocate_memory(4 * n)
+    gpu.execute_kernel(gpu.get_kernel(mod, "fill_index"), 3, 128, [buf, np.int32(n)])
+    np.testing.assert_array_equal(download(gpu, buf, np.int32, n), np.arange(n))
+
+
+def test_bad_modules(gpu: CudaBackend) -> None:
+    with pytest.raises(InvalidArgument):
+        gpu.load_module("__kernel void k() {}", ModuleFormat.OPENCL_C)
+    with pytest.raises(InvalidArgument):
+        gpu.load_module(b"not an elf", ModuleFormat.CUBIN)
+    with pytest.raises(InvalidArgument):  # CompileError is an InvalidArgument
+        gpu.load_module("this is not ptx", ModuleFormat.PTX)
+    with pytest.raises(InvalidArgument):
+        gpu.load_module(b"garbage\xff\xfe", ModuleFormat.FATBIN)
+    with pytest.raises(InvalidArgument):
+        gpu.load_module(b"", ModuleFormat.PTX)
+    with pytest.raises(NotFound):
+        gpu.get_kernel(Module("module-999"), "vadd")
+    with pytest.raises(NotFound):
+        gpu.unload_module(Module("module-999"))
+
+
+def test_compile_error_has_log(gpu: CudaBackend) -> None:
+    with pytest.raises(CompileError) as err:
+        gpu.compile_kernel('extern "C" __global__ void broken(int* p) { p[0] = undefined_name; }', "broken")
+    assert "undefined_name" in err.value.log and "error" in err.value.log
+    assert isinstance(err.value, InvalidArgument)
+
+
+def test_unknown_kernel_name(gpu: CudaBackend, module: Module) -> None:
+    with pytest.raises(NotFound):
+        gpu.compile_kernel(SOURCE, "no_such_kernel")
+    with pytest.raises(NotFound):
+        gpu.get_kernel(module, "no_such_kernel")
+    with pytest.raises(NotFound):
+        gpu.execute_kernel(Kernel("kernel-999", "x"), 1, 1, [])
+
+
+def test_argument_checks(gpu: CudaBackend, module: Module) -> None:
+    vadd = gpu.get_kernel(module, "vadd")
+    saxpy = gpu.get_kernel(module, "saxpy")
+    a = gpu.allocate_memory(1024)
+    with pytest.raises(InvalidArgument) as wrong_count:
+        gpu.execute_kernel(vadd, 1, 32, [a, a, a])
+    assert not isinstance(wrong_count.value, ArgumentTypeError)
+    with pytest.raises(ArgumentTypeError):
+        gpu.execute_kernel(vadd, 1, 32, [a, a, a, 5])  # bare Python int
+    with pytest.raises(ArgumentTypeError) as wide:
+        gpu.execute_kernel(saxpy, 1, 32, [np.float64(1.0), a, a, np.int32(8)])  # float64 for a float
+    assert wide.value.details["index"] == 0
+    with pytest.raises(ArgumentTypeError):
+        gpu.execute_kernel(saxpy, 1, 32, [F32(1), a, a, a])  # a pointer for an int
+    gpu.execute_kernel(vadd, 1, 32, [a, a, a, np.int32(8)])  # the right shape still launches
+    gpu.synchronize()
+
+
+def test_launch_shape_checks(gpu: CudaBackend, module: Module) -> None:
+    vadd = gpu.get_kernel(module, "vadd")
+    a = gpu.allocate_memory(1024)
+    args = [a, a, a, np.int32(0)]
+    info = gpu.device_info()
+    for grid, block in [(0, 32), (1, 0), ((1, 0), 32), (1, info.max_threads_per_block * 2), (1, (1, 1, 128)),
+                        ((1, info.max_grid_dims[1] + 1), 32), (1, (32, 32, 2))]:
+        with pytest.raises(InvalidArgument):
+            gpu.execute_kernel(vadd, grid, block, args)
+    with pytest.raises(InvalidArgument):
+        gpu.execute_kernel(vadd, 1, 32, args, shared_mem=-1)
+    gpu.synchronize()
+
+
+# -- memory ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", [0, 1, 4097, 64 << 20])
+def test_copy_round_trip(gpu: CudaBackend, size: int) -> None:
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    buf = gpu.allocate_memory(max(size, 1))
+    gpu.copy_h2d(data, buf)
+    out = np.zeros(size, dtype=np.uint8)
+    gpu.copy_d2h(buf, out)
+    np.testing.assert_array_equal(out, data)
+    if size:
+        gpu.copy_h2d(bytes(data[:size // 2 + 1]), buf)  # bytes and bytearray work too
+        back = bytearray(size // 2 + 1)
+        gpu.copy_d2h(buf, back)
+        assert bytes(back) == bytes(data[:size // 2 + 1])
+
+
+def test_views_and_offsets(gpu: CudaBackend) -> None:
+    buf = gpu.allocate_memory(1000)
+    gpu.memset(buf, 0)
+    gpu.copy_h2d(b"\x07" * 10, buf.at(100), offset=5)  # lands at 105
+    view = buf.at(100).at(5)
+    assert view.offset == 105 and view.nbytes == 895
+    got = download(gpu, buf, np.uint8, 1000)
+    assert (got[105:115] == 7).all() and got[:105].sum() == 0 and got[115:].sum() == 0
+    part = np.zeros(10, dtype=np.uint8)
+    gpu.copy_d2h(view, part)
+    assert (part == 7).all()
+    with pytest.raises(OutOfRange):
+        gpu.copy_d2h(buf.at(995), np.zeros(10, dtype=np.uint8))
+    with pytest.raises(OutOfRange):
+        gpu.copy_h2d(b"x" * 11, buf, offset=990)
+    with pytest.raises(InvalidArgument):
+        gpu.copy_h2d(b"x", buf, offset=-1)
+    with pytest.raises(InvalidArgument):
+        gpu.copy_d2h(buf, b"read-only")
+    # A forged size cannot reach past the real allocation.
+    with pytest.raises(OutOfRange):
+        gpu.copy_d2h(Buffer(buf.handle, 1 << 30), np.zeros(2000, dtype=np.uint8))
+
+
+def test_memset(gpu: CudaBackend) -> None:
+    buf = gpu.allocate_memory(256)
+    gpu.memset(buf, 0xAB)
+    gpu.memset(buf, 0x01, size=16, offset=8)
+    gpu.memset(buf.at(200), 0x02)  # to the end of the view
+    gpu.memset(buf, 0x03, size=0, offset=256)
+    got = download(gpu, buf, np.uint8, 256)
+    assert (got[:8] == 0xAB).all() and (got[8:24] == 1).all() and (got[24:200] == 0xAB).all()
+    assert (got[200:] == 2).all()
+    for bad in (256, -1, 1.5, True):
+        with pytest.raises(InvalidArgument):
+            gpu.memset(buf, bad)  # type: ignore[arg-type]
+    with pytest.raises(OutOfRange):
+        gpu.memset(buf, 0, size=10, offset=250)
+
+
+def test_copy_d2d(gpu: CudaBackend) -> None:
+    src = upload(gpu, np.arange(256, dtype=np.uint8))
+    dst = gpu.allocate_memory(256)
+    gpu.memset(dst, 0)
+    gpu.copy_d2d(src, dst, 100, src_offset=10, dst_offset=50)
+    gpu.copy_d2d(src.at(200), src, 50)  # same buffer, disjoint ranges
+    gpu.copy_d2d(src, dst, 0, 256, 256)
+    got, again = download(gpu, dst, np.uint8, 256), download(gpu, src, np.uint8, 256)
+    np.testing.assert_array_equal(got[50:150], np.arange(10, 110))
+    assert got[:50].sum() == 0 and got[150:].sum() == 0
+    np.testing.assert_array_equal(again[:50], np.arange(200, 250))
+    with pytest.raises(InvalidArgument):
+        gpu.copy_d2d(src, src, 100, 0, 50)  # overlap
+    with pytest.raises(OutOfRange):
+        gpu.copy_d2d(src, dst, 100, src_offset=200)
+    with pytest.raises(InvalidArgument):
+        gpu.copy_d2d(src, dst, 10, src_offset=-1)
+
+
+def test_allocation_accounting_and_limits(gpu: CudaBackend) -> None:
+    for bad in (0, -1, 1.0):
+        with pytest.raises(InvalidArgument):
+            gpu.allocate_memory(bad)  # type: ignore[arg-type]
+    info = gpu.device_info()
+    with pytest.raises(ResourceExhausted):
+        gpu.allocate_memory(info.total_memory + 1)
+    before = gpu.device_info().free_memory
+    buf = gpu.allocate_memory(1 << 30)
+    assert gpu.allocated_bytes == 1 << 30
+    assert gpu.device_info().free_memory <= before - (1 << 30) + (64 << 20)
+    gpu.free_memory(buf)
+    assert gpu.allocated_bytes == 0
+    assert gpu.device_info().free_memory >= before - (64 << 20)  # really freed, no pool keeps it
+    with pytest.raises(NotFound):
+        gpu.free_memory(buf)
+    with pytest.raises(NotFound):
+        gpu.copy_h2d(b"x", buf)
+    with pytest.raises(NotFound):
+        gpu.free_memory(Buffer("buf-999", 10))
+    # Two allocations that cannot both fit: the second fails cleanly in cudaMalloc.
+    big = int(gpu.device_info().free_memory * 0.7)
+    first = gpu.allocate_memory(big)
+    with pytest.raises(ResourceExhausted):
+        gpu.allocate_memory(big)
+    gpu.free_memory(Buffer(first.handle, 0))  # the worker frees with size 0: only the handle counts
+    gpu.allocate_memory(16)
+
+
+# -- streams ---------------------------------------------------------------------------------------
+
+def test_streams(gpu: CudaBackend, module: Module) -> None:
+    n = 1 << 20
+    kern = gpu.get_kernel(module, "fill_index")
+    s1, s2 = gpu.create_stream(), gpu.create_stream()
+    b1, b2 = gpu.allocate_memory(4 * n), gpu.allocate_memory(4 * n)
+    gpu.memset(b1, 0, stream=s1)
+    gpu.execute_kernel(kern, blocks(n, 256), 256, [b1, np.int32(n)], stream=s1)
+    gpu.execute_kernel(kern, blocks(n, 256), 256, [b2, np.int32(n // 2)], stream=s2)
+    gpu.synchronize(s1)
+    gpu.synchronize(s2)
+    np.testing.assert_array_equal(download(gpu, b1, np.int32, n, 0), np.arange(n))
+    out = np.empty(n // 2, dtype=np.int32)
+    gpu.copy_d2h(b2, out, stream=s2)
+    np.testing.assert_array_equal(out, np.arange(n // 2))
+    gpu.copy_d2d(b1, b2, 4 * n, stream=s2)
+    gpu.destroy_stream(s2)  # waits for the copy first
+    np.testing.assert_array_equal(download(gpu, b2, np.int32, n), np.arange(n))
+    with pytest.raises(NotFound):
+        gpu.destroy_stream(s2)
+    with pytest.raises(NotFound):
+        gpu.synchronize(Stream("stream-999"))
+    with pytest.raises(NotFound):
+        gpu.copy_h2d(b"x", b1, stream=s2)
+    with pytest.raises(InvalidArgument):
+        gpu.destroy_stream(None)  # type: ignore[arg-type]
+    gpu.destroy_stream(s1)
+
+
+# -- fatal errors ----------------------------------------------------------------------------------
+
+FATAL_SCRIPT = r"""
+import json, numpy as np
+from gpubroker.broker.backends._cuda import CudaBackend
+from gpubroker.client import Aborted
+result = {}
+gpu = CudaBackend(0)
+gpu.initialize()
+k = gpu.compile_kernel('extern "C" __global__ void poke(int* p) { *p = 1; }', "poke")
+gpu.execute_kernel(k, 1, 1, [np.uint64(8)])  # an 8-byte scalar fits the pointer parameter
+try:
+    gpu.synchronize()
+except Aborted as exc:
+    result["sync"] = [type(exc).__name__, exc.details.get("fatal"), exc.message]
+try:
+    gpu.allocate_memory(16)
+except Aborted as exc:
+    result["after"] = [type(exc).__name__, exc.details.get("fatal")]
+gpu.close()
+result["closed"] = True
+print("RESULT" + json.dumps(result))
+"""
+
+
+def test_illegal_address_is_fatal() -> None:
+    # In a child process: the error poisons the CUDA context for the whole process.
+    proc = subprocess.run([sys.executable, "-c", FATAL_SCRIPT], capture_output=True, text=True, timeout=120)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
+    assert line is not None, proc.stdout + proc.stderr
+    result = json.loads(line[len("RESULT"):])
+    assert result["sync"][:2] == ["Aborted", True]
+    assert "cudaErrorIllegalAddress" in result["sync"][2] or "ILLEGAL_ADDRESS" in result["sync"][2]
+    assert result["after"] == ["Aborted", True]
+    assert result["closed"]
