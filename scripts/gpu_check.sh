@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The one-command GPU check: the CUDA-marked suite through real brokers, then the remote-vs-native benchmark.
+# On the GPU machine, from the repo root, after ./dev gpu-wheels here:  bash scripts/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUTDIR=${OUT:-/tmp/gpubroker-gpu-check}
+mkdir -p "$OUTDIR"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpb-site \
+    .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/gpb-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$PY" -c 'import cupy, grpc, google.protobuf as p; print("cupy", cupy.__version__, "grpc", grpc.__version__, "protobuf", p.__version__)'
+"$PY" -m gpubroker.broker.cli devices --backend cuda
+"$PY" -m pytest -p no:cacheprovider -o addopts="" -m cuda -q -rs \
+  tests/integration tests/broker/backends/test_cuda_backend.py 2>&1 | tee "$OUTDIR/gpu-tests.log"
+status=${PIPESTATUS[0]}
+"$PY" -m gpubroker.broker.cli bench --backend cuda --out "$OUTDIR/bench.json" || status=1
+exit "$status"
