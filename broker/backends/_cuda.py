@@ -7,6 +7,7 @@ mangled name, as listed in ``Module.kernel_names``, works too).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Sequence
 
@@ -38,9 +39,11 @@ from ._cuda_util import (
     BAD_IMAGE,
     KernelRec,
     ModuleRec,
+    as_source,
     check_params,
     compile_module,
     list_cuda_devices,
+    make_kernel_rec,
     props_info,
     translate,
 )
@@ -50,9 +53,6 @@ __all__ = ["CudaBackend", "list_cuda_devices"]
 log = logging.getLogger(__name__)
 
 _MAX_DYNAMIC_SHARED = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-_MAX_THREADS = driver.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
-# Objects we must not hand back to CUDA after a fatal error (their destructors would call it).
-_ABANDONED: list[object] = []
 
 
 class CudaBackend:
@@ -89,7 +89,6 @@ class CudaBackend:
             cupy.cuda.Device(self._device).use()
             self._info, self._smem_optin = props_info(self._device, runtime.memGetInfo()[0])
             self._null = cupy.cuda.Stream.null
-            self._extras = driver_extras()
         except Exception as exc:
             raise translate("initialize", exc) from exc
         self._ready = True
@@ -122,7 +121,9 @@ class CudaBackend:
             for handle in table.handles():
                 obj = table.pop(handle)
                 if self._fatal is not None:
-                    _ABANDONED.append(obj)  # freeing would only raise from a destructor
+                    # Leak on purpose: in a poisoned context each destructor (cudaFree, cuModuleUnload)
+                    # would only print a CUDA error, and the worker exits right after this anyway.
+                    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
         self.allocated_bytes = 0
 
     def _use(self) -> None:
@@ -248,24 +249,14 @@ class CudaBackend:
             raise self._fail("memset", exc) from exc
 
     # -- code --------------------------------------------------------------------------------
-    def _kernel_rec(self, mod: function.Module, name: str, module: str | None) -> KernelRec:
-        try:
-            func = mod.get_function(name)
-        except driver.CUDADriverError as exc:
-            if exc.status == 500:
-                raise NotFound(f'no kernel named {name!r} in the module (is it declared extern "C"?)') from exc
-            raise
-        # Reading an attribute also makes a lazily loaded function resident before we query it.
-        max_threads = driver.funcGetAttribute(_MAX_THREADS, func.ptr)
-        return KernelRec(func, name, module, self._extras.param_sizes(func.ptr), max_threads)
-
     def compile_kernel(self, source: str, name: str, options: Sequence[str] = ()) -> Kernel:
         """Compile CUDA C with NVRTC and return kernel ``name`` (declare it ``extern "C"``)."""
         self._use()
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"kernel name must be a non-empty str, got {name!r}")
         try:
-            rec = self._kernel_rec(compile_module(source, options), name, None)
+            source = as_source(source)
+            rec = make_kernel_rec(compile_module(source, options), name, None, source)
         except Exception as exc:
             raise self._fail(f"compile kernel {name!r}", exc) from exc
         return Kernel(self._kernels.add(rec), name)
@@ -277,9 +268,11 @@ class CudaBackend:
             raise InvalidArgument(f"the CUDA backend cannot load {format!r}")
         if not isinstance(image, (str, bytes, bytearray, memoryview)):
             raise InvalidArgument(f"module image must be str or bytes, got {type(image).__name__}")
+        source = None
         try:
             if format is ModuleFormat.CUDA_C:
-                mod = compile_module(image if isinstance(image, str) else bytes(image), options)
+                source = as_source(image)
+                mod = compile_module(source, options)
             else:
                 data = image.encode() if isinstance(image, str) else bytes(image)
                 if not data.strip(b"\0"):
@@ -295,8 +288,8 @@ class CudaBackend:
             if format is ModuleFormat.PTX and err.details.get("cuda_error") in BAD_IMAGE:
                 err = CompileError(err.message, log=err.message, cuda_error=err.details["cuda_error"])
             raise err from exc
-        names = self._extras.function_names(mod.ptr)
-        return Module(self._modules.add(ModuleRec(mod)), names)
+        names = driver_extras().function_names(mod.ptr)
+        return Module(self._modules.add(ModuleRec(mod, source)), names)
 
     def get_kernel(self, module: Module, name: str) -> Kernel:
         self._use()
@@ -307,7 +300,7 @@ class CudaBackend:
             raise InvalidArgument(f"kernel name must be a non-empty str, got {name!r}")
         if name not in rec.kernels:
             try:
-                krec = self._kernel_rec(rec.module, name, module.handle)
+                krec = make_kernel_rec(rec.module, name, module.handle, rec.source)
             except Exception as exc:
                 raise self._fail(f"get kernel {name!r}", exc) from exc
             rec.kernels[name] = self._kernels.add(krec)

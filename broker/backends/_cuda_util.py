@@ -24,10 +24,11 @@ from gpubroker.client import (
 )
 
 from ._cuda_driver import driver_extras
+from ._cuda_sig import ParamKind, param_kinds
 
 __all__ = [
-    "BAD_IMAGE", "KernelRec", "ModuleRec", "check_params", "compile_module", "list_cuda_devices", "props_info",
-    "translate",
+    "BAD_IMAGE", "KernelRec", "ModuleRec", "as_source", "check_params", "compile_module", "list_cuda_devices",
+    "make_kernel_rec", "props_info", "translate",
 ]
 
 # Errors after which the context is unusable: every later call fails, so the worker must exit.
@@ -125,6 +126,7 @@ class KernelRec:
     name: str
     module: str | None  # handle of the load_module Module, None for compile_kernel
     params: list[int] | None  # byte size of each parameter; None when the driver can't tell
+    kinds: list[ParamKind] | None  # pointer / scalar per parameter, read from CUDA C source we compiled
     max_threads: int
     dynamic_shared: int = 48 * 1024  # the default cap until raised with cuFuncSetAttribute
 
@@ -132,32 +134,65 @@ class KernelRec:
 @dataclass
 class ModuleRec:
     module: function.Module
+    source: str | None  # CUDA C, when we compiled it: lets get_kernel read signatures
     kernels: dict[str, str] = field(default_factory=dict)  # name -> kernel handle
 
 
 def check_params(rec: KernelRec, args: list[Any]) -> None:
-    """A wrong count or width on CUDA launches silently with garbage, so refuse it here."""
+    """A wrong count, width or kind on CUDA launches silently with garbage, so refuse it here."""
     expected = rec.params or []
     if len(args) != len(expected):
         raise InvalidArgument(f"kernel {rec.name!r} takes {len(expected)} arguments, got {len(args)}",
                               expected=len(expected), got=len(args))
     for i, (arg, size) in enumerate(zip(args, expected, strict=True)):
-        got = 8 if isinstance(arg, Buffer) else int(arg.itemsize)
-        if got != size:
-            what = "a Buffer (8-byte pointer)" if isinstance(arg, Buffer) else f"{arg.dtype} ({got} bytes)"
-            raise ArgumentTypeError(f"kernel {rec.name!r} arg {i} is a {size}-byte parameter; got {what}",
-                                    index=i, expected=size, got=got)
+        is_buf = isinstance(arg, Buffer)
+        got = f"Buffer {arg.handle!r}" if is_buf else f"np.{type(arg).__name__}"
+        kind = rec.kinds[i] if rec.kinds else ParamKind("unknown")
+        where = f"kernel {rec.name!r} arg {i}" + (f" ({kind.text})" if kind.text else "")
+        if kind.kind == "pointer" and not is_buf:
+            raise ArgumentTypeError(f"{where} is a pointer: pass a Buffer, got {got}", index=i)
+        if kind.kind == "scalar" and (is_buf or (arg.dtype.kind == "f") != kind.is_float):
+            family = "floating-point" if kind.is_float else "integer"
+            raise ArgumentTypeError(f"{where} takes a {size}-byte {family} numpy scalar, got {got}", index=i)
+        width = 8 if is_buf else int(arg.itemsize)
+        if width != size:
+            raise ArgumentTypeError(f"{where} is a {size}-byte parameter; got {got} ({width} bytes)",
+                                    index=i, expected=size, got=width)
 
 
-def compile_module(source: str | bytes, options: Sequence[str]) -> function.Module:
+def as_source(source: object) -> str:
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        try:
+            return bytes(source).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidArgument(f"CUDA C source is not valid UTF-8: {exc}") from None
+    if not isinstance(source, str):
+        raise InvalidArgument(f"CUDA C source must be str or bytes, got {type(source).__name__}")
+    return source
+
+
+def compile_module(source: str, options: Sequence[str]) -> function.Module:
     """Compile CUDA C with NVRTC for the current device and load it."""
-    if isinstance(source, bytes):
-        source = source.decode("utf-8")
-    if not isinstance(source, str) or isinstance(options, str) or not all(isinstance(o, str) for o in options):
-        raise InvalidArgument("CUDA C source must be a str and options a sequence of str")
+    if isinstance(options, str) or not all(isinstance(o, str) for o in options):
+        raise InvalidArgument(f"options must be a sequence of str, got {options!r}")
     # compile_using_nvrtc, not RawModule: RawModule memoizes modules for the process's life,
     # so unload_module could never unload them. This picks -arch=sm_XX for the device.
     binary, _ = compiler.compile_using_nvrtc(source, tuple(options), cache_in_memory=True)
     mod = function.Module()
     mod.load(binary)
     return mod
+
+
+def make_kernel_rec(mod: function.Module, name: str, module: str | None, source: str | None) -> KernelRec:
+    """Look ``name`` up in a loaded module and learn what its launches need."""
+    try:
+        func = mod.get_function(name)
+    except driver.CUDADriverError as exc:
+        if exc.status == 500:
+            raise NotFound(f'no kernel named {name!r} in the module (is it declared extern "C"?)') from exc
+        raise
+    # Reading an attribute also makes a lazily loaded function resident before we query it.
+    max_threads = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, func.ptr)
+    params = driver_extras().param_sizes(func.ptr)
+    kinds = param_kinds(source, name, len(params)) if source is not None and params is not None else None
+    return KernelRec(func, name, module, params, kinds, max_threads)

@@ -111,7 +111,10 @@ async def _serve(config: BrokerConfig, ready_file: str | None) -> None:
     broker = Broker(config)
     await broker.start()
     if ready_file:
-        Path(ready_file).write_text(json.dumps({"ports": broker.ports, "pid": os.getpid()}))
+        # Written whole, then renamed: whoever waits for the file never reads half of it.
+        tmp = Path(ready_file + ".tmp")
+        tmp.write_text(json.dumps({"ports": broker.ports, "pid": os.getpid()}))
+        tmp.replace(ready_file)
     print(f"gpubroker: serving on {', '.join(broker.ports)}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

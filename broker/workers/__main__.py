@@ -1,9 +1,12 @@
+import faulthandler
 import os
 import sys
 
 from ._main import main
 
 if __name__ == "__main__":
+    # A native crash in a device runtime still leaves a Python stack in the broker's log.
+    faulthandler.enable()
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -7,6 +7,7 @@ import itertools
 import logging
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -59,7 +60,7 @@ class WorkerClient:
         self.device = device
         self.backend = backend
         self.info: DeviceInfo | None = None
-        self.process: asyncio.subprocess.Process | None = None
+        self.process: subprocess.Popen[bytes] | None = None
         self.death: str | None = None
         self.last_used = time.monotonic()
         self._on_exit = on_exit
@@ -81,10 +82,12 @@ class WorkerClient:
     async def start(self, timeout: float) -> DeviceInfo:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gpubroker.broker.workers", "--fd", str(child.fileno()),
-                "--backend", self.backend, "--device", str(self.device), "--tenant", self.tenant,
-                pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL)
+            # subprocess (vfork + exec) rather than the event loop's spawner: uvloop forks, and a forked
+            # child of a process full of gRPC threads was seen to crash before it could exec.
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "gpubroker.broker.workers", "--fd", str(child.fileno()),
+                 "--backend", self.backend, "--device", str(self.device), "--tenant", self.tenant],
+                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             child.close()
         reader, self._writer = await asyncio.open_unix_connection(sock=parent, limit=1 << 20)
@@ -147,10 +150,10 @@ class WorkerClient:
         code = None
         if self.process is not None:
             try:
-                code = await asyncio.wait_for(self.process.wait(), 5.0)
+                code = await self._wait(5.0)
             except TimeoutError:
                 self.process.kill()
-                code = await self.process.wait()
+                code = await self._wait(None)
         self.death = (f"the worker process for tenant {self.tenant!r} on device {self.device} "
                       f"(pid {self.pid}) {_describe_exit(code)}; this session's device state is lost, "
                       "open a new session")
@@ -172,7 +175,7 @@ class WorkerClient:
         if self._writer is not None and not self._writer.is_closing():
             self._writer.close()
         try:
-            await asyncio.wait_for(self.process.wait(), timeout)
+            await self._wait(timeout)
         except TimeoutError:
             await self.kill()
         if self._reader_task is not None:
@@ -182,6 +185,14 @@ class WorkerClient:
                 pass
 
     async def kill(self) -> None:
-        if self.process is not None and self.process.returncode is None:
+        if self.process is not None and self.process.poll() is None:
             self.process.kill()
-            await self.process.wait()
+            await self._wait(None)
+
+    async def _wait(self, timeout: float | None) -> int:
+        """The exit status, waited for off the event loop; TimeoutError if it outlives ``timeout``."""
+        assert self.process is not None
+        try:
+            return await asyncio.to_thread(self.process.wait, timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError from None

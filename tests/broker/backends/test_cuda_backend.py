@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -128,6 +129,39 @@ def test_device_info_is_real(gpu: CudaBackend) -> None:
     listed = list_cuda_devices()
     assert listed[0].name == info.name and listed[0].total_memory == info.total_memory
     print("DEVICE", info)
+
+
+LIST_SCRIPT = r"""
+import json
+from gpubroker.broker.backends._cuda import list_cuda_devices
+from gpubroker.broker.backends._cuda_driver import driver_extras
+devices = list_cuda_devices()
+print("RESULT" + json.dumps({"count": len(devices), "free": devices[0].free_memory, "total": devices[0].total_memory,
+                             "active_after": driver_extras().primary_context_active(0)}))
+"""
+
+
+def test_listing_devices_leaves_no_context() -> None:
+    # A fresh process: listing must not keep a ~500 MiB context on every GPU it looked at.
+    proc = subprocess.run([sys.executable, "-c", LIST_SCRIPT], capture_output=True, text=True, timeout=120)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
+    assert line is not None, proc.stdout + proc.stderr
+    result = json.loads(line[len("RESULT"):])
+    assert result["count"] >= 1 and 0 < result["free"] <= result["total"]
+    assert result["active_after"] is False
+
+
+def test_usable_from_another_thread(gpu: CudaBackend, module: Module) -> None:
+    n = 1000
+    buf = gpu.allocate_memory(4 * n)
+    kern = gpu.get_kernel(module, "fill_index")
+
+    def work() -> np.ndarray:
+        gpu.execute_kernel(kern, blocks(n, 128), 128, [buf, np.int32(n)])
+        return download(gpu, buf, np.int32, n)
+
+    with ThreadPoolExecutor(1) as pool:
+        np.testing.assert_array_equal(pool.submit(work).result(), np.arange(n))
 
 
 def test_bad_device_index() -> None:
@@ -317,8 +351,45 @@ def test_argument_checks(gpu: CudaBackend, module: Module) -> None:
     assert wide.value.details["index"] == 0
     with pytest.raises(ArgumentTypeError):
         gpu.execute_kernel(saxpy, 1, 32, [F32(1), a, a, a])  # a pointer for an int
+    with pytest.raises(ArgumentTypeError) as not_pointer:
+        gpu.execute_kernel(saxpy, 1, 32, [F32(1), np.int64(0), a, np.int32(8)])  # 8 bytes, but not a Buffer
+    assert not_pointer.value.details["index"] == 1
+    with pytest.raises(ArgumentTypeError):
+        gpu.execute_kernel(saxpy, 1, 32, [np.int32(1), a, a, np.int32(8)])  # int where the kernel takes float
+    with pytest.raises(ArgumentTypeError):
+        gpu.execute_kernel(saxpy, 1, 32, [F32(1), a, a, F32(8)])  # float where the kernel takes int
     gpu.execute_kernel(vadd, 1, 32, [a, a, a, np.int32(8)])  # the right shape still launches
+    gpu.execute_kernel(vadd, 1, 32, [a, a, a, np.uint32(8)])  # signedness is not checked
     gpu.synchronize()
+
+
+def test_signature_parsing() -> None:
+    from gpubroker.broker.backends._cuda_sig import param_kinds
+
+    src = r"""
+    typedef float real;
+    // __global__ void commented(int* x)
+    extern "C" __global__ void __launch_bounds__(256, 2)
+    lb(const float* __restrict__ a, unsigned long long n, real r, int32_t k, float v[], __half h) {}
+    extern "C" __global__ void noargs(void) {}
+    extern "C" __global__ void decl(int* p, double d);
+    extern "C" __global__ void decl(int* p, double d) { }
+    #if 1
+    extern "C" __global__ void twice(int* p) {}
+    #else
+    extern "C" __global__ void twice(float p) {}
+    #endif
+    """
+    kinds = param_kinds(src, "lb", 6)
+    assert kinds is not None
+    assert [(k.kind, k.is_float) for k in kinds] == [
+        ("pointer", False), ("scalar", False), ("unknown", False), ("scalar", False), ("pointer", False),
+        ("scalar", True)]
+    assert param_kinds(src, "lb", 5) is None  # disagrees with the driver's count: not trusted
+    assert param_kinds(src, "noargs", 0) == []
+    assert [k.kind for k in param_kinds(src, "decl", 2) or []] == ["pointer", "scalar"]
+    assert param_kinds(src, "twice", 1) is None
+    assert param_kinds(src, "commented", 1) is None
 
 
 def test_launch_shape_checks(gpu: CudaBackend, module: Module) -> None:
@@ -479,8 +550,8 @@ from gpubroker.client import Aborted
 result = {}
 gpu = CudaBackend(0)
 gpu.initialize()
-k = gpu.compile_kernel('extern "C" __global__ void poke(int* p) { *p = 1; }', "poke")
-gpu.execute_kernel(k, 1, 1, [np.uint64(8)])  # an 8-byte scalar fits the pointer parameter
+k = gpu.compile_kernel('extern "C" __global__ void poke(unsigned long long a) { *(int*)a = 1; }', "poke")
+gpu.execute_kernel(k, 1, 1, [np.uint64(8)])  # writes to address 8
 try:
     gpu.synchronize()
 except Aborted as exc:
@@ -498,6 +569,7 @@ print("RESULT" + json.dumps(result))
 def test_illegal_address_is_fatal() -> None:
     # In a child process: the error poisons the CUDA context for the whole process.
     proc = subprocess.run([sys.executable, "-c", FATAL_SCRIPT], capture_output=True, text=True, timeout=120)
+    print("FATAL_STDERR", proc.stderr[-2000:])
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
     assert line is not None, proc.stdout + proc.stderr
     result = json.loads(line[len("RESULT"):])
