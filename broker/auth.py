@@ -5,14 +5,16 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import logging
 import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gpubroker.client import Unauthenticated
+from gpubroker.client import PermissionDenied, Unauthenticated
 
 from .config import BrokerConfig, TenantConfig
 
-__all__ = ["NewToken", "TokenVerifier", "hash_token", "mint_token"]
+__all__ = ["Authenticator", "NewToken", "Principal", "TokenVerifier", "hash_token", "mint_token"]
 
 _TOKEN_PREFIX = "gpb"
 # scrypt at N=2**14 costs ~15-40 ms: slow enough against guessing, cached after the first use.
@@ -65,6 +67,10 @@ class TokenVerifier:
     def __init__(self, config: BrokerConfig) -> None:
         self.reload(config)
 
+    @property
+    def known_ids(self) -> set[str]:
+        return set(self._by_id)
+
     def reload(self, config: BrokerConfig) -> None:
         self._by_id: dict[str, TenantConfig] = {t.token_id: t for t in config.tenants.values()}
         # sha256(token) -> tenant name, so only the first call pays for scrypt.
@@ -90,3 +96,63 @@ class TokenVerifier:
             if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
                 return value[len("Bearer "):].strip()
         return None
+
+
+audit = logging.getLogger("gpubroker.audit")
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a tenant, proven by a token or a client certificate."""
+
+    tenant: str
+    admin: bool
+    via: str  # "token" or "certificate"
+
+    def require_admin(self, action: str) -> None:
+        if not self.admin:
+            audit.warning("denied: tenant=%s action=%s (not an admin)", self.tenant, action)
+            raise PermissionDenied(f"{action} needs an admin identity")
+
+
+def certificate_identities(auth_context: Mapping[str, Sequence[bytes]]) -> list[str]:
+    """A verified client certificate's SAN URIs, then its CN (gRPC puts them in the auth context)."""
+    names = [v.decode() for v in auth_context.get("x509_subject_alternative_name", ()) if b"://" in v]
+    names += [v.decode() for v in auth_context.get("x509_common_name", ())]
+    return names
+
+
+class Authenticator:
+    """Turns a call's credentials into a Principal; every failure gets the same UNAUTHENTICATED message."""
+
+    def __init__(self, config: BrokerConfig) -> None:
+        self.tokens = TokenVerifier(config)
+        self.reload(config)
+
+    def reload(self, config: BrokerConfig) -> None:
+        self.config = config
+        self.tokens.reload(config)
+
+    def authenticate(self, metadata: object, auth_context: Mapping[str, Sequence[bytes]], peer: str,
+                     method: str = "") -> Principal:
+        tls = self.config.tls
+        identities = certificate_identities(auth_context) if tls is not None else []
+        for identity in identities:
+            name = tls.identities.get(identity, identity) if tls is not None else identity
+            tenant = self.config.tenants.get(name)
+            if tenant is not None:
+                return Principal(tenant.name, tenant.admin, "certificate")
+        if tls is not None and identities and not tls.allow_tokens:
+            audit.warning("auth failure: peer=%s method=%s certificate=%s maps to no tenant", peer, method,
+                          identities)
+            raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
+        token = TokenVerifier.token_from_metadata(metadata)
+        try:
+            name = self.tokens.tenant_for(token)
+        except Unauthenticated:
+            token_id = token.split("_", 2)[1] if token and token.count("_") >= 2 else "-"
+            audit.warning("auth failure: peer=%s method=%s token_id=%s", peer, method,
+                          token_id if token_id in self.tokens.known_ids else "unknown")
+            raise
+        tenant = self.config.tenants[name]
+        return Principal(tenant.name, tenant.admin, "token")

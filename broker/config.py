@@ -15,6 +15,7 @@ __all__ = [
     "DEFAULT_SOCKET",
     "BrokerConfig",
     "TenantConfig",
+    "TlsConfig",
     "format_size",
     "load_config",
     "parse_size",
@@ -51,6 +52,20 @@ class TenantConfig:
     token_hash: str
     memory_quota: int = 8 * 1024**3
     weight: int = 1
+    admin: bool = False  # may call the Admin service (list and end sessions, reload)
+
+
+@dataclass
+class TlsConfig:
+    """TLS for TCP listeners. With ``client_ca_file`` set, clients present certificates signed by it."""
+
+    cert_file: str = ""
+    key_file: str = ""
+    client_ca_file: str = ""
+    require_client_cert: bool = False
+    allow_tokens: bool = True  # with client certificates, whether bearer tokens are still accepted
+    # A client certificate's identity (its CN, or a SAN URI) -> tenant name; unmapped CNs name the tenant itself.
+    identities: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -65,6 +80,16 @@ class BrokerConfig:
     lease_seconds: float = 30.0
     worker_idle_seconds: float = 60.0
     worker_start_timeout: float = 60.0
+    socket_mode: int = 0o660
+    socket_group: str = ""  # group owning the Unix socket; empty keeps the broker's
+    insecure: bool = False  # allow plaintext TCP on non-loopback addresses (logged loudly)
+    # Limits: each one answered with RESOURCE_EXHAUSTED or INVALID_ARGUMENT, never an unbounded queue.
+    max_sessions_per_tenant: int = 16
+    max_concurrent_rpcs_per_session: int = 32
+    max_handles_per_session: int = 4096
+    max_module_bytes: int = 2 * 1024 * 1024
+    compile_timeout_seconds: float = 60.0
+    tls: TlsConfig | None = None
     tenants: dict[str, TenantConfig] = field(default_factory=dict)
     path: Path | None = None
 
@@ -104,21 +129,38 @@ def load_config(path: str | os.PathLike[str]) -> BrokerConfig:
         raise InvalidArgument(f"{path}: backend must be auto, cuda or opencl, not {cfg.backend!r}")
     if "devices" in broker:
         cfg.devices = [int(d) for d in broker["devices"]]
-    cfg.chunk_bytes = parse_size(broker.get("chunk_bytes", cfg.chunk_bytes))
-    cfg.max_message_bytes = parse_size(broker.get("max_message_bytes", cfg.max_message_bytes))
+    for key, parse in _SCALARS.items():
+        if key in broker:
+            try:
+                setattr(cfg, key, parse(broker[key]))
+            except (TypeError, ValueError) as exc:
+                raise InvalidArgument(f"{path}: [broker] {key}: {exc}") from None
     if cfg.chunk_bytes < 1 or cfg.chunk_bytes + 4096 > cfg.max_message_bytes:
         raise InvalidArgument(f"{path}: chunk_bytes must be positive and leave room under max_message_bytes")
-    cfg.lease_seconds = float(broker.get("lease_seconds", cfg.lease_seconds))
-    cfg.worker_idle_seconds = float(broker.get("worker_idle_seconds", cfg.worker_idle_seconds))
-    cfg.worker_start_timeout = float(broker.get("worker_start_timeout", cfg.worker_start_timeout))
+    if "tls" in data:
+        tls = dict(data["tls"])
+        unknown = set(tls) - {f for f in TlsConfig.__dataclass_fields__}
+        if unknown:
+            raise InvalidArgument(f"{path}: unknown [tls] keys {sorted(unknown)}")
+        cfg.tls = TlsConfig(**tls)
     for name, t in data.get("tenants", {}).items():
         try:
             cfg.add_tenant(TenantConfig(
                 name=name, token_id=str(t["token_id"]), token_hash=str(t["token_hash"]),
-                memory_quota=parse_size(t.get("memory", 8 * 1024**3)), weight=int(t.get("weight", 1))))
+                memory_quota=parse_size(t.get("memory", 8 * 1024**3)), weight=int(t.get("weight", 1)),
+                admin=bool(t.get("admin", False))))
         except KeyError as exc:
             raise InvalidArgument(f"{path}: tenant {name!r} lacks {exc.args[0]}") from None
     return cfg
+
+
+_SCALARS = {
+    "chunk_bytes": parse_size, "max_message_bytes": parse_size, "lease_seconds": float,
+    "worker_idle_seconds": float, "worker_start_timeout": float,
+    "socket_mode": lambda v: int(v, 8) if isinstance(v, str) else int(v), "socket_group": str, "insecure": bool,
+    "max_sessions_per_tenant": int, "max_concurrent_rpcs_per_session": int, "max_handles_per_session": int,
+    "max_module_bytes": parse_size, "compile_timeout_seconds": float,
+}
 
 
 def _toml_value(value: object) -> str:
@@ -140,13 +182,23 @@ def save_config(cfg: BrokerConfig, path: str | os.PathLike[str] | None = None) -
     lines.append(f"backend = {_toml_value(cfg.backend)}")
     if cfg.devices is not None:
         lines.append(f"devices = {_toml_value(cfg.devices)}")
-    for key in ("chunk_bytes", "max_message_bytes", "lease_seconds", "worker_idle_seconds",
-                "worker_start_timeout"):
-        lines.append(f"{key} = {_toml_value(getattr(cfg, key))}")
+    for key in _SCALARS:
+        value = getattr(cfg, key)
+        lines.append(f"{key} = {_toml_value(f'{value:o}' if key == 'socket_mode' else value)}")
+    if cfg.tls is not None:
+        lines += ["", "[tls]"]
+        for key in TlsConfig.__dataclass_fields__:
+            if key != "identities":
+                lines.append(f"{key} = {_toml_value(getattr(cfg.tls, key))}")
+        if cfg.tls.identities:
+            lines += ["", "[tls.identities]"]
+            lines += [f"{_toml_value(k)} = {_toml_value(v)}" for k, v in cfg.tls.identities.items()]
     for t in cfg.tenants.values():
         lines += ["", f"[tenants.{_toml_value(t.name)}]", f"token_id = {_toml_value(t.token_id)}",
                   f"token_hash = {_toml_value(t.token_hash)}", f"memory = {_toml_value(format_size(t.memory_quota))}",
                   f"weight = {t.weight}"]
+        if t.admin:
+            lines.append("admin = true")
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".gpubroker-", suffix=".toml")
     with os.fdopen(fd, "w") as f:

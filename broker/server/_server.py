@@ -17,7 +17,7 @@ import grpc
 from gpubroker.client import DeviceInfo, FailedPrecondition, InvalidArgument
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
-from ..auth import TokenVerifier
+from ..auth import Authenticator
 from ..config import BrokerConfig
 from ..sessions import SessionManager
 from ..workers import WorkerPool, device_info_from_dict
@@ -75,7 +75,8 @@ class Broker:
         self.pool = WorkerPool(backend, cfg.worker_start_timeout, cfg.worker_idle_seconds,
                                on_worker_exit=lambda w: self.sessions.worker_exited(w) if self.sessions else None)
         self.sessions = SessionManager(cfg, self.pool)
-        service = GpuBrokerService(cfg, TokenVerifier(cfg), self.sessions, devices)
+        self.auth = Authenticator(cfg)
+        service = GpuBrokerService(cfg, self.auth, self.sessions, devices)
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),

@@ -18,11 +18,11 @@ from gpubroker.client import (
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
-from ..auth import TokenVerifier
+from ..auth import Authenticator
 from ..config import BrokerConfig
 from ..sessions import Session, SessionManager
 from ..workers import device_info_from_dict
-from ._status import rpc, stream_rpc
+from ._status import principal_of, rpc, stream_rpc
 
 __all__ = ["GpuBrokerService", "device_info_to_pb"]
 
@@ -54,16 +54,16 @@ def _dims(values: Any, what: str) -> list[int]:
 
 
 class GpuBrokerService(pb_grpc.GpuBrokerServicer):
-    def __init__(self, config: BrokerConfig, verifier: TokenVerifier, sessions: SessionManager,
+    def __init__(self, config: BrokerConfig, auth: Authenticator, sessions: SessionManager,
                  devices: list[DeviceInfo]) -> None:
         self.config = config
-        self.verifier = verifier
+        self.auth = auth
         self.sessions = sessions
         self.devices = devices
 
     # -- helpers -----------------------------------------------------------------------------------
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
-        return self.verifier.tenant_for(TokenVerifier.token_from_metadata(context.invocation_metadata()))
+        return principal_of(self.auth, context).tenant
 
     def _session(self, context: grpc.aio.ServicerContext, session_id: str) -> Session:
         session = self.sessions.get(session_id, self._tenant(context))

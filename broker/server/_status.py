@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -12,9 +13,13 @@ import msgpack
 
 from gpubroker.client import GpuBrokerError, Internal
 
-__all__ = ["ERROR_TRAILER", "rpc", "stream_rpc"]
+from ..auth import Authenticator, Principal
+
+__all__ = ["ERROR_TRAILER", "principal_of", "rpc", "stream_rpc"]
 
 log = logging.getLogger("gpubroker.server")
+# The RPC being served, for audit lines; set by the wrappers below.
+current_method: contextvars.ContextVar[str] = contextvars.ContextVar("current_method", default="")
 ERROR_TRAILER = "gpubroker-error-bin"
 
 Req = TypeVar("Req")
@@ -24,6 +29,15 @@ Resp = TypeVar("Resp")
 async def abort_with(context: grpc.aio.ServicerContext, exc: GpuBrokerError) -> None:
     details = msgpack.packb({"type": type(exc).__name__, "details": exc.details}, use_bin_type=True)
     await context.abort(grpc.StatusCode[exc.code], exc.message, trailing_metadata=((ERROR_TRAILER, details),))
+
+
+def principal_of(auth: Authenticator, context: grpc.aio.ServicerContext) -> Principal:
+    """Authenticate the call from its metadata and, on TLS, its verified client certificate."""
+    try:
+        auth_context = context.auth_context() or {}
+    except Exception:  # local credentials carry no auth context on some grpc builds
+        auth_context = {}
+    return auth.authenticate(context.invocation_metadata(), auth_context, context.peer(), current_method.get())
 
 
 def _unexpected(exc: Exception) -> GpuBrokerError:
@@ -36,6 +50,7 @@ def rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -> 
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        current_method.set(fn.__name__)
         try:
             return await fn(self, request, context)
         except GpuBrokerError as exc:
@@ -55,6 +70,7 @@ def stream_rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
+        current_method.set(fn.__name__)
         try:
             async for item in fn(self, request, context):
                 yield item
