@@ -71,8 +71,7 @@ class RemoteGpu:
                  chunk_bytes: int | None = None, client_name: str = "gpubroker-python") -> None:
         self.target = target
         self.timeout = timeout
-        self._metadata = (("authorization", f"Bearer {token}"),)
-        self._channel = make_channel(target)
+        self._channel, self._metadata = make_channel(target, token)
         self._stub = pb_grpc.GpuBrokerStub(self._channel)
         self._device = device
         self._client_name = client_name

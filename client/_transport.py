@@ -16,12 +16,18 @@ ERROR_TRAILER = "gpubroker-error-bin"
 T = TypeVar("T")
 
 
-def make_channel(target: str) -> grpc.Channel:
-    """``unix:/path`` or ``host:port``; the client sends any size, the broker enforces its limit."""
-    return grpc.insecure_channel(target, options=[
-        ("grpc.max_send_message_length", -1),
-        ("grpc.max_receive_message_length", -1),
-    ])
+def make_channel(target: str, token: str | None) -> tuple[grpc.Channel, tuple[tuple[str, str], ...]]:
+    """A channel to ``unix:/path`` or ``host:port``, and the metadata each call must add.
+
+    Unix sockets and loopback TCP use gRPC local credentials, which let the bearer token travel as call
+    credentials. The client sends any size; the broker enforces its own limit.
+    """
+    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    kind = grpc.LocalConnectionType.UDS if target.startswith("unix:") else grpc.LocalConnectionType.LOCAL_TCP
+    creds = grpc.local_channel_credentials(kind)
+    if token:
+        creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+    return grpc.secure_channel(target, creds, options=options), ()
 
 
 def translate_rpc_error(err: grpc.RpcError) -> GpuBrokerError:

@@ -51,6 +51,25 @@ def _prepare_unix_socket(path: Path) -> None:
         path.unlink()  # a stale socket from a previous run
 
 
+def _secure_unix_socket(path: Path, mode: int, group: str) -> None:
+    if group:
+        import grp
+
+        try:
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+        except KeyError:
+            raise InvalidArgument(f"socket_group {group!r} does not exist") from None
+    os.chmod(path, mode)
+
+
+def tcp_credentials(cfg: BrokerConfig, address: str) -> grpc.ServerCredentials:
+    """TLS when configured; plaintext only on loopback (local credentials) or when told --insecure."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host in ("127.0.0.1", "::1", "localhost"):
+        return grpc.local_server_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+    raise FailedPrecondition(f"refusing plaintext TCP on non-loopback {address}: configure [tls] or pass --insecure")
+
+
 class Broker:
     """The front: one grpc.aio server, its sessions and its worker pool."""
 
@@ -87,15 +106,16 @@ class Broker:
             if address.startswith("unix:"):
                 path = Path(address[len("unix:"):])
                 _prepare_unix_socket(path)
-                self.server.add_insecure_port(address)
+                # Local credentials: the only way gRPC lets call credentials (the bearer token) ride a socket.
+                self.server.add_secure_port(address, grpc.local_server_credentials(grpc.LocalConnectionType.UDS))
                 self.ports.append(address)
             else:
-                port = self.server.add_insecure_port(address)
+                port = self.server.add_secure_port(address, tcp_credentials(cfg, address))
                 self.ports.append(address.rsplit(":", 1)[0] + f":{port}")
         await self.server.start()
         for address in self.ports:
             if address.startswith("unix:"):
-                os.chmod(address[len("unix:"):], 0o660)
+                _secure_unix_socket(Path(address[len("unix:"):]), cfg.socket_mode, cfg.socket_group)
         self.sessions.start()
         log.info("serving on %s", ", ".join(self.ports))
 

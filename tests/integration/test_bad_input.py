@@ -38,7 +38,7 @@ def saxpy(gpu: RemoteGpu):
 
 @pytest.fixture(scope="module")
 def stub(broker: BrokerProcess) -> Iterator[pb_grpc.GpuBrokerStub]:
-    with grpc.insecure_channel(broker.target) as channel:
+    with grpc.secure_channel(broker.target, grpc.local_channel_credentials(grpc.LocalConnectionType.UDS)) as channel:
         yield pb_grpc.GpuBrokerStub(channel)
 
 
