@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from gpubroker import __version__
-from gpubroker.client import GpuBrokerError
+from gpubroker.client import GpuBrokerError, NotFound
 
 from .auth import mint_token
-from .config import TenantConfig, format_size, load_config, parse_size, save_config
+from .config import DEFAULT_SOCKET, TenantConfig, format_size, load_config, parse_size, save_config
 
 __all__ = ["main"]
+
+audit = logging.getLogger("gpubroker.audit")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -23,6 +26,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         cfg.listen = args.listen
     if args.backend:
         cfg.backend = args.backend
+    if args.insecure:
+        cfg.insecure = True
+    if args.vsock_port is not None:
+        cfg.vsock_port = args.vsock_port
     if not cfg.tenants:
         print(f"gpubroker: warning: {args.config} has no tenants; add one with `gpubroker tenant add`",
               file=sys.stderr)
@@ -34,8 +41,9 @@ def _cmd_tenant_add(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     token = mint_token()
     cfg.add_tenant(TenantConfig(name=args.name, token_id=token.token_id, token_hash=token.token_hash,
-                                memory_quota=parse_size(args.memory), weight=args.weight))
+                                memory_quota=parse_size(args.memory), weight=args.weight, admin=args.admin))
     path = save_config(cfg, args.config)
+    audit.info("action=tenant-add tenant=%s config=%s admin=%s by=%s", args.name, path, args.admin, _who())
     print(f"added tenant {args.name!r} to {path} (memory {format_size(parse_size(args.memory))}, "
           f"weight {args.weight}). Its token, shown only now:")
     print(token.token)
@@ -44,17 +52,97 @@ def _cmd_tenant_add(args: argparse.Namespace) -> int:
 
 def _cmd_tenant_list(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    print(f"{'tenant':<24} {'memory':>10} {'weight':>6}")
+    print(f"{'tenant':<24} {'memory':>10} {'weight':>6} {'admin':>5}")
     for t in cfg.tenants.values():
-        print(f"{t.name:<24} {format_size(t.memory_quota):>10} {t.weight:>6}")
+        print(f"{t.name:<24} {format_size(t.memory_quota):>10} {t.weight:>6} {'yes' if t.admin else '':>5}")
+    return 0
+
+
+def _cmd_tenant_rotate(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    if args.name not in cfg.tenants:
+        raise NotFound(f"no tenant {args.name!r}")
+    token = mint_token()
+    tenant = cfg.tenants[args.name]
+    tenant.token_id, tenant.token_hash = token.token_id, token.token_hash
+    path = save_config(cfg, args.config)
+    audit.info("action=tenant-rotate-token tenant=%s config=%s by=%s", args.name, path, _who())
+    print(f"new token for tenant {args.name!r} in {path}; the old one stops working when the broker reloads "
+          "(SIGHUP or `gpubroker admin reload`). Shown only now:")
+    print(token.token)
+    return 0
+
+
+def _who() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except Exception:
+        return f"uid {os.getuid()}"
+
+
+def _cmd_admin(args: argparse.Namespace) -> int:
+    from gpubroker.client import AdminClient
+
+    token = args.token or os.environ.get("GPUBROKER_TOKEN", "")
+    if not token:
+        print("gpubroker: error: an admin token is needed (--token or GPUBROKER_TOKEN)", file=sys.stderr)
+        return 2
+    with AdminClient(args.target, token) as admin:
+        if args.admin_cmd == "sessions":
+            print(f"{'session':<30} {'tenant':<16} {'dev':>3} {'idle s':>7} {'memory':>12} {'handles':>7}  lost")
+            for s in admin.list_sessions(args.tenant or ""):
+                print(f"{s.session:<30} {s.tenant:<16} {s.device:>3} {s.idle_seconds:>7.1f} {s.memory_used:>12} "
+                      f"{s.handles:>7}  {s.lost}")
+        elif args.admin_cmd == "end-session":
+            resp = admin.end_session(args.session)
+            print(f"ended session {args.session} of tenant {resp.tenant}; freed {resp.memory_freed} bytes")
+        elif args.admin_cmd == "reload":
+            r = admin.reload()
+            print(f"reloaded: added {list(r.added)}, removed {list(r.removed)}, changed {list(r.changed)}, "
+                  f"{r.sessions_ended} sessions ended")
+        elif args.admin_cmd == "drain":
+            print(f"draining: new sessions are refused; {admin.drain().sessions_running} sessions still running")
     return 0
 
 
 def _cmd_tenant_remove(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     cfg.remove_tenant(args.name)
-    save_config(cfg, args.config)
+    path = save_config(cfg, args.config)
+    audit.info("action=tenant-remove tenant=%s config=%s by=%s", args.name, path, _who())
     print(f"removed tenant {args.name!r}")
+    return 0
+
+
+def _cmd_certs_init(args: argparse.Namespace) -> int:
+    from .certs import default_sans, init_certs, tls_snippet
+
+    sans = list(dict.fromkeys([*default_sans(), *(args.san or [])]))  # loopback and this host always work
+    ca, server = init_certs(args.dir, sans, days=args.days, force=args.force)
+    print(f"CA:     {ca.cert} (key {ca.key}, mode 0600; keep it off the broker host if you can)")
+    print(f"server: {server.cert} (key {server.key}), SANs: {', '.join(sans)}")
+    print("\nPaste into the broker's config:\n")
+    print(tls_snippet(args.dir))
+    print(f"\nClients get certificates with `gpubroker certs client NAME --dir {args.dir}`.")
+    return 0
+
+
+def _cmd_certs_client(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .certs import mint_client_cert
+
+    out = mint_client_cert(args.dir, args.name, uri=args.uri, days=args.days, force=args.force)
+    ca = Path(args.dir).resolve() / "ca.pem"
+    print(f"client: {out.cert} (key {out.key}, mode 0600), CN={args.name}" + (f", URI={args.uri}" if args.uri else ""))
+    if args.uri:
+        print(f'\nMap it to a tenant in the broker\'s config:\n\n[tls.identities]\n"{args.uri}" = "{args.name}"')
+    else:
+        print(f"\nIt authenticates as tenant {args.name!r} (or map CN {args.name!r} in [tls.identities]).")
+    print(f'\nClient: connect("HOST:PORT", tls=TlsOptions(ca_file="{ca}", cert_file="{out.cert}", '
+          f'key_file="{out.key}"))')
     return 0
 
 
@@ -84,6 +172,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                        *(["--quick"] if args.quick else [])])
 
 
+def _cmd_relay(args: argparse.Namespace) -> int:
+    from .relay import run_relay_command
+
+    run_relay_command(args.listen, args.vsock_connect, args.max_connections, int(args.socket_mode, 8))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpubroker", description="A GPU API-remoting broker.")
     p.add_argument("--version", action="version", version=f"gpubroker {__version__}")
@@ -95,7 +190,17 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", action="append", help="unix:PATH or HOST:PORT (repeatable); overrides the config")
     s.add_argument("--backend", choices=["auto", "cuda", "opencl"], help="overrides the config")
     s.add_argument("--ready-file", help="write the bound addresses here (JSON) once serving")
+    s.add_argument("--insecure", action="store_true",
+                   help="allow plaintext TCP on non-loopback addresses (tokens travel in the clear)")
+    s.add_argument("--vsock-port", type=int, help="also accept VMs on this vsock port (0: off); overrides the config")
     s.set_defaults(fn=_cmd_serve)
+
+    r = sub.add_parser("relay", help="in a VM: a local Unix socket relayed to the host's broker over vsock")
+    r.add_argument("--listen", required=True, help="unix:PATH for local clients (e.g. unix:/run/gpubroker.sock)")
+    r.add_argument("--vsock-connect", required=True, help="CID:PORT of the broker (CID 2 is the host)")
+    r.add_argument("--max-connections", type=int, default=256, help="more are closed at once (default 256)")
+    r.add_argument("--socket-mode", default="660", help="octal mode of the Unix socket (default 660)")
+    r.set_defaults(fn=_cmd_relay)
 
     t = sub.add_parser("tenant", help="manage tenants in a config").add_subparsers(dest="tenant_cmd", required=True)
     ta = t.add_parser("add", help="add a tenant and print its token once")
@@ -103,6 +208,7 @@ def _parser() -> argparse.ArgumentParser:
     ta.add_argument("--config", required=True)
     ta.add_argument("--memory", default="8GiB", help="device memory quota (default 8GiB)")
     ta.add_argument("--weight", type=int, default=1, help="fair-share weight (default 1)")
+    ta.add_argument("--admin", action="store_true", help="may call the Admin service")
     ta.set_defaults(fn=_cmd_tenant_add)
     tl = t.add_parser("list", help="list tenants")
     tl.add_argument("--config", required=True)
@@ -111,6 +217,38 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("name")
     tr.add_argument("--config", required=True)
     tr.set_defaults(fn=_cmd_tenant_remove)
+    tt = t.add_parser("rotate-token", help="replace a tenant's token and print the new one once")
+    tt.add_argument("name")
+    tt.add_argument("--config", required=True)
+    tt.set_defaults(fn=_cmd_tenant_rotate)
+
+    a = sub.add_parser("admin", help="admin calls on a running broker (token: --token or GPUBROKER_TOKEN)")
+    a.add_argument("--target", default=DEFAULT_SOCKET, help=f"broker address (default {DEFAULT_SOCKET})")
+    a.add_argument("--token", help="an admin tenant's token (prefer the GPUBROKER_TOKEN variable)")
+    asub = a.add_subparsers(dest="admin_cmd", required=True)
+    asub.add_parser("sessions", help="list sessions").add_argument("--tenant")
+    asub.add_parser("end-session", help="end a session and free its memory").add_argument("session")
+    asub.add_parser("reload", help="re-read tenants from the config file")
+    asub.add_parser("drain", help="refuse new sessions")
+    a.set_defaults(fn=_cmd_admin)
+
+    c = sub.add_parser("certs", help="mint a CA, server and client certificates for TLS on TCP listeners")
+    cs = c.add_subparsers(dest="certs_cmd", required=True)
+    ci = cs.add_parser("init", help="a CA and the broker's server certificate; prints the [tls] config")
+    ci.add_argument("--dir", required=True, help="where to write ca.pem, ca.key, server.pem, server.key")
+    ci.add_argument("--san", action="append", help="extra DNS name or IP for the server certificate (repeatable); "
+                    "localhost, 127.0.0.1, ::1 and this host's name are always included")
+    ci.add_argument("--days", type=int, default=825, help="server certificate validity (default 825)")
+    ci.add_argument("--force", action="store_true",
+                    help="replace an existing CA (the certificates it signed stop working)")
+    ci.set_defaults(fn=_cmd_certs_init)
+    cc = cs.add_parser("client", help="a client certificate signed by the CA in --dir (CN = NAME)")
+    cc.add_argument("name")
+    cc.add_argument("--dir", required=True, help="the directory `certs init` wrote; adds clients/NAME.pem and .key")
+    cc.add_argument("--uri", help="a SAN URI (e.g. spiffe://example.org/team-a) to map in [tls.identities]")
+    cc.add_argument("--days", type=int, default=365, help="validity (default 365)")
+    cc.add_argument("--force", action="store_true", help="replace an existing certificate of this name")
+    cc.set_defaults(fn=_cmd_certs_client)
 
     d = sub.add_parser("devices", help="list the devices the broker would serve")
     d.add_argument("--config")

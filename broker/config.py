@@ -83,6 +83,7 @@ class BrokerConfig:
     socket_mode: int = 0o660
     socket_group: str = ""  # group owning the Unix socket; empty keeps the broker's
     insecure: bool = False  # allow plaintext TCP on non-loopback addresses (logged loudly)
+    vsock_port: int = 0  # also accept VMs on this AF_VSOCK port, relayed to the first unix listener; 0: off
     # Limits: each one answered with RESOURCE_EXHAUSTED or INVALID_ARGUMENT, never an unbounded queue.
     max_sessions_per_tenant: int = 16
     max_concurrent_rpcs_per_session: int = 32
@@ -159,7 +160,7 @@ _SCALARS = {
     "worker_idle_seconds": float, "worker_start_timeout": float,
     "socket_mode": lambda v: int(v, 8) if isinstance(v, str) else int(v), "socket_group": str, "insecure": bool,
     "max_sessions_per_tenant": int, "max_concurrent_rpcs_per_session": int, "max_handles_per_session": int,
-    "max_module_bytes": parse_size, "compile_timeout_seconds": float,
+    "max_module_bytes": parse_size, "compile_timeout_seconds": float, "vsock_port": int,
 }
 
 

@@ -26,6 +26,7 @@ class TenantSpec:
     name: str
     memory_quota: int = 2 * 1024**3
     weight: int = 1
+    admin: bool = False
 
 
 @dataclass
@@ -35,15 +36,27 @@ class BrokerProcess:
     tenants: list[TenantSpec]
     backend: str = "auto"
     settings: dict[str, object] = field(default_factory=dict)
+    tcp: list[str] = field(default_factory=list)  # TCP listeners besides the socket, e.g. "127.0.0.1:0"
     start_timeout: float = 120.0
     tokens: dict[str, str] = field(default_factory=dict)
     workdir: Path | None = None
     process: subprocess.Popen[bytes] | None = None
+    ports: list[str] = field(default_factory=list)  # the bound addresses, from the ready file
+
+    @property
+    def tcp_target(self) -> str:
+        """The first TCP listener's bound ``host:port`` (a port of 0 in ``tcp`` is resolved)."""
+        return next(p for p in self.ports if not p.startswith("unix:"))
 
     @property
     def target(self) -> str:
         assert self.workdir is not None
         return f"unix:{self.workdir / 'broker.sock'}"
+
+    @property
+    def config_path(self) -> Path:
+        assert self.workdir is not None
+        return self.workdir / "gpubroker.toml"
 
     @property
     def log_path(self) -> Path:
@@ -53,12 +66,13 @@ class BrokerProcess:
     def start(self) -> BrokerProcess:
         # Unix socket paths are limited to ~107 bytes: keep the directory short.
         self.workdir = Path(tempfile.mkdtemp(prefix="gpb-", dir="/tmp"))
-        cfg = BrokerConfig(listen=[self.target], backend=self.backend)
+        cfg = BrokerConfig(listen=[self.target, *self.tcp], backend=self.backend)
         for key, value in self.settings.items():
             setattr(cfg, key, value)
         for spec in self.tenants:
             token = mint_token()
-            cfg.add_tenant(TenantConfig(spec.name, token.token_id, token.token_hash, spec.memory_quota, spec.weight))
+            cfg.add_tenant(TenantConfig(spec.name, token.token_id, token.token_hash, spec.memory_quota, spec.weight,
+                                        spec.admin))
             self.tokens[spec.name] = token.token
         config_path = save_config(cfg, self.workdir / "gpubroker.toml")
         ready = self.workdir / "ready.json"
@@ -77,7 +91,7 @@ class BrokerProcess:
                 self.stop()
                 raise Unavailable(f"broker did not start within {self.start_timeout} s:\n{self.log_tail()}")
             time.sleep(0.02)
-        json.loads(ready.read_text())
+        self.ports = list(json.loads(ready.read_text())["ports"])
         return self
 
     def log_tail(self, n: int = 4000) -> str:

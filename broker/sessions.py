@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass, field
 
 from gpubroker.client import (
-    FailedPrecondition,
     NotFound,
     ResourceExhausted,
+    Unavailable,
     WorkerCrashed,
 )
 
@@ -44,6 +44,8 @@ class Session:
     handles: dict[str, HandleEntry] = field(default_factory=dict)
     memory_used: int = 0
     lost: str | None = None  # why the session's device state is gone
+    max_handles: int = 4096
+    inflight: int = 0
 
     def touch(self) -> None:
         self.last_seen = time.monotonic()
@@ -52,6 +54,11 @@ class Session:
         if self.lost is not None:
             raise WorkerCrashed(self.lost)
         return self.worker
+
+    def check_room(self) -> None:
+        """Called before the worker creates an object, so a refused handle leaks nothing."""
+        if len(self.handles) >= self.max_handles:
+            raise ResourceExhausted(f"this session already holds {len(self.handles)} handles, the limit; free some")
 
     def add(self, kind: str, backend: str, size: int = 0, name: str = "") -> str:
         handle = f"{_PREFIX[kind]}_{secrets.token_urlsafe(16)}"
@@ -74,6 +81,7 @@ class SessionManager:
         self.pool = pool
         self.sessions: dict[str, Session] = {}
         self.memory_used: dict[tuple[str, int], int] = {}
+        self.draining = False
         self._reaper: asyncio.Task[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -87,9 +95,14 @@ class SessionManager:
             await self.close(session)
 
     async def open(self, tenant: str, device: int) -> Session:
+        if self.draining:
+            raise Unavailable("the broker is draining and accepts no new sessions; retry on another broker")
+        live = sum(1 for s in self.sessions.values() if s.tenant == tenant)
+        if live >= self.config.max_sessions_per_tenant:
+            raise ResourceExhausted(f"tenant {tenant!r} already has {live} sessions, the limit; close one first")
         worker = await self.pool.get(tenant, device)
         session = Session(id=f"ses_{secrets.token_urlsafe(18)}", tenant=tenant, device=device, worker=worker,
-                          lease_seconds=self.config.lease_seconds)
+                          lease_seconds=self.config.lease_seconds, max_handles=self.config.max_handles_per_session)
         self.sessions[session.id] = session
         log.info("session %s opened for tenant %s on device %d", session.id, tenant, device)
         return session
@@ -112,6 +125,15 @@ class SessionManager:
         self._release(session, session.memory_used)
         session.handles.clear()
         log.info("session %s of tenant %s %s", session.id, session.tenant, reason)
+
+    async def end_tenant(self, tenant: str, reason: str) -> int:
+        """End every session of a tenant and stop its workers (the tenant was removed)."""
+        ended = 0
+        for session in [s for s in self.sessions.values() if s.tenant == tenant]:
+            await self.close(session, reason=reason)
+            ended += 1
+        await self.pool.stop_tenant(tenant)
+        return ended
 
     def worker_exited(self, worker: WorkerClient) -> None:
         """The worker died or was stopped: its sessions' device memory is gone with it."""
@@ -159,8 +181,3 @@ class SessionManager:
 
     def used(self, tenant: str, device: int) -> int:
         return self.memory_used.get((tenant, device), 0)
-
-    def ensure_usable(self, session: Session) -> WorkerClient:
-        if session.id not in self.sessions:
-            raise FailedPrecondition("session is closed")
-        return session.check_alive()

@@ -22,10 +22,12 @@ from ._errors import (
     WorkerCrashed,
 )
 from ._host import HostBuffer
+from ._tls import TlsOptions
 from ._types import Buffer, DeviceInfo, Kernel, Module, ModuleFormat, Stream
 
 __all__ = [
     "Aborted",
+    "AdminClient",
     "AlreadyExists",
     "ArgumentTypeError",
     "Buffer",
@@ -48,6 +50,7 @@ __all__ = [
     "RemoteGpu",
     "ResourceExhausted",
     "Stream",
+    "TlsOptions",
     "Unauthenticated",
     "Unavailable",
     "Unimplemented",
@@ -62,4 +65,8 @@ def __getattr__(name: str) -> object:
         from . import _remote
 
         return getattr(_remote, name)
+    if name == "AdminClient":
+        from ._admin import AdminClient
+
+        return AdminClient
     raise AttributeError(name)

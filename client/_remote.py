@@ -14,6 +14,7 @@ from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ._errors import FailedPrecondition, GpuBrokerError, InvalidArgument
 from ._host import readable_bytes, writable_bytes
+from ._tls import TlsOptions
 from ._transport import make_channel, translated, translated_iter
 from ._types import (
     Buffer,
@@ -64,14 +65,16 @@ def _stream(stream: Stream | None) -> str:
 class RemoteGpu:
     """A session on one device of a broker. Same interface as the in-process backends.
 
-    ``timeout`` bounds each call (seconds); a background thread sends heartbeats within the lease.
+    ``timeout`` bounds each call (seconds); a background thread sends heartbeats within the lease. ``tls`` (a
+    TlsOptions) is for TCP listeners with TLS or mTLS; with a client certificate the token may be None.
     """
 
-    def __init__(self, target: str, token: str, device: int = 0, *, timeout: float | None = 300.0,
-                 chunk_bytes: int | None = None, client_name: str = "gpubroker-python") -> None:
+    def __init__(self, target: str, token: str | None = None, device: int = 0, *, timeout: float | None = 300.0,
+                 chunk_bytes: int | None = None, client_name: str = "gpubroker-python",
+                 tls: TlsOptions | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel, self._metadata = make_channel(target, token)
+        self._channel, self._metadata = make_channel(target, token, tls)
         self._stub = pb_grpc.GpuBrokerStub(self._channel)
         self._device = device
         self._client_name = client_name
@@ -231,9 +234,10 @@ class RemoteGpu:
         self.close()
 
 
-def connect(target: str, token: str, device: int = 0, **kwargs: Any) -> RemoteGpu:
+def connect(target: str, token: str | None = None, device: int = 0, *, tls: TlsOptions | None = None,
+            **kwargs: Any) -> RemoteGpu:
     """Open a session on ``device`` of the broker at ``target`` (``unix:/path`` or ``host:port``)."""
-    gpu = RemoteGpu(target, token, device, **kwargs)
+    gpu = RemoteGpu(target, token, device, tls=tls, **kwargs)
     try:
         gpu.initialize()
     except BaseException:

@@ -9,6 +9,7 @@ import grpc
 import msgpack
 
 from ._errors import GpuBrokerError, error_from_wire
+from ._tls import TlsOptions
 
 __all__ = ["ERROR_TRAILER", "make_channel", "translate_rpc_error", "translated"]
 
@@ -16,15 +17,28 @@ ERROR_TRAILER = "gpubroker-error-bin"
 T = TypeVar("T")
 
 
-def make_channel(target: str, token: str | None) -> tuple[grpc.Channel, tuple[tuple[str, str], ...]]:
+def make_channel(target: str, token: str | None,
+                 tls: TlsOptions | None = None) -> tuple[grpc.Channel, tuple[tuple[str, str], ...]]:
     """A channel to ``unix:/path`` or ``host:port``, and the metadata each call must add.
 
     Unix sockets and loopback TCP use gRPC local credentials, which let the bearer token travel as call
-    credentials. The client sends any size; the broker enforces its own limit.
+    credentials; ``tls`` selects TLS (optionally with a client certificate) or, with ``insecure``, plaintext.
+    The client sends any size; the broker enforces its own limit.
     """
-    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-    kind = grpc.LocalConnectionType.UDS if target.startswith("unix:") else grpc.LocalConnectionType.LOCAL_TCP
-    creds = grpc.local_channel_credentials(kind)
+    options: list[tuple[str, Any]] = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    unix = target.startswith("unix:")
+    if tls is not None and tls.insecure and not unix:
+        # gRPC refuses call credentials on an insecure channel, so the token rides as plain metadata.
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        return grpc.insecure_channel(target, options=options), metadata
+    if tls is not None and not unix:  # a Unix socket is local: tls does not apply to it
+        root, key, cert = tls.materials()
+        creds = grpc.ssl_channel_credentials(root, key, cert)
+        if tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+    else:
+        kind = grpc.LocalConnectionType.UDS if unix else grpc.LocalConnectionType.LOCAL_TCP
+        creds = grpc.local_channel_credentials(kind)
     if token:
         creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
     return grpc.secure_channel(target, creds, options=options), ()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -15,17 +16,22 @@ from pathlib import Path
 import grpc
 
 from gpubroker.client import DeviceInfo, FailedPrecondition, InvalidArgument
+from gpubroker.v1 import admin_pb2 as apb
+from gpubroker.v1 import admin_pb2_grpc as apb_grpc
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ..auth import Authenticator
-from ..config import BrokerConfig
+from ..config import BrokerConfig, load_config
+from ..relay import RelayServer, serve_relay, vsock_listener
 from ..sessions import SessionManager
 from ..workers import WorkerPool, device_info_from_dict
+from ._admin import AdminService
 from ._service import GpuBrokerService
 
 __all__ = ["Broker", "probe_devices", "run_broker"]
 
 log = logging.getLogger("gpubroker.server")
+audit = logging.getLogger("gpubroker.audit")
 
 
 def probe_devices(backend: str) -> tuple[str, list[DeviceInfo]]:
@@ -62,12 +68,52 @@ def _secure_unix_socket(path: Path, mode: int, group: str) -> None:
     os.chmod(path, mode)
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+def _read_tls_file(cfg: BrokerConfig, key: str) -> bytes:
+    name = getattr(cfg.tls, key)
+    if not name:
+        raise FailedPrecondition(f"[tls] {key} is not set")
+    path = Path(name)
+    if not path.is_absolute() and cfg.path is not None:
+        path = cfg.path.parent / path  # relative paths are relative to the config file, not the cwd
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise FailedPrecondition(f"[tls] {key} {path}: {exc.strerror}") from None
+
+
 def tcp_credentials(cfg: BrokerConfig, address: str) -> grpc.ServerCredentials:
-    """TLS when configured; plaintext only on loopback (local credentials) or when told --insecure."""
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host in ("127.0.0.1", "::1", "localhost"):
+    """TLS on every TCP listener when [tls] is set; else local credentials on loopback, plaintext only if insecure."""
+    tls = cfg.tls
+    if tls is not None:
+        if tls.require_client_cert and not tls.client_ca_file:
+            raise FailedPrecondition("[tls] require_client_cert needs client_ca_file (the CA that signs clients)")
+        if not tls.allow_tokens and not tls.require_client_cert:
+            raise FailedPrecondition("[tls] allow_tokens = false needs require_client_cert = true: "
+                                     "otherwise no TCP client could authenticate")
+        # Python gRPC either requires a verified client certificate or asks for none at all: with
+        # require_client_cert off, TCP clients authenticate by token only and client_ca_file goes unused.
+        if tls.client_ca_file and not tls.require_client_cert:
+            log.warning("[tls] client_ca_file is set but require_client_cert is false: client certificates "
+                        "are not requested, so TCP clients authenticate by token only")
+        client_ca = _read_tls_file(cfg, "client_ca_file") if tls.require_client_cert else None
+        return grpc.ssl_server_credentials([(_read_tls_file(cfg, "key_file"), _read_tls_file(cfg, "cert_file"))],
+                                           root_certificates=client_ca, require_client_auth=tls.require_client_cert)
+    if _is_loopback(address.rsplit(":", 1)[0].strip("[]")):
         return grpc.local_server_credentials(grpc.LocalConnectionType.LOCAL_TCP)
-    raise FailedPrecondition(f"refusing plaintext TCP on non-loopback {address}: configure [tls] or pass --insecure")
+    if cfg.insecure:
+        log.warning("plaintext TCP on %s (insecure = true): tokens travel in the clear; configure [tls]", address)
+        return grpc.insecure_server_credentials()
+    raise FailedPrecondition(f"refusing plaintext TCP on non-loopback {address}: configure [tls] "
+                             "(see `gpubroker certs init`) or pass --insecure")
 
 
 class Broker:
@@ -79,9 +125,15 @@ class Broker:
         self.sessions: SessionManager | None = None
         self.pool: WorkerPool | None = None
         self.ports: list[str] = []
+        self.relay: RelayServer | None = None
 
     async def start(self) -> None:
         cfg = self.config
+        # Listener credentials first: a TLS or plaintext misconfiguration fails before the slow device probe.
+        tcp_creds = {a: tcp_credentials(cfg, a) for a in cfg.listen if not a.startswith("unix:")}
+        unix_paths = [a[len("unix:"):] for a in cfg.listen if a.startswith("unix:")]
+        if cfg.vsock_port and not unix_paths:
+            raise FailedPrecondition("vsock_port relays to the broker's own Unix socket: add a unix: listener")
         backend, devices = await asyncio.to_thread(probe_devices, cfg.backend)
         if cfg.devices is not None:
             missing = [d for d in cfg.devices if d >= len(devices)]
@@ -102,6 +154,7 @@ class Broker:
             ("grpc.so_reuseport", 0),
         ])
         pb_grpc.add_GpuBrokerServicer_to_server(service, self.server)
+        apb_grpc.add_AdminServicer_to_server(AdminService(self.auth, self.sessions, self.reload), self.server)
         for address in cfg.listen:
             if address.startswith("unix:"):
                 path = Path(address[len("unix:"):])
@@ -110,7 +163,7 @@ class Broker:
                 self.server.add_secure_port(address, grpc.local_server_credentials(grpc.LocalConnectionType.UDS))
                 self.ports.append(address)
             else:
-                port = self.server.add_secure_port(address, tcp_credentials(cfg, address))
+                port = self.server.add_secure_port(address, tcp_creds[address])
                 self.ports.append(address.rsplit(":", 1)[0] + f":{port}")
         await self.server.start()
         for address in self.ports:
@@ -118,10 +171,41 @@ class Broker:
                 _secure_unix_socket(Path(address[len("unix:"):]), cfg.socket_mode, cfg.socket_group)
         self.sessions.start()
         log.info("serving on %s", ", ".join(self.ports))
+        if cfg.vsock_port:
+            # grpcio cannot listen on vsock: relay VM connections to our Unix socket, whose local credentials
+            # then carry the bearer token exactly as for a local client.
+            try:
+                self.relay = await serve_relay(vsock_listener(cfg.vsock_port), unix_paths[0])
+            except BaseException:
+                await self.stop(0)
+                raise
+            log.info("relaying vsock port %d to unix:%s", cfg.vsock_port, unix_paths[0])
+
+    async def reload(self) -> apb.ReloadResponse:
+        """Re-read the tenants from the config file; live sessions of kept tenants go on."""
+        if self.config.path is None or self.sessions is None:
+            return apb.ReloadResponse()
+        fresh = await asyncio.to_thread(load_config, self.config.path)
+        old, new = self.config.tenants, fresh.tenants
+        added = sorted(set(new) - set(old))
+        removed = sorted(set(old) - set(new))
+        changed = sorted(n for n in set(old) & set(new) if old[n] != new[n])
+        # Swap in place: the service, sessions and authenticator all hold this config object.
+        self.config.tenants = new
+        self.auth.reload(self.config)
+        ended = 0
+        for name in removed:
+            ended += await self.sessions.end_tenant(name, reason="ended: tenant removed")
+        audit.info("action=reload added=%s removed=%s changed=%s sessions_ended=%d", added, removed, changed, ended)
+        return apb.ReloadResponse(added=added, removed=removed, changed=changed, sessions_ended=ended)
 
     async def stop(self, grace: float = 5.0) -> None:
         if self.server is not None:
             await self.server.stop(grace)
+        if self.relay is not None:
+            # After the server's grace period, so VM clients get it too; what is left of theirs ends here.
+            self.relay.close()
+            await self.relay.wait_closed()
         if self.sessions is not None:
             await self.sessions.stop()
         if self.pool is not None:
@@ -141,6 +225,20 @@ async def _serve(config: BrokerConfig, ready_file: str | None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reloads: set[asyncio.Task[None]] = set()
+
+    async def reload_logged() -> None:
+        try:
+            await broker.reload()
+        except Exception as exc:  # a broken config must not take the broker down; keep the old tenants
+            log.error("reload on SIGHUP failed, keeping the current tenants: %s", exc)
+
+    def on_sighup() -> None:
+        task = loop.create_task(reload_logged())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
     await stop.wait()
     log.info("stopping")
     await broker.stop()

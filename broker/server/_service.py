@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
@@ -9,11 +10,13 @@ from typing import Any
 import grpc
 
 from gpubroker.client import (
+    DeadlineExceeded,
     DeviceInfo,
     InvalidArgument,
     ModuleFormat,
     NotFound,
     OutOfRange,
+    ResourceExhausted,
 )
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
@@ -22,7 +25,7 @@ from ..auth import Authenticator
 from ..config import BrokerConfig
 from ..sessions import Session, SessionManager
 from ..workers import device_info_from_dict
-from ._status import principal_of, rpc, stream_rpc
+from ._status import admitted, principal_of, rpc, stream_rpc
 
 __all__ = ["GpuBrokerService", "device_info_to_pb"]
 
@@ -65,9 +68,14 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
         return principal_of(self.auth, context).tenant
 
-    def _session(self, context: grpc.aio.ServicerContext, session_id: str) -> Session:
-        session = self.sessions.get(session_id, self._tenant(context))
+    def _session(self, context: grpc.aio.ServicerContext, session_id: str, tenant: str | None = None) -> Session:
+        """The caller's live session, holding one of its concurrent-RPC slots until the call ends."""
+        session = self.sessions.get(session_id, tenant or self._tenant(context))
         session.check_alive()
+        if session.inflight >= self.config.max_concurrent_rpcs_per_session:
+            raise ResourceExhausted(f"this session already has {session.inflight} calls in flight, the limit")
+        session.inflight += 1
+        admitted.set(session)
         return session
 
     def _buffer_ref(self, session: Session, ref: pb.BufferRef) -> list[Any]:
@@ -128,6 +136,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         session = self._session(context, request.session)
         if request.size <= 0:
             raise InvalidArgument(f"allocation size must be > 0, got {request.size}")
+        session.check_room()
         self.sessions.reserve(session, request.size)
         try:
             backend_handle = await session.worker.call("allocate", session.id, size=request.size)
@@ -171,8 +180,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         if first is None or not first.HasField("header"):
             raise InvalidArgument("the first chunk must carry the copy header")
         header = first.header
-        session = self.sessions.get(header.session, tenant)
-        session.check_alive()
+        session = self._session(context, header.session, tenant)
         buf = self._buffer_ref(session, header.buffer)
         stream = self._stream(session, header.stream)
         if header.offset < 0 or header.size < 0:
@@ -229,14 +237,27 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         fmt = _FORMATS.get(request.format)
         if fmt is None:
             raise InvalidArgument("module format is missing or unknown")
+        if len(request.image) > self.config.max_module_bytes:
+            raise ResourceExhausted(f"module of {len(request.image)} bytes exceeds the limit of "
+                                    f"{self.config.max_module_bytes}")
+        session.check_room()
         image: bytes | str = request.image
         if fmt in (ModuleFormat.CUDA_C, ModuleFormat.OPENCL_C, ModuleFormat.PTX):
             try:
                 image = request.image.decode()
             except UnicodeDecodeError:
                 raise InvalidArgument("module source must be UTF-8 text") from None
-        result = await session.worker.call("load_module", session.id, format=fmt.value, image=image,
-                                           options=list(request.options))
+        try:
+            # A pathological source must not hold the tenant's worker (or this call) forever.
+            result = await asyncio.wait_for(
+                session.worker.call("load_module", session.id, format=fmt.value, image=image,
+                                    options=list(request.options)),
+                self.config.compile_timeout_seconds)
+        except TimeoutError:
+            await self.sessions.pool.restart(session.worker)
+            raise DeadlineExceeded(
+                f"compiling the module took longer than {self.config.compile_timeout_seconds:g} s; the tenant's "
+                "worker was restarted, so this session's device state is lost") from None
         handle = session.add("module", result["handle"])
         return pb.ModuleHandle(handle=handle, kernel_names=result["kernel_names"])
 
@@ -244,6 +265,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
     async def GetKernel(self, request: pb.GetKernelRequest, context: grpc.aio.ServicerContext) -> pb.KernelHandle:
         session = self._session(context, request.session)
         module = session.resolve(request.module, "module")
+        session.check_room()
         backend = await session.worker.call("get_kernel", session.id, module=module.backend, name=request.name)
         return pb.KernelHandle(handle=session.add("kernel", backend, name=request.name), name=request.name)
 
@@ -270,6 +292,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
     @rpc
     async def CreateStream(self, request: pb.SessionRequest, context: grpc.aio.ServicerContext) -> pb.StreamHandle:
         session = self._session(context, request.session)
+        session.check_room()
         backend = await session.worker.call("create_stream", session.id)
         return pb.StreamHandle(handle=session.add("stream", backend))
 

@@ -14,12 +14,22 @@ import msgpack
 from gpubroker.client import GpuBrokerError, Internal
 
 from ..auth import Authenticator, Principal
+from ..sessions import Session
 
 __all__ = ["ERROR_TRAILER", "principal_of", "rpc", "stream_rpc"]
 
 log = logging.getLogger("gpubroker.server")
 # The RPC being served, for audit lines; set by the wrappers below.
 current_method: contextvars.ContextVar[str] = contextvars.ContextVar("current_method", default="")
+# The session whose concurrent-RPC slot this call holds; released when the call ends.
+admitted: contextvars.ContextVar[Session | None] = contextvars.ContextVar("admitted", default=None)
+
+
+def _release_slot() -> None:
+    session = admitted.get()
+    if session is not None:
+        session.inflight -= 1
+        admitted.set(None)
 ERROR_TRAILER = "gpubroker-error-bin"
 
 Req = TypeVar("Req")
@@ -51,6 +61,7 @@ def rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -> 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         current_method.set(fn.__name__)
+        admitted.set(None)
         try:
             return await fn(self, request, context)
         except GpuBrokerError as exc:
@@ -59,6 +70,8 @@ def rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -> 
             if isinstance(exc, grpc.aio.AbortError):
                 raise
             await abort_with(context, _unexpected(exc))
+        finally:
+            _release_slot()
         raise AssertionError("unreachable: abort raises")
 
     return wrapper
@@ -71,6 +84,7 @@ def stream_rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
         current_method.set(fn.__name__)
+        admitted.set(None)
         try:
             async for item in fn(self, request, context):
                 yield item
@@ -80,5 +94,7 @@ def stream_rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[
             if isinstance(exc, grpc.aio.AbortError):
                 raise
             await abort_with(context, _unexpected(exc))
+        finally:
+            _release_slot()
 
     return wrapper

@@ -64,6 +64,20 @@ class WorkerPool:
                 del self._workers[key]
                 await worker.stop()
 
+    async def stop_tenant(self, tenant: str) -> None:
+        for key, worker in list(self._workers.items()):
+            if key[0] == tenant:
+                del self._workers[key]
+                await worker.stop()
+
+    async def restart(self, worker: WorkerClient) -> None:
+        """Kill a stuck worker (a compile past its timeout); the tenant's next session gets a fresh one."""
+        key = (worker.tenant, worker.device)
+        if self._workers.get(key) is worker:
+            del self._workers[key]
+            self.restarts += 1
+        await worker.kill()
+
     async def close(self) -> None:
         workers = list(self._workers.values())
         self._workers.clear()

@@ -1,0 +1,43 @@
+"""AdminClient: the operator's side of the Admin service (needs a tenant with admin = true)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpubroker.v1 import admin_pb2 as apb
+from gpubroker.v1 import admin_pb2_grpc as apb_grpc
+
+from ._transport import make_channel, translated
+
+__all__ = ["AdminClient"]
+
+
+class AdminClient:
+    def __init__(self, target: str, token: str, *, timeout: float = 30.0, **channel_options: Any) -> None:
+        self._channel, self._metadata = make_channel(target, token, **channel_options)
+        self._stub = apb_grpc.AdminStub(self._channel)
+        self.timeout = timeout
+
+    def _call(self, method: str, request: Any) -> Any:
+        return translated(getattr(self._stub, method), request, metadata=self._metadata, timeout=self.timeout)
+
+    def list_sessions(self, tenant: str = "") -> list[apb.SessionSummary]:
+        return list(self._call("ListSessions", apb.ListSessionsRequest(tenant=tenant)).sessions)
+
+    def end_session(self, session: str) -> apb.EndSessionResponse:
+        return self._call("EndSession", apb.EndSessionRequest(session=session))
+
+    def reload(self) -> apb.ReloadResponse:
+        return self._call("Reload", apb.ReloadRequest())
+
+    def drain(self) -> apb.DrainResponse:
+        return self._call("Drain", apb.DrainRequest())
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

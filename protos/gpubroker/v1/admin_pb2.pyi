@@ -1,0 +1,79 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class SessionSummary(_message.Message):
+    __slots__ = ("session", "tenant", "device", "idle_seconds", "memory_used", "handles", "lost", "worker_pid")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    WORKER_PID_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    tenant: str
+    device: int
+    idle_seconds: float
+    memory_used: int
+    handles: int
+    lost: str
+    worker_pid: int
+    def __init__(self, session: _Optional[str] = ..., tenant: _Optional[str] = ..., device: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., memory_used: _Optional[int] = ..., handles: _Optional[int] = ..., lost: _Optional[str] = ..., worker_pid: _Optional[int] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionSummary]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionSummary, _Mapping]]] = ...) -> None: ...
+
+class EndSessionRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class EndSessionResponse(_message.Message):
+    __slots__ = ("tenant", "memory_freed")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FREED_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    memory_freed: int
+    def __init__(self, tenant: _Optional[str] = ..., memory_freed: _Optional[int] = ...) -> None: ...
+
+class ReloadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReloadResponse(_message.Message):
+    __slots__ = ("added", "removed", "changed", "sessions_ended")
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_ENDED_FIELD_NUMBER: _ClassVar[int]
+    added: _containers.RepeatedScalarFieldContainer[str]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    changed: _containers.RepeatedScalarFieldContainer[str]
+    sessions_ended: int
+    def __init__(self, added: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., changed: _Optional[_Iterable[str]] = ..., sessions_ended: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("sessions_running",)
+    SESSIONS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    sessions_running: int
+    def __init__(self, sessions_running: _Optional[int] = ...) -> None: ...

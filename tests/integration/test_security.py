@@ -1,0 +1,240 @@
+"""Admin authorization, tenant reload and removal, limits, the audit log, and the socket's mode."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpubroker.broker import samples
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.client import (
+    Aborted,
+    AdminClient,
+    DeadlineExceeded,
+    ModuleFormat,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    connect,
+)
+from gpubroker.v1 import broker_pb2 as pb
+
+from ..conftest import worker_pids
+
+LIMITS = {"lease_seconds": 30.0, "max_sessions_per_tenant": 3, "max_handles_per_session": 8,
+          "max_concurrent_rpcs_per_session": 1, "max_module_bytes": 64 * 1024, "compile_timeout_seconds": 1.5}
+
+
+@pytest.fixture
+def guarded(backend: str) -> Iterator[BrokerProcess]:
+    tenants = [TenantSpec("ops", admin=True), TenantSpec("alice"), TenantSpec("bob")]
+    with BrokerProcess(tenants, backend=backend, settings=dict(LIMITS)) as proc:
+        yield proc
+
+
+def _cli(*args: str) -> str:
+    return subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", *args], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def _wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_socket_is_created_with_mode_0660(broker: BrokerProcess) -> None:
+    path = Path(broker.target.removeprefix("unix:"))
+    assert stat.S_ISSOCK(path.stat().st_mode)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o660
+
+
+def test_admin_calls_need_an_admin(guarded: BrokerProcess) -> None:
+    with AdminClient(guarded.target, guarded.tokens["alice"]) as not_admin, pytest.raises(PermissionDenied):
+        not_admin.list_sessions()
+    with AdminClient(guarded.target, "gpb_nope_nope") as stranger, pytest.raises(Unauthenticated):
+        stranger.list_sessions()
+    with AdminClient(guarded.target, guarded.tokens["ops"]) as admin, \
+            connect(guarded.target, token=guarded.tokens["alice"]) as alice:
+        alice.allocate_memory(4096)
+        (summary,) = admin.list_sessions("alice")
+        assert summary.session == alice.session and summary.memory_used == 4096 and summary.handles == 1
+        resp = admin.end_session(alice.session)
+        assert resp.tenant == "alice" and resp.memory_freed == 4096
+        with pytest.raises(NotFound):
+            alice.allocate_memory(16)
+        with pytest.raises(NotFound):
+            admin.end_session(alice.session)
+    log = guarded.log_tail(200_000)
+    assert "gpubroker.audit" in log and "action=end-session" in log and "admin=ops" in log
+    assert "denied: tenant=alice action=ListSessions" in log
+    assert "auth failure" in log and "method=ListSessions" in log
+
+
+def test_drain_refuses_new_sessions_while_running_ones_go_on(guarded: BrokerProcess) -> None:
+    with connect(guarded.target, token=guarded.tokens["bob"]) as bob:
+        buf = bob.allocate_memory(64)
+        with AdminClient(guarded.target, guarded.tokens["ops"]) as admin:
+            assert admin.drain().sessions_running == 1
+        with pytest.raises(Unavailable, match="draining"):
+            connect(guarded.target, token=guarded.tokens["alice"])
+        bob.copy_h2d(b"z" * 64, buf)
+        out = bytearray(64)
+        bob.copy_d2h(buf, out)
+        assert out == b"z" * 64
+
+
+def test_removed_tenant_is_ended_and_its_memory_freed(guarded: BrokerProcess) -> None:
+    alice = connect(guarded.target, token=guarded.tokens["alice"])
+    alice.allocate_memory(1 << 20)
+    (pid,) = worker_pids(guarded, "alice")
+    _cli("tenant", "remove", "alice", "--config", str(guarded.config_path))
+    with AdminClient(guarded.target, guarded.tokens["ops"]) as admin:
+        result = admin.reload()
+        assert list(result.removed) == ["alice"] and result.sessions_ended == 1
+        assert admin.list_sessions("alice") == []
+    with pytest.raises((NotFound, Unauthenticated)):
+        alice.allocate_memory(16)
+    with pytest.raises(Unauthenticated):
+        connect(guarded.target, token=guarded.tokens["alice"])
+    assert pid not in worker_pids(guarded, "alice")  # its worker (and device context) is gone
+    alice.close()
+
+
+def test_rotated_token_and_added_tenant_take_effect_on_sighup(guarded: BrokerProcess) -> None:
+    out = _cli("tenant", "rotate-token", "bob", "--config", str(guarded.config_path))
+    new_token = out.strip().splitlines()[-1]
+    out = _cli("tenant", "add", "dave", "--config", str(guarded.config_path), "--memory", "1GiB")
+    dave_token = out.strip().splitlines()[-1]
+    assert guarded.process is not None
+    os.kill(guarded.process.pid, signal.SIGHUP)
+    _wait_for(lambda: "action=reload added=['dave']" in guarded.log_tail(200_000), 20, "the SIGHUP reload")
+    with pytest.raises(Unauthenticated):
+        connect(guarded.target, token=guarded.tokens["bob"])
+    with connect(guarded.target, token=new_token) as bob, connect(guarded.target, token=dave_token) as dave:
+        assert bob.device_info().memory_quota == 2 * 1024**3
+        assert dave.device_info().memory_quota == 1024**3
+
+
+def test_broken_config_on_sighup_keeps_the_old_tenants(guarded: BrokerProcess) -> None:
+    guarded.config_path.write_text("[broker\n")
+    assert guarded.process is not None
+    os.kill(guarded.process.pid, signal.SIGHUP)
+    _wait_for(lambda: "reload on SIGHUP failed" in guarded.log_tail(200_000), 20, "the failed reload")
+    with connect(guarded.target, token=guarded.tokens["alice"]) as alice:
+        alice.allocate_memory(8)
+
+
+def test_session_and_handle_limits(guarded: BrokerProcess) -> None:
+    token = guarded.tokens["alice"]
+    sessions = [connect(guarded.target, token=token) for _ in range(3)]
+    with pytest.raises(ResourceExhausted, match="sessions"):
+        connect(guarded.target, token=token)
+    sessions.pop().close()
+    sessions.append(connect(guarded.target, token=token))  # room again once one closed
+    gpu = sessions[0]
+    bufs = [gpu.allocate_memory(8) for _ in range(8)]
+    with pytest.raises(ResourceExhausted, match="handles"):
+        gpu.allocate_memory(8)
+    with pytest.raises(ResourceExhausted, match="handles"):
+        gpu.create_stream()
+    gpu.free_memory(bufs.pop())
+    gpu.allocate_memory(8)
+    assert gpu.device_info().memory_used == 8 * 8
+    for s in sessions:
+        s.close()
+
+
+def test_concurrent_rpcs_per_session(guarded: BrokerProcess) -> None:
+    with connect(guarded.target, token=guarded.tokens["bob"]) as bob:
+        size = 32 << 20
+        buf = bob.allocate_memory(size)
+        # Hold one call open: a device-to-host stream we read one chunk of, then leave (flow control stalls it).
+        stream = bob._stub.CopyDeviceToHost(pb.CopyDeviceToHostRequest(session=bob.session, buffer=pb.BufferRef(
+            handle=buf.handle), size=size), metadata=bob._metadata)
+        next(stream)
+        with pytest.raises(ResourceExhausted, match="in flight"):
+            bob.synchronize()
+        stream.cancel()
+        _wait_for(lambda: _synchronizes(bob), 10, "the slot to be released")
+
+
+def _synchronizes(gpu) -> bool:
+    try:
+        gpu.synchronize()
+        return True
+    except ResourceExhausted:
+        return False
+
+
+def test_module_size_and_compile_timeout(guarded: BrokerProcess, backend: str) -> None:
+    fmt = ModuleFormat.CUDA_C if backend == "cuda" else ModuleFormat.OPENCL_C
+    with connect(guarded.target, token=guarded.tokens["bob"]) as bob:
+        with pytest.raises(ResourceExhausted, match="exceeds the limit"):
+            bob.load_module("//" + "x" * (64 * 1024), fmt)
+        bob.compile_kernel(samples.source(backend), "empty_kernel")  # still serving
+        # 100,000 unrolled statements; a unique constant defeats the runtime's compile cache.
+        slow = ("#define A(x) x x x x x x x x x x\n#define B(x) A(A(x))\n#define C(x) B(B(x))\n"
+                f"#define SALT {uuid.uuid4().int % 1000003}.0f\n")
+        if backend == "cuda":
+            slow += 'extern "C" __global__ void slow(float* p) { float v = p[0]; C(A(v = v * SALT + 0.5f;)) p[0] = v; }'
+        else:
+            slow += "__kernel void slow(__global float* p) { float v = p[0]; C(A(v = v * SALT + 0.5f;)) p[0] = v; }"
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded, match="longer than"):
+            bob.compile_kernel(slow, "slow")
+        assert time.monotonic() - t0 < 15
+    with connect(guarded.target, token=guarded.tokens["bob"]) as bob2:  # a fresh worker serves the next session
+        bob2.compile_kernel(samples.source(backend), "empty_kernel")
+
+
+def test_fault_spares_another_tenants_work_in_flight(guarded: BrokerProcess, backend: str) -> None:
+    """alice's kernel writes far out of bounds while bob copies 64 MiB and runs kernels: bob's results hold."""
+    src = samples.source(backend)
+    with connect(guarded.target, token=guarded.tokens["bob"]) as bob, \
+            connect(guarded.target, token=guarded.tokens["alice"]) as alice:
+        bad = alice.compile_kernel(src, "write_far")
+        small = alice.allocate_memory(16)
+        scale = bob.compile_kernel(src, "scale_inplace")
+        data = np.random.default_rng(9).random(16 << 20, dtype=np.float32)
+        big = bob.allocate_memory(data.nbytes)
+        bob_errors: list[BaseException] = []
+        started = threading.Event()
+
+        def bob_work() -> None:
+            try:
+                started.set()
+                bob.copy_h2d(data, big)
+                args = [big, np.float32(1.0), np.int32(data.size)]
+                for _ in range(3):
+                    bob.execute_kernel(scale, (data.size + 255) // 256, 256, args)
+                bob.synchronize()
+                out = np.empty_like(data)
+                bob.copy_d2h(big, out)
+                np.testing.assert_allclose(out, data + 3.0, rtol=1e-6)
+            except BaseException as exc:
+                bob_errors.append(exc)
+
+        worker = threading.Thread(target=bob_work)
+        worker.start()
+        started.wait()
+        with pytest.raises(Aborted):
+            alice.execute_kernel(bad, 1, 1, [small, np.int64(1 << 40)])
+            alice.synchronize()
+        worker.join()
+        assert not bob_errors, bob_errors
