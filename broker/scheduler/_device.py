@@ -1,0 +1,211 @@
+"""Weighted fair time-slicing of one device among tenants, in the front.
+
+One tenant holds the device at a time. Its device work (launches, copies, memsets) goes straight to its
+worker; other tenants' work waits in per-tenant queues. The holder keeps the device while it has work and
+nobody waits, or until its quantum runs out while others wait; then its worker is fenced (all its work
+finished) and charged the device time the runtime measured, and the waiting tenant with the least weighted
+device time goes next. Kernels cannot be preempted, so a light tenant waits at most quantum + the longest
+kernel in flight + one fence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from ._policy import FairPolicy
+
+__all__ = ["DeviceScheduler", "TenantUsage"]
+
+log = logging.getLogger("gpubroker.scheduler")
+
+Fence = Callable[[str], Awaitable[float]]
+
+
+@dataclass
+class TenantUsage:
+    """What the scheduler saw of one tenant on one device."""
+
+    device_seconds: float = 0.0
+    waits: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    charges: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=65536))
+    queued: int = 0
+    inflight: int = 0
+
+    def wait_percentile(self, q: float) -> float:
+        if not self.waits:
+            return 0.0
+        ordered = sorted(self.waits)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class DeviceScheduler:
+    def __init__(self, fence: Fence, quantum: float = 0.005, enabled: bool = True,
+                 clock: Callable[[], float] = time.monotonic, accounting_period: float = 1.0,
+                 idle_grace: float = 0.002) -> None:
+        self.quantum = quantum
+        # How long a holder with nothing in flight keeps its slice for its next command: a client's next call
+        # arrives a round trip later, and switching at every gap would starve tenants of short kernels.
+        self.idle_grace = idle_grace
+        self._grace_timer: asyncio.TimerHandle | None = None
+        # A lone holder is fenced this often anyway, so its usage figures stay current.
+        self.accounting_period = accounting_period
+        self.enabled = enabled
+        self.policy = FairPolicy()
+        self.usage: dict[str, TenantUsage] = {}
+        self.holder: str | None = None
+        self.slice_start = 0.0
+        self._fence = fence
+        self._clock = clock
+        self._waiters: dict[str, deque[asyncio.Future[None]]] = {}
+        self._switching: asyncio.Task[None] | None = None
+
+    # -- public ------------------------------------------------------------------------------------
+    def set_weight(self, tenant: str, weight: float) -> None:
+        self.policy.set_weight(tenant, weight)
+
+    @contextlib.asynccontextmanager
+    async def turn(self, tenant: str) -> AsyncIterator[None]:
+        """Hold a place on the device for one piece of the tenant's device work."""
+        if not self.enabled:
+            yield
+            return
+        await self._acquire(tenant)
+        try:
+            yield
+        finally:
+            self._release(tenant)
+
+    def forget(self, tenant: str) -> None:
+        """The tenant's worker went away: nothing of it is on the device any more."""
+        if self.holder == tenant and self._use(tenant).inflight == 0:
+            self.holder = None
+            self._maybe_switch()
+        self.policy.deactivate(tenant)
+
+    def share(self, tenant: str, window: float = 10.0) -> float:
+        """This tenant's fraction of the device time charged in the last ``window`` seconds."""
+        since = self._clock() - window
+        totals = {t: sum(s for ts, s in u.charges if ts >= since) for t, u in self.usage.items()}
+        whole = sum(totals.values())
+        return totals.get(tenant, 0.0) / whole if whole > 0 else 0.0
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _use(self, tenant: str) -> TenantUsage:
+        use = self.usage.get(tenant)
+        if use is None:
+            use = self.usage[tenant] = TenantUsage()
+        return use
+
+    def _others_waiting(self, tenant: str) -> bool:
+        return any(q for t, q in self._waiters.items() if t != tenant)
+
+    async def _acquire(self, tenant: str) -> None:
+        use = self._use(tenant)
+        self.policy.activate(tenant)
+        now = self._clock()
+        if self._switching is None:
+            if self.holder is None:
+                self.holder, self.slice_start = tenant, now
+            if self.holder == tenant and not (
+                    self._others_waiting(tenant) and now - self.slice_start >= self.quantum):
+                use.inflight += 1
+                use.waits.append(0.0)
+                return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(tenant, deque()).append(fut)
+        use.queued += 1
+        self._maybe_switch()
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._release(tenant)  # granted just as the caller gave up: hand the place back
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters[tenant].remove(fut)
+                use.queued -= 1
+            raise
+        use.waits.append(self._clock() - now)
+
+    def _release(self, tenant: str) -> None:
+        self._use(tenant).inflight -= 1
+        self._maybe_switch()
+
+    def _maybe_switch(self, expire: bool = False) -> None:
+        if self._switching is not None:
+            return
+        holder = self.holder
+        if holder is None:
+            if any(self._waiters.values()):
+                self._switching = asyncio.get_running_loop().create_task(self._switch(None))
+            return
+        held = self._use(holder)
+        if held.inflight:
+            return  # the switch waits for the holder's in-flight work to drain
+        if self._waiters.get(holder) and not (self._others_waiting(holder) and self._expired()):
+            self._grant(holder)  # the holder's next command came within its slice: carry on
+            return
+        elapsed = self._clock() - self.slice_start
+        if self._others_waiting(holder):
+            remaining = self.quantum - elapsed
+            if expire or remaining <= 0 or self.idle_grace <= 0:
+                self._start_switch(holder)
+            elif self._grace_timer is None:
+                loop = asyncio.get_running_loop()
+                self._grace_timer = loop.call_later(min(self.idle_grace, remaining), self._grace_over)
+        elif elapsed >= self.accounting_period:
+            self._start_switch(holder)
+
+    def _expired(self) -> bool:
+        return self._clock() - self.slice_start >= self.quantum
+
+    def _grace_over(self) -> None:
+        self._grace_timer = None
+        self._maybe_switch(expire=True)
+
+    def _start_switch(self, holder: str) -> None:
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+            self._grace_timer = None
+        self._switching = asyncio.get_running_loop().create_task(self._switch(holder))
+
+    async def _switch(self, old: str | None) -> None:
+        try:
+            if old is not None:
+                try:
+                    seconds = await self._fence(old)
+                except Exception as exc:  # a dead worker: charge nothing, move on
+                    log.info("fence for tenant %s failed: %s", old, exc)
+                    seconds = 0.0
+                self._charge(old, seconds)
+                if not self._waiters.get(old):
+                    self.policy.deactivate(old)
+            waiting = [t for t, q in self._waiters.items() if q]
+            self.holder = self.policy.pick(waiting) if waiting else None
+            self.slice_start = self._clock()
+        finally:
+            self._switching = None
+        if self.holder is not None:
+            self._grant(self.holder)
+
+    def _grant(self, tenant: str) -> None:
+        queue = self._waiters.get(tenant)
+        use = self._use(tenant)
+        while queue:
+            fut = queue.popleft()
+            use.queued -= 1
+            if not fut.done():
+                use.inflight += 1
+                fut.set_result(None)
+
+    def _charge(self, tenant: str, seconds: float) -> None:
+        use = self._use(tenant)
+        use.device_seconds += seconds
+        use.charges.append((self._clock(), seconds))
+        self.policy.charge(tenant, seconds)
