@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from collections.abc import Sequence
 
 import cupy
@@ -35,6 +36,7 @@ from gpubroker.client._host import HostBuffer, check_device_range, readable_byte
 
 from ._common import HandleTable, check_launch
 from ._cuda_driver import driver_extras
+from ._cuda_timing import DeviceTimer
 from ._cuda_util import (
     BAD_IMAGE,
     KernelRec,
@@ -75,6 +77,11 @@ class CudaBackend:
         self._modules: HandleTable[ModuleRec] = HandleTable("module")
         self._kernels: HandleTable[KernelRec] = HandleTable("kernel")
         self.allocated_bytes = 0
+        # Device time of the commands issued since the last take_device_time, measured with CUDA events.
+        self._timer = DeviceTimer()
+        # A non-fatal error that take_device_time saw while waiting; the tenant's next synchronize raises it.
+        self._deferred: GpuBrokerError | None = None
+        self._deferred_lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -116,6 +123,10 @@ class CudaBackend:
                 log.warning("error surfaced while closing the CUDA backend: %s", err.message)
                 if isinstance(err, Aborted):
                     self._fatal = err
+        if self._fatal is None:
+            self._timer.settle()  # the work is done: a take after close still charges it
+        else:
+            self._timer.abandon()
         tables = (self._kernels, self._modules, self._streams, self._buffers)
         for table in tables:
             for handle in table.handles():
@@ -197,10 +208,16 @@ class CudaBackend:
         if view.nbytes == 0:
             return
         host = np.frombuffer(view, dtype=np.uint8)  # no copy; only for its address
+        timer = self._timer
+        mark = None
         try:
+            mark = timer.start(s.ptr)
             runtime.memcpyAsync(mem.ptr + start, host.ctypes.data, view.nbytes, runtime.memcpyHostToDevice, s.ptr)
+            timer.stop(mark, s.ptr)
+            mark = None
             s.synchronize()  # the caller may reuse src as soon as we return
         except Exception as exc:
+            timer.cancel(mark)
             raise self._fail("copy_h2d", exc) from exc
 
     def copy_d2h(self, buf: Buffer, dst: HostBuffer, offset: int = 0, stream: Stream | None = None) -> None:
@@ -211,10 +228,16 @@ class CudaBackend:
         if view.nbytes == 0:
             return
         host = np.frombuffer(view, dtype=np.uint8)
+        timer = self._timer
+        mark = None
         try:
+            mark = timer.start(s.ptr)
             runtime.memcpyAsync(host.ctypes.data, mem.ptr + start, view.nbytes, runtime.memcpyDeviceToHost, s.ptr)
+            timer.stop(mark, s.ptr)
+            mark = None
             s.synchronize()  # dst must hold the data when we return
         except Exception as exc:
+            timer.cancel(mark)
             raise self._fail("copy_d2h", exc) from exc
 
     def copy_d2d(self, src: Buffer, dst: Buffer, size: int, src_offset: int = 0, dst_offset: int = 0,
@@ -227,9 +250,14 @@ class CudaBackend:
             return
         if src.handle == dst.handle and a < b + size and b < a + size:
             raise InvalidArgument("copy_d2d: source and destination ranges overlap")
+        timer = self._timer
+        mark = None
         try:
+            mark = timer.start(s.ptr)
             runtime.memcpyAsync(dmem.ptr + b, smem.ptr + a, size, runtime.memcpyDeviceToDevice, s.ptr)
+            timer.stop(mark, s.ptr)
         except Exception as exc:
+            timer.cancel(mark)
             raise self._fail("copy_d2d", exc) from exc
 
     def memset(self, buf: Buffer, value: int, size: int | None = None, offset: int = 0,
@@ -243,9 +271,14 @@ class CudaBackend:
         start = check_device_range(buf, offset, size, "memset")
         if size == 0:
             return
+        timer = self._timer
+        mark = None
         try:
+            mark = timer.start(s.ptr)
             runtime.memsetAsync(mem.ptr + start, int(value), size, s.ptr)
+            timer.stop(mark, s.ptr)
         except Exception as exc:
+            timer.cancel(mark)
             raise self._fail("memset", exc) from exc
 
     # -- code --------------------------------------------------------------------------------
@@ -348,12 +381,17 @@ class CudaBackend:
                 cargs.append(MemoryPointer(mem, view.offset))
             else:
                 cargs.append(arg)
+        timer = self._timer
+        mark = None
         try:
             if shared_mem > rec.dynamic_shared:  # above 48 KiB needs an explicit opt-in per function
                 driver.funcSetAttribute(rec.func.ptr, _MAX_DYNAMIC_SHARED, shared_mem)
                 rec.dynamic_shared = shared_mem
+            mark = timer.start(s.ptr)
             rec.func(shape.grid, shape.block, tuple(cargs), shared_mem=shared_mem, stream=s)
+            timer.stop(mark, s.ptr)
         except Exception as exc:
+            timer.cancel(mark)
             raise self._fail(f"launch {rec.name!r}", exc) from exc
 
     # -- streams -----------------------------------------------------------------------------
@@ -380,6 +418,10 @@ class CudaBackend:
         """Wait for one stream, or for the whole device when ``stream`` is None."""
         self._use()
         s = None if stream is None else self._stream(stream)
+        with self._deferred_lock:
+            deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            raise deferred  # surfaced by a take_device_time wait; it belongs to the tenant's work
         try:
             if s is None:
                 runtime.deviceSynchronize()
@@ -387,3 +429,34 @@ class CudaBackend:
                 s.synchronize()
         except Exception as exc:
             raise self._fail("synchronize", exc) from exc
+
+    # -- device-time accounting --------------------------------------------------------------
+    def take_device_time(self) -> float:
+        """Wait for all queued work, then return the device seconds spent by commands issued since the last
+        call (kernels, copies, memsets, d2d), and reset the tally.
+
+        Each command is bracketed by a pair of CUDA events on its stream, so this is what the GPU spent on
+        them, not host time; overlapping commands on different streams each count in full. Never raises:
+        it is 0.0 before initialize and after a fatal error (the context can no longer tell).
+        """
+        if self._fatal is not None:
+            self._timer.abandon()
+            return 0.0
+        pairs, total = self._timer.take()
+        if not pairs:
+            return total  # nothing unread (close() waited and folded everything into the total)
+        try:
+            if runtime.getDevice() != self._device:
+                runtime.setDevice(self._device)
+            runtime.deviceSynchronize()
+        except Exception as exc:
+            err = self._fail("take_device_time", exc)
+            if self._fatal is not None:
+                self._timer.abandon(pairs)
+                return 0.0
+            # Not the scheduler's error: the tenant's next synchronize reports it.
+            with self._deferred_lock:
+                if self._deferred is None:
+                    self._deferred = err
+            return total + self._timer.settle_pairs(pairs, completed_only=True)
+        return total + self._timer.settle_pairs(pairs)

@@ -32,6 +32,13 @@ from ._opencl_info import list_opencl_devices as list_opencl_devices
 
 __all__ = ["OpenCLBackend", "list_opencl_devices"]
 
+# Every queue profiles its commands, so take_device_time can charge what the device really spent.
+_QUEUE_PROPS = cl.command_queue_properties.PROFILING_ENABLE
+# Past this many untaken events, completed ones are folded into a running total (bounded memory).
+_FOLD_EVENTS = 4096
+_START, _END = cl.profiling_info.START, cl.profiling_info.END
+_COMPLETE = cl.command_execution_status.COMPLETE
+
 
 @dataclass
 class _Alloc:
@@ -68,6 +75,11 @@ class OpenCLBackend:
         self._kernels: HandleTable[KernelRec] = HandleTable("kern")
         # Sub-buffers made for launches stay referenced until their launch completes.
         self._in_flight: list[tuple[cl.CommandQueue, cl.Event, list[cl.Buffer]]] = []
+        # Device-time accounting: events of commands issued since the last take_device_time, plus the
+        # seconds of completed ones already folded out of the list.
+        self._events: list[cl.Event] = []
+        self._folded = 0.0
+        self._fold_at = _FOLD_EVENTS
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -84,7 +96,7 @@ class OpenCLBackend:
             device = devices[self._index]
             with cl_errors("initialize"):
                 context = cl.Context([device])
-                self._queue = cl.CommandQueue(context, device)
+                self._queue = cl.CommandQueue(context, device, properties=_QUEUE_PROPS)
                 # mem_base_addr_align is in bits; sub-buffer origins must be multiples of it.
                 self._align = max(int(device.mem_base_addr_align) // 8, 1)
                 self._max_alloc = int(device.max_mem_alloc_size)
@@ -102,6 +114,8 @@ class OpenCLBackend:
                 # Closing must release everything even if a queued command failed.
                 with contextlib.suppress(cl.Error):
                     queue.finish()
+            # Keep the finished work's device time: a take after close still charges it.
+            self._fold_completed(drop_pending=True)
             for handle in self._buffers.handles():
                 with contextlib.suppress(cl.Error):
                     self._buffers.pop(handle).mem.release()
@@ -196,7 +210,10 @@ class OpenCLBackend:
         start = check_device_range(view, as_int(offset, "offset"), data.nbytes, "copy_h2d")
         if data.nbytes:
             with cl_errors("copy_h2d"):
-                cl.enqueue_copy(queue, alloc.mem, data, dst_offset=start, is_blocking=True)
+                event = cl.enqueue_copy(queue, alloc.mem, data, dst_offset=start, is_blocking=True)
+                # A blocking copy's NannyEvent pins the host buffer until waited on; it is complete already.
+                event.wait()
+            self._track(event)
 
     def copy_d2h(self, buf: Buffer, dst: HostBuffer, offset: int = 0, stream: Stream | None = None) -> None:
         """Blocking: returns once ``dst`` holds the data."""
@@ -206,7 +223,9 @@ class OpenCLBackend:
         start = check_device_range(view, as_int(offset, "offset"), data.nbytes, "copy_d2h")
         if data.nbytes:
             with cl_errors("copy_d2h"):
-                cl.enqueue_copy(queue, data, alloc.mem, src_offset=start, is_blocking=True)
+                event = cl.enqueue_copy(queue, data, alloc.mem, src_offset=start, is_blocking=True)
+                event.wait()  # releases the NannyEvent's hold on dst
+            self._track(event)
 
     def copy_d2d(
         self,
@@ -232,7 +251,8 @@ class OpenCLBackend:
                 f"copy_d2d: source [{s}, {s + size}) and destination [{d}, {d + size}) overlap within one buffer"
             )
         with cl_errors("copy_d2d"):
-            cl.enqueue_copy(queue, dst_alloc.mem, src_alloc.mem, byte_count=size, src_offset=s, dst_offset=d)
+            event = cl.enqueue_copy(queue, dst_alloc.mem, src_alloc.mem, byte_count=size, src_offset=s, dst_offset=d)
+        self._track(event)
 
     def memset(
         self, buf: Buffer, value: int, size: int | None = None, offset: int = 0, stream: Stream | None = None
@@ -248,7 +268,8 @@ class OpenCLBackend:
         start = check_device_range(view, offset, size, "memset")
         if size:
             with cl_errors("memset"):
-                cl.enqueue_fill_buffer(queue, alloc.mem, np.array([value], dtype=np.uint8), start, size)
+                event = cl.enqueue_fill_buffer(queue, alloc.mem, np.array([value], dtype=np.uint8), start, size)
+            self._track(event)
 
     # -- programs and kernels --------------------------------------------------------------------
 
@@ -354,6 +375,7 @@ class OpenCLBackend:
             self._in_flight = [e for e in self._in_flight if not self._done(e[1])]
             if subs:
                 self._in_flight.append((queue, event, subs))
+            self._track(event)
 
     def _mem_arg(self, arg: Buffer, index: int, subs: list[cl.Buffer]) -> cl.Buffer:
         """The cl.Buffer for a kernel arg; a view with an offset becomes a sub-buffer."""
@@ -387,7 +409,7 @@ class OpenCLBackend:
     def create_stream(self) -> Stream:
         self._ready()
         with cl_errors("create_stream"):
-            queue = cl.CommandQueue(self._context, self._device)
+            queue = cl.CommandQueue(self._context, self._device, properties=_QUEUE_PROPS)
         with self._lock:
             return Stream(self._streams.add(queue))
 
@@ -401,6 +423,7 @@ class OpenCLBackend:
         with self._lock:
             self._streams.pop(stream.handle)
             self._in_flight = [e for e in self._in_flight if e[0] is not queue]
+            self._fold_completed()  # its commands are done: their events need not outlive the queue
 
     def synchronize(self, stream: Stream | None = None) -> None:
         """Wait for one stream, or for every queue when ``stream`` is None."""
@@ -414,3 +437,66 @@ class OpenCLBackend:
                 queue.finish()
         with self._lock:
             self._in_flight = [e for e in self._in_flight if not any(e[0] is q for q in queues)]
+
+    # -- device-time accounting ------------------------------------------------------------------
+
+    def take_device_time(self) -> float:
+        """Wait for all queued work, then return the device seconds spent by commands issued since the last
+        call (kernels, copies, memsets, d2d), and reset the tally. Measured by OpenCL profiling, not the
+        host clock; commands on different queues that overlapped each count in full. Never raises."""
+        with self._lock:
+            events, self._events = self._events, []
+            total, self._folded = self._folded, 0.0
+            self._fold_at = _FOLD_EVENTS
+            queues = [] if self._closed else self._all_queues()
+        if not events:
+            return total
+        # Every event taken above was enqueued before these finishes, so each is complete afterwards.
+        for queue in queues:
+            with contextlib.suppress(cl.Error):  # a failed command surfaces at the caller's synchronize
+                queue.finish()
+        pending: list[cl.Event] = []
+        for event in events:
+            seconds = _seconds_if_done(event)
+            if seconds is None:
+                pending.append(event)  # only if a finish failed: charge it at the next take
+            else:
+                total += seconds
+        if pending:
+            with self._lock:
+                self._events[:0] = pending
+        return total
+
+    def _track(self, event: cl.Event) -> None:
+        """Keep a command's event for take_device_time; fold completed ones when too many pile up."""
+        with self._lock:
+            self._events.append(event)
+            if len(self._events) > self._fold_at:
+                self._fold_completed()
+                # Doubling keeps the folding amortized O(1) per command even when the queue runs far behind.
+                self._fold_at = max(_FOLD_EVENTS, 2 * len(self._events))
+
+    def _fold_completed(self, drop_pending: bool = False) -> None:
+        """Move the device time of completed (or failed) commands into the running total. Hold the lock."""
+        keep: list[cl.Event] = []
+        for event in self._events:
+            seconds = _seconds_if_done(event)
+            if seconds is not None:
+                self._folded += seconds
+            elif not drop_pending:
+                keep.append(event)
+        self._events = keep
+
+
+def _seconds_if_done(event: cl.Event) -> float | None:
+    """A finished command's device seconds (0.0 if it failed or has no profile), or None while it is queued
+    or running."""
+    try:
+        status = int(event.command_execution_status)
+        if status > _COMPLETE:
+            return None
+        if status < _COMPLETE:
+            return 0.0  # the command failed: it has no profile to charge
+        return (event.get_profiling_info(_END) - event.get_profiling_info(_START)) * 1e-9
+    except cl.Error:
+        return 0.0

@@ -36,6 +36,7 @@ class TenantUsage:
     charges: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=65536))
     queued: int = 0
     inflight: int = 0
+    last_release: float | None = None
 
     def wait_percentile(self, q: float) -> float:
         if not self.waits:
@@ -86,7 +87,6 @@ class DeviceScheduler:
         if self.holder == tenant and self._use(tenant).inflight == 0:
             self.holder = None
             self._maybe_switch()
-        self.policy.deactivate(tenant)
 
     def share(self, tenant: str, window: float = 10.0) -> float:
         """This tenant's fraction of the device time charged in the last ``window`` seconds."""
@@ -107,8 +107,8 @@ class DeviceScheduler:
 
     async def _acquire(self, tenant: str) -> None:
         use = self._use(tenant)
-        self.policy.activate(tenant)
         now = self._clock()
+        self.policy.touch(tenant, now)
         if self._switching is None:
             if self.holder is None:
                 self.holder, self.slice_start = tenant, now
@@ -134,7 +134,10 @@ class DeviceScheduler:
         use.waits.append(self._clock() - now)
 
     def _release(self, tenant: str) -> None:
-        self._use(tenant).inflight -= 1
+        use = self._use(tenant)
+        use.inflight -= 1
+        use.last_release = self._clock()
+        self.policy.touch(tenant, use.last_release)
         self._maybe_switch()
 
     def _maybe_switch(self, expire: bool = False) -> None:
@@ -155,7 +158,8 @@ class DeviceScheduler:
         if self._others_waiting(holder):
             remaining = self.quantum - elapsed
             if expire or remaining <= 0 or self.idle_grace <= 0:
-                self._start_switch(holder)
+                # After the grace ran out with nothing submitted, the holder forfeits the rest of its slice.
+                self._start_switch(holder, forfeit=expire)
             elif self._grace_timer is None:
                 loop = asyncio.get_running_loop()
                 self._grace_timer = loop.call_later(min(self.idle_grace, remaining), self._grace_over)
@@ -169,13 +173,13 @@ class DeviceScheduler:
         self._grace_timer = None
         self._maybe_switch(expire=True)
 
-    def _start_switch(self, holder: str) -> None:
+    def _start_switch(self, holder: str, forfeit: bool = False) -> None:
         if self._grace_timer is not None:
             self._grace_timer.cancel()
             self._grace_timer = None
-        self._switching = asyncio.get_running_loop().create_task(self._switch(holder))
+        self._switching = asyncio.get_running_loop().create_task(self._switch(holder, forfeit))
 
-    async def _switch(self, old: str | None) -> None:
+    async def _switch(self, old: str | None, forfeit: bool = False) -> None:
         try:
             if old is not None:
                 try:
@@ -184,15 +188,25 @@ class DeviceScheduler:
                     log.info("fence for tenant %s failed: %s", old, exc)
                     seconds = 0.0
                 self._charge(old, seconds)
-                if not self._waiters.get(old):
-                    self.policy.deactivate(old)
             waiting = [t for t, q in self._waiters.items() if q]
-            self.holder = self.policy.pick(waiting) if waiting else None
+            now = self._clock()
+            for tenant in waiting:
+                self.policy.touch(tenant, now)  # waiting in the queue is being busy, not idle
+            # The old holder's next command is usually a round trip away: if it is still the most deserving,
+            # it keeps the device (for idle_grace at least), or the heaviest weights could never use their share.
+            recent = (old is not None and not forfeit and old not in waiting
+                      and self._use(old).last_release is not None
+                      and self._clock() - self._use(old).last_release <= self.idle_grace)
+            candidates = [*waiting, old] if recent and old is not None else waiting
+            self.holder = self.policy.pick(candidates) if candidates else None
             self.slice_start = self._clock()
         finally:
             self._switching = None
         if self.holder is not None:
-            self._grant(self.holder)
+            if self._waiters.get(self.holder):
+                self._grant(self.holder)
+            else:
+                self._maybe_switch()  # starts the grace timer: others wait while the holder's next call comes
 
     def _grant(self, tenant: str) -> None:
         queue = self._waiters.get(tenant)

@@ -10,50 +10,44 @@ __all__ = ["FairPolicy", "TenantAccount"]
 @dataclass
 class TenantAccount:
     weight: float
-    # Virtual finish time: device seconds charged / weight, offset so newcomers start level with the rest.
+    # Weighted device time: device seconds charged / weight, lifted when the tenant returns from idleness.
     vtime: float = 0.0
     device_seconds: float = 0.0
-    active: bool = False
+    last_busy: float | None = None
 
 
 class FairPolicy:
     """Picks which waiting tenant gets the device next.
 
     Each tenant's virtual time grows by (device time it used) / weight; the waiting tenant with the smallest
-    virtual time goes next. A tenant that becomes active again starts no lower than the smallest virtual time
-    among active tenants, so an idle tenant cannot bank credit and then monopolise the device.
+    virtual time goes next. A tenant that was idle longer than ``idle_reset`` restarts no lower than the
+    smallest virtual time among busy tenants, so idleness cannot be banked and spent as a monopoly later.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, idle_reset: float = 0.05) -> None:
+        self.idle_reset = idle_reset
         self.accounts: dict[str, TenantAccount] = {}
 
-    def account(self, tenant: str, weight: float = 1.0) -> TenantAccount:
+    def account(self, tenant: str) -> TenantAccount:
         acct = self.accounts.get(tenant)
         if acct is None:
-            acct = self.accounts[tenant] = TenantAccount(weight=max(weight, 1e-9))
+            acct = self.accounts[tenant] = TenantAccount(weight=1.0)
         return acct
 
     def set_weight(self, tenant: str, weight: float) -> None:
-        self.account(tenant).weight = max(weight, 1e-9)
+        self.account(tenant).weight = max(float(weight), 1e-9)
 
-    def _floor(self, excluding: str) -> float | None:
-        active = [a.vtime for t, a in self.accounts.items() if a.active and t != excluding]
-        return min(active) if active else None
+    def _busy(self, acct: TenantAccount, now: float) -> bool:
+        return acct.last_busy is not None and now - acct.last_busy <= self.idle_reset
 
-    def activate(self, tenant: str) -> None:
-        """The tenant has work again: bound its credit to the present."""
+    def touch(self, tenant: str, now: float) -> None:
+        """The tenant has work at ``now``; a return from idleness forfeits its unused credit."""
         acct = self.account(tenant)
-        if acct.active:
-            return
-        floor = self._floor(tenant)
-        if floor is None:
-            # Nobody else active: level everyone, so history does not skew the next contention.
-            floor = max((a.vtime for a in self.accounts.values()), default=0.0)
-        acct.vtime = max(acct.vtime, floor)
-        acct.active = True
-
-    def deactivate(self, tenant: str) -> None:
-        self.account(tenant).active = False
+        if not self._busy(acct, now):
+            others = [a.vtime for t, a in self.accounts.items() if t != tenant and self._busy(a, now)]
+            floor = min(others) if others else max((a.vtime for a in self.accounts.values()), default=0.0)
+            acct.vtime = max(acct.vtime, floor)
+        acct.last_busy = now
 
     def charge(self, tenant: str, device_seconds: float) -> None:
         acct = self.account(tenant)

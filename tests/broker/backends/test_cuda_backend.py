@@ -16,6 +16,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
+from gpubroker.broker.backends import _cuda_timing  # noqa: E402
 from gpubroker.broker.backends._cuda import CudaBackend, list_cuda_devices  # noqa: E402
 from gpubroker.client import (  # noqa: E402
     ArgumentTypeError,
@@ -544,7 +545,7 @@ def test_streams(gpu: CudaBackend, module: Module) -> None:
 # -- fatal errors ----------------------------------------------------------------------------------
 
 FATAL_SCRIPT = r"""
-import json, numpy as np
+import json, sys, numpy as np
 from gpubroker.broker.backends._cuda import CudaBackend
 from gpubroker.client import Aborted
 result = {}
@@ -552,6 +553,8 @@ gpu = CudaBackend(0)
 gpu.initialize()
 k = gpu.compile_kernel('extern "C" __global__ void poke(unsigned long long a) { *(int*)a = 1; }', "poke")
 gpu.execute_kernel(k, 1, 1, [np.uint64(8)])  # writes to address 8
+if sys.argv[1:] == ["take"]:
+    result["take_first"] = gpu.take_device_time()  # the scheduler's wait is the first to meet the fault
 try:
     gpu.synchronize()
 except Aborted as exc:
@@ -560,15 +563,19 @@ try:
     gpu.allocate_memory(16)
 except Aborted as exc:
     result["after"] = [type(exc).__name__, exc.details.get("fatal")]
+result["take"] = gpu.take_device_time()
 gpu.close()
 result["closed"] = True
+result["take_closed"] = gpu.take_device_time()
 print("RESULT" + json.dumps(result))
 """
 
 
-def test_illegal_address_is_fatal() -> None:
+@pytest.mark.parametrize("first", ["sync", "take"])
+def test_illegal_address_is_fatal(first: str) -> None:
     # In a child process: the error poisons the CUDA context for the whole process.
-    proc = subprocess.run([sys.executable, "-c", FATAL_SCRIPT], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", FATAL_SCRIPT, first], capture_output=True, text=True,
+                          timeout=120)
     print("FATAL_STDERR", proc.stderr[-2000:])
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
     assert line is not None, proc.stdout + proc.stderr
@@ -577,3 +584,93 @@ def test_illegal_address_is_fatal() -> None:
     assert "cudaErrorIllegalAddress" in result["sync"][2] or "ILLEGAL_ADDRESS" in result["sync"][2]
     assert result["after"] == ["Aborted", True]
     assert result["closed"]
+    # take_device_time never raises: after a fatal error there is nothing it can measure.
+    assert result["take"] == 0.0 and result["take_closed"] == 0.0
+    if first == "take":
+        assert result["take_first"] == 0.0
+
+
+# -- device time -----------------------------------------------------------------------------------
+
+SPIN_SOURCE = r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+"""
+
+
+def spin_cycles(gpu: CudaBackend, seconds: float) -> np.int64:
+    """SM clock cycles for about ``seconds`` at the device's reported clock."""
+    return np.int64(seconds * gpu.device_info().clock_mhz * 1e6)
+
+
+def test_device_time_is_zero_when_nothing_ran() -> None:
+    backend = CudaBackend(0)
+    assert backend.take_device_time() == 0.0  # before initialize
+    with backend:
+        assert backend.take_device_time() == 0.0  # right after initialize
+        assert backend.take_device_time() == 0.0
+
+
+def test_device_time_measures_kernels(gpu: CudaBackend) -> None:
+    spin = gpu.compile_kernel(SPIN_SOURCE, "spin")
+    cycles = spin_cycles(gpu, 2e-3)
+    gpu.execute_kernel(spin, 1, 1, [np.int64(1000)])  # warm-up: module load, clocks up
+    gpu.take_device_time()
+    gpu.execute_kernel(spin, 1, 1, [cycles])
+    gpu.execute_kernel(spin, 1, 1, [cycles])
+    took = gpu.take_device_time()  # no synchronize first: the take waits itself
+    print("DEVICE_TIME 2 x 2 ms spin:", took)
+    assert 3e-3 < took < 8e-3, took
+    assert gpu.take_device_time() < 1e-3
+    # The same work split over the default stream and a created one: each launch counts in full.
+    stream = gpu.create_stream()
+    gpu.execute_kernel(spin, 1, 1, [cycles])
+    gpu.execute_kernel(spin, 1, 1, [cycles], stream=stream)
+    took = gpu.take_device_time()
+    assert 3e-3 < took < 8e-3, took
+    gpu.destroy_stream(stream)
+    assert gpu.take_device_time() == 0.0
+
+
+def test_device_time_counts_copies_and_memsets(gpu: CudaBackend) -> None:
+    n = 64 << 20
+    host = np.full(n, 7, np.uint8)
+    a, b = gpu.allocate_memory(n), gpu.allocate_memory(n)
+    gpu.take_device_time()
+    gpu.copy_h2d(host, a)
+    assert gpu.take_device_time() > 0
+    gpu.copy_d2h(a, host)
+    assert gpu.take_device_time() > 0
+    gpu.copy_d2d(a, b, n)
+    assert gpu.take_device_time() > 0
+    gpu.memset(b, 1)
+    assert gpu.take_device_time() > 0
+    assert gpu.take_device_time() == 0.0
+
+
+def test_device_time_pairs_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_cuda_timing, "FOLD_PAIRS", 64)
+    with CudaBackend(0) as backend:
+        buf = backend.allocate_memory(64 << 10)
+        longest = 0
+        for i in range(1, 20 * 64 + 1):
+            backend.memset(buf, 3)
+            longest = max(longest, len(backend._timer._pairs))
+            if i % 64 == 0:
+                backend.synchronize()
+        # Without folding the list would hold all 1280 pairs; with it, completed ones leave once 64 pile up.
+        assert longest <= 2 * 64 + 1, longest
+        assert backend.take_device_time() > 0
+        assert backend._timer._pairs == [] and backend.take_device_time() == 0.0
+        assert backend._timer._pool  # read events are kept for reuse
+
+
+def test_device_time_survives_close() -> None:
+    with CudaBackend(0) as backend:
+        spin = backend.compile_kernel(SPIN_SOURCE, "spin")
+        backend.execute_kernel(spin, 1, 1, [spin_cycles(backend, 2e-3)])
+    took = backend.take_device_time()  # close waited for the launch; its time is still charged
+    assert 1e-3 < took < 8e-3, took
+    assert backend.take_device_time() == 0.0

@@ -8,6 +8,7 @@ import numpy as np
 import pyopencl as cl
 import pytest
 
+from gpubroker.broker.backends import _opencl
 from gpubroker.broker.backends._opencl import OpenCLBackend, list_opencl_devices
 from gpubroker.broker.backends._opencl_info import translate_cl_error
 from gpubroker.client import (
@@ -448,3 +449,132 @@ def test_cl_errors_are_translated() -> None:
     assert isinstance(translate_cl_error(err(cl.RuntimeError, -5), "x"), ResourceExhausted)
     assert isinstance(translate_cl_error(err(cl.LogicError, -30), "x"), InvalidArgument)
     assert isinstance(translate_cl_error(err(cl.RuntimeError, -9999), "x"), Internal)
+
+
+# -- device time -------------------------------------------------------------------------------
+
+SPIN = """
+__kernel void spin(__global float* out, uint iters) {
+    size_t i = get_global_id(0);
+    float x = (float)i;
+    for (uint k = 0; k < iters; ++k) x = x * 0.999999f + 1.0f;  /* a dependent chain: cannot be skipped */
+    out[i] = x;
+}
+"""
+SPIN_ITEMS = 256
+SPIN_ITERS = 40_000  # ~10-20 ms of PoCL CPU time for 256 work-items
+
+
+@pytest.fixture(scope="module")
+def spin(gpu: OpenCLBackend) -> Kernel:
+    return gpu.compile_kernel(SPIN, "spin")
+
+
+def run_spin(gpu: OpenCLBackend, spin: Kernel, out: Buffer, iters: int, stream: Stream | None = None) -> None:
+    gpu.execute_kernel(spin, SPIN_ITEMS // 64, 64, [out, np.uint32(iters)], stream=stream)
+
+
+def test_device_time_is_zero_when_nothing_ran() -> None:
+    backend = OpenCLBackend(0)
+    assert backend.take_device_time() == 0.0  # before initialize: nothing to charge, nothing raised
+    with backend:
+        assert backend.take_device_time() == 0.0
+        assert backend.take_device_time() == 0.0
+
+
+def test_device_time_scales_with_kernel_work(gpu: OpenCLBackend, spin: Kernel) -> None:
+    out = gpu.allocate_memory(SPIN_ITEMS * 4)
+    run_spin(gpu, spin, out, 100)  # warm-up: the first launch builds PoCL's work-group function
+    gpu.take_device_time()
+    run_spin(gpu, spin, out, SPIN_ITERS)
+    one = gpu.take_device_time()
+    assert gpu.take_device_time() < 1e-3  # the tally was reset and nothing ran since
+    run_spin(gpu, spin, out, 4 * SPIN_ITERS)
+    four = gpu.take_device_time()
+    assert one > 0
+    assert four > 1.5 * one, (one, four)
+    # Two launches are charged together, and nothing is left for the next take.
+    run_spin(gpu, spin, out, SPIN_ITERS)
+    run_spin(gpu, spin, out, SPIN_ITERS)
+    two = gpu.take_device_time()
+    assert two > 0 and gpu.take_device_time() == 0.0
+    gpu.free_memory(out)
+
+
+def test_device_time_waits_for_queued_work(gpu: OpenCLBackend, spin: Kernel) -> None:
+    """take_device_time needs no synchronize first: it waits itself, on every stream."""
+    out1, out2 = gpu.allocate_memory(SPIN_ITEMS * 4), gpu.allocate_memory(SPIN_ITEMS * 4)
+    stream = gpu.create_stream()
+    gpu.take_device_time()
+    run_spin(gpu, spin, out1, SPIN_ITERS)
+    run_spin(gpu, spin, out2, SPIN_ITERS, stream=stream)
+    assert gpu.take_device_time() > 0
+    host = np.empty(SPIN_ITEMS, F32)
+    gpu.copy_d2h(out2, host, stream=stream)  # the stream's result is there: its work had finished
+    assert np.isfinite(host).all() and host[1] > 1.0
+    gpu.take_device_time()
+    # Work on a stream destroyed before the take is still charged.
+    run_spin(gpu, spin, out2, SPIN_ITERS, stream=stream)
+    gpu.destroy_stream(stream)
+    assert gpu.take_device_time() > 0
+
+
+def test_device_time_counts_copies_and_memsets(gpu: OpenCLBackend) -> None:
+    n = 16 << 20
+    host = np.full(n, 7, np.uint8)
+    a, b = gpu.allocate_memory(n), gpu.allocate_memory(n)
+    gpu.take_device_time()
+    gpu.copy_h2d(host, a)
+    assert gpu.take_device_time() > 0
+    gpu.copy_d2h(a, host)
+    assert gpu.take_device_time() > 0
+    gpu.copy_d2d(a, b, n)
+    assert gpu.take_device_time() > 0
+    gpu.memset(b, 1)
+    assert gpu.take_device_time() > 0
+    assert gpu.take_device_time() == 0.0
+    # Zero-byte commands reach no queue, so they charge nothing.
+    gpu.copy_h2d(b"", a)
+    gpu.copy_d2h(a, bytearray())
+    gpu.copy_d2d(a, b, 0)
+    gpu.memset(a, 0, size=0)
+    assert gpu.take_device_time() == 0.0
+    gpu.free_memory(a)
+    gpu.free_memory(b)
+
+
+def test_kept_copy_events_do_not_pin_host_buffers(gpu: OpenCLBackend) -> None:
+    """A blocking copy's event is kept until the take; it must not keep the caller's buffer exported."""
+    buf = gpu.allocate_memory(64)
+    src, dst = bytearray(b"x" * 64), bytearray(64)
+    gpu.copy_h2d(src, buf)
+    gpu.copy_d2h(buf, dst)
+    src.extend(b"more")  # raises BufferError while an export of the bytearray is alive
+    dst.extend(b"more")
+    assert bytes(dst[:64]) == b"x" * 64
+    gpu.free_memory(buf)
+
+
+def test_device_time_events_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_opencl, "_FOLD_EVENTS", 64)
+    with OpenCLBackend(0) as backend:
+        buf = backend.allocate_memory(64 << 10)
+        longest = 0
+        for i in range(1, 20 * 64 + 1):
+            backend.memset(buf, 3)
+            longest = max(longest, len(backend._events))
+            if i % 64 == 0:
+                backend.synchronize()
+        # Without folding the list would hold all 1280 events; with it, completed ones leave once 64 pile up.
+        assert longest <= 2 * 64 + 1, longest
+        total = backend.take_device_time()
+        assert total > 0
+        assert backend._events == [] and backend.take_device_time() == 0.0
+
+
+def test_device_time_survives_close() -> None:
+    with OpenCLBackend(0) as backend:
+        buf = backend.allocate_memory(1 << 20)
+        backend.memset(buf, 1)
+    assert backend.take_device_time() > 0  # close waited for the memset; its time is still charged
+    assert backend.take_device_time() == 0.0

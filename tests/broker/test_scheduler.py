@@ -1,0 +1,174 @@
+"""The fair scheduler on a virtual clock: shares follow weights, idle credit is bounded, work-conserving."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gpubroker.broker.scheduler import DeviceScheduler, FairPolicy
+
+
+class Device:
+    """A simulated device: work advances a virtual clock; fences report the device time used since the last."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.pending: dict[str, float] = {}
+        self.fences = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def run(self, tenant: str, seconds: float) -> None:
+        self.now += seconds
+        self.pending[tenant] = self.pending.get(tenant, 0.0) + seconds
+
+    async def fence(self, tenant: str) -> float:
+        self.fences += 1
+        return self.pending.pop(tenant, 0.0)
+
+
+async def _saturate(sched: DeviceScheduler, dev: Device, tenant: str, kernel: float, until: float) -> None:
+    while dev.now < until:
+        async with sched.turn(tenant):
+            dev.run(tenant, kernel)
+        await asyncio.sleep(0)  # the client's next call arrives later than the others' waits
+
+
+def _shares(sched: DeviceScheduler) -> dict[str, float]:
+    total = sum(u.device_seconds for u in sched.usage.values())
+    return {t: u.device_seconds / total for t, u in sched.usage.items()}
+
+
+def test_shares_follow_weights_with_mixed_kernel_lengths() -> None:
+    async def scenario() -> dict[str, float]:
+        dev = Device()
+        sched = DeviceScheduler(dev.fence, quantum=0.005, clock=dev.clock)
+        weights = {"a": 1, "b": 2, "c": 4}
+        kernels = {"a": 0.004, "b": 0.0005, "c": 0.002}  # long, short and middling kernels
+        for tenant, weight in weights.items():
+            sched.set_weight(tenant, weight)
+        await asyncio.gather(*(_saturate(sched, dev, t, kernels[t], until=20.0) for t in weights))
+        return _shares(sched)
+
+    shares = asyncio.run(scenario())
+    for tenant, target in {"a": 1 / 7, "b": 2 / 7, "c": 4 / 7}.items():
+        assert shares[tenant] == pytest.approx(target, rel=0.05), shares
+
+
+def test_equal_tenants_get_equal_shares() -> None:
+    async def scenario() -> dict[str, float]:
+        dev = Device()
+        sched = DeviceScheduler(dev.fence, quantum=0.005, clock=dev.clock)
+        kernels = [0.0001, 0.001, 0.003, 0.0002, 0.002, 0.0007, 0.004, 0.0004]
+        await asyncio.gather(*(_saturate(sched, dev, f"t{i}", k, until=10.0) for i, k in enumerate(kernels)))
+        return _shares(sched)
+
+    shares = list(asyncio.run(scenario()).values())
+    jain = sum(shares) ** 2 / (len(shares) * sum(s * s for s in shares))
+    assert jain >= 0.99, shares
+
+
+def test_idle_credit_is_bounded() -> None:
+    """A tenant idle while another ran alone for a long time gets a fair share, not the device, on its return."""
+
+    async def scenario() -> tuple[float, float]:
+        dev = Device()
+        sched = DeviceScheduler(dev.fence, quantum=0.005, clock=dev.clock)
+        await _saturate(sched, dev, "early", 0.001, until=50.0)  # 50 s alone
+        before = {t: u.device_seconds for t, u in sched.usage.items()}
+        await asyncio.gather(_saturate(sched, dev, "early", 0.001, until=60.0),
+                             _saturate(sched, dev, "late", 0.001, until=60.0))
+        return (sched.usage["early"].device_seconds - before["early"], sched.usage["late"].device_seconds)
+
+    early, late = asyncio.run(scenario())
+    assert early / (early + late) == pytest.approx(0.5, abs=0.05)
+
+
+def test_lone_tenant_never_waits_and_is_rarely_fenced() -> None:
+    async def scenario() -> tuple[DeviceScheduler, Device]:
+        dev = Device()
+        sched = DeviceScheduler(dev.fence, quantum=0.005, clock=dev.clock, accounting_period=1.0)
+        await _saturate(sched, dev, "solo", 0.0001, until=10.0)
+        return sched, dev
+
+    sched, dev = asyncio.run(scenario())
+    assert max(sched.usage["solo"].waits) == 0.0
+    assert dev.fences <= 11  # one accounting fence a second, not one per command
+    assert sched.usage["solo"].device_seconds == pytest.approx(10.0, abs=1.0)
+
+
+def test_light_tenant_waits_at_most_quantum_plus_longest_kernel() -> None:
+    """A tenant far below its share (a small synchronous launch every 2 ms) is served within one slice."""
+
+    async def scenario() -> list[float]:
+        dev = Device()
+        sched = DeviceScheduler(dev.fence, quantum=0.005, clock=dev.clock)
+        heavy = [asyncio.create_task(_saturate(sched, dev, f"h{i}", 0.003, until=5.0)) for i in range(3)]
+        waits = []
+        while dev.now < 4.5:
+            think_until = dev.now + 0.002
+            while dev.now < think_until:  # the light tenant's think time passes as the others run
+                await asyncio.sleep(0)
+            start = dev.now
+            async with sched.turn("light"):
+                if start > 0.05:  # past the start, when every tenant's virtual time is still level
+                    waits.append(dev.now - start)
+                dev.run("light", 0.00001)
+        await asyncio.gather(*heavy)
+        return waits
+
+    waits = asyncio.run(scenario())
+    assert len(waits) > 50
+    # One holder's quantum plus one 3 ms kernel: everything the light tenant can be stuck behind.
+    assert max(waits) <= 0.005 + 0.003 + 1e-9, max(waits)
+
+
+def test_disabled_scheduler_passes_everything_through() -> None:
+    async def scenario() -> int:
+        dev = Device()
+        sched = DeviceScheduler(dev.fence, enabled=False, clock=dev.clock)
+        await asyncio.gather(*(_saturate(sched, dev, t, 0.001, until=1.0) for t in "ab"))
+        return dev.fences
+
+    assert asyncio.run(scenario()) == 0
+
+
+def test_cancelled_waiter_leaves_no_trace() -> None:
+    async def scenario() -> DeviceScheduler:
+        dev = Device()
+        sched = DeviceScheduler(dev.fence, quantum=0.005, clock=dev.clock)
+        hold = asyncio.Event()
+
+        async def holder() -> None:
+            async with sched.turn("a"):
+                await hold.wait()
+
+        task = asyncio.create_task(holder())
+        await asyncio.sleep(0)
+        waiter = asyncio.create_task(_saturate(sched, dev, "b", 0.001, until=0.01))
+        await asyncio.sleep(0)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        hold.set()
+        await task
+        async with sched.turn("b"):  # b is served again, and nothing of the cancelled wait lingers
+            pass
+        return sched
+
+    sched = asyncio.run(scenario())
+    assert sched.usage["b"].queued == 0 and sched.usage["b"].inflight == 0
+
+
+def test_policy_picks_least_weighted_time() -> None:
+    policy = FairPolicy()
+    for tenant, weight in (("a", 1), ("b", 3)):
+        policy.set_weight(tenant, weight)
+        policy.touch(tenant, 0.0)
+    policy.charge("a", 1.0)
+    policy.charge("b", 2.0)
+    assert policy.pick(["a", "b"]) == "b"  # 2/3 < 1/1
+    policy.charge("b", 2.0)
+    assert policy.pick(["a", "b"]) == "a"
