@@ -90,6 +90,11 @@ class BrokerConfig:
     max_handles_per_session: int = 4096
     max_module_bytes: int = 2 * 1024 * 1024
     compile_timeout_seconds: float = 60.0
+    max_streams_per_session: int = 64
+    max_inflight_per_tenant: int = 256  # device calls in flight across all of a tenant's sessions
+    # Weighted fair time-slicing of each device; off, tenants' work reaches the device in arrival order.
+    fair_scheduling: bool = True
+    quantum_ms: float = 5.0
     tls: TlsConfig | None = None
     tenants: dict[str, TenantConfig] = field(default_factory=dict)
     path: Path | None = None
@@ -160,7 +165,8 @@ _SCALARS = {
     "worker_idle_seconds": float, "worker_start_timeout": float,
     "socket_mode": lambda v: int(v, 8) if isinstance(v, str) else int(v), "socket_group": str, "insecure": bool,
     "max_sessions_per_tenant": int, "max_concurrent_rpcs_per_session": int, "max_handles_per_session": int,
-    "max_module_bytes": parse_size, "compile_timeout_seconds": float, "vsock_port": int,
+    "max_module_bytes": parse_size, "compile_timeout_seconds": float, "max_streams_per_session": int,
+    "max_inflight_per_tenant": int, "fair_scheduling": bool, "quantum_ms": float, "vsock_port": int,
 }
 
 

@@ -46,6 +46,7 @@ class Session:
     lost: str | None = None  # why the session's device state is gone
     max_handles: int = 4096
     inflight: int = 0
+    tenant_inflight: dict[str, int] = field(default_factory=dict)
 
     def touch(self) -> None:
         self.last_seen = time.monotonic()
@@ -82,6 +83,8 @@ class SessionManager:
         self.sessions: dict[str, Session] = {}
         self.memory_used: dict[tuple[str, int], int] = {}
         self.draining = False
+        # Calls in flight per tenant across its sessions; each Session shares this dict to release its slot.
+        self.inflight: dict[str, int] = {}
         self._reaper: asyncio.Task[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -102,7 +105,8 @@ class SessionManager:
             raise ResourceExhausted(f"tenant {tenant!r} already has {live} sessions, the limit; close one first")
         worker = await self.pool.get(tenant, device)
         session = Session(id=f"ses_{secrets.token_urlsafe(18)}", tenant=tenant, device=device, worker=worker,
-                          lease_seconds=self.config.lease_seconds, max_handles=self.config.max_handles_per_session)
+                          lease_seconds=self.config.lease_seconds, max_handles=self.config.max_handles_per_session,
+                          tenant_inflight=self.inflight)
         self.sessions[session.id] = session
         log.info("session %s opened for tenant %s on device %d", session.id, tenant, device)
         return session

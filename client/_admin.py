@@ -30,6 +30,9 @@ class AdminClient:
     def reload(self) -> apb.ReloadResponse:
         return self._call("Reload", apb.ReloadRequest())
 
+    def usage(self, window_seconds: float = 0.0) -> apb.UsageResponse:
+        return self._call("Usage", apb.UsageRequest(window_seconds=window_seconds))
+
     def drain(self) -> apb.DrainResponse:
         return self._call("Drain", apb.DrainRequest())
 

@@ -13,6 +13,7 @@ from gpubroker.v1 import admin_pb2 as apb
 from gpubroker.v1 import admin_pb2_grpc as apb_grpc
 
 from ..auth import Authenticator
+from ..scheduler import DeviceScheduler
 from ..sessions import SessionManager
 from ._status import principal_of, rpc
 
@@ -23,10 +24,11 @@ audit = logging.getLogger("gpubroker.audit")
 
 class AdminService(apb_grpc.AdminServicer):
     def __init__(self, auth: Authenticator, sessions: SessionManager,
-                 reload: Callable[[], Awaitable[apb.ReloadResponse]]) -> None:
+                 reload: Callable[[], Awaitable[apb.ReloadResponse]], schedulers: dict[int, DeviceScheduler]) -> None:
         self.auth = auth
         self.sessions = sessions
         self._reload = reload
+        self.schedulers = schedulers
 
     def _admin(self, context: grpc.aio.ServicerContext, action: str) -> str:
         principal = principal_of(self.auth, context)
@@ -69,3 +71,26 @@ class AdminService(apb_grpc.AdminServicer):
         self.sessions.draining = True
         audit.info("admin=%s action=drain peer=%s", admin, context.peer())
         return apb.DrainResponse(sessions_running=len(self.sessions.sessions))
+
+    @rpc
+    async def Usage(self, request: apb.UsageRequest, context: grpc.aio.ServicerContext) -> apb.UsageResponse:
+        self._admin(context, "Usage")
+        window = request.window_seconds or 10.0
+        config = self.sessions.config
+        rows = []
+        for device, scheduler in sorted(self.schedulers.items()):
+            names = sorted(set(scheduler.usage) | {s.tenant for s in self.sessions.sessions.values()
+                                                   if s.device == device})
+            for tenant in names:
+                use = scheduler.usage.get(tenant)
+                account = scheduler.policy.accounts.get(tenant)
+                rows.append(apb.TenantUsage(
+                    tenant=tenant, device=device, weight=account.weight if account else 1.0,
+                    device_seconds=use.device_seconds if use else 0.0, share=scheduler.share(tenant, window),
+                    queued=use.queued if use else 0, inflight=use.inflight if use else 0,
+                    wait_p50_ms=use.wait_percentile(0.5) * 1e3 if use else 0.0,
+                    wait_p99_ms=use.wait_percentile(0.99) * 1e3 if use else 0.0,
+                    memory_used=self.sessions.used(tenant, device), memory_quota=self.sessions.quota(tenant),
+                    sessions=sum(1 for s in self.sessions.sessions.values()
+                                 if s.tenant == tenant and s.device == device)))
+        return apb.UsageResponse(tenants=rows, fair_scheduling=config.fair_scheduling, quantum_ms=config.quantum_ms)

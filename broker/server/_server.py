@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import json
 import logging
@@ -23,6 +24,7 @@ from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 from ..auth import Authenticator
 from ..config import BrokerConfig, load_config
 from ..relay import RelayServer, serve_relay, vsock_listener
+from ..scheduler import DeviceScheduler
 from ..sessions import SessionManager
 from ..workers import WorkerPool, device_info_from_dict
 from ._admin import AdminService
@@ -125,6 +127,7 @@ class Broker:
         self.sessions: SessionManager | None = None
         self.pool: WorkerPool | None = None
         self.ports: list[str] = []
+        self.schedulers: dict[int, DeviceScheduler] = {}
         self.relay: RelayServer | None = None
 
     async def start(self) -> None:
@@ -146,15 +149,21 @@ class Broker:
         self.pool = WorkerPool(backend, cfg.worker_start_timeout, cfg.worker_idle_seconds,
                                on_worker_exit=lambda w: self.sessions.worker_exited(w) if self.sessions else None)
         self.sessions = SessionManager(cfg, self.pool)
+        self.schedulers = {
+            d: DeviceScheduler(functools.partial(self._fence, d), quantum=cfg.quantum_ms / 1000,
+                               enabled=cfg.fair_scheduling)
+            for d in range(len(devices))}
+        self._apply_weights()
         self.auth = Authenticator(cfg)
-        service = GpuBrokerService(cfg, self.auth, self.sessions, devices)
+        service = GpuBrokerService(cfg, self.auth, self.sessions, devices, self.schedulers)
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ])
         pb_grpc.add_GpuBrokerServicer_to_server(service, self.server)
-        apb_grpc.add_AdminServicer_to_server(AdminService(self.auth, self.sessions, self.reload), self.server)
+        admin = AdminService(self.auth, self.sessions, self.reload, self.schedulers)
+        apb_grpc.add_AdminServicer_to_server(admin, self.server)
         for address in cfg.listen:
             if address.startswith("unix:"):
                 path = Path(address[len("unix:"):])
@@ -181,6 +190,18 @@ class Broker:
                 raise
             log.info("relaying vsock port %d to unix:%s", cfg.vsock_port, unix_paths[0])
 
+    async def _fence(self, device: int, tenant: str) -> float:
+        """Wait for the tenant's queued work on the device and return the device seconds it used."""
+        worker = self.pool.live(tenant, device) if self.pool is not None else None
+        if worker is None:
+            return 0.0
+        return float(await worker.call("take_device_time", ""))
+
+    def _apply_weights(self) -> None:
+        for scheduler in self.schedulers.values():
+            for tenant in self.config.tenants.values():
+                scheduler.set_weight(tenant.name, tenant.weight)
+
     async def reload(self) -> apb.ReloadResponse:
         """Re-read the tenants from the config file; live sessions of kept tenants go on."""
         if self.config.path is None or self.sessions is None:
@@ -193,6 +214,7 @@ class Broker:
         # Swap in place: the service, sessions and authenticator all hold this config object.
         self.config.tenants = new
         self.auth.reload(self.config)
+        self._apply_weights()
         ended = 0
         for name in removed:
             ended += await self.sessions.end_tenant(name, reason="ended: tenant removed")

@@ -23,6 +23,7 @@ from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ..auth import Authenticator
 from ..config import BrokerConfig
+from ..scheduler import DeviceScheduler
 from ..sessions import Session, SessionManager
 from ..workers import device_info_from_dict
 from ._status import admitted, principal_of, rpc, stream_rpc
@@ -58,11 +59,17 @@ def _dims(values: Any, what: str) -> list[int]:
 
 class GpuBrokerService(pb_grpc.GpuBrokerServicer):
     def __init__(self, config: BrokerConfig, auth: Authenticator, sessions: SessionManager,
-                 devices: list[DeviceInfo]) -> None:
+                 devices: list[DeviceInfo], schedulers: dict[int, DeviceScheduler]) -> None:
         self.config = config
         self.auth = auth
         self.sessions = sessions
         self.devices = devices
+        self.schedulers = schedulers
+
+    async def _device(self, session: Session, op: str, **params: Any) -> Any:
+        """Device work (launches, copies, memsets) waits for the tenant's turn on the device."""
+        async with self.schedulers[session.device].turn(session.tenant):
+            return await session.worker.call(op, session.id, **params)
 
     # -- helpers -----------------------------------------------------------------------------------
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
@@ -74,7 +81,12 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         session.check_alive()
         if session.inflight >= self.config.max_concurrent_rpcs_per_session:
             raise ResourceExhausted(f"this session already has {session.inflight} calls in flight, the limit")
+        tenant_inflight = self.sessions.inflight.get(session.tenant, 0)
+        if tenant_inflight >= self.config.max_inflight_per_tenant:
+            raise ResourceExhausted(f"tenant {session.tenant!r} already has {tenant_inflight} calls in flight, "
+                                    "the limit")
         session.inflight += 1
+        self.sessions.inflight[session.tenant] = tenant_inflight + 1
         admitted.set(session)
         return session
 
@@ -157,7 +169,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
     @rpc
     async def Memset(self, request: pb.MemsetRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
         session = self._session(context, request.session)
-        await session.worker.call("memset", session.id, buf=self._buffer_ref(session, request.buffer),
+        await self._device(session, "memset", buf=self._buffer_ref(session, request.buffer),
                                   offset=request.offset, size=request.size, value=request.value,
                                   stream=self._stream(session, request.stream))
         return pb.Empty()
@@ -166,7 +178,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
     async def CopyDeviceToDevice(self, request: pb.CopyDeviceToDeviceRequest, context: grpc.aio.ServicerContext
                                  ) -> pb.Empty:
         session = self._session(context, request.session)
-        await session.worker.call("copy_d2d", session.id, src=self._buffer_ref(session, request.src),
+        await self._device(session, "copy_d2d", src=self._buffer_ref(session, request.src),
                                   dst=self._buffer_ref(session, request.dst), size=request.size,
                                   src_offset=request.src_offset, dst_offset=request.dst_offset,
                                   stream=self._stream(session, request.stream))
@@ -199,7 +211,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
             if written + len(data) > header.size:
                 raise InvalidArgument(f"chunks carry more than the {header.size} bytes the header announced")
             if data:
-                await session.worker.call("write", session.id, buf=buf, offset=header.offset + written,
+                await self._device(session, "write", buf=buf, offset=header.offset + written,
                                           data=data, stream=stream)
                 written += len(data)
             session.touch()
@@ -223,7 +235,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         done = 0
         while done < request.size:
             n = min(chunk, request.size - done)
-            data = await session.worker.call("read", session.id, buf=buf, offset=request.offset + done, size=n,
+            data = await self._device(session, "read", buf=buf, offset=request.offset + done, size=n,
                                              stream=stream)
             done += n
             session.touch()
@@ -282,7 +294,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
                 args.append(["s", arg.scalar.dtype, arg.scalar.value])
             else:
                 raise InvalidArgument(f"kernel arg {len(args)} is empty")
-        await session.worker.call("launch", session.id, kernel=kernel.backend, name=kernel.name,
+        await self._device(session, "launch", kernel=kernel.backend, name=kernel.name,
                                   grid=_dims(request.grid, "grid"), block=_dims(request.block, "block"),
                                   shared_mem=request.shared_mem, stream=self._stream(session, request.stream),
                                   args=args)
@@ -293,6 +305,9 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
     async def CreateStream(self, request: pb.SessionRequest, context: grpc.aio.ServicerContext) -> pb.StreamHandle:
         session = self._session(context, request.session)
         session.check_room()
+        streams = sum(1 for h in session.handles.values() if h.kind == "stream")
+        if streams >= self.config.max_streams_per_session:
+            raise ResourceExhausted(f"this session already has {streams} streams, the limit")
         backend = await session.worker.call("create_stream", session.id)
         return pb.StreamHandle(handle=session.add("stream", backend))
 

@@ -29,6 +29,7 @@ def _release_slot() -> None:
     session = admitted.get()
     if session is not None:
         session.inflight -= 1
+        session.tenant_inflight[session.tenant] -= 1
         admitted.set(None)
 ERROR_TRAILER = "gpubroker-error-bin"
 

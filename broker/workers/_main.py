@@ -169,6 +169,11 @@ class WorkerServer:
     def op_synchronize(self, session: str, p: dict[str, Any]) -> Any:
         self.backend.synchronize(self._stream(session, p.get("stream")))
 
+    def op_take_device_time(self, session: str, p: dict[str, Any]) -> Any:
+        """Device seconds used since the last take (the fair scheduler's charge); waits for queued work."""
+        take = getattr(self.backend, "take_device_time", None)
+        return float(take()) if take is not None else 0.0
+
     def op_close_session(self, session: str, p: dict[str, Any]) -> Any:
         """Free everything the session owned; errors on one object do not stop the rest."""
         owned = self.owned.pop(session, None)

@@ -28,6 +28,10 @@ class WorkerPool:
     def workers(self) -> list[WorkerClient]:
         return list(self._workers.values())
 
+    def live(self, tenant: str, device: int) -> WorkerClient | None:
+        worker = self._workers.get((tenant, device))
+        return worker if worker is not None and worker.alive else None
+
     async def get(self, tenant: str, device: int) -> WorkerClient:
         """The live worker for (tenant, device), starting one if needed; concurrent callers share a start."""
         key = (tenant, device)

@@ -77,3 +77,47 @@ class DrainResponse(_message.Message):
     SESSIONS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     sessions_running: int
     def __init__(self, sessions_running: _Optional[int] = ...) -> None: ...
+
+class UsageRequest(_message.Message):
+    __slots__ = ("window_seconds",)
+    WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    window_seconds: float
+    def __init__(self, window_seconds: _Optional[float] = ...) -> None: ...
+
+class TenantUsage(_message.Message):
+    __slots__ = ("tenant", "device", "weight", "device_seconds", "share", "queued", "inflight", "wait_p50_ms", "wait_p99_ms", "memory_used", "memory_quota", "sessions")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    WAIT_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    device: int
+    weight: float
+    device_seconds: float
+    share: float
+    queued: int
+    inflight: int
+    wait_p50_ms: float
+    wait_p99_ms: float
+    memory_used: int
+    memory_quota: int
+    sessions: int
+    def __init__(self, tenant: _Optional[str] = ..., device: _Optional[int] = ..., weight: _Optional[float] = ..., device_seconds: _Optional[float] = ..., share: _Optional[float] = ..., queued: _Optional[int] = ..., inflight: _Optional[int] = ..., wait_p50_ms: _Optional[float] = ..., wait_p99_ms: _Optional[float] = ..., memory_used: _Optional[int] = ..., memory_quota: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+
+class UsageResponse(_message.Message):
+    __slots__ = ("tenants", "fair_scheduling", "quantum_ms")
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    FAIR_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
+    QUANTUM_MS_FIELD_NUMBER: _ClassVar[int]
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantUsage]
+    fair_scheduling: bool
+    quantum_ms: float
+    def __init__(self, tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., fair_scheduling: _Optional[bool] = ..., quantum_ms: _Optional[float] = ...) -> None: ...

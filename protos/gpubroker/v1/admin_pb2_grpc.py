@@ -54,6 +54,11 @@ class AdminStub:
                 request_serializer=gpubroker_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
                 response_deserializer=gpubroker_dot_v1_dot_admin__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Usage = channel.unary_unary(
+                '/gpubroker.v1.Admin/Usage',
+                request_serializer=gpubroker_dot_v1_dot_admin__pb2.UsageRequest.SerializeToString,
+                response_deserializer=gpubroker_dot_v1_dot_admin__pb2.UsageResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -86,6 +91,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Usage(self, request, context):
+        """Per tenant and device: device time, share, queue depth and waits (the fair scheduler's view), memory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +120,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=gpubroker_dot_v1_dot_admin__pb2.DrainRequest.FromString,
                     response_serializer=gpubroker_dot_v1_dot_admin__pb2.DrainResponse.SerializeToString,
+            ),
+            'Usage': grpc.unary_unary_rpc_method_handler(
+                    servicer.Usage,
+                    request_deserializer=gpubroker_dot_v1_dot_admin__pb2.UsageRequest.FromString,
+                    response_serializer=gpubroker_dot_v1_dot_admin__pb2.UsageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +235,33 @@ class Admin:
             '/gpubroker.v1.Admin/Drain',
             gpubroker_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
             gpubroker_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Usage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpubroker.v1.Admin/Usage',
+            gpubroker_dot_v1_dot_admin__pb2.UsageRequest.SerializeToString,
+            gpubroker_dot_v1_dot_admin__pb2.UsageResponse.FromString,
             options,
             channel_credentials,
             insecure,
