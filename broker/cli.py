@@ -166,10 +166,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from gpubroker.bench.remote_vs_local import main as bench_main
-
-    return bench_main(["--backend", args.backend or "auto", *(["--out", args.out] if args.out else []),
-                       *(["--quick"] if args.quick else [])])
+    if args.which == "fairness":
+        from gpubroker.bench.fairness import main as bench_main
+    else:
+        from gpubroker.bench.remote_vs_local import main as bench_main
+    return bench_main(args.rest)
 
 
 def _cmd_relay(args: argparse.Namespace) -> int:
@@ -259,10 +260,10 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--backend", choices=["auto", "cuda", "opencl"])
     m.set_defaults(fn=_cmd_demo)
 
-    b = sub.add_parser("bench", help="remote vs in-process: launch round trip, H2D/D2H bandwidth (JSON)")
-    b.add_argument("--backend", choices=["auto", "cuda", "opencl"])
-    b.add_argument("--out", help="also write the JSON here")
-    b.add_argument("--quick", action="store_true", help="fewer iterations and smaller copies")
+    b = sub.add_parser("bench", help="benchmarks printing JSON: `remote` (remote vs in-process: launch round trip, "
+                       "copy bandwidth) or `fairness` (shares, Jain's index, light-tenant latency)")
+    b.add_argument("which", choices=["remote", "fairness"])
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (--backend, --out, ...)")
     b.set_defaults(fn=_cmd_bench)
     return p
 

@@ -50,6 +50,14 @@ extern "C" __global__ void scale_inplace(float* x, const float factor, const int
 
 extern "C" __global__ void empty_kernel() {}
 
+extern "C" __global__ void spin(float* x, const long long iters) {
+    // A dependent chain of multiply-adds: run time grows linearly with iters (for fairness benchmarks).
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    float v = x[i];
+    for (long long k = 0; k < iters; ++k) v = v * 0.999999f + 0.5f;
+    x[i] = v;
+}
+
 extern "C" __global__ void write_far(float* x, const long long stride) {
     // Deliberately writes far outside its buffer: used to prove a faulting tenant harms nobody else.
     for (long long i = 0; i < 64; ++i) x[(i + 1) * stride] = 1.0f;
@@ -97,13 +105,21 @@ __kernel void scale_inplace(__global float* x, const float factor, const int n) 
 
 __kernel void empty_kernel() {}
 
+__kernel void spin(__global float* x, const long iters) {
+    // A dependent chain of multiply-adds: run time grows linearly with iters (for fairness benchmarks).
+    int i = get_global_id(0);
+    float v = x[i];
+    for (long k = 0; k < iters; ++k) v = v * 0.999999f + 0.5f;
+    x[i] = v;
+}
+
 __kernel void write_far(__global float* x, const long stride) {
     // Deliberately writes far outside its buffer: used to prove a faulting tenant harms nobody else.
     for (long i = 0; i < 64; ++i) x[(i + 1) * stride] = 1.0f;
 }
 """
 
-KERNELS = ("vector_add", "saxpy", "reduce_sum", "matmul", "scale_inplace", "empty_kernel", "write_far")
+KERNELS = ("vector_add", "saxpy", "reduce_sum", "matmul", "scale_inplace", "empty_kernel", "spin", "write_far")
 
 
 def source(backend: str) -> str:

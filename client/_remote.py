@@ -49,7 +49,8 @@ def _device_info(msg: pb.DeviceInfo) -> DeviceInfo:
         compute_capability=tuple(msg.compute_capability) if msg.compute_capability else None,  # type: ignore[arg-type]
         opencl_version=msg.opencl_version or None, driver_version=msg.driver_version,
         memory_quota=msg.memory_quota if msg.HasField("memory_quota") else None,
-        memory_used=msg.memory_used if msg.HasField("memory_used") else None)
+        memory_used=msg.memory_used if msg.HasField("memory_used") else None,
+        memory_available=msg.memory_available if msg.HasField("memory_available") else None)
 
 
 def _ref(buf: Buffer) -> pb.BufferRef:

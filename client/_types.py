@@ -59,6 +59,7 @@ class DeviceInfo:
     # Filled in by the broker for a tenant's view; None in-process.
     memory_quota: int | None = None
     memory_used: int | None = None
+    memory_available: int | None = None
 
 
 @dataclass(frozen=True)

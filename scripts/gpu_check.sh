@@ -18,5 +18,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 "$PY" -m pytest -p no:cacheprovider -o addopts="" -m cuda -q -rs \
   tests/integration tests/broker/backends/test_cuda_backend.py 2>&1 | tee "$OUTDIR/gpu-tests.log"
 status=${PIPESTATUS[0]}
-"$PY" -m gpubroker.broker.cli bench --backend cuda --out "$OUTDIR/bench.json" || status=1
+"$PY" -m gpubroker.broker.cli bench remote --backend cuda --out "$OUTDIR/bench.json" || status=1
+if [ "${FAIRNESS:-1}" = 1 ]; then
+  "$PY" -m gpubroker.broker.cli bench fairness --backend cuda --out "$OUTDIR/fairness.json" \
+    --png "$OUTDIR/fairness.png" || status=1
+fi
 exit "$status"

@@ -44,7 +44,7 @@ def device_info_to_pb(info: DeviceInfo) -> pb.DeviceInfo:
     fields: dict[str, Any] = dataclasses.asdict(info)
     fields["compute_capability"] = list(info.compute_capability or ())
     fields["opencl_version"] = info.opencl_version or ""
-    for key in ("memory_quota", "memory_used"):
+    for key in ("memory_quota", "memory_used", "memory_available"):
         if fields[key] is None:
             del fields[key]
     return pb.DeviceInfo(**fields)
@@ -100,8 +100,10 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         return session.resolve(handle, "stream").backend if handle else None
 
     def _tenant_view(self, session: Session, info: DeviceInfo) -> pb.DeviceInfo:
-        view = dataclasses.replace(info, memory_quota=self.sessions.quota(session.tenant),
-                                   memory_used=self.sessions.used(session.tenant, session.device))
+        quota = self.sessions.quota(session.tenant)
+        used = self.sessions.used(session.tenant, session.device)
+        view = dataclasses.replace(info, memory_quota=quota, memory_used=used,
+                                   memory_available=max(0, min(quota - used, info.free_memory)))
         return device_info_to_pb(view)
 
     # -- sessions ----------------------------------------------------------------------------------
@@ -322,5 +324,5 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
     @rpc
     async def Synchronize(self, request: pb.StreamRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
         session = self._session(context, request.session)
-        await session.worker.call("synchronize", session.id, stream=self._stream(session, request.stream))
+        await self._device(session, "synchronize", stream=self._stream(session, request.stream))
         return pb.Empty()

@@ -1,0 +1,99 @@
+"""Memory quotas under racing allocations, and weighted device shares through a real broker."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from gpubroker.broker import samples
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.client import AdminClient, GpuBrokerError, ResourceExhausted, connect
+
+
+@pytest.fixture
+def weighted(backend: str) -> Iterator[BrokerProcess]:
+    tenants = [TenantSpec("ops", admin=True), TenantSpec("light", weight=1), TenantSpec("heavy", weight=3),
+               TenantSpec("tight", memory_quota=64 << 20)]
+    with BrokerProcess(tenants, backend=backend, settings={"quantum_ms": 5.0}) as proc:
+        yield proc
+
+
+def test_racing_allocations_never_exceed_the_quota(weighted: BrokerProcess) -> None:
+    chunk = 3 << 20  # 21 of these fit in 64 MiB
+    gpus = [connect(weighted.target, token=weighted.tokens["tight"]) for _ in range(4)]
+    results: list[object] = []
+    barrier = threading.Barrier(64)
+
+    def allocate(i: int) -> None:
+        barrier.wait()
+        try:
+            results.append(gpus[i % 4].allocate_memory(chunk))
+        except ResourceExhausted as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=allocate, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    won = [r for r in results if not isinstance(r, GpuBrokerError)]
+    refused = [r for r in results if isinstance(r, ResourceExhausted)]
+    assert len(won) == (64 << 20) // chunk and len(refused) == 64 - len(won)
+    info = gpus[0].device_info()
+    assert info.memory_used == len(won) * chunk <= info.memory_quota
+    assert "quota 67108864" in refused[0].message and f"requested {chunk}" in refused[0].message
+    for g in gpus:
+        g.close()
+    with connect(weighted.target, token=weighted.tokens["tight"]) as again:  # closed sessions gave it all back
+        assert again.device_info().memory_used == 0
+
+
+def test_device_info_shows_quota_use_and_room(weighted: BrokerProcess) -> None:
+    with connect(weighted.target, token=weighted.tokens["tight"]) as gpu:
+        gpu.allocate_memory(1 << 20)
+        info = gpu.device_info()
+        assert (info.memory_quota, info.memory_used) == (64 << 20, 1 << 20)
+        assert info.memory_available == min(63 << 20, info.free_memory)
+
+
+def test_weighted_tenants_share_the_device(weighted: BrokerProcess, backend: str) -> None:
+    """Two saturating tenants with weights 1 : 3 get device-time shares near 1/4 and 3/4."""
+    iters = np.int64(3_000_000 if backend == "opencl" else 2_000_000)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def saturate(tenant: str) -> None:
+        try:
+            with connect(weighted.target, token=weighted.tokens[tenant]) as gpu:
+                kernel = gpu.compile_kernel(samples.source(backend), "spin")
+                buf = gpu.allocate_memory(4096)
+                while not stop.is_set():
+                    for _ in range(4):
+                        gpu.execute_kernel(kernel, 1, 1, [buf, iters])
+                    gpu.synchronize()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=saturate, args=(t,)) for t in ("light", "heavy")]
+    for t in threads:
+        t.start()
+    with AdminClient(weighted.target, weighted.tokens["ops"]) as admin:
+        deadline = time.monotonic() + 60
+        # Measure once both have run for a while: a window of device time, not wall-clock sleeps.
+        while time.monotonic() < deadline:
+            usage = {u.tenant: u for u in admin.usage(window_seconds=30).tenants}
+            if all(t in usage and usage[t].device_seconds > 0.5 for t in ("light", "heavy")):
+                break
+            time.sleep(0.2)
+        stop.set()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        usage = {u.tenant: u for u in admin.usage(window_seconds=60).tenants}
+    light, heavy = usage["light"].device_seconds, usage["heavy"].device_seconds
+    assert 0.15 <= light / (light + heavy) <= 0.35, (light, heavy)
+    assert usage["heavy"].weight == 3.0 and usage["heavy"].wait_p99_ms >= 0.0
