@@ -92,9 +92,12 @@ def _run(backend: str, weights: dict[str, int], lengths: list[int], seconds: flo
             p.start()
         samples_over_time: list[dict[str, float]] = []
         t_start = time.monotonic()
+        first_exit: int | None = None
         while any(p.is_alive() for p in procs):
             usage = {u.tenant: u.device_seconds for u in admin.usage().tenants}
             samples_over_time.append({"t": time.monotonic() - t_start, **usage})
+            if first_exit is None and not all(p.is_alive() for p in procs):
+                first_exit = len(samples_over_time) - 1
             time.sleep(0.25)
         for p in procs:
             p.join()
@@ -103,7 +106,9 @@ def _run(backend: str, weights: dict[str, int], lengths: list[int], seconds: flo
     latencies = sorted(x for k, v in results if k == "latencies" for x in v)
     # The window: from when every saturating tenant had been charged until the end (start-up excluded).
     started = next((i for i, s in enumerate(samples_over_time) if all(s.get(t, 0) > 0 for t in weights)), 0)
-    first, last = samples_over_time[started], samples_over_time[-1]
+    # ... until the first tenant finished: after that the rest share a smaller field.
+    ended = first_exit if first_exit is not None and first_exit > started else len(samples_over_time) - 1
+    first, last = samples_over_time[started], samples_over_time[ended]
     used = {t: last.get(t, 0.0) - first.get(t, 0.0) for t in weights}
     total = sum(used.values()) or 1.0
     targets = {t: w / sum(weights.values()) for t, w in weights.items()}

@@ -48,8 +48,10 @@ class TenantUsage:
 class DeviceScheduler:
     def __init__(self, fence: Fence, quantum: float = 0.005, enabled: bool = True,
                  clock: Callable[[], float] = time.monotonic, accounting_period: float = 1.0,
-                 idle_grace: float = 0.002) -> None:
+                 idle_grace: float = 0.002, min_slice: float = 0.001) -> None:
         self.quantum = quantum
+        # Slices shorter than this are never cut short: each switch costs a fence.
+        self.min_slice = min_slice
         # How long a holder with nothing in flight keeps its slice for its next command: a client's next call
         # arrives a round trip later, and switching at every gap would starve tenants of short kernels.
         self.idle_grace = idle_grace
@@ -112,8 +114,7 @@ class DeviceScheduler:
         if self._switching is None:
             if self.holder is None:
                 self.holder, self.slice_start = tenant, now
-            if self.holder == tenant and not (
-                    self._others_waiting(tenant) and now - self.slice_start >= self.quantum):
+            if self.holder == tenant and not (self._others_waiting(tenant) and self._slice_over()):
                 use.inflight += 1
                 use.waits.append(0.0)
                 return
@@ -151,13 +152,13 @@ class DeviceScheduler:
         held = self._use(holder)
         if held.inflight:
             return  # the switch waits for the holder's in-flight work to drain
-        if self._waiters.get(holder) and not (self._others_waiting(holder) and self._expired()):
+        if self._waiters.get(holder) and not (self._others_waiting(holder) and self._slice_over()):
             self._grant(holder)  # the holder's next command came within its slice: carry on
             return
         elapsed = self._clock() - self.slice_start
         if self._others_waiting(holder):
             remaining = self.quantum - elapsed
-            if expire or remaining <= 0 or self.idle_grace <= 0:
+            if expire or self._slice_over() or self.idle_grace <= 0:
                 # After the grace ran out with nothing submitted, the holder forfeits the rest of its slice.
                 self._start_switch(holder, forfeit=expire)
             elif self._grace_timer is None:
@@ -166,8 +167,21 @@ class DeviceScheduler:
         elif elapsed >= self.accounting_period:
             self._start_switch(holder)
 
-    def _expired(self) -> bool:
-        return self._clock() - self.slice_start >= self.quantum
+    def _slice_over(self) -> bool:
+        """The quantum ran out, or a waiting tenant now deserves the device more than the holder.
+
+        The holder's charge for the running slice is estimated from its length (the device is its alone) so a
+        more deserving tenant that arrives mid-slice is not kept waiting for the whole quantum.
+        """
+        elapsed = self._clock() - self.slice_start
+        if elapsed >= self.quantum:
+            return True
+        if elapsed < self.min_slice or self.holder is None:
+            return False
+        held = self.policy.account(self.holder)
+        estimate = held.vtime + elapsed / held.weight
+        return any(q and self.policy.account(t).vtime < estimate
+                   for t, q in self._waiters.items() if t != self.holder)
 
     def _grace_over(self) -> None:
         self._grace_timer = None
