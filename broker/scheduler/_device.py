@@ -110,7 +110,8 @@ class DeviceScheduler:
     async def _acquire(self, tenant: str) -> None:
         use = self._use(tenant)
         now = self._clock()
-        self.policy.touch(tenant, now)
+        # While another tenant holds the device its slice is uncharged: lift this one at the switch.
+        self.policy.touch(tenant, now, defer_lift=self.holder not in (None, tenant) or self._switching is not None)
         if self._switching is None:
             if self.holder is None:
                 self.holder, self.slice_start = tenant, now
@@ -205,7 +206,8 @@ class DeviceScheduler:
             waiting = [t for t, q in self._waiters.items() if q]
             now = self._clock()
             for tenant in waiting:
-                self.policy.touch(tenant, now)  # waiting in the queue is being busy, not idle
+                self.policy.touch(tenant, now, defer_lift=True)  # waiting in the queue is being busy, not idle
+            self.policy.apply_lifts(now)  # after the old holder's charge, so newcomers start level with it
             # The old holder's next command is usually a round trip away: if it is still the most deserving,
             # it keeps the device (for idle_grace at least), or the heaviest weights could never use their share.
             recent = (old is not None and not forfeit and old not in waiting

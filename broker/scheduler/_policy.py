@@ -14,6 +14,7 @@ class TenantAccount:
     vtime: float = 0.0
     device_seconds: float = 0.0
     last_busy: float | None = None
+    lift_pending: bool = False
 
 
 class FairPolicy:
@@ -40,14 +41,28 @@ class FairPolicy:
     def _busy(self, acct: TenantAccount, now: float) -> bool:
         return acct.last_busy is not None and now - acct.last_busy <= self.idle_reset
 
-    def touch(self, tenant: str, now: float) -> None:
-        """The tenant has work at ``now``; a return from idleness forfeits its unused credit."""
+    def touch(self, tenant: str, now: float, defer_lift: bool = False) -> None:
+        """The tenant has work at ``now``; a return from idleness forfeits its unused credit.
+
+        With ``defer_lift`` the forfeit waits for ``apply_lifts``: the holder's running slice is not charged yet,
+        and lifting against its stale virtual time would hand the newcomer that slice as credit.
+        """
         acct = self.account(tenant)
         if not self._busy(acct, now):
-            others = [a.vtime for t, a in self.accounts.items() if t != tenant and self._busy(a, now)]
-            floor = min(others) if others else max((a.vtime for a in self.accounts.values()), default=0.0)
-            acct.vtime = max(acct.vtime, floor)
+            acct.lift_pending = True
         acct.last_busy = now
+        if acct.lift_pending and not defer_lift:
+            self.apply_lifts(now, only=tenant)
+
+    def apply_lifts(self, now: float, only: str | None = None) -> None:
+        pending = [a for t, a in self.accounts.items() if a.lift_pending and only in (None, t)]
+        if not pending:
+            return
+        settled = [a.vtime for a in self.accounts.values() if not a.lift_pending and self._busy(a, now)]
+        floor = min(settled) if settled else max((a.vtime for a in self.accounts.values()), default=0.0)
+        for acct in pending:
+            acct.vtime = max(acct.vtime, floor)
+            acct.lift_pending = False
 
     def charge(self, tenant: str, device_seconds: float) -> None:
         acct = self.account(tenant)

@@ -86,6 +86,23 @@ def test_idle_credit_is_bounded() -> None:
     assert early / (early + late) == pytest.approx(0.5, abs=0.05)
 
 
+def test_newcomers_do_not_get_the_holders_uncharged_slice_as_credit() -> None:
+    """A tenant alone for 0.9 s (not yet charged) then joined by 7 others keeps its fair share, not starved."""
+
+    async def scenario() -> dict[str, float]:
+        dev = Device()
+        sched = DeviceScheduler(dev.fence, quantum=0.005, clock=dev.clock, accounting_period=1.0)
+        await _saturate(sched, dev, "first", 0.002, until=0.9)
+        before = {"first": sched.usage["first"].device_seconds + dev.pending.get("first", 0.0)}
+        await asyncio.gather(*(_saturate(sched, dev, t, 0.002, until=2.5)
+                               for t in ["first", *[f"n{i}" for i in range(7)]]))
+        used = {t: u.device_seconds - before.get(t, 0.0) for t, u in sched.usage.items()}
+        return {t: v / sum(used.values()) for t, v in used.items()}
+
+    shares = asyncio.run(scenario())
+    assert shares["first"] == pytest.approx(1 / 8, rel=0.1), shares
+
+
 def test_lone_tenant_never_waits_and_is_rarely_fenced() -> None:
     async def scenario() -> tuple[DeviceScheduler, Device]:
         dev = Device()
