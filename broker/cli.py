@@ -102,6 +102,16 @@ def _cmd_admin(args: argparse.Namespace) -> int:
             r = admin.reload()
             print(f"reloaded: added {list(r.added)}, removed {list(r.removed)}, changed {list(r.changed)}, "
                   f"{r.sessions_ended} sessions ended")
+        elif args.admin_cmd == "usage":
+            resp = admin.usage(args.window)
+            print(f"fair scheduling {'on' if resp.fair_scheduling else 'off'}, quantum {resp.quantum_ms:g} ms; "
+                  f"share over the last {args.window:g} s")
+            print(f"{'tenant':<16} {'dev':>3} {'weight':>6} {'device s':>9} {'share':>6} {'queued':>6} {'inflight':>8} "
+                  f"{'wait p50 ms':>11} {'p99 ms':>7} {'memory used':>12} {'quota':>12} {'sessions':>8}")
+            for u in resp.tenants:
+                print(f"{u.tenant:<16} {u.device:>3} {u.weight:>6g} {u.device_seconds:>9.3f} {u.share:>6.1%} "
+                      f"{u.queued:>6} {u.inflight:>8} {u.wait_p50_ms:>11.2f} {u.wait_p99_ms:>7.2f} "
+                      f"{u.memory_used:>12} {u.memory_quota:>12} {u.sessions:>8}")
         elif args.admin_cmd == "drain":
             print(f"draining: new sessions are refused; {admin.drain().sessions_running} sessions still running")
     return 0
@@ -231,6 +241,8 @@ def _parser() -> argparse.ArgumentParser:
     asub.add_parser("end-session", help="end a session and free its memory").add_argument("session")
     asub.add_parser("reload", help="re-read tenants from the config file")
     asub.add_parser("drain", help="refuse new sessions")
+    au = asub.add_parser("usage", help="per tenant and device: device time, share, queue, waits, memory")
+    au.add_argument("--window", type=float, default=10.0, help="seconds over which to compute shares")
     a.set_defaults(fn=_cmd_admin)
 
     c = sub.add_parser("certs", help="mint a CA, server and client certificates for TLS on TCP listeners")

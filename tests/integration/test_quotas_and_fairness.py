@@ -97,3 +97,19 @@ def test_weighted_tenants_share_the_device(weighted: BrokerProcess, backend: str
     light, heavy = usage["light"].device_seconds, usage["heavy"].device_seconds
     assert 0.20 <= light / (light + heavy) <= 0.30, (light, heavy)
     assert usage["heavy"].weight == 3.0 and usage["heavy"].wait_p99_ms >= 0.0
+
+
+def test_admin_cli_shows_usage_and_sessions(weighted: BrokerProcess) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "GPUBROKER_TOKEN": weighted.tokens["ops"]}
+    with connect(weighted.target, token=weighted.tokens["heavy"]) as gpu:
+        gpu.allocate_memory(12345)
+        out = {cmd: subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", "admin", "--target", weighted.target,
+                                    cmd], env=env, capture_output=True, text=True, check=True).stdout
+               for cmd in ("usage", "sessions")}
+    heavy_row = next(line for line in out["usage"].splitlines() if line.startswith("heavy"))
+    assert heavy_row.split()[2] == "3" and "12345" in heavy_row
+    assert gpu.session in out["sessions"]
