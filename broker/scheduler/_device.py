@@ -48,14 +48,16 @@ class TenantUsage:
 class DeviceScheduler:
     def __init__(self, fence: Fence, quantum: float = 0.005, enabled: bool = True,
                  clock: Callable[[], float] = time.monotonic, accounting_period: float = 1.0,
-                 idle_grace: float = 0.002, min_slice: float = 0.001) -> None:
+                 idle_grace: float | None = None, min_slice: float = 0.001) -> None:
         self.quantum = quantum
         # Slices shorter than this are never cut short: each switch costs a fence.
         self.min_slice = min_slice
         # How long a holder with nothing in flight keeps its slice for its next command: a client's next call
         # arrives a round trip later, and switching at every gap would starve tenants of short kernels.
-        self.idle_grace = idle_grace
+        # Never beyond the slice itself (the light-tenant bound stays quantum + longest kernel).
+        self.idle_grace = quantum if idle_grace is None else idle_grace
         self._grace_timer: asyncio.TimerHandle | None = None
+        self._grace_deadline = 0.0
         # A lone holder is fenced this often anyway, so its usage figures stay current.
         self.accounting_period = accounting_period
         self.enabled = enabled
@@ -116,6 +118,7 @@ class DeviceScheduler:
             if self.holder is None:
                 self.holder, self.slice_start = tenant, now
             if self.holder == tenant and not (self._others_waiting(tenant) and self._slice_over()):
+                self._cancel_grace()  # the holder came back in time
                 use.inflight += 1
                 use.waits.append(0.0)
                 return
@@ -154,6 +157,7 @@ class DeviceScheduler:
         if held.inflight:
             return  # the switch waits for the holder's in-flight work to drain
         if self._waiters.get(holder) and not (self._others_waiting(holder) and self._slice_over()):
+            self._cancel_grace()
             self._grant(holder)  # the holder's next command came within its slice: carry on
             return
         elapsed = self._clock() - self.slice_start
@@ -162,9 +166,18 @@ class DeviceScheduler:
             if expire or self._slice_over() or self.idle_grace <= 0:
                 # After the grace ran out with nothing submitted, the holder forfeits the rest of its slice.
                 self._start_switch(holder, forfeit=expire)
-            elif self._grace_timer is None:
-                loop = asyncio.get_running_loop()
-                self._grace_timer = loop.call_later(min(self.idle_grace, remaining), self._grace_over)
+            else:
+                # Wait for the holder's next command, but no longer than its slice, and no longer than the
+                # minimum slice when a more deserving tenant is already waiting.
+                wait = min(self.idle_grace, remaining)
+                if self._more_deserving_waiter():
+                    wait = min(wait, max(0.0, self.min_slice - elapsed))
+                deadline = self._clock() + wait
+                if self._grace_timer is None or deadline < self._grace_deadline:
+                    if self._grace_timer is not None:
+                        self._grace_timer.cancel()
+                    self._grace_deadline = deadline
+                    self._grace_timer = asyncio.get_running_loop().call_later(wait, self._grace_over)
         elif elapsed >= self.accounting_period:
             self._start_switch(holder)
 
@@ -179,8 +192,13 @@ class DeviceScheduler:
             return True
         if elapsed < self.min_slice or self.holder is None:
             return False
+        return self._more_deserving_waiter()
+
+    def _more_deserving_waiter(self) -> bool:
+        if self.holder is None:
+            return False
         held = self.policy.account(self.holder)
-        estimate = held.vtime + elapsed / held.weight
+        estimate = held.vtime + (self._clock() - self.slice_start) / held.weight
         return any(q and self.policy.account(t).vtime < estimate
                    for t, q in self._waiters.items() if t != self.holder)
 
@@ -188,10 +206,13 @@ class DeviceScheduler:
         self._grace_timer = None
         self._maybe_switch(expire=True)
 
-    def _start_switch(self, holder: str, forfeit: bool = False) -> None:
+    def _cancel_grace(self) -> None:
         if self._grace_timer is not None:
             self._grace_timer.cancel()
             self._grace_timer = None
+
+    def _start_switch(self, holder: str, forfeit: bool = False) -> None:
+        self._cancel_grace()
         self._switching = asyncio.get_running_loop().create_task(self._switch(holder, forfeit))
 
     async def _switch(self, old: str | None, forfeit: bool = False) -> None:
