@@ -50,6 +50,15 @@ def device_info_to_pb(info: DeviceInfo) -> pb.DeviceInfo:
     return pb.DeviceInfo(**fields)
 
 
+def _check_copy_range(buf: list[Any], offset: int, size: int) -> None:
+    """Refuse a streamed copy before any chunk moves: ``buf`` is [handle, allocation size, view offset]."""
+    if offset < 0 or size < 0:
+        raise InvalidArgument(f"copy offset and size must be >= 0, got {offset} and {size}")
+    if buf[2] + offset + size > buf[1]:
+        raise OutOfRange(f"copy of {size} bytes at offset {offset} runs past the end of the buffer "
+                         f"({buf[1] - buf[2]} bytes from the view's start)")
+
+
 def _dims(values: Any, what: str) -> list[int]:
     dims = list(values)
     if not 1 <= len(dims) <= _MAX_DIMS:
@@ -197,11 +206,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         session = self._session(context, header.session, tenant)
         buf = self._buffer_ref(session, header.buffer)
         stream = self._stream(session, header.stream)
-        if header.offset < 0 or header.size < 0:
-            raise InvalidArgument(f"copy offset and size must be >= 0, got {header.offset} and {header.size}")
-        if buf[2] + header.offset + header.size > buf[1]:
-            raise OutOfRange(f"copy of {header.size} bytes at offset {header.offset} runs past the end of the "
-                             f"buffer ({buf[1] - buf[2]} bytes from the view's start)")
+        _check_copy_range(buf, header.offset, header.size)
         written = 0
         chunk: pb.HostToDeviceChunk | None = first
         iterator = aiter(request_iterator)
@@ -213,8 +218,8 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
             if written + len(data) > header.size:
                 raise InvalidArgument(f"chunks carry more than the {header.size} bytes the header announced")
             if data:
-                await self._device(session, "write", buf=buf, offset=header.offset + written,
-                                          data=data, stream=stream)
+                await self._device(session, "write", buf=buf, offset=header.offset + written, data=data,
+                                   stream=stream)
                 written += len(data)
             session.touch()
             chunk = await anext(iterator, None)
@@ -228,11 +233,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         session = self._session(context, request.session)
         buf = self._buffer_ref(session, request.buffer)
         stream = self._stream(session, request.stream)
-        if request.offset < 0 or request.size < 0:
-            raise InvalidArgument(f"copy offset and size must be >= 0, got {request.offset} and {request.size}")
-        if buf[2] + request.offset + request.size > buf[1]:
-            raise OutOfRange(f"copy of {request.size} bytes at offset {request.offset} runs past the end of the "
-                             f"buffer ({buf[1] - buf[2]} bytes from the view's start)")
+        _check_copy_range(buf, request.offset, request.size)
         chunk = min(request.chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
         done = 0
         while done < request.size:

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -17,15 +16,7 @@ from gpubroker.broker.launcher import BrokerProcess
 from gpubroker.client import Aborted, Buffer, NotFound, WorkerCrashed, connect
 
 from ..conftest import worker_pids
-
-
-def _wait_for(condition, timeout: float, what: str) -> None:
-    """Poll a condition the broker reaches asynchronously (lease expiry), failing after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
+from ..helpers import wait_for
 
 
 def test_handles_are_scoped_to_their_session(broker: BrokerProcess) -> None:
@@ -139,4 +130,4 @@ def test_killed_client_has_its_memory_freed_when_the_lease_ends(fresh_broker: Br
         assert observer.device_info().memory_used == 4 << 20
         child.kill()
         child.wait()
-        _wait_for(lambda: observer.device_info().memory_used == 0, timeout=15, what="the lease to expire")
+        wait_for(lambda: observer.device_info().memory_used == 0, timeout=15, what="the lease to expire")

@@ -33,6 +33,7 @@ from gpubroker.client import (
 from gpubroker.v1 import broker_pb2 as pb
 
 from ..conftest import worker_pids
+from ..helpers import wait_for
 
 LIMITS = {"lease_seconds": 30.0, "max_sessions_per_tenant": 3, "max_handles_per_session": 8,
           "max_concurrent_rpcs_per_session": 1, "max_module_bytes": 64 * 1024, "compile_timeout_seconds": 1.5}
@@ -48,14 +49,6 @@ def guarded(backend: str) -> Iterator[BrokerProcess]:
 def _cli(*args: str) -> str:
     return subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", *args], capture_output=True, text=True,
                           check=True).stdout
-
-
-def _wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def test_socket_is_created_with_mode_0660(broker: BrokerProcess) -> None:
@@ -123,7 +116,7 @@ def test_rotated_token_and_added_tenant_take_effect_on_sighup(guarded: BrokerPro
     dave_token = out.strip().splitlines()[-1]
     assert guarded.process is not None
     os.kill(guarded.process.pid, signal.SIGHUP)
-    _wait_for(lambda: "action=reload added=['dave']" in guarded.log_tail(200_000), 20, "the SIGHUP reload")
+    wait_for(lambda: "action=reload added=['dave']" in guarded.log_tail(200_000), 20, "the SIGHUP reload")
     with pytest.raises(Unauthenticated):
         connect(guarded.target, token=guarded.tokens["bob"])
     with connect(guarded.target, token=new_token) as bob, connect(guarded.target, token=dave_token) as dave:
@@ -135,7 +128,7 @@ def test_broken_config_on_sighup_keeps_the_old_tenants(guarded: BrokerProcess) -
     guarded.config_path.write_text("[broker\n")
     assert guarded.process is not None
     os.kill(guarded.process.pid, signal.SIGHUP)
-    _wait_for(lambda: "reload on SIGHUP failed" in guarded.log_tail(200_000), 20, "the failed reload")
+    wait_for(lambda: "reload on SIGHUP failed" in guarded.log_tail(200_000), 20, "the failed reload")
     with connect(guarded.target, token=guarded.tokens["alice"]) as alice:
         alice.allocate_memory(8)
 
@@ -171,7 +164,7 @@ def test_concurrent_rpcs_per_session(guarded: BrokerProcess) -> None:
         with pytest.raises(ResourceExhausted, match="in flight"):
             bob.synchronize()
         stream.cancel()
-        _wait_for(lambda: _synchronizes(bob), 10, "the slot to be released")
+        wait_for(lambda: _synchronizes(bob), 10, "the slot to be released")
 
 
 def _synchronizes(gpu) -> bool:
