@@ -305,3 +305,65 @@ class StreamRequest(_message.Message):
     session: str
     stream: str
     def __init__(self, session: _Optional[str] = ..., stream: _Optional[str] = ...) -> None: ...
+
+class Command(_message.Message):
+    __slots__ = ("seq", "launch", "memset", "copy_d2d")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_FIELD_NUMBER: _ClassVar[int]
+    MEMSET_FIELD_NUMBER: _ClassVar[int]
+    COPY_D2D_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    launch: LaunchKernelRequest
+    memset: MemsetRequest
+    copy_d2d: CopyDeviceToDeviceRequest
+    def __init__(self, seq: _Optional[int] = ..., launch: _Optional[_Union[LaunchKernelRequest, _Mapping]] = ..., memset: _Optional[_Union[MemsetRequest, _Mapping]] = ..., copy_d2d: _Optional[_Union[CopyDeviceToDeviceRequest, _Mapping]] = ...) -> None: ...
+
+class CommandBatch(_message.Message):
+    __slots__ = ("session", "batch", "commands")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    batch: int
+    commands: _containers.RepeatedCompositeFieldContainer[Command]
+    def __init__(self, session: _Optional[str] = ..., batch: _Optional[int] = ..., commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ...) -> None: ...
+
+class CommandError(_message.Message):
+    __slots__ = ("seq", "command", "code", "message")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    command: str
+    code: str
+    message: str
+    def __init__(self, seq: _Optional[int] = ..., command: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class BatchAck(_message.Message):
+    __slots__ = ("batch", "error")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    batch: int
+    error: CommandError
+    def __init__(self, batch: _Optional[int] = ..., error: _Optional[_Union[CommandError, _Mapping]] = ...) -> None: ...
+
+class CopySharedRequest(_message.Message):
+    __slots__ = ("session", "segment", "segment_offset", "buffer", "offset", "size", "to_device", "stream")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TO_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    segment: str
+    segment_offset: int
+    buffer: BufferRef
+    offset: int
+    size: int
+    to_device: bool
+    stream: str
+    def __init__(self, session: _Optional[str] = ..., segment: _Optional[str] = ..., segment_offset: _Optional[int] = ..., buffer: _Optional[_Union[BufferRef, _Mapping]] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., to_device: _Optional[bool] = ..., stream: _Optional[str] = ...) -> None: ...

@@ -119,6 +119,16 @@ class GpuBrokerStub:
                 request_serializer=gpubroker_dot_v1_dot_broker__pb2.StreamRequest.SerializeToString,
                 response_deserializer=gpubroker_dot_v1_dot_broker__pb2.Empty.FromString,
                 _registered_method=True)
+        self.Commands = channel.stream_stream(
+                '/gpubroker.v1.GpuBroker/Commands',
+                request_serializer=gpubroker_dot_v1_dot_broker__pb2.CommandBatch.SerializeToString,
+                response_deserializer=gpubroker_dot_v1_dot_broker__pb2.BatchAck.FromString,
+                _registered_method=True)
+        self.CopyShared = channel.unary_unary(
+                '/gpubroker.v1.GpuBroker/CopyShared',
+                request_serializer=gpubroker_dot_v1_dot_broker__pb2.CopySharedRequest.SerializeToString,
+                response_deserializer=gpubroker_dot_v1_dot_broker__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class GpuBrokerServicer:
@@ -233,6 +243,24 @@ class GpuBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Commands(self, request_iterator, context):
+        """Asynchronous commands. The client sends batches (the first names the session) and returns at once; the
+        broker runs each batch in order and acknowledges it. A failed command is reported in its batch's ack (the
+        rest of that batch is skipped) and the client raises it at its next synchronize. The client bounds how many
+        batches it has unacknowledged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CopyShared(self, request, context):
+        """Same-host copies through a shared-memory segment the client registered on the broker's side channel
+        (the Unix socket "<socket>.shm", which carries the segment's file descriptor).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GpuBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -319,6 +347,16 @@ def add_GpuBrokerServicer_to_server(servicer, server):
             'Synchronize': grpc.unary_unary_rpc_method_handler(
                     servicer.Synchronize,
                     request_deserializer=gpubroker_dot_v1_dot_broker__pb2.StreamRequest.FromString,
+                    response_serializer=gpubroker_dot_v1_dot_broker__pb2.Empty.SerializeToString,
+            ),
+            'Commands': grpc.stream_stream_rpc_method_handler(
+                    servicer.Commands,
+                    request_deserializer=gpubroker_dot_v1_dot_broker__pb2.CommandBatch.FromString,
+                    response_serializer=gpubroker_dot_v1_dot_broker__pb2.BatchAck.SerializeToString,
+            ),
+            'CopyShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyShared,
+                    request_deserializer=gpubroker_dot_v1_dot_broker__pb2.CopySharedRequest.FromString,
                     response_serializer=gpubroker_dot_v1_dot_broker__pb2.Empty.SerializeToString,
             ),
     }
@@ -780,6 +818,60 @@ class GpuBroker:
             target,
             '/gpubroker.v1.GpuBroker/Synchronize',
             gpubroker_dot_v1_dot_broker__pb2.StreamRequest.SerializeToString,
+            gpubroker_dot_v1_dot_broker__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commands(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gpubroker.v1.GpuBroker/Commands',
+            gpubroker_dot_v1_dot_broker__pb2.CommandBatch.SerializeToString,
+            gpubroker_dot_v1_dot_broker__pb2.BatchAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpubroker.v1.GpuBroker/CopyShared',
+            gpubroker_dot_v1_dot_broker__pb2.CopySharedRequest.SerializeToString,
             gpubroker_dot_v1_dot_broker__pb2.Empty.FromString,
             options,
             channel_credentials,
