@@ -12,6 +12,7 @@ import numpy as np
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
+from ._commands import CommandStream
 from ._errors import FailedPrecondition, GpuBrokerError, InvalidArgument
 from ._host import readable_bytes, writable_bytes
 from ._tls import TlsOptions
@@ -28,6 +29,9 @@ from ._types import (
 )
 
 __all__ = ["RemoteGpu", "connect"]
+
+# Calls that must see the effects of every command queued before them.
+_ORDERED_AFTER_COMMANDS = frozenset({"Free", "DestroyStream", "GetDeviceInfo", "Synchronize", "Allocate"})
 
 _FORMATS = {
     ModuleFormat.CUDA_C: pb.MODULE_FORMAT_CUDA_C,
@@ -72,8 +76,12 @@ class RemoteGpu:
 
     def __init__(self, target: str, token: str | None = None, device: int = 0, *, timeout: float | None = 300.0,
                  chunk_bytes: int | None = None, client_name: str = "gpubroker-python",
-                 tls: TlsOptions | None = None) -> None:
+                 tls: TlsOptions | None = None, async_commands: bool = False) -> None:
         self.target = target
+        # With async_commands, launches, memsets and device copies return at once and their errors surface at
+        # the next synchronize (as in CUDA); without, each is a round trip that raises its own error.
+        self.async_commands = async_commands
+        self._commands: CommandStream | None = None
         self.timeout = timeout
         self._channel, self._metadata = make_channel(target, token, tls)
         self._stub = pb_grpc.GpuBrokerStub(self._channel)
@@ -91,7 +99,19 @@ class RemoteGpu:
     def _call(self, method: str, request: Any) -> Any:
         if self._closed.is_set():
             raise FailedPrecondition("this RemoteGpu is closed")
+        if self._commands is not None and method in _ORDERED_AFTER_COMMANDS:
+            self._commands.wait(raise_error=False)  # program order: queued commands run first
         return translated(getattr(self._stub, method), request, metadata=self._metadata, timeout=self.timeout)
+
+    def _command(self, method: str, kind: str, request: Any) -> None:
+        """An asynchronous command when async_commands is on, else a round trip."""
+        if self._commands is None:
+            self._call(method, request)
+            return
+        if self._closed.is_set():
+            raise FailedPrecondition("this RemoteGpu is closed")
+        request.ClearField("session")  # the stream names the session once
+        self._commands.submit(**{kind: request})
 
     def _heartbeat_loop(self) -> None:
         interval = max(0.05, self.lease_seconds / 3)
@@ -113,6 +133,9 @@ class RemoteGpu:
         self._info = _device_info(resp.device)
         self.lease_seconds = resp.lease_seconds
         self.chunk_bytes = min(self._requested_chunk or resp.max_chunk_bytes, resp.max_chunk_bytes)
+        if self.async_commands:
+            self._commands = CommandStream(
+                lambda batches: self._stub.Commands(batches, metadata=self._metadata), self._session)
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="gpubroker-heartbeat", daemon=True)
         self._heartbeat.start()
 
@@ -145,12 +168,16 @@ class RemoteGpu:
 
         if self._closed.is_set():
             raise FailedPrecondition("this RemoteGpu is closed")
+        if self._commands is not None:
+            self._commands.wait(raise_error=False)
         translated(self._stub.CopyHostToDevice, chunks(), metadata=self._metadata, timeout=self.timeout)
 
     def copy_d2h(self, buf: Buffer, dst: Any, offset: int = 0, stream: Stream | None = None) -> None:
         out = writable_bytes(dst)
         if self._closed.is_set():
             raise FailedPrecondition("this RemoteGpu is closed")
+        if self._commands is not None:
+            self._commands.wait(raise_error=False)
         request = pb.CopyDeviceToHostRequest(session=self._session, buffer=_ref(buf), offset=offset,
                                              size=out.nbytes, chunk_bytes=self.chunk_bytes, stream=_stream(stream))
         done = 0
@@ -166,7 +193,7 @@ class RemoteGpu:
 
     def copy_d2d(self, src: Buffer, dst: Buffer, size: int, src_offset: int = 0, dst_offset: int = 0,
                  stream: Stream | None = None) -> None:
-        self._call("CopyDeviceToDevice", pb.CopyDeviceToDeviceRequest(
+        self._command("CopyDeviceToDevice", "copy_d2d", pb.CopyDeviceToDeviceRequest(
             session=self._session, src=_ref(src), src_offset=src_offset, dst=_ref(dst), dst_offset=dst_offset,
             size=size, stream=_stream(stream)))
 
@@ -174,7 +201,7 @@ class RemoteGpu:
                stream: Stream | None = None) -> None:
         if not 0 <= value <= 255:
             raise InvalidArgument(f"memset value must be a byte (0..255), got {value}")
-        self._call("Memset", pb.MemsetRequest(session=self._session, buffer=_ref(buf), offset=offset,
+        self._command("Memset", "memset", pb.MemsetRequest(session=self._session, buffer=_ref(buf), offset=offset,
                                               size=-1 if size is None else size, value=value,
                                               stream=_stream(stream)))
 
@@ -201,7 +228,7 @@ class RemoteGpu:
                 wire_args.append(pb.KernelArg(buffer=_ref(arg)))
             else:
                 wire_args.append(pb.KernelArg(scalar=pb.ScalarArg(dtype=arg.dtype.str, value=arg.tobytes())))
-        self._call("LaunchKernel", pb.LaunchKernelRequest(
+        self._command("LaunchKernel", "launch", pb.LaunchKernelRequest(
             session=self._session, kernel=kernel.handle, grid=normalize_dims(grid, "grid"),
             block=normalize_dims(block, "block"), shared_mem=shared_mem, stream=_stream(stream), args=wire_args))
 
@@ -212,12 +239,18 @@ class RemoteGpu:
         self._call("DestroyStream", pb.StreamRequest(session=self._session, stream=stream.handle))
 
     def synchronize(self, stream: Stream | None = None) -> None:
-        self._call("Synchronize", pb.StreamRequest(session=self._session, stream=_stream(stream)))
+        try:
+            self._call("Synchronize", pb.StreamRequest(session=self._session, stream=_stream(stream)))
+        finally:
+            if self._commands is not None:
+                self._commands.wait(raise_error=True)  # an asynchronous command's error surfaces here
 
     def close(self) -> None:
         """End the session (the broker frees its buffers, modules and streams) and the channel."""
         if self._closed.is_set():
             return
+        if self._commands is not None:
+            self._commands.close()
         try:
             if self._session:
                 self._call("CloseSession", pb.SessionRequest(session=self._session))

@@ -12,6 +12,7 @@ import grpc
 from gpubroker.client import (
     DeadlineExceeded,
     DeviceInfo,
+    GpuBrokerError,
     InvalidArgument,
     ModuleFormat,
     NotFound,
@@ -180,20 +181,40 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
     @rpc
     async def Memset(self, request: pb.MemsetRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
         session = self._session(context, request.session)
-        await self._device(session, "memset", buf=self._buffer_ref(session, request.buffer),
-                                  offset=request.offset, size=request.size, value=request.value,
-                                  stream=self._stream(session, request.stream))
+        await self._device(session, "memset", **self._memset_params(session, request))
         return pb.Empty()
 
     @rpc
     async def CopyDeviceToDevice(self, request: pb.CopyDeviceToDeviceRequest, context: grpc.aio.ServicerContext
                                  ) -> pb.Empty:
         session = self._session(context, request.session)
-        await self._device(session, "copy_d2d", src=self._buffer_ref(session, request.src),
-                                  dst=self._buffer_ref(session, request.dst), size=request.size,
-                                  src_offset=request.src_offset, dst_offset=request.dst_offset,
-                                  stream=self._stream(session, request.stream))
+        await self._device(session, "copy_d2d", **self._d2d_params(session, request))
         return pb.Empty()
+
+    # The worker parameters of each command that may also travel in a batch.
+    def _memset_params(self, session: Session, request: pb.MemsetRequest) -> dict[str, Any]:
+        return {"buf": self._buffer_ref(session, request.buffer), "offset": request.offset, "size": request.size,
+                "value": request.value, "stream": self._stream(session, request.stream)}
+
+    def _d2d_params(self, session: Session, request: pb.CopyDeviceToDeviceRequest) -> dict[str, Any]:
+        return {"src": self._buffer_ref(session, request.src), "dst": self._buffer_ref(session, request.dst),
+                "size": request.size, "src_offset": request.src_offset, "dst_offset": request.dst_offset,
+                "stream": self._stream(session, request.stream)}
+
+    def _launch_params(self, session: Session, request: pb.LaunchKernelRequest) -> dict[str, Any]:
+        kernel = session.resolve(request.kernel, "kernel")
+        args: list[list[Any]] = []
+        for arg in request.args:
+            kind = arg.WhichOneof("kind")
+            if kind == "buffer":
+                args.append(["b", *self._buffer_ref(session, arg.buffer)])
+            elif kind == "scalar":
+                args.append(["s", arg.scalar.dtype, arg.scalar.value])
+            else:
+                raise InvalidArgument(f"kernel arg {len(args)} is empty")
+        return {"kernel": kernel.backend, "name": kernel.name, "grid": _dims(request.grid, "grid"),
+                "block": _dims(request.block, "block"), "shared_mem": request.shared_mem,
+                "stream": self._stream(session, request.stream), "args": args}
 
     @rpc
     async def CopyHostToDevice(self, request_iterator: AsyncIterator[pb.HostToDeviceChunk],
@@ -287,21 +308,46 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
     @rpc
     async def LaunchKernel(self, request: pb.LaunchKernelRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
         session = self._session(context, request.session)
-        kernel = session.resolve(request.kernel, "kernel")
-        args: list[list[Any]] = []
-        for arg in request.args:
-            kind = arg.WhichOneof("kind")
-            if kind == "buffer":
-                args.append(["b", *self._buffer_ref(session, arg.buffer)])
-            elif kind == "scalar":
-                args.append(["s", arg.scalar.dtype, arg.scalar.value])
-            else:
-                raise InvalidArgument(f"kernel arg {len(args)} is empty")
-        await self._device(session, "launch", kernel=kernel.backend, name=kernel.name,
-                                  grid=_dims(request.grid, "grid"), block=_dims(request.block, "block"),
-                                  shared_mem=request.shared_mem, stream=self._stream(session, request.stream),
-                                  args=args)
+        await self._device(session, "launch", **self._launch_params(session, request))
         return pb.Empty()
+
+    @stream_rpc
+    async def Commands(self, request_iterator: AsyncIterator[pb.CommandBatch], context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.BatchAck]:
+        """Batches run in order, each under one scheduler turn; a failure is acknowledged, not raised."""
+        tenant = self._tenant(context)
+        session: Session | None = None
+        async for batch in request_iterator:
+            if session is None:
+                session = self.sessions.get(batch.session, tenant)
+            session.check_alive()
+            session.touch()
+            commands: list[list[Any]] = []
+            error: pb.CommandError | None = None
+            for command in batch.commands:
+                kind = command.WhichOneof("kind")
+                what = kind or "empty command"
+                try:
+                    if kind == "launch":
+                        what = f"launch of {session.resolve(command.launch.kernel, 'kernel').name!r}"
+                        commands.append([command.seq, "launch", what, self._launch_params(session, command.launch)])
+                    elif kind == "memset":
+                        commands.append([command.seq, "memset", what, self._memset_params(session, command.memset)])
+                    elif kind == "copy_d2d":
+                        commands.append([command.seq, "copy_d2d", what,
+                                         self._d2d_params(session, command.copy_d2d)])
+                    else:
+                        raise InvalidArgument("a command names no operation")
+                except GpuBrokerError as exc:  # a bad handle: what came before it still runs
+                    error = pb.CommandError(seq=command.seq, command=what, code=exc.code, message=exc.message)
+                    break
+            if commands:
+                result = await self._device(session, "batch", commands=commands)
+                failed = result["error"]
+                if failed is not None:
+                    error = pb.CommandError(seq=failed["seq"], command=failed["command"], code=failed["code"],
+                                            message=failed["message"])
+            yield pb.BatchAck(batch=batch.batch, error=error)
 
     # -- streams -----------------------------------------------------------------------------------
     @rpc

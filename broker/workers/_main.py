@@ -40,6 +40,7 @@ log = logging.getLogger("gpubroker.worker")
 EXIT_FATAL = 3
 
 _KINDS = ("buf", "module", "kernel", "stream")
+_BATCHABLE = ("launch", "memset", "copy_d2d")
 
 
 def _scalar(dtype: str, raw: bytes) -> np.generic:
@@ -59,6 +60,7 @@ class WorkerServer:
         self.backend = backend
         self.owned: dict[str, dict[str, set[str]]] = defaultdict(lambda: {k: set() for k in _KINDS})
         self.kernel_module: dict[str, str] = {}
+        self.fatal = False  # a batched command corrupted the context: exit after replying
 
     # -- ownership ---------------------------------------------------------------------------------
     def _own(self, session: str, kind: str, handle: str) -> str:
@@ -169,6 +171,20 @@ class WorkerServer:
     def op_synchronize(self, session: str, p: dict[str, Any]) -> Any:
         self.backend.synchronize(self._stream(session, p.get("stream")))
 
+    def op_batch(self, session: str, p: dict[str, Any]) -> Any:
+        """Run asynchronous commands in order; stop at the first failure and report it by sequence number."""
+        for i, (seq, op, what, params) in enumerate(p["commands"]):
+            if op not in _BATCHABLE:
+                raise InvalidArgument(f"{op!r} cannot be batched")
+            try:
+                self.handle(op, session, params)
+            except GpuBrokerError as exc:
+                if exc.details.get("fatal"):
+                    self.fatal = True
+                return {"done": i, "error": {"seq": seq, "command": what, "code": exc.code, "message": exc.message,
+                                             "type": type(exc).__name__}}
+        return {"done": len(p["commands"]), "error": None}
+
     def op_take_device_time(self, session: str, p: dict[str, Any]) -> Any:
         """Device seconds used since the last take (the fair scheduler's charge); waits for queued work."""
         take = getattr(self.backend, "take_device_time", None)
@@ -212,7 +228,7 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
             log.exception("worker op %s failed", op)
             reply = [req_id, 1, Internal(f"{type(exc).__name__}: {exc}").to_wire()]
         send_frame(sock, reply)
-        if fatal:
+        if fatal or server.fatal:
             log.error("fatal device error; exiting so the tenant gets a fresh context")
             return EXIT_FATAL
 
