@@ -58,6 +58,18 @@ def _bandwidth(gpu: GpuCompute, size: int, repeats: int) -> dict[str, float]:
     return {"h2d_gbps": size / min(h2d) / 1e9, "d2h_gbps": size / min(d2h) / 1e9}
 
 
+def _async_launches(gpu: GpuCompute, backend: str, count: int) -> float:
+    """Launches per second when nothing waits for each one (the remote client batches them)."""
+    kernel = gpu.compile_kernel(samples.source(backend), "empty_kernel")
+    gpu.execute_kernel(kernel, 1, 1, [])
+    gpu.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(count):
+        gpu.execute_kernel(kernel, 1, 1, [])
+    gpu.synchronize()
+    return count / (time.perf_counter() - t0)
+
+
 def measure(gpu: GpuCompute, backend: str, quick: bool) -> dict[str, Any]:
     sizes = [1 << 20, 16 << 20] if quick else [1 << 20, 16 << 20, 64 << 20, 256 << 20]
     return {
@@ -69,6 +81,7 @@ def measure(gpu: GpuCompute, backend: str, quick: bool) -> dict[str, Any]:
 def _ratios(local: dict[str, Any], remote: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "launch_sync_p50": remote["launch_sync"]["p50_us"] / local["launch_sync"]["p50_us"],
+        "async_launches_per_s": remote["async_launches_per_s"] / local["async_launches_per_s"],
     }
     for size, figures in remote["copies"].items():
         out[f"h2d_{size}"] = figures["h2d_gbps"] / local["copies"][size]["h2d_gbps"]
@@ -87,10 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     with open_backend(backend, 0) as local_gpu:
         device = local_gpu.device_info().name
         local = measure(local_gpu, backend, args.quick)
+        local["async_launches_per_s"] = _async_launches(local_gpu, backend, 2000 if args.quick else 20000)
     with BrokerProcess([TenantSpec("bench", memory_quota=1 << 40)], backend=backend) as broker, \
             connect(broker.target, token=broker.tokens["bench"]) as remote_gpu:
         remote = measure(remote_gpu, backend, args.quick)
         transport = "grpc-stream over a unix socket"
+        with connect(broker.target, token=broker.tokens["bench"], async_commands=True) as async_gpu:
+            remote["async_launches_per_s"] = _async_launches(async_gpu, backend, 2000 if args.quick else 20000)
 
     result = {"backend": backend, "device": device, "transport": transport, "in_process": local,
               "remote": remote, "remote_over_in_process": _ratios(local, remote)}
@@ -102,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'metric':<28} {'in-process':>12} {'remote':>12} {'ratio':>8}", file=sys.stderr)
     lp, rp = local["launch_sync"]["p50_us"], remote["launch_sync"]["p50_us"]
     print(f"{'launch+sync p50 (us)':<28} {lp:>12.1f} {rp:>12.1f} {rp / lp:>8.2f}", file=sys.stderr)
+    la, ra = local["async_launches_per_s"], remote["async_launches_per_s"]
+    print(f"{'async launches per s':<28} {la:>12.0f} {ra:>12.0f} {ra / la:>8.2f}", file=sys.stderr)
     for size, figures in remote["copies"].items():
         for kind in ("h2d", "d2h"):
             lv, rv = local["copies"][size][f"{kind}_gbps"], figures[f"{kind}_gbps"]
