@@ -70,6 +70,32 @@ def _async_launches(gpu: GpuCompute, backend: str, count: int) -> float:
     return count / (time.perf_counter() - t0)
 
 
+def _workload(gpu: GpuCompute, backend: str, n: int, iterations: int) -> dict[str, Any]:
+    """A real small job: iterations of three dependent kernels on an n-element array, then its result."""
+    src = samples.source(backend)
+    saxpy, scale, add = (gpu.compile_kernel(src, k) for k in ("saxpy", "scale_inplace", "vector_add"))
+    x = np.linspace(0, 1, n, dtype=np.float32)
+    dx, dy, dz = (gpu.allocate_memory(x.nbytes) for _ in range(3))
+    gpu.copy_h2d(x, dx)
+    gpu.memset(dy, 0)
+    grid, block, count = (n + 255) // 256, 256, np.int32(n)
+    t0 = time.perf_counter()
+    for i in range(iterations + 1):
+        if i == 1:  # the first iteration warms up (a runtime may build kernels at their first launch)
+            gpu.synchronize()
+            t0 = time.perf_counter()
+        gpu.execute_kernel(saxpy, grid, block, [np.float32(0.5), dx, dy, count])  # y += x/2
+        gpu.execute_kernel(scale, grid, block, [dy, np.float32(0.5), count])  # y = y/2 + 1
+        gpu.execute_kernel(add, grid, block, [dx, dy, dz, count])  # z = x + y
+    gpu.synchronize()
+    seconds = time.perf_counter() - t0
+    out = np.empty(4, dtype=np.float32)
+    gpu.copy_d2h(dz, out)
+    for buf in (dx, dy, dz):
+        gpu.free_memory(buf)
+    return {"seconds": seconds, "elements": n, "iterations": iterations, "z0": float(out[0])}
+
+
 def measure(gpu: GpuCompute, backend: str, quick: bool) -> dict[str, Any]:
     sizes = [1 << 20, 16 << 20] if quick else [1 << 20, 16 << 20, 64 << 20, 256 << 20]
     return {
@@ -82,6 +108,7 @@ def _ratios(local: dict[str, Any], remote: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "launch_sync_p50": remote["launch_sync"]["p50_us"] / local["launch_sync"]["p50_us"],
         "async_launches_per_s": remote["async_launches_per_s"] / local["async_launches_per_s"],
+        "workload_time": remote["workload"]["seconds"] / local["workload"]["seconds"],
     }
     for size, figures in remote["copies"].items():
         out[f"h2d_{size}"] = figures["h2d_gbps"] / local["copies"][size]["h2d_gbps"]
@@ -96,17 +123,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     backend = detect_backend() if args.backend == "auto" else args.backend
+    # 1,000 iterations of three kernels on 10 M floats on a GPU; a CPU device gets a smaller job.
+    workload = (10_000_000, 1000) if backend == "cuda" and not args.quick else (1_000_000, 50)
 
     with open_backend(backend, 0) as local_gpu:
         device = local_gpu.device_info().name
         local = measure(local_gpu, backend, args.quick)
         local["async_launches_per_s"] = _async_launches(local_gpu, backend, 2000 if args.quick else 20000)
+        local["workload"] = _workload(local_gpu, backend, *workload)
     with BrokerProcess([TenantSpec("bench", memory_quota=1 << 40)], backend=backend) as broker, \
             connect(broker.target, token=broker.tokens["bench"]) as remote_gpu:
         remote = measure(remote_gpu, backend, args.quick)
         transport = "grpc-stream over a unix socket"
         with connect(broker.target, token=broker.tokens["bench"], async_commands=True) as async_gpu:
             remote["async_launches_per_s"] = _async_launches(async_gpu, backend, 2000 if args.quick else 20000)
+            remote["workload"] = _workload(async_gpu, backend, *workload)
 
     result = {"backend": backend, "device": device, "transport": transport, "in_process": local,
               "remote": remote, "remote_over_in_process": _ratios(local, remote)}
@@ -120,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'launch+sync p50 (us)':<28} {lp:>12.1f} {rp:>12.1f} {rp / lp:>8.2f}", file=sys.stderr)
     la, ra = local["async_launches_per_s"], remote["async_launches_per_s"]
     print(f"{'async launches per s':<28} {la:>12.0f} {ra:>12.0f} {ra / la:>8.2f}", file=sys.stderr)
+    lw, rw = local["workload"]["seconds"], remote["workload"]["seconds"]
+    print(f"{'workload time (s)':<28} {lw:>12.3f} {rw:>12.3f} {rw / lw:>8.2f}", file=sys.stderr)
     for size, figures in remote["copies"].items():
         for kind in ("h2d", "d2h"):
             lv, rv = local["copies"][size][f"{kind}_gbps"], figures[f"{kind}_gbps"]
