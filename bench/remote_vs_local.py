@@ -37,9 +37,13 @@ def _launch_round_trip(gpu: GpuCompute, backend: str, iterations: int) -> dict[s
     return {"p50_us": statistics.median(times) * 1e6, "p99_us": times[int(len(times) * 0.99) - 1] * 1e6}
 
 
-def _bandwidth(gpu: GpuCompute, size: int, repeats: int) -> dict[str, float]:
+def _bandwidth(gpu: GpuCompute, size: int, repeats: int, host_array: bool = False) -> dict[str, float]:
     host = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
     out = np.empty_like(host)
+    if host_array:  # RemoteGpu only: host memory shared with the worker, so each copy is one CopyShared
+        shared, out = gpu.host_array(size), gpu.host_array(size)  # type: ignore[attr-defined]
+        shared[:] = host
+        host = shared
     buf = gpu.allocate_memory(size)
     gpu.copy_h2d(host, buf)  # warm-up: first-touch and any lazy setup
     gpu.copy_d2h(buf, out)
@@ -96,12 +100,20 @@ def _workload(gpu: GpuCompute, backend: str, n: int, iterations: int) -> dict[st
     return {"seconds": seconds, "elements": n, "iterations": iterations, "z0": float(out[0])}
 
 
+def _sizes(quick: bool) -> list[int]:
+    return [1 << 20, 16 << 20] if quick else [1 << 20, 16 << 20, 64 << 20, 256 << 20, 512 << 20]
+
+
 def measure(gpu: GpuCompute, backend: str, quick: bool) -> dict[str, Any]:
-    sizes = [1 << 20, 16 << 20] if quick else [1 << 20, 16 << 20, 64 << 20, 256 << 20]
     return {
         "launch_sync": _launch_round_trip(gpu, backend, 200 if quick else 2000),
-        "copies": {str(size): _bandwidth(gpu, size, 2 if quick else 5) for size in sizes},
+        "copies": {str(size): _bandwidth(gpu, size, 2 if quick else 5) for size in _sizes(quick)},
     }
+
+
+def measure_copies(gpu: GpuCompute, quick: bool, host_array: bool) -> dict[str, Any]:
+    """Copy bandwidth only (a RemoteGpu on shared memory: from host_array, or plain numpy through staging)."""
+    return {"copies": {str(size): _bandwidth(gpu, size, 2 if quick else 5, host_array) for size in _sizes(quick)}}
 
 
 def _ratios(local: dict[str, Any], remote: dict[str, Any]) -> dict[str, Any]:
@@ -113,6 +125,9 @@ def _ratios(local: dict[str, Any], remote: dict[str, Any]) -> dict[str, Any]:
     for size, figures in remote["copies"].items():
         out[f"h2d_{size}"] = figures["h2d_gbps"] / local["copies"][size]["h2d_gbps"]
         out[f"d2h_{size}"] = figures["d2h_gbps"] / local["copies"][size]["d2h_gbps"]
+    for size, figures in remote.get("shm_copies", {}).items():
+        out[f"shm_h2d_{size}"] = figures["h2d_gbps"] / local["copies"][size]["h2d_gbps"]
+        out[f"shm_d2h_{size}"] = figures["d2h_gbps"] / local["copies"][size]["d2h_gbps"]
     return out
 
 
@@ -132,9 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         local["async_launches_per_s"] = _async_launches(local_gpu, backend, 2000 if args.quick else 20000)
         local["workload"] = _workload(local_gpu, backend, *workload)
     with BrokerProcess([TenantSpec("bench", memory_quota=1 << 40)], backend=backend) as broker, \
-            connect(broker.target, token=broker.tokens["bench"]) as remote_gpu:
+            connect(broker.target, token=broker.tokens["bench"], shared_memory=False) as remote_gpu:
         remote = measure(remote_gpu, backend, args.quick)
-        transport = "grpc-stream over a unix socket"
+        transport = "grpc-stream over a unix socket; shm: memfd segments through <socket>.shm + CopyShared"
+        with connect(broker.target, token=broker.tokens["bench"]) as shm_gpu:
+            remote["shm_copies"] = measure_copies(shm_gpu, args.quick, host_array=True)["copies"]
+            remote["shm_staged_copies"] = measure_copies(shm_gpu, args.quick, host_array=False)["copies"]
         with connect(broker.target, token=broker.tokens["bench"], async_commands=True) as async_gpu:
             remote["async_launches_per_s"] = _async_launches(async_gpu, backend, 2000 if args.quick else 20000)
             remote["workload"] = _workload(async_gpu, backend, *workload)
@@ -158,6 +176,15 @@ def main(argv: list[str] | None = None) -> int:
             lv, rv = local["copies"][size][f"{kind}_gbps"], figures[f"{kind}_gbps"]
             label = f"{kind.upper()} {int(size) >> 20} MiB (GB/s)"
             print(f"{label:<28} {lv:>12.2f} {rv:>12.2f} {rv / lv:>8.2f}", file=sys.stderr)
+    print(f"\n{'copy (GB/s)':<20} {'in-process':>11} {'gRPC':>8} {'shm':>8} {'shm staged':>11} {'shm ratio':>10}",
+          file=sys.stderr)
+    for size in remote["copies"]:
+        for kind in ("h2d", "d2h"):
+            key = f"{kind}_gbps"
+            lv, gv = local["copies"][size][key], remote["copies"][size][key]
+            sv, tv = remote["shm_copies"][size][key], remote["shm_staged_copies"][size][key]
+            label = f"{kind.upper()} {int(size) >> 20} MiB"
+            print(f"{label:<20} {lv:>11.2f} {gv:>8.2f} {sv:>8.2f} {tv:>11.2f} {sv / lv:>10.2f}", file=sys.stderr)
     return 0
 
 

@@ -92,9 +92,13 @@ class BrokerConfig:
     compile_timeout_seconds: float = 60.0
     max_streams_per_session: int = 64
     max_inflight_per_tenant: int = 256  # device calls in flight across all of a tenant's sessions
+    # Host memory a session may map through the shared-memory side channel (its segments and staging buffer).
+    max_shared_bytes_per_session: int = 4 * 1024**3
     # Weighted fair time-slicing of each device; off, tenants' work reaches the device in arrival order.
     fair_scheduling: bool = True
     quantum_ms: float = 5.0
+    # A raw Unix socket "<socket>.fast" beside each Unix listener for same-host synchronous calls.
+    fast_path: bool = True
     tls: TlsConfig | None = None
     tenants: dict[str, TenantConfig] = field(default_factory=dict)
     path: Path | None = None
@@ -166,7 +170,7 @@ _SCALARS = {
     "socket_mode": lambda v: int(v, 8) if isinstance(v, str) else int(v), "socket_group": str, "insecure": bool,
     "max_sessions_per_tenant": int, "max_concurrent_rpcs_per_session": int, "max_handles_per_session": int,
     "max_module_bytes": parse_size, "compile_timeout_seconds": float, "max_streams_per_session": int,
-    "max_inflight_per_tenant": int, "fair_scheduling": bool, "quantum_ms": float, "vsock_port": int,
+    "max_inflight_per_tenant": int, "fair_scheduling": bool, "quantum_ms": float, "fast_path": bool, "vsock_port": int,
 }
 
 

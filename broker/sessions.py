@@ -22,7 +22,7 @@ __all__ = ["HandleEntry", "Session", "SessionManager"]
 
 log = logging.getLogger("gpubroker.sessions")
 
-_PREFIX = {"buf": "buf", "module": "mod", "kernel": "krn", "stream": "str"}
+_PREFIX = {"buf": "buf", "module": "mod", "kernel": "krn", "stream": "str", "segment": "seg"}
 
 
 @dataclass
@@ -46,6 +46,7 @@ class Session:
     lost: str | None = None  # why the session's device state is gone
     max_handles: int = 4096
     inflight: int = 0
+    shared_bytes: int = 0  # host memory mapped for this session through the shared-memory side channel
     tenant_inflight: dict[str, int] = field(default_factory=dict)
 
     def touch(self) -> None:
@@ -146,6 +147,7 @@ class SessionManager:
                 session.lost = worker.death or "the worker stopped"
                 self._release(session, session.memory_used)
                 session.handles.clear()
+                session.shared_bytes = 0  # the worker's mappings died with it
 
     async def _reap_loop(self) -> None:
         interval = max(0.05, min(1.0, self.config.lease_seconds / 4))

@@ -13,8 +13,10 @@ from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ._commands import CommandStream
-from ._errors import FailedPrecondition, GpuBrokerError, InvalidArgument
+from ._errors import FailedPrecondition, GpuBrokerError, InvalidArgument, Unavailable
+from ._fast import FastChannel
 from ._host import readable_bytes, writable_bytes
+from ._shm import SharedMemory
 from ._tls import TlsOptions
 from ._transport import make_channel, translated, translated_iter
 from ._types import (
@@ -29,6 +31,10 @@ from ._types import (
 )
 
 __all__ = ["RemoteGpu", "connect"]
+
+# Synchronous calls the same-host fast path carries, by their fast-path operation.
+_FAST_OPS = {"LaunchKernel": "launch", "Memset": "memset", "CopyDeviceToDevice": "copy_d2d",
+             "Synchronize": "synchronize", "CopyShared": "copy_shared"}
 
 # Calls that must see the effects of every command queued before them.
 _ORDERED_AFTER_COMMANDS = frozenset({"Free", "DestroyStream", "GetDeviceInfo", "Synchronize", "Allocate"})
@@ -71,13 +77,21 @@ class RemoteGpu:
     """A session on one device of a broker. Same interface as the in-process backends.
 
     ``timeout`` bounds each call (seconds); a background thread sends heartbeats within the lease. ``tls`` (a
-    TlsOptions) is for TCP listeners with TLS or mTLS; with a client certificate the token may be None.
+    TlsOptions) is for TCP listeners with TLS or mTLS; with a client certificate the token may be None. On a unix:
+    target copies use the broker's shared-memory side channel when it is there (``shared_memory=False``: never).
     """
 
     def __init__(self, target: str, token: str | None = None, device: int = 0, *, timeout: float | None = 300.0,
                  chunk_bytes: int | None = None, client_name: str = "gpubroker-python",
-                 tls: TlsOptions | None = None, async_commands: bool = False) -> None:
+                 tls: TlsOptions | None = None, async_commands: bool = False, fast_path: bool = True,
+                 shared_memory: bool = True) -> None:
         self.target = target
+        self._token = token or ""
+        # Same host (a unix: target): synchronous device calls take the broker's raw-socket fast path.
+        self._want_fast = fast_path and target.startswith("unix:")
+        self._fast: FastChannel | None = None
+        # Same host (a unix: target with the broker's "<socket>.shm"): copies go through shared memory.
+        self._shm = SharedMemory(target, token, lambda: self._session, self._call, timeout) if shared_memory else None
         # With async_commands, launches, memsets and device copies return at once and their errors surface at
         # the next synchronize (as in CUDA); without, each is a round trip that raises its own error.
         self.async_commands = async_commands
@@ -101,6 +115,8 @@ class RemoteGpu:
             raise FailedPrecondition("this RemoteGpu is closed")
         if self._commands is not None and method in _ORDERED_AFTER_COMMANDS:
             self._commands.wait(raise_error=False)  # program order: queued commands run first
+        if self._fast is not None and method in _FAST_OPS:
+            return self._fast.call(_FAST_OPS[method], request.SerializeToString())
         return translated(getattr(self._stub, method), request, metadata=self._metadata, timeout=self.timeout)
 
     def _command(self, method: str, kind: str, request: Any) -> None:
@@ -133,9 +149,23 @@ class RemoteGpu:
         self._info = _device_info(resp.device)
         self.lease_seconds = resp.lease_seconds
         self.chunk_bytes = min(self._requested_chunk or resp.max_chunk_bytes, resp.max_chunk_bytes)
+        if self._want_fast:
+            try:
+                self._fast = FastChannel(self.target[len("unix:"):] + ".fast", self._token, self._session,
+                                         self.timeout)
+            except Unavailable:
+                self._fast = None  # an older broker, or the fast path switched off: gRPC serves everything
         if self.async_commands:
+            send_batch = None
+            if self._fast is not None:
+                fast = self._fast
+
+                def send_batch(batch: pb.CommandBatch) -> pb.BatchAck:
+                    return pb.BatchAck.FromString(fast.call("batch", batch.SerializeToString()))
+
             self._commands = CommandStream(
-                lambda batches: self._stub.Commands(batches, metadata=self._metadata), self._session)
+                lambda batches: self._stub.Commands(batches, metadata=self._metadata), self._session,
+                send_batch=send_batch)
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="gpubroker-heartbeat", daemon=True)
         self._heartbeat.start()
 
@@ -155,6 +185,13 @@ class RemoteGpu:
     def free_memory(self, buf: Buffer) -> None:
         self._call("Free", pb.FreeRequest(session=self._session, buffer=_ref(buf).handle))
 
+    def host_array(self, shape: int | Sequence[int], dtype: Any = np.uint8) -> np.ndarray:
+        """A numpy array in memory shared with the broker's worker (same host, unix: target): copies to and from
+        it, or any view of it, are a single CopyShared with no bytes through gRPC. Valid for this session."""
+        if self._shm is None:
+            raise FailedPrecondition("host_array needs shared memory; this RemoteGpu has shared_memory=False")
+        return self._shm.host_array(shape, dtype)
+
     def copy_h2d(self, src: Any, buf: Buffer, offset: int = 0, stream: Stream | None = None) -> None:
         data = readable_bytes(src)
         header = pb.HostToDeviceHeader(session=self._session, buffer=_ref(buf), offset=offset, size=data.nbytes,
@@ -170,6 +207,8 @@ class RemoteGpu:
             raise FailedPrecondition("this RemoteGpu is closed")
         if self._commands is not None:
             self._commands.wait(raise_error=False)
+        if self._shm is not None and self._shm.copy(data, buf, offset, _stream(stream), to_device=True):
+            return
         translated(self._stub.CopyHostToDevice, chunks(), metadata=self._metadata, timeout=self.timeout)
 
     def copy_d2h(self, buf: Buffer, dst: Any, offset: int = 0, stream: Stream | None = None) -> None:
@@ -178,6 +217,8 @@ class RemoteGpu:
             raise FailedPrecondition("this RemoteGpu is closed")
         if self._commands is not None:
             self._commands.wait(raise_error=False)
+        if self._shm is not None and self._shm.copy(out, buf, offset, _stream(stream), to_device=False):
+            return
         request = pb.CopyDeviceToHostRequest(session=self._session, buffer=_ref(buf), offset=offset,
                                              size=out.nbytes, chunk_bytes=self.chunk_bytes, stream=_stream(stream))
         done = 0
@@ -251,6 +292,8 @@ class RemoteGpu:
             return
         if self._commands is not None:
             self._commands.close()
+        if self._fast is not None:
+            self._fast.close()
         try:
             if self._session:
                 self._call("CloseSession", pb.SessionRequest(session=self._session))
@@ -259,6 +302,8 @@ class RemoteGpu:
         finally:
             self._closed.set()
             self._channel.close()
+            if self._shm is not None:
+                self._shm.close()
 
     def __enter__(self) -> RemoteGpu:
         self.initialize()

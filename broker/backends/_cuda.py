@@ -240,6 +240,28 @@ class CudaBackend:
             timer.cancel(mark)
             raise self._fail("copy_d2h", exc) from exc
 
+    def register_host_memory(self, host: HostBuffer) -> int:
+        """Page-lock a host range (a shared-memory segment) so copy_h2d / copy_d2h on views of it DMA directly.
+
+        Returns the address to pass to unregister_host_memory, which must run before the range is unmapped.
+        """
+        self._use()
+        view = readable_bytes(host)
+        ptr, size = int(np.frombuffer(view, dtype=np.uint8).ctypes.data), view.nbytes  # its address; no copy
+        view.release()  # a live export would keep the caller from unmapping it later
+        try:
+            runtime.hostRegister(ptr, size, 0)  # cudaHostRegisterDefault
+        except Exception as exc:
+            raise self._fail("register host memory", exc) from exc
+        return ptr
+
+    def unregister_host_memory(self, ptr: int) -> None:
+        self._use()
+        try:
+            runtime.hostUnregister(ptr)
+        except Exception as exc:
+            raise self._fail("unregister host memory", exc) from exc
+
     def copy_d2d(self, src: Buffer, dst: Buffer, size: int, src_offset: int = 0, dst_offset: int = 0,
                  stream: Stream | None = None) -> None:
         self._use()

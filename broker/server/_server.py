@@ -28,7 +28,9 @@ from ..scheduler import DeviceScheduler
 from ..sessions import SessionManager
 from ..workers import WorkerPool, device_info_from_dict
 from ._admin import AdminService
+from ._fast import FastPathServer, fast_path_address
 from ._service import GpuBrokerService
+from ._shm import SharedMemoryServer
 
 __all__ = ["Broker", "probe_devices", "run_broker"]
 
@@ -128,7 +130,9 @@ class Broker:
         self.pool: WorkerPool | None = None
         self.ports: list[str] = []
         self.schedulers: dict[int, DeviceScheduler] = {}
+        self.fast_paths: list[FastPathServer] = []
         self.relay: RelayServer | None = None
+        self.shm: SharedMemoryServer | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -178,6 +182,21 @@ class Broker:
         for address in self.ports:
             if address.startswith("unix:"):
                 _secure_unix_socket(Path(address[len("unix:"):]), cfg.socket_mode, cfg.socket_group)
+                if cfg.fast_path:
+                    fast = FastPathServer(service, fast_path_address(address[len("unix:"):]), cfg.socket_mode)
+                    await fast.start()
+                    _secure_unix_socket(Path(fast.path), cfg.socket_mode, cfg.socket_group)
+                    self.fast_paths.append(fast)
+        # Same-host shared memory: "<socket>.shm" beside each Unix socket carries memfds to the workers.
+        self.shm = SharedMemoryServer(cfg, self.auth, self.sessions)
+        for address in self.ports:
+            if address.startswith("unix:"):
+                shm_path = Path(address[len("unix:"):] + ".shm")
+                _prepare_unix_socket(shm_path)
+                try:
+                    self.shm.listen(shm_path, lambda p: _secure_unix_socket(p, cfg.socket_mode, cfg.socket_group))
+                except OSError as exc:  # a path too long for AF_UNIX, say: clients then copy over gRPC
+                    log.warning("no shared-memory side channel at %s: %s", shm_path, exc)
         self.sessions.start()
         log.info("serving on %s", ", ".join(self.ports))
         if cfg.vsock_port:
@@ -222,8 +241,12 @@ class Broker:
         return apb.ReloadResponse(added=added, removed=removed, changed=changed, sessions_ended=ended)
 
     async def stop(self, grace: float = 5.0) -> None:
+        for fast in self.fast_paths:
+            await fast.stop()
         if self.server is not None:
             await self.server.stop(grace)
+        if self.shm is not None:
+            await self.shm.close()
         if self.relay is not None:
             # After the server's grace period, so VM clients get it too; what is left of theirs ends here.
             self.relay.close()

@@ -16,7 +16,7 @@ from gpubroker.client import GpuBrokerError, Internal
 from ..auth import Authenticator, Principal
 from ..sessions import Session
 
-__all__ = ["ERROR_TRAILER", "principal_of", "rpc", "stream_rpc"]
+__all__ = ["ERROR_TRAILER", "principal_of", "release_slot", "rpc", "stream_rpc"]
 
 log = logging.getLogger("gpubroker.server")
 # The RPC being served, for audit lines; set by the wrappers below.
@@ -25,11 +25,16 @@ current_method: contextvars.ContextVar[str] = contextvars.ContextVar("current_me
 admitted: contextvars.ContextVar[Session | None] = contextvars.ContextVar("admitted", default=None)
 
 
+def release_slot(session: Session) -> None:
+    """Give back the concurrent-call slot that the service's ``admit`` took."""
+    session.inflight -= 1
+    session.tenant_inflight[session.tenant] -= 1
+
+
 def _release_slot() -> None:
     session = admitted.get()
     if session is not None:
-        session.inflight -= 1
-        session.tenant_inflight[session.tenant] -= 1
+        release_slot(session)
         admitted.set(None)
 ERROR_TRAILER = "gpubroker-error-bin"
 

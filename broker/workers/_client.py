@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ from gpubroker.client import (
     DeviceInfo,
     FailedPrecondition,
     GpuBrokerError,
+    ResourceExhausted,
     Unavailable,
     WorkerCrashed,
 )
@@ -70,6 +72,9 @@ class WorkerClient:
         self._reader_task: asyncio.Task[None] | None = None
         self._write_lock = asyncio.Lock()
         self._stopping = False
+        # Carries file descriptors (shared-memory segments) to the worker, apart from the request stream, whose
+        # asyncio transport cannot send SCM_RIGHTS.
+        self._fd_sock: socket.socket | None = None
 
     @property
     def alive(self) -> bool:
@@ -81,15 +86,20 @@ class WorkerClient:
 
     async def start(self, timeout: float) -> DeviceInfo:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._fd_sock, fd_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Never block the event loop: a full fd channel fails that registration instead.
+        self._fd_sock.setblocking(False)
         try:
             # subprocess (vfork + exec) rather than the event loop's spawner: uvloop forks, and a forked
             # child of a process full of gRPC threads was seen to crash before it could exec.
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "gpubroker.broker.workers", "--fd", str(child.fileno()),
+                 "--fd-channel", str(fd_child.fileno()),
                  "--backend", self.backend, "--device", str(self.device), "--tenant", self.tenant],
-                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+                pass_fds=(child.fileno(), fd_child.fileno()), stdin=subprocess.DEVNULL)
         finally:
             child.close()
+            fd_child.close()
         reader, self._writer = await asyncio.open_unix_connection(sock=parent, limit=1 << 20)
         try:
             _, status, result = await asyncio.wait_for(read_frame_async(reader), timeout)
@@ -108,6 +118,17 @@ class WorkerClient:
 
     async def call(self, op: str, session: str, **params: Any) -> Any:
         """Run one operation; raises the worker's error, or WorkerCrashed if it dies meanwhile."""
+        return await self._call(op, session, params, None)
+
+    async def call_with_fd(self, op: str, session: str, fd: int, **params: Any) -> Any:
+        """Run ``op`` with ``fd`` passed on the fd channel; the worker receives it while serving ``op``.
+
+        The fd goes out just before the request, under the same lock and with no await in between, so the
+        worker (which reads the channel in request order) pairs them; a one-time token checks the pairing.
+        """
+        return await self._call(op, session, params, fd)
+
+    async def _call(self, op: str, session: str, params: dict[str, Any], fd: int | None) -> Any:
         if self.death is not None:
             raise WorkerCrashed(self.death)
         if self._writer is None:
@@ -118,7 +139,12 @@ class WorkerClient:
         self._pending[req_id] = fut
         try:
             async with self._write_lock:
+                if fd is not None:
+                    params = {**params, "token": self._send_fd(fd)}
                 await write_frame_async(self._writer, [req_id, op, session, params])
+        except GpuBrokerError:  # the fd could not be passed; nothing was sent
+            self._pending.pop(req_id, None)
+            raise
         except (ConnectionError, OSError):
             self._pending.pop(req_id, None)
             await self._died()
@@ -127,6 +153,20 @@ class WorkerClient:
             return await fut
         finally:
             self._pending.pop(req_id, None)
+
+    def _send_fd(self, fd: int) -> bytes:
+        if self._fd_sock is None:
+            raise FailedPrecondition("worker not started")
+        token = secrets.token_bytes(16)
+        try:
+            socket.send_fds(self._fd_sock, [token], [fd])
+        except BlockingIOError:
+            raise ResourceExhausted("the worker's fd channel is full; retry") from None
+        except ConnectionError:
+            raise  # the worker is gone: the caller handles its death
+        except OSError as exc:  # (ETOOMANYREFS, say) not the worker's fault: refuse this one, keep the worker
+            raise Unavailable(f"could not pass the segment to the worker: {exc.strerror}") from None
+        return token
 
     async def _read_replies(self, reader: asyncio.StreamReader) -> None:
         try:
@@ -164,6 +204,8 @@ class WorkerClient:
         self._pending.clear()
         if self._writer is not None:
             self._writer.close()
+        if self._fd_sock is not None:
+            self._fd_sock.close()
         if self._on_exit is not None:
             self._on_exit(self)
 
@@ -188,6 +230,8 @@ class WorkerClient:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             await self._wait(None)
+        if self._fd_sock is not None:
+            self._fd_sock.close()  # (a worker that failed to start never reaches _died)
 
     async def _wait(self, timeout: float | None) -> int:
         """The exit status, waited for off the event loop; TimeoutError if it outlives ``timeout``."""

@@ -1,67 +1,12 @@
-"""Length-prefixed msgpack frames over a Unix socketpair between the front and a worker."""
+"""The front-worker framing is the SDK's (client/_frames.py): one wire format for every local socket."""
 
-from __future__ import annotations
-
-import asyncio
-import socket
-import struct
-from typing import Any
-
-import msgpack
+from gpubroker.client._frames import (
+    MAX_FRAME,
+    FrameClosed,
+    read_frame_async,
+    recv_frame,
+    send_frame,
+    write_frame_async,
+)
 
 __all__ = ["MAX_FRAME", "FrameClosed", "read_frame_async", "recv_frame", "send_frame", "write_frame_async"]
-
-_HEADER = struct.Struct("!I")
-# A chunk of copy data plus its envelope; larger frames mean a bug or a hostile peer.
-MAX_FRAME = 256 * 1024 * 1024
-
-
-class FrameClosed(EOFError):
-    """The peer closed the socket (for a worker: it exited or was killed)."""
-
-
-def _pack(obj: Any) -> bytes:
-    payload = msgpack.packb(obj, use_bin_type=True)
-    return _HEADER.pack(len(payload)) + payload
-
-
-def _unpack(payload: bytes) -> Any:
-    return msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=False)
-
-
-def send_frame(sock: socket.socket, obj: Any) -> None:
-    sock.sendall(_pack(obj))
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise FrameClosed("peer closed the connection")
-        got += k
-    return bytes(buf)
-
-
-def recv_frame(sock: socket.socket) -> Any:
-    (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if length > MAX_FRAME:
-        raise ValueError(f"frame of {length} bytes exceeds {MAX_FRAME}")
-    return _unpack(_recv_exact(sock, length))
-
-
-async def read_frame_async(reader: asyncio.StreamReader) -> Any:
-    try:
-        (length,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-        if length > MAX_FRAME:
-            raise ValueError(f"frame of {length} bytes exceeds {MAX_FRAME}")
-        return _unpack(await reader.readexactly(length))
-    except asyncio.IncompleteReadError as exc:
-        raise FrameClosed("peer closed the connection") from exc
-
-
-async def write_frame_async(writer: asyncio.StreamWriter, obj: Any) -> None:
-    writer.write(_pack(obj))
-    await writer.drain()

@@ -33,13 +33,14 @@ from gpubroker.client import (
 )
 
 from ._frames import FrameClosed, recv_frame, send_frame
+from ._segments import SegmentTable
 
 __all__ = ["WorkerServer", "main"]
 
 log = logging.getLogger("gpubroker.worker")
 EXIT_FATAL = 3
 
-_KINDS = ("buf", "module", "kernel", "stream")
+_KINDS = ("buf", "module", "kernel", "stream", "segment")
 _BATCHABLE = ("launch", "memset", "copy_d2d")
 
 
@@ -60,6 +61,7 @@ class WorkerServer:
         self.backend = backend
         self.owned: dict[str, dict[str, set[str]]] = defaultdict(lambda: {k: set() for k in _KINDS})
         self.kernel_module: dict[str, str] = {}
+        self.segments = SegmentTable(backend)  # shared-memory segments; main() attaches the fd channel
         self.fatal = False  # a batched command corrupted the context: exit after replying
 
     # -- ownership ---------------------------------------------------------------------------------
@@ -190,11 +192,34 @@ class WorkerServer:
         take = getattr(self.backend, "take_device_time", None)
         return float(take()) if take is not None else 0.0
 
+    def op_register_segment(self, session: str, p: dict[str, Any]) -> Any:
+        """Map the memfd the front sent on the fd channel with this request (same-host shared memory)."""
+        seg = self.segments.register(p.get("token", b""), p.get("size"))
+        self.owned[session]["segment"].add(seg)
+        return seg
+
+    def op_release_segment(self, session: str, p: dict[str, Any]) -> Any:
+        seg = self._own(session, "segment", p["segment"])
+        self.segments.release(seg)
+        self.owned[session]["segment"].discard(seg)
+
+    def op_copy_shared(self, session: str, p: dict[str, Any]) -> Any:
+        """Copy between a mapped segment and device memory: the backend reads or writes the mapping directly."""
+        buf, stream = self._buffer(session, p["buf"]), self._stream(session, p.get("stream"))
+        seg = self._own(session, "segment", p["segment"])
+        with self.segments.view(seg, int(p["segment_offset"]), int(p["size"])) as host:
+            if p["to_device"]:
+                self.backend.copy_h2d(host, buf, int(p["offset"]), stream)
+            else:
+                self.backend.copy_d2h(buf, host, int(p["offset"]), stream)
+
     def op_close_session(self, session: str, p: dict[str, Any]) -> Any:
         """Free everything the session owned; errors on one object do not stop the rest."""
         owned = self.owned.pop(session, None)
         if owned is None:
             return 0
+        for seg in owned["segment"]:  # unpin and unmap: a dead client's segments go with its lease
+            self.segments.release(seg)
         freed = 0
         cleanups = ([(self.backend.destroy_stream, Stream(h)) for h in owned["stream"]]
                     + [(self.backend.free_memory, Buffer(h, 0)) for h in owned["buf"]])
@@ -236,6 +261,7 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpubroker-worker")
     parser.add_argument("--fd", type=int)
+    parser.add_argument("--fd-channel", type=int, help="socket on which the front passes segment fds")
     parser.add_argument("--list", action="store_true", help="print the backend's devices as JSON and exit")
     parser.add_argument("--backend", required=True)
     parser.add_argument("--device", type=int, default=0)
@@ -266,7 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         send_frame(sock, [0, 1, Internal(f"device init failed: {type(exc).__name__}: {exc}").to_wire()])
         return 2
-    code = serve(sock, WorkerServer(backend))
+    server = WorkerServer(backend)
+    if args.fd_channel is not None:
+        server.segments.set_channel(socket.socket(fileno=args.fd_channel))
+    code = serve(sock, server)
     if code == 0:
         backend.close()
     sys.stdout.flush()

@@ -1,0 +1,126 @@
+"""Shared-memory segments in the worker: memfds a same-host client registered, mapped for CopyShared.
+
+The front passes each fd on a socketpair of its own (``--fd-channel``) just ahead of the ``register_segment``
+request, with a one-time token; the worker maps it and, on CUDA, page-locks it (cudaHostRegister) so copies
+to and from it run at pinned-memory speed without a staging copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import mmap
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from gpubroker.client import FailedPrecondition, GpuBrokerError, Internal, InvalidArgument, NotFound, OutOfRange
+
+__all__ = ["SegmentTable"]
+
+log = logging.getLogger("gpubroker.worker")
+# How long to wait for an fd the front has already sent: only a front bug would make this wait at all.
+_FD_TIMEOUT = 10.0
+
+
+@dataclass
+class Segment:
+    mm: mmap.mmap
+    size: int
+    pinned: int | None  # the host address the backend page-locked, if it did
+
+
+class SegmentTable:
+    """The worker's mapped segments by id; the WorkerServer tracks which session owns which."""
+
+    def __init__(self, backend: Any, channel: socket.socket | None = None) -> None:
+        self.backend = backend
+        self.channel = channel
+        self._segments: dict[str, Segment] = {}
+        self._ids = itertools.count(1)
+
+    def set_channel(self, channel: socket.socket) -> None:
+        channel.settimeout(_FD_TIMEOUT)
+        self.channel = channel
+
+    def _receive(self, token: bytes) -> int:
+        if self.channel is None:
+            raise FailedPrecondition("this worker has no fd channel (started without --fd-channel)")
+        try:
+            data, fds, flags, _ = socket.recv_fds(self.channel, 64, 4)
+        except OSError as exc:
+            raise Internal(f"no file descriptor arrived on the fd channel: {exc}") from None
+        if data != token or len(fds) != 1 or flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise Internal("the fd channel is out of step with the requests")
+        return fds[0]
+
+    def register(self, token: bytes, size: Any) -> str:
+        """Receive the fd sent with this request, map ``size`` bytes of it, and page-lock it where that helps."""
+        fd = self._receive(bytes(token))  # first, whatever else is wrong: the next request's fd must stay next
+        try:
+            if not isinstance(size, int) or size <= 0:
+                raise InvalidArgument(f"segment size must be > 0, got {size}")
+            # Populated now rather than page by page inside the first copies (the client faulted the pages in
+            # already, so this only maps them; max_shared_bytes_per_session bounds a client that did not).
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise InvalidArgument(f"cannot map the segment: {exc.strerror}") from None
+        finally:
+            os.close(fd)  # the mapping keeps the memory; the client's memfd name stays visible in /proc maps
+        pinned = None
+        register = getattr(self.backend, "register_host_memory", None)
+        if register is not None:
+            try:
+                pinned = register(mm)
+            except GpuBrokerError as exc:
+                if exc.details.get("fatal"):
+                    mm.close()
+                    raise
+                # Only slower (pageable copies): worth a warning, not a refusal.
+                log.warning("segment of %d bytes not page-locked: %s", size, exc.message)
+        seg_id = f"seg{next(self._ids)}"
+        self._segments[seg_id] = Segment(mm, size, pinned)
+        return seg_id
+
+    @contextlib.contextmanager
+    def view(self, seg_id: str, offset: int, size: int) -> Iterator[memoryview]:
+        """A memoryview of ``[offset, offset + size)`` of a segment, released on exit so it can be unmapped."""
+        seg = self._segments.get(seg_id)
+        if seg is None:
+            raise NotFound("unknown segment handle")
+        if offset < 0 or size < 0:
+            raise InvalidArgument(f"segment offset and size must be >= 0, got {offset} and {size}")
+        if offset + size > seg.size:
+            raise OutOfRange(f"{size} bytes at segment offset {offset} run past the end of the {seg.size}-byte "
+                             "segment")
+        whole = memoryview(seg.mm)
+        part = whole[offset:offset + size]
+        try:
+            yield part
+        finally:
+            # A traceback may still hold an array made from it; then it unmaps when that is gone.
+            with contextlib.suppress(BufferError):
+                part.release()
+                whole.release()
+
+    def release(self, seg_id: str) -> None:
+        seg = self._segments.pop(seg_id, None)
+        if seg is None:
+            return
+        if seg.pinned is not None:
+            try:
+                self.backend.unregister_host_memory(seg.pinned)
+            except GpuBrokerError as exc:
+                log.warning("unregistering a segment's host memory: %s", exc.message)
+        try:
+            seg.mm.close()
+        except BufferError:
+            log.warning("a %d-byte segment is still referenced; it unmaps when that goes", seg.size)
+
+    def __contains__(self, seg_id: str) -> bool:
+        return seg_id in self._segments

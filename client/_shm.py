@@ -1,0 +1,291 @@
+"""Same-host fast path: host memory shared with the tenant's worker through memfd segments.
+
+gRPC cannot carry file descriptors, so next to its Unix socket ``PATH`` the broker listens on ``PATH.shm``. A
+client sends one length-prefixed msgpack frame ``{"session", "token", "size"}`` with a sealed memfd attached
+(SCM_RIGHTS); the broker maps it into the tenant's worker and answers ``{"segment": handle}`` (or ``{"error":
+{code, message}}``). ``CopyShared`` then moves bytes between that mapping and device memory: no copy data
+travels through gRPC at all. ``{"session", "token", "release": handle}`` unmaps a segment early; otherwise it
+lives as long as its session.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import mmap
+import os
+import socket
+import struct
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ._errors import FailedPrecondition, GpuBrokerError, InvalidArgument, Unavailable, error_from_wire
+from ._host import check_device_range
+from ._types import Buffer
+
+try:
+    import fcntl
+except ImportError:  # not a Unix: no shared memory, copies use the gRPC streams
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["FRAME_HEADER", "MAX_FRAME", "SEGMENT_SEALS", "STAGING_BYTES", "SUPPORTED", "SharedMemory", "SideChannel",
+           "create_segment_fd", "pack_frame", "unpack_frame"]
+
+log = logging.getLogger("gpubroker.client")
+
+FRAME_HEADER = struct.Struct("!I")
+# Requests and replies are a few hundred bytes; anything much larger is a bug or a hostile peer.
+MAX_FRAME = 64 * 1024
+# The per-session bounce buffer for host memory that is not a host_array (copied in pieces of this size).
+STAGING_BYTES = 64 * 1024 * 1024
+# memfds and their seals are Linux's; elsewhere the fast path is off and copies use the gRPC streams.
+SUPPORTED = hasattr(os, "memfd_create") and hasattr(fcntl, "F_SEAL_SHRINK") and hasattr(socket, "send_fds")
+# The broker refuses a segment that could shrink under the worker's mapping (touching it would SIGBUS).
+SEGMENT_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if SUPPORTED else 0
+_names = itertools.count(1)
+
+
+def pack_frame(obj: Any) -> bytes:
+    payload = msgpack.packb(obj, use_bin_type=True)
+    return FRAME_HEADER.pack(len(payload)) + payload
+
+
+def unpack_frame(payload: bytes) -> Any:
+    return msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=False)
+
+
+def create_segment_fd(size: int) -> int:
+    """A sealed memfd of ``size`` bytes, named so it is recognizable in /proc/PID/maps of the worker."""
+    fd = os.memfd_create(f"gpubroker-seg-{os.getpid()}-{next(_names)}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEGMENT_SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class SideChannel:
+    """One connection to the broker's ``.shm`` socket; it may carry any number of requests, one at a time."""
+
+    def __init__(self, path: str, token: str, timeout: float | None = 30.0) -> None:
+        self.token = token
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(path)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._lock = threading.Lock()
+
+    def register(self, session: str, fd: int, size: int) -> str:
+        """Hand ``fd`` (``size`` bytes) to the session's worker; returns the segment handle for CopyShared."""
+        return str(self.request({"session": session, "token": self.token, "size": size}, [fd])["segment"])
+
+    def release(self, session: str, segment: str) -> None:
+        self.request({"session": session, "token": self.token, "release": segment})
+
+    def request(self, message: dict[str, Any], fds: Sequence[int] = ()) -> dict[str, Any]:
+        """Send one frame (with ``fds`` attached to its first byte) and return the reply, or raise its error."""
+        frame = pack_frame(message)
+        with self._lock:
+            try:
+                sent = socket.send_fds(self._sock, [frame], list(fds)) if fds else 0
+                self._sock.sendall(frame[sent:])
+                (length,) = FRAME_HEADER.unpack(self._recv_exact(FRAME_HEADER.size))
+                if length > MAX_FRAME:
+                    raise Unavailable(f"the broker's side channel sent a {length}-byte frame")
+                reply = unpack_frame(self._recv_exact(length))
+            except (OSError, ValueError) as exc:
+                raise Unavailable(f"the broker's shared-memory side channel failed: {exc}") from None
+        if not isinstance(reply, dict):
+            raise Unavailable("the broker's side channel sent a malformed reply")
+        error = reply.get("error")
+        if error is not None:
+            raise error_from_wire(error["code"], error["message"], error.get("type"), error.get("details"))
+        return reply
+
+    def _recv_exact(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self._sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("the broker closed the side channel")
+            buf += chunk
+        return bytes(buf)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _forget(table: dict[str, tuple[int, int]], released: list[str], handle: str) -> None:
+    # Runs when a host_array's last view dies, before its mapping goes: no lookup can find a stale address.
+    # No socket I/O here (a finalizer may run inside any call, even one holding the channel's lock).
+    table.pop(handle, None)
+    released.append(handle)
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+class SharedMemory:
+    """The client side of the fast path for one RemoteGpu session: host arrays, staging, CopyShared calls.
+
+    ``call(method, request)`` is the RemoteGpu's unary call; ``session()`` its session id. Everything falls back
+    (``copy`` returns False) when the target is not a Unix socket or the broker has no side channel.
+    """
+
+    def __init__(self, target: str, token: str | None, session: Callable[[], str],
+                 call: Callable[[str, Any], Any], timeout: float | None = 30.0,
+                 staging_bytes: int = STAGING_BYTES) -> None:
+        path = target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
+        self.path = path + ".shm" if target.startswith("unix:") and token and SUPPORTED else None
+        self.staging_bytes = staging_bytes
+        self._token = token or ""
+        self._session = session
+        self._call = call
+        self._timeout = timeout
+        self._channel: SideChannel | None = None
+        self._off = self.path is None  # once off (no side channel there), stays off for this session
+        self._connect_lock = threading.Lock()
+        self._staging_lock = threading.Lock()
+        self._staging: tuple[mmap.mmap, str] | None = None
+        self._staging_failed = False
+        self._arrays: dict[str, tuple[int, int]] = {}  # live host_array segments: handle -> (address, size)
+        self._released: list[str] = []  # host_array segments whose arrays died; released at the next request
+
+    # -- the side channel ----------------------------------------------------------------------------
+    def channel(self) -> SideChannel | None:
+        """The connected side channel, or None when there is none (then every copy uses gRPC streams)."""
+        if self._off:
+            return None
+        with self._connect_lock:
+            if self._channel is None and not self._off:
+                assert self.path is not None
+                try:
+                    self._channel = SideChannel(self.path, self._token, self._timeout)
+                except OSError as exc:
+                    log.debug("no shared-memory side channel at %s (%s); using gRPC streams", self.path, exc)
+                    self._off = True
+            return self._channel
+
+    def _register(self, size: int) -> tuple[mmap.mmap, str]:
+        channel = self.channel()
+        if channel is None:
+            raise FailedPrecondition(
+                "shared memory needs a unix: target whose broker serves the side channel "
+                f"{self.path or '<socket>.shm'}, and RemoteGpu(..., shared_memory=True)")
+        while True:
+            try:
+                handle = self._released.pop()  # (another thread may take the last one first)
+            except IndexError:
+                break
+            try:
+                channel.release(self._session(), handle)
+            except GpuBrokerError as exc:  # already gone with its session: nothing to free
+                log.debug("releasing segment %s: %s", handle, exc)
+        fd = create_segment_fd(size)
+        try:
+            # Faulted in here, so the pages are allocated (and charged) to this process, not the broker's worker.
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            try:
+                return mm, channel.register(self._session(), fd, size)
+            except BaseException:
+                mm.close()
+                raise
+        finally:
+            os.close(fd)  # the worker holds its own mapping; ours lives in mm
+
+    def host_array(self, shape: int | Sequence[int], dtype: Any = np.uint8) -> np.ndarray:
+        """A numpy array in memory the worker has mapped: copies to and from it are one CopyShared, no copying."""
+        dt = np.dtype(dtype)
+        dims = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+        if any(d < 0 for d in dims):
+            raise InvalidArgument(f"negative dimension in shape {dims}")
+        nbytes = math.prod(dims) * dt.itemsize
+        mm, handle = self._register(max(nbytes, 1))
+        owner = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+        # Every view of the result keeps ``owner`` alive (numpy stops collapsing bases at the mmap), so its
+        # finalizer marks exactly when no array can reach the segment any more.
+        self._arrays[handle] = (_address(memoryview(owner)) if nbytes else 0, nbytes)
+        weakref.finalize(owner, _forget, self._arrays, self._released, handle)
+        return owner.view(dt).reshape(dims)
+
+    def _find(self, address: int, size: int) -> tuple[str, int] | None:
+        # Newest first: a fresh mapping can reuse the address range of a dead one.
+        for handle, (base, length) in reversed(list(self._arrays.items())):
+            if base <= address and address + size <= base + length:
+                return handle, address - base
+        return None
+
+    def _staging_segment(self) -> tuple[mmap.mmap, str] | None:
+        if self._staging is None and not self._staging_failed:
+            try:
+                self._staging = self._register(self.staging_bytes)
+            except (GpuBrokerError, OSError) as exc:
+                # Over the broker's per-session limit, say: the gRPC streams still work.
+                log.debug("no staging segment (%s); using gRPC streams", exc)
+                self._staging_failed = True
+        return self._staging
+
+    # -- copies --------------------------------------------------------------------------------------
+    def copy(self, host: memoryview, buf: Buffer, offset: int, stream: str, to_device: bool) -> bool:
+        """Copy between ``host`` and ``buf`` through shared memory; False: not possible, use the gRPC streams."""
+        size = host.nbytes
+        if size == 0 or self._off or not isinstance(buf, Buffer) or self.channel() is None:
+            return False  # (an empty copy still goes to the broker, which checks its handles)
+        hit = self._find(_address(host), size)
+        if hit is not None:
+            self._copy_shared(hit[0], hit[1], buf, offset, size, to_device, stream)
+            return True
+        with self._staging_lock:
+            staging = self._staging_segment()
+            if staging is None:
+                return False
+            # Up front, as the streamed copy does: a bad range must not leave a partial copy behind.
+            check_device_range(buf, offset, size, "copy_h2d" if to_device else "copy_d2h")
+            mm, handle = staging
+            with memoryview(mm) as bounce:
+                for start in range(0, size, len(bounce)):
+                    n = min(len(bounce), size - start)
+                    if to_device:
+                        bounce[:n] = host[start:start + n]
+                        self._copy_shared(handle, 0, buf, offset + start, n, True, stream)
+                    else:
+                        self._copy_shared(handle, 0, buf, offset + start, n, False, stream)
+                        host[start:start + n] = bounce[:n]
+        return True
+
+    def _copy_shared(self, segment: str, segment_offset: int, buf: Buffer, offset: int, size: int,
+                     to_device: bool, stream: str) -> None:
+        from gpubroker.v1 import broker_pb2 as pb  # grpc stubs only once a copy really goes this way
+
+        self._call("CopyShared", pb.CopySharedRequest(
+            session=self._session(), segment=segment, segment_offset=segment_offset,
+            buffer=pb.BufferRef(handle=buf.handle, offset=buf.offset), offset=offset, size=size,
+            to_device=to_device, stream=stream))
+
+    def close(self) -> None:
+        """Drop the channel and the staging buffer; host arrays stay valid host memory (their session ends)."""
+        self._off = True
+        with self._connect_lock:
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
+        with self._staging_lock:
+            if self._staging is not None:
+                try:
+                    self._staging[0].close()
+                except BufferError:
+                    pass  # a caller still holds a view of it; it unmaps when that goes
+                self._staging = None
+        self._arrays.clear()

@@ -1,0 +1,233 @@
+"""Same-host copies through shared memory: correctness against numpy and the gRPC streams, and the side channel's
+authentication, isolation, limits and cleanup."""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpubroker.broker.auth import UNAUTHENTICATED_MESSAGE
+from gpubroker.broker.launcher import BrokerProcess
+from gpubroker.client import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    RemoteGpu,
+    ResourceExhausted,
+    Unauthenticated,
+    connect,
+)
+from gpubroker.client._shm import STAGING_BYTES, SideChannel, create_segment_fd
+
+from ..conftest import worker_pids
+from ..helpers import wait_for
+
+SIZES = [0, 1, 1001, 3 * 1024 * 1024 + 7]
+
+
+@pytest.fixture(scope="module")
+def gpu(broker: BrokerProcess) -> Iterator[RemoteGpu]:
+    with connect(broker.target, token=broker.tokens["alice"]) as g:
+        yield g
+
+
+def _bytes(size: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def _segment_names(broker: BrokerProcess, tenant: str, pid: int | None = None) -> set[str]:
+    """The client memfds (by name) that the tenant's worker has mapped now."""
+    (worker,) = worker_pids(broker, tenant)
+    prefix = f"gpubroker-seg-{pid}-" if pid is not None else "gpubroker-seg-"
+    maps = Path(f"/proc/{worker}/maps").read_text()
+    return set(re.findall(re.escape(prefix) + r"\d+-?\d*", maps))
+
+
+def _streams_only(gpu: RemoteGpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu, "_shm", None)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("host", ["numpy", "host_array"])
+def test_shared_and_streamed_copies_match_numpy(gpu: RemoteGpu, size: int, host: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    data = _bytes(size, size)
+    # A device view at an odd offset, and an odd copy offset within it.
+    buf = gpu.allocate_memory(size + 64)
+    view = buf.at(3)
+    # Host memory at an odd offset inside a larger array too: a view, not the array itself.
+    backing = gpu.host_array(size + 11) if host == "host_array" else np.zeros(size + 11, dtype=np.uint8)
+    src = backing[5:5 + size]
+    src[:] = data
+    gpu.copy_h2d(src, view, offset=17)
+    out = (gpu.host_array(size + 3) if host == "host_array" else np.zeros(size + 3, dtype=np.uint8))[2:2 + size]
+    gpu.copy_d2h(view, out, offset=17)
+    np.testing.assert_array_equal(out, data)
+    # Cross-check on the same session: what shared memory wrote, the gRPC streams read back, and vice versa.
+    with monkeypatch.context() as m:
+        _streams_only(gpu, m)
+        streamed = np.zeros(size, dtype=np.uint8)
+        gpu.copy_d2h(view, streamed, offset=17)
+        np.testing.assert_array_equal(streamed, data)
+        gpu.copy_h2d(data[::-1].copy(), view, offset=17)
+    shared = np.zeros(size, dtype=np.uint8)
+    gpu.copy_d2h(view, shared, offset=17)
+    np.testing.assert_array_equal(shared, data[::-1])
+    gpu.free_memory(buf)
+
+
+def test_host_array_round_trip_is_zero_copy(broker: BrokerProcess) -> None:
+    with connect(broker.target, token=broker.tokens["alice"]) as g:
+        a = g.host_array((300, 7), np.float32)
+        a[:] = np.arange(2100, dtype=np.float32).reshape(300, 7)
+        buf = g.allocate_memory(a.nbytes)
+        g.copy_h2d(a, buf)
+        b = g.host_array((300, 7), np.float32)
+        g.copy_d2h(buf, b)
+        np.testing.assert_array_equal(a, b)
+        g.copy_d2h(buf.at(28), b[10:20])  # a row-aligned view of the host array: still the same segment
+        np.testing.assert_array_equal(b[10:20], a[1:11])
+        assert g._shm is not None and g._shm._staging is None  # never bounced through the staging segment
+        assert g.host_array(0).size == 0
+
+
+def test_staging_path_for_plain_arrays_larger_than_the_staging_segment(broker: BrokerProcess,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    size = STAGING_BYTES + 12345
+    data = _bytes(size, 7)
+    with connect(broker.target, token=broker.tokens["alice"]) as g:
+        assert g._shm is not None
+        calls: list[int] = []
+        real = g._shm._copy_shared
+        monkeypatch.setattr(g._shm, "_copy_shared", lambda *a: (calls.append(a[4]), real(*a))[1])
+
+        def no_streams(*_a: object, **_k: object) -> None:
+            raise AssertionError("copied over the gRPC streams")
+
+        monkeypatch.setattr(g._stub, "CopyHostToDevice", no_streams)
+        monkeypatch.setattr(g._stub, "CopyDeviceToHost", no_streams)
+        buf = g.allocate_memory(size)
+        g.copy_h2d(data, buf)
+        out = np.zeros(size, dtype=np.uint8)
+        g.copy_d2h(buf, out)
+        np.testing.assert_array_equal(out, data)
+        assert calls == [STAGING_BYTES, 12345, STAGING_BYTES, 12345]
+        with pytest.raises(OutOfRange):  # refused before any piece moves
+            g.copy_h2d(data, buf, offset=1)
+
+
+def test_falls_back_to_streams_without_a_side_channel(broker: BrokerProcess) -> None:
+    with connect(broker.target, token=broker.tokens["alice"], shared_memory=False) as g:
+        with pytest.raises(FailedPrecondition):
+            g.host_array(16)
+        buf = g.allocate_memory(1001)
+        data = _bytes(1001, 1)
+        g.copy_h2d(data, buf)
+        out = np.zeros(1001, dtype=np.uint8)
+        g.copy_d2h(buf, out)
+        np.testing.assert_array_equal(out, data)
+    tcp = RemoteGpu("127.0.0.1:1", token="gpb_x_y")  # never connects: only its shared-memory setting is looked at
+    try:
+        assert tcp._shm is not None and tcp._shm.path is None and tcp._shm.channel() is None
+        with pytest.raises(FailedPrecondition):
+            tcp.host_array(16)
+    finally:
+        tcp._channel.close()
+
+
+def _register(broker: BrokerProcess, token: str, session: str, size: int = 4096, seal: bool = True,
+              announce: int | None = None) -> str:
+    channel = SideChannel(broker.target[len("unix:"):] + ".shm", token)
+    fd = create_segment_fd(size) if seal else os.memfd_create("gpubroker-seg-unsealed")
+    try:
+        if not seal:
+            os.ftruncate(fd, size)
+        return channel.register(session, fd, size if announce is None else announce)
+    finally:
+        os.close(fd)
+        channel.close()
+
+
+def test_side_channel_authenticates_and_isolates(broker: BrokerProcess, gpu: RemoteGpu) -> None:
+    path = Path(broker.target[len("unix:"):] + ".shm")
+    assert path.is_socket() and path.stat().st_mode & 0o777 == 0o660  # the main socket's mode
+    for token in ("gpb_000000000000_wrong", ""):
+        with pytest.raises(Unauthenticated) as info:
+            _register(broker, token, gpu.session)
+        assert info.value.message == UNAUTHENTICATED_MESSAGE
+    with pytest.raises(NotFound):  # another tenant's session: as if it did not exist
+        _register(broker, broker.tokens["bob"], gpu.session)
+    with pytest.raises(NotFound):
+        _register(broker, broker.tokens["alice"], "ses_invented")
+    with pytest.raises(InvalidArgument):  # could shrink under the worker's mapping
+        _register(broker, broker.tokens["alice"], gpu.session, seal=False)
+    with pytest.raises(InvalidArgument):  # announces more than the memfd holds
+        _register(broker, broker.tokens["alice"], gpu.session, announce=8192)
+    with pytest.raises(ResourceExhausted):  # past max_shared_bytes_per_session (4 GiB by default)
+        _register(broker, broker.tokens["alice"], gpu.session, announce=(4 << 30) + 1)
+    handle = _register(broker, broker.tokens["alice"], gpu.session)
+    buf = gpu.allocate_memory(64)
+    assert gpu._shm is not None
+    with pytest.raises(OutOfRange):
+        gpu._shm._copy_shared(handle, 4090, buf, 0, 8, True, "")
+    with connect(broker.target, token=broker.tokens["alice"]) as other, pytest.raises(NotFound):
+        other._shm._copy_shared(handle, 0, other.allocate_memory(8), 0, 8, True, "")  # type: ignore[union-attr]
+
+
+def test_segments_are_unmapped_when_released_and_when_the_session_ends(broker: BrokerProcess) -> None:
+    me = os.getpid()
+    before = _segment_names(broker, "alice", me)
+    with connect(broker.target, token=broker.tokens["alice"]) as g:
+        a = g.host_array(1 << 20)
+        first = _segment_names(broker, "alice", me) - before
+        assert len(first) == 1
+        del a
+        gc.collect()
+        b = g.host_array(1 << 20)  # a dead array's segment is released with the next registration
+        second = _segment_names(broker, "alice", me) - before
+        assert len(second) == 1 and second != first
+        g.copy_h2d(np.ones(10, dtype=np.uint8), g.allocate_memory(10))  # and a staging segment
+        assert len(_segment_names(broker, "alice", me) - before) == 2
+        del b
+    assert _segment_names(broker, "alice", me) - before == set()
+
+
+CLIENT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from gpubroker.client import connect
+    gpu = connect(sys.argv[1], token=sys.argv[2])
+    host = gpu.host_array(1 << 20)
+    host[:] = 1
+    buf = gpu.allocate_memory(4 << 20)
+    gpu.copy_h2d(host, buf)
+    gpu.copy_h2d(np.ones(2 << 20, dtype=np.uint8), buf)  # through the staging segment
+    print("mapped", flush=True)
+    sys.stdin.read()  # block until killed
+""")
+
+
+def test_dead_client_leaves_no_segment_behind(fresh_broker: BrokerProcess) -> None:
+    with connect(fresh_broker.target, token=fresh_broker.tokens["alice"]) as observer:
+        child = subprocess.Popen([sys.executable, "-c", CLIENT, fresh_broker.target, fresh_broker.tokens["alice"]],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert child.stdout is not None
+        try:
+            assert child.stdout.readline().strip() == b"mapped"
+            assert len(_segment_names(fresh_broker, "alice", child.pid)) == 2
+            assert observer.device_info().memory_used == 4 << 20
+        finally:
+            child.kill()
+            child.wait()
+        wait_for(lambda: not _segment_names(fresh_broker, "alice", child.pid)
+                 and observer.device_info().memory_used == 0, timeout=15, what="the lease to expire")
