@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Generic, TypeVar
 
 from gpubroker.client import (
@@ -14,7 +14,7 @@ from gpubroker.client import (
 )
 from gpubroker.client._types import Dim3, KernelArg, check_kernel_args, normalize_dims
 
-__all__ = ["HandleTable", "LaunchShape", "check_launch"]
+__all__ = ["HandleTable", "LaunchChecker", "LaunchShape", "PlanMemo", "check_launch"]
 
 T = TypeVar("T")
 
@@ -53,11 +53,17 @@ class HandleTable(Generic[T]):
 class LaunchShape:
     """A checked launch: grid (blocks per dimension), block (threads per block), args."""
 
-    def __init__(self, grid: Dim3, block: Dim3, args: list[KernelArg], shared_mem: int) -> None:
+    __slots__ = ("args", "block", "grid", "kinds", "shared_mem")
+
+    def __init__(self, grid: Dim3, block: Dim3, args: list[KernelArg], shared_mem: int,
+                 kinds: tuple[type, ...] | None = None) -> None:
         self.grid = grid
         self.block = block
         self.args = args
         self.shared_mem = shared_mem
+        # The type of each arg: for Buffers and numpy scalars it fixes everything a parameter check reads
+        # (pointer or scalar, dtype kind, width), so backends key their memoized per-kernel checks on it.
+        self.kinds = tuple(map(type, args)) if kinds is None else kinds
 
     @property
     def global_size(self) -> Dim3:
@@ -86,3 +92,78 @@ def check_launch(info: DeviceInfo, grid: int | Sequence[int], block: int | Seque
         if isinstance(arg, Buffer) and not 0 <= arg.offset <= arg.size:
             raise InvalidArgument(f"buffer view offset {arg.offset} is outside its {arg.size}-byte allocation")
     return LaunchShape(g, b, checked_args, shared_mem)
+
+
+class PlanMemo:
+    """A bounded memo of launch signatures whose checks passed, so a repeated launch skips re-validation.
+
+    Only successes are stored: a new or failing signature always runs the full checks, so errors are
+    exactly those of an uncached launch. When full, the oldest entry goes (insertion order): a workload
+    cycling through more signatures than ``limit`` just re-validates, it never gets a wrong answer.
+    """
+
+    __slots__ = ("_entries", "_limit")
+
+    def __init__(self, limit: int = 64) -> None:
+        self._entries: dict[Hashable, object] = {}
+        self._limit = limit
+
+    def get(self, key: Hashable) -> object | None:
+        return self._entries.get(key)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def add(self, key: Hashable, value: object = True) -> None:
+        entries = self._entries
+        if key not in entries and len(entries) >= self._limit:
+            del entries[next(iter(entries))]
+        entries[key] = value
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _dims_key(value: object) -> tuple[int, ...] | None:
+    """A hashable key for a grid or block that normalize_dims would accept, or None to skip the memo.
+
+    Only exact ints (not bools, not numpy integers) qualify, so equal keys always normalize equally."""
+    if type(value) is int:
+        return (value,)
+    if type(value) in (tuple, list) and all(type(v) is int for v in value):  # type: ignore[attr-defined]
+        return tuple(value)  # type: ignore[arg-type]
+    return None
+
+
+class LaunchChecker:
+    """``check_launch`` for one device, with its value-independent outcomes memoized.
+
+    The grid / block / shared_mem checks depend only on those values and the device's fixed limits, and
+    the arg type checks only on the sequence of arg types; a hit skips them. Buffer view offsets are
+    values, so they are checked on every call.
+    """
+
+    def __init__(self, info: DeviceInfo, limit: int = 256) -> None:
+        self.info = info
+        self._shapes = PlanMemo(limit)  # (grid key, block key, shared_mem) -> (grid, block)
+        self._kinds = PlanMemo(limit)  # tuples of arg types that check_kernel_args accepted
+
+    def check(self, grid: int | Sequence[int], block: int | Sequence[int], args: Sequence[object],
+              shared_mem: int) -> LaunchShape:
+        g, b = _dims_key(grid), _dims_key(block)
+        key = (g, b, shared_mem) if g is not None and b is not None and type(shared_mem) is int else None
+        dims = self._shapes.get(key) if key is not None else None
+        kinds = tuple(map(type, args)) if type(args) in (list, tuple) else None
+        if dims is None or kinds is None or kinds not in self._kinds:
+            # A new signature: the full checks, in their usual order, so the first error is the usual one.
+            shape = check_launch(self.info, grid, block, args, shared_mem)
+            if key is not None and kinds is not None:
+                self._shapes.add(key, (shape.grid, shape.block))
+                self._kinds.add(kinds)
+            return shape
+        checked: list[KernelArg] = list(args)  # type: ignore[arg-type]  # kinds accepted: all are KernelArgs
+        for arg in checked:
+            if isinstance(arg, Buffer) and not 0 <= arg.offset <= arg.size:
+                raise InvalidArgument(f"buffer view offset {arg.offset} is outside its {arg.size}-byte allocation")
+        grid3, block3 = dims  # type: ignore[misc]
+        return LaunchShape(grid3, block3, checked, shared_mem, kinds)

@@ -34,7 +34,7 @@ from gpubroker.client import (
 )
 from gpubroker.client._host import HostBuffer, check_device_range, readable_bytes, writable_bytes
 
-from ._common import HandleTable, check_launch
+from ._common import HandleTable, LaunchChecker
 from ._cuda_driver import driver_extras
 from ._cuda_timing import DeviceTimer
 from ._cuda_util import (
@@ -95,6 +95,7 @@ class CudaBackend:
                 raise NotFound(f"no CUDA device {self._device} ({count} present)")
             cupy.cuda.Device(self._device).use()
             self._info, self._smem_optin = props_info(self._device, runtime.memGetInfo()[0])
+            self._checker = LaunchChecker(self._info)  # device-limit launch checks, memoized per signature
             self._null = cupy.cuda.Stream.null
         except Exception as exc:
             raise translate("initialize", exc) from exc
@@ -117,6 +118,7 @@ class CudaBackend:
         if self._fatal is None:
             try:
                 runtime.setDevice(self._device)
+                self._timer.flush()  # end marks before the wait, so the wait is not charged
                 runtime.deviceSynchronize()
             except Exception as exc:
                 err = translate("close", exc)
@@ -209,15 +211,14 @@ class CudaBackend:
             return
         host = np.frombuffer(view, dtype=np.uint8)  # no copy; only for its address
         timer = self._timer
-        mark = None
         try:
-            mark = timer.start(s.ptr)
-            runtime.memcpyAsync(mem.ptr + start, host.ctypes.data, view.nbytes, runtime.memcpyHostToDevice, s.ptr)
-            timer.stop(mark, s.ptr)
-            mark = None
+            with timer.lock:
+                timer.begin(s.ptr)
+                runtime.memcpyAsync(mem.ptr + start, host.ctypes.data, view.nbytes, runtime.memcpyHostToDevice,
+                                    s.ptr)
+                timer.close(s.ptr)  # we wait next: the host's idle time must not count
             s.synchronize()  # the caller may reuse src as soon as we return
         except Exception as exc:
-            timer.cancel(mark)
             raise self._fail("copy_h2d", exc) from exc
 
     def copy_d2h(self, buf: Buffer, dst: HostBuffer, offset: int = 0, stream: Stream | None = None) -> None:
@@ -229,15 +230,14 @@ class CudaBackend:
             return
         host = np.frombuffer(view, dtype=np.uint8)
         timer = self._timer
-        mark = None
         try:
-            mark = timer.start(s.ptr)
-            runtime.memcpyAsync(host.ctypes.data, mem.ptr + start, view.nbytes, runtime.memcpyDeviceToHost, s.ptr)
-            timer.stop(mark, s.ptr)
-            mark = None
+            with timer.lock:
+                timer.begin(s.ptr)
+                runtime.memcpyAsync(host.ctypes.data, mem.ptr + start, view.nbytes, runtime.memcpyDeviceToHost,
+                                    s.ptr)
+                timer.close(s.ptr)
             s.synchronize()  # dst must hold the data when we return
         except Exception as exc:
-            timer.cancel(mark)
             raise self._fail("copy_d2h", exc) from exc
 
     def register_host_memory(self, host: HostBuffer) -> int:
@@ -273,13 +273,11 @@ class CudaBackend:
         if src.handle == dst.handle and a < b + size and b < a + size:
             raise InvalidArgument("copy_d2d: source and destination ranges overlap")
         timer = self._timer
-        mark = None
         try:
-            mark = timer.start(s.ptr)
-            runtime.memcpyAsync(dmem.ptr + b, smem.ptr + a, size, runtime.memcpyDeviceToDevice, s.ptr)
-            timer.stop(mark, s.ptr)
+            with timer.lock:
+                timer.begin(s.ptr)
+                runtime.memcpyAsync(dmem.ptr + b, smem.ptr + a, size, runtime.memcpyDeviceToDevice, s.ptr)
         except Exception as exc:
-            timer.cancel(mark)
             raise self._fail("copy_d2d", exc) from exc
 
     def memset(self, buf: Buffer, value: int, size: int | None = None, offset: int = 0,
@@ -294,13 +292,11 @@ class CudaBackend:
         if size == 0:
             return
         timer = self._timer
-        mark = None
         try:
-            mark = timer.start(s.ptr)
-            runtime.memsetAsync(mem.ptr + start, int(value), size, s.ptr)
-            timer.stop(mark, s.ptr)
+            with timer.lock:
+                timer.begin(s.ptr)
+                runtime.memsetAsync(mem.ptr + start, int(value), size, s.ptr)
         except Exception as exc:
-            timer.cancel(mark)
             raise self._fail("memset", exc) from exc
 
     # -- code --------------------------------------------------------------------------------
@@ -383,16 +379,21 @@ class CudaBackend:
         if not isinstance(kernel, Kernel):
             raise InvalidArgument(f"expected a Kernel, got {type(kernel).__name__}")
         rec = self._kernels.get(kernel.handle)
-        shape = check_launch(self._info, grid, block, args, shared_mem)
-        threads = shape.block[0] * shape.block[1] * shape.block[2]
-        if threads > rec.max_threads:
-            raise InvalidArgument(f"kernel {rec.name!r} can run at most {rec.max_threads} threads per block "
-                                  f"(its register use), not {threads}")
-        if shared_mem > self._smem_optin:
-            raise InvalidArgument(f"{shared_mem} bytes of dynamic shared memory exceeds the device's "
-                                  f"{self._smem_optin} per block")
-        if rec.params is not None:
-            check_params(rec, shape.args)
+        shape = self._checker.check(grid, block, args, shared_mem)
+        # The kernel-specific checks read only the block, shared_mem and the arg types: a signature that
+        # passed them once for this kernel skips them (bounded memo; failures are never stored).
+        plan = (shape.block, shared_mem, shape.kinds)
+        if plan not in rec.plans:
+            threads = shape.block[0] * shape.block[1] * shape.block[2]
+            if threads > rec.max_threads:
+                raise InvalidArgument(f"kernel {rec.name!r} can run at most {rec.max_threads} threads per block "
+                                      f"(its register use), not {threads}")
+            if shared_mem > self._smem_optin:
+                raise InvalidArgument(f"{shared_mem} bytes of dynamic shared memory exceeds the device's "
+                                      f"{self._smem_optin} per block")
+            if rec.params is not None:
+                check_params(rec, shape.args)
+            rec.plans.add(plan)
         s = self._stream(stream)
         cargs: list[object] = []
         for arg in shape.args:
@@ -404,16 +405,14 @@ class CudaBackend:
             else:
                 cargs.append(arg)
         timer = self._timer
-        mark = None
         try:
             if shared_mem > rec.dynamic_shared:  # above 48 KiB needs an explicit opt-in per function
                 driver.funcSetAttribute(rec.func.ptr, _MAX_DYNAMIC_SHARED, shared_mem)
                 rec.dynamic_shared = shared_mem
-            mark = timer.start(s.ptr)
-            rec.func(shape.grid, shape.block, tuple(cargs), shared_mem=shared_mem, stream=s)
-            timer.stop(mark, s.ptr)
+            with timer.lock:  # held until issued, so a concurrent take cannot close the segment in between
+                timer.begin(s.ptr)  # a dict lookup unless this is the stream's first command of the segment
+                rec.func(shape.grid, shape.block, tuple(cargs), shared_mem=shared_mem, stream=s)
         except Exception as exc:
-            timer.cancel(mark)
             raise self._fail(f"launch {rec.name!r}", exc) from exc
 
     # -- streams -----------------------------------------------------------------------------
@@ -431,6 +430,8 @@ class CudaBackend:
         if s is self._null:
             raise InvalidArgument("cannot destroy the default stream")
         try:
+            with self._timer.lock:
+                self._timer.close(s.ptr)  # its pointer may be reused by a later stream
             s.synchronize()
         except Exception as exc:
             raise self._fail("destroy_stream", exc) from exc
@@ -445,6 +446,8 @@ class CudaBackend:
         if deferred is not None:
             raise deferred  # surfaced by a take_device_time wait; it belongs to the tenant's work
         try:
+            with self._timer.lock:
+                self._timer.close(None if s is None else s.ptr)  # the host waits now: end the segments first
             if s is None:
                 runtime.deviceSynchronize()
             else:
@@ -453,17 +456,30 @@ class CudaBackend:
             raise self._fail("synchronize", exc) from exc
 
     # -- device-time accounting --------------------------------------------------------------
+    def flush_device_time(self) -> None:
+        """End the open device-time segments: the worker calls this when a batch is issued, so the time the
+        host then spends idle (waiting for the next batch) is not charged. Never raises."""
+        if self._fatal is None and self._ready and not self._closed:
+            self._timer.flush()
+
     def take_device_time(self) -> float:
         """Wait for all queued work, then return the device seconds spent by commands issued since the last
         call (kernels, copies, memsets, d2d), and reset the tally.
 
-        Each command is bracketed by a pair of CUDA events on its stream, so this is what the GPU spent on
-        them, not host time; overlapping commands on different streams each count in full. Never raises:
-        it is 0.0 before initialize and after a fatal error (the context can no longer tell).
+        Each stream's run of commands (up to a batch end, synchronize or take) is bracketed by a pair of CUDA
+        events, so this is GPU time, not host time; streams that overlapped each count in full. Idle gaps
+        inside a run count too (see _cuda_timing). Never raises: it is 0.0 before initialize and after a
+        fatal error (the context can no longer tell).
         """
         if self._fatal is not None:
             self._timer.abandon()
             return 0.0
+        if self._ready and not self._closed:
+            try:  # take records the end marks: our device must be current (the caller's thread may differ)
+                if runtime.getDevice() != self._device:
+                    runtime.setDevice(self._device)
+            except Exception:
+                pass  # the wait below reports it
         pairs, total = self._timer.take()
         if not pairs:
             return total  # nothing unread (close() waited and folded everything into the total)

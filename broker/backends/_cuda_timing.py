@@ -1,8 +1,15 @@
-"""Device time of CUDA commands, measured by the GPU: a pair of timing events brackets each command.
+"""Device time of CUDA commands, measured by the GPU with timing events that bracket *segments*.
 
-The CUDA backend records ``start`` on the command's stream right before issuing it and ``stop`` right
-after; ``cudaEventElapsedTime`` of the pair is what the device spent on that command. Events are reused
-once their pair has been read, so a launch costs two ``cudaEventRecord`` calls, not two event creations.
+A segment is a run of commands on one stream: ``begin`` records a start event when the first command
+after the last close is issued on that stream, and ``close`` records the end event once the host is done
+issuing (end of a worker batch, a synchronize, a blocking copy, a take). ``cudaEventElapsedTime`` of the
+pair is charged. So a launch normally costs one dict lookup, not two ``cudaEventRecord`` calls.
+
+Trade-off: inside a segment, time the stream sits idle waiting for the host to issue the next command
+counts as device time (tiny kernels are charged at the host's issue rate). Segments end at every batch
+end and synchronize, and the scheduler takes (fences) at slice ends, so host idle time between batches
+is not charged. A start recorded while the stream is still busy with an earlier segment completes only
+after that work, so segments never double count.
 """
 
 from __future__ import annotations
@@ -38,13 +45,14 @@ def _leak(objs: object) -> None:
 
 
 class DeviceTimer:
-    """Event pairs of the commands issued since the last ``take``, plus the folded seconds of completed ones.
+    """Event pairs of the segments issued since the last ``take``, plus the folded seconds of completed ones.
 
-    ``start``/``stop``/``cancel`` are called around each command with the backend's device current.
+    ``begin``/``close`` are called with the backend's device current and ``lock`` held.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
+        self._open: dict[int, cupy.cuda.Event] = {}  # stream pointer -> start event of its open segment
         self._pairs: list[Pair] = []
         self._pool: list[cupy.cuda.Event] = []
         self._folded = 0.0
@@ -61,25 +69,32 @@ class DeviceTimer:
             self._pool.append(start)
             self._pool.append(end)
 
-    def start(self, stream_ptr: int) -> cupy.cuda.Event:
-        """Record the start mark of a command about to be issued on the stream."""
-        event = self._event()
-        runtime.eventRecord(event.ptr, stream_ptr)
-        return event
+    def begin(self, stream_ptr: int) -> None:
+        """Open a segment on the stream unless one is open. Call with ``lock`` held, right before issuing a
+        command, and keep holding it until the command is issued (so a take cannot close the segment between)."""
+        if stream_ptr not in self._open:
+            event = self._event()
+            runtime.eventRecord(event.ptr, stream_ptr)
+            self._open[stream_ptr] = event
 
-    def stop(self, start: cupy.cuda.Event, stream_ptr: int) -> None:
-        """Record the end mark of the command just issued, and keep the pair until the next take."""
-        end = self._event()
-        runtime.eventRecord(end.ptr, stream_ptr)
-        with self._lock:
+    def close(self, stream_ptr: int | None = None) -> None:
+        """Record the end mark of the open segment of one stream (or of all). Call with ``lock`` held."""
+        ptrs = list(self._open) if stream_ptr is None else [stream_ptr] if stream_ptr in self._open else []
+        for ptr in ptrs:
+            start, end = self._open.pop(ptr), self._event()
+            try:
+                runtime.eventRecord(end.ptr, ptr)
+            except Exception:
+                pass  # an unrecorded end reads as 0.0; the error surfaces at the tenant's next call
             self._pairs.append((start, end))
-            if len(self._pairs) > self._fold_at:
-                self._fold()
+        if len(self._pairs) > self._fold_at:
+            self._fold()
 
-    def cancel(self, start: cupy.cuda.Event | None) -> None:
-        """The command was not issued: its start mark goes back to the pool."""
-        if start is not None and len(self._pool) < POOL_MAX:
-            self._pool.append(start)
+    def flush(self) -> None:
+        """Close every open segment: the host is about to stop issuing (a batch ended)."""
+        if self._open:
+            with self.lock:
+                self.close()
 
     def _fold(self) -> None:
         """Fold completed pairs into the running total. Hold the lock; never raises."""
@@ -99,8 +114,9 @@ class DeviceTimer:
         self._fold_at = max(FOLD_PAIRS, 2 * len(keep))
 
     def take(self) -> tuple[list[Pair], float]:
-        """Detach the unread pairs and the folded seconds, resetting both."""
-        with self._lock:
+        """Close the open segments, then detach the unread pairs and the folded seconds, resetting both."""
+        with self.lock:
+            self.close()
             pairs, self._pairs = self._pairs, []
             total, self._folded = self._folded, 0.0
             self._fold_at = FOLD_PAIRS
@@ -122,16 +138,17 @@ class DeviceTimer:
 
     def settle(self) -> None:
         """The device is idle for good (closing): fold every pair into the total and drop idle events."""
-        with self._lock:
+        with self.lock:
+            self.close()
             pairs, self._pairs = self._pairs, []
             self._folded += self.settle_pairs(pairs)
             self._pool = []
 
     def abandon(self, pairs: list[Pair] | None = None) -> None:
         """After a fatal error: forget every pair and the total, and leak the events rather than destroy them."""
-        with self._lock:
-            if self._pairs or self._pool or pairs:
-                _leak((self._pairs, self._pool, pairs))
-            self._pairs, self._pool = [], []
+        with self.lock:
+            if self._pairs or self._pool or pairs or self._open:
+                _leak((self._pairs, self._pool, pairs, self._open))
+            self._pairs, self._pool, self._open = [], [], {}
             self._folded = 0.0
             self._fold_at = FOLD_PAIRS

@@ -23,6 +23,7 @@ from gpubroker.client import (
     ResourceExhausted,
 )
 
+from ._common import PlanMemo
 from ._cuda_driver import driver_extras
 from ._cuda_sig import ParamKind, param_kinds
 
@@ -129,6 +130,8 @@ class KernelRec:
     kinds: list[ParamKind] | None  # pointer / scalar per parameter, read from CUDA C source we compiled
     max_threads: int
     dynamic_shared: int = 48 * 1024  # the default cap until raised with cuFuncSetAttribute
+    # Launch signatures (block, shared_mem, arg types) that passed the kernel-specific checks.
+    plans: PlanMemo = field(default_factory=PlanMemo, compare=False, repr=False)
 
 
 @dataclass

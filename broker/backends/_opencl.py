@@ -26,8 +26,17 @@ from gpubroker.client import (
 )
 from gpubroker.client._host import check_device_range, readable_bytes, writable_bytes
 
-from ._common import HandleTable, check_launch
-from ._opencl_info import KernelRec, all_devices, as_int, build_program, check_arg, cl_errors, describe_device
+from ._common import HandleTable, LaunchChecker, LaunchShape
+from ._opencl_info import (
+    KernelRec,
+    all_devices,
+    as_int,
+    build_program,
+    check_arg,
+    cl_errors,
+    describe_device,
+    translate_cl_error,
+)
 from ._opencl_info import list_opencl_devices as list_opencl_devices
 
 __all__ = ["OpenCLBackend", "list_opencl_devices"]
@@ -62,6 +71,7 @@ class OpenCLBackend:
         self._context: cl.Context | None = None
         self._queue: cl.CommandQueue | None = None
         self._info: DeviceInfo | None = None
+        self._checker: LaunchChecker | None = None  # device-limit launch checks, memoized per signature
         self._align = 1
         self._max_alloc = 0
         self._local_mem = 0
@@ -102,6 +112,7 @@ class OpenCLBackend:
                 self._max_alloc = int(device.max_mem_alloc_size)
                 self._local_mem = int(device.local_mem_size)
             self._info = describe_device(device, self._index)
+            self._checker = LaunchChecker(self._info)
             self._device, self._context = device, context
 
     def close(self) -> None:
@@ -343,11 +354,40 @@ class OpenCLBackend:
     ) -> None:
         """Queue a launch: grid work-groups of block work-items. With shared_mem > 0 the kernel's last
         parameter must be a __local pointer, which receives shared_mem bytes (the caller does not pass it)."""
-        shape = check_launch(self._ready(), grid, block, args, shared_mem)
+        self._ready()
+        assert self._checker is not None
+        shape = self._checker.check(grid, block, args, shared_mem)
         queue = self._queue_for(stream)
         if not isinstance(kernel, Kernel):
             raise InvalidArgument(f"expected a Kernel, got {type(kernel).__name__}")
         rec = self._kernels.get(kernel.handle)
+        # The kernel-specific checks read only the block, shared_mem and the arg types: once a signature
+        # passed them for this kernel, repeating it skips them.
+        plan = (shape.block, shape.shared_mem, shape.kinds)
+        if plan not in rec.plans:
+            self._check_plan(rec, shape)
+            rec.plans.add(plan)
+        args_in = shape.args
+        with self._lock:
+            subs: list[cl.Buffer] = []
+            values = [self._mem_arg(arg, i, subs) if isinstance(arg, Buffer) else arg for i, arg in enumerate(args_in)]
+            if shape.shared_mem:
+                values.append(cl.LocalMemory(shape.shared_mem))
+            kern = rec.kernel
+            try:  # a plain try, not cl_errors(): no generator and no message built on the hot path
+                for i, value in enumerate(values):
+                    kern.set_arg(i, value)
+                event = cl.enqueue_nd_range_kernel(queue, kern, shape.global_size, shape.block)
+            except cl.Error as exc:
+                raise translate_cl_error(exc, f"launching kernel {rec.name!r}") from exc
+            if self._in_flight:
+                self._in_flight = [e for e in self._in_flight if not self._done(e[1])]
+            if subs:
+                self._in_flight.append((queue, event, subs))
+            self._track(event)
+
+    def _check_plan(self, rec: KernelRec, shape: LaunchShape) -> None:
+        """The checks that need the kernel: work-group limits, local memory, each arg against its parameter."""
         specs = rec.specs
         rec.check_shape(shape.block, shape.shared_mem, self._local_mem)
         if shape.shared_mem:
@@ -361,21 +401,6 @@ class OpenCLBackend:
             raise InvalidArgument(f"kernel {rec.name!r} takes {len(specs)} argument(s){hint}, got {len(shape.args)}")
         for spec, arg in zip(specs, shape.args, strict=True):
             check_arg(rec.name, spec, arg)
-        with self._lock:
-            subs: list[cl.Buffer] = []
-            values = [
-                self._mem_arg(arg, i, subs) if isinstance(arg, Buffer) else arg for i, arg in enumerate(shape.args)
-            ]
-            if shape.shared_mem:
-                values.append(cl.LocalMemory(shape.shared_mem))
-            with cl_errors(f"launching kernel {rec.name!r}"):
-                for i, value in enumerate(values):
-                    rec.kernel.set_arg(i, value)
-                event = cl.enqueue_nd_range_kernel(queue, rec.kernel, shape.global_size, shape.block)
-            self._in_flight = [e for e in self._in_flight if not self._done(e[1])]
-            if subs:
-                self._in_flight.append((queue, event, subs))
-            self._track(event)
 
     def _mem_arg(self, arg: Buffer, index: int, subs: list[cl.Buffer]) -> cl.Buffer:
         """The cl.Buffer for a kernel arg; a view with an offset becomes a sub-buffer."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -24,6 +24,8 @@ from gpubroker.client import (
     ResourceExhausted,
 )
 from gpubroker.client._types import KernelArg
+
+from ._common import PlanMemo
 
 __all__ = [
     "ArgSpec",
@@ -279,6 +281,8 @@ class KernelRec:
     max_group: int
     required_group: tuple[int, int, int] | None
     static_local: int
+    # Launch signatures (block, shared_mem, arg types) that passed check_shape and the arg checks.
+    plans: PlanMemo = field(default_factory=PlanMemo, compare=False, repr=False)
 
     @classmethod
     def create(cls, program: cl._cl._Program, name: str, module: str, device: cl.Device) -> KernelRec:

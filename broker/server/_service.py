@@ -27,6 +27,7 @@ from ..config import BrokerConfig
 from ..scheduler import DeviceScheduler
 from ..sessions import Session, SessionManager
 from ..workers import device_info_from_dict
+from ._copies import read_chunks, write_chunks
 from ._status import admitted, principal_of, rpc, stream_rpc
 
 __all__ = ["GpuBrokerService", "device_info_to_pb"]
@@ -235,24 +236,8 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         buf = self._buffer_ref(session, header.buffer)
         stream = self._stream(session, header.stream)
         _check_copy_range(buf, header.offset, header.size)
-        written = 0
-        chunk: pb.HostToDeviceChunk | None = first
-        iterator = aiter(request_iterator)
-        # One chunk in flight at a time: the broker never holds more than a chunk of the copy.
-        while chunk is not None:
-            data = chunk.data
-            if len(data) > self.config.chunk_bytes:
-                raise InvalidArgument(f"chunk of {len(data)} bytes exceeds the broker's {self.config.chunk_bytes}")
-            if written + len(data) > header.size:
-                raise InvalidArgument(f"chunks carry more than the {header.size} bytes the header announced")
-            if data:
-                await self._device(session, "write", buf=buf, offset=header.offset + written, data=data,
-                                   stream=stream)
-                written += len(data)
-            session.touch()
-            chunk = await anext(iterator, None)
-        if written != header.size:
-            raise InvalidArgument(f"chunks carried {written} bytes; the header announced {header.size}")
+        await write_chunks(self._device, session, header, buf, stream, first, aiter(request_iterator),
+                           self.config.chunk_bytes)
         return pb.Empty()
 
     @stream_rpc
@@ -263,14 +248,8 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         stream = self._stream(session, request.stream)
         _check_copy_range(buf, request.offset, request.size)
         chunk = min(request.chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
-        done = 0
-        while done < request.size:
-            n = min(chunk, request.size - done)
-            data = await self._device(session, "read", buf=buf, offset=request.offset + done, size=n,
-                                             stream=stream)
-            done += n
-            session.touch()
-            yield pb.DeviceToHostChunk(data=data)
+        async for message in read_chunks(self._device, session, buf, request.offset, request.size, chunk, stream):
+            yield message
 
     @rpc
     async def CopyShared(self, request: pb.CopySharedRequest, context: grpc.aio.ServicerContext) -> pb.Empty:

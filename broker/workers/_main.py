@@ -42,14 +42,24 @@ EXIT_FATAL = 3
 
 _KINDS = ("buf", "module", "kernel", "stream", "segment")
 _BATCHABLE = ("launch", "memset", "copy_d2d")
+# Value objects rebuilt from wire refs are cached: a frozen dataclass costs more to build than a lookup.
+# Past this many entries a cache is simply cleared (ownership is checked on every use, never cached).
+_CACHE_MAX = 4096
+_DTYPES: dict[str, np.dtype[Any]] = {}  # scalar dtype names already accepted
 
 
 def _scalar(dtype: str, raw: bytes) -> np.generic:
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise InvalidArgument(f"unknown scalar dtype {dtype!r}") from None
-    if dt.kind not in "iuf" or dt.itemsize > 8 or len(raw) != dt.itemsize:
+    dt = _DTYPES.get(dtype) if type(dtype) is str else None
+    if dt is None:
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            raise InvalidArgument(f"unknown scalar dtype {dtype!r}") from None
+        if dt.kind not in "iuf" or dt.itemsize > 8:
+            raise InvalidArgument(f"scalar of dtype {dtype!r} must be an int or float of {dt.itemsize} bytes")
+        if type(dtype) is str and len(_DTYPES) < 64:
+            _DTYPES[dtype] = dt
+    if len(raw) != dt.itemsize:
         raise InvalidArgument(f"scalar of dtype {dtype!r} must be an int or float of {dt.itemsize} bytes")
     return np.frombuffer(raw, dtype=dt)[0]
 
@@ -63,6 +73,12 @@ class WorkerServer:
         self.kernel_module: dict[str, str] = {}
         self.segments = SegmentTable(backend)  # shared-memory segments; main() attaches the fd channel
         self.fatal = False  # a batched command corrupted the context: exit after replying
+        self._buffers: dict[tuple[str, int, int], Buffer] = {}
+        self._kernels: dict[tuple[str, str], Kernel] = {}
+        self._streams: dict[str, Stream] = {}
+        # Closes the backend's device-time segments when a batch ends (the CUDA backend's event marks).
+        self._end_batch = getattr(backend, "flush_device_time", None)
+        self._batch_ops = {op: getattr(self, f"op_{op}") for op in _BATCHABLE}  # no getattr per command
 
     # -- ownership ---------------------------------------------------------------------------------
     def _own(self, session: str, kind: str, handle: str) -> str:
@@ -72,10 +88,30 @@ class WorkerServer:
 
     def _buffer(self, session: str, ref: list[Any]) -> Buffer:
         handle, size, view_offset = ref
-        return Buffer(self._own(session, "buf", handle), int(size), int(view_offset))
+        if handle not in self.owned[session]["buf"]:
+            raise NotFound("unknown buf handle")
+        key = (handle, size, view_offset)
+        try:
+            return self._buffers[key]
+        except (KeyError, TypeError):  # TypeError: an unhashable ref; int() below reports it
+            buf = Buffer(handle, int(size), int(view_offset))
+        if type(size) is int and type(view_offset) is int:  # only exact keys: 1 == 1.0 == True hash alike
+            if len(self._buffers) >= _CACHE_MAX:
+                self._buffers.clear()
+            self._buffers[key] = buf
+        return buf
 
     def _stream(self, session: str, handle: str | None) -> Stream | None:
-        return Stream(self._own(session, "stream", handle)) if handle else None
+        if not handle:
+            return None
+        if handle not in self.owned[session]["stream"]:
+            raise NotFound("unknown stream handle")
+        stream = self._streams.get(handle)
+        if stream is None:
+            if len(self._streams) >= _CACHE_MAX:
+                self._streams.clear()
+            stream = self._streams[handle] = Stream(handle)
+        return stream
 
     # -- operations --------------------------------------------------------------------------------
     def handle(self, op: str, session: str, p: dict[str, Any]) -> Any:
@@ -148,15 +184,24 @@ class WorkerServer:
                 self.owned[session]["kernel"].discard(kernel)
 
     def op_launch(self, session: str, p: dict[str, Any]) -> Any:
-        kernel = Kernel(self._own(session, "kernel", p["kernel"]), p.get("name", ""))
+        handle = p["kernel"]
+        if handle not in self.owned[session]["kernel"]:
+            raise NotFound("unknown kernel handle")
+        key = (handle, p.get("name", ""))
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            if len(self._kernels) >= _CACHE_MAX:
+                self._kernels.clear()
+            kernel = self._kernels[key] = Kernel(*key)
         args: list[object] = []
         for arg in p["args"]:
-            if arg[0] == "b":
+            kind = arg[0]
+            if kind == "b":
                 args.append(self._buffer(session, arg[1:]))
-            elif arg[0] == "s":
+            elif kind == "s":
                 args.append(_scalar(arg[1], arg[2]))
             else:
-                raise InvalidArgument(f"unknown kernel arg kind {arg[0]!r}")
+                raise InvalidArgument(f"unknown kernel arg kind {kind!r}")
         self.backend.execute_kernel(kernel, tuple(p["grid"]), tuple(p["block"]), args, int(p["shared_mem"]),
                                     self._stream(session, p.get("stream")))
 
@@ -175,17 +220,24 @@ class WorkerServer:
 
     def op_batch(self, session: str, p: dict[str, Any]) -> Any:
         """Run asynchronous commands in order; stop at the first failure and report it by sequence number."""
-        for i, (seq, op, what, params) in enumerate(p["commands"]):
-            if op not in _BATCHABLE:
-                raise InvalidArgument(f"{op!r} cannot be batched")
-            try:
-                self.handle(op, session, params)
-            except GpuBrokerError as exc:
-                if exc.details.get("fatal"):
-                    self.fatal = True
-                return {"done": i, "error": {"seq": seq, "command": what, "code": exc.code, "message": exc.message,
-                                             "type": type(exc).__name__}}
-        return {"done": len(p["commands"]), "error": None}
+        ops = self._batch_ops
+        commands = p["commands"]
+        try:
+            for i, (seq, op, what, params) in enumerate(commands):
+                method = ops.get(op) if type(op) is str else None
+                if method is None:
+                    raise InvalidArgument(f"{op!r} cannot be batched")
+                try:
+                    method(session, params)
+                except GpuBrokerError as exc:
+                    if exc.details.get("fatal"):
+                        self.fatal = True
+                    return {"done": i, "error": {"seq": seq, "command": what, "code": exc.code,
+                                                 "message": exc.message, "type": type(exc).__name__}}
+        finally:
+            if self._end_batch is not None and not self.fatal:
+                self._end_batch()  # the host may now go idle: that gap must not count as device time
+        return {"done": len(commands), "error": None}
 
     def op_take_device_time(self, session: str, p: dict[str, Any]) -> Any:
         """Device seconds used since the last take (the fair scheduler's charge); waits for queued work."""

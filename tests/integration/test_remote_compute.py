@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import grpc
 import numpy as np
 import pytest
 
 from gpubroker.broker import samples
 from gpubroker.broker.launcher import BrokerProcess
 from gpubroker.client import GpuCompute, RemoteGpu, connect
+from gpubroker.v1 import broker_pb2 as pb
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +122,42 @@ def test_copy_64_mib_in_chunks(gpu: RemoteGpu) -> None:
     assert gpu.chunk_bytes <= 1024 * 1024 < size  # so this really went as many chunks
     np.testing.assert_array_equal(out, data)
     gpu.free_memory(buf)
+
+
+@pytest.fixture(scope="module")
+def streamed(broker: BrokerProcess) -> Iterator[RemoteGpu]:
+    """Copies over the gRPC streams (no shared memory), as a client on another host makes them."""
+    with connect(broker.target, token=broker.tokens["alice"], shared_memory=False) as g:
+        yield g
+
+
+def test_streamed_copies_pipeline_many_chunks(streamed: RemoteGpu) -> None:
+    size = 5 * streamed.chunk_bytes + 12345  # several chunks in flight at once, and a short last one
+    data = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+    buf = streamed.allocate_memory(size + 16)
+    streamed.copy_h2d(data, buf, offset=16)
+    out = np.zeros(size, dtype=np.uint8)
+    streamed.copy_d2h(buf, out, offset=16)
+    np.testing.assert_array_equal(out, data)
+    streamed.free_memory(buf)
+
+
+def test_streamed_write_failing_mid_stream_is_a_status(streamed: RemoteGpu) -> None:
+    chunk = streamed.chunk_bytes
+    buf = streamed.allocate_memory(4 * chunk)
+    header = pb.HostToDeviceHeader(session=streamed.session, buffer=pb.BufferRef(handle=buf.handle), size=3 * chunk)
+    # Four full chunks for a copy of three: the broker finds out with writes still in flight.
+    chunks = [pb.HostToDeviceChunk(header=header, data=bytes(chunk))] + [
+        pb.HostToDeviceChunk(data=bytes(chunk)) for _ in range(3)]
+    with pytest.raises(grpc.RpcError) as info:
+        streamed._stub.CopyHostToDevice(iter(chunks), metadata=streamed._metadata)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more than" in (info.value.details() or "")
+    streamed.copy_h2d(b"\x05" * chunk, buf)  # the session (and the broker) still serve
+    out = bytearray(chunk)
+    streamed.copy_d2h(buf, out)
+    assert out == b"\x05" * chunk
+    streamed.free_memory(buf)
 
 
 def test_bytes_memoryview_and_views(gpu: RemoteGpu) -> None:

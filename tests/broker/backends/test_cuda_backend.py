@@ -655,8 +655,12 @@ def test_device_time_pairs_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None
     with CudaBackend(0) as backend:
         buf = backend.allocate_memory(64 << 10)
         longest = 0
+        for _ in range(100):  # commands alone record no pairs: one open segment per stream
+            backend.memset(buf, 3)
+        assert backend._timer._pairs == [] and len(backend._timer._open) == 1
         for i in range(1, 20 * 64 + 1):
             backend.memset(buf, 3)
+            backend.flush_device_time()  # a batch end: closes the segment, one pair each
             longest = max(longest, len(backend._timer._pairs))
             if i % 64 == 0:
                 backend.synchronize()

@@ -1,0 +1,108 @@
+"""Streamed host<->device copies: chunks pipelined through the tenant's worker, a bounded few at a time.
+
+A chunk's worker round trip (front -> worker socket -> device -> reply) used to finish before the next chunk
+was received or sent, so the gRPC stream, the front and the worker took turns idling. Here a small, fixed
+number of worker calls stay in flight while the stream moves the neighbouring chunks, which overlaps the
+three. Guarantees kept: the broker holds at most ``depth`` (+ the one being received or sent) chunks of a
+copy; each chunk's worker call still takes its own scheduler turn, so a huge copy yields the device between
+chunks; the first failure ends the copy with that error, and calls still in flight are abandoned (their
+replies are dropped by the worker client) so nothing leaks past the RPC.
+
+Chunks cover disjoint byte ranges of the buffer, so completion order among in-flight calls does not matter
+for the bytes; the RPC only answers after every write has been acknowledged, and reads are yielded in offset
+order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from gpubroker.client import InvalidArgument
+from gpubroker.v1 import broker_pb2 as pb
+
+from ..sessions import Session
+
+__all__ = ["WRITE_DEPTH", "READ_DEPTH", "read_chunks", "write_chunks"]
+
+# Worker calls kept in flight per copy: enough to overlap the stream with the worker (one call being served,
+# one queued behind it, for reads one more whose reply is on its way); deeper queues only hold more chunks.
+WRITE_DEPTH = 2
+READ_DEPTH = 3
+
+Device = Callable[..., Awaitable[Any]]
+
+
+def _consume(task: asyncio.Task[Any]) -> None:
+    """Retrieve an abandoned call's outcome so asyncio does not log 'exception was never retrieved'."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _abandon(tasks: deque[asyncio.Task[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+        task.add_done_callback(_consume)
+    tasks.clear()
+
+
+def _reap(tasks: deque[asyncio.Task[Any]]) -> None:
+    """Drop finished calls from the front of the queue, raising the first failure among them."""
+    while tasks and tasks[0].done():
+        tasks.popleft().result()
+
+
+async def write_chunks(device: Device, session: Session, header: pb.HostToDeviceHeader, buf: list[Any],
+                       stream: str | None, first: pb.HostToDeviceChunk,
+                       rest: AsyncIterator[pb.HostToDeviceChunk], chunk_limit: int,
+                       depth: int = WRITE_DEPTH) -> None:
+    """Write the stream's chunks to ``buf``: receive the next chunk while earlier ones are being written."""
+    written = 0
+    inflight: deque[asyncio.Task[Any]] = deque()
+    chunk: pb.HostToDeviceChunk | None = first
+    try:
+        while chunk is not None:
+            data = chunk.data
+            if len(data) > chunk_limit:
+                raise InvalidArgument(f"chunk of {len(data)} bytes exceeds the broker's {chunk_limit}")
+            if written + len(data) > header.size:
+                raise InvalidArgument(f"chunks carry more than the {header.size} bytes the header announced")
+            if data:
+                _reap(inflight)  # a failed write ends the copy as soon as it is seen
+                if len(inflight) >= depth:
+                    await inflight.popleft()
+                inflight.append(asyncio.ensure_future(device(session, "write", buf=buf,
+                                                             offset=header.offset + written, data=data,
+                                                             stream=stream)))
+                written += len(data)
+            session.touch()
+            chunk = await anext(rest, None)
+        if written != header.size:
+            raise InvalidArgument(f"chunks carried {written} bytes; the header announced {header.size}")
+        while inflight:
+            await inflight.popleft()
+    finally:
+        _abandon(inflight)
+
+
+async def read_chunks(device: Device, session: Session, buf: list[Any], offset: int, size: int, chunk: int,
+                      stream: str | None, depth: int = READ_DEPTH) -> AsyncIterator[pb.DeviceToHostChunk]:
+    """Read ``size`` bytes in chunks, in order, with up to ``depth`` reads in flight while earlier ones go out."""
+    issued = 0
+    inflight: deque[asyncio.Task[Any]] = deque()
+    try:
+        while inflight or issued < size:
+            while issued < size and len(inflight) < depth:
+                n = min(chunk, size - issued)
+                inflight.append(asyncio.ensure_future(device(session, "read", buf=buf, offset=offset + issued,
+                                                             size=n, stream=stream)))
+                issued += n
+            data = await inflight.popleft()
+            session.touch()
+            yield pb.DeviceToHostChunk(data=data)
+    finally:
+        with contextlib.suppress(RuntimeError):  # (no running loop when collected late)
+            _abandon(inflight)
