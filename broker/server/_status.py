@@ -61,6 +61,13 @@ def _unexpected(exc: Exception) -> GpuBrokerError:
     return Internal(f"internal broker error: {type(exc).__name__}")
 
 
+async def _abort_for(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """End the call with the status the exception stands for (an abort already under way passes through)."""
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    await abort_with(context, exc if isinstance(exc, GpuBrokerError) else _unexpected(exc))
+
+
 def rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -> Callable[..., Awaitable[Resp]]:
     """Wrap a unary (or stream-in) handler: gpubroker errors become statuses, bugs become INTERNAL."""
 
@@ -70,12 +77,8 @@ def rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -> 
         admitted.set(None)
         try:
             return await fn(self, request, context)
-        except GpuBrokerError as exc:
-            await abort_with(context, exc)
         except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            await abort_with(context, _unexpected(exc))
+            await _abort_for(context, exc)
         finally:
             _release_slot()
         raise AssertionError("unreachable: abort raises")
@@ -94,12 +97,8 @@ def stream_rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[
         try:
             async for item in fn(self, request, context):
                 yield item
-        except GpuBrokerError as exc:
-            await abort_with(context, exc)
         except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            await abort_with(context, _unexpected(exc))
+            await _abort_for(context, exc)
         finally:
             _release_slot()
 
