@@ -3,6 +3,9 @@
 Kernels are CUDA C compiled by NVRTC, or PTX / cubin / fatbin images. Look kernels up by the name
 in the source, so declare them ``extern "C" __global__``: C++ kernels get mangled names (the
 mangled name, as listed in ``Module.kernel_names``, works too).
+
+The class is split by concept: copies and memsets live in ``_cuda_copies``, module loading, compilation and
+launches in ``_cuda_modules``, device-time bookkeeping in ``_cuda_timing``, CuPy helpers in ``_cuda_util``.
 """
 
 from __future__ import annotations
@@ -10,54 +13,36 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Sequence
 
 import cupy
 import numpy as np
-from cupy.cuda import driver, function, runtime
-from cupy.cuda.memory import Memory, MemoryPointer
+from cupy.cuda import runtime
+from cupy.cuda.memory import Memory
 
 from gpubroker.client import (
     Aborted,
     Buffer,
-    CompileError,
     DeviceInfo,
     FailedPrecondition,
     GpuBrokerError,
     InvalidArgument,
-    Kernel,
-    Module,
-    ModuleFormat,
     NotFound,
     ResourceExhausted,
     Stream,
 )
-from gpubroker.client._host import HostBuffer, check_device_range, readable_bytes, writable_bytes
 
 from ._common import HandleTable, LaunchChecker
-from ._cuda_driver import driver_extras
+from ._cuda_copies import CudaCopyMixin
+from ._cuda_modules import CudaCodeMixin
 from ._cuda_timing import DeviceTimer
-from ._cuda_util import (
-    BAD_IMAGE,
-    KernelRec,
-    ModuleRec,
-    as_source,
-    check_params,
-    compile_module,
-    list_cuda_devices,
-    make_kernel_rec,
-    props_info,
-    translate,
-)
+from ._cuda_util import KernelRec, ModuleRec, list_cuda_devices, props_info, translate
 
 __all__ = ["CudaBackend", "list_cuda_devices"]
 
 log = logging.getLogger(__name__)
 
-_MAX_DYNAMIC_SHARED = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
-
-class CudaBackend:
+class CudaBackend(CudaCopyMixin, CudaCodeMixin):
     """One CUDA device in this process. Launches and d2d copies / memsets are asynchronous.
 
     Kernels must be ``extern "C"`` (or looked up by mangled name). ``stream=None`` is the legacy
@@ -201,219 +186,6 @@ class CudaBackend:
         if not isinstance(stream, Stream):
             raise InvalidArgument(f"expected a Stream or None, got {type(stream).__name__}")
         return self._streams.get(stream.handle)
-
-    def copy_h2d(self, src: HostBuffer, buf: Buffer, offset: int = 0, stream: Stream | None = None) -> None:
-        self._use()
-        view = readable_bytes(src)
-        (mem, buf), s = self._resolve(buf), self._stream(stream)
-        start = check_device_range(buf, offset, view.nbytes, "copy_h2d")
-        if view.nbytes == 0:
-            return
-        host = np.frombuffer(view, dtype=np.uint8)  # no copy; only for its address
-        timer = self._timer
-        try:
-            with timer.lock:
-                timer.begin(s.ptr)
-                runtime.memcpyAsync(mem.ptr + start, host.ctypes.data, view.nbytes, runtime.memcpyHostToDevice,
-                                    s.ptr)
-                timer.close(s.ptr)  # we wait next: the host's idle time must not count
-            s.synchronize()  # the caller may reuse src as soon as we return
-        except Exception as exc:
-            raise self._fail("copy_h2d", exc) from exc
-
-    def copy_d2h(self, buf: Buffer, dst: HostBuffer, offset: int = 0, stream: Stream | None = None) -> None:
-        self._use()
-        view = writable_bytes(dst)
-        (mem, buf), s = self._resolve(buf), self._stream(stream)
-        start = check_device_range(buf, offset, view.nbytes, "copy_d2h")
-        if view.nbytes == 0:
-            return
-        host = np.frombuffer(view, dtype=np.uint8)
-        timer = self._timer
-        try:
-            with timer.lock:
-                timer.begin(s.ptr)
-                runtime.memcpyAsync(host.ctypes.data, mem.ptr + start, view.nbytes, runtime.memcpyDeviceToHost,
-                                    s.ptr)
-                timer.close(s.ptr)
-            s.synchronize()  # dst must hold the data when we return
-        except Exception as exc:
-            raise self._fail("copy_d2h", exc) from exc
-
-    def register_host_memory(self, host: HostBuffer) -> int:
-        """Page-lock a host range (a shared-memory segment) so copy_h2d / copy_d2h on views of it DMA directly.
-
-        Returns the address to pass to unregister_host_memory, which must run before the range is unmapped.
-        """
-        self._use()
-        view = readable_bytes(host)
-        ptr, size = int(np.frombuffer(view, dtype=np.uint8).ctypes.data), view.nbytes  # its address; no copy
-        view.release()  # a live export would keep the caller from unmapping it later
-        try:
-            runtime.hostRegister(ptr, size, 0)  # cudaHostRegisterDefault
-        except Exception as exc:
-            raise self._fail("register host memory", exc) from exc
-        return ptr
-
-    def unregister_host_memory(self, ptr: int) -> None:
-        self._use()
-        try:
-            runtime.hostUnregister(ptr)
-        except Exception as exc:
-            raise self._fail("unregister host memory", exc) from exc
-
-    def copy_d2d(self, src: Buffer, dst: Buffer, size: int, src_offset: int = 0, dst_offset: int = 0,
-                 stream: Stream | None = None) -> None:
-        self._use()
-        (smem, src), (dmem, dst), s = self._resolve(src), self._resolve(dst), self._stream(stream)
-        a = check_device_range(src, src_offset, size, "copy_d2d source")
-        b = check_device_range(dst, dst_offset, size, "copy_d2d destination")
-        if size == 0:
-            return
-        if src.handle == dst.handle and a < b + size and b < a + size:
-            raise InvalidArgument("copy_d2d: source and destination ranges overlap")
-        timer = self._timer
-        try:
-            with timer.lock:
-                timer.begin(s.ptr)
-                runtime.memcpyAsync(dmem.ptr + b, smem.ptr + a, size, runtime.memcpyDeviceToDevice, s.ptr)
-        except Exception as exc:
-            raise self._fail("copy_d2d", exc) from exc
-
-    def memset(self, buf: Buffer, value: int, size: int | None = None, offset: int = 0,
-               stream: Stream | None = None) -> None:
-        self._use()
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value <= 255:
-            raise InvalidArgument(f"memset value must be a byte (0..255), got {value!r}")
-        (mem, buf), s = self._resolve(buf), self._stream(stream)
-        if size is None:
-            size = max(0, buf.nbytes - offset) if isinstance(offset, int) else 0
-        start = check_device_range(buf, offset, size, "memset")
-        if size == 0:
-            return
-        timer = self._timer
-        try:
-            with timer.lock:
-                timer.begin(s.ptr)
-                runtime.memsetAsync(mem.ptr + start, int(value), size, s.ptr)
-        except Exception as exc:
-            raise self._fail("memset", exc) from exc
-
-    # -- code --------------------------------------------------------------------------------
-    def compile_kernel(self, source: str, name: str, options: Sequence[str] = ()) -> Kernel:
-        """Compile CUDA C with NVRTC and return kernel ``name`` (declare it ``extern "C"``)."""
-        self._use()
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument(f"kernel name must be a non-empty str, got {name!r}")
-        try:
-            source = as_source(source)
-            rec = make_kernel_rec(compile_module(source, options), name, None, source)
-        except Exception as exc:
-            raise self._fail(f"compile kernel {name!r}", exc) from exc
-        return Kernel(self._kernels.add(rec), name)
-
-    def load_module(self, image: str | bytes, format: ModuleFormat, options: Sequence[str] = ()) -> Module:
-        """Load CUDA C (compiled; ``options`` go to NVRTC), PTX, cubin or fatbin."""
-        self._use()
-        if not isinstance(format, ModuleFormat) or format is ModuleFormat.OPENCL_C:
-            raise InvalidArgument(f"the CUDA backend cannot load {format!r}")
-        if not isinstance(image, (str, bytes, bytearray, memoryview)):
-            raise InvalidArgument(f"module image must be str or bytes, got {type(image).__name__}")
-        source = None
-        try:
-            if format is ModuleFormat.CUDA_C:
-                source = as_source(image)
-                mod = compile_module(source, options)
-            else:
-                data = image.encode() if isinstance(image, str) else bytes(image)
-                if not data.strip(b"\0"):
-                    raise InvalidArgument("empty module image")
-                if format is ModuleFormat.PTX and not data.endswith(b"\0"):
-                    data += b"\0"  # cuModuleLoadData reads PTX as a C string
-                elif format is ModuleFormat.CUBIN and not data.startswith(b"\x7fELF"):
-                    raise InvalidArgument("a CUBIN image must be an ELF file")
-                mod = function.Module()
-                mod.load(data)
-        except Exception as exc:
-            err = self._fail(f"load {format.name} module", exc)
-            if format is ModuleFormat.PTX and err.details.get("cuda_error") in BAD_IMAGE:
-                err = CompileError(err.message, log=err.message, cuda_error=err.details["cuda_error"])
-            raise err from exc
-        names = driver_extras().function_names(mod.ptr)
-        return Module(self._modules.add(ModuleRec(mod, source)), names)
-
-    def get_kernel(self, module: Module, name: str) -> Kernel:
-        self._use()
-        if not isinstance(module, Module):
-            raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
-        rec = self._modules.get(module.handle)
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument(f"kernel name must be a non-empty str, got {name!r}")
-        if name not in rec.kernels:
-            try:
-                krec = make_kernel_rec(rec.module, name, module.handle, rec.source)
-            except Exception as exc:
-                raise self._fail(f"get kernel {name!r}", exc) from exc
-            rec.kernels[name] = self._kernels.add(krec)
-        return Kernel(rec.kernels[name], name)
-
-    def unload_module(self, module: Module) -> None:
-        """Unload a module; its kernels' handles become NOT_FOUND."""
-        self._use()
-        if not isinstance(module, Module):
-            raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
-        rec = self._modules.get(module.handle)
-        try:
-            runtime.deviceSynchronize()  # no launch of its code may still be running
-        except Exception as exc:
-            raise self._fail("unload_module", exc) from exc
-        self._modules.pop(module.handle)
-        for handle in rec.kernels.values():
-            self._kernels.pop(handle)
-
-    # -- launch ------------------------------------------------------------------------------
-    def execute_kernel(self, kernel: Kernel, grid: int | Sequence[int], block: int | Sequence[int],
-                       args: Sequence[object], shared_mem: int = 0, stream: Stream | None = None) -> None:
-        """Launch asynchronously; errors inside the kernel surface at the next synchronize."""
-        self._use()
-        if not isinstance(kernel, Kernel):
-            raise InvalidArgument(f"expected a Kernel, got {type(kernel).__name__}")
-        rec = self._kernels.get(kernel.handle)
-        shape = self._checker.check(grid, block, args, shared_mem)
-        # The kernel-specific checks read only the block, shared_mem and the arg types: a signature that
-        # passed them once for this kernel skips them (bounded memo; failures are never stored).
-        plan = (shape.block, shared_mem, shape.kinds)
-        if plan not in rec.plans:
-            threads = shape.block[0] * shape.block[1] * shape.block[2]
-            if threads > rec.max_threads:
-                raise InvalidArgument(f"kernel {rec.name!r} can run at most {rec.max_threads} threads per block "
-                                      f"(its register use), not {threads}")
-            if shared_mem > self._smem_optin:
-                raise InvalidArgument(f"{shared_mem} bytes of dynamic shared memory exceeds the device's "
-                                      f"{self._smem_optin} per block")
-            if rec.params is not None:
-                check_params(rec, shape.args)
-            rec.plans.add(plan)
-        s = self._stream(stream)
-        cargs: list[object] = []
-        for arg in shape.args:
-            if isinstance(arg, Buffer):
-                mem, view = self._resolve(arg)
-                if view.offset > view.size:
-                    raise InvalidArgument(f"view offset {view.offset} is past its {view.size}-byte allocation")
-                cargs.append(MemoryPointer(mem, view.offset))
-            else:
-                cargs.append(arg)
-        timer = self._timer
-        try:
-            if shared_mem > rec.dynamic_shared:  # above 48 KiB needs an explicit opt-in per function
-                driver.funcSetAttribute(rec.func.ptr, _MAX_DYNAMIC_SHARED, shared_mem)
-                rec.dynamic_shared = shared_mem
-            with timer.lock:  # held until issued, so a concurrent take cannot close the segment in between
-                timer.begin(s.ptr)  # a dict lookup unless this is the stream's first command of the segment
-                rec.func(shape.grid, shape.block, tuple(cargs), shared_mem=shared_mem, stream=s)
-        except Exception as exc:
-            raise self._fail(f"launch {rec.name!r}", exc) from exc
 
     # -- streams -----------------------------------------------------------------------------
     def create_stream(self) -> Stream:

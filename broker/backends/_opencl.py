@@ -1,11 +1,14 @@
-"""GpuCompute in-process on an OpenCL device through pyopencl (PoCL's CPU device when there is no GPU)."""
+"""GpuCompute in-process on an OpenCL device through pyopencl (PoCL's CPU device when there is no GPU).
+
+The class is split by concept: programs, kernels and launches live in ``_opencl_launch``, device-time
+accounting in ``_opencl_timing``, device discovery and OpenCL helpers in ``_opencl_info``.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from types import TracebackType
 
 import numpy as np
@@ -17,36 +20,24 @@ from gpubroker.client import (
     FailedPrecondition,
     HostBuffer,
     InvalidArgument,
-    Kernel,
-    Module,
-    ModuleFormat,
     NotFound,
     ResourceExhausted,
     Stream,
 )
 from gpubroker.client._host import check_device_range, readable_bytes, writable_bytes
 
-from ._common import HandleTable, LaunchChecker, LaunchShape
-from ._opencl_info import (
-    KernelRec,
-    all_devices,
-    as_int,
-    build_program,
-    check_arg,
-    cl_errors,
-    describe_device,
-    translate_cl_error,
-)
+from ._common import HandleTable, LaunchChecker
+from ._opencl_info import KernelRec, all_devices, as_int, cl_errors, describe_device
 from ._opencl_info import list_opencl_devices as list_opencl_devices
+from ._opencl_launch import ModuleRec, OpenCLCodeMixin
+from ._opencl_timing import FOLD_EVENTS, QUEUE_PROPS, OpenCLTimingMixin
 
 __all__ = ["OpenCLBackend", "list_opencl_devices"]
 
-# Every queue profiles its commands, so take_device_time can charge what the device really spent.
-_QUEUE_PROPS = cl.command_queue_properties.PROFILING_ENABLE
-# Past this many untaken events, completed ones are folded into a running total (bounded memory).
-_FOLD_EVENTS = 4096
-_START, _END = cl.profiling_info.START, cl.profiling_info.END
-_COMPLETE = cl.command_execution_status.COMPLETE
+_QUEUE_PROPS = QUEUE_PROPS
+# The fold threshold's floor (see _opencl_timing). Read at call time through _fold_floor, so patching this
+# module's name (as the tests do) still takes effect.
+_FOLD_EVENTS = FOLD_EVENTS
 
 
 @dataclass
@@ -55,14 +46,7 @@ class _Alloc:
     size: int
 
 
-@dataclass
-class _ModuleRec:
-    program: cl._cl._Program
-    kernel_names: tuple[str, ...]
-    kernels: set[str] = field(default_factory=set)
-
-
-class OpenCLBackend:
+class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
     """One OpenCL device, driven in-process. Construct cheaply; ``initialize()`` opens the device."""
 
     def __init__(self, device: int = 0) -> None:
@@ -81,7 +65,7 @@ class OpenCLBackend:
         self._lock = threading.RLock()
         self._buffers: HandleTable[_Alloc] = HandleTable("buf")
         self._streams: HandleTable[cl.CommandQueue] = HandleTable("stream")
-        self._modules: HandleTable[_ModuleRec] = HandleTable("mod")
+        self._modules: HandleTable[ModuleRec] = HandleTable("mod")
         self._kernels: HandleTable[KernelRec] = HandleTable("kern")
         # Sub-buffers made for launches stay referenced until their launch completes.
         self._in_flight: list[tuple[cl.CommandQueue, cl.Event, list[cl.Buffer]]] = []
@@ -156,6 +140,9 @@ class OpenCLBackend:
     def _all_queues(self) -> list[cl.CommandQueue]:
         queues = [] if self._queue is None else [self._queue]
         return queues + [self._streams.get(h) for h in self._streams.handles()]
+
+    def _fold_floor(self) -> int:
+        return _FOLD_EVENTS
 
     def _queue_for(self, stream: Stream | None) -> cl.CommandQueue:
         self._ready()
@@ -282,153 +269,6 @@ class OpenCLBackend:
                 event = cl.enqueue_fill_buffer(queue, alloc.mem, np.array([value], dtype=np.uint8), start, size)
             self._track(event)
 
-    # -- programs and kernels --------------------------------------------------------------------
-
-    def load_module(self, image: str | bytes, format: ModuleFormat, options: Sequence[str] = ()) -> Module:
-        """Build OpenCL C source into a module; binary formats are CUDA-only."""
-        self._ready()
-        if format is not ModuleFormat.OPENCL_C:
-            shown = format.value if isinstance(format, ModuleFormat) else repr(format)
-            raise InvalidArgument(
-                f"module format {shown} is not supported by the opencl backend (only {ModuleFormat.OPENCL_C.value} is)"
-            )
-        if isinstance(image, bytes):
-            try:
-                image = image.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise InvalidArgument(f"OpenCL C source is not valid UTF-8: {exc}") from None
-        if not isinstance(image, str):
-            raise InvalidArgument(f"OpenCL C source must be str or bytes, got {type(image).__name__}")
-        handle = self._build(image, options)
-        return Module(handle, self._modules.get(handle).kernel_names)
-
-    def compile_kernel(self, source: str, name: str, options: Sequence[str] = ()) -> Kernel:
-        """Build ``source`` and return its kernel ``name``; the program lives as long as the backend."""
-        module = self.load_module(source, ModuleFormat.OPENCL_C, options)
-        try:
-            return self.get_kernel(module, name)
-        except NotFound:
-            self.unload_module(module)
-            raise
-
-    def _build(self, source: str, options: Sequence[str]) -> str:
-        program, kernel_names = build_program(self._context, self._device, source, options)
-        with self._lock:
-            return self._modules.add(_ModuleRec(program, kernel_names))
-
-    def get_kernel(self, module: Module, name: str) -> Kernel:
-        """A fresh kernel object for ``name``; it belongs to ``module``."""
-        self._ready()
-        if not isinstance(module, Module):
-            raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
-        rec = self._modules.get(module.handle)
-        if name not in rec.kernel_names:
-            raise NotFound(
-                f"kernel {name!r} is not in module {module.handle!r}; "
-                f"it has: {', '.join(rec.kernel_names) or '(no kernels)'}"
-            )
-        kernel_rec = KernelRec.create(rec.program, name, module.handle, self._device)
-        with self._lock:
-            handle = self._kernels.add(kernel_rec)
-            rec.kernels.add(handle)
-        return Kernel(handle, name)
-
-    def unload_module(self, module: Module) -> None:
-        """Drop a module and every kernel taken from it; launches already queued still run."""
-        self._ready()
-        if not isinstance(module, Module):
-            raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
-        with self._lock:
-            rec = self._modules.pop(module.handle)
-            for handle in rec.kernels:
-                self._kernels.pop(handle)
-
-    def execute_kernel(
-        self,
-        kernel: Kernel,
-        grid: int | Sequence[int],
-        block: int | Sequence[int],
-        args: Sequence[object],
-        shared_mem: int = 0,
-        stream: Stream | None = None,
-    ) -> None:
-        """Queue a launch: grid work-groups of block work-items. With shared_mem > 0 the kernel's last
-        parameter must be a __local pointer, which receives shared_mem bytes (the caller does not pass it)."""
-        self._ready()
-        assert self._checker is not None
-        shape = self._checker.check(grid, block, args, shared_mem)
-        queue = self._queue_for(stream)
-        if not isinstance(kernel, Kernel):
-            raise InvalidArgument(f"expected a Kernel, got {type(kernel).__name__}")
-        rec = self._kernels.get(kernel.handle)
-        # The kernel-specific checks read only the block, shared_mem and the arg types: once a signature
-        # passed them for this kernel, repeating it skips them.
-        plan = (shape.block, shape.shared_mem, shape.kinds)
-        if plan not in rec.plans:
-            self._check_plan(rec, shape)
-            rec.plans.add(plan)
-        args_in = shape.args
-        with self._lock:
-            subs: list[cl.Buffer] = []
-            values = [self._mem_arg(arg, i, subs) if isinstance(arg, Buffer) else arg for i, arg in enumerate(args_in)]
-            if shape.shared_mem:
-                values.append(cl.LocalMemory(shape.shared_mem))
-            kern = rec.kernel
-            try:  # a plain try, not cl_errors(): no generator and no message built on the hot path
-                for i, value in enumerate(values):
-                    kern.set_arg(i, value)
-                event = cl.enqueue_nd_range_kernel(queue, kern, shape.global_size, shape.block)
-            except cl.Error as exc:
-                raise translate_cl_error(exc, f"launching kernel {rec.name!r}") from exc
-            if self._in_flight:
-                self._in_flight = [e for e in self._in_flight if not self._done(e[1])]
-            if subs:
-                self._in_flight.append((queue, event, subs))
-            self._track(event)
-
-    def _check_plan(self, rec: KernelRec, shape: LaunchShape) -> None:
-        """The checks that need the kernel: work-group limits, local memory, each arg against its parameter."""
-        specs = rec.specs
-        rec.check_shape(shape.block, shape.shared_mem, self._local_mem)
-        if shape.shared_mem:
-            specs = specs[:-1]
-        if len(shape.args) != len(specs):
-            hint = (
-                " (its last parameter is __local: pass shared_mem > 0 for it)"
-                if rec.specs and rec.specs[-1].kind == "local" and not shape.shared_mem
-                else ""
-            )
-            raise InvalidArgument(f"kernel {rec.name!r} takes {len(specs)} argument(s){hint}, got {len(shape.args)}")
-        for spec, arg in zip(specs, shape.args, strict=True):
-            check_arg(rec.name, spec, arg)
-
-    def _mem_arg(self, arg: Buffer, index: int, subs: list[cl.Buffer]) -> cl.Buffer:
-        """The cl.Buffer for a kernel arg; a view with an offset becomes a sub-buffer."""
-        alloc, view = self._resolve(arg)
-        if view.offset == 0:
-            return alloc.mem
-        if not 0 < view.offset < view.size:
-            raise InvalidArgument(
-                f"kernel arg {index}: view offset {view.offset} leaves no bytes of its {view.size}-byte buffer"
-            )
-        if view.offset % self._align:
-            raise InvalidArgument(
-                f"kernel arg {index}: view offset {view.offset} is not a multiple of {self._align} bytes; "
-                f"this OpenCL device only passes views aligned to its mem_base_addr_align "
-                f"(pass the whole buffer and an index offset instead)"
-            )
-        with cl_errors(f"kernel arg {index} sub-buffer"):
-            sub = alloc.mem.get_sub_region(view.offset, view.nbytes)
-        subs.append(sub)
-        return sub
-
-    @staticmethod
-    def _done(event: cl.Event) -> bool:
-        try:
-            return int(event.command_execution_status) <= cl.command_execution_status.COMPLETE
-        except cl.Error:
-            return True  # negative statuses (errors) also mean the command will not touch the buffer again
-
     # -- streams ---------------------------------------------------------------------------------
 
     def create_stream(self) -> Stream:
@@ -462,66 +302,3 @@ class OpenCLBackend:
                 queue.finish()
         with self._lock:
             self._in_flight = [e for e in self._in_flight if not any(e[0] is q for q in queues)]
-
-    # -- device-time accounting ------------------------------------------------------------------
-
-    def take_device_time(self) -> float:
-        """Wait for all queued work, then return the device seconds spent by commands issued since the last
-        call (kernels, copies, memsets, d2d), and reset the tally. Measured by OpenCL profiling, not the
-        host clock; commands on different queues that overlapped each count in full. Never raises."""
-        with self._lock:
-            events, self._events = self._events, []
-            total, self._folded = self._folded, 0.0
-            self._fold_at = _FOLD_EVENTS
-            queues = [] if self._closed else self._all_queues()
-        if not events:
-            return total
-        # Every event taken above was enqueued before these finishes, so each is complete afterwards.
-        for queue in queues:
-            with contextlib.suppress(cl.Error):  # a failed command surfaces at the caller's synchronize
-                queue.finish()
-        pending: list[cl.Event] = []
-        for event in events:
-            seconds = _seconds_if_done(event)
-            if seconds is None:
-                pending.append(event)  # only if a finish failed: charge it at the next take
-            else:
-                total += seconds
-        if pending:
-            with self._lock:
-                self._events[:0] = pending
-        return total
-
-    def _track(self, event: cl.Event) -> None:
-        """Keep a command's event for take_device_time; fold completed ones when too many pile up."""
-        with self._lock:
-            self._events.append(event)
-            if len(self._events) > self._fold_at:
-                self._fold_completed()
-                # Doubling keeps the folding amortized O(1) per command even when the queue runs far behind.
-                self._fold_at = max(_FOLD_EVENTS, 2 * len(self._events))
-
-    def _fold_completed(self, drop_pending: bool = False) -> None:
-        """Move the device time of completed (or failed) commands into the running total. Hold the lock."""
-        keep: list[cl.Event] = []
-        for event in self._events:
-            seconds = _seconds_if_done(event)
-            if seconds is not None:
-                self._folded += seconds
-            elif not drop_pending:
-                keep.append(event)
-        self._events = keep
-
-
-def _seconds_if_done(event: cl.Event) -> float | None:
-    """A finished command's device seconds (0.0 if it failed or has no profile), or None while it is queued
-    or running."""
-    try:
-        status = int(event.command_execution_status)
-        if status > _COMPLETE:
-            return None
-        if status < _COMPLETE:
-            return 0.0  # the command failed: it has no profile to charge
-        return (event.get_profiling_info(_END) - event.get_profiling_info(_START)) * 1e-9
-    except cl.Error:
-        return 0.0
