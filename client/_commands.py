@@ -29,11 +29,8 @@ class CommandStream:
     """
 
     def __init__(self, open_stream: Callable[[Iterator[pb.CommandBatch]], Iterator[pb.BatchAck]], session: str,
-                 batch_size: int = 256, window: int = 4,
-                 send_batch: Callable[[pb.CommandBatch], pb.BatchAck] | None = None) -> None:
+                 batch_size: int = 256, window: int = 4) -> None:
         self._open_stream = open_stream
-        # Same host: each batch is one fast-path round trip, acknowledged inline (no stream, no window).
-        self._send_batch = send_batch
         self._session = session
         self.batch_size = batch_size
         self._window = window
@@ -57,21 +54,6 @@ class CommandStream:
 
     def flush(self) -> None:
         if not self._pending:
-            return
-        if self._send_batch is not None:
-            batch = pb.CommandBatch(session=self._session, commands=self._pending)
-            self._pending = []
-            try:
-                ack = self._send_batch(batch)
-            except GpuBrokerError as exc:
-                ack, failure = None, exc
-            else:
-                failure = None
-            with self._cond:
-                if failure is not None and self._error is None:
-                    self._error = failure
-                elif ack is not None:
-                    self._note_ack(ack)
             return
         if self._outbox is None:
             self._start()
@@ -141,6 +123,10 @@ class CommandStream:
             with self._cond:
                 if self._error is None:
                     self._error = translate_rpc_error(err)
+        except GpuBrokerError as err:  # the fast-path transport reports failures this way
+            with self._cond:
+                if self._error is None:
+                    self._error = err
         finally:
             with self._cond:
                 # A new stream starts with the next command; the old one's unacknowledged batches are gone.

@@ -5,12 +5,13 @@ from __future__ import annotations
 import itertools
 import socket
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._errors import GpuBrokerError, Unavailable, error_from_wire
 from ._frames import recv_frame, send_frame
 
-__all__ = ["FastChannel"]
+__all__ = ["FastChannel", "fast_command_stream"]
 
 
 class FastChannel:
@@ -53,3 +54,43 @@ class FastChannel:
 
 def _error(wire: dict[str, Any]) -> GpuBrokerError:
     return error_from_wire(wire["code"], wire["message"], wire.get("type"), wire.get("details"))
+
+
+def fast_command_stream(path: str, token: str, session: str, timeout: float | None
+                        ) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """CommandStream's transport over a fast-path connection of its own.
+
+    Batches are written as they come and acknowledged in order by a reader, so the client builds the next
+    batch while the broker runs the last (the CommandStream's window bounds how far it runs ahead).
+    """
+    from gpubroker.v1 import broker_pb2 as pb
+
+    def open_stream(batches: Iterator[Any]) -> Iterator[Any]:
+        channel = FastChannel(path, token, session, None)  # acks may be a long kernel away: no timeout
+
+        def pump() -> None:
+            try:
+                for i, batch in enumerate(batches, 1):
+                    send_frame(channel._sock, [i, "batch", batch.SerializeToString()])
+                channel._sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass  # the reader sees the connection end and reports it
+
+        threading.Thread(target=pump, name="gpubroker-fast-batches", daemon=True).start()
+
+        def acks() -> Iterator[Any]:
+            try:
+                while True:
+                    try:
+                        _, status, result = recv_frame(channel._sock)
+                    except (EOFError, OSError):
+                        return
+                    if status != 0:
+                        raise _error(result)
+                    yield pb.BatchAck.FromString(result)
+            finally:
+                channel.close()
+
+        return acks()
+
+    return open_stream

@@ -14,7 +14,7 @@ from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ._commands import CommandStream
 from ._errors import FailedPrecondition, GpuBrokerError, InvalidArgument, Unavailable
-from ._fast import FastChannel
+from ._fast import FastChannel, fast_command_stream
 from ._host import readable_bytes, writable_bytes
 from ._shm import SharedMemory
 from ._tls import TlsOptions
@@ -156,16 +156,13 @@ class RemoteGpu:
             except Unavailable:
                 self._fast = None  # an older broker, or the fast path switched off: gRPC serves everything
         if self.async_commands:
-            send_batch = None
-            if self._fast is not None:
-                fast = self._fast
-
-                def send_batch(batch: pb.CommandBatch) -> pb.BatchAck:
-                    return pb.BatchAck.FromString(fast.call("batch", batch.SerializeToString()))
-
-            self._commands = CommandStream(
-                lambda batches: self._stub.Commands(batches, metadata=self._metadata), self._session,
-                send_batch=send_batch)
+            if self._fast is not None:  # same host: batches ride a fast-path connection of their own
+                open_stream = fast_command_stream(self.target[len("unix:"):] + ".fast", self._token, self._session,
+                                                  self.timeout)
+            else:
+                def open_stream(batches: Iterator[pb.CommandBatch]) -> Iterator[pb.BatchAck]:
+                    return self._stub.Commands(batches, metadata=self._metadata)
+            self._commands = CommandStream(open_stream, self._session)
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="gpubroker-heartbeat", daemon=True)
         self._heartbeat.start()
 
