@@ -61,7 +61,8 @@ class DeviceScheduler:
         # A lone holder is fenced this often anyway, so its usage figures stay current.
         self.accounting_period = accounting_period
         self.enabled = enabled
-        self.policy = FairPolicy()
+        # Between its own calls a tenant keeps at most four quanta of head start: enough for its round trips.
+        self.policy = FairPolicy(lag=4 * quantum)
         self.usage: dict[str, TenantUsage] = {}
         self.holder: str | None = None
         self.slice_start = 0.0
@@ -106,6 +107,10 @@ class DeviceScheduler:
             use = self.usage[tenant] = TenantUsage()
         return use
 
+    def _contending(self) -> list[str]:
+        """Tenants waiting for the device, and its holder."""
+        return [t for t, q in self._waiters.items() if q] + ([self.holder] if self.holder is not None else [])
+
     def _others_waiting(self, tenant: str) -> bool:
         return any(q for t, q in self._waiters.items() if t != tenant)
 
@@ -113,7 +118,9 @@ class DeviceScheduler:
         use = self._use(tenant)
         now = self._clock()
         # While another tenant holds the device its slice is uncharged: lift this one at the switch.
-        self.policy.touch(tenant, now, defer_lift=self.holder not in (None, tenant) or self._switching is not None)
+        if use.inflight == 0 and use.queued == 0:
+            self.policy.arrive(tenant, self._contending(), now,
+                               defer_lift=self.holder not in (None, tenant) or self._switching is not None)
         if self._switching is None:
             if self.holder is None:
                 self.holder, self.slice_start = tenant, now
@@ -142,7 +149,7 @@ class DeviceScheduler:
         use = self._use(tenant)
         use.inflight -= 1
         use.last_release = self._clock()
-        self.policy.touch(tenant, use.last_release)
+        self.policy.active(tenant, use.last_release)
         self._maybe_switch()
 
     def _maybe_switch(self, expire: bool = False) -> None:
@@ -225,10 +232,8 @@ class DeviceScheduler:
                     seconds = 0.0
                 self._charge(old, seconds)
             waiting = [t for t, q in self._waiters.items() if q]
-            now = self._clock()
-            for tenant in waiting:
-                self.policy.touch(tenant, now, defer_lift=True)  # waiting in the queue is being busy, not idle
-            self.policy.apply_lifts(now)  # after the old holder's charge, so newcomers start level with it
+            # After the old holder's charge, so newcomers start level with it and with those waiting.
+            self.policy.apply_lifts([*waiting, *([old] if old is not None else [])])
             # The old holder's next command is usually a round trip away: if it is still the most deserving,
             # it keeps the device (for idle_grace at least), or the heaviest weights could never use their share.
             recent = (old is not None and not forfeit and old not in waiting

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = ["FairPolicy", "TenantAccount"]
@@ -13,19 +14,23 @@ class TenantAccount:
     # Weighted device time: device seconds charged / weight, lifted when the tenant returns from idleness.
     vtime: float = 0.0
     device_seconds: float = 0.0
-    last_busy: float | None = None
     lift_pending: bool = False
+    last_active: float | None = None  # when it last had work; None: never
+    head_start: float = 0.0  # what this pending lift may leave it below the contending tenants
 
 
 class FairPolicy:
     """Picks which waiting tenant gets the device next.
 
     Each tenant's virtual time grows by (device time it used) / weight; the waiting tenant with the smallest
-    virtual time goes next. A tenant that was idle longer than ``idle_reset`` restarts no lower than the
-    smallest virtual time among busy tenants, so idleness cannot be banked and spent as a monopoly later.
+    virtual time goes next. A tenant that arrives with nothing queued or in flight is lifted to the least
+    virtual time among the tenants contending for the device (waiting, or holding it): a newcomer, or one idle
+    longer than ``idle_reset``, exactly; one between two of its own calls may stay up to ``lag`` below, so
+    round trips between a tenant's calls do not cost it its share while a light tenant still cannot bank credit.
     """
 
-    def __init__(self, idle_reset: float = 0.05) -> None:
+    def __init__(self, lag: float = 0.005, idle_reset: float = 0.05) -> None:
+        self.lag = lag
         self.idle_reset = idle_reset
         self.accounts: dict[str, TenantAccount] = {}
 
@@ -38,30 +43,31 @@ class FairPolicy:
     def set_weight(self, tenant: str, weight: float) -> None:
         self.account(tenant).weight = max(float(weight), 1e-9)
 
-    def _busy(self, acct: TenantAccount, now: float) -> bool:
-        return acct.last_busy is not None and now - acct.last_busy <= self.idle_reset
+    def active(self, tenant: str, now: float) -> None:
+        self.account(tenant).last_active = now
 
-    def touch(self, tenant: str, now: float, defer_lift: bool = False) -> None:
-        """The tenant has work at ``now``; a return from idleness forfeits its unused credit.
+    def arrive(self, tenant: str, backlogged: Iterable[str], now: float, defer_lift: bool = False) -> None:
+        """The tenant had nothing queued or in flight and has work now.
 
-        With ``defer_lift`` the forfeit waits for ``apply_lifts``: the holder's running slice is not charged yet,
+        With ``defer_lift`` the lift waits for ``apply_lifts``: the holder's running slice is not charged yet,
         and lifting against its stale virtual time would hand the newcomer that slice as credit.
         """
         acct = self.account(tenant)
-        if not self._busy(acct, now):
-            acct.lift_pending = True
-        acct.last_busy = now
-        if acct.lift_pending and not defer_lift:
-            self.apply_lifts(now, only=tenant)
+        returning = acct.last_active is not None and now - acct.last_active <= self.idle_reset
+        acct.head_start = self.lag if returning else 0.0
+        acct.last_active = now
+        acct.lift_pending = True
+        if not defer_lift:
+            self.apply_lifts(backlogged, only=tenant)
 
-    def apply_lifts(self, now: float, only: str | None = None) -> None:
-        pending = [a for t, a in self.accounts.items() if a.lift_pending and only in (None, t)]
-        if not pending:
-            return
-        settled = [a.vtime for a in self.accounts.values() if not a.lift_pending and self._busy(a, now)]
-        floor = min(settled) if settled else max((a.vtime for a in self.accounts.values()), default=0.0)
-        for acct in pending:
-            acct.vtime = max(acct.vtime, floor)
+    def apply_lifts(self, backlogged: Iterable[str], only: str | None = None) -> None:
+        contending = [t for t in backlogged if t in self.accounts]
+        for tenant, acct in list(self.accounts.items()):
+            if not acct.lift_pending or only not in (None, tenant):
+                continue
+            others = [self.account(t).vtime for t in contending if t != tenant and not self.account(t).lift_pending]
+            if others:
+                acct.vtime = max(acct.vtime, min(others) - acct.head_start)
             acct.lift_pending = False
 
     def charge(self, tenant: str, device_seconds: float) -> None:

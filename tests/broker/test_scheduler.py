@@ -103,6 +103,39 @@ def test_newcomers_do_not_get_the_holders_uncharged_slice_as_credit() -> None:
     assert shares["first"] == pytest.approx(1 / 8, rel=0.1), shares
 
 
+def test_a_light_tenant_does_not_drag_newcomers_below_the_tenants_they_join() -> None:
+    """A light tenant is busy but never behind the others; newcomers must level with the contending tenants."""
+
+    async def scenario() -> dict[str, float]:
+        dev = Device()
+        sched = DeviceScheduler(dev.fence, quantum=0.005, clock=dev.clock)
+
+        async def light() -> None:
+            while dev.now < 2.5:
+                think_until = dev.now + 0.01
+                while dev.now < think_until:
+                    await asyncio.sleep(0)
+                async with sched.turn("light"):
+                    dev.run("light", 0.00001)
+
+        async def joining(tenant: str, start: float) -> None:
+            while dev.now < start:
+                await asyncio.sleep(0)
+            await _saturate(sched, dev, tenant, 0.002, until=2.5)
+
+        first = asyncio.create_task(_saturate(sched, dev, "first", 0.002, until=2.5))
+        light_task = asyncio.create_task(light())
+        while dev.now < 0.3:  # "first" alone (beside the light tenant) for 0.3 s
+            await asyncio.sleep(0)
+        before = {"first": sched.usage["first"].device_seconds + dev.pending.get("first", 0.0)}
+        await asyncio.gather(first, light_task, *(joining(f"n{i}", 0.3) for i in range(6)))
+        used = {t: u.device_seconds - before.get(t, 0.0) for t, u in sched.usage.items() if t != "light"}
+        return {t: v / sum(used.values()) for t, v in used.items()}
+
+    shares = asyncio.run(scenario())
+    assert shares["first"] == pytest.approx(1 / 7, rel=0.15), shares
+
+
 def test_lone_tenant_never_waits_and_is_rarely_fenced() -> None:
     async def scenario() -> tuple[DeviceScheduler, Device]:
         dev = Device()
@@ -183,7 +216,7 @@ def test_policy_picks_least_weighted_time() -> None:
     policy = FairPolicy()
     for tenant, weight in (("a", 1), ("b", 3)):
         policy.set_weight(tenant, weight)
-        policy.touch(tenant, 0.0)
+        policy.arrive(tenant, ["a", "b"], 0.0)
     policy.charge("a", 1.0)
     policy.charge("b", 2.0)
     assert policy.pick(["a", "b"]) == "b"  # 2/3 < 1/1
