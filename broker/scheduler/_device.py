@@ -61,8 +61,9 @@ class DeviceScheduler:
         # A lone holder is fenced this often anyway, so its usage figures stay current.
         self.accounting_period = accounting_period
         self.enabled = enabled
-        # Between its own calls a tenant keeps at most four quanta of head start: enough for its round trips.
-        self.policy = FairPolicy(lag=4 * quantum)
+        # Between its own calls a tenant keeps up to 100 ms of credit: the debt it runs up by missing picks
+        # during its round trips, which it must be able to recover, while a light tenant banks no more.
+        self.policy = FairPolicy(lag=0.1)
         self.usage: dict[str, TenantUsage] = {}
         self.holder: str | None = None
         self.slice_start = 0.0

@@ -17,6 +17,13 @@ class TenantAccount:
     lift_pending: bool = False
     last_active: float | None = None  # when it last had work; None: never
     head_start: float = 0.0  # what this pending lift may leave it below the contending tenants
+    # The level it was lifted to at its last arrival: a tenant kept below it by its head start still counts at
+    # this level when newcomers are levelled, so its credit is not handed on to them.
+    floor_seen: float = 0.0
+
+    @property
+    def level(self) -> float:
+        return max(self.vtime, self.floor_seen)
 
 
 class FairPolicy:
@@ -65,9 +72,10 @@ class FairPolicy:
         for tenant, acct in list(self.accounts.items()):
             if not acct.lift_pending or only not in (None, tenant):
                 continue
-            others = [self.account(t).vtime for t in contending if t != tenant and not self.account(t).lift_pending]
+            others = [self.account(t).level for t in contending if t != tenant and not self.account(t).lift_pending]
             if others:
-                acct.vtime = max(acct.vtime, min(others) - acct.head_start)
+                acct.floor_seen = min(others)
+                acct.vtime = max(acct.vtime, acct.floor_seen - acct.head_start)
             acct.lift_pending = False
 
     def charge(self, tenant: str, device_seconds: float) -> None:
