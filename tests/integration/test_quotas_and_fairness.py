@@ -60,9 +60,23 @@ def test_device_info_shows_quota_use_and_room(weighted: BrokerProcess) -> None:
         assert info.memory_available == min(63 << 20, info.free_memory)
 
 
+def _calibrated_iters(broker: BrokerProcess, backend: str, seconds: float) -> np.int64:
+    """Spin iterations that keep this device busy for about ``seconds`` (devices differ a hundredfold)."""
+    with connect(broker.target, token=broker.tokens["ops"]) as gpu:
+        kernel = gpu.compile_kernel(samples.source(backend), "spin")
+        buf = gpu.allocate_memory(4096)
+        iters = 1_000_000
+        for _ in range(3):
+            t0 = time.perf_counter()
+            gpu.execute_kernel(kernel, 1, 1, [buf, np.int64(iters)])
+            gpu.synchronize()
+            iters = max(10_000, int(iters * seconds / max(time.perf_counter() - t0, 1e-6)))
+    return np.int64(iters)
+
+
 def test_weighted_tenants_share_the_device(weighted: BrokerProcess, backend: str) -> None:
     """Two saturating tenants with weights 1 : 3 get device-time shares near 1/4 and 3/4."""
-    iters = np.int64(3_000_000 if backend == "opencl" else 2_000_000)
+    iters = _calibrated_iters(weighted, backend, seconds=0.005)  # kernels long enough to saturate the device
     stop = threading.Event()
     errors: list[BaseException] = []
 
