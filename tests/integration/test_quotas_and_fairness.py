@@ -82,11 +82,12 @@ def test_weighted_tenants_share_the_device(weighted: BrokerProcess, backend: str
 
     def saturate(tenant: str) -> None:
         try:
-            with connect(weighted.target, token=weighted.tokens[tenant]) as gpu:
+            # Asynchronous commands keep each tenant's work queued, so the device, not the client, is the limit.
+            with connect(weighted.target, token=weighted.tokens[tenant], async_commands=True) as gpu:
                 kernel = gpu.compile_kernel(samples.source(backend), "spin")
                 buf = gpu.allocate_memory(4096)
                 while not stop.is_set():
-                    for _ in range(4):
+                    for _ in range(8):
                         gpu.execute_kernel(kernel, 1, 1, [buf, iters])
                     gpu.synchronize()
         except BaseException as exc:
