@@ -127,7 +127,7 @@ class SessionManager:
                 await session.worker.call("close_session", session.id)
             except WorkerCrashed:
                 pass
-        self._release(session, session.memory_used)
+        self.release(session, session.memory_used)
         session.handles.clear()
         log.info("session %s of tenant %s %s", session.id, session.tenant, reason)
 
@@ -145,7 +145,7 @@ class SessionManager:
         for session in self.sessions.values():
             if session.worker is worker and session.lost is None:
                 session.lost = worker.death or "the worker stopped"
-                self._release(session, session.memory_used)
+                self.release(session, session.memory_used)
                 session.handles.clear()
                 session.shared_bytes = 0  # the worker's mappings died with it
 
@@ -178,9 +178,6 @@ class SessionManager:
         session.memory_used += size
 
     def release(self, session: Session, size: int) -> None:
-        self._release(session, size)
-
-    def _release(self, session: Session, size: int) -> None:
         key = (session.tenant, session.device)
         self.memory_used[key] = max(0, self.memory_used.get(key, 0) - size)
         session.memory_used = max(0, session.memory_used - size)

@@ -119,6 +119,13 @@ class RemoteGpu:
             return self._fast.call(_FAST_OPS[method], request.SerializeToString())
         return translated(getattr(self._stub, method), request, metadata=self._metadata, timeout=self.timeout)
 
+    def _before_host_copy(self) -> None:
+        """A host copy sees the effects of every command queued before it (program order)."""
+        if self._closed.is_set():
+            raise FailedPrecondition("this RemoteGpu is closed")
+        if self._commands is not None:
+            self._commands.wait(raise_error=False)
+
     def _command(self, method: str, kind: str, request: Any) -> None:
         """An asynchronous command when async_commands is on, else a round trip."""
         if self._commands is None:
@@ -200,20 +207,14 @@ class RemoteGpu:
             for start in range(chunk, data.nbytes, chunk):
                 yield pb.HostToDeviceChunk(data=bytes(data[start:start + chunk]))
 
-        if self._closed.is_set():
-            raise FailedPrecondition("this RemoteGpu is closed")
-        if self._commands is not None:
-            self._commands.wait(raise_error=False)
+        self._before_host_copy()
         if self._shm is not None and self._shm.copy(data, buf, offset, _stream(stream), to_device=True):
             return
         translated(self._stub.CopyHostToDevice, chunks(), metadata=self._metadata, timeout=self.timeout)
 
     def copy_d2h(self, buf: Buffer, dst: Any, offset: int = 0, stream: Stream | None = None) -> None:
         out = writable_bytes(dst)
-        if self._closed.is_set():
-            raise FailedPrecondition("this RemoteGpu is closed")
-        if self._commands is not None:
-            self._commands.wait(raise_error=False)
+        self._before_host_copy()
         if self._shm is not None and self._shm.copy(out, buf, offset, _stream(stream), to_device=False):
             return
         request = pb.CopyDeviceToHostRequest(session=self._session, buffer=_ref(buf), offset=offset,

@@ -88,12 +88,6 @@ class DeviceScheduler:
         finally:
             self._release(tenant)
 
-    def forget(self, tenant: str) -> None:
-        """The tenant's worker went away: nothing of it is on the device any more."""
-        if self.holder == tenant and self._use(tenant).inflight == 0:
-            self.holder = None
-            self._maybe_switch()
-
     def share(self, tenant: str, window: float = 10.0) -> float:
         """This tenant's fraction of the device time charged in the last ``window`` seconds."""
         since = self._clock() - window
