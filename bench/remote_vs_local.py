@@ -119,6 +119,7 @@ def measure_copies(gpu: GpuCompute, quick: bool, host_array: bool) -> dict[str, 
 def _ratios(local: dict[str, Any], remote: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "launch_sync_p50": remote["launch_sync"]["p50_us"] / local["launch_sync"]["p50_us"],
+        "launch_sync_async_p50": remote["launch_sync_async"]["p50_us"] / local["launch_sync"]["p50_us"],
         "async_launches_per_s": remote["async_launches_per_s"] / local["async_launches_per_s"],
         "workload_time": remote["workload"]["seconds"] / local["workload"]["seconds"],
     }
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             remote["shm_copies"] = measure_copies(shm_gpu, args.quick, host_array=True)["copies"]
             remote["shm_staged_copies"] = measure_copies(shm_gpu, args.quick, host_array=False)["copies"]
         with connect(broker.target, token=broker.tokens["bench"], async_commands=True) as async_gpu:
+            # With asynchronous commands a launch + sync is one round trip: the sync rides with the launch.
+            remote["launch_sync_async"] = _launch_round_trip(async_gpu, backend, 200 if args.quick else 2000)
             remote["async_launches_per_s"] = _async_launches(async_gpu, backend, 2000 if args.quick else 20000)
             remote["workload"] = _workload(async_gpu, backend, *workload)
 
@@ -167,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'metric':<28} {'in-process':>12} {'remote':>12} {'ratio':>8}", file=sys.stderr)
     lp, rp = local["launch_sync"]["p50_us"], remote["launch_sync"]["p50_us"]
     print(f"{'launch+sync p50 (us)':<28} {lp:>12.1f} {rp:>12.1f} {rp / lp:>8.2f}", file=sys.stderr)
+    ra = remote["launch_sync_async"]["p50_us"]
+    print(f"{'  same, async_commands':<28} {lp:>12.1f} {ra:>12.1f} {ra / lp:>8.2f}", file=sys.stderr)
     la, ra = local["async_launches_per_s"], remote["async_launches_per_s"]
     print(f"{'async launches per s':<28} {la:>12.0f} {ra:>12.0f} {ra / la:>8.2f}", file=sys.stderr)
     lw, rw = local["workload"]["seconds"], remote["workload"]["seconds"]

@@ -46,8 +46,12 @@ class CommandStream:
     # -- the caller's side -------------------------------------------------------------------------
     def submit(self, **command: Any) -> int:
         """Queue one command (``launch=``, ``memset=`` or ``copy_d2d=``); returns its sequence number."""
+        ((kind, payload),) = command.items()
+        return self.submit_one(kind, payload)
+
+    def submit_one(self, kind: str, payload: Any) -> int:
         self._seq += 1
-        self._pending.append(pb.Command(seq=self._seq, **command))
+        self._pending.append(pb.Command(seq=self._seq, **{kind: payload}))
         if len(self._pending) >= self.batch_size:
             self.flush()
         return self._seq

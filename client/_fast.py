@@ -1,4 +1,8 @@
-"""The client's end of the same-host fast path: msgpack frames on "<socket>.fast", one call at a time."""
+"""The client's end of the same-host fast path: msgpack frames on "<socket>.fast", one call at a time.
+
+A connection that asks for ``direct`` is handed by the front to the session's worker: its calls then carry the
+worker's own parameters (plain msgpack, named by the client's handles) and never pass through the front.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +15,13 @@ from typing import Any
 from ._errors import GpuBrokerError, Unavailable, error_from_wire
 from ._frames import recv_frame, send_frame
 
-__all__ = ["FastChannel", "fast_command_stream"]
+__all__ = ["DirectCommands", "FastChannel", "fast_command_stream"]
 
 
 class FastChannel:
     """A blocking connection that carries synchronous calls for one session."""
 
-    def __init__(self, path: str, token: str, session: str, timeout: float | None) -> None:
+    def __init__(self, path: str, token: str, session: str, timeout: float | None, direct: bool = False) -> None:
         self._send, self._recv = send_frame, recv_frame
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
@@ -25,7 +29,10 @@ class FastChannel:
         self._ids = itertools.count(1)
         try:
             self._sock.connect(path)
-            self._send(self._sock, {"token": token, "session": session})
+            hello: dict[str, Any] = {"token": token, "session": session}
+            if direct:
+                hello["direct"] = True
+            self._send(self._sock, hello)
             _, status, result = self._recv(self._sock)
         except OSError as exc:
             self._sock.close()
@@ -33,6 +40,8 @@ class FastChannel:
         if status != 0:
             self._sock.close()
             raise _error(result)
+        # Whether the worker answered (a direct link) or the front did (it may decline: an older broker).
+        self.direct = isinstance(result, dict) and result.get("direct") is True
 
     def call(self, op: str, payload: bytes) -> Any:
         with self._lock:
@@ -58,7 +67,7 @@ def _error(wire: dict[str, Any]) -> GpuBrokerError:
 
 def fast_command_stream(path: str, token: str, session: str, timeout: float | None
                         ) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    """CommandStream's transport over a fast-path connection of its own.
+    """CommandStream's transport over a fast-path connection of its own (protobuf batches, served by the front).
 
     Batches are written as they come and acknowledged in order by a reader, so the client builds the next
     batch while the broker runs the last (the CommandStream's window bounds how far it runs ahead).
@@ -94,3 +103,81 @@ def fast_command_stream(path: str, token: str, session: str, timeout: float | No
         return acks()
 
     return open_stream
+
+
+class DirectCommands:
+    """Asynchronous commands on a direct link to the worker, with no threads: the caller's own thread sends.
+
+    The worker runs batches while the caller builds the next; acknowledgements wait in the socket until the
+    window is full or a sync point reads them. A sync rides in the last batch, so launch + sync is one round
+    trip. The first failure is kept and raised by ``wait(raise_error=True)``, naming the command.
+    """
+
+    def __init__(self, connect: Callable[[], FastChannel], batch_size: int = 256, window: int = 4) -> None:
+        self._connect = connect
+        self.batch_size = batch_size
+        self._window = window
+        self._channel: FastChannel | None = None
+        self._pending: list[Any] = []
+        self._seq = self._sent = self._acked = 0
+        self._error: GpuBrokerError | None = None
+
+    def submit_one(self, kind: str, payload: Any) -> int:
+        self._seq += 1
+        self._pending.append([self._seq, kind, payload])
+        if len(self._pending) >= self.batch_size:
+            self.flush()
+        return self._seq
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        if self._channel is None:
+            self._channel = self._connect()  # a new link after a lost one: the front says if the session is gone
+            self._sent = self._acked = 0
+        while self._sent - self._acked >= self._window and self._channel is not None:
+            self._read_ack()  # back-pressure: the worker is `window` batches behind
+        pending, self._pending = self._pending, []
+        if self._channel is None:
+            return  # the link died while we waited: its error is kept; these commands are lost
+        self._sent += 1
+        try:
+            send_frame(self._channel._sock, [self._sent, "batch", {"commands": pending}])
+        except OSError as exc:
+            self._lost(exc)
+
+    def wait(self, raise_error: bool) -> None:
+        """Flush and read every acknowledgement; then raise the kept error if asked."""
+        self.flush()
+        while self._channel is not None and self._acked < self._sent:
+            self._read_ack()
+        error = self._error
+        if raise_error and error is not None:
+            self._error = None
+            raise error
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def _read_ack(self) -> None:
+        assert self._channel is not None
+        try:
+            number, status, result = recv_frame(self._channel._sock)
+        except (EOFError, OSError) as exc:
+            self._lost(exc)
+            return
+        self._acked = number
+        failed = _error(result) if status != 0 else None
+        if status == 0 and result["error"] is not None:
+            e = result["error"]
+            failed = error_from_wire(e["code"], f"command {e['seq']} ({e['command']}) failed: {e['message']}",
+                                     e.get("type"), {"seq": e["seq"], "command": e["command"]})
+        if failed is not None and self._error is None:
+            self._error = failed
+
+    def _lost(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = Unavailable(f"direct link lost: {exc}")
+        self.close()

@@ -105,6 +105,8 @@ KernelArg = Buffer | np.generic
 
 def normalize_dims(value: int | Sequence[int], what: str) -> Dim3:
     """Turn an int or a 1-3 sequence into (x, y, z); every extent must be >= 1."""
+    if type(value) is int and value >= 1:  # the common case, on every launch
+        return (value, 1, 1)
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         dims = [int(value)]
     elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and 1 <= len(value) <= 3:

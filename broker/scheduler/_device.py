@@ -71,21 +71,35 @@ class DeviceScheduler:
         self._clock = clock
         self._waiters: dict[str, deque[asyncio.Future[None]]] = {}
         self._switching: asyncio.Task[None] | None = None
+        # Leases: turns held for a worker's direct client links, which give them back when asked (preempted).
+        self._leases: dict[str, list[Callable[[], None]]] = {}
+        self._lease_timer: asyncio.TimerHandle | None = None
+        self._lease_deadline = 0.0
 
     # -- public ------------------------------------------------------------------------------------
     def set_weight(self, tenant: str, weight: float) -> None:
         self.policy.set_weight(tenant, weight)
 
     @contextlib.asynccontextmanager
-    async def turn(self, tenant: str) -> AsyncIterator[None]:
-        """Hold a place on the device for one piece of the tenant's device work."""
+    async def turn(self, tenant: str, preempt: Callable[[], None] | None = None) -> AsyncIterator[None]:
+        """Hold a place on the device for one piece of the tenant's device work.
+
+        With ``preempt``, the turn is a lease of open length: the scheduler calls ``preempt`` (perhaps more than
+        once) when the tenant's slice is over and others wait, or when its usage is due to be accounted, and the
+        holder then ends the turn as soon as its work in hand is submitted.
+        """
         if not self.enabled:
             yield
             return
         await self._acquire(tenant)
+        if preempt is not None:
+            self._leases.setdefault(tenant, []).append(preempt)
+            self._check_leases(tenant)
         try:
             yield
         finally:
+            if preempt is not None:
+                self._leases[tenant].remove(preempt)
             self._release(tenant)
 
     def share(self, tenant: str, window: float = 10.0) -> float:
@@ -157,6 +171,7 @@ class DeviceScheduler:
             return
         held = self._use(holder)
         if held.inflight:
+            self._check_leases(holder)
             return  # the switch waits for the holder's in-flight work to drain
         if self._waiters.get(holder) and not (self._others_waiting(holder) and self._slice_over()):
             self._cancel_grace()
@@ -182,6 +197,37 @@ class DeviceScheduler:
                     self._grace_timer = asyncio.get_running_loop().call_later(wait, self._grace_over)
         elif elapsed >= self.accounting_period:
             self._start_switch(holder)
+
+    def _check_leases(self, holder: str) -> None:
+        """When the holder's only work in flight is leases: preempt them if its turn is up, else look again then."""
+        leases = self._leases.get(holder)
+        if not leases or self._use(holder).inflight > len(leases) or self.holder != holder:
+            return
+        elapsed = self._clock() - self.slice_start
+        if self._others_waiting(holder):
+            if self._slice_over():
+                for preempt in list(leases):
+                    preempt()
+                return
+            wait = self.quantum - elapsed
+            if self._more_deserving_waiter():
+                wait = min(wait, max(0.0, self.min_slice - elapsed))
+        elif elapsed >= self.accounting_period:
+            for preempt in list(leases):
+                preempt()
+            return
+        else:
+            wait = self.accounting_period - elapsed
+        deadline = self._clock() + wait
+        if self._lease_timer is None or deadline < self._lease_deadline:
+            if self._lease_timer is not None:
+                self._lease_timer.cancel()
+            self._lease_deadline = deadline
+            self._lease_timer = asyncio.get_running_loop().call_later(max(wait, 0.0), self._lease_timer_over)
+
+    def _lease_timer_over(self) -> None:
+        self._lease_timer = None
+        self._maybe_switch()
 
     def _slice_over(self) -> bool:
         """The quantum ran out, or a waiting tenant now deserves the device more than the holder.

@@ -4,13 +4,15 @@ gRPC in Python costs hundreds of microseconds a call; a raw Unix socket costs te
 (launch, memset, device copy, synchronize) and whole command batches come here from local clients, are
 authenticated once per connection (bearer token + session), take the same scheduler turns and reach the same
 worker as their gRPC twins. Requests are ``[id, op, protobuf bytes]``; replies ``[id, 0, result]`` or
-``[id, 1, error]``.
+``[id, 1, error]``. A connection whose hello asks for ``direct`` is handed to the session's worker instead
+(workers/_direct.py), with the tenant's turns leased to that worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 from gpubroker.client import GpuBrokerError, Internal, InvalidArgument, Unauthenticated
 from gpubroker.v1 import broker_pb2 as pb
 
+from ..scheduler import TurnLease
 from ..sessions import Session
 from ..workers._frames import FrameClosed, read_frame_async, write_frame_async
 from ._status import release_slot
@@ -59,9 +62,13 @@ class FastPathServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            session = await self._hello(reader, writer)
-            if session is None:
+            hello = await self._hello(reader, writer)
+            if hello is None:
                 return
+            session, direct = hello
+            if direct and await self._hand_to_worker(session, writer):
+                return
+            await write_frame_async(writer, [0, 0, None])
             while True:
                 req_id, op, payload = await read_frame_async(reader)
                 try:
@@ -86,8 +93,9 @@ class FastPathServer:
         finally:
             writer.close()
 
-    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Session | None:
-        """The first frame: {token, session}. Same rules and messages as the gRPC front."""
+    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                     ) -> tuple[Session, bool] | None:
+        """The first frame: {token, session, direct?}. Same rules and messages as the gRPC front."""
         hello = await read_frame_async(reader)
         try:
             if not isinstance(hello, dict):
@@ -98,8 +106,39 @@ class FastPathServer:
         except GpuBrokerError as exc:
             await write_frame_async(writer, [0, 1, exc.to_wire()])
             return None
-        await write_frame_async(writer, [0, 0, None])
-        return session
+        return session, hello.get("direct") is True
+
+    async def _hand_to_worker(self, session: Session, writer: asyncio.StreamWriter) -> bool:
+        """Give the connection to the session's worker, which answers the hello and serves it from then on.
+
+        Reading stops first, so no byte the client sends after the worker's answer is read here. False (the
+        front keeps serving the connection) when the worker cannot take it.
+        """
+        sock = writer.get_extra_info("socket")
+        if sock is None:
+            return False
+        writer.transport.pause_reading()
+        dup = os.dup(sock.fileno())
+        try:
+            worker = session.check_alive()
+            self._lease(session)
+            await worker.call_with_fd("attach_direct", session.id, dup)
+        except GpuBrokerError as exc:
+            log.info("no direct link for session %s: %s", session.id, exc)
+            writer.transport.resume_reading()
+            return False
+        finally:
+            os.close(dup)  # the worker holds its own copy now
+        writer.transport.abort()  # closes only this process's descriptor: the connection lives on in the worker
+        return True
+
+    def _lease(self, session: Session) -> None:
+        """The worker's turns on the device for its direct links come from this device's scheduler."""
+        worker = session.worker
+        if worker.on_control is None:
+            lease = TurnLease(self.service.schedulers[session.device], session.tenant, worker.send_control)
+            worker.on_control = lease.on_message
+            worker.on_death.append(lease.close)
 
     # -- operations: the gRPC handlers' parameters, the same scheduler turns -------------------------
     async def _launch(self, session: Session, payload: bytes) -> None:

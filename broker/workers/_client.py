@@ -24,6 +24,7 @@ from gpubroker.client import (
 )
 from gpubroker.client._errors import error_from_wire
 
+from ._direct import CONTROL
 from ._frames import FrameClosed, read_frame_async, write_frame_async
 
 __all__ = ["WorkerClient", "device_info_from_dict"]
@@ -72,6 +73,9 @@ class WorkerClient:
         self._reader_task: asyncio.Task[None] | None = None
         self._write_lock = asyncio.Lock()
         self._stopping = False
+        # Lease messages from the worker (its direct client links want, or gave back, the tenant's turn).
+        self.on_control: Callable[[str], None] | None = None
+        self.on_death: list[Callable[[], None]] = []
         # Carries file descriptors (shared-memory segments) to the worker, apart from the request stream, whose
         # asyncio transport cannot send SCM_RIGHTS.
         self._fd_sock: socket.socket | None = None
@@ -154,6 +158,17 @@ class WorkerClient:
         finally:
             self._pending.pop(req_id, None)
 
+    async def send_control(self, op: str) -> None:
+        """A lease message to the worker ("grant" or "revoke"); no reply."""
+        if self.death is not None or self._writer is None:
+            raise WorkerCrashed(self.death or "worker not started")
+        try:
+            async with self._write_lock:
+                await write_frame_async(self._writer, [CONTROL, op, "", None])
+        except (ConnectionError, OSError):
+            await self._died()
+            raise WorkerCrashed(self.death or "worker connection lost") from None
+
     def _send_fd(self, fd: int) -> bytes:
         if self._fd_sock is None:
             raise FailedPrecondition("worker not started")
@@ -172,6 +187,10 @@ class WorkerClient:
         try:
             while True:
                 req_id, status, result = await read_frame_async(reader)
+                if req_id == CONTROL:
+                    if self.on_control is not None:
+                        self.on_control(status)
+                    continue
                 fut = self._pending.pop(req_id, None)
                 if fut is None or fut.done():
                     continue  # the caller gave up (deadline, cancel); the reply is moot
@@ -202,6 +221,8 @@ class WorkerClient:
             if not fut.done():
                 fut.set_exception(WorkerCrashed(self.death))
         self._pending.clear()
+        for callback in self.on_death:
+            callback()
         if self._writer is not None:
             self._writer.close()
         if self._fd_sock is not None:

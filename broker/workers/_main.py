@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import selectors
 import socket
 import sys
 from collections import defaultdict
@@ -32,6 +33,7 @@ from gpubroker.client import (
     Stream,
 )
 
+from ._direct import CONTROL, Aliases, DirectLinks
 from ._frames import FrameClosed, recv_frame, send_frame
 from ._segments import SegmentTable
 
@@ -46,9 +48,24 @@ _BATCHABLE = ("launch", "memset", "copy_d2d")
 # Past this many entries a cache is simply cleared (ownership is checked on every use, never cached).
 _CACHE_MAX = 4096
 _DTYPES: dict[str, np.dtype[Any]] = {}  # scalar dtype names already accepted
+_SCALAR_VALUES: dict[tuple[str, bytes], np.generic] = {}  # numpy scalars are immutable: safe to share
 
 
 def _scalar(dtype: str, raw: bytes) -> np.generic:
+    key = (dtype, raw)
+    try:
+        return _SCALAR_VALUES[key]  # the same few scalars (sizes, factors) come with launch after launch
+    except (KeyError, TypeError):
+        pass
+    value = _make_scalar(dtype, raw)
+    if type(dtype) is str and type(raw) is bytes:
+        if len(_SCALAR_VALUES) >= _CACHE_MAX:
+            _SCALAR_VALUES.clear()
+        _SCALAR_VALUES[key] = value
+    return value
+
+
+def _make_scalar(dtype: str, raw: bytes) -> np.generic:
     dt = _DTYPES.get(dtype) if type(dtype) is str else None
     if dt is None:
         try:
@@ -67,8 +84,12 @@ def _scalar(dtype: str, raw: bytes) -> np.generic:
 class WorkerServer:
     """Dispatches front requests to a backend and tracks which session owns each handle."""
 
-    def __init__(self, backend: GpuCompute) -> None:
+    def __init__(self, backend: GpuCompute, front: socket.socket | None = None) -> None:
         self.backend = backend
+        self.front = front
+        # Same-host clients' direct links, which name objects by the handles the front gave them.
+        self.aliases = Aliases()
+        self.links = DirectLinks(self.aliases, self.handle, self._send_front, backend, _scalar)
         self.owned: dict[str, dict[str, set[str]]] = defaultdict(lambda: {k: set() for k in _KINDS})
         self.kernel_module: dict[str, str] = {}
         self.segments = SegmentTable(backend)  # shared-memory segments; main() attaches the fd channel
@@ -79,6 +100,10 @@ class WorkerServer:
         # Closes the backend's device-time segments when a batch ends (the CUDA backend's event marks).
         self._end_batch = getattr(backend, "flush_device_time", None)
         self._batch_ops = {op: getattr(self, f"op_{op}") for op in _BATCHABLE}  # no getattr per command
+
+    def _send_front(self, frame: list[Any]) -> None:
+        if self.front is not None:
+            send_frame(self.front, frame)
 
     # -- ownership ---------------------------------------------------------------------------------
     def _own(self, session: str, kind: str, handle: str) -> str:
@@ -127,14 +152,17 @@ class WorkerServer:
         return asdict(self.backend.device_info())
 
     def op_allocate(self, session: str, p: dict[str, Any]) -> Any:
-        buf = self.backend.allocate_memory(int(p["size"]))
+        size = int(p["size"])
+        buf = self.backend.allocate_memory(size)
         self.owned[session]["buf"].add(buf.handle)
+        self.aliases.add(session, p.get("alias"), ("buf", buf.handle, size))
         return buf.handle
 
     def op_free(self, session: str, p: dict[str, Any]) -> Any:
         handle = self._own(session, "buf", p["handle"])
         self.backend.free_memory(Buffer(handle, 0))
         self.owned[session]["buf"].discard(handle)
+        self.aliases.drop_handle(session, "buf", handle)
 
     def op_memset(self, session: str, p: dict[str, Any]) -> Any:
         size = p["size"]
@@ -169,6 +197,7 @@ class WorkerServer:
         kernel = self.backend.get_kernel(Module(module), str(p["name"]))
         self.owned[session]["kernel"].add(kernel.handle)
         self.kernel_module[kernel.handle] = module
+        self.aliases.add(session, p.get("alias"), ("kernel", kernel, kernel.name))
         return kernel.handle
 
     def op_unload_module(self, session: str, p: dict[str, Any]) -> Any:
@@ -182,6 +211,7 @@ class WorkerServer:
             if owner == module:
                 del self.kernel_module[kernel]
                 self.owned[session]["kernel"].discard(kernel)
+                self.aliases.drop_handle(session, "kernel", kernel)
 
     def op_launch(self, session: str, p: dict[str, Any]) -> Any:
         handle = p["kernel"]
@@ -208,12 +238,14 @@ class WorkerServer:
     def op_create_stream(self, session: str, p: dict[str, Any]) -> Any:
         stream = self.backend.create_stream()
         self.owned[session]["stream"].add(stream.handle)
+        self.aliases.add(session, p.get("alias"), ("stream", stream))
         return stream.handle
 
     def op_destroy_stream(self, session: str, p: dict[str, Any]) -> Any:
         handle = self._own(session, "stream", p["stream"])
         self.backend.destroy_stream(Stream(handle))
         self.owned[session]["stream"].discard(handle)
+        self.aliases.drop_handle(session, "stream", handle)
 
     def op_synchronize(self, session: str, p: dict[str, Any]) -> Any:
         self.backend.synchronize(self._stream(session, p.get("stream")))
@@ -265,8 +297,26 @@ class WorkerServer:
             else:
                 self.backend.copy_d2h(buf, host, int(p["offset"]), stream)
 
+    def op_attach_direct(self, session: str, p: dict[str, Any]) -> Any:
+        """Take over a client's authenticated fast-path socket (sent on the fd channel) for this session."""
+        fd = self.segments.receive(bytes(p.get("token", b"")))
+        sock = socket.socket(fileno=fd)
+        if sock.family != socket.AF_UNIX:
+            sock.close()
+            raise InvalidArgument("a direct link must be a Unix socket")
+        try:
+            return self.links.attach(sock, session)
+        except GpuBrokerError:
+            sock.close()
+            raise
+        except OSError as exc:
+            sock.close()
+            raise Internal(f"could not answer the client on its direct link: {exc}") from None
+
     def op_close_session(self, session: str, p: dict[str, Any]) -> Any:
         """Free everything the session owned; errors on one object do not stop the rest."""
+        self.links.close_session(session)
+        self.aliases.forget(session)
         owned = self.owned.pop(session, None)
         if owned is None:
             return 0
@@ -288,26 +338,55 @@ class WorkerServer:
         return freed
 
 
+def _serve_front(sock: socket.socket, server: WorkerServer) -> int | None:
+    """One request (or lease message) from the front; an exit code when the worker must stop."""
+    try:
+        req_id, op, session, params = recv_frame(sock)
+    except FrameClosed:
+        return 0
+    if req_id == CONTROL:
+        server.links.on_control(op)
+        return None
+    fatal = False
+    try:
+        reply = [req_id, 0, server.handle(op, session, params or {})]
+    except GpuBrokerError as exc:
+        fatal = bool(exc.details.get("fatal"))
+        reply = [req_id, 1, exc.to_wire()]
+    except Exception as exc:  # a bug or an untranslated runtime error: report it, keep serving
+        log.exception("worker op %s failed", op)
+        reply = [req_id, 1, Internal(f"{type(exc).__name__}: {exc}").to_wire()]
+    send_frame(sock, reply)
+    return EXIT_FATAL if fatal else None
+
+
 def serve(sock: socket.socket, server: WorkerServer) -> int:
-    """Serve until the front closes the socket; returns the exit code."""
+    """Serve the front and any direct client links until the front closes its socket; returns the exit code."""
+    server.front = sock
+    links = server.links
+    selector = selectors.DefaultSelector()
+    selector.register(sock, selectors.EVENT_READ)
+    front, watched, version = sock.fileno(), set[int](), -1
     while True:
-        try:
-            req_id, op, session, params = recv_frame(sock)
-        except FrameClosed:
-            return 0
-        fatal = False
-        try:
-            reply = [req_id, 0, server.handle(op, session, params or {})]
-        except GpuBrokerError as exc:
-            fatal = bool(exc.details.get("fatal"))
-            reply = [req_id, 1, exc.to_wire()]
-        except Exception as exc:  # a bug or an untranslated runtime error: report it, keep serving
-            log.exception("worker op %s failed", op)
-            reply = [req_id, 1, Internal(f"{type(exc).__name__}: {exc}").to_wire()]
-        send_frame(sock, reply)
-        if fatal or server.fatal:
-            log.error("fatal device error; exiting so the tenant gets a fresh context")
-            return EXIT_FATAL
+        if version != links.version:  # links came or went: keep the selector in step
+            for fd in watched - links.links.keys():
+                selector.unregister(fd)
+            for fd in links.links.keys() - watched:
+                selector.register(links.links[fd].sock, selectors.EVENT_READ)
+            watched, version = set(links.links), links.version
+        for key, _ in selector.select():
+            if key.fd == front:
+                code = _serve_front(sock, server)
+                if code == 0:
+                    return 0
+            else:
+                code = None
+                links.readable(key.fd)
+            if code is not None or server.fatal or links.fatal:
+                log.error("fatal device error; exiting so the tenant gets a fresh context")
+                return EXIT_FATAL
+            if version != links.version:
+                break  # the selector's other events may name a link that is gone
 
 
 def main(argv: list[str] | None = None) -> int:

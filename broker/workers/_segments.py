@@ -46,7 +46,8 @@ class SegmentTable:
         channel.settimeout(_FD_TIMEOUT)
         self.channel = channel
 
-    def _receive(self, token: bytes) -> int:
+    def receive(self, token: bytes) -> int:
+        """The one fd the front sent with the current request, checked against its one-time token."""
         if self.channel is None:
             raise FailedPrecondition("this worker has no fd channel (started without --fd-channel)")
         try:
@@ -61,7 +62,7 @@ class SegmentTable:
 
     def register(self, token: bytes, size: Any) -> str:
         """Receive the fd sent with this request, map ``size`` bytes of it, and page-lock it where that helps."""
-        fd = self._receive(bytes(token))  # first, whatever else is wrong: the next request's fd must stay next
+        fd = self.receive(bytes(token))  # first, whatever else is wrong: the next request's fd must stay next
         try:
             if not isinstance(size, int) or size <= 0:
                 raise InvalidArgument(f"segment size must be > 0, got {size}")

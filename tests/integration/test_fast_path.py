@@ -7,18 +7,25 @@ import pytest
 
 from gpubroker.broker import samples
 from gpubroker.broker.launcher import BrokerProcess
-from gpubroker.client import InvalidArgument, NotFound, Unauthenticated, connect
+from gpubroker.broker.workers._direct import MAX_LINKS_PER_SESSION
+from gpubroker.client import Buffer, InvalidArgument, Kernel, NotFound, OutOfRange, Unauthenticated, connect
 from gpubroker.client._fast import FastChannel
+from gpubroker.v1 import broker_pb2 as pb
 
 
 def _fast_path(broker: BrokerProcess) -> str:
     return broker.target.removeprefix("unix:") + ".fast"
 
 
+# Direct links to the worker; the front's fast path; plain gRPC.
+_PATHS = [{"direct": True}, {"direct": False}, {"fast_path": False}]
+
+
 def test_local_clients_take_the_fast_path_with_the_same_results(broker: BrokerProcess) -> None:
-    for fast in (True, False):
-        with connect(broker.target, token=broker.tokens["alice"], fast_path=fast) as gpu:
-            assert (gpu._fast is not None) == fast
+    for path in _PATHS:
+        with connect(broker.target, token=broker.tokens["alice"], **path) as gpu:
+            assert (gpu._fast is not None) == path.get("fast_path", True)
+            assert (gpu._direct is not None) == path.get("direct", False)
             kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "saxpy")
             n = 1000
             x = np.arange(n, dtype=np.float32)
@@ -33,6 +40,10 @@ def test_local_clients_take_the_fast_path_with_the_same_results(broker: BrokerPr
             np.testing.assert_array_equal(out, 3 * x)
             with pytest.raises(InvalidArgument):  # errors come back the same way
                 gpu.execute_kernel(kernel, 1, 128, [np.float32(2), dx])
+            with pytest.raises(OutOfRange, match="past the end"):
+                gpu.memset(Buffer(dx.handle, dx.size, x.nbytes + 1), 0, 1)
+            with pytest.raises(NotFound, match="no kernel"):
+                gpu.execute_kernel(Kernel("krn_invented", "saxpy"), 1, 1, [np.float32(2), dx, dy, np.int32(n)])
 
 
 def test_fast_path_authenticates_like_the_front(broker: BrokerProcess) -> None:
@@ -61,3 +72,44 @@ def test_async_commands_over_the_fast_path_defer_their_errors(broker: BrokerProc
         out = np.empty(64, dtype=np.float32)
         gpu.copy_d2h(buf, out)
         np.testing.assert_array_equal(out, 300.0)
+
+
+def test_direct_links_are_bound_to_their_session(broker: BrokerProcess) -> None:
+    """A link serves only the session the front authenticated it for, even for the same tenant's other handles."""
+    with connect(broker.target, token=broker.tokens["alice"]) as one, \
+            connect(broker.target, token=broker.tokens["alice"]) as two:
+        assert one._direct is not None and two._direct is not None
+        theirs = one.allocate_memory(64)
+        with pytest.raises(NotFound, match="no buf"):
+            two.memset(theirs, 1)
+        link = FastChannel(_fast_path(broker), broker.tokens["alice"], two.session, 10, direct=True)
+        assert link.direct
+        malformed = [("format_disk", {}, InvalidArgument), ("launch", [1, 2], InvalidArgument),
+                     ("memset", {"buf": "x"}, InvalidArgument), ("launch", {"kernel": 3}, NotFound),
+                     ("synchronize", {"stream": ["x"]}, NotFound), ("batch", {"commands": 7}, InvalidArgument)]
+        for op, params, error in malformed:
+            with pytest.raises(error):
+                link.call(op, params)
+        link.close()
+        one.memset(theirs, 1)  # the worker lived through all of it
+        one.synchronize()
+
+
+def test_direct_links_per_session_are_bounded(broker: BrokerProcess) -> None:
+    """Past the limit, new connections are served by the front (whose per-session call limits apply)."""
+    with connect(broker.target, token=broker.tokens["bob"]) as gpu:
+        links = [FastChannel(_fast_path(broker), broker.tokens["bob"], gpu.session, 10, direct=True)
+                 for _ in range(MAX_LINKS_PER_SESSION)]
+        assert sum(link.direct for link in links) == MAX_LINKS_PER_SESSION - 1  # the client's own is the first
+        assert not links[-1].direct
+        for link in links:
+            link.close()
+
+
+def test_an_ended_session_is_reported_by_the_front_not_as_a_lost_link(broker: BrokerProcess) -> None:
+    with connect(broker.target, token=broker.tokens["bob"]) as gpu:
+        assert gpu._direct is not None
+        gpu.synchronize()
+        gpu._stub.CloseSession(pb.SessionRequest(session=gpu.session), metadata=gpu._metadata)  # ended elsewhere
+        with pytest.raises(NotFound, match="session"):
+            gpu.synchronize()
