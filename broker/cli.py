@@ -10,8 +10,10 @@ import sys
 from gpubroker import __version__
 from gpubroker.client import GpuBrokerError, NotFound
 
+from .admin_cli import add_admin_parsers
 from .auth import mint_token
-from .config import DEFAULT_SOCKET, TenantConfig, format_size, load_config, parse_size, save_config
+from .config import TenantConfig, format_size, load_config, parse_size, save_config, split_host_port
+from .logs import configure_logging
 
 __all__ = ["main"]
 
@@ -30,6 +32,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         cfg.insecure = True
     if args.vsock_port is not None:
         cfg.vsock_port = args.vsock_port
+    if args.metrics_listen is not None:
+        cfg.metrics_listen = args.metrics_listen
+    if args.log_format:
+        cfg.log_format = args.log_format
+    configure_logging(cfg.log_format, verbose=args.verbose)
+    os.environ["GPUBROKER_LOG_FORMAT"] = cfg.log_format  # for the workers it starts
     if not cfg.tenants:
         print(f"gpubroker: warning: {args.config} has no tenants; add one with `gpubroker tenant add`",
               file=sys.stderr)
@@ -80,41 +88,6 @@ def _who() -> str:
         return getpass.getuser()
     except Exception:
         return f"uid {os.getuid()}"
-
-
-def _cmd_admin(args: argparse.Namespace) -> int:
-    from gpubroker.client import AdminClient
-
-    token = args.token or os.environ.get("GPUBROKER_TOKEN", "")
-    if not token:
-        print("gpubroker: error: an admin token is needed (--token or GPUBROKER_TOKEN)", file=sys.stderr)
-        return 2
-    with AdminClient(args.target, token) as admin:
-        if args.admin_cmd == "sessions":
-            print(f"{'session':<30} {'tenant':<16} {'dev':>3} {'idle s':>7} {'memory':>12} {'handles':>7}  lost")
-            for s in admin.list_sessions(args.tenant or ""):
-                print(f"{s.session:<30} {s.tenant:<16} {s.device:>3} {s.idle_seconds:>7.1f} {s.memory_used:>12} "
-                      f"{s.handles:>7}  {s.lost}")
-        elif args.admin_cmd == "end-session":
-            resp = admin.end_session(args.session)
-            print(f"ended session {args.session} of tenant {resp.tenant}; freed {resp.memory_freed} bytes")
-        elif args.admin_cmd == "reload":
-            r = admin.reload()
-            print(f"reloaded: added {list(r.added)}, removed {list(r.removed)}, changed {list(r.changed)}, "
-                  f"{r.sessions_ended} sessions ended")
-        elif args.admin_cmd == "usage":
-            resp = admin.usage(args.window)
-            print(f"fair scheduling {'on' if resp.fair_scheduling else 'off'}, quantum {resp.quantum_ms:g} ms; "
-                  f"share over the last {args.window:g} s")
-            print(f"{'tenant':<16} {'dev':>3} {'weight':>6} {'device s':>9} {'share':>6} {'queued':>6} {'inflight':>8} "
-                  f"{'wait p50 ms':>11} {'p99 ms':>7} {'memory used':>12} {'quota':>12} {'sessions':>8}")
-            for u in resp.tenants:
-                print(f"{u.tenant:<16} {u.device:>3} {u.weight:>6g} {u.device_seconds:>9.3f} {u.share:>6.1%} "
-                      f"{u.queued:>6} {u.inflight:>8} {u.wait_p50_ms:>11.2f} {u.wait_p99_ms:>7.2f} "
-                      f"{u.memory_used:>12} {u.memory_quota:>12} {u.sessions:>8}")
-        elif args.admin_cmd == "drain":
-            print(f"draining: new sessions are refused; {admin.drain().sessions_running} sessions still running")
-    return 0
 
 
 def _cmd_tenant_remove(args: argparse.Namespace) -> int:
@@ -183,11 +156,30 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.rest)
 
 
+def _cmd_loadtest(args: argparse.Namespace) -> int:
+    from gpubroker.bench.loadtest import LoadTestConfig, loadtest
+
+    config = LoadTestConfig(tenants=args.tenants, duration=args.duration, mix=args.mix, backend=args.backend,
+                            target=args.target, tokens_file=args.tokens, admin_tenant=args.admin_tenant,
+                            device=args.device, max_ops=args.max_ops, long_ms=args.long_ms,
+                            copy_bytes=parse_size(args.copy_size), out=args.out, png=args.png)
+    return loadtest(config)[0]
+
+
 def _cmd_relay(args: argparse.Namespace) -> int:
     from .relay import run_relay_command
 
     run_relay_command(args.listen, args.vsock_connect, args.max_connections, int(args.socket_mode, 8))
     return 0
+
+
+def _metrics_address(value: str) -> str:
+    if value:
+        try:
+            split_host_port(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -204,6 +196,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--insecure", action="store_true",
                    help="allow plaintext TCP on non-loopback addresses (tokens travel in the clear)")
     s.add_argument("--vsock-port", type=int, help="also accept VMs on this vsock port (0: off); overrides the config")
+    s.add_argument("--metrics-listen", type=_metrics_address, metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (empty: off); overrides the config")
+    s.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON; overrides the config")
     s.set_defaults(fn=_cmd_serve)
 
     r = sub.add_parser("relay", help="in a VM: a local Unix socket relayed to the host's broker over vsock")
@@ -233,17 +228,7 @@ def _parser() -> argparse.ArgumentParser:
     tt.add_argument("--config", required=True)
     tt.set_defaults(fn=_cmd_tenant_rotate)
 
-    a = sub.add_parser("admin", help="admin calls on a running broker (token: --token or GPUBROKER_TOKEN)")
-    a.add_argument("--target", default=DEFAULT_SOCKET, help=f"broker address (default {DEFAULT_SOCKET})")
-    a.add_argument("--token", help="an admin tenant's token (prefer the GPUBROKER_TOKEN variable)")
-    asub = a.add_subparsers(dest="admin_cmd", required=True)
-    asub.add_parser("sessions", help="list sessions").add_argument("--tenant")
-    asub.add_parser("end-session", help="end a session and free its memory").add_argument("session")
-    asub.add_parser("reload", help="re-read tenants from the config file")
-    asub.add_parser("drain", help="refuse new sessions")
-    au = asub.add_parser("usage", help="per tenant and device: device time, share, queue, waits, memory")
-    au.add_argument("--window", type=float, default=10.0, help="seconds over which to compute shares")
-    a.set_defaults(fn=_cmd_admin)
+    add_admin_parsers(sub)  # `gpubroker admin ...`, and `status`, `sessions`, `end-session`, `drain`
 
     c = sub.add_parser("certs", help="mint a CA, server and client certificates for TLS on TCP listeners")
     cs = c.add_subparsers(dest="certs_cmd", required=True)
@@ -277,6 +262,25 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("which", choices=["remote", "fairness"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (--backend, --out, ...)")
     b.set_defaults(fn=_cmd_bench)
+
+    lt = sub.add_parser("loadtest", help="many tenants with mixed workloads against a broker (embedded, or a local "
+                        "--target): live progress, a per-tenant table, JSON and a PNG; exit 1 on any error")
+    lt.add_argument("--tenants", type=int, default=4, help="tenants, one process each (default 4, at most 64)")
+    lt.add_argument("--duration", type=float, default=10.0, help="seconds of load (default 10, at most 3600)")
+    lt.add_argument("--mix", default="copies,short,long,sync,async",
+                    help="workloads given to tenants round-robin (a,b,c) or by weight (a=3,b=1): copies, short, "
+                    "long, sync, async (default: all five)")
+    lt.add_argument("--backend", choices=["auto", "cuda", "opencl"], default="auto", help="the embedded broker's")
+    lt.add_argument("--target", help="a running broker instead: unix:PATH or a loopback HOST:PORT (nothing else)")
+    lt.add_argument("--tokens", help="with --target: JSON object of tenant name -> token, with the admin tenant's")
+    lt.add_argument("--admin-tenant", default="admin", help="the admin tenant in --tokens, for usage (default admin)")
+    lt.add_argument("--device", type=int, default=0, help="device index (default 0)")
+    lt.add_argument("--max-ops", type=int, default=1_000_000, help="per tenant, at most (default 1000000)")
+    lt.add_argument("--long-ms", type=float, default=5.0, help="the long kernel's calibrated length (default 5)")
+    lt.add_argument("--copy-size", default="4MiB", help="bytes per copy of the copies workload (default 4MiB)")
+    lt.add_argument("--out", default="loadtest.json", help="the JSON file (default ./loadtest.json)")
+    lt.add_argument("--png", help="the plot (default: --out with .png)")
+    lt.set_defaults(fn=_cmd_loadtest)
     return p
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "load_config",
     "parse_size",
     "save_config",
+    "split_host_port",
 ]
 
 DEFAULT_SOCKET = "unix:/run/gpubroker/gpubroker.sock"
@@ -84,6 +85,14 @@ class BrokerConfig:
     socket_group: str = ""  # group owning the Unix socket; empty keeps the broker's
     insecure: bool = False  # allow plaintext TCP on non-loopback addresses (logged loudly)
     vsock_port: int = 0  # also accept VMs on this AF_VSOCK port, relayed to the first unix listener; 0: off
+    # Draining (SIGTERM, or Admin Drain with a grace): how long running sessions may go on before they are ended.
+    drain_grace_seconds: float = 30.0
+    # A device whose workers crash or fail to start this often within the window takes no new sessions (health
+    # NOT_SERVING) until a window passes with no further failure; 0: never.
+    device_failure_threshold: int = 3
+    device_failure_window_seconds: float = 60.0
+    # On CUDA with pynvml importable: a critical Xid other than an application error takes the device out of service.
+    nvml_xid_events: bool = True
     # Limits: each one answered with RESOURCE_EXHAUSTED or INVALID_ARGUMENT, never an unbounded queue.
     max_sessions_per_tenant: int = 16
     max_concurrent_rpcs_per_session: int = 32
@@ -99,6 +108,10 @@ class BrokerConfig:
     quantum_ms: float = 5.0
     # A raw Unix socket "<socket>.fast" beside each Unix listener for same-host synchronous calls.
     fast_path: bool = True
+    # Operations: a Prometheus /metrics endpoint on HOST:PORT (empty: off), and how log lines are written
+    # ("text", or "json": one object a line carrying tenant, session and method when known).
+    metrics_listen: str = ""
+    log_format: str = "text"
     tls: TlsConfig | None = None
     tenants: dict[str, TenantConfig] = field(default_factory=dict)
     path: Path | None = None
@@ -164,6 +177,34 @@ def load_config(path: str | os.PathLike[str]) -> BrokerConfig:
     return cfg
 
 
+def split_host_port(address: str) -> tuple[str, int]:
+    """'127.0.0.1:9464' or '[::1]:9464' as (host, port); ValueError for anything else."""
+    host, sep, port = address.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:9464), got {address!r}")
+    return host, int(port)
+
+
+def _metrics_listen(value: object) -> str:
+    text = str(value).strip()
+    if text:
+        split_host_port(text)
+    return text
+
+
+def _log_format(value: object) -> str:
+    if value not in ("text", "json"):
+        raise ValueError(f"expected \"text\" or \"json\", got {value!r}")
+    return str(value)
+
+
+def _at_least(value: float, low: float) -> float:
+    if value < low:
+        raise ValueError(f"must be >= {low:g}, got {value:g}")
+    return value
+
+
 _SCALARS = {
     "chunk_bytes": parse_size, "max_message_bytes": parse_size, "lease_seconds": float,
     "worker_idle_seconds": float, "worker_start_timeout": float,
@@ -171,6 +212,11 @@ _SCALARS = {
     "max_sessions_per_tenant": int, "max_concurrent_rpcs_per_session": int, "max_handles_per_session": int,
     "max_module_bytes": parse_size, "compile_timeout_seconds": float, "max_streams_per_session": int,
     "max_inflight_per_tenant": int, "fair_scheduling": bool, "quantum_ms": float, "fast_path": bool, "vsock_port": int,
+    "drain_grace_seconds": lambda v: _at_least(float(v), 0.0),
+    "device_failure_threshold": lambda v: _at_least(int(v), 0),
+    "device_failure_window_seconds": lambda v: _at_least(float(v), 0.001),
+    "nvml_xid_events": bool,
+    "metrics_listen": _metrics_listen, "log_format": _log_format,
 }
 
 

@@ -38,15 +38,24 @@ class BrokerProcess:
     settings: dict[str, object] = field(default_factory=dict)
     tcp: list[str] = field(default_factory=list)  # TCP listeners besides the socket, e.g. "127.0.0.1:0"
     start_timeout: float = 120.0
+    env: dict[str, str] = field(default_factory=dict)  # merged into the child's environment
     tokens: dict[str, str] = field(default_factory=dict)
     workdir: Path | None = None
     process: subprocess.Popen[bytes] | None = None
     ports: list[str] = field(default_factory=list)  # the bound addresses, from the ready file
+    metrics: str = ""  # the metrics endpoint's bound host:port, from the ready file (with metrics_listen set)
 
     @property
     def tcp_target(self) -> str:
         """The first TCP listener's bound ``host:port`` (a port of 0 in ``tcp`` is resolved)."""
         return next(p for p in self.ports if not p.startswith("unix:"))
+
+    @property
+    def metrics_url(self) -> str:
+        """``http://HOST:PORT/metrics`` of a broker started with ``settings={"metrics_listen": ...}``."""
+        if not self.metrics:
+            raise ValueError("this broker serves no metrics: start it with settings={'metrics_listen': '127.0.0.1:0'}")
+        return f"http://{self.metrics}/metrics"
 
     @property
     def target(self) -> str:
@@ -66,7 +75,9 @@ class BrokerProcess:
     def start(self) -> BrokerProcess:
         # Unix socket paths are limited to ~107 bytes: keep the directory short.
         self.workdir = Path(tempfile.mkdtemp(prefix="gpb-", dir="/tmp"))
-        cfg = BrokerConfig(listen=[self.target, *self.tcp], backend=self.backend)
+        # No drain grace unless asked for: stop() then ends whatever sessions are left at once, as a test, the demo
+        # or a benchmark wants (a drain would wait for clients that were killed or leaked their sessions).
+        cfg = BrokerConfig(listen=[self.target, *self.tcp], backend=self.backend, drain_grace_seconds=0.0)
         for key, value in self.settings.items():
             setattr(cfg, key, value)
         for spec in self.tenants:
@@ -80,7 +91,8 @@ class BrokerProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "gpubroker.broker.cli", "serve", "--config", str(config_path),
              "--ready-file", str(ready)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, **self.env})
         log.close()
         deadline = time.monotonic() + self.start_timeout
         # The broker writes the ready file only after its server has started; poll for it with a deadline.
@@ -91,7 +103,9 @@ class BrokerProcess:
                 self.stop()
                 raise Unavailable(f"broker did not start within {self.start_timeout} s:\n{self.log_tail()}")
             time.sleep(0.02)
-        self.ports = list(json.loads(ready.read_text())["ports"])
+        announced = json.loads(ready.read_text())
+        self.ports = list(announced["ports"])
+        self.metrics = str(announced.get("metrics", ""))
         return self
 
     def log_tail(self, n: int = 4000) -> str:

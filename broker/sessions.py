@@ -7,6 +7,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gpubroker.client import (
     NotFound,
@@ -18,7 +19,7 @@ from gpubroker.client import (
 from .config import BrokerConfig
 from .workers import WorkerClient, WorkerPool
 
-__all__ = ["HandleEntry", "Session", "SessionManager"]
+__all__ = ["Admission", "HandleEntry", "Session", "SessionManager"]
 
 log = logging.getLogger("gpubroker.sessions")
 
@@ -62,8 +63,13 @@ class Session:
         if len(self.handles) >= self.max_handles:
             raise ResourceExhausted(f"this session already holds {len(self.handles)} handles, the limit; free some")
 
-    def add(self, kind: str, backend: str, size: int = 0, name: str = "") -> str:
-        handle = f"{_PREFIX[kind]}_{secrets.token_urlsafe(16)}"
+    @staticmethod
+    def new_handle(kind: str) -> str:
+        """A fresh client handle, made before the worker creates the object so the worker can learn it too."""
+        return f"{_PREFIX[kind]}_{secrets.token_urlsafe(16)}"
+
+    def add(self, kind: str, backend: str, size: int = 0, name: str = "", handle: str | None = None) -> str:
+        handle = handle or self.new_handle(kind)
         self.handles[handle] = HandleEntry(kind, backend, size, name)
         return handle
 
@@ -75,15 +81,27 @@ class Session:
         return entry
 
 
+class Admission(Protocol):
+    """Health's say on new sessions (server/_health.py): a draining broker or a failing device refuses them."""
+
+    def check_open(self, device: int) -> None: ...
+
+    def worker_start_failed(self, device: int, error: BaseException) -> None: ...
+
+
 class SessionManager:
     """Opens, finds, expires and closes sessions; keeps per-tenant memory accounting."""
 
-    def __init__(self, config: BrokerConfig, pool: WorkerPool) -> None:
+    def __init__(self, config: BrokerConfig, pool: WorkerPool, admission: Admission | None = None) -> None:
         self.config = config
         self.pool = pool
+        self.admission = admission
         self.sessions: dict[str, Session] = {}
         self.memory_used: dict[tuple[str, int], int] = {}
         self.draining = False
+        # Set while no session is open: a drain waits on it.
+        self.idle = asyncio.Event()
+        self.idle.set()
         # Calls in flight per tenant across its sessions; each Session shares this dict to release its slot.
         self.inflight: dict[str, int] = {}
         self._reaper: asyncio.Task[None] | None = None
@@ -98,17 +116,29 @@ class SessionManager:
         for session in list(self.sessions.values()):
             await self.close(session)
 
-    async def open(self, tenant: str, device: int) -> Session:
-        if self.draining:
+    def _check_admission(self, device: int) -> None:
+        if self.admission is not None:
+            self.admission.check_open(device)  # draining, or the device out of service: UNAVAILABLE + retry hint
+        elif self.draining:
             raise Unavailable("the broker is draining and accepts no new sessions; retry on another broker")
+
+    async def open(self, tenant: str, device: int) -> Session:
+        self._check_admission(device)
         live = sum(1 for s in self.sessions.values() if s.tenant == tenant)
         if live >= self.config.max_sessions_per_tenant:
             raise ResourceExhausted(f"tenant {tenant!r} already has {live} sessions, the limit; close one first")
-        worker = await self.pool.get(tenant, device)
+        try:
+            worker = await self.pool.get(tenant, device)
+        except Exception as exc:
+            if self.admission is not None:
+                self.admission.worker_start_failed(device, exc)
+            raise
+        self._check_admission(device)  # a drain may have begun while the worker started
         session = Session(id=f"ses_{secrets.token_urlsafe(18)}", tenant=tenant, device=device, worker=worker,
                           lease_seconds=self.config.lease_seconds, max_handles=self.config.max_handles_per_session,
                           tenant_inflight=self.inflight)
         self.sessions[session.id] = session
+        self.idle.clear()
         log.info("session %s opened for tenant %s on device %d", session.id, tenant, device)
         return session
 
@@ -122,14 +152,18 @@ class SessionManager:
     async def close(self, session: Session, reason: str = "closed") -> None:
         if self.sessions.pop(session.id, None) is None:
             return
-        if session.lost is None:
-            try:
-                await session.worker.call("close_session", session.id)
-            except WorkerCrashed:
-                pass
-        self.release(session, session.memory_used)
-        session.handles.clear()
-        log.info("session %s of tenant %s %s", session.id, session.tenant, reason)
+        try:
+            if session.lost is None:
+                try:
+                    await session.worker.call("close_session", session.id)
+                except WorkerCrashed:
+                    pass
+            self.release(session, session.memory_used)
+            session.handles.clear()
+            log.info("session %s of tenant %s %s", session.id, session.tenant, reason)
+        finally:
+            if not self.sessions:
+                self.idle.set()
 
     async def end_tenant(self, tenant: str, reason: str) -> int:
         """End every session of a tenant and stop its workers (the tenant was removed)."""

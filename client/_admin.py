@@ -33,8 +33,13 @@ class AdminClient:
     def usage(self, window_seconds: float = 0.0) -> apb.UsageResponse:
         return self._call("Usage", apb.UsageRequest(window_seconds=window_seconds))
 
-    def drain(self) -> apb.DrainResponse:
-        return self._call("Drain", apb.DrainRequest())
+    def drain(self, grace_seconds: float | None = None) -> apb.DrainResponse:
+        """Refuse new sessions from now on; with a grace, the broker ends the sessions left after it."""
+        request = apb.DrainRequest() if grace_seconds is None else apb.DrainRequest(grace_seconds=grace_seconds)
+        return self._call("Drain", request)
+
+    def status(self) -> apb.StatusResponse:
+        return self._call("Status", apb.StatusRequest())
 
     def close(self) -> None:
         self._channel.close()

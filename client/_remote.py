@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -13,8 +13,9 @@ from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ._commands import CommandStream
+from ._endpoints import place_session, split_targets
 from ._errors import FailedPrecondition, GpuBrokerError, InvalidArgument, Unavailable
-from ._fast import FastChannel, fast_command_stream
+from ._fast import DirectCommands, FastChannel, fast_command_stream
 from ._host import readable_bytes, writable_bytes
 from ._shm import SharedMemory
 from ._tls import TlsOptions
@@ -69,6 +70,12 @@ def _ref(buf: Buffer) -> pb.BufferRef:
     return pb.BufferRef(handle=buf.handle, offset=buf.offset)
 
 
+def _direct_ref(buf: Buffer) -> list[Any]:
+    if not isinstance(buf, Buffer):
+        raise InvalidArgument(f"expected a Buffer, got {type(buf).__name__}")
+    return [buf.handle, buf.offset]
+
+
 def _stream(stream: Stream | None) -> str:
     return stream.handle if stream is not None else ""
 
@@ -84,18 +91,22 @@ class RemoteGpu:
     def __init__(self, target: str, token: str | None = None, device: int = 0, *, timeout: float | None = 300.0,
                  chunk_bytes: int | None = None, client_name: str = "gpubroker-python",
                  tls: TlsOptions | None = None, async_commands: bool = False, fast_path: bool = True,
-                 shared_memory: bool = True) -> None:
+                 shared_memory: bool = True, direct: bool = True) -> None:
         self.target = target
         self._token = token or ""
         # Same host (a unix: target): synchronous device calls take the broker's raw-socket fast path.
         self._want_fast = fast_path and target.startswith("unix:")
+        self._want_direct = direct
+        self._direct_commands = False
         self._fast: FastChannel | None = None
+        # Same host: launches, memsets, device copies and syncs go straight to the session's worker.
+        self._direct: FastChannel | None = None
         # Same host (a unix: target with the broker's "<socket>.shm"): copies go through shared memory.
         self._shm = SharedMemory(target, token, lambda: self._session, self._call, timeout) if shared_memory else None
         # With async_commands, launches, memsets and device copies return at once and their errors surface at
         # the next synchronize (as in CUDA); without, each is a round trip that raises its own error.
         self.async_commands = async_commands
-        self._commands: CommandStream | None = None
+        self._commands: CommandStream | DirectCommands | None = None
         self.timeout = timeout
         self._channel, self._metadata = make_channel(target, token, tls)
         self._stub = pb_grpc.GpuBrokerStub(self._channel)
@@ -136,6 +147,27 @@ class RemoteGpu:
         request.ClearField("session")  # the stream names the session once
         self._commands.submit(**{kind: request})
 
+    def _device_call(self, op: str, params: dict[str, Any], method: str, kind: str,
+                     request: Callable[[], Any]) -> None:
+        """A device call on the direct link when there is one, else through the broker's front."""
+        direct = self._direct
+        if direct is not None and self._commands is None:
+            if self._closed.is_set():
+                raise FailedPrecondition("this RemoteGpu is closed")
+            try:
+                direct.call(op, params)
+                return
+            except Unavailable:
+                # The worker dropped the link (session ended, worker lost): the front knows why, and says so.
+                self._direct = None
+                direct.close()
+        elif self._commands is not None and self._direct_commands:
+            if self._closed.is_set():
+                raise FailedPrecondition("this RemoteGpu is closed")
+            self._commands.submit_one(op, params)
+            return
+        self._command(method, kind, request())
+
     def _heartbeat_loop(self) -> None:
         interval = max(0.05, self.lease_seconds / 3)
         while not self._closed.wait(interval):
@@ -156,22 +188,37 @@ class RemoteGpu:
         self._info = _device_info(resp.device)
         self.lease_seconds = resp.lease_seconds
         self.chunk_bytes = min(self._requested_chunk or resp.max_chunk_bytes, resp.max_chunk_bytes)
+        fast_path = self.target[len("unix:"):] + ".fast"
         if self._want_fast:
             try:
-                self._fast = FastChannel(self.target[len("unix:"):] + ".fast", self._token, self._session,
-                                         self.timeout)
+                self._direct = FastChannel(fast_path, self._token, self._session, self.timeout,
+                                           direct=self._want_direct)
+                if self._direct.direct:  # copies through shared memory still go by the front
+                    self._fast = FastChannel(fast_path, self._token, self._session, self.timeout)
+                else:
+                    self._fast, self._direct = self._direct, None
             except Unavailable:
                 self._fast = None  # an older broker, or the fast path switched off: gRPC serves everything
-        if self.async_commands:
-            if self._fast is not None:  # same host: batches ride a fast-path connection of their own
-                open_stream = fast_command_stream(self.target[len("unix:"):] + ".fast", self._token, self._session,
-                                                  self.timeout)
+        if self.async_commands and self._direct is not None:
+            # Same host: batches go straight to the worker, on a link of their own.
+            self._commands = DirectCommands(lambda: self._open_direct(fast_path))
+            self._direct_commands = True
+        elif self.async_commands:
+            if self._fast is not None:  # through the front's fast path
+                open_stream = fast_command_stream(fast_path, self._token, self._session, self.timeout)
             else:
                 def open_stream(batches: Iterator[pb.CommandBatch]) -> Iterator[pb.BatchAck]:
                     return self._stub.Commands(batches, metadata=self._metadata)
             self._commands = CommandStream(open_stream, self._session)
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="gpubroker-heartbeat", daemon=True)
         self._heartbeat.start()
+
+    def _open_direct(self, fast_path: str) -> FastChannel:
+        link = FastChannel(fast_path, self._token, self._session, None, direct=True)  # acks may be a long kernel away
+        if not link.direct:
+            link.close()
+            raise Unavailable("the broker declined a direct link for asynchronous commands")
+        return link
 
     @property
     def session(self) -> str:
@@ -232,17 +279,23 @@ class RemoteGpu:
 
     def copy_d2d(self, src: Buffer, dst: Buffer, size: int, src_offset: int = 0, dst_offset: int = 0,
                  stream: Stream | None = None) -> None:
-        self._command("CopyDeviceToDevice", "copy_d2d", pb.CopyDeviceToDeviceRequest(
-            session=self._session, src=_ref(src), src_offset=src_offset, dst=_ref(dst), dst_offset=dst_offset,
-            size=size, stream=_stream(stream)))
+        self._device_call(
+            "copy_d2d", {"src": _direct_ref(src), "dst": _direct_ref(dst), "size": size, "src_offset": src_offset,
+                         "dst_offset": dst_offset, "stream": _stream(stream)},
+            "CopyDeviceToDevice", "copy_d2d", lambda: pb.CopyDeviceToDeviceRequest(
+                session=self._session, src=_ref(src), src_offset=src_offset, dst=_ref(dst), dst_offset=dst_offset,
+                size=size, stream=_stream(stream)))
 
     def memset(self, buf: Buffer, value: int, size: int | None = None, offset: int = 0,
                stream: Stream | None = None) -> None:
         if not 0 <= value <= 255:
             raise InvalidArgument(f"memset value must be a byte (0..255), got {value}")
-        self._command("Memset", "memset", pb.MemsetRequest(session=self._session, buffer=_ref(buf), offset=offset,
-                                              size=-1 if size is None else size, value=value,
-                                              stream=_stream(stream)))
+        wire_size = -1 if size is None else size
+        self._device_call(
+            "memset", {"buf": _direct_ref(buf), "offset": offset, "size": wire_size, "value": value,
+                       "stream": _stream(stream)},
+            "Memset", "memset", lambda: pb.MemsetRequest(session=self._session, buffer=_ref(buf), offset=offset,
+                                                         size=wire_size, value=value, stream=_stream(stream)))
 
     def compile_kernel(self, source: str, name: str, options: Sequence[str] = ()) -> Kernel:
         backend = self._info.backend if self._info else "opencl"
@@ -261,15 +314,30 @@ class RemoteGpu:
 
     def execute_kernel(self, kernel: Kernel, grid: int | Sequence[int], block: int | Sequence[int],
                        args: Sequence[object], shared_mem: int = 0, stream: Stream | None = None) -> None:
-        wire_args = []
-        for arg in check_kernel_args(args):
-            if isinstance(arg, Buffer):
-                wire_args.append(pb.KernelArg(buffer=_ref(arg)))
-            else:
-                wire_args.append(pb.KernelArg(scalar=pb.ScalarArg(dtype=arg.dtype.str, value=arg.tobytes())))
-        self._command("LaunchKernel", "launch", pb.LaunchKernelRequest(
-            session=self._session, kernel=kernel.handle, grid=normalize_dims(grid, "grid"),
-            block=normalize_dims(block, "block"), shared_mem=shared_mem, stream=_stream(stream), args=wire_args))
+        checked = check_kernel_args(args)
+        grid, block = normalize_dims(grid, "grid"), normalize_dims(block, "block")
+
+        def request() -> pb.LaunchKernelRequest:
+            wire_args = []
+            for arg in checked:
+                if isinstance(arg, Buffer):
+                    wire_args.append(pb.KernelArg(buffer=_ref(arg)))
+                else:
+                    wire_args.append(pb.KernelArg(scalar=pb.ScalarArg(dtype=arg.dtype.str, value=arg.tobytes())))
+            return pb.LaunchKernelRequest(session=self._session, kernel=kernel.handle, grid=grid, block=block,
+                                          shared_mem=shared_mem, stream=_stream(stream), args=wire_args)
+
+        if self._direct is None and not self._direct_commands:
+            self._command("LaunchKernel", "launch", request())
+            return
+        params = {"kernel": kernel.handle, "grid": grid, "block": block, "shared_mem": shared_mem,
+                  "stream": stream.handle if stream is not None else "",
+                  "args": [["b", a.handle, a.offset] if isinstance(a, Buffer) else ["s", a.dtype.str, a.tobytes()]
+                           for a in checked]}
+        if self._direct_commands and not self._closed.is_set():
+            self._commands.submit_one("launch", params)  # type: ignore[union-attr]  # asynchronous launches' hot path
+            return
+        self._device_call("launch", params, "LaunchKernel", "launch", request)
 
     def create_stream(self) -> Stream:
         return Stream(self._call("CreateStream", pb.SessionRequest(session=self._session)).handle)
@@ -279,6 +347,18 @@ class RemoteGpu:
 
     def synchronize(self, stream: Stream | None = None) -> None:
         try:
+            direct = self._direct
+            if self._direct_commands and self._commands is not None:
+                # One round trip: the sync rides at the end of the last batch, after the commands before it.
+                self._commands.submit_one("synchronize", {"stream": _stream(stream)})
+                return  # (the finally below waits for the batch, and raises the first error of any command)
+            if direct is not None:
+                try:
+                    direct.call("synchronize", {"stream": _stream(stream)})
+                    return
+                except Unavailable:
+                    self._direct = None  # the link is gone: the front says why
+                    direct.close()
             self._call("Synchronize", pb.StreamRequest(session=self._session, stream=_stream(stream)))
         finally:
             if self._commands is not None:
@@ -292,6 +372,8 @@ class RemoteGpu:
             self._commands.close()
         if self._fast is not None:
             self._fast.close()
+        if self._direct is not None:
+            self._direct.close()
         try:
             if self._session:
                 self._call("CloseSession", pb.SessionRequest(session=self._session))
@@ -311,13 +393,24 @@ class RemoteGpu:
         self.close()
 
 
-def connect(target: str, token: str | None = None, device: int = 0, *, tls: TlsOptions | None = None,
-            **kwargs: Any) -> RemoteGpu:
-    """Open a session on ``device`` of the broker at ``target`` (``unix:/path`` or ``host:port``)."""
-    gpu = RemoteGpu(target, token, device, tls=tls, **kwargs)
-    try:
-        gpu.initialize()
-    except BaseException:
-        gpu._channel.close()
-        raise
-    return gpu
+def connect(target: str | Sequence[str], token: str | None = None, device: int = 0, *,
+            tls: TlsOptions | None = None, **kwargs: Any) -> RemoteGpu:
+    """Open a session on ``device`` of the broker at ``target`` (``unix:/path`` or ``host:port``).
+
+    Several brokers (a list, or addresses separated by commas): the session goes to the first that is healthy and
+    takes it; ``Unavailable`` names each one's reason when none does.
+    """
+
+    def open_on(one: str) -> RemoteGpu:
+        gpu = RemoteGpu(one, token, device, tls=tls, **kwargs)
+        try:
+            gpu.initialize()
+        except BaseException:
+            gpu._channel.close()
+            raise
+        return gpu
+
+    targets = split_targets(target)
+    if len(targets) == 1:
+        return open_on(targets[0])
+    return place_session(targets, device, tls, open_on)

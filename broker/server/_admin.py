@@ -1,20 +1,23 @@
-"""The Admin service: list and end sessions, reload tenants, drain. Every call needs an admin identity."""
+"""The Admin service: list and end sessions, reload tenants, drain, status. Every call needs an admin identity."""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
-from gpubroker.client import NotFound
+from gpubroker import __version__
+from gpubroker.client import DeviceInfo, InvalidArgument, NotFound
 from gpubroker.v1 import admin_pb2 as apb
 from gpubroker.v1 import admin_pb2_grpc as apb_grpc
 
 from ..auth import Authenticator
 from ..scheduler import DeviceScheduler
-from ..sessions import SessionManager
+from ..sessions import Session, SessionManager
+from ._health import BrokerHealth
 from ._status import principal_of, rpc
 
 __all__ = ["AdminService"]
@@ -22,13 +25,27 @@ __all__ = ["AdminService"]
 audit = logging.getLogger("gpubroker.audit")
 
 
+def _summary(s: Session, now: float) -> apb.SessionSummary:
+    return apb.SessionSummary(session=s.id, tenant=s.tenant, device=s.device, idle_seconds=now - s.last_seen,
+                              memory_used=s.memory_used, handles=len(s.handles), lost=s.lost or "",
+                              worker_pid=s.worker.pid or 0)
+
+
 class AdminService(apb_grpc.AdminServicer):
+    """``drain(grace)`` starts a drain and returns the seconds until the sessions left are ended (None: never)."""
+
     def __init__(self, auth: Authenticator, sessions: SessionManager,
-                 reload: Callable[[], Awaitable[apb.ReloadResponse]], schedulers: dict[int, DeviceScheduler]) -> None:
+                 reload: Callable[[], Awaitable[apb.ReloadResponse]], schedulers: dict[int, DeviceScheduler], *,
+                 drain: Callable[[float | None], Awaitable[float | None]] | None = None,
+                 health: BrokerHealth | None = None, devices: Sequence[DeviceInfo] = ()) -> None:
         self.auth = auth
         self.sessions = sessions
         self._reload = reload
         self.schedulers = schedulers
+        self._drain = drain
+        self.health = health
+        self.devices = list(devices)
+        self.started = time.monotonic()
 
     def _admin(self, context: grpc.aio.ServicerContext, action: str) -> str:
         principal = principal_of(self.auth, context)
@@ -41,10 +58,8 @@ class AdminService(apb_grpc.AdminServicer):
         self._admin(context, "ListSessions")
         now = time.monotonic()
         return apb.ListSessionsResponse(sessions=[
-            apb.SessionSummary(session=s.id, tenant=s.tenant, device=s.device, idle_seconds=now - s.last_seen,
-                               memory_used=s.memory_used, handles=len(s.handles), lost=s.lost or "",
-                               worker_pid=s.worker.pid or 0)
-            for s in self.sessions.sessions.values() if not request.tenant or s.tenant == request.tenant])
+            _summary(s, now) for s in self.sessions.sessions.values()
+            if not request.tenant or s.tenant == request.tenant])
 
     @rpc
     async def EndSession(self, request: apb.EndSessionRequest, context: grpc.aio.ServicerContext
@@ -68,9 +83,18 @@ class AdminService(apb_grpc.AdminServicer):
     @rpc
     async def Drain(self, request: apb.DrainRequest, context: grpc.aio.ServicerContext) -> apb.DrainResponse:
         admin = self._admin(context, "Drain")
-        self.sessions.draining = True
-        audit.info("admin=%s action=drain peer=%s", admin, context.peer())
-        return apb.DrainResponse(sessions_running=len(self.sessions.sessions))
+        grace = request.grace_seconds if request.HasField("grace_seconds") else None
+        if grace is not None and not (math.isfinite(grace) and grace >= 0):
+            raise InvalidArgument(f"grace_seconds must be a finite number >= 0, got {grace}")
+        audit.info("admin=%s action=drain grace=%s peer=%s", admin, "none" if grace is None else f"{grace:g}",
+                   context.peer())
+        if self._drain is not None:
+            seconds_left = await self._drain(grace)
+        else:
+            self.sessions.draining, seconds_left = True, None
+        now = time.monotonic()
+        running = [_summary(s, now) for s in self.sessions.sessions.values()]
+        return apb.DrainResponse(sessions_running=len(running), sessions=running, seconds_left=seconds_left)
 
     @rpc
     async def Usage(self, request: apb.UsageRequest, context: grpc.aio.ServicerContext) -> apb.UsageResponse:
@@ -94,3 +118,31 @@ class AdminService(apb_grpc.AdminServicer):
                     sessions=sum(1 for s in self.sessions.sessions.values()
                                  if s.tenant == tenant and s.device == device)))
         return apb.UsageResponse(tenants=rows, fair_scheduling=config.fair_scheduling, quantum_ms=config.quantum_ms)
+
+    @rpc
+    async def Status(self, request: apb.StatusRequest, context: grpc.aio.ServicerContext) -> apb.StatusResponse:
+        self._admin(context, "Status")
+        sessions = list(self.sessions.sessions.values())
+        health = self.health
+        draining = self.sessions.draining or (health is not None and health.draining)
+        devices = []
+        for i, info in enumerate(self.devices):
+            problem = health.problem(i) if health is not None else None
+            devices.append(apb.DeviceStatus(
+                device=i, name=info.name, backend=info.backend, total_memory=info.total_memory,
+                health="NOT_SERVING" if problem or draining else "SERVING",
+                reason=problem or ("the broker is draining" if draining else ""),
+                recent_worker_failures=health.recent_failures(i) if health is not None else 0,
+                sessions=sum(1 for s in sessions if s.device == i)))
+        tenants = [apb.TenantStatus(
+            tenant=t.name, weight=t.weight, memory_quota=t.memory_quota, admin=t.admin,
+            sessions=sum(1 for s in sessions if s.tenant == t.name),
+            memory_used=sum(self.sessions.used(t.name, d) for d in range(len(self.devices))))
+            for t in self.sessions.config.tenants.values()]
+        seconds_left = None
+        if health is not None and health.drain_deadline is not None:
+            seconds_left = max(0.0, health.drain_deadline - time.monotonic())
+        serving = not draining and any(d.health == "SERVING" for d in devices)
+        return apb.StatusResponse(version=__version__, uptime_seconds=time.monotonic() - self.started,
+                                  health="SERVING" if serving else "NOT_SERVING", draining=draining,
+                                  drain_seconds_left=seconds_left, devices=devices, tenants=tenants)

@@ -12,6 +12,7 @@ import os
 import signal
 import stat
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -26,15 +27,20 @@ from ..config import BrokerConfig, load_config
 from ..relay import RelayServer, serve_relay, vsock_listener
 from ..scheduler import DeviceScheduler
 from ..sessions import SessionManager
-from ..workers import WorkerPool, device_info_from_dict
+from ..workers import WorkerClient, WorkerPool, device_info_from_dict
+from . import _systemd
 from ._admin import AdminService
 from ._fast import FastPathServer, fast_path_address
+from ._health import BrokerHealth
+from ._metrics import MetricsServer, serve_metrics
 from ._service import GpuBrokerService
 from ._shm import SharedMemoryServer
 
 __all__ = ["Broker", "probe_devices", "run_broker"]
 
 log = logging.getLogger("gpubroker.server")
+# Seconds a drain that ran out of grace waits for the sessions it ends to close before the broker stops regardless.
+_CLOSE_MARGIN = 5.0
 audit = logging.getLogger("gpubroker.audit")
 
 
@@ -133,6 +139,9 @@ class Broker:
         self.fast_paths: list[FastPathServer] = []
         self.relay: RelayServer | None = None
         self.shm: SharedMemoryServer | None = None
+        self.health: BrokerHealth | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self.metrics: MetricsServer | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -150,9 +159,10 @@ class Broker:
         if not devices:
             raise FailedPrecondition(f"the {backend} backend found no devices")
         log.info("backend %s: %s", backend, ", ".join(f"{d.id}: {d.name}" for d in devices))
+        self.health = BrokerHealth(cfg, devices)
         self.pool = WorkerPool(backend, cfg.worker_start_timeout, cfg.worker_idle_seconds,
-                               on_worker_exit=lambda w: self.sessions.worker_exited(w) if self.sessions else None)
-        self.sessions = SessionManager(cfg, self.pool)
+                               on_worker_exit=self._worker_exited)
+        self.sessions = SessionManager(cfg, self.pool, self.health)
         self.schedulers = {
             d: DeviceScheduler(functools.partial(self._fence, d), quantum=cfg.quantum_ms / 1000,
                                enabled=cfg.fair_scheduling)
@@ -166,8 +176,11 @@ class Broker:
             ("grpc.so_reuseport", 0),
         ])
         pb_grpc.add_GpuBrokerServicer_to_server(service, self.server)
-        admin = AdminService(self.auth, self.sessions, self.reload, self.schedulers)
+        admin = AdminService(self.auth, self.sessions, self.reload, self.schedulers, drain=self.drain,
+                             health=self.health, devices=devices)
         apb_grpc.add_AdminServicer_to_server(admin, self.server)
+        self.health.add_to_server(self.server)  # grpc.health.v1 and reflection, both without a token
+        await self.health.start()
         for address in cfg.listen:
             if address.startswith("unix:"):
                 path = Path(address[len("unix:"):])
@@ -197,6 +210,8 @@ class Broker:
                     self.shm.listen(shm_path, lambda p: _secure_unix_socket(p, cfg.socket_mode, cfg.socket_group))
                 except OSError as exc:  # a path too long for AF_UNIX, say: clients then copy over gRPC
                     log.warning("no shared-memory side channel at %s: %s", shm_path, exc)
+        if cfg.metrics_listen:
+            self.metrics = serve_metrics(cfg.metrics_listen, self.sessions, self.schedulers, self.pool)
         self.sessions.start()
         log.info("serving on %s", ", ".join(self.ports))
         if cfg.vsock_port:
@@ -208,6 +223,61 @@ class Broker:
                 await self.stop(0)
                 raise
             log.info("relaying vsock port %d to unix:%s", cfg.vsock_port, unix_paths[0])
+
+    def _worker_exited(self, worker: WorkerClient) -> None:
+        if self.sessions is not None:
+            self.sessions.worker_exited(worker)
+        if self.health is not None:
+            self.health.worker_exited(worker)
+
+    async def drain(self, grace: float | None) -> float | None:
+        """Refuse new sessions from now on (health NOT_SERVING); with a grace, end the sessions left after it.
+
+        Returns the seconds until they are ended (None: no deadline). The broker stays up; SIGTERM stops it.
+        """
+        assert self.sessions is not None and self.health is not None
+        if not self.health.draining:
+            log.warning("draining: new sessions are refused, %d running%s", len(self.sessions.sessions),
+                        "" if grace is None else f", ended after {grace:g} s if still running")
+        self.sessions.draining = True
+        before = self.health.drain_deadline
+        await self.health.drain(None if grace is None else time.monotonic() + grace)
+        deadline = self.health.drain_deadline
+        if deadline is None:
+            return None
+        if deadline != before:  # a first or shorter grace: (re)arm the end of the drain
+            if self._drain_task is not None:
+                self._drain_task.cancel()
+            self._drain_task = asyncio.create_task(self._end_sessions_at(deadline), name="drain")
+        return max(0.0, deadline - time.monotonic())
+
+    async def _end_sessions_at(self, deadline: float) -> None:
+        assert self.sessions is not None
+        try:
+            await asyncio.wait_for(self.sessions.idle.wait(), max(0.0, deadline - time.monotonic()))
+            return
+        except TimeoutError:
+            pass
+        left = list(self.sessions.sessions.values())
+        log.warning("drain grace over: ending %d sessions still running", len(left))
+        for session in left:
+            await self.sessions.close(session, reason="ended: the broker drained")
+
+    async def drain_and_wait(self, grace: float, until: asyncio.Event | None = None) -> None:
+        """Drain, then wait until every session has closed or the grace is over (or ``until`` is set)."""
+        assert self.sessions is not None and self.health is not None
+        await self.drain(grace)
+        waits = [asyncio.ensure_future(self.sessions.idle.wait())]
+        if until is not None:
+            waits.append(asyncio.ensure_future(until.wait()))
+        deadline = self.health.drain_deadline
+        # At the deadline the drain task ends the sessions left; allow their closing a moment, then stop anyway.
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + _CLOSE_MARGIN
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     async def _fence(self, device: int, tenant: str) -> float:
         """Wait for the tenant's queued work on the device and return the device seconds it used."""
@@ -241,6 +311,8 @@ class Broker:
         return apb.ReloadResponse(added=added, removed=removed, changed=changed, sessions_ended=ended)
 
     async def stop(self, grace: float = 5.0) -> None:
+        if self._drain_task is not None:
+            self._drain_task.cancel()
         for fast in self.fast_paths:
             await fast.stop()
         if self.server is not None:
@@ -255,6 +327,10 @@ class Broker:
             await self.sessions.stop()
         if self.pool is not None:
             await self.pool.close()
+        if self.health is not None:
+            await self.health.stop()
+        if self.metrics is not None:  # last: a scrape during the stop still sees the sessions go
+            await self.metrics.stop()
 
 
 async def _serve(config: BrokerConfig, ready_file: str | None) -> None:
@@ -263,7 +339,10 @@ async def _serve(config: BrokerConfig, ready_file: str | None) -> None:
     if ready_file:
         # Written whole, then renamed: whoever waits for the file never reads half of it.
         tmp = Path(ready_file + ".tmp")
-        tmp.write_text(json.dumps({"ports": broker.ports, "pid": os.getpid()}))
+        ready: dict[str, object] = {"ports": broker.ports, "pid": os.getpid()}
+        if broker.metrics is not None:
+            ready["metrics"] = broker.metrics.address
+        tmp.write_text(json.dumps(ready))
         tmp.replace(ready_file)
     print(f"gpubroker: serving on {', '.join(broker.ports)}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
@@ -284,9 +363,18 @@ async def _serve(config: BrokerConfig, ready_file: str | None) -> None:
         task.add_done_callback(reloads.discard)
 
     loop.add_signal_handler(signal.SIGHUP, on_sighup)
+    # Ready for systemd (Type=notify) only once the signal handlers are in: its SIGTERM may follow at once.
+    _systemd.notify("READY=1", f"STATUS=serving on {', '.join(broker.ports)}")
+    watchdog = _systemd.start_watchdog()
     await stop.wait()
     log.info("stopping")
+    _systemd.notify("STOPPING=1")
+    # Drain first: new sessions are refused while running ones finish, for up to drain_grace_seconds.
+    stop.clear()  # a second SIGTERM or SIGINT cuts the drain short
+    await broker.drain_and_wait(config.drain_grace_seconds, until=stop)
     await broker.stop()
+    if watchdog is not None:  # pinged through the whole stop, which may outlast WatchdogSec
+        watchdog.cancel()
 
 
 def run_broker(config: BrokerConfig, ready_file: str | None = None) -> None:

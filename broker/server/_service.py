@@ -170,12 +170,15 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
             raise InvalidArgument(f"allocation size must be > 0, got {request.size}")
         session.check_room()
         self.sessions.reserve(session, request.size)
+        # The worker learns the client's handle too, for calls that reach it directly (same-host links).
+        alias = session.new_handle("buf")
         try:
-            backend_handle = await session.worker.call("allocate", session.id, size=request.size)
+            backend_handle = await session.worker.call("allocate", session.id, size=request.size, alias=alias)
         except BaseException:
             self.sessions.release(session, request.size)
             raise
-        return pb.BufferHandle(handle=session.add("buf", backend_handle, size=request.size), size=request.size)
+        return pb.BufferHandle(handle=session.add("buf", backend_handle, size=request.size, handle=alias),
+                               size=request.size)
 
     @rpc
     async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
@@ -310,8 +313,11 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         session = self._session(context, request.session)
         module = session.resolve(request.module, "module")
         session.check_room()
-        backend = await session.worker.call("get_kernel", session.id, module=module.backend, name=request.name)
-        return pb.KernelHandle(handle=session.add("kernel", backend, name=request.name), name=request.name)
+        alias = session.new_handle("kernel")
+        backend = await session.worker.call("get_kernel", session.id, module=module.backend, name=request.name,
+                                            alias=alias)
+        return pb.KernelHandle(handle=session.add("kernel", backend, name=request.name, handle=alias),
+                               name=request.name)
 
     @rpc
     async def LaunchKernel(self, request: pb.LaunchKernelRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
@@ -368,8 +374,9 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         streams = sum(1 for h in session.handles.values() if h.kind == "stream")
         if streams >= self.config.max_streams_per_session:
             raise ResourceExhausted(f"this session already has {streams} streams, the limit")
-        backend = await session.worker.call("create_stream", session.id)
-        return pb.StreamHandle(handle=session.add("stream", backend))
+        alias = session.new_handle("stream")
+        backend = await session.worker.call("create_stream", session.id, alias=alias)
+        return pb.StreamHandle(handle=session.add("stream", backend, handle=alias))
 
     @rpc
     async def DestroyStream(self, request: pb.StreamRequest, context: grpc.aio.ServicerContext) -> pb.Empty:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -14,7 +16,9 @@ import msgpack
 from gpubroker.client import GpuBrokerError, Internal
 
 from ..auth import Authenticator, Principal
+from ..logs import bind_log_context, log_context
 from ..sessions import Session
+from ._metrics import observe_rpc
 
 __all__ = ["ERROR_TRAILER", "principal_of", "release_slot", "rpc", "stream_rpc"]
 
@@ -53,7 +57,9 @@ def principal_of(auth: Authenticator, context: grpc.aio.ServicerContext) -> Prin
         auth_context = context.auth_context() or {}
     except Exception:  # local credentials carry no auth context on some grpc builds
         auth_context = {}
-    return auth.authenticate(context.invocation_metadata(), auth_context, context.peer(), current_method.get())
+    principal = auth.authenticate(context.invocation_metadata(), auth_context, context.peer(), current_method.get())
+    bind_log_context(tenant=principal.tenant)
+    return principal
 
 
 def _unexpected(exc: Exception) -> GpuBrokerError:
@@ -68,19 +74,46 @@ async def _abort_for(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     await abort_with(context, exc if isinstance(exc, GpuBrokerError) else _unexpected(exc))
 
 
+def _begin(method: str, request: object) -> float:
+    """Set the call's context (for audit and log lines) and return its start time."""
+    current_method.set(method)
+    admitted.set(None)
+    log_context.set(None)
+    session = getattr(request, "session", None)  # the session the call names, if its message has one
+    bind_log_context(method=method, session=session if isinstance(session, str) else "")
+    return time.perf_counter()
+
+
+def _status_name(exc: BaseException, context: grpc.aio.ServicerContext) -> str:
+    """The status a failed call ends with, for the latency histogram."""
+    if isinstance(exc, GpuBrokerError):
+        return exc.code
+    if isinstance(exc, grpc.aio.AbortError):
+        code = context.code()
+        return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return "CANCELLED"
+    return "INTERNAL"
+
+
 def rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -> Callable[..., Awaitable[Resp]]:
     """Wrap a unary (or stream-in) handler: gpubroker errors become statuses, bugs become INTERNAL."""
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
-        current_method.set(fn.__name__)
-        admitted.set(None)
+        started = _begin(fn.__name__, request)
+        code = "OK"
         try:
             return await fn(self, request, context)
         except Exception as exc:
+            code = _status_name(exc, context)
             await _abort_for(context, exc)
+        except BaseException as exc:
+            code = _status_name(exc, context)
+            raise
         finally:
             _release_slot()
+            observe_rpc(fn.__name__, code, time.perf_counter() - started)
         raise AssertionError("unreachable: abort raises")
 
     return wrapper
@@ -92,14 +125,19 @@ def stream_rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[
 
     @functools.wraps(fn)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
-        current_method.set(fn.__name__)
-        admitted.set(None)
+        started = _begin(fn.__name__, request)
+        code = "OK"
         try:
             async for item in fn(self, request, context):
                 yield item
         except Exception as exc:
+            code = _status_name(exc, context)
             await _abort_for(context, exc)
+        except BaseException as exc:
+            code = _status_name(exc, context)
+            raise
         finally:
             _release_slot()
+            observe_rpc(fn.__name__, code, time.perf_counter() - started)
 
     return wrapper

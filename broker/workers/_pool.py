@@ -24,6 +24,9 @@ class WorkerPool:
         self._workers: dict[tuple[str, int], WorkerClient] = {}
         self._starting: dict[tuple[str, int], asyncio.Task[WorkerClient]] = {}
         self.restarts = 0
+        # Workers that died or were killed under a live registration (crash, fatal device error, stuck compile),
+        # by (tenant, device): the metrics endpoint's worker restarts.
+        self.restarts_by: dict[tuple[str, int], int] = {}
 
     def workers(self) -> list[WorkerClient]:
         return list(self._workers.values())
@@ -55,9 +58,13 @@ class WorkerPool:
         key = (worker.tenant, worker.device)
         if self._workers.get(key) is worker:
             del self._workers[key]
-            self.restarts += 1
+            self._count_restart(key)
         if self._on_worker_exit is not None:
             self._on_worker_exit(worker)
+
+    def _count_restart(self, key: tuple[str, int]) -> None:
+        self.restarts += 1
+        self.restarts_by[key] = self.restarts_by.get(key, 0) + 1
 
     async def reap_idle(self, busy: set[tuple[str, int]]) -> None:
         """Stop workers with no sessions that have been idle longer than idle_seconds."""
@@ -79,7 +86,7 @@ class WorkerPool:
         key = (worker.tenant, worker.device)
         if self._workers.get(key) is worker:
             del self._workers[key]
-            self.restarts += 1
+            self._count_restart(key)
         await worker.kill()
 
     async def close(self) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gpubroker/v1/admin.proto\x12\x0cgpubroker.v1\"%\n\x13ListSessionsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"\x9f\x01\n\x0eSessionSummary\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\r\x12\x14\n\x0cidle_seconds\x18\x04 \x01(\x01\x12\x13\n\x0bmemory_used\x18\x05 \x01(\x04\x12\x0f\n\x07handles\x18\x06 \x01(\r\x12\x0c\n\x04lost\x18\x07 \x01(\t\x12\x12\n\nworker_pid\x18\x08 \x01(\r\"F\n\x14ListSessionsResponse\x12.\n\x08sessions\x18\x01 \x03(\x0b\x32\x1c.gpubroker.v1.SessionSummary\"$\n\x11\x45ndSessionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\":\n\x12\x45ndSessionResponse\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0cmemory_freed\x18\x02 \x01(\x04\"\x0f\n\rReloadRequest\"Y\n\x0eReloadResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x03(\t\x12\x0f\n\x07removed\x18\x02 \x03(\t\x12\x0f\n\x07\x63hanged\x18\x03 \x03(\t\x12\x16\n\x0esessions_ended\x18\x04 \x01(\r\"\x0e\n\x0c\x44rainRequest\")\n\rDrainResponse\x12\x18\n\x10sessions_running\x18\x01 \x01(\r\"&\n\x0cUsageRequest\x12\x16\n\x0ewindow_seconds\x18\x01 \x01(\x01\"\xed\x01\n\x0bTenantUsage\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\r\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x16\n\x0e\x64\x65vice_seconds\x18\x04 \x01(\x01\x12\r\n\x05share\x18\x05 \x01(\x01\x12\x0e\n\x06queued\x18\x06 \x01(\r\x12\x10\n\x08inflight\x18\x07 \x01(\r\x12\x13\n\x0bwait_p50_ms\x18\x08 \x01(\x01\x12\x13\n\x0bwait_p99_ms\x18\t \x01(\x01\x12\x13\n\x0bmemory_used\x18\n \x01(\x04\x12\x14\n\x0cmemory_quota\x18\x0b \x01(\x04\x12\x10\n\x08sessions\x18\x0c \x01(\r\"h\n\rUsageResponse\x12*\n\x07tenants\x18\x01 \x03(\x0b\x32\x19.gpubroker.v1.TenantUsage\x12\x17\n\x0f\x66\x61ir_scheduling\x18\x02 \x01(\x08\x12\x12\n\nquantum_ms\x18\x03 \x01(\x01\x32\xf8\x02\n\x05\x41\x64min\x12U\n\x0cListSessions\x12!.gpubroker.v1.ListSessionsRequest\x1a\".gpubroker.v1.ListSessionsResponse\x12O\n\nEndSession\x12\x1f.gpubroker.v1.EndSessionRequest\x1a .gpubroker.v1.EndSessionResponse\x12\x43\n\x06Reload\x12\x1b.gpubroker.v1.ReloadRequest\x1a\x1c.gpubroker.v1.ReloadResponse\x12@\n\x05\x44rain\x12\x1a.gpubroker.v1.DrainRequest\x1a\x1b.gpubroker.v1.DrainResponse\x12@\n\x05Usage\x12\x1a.gpubroker.v1.UsageRequest\x1a\x1b.gpubroker.v1.UsageResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gpubroker/v1/admin.proto\x12\x0cgpubroker.v1\"%\n\x13ListSessionsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"\x9f\x01\n\x0eSessionSummary\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\r\x12\x14\n\x0cidle_seconds\x18\x04 \x01(\x01\x12\x13\n\x0bmemory_used\x18\x05 \x01(\x04\x12\x0f\n\x07handles\x18\x06 \x01(\r\x12\x0c\n\x04lost\x18\x07 \x01(\t\x12\x12\n\nworker_pid\x18\x08 \x01(\r\"F\n\x14ListSessionsResponse\x12.\n\x08sessions\x18\x01 \x03(\x0b\x32\x1c.gpubroker.v1.SessionSummary\"$\n\x11\x45ndSessionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\":\n\x12\x45ndSessionResponse\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0cmemory_freed\x18\x02 \x01(\x04\"\x0f\n\rReloadRequest\"Y\n\x0eReloadResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x03(\t\x12\x0f\n\x07removed\x18\x02 \x03(\t\x12\x0f\n\x07\x63hanged\x18\x03 \x03(\t\x12\x16\n\x0esessions_ended\x18\x04 \x01(\r\"<\n\x0c\x44rainRequest\x12\x1a\n\rgrace_seconds\x18\x01 \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_grace_seconds\"\x85\x01\n\rDrainResponse\x12\x18\n\x10sessions_running\x18\x01 \x01(\r\x12.\n\x08sessions\x18\x02 \x03(\x0b\x32\x1c.gpubroker.v1.SessionSummary\x12\x19\n\x0cseconds_left\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x0f\n\r_seconds_left\"&\n\x0cUsageRequest\x12\x16\n\x0ewindow_seconds\x18\x01 \x01(\x01\"\xed\x01\n\x0bTenantUsage\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\r\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x16\n\x0e\x64\x65vice_seconds\x18\x04 \x01(\x01\x12\r\n\x05share\x18\x05 \x01(\x01\x12\x0e\n\x06queued\x18\x06 \x01(\r\x12\x10\n\x08inflight\x18\x07 \x01(\r\x12\x13\n\x0bwait_p50_ms\x18\x08 \x01(\x01\x12\x13\n\x0bwait_p99_ms\x18\t \x01(\x01\x12\x13\n\x0bmemory_used\x18\n \x01(\x04\x12\x14\n\x0cmemory_quota\x18\x0b \x01(\x04\x12\x10\n\x08sessions\x18\x0c \x01(\r\"h\n\rUsageResponse\x12*\n\x07tenants\x18\x01 \x03(\x0b\x32\x19.gpubroker.v1.TenantUsage\x12\x17\n\x0f\x66\x61ir_scheduling\x18\x02 \x01(\x08\x12\x12\n\nquantum_ms\x18\x03 \x01(\x01\"\x0f\n\rStatusRequest\"\xa5\x01\n\x0c\x44\x65viceStatus\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x14\n\x0ctotal_memory\x18\x04 \x01(\x04\x12\x0e\n\x06health\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x1e\n\x16recent_worker_failures\x18\x07 \x01(\r\x12\x10\n\x08sessions\x18\x08 \x01(\r\"z\n\x0cTenantStatus\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\r\x12\x14\n\x0cmemory_quota\x18\x03 \x01(\x04\x12\r\n\x05\x61\x64min\x18\x04 \x01(\x08\x12\x10\n\x08sessions\x18\x05 \x01(\r\x12\x13\n\x0bmemory_used\x18\x06 \x01(\x04\"\xed\x01\n\x0eStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x02 \x01(\x01\x12\x0e\n\x06health\x18\x03 \x01(\t\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x1f\n\x12\x64rain_seconds_left\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12+\n\x07\x64\x65vices\x18\x06 \x03(\x0b\x32\x1a.gpubroker.v1.DeviceStatus\x12+\n\x07tenants\x18\x07 \x03(\x0b\x32\x1a.gpubroker.v1.TenantStatusB\x15\n\x13_drain_seconds_left2\xbd\x03\n\x05\x41\x64min\x12U\n\x0cListSessions\x12!.gpubroker.v1.ListSessionsRequest\x1a\".gpubroker.v1.ListSessionsResponse\x12O\n\nEndSession\x12\x1f.gpubroker.v1.EndSessionRequest\x1a .gpubroker.v1.EndSessionResponse\x12\x43\n\x06Reload\x12\x1b.gpubroker.v1.ReloadRequest\x1a\x1c.gpubroker.v1.ReloadResponse\x12@\n\x05\x44rain\x12\x1a.gpubroker.v1.DrainRequest\x1a\x1b.gpubroker.v1.DrainResponse\x12@\n\x05Usage\x12\x1a.gpubroker.v1.UsageRequest\x1a\x1b.gpubroker.v1.UsageResponse\x12\x43\n\x06Status\x12\x1b.gpubroker.v1.StatusRequest\x1a\x1c.gpubroker.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,15 +46,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELOADRESPONSE']._serialized_start=430
   _globals['_RELOADRESPONSE']._serialized_end=519
   _globals['_DRAINREQUEST']._serialized_start=521
-  _globals['_DRAINREQUEST']._serialized_end=535
-  _globals['_DRAINRESPONSE']._serialized_start=537
-  _globals['_DRAINRESPONSE']._serialized_end=578
-  _globals['_USAGEREQUEST']._serialized_start=580
-  _globals['_USAGEREQUEST']._serialized_end=618
-  _globals['_TENANTUSAGE']._serialized_start=621
-  _globals['_TENANTUSAGE']._serialized_end=858
-  _globals['_USAGERESPONSE']._serialized_start=860
-  _globals['_USAGERESPONSE']._serialized_end=964
-  _globals['_ADMIN']._serialized_start=967
-  _globals['_ADMIN']._serialized_end=1343
+  _globals['_DRAINREQUEST']._serialized_end=581
+  _globals['_DRAINRESPONSE']._serialized_start=584
+  _globals['_DRAINRESPONSE']._serialized_end=717
+  _globals['_USAGEREQUEST']._serialized_start=719
+  _globals['_USAGEREQUEST']._serialized_end=757
+  _globals['_TENANTUSAGE']._serialized_start=760
+  _globals['_TENANTUSAGE']._serialized_end=997
+  _globals['_USAGERESPONSE']._serialized_start=999
+  _globals['_USAGERESPONSE']._serialized_end=1103
+  _globals['_STATUSREQUEST']._serialized_start=1105
+  _globals['_STATUSREQUEST']._serialized_end=1120
+  _globals['_DEVICESTATUS']._serialized_start=1123
+  _globals['_DEVICESTATUS']._serialized_end=1288
+  _globals['_TENANTSTATUS']._serialized_start=1290
+  _globals['_TENANTSTATUS']._serialized_end=1412
+  _globals['_STATUSRESPONSE']._serialized_start=1415
+  _globals['_STATUSRESPONSE']._serialized_end=1652
+  _globals['_ADMIN']._serialized_start=1655
+  _globals['_ADMIN']._serialized_end=2100
 # @@protoc_insertion_point(module_scope)

@@ -69,14 +69,20 @@ class ReloadResponse(_message.Message):
     def __init__(self, added: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., changed: _Optional[_Iterable[str]] = ..., sessions_ended: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("grace_seconds",)
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    grace_seconds: float
+    def __init__(self, grace_seconds: _Optional[float] = ...) -> None: ...
 
 class DrainResponse(_message.Message):
-    __slots__ = ("sessions_running",)
+    __slots__ = ("sessions_running", "sessions", "seconds_left")
     SESSIONS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
     sessions_running: int
-    def __init__(self, sessions_running: _Optional[int] = ...) -> None: ...
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionSummary]
+    seconds_left: float
+    def __init__(self, sessions_running: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionSummary, _Mapping]]] = ..., seconds_left: _Optional[float] = ...) -> None: ...
 
 class UsageRequest(_message.Message):
     __slots__ = ("window_seconds",)
@@ -121,3 +127,61 @@ class UsageResponse(_message.Message):
     fair_scheduling: bool
     quantum_ms: float
     def __init__(self, tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ..., fair_scheduling: _Optional[bool] = ..., quantum_ms: _Optional[float] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DeviceStatus(_message.Message):
+    __slots__ = ("device", "name", "backend", "total_memory", "health", "reason", "recent_worker_failures", "sessions")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RECENT_WORKER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    name: str
+    backend: str
+    total_memory: int
+    health: str
+    reason: str
+    recent_worker_failures: int
+    sessions: int
+    def __init__(self, device: _Optional[int] = ..., name: _Optional[str] = ..., backend: _Optional[str] = ..., total_memory: _Optional[int] = ..., health: _Optional[str] = ..., reason: _Optional[str] = ..., recent_worker_failures: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+
+class TenantStatus(_message.Message):
+    __slots__ = ("tenant", "weight", "memory_quota", "admin", "sessions", "memory_used")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    weight: int
+    memory_quota: int
+    admin: bool
+    sessions: int
+    memory_used: int
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[int] = ..., memory_quota: _Optional[int] = ..., admin: _Optional[bool] = ..., sessions: _Optional[int] = ..., memory_used: _Optional[int] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("version", "uptime_seconds", "health", "draining", "drain_seconds_left", "devices", "tenants")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    uptime_seconds: float
+    health: str
+    draining: bool
+    drain_seconds_left: float
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceStatus]
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStatus]
+    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., health: _Optional[str] = ..., draining: _Optional[bool] = ..., drain_seconds_left: _Optional[float] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ...) -> None: ...

@@ -59,6 +59,11 @@ class AdminStub:
                 request_serializer=gpubroker_dot_v1_dot_admin__pb2.UsageRequest.SerializeToString,
                 response_deserializer=gpubroker_dot_v1_dot_admin__pb2.UsageResponse.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/gpubroker.v1.Admin/Status',
+                request_serializer=gpubroker_dot_v1_dot_admin__pb2.StatusRequest.SerializeToString,
+                response_deserializer=gpubroker_dot_v1_dot_admin__pb2.StatusResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -85,7 +90,8 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
-        """Refuses new sessions from now on (UNAVAILABLE); running sessions go on.
+        """Refuses new sessions from now on (UNAVAILABLE with a retry hint) and turns every health status NOT_SERVING;
+        running sessions go on, until the grace ends if one is given. The broker stays up: stop it with SIGTERM.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,6 +99,13 @@ class AdminServicer:
 
     def Usage(self, request, context):
         """Per tenant and device: device time, share, queue depth and waits (the fair scheduler's view), memory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """The broker at a glance: each device with its health, each tenant with its sessions and memory, the drain.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -125,6 +138,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Usage,
                     request_deserializer=gpubroker_dot_v1_dot_admin__pb2.UsageRequest.FromString,
                     response_serializer=gpubroker_dot_v1_dot_admin__pb2.UsageResponse.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=gpubroker_dot_v1_dot_admin__pb2.StatusRequest.FromString,
+                    response_serializer=gpubroker_dot_v1_dot_admin__pb2.StatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -262,6 +280,33 @@ class Admin:
             '/gpubroker.v1.Admin/Usage',
             gpubroker_dot_v1_dot_admin__pb2.UsageRequest.SerializeToString,
             gpubroker_dot_v1_dot_admin__pb2.UsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpubroker.v1.Admin/Status',
+            gpubroker_dot_v1_dot_admin__pb2.StatusRequest.SerializeToString,
+            gpubroker_dot_v1_dot_admin__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

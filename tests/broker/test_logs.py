@@ -1,0 +1,85 @@
+"""JSON log lines and their call fields; the metrics_listen and log_format settings."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpubroker.broker.cli import main
+from gpubroker.broker.config import BrokerConfig, load_config, save_config, split_host_port
+from gpubroker.broker.logs import bind_log_context, configure_logging, log_context
+from gpubroker.client import InvalidArgument
+
+
+@pytest.fixture
+def json_lines(monkeypatch: pytest.MonkeyPatch) -> Iterator[io.StringIO]:
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    out = io.StringIO()
+    monkeypatch.setattr("sys.stderr", out)
+    configure_logging("json")
+    yield out
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+
+
+def _records(out: io.StringIO) -> list[dict[str, str]]:
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def test_json_lines_carry_the_bound_call_but_not_into_spawned_tasks(json_lines: io.StringIO) -> None:
+    log = logging.getLogger("gpubroker.test")
+
+    async def call() -> None:
+        bind_log_context(method="Allocate", tenant="alice")
+        bind_log_context(session="ses_1", tenant="")  # an empty value leaves the bound one
+        log.info("in the call")
+        await asyncio.create_task(spawned())
+
+    async def spawned() -> None:
+        log.info("in a task the call started")
+
+    asyncio.run(call())
+    log.warning("outside %s", "any call", extra={"tenant": "bob"})
+    inside, spawned_line, outside = _records(json_lines)
+    assert inside["message"] == "in the call" and inside["level"] == "INFO" and inside["logger"] == "gpubroker.test"
+    assert (inside["tenant"], inside["session"], inside["method"]) == ("alice", "ses_1", "Allocate")
+    assert inside["time"].endswith("Z") and "T" in inside["time"]
+    assert "tenant" not in spawned_line and "session" not in spawned_line
+    assert outside["message"] == "outside any call" and outside["tenant"] == "bob" and "method" not in outside
+    assert log_context.get() is None  # asyncio.run kept the call's context to itself
+
+
+def test_json_lines_carry_exceptions(json_lines: io.StringIO) -> None:
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        logging.getLogger("gpubroker.test").exception("it failed")
+    (line,) = _records(json_lines)
+    assert line["level"] == "ERROR" and "ValueError: boom" in line["exception"]
+
+
+def test_settings_round_trip_and_bad_values_are_refused(tmp_path: Path) -> None:
+    path = save_config(BrokerConfig(metrics_listen="[::1]:9464", log_format="json"), tmp_path / "c.toml")
+    again = load_config(path)
+    assert (again.metrics_listen, again.log_format) == ("[::1]:9464", "json")
+    assert split_host_port("[::1]:9464") == ("::1", 9464)
+    assert BrokerConfig().metrics_listen == ""  # off unless asked for
+    bad = (('metrics_listen = "9464"', "metrics_listen"), ('metrics_listen = "host:99999"', "metrics_listen"),
+           ('log_format = "xml"', "log_format"))
+    for line, key in bad:
+        (tmp_path / "bad.toml").write_text(f"[broker]\n{line}\n")
+        with pytest.raises(InvalidArgument, match=f"{key}: expected"):
+            load_config(tmp_path / "bad.toml")
+
+
+def test_serve_refuses_a_bad_metrics_address(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--config", "unused.toml", "--metrics-listen", "localhost"])
+    assert exit_info.value.code == 2 and "expected HOST:PORT" in capsys.readouterr().err
