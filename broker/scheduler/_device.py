@@ -67,12 +67,15 @@ class DeviceScheduler:
         self.usage: dict[str, TenantUsage] = {}
         self.holder: str | None = None
         self.slice_start = 0.0
+        # When another tenant began waiting during the current slice (None: nobody has). From then on the
+        # holder's slice costs others the device, idle or not, so the charge is at least that wall time.
+        self.contended_since: float | None = None
         self._fence = fence
         self._clock = clock
         self._waiters: dict[str, deque[asyncio.Future[None]]] = {}
         self._switching: asyncio.Task[None] | None = None
         # Leases: turns held for a worker's direct client links, which give them back when asked (preempted).
-        self._leases: dict[str, list[Callable[[], None]]] = {}
+        self._leases: dict[str, list[Callable[[bool], None]]] = {}
         self._lease_timer: asyncio.TimerHandle | None = None
         self._lease_deadline = 0.0
 
@@ -81,12 +84,12 @@ class DeviceScheduler:
         self.policy.set_weight(tenant, weight)
 
     @contextlib.asynccontextmanager
-    async def turn(self, tenant: str, preempt: Callable[[], None] | None = None) -> AsyncIterator[None]:
+    async def turn(self, tenant: str, preempt: Callable[[bool], None] | None = None) -> AsyncIterator[None]:
         """Hold a place on the device for one piece of the tenant's device work.
 
-        With ``preempt``, the turn is a lease of open length: the scheduler calls ``preempt`` (perhaps more than
-        once) when the tenant's slice is over and others wait, or when its usage is due to be accounted, and the
-        holder then ends the turn as soon as its work in hand is submitted.
+        With ``preempt``, the turn is a lease of open length, and the scheduler calls it (perhaps more than
+        once): ``preempt(False)`` while others wait (end the turn once idle), ``preempt(True)`` when the slice is
+        over or the tenant's usage is due to be accounted (end it as soon as the work in hand is submitted).
         """
         if not self.enabled:
             yield
@@ -132,12 +135,14 @@ class DeviceScheduler:
                                defer_lift=self.holder not in (None, tenant) or self._switching is not None)
         if self._switching is None:
             if self.holder is None:
-                self.holder, self.slice_start = tenant, now
+                self.holder, self.slice_start, self.contended_since = tenant, now, None
             if self.holder == tenant and not (self._others_waiting(tenant) and self._slice_over()):
                 self._cancel_grace()  # the holder came back in time
                 use.inflight += 1
                 use.waits.append(0.0)
                 return
+        if self.holder not in (None, tenant) and self.contended_since is None:
+            self.contended_since = now
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(tenant, deque()).append(fut)
         use.queued += 1
@@ -205,16 +210,17 @@ class DeviceScheduler:
             return
         elapsed = self._clock() - self.slice_start
         if self._others_waiting(holder):
-            if self._slice_over():
-                for preempt in list(leases):
-                    preempt()
+            over = self._slice_over()
+            for preempt in list(leases):
+                preempt(over)
+            if over:
                 return
             wait = self.quantum - elapsed
             if self._more_deserving_waiter():
                 wait = min(wait, max(0.0, self.min_slice - elapsed))
         elif elapsed >= self.accounting_period:
             for preempt in list(leases):
-                preempt()
+                preempt(True)
             return
         else:
             wait = self.accounting_period - elapsed
@@ -266,12 +272,13 @@ class DeviceScheduler:
     async def _switch(self, old: str | None, forfeit: bool = False) -> None:
         try:
             if old is not None:
+                contended = self._contended_hold(old)
                 try:
                     seconds = await self._fence(old)
                 except Exception as exc:  # a dead worker: charge nothing, move on
                     log.info("fence for tenant %s failed: %s", old, exc)
-                    seconds = 0.0
-                self._charge(old, seconds)
+                    seconds = contended = 0.0
+                self._charge(old, seconds, max(seconds, contended))
             waiting = [t for t, q in self._waiters.items() if q]
             # After the old holder's charge, so newcomers start level with it and with those waiting.
             self.policy.apply_lifts([*waiting, *([old] if old is not None else [])])
@@ -283,6 +290,7 @@ class DeviceScheduler:
             candidates = [*waiting, old] if recent and old is not None else waiting
             self.holder = self.policy.pick(candidates) if candidates else None
             self.slice_start = self._clock()
+            self.contended_since = self.slice_start if any(t != self.holder for t in waiting) else None
         finally:
             self._switching = None
         if self.holder is not None:
@@ -290,6 +298,18 @@ class DeviceScheduler:
                 self._grant(self.holder)
             else:
                 self._maybe_switch()  # starts the grace timer: others wait while the holder's next call comes
+
+    def _contended_hold(self, holder: str) -> float:
+        """Wall time the holder kept the device while others waited, up to its last release.
+
+        Round trips the holder came back from within its grace kept the device idle but its own (a tenant bound
+        by round trips runs tiny kernels on a device nobody else may use), so they count; a trailing grace it
+        never used does not, so a light tenant pays for its calls and not for the scheduler's patience.
+        """
+        last = self._use(holder).last_release
+        if self.contended_since is None or last is None:
+            return 0.0
+        return max(0.0, last - max(self.contended_since, self.slice_start))
 
     def _grant(self, tenant: str) -> None:
         queue = self._waiters.get(tenant)
@@ -301,8 +321,9 @@ class DeviceScheduler:
                 use.inflight += 1
                 fut.set_result(None)
 
-    def _charge(self, tenant: str, seconds: float) -> None:
+    def _charge(self, tenant: str, seconds: float, fair_seconds: float) -> None:
+        """``seconds`` of measured device time (usage, shares); ``fair_seconds`` for the tenant's fair-queuing clock."""
         use = self._use(tenant)
         use.device_seconds += seconds
         use.charges.append((self._clock(), seconds))
-        self.policy.charge(tenant, seconds)
+        self.policy.charge(tenant, fair_seconds)

@@ -16,8 +16,9 @@ log = logging.getLogger("gpubroker.scheduler")
 class TurnLease:
     """Turns taken on a worker's behalf: "want" from the worker starts one, "released" ends it.
 
-    The scheduler preempts a lease like any holder whose slice is over; the worker is then sent "revoke" and
-    answers "released" once the call in hand is submitted, so a lease delays a switch by one call at most.
+    The scheduler preempts a lease like any holder: when others wait the worker is sent "yield" (give the turn
+    back as soon as the call in hand is done, so each of its calls is one turn, as through the front) and when
+    the holder's slice is over, "revoke" (give it back now). Messages go out in order, after the "grant".
     """
 
     def __init__(self, scheduler: DeviceScheduler, tenant: str, send: Callable[[str], Awaitable[None]]) -> None:
@@ -27,7 +28,8 @@ class TurnLease:
         self._wanted = False
         self._task: asyncio.Task[None] | None = None
         self._released: asyncio.Future[None] | None = None
-        self._revoking = False
+        self._granted = False
+        self._asked = 0  # the strongest request (yield 1, revoke 2) made of the current turn
         self._closed = False
 
     def on_message(self, op: str) -> None:
@@ -50,9 +52,12 @@ class TurnLease:
             while self._wanted and not self._closed:
                 self._wanted = False
                 self._released = asyncio.get_running_loop().create_future()
-                self._revoking = False
+                self._granted, self._asked = False, 0
                 async with self.scheduler.turn(self.tenant, preempt=self._preempt):
                     await self._send("grant")
+                    self._granted = True
+                    if self._asked:  # asked to give the turn back before the worker even had it
+                        await self._send("revoke" if self._asked == 2 else "yield")
                     await self._released
         except asyncio.CancelledError:
             pass
@@ -61,16 +66,18 @@ class TurnLease:
         finally:
             self._task = None
 
-    def _preempt(self) -> None:
-        if self._revoking or self._released is None or self._released.done():
+    def _preempt(self, hard: bool) -> None:
+        level = 2 if hard else 1
+        if level <= self._asked or self._released is None or self._released.done():
             return
-        self._revoking = True
-        task = asyncio.get_running_loop().create_task(self._revoke())
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._asked = level
+        if self._granted:
+            task = asyncio.get_running_loop().create_task(self._ask("revoke" if hard else "yield"))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    async def _revoke(self) -> None:
+    async def _ask(self, op: str) -> None:
         try:
-            await self._send("revoke")
+            await self._send(op)
         except Exception:
             if self._released is not None and not self._released.done():
                 self._released.set_result(None)  # nobody left to answer: end the turn here

@@ -102,6 +102,7 @@ class DirectLinks:
         self.version = 0  # bumped whenever a link comes or goes, so the serve loop re-reads the set
         self.fatal = False  # a direct call corrupted the context: the worker must exit
         self.holding = False  # the front granted this worker the tenant's turn
+        self.contended = False  # others wait for the device: give the turn back after each call
         self._asked = False
         self._waiting: deque[tuple[_Link, Any]] = deque()
 
@@ -131,16 +132,23 @@ class DirectLinks:
     # -- the lease ---------------------------------------------------------------------------------
     def on_control(self, op: str) -> None:
         if op == "grant":
-            self.holding, self._asked = True, False
+            self.holding, self._asked, self.contended = True, False, False
             while self._waiting and self.holding and not self.fatal:
                 link, frame = self._waiting.popleft()
                 self._serve(link, frame)
+        elif op == "yield":
+            self.contended = True
+            if not self._waiting:
+                self._release()
         elif op == "revoke":
-            if self.holding:
-                self.holding = False
-                self._send_front([CONTROL, "released", None])
-            if self._waiting:
-                self._ask()
+            self._release()
+        if self._waiting and not self.holding:
+            self._ask()
+
+    def _release(self) -> None:
+        if self.holding:
+            self.holding = False
+            self._send_front([CONTROL, "released", None])
 
     def _ask(self) -> None:
         if not self._asked:
@@ -163,6 +171,8 @@ class DirectLinks:
             self._ask()
             return
         self._serve(link, frame)
+        if self.contended:
+            self._release()  # others wait: each call is one turn, as it would be through the front
 
     def _serve(self, link: _Link, frame: Any) -> None:
         if link.sock.fileno() not in self.links:

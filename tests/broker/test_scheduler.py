@@ -175,6 +175,31 @@ def test_light_tenant_waits_at_most_quantum_plus_longest_kernel() -> None:
     assert max(waits) <= 0.005 + 0.003 + 1e-9, max(waits)
 
 
+def test_a_tenant_bound_by_round_trips_pays_for_the_device_it_keeps_idle() -> None:
+    """Tiny kernels with a host round trip each leave the device idle but held; while another tenant waits that
+    time is charged, so the waiting tenant gets the device every other slice, not once it out-waits the idler."""
+
+    async def scenario() -> DeviceScheduler:
+        dev = Device()
+        sched = DeviceScheduler(dev.fence, quantum=0.005, clock=dev.clock)
+
+        async def chatty() -> None:
+            while dev.now < 5.0:
+                async with sched.turn("chatty"):
+                    dev.run("chatty", 0.00001)
+                dev.now += 0.0003  # its round trip: the host is busy, the device idle (and still chatty's)
+                await asyncio.sleep(0)
+
+        await asyncio.gather(chatty(), _saturate(sched, dev, "long", 0.005, until=5.0))
+        return sched
+
+    sched = asyncio.run(scenario())
+    long = sched.usage["long"]
+    assert long.device_seconds >= 0.4 * 5.0, long.device_seconds  # about half the wall time: alternate slices
+    # About one chatty slice at a time (its quantum ends within a round trip), never a long run of them.
+    assert max(long.waits) <= 2 * 0.005, sorted(long.waits)[-5:]
+
+
 def test_disabled_scheduler_passes_everything_through() -> None:
     async def scenario() -> int:
         dev = Device()
