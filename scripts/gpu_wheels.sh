@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build .whl/ for the GPU machine. Its image has CuPy, grpcio 1.84, protobuf 7.36, numpy, msgpack, uvloop,
-# pytest and pytest-timeout; it lacks gpubroker itself. Built from a copy so the checkout gets no build/.
+# pytest and pytest-timeout; it lacks gpubroker itself and the pure-Python wheels fetched below.
+# gpubroker is built from a copy, so the checkout gets no build/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$PWD/.venv/bin/python}
@@ -10,4 +11,7 @@ trap 'rm -rf "$src"' EXIT
 git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$src"
 rm -rf .whl && mkdir -p .whl
 (cd "$src" && "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$OLDPWD/.whl" .)
+# Pure-Python dependencies the GPU image lacks (it has grpcio 1.84, so the grpc add-ons are pinned to match).
+"$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl \
+  grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 'prometheus-client>=0.20'
 ls -l .whl

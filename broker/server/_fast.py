@@ -13,25 +13,41 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from google.protobuf.message import DecodeError, Message
 
 from gpubroker.client import GpuBrokerError, Internal, InvalidArgument, Unauthenticated
 from gpubroker.v1 import broker_pb2 as pb
 
+from ..logs import bind_log_context
 from ..scheduler import TurnLease
 from ..sessions import Session
 from ..workers._frames import FrameClosed, read_frame_async, write_frame_async
+from ._metrics import observe_rpc
 from ._status import release_slot
 
 __all__ = ["FastPathServer", "fast_path_address"]
 
 log = logging.getLogger("gpubroker.fastpath")
+M = TypeVar("M", bound=Message)
 
 
 def fast_path_address(unix_path: str) -> str:
     return f"{unix_path}.fast"
+
+
+def _parse(message: type[M], payload: object) -> M:
+    """A request's protobuf payload; bytes that are not one are the client's error, not the broker's."""
+    if not isinstance(payload, bytes):
+        raise InvalidArgument(f"a fast-path payload is bytes, got {type(payload).__name__}")
+    try:
+        return message.FromString(payload)
+    except DecodeError as exc:
+        raise InvalidArgument(f"malformed request: {exc}") from None
 
 
 class FastPathServer:
@@ -66,15 +82,23 @@ class FastPathServer:
             if hello is None:
                 return
             session, direct = hello
+            bind_log_context(tenant=session.tenant, session=session.id)
             if direct and await self._hand_to_worker(session, writer):
                 return
             await write_frame_async(writer, [0, 0, None])
             while True:
-                req_id, op, payload = await read_frame_async(reader)
+                frame = await read_frame_async(reader)
+                req_id = frame[0] if isinstance(frame, list) and frame else 0
+                started, code, method = time.perf_counter(), "OK", "fast/unknown"
                 try:
-                    handler = self._ops.get(op)
+                    if not (isinstance(frame, list) and len(frame) == 3):
+                        raise InvalidArgument("a fast-path request is [id, operation, payload]")
+                    _, op, payload = frame
+                    handler = self._ops.get(op) if isinstance(op, str) else None
                     if handler is None:
                         raise InvalidArgument(f"unknown fast-path operation {op!r}")
+                    method = f"fast/{op}"
+                    bind_log_context(method=method)
                     session = self.service.sessions.get(session.id, session.tenant)
                     session.check_alive()
                     self.service.admit(session)  # the same concurrent-call limits as gRPC calls
@@ -83,10 +107,12 @@ class FastPathServer:
                     finally:
                         release_slot(session)
                 except GpuBrokerError as exc:
-                    reply = [req_id, 1, exc.to_wire()]
+                    code, reply = exc.code, [req_id, 1, exc.to_wire()]
                 except Exception as exc:  # a bug: report it, keep the connection
-                    log.exception("fast-path %s failed", op)
+                    log.exception("fast-path %s failed", method)
+                    code = "INTERNAL"
                     reply = [req_id, 1, Internal(f"internal broker error: {type(exc).__name__}").to_wire()]
+                observe_rpc(method, code, time.perf_counter() - started)
                 await write_frame_async(writer, reply)
         except (FrameClosed, ConnectionError, ValueError):
             pass
@@ -100,7 +126,8 @@ class FastPathServer:
         try:
             if not isinstance(hello, dict):
                 raise Unauthenticated("missing or invalid bearer token")
-            tenant = self.service.auth.tokens.tenant_for(hello.get("token"))
+            token = hello.get("token")
+            tenant = self.service.auth.tokens.tenant_for(token if isinstance(token, str) else None)
             session = self.service.sessions.get(str(hello.get("session", "")), tenant)
             session.check_alive()
         except GpuBrokerError as exc:
@@ -142,25 +169,25 @@ class FastPathServer:
 
     # -- operations: the gRPC handlers' parameters, the same scheduler turns -------------------------
     async def _launch(self, session: Session, payload: bytes) -> None:
-        request = pb.LaunchKernelRequest.FromString(payload)
+        request = _parse(pb.LaunchKernelRequest, payload)
         await self.service._device(session, "launch", **self.service._launch_params(session, request))
 
     async def _memset(self, session: Session, payload: bytes) -> None:
-        request = pb.MemsetRequest.FromString(payload)
+        request = _parse(pb.MemsetRequest, payload)
         await self.service._device(session, "memset", **self.service._memset_params(session, request))
 
     async def _copy_d2d(self, session: Session, payload: bytes) -> None:
-        request = pb.CopyDeviceToDeviceRequest.FromString(payload)
+        request = _parse(pb.CopyDeviceToDeviceRequest, payload)
         await self.service._device(session, "copy_d2d", **self.service._d2d_params(session, request))
 
     async def _synchronize(self, session: Session, payload: bytes) -> None:
-        request = pb.StreamRequest.FromString(payload)
+        request = _parse(pb.StreamRequest, payload)
         await self.service._device(session, "synchronize", stream=self.service._stream(session, request.stream))
 
     async def _copy_shared(self, session: Session, payload: bytes) -> None:
-        await self.service.copy_shared(session, pb.CopySharedRequest.FromString(payload))
+        await self.service.copy_shared(session, _parse(pb.CopySharedRequest, payload))
 
     async def _batch(self, session: Session, payload: bytes) -> bytes:
         """A command batch, answered with its BatchAck (the error, if any, rides in the ack)."""
-        ack = await self.service.run_batch(session, pb.CommandBatch.FromString(payload))
+        ack = await self.service.run_batch(session, _parse(pb.CommandBatch, payload))
         return bytes(ack.SerializeToString())

@@ -35,6 +35,7 @@ from gpubroker.client import (
 
 from ._direct import CONTROL, Aliases, DirectLinks
 from ._frames import FrameClosed, recv_frame, send_frame
+from ._peer import PeerImports, PeerOps
 from ._segments import SegmentTable
 
 __all__ = ["WorkerServer", "main"]
@@ -70,7 +71,7 @@ def _make_scalar(dtype: str, raw: bytes) -> np.generic:
     if dt is None:
         try:
             dt = np.dtype(dtype)
-        except TypeError:
+        except Exception:  # TypeError mostly; ValueError, SyntaxError and others for some strings numpy half-parses
             raise InvalidArgument(f"unknown scalar dtype {dtype!r}") from None
         if dt.kind not in "iuf" or dt.itemsize > 8:
             raise InvalidArgument(f"scalar of dtype {dtype!r} must be an int or float of {dt.itemsize} bytes")
@@ -81,7 +82,7 @@ def _make_scalar(dtype: str, raw: bytes) -> np.generic:
     return np.frombuffer(raw, dtype=dt)[0]
 
 
-class WorkerServer:
+class WorkerServer(PeerOps):
     """Dispatches front requests to a backend and tracks which session owns each handle."""
 
     def __init__(self, backend: GpuCompute, front: socket.socket | None = None) -> None:
@@ -93,6 +94,7 @@ class WorkerServer:
         self.owned: dict[str, dict[str, set[str]]] = defaultdict(lambda: {k: set() for k in _KINDS})
         self.kernel_module: dict[str, str] = {}
         self.segments = SegmentTable(backend)  # shared-memory segments; main() attaches the fd channel
+        self.peer_imports = PeerImports()  # other devices' allocations opened for CopyPeer (workers/_peer.py)
         self.fatal = False  # a batched command corrupted the context: exit after replying
         self._buffers: dict[tuple[str, int, int], Buffer] = {}
         self._kernels: dict[tuple[str, str], Kernel] = {}
@@ -317,6 +319,7 @@ class WorkerServer:
         """Free everything the session owned; errors on one object do not stop the rest."""
         self.links.close_session(session)
         self.aliases.forget(session)
+        self.close_peer_imports(session)
         owned = self.owned.pop(session, None)
         if owned is None:
             return 0
@@ -398,7 +401,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--tenant", default="")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker[{args.tenant}] %(levelname)s %(message)s")
+    from gpubroker.broker.logs import bind_log_context, configure_logging
+
+    # The front's log format (text or JSON lines), each line tagged with the tenant.
+    configure_logging(os.environ.get("GPUBROKER_LOG_FORMAT", "text"),
+                      text_format=f"%(asctime)s worker[{args.tenant}] %(levelname)s %(message)s")
+    bind_log_context(tenant=args.tenant)
     from gpubroker.broker.backends import detect_backend, list_devices, open_backend
 
     if args.list:
