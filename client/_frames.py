@@ -20,9 +20,8 @@ class FrameClosed(EOFError):
     """The peer closed the socket (for a worker: it exited or was killed)."""
 
 
-def _pack(obj: Any) -> bytes:
-    payload = msgpack.packb(obj, use_bin_type=True)
-    return _HEADER.pack(len(payload)) + payload
+# Above this a frame's header and payload go out as two buffers rather than joined: a copy of a copy chunk saved.
+_JOIN_MAX = 64 * 1024
 
 
 def _unpack(payload: bytes) -> Any:
@@ -30,10 +29,18 @@ def _unpack(payload: bytes) -> Any:
 
 
 def send_frame(sock: socket.socket, obj: Any) -> None:
-    sock.sendall(_pack(obj))
+    payload = msgpack.packb(obj, use_bin_type=True)
+    if len(payload) <= _JOIN_MAX:
+        sock.sendall(_HEADER.pack(len(payload)) + payload)
+        return
+    sent = sock.sendmsg([_HEADER.pack(len(payload)), payload])
+    if sent < _HEADER.size:
+        sock.sendall(_HEADER.pack(len(payload))[sent:])
+        sent = _HEADER.size
+    sock.sendall(memoryview(payload)[sent - _HEADER.size:])
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -42,7 +49,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         if k == 0:
             raise FrameClosed("peer closed the connection")
         got += k
-    return bytes(buf)
+    return buf  # unpacked in place: msgpack reads any buffer
 
 
 def recv_frame(sock: socket.socket) -> Any:
@@ -63,5 +70,9 @@ async def read_frame_async(reader: asyncio.StreamReader) -> Any:
 
 
 async def write_frame_async(writer: asyncio.StreamWriter, obj: Any) -> None:
-    writer.write(_pack(obj))
+    payload = msgpack.packb(obj, use_bin_type=True)
+    if len(payload) <= _JOIN_MAX:
+        writer.write(_HEADER.pack(len(payload)) + payload)
+    else:
+        writer.writelines((_HEADER.pack(len(payload)), payload))
     await writer.drain()

@@ -28,6 +28,7 @@ from ..scheduler import DeviceScheduler
 from ..sessions import Session, SessionManager
 from ..workers import device_info_from_dict
 from ._copies import read_chunks, write_chunks
+from ._peer import PeerCopies
 from ._status import admitted, principal_of, rpc, stream_rpc
 
 __all__ = ["GpuBrokerService", "device_info_to_pb"]
@@ -41,14 +42,16 @@ _FORMATS = {
 }
 _MAX_DIMS = 3
 # A shared-memory copy takes one scheduler turn per piece of this size, so a huge copy cannot hold the device
-# for long past its tenant's quantum (64 MiB: ~1 ms pinned on an H200).
-_SHARED_PIECE = 64 * 1024 * 1024
+# for long past its tenant's quantum (256 MiB: ~5 ms pinned on an H200, one quantum). Each piece costs a worker
+# round trip and a sync: 64 MiB pieces cost a 512 MiB copy about an eighth of its bandwidth.
+_SHARED_PIECE = 256 * 1024 * 1024
 
 
 def device_info_to_pb(info: DeviceInfo) -> pb.DeviceInfo:
     fields: dict[str, Any] = dataclasses.asdict(info)
     fields["compute_capability"] = list(info.compute_capability or ())
     fields["opencl_version"] = info.opencl_version or ""
+    fields["health"] = info.health or ""
     for key in ("memory_quota", "memory_used", "memory_available"):
         if fields[key] is None:
             del fields[key]
@@ -71,7 +74,7 @@ def _dims(values: Any, what: str) -> list[int]:
     return dims
 
 
-class GpuBrokerService(pb_grpc.GpuBrokerServicer):
+class GpuBrokerService(PeerCopies, pb_grpc.GpuBrokerServicer):
     def __init__(self, config: BrokerConfig, auth: Authenticator, sessions: SessionManager,
                  devices: list[DeviceInfo], schedulers: dict[int, DeviceScheduler]) -> None:
         self.config = config
@@ -79,6 +82,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         self.sessions = sessions
         self.devices = devices
         self.schedulers = schedulers
+        self.init_peer_copies()
 
     async def _device(self, session: Session, op: str, **params: Any) -> Any:
         """Device work (launches, copies, memsets) waits for the tenant's turn on the device."""
@@ -117,25 +121,32 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
     def _stream(self, session: Session, handle: str) -> str | None:
         return session.resolve(handle, "stream").backend if handle else None
 
-    def _tenant_view(self, session: Session, info: DeviceInfo) -> pb.DeviceInfo:
-        quota = self.sessions.quota(session.tenant)
-        used = self.sessions.used(session.tenant, session.device)
-        view = dataclasses.replace(info, memory_quota=quota, memory_used=used,
-                                   memory_available=max(0, min(quota - used, info.free_memory)))
-        return device_info_to_pb(view)
+    def _tenant_view(self, tenant: str, device: int, info: DeviceInfo, live: bool = True) -> pb.DeviceInfo:
+        """The device as ``tenant`` sees it: the broker's index, its quota and use there, and the device's health."""
+        quota = self.sessions.quota(tenant, device)
+        used = self.sessions.used(tenant, device)
+        available = max(0, min(quota - used, info.free_memory)) if live else None
+        view = device_info_to_pb(dataclasses.replace(info, id=device, memory_quota=quota, memory_used=used,
+                                                     memory_available=available))
+        admission = self.sessions.admission
+        problem = admission.problem(device) if admission is not None else None
+        if self.sessions.draining:
+            problem = "the broker is draining"
+        view.health, view.health_reason = ("NOT_SERVING", problem) if problem else ("SERVING", "")
+        return view
 
     # -- sessions ----------------------------------------------------------------------------------
     @rpc
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext
                           ) -> pb.OpenSessionResponse:
         tenant = self._tenant(context)
-        if request.device >= len(self.devices):
+        if not request.any_device and request.device >= len(self.devices):
             raise NotFound(f"no device {request.device}; this broker serves {len(self.devices)}")
-        session = await self.sessions.open(tenant, request.device)
+        session = await self.sessions.open(tenant, None if request.any_device else request.device)
         info = await session.worker.call("device_info", session.id)
         return pb.OpenSessionResponse(
             session=session.id, lease_seconds=session.lease_seconds, max_chunk_bytes=self.config.chunk_bytes,
-            device=self._tenant_view(session, device_info_from_dict(info)))
+            device=self._tenant_view(tenant, session.device, device_info_from_dict(info)))
 
     @rpc
     async def CloseSession(self, request: pb.SessionRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
@@ -153,14 +164,15 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
     @rpc
     async def ListDevices(self, request: pb.ListDevicesRequest, context: grpc.aio.ServicerContext
                           ) -> pb.ListDevicesResponse:
-        self._tenant(context)
-        return pb.ListDevicesResponse(devices=[device_info_to_pb(d) for d in self.devices])
+        tenant = self._tenant(context)
+        return pb.ListDevicesResponse(devices=[self._tenant_view(tenant, i, d, live=False)
+                                               for i, d in enumerate(self.devices)])
 
     @rpc
     async def GetDeviceInfo(self, request: pb.SessionRequest, context: grpc.aio.ServicerContext) -> pb.DeviceInfo:
         session = self._session(context, request.session)
         info = device_info_from_dict(await session.worker.call("device_info", session.id))
-        return self._tenant_view(session, info)
+        return self._tenant_view(session.tenant, session.device, info)
 
     # -- memory ------------------------------------------------------------------------------------
     @rpc
@@ -184,6 +196,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
     async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
         session = self._session(context, request.session)
         entry = session.resolve(request.buffer, "buf")
+        await self.before_free(session, entry)  # not while CopyPeer uses it; unmapped from other workers first
         await session.worker.call("free", session.id, handle=entry.backend)
         del session.handles[request.buffer]
         self.sessions.release(session, entry.size)

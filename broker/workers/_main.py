@@ -183,7 +183,7 @@ class WorkerServer(PeerOps):
         out = bytearray(int(p["size"]))
         self.backend.copy_d2h(self._buffer(session, p["buf"]), out, int(p["offset"]),
                               self._stream(session, p.get("stream")))
-        return bytes(out)
+        return out  # packed as bin as it is: no copy to bytes first
 
     def op_load_module(self, session: str, p: dict[str, Any]) -> Any:
         try:
