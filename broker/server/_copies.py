@@ -25,6 +25,7 @@ from gpubroker.client import InvalidArgument
 from gpubroker.v1 import broker_pb2 as pb
 
 from ..sessions import Session
+from ._staging import CopyStaging
 
 __all__ = ["WRITE_DEPTH", "READ_DEPTH", "read_chunks", "write_chunks"]
 
@@ -42,26 +43,44 @@ def _consume(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
-def _abandon(tasks: deque[asyncio.Task[Any]]) -> None:
+def _abandon(tasks: deque[asyncio.Future[Any]]) -> None:
     for task in tasks:
         task.cancel()
         task.add_done_callback(_consume)
     tasks.clear()
 
 
-def _reap(tasks: deque[asyncio.Task[Any]]) -> None:
-    """Drop finished calls from the front of the queue, raising the first failure among them."""
+def _reap(tasks: deque[asyncio.Future[Any]], slots: deque[int], staging: CopyStaging | None) -> None:
+    """Drop finished calls from the front of the queue (freeing their slots), raising the first failure."""
     while tasks and tasks[0].done():
-        tasks.popleft().result()
+        task = tasks.popleft()
+        slot = slots.popleft()
+        if staging is not None:
+            staging.free.append(slot)
+        task.result()
+
+
+def _write(device: Device, session: Session, buf: list[Any], offset: int, data: bytes, stream: str | None,
+           staging: CopyStaging | None, slot: int) -> asyncio.Future[Any]:
+    if staging is None:
+        return asyncio.ensure_future(device(session, "write", buf=buf, offset=offset, data=data, stream=stream))
+    staging.put(slot, data)
+    return asyncio.ensure_future(device(session, "copy_shared", buf=buf, offset=offset, size=len(data),
+                                        segment=staging.segment, segment_offset=staging.offset(slot),
+                                        to_device=True, stream=stream))
 
 
 async def write_chunks(device: Device, session: Session, header: pb.HostToDeviceHeader, buf: list[Any],
                        stream: str | None, first: pb.HostToDeviceChunk,
                        rest: AsyncIterator[pb.HostToDeviceChunk], chunk_limit: int,
-                       depth: int = WRITE_DEPTH) -> None:
-    """Write the stream's chunks to ``buf``: receive the next chunk while earlier ones are being written."""
+                       depth: int = WRITE_DEPTH, staging: CopyStaging | None = None) -> None:
+    """Write the stream's chunks to ``buf``: receive the next chunk while earlier ones are being written.
+
+    With ``staging`` (at least ``depth`` slots of ``chunk_limit``), each chunk goes to the worker through it.
+    """
     written = 0
-    inflight: deque[asyncio.Task[Any]] = deque()
+    inflight: deque[asyncio.Future[Any]] = deque()
+    slots: deque[int] = deque()  # the staging slot of each write in flight, in the same order
     chunk: pb.HostToDeviceChunk | None = first
     try:
         while chunk is not None:
@@ -71,38 +90,59 @@ async def write_chunks(device: Device, session: Session, header: pb.HostToDevice
             if written + len(data) > header.size:
                 raise InvalidArgument(f"chunks carry more than the {header.size} bytes the header announced")
             if data:
-                _reap(inflight)  # a failed write ends the copy as soon as it is seen
+                _reap(inflight, slots, staging)  # a failed write ends the copy as soon as it is seen
                 if len(inflight) >= depth:
-                    await inflight.popleft()
-                inflight.append(asyncio.ensure_future(device(session, "write", buf=buf,
-                                                             offset=header.offset + written, data=data,
-                                                             stream=stream)))
+                    await inflight[0]
+                    _reap(inflight, slots, staging)
+                slot = staging.free.pop() if staging is not None else -1
+                inflight.append(_write(device, session, buf, header.offset + written, data, stream, staging, slot))
+                slots.append(slot)
                 written += len(data)
             session.touch()
             chunk = await anext(rest, None)
         if written != header.size:
             raise InvalidArgument(f"chunks carried {written} bytes; the header announced {header.size}")
         while inflight:
-            await inflight.popleft()
+            await inflight[0]
+            _reap(inflight, slots, staging)
     finally:
         _abandon(inflight)
+        if staging is not None:
+            staging.free.extend(slots)
 
 
 async def read_chunks(device: Device, session: Session, buf: list[Any], offset: int, size: int, chunk: int,
-                      stream: str | None, depth: int = READ_DEPTH) -> AsyncIterator[pb.DeviceToHostChunk]:
-    """Read ``size`` bytes in chunks, in order, with up to ``depth`` reads in flight while earlier ones go out."""
+                      stream: str | None, depth: int = READ_DEPTH, staging: CopyStaging | None = None
+                      ) -> AsyncIterator[pb.DeviceToHostChunk]:
+    """Read ``size`` bytes in chunks, in order, with up to ``depth`` reads in flight while earlier ones go out.
+
+    With ``staging`` (at least ``depth`` slots of ``chunk``), the worker copies each chunk into it.
+    """
     issued = 0
-    inflight: deque[asyncio.Task[Any]] = deque()
+    inflight: deque[tuple[asyncio.Future[Any], int, int]] = deque()
     try:
         while inflight or issued < size:
             while issued < size and len(inflight) < depth:
                 n = min(chunk, size - issued)
-                inflight.append(asyncio.ensure_future(device(session, "read", buf=buf, offset=offset + issued,
-                                                             size=n, stream=stream)))
+                if staging is None:
+                    call, slot = device(session, "read", buf=buf, offset=offset + issued, size=n, stream=stream), -1
+                else:
+                    slot = staging.free.pop()
+                    call = device(session, "copy_shared", buf=buf, offset=offset + issued, size=n,
+                                  segment=staging.segment, segment_offset=staging.offset(slot), to_device=False,
+                                  stream=stream)
+                inflight.append((asyncio.ensure_future(call), slot, n))
                 issued += n
-            data = await inflight.popleft()
+            task, slot, n = inflight[0]
+            data = await task
+            inflight.popleft()
+            if staging is not None:
+                data = staging.get(slot, n)
+                staging.free.append(slot)
             session.touch()
             yield pb.DeviceToHostChunk(data=data)
     finally:
         with contextlib.suppress(RuntimeError):  # (no running loop when collected late)
-            _abandon(inflight)
+            _abandon(deque(task for task, _, _ in inflight))
+        if staging is not None:
+            staging.free.extend(slot for _, slot, _ in inflight)
