@@ -120,6 +120,8 @@ def _ratios(local: dict[str, Any], remote: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "launch_sync_p50": remote["launch_sync"]["p50_us"] / local["launch_sync"]["p50_us"],
         "launch_sync_async_p50": remote["launch_sync_async"]["p50_us"] / local["launch_sync"]["p50_us"],
+        "launch_sync_tcp_p50": remote["launch_sync_tcp"]["p50_us"] / local["launch_sync"]["p50_us"],
+        "launch_sync_tcp_async_p50": remote["launch_sync_tcp_async"]["p50_us"] / local["launch_sync"]["p50_us"],
         "async_launches_per_s": remote["async_launches_per_s"] / local["async_launches_per_s"],
         "workload_time": remote["workload"]["seconds"] / local["workload"]["seconds"],
     }
@@ -147,18 +149,23 @@ def main(argv: list[str] | None = None) -> int:
         local = measure(local_gpu, backend, args.quick)
         local["async_launches_per_s"] = _async_launches(local_gpu, backend, 2000 if args.quick else 20000)
         local["workload"] = _workload(local_gpu, backend, *workload)
-    with BrokerProcess([TenantSpec("bench", memory_quota=1 << 40)], backend=backend) as broker, \
-            connect(broker.target, token=broker.tokens["bench"], shared_memory=False) as remote_gpu:
+    with BrokerProcess([TenantSpec("bench", memory_quota=1 << 40)], backend=backend, tcp=["127.0.0.1:0"]) as broker, \
+            connect(broker.target, token=broker.tokens["bench"], device=0, shared_memory=False) as remote_gpu:
         remote = measure(remote_gpu, backend, args.quick)
         transport = "grpc-stream over a unix socket; shm: memfd segments through <socket>.shm + CopyShared"
-        with connect(broker.target, token=broker.tokens["bench"]) as shm_gpu:
+        with connect(broker.target, token=broker.tokens["bench"], device=0) as shm_gpu:
             remote["shm_copies"] = measure_copies(shm_gpu, args.quick, host_array=True)["copies"]
             remote["shm_staged_copies"] = measure_copies(shm_gpu, args.quick, host_array=False)["copies"]
-        with connect(broker.target, token=broker.tokens["bench"], async_commands=True) as async_gpu:
+        with connect(broker.target, token=broker.tokens["bench"], device=0, async_commands=True) as async_gpu:
             # With asynchronous commands a launch + sync is one round trip: the sync rides with the launch.
             remote["launch_sync_async"] = _launch_round_trip(async_gpu, backend, 200 if args.quick else 2000)
             remote["async_launches_per_s"] = _async_launches(async_gpu, backend, 2000 if args.quick else 20000)
             remote["workload"] = _workload(async_gpu, backend, *workload)
+        # A client on another host: plain gRPC over loopback TCP (local credentials and the bearer token).
+        with connect(broker.tcp_target, token=broker.tokens["bench"], device=0) as tcp_gpu:
+            remote["launch_sync_tcp"] = _launch_round_trip(tcp_gpu, backend, 200 if args.quick else 1000)
+        with connect(broker.tcp_target, token=broker.tokens["bench"], device=0, async_commands=True) as tcp_gpu:
+            remote["launch_sync_tcp_async"] = _launch_round_trip(tcp_gpu, backend, 200 if args.quick else 1000)
 
     result = {"backend": backend, "device": device, "transport": transport, "in_process": local,
               "remote": remote, "remote_over_in_process": _ratios(local, remote)}
@@ -172,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'launch+sync p50 (us)':<28} {lp:>12.1f} {rp:>12.1f} {rp / lp:>8.2f}", file=sys.stderr)
     ra = remote["launch_sync_async"]["p50_us"]
     print(f"{'  same, async_commands':<28} {lp:>12.1f} {ra:>12.1f} {ra / lp:>8.2f}", file=sys.stderr)
+    rt = remote["launch_sync_tcp"]["p50_us"]
+    print(f"{'  same, gRPC over TCP':<28} {lp:>12.1f} {rt:>12.1f} {rt / lp:>8.2f}", file=sys.stderr)
+    rt = remote["launch_sync_tcp_async"]["p50_us"]
+    print(f"{'  same, TCP, async_commands':<28} {lp:>12.1f} {rt:>12.1f} {rt / lp:>8.2f}", file=sys.stderr)
     la, ra = local["async_launches_per_s"], remote["async_launches_per_s"]
     print(f"{'async launches per s':<28} {la:>12.0f} {ra:>12.0f} {ra / la:>8.2f}", file=sys.stderr)
     lw, rw = local["workload"]["seconds"], remote["workload"]["seconds"]

@@ -13,6 +13,7 @@ from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ._commands import CommandStream
+from ._devices import copy_peer, device_info_from_pb
 from ._endpoints import place_session, split_targets
 from ._errors import FailedPrecondition, GpuBrokerError, InvalidArgument, Unavailable
 from ._fast import DirectCommands, FastChannel, fast_command_stream
@@ -49,21 +50,6 @@ _FORMATS = {
 }
 
 
-def _device_info(msg: pb.DeviceInfo) -> DeviceInfo:
-    return DeviceInfo(
-        id=msg.id, name=msg.name, vendor=msg.vendor, backend=msg.backend, total_memory=msg.total_memory,
-        free_memory=msg.free_memory, multiprocessor_count=msg.multiprocessor_count, clock_mhz=msg.clock_mhz,
-        l2_cache_bytes=msg.l2_cache_bytes, unified_memory=msg.unified_memory,
-        max_threads_per_block=msg.max_threads_per_block,
-        max_block_dims=tuple(msg.max_block_dims),  # type: ignore[arg-type]
-        max_grid_dims=tuple(msg.max_grid_dims),  # type: ignore[arg-type]
-        compute_capability=tuple(msg.compute_capability) if msg.compute_capability else None,  # type: ignore[arg-type]
-        opencl_version=msg.opencl_version or None, driver_version=msg.driver_version,
-        memory_quota=msg.memory_quota if msg.HasField("memory_quota") else None,
-        memory_used=msg.memory_used if msg.HasField("memory_used") else None,
-        memory_available=msg.memory_available if msg.HasField("memory_available") else None)
-
-
 def _ref(buf: Buffer) -> pb.BufferRef:
     if not isinstance(buf, Buffer):
         raise InvalidArgument(f"expected a Buffer, got {type(buf).__name__}")
@@ -83,12 +69,16 @@ def _stream(stream: Stream | None) -> str:
 class RemoteGpu:
     """A session on one device of a broker. Same interface as the in-process backends.
 
+    ``device=None`` lets the broker choose: the least loaded device that serves and where the tenant has quota
+    room (``gpu.device`` then says which).
+
     ``timeout`` bounds each call (seconds); a background thread sends heartbeats within the lease. ``tls`` (a
     TlsOptions) is for TCP listeners with TLS or mTLS; with a client certificate the token may be None. On a unix:
     target copies use the broker's shared-memory side channel when it is there (``shared_memory=False``: never).
     """
 
-    def __init__(self, target: str, token: str | None = None, device: int = 0, *, timeout: float | None = 300.0,
+    def __init__(self, target: str, token: str | None = None, device: int | None = None, *,
+                 timeout: float | None = 300.0,
                  chunk_bytes: int | None = None, client_name: str = "gpubroker-python",
                  tls: TlsOptions | None = None, async_commands: bool = False, fast_path: bool = True,
                  shared_memory: bool = True, direct: bool = True) -> None:
@@ -183,9 +173,10 @@ class RemoteGpu:
     def initialize(self) -> None:
         if self._session:
             return
-        resp = self._call("OpenSession", pb.OpenSessionRequest(device=self._device, client_name=self._client_name))
+        resp = self._call("OpenSession", pb.OpenSessionRequest(
+            device=self._device or 0, any_device=self._device is None, client_name=self._client_name))
         self._session = resp.session
-        self._info = _device_info(resp.device)
+        self._info = device_info_from_pb(resp.device)
         self.lease_seconds = resp.lease_seconds
         self.chunk_bytes = min(self._requested_chunk or resp.max_chunk_bytes, resp.max_chunk_bytes)
         fast_path = self.target[len("unix:"):] + ".fast"
@@ -224,8 +215,23 @@ class RemoteGpu:
     def session(self) -> str:
         return self._session
 
+    @property
+    def device(self) -> int | None:
+        """The broker's index of this session's device (None before ``initialize`` when the broker chooses)."""
+        return self._info.id if self._info is not None else self._device
+
+    def list_devices(self) -> list[DeviceInfo]:
+        """Every device of this broker, with its health and this tenant's quota and use there."""
+        return [device_info_from_pb(d) for d in self._call("ListDevices", pb.ListDevicesRequest()).devices]
+
+    def copy_peer(self, src: Buffer, dst_gpu: RemoteGpu, dst: Buffer, size: int, src_offset: int = 0,
+                  dst_offset: int = 0) -> str:
+        """Copy from ``src`` here to ``dst`` in ``dst_gpu``, another session of this tenant on this broker (usually on
+        another device); returns the path taken: "peer", "host", "device" or "none". See ``copy_peer``."""
+        return copy_peer(self, src, dst_gpu, dst, size, src_offset, dst_offset)
+
     def device_info(self) -> DeviceInfo:
-        return _device_info(self._call("GetDeviceInfo", pb.SessionRequest(session=self._session)))
+        return device_info_from_pb(self._call("GetDeviceInfo", pb.SessionRequest(session=self._session)))
 
     def allocate_memory(self, size: int) -> Buffer:
         if not isinstance(size, (int, np.integer)):
@@ -352,6 +358,9 @@ class RemoteGpu:
                 # One round trip: the sync rides at the end of the last batch, after the commands before it.
                 self._commands.submit_one("synchronize", {"stream": _stream(stream)})
                 return  # (the finally below waits for the batch, and raises the first error of any command)
+            if self._commands is not None and self._direct is None:
+                self._commands.submit_one("synchronize", pb.StreamRequest(stream=_stream(stream)))
+                return  # the same on the front's fast path or the gRPC Commands stream
             if direct is not None:
                 try:
                     direct.call("synchronize", {"stream": _stream(stream)})
@@ -393,9 +402,10 @@ class RemoteGpu:
         self.close()
 
 
-def connect(target: str | Sequence[str], token: str | None = None, device: int = 0, *,
+def connect(target: str | Sequence[str], token: str | None = None, device: int | None = None, *,
             tls: TlsOptions | None = None, **kwargs: Any) -> RemoteGpu:
-    """Open a session on ``device`` of the broker at ``target`` (``unix:/path`` or ``host:port``).
+    """Open a session on ``device`` of the broker at ``target`` (``unix:/path`` or ``host:port``); without a device,
+    on the one the broker chooses (the least loaded that serves and where the tenant has quota room).
 
     Several brokers (a list, or addresses separated by commas): the session goes to the first that is healthy and
     takes it; ``Unavailable`` names each one's reason when none does.

@@ -27,8 +27,9 @@ from ..config import BrokerConfig
 from ..scheduler import DeviceScheduler
 from ..sessions import Session, SessionManager
 from ..workers import device_info_from_dict
-from ._copies import read_chunks, write_chunks
+from ._copies import READ_DEPTH, WRITE_DEPTH, read_chunks, write_chunks
 from ._peer import PeerCopies
+from ._staging import CopyStagings
 from ._status import admitted, principal_of, rpc, stream_rpc
 
 __all__ = ["GpuBrokerService", "device_info_to_pb"]
@@ -45,6 +46,7 @@ _MAX_DIMS = 3
 # for long past its tenant's quantum (256 MiB: ~5 ms pinned on an H200, one quantum). Each piece costs a worker
 # round trip and a sync: 64 MiB pieces cost a 512 MiB copy about an eighth of its bandwidth.
 _SHARED_PIECE = 256 * 1024 * 1024
+_STAGING_SLOTS = max(READ_DEPTH, WRITE_DEPTH)
 
 
 def device_info_to_pb(info: DeviceInfo) -> pb.DeviceInfo:
@@ -83,6 +85,8 @@ class GpuBrokerService(PeerCopies, pb_grpc.GpuBrokerServicer):
         self.devices = devices
         self.schedulers = schedulers
         self.init_peer_copies()
+        # Streamed copies' chunks pass to and from the worker through memory shared with it.
+        self.stagings = CopyStagings(sessions)
 
     async def _device(self, session: Session, op: str, **params: Any) -> Any:
         """Device work (launches, copies, memsets) waits for the tenant's turn on the device."""
@@ -252,8 +256,9 @@ class GpuBrokerService(PeerCopies, pb_grpc.GpuBrokerServicer):
         buf = self._buffer_ref(session, header.buffer)
         stream = self._stream(session, header.stream)
         _check_copy_range(buf, header.offset, header.size)
-        await write_chunks(self._device, session, header, buf, stream, first, aiter(request_iterator),
-                           self.config.chunk_bytes)
+        async with self.stagings.use(session, _STAGING_SLOTS, self.config.chunk_bytes) as staging:
+            await write_chunks(self._device, session, header, buf, stream, first, aiter(request_iterator),
+                               self.config.chunk_bytes, staging=staging)
         return pb.Empty()
 
     @stream_rpc
@@ -264,8 +269,10 @@ class GpuBrokerService(PeerCopies, pb_grpc.GpuBrokerServicer):
         stream = self._stream(session, request.stream)
         _check_copy_range(buf, request.offset, request.size)
         chunk = min(request.chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
-        async for message in read_chunks(self._device, session, buf, request.offset, request.size, chunk, stream):
-            yield message
+        async with self.stagings.use(session, _STAGING_SLOTS, self.config.chunk_bytes) as staging:
+            async for message in read_chunks(self._device, session, buf, request.offset, request.size, chunk, stream,
+                                             staging=staging):
+                yield message
 
     @rpc
     async def CopyShared(self, request: pb.CopySharedRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
@@ -366,6 +373,9 @@ class GpuBrokerService(PeerCopies, pb_grpc.GpuBrokerServicer):
                     commands.append([command.seq, "memset", what, self._memset_params(session, command.memset)])
                 elif kind == "copy_d2d":
                     commands.append([command.seq, "copy_d2d", what, self._d2d_params(session, command.copy_d2d)])
+                elif kind == "synchronize":
+                    commands.append([command.seq, "synchronize", what,
+                                     {"stream": self._stream(session, command.synchronize.stream)}])
                 else:
                     raise InvalidArgument("a command names no operation")
             except GpuBrokerError as exc:  # a bad handle: what came before it still runs

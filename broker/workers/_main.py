@@ -44,7 +44,7 @@ log = logging.getLogger("gpubroker.worker")
 EXIT_FATAL = 3
 
 _KINDS = ("buf", "module", "kernel", "stream", "segment")
-_BATCHABLE = ("launch", "memset", "copy_d2d")
+_BATCHABLE = ("launch", "memset", "copy_d2d", "synchronize")
 # Value objects rebuilt from wire refs are cached: a frozen dataclass costs more to build than a lookup.
 # Past this many entries a cache is simply cleared (ownership is checked on every use, never cached).
 _CACHE_MAX = 4096

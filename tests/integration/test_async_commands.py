@@ -16,9 +16,14 @@ from gpubroker.client._commands import CommandStream
 from gpubroker.v1 import broker_pb2 as pb
 
 
-@pytest.fixture(scope="module")
-def gpu(broker: BrokerProcess) -> Iterator[RemoteGpu]:
-    with connect(broker.target, token=broker.tokens["carol"], async_commands=True) as g:
+# Batches straight to the worker (direct link); through the front's fast path; on the gRPC Commands stream.
+_PATHS = {"direct": {}, "front": {"direct": False}, "grpc": {"fast_path": False}}
+
+
+@pytest.fixture(scope="module", params=list(_PATHS))
+def gpu(broker: BrokerProcess, request: pytest.FixtureRequest) -> Iterator[RemoteGpu]:
+    with connect(broker.target, token=broker.tokens["carol"], async_commands=True, **_PATHS[request.param]) as g:
+        assert (g._direct is not None) == (request.param == "direct")
         yield g
 
 

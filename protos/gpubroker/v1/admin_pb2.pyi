@@ -133,7 +133,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DeviceStatus(_message.Message):
-    __slots__ = ("device", "name", "backend", "total_memory", "health", "reason", "recent_worker_failures", "sessions")
+    __slots__ = ("device", "name", "backend", "total_memory", "health", "reason", "recent_worker_failures", "sessions", "memory_used")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,7 @@ class DeviceStatus(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     RECENT_WORKER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
     device: int
     name: str
     backend: str
@@ -150,7 +151,8 @@ class DeviceStatus(_message.Message):
     reason: str
     recent_worker_failures: int
     sessions: int
-    def __init__(self, device: _Optional[int] = ..., name: _Optional[str] = ..., backend: _Optional[str] = ..., total_memory: _Optional[int] = ..., health: _Optional[str] = ..., reason: _Optional[str] = ..., recent_worker_failures: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+    memory_used: int
+    def __init__(self, device: _Optional[int] = ..., name: _Optional[str] = ..., backend: _Optional[str] = ..., total_memory: _Optional[int] = ..., health: _Optional[str] = ..., reason: _Optional[str] = ..., recent_worker_failures: _Optional[int] = ..., sessions: _Optional[int] = ..., memory_used: _Optional[int] = ...) -> None: ...
 
 class TenantStatus(_message.Message):
     __slots__ = ("tenant", "weight", "memory_quota", "admin", "sessions", "memory_used")

@@ -27,12 +27,14 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("device", "client_name")
+    __slots__ = ("device", "client_name", "any_device")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    ANY_DEVICE_FIELD_NUMBER: _ClassVar[int]
     device: int
     client_name: str
-    def __init__(self, device: _Optional[int] = ..., client_name: _Optional[str] = ...) -> None: ...
+    any_device: bool
+    def __init__(self, device: _Optional[int] = ..., client_name: _Optional[str] = ..., any_device: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session", "lease_seconds", "max_chunk_bytes", "device")
@@ -69,7 +71,7 @@ class ListDevicesResponse(_message.Message):
     def __init__(self, devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
-    __slots__ = ("id", "name", "vendor", "backend", "total_memory", "free_memory", "multiprocessor_count", "clock_mhz", "l2_cache_bytes", "unified_memory", "max_threads_per_block", "max_block_dims", "max_grid_dims", "compute_capability", "opencl_version", "driver_version", "memory_quota", "memory_used", "memory_available")
+    __slots__ = ("id", "name", "vendor", "backend", "total_memory", "free_memory", "multiprocessor_count", "clock_mhz", "l2_cache_bytes", "unified_memory", "max_threads_per_block", "max_block_dims", "max_grid_dims", "compute_capability", "opencl_version", "driver_version", "memory_quota", "memory_used", "memory_available", "health", "health_reason")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VENDOR_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +91,8 @@ class DeviceInfo(_message.Message):
     MEMORY_QUOTA_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
     MEMORY_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_REASON_FIELD_NUMBER: _ClassVar[int]
     id: int
     name: str
     vendor: str
@@ -108,7 +112,9 @@ class DeviceInfo(_message.Message):
     memory_quota: int
     memory_used: int
     memory_available: int
-    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., vendor: _Optional[str] = ..., backend: _Optional[str] = ..., total_memory: _Optional[int] = ..., free_memory: _Optional[int] = ..., multiprocessor_count: _Optional[int] = ..., clock_mhz: _Optional[int] = ..., l2_cache_bytes: _Optional[int] = ..., unified_memory: _Optional[bool] = ..., max_threads_per_block: _Optional[int] = ..., max_block_dims: _Optional[_Iterable[int]] = ..., max_grid_dims: _Optional[_Iterable[int]] = ..., compute_capability: _Optional[_Iterable[int]] = ..., opencl_version: _Optional[str] = ..., driver_version: _Optional[str] = ..., memory_quota: _Optional[int] = ..., memory_used: _Optional[int] = ..., memory_available: _Optional[int] = ...) -> None: ...
+    health: str
+    health_reason: str
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., vendor: _Optional[str] = ..., backend: _Optional[str] = ..., total_memory: _Optional[int] = ..., free_memory: _Optional[int] = ..., multiprocessor_count: _Optional[int] = ..., clock_mhz: _Optional[int] = ..., l2_cache_bytes: _Optional[int] = ..., unified_memory: _Optional[bool] = ..., max_threads_per_block: _Optional[int] = ..., max_block_dims: _Optional[_Iterable[int]] = ..., max_grid_dims: _Optional[_Iterable[int]] = ..., compute_capability: _Optional[_Iterable[int]] = ..., opencl_version: _Optional[str] = ..., driver_version: _Optional[str] = ..., memory_quota: _Optional[int] = ..., memory_used: _Optional[int] = ..., memory_available: _Optional[int] = ..., health: _Optional[str] = ..., health_reason: _Optional[str] = ...) -> None: ...
 
 class BufferHandle(_message.Message):
     __slots__ = ("handle", "size")
@@ -307,16 +313,18 @@ class StreamRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., stream: _Optional[str] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("seq", "launch", "memset", "copy_d2d")
+    __slots__ = ("seq", "launch", "memset", "copy_d2d", "synchronize")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LAUNCH_FIELD_NUMBER: _ClassVar[int]
     MEMSET_FIELD_NUMBER: _ClassVar[int]
     COPY_D2D_FIELD_NUMBER: _ClassVar[int]
+    SYNCHRONIZE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     launch: LaunchKernelRequest
     memset: MemsetRequest
     copy_d2d: CopyDeviceToDeviceRequest
-    def __init__(self, seq: _Optional[int] = ..., launch: _Optional[_Union[LaunchKernelRequest, _Mapping]] = ..., memset: _Optional[_Union[MemsetRequest, _Mapping]] = ..., copy_d2d: _Optional[_Union[CopyDeviceToDeviceRequest, _Mapping]] = ...) -> None: ...
+    synchronize: StreamRequest
+    def __init__(self, seq: _Optional[int] = ..., launch: _Optional[_Union[LaunchKernelRequest, _Mapping]] = ..., memset: _Optional[_Union[MemsetRequest, _Mapping]] = ..., copy_d2d: _Optional[_Union[CopyDeviceToDeviceRequest, _Mapping]] = ..., synchronize: _Optional[_Union[StreamRequest, _Mapping]] = ...) -> None: ...
 
 class CommandBatch(_message.Message):
     __slots__ = ("session", "batch", "commands")
@@ -367,3 +375,27 @@ class CopySharedRequest(_message.Message):
     to_device: bool
     stream: str
     def __init__(self, session: _Optional[str] = ..., segment: _Optional[str] = ..., segment_offset: _Optional[int] = ..., buffer: _Optional[_Union[BufferRef, _Mapping]] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., to_device: _Optional[bool] = ..., stream: _Optional[str] = ...) -> None: ...
+
+class CopyPeerRequest(_message.Message):
+    __slots__ = ("src_session", "src", "src_offset", "dst_session", "dst", "dst_offset", "size")
+    SRC_SESSION_FIELD_NUMBER: _ClassVar[int]
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    SRC_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DST_SESSION_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    DST_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    src_session: str
+    src: BufferRef
+    src_offset: int
+    dst_session: str
+    dst: BufferRef
+    dst_offset: int
+    size: int
+    def __init__(self, src_session: _Optional[str] = ..., src: _Optional[_Union[BufferRef, _Mapping]] = ..., src_offset: _Optional[int] = ..., dst_session: _Optional[str] = ..., dst: _Optional[_Union[BufferRef, _Mapping]] = ..., dst_offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class CopyPeerResponse(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...

@@ -129,6 +129,11 @@ class GpuBrokerStub:
                 request_serializer=gpubroker_dot_v1_dot_broker__pb2.CopySharedRequest.SerializeToString,
                 response_deserializer=gpubroker_dot_v1_dot_broker__pb2.Empty.FromString,
                 _registered_method=True)
+        self.CopyPeer = channel.unary_unary(
+                '/gpubroker.v1.GpuBroker/CopyPeer',
+                request_serializer=gpubroker_dot_v1_dot_broker__pb2.CopyPeerRequest.SerializeToString,
+                response_deserializer=gpubroker_dot_v1_dot_broker__pb2.CopyPeerResponse.FromString,
+                _registered_method=True)
 
 
 class GpuBrokerServicer:
@@ -261,6 +266,15 @@ class GpuBrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CopyPeer(self, request, context):
+        """Copies between two sessions of the caller's tenant, usually on two devices: through the GPUs' peer path where
+        CUDA allows it, else staged through host memory. Ordered after the work both sessions queued before it, and
+        done when it returns.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GpuBrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -358,6 +372,11 @@ def add_GpuBrokerServicer_to_server(servicer, server):
                     servicer.CopyShared,
                     request_deserializer=gpubroker_dot_v1_dot_broker__pb2.CopySharedRequest.FromString,
                     response_serializer=gpubroker_dot_v1_dot_broker__pb2.Empty.SerializeToString,
+            ),
+            'CopyPeer': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopyPeer,
+                    request_deserializer=gpubroker_dot_v1_dot_broker__pb2.CopyPeerRequest.FromString,
+                    response_serializer=gpubroker_dot_v1_dot_broker__pb2.CopyPeerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -873,6 +892,33 @@ class GpuBroker:
             '/gpubroker.v1.GpuBroker/CopyShared',
             gpubroker_dot_v1_dot_broker__pb2.CopySharedRequest.SerializeToString,
             gpubroker_dot_v1_dot_broker__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyPeer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpubroker.v1.GpuBroker/CopyPeer',
+            gpubroker_dot_v1_dot_broker__pb2.CopyPeerRequest.SerializeToString,
+            gpubroker_dot_v1_dot_broker__pb2.CopyPeerResponse.FromString,
             options,
             channel_credentials,
             insecure,
