@@ -45,8 +45,9 @@ def _calibrate(backend: str, target_ms: float) -> int:
         return iters
 
 
-def _saturate(target: str, token: str, backend: str, lengths: list[int], seconds: float, out: Any) -> None:
-    with connect(target, token=token) as gpu:
+def _saturate(target: str, token: str, backend: str, lengths: list[int], seconds: float, out: Any,
+              device: int = 0) -> None:
+    with connect(target, token=token, device=device) as gpu:
         kernel = gpu.compile_kernel(samples.source(backend), "spin")
         buf = gpu.allocate_memory(4096)
         done, end, i = 0, time.monotonic() + seconds, 0
@@ -59,8 +60,8 @@ def _saturate(target: str, token: str, backend: str, lengths: list[int], seconds
     out.put(("kernels", done))
 
 
-def _light(target: str, token: str, backend: str, seconds: float, out: Any) -> None:
-    with connect(target, token=token) as gpu:
+def _light(target: str, token: str, backend: str, seconds: float, out: Any, device: int = 0) -> None:
+    with connect(target, token=token, device=device) as gpu:
         kernel = gpu.compile_kernel(samples.source(backend), "empty_kernel")
         latencies = []
         end = time.monotonic() + seconds

@@ -63,9 +63,11 @@ def _print_status(target: str, status: Any, sessions: Sequence[Any], usage: Any,
         state += f" (sessions left are ended in {status.drain_seconds_left:.0f} s)"
     print(f"gpubroker {status.version} at {target}: {state}; up {_duration(status.uptime_seconds)}")
     print("\ndevices")
-    print(table(["dev", "name", "backend", "memory", "health", "sessions", "worker failures", "reason"],
+    print(table(["dev", "name", "backend", "memory", "health", "sessions", "memory used", "worker failures",
+                 "reason"],
                 [[d.device, d.name, d.backend, f"{d.total_memory / 2**30:.1f} GiB", d.health, d.sessions,
-                  d.recent_worker_failures, d.reason] for d in status.devices], right=(0, 3, 5, 6)))
+                  d.memory_used, d.recent_worker_failures, d.reason] for d in status.devices],
+                right=(0, 3, 5, 6, 7)))
     print("\ntenants")
     print(table(["tenant", "weight", "quota", "admin", "sessions", "memory used"],
                 [[t.tenant, t.weight, format_size(t.memory_quota), "yes" if t.admin else "no", t.sessions,

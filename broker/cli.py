@@ -8,7 +8,7 @@ import os
 import sys
 
 from gpubroker import __version__
-from gpubroker.client import GpuBrokerError, NotFound
+from gpubroker.client import GpuBrokerError, InvalidArgument, NotFound
 
 from .admin_cli import add_admin_parsers
 from .auth import mint_token
@@ -45,11 +45,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device_memory(items: list[str] | None) -> dict[int, int]:
+    """``["1=16GiB", ...]`` (from --device-memory) as {device index: bytes}."""
+    quotas = {}
+    for item in items or ():
+        device, sep, size = item.partition("=")
+        if not sep or not device.strip().isdigit():
+            raise InvalidArgument(f"--device-memory takes DEVICE=SIZE (e.g. 1=16GiB), not {item!r}")
+        quotas[int(device)] = parse_size(size)
+    return quotas
+
+
 def _cmd_tenant_add(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     token = mint_token()
     cfg.add_tenant(TenantConfig(name=args.name, token_id=token.token_id, token_hash=token.token_hash,
-                                memory_quota=parse_size(args.memory), weight=args.weight, admin=args.admin))
+                                memory_quota=parse_size(args.memory), weight=args.weight, admin=args.admin,
+                                device_memory=_device_memory(args.device_memory)))
     path = save_config(cfg, args.config)
     audit.info("action=tenant-add tenant=%s config=%s admin=%s by=%s", args.name, path, args.admin, _who())
     print(f"added tenant {args.name!r} to {path} (memory {format_size(parse_size(args.memory))}, "
@@ -60,9 +72,10 @@ def _cmd_tenant_add(args: argparse.Namespace) -> int:
 
 def _cmd_tenant_list(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    print(f"{'tenant':<24} {'memory':>10} {'weight':>6} {'admin':>5}")
+    print(f"{'tenant':<24} {'memory':>10} {'weight':>6} {'admin':>5}  per device")
     for t in cfg.tenants.values():
-        print(f"{t.name:<24} {format_size(t.memory_quota):>10} {t.weight:>6} {'yes' if t.admin else '':>5}")
+        own = ", ".join(f"{d}: {format_size(q)}" for d, q in sorted(t.device_memory.items()))
+        print(f"{t.name:<24} {format_size(t.memory_quota):>10} {t.weight:>6} {'yes' if t.admin else '':>5}  {own}")
     return 0
 
 
@@ -130,15 +143,26 @@ def _cmd_certs_client(args: argparse.Namespace) -> int:
 
 
 def _cmd_devices(args: argparse.Namespace) -> int:
-    from .server import probe_devices
+    if args.target:
+        from gpubroker.client import list_devices
 
-    backend = args.backend or (load_config(args.config).backend if args.config else "auto")
-    kind, devices = probe_devices(backend)
-    print(f"backend: {kind}")
+        devices = list_devices(args.target, args.token or os.environ.get("GPUBROKER_TOKEN") or None)
+        kind = devices[0].backend if devices else "none"
+        print(f"broker {args.target}, backend: {kind}")
+    else:
+        from .server import probe_devices
+
+        backend = args.backend or (load_config(args.config).backend if args.config else "auto")
+        kind, devices = probe_devices(backend)
+        print(f"backend: {kind}")
     for d in devices:
         cc = f"cc {d.compute_capability[0]}.{d.compute_capability[1]}" if d.compute_capability else d.opencl_version
-        print(f"  {d.id}: {d.name} ({d.vendor}), {d.total_memory / 2**30:.1f} GiB, "
-              f"{d.multiprocessor_count} SMs/CUs at {d.clock_mhz} MHz, L2 {d.l2_cache_bytes / 2**20:.1f} MiB, {cc}")
+        line = (f"  {d.id}: {d.name} ({d.vendor}), {d.total_memory / 2**30:.1f} GiB, "
+                f"{d.multiprocessor_count} SMs/CUs at {d.clock_mhz} MHz, L2 {d.l2_cache_bytes / 2**20:.1f} MiB, {cc}")
+        if d.health is not None:  # from a broker: whether it takes sessions, and this tenant's quota there
+            line += f"; {d.health}" + (f" ({d.health_reason})" if d.health_reason else "")
+            line += f"; quota {format_size(d.memory_quota or 0)}, used {d.memory_used or 0}"
+        print(line)
     return 0
 
 
@@ -151,6 +175,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.which == "fairness":
         from gpubroker.bench.fairness import main as bench_main
+    elif args.which == "multi":
+        from gpubroker.bench.multi_gpu import main as bench_main
+    elif args.which == "fuzz":
+        from gpubroker.bench.fuzz import main as bench_main
+    elif args.which == "soak":
+        from gpubroker.bench.soak import main as bench_main
     else:
         from gpubroker.bench.remote_vs_local import main as bench_main
     return bench_main(args.rest)
@@ -215,6 +245,8 @@ def _parser() -> argparse.ArgumentParser:
     ta.add_argument("--memory", default="8GiB", help="device memory quota (default 8GiB)")
     ta.add_argument("--weight", type=int, default=1, help="fair-share weight (default 1)")
     ta.add_argument("--admin", action="store_true", help="may call the Admin service")
+    ta.add_argument("--device-memory", action="append", metavar="DEVICE=SIZE",
+                    help="a quota of its own on one device, e.g. 1=16GiB (repeatable; others get --memory)")
     ta.set_defaults(fn=_cmd_tenant_add)
     tl = t.add_parser("list", help="list tenants")
     tl.add_argument("--config", required=True)
@@ -248,9 +280,12 @@ def _parser() -> argparse.ArgumentParser:
     cc.add_argument("--force", action="store_true", help="replace an existing certificate of this name")
     cc.set_defaults(fn=_cmd_certs_client)
 
-    d = sub.add_parser("devices", help="list the devices the broker would serve")
+    d = sub.add_parser("devices", help="list the devices the broker would serve (or, with --target, those a "
+                       "running broker serves, with their health)")
     d.add_argument("--config")
     d.add_argument("--backend", choices=["auto", "cuda", "opencl"])
+    d.add_argument("--target", help="ask a running broker (unix:PATH or HOST:PORT) instead of probing here")
+    d.add_argument("--token", help="a tenant's token for --target (prefer the GPUBROKER_TOKEN variable)")
     d.set_defaults(fn=_cmd_devices)
 
     m = sub.add_parser("demo", help="start an embedded broker and run two tenants' work against it")
@@ -258,8 +293,10 @@ def _parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=_cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks printing JSON: `remote` (remote vs in-process: launch round trip, "
-                       "copy bandwidth) or `fairness` (shares, Jain's index, light-tenant latency)")
-    b.add_argument("which", choices=["remote", "fairness"])
+                       "copy bandwidth), `fairness` (shares, Jain's index, light-tenant latency) or `multi` "
+                       "(several devices: sessions on each, peer copies, fairness per device); `fuzz` (random and "
+                       "hostile requests, --cases N) and `soak` (session cycles: leaks of memory, fds, segments)")
+    b.add_argument("which", choices=["remote", "fairness", "multi", "fuzz", "soak"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (--backend, --out, ...)")
     b.set_defaults(fn=_cmd_bench)
 

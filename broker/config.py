@@ -51,9 +51,14 @@ class TenantConfig:
     name: str
     token_id: str
     token_hash: str
-    memory_quota: int = 8 * 1024**3
+    memory_quota: int = 8 * 1024**3  # on each device, unless device_memory says otherwise for one
     weight: int = 1
     admin: bool = False  # may call the Admin service (list and end sessions, reload)
+    device_memory: dict[int, int] = field(default_factory=dict)  # broker device index -> its own quota
+
+    def quota_on(self, device: int) -> int:
+        """The memory quota on one of the broker's devices."""
+        return self.device_memory.get(device, self.memory_quota)
 
 
 @dataclass
@@ -108,6 +113,9 @@ class BrokerConfig:
     quantum_ms: float = 5.0
     # A raw Unix socket "<socket>.fast" beside each Unix listener for same-host synchronous calls.
     fast_path: bool = True
+    # Copies between a tenant's sessions on two devices: "auto" takes the GPUs' peer path where CUDA allows it
+    # (else host memory); "host" always stages through host memory.
+    peer_copies: str = "auto"
     # Operations: a Prometheus /metrics endpoint on HOST:PORT (empty: off), and how log lines are written
     # ("text", or "json": one object a line carrying tenant, session and method when known).
     metrics_listen: str = ""
@@ -123,8 +131,10 @@ class BrokerConfig:
             raise AlreadyExists(f"tenant {tenant.name!r} already exists")
         if tenant.weight < 1:
             raise InvalidArgument("weight must be >= 1")
-        if tenant.memory_quota < 1:
+        if tenant.memory_quota < 1 or any(q < 1 for q in tenant.device_memory.values()):
             raise InvalidArgument("memory quota must be > 0")
+        if any(d < 0 for d in tenant.device_memory):
+            raise InvalidArgument("device_memory names devices by their index (>= 0)")
         self.tenants[tenant.name] = tenant
 
     def remove_tenant(self, name: str) -> None:
@@ -152,6 +162,8 @@ def load_config(path: str | os.PathLike[str]) -> BrokerConfig:
         raise InvalidArgument(f"{path}: backend must be auto, cuda or opencl, not {cfg.backend!r}")
     if "devices" in broker:
         cfg.devices = [int(d) for d in broker["devices"]]
+        if len(set(cfg.devices)) != len(cfg.devices) or any(d < 0 for d in cfg.devices):
+            raise InvalidArgument(f"{path}: [broker] devices must list distinct device indices, got {cfg.devices}")
     for key, parse in _SCALARS.items():
         if key in broker:
             try:
@@ -171,10 +183,19 @@ def load_config(path: str | os.PathLike[str]) -> BrokerConfig:
             cfg.add_tenant(TenantConfig(
                 name=name, token_id=str(t["token_id"]), token_hash=str(t["token_hash"]),
                 memory_quota=parse_size(t.get("memory", 8 * 1024**3)), weight=int(t.get("weight", 1)),
-                admin=bool(t.get("admin", False))))
+                admin=bool(t.get("admin", False)), device_memory=_device_memory(t.get("device_memory", {}))))
         except KeyError as exc:
             raise InvalidArgument(f"{path}: tenant {name!r} lacks {exc.args[0]}") from None
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"{path}: tenant {name!r}: device_memory: {exc}") from None
     return cfg
+
+
+def _device_memory(table: object) -> dict[int, int]:
+    """``{ 1 = "16GiB" }`` (device index -> quota) as ints."""
+    if not isinstance(table, dict):
+        raise TypeError("expected a table of device index = size, e.g. { 1 = \"16GiB\" }")
+    return {int(device): parse_size(size) for device, size in table.items()}
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -199,6 +220,12 @@ def _log_format(value: object) -> str:
     return str(value)
 
 
+def _peer_copies(value: object) -> str:
+    if value not in ("auto", "host"):
+        raise ValueError(f"expected \"auto\" or \"host\", got {value!r}")
+    return str(value)
+
+
 def _at_least(value: float, low: float) -> float:
     if value < low:
         raise ValueError(f"must be >= {low:g}, got {value:g}")
@@ -212,11 +239,12 @@ _SCALARS = {
     "max_sessions_per_tenant": int, "max_concurrent_rpcs_per_session": int, "max_handles_per_session": int,
     "max_module_bytes": parse_size, "compile_timeout_seconds": float, "max_streams_per_session": int,
     "max_inflight_per_tenant": int, "fair_scheduling": bool, "quantum_ms": float, "fast_path": bool, "vsock_port": int,
+    "max_shared_bytes_per_session": parse_size,
     "drain_grace_seconds": lambda v: _at_least(float(v), 0.0),
     "device_failure_threshold": lambda v: _at_least(int(v), 0),
     "device_failure_window_seconds": lambda v: _at_least(float(v), 0.001),
     "nvml_xid_events": bool,
-    "metrics_listen": _metrics_listen, "log_format": _log_format,
+    "metrics_listen": _metrics_listen, "log_format": _log_format, "peer_copies": _peer_copies,
 }
 
 
@@ -256,6 +284,9 @@ def save_config(cfg: BrokerConfig, path: str | os.PathLike[str] | None = None) -
                   f"weight = {t.weight}"]
         if t.admin:
             lines.append("admin = true")
+        if t.device_memory:
+            quotas = ", ".join(f'{d} = "{format_size(q)}"' for d, q in sorted(t.device_memory.items()))
+            lines.append(f"device_memory = {{ {quotas} }}")
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".gpubroker-", suffix=".toml")
     with os.fdopen(fd, "w") as f:

@@ -27,6 +27,7 @@ class TenantSpec:
     memory_quota: int = 2 * 1024**3
     weight: int = 1
     admin: bool = False
+    device_memory: dict[int, int] = field(default_factory=dict)  # per-device quotas besides memory_quota
 
 
 @dataclass
@@ -83,7 +84,7 @@ class BrokerProcess:
         for spec in self.tenants:
             token = mint_token()
             cfg.add_tenant(TenantConfig(spec.name, token.token_id, token.token_hash, spec.memory_quota, spec.weight,
-                                        spec.admin))
+                                        spec.admin, dict(spec.device_memory)))
             self.tokens[spec.name] = token.token
         config_path = save_config(cfg, self.workdir / "gpubroker.toml")
         ready = self.workdir / "ready.json"

@@ -6,10 +6,12 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from gpubroker.client import (
+    DeviceInfo,
     NotFound,
     ResourceExhausted,
     Unavailable,
@@ -17,6 +19,7 @@ from gpubroker.client import (
 )
 
 from .config import BrokerConfig
+from .placement import DeviceLoad, NoServingDevice, choose_device
 from .workers import WorkerClient, WorkerPool
 
 __all__ = ["Admission", "HandleEntry", "Session", "SessionManager"]
@@ -32,6 +35,7 @@ class HandleEntry:
     backend: str  # the worker's own handle, never shown to clients
     size: int = 0
     name: str = ""
+    pins: int = 0  # copies to or from another device under way (CopyPeer): not to be freed meanwhile
 
 
 @dataclass
@@ -49,6 +53,22 @@ class Session:
     inflight: int = 0
     shared_bytes: int = 0  # host memory mapped for this session through the shared-memory side channel
     tenant_inflight: dict[str, int] = field(default_factory=dict)
+    # Copies to or from another device under way (CopyPeer): closing waits for them, as another process may be
+    # reading this session's memory.
+    peer_copies: int = 0
+    peer_idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.peer_idle.set()
+
+    def begin_peer_copy(self) -> None:
+        self.peer_copies += 1
+        self.peer_idle.clear()
+
+    def end_peer_copy(self) -> None:
+        self.peer_copies -= 1
+        if self.peer_copies == 0:
+            self.peer_idle.set()
 
     def touch(self) -> None:
         self.last_seen = time.monotonic()
@@ -86,17 +106,26 @@ class Admission(Protocol):
 
     def check_open(self, device: int) -> None: ...
 
+    def problem(self, device: int) -> str | None: ...
+
+    def retry_after(self, device: int | None = None) -> float: ...
+
     def worker_start_failed(self, device: int, error: BaseException) -> None: ...
 
 
 class SessionManager:
     """Opens, finds, expires and closes sessions; keeps per-tenant memory accounting."""
 
-    def __init__(self, config: BrokerConfig, pool: WorkerPool, admission: Admission | None = None) -> None:
+    def __init__(self, config: BrokerConfig, pool: WorkerPool, admission: Admission | None = None,
+                 devices: Sequence[DeviceInfo] = ()) -> None:
         self.config = config
         self.pool = pool
         self.admission = admission
+        self.devices = list(devices)
         self.sessions: dict[str, Session] = {}
+        self.opening: dict[int, int] = {}  # sessions being opened (worker starting) per device, for placement
+        # Called as a session ends, before its worker frees its memory (CopyPeer's caches let go of it there).
+        self.closing_hooks: list[Callable[[Session], Awaitable[None]]] = []
         self.memory_used: dict[tuple[str, int], int] = {}
         self.draining = False
         # Set while no session is open: a drain waits on it.
@@ -122,17 +151,23 @@ class SessionManager:
         elif self.draining:
             raise Unavailable("the broker is draining and accepts no new sessions; retry on another broker")
 
-    async def open(self, tenant: str, device: int) -> Session:
+    async def open(self, tenant: str, device: int | None) -> Session:
+        """A new session on ``device``, or (None) on the device that ``place`` picks."""
+        if device is None:
+            device = self.place(tenant)
         self._check_admission(device)
         live = sum(1 for s in self.sessions.values() if s.tenant == tenant)
         if live >= self.config.max_sessions_per_tenant:
             raise ResourceExhausted(f"tenant {tenant!r} already has {live} sessions, the limit; close one first")
+        self.opening[device] = self.opening.get(device, 0) + 1
         try:
             worker = await self.pool.get(tenant, device)
         except Exception as exc:
             if self.admission is not None:
                 self.admission.worker_start_failed(device, exc)
             raise
+        finally:
+            self.opening[device] -= 1
         self._check_admission(device)  # a drain may have begun while the worker started
         session = Session(id=f"ses_{secrets.token_urlsafe(18)}", tenant=tenant, device=device, worker=worker,
                           lease_seconds=self.config.lease_seconds, max_handles=self.config.max_handles_per_session,
@@ -141,6 +176,30 @@ class SessionManager:
         self.idle.clear()
         log.info("session %s opened for tenant %s on device %d", session.id, tenant, device)
         return session
+
+    def place(self, tenant: str) -> int:
+        """The least loaded serving device where the tenant has quota room (see placement.py)."""
+        if self.draining:
+            self._check_admission(0)  # the drain's own refusal
+        if not self.devices:
+            return 0  # built without its devices (a test's manager): the first, as before placement
+        loads = []
+        for device, info in enumerate(self.devices):
+            on_device = [s for s in self.sessions.values() if s.device == device and s.lost is None]
+            reserved = sum(used for (_, d), used in self.memory_used.items() if d == device)
+            loads.append(DeviceLoad(
+                device=device, problem=self.admission.problem(device) if self.admission is not None else None,
+                sessions=len(on_device) + self.opening.get(device, 0),
+                tenant_sessions=sum(1 for s in on_device if s.tenant == tenant),
+                room=self.quota(tenant, device) - self.used(tenant, device),
+                memory_fraction=reserved / info.total_memory if info.total_memory else 0.0))
+        try:
+            return choose_device(tenant, loads)
+        except NoServingDevice:
+            assert self.admission is not None  # without health every device serves
+            # Refused as a request for the device that is soonest back would be, with its retry hint.
+            self.admission.check_open(min(range(len(loads)), key=self.admission.retry_after))
+            raise Unavailable("no device serves new sessions") from None
 
     def get(self, session_id: str, tenant: str) -> Session:
         session = self.sessions.get(session_id)
@@ -153,6 +212,9 @@ class SessionManager:
         if self.sessions.pop(session.id, None) is None:
             return
         try:
+            await session.peer_idle.wait()  # another device's worker may be reading its memory
+            for hook in self.closing_hooks:
+                await hook(session)
             if session.lost is None:
                 try:
                     await session.worker.call("close_session", session.id)
@@ -195,19 +257,23 @@ class SessionManager:
             await self.pool.reap_idle(busy)
 
     # -- memory accounting -------------------------------------------------------------------------
-    def quota(self, tenant: str) -> int:
+    def quota(self, tenant: str, device: int | None = None) -> int:
+        """The tenant's memory quota on ``device`` (None: its default, which applies on each device)."""
         t = self.config.tenants.get(tenant)
-        return t.memory_quota if t else 0
+        if t is None:
+            return 0
+        return t.memory_quota if device is None else t.quota_on(device)
 
     def reserve(self, session: Session, size: int) -> None:
         """Reserve before allocating so concurrent allocations can never overshoot the quota."""
         key = (session.tenant, session.device)
         used = self.memory_used.get(key, 0)
-        quota = self.quota(session.tenant)
+        quota = self.quota(session.tenant, session.device)
         if used + size > quota:
             raise ResourceExhausted(
-                f"memory quota exceeded for tenant {session.tenant!r}: quota {quota} bytes, "
-                f"used {used}, requested {size}", quota=quota, used=used, requested=size)
+                f"memory quota exceeded for tenant {session.tenant!r} on device {session.device}: quota {quota} "
+                f"bytes, used {used}, requested {size}", quota=quota, used=used, requested=size,
+                device=session.device)
         self.memory_used[key] = used + size
         session.memory_used += size
 

@@ -56,6 +56,8 @@ __all__ = [
     "Unimplemented",
     "WorkerCrashed",
     "connect",
+    "copy_peer",
+    "list_devices",
 ]
 
 
@@ -65,6 +67,10 @@ def __getattr__(name: str) -> object:
         from . import _remote
 
         return getattr(_remote, name)
+    if name in ("copy_peer", "list_devices"):
+        from . import _devices
+
+        return getattr(_devices, name)
     if name == "AdminClient":
         from ._admin import AdminClient
 

@@ -41,12 +41,15 @@ def device_health_name(device: int) -> str:
     return f"gpubroker.v1.GpuBroker/device/{device}"
 
 
-def _health_problem(target: str, device: int, tls: TlsOptions | None, timeout: float) -> str | None:
-    """Why ``target`` should not get the session (None: it says it serves, or it has no health service)."""
+def _health_problem(target: str, device: int | None, tls: TlsOptions | None, timeout: float) -> str | None:
+    """Why ``target`` should not get the session (None: it says it serves, or it has no health service).
+
+    With no device (the broker chooses), the broker's own status: SERVING while any device serves.
+    """
     channel, _ = make_channel(target, None, tls)
     try:
         stub = health_pb2_grpc.HealthStub(channel)
-        for service in (device_health_name(device), ""):
+        for service in ("",) if device is None else (device_health_name(device), ""):
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
             except grpc.RpcError as err:
@@ -65,7 +68,7 @@ def _health_problem(target: str, device: int, tls: TlsOptions | None, timeout: f
         channel.close()
 
 
-def place_session(targets: Sequence[str], device: int, tls: TlsOptions | None, open_on: Callable[[str], T],
+def place_session(targets: Sequence[str], device: int | None, tls: TlsOptions | None, open_on: Callable[[str], T],
                   health_timeout: float = HEALTH_TIMEOUT) -> T:
     """``open_on(target)`` on the first target that is healthy and takes the session; Unavailable if none does."""
     reasons: dict[str, str] = {}
@@ -81,5 +84,6 @@ def place_session(targets: Sequence[str], device: int, tls: TlsOptions | None, o
         except GpuBrokerError:
             raise  # a bad token, a refused certificate: the same everywhere, so say so at once
     summary = "; ".join(f"{t}: {why}" for t, why in reasons.items())
-    raise Unavailable(f"none of the {len(targets)} brokers took a session on device {device}: {summary}",
+    where = "any device" if device is None else f"device {device}"
+    raise Unavailable(f"none of the {len(targets)} brokers took a session on {where}: {summary}",
                       endpoints=reasons)

@@ -60,6 +60,8 @@ class DeviceInfo:
     memory_quota: int | None = None
     memory_used: int | None = None
     memory_available: int | None = None
+    health: str | None = None  # "SERVING" or "NOT_SERVING" (new sessions)
+    health_reason: str = ""
 
 
 @dataclass(frozen=True)

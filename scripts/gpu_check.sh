@@ -23,4 +23,7 @@ if [ "${FAIRNESS:-1}" = 1 ]; then
   "$PY" -m gpubroker.broker.cli bench fairness --backend cuda --out "$OUTDIR/fairness.json" \
     --png "$OUTDIR/fairness.png" || status=1
 fi
+if [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ]; then
+  "$PY" -m gpubroker.broker.cli bench multi --backend cuda --out "$OUTDIR/multi.json" || status=1
+fi
 exit "$status"

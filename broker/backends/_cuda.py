@@ -5,7 +5,8 @@ in the source, so declare them ``extern "C" __global__``: C++ kernels get mangle
 mangled name, as listed in ``Module.kernel_names``, works too).
 
 The class is split by concept: copies and memsets live in ``_cuda_copies``, module loading, compilation and
-launches in ``_cuda_modules``, device-time bookkeeping in ``_cuda_timing``, CuPy helpers in ``_cuda_util``.
+launches in ``_cuda_modules``, copies from another device's worker in ``_cuda_peer``, device-time bookkeeping
+in ``_cuda_timing``, CuPy helpers in ``_cuda_util``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from gpubroker.client import (
 from ._common import HandleTable, LaunchChecker
 from ._cuda_copies import CudaCopyMixin
 from ._cuda_modules import CudaCodeMixin
+from ._cuda_peer import CudaPeerMixin
 from ._cuda_timing import DeviceTimer
 from ._cuda_util import KernelRec, ModuleRec, list_cuda_devices, props_info, translate
 
@@ -42,7 +44,7 @@ __all__ = ["CudaBackend", "list_cuda_devices"]
 log = logging.getLogger(__name__)
 
 
-class CudaBackend(CudaCopyMixin, CudaCodeMixin):
+class CudaBackend(CudaCopyMixin, CudaCodeMixin, CudaPeerMixin):
     """One CUDA device in this process. Launches and d2d copies / memsets are asynchronous.
 
     Kernels must be ``extern "C"`` (or looked up by mangled name). ``stream=None`` is the legacy

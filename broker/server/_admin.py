@@ -114,7 +114,8 @@ class AdminService(apb_grpc.AdminServicer):
                     queued=use.queued if use else 0, inflight=use.inflight if use else 0,
                     wait_p50_ms=use.wait_percentile(0.5) * 1e3 if use else 0.0,
                     wait_p99_ms=use.wait_percentile(0.99) * 1e3 if use else 0.0,
-                    memory_used=self.sessions.used(tenant, device), memory_quota=self.sessions.quota(tenant),
+                    memory_used=self.sessions.used(tenant, device),
+                    memory_quota=self.sessions.quota(tenant, device),
                     sessions=sum(1 for s in self.sessions.sessions.values()
                                  if s.tenant == tenant and s.device == device)))
         return apb.UsageResponse(tenants=rows, fair_scheduling=config.fair_scheduling, quantum_ms=config.quantum_ms)
@@ -133,7 +134,8 @@ class AdminService(apb_grpc.AdminServicer):
                 health="NOT_SERVING" if problem or draining else "SERVING",
                 reason=problem or ("the broker is draining" if draining else ""),
                 recent_worker_failures=health.recent_failures(i) if health is not None else 0,
-                sessions=sum(1 for s in sessions if s.device == i)))
+                sessions=sum(1 for s in sessions if s.device == i),
+                memory_used=sum(used for (_, d), used in self.sessions.memory_used.items() if d == i)))
         tenants = [apb.TenantStatus(
             tenant=t.name, weight=t.weight, memory_quota=t.memory_quota, admin=t.admin,
             sessions=sum(1 for s in sessions if s.tenant == t.name),

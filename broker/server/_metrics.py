@@ -113,7 +113,7 @@ class BrokerCollector(Collector):
                 waits = sorted(use.waits) if use is not None else []
                 rows.append(_TenantRow(
                     tenant=tenant, device=device, memory_used=manager.used(tenant, device),
-                    memory_quota=manager.quota(tenant), sessions=counts.get((tenant, device), 0),
+                    memory_quota=manager.quota(tenant, device), sessions=counts.get((tenant, device), 0),
                     device_seconds=use.device_seconds if use is not None else 0.0,
                     share=recent.get(tenant, 0.0) / whole if whole > 0 else 0.0,
                     queued=use.queued if use is not None else 0, inflight=use.inflight if use is not None else 0,
@@ -135,7 +135,7 @@ class BrokerCollector(Collector):
         yield family(GaugeMetricFamily, "gpubroker_memory_used_bytes",
                      "Device memory the tenant's sessions hold on the device.", lambda r: r.memory_used)
         yield family(GaugeMetricFamily, "gpubroker_memory_quota_bytes",
-                     "The tenant's device-memory quota (it applies on each device).", lambda r: r.memory_quota)
+                     "The tenant's device-memory quota on the device.", lambda r: r.memory_quota)
         yield family(CounterMetricFamily, "gpubroker_device_seconds",
                      "Device time charged to the tenant by the fair scheduler (charged at its fences).",
                      lambda r: r.device_seconds)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import ipaddress
 import json
@@ -35,6 +36,7 @@ from ._health import BrokerHealth
 from ._metrics import MetricsServer, serve_metrics
 from ._service import GpuBrokerService
 from ._shm import SharedMemoryServer
+from ._status import add_servicer
 
 __all__ = ["Broker", "probe_devices", "run_broker"]
 
@@ -42,6 +44,13 @@ log = logging.getLogger("gpubroker.server")
 # Seconds a drain that ran out of grace waits for the sessions it ends to close before the broker stops regardless.
 _CLOSE_MARGIN = 5.0
 audit = logging.getLogger("gpubroker.audit")
+# HTTP/2 keepalive: the broker pings each client connection after this long without traffic and drops one whose
+# answer takes longer than the timeout, so a client that vanished without closing (a host gone, a VM paused)
+# cannot hold its calls, their concurrency slots and their buffered chunks forever. Clients ping every 30 s
+# (client/_transport.py), which this allows even between calls.
+KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+MIN_CLIENT_PING_INTERVAL_MS = 10_000
 
 
 def probe_devices(backend: str) -> tuple[str, list[DeviceInfo]]:
@@ -57,6 +66,14 @@ def probe_devices(backend: str) -> tuple[str, list[DeviceInfo]]:
     if "error" in result:
         raise FailedPrecondition(f"no {result['backend']} devices: {result['error']}")
     return result["backend"], [device_info_from_dict(d) for d in result["devices"]]
+
+
+def _keepalive_options() -> list[tuple[str, int]]:
+    # (this gRPC waits grpc.http2.ping_timeout_ms for a keepalive ping's answer; older ones keepalive_timeout_ms)
+    return [("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS)]
 
 
 def _prepare_unix_socket(path: Path) -> None:
@@ -158,11 +175,14 @@ class Broker:
             devices = [devices[d] for d in cfg.devices]
         if not devices:
             raise FailedPrecondition(f"the {backend} backend found no devices")
-        log.info("backend %s: %s", backend, ", ".join(f"{d.id}: {d.name}" for d in devices))
-        self.health = BrokerHealth(cfg, devices)
+        log.info("backend %s: %s", backend, ", ".join(f"{i}: {d.name} ({backend} device {d.id})"
+                                                      for i, d in enumerate(devices)))
+        self.health = BrokerHealth(cfg, devices)  # (NVML maps the backend's own indices, the ids here)
         self.pool = WorkerPool(backend, cfg.worker_start_timeout, cfg.worker_idle_seconds,
-                               on_worker_exit=self._worker_exited)
-        self.sessions = SessionManager(cfg, self.pool, self.health)
+                               on_worker_exit=self._worker_exited, ordinals=[d.id for d in devices])
+        # Clients number the devices as this broker serves them: 0, 1, ... in the config's order.
+        devices = [dataclasses.replace(d, id=i) for i, d in enumerate(devices)]
+        self.sessions = SessionManager(cfg, self.pool, self.health, devices)
         self.schedulers = {
             d: DeviceScheduler(functools.partial(self._fence, d), quantum=cfg.quantum_ms / 1000,
                                enabled=cfg.fair_scheduling)
@@ -174,11 +194,13 @@ class Broker:
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            *_keepalive_options(),
         ])
-        pb_grpc.add_GpuBrokerServicer_to_server(service, self.server)
+        # Requests whose bytes do not parse get INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN).
+        add_servicer(pb_grpc.add_GpuBrokerServicer_to_server, service, self.server)
         admin = AdminService(self.auth, self.sessions, self.reload, self.schedulers, drain=self.drain,
                              health=self.health, devices=devices)
-        apb_grpc.add_AdminServicer_to_server(admin, self.server)
+        add_servicer(apb_grpc.add_AdminServicer_to_server, admin, self.server)
         self.health.add_to_server(self.server)  # grpc.health.v1 and reflection, both without a token
         await self.health.start()
         for address in cfg.listen:

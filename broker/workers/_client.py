@@ -58,9 +58,10 @@ class WorkerClient:
     """One worker process for one (tenant, device); requests may overlap, replies match by id."""
 
     def __init__(self, tenant: str, device: int, backend: str,
-                 on_exit: Callable[[WorkerClient], None] | None = None) -> None:
+                 on_exit: Callable[[WorkerClient], None] | None = None, ordinal: int | None = None) -> None:
         self.tenant = tenant
-        self.device = device
+        self.device = device  # the broker's index
+        self.ordinal = device if ordinal is None else ordinal  # the backend's index of the same device
         self.backend = backend
         self.info: DeviceInfo | None = None
         self.process: subprocess.Popen[bytes] | None = None
@@ -99,7 +100,7 @@ class WorkerClient:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "gpubroker.broker.workers", "--fd", str(child.fileno()),
                  "--fd-channel", str(fd_child.fileno()),
-                 "--backend", self.backend, "--device", str(self.device), "--tenant", self.tenant],
+                 "--backend", self.backend, "--device", str(self.ordinal), "--tenant", self.tenant],
                 pass_fds=(child.fileno(), fd_child.fileno()), stdin=subprocess.DEVNULL)
         finally:
             child.close()

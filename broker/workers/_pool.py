@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ._client import WorkerClient
 
@@ -16,8 +16,11 @@ log = logging.getLogger("gpubroker.workers")
 
 class WorkerPool:
     def __init__(self, backend: str, start_timeout: float, idle_seconds: float,
-                 on_worker_exit: Callable[[WorkerClient], None] | None = None) -> None:
+                 on_worker_exit: Callable[[WorkerClient], None] | None = None,
+                 ordinals: Sequence[int] | None = None) -> None:
         self.backend = backend
+        # The backend's own index of each of the broker's devices (config `devices` may pick and reorder them).
+        self.ordinals = list(ordinals) if ordinals is not None else None
         self._on_worker_exit = on_worker_exit
         self.start_timeout = start_timeout
         self.idle_seconds = idle_seconds
@@ -49,7 +52,8 @@ class WorkerPool:
         return await asyncio.shield(task)
 
     async def _start(self, key: tuple[str, int]) -> WorkerClient:
-        worker = WorkerClient(key[0], key[1], self.backend, on_exit=self._forget)
+        ordinal = self.ordinals[key[1]] if self.ordinals is not None else key[1]
+        worker = WorkerClient(key[0], key[1], self.backend, on_exit=self._forget, ordinal=ordinal)
         await worker.start(self.start_timeout)
         self._workers[key] = worker
         return worker
