@@ -2,7 +2,7 @@ import faulthandler
 import os
 import sys
 
-from ._main import main
+from ._process import main
 
 if __name__ == "__main__":
     # A native crash in a device runtime still leaves a Python stack in the broker's log.

@@ -1,0 +1,126 @@
+"""The worker process: its entry point and its loop, serving the front and any direct client links.
+
+A fatal device error (a corrupted CUDA context) is reported, then the process exits, so the tenant's next
+session starts on a fresh context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import selectors
+import socket
+import sys
+from dataclasses import asdict
+
+from gpubroker.client import GpuBrokerError, Internal
+
+from ._direct import CONTROL
+from ._frames import FrameClosed, recv_frame, send_frame
+from ._main import EXIT_FATAL, WorkerServer
+
+__all__ = ["main", "serve"]
+
+log = logging.getLogger("gpubroker.worker")
+
+
+def _serve_front(sock: socket.socket, server: WorkerServer) -> int | None:
+    """One request (or lease message) from the front; an exit code when the worker must stop."""
+    try:
+        req_id, op, session, params = recv_frame(sock)
+    except FrameClosed:
+        return 0
+    if req_id == CONTROL:
+        server.links.on_control(op)
+        return None
+    fatal = False
+    try:
+        reply = [req_id, 0, server.handle(op, session, params or {})]
+    except GpuBrokerError as exc:
+        fatal = bool(exc.details.get("fatal"))
+        reply = [req_id, 1, exc.to_wire()]
+    except Exception as exc:  # a bug or an untranslated runtime error: report it, keep serving
+        log.exception("worker op %s failed", op)
+        reply = [req_id, 1, Internal(f"{type(exc).__name__}: {exc}").to_wire()]
+    send_frame(sock, reply)
+    return EXIT_FATAL if fatal else None
+
+
+def serve(sock: socket.socket, server: WorkerServer) -> int:
+    """Serve the front and any direct client links until the front closes its socket; returns the exit code."""
+    server.front = sock
+    links = server.links
+    selector = selectors.DefaultSelector()
+    selector.register(sock, selectors.EVENT_READ)
+    front, watched, version = sock.fileno(), set[int](), -1
+    while True:
+        if version != links.version:  # links came or went: keep the selector in step
+            for fd in watched - links.links.keys():
+                selector.unregister(fd)
+            for fd in links.links.keys() - watched:
+                selector.register(links.links[fd].sock, selectors.EVENT_READ)
+            watched, version = set(links.links), links.version
+        for key, _ in selector.select():
+            if key.fd == front:
+                code = _serve_front(sock, server)
+                if code == 0:
+                    return 0
+            else:
+                code = None
+                links.readable(key.fd)
+            if code is not None or server.fatal or links.fatal:
+                log.error("fatal device error; exiting so the tenant gets a fresh context")
+                return EXIT_FATAL
+            if version != links.version:
+                break  # the selector's other events may name a link that is gone
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpubroker-worker")
+    parser.add_argument("--fd", type=int)
+    parser.add_argument("--fd-channel", type=int, help="socket on which the front passes segment fds")
+    parser.add_argument("--list", action="store_true", help="print the backend's devices as JSON and exit")
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--tenant", default="")
+    args = parser.parse_args(argv)
+    from gpubroker.broker.logs import bind_log_context, configure_logging
+
+    # The front's log format (text or JSON lines), each line tagged with the tenant.
+    configure_logging(os.environ.get("GPUBROKER_LOG_FORMAT", "text"),
+                      text_format=f"%(asctime)s worker[{args.tenant}] %(levelname)s %(message)s")
+    bind_log_context(tenant=args.tenant)
+    from gpubroker.broker.backends import detect_backend, list_devices, open_backend
+
+    if args.list:
+        kind = detect_backend() if args.backend == "auto" else args.backend
+        try:
+            devices = [asdict(d) for d in list_devices(kind)]
+        except Exception as exc:
+            print(json.dumps({"backend": kind, "error": f"{type(exc).__name__}: {exc}"}))
+            return 1
+        print(json.dumps({"backend": kind, "devices": devices}))
+        return 0
+    if args.fd is None:
+        parser.error("--fd is required")
+    sock = socket.socket(fileno=args.fd)
+
+    try:
+        backend = open_backend(args.backend, args.device)
+        send_frame(sock, [0, 0, asdict(backend.device_info())])
+    except GpuBrokerError as exc:
+        send_frame(sock, [0, 1, exc.to_wire()])
+        return 2
+    except Exception as exc:
+        send_frame(sock, [0, 1, Internal(f"device init failed: {type(exc).__name__}: {exc}").to_wire()])
+        return 2
+    server = WorkerServer(backend)
+    if args.fd_channel is not None:
+        server.segments.set_channel(socket.socket(fileno=args.fd_channel))
+    code = serve(sock, server)
+    if code == 0:
+        backend.close()
+    sys.stdout.flush()
+    return code
