@@ -28,6 +28,7 @@ from ..scheduler import DeviceScheduler
 from ..sessions import Session, SessionManager
 from ..workers import device_info_from_dict
 from ._copies import READ_DEPTH, WRITE_DEPTH, read_chunks, write_chunks
+from ._params import WorkerParams, check_copy_range
 from ._peer import PeerCopies
 from ._staging import CopyStagings
 from ._status import admitted, principal_of, rpc, stream_rpc
@@ -41,7 +42,6 @@ _FORMATS = {
     pb.MODULE_FORMAT_CUBIN: ModuleFormat.CUBIN,
     pb.MODULE_FORMAT_FATBIN: ModuleFormat.FATBIN,
 }
-_MAX_DIMS = 3
 # A shared-memory copy takes one scheduler turn per piece of this size, so a huge copy cannot hold the device
 # for long past its tenant's quantum (256 MiB: ~5 ms pinned on an H200, one quantum). Each piece costs a worker
 # round trip and a sync: 64 MiB pieces cost a 512 MiB copy about an eighth of its bandwidth.
@@ -60,23 +60,7 @@ def device_info_to_pb(info: DeviceInfo) -> pb.DeviceInfo:
     return pb.DeviceInfo(**fields)
 
 
-def _check_copy_range(buf: list[Any], offset: int, size: int) -> None:
-    """Refuse a streamed copy before any chunk moves: ``buf`` is [handle, allocation size, view offset]."""
-    if offset < 0 or size < 0:
-        raise InvalidArgument(f"copy offset and size must be >= 0, got {offset} and {size}")
-    if buf[2] + offset + size > buf[1]:
-        raise OutOfRange(f"copy of {size} bytes at offset {offset} runs past the end of the buffer "
-                         f"({buf[1] - buf[2]} bytes from the view's start)")
-
-
-def _dims(values: Any, what: str) -> list[int]:
-    dims = list(values)
-    if not 1 <= len(dims) <= _MAX_DIMS:
-        raise InvalidArgument(f"{what} needs 1 to 3 extents, got {len(dims)}")
-    return dims
-
-
-class GpuBrokerService(PeerCopies, pb_grpc.GpuBrokerServicer):
+class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
     def __init__(self, config: BrokerConfig, auth: Authenticator, sessions: SessionManager,
                  devices: list[DeviceInfo], schedulers: dict[int, DeviceScheduler]) -> None:
         self.config = config
@@ -115,15 +99,6 @@ class GpuBrokerService(PeerCopies, pb_grpc.GpuBrokerServicer):
                                     "the limit")
         session.inflight += 1
         self.sessions.inflight[session.tenant] = tenant_inflight + 1
-
-    def _buffer_ref(self, session: Session, ref: pb.BufferRef) -> list[Any]:
-        entry = session.resolve(ref.handle, "buf")
-        if ref.offset > entry.size:
-            raise OutOfRange(f"buffer view offset {ref.offset} is past the end of its {entry.size}-byte allocation")
-        return [entry.backend, entry.size, ref.offset]
-
-    def _stream(self, session: Session, handle: str) -> str | None:
-        return session.resolve(handle, "stream").backend if handle else None
 
     def _tenant_view(self, tenant: str, device: int, info: DeviceInfo, live: bool = True) -> pb.DeviceInfo:
         """The device as ``tenant`` sees it: the broker's index, its quota and use there, and the device's health."""
@@ -219,31 +194,6 @@ class GpuBrokerService(PeerCopies, pb_grpc.GpuBrokerServicer):
         await self._device(session, "copy_d2d", **self._d2d_params(session, request))
         return pb.Empty()
 
-    # The worker parameters of each command that may also travel in a batch.
-    def _memset_params(self, session: Session, request: pb.MemsetRequest) -> dict[str, Any]:
-        return {"buf": self._buffer_ref(session, request.buffer), "offset": request.offset, "size": request.size,
-                "value": request.value, "stream": self._stream(session, request.stream)}
-
-    def _d2d_params(self, session: Session, request: pb.CopyDeviceToDeviceRequest) -> dict[str, Any]:
-        return {"src": self._buffer_ref(session, request.src), "dst": self._buffer_ref(session, request.dst),
-                "size": request.size, "src_offset": request.src_offset, "dst_offset": request.dst_offset,
-                "stream": self._stream(session, request.stream)}
-
-    def _launch_params(self, session: Session, request: pb.LaunchKernelRequest) -> dict[str, Any]:
-        kernel = session.resolve(request.kernel, "kernel")
-        args: list[list[Any]] = []
-        for arg in request.args:
-            kind = arg.WhichOneof("kind")
-            if kind == "buffer":
-                args.append(["b", *self._buffer_ref(session, arg.buffer)])
-            elif kind == "scalar":
-                args.append(["s", arg.scalar.dtype, arg.scalar.value])
-            else:
-                raise InvalidArgument(f"kernel arg {len(args)} is empty")
-        return {"kernel": kernel.backend, "name": kernel.name, "grid": _dims(request.grid, "grid"),
-                "block": _dims(request.block, "block"), "shared_mem": request.shared_mem,
-                "stream": self._stream(session, request.stream), "args": args}
-
     @rpc
     async def CopyHostToDevice(self, request_iterator: AsyncIterator[pb.HostToDeviceChunk],
                                context: grpc.aio.ServicerContext) -> pb.Empty:
@@ -255,7 +205,7 @@ class GpuBrokerService(PeerCopies, pb_grpc.GpuBrokerServicer):
         session = self._session(context, header.session, tenant)
         buf = self._buffer_ref(session, header.buffer)
         stream = self._stream(session, header.stream)
-        _check_copy_range(buf, header.offset, header.size)
+        check_copy_range(buf, header.offset, header.size)
         async with self.stagings.use(session, _STAGING_SLOTS, self.config.chunk_bytes) as staging:
             await write_chunks(self._device, session, header, buf, stream, first, aiter(request_iterator),
                                self.config.chunk_bytes, staging=staging)
@@ -267,7 +217,7 @@ class GpuBrokerService(PeerCopies, pb_grpc.GpuBrokerServicer):
         session = self._session(context, request.session)
         buf = self._buffer_ref(session, request.buffer)
         stream = self._stream(session, request.stream)
-        _check_copy_range(buf, request.offset, request.size)
+        check_copy_range(buf, request.offset, request.size)
         chunk = min(request.chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
         async with self.stagings.use(session, _STAGING_SLOTS, self.config.chunk_bytes) as staging:
             async for message in read_chunks(self._device, session, buf, request.offset, request.size, chunk, stream,
@@ -283,7 +233,7 @@ class GpuBrokerService(PeerCopies, pb_grpc.GpuBrokerServicer):
         segment = session.resolve(request.segment, "segment")
         buf = self._buffer_ref(session, request.buffer)
         stream = self._stream(session, request.stream)
-        _check_copy_range(buf, request.offset, request.size)
+        check_copy_range(buf, request.offset, request.size)
         if request.segment_offset + request.size > segment.size:
             raise OutOfRange(f"{request.size} bytes at segment offset {request.segment_offset} run past the end of "
                              f"the {segment.size}-byte segment")
