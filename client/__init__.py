@@ -63,10 +63,14 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     # RemoteGpu pulls in grpc; in-process backends import this package without paying for it.
-    if name in ("RemoteGpu", "connect"):
-        from . import _remote
+    if name == "RemoteGpu":
+        from ._remote import RemoteGpu
 
-        return getattr(_remote, name)
+        return RemoteGpu
+    if name == "connect":
+        from ._connect import connect
+
+        return connect
     if name in ("copy_peer", "list_devices"):
         from . import _devices
 

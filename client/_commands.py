@@ -11,7 +11,7 @@ import grpc
 
 from gpubroker.v1 import broker_pb2 as pb
 
-from ._errors import GpuBrokerError, error_from_wire
+from ._errors import GpuBrokerError, Unavailable, error_from_wire
 from ._transport import translate_rpc_error
 
 __all__ = ["CommandStream"]
@@ -133,6 +133,11 @@ class CommandStream:
                     self._error = err
         finally:
             with self._cond:
+                if self._acked < self._sent and self._error is None:
+                    # The stream ended with batches unanswered (a transport that ends quietly on a closed
+                    # connection, say): their commands may not have run, which the next sync must not hide.
+                    self._error = Unavailable(f"the command stream ended with {self._sent - self._acked} batches "
+                                              "unacknowledged; their commands may not have run")
                 # A new stream starts with the next command; the old one's unacknowledged batches are gone.
                 if self._outbox is outbox:
                     self._outbox = None

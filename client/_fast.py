@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._errors import GpuBrokerError, Unavailable, error_from_wire
+from ._errors import DeadlineExceeded, GpuBrokerError, Unavailable, error_from_wire
 from ._frames import recv_frame, send_frame
 
 __all__ = ["DirectCommands", "FastChannel", "fast_command_stream"]
@@ -25,6 +25,7 @@ class FastChannel:
         self._send, self._recv = send_frame, recv_frame
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
+        self._sock_timeout = timeout
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         try:
@@ -49,13 +50,23 @@ class FastChannel:
             try:
                 self._send(self._sock, [req_id, op, payload])
                 got_id, status, result = self._recv(self._sock)
+            except TimeoutError:
+                # Its answer may still come, and would be read as the next call's: this connection is done.
+                self._sock.close()
+                raise DeadlineExceeded(f"no answer on the fast path within {self._sock_timeout:g} s") from None
             except (OSError, EOFError) as exc:
+                self._sock.close()
                 raise Unavailable(f"fast path lost: {exc}") from None
         if got_id != req_id:
             raise GpuBrokerError(f"fast path out of step: sent {req_id}, got {got_id}")
         if status != 0:
             raise _error(result)
         return result
+
+    @property
+    def closed(self) -> bool:
+        """Whether the connection is gone (closed, lost, or dropped out of step by a call past its deadline)."""
+        return self._sock.fileno() == -1
 
     def close(self) -> None:
         self._sock.close()
@@ -105,6 +116,9 @@ def fast_command_stream(path: str, token: str, session: str, timeout: float | No
     return open_stream
 
 
+_FIRST_BATCH = 16
+
+
 class DirectCommands:
     """Asynchronous commands on a direct link to the worker, with no threads: the caller's own thread sends.
 
@@ -125,7 +139,8 @@ class DirectCommands:
     def submit_one(self, kind: str, payload: Any) -> int:
         self._seq += 1
         self._pending.append([self._seq, kind, payload])
-        if len(self._pending) >= self.batch_size:
+        # The first batch of a burst goes out small, so the device starts while the rest is being built.
+        if len(self._pending) >= (self.batch_size if self._sent > self._acked else _FIRST_BATCH):
             self.flush()
         return self._seq
 
@@ -178,6 +193,17 @@ class DirectCommands:
             self._error = failed
 
     def _lost(self, exc: BaseException) -> None:
-        if self._error is None:
-            self._error = Unavailable(f"direct link lost: {exc}")
         self.close()
+        if self._error is None:
+            self._error = self._why_lost(exc)
+
+    def _why_lost(self, exc: BaseException) -> GpuBrokerError:
+        """The front knows why a link dropped (the session's worker died, the session ended): ask it by opening
+        another; a broker that is gone answers Unavailable itself."""
+        try:
+            self._connect().close()
+        except GpuBrokerError as reason:
+            return reason
+        except (OSError, EOFError, ValueError):
+            pass  # no answer at all
+        return Unavailable(f"direct link lost: {exc}")

@@ -14,7 +14,6 @@ from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ._commands import CommandStream
 from ._devices import copy_peer, device_info_from_pb
-from ._endpoints import place_session, split_targets
 from ._errors import FailedPrecondition, GpuBrokerError, InvalidArgument, Unavailable
 from ._fast import DirectCommands, FastChannel, fast_command_stream
 from ._host import readable_bytes, writable_bytes
@@ -31,8 +30,12 @@ from ._types import (
     check_kernel_args,
     normalize_dims,
 )
+from ._wire import FORMATS as _FORMATS
+from ._wire import direct_ref as _direct_ref
+from ._wire import ref as _ref
+from ._wire import stream_handle as _stream
 
-__all__ = ["RemoteGpu", "connect"]
+__all__ = ["RemoteGpu"]
 
 # Synchronous calls the same-host fast path carries, by their fast-path operation.
 _FAST_OPS = {"LaunchKernel": "launch", "Memset": "memset", "CopyDeviceToDevice": "copy_d2d",
@@ -40,31 +43,6 @@ _FAST_OPS = {"LaunchKernel": "launch", "Memset": "memset", "CopyDeviceToDevice":
 
 # Calls that must see the effects of every command queued before them.
 _ORDERED_AFTER_COMMANDS = frozenset({"Free", "DestroyStream", "GetDeviceInfo", "Synchronize", "Allocate"})
-
-_FORMATS = {
-    ModuleFormat.CUDA_C: pb.MODULE_FORMAT_CUDA_C,
-    ModuleFormat.OPENCL_C: pb.MODULE_FORMAT_OPENCL_C,
-    ModuleFormat.PTX: pb.MODULE_FORMAT_PTX,
-    ModuleFormat.CUBIN: pb.MODULE_FORMAT_CUBIN,
-    ModuleFormat.FATBIN: pb.MODULE_FORMAT_FATBIN,
-}
-
-
-def _ref(buf: Buffer) -> pb.BufferRef:
-    if not isinstance(buf, Buffer):
-        raise InvalidArgument(f"expected a Buffer, got {type(buf).__name__}")
-    return pb.BufferRef(handle=buf.handle, offset=buf.offset)
-
-
-def _direct_ref(buf: Buffer) -> list[Any]:
-    if not isinstance(buf, Buffer):
-        raise InvalidArgument(f"expected a Buffer, got {type(buf).__name__}")
-    return [buf.handle, buf.offset]
-
-
-def _stream(stream: Stream | None) -> str:
-    return stream.handle if stream is not None else ""
-
 
 class RemoteGpu:
     """A session on one device of a broker. Same interface as the in-process backends.
@@ -116,8 +94,14 @@ class RemoteGpu:
             raise FailedPrecondition("this RemoteGpu is closed")
         if self._commands is not None and method in _ORDERED_AFTER_COMMANDS:
             self._commands.wait(raise_error=False)  # program order: queued commands run first
-        if self._fast is not None and method in _FAST_OPS:
-            return self._fast.call(_FAST_OPS[method], request.SerializeToString())
+        fast = self._fast
+        if fast is not None and method in _FAST_OPS:
+            try:
+                return fast.call(_FAST_OPS[method], request.SerializeToString())
+            except GpuBrokerError:
+                if fast.closed:  # lost, or out of step after a deadline: later calls go by gRPC
+                    self._fast = None
+                raise
         return translated(getattr(self._stub, method), request, metadata=self._metadata, timeout=self.timeout)
 
     def _before_host_copy(self) -> None:
@@ -400,27 +384,3 @@ class RemoteGpu:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def connect(target: str | Sequence[str], token: str | None = None, device: int | None = None, *,
-            tls: TlsOptions | None = None, **kwargs: Any) -> RemoteGpu:
-    """Open a session on ``device`` of the broker at ``target`` (``unix:/path`` or ``host:port``); without a device,
-    on the one the broker chooses (the least loaded that serves and where the tenant has quota room).
-
-    Several brokers (a list, or addresses separated by commas): the session goes to the first that is healthy and
-    takes it; ``Unavailable`` names each one's reason when none does.
-    """
-
-    def open_on(one: str) -> RemoteGpu:
-        gpu = RemoteGpu(one, token, device, tls=tls, **kwargs)
-        try:
-            gpu.initialize()
-        except BaseException:
-            gpu._channel.close()
-            raise
-        return gpu
-
-    targets = split_targets(target)
-    if len(targets) == 1:
-        return open_on(targets[0])
-    return place_session(targets, device, tls, open_on)

@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ._errors import FailedPrecondition, GpuBrokerError, InvalidArgument, Unavailable, error_from_wire
+from ._errors import DeadlineExceeded, FailedPrecondition, GpuBrokerError, InvalidArgument, Unavailable, error_from_wire
 from ._host import check_device_range
 from ._types import Buffer
 
@@ -77,6 +77,7 @@ class SideChannel:
 
     def __init__(self, path: str, token: str, timeout: float | None = 30.0) -> None:
         self.token = token
+        self._timeout = timeout
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -105,6 +106,11 @@ class SideChannel:
                     raise Unavailable(f"the broker's side channel sent a {length}-byte frame")
                 reply = unpack_frame(self._recv_exact(length))
             except (OSError, ValueError) as exc:
+                # A late answer would be read as the next request's: the connection is done (a new one is made).
+                self._sock.close()
+                if isinstance(exc, TimeoutError):
+                    raise DeadlineExceeded(f"no answer on the shared-memory side channel within {self._timeout} s"
+                                           ) from None
                 raise Unavailable(f"the broker's shared-memory side channel failed: {exc}") from None
         if not isinstance(reply, dict):
             raise Unavailable("the broker's side channel sent a malformed reply")
@@ -121,6 +127,10 @@ class SideChannel:
                 raise ConnectionError("the broker closed the side channel")
             buf += chunk
         return bytes(buf)
+
+    @property
+    def closed(self) -> bool:
+        return self._sock.fileno() == -1
 
     def close(self) -> None:
         self._sock.close()
@@ -169,6 +179,8 @@ class SharedMemory:
         if self._off:
             return None
         with self._connect_lock:
+            if self._channel is not None and self._channel.closed:
+                self._channel = None  # it failed (its segments live on with the session): connect again
             if self._channel is None and not self._off:
                 assert self.path is not None
                 try:

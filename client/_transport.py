@@ -11,10 +11,16 @@ import msgpack
 from ._errors import GpuBrokerError, error_from_wire
 from ._tls import TlsOptions
 
-__all__ = ["ERROR_TRAILER", "make_channel", "translate_rpc_error", "translated"]
+__all__ = ["ERROR_TRAILER", "KEEPALIVE_OPTIONS", "make_channel", "translate_rpc_error", "translated"]
 
 ERROR_TRAILER = "gpubroker-error-bin"
 T = TypeVar("T")
+# While calls are in flight the client pings the broker after 30 s without traffic and fails them when no answer
+# comes within 10 s: a call waiting on a long kernel, or a command stream (which has no deadline), ends with
+# UNAVAILABLE when the broker's host vanished instead of hanging. The broker allows pings this often.
+KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000), ("grpc.http2.ping_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0), ("grpc.http2.max_pings_without_data", 0))
 
 
 def make_channel(target: str, token: str | None,
@@ -25,7 +31,8 @@ def make_channel(target: str, token: str | None,
     credentials; ``tls`` selects TLS (optionally with a client certificate) or, with ``insecure``, plaintext.
     The client sends any size; the broker enforces its own limit.
     """
-    options: list[tuple[str, Any]] = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    options: list[tuple[str, Any]] = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
+                                      *KEEPALIVE_OPTIONS]
     unix = target.startswith("unix:")
     if tls is not None and tls.insecure and not unix:
         # gRPC refuses call credentials on an insecure channel, so the token rides as plain metadata.

@@ -106,6 +106,8 @@ async def write_chunks(device: Device, session: Session, header: pb.HostToDevice
             await inflight[0]
             _reap(inflight, slots, staging)
     finally:
+        if staging is not None and inflight:
+            staging.stale = True  # writes given up on may still be reading their slots in the worker
         _abandon(inflight)
         if staging is not None:
             staging.free.extend(slots)
@@ -142,6 +144,8 @@ async def read_chunks(device: Device, session: Session, buf: list[Any], offset: 
             session.touch()
             yield pb.DeviceToHostChunk(data=data)
     finally:
+        if staging is not None and inflight:
+            staging.stale = True  # reads given up on may still be writing their slots in the worker
         with contextlib.suppress(RuntimeError):  # (no running loop when collected late)
             _abandon(deque(task for task, _, _ in inflight))
         if staging is not None:

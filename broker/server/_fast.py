@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
-from gpubroker.client import GpuBrokerError, Internal, InvalidArgument, Unauthenticated
+from gpubroker.client import GpuBrokerError, Internal, InvalidArgument, Unauthenticated, WorkerCrashed
 from gpubroker.v1 import broker_pb2 as pb
 
 from ..logs import bind_log_context
@@ -83,8 +83,13 @@ class FastPathServer:
                 return
             session, direct = hello
             bind_log_context(tenant=session.tenant, session=session.id)
-            if direct and await self._hand_to_worker(session, writer):
-                return
+            if direct:
+                try:
+                    if await self._hand_to_worker(session, writer):
+                        return
+                except WorkerCrashed as exc:  # (it died before the front noticed): the client learns why
+                    await write_frame_async(writer, [0, 1, exc.to_wire()])
+                    return
             await write_frame_async(writer, [0, 0, None])
             while True:
                 frame = await read_frame_async(reader)
@@ -150,6 +155,9 @@ class FastPathServer:
             worker = session.check_alive()
             self._lease(session)
             await worker.call_with_fd("attach_direct", session.id, dup)
+        except WorkerCrashed:
+            writer.transport.resume_reading()
+            raise
         except GpuBrokerError as exc:
             log.info("no direct link for session %s: %s", session.id, exc)
             writer.transport.resume_reading()

@@ -7,11 +7,13 @@ it. A chunk then costs the front one copy each way instead of msgpack packing, a
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import mmap
 import os
 from collections.abc import AsyncIterator
+from typing import Any
 
 from ..sessions import Session, SessionManager
 
@@ -28,6 +30,9 @@ class CopyStaging:
         self.size = slots * slot_bytes
         self.free = list(range(slots))
         self.segment = ""  # the worker's handle of its mapping, once registered
+        # A copy gave up on calls already sent to the worker, which may still read or write their slots after
+        # the slots were handed to the next copy: a stale staging is dropped, never reused.
+        self.stale = False
         fd = os.memfd_create("gpubroker-staging", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, self.size)
@@ -73,6 +78,7 @@ class CopyStagings:
         self._sessions = sessions
         self._by_session: dict[str, CopyStaging] = {}
         self._busy: set[str] = set()
+        self._unmapping: set[asyncio.Task[Any]] = set()
         sessions.closing_hooks.append(self._release)
 
     @contextlib.asynccontextmanager
@@ -81,10 +87,28 @@ class CopyStagings:
             yield None
             return
         self._busy.add(session.id)
+        staging = None
         try:
-            yield await self._get(session, slots, slot_bytes)
+            staging = await self._get(session, slots, slot_bytes)
+            yield staging
         finally:
             self._busy.discard(session.id)
+            if staging is not None and staging.stale:
+                self._drop(session, staging)
+
+    def _drop(self, session: Session, staging: CopyStaging) -> None:
+        """Forget a stale staging; the worker unmaps it after the calls still queued there (it serves in order)."""
+        if self._by_session.get(session.id) is staging:
+            del self._by_session[session.id]
+        staging.close()
+        task = asyncio.ensure_future(session.worker.call("release_segment", session.id, segment=staging.segment))
+        self._unmapping.add(task)
+        task.add_done_callback(self._unmapped)
+
+    def _unmapped(self, task: asyncio.Task[Any]) -> None:
+        self._unmapping.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # (the session closed first: unmapped with it)
+            log.debug("unmapping a stale copy staging: %s", task.exception())
 
     async def _get(self, session: Session, slots: int, slot_bytes: int) -> CopyStaging | None:
         staging = self._by_session.get(session.id)

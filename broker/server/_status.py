@@ -13,14 +13,14 @@ from typing import Any, TypeVar
 import grpc
 import msgpack
 
-from gpubroker.client import GpuBrokerError, Internal
+from gpubroker.client import GpuBrokerError, Internal, InvalidArgument
 
 from ..auth import Authenticator, Principal
 from ..logs import bind_log_context, log_context
 from ..sessions import Session
 from ._metrics import observe_rpc
 
-__all__ = ["ERROR_TRAILER", "principal_of", "release_slot", "rpc", "stream_rpc"]
+__all__ = ["ERROR_TRAILER", "add_servicer", "principal_of", "release_slot", "rpc", "stream_rpc"]
 
 log = logging.getLogger("gpubroker.server")
 # The RPC being served, for audit lines; set by the wrappers below.
@@ -60,6 +60,61 @@ def principal_of(auth: Authenticator, context: grpc.aio.ServicerContext) -> Prin
     principal = auth.authenticate(context.invocation_metadata(), auth_context, context.peer(), current_method.get())
     bind_log_context(tenant=principal.tenant)
     return principal
+
+
+class Malformed:
+    """A request whose bytes did not parse; the handler's wrapper answers it with INVALID_ARGUMENT."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """gRPC ends a call whose request fails to parse with UNKNOWN (INTERNAL for a stream): a client's bad bytes
+    are its own error, so they reach the handler as Malformed instead."""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # DecodeError, and whatever else hostile bytes provoke in a parser
+            return Malformed(f"{type(exc).__name__}: {exc}")
+
+    return parse
+
+
+def add_servicer(add: Callable[[Any, Any], None], servicer: Any, server: grpc.aio.Server) -> None:
+    """Register a servicer as its generated ``add_*_to_server`` would, with requests parsed by ``_tolerant``."""
+    captured: dict[str, dict[str, Any]] = {}
+
+    class _Capture:
+        def add_generic_rpc_handlers(self, handlers: Any) -> None:
+            pass  # the same handlers come to add_registered_method_handlers
+
+        def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+            captured[service] = handlers
+
+    add(servicer, _Capture())
+    for service, handlers in captured.items():
+        tolerant = {name: h._replace(request_deserializer=_tolerant(h.request_deserializer))
+                    for name, h in handlers.items()}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, tolerant),))
+        server.add_registered_method_handlers(service, tolerant)
+
+
+def _parsed(request: Any) -> Any:
+    """The request, refused if it did not parse; a stream of requests, each refused if it did not."""
+    if isinstance(request, Malformed):
+        raise InvalidArgument(f"malformed request: {request.error}")
+    if hasattr(request, "__aiter__"):
+        return _parsed_stream(request)
+    return request
+
+
+async def _parsed_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _parsed(request)
 
 
 def _unexpected(exc: Exception) -> GpuBrokerError:
@@ -104,7 +159,7 @@ def rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -> 
         started = _begin(fn.__name__, request)
         code = "OK"
         try:
-            return await fn(self, request, context)
+            return await fn(self, _parsed(request), context)
         except Exception as exc:
             code = _status_name(exc, context)
             await _abort_for(context, exc)
@@ -128,7 +183,7 @@ def stream_rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[
         started = _begin(fn.__name__, request)
         code = "OK"
         try:
-            async for item in fn(self, request, context):
+            async for item in fn(self, _parsed(request), context):
                 yield item
         except Exception as exc:
             code = _status_name(exc, context)

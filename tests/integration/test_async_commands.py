@@ -15,7 +15,6 @@ from gpubroker.client import InvalidArgument, NotFound, RemoteGpu, connect
 from gpubroker.client._commands import CommandStream
 from gpubroker.v1 import broker_pb2 as pb
 
-
 # Batches straight to the worker (direct link); through the front's fast path; on the gRPC Commands stream.
 _PATHS = {"direct": {}, "front": {"direct": False}, "grpc": {"fast_path": False}}
 

@@ -1,0 +1,13 @@
+"""Fuzzing the broker: its gRPC API (random and invalid fields, hostile sequences) and its raw local sockets.
+
+``GrpcFuzzer`` and ``RawFuzzer`` run hypothesis-drawn cases against a running broker; tests/integration/test_fuzz.py
+runs a short mix in CI and ``gpubroker bench fuzz --cases N`` a long one (see ``main``).
+"""
+
+from ._bench import FUZZ_SETTINGS, FUZZ_TENANTS, fuzz_limits, main
+from ._grpc import FuzzFailure, GrpcFuzzer
+from ._model import ALLOWED_CODES
+from ._raw import RawFuzzer
+
+__all__ = ["ALLOWED_CODES", "FUZZ_SETTINGS", "FUZZ_TENANTS", "FuzzFailure", "GrpcFuzzer", "RawFuzzer", "fuzz_limits",
+           "main"]

@@ -1,0 +1,142 @@
+"""`gpubroker bench fuzz`: a long fuzzing run against a fresh broker, reported as JSON.
+
+Run: ``gpubroker bench fuzz --cases 100000 [--backend opencl] [--max-steps 4] [--seed N] [--out fuzz.json]``.
+Cases are gRPC cases (``GrpcFuzzer``) and, a share of them, raw-socket cases (``RawFuzzer``). It stops at the
+first broken promise and reports it; otherwise it reports every status seen, whether the broker is still up and
+whether its accounting is still exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+import traceback
+from collections import Counter
+from typing import Any
+
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+
+__all__ = ["FUZZ_SETTINGS", "FUZZ_TENANTS", "fuzz_limits", "main", "run_fuzz"]
+
+# "root" administers, alice, bob and eve are fuzzed through gRPC, mallory through the raw sockets.
+FUZZ_TENANTS = [TenantSpec("root", memory_quota=1 << 20, admin=True), TenantSpec("alice", memory_quota=8 << 20),
+                TenantSpec("bob", memory_quota=2 << 20), TenantSpec("eve", memory_quota=256 << 10),
+                TenantSpec("mallory", memory_quota=1 << 20)]
+# Small limits, so that fuzzed requests reach them: chunking, message and module sizes, handles, sessions, streams.
+FUZZ_SETTINGS: dict[str, object] = {
+    "lease_seconds": 600.0, "chunk_bytes": 64 << 10, "max_message_bytes": 1 << 20, "max_module_bytes": 64 << 10,
+    "max_handles_per_session": 64, "max_sessions_per_tenant": 4, "max_streams_per_session": 4,
+    "max_shared_bytes_per_session": 1 << 20, "worker_idle_seconds": 3600.0,
+    "device_failure_threshold": 0}  # a tenant crashing its own worker must not take the device out of service
+_GRPC_TENANTS = ("alice", "bob", "eve")
+
+
+def fuzz_limits() -> dict[str, Any]:
+    return {"quotas": {t.name: t.memory_quota for t in FUZZ_TENANTS}, "chunk_bytes": FUZZ_SETTINGS["chunk_bytes"],
+            "max_module_bytes": FUZZ_SETTINGS["max_module_bytes"],
+            "max_shared_bytes": FUZZ_SETTINGS["max_shared_bytes_per_session"]}
+
+
+def run_fuzz(broker: BrokerProcess, cases: int, max_steps: int, raw_share: float, seed: int | None,
+             compile_odds: int = 8, progress: bool = True) -> dict[str, Any]:
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as with_seed
+    from hypothesis import strategies as st
+    from hypothesis.errors import Flaky, FlakyStrategyDefinition
+
+    from ._grpc import GrpcFuzzer
+    from ._raw import RawFuzzer
+
+    fuzzer = GrpcFuzzer(broker.target, {t: broker.tokens[t] for t in _GRPC_TENANTS}, broker.tokens["root"],
+                        fuzz_limits(), max_steps=max_steps, compile_odds=compile_odds)
+    raw = RawFuzzer(broker.target, broker.tokens["mallory"], fuzzer.open_session(broker.tokens["mallory"]),
+                    fuzzer.observe)
+    kinds: Counter[str] = Counter()
+    started = time.monotonic()
+    raw_weight = max(0, min(100, round(raw_share * 100)))
+    choices = ["grpc"] * (100 - raw_weight) + ["fast", "shm", "grpc_socket"] * raw_weight
+
+    def one_case(data: Any) -> None:
+        kind = data.draw(st.sampled_from(choices), label="kind")
+        if kind == "grpc":
+            fuzzer.run_case(data)
+        else:
+            getattr(raw, f"{'grpc' if kind == 'grpc_socket' else kind}_case")(data.draw)
+            if kinds[kind] % 50 == 0:
+                fuzzer.check_raw_session(raw.session)
+        kinds[kind] += 1
+        total = sum(kinds.values())
+        if progress and total % 1000 == 0:
+            print(f"fuzz: {total} cases, {fuzzer.steps} calls, {time.monotonic() - started:.0f} s", file=sys.stderr,
+                  flush=True)
+
+    failure = None
+    restarts = 0
+    # In rounds of at most 1,000 cases: a round that hypothesis ends for nondeterminism of its own making (a
+    # worker's crash timing can change what a replayed case draws) is counted and the next round goes on.
+    for round_number in itertools.count():
+        left = cases - sum(kinds.values())
+        if left <= 0:
+            break
+        run = settings(max_examples=min(left, 1000), deadline=None, database=None, phases=[Phase.generate],
+                       suppress_health_check=list(HealthCheck), print_blob=True)(given(data=st.data())(one_case))
+        if seed is not None:
+            run = with_seed(seed + round_number)(run)
+        try:
+            run()
+        except (Flaky, FlakyStrategyDefinition):
+            restarts += 1
+            if restarts > 10:
+                failure = "hypothesis kept finding the cases nondeterministic"
+                break
+        except BaseException as exc:  # report it with the figures so far (KeyboardInterrupt included)
+            failure = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-4000:]
+            break
+    duration = time.monotonic() - started
+    alive = broker.process is not None and broker.process.poll() is None and fuzzer.broker_alive()
+    exact = False
+    if alive:
+        try:
+            fuzzer.check_accounting()
+            fuzzer.check_raw_session(raw.session)
+            exact = True
+        except AssertionError as exc:
+            failure = failure or str(exc)
+    by_code: Counter[str] = Counter()
+    for key, count in fuzzer.statuses.items():
+        by_code[key.rsplit(" ", 1)[1]] += count
+    log = broker.log_tail(1 << 30)
+    fuzzer.close()
+    total = sum(kinds.values())
+    return {"cases": total, "cases_by_kind": dict(kinds), "hypothesis_restarts": restarts, "calls": fuzzer.steps,
+            "duration_s": round(duration, 1),
+            "cases_per_s": round(total / duration, 1) if duration else 0.0, "statuses": dict(by_code.most_common()),
+            "statuses_by_call": dict(sorted(fuzzer.statuses.items())), "broker_alive": alive,
+            "accounting_exact": exact, "failure": failure, "broker_tracebacks": log.count("Traceback"),
+            "worker_deaths": sum(1 for line in log.splitlines()
+                                 if " ERROR " in line and "the worker process for tenant" in line)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpubroker bench fuzz", description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", type=int, default=100_000)
+    parser.add_argument("--backend", default="opencl", choices=["auto", "cuda", "opencl"])
+    parser.add_argument("--max-steps", type=int, default=4, help="calls per gRPC case, at most (default 4)")
+    parser.add_argument("--raw-share", type=float, default=0.1, help="share of raw-socket cases (default 0.1)")
+    parser.add_argument("--compile-odds", type=int, default=8,
+                        help="one gRPC case in this many builds the fuzz kernels first (default 8)")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args(argv)
+    with BrokerProcess(FUZZ_TENANTS, backend=args.backend, settings=FUZZ_SETTINGS) as broker:
+        result = run_fuzz(broker, args.cases, args.max_steps, args.raw_share, args.seed, args.compile_odds)
+        result.update(backend=args.backend, max_steps=args.max_steps, compile_odds=args.compile_odds, seed=args.seed)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0 if result["failure"] is None and result["broker_alive"] and result["accounting_exact"] else 1

@@ -1,0 +1,20 @@
+"""Soak: tenants cycling whole sessions at once leave nothing behind (``gpubroker bench soak`` runs the long one)."""
+
+from __future__ import annotations
+
+import json
+
+from gpubroker.bench.soak import SOAK_SETTINGS, run_soak
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+
+TENANTS = ["t0", "t1", "t2"]
+
+
+def test_a_hundred_session_cycles_over_three_tenants_return_everything_to_baseline(backend: str) -> None:
+    """Descriptors, shared segments, device memory and sessions exactly; RSS within allocator noise."""
+    specs = [TenantSpec(t, memory_quota=1 << 30) for t in TENANTS] + [TenantSpec("root", admin=True)]
+    with BrokerProcess(specs, backend=backend, settings=SOAK_SETTINGS) as broker:
+        result = run_soak(broker, TENANTS, cycles=34, warmup=3)
+    assert result["errors"] == 0, result["first_errors"]
+    figures = json.dumps({"baseline": result["baseline"], "final": result["final"]}, indent=1)
+    assert all(result["back_to_baseline"].values()), f"{result['back_to_baseline']}\n{figures}"
