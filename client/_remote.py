@@ -337,22 +337,13 @@ class RemoteGpu:
 
     def synchronize(self, stream: Stream | None = None) -> None:
         try:
-            direct = self._direct
-            if self._direct_commands and self._commands is not None:
-                # One round trip: the sync rides at the end of the last batch, after the commands before it.
-                self._commands.submit_one("synchronize", {"stream": _stream(stream)})
-                return  # (the finally below waits for the batch, and raises the first error of any command)
-            if self._commands is not None and self._direct is None:
+            if self._commands is not None and not self._direct_commands:
+                # One round trip: the sync rides at the end of the last batch (the front's fast path or gRPC).
                 self._commands.submit_one("synchronize", pb.StreamRequest(stream=_stream(stream)))
-                return  # the same on the front's fast path or the gRPC Commands stream
-            if direct is not None:
-                try:
-                    direct.call("synchronize", {"stream": _stream(stream)})
-                    return
-                except Unavailable:
-                    self._direct = None  # the link is gone: the front says why
-                    direct.close()
-            self._call("Synchronize", pb.StreamRequest(session=self._session, stream=_stream(stream)))
+                return
+            # A direct call, or with async_commands the last direct batch's tail; else through the front.
+            self._device_call("synchronize", {"stream": _stream(stream)}, "Synchronize", "synchronize",
+                              lambda: pb.StreamRequest(session=self._session, stream=_stream(stream)))
         finally:
             if self._commands is not None:
                 self._commands.wait(raise_error=True)  # an asynchronous command's error surfaces here

@@ -42,7 +42,6 @@ _DIRECT_OPS = ("launch", "memset", "copy_d2d", "synchronize", "batch")
 # Each link serves one call at a time, so this also bounds a session's direct calls in flight. Past it, new
 # connections stay with the front, whose per-session limits then apply.
 MAX_LINKS_PER_SESSION = 8
-_MAX_DIMS = 3
 _VIEWS_MAX = 4096  # cached Buffer views of (session, buffer, offset); cleared whole when full
 
 
@@ -76,12 +75,6 @@ class Aliases:
 class _Link:
     sock: socket.socket
     session: str
-
-
-def _dims(values: Any, what: str) -> list[int]:
-    if not isinstance(values, list) or not 1 <= len(values) <= _MAX_DIMS:
-        raise InvalidArgument(f"{what} needs 1 to 3 extents")
-    return values
 
 
 class DirectLinks:
