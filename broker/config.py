@@ -108,6 +108,33 @@ class BrokerConfig:
     max_inflight_per_tenant: int = 256  # device calls in flight across all of a tenant's sessions
     # Host memory a session may map through the shared-memory side channel (its segments and staging buffer).
     max_shared_bytes_per_session: int = 4 * 1024**3
+    # ... and summed over all of a tenant's sessions (counted in Usage and the metrics).
+    max_shared_bytes_per_tenant: int = 16 * 1024**3
+    # Containment (see README "Security"): every worker runs in a sandbox unless this is false (warned at start).
+    sandbox: bool = True
+    # Per-tenant compile caches (PoCL's, NVRTC's/CuPy's) live under this directory, one private subdirectory each;
+    # empty: a directory of the broker's own under $STATE_DIRECTORY, $XDG_CACHE_HOME or ~/.cache.
+    cache_dir: str = ""
+    # Per-worker resource limits (cgroup v2 where the broker may create cgroups, else rlimits); 0: no limit.
+    worker_memory_max: int = 0
+    worker_pids_max: int = 512
+    worker_cpu_weight: int = 100
+    # A tenant whose device work holds the device longer than this while another tenant waits has its worker
+    # killed (its calls fail with DEADLINE_EXCEEDED); a lone tenant is limited by lone_kernel_seconds (0: never).
+    max_kernel_seconds: float = 10.0
+    lone_kernel_seconds: float = 0.0
+    # A tenant whose workers die this often within the window (its kernels, its compiles) is refused new
+    # sessions (UNAVAILABLE with a retry hint) until a window passes; it never counts against device health.
+    tenant_crash_budget: int = 5
+    tenant_crash_window_seconds: float = 60.0
+    # Before authentication, on the raw listeners (<socket>.fast, <socket>.shm): the largest hello, how long
+    # a peer may take to send it, how many unauthenticated connections may be open (in all and per peer uid),
+    # and how long an authenticated connection may sit idle.
+    hello_max_bytes: int = 64 * 1024
+    hello_timeout_seconds: float = 5.0
+    max_unauthenticated_connections: int = 256
+    max_unauthenticated_per_uid: int = 64
+    connection_idle_seconds: float = 600.0
     # Weighted fair time-slicing of each device; off, tenants' work reaches the device in arrival order.
     fair_scheduling: bool = True
     quantum_ms: float = 5.0
@@ -239,7 +266,12 @@ _SCALARS = {
     "max_sessions_per_tenant": int, "max_concurrent_rpcs_per_session": int, "max_handles_per_session": int,
     "max_module_bytes": parse_size, "compile_timeout_seconds": float, "max_streams_per_session": int,
     "max_inflight_per_tenant": int, "fair_scheduling": bool, "quantum_ms": float, "fast_path": bool, "vsock_port": int,
-    "max_shared_bytes_per_session": parse_size,
+    "max_shared_bytes_per_session": parse_size, "max_shared_bytes_per_tenant": parse_size,
+    "sandbox": bool, "cache_dir": str, "worker_memory_max": parse_size, "worker_pids_max": int,
+    "worker_cpu_weight": int, "max_kernel_seconds": float, "lone_kernel_seconds": float,
+    "tenant_crash_budget": int, "tenant_crash_window_seconds": float, "hello_max_bytes": parse_size,
+    "hello_timeout_seconds": float, "max_unauthenticated_connections": int, "max_unauthenticated_per_uid": int,
+    "connection_idle_seconds": float,
     "drain_grace_seconds": lambda v: _at_least(float(v), 0.0),
     "device_failure_threshold": lambda v: _at_least(int(v), 0),
     "device_failure_window_seconds": lambda v: _at_least(float(v), 0.001),
