@@ -8,11 +8,20 @@ import os
 import sys
 
 from gpubroker import __version__
-from gpubroker.client import GpuBrokerError, InvalidArgument, NotFound
+from gpubroker.client import GpuBrokerError, InvalidArgument
 
 from .admin_cli import add_admin_parsers
 from .auth import mint_token
-from .config import TenantConfig, format_size, load_config, parse_size, save_config, split_host_port
+from .config import (
+    TenantConfig,
+    add_tenant_in_place,
+    format_size,
+    load_config,
+    parse_size,
+    remove_tenant_in_place,
+    rotate_token_in_place,
+    split_host_port,
+)
 from .logs import configure_logging
 
 __all__ = ["main"]
@@ -57,14 +66,14 @@ def _device_memory(items: list[str] | None) -> dict[int, int]:
 
 
 def _cmd_tenant_add(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config)
     token = mint_token()
-    cfg.add_tenant(TenantConfig(name=args.name, token_id=token.token_id, token_hash=token.token_hash,
-                                memory_quota=parse_size(args.memory), weight=args.weight, admin=args.admin,
-                                device_memory=_device_memory(args.device_memory)))
-    path = save_config(cfg, args.config)
+    tenant = TenantConfig(name=args.name, token_id=token.token_id, token_hash=token.token_hash,
+                          memory_quota=parse_size(args.memory), weight=args.weight, admin=args.admin,
+                          device_memory=_device_memory(args.device_memory))
+    # In place: the operator's comments and layout stay as they were; only the new table is appended.
+    path = add_tenant_in_place(args.config, tenant)
     audit.info("action=tenant-add tenant=%s config=%s admin=%s by=%s", args.name, path, args.admin, _who())
-    print(f"added tenant {args.name!r} to {path} (memory {format_size(parse_size(args.memory))}, "
+    print(f"added tenant {args.name!r} to {path} (memory {format_size(tenant.memory_quota)}, "
           f"weight {args.weight}). Its token, shown only now:")
     print(token.token)
     return 0
@@ -80,13 +89,8 @@ def _cmd_tenant_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_tenant_rotate(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config)
-    if args.name not in cfg.tenants:
-        raise NotFound(f"no tenant {args.name!r}")
     token = mint_token()
-    tenant = cfg.tenants[args.name]
-    tenant.token_id, tenant.token_hash = token.token_id, token.token_hash
-    path = save_config(cfg, args.config)
+    path = rotate_token_in_place(args.config, args.name, token.token_id, token.token_hash)
     audit.info("action=tenant-rotate-token tenant=%s config=%s by=%s", args.name, path, _who())
     print(f"new token for tenant {args.name!r} in {path}; the old one stops working when the broker reloads "
           "(SIGHUP or `gpubroker admin reload`). Shown only now:")
@@ -104,9 +108,7 @@ def _who() -> str:
 
 
 def _cmd_tenant_remove(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config)
-    cfg.remove_tenant(args.name)
-    path = save_config(cfg, args.config)
+    path = remove_tenant_in_place(args.config, args.name)
     audit.info("action=tenant-remove tenant=%s config=%s by=%s", args.name, path, _who())
     print(f"removed tenant {args.name!r}")
     return 0
