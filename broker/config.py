@@ -453,8 +453,7 @@ def parse_config(data: dict[str, Any], source: str = "<config>", path: Path | No
     for key, value in data.items():
         if key not in ("broker", "tls", "tenants"):
             close = difflib.get_close_matches(key, ["broker", "tls", "tenants"], n=1, cutoff=0.6)
-            hint = (f"; did you mean [{close[0]}]?" if close else
-                    f"; settings go in [broker] (e.g. [broker] {key}), [tls] or [tenants.NAME]"
+            hint = (f"; did you mean [{close[0]}]?" if close else f"; did you mean [broker] {key}?"
                     if key in _BROKER_KEYS else "; the tables are [broker], [tls] and [tenants.NAME]")
             raise InvalidArgument(f"{source}: unknown {'table' if isinstance(value, dict) else 'key'} {key}{hint}",
                                   file=source, key=key)

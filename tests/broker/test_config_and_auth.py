@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import re
 import stat
 import subprocess
 import sys
+import tomllib
+import typing
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from gpubroker.broker.auth import TokenVerifier, hash_token, mint_token
 from gpubroker.broker.config import (
     BrokerConfig,
+    BrokerSettings,
     TenantConfig,
+    TlsConfig,
     load_config,
+    parse_config,
     parse_size,
     save_config,
 )
@@ -53,6 +60,83 @@ def test_invalid_config_is_refused(tmp_path: Path) -> None:
     path.write_text("[broker\n")
     with pytest.raises(InvalidArgument):
         load_config(path)
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "gpubroker.example.toml"
+# The containment keys (issue 12): the example documents each one, commented, at its default.
+NEW_KEYS = ["sandbox", "cache_dir", "worker_memory_max", "worker_pids_max", "worker_cpu_weight", "max_kernel_seconds",
+            "lone_kernel_seconds", "tenant_crash_budget", "tenant_crash_window_seconds", "hello_max_bytes",
+            "hello_timeout_seconds", "max_unauthenticated_connections", "max_unauthenticated_per_uid",
+            "connection_idle_seconds", "max_shared_bytes_per_tenant"]
+# Values other than the defaults for keys whose type alone does not give one.
+SPECIAL = {"listen": ["unix:/tmp/a.sock", "127.0.0.1:0", "[::1]:7070"], "devices": [1, 0], "chunk_bytes": 3 << 20,
+           "max_message_bytes": 5 << 20, "socket_mode": 0o640, "backend": "opencl", "peer_copies": "host",
+           "log_format": "json", "metrics_listen": "[::1]:9464", "worker_cpu_weight": 250,
+           "device_failure_window_seconds": 7.5, "max_shared_bytes_per_tenant": 12345}
+
+
+def _other_value(name: str, default: object, tp: object) -> object:
+    if name in SPECIAL:
+        return SPECIAL[name]
+    base = typing.get_args(tp)[0] if typing.get_origin(tp) is typing.Annotated else tp
+    if base is bool:
+        return not default
+    if base is int:
+        return int(default) + 7  # type: ignore[call-overload]
+    if base is float:
+        return float(default) + 1.25  # type: ignore[arg-type]
+    if base is str:
+        return f"some-{name}"
+    raise AssertionError(f"no test value for [broker] {name}: add one to SPECIAL")
+
+
+def test_every_broker_key_round_trips_through_save_and_load(tmp_path: Path) -> None:
+    fields = msgspec.structs.fields(BrokerSettings)
+    hints = typing.get_type_hints(BrokerSettings, include_extras=True)
+    cfg = BrokerConfig(tls=TlsConfig(cert_file="s.pem", key_file="s.key", client_ca_file="ca.pem",
+                                     require_client_cert=True, allow_tokens=False,
+                                     identities={"spiffe://example.org/a": "team-a", "CN with spaces": "b"}))
+    for f in fields:
+        default = f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+        value = _other_value(f.name, default, hints[f.name])
+        assert value != default, f.name
+        setattr(cfg, f.name, value)  # as the launcher does
+    cfg.add_tenant(TenantConfig("team-a", "id-a", "hash-a", 3 << 30, 2, True, {0: 1 << 30, 3: 12345}))
+    cfg.add_tenant(TenantConfig("b", "id-b", "hash-b"))
+    path = save_config(cfg, tmp_path / "c.toml")
+    again = load_config(path)
+    for f in fields:
+        assert getattr(again, f.name) == getattr(cfg, f.name), f.name
+    assert again.tls == cfg.tls and again.tenants == cfg.tenants and again == cfg
+
+
+def test_save_config_refuses_a_setting_of_the_wrong_type_by_its_key(tmp_path: Path) -> None:
+    cfg = BrokerConfig()
+    cfg.insecure = "false"  # type: ignore[assignment]
+    with pytest.raises(InvalidArgument, match=r"\[broker\] insecure: expected bool"):
+        save_config(cfg, tmp_path / "c.toml")
+    assert not (tmp_path / "c.toml").exists()
+    with pytest.raises(AttributeError):
+        cfg.max_kernel_second = 3.0  # type: ignore[attr-defined]  # a typo is no new setting
+
+
+def test_every_key_has_a_description() -> None:
+    for struct in (BrokerSettings, TlsConfig, TenantConfig):
+        schema = msgspec.json.schema(struct)["$defs"][struct.__name__]
+        for key, prop in schema["properties"].items():
+            assert len(prop.get("description", "")) > 20, f"{struct.__name__}.{key}"
+
+
+def test_the_example_config_loads_and_documents_the_new_keys() -> None:
+    cfg = load_config(EXAMPLE)
+    assert cfg.socket_group == "gpubroker-clients" and cfg.socket_mode == 0o660
+    text = EXAMPLE.read_text()
+    defaults = BrokerSettings()
+    for key in NEW_KEYS:
+        match = re.search(rf"^# {key} = (.+?)\s+# \S.*$", text, re.MULTILINE)
+        assert match, f"{key} is not documented (commented, with a description) in {EXAMPLE.name}"
+        uncommented = parse_config(tomllib.loads(f"[broker]\n{key} = {match.group(1)}\n"))
+        assert getattr(uncommented, key) == getattr(defaults, key), key
 
 
 def test_tokens_verify_only_against_their_own_hash() -> None:
