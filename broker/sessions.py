@@ -127,6 +127,8 @@ class SessionManager:
         # Called as a session ends, before its worker frees its memory (CopyPeer's caches let go of it there).
         self.closing_hooks: list[Callable[[Session], Awaitable[None]]] = []
         self.memory_used: dict[tuple[str, int], int] = {}
+        # Host memory each tenant maps through the shared-memory side channel, until its worker has unmapped it.
+        self.shared_used: dict[str, int] = {}
         self.draining = False
         # Set while no session is open: a drain waits on it.
         self.idle = asyncio.Event()
@@ -221,6 +223,7 @@ class SessionManager:
                 except WorkerCrashed:
                     pass
             self.release(session, session.memory_used)
+            self.release_shared(session, session.shared_bytes)  # the worker's close_session unmapped them
             session.handles.clear()
             log.info("session %s of tenant %s %s", session.id, session.tenant, reason)
         finally:
@@ -243,7 +246,7 @@ class SessionManager:
                 session.lost = worker.death or "the worker stopped"
                 self.release(session, session.memory_used)
                 session.handles.clear()
-                session.shared_bytes = 0  # the worker's mappings died with it
+                self.release_shared(session, session.shared_bytes)  # the worker's mappings died with it
 
     async def _reap_loop(self) -> None:
         interval = max(0.05, min(1.0, self.config.lease_seconds / 4))
@@ -284,3 +287,22 @@ class SessionManager:
 
     def used(self, tenant: str, device: int) -> int:
         return self.memory_used.get((tenant, device), 0)
+
+    def reserve_shared(self, session: Session, size: int) -> None:
+        """Count a segment before the worker maps it (server/_shm.py checks the limits first)."""
+        session.shared_bytes += size
+        self.shared_used[session.tenant] = self.shared_used.get(session.tenant, 0) + size
+
+    def release_shared(self, session: Session, size: int) -> None:
+        """Uncount what the worker unmapped; never more than the session still counts (a release may race its close)."""
+        size = min(size, session.shared_bytes)
+        session.shared_bytes -= size
+        left = self.shared_used.get(session.tenant, 0) - size
+        if left > 0:
+            self.shared_used[session.tenant] = left
+        else:
+            self.shared_used.pop(session.tenant, None)
+
+    def shared(self, tenant: str) -> int:
+        """Host memory the tenant's sessions map through the shared-memory side channel now."""
+        return self.shared_used.get(tenant, 0)

@@ -70,6 +70,8 @@ class _TenantRow:
 class _Snapshot:
     rows: list[_TenantRow]
     draining: bool
+    shared: dict[str, int]  # host memory each tenant maps through the shared-memory side channel (all devices)
+    shared_limit: int
 
 
 def _recent_seconds(charges: Reversible[tuple[float, float]], since: float) -> float:
@@ -102,7 +104,7 @@ class BrokerCollector(Collector):
         # Configured tenants always have rows, so a tenant's figures are there (at 0) before its first session
         # and stay after its last; tenants removed by a reload keep theirs while anything remains of them.
         known = set(manager.config.tenants) | {t for t, _ in manager.memory_used} | {t for t, _ in counts}
-        known |= {t for t, _ in self.pool.restarts_by}
+        known |= {t for t, _ in self.pool.restarts_by} | set(manager.shared_used)
         rows = []
         since = time.monotonic() - SHARE_WINDOW_SECONDS  # the schedulers' clock
         for device, scheduler in sorted(self.schedulers.items()):
@@ -120,7 +122,8 @@ class BrokerCollector(Collector):
                     waits={q: waits[min(len(waits) - 1, int(q * len(waits)))] if waits else 0.0 for q in _QUANTILES},
                     worker_up=self.pool.live(tenant, device) is not None,
                     restarts=self.pool.restarts_by.get((tenant, device), 0)))
-        return _Snapshot(rows, manager.draining)
+        return _Snapshot(rows, manager.draining, {t: manager.shared(t) for t in sorted(known)},
+                         manager.config.max_shared_bytes_per_tenant)
 
     def collect(self) -> Iterator[Metric]:
         snap = _on_loop(self.loop, self.snapshot, _SNAPSHOT_TIMEOUT)
@@ -159,6 +162,15 @@ class BrokerCollector(Collector):
             for q, seconds in row.waits.items():
                 waits.add_metric([row.tenant, str(row.device), str(q)], seconds)
         yield waits
+        shared = GaugeMetricFamily("gpubroker_shared_memory_bytes",
+                                   "Host memory the tenant maps through the same-host shared-memory side channel, "
+                                   "summed over its sessions on every device.", labels=["tenant"])
+        for name, used in snap.shared.items():
+            shared.add_metric([name], used)
+        yield shared
+        yield GaugeMetricFamily("gpubroker_shared_memory_limit_bytes",
+                                "How much of it each tenant may map (max_shared_bytes_per_tenant).",
+                                value=snap.shared_limit)
         yield GaugeMetricFamily("gpubroker_draining", "1 while the broker refuses new sessions.",
                                 value=int(snap.draining))
 

@@ -236,17 +236,26 @@ class SharedMemoryServer:
         if session.shared_bytes + size > limit:
             raise ResourceExhausted(f"this session would map {session.shared_bytes + size} bytes of shared memory; "
                                     f"the limit is {limit}", limit=limit, used=session.shared_bytes, requested=size)
+        # Summed over all of the tenant's sessions (on every device): sessions x the per-session limit is no bound.
+        tenant_limit, tenant_used = self.config.max_shared_bytes_per_tenant, self.sessions.shared(session.tenant)
+        if tenant_used + size > tenant_limit:
+            raise ResourceExhausted(
+                f"tenant {session.tenant!r} would map {tenant_used + size} bytes of shared memory across its "
+                f"sessions: {size} requested, {tenant_used} in use, and the limit (max_shared_bytes_per_tenant) is "
+                f"{tenant_limit}; release segments or end sessions first", limit=tenant_limit, used=tenant_used,
+                requested=size)
         check_segment_fd(fd, size)
         session.check_room()
-        # Reserved before the worker maps it, so concurrent registrations can never overshoot the limit.
-        session.shared_bytes += size
+        # Reserved before the worker maps it, so concurrent registrations can never overshoot the limits.
+        self.sessions.reserve_shared(session, size)
         try:
             backend = await session.worker.call_with_fd("register_segment", session.id, fd, size=size)
         except BaseException:
-            session.shared_bytes -= size
+            self.sessions.release_shared(session, size)
             raise
         if self.sessions.sessions.get(session.id) is not session or session.lost is not None:
-            # Closed while the worker mapped it: the worker's close ran first, so unmap this one too.
+            # Closed while the worker mapped it: the worker's close ran first, so unmap this one too. (The close
+            # uncounted this segment with the rest of the session's.)
             with contextlib.suppress(GpuBrokerError):
                 await session.worker.call("release_segment", session.id, segment=backend)
             raise NotFound(f"no session {session.id!r}")
@@ -256,5 +265,4 @@ class SharedMemoryServer:
         entry = session.resolve(handle, "segment")
         await session.worker.call("release_segment", session.id, segment=entry.backend)
         if session.handles.pop(handle, None) is not None:
-            session.shared_bytes -= entry.size
-
+            self.sessions.release_shared(session, entry.size)

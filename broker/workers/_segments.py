@@ -1,8 +1,11 @@
 """Shared-memory segments in the worker: memfds a same-host client registered, mapped for CopyShared.
 
 The front passes each fd on a socketpair of its own (``--fd-channel``) just ahead of the ``register_segment``
-request, with a one-time token; the worker maps it and, on CUDA, page-locks it (cudaHostRegister) so copies
-to and from it run at pinned-memory speed without a staging copy.
+request, with a one-time token; the worker maps it without populating it, so a segment costs the worker nothing
+until a copy touches it (only the pages a copy touches are faulted in). On CUDA the first copy that uses a
+segment page-locks all of it (cudaHostRegister, which faults in and pins every page), so copies to and from it
+run at pinned-memory speed without a staging copy: the pinning is deferred rather than partial, since a copy
+spanning two separately registered ranges would not be one DMA. A segment that no copy uses is never pinned.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ _FD_TIMEOUT = 10.0
 class Segment:
     mm: mmap.mmap
     size: int
-    pinned: int | None  # the host address the backend page-locked, if it did
+    pinned: int | None = None  # the host address the backend page-locked, if it did
+    pin_tried: bool = False  # pinned at the first copy that uses it (or found not pinnable then)
 
 
 class SegmentTable:
@@ -61,32 +65,35 @@ class SegmentTable:
         return fds[0]
 
     def register(self, token: bytes, size: Any) -> str:
-        """Receive the fd sent with this request, map ``size`` bytes of it, and page-lock it where that helps."""
+        """Receive the fd sent with this request and map ``size`` bytes of it (page-locked at its first copy)."""
         fd = self.receive(bytes(token))  # first, whatever else is wrong: the next request's fd must stay next
         try:
             if not isinstance(size, int) or size <= 0:
                 raise InvalidArgument(f"segment size must be > 0, got {size}")
-            # Populated now rather than page by page inside the first copies (the client faulted the pages in
-            # already, so this only maps them; max_shared_bytes_per_session bounds a client that did not).
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            # No MAP_POPULATE: pages the client never touched must not be allocated (and charged to this worker)
+            # by mapping them; max_shared_bytes_per_session and _per_tenant bound what a client may register.
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
             raise InvalidArgument(f"cannot map the segment: {exc.strerror}") from None
         finally:
             os.close(fd)  # the mapping keeps the memory; the client's memfd name stays visible in /proc maps
-        pinned = None
-        register = getattr(self.backend, "register_host_memory", None)
-        if register is not None:
-            try:
-                pinned = register(mm)
-            except GpuBrokerError as exc:
-                if exc.details.get("fatal"):
-                    mm.close()
-                    raise
-                # Only slower (pageable copies): worth a warning, not a refusal.
-                log.warning("segment of %d bytes not page-locked: %s", size, exc.message)
         seg_id = f"seg{next(self._ids)}"
-        self._segments[seg_id] = Segment(mm, size, pinned)
+        self._segments[seg_id] = Segment(mm, size)
         return seg_id
+
+    def _pin(self, seg: Segment) -> None:
+        """Page-lock a segment at its first copy, where the backend can (CUDA); only slower where it cannot."""
+        seg.pin_tried = True
+        register = getattr(self.backend, "register_host_memory", None)
+        if register is None:
+            return
+        try:
+            seg.pinned = register(seg.mm)
+        except GpuBrokerError as exc:
+            if exc.details.get("fatal"):
+                raise
+            # Pageable copies still work: worth a warning, not a refusal.
+            log.warning("segment of %d bytes not page-locked: %s", seg.size, exc.message)
 
     @contextlib.contextmanager
     def view(self, seg_id: str, offset: int, size: int) -> Iterator[memoryview]:
@@ -99,6 +106,8 @@ class SegmentTable:
         if offset + size > seg.size:
             raise OutOfRange(f"{size} bytes at segment offset {offset} run past the end of the {seg.size}-byte "
                              "segment")
+        if not seg.pin_tried and size > 0:
+            self._pin(seg)
         whole = memoryview(seg.mm)
         part = whole[offset:offset + size]
         try:

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from gpubroker.broker.auth import UNAUTHENTICATED_MESSAGE
-from gpubroker.broker.launcher import BrokerProcess
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import (
+    AdminClient,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -31,6 +32,7 @@ from gpubroker.client._shm import STAGING_BYTES, SideChannel, create_segment_fd
 
 from ..conftest import worker_pids
 from ..helpers import wait_for
+from .test_metrics import scrape, value
 
 SIZES = [0, 1, 1001, 3 * 1024 * 1024 + 7]
 
@@ -231,3 +233,96 @@ def test_dead_client_leaves_no_segment_behind(fresh_broker: BrokerProcess) -> No
             child.wait()
         wait_for(lambda: not _segment_names(fresh_broker, "alice", child.pid)
                  and observer.device_info().memory_used == 0, timeout=15, what="the lease to expire")
+
+
+def _rss(pid: int) -> int:
+    """Resident bytes of a process (anonymous, file and shared-memory pages it has mapped in)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def test_a_worker_maps_a_segment_without_populating_it(broker: BrokerProcess) -> None:
+    size, slack = 256 << 20, 48 << 20
+    with connect(broker.target, token=broker.tokens["alice"]) as g:
+        buf = g.allocate_memory(1 << 20)
+        g.synchronize()
+        (worker,) = worker_pids(broker, "alice")
+        before = _rss(worker)
+        # A memfd nobody touched: populating it in the worker would allocate all of it (charged to the worker).
+        handle = _register(broker, broker.tokens["alice"], g.session, size=size)
+        assert len(_segment_names(broker, "alice", os.getpid())) >= 1
+        mapped = _rss(worker)
+        assert mapped - before < slack, f"the worker's RSS grew by {mapped - before} bytes mapping {size}"
+        assert g._shm is not None
+        g._shm._copy_shared(handle, size - (1 << 20), buf, 0, 1 << 20, True, "")  # touches its last MiB only
+        copied = _rss(worker)
+        assert copied - before < slack, f"the worker's RSS grew by {copied - before} bytes copying 1 MiB"
+
+
+SHARED_LIMIT = 3 << 30
+
+
+@pytest.fixture
+def shared_broker(backend: str) -> Iterator[BrokerProcess]:
+    tenants = [TenantSpec("alice"), TenantSpec("bob"), TenantSpec("ops", admin=True)]
+    settings = {"max_shared_bytes_per_tenant": SHARED_LIMIT, "max_shared_bytes_per_session": 2 << 30,
+                "lease_seconds": 1.0, "metrics_listen": "127.0.0.1:0"}
+    with BrokerProcess(tenants, backend=backend, settings=settings) as proc:
+        yield proc
+
+
+def _shared_use(broker: BrokerProcess, admin: AdminClient, tenant: str) -> tuple[int, float]:
+    """The tenant's shared bytes as Usage and the metrics show them."""
+    rows = [r for r in admin.usage().tenants if r.tenant == tenant]
+    usage = rows[0].shared_bytes if rows else 0
+    assert all(r.shared_bytes == usage and r.shared_bytes_limit == SHARED_LIMIT for r in rows)
+    return usage, value(scrape(broker), "gpubroker_shared_memory_bytes", tenant=tenant)
+
+
+def test_a_tenants_sessions_together_cannot_map_more_than_its_limit(shared_broker: BrokerProcess) -> None:
+    # Sparse memfds: gigabytes announced and mapped, none of it allocated, since no one touches the pages.
+    alice, bob = shared_broker.tokens["alice"], shared_broker.tokens["bob"]
+    with connect(shared_broker.target, token=alice) as a1, connect(shared_broker.target, token=alice) as a2, \
+            connect(shared_broker.target, token=bob) as b, \
+            AdminClient(shared_broker.target, shared_broker.tokens["ops"]) as admin:
+        first = _register(shared_broker, alice, a1.session, size=2 << 30)
+        _register(shared_broker, alice, a2.session, size=1 << 30)
+        assert _shared_use(shared_broker, admin, "alice") == (SHARED_LIMIT, SHARED_LIMIT)
+        # Each session is within its own 2 GiB; together they are at the tenant's 3 GiB.
+        with pytest.raises(ResourceExhausted) as info:
+            _register(shared_broker, alice, a2.session, size=4096)
+        assert (f"would map {SHARED_LIMIT + 4096} bytes of shared memory across its sessions: 4096 requested, "
+                f"{SHARED_LIMIT} in use, and the limit (max_shared_bytes_per_tenant) is {SHARED_LIMIT}"
+                in info.value.message)
+        assert info.value.details["limit"] == SHARED_LIMIT and info.value.details["used"] == SHARED_LIMIT
+        with connect(shared_broker.target, token=alice) as a3, pytest.raises(ResourceExhausted):
+            _register(shared_broker, alice, a3.session, size=4096)  # a new session is no way around it
+        _register(shared_broker, bob, b.session, size=1 << 30)  # another tenant's limit is its own
+        assert _shared_use(shared_broker, admin, "bob") == (1 << 30, 1 << 30)
+
+        # Released exactly: a freed segment, an ended session, a dead client.
+        channel = SideChannel(shared_broker.target[len("unix:"):] + ".shm", alice)
+        try:
+            channel.release(a1.session, first)
+        finally:
+            channel.close()
+        assert _shared_use(shared_broker, admin, "alice") == (1 << 30, 1 << 30)
+        _register(shared_broker, alice, a2.session, size=4096)
+        a2.close()
+        assert _shared_use(shared_broker, admin, "alice") == (0, 0)
+
+        child = subprocess.Popen([sys.executable, "-c", CLIENT, shared_broker.target, alice],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert child.stdout is not None
+        try:
+            assert child.stdout.readline().strip() == b"mapped"
+            # Its host array and its staging segment.
+            assert _shared_use(shared_broker, admin, "alice")[0] == (1 << 20) + STAGING_BYTES
+        finally:
+            child.kill()
+            child.wait()
+        wait_for(lambda: _shared_use(shared_broker, admin, "alice") == (0, 0), timeout=15,
+                 what="the dead client's lease to expire")
+        assert _shared_use(shared_broker, admin, "bob") == (1 << 30, 1 << 30)

@@ -91,7 +91,7 @@ class UsageRequest(_message.Message):
     def __init__(self, window_seconds: _Optional[float] = ...) -> None: ...
 
 class TenantUsage(_message.Message):
-    __slots__ = ("tenant", "device", "weight", "device_seconds", "share", "queued", "inflight", "wait_p50_ms", "wait_p99_ms", "memory_used", "memory_quota", "sessions")
+    __slots__ = ("tenant", "device", "weight", "device_seconds", "share", "queued", "inflight", "wait_p50_ms", "wait_p99_ms", "memory_used", "memory_quota", "sessions", "shared_bytes", "shared_bytes_limit")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,8 @@ class TenantUsage(_message.Message):
     MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
     MEMORY_QUOTA_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BYTES_LIMIT_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     device: int
     weight: float
@@ -116,7 +118,9 @@ class TenantUsage(_message.Message):
     memory_used: int
     memory_quota: int
     sessions: int
-    def __init__(self, tenant: _Optional[str] = ..., device: _Optional[int] = ..., weight: _Optional[float] = ..., device_seconds: _Optional[float] = ..., share: _Optional[float] = ..., queued: _Optional[int] = ..., inflight: _Optional[int] = ..., wait_p50_ms: _Optional[float] = ..., wait_p99_ms: _Optional[float] = ..., memory_used: _Optional[int] = ..., memory_quota: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+    shared_bytes: int
+    shared_bytes_limit: int
+    def __init__(self, tenant: _Optional[str] = ..., device: _Optional[int] = ..., weight: _Optional[float] = ..., device_seconds: _Optional[float] = ..., share: _Optional[float] = ..., queued: _Optional[int] = ..., inflight: _Optional[int] = ..., wait_p50_ms: _Optional[float] = ..., wait_p99_ms: _Optional[float] = ..., memory_used: _Optional[int] = ..., memory_quota: _Optional[int] = ..., sessions: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., shared_bytes_limit: _Optional[int] = ...) -> None: ...
 
 class UsageResponse(_message.Message):
     __slots__ = ("tenants", "fair_scheduling", "quantum_ms")
