@@ -31,6 +31,9 @@ class AdminClient:
         return self._call("Reload", apb.ReloadRequest())
 
     def usage(self, window_seconds: float = 0.0) -> apb.UsageResponse:
+        """Per tenant and device: device time, share, queue, waits, device memory and its quota, sessions, and the
+        host memory the tenant maps through the shared-memory side channel (``shared_bytes``, summed over all its
+        sessions, against ``shared_bytes_limit``)."""
         return self._call("Usage", apb.UsageRequest(window_seconds=window_seconds))
 
     def drain(self, grace_seconds: float | None = None) -> apb.DrainResponse:
