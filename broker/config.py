@@ -331,10 +331,12 @@ def describe_type(tp: Any) -> str:
         bounds = []
         for meta in extras:
             if isinstance(meta, Meta):
-                for name, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"), ("min_length", "length >=")):
+                for name, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
                     value = getattr(meta, name)
                     if value is not None and not (OCTAL in forms and name == "ge"):
                         bounds.append(f"{sign} {oct(value) if OCTAL in forms else format(value, 'g')}")
+                if meta.min_length is not None:
+                    bounds.append("(not empty)" if meta.min_length == 1 else f"(at least {meta.min_length})")
                 if meta.pattern is not None and meta.pattern == _NAME.pattern:
                     bounds.append("of 1-64 [A-Za-z0-9_.-]")
         return text + (" " + ", ".join(bounds) if bounds else "")
@@ -347,8 +349,8 @@ def describe_type(tp: Any) -> str:
         return f"a list of {describe_type(args[0])}"
     if origin is dict:
         return f"a table of {describe_type(args[0])} = {describe_type(args[1])}"
-    return {bool: "bool (true or false)", int: "int", float: "number", str: "string"}.get(tp, getattr(tp, "__name__",
-                                                                                                     str(tp)))
+    simple = {bool: "bool (true or false)", int: "int", float: "number", str: "string"}
+    return simple.get(tp, getattr(tp, "__name__", str(tp)))
 
 
 def _toml_type(value: object) -> str:
@@ -380,7 +382,8 @@ class _Where:
 
     def unknown(self, key: str, known: list[str]) -> InvalidArgument:
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]}?" if close else f"; the keys of [{self.table}] are: {', '.join(known)}"
+        hint = (f"; did you mean {close[0]}?" if close else f"; the keys of [{self.table}] are: {', '.join(known)}"
+                if len(known) <= 12 else "; deploy/gpubroker.example.toml lists every key")
         return InvalidArgument(f"{self.source}: unknown key [{self.table}] {key}{hint}", file=self.source,
                                table=self.table, key=key, suggestion=close[0] if close else "")
 
@@ -475,8 +478,8 @@ def parse_config(data: dict[str, Any], source: str = "<config>", path: Path | No
             ids = _Where(source, "tls.identities")
             for identity, tenant in identities.items():
                 if not isinstance(tenant, str) or not _NAME.match(tenant):
-                    raise ids.wrong_type(identity, _TLS_KEYS["identities"], tenant,
-                                         "each identity maps to a tenant's name")
+                    raise ids.error(identity, f"expected a tenant's name (a string of 1-64 [A-Za-z0-9_.-]), got "
+                                    f"{_toml_type(tenant)} {tenant!r}", expected="a tenant's name")
         cfg.tls = _convert(where, _normalize(where, tls, _TLS_KEYS), TlsConfig, _TLS_KEYS, tls)
     for name, table in data.get("tenants", {}).items():
         where = _Where(source, f"tenants.{name}")
