@@ -164,3 +164,22 @@ def test_tenant_add_creates_a_private_file(tmp_path: Path) -> None:
     assert data["tenants"]["team-x"]["admin"] is True
     assert data["tenants"]["team-x"]["device_memory"] == {"1": "16GiB"}
     assert load_config(path).tenants["team-x"].quota_on(1) == 16 << 30
+
+
+def test_concurrent_tenant_adds_lose_no_tenant(tmp_path: Path) -> None:
+    path = tmp_path / "gpubroker.toml"
+    path.write_text(CONFIG)
+    names = [f"team-{i}" for i in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-m", "gpubroker.broker.cli", "tenant", "add", name, "--config",
+                               str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in names]
+    tokens = {}
+    for name, proc in zip(names, procs, strict=True):
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        tokens[name] = out.strip().splitlines()[-1]
+    cfg = load_config(path)
+    assert set(cfg.tenants) == {"team-a", *names}
+    verifier = TokenVerifier(cfg)
+    assert all(verifier.tenant_for(token) == name for name, token in tokens.items())
+    assert [line for line in _lines(path.read_text()) if line in CONFIG.splitlines()] == _lines(CONFIG)
