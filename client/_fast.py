@@ -7,6 +7,7 @@ worker's own parameters (plain msgpack, named by the client's handles) and never
 from __future__ import annotations
 
 import itertools
+import select
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -15,7 +16,20 @@ from typing import Any
 from ._errors import DeadlineExceeded, GpuBrokerError, Unavailable, error_from_wire
 from ._frames import recv_frame, send_frame
 
-__all__ = ["DirectCommands", "FastChannel", "fast_command_stream"]
+__all__ = ["DirectCommands", "FastChannel", "fast_command_stream", "peer_hung_up"]
+
+_RDHUP = getattr(select, "POLLRDHUP", 0x2000)  # the peer shut its end (Linux)
+
+
+def peer_hung_up(sock: socket.socket) -> bool:
+    """Whether the broker closed this idle connection (its idle timeout, a revoked token): nothing is waiting to
+    be read on a connection between calls, so a hang-up there means it is gone, and a call not yet sent can go
+    another way instead of failing. (A zero-timeout poll: a recv would wait out the socket's timeout first.)"""
+    if sock.fileno() == -1:
+        return True
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | _RDHUP)
+    return any(events & (_RDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, events in poller.poll(0))
 
 
 class FastChannel:
@@ -67,6 +81,13 @@ class FastChannel:
     def closed(self) -> bool:
         """Whether the connection is gone (closed, lost, or dropped out of step by a call past its deadline)."""
         return self._sock.fileno() == -1
+
+    def hung_up(self) -> bool:
+        """Whether the broker closed it between calls (then it is closed here too)."""
+        if peer_hung_up(self._sock):
+            self._sock.close()
+            return True
+        return False
 
     def close(self) -> None:
         self._sock.close()
