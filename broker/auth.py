@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import contextvars
 import hashlib
 import hmac
@@ -259,15 +260,23 @@ class RateLimitedLog:
         now = time.monotonic()
         state = self._state.setdefault(kind, [now, 0, 0])
         if now - state[0] >= self.window:
-            if state[2]:
-                self.logger.warning("%s: %d more like this in the last %.0f s (not logged)", kind, int(state[2]),
-                                    now - state[0])
+            self._flush(kind)
             state[:] = [now, 0, 0]
         if state[1] < self.burst:
             state[1] += 1
             self.logger.warning(msg, *args)
-        else:
-            state[2] += 1
+            return
+        state[2] += 1
+        if state[2] == 1:  # say how many were left out at the window's end, even if the flood stops
+            with contextlib.suppress(RuntimeError):  # (no event loop: the next line after the window says it)
+                asyncio.get_running_loop().call_later(max(0.0, state[0] + self.window - now), self._flush, kind)
+
+    def _flush(self, kind: str) -> None:
+        state = self._state.get(kind)
+        if state is not None and state[2]:
+            self.logger.warning("%s: %d more like this in the last %.0f s (not logged)", kind, int(state[2]),
+                                time.monotonic() - state[0])
+            state[2] = 0
 
 
 class Revocations:

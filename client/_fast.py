@@ -49,7 +49,7 @@ class FastChannel:
                 hello["direct"] = True
             self._send(self._sock, hello)
             _, status, result = self._recv(self._sock)
-        except OSError as exc:
+        except (OSError, EOFError) as exc:  # (closed unanswered: refused before authentication, at a cap)
             self._sock.close()
             raise Unavailable(f"no fast path at {path}: {exc}") from None
         if status != 0:

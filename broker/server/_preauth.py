@@ -103,8 +103,9 @@ class PreAuthGate:
 
     def refused(self, listener: str, pid: int, uid: int, why: str) -> None:
         self.refusals += 1
-        self.audit.warning("pre-auth refusal", "refused: peer=unix:%s pid=%d uid=%d reason=%s", listener, pid, uid,
-                           why)
+        # Rate-limited per listener (there are a few), so that a flood on one still leaves the others' lines.
+        self.audit.warning(f"pre-auth refusals on unix:{listener}", "refused: peer=unix:%s pid=%d uid=%d reason=%s",
+                           listener, pid, uid, why)
 
 
 @dataclass(eq=False)
