@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import os
 import secrets
+import signal
 import statistics
 import threading
 import time
@@ -16,7 +18,7 @@ import grpc
 import pytest
 
 from gpubroker.broker.auth import FailurePenalty, TokenVerifier, mint_token
-from gpubroker.broker.config import BrokerConfig, TenantConfig
+from gpubroker.broker.config import BrokerConfig, TenantConfig, load_config, save_config
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import Unauthenticated, Unavailable, connect
 from gpubroker.client._fast import FastChannel
@@ -168,3 +170,20 @@ def test_a_wrong_secret_flood_leaves_another_tenants_calls_as_fast(broker: Broke
         # The flood itself was slowed: its calls now wait up to the penalty's cap.
         assert statistics.median(failures[-8:]) > 0.2, failures[-8:]
         assert sent < 200  # a few per second per sender, not thousands
+
+
+def test_a_legacy_scrypt_entry_serves_every_path_until_rotated(broker: BrokerProcess) -> None:
+    """After the flood test: it uses alice's token id, which this test replaces with a legacy entry."""
+    cfg = load_config(broker.config_path)
+    secret = secrets.token_urlsafe(32)
+    cfg.tenants["alice"].token_hash = _legacy_hash(secret)
+    save_config(cfg, broker.config_path)
+    assert broker.process is not None
+    os.kill(broker.process.pid, signal.SIGHUP)
+    wait_for(lambda: "changed=['alice']" in broker.log_tail(100_000), 20, "the reload")
+    token = f"gpb_{cfg.tenants['alice'].token_id}_{secret}"
+    with connect(broker.target, token=token, direct=False) as gpu:  # gRPC, then the fast path's hello
+        assert gpu._fast is not None
+        gpu.memset(gpu.allocate_memory(64), 0)
+    with pytest.raises(Unauthenticated):
+        connect(broker.target, token=f"gpb_{cfg.tenants['alice'].token_id}_{secrets.token_urlsafe(32)}")
