@@ -10,6 +10,7 @@ import itertools
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ from ._frames import recv_frame, send_frame
 __all__ = ["DirectCommands", "FastChannel", "fast_command_stream", "peer_hung_up"]
 
 _RDHUP = getattr(select, "POLLRDHUP", 0x2000)  # the peer shut its end (Linux)
+_QUIET = 1.0  # seconds unused after which a connection is checked for a hang-up before a call
 
 
 def peer_hung_up(sock: socket.socket) -> bool:
@@ -42,6 +44,7 @@ class FastChannel:
         self._sock_timeout = timeout
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._last = time.monotonic()  # the last answer: a connection in use is not polled for a hang-up
         try:
             self._sock.connect(path)
             hello: dict[str, Any] = {"token": token, "session": session}
@@ -63,6 +66,12 @@ class FastChannel:
             req_id = next(self._ids)
             try:
                 self._send(self._sock, [req_id, op, payload])
+            except OSError as exc:
+                # The broker closed the connection before this request went out (a revoked token, idleness):
+                # nothing ran, so the caller may send it another way.
+                self._sock.close()
+                raise Unavailable(f"fast path closed: {exc}", sent=False) from None
+            try:
                 got_id, status, result = self._recv(self._sock)
             except TimeoutError:
                 # Its answer may still come, and would be read as the next call's: this connection is done.
@@ -71,6 +80,7 @@ class FastChannel:
             except (OSError, EOFError) as exc:
                 self._sock.close()
                 raise Unavailable(f"fast path lost: {exc}") from None
+        self._last = time.monotonic()
         if got_id != req_id:
             raise GpuBrokerError(f"fast path out of step: sent {req_id}, got {got_id}")
         if status != 0:
@@ -83,7 +93,11 @@ class FastChannel:
         return self._sock.fileno() == -1
 
     def hung_up(self) -> bool:
-        """Whether the broker closed it between calls (then it is closed here too)."""
+        """Whether the broker closed it between calls (then it is closed here too). Only a connection unused for
+        a while is asked (a poll costs a system call): the broker closes idle ones, and a revoked one in use
+        fails its next call anyway."""
+        if time.monotonic() - self._last < _QUIET:
+            return self._sock.fileno() == -1
         if peer_hung_up(self._sock):
             self._sock.close()
             return True

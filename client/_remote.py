@@ -100,10 +100,12 @@ class RemoteGpu:
         if fast is not None and method in _FAST_OPS:
             try:
                 return fast.call(_FAST_OPS[method], request.SerializeToString())
-            except GpuBrokerError:
+            except GpuBrokerError as exc:
                 if fast.closed:  # lost, or out of step after a deadline: later calls go by gRPC
                     self._fast = None
-                raise
+                if exc.details.get("sent") is not False:
+                    raise
+                # (closed by the broker before the request went out: this one goes by gRPC too)
         return translated(getattr(self._stub, method), request, metadata=self._metadata, timeout=self.timeout)
 
     def _before_host_copy(self) -> None:

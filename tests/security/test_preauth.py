@@ -20,7 +20,7 @@ from gpubroker.broker.config import BrokerConfig
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.broker.server._preauth import PreAuthGate
 from gpubroker.client import connect
-from gpubroker.client._fast import FastChannel, peer_hung_up
+from gpubroker.client._fast import peer_hung_up
 from gpubroker.client._frames import recv_frame
 
 from ..helpers import wait_for
@@ -101,25 +101,21 @@ def test_an_oversize_hello_is_refused_before_its_body_is_read(guarded: BrokerPro
         assert sock.recv(1) == b""
 
 
-@pytest.mark.parametrize("which", [0, 1], ids=["fast", "shm"])
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["fast", "shm", "grpc"])
 def test_a_silent_connection_is_closed_after_the_hello_timeout(guarded: BrokerProcess, which: int) -> None:
+    # (gRPC's own socket: its handshake timeout is set from hello_timeout_seconds too)
+    path = [*_paths(guarded), guarded.target.removeprefix("unix:")][which]
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(10)
-        sock.connect(_paths(guarded)[which])
+        sock.connect(path)
         started = time.monotonic()
-        assert sock.recv(1) == b""  # closed by the broker, unanswered
+        while sock.recv(4096):  # closed by the broker (gRPC's server preface may come first, nothing else)
+            pass
         took = time.monotonic() - started
     assert HELLO_TIMEOUT * 0.9 <= took < HELLO_TIMEOUT + 2.0, took
-    assert _audit_lines(guarded, "reason=no hello within hello_timeout_seconds") or \
-        _audit_lines(guarded, "reason=no request within hello_timeout_seconds")
-
-
-def test_an_authenticated_fast_path_connection_is_not_timed_out_as_a_hello(guarded: BrokerProcess) -> None:
-    with connect(guarded.target, token=guarded.tokens["alice"]) as gpu:
-        channel = FastChannel(_paths(guarded)[0], guarded.tokens["alice"], gpu.session, 10)
-        time.sleep(HELLO_TIMEOUT * 1.5)  # not synchronisation: the point is that the hello timeout passes
-        channel.call("synchronize", b"")  # still open: the hello timeout bounds only the hello
-        channel.close()
+    if which < 2:
+        reason = "no hello within hello_timeout_seconds" if which == 0 else "no request within hello_timeout_seconds"
+        assert any(path in line for line in _audit_lines(guarded, f"reason={reason}"))
 
 
 def test_idle_authenticated_connections_are_closed_and_the_client_goes_on(guarded: BrokerProcess) -> None:
@@ -130,7 +126,8 @@ def test_idle_authenticated_connections_are_closed_and_the_client_goes_on(guarde
         assert fast is not None
         started = time.monotonic()
         wait_for(lambda: peer_hung_up(fast._sock), IDLE + 3, "the idle fast-path connection to be closed")
-        assert time.monotonic() - started >= IDLE - 1.5
+        # Open well past the hello timeout (that bounds only the hello), closed once idle for IDLE seconds.
+        assert time.monotonic() - started >= IDLE - 0.5 > HELLO_TIMEOUT
         gpu.memset(buf, 2)  # not an error: the client sees the hang-up before sending and goes by gRPC
         gpu.synchronize()
         assert gpu._fast is None
