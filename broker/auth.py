@@ -149,15 +149,21 @@ class TokenVerifier:
 
     def tenant_for(self, token: str | None) -> str:
         """The token's tenant. Never runs scrypt: a legacy entry must have been proven by ``prepare`` first."""
+        name = self.lookup(token)
+        if name is None:
+            raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
+        return name
+
+    def lookup(self, token: str | None) -> str | None:
+        """``tenant_for`` without the exception: the check itself, which costs the same for any token."""
         tenant, stored, secret = self._entry(token)
         if stored.scheme == _HMAC:
             # Always one HMAC and one constant-time compare: unknown ids, wrong and right secrets cost the same.
             ok = _hmac_ok(secret, stored)
-            if ok and tenant is not None:
-                return tenant.name
-        elif token and self._verified.get(hashlib.sha256(token.encode()).digest()) is not None and tenant:
+            return tenant.name if ok and tenant is not None else None
+        if token and tenant is not None and self._verified.get(hashlib.sha256(token.encode()).digest()) == tenant.name:
             return tenant.name
-        raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
+        return None
 
     def needs_slow_check(self, token: str | None) -> bool:
         tenant, stored, _ = self._entry(token)

@@ -41,10 +41,7 @@ def _median_seconds(fn: Callable[[], object], n: int = 3000) -> float:
     times = []
     for _ in range(n):
         t = time.perf_counter()
-        try:
-            fn()
-        except Unauthenticated:
-            pass
+        fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -62,13 +59,14 @@ def test_new_tokens_are_keyed_hashes_that_cost_the_same_right_or_wrong() -> None
     for bad in (wrong, unknown):
         with pytest.raises(Unauthenticated):
             verifier.tenant_for(bad)
-    right_t = _median_seconds(lambda: verifier.tenant_for(a.token))
-    wrong_t = _median_seconds(lambda: verifier.tenant_for(wrong))
-    unknown_t = _median_seconds(lambda: verifier.tenant_for(unknown))
+    # The check itself (raising the refusal afterwards is the same for every refusal).
+    right_t = _median_seconds(lambda: verifier.lookup(a.token))
+    wrong_t = _median_seconds(lambda: verifier.lookup(wrong))
+    unknown_t = _median_seconds(lambda: verifier.lookup(unknown))
     assert right_t < 1e-3  # microseconds, not a password hash's milliseconds
     # One HMAC and one constant-time compare each way: a wrong secret or an unknown id costs what a right one does.
     for other in (wrong_t, unknown_t):
-        assert 0.5 < other / right_t < 2.0, (right_t, wrong_t, unknown_t)
+        assert 0.67 < other / right_t < 1.5, (right_t, wrong_t, unknown_t)
 
 
 def test_legacy_scrypt_entries_work_but_never_cost_scrypt_in_the_synchronous_check() -> None:
