@@ -93,6 +93,8 @@ class FastPathServer:
             self._server.close()
             await self._server.wait_closed()
         await self.idle.stop()
+        for task in list(self._tasks):
+            task.cancel()
         Path(self.path).unlink(missing_ok=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -179,7 +181,7 @@ class FastPathServer:
         """
         limit = self.gate.hello_max_bytes
         try:
-            async with asyncio.timeout(self.service.config.hello_timeout_seconds):
+            async with asyncio.timeout(self.gate.hello_timeout):
                 (length,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
                 if length > limit:
                     ticket.refuse(f"hello of {length} bytes exceeds hello_max_bytes ({limit})")

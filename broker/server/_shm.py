@@ -206,7 +206,7 @@ class SharedMemoryServer:
                     if conn.ticket.open:  # the first request is the hello: small, and soon
                         conn.limit = min(MAX_FRAME, self.gate.hello_max_bytes)
                         try:
-                            async with asyncio.timeout(self.config.hello_timeout_seconds):
+                            async with asyncio.timeout(self.gate.hello_timeout):
                                 request = await conn.read()
                         except TimeoutError:
                             conn.ticket.refuse("no request within hello_timeout_seconds "
