@@ -19,15 +19,20 @@ import errno
 import logging
 import os
 import socket
+import struct
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gpubroker.client import FailedPrecondition, InvalidArgument
 
+from .auth import RateLimitedLog
+
 __all__ = ["VMADDR_CID_ANY", "VMADDR_PORT_ANY", "RelayServer", "serve_relay", "unix_connector", "unix_listener",
            "vsock_connector", "vsock_listener"]
 
 log = logging.getLogger("gpubroker.relay")
+audit = logging.getLogger("gpubroker.audit")
 
 # socket.VMADDR_* exist only where AF_VSOCK does; the values are fixed by the Linux ABI.
 VMADDR_CID_ANY = 0xFFFFFFFF
@@ -119,9 +124,17 @@ def _describe(sock: socket.socket, peer: object) -> str:
 class RelayServer:
     """Accepts on ``listen_sock`` and relays each connection to a fresh socket from ``connect``."""
 
-    def __init__(self, listen_sock: socket.socket, connect: Connector, max_connections: int) -> None:
+    def __init__(self, listen_sock: socket.socket, connect: Connector, max_connections: int,
+                 max_per_peer: int = 0, idle_seconds: float = 0.0) -> None:
         self.listen_sock = listen_sock
         self.max_connections = max_connections
+        # Before any byte is relayed nobody is authenticated: one peer (a VM's CID, a local uid) may hold at most
+        # this many connections (0: no limit), and a connection with no traffic either way for idle_seconds is
+        # closed (gRPC's keepalive pings keep live channels busy well within that).
+        self.max_per_peer = max_per_peer
+        self.idle_seconds = idle_seconds
+        self._per_peer: dict[object, int] = {}
+        self._refusals = RateLimitedLog(audit)
         self._connect = connect
         self._conns: set[asyncio.Task[None]] = set()
         self._accepting: asyncio.Task[None] | None = None
@@ -148,15 +161,31 @@ class RelayServer:
                 log.error("relay: accepting on %s failed, no longer accepting: %s", self.listen_sock, exc)
                 return
             who = _describe(conn, peer)
+            key = _peer_key(conn, peer)
             if len(self._conns) >= self.max_connections:
                 # Refuse by closing at once: queueing would let one guest hold the rest hostage.
-                log.warning("relay: refused %s, %d connections already open", who, len(self._conns))
+                self._refusals.warning("relay refusal", "relay: refused %s, %d connections already open", who,
+                                       len(self._conns))
+                conn.close()
+                continue
+            if self.max_per_peer and self._per_peer.get(key, 0) >= self.max_per_peer:
+                self._refusals.warning("relay refusal", "relay: refused %s (%s), which already has %d connections "
+                                       "open, the limit per peer", who, key, self._per_peer[key])
                 conn.close()
                 continue
             log.info("relay: accepted %s", who)
+            self._per_peer[key] = self._per_peer.get(key, 0) + 1
             task = loop.create_task(self._relay(conn, who))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
+            task.add_done_callback(lambda _t, key=key: self._left(key))
+
+    def _left(self, key: object) -> None:
+        left = self._per_peer.get(key, 1) - 1
+        if left > 0:
+            self._per_peer[key] = left
+        else:
+            self._per_peer.pop(key, None)
 
     async def _relay(self, client: socket.socket, who: str) -> None:
         backend: socket.socket | None = None
@@ -167,10 +196,19 @@ class RelayServer:
             except OSError as exc:
                 log.warning("relay: %s: cannot reach the backend: %s", who, exc)
                 return
-            pumps = [asyncio.ensure_future(_pump(client, backend)), asyncio.ensure_future(_pump(backend, client))]
+            activity = [time.monotonic()]
+            pumps = [asyncio.ensure_future(_pump(client, backend, activity)),
+                     asyncio.ensure_future(_pump(backend, client, activity))]
             try:
                 # Either side closing (or failing) ends the whole connection: close both, nothing lingers.
-                await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+                while True:
+                    done, _ = await asyncio.wait(pumps, timeout=self.idle_seconds / 4 or None,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if done:
+                        break
+                    if time.monotonic() - activity[0] > self.idle_seconds:
+                        log.info("relay: closing %s, idle for %.0f s", who, self.idle_seconds)
+                        break
             finally:
                 for pump in pumps:
                     pump.cancel()
@@ -194,18 +232,35 @@ class RelayServer:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _pump(src: socket.socket, dst: socket.socket) -> None:
+async def _pump(src: socket.socket, dst: socket.socket, activity: list[float]) -> None:
     loop = asyncio.get_running_loop()
     with contextlib.suppress(OSError):  # a reset is just another way for a side to close
         while data := await loop.sock_recv(src, CHUNK):
+            activity[0] = time.monotonic()
             await loop.sock_sendall(dst, data)
 
 
-async def serve_relay(listen_sock: socket.socket, target: str | Connector, max_connections: int = 256) -> RelayServer:
+def _peer_key(sock: socket.socket, peer: object) -> object:
+    """Whom a relayed connection is counted against: a VM's CID, a local peer's uid (SO_PEERCRED)."""
+    if getattr(socket, "AF_VSOCK", None) == sock.family and isinstance(peer, tuple):
+        return f"cid:{peer[0]}"
+    if sock.family == socket.AF_UNIX:
+        try:
+            _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                  struct.calcsize("3i")))
+            return f"uid:{uid}"
+        except OSError:
+            pass
+    return f"{sock.family.name}:{peer!r}"
+
+
+async def serve_relay(listen_sock: socket.socket, target: str | Connector, max_connections: int = 256,
+                      max_per_peer: int = 0, idle_seconds: float = 0.0) -> RelayServer:
     """Relay connections on ``listen_sock`` to the Unix socket path ``target`` (or sockets ``target()`` opens)."""
     if max_connections < 1:
         raise InvalidArgument("max_connections must be >= 1")
-    server = RelayServer(listen_sock, unix_connector(target) if isinstance(target, str) else target, max_connections)
+    server = RelayServer(listen_sock, unix_connector(target) if isinstance(target, str) else target, max_connections,
+                         max_per_peer, idle_seconds)
     server.start()
     return server
 

@@ -7,15 +7,31 @@ worker's own parameters (plain msgpack, named by the client's handles) and never
 from __future__ import annotations
 
 import itertools
+import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._errors import DeadlineExceeded, GpuBrokerError, Unavailable, error_from_wire
 from ._frames import recv_frame, send_frame
 
-__all__ = ["DirectCommands", "FastChannel", "fast_command_stream"]
+__all__ = ["DirectCommands", "FastChannel", "fast_command_stream", "peer_hung_up"]
+
+_RDHUP = getattr(select, "POLLRDHUP", 0x2000)  # the peer shut its end (Linux)
+_QUIET = 1.0  # seconds unused after which a connection is checked for a hang-up before a call
+
+
+def peer_hung_up(sock: socket.socket) -> bool:
+    """Whether the broker closed this idle connection (its idle timeout, a revoked token): nothing is waiting to
+    be read on a connection between calls, so a hang-up there means it is gone, and a call not yet sent can go
+    another way instead of failing. (A zero-timeout poll: a recv would wait out the socket's timeout first.)"""
+    if sock.fileno() == -1:
+        return True
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | _RDHUP)
+    return any(events & (_RDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, events in poller.poll(0))
 
 
 class FastChannel:
@@ -28,6 +44,7 @@ class FastChannel:
         self._sock_timeout = timeout
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        self._last = time.monotonic()  # the last answer: a connection in use is not polled for a hang-up
         try:
             self._sock.connect(path)
             hello: dict[str, Any] = {"token": token, "session": session}
@@ -35,7 +52,7 @@ class FastChannel:
                 hello["direct"] = True
             self._send(self._sock, hello)
             _, status, result = self._recv(self._sock)
-        except OSError as exc:
+        except (OSError, EOFError) as exc:  # (closed unanswered: refused before authentication, at a cap)
             self._sock.close()
             raise Unavailable(f"no fast path at {path}: {exc}") from None
         if status != 0:
@@ -49,6 +66,12 @@ class FastChannel:
             req_id = next(self._ids)
             try:
                 self._send(self._sock, [req_id, op, payload])
+            except OSError as exc:
+                # The broker closed the connection before this request went out (a revoked token, idleness):
+                # nothing ran, so the caller may send it another way.
+                self._sock.close()
+                raise Unavailable(f"fast path closed: {exc}", sent=False) from None
+            try:
                 got_id, status, result = self._recv(self._sock)
             except TimeoutError:
                 # Its answer may still come, and would be read as the next call's: this connection is done.
@@ -57,6 +80,7 @@ class FastChannel:
             except (OSError, EOFError) as exc:
                 self._sock.close()
                 raise Unavailable(f"fast path lost: {exc}") from None
+        self._last = time.monotonic()
         if got_id != req_id:
             raise GpuBrokerError(f"fast path out of step: sent {req_id}, got {got_id}")
         if status != 0:
@@ -67,6 +91,17 @@ class FastChannel:
     def closed(self) -> bool:
         """Whether the connection is gone (closed, lost, or dropped out of step by a call past its deadline)."""
         return self._sock.fileno() == -1
+
+    def hung_up(self) -> bool:
+        """Whether the broker closed it between calls (then it is closed here too). Only a connection unused for
+        a while is asked (a poll costs a system call): the broker closes idle ones, and a revoked one in use
+        fails its next call anyway."""
+        if time.monotonic() - self._last < _QUIET:
+            return self._sock.fileno() == -1
+        if peer_hung_up(self._sock):
+            self._sock.close()
+            return True
+        return False
 
     def close(self) -> None:
         self._sock.close()

@@ -95,13 +95,17 @@ class RemoteGpu:
         if self._commands is not None and method in _ORDERED_AFTER_COMMANDS:
             self._commands.wait(raise_error=False)  # program order: queued commands run first
         fast = self._fast
+        if fast is not None and method in _FAST_OPS and fast.hung_up():
+            self._fast = fast = None  # closed by the broker while idle (or revoked): this call goes by gRPC
         if fast is not None and method in _FAST_OPS:
             try:
                 return fast.call(_FAST_OPS[method], request.SerializeToString())
-            except GpuBrokerError:
+            except GpuBrokerError as exc:
                 if fast.closed:  # lost, or out of step after a deadline: later calls go by gRPC
                     self._fast = None
-                raise
+                if exc.details.get("sent") is not False:
+                    raise
+                # (closed by the broker before the request went out: this one goes by gRPC too)
         return translated(getattr(self._stub, method), request, metadata=self._metadata, timeout=self.timeout)
 
     def _before_host_copy(self) -> None:
@@ -125,6 +129,8 @@ class RemoteGpu:
                      request: Callable[[], Any]) -> None:
         """A device call on the direct link when there is one, else through the broker's front."""
         direct = self._direct
+        if direct is not None and direct.hung_up():
+            self._direct = direct = None  # closed while idle (or revoked): this call goes through the front
         if direct is not None and self._commands is None:
             if self._closed.is_set():
                 raise FailedPrecondition("this RemoteGpu is closed")

@@ -26,6 +26,7 @@ import msgpack
 import numpy as np
 
 from ._errors import DeadlineExceeded, FailedPrecondition, GpuBrokerError, InvalidArgument, Unavailable, error_from_wire
+from ._fast import peer_hung_up
 from ._host import check_device_range
 from ._types import Buffer
 
@@ -130,7 +131,8 @@ class SideChannel:
 
     @property
     def closed(self) -> bool:
-        return self._sock.fileno() == -1
+        """Closed here, or by the broker between requests (its idle timeout, a revoked token)."""
+        return peer_hung_up(self._sock)
 
     def close(self) -> None:
         self._sock.close()

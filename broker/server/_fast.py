@@ -11,29 +11,40 @@ worker as their gRPC twins. Requests are ``[id, op, protobuf bytes]``; replies `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgpack
 from google.protobuf.message import DecodeError, Message
 
 from gpubroker.client import GpuBrokerError, Internal, InvalidArgument, Unauthenticated, WorkerCrashed
 from gpubroker.v1 import broker_pb2 as pb
 
+from ..auth import Principal, failure_delay
 from ..logs import bind_log_context
 from ..scheduler import TurnLease
 from ..sessions import Session
 from ..workers._frames import FrameClosed, read_frame_async, write_frame_async
 from ._metrics import observe_rpc
+from ._preauth import Idle, IdleSweeper, PreAuthGate, Ticket
 from ._status import release_slot
 
 __all__ = ["FastPathServer", "fast_path_address"]
 
 log = logging.getLogger("gpubroker.fastpath")
 M = TypeVar("M", bound=Message)
+_HEADER = struct.Struct("!I")  # the frames' length prefix (client/_frames.py)
+
+
+def _frame(obj: Any) -> bytes:
+    payload = msgpack.packb(obj, use_bin_type=True)
+    return _HEADER.pack(len(payload)) + payload
 
 
 def fast_path_address(unix_path: str) -> str:
@@ -53,11 +64,16 @@ def _parse(message: type[M], payload: object) -> M:
 class FastPathServer:
     """Serves one fast-path socket for the service it fronts."""
 
-    def __init__(self, service: Any, path: str, mode: int) -> None:
+    def __init__(self, service: Any, path: str, mode: int, gate: PreAuthGate | None = None) -> None:
         self.service = service
         self.path = path
         self.mode = mode
         self._server: asyncio.AbstractServer | None = None
+        self.gate = gate if gate is not None else PreAuthGate(service.config)
+        self.idle = IdleSweeper(service.config.connection_idle_seconds, f"fast path {path}")
+        self._link_watches: dict[tuple[str, str], tuple[Principal, int]] = {}  # (session, credential) -> watch
+        self._tasks: set[asyncio.Task[None]] = set()
+        service.sessions.closing_hooks.append(self._session_closing)
         self._ops: dict[str, Callable[[Session, bytes], Awaitable[Any]]] = {
             "launch": self._launch, "memset": self._memset, "copy_d2d": self._copy_d2d,
             "synchronize": self._synchronize, "batch": self._batch, "copy_shared": self._copy_shared,
@@ -67,35 +83,57 @@ class FastPathServer:
         path = Path(self.path)
         if path.exists() or path.is_symlink():
             path.unlink()
-        self._server = await asyncio.start_unix_server(self._serve, path=self.path, limit=1 << 20)
+        # The reader's buffer limit bounds what an unauthenticated peer can make the front hold (it stops reading
+        # the socket at twice this); larger authenticated frames still arrive whole through readexactly.
+        self._server = await asyncio.start_unix_server(self._serve, path=self.path, limit=self.gate.hello_max_bytes)
         path.chmod(self.mode)
 
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        await self.idle.stop()
+        for task in list(self._tasks):
+            task.cancel()
         Path(self.path).unlink(missing_ok=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        ticket = self.gate.admit(writer.get_extra_info("socket"), self.path)
+        if ticket is None:  # past a cap on unauthenticated connections: refused (and audited) at once
+            writer.transport.abort()
+            return
+        auth = self.service.auth
+        watch: int | None = None
+        idle: Idle | None = None
+        principal: Principal | None = None
         try:
-            hello = await self._hello(reader, writer)
+            hello = await self._hello(reader, writer, ticket)
             if hello is None:
                 return
-            session, direct = hello
+            session, direct, principal = hello
+            ticket.done()
             bind_log_context(tenant=session.tenant, session=session.id)
             if direct:
                 try:
                     if await self._hand_to_worker(session, writer):
+                        self._watch_links(session, principal)
                         return
                 except WorkerCrashed as exc:  # (it died before the front noticed): the client learns why
                     await write_frame_async(writer, [0, 1, exc.to_wire()])
                     return
+            # Closed at once when its token is rotated or its tenant removed, and when it sits idle too long.
+            watch = auth.revocations.watch(principal, writer.transport.abort)
+            idle = self.idle.add(writer.transport.abort)
             await write_frame_async(writer, [0, 0, None])
             while True:
                 frame = await read_frame_async(reader)
+                idle.busy += 1
                 req_id = frame[0] if isinstance(frame, list) and frame else 0
                 started, code, method = time.perf_counter(), "OK", "fast/unknown"
                 try:
+                    if not auth.valid(principal.tenant, principal.credential):
+                        raise Unauthenticated("the token that opened this connection was rotated or its tenant "
+                                              "removed; reconnect with the current token")
                     if not (isinstance(frame, list) and len(frame) == 3):
                         raise InvalidArgument("a fast-path request is [id, operation, payload]")
                     _, op, payload = frame
@@ -117,28 +155,94 @@ class FastPathServer:
                     log.exception("fast-path %s failed", method)
                     code = "INTERNAL"
                     reply = [req_id, 1, Internal(f"internal broker error: {type(exc).__name__}").to_wire()]
+                finally:
+                    idle.busy -= 1
+                    idle.last_active = time.monotonic()
                 observe_rpc(method, code, time.perf_counter() - started)
                 await write_frame_async(writer, reply)
+                if code == "UNAUTHENTICATED":
+                    return
         except (FrameClosed, ConnectionError, ValueError):
             pass
         finally:
+            ticket.done()
+            if watch is not None and principal is not None:
+                auth.revocations.unwatch(principal, watch)
+            if idle is not None:
+                self.idle.remove(idle)
             writer.close()
 
-    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-                     ) -> tuple[Session, bool] | None:
-        """The first frame: {token, session, direct?}. Same rules and messages as the gRPC front."""
-        hello = await read_frame_async(reader)
+    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ticket: Ticket
+                     ) -> tuple[Session, bool, Principal] | None:
+        """The first frame: {token, session, direct?}. Same rules and messages as the gRPC front.
+
+        Read under the pre-authentication limits: a header announcing more than ``hello_max_bytes`` is refused
+        before a byte of the body is read, and the whole hello must arrive within ``hello_timeout_seconds``.
+        """
+        limit = self.gate.hello_max_bytes
         try:
-            if not isinstance(hello, dict):
-                raise Unauthenticated("missing or invalid bearer token")
-            token = hello.get("token")
-            tenant = self.service.auth.tokens.tenant_for(token if isinstance(token, str) else None)
-            session = self.service.sessions.get(str(hello.get("session", "")), tenant)
+            async with asyncio.timeout(self.gate.hello_timeout):
+                (length,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+                if length > limit:
+                    ticket.refuse(f"hello of {length} bytes exceeds hello_max_bytes ({limit})")
+                    writer.write(_frame([0, 1, InvalidArgument(
+                        f"a fast-path hello is at most {limit} bytes, got {length}").to_wire()]))
+                    return None
+                payload = await reader.readexactly(length)
+        except TimeoutError:
+            ticket.refuse(f"no hello within hello_timeout_seconds ({self.service.config.hello_timeout_seconds:g} s)")
+            return None
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None
+        auth = self.service.auth
+        try:
+            try:
+                hello = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+            except (ValueError, msgpack.UnpackException):
+                hello = None
+            token = hello.get("token") if isinstance(hello, dict) else None
+            token = token if isinstance(token, str) and token else None
+            await auth.tokens.prepare(token)
+            metadata = [("authorization", f"Bearer {token}")] if token else []
+            try:
+                principal = auth.authenticate(metadata, {}, ticket.peer, "fast/hello", penalty_key=f"uid:{ticket.uid}")
+            except Unauthenticated:
+                delay = failure_delay.get()
+                if delay:  # this peer's penalty for failing (see auth.FailurePenalty); nobody else waits
+                    await asyncio.sleep(delay)
+                raise
+            assert isinstance(hello, dict)
+            session = self.service.sessions.get(str(hello.get("session", "")), principal.tenant)
             session.check_alive()
         except GpuBrokerError as exc:
             await write_frame_async(writer, [0, 1, exc.to_wire()])
             return None
-        return session, hello.get("direct") is True
+        return session, hello.get("direct") is True, principal
+
+    def _watch_links(self, session: Session, principal: Principal) -> None:
+        """A direct link lives in the worker: at a revocation, the front tells the worker to close the session's
+        links (the client reconnects with the current token). One watch per session and credential."""
+        key = (session.id, principal.credential)
+        if key in self._link_watches:
+            return
+
+        def close_links() -> None:
+            self._link_watches.pop(key, None)
+            task = asyncio.get_running_loop().create_task(self._close_links(session))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        self._link_watches[key] = (principal, self.service.auth.revocations.watch(principal, close_links))
+
+    async def _close_links(self, session: Session) -> None:
+        if session.lost is None:
+            with contextlib.suppress(GpuBrokerError):
+                await session.worker.call("close_links", session.id)
+
+    async def _session_closing(self, session: Session) -> None:
+        for key in [k for k in self._link_watches if k[0] == session.id]:
+            principal, watch = self._link_watches.pop(key)
+            self.service.auth.revocations.unwatch(principal, watch)
 
     async def _hand_to_worker(self, session: Session, writer: asyncio.StreamWriter) -> bool:
         """Give the connection to the session's worker, which answers the hello and serves it from then on.

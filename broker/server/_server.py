@@ -34,6 +34,7 @@ from ._credentials import tcp_credentials
 from ._fast import FastPathServer, fast_path_address
 from ._health import BrokerHealth
 from ._metrics import MetricsServer, serve_metrics
+from ._preauth import PreAuthGate
 from ._service import GpuBrokerService
 from ._shm import SharedMemoryServer
 from ._status import add_servicer
@@ -146,6 +147,11 @@ class Broker:
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # Before authentication: a connection that has not finished its HTTP/2 (and TLS) handshake within
+            # the hello timeout is dropped, so idle unauthenticated connections cannot pile up (gRPC's default
+            # is two minutes).
+            *([("grpc.server_handshake_timeout_ms", max(1, int(cfg.hello_timeout_seconds * 1000)))]
+              if cfg.hello_timeout_seconds > 0 else []),
             *_keepalive_options(),
         ])
         # Requests whose bytes do not parse get INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN).
@@ -155,6 +161,8 @@ class Broker:
         add_servicer(apb_grpc.add_AdminServicer_to_server, admin, self.server)
         self.health.add_to_server(self.server)  # grpc.health.v1 and reflection, both without a token
         await self.health.start()
+        # One count of unauthenticated connections across every raw listener (.fast and .shm of each socket).
+        gate = PreAuthGate(cfg)
         for address in cfg.listen:
             if address.startswith("unix:"):
                 path = Path(address[len("unix:"):])
@@ -170,12 +178,13 @@ class Broker:
             if address.startswith("unix:"):
                 _secure_unix_socket(Path(address[len("unix:"):]), cfg.socket_mode, cfg.socket_group)
                 if cfg.fast_path:
-                    fast = FastPathServer(service, fast_path_address(address[len("unix:"):]), cfg.socket_mode)
+                    fast = FastPathServer(service, fast_path_address(address[len("unix:"):]), cfg.socket_mode,
+                                          gate)
                     await fast.start()
                     _secure_unix_socket(Path(fast.path), cfg.socket_mode, cfg.socket_group)
                     self.fast_paths.append(fast)
         # Same-host shared memory: "<socket>.shm" beside each Unix socket carries memfds to the workers.
-        self.shm = SharedMemoryServer(cfg, self.auth, self.sessions)
+        self.shm = SharedMemoryServer(cfg, self.auth, self.sessions, gate)
         for address in self.ports:
             if address.startswith("unix:"):
                 shm_path = Path(address[len("unix:"):] + ".shm")
@@ -192,7 +201,9 @@ class Broker:
             # grpcio cannot listen on vsock: relay VM connections to our Unix socket, whose local credentials
             # then carry the bearer token exactly as for a local client.
             try:
-                self.relay = await serve_relay(vsock_listener(cfg.vsock_port), unix_paths[0])
+                self.relay = await serve_relay(vsock_listener(cfg.vsock_port), unix_paths[0],
+                                               max_per_peer=cfg.max_unauthenticated_per_uid,
+                                               idle_seconds=cfg.connection_idle_seconds)
             except BaseException:
                 await self.stop(0)
                 raise
@@ -274,7 +285,9 @@ class Broker:
         added = sorted(set(new) - set(old))
         removed = sorted(set(old) - set(new))
         changed = sorted(n for n in set(old) & set(new) if old[n] != new[n])
-        # Swap in place: the service, sessions and authenticator all hold this config object.
+        # Swap in place: the service, sessions and authenticator all hold this config object. The authenticator's
+        # reload also closes, at once, every stream and connection that a rotated or removed token opened (their
+        # sessions stay: the client reconnects with its new token; a removed tenant's sessions end below).
         self.config.tenants = new
         self.auth.reload(self.config)
         self._apply_weights()

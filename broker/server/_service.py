@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from typing import Any, TypeVar
 
 import grpc
 
@@ -18,11 +19,12 @@ from gpubroker.client import (
     NotFound,
     OutOfRange,
     ResourceExhausted,
+    Unauthenticated,
 )
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
-from ..auth import Authenticator
+from ..auth import Authenticator, Principal
 from ..config import BrokerConfig
 from ..scheduler import DeviceScheduler
 from ..sessions import Session, SessionManager
@@ -47,6 +49,47 @@ _FORMATS = {
 # round trip and a sync: 64 MiB pieces cost a 512 MiB copy about an eighth of its bandwidth.
 _SHARED_PIECE = 256 * 1024 * 1024
 _STAGING_SLOTS = max(READ_DEPTH, WRITE_DEPTH)
+REVOKED_MESSAGE = ("the token that opened this stream was rotated or its tenant removed; reconnect with the "
+                   "current token")
+T = TypeVar("T")
+
+
+class _Revocable:
+    """A stream's hold on its credential: at a revocation, whatever the stream awaits is cancelled and the stream
+    ends with UNAUTHENTICATED (its session stays; the client reconnects with the current token)."""
+
+    def __init__(self) -> None:
+        self.revoked = False
+        self._pending: asyncio.Future[Any] | None = None
+
+    def revoke(self) -> None:
+        self.revoked = True
+        if self._pending is not None:
+            self._pending.cancel()
+
+    async def run(self, awaitable: Awaitable[T]) -> T:
+        if self.revoked:
+            raise Unauthenticated(REVOKED_MESSAGE)
+        future = asyncio.ensure_future(awaitable)
+        self._pending = future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.revoked and (task is None or not task.cancelling()):  # ours, not the call's cancellation
+                raise Unauthenticated(REVOKED_MESSAGE) from None
+            raise
+        finally:
+            self._pending = None
+
+    async def iterate(self, items: AsyncIterator[T]) -> AsyncIterator[T]:
+        iterator = aiter(items)
+        while True:
+            try:
+                item = await self.run(anext(iterator))
+            except StopAsyncIteration:
+                return
+            yield item
 
 
 def device_info_to_pb(info: DeviceInfo) -> pb.DeviceInfo:
@@ -78,6 +121,16 @@ class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
             return await session.worker.call(op, session.id, **params)
 
     # -- helpers -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _revocable(self, principal: Principal) -> Iterator[_Revocable]:
+        """Streams outlive the call that authenticated them: they end when that credential is revoked."""
+        guard = _Revocable()
+        watch = self.auth.revocations.watch(principal, guard.revoke)
+        try:
+            yield guard
+        finally:
+            self.auth.revocations.unwatch(principal, watch)
+
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
         return principal_of(self.auth, context).tenant
 
@@ -197,32 +250,36 @@ class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
     @rpc
     async def CopyHostToDevice(self, request_iterator: AsyncIterator[pb.HostToDeviceChunk],
                                context: grpc.aio.ServicerContext) -> pb.Empty:
-        tenant = self._tenant(context)
-        first = await anext(aiter(request_iterator), None)
-        if first is None or not first.HasField("header"):
-            raise InvalidArgument("the first chunk must carry the copy header")
-        header = first.header
-        session = self._session(context, header.session, tenant)
-        buf = self._buffer_ref(session, header.buffer)
-        stream = self._stream(session, header.stream)
-        check_copy_range(buf, header.offset, header.size)
-        async with self.stagings.use(session, _STAGING_SLOTS, self.config.chunk_bytes) as staging:
-            await write_chunks(self._device, session, header, buf, stream, first, aiter(request_iterator),
-                               self.config.chunk_bytes, staging=staging)
+        principal = principal_of(self.auth, context)
+        with self._revocable(principal) as guard:
+            requests = guard.iterate(request_iterator)
+            first = await anext(requests, None)
+            if first is None or not first.HasField("header"):
+                raise InvalidArgument("the first chunk must carry the copy header")
+            header = first.header
+            session = self._session(context, header.session, principal.tenant)
+            buf = self._buffer_ref(session, header.buffer)
+            stream = self._stream(session, header.stream)
+            check_copy_range(buf, header.offset, header.size)
+            async with self.stagings.use(session, _STAGING_SLOTS, self.config.chunk_bytes) as staging:
+                await write_chunks(self._device, session, header, buf, stream, first, requests,
+                                   self.config.chunk_bytes, staging=staging)
         return pb.Empty()
 
     @stream_rpc
     async def CopyDeviceToHost(self, request: pb.CopyDeviceToHostRequest, context: grpc.aio.ServicerContext
                                ) -> AsyncIterator[pb.DeviceToHostChunk]:
-        session = self._session(context, request.session)
+        principal = principal_of(self.auth, context)
+        session = self._session(context, request.session, principal.tenant)
         buf = self._buffer_ref(session, request.buffer)
         stream = self._stream(session, request.stream)
         check_copy_range(buf, request.offset, request.size)
         chunk = min(request.chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
-        async with self.stagings.use(session, _STAGING_SLOTS, self.config.chunk_bytes) as staging:
-            async for message in read_chunks(self._device, session, buf, request.offset, request.size, chunk, stream,
-                                             staging=staging):
-                yield message
+        with self._revocable(principal) as guard:
+            async with self.stagings.use(session, _STAGING_SLOTS, self.config.chunk_bytes) as staging:
+                async for message in guard.iterate(read_chunks(self._device, session, buf, request.offset,
+                                                               request.size, chunk, stream, staging=staging)):
+                    yield message
 
     @rpc
     async def CopyShared(self, request: pb.CopySharedRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
@@ -299,12 +356,13 @@ class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
     async def Commands(self, request_iterator: AsyncIterator[pb.CommandBatch], context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.BatchAck]:
         """Batches run in order, each under one scheduler turn; a failure is acknowledged, not raised."""
-        tenant = self._tenant(context)
+        principal = principal_of(self.auth, context)
         session: Session | None = None
-        async for batch in request_iterator:
-            if session is None:
-                session = self.sessions.get(batch.session, tenant)
-            yield await self.run_batch(session, batch)
+        with self._revocable(principal) as guard:
+            async for batch in guard.iterate(request_iterator):
+                if session is None:
+                    session = self.sessions.get(batch.session, principal.tenant)
+                yield await guard.run(self.run_batch(session, batch))
 
     async def run_batch(self, session: Session, batch: pb.CommandBatch) -> pb.BatchAck:
         """Run a batch's commands in order under one turn; the first failure is acknowledged, not raised."""

@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 import stat
-import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,12 +25,14 @@ from gpubroker.client import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    Unauthenticated,
 )
 from gpubroker.client._shm import FRAME_HEADER, MAX_FRAME, pack_frame, unpack_frame
 
-from ..auth import Authenticator
+from ..auth import Authenticator, Principal, failure_delay
 from ..config import BrokerConfig
 from ..sessions import Session, SessionManager
+from ._preauth import Idle, IdleSweeper, PreAuthGate, Ticket, peer_credentials
 
 __all__ = ["SharedMemoryServer"]
 
@@ -38,16 +40,6 @@ log = logging.getLogger("gpubroker.server")
 # Connections are cheap but not free: beyond this many at once, new ones are closed at once.
 MAX_CONNECTIONS = 1024
 _MAX_FDS = 4  # one is expected; a few more are received only to be closed
-
-
-def _peer(conn: socket.socket, path: Path) -> str:
-    """``unix:PATH pid=.. uid=..`` for the audit log (the kernel vouches for the peer's credentials)."""
-    try:
-        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                             struct.calcsize("3i")))
-    except OSError:
-        return f"unix:{path}"
-    return f"unix:{path} pid={pid} uid={uid}"
 
 
 def check_segment_fd(fd: int, size: int) -> None:
@@ -76,20 +68,26 @@ async def _wait(loop: asyncio.AbstractEventLoop, fd: int, writable: bool) -> Non
 class _Connection:
     """One client's connection: frames in (with any fds that came along), replies out."""
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, ticket: Ticket) -> None:
         self.sock = sock
         self.peer = peer
+        self.ticket = ticket  # open until a request authenticates
         self.loop = asyncio.get_running_loop()
         self._buf = bytearray()
         self._fds: list[int] = []
+        self.limit = MAX_FRAME
+        self.watches: dict[tuple[str, str], tuple[Principal, int]] = {}  # revocation watches, by credential
 
     async def read(self) -> tuple[Any, list[int]] | None:
         """The next request and the fds received with it (the caller closes them); None at end of stream."""
         while True:
+            limit = self.limit
             if len(self._buf) >= FRAME_HEADER.size:
                 (length,) = FRAME_HEADER.unpack_from(self._buf)
-                if length > MAX_FRAME:
-                    raise InvalidArgument(f"side-channel frame of {length} bytes exceeds {MAX_FRAME}")
+                if length > limit:
+                    if self.ticket.open:
+                        self.ticket.refuse(f"hello of {length} bytes exceeds hello_max_bytes ({limit})")
+                    raise InvalidArgument(f"side-channel frame of {length} bytes exceeds {limit}")
                 end = FRAME_HEADER.size + length
                 if len(self._buf) >= end:
                     payload = bytes(self._buf[FRAME_HEADER.size:end])
@@ -100,8 +98,10 @@ class _Connection:
                     except ValueError:
                         self._fds = fds  # closed with the connection
                         raise InvalidArgument("side-channel frame is not valid msgpack") from None
+            # Never more than the frame being read can still need: the buffer stays under the frame limit.
+            want = (FRAME_HEADER.size + limit) - len(self._buf)
             try:
-                data, fds, flags, _ = socket.recv_fds(self.sock, MAX_FRAME, _MAX_FDS)
+                data, fds, flags, _ = socket.recv_fds(self.sock, max(want, 1), _MAX_FDS)
             except BlockingIOError:
                 await _wait(self.loop, self.sock.fileno(), writable=False)
                 continue
@@ -120,7 +120,13 @@ class _Connection:
             except BlockingIOError:
                 await _wait(self.loop, self.sock.fileno(), writable=True)
 
+    def hang_up(self) -> None:
+        """End the connection from outside its task (a revocation, idleness): its pending read sees the end."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
+        self.ticket.done()
         for fd in self._fds:
             os.close(fd)
         self._fds = []
@@ -130,10 +136,13 @@ class _Connection:
 class SharedMemoryServer:
     """Accepts segment registrations on every ``.shm`` socket and forwards each fd to the tenant's worker."""
 
-    def __init__(self, config: BrokerConfig, auth: Authenticator, sessions: SessionManager) -> None:
+    def __init__(self, config: BrokerConfig, auth: Authenticator, sessions: SessionManager,
+                 gate: PreAuthGate | None = None) -> None:
         self.config = config
         self.auth = auth
         self.sessions = sessions
+        self.gate = gate if gate is not None else PreAuthGate(config)
+        self.idle = IdleSweeper(config.connection_idle_seconds, "side channel")
         self._listeners: list[tuple[socket.socket, Path, int]] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -160,6 +169,7 @@ class SharedMemoryServer:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.idle.stop()
         for sock, path, ino in self._listeners:
             sock.close()
             with contextlib.suppress(OSError):
@@ -177,45 +187,89 @@ class SharedMemoryServer:
                 await asyncio.sleep(0.1)
                 continue
             if len(self._tasks) > MAX_CONNECTIONS:
+                pid, uid = peer_credentials(conn)
+                self.gate.refused(str(path), pid, uid, f"{MAX_CONNECTIONS} side-channel connections open, the limit")
+                conn.close()
+                continue
+            ticket = self.gate.admit(conn, str(path))
+            if ticket is None:  # past a cap on unauthenticated connections: refused (and audited) at once
                 conn.close()
                 continue
             conn.setblocking(False)
-            self._spawn(self._serve(_Connection(conn, _peer(conn, path))))
+            self._spawn(self._serve(_Connection(conn, ticket.peer, ticket)))
 
     async def _serve(self, conn: _Connection) -> None:
+        idle: Idle | None = None
         try:
             while True:
                 try:
-                    request = await conn.read()
+                    if conn.ticket.open:  # the first request is the hello: small, and soon
+                        conn.limit = min(MAX_FRAME, self.gate.hello_max_bytes)
+                        try:
+                            async with asyncio.timeout(self.gate.hello_timeout):
+                                request = await conn.read()
+                        except TimeoutError:
+                            conn.ticket.refuse("no request within hello_timeout_seconds "
+                                               f"({self.config.hello_timeout_seconds:g} s)")
+                            return
+                    else:
+                        conn.limit = MAX_FRAME
+                        request = await conn.read()
                 except GpuBrokerError as exc:  # a broken frame: say why, then hang up
                     await conn.write({"error": exc.to_wire()})
                     return
                 if request is None:
                     return
                 message, fds = request
+                if idle is not None:
+                    idle.busy += 1
+                failed = False
                 try:
-                    reply = await self._handle(message, fds, conn.peer)
+                    reply = await self._handle(conn, message, fds)
                 except GpuBrokerError as exc:
                     reply = {"error": exc.to_wire()}
+                    failed = isinstance(exc, Unauthenticated)
                 except Exception as exc:
                     log.exception("side channel: unexpected error")
                     reply = {"error": {"code": "INTERNAL", "message": f"internal broker error: {type(exc).__name__}"}}
                 finally:
                     for fd in fds:  # the worker has its own copy by now (or never will)
                         os.close(fd)
+                    if idle is not None:
+                        idle.busy -= 1
+                        idle.last_active = time.monotonic()
+                if failed:
+                    delay = failure_delay.get()
+                    if delay:  # this peer's penalty for failing (see auth.FailurePenalty); nobody else waits
+                        failure_delay.set(0.0)
+                        await asyncio.sleep(delay)
                 await conn.write(reply)
+                if conn.ticket.open:
+                    return  # a connection that did not authenticate gets one try
+                if idle is None:
+                    idle = self.idle.add(conn.hang_up)
         except (ConnectionError, OSError):
             pass  # the client went away; its segments live on with its session
         finally:
+            for principal, watch in conn.watches.values():
+                self.auth.revocations.unwatch(principal, watch)
+            if idle is not None:
+                self.idle.remove(idle)
             conn.close()
 
-    async def _handle(self, message: Any, fds: list[int], peer: str) -> dict[str, Any]:
+    async def _handle(self, conn: _Connection, message: Any, fds: list[int]) -> dict[str, Any]:
         if not isinstance(message, dict):
             raise InvalidArgument("a side-channel request is a map")
         token = message.get("token")
         # The same rules and the same answer as a gRPC call on the Unix socket (which has no certificates).
         metadata = [("authorization", f"Bearer {token}")] if isinstance(token, str) and token else []
-        principal = self.auth.authenticate(metadata, {}, peer, "SharedMemory")
+        await self.auth.prepare(metadata)
+        principal = self.auth.authenticate(metadata, {}, conn.peer, "SharedMemory",
+                                           penalty_key=f"uid:{conn.ticket.uid}")
+        conn.ticket.done()  # authenticated: no longer counted against the pre-authentication caps
+        key = (principal.tenant, principal.credential)
+        if key not in conn.watches:  # closed when this token is rotated or its tenant removed
+            conn.watches[key] = (principal, self.auth.revocations.watch(principal, conn.hang_up))
         session_id = message.get("session")
         if not isinstance(session_id, str):
             raise InvalidArgument("the request names no session")

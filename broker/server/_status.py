@@ -15,7 +15,7 @@ import msgpack
 
 from gpubroker.client import GpuBrokerError, Internal, InvalidArgument
 
-from ..auth import Authenticator, Principal
+from ..auth import Authenticator, Principal, failure_delay
 from ..logs import bind_log_context, log_context
 from ..sessions import Session
 from ._metrics import observe_rpc
@@ -117,6 +117,22 @@ async def _parsed_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield _parsed(request)
 
 
+async def _prepare(servicer: Any, context: grpc.aio.ServicerContext) -> None:
+    """Whatever the call's authentication needs off the event loop (a legacy scrypt token), before the handler."""
+    failure_delay.set(0.0)
+    auth = getattr(servicer, "auth", None)
+    if auth is not None:
+        await auth.prepare(context.invocation_metadata())
+
+
+async def _failure_penalty() -> None:
+    """A failed authentication's reply waits (that peer's penalty, see auth.FailurePenalty); nobody else does."""
+    delay = failure_delay.get()
+    if delay:
+        failure_delay.set(0.0)
+        await asyncio.sleep(delay)
+
+
 def _unexpected(exc: Exception) -> GpuBrokerError:
     log.exception("unexpected error in an RPC handler")
     return Internal(f"internal broker error: {type(exc).__name__}")
@@ -159,9 +175,11 @@ def rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -> 
         started = _begin(fn.__name__, request)
         code = "OK"
         try:
+            await _prepare(self, context)
             return await fn(self, _parsed(request), context)
         except Exception as exc:
             code = _status_name(exc, context)
+            await _failure_penalty()
             await _abort_for(context, exc)
         except BaseException as exc:
             code = _status_name(exc, context)
@@ -183,10 +201,12 @@ def stream_rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[
         started = _begin(fn.__name__, request)
         code = "OK"
         try:
+            await _prepare(self, context)
             async for item in fn(self, _parsed(request), context):
                 yield item
         except Exception as exc:
             code = _status_name(exc, context)
+            await _failure_penalty()
             await _abort_for(context, exc)
         except BaseException as exc:
             code = _status_name(exc, context)

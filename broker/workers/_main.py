@@ -310,6 +310,11 @@ class WorkerServer(PeerOps):
             sock.close()
             raise Internal(f"could not answer the client on its direct link: {exc}") from None
 
+    def op_close_links(self, session: str, p: dict[str, Any]) -> Any:
+        """Close the session's direct links (the token that opened them was revoked); the session stays."""
+        self.links.close_session(session)
+        return None
+
     def op_close_session(self, session: str, p: dict[str, Any]) -> Any:
         """Free everything the session owned; errors on one object do not stop the rest."""
         self.links.close_session(session)

@@ -171,6 +171,7 @@ def test_tenant_add_prints_the_token_last_and_stores_only_a_hash(tmp_path: Path)
     cfg = load_config(config)
     assert cfg.tenants["team-x"].memory_quota == 2 * 1024**3 and cfg.tenants["team-x"].weight == 3
     assert TokenVerifier(cfg).tenant_for(token) == "team-x"
+    assert cfg.tenants["team-x"].token_hash.startswith("hmac-sha256$")  # the keyed hash, not scrypt
     again = subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", "tenant", "add", "team-x", "--config",
                             str(config)], capture_output=True, text=True)
     assert again.returncode == 2 and "already exists" in again.stderr

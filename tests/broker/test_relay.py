@@ -36,14 +36,14 @@ LOOPS = [pytest.param(asyncio.new_event_loop, id="asyncio"), pytest.param(uvloop
 
 
 @contextlib.contextmanager
-def running_relay(listen: socket.socket, target: str, loop_factory, max_connections: int = 256
-                  ) -> Iterator[RelayServer]:
+def running_relay(listen: socket.socket, target: str, loop_factory, max_connections: int = 256,
+                  **limits: float) -> Iterator[RelayServer]:
     """The relay on an event loop of its own in a thread, as the broker's would run beside a blocking test."""
     started: Future[RelayServer] = Future()
     stop: Future[None] = Future()
 
     async def main() -> None:
-        relay = await serve_relay(listen, target, max_connections)
+        relay = await serve_relay(listen, target, max_connections, **limits)  # type: ignore[arg-type]
         stopping = asyncio.wrap_future(stop)
         started.set_result(relay)
         await stopping
@@ -174,6 +174,23 @@ def test_connections_over_the_cap_are_closed_at_once(workdir: Path, loop_factory
     messages = [r.getMessage() for r in caplog.records]
     assert sum("relay: accepted AF_UNIX" in m for m in messages) >= 2
     assert any("relay: refused AF_UNIX, 1 connections already open" in m for m in messages)
+
+
+@pytest.mark.parametrize("loop_factory", LOOPS)
+def test_one_peer_is_capped_and_idle_connections_are_closed(workdir: Path, loop_factory,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    with backend(workdir / "echo.sock", _Echo), \
+            running_relay(unix_listen(workdir / "relay.sock"), str(workdir / "echo.sock"), loop_factory,
+                          max_per_peer=2, idle_seconds=0.5), \
+            unix_connect(workdir / "relay.sock") as first, unix_connect(workdir / "relay.sock") as second:
+        assert echo(first, b"1") == b"1" and echo(second, b"2") == b"2"
+        with unix_connect(workdir / "relay.sock") as third:  # this uid's third: refused at once
+            assert_closed(third)
+        started = time.monotonic()
+        assert_closed(first)  # then both go quiet and are closed as idle
+        assert_closed(second)
+        assert 0.3 < time.monotonic() - started < 0.5 + TIMEOUT / 2
+    assert any("which already has 2 connections open, the limit per peer" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("loop_factory", LOOPS)
