@@ -112,14 +112,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                     require_client_cert=True)
     secret = f"gpb-secret-{secrets.token_hex(16)}"
     with BrokerProcess(TENANTS, backend="opencl", tcp=["127.0.0.1:0"], settings={**_settings(tmp), "tls": tls},
-                       env={"GPB_ATTACK_SECRET": secret}) as broker:
+                       env={"GPB_ATTACK_SECRET": secret}) as broker, contextlib.ExitStack() as sessions:
         attacker = _open(broker, "alice", ATTACK_SOURCE, ("gpb_attack", "gpb_addr"))
+        sessions.callback(attacker.gpu.close)
         victim = _open(broker, "bob", VICTIM_SOURCE, ("gpb_addr", "gpb_scale"))
-        try:
-            yield World(broker, secret, tmp / "tls", tmp / "caches", attacker, victim)
-        finally:
-            attacker.gpu.close()
-            victim.gpu.close()
+        sessions.callback(victim.gpu.close)
+        yield World(broker, secret, tmp / "tls", tmp / "caches", attacker, victim)
 
 
 # -- checks ----------------------------------------------------------------------------------------------------------
@@ -380,11 +378,14 @@ def test_cannot_open_a_network_socket(world: World) -> None:
 def test_cannot_signal_the_front_or_another_worker(tmp_path: Path) -> None:
     """A broker of its own: unsandboxed, this attack stops and kills the front."""
     check_arch()
-    with BrokerProcess(TENANTS[:2], backend="opencl", settings=_settings(tmp_path)) as broker:
+    with BrokerProcess(TENANTS[:2], backend="opencl", settings=_settings(tmp_path)) as broker, \
+            contextlib.ExitStack() as sessions:
         assert broker.process is not None
         front = broker.process.pid
         attacker = _open(broker, "alice", ATTACK_SOURCE, ("gpb_attack", "gpb_addr"))
+        sessions.callback(attacker.gpu.close)
         victim = _open(broker, "bob", VICTIM_SOURCE, ("gpb_addr", "gpb_scale"))
+        sessions.callback(victim.gpu.close)
         buf, data, _ = plant(victim)
         pids = {"bob's worker": victim.pid, "the front": front}
 
@@ -429,5 +430,3 @@ def test_cannot_signal_the_front_or_another_worker(tmp_path: Path) -> None:
         assert pid_state(victim.pid) not in (None, "Z"), "bob's worker died"
         assert contents(victim.gpu, buf) == data
         assert_serves(broker, victim)
-        attacker.gpu.close()
-        victim.gpu.close()
