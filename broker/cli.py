@@ -21,6 +21,7 @@ audit = logging.getLogger("gpubroker.audit")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from .sandbox import set_dumpable
     from .server import run_broker
 
     cfg = load_config(args.config)
@@ -30,6 +31,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         cfg.backend = args.backend
     if args.insecure:
         cfg.insecure = True
+    if args.no_sandbox:
+        cfg.sandbox = False
     if args.vsock_port is not None:
         cfg.vsock_port = args.vsock_port
     if args.metrics_listen is not None:
@@ -38,6 +41,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         cfg.log_format = args.log_format
     configure_logging(cfg.log_format, verbose=args.verbose)
     os.environ["GPUBROKER_LOG_FORMAT"] = cfg.log_format  # for the workers it starts
+    # The front holds every tenant's tokens in memory: no same-uid process may ptrace it or read /proc/<pid>/mem.
+    set_dumpable(False)
     if not cfg.tenants:
         print(f"gpubroker: warning: {args.config} has no tenants; add one with `gpubroker tenant add`",
               file=sys.stderr)
@@ -225,6 +230,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--ready-file", help="write the bound addresses here (JSON) once serving")
     s.add_argument("--insecure", action="store_true",
                    help="allow plaintext TCP on non-loopback addresses (tokens travel in the clear)")
+    s.add_argument("--no-sandbox", action="store_true",
+                   help="run workers without their sandbox (tenants' code can then reach the broker and each other)")
     s.add_argument("--vsock-port", type=int, help="also accept VMs on this vsock port (0: off); overrides the config")
     s.add_argument("--metrics-listen", type=_metrics_address, metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (empty: off); overrides the config")
