@@ -12,7 +12,7 @@ from gpubroker.client import GpuBrokerError, InvalidArgument, NotFound
 
 from .admin_cli import add_admin_parsers
 from .auth import mint_token
-from .config import TenantConfig, format_size, load_config, parse_size, save_config, split_host_port
+from .config import BrokerConfig, TenantConfig, format_size, load_config, parse_size, save_config, split_host_port
 from .logs import configure_logging
 
 __all__ = ["main"]
@@ -151,15 +151,17 @@ def _cmd_devices(args: argparse.Namespace) -> int:
     if args.target:
         from gpubroker.client import list_devices
 
-        devices = list_devices(args.target, args.token or os.environ.get("GPUBROKER_TOKEN") or None)
+        token = args.token or os.environ.get("GPUBROKER_TOKEN") or None
+        devices = list_devices(args.target, token)
         kind = devices[0].backend if devices else "none"
-        print(f"broker {args.target}, backend: {kind}")
+        print(f"broker {args.target}, backend: {kind}, sandbox: {_remote_sandbox(args.target, token)}")
     else:
         from .server import probe_devices
 
-        backend = args.backend or (load_config(args.config).backend if args.config else "auto")
+        cfg = load_config(args.config) if args.config else BrokerConfig()
+        backend = args.backend or cfg.backend
         kind, devices = probe_devices(backend)
-        print(f"backend: {kind}")
+        print(f"backend: {kind}, sandbox: {_local_sandbox(cfg, kind)}")
     for d in devices:
         cc = f"cc {d.compute_capability[0]}.{d.compute_capability[1]}" if d.compute_capability else d.opencl_version
         line = (f"  {d.id}: {d.name} ({d.vendor}), {d.total_memory / 2**30:.1f} GiB, "
@@ -169,6 +171,32 @@ def _cmd_devices(args: argparse.Namespace) -> int:
             line += f"; quota {format_size(d.memory_quota or 0)}, used {d.memory_used or 0}"
         print(line)
     return 0
+
+
+def _local_sandbox(cfg: BrokerConfig, backend: str) -> str:
+    """The sandbox a broker with this config would give its workers here (probed), or why it would refuse."""
+    from .sandbox import SandboxUnavailable, WorkerSandbox
+
+    # (No cgroups are set up for a look: that would move this process. "cgroup" needs a delegated cgroup.)
+    sandbox = WorkerSandbox.from_config(cfg, backend, use_cgroups=False)
+    try:
+        sandbox.check()
+    except SandboxUnavailable as exc:
+        return f"UNAVAILABLE ({exc})"
+    return sandbox.description if not cfg.sandbox else "namespaces+seccomp (+cgroup where delegated)"
+
+
+def _remote_sandbox(target: str, token: str | None) -> str:
+    """What a running broker reports (its Status is for admin tenants only)."""
+    from gpubroker.client import AdminClient, PermissionDenied
+
+    if not token:
+        return "unknown (needs a token)"
+    try:
+        with AdminClient(target, token) as admin:
+            return admin.status().sandbox or "unknown"
+    except PermissionDenied:
+        return "unknown (shown to admin tenants only: see `gpubroker status`)"
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

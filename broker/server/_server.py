@@ -170,7 +170,7 @@ class Broker:
         # Requests whose bytes do not parse get INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN).
         add_servicer(pb_grpc.add_GpuBrokerServicer_to_server, service, self.server)
         admin = AdminService(self.auth, self.sessions, self.reload, self.schedulers, drain=self.drain,
-                             health=self.health, devices=devices)
+                             health=self.health, devices=devices, sandbox=self.sandbox.description)
         add_servicer(apb_grpc.add_AdminServicer_to_server, admin, self.server)
         self.health.add_to_server(self.server)  # grpc.health.v1 and reflection, both without a token
         await self.health.start()
