@@ -14,5 +14,5 @@ rm -rf .whl && mkdir -p .whl
 (cd "$src" && "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$OLDPWD/.whl" .)
 # Pure-Python dependencies the GPU image lacks (it has grpcio 1.84, so the grpc add-ons are pinned to match).
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl \
-  grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 'prometheus-client>=0.20'
+  grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 'prometheus-client>=0.20' 'pyseccomp>=0.1.2'
 ls -l .whl

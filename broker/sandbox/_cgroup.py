@@ -18,8 +18,7 @@ __all__ = ["WorkerCgroups"]
 
 log = logging.getLogger("gpubroker.sandbox")
 
-ROOT = Path("/sys/fs/cgroup")
-NEEDED = ("memory", "pids")
+NEEDED = "memory"  # required; pids and cpu are used where delegated too (else pids falls back to an rlimit)
 
 
 def _write(path: Path, text: str) -> None:
@@ -28,6 +27,28 @@ def _write(path: Path, text: str) -> None:
         os.write(fd, text.encode())
     finally:
         os.close(fd)
+
+
+def _own_cgroup() -> Path | None:
+    """This process's cgroup directory, wherever cgroup2 is mounted (a container may mount only its own subtree,
+    so /proc/self/cgroup's path is taken relative to the mount's root)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        own = next(line[3:] for line in lines if line.startswith("0::"))
+        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    except (OSError, StopIteration):
+        return None
+    for line in mounts:
+        fields = line.split()
+        sep = fields.index("-")
+        if fields[sep + 1] != "cgroup2":
+            continue
+        root, mountpoint = fields[3], fields[4]
+        if own == root or own.startswith(root.rstrip("/") + "/"):
+            path = Path(mountpoint) / own[len(root):].lstrip("/")
+            if path.is_dir():
+                return path
+    return None
 
 
 class WorkerCgroups:
@@ -44,18 +65,13 @@ class WorkerCgroups:
     @classmethod
     def setup(cls, memory_max: int, pids_max: int, cpu_weight: int) -> tuple[WorkerCgroups | None, str]:
         """The workers' cgroups, or None and why not."""
-        try:
-            lines = Path("/proc/self/cgroup").read_text().splitlines()
-            own_rel = next(line[3:] for line in lines if line.startswith("0::"))
-        except (OSError, StopIteration):
-            return None, "no cgroup v2 hierarchy"
-        if not (ROOT / "cgroup.controllers").exists():
-            return None, "no cgroup v2 hierarchy at /sys/fs/cgroup"
-        own = ROOT / own_rel.lstrip("/")
+        own = _own_cgroup()
+        if own is None:
+            return None, "no cgroup v2 hierarchy mounted"
         try:
             available = set((own / "cgroup.controllers").read_text().split())
-            if not set(NEEDED) <= available:
-                return None, f"the memory and pids controllers are not delegated to {own}"
+            if NEEDED not in available:
+                return None, f"the memory controller is not delegated to {own}"
             if not os.access(own / "cgroup.subtree_control", os.W_OK):
                 return None, f"{own} is not delegated to the broker (no write access)"
             wanted = {c for c in ("memory", "pids", "cpu") if c in available}
@@ -74,14 +90,16 @@ class WorkerCgroups:
             _write(parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in sorted(wanted)))
         except OSError as exc:
             return None, f"cannot set up worker cgroups under {own}: {exc.strerror or exc}"
-        return cls(parent, wanted, memory_max, pids_max, cpu_weight), f"cgroup v2 at {parent}"
+        return cls(parent, wanted, memory_max, pids_max, cpu_weight), \
+            f"cgroup v2 at {parent} ({', '.join(sorted(wanted))})"
 
     def create(self, tenant: str, device: int) -> Path:
         """A new cgroup for one worker, its limits set; the launcher moves itself in before it unshares."""
         path = self.parent / f"{tenant}-{device}-{next(self._serial)}"
         path.mkdir()
         try:
-            _write(path / "pids.max", f"{self.pids_max or 'max'}\n")
+            if "pids" in self.controllers:
+                _write(path / "pids.max", f"{self.pids_max or 'max'}\n")
             _write(path / "memory.max", f"{self.memory_max or 'max'}\n")
             if self.memory_max and (path / "memory.swap.max").exists():
                 _write(path / "memory.swap.max", "0\n")  # the limit is on memory, not on memory + swap

@@ -70,7 +70,7 @@ class WorkerSandbox:
         self.memory_max = memory_max
         self.pids_max = pids_max
         self.cgroups: WorkerCgroups | None = None
-        self.cgroup_reason = "sandbox off"
+        self.cgroup_reason = "sandbox off" if not enabled else "cgroups not tried"
         if enabled and use_cgroups:
             self.cgroups, self.cgroup_reason = WorkerCgroups.setup(memory_max, pids_max, cpu_weight)
 
@@ -113,12 +113,12 @@ class WorkerSandbox:
                                       and n.startswith("nvidia"))]
         ro += [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p.startswith("/")]
         rlimits = {"core": 0, "nofile": NOFILE}
-        if cgroup is None:
-            if self.pids_max:
-                # Counted per user namespace (Linux >= 5.14): this worker's processes and threads only.
-                rlimits["nproc"] = self.pids_max + 1
-            if self.memory_max and self.backend == "opencl":
-                rlimits["as"] = self.memory_max  # (CUDA reserves huge virtual ranges: no address-space limit there)
+        pids_cgroup = cgroup is not None and self.cgroups is not None and "pids" in self.cgroups.controllers
+        if self.pids_max and not pids_cgroup:
+            # Counted per user namespace (Linux >= 5.14): this worker's processes and threads only.
+            rlimits["nproc"] = self.pids_max + 1
+        if cgroup is None and self.memory_max and self.backend == "opencl":
+            rlimits["as"] = self.memory_max  # (CUDA reserves huge virtual ranges: no address-space limit there)
         return {"ro": _existing(ro), "rw": [str(cache)] if cache is not None else [], "dev": _existing(dev),
                 "keep_fds": keep_fds, "rlimits": rlimits, "seccomp": True,
                 "cgroup": str(cgroup) if cgroup is not None else ""}
@@ -129,7 +129,12 @@ class WorkerSandbox:
         env = self.environment(cache)
         if not self.enabled:
             return Launch(worker_argv, {**os.environ, **env})
-        cgroup = self.cgroups.create(tenant, device) if self.cgroups is not None else None
+        cgroup = None
+        if self.cgroups is not None:
+            try:
+                cgroup = self.cgroups.create(tenant, device)
+            except OSError as exc:  # (a cgroup that cannot be made costs this worker its cgroup, not its start)
+                log.warning("no cgroup for tenant %s's worker on device %d, rlimits only: %s", tenant, device, exc)
         spec = self.spec(cache, keep_fds, cgroup)
         return Launch(self.launcher_argv(spec, worker_argv), env, cgroup)
 
