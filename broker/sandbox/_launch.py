@@ -248,7 +248,8 @@ def _close_fds(keep: list[int]) -> None:
 def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any) -> None:
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "set the parent-death signal")
-        _check(_libc.sethostname(b"gpubroker-worker", ctypes.c_size_t(16)), "sethostname")
+        # Cosmetic (the UTS namespace is the isolation), and systemd's ProtectHostname= filters it: best effort.
+        _libc.sethostname(b"gpubroker-worker", ctypes.c_size_t(16))
         _build_root(spec)
         _limit(spec)
         _close_fds(list(spec.get("keep_fds", [])))

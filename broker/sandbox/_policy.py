@@ -43,6 +43,8 @@ class SandboxUnavailable(Exception):
 
 def default_cache_dir() -> Path:
     """Where the per-tenant compile caches go when the config names no ``cache_dir``."""
+    if os.environ.get("CACHE_DIRECTORY"):  # systemd's CacheDirectory= (deploy/gpubroker.service)
+        return Path(os.environ["CACHE_DIRECTORY"].split(":")[0])
     if os.environ.get("STATE_DIRECTORY"):  # systemd's StateDirectory= (the first, if several)
         return Path(os.environ["STATE_DIRECTORY"].split(":")[0]) / "cache"
     if os.environ.get("XDG_CACHE_HOME"):
