@@ -58,6 +58,8 @@ PR_CAP_AMBIENT_CLEAR_ALL = 4
 # namespace's root then gains no capabilities, and nothing can undo that.
 SECUREBITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80
 
+PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs", "acpi", "scsi", "kcore", "keys", "timer_list")
+
 # Syscall numbers glibc has no wrapper for (mount_setattr shares its number on every architecture).
 _SYSCALLS = {"x86_64": {"pivot_root": 155}, "aarch64": {"pivot_root": 41}}
 SYS_MOUNT_SETATTR = 442
@@ -188,6 +190,13 @@ def _build_root(spec: dict[str, Any]) -> None:
     except SetupError as exc:
         raise SetupError(f"{exc}: a fresh /proc cannot be mounted here (in a container, the runtime's masked "
                          "/proc paths forbid it: run the pod with securityContext.procMount: Unmasked)") from None
+    # The kernel lets the host's uid 0 write sysctls and sysrq-trigger by file mode alone, capabilities or not:
+    # with the broker running as root, the worker is that uid. Read-only, as container runtimes make them.
+    for name in PROC_READ_ONLY:
+        path = f"{new}/proc/{name}"
+        if os.path.lexists(path):
+            _mount(path, path, None, MS_BIND | MS_REC)
+            _restrict(path, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC)
     os.chdir(new)
     _pivot_root(".", ".")  # the old root now sits on top of the new one; detach it
     _check(_libc.umount2(b".", ctypes.c_int(MNT_DETACH)), "detach the old root")

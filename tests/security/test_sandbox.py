@@ -5,8 +5,11 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import pytest
 
 from gpubroker.broker import samples
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.broker.sandbox import WorkerSandbox
 from gpubroker.client import AdminClient, CompileError, connect
 
 from ..conftest import worker_pids
@@ -65,8 +69,12 @@ def test_worker_runs_confined(sandboxed: BrokerProcess) -> None:
     # Its /proc shows its own PID namespace: itself, as PID 1, and nothing of the front or other workers.
     root = Path(f"/proc/{pid}/root")
     assert {p.name for p in (root / "proc").iterdir() if p.name.isdigit()} == {"1"}
+    # Sysctls and sysrq-trigger are read-only even to a worker whose uid is the host's root (a root broker's).
+    for name in ("sys", "sysrq-trigger"):
+        if Path("/proc", name).exists():  # (no sysrq-trigger on a kernel without CONFIG_MAGIC_SYSRQ)
+            assert os.statvfs(root / "proc" / name).f_flag & os.ST_RDONLY, name
     # No network interface but loopback.
-    assert [line.split(":")[0].strip() for line in (root / "proc/net/dev").read_text().splitlines()[2:]] == ["lo"]
+    assert [line.split(":")[0].strip() for line in (root / "proc/1/net/dev").read_text().splitlines()[2:]] == ["lo"]
 
 
 def test_worker_sees_only_its_allowlist(sandboxed: BrokerProcess) -> None:
@@ -139,3 +147,60 @@ def test_broker_refuses_to_start_without_its_sandbox(tmp_path: Path) -> None:
     broker.stop()
     assert "libseccomp is not installed" in str(info.value)
     assert "--no-sandbox" in str(info.value) and "sandbox = false" in str(info.value)
+
+
+# Run inside the sandbox by the test below: each refused call prints its errno name; the test checks the list.
+_INSIDE = r"""
+import ctypes, errno, os, socket, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+def err(call):
+    try:
+        result = call()
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+    if isinstance(result, int) and result < 0:
+        return errno.errorcode[ctypes.get_errno()]
+    return "allowed"
+results = {
+    "inet": err(lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM)),
+    "inet6": err(lambda: socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)),
+    "netlink": err(lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)),
+    "unix": err(lambda: socket.socketpair()),
+    "kill_other": err(lambda: os.kill(4242, 0)),
+    "kill_self": err(lambda: os.kill(os.getpid(), 0)),
+    "ptrace": err(lambda: libc.ptrace(0, 0, 0, 0)),
+    "unshare": err(lambda: libc.unshare(0x10000000)),
+    "mount": err(lambda: libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)),
+    "clone3": err(lambda: libc.syscall(435, 0, 0)),
+    "personality": err(lambda: libc.personality(0x0040000)),
+    "bpf": err(lambda: libc.syscall(321, 0, 0, 0)),
+    "config": err(lambda: open(sys.argv[1]).read()),
+    "passwd": err(lambda: open("/etc/passwd").read()),
+    "sysctl": err(lambda: open("/proc/sys/kernel/hostname", "w").write("x")),
+    "usr": err(lambda: open("/usr/gpubroker-test", "w")),
+    "tmp": err(lambda: open("/tmp/scratch", "w").write("x")),
+}
+thread = threading.Thread(target=lambda: None); thread.start(); thread.join()
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+results["fork"] = "allowed" if os.waitpid(pid, 0)[1] >> 8 == 7 else "broken"
+print(results)
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="raw syscall numbers of x86-64")
+def test_sandboxed_process_is_refused_what_it_must_not_do(tmp_path: Path) -> None:
+    secret = tmp_path / "gpubroker.toml"
+    secret.write_text("token_hash = 'x'\n")
+    sandbox = WorkerSandbox(enabled=True, backend="opencl", cache_dir=str(tmp_path / "cache"), use_cgroups=False)
+    cache = sandbox.tenant_cache("alice")
+    argv = sandbox.launcher_argv(sandbox.spec(cache, [], None), [sys.executable, "-c", _INSIDE, str(secret)])
+    proc = subprocess.run(argv, env=sandbox.environment(cache), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    results = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert results == {
+        "inet": "EPERM", "inet6": "EPERM", "netlink": "EPERM", "unix": "allowed", "kill_other": "EPERM",
+        "kill_self": "allowed", "ptrace": "EPERM", "unshare": "EPERM", "mount": "EPERM", "clone3": "ENOSYS",
+        "personality": "EPERM", "bpf": "EPERM", "config": "ENOENT", "passwd": "ENOENT", "sysctl": "EROFS",
+        "usr": "EROFS", "tmp": "allowed", "fork": "allowed"}
