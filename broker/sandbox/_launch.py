@@ -304,7 +304,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The launcher dies with the front (the worker then dies with the launcher).
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "set the parent-death signal")
-        _prctl(PR_SET_DUMPABLE, 0, "clear dumpable")
         seccomp_filter = None
         if spec.get("seccomp", True):
             from ._seccomp import build_filter
@@ -318,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         _write("/proc/self/setgroups", "deny\n")
         _write("/proc/self/uid_map", f"{uid} {uid} 1\n")
         _write("/proc/self/gid_map", f"{gid} {gid} 1\n")
+        # Only now: a process that is not dumpable has its /proc/self files owned by root, so a broker that runs
+        # as a user of its own could not have written its id maps above.
+        _prctl(PR_SET_DUMPABLE, 0, "clear dumpable")
     except (SetupError, ImportError, RuntimeError, OSError) as exc:
         print(f"gpubroker sandbox: cannot build the worker's sandbox: {exc}", file=sys.stderr, flush=True)
         return EXIT_SETUP_FAILED
