@@ -280,6 +280,28 @@ def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any) -> None:
     os._exit(127)
 
 
+def _relay(pipes: dict[int, int]) -> None:
+    """Copy each pipe to its target until every one is at end-of-file; a failing target (the front's log is gone)
+    drops what would go there."""
+    import selectors
+
+    selector = selectors.DefaultSelector()
+    for source in pipes:
+        selector.register(source, selectors.EVENT_READ)
+    sinks: dict[int, int | None] = dict(pipes)
+    while selector.get_map():
+        for key, _ in selector.select():
+            data = os.read(key.fd, 65536)
+            if not data:
+                selector.unregister(key.fd)
+                continue
+            while data and sinks[key.fd] is not None:
+                try:
+                    data = data[os.write(sinks[key.fd], data):]  # type: ignore[arg-type]
+                except OSError:
+                    sinks[key.fd] = None
+
+
 def _mirror_exit(status: int) -> None:
     """Leave as the child did: the same exit code, or death by the same signal (the front reads either)."""
     if os.WIFSIGNALED(status):
@@ -325,15 +347,23 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_SETUP_FAILED
     sys.stdout.flush()
     sys.stderr.flush()
+    # The worker's output reaches the front's log through this launcher: with the log file itself as its stdio,
+    # the worker could reopen it for reading through /proc/self/fd.
+    pipes = [os.pipe(), os.pipe()]  # its stdout, its stderr
     pid = os.fork()
     if pid == 0:
+        for target, (_, w) in enumerate(pipes, 1):
+            os.dup2(w, target)
         _child(spec, worker_argv, seccomp_filter)
+    for _, w in pipes:
+        os.close(w)
     # Only the worker holds its channels: the front's closing them must reach it as end-of-file.
-    _close_fds([])
+    _close_fds([r for r, _ in pipes])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         # The front ends workers by closing their channels or by SIGKILL; a signal sent to the whole process
         # group (a terminal's ^C, systemd's stop) must not end them before the front has drained.
         signal.signal(sig, signal.SIG_IGN)
+    _relay({r: target for target, (r, _) in enumerate(pipes, 1)})  # until the worker (and all it started) is gone
     while True:
         try:
             _, status = os.waitpid(pid, 0)
