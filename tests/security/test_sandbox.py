@@ -204,3 +204,10 @@ def test_sandboxed_process_is_refused_what_it_must_not_do(tmp_path: Path) -> Non
         "kill_self": "allowed", "ptrace": "EPERM", "unshare": "EPERM", "mount": "EPERM", "clone3": "ENOSYS",
         "personality": "EPERM", "bpf": "EPERM", "config": "ENOENT", "passwd": "ENOENT", "sysctl": "EROFS",
         "usr": "EROFS", "tmp": "allowed", "fork": "allowed"}
+
+
+def test_devices_command_shows_the_sandbox() -> None:
+    proc = subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", "devices", "--backend", "opencl"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "sandbox: namespaces+seccomp" in proc.stdout.splitlines()[0]
