@@ -151,10 +151,24 @@ class WorkerSandbox:
         return [sys.executable, "-m", "gpubroker.broker.sandbox", "--spec", json.dumps(spec), "--", *worker_argv]
 
     def check(self, timeout: float = 60.0) -> None:
-        """Start a sandboxed Python that checks its own confinement; SandboxUnavailable if anything fails."""
+        """Start a sandboxed Python that checks its own confinement; SandboxUnavailable if anything fails.
+
+        With worker cgroups, the probe runs in one; should that be what fails, the workers get rlimits instead.
+        """
         if not self.enabled:
             return
-        cgroup = self.cgroups.create("probe", 0) if self.cgroups is not None else None
+        if self.cgroups is not None:
+            try:
+                self._probe(self.cgroups.create("probe", 0), timeout)
+            except (OSError, SandboxUnavailable) as exc:
+                log.warning("worker cgroups do not work here (%s); trying rlimits only", exc)
+                self.cgroups, self.cgroup_reason = None, f"worker cgroups failed: {exc}"
+        if self.cgroups is None:
+            self._probe(None, timeout)
+        log.info("workers are sandboxed: %s (%s)", self.description,
+                 self.cgroup_reason if self.cgroups is not None else f"rlimits only: {self.cgroup_reason}")
+
+    def _probe(self, cgroup: Path | None, timeout: float) -> None:
         try:
             argv = self.launcher_argv(self.spec(None, [], cgroup), [sys.executable, "-I", "-c", _PROBE])
             try:
@@ -172,8 +186,6 @@ class WorkerSandbox:
             if proc.returncode == EXIT_SETUP_FAILED:
                 reason = reason.removeprefix("gpubroker sandbox: ")
             raise SandboxUnavailable(_refusal(reason))
-        log.info("workers are sandboxed: %s (%s)", self.description,
-                 self.cgroup_reason if self.cgroups is not None else f"rlimits only: {self.cgroup_reason}")
 
     def _python_paths(self) -> list[str]:
         paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
