@@ -62,6 +62,7 @@ def _print_status(target: str, status: Any, sessions: Sequence[Any], usage: Any,
     if status.HasField("drain_seconds_left"):
         state += f" (sessions left are ended in {status.drain_seconds_left:.0f} s)"
     print(f"gpubroker {status.version} at {target}: {state}; up {_duration(status.uptime_seconds)}")
+    print(f"sandbox: {status.sandbox or 'unknown'}")
     print("\ndevices")
     print(table(["dev", "name", "backend", "memory", "health", "sessions", "memory used", "worker failures",
                  "reason"],

@@ -13,6 +13,7 @@ from gpubroker.client import GpuBrokerError, InvalidArgument
 from .admin_cli import add_admin_parsers
 from .auth import mint_token
 from .config import (
+    BrokerConfig,
     TenantConfig,
     add_tenant_in_place,
     format_size,
@@ -30,6 +31,7 @@ audit = logging.getLogger("gpubroker.audit")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from .sandbox import set_dumpable
     from .server import run_broker
 
     cfg = load_config(args.config)
@@ -39,6 +41,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         cfg.backend = args.backend
     if args.insecure:
         cfg.insecure = True
+    if args.no_sandbox:
+        cfg.sandbox = False
     if args.vsock_port is not None:
         cfg.vsock_port = args.vsock_port
     if args.metrics_listen is not None:
@@ -47,6 +51,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         cfg.log_format = args.log_format
     configure_logging(cfg.log_format, verbose=args.verbose)
     os.environ["GPUBROKER_LOG_FORMAT"] = cfg.log_format  # for the workers it starts
+    # The front holds every tenant's tokens in memory: no same-uid process may ptrace it or read /proc/<pid>/mem.
+    set_dumpable(False)
     if not cfg.tenants:
         print(f"gpubroker: warning: {args.config} has no tenants; add one with `gpubroker tenant add`",
               file=sys.stderr)
@@ -148,15 +154,17 @@ def _cmd_devices(args: argparse.Namespace) -> int:
     if args.target:
         from gpubroker.client import list_devices
 
-        devices = list_devices(args.target, args.token or os.environ.get("GPUBROKER_TOKEN") or None)
+        token = args.token or os.environ.get("GPUBROKER_TOKEN") or None
+        devices = list_devices(args.target, token)
         kind = devices[0].backend if devices else "none"
-        print(f"broker {args.target}, backend: {kind}")
+        print(f"broker {args.target}, backend: {kind}, sandbox: {_remote_sandbox(args.target, token)}")
     else:
         from .server import probe_devices
 
-        backend = args.backend or (load_config(args.config).backend if args.config else "auto")
+        cfg = load_config(args.config) if args.config else BrokerConfig()
+        backend = args.backend or cfg.backend
         kind, devices = probe_devices(backend)
-        print(f"backend: {kind}")
+        print(f"backend: {kind}, sandbox: {_local_sandbox(cfg, kind)}")
     for d in devices:
         cc = f"cc {d.compute_capability[0]}.{d.compute_capability[1]}" if d.compute_capability else d.opencl_version
         line = (f"  {d.id}: {d.name} ({d.vendor}), {d.total_memory / 2**30:.1f} GiB, "
@@ -166,6 +174,32 @@ def _cmd_devices(args: argparse.Namespace) -> int:
             line += f"; quota {format_size(d.memory_quota or 0)}, used {d.memory_used or 0}"
         print(line)
     return 0
+
+
+def _local_sandbox(cfg: BrokerConfig, backend: str) -> str:
+    """The sandbox a broker with this config would give its workers here (probed), or why it would refuse."""
+    from .sandbox import SandboxUnavailable, WorkerSandbox
+
+    # (No cgroups are set up for a look: that would move this process. "cgroup" needs a delegated cgroup.)
+    sandbox = WorkerSandbox.from_config(cfg, backend, use_cgroups=False)
+    try:
+        sandbox.check()
+    except SandboxUnavailable as exc:
+        return f"UNAVAILABLE ({exc})"
+    return sandbox.description if not cfg.sandbox else "namespaces+seccomp (+cgroup where delegated)"
+
+
+def _remote_sandbox(target: str, token: str | None) -> str:
+    """What a running broker reports (its Status is for admin tenants only)."""
+    from gpubroker.client import AdminClient, PermissionDenied
+
+    if not token:
+        return "unknown (needs a token)"
+    try:
+        with AdminClient(target, token) as admin:
+            return admin.status().sandbox or "unknown"
+    except PermissionDenied:
+        return "unknown (shown to admin tenants only: see `gpubroker status`)"
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -227,6 +261,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--ready-file", help="write the bound addresses here (JSON) once serving")
     s.add_argument("--insecure", action="store_true",
                    help="allow plaintext TCP on non-loopback addresses (tokens travel in the clear)")
+    s.add_argument("--no-sandbox", action="store_true",
+                   help="run workers without their sandbox (tenants' code can then reach the broker and each other)")
     s.add_argument("--vsock-port", type=int, help="also accept VMs on this vsock port (0: off); overrides the config")
     s.add_argument("--metrics-listen", type=_metrics_address, metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (empty: off); overrides the config")

@@ -16,9 +16,14 @@ TENANTS = [TenantSpec("alice", memory_quota=1 << 40), TenantSpec("bob", memory_q
 
 
 def worker_pids(broker: BrokerProcess, tenant: str) -> list[int]:
-    """Live worker processes of ``tenant`` under ``broker`` (found through /proc)."""
+    """Live worker processes of ``tenant`` under ``broker`` (found through /proc).
+
+    The worker itself, not its sandbox launcher: with the sandbox on, a worker is the broker's grandchild (the
+    launcher runs it as PID 1 of a PID namespace of its own), so this walks the broker's descendants.
+    """
     assert broker.process is not None
-    pids = []
+    children: dict[int, list[int]] = {}
+    procs: dict[int, tuple[list[bytes], str]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -27,11 +32,17 @@ def worker_pids(broker: BrokerProcess, tenant: str) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        state = stat.rsplit(")", 1)[1].split()[0]
-        if (ppid == broker.process.pid and state != "Z" and b"gpubroker.broker.workers" in cmdline
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        children.setdefault(int(ppid), []).append(int(entry.name))
+        procs[int(entry.name)] = (cmdline, state)
+    pids, todo = [], list(children.get(broker.process.pid, []))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        cmdline, state = procs[pid]
+        if (state != "Z" and cmdline[1:3] == [b"-m", b"gpubroker.broker.workers"]
                 and tenant.encode() in cmdline):
-            pids.append(int(entry.name))
+            pids.append(pid)
     return pids
 
 

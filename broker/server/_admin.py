@@ -37,8 +37,9 @@ class AdminService(apb_grpc.AdminServicer):
     def __init__(self, auth: Authenticator, sessions: SessionManager,
                  reload: Callable[[], Awaitable[apb.ReloadResponse]], schedulers: dict[int, DeviceScheduler], *,
                  drain: Callable[[float | None], Awaitable[float | None]] | None = None,
-                 health: BrokerHealth | None = None, devices: Sequence[DeviceInfo] = ()) -> None:
+                 health: BrokerHealth | None = None, devices: Sequence[DeviceInfo] = (), sandbox: str = "") -> None:
         self.auth = auth
+        self.sandbox = sandbox  # the worker sandbox's layers in force (or "OFF")
         self.sessions = sessions
         self._reload = reload
         self.schedulers = schedulers
@@ -148,4 +149,5 @@ class AdminService(apb_grpc.AdminServicer):
         serving = not draining and any(d.health == "SERVING" for d in devices)
         return apb.StatusResponse(version=__version__, uptime_seconds=time.monotonic() - self.started,
                                   health="SERVING" if serving else "NOT_SERVING", draining=draining,
-                                  drain_seconds_left=seconds_left, devices=devices, tenants=tenants)
+                                  drain_seconds_left=seconds_left, devices=devices, tenants=tenants,
+                                  sandbox=self.sandbox)

@@ -25,6 +25,7 @@ from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 from ..auth import Authenticator
 from ..config import BrokerConfig, load_config
 from ..relay import RelayServer, serve_relay, vsock_listener
+from ..sandbox import SandboxUnavailable, WorkerSandbox
 from ..scheduler import DeviceScheduler
 from ..sessions import SessionManager
 from ..workers import WorkerClient, WorkerPool, device_info_from_dict
@@ -67,6 +68,21 @@ def probe_devices(backend: str) -> tuple[str, list[DeviceInfo]]:
     if "error" in result:
         raise FailedPrecondition(f"no {result['backend']} devices: {result['error']}")
     return result["backend"], [device_info_from_dict(d) for d in result["devices"]]
+
+
+def start_sandbox(cfg: BrokerConfig, backend: str) -> WorkerSandbox:
+    """The workers' sandbox, proven to work here (FailedPrecondition naming what failed), or loudly off."""
+    sandbox = WorkerSandbox.from_config(cfg, backend)
+    if not cfg.sandbox:
+        log.warning("the worker sandbox is OFF (sandbox = false / --no-sandbox): every tenant's code runs with the "
+                    "broker's own user and can read its config and keys, other tenants' memory and tokens; "
+                    "per-tenant cache directories only")
+        return sandbox
+    try:
+        sandbox.check()
+    except SandboxUnavailable as exc:
+        raise FailedPrecondition(str(exc)) from None
+    return sandbox
 
 
 def _keepalive_options() -> list[tuple[str, int]]:
@@ -112,6 +128,7 @@ class Broker:
         self.health: BrokerHealth | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self.metrics: MetricsServer | None = None
+        self.sandbox: WorkerSandbox | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -130,9 +147,11 @@ class Broker:
             raise FailedPrecondition(f"the {backend} backend found no devices")
         log.info("backend %s: %s", backend, ", ".join(f"{i}: {d.name} ({backend} device {d.id})"
                                                       for i, d in enumerate(devices)))
+        self.sandbox = await asyncio.to_thread(start_sandbox, cfg, backend)
         self.health = BrokerHealth(cfg, devices)  # (NVML maps the backend's own indices, the ids here)
         self.pool = WorkerPool(backend, cfg.worker_start_timeout, cfg.worker_idle_seconds,
-                               on_worker_exit=self._worker_exited, ordinals=[d.id for d in devices])
+                               on_worker_exit=self._worker_exited, ordinals=[d.id for d in devices],
+                               sandbox=self.sandbox)
         # Clients number the devices as this broker serves them: 0, 1, ... in the config's order.
         devices = [dataclasses.replace(d, id=i) for i, d in enumerate(devices)]
         self.sessions = SessionManager(cfg, self.pool, self.health, devices)
@@ -157,7 +176,7 @@ class Broker:
         # Requests whose bytes do not parse get INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN).
         add_servicer(pb_grpc.add_GpuBrokerServicer_to_server, service, self.server)
         admin = AdminService(self.auth, self.sessions, self.reload, self.schedulers, drain=self.drain,
-                             health=self.health, devices=devices)
+                             health=self.health, devices=devices, sandbox=self.sandbox.description)
         add_servicer(apb_grpc.add_AdminServicer_to_server, admin, self.server)
         self.health.add_to_server(self.server)  # grpc.health.v1 and reflection, both without a token
         await self.health.start()

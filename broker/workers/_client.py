@@ -24,6 +24,7 @@ from gpubroker.client import (
 )
 from gpubroker.client._errors import error_from_wire
 
+from ..sandbox import Launch, WorkerSandbox
 from ._direct import CONTROL
 from ._frames import FrameClosed, read_frame_async, write_frame_async
 
@@ -58,11 +59,16 @@ class WorkerClient:
     """One worker process for one (tenant, device); requests may overlap, replies match by id."""
 
     def __init__(self, tenant: str, device: int, backend: str,
-                 on_exit: Callable[[WorkerClient], None] | None = None, ordinal: int | None = None) -> None:
+                 on_exit: Callable[[WorkerClient], None] | None = None, ordinal: int | None = None,
+                 sandbox: WorkerSandbox | None = None) -> None:
         self.tenant = tenant
         self.device = device  # the broker's index
         self.ordinal = device if ordinal is None else ordinal  # the backend's index of the same device
         self.backend = backend
+        # Without one (a worker started outside a broker), the plain worker with its own cache directory.
+        self.sandbox = sandbox if sandbox is not None else WorkerSandbox(enabled=False, backend=backend)
+        self._launch: Launch | None = None
+        self.oom_killed = False  # the kernel's OOM killer ended it in its cgroup (memory.max): its tenant's doing
         self.info: DeviceInfo | None = None
         self.process: subprocess.Popen[bytes] | None = None
         self.death: str | None = None
@@ -95,13 +101,20 @@ class WorkerClient:
         # Never block the event loop: a full fd channel fails that registration instead.
         self._fd_sock.setblocking(False)
         try:
-            # subprocess (vfork + exec) rather than the event loop's spawner: uvloop forks, and a forked
-            # child of a process full of gRPC threads was seen to crash before it could exec.
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "gpubroker.broker.workers", "--fd", str(child.fileno()),
-                 "--fd-channel", str(fd_child.fileno()),
-                 "--backend", self.backend, "--device", str(self.ordinal), "--tenant", self.tenant],
-                pass_fds=(child.fileno(), fd_child.fileno()), stdin=subprocess.DEVNULL)
+            fds = [child.fileno(), fd_child.fileno()]
+            argv = [sys.executable, "-m", "gpubroker.broker.workers", "--fd", str(child.fileno()),
+                    "--fd-channel", str(fd_child.fileno()),
+                    "--backend", self.backend, "--device", str(self.ordinal), "--tenant", self.tenant]
+            # In the sandbox's launcher, which runs the worker as its child in namespaces of its own.
+            self._launch = self.sandbox.prepare(self.tenant, self.device, argv, fds)
+            try:
+                # subprocess (vfork + exec) rather than the event loop's spawner: uvloop forks, and a forked
+                # child of a process full of gRPC threads was seen to crash before it could exec.
+                self.process = subprocess.Popen(self._launch.argv, env=self._launch.env, pass_fds=fds,
+                                                stdin=subprocess.DEVNULL)
+            except BaseException:
+                await self._release()
+                raise
         finally:
             child.close()
             fd_child.close()
@@ -214,8 +227,12 @@ class WorkerClient:
             except TimeoutError:
                 self.process.kill()
                 code = await self._wait(None)
+        await self._release()
+        how = _describe_exit(code)
+        if self.oom_killed:
+            how += f" by the OOM killer (the worker memory limit, {self.sandbox.memory_max} bytes)"
         self.death = (f"the worker process for tenant {self.tenant!r} on device {self.device} "
-                      f"(pid {self.pid}) {_describe_exit(code)}; this session's device state is lost, "
+                      f"(pid {self.pid}) {how}; this session's device state is lost, "
                       "open a new session")
         (log.info if self._stopping else log.error)("%s", self.death)
         for fut in self._pending.values():
@@ -254,6 +271,14 @@ class WorkerClient:
             await self._wait(None)
         if self._fd_sock is not None:
             self._fd_sock.close()  # (a worker that failed to start never reaches _died)
+        if self.process is not None and self.process.returncode is not None:
+            await self._release()
+
+    async def _release(self) -> None:
+        """Once the worker is gone: remove its cgroup (once), noting an OOM kill there."""
+        launch, self._launch = self._launch, None
+        if launch is not None and launch.cgroup is not None:
+            self.oom_killed = await asyncio.to_thread(self.sandbox.release, launch) or self.oom_killed
 
     async def _wait(self, timeout: float | None) -> int:
         """The exit status, waited for off the event loop; TimeoutError if it outlives ``timeout``."""

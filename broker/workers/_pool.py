@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+from ..sandbox import WorkerSandbox
 from ._client import WorkerClient
 
 __all__ = ["WorkerPool"]
@@ -17,8 +18,9 @@ log = logging.getLogger("gpubroker.workers")
 class WorkerPool:
     def __init__(self, backend: str, start_timeout: float, idle_seconds: float,
                  on_worker_exit: Callable[[WorkerClient], None] | None = None,
-                 ordinals: Sequence[int] | None = None) -> None:
+                 ordinals: Sequence[int] | None = None, sandbox: WorkerSandbox | None = None) -> None:
         self.backend = backend
+        self.sandbox = sandbox
         # The backend's own index of each of the broker's devices (config `devices` may pick and reorder them).
         self.ordinals = list(ordinals) if ordinals is not None else None
         self._on_worker_exit = on_worker_exit
@@ -53,7 +55,8 @@ class WorkerPool:
 
     async def _start(self, key: tuple[str, int]) -> WorkerClient:
         ordinal = self.ordinals[key[1]] if self.ordinals is not None else key[1]
-        worker = WorkerClient(key[0], key[1], self.backend, on_exit=self._forget, ordinal=ordinal)
+        worker = WorkerClient(key[0], key[1], self.backend, on_exit=self._forget, ordinal=ordinal,
+                              sandbox=self.sandbox)
         await worker.start(self.start_timeout)
         self._workers[key] = worker
         return worker

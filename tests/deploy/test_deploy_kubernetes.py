@@ -113,6 +113,8 @@ def test_daemonset_is_unprivileged_and_outlasts_the_drain(example_config: Any) -
     # The GPUs come from the device plugin: all of a node's, on nodes with that many.
     gpus = container["resources"]["limits"]["nvidia.com/gpu"]
     assert spec["nodeSelector"]["nvidia.com/gpu.count"] == gpus
+    # The worker sandbox: its own /proc needs the container's unmasked, which needs a pod user namespace.
+    assert spec["hostUsers"] is False and container["securityContext"]["procMount"] == "Unmasked"
     for init in spec.get("initContainers", []):
         assert not init["securityContext"].get("privileged")
         assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}

@@ -112,9 +112,21 @@ def test_unit_hardening_leaves_the_gpus_reachable(service: dict[str, list[str]])
     for device in ("char-nvidia-frontend", "char-nvidia-uvm", "/dev/nvidiactl", "/dev/nvidia-uvm",
                    "/dev/nvidia-uvm-tools"):
         assert allowed.get(device) == "rw", device
-    # Writable places for the JIT caches under ProtectSystem=strict.
+    # A writable place for the JIT caches under ProtectSystem=strict; one directory per tenant in it (the broker
+    # makes them), so no cache path shared by all tenants' workers.
     assert service["CacheDirectory"] == ["gpubroker"]
-    assert any("CUPY_CACHE_DIR=%C/gpubroker/" in e for e in service["Environment"])
+    assert not any(key in e for e in service.get("Environment", []) for key in ("CUPY_CACHE_DIR", "CUDA_CACHE_PATH",
+                                                                                 "XDG_CACHE_HOME", "POCL_CACHE_DIR"))
+
+
+def test_unit_lets_the_broker_sandbox_its_workers(service: dict[str, list[str]]) -> None:
+    allowed = set(service["RestrictNamespaces"][0].split())
+    assert {"user", "pid", "mnt", "ipc", "net", "uts", "cgroup"} <= allowed, "the sandbox's namespaces are refused"
+    # These mount over parts of /proc, and the kernel then refuses the worker's own /proc.
+    for key in ("ProtectKernelTunables", "ProtectKernelLogs", "ProtectProc"):
+        assert service.get(key, ["no"]) in (["no"], ["default"]), key
+    assert service.get("ProtectControlGroups", ["no"]) == ["no"], "the broker makes its workers' cgroups"
+    assert {"memory", "pids"} <= set(service["Delegate"][0].split())
 
 
 def test_udev_rule_creates_the_uvm_nodes_when_the_driver_loads() -> None:

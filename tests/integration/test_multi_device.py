@@ -35,6 +35,7 @@ from gpubroker.client import (
 )
 from gpubroker.v1 import broker_pb2 as pb
 
+from ..conftest import worker_pids
 from ..helpers import wait_for
 
 MiB = 1 << 20
@@ -74,18 +75,14 @@ def _health(target: str, service: str) -> str:
 
 def _worker_pid(broker: BrokerProcess, tenant: str, device: int) -> int:
     """The live worker of (tenant, device) under ``broker``, found through /proc."""
-    assert broker.process is not None
     found = []
-    for entry in Path("/proc").iterdir():
+    for pid in worker_pids(broker, tenant):
         try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
             continue
-        if (int(stat[1]) == broker.process.pid and stat[0] != "Z" and b"gpubroker.broker.workers" in args
-                and args[args.index(b"--tenant") + 1] == tenant.encode()
-                and args[args.index(b"--device") + 1] == str(device).encode()):
-            found.append(int(entry.name))
+        if args[args.index(b"--device") + 1] == str(device).encode():
+            found.append(pid)
     assert len(found) == 1, found
     return found[0]
 

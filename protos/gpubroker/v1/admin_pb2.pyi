@@ -175,7 +175,7 @@ class TenantStatus(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[int] = ..., memory_quota: _Optional[int] = ..., admin: _Optional[bool] = ..., sessions: _Optional[int] = ..., memory_used: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "uptime_seconds", "health", "draining", "drain_seconds_left", "devices", "tenants")
+    __slots__ = ("version", "uptime_seconds", "health", "draining", "drain_seconds_left", "devices", "tenants", "sandbox")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,7 @@ class StatusResponse(_message.Message):
     DRAIN_SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_seconds: float
     health: str
@@ -190,4 +191,5 @@ class StatusResponse(_message.Message):
     drain_seconds_left: float
     devices: _containers.RepeatedCompositeFieldContainer[DeviceStatus]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStatus]
-    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., health: _Optional[str] = ..., draining: _Optional[bool] = ..., drain_seconds_left: _Optional[float] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ...) -> None: ...
+    sandbox: str
+    def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., health: _Optional[str] = ..., draining: _Optional[bool] = ..., drain_seconds_left: _Optional[float] = ..., devices: _Optional[_Iterable[_Union[DeviceStatus, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ..., sandbox: _Optional[str] = ...) -> None: ...

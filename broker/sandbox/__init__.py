@@ -1,0 +1,73 @@
+"""The worker sandbox: every tenant's worker runs confined, on every backend, unless ``sandbox = false``.
+
+Threat model: a tenant runs arbitrary native code inside its own worker (by design on PoCL, whose OpenCL C
+accepts inline asm and integer-to-pointer casts; assume it on CUDA too). Each layer below assumes the ones before
+it have been beaten, and says what it stops.
+
+- **Launcher** (``python -m gpubroker.broker.sandbox``, spawned by the front with vfork+exec): a fresh,
+  single-threaded process that unshares the namespaces, forks the worker as PID 1 of the new PID namespace and
+  waits, mirroring the worker's exit (same status, or death by the same signal) so the front's crash accounting
+  is unchanged. Both die with their parent (``PR_SET_PDEATHSIG``).
+- **User namespace** (the broker's uid mapped to itself, setgroups denied): the worker holds capabilities only
+  over its own namespaces, and drops even those (below).
+- **PID namespace + a fresh /proc**: no other process is visible: not the front (whose memory holds every
+  tenant's token), not another tenant's worker (``/proc/<pid>/mem``), not their environments.
+- **Mount namespace, pivot_root into a tmpfs root**: the worker sees only, read-only, the Python runtime, its
+  import paths, the gpubroker packages, ``/usr``, ``/lib*``, ``/etc/ld.so.cache`` and CPU topology in ``/sys``;
+  ``/dev/null|zero|full|random|urandom``; on CUDA the NVIDIA device nodes, ``/usr/local/{cuda,nvidia}`` and
+  ``/sys``; a private tmpfs ``/tmp`` and ``/dev/shm``; and read-write only its tenant's own compile cache
+  (``<cache_dir>/<tenant>``, mode 0700). The broker's config, TLS keys, state, sockets, ``/etc/passwd`` and other
+  tenants' caches do not exist there, so neither a kernel nor an ``#include "/path"`` in kernel source (PoCL,
+  NVRTC: the compilers run in the worker) can read them.
+- **Network, IPC and UTS namespaces**: no network interface but a down loopback, no System V IPC or abstract
+  Unix sockets shared with the host (so the broker's sockets cannot be reached either).
+- **Privileges**: every capability dropped (bounding, inheritable, ambient, permitted, effective) with the
+  securebits locked (an exec as the namespace's root regains none), ``no_new_privs``, not dumpable.
+- **seccomp** (libseccomp through pyseccomp; EPERM): ptrace, ``process_vm_*``, signals to any process but itself,
+  mount and pivot_root and the new mount API, namespace changes (unshare, setns, clone with CLONE_NEW*; clone3
+  gets ENOSYS so glibc falls back to clone), bpf, keyctl, perf_event_open, userfaultfd, io_uring, module and
+  kexec calls, personality changes, and any socket but AF_UNIX. Other syscall ABIs (x86 ``int 0x80``) kill it.
+- **Resource limits**: a cgroup v2 per worker (``memory.max`` = ``worker_memory_max``, ``pids.max``,
+  ``cpu.weight``) where the broker has a delegated cgroup to itself (systemd ``Delegate=yes``); otherwise
+  rlimits (processes per user namespace, address space on OpenCL). Always: no core dumps, bounded descriptors.
+  A worker the OOM killer ends is its tenant's failure.
+- **Environment and descriptors**: only PATH, locale, PYTHONPATH, LD_LIBRARY_PATH, the log format, CUDA's device
+  selection and the operator's ``POCL_*``/``CUPY_*`` settings pass; HOME and every compile cache point into the
+  tenant's cache. The worker inherits only stdio and its two channels to the front.
+
+The front itself is not dumpable either (``PR_SET_DUMPABLE 0`` at ``serve``), so even a same-uid process outside
+the sandbox cannot ptrace it or read its memory. With ``sandbox = false`` (``--no-sandbox``) none of this applies
+(each tenant still gets its own cache directory) and the broker logs a warning at every start. ``gpubroker
+status`` and ``gpubroker devices`` show the layers in force, e.g. ``namespaces+seccomp+cgroup``.
+
+Check on a host: ``grep -E 'Seccomp|NoNewPrivs|CapEff' /proc/<worker pid>/status`` (2, 1, 0) and
+``ls -l /proc/<worker pid>/ns`` against the broker's; the worker is the child of the
+``gpubroker.broker.sandbox`` launcher that is the broker's child.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Launch", "SandboxUnavailable", "WorkerCgroups", "WorkerSandbox", "default_cache_dir", "set_dumpable"]
+
+
+def set_dumpable(dumpable: bool) -> None:
+    """``PR_SET_DUMPABLE`` on this process: off, no same-uid process may ptrace it or read its /proc files."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(4, int(dumpable), 0, 0, 0)
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: the launcher (``python -m gpubroker.broker.sandbox``) loads this package on every
+    # worker start and needs none of the front's side.
+    if name in ("Launch", "SandboxUnavailable", "WorkerSandbox", "default_cache_dir"):
+        from . import _policy
+
+        return getattr(_policy, name)
+    if name == "WorkerCgroups":
+        from ._cgroup import WorkerCgroups
+
+        return WorkerCgroups
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,374 @@
+"""The sandbox launcher: runs as ``python -m gpubroker.broker.sandbox --spec JSON -- WORKER ARGV``.
+
+It is a fresh, single-threaded interpreter (the front spawns it with vfork+exec), so it may ``unshare`` the user
+namespace, which a multithreaded process may not. Only the standard library, ctypes and pyseccomp are imported
+here: the launcher is on every worker's start path and must stay cheap.
+
+Parent (outside the new PID namespace): unshare, write the id maps, fork, wait, mirror the child's exit.
+Child (PID 1 of the new PID namespace): build the new root, pivot into it, limit, drop, filter, exec the worker.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import resource
+import signal
+import sys
+from typing import Any
+
+__all__ = ["EXIT_SETUP_FAILED", "main"]
+
+EXIT_SETUP_FAILED = 125  # the sandbox could not be built; the message is on stderr
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MNT_DETACH = 2
+
+MOUNT_ATTR_RDONLY = 0x1
+MOUNT_ATTR_NOSUID = 0x2
+MOUNT_ATTR_NODEV = 0x4
+MOUNT_ATTR_NOEXEC = 0x8
+AT_RECURSIVE = 0x8000
+
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+PR_CAPBSET_DROP = 24
+PR_SET_SECUREBITS = 28
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+# SECBIT_NOROOT, NO_SETUID_FIXUP, KEEP_CAPS_LOCKED, NO_CAP_AMBIENT_RAISE and each one's lock: an exec as the
+# namespace's root then gains no capabilities, and nothing can undo that.
+SECUREBITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80
+
+PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs", "acpi", "scsi", "kcore", "keys", "timer_list")
+
+# Syscall numbers glibc has no wrapper for (mount_setattr shares its number on every architecture).
+_SYSCALLS = {"x86_64": {"pivot_root": 155}, "aarch64": {"pivot_root": 41}}
+SYS_MOUNT_SETATTR = 442
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class SetupError(Exception):
+    """A step of the sandbox failed; the message names it."""
+
+
+def _check(result: int, what: str) -> int:
+    if result < 0:
+        err = ctypes.get_errno()
+        raise SetupError(f"{what}: {os.strerror(err)} (errno {errno.errorcode.get(err, err)})")
+    return result
+
+
+def _b(path: str | None) -> bytes | None:
+    return None if path is None else os.fsencode(path)
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    _check(_libc.mount(_b(source), _b(target), _b(fstype), ctypes.c_ulong(flags), _b(data)),
+           f"mount {source or fstype or ''} on {target}")
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def _restrict(target: str, attrs: int) -> None:
+    """Add mount attributes (read-only, nosuid, ...) to ``target`` and every mount below it."""
+    attr = _MountAttr(attrs, 0, 0, 0)
+    _check(_libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(-100), _b(target),
+                         ctypes.c_uint(AT_RECURSIVE), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))),
+           f"mount_setattr {target}")
+
+
+def _prctl(option: int, arg: int, what: str) -> None:
+    _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                       ctypes.c_ulong(0)), what)
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise SetupError(f"write {text.strip()!r} to {path}: {exc.strerror}") from None
+
+
+# ---- the new root ----
+
+def _mirror(new_root: str, old_root: str, path: str) -> str:
+    """Create ``path``'s directories (and symlinks, as on the host) under ``new_root``; the real host path."""
+    real = "/"
+    for part in [p for p in path.split("/") if p]:
+        host = os.path.join(real, part)
+        inside = new_root + host
+        if os.path.islink(old_root + host):
+            target = os.readlink(old_root + host)
+            if not os.path.lexists(inside):
+                os.symlink(target, inside)
+            real = os.path.normpath(os.path.join(real, target))  # (an absolute target replaces ``real``)
+            # The link's target must exist in the new root as well.
+            _mirror(new_root, old_root, real)
+        else:
+            real = host
+            if not os.path.lexists(inside) and os.path.isdir(old_root + host):
+                os.mkdir(inside, 0o755)
+    return real
+
+
+def _bind(new_root: str, old_root: str, path: str, attrs: int) -> None:
+    real = _mirror(new_root, old_root, os.path.dirname(path.rstrip("/")) or "/")
+    name = os.path.basename(path.rstrip("/"))
+    host = os.path.join(real, name)
+    if os.path.islink(old_root + host):
+        real = _mirror(new_root, old_root, host)
+        host = real
+    source, target = old_root + host, new_root + host
+    if not os.path.exists(source):
+        return  # (optional paths: the caller lists what may exist; what does not, is not there)
+    if os.path.isdir(source):
+        os.makedirs(target, 0o755, exist_ok=True)
+    elif not os.path.exists(target):
+        os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+    _mount(source, target, None, MS_BIND | MS_REC)
+    _restrict(target, attrs)
+
+
+def _build_root(spec: dict[str, Any]) -> None:
+    """A tmpfs root holding only the allowlisted paths, then pivot_root into it."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    # As bubblewrap does: a scratch tmpfs becomes the root, so the whole old tree (its /tmp too) is at /oldroot
+    # while the new root is put together at /newroot.
+    base = "/tmp"
+    _mount("tmpfs", base, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    os.mkdir(base + "/newroot")
+    os.mkdir(base + "/oldroot")
+    _pivot_root(base, base + "/oldroot")
+    os.chdir("/")
+    new, old = "/newroot", "/oldroot"
+    _mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
+    for d in ("tmp", "dev", "proc", "etc"):
+        os.mkdir(f"{new}/{d}", 0o755)
+    _mount("tmpfs", f"{new}/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={spec.get('tmp_size', '1g')}")
+    _mount("tmpfs", f"{new}/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
+    os.mkdir(f"{new}/dev/shm")
+    _mount("tmpfs", f"{new}/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=1777,size=256m")
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{new}/dev/{name}")
+    # Parents before children: a bind inside an earlier one lands on top of it.
+    binds = [(p, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV) for p in spec["ro"]]
+    binds += [(p, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV) for p in spec["rw"]]
+    binds += [(p, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC) for p in spec["dev"]]
+    for path, attrs in sorted(binds, key=lambda b: (b[0].rstrip("/").count("/"), b[0])):
+        _bind(new, old, path, attrs)
+    try:
+        # This PID namespace's own /proc: the worker sees itself and nothing else.
+        _mount("proc", f"{new}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    except SetupError as exc:
+        raise SetupError(f"{exc}: a fresh /proc cannot be mounted here (in a container, the runtime's masked "
+                         "/proc paths forbid it: run the pod with securityContext.procMount: Unmasked)") from None
+    # The kernel lets the host's uid 0 write sysctls and sysrq-trigger by file mode alone, capabilities or not:
+    # with the broker running as root, the worker is that uid. Read-only, as container runtimes make them.
+    for name in PROC_READ_ONLY:
+        path = f"{new}/proc/{name}"
+        if os.path.lexists(path):
+            _mount(path, path, None, MS_BIND | MS_REC)
+            _restrict(path, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC)
+    os.chdir(new)
+    _pivot_root(".", ".")  # the old root now sits on top of the new one; detach it
+    _check(_libc.umount2(b".", ctypes.c_int(MNT_DETACH)), "detach the old root")
+    os.chdir("/")
+    _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _pivot_root(new_root: str, put_old: str) -> None:
+    number = _SYSCALLS.get(os.uname().machine, {}).get("pivot_root")
+    if number is None:
+        raise SetupError(f"pivot_root: unsupported architecture {os.uname().machine}")
+    _check(_libc.syscall(ctypes.c_long(number), _b(new_root), _b(put_old)), f"pivot_root {new_root}")
+
+
+# ---- privileges ----
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _drop_capabilities() -> None:
+    _prctl(PR_SET_SECUREBITS, SECUREBITS, "set securebits")
+    cap = 0
+    while _libc.prctl(ctypes.c_int(PR_CAPBSET_DROP), ctypes.c_ulong(cap), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                      ctypes.c_ulong(0)) == 0:
+        cap += 1  # until EINVAL: past the kernel's last capability
+    _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, "clear ambient capabilities")
+    header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words
+    data = (_CapData * 2)()
+    _check(_libc.capset(ctypes.byref(header), data), "capset")
+
+
+def _limit(spec: dict[str, Any]) -> None:
+    limits = {"core": resource.RLIMIT_CORE, "nofile": resource.RLIMIT_NOFILE, "as": resource.RLIMIT_AS,
+              "nproc": resource.RLIMIT_NPROC, "fsize": resource.RLIMIT_FSIZE}
+    for name, value in spec.get("rlimits", {}).items():
+        kind = limits[name]
+        _, hard = resource.getrlimit(kind)
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(kind, (value, value))
+
+
+def _close_fds(keep: list[int]) -> None:
+    low = 3
+    for fd in sorted(set(keep)):
+        if fd >= low:
+            os.closerange(low, fd)
+            low = fd + 1
+    os.closerange(low, 1 << 20)
+
+
+# ---- the two processes ----
+
+def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any) -> None:
+    try:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "set the parent-death signal")
+        # Cosmetic (the UTS namespace is the isolation), and systemd's ProtectHostname= filters it: best effort.
+        _libc.sethostname(b"gpubroker-worker", ctypes.c_size_t(16))
+        _build_root(spec)
+        _limit(spec)
+        _close_fds(list(spec.get("keep_fds", [])))
+        _drop_capabilities()
+        _prctl(PR_SET_NO_NEW_PRIVS, 1, "set no_new_privs")
+        _prctl(PR_SET_DUMPABLE, 0, "clear dumpable")
+        if seccomp_filter is not None:
+            try:
+                seccomp_filter.load()
+            except OSError as exc:
+                raise SetupError(f"load the seccomp filter: {exc}") from None
+    except (SetupError, OSError) as exc:
+        os.write(2, f"gpubroker sandbox: cannot build the worker's sandbox: {exc}\n".encode())
+        os._exit(EXIT_SETUP_FAILED)
+    try:
+        os.execv(argv[0], argv)
+    except OSError as exc:
+        os.write(2, f"gpubroker sandbox: cannot start {argv[0]}: {exc.strerror}\n".encode())
+    os._exit(127)
+
+
+def _relay(pipes: dict[int, int]) -> None:
+    """Copy each pipe to its target until every one is at end-of-file; a failing target (the front's log is gone)
+    drops what would go there."""
+    import selectors
+
+    selector = selectors.DefaultSelector()
+    for source in pipes:
+        selector.register(source, selectors.EVENT_READ)
+    sinks: dict[int, int | None] = dict(pipes)
+    while selector.get_map():
+        for key, _ in selector.select():
+            data = os.read(key.fd, 65536)
+            if not data:
+                selector.unregister(key.fd)
+                continue
+            while data and sinks[key.fd] is not None:
+                try:
+                    data = data[os.write(sinks[key.fd], data):]  # type: ignore[arg-type]
+                except OSError:
+                    sinks[key.fd] = None
+
+
+def _mirror_exit(status: int) -> None:
+    """Leave as the child did: the same exit code, or death by the same signal (the front reads either)."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        except (OSError, ValueError):
+            pass  # SIGKILL and SIGSTOP cannot be caught, nor need to be
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)  # a signal whose default is not to terminate
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 4 or args[0] != "--spec" or args[2] != "--":
+        print("usage: python -m gpubroker.broker.sandbox --spec JSON -- PROGRAM [ARGS...]", file=sys.stderr)
+        return 2
+    spec, worker_argv = json.loads(args[1]), args[3:]
+    try:
+        # The launcher dies with the front (the worker then dies with the launcher).
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "set the parent-death signal")
+        seccomp_filter = None
+        if spec.get("seccomp", True):
+            from ._seccomp import build_filter
+
+            seccomp_filter = build_filter()  # before the new root hides libseccomp's files
+        if spec.get("cgroup"):
+            _write(os.path.join(spec["cgroup"], "cgroup.procs"), "0\n")
+        uid, gid = os.getuid(), os.getgid()
+        flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWUTS
+        _check(_libc.unshare(ctypes.c_int(flags | CLONE_NEWCGROUP)), "unshare the worker's namespaces")
+        _write("/proc/self/setgroups", "deny\n")
+        _write("/proc/self/uid_map", f"{uid} {uid} 1\n")
+        _write("/proc/self/gid_map", f"{gid} {gid} 1\n")
+        # Only now: a process that is not dumpable has its /proc/self files owned by root, so a broker that runs
+        # as a user of its own could not have written its id maps above.
+        _prctl(PR_SET_DUMPABLE, 0, "clear dumpable")
+    except (SetupError, ImportError, RuntimeError, OSError) as exc:
+        print(f"gpubroker sandbox: cannot build the worker's sandbox: {exc}", file=sys.stderr, flush=True)
+        return EXIT_SETUP_FAILED
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The worker's output reaches the front's log through this launcher: with the log file itself as its stdio,
+    # the worker could reopen it for reading through /proc/self/fd.
+    pipes = [os.pipe(), os.pipe()]  # its stdout, its stderr
+    pid = os.fork()
+    if pid == 0:
+        for target, (_, w) in enumerate(pipes, 1):
+            os.dup2(w, target)
+        _child(spec, worker_argv, seccomp_filter)
+    for _, w in pipes:
+        os.close(w)
+    # Only the worker holds its channels: the front's closing them must reach it as end-of-file.
+    _close_fds([r for r, _ in pipes])
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        # The front ends workers by closing their channels or by SIGKILL; a signal sent to the whole process
+        # group (a terminal's ^C, systemd's stop) must not end them before the front has drained.
+        signal.signal(sig, signal.SIG_IGN)
+    _relay({r: target for target, (r, _) in enumerate(pipes, 1)})  # until the worker (and all it started) is gone
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except ChildProcessError:
+            return EXIT_SETUP_FAILED
+    _mirror_exit(status)
+    return 0

@@ -1,0 +1,239 @@
+"""The front's side of the sandbox: what each worker may see, its environment, its cache and its cgroup."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._cgroup import WorkerCgroups
+from ._launch import EXIT_SETUP_FAILED
+
+__all__ = ["Launch", "SandboxUnavailable", "WorkerSandbox", "default_cache_dir"]
+
+log = logging.getLogger("gpubroker.sandbox")
+
+# The worker's packages, bound read-only wherever they live (an editable install maps them to a source tree).
+PACKAGES = ("gpubroker", "gpubroker.v1", "gpubroker.client", "gpubroker.broker", "gpubroker.broker.backends",
+            "gpubroker.broker.workers", "gpubroker.broker.sandbox", "gpubroker.broker.scheduler",
+            "gpubroker.broker.server")
+SYSTEM_RO = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin", "/etc/ld.so.cache",
+             "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/OpenCL", "/sys/devices/system/cpu",
+             "/sys/devices/system/node")
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+CUDA_RO = ("/usr/local/cuda", "/usr/local/nvidia", "/sys", "/etc/nvidia", "/usr/share/nvidia")
+CUDA_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset",
+                "/dev/nvidia-caps")
+# Passed through to the worker when the operator set them; nothing else of the front's environment is.
+ENV_KEEP = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "LD_LIBRARY_PATH", "GPUBROKER_LOG_FORMAT",
+            "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_PATH", "CUDA_HOME")
+ENV_PREFIXES = ("POCL_", "CUPY_", "OCL_ICD_")
+NOFILE = 4096
+
+
+class SandboxUnavailable(Exception):
+    """The sandbox cannot be built on this host; the message says what failed and how to opt out."""
+
+
+def default_cache_dir() -> Path:
+    """Where the per-tenant compile caches go when the config names no ``cache_dir``."""
+    if os.environ.get("CACHE_DIRECTORY"):  # systemd's CacheDirectory= (deploy/gpubroker.service)
+        return Path(os.environ["CACHE_DIRECTORY"].split(":")[0])
+    if os.environ.get("STATE_DIRECTORY"):  # systemd's StateDirectory= (the first, if several)
+        return Path(os.environ["STATE_DIRECTORY"].split(":")[0]) / "cache"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "gpubroker"
+    return Path.home() / ".cache" / "gpubroker"
+
+
+@dataclass
+class Launch:
+    """How to start one worker: its argv and environment, and the cgroup to release after it exits."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cgroup: Path | None = None
+
+
+class WorkerSandbox:
+    """Builds every worker's launch from the config; ``check()`` proves at start that the sandbox works."""
+
+    def __init__(self, *, enabled: bool, backend: str, cache_dir: str = "", memory_max: int = 0,
+                 pids_max: int = 512, cpu_weight: int = 100, use_cgroups: bool = True) -> None:
+        self.enabled = enabled
+        self.backend = backend
+        self.cache_root = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.memory_max = memory_max
+        self.pids_max = pids_max
+        self.cgroups: WorkerCgroups | None = None
+        self.cgroup_reason = "sandbox off" if not enabled else "cgroups not tried"
+        if enabled and use_cgroups:
+            self.cgroups, self.cgroup_reason = WorkerCgroups.setup(memory_max, pids_max, cpu_weight)
+
+    @classmethod
+    def from_config(cls, cfg: Any, backend: str, use_cgroups: bool = True) -> WorkerSandbox:
+        return cls(enabled=cfg.sandbox, backend=backend, cache_dir=cfg.cache_dir, memory_max=cfg.worker_memory_max,
+                   pids_max=cfg.worker_pids_max, cpu_weight=cfg.worker_cpu_weight, use_cgroups=use_cgroups)
+
+    @property
+    def description(self) -> str:
+        """The layers in force, e.g. ``namespaces+seccomp+cgroup`` (``OFF`` without a sandbox)."""
+        if not self.enabled:
+            return "OFF"
+        return "namespaces+seccomp+" + ("cgroup" if self.cgroups is not None else "rlimits")
+
+    def tenant_cache(self, tenant: str) -> Path:
+        """The tenant's own compile-cache directory (mode 0700), created on first use."""
+        self.cache_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.cache_root, 0o700)
+        path = self.cache_root / tenant
+        path.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(path, 0o700)
+        return path
+
+    def environment(self, cache: Path | None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k in ENV_KEEP or k.startswith(ENV_PREFIXES)}
+        env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+        if cache is not None:
+            env.update(HOME=str(cache), XDG_CACHE_HOME=str(cache), POCL_CACHE_DIR=str(cache / "pocl"),
+                       CUPY_CACHE_DIR=str(cache / "cupy"), CUDA_CACHE_PATH=str(cache / "nv"))
+        return env
+
+    def spec(self, cache: Path | None, keep_fds: list[int], cgroup: Path | None) -> dict[str, Any]:
+        """The launcher's instructions: what to bind, what to limit."""
+        ro = [*SYSTEM_RO, *self._python_paths()]
+        dev = list(DEVICES)
+        if self.backend in ("cuda", "auto"):
+            ro += [*CUDA_RO, *(p for p in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME")) if p)]
+            dev += [*CUDA_DEVICES, *(f"/dev/{n}" for n in _listdir("/dev") if n[6:].isdigit()
+                                      and n.startswith("nvidia"))]
+        ro += [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p.startswith("/")]
+        rlimits = {"core": 0, "nofile": NOFILE}
+        pids_cgroup = cgroup is not None and self.cgroups is not None and "pids" in self.cgroups.controllers
+        if self.pids_max and not pids_cgroup:
+            # Counted per user namespace (Linux >= 5.14): this worker's processes and threads only.
+            rlimits["nproc"] = self.pids_max + 1
+        if cgroup is None and self.memory_max and self.backend == "opencl":
+            rlimits["as"] = self.memory_max  # (CUDA reserves huge virtual ranges: no address-space limit there)
+        return {"ro": _existing(ro), "rw": [str(cache)] if cache is not None else [], "dev": _existing(dev),
+                "keep_fds": keep_fds, "rlimits": rlimits, "seccomp": True,
+                "cgroup": str(cgroup) if cgroup is not None else ""}
+
+    def prepare(self, tenant: str, device: int, worker_argv: list[str], keep_fds: list[int]) -> Launch:
+        """The launch of one worker: sandboxed, or (sandbox off) the plain worker with its own cache."""
+        cache = self.tenant_cache(tenant)
+        env = self.environment(cache)
+        if not self.enabled:
+            return Launch(worker_argv, {**os.environ, **env})
+        cgroup = None
+        if self.cgroups is not None:
+            try:
+                cgroup = self.cgroups.create(tenant, device)
+            except OSError as exc:  # (a cgroup that cannot be made costs this worker its cgroup, not its start)
+                log.warning("no cgroup for tenant %s's worker on device %d, rlimits only: %s", tenant, device, exc)
+        spec = self.spec(cache, keep_fds, cgroup)
+        return Launch(self.launcher_argv(spec, worker_argv), env, cgroup)
+
+    def release(self, launch: Launch) -> bool:
+        """After the worker exited: remove its cgroup; whether the OOM killer ended it (blocking)."""
+        if launch.cgroup is None or self.cgroups is None:
+            return False
+        return self.cgroups.release(launch.cgroup)
+
+    @staticmethod
+    def launcher_argv(spec: dict[str, Any], worker_argv: list[str]) -> list[str]:
+        return [sys.executable, "-m", "gpubroker.broker.sandbox", "--spec", json.dumps(spec), "--", *worker_argv]
+
+    def check(self, timeout: float = 60.0) -> None:
+        """Start a sandboxed Python that checks its own confinement; SandboxUnavailable if anything fails.
+
+        With worker cgroups, the probe runs in one; should that be what fails, the workers get rlimits instead.
+        """
+        if not self.enabled:
+            return
+        if self.cgroups is not None:
+            try:
+                self._probe(self.cgroups.create("probe", 0), timeout)
+            except (OSError, SandboxUnavailable) as exc:
+                log.warning("worker cgroups do not work here (%s); trying rlimits only", exc)
+                self.cgroups, self.cgroup_reason = None, f"worker cgroups failed: {exc}"
+        if self.cgroups is None:
+            self._probe(None, timeout)
+        log.info("workers are sandboxed: %s (%s)", self.description,
+                 self.cgroup_reason if self.cgroups is not None else f"rlimits only: {self.cgroup_reason}")
+
+    def _probe(self, cgroup: Path | None, timeout: float) -> None:
+        try:
+            argv = self.launcher_argv(self.spec(None, [], cgroup), [sys.executable, "-I", "-c", _PROBE])
+            try:
+                proc = subprocess.run(argv, env=self.environment(None), capture_output=True, timeout=timeout,
+                                      stdin=subprocess.DEVNULL, check=False)
+            except subprocess.TimeoutExpired:
+                raise SandboxUnavailable(_refusal(f"the sandbox probe did not finish within {timeout:g} s")) from None
+        finally:
+            if cgroup is not None and self.cgroups is not None:
+                self.cgroups.release(cgroup)
+        out = proc.stdout.decode(errors="replace").strip()
+        if proc.returncode != 0 or out != "ok":
+            why = proc.stderr.decode(errors="replace").strip().splitlines()
+            reason = why[-1] if why else out or f"the probe exited with status {proc.returncode}"
+            if proc.returncode == EXIT_SETUP_FAILED:
+                reason = reason.removeprefix("gpubroker sandbox: ")
+            raise SandboxUnavailable(_refusal(reason))
+
+    def _python_paths(self) -> list[str]:
+        paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                 os.path.dirname(os.path.realpath(sys.executable))}
+        # Every import directory but the script's own (sys.path[0]: the front's working directory or bin/),
+        # unless the operator named it in PYTHONPATH.
+        named = set(os.environ.get("PYTHONPATH", "").split(":"))
+        paths.update(p for i, p in enumerate(sys.path) if p and (i > 0 or p in named))
+        for name in PACKAGES:
+            spec = importlib.util.find_spec(name)
+            if spec is not None and spec.submodule_search_locations:
+                paths.update(spec.submodule_search_locations)
+        return sorted(p for p in paths if os.path.isabs(p))
+
+
+# Run inside the sandbox by check(): prints "ok" only when every layer is in force.
+_PROBE = """
+import os, socket
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+assert status["Seccomp"].strip() == "2", "no seccomp filter"
+assert status["NoNewPrivs"].strip() == "1", "no_new_privs is not set"
+assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0, "capabilities remain"
+assert os.getpid() == 1, "not in a PID namespace of its own"
+try:
+    socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    raise AssertionError("an AF_INET socket could be opened")
+except PermissionError:
+    pass
+print("ok")
+"""
+
+
+def _refusal(reason: str) -> str:
+    return (f"cannot sandbox the workers: {reason}. Fix that, or run them unsandboxed (every tenant can then "
+            "reach the broker and the other tenants) with `sandbox = false` in [broker] or `gpubroker serve "
+            "--no-sandbox`")
+
+
+def _existing(paths: list[str]) -> list[str]:
+    seen: list[str] = []
+    for p in paths:
+        if p not in seen and os.path.lexists(p):
+            seen.append(p)
+    return seen
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []

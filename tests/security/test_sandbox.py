@@ -1,0 +1,213 @@
+"""The worker sandbox, checked from outside against real brokers on PoCL: what each worker is and what it sees.
+
+(The attacks from inside a kernel are in test_attacks.py; these check the layers those attacks run into.)
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpubroker.broker import samples
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.broker.sandbox import WorkerSandbox
+from gpubroker.client import AdminClient, CompileError, connect
+
+from ..conftest import worker_pids
+
+TENANTS = [TenantSpec("alice"), TenantSpec("bob"), TenantSpec("root-admin", admin=True)]
+SECRET_ENV = "GPUBROKER_TEST_FRONT_SECRET"
+NAMESPACES = ("user", "pid", "mnt", "net", "ipc", "uts", "cgroup")
+
+
+@pytest.fixture(scope="module")
+def sandboxed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    cache = tmp_path_factory.mktemp("caches")
+    with BrokerProcess(TENANTS, backend="opencl", settings={"cache_dir": str(cache)},
+                       env={SECRET_ENV: "front-only-secret"}) as proc:
+        yield proc
+
+
+def _start_worker(broker: BrokerProcess, tenant: str) -> int:
+    """A live worker of ``tenant`` (one compile and launch ran in it); its pid."""
+    with connect(broker.target, token=broker.tokens[tenant]) as gpu:
+        buf = gpu.allocate_memory(64)
+        kernel = gpu.compile_kernel(samples.source("opencl"), "scale_inplace")
+        gpu.execute_kernel(kernel, 1, 16, [buf, np.float32(2), np.int32(16)])
+        gpu.synchronize()
+    (pid,) = worker_pids(broker, tenant)
+    return pid
+
+
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if item)
+
+
+def test_worker_runs_confined(sandboxed: BrokerProcess) -> None:
+    pid = _start_worker(sandboxed, "alice")
+    status = _status(pid)
+    assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1"
+    for caps in ("CapEff", "CapPrm", "CapInh", "CapBnd", "CapAmb"):
+        assert int(status[caps], 16) == 0, caps
+    front = sandboxed.process.pid  # type: ignore[union-attr]
+    for ns in NAMESPACES:
+        assert os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/{front}/ns/{ns}"), ns
+    # Its /proc shows its own PID namespace: itself, as PID 1, and nothing of the front or other workers.
+    root = Path(f"/proc/{pid}/root")
+    assert {p.name for p in (root / "proc").iterdir() if p.name.isdigit()} == {"1"}
+    # Sysctls and sysrq-trigger are read-only even to a worker whose uid is the host's root (a root broker's).
+    for name in ("sys", "sysrq-trigger"):
+        if Path("/proc", name).exists():  # (no sysrq-trigger on a kernel without CONFIG_MAGIC_SYSRQ)
+            assert os.statvfs(root / "proc" / name).f_flag & os.ST_RDONLY, name
+    # No network interface but loopback.
+    assert [line.split(":")[0].strip() for line in (root / "proc/1/net/dev").read_text().splitlines()[2:]] == ["lo"]
+
+
+def test_worker_sees_only_its_allowlist(sandboxed: BrokerProcess) -> None:
+    alice, bob = _start_worker(sandboxed, "alice"), _start_worker(sandboxed, "bob")
+    alice_env, bob_env = _environ(alice), _environ(bob)
+    alice_cache, bob_cache = Path(alice_env["HOME"]), Path(bob_env["HOME"])
+    root = Path(f"/proc/{alice}/root")
+    assert (root / str(alice_cache).lstrip("/")).is_dir()
+    hidden = [sandboxed.config_path, sandboxed.workdir, Path(sandboxed.target[len("unix:"):]), bob_cache,
+              Path("/etc/passwd"), Path("/etc/shadow"), Path("/root/.ssh"), Path("/run")]
+    for path in hidden:
+        assert not (root / str(path).lstrip("/")).exists(), path
+    # The system directories are there, read-only; its cache is writable.
+    assert (root / "usr/lib").is_dir()
+    assert os.statvfs(root / "usr").f_flag & os.ST_RDONLY
+    assert not os.statvfs(root / str(alice_cache).lstrip("/")).f_flag & os.ST_RDONLY
+
+
+def test_environment_is_scrubbed_and_caches_are_per_tenant(sandboxed: BrokerProcess) -> None:
+    alice, bob = _start_worker(sandboxed, "alice"), _start_worker(sandboxed, "bob")
+    alice_env, bob_env = _environ(alice), _environ(bob)
+    for env in (alice_env, bob_env):
+        assert SECRET_ENV not in env
+        assert set(env) <= {"PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "LD_LIBRARY_PATH", "GPUBROKER_LOG_FORMAT",
+                            "HOME", "XDG_CACHE_HOME", "POCL_CACHE_DIR", "CUPY_CACHE_DIR", "CUDA_CACHE_PATH",
+                            "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_PATH", "CUDA_HOME"} | {
+                                k for k in env if k.startswith(("POCL_", "CUPY_", "OCL_ICD_"))}
+    alice_cache, bob_cache = Path(alice_env["HOME"]), Path(bob_env["HOME"])
+    assert alice_cache != bob_cache and alice_cache.parent == bob_cache.parent
+    assert alice_cache.name == "alice" and alice_env["POCL_CACHE_DIR"].startswith(str(alice_cache))
+    for cache in (alice_cache, bob_cache, alice_cache.parent):
+        assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    assert any((alice_cache / "pocl").rglob("*")), "PoCL's kernel cache is not in the tenant's directory"
+
+
+@pytest.mark.parametrize("target", ["config", "/etc/passwd"])
+def test_include_of_a_host_file_reveals_nothing(sandboxed: BrokerProcess, target: str) -> None:
+    path = sandboxed.config_path if target == "config" else Path(target)
+    content = path.read_text()
+    with connect(sandboxed.target, token=sandboxed.tokens["alice"]) as gpu, pytest.raises(CompileError) as info:
+        gpu.compile_kernel(f'#include "{path}"\n__kernel void k(__global int* x) {{ x[0] = 1; }}\n', "k")
+    log = info.value.log + info.value.message
+    assert "not found" in log
+    for line in content.splitlines():
+        if len(line.strip()) > 6:  # every meaningful line of the file is absent from what the tenant sees
+            assert line.strip() not in log
+
+
+def test_status_shows_the_sandbox(sandboxed: BrokerProcess) -> None:
+    with AdminClient(sandboxed.target, sandboxed.tokens["root-admin"]) as admin:
+        assert admin.status().sandbox.startswith("namespaces+seccomp+")
+
+
+def test_sandbox_off_works_and_warns(tmp_path: Path) -> None:
+    with BrokerProcess(TENANTS[:1], backend="opencl", settings={"sandbox": False, "cache_dir": str(tmp_path)}) as b:
+        pid = _start_worker(b, "alice")
+        front = b.process.pid  # type: ignore[union-attr]
+        assert os.readlink(f"/proc/{pid}/ns/pid") == os.readlink(f"/proc/{front}/ns/pid")
+        assert "sandbox is OFF" in b.log_tail(20000)
+        # Still a compile cache of its own (a shared one let a tenant replace another's compiled kernels).
+        assert _environ(pid)["POCL_CACHE_DIR"] == str(tmp_path / "alice" / "pocl")
+
+
+def test_broker_refuses_to_start_without_its_sandbox(tmp_path: Path) -> None:
+    # A host without libseccomp's Python binding: the same failure as a missing libseccomp.so.2.
+    (tmp_path / "pyseccomp.py").write_text("raise ImportError('libseccomp is not installed')\n")
+    broker = BrokerProcess(TENANTS[:1], backend="opencl", env={"PYTHONPATH": str(tmp_path)}, start_timeout=60)
+    with pytest.raises(Exception, match="cannot sandbox the workers") as info:
+        broker.start()
+    broker.stop()
+    assert "libseccomp is not installed" in str(info.value)
+    assert "--no-sandbox" in str(info.value) and "sandbox = false" in str(info.value)
+
+
+# Run inside the sandbox by the test below: each refused call prints its errno name; the test checks the list.
+_INSIDE = r"""
+import ctypes, errno, os, socket, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+def err(call):
+    try:
+        result = call()
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+    if isinstance(result, int) and result < 0:
+        return errno.errorcode[ctypes.get_errno()]
+    return "allowed"
+results = {
+    "inet": err(lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM)),
+    "inet6": err(lambda: socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)),
+    "netlink": err(lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW)),
+    "unix": err(lambda: socket.socketpair()),
+    "kill_other": err(lambda: os.kill(4242, 0)),
+    "kill_self": err(lambda: os.kill(os.getpid(), 0)),
+    "ptrace": err(lambda: libc.ptrace(0, 0, 0, 0)),
+    "unshare": err(lambda: libc.unshare(0x10000000)),
+    "mount": err(lambda: libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)),
+    "clone3": err(lambda: libc.syscall(435, 0, 0)),
+    "personality": err(lambda: libc.personality(0x0040000)),
+    "bpf": err(lambda: libc.syscall(321, 0, 0, 0)),
+    "config": err(lambda: open(sys.argv[1]).read()),
+    "passwd": err(lambda: open("/etc/passwd").read()),
+    "sysctl": err(lambda: open("/proc/sys/kernel/hostname", "w").write("x")),
+    "usr": err(lambda: open("/usr/gpubroker-test", "w")),
+    "tmp": err(lambda: open("/tmp/scratch", "w").write("x")),
+}
+thread = threading.Thread(target=lambda: None); thread.start(); thread.join()
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+results["fork"] = "allowed" if os.waitpid(pid, 0)[1] >> 8 == 7 else "broken"
+print(results)
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="raw syscall numbers of x86-64")
+def test_sandboxed_process_is_refused_what_it_must_not_do(tmp_path: Path) -> None:
+    secret = tmp_path / "gpubroker.toml"
+    secret.write_text("token_hash = 'x'\n")
+    sandbox = WorkerSandbox(enabled=True, backend="opencl", cache_dir=str(tmp_path / "cache"), use_cgroups=False)
+    cache = sandbox.tenant_cache("alice")
+    argv = sandbox.launcher_argv(sandbox.spec(cache, [], None), [sys.executable, "-c", _INSIDE, str(secret)])
+    proc = subprocess.run(argv, env=sandbox.environment(cache), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    results = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert results == {
+        "inet": "EPERM", "inet6": "EPERM", "netlink": "EPERM", "unix": "allowed", "kill_other": "EPERM",
+        "kill_self": "allowed", "ptrace": "EPERM", "unshare": "EPERM", "mount": "EPERM", "clone3": "ENOSYS",
+        "personality": "EPERM", "bpf": "EPERM", "config": "ENOENT", "passwd": "ENOENT", "sysctl": "EROFS",
+        "usr": "EROFS", "tmp": "allowed", "fork": "allowed"}
+
+
+def test_devices_command_shows_the_sandbox() -> None:
+    proc = subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", "devices", "--backend", "opencl"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "sandbox: namespaces+seccomp" in proc.stdout.splitlines()[0]
