@@ -153,6 +153,8 @@ class SessionManager:
 
     async def open(self, tenant: str, device: int | None) -> Session:
         """A new session on ``device``, or (None) on the device that ``place`` picks."""
+        # A tenant that keeps crashing its workers is backed off (UNAVAILABLE, retry hint): its crashes are its own.
+        self.pool.crashes.check(tenant)
         if device is None:
             device = self.place(tenant)
         self._check_admission(device)
