@@ -46,6 +46,11 @@ _ABANDONED_MAX = 65536
 _CHARGE_SLACK = 0.05
 
 
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "its connection closed while it was still running"
@@ -201,6 +206,8 @@ class WorkerClient:
             self.tenant_code_ran = True
         req_id = self._last_id = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        # A caller cancelled in the very step its reply or the worker's death arrived never reads the outcome.
+        fut.add_done_callback(_retrieve)
         self._pending[req_id] = (fut, op, params)
         try:
             async with self._write_lock:
