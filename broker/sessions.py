@@ -75,7 +75,8 @@ class Session:
 
     def check_alive(self) -> WorkerClient:
         if self.lost is not None:
-            raise WorkerCrashed(self.lost)
+            # A worker killed for a cause (the kernel time limit) fails the session's calls with that status.
+            raise self.worker.death_error() if self.worker.death is not None else WorkerCrashed(self.lost)
         return self.worker
 
     def check_room(self) -> None:

@@ -196,9 +196,17 @@ class WorkerClient:
         """
         return await self._call(op, session, params, fd)
 
+    def death_error(self) -> GpuBrokerError:
+        """What a call on the dead worker fails with: its fault's status (a time limit: DEADLINE_EXCEEDED), else
+        WorkerCrashed; the message says why it died."""
+        death = self.death or "the worker is gone"
+        if self.fault is not None:
+            return type(self.fault)(death, **self.fault.details)
+        return WorkerCrashed(death)
+
     async def _call(self, op: str, session: str, params: dict[str, Any], fd: int | None) -> Any:
         if self.death is not None:
-            raise WorkerCrashed(self.death)
+            raise self.death_error()
         if self._writer is None:
             raise FailedPrecondition("worker not started")
         self.last_used = time.monotonic()
@@ -366,9 +374,7 @@ class WorkerClient:
         (log.info if self._stopping else log.error)("%s", self.death)
         for fut, _, _ in self._pending.values():
             if not fut.done():
-                fault = self.fault
-                fut.set_exception(type(fault)(self.death, **fault.details) if fault is not None
-                                  else WorkerCrashed(self.death))
+                fut.set_exception(self.death_error())
         self._pending.clear()
         self._abandoned.clear()
         for callback in self.on_death:
