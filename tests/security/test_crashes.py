@@ -11,9 +11,12 @@ import contextlib
 import os
 import re
 import signal
+import struct
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -131,3 +134,51 @@ def test_a_drains_stop_signal_to_the_workers_is_no_failure() -> None:
             for gpu in sessions:
                 with contextlib.suppress(GpuBrokerError):  # (their workers are gone)
                     gpu.close()
+
+
+# From inside a kernel, write(2) straight onto the worker's socket to the front: a frame the worker never sent.
+FORGE = r"""
+__kernel void forge(__global const uchar* frame, const long len, const long fd, __global long* ret) {
+    long r;
+    __asm__ volatile ("syscall" : "=a"(r) : "a"(1L), "D"(fd), "S"(frame), "d"(len) : "rcx", "r11", "memory");
+    ret[0] = r;
+}"""
+
+
+def _front_fd(pid: int) -> int:
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return int(args[args.index(b"--fd") + 1])
+
+
+LIES = {
+    "a lease message the protocol lacks": msgpack.packb([-1, "grant-me-everything", None]),
+    "a reply to a request the front never made": msgpack.packb([987654, 0, "buf_forged"]),
+    "a frame of 2 GiB": b"",  # (only the header: the front must refuse it before buffering a byte)
+}
+
+
+def test_a_worker_that_forges_frames_to_the_front_is_killed_and_charged_to_its_tenant(broker: BrokerProcess) -> None:
+    for lies, (what, frame) in enumerate(LIES.items(), start=1):
+        with connect(broker.target, token=broker.tokens["mallory"], device=0) as gpu:
+            [pid] = worker_pids(broker, "mallory")
+            header = struct.pack("!I", len(frame) if frame else 0x7FFFFFFF)
+            wire = np.frombuffer(header + frame, dtype=np.uint8)
+            data, ret = gpu.allocate_memory(wire.nbytes), gpu.allocate_memory(8)
+            gpu.copy_h2d(wire, data)
+            kernel = gpu.compile_kernel(FORGE, "forge")
+            with pytest.raises(GpuBrokerError):  # its worker dies under it (this call, or the next)
+                gpu.execute_kernel(kernel, 1, 1, [data, np.int64(wire.nbytes), np.int64(_front_fd(pid)), ret])
+                gpu.synchronize()
+                wait_for(lambda: not worker_pids(broker, "mallory"), 10, f"the worker that sent {what} to be killed")
+                gpu.synchronize()
+        wait_for(lambda n=lies: _metric(broker, "gpubroker_tenant_worker_crashes_total", "mallory") == n, 10,
+                 f"{what} to be charged to mallory")
+        assert _device_health(broker) == "SERVING"
+    log = broker.log_tail(200_000)
+    for reason in ("(an unknown lease message 'grant-me-everything') and was killed",
+                   "(a reply to request 987654, which the front never made) and was killed",
+                   "(a frame of 2147483647 bytes, over the front's limit of"):
+        assert reason in log
+    assert _metric(broker, "gpubroker_tenant_worker_crashes_total", "bob") == 0
+    with connect(broker.target, token=broker.tokens["bob"], device=0) as bob:
+        _work(bob)
