@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gpubroker.broker import samples
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.broker.server._health import device_service
+from gpubroker.broker.workers._replies import WorkerLied, check_result, device_info_from_dict, error_from_worker
 from gpubroker.client import GpuBrokerError, RemoteGpu, Unavailable, WorkerCrashed, connect
 from gpubroker.client._transport import make_channel
 
@@ -182,3 +183,24 @@ def test_a_worker_that_forges_frames_to_the_front_is_killed_and_charged_to_its_t
     assert _metric(broker, "gpubroker_tenant_worker_crashes_total", "bob") == 0
     with connect(broker.target, token=broker.tokens["bob"], device=0) as bob:
         _work(bob)
+
+
+def test_what_the_front_takes_from_a_worker_is_bounded() -> None:
+    # The checks each reply passes before the front uses it (the lies above end in these, inside the front).
+    with pytest.raises(WorkerLied, match="status no worker reports"):
+        error_from_worker({"code": "UNAUTHENTICATED", "message": "log in again", "type": "Unauthenticated"})
+    error = error_from_worker({"code": "NOT_FOUND", "message": "x" * 100_000, "type": "SystemExit",
+                               "details": {"log": "y" * 10_000_000, "obj": {"nested": 1}, 7: "key"}})
+    assert type(error).__name__ == "NotFound" and len(error.message) < 5000  # never an arbitrary class
+    assert set(error.details) == {"log"} and len(error.details["log"]) == 256 * 1024
+    with pytest.raises(WorkerLied, match="bytes asked for"):
+        check_result("read", {"size": 16}, b"x" * (1 << 20))
+    with pytest.raises(WorkerLied, match="did not hold"):
+        check_result("batch", {"commands": [[1, "launch", "k", {}]]},
+                     {"done": 0, "error": {"seq": 99, "command": "launch", "code": "INTERNAL", "message": "m"}})
+    with pytest.raises(WorkerLied, match="peer export"):
+        check_result("peer_export", {"buf": ["h", 1024, 0]}, {"handle": b"ipc", "size": 1 << 40})
+    with pytest.raises(WorkerLied, match="handle"):
+        check_result("allocate", {"size": 8}, {"not": "a handle"})
+    with pytest.raises(WorkerLied, match="total_memory"):
+        device_info_from_dict({"id": 0, "name": "gpu", "total_memory": -1})
