@@ -114,7 +114,7 @@ class WorkerClient:
         self.tenant_code_ran = False
         # Who the death is charged to, once decided by the pool: "tenant", "device" or None (a stop, a drain).
         self.blame: str | None = None
-        self._dying = False
+        self._dying: asyncio.Future[None] | None = None
         self._want_pending = False  # a lease "want" not yet answered with a grant
         self._grants_out = 0  # grants sent and not yet given back
         self._last_take: float | None = None
@@ -230,7 +230,7 @@ class WorkerClient:
         except (ConnectionError, OSError):
             self._pending.pop(req_id, None)
             await self._died()
-            raise WorkerCrashed(self.death or "worker connection lost") from None
+            raise self.death_error() from None
         try:
             return await fut
         finally:
@@ -276,7 +276,7 @@ class WorkerClient:
                 await write_frame_async(self._writer, [CONTROL, op, "", None])
         except (ConnectionError, OSError):
             await self._died()
-            raise WorkerCrashed(self.death or "worker connection lost") from None
+            raise self.death_error() from None
 
     def _send_fd(self, fd: int) -> bytes:
         if self._fd_sock is None:
@@ -360,10 +360,17 @@ class WorkerClient:
 
     async def _died(self) -> None:
         # Set before the first await: the reader and a failed write may both get here, and the death must be
-        # reported (and charged) once.
-        if self._dying:
+        # reported (and charged) once; the later caller waits for the first to finish, so both see `death`.
+        if self._dying is not None:
+            await asyncio.shield(self._dying)
             return
-        self._dying = True
+        self._dying = asyncio.get_running_loop().create_future()
+        try:
+            await self._report_death()
+        finally:
+            self._dying.set_result(None)
+
+    async def _report_death(self) -> None:
         code = None
         if self.process is not None:
             try:
