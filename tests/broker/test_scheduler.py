@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from gpubroker.broker.scheduler import DeviceScheduler, FairPolicy
+from gpubroker.broker.scheduler import DeviceScheduler, FairPolicy, TurnLease
 
 
 class Device:
@@ -393,5 +393,47 @@ def test_the_limit_is_enforced_by_the_schedulers_own_timer() -> None:
             waited = loop.time() - start
         await a
         assert killed == ["a"] and 0.2 <= waited < 1.0
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_that_keeps_its_leased_turn_past_the_limit_is_killed() -> None:
+    async def scenario() -> None:
+        dev = StuckDevice()
+        sent: list[str] = []
+        lease: TurnLease | None = None
+
+        def kill(tenant: str, message: str) -> None:
+            dev.killed[tenant] = message
+            assert lease is not None
+            lease.close()  # what the worker's death does (WorkerClient.on_death)
+
+        sched = DeviceScheduler(dev.fence, quantum=0.005, clock=dev.clock, max_hold=1.0, on_overrun=kill)
+
+        async def send(op: str) -> None:
+            sent.append(op)
+
+        lease = TurnLease(sched, "a", send)
+        lease.on_message("want")  # the worker's direct link runs a kernel that never ends: it never says "released"
+        await _settle()
+        assert sent == ["grant"]
+        served = asyncio.Event()
+
+        async def light() -> None:
+            async with sched.turn("b"):
+                served.set()
+
+        b = asyncio.ensure_future(light())
+        dev.now = 0.01
+        await _settle()
+        assert "yield" in sent or "revoke" in sent  # asked to give the turn back...
+        dev.now = 0.99
+        sched.check_overrun()
+        await _settle()
+        assert not served.is_set() and not dev.killed
+        dev.now = 1.01  # ...and a second after b began to wait (at 0.01), it has not
+        sched.check_overrun()
+        await b
+        assert "max_kernel_seconds = 1 s" in dev.killed["a"]
 
     asyncio.run(scenario())
