@@ -75,7 +75,8 @@ class Session:
 
     def check_alive(self) -> WorkerClient:
         if self.lost is not None:
-            raise WorkerCrashed(self.lost)
+            # A worker killed for a cause (the kernel time limit) fails the session's calls with that status.
+            raise self.worker.death_error() if self.worker.death is not None else WorkerCrashed(self.lost)
         return self.worker
 
     def check_room(self) -> None:
@@ -155,6 +156,8 @@ class SessionManager:
 
     async def open(self, tenant: str, device: int | None) -> Session:
         """A new session on ``device``, or (None) on the device that ``place`` picks."""
+        # A tenant that keeps crashing its workers is backed off (UNAVAILABLE, retry hint): its crashes are its own.
+        self.pool.crashes.check(tenant)
         if device is None:
             device = self.place(tenant)
         self._check_admission(device)

@@ -6,6 +6,12 @@ nobody waits, or until its quantum runs out while others wait; then its worker i
 finished) and charged the device time the runtime measured, and the waiting tenant with the least weighted
 device time goes next. Kernels cannot be preempted, so a light tenant waits at most quantum + the longest
 kernel in flight + one fence.
+
+The kernel time limit bounds that longest kernel: once another tenant waits, the holder must hand the device
+over (its calls in flight and its leases done, its fence back) within ``max_hold`` seconds of the wait's start,
+or ``on_overrun`` is called for it (the front kills its worker, whose calls then fail and whose fence ends, so
+the waiting tenants go on). A holder nobody waits for is limited by ``lone_hold`` (0: never) past its periodic
+accounting fence. The limits are read off the scheduler's clock, so tests can drive them on a virtual one.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ __all__ = ["DeviceScheduler", "TenantUsage"]
 log = logging.getLogger("gpubroker.scheduler")
 
 Fence = Callable[[str], Awaitable[float]]
+# Called with the tenant whose device work overran the time limit and a message naming the limit.
+Overrun = Callable[[str, str], None]
 
 
 @dataclass
@@ -48,8 +56,17 @@ class TenantUsage:
 class DeviceScheduler:
     def __init__(self, fence: Fence, quantum: float = 0.005, enabled: bool = True,
                  clock: Callable[[], float] = time.monotonic, accounting_period: float = 1.0,
-                 idle_grace: float | None = None, min_slice: float = 0.001) -> None:
+                 idle_grace: float | None = None, min_slice: float = 0.001, max_hold: float = 0.0,
+                 lone_hold: float = 0.0, on_overrun: Overrun | None = None) -> None:
         self.quantum = quantum
+        # The kernel time limits (0: none): while others wait, and for a lone holder.
+        self.max_hold = max_hold
+        self.lone_hold = lone_hold
+        self._on_overrun = on_overrun
+        self._slice_gen = 0  # bumped at every new slice, so a limit is enforced once per slice
+        self._overran: int | None = None  # the slice whose holder was reported for overrunning
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._watchdog_at = 0.0
         # Slices shorter than this are never cut short: each switch costs a fence.
         self.min_slice = min_slice
         # How long a holder with nothing in flight keeps its slice for its next command: a client's next call
@@ -136,7 +153,10 @@ class DeviceScheduler:
         if self._switching is None:
             if self.holder is None:
                 self.holder, self.slice_start, self.contended_since = tenant, now, None
-            if self.holder == tenant and not (self._others_waiting(tenant) and self._slice_over()):
+                self._slice_gen += 1
+                self.check_overrun()
+            if (self.holder == tenant and not (self._others_waiting(tenant) and self._slice_over())
+                    and not self._accounting_due()):
                 self._cancel_grace()  # the holder came back in time
                 use.inflight += 1
                 use.waits.append(0.0)
@@ -146,6 +166,7 @@ class DeviceScheduler:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(tenant, deque()).append(fut)
         use.queued += 1
+        self.check_overrun()  # (a wait begins: the holder's limit starts now)
         self._maybe_switch()
         try:
             await fut
@@ -178,7 +199,8 @@ class DeviceScheduler:
         if held.inflight:
             self._check_leases(holder)
             return  # the switch waits for the holder's in-flight work to drain
-        if self._waiters.get(holder) and not (self._others_waiting(holder) and self._slice_over()):
+        if (self._waiters.get(holder) and not (self._others_waiting(holder) and self._slice_over())
+                and not self._accounting_due()):
             self._cancel_grace()
             self._grant(holder)  # the holder's next command came within its slice: carry on
             return
@@ -273,11 +295,15 @@ class DeviceScheduler:
         try:
             if old is not None:
                 contended = self._contended_hold(old)
+                held_since = self.slice_start if self.contended_since is None else max(self.contended_since,
+                                                                                       self.slice_start)
+                gen = self._slice_gen
                 try:
                     seconds = await self._fence(old)
                 except Exception as exc:  # a dead worker: charge nothing, move on
                     log.info("fence for tenant %s failed: %s", old, exc)
-                    seconds = contended = 0.0
+                    # ... unless it was killed for holding the device: that hold was its own, at others' cost.
+                    seconds, contended = 0.0, (self._clock() - held_since if self._overran == gen else 0.0)
                 self._charge(old, seconds, max(seconds, contended))
             waiting = [t for t, q in self._waiters.items() if q]
             # After the old holder's charge, so newcomers start level with it and with those waiting.
@@ -291,13 +317,63 @@ class DeviceScheduler:
             self.holder = self.policy.pick(candidates) if candidates else None
             self.slice_start = self._clock()
             self.contended_since = self.slice_start if any(t != self.holder for t in waiting) else None
+            self._slice_gen += 1
         finally:
             self._switching = None
+        self.check_overrun()
         if self.holder is not None:
             if self._waiters.get(self.holder):
                 self._grant(self.holder)
             else:
                 self._maybe_switch()  # starts the grace timer: others wait while the holder's next call comes
+
+    # -- the kernel time limit ----------------------------------------------------------------------
+    def _accounting_due(self) -> bool:
+        """With a lone-holder limit, the holder is fenced every accounting period even while its calls overlap,
+        so its limit measures its work since the last fence rather than its whole stay."""
+        return (self.lone_hold > 0 and self.holder is not None and not self._others_waiting(self.holder)
+                and self._clock() - self.slice_start >= self.accounting_period)
+
+    def _hold_deadline(self) -> tuple[float, str] | None:
+        """When the holder's device work overruns its limit, and the message saying which; None: no limit."""
+        holder = self.holder
+        if holder is None:
+            return None
+        if self.contended_since is not None and self._others_waiting(holder):
+            if self.max_hold <= 0:
+                return None
+            return (max(self.contended_since, self.slice_start) + self.max_hold,
+                    f"device work held the device past max_kernel_seconds = {self.max_hold:g} s while other "
+                    "tenants waited; the worker was restarted")
+        if self.lone_hold <= 0:
+            return None
+        return (self.slice_start + self.accounting_period + self.lone_hold,
+                f"device work ran past lone_kernel_seconds = {self.lone_hold:g} s; the worker was restarted")
+
+    def check_overrun(self) -> None:
+        """Report a holder past its limit (once per slice), else arm a timer for when it would be."""
+        found = self._hold_deadline()
+        if found is None or self._overran == self._slice_gen:
+            return
+        deadline, message = found
+        now = self._clock()
+        if now >= deadline:
+            self._overran = self._slice_gen
+            holder = self.holder
+            assert holder is not None
+            log.warning("tenant %s: %s", holder, message)
+            if self._on_overrun is not None:
+                self._on_overrun(holder, message)
+            return
+        if self._watchdog is None or deadline < self._watchdog_at:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+            self._watchdog_at = deadline
+            self._watchdog = asyncio.get_running_loop().call_later(deadline - now, self._watchdog_fired)
+
+    def _watchdog_fired(self) -> None:
+        self._watchdog = None
+        self.check_overrun()
 
     def _contended_hold(self, holder: str) -> float:
         """Wall time the holder kept the device while others waited, up to its last release.

@@ -3,8 +3,10 @@
 Service names: ``""`` and ``"gpubroker.v1.GpuBroker"`` stand for the whole broker, ``"gpubroker.v1.GpuBroker/device/N"``
 for device N (the index clients pass to ``connect(..., device=N)``). A device is NOT_SERVING
 
-- while its workers keep failing: ``device_failure_threshold`` crashes or failed starts within
-  ``device_failure_window_seconds``; it serves again once a window has passed since the last failure;
+- while its workers keep failing through no tenant's fault: ``device_failure_threshold`` failed starts, or deaths
+  before any tenant code ran, within ``device_failure_window_seconds``; it serves again once a window has passed
+  since the last failure. A worker that dies after running its tenant's code is that tenant's failure (its
+  crash budget, workers/_pool.py), never the device's;
 - for good (until the broker restarts) once NVML reported a critical Xid that is not an application error.
 
 The whole broker is NOT_SERVING while it drains (for good) and while no device serves. A device or broker that is
@@ -43,9 +45,6 @@ _ADMIN_SERVICE = apb.DESCRIPTOR.services_by_name["Admin"].full_name
 # Xids that an application's own kernel causes (NVIDIA's Xid catalogue: illegal address, MMU fault from the
 # program, ...): logged, the device stays in service. Any other critical Xid means the GPU needs care.
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68})
-# The status a worker exits with after its tenant's kernel corrupted its context (workers/_main.py EXIT_FATAL):
-# the tenant's fault, not the device's, so it does not count against the device.
-_APPLICATION_FAULT_EXIT = 3
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -144,11 +143,14 @@ class BrokerHealth:
 
     # -- events ------------------------------------------------------------------------------------
     def worker_exited(self, worker: WorkerClient) -> None:
-        """A worker ended: a crash counts against its device; a clean stop or the tenant's own fault does not."""
-        code = worker.process.returncode if worker.process is not None else None
-        if code in (0, _APPLICATION_FAULT_EXIT):
+        """A worker's death, once the pool settled its cause: only the device's own failures count here.
+
+        A death after its tenant's code ran (a kernel, a compile, any tenant request), or a kill for the tenant's
+        sake, is the tenant's (its crash budget, workers/_pool.py); a stop or a drain is nobody's.
+        """
+        if worker.blame != "device":
             return
-        self._record_failure(worker.device, worker.death or f"the worker exited with {code}")
+        self._record_failure(worker.device, worker.death or f"the worker exited with {worker.returncode}")
 
     def worker_start_failed(self, device: int, error: BaseException) -> None:
         # Callers waiting on one shared start all see the same exception: count it once.

@@ -72,6 +72,9 @@ class _Snapshot:
     draining: bool
     shared: dict[str, int]  # host memory each tenant maps through the shared-memory side channel (all devices)
     shared_limit: int
+    # Per tenant: worker deaths charged to it (its crash budget), and how long its new sessions are refused.
+    crashes: dict[str, int]
+    backoff: dict[str, float]
 
 
 def _recent_seconds(charges: Reversible[tuple[float, float]], since: float) -> float:
@@ -122,8 +125,11 @@ class BrokerCollector(Collector):
                     waits={q: waits[min(len(waits) - 1, int(q * len(waits)))] if waits else 0.0 for q in _QUANTILES},
                     worker_up=self.pool.live(tenant, device) is not None,
                     restarts=self.pool.restarts_by.get((tenant, device), 0)))
+        crashes = self.pool.crashes
+        tenants = sorted(known | set(crashes.total))
         return _Snapshot(rows, manager.draining, {t: manager.shared(t) for t in sorted(known)},
-                         manager.config.max_shared_bytes_per_tenant)
+                         manager.config.max_shared_bytes_per_tenant, {t: crashes.total.get(t, 0) for t in tenants},
+                         {t: crashes.backoff(t) or 0.0 for t in tenants})
 
     def collect(self) -> Iterator[Metric]:
         snap = _on_loop(self.loop, self.snapshot, _SNAPSHOT_TIMEOUT)
@@ -171,6 +177,18 @@ class BrokerCollector(Collector):
         yield GaugeMetricFamily("gpubroker_shared_memory_limit_bytes",
                                 "How much of it each tenant may map (max_shared_bytes_per_tenant).",
                                 value=snap.shared_limit)
+        crashes = CounterMetricFamily(
+            "gpubroker_tenant_worker_crashes", "Worker deaths charged to the tenant (its kernels, compiles or lies, "
+            "or a kill for the kernel time limit): its crash budget. Never counted against the device.",
+            labels=["tenant"])
+        backoff = GaugeMetricFamily(
+            "gpubroker_tenant_backoff_seconds",
+            "Seconds until the tenant, over its crash budget, may open sessions again (0: it may).", labels=["tenant"])
+        for tenant, count in snap.crashes.items():
+            crashes.add_metric([tenant], count)
+            backoff.add_metric([tenant], snap.backoff[tenant])
+        yield crashes
+        yield backoff
         yield GaugeMetricFamily("gpubroker_draining", "1 while the broker refuses new sessions.",
                                 value=int(snap.draining))
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from gpubroker.client import DeviceInfo, FailedPrecondition, InvalidArgument
+from gpubroker.client import DeadlineExceeded, DeviceInfo, FailedPrecondition, InvalidArgument
 from gpubroker.v1 import admin_pb2 as apb
 from gpubroker.v1 import admin_pb2_grpc as apb_grpc
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
@@ -127,6 +127,7 @@ class Broker:
         self.shm: SharedMemoryServer | None = None
         self.health: BrokerHealth | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self._kills: set[asyncio.Task[None]] = set()
         self.metrics: MetricsServer | None = None
         self.sandbox: WorkerSandbox | None = None
 
@@ -149,15 +150,19 @@ class Broker:
                                                       for i, d in enumerate(devices)))
         self.sandbox = await asyncio.to_thread(start_sandbox, cfg, backend)
         self.health = BrokerHealth(cfg, devices)  # (NVML maps the backend's own indices, the ids here)
+        # Worker deaths are charged to their cause (workers/_pool.py): the tenant's crash budget, or (only for
+        # failures no tenant caused) the device's health. A worker's reply is at most a copy chunk and envelope.
         self.pool = WorkerPool(backend, cfg.worker_start_timeout, cfg.worker_idle_seconds,
                                on_worker_exit=self._worker_exited, ordinals=[d.id for d in devices],
-                               sandbox=self.sandbox)
+                               crash_budget=cfg.tenant_crash_budget, crash_window=cfg.tenant_crash_window_seconds,
+                               on_failure=self.health.worker_exited, max_reply_bytes=cfg.max_message_bytes + (1 << 20), sandbox=self.sandbox)
         # Clients number the devices as this broker serves them: 0, 1, ... in the config's order.
         devices = [dataclasses.replace(d, id=i) for i, d in enumerate(devices)]
         self.sessions = SessionManager(cfg, self.pool, self.health, devices)
         self.schedulers = {
             d: DeviceScheduler(functools.partial(self._fence, d), quantum=cfg.quantum_ms / 1000,
-                               enabled=cfg.fair_scheduling)
+                               enabled=cfg.fair_scheduling, max_hold=cfg.max_kernel_seconds,
+                               lone_hold=cfg.lone_kernel_seconds, on_overrun=functools.partial(self._overrun, d))
             for d in range(len(devices))}
         self._apply_weights()
         self.auth = Authenticator(cfg)
@@ -231,8 +236,15 @@ class Broker:
     def _worker_exited(self, worker: WorkerClient) -> None:
         if self.sessions is not None:
             self.sessions.worker_exited(worker)
-        if self.health is not None:
-            self.health.worker_exited(worker)
+
+    def _overrun(self, device: int, tenant: str, message: str) -> None:
+        """The tenant's device work overran the kernel time limit: kill its worker (its calls get ``message``)."""
+        worker = self.pool.live(tenant, device) if self.pool is not None else None
+        if worker is None:
+            return
+        task = asyncio.get_running_loop().create_task(self.pool.restart(worker, DeadlineExceeded(message)))
+        self._kills.add(task)
+        task.add_done_callback(self._kills.discard)
 
     async def drain(self, grace: float | None) -> float | None:
         """Refuse new sessions from now on (health NOT_SERVING); with a grace, end the sessions left after it.
@@ -244,6 +256,8 @@ class Broker:
             log.warning("draining: new sessions are refused, %d running%s", len(self.sessions.sessions),
                         "" if grace is None else f", ended after {grace:g} s if still running")
         self.sessions.draining = True
+        if self.pool is not None:
+            self.pool.draining = True  # stop signals to workers from now on are the operator's, not failures
         before = self.health.drain_deadline
         await self.health.drain(None if grace is None else time.monotonic() + grace)
         deadline = self.health.drain_deadline
@@ -288,7 +302,7 @@ class Broker:
         worker = self.pool.live(tenant, device) if self.pool is not None else None
         if worker is None:
             return 0.0
-        return float(await worker.call("take_device_time", ""))
+        return await worker.take_device_time()  # checked: finite, >= 0, within the wall time
 
     def _apply_weights(self) -> None:
         for scheduler in self.schedulers.values():

@@ -328,10 +328,11 @@ class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
                                     options=list(request.options)),
                 self.config.compile_timeout_seconds)
         except TimeoutError:
-            await self.sessions.pool.restart(session.worker)
-            raise DeadlineExceeded(
+            error = DeadlineExceeded(
                 f"compiling the module took longer than {self.config.compile_timeout_seconds:g} s; the tenant's "
-                "worker was restarted, so this session's device state is lost") from None
+                "worker was restarted, so this session's device state is lost")
+            await self.sessions.pool.restart(session.worker, error)  # the tenant's failure (its crash budget)
+            raise error from None
         handle = session.add("module", result["handle"])
         return pb.ModuleHandle(handle=handle, kernel_names=result["kernel_names"])
 

@@ -1,10 +1,14 @@
-"""The front's side of a worker: start the process, send requests, and notice when it dies."""
+"""The front's side of a worker: start the process, send requests, and notice when it dies.
+
+The front trusts nothing a worker says (see WorkerClient).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+import math
 import secrets
 import signal
 import socket
@@ -22,24 +26,30 @@ from gpubroker.client import (
     Unavailable,
     WorkerCrashed,
 )
-from gpubroker.client._errors import error_from_wire
 
 from ..sandbox import Launch, WorkerSandbox
 from ._direct import CONTROL
-from ._frames import FrameClosed, read_frame_async, write_frame_async
+from ._frames import MAX_FRAME, FrameClosed, FrameRefused, read_reply, write_frame_async
+from ._replies import WorkerLied, check_result, device_info_from_dict, error_from_worker
 
 __all__ = ["WorkerClient", "device_info_from_dict"]
 
 log = logging.getLogger("gpubroker.workers")
 
+# Requests the front makes of a worker on its own account; any other is the tenant's, and once one has been
+# served the worker has run tenant code (a kernel, a compile, a module load, or whatever a request can reach).
+_FRONT_OPS = frozenset({"device_info", "take_device_time", "close_session", "ping"})
+# Replies to requests whose callers gave up are remembered (to tell them from replies to requests never made)
+# up to this many; past it the oldest are forgotten, and a late reply to one of those counts as a lie.
+_ABANDONED_MAX = 65536
+# Fence charges may exceed the wall time since the last fence by this much (clock granularity, and the
+# worker's timer starting a hair before the front's).
+_CHARGE_SLACK = 0.05
 
-def device_info_from_dict(d: dict[str, Any]) -> DeviceInfo:
-    d = dict(d)
-    for key in ("max_block_dims", "max_grid_dims"):
-        d[key] = tuple(d[key])
-    if d.get("compute_capability") is not None:
-        d["compute_capability"] = tuple(d["compute_capability"])
-    return DeviceInfo(**d)
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _describe_exit(code: int | None) -> str:
@@ -56,11 +66,35 @@ def _describe_exit(code: int | None) -> str:
 
 
 class WorkerClient:
-    """One worker process for one (tenant, device); requests may overlap, replies match by id."""
+    """One worker process for one (tenant, device); requests may overlap, replies match by id.
+
+    Trust: none. The tenant runs native code inside its worker (by design on CPU OpenCL, and assumed on every
+    backend), so anything the worker writes on its socket may be forged. The front therefore
+
+    - reads frames of at most ``max_reply_bytes`` (the largest honest reply: a copy chunk plus its envelope)
+      and only msgpack of the shape ``[id, status, result]``;
+    - takes replies only to requests it made: an id it never issued, or one already answered, is a lie (replies
+      to requests whose caller gave up are remembered and dropped);
+    - checks each result against the request (workers/_replies.py): handles are short strings, a read returns
+      exactly the bytes asked for, a batch error names one of the batch's commands, device info has every field
+      of its type, a peer export is no larger than its allocation;
+    - rebuilds errors only as gpubroker classes of a status a worker may report (never UNAUTHENTICATED or
+      PERMISSION_DENIED, never an arbitrary class), message cut at 4 KiB, details bounded to short scalars;
+    - takes lease messages (``CONTROL``) only of the known ops and in protocol order: one ``want`` per grant the
+      front sends, one ``released`` per grant, which bounds their rate by the front's own grants;
+    - takes fence charges (``take_device_time``) only finite and >= 0, and no more than the wall time since the
+      worker's previous fence (cut to it), so a worker cannot make itself dearer, nor others cheaper, than the
+      device was; making itself cheaper is bounded by the scheduler, which charges a holder at least the wall
+      time it kept others waiting.
+
+    A worker that breaks any of these is killed at once (its callers get ``WorkerCrashed`` saying why) and its
+    death is its tenant's failure (workers/_pool.py): it counts against the tenant's crash budget, never
+    against the device.
+    """
 
     def __init__(self, tenant: str, device: int, backend: str,
                  on_exit: Callable[[WorkerClient], None] | None = None, ordinal: int | None = None,
-                 sandbox: WorkerSandbox | None = None) -> None:
+                 sandbox: WorkerSandbox | None = None, max_reply_bytes: int = MAX_FRAME) -> None:
         self.tenant = tenant
         self.device = device  # the broker's index
         self.ordinal = device if ordinal is None else ordinal  # the backend's index of the same device
@@ -74,8 +108,22 @@ class WorkerClient:
         self.death: str | None = None
         self.last_used = time.monotonic()
         self._on_exit = on_exit
+        self.max_reply_bytes = max_reply_bytes
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._last_id = 0
+        self._pending: dict[int, tuple[asyncio.Future[Any], str, dict[str, Any]]] = {}
+        self._abandoned: dict[int, None] = {}  # (ordered: the oldest is forgotten first)
+        # Set when the front kills the worker for a cause (a time limit, a lie): its callers get this error,
+        # and the death is its tenant's failure.
+        self.fault: GpuBrokerError | None = None
+        self.tenant_code_ran = False
+        # Who the death is charged to, once decided by the pool: "tenant", "device" or None (a stop, a drain).
+        self.blame: str | None = None
+        self._dying: asyncio.Future[None] | None = None
+        self._want_pending = False  # a lease "want" not yet answered with a grant
+        self._grants_out = 0  # grants sent and not yet given back
+        self._last_take: float | None = None
+        self._started = time.monotonic()
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._write_lock = asyncio.Lock()
@@ -94,6 +142,15 @@ class WorkerClient:
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
+
+    @property
+    def stopping(self) -> bool:
+        """The front stopped this worker on purpose (idle, tenant removed, broker stopping)."""
+        return self._stopping
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode if self.process is not None else None
 
     async def start(self, timeout: float) -> DeviceInfo:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -120,16 +177,23 @@ class WorkerClient:
             fd_child.close()
         reader, self._writer = await asyncio.open_unix_connection(sock=parent, limit=1 << 20)
         try:
-            _, status, result = await asyncio.wait_for(read_frame_async(reader), timeout)
-        except (FrameClosed, TimeoutError) as exc:
+            _, status, result = await asyncio.wait_for(read_reply(reader, self.max_reply_bytes), timeout)
+        except (FrameClosed, TimeoutError, FrameRefused, ValueError, TypeError) as exc:
             await self.kill()
             code = self.process.returncode
             raise Unavailable(f"worker for tenant {self.tenant!r} on device {self.device} failed to start "
                               f"({'timed out' if isinstance(exc, TimeoutError) else _describe_exit(code)})") from None
-        if status != 0:
+        try:  # (a worker's start runs no tenant code, but its answer is checked all the same)
+            error = error_from_worker(result) if status != 0 else None
+            self.info = device_info_from_dict(result) if error is None else None
+        except WorkerLied as exc:
             await self.kill()
-            raise error_from_wire(result["code"], result["message"], result.get("type"), result.get("details"))
-        self.info = device_info_from_dict(result)
+            raise Unavailable(f"worker for tenant {self.tenant!r} on device {self.device} failed to start "
+                              f"(it answered with {exc})") from None
+        if error is not None:
+            await self.kill()
+            raise error
+        assert self.info is not None
         self._reader_task = asyncio.create_task(self._read_replies(reader), name=f"worker-{self.tenant}-{self.device}")
         log.info("worker for tenant %s on device %d started (pid %d)", self.tenant, self.device, self.process.pid)
         return self.info
@@ -146,15 +210,27 @@ class WorkerClient:
         """
         return await self._call(op, session, params, fd)
 
+    def death_error(self) -> GpuBrokerError:
+        """What a call on the dead worker fails with: its fault's status (a time limit: DEADLINE_EXCEEDED), else
+        WorkerCrashed; the message says why it died."""
+        death = self.death or "the worker is gone"
+        if self.fault is not None:
+            return type(self.fault)(death, **self.fault.details)
+        return WorkerCrashed(death)
+
     async def _call(self, op: str, session: str, params: dict[str, Any], fd: int | None) -> Any:
         if self.death is not None:
-            raise WorkerCrashed(self.death)
+            raise self.death_error()
         if self._writer is None:
             raise FailedPrecondition("worker not started")
         self.last_used = time.monotonic()
-        req_id = next(self._ids)
+        if op not in _FRONT_OPS:
+            self.tenant_code_ran = True
+        req_id = self._last_id = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending[req_id] = fut
+        # A caller cancelled in the very step its reply or the worker's death arrived never reads the outcome.
+        fut.add_done_callback(_retrieve)
+        self._pending[req_id] = (fut, op, params)
         try:
             async with self._write_lock:
                 if fd is not None:
@@ -166,22 +242,53 @@ class WorkerClient:
         except (ConnectionError, OSError):
             self._pending.pop(req_id, None)
             await self._died()
-            raise WorkerCrashed(self.death or "worker connection lost") from None
+            raise self.death_error() from None
         try:
             return await fut
         finally:
-            self._pending.pop(req_id, None)
+            if self._pending.pop(req_id, None) is not None and self.death is None:
+                self._abandon(req_id)  # the caller gave up: its reply, when it comes, is moot but honest
+
+    def _abandon(self, req_id: int) -> None:
+        self._abandoned[req_id] = None
+        if len(self._abandoned) > _ABANDONED_MAX:
+            del self._abandoned[next(iter(self._abandoned))]
+
+    async def take_device_time(self) -> float:
+        """The device seconds the worker used since its last fence (it waits for its queued work first).
+
+        A charge that is no number, not finite or negative is a lie: the worker is killed. One above the wall time
+        since the worker's previous fence is cut to that wall time: commands on overlapping streams are each
+        measured in full, but the device was never the tenant's for longer than that, so neither may it be
+        charged more (which would make others look cheap beside it).
+        """
+        since = self._last_take if self._last_take is not None else self._started
+        seconds = await self.call("take_device_time", "")
+        now = time.monotonic()
+        self._last_take = now
+        if type(seconds) not in (int, float) or not math.isfinite(seconds) or seconds < 0:
+            self._lied(f"a device-time charge of {str(seconds)[:40]}")
+            raise WorkerCrashed(self.death or "the worker was killed for a bad device-time charge")
+        wall = now - since + _CHARGE_SLACK
+        if seconds > wall:
+            log.info("tenant %s: a device-time charge of %.3f s over %.3f s of wall time, charged as the wall time",
+                     self.tenant, seconds, wall)
+            return wall
+        return float(seconds)
 
     async def send_control(self, op: str) -> None:
         """A lease message to the worker ("grant" or "revoke"); no reply."""
         if self.death is not None or self._writer is None:
             raise WorkerCrashed(self.death or "worker not started")
+        if op == "grant":
+            self._want_pending = False
+            self._grants_out += 1
         try:
             async with self._write_lock:
                 await write_frame_async(self._writer, [CONTROL, op, "", None])
         except (ConnectionError, OSError):
             await self._died()
-            raise WorkerCrashed(self.death or "worker connection lost") from None
+            raise self.death_error() from None
 
     def _send_fd(self, fd: int) -> bytes:
         if self._fd_sock is None:
@@ -200,26 +307,82 @@ class WorkerClient:
     async def _read_replies(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                req_id, status, result = await read_frame_async(reader)
-                if req_id == CONTROL:
-                    if self.on_control is not None:
-                        self.on_control(status)
-                    continue
-                fut = self._pending.pop(req_id, None)
-                if fut is None or fut.done():
-                    continue  # the caller gave up (deadline, cancel); the reply is moot
-                if status == 0:
-                    fut.set_result(result)
-                else:
-                    fut.set_exception(error_from_wire(result["code"], result["message"], result.get("type"),
-                                                      result.get("details")))
-        except (FrameClosed, ConnectionError, OSError, ValueError):
+                self._take(await read_reply(reader, self.max_reply_bytes))
+        except (FrameClosed, ConnectionError, OSError):
             pass
+        except (FrameRefused, WorkerLied) as exc:
+            self._lied(str(exc))
         await self._died()
 
-    async def _died(self) -> None:
-        if self.death is not None:
+    def _take(self, frame: Any) -> None:
+        """One frame from the worker: a reply to a pending request, or a lease message; WorkerLied otherwise."""
+        if type(frame) is not list or len(frame) != 3 or type(frame[0]) is not int:
+            raise WorkerLied("a frame that is not [id, status, result]")
+        req_id, status, result = frame
+        if req_id == CONTROL:
+            self._control(status)
             return
+        pending = self._pending.pop(req_id, None)
+        if pending is None:
+            if req_id in self._abandoned:
+                del self._abandoned[req_id]  # the caller gave up (deadline, cancel); the reply is moot
+                return
+            raise WorkerLied(f"a reply to request {req_id}, which " + (
+                "was already answered" if 0 < req_id <= self._last_id else "the front never made"))
+        fut, op, params = pending
+        try:
+            if status == 0:
+                outcome: Any = check_result(op, params, result)
+            elif status == 1:
+                outcome = error_from_worker(result)
+            else:
+                raise WorkerLied(f"a reply of status {str(status)[:20]}")
+        except WorkerLied:
+            self._pending[req_id] = pending  # its caller learns of the worker's death with the others
+            raise
+        if fut.done():
+            return
+        if status == 0:
+            fut.set_result(outcome)
+        else:
+            fut.set_exception(outcome)
+
+    def _control(self, op: Any) -> None:
+        if op == "want":
+            if self._want_pending:
+                raise WorkerLied("a second lease 'want' before the front granted the first")
+            self._want_pending = True
+        elif op == "released":
+            if self._grants_out <= 0:
+                raise WorkerLied("a lease 'released' with no turn granted")
+            self._grants_out -= 1
+        else:
+            raise WorkerLied(f"an unknown lease message {str(op)[:40]!r}")
+        if self.on_control is not None:
+            self.on_control(op)
+
+    def _lied(self, reason: str) -> None:
+        """Kill the worker now for breaking the protocol; the reader then reports its death."""
+        if self.fault is None:
+            self.fault = WorkerCrashed(f"the worker for tenant {self.tenant!r} on device {self.device} broke the "
+                                       f"front's protocol ({reason[:200]}) and was killed")
+            log.error("tenant %s: %s", self.tenant, self.fault.message)
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+
+    async def _died(self) -> None:
+        # Set before the first await: the reader and a failed write may both get here, and the death must be
+        # reported (and charged) once; the later caller waits for the first to finish, so both see `death`.
+        if self._dying is not None:
+            await asyncio.shield(self._dying)
+            return
+        self._dying = asyncio.get_running_loop().create_future()
+        try:
+            await self._report_death()
+        finally:
+            self._dying.set_result(None)
+
+    async def _report_death(self) -> None:
         code = None
         if self.process is not None:
             try:
@@ -228,17 +391,21 @@ class WorkerClient:
                 self.process.kill()
                 code = await self._wait(None)
         await self._release()
-        how = _describe_exit(code)
-        if self.oom_killed:
-            how += f" by the OOM killer (the worker memory limit, {self.sandbox.memory_max} bytes)"
-        self.death = (f"the worker process for tenant {self.tenant!r} on device {self.device} "
-                      f"(pid {self.pid}) {how}; this session's device state is lost, "
-                      "open a new session")
+        if self.fault is not None:
+            self.death = (f"{self.fault.message}; this session's device state is lost, open a new session")
+        else:
+            how = _describe_exit(code)
+            if self.oom_killed:
+                how += f" by the OOM killer (the worker memory limit, {self.sandbox.memory_max} bytes)"
+            self.death = (f"the worker process for tenant {self.tenant!r} on device {self.device} "
+                          f"(pid {self.pid}) {how}; this session's device state is lost, "
+                          "open a new session")
         (log.info if self._stopping else log.error)("%s", self.death)
-        for fut in self._pending.values():
+        for fut, _, _ in self._pending.values():
             if not fut.done():
-                fut.set_exception(WorkerCrashed(self.death))
+                fut.set_exception(self.death_error())
         self._pending.clear()
+        self._abandoned.clear()
         for callback in self.on_death:
             callback()
         if self._writer is not None:
@@ -265,7 +432,10 @@ class WorkerClient:
             except (TimeoutError, GpuBrokerError):
                 pass
 
-    async def kill(self) -> None:
+    async def kill(self, fault: GpuBrokerError | None = None) -> None:
+        """Kill the process; with ``fault``, its pending and later calls fail with that error's class and message."""
+        if fault is not None and self.fault is None:
+            self.fault = fault
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             await self._wait(None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,8 @@ from grpc_health.v1 import health_pb2
 
 from gpubroker.broker.config import BrokerConfig, load_config
 from gpubroker.broker.server._health import BROKER_SERVICE, BrokerHealth, device_service
-from gpubroker.client import DeviceInfo, InvalidArgument, Unavailable
+from gpubroker.broker.workers import WorkerClient, WorkerPool
+from gpubroker.client import DeadlineExceeded, DeviceInfo, InvalidArgument, Unavailable
 
 
 class Clock:
@@ -109,20 +111,80 @@ def test_drain_turns_everything_not_serving_and_hints_when_to_retry() -> None:
     asyncio.run(scenario())
 
 
-def test_worker_exits_count_unless_clean_or_the_tenants_own_fault() -> None:
-    class Exited:
-        def __init__(self, code: int) -> None:
-            self.device, self.death = 0, f"exited with {code}"
-            self.process = type("P", (), {"returncode": code})()
+class _Exit:
+    """The end of a worker process, as the front sees it: an exit status (no process is started here)."""
 
+    def __init__(self, code: int) -> None:
+        self.returncode, self.pid = code, 4242
+
+    def poll(self) -> int:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.returncode
+
+    def kill(self) -> None:
+        pass
+
+
+def _ended(pool: WorkerPool, code: int, *, tenant_code: bool = False, stopping: bool = False,
+           fault: bool = False) -> WorkerClient:
+    worker = WorkerClient("t", 0, "opencl", on_exit=pool._forget)
+    worker.process = _Exit(code)  # type: ignore[assignment]
+    worker.tenant_code_ran, worker._stopping = tenant_code, stopping
+    if fault:
+        worker.fault = DeadlineExceeded("device work held the device past max_kernel_seconds = 1 s")
+    return worker
+
+
+def test_worker_deaths_are_charged_to_their_cause_once() -> None:
     async def scenario() -> None:
-        health = _health(Clock(), devices=1)
+        clock = Clock()
+        health = _health(clock, devices=1, device_failure_threshold=100)
         await health.start()
-        for code in (0, 3):  # a clean stop; a kernel that corrupted its own context (the tenant's fault)
-            health.worker_exited(Exited(code))  # type: ignore[arg-type]
-        assert health.recent_failures(0) == 0
-        health.worker_exited(Exited(-9))  # type: ignore[arg-type]
-        assert health.recent_failures(0) == 1
+        pool = WorkerPool("opencl", 1.0, 60.0, crash_budget=3, crash_window=10.0, on_failure=health.worker_exited,
+                          clock=clock)
+        cases = [  # (exit, tenant code ran, stopped by the front, killed for the tenant) -> blame
+            ((-11, True, False, False), "tenant"),  # a wild pointer in its kernel
+            ((3, False, False, False), "tenant"),  # a fatal device error its kernel caused
+            ((-9, False, False, True), "tenant"),  # killed for the kernel time limit
+            ((-11, False, False, False), "device"),  # died before any tenant code
+            ((-9, True, True, False), None),  # the front stopped it (reaped, tenant removed) and had to kill it
+            ((0, True, False, False), "tenant"),  # exited on its own after running tenant code
+            ((0, False, False, False), None),
+        ]
+        for (code, ran, stopping, fault), blame in cases:
+            worker = _ended(pool, code, tenant_code=ran, stopping=stopping, fault=fault)
+            # The reader's end and a failed write report one death together: it must count once.
+            await asyncio.gather(worker._died(), worker._died())
+            assert worker.blame == blame, (code, ran, stopping, fault)
+        assert health.recent_failures(0) == 1  # only the death before any tenant code
+        assert pool.crashes.total["t"] == 4 and pool.restarts == 5
+        with pytest.raises(Unavailable, match="crashed its workers 3 times within 10 s") as refused:
+            pool.crashes.check("t")
+        assert refused.value.details["retry_after_seconds"] == 10.0
+        clock.now += 10.5
+        pool.crashes.check("t")  # the window passed: served again
+        await health.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_stop_signal_during_a_drain_is_nobodys_failure() -> None:
+    async def scenario() -> None:
+        clock = Clock()
+        health = _health(clock, devices=1, device_failure_threshold=100)
+        await health.start()
+        pool = WorkerPool("opencl", 1.0, 60.0, crash_budget=3, crash_window=10.0, on_failure=health.worker_exited,
+                          clock=clock)
+        first = _ended(pool, -signal.SIGTERM, tenant_code=True)
+        await first._died()
+        pool.draining = True  # the front's own SIGTERM handler ran just after it read the worker's end
+        second = _ended(pool, -signal.SIGTERM)
+        await second._died()
+        await asyncio.sleep(0.7)
+        assert first.blame is None and second.blame is None
+        assert health.recent_failures(0) == 0 and pool.crashes.recent("t") == 0 and pool.restarts == 0
         await health.stop()
 
     asyncio.run(scenario())

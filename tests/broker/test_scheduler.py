@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
-from gpubroker.broker.scheduler import DeviceScheduler, FairPolicy
+from gpubroker.broker.scheduler import DeviceScheduler, FairPolicy, TurnLease
 
 
 class Device:
@@ -247,3 +248,192 @@ def test_policy_picks_least_weighted_time() -> None:
     assert policy.pick(["a", "b"]) == "b"  # 2/3 < 1/1
     policy.charge("b", 2.0)
     assert policy.pick(["a", "b"]) == "a"
+
+
+class StuckDevice(Device):
+    """A device whose work can hang (an endless kernel): a hung tenant's fence and calls end only when it is
+    killed, as a killed worker's would, with the error the front gives them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.killed: dict[str, str] = {}
+        self.hung: dict[str, asyncio.Future[None]] = {}
+
+    def hang(self, tenant: str) -> asyncio.Future[None]:
+        self.hung[tenant] = asyncio.get_running_loop().create_future()
+        return self.hung[tenant]
+
+    def kill(self, tenant: str, message: str) -> None:
+        self.killed[tenant] = message
+        hung = self.hung.pop(tenant, None)
+        if hung is not None and not hung.done():
+            hung.set_exception(RuntimeError(message))
+
+    async def fence(self, tenant: str) -> float:
+        if tenant in self.hung:
+            await self.hung[tenant]
+        return await super().fence(tenant)
+
+
+async def _settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def test_a_holder_past_the_kernel_limit_while_others_wait_is_killed_and_the_waiter_goes_on() -> None:
+    async def scenario() -> None:
+        dev = StuckDevice()
+        sched = DeviceScheduler(dev.fence, quantum=0.005, clock=dev.clock, max_hold=2.0, on_overrun=dev.kill)
+        hung = dev.hang("a")
+
+        async def endless() -> str:
+            async with sched.turn("a"):  # a synchronous call into a kernel that never ends
+                try:
+                    await hung
+                except RuntimeError as exc:
+                    return str(exc)
+            return "finished"
+
+        a = asyncio.ensure_future(endless())
+        await _settle()
+        dev.now = 5.0  # alone, it may run as long as it likes (lone_hold 0)
+        sched.check_overrun()
+        assert not dev.killed
+        b_waited: list[float] = []
+
+        async def light() -> None:
+            start = dev.now
+            async with sched.turn("b"):
+                b_waited.append(dev.now - start)
+
+        b = asyncio.ensure_future(light())
+        await _settle()
+        dev.now = 6.9  # b has waited 1.9 s of the 2 s limit
+        sched.check_overrun()
+        await _settle()
+        assert not dev.killed and not b.done()
+        dev.now = 7.0
+        sched.check_overrun()
+        await _settle()
+        assert "max_kernel_seconds = 2 s" in dev.killed["a"]
+        assert "max_kernel_seconds = 2 s" in await a
+        await b
+        assert b_waited == [pytest.approx(2.0)]
+        # The killed holder is charged the hold it made others wait through, not nothing.
+        assert sched.policy.account("a").vtime >= 2.0
+
+    asyncio.run(scenario())
+
+
+def test_a_fence_that_hangs_while_others_wait_is_killed_too() -> None:
+    async def scenario() -> None:
+        dev = StuckDevice()
+        sched = DeviceScheduler(dev.fence, quantum=0.005, clock=dev.clock, max_hold=1.0, on_overrun=dev.kill)
+        async with sched.turn("a"):  # an asynchronous launch: the call returns, the kernel runs on
+            dev.hang("a")
+        served = asyncio.Event()
+
+        async def light() -> None:
+            async with sched.turn("b"):
+                served.set()
+
+        b = asyncio.ensure_future(light())
+        await _settle()  # the switch is fencing a, whose kernel never ends
+        assert not served.is_set()
+        dev.now = 1.5
+        sched.check_overrun()
+        await _settle()
+        await b
+        assert served.is_set() and "max_kernel_seconds = 1 s" in dev.killed["a"]
+
+    asyncio.run(scenario())
+
+
+def test_a_lone_holder_is_limited_only_by_lone_kernel_seconds() -> None:
+    async def scenario() -> None:
+        dev = StuckDevice()
+        sched = DeviceScheduler(dev.fence, quantum=0.005, clock=dev.clock, max_hold=1.0, lone_hold=3.0,
+                                on_overrun=dev.kill, accounting_period=1.0)
+        hung = dev.hang("a")
+
+        async def endless() -> None:
+            async with sched.turn("a"):
+                with contextlib.suppress(RuntimeError):
+                    await hung
+
+        a = asyncio.ensure_future(endless())
+        await _settle()
+        dev.now = 3.9  # its slice's accounting period (1 s) plus 2.9 s: within lone_kernel_seconds
+        sched.check_overrun()
+        assert not dev.killed
+        dev.now = 4.0
+        sched.check_overrun()
+        await a
+        assert "lone_kernel_seconds = 3 s" in dev.killed["a"]
+
+    asyncio.run(scenario())
+
+
+def test_the_limit_is_enforced_by_the_schedulers_own_timer() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        sched = DeviceScheduler(StuckDevice().fence, quantum=0.005, clock=loop.time, max_hold=0.2)
+        killed: list[str] = []
+        release = asyncio.Event()
+        sched._on_overrun = lambda tenant, message: (killed.append(tenant), release.set())
+
+        async def holder() -> None:
+            async with sched.turn("a"):
+                await release.wait()
+
+        a = asyncio.ensure_future(holder())
+        await asyncio.sleep(0)
+        start = loop.time()
+        async with sched.turn("b"):  # no one calls check_overrun: the watchdog timer must
+            waited = loop.time() - start
+        await a
+        assert killed == ["a"] and 0.2 <= waited < 1.0
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_that_keeps_its_leased_turn_past_the_limit_is_killed() -> None:
+    async def scenario() -> None:
+        dev = StuckDevice()
+        sent: list[str] = []
+        lease: TurnLease | None = None
+
+        def kill(tenant: str, message: str) -> None:
+            dev.killed[tenant] = message
+            assert lease is not None
+            lease.close()  # what the worker's death does (WorkerClient.on_death)
+
+        sched = DeviceScheduler(dev.fence, quantum=0.005, clock=dev.clock, max_hold=1.0, on_overrun=kill)
+
+        async def send(op: str) -> None:
+            sent.append(op)
+
+        lease = TurnLease(sched, "a", send)
+        lease.on_message("want")  # the worker's direct link runs a kernel that never ends: it never says "released"
+        await _settle()
+        assert sent == ["grant"]
+        served = asyncio.Event()
+
+        async def light() -> None:
+            async with sched.turn("b"):
+                served.set()
+
+        b = asyncio.ensure_future(light())
+        dev.now = 0.01
+        await _settle()
+        assert "yield" in sent or "revoke" in sent  # asked to give the turn back...
+        dev.now = 0.99
+        sched.check_overrun()
+        await _settle()
+        assert not served.is_set() and not dev.killed
+        dev.now = 1.01  # ...and a second after b began to wait (at 0.01), it has not
+        sched.check_overrun()
+        await b
+        assert "max_kernel_seconds = 1 s" in dev.killed["a"]
+
+    asyncio.run(scenario())

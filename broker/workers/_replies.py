@@ -1,0 +1,204 @@
+"""What the front accepts from a worker: every reply checked against what the front asked, every error bounded.
+
+A worker runs its tenant's native code, so its replies are the tenant's words: a result of the wrong shape, an
+error naming a status a worker never has, a reply to a request never made, are lies. ``WorkerLied`` says which;
+the front then kills the worker and charges its tenant (workers/_client.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from gpubroker.client import DeviceInfo, GpuBrokerError
+from gpubroker.client._errors import error_from_wire
+
+__all__ = ["MAX_ERROR_MESSAGE", "WorkerLied", "check_result", "device_info_from_dict", "error_from_worker"]
+
+
+class WorkerLied(Exception):
+    """The worker said something it cannot honestly say; the message says what."""
+
+
+# Longer messages are cut (a legitimate one quotes a name or a size, not megabytes).
+MAX_ERROR_MESSAGE = 4096
+_MAX_DETAIL_TEXT = 256 * 1024  # a compile log is the longest legitimate detail
+_MAX_DETAILS = 32
+_MAX_HANDLE = 256
+_MAX_KERNELS = 65536
+# The statuses a worker's errors may carry; authentication and permission are the front's alone to say.
+_WORKER_CODES = frozenset({"UNKNOWN", "INVALID_ARGUMENT", "OUT_OF_RANGE", "NOT_FOUND", "ALREADY_EXISTS",
+                           "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "UNAVAILABLE",
+                           "DEADLINE_EXCEEDED", "CANCELLED", "UNIMPLEMENTED", "INTERNAL"})
+
+
+def _text(value: Any, what: str, limit: int = _MAX_HANDLE, empty: bool = False) -> str:
+    if type(value) is not str or len(value) > limit or (not value and not empty):
+        raise WorkerLied(f"{what} is not a string of at most {limit} characters")
+    return value
+
+
+def _count(value: Any, what: str, high: int = 1 << 63) -> int:
+    if type(value) is not int or not 0 <= value <= high:
+        raise WorkerLied(f"{what} is not an integer in [0, {high}]")
+    return value
+
+
+def _scalar_detail(value: Any) -> bool:
+    return value is None or type(value) in (bool, int) or (type(value) is float and math.isfinite(value))
+
+
+def _details(raw: Any) -> dict[str, Any]:
+    """Error details bounded: string keys, scalar or short-list values; what does not fit is dropped."""
+    if raw is None:
+        return {}
+    if type(raw) is not dict:
+        raise WorkerLied("error details are not a map")
+    details: dict[str, Any] = {}
+    for key, value in list(raw.items())[:_MAX_DETAILS]:
+        if type(key) is not str or len(key) > 64:
+            continue
+        if type(value) is str:
+            details[key] = value[:_MAX_DETAIL_TEXT]
+        elif _scalar_detail(value) or (type(value) is list and len(value) <= 16
+                                       and all(_scalar_detail(v) for v in value)):
+            details[key] = value
+    return details
+
+
+def error_from_worker(payload: Any) -> GpuBrokerError:
+    """The worker's error as a gpubroker error of a status a worker may report, its message and details bounded."""
+    if type(payload) is not dict:
+        raise WorkerLied("an error reply that is not a map")
+    code = payload.get("code")
+    if code not in _WORKER_CODES:
+        raise WorkerLied(f"an error with a status no worker reports ({str(code)[:40]!r})")
+    message = payload.get("message")
+    if type(message) is not str:
+        raise WorkerLied("an error without a message")
+    if len(message) > MAX_ERROR_MESSAGE:
+        message = message[:MAX_ERROR_MESSAGE] + " [cut]"
+    type_name = payload.get("type")
+    # Only gpubroker's own classes, and only one that carries this code (error_from_wire falls back otherwise).
+    return error_from_wire(code, message, type_name if type(type_name) is str else None,
+                           _details(payload.get("details")))
+
+
+def device_info_from_dict(d: Any) -> DeviceInfo:
+    """A device description, every field of the right type: from a worker, or the device probe."""
+    if type(d) is not dict:
+        raise WorkerLied("device info that is not a map")
+    ints = ("id", "total_memory", "free_memory", "multiprocessor_count", "clock_mhz", "l2_cache_bytes",
+            "max_threads_per_block")
+    texts = ("name", "vendor", "backend", "driver_version", "health_reason")
+    fields: dict[str, Any] = {}
+    for key in ints:
+        fields[key] = _count(d.get(key), f"device info {key}")
+    for key in texts:
+        if key in d or key in ("name", "vendor", "backend"):
+            fields[key] = _text(d.get(key), f"device info {key}", limit=1024, empty=True)
+    if type(d.get("unified_memory")) is not bool:
+        raise WorkerLied("device info unified_memory is not a boolean")
+    fields["unified_memory"] = d["unified_memory"]
+    for key in ("max_block_dims", "max_grid_dims"):
+        dims = d.get(key)
+        if type(dims) not in (list, tuple) or len(dims) != 3:
+            raise WorkerLied(f"device info {key} is not three integers")
+        fields[key] = tuple(_count(v, f"device info {key}") for v in dims)
+    cc = d.get("compute_capability")
+    if cc is not None:
+        if type(cc) not in (list, tuple) or len(cc) != 2:
+            raise WorkerLied("device info compute_capability is not two integers")
+        fields["compute_capability"] = tuple(_count(v, "device info compute_capability", 1000) for v in cc)
+    version = d.get("opencl_version")
+    if version is not None:
+        fields["opencl_version"] = _text(version, "device info opencl_version", limit=1024, empty=True)
+    for key in ("memory_quota", "memory_used", "memory_available"):
+        if d.get(key) is not None:
+            fields[key] = _count(d[key], f"device info {key}")
+    if d.get("health") is not None:
+        fields["health"] = _text(d["health"], "device info health", limit=64)
+    return DeviceInfo(**fields)
+
+
+def _handle(result: Any, params: dict[str, Any]) -> Any:
+    return _text(result, "a handle")
+
+
+def _none(result: Any, params: dict[str, Any]) -> Any:
+    if result is not None:
+        raise WorkerLied("a result where none is due")
+    return result
+
+
+def _module(result: Any, params: dict[str, Any]) -> Any:
+    if type(result) is not dict:
+        raise WorkerLied("a module result that is not a map")
+    names = result.get("kernel_names")
+    if type(names) is not list or len(names) > _MAX_KERNELS:
+        raise WorkerLied("a module's kernel names are not a list")
+    for name in names:
+        _text(name, "a kernel name", limit=1024)
+    return {"handle": _text(result.get("handle"), "a module handle"), "kernel_names": names}
+
+
+def _read(result: Any, params: dict[str, Any]) -> Any:
+    if type(result) is not bytes or len(result) != params.get("size"):
+        raise WorkerLied(f"a read that returned other than the {params.get('size')} bytes asked for")
+    return result
+
+
+def _batch(result: Any, params: dict[str, Any]) -> Any:
+    commands = params.get("commands") or []
+    if type(result) is not dict:
+        raise WorkerLied("a batch result that is not a map")
+    _count(result.get("done"), "a batch's commands done", len(commands))
+    error = result.get("error")
+    if error is None:
+        return result
+    if type(error) is not dict:
+        raise WorkerLied("a batch error that is not a map")
+    seq = error.get("seq")
+    if not any(seq == command[0] and type(seq) is type(command[0]) for command in commands):
+        raise WorkerLied("a batch error for a command the batch did not hold")
+    failure = error_from_worker({"code": error.get("code"), "message": error.get("message"),
+                                 "type": error.get("type")})
+    return {"done": result["done"], "error": {"seq": seq, "command": _text(error.get("command"), "a command", 1024),
+                                              "code": failure.code, "message": failure.message,
+                                              "type": type(failure).__name__}}
+
+
+def _peer_export(result: Any, params: dict[str, Any]) -> Any:
+    if type(result) is not dict or type(result.get("handle")) is not bytes or len(result["handle"]) > 4096:
+        raise WorkerLied("a peer export that is not a handle")
+    ref = params.get("buf")
+    limit = ref[1] if type(ref) is list and len(ref) == 3 and type(ref[1]) is int else 0
+    _count(result.get("size"), "a peer export's size", limit)  # never more than the allocation it exports
+    return result
+
+
+def _count_result(result: Any, params: dict[str, Any]) -> Any:
+    return _count(result, "a count")
+
+
+def _device_info(result: Any, params: dict[str, Any]) -> Any:
+    device_info_from_dict(result)
+    return result
+
+
+# What each front request may get back. Operations not listed (none today) are bounded by the frame size only.
+_RESULTS = {
+    "allocate": _handle, "get_kernel": _handle, "create_stream": _handle, "register_segment": _handle,
+    "peer_open": _handle, "load_module": _module, "read": _read, "batch": _batch, "peer_export": _peer_export,
+    "device_info": _device_info, "close_session": _count_result, "attach_direct": _count_result,
+    "ping": _count_result,
+    **{op: _none for op in ("free", "memset", "copy_d2d", "write", "launch", "synchronize", "destroy_stream",
+                            "unload_module", "release_segment", "copy_shared", "peer_local", "peer_copy",
+                            "peer_close")},
+}
+
+
+def check_result(op: str, params: dict[str, Any], result: Any) -> Any:
+    """``result`` if it is what ``op`` with ``params`` can return; WorkerLied otherwise."""
+    check = _RESULTS.get(op)
+    return result if check is None else check(result, params)

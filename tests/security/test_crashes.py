@@ -1,0 +1,206 @@
+"""A tenant that keeps crashing its own worker is that tenant's problem: backed off, never the device's.
+
+Real crashes on PoCL, where a tenant's kernel and its compile run as native code inside its worker: a kernel
+that writes through a wild pointer (SIGSEGV at launch), and a source whose 20,000 nested ``~`` overflow
+clang's recursive parser (SIGSEGV in the middle of the compile).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import struct
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gpubroker.broker import samples
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.broker.server._health import device_service
+from gpubroker.broker.workers._replies import WorkerLied, check_result, device_info_from_dict, error_from_worker
+from gpubroker.client import GpuBrokerError, RemoteGpu, Unavailable, WorkerCrashed, connect
+from gpubroker.client._transport import make_channel
+
+from ..conftest import worker_pids
+from ..helpers import wait_for
+
+TENANTS = [TenantSpec("mallory"), TenantSpec("bob")]
+WILD_POINTER = "__kernel void boom(__global int* x) { *(__global int*)(0x10) = 1; }"
+# clang parses unary operators recursively: this many nested exhaust the compiling thread's stack.
+COMPILER_CRASH = "__kernel void deep(__global int* x) { x[0] = " + "~" * 20000 + "x[1]; }"
+CRASHES = 10
+
+
+@pytest.fixture
+def broker() -> Iterator[BrokerProcess]:
+    settings = {"tenant_crash_budget": CRASHES, "tenant_crash_window_seconds": 60.0, "device_failure_threshold": 3,
+                "metrics_listen": "127.0.0.1:0", "lease_seconds": 5.0}
+    with BrokerProcess(TENANTS, backend="opencl", settings=settings) as proc:
+        yield proc
+
+
+def _device_health(broker: BrokerProcess) -> str:
+    channel, _ = make_channel(broker.target, broker.tokens["bob"])
+    with channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=device_service(0)), timeout=10)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def _metric(broker: BrokerProcess, name: str, tenant: str) -> float:
+    text = urllib.request.urlopen(broker.metrics_url, timeout=10).read().decode()
+    found = re.search(rf'^{name}\{{tenant="{tenant}"\}} (\S+)$', text, re.MULTILINE)
+    assert found is not None, f"{name} for {tenant} not in the metrics"
+    return float(found.group(1))
+
+
+def _crash(broker: BrokerProcess, how: int) -> None:
+    """One of mallory's sessions, ended by a crash of her worker: at launch or in the compiler."""
+    with connect(broker.target, token=broker.tokens["mallory"], device=0) as gpu:
+        buf = gpu.allocate_memory(64)
+        with pytest.raises(WorkerCrashed):
+            if how % 2:
+                gpu.compile_kernel(COMPILER_CRASH, "deep")
+            else:
+                gpu.execute_kernel(gpu.compile_kernel(WILD_POINTER, "boom"), 1, 1, [buf])
+                gpu.synchronize()
+
+
+def _work(gpu: RemoteGpu) -> None:
+    data = np.arange(4096, dtype=np.float32)
+    buf = gpu.allocate_memory(data.nbytes)
+    gpu.copy_h2d(data, buf)
+    kernel = gpu.compile_kernel(samples.source("opencl"), "scale_inplace")
+    gpu.execute_kernel(kernel, data.size // 256, 256, [buf, np.float32(2), np.int32(data.size)])
+    out = np.empty_like(data)
+    gpu.copy_d2h(buf, out)
+    np.testing.assert_array_equal(out, data * 2 + 1)
+    gpu.free_memory(buf)
+
+
+def test_a_tenant_that_crashes_its_worker_is_backed_off_and_the_device_serves_on(broker: BrokerProcess) -> None:
+    with connect(broker.target, token=broker.tokens["bob"], device=0) as bob:
+        _work(bob)
+        for i in range(CRASHES):
+            _crash(broker, i)
+            assert _device_health(broker) == "SERVING", broker.log_tail()
+            _work(bob)  # bob's session goes on...
+            if i % 3 == 2:  # ...and he opens new ones throughout
+                with connect(broker.target, token=broker.tokens["bob"], device=0) as again:
+                    _work(again)
+        with pytest.raises(Unavailable, match=rf"tenant 'mallory' crashed its workers {CRASHES} times within 60 s"
+                           ) as refused:
+            connect(broker.target, token=broker.tokens["mallory"], device=0)
+        assert 1 <= refused.value.details["retry_after_seconds"] <= 60
+        assert [d.health for d in bob.list_devices()] == ["SERVING"]
+        assert _device_health(broker) == "SERVING"
+        with connect(broker.target, token=broker.tokens["bob"], device=0) as again:
+            _work(again)
+        _work(bob)
+    assert _metric(broker, "gpubroker_tenant_worker_crashes_total", "mallory") == CRASHES
+    assert _metric(broker, "gpubroker_tenant_worker_crashes_total", "bob") == 0
+    assert _metric(broker, "gpubroker_tenant_backoff_seconds", "mallory") > 0
+    log = broker.log_tail(200_000)
+    assert "its new sessions are refused" in log and "failed before running any tenant code" not in log
+
+
+def test_a_drains_stop_signal_to_the_workers_is_no_failure() -> None:
+    settings = {"tenant_crash_budget": 1, "metrics_listen": "127.0.0.1:0", "drain_grace_seconds": 30.0,
+                "device_failure_threshold": 1}
+    with BrokerProcess(TENANTS, backend="opencl", settings=settings) as broker:
+        assert broker.process is not None
+        sessions = [connect(broker.target, token=broker.tokens[t], device=0) for t in ("mallory", "bob")]
+        try:
+            for gpu in sessions:
+                _work(gpu)  # both workers have run their tenants' code: a death now would be their failure
+            workers = worker_pids(broker, "mallory") + worker_pids(broker, "bob")
+            assert len(workers) == 2
+            # What a service manager that signals the whole group does (systemd's default KillMode, Ctrl-C).
+            os.killpg(broker.process.pid, signal.SIGTERM)
+            wait_for(lambda: broker.log_tail(200_000).count("stopped by a signal while the broker drains") == 2,
+                     15, "both workers' ends to be judged")
+            for tenant in ("mallory", "bob"):
+                assert _metric(broker, "gpubroker_tenant_worker_crashes_total", tenant) == 0
+            log = broker.log_tail(200_000)
+            assert "worker crash of its own" not in log and "failed before running any tenant code" not in log
+            assert "is not serving new sessions" not in log
+        finally:
+            for gpu in sessions:
+                with contextlib.suppress(GpuBrokerError):  # (their workers are gone)
+                    gpu.close()
+
+
+# From inside a kernel, write(2) straight onto the worker's socket to the front: a frame the worker never sent.
+FORGE = r"""
+__kernel void forge(__global const uchar* frame, const long len, const long fd, __global long* ret) {
+    long r;
+    __asm__ volatile ("syscall" : "=a"(r) : "a"(1L), "D"(fd), "S"(frame), "d"(len) : "rcx", "r11", "memory");
+    ret[0] = r;
+}"""
+
+
+def _front_fd(pid: int) -> int:
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return int(args[args.index(b"--fd") + 1])
+
+
+LIES = {
+    "a lease message the protocol lacks": msgpack.packb([-1, "grant-me-everything", None]),
+    "a reply to a request the front never made": msgpack.packb([987654, 0, "buf_forged"]),
+    "a frame of 2 GiB": b"",  # (only the header: the front must refuse it before buffering a byte)
+}
+
+
+def test_a_worker_that_forges_frames_to_the_front_is_killed_and_charged_to_its_tenant(broker: BrokerProcess) -> None:
+    for lies, (what, frame) in enumerate(LIES.items(), start=1):
+        with connect(broker.target, token=broker.tokens["mallory"], device=0) as gpu:
+            [pid] = worker_pids(broker, "mallory")
+            header = struct.pack("!I", len(frame) if frame else 0x7FFFFFFF)
+            wire = np.frombuffer(header + frame, dtype=np.uint8)
+            data, ret = gpu.allocate_memory(wire.nbytes), gpu.allocate_memory(8)
+            gpu.copy_h2d(wire, data)
+            kernel = gpu.compile_kernel(FORGE, "forge")
+            with pytest.raises(GpuBrokerError):  # its worker dies under it (this call, or the next)
+                gpu.execute_kernel(kernel, 1, 1, [data, np.int64(wire.nbytes), np.int64(_front_fd(pid)), ret])
+                gpu.synchronize()
+                wait_for(lambda: not worker_pids(broker, "mallory"), 10, f"the worker that sent {what} to be killed")
+                gpu.synchronize()
+        wait_for(lambda n=lies: _metric(broker, "gpubroker_tenant_worker_crashes_total", "mallory") == n, 10,
+                 f"{what} to be charged to mallory")
+        assert _device_health(broker) == "SERVING"
+    log = broker.log_tail(200_000)
+    for reason in ("(an unknown lease message 'grant-me-everything') and was killed",
+                   "(a reply to request 987654, which the front never made) and was killed",
+                   "(a frame of 2147483647 bytes, over the front's limit of"):
+        assert reason in log
+    assert _metric(broker, "gpubroker_tenant_worker_crashes_total", "bob") == 0
+    with connect(broker.target, token=broker.tokens["bob"], device=0) as bob:
+        _work(bob)
+
+
+def test_what_the_front_takes_from_a_worker_is_bounded() -> None:
+    # The checks each reply passes before the front uses it (the lies above end in these, inside the front).
+    with pytest.raises(WorkerLied, match="status no worker reports"):
+        error_from_worker({"code": "UNAUTHENTICATED", "message": "log in again", "type": "Unauthenticated"})
+    error = error_from_worker({"code": "NOT_FOUND", "message": "x" * 100_000, "type": "SystemExit",
+                               "details": {"log": "y" * 10_000_000, "obj": {"nested": 1}, 7: "key"}})
+    assert type(error).__name__ == "NotFound" and len(error.message) < 5000  # never an arbitrary class
+    assert set(error.details) == {"log"} and len(error.details["log"]) == 256 * 1024
+    with pytest.raises(WorkerLied, match="bytes asked for"):
+        check_result("read", {"size": 16}, b"x" * (1 << 20))
+    with pytest.raises(WorkerLied, match="did not hold"):
+        check_result("batch", {"commands": [[1, "launch", "k", {}]]},
+                     {"done": 0, "error": {"seq": 99, "command": "launch", "code": "INTERNAL", "message": "m"}})
+    with pytest.raises(WorkerLied, match="peer export"):
+        check_result("peer_export", {"buf": ["h", 1024, 0]}, {"handle": b"ipc", "size": 1 << 40})
+    with pytest.raises(WorkerLied, match="handle"):
+        check_result("allocate", {"size": 8}, {"not": "a handle"})
+    with pytest.raises(WorkerLied, match="total_memory"):
+        device_info_from_dict({"id": 0, "name": "gpu", "total_memory": -1})
