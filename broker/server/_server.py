@@ -155,7 +155,8 @@ class Broker:
         self.pool = WorkerPool(backend, cfg.worker_start_timeout, cfg.worker_idle_seconds,
                                on_worker_exit=self._worker_exited, ordinals=[d.id for d in devices],
                                crash_budget=cfg.tenant_crash_budget, crash_window=cfg.tenant_crash_window_seconds,
-                               on_failure=self.health.worker_exited, max_reply_bytes=cfg.max_message_bytes + (1 << 20), sandbox=self.sandbox)
+                               on_failure=self.health.worker_exited, max_reply_bytes=cfg.max_message_bytes + (1 << 20),
+                               sandbox=self.sandbox)
         # Clients number the devices as this broker serves them: 0, 1, ... in the config's order.
         devices = [dataclasses.replace(d, id=i) for i, d in enumerate(devices)]
         self.sessions = SessionManager(cfg, self.pool, self.health, devices)

@@ -112,8 +112,7 @@ def test_a_tenant_that_crashes_its_worker_is_backed_off_and_the_device_serves_on
 
 
 def test_a_drains_stop_signal_to_the_workers_is_no_failure() -> None:
-    settings = {"tenant_crash_budget": 1, "metrics_listen": "127.0.0.1:0", "drain_grace_seconds": 30.0,
-                "device_failure_threshold": 1}
+    settings = {"tenant_crash_budget": 1, "drain_grace_seconds": 2.0, "device_failure_threshold": 1}
     with BrokerProcess(TENANTS, backend="opencl", settings=settings) as broker:
         assert broker.process is not None
         sessions = [connect(broker.target, token=broker.tokens[t], device=0) for t in ("mallory", "bob")]
@@ -122,15 +121,14 @@ def test_a_drains_stop_signal_to_the_workers_is_no_failure() -> None:
                 _work(gpu)  # both workers have run their tenants' code: a death now would be their failure
             workers = worker_pids(broker, "mallory") + worker_pids(broker, "bob")
             assert len(workers) == 2
-            # What a service manager that signals the whole group does (systemd's default KillMode, Ctrl-C).
+            # What a service manager that signals the whole group does (systemd's default KillMode, Ctrl-C). The
+            # sandboxed workers (PID 1 of their namespaces) ignore it; unsandboxed, they die of it. Either way
+            # the broker drains, stops what is left and exits, and no death is anybody's failure.
             os.killpg(broker.process.pid, signal.SIGTERM)
-            wait_for(lambda: broker.log_tail(200_000).count("stopped by a signal while the broker drains") == 2,
-                     15, "both workers' ends to be judged")
-            for tenant in ("mallory", "bob"):
-                assert _metric(broker, "gpubroker_tenant_worker_crashes_total", tenant) == 0
+            assert broker.process.wait(30) == 0
             log = broker.log_tail(200_000)
             assert "worker crash of its own" not in log and "failed before running any tenant code" not in log
-            assert "is not serving new sessions" not in log
+            assert "is not serving new sessions" not in log and "crashed its workers" not in log
         finally:
             for gpu in sessions:
                 with contextlib.suppress(GpuBrokerError):  # (their workers are gone)
