@@ -217,6 +217,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from gpubroker.bench.fuzz import main as bench_main
     elif args.which == "soak":
         from gpubroker.bench.soak import main as bench_main
+    elif args.which == "cold-start":
+        from gpubroker.bench.cold_start import main as bench_main
     else:
         from gpubroker.bench.remote_vs_local import main as bench_main
     return bench_main(args.rest)
@@ -333,8 +335,9 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks printing JSON: `remote` (remote vs in-process: launch round trip, "
                        "copy bandwidth), `fairness` (shares, Jain's index, light-tenant latency) or `multi` "
                        "(several devices: sessions on each, peer copies, fairness per device); `fuzz` (random and "
-                       "hostile requests, --cases N) and `soak` (session cycles: leaks of memory, fds, segments)")
-    b.add_argument("which", choices=["remote", "fairness", "multi", "fuzz", "soak"])
+                       "hostile requests, --cases N), `soak` (session cycles: leaks of memory, fds, segments) and "
+                       "`cold-start` (a tenant's first session, worker start included, sandboxed and not)")
+    b.add_argument("which", choices=["remote", "fairness", "multi", "fuzz", "soak", "cold-start"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (--backend, --out, ...)")
     b.set_defaults(fn=_cmd_bench)
 

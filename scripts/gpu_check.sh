@@ -16,10 +16,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 "$PY" -c 'import cupy, grpc, google.protobuf as p; print("cupy", cupy.__version__, "grpc", grpc.__version__, "protobuf", p.__version__)'
 "$PY" -m gpubroker.broker.cli devices --backend cuda
 status=0
-# TESTS=0, REMOTE=0, FAIRNESS=0 skip a part (to split the check across calls with a time limit).
+# TESTS=0, REMOTE=0, FAIRNESS=0, COLD=0 skip a part (to split the check across calls with a time limit).
 if [ "${TESTS:-1}" = 1 ]; then
   "$PY" -m pytest -p no:cacheprovider -o addopts="" -m cuda -q -rs \
-    tests/integration tests/broker/backends/test_cuda_backend.py 2>&1 | tee "$OUTDIR/gpu-tests.log"
+    tests/integration tests/security tests/broker/backends/test_cuda_backend.py 2>&1 | tee "$OUTDIR/gpu-tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "${REMOTE:-1}" = 1 ]; then
@@ -28,6 +28,9 @@ fi
 if [ "${FAIRNESS:-1}" = 1 ]; then
   "$PY" -m gpubroker.broker.cli bench fairness --backend cuda --out "$OUTDIR/fairness.json" \
     --png "$OUTDIR/fairness.png" || status=1
+fi
+if [ "${COLD:-1}" = 1 ]; then
+  "$PY" -m gpubroker.broker.cli bench cold-start --backend cuda --out "$OUTDIR/cold-start.json" || status=1
 fi
 if [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ]; then
   "$PY" -m gpubroker.broker.cli bench multi --backend cuda --out "$OUTDIR/multi.json" || status=1

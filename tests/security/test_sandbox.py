@@ -211,3 +211,31 @@ def test_devices_command_shows_the_sandbox() -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "sandbox: namespaces+seccomp" in proc.stdout.splitlines()[0]
+
+
+@pytest.mark.cuda
+def test_cuda_worker_is_confined_and_nvrtc_cannot_include_host_files(tmp_path: Path) -> None:
+    """On the GPU: the sandboxed CUDA worker runs kernels, and NVRTC (in the worker) cannot read host files."""
+    with BrokerProcess(TENANTS[:1], backend="cuda", settings={"cache_dir": str(tmp_path)}) as broker:
+        with connect(broker.target, token=broker.tokens["alice"]) as gpu:
+            buf = gpu.allocate_memory(64)
+            gpu.copy_h2d(np.ones(16, dtype=np.float32), buf)
+            kernel = gpu.compile_kernel(samples.source("cuda"), "scale_inplace")
+            gpu.execute_kernel(kernel, 1, 16, [buf, np.float32(2), np.int32(16)])
+            gpu.synchronize()
+            out = np.empty(16, dtype=np.float32)
+            gpu.copy_d2h(buf, out)
+            assert (out == 2).all()
+            for path in (broker.config_path, Path("/etc/passwd")):
+                content = path.read_text()
+                with pytest.raises(CompileError) as info:
+                    gpu.compile_kernel(f'#include "{path}"\nextern "C" __global__ void k(int* x) {{ x[0] = 1; }}\n',
+                                       "k")
+                log = info.value.log + info.value.message
+                for line in content.splitlines():
+                    if len(line.strip()) > 6:
+                        assert line.strip() not in log, path
+        (pid,) = worker_pids(broker, "alice")
+        status = _status(pid)
+        assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1" and int(status["CapEff"], 16) == 0
+        assert os.readlink(f"/proc/{pid}/ns/pid") != os.readlink(f"/proc/{broker.process.pid}/ns/pid")  # type: ignore[union-attr]
