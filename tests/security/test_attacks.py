@@ -29,7 +29,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpubroker.broker.certs import init_certs
 from gpubroker.broker.config import TlsConfig
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import Buffer, GpuBrokerError, Kernel, ModuleFormat, RemoteGpu, connect
@@ -107,6 +106,8 @@ def _settings(tmp: Path) -> dict[str, object]:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     check_arch()
     tmp = tmp_path_factory.mktemp("attacks")
+    from gpubroker.broker.certs import init_certs  # (cryptography: absent from the bare GPU image)
+
     ca, server = init_certs(tmp / "tls")  # what `gpubroker certs init` writes
     tls = TlsConfig(cert_file=str(server.cert), key_file=str(server.key), client_ca_file=str(ca.cert),
                     require_client_cert=True)

@@ -225,7 +225,7 @@ def test_cuda_worker_is_confined_and_nvrtc_cannot_include_host_files(tmp_path: P
             gpu.synchronize()
             out = np.empty(16, dtype=np.float32)
             gpu.copy_d2h(buf, out)
-            assert (out == 2).all()
+            assert (out == 3).all()  # scale_inplace: x = x * factor + 1
             for path in (broker.config_path, Path("/etc/passwd")):
                 content = path.read_text()
                 with pytest.raises(CompileError) as info:
