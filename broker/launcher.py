@@ -40,6 +40,8 @@ class BrokerProcess:
     tcp: list[str] = field(default_factory=list)  # TCP listeners besides the socket, e.g. "127.0.0.1:0"
     start_timeout: float = 120.0
     env: dict[str, str] = field(default_factory=dict)  # merged into the child's environment
+    # A command the broker runs under (e.g. ``setpriv --no-new-privs ... --``, as a service manager would).
+    wrapper: list[str] = field(default_factory=list)
     tokens: dict[str, str] = field(default_factory=dict)
     workdir: Path | None = None
     process: subprocess.Popen[bytes] | None = None
@@ -90,7 +92,7 @@ class BrokerProcess:
         ready = self.workdir / "ready.json"
         log = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it for its lifetime
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gpubroker.broker.cli", "serve", "--config", str(config_path),
+            [*self.wrapper, sys.executable, "-m", "gpubroker.broker.cli", "serve", "--config", str(config_path),
              "--ready-file", str(ready)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             env={**os.environ, **self.env})

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpubroker.client import FailedPrecondition, Unavailable
+
 from ._cgroup import WorkerCgroups
 from ._launch import EXIT_SETUP_FAILED
 
@@ -88,13 +90,27 @@ class WorkerSandbox:
             return "OFF"
         return "namespaces+seccomp+" + ("cgroup" if self.cgroups is not None else "rlimits")
 
+    def check_cache_root(self) -> None:
+        """Create the caches' root (mode 0700) now, so a root the broker cannot use stops it at start, by name."""
+        try:
+            self.cache_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(self.cache_root, 0o700)
+        except OSError as exc:
+            raise FailedPrecondition(f"[broker] cache_dir: cannot use {str(self.cache_root)!r} for the tenants' "
+                                     f"compile caches ({exc.strerror}); expected a directory this broker's user "
+                                     "may create and own") from None
+
     def tenant_cache(self, tenant: str) -> Path:
         """The tenant's own compile-cache directory (mode 0700), created on first use."""
-        self.cache_root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.cache_root, 0o700)
-        path = self.cache_root / tenant
-        path.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(path, 0o700)
+        try:
+            self.cache_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(self.cache_root, 0o700)
+            path = self.cache_root / tenant
+            path.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(path, 0o700)
+        except OSError as exc:  # (an operator's doing, not the tenant's: say what to fix)
+            raise Unavailable(f"cannot prepare tenant {tenant!r}'s compile cache under {str(self.cache_root)!r} "
+                              f"({exc.strerror}); the operator must fix [broker] cache_dir") from None
         return path
 
     def environment(self, cache: Path | None) -> dict[str, str]:

@@ -73,6 +73,7 @@ def probe_devices(backend: str) -> tuple[str, list[DeviceInfo]]:
 def start_sandbox(cfg: BrokerConfig, backend: str) -> WorkerSandbox:
     """The workers' sandbox, proven to work here (FailedPrecondition naming what failed), or loudly off."""
     sandbox = WorkerSandbox.from_config(cfg, backend)
+    sandbox.check_cache_root()
     if not cfg.sandbox:
         log.warning("the worker sandbox is OFF (sandbox = false / --no-sandbox): every tenant's code runs with the "
                     "broker's own user and can read its config and keys, other tenants' memory and tokens; "

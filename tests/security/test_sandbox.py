@@ -19,7 +19,7 @@ import pytest
 from gpubroker.broker import samples
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.broker.sandbox import WorkerSandbox
-from gpubroker.client import AdminClient, CompileError, connect
+from gpubroker.client import AdminClient, CompileError, Unavailable, connect
 
 from ..conftest import worker_pids
 
@@ -239,3 +239,12 @@ def test_cuda_worker_is_confined_and_nvrtc_cannot_include_host_files(tmp_path: P
         status = _status(pid)
         assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1" and int(status["CapEff"], 16) == 0
         assert os.readlink(f"/proc/{pid}/ns/pid") != os.readlink(f"/proc/{broker.process.pid}/ns/pid")  # type: ignore[union-attr]
+
+
+def test_a_cache_dir_the_broker_cannot_use_stops_it_at_start_by_name(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    broker = BrokerProcess(TENANTS[:1], backend="opencl", settings={"cache_dir": str(blocker / "caches")})
+    with pytest.raises(Unavailable, match=r"\[broker\] cache_dir: cannot use"):
+        broker.start()
+    broker.stop()
