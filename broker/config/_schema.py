@@ -1,0 +1,274 @@
+"""The config's schema: the size and octal forms, and one msgspec Struct per kind of table.
+
+``TenantConfig`` ([tenants.NAME]), ``TlsConfig`` ([tls] and [tls.identities]), ``BrokerSettings`` ([broker]) and
+``BrokerConfig`` (all three and the file's path). Every field carries its type, its range and a description.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from gpubroker.client import AlreadyExists, InvalidArgument, NotFound
+
+__all__ = [
+    "DEFAULT_SOCKET",
+    "OCTAL",
+    "ONE_OR_MORE",
+    "SIZE",
+    "BrokerConfig",
+    "BrokerSettings",
+    "TenantConfig",
+    "TlsConfig",
+    "format_size",
+    "parse_size",
+    "split_host_port",
+]
+
+DEFAULT_SOCKET = "unix:/run/gpubroker/gpubroker.sock"
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class _Form:
+    """A marker in a field's ``Annotated`` metadata: the TOML form the value may take besides its type."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __repr__(self) -> str:
+        return f"<{self.what}>"
+
+
+# Bytes, written as an int or a string with a unit ("8GiB", "512MiB", "1000").
+SIZE = _Form("size")
+# A Unix permission mode, written as an octal string ("660") or an int (0o660).
+OCTAL = _Form("octal")
+# A list of strings that may also be written as one string.
+ONE_OR_MORE = _Form("one or more")
+
+
+def parse_size(value: str | int) -> int:
+    """'8GiB', '512MiB', '1000' or an int, as bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value) if isinstance(value, str) else None
+    if not match or match.group(2).lower() not in _UNITS:
+        raise InvalidArgument(f"not a size: {value!r} (examples: 8GiB, 512MiB, 1000000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """'127.0.0.1:9464' or '[::1]:9464' as (host, port); ValueError for anything else."""
+    host, sep, port = address.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:9464), got {address!r}")
+    return host, int(port)
+
+
+# -- the schema ------------------------------------------------------------------------------------------------
+# Every field: Annotated[type, Meta(range, description=...), form marker] = default. The defaults are the
+# broker's; the descriptions are the config reference's text.
+
+
+class TenantConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """A tenant: a ``[tenants.NAME]`` table. `gpubroker tenant add` writes it; the token itself is never stored."""
+
+    name: Annotated[str, Meta(pattern=_NAME.pattern, description=(
+        "The tenant's name: the NAME of its [tenants.NAME] table (1-64 of A-Z a-z 0-9 _ . -)."))]
+    token_id: Annotated[str, Meta(description=(
+        "The public part of the tenant's bearer token (gpb_<token_id>_<secret>), which finds its hash."))]
+    token_hash: Annotated[str, Meta(description=(
+        "A salted hash of the token's secret; `gpubroker tenant add` and `rotate-token` write it."))]
+    memory_quota: Annotated[int, Meta(ge=1, description=(
+        "Device memory the tenant's sessions may hold on each device, unless device_memory gives that device "
+        "a quota of its own.")), SIZE] = msgspec.field(default=8 * 1024**3, name="memory")
+    weight: Annotated[int, Meta(ge=1, le=1_000_000, description=(
+        "The tenant's share of each device under fair scheduling, relative to the other tenants' weights."))] = 1
+    admin: Annotated[bool, Meta(description=(
+        "May call the Admin service: list and end sessions, reload, drain, usage and status."))] = False
+    device_memory: Annotated[dict[Annotated[int, Meta(ge=0)], Annotated[int, Meta(ge=1)]], Meta(description=(
+        "Quotas of their own on some devices: broker device index = size, e.g. { 1 = \"64GiB\" }.")),
+        SIZE] = msgspec.field(default_factory=dict)
+
+    def quota_on(self, device: int) -> int:
+        """The memory quota on one of the broker's devices."""
+        return self.device_memory.get(device, self.memory_quota)
+
+
+class TlsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """TLS for TCP listeners (``[tls]``). With ``client_ca_file`` set, clients present certificates signed by it."""
+
+    cert_file: Annotated[str, Meta(description=(
+        "The broker's certificate chain (PEM); a relative path is relative to the config file."))] = ""
+    key_file: Annotated[str, Meta(description="The broker's private key (PEM, mode 0600).")] = ""
+    client_ca_file: Annotated[str, Meta(description=(
+        "The CA that client certificates must chain to (with require_client_cert)."))] = ""
+    require_client_cert: Annotated[bool, Meta(description=(
+        "mTLS: the handshake refuses TCP clients without a valid certificate from client_ca_file; false asks "
+        "for no certificate, and TCP clients authenticate by token."))] = False
+    allow_tokens: Annotated[bool, Meta(description=(
+        "With client certificates, whether bearer tokens are still accepted on TCP; false: only a certificate "
+        "that names a tenant authenticates."))] = True
+    identities: Annotated[dict[str, Annotated[str, Meta(pattern=_NAME.pattern)]], Meta(description=(
+        "[tls.identities]: a client certificate's SAN URI or CN = the tenant it authenticates as; an unmapped "
+        "CN names the tenant itself."))] = msgspec.field(default_factory=dict)
+
+
+class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The ``[broker]`` table: everything `gpubroker serve` reads besides TLS and tenants; defaults suit one host."""
+
+    listen: Annotated[list[str], Meta(min_length=1, description=(
+        "Where to serve: unix:PATH and/or HOST:PORT (one string or a list). TCP is TLS when [tls] is set; "
+        "without it only loopback TCP is allowed (or insecure = true).")),
+        ONE_OR_MORE] = msgspec.field(default_factory=lambda: [DEFAULT_SOCKET])
+    backend: Annotated[Literal["auto", "cuda", "opencl"], Meta(description=(
+        "auto: CUDA when CuPy sees a GPU, else OpenCL (PoCL's CPU device when nothing else is there)."))] = "auto"
+    devices: Annotated[list[Annotated[int, Meta(ge=0)]] | None, Meta(description=(
+        "The backend's devices to serve, as distinct indices, served as devices 0, 1, ... in this order; "
+        "absent: every device the backend finds."))] = None
+    chunk_bytes: Annotated[int, Meta(ge=1, description=(
+        "The largest piece of a host<->device copy streamed over gRPC; must leave 4 KiB under "
+        "max_message_bytes.")), SIZE] = 1024 * 1024
+    max_message_bytes: Annotated[int, Meta(ge=8192, description=(
+        "The largest gRPC message; larger ones get RESOURCE_EXHAUSTED.")), SIZE] = 4 * 1024 * 1024
+    lease_seconds: Annotated[float, Meta(gt=0, description=(
+        "A session with no authenticated call or heartbeat for this long is ended and its memory freed."))] = 30.0
+    worker_idle_seconds: Annotated[float, Meta(ge=0, description=(
+        "A tenant's worker process with no session for this long is stopped."))] = 60.0
+    worker_start_timeout: Annotated[float, Meta(gt=0, description=(
+        "How long a worker may take to start before the session that asked for it fails."))] = 60.0
+    socket_mode: Annotated[int, Meta(ge=0, le=0o777, description=(
+        "The Unix sockets' permission mode, as an octal string (\"660\") or an int (0o660).")), OCTAL] = 0o660
+    socket_group: Annotated[str, Meta(description=(
+        "The group owning the Unix sockets (its members may connect); empty keeps the broker's."))] = ""
+    insecure: Annotated[bool, Meta(description=(
+        "Allow plaintext TCP on non-loopback addresses: tokens travel in the clear (warned at every "
+        "start)."))] = False
+    vsock_port: Annotated[int, Meta(ge=0, le=0xFFFFFFFF, description=(
+        "Also accept VMs (vhost-vsock) on this AF_VSOCK port, relayed to the first unix listener; 0: off."))] = 0
+    drain_grace_seconds: Annotated[float, Meta(ge=0, description=(
+        "Draining (SIGTERM, or Admin Drain with a grace): how long running sessions may go on before they are "
+        "ended."))] = 30.0
+    device_failure_threshold: Annotated[int, Meta(ge=0, description=(
+        "A device whose workers fail this often within the window, for causes no tenant made (a worker that "
+        "fails to start, a critical Xid), takes no new sessions (health NOT_SERVING) until a window passes "
+        "with no further failure; 0: never."))] = 3
+    device_failure_window_seconds: Annotated[float, Meta(ge=0.001, description=(
+        "The window of device_failure_threshold."))] = 60.0
+    nvml_xid_events: Annotated[bool, Meta(description=(
+        "On CUDA with pynvml importable: a critical Xid other than an application error takes the device out "
+        "of service."))] = True
+    max_sessions_per_tenant: Annotated[int, Meta(ge=1, description=(
+        "Open sessions per tenant across all devices; more get RESOURCE_EXHAUSTED."))] = 16
+    max_concurrent_rpcs_per_session: Annotated[int, Meta(ge=1, description=(
+        "Calls one session may have in flight at once; more get RESOURCE_EXHAUSTED."))] = 32
+    max_handles_per_session: Annotated[int, Meta(ge=1, description=(
+        "Buffers, modules, kernels, streams and segments one session may hold at once."))] = 4096
+    max_module_bytes: Annotated[int, Meta(ge=1, description=(
+        "The largest kernel source or module image.")), SIZE] = 2 * 1024 * 1024
+    compile_timeout_seconds: Annotated[float, Meta(gt=0, description=(
+        "A compile that runs longer gets DEADLINE_EXCEEDED and the tenant's worker is restarted."))] = 60.0
+    max_streams_per_session: Annotated[int, Meta(ge=1, description="Streams one session may hold at once.")] = 64
+    max_inflight_per_tenant: Annotated[int, Meta(ge=1, description=(
+        "Device calls in flight across all of a tenant's sessions."))] = 256
+    max_shared_bytes_per_session: Annotated[int, Meta(ge=0, description=(
+        "Host memory one session may map through the same-host shared-memory side channel <socket>.shm "
+        "(its host arrays and its staging buffer).")), SIZE] = 4 * 1024**3
+    max_shared_bytes_per_tenant: Annotated[int, Meta(ge=0, description=(
+        "Host memory all of a tenant's sessions together may map through the side channel; shown in Usage and "
+        "the metrics.")), SIZE] = 16 * 1024**3
+    sandbox: Annotated[bool, Meta(description=(
+        "Run every worker in a sandbox (namespaces, an allowlisted filesystem, seccomp, resource limits); "
+        "false is warned at every start, and the broker refuses to start when it cannot sandbox unless this is "
+        "false."))] = True
+    cache_dir: Annotated[str, Meta(description=(
+        "Where the per-tenant compile caches live, one private subdirectory each; empty: a directory of the "
+        "broker's own under $STATE_DIRECTORY, $XDG_CACHE_HOME or ~/.cache."))] = ""
+    worker_memory_max: Annotated[int, Meta(ge=0, description=(
+        "Memory one worker may use (cgroup v2 memory.max where the broker may create cgroups, else an "
+        "rlimit); 0: no limit.")), SIZE] = 0
+    worker_pids_max: Annotated[int, Meta(ge=0, description=(
+        "Processes and threads one worker may have (cgroup v2 pids.max, else an rlimit); 0: no limit."))] = 512
+    worker_cpu_weight: Annotated[int, Meta(ge=1, le=10000, description=(
+        "One worker's CPU weight against the others' (cgroup v2 cpu.weight, 1-10000)."))] = 100
+    max_kernel_seconds: Annotated[float, Meta(ge=0, description=(
+        "A tenant whose device work holds the device longer than this while another tenant waits has its "
+        "worker killed; its calls fail with DEADLINE_EXCEEDED."))] = 10.0
+    lone_kernel_seconds: Annotated[float, Meta(ge=0, description=(
+        "The same limit for a tenant that nobody waits for; 0: a lone tenant may run kernels of any "
+        "length."))] = 0.0
+    tenant_crash_budget: Annotated[int, Meta(ge=0, description=(
+        "A tenant whose workers die this often within the window (its kernels, its compiles) gets UNAVAILABLE "
+        "with a retry hint for new sessions until a window passes; never counted against device health; "
+        "0: no budget."))] = 5
+    tenant_crash_window_seconds: Annotated[float, Meta(gt=0, description=(
+        "The window of tenant_crash_budget."))] = 60.0
+    hello_max_bytes: Annotated[int, Meta(ge=1, description=(
+        "The largest hello a peer may send before it authenticates on the raw listeners (<socket>.fast, "
+        "<socket>.shm).")), SIZE] = 64 * 1024
+    hello_timeout_seconds: Annotated[float, Meta(gt=0, description=(
+        "How long a peer on a raw listener may take to send its hello."))] = 5.0
+    max_unauthenticated_connections: Annotated[int, Meta(ge=1, description=(
+        "Unauthenticated connections the raw listeners keep open at once, in all; more are closed."))] = 256
+    max_unauthenticated_per_uid: Annotated[int, Meta(ge=1, description=(
+        "The same, per peer uid (SO_PEERCRED)."))] = 64
+    connection_idle_seconds: Annotated[float, Meta(gt=0, description=(
+        "An authenticated raw connection with no request for this long is closed."))] = 600.0
+    fair_scheduling: Annotated[bool, Meta(description=(
+        "Weighted fair time-slicing of each device; false: tenants' work reaches the device in arrival "
+        "order."))] = True
+    quantum_ms: Annotated[float, Meta(gt=0, description=(
+        "The fair scheduler's time slice: how long one tenant's turn on a device lasts while others "
+        "wait."))] = 5.0
+    fast_path: Annotated[bool, Meta(description=(
+        "Serve a raw Unix socket <socket>.fast beside each Unix listener for same-host synchronous "
+        "calls."))] = True
+    peer_copies: Annotated[Literal["auto", "host"], Meta(description=(
+        "Copies between a tenant's sessions on two devices: auto takes the GPUs' peer path where CUDA allows "
+        "it (else host memory); host always stages through host memory."))] = "auto"
+    metrics_listen: Annotated[str, Meta(description=(
+        "Serve Prometheus metrics at http://HOST:PORT/metrics (unauthenticated: keep it on loopback or a "
+        "monitoring network); empty: off."))] = ""
+    log_format: Annotated[Literal["text", "json"], Meta(description=(
+        "Log lines as text, or as JSON objects carrying the tenant, session and method when known."))] = "text"
+
+
+class BrokerConfig(BrokerSettings, kw_only=True):
+    """Everything `gpubroker serve` reads: the [broker] settings, [tls] and the tenants, and the file's path."""
+
+    tls: TlsConfig | None = None
+    tenants: dict[str, TenantConfig] = msgspec.field(default_factory=dict)
+    path: Path | None = None  # the file it was read from: relative TLS paths and reloads start here
+
+    def add_tenant(self, tenant: TenantConfig) -> None:
+        if not _NAME.match(tenant.name):
+            raise InvalidArgument(f"tenant name {tenant.name!r} must be 1-64 of [A-Za-z0-9_.-]")
+        if tenant.name in self.tenants:
+            raise AlreadyExists(f"tenant {tenant.name!r} already exists")
+        if tenant.weight < 1:
+            raise InvalidArgument("weight must be >= 1")
+        if tenant.memory_quota < 1 or any(q < 1 for q in tenant.device_memory.values()):
+            raise InvalidArgument("memory quota must be > 0")
+        if any(d < 0 for d in tenant.device_memory):
+            raise InvalidArgument("device_memory names devices by their index (>= 0)")
+        self.tenants[tenant.name] = tenant
+
+    def remove_tenant(self, name: str) -> None:
+        if name not in self.tenants:
+            raise NotFound(f"no tenant {name!r}")
+        del self.tenants[name]
+
