@@ -51,10 +51,10 @@ def _usage_table(resp: Any) -> str:
     if not resp.tenants:
         return "(no tenant has used a device yet)"
     return table(["tenant", "dev", "weight", "device s", "share", "queued", "inflight", "wait p50 ms", "p99 ms",
-                  "memory used", "quota", "sessions"],
+                  "memory used", "quota", "sessions", "shared host", "limit"],
                  [[u.tenant, u.device, f"{u.weight:g}", f"{u.device_seconds:.3f}", f"{u.share:.1%}", u.queued,
                    u.inflight, f"{u.wait_p50_ms:.2f}", f"{u.wait_p99_ms:.2f}", u.memory_used, u.memory_quota,
-                   u.sessions] for u in resp.tenants], right=range(1, 12))
+                   u.sessions, u.shared_bytes, u.shared_bytes_limit] for u in resp.tenants], right=range(1, 14))
 
 
 def _print_status(target: str, status: Any, sessions: Sequence[Any], usage: Any, window: float) -> None:
@@ -134,7 +134,7 @@ def _add_commands(sub: Any, parents: list[argparse.ArgumentParser], names: Seque
         "end-session": "end a session and free its memory",
         "reload": "re-read tenants from the config file",
         "drain": "refuse new sessions (health NOT_SERVING); running ones go on",
-        "usage": "per tenant and device: device time, share, queue, waits, memory",
+        "usage": "per tenant and device: device time, share, queue, waits, memory, shared host memory",
     }
     for name in names:
         p = sub.add_parser(name, help=helps[name], parents=parents)

@@ -336,13 +336,14 @@ class Authenticator:
 
     def __init__(self, config: BrokerConfig) -> None:
         self.tokens = TokenVerifier(config)
-        self.penalty = FailurePenalty()
+        self.penalty = FailurePenalty(cap=config.auth_failure_delay_max_seconds)
         self.revocations = Revocations()
         self.audit = RateLimitedLog(audit)
         self.reload(config)
 
     def reload(self, config: BrokerConfig) -> None:
         self.config = config
+        self.penalty.cap = config.auth_failure_delay_max_seconds
         self.tokens.reload(config)
         for tenant, n in sorted(self.revocations.revoke_stale(self.valid).items()):
             audit.warning("action=revoke tenant=%s channels_closed=%d (token rotated or tenant removed)", tenant, n)

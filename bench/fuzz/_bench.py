@@ -30,7 +30,10 @@ FUZZ_SETTINGS: dict[str, object] = {
     "lease_seconds": 600.0, "chunk_bytes": 64 << 10, "max_message_bytes": 1 << 20, "max_module_bytes": 64 << 10,
     "max_handles_per_session": 64, "max_sessions_per_tenant": 4, "max_streams_per_session": 4,
     "max_shared_bytes_per_session": 1 << 20, "worker_idle_seconds": 3600.0,
-    "device_failure_threshold": 0}  # a tenant crashing its own worker must not take the device out of service
+    "device_failure_threshold": 0,  # a tenant crashing its own worker must not take the device out of service
+    # Wrong tokens are part of the mix: the failure delay (tested in tests/security/test_auth_cost.py) would make
+    # each later case wait up to a second; a short cap keeps it in play without setting the pace.
+    "auth_failure_delay_max_seconds": 0.01}
 _GRPC_TENANTS = ("alice", "bob", "eve")
 
 

@@ -226,6 +226,10 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Unauthenticated connections the raw listeners keep open at once, in all; more are closed."))] = 256
     max_unauthenticated_per_uid: Annotated[int, Meta(ge=1, description=(
         "The same, per peer uid (SO_PEERCRED)."))] = 64
+    auth_failure_delay_max_seconds: Annotated[float, Meta(ge=0, description=(
+        "The longest a peer's answer to a failed authentication is held back: the delay starts at 2 ms and doubles "
+        "with each failure of that peer (uid on Unix sockets, address on TCP), so a guessing flood slows itself "
+        "down and nobody else; 0: no delay."))] = 1.0
     connection_idle_seconds: Annotated[float, Meta(gt=0, description=(
         "An authenticated raw connection with no request for this long is closed."))] = 600.0
     fair_scheduling: Annotated[bool, Meta(description=(
