@@ -1,10 +1,12 @@
 """The cuda backend's host<->device and device<->device copies, memsets and host-memory pinning.
 
 A mixin of ``CudaBackend`` (in ``_cuda``), which owns the state these methods use: ``_use``, ``_resolve``,
-``_stream``, ``_fail`` and the device timer ``_timer``.
+``_stream``, ``_fail`` and the device timer ``_timer``. ``_cuda_host`` declares them for the type checker.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 from cupy.cuda import runtime
@@ -14,8 +16,13 @@ from gpubroker.client._host import HostBuffer, check_device_range, readable_byte
 
 __all__ = ["CudaCopyMixin"]
 
+if TYPE_CHECKING:
+    from ._cuda_host import CudaHost
+else:
+    CudaHost = object  # the type checker's view of CudaBackend's members; a plain mixin at run time
 
-class CudaCopyMixin:
+
+class CudaCopyMixin(CudaHost):
     """copy_h2d, copy_d2h, copy_d2d, memset and (un)register_host_memory for ``CudaBackend``."""
 
     def copy_h2d(self, src: HostBuffer, buf: Buffer, offset: int = 0, stream: Stream | None = None) -> None:

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import ctypes
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_void_p
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    # CFuncPtr is the base of every foreign function; ctypes re-exports these only under private names.
+    from _ctypes import CFuncPtr, _Pointer, _SimpleCData
 
 __all__ = ["DriverExtras", "driver_extras"]
 
@@ -38,11 +43,11 @@ class DriverExtras:
         self._ctx_pop = self._fn("cuCtxPopCurrent_v2", POINTER(c_void_p))
         self._mem_info = self._fn("cuMemGetInfo_v2", POINTER(c_size_t), POINTER(c_size_t))
 
-    def _fn(self, name: str, *argtypes: object) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    def _fn(self, name: str, *argtypes: type[_SimpleCData[Any] | _Pointer[Any]]) -> CFuncPtr | None:
         if self._lib is None:
             return None
         try:
-            fn = getattr(self._lib, name)
+            fn: CFuncPtr = getattr(self._lib, name)
         except AttributeError:
             return None
         fn.argtypes = list(argtypes)
@@ -97,27 +102,29 @@ class DriverExtras:
         Listing devices must not leave a ~500 MiB context behind on every GPU it looked at: when
         nothing else in the process holds the context, releasing it here destroys it again.
         """
-        fns = (self._device_get, self._ctx_retain, self._ctx_release, self._ctx_push, self._ctx_pop,
-               self._mem_info)
-        if any(f is None for f in fns) or self._init is None or self._init(0) != _SUCCESS:
+        # Locals, one None test each: that is what lets the type checker see every call below is not None.
+        init, device_get, ctx_retain = self._init, self._device_get, self._ctx_retain
+        ctx_release, ctx_push, ctx_pop, mem_info = self._ctx_release, self._ctx_push, self._ctx_pop, self._mem_info
+        if (device_get is None or ctx_retain is None or ctx_release is None or ctx_push is None or ctx_pop is None
+                or mem_info is None or init is None or init(0) != _SUCCESS):
             return None
         dev, ctx, popped = c_int(), c_void_p(), c_void_p()
-        if self._device_get(byref(dev), ordinal) != _SUCCESS:
+        if device_get(byref(dev), ordinal) != _SUCCESS:
             return None
-        if self._ctx_retain(byref(ctx), dev) != _SUCCESS:
+        if ctx_retain(byref(ctx), dev) != _SUCCESS:
             return None
         try:
-            if self._ctx_push(ctx) != _SUCCESS:
+            if ctx_push(ctx) != _SUCCESS:
                 return None
             try:
                 free, total = c_size_t(), c_size_t()
-                if self._mem_info(byref(free), byref(total)) != _SUCCESS:
+                if mem_info(byref(free), byref(total)) != _SUCCESS:
                     return None
                 return free.value
             finally:
-                self._ctx_pop(byref(popped))
+                ctx_pop(byref(popped))
         finally:
-            self._ctx_release(dev)
+            ctx_release(dev)
 
 
 _EXTRAS: DriverExtras | None = None

@@ -3,11 +3,13 @@ kernel lookup and the launch itself.
 
 A mixin of ``CudaBackend`` (in ``_cuda``), which owns the state these methods use: ``_use``, ``_fail``,
 ``_resolve``, ``_stream``, the handle tables, the launch checker, ``_smem_optin`` and the timer ``_timer``.
+``_cuda_host`` declares them for the type checker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from cupy.cuda import driver, function, runtime
 from cupy.cuda.memory import MemoryPointer
@@ -19,10 +21,15 @@ from ._cuda_util import BAD_IMAGE, ModuleRec, as_source, check_params, compile_m
 
 __all__ = ["CudaCodeMixin"]
 
+if TYPE_CHECKING:
+    from ._cuda_host import CudaHost
+else:
+    CudaHost = object  # the type checker's view of CudaBackend's members; a plain mixin at run time
+
 _MAX_DYNAMIC_SHARED = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
-class CudaCodeMixin:
+class CudaCodeMixin(CudaHost):
     """compile_kernel, load_module, get_kernel, unload_module and execute_kernel for ``CudaBackend``."""
 
     # -- code --------------------------------------------------------------------------------

@@ -7,10 +7,12 @@ peer-to-peer without a context on the source device. Only where ``cudaDeviceCanA
 the broker stages the copy through host memory instead.
 
 A mixin of ``CudaBackend`` (in ``_cuda``), which owns ``_use``, ``_resolve``, ``_fail``, ``_device``, ``_null``,
-``_timer`` and ``synchronize``.
+``_timer`` and ``synchronize``. ``_cuda_host`` declares them for the type checker.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from cupy.cuda import runtime
 
@@ -19,8 +21,13 @@ from gpubroker.client._host import check_device_range
 
 __all__ = ["CudaPeerMixin"]
 
+if TYPE_CHECKING:
+    from ._cuda_host import CudaHost
+else:
+    CudaHost = object  # the type checker's view of CudaBackend's members; a plain mixin at run time
 
-class CudaPeerMixin:
+
+class CudaPeerMixin(CudaHost):
     """export_peer, open_peer, copy_from_peer and close_peer for ``CudaBackend``."""
 
     def export_peer(self, buf: Buffer) -> tuple[bytes, int]:

@@ -40,7 +40,9 @@ def _param_list(source: str, start: int) -> str | None:
 
 
 def _split_top_level(params: str) -> list[str]:
-    parts, depth, current = [], 0, []
+    parts: list[str] = []
+    depth = 0
+    current: list[str] = []
     for ch in params:
         if ch in "(<[":
             depth += 1

@@ -33,7 +33,8 @@ Pair = tuple[cupy.cuda.Event, cupy.cuda.Event]
 def _elapsed(start: cupy.cuda.Event, end: cupy.cuda.Event) -> float:
     """Seconds between two completed events on one stream (0.0 if the runtime cannot say)."""
     try:
-        return cupy.cuda.get_elapsed_time(start, end) / 1000.0
+        ms: float = cupy.cuda.get_elapsed_time(start, end)  # CuPy is untyped: a float of milliseconds
+        return ms / 1000.0
     except Exception:
         return 0.0
 
