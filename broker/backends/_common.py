@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 from gpubroker.client import (
     Buffer,
@@ -130,8 +130,10 @@ def _dims_key(value: object) -> tuple[int, ...] | None:
     Only exact ints (not bools, not numpy integers) qualify, so equal keys always normalize equally."""
     if type(value) is int:
         return (value,)
-    if type(value) in (tuple, list) and all(type(v) is int for v in value):  # type: ignore[attr-defined]
-        return tuple(value)  # type: ignore[arg-type]
+    if type(value) in (tuple, list):
+        items = cast("Sequence[int]", value)  # a tuple or list (a type() test does not narrow); ints if all() says
+        if all(type(v) is int for v in items):
+            return tuple(items)
     return None
 
 
@@ -161,9 +163,9 @@ class LaunchChecker:
                 self._shapes.add(key, (shape.grid, shape.block))
                 self._kinds.add(kinds)
             return shape
-        checked: list[KernelArg] = list(args)  # type: ignore[arg-type]  # kinds accepted: all are KernelArgs
+        checked = list(cast("Sequence[KernelArg]", args))  # their types are in _kinds: check_kernel_args took them
         for arg in checked:
             if isinstance(arg, Buffer) and not 0 <= arg.offset <= arg.size:
                 raise InvalidArgument(f"buffer view offset {arg.offset} is outside its {arg.size}-byte allocation")
-        grid3, block3 = dims  # type: ignore[misc]
+        grid3, block3 = cast("tuple[Dim3, Dim3]", dims)  # what the add above stores into _shapes
         return LaunchShape(grid3, block3, checked, shared_mem, kinds)

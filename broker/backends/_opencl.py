@@ -175,6 +175,7 @@ class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
                 raise ResourceExhausted(
                     f"cannot allocate {size} bytes: {free} of {info.total_memory} bytes of device memory are free"
                 )
+            assert self._context is not None  # set together with _info, which _ready() checked
             with cl_errors("allocate_memory"):
                 mem = cl.Buffer(self._context, cl.mem_flags.READ_WRITE, size)
             self._allocated += size
@@ -193,7 +194,8 @@ class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
     def _handle_of(buf: object) -> str:
         if not isinstance(buf, Buffer):
             raise InvalidArgument(f"expected a Buffer, got {type(buf).__name__}")
-        return buf.handle
+        handle: str = buf.handle  # declared: mypy may see gpubroker.client as untyped (Any)
+        return handle
 
     def _resolve(self, buf: Buffer) -> tuple[_Alloc, Buffer]:
         """The allocation behind a view, and the view re-sized to the real allocation (never trust buf.size)."""
@@ -273,6 +275,7 @@ class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
 
     def create_stream(self) -> Stream:
         self._ready()
+        assert self._context is not None and self._device is not None  # set together with _info: _ready() passed
         with cl_errors("create_stream"):
             queue = cl.CommandQueue(self._context, self._device, properties=_QUEUE_PROPS)
         with self._lock:

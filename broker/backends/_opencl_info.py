@@ -87,7 +87,8 @@ def translate_cl_error(exc: cl.Error, what: str) -> GpuBrokerError:
     """Map a pyopencl error onto the gpubroker hierarchy by its OpenCL status code."""
     code = getattr(exc, "code", None)
     try:
-        name = cl.status_code.to_string(code) if isinstance(code, int) else "UNKNOWN"
+        # pyopencl's stub declares to_string inside an IntEnum, so mypy takes it for a member, not a method.
+        name = cl.status_code.to_string(code) if isinstance(code, int) else "UNKNOWN"  # type: ignore[operator]
     except ValueError:
         name = f"status {code}"
     routine = getattr(exc, "routine", "") or "OpenCL"

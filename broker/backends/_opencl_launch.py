@@ -2,13 +2,16 @@
 
 A mixin of ``OpenCLBackend`` (in ``_opencl``), which owns the state these methods use: the handle tables,
 the lock, the context and device, the launch checker and the in-flight sub-buffers.
+``_opencl_host`` declares them for the type checker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import numpy as np
 import pyopencl as cl
 
 from gpubroker.client import Buffer, InvalidArgument, Kernel, Module, ModuleFormat, NotFound, Stream
@@ -18,6 +21,11 @@ from ._opencl_info import KernelRec, build_program, check_arg, cl_errors, transl
 
 __all__ = ["ModuleRec", "OpenCLCodeMixin"]
 
+if TYPE_CHECKING:
+    from ._opencl_host import OpenCLHost
+else:
+    OpenCLHost = object  # the type checker's view of OpenCLBackend's members; a plain mixin at run time
+
 
 @dataclass
 class ModuleRec:
@@ -26,7 +34,7 @@ class ModuleRec:
     kernels: set[str] = field(default_factory=set)
 
 
-class OpenCLCodeMixin:
+class OpenCLCodeMixin(OpenCLHost):
     """load_module, compile_kernel, get_kernel, unload_module and execute_kernel for ``OpenCLBackend``."""
 
     def load_module(self, image: str | bytes, format: ModuleFormat, options: Sequence[str] = ()) -> Module:
@@ -57,6 +65,7 @@ class OpenCLCodeMixin:
             raise
 
     def _build(self, source: str, options: Sequence[str]) -> str:
+        assert self._context is not None and self._device is not None  # set together with _info: _ready() passed
         program, kernel_names = build_program(self._context, self._device, source, options)
         with self._lock:
             return self._modules.add(ModuleRec(program, kernel_names))
@@ -72,6 +81,7 @@ class OpenCLCodeMixin:
                 f"kernel {name!r} is not in module {module.handle!r}; "
                 f"it has: {', '.join(rec.kernel_names) or '(no kernels)'}"
             )
+        assert self._device is not None  # set together with _info, which _ready() checked
         kernel_rec = KernelRec.create(rec.program, name, module.handle, self._device)
         with self._lock:
             handle = self._kernels.add(kernel_rec)
@@ -115,13 +125,16 @@ class OpenCLCodeMixin:
         args_in = shape.args
         with self._lock:
             subs: list[cl.Buffer] = []
-            values = [self._mem_arg(arg, i, subs) if isinstance(arg, Buffer) else arg for i, arg in enumerate(args_in)]
+            values: list[cl.Buffer | np.generic | cl.LocalMemory] = [
+                self._mem_arg(arg, i, subs) if isinstance(arg, Buffer) else arg for i, arg in enumerate(args_in)
+            ]
             if shape.shared_mem:
                 values.append(cl.LocalMemory(shape.shared_mem))
             kern = rec.kernel
             try:  # a plain try, not cl_errors(): no generator and no message built on the hot path
                 for i, value in enumerate(values):
-                    kern.set_arg(i, value)
+                    # pyopencl's stub leaves LocalMemory (how a __local parameter gets its size) out of KernelArg.
+                    kern.set_arg(i, value)  # type: ignore[arg-type]
                 event = cl.enqueue_nd_range_kernel(queue, kern, shape.global_size, shape.block)
             except cl.Error as exc:
                 raise translate_cl_error(exc, f"launching kernel {rec.name!r}") from exc

@@ -2,16 +2,22 @@
 take_device_time charges it; completed ones are folded into a running total so the list stays bounded.
 
 A mixin of ``OpenCLBackend`` (in ``_opencl``), which owns the state: ``_lock``, ``_events``, ``_folded``,
-``_fold_at``, ``_closed`` and ``_all_queues()``.
+``_fold_at``, ``_closed`` and ``_all_queues()``. ``_opencl_host`` declares them for the type checker.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING, cast
 
 import pyopencl as cl
 
 __all__ = ["FOLD_EVENTS", "OpenCLTimingMixin", "QUEUE_PROPS", "seconds_if_done"]
+
+if TYPE_CHECKING:
+    from ._opencl_host import OpenCLHost
+else:
+    OpenCLHost = object  # the type checker's view of OpenCLBackend's members; a plain mixin at run time
 
 # Every queue profiles its commands, so take_device_time can charge what the device really spent.
 QUEUE_PROPS = cl.command_queue_properties.PROFILING_ENABLE
@@ -21,7 +27,7 @@ _START, _END = cl.profiling_info.START, cl.profiling_info.END
 _COMPLETE = cl.command_execution_status.COMPLETE
 
 
-class OpenCLTimingMixin:
+class OpenCLTimingMixin(OpenCLHost):
     """take_device_time and the event bookkeeping behind it, for ``OpenCLBackend``."""
 
     def _fold_floor(self) -> int:
@@ -85,6 +91,8 @@ def seconds_if_done(event: cl.Event) -> float | None:
             return None
         if status < _COMPLETE:
             return 0.0  # the command failed: it has no profile to charge
-        return (event.get_profiling_info(_END) - event.get_profiling_info(_START)) * 1e-9
+        # Nanosecond timestamps: ints, which pyopencl's stubs type only as object.
+        end, start = cast(int, event.get_profiling_info(_END)), cast(int, event.get_profiling_info(_START))
+        return (end - start) * 1e-9
     except cl.Error:
         return 0.0
