@@ -96,24 +96,24 @@ def run_admin(args: argparse.Namespace) -> int:
         elif command == "sessions":
             print(_sessions_table(admin.list_sessions(args.tenant or "")))
         elif command == "end-session":
-            resp = admin.end_session(args.session)
-            print(f"ended session {args.session} of tenant {resp.tenant}; freed {resp.memory_freed} bytes")
+            ended = admin.end_session(args.session)
+            print(f"ended session {args.session} of tenant {ended.tenant}; freed {ended.memory_freed} bytes")
         elif command == "reload":
             r = admin.reload()
             print(f"reloaded: added {list(r.added)}, removed {list(r.removed)}, changed {list(r.changed)}, "
                   f"{r.sessions_ended} sessions ended")
         elif command == "usage":
-            resp = admin.usage(args.window)
-            print(f"fair scheduling {'on' if resp.fair_scheduling else 'off'}, quantum {resp.quantum_ms:g} ms; "
+            usage = admin.usage(args.window)
+            print(f"fair scheduling {'on' if usage.fair_scheduling else 'off'}, quantum {usage.quantum_ms:g} ms; "
                   f"share over the last {args.window:g} s")
-            print(_usage_table(resp))
+            print(_usage_table(usage))
         elif command == "drain":
-            resp = admin.drain(args.grace)
-            when = (f"; those still running are ended in {resp.seconds_left:.0f} s"
-                    if resp.HasField("seconds_left") else "; running sessions go on until they close")
+            drained = admin.drain(args.grace)
+            when = (f"; those still running are ended in {drained.seconds_left:.0f} s"
+                    if drained.HasField("seconds_left") else "; running sessions go on until they close")
             print(f"draining: new sessions are refused (health NOT_SERVING){when}. "
-                  f"{resp.sessions_running} sessions still running:")
-            print(_sessions_table(resp.sessions))
+                  f"{drained.sessions_running} sessions still running:")
+            print(_sessions_table(drained.sessions))
     return 0
 
 

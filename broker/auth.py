@@ -22,7 +22,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,6 +193,7 @@ class TokenVerifier:
 
     @staticmethod
     def token_from_metadata(metadata: object) -> str | None:
+        # (key, value) pairs from any transport; grpc's stubs type them as a class that is not iterable
         for key, value in metadata or ():  # type: ignore[attr-defined]
             if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
                 return value[len("Bearer "):].strip()
@@ -216,7 +217,7 @@ class Principal:
             raise PermissionDenied(f"{action} needs an admin identity")
 
 
-def certificate_identities(auth_context: Mapping[str, Sequence[bytes]]) -> list[str]:
+def certificate_identities(auth_context: Mapping[str, Iterable[bytes]]) -> list[str]:
     """A verified client certificate's SAN URIs, then its CN (gRPC puts them in the auth context)."""
     names = [v.decode() for v in auth_context.get("x509_subject_alternative_name", ()) if b"://" in v]
     names += [v.decode() for v in auth_context.get("x509_common_name", ())]
@@ -248,7 +249,8 @@ class FailurePenalty:
         self._failures[key] = (count, now)
         while len(self._failures) > self.max_peers:  # bounded: the longest-quiet peers are forgotten first
             self._failures.popitem(last=False)
-        return min(self.cap, self.base * 2 ** (count - 1))
+        delay: float = min(self.cap, self.base * 2 ** (count - 1))
+        return delay
 
     async def punish(self, key: str) -> None:
         await asyncio.sleep(self.fail(key))
@@ -360,7 +362,7 @@ class Authenticator:
         """What authentication may need off the event loop (legacy scrypt entries), before ``authenticate``."""
         await self.tokens.prepare(TokenVerifier.token_from_metadata(metadata))
 
-    def authenticate(self, metadata: object, auth_context: Mapping[str, Sequence[bytes]], peer: str,
+    def authenticate(self, metadata: object, auth_context: Mapping[str, Iterable[bytes]], peer: str,
                      method: str = "", penalty_key: str | None = None) -> Principal:
         tls = self.config.tls
         identities = certificate_identities(auth_context) if tls is not None else []

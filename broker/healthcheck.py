@@ -33,8 +33,8 @@ def check(target: str = DEFAULT_TARGET, service: str = "", timeout: float = 5.0,
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                               timeout=timeout)
         except grpc.RpcError as exc:
-            code = exc.code()  # type: ignore[attr-defined]
-            return live and code not in _NO_ANSWER, f"{code.name}: {exc.details()}"  # type: ignore[attr-defined]
+            code = exc.code()
+            return live and code not in _NO_ANSWER, f"{code.name}: {exc.details()}"
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     return live or reply.status == health_pb2.HealthCheckResponse.SERVING, status
 

@@ -12,11 +12,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, cast
 
 from gpubroker.client import Unavailable
 
 from .auth import mint_token
 from .config import BrokerConfig, TenantConfig, save_config
+
+BackendName = Literal["auto", "cuda", "opencl"]  # BrokerConfig.backend's values
 
 __all__ = ["BrokerProcess", "TenantSpec"]
 
@@ -80,7 +83,9 @@ class BrokerProcess:
         self.workdir = Path(tempfile.mkdtemp(prefix="gpb-", dir="/tmp"))
         # No drain grace unless asked for: stop() then ends whatever sessions are left at once, as a test, the demo
         # or a benchmark wants (a drain would wait for clients that were killed or leaked their sessions).
-        cfg = BrokerConfig(listen=[self.target, *self.tcp], backend=self.backend, drain_grace_seconds=0.0)
+        # (a Struct's constructor does not validate: the broker checks the backend when it reads this config)
+        cfg = BrokerConfig(listen=[self.target, *self.tcp], backend=cast(BackendName, self.backend),
+                           drain_grace_seconds=0.0)
         for key, value in self.settings.items():
             setattr(cfg, key, value)
         for spec in self.tenants:

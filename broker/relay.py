@@ -178,7 +178,11 @@ class RelayServer:
             task = loop.create_task(self._relay(conn, who))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
-            task.add_done_callback(lambda _t, key=key: self._left(key))
+
+            def left(_task: object, key: object = key) -> None:
+                self._left(key)
+
+            task.add_done_callback(left)
 
     def _left(self, key: object) -> None:
         left = self._per_peer.get(key, 1) - 1
@@ -297,7 +301,7 @@ def run_relay_command(listen: str, vsock_connect: str, max_connections: int = 25
     try:
         import uvloop
     except ImportError:
-        uvloop = None  # type: ignore[assignment]
+        uvloop = None  # type: ignore[assignment]  # the module or None, tested before use
     main = run_guest_relay(listen[len("unix:"):], cid, port, max_connections, mode)
     with contextlib.suppress(KeyboardInterrupt):
         uvloop.run(main) if uvloop is not None else asyncio.run(main)

@@ -1,5 +1,7 @@
 """The gpubroker client SDK: the GpuCompute interface, its types, errors, and RemoteGpu."""
 
+from typing import TYPE_CHECKING
+
 from ._compute import GpuCompute
 from ._errors import (
     Aborted,
@@ -24,6 +26,12 @@ from ._errors import (
 from ._host import HostBuffer
 from ._tls import TlsOptions
 from ._types import Buffer, DeviceInfo, Kernel, Module, ModuleFormat, Stream
+
+if TYPE_CHECKING:  # imported on first use by __getattr__ below; named here so their types are known
+    from ._admin import AdminClient
+    from ._connect import connect
+    from ._devices import copy_peer, list_devices
+    from ._remote import RemoteGpu
 
 __all__ = [
     "Aborted",

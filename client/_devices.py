@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
@@ -24,9 +24,10 @@ def device_info_from_pb(msg: pb.DeviceInfo) -> DeviceInfo:
         free_memory=msg.free_memory, multiprocessor_count=msg.multiprocessor_count, clock_mhz=msg.clock_mhz,
         l2_cache_bytes=msg.l2_cache_bytes, unified_memory=msg.unified_memory,
         max_threads_per_block=msg.max_threads_per_block,
-        max_block_dims=tuple(msg.max_block_dims),  # type: ignore[arg-type]
-        max_grid_dims=tuple(msg.max_grid_dims),  # type: ignore[arg-type]
-        compute_capability=tuple(msg.compute_capability) if msg.compute_capability else None,  # type: ignore[arg-type]
+        # Repeated fields of three (and two) on the wire: the broker fills them from a checked DeviceInfo
+        max_block_dims=cast("tuple[int, int, int]", tuple(msg.max_block_dims)),
+        max_grid_dims=cast("tuple[int, int, int]", tuple(msg.max_grid_dims)),
+        compute_capability=cast("tuple[int, int]", tuple(msg.compute_capability)) if msg.compute_capability else None,
         opencl_version=msg.opencl_version or None, driver_version=msg.driver_version,
         memory_quota=msg.memory_quota if msg.HasField("memory_quota") else None,
         memory_used=msg.memory_used if msg.HasField("memory_used") else None,

@@ -53,12 +53,12 @@ def _health_problem(target: str, device: int | None, tls: TlsOptions | None, tim
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
             except grpc.RpcError as err:
-                code = err.code()  # type: ignore[attr-defined]
+                code = err.code()
                 if code == grpc.StatusCode.NOT_FOUND:
                     continue  # a broker that does not name its devices: ask about the broker as a whole
                 if code == grpc.StatusCode.UNIMPLEMENTED:
                     return None  # no health service at all: let OpenSession decide
-                return f"health check failed: {code.name}: {err.details()}"  # type: ignore[attr-defined]
+                return f"health check failed: {code.name}: {err.details()}"
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
                 return None
             what = f"device {device}" if service else "the broker"

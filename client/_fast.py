@@ -61,7 +61,7 @@ class FastChannel:
         # Whether the worker answered (a direct link) or the front did (it may decline: an older broker).
         self.direct = isinstance(result, dict) and result.get("direct") is True
 
-    def call(self, op: str, payload: bytes) -> Any:
+    def call(self, op: str, payload: bytes | dict[str, Any]) -> Any:
         with self._lock:
             req_id = next(self._ids)
             try:

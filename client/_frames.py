@@ -24,7 +24,7 @@ class FrameClosed(EOFError):
 _JOIN_MAX = 64 * 1024
 
 
-def _unpack(payload: bytes) -> Any:
+def _unpack(payload: bytes | bytearray) -> Any:
     return msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=False)
 
 

@@ -16,7 +16,7 @@ HostBuffer = bytes | bytearray | memoryview | np.ndarray
 def readable_bytes(src: object) -> memoryview:
     """A flat byte view of a C-contiguous buffer-protocol object, without copying."""
     try:
-        view = memoryview(src)  # type: ignore[arg-type]
+        view = memoryview(src)  # type: ignore[arg-type]  # any object: one without the protocol raises TypeError
     except TypeError:
         raise InvalidArgument(f"{type(src).__name__} does not support the buffer protocol") from None
     if not view.c_contiguous:

@@ -122,6 +122,8 @@ class RemoteGpu:
             return
         if self._closed.is_set():
             raise FailedPrecondition("this RemoteGpu is closed")
+        # Callers send through DirectCommands only by submit_one (_direct_commands): this is the gRPC stream.
+        assert isinstance(self._commands, CommandStream)
         request.ClearField("session")  # the stream names the session once
         self._commands.submit(**{kind: request})
 
@@ -189,7 +191,8 @@ class RemoteGpu:
                 open_stream = fast_command_stream(fast_path, self._token, self._session, self.timeout)
             else:
                 def open_stream(batches: Iterator[pb.CommandBatch]) -> Iterator[pb.BatchAck]:
-                    return self._stub.Commands(batches, metadata=self._metadata)
+                    acks: Iterator[pb.BatchAck] = self._stub.Commands(batches, metadata=self._metadata)
+                    return acks
             self._commands = CommandStream(open_stream, self._session)
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="gpubroker-heartbeat", daemon=True)
         self._heartbeat.start()

@@ -33,7 +33,7 @@ from ._types import Buffer
 try:
     import fcntl
 except ImportError:  # not a Unix: no shared memory, copies use the gRPC streams
-    fcntl = None  # type: ignore[assignment]
+    fcntl = None  # type: ignore[assignment]  # the module or None, tested before use
 
 __all__ = ["FRAME_HEADER", "MAX_FRAME", "SEGMENT_SEALS", "STAGING_BYTES", "SUPPORTED", "SharedMemory", "SideChannel",
            "create_segment_fd", "pack_frame", "unpack_frame"]
@@ -53,7 +53,7 @@ _names = itertools.count(1)
 
 
 def pack_frame(obj: Any) -> bytes:
-    payload = msgpack.packb(obj, use_bin_type=True)
+    payload: bytes = msgpack.packb(obj, use_bin_type=True)
     return FRAME_HEADER.pack(len(payload)) + payload
 
 
@@ -230,9 +230,10 @@ class SharedMemory:
         owner = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
         # Every view of the result keeps ``owner`` alive (numpy stops collapsing bases at the mmap), so its
         # finalizer marks exactly when no array can reach the segment any more.
-        self._arrays[handle] = (_address(memoryview(owner)) if nbytes else 0, nbytes)
+        self._arrays[handle] = (_address(owner.data) if nbytes else 0, nbytes)
         weakref.finalize(owner, _forget, self._arrays, self._released, handle)
-        return owner.view(dt).reshape(dims)
+        array: np.ndarray = owner.view(dt).reshape(dims)
+        return array
 
     def _find(self, address: int, size: int) -> tuple[str, int] | None:
         # Newest first: a fresh mapping can reuse the address range of a dead one.

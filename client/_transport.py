@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar, cast
 
 import grpc
 import msgpack
@@ -56,7 +56,9 @@ def translate_rpc_error(err: grpc.RpcError) -> GpuBrokerError:
     message = (err.details() if hasattr(err, "details") else None) or str(err)
     type_name: str | None = None
     details: dict[str, Any] = {}
-    trailers = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    # Pairs at run time (grpc's _Metadatum is a namedtuple); the stubs declare a class that is not iterable.
+    trailers = cast("Sequence[tuple[str, Any]] | None",
+                    err.trailing_metadata() if hasattr(err, "trailing_metadata") else None)
     for key, value in trailers or ():
         if key == ERROR_TRAILER:
             try:

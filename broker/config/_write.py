@@ -76,8 +76,8 @@ def _render(cfg: BrokerConfig) -> str:
                 tls.add(key, getattr(cfg.tls, field.name))
         if cfg.tls.identities:
             ids = tomlkit.table()
-            for identity, tenant in cfg.tls.identities.items():
-                ids.add(identity, tenant)
+            for identity, tenant_name in cfg.tls.identities.items():
+                ids.add(identity, tenant_name)
             tls.add("identities", ids)
         doc.add("tls", tls)
     if cfg.tenants:

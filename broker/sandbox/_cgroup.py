@@ -74,7 +74,7 @@ class WorkerCgroups:
                 return None, f"the memory controller is not delegated to {own}"
             if not os.access(own / "cgroup.subtree_control", os.W_OK):
                 return None, f"{own} is not delegated to the broker (no write access)"
-            wanted = {c for c in ("memory", "pids", "cpu") if c in available}
+            wanted: set[str] = {c for c in ("memory", "pids", "cpu") if c in available}
             enabled = set((own / "cgroup.subtree_control").read_text().split())
             if not wanted <= enabled:
                 others = [p for p in (own / "cgroup.procs").read_text().split() if int(p) != os.getpid()]

@@ -295,9 +295,9 @@ def _relay(pipes: dict[int, int]) -> None:
             if not data:
                 selector.unregister(key.fd)
                 continue
-            while data and sinks[key.fd] is not None:
+            while data and (sink := sinks[key.fd]) is not None:
                 try:
-                    data = data[os.write(sinks[key.fd], data):]  # type: ignore[arg-type]
+                    data = data[os.write(sink, data):]
                 except OSError:
                     sinks[key.fd] = None
 

@@ -311,8 +311,8 @@ class DeviceScheduler:
             # The old holder's next command is usually a round trip away: if it is still the most deserving,
             # it keeps the device (for idle_grace at least), or the heaviest weights could never use their share.
             recent = (old is not None and not forfeit and old not in waiting
-                      and self._use(old).last_release is not None
-                      and self._clock() - self._use(old).last_release <= self.idle_grace)
+                      and (last_release := self._use(old).last_release) is not None
+                      and self._clock() - last_release <= self.idle_grace)
             candidates = [*waiting, old] if recent and old is not None else waiting
             self.holder = self.policy.pick(candidates) if candidates else None
             self.slice_start = self._clock()

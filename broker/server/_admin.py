@@ -7,8 +7,6 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-import grpc
-
 from gpubroker import __version__
 from gpubroker.client import DeviceInfo, InvalidArgument, NotFound
 from gpubroker.v1 import admin_pb2 as apb
@@ -18,7 +16,7 @@ from ..auth import Authenticator
 from ..scheduler import DeviceScheduler
 from ..sessions import Session, SessionManager
 from ._health import BrokerHealth
-from ._status import principal_of, rpc
+from ._status import Context, principal_of, rpc
 
 __all__ = ["AdminService"]
 
@@ -48,14 +46,13 @@ class AdminService(apb_grpc.AdminServicer):
         self.devices = list(devices)
         self.started = time.monotonic()
 
-    def _admin(self, context: grpc.aio.ServicerContext, action: str) -> str:
+    def _admin(self, context: Context, action: str) -> str:
         principal = principal_of(self.auth, context)
         principal.require_admin(action)
         return principal.tenant
 
     @rpc
-    async def ListSessions(self, request: apb.ListSessionsRequest, context: grpc.aio.ServicerContext
-                           ) -> apb.ListSessionsResponse:
+    async def ListSessions(self, request: apb.ListSessionsRequest, context: Context) -> apb.ListSessionsResponse:
         self._admin(context, "ListSessions")
         now = time.monotonic()
         return apb.ListSessionsResponse(sessions=[
@@ -63,8 +60,7 @@ class AdminService(apb_grpc.AdminServicer):
             if not request.tenant or s.tenant == request.tenant])
 
     @rpc
-    async def EndSession(self, request: apb.EndSessionRequest, context: grpc.aio.ServicerContext
-                         ) -> apb.EndSessionResponse:
+    async def EndSession(self, request: apb.EndSessionRequest, context: Context) -> apb.EndSessionResponse:
         admin = self._admin(context, "EndSession")
         session = self.sessions.sessions.get(request.session)
         if session is None:
@@ -76,13 +72,13 @@ class AdminService(apb_grpc.AdminServicer):
         return apb.EndSessionResponse(tenant=session.tenant, memory_freed=freed)
 
     @rpc
-    async def Reload(self, request: apb.ReloadRequest, context: grpc.aio.ServicerContext) -> apb.ReloadResponse:
+    async def Reload(self, request: apb.ReloadRequest, context: Context) -> apb.ReloadResponse:
         admin = self._admin(context, "Reload")
         audit.info("admin=%s action=reload peer=%s", admin, context.peer())
         return await self._reload()
 
     @rpc
-    async def Drain(self, request: apb.DrainRequest, context: grpc.aio.ServicerContext) -> apb.DrainResponse:
+    async def Drain(self, request: apb.DrainRequest, context: Context) -> apb.DrainResponse:
         admin = self._admin(context, "Drain")
         grace = request.grace_seconds if request.HasField("grace_seconds") else None
         if grace is not None and not (math.isfinite(grace) and grace >= 0):
@@ -98,7 +94,7 @@ class AdminService(apb_grpc.AdminServicer):
         return apb.DrainResponse(sessions_running=len(running), sessions=running, seconds_left=seconds_left)
 
     @rpc
-    async def Usage(self, request: apb.UsageRequest, context: grpc.aio.ServicerContext) -> apb.UsageResponse:
+    async def Usage(self, request: apb.UsageRequest, context: Context) -> apb.UsageResponse:
         self._admin(context, "Usage")
         window = request.window_seconds or 10.0
         config = self.sessions.config
@@ -123,7 +119,7 @@ class AdminService(apb_grpc.AdminServicer):
         return apb.UsageResponse(tenants=rows, fair_scheduling=config.fair_scheduling, quantum_ms=config.quantum_ms)
 
     @rpc
-    async def Status(self, request: apb.StatusRequest, context: grpc.aio.ServicerContext) -> apb.StatusResponse:
+    async def Status(self, request: apb.StatusRequest, context: Context) -> apb.StatusResponse:
         self._admin(context, "Status")
         sessions = list(self.sessions.sessions.values())
         health = self.health

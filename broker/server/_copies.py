@@ -37,7 +37,7 @@ READ_DEPTH = 3
 Device = Callable[..., Awaitable[Any]]
 
 
-def _consume(task: asyncio.Task[Any]) -> None:
+def _consume(task: asyncio.Future[Any]) -> None:
     """Retrieve an abandoned call's outcome so asyncio does not log 'exception was never retrieved'."""
     if not task.cancelled():
         task.exception()

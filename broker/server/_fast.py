@@ -18,7 +18,7 @@ import struct
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgpack
 from google.protobuf.message import DecodeError, Message
@@ -43,7 +43,7 @@ _HEADER = struct.Struct("!I")  # the frames' length prefix (client/_frames.py)
 
 
 def _frame(obj: Any) -> bytes:
-    payload = msgpack.packb(obj, use_bin_type=True)
+    payload: bytes = msgpack.packb(obj, use_bin_type=True)
     return _HEADER.pack(len(payload)) + payload
 
 
@@ -253,18 +253,20 @@ class FastPathServer:
         sock = writer.get_extra_info("socket")
         if sock is None:
             return False
-        writer.transport.pause_reading()
+        # A stream's transport reads too (typed as the WriteTransport a writer needs)
+        transport = cast(asyncio.Transport, writer.transport)
+        transport.pause_reading()
         dup = os.dup(sock.fileno())
         try:
             worker = session.check_alive()
             self._lease(session)
             await worker.call_with_fd("attach_direct", session.id, dup)
         except WorkerCrashed:
-            writer.transport.resume_reading()
+            transport.resume_reading()
             raise
         except GpuBrokerError as exc:
             log.info("no direct link for session %s: %s", session.id, exc)
-            writer.transport.resume_reading()
+            transport.resume_reading()
             return False
         finally:
             os.close(dup)  # the worker holds its own copy now

@@ -135,7 +135,8 @@ class BrokerCollector(Collector):
         snap = _on_loop(self.loop, self.snapshot, _SNAPSHOT_TIMEOUT)
         labels = ["tenant", "device"]
 
-        def family(kind: type[Metric], name: str, doc: str, value: Callable[[_TenantRow], float]) -> Metric:
+        def family(kind: type[CounterMetricFamily | GaugeMetricFamily], name: str, doc: str,
+                   value: Callable[[_TenantRow], float]) -> Metric:
             metric = kind(name, doc, labels=labels)
             for row in snap.rows:
                 metric.add_metric([row.tenant, str(row.device)], value(row))

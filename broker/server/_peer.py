@@ -22,17 +22,15 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from typing import Any
-
-import grpc
 
 from gpubroker.client import FailedPrecondition, GpuBrokerError, InvalidArgument, NotFound, OutOfRange
 from gpubroker.v1 import broker_pb2 as pb
 
 from ..sessions import HandleEntry, Session
 from ._peer_cache import ImportCache, StagingCache
-from ._status import release_slot, rpc
+from ._status import Context, release_slot, rpc
 
 __all__ = ["PeerCopies"]
 
@@ -77,8 +75,7 @@ class PeerCopies:
     peer_staging: StagingCache
 
     @rpc
-    async def CopyPeer(self: Any, request: pb.CopyPeerRequest, context: grpc.aio.ServicerContext
-                       ) -> pb.CopyPeerResponse:
+    async def CopyPeer(self: Any, request: pb.CopyPeerRequest, context: Context) -> pb.CopyPeerResponse:
         tenant = self._tenant(context)
         src = self._session(context, request.src_session, tenant)
         # Another tenant's session, or a made-up one, is NOT_FOUND: nothing to learn by guessing.
@@ -218,16 +215,17 @@ class PeerCopies:
         size, (seg_src, seg_dst) = request.size, segments
         slots = 1 if size <= piece else 2
         await self._synchronize(src, dst)
+        on: Callable[..., Coroutine[Any, Any, Any]] = self._on  # (self is Any in this mixin: name what _on is)
 
         def down(i: int) -> Coroutine[Any, Any, Any]:
-            return self._on((src,), src, "copy_shared", segment=seg_src, segment_offset=(i % slots) * piece,
-                            buf=src_ref, offset=request.src_offset + i * piece, size=min(piece, size - i * piece),
-                            to_device=False, stream=None)
+            return on((src,), src, "copy_shared", segment=seg_src, segment_offset=(i % slots) * piece,
+                      buf=src_ref, offset=request.src_offset + i * piece, size=min(piece, size - i * piece),
+                      to_device=False, stream=None)
 
         def up(i: int) -> Coroutine[Any, Any, Any]:
-            return self._on((dst,), dst, "copy_shared", segment=seg_dst, segment_offset=(i % slots) * piece,
-                            buf=dst_ref, offset=request.dst_offset + i * piece, size=min(piece, size - i * piece),
-                            to_device=True, stream=None)
+            return on((dst,), dst, "copy_shared", segment=seg_dst, segment_offset=(i % slots) * piece,
+                      buf=dst_ref, offset=request.dst_offset + i * piece, size=min(piece, size - i * piece),
+                      to_device=True, stream=None)
 
         count = -(-size // piece)
         await down(0)

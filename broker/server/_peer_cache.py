@@ -65,7 +65,7 @@ class Staging:
         found = self.segments.get(session.id)
         if found is not None:
             return found[1]
-        segment = await session.worker.call_with_fd("register_segment", session.id, self.fd, size=self.size)
+        segment: str = await session.worker.call_with_fd("register_segment", session.id, self.fd, size=self.size)
         self.segments[session.id] = (session, segment)
         return segment
 

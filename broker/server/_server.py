@@ -149,7 +149,7 @@ class Broker:
             raise FailedPrecondition(f"the {backend} backend found no devices")
         log.info("backend %s: %s", backend, ", ".join(f"{i}: {d.name} ({backend} device {d.id})"
                                                       for i, d in enumerate(devices)))
-        self.sandbox = await asyncio.to_thread(start_sandbox, cfg, backend)
+        self.sandbox = sandbox = await asyncio.to_thread(start_sandbox, cfg, backend)
         self.health = BrokerHealth(cfg, devices)  # (NVML maps the backend's own indices, the ids here)
         # Worker deaths are charged to their cause (workers/_pool.py): the tenant's crash budget, or (only for
         # failures no tenant caused) the device's health. A worker's reply is at most a copy chunk and envelope.
@@ -183,7 +183,7 @@ class Broker:
         # Requests whose bytes do not parse get INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN).
         add_servicer(pb_grpc.add_GpuBrokerServicer_to_server, service, self.server)
         admin = AdminService(self.auth, self.sessions, self.reload, self.schedulers, drain=self.drain,
-                             health=self.health, devices=devices, sandbox=self.sandbox.description)
+                             health=self.health, devices=devices, sandbox=sandbox.description)
         add_servicer(apb_grpc.add_AdminServicer_to_server, admin, self.server)
         self.health.add_to_server(self.server)  # grpc.health.v1 and reflection, both without a token
         await self.health.start()
@@ -241,10 +241,11 @@ class Broker:
 
     def _overrun(self, device: int, tenant: str, message: str) -> None:
         """The tenant's device work overran the kernel time limit: kill its worker (its calls get ``message``)."""
-        worker = self.pool.live(tenant, device) if self.pool is not None else None
-        if worker is None:
+        pool = self.pool
+        worker = pool.live(tenant, device) if pool is not None else None
+        if pool is None or worker is None:
             return
-        task = asyncio.get_running_loop().create_task(self.pool.restart(worker, DeadlineExceeded(message)))
+        task = asyncio.get_running_loop().create_task(pool.restart(worker, DeadlineExceeded(message)))
         self._kills.add(task)
         task.add_done_callback(self._kills.discard)
 
@@ -404,7 +405,7 @@ def run_broker(config: BrokerConfig, ready_file: str | None = None) -> None:
     try:
         import uvloop
     except ImportError:
-        uvloop = None  # type: ignore[assignment]
+        uvloop = None  # type: ignore[assignment]  # the module or None, tested before use
     with contextlib.suppress(KeyboardInterrupt):
         if uvloop is not None:
             uvloop.run(_serve(config, ready_file))

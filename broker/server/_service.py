@@ -8,8 +8,6 @@ import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any, TypeVar
 
-import grpc
-
 from gpubroker.client import (
     DeadlineExceeded,
     DeviceInfo,
@@ -33,7 +31,7 @@ from ._copies import READ_DEPTH, WRITE_DEPTH, read_chunks, write_chunks
 from ._params import WorkerParams, check_copy_range
 from ._peer import PeerCopies
 from ._staging import CopyStagings
-from ._status import admitted, principal_of, rpc, stream_rpc
+from ._status import Context, admitted, principal_of, rpc, stream_rpc
 
 __all__ = ["GpuBrokerService", "device_info_to_pb"]
 
@@ -131,10 +129,10 @@ class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
         finally:
             self.auth.revocations.unwatch(principal, watch)
 
-    def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+    def _tenant(self, context: Context) -> str:
         return principal_of(self.auth, context).tenant
 
-    def _session(self, context: grpc.aio.ServicerContext, session_id: str, tenant: str | None = None) -> Session:
+    def _session(self, context: Context, session_id: str, tenant: str | None = None) -> Session:
         """The caller's live session, holding one of its concurrent-RPC slots until the call ends."""
         session = self.sessions.get(session_id, tenant or self._tenant(context))
         session.check_alive()
@@ -169,8 +167,7 @@ class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
 
     # -- sessions ----------------------------------------------------------------------------------
     @rpc
-    async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext
-                          ) -> pb.OpenSessionResponse:
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: Context) -> pb.OpenSessionResponse:
         tenant = self._tenant(context)
         if not request.any_device and request.device >= len(self.devices):
             raise NotFound(f"no device {request.device}; this broker serves {len(self.devices)}")
@@ -181,34 +178,32 @@ class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
             device=self._tenant_view(tenant, session.device, device_info_from_dict(info)))
 
     @rpc
-    async def CloseSession(self, request: pb.SessionRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+    async def CloseSession(self, request: pb.SessionRequest, context: Context) -> pb.Empty:
         session = self.sessions.get(request.session, self._tenant(context))
         await self.sessions.close(session)
         return pb.Empty()
 
     @rpc
-    async def Heartbeat(self, request: pb.SessionRequest, context: grpc.aio.ServicerContext
-                        ) -> pb.HeartbeatResponse:
+    async def Heartbeat(self, request: pb.SessionRequest, context: Context) -> pb.HeartbeatResponse:
         session = self._session(context, request.session)
         return pb.HeartbeatResponse(lease_seconds=session.lease_seconds)
 
     # -- devices -----------------------------------------------------------------------------------
     @rpc
-    async def ListDevices(self, request: pb.ListDevicesRequest, context: grpc.aio.ServicerContext
-                          ) -> pb.ListDevicesResponse:
+    async def ListDevices(self, request: pb.ListDevicesRequest, context: Context) -> pb.ListDevicesResponse:
         tenant = self._tenant(context)
         return pb.ListDevicesResponse(devices=[self._tenant_view(tenant, i, d, live=False)
                                                for i, d in enumerate(self.devices)])
 
     @rpc
-    async def GetDeviceInfo(self, request: pb.SessionRequest, context: grpc.aio.ServicerContext) -> pb.DeviceInfo:
+    async def GetDeviceInfo(self, request: pb.SessionRequest, context: Context) -> pb.DeviceInfo:
         session = self._session(context, request.session)
         info = device_info_from_dict(await session.worker.call("device_info", session.id))
         return self._tenant_view(session.tenant, session.device, info)
 
     # -- memory ------------------------------------------------------------------------------------
     @rpc
-    async def Allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext) -> pb.BufferHandle:
+    async def Allocate(self, request: pb.AllocateRequest, context: Context) -> pb.BufferHandle:
         session = self._session(context, request.session)
         if request.size <= 0:
             raise InvalidArgument(f"allocation size must be > 0, got {request.size}")
@@ -225,7 +220,7 @@ class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
                                size=request.size)
 
     @rpc
-    async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+    async def Free(self, request: pb.FreeRequest, context: Context) -> pb.Empty:
         session = self._session(context, request.session)
         entry = session.resolve(request.buffer, "buf")
         await self.before_free(session, entry)  # not while CopyPeer uses it; unmapped from other workers first
@@ -235,21 +230,20 @@ class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
         return pb.Empty()
 
     @rpc
-    async def Memset(self, request: pb.MemsetRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+    async def Memset(self, request: pb.MemsetRequest, context: Context) -> pb.Empty:
         session = self._session(context, request.session)
         await self._device(session, "memset", **self._memset_params(session, request))
         return pb.Empty()
 
     @rpc
-    async def CopyDeviceToDevice(self, request: pb.CopyDeviceToDeviceRequest, context: grpc.aio.ServicerContext
-                                 ) -> pb.Empty:
+    async def CopyDeviceToDevice(self, request: pb.CopyDeviceToDeviceRequest, context: Context) -> pb.Empty:
         session = self._session(context, request.session)
         await self._device(session, "copy_d2d", **self._d2d_params(session, request))
         return pb.Empty()
 
     @rpc
     async def CopyHostToDevice(self, request_iterator: AsyncIterator[pb.HostToDeviceChunk],
-                               context: grpc.aio.ServicerContext) -> pb.Empty:
+                               context: Context) -> pb.Empty:
         principal = principal_of(self.auth, context)
         with self._revocable(principal) as guard:
             requests = guard.iterate(request_iterator)
@@ -267,7 +261,7 @@ class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
         return pb.Empty()
 
     @stream_rpc
-    async def CopyDeviceToHost(self, request: pb.CopyDeviceToHostRequest, context: grpc.aio.ServicerContext
+    async def CopyDeviceToHost(self, request: pb.CopyDeviceToHostRequest, context: Context
                                ) -> AsyncIterator[pb.DeviceToHostChunk]:
         principal = principal_of(self.auth, context)
         session = self._session(context, request.session, principal.tenant)
@@ -282,7 +276,7 @@ class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
                     yield message
 
     @rpc
-    async def CopyShared(self, request: pb.CopySharedRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+    async def CopyShared(self, request: pb.CopySharedRequest, context: Context) -> pb.Empty:
         await self.copy_shared(self._session(context, request.session), request)
         return pb.Empty()
 
@@ -305,8 +299,7 @@ class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
 
     # -- code --------------------------------------------------------------------------------------
     @rpc
-    async def LoadModule(self, request: pb.LoadModuleRequest, context: grpc.aio.ServicerContext
-                         ) -> pb.ModuleHandle:
+    async def LoadModule(self, request: pb.LoadModuleRequest, context: Context) -> pb.ModuleHandle:
         session = self._session(context, request.session)
         fmt = _FORMATS.get(request.format)
         if fmt is None:
@@ -337,7 +330,7 @@ class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
         return pb.ModuleHandle(handle=handle, kernel_names=result["kernel_names"])
 
     @rpc
-    async def GetKernel(self, request: pb.GetKernelRequest, context: grpc.aio.ServicerContext) -> pb.KernelHandle:
+    async def GetKernel(self, request: pb.GetKernelRequest, context: Context) -> pb.KernelHandle:
         session = self._session(context, request.session)
         module = session.resolve(request.module, "module")
         session.check_room()
@@ -348,13 +341,13 @@ class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
                                name=request.name)
 
     @rpc
-    async def LaunchKernel(self, request: pb.LaunchKernelRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+    async def LaunchKernel(self, request: pb.LaunchKernelRequest, context: Context) -> pb.Empty:
         session = self._session(context, request.session)
         await self._device(session, "launch", **self._launch_params(session, request))
         return pb.Empty()
 
     @stream_rpc
-    async def Commands(self, request_iterator: AsyncIterator[pb.CommandBatch], context: grpc.aio.ServicerContext
+    async def Commands(self, request_iterator: AsyncIterator[pb.CommandBatch], context: Context
                        ) -> AsyncIterator[pb.BatchAck]:
         """Batches run in order, each under one scheduler turn; a failure is acknowledged, not raised."""
         principal = principal_of(self.auth, context)
@@ -400,7 +393,7 @@ class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
 
     # -- streams -----------------------------------------------------------------------------------
     @rpc
-    async def CreateStream(self, request: pb.SessionRequest, context: grpc.aio.ServicerContext) -> pb.StreamHandle:
+    async def CreateStream(self, request: pb.SessionRequest, context: Context) -> pb.StreamHandle:
         session = self._session(context, request.session)
         session.check_room()
         streams = sum(1 for h in session.handles.values() if h.kind == "stream")
@@ -411,7 +404,7 @@ class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
         return pb.StreamHandle(handle=session.add("stream", backend, handle=alias))
 
     @rpc
-    async def DestroyStream(self, request: pb.StreamRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+    async def DestroyStream(self, request: pb.StreamRequest, context: Context) -> pb.Empty:
         session = self._session(context, request.session)
         entry = session.resolve(request.stream, "stream")
         await session.worker.call("destroy_stream", session.id, stream=entry.backend)
@@ -419,7 +412,7 @@ class GpuBrokerService(PeerCopies, WorkerParams, pb_grpc.GpuBrokerServicer):
         return pb.Empty()
 
     @rpc
-    async def Synchronize(self, request: pb.StreamRequest, context: grpc.aio.ServicerContext) -> pb.Empty:
+    async def Synchronize(self, request: pb.StreamRequest, context: Context) -> pb.Empty:
         session = self._session(context, request.session)
         await self._device(session, "synchronize", stream=self._stream(session, request.stream))
         return pb.Empty()

@@ -58,7 +58,12 @@ def check_segment_fd(fd: int, size: int) -> None:
 async def _wait(loop: asyncio.AbstractEventLoop, fd: int, writable: bool) -> None:
     fut = loop.create_future()
     add, remove = (loop.add_writer, loop.remove_writer) if writable else (loop.add_reader, loop.remove_reader)
-    add(fd, lambda: fut.done() or fut.set_result(None))
+
+    def wake() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    add(fd, wake)
     try:
         await fut
     finally:

@@ -8,7 +8,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 import msgpack
@@ -20,7 +20,7 @@ from ..logs import bind_log_context, log_context
 from ..sessions import Session
 from ._metrics import observe_rpc
 
-__all__ = ["ERROR_TRAILER", "add_servicer", "principal_of", "release_slot", "rpc", "stream_rpc"]
+__all__ = ["ERROR_TRAILER", "Context", "add_servicer", "principal_of", "release_slot", "rpc", "stream_rpc"]
 
 log = logging.getLogger("gpubroker.server")
 # The RPC being served, for audit lines; set by the wrappers below.
@@ -44,14 +44,18 @@ ERROR_TRAILER = "gpubroker-error-bin"
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+# The servicers use their context only for metadata, the peer and abort, none of which depend on the message types
+# (those matter only to a context's read and write, for streams the servicers read as iterators instead). A string,
+# because grpc.aio.ServicerContext is generic only in its stubs, not at run time.
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: GpuBrokerError) -> None:
+async def abort_with(context: Context, exc: GpuBrokerError) -> None:
     details = msgpack.packb({"type": type(exc).__name__, "details": exc.details}, use_bin_type=True)
     await context.abort(grpc.StatusCode[exc.code], exc.message, trailing_metadata=((ERROR_TRAILER, details),))
 
 
-def principal_of(auth: Authenticator, context: grpc.aio.ServicerContext) -> Principal:
+def principal_of(auth: Authenticator, context: Context) -> Principal:
     """Authenticate the call from its metadata and, on TLS, its verified client certificate."""
     try:
         auth_context = context.auth_context() or {}
@@ -117,7 +121,7 @@ async def _parsed_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield _parsed(request)
 
 
-async def _prepare(servicer: Any, context: grpc.aio.ServicerContext) -> None:
+async def _prepare(servicer: Any, context: Context) -> None:
     """Whatever the call's authentication needs off the event loop (a legacy scrypt token), before the handler."""
     failure_delay.set(0.0)
     auth = getattr(servicer, "auth", None)
@@ -138,7 +142,7 @@ def _unexpected(exc: Exception) -> GpuBrokerError:
     return Internal(f"internal broker error: {type(exc).__name__}")
 
 
-async def _abort_for(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+async def _abort_for(context: Context, exc: Exception) -> None:
     """End the call with the status the exception stands for (an abort already under way passes through)."""
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
@@ -155,7 +159,7 @@ def _begin(method: str, request: object) -> float:
     return time.perf_counter()
 
 
-def _status_name(exc: BaseException, context: grpc.aio.ServicerContext) -> str:
+def _status_name(exc: BaseException, context: Context) -> str:
     """The status a failed call ends with, for the latency histogram."""
     if isinstance(exc, GpuBrokerError):
         return exc.code
@@ -167,11 +171,11 @@ def _status_name(exc: BaseException, context: grpc.aio.ServicerContext) -> str:
     return "INTERNAL"
 
 
-def rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -> Callable[..., Awaitable[Resp]]:
+def rpc(fn: Callable[[Any, Req, Context], Awaitable[Resp]]) -> Callable[..., Awaitable[Resp]]:
     """Wrap a unary (or stream-in) handler: gpubroker errors become statuses, bugs become INTERNAL."""
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+    async def wrapper(self: Any, request: Req, context: Context) -> Resp:
         started = _begin(fn.__name__, request)
         code = "OK"
         try:
@@ -192,12 +196,12 @@ def rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]) -> 
     return wrapper
 
 
-def stream_rpc(fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]]
+def stream_rpc(fn: Callable[[Any, Req, Context], AsyncIterator[Resp]]
                ) -> Callable[..., AsyncIterator[Resp]]:
     """The same for server-streaming handlers."""
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
+    async def wrapper(self: Any, request: Req, context: Context) -> AsyncIterator[Resp]:
         started = _begin(fn.__name__, request)
         code = "OK"
         try:

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -74,7 +75,8 @@ def _make_scalar(dtype: str, raw: bytes) -> np.generic:
             _DTYPES[dtype] = dt
     if len(raw) != dt.itemsize:
         raise InvalidArgument(f"scalar of dtype {dtype!r} must be an int or float of {dt.itemsize} bytes")
-    return np.frombuffer(raw, dtype=dt)[0]
+    scalar: np.generic[Any] = np.frombuffer(raw, dtype=dt)[0]
+    return scalar
 
 
 class WorkerServer(PeerOps):
@@ -202,6 +204,7 @@ class WorkerServer(PeerOps):
         self._unload(session, module)
 
     def _unload(self, session: str, module: str) -> None:
+        # Every backend has it, but it is not part of the SDK's GpuCompute, the type open_backend returns
         self.backend.unload_module(Module(module))  # type: ignore[attr-defined]
         self.owned[session]["module"].discard(module)
         for kernel, owner in list(self.kernel_module.items()):
@@ -326,11 +329,12 @@ class WorkerServer(PeerOps):
         for seg in owned["segment"]:  # unpin and unmap: a dead client's segments go with its lease
             self.segments.release(seg)
         freed = 0
-        cleanups = ([(self.backend.destroy_stream, Stream(h)) for h in owned["stream"]]
-                    + [(self.backend.free_memory, Buffer(h, 0)) for h in owned["buf"]])
+        cleanups: list[tuple[Callable[[Any], object], Buffer | Stream]] = (
+            [(self.backend.destroy_stream, Stream(h)) for h in owned["stream"]]
+            + [(self.backend.free_memory, Buffer(h, 0)) for h in owned["buf"]])
         for fn, obj in cleanups:
             try:
-                fn(obj)  # type: ignore[operator]
+                fn(obj)
                 freed += 1
             except GpuBrokerError as exc:
                 log.warning("close_session %s: %s", session, exc)

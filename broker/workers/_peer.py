@@ -14,9 +14,9 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpubroker.client import FailedPrecondition, GpuBrokerError, GpuCompute, NotFound, OutOfRange
+from gpubroker.client import Buffer, FailedPrecondition, GpuBrokerError, GpuCompute, NotFound, OutOfRange
 
 __all__ = ["PeerImports", "PeerOps"]
 
@@ -64,6 +64,9 @@ class PeerOps:
 
     backend: GpuCompute
     peer_imports: PeerImports
+
+    if TYPE_CHECKING:  # WorkerServer's, declared for the type checker only (no method here to shadow it)
+        def _buffer(self, session: str, ref: list[Any]) -> Buffer: ...
 
     def _peer_backend(self, method: str) -> Any:
         fn = getattr(self.backend, method, None)

@@ -102,7 +102,8 @@ def device_info_from_dict(d: Any) -> DeviceInfo:
     fields["unified_memory"] = d["unified_memory"]
     for key in ("max_block_dims", "max_grid_dims"):
         dims = d.get(key)
-        if type(dims) not in (list, tuple) or len(dims) != 3:
+        # type() refuses subclasses, as everywhere here; isinstance tells the type checker what passed
+        if type(dims) not in (list, tuple) or not isinstance(dims, (list, tuple)) or len(dims) != 3:
             raise WorkerLied(f"device info {key} is not three integers")
         fields[key] = tuple(_count(v, f"device info {key}") for v in dims)
     cc = d.get("compute_capability")
