@@ -9,9 +9,10 @@ from typing import Any
 
 import msgpack
 
-__all__ = ["MAX_FRAME", "FrameClosed", "read_frame_async", "recv_frame", "send_frame", "write_frame_async"]
+__all__ = ["FRAME_HEADER", "MAX_FRAME", "FrameClosed", "FrameRefused", "FrameTooLarge", "pack_frame",
+           "read_frame_async", "read_payload_async", "recv_frame", "send_frame", "unpack_frame", "write_frame_async"]
 
-_HEADER = struct.Struct("!I")
+FRAME_HEADER = _HEADER = struct.Struct("!I")  # each frame: its payload's length, then the msgpack payload
 # A chunk of copy data plus its envelope; larger frames mean a bug or a hostile peer.
 MAX_FRAME = 256 * 1024 * 1024
 
@@ -20,12 +21,31 @@ class FrameClosed(EOFError):
     """The peer closed the socket (for a worker: it exited or was killed)."""
 
 
+class FrameRefused(ValueError):
+    """A frame the reader will not take: larger than its bound, or not msgpack."""
+
+
+class FrameTooLarge(FrameRefused):
+    """A frame whose header announces more than the reader's bound (refused before a byte of it is read)."""
+
+    def __init__(self, length: int, limit: int) -> None:
+        super().__init__(f"frame of {length} bytes exceeds {limit}")
+        self.length = length
+        self.limit = limit
+
+
 # Above this a frame's header and payload go out as two buffers rather than joined: a copy of a copy chunk saved.
 _JOIN_MAX = 64 * 1024
 
 
-def _unpack(payload: bytes | bytearray) -> Any:
+def unpack_frame(payload: bytes | bytearray) -> Any:
     return msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=False)
+
+
+def pack_frame(obj: Any) -> bytes:
+    """One whole frame, header and payload joined (for small messages: large ones go out as two buffers)."""
+    payload: bytes = msgpack.packb(obj, use_bin_type=True)
+    return _HEADER.pack(len(payload)) + payload
 
 
 def send_frame(sock: socket.socket, obj: Any) -> None:
@@ -55,18 +75,23 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
 def recv_frame(sock: socket.socket) -> Any:
     (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
     if length > MAX_FRAME:
-        raise ValueError(f"frame of {length} bytes exceeds {MAX_FRAME}")
-    return _unpack(_recv_exact(sock, length))
+        raise FrameTooLarge(length, MAX_FRAME)
+    return unpack_frame(_recv_exact(sock, length))
+
+
+async def read_payload_async(reader: asyncio.StreamReader, limit: int) -> bytes:
+    """One frame's payload, still packed; FrameTooLarge (before the payload is read) if it exceeds ``limit``."""
+    try:
+        (length,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+        if length > limit:
+            raise FrameTooLarge(length, limit)
+        return await reader.readexactly(length)
+    except asyncio.IncompleteReadError as exc:
+        raise FrameClosed("peer closed the connection") from exc
 
 
 async def read_frame_async(reader: asyncio.StreamReader) -> Any:
-    try:
-        (length,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-        if length > MAX_FRAME:
-            raise ValueError(f"frame of {length} bytes exceeds {MAX_FRAME}")
-        return _unpack(await reader.readexactly(length))
-    except asyncio.IncompleteReadError as exc:
-        raise FrameClosed("peer closed the connection") from exc
+    return unpack_frame(await read_payload_async(reader, MAX_FRAME))
 
 
 async def write_frame_async(writer: asyncio.StreamWriter, obj: Any) -> None:

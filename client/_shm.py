@@ -16,17 +16,16 @@ import math
 import mmap
 import os
 import socket
-import struct
 import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from ._errors import DeadlineExceeded, FailedPrecondition, GpuBrokerError, InvalidArgument, Unavailable, error_from_wire
 from ._fast import peer_hung_up
+from ._frames import FRAME_HEADER, pack_frame, unpack_frame
 from ._host import check_device_range
 from ._types import Buffer
 
@@ -40,7 +39,6 @@ __all__ = ["FRAME_HEADER", "MAX_FRAME", "SEGMENT_SEALS", "STAGING_BYTES", "SUPPO
 
 log = logging.getLogger("gpubroker.client")
 
-FRAME_HEADER = struct.Struct("!I")
 # Requests and replies are a few hundred bytes; anything much larger is a bug or a hostile peer.
 MAX_FRAME = 64 * 1024
 # The per-session bounce buffer for host memory that is not a host_array (copied in pieces of this size).
@@ -50,15 +48,6 @@ SUPPORTED = hasattr(os, "memfd_create") and hasattr(fcntl, "F_SEAL_SHRINK") and 
 # The broker refuses a segment that could shrink under the worker's mapping (touching it would SIGBUS).
 SEGMENT_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if SUPPORTED else 0
 _names = itertools.count(1)
-
-
-def pack_frame(obj: Any) -> bytes:
-    payload: bytes = msgpack.packb(obj, use_bin_type=True)
-    return FRAME_HEADER.pack(len(payload)) + payload
-
-
-def unpack_frame(payload: bytes) -> Any:
-    return msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=False)
 
 
 def create_segment_fd(size: int) -> int:

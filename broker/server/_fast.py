@@ -14,13 +14,11 @@ import asyncio
 import contextlib
 import logging
 import os
-import struct
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-import msgpack
 from google.protobuf.message import DecodeError, Message
 
 from gpubroker.client import GpuBrokerError, Internal, InvalidArgument, Unauthenticated, WorkerCrashed
@@ -30,7 +28,15 @@ from ..auth import Principal, failure_delay
 from ..logs import bind_log_context
 from ..scheduler import TurnLease
 from ..sessions import Session
-from ..workers._frames import FrameClosed, read_frame_async, write_frame_async
+from ..workers._frames import (
+    FrameClosed,
+    FrameTooLarge,
+    pack_frame,
+    read_frame_async,
+    read_payload_async,
+    unpack_frame,
+    write_frame_async,
+)
 from ._metrics import observe_rpc
 from ._preauth import Idle, IdleSweeper, PreAuthGate, Ticket
 from ._status import release_slot
@@ -39,12 +45,6 @@ __all__ = ["FastPathServer", "fast_path_address"]
 
 log = logging.getLogger("gpubroker.fastpath")
 M = TypeVar("M", bound=Message)
-_HEADER = struct.Struct("!I")  # the frames' length prefix (client/_frames.py)
-
-
-def _frame(obj: Any) -> bytes:
-    payload: bytes = msgpack.packb(obj, use_bin_type=True)
-    return _HEADER.pack(len(payload)) + payload
 
 
 def fast_path_address(unix_path: str) -> str:
@@ -182,23 +182,22 @@ class FastPathServer:
         limit = self.gate.hello_max_bytes
         try:
             async with asyncio.timeout(self.gate.hello_timeout):
-                (length,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-                if length > limit:
-                    ticket.refuse(f"hello of {length} bytes exceeds hello_max_bytes ({limit})")
-                    writer.write(_frame([0, 1, InvalidArgument(
-                        f"a fast-path hello is at most {limit} bytes, got {length}").to_wire()]))
-                    return None
-                payload = await reader.readexactly(length)
+                payload = await read_payload_async(reader, limit)
+        except FrameTooLarge as exc:
+            ticket.refuse(f"hello of {exc.length} bytes exceeds hello_max_bytes ({limit})")
+            writer.write(pack_frame([0, 1, InvalidArgument(
+                f"a fast-path hello is at most {limit} bytes, got {exc.length}").to_wire()]))
+            return None
         except TimeoutError:
             ticket.refuse(f"no hello within hello_timeout_seconds ({self.service.config.hello_timeout_seconds:g} s)")
             return None
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (FrameClosed, ConnectionError):
             return None
         auth = self.service.auth
         try:
             try:
-                hello = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-            except (ValueError, msgpack.UnpackException):
+                hello = unpack_frame(payload)
+            except ValueError:  # (msgpack's unpack errors: a malformed hello is no credentials, as a wrong token)
                 hello = None
             token = hello.get("token") if isinstance(hello, dict) else None
             token = token if isinstance(token, str) and token else None
