@@ -31,7 +31,7 @@ from gpubroker.client import PermissionDenied, Unauthenticated, Unavailable
 from .config import BrokerConfig, TenantConfig
 
 __all__ = ["Authenticator", "FailurePenalty", "NewToken", "Principal", "RateLimitedLog", "Revocations",
-           "TokenVerifier", "hash_token", "mint_token", "peer_key"]
+           "TokenVerifier", "hash_token", "mint_token", "peer_key", "wait_failure_delay"]
 
 _TOKEN_PREFIX = "gpb"
 _HMAC = "hmac-sha256"
@@ -252,9 +252,6 @@ class FailurePenalty:
         delay: float = min(self.cap, self.base * 2 ** (count - 1))
         return delay
 
-    async def punish(self, key: str) -> None:
-        await asyncio.sleep(self.fail(key))
-
 
 class RateLimitedLog:
     """At most ``burst`` lines per ``window`` seconds for each kind of event, then one line saying how many
@@ -331,6 +328,15 @@ class Revocations:
 # The delay a failed authentication in this call earned (set by Authenticator.authenticate, applied by the
 # transport before it answers, so the failing peer waits and nobody else does).
 failure_delay: contextvars.ContextVar[float] = contextvars.ContextVar("failure_delay", default=0.0)
+
+
+async def wait_failure_delay() -> None:
+    """Before answering a failed authentication: wait out the delay it earned (that peer's penalty, see
+    FailurePenalty), once; nobody else waits."""
+    delay = failure_delay.get()
+    if delay:
+        failure_delay.set(0.0)
+        await asyncio.sleep(delay)
 
 
 class Authenticator:

@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError, Message
 from gpubroker.client import GpuBrokerError, Internal, InvalidArgument, Unauthenticated, WorkerCrashed
 from gpubroker.v1 import broker_pb2 as pb
 
-from ..auth import Principal, failure_delay
+from ..auth import Principal, wait_failure_delay
 from ..logs import bind_log_context
 from ..scheduler import TurnLease
 from ..sessions import Session
@@ -206,9 +206,7 @@ class FastPathServer:
             try:
                 principal = auth.authenticate(metadata, {}, ticket.peer, "fast/hello", penalty_key=f"uid:{ticket.uid}")
             except Unauthenticated:
-                delay = failure_delay.get()
-                if delay:  # this peer's penalty for failing (see auth.FailurePenalty); nobody else waits
-                    await asyncio.sleep(delay)
+                await wait_failure_delay()
                 raise
             assert isinstance(hello, dict)
             session = self.service.sessions.get(str(hello.get("session", "")), principal.tenant)

@@ -79,10 +79,9 @@ class PreAuthGate:
         return max(1, min(self.config.hello_max_bytes, 64 * 1024))
 
     @property
-    def hello_timeout(self) -> float | None:
-        """Seconds a hello may take; None (0 or less in the config): no limit, which only an operator asks for."""
-        seconds = self.config.hello_timeout_seconds
-        return seconds if seconds > 0 else None
+    def hello_timeout(self) -> float:
+        """Seconds a hello may take (the config's schema keeps it above 0)."""
+        return self.config.hello_timeout_seconds
 
     def admit(self, sock: socket.socket | None, listener: str) -> Ticket | None:
         """A ticket for a new connection, or None (audited) when a cap is reached: the caller closes it."""

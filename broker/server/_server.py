@@ -176,8 +176,7 @@ class Broker:
             # Before authentication: a connection that has not finished its HTTP/2 (and TLS) handshake within
             # the hello timeout is dropped, so idle unauthenticated connections cannot pile up (gRPC's default
             # is two minutes).
-            *([("grpc.server_handshake_timeout_ms", max(1, int(cfg.hello_timeout_seconds * 1000)))]
-              if cfg.hello_timeout_seconds > 0 else []),
+            ("grpc.server_handshake_timeout_ms", max(1, int(cfg.hello_timeout_seconds * 1000))),
             *_keepalive_options(),
         ])
         # Requests whose bytes do not parse get INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN).

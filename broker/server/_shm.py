@@ -29,7 +29,7 @@ from gpubroker.client import (
 )
 from gpubroker.client._shm import FRAME_HEADER, MAX_FRAME, pack_frame, unpack_frame
 
-from ..auth import Authenticator, Principal, failure_delay
+from ..auth import Authenticator, Principal, wait_failure_delay
 from ..config import BrokerConfig
 from ..sessions import Session, SessionManager
 from ._preauth import Idle, IdleSweeper, PreAuthGate, Ticket, peer_credentials
@@ -244,10 +244,7 @@ class SharedMemoryServer:
                         idle.busy -= 1
                         idle.last_active = time.monotonic()
                 if failed:
-                    delay = failure_delay.get()
-                    if delay:  # this peer's penalty for failing (see auth.FailurePenalty); nobody else waits
-                        failure_delay.set(0.0)
-                        await asyncio.sleep(delay)
+                    await wait_failure_delay()
                 await conn.write(reply)
                 if conn.ticket.open:
                     return  # a connection that did not authenticate gets one try

@@ -15,7 +15,7 @@ import msgpack
 
 from gpubroker.client import GpuBrokerError, Internal, InvalidArgument
 
-from ..auth import Authenticator, Principal, failure_delay
+from ..auth import Authenticator, Principal, failure_delay, wait_failure_delay
 from ..logs import bind_log_context, log_context
 from ..sessions import Session
 from ._metrics import observe_rpc
@@ -129,14 +129,6 @@ async def _prepare(servicer: Any, context: Context) -> None:
         await auth.prepare(context.invocation_metadata())
 
 
-async def _failure_penalty() -> None:
-    """A failed authentication's reply waits (that peer's penalty, see auth.FailurePenalty); nobody else does."""
-    delay = failure_delay.get()
-    if delay:
-        failure_delay.set(0.0)
-        await asyncio.sleep(delay)
-
-
 def _unexpected(exc: Exception) -> GpuBrokerError:
     log.exception("unexpected error in an RPC handler")
     return Internal(f"internal broker error: {type(exc).__name__}")
@@ -183,7 +175,7 @@ def rpc(fn: Callable[[Any, Req, Context], Awaitable[Resp]]) -> Callable[..., Awa
             return await fn(self, _parsed(request), context)
         except Exception as exc:
             code = _status_name(exc, context)
-            await _failure_penalty()
+            await wait_failure_delay()
             await _abort_for(context, exc)
         except BaseException as exc:
             code = _status_name(exc, context)
@@ -210,7 +202,7 @@ def stream_rpc(fn: Callable[[Any, Req, Context], AsyncIterator[Resp]]
                 yield item
         except Exception as exc:
             code = _status_name(exc, context)
-            await _failure_penalty()
+            await wait_failure_delay()
             await _abort_for(context, exc)
         except BaseException as exc:
             code = _status_name(exc, context)
