@@ -54,9 +54,9 @@ __all__ = ["Launch", "SandboxUnavailable", "WorkerCgroups", "WorkerSandbox", "de
 
 def set_dumpable(dumpable: bool) -> None:
     """``PR_SET_DUMPABLE`` on this process: off, no same-uid process may ptrace it or read its /proc files."""
-    import ctypes
+    from ._launch import PR_SET_DUMPABLE, _libc
 
-    ctypes.CDLL(None, use_errno=True).prctl(4, int(dumpable), 0, 0, 0)
+    _libc.prctl(PR_SET_DUMPABLE, int(dumpable), 0, 0, 0)
 
 
 def __getattr__(name: str) -> Any:

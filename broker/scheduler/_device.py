@@ -295,8 +295,7 @@ class DeviceScheduler:
         try:
             if old is not None:
                 contended = self._contended_hold(old)
-                held_since = self.slice_start if self.contended_since is None else max(self.contended_since,
-                                                                                       self.slice_start)
+                held_since = self._contended_start()
                 gen = self._slice_gen
                 try:
                     seconds = await self._fence(old)
@@ -334,6 +333,10 @@ class DeviceScheduler:
         return (self.lone_hold > 0 and self.holder is not None and not self._others_waiting(self.holder)
                 and self._clock() - self.slice_start >= self.accounting_period)
 
+    def _contended_start(self) -> float:
+        """When the current slice began to cost others the device (its start, if nobody has waited yet)."""
+        return self.slice_start if self.contended_since is None else max(self.contended_since, self.slice_start)
+
     def _hold_deadline(self) -> tuple[float, str] | None:
         """When the holder's device work overruns its limit, and the message saying which; None: no limit."""
         holder = self.holder
@@ -342,7 +345,7 @@ class DeviceScheduler:
         if self.contended_since is not None and self._others_waiting(holder):
             if self.max_hold <= 0:
                 return None
-            return (max(self.contended_since, self.slice_start) + self.max_hold,
+            return (self._contended_start() + self.max_hold,
                     f"device work held the device past max_kernel_seconds = {self.max_hold:g} s while other "
                     "tenants waited; the worker was restarted")
         if self.lone_hold <= 0:

@@ -32,7 +32,7 @@ from ._direct import CONTROL
 from ._frames import MAX_FRAME, FrameClosed, FrameRefused, read_reply, write_frame_async
 from ._replies import WorkerLied, check_result, device_info_from_dict, error_from_worker
 
-__all__ = ["WorkerClient", "device_info_from_dict"]
+__all__ = ["EXIT_FATAL", "WorkerClient", "device_info_from_dict"]
 
 log = logging.getLogger("gpubroker.workers")
 
@@ -45,6 +45,9 @@ _ABANDONED_MAX = 65536
 # Fence charges may exceed the wall time since the last fence by this much (clock granularity, and the
 # worker's timer starting a hair before the front's).
 _CHARGE_SLACK = 0.05
+# The status a worker exits with after its tenant's kernel corrupted its device context (workers/_main.py
+# EXIT_FATAL; the front does not import the worker's side).
+EXIT_FATAL = 3
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
@@ -60,7 +63,7 @@ def _describe_exit(code: int | None) -> str:
             return f"killed by signal {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
-    if code == 3:
+    if code == EXIT_FATAL:
         return "exited after a fatal device error (its context was corrupted)"
     return f"exited with status {code}"
 

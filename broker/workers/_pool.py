@@ -23,14 +23,13 @@ from collections.abc import Callable, Sequence
 from gpubroker.client import GpuBrokerError, Unavailable
 
 from ..sandbox import WorkerSandbox
-from ._client import WorkerClient
+from ._client import EXIT_FATAL, WorkerClient
+from ._frames import MAX_FRAME
 
 __all__ = ["TenantCrashes", "WorkerPool"]
 
 log = logging.getLogger("gpubroker.workers")
 
-# The status a worker exits with after its tenant's kernel corrupted its context (workers/_main.py EXIT_FATAL).
-_EXIT_FATAL = 3
 _STOP_SIGNALS = frozenset({-signal.SIGTERM, -signal.SIGINT, -signal.SIGHUP})
 # A stop signal sent to the whole process group reaches the workers and the front together; the front's own
 # handler (which starts the drain) runs on its event loop, perhaps just after it reads a worker's end. So such a
@@ -100,7 +99,7 @@ class WorkerPool:
                  on_worker_exit: Callable[[WorkerClient], None] | None = None,
                  ordinals: Sequence[int] | None = None, crash_budget: int = 0, crash_window: float = 60.0,
                  on_failure: Callable[[WorkerClient], None] | None = None,
-                 max_reply_bytes: int | None = None, sandbox: WorkerSandbox | None = None,
+                 max_reply_bytes: int = MAX_FRAME, sandbox: WorkerSandbox | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.backend = backend
         self.sandbox = sandbox
@@ -147,9 +146,7 @@ class WorkerPool:
     async def _start(self, key: tuple[str, int]) -> WorkerClient:
         ordinal = self.ordinals[key[1]] if self.ordinals is not None else key[1]
         worker = WorkerClient(key[0], key[1], self.backend, on_exit=self._forget, ordinal=ordinal,
-                              sandbox=self.sandbox)
-        if self.max_reply_bytes is not None:
-            worker.max_reply_bytes = self.max_reply_bytes
+                              sandbox=self.sandbox, max_reply_bytes=self.max_reply_bytes)
         await worker.start(self.start_timeout)
         self._workers[key] = worker
         return worker
@@ -176,7 +173,7 @@ class WorkerPool:
         code = worker.returncode
         if worker.stopping and worker.fault is None:
             return None
-        if worker.fault is not None or worker.tenant_code_ran or code == _EXIT_FATAL:
+        if worker.fault is not None or worker.tenant_code_ran or code == EXIT_FATAL:
             return "tenant"
         if code == 0:
             return None  # it left on its own before serving anyone: odd, but nobody's failure
