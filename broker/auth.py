@@ -20,6 +20,8 @@ import hmac
 import itertools
 import logging
 import secrets
+import socket
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -31,7 +33,7 @@ from gpubroker.client import PermissionDenied, Unauthenticated, Unavailable
 from .config import BrokerConfig, TenantConfig
 
 __all__ = ["Authenticator", "FailurePenalty", "NewToken", "Principal", "RateLimitedLog", "Revocations",
-           "TokenVerifier", "hash_token", "mint_token", "peer_key", "wait_failure_delay"]
+           "TokenVerifier", "hash_token", "mint_token", "peer_credentials", "peer_key", "wait_failure_delay"]
 
 _TOKEN_PREFIX = "gpb"
 _HMAC = "hmac-sha256"
@@ -222,6 +224,20 @@ def certificate_identities(auth_context: Mapping[str, Iterable[bytes]]) -> list[
     names = [v.decode() for v in auth_context.get("x509_subject_alternative_name", ()) if b"://" in v]
     names += [v.decode() for v in auth_context.get("x509_common_name", ())]
     return names
+
+
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_credentials(sock: socket.socket | None) -> tuple[int, int]:
+    """(pid, uid) of a Unix socket's peer, as the kernel recorded them at connect; (-1, -1) if unknown."""
+    if sock is None:
+        return -1, -1
+    try:
+        pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    except (OSError, struct.error):
+        return -1, -1
+    return pid, uid
 
 
 def peer_key(peer: str) -> str:

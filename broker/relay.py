@@ -19,14 +19,13 @@ import errno
 import logging
 import os
 import socket
-import struct
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gpubroker.client import FailedPrecondition, InvalidArgument
 
-from .auth import RateLimitedLog
+from .auth import RateLimitedLog, peer_credentials
 
 __all__ = ["VMADDR_CID_ANY", "VMADDR_PORT_ANY", "RelayServer", "serve_relay", "unix_connector", "unix_listener",
            "vsock_connector", "vsock_listener"]
@@ -249,12 +248,9 @@ def _peer_key(sock: socket.socket, peer: object) -> object:
     if getattr(socket, "AF_VSOCK", None) == sock.family and isinstance(peer, tuple):
         return f"cid:{peer[0]}"
     if sock.family == socket.AF_UNIX:
-        try:
-            _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                                  struct.calcsize("3i")))
+        _pid, uid = peer_credentials(sock)
+        if uid >= 0:
             return f"uid:{uid}"
-        except OSError:
-            pass
     return f"{sock.family.name}:{peer!r}"
 
 

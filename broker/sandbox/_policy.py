@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -123,7 +124,7 @@ class WorkerSandbox:
 
     def spec(self, cache: Path | None, keep_fds: list[int], cgroup: Path | None) -> dict[str, Any]:
         """The launcher's instructions: what to bind, what to limit."""
-        ro = [*SYSTEM_RO, *self._python_paths()]
+        ro = [*SYSTEM_RO, *self._python_paths]
         dev = list(DEVICES)
         if self.backend in ("cuda", "auto"):
             ro += [*CUDA_RO, *(p for p in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME")) if p)]
@@ -203,7 +204,9 @@ class WorkerSandbox:
                 reason = reason.removeprefix("gpubroker sandbox: ")
             raise SandboxUnavailable(_refusal(reason))
 
+    @functools.cached_property
     def _python_paths(self) -> list[str]:
+        """The runtime's and the packages' directories: the same for every worker, so found once."""
         paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
                  os.path.dirname(os.path.realpath(sys.executable))}
         # Every import directory but the script's own (sys.path[0]: the front's working directory or bin/),

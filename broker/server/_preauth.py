@@ -14,31 +14,16 @@ import asyncio
 import contextlib
 import logging
 import socket
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..auth import RateLimitedLog
+from ..auth import RateLimitedLog, peer_credentials
 from ..config import BrokerConfig
 
-__all__ = ["IdleSweeper", "PreAuthGate", "Ticket", "peer_credentials"]
+__all__ = ["IdleSweeper", "PreAuthGate", "Ticket"]
 
 audit = logging.getLogger("gpubroker.audit")
-_CRED = struct.Struct("3i")
-
-
-def peer_credentials(sock: socket.socket | None) -> tuple[int, int]:
-    """(pid, uid) of a Unix socket's peer, as the kernel recorded them at connect; (-1, -1) if unknown."""
-    if sock is None:
-        return -1, -1
-    try:
-        pid, uid, _gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-    except (OSError, struct.error):
-        return -1, -1
-    return pid, uid
-
-
 @dataclass
 class Ticket:
     """One admitted connection that has not authenticated yet; ``done`` gives its place back (once)."""

@@ -29,10 +29,10 @@ from gpubroker.client import (
 )
 from gpubroker.client._shm import FRAME_HEADER, MAX_FRAME, pack_frame, unpack_frame
 
-from ..auth import Authenticator, Principal, wait_failure_delay
+from ..auth import Authenticator, Principal, peer_credentials, wait_failure_delay
 from ..config import BrokerConfig
 from ..sessions import Session, SessionManager
-from ._preauth import Idle, IdleSweeper, PreAuthGate, Ticket, peer_credentials
+from ._preauth import Idle, IdleSweeper, PreAuthGate, Ticket
 
 __all__ = ["SharedMemoryServer"]
 
