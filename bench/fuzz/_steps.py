@@ -177,13 +177,7 @@ class StepsMixin(CodeStepsMixin):
         return request, bad, effect
 
     def step_memset(self, draw: Draw) -> None:
-        token, session, sess = self.caller(draw)
-        request, bad, effect = self.memset_request(draw, session, sess)
-        _, code, _ = self.call("Memset", request, token)
-        self.refused("Memset", code, "invalid caller, buffer, stream, value or range", bad)
-        self.lost(code, sess)
-        if code == "OK":
-            effect()
+        self.built_step(draw, "Memset", self.memset_request, "invalid caller, buffer, stream, value or range")
 
     def d2d_request(self, draw: Draw, session: str, sess: Sess | None
                     ) -> tuple[pb.CopyDeviceToDeviceRequest, bool, Callable[[], None]]:
@@ -220,13 +214,7 @@ class StepsMixin(CodeStepsMixin):
         return request, bad, effect
 
     def step_copy_d2d(self, draw: Draw) -> None:
-        token, session, sess = self.caller(draw)
-        request, bad, effect = self.d2d_request(draw, session, sess)
-        _, code, _ = self.call("CopyDeviceToDevice", request, token)
-        self.refused("CopyDeviceToDevice", code, "invalid caller, buffers, stream or ranges", bad)
-        self.lost(code, sess)
-        if code == "OK":
-            effect()
+        self.built_step(draw, "CopyDeviceToDevice", self.d2d_request, "invalid caller, buffers, stream or ranges")
 
     # -- host copies ------------------------------------------------------------------------------
     def step_copy_h2d(self, draw: Draw) -> None:

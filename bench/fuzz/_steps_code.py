@@ -31,6 +31,18 @@ _RAW_STREAMING = {"CopyDeviceToHost": "unary_stream", "CopyHostToDevice": "strea
 
 
 class CodeStepsMixin:
+    def built_step(self, draw: Draw, method: str, build: Callable[..., tuple[Any, bool, Callable[[], None]]],
+                   why: str) -> None:
+        """One call of a request that ``build`` draws (the same builders make the batches' commands): refused
+        exactly when ``build`` said it is bad, and on OK its effect applied to the model."""
+        token, session, sess = self.caller(draw)
+        request, bad, effect = build(draw, session, sess)
+        _, code, _ = self.call(method, request, token)
+        self.refused(method, code, why, bad)
+        self.lost(code, sess)
+        if code == "OK":
+            effect()
+
     # -- modules and kernels ----------------------------------------------------------------------
     def step_load_module(self, draw: Draw) -> None:
         token, session, sess = self.caller(draw)
@@ -122,11 +134,7 @@ class CodeStepsMixin:
         return buf is not None and ref.offset <= buf.size
 
     def step_launch(self, draw: Draw) -> None:
-        token, session, sess = self.caller(draw)
-        request, bad, _ = self.launch_request(draw, session, sess)
-        _, code, _ = self.call("LaunchKernel", request, token)
-        self.refused("LaunchKernel", code, "invalid caller, kernel, stream, dims or args", bad)
-        self.lost(code, sess)
+        self.built_step(draw, "LaunchKernel", self.launch_request, "invalid caller, kernel, stream, dims or args")
 
     # -- streams ----------------------------------------------------------------------------------
     def step_create_stream(self, draw: Draw) -> None:
