@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from gpubroker.broker import samples
-from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec, descendants
 from gpubroker.client import AdminClient, connect
 
 __all__ = ["SOAK_SETTINGS", "main", "run_soak", "snapshot"]
@@ -101,22 +101,12 @@ def _process(pid: int) -> dict[str, Any]:
 def _workers(broker_pid: int) -> dict[int, str]:
     """The broker's worker processes: pid -> tenant (the workers themselves: under the sandbox, each is the child
     of a launcher that is the broker's child)."""
-    children: dict[int, list[int]] = {}
-    argvs: dict[int, list[bytes]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    found = {}
+    for pid in descendants(broker_pid):
         try:
-            stat = (entry / "stat").read_text()
-            argvs[int(entry.name)] = (entry / "cmdline").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
-    found, todo = {}, list(children.get(broker_pid, []))
-    while todo:
-        pid = todo.pop()
-        todo.extend(children.get(pid, []))
-        argv = argvs[pid]
         if argv[1:3] == [b"-m", b"gpubroker.broker.workers"] and b"--tenant" in argv:
             found[pid] = argv[argv.index(b"--tenant") + 1].decode()
     return found

@@ -21,7 +21,7 @@ from .config import BrokerConfig, TenantConfig, save_config
 
 BackendName = Literal["auto", "cuda", "opencl"]  # BrokerConfig.backend's values
 
-__all__ = ["BrokerProcess", "TenantSpec"]
+__all__ = ["BrokerProcess", "TenantSpec", "descendants", "parent_pids"]
 
 
 @dataclass
@@ -146,3 +146,28 @@ class BrokerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def parent_pids() -> dict[int, int]:
+    """Every live process's parent, from /proc."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    return parents
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (a sandbox puts its launcher between the broker and each worker)."""
+    children: dict[int, list[int]] = {}
+    for child, parent in parent_pids().items():
+        children.setdefault(parent, []).append(child)
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        below = todo.pop()
+        found.append(below)
+        todo.extend(children.get(below, []))
+    return found

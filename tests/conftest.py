@@ -10,6 +10,8 @@ import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 
+from .helpers import descendants
+
 BACKENDS = [pytest.param("opencl", id="opencl"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
 TENANTS = [TenantSpec("alice", memory_quota=1 << 40), TenantSpec("bob", memory_quota=1 << 30),
            TenantSpec("carol", memory_quota=64 << 20)]
@@ -22,26 +24,14 @@ def worker_pids(broker: BrokerProcess, tenant: str) -> list[int]:
     launcher runs it as PID 1 of a PID namespace of its own), so this walks the broker's descendants.
     """
     assert broker.process is not None
-    children: dict[int, list[int]] = {}
-    procs: dict[int, tuple[list[bytes], str]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    pids = []
+    for pid in descendants(broker.process.pid):
         try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            stat = (entry / "stat").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        children.setdefault(int(ppid), []).append(int(entry.name))
-        procs[int(entry.name)] = (cmdline, state)
-    pids, todo = [], list(children.get(broker.process.pid, []))
-    while todo:
-        pid = todo.pop()
-        todo.extend(children.get(pid, []))
-        cmdline, state = procs[pid]
-        if (state != "Z" and cmdline[1:3] == [b"-m", b"gpubroker.broker.workers"]
-                and tenant.encode() in cmdline):
+        if state != "Z" and cmdline[1:3] == [b"-m", b"gpubroker.broker.workers"] and tenant.encode() in cmdline:
             pids.append(pid)
     return pids
 

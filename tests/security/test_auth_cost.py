@@ -108,15 +108,6 @@ def broker(backend: str) -> Iterator[BrokerProcess]:
         yield proc
 
 
-def _p50(call: Callable[[], object], n: int = 150) -> float:
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def test_a_wrong_secret_flood_leaves_another_tenants_calls_as_fast(broker: BrokerProcess) -> None:
     alice_id = broker.tokens["alice"].split("_", 2)[1]
     wrong = f"gpb_{alice_id}_{secrets.token_urlsafe(32)}"  # a known token id, a wrong secret
@@ -148,15 +139,15 @@ def test_a_wrong_secret_flood_leaves_another_tenants_calls_as_fast(broker: Broke
         grpc_buf, fast_buf = by_grpc.allocate_memory(4096), by_fast.allocate_memory(4096)
         calls = {"grpc": lambda: by_grpc.memset(grpc_buf, 1), "fast": lambda: by_fast.memset(fast_buf, 1)}
         for call in calls.values():
-            _p50(call, 20)  # warm
-        quiet = {name: _p50(call) for name, call in calls.items()}
+            _median_seconds(call, 20)  # warm
+        quiet = {name: _median_seconds(call, 150) for name, call in calls.items()}
         threads = [threading.Thread(target=grpc_flood if i % 2 else fast_flood, daemon=True) for i in range(8)]
         for thread in threads:
             thread.start()
         try:
             # The flood at full strength: each sender's failures already cost it a growing delay.
             wait_for(lambda: len(failures) >= 32, 60, "the flood to get going")
-            flooded = {name: _p50(call) for name, call in calls.items()}
+            flooded = {name: _median_seconds(call, 150) for name, call in calls.items()}
             sent = len(failures)
         finally:
             stop.set()

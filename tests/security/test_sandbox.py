@@ -22,6 +22,7 @@ from gpubroker.broker.sandbox import WorkerSandbox
 from gpubroker.client import AdminClient, CompileError, Unavailable, connect
 
 from ..conftest import worker_pids
+from ..helpers import proc_status
 
 TENANTS = [TenantSpec("alice"), TenantSpec("bob"), TenantSpec("root-admin", admin=True)]
 SECRET_ENV = "GPUBROKER_TEST_FRONT_SECRET"
@@ -47,11 +48,6 @@ def _start_worker(broker: BrokerProcess, tenant: str) -> int:
     return pid
 
 
-def _status(pid: int) -> dict[str, str]:
-    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
-
-
 def _environ(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(item.decode().split("=", 1) for item in raw if item)
@@ -59,7 +55,7 @@ def _environ(pid: int) -> dict[str, str]:
 
 def test_worker_runs_confined(sandboxed: BrokerProcess) -> None:
     pid = _start_worker(sandboxed, "alice")
-    status = _status(pid)
+    status = proc_status(pid)
     assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1"
     for caps in ("CapEff", "CapPrm", "CapInh", "CapBnd", "CapAmb"):
         assert int(status[caps], 16) == 0, caps
@@ -236,7 +232,7 @@ def test_cuda_worker_is_confined_and_nvrtc_cannot_include_host_files(tmp_path: P
                     if len(line.strip()) > 6:
                         assert line.strip() not in log, path
         (pid,) = worker_pids(broker, "alice")
-        status = _status(pid)
+        status = proc_status(pid)
         assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1" and int(status["CapEff"], 16) == 0
         assert os.readlink(f"/proc/{pid}/ns/pid") != os.readlink(f"/proc/{broker.process.pid}/ns/pid")  # type: ignore[union-attr]
 

@@ -25,6 +25,7 @@ from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import AdminClient, connect
 
 from ..conftest import worker_pids
+from ..helpers import descendants, proc_status
 
 UID = 65534
 SETPRIV, UNSHARE = shutil.which("setpriv"), shutil.which("unshare")
@@ -73,8 +74,9 @@ def _run_unprivileged(tmp_path: Path, cache: Path) -> None:
     tenants = [TenantSpec("alice"), TenantSpec("ops", admin=True)]
     with BrokerProcess(tenants, backend="opencl", wrapper=wrapper, settings={"cache_dir": str(cache)}) as broker:
         assert broker.process is not None
-        (front,) = [p for p in _descendants(broker.process.pid) if b"gpubroker.broker.cli" in _cmdline(p)]
-        status = _status(front)
+        (front,) = [p for p in [broker.process.pid, *descendants(broker.process.pid)]
+                    if b"gpubroker.broker.cli" in _cmdline(p)]
+        status = proc_status(front)
         assert status["Uid"].split()[0] == str(UID) and status["NoNewPrivs"] == "1"
         assert int(status["CapBnd"], 16) == 0 and int(status["CapEff"], 16) == 0
         with connect(broker.target, token=broker.tokens["alice"]) as gpu:
@@ -85,9 +87,9 @@ def _run_unprivileged(tmp_path: Path, cache: Path) -> None:
             out = np.empty(16, dtype=np.float32)
             gpu.copy_d2h(buf, out)
             assert (out == 3).all()  # scale_inplace: x = x * factor + 1
-        (worker,) = [p for p in _descendants(front) if b"gpubroker.broker.workers" in _cmdline(p)
+        (worker,) = [p for p in descendants(front) if b"gpubroker.broker.workers" in _cmdline(p)
                      and b"alice" in _cmdline(p) and b"gpubroker.broker.sandbox" not in _cmdline(p)]
-        status = _status(worker)
+        status = proc_status(worker)
         assert status["Seccomp"] == "2" and int(status["CapEff"], 16) == 0
         for ns in ("user", "pid", "mnt", "net"):
             assert os.readlink(f"/proc/{worker}/ns/{ns}") != os.readlink(f"/proc/{front}/ns/{ns}"), ns
@@ -98,25 +100,3 @@ def _run_unprivileged(tmp_path: Path, cache: Path) -> None:
 
 def _cmdline(pid: int) -> bytes:
     return Path(f"/proc/{pid}/cmdline").read_bytes()
-
-
-def _status(pid: int) -> dict[str, str]:
-    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, [])
-    return found
