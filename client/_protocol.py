@@ -1,0 +1,259 @@
+"""The command model: every device operation as one typed command with one binary encoding.
+
+Client, front and worker share this module. A command is a msgspec Struct encoded as a msgpack array whose first
+element is its tag (``["launch", kernel, grid, ...]``); a batch is a list of them with an id and the sequence
+number of its first command, and every batch is answered by one ``Ack``. The same bytes travel on every
+transport: a framed link (a Unix socket straight to the worker, TCP through the front, vsock), inside gRPC's
+``Commands`` stream, and from the front to the worker for the typed gRPC calls, which the front turns into
+these commands once.
+
+Handles are named by the client (``new_handle``: random, scoped to the session), so an allocation, a free or a
+stream's creation queues like a launch and a chain of operations never waits for a round trip. The worker
+resolves them, per session, in one place.
+
+A synchronous call is a batch whose last command returns its result; asynchronous commands ride in batches that
+are acknowledged in order, and the first failure is reported by its sequence number and description, then
+raised at the next synchronize (as CUDA reports an asynchronous error).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Any, ClassVar, Final
+
+import msgspec
+
+__all__ = [
+    "Ack",
+    "Allocate",
+    "Batch",
+    "BufferArg",
+    "BufRef",
+    "Command",
+    "CommandError",
+    "CopyD2D",
+    "CopyShared",
+    "CreateStream",
+    "DestroyStream",
+    "DeviceInfoQuery",
+    "Free",
+    "GetKernel",
+    "KernelArg",
+    "LINK_COMMANDS",
+    "Launch",
+    "LoadModule",
+    "MAX_HANDLE",
+    "Memset",
+    "Read",
+    "ScalarArg",
+    "Synchronize",
+    "UnloadModule",
+    "Write",
+    "decode_ack",
+    "decode_batch",
+    "encode",
+    "new_handle",
+]
+
+MAX_HANDLE: Final = 64  # characters; a longer handle is refused at decoding
+Handle = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HANDLE)]
+OptionalStream = Annotated[str, msgspec.Meta(max_length=MAX_HANDLE)]  # "" is the default stream
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Dims = Annotated[tuple[int, ...], msgspec.Meta(min_length=1, max_length=3)]
+
+# A buffer view: the allocation's handle and the view's offset into it (Buffer.handle, Buffer.offset).
+BufRef = tuple[Handle, NonNegative]
+
+_PREFIX = {"buf": "b", "stream": "s", "module": "m", "kernel": "k", "segment": "g"}
+
+
+def new_handle(kind: str) -> str:
+    """A fresh handle for a buffer, stream, module, kernel or segment: random (64 bits), so a handle one session
+    names can never be guessed into another's, and the worker refuses one already in use in the session."""
+    return f"{_PREFIX[kind]}{secrets.token_hex(8)}"
+
+
+class _Struct(msgspec.Struct, array_like=True, frozen=True, gc=False, omit_defaults=False):
+    pass
+
+
+# -- kernel arguments ------------------------------------------------------------------------------
+class BufferArg(_Struct, tag="b"):
+    """A pointer into an allocation: ``handle`` plus ``offset`` bytes (a Buffer view)."""
+
+    handle: Handle
+    offset: NonNegative = 0
+
+
+class ScalarArg(_Struct, tag="s"):
+    """A scalar by value: a numpy dtype string ("<f4", "<i8", ...) and its bytes."""
+
+    dtype: Annotated[str, msgspec.Meta(max_length=16)]
+    value: Annotated[bytes, msgspec.Meta(max_length=8)]
+
+
+KernelArg = BufferArg | ScalarArg
+
+
+# -- commands --------------------------------------------------------------------------------------
+class _Command(_Struct, tag_field="op"):
+    # True: the command may travel on a framed link straight to the worker (device work and the memory and
+    # streams it uses). False: only through the front, which supervises it (a compile may need its time limit).
+    link: ClassVar[bool] = True
+
+
+class Allocate(_Command, tag="allocate"):
+    handle: Handle
+    size: Annotated[int, msgspec.Meta(gt=0)]
+
+
+class Free(_Command, tag="free"):
+    handle: Handle
+
+
+class Memset(_Command, tag="memset"):
+    buf: BufRef
+    value: Annotated[int, msgspec.Meta(ge=0, le=255)]
+    size: int  # bytes from ``offset``; -1: to the end of the view
+    offset: NonNegative = 0
+    stream: OptionalStream = ""
+
+
+class CopyD2D(_Command, tag="copy_d2d"):
+    src: BufRef
+    dst: BufRef
+    size: NonNegative
+    src_offset: NonNegative = 0
+    dst_offset: NonNegative = 0
+    stream: OptionalStream = ""
+
+
+class Launch(_Command, tag="launch"):
+    kernel: Handle
+    grid: Dims
+    block: Dims
+    args: list[KernelArg]
+    shared_mem: NonNegative = 0
+    stream: OptionalStream = ""
+
+
+class CreateStream(_Command, tag="create_stream"):
+    handle: Handle
+
+
+class DestroyStream(_Command, tag="destroy_stream"):
+    handle: Handle
+
+
+class Synchronize(_Command, tag="synchronize"):
+    stream: OptionalStream = ""  # "": the whole device (every stream of the session)
+
+
+class Write(_Command, tag="write"):
+    """Host to device: ``data`` into the view at ``offset`` (one chunk of a copy; large copies are several)."""
+
+    buf: BufRef
+    offset: NonNegative
+    data: bytes
+    stream: OptionalStream = ""
+
+
+class Read(_Command, tag="read"):
+    """Device to host: ``size`` bytes of the view from ``offset``; the Ack's result is the bytes."""
+
+    buf: BufRef
+    offset: NonNegative
+    size: NonNegative
+    stream: OptionalStream = ""
+
+
+class CopyShared(_Command, tag="copy_shared"):
+    """Between a shared-memory segment (same host; registered through the front) and device memory."""
+
+    segment: Handle
+    segment_offset: NonNegative
+    buf: BufRef
+    offset: NonNegative
+    size: NonNegative
+    to_device: bool
+    stream: OptionalStream = ""
+
+
+class DeviceInfoQuery(_Command, tag="device_info"):
+    """The device as its runtime describes it, plus this worker's memory use; the Ack's result is a dict."""
+
+
+class LoadModule(_Command, tag="load_module"):
+    """Compile or load ``image`` (source as UTF-8 bytes); the Ack's result is the module's kernel names."""
+
+    link: ClassVar[bool] = False
+    handle: Handle
+    format: Annotated[str, msgspec.Meta(max_length=16)]  # a ModuleFormat value
+    image: bytes
+    options: list[str] = []
+
+
+class UnloadModule(_Command, tag="unload_module"):
+    link: ClassVar[bool] = False
+    handle: Handle
+
+
+class GetKernel(_Command, tag="get_kernel"):
+    link: ClassVar[bool] = False
+    handle: Handle  # the kernel's new handle
+    module: Handle
+    name: Annotated[str, msgspec.Meta(max_length=1024)]
+
+
+Command = (Allocate | Free | Memset | CopyD2D | Launch | CreateStream | DestroyStream | Synchronize | Write | Read
+           | CopyShared | DeviceInfoQuery | LoadModule | UnloadModule | GetKernel)
+COMMANDS: Final[tuple[type[_Command], ...]] = (
+    Allocate, Free, Memset, CopyD2D, Launch, CreateStream, DestroyStream, Synchronize, Write, Read, CopyShared,
+    DeviceInfoQuery, LoadModule, UnloadModule, GetKernel)
+LINK_COMMANDS: Final = frozenset(c for c in COMMANDS if c.link)
+
+
+# -- batches and acknowledgements ------------------------------------------------------------------
+class Batch(_Struct):
+    """Commands to run in order. ``id`` is the sender's (acks come back in order, each naming its batch);
+    ``first`` is the sequence number of its first command, by which a failure is reported."""
+
+    id: int
+    first: int
+    commands: list[Command]
+
+
+class CommandError(_Struct):
+    """The first command of a batch that failed: its sequence number, what it was, and the error."""
+
+    seq: int
+    command: str  # "launch of 'scale'", "allocate of 4096 bytes", ...
+    code: str  # a gRPC status name
+    message: str
+    type: str = ""  # the GpuBrokerError class name
+    details: dict[str, Any] = {}
+
+
+class Ack(_Struct):
+    """A batch's answer: how many of its commands ran, the first failure (the rest did not run), and the result
+    of its last command when that returns one (a Read's bytes, a device description, kernel names)."""
+
+    id: int
+    done: int
+    error: CommandError | None = None
+    result: Any = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_batch_decoder = msgspec.msgpack.Decoder(Batch)
+_ack_decoder = msgspec.msgpack.Decoder(Ack)
+encode = _encoder.encode  # Batch or Ack -> bytes: the one encoding
+
+
+def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
+    """A batch from the wire; msgspec.ValidationError / DecodeError (both msgspec.DecodeError) if malformed."""
+    return _batch_decoder.decode(data)
+
+
+def decode_ack(data: bytes | bytearray | memoryview) -> Ack:
+    return _ack_decoder.decode(data)
