@@ -125,6 +125,7 @@ class Broker:
         self.ports: list[str] = []
         self.schedulers: dict[int, DeviceScheduler] = {}
         self.links: LinkServer | None = None
+        self.service: GpuBrokerService | None = None
         self.relay: RelayServer | None = None
         self.shm: SharedMemoryServer | None = None
         self.health: BrokerHealth | None = None
@@ -170,7 +171,7 @@ class Broker:
             for d in range(len(devices))}
         self._apply_weights()
         self.auth = Authenticator(cfg)
-        service = GpuBrokerService(cfg, self.auth, self.sessions, devices, self.schedulers)
+        self.service = service = GpuBrokerService(cfg, self.auth, self.sessions, devices, self.schedulers)
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -380,6 +381,8 @@ async def _serve(config: BrokerConfig, ready_file: str | None) -> None:
         ready: dict[str, object] = {"ports": broker.ports, "pid": os.getpid()}
         if broker.metrics is not None:
             ready["metrics"] = broker.metrics.address
+        if broker.service is not None and broker.service.link_port:
+            ready["link_port"] = broker.service.link_port
         tmp.write_text(json.dumps(ready))
         tmp.replace(ready_file)
     print(f"gpubroker: serving on {', '.join(broker.ports)}", file=sys.stderr, flush=True)
