@@ -28,8 +28,8 @@ from gpubroker.client import (
 )
 
 from ..sandbox import Launch, WorkerSandbox
-from ._direct import CONTROL
 from ._frames import MAX_FRAME, FrameClosed, FrameRefused, read_reply, write_frame_async
+from ._links import CONTROL  # (hf: defined here in the new front)
 from ._replies import WorkerLied, check_result, device_info_from_dict, error_from_worker
 
 __all__ = ["EXIT_FATAL", "WorkerClient", "device_info_from_dict"]
