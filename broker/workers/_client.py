@@ -30,6 +30,7 @@ from gpubroker.client._protocol import Ack, Batch
 
 from ..sandbox import Launch, WorkerSandbox
 from ._frames import MAX_FRAME, FrameClosed, FrameRefused, read_reply, write_frame_async
+from ._links import CONTROL  # (hf: defined here in the new front)
 from ._replies import WorkerLied, check_result, device_info_from_dict, error_from_worker
 
 __all__ = ["CONTROL", "EXIT_FATAL", "WorkerClient", "device_info_from_dict"]
