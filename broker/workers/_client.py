@@ -30,7 +30,7 @@ from gpubroker.client._protocol import Ack, Batch
 
 from ..sandbox import Launch, WorkerSandbox
 from ._frames import MAX_FRAME, FrameClosed, FrameRefused, read_reply, write_frame_async
-from ._links import CONTROL  # (hf: defined here in the new front)
+from ._links import CONTROL  # the request id of lease messages, both ways
 from ._replies import WorkerLied, check_result, device_info_from_dict, error_from_worker
 
 __all__ = ["CONTROL", "EXIT_FATAL", "WorkerClient", "device_info_from_dict"]
@@ -41,8 +41,6 @@ log = logging.getLogger("gpubroker.workers")
 # served the worker has run tenant code (a kernel, a compile, a module load, or whatever a request can reach).
 _FRONT_OPS = frozenset({"device_info", "take_device_time", "close_session", "ping", "set_limits", "usage",
                         "close_links", "pin", "unpin"})
-# The request id of lease messages, both ways (the worker's side: workers/_links).
-CONTROL = -1
 # Replies to requests whose callers gave up are remembered (to tell them from replies to requests never made)
 # up to this many; past it the oldest are forgotten, and a late reply to one of those counts as a lie.
 _ABANDONED_MAX = 65536
