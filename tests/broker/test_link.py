@@ -126,15 +126,28 @@ def test_an_oversize_hello_is_refused_before_its_body_is_read(broker: BrokerProc
         assert sock.recv(1) == b""
 
 
-def test_the_tls_link_carries_batches_to_the_worker(broker: BrokerProcess, certs: dict[str, CertPaths]) -> None:
+def _link(broker: BrokerProcess, certs: dict[str, CertPaths], transport: str) -> socket.socket:
+    """A link to the broker: the same-host ``<socket>.fast`` (handed to the worker whole) or TLS (relayed)."""
+    if transport == "tls":
+        return _tls(broker, certs, "alice")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(broker.target.removeprefix("unix:") + ".fast")
+    return sock
+
+
+@pytest.mark.parametrize("transport", ["unix", "tls"])
+def test_the_link_carries_batches_to_the_worker(broker: BrokerProcess, certs: dict[str, CertPaths],
+                                                transport: str) -> None:
     channel, session, port = _open_session(broker, certs)
     with channel:
         assert port == broker.link_port
         with _tls(broker, certs, "stranger") as sock:  # bob's token: not bob's session
             _, status, error = _hello(sock, broker.tokens["bob"], session)
             assert status == 1 and error["code"] == "NOT_FOUND"
-        with _tls(broker, certs, "alice") as sock:
-            _, status, reply = _hello(sock, "", session)  # the certificate authenticates; no token
+        with _link(broker, certs, transport) as sock:
+            # Over TLS alice's certificate authenticates her (no token); on the Unix socket her token does.
+            _, status, reply = _hello(sock, "" if transport == "tls" else broker.tokens["alice"], session)
             assert status == 0 and reply["link"] == 1 and reply["max_frame"] > 0
             buf = new_handle("buf")
             data = np.arange(1024, dtype=np.float32).tobytes()
@@ -150,6 +163,25 @@ def test_the_tls_link_carries_batches_to_the_worker(broker: BrokerProcess, certs
             assert ack.error.code == "RESOURCE_EXHAUSTED" and "quota" in ack.error.message
             _send(sock, encode(Batch(3, 7, [Free(buf)])))
             assert decode_ack(_recv(sock)).done == 1
+
+
+def test_grpc_commands_run_encoded_batches_as_they_are(broker: BrokerProcess, certs: dict[str, CertPaths]) -> None:
+    channel, session, _ = _open_session(broker, certs)
+    with channel:
+        buf = new_handle("buf")
+        batches = [Batch(1, 0, [Allocate(buf, 64), Memset((buf, 0), 7, -1), Read((buf, 8), 0, 8)]),
+                   Batch(2, 3, [Read((buf, 0), 60, 8)]),  # past the end: the worker's error, in the ack
+                   Batch(3, 4, [Free(buf)])]
+        requests = [pb.CommandBatch(session=session if b.id == 1 else "", batch=b.id, encoded=encode(b))
+                    for b in batches]
+        acks = [decode_ack(a.encoded) for a in pb_grpc.GpuBrokerStub(channel).Commands(iter(requests), timeout=30)]
+        assert [(a.id, a.done) for a in acks] == [(1, 3), (2, 0), (3, 1)]
+        assert acks[0].result == bytes([7] * 8) and acks[0].error is None
+        assert acks[1].error is not None and acks[1].error.seq == 3 and acks[1].error.code == "OUT_OF_RANGE"
+        with pytest.raises(grpc.RpcError) as info:  # bytes that are no batch: the sender's error
+            list(pb_grpc.GpuBrokerStub(channel).Commands(
+                iter([pb.CommandBatch(session=session, batch=1, encoded=b"\x93\x01")]), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_an_over_quota_allocation_through_grpc_names_the_quota(broker: BrokerProcess,
