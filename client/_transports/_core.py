@@ -137,7 +137,7 @@ class BatchingTransport:
             if on_result is not None or type(command) is Write:
                 self._pending_result = on_result
                 self._flush()  # a result is only ever the last command's
-            elif len(self._pending) >= (self.batch_size if self._unacked else _FIRST_BATCH):
+            elif len(self._pending) >= (self.batch_size if self._unacked else min(self.batch_size, _FIRST_BATCH)):
                 self._flush()
             return self._seq
 

@@ -146,6 +146,7 @@ class FramedLink(BatchingTransport):
         except OSError as exc:
             raise Unavailable(f"no {self.kind} link to the broker: {exc}") from None
         try:
+            sock.settimeout(self.timeout)  # the hello's answer and each ack are waited for this long
             send_frame(sock, self._hello)
             reply = unpack_frame(recv_payload(sock, HELLO_REPLY_MAX))
         except (OSError, EOFError, ValueError) as exc:  # closed unanswered: refused before authentication, a cap
