@@ -27,8 +27,7 @@ from gpubroker.client._protocol import (
     decode_batch,
     encode,
 )
-from gpubroker.client._transports import FramedLink, GrpcCommands, choose_transport, split_host_port
-from gpubroker.client._transports import _core
+from gpubroker.client._transports import FramedLink, GrpcCommands, _core, choose_transport, split_host_port
 
 MAX_FRAME = 1 << 20
 Handler = Callable[[Batch], Ack | None]  # None: close the connection instead of answering
@@ -124,7 +123,7 @@ def test_a_deferred_error_names_its_command_is_raised_once_and_the_rest_of_its_b
         return ok(batch)
 
     t = link([Peer(fail_third)])
-    for i in range(5):
+    for _ in range(5):
         t.submit(launch())
     with pytest.raises(InvalidArgument, match=r"^command 3 \(launch of 'scale'\) failed: 2 args") as info:
         t.wait()
@@ -145,7 +144,7 @@ def test_a_call_returns_its_result_and_raises_its_own_error_plainly() -> None:
     t = link([Peer(handler)])
     assert t.call(Read(("b1", 0), 0, 5)) == b"\x07" * 5
     t.submit(launch())  # queued, then carried by the call's batch
-    with pytest.raises(NotFound, match="^no buf 'b1'$") as info:
+    with pytest.raises(NotFound, match=r"^no buf 'b1'$") as info:
         t.call(Memset(("b1", 0), 1, -1))
     assert info.value.details["command"] == "memset"
     t.close()
@@ -231,7 +230,7 @@ def test_an_ack_out_of_step_drops_the_link() -> None:
 def test_an_ack_that_never_comes_is_a_deadline() -> None:
     hold = threading.Event()
     t = link([Peer(lambda batch: (hold.wait(10), ok(batch))[1])], timeout=0.3)
-    with pytest.raises(DeadlineExceeded, match="no answer from the broker within 0.3 s"):
+    with pytest.raises(DeadlineExceeded, match=r"no answer from the broker within 0\.3 s"):
         t.call(Synchronize())
     hold.set()
     t.close()
@@ -242,8 +241,7 @@ def test_an_idle_link_closed_by_the_broker_is_reopened_before_the_next_batch(mon
     first, second = Peer(ok), Peer(ok)
     t = link([first, second])
     t.call(Synchronize())
-    first.client.shutdown(socket.SHUT_RD)  # (as the broker closing it: the client's end sees a hang-up)
-    first._sock.close()
+    first._sock.shutdown(socket.SHUT_RDWR)  # the broker closes it (idleness): the client's end sees a hang-up
     first.thread.join(5)
     t.call(Synchronize())  # nothing lost, no error: it went on a new connection
     assert len(second.batches) == 1
