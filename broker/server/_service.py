@@ -183,6 +183,7 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
     @rpc
     async def ListDevices(self, request: pb.ListDevicesRequest, context: Context) -> pb.ListDevicesResponse:
         tenant = self._tenant(context)
+        await self.sessions.refresh_tenant(tenant)
         return pb.ListDevicesResponse(devices=[self._tenant_view(tenant, i, d, live=False)
                                                for i, d in enumerate(self.devices)])
 
