@@ -42,8 +42,8 @@ from ._preauth import PreAuthGate, Ticket
 __all__ = ["LinkServer", "fast_path_address"]
 
 log = logging.getLogger("gpubroker.links")
-# Relay reads: large, so a copy chunk crosses the front in a few system calls.
-_RELAY_READ = 1 << 20
+# What a TCP link's relay buffers each way before it pauses reading the other side.
+_RELAY_BUFFER = 4 << 20
 
 
 def fast_path_address(unix_path: str) -> str:
@@ -306,6 +306,8 @@ class _TcpLink(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # (uvloop's transports subclass no asyncio class)
+        # A few copy chunks in flight each way before the other side is paused, not one chunk's fraction.
+        self.transport.set_write_buffer_limits(high=_RELAY_BUFFER)
         sock = transport.get_extra_info("socket")
         if sock is not None:  # a launch + sync is a small frame each way: never held back by Nagle
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -380,6 +382,7 @@ class _WorkerEnd(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.link.worker = cast(asyncio.Transport, transport)
+        self.link.worker.set_write_buffer_limits(high=_RELAY_BUFFER)
         self.link.transport.pause_reading()  # until relay() has sent what came after the hello
 
     def data_received(self, data: bytes) -> None:
