@@ -1,4 +1,4 @@
-"""Same-host copies through shared memory: correctness against numpy and the gRPC streams, and the side channel's
+"""Same-host copies through shared memory: correctness against numpy and Write/Read commands, and the side channel's
 authentication, isolation, limits and cleanup."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from gpubroker.client import (
     Unauthenticated,
     connect,
 )
+from gpubroker.client._protocol import Read, Write
 from gpubroker.client._shm import STAGING_BYTES, SideChannel, create_segment_fd
 
 from ..conftest import worker_pids
@@ -75,7 +76,7 @@ def test_shared_and_streamed_copies_match_numpy(gpu: RemoteGpu, size: int, host:
     out = (gpu.host_array(size + 3) if host == "host_array" else np.zeros(size + 3, dtype=np.uint8))[2:2 + size]
     gpu.copy_d2h(view, out, offset=17)
     np.testing.assert_array_equal(out, data)
-    # Cross-check on the same session: what shared memory wrote, the gRPC streams read back, and vice versa.
+    # Cross-check on the same session: what shared memory wrote, Read commands read back, and vice versa.
     with monkeypatch.context() as m:
         _streams_only(gpu, m)
         streamed = np.zeros(size, dtype=np.uint8)
@@ -113,11 +114,13 @@ def test_staging_path_for_plain_arrays_larger_than_the_staging_segment(broker: B
         real = g._shm._copy_shared
         monkeypatch.setattr(g._shm, "_copy_shared", lambda *a: (calls.append(a[4]), real(*a))[1])
 
-        def no_streams(*_a: object, **_k: object) -> None:
-            raise AssertionError("copied over the gRPC streams")
+        submit = g.transport.submit
 
-        monkeypatch.setattr(g._stub, "CopyHostToDevice", no_streams)
-        monkeypatch.setattr(g._stub, "CopyDeviceToHost", no_streams)
+        def no_socket_copies(command: object, *a: object, **k: object) -> int:
+            assert not isinstance(command, (Write, Read)), "copied through the transport's socket"
+            return submit(command, *a, **k)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(g.transport, "submit", no_socket_copies)
         buf = g.allocate_memory(size)
         g.copy_h2d(data, buf)
         out = np.zeros(size, dtype=np.uint8)
