@@ -21,7 +21,6 @@ from ._protocol import (
     BufferArg,
     Command,
     CopyD2D,
-    CopyShared,
     CreateStream,
     DestroyStream,
     Free,
@@ -93,7 +92,7 @@ class RemoteGpu:
         self._vsock = vsock
         self._transport: Transport | None = None
         # Same host (a unix: target with the broker's "<socket>.shm"): copies go through shared memory.
-        self._shm = SharedMemory(target, token, lambda: self._session, self._copy_shared,
+        self._shm = SharedMemory(target, token, lambda: self._session, lambda: self.transport,
                                  timeout) if shared_memory else None
         self.async_commands = async_commands
         self.timeout = timeout
@@ -141,10 +140,6 @@ class RemoteGpu:
         """Wait for every queued command (its error stays kept for the next synchronize)."""
         if self._transport is not None:
             self._transport.wait(raise_error=False)
-
-    def _copy_shared(self, segment: str, segment_offset: int, buf: Buffer, offset: int, size: int,
-                     to_device: bool, stream: str) -> None:
-        self.transport.call(CopyShared(segment, segment_offset, _ref(buf), offset, size, to_device, stream))
 
     def _heartbeat_loop(self) -> None:
         interval = max(0.05, self.lease_seconds / 3)

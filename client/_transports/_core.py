@@ -43,6 +43,10 @@ class Transport(Protocol):
 
     def flush(self) -> None: ...
 
+    def wait_for(self, seq: int) -> None:
+        """Until command ``seq`` is acknowledged (a pipeline reusing what an earlier command used)."""
+        ...
+
     def wait(self, raise_error: bool = True) -> None:
         """Flush and read every ack; then raise the first kept error (naming its command) if asked."""
         ...
@@ -165,6 +169,15 @@ class BatchingTransport:
     def flush(self) -> None:
         with self._lock:
             self._flush()
+
+    def wait_for(self, seq: int) -> None:
+        """Flush and read acks until command ``seq``'s batch is acknowledged (its result delivered); errors stay
+        kept for the next sync."""
+        with self._lock:
+            if self._pending and seq > self._seq - len(self._pending):
+                self._flush()
+            while self._unacked and self._unacked[0].first <= seq:
+                self._read_ack()
 
     def wait(self, raise_error: bool = True) -> None:
         with self._lock:

@@ -28,8 +28,8 @@ from gpubroker.client import (
     Unauthenticated,
     connect,
 )
-from gpubroker.client._protocol import Read, Write
-from gpubroker.client._shm import STAGING_BYTES, SideChannel, create_segment_fd
+from gpubroker.client._protocol import CopyShared, Read, Write
+from gpubroker.client._shm import STAGING_BYTES, STAGING_SLOTS, SideChannel, create_segment_fd
 
 from ..conftest import worker_pids
 from ..helpers import wait_for
@@ -109,26 +109,27 @@ def test_staging_path_for_plain_arrays_larger_than_the_staging_segment(broker: B
     size = STAGING_BYTES + 12345
     data = _bytes(size, 7)
     with connect(broker.target, token=broker.tokens["alice"]) as g:
-        assert g._shm is not None
-        calls: list[int] = []
-        real = g._shm._copy_shared
-        monkeypatch.setattr(g._shm, "_copy_shared", lambda *a: (calls.append(a[4]), real(*a))[1])
-
+        pieces: list[tuple[int, int, bool]] = []  # (slot offset, size, to_device) of each staged CopyShared
         submit = g.transport.submit
 
-        def no_socket_copies(command: object, *a: object, **k: object) -> int:
+        def staged_only(command: object, *a: object, **k: object) -> int:
             assert not isinstance(command, (Write, Read)), "copied through the transport's socket"
+            if isinstance(command, CopyShared):
+                pieces.append((command.segment_offset, command.size, command.to_device))
             return submit(command, *a, **k)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(g.transport, "submit", no_socket_copies)
+        monkeypatch.setattr(g.transport, "submit", staged_only)
         buf = g.allocate_memory(size)
         g.copy_h2d(data, buf)
         out = np.zeros(size, dtype=np.uint8)
         g.copy_d2h(buf, out)
         np.testing.assert_array_equal(out, data)
-        assert calls == [STAGING_BYTES, 12345, STAGING_BYTES, 12345]
+        slot = STAGING_BYTES // STAGING_SLOTS
+        expected = [(i * slot, slot) for i in range(STAGING_SLOTS)] + [(0, 12345)]  # the slots in turn, then again
+        assert pieces == [(*p, True) for p in expected] + [(*p, False) for p in expected]
         with pytest.raises(OutOfRange):  # refused before any piece moves
             g.copy_h2d(data, buf, offset=1)
+        assert len(pieces) == 2 * len(expected)
 
 
 def test_falls_back_to_streams_without_a_side_channel(broker: BrokerProcess) -> None:
