@@ -5,9 +5,12 @@ module only: what a client of any language would do."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import ssl
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -35,7 +38,9 @@ from gpubroker.client._protocol import (
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
-TENANTS = [TenantSpec("alice", memory_quota=1 << 20), TenantSpec("bob")]
+from ..helpers import wait_for
+
+TENANTS = [TenantSpec("alice", memory_quota=1 << 20), TenantSpec("bob"), TenantSpec("carol")]
 HELLO_TIMEOUT = 1.0
 _HEADER = struct.Struct("!I")
 
@@ -126,15 +131,28 @@ def test_an_oversize_hello_is_refused_before_its_body_is_read(broker: BrokerProc
         assert sock.recv(1) == b""
 
 
-def test_the_tls_link_carries_batches_to_the_worker(broker: BrokerProcess, certs: dict[str, CertPaths]) -> None:
+def _link(broker: BrokerProcess, certs: dict[str, CertPaths], transport: str) -> socket.socket:
+    """A link to the broker: the same-host ``<socket>.fast`` (handed to the worker whole) or TLS (relayed)."""
+    if transport == "tls":
+        return _tls(broker, certs, "alice")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(broker.target.removeprefix("unix:") + ".fast")
+    return sock
+
+
+@pytest.mark.parametrize("transport", ["unix", "tls"])
+def test_the_link_carries_batches_to_the_worker(broker: BrokerProcess, certs: dict[str, CertPaths],
+                                                transport: str) -> None:
     channel, session, port = _open_session(broker, certs)
     with channel:
         assert port == broker.link_port
         with _tls(broker, certs, "stranger") as sock:  # bob's token: not bob's session
             _, status, error = _hello(sock, broker.tokens["bob"], session)
             assert status == 1 and error["code"] == "NOT_FOUND"
-        with _tls(broker, certs, "alice") as sock:
-            _, status, reply = _hello(sock, "", session)  # the certificate authenticates; no token
+        with _link(broker, certs, transport) as sock:
+            # Over TLS alice's certificate authenticates her (no token); on the Unix socket her token does.
+            _, status, reply = _hello(sock, "" if transport == "tls" else broker.tokens["alice"], session)
             assert status == 0 and reply["link"] == 1 and reply["max_frame"] > 0
             buf = new_handle("buf")
             data = np.arange(1024, dtype=np.float32).tobytes()
@@ -152,6 +170,25 @@ def test_the_tls_link_carries_batches_to_the_worker(broker: BrokerProcess, certs
             assert decode_ack(_recv(sock)).done == 1
 
 
+def test_grpc_commands_run_encoded_batches_as_they_are(broker: BrokerProcess, certs: dict[str, CertPaths]) -> None:
+    channel, session, _ = _open_session(broker, certs)
+    with channel:
+        buf = new_handle("buf")
+        batches = [Batch(1, 0, [Allocate(buf, 64), Memset((buf, 0), 7, -1), Read((buf, 8), 0, 8)]),
+                   Batch(2, 3, [Read((buf, 0), 60, 8)]),  # past the end: the worker's error, in the ack
+                   Batch(3, 4, [Free(buf)])]
+        requests = [pb.CommandBatch(session=session if b.id == 1 else "", batch=b.id, encoded=encode(b))
+                    for b in batches]
+        acks = [decode_ack(a.encoded) for a in pb_grpc.GpuBrokerStub(channel).Commands(iter(requests), timeout=30)]
+        assert [(a.id, a.done) for a in acks] == [(1, 3), (2, 0), (3, 1)]
+        assert acks[0].result == bytes([7] * 8) and acks[0].error is None
+        assert acks[1].error is not None and acks[1].error.seq == 3 and acks[1].error.code == "OUT_OF_RANGE"
+        with pytest.raises(grpc.RpcError) as info:  # bytes that are no batch: the sender's error
+            list(pb_grpc.GpuBrokerStub(channel).Commands(
+                iter([pb.CommandBatch(session=session, batch=1, encoded=b"\x93\x01")]), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_an_over_quota_allocation_through_grpc_names_the_quota(broker: BrokerProcess,
                                                                certs: dict[str, CertPaths]) -> None:
     channel, session, _ = _open_session(broker, certs)
@@ -165,3 +202,31 @@ def test_an_over_quota_allocation_through_grpc_names_the_quota(broker: BrokerPro
         stub.Free(pb.FreeRequest(session=session, buffer=kept.handle), timeout=30)
         stub.Free(pb.FreeRequest(session=session, buffer=stub.Allocate(
             pb.AllocateRequest(session=session, size=1 << 20), timeout=30).handle), timeout=30)
+
+
+def test_a_rotated_token_closes_its_links(broker: BrokerProcess, certs: dict[str, CertPaths]) -> None:
+    token = broker.tokens["carol"]
+    local = grpc.composite_channel_credentials(grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
+                                               grpc.access_token_call_credentials(token))
+    with grpc.secure_channel(broker.target, local) as channel:
+        session = pb_grpc.GpuBrokerStub(channel).OpenSession(pb.OpenSessionRequest(device=0), timeout=60).session
+        with _tls(broker, certs, "stranger") as sock:  # a certificate naming no tenant: the token decides
+            _, status, _ = _hello(sock, token, session)
+            assert status == 0
+            _send(sock, encode(Batch(1, 0, [Synchronize()])))
+            assert decode_ack(_recv(sock)).done == 1
+            subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", "tenant", "rotate-token", "carol",
+                            "--config", str(broker.config_path)], check=True, capture_output=True)
+            assert broker.process is not None
+            broker.process.send_signal(signal.SIGHUP)  # the reload revokes the old token's channels
+            sock.settimeout(0.1)
+
+            def closed() -> bool:
+                try:
+                    return sock.recv(1) == b""
+                except TimeoutError:
+                    return False
+                except OSError:
+                    return True
+
+            wait_for(closed, 10, "the rotated token's link to be closed")
