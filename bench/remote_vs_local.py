@@ -47,6 +47,7 @@ from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import GpuCompute, RemoteGpu, TlsOptions, connect
 
 from ._native import SPIN_BLOCK, Native, open_native
+from ._net import free_port
 
 __all__ = ["Plan", "main", "summarize"]
 
@@ -347,12 +348,6 @@ def _calibrate(native: Native, seconds: float, steps: int) -> tuple[int, float]:
     return iters, native.spin_chain(iters, steps, 0) / steps
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def measure(backend: str, quick: bool, runs: int, device: int = 0,
             progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     plan = Plan.make(backend, quick)
@@ -365,7 +360,7 @@ def measure(backend: str, quick: bool, runs: int, device: int = 0,
         with tempfile.TemporaryDirectory(prefix="gpb-bench-") as certs:
             _, server = init_certs(certs)
             settings = {"tls": TlsConfig(cert_file=str(server.cert), key_file=str(server.key)),
-                        "link_listen": f"127.0.0.1:{_free_port()}"}
+                        "link_listen": f"127.0.0.1:{free_port()}"}
             with BrokerProcess([TenantSpec("bench", memory_quota=1 << 40)], backend=backend,
                                tcp=["127.0.0.1:0"], settings=settings) as broker:
                 setup = _Setup(backend, plan, small_iters, large_iters, broker,
