@@ -42,9 +42,9 @@ def _duration(seconds: float) -> str:
 def _sessions_table(sessions: Sequence[Any]) -> str:
     if not sessions:
         return "(no sessions)"
-    return table(["session", "tenant", "dev", "idle s", "memory", "handles", "worker", "lost"],
-                 [[s.session, s.tenant, s.device, f"{s.idle_seconds:.1f}", s.memory_used, s.handles,
-                   s.worker_pid or "", s.lost] for s in sessions], right=(2, 3, 4, 5, 6))
+    return table(["session", "tenant", "dev", "idle s", "memory", "worker", "lost"],
+                 [[s.session, s.tenant, s.device, f"{s.idle_seconds:.1f}", s.memory_used,
+                   s.worker_pid or "", s.lost] for s in sessions], right=(2, 3, 4, 5))
 
 
 def _usage_table(resp: Any) -> str:

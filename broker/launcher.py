@@ -50,6 +50,7 @@ class BrokerProcess:
     process: subprocess.Popen[bytes] | None = None
     ports: list[str] = field(default_factory=list)  # the bound addresses, from the ready file
     metrics: str = ""  # the metrics endpoint's bound host:port, from the ready file (with metrics_listen set)
+    link_port: int = 0  # the TCP link's bound port (with link_listen set), from the ready file
 
     @property
     def tcp_target(self) -> str:
@@ -114,6 +115,7 @@ class BrokerProcess:
         announced = json.loads(ready.read_text())
         self.ports = list(announced["ports"])
         self.metrics = str(announced.get("metrics", ""))
+        self.link_port = int(announced.get("link_port", 0))
         return self
 
     def log_tail(self, n: int = 4000) -> str:

@@ -1,4 +1,9 @@
-"""Sessions: a tenant's use of one device, with opaque handles scoped to it and a lease."""
+"""Sessions: a tenant's use of one device, with a lease.
+
+The session's handles (buffers, streams, modules, kernels, segments) are named by its client and resolved by its
+worker alone (client/_protocol.py): the front keeps no handle table. It keeps what it accounts: a mirror of
+each (tenant, device)'s memory use as the worker reports it, and the host memory mapped through the side channel.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from typing import Protocol
 
 from gpubroker.client import (
     DeviceInfo,
+    GpuBrokerError,
     NotFound,
     ResourceExhausted,
     Unavailable,
@@ -22,21 +28,9 @@ from .config import BrokerConfig
 from .placement import DeviceLoad, NoServingDevice, choose_device
 from .workers import WorkerClient, WorkerPool
 
-__all__ = ["Admission", "HandleEntry", "Session", "SessionManager"]
+__all__ = ["Admission", "Session", "SessionManager"]
 
 log = logging.getLogger("gpubroker.sessions")
-
-_PREFIX = {"buf": "buf", "module": "mod", "kernel": "krn", "stream": "str", "segment": "seg"}
-
-
-@dataclass
-class HandleEntry:
-    kind: str
-    backend: str  # the worker's own handle, never shown to clients
-    size: int = 0
-    name: str = ""
-    pins: int = 0  # copies to or from another device under way (CopyPeer): not to be freed meanwhile
-
 
 @dataclass
 class Session:
@@ -46,12 +40,16 @@ class Session:
     worker: WorkerClient
     lease_seconds: float
     last_seen: float = field(default_factory=time.monotonic)
-    handles: dict[str, HandleEntry] = field(default_factory=dict)
-    memory_used: int = 0
+    memory_used: int = 0  # as the worker last reported it (usage)
     lost: str | None = None  # why the session's device state is gone
-    max_handles: int = 4096
     inflight: int = 0
     shared_bytes: int = 0  # host memory mapped for this session through the shared-memory side channel
+    # The sizes of the segments the front registered for it, to uncount each at its release (not a handle
+    # table: the worker resolves them; these are the side channel's accounting).
+    segments: dict[str, int] = field(default_factory=dict)
+    # Buffers that copies to or from another device (CopyPeer) use now, by handle: a Free through the front is
+    # refused before it unmaps them elsewhere (the worker pins them too, for every path).
+    peer_pins: dict[str, int] = field(default_factory=dict)
     tenant_inflight: dict[str, int] = field(default_factory=dict)
     # Copies to or from another device under way (CopyPeer): closing waits for them, as another process may be
     # reading this session's memory.
@@ -79,27 +77,6 @@ class Session:
             raise self.worker.death_error() if self.worker.death is not None else WorkerCrashed(self.lost)
         return self.worker
 
-    def check_room(self) -> None:
-        """Called before the worker creates an object, so a refused handle leaks nothing."""
-        if len(self.handles) >= self.max_handles:
-            raise ResourceExhausted(f"this session already holds {len(self.handles)} handles, the limit; free some")
-
-    @staticmethod
-    def new_handle(kind: str) -> str:
-        """A fresh client handle, made before the worker creates the object so the worker can learn it too."""
-        return f"{_PREFIX[kind]}_{secrets.token_urlsafe(16)}"
-
-    def add(self, kind: str, backend: str, size: int = 0, name: str = "", handle: str | None = None) -> str:
-        handle = handle or self.new_handle(kind)
-        self.handles[handle] = HandleEntry(kind, backend, size, name)
-        return handle
-
-    def resolve(self, handle: str, kind: str) -> HandleEntry:
-        entry = self.handles.get(handle)
-        if entry is None or entry.kind != kind:
-            # Same answer for a foreign, freed or invented handle: nothing to learn by guessing.
-            raise NotFound(f"no {kind} {handle!r} in this session")
-        return entry
 
 
 class Admission(Protocol):
@@ -115,7 +92,7 @@ class Admission(Protocol):
 
 
 class SessionManager:
-    """Opens, finds, expires and closes sessions; keeps per-tenant memory accounting."""
+    """Opens, finds, expires and closes sessions; mirrors each (tenant, device)'s memory use."""
 
     def __init__(self, config: BrokerConfig, pool: WorkerPool, admission: Admission | None = None,
                  devices: Sequence[DeviceInfo] = ()) -> None:
@@ -127,6 +104,8 @@ class SessionManager:
         self.opening: dict[int, int] = {}  # sessions being opened (worker starting) per device, for placement
         # Called as a session ends, before its worker frees its memory (CopyPeer's caches let go of it there).
         self.closing_hooks: list[Callable[[Session], Awaitable[None]]] = []
+        # What each tenant's worker on each device reports it uses, clamped to [0, quota]: placement, views,
+        # metrics and admin read it; the worker enforces the quota itself.
         self.memory_used: dict[tuple[str, int], int] = {}
         # Host memory each tenant maps through the shared-memory side channel, until its worker has unmapped it.
         self.shared_used: dict[str, int] = {}
@@ -137,6 +116,8 @@ class SessionManager:
         # Calls in flight per tenant across its sessions; each Session shares this dict to release its slot.
         self.inflight: dict[str, int] = {}
         self._reaper: asyncio.Task[None] | None = None
+        pool.limits = self.limits
+        pool.on_memory = self.mirror
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -175,8 +156,7 @@ class SessionManager:
             self.opening[device] -= 1
         self._check_admission(device)  # a drain may have begun while the worker started
         session = Session(id=f"ses_{secrets.token_urlsafe(18)}", tenant=tenant, device=device, worker=worker,
-                          lease_seconds=self.config.lease_seconds, max_handles=self.config.max_handles_per_session,
-                          tenant_inflight=self.inflight)
+                          lease_seconds=self.config.lease_seconds, tenant_inflight=self.inflight)
         self.sessions[session.id] = session
         self.idle.clear()
         log.info("session %s opened for tenant %s on device %d", session.id, tenant, device)
@@ -223,11 +203,11 @@ class SessionManager:
             if session.lost is None:
                 try:
                     await session.worker.call("close_session", session.id)
+                    await self.refresh_usage(session.worker)  # what the session held is free again
                 except WorkerCrashed:
                     pass
-            self.release(session, session.memory_used)
             self.release_shared(session, session.shared_bytes)  # the worker's close_session unmapped them
-            session.handles.clear()
+            session.segments.clear()
             log.info("session %s of tenant %s %s", session.id, session.tenant, reason)
         finally:
             if not self.sessions:
@@ -247,9 +227,11 @@ class SessionManager:
         for session in self.sessions.values():
             if session.worker is worker and session.lost is None:
                 session.lost = worker.death or "the worker stopped"
-                self.release(session, session.memory_used)
-                session.handles.clear()
+                session.memory_used = 0
+                session.segments.clear()
                 self.release_shared(session, session.shared_bytes)  # the worker's mappings died with it
+        if self.pool.live(worker.tenant, worker.device) is None:  # its device memory went with it
+            self.memory_used.pop((worker.tenant, worker.device), None)
 
     async def _reap_loop(self) -> None:
         interval = max(0.05, min(1.0, self.config.lease_seconds / 4))
@@ -270,23 +252,35 @@ class SessionManager:
             return 0
         return t.memory_quota if device is None else t.quota_on(device)
 
-    def reserve(self, session: Session, size: int) -> None:
-        """Reserve before allocating so concurrent allocations can never overshoot the quota."""
-        key = (session.tenant, session.device)
-        used = self.memory_used.get(key, 0)
-        quota = self.quota(session.tenant, session.device)
-        if used + size > quota:
-            raise ResourceExhausted(
-                f"memory quota exceeded for tenant {session.tenant!r} on device {session.device}: quota {quota} "
-                f"bytes, used {used}, requested {size}", quota=quota, used=used, requested=size,
-                device=session.device)
-        self.memory_used[key] = used + size
-        session.memory_used += size
+    def limits(self, tenant: str, device: int) -> dict[str, int]:
+        """What the worker of (tenant, device) enforces (``set_limits``): its memory quota, per-session handles
+        and streams."""
+        return {"memory_quota": self.quota(tenant, device), "max_handles": self.config.max_handles_per_session,
+                "max_streams": self.config.max_streams_per_session}
 
-    def release(self, session: Session, size: int) -> None:
-        key = (session.tenant, session.device)
-        self.memory_used[key] = max(0, self.memory_used.get(key, 0) - size)
-        session.memory_used = max(0, session.memory_used - size)
+    def mirror(self, worker: WorkerClient, used: int) -> None:
+        """A worker's report of its memory use (checked >= 0 by WorkerClient), clamped to its tenant's quota:
+        a worker may say anything, but its tenant's views and the placement of others stay bounded."""
+        if self.pool.live(worker.tenant, worker.device) is not worker:
+            return  # a dead or replaced worker's late report
+        self.memory_used[(worker.tenant, worker.device)] = min(used, self.quota(worker.tenant, worker.device))
+
+    async def refresh_all(self) -> None:
+        """Fresh figures from every live worker that has sessions (admin views)."""
+        workers = {id(s.worker): s.worker for s in self.sessions.values() if s.lost is None and s.worker.alive}
+        await asyncio.gather(*(self.refresh_usage(w) for w in workers.values()))
+
+    async def refresh_usage(self, worker: WorkerClient) -> None:
+        """Ask the worker what it uses now, in all and per session (``usage``)."""
+        try:
+            usage = await worker.call("usage", "")  # (checked: counts >= 0, session ids short strings)
+        except GpuBrokerError:
+            return
+        worker.memory_reported(usage["memory_used"])
+        for session in self.sessions.values():
+            if session.worker is worker:
+                session.memory_used = min(usage["sessions"].get(session.id, 0),
+                                          self.quota(session.tenant, session.device))
 
     def used(self, tenant: str, device: int) -> int:
         return self.memory_used.get((tenant, device), 0)

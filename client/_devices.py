@@ -65,6 +65,6 @@ def copy_peer(src_gpu: RemoteGpu, src: Buffer, dst_gpu: RemoteGpu, dst: Buffer, 
         raise InvalidArgument(f"size must be an int, got {type(size).__name__}")
     request = pb.CopyPeerRequest(src_session=src_gpu.session, src=_ref(src, "src"), src_offset=src_offset,
                                  dst_session=dst_gpu.session, dst=_ref(dst, "dst"), dst_offset=dst_offset, size=size)
-    dst_gpu._before_host_copy()  # program order in both sessions: what each queued runs first
-    src_gpu._before_host_copy()
+    dst_gpu._drain()  # program order in both sessions: what each queued runs first
+    src_gpu._drain()
     return str(src_gpu._call("CopyPeer", request).path)

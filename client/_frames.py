@@ -1,4 +1,4 @@
-"""Length-prefixed msgpack frames on local sockets: front <-> worker, and the client's fast path."""
+"""Length-prefixed msgpack frames on local sockets: front <-> worker, and the client's links."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Any
 import msgpack
 
 __all__ = ["FRAME_HEADER", "MAX_FRAME", "FrameClosed", "FrameRefused", "FrameTooLarge", "pack_frame",
-           "read_frame_async", "read_payload_async", "recv_frame", "send_frame", "unpack_frame", "write_frame_async"]
+           "read_frame_async", "read_payload_async", "recv_frame", "recv_payload", "send_frame", "send_payload",
+           "unpack_frame", "write_frame_async"]
 
 FRAME_HEADER = _HEADER = struct.Struct("!I")  # each frame: its payload's length, then the msgpack payload
 # A chunk of copy data plus its envelope; larger frames mean a bug or a hostile peer.
@@ -49,7 +50,11 @@ def pack_frame(obj: Any) -> bytes:
 
 
 def send_frame(sock: socket.socket, obj: Any) -> None:
-    payload = msgpack.packb(obj, use_bin_type=True)
+    send_payload(sock, msgpack.packb(obj, use_bin_type=True))
+
+
+def send_payload(sock: socket.socket, payload: bytes) -> None:
+    """One frame whose payload is already encoded (a protocol Batch or Ack)."""
     if len(payload) <= _JOIN_MAX:
         sock.sendall(_HEADER.pack(len(payload)) + payload)
         return
@@ -73,10 +78,15 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
 
 
 def recv_frame(sock: socket.socket) -> Any:
+    return unpack_frame(recv_payload(sock, MAX_FRAME))
+
+
+def recv_payload(sock: socket.socket, limit: int) -> bytearray:
+    """One frame's payload, still encoded; FrameTooLarge (before a byte of it is read) if it exceeds ``limit``."""
     (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if length > MAX_FRAME:
-        raise FrameTooLarge(length, MAX_FRAME)
-    return unpack_frame(_recv_exact(sock, length))
+    if length > limit:
+        raise FrameTooLarge(length, limit)
+    return _recv_exact(sock, length)
 
 
 async def read_payload_async(reader: asyncio.StreamReader, limit: int) -> bytes:

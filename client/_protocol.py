@@ -30,6 +30,7 @@ __all__ = [
     "BufferArg",
     "BufRef",
     "Command",
+    "COMMANDS",
     "CommandError",
     "CopyD2D",
     "CopyShared",

@@ -1,10 +1,11 @@
-"""Same-host fast path: host memory shared with the tenant's worker through memfd segments.
+"""Same host: host memory shared with the tenant's worker through memfd segments.
 
 gRPC cannot carry file descriptors, so next to its Unix socket ``PATH`` the broker listens on ``PATH.shm``. A
-client sends one length-prefixed msgpack frame ``{"session", "token", "size"}`` with a sealed memfd attached
-(SCM_RIGHTS); the broker maps it into the tenant's worker and answers ``{"segment": handle}`` (or ``{"error":
-{code, message}}``). ``CopyShared`` then moves bytes between that mapping and device memory: no copy data
-travels through gRPC at all. ``{"session", "token", "release": handle}`` unmaps a segment early; otherwise it
+client sends one length-prefixed msgpack frame ``{"session", "token", "size", "handle"}`` (the segment's handle,
+chosen by the client as every handle is) with a sealed memfd attached (SCM_RIGHTS); the broker maps it into the
+tenant's worker and answers ``{"segment": handle}`` (or ``{"error": {code, message}}``). A ``CopyShared`` command
+then moves bytes between that mapping and device memory: no copy data travels through a socket at all.
+``{"session", "token", "release": handle}`` unmaps a segment early; otherwise it
 lives as long as its session.
 """
 
@@ -24,14 +25,15 @@ from typing import Any
 import numpy as np
 
 from ._errors import DeadlineExceeded, FailedPrecondition, GpuBrokerError, InvalidArgument, Unavailable, error_from_wire
-from ._fast import peer_hung_up
 from ._frames import FRAME_HEADER, pack_frame, unpack_frame
 from ._host import check_device_range
+from ._protocol import new_handle
+from ._transports import peer_hung_up
 from ._types import Buffer
 
 try:
     import fcntl
-except ImportError:  # not a Unix: no shared memory, copies use the gRPC streams
+except ImportError:  # not a Unix: no shared memory, copies go as Write and Read commands
     fcntl = None  # type: ignore[assignment]  # the module or None, tested before use
 
 __all__ = ["FRAME_HEADER", "MAX_FRAME", "SEGMENT_SEALS", "STAGING_BYTES", "SUPPORTED", "SharedMemory", "SideChannel",
@@ -43,7 +45,7 @@ log = logging.getLogger("gpubroker.client")
 MAX_FRAME = 64 * 1024
 # The per-session bounce buffer for host memory that is not a host_array (copied in pieces of this size).
 STAGING_BYTES = 64 * 1024 * 1024
-# memfds and their seals are Linux's; elsewhere the fast path is off and copies use the gRPC streams.
+# memfds and their seals are Linux's; elsewhere the fast path is off and copies go as Write and Read commands.
 SUPPORTED = hasattr(os, "memfd_create") and hasattr(fcntl, "F_SEAL_SHRINK") and hasattr(socket, "send_fds")
 # The broker refuses a segment that could shrink under the worker's mapping (touching it would SIGBUS).
 SEGMENT_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if SUPPORTED else 0
@@ -77,9 +79,14 @@ class SideChannel:
             raise
         self._lock = threading.Lock()
 
-    def register(self, session: str, fd: int, size: int) -> str:
-        """Hand ``fd`` (``size`` bytes) to the session's worker; returns the segment handle for CopyShared."""
-        return str(self.request({"session": session, "token": self.token, "size": size}, [fd])["segment"])
+    def register(self, session: str, fd: int, size: int, handle: str | None = None) -> str:
+        """Hand ``fd`` (``size`` bytes) to the session's worker as ``handle`` (a new one by default); returns the
+        segment's handle for CopyShared."""
+        handle = handle or new_handle("segment")
+        reply = self.request({"session": session, "token": self.token, "size": size, "handle": handle}, [fd])
+        if reply.get("segment", handle) != handle:
+            raise Unavailable(f"the broker registered segment {reply.get('segment')!r} as asked for {handle!r}")
+        return handle
 
     def release(self, session: str, segment: str) -> None:
         self.request({"session": session, "token": self.token, "release": segment})
@@ -139,21 +146,22 @@ def _address(view: memoryview) -> int:
 
 
 class SharedMemory:
-    """The client side of the fast path for one RemoteGpu session: host arrays, staging, CopyShared calls.
+    """The client side of shared memory for one RemoteGpu session: host arrays, staging, CopyShared commands.
 
-    ``call(method, request)`` is the RemoteGpu's unary call; ``session()`` its session id. Everything falls back
-    (``copy`` returns False) when the target is not a Unix socket or the broker has no side channel.
+    ``copy_shared(segment, segment_offset, buf, offset, size, to_device, stream)`` runs one CopyShared command
+    through the RemoteGpu's transport; ``session()`` is its session id. Everything falls back (``copy`` returns
+    False) when the target is not a Unix socket or the broker has no side channel.
     """
 
     def __init__(self, target: str, token: str | None, session: Callable[[], str],
-                 call: Callable[[str, Any], Any], timeout: float | None = 30.0,
+                 copy_shared: Callable[[str, int, Buffer, int, int, bool, str], None], timeout: float | None = 30.0,
                  staging_bytes: int = STAGING_BYTES) -> None:
         path = target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
         self.path = path + ".shm" if target.startswith("unix:") and token and SUPPORTED else None
         self.staging_bytes = staging_bytes
         self._token = token or ""
         self._session = session
-        self._call = call
+        self._copy_shared = copy_shared
         self._timeout = timeout
         self._channel: SideChannel | None = None
         self._off = self.path is None  # once off (no side channel there), stays off for this session
@@ -166,7 +174,7 @@ class SharedMemory:
 
     # -- the side channel ----------------------------------------------------------------------------
     def channel(self) -> SideChannel | None:
-        """The connected side channel, or None when there is none (then every copy uses gRPC streams)."""
+        """The connected side channel, or None when there is none (then copies go as Write and Read commands)."""
         if self._off:
             return None
         with self._connect_lock:
@@ -177,7 +185,7 @@ class SharedMemory:
                 try:
                     self._channel = SideChannel(self.path, self._token, self._timeout)
                 except OSError as exc:
-                    log.debug("no shared-memory side channel at %s (%s); using gRPC streams", self.path, exc)
+                    log.debug("no shared-memory side channel at %s (%s); copies go as commands", self.path, exc)
                     self._off = True
             return self._channel
 
@@ -236,14 +244,14 @@ class SharedMemory:
             try:
                 self._staging = self._register(self.staging_bytes)
             except (GpuBrokerError, OSError) as exc:
-                # Over the broker's per-session limit, say: the gRPC streams still work.
-                log.debug("no staging segment (%s); using gRPC streams", exc)
+                # Over the broker's per-session limit, say: Write and Read commands still work.
+                log.debug("no staging segment (%s); copies go as commands", exc)
                 self._staging_failed = True
         return self._staging
 
     # -- copies --------------------------------------------------------------------------------------
     def copy(self, host: memoryview, buf: Buffer, offset: int, stream: str, to_device: bool) -> bool:
-        """Copy between ``host`` and ``buf`` through shared memory; False: not possible, use the gRPC streams."""
+        """Copy between ``host`` and ``buf`` through shared memory; False: not possible (Write and Read it)."""
         size = host.nbytes
         if size == 0 or self._off or not isinstance(buf, Buffer) or self.channel() is None:
             return False  # (an empty copy still goes to the broker, which checks its handles)
@@ -268,15 +276,6 @@ class SharedMemory:
                         self._copy_shared(handle, 0, buf, offset + start, n, False, stream)
                         host[start:start + n] = bounce[:n]
         return True
-
-    def _copy_shared(self, segment: str, segment_offset: int, buf: Buffer, offset: int, size: int,
-                     to_device: bool, stream: str) -> None:
-        from gpubroker.v1 import broker_pb2 as pb  # grpc stubs only once a copy really goes this way
-
-        self._call("CopyShared", pb.CopySharedRequest(
-            session=self._session(), segment=segment, segment_offset=segment_offset,
-            buffer=pb.BufferRef(handle=buf.handle, offset=buf.offset), offset=offset, size=size,
-            to_device=to_device, stream=stream))
 
     def close(self) -> None:
         """Drop the channel and the staging buffer; host arrays stay valid host memory (their session ends)."""

@@ -189,6 +189,12 @@ def _check_broker(where: _Where, s: BrokerSettings) -> None:
         except ValueError as exc:
             raise where.error("metrics_listen", str(exc)) from None
     s.metrics_listen = s.metrics_listen.strip()
+    if s.link_listen.strip():
+        try:
+            split_host_port(s.link_listen)
+        except ValueError as exc:
+            raise where.error("link_listen", str(exc)) from None
+    s.link_listen = s.link_listen.strip()
     for address in s.listen:
         if not address.strip():
             raise where.error("listen", "an address is empty (expected unix:PATH or HOST:PORT)")

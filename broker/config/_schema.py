@@ -160,6 +160,13 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "start)."))] = False
     vsock_port: Annotated[int, Meta(ge=0, le=0xFFFFFFFF, description=(
         "Also accept VMs (vhost-vsock) on this AF_VSOCK port, relayed to the first unix listener; 0: off."))] = 0
+    link_listen: Annotated[str, Meta(description=(
+        "Serve the framed command link (client <-> worker, authenticated by the front) over TCP on HOST:PORT, "
+        "with the TCP listeners' TLS / mTLS ([tls]); without [tls] only on loopback (or insecure = true); empty: "
+        "off."))] = ""
+    link_vsock_port: Annotated[int, Meta(ge=0, le=0xFFFFFFFF, description=(
+        "Serve the framed command link to VM guests on this AF_VSOCK port (handed straight to the session's "
+        "worker after the front authenticates the hello); 0: off."))] = 0
     drain_grace_seconds: Annotated[float, Meta(ge=0, description=(
         "Draining (SIGTERM, or Admin Drain with a grace): how long running sessions may go on before they are "
         "ended."))] = 30.0

@@ -25,7 +25,7 @@ audit = logging.getLogger("gpubroker.audit")
 
 def _summary(s: Session, now: float) -> apb.SessionSummary:
     return apb.SessionSummary(session=s.id, tenant=s.tenant, device=s.device, idle_seconds=now - s.last_seen,
-                              memory_used=s.memory_used, handles=len(s.handles), lost=s.lost or "",
+                              memory_used=s.memory_used, lost=s.lost or "",
                               worker_pid=s.worker.pid or 0)
 
 
@@ -54,6 +54,7 @@ class AdminService(apb_grpc.AdminServicer):
     @rpc
     async def ListSessions(self, request: apb.ListSessionsRequest, context: Context) -> apb.ListSessionsResponse:
         self._admin(context, "ListSessions")
+        await self.sessions.refresh_all()
         now = time.monotonic()
         return apb.ListSessionsResponse(sessions=[
             _summary(s, now) for s in self.sessions.sessions.values()
@@ -65,6 +66,7 @@ class AdminService(apb_grpc.AdminServicer):
         session = self.sessions.sessions.get(request.session)
         if session is None:
             raise NotFound(f"no session {request.session!r}")
+        await self.sessions.refresh_all()
         freed = session.memory_used
         await self.sessions.close(session, reason=f"ended by admin {admin}")
         audit.info("admin=%s action=end-session session=%s tenant=%s peer=%s", admin, session.id, session.tenant,
@@ -96,6 +98,7 @@ class AdminService(apb_grpc.AdminServicer):
     @rpc
     async def Usage(self, request: apb.UsageRequest, context: Context) -> apb.UsageResponse:
         self._admin(context, "Usage")
+        await self.sessions.refresh_all()
         window = request.window_seconds or 10.0
         config = self.sessions.config
         rows = []
@@ -121,6 +124,7 @@ class AdminService(apb_grpc.AdminServicer):
     @rpc
     async def Status(self, request: apb.StatusRequest, context: Context) -> apb.StatusResponse:
         self._admin(context, "Status")
+        await self.sessions.refresh_all()
         sessions = list(self.sessions.sessions.values())
         health = self.health
         draining = self.sessions.draining or (health is not None and health.draining)

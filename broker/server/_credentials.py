@@ -1,9 +1,12 @@
-"""Credentials for the broker's TCP listeners: TLS (or mTLS) when configured, local credentials on loopback."""
+"""Credentials for the broker's TCP listeners: TLS (or mTLS) when configured, local credentials on loopback; the
+same for the TCP link listener (link_listen), as an ssl context."""
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import ssl
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -12,7 +15,7 @@ from gpubroker.client import FailedPrecondition
 
 from ..config import BrokerConfig
 
-__all__ = ["tcp_credentials"]
+__all__ = ["link_tls", "tcp_credentials"]
 
 log = logging.getLogger("gpubroker.server")
 
@@ -39,8 +42,7 @@ def _read_tls_file(cfg: BrokerConfig, key: str) -> bytes:
         raise FailedPrecondition(f"[tls] {key} {path}: {exc.strerror}") from None
 
 
-def tcp_credentials(cfg: BrokerConfig, address: str) -> grpc.ServerCredentials:
-    """TLS on every TCP listener when [tls] is set; else local credentials on loopback, plaintext only if insecure."""
+def _check_tls(cfg: BrokerConfig) -> None:
     tls = cfg.tls
     if tls is not None:
         if tls.require_client_cert and not tls.client_ca_file:
@@ -53,6 +55,13 @@ def tcp_credentials(cfg: BrokerConfig, address: str) -> grpc.ServerCredentials:
         if tls.client_ca_file and not tls.require_client_cert:
             log.warning("[tls] client_ca_file is set but require_client_cert is false: client certificates "
                         "are not requested, so TCP clients authenticate by token only")
+
+
+def tcp_credentials(cfg: BrokerConfig, address: str) -> grpc.ServerCredentials:
+    """TLS on every TCP listener when [tls] is set; else local credentials on loopback, plaintext only if insecure."""
+    tls = cfg.tls
+    if tls is not None:
+        _check_tls(cfg)
         client_ca = _read_tls_file(cfg, "client_ca_file") if tls.require_client_cert else None
         return grpc.ssl_server_credentials([(_read_tls_file(cfg, "key_file"), _read_tls_file(cfg, "cert_file"))],
                                            root_certificates=client_ca, require_client_auth=tls.require_client_cert)
@@ -63,3 +72,31 @@ def tcp_credentials(cfg: BrokerConfig, address: str) -> grpc.ServerCredentials:
         return grpc.insecure_server_credentials()
     raise FailedPrecondition(f"refusing plaintext TCP on non-loopback {address}: configure [tls] "
                              "(see `gpubroker certs init`) or pass --insecure")
+
+
+def link_tls(cfg: BrokerConfig, address: str) -> ssl.SSLContext | None:
+    """The TCP link's TLS: the gRPC listeners' certificate, key and (mTLS) client CA; None for plaintext, which
+    only loopback or ``insecure`` allows, as for gRPC."""
+    tls = cfg.tls
+    if tls is None:
+        if not _is_loopback(address.rsplit(":", 1)[0].strip("[]")):
+            if not cfg.insecure:
+                raise FailedPrecondition(f"refusing a plaintext link on non-loopback {address}: configure [tls] "
+                                         "or pass --insecure")
+            log.warning("plaintext link on %s (insecure = true): tokens travel in the clear; configure [tls]",
+                        address)
+        return None
+    _check_tls(cfg)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    # ssl loads a chain and key only from files: copies in a private temporary directory, removed at once.
+    with tempfile.TemporaryDirectory() as tmp:
+        cert_path, key_path = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
+        cert_path.write_bytes(_read_tls_file(cfg, "cert_file"))
+        key_path.touch(0o600)
+        key_path.write_bytes(_read_tls_file(cfg, "key_file"))
+        context.load_cert_chain(cert_path, key_path)
+    if tls.require_client_cert:
+        context.load_verify_locations(cadata=_read_tls_file(cfg, "client_ca_file").decode())
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

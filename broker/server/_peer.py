@@ -12,7 +12,9 @@ The path is chosen per copy:
 Both devices' queued work finishes first, and the copy is done when the call returns. Every piece takes the
 tenant's scheduler turn on each device it uses (the peer path's two in device order, so two copies in opposite
 directions cannot deadlock), so a big copy yields the devices between pieces. While a copy runs, its buffers
-cannot be freed and its sessions wait for it before they close: another process may be reading their memory.
+cannot be freed (the workers pin them: ``pin`` / ``unpin``) and its sessions wait for it before they close:
+another process may be reading their memory. Buffers are named by the client's handles, resolved (and their
+ranges checked) by the workers.
 The peer path's mappings and the host path's staging are kept between copies (``_peer_cache``).
 """
 
@@ -25,10 +27,12 @@ import os
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from typing import Any
 
-from gpubroker.client import FailedPrecondition, GpuBrokerError, InvalidArgument, NotFound, OutOfRange
+from gpubroker.client import FailedPrecondition, GpuBrokerError, InvalidArgument, NotFound
+from gpubroker.client._protocol import Batch, Command, CopyShared, Synchronize, encode, new_handle
 from gpubroker.v1 import broker_pb2 as pb
 
-from ..sessions import HandleEntry, Session
+from ..sessions import Session
+from ._commands import raise_for
 from ._peer_cache import ImportCache, StagingCache
 from ._status import Context, release_slot, rpc
 
@@ -57,13 +61,14 @@ async def _together(*coros: Coroutine[Any, Any, Any]) -> None:
             raise outcome
 
 
-def _check_range(what: str, buf: list[Any], offset: int, size: int) -> None:
-    """``buf`` is [handle, allocation size, view offset], as the service's _buffer_ref gives it."""
-    if offset < 0:
-        raise InvalidArgument(f"{what} offset must be >= 0, got {offset}")
-    if buf[2] + offset + size > buf[1]:
-        raise OutOfRange(f"peer copy of {size} bytes at {what} offset {offset} runs past the end of the {what} "
-                         f"buffer ({buf[1] - buf[2]} bytes from the view's start)")
+def _ref(ref: pb.BufferRef, what: str) -> list[Any]:
+    """A buffer view as the workers' peer operations take it: [the client's handle, the view's offset]."""
+    if not ref.handle or len(ref.handle) > 64:
+        raise NotFound(f"no buf {ref.handle[:80]!r} in this session")
+    return [ref.handle, ref.offset]
+
+
+_BUSY = "the buffer is being copied to or from another device; free it once that copy returns"
 
 
 class PeerCopies:
@@ -91,20 +96,24 @@ class PeerCopies:
 
     async def copy_peer(self: Any, src: Session, dst: Session, request: pb.CopyPeerRequest) -> str:
         size = request.size
-        if size < 0:
-            raise InvalidArgument(f"copy size must be >= 0, got {size}")
-        src_ref, dst_ref = self._buffer_ref(src, request.src), self._buffer_ref(dst, request.dst)
-        _check_range("source", src_ref, request.src_offset, size)
-        _check_range("destination", dst_ref, request.dst_offset, size)
+        for what, value in (("copy size", size), ("source offset", request.src_offset),
+                            ("destination offset", request.dst_offset)):
+            if value < 0:
+                raise InvalidArgument(f"{what} must be >= 0, got {value}")
+        src_ref, dst_ref = _ref(request.src, "source"), _ref(request.dst, "destination")
         if size == 0:
             return "none"
-        pinned = [src.resolve(request.src.handle, "buf"), dst.resolve(request.dst.handle, "buf")]
         sessions = [src] if dst is src else [src, dst]
         for session in sessions:
             session.begin_peer_copy()
-        for entry in pinned:
-            entry.pins += 1
+        pinned: list[tuple[Session, str]] = []
         try:
+            # Each worker refuses to free a pinned buffer (FAILED_PRECONDITION), through any path; the front's
+            # count lets a Free it runs refuse before unmapping what the copy uses.
+            for session, handle in ((src, src_ref[0]), (dst, dst_ref[0])):
+                await session.worker.call("pin", session.id, handles=[handle])
+                pinned.append((session, handle))
+                session.peer_pins[handle] = session.peer_pins.get(handle, 0) + 1
             if src.worker is dst.worker:
                 await self._copy_on_device(src, dst, src_ref, dst_ref, request)
                 return "device"
@@ -123,8 +132,13 @@ class PeerCopies:
             await self._copy_by_host(src, dst, src_ref, dst_ref, request)
             return "host"
         finally:
-            for entry in pinned:
-                entry.pins -= 1
+            for session, handle in pinned:
+                left = session.peer_pins.pop(handle, 1) - 1
+                if left:
+                    session.peer_pins[handle] = left
+                if session.lost is None:
+                    with contextlib.suppress(GpuBrokerError):
+                        await session.worker.call("unpin", session.id, handles=[handle])
             for session in sessions:
                 session.end_peer_copy()
 
@@ -150,9 +164,16 @@ class PeerCopies:
             self._still_open(*sessions)
             return await target.worker.call(op, target.id, **params)
 
+    async def _run(self: Any, sessions: tuple[Session, ...], target: Session, *commands: Command) -> None:
+        """Commands in ``target``'s worker, under the tenant's turns on the devices of ``sessions``."""
+        batch = Batch(0, 0, list(commands))
+        async with self._turns(target.tenant, [s.device for s in sessions]):
+            self._still_open(*sessions)
+            raise_for(await target.worker.run_batch(target.id, batch, encode(batch)))
+
     async def _copy_on_device(self: Any, src: Session, dst: Session, src_ref: list[Any], dst_ref: list[Any],
                               request: pb.CopyPeerRequest) -> None:
-        await self._on((src, dst), dst, "synchronize", stream=None)
+        await self._run((src, dst), dst, Synchronize())
         for done in range(0, request.size, DEVICE_PIECE):
             n = min(DEVICE_PIECE, request.size - done)
             await self._on((src, dst), dst, "peer_local", src_session=src.id, src=src_ref, dst=dst_ref,
@@ -161,7 +182,7 @@ class PeerCopies:
     async def _copy_by_peer(self: Any, src: Session, dst: Session, src_ref: list[Any], dst_ref: list[Any],
                             request: pb.CopyPeerRequest) -> None:
         both = (src, dst)
-        key = (src.id, src_ref[0], dst.id)
+        key = (src.id, str(src_ref[0]), dst.id)
         imported, own = self.peer_imports.get(key), False
         if imported is None:  # map the source allocation into the destination's worker (then kept: _peer_cache)
             exported = await self._on(both, src, "peer_export", buf=src_ref)
@@ -171,7 +192,7 @@ class PeerCopies:
         else:  # what export and open would have waited for
             await self._synchronize(src, dst)
         try:
-            start = src_ref[2] + request.src_offset  # the mapping covers the whole allocation
+            start = src_ref[1] + request.src_offset  # the mapping covers the whole allocation
             for done in range(0, request.size, DEVICE_PIECE):
                 n = min(DEVICE_PIECE, request.size - done)
                 await self._on(both, dst, "peer_copy", src_offset=start + done, size=n, dst=dst_ref,
@@ -182,8 +203,7 @@ class PeerCopies:
                     await dst.worker.call("peer_close", dst.id, **{"import": imported})
 
     async def _synchronize(self: Any, src: Session, dst: Session) -> None:
-        await _together(self._on((src,), src, "synchronize", stream=None),
-                        self._on((dst,), dst, "synchronize", stream=None))
+        await _together(self._run((src,), src, Synchronize()), self._run((dst,), dst, Synchronize()))
 
     async def _copy_by_host(self: Any, src: Session, dst: Session, src_ref: list[Any], dst_ref: list[Any],
                             request: pb.CopyPeerRequest) -> None:
@@ -197,7 +217,9 @@ class PeerCopies:
         try:
             os.ftruncate(fd, request.size)
             for session in (src, dst):
-                segment = await session.worker.call_with_fd("register_segment", session.id, fd, size=request.size)
+                segment = new_handle("segment")
+                await session.worker.call_with_fd("register_segment", session.id, fd, handle=segment,
+                                                  size=request.size)
                 registered.append((session, segment))
         finally:
             os.close(fd)  # the workers' mappings keep the memory
@@ -207,7 +229,7 @@ class PeerCopies:
         finally:
             for session, segment in registered:
                 with contextlib.suppress(GpuBrokerError):
-                    await session.worker.call("release_segment", session.id, segment=segment)
+                    await session.worker.call("release_segment", session.id, handle=segment)
 
     async def _pipeline(self: Any, src: Session, dst: Session, src_ref: list[Any], dst_ref: list[Any],
                         request: pb.CopyPeerRequest, segments: tuple[str, str], piece: int) -> None:
@@ -215,17 +237,15 @@ class PeerCopies:
         size, (seg_src, seg_dst) = request.size, segments
         slots = 1 if size <= piece else 2
         await self._synchronize(src, dst)
-        on: Callable[..., Coroutine[Any, Any, Any]] = self._on  # (self is Any in this mixin: name what _on is)
+        run: Callable[..., Coroutine[Any, Any, Any]] = self._run  # (self is Any in this mixin: name what _run is)
 
         def down(i: int) -> Coroutine[Any, Any, Any]:
-            return on((src,), src, "copy_shared", segment=seg_src, segment_offset=(i % slots) * piece,
-                      buf=src_ref, offset=request.src_offset + i * piece, size=min(piece, size - i * piece),
-                      to_device=False, stream=None)
+            return run((src,), src, CopyShared(seg_src, (i % slots) * piece, (src_ref[0], src_ref[1]),
+                                               request.src_offset + i * piece, min(piece, size - i * piece), False))
 
         def up(i: int) -> Coroutine[Any, Any, Any]:
-            return on((dst,), dst, "copy_shared", segment=seg_dst, segment_offset=(i % slots) * piece,
-                      buf=dst_ref, offset=request.dst_offset + i * piece, size=min(piece, size - i * piece),
-                      to_device=True, stream=None)
+            return run((dst,), dst, CopyShared(seg_dst, (i % slots) * piece, (dst_ref[0], dst_ref[1]),
+                                               request.dst_offset + i * piece, min(piece, size - i * piece), True))
 
         count = -(-size // piece)
         await down(0)
@@ -243,10 +263,11 @@ class PeerCopies:
         await self.peer_imports.close_where(session)
         await self.peer_staging.release(session)
 
-    async def before_free(self: Any, session: Session, entry: HandleEntry) -> None:
-        """Before the worker frees a buffer: refuse while a copy uses it; unmap it where other workers keep it."""
+    async def before_free(self: Any, session: Session, handle: str) -> None:
+        """Before a batch through the front frees a buffer: refuse while a copy uses it; unmap it where other
+        workers keep it. (A Free on the session's link reaches the worker alone, which refuses a pinned buffer;
+        a mapping kept elsewhere then lives until either session ends.)"""
         for _ in range(2):  # again after the unmapping, which awaited: a copy may have begun meanwhile
-            if entry.pins:
-                raise FailedPrecondition("the buffer is being copied to or from another device; free it once that "
-                                         "copy returns")
-            await self.peer_imports.close_where(session, entry.backend)
+            if session.peer_pins.get(handle):
+                raise FailedPrecondition(_BUSY)
+            await self.peer_imports.close_where(session, handle)

@@ -18,12 +18,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gpubroker.client import GpuBrokerError
+from gpubroker.client._protocol import new_handle
 
 from ..sessions import Session
 
 __all__ = ["ImportCache", "Staging", "StagingCache"]
 
-ImportKey = tuple[str, str, str]  # (source session, source worker's buffer handle, destination session)
+ImportKey = tuple[str, str, str]  # (source session, source buffer's handle, destination session)
 
 
 class ImportCache:
@@ -65,7 +66,8 @@ class Staging:
         found = self.segments.get(session.id)
         if found is not None:
             return found[1]
-        segment: str = await session.worker.call_with_fd("register_segment", session.id, self.fd, size=self.size)
+        segment = new_handle("segment")
+        await session.worker.call_with_fd("register_segment", session.id, self.fd, handle=segment, size=self.size)
         self.segments[session.id] = (session, segment)
         return segment
 
@@ -109,7 +111,7 @@ class StagingCache:
         found = staging.segments.pop(session.id, None)
         if found is not None:
             with contextlib.suppress(GpuBrokerError):
-                await session.worker.call("release_segment", session.id, segment=found[1])
+                await session.worker.call("release_segment", session.id, handle=found[1])
         self.prune(session.tenant)
 
     def prune(self, tenant: str) -> None:

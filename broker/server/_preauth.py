@@ -24,6 +24,12 @@ from ..config import BrokerConfig
 __all__ = ["IdleSweeper", "PreAuthGate", "Ticket"]
 
 audit = logging.getLogger("gpubroker.audit")
+def _where(listener: str) -> str:
+    """A listener as the audit names it: a Unix socket's path as ``unix:PATH``; the link's TCP and vsock
+    listeners by their own scheme (``tls:HOST:PORT peer=...``)."""
+    return listener if listener.startswith(("tcp:", "tls:", "vsock:")) else f"unix:{listener}"
+
+
 @dataclass
 class Ticket:
     """One admitted connection that has not authenticated yet; ``done`` gives its place back (once)."""
@@ -36,7 +42,7 @@ class Ticket:
 
     @property
     def peer(self) -> str:
-        return f"unix:{self.listener} pid={self.pid} uid={self.uid}"
+        return f"{_where(self.listener)} pid={self.pid} uid={self.uid}"
 
     def done(self) -> None:
         if self.open:
@@ -94,8 +100,9 @@ class PreAuthGate:
     def refused(self, listener: str, pid: int, uid: int, why: str) -> None:
         self.refusals += 1
         # Rate-limited per listener (there are a few), so that a flood on one still leaves the others' lines.
-        self.audit.warning(f"pre-auth refusals on unix:{listener}", "refused: peer=unix:%s pid=%d uid=%d reason=%s",
-                           listener, pid, uid, why)
+        where = _where(listener)
+        self.audit.warning(f"pre-auth refusals on {where}", "refused: peer=%s pid=%d uid=%d reason=%s",
+                           where, pid, uid, why)
 
 
 @dataclass(eq=False)

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import stat
 import sys
 import time
@@ -23,7 +24,7 @@ from gpubroker.v1 import admin_pb2_grpc as apb_grpc
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ..auth import Authenticator
-from ..config import BrokerConfig, load_config
+from ..config import BrokerConfig, load_config, split_host_port
 from ..relay import RelayServer, serve_relay, vsock_listener
 from ..sandbox import SandboxUnavailable, WorkerSandbox
 from ..scheduler import DeviceScheduler
@@ -31,9 +32,9 @@ from ..sessions import SessionManager
 from ..workers import WorkerClient, WorkerPool, device_info_from_dict
 from . import _systemd
 from ._admin import AdminService
-from ._credentials import tcp_credentials
-from ._fast import FastPathServer, fast_path_address
+from ._credentials import link_tls, tcp_credentials
 from ._health import BrokerHealth
+from ._links import LinkServer, fast_path_address
 from ._metrics import MetricsServer, serve_metrics
 from ._preauth import PreAuthGate
 from ._service import GpuBrokerService
@@ -123,7 +124,8 @@ class Broker:
         self.pool: WorkerPool | None = None
         self.ports: list[str] = []
         self.schedulers: dict[int, DeviceScheduler] = {}
-        self.fast_paths: list[FastPathServer] = []
+        self.links: LinkServer | None = None
+        self.service: GpuBrokerService | None = None
         self.relay: RelayServer | None = None
         self.shm: SharedMemoryServer | None = None
         self.health: BrokerHealth | None = None
@@ -136,6 +138,7 @@ class Broker:
         cfg = self.config
         # Listener credentials first: a TLS or plaintext misconfiguration fails before the slow device probe.
         tcp_creds = {a: tcp_credentials(cfg, a) for a in cfg.listen if not a.startswith("unix:")}
+        link_context = link_tls(cfg, cfg.link_listen) if cfg.link_listen else None
         unix_paths = [a[len("unix:"):] for a in cfg.listen if a.startswith("unix:")]
         if cfg.vsock_port and not unix_paths:
             raise FailedPrecondition("vsock_port relays to the broker's own Unix socket: add a unix: listener")
@@ -168,7 +171,7 @@ class Broker:
             for d in range(len(devices))}
         self._apply_weights()
         self.auth = Authenticator(cfg)
-        service = GpuBrokerService(cfg, self.auth, self.sessions, devices, self.schedulers)
+        self.service = service = GpuBrokerService(cfg, self.auth, self.sessions, devices, self.schedulers)
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -199,15 +202,27 @@ class Broker:
                 port = self.server.add_secure_port(address, tcp_creds[address])
                 self.ports.append(address.rsplit(":", 1)[0] + f":{port}")
         await self.server.start()
+        # The framed link: the front authenticates its hello, then the session's worker serves it (_links.py).
+        self.links = LinkServer(service, gate)
         for address in self.ports:
             if address.startswith("unix:"):
                 _secure_unix_socket(Path(address[len("unix:"):]), cfg.socket_mode, cfg.socket_group)
                 if cfg.fast_path:
-                    fast = FastPathServer(service, fast_path_address(address[len("unix:"):]), cfg.socket_mode,
-                                          gate)
-                    await fast.start()
-                    _secure_unix_socket(Path(fast.path), cfg.socket_mode, cfg.socket_group)
-                    self.fast_paths.append(fast)
+                    path = Path(fast_path_address(address[len("unix:"):]))
+                    _prepare_unix_socket(path)
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    sock.bind(str(path))
+                    _secure_unix_socket(path, cfg.socket_mode, cfg.socket_group)  # before anyone can connect
+                    sock.listen(128)
+                    self.links.listen_socket(sock, str(path), path)
+        if cfg.link_listen:
+            host, port = split_host_port(cfg.link_listen)
+            service.link_port = await self.links.listen_tcp(host, port, link_context)
+            log.info("serving links on %s:%d (%s)", host, service.link_port,
+                     "TLS" if link_context is not None else "plaintext")
+        if cfg.link_vsock_port:
+            self.links.listen_socket(vsock_listener(cfg.link_vsock_port), f"vsock:{cfg.link_vsock_port}")
+            service.link_vsock_port = cfg.link_vsock_port
         # Same-host shared memory: "<socket>.shm" beside each Unix socket carries memfds to the workers.
         self.shm = SharedMemoryServer(cfg, self.auth, self.sessions, gate)
         for address in self.ports:
@@ -326,6 +341,8 @@ class Broker:
         self.config.tenants = new
         self.auth.reload(self.config)
         self._apply_weights()
+        if self.pool is not None:
+            await self.pool.apply_limits()  # quotas are the workers' to enforce
         ended = 0
         for name in removed:
             ended += await self.sessions.end_tenant(name, reason="ended: tenant removed")
@@ -335,8 +352,8 @@ class Broker:
     async def stop(self, grace: float = 5.0) -> None:
         if self._drain_task is not None:
             self._drain_task.cancel()
-        for fast in self.fast_paths:
-            await fast.stop()
+        if self.links is not None:
+            await self.links.stop()
         if self.server is not None:
             await self.server.stop(grace)
         if self.shm is not None:
@@ -364,6 +381,8 @@ async def _serve(config: BrokerConfig, ready_file: str | None) -> None:
         ready: dict[str, object] = {"ports": broker.ports, "pid": os.getpid()}
         if broker.metrics is not None:
             ready["metrics"] = broker.metrics.address
+        if broker.service is not None and broker.service.link_port:
+            ready["link_port"] = broker.service.link_port
         tmp.write_text(json.dumps(ready))
         tmp.replace(ready_file)
     print(f"gpubroker: serving on {', '.join(broker.ports)}", file=sys.stderr, flush=True)

@@ -27,6 +27,7 @@ from gpubroker.client import (
     ResourceExhausted,
     Unauthenticated,
 )
+from gpubroker.client._protocol import MAX_HANDLE
 from gpubroker.client._shm import FRAME_HEADER, MAX_FRAME, pack_frame, unpack_frame
 
 from ..auth import Authenticator, Principal, peer_credentials, wait_failure_delay
@@ -285,9 +286,14 @@ class SharedMemoryServer:
             raise InvalidArgument(f"segment size must be a positive int, got {size!r}")
         if len(fds) != 1:
             raise InvalidArgument(f"a registration carries exactly one file descriptor, got {len(fds)}")
-        return {"segment": await self._register(session, fds[0], size), "size": size}
+        # The client names its segment (client/_protocol.py new_handle); the worker resolves it.
+        handle = message.get("handle")
+        if not isinstance(handle, str) or not 0 < len(handle) <= MAX_HANDLE:
+            raise InvalidArgument(f"a registration names its segment: a handle of 1 to {MAX_HANDLE} characters")
+        await self._register(session, fds[0], size, handle)
+        return {"segment": handle, "size": size}
 
-    async def _register(self, session: Session, fd: int, size: int) -> str:
+    async def _register(self, session: Session, fd: int, size: int, handle: str) -> None:
         limit = self.config.max_shared_bytes_per_session
         if session.shared_bytes + size > limit:
             raise ResourceExhausted(f"this session would map {session.shared_bytes + size} bytes of shared memory; "
@@ -301,24 +307,28 @@ class SharedMemoryServer:
                 f"{tenant_limit}; release segments or end sessions first", limit=tenant_limit, used=tenant_used,
                 requested=size)
         check_segment_fd(fd, size)
-        session.check_room()
+        if handle in session.segments:
+            raise InvalidArgument(f"segment {handle!r} is already registered in this session")
         # Reserved before the worker maps it, so concurrent registrations can never overshoot the limits.
         self.sessions.reserve_shared(session, size)
+        session.segments[handle] = size
         try:
-            backend = await session.worker.call_with_fd("register_segment", session.id, fd, size=size)
+            await session.worker.call_with_fd("register_segment", session.id, fd, handle=handle, size=size)
         except BaseException:
-            self.sessions.release_shared(session, size)
+            if session.segments.pop(handle, None) is not None:
+                self.sessions.release_shared(session, size)
             raise
         if self.sessions.sessions.get(session.id) is not session or session.lost is not None:
             # Closed while the worker mapped it: the worker's close ran first, so unmap this one too. (The close
             # uncounted this segment with the rest of the session's.)
             with contextlib.suppress(GpuBrokerError):
-                await session.worker.call("release_segment", session.id, segment=backend)
+                await session.worker.call("release_segment", session.id, handle=handle)
             raise NotFound(f"no session {session.id!r}")
-        return session.add("segment", backend, size=size)
 
     async def _release(self, session: Session, handle: str) -> None:
-        entry = session.resolve(handle, "segment")
-        await session.worker.call("release_segment", session.id, segment=entry.backend)
-        if session.handles.pop(handle, None) is not None:
-            self.sessions.release_shared(session, entry.size)
+        if handle not in session.segments:
+            raise NotFound(f"no segment {handle[:80]!r} in this session")
+        await session.worker.call("release_segment", session.id, handle=handle)
+        size = session.segments.pop(handle, None)
+        if size is not None:
+            self.sessions.release_shared(session, size)

@@ -26,19 +26,21 @@ from gpubroker.client import (
     Unavailable,
     WorkerCrashed,
 )
+from gpubroker.client._protocol import Ack, Batch
 
 from ..sandbox import Launch, WorkerSandbox
-from ._direct import CONTROL
 from ._frames import MAX_FRAME, FrameClosed, FrameRefused, read_reply, write_frame_async
+from ._links import CONTROL  # the request id of lease messages, both ways
 from ._replies import WorkerLied, check_result, device_info_from_dict, error_from_worker
 
-__all__ = ["EXIT_FATAL", "WorkerClient", "device_info_from_dict"]
+__all__ = ["CONTROL", "EXIT_FATAL", "WorkerClient", "device_info_from_dict"]
 
 log = logging.getLogger("gpubroker.workers")
 
 # Requests the front makes of a worker on its own account; any other is the tenant's, and once one has been
 # served the worker has run tenant code (a kernel, a compile, a module load, or whatever a request can reach).
-_FRONT_OPS = frozenset({"device_info", "take_device_time", "close_session", "ping"})
+_FRONT_OPS = frozenset({"device_info", "take_device_time", "close_session", "ping", "set_limits", "usage",
+                        "close_links", "pin", "unpin"})
 # Replies to requests whose callers gave up are remembered (to tell them from replies to requests never made)
 # up to this many; past it the oldest are forgotten, and a late reply to one of those counts as a lie.
 _ABANDONED_MAX = 65536
@@ -83,6 +85,10 @@ class WorkerClient:
       of its type, a peer export is no larger than its allocation;
     - rebuilds errors only as gpubroker classes of a status a worker may report (never UNAUTHENTICATED or
       PERMISSION_DENIED, never an arbitrary class), message cut at 4 KiB, details bounded to short scalars;
+    - decodes a batch's answer as an Ack and holds it to the batch (``check_ack``): its id, no more commands done
+      than it held, an error only for one of them, a read's result exactly the bytes asked for;
+    - takes memory use (fences, usage, lease releases) only as integers >= 0, and the front clamps it to the
+      tenant's quota (the mirror only informs placement and views: the worker enforces the quota);
     - takes lease messages (``CONTROL``) only of the known ops and in protocol order: one ``want`` per grant the
       front sends, one ``released`` per grant, which bounds their rate by the front's own grants;
     - takes fence charges (``take_device_time``) only finite and >= 0, and no more than the wall time since the
@@ -114,7 +120,8 @@ class WorkerClient:
         self.max_reply_bytes = max_reply_bytes
         self._ids = itertools.count(1)
         self._last_id = 0
-        self._pending: dict[int, tuple[asyncio.Future[Any], str, dict[str, Any]]] = {}
+        # Each request's future, op and what its reply is checked against (its params; a batch: the Batch).
+        self._pending: dict[int, tuple[asyncio.Future[Any], str, Any]] = {}
         self._abandoned: dict[int, None] = {}  # (ordered: the oldest is forgotten first)
         # Set when the front kills the worker for a cause (a time limit, a lie): its callers get this error,
         # and the death is its tenant's failure.
@@ -134,6 +141,8 @@ class WorkerClient:
         # Lease messages from the worker (its direct client links want, or gave back, the tenant's turn).
         self.on_control: Callable[[str], None] | None = None
         self.on_death: list[Callable[[], None]] = []
+        # The worker's device memory use as it reports it (fences, usage, lease releases), checked >= 0.
+        self.on_memory: Callable[[WorkerClient, int], None] | None = None
         # Carries file descriptors (shared-memory segments) to the worker, apart from the request stream, whose
         # asyncio transport cannot send SCM_RIGHTS.
         self._fd_sock: socket.socket | None = None
@@ -205,6 +214,11 @@ class WorkerClient:
         """Run one operation; raises the worker's error, or WorkerCrashed if it dies meanwhile."""
         return await self._call(op, session, params, None)
 
+    async def run_batch(self, session: str, batch: Batch, encoded: bytes) -> Ack:
+        """Run ``batch`` (``encoded`` is its encoding) in the session; its Ack, checked against it."""
+        ack: Ack = await self._call("batch", session, {"batch": encoded}, None, check=batch)
+        return ack
+
     async def call_with_fd(self, op: str, session: str, fd: int, **params: Any) -> Any:
         """Run ``op`` with ``fd`` passed on the fd channel; the worker receives it while serving ``op``.
 
@@ -221,7 +235,7 @@ class WorkerClient:
             return type(self.fault)(death, **self.fault.details)
         return WorkerCrashed(death)
 
-    async def _call(self, op: str, session: str, params: dict[str, Any], fd: int | None) -> Any:
+    async def _call(self, op: str, session: str, params: dict[str, Any], fd: int | None, check: Any = None) -> Any:
         if self.death is not None:
             raise self.death_error()
         if self._writer is None:
@@ -233,7 +247,7 @@ class WorkerClient:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         # A caller cancelled in the very step its reply or the worker's death arrived never reads the outcome.
         fut.add_done_callback(_retrieve)
-        self._pending[req_id] = (fut, op, params)
+        self._pending[req_id] = (fut, op, params if check is None else check)
         try:
             async with self._write_lock:
                 if fd is not None:
@@ -266,18 +280,30 @@ class WorkerClient:
         charged more (which would make others look cheap beside it).
         """
         since = self._last_take if self._last_take is not None else self._started
-        seconds = await self.call("take_device_time", "")
+        result = await self.call("take_device_time", "")
         now = time.monotonic()
         self._last_take = now
-        if type(seconds) not in (int, float) or not math.isfinite(seconds) or seconds < 0:
-            self._lied(f"a device-time charge of {str(seconds)[:40]}")
+        seconds: Any = result.get("seconds") if type(result) is dict else None
+        used: Any = result.get("memory_used") if type(result) is dict else None
+        if (type(seconds) not in (int, float) or not math.isfinite(seconds) or seconds < 0
+                or type(used) is not int or used < 0):
+            self._lied(f"a device-time charge of {str(result)[:60]}")
             raise WorkerCrashed(self.death or "the worker was killed for a bad device-time charge")
+        self.memory_reported(used)
         wall = now - since + _CHARGE_SLACK
         if seconds > wall:
             log.info("tenant %s: a device-time charge of %.3f s over %.3f s of wall time, charged as the wall time",
                      self.tenant, seconds, wall)
             return wall
         return float(seconds)
+
+    def memory_reported(self, used: Any) -> None:
+        """The worker's memory use, from any of its reports: an integer >= 0, or the worker lied."""
+        if type(used) is not int or used < 0:
+            self._lied(f"a memory use of {str(used)[:40]}")
+            raise WorkerCrashed(self.death or "the worker was killed for a bad memory report")
+        if self.on_memory is not None:
+            self.on_memory(self, used)
 
     async def send_control(self, op: str) -> None:
         """A lease message to the worker ("grant" or "revoke"); no reply."""
@@ -323,7 +349,7 @@ class WorkerClient:
             raise WorkerLied("a frame that is not [id, status, result]")
         req_id, status, result = frame
         if req_id == CONTROL:
-            self._control(status)
+            self._control(status, result)
             return
         pending = self._pending.pop(req_id, None)
         if pending is None:
@@ -350,7 +376,7 @@ class WorkerClient:
         else:
             fut.set_exception(outcome)
 
-    def _control(self, op: Any) -> None:
+    def _control(self, op: Any, extra: Any) -> None:
         if op == "want":
             if self._want_pending:
                 raise WorkerLied("a second lease 'want' before the front granted the first")
@@ -359,6 +385,12 @@ class WorkerClient:
             if self._grants_out <= 0:
                 raise WorkerLied("a lease 'released' with no turn granted")
             self._grants_out -= 1
+            if extra is not None:  # the memory use its links' commands left
+                used = extra.get("memory_used") if type(extra) is dict else None
+                if type(used) is not int or used < 0:
+                    raise WorkerLied("a lease 'released' with a memory use that is no count")
+                if self.on_memory is not None:
+                    self.on_memory(self, used)
         else:
             raise WorkerLied(f"an unknown lease message {str(op)[:40]!r}")
         if self.on_control is not None:

@@ -1,7 +1,9 @@
-"""The worker's operations: one device context for one tenant, and which session owns each handle.
+"""The worker's requests from the front: device work as protocol batches, and the front's own operations.
 
 It knows nothing of gRPC. Requests are ``[id, op, session, params]``; replies ``[id, 0, result]`` or
-``[id, 1, error]`` (the loop is in _process.py).
+``[id, 1, error]`` (the loop is in _process.py). Device work is the ``batch`` op (an encoded protocol Batch, run
+by the one executor that also serves links); every other op is the front's: limits, accounting, sessions,
+segments, links, and copies between devices.
 """
 
 from __future__ import annotations
@@ -9,28 +11,18 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
-import numpy as np
+import msgspec
 
-from gpubroker.client import (
-    Buffer,
-    GpuBrokerError,
-    GpuCompute,
-    Internal,
-    InvalidArgument,
-    Kernel,
-    Module,
-    ModuleFormat,
-    NotFound,
-    Stream,
-)
+from gpubroker.client import GpuBrokerError, GpuCompute, Internal, InvalidArgument
+from gpubroker.client._protocol import decode_batch, encode
 
-from ._direct import Aliases, DirectLinks
+from ._executor import Executor
 from ._frames import send_frame
+from ._handles import HandleTables, Limits
+from ._links import Links
 from ._peer import PeerImports, PeerOps
 from ._segments import SegmentTable
 
@@ -38,308 +30,172 @@ __all__ = ["EXIT_FATAL", "WorkerServer"]
 
 log = logging.getLogger("gpubroker.worker")
 EXIT_FATAL = 3
-
-_KINDS = ("buf", "module", "kernel", "stream", "segment")
-_BATCHABLE = ("launch", "memset", "copy_d2d", "synchronize")
-# Value objects rebuilt from wire refs are cached: a frozen dataclass costs more to build than a lookup.
-# Past this many entries a cache is simply cleared (ownership is checked on every use, never cached).
-_CACHE_MAX = 4096
-_DTYPES: dict[str, np.dtype[Any]] = {}  # scalar dtype names already accepted
-_SCALAR_VALUES: dict[tuple[str, bytes], np.generic] = {}  # numpy scalars are immutable: safe to share
+_MAX_HANDLE = 64  # characters, as the protocol's
 
 
-def _scalar(dtype: str, raw: bytes) -> np.generic:
-    key = (dtype, raw)
-    try:
-        return _SCALAR_VALUES[key]  # the same few scalars (sizes, factors) come with launch after launch
-    except (KeyError, TypeError):
-        pass
-    value = _make_scalar(dtype, raw)
-    if type(dtype) is str and type(raw) is bytes:
-        if len(_SCALAR_VALUES) >= _CACHE_MAX:
-            _SCALAR_VALUES.clear()
-        _SCALAR_VALUES[key] = value
+def _limit(p: dict[str, Any], key: str) -> int | None:
+    value = p.get(key)
+    if value is None:
+        return None
+    if type(value) is not int or value < 0:
+        raise InvalidArgument(f"set_limits: {key} must be an int >= 0, got {str(value)[:40]}")
     return value
 
 
-def _make_scalar(dtype: str, raw: bytes) -> np.generic:
-    dt = _DTYPES.get(dtype) if type(dtype) is str else None
-    if dt is None:
-        try:
-            dt = np.dtype(dtype)
-        except Exception:  # TypeError mostly; ValueError, SyntaxError and others for some strings numpy half-parses
-            raise InvalidArgument(f"unknown scalar dtype {dtype!r}") from None
-        if dt.kind not in "iuf" or dt.itemsize > 8:
-            raise InvalidArgument(f"scalar of dtype {dtype!r} must be an int or float of {dt.itemsize} bytes")
-        if type(dtype) is str and len(_DTYPES) < 64:
-            _DTYPES[dtype] = dt
-    if len(raw) != dt.itemsize:
-        raise InvalidArgument(f"scalar of dtype {dtype!r} must be an int or float of {dt.itemsize} bytes")
-    scalar: np.generic[Any] = np.frombuffer(raw, dtype=dt)[0]
-    return scalar
+def _handle(value: Any) -> str:
+    if type(value) is not str or not 0 < len(value) <= _MAX_HANDLE:
+        raise InvalidArgument(f"a handle must be a string of 1 to {_MAX_HANDLE} characters")
+    return value
 
 
 class WorkerServer(PeerOps):
-    """Dispatches front requests to a backend and tracks which session owns each handle."""
+    """Serves the front's requests against one backend through the one handle table and executor."""
 
-    def __init__(self, backend: GpuCompute, front: socket.socket | None = None) -> None:
+    def __init__(self, backend: GpuCompute, tenant: str = "", device: int = 0) -> None:
         self.backend = backend
-        self.front = front
-        # Same-host clients' direct links, which name objects by the handles the front gave them.
-        self.aliases = Aliases()
-        self.links = DirectLinks(self.aliases, self.handle, self._send_front, backend, _scalar)
-        self.owned: dict[str, dict[str, set[str]]] = defaultdict(lambda: {k: set() for k in _KINDS})
-        self.kernel_module: dict[str, str] = {}
+        self.front: socket.socket | None = None
+        self.tables = HandleTables(tenant, device)
         self.segments = SegmentTable(backend)  # shared-memory segments; main() attaches the fd channel
+        self.executor = Executor(backend, self.tables, self.segments)
+        self.links = Links(self.executor, self._send_front)
         self.peer_imports = PeerImports()  # other devices' allocations opened for CopyPeer (workers/_peer.py)
-        self.fatal = False  # a batched command corrupted the context: exit after replying
-        self._buffers: dict[tuple[str, int, int], Buffer] = {}
-        self._kernels: dict[tuple[str, str], Kernel] = {}
-        self._streams: dict[str, Stream] = {}
-        # Closes the backend's device-time segments when a batch ends (the CUDA backend's event marks).
-        self._end_batch = getattr(backend, "flush_device_time", None)
-        self._batch_ops = {op: getattr(self, f"op_{op}") for op in _BATCHABLE}  # no getattr per command
+        self._ops: dict[str, Callable[[str, dict[str, Any]], Any]] = {
+            "batch": self.op_batch, "ping": self.op_ping, "take_device_time": self.op_take_device_time,
+            "set_limits": self.op_set_limits, "usage": self.op_usage, "close_session": self.op_close_session,
+            "register_segment": self.op_register_segment, "release_segment": self.op_release_segment,
+            "attach_link": self.op_attach_link, "close_links": self.op_close_links, "pin": self.op_pin,
+            "unpin": self.op_unpin, "peer_local": self.op_peer_local, "peer_export": self.op_peer_export,
+            "peer_open": self.op_peer_open, "peer_copy": self.op_peer_copy, "peer_close": self.op_peer_close,
+        }
+
+    @property
+    def fatal(self) -> bool:
+        """A command corrupted the device context: the worker exits once it has replied."""
+        return self.executor.fatal
 
     def _send_front(self, frame: list[Any]) -> None:
         if self.front is not None:
             send_frame(self.front, frame)
 
-    # -- ownership ---------------------------------------------------------------------------------
-    def _own(self, session: str, kind: str, handle: str) -> str:
-        if handle not in self.owned[session][kind]:
-            raise NotFound(f"unknown {kind} handle")
-        return handle
-
-    def _buffer(self, session: str, ref: list[Any]) -> Buffer:
-        handle, size, view_offset = ref
-        if handle not in self.owned[session]["buf"]:
-            raise NotFound("unknown buf handle")
-        key = (handle, size, view_offset)
-        try:
-            return self._buffers[key]
-        except (KeyError, TypeError):  # TypeError: an unhashable ref; int() below reports it
-            buf = Buffer(handle, int(size), int(view_offset))
-        if type(size) is int and type(view_offset) is int:  # only exact keys: 1 == 1.0 == True hash alike
-            if len(self._buffers) >= _CACHE_MAX:
-                self._buffers.clear()
-            self._buffers[key] = buf
-        return buf
-
-    def _stream(self, session: str, handle: str | None) -> Stream | None:
-        if not handle:
-            return None
-        if handle not in self.owned[session]["stream"]:
-            raise NotFound("unknown stream handle")
-        stream = self._streams.get(handle)
-        if stream is None:
-            if len(self._streams) >= _CACHE_MAX:
-                self._streams.clear()
-            stream = self._streams[handle] = Stream(handle)
-        return stream
-
-    # -- operations --------------------------------------------------------------------------------
     def handle(self, op: str, session: str, p: dict[str, Any]) -> Any:
-        method = getattr(self, f"op_{op}", None)
+        method = self._ops.get(op) if type(op) is str else None
         if method is None:
-            raise InvalidArgument(f"unknown worker operation {op!r}")
-        return method(session, p)
+            raise InvalidArgument(f"unknown worker operation {str(op)[:40]!r}")
+        if type(p) is not dict:
+            raise InvalidArgument(f"{op}: params must be a map")
+        return method(str(session), p)
 
+    # -- device work -------------------------------------------------------------------------------
+    def op_batch(self, session: str, p: dict[str, Any]) -> Any:
+        """Run an encoded protocol Batch (module loads included); the result is its encoded Ack."""
+        data = p.get("batch")
+        if type(data) is not bytes:
+            raise InvalidArgument("batch: params must hold the encoded batch as bytes")
+        try:
+            batch = decode_batch(data)
+        except msgspec.DecodeError as exc:
+            raise InvalidArgument(f"malformed batch: {exc}") from None
+        return encode(self.executor.run(session, batch))
+
+    # -- the front's own ---------------------------------------------------------------------------
     def op_ping(self, session: str, p: dict[str, Any]) -> Any:
         return os.getpid()
 
-    def op_device_info(self, session: str, p: dict[str, Any]) -> Any:
-        return asdict(self.backend.device_info())
-
-    def op_allocate(self, session: str, p: dict[str, Any]) -> Any:
-        size = int(p["size"])
-        buf = self.backend.allocate_memory(size)
-        self.owned[session]["buf"].add(buf.handle)
-        self.aliases.add(session, p.get("alias"), ("buf", buf.handle, size))
-        return buf.handle
-
-    def op_free(self, session: str, p: dict[str, Any]) -> Any:
-        handle = self._own(session, "buf", p["handle"])
-        self.backend.free_memory(Buffer(handle, 0))
-        self.owned[session]["buf"].discard(handle)
-        self.aliases.drop_handle(session, "buf", handle)
-
-    def op_memset(self, session: str, p: dict[str, Any]) -> Any:
-        size = p["size"]
-        self.backend.memset(self._buffer(session, p["buf"]), int(p["value"]), None if size < 0 else size,
-                            int(p["offset"]), self._stream(session, p.get("stream")))
-
-    def op_copy_d2d(self, session: str, p: dict[str, Any]) -> Any:
-        self.backend.copy_d2d(self._buffer(session, p["src"]), self._buffer(session, p["dst"]), int(p["size"]),
-                              int(p["src_offset"]), int(p["dst_offset"]), self._stream(session, p.get("stream")))
-
-    def op_write(self, session: str, p: dict[str, Any]) -> Any:
-        self.backend.copy_h2d(p["data"], self._buffer(session, p["buf"]), int(p["offset"]),
-                              self._stream(session, p.get("stream")))
-
-    def op_read(self, session: str, p: dict[str, Any]) -> Any:
-        out = bytearray(int(p["size"]))
-        self.backend.copy_d2h(self._buffer(session, p["buf"]), out, int(p["offset"]),
-                              self._stream(session, p.get("stream")))
-        return out  # packed as bin as it is: no copy to bytes first
-
-    def op_load_module(self, session: str, p: dict[str, Any]) -> Any:
-        try:
-            fmt = ModuleFormat(p["format"])
-        except ValueError:
-            raise InvalidArgument(f"unknown module format {p['format']!r}") from None
-        module = self.backend.load_module(p["image"], fmt, tuple(p.get("options", ())))
-        self.owned[session]["module"].add(module.handle)
-        return {"handle": module.handle, "kernel_names": list(module.kernel_names)}
-
-    def op_get_kernel(self, session: str, p: dict[str, Any]) -> Any:
-        module = self._own(session, "module", p["module"])
-        kernel = self.backend.get_kernel(Module(module), str(p["name"]))
-        self.owned[session]["kernel"].add(kernel.handle)
-        self.kernel_module[kernel.handle] = module
-        self.aliases.add(session, p.get("alias"), ("kernel", kernel, kernel.name))
-        return kernel.handle
-
-    def op_unload_module(self, session: str, p: dict[str, Any]) -> Any:
-        module = self._own(session, "module", p["module"])
-        self._unload(session, module)
-
-    def _unload(self, session: str, module: str) -> None:
-        # Every backend has it, but it is not part of the SDK's GpuCompute, the type open_backend returns
-        self.backend.unload_module(Module(module))  # type: ignore[attr-defined]
-        self.owned[session]["module"].discard(module)
-        for kernel, owner in list(self.kernel_module.items()):
-            if owner == module:
-                del self.kernel_module[kernel]
-                self.owned[session]["kernel"].discard(kernel)
-                self.aliases.drop_handle(session, "kernel", kernel)
-
-    def op_launch(self, session: str, p: dict[str, Any]) -> Any:
-        handle = p["kernel"]
-        if handle not in self.owned[session]["kernel"]:
-            raise NotFound("unknown kernel handle")
-        key = (handle, p.get("name", ""))
-        kernel = self._kernels.get(key)
-        if kernel is None:
-            if len(self._kernels) >= _CACHE_MAX:
-                self._kernels.clear()
-            kernel = self._kernels[key] = Kernel(*key)
-        args: list[object] = []
-        for arg in p["args"]:
-            kind = arg[0]
-            if kind == "b":
-                args.append(self._buffer(session, arg[1:]))
-            elif kind == "s":
-                args.append(_scalar(arg[1], arg[2]))
-            else:
-                raise InvalidArgument(f"unknown kernel arg kind {kind!r}")
-        self.backend.execute_kernel(kernel, tuple(p["grid"]), tuple(p["block"]), args, int(p["shared_mem"]),
-                                    self._stream(session, p.get("stream")))
-
-    def op_create_stream(self, session: str, p: dict[str, Any]) -> Any:
-        stream = self.backend.create_stream()
-        self.owned[session]["stream"].add(stream.handle)
-        self.aliases.add(session, p.get("alias"), ("stream", stream))
-        return stream.handle
-
-    def op_destroy_stream(self, session: str, p: dict[str, Any]) -> Any:
-        handle = self._own(session, "stream", p["stream"])
-        self.backend.destroy_stream(Stream(handle))
-        self.owned[session]["stream"].discard(handle)
-        self.aliases.drop_handle(session, "stream", handle)
-
-    def op_synchronize(self, session: str, p: dict[str, Any]) -> Any:
-        self.backend.synchronize(self._stream(session, p.get("stream")))
-
-    def op_batch(self, session: str, p: dict[str, Any]) -> Any:
-        """Run asynchronous commands in order; stop at the first failure and report it by sequence number."""
-        ops = self._batch_ops
-        commands = p["commands"]
-        try:
-            for i, (seq, op, what, params) in enumerate(commands):
-                method = ops.get(op) if type(op) is str else None
-                if method is None:
-                    raise InvalidArgument(f"{op!r} cannot be batched")
-                try:
-                    method(session, params)
-                except GpuBrokerError as exc:
-                    if exc.details.get("fatal"):
-                        self.fatal = True
-                    return {"done": i, "error": {"seq": seq, "command": what, "code": exc.code,
-                                                 "message": exc.message, "type": type(exc).__name__}}
-        finally:
-            if self._end_batch is not None and not self.fatal:
-                self._end_batch()  # the host may now go idle: that gap must not count as device time
-        return {"done": len(commands), "error": None}
-
     def op_take_device_time(self, session: str, p: dict[str, Any]) -> Any:
-        """Device seconds used since the last take (the fair scheduler's charge); waits for queued work."""
+        """Device seconds used since the last take (the fair scheduler's charge; waits for queued work), and
+        the memory in use, which the front mirrors."""
         take = getattr(self.backend, "take_device_time", None)
-        return float(take()) if take is not None else 0.0
+        return {"seconds": float(take()) if take is not None else 0.0, "memory_used": self.tables.memory_used}
 
+    def op_set_limits(self, session: str, p: dict[str, Any]) -> Any:
+        """The tenant's memory quota on this device and the per-session limits (at start and every reload).
+        Optional: ``device``, the broker's index of this device (named in quota errors), and ``max_frame``, the
+        largest frame a link takes (the config's chunk_bytes plus 64 KiB)."""
+        limits = Limits(_limit(p, "memory_quota"), _limit(p, "max_handles"), _limit(p, "max_streams"))
+        device, max_frame = _limit(p, "device"), _limit(p, "max_frame")
+        self.tables.limits = limits
+        if device is not None:
+            self.tables.device = device
+        if max_frame is not None:
+            self.links.max_frame = max_frame
+
+    def op_usage(self, session: str, p: dict[str, Any]) -> Any:
+        return {"memory_used": self.tables.memory_used, "sessions": self.tables.usage()}
+
+    def op_close_session(self, session: str, p: dict[str, Any]) -> Any:
+        """Free everything the session owned; an error on one object does not stop the rest. Returns how many
+        buffers and streams were freed."""
+        self.links.close_session(session)
+        self.close_peer_imports(session)
+        objs = self.tables.sessions.pop(session, None)
+        if objs is None:
+            return 0
+        for seg in objs.segments.values():  # unpin and unmap: a dead client's segments go with its lease
+            self.segments.release(seg)
+        freed = 0
+        for stream in objs.streams.values():
+            try:
+                self.backend.destroy_stream(stream)
+                freed += 1
+            except GpuBrokerError as exc:
+                log.warning("close_session %s: %s", session, exc.message)
+        for entry in objs.buffers.values():
+            self.tables.unreserve(entry.size)  # gone from the accounts whatever the device says
+            try:
+                self.backend.free_memory(entry.buffer)
+                freed += 1
+            except GpuBrokerError as exc:
+                log.warning("close_session %s: %s", session, exc.message)
+        for module in objs.modules.values():
+            try:
+                self.backend.unload_module(module)  # type: ignore[attr-defined]
+            except GpuBrokerError as exc:
+                log.warning("close_session %s: %s", session, exc.message)
+        return freed
+
+    # -- shared memory -----------------------------------------------------------------------------
     def op_register_segment(self, session: str, p: dict[str, Any]) -> Any:
-        """Map the memfd the front sent on the fd channel with this request (same-host shared memory)."""
-        seg = self.segments.register(p.get("token", b""), p.get("size"))
-        self.owned[session]["segment"].add(seg)
-        return seg
+        """Map the memfd the front sent on the fd channel with this request, under the client's handle."""
+        token = p.get("token", b"")
+        seg = self.segments.register(token if type(token) is bytes else b"", p.get("size"))  # first: fds in step
+        try:
+            handle = _handle(p.get("handle"))
+            objs = self.tables.session(session)
+            self.tables.claim(objs, "segment", handle)
+        except GpuBrokerError:
+            self.segments.release(seg)
+            raise
+        objs.segments[handle] = seg
+        objs.kinds[handle] = "segment"
 
     def op_release_segment(self, session: str, p: dict[str, Any]) -> Any:
-        seg = self._own(session, "segment", p["segment"])
+        objs = self.tables.session(session)
+        handle = _handle(p.get("handle"))
+        seg = objs.segment(handle)
+        del objs.segments[handle], objs.kinds[handle]
         self.segments.release(seg)
-        self.owned[session]["segment"].discard(seg)
 
-    def op_copy_shared(self, session: str, p: dict[str, Any]) -> Any:
-        """Copy between a mapped segment and device memory: the backend reads or writes the mapping directly."""
-        buf, stream = self._buffer(session, p["buf"]), self._stream(session, p.get("stream"))
-        seg = self._own(session, "segment", p["segment"])
-        with self.segments.view(seg, int(p["segment_offset"]), int(p["size"])) as host:
-            if p["to_device"]:
-                self.backend.copy_h2d(host, buf, int(p["offset"]), stream)
-            else:
-                self.backend.copy_d2h(buf, host, int(p["offset"]), stream)
-
-    def op_attach_direct(self, session: str, p: dict[str, Any]) -> Any:
-        """Take over a client's authenticated fast-path socket (sent on the fd channel) for this session."""
-        fd = self.segments.receive(bytes(p.get("token", b"")))
+    # -- links -------------------------------------------------------------------------------------
+    def op_attach_link(self, session: str, p: dict[str, Any]) -> Any:
+        """Take over a client's authenticated link (sent on the fd channel) for this session; the worker
+        answers the client's hello itself."""
+        token = p.get("token", b"")
+        fd = self.segments.receive(token if type(token) is bytes else b"")
         sock = socket.socket(fileno=fd)
-        if sock.family != socket.AF_UNIX:
+        # The front hands over a Unix socket (same host, or its end of a TLS relay) or a vsock connection.
+        if sock.family not in (socket.AF_UNIX, getattr(socket, "AF_VSOCK", -1)) or sock.type != socket.SOCK_STREAM:
             sock.close()
-            raise InvalidArgument("a direct link must be a Unix socket")
+            raise InvalidArgument("a link must be a Unix or vsock stream socket")
         try:
-            return self.links.attach(sock, session)
+            self.links.attach(sock, session)
         except GpuBrokerError:
             sock.close()
             raise
         except OSError as exc:
             sock.close()
-            raise Internal(f"could not answer the client on its direct link: {exc}") from None
+            raise Internal(f"could not answer the client on its link: {exc}") from None
+        return {"link": 1}
 
     def op_close_links(self, session: str, p: dict[str, Any]) -> Any:
-        """Close the session's direct links (the token that opened them was revoked); the session stays."""
+        """Close the session's links (the token that opened them was revoked); the session stays."""
         self.links.close_session(session)
-        return None
-
-    def op_close_session(self, session: str, p: dict[str, Any]) -> Any:
-        """Free everything the session owned; errors on one object do not stop the rest."""
-        self.links.close_session(session)
-        self.aliases.forget(session)
-        self.close_peer_imports(session)
-        owned = self.owned.pop(session, None)
-        if owned is None:
-            return 0
-        for seg in owned["segment"]:  # unpin and unmap: a dead client's segments go with its lease
-            self.segments.release(seg)
-        freed = 0
-        cleanups: list[tuple[Callable[[Any], object], Buffer | Stream]] = (
-            [(self.backend.destroy_stream, Stream(h)) for h in owned["stream"]]
-            + [(self.backend.free_memory, Buffer(h, 0)) for h in owned["buf"]])
-        for fn, obj in cleanups:
-            try:
-                fn(obj)
-                freed += 1
-            except GpuBrokerError as exc:
-                log.warning("close_session %s: %s", session, exc)
-        for module in owned["module"]:
-            self.owned[session]["module"].add(module)
-            self._unload(session, module)
-        self.owned.pop(session, None)
-        return freed

@@ -1,5 +1,9 @@
 """Worker operations for copies between a tenant's sessions (CopyPeer; the front drives them, see server/_peer.py).
 
+Buffers are named by the client's handles as ``[handle, view_offset]`` refs, resolved in the sessions' handle
+tables (workers/_handles.py); the front pins both buffers (``pin`` / ``unpin``) around a copy, so neither can be
+freed while another worker may be reading or writing it.
+
 - ``peer_local``: both sessions on this worker's device: a device-to-device copy, waited for.
 - ``peer_export`` (source worker) / ``peer_open``, ``peer_copy``, ``peer_close`` (destination worker): the GPUs'
   peer path, where the backend has one (CUDA IPC). An opened source belongs to the destination session, so a
@@ -14,9 +18,19 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gpubroker.client import Buffer, FailedPrecondition, GpuBrokerError, GpuCompute, NotFound, OutOfRange
+from gpubroker.client import (
+    Buffer,
+    FailedPrecondition,
+    GpuBrokerError,
+    GpuCompute,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+)
+
+from ._handles import HandleTables
 
 __all__ = ["PeerImports", "PeerOps"]
 
@@ -59,14 +73,38 @@ class PeerImports:
         return entry
 
 
+def _int(value: Any, what: str) -> int:
+    if type(value) is not int or value < 0:
+        raise InvalidArgument(f"{what} must be an int >= 0, got {str(value)[:40]}")
+    return value
+
+
 class PeerOps:
-    """Mixed into WorkerServer, which provides ``backend``, ``_buffer`` and ``peer_imports``."""
+    """Mixed into WorkerServer, which provides ``backend``, ``tables`` and ``peer_imports``."""
 
     backend: GpuCompute
+    tables: HandleTables
     peer_imports: PeerImports
 
-    if TYPE_CHECKING:  # WorkerServer's, declared for the type checker only (no method here to shadow it)
-        def _buffer(self, session: str, ref: list[Any]) -> Buffer: ...
+    def _view(self, session: str, ref: Any) -> Buffer:
+        """The backend's view for a ``[handle, view_offset]`` ref of ``session``."""
+        if type(ref) not in (list, tuple) or len(ref) != 2 or type(ref[0]) is not str:
+            raise InvalidArgument("a buffer ref must be [handle, view_offset]")
+        return self.tables.session(session).view(ref[0], _int(ref[1], "a buffer view offset"))
+
+    def op_pin(self, session: str, p: dict[str, Any]) -> Any:
+        """Keep buffers from being freed while a copy to or from another device uses them (all or none)."""
+        objs = self.tables.session(session)
+        entries = [objs.buffer(str(handle)) for handle in p["handles"]]
+        for entry in entries:
+            entry.pins += 1
+
+    def op_unpin(self, session: str, p: dict[str, Any]) -> Any:
+        objs = self.tables.session(session)
+        for handle in p["handles"]:
+            entry = objs.buffers.get(str(handle))
+            if entry is not None and entry.pins:
+                entry.pins -= 1
 
     def _peer_backend(self, method: str) -> Any:
         fn = getattr(self.backend, method, None)
@@ -76,27 +114,28 @@ class PeerOps:
 
     def op_peer_local(self, session: str, p: dict[str, Any]) -> Any:
         """Copy from another session's buffer on this device into this session's, and wait for it."""
-        src = self._buffer(str(p["src_session"]), p["src"])
-        dst = self._buffer(session, p["dst"])
-        self.backend.copy_d2d(src, dst, int(p["size"]), int(p["src_offset"]), int(p["dst_offset"]))
+        src = self._view(str(p["src_session"]), p["src"])
+        dst = self._view(session, p["dst"])
+        self.backend.copy_d2d(src, dst, _int(p["size"], "size"), _int(p["src_offset"], "src_offset"),
+                              _int(p["dst_offset"], "dst_offset"))
         self.backend.synchronize()
 
     def op_peer_export(self, session: str, p: dict[str, Any]) -> Any:
-        handle, size = self._peer_backend("export_peer")(self._buffer(session, p["buf"]))
+        handle, size = self._peer_backend("export_peer")(self._view(session, p["buf"]))
         return {"handle": handle, "size": size}
 
     def op_peer_open(self, session: str, p: dict[str, Any]) -> Any:
-        src_device, size = int(p["src_device"]), int(p["size"])
+        src_device, size = _int(p["src_device"], "src_device"), _int(p["size"], "size")
         ptr = self._peer_backend("open_peer")(bytes(p["handle"]), src_device)
         return self.peer_imports.add(_Import(session, ptr, src_device, size))
 
     def op_peer_copy(self, session: str, p: dict[str, Any]) -> Any:
         entry = self.peer_imports.get(session, p["import"])
-        src_offset, size = int(p["src_offset"]), int(p["size"])
-        if src_offset < 0 or size < 0 or src_offset + size > entry.size:
+        src_offset, size = _int(p["src_offset"], "src_offset"), _int(p["size"], "size")
+        if src_offset + size > entry.size:
             raise OutOfRange(f"{size} bytes at offset {src_offset} run past the peer's {entry.size}-byte allocation")
-        self._peer_backend("copy_from_peer")(entry.ptr + src_offset, self._buffer(session, p["dst"]),
-                                             int(p["dst_offset"]), size)
+        self._peer_backend("copy_from_peer")(entry.ptr + src_offset, self._view(session, p["dst"]),
+                                             _int(p["dst_offset"], "dst_offset"), size)
 
     def op_peer_close(self, session: str, p: dict[str, Any]) -> Any:
         self._peer_backend("close_peer")(self.peer_imports.pop(session, p["import"]).ptr)

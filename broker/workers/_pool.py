@@ -122,6 +122,10 @@ class WorkerPool:
         # Set when the broker drains or stops: stop signals then are the operator's, not failures.
         self.draining = False
         self._settling: dict[int, asyncio.TimerHandle] = {}
+        # What each worker enforces (memory quota, handles and streams per session), sent right after it starts
+        # and at every reload; and where its reports of memory use go (the sessions' mirror).
+        self.limits: Callable[[str, int], dict[str, int]] | None = None
+        self.on_memory: Callable[[WorkerClient, int], None] | None = None
 
     def workers(self) -> list[WorkerClient]:
         return list(self._workers.values())
@@ -148,8 +152,26 @@ class WorkerPool:
         worker = WorkerClient(key[0], key[1], self.backend, on_exit=self._forget, ordinal=ordinal,
                               sandbox=self.sandbox, max_reply_bytes=self.max_reply_bytes)
         await worker.start(self.start_timeout)
+        worker.on_memory = self.on_memory
+        if self.limits is not None:
+            try:  # before any session can use it: the quota holds from the first allocation
+                await worker.call("set_limits", "", **self.limits(*key))
+            except BaseException:
+                await worker.kill()
+                raise
         self._workers[key] = worker
         return worker
+
+    async def apply_limits(self) -> None:
+        """Send every live worker its limits again (the config was reloaded)."""
+        if self.limits is None:
+            return
+        for (tenant, device), worker in list(self._workers.items()):
+            if worker.alive:
+                try:
+                    await worker.call("set_limits", "", **self.limits(tenant, device))
+                except GpuBrokerError as exc:  # (it died meanwhile: its death is reported on its own)
+                    log.info("set_limits for tenant %s on device %d: %s", tenant, device, exc.message)
 
     def _forget(self, worker: WorkerClient) -> None:
         """The worker's death (reported once per worker by WorkerClient): unregister it and charge its cause."""

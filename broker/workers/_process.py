@@ -1,4 +1,4 @@
-"""The worker process: its entry point and its loop, serving the front and any direct client links.
+"""The worker process: its entry point and its loop, serving the front and any client links.
 
 A fatal device error (a corrupted CUDA context) is reported, then the process exits, so the tenant's next
 session starts on a fresh context.
@@ -17,8 +17,8 @@ from dataclasses import asdict
 
 from gpubroker.client import GpuBrokerError, Internal
 
-from ._direct import CONTROL
 from ._frames import FrameClosed, recv_frame, send_frame
+from ._links import CONTROL
 from ._main import EXIT_FATAL, WorkerServer
 
 __all__ = ["main", "serve"]
@@ -37,7 +37,7 @@ def _serve_front(sock: socket.socket, server: WorkerServer) -> int | None:
         return None
     fatal = False
     try:
-        reply = [req_id, 0, server.handle(op, session, params or {})]
+        reply = [req_id, 0, server.handle(op, session, params if params is not None else {})]
     except GpuBrokerError as exc:
         fatal = bool(exc.details.get("fatal"))
         reply = [req_id, 1, exc.to_wire()]
@@ -49,7 +49,7 @@ def _serve_front(sock: socket.socket, server: WorkerServer) -> int | None:
 
 
 def serve(sock: socket.socket, server: WorkerServer) -> int:
-    """Serve the front and any direct client links until the front closes its socket; returns the exit code."""
+    """Serve the front and any client links until the front closes its socket; returns the exit code."""
     server.front = sock
     links = server.links
     selector = selectors.DefaultSelector()
@@ -70,7 +70,7 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
             else:
                 code = None
                 links.readable(key.fd)
-            if code is not None or server.fatal or links.fatal:
+            if code is not None or server.fatal:
                 log.error("fatal device error; exiting so the tenant gets a fresh context")
                 return EXIT_FATAL
             if version != links.version:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         send_frame(sock, [0, 1, Internal(f"device init failed: {type(exc).__name__}: {exc}").to_wire()])
         return 2
-    server = WorkerServer(backend)
+    server = WorkerServer(backend, args.tenant, args.device)
     if args.fd_channel is not None:
         server.segments.set_channel(socket.socket(fileno=args.fd_channel))
     code = serve(sock, server)

@@ -10,10 +10,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import msgspec
+
 from gpubroker.client import DeviceInfo, GpuBrokerError
 from gpubroker.client._errors import error_from_wire
+from gpubroker.client._protocol import Ack, Batch, CommandError, DeviceInfoQuery, LoadModule, Read, decode_ack
 
-__all__ = ["MAX_ERROR_MESSAGE", "WorkerLied", "check_result", "device_info_from_dict", "error_from_worker"]
+__all__ = ["MAX_ERROR_MESSAGE", "WorkerLied", "check_ack", "check_result", "device_info_from_dict", "error_from_worker"]
 
 
 class WorkerLied(Exception):
@@ -122,84 +125,103 @@ def device_info_from_dict(d: Any) -> DeviceInfo:
     return DeviceInfo(**fields)
 
 
-def _handle(result: Any, params: dict[str, Any]) -> Any:
+def _text_result(result: Any, params: Any) -> Any:
     return _text(result, "a handle")
 
 
-def _none(result: Any, params: dict[str, Any]) -> Any:
-    if result is not None:
-        raise WorkerLied("a result where none is due")
+def _link(result: Any, params: Any) -> Any:
+    if result != {"link": 1}:
+        raise WorkerLied("a link hand-off answered other than {'link': 1}")
     return result
 
 
-def _module(result: Any, params: dict[str, Any]) -> Any:
-    if type(result) is not dict:
-        raise WorkerLied("a module result that is not a map")
-    names = result.get("kernel_names")
-    if type(names) is not list or len(names) > _MAX_KERNELS:
-        raise WorkerLied("a module's kernel names are not a list")
-    for name in names:
-        _text(name, "a kernel name", limit=1024)
-    return {"handle": _text(result.get("handle"), "a module handle"), "kernel_names": names}
-
-
-def _read(result: Any, params: dict[str, Any]) -> Any:
-    if type(result) is not bytes or len(result) != params.get("size"):
-        raise WorkerLied(f"a read that returned other than the {params.get('size')} bytes asked for")
-    return result
-
-
-def _batch(result: Any, params: dict[str, Any]) -> Any:
-    commands = params.get("commands") or []
-    if type(result) is not dict:
-        raise WorkerLied("a batch result that is not a map")
-    _count(result.get("done"), "a batch's commands done", len(commands))
-    error = result.get("error")
-    if error is None:
-        return result
-    if type(error) is not dict:
-        raise WorkerLied("a batch error that is not a map")
-    seq = error.get("seq")
-    if not any(seq == command[0] and type(seq) is type(command[0]) for command in commands):
-        raise WorkerLied("a batch error for a command the batch did not hold")
-    failure = error_from_worker({"code": error.get("code"), "message": error.get("message"),
-                                 "type": error.get("type")})
-    return {"done": result["done"], "error": {"seq": seq, "command": _text(error.get("command"), "a command", 1024),
-                                              "code": failure.code, "message": failure.message,
-                                              "type": type(failure).__name__}}
-
-
-def _peer_export(result: Any, params: dict[str, Any]) -> Any:
+def _peer_export(result: Any, params: Any) -> Any:
     if type(result) is not dict or type(result.get("handle")) is not bytes or len(result["handle"]) > 4096:
         raise WorkerLied("a peer export that is not a handle")
-    ref = params.get("buf")
-    limit = ref[1] if type(ref) is list and len(ref) == 3 and type(ref[1]) is int else 0
-    _count(result.get("size"), "a peer export's size", limit)  # never more than the allocation it exports
+    _count(result.get("size"), "a peer export's size")
     return result
 
 
-def _count_result(result: Any, params: dict[str, Any]) -> Any:
+def _count_result(result: Any, params: Any) -> Any:
     return _count(result, "a count")
 
 
-def _device_info(result: Any, params: dict[str, Any]) -> Any:
+def _device_info(result: Any, params: Any) -> Any:
     device_info_from_dict(result)
     return result
 
 
-# What each front request may get back. Operations not listed (none today) are bounded by the frame size only.
+def _usage(result: Any, params: Any) -> Any:
+    if type(result) is not dict or type(result.get("sessions")) is not dict:
+        raise WorkerLied("a usage report that is not {memory_used, sessions}")
+    _count(result.get("memory_used"), "a usage report's memory_used")
+    for session, used in result["sessions"].items():
+        _text(session, "a usage report's session")
+        _count(used, "a session's memory use")
+    return result
+
+
+def check_ack(batch: Batch, result: Any) -> Ack:
+    """A worker's answer to ``batch``, decoded and held to it: the batch's id, no more commands done than it
+    held, an error for one of its commands (and only when not all of them ran), and the last command's result
+    of the kind and size that command returns."""
+    if type(result) is not bytes:
+        raise WorkerLied("a batch answer that is not an encoded ack")
+    try:
+        ack = decode_ack(result)
+    except msgspec.DecodeError as exc:
+        raise WorkerLied(f"a batch answer that is not an ack ({str(exc)[:100]})") from None
+    count = len(batch.commands)
+    if ack.id != batch.id:
+        raise WorkerLied(f"an ack for batch {ack.id}, not the batch {batch.id} it was sent")
+    if not 0 <= ack.done <= count:
+        raise WorkerLied(f"an ack saying {ack.done} of a batch's {count} commands ran")
+    error = ack.error
+    if error is not None:
+        if not batch.first <= error.seq < batch.first + count or ack.done == count:
+            raise WorkerLied("a batch error for a command the batch did not hold")
+        failure = error_from_worker({"code": error.code, "message": error.message, "type": error.type,
+                                     "details": error.details})
+        command = error.command[:1024]
+        return Ack(ack.id, ack.done, CommandError(error.seq, command, failure.code, failure.message,
+                                                  type(failure).__name__, failure.details))
+    if ack.done != count:
+        raise WorkerLied(f"an ack saying {ack.done} of a batch's {count} commands ran, with no error")
+    last = batch.commands[-1] if batch.commands else None
+    return Ack(ack.id, ack.done, None, _last_result(last, ack.result))
+
+
+def _last_result(last: Any, result: Any) -> Any:
+    """The result a batch's last command returns, checked: a read's bytes, a device, kernel names; else None."""
+    if isinstance(last, Read):
+        if type(result) is not bytes or len(result) != last.size:
+            raise WorkerLied(f"a read that returned other than the {last.size} bytes asked for")
+        return result
+    if isinstance(last, DeviceInfoQuery):
+        device_info_from_dict(result)
+        return result
+    if isinstance(last, LoadModule):
+        if type(result) is not list or len(result) > _MAX_KERNELS:
+            raise WorkerLied("a module's kernel names are not a list")
+        for name in result:
+            _text(name, "a kernel name", limit=1024)
+        return result
+    if result is not None:
+        raise WorkerLied("a result where none is due")
+    return None
+
+
+# What each front request may get back; a request not listed gets a result the front does not use (bounded by
+# the frame size only). ``batch`` answers are held to their batch by check_ack.
 _RESULTS = {
-    "allocate": _handle, "get_kernel": _handle, "create_stream": _handle, "register_segment": _handle,
-    "peer_open": _handle, "load_module": _module, "read": _read, "batch": _batch, "peer_export": _peer_export,
-    "device_info": _device_info, "close_session": _count_result, "attach_direct": _count_result,
-    "ping": _count_result,
-    **{op: _none for op in ("free", "memset", "copy_d2d", "write", "launch", "synchronize", "destroy_stream",
-                            "unload_module", "release_segment", "copy_shared", "peer_local", "peer_copy",
-                            "peer_close")},
+    "peer_open": _text_result, "peer_export": _peer_export, "device_info": _device_info, "ping": _count_result,
+    "attach_link": _link, "usage": _usage,
 }
 
 
-def check_result(op: str, params: dict[str, Any], result: Any) -> Any:
+def check_result(op: str, params: Any, result: Any) -> Any:
     """``result`` if it is what ``op`` with ``params`` can return; WorkerLied otherwise."""
+    if op == "batch":
+        return check_ack(params, result)
     check = _RESULTS.get(op)
     return result if check is None else check(result, params)

@@ -11,7 +11,6 @@ spanning two separately registered ranges would not be one DMA. A segment that n
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import mmap
 import os
@@ -20,9 +19,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from gpubroker.client import FailedPrecondition, GpuBrokerError, Internal, InvalidArgument, NotFound, OutOfRange
+from gpubroker.client import FailedPrecondition, GpuBrokerError, Internal, InvalidArgument, OutOfRange
 
-__all__ = ["SegmentTable"]
+__all__ = ["Segment", "SegmentTable"]
 
 log = logging.getLogger("gpubroker.worker")
 # How long to wait for an fd the front has already sent: only a front bug would make this wait at all.
@@ -38,13 +37,12 @@ class Segment:
 
 
 class SegmentTable:
-    """The worker's mapped segments by id; the WorkerServer tracks which session owns which."""
+    """Maps, pins and unmaps segments; the session's handle table (workers/_handles.py) names them by the
+    client's handles."""
 
     def __init__(self, backend: Any, channel: socket.socket | None = None) -> None:
         self.backend = backend
         self.channel = channel
-        self._segments: dict[str, Segment] = {}
-        self._ids = itertools.count(1)
 
     def set_channel(self, channel: socket.socket) -> None:
         channel.settimeout(_FD_TIMEOUT)
@@ -64,7 +62,7 @@ class SegmentTable:
             raise Internal("the fd channel is out of step with the requests")
         return fds[0]
 
-    def register(self, token: bytes, size: Any) -> str:
+    def register(self, token: bytes, size: Any) -> Segment:
         """Receive the fd sent with this request and map ``size`` bytes of it (page-locked at its first copy)."""
         fd = self.receive(bytes(token))  # first, whatever else is wrong: the next request's fd must stay next
         try:
@@ -77,9 +75,7 @@ class SegmentTable:
             raise InvalidArgument(f"cannot map the segment: {exc.strerror}") from None
         finally:
             os.close(fd)  # the mapping keeps the memory; the client's memfd name stays visible in /proc maps
-        seg_id = f"seg{next(self._ids)}"
-        self._segments[seg_id] = Segment(mm, size)
-        return seg_id
+        return Segment(mm, size)
 
     def _pin(self, seg: Segment) -> None:
         """Page-lock a segment at its first copy, where the backend can (CUDA); only slower where it cannot."""
@@ -96,11 +92,8 @@ class SegmentTable:
             log.warning("segment of %d bytes not page-locked: %s", seg.size, exc.message)
 
     @contextlib.contextmanager
-    def view(self, seg_id: str, offset: int, size: int) -> Iterator[memoryview]:
+    def view(self, seg: Segment, offset: int, size: int) -> Iterator[memoryview]:
         """A memoryview of ``[offset, offset + size)`` of a segment, released on exit so it can be unmapped."""
-        seg = self._segments.get(seg_id)
-        if seg is None:
-            raise NotFound("unknown segment handle")
         if offset < 0 or size < 0:
             raise InvalidArgument(f"segment offset and size must be >= 0, got {offset} and {size}")
         if offset + size > seg.size:
@@ -118,10 +111,7 @@ class SegmentTable:
                 part.release()
                 whole.release()
 
-    def release(self, seg_id: str) -> None:
-        seg = self._segments.pop(seg_id, None)
-        if seg is None:
-            return
+    def release(self, seg: Segment) -> None:
         if seg.pinned is not None:
             try:
                 self.backend.unregister_host_memory(seg.pinned)
@@ -131,6 +121,3 @@ class SegmentTable:
             seg.mm.close()
         except BufferError:
             log.warning("a %d-byte segment is still referenced; it unmaps when that goes", seg.size)
-
-    def __contains__(self, seg_id: str) -> bool:
-        return seg_id in self._segments

@@ -26,6 +26,7 @@ from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.broker.server._health import device_service
 from gpubroker.broker.workers._replies import WorkerLied, check_result, device_info_from_dict, error_from_worker
 from gpubroker.client import GpuBrokerError, RemoteGpu, Unavailable, WorkerCrashed, connect
+from gpubroker.client._protocol import Ack, Allocate, Batch, CommandError, Launch, LoadModule, Read, encode
 from gpubroker.client._transport import make_channel
 
 from ..conftest import worker_pids
@@ -191,14 +192,31 @@ def test_what_the_front_takes_from_a_worker_is_bounded() -> None:
                                "details": {"log": "y" * 10_000_000, "obj": {"nested": 1}, 7: "key"}})
     assert type(error).__name__ == "NotFound" and len(error.message) < 5000  # never an arbitrary class
     assert set(error.details) == {"log"} and len(error.details["log"]) == 256 * 1024
-    with pytest.raises(WorkerLied, match="bytes asked for"):
-        check_result("read", {"size": 16}, b"x" * (1 << 20))
-    with pytest.raises(WorkerLied, match="did not hold"):
-        check_result("batch", {"commands": [[1, "launch", "k", {}]]},
-                     {"done": 0, "error": {"seq": 99, "command": "launch", "code": "INTERNAL", "message": "m"}})
+    read = Batch(7, 100, [Launch("k1", (1,), (1,), []), Read(("b1", 0), 0, 16)])
+    lies = {
+        "not an encoded ack": {"done": 2},
+        "not an ack": b"\x93garbage",
+        "not the batch 7": encode(Ack(8, 2, None, b"x" * 16)),
+        "3 of a batch's 2": encode(Ack(7, 3, None, b"x" * 16)),
+        "did not hold": encode(Ack(7, 0, CommandError(99, "launch of 'k'", "INTERNAL", "m"))),
+        "status no worker reports": encode(Ack(7, 0, CommandError(100, "launch", "PERMISSION_DENIED", "m"))),
+        "with no error": encode(Ack(7, 1, None)),
+        "bytes asked for": encode(Ack(7, 2, None, b"x" * (1 << 20))),
+    }
+    for why, answer in lies.items():
+        with pytest.raises(WorkerLied, match=why):
+            check_result("batch", read, answer)
+    honest = check_result("batch", read, encode(Ack(7, 1, CommandError(101, "read of 16 bytes", "OUT_OF_RANGE", "m",
+                                                                       "SystemExit", {"x": {"deep": 1}}))))
+    assert honest.error.type == "OutOfRange" and honest.error.details == {}  # never an arbitrary class
+    assert check_result("batch", read, encode(Ack(7, 2, None, b"y" * 16))).result == b"y" * 16
+    with pytest.raises(WorkerLied, match="a result where none is due"):
+        check_result("batch", Batch(1, 0, [Allocate("b1", 8)]), encode(Ack(1, 1, None, "b_forged")))
+    with pytest.raises(WorkerLied, match="kernel names"):
+        check_result("batch", Batch(1, 0, [LoadModule("m1", "opencl_c", b"")]), encode(Ack(1, 1, None, {"k": 1})))
     with pytest.raises(WorkerLied, match="peer export"):
-        check_result("peer_export", {"buf": ["h", 1024, 0]}, {"handle": b"ipc", "size": 1 << 40})
-    with pytest.raises(WorkerLied, match="handle"):
-        check_result("allocate", {"size": 8}, {"not": "a handle"})
+        check_result("peer_export", {"buf": ["h", 0]}, {"handle": b"ipc" * 2000, "size": 8})
+    with pytest.raises(WorkerLied, match="link"):
+        check_result("attach_link", {}, {"link": 2})
     with pytest.raises(WorkerLied, match="total_memory"):
         device_info_from_dict({"id": 0, "name": "gpu", "total_memory": -1})

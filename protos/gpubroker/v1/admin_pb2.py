@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gpubroker/v1/admin.proto\x12\x0cgpubroker.v1\"%\n\x13ListSessionsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"\x9f\x01\n\x0eSessionSummary\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\r\x12\x14\n\x0cidle_seconds\x18\x04 \x01(\x01\x12\x13\n\x0bmemory_used\x18\x05 \x01(\x04\x12\x0f\n\x07handles\x18\x06 \x01(\r\x12\x0c\n\x04lost\x18\x07 \x01(\t\x12\x12\n\nworker_pid\x18\x08 \x01(\r\"F\n\x14ListSessionsResponse\x12.\n\x08sessions\x18\x01 \x03(\x0b\x32\x1c.gpubroker.v1.SessionSummary\"$\n\x11\x45ndSessionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\":\n\x12\x45ndSessionResponse\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0cmemory_freed\x18\x02 \x01(\x04\"\x0f\n\rReloadRequest\"Y\n\x0eReloadResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x03(\t\x12\x0f\n\x07removed\x18\x02 \x03(\t\x12\x0f\n\x07\x63hanged\x18\x03 \x03(\t\x12\x16\n\x0esessions_ended\x18\x04 \x01(\r\"<\n\x0c\x44rainRequest\x12\x1a\n\rgrace_seconds\x18\x01 \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_grace_seconds\"\x85\x01\n\rDrainResponse\x12\x18\n\x10sessions_running\x18\x01 \x01(\r\x12.\n\x08sessions\x18\x02 \x03(\x0b\x32\x1c.gpubroker.v1.SessionSummary\x12\x19\n\x0cseconds_left\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x0f\n\r_seconds_left\"&\n\x0cUsageRequest\x12\x16\n\x0ewindow_seconds\x18\x01 \x01(\x01\"\x9f\x02\n\x0bTenantUsage\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\r\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x16\n\x0e\x64\x65vice_seconds\x18\x04 \x01(\x01\x12\r\n\x05share\x18\x05 \x01(\x01\x12\x0e\n\x06queued\x18\x06 \x01(\r\x12\x10\n\x08inflight\x18\x07 \x01(\r\x12\x13\n\x0bwait_p50_ms\x18\x08 \x01(\x01\x12\x13\n\x0bwait_p99_ms\x18\t \x01(\x01\x12\x13\n\x0bmemory_used\x18\n \x01(\x04\x12\x14\n\x0cmemory_quota\x18\x0b \x01(\x04\x12\x10\n\x08sessions\x18\x0c \x01(\r\x12\x14\n\x0cshared_bytes\x18\r \x01(\x04\x12\x1a\n\x12shared_bytes_limit\x18\x0e \x01(\x04\"h\n\rUsageResponse\x12*\n\x07tenants\x18\x01 \x03(\x0b\x32\x19.gpubroker.v1.TenantUsage\x12\x17\n\x0f\x66\x61ir_scheduling\x18\x02 \x01(\x08\x12\x12\n\nquantum_ms\x18\x03 \x01(\x01\"\x0f\n\rStatusRequest\"\xba\x01\n\x0c\x44\x65viceStatus\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x14\n\x0ctotal_memory\x18\x04 \x01(\x04\x12\x0e\n\x06health\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x1e\n\x16recent_worker_failures\x18\x07 \x01(\r\x12\x10\n\x08sessions\x18\x08 \x01(\r\x12\x13\n\x0bmemory_used\x18\t \x01(\x04\"z\n\x0cTenantStatus\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\r\x12\x14\n\x0cmemory_quota\x18\x03 \x01(\x04\x12\r\n\x05\x61\x64min\x18\x04 \x01(\x08\x12\x10\n\x08sessions\x18\x05 \x01(\r\x12\x13\n\x0bmemory_used\x18\x06 \x01(\x04\"\xfe\x01\n\x0eStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x02 \x01(\x01\x12\x0e\n\x06health\x18\x03 \x01(\t\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x1f\n\x12\x64rain_seconds_left\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12+\n\x07\x64\x65vices\x18\x06 \x03(\x0b\x32\x1a.gpubroker.v1.DeviceStatus\x12+\n\x07tenants\x18\x07 \x03(\x0b\x32\x1a.gpubroker.v1.TenantStatus\x12\x0f\n\x07sandbox\x18\x08 \x01(\tB\x15\n\x13_drain_seconds_left2\xbd\x03\n\x05\x41\x64min\x12U\n\x0cListSessions\x12!.gpubroker.v1.ListSessionsRequest\x1a\".gpubroker.v1.ListSessionsResponse\x12O\n\nEndSession\x12\x1f.gpubroker.v1.EndSessionRequest\x1a .gpubroker.v1.EndSessionResponse\x12\x43\n\x06Reload\x12\x1b.gpubroker.v1.ReloadRequest\x1a\x1c.gpubroker.v1.ReloadResponse\x12@\n\x05\x44rain\x12\x1a.gpubroker.v1.DrainRequest\x1a\x1b.gpubroker.v1.DrainResponse\x12@\n\x05Usage\x12\x1a.gpubroker.v1.UsageRequest\x1a\x1b.gpubroker.v1.UsageResponse\x12\x43\n\x06Status\x12\x1b.gpubroker.v1.StatusRequest\x1a\x1c.gpubroker.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18gpubroker/v1/admin.proto\x12\x0cgpubroker.v1\"%\n\x13ListSessionsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"\x94\x01\n\x0eSessionSummary\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\r\x12\x14\n\x0cidle_seconds\x18\x04 \x01(\x01\x12\x13\n\x0bmemory_used\x18\x05 \x01(\x04\x12\x0c\n\x04lost\x18\x07 \x01(\t\x12\x12\n\nworker_pid\x18\x08 \x01(\rJ\x04\x08\x06\x10\x07\"F\n\x14ListSessionsResponse\x12.\n\x08sessions\x18\x01 \x03(\x0b\x32\x1c.gpubroker.v1.SessionSummary\"$\n\x11\x45ndSessionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\":\n\x12\x45ndSessionResponse\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0cmemory_freed\x18\x02 \x01(\x04\"\x0f\n\rReloadRequest\"Y\n\x0eReloadResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x03(\t\x12\x0f\n\x07removed\x18\x02 \x03(\t\x12\x0f\n\x07\x63hanged\x18\x03 \x03(\t\x12\x16\n\x0esessions_ended\x18\x04 \x01(\r\"<\n\x0c\x44rainRequest\x12\x1a\n\rgrace_seconds\x18\x01 \x01(\x01H\x00\x88\x01\x01\x42\x10\n\x0e_grace_seconds\"\x85\x01\n\rDrainResponse\x12\x18\n\x10sessions_running\x18\x01 \x01(\r\x12.\n\x08sessions\x18\x02 \x03(\x0b\x32\x1c.gpubroker.v1.SessionSummary\x12\x19\n\x0cseconds_left\x18\x03 \x01(\x01H\x00\x88\x01\x01\x42\x0f\n\r_seconds_left\"&\n\x0cUsageRequest\x12\x16\n\x0ewindow_seconds\x18\x01 \x01(\x01\"\x9f\x02\n\x0bTenantUsage\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\r\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x16\n\x0e\x64\x65vice_seconds\x18\x04 \x01(\x01\x12\r\n\x05share\x18\x05 \x01(\x01\x12\x0e\n\x06queued\x18\x06 \x01(\r\x12\x10\n\x08inflight\x18\x07 \x01(\r\x12\x13\n\x0bwait_p50_ms\x18\x08 \x01(\x01\x12\x13\n\x0bwait_p99_ms\x18\t \x01(\x01\x12\x13\n\x0bmemory_used\x18\n \x01(\x04\x12\x14\n\x0cmemory_quota\x18\x0b \x01(\x04\x12\x10\n\x08sessions\x18\x0c \x01(\r\x12\x14\n\x0cshared_bytes\x18\r \x01(\x04\x12\x1a\n\x12shared_bytes_limit\x18\x0e \x01(\x04\"h\n\rUsageResponse\x12*\n\x07tenants\x18\x01 \x03(\x0b\x32\x19.gpubroker.v1.TenantUsage\x12\x17\n\x0f\x66\x61ir_scheduling\x18\x02 \x01(\x08\x12\x12\n\nquantum_ms\x18\x03 \x01(\x01\"\x0f\n\rStatusRequest\"\xba\x01\n\x0c\x44\x65viceStatus\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x14\n\x0ctotal_memory\x18\x04 \x01(\x04\x12\x0e\n\x06health\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x1e\n\x16recent_worker_failures\x18\x07 \x01(\r\x12\x10\n\x08sessions\x18\x08 \x01(\r\x12\x13\n\x0bmemory_used\x18\t \x01(\x04\"z\n\x0cTenantStatus\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\r\x12\x14\n\x0cmemory_quota\x18\x03 \x01(\x04\x12\r\n\x05\x61\x64min\x18\x04 \x01(\x08\x12\x10\n\x08sessions\x18\x05 \x01(\r\x12\x13\n\x0bmemory_used\x18\x06 \x01(\x04\"\xfe\x01\n\x0eStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x02 \x01(\x01\x12\x0e\n\x06health\x18\x03 \x01(\t\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x1f\n\x12\x64rain_seconds_left\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12+\n\x07\x64\x65vices\x18\x06 \x03(\x0b\x32\x1a.gpubroker.v1.DeviceStatus\x12+\n\x07tenants\x18\x07 \x03(\x0b\x32\x1a.gpubroker.v1.TenantStatus\x12\x0f\n\x07sandbox\x18\x08 \x01(\tB\x15\n\x13_drain_seconds_left2\xbd\x03\n\x05\x41\x64min\x12U\n\x0cListSessions\x12!.gpubroker.v1.ListSessionsRequest\x1a\".gpubroker.v1.ListSessionsResponse\x12O\n\nEndSession\x12\x1f.gpubroker.v1.EndSessionRequest\x1a .gpubroker.v1.EndSessionResponse\x12\x43\n\x06Reload\x12\x1b.gpubroker.v1.ReloadRequest\x1a\x1c.gpubroker.v1.ReloadResponse\x12@\n\x05\x44rain\x12\x1a.gpubroker.v1.DrainRequest\x1a\x1b.gpubroker.v1.DrainResponse\x12@\n\x05Usage\x12\x1a.gpubroker.v1.UsageRequest\x1a\x1b.gpubroker.v1.UsageResponse\x12\x43\n\x06Status\x12\x1b.gpubroker.v1.StatusRequest\x1a\x1c.gpubroker.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTSESSIONSREQUEST']._serialized_start=42
   _globals['_LISTSESSIONSREQUEST']._serialized_end=79
   _globals['_SESSIONSUMMARY']._serialized_start=82
-  _globals['_SESSIONSUMMARY']._serialized_end=241
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=243
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=313
-  _globals['_ENDSESSIONREQUEST']._serialized_start=315
-  _globals['_ENDSESSIONREQUEST']._serialized_end=351
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=353
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=411
-  _globals['_RELOADREQUEST']._serialized_start=413
-  _globals['_RELOADREQUEST']._serialized_end=428
-  _globals['_RELOADRESPONSE']._serialized_start=430
-  _globals['_RELOADRESPONSE']._serialized_end=519
-  _globals['_DRAINREQUEST']._serialized_start=521
-  _globals['_DRAINREQUEST']._serialized_end=581
-  _globals['_DRAINRESPONSE']._serialized_start=584
-  _globals['_DRAINRESPONSE']._serialized_end=717
-  _globals['_USAGEREQUEST']._serialized_start=719
-  _globals['_USAGEREQUEST']._serialized_end=757
-  _globals['_TENANTUSAGE']._serialized_start=760
-  _globals['_TENANTUSAGE']._serialized_end=1047
-  _globals['_USAGERESPONSE']._serialized_start=1049
-  _globals['_USAGERESPONSE']._serialized_end=1153
-  _globals['_STATUSREQUEST']._serialized_start=1155
-  _globals['_STATUSREQUEST']._serialized_end=1170
-  _globals['_DEVICESTATUS']._serialized_start=1173
-  _globals['_DEVICESTATUS']._serialized_end=1359
-  _globals['_TENANTSTATUS']._serialized_start=1361
-  _globals['_TENANTSTATUS']._serialized_end=1483
-  _globals['_STATUSRESPONSE']._serialized_start=1486
-  _globals['_STATUSRESPONSE']._serialized_end=1740
-  _globals['_ADMIN']._serialized_start=1743
-  _globals['_ADMIN']._serialized_end=2188
+  _globals['_SESSIONSUMMARY']._serialized_end=230
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=232
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=302
+  _globals['_ENDSESSIONREQUEST']._serialized_start=304
+  _globals['_ENDSESSIONREQUEST']._serialized_end=340
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=342
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=400
+  _globals['_RELOADREQUEST']._serialized_start=402
+  _globals['_RELOADREQUEST']._serialized_end=417
+  _globals['_RELOADRESPONSE']._serialized_start=419
+  _globals['_RELOADRESPONSE']._serialized_end=508
+  _globals['_DRAINREQUEST']._serialized_start=510
+  _globals['_DRAINREQUEST']._serialized_end=570
+  _globals['_DRAINRESPONSE']._serialized_start=573
+  _globals['_DRAINRESPONSE']._serialized_end=706
+  _globals['_USAGEREQUEST']._serialized_start=708
+  _globals['_USAGEREQUEST']._serialized_end=746
+  _globals['_TENANTUSAGE']._serialized_start=749
+  _globals['_TENANTUSAGE']._serialized_end=1036
+  _globals['_USAGERESPONSE']._serialized_start=1038
+  _globals['_USAGERESPONSE']._serialized_end=1142
+  _globals['_STATUSREQUEST']._serialized_start=1144
+  _globals['_STATUSREQUEST']._serialized_end=1159
+  _globals['_DEVICESTATUS']._serialized_start=1162
+  _globals['_DEVICESTATUS']._serialized_end=1348
+  _globals['_TENANTSTATUS']._serialized_start=1350
+  _globals['_TENANTSTATUS']._serialized_end=1472
+  _globals['_STATUSRESPONSE']._serialized_start=1475
+  _globals['_STATUSRESPONSE']._serialized_end=1729
+  _globals['_ADMIN']._serialized_start=1732
+  _globals['_ADMIN']._serialized_end=2177
 # @@protoc_insertion_point(module_scope)

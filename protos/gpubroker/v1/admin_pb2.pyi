@@ -13,13 +13,12 @@ class ListSessionsRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ...) -> None: ...
 
 class SessionSummary(_message.Message):
-    __slots__ = ("session", "tenant", "device", "idle_seconds", "memory_used", "handles", "lost", "worker_pid")
+    __slots__ = ("session", "tenant", "device", "idle_seconds", "memory_used", "lost", "worker_pid")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
-    HANDLES_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
     WORKER_PID_FIELD_NUMBER: _ClassVar[int]
     session: str
@@ -27,10 +26,9 @@ class SessionSummary(_message.Message):
     device: int
     idle_seconds: float
     memory_used: int
-    handles: int
     lost: str
     worker_pid: int
-    def __init__(self, session: _Optional[str] = ..., tenant: _Optional[str] = ..., device: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., memory_used: _Optional[int] = ..., handles: _Optional[int] = ..., lost: _Optional[str] = ..., worker_pid: _Optional[int] = ...) -> None: ...
+    def __init__(self, session: _Optional[str] = ..., tenant: _Optional[str] = ..., device: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., memory_used: _Optional[int] = ..., lost: _Optional[str] = ..., worker_pid: _Optional[int] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
     __slots__ = ("sessions",)

@@ -37,16 +37,20 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, device: _Optional[int] = ..., client_name: _Optional[str] = ..., any_device: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session", "lease_seconds", "max_chunk_bytes", "device")
+    __slots__ = ("session", "lease_seconds", "max_chunk_bytes", "device", "link_port", "link_vsock_port")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    LINK_PORT_FIELD_NUMBER: _ClassVar[int]
+    LINK_VSOCK_PORT_FIELD_NUMBER: _ClassVar[int]
     session: str
     lease_seconds: float
     max_chunk_bytes: int
     device: DeviceInfo
-    def __init__(self, session: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ...) -> None: ...
+    link_port: int
+    link_vsock_port: int
+    def __init__(self, session: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., link_port: _Optional[int] = ..., link_vsock_port: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("session",)
@@ -327,14 +331,16 @@ class Command(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., launch: _Optional[_Union[LaunchKernelRequest, _Mapping]] = ..., memset: _Optional[_Union[MemsetRequest, _Mapping]] = ..., copy_d2d: _Optional[_Union[CopyDeviceToDeviceRequest, _Mapping]] = ..., synchronize: _Optional[_Union[StreamRequest, _Mapping]] = ...) -> None: ...
 
 class CommandBatch(_message.Message):
-    __slots__ = ("session", "batch", "commands")
+    __slots__ = ("session", "batch", "commands", "encoded")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_FIELD_NUMBER: _ClassVar[int]
     session: str
     batch: int
     commands: _containers.RepeatedCompositeFieldContainer[Command]
-    def __init__(self, session: _Optional[str] = ..., batch: _Optional[int] = ..., commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ...) -> None: ...
+    encoded: bytes
+    def __init__(self, session: _Optional[str] = ..., batch: _Optional[int] = ..., commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ..., encoded: _Optional[bytes] = ...) -> None: ...
 
 class CommandError(_message.Message):
     __slots__ = ("seq", "command", "code", "message")
@@ -349,12 +355,14 @@ class CommandError(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., command: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class BatchAck(_message.Message):
-    __slots__ = ("batch", "error")
+    __slots__ = ("batch", "error", "encoded")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_FIELD_NUMBER: _ClassVar[int]
     batch: int
     error: CommandError
-    def __init__(self, batch: _Optional[int] = ..., error: _Optional[_Union[CommandError, _Mapping]] = ...) -> None: ...
+    encoded: bytes
+    def __init__(self, batch: _Optional[int] = ..., error: _Optional[_Union[CommandError, _Mapping]] = ..., encoded: _Optional[bytes] = ...) -> None: ...
 
 class CopySharedRequest(_message.Message):
     __slots__ = ("session", "segment", "segment_offset", "buffer", "offset", "size", "to_device", "stream")

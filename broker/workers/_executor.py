@@ -1,0 +1,303 @@
+"""The worker's one execution path: a batch of protocol commands, run in order, answered by one Ack.
+
+Batches come from the front (the ``batch`` op: typed gRPC calls turned into commands, module loads under the
+front's compile time limit) and from links straight from the client (workers/_links.py); a single synchronous call
+is a batch of one. Each command class has one handler (a dict from the class to a method). The first failure
+stops the batch: the Ack says how many ran and names the failed command by its sequence number and what it was
+("launch of 'scale'"); nothing after it runs.
+
+The launch path is the hot one: the kernel is one dict lookup, and the backend's argument list for a launch's
+arguments (buffer views and numpy scalars) is cached per session by the arguments as sent (frozen, hashable
+protocol structs), so a repeated launch rebuilds no Python object. A cached list is dropped with any object of
+the session that goes (free, stream destroyed, module unloaded), since a later object may take its handle.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from gpubroker.client import (
+    FailedPrecondition,
+    GpuBrokerError,
+    GpuCompute,
+    Internal,
+    InvalidArgument,
+    Module,
+    ModuleFormat,
+)
+from gpubroker.client._protocol import (
+    Ack,
+    Allocate,
+    Batch,
+    BufferArg,
+    CommandError,
+    CopyD2D,
+    CopyShared,
+    CreateStream,
+    DestroyStream,
+    DeviceInfoQuery,
+    Free,
+    GetKernel,
+    KernelArg,
+    Launch,
+    LoadModule,
+    Memset,
+    Read,
+    Synchronize,
+    UnloadModule,
+    Write,
+)
+
+from ._handles import _CACHE_MAX, BufferEntry, HandleTables, KernelEntry, SessionObjects
+from ._segments import SegmentTable
+
+__all__ = ["Executor", "command_name"]
+
+log = logging.getLogger("gpubroker.worker")
+
+_DTYPES: dict[str, np.dtype[Any]] = {}  # scalar dtype names already accepted
+
+
+def command_name(command: object) -> str:
+    """The command's wire tag ("launch", "load_module", ...)."""
+    return str(type(command).__struct_config__.tag)  # type: ignore[attr-defined]
+
+
+def _scalar(dtype: str, raw: bytes) -> np.generic:
+    dt = _DTYPES.get(dtype)
+    if dt is None:
+        try:
+            dt = np.dtype(dtype)
+        except Exception:  # TypeError mostly; ValueError, SyntaxError and others for some strings numpy half-parses
+            raise InvalidArgument(f"unknown scalar dtype {dtype!r}") from None
+        if dt.kind not in "iuf" or dt.itemsize > 8:
+            raise InvalidArgument(f"scalar of dtype {dtype!r} must be an int or float of at most 8 bytes")
+        if len(_DTYPES) < 64:
+            _DTYPES[dtype] = dt
+    if len(raw) != dt.itemsize:
+        raise InvalidArgument(f"scalar of dtype {dtype!r} must be {dt.itemsize} bytes, got {len(raw)}")
+    value: np.generic = np.frombuffer(raw, dtype=dt)[0]
+    return value
+
+
+def _describe(objs: SessionObjects, command: object) -> str:
+    """What a failed command was, for its CommandError (the error path only: never on a success)."""
+    match command:
+        case Launch(kernel=handle):
+            entry = objs.kernels.get(handle)
+            return f"launch of {entry.name!r}" if entry is not None else f"launch of kernel {handle!r}"
+        case Allocate(size=size):
+            return f"allocate of {size} bytes"
+        case Free(handle=handle):
+            return f"free of {handle!r}"
+        case Memset(size=size):
+            return "memset to the end of the view" if size == -1 else f"memset of {size} bytes"
+        case CopyD2D(size=size):
+            return f"copy_d2d of {size} bytes"
+        case Write(data=data):
+            return f"write of {len(data)} bytes"
+        case Read(size=size):
+            return f"read of {size} bytes"
+        case CopyShared(size=size, to_device=to_device):
+            return f"copy_shared of {size} bytes {'to' if to_device else 'from'} the device"
+        case GetKernel(name=name):
+            return f"get_kernel of {name!r}"
+        case CreateStream(handle=handle) | DestroyStream(handle=handle) | LoadModule(handle=handle) \
+                | UnloadModule(handle=handle):
+            return f"{command_name(command)} of {handle!r}"
+    return command_name(command)
+
+
+class Executor:
+    """Runs batches for every session of the worker against its backend, through the one handle table."""
+
+    def __init__(self, backend: GpuCompute, tables: HandleTables, segments: SegmentTable) -> None:
+        self.backend = backend
+        self.tables = tables
+        self.segments = segments
+        self.fatal = False  # a command corrupted the device context: the worker exits after replying
+        # Closes the backend's device-time segments when a batch ends (the CUDA backend's event marks).
+        self._end_batch: Callable[[], object] | None = getattr(backend, "flush_device_time", None)
+        self._execute = backend.execute_kernel
+        handlers: dict[type, Callable[[SessionObjects, Any], Any]] = {
+            Allocate: self._allocate, Free: self._free, Memset: self._memset, CopyD2D: self._copy_d2d,
+            Launch: self._launch, CreateStream: self._create_stream, DestroyStream: self._destroy_stream,
+            Synchronize: self._synchronize, Write: self._write, Read: self._read, CopyShared: self._copy_shared,
+            DeviceInfoQuery: self._device_info, LoadModule: self._load_module, UnloadModule: self._unload_module,
+            GetKernel: self._get_kernel,
+        }
+        self.handlers = handlers
+        # What a link may send: device work, and the memory and streams it uses (not compiles: see _protocol).
+        self.link_handlers = {kind: fn for kind, fn in handlers.items() if getattr(kind, "link", False)}
+
+    # -- batches -----------------------------------------------------------------------------------
+    def run(self, session: str, batch: Batch, link: bool = False) -> Ack:
+        """Run ``batch`` for ``session``; the first failure stops it and is reported in the Ack."""
+        objs = self.tables.session(session)
+        handlers = self.link_handlers if link else self.handlers
+        result: Any = None
+        done = 0
+        command: object = None
+        try:
+            for command in batch.commands:
+                handler = handlers.get(type(command))
+                if handler is None:
+                    raise InvalidArgument(f"{command_name(command)} cannot be sent on a link; it goes through the "
+                                          "front")
+                result = handler(objs, command)
+                done += 1
+        except GpuBrokerError as exc:
+            if exc.details.get("fatal"):
+                self.fatal = True
+            return Ack(batch.id, done, self._error(batch, done, objs, command, exc))
+        except Exception as exc:  # a bug or an untranslated runtime error: report it, keep the worker
+            log.exception("%s failed", command_name(command))
+            return Ack(batch.id, done, self._error(batch, done, objs, command,
+                                                   Internal(f"{type(exc).__name__}: {exc}")))
+        finally:
+            if self._end_batch is not None and not self.fatal:
+                self._end_batch()  # the host may now go idle: that gap must not count as device time
+        return Ack(batch.id, done, None, result)
+
+    @staticmethod
+    def _error(batch: Batch, done: int, objs: SessionObjects, command: object, exc: GpuBrokerError) -> CommandError:
+        return CommandError(batch.first + done, _describe(objs, command), exc.code, exc.message, type(exc).__name__,
+                            exc.details)
+
+    # -- memory ------------------------------------------------------------------------------------
+    def _allocate(self, objs: SessionObjects, cmd: Allocate) -> None:
+        tables = self.tables
+        tables.claim(objs, "buf", cmd.handle)
+        tables.reserve(cmd.size)
+        try:
+            buf = self.backend.allocate_memory(cmd.size)
+        except BaseException:
+            tables.unreserve(cmd.size)
+            raise
+        objs.kinds[cmd.handle] = "buf"
+        objs.buffers[cmd.handle] = BufferEntry(buf, cmd.size)
+        objs.memory_used += cmd.size
+
+    def _free(self, objs: SessionObjects, cmd: Free) -> None:
+        entry = objs.buffer(cmd.handle)
+        if entry.pins:
+            raise FailedPrecondition("buffer in use by a copy to another device")
+        self.backend.free_memory(entry.buffer)
+        self.forget_buffer(objs, cmd.handle, entry)
+
+    def forget_buffer(self, objs: SessionObjects, handle: str, entry: BufferEntry) -> None:
+        """The buffer was freed on the device: take it out of the table and the accounts."""
+        del objs.buffers[handle], objs.kinds[handle]
+        objs.memory_used -= entry.size
+        self.tables.unreserve(entry.size)
+        objs.forget_caches()
+
+    def _memset(self, objs: SessionObjects, cmd: Memset) -> None:
+        size = cmd.size
+        if size < -1:
+            raise InvalidArgument(f"memset size must be >= 0, or -1 for the rest of the view; got {size}")
+        self.backend.memset(objs.view(*cmd.buf), cmd.value, None if size == -1 else size, cmd.offset,
+                            objs.stream(cmd.stream))
+
+    def _copy_d2d(self, objs: SessionObjects, cmd: CopyD2D) -> None:
+        self.backend.copy_d2d(objs.view(*cmd.src), objs.view(*cmd.dst), cmd.size, cmd.src_offset, cmd.dst_offset,
+                              objs.stream(cmd.stream))
+
+    def _write(self, objs: SessionObjects, cmd: Write) -> None:
+        self.backend.copy_h2d(cmd.data, objs.view(*cmd.buf), cmd.offset, objs.stream(cmd.stream))
+
+    def _read(self, objs: SessionObjects, cmd: Read) -> bytearray:
+        out = bytearray(cmd.size)  # encoded as bin as it is: no copy to bytes first
+        self.backend.copy_d2h(objs.view(*cmd.buf), out, cmd.offset, objs.stream(cmd.stream))
+        return out
+
+    def _copy_shared(self, objs: SessionObjects, cmd: CopyShared) -> None:
+        """Between a mapped segment and device memory: the backend reads or writes the mapping directly."""
+        buf, stream = objs.view(*cmd.buf), objs.stream(cmd.stream)
+        with self.segments.view(objs.segment(cmd.segment), cmd.segment_offset, cmd.size) as host:
+            if cmd.to_device:
+                self.backend.copy_h2d(host, buf, cmd.offset, stream)
+            else:
+                self.backend.copy_d2h(buf, host, cmd.offset, stream)
+
+    # -- launches ----------------------------------------------------------------------------------
+    def _launch(self, objs: SessionObjects, cmd: Launch) -> None:
+        """Straight to the backend, which checks the dims and the args against the kernel and the device."""
+        entry = objs.kernels.get(cmd.kernel)
+        if entry is None:
+            raise objs.missing("kernel", cmd.kernel)
+        key = tuple(cmd.args)
+        args = objs.launch_args.get(key)
+        if args is None:
+            args = self._resolve_args(objs, cmd.args)
+            if len(objs.launch_args) >= _CACHE_MAX:
+                objs.launch_args.clear()
+            objs.launch_args[key] = args
+        self._execute(entry.kernel, cmd.grid, cmd.block, args, cmd.shared_mem,
+                      objs.stream(cmd.stream) if cmd.stream else None)
+
+    @staticmethod
+    def _resolve_args(objs: SessionObjects, args: list[KernelArg]) -> list[object]:
+        return [objs.view(arg.handle, arg.offset) if isinstance(arg, BufferArg) else _scalar(arg.dtype, arg.value)
+                for arg in args]
+
+    # -- streams -----------------------------------------------------------------------------------
+    def _create_stream(self, objs: SessionObjects, cmd: CreateStream) -> None:
+        self.tables.claim(objs, "stream", cmd.handle)
+        objs.streams[cmd.handle] = self.backend.create_stream()
+        objs.kinds[cmd.handle] = "stream"
+
+    def _destroy_stream(self, objs: SessionObjects, cmd: DestroyStream) -> None:
+        stream = objs.streams.get(cmd.handle)
+        if stream is None:
+            raise objs.missing("stream", cmd.handle)
+        self.backend.destroy_stream(stream)
+        del objs.streams[cmd.handle], objs.kinds[cmd.handle]
+        objs.forget_caches()
+
+    def _synchronize(self, objs: SessionObjects, cmd: Synchronize) -> None:
+        self.backend.synchronize(objs.stream(cmd.stream))
+
+    # -- the device --------------------------------------------------------------------------------
+    def _device_info(self, objs: SessionObjects, cmd: DeviceInfoQuery) -> dict[str, Any]:
+        info = asdict(self.backend.device_info())
+        info["memory_used"] = self.tables.memory_used
+        quota = self.tables.limits.memory_quota
+        if quota is not None:
+            info["memory_quota"] = quota
+            info["memory_available"] = max(0, quota - self.tables.memory_used)
+        return info
+
+    # -- modules and kernels (through the front only) -----------------------------------------------
+    def _load_module(self, objs: SessionObjects, cmd: LoadModule) -> list[str]:
+        self.tables.claim(objs, "module", cmd.handle)
+        try:
+            fmt = ModuleFormat(cmd.format)
+        except ValueError:
+            raise InvalidArgument(f"unknown module format {cmd.format!r}") from None
+        module = self.backend.load_module(cmd.image, fmt, tuple(cmd.options))
+        objs.modules[cmd.handle] = module
+        objs.kinds[cmd.handle] = "module"
+        return list(module.kernel_names)
+
+    def _get_kernel(self, objs: SessionObjects, cmd: GetKernel) -> None:
+        self.tables.claim(objs, "kernel", cmd.handle)
+        kernel = self.backend.get_kernel(objs.module(cmd.module), cmd.name)
+        objs.kernels[cmd.handle] = KernelEntry(kernel, cmd.name, cmd.module)
+        objs.kinds[cmd.handle] = "kernel"
+
+    def _unload_module(self, objs: SessionObjects, cmd: UnloadModule) -> None:
+        self.unload(objs, cmd.handle, objs.module(cmd.handle))
+
+    def unload(self, objs: SessionObjects, handle: str, module: Module) -> None:
+        # Every backend has it, but it is not part of the SDK's GpuCompute, the type open_backend returns
+        self.backend.unload_module(module)  # type: ignore[attr-defined]
+        del objs.modules[handle], objs.kinds[handle]
+        for kernel in [k for k, entry in objs.kernels.items() if entry.module == handle]:
+            del objs.kernels[kernel], objs.kinds[kernel]
+        objs.forget_caches()

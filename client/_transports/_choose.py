@@ -1,0 +1,79 @@
+"""Which transport a session gets: the best one the broker offers and the client can reach, chosen once."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterator
+from typing import Final
+
+from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+
+from .._errors import GpuBrokerError, InvalidArgument, Unavailable
+from .._tls import TlsOptions
+from ._core import Transport
+from ._grpc import GrpcCommands
+from ._link import VMADDR_CID_HOST, Connector, FramedLink, tcp_connector, unix_connector, vsock_connector
+
+__all__ = ["TRANSPORTS", "choose_transport", "in_vm", "split_host_port"]
+
+log = logging.getLogger("gpubroker.client")
+TRANSPORTS: Final = ("auto", "link", "grpc")
+_VSOCK_PROBE_SECONDS: Final = 0.2
+
+
+def split_host_port(target: str) -> tuple[str, int]:
+    """("host", port) of a gRPC target ``host:port`` or ``[v6]:port`` (with any ``dns:``/``ipv4:`` scheme)."""
+    address = target.split("://", 1)[-1]
+    for scheme in ("dns:", "ipv4:", "ipv6:"):
+        address = address.removeprefix(scheme)
+    host, _, port = address.rpartition(":")
+    try:
+        return host.strip("[]") or "localhost", int(port)
+    except ValueError:
+        raise InvalidArgument(f"cannot tell host and port from target {target!r}") from None
+
+
+def in_vm(port: int) -> bool:
+    """Whether this client runs in a VM guest whose host listens on vsock ``port`` (a short connect to CID 2)."""
+    if not hasattr(socket, "AF_VSOCK"):
+        return False
+    try:
+        vsock_connector(port, VMADDR_CID_HOST)(_VSOCK_PROBE_SECONDS).close()
+    except OSError:
+        return False
+    return True
+
+
+def choose_transport(preference: str, *, target: str, tls: TlsOptions | None, token: str, session: str,
+                     link_port: int, link_vsock_port: int, vsock: bool | None, stub: pb_grpc.GpuBrokerStub,
+                     metadata: tuple[tuple[str, str], ...], timeout: float | None, max_data: int) -> Transport:
+    """``preference``: "link" (a framed link or Unavailable naming why each failed), "grpc", or "auto" (a link
+    where one answers: the same host's ``<socket>.fast``, the host's vsock port from a VM, the broker's TCP link
+    port; else gRPC)."""
+    if preference not in TRANSPORTS:
+        raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORTS)}, got {preference!r}")
+    if preference == "grpc":
+        return GrpcCommands(stub, metadata, session, max_data=max_data, timeout=timeout)
+    unix = target.startswith("unix:")
+
+    def candidates() -> Iterator[tuple[str, Connector]]:  # lazily: a VM probe only where nothing nearer answers
+        if unix:
+            path = target.removeprefix("unix://") if target.startswith("unix://") else target.removeprefix("unix:")
+            yield "unix", unix_connector(path + ".fast")
+        if link_vsock_port and (vsock if vsock is not None else in_vm(link_vsock_port)):
+            yield "vsock", vsock_connector(link_vsock_port)
+        if link_port and not unix:
+            yield "tcp", tcp_connector(split_host_port(target)[0], link_port, tls)
+
+    failures = []
+    for kind, connect in candidates():
+        try:
+            return FramedLink(connect, token, session, kind=kind, timeout=timeout)
+        except GpuBrokerError as exc:
+            failures.append(f"{kind}: {exc.message}")
+    if preference == "link":
+        raise Unavailable("no link to the broker's worker: " + ("; ".join(failures) or "the broker offers none"))
+    if failures:
+        log.debug("no link to the broker's worker (%s); commands go by gRPC", "; ".join(failures))
+    return GrpcCommands(stub, metadata, session, max_data=max_data, timeout=timeout)

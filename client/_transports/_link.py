@@ -1,0 +1,211 @@
+"""FramedLink: the client's commands on one stream socket straight to its session's worker.
+
+The same frames on every kind of socket (4-byte big-endian length, then the payload): a hello to the front
+``{"token", "session", "link": 1}``, which authenticates it as it does a gRPC call and hands the connection to the
+session's worker; the worker answers ``[0, 0, {"link": 1, "max_frame": n}]`` (a refusal comes from the front as
+``[0, 1, error]``). After that every frame is an encoded protocol Batch one way and its Ack the other, in order.
+
+Where the socket comes from is the only difference between transports: the broker's ``<socket>.fast`` Unix
+socket on the same host, its ``link_listen`` TCP port (with the gRPC listener's TLS, which the front
+terminates), or its vsock port from a VM guest.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import ssl
+from collections.abc import Callable
+from typing import Any, Final
+
+from .._errors import GpuBrokerError, Unavailable, error_from_wire
+from .._frames import FRAME_HEADER, FrameRefused, recv_payload, send_frame, send_payload, unpack_frame
+from .._tls import TlsOptions
+from ._core import BatchingTransport, Lost
+
+__all__ = ["ENVELOPE", "HELLO_REPLY_MAX", "VMADDR_CID_HOST", "Connector", "FramedLink", "peer_hung_up",
+           "tcp_connector", "unix_connector", "vsock_connector"]
+
+# What a frame may carry beyond its copy data (the contract's max frame is chunk_bytes + this).
+ENVELOPE: Final = 64 * 1024
+# The front's or worker's answer to a hello: a few hundred bytes, or an error message cut at 4 KiB.
+HELLO_REPLY_MAX: Final = 64 * 1024
+VMADDR_CID_HOST: Final = 2  # a VM guest reaches its host at this vsock CID
+_RDHUP = getattr(select, "POLLRDHUP", 0x2000)  # the peer shut its end (Linux)
+_JOIN_MAX = 64 * 1024
+
+# A connected socket within ``timeout`` seconds (OSError if not).
+Connector = Callable[[float | None], socket.socket]
+
+
+def peer_hung_up(sock: socket.socket) -> bool:
+    """Whether the broker closed this idle connection (its idle timeout, a revoked token): nothing is waiting to
+    be read on a connection between batches, so a hang-up there means it is gone, and a batch not yet sent can
+    go on a new one instead of failing. (A zero-timeout poll: a recv would wait out the socket's timeout.)"""
+    if sock.fileno() == -1:
+        return True
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | _RDHUP)
+    return any(events & (_RDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, events in poller.poll(0))
+
+
+def unix_connector(path: str) -> Connector:
+    def connect(timeout: float | None) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    return connect
+
+
+def tcp_connector(host: str, port: int, tls: TlsOptions | None) -> Connector:
+    """TCP to the broker's link port: TLS (and a client certificate) as for its gRPC listener, unless the
+    client's options say plaintext (``insecure``) or there are none (a loopback listener without TLS)."""
+    context = _tls_context(tls) if tls is not None and not tls.insecure else None
+    server_name = (tls.server_name if tls is not None else None) or host
+
+    def connect(timeout: float | None) -> socket.socket:
+        sock = socket.create_connection((host, port), timeout=timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a batch is one small write: send it now
+            if context is not None:
+                return context.wrap_socket(sock, server_hostname=server_name)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    return connect
+
+
+def vsock_connector(port: int, cid: int = VMADDR_CID_HOST) -> Connector:
+    def connect(timeout: float | None) -> socket.socket:
+        sock = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect((cid, port))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    return connect
+
+
+def _tls_context(tls: TlsOptions) -> ssl.SSLContext:
+    root, key, cert = tls.materials()
+    context = ssl.create_default_context(cadata=root.decode() if root is not None else None)
+    if key is not None and cert is not None:
+        # load_cert_chain reads only files: hand it the PEM through memfds, so no key lands on a disk.
+        fds = [_memfd("gpubroker-cert", cert), _memfd("gpubroker-key", key)]
+        try:
+            context.load_cert_chain(f"/proc/self/fd/{fds[0]}", f"/proc/self/fd/{fds[1]}")
+        finally:
+            for fd in fds:
+                os.close(fd)
+    return context
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.write(fd, data)
+    return fd
+
+
+class FramedLink(BatchingTransport):
+    """Batches on a framed stream socket to the session's worker; opened (hello answered) on construction.
+
+    Raises the front's refusal (Unauthenticated, NotFound for another tenant's session, ...) as its error, and
+    Unavailable when nothing answers (no link there: the caller may fall back to gRPC).
+    """
+
+    def __init__(self, connect: Connector, token: str, session: str, *, kind: str, timeout: float | None,
+                 window: int = 4, batch_size: int = 256) -> None:
+        super().__init__(timeout=timeout, max_data=0, window=window, batch_size=batch_size)
+        self.kind = kind
+        self._connect = connect
+        self._hello: dict[str, Any] = {"token": token, "session": session, "link": 1}
+        self._sock: socket.socket | None = None
+        self._max_frame = 0
+        with self._lock:
+            self._open()
+            self._open_now = True
+
+    def _open(self) -> None:
+        self._sock = self._handshake()
+
+    def _handshake(self) -> socket.socket:
+        try:
+            sock = self._connect(self.timeout)
+        except OSError as exc:
+            raise Unavailable(f"no {self.kind} link to the broker: {exc}") from None
+        try:
+            sock.settimeout(self.timeout)  # the hello's answer and each ack are waited for this long
+            send_frame(sock, self._hello)
+            reply = unpack_frame(recv_payload(sock, HELLO_REPLY_MAX))
+        except (OSError, EOFError, ValueError) as exc:  # closed unanswered: refused before authentication, a cap
+            sock.close()
+            raise Unavailable(f"the broker's {self.kind} link did not answer its hello: {exc}") from None
+        try:
+            _, status, result = reply
+            if status != 0:
+                raise error_from_wire(str(result["code"]), str(result["message"]), result.get("type"),
+                                      result.get("details"))
+            max_frame = result["max_frame"]
+            if result.get("link") != 1 or type(max_frame) is not int or max_frame <= ENVELOPE:
+                raise Unavailable(f"the broker's {self.kind} link answered its hello with {result!r}")
+        except (TypeError, ValueError, KeyError, AttributeError):
+            sock.close()
+            raise Unavailable(f"the broker's {self.kind} link answered its hello with {reply!r}") from None
+        except GpuBrokerError:
+            sock.close()
+            raise
+        self._max_frame = max_frame
+        self.max_data = max_frame - ENVELOPE
+        return sock
+
+    def _send(self, payload: bytes) -> None:
+        sock = self._sock
+        assert sock is not None
+        try:
+            if isinstance(sock, ssl.SSLSocket) and len(payload) > _JOIN_MAX:  # TLS has no sendmsg
+                sock.sendall(FRAME_HEADER.pack(len(payload)))
+                sock.sendall(payload)
+            else:
+                send_payload(sock, payload)
+        except OSError as exc:  # (a timeout too: part of a frame may have gone, so the stream is out of step)
+            raise Lost(f"sending failed: {exc}") from None
+
+    def _receive(self, timeout: float | None) -> bytes | bytearray:
+        sock = self._sock
+        assert sock is not None
+        try:
+            return recv_payload(sock, self._max_frame)
+        except TimeoutError:
+            raise
+        except (OSError, EOFError, FrameRefused) as exc:
+            raise Lost(str(exc) or type(exc).__name__) from None
+
+    def _shut(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _hung_up(self) -> bool:
+        return self._sock is None or peer_hung_up(self._sock)
+
+    def _why_lost(self, reason: str) -> GpuBrokerError:
+        """The front knows why a link dropped (the session's worker died, the session ended): ask it with a new
+        hello; one that is answered means the session lives and only the connection was lost."""
+        try:
+            self._handshake().close()
+        except GpuBrokerError as refusal:
+            if not isinstance(refusal, Unavailable):
+                return refusal
+        return Unavailable(f"the {self.kind} link to the broker was lost: {reason}")

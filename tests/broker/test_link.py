@@ -1,0 +1,199 @@
+"""The framed link over TCP (``link_listen``), through a real broker on PoCL: the front terminates TLS (mTLS as the
+gRPC listener's), authenticates the hello under the pre-authentication limits, then relays the connection to
+the session's worker, which answers protocol batches (client/_protocol.py) on it. Raw sockets and the protocol
+module only: what a client of any language would do."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import struct
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import msgpack
+import numpy as np
+import pytest
+
+from gpubroker.broker.certs import CertPaths, init_certs, mint_client_cert
+from gpubroker.broker.config import TlsConfig
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.client._protocol import (
+    Allocate,
+    Batch,
+    Free,
+    Memset,
+    Read,
+    Synchronize,
+    Write,
+    decode_ack,
+    encode,
+    new_handle,
+)
+from gpubroker.v1 import broker_pb2 as pb
+from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+
+TENANTS = [TenantSpec("alice", memory_quota=1 << 20), TenantSpec("bob")]
+HELLO_TIMEOUT = 1.0
+_HEADER = struct.Struct("!I")
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CertPaths]:
+    d = tmp_path_factory.mktemp("ca")
+    ca, server = init_certs(d)
+    return {"ca": ca, "server": server, "alice": mint_client_cert(d, "alice"),
+            "stranger": mint_client_cert(d, "stranger")}
+
+
+@pytest.fixture(scope="module")
+def broker(backend: str, certs: dict[str, CertPaths]) -> Iterator[BrokerProcess]:
+    tls = TlsConfig(cert_file=str(certs["server"].cert), key_file=str(certs["server"].key),
+                    client_ca_file=str(certs["ca"].cert), require_client_cert=True)
+    settings = {"tls": tls, "link_listen": "127.0.0.1:0", "hello_timeout_seconds": HELLO_TIMEOUT}
+    with BrokerProcess(TENANTS, backend=backend, tcp=["127.0.0.1:0"], settings=settings) as proc:
+        assert proc.link_port
+        yield proc
+
+
+def _tls(broker: BrokerProcess, certs: dict[str, CertPaths], who: str) -> ssl.SSLSocket:
+    context = ssl.create_default_context(cafile=str(certs["ca"].cert))
+    context.load_cert_chain(str(certs[who].cert), str(certs[who].key))
+    raw = socket.create_connection(("127.0.0.1", broker.link_port), timeout=10)
+    return context.wrap_socket(raw, server_hostname="localhost")
+
+
+def _send(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(_HEADER.pack(len(payload)) + payload)
+
+
+def _recv(sock: socket.socket) -> bytes:
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            part = sock.recv(n - len(data))
+            if not part:
+                raise EOFError("the broker closed the link")
+            data += part
+        return data
+
+    (length,) = _HEADER.unpack(exactly(_HEADER.size))
+    return exactly(length)
+
+
+def _hello(sock: socket.socket, token: str, session: str) -> Any:
+    _send(sock, msgpack.packb({"token": token, "session": session, "link": 1}))
+    return msgpack.unpackb(_recv(sock))
+
+
+def _open_session(broker: BrokerProcess, certs: dict[str, CertPaths]) -> tuple[grpc.Channel, str, int]:
+    """A session of alice's over the TLS gRPC listener (her certificate names her); its id and link port."""
+    credentials = grpc.ssl_channel_credentials(certs["ca"].cert.read_bytes(), certs["alice"].key.read_bytes(),
+                                               certs["alice"].cert.read_bytes())
+    channel = grpc.secure_channel(broker.tcp_target, credentials,
+                                  options=[("grpc.ssl_target_name_override", "localhost")])
+    reply = pb_grpc.GpuBrokerStub(channel).OpenSession(pb.OpenSessionRequest(device=0), timeout=60)
+    return channel, reply.session, reply.link_port
+
+
+def test_a_wrong_token_is_refused_as_on_grpc(broker: BrokerProcess, certs: dict[str, CertPaths]) -> None:
+    # A certificate that names no tenant, so the token decides (allow_tokens defaults to true).
+    with _tls(broker, certs, "stranger") as sock:
+        _, status, error = _hello(sock, "gpb_bogus_token", "ses_x")
+        assert status == 1 and error["code"] == "UNAUTHENTICATED"
+        assert sock.recv(1) == b""
+    assert "method=link/hello" in broker.log_tail(100_000)
+
+
+def test_a_silent_connection_is_closed_after_the_hello_timeout(broker: BrokerProcess,
+                                                               certs: dict[str, CertPaths]) -> None:
+    with _tls(broker, certs, "alice") as sock:
+        started = time.monotonic()
+        assert sock.recv(1) == b""
+        took = time.monotonic() - started
+    assert HELLO_TIMEOUT * 0.9 <= took < HELLO_TIMEOUT + 2.0, took
+    assert "reason=no hello within hello_timeout_seconds" in broker.log_tail(100_000)
+
+
+def test_an_oversize_hello_is_refused_before_its_body_is_read(broker: BrokerProcess,
+                                                              certs: dict[str, CertPaths]) -> None:
+    with _tls(broker, certs, "alice") as sock:
+        sock.sendall(_HEADER.pack(1 << 20))  # only the header: the answer must not wait for the body
+        _, status, error = msgpack.unpackb(_recv(sock))
+        assert status == 1 and error["code"] == "INVALID_ARGUMENT" and "at most 65536 bytes" in error["message"]
+        assert sock.recv(1) == b""
+
+
+def _link(broker: BrokerProcess, certs: dict[str, CertPaths], transport: str) -> socket.socket:
+    """A link to the broker: the same-host ``<socket>.fast`` (handed to the worker whole) or TLS (relayed)."""
+    if transport == "tls":
+        return _tls(broker, certs, "alice")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(broker.target.removeprefix("unix:") + ".fast")
+    return sock
+
+
+@pytest.mark.parametrize("transport", ["unix", "tls"])
+def test_the_link_carries_batches_to_the_worker(broker: BrokerProcess, certs: dict[str, CertPaths],
+                                                transport: str) -> None:
+    channel, session, port = _open_session(broker, certs)
+    with channel:
+        assert port == broker.link_port
+        with _tls(broker, certs, "stranger") as sock:  # bob's token: not bob's session
+            _, status, error = _hello(sock, broker.tokens["bob"], session)
+            assert status == 1 and error["code"] == "NOT_FOUND"
+        with _link(broker, certs, transport) as sock:
+            # Over TLS alice's certificate authenticates her (no token); on the Unix socket her token does.
+            _, status, reply = _hello(sock, "" if transport == "tls" else broker.tokens["alice"], session)
+            assert status == 0 and reply["link"] == 1 and reply["max_frame"] > 0
+            buf = new_handle("buf")
+            data = np.arange(1024, dtype=np.float32).tobytes()
+            _send(sock, encode(Batch(1, 0, [Allocate(buf, len(data)), Write((buf, 0), 0, data),
+                                            Memset((buf, 0), 0, 16, 0), Synchronize(), Read((buf, 0), 0, len(data))])))
+            ack = decode_ack(_recv(sock))
+            assert (ack.id, ack.done, ack.error) == (1, 5, None)
+            assert ack.result == bytes(16) + data[16:]
+            # Over the tenant's quota (1 MiB): the worker refuses, naming the command, and the link goes on.
+            _send(sock, encode(Batch(2, 5, [Allocate(new_handle("buf"), 2 << 20), Free(buf)])))
+            ack = decode_ack(_recv(sock))
+            assert ack.done == 0 and ack.error is not None and ack.error.seq == 5
+            assert ack.error.code == "RESOURCE_EXHAUSTED" and "quota" in ack.error.message
+            _send(sock, encode(Batch(3, 7, [Free(buf)])))
+            assert decode_ack(_recv(sock)).done == 1
+
+
+def test_grpc_commands_run_encoded_batches_as_they_are(broker: BrokerProcess, certs: dict[str, CertPaths]) -> None:
+    channel, session, _ = _open_session(broker, certs)
+    with channel:
+        buf = new_handle("buf")
+        batches = [Batch(1, 0, [Allocate(buf, 64), Memset((buf, 0), 7, -1), Read((buf, 8), 0, 8)]),
+                   Batch(2, 3, [Read((buf, 0), 60, 8)]),  # past the end: the worker's error, in the ack
+                   Batch(3, 4, [Free(buf)])]
+        requests = [pb.CommandBatch(session=session if b.id == 1 else "", batch=b.id, encoded=encode(b))
+                    for b in batches]
+        acks = [decode_ack(a.encoded) for a in pb_grpc.GpuBrokerStub(channel).Commands(iter(requests), timeout=30)]
+        assert [(a.id, a.done) for a in acks] == [(1, 3), (2, 0), (3, 1)]
+        assert acks[0].result == bytes([7] * 8) and acks[0].error is None
+        assert acks[1].error is not None and acks[1].error.seq == 3 and acks[1].error.code == "OUT_OF_RANGE"
+        with pytest.raises(grpc.RpcError) as info:  # bytes that are no batch: the sender's error
+            list(pb_grpc.GpuBrokerStub(channel).Commands(
+                iter([pb.CommandBatch(session=session, batch=1, encoded=b"\x93\x01")]), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_an_over_quota_allocation_through_grpc_names_the_quota(broker: BrokerProcess,
+                                                               certs: dict[str, CertPaths]) -> None:
+    channel, session, _ = _open_session(broker, certs)
+    with channel:
+        stub = pb_grpc.GpuBrokerStub(channel)
+        kept = stub.Allocate(pb.AllocateRequest(session=session, size=768 << 10), timeout=30)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Allocate(pb.AllocateRequest(session=session, size=512 << 10), timeout=30)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "quota" in str(info.value.details()) and "device 0" in str(info.value.details())
+        stub.Free(pb.FreeRequest(session=session, buffer=kept.handle), timeout=30)
+        stub.Free(pb.FreeRequest(session=session, buffer=stub.Allocate(
+            pb.AllocateRequest(session=session, size=1 << 20), timeout=30).handle), timeout=30)

@@ -1,0 +1,288 @@
+"""The one batching core and the framed link, against a scripted peer on a real socketpair: order, the window,
+deferred errors naming the command, results, lost links, timeouts, and the choice of transport at connect.
+
+The peer speaks the protocol (client/_protocol.py) and stands in for the front's hello and the worker's acks;
+it runs no device work (the integration suite does that against real brokers)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from gpubroker.client import DeadlineExceeded, InvalidArgument, NotFound, Unauthenticated, Unavailable
+from gpubroker.client._frames import recv_frame, recv_payload, send_frame, send_payload
+from gpubroker.client._protocol import (
+    Ack,
+    Batch,
+    CommandError,
+    Launch,
+    Memset,
+    Read,
+    Synchronize,
+    Write,
+    decode_batch,
+    encode,
+)
+from gpubroker.client._transports import FramedLink, GrpcCommands, _core, choose_transport, split_host_port
+
+MAX_FRAME = 1 << 20
+Handler = Callable[[Batch], Ack | None]  # None: close the connection instead of answering
+
+
+class Peer:
+    """One scripted connection: answers the hello, then each batch with ``handler``'s ack, in order."""
+
+    def __init__(self, handler: Handler, refuse: dict[str, Any] | None = None) -> None:
+        self.client, self._sock = socket.socketpair()
+        self.batches: list[Batch] = []
+        self.hello: dict[str, Any] = {}
+        self._handler, self._refuse = handler, refuse
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        sock = self._sock
+        try:
+            self.hello = recv_frame(sock)
+            if self._refuse is not None:
+                send_frame(sock, [0, 1, self._refuse])
+                return
+            send_frame(sock, [0, 0, {"link": 1, "max_frame": MAX_FRAME}])
+            while True:
+                batch = decode_batch(recv_payload(sock, MAX_FRAME))
+                self.batches.append(batch)
+                ack = self._handler(batch)
+                if ack is None:
+                    return
+                send_payload(sock, encode(ack))
+        except (EOFError, OSError):
+            pass
+        finally:
+            sock.close()
+
+
+def ok(batch: Batch) -> Ack:
+    last = batch.commands[-1]
+    return Ack(batch.id, len(batch.commands), None, b"\x07" * last.size if isinstance(last, Read) else None)
+
+
+def link(peers: list[Peer], timeout: float | None = 10, **kwargs: Any) -> FramedLink:
+    """A link whose every (re)connection is the next peer's socket; none left: refused."""
+    def connect(_timeout: float | None) -> socket.socket:
+        if not peers:
+            raise ConnectionRefusedError("no broker here")
+        return peers.pop(0).client
+
+    return FramedLink(connect, "gpb_x_y", "ses_1", kind="unix", timeout=timeout, **kwargs)
+
+
+def launch(name: str = "k1") -> Launch:
+    return Launch(name, (1, 1, 1), (1, 1, 1), [])
+
+
+def test_hello_names_token_session_and_link_and_sets_the_chunk_size() -> None:
+    peer = Peer(ok)
+    t = link([peer])
+    assert peer.hello == {"token": "gpb_x_y", "session": "ses_1", "link": 1}
+    assert t.max_data == MAX_FRAME - 64 * 1024
+    t.close()
+
+
+def test_a_refused_hello_raises_the_fronts_error() -> None:
+    refusal = {"code": "UNAUTHENTICATED", "message": "missing or invalid bearer token", "type": "Unauthenticated"}
+    with pytest.raises(Unauthenticated, match="missing or invalid"):
+        link([Peer(ok, refuse=refusal)])
+    with pytest.raises(Unavailable, match="no unix link to the broker"):
+        link([])
+
+
+def test_commands_keep_program_order_and_numbering_across_batches() -> None:
+    peer = Peer(ok)
+    t = link([peer], batch_size=8)
+    seqs = [t.submit(launch(f"k{i}")) for i in range(100)]
+    t.wait()
+    assert seqs == list(range(1, 101))
+    assert [c.kernel for b in peer.batches for c in b.commands] == [f"k{i}" for i in range(100)]  # type: ignore
+    firsts = [b.first for b in peer.batches]
+    assert firsts[0] == 1 and all(b.first + len(b.commands) == n for b, n in zip(peer.batches, firsts[1:],
+                                                                                     strict=False))
+    assert len(peer.batches[0].commands) == 8 and [b.id for b in peer.batches] == list(range(1, len(firsts) + 1))
+    t.close()
+
+
+def test_a_deferred_error_names_its_command_is_raised_once_and_the_rest_of_its_batch_did_not_run() -> None:
+    def fail_third(batch: Batch) -> Ack:
+        if batch.first <= 3 < batch.first + len(batch.commands):
+            done = 3 - batch.first
+            return Ack(batch.id, done, CommandError(3, "launch of 'scale'", "INVALID_ARGUMENT", "2 args, 3 given",
+                                                    "InvalidArgument", {"given": 2}))
+        return ok(batch)
+
+    t = link([Peer(fail_third)])
+    for _ in range(5):
+        t.submit(launch())
+    with pytest.raises(InvalidArgument, match=r"^command 3 \(launch of 'scale'\) failed: 2 args") as info:
+        t.wait()
+    assert info.value.details == {"given": 2, "seq": 3, "command": "launch of 'scale'"}
+    t.wait()  # reported once
+    assert t.call(Synchronize()) is None
+    t.close()
+
+
+def test_a_call_returns_its_result_and_raises_its_own_error_plainly() -> None:
+    def handler(batch: Batch) -> Ack:
+        last = batch.commands[-1]
+        if isinstance(last, Memset):
+            seq = batch.first + len(batch.commands) - 1
+            return Ack(batch.id, len(batch.commands) - 1, CommandError(seq, "memset", "NOT_FOUND", "no buf 'b1'"))
+        return ok(batch)
+
+    t = link([Peer(handler)])
+    assert t.call(Read(("b1", 0), 0, 5)) == b"\x07" * 5
+    t.submit(launch())  # queued, then carried by the call's batch
+    with pytest.raises(NotFound, match=r"^no buf 'b1'$") as info:
+        t.call(Memset(("b1", 0), 1, -1))
+    assert info.value.details["command"] == "memset"
+    t.close()
+
+
+def test_results_of_submitted_reads_arrive_in_order() -> None:
+    t = link([Peer(ok)])
+    got: list[bytes] = []
+    for n in (1, 2, 3, 4, 5, 6):
+        t.submit(Read(("b1", 0), 0, n), on_result=got.append)
+    t.wait()
+    assert got == [b"\x07" * n for n in (1, 2, 3, 4, 5, 6)]
+    t.close()
+
+
+def test_a_write_rides_alone_in_its_batch() -> None:
+    peer = Peer(ok)
+    t = link([peer])
+    t.submit(launch())
+    t.submit(Write(("b1", 0), 0, b"x" * 1000))
+    t.submit(launch())
+    t.wait()
+    assert [[type(c).__name__ for c in b.commands] for b in peer.batches] == [["Launch"], ["Write"], ["Launch"]]
+    t.close()
+
+
+def test_back_pressure_bounds_the_unacknowledged_batches() -> None:
+    release = threading.Semaphore(0)
+    outstanding: list[int] = []
+
+    def slow(batch: Batch) -> Ack:
+        outstanding.append(batch.id)
+        release.acquire()
+        return ok(batch)
+
+    peer = Peer(slow)
+    t = link([peer], batch_size=1, window=2)
+    t.submit(launch())
+    t.submit(launch())  # two in flight: the window is full (the peer holds the first ack)
+    third = threading.Thread(target=t.submit, args=(launch(),))
+    third.start()
+    third.join(0.3)
+    assert third.is_alive() and len(peer.batches) == 1  # blocked before sending (the peer read only the first)
+    release.release()
+    third.join(10)
+    assert not third.is_alive()
+    for _ in range(3):
+        release.release()
+    t.wait()
+    assert outstanding == [1, 2, 3]
+    t.close()
+
+
+def test_a_link_lost_with_batches_unacknowledged_is_an_error_at_the_next_sync_then_reconnects() -> None:
+    peers = [Peer(lambda batch: None)]
+    t = link(peers)
+    t.submit(launch())
+    t.flush()
+    peers.append(Peer(ok, refuse={"code": "NOT_FOUND", "message": "no session 'ses_1'"}))  # asked why: gone
+    with pytest.raises(NotFound, match="no session"):
+        t.wait()
+    t.wait()  # reported once
+    again = Peer(ok)
+    peers.append(again)
+    t.call(Synchronize())  # a later command opens a new connection
+    assert len(again.batches) == 1
+    t.close()
+    # A broker that answers the new hello: the session lives, only the connection was lost.
+    lost = link([Peer(lambda batch: None), Peer(ok)])
+    lost.submit(launch())
+    with pytest.raises(Unavailable, match=r"link to the broker was lost.*1 commands unacknowledged"):
+        lost.wait()
+    lost.close()
+
+
+def test_an_ack_out_of_step_drops_the_link() -> None:
+    t = link([Peer(lambda batch: Ack(batch.id + 5, len(batch.commands)))])
+    with pytest.raises(Unavailable, match="out of step"):
+        t.call(Synchronize())
+    t.close()
+
+
+def test_an_ack_that_never_comes_is_a_deadline() -> None:
+    hold = threading.Event()
+    t = link([Peer(lambda batch: (hold.wait(10), ok(batch))[1])], timeout=0.3)
+    with pytest.raises(DeadlineExceeded, match=r"no answer from the broker within 0\.3 s"):
+        t.call(Synchronize())
+    hold.set()
+    t.close()
+
+
+def test_an_idle_link_closed_by_the_broker_is_reopened_before_the_next_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_core, "_QUIET", 0.0)
+    first, second = Peer(ok), Peer(ok)
+    t = link([first, second])
+    t.call(Synchronize())
+    first._sock.shutdown(socket.SHUT_RDWR)  # the broker closes it (idleness): the client's end sees a hang-up
+    first.thread.join(5)
+    t.call(Synchronize())  # nothing lost, no error: it went on a new connection
+    assert len(second.batches) == 1
+    t.close()
+
+
+def test_closed_transport_refuses_commands() -> None:
+    t = link([Peer(ok)])
+    t.close()
+    with pytest.raises(Unavailable, match="closed"):
+        t.call(Synchronize())
+
+
+@pytest.fixture
+def no_broker() -> Iterator[Any]:
+    import grpc
+
+    from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+
+    channel = grpc.insecure_channel("127.0.0.1:1")
+    yield pb_grpc.GpuBrokerStub(channel)
+    channel.close()
+
+
+def test_auto_falls_back_to_grpc_where_no_link_answers_and_link_says_why(no_broker: Any, tmp_path: Any) -> None:
+    options: dict[str, Any] = dict(tls=None, token="gpb_x_y", session="ses_1", link_port=0, link_vsock_port=0,
+                                   vsock=False, stub=no_broker, metadata=(), timeout=5, max_data=1 << 20)
+    target = f"unix:{tmp_path}/gpubroker.sock"  # no "<socket>.fast" there
+    assert isinstance(choose_transport("auto", target=target, **options), GrpcCommands)
+    assert choose_transport("grpc", target=target, **options).kind == "grpc"
+    with pytest.raises(Unavailable, match=r"no link to the broker's worker: unix: no unix link"):
+        choose_transport("link", target=target, **options)
+    with pytest.raises(Unavailable, match="the broker offers none"):
+        choose_transport("link", target="127.0.0.1:7070", **options)
+    with pytest.raises(InvalidArgument, match="transport must be one of"):
+        choose_transport("carrier-pigeon", target=target, **options)
+
+
+def test_host_and_port_of_targets() -> None:
+    assert split_host_port("127.0.0.1:7070") == ("127.0.0.1", 7070)
+    assert split_host_port("[::1]:7070") == ("::1", 7070)
+    assert split_host_port("dns:gpu-host.example:443") == ("gpu-host.example", 443)
+    with pytest.raises(InvalidArgument):
+        split_host_port("gpu-host")
