@@ -200,19 +200,24 @@ def _native_run(native: Native, s: _Setup) -> dict[str, Any]:
 
 
 @contextmanager
-def _session(s: _Setup, target: str, **kwargs: Any) -> Iterator[tuple[RemoteGpu, _Kernels]]:
-    with connect(target, token=s.broker.tokens["bench"], device=0, **kwargs) as gpu:
+def _session(s: _Setup, target: str, kind: str, **kwargs: Any) -> Iterator[tuple[RemoteGpu, _Kernels]]:
+    """A session whose commands take the transport ``kind`` ("unix", "tcp" or "grpc"), or an error: a benchmark
+    that fell back to another transport would report the wrong one's figures."""
+    transport = "grpc" if kind == "grpc" else "link"
+    with connect(target, token=s.broker.tokens["bench"], device=0, transport=transport, **kwargs) as gpu:
+        if gpu.transport.kind != kind:
+            raise AssertionError(f"asked for a {kind} transport, got {gpu.transport.kind}")
         yield gpu, _prepare(gpu, s.backend)
 
 
-def _link_figures(s: _Setup, target: str, **kwargs: Any) -> dict[str, Any]:
+def _link_figures(s: _Setup, target: str, kind: str, **kwargs: Any) -> dict[str, Any]:
     """Launch + sync (with and without async_commands) and plain numpy copies over one transport."""
     p = s.plan
-    with _session(s, target, **kwargs) as (gpu, k):
+    with _session(s, target, kind, **kwargs) as (gpu, k):
         figures: dict[str, Any] = {"launch_sync_p50_us": _launch_sync(gpu, k, p.launches)}
         figures["copies"] = {_size_key(n): _copies(gpu, n, p.copy_repeats, host_array=False)
                              for n in p.link_copy_sizes}
-    with _session(s, target, async_commands=True, **kwargs) as (gpu, k):
+    with _session(s, target, kind, async_commands=True, **kwargs) as (gpu, k):
         figures["launch_sync_async_p50_us"] = _launch_sync(gpu, k, p.launches)
     return figures
 
@@ -220,13 +225,13 @@ def _link_figures(s: _Setup, target: str, **kwargs: Any) -> dict[str, Any]:
 def _remote_run(s: _Setup) -> dict[str, Any]:
     p, target = s.plan, s.broker.target
     remote: dict[str, Any] = {}
-    with _session(s, target) as (gpu, k):  # synchronous: every call is its own round trip
+    with _session(s, target, "unix") as (gpu, k):  # synchronous: every call is its own round trip
         remote["launch_sync_p50_us"] = _launch_sync(gpu, k, p.launches)
         remote["copies_host_array"] = {_size_key(n): _copies(gpu, n, p.copy_repeats, host_array=True)
                                        for n in p.copy_sizes}
         remote["copies_numpy"] = {_size_key(n): _copies(gpu, n, p.copy_repeats, host_array=False)
                                   for n in p.copy_sizes}
-    with _session(s, target, async_commands=True) as (gpu, k):
+    with _session(s, target, "unix", async_commands=True) as (gpu, k):
         # With asynchronous commands a launch + sync is one round trip: the sync rides with the launch.
         remote["launch_sync_async_p50_us"] = _launch_sync(gpu, k, p.launches)
         wall, cpu = _async_launches(gpu, k, p.async_launches)
@@ -234,10 +239,10 @@ def _remote_run(s: _Setup) -> dict[str, Any]:
         remote["cpu_us_per_launch"] = cpu / p.async_launches * 1e6
         remote["dependent_small_kernels_s"] = _spin_chain(gpu, k, s.small_iters, p.dependent_steps, READ_EVERY)
         remote["large_kernels_s"] = _spin_each(gpu, k, s.large_iters, p.large_count)
-    with _session(s, target, transport="grpc") as (gpu, k):  # for reference: what other languages get
+    with _session(s, target, "grpc") as (gpu, k):  # for reference: what other languages get
         remote["grpc_launch_sync_p50_us"] = _launch_sync(gpu, k, p.launches)
-    remote["tcp_tls"] = _link_figures(s, s.broker.tcp_target, tls=s.tls)
-    remote["vsock_standin"] = _link_figures(s, target, shared_memory=False)
+    remote["tcp_tls"] = _link_figures(s, s.broker.tcp_target, "tcp", tls=s.tls)
+    remote["vsock_standin"] = _link_figures(s, target, "unix", shared_memory=False)
     return remote
 
 
