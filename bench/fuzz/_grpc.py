@@ -100,12 +100,14 @@ class GrpcFuzzer(StepsMixin):
                                      metadata=self._md(token), timeout=self.timeout)
         return str(resp.session)
 
-    def check_raw_session(self, session: str) -> None:
-        """The raw sockets' session holds nothing: what they registered was released, no memory was charged."""
+    def check_raw_session(self, session: str, handles: int | None = 0) -> None:
+        """The raw sockets' session holds no memory (and ``handles`` handles, unless None: the link's session keeps
+        its kernels): what they registered was released, what they allocated was freed."""
         listed = self.admin.ListSessions(apb.ListSessionsRequest(), metadata=self._md(self.admin_token),
                                          timeout=self.timeout)
         rows = [s for s in listed.sessions if s.session == session]
-        if not rows or (rows[0].handles, rows[0].memory_used) != (0, 0) or rows[0].lost:
+        if (not rows or rows[0].memory_used != 0 or rows[0].lost
+                or (handles is not None and rows[0].handles != handles)):
             raise FuzzFailure(f"the raw sockets' session: {rows[0] if rows else 'gone'}")
 
     def side_channel(self, tenant: str) -> SideChannel:
