@@ -276,6 +276,9 @@ def test_auto_falls_back_to_grpc_where_no_link_answers_and_link_says_why(no_brok
         choose_transport("link", target=target, **options)
     with pytest.raises(Unavailable, match="the broker offers none"):
         choose_transport("link", target="127.0.0.1:7070", **options)
+    if hasattr(socket, "AF_VSOCK"):  # a VM guest's link: tried where told to (no host listens on vsock here)
+        with pytest.raises(Unavailable, match=r"unix: no unix link.*; vsock: no vsock link"):
+            choose_transport("link", target=target, **{**options, "link_vsock_port": 5000, "vsock": True})
     with pytest.raises(InvalidArgument, match="transport must be one of"):
         choose_transport("carrier-pigeon", target=target, **options)
 
