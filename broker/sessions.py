@@ -140,6 +140,8 @@ class SessionManager:
         # A tenant that keeps crashing its workers is backed off (UNAVAILABLE, retry hint): its crashes are its own.
         self.pool.crashes.check(tenant)
         if device is None:
+            # Its links allocate without the front: ask its workers what it holds now, then place.
+            await self.refresh_tenant(tenant)
             device = self.place(tenant)
         self._check_admission(device)
         live = sum(1 for s in self.sessions.values() if s.tenant == tenant)
@@ -264,6 +266,11 @@ class SessionManager:
         if self.pool.live(worker.tenant, worker.device) is not worker:
             return  # a dead or replaced worker's late report
         self.memory_used[(worker.tenant, worker.device)] = min(used, self.quota(worker.tenant, worker.device))
+
+    async def refresh_tenant(self, tenant: str) -> None:
+        """Fresh figures from the tenant's live workers (its placement, its view of the devices)."""
+        workers = [w for d in range(max(len(self.devices), 1)) if (w := self.pool.live(tenant, d)) is not None]
+        await asyncio.gather(*(self.refresh_usage(w) for w in workers))
 
     async def refresh_all(self) -> None:
         """Fresh figures from every live worker that has sessions (admin views)."""

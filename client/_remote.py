@@ -16,11 +16,11 @@ from ._devices import copy_peer, device_info_from_pb
 from ._errors import FailedPrecondition, GpuBrokerError, InvalidArgument
 from ._host import check_device_range, readable_bytes, writable_bytes
 from ._protocol import (
+    MAX_HANDLE,
     Allocate,
     BufferArg,
     Command,
     CopyD2D,
-    CopyShared,
     CreateStream,
     DestroyStream,
     Free,
@@ -92,7 +92,7 @@ class RemoteGpu:
         self._vsock = vsock
         self._transport: Transport | None = None
         # Same host (a unix: target with the broker's "<socket>.shm"): copies go through shared memory.
-        self._shm = SharedMemory(target, token, lambda: self._session, self._copy_shared,
+        self._shm = SharedMemory(target, token, lambda: self._session, lambda: self.transport,
                                  timeout) if shared_memory else None
         self.async_commands = async_commands
         self.timeout = timeout
@@ -128,19 +128,18 @@ class RemoteGpu:
 
     def _command(self, command: Command) -> None:
         """Queued with async_commands (errors deferred to the next synchronize), else a round trip."""
+        transport = self._transport
+        if transport is None:
+            transport = self.transport  # (raises: closed, or not initialized)
         if self.async_commands:
-            self.transport.submit(command)
+            transport.submit(command)
         else:
-            self.transport.call(command)
+            transport.call(command)
 
     def _drain(self) -> None:
         """Wait for every queued command (its error stays kept for the next synchronize)."""
         if self._transport is not None:
             self._transport.wait(raise_error=False)
-
-    def _copy_shared(self, segment: str, segment_offset: int, buf: Buffer, offset: int, size: int,
-                     to_device: bool, stream: str) -> None:
-        self.transport.call(CopyShared(segment, segment_offset, _ref(buf), offset, size, to_device, stream))
 
     def _heartbeat_loop(self) -> None:
         interval = max(0.05, self.lease_seconds / 3)
@@ -274,13 +273,17 @@ class RemoteGpu:
 
     def execute_kernel(self, kernel: Kernel, grid: int | Sequence[int], block: int | Sequence[int],
                        args: Sequence[object], shared_mem: int = 0, stream: Stream | None = None) -> None:
-        checked = check_kernel_args(args)
-        if not isinstance(kernel, Kernel):
+        # The hot path of asynchronous work: checks cost a type test each where the arguments are well formed.
+        checked = check_kernel_args(args) if args or type(args) not in (list, tuple) else []
+        if type(kernel) is not Kernel:
             raise InvalidArgument(f"expected a Kernel, got {type(kernel).__name__}")
-        _check_counts(shared_mem=shared_mem)
+        if type(shared_mem) is not int or shared_mem < 0:
+            _check_counts(shared_mem=shared_mem)
         wire: list[KernelArg] = [BufferArg(*_ref(a)) if isinstance(a, Buffer) else _scalar(a) for a in checked]
-        grid, block = normalize_dims(grid, "grid"), normalize_dims(block, "block")
-        self._command(Launch(_handle(kernel.handle, "kernel"), grid, block, wire, shared_mem, _stream(stream)))
+        handle = kernel.handle if type(kernel.handle) is str and 0 < len(kernel.handle) <= MAX_HANDLE \
+            else _handle(kernel.handle, "kernel")
+        self._command(Launch(handle, normalize_dims(grid, "grid"), normalize_dims(block, "block"), wire, shared_mem,
+                             _stream(stream) if stream is not None else ""))
 
     def create_stream(self) -> Stream:
         handle = new_handle("stream")

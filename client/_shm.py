@@ -27,24 +27,26 @@ import numpy as np
 from ._errors import DeadlineExceeded, FailedPrecondition, GpuBrokerError, InvalidArgument, Unavailable, error_from_wire
 from ._frames import FRAME_HEADER, pack_frame, unpack_frame
 from ._host import check_device_range
-from ._protocol import new_handle
-from ._transports import peer_hung_up
+from ._protocol import CopyShared, new_handle
+from ._transports import Transport, peer_hung_up
 from ._types import Buffer
+from ._wire import buf_ref
 
 try:
     import fcntl
 except ImportError:  # not a Unix: no shared memory, copies go as Write and Read commands
     fcntl = None  # type: ignore[assignment]  # the module or None, tested before use
 
-__all__ = ["FRAME_HEADER", "MAX_FRAME", "SEGMENT_SEALS", "STAGING_BYTES", "SUPPORTED", "SharedMemory", "SideChannel",
-           "create_segment_fd", "pack_frame", "unpack_frame"]
+__all__ = ["FRAME_HEADER", "MAX_FRAME", "SEGMENT_SEALS", "STAGING_BYTES", "STAGING_SLOTS", "SUPPORTED", "SharedMemory",
+           "SideChannel", "create_segment_fd", "pack_frame", "unpack_frame"]
 
 log = logging.getLogger("gpubroker.client")
 
 # Requests and replies are a few hundred bytes; anything much larger is a bug or a hostile peer.
 MAX_FRAME = 64 * 1024
-# The per-session bounce buffer for host memory that is not a host_array (copied in pieces of this size).
+# The per-session bounce buffer for host memory that is not a host_array, in slots that pipeline a copy.
 STAGING_BYTES = 64 * 1024 * 1024
+STAGING_SLOTS = 4  # pieces in flight: the transport's window
 # memfds and their seals are Linux's; elsewhere the fast path is off and copies go as Write and Read commands.
 SUPPORTED = hasattr(os, "memfd_create") and hasattr(fcntl, "F_SEAL_SHRINK") and hasattr(socket, "send_fds")
 # The broker refuses a segment that could shrink under the worker's mapping (touching it would SIGBUS).
@@ -141,6 +143,16 @@ def _forget(table: dict[str, tuple[int, int]], released: list[str], handle: str)
     released.append(handle)
 
 
+def _ignore(_: Any) -> None:
+    pass
+
+
+def _copy_out(piece: memoryview, host: memoryview) -> Callable[[Any], None]:
+    def copy(_: Any) -> None:
+        host[:] = piece
+    return copy
+
+
 def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
@@ -148,20 +160,20 @@ def _address(view: memoryview) -> int:
 class SharedMemory:
     """The client side of shared memory for one RemoteGpu session: host arrays, staging, CopyShared commands.
 
-    ``copy_shared(segment, segment_offset, buf, offset, size, to_device, stream)`` runs one CopyShared command
-    through the RemoteGpu's transport; ``session()`` is its session id. Everything falls back (``copy`` returns
+    ``transport()`` is the RemoteGpu's transport, which carries the CopyShared commands; ``session()`` is its
+    session id. Everything falls back (``copy`` returns
     False) when the target is not a Unix socket or the broker has no side channel.
     """
 
     def __init__(self, target: str, token: str | None, session: Callable[[], str],
-                 copy_shared: Callable[[str, int, Buffer, int, int, bool, str], None], timeout: float | None = 30.0,
+                 transport: Callable[[], Transport], timeout: float | None = 30.0,
                  staging_bytes: int = STAGING_BYTES) -> None:
         path = target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
         self.path = path + ".shm" if target.startswith("unix:") and token and SUPPORTED else None
         self.staging_bytes = staging_bytes
         self._token = token or ""
         self._session = session
-        self._copy_shared = copy_shared
+        self._transport = transport
         self._timeout = timeout
         self._channel: SideChannel | None = None
         self._off = self.path is None  # once off (no side channel there), stays off for this session
@@ -250,6 +262,10 @@ class SharedMemory:
         return self._staging
 
     # -- copies --------------------------------------------------------------------------------------
+    def _copy_shared(self, segment: str, segment_offset: int, buf: Buffer, offset: int, size: int,
+                     to_device: bool, stream: str) -> None:
+        self._transport().call(CopyShared(segment, segment_offset, buf_ref(buf), offset, size, to_device, stream))
+
     def copy(self, host: memoryview, buf: Buffer, offset: int, stream: str, to_device: bool) -> bool:
         """Copy between ``host`` and ``buf`` through shared memory; False: not possible (Write and Read it)."""
         size = host.nbytes
@@ -263,19 +279,32 @@ class SharedMemory:
             staging = self._staging_segment()
             if staging is None:
                 return False
-            # Up front, as the streamed copy does: a bad range must not leave a partial copy behind.
+            # Up front: a bad range must not leave a partial copy behind.
             check_device_range(buf, offset, size, "copy_h2d" if to_device else "copy_d2h")
-            mm, handle = staging
-            with memoryview(mm) as bounce:
-                for start in range(0, size, len(bounce)):
-                    n = min(len(bounce), size - start)
-                    if to_device:
-                        bounce[:n] = host[start:start + n]
-                        self._copy_shared(handle, 0, buf, offset + start, n, True, stream)
-                    else:
-                        self._copy_shared(handle, 0, buf, offset + start, n, False, stream)
-                        host[start:start + n] = bounce[:n]
+            with memoryview(staging[0]) as bounce:
+                self._staged(host, bounce, staging[1], buf, offset, to_device, stream)
         return True
+
+    def _staged(self, host: memoryview, bounce: memoryview, segment: str, buf: Buffer, offset: int,
+                to_device: bool, stream: str) -> None:
+        """A pipeline through the staging segment's slots: this thread copies one piece between the caller's memory
+        and a slot while the worker copies others between slots and the device. A slot is reused only once the
+        command that used it is acknowledged (and, to the host, its piece copied out)."""
+        transport = self._transport()
+        ref = buf_ref(buf)
+        slot = max(1, len(bounce) // STAGING_SLOTS)
+        last = [0] * STAGING_SLOTS  # per slot, the sequence number of the command that used it last
+        for piece, start in enumerate(range(0, host.nbytes, slot)):
+            n, at, k = min(slot, host.nbytes - start), (piece % STAGING_SLOTS) * slot, piece % STAGING_SLOTS
+            if last[k]:
+                transport.wait_for(last[k])
+            command = CopyShared(segment, at, ref, offset + start, n, to_device, stream)
+            if to_device:
+                bounce[at:at + n] = host[start:start + n]
+                last[k] = transport.submit(command, on_result=_ignore)  # (a result ends its batch: sent now)
+            else:
+                last[k] = transport.submit(command, on_result=_copy_out(bounce[at:at + n], host[start:start + n]))
+        transport.wait(raise_error=True)
 
     def close(self) -> None:
         """Drop the channel and the staging buffer; host arrays stay valid host memory (their session ends)."""

@@ -5,10 +5,10 @@ the front never sees them. Three listeners, one hello and one hand-off:
 
 - ``<socket>.fast`` beside each Unix listener (same host): the accepted socket goes to the worker (SCM_RIGHTS).
 - ``link_vsock_port`` (VM guests): the accepted AF_VSOCK socket goes to the worker the same way.
-- ``link_listen`` (TCP): with [tls], the front terminates TLS (mTLS as the gRPC listener's) and relays bytes
-  both ways between the TLS connection and one end of a socketpair whose other end goes to the worker: a worker
-  runs its tenant's code and must never hold the server's key. Without [tls] (loopback, or ``insecure``), the
-  accepted socket itself goes to the worker.
+- ``link_listen`` (TCP): the front terminates TLS (mTLS as the gRPC listener's) and relays bytes both ways
+  between the connection and one end of a socketpair whose other end goes to the worker: a worker runs its
+  tenant's code and must never hold the server's key. Without [tls] (loopback, or ``insecure``) the same relay:
+  a worker takes only local sockets, whose peers the kernel names.
 
 The hello is one frame (4-byte big-endian length + msgpack ``{"token", "session", "link": 1}``), read under the
 pre-authentication limits (``hello_max_bytes``, ``hello_timeout_seconds``, the unauthenticated-connection caps)
@@ -28,7 +28,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from gpubroker.client import GpuBrokerError, InvalidArgument, Unauthenticated, WorkerCrashed
 from gpubroker.client._frames import FRAME_HEADER, pack_frame, unpack_frame
@@ -78,19 +78,12 @@ class LinkServer:
 
     async def listen_tcp(self, host: str, port: int, tls: ssl.SSLContext | None) -> int:
         """Serve links on TCP (TLS terminated here when ``tls``); the port bound."""
-        if tls is None:
-            sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                        backlog=128)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            bound: int = sock.getsockname()[1]
-            self.listen_socket(sock, f"tcp:{host}:{bound}")
-            return bound
-        where = f"tls:{host}:{port}"
-        server = await asyncio.start_server(lambda r, w: self._serve_tls(r, w, where), host, port, ssl=tls,
-                                            ssl_handshake_timeout=self.gate.hello_timeout,
-                                            limit=self.gate.hello_max_bytes)
+        where = f"{'tls' if tls is not None else 'tcp'}:{host}:{port}"
+        server = await asyncio.get_running_loop().create_server(
+            lambda: _TcpLink(self, where), host, port, ssl=tls,
+            ssl_handshake_timeout=self.gate.hello_timeout if tls else None)
         self._servers.append(server)
-        bound = server.sockets[0].getsockname()[1]
+        bound: int = server.sockets[0].getsockname()[1]
         return bound
 
     async def stop(self) -> None:
@@ -124,11 +117,9 @@ class LinkServer:
                 conn.close()
                 continue
             conn.setblocking(False)
-            if conn.family in (socket.AF_INET, socket.AF_INET6):
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._spawn(self._serve_socket(conn, ticket, address))
 
-    # -- a socket handed over whole (Unix, vsock, plain TCP) ------------------------------------------
+    # -- a socket handed over whole (Unix, vsock) --------------------------------------------------------
     async def _serve_socket(self, conn: socket.socket, ticket: Ticket, address: Any) -> None:
         loop = asyncio.get_running_loop()
 
@@ -155,43 +146,38 @@ class LinkServer:
             ticket.done()
             conn.close()  # this process's descriptor: the connection lives on in the worker
 
-    # -- TLS: terminated here, relayed to the worker ---------------------------------------------------
-    async def _serve_tls(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, where: str) -> None:
-        peer = writer.get_extra_info("peername")
+    # -- TCP (TLS terminated here): relayed to the worker -----------------------------------------------
+    async def _serve_tcp(self, link: _TcpLink, where: str) -> None:
+        """The hello, then a socketpair to the worker, whose end here relays to and from the connection."""
+        transport = link.transport
+        peer = transport.get_extra_info("peername")
         ticket = self.gate.admit(None, f"{where} peer={peer}")
         if ticket is None:
-            writer.transport.abort()
+            transport.abort()
             return
         ours: socket.socket | None = None
         try:
-            async def recv_exactly(n: int) -> bytes:
-                return await reader.readexactly(n)
-
-            async def send(frame: bytes) -> None:
-                writer.write(frame)
-                await writer.drain()
-
-            context = _auth_context(writer.get_extra_info("peercert"))
-            try:
-                session, principal = await self._hello(recv_exactly, send, ticket, context, f"addr:{_host(peer)}")
-            except (_HelloRefused, asyncio.IncompleteReadError):
-                return
+            context = _auth_context(transport.get_extra_info("peercert"))
+            session, principal = await self._hello(link.recv_exactly, link.send, ticket, context,
+                                                   f"addr:{_host(peer)}")
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                handed = await self._hand_over(session, principal, theirs.fileno(), send)
+                if not await self._hand_over(session, principal, theirs.fileno(), link.send):
+                    return
             finally:
                 theirs.close()
-            if handed:
-                ticket.done()
-                ours.setblocking(False)
-                await _relay(reader, writer, ours)
-        except (ConnectionError, OSError, asyncio.IncompleteReadError):
+            ours.setblocking(False)
+            await asyncio.get_running_loop().connect_accepted_socket(lambda: _WorkerEnd(link), ours)
+            ours = None  # the worker end's transport owns it now
+            link.relay()
+        except (_HelloRefused, ConnectionError, OSError):
             pass
         finally:
             ticket.done()
             if ours is not None:
                 ours.close()
-            writer.transport.abort()
+            if link.worker is None:
+                transport.close()  # (after what was written: a refusal reaches the client)
 
     # -- the hello and the hand-off --------------------------------------------------------------------
     async def _hello(self, recv_exactly: Callable[[int], Awaitable[bytes]], send: Callable[[bytes], Awaitable[None]],
@@ -303,24 +289,111 @@ def _auth_context(cert: Any) -> dict[str, list[bytes]]:
     return {"x509_subject_alternative_name": names, "x509_common_name": common}
 
 
-async def _relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sock: socket.socket) -> None:
-    """Bytes both ways between the TLS stream and the worker's socketpair, until either side ends."""
-    loop = asyncio.get_running_loop()
 
-    async def up() -> None:  # client -> worker (what the hello's reader already buffered comes first)
-        while data := await reader.read(_RELAY_READ):
-            await loop.sock_sendall(sock, data)
+class _TcpLink(asyncio.Protocol):
+    """One TCP link: its hello buffered here for the front to judge, then every byte written straight to the
+    worker's socketpair (and back, by _WorkerEnd): one callback per read, no task switch, so the relay costs
+    the front as little as an event loop allows. Each side's flow control pauses the other's reading."""
 
-    async def down() -> None:  # worker -> client
-        while data := await loop.sock_recv(sock, _RELAY_READ):
-            writer.write(data)
-            await writer.drain()
+    def __init__(self, server: LinkServer, where: str) -> None:
+        self.server = server
+        self.where = where
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]  # (set at once by connection_made)
+        self.worker: asyncio.Transport | None = None  # the worker's end, once relaying
+        self._buffer = bytearray()
+        self._waiter: asyncio.Future[None] | None = None
+        self._closed = False
 
-    tasks = [asyncio.ensure_future(up()), asyncio.ensure_future(down())]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # (uvloop's transports subclass no asyncio class)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # a launch + sync is a small frame each way: never held back by Nagle
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.server._spawn(self.server._serve_tcp(self, self.where))
 
+    def data_received(self, data: bytes) -> None:
+        if self.worker is not None:
+            self.worker.write(data)
+            return
+        self._buffer += data
+        if len(self._buffer) > FRAME_HEADER.size + self.server.gate.hello_max_bytes:
+            self.transport.pause_reading()  # what an unauthenticated peer makes the front hold stays bounded
+        self._wake()
+
+    def eof_received(self) -> bool | None:
+        if self.worker is not None and self.worker.can_write_eof():
+            self.worker.write_eof()
+        self._closed = True
+        self._wake()
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._wake()
+        if self.worker is not None:
+            self.worker.close()
+
+    def pause_writing(self) -> None:
+        if self.worker is not None:
+            self.worker.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.worker is not None:
+            self.worker.resume_reading()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def recv_exactly(self, n: int) -> bytes:
+        while len(self._buffer) < n:
+            if self._closed:
+                raise ConnectionError("closed during the hello")
+            if self.transport.is_reading() is False and len(self._buffer) < n:
+                self.transport.resume_reading()
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        data = bytes(self._buffer[:n])
+        del self._buffer[:n]
+        return data
+
+    async def send(self, frame: bytes) -> None:
+        self.transport.write(frame)
+
+    def relay(self) -> None:
+        """From now on the worker serves the link: what arrived after the hello goes first."""
+        assert self.worker is not None
+        if self._buffer:
+            self.worker.write(bytes(self._buffer))
+            self._buffer.clear()
+        if self._closed:
+            self.worker.close()
+        else:
+            self.transport.resume_reading()
+
+
+class _WorkerEnd(asyncio.Protocol):
+    """The front's end of a TCP link's socketpair: the worker's bytes go to the client as they come."""
+
+    def __init__(self, link: _TcpLink) -> None:
+        self.link = link
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.link.worker = cast(asyncio.Transport, transport)
+        self.link.transport.pause_reading()  # until relay() has sent what came after the hello
+
+    def data_received(self, data: bytes) -> None:
+        self.link.transport.write(data)
+
+    def eof_received(self) -> bool | None:
+        self.link.transport.close()  # the worker closed the link (revocation, a malformed frame, its end)
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.link.transport.close()
+
+    def pause_writing(self) -> None:
+        self.link.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.link.transport.resume_reading()

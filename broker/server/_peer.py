@@ -24,10 +24,10 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from typing import Any
 
-from gpubroker.client import FailedPrecondition, GpuBrokerError, InvalidArgument, NotFound
+from gpubroker.client import FailedPrecondition, GpuBrokerError, InvalidArgument, NotFound, OutOfRange
 from gpubroker.client._protocol import Batch, Command, CopyShared, Synchronize, encode, new_handle
 from gpubroker.v1 import broker_pb2 as pb
 
@@ -69,6 +69,15 @@ def _ref(ref: pb.BufferRef, what: str) -> list[Any]:
 
 
 _BUSY = "the buffer is being copied to or from another device; free it once that copy returns"
+
+
+@contextlib.contextmanager
+def _side(side: str) -> Iterator[None]:
+    """A range error of the workers' (which alone know the buffers' sizes) names the buffer it is about."""
+    try:
+        yield
+    except OutOfRange as exc:
+        raise OutOfRange(f"peer copy: the {side} buffer: {exc.message}", **exc.details) from None
 
 
 class PeerCopies:
@@ -164,19 +173,22 @@ class PeerCopies:
             self._still_open(*sessions)
             return await target.worker.call(op, target.id, **params)
 
-    async def _run(self: Any, sessions: tuple[Session, ...], target: Session, *commands: Command) -> None:
+    async def _run(self: Any, sessions: tuple[Session, ...], target: Session, *commands: Command,
+                   side: str = "source or destination") -> None:
         """Commands in ``target``'s worker, under the tenant's turns on the devices of ``sessions``."""
         batch = Batch(0, 0, list(commands))
         async with self._turns(target.tenant, [s.device for s in sessions]):
             self._still_open(*sessions)
-            raise_for(await target.worker.run_batch(target.id, batch, encode(batch)))
+            with _side(side):
+                raise_for(await target.worker.run_batch(target.id, batch, encode(batch)))
 
     async def _copy_on_device(self: Any, src: Session, dst: Session, src_ref: list[Any], dst_ref: list[Any],
                               request: pb.CopyPeerRequest) -> None:
         await self._run((src, dst), dst, Synchronize())
         for done in range(0, request.size, DEVICE_PIECE):
             n = min(DEVICE_PIECE, request.size - done)
-            await self._on((src, dst), dst, "peer_local", src_session=src.id, src=src_ref, dst=dst_ref,
+            with _side("source or destination"):
+                await self._on((src, dst), dst, "peer_local", src_session=src.id, src=src_ref, dst=dst_ref,
                            src_offset=request.src_offset + done, dst_offset=request.dst_offset + done, size=n)
 
     async def _copy_by_peer(self: Any, src: Session, dst: Session, src_ref: list[Any], dst_ref: list[Any],
@@ -185,7 +197,8 @@ class PeerCopies:
         key = (src.id, str(src_ref[0]), dst.id)
         imported, own = self.peer_imports.get(key), False
         if imported is None:  # map the source allocation into the destination's worker (then kept: _peer_cache)
-            exported = await self._on(both, src, "peer_export", buf=src_ref)
+            with _side("source"):
+                exported = await self._on(both, src, "peer_export", buf=src_ref)
             imported = await self._on(both, dst, "peer_open", handle=exported["handle"], size=exported["size"],
                                       src_device=src.worker.ordinal)
             own = not self.peer_imports.add(key, dst, imported)
@@ -195,8 +208,12 @@ class PeerCopies:
             start = src_ref[1] + request.src_offset  # the mapping covers the whole allocation
             for done in range(0, request.size, DEVICE_PIECE):
                 n = min(DEVICE_PIECE, request.size - done)
-                await self._on(both, dst, "peer_copy", src_offset=start + done, size=n, dst=dst_ref,
-                               dst_offset=request.dst_offset + done, **{"import": imported})
+                try:
+                    await self._on(both, dst, "peer_copy", src_offset=start + done, size=n, dst=dst_ref,
+                                   dst_offset=request.dst_offset + done, **{"import": imported})
+                except OutOfRange as exc:  # past the mapped source allocation, or past the destination view
+                    with _side("source" if "peer's" in exc.message else "destination"):
+                        raise
         finally:
             if own:
                 with contextlib.suppress(GpuBrokerError):
@@ -241,11 +258,13 @@ class PeerCopies:
 
         def down(i: int) -> Coroutine[Any, Any, Any]:
             return run((src,), src, CopyShared(seg_src, (i % slots) * piece, (src_ref[0], src_ref[1]),
-                                               request.src_offset + i * piece, min(piece, size - i * piece), False))
+                                               request.src_offset + i * piece, min(piece, size - i * piece), False),
+                       side="source")
 
         def up(i: int) -> Coroutine[Any, Any, Any]:
             return run((dst,), dst, CopyShared(seg_dst, (i % slots) * piece, (dst_ref[0], dst_ref[1]),
-                                               request.dst_offset + i * piece, min(piece, size - i * piece), True))
+                                               request.dst_offset + i * piece, min(piece, size - i * piece), True),
+                       side="destination")
 
         count = -(-size // piece)
         await down(0)

@@ -163,8 +163,10 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
     async def _device_info(self, session: Session) -> DeviceInfo:
         """The device as the worker describes it now (its memory use then mirrored)."""
         ack = await self.run(session, commands.device_info_commands(pb.SessionRequest()))
-        session.worker.memory_reported(ack.result.get("memory_used", 0))
-        return device_info_from_dict(ack.result)
+        info = device_info_from_dict(ack.result)  # (checked already, with the Ack)
+        if info.memory_used is not None:
+            session.worker.memory_reported(info.memory_used)
+        return info
 
     @rpc
     async def CloseSession(self, request: pb.SessionRequest, context: Context) -> pb.Empty:
@@ -181,6 +183,7 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
     @rpc
     async def ListDevices(self, request: pb.ListDevicesRequest, context: Context) -> pb.ListDevicesResponse:
         tenant = self._tenant(context)
+        await self.sessions.refresh_tenant(tenant)
         return pb.ListDevicesResponse(devices=[self._tenant_view(tenant, i, d, live=False)
                                                for i, d in enumerate(self.devices)])
 

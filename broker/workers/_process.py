@@ -7,6 +7,7 @@ session starts on a fresh context.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -117,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         send_frame(sock, [0, 1, Internal(f"device init failed: {type(exc).__name__}: {exc}").to_wire()])
         return 2
     server = WorkerServer(backend, args.tenant, args.device)
+    # What exists now (the runtime, the device's bindings) lives as long as the worker: out of the collector's
+    # sight, a full collection triggered while a large batch decodes no longer walks all of it.
+    gc.freeze()
     if args.fd_channel is not None:
         server.segments.set_channel(socket.socket(fileno=args.fd_channel))
     code = serve(sock, server)

@@ -43,6 +43,10 @@ class Transport(Protocol):
 
     def flush(self) -> None: ...
 
+    def wait_for(self, seq: int) -> None:
+        """Until command ``seq`` is acknowledged (a pipeline reusing what an earlier command used)."""
+        ...
+
     def wait(self, raise_error: bool = True) -> None:
         """Flush and read every ack; then raise the first kept error (naming its command) if asked."""
         ...
@@ -130,15 +134,20 @@ class BatchingTransport:
     # -- the caller's side -----------------------------------------------------------------------
     def submit(self, command: Command, on_result: Callable[[Any], None] | None = None) -> int:
         with self._lock:
+            if on_result is None and type(command) is not Write:  # the hot path: one more queued command
+                self._seq += 1
+                pending = self._pending
+                pending.append(command)
+                n = len(pending)
+                if n >= self.batch_size or (n >= _FIRST_BATCH and not self._unacked):
+                    self._flush()
+                return self._seq
             if type(command) is Write and self._pending:
                 self._flush()  # a chunk of copy data rides alone: a frame stays within max_data + 64 KiB
             self._seq += 1
             self._pending.append(command)
-            if on_result is not None or type(command) is Write:
-                self._pending_result = on_result
-                self._flush()  # a result is only ever the last command's
-            elif len(self._pending) >= (self.batch_size if self._unacked else min(self.batch_size, _FIRST_BATCH)):
-                self._flush()
+            self._pending_result = on_result
+            self._flush()  # a result is only ever the last command's; a Write rides alone
             return self._seq
 
     def call(self, command: Command) -> Any:
@@ -160,6 +169,15 @@ class BatchingTransport:
     def flush(self) -> None:
         with self._lock:
             self._flush()
+
+    def wait_for(self, seq: int) -> None:
+        """Flush and read acks until command ``seq``'s batch is acknowledged (its result delivered); errors stay
+        kept for the next sync."""
+        with self._lock:
+            if self._pending and seq > self._seq - len(self._pending):
+                self._flush()
+            while self._unacked and self._unacked[0].first <= seq:
+                self._read_ack()
 
     def wait(self, raise_error: bool = True) -> None:
         with self._lock:

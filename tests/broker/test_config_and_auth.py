@@ -72,7 +72,7 @@ NEW_KEYS = ["sandbox", "cache_dir", "worker_memory_max", "worker_pids_max", "wor
 SPECIAL = {"listen": ["unix:/tmp/a.sock", "127.0.0.1:0", "[::1]:7070"], "devices": [1, 0], "chunk_bytes": 3 << 20,
            "max_message_bytes": 5 << 20, "socket_mode": 0o640, "backend": "opencl", "peer_copies": "host",
            "log_format": "json", "metrics_listen": "[::1]:9464", "worker_cpu_weight": 250,
-           "device_failure_window_seconds": 7.5, "max_shared_bytes_per_tenant": 12345}
+           "device_failure_window_seconds": 7.5, "max_shared_bytes_per_tenant": 12345, "link_listen": "[::1]:7071"}
 
 
 def _other_value(name: str, default: object, tp: object) -> object:

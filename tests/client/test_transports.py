@@ -286,3 +286,15 @@ def test_host_and_port_of_targets() -> None:
     assert split_host_port("dns:gpu-host.example:443") == ("gpu-host.example", 443)
     with pytest.raises(InvalidArgument):
         split_host_port("gpu-host")
+
+
+def test_wait_for_reads_acks_up_to_one_command_and_no_further() -> None:
+    t = link([Peer(ok)], window=8)
+    got: list[int] = []
+    seqs = [t.submit(Read(("b1", 0), 0, n), on_result=lambda data: got.append(len(data))) for n in (1, 2, 3)]
+    t.submit(launch())  # queued, not sent
+    t.wait_for(seqs[1])
+    assert got == [1, 2]
+    t.wait()
+    assert got == [1, 2, 3]
+    t.close()

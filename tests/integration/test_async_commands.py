@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -11,18 +9,14 @@ import pytest
 
 from gpubroker.broker import samples
 from gpubroker.broker.launcher import BrokerProcess
-from gpubroker.client import InvalidArgument, NotFound, RemoteGpu, connect
-from gpubroker.client._commands import CommandStream
-from gpubroker.v1 import broker_pb2 as pb
-
-# Batches straight to the worker (direct link); through the front's fast path; on the gRPC Commands stream.
-_PATHS = {"direct": {}, "front": {"direct": False}, "grpc": {"fast_path": False}}
+from gpubroker.client import InvalidArgument, NotFound, RemoteGpu, ResourceExhausted, connect
 
 
-@pytest.fixture(scope="module", params=list(_PATHS))
+# Batches straight to the worker on the same-host link; inside gRPC's Commands stream.
+@pytest.fixture(scope="module", params=["link", "grpc"])
 def gpu(broker: BrokerProcess, request: pytest.FixtureRequest) -> Iterator[RemoteGpu]:
-    with connect(broker.target, token=broker.tokens["carol"], async_commands=True, **_PATHS[request.param]) as g:
-        assert (g._direct is not None) == (request.param == "direct")
+    with connect(broker.target, token=broker.tokens["carol"], async_commands=True, transport=request.param) as g:
+        assert g.transport.kind == ("unix" if request.param == "link" else "grpc")
         yield g
 
 
@@ -81,36 +75,39 @@ def test_unknown_handle_in_a_batch_is_deferred_too(gpu: RemoteGpu) -> None:
         gpu.synchronize()
 
 
-def test_unacknowledged_batches_are_bounded() -> None:
-    """The client blocks once `window` batches wait for acknowledgement: back-pressure, not a growing queue."""
-    received: queue.Queue[pb.CommandBatch] = queue.Queue()
-    release = threading.Semaphore(0)
+def test_a_chain_of_allocations_launches_and_frees_never_waits_for_a_round_trip(
+        gpu: RemoteGpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "scale_inplace")
+    gpu.synchronize()
+    transport = gpu.transport
+    acks: list[object] = []
+    receive = transport._receive  # type: ignore[attr-defined]
+    monkeypatch.setattr(transport, "_receive", lambda timeout: (acks.append(1), receive(timeout))[1])
+    stream = gpu.create_stream()
+    buf = gpu.allocate_memory(64 * 4)  # handles are the client's: usable before the broker has seen them
+    gpu.memset(buf, 0, stream=stream)
+    gpu.execute_kernel(kernel, 1, 64, [buf, np.float32(1), np.int32(64)], stream=stream)
+    scratch = gpu.allocate_memory(1024)
+    gpu.free_memory(scratch)
+    assert acks == []  # nothing waited for an answer
+    gpu.synchronize()
+    assert len(acks) >= 1
+    out = np.empty(64, dtype=np.float32)
+    gpu.copy_d2h(buf, out)
+    np.testing.assert_array_equal(out, 1.0)
+    gpu.free_memory(buf)
+    gpu.destroy_stream(stream)
 
-    def fake_stream(batches: Iterator[pb.CommandBatch]) -> Iterator[pb.BatchAck]:
-        def pump() -> None:
-            for batch in batches:
-                received.put(batch)
-        threading.Thread(target=pump, daemon=True).start()
-        while True:
-            release.acquire()
-            batch = received.get()
-            yield pb.BatchAck(batch=batch.batch)
 
-    stream = CommandStream(fake_stream, "ses_x", batch_size=1, window=2)
-    stream.submit(memset=pb.MemsetRequest())
-    stream.submit(memset=pb.MemsetRequest())  # two in flight: the window is full
-    third_sent = threading.Event()
-
-    def third() -> None:
-        stream.submit(memset=pb.MemsetRequest())
-        third_sent.set()
-
-    t = threading.Thread(target=third)
-    t.start()
-    assert not third_sent.wait(0.3)  # blocked by back-pressure
-    release.release()  # acknowledge one batch
-    assert third_sent.wait(5)
-    release.release()
-    release.release()
-    stream.wait(raise_error=True)
-    t.join()
+def test_an_over_quota_allocation_fails_at_the_next_synchronize_naming_it(gpu: RemoteGpu) -> None:
+    big = gpu.allocate_memory(128 << 20)  # carol's quota is 64 MiB: returns at once, refused by the worker
+    with pytest.raises(ResourceExhausted, match=r"\(allocate of 134217728 bytes\) failed: .*quota"):
+        gpu.synchronize()
+    with pytest.raises(NotFound, match="no buf"):  # it never existed
+        gpu.free_memory(big)
+        gpu.synchronize()
+    small = gpu.allocate_memory(4096)  # the session goes on
+    gpu.memset(small, 1)
+    gpu.synchronize()
+    gpu.free_memory(small)
+    gpu.synchronize()

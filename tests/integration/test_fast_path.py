@@ -1,115 +1,170 @@
-"""The same-host fast path: raw-socket calls with the gRPC front's authentication, results and errors."""
+"""The same-host link (``<socket>.fast``): the client's commands straight to its worker, with the front's
+authentication, and results and errors identical to gRPC's."""
 
 from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from gpubroker.broker import samples
+from gpubroker.broker.certs import init_certs, mint_client_cert
+from gpubroker.broker.config import TlsConfig
 from gpubroker.broker.launcher import BrokerProcess
-from gpubroker.broker.workers._direct import MAX_LINKS_PER_SESSION
-from gpubroker.client import Buffer, InvalidArgument, Kernel, NotFound, OutOfRange, Unauthenticated, connect
-from gpubroker.client._fast import FastChannel
+from gpubroker.broker.workers._links import MAX_LINKS_PER_SESSION
+from gpubroker.client import (
+    Buffer,
+    InvalidArgument,
+    Kernel,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+    TlsOptions,
+    Unauthenticated,
+    Unavailable,
+    connect,
+)
+from gpubroker.client._frames import recv_payload, send_frame, send_payload
+from gpubroker.client._protocol import Batch, Synchronize, decode_ack, encode
+from gpubroker.client._transports import FramedLink, unix_connector
 from gpubroker.v1 import broker_pb2 as pb
 
-
-def _fast_path(broker: BrokerProcess) -> str:
-    return broker.target.removeprefix("unix:") + ".fast"
+from ..conftest import TENANTS
 
 
-# Direct links to the worker; the front's fast path; plain gRPC.
-_PATHS = [{"direct": True}, {"direct": False}, {"fast_path": False}]
+def _link(broker: BrokerProcess, token: str, session: str) -> FramedLink:
+    path = broker.target.removeprefix("unix:") + ".fast"
+    return FramedLink(unix_connector(path), token, session, kind="unix", timeout=10)
 
 
-def test_local_clients_take_the_fast_path_with_the_same_results(broker: BrokerProcess) -> None:
-    for path in _PATHS:
-        with connect(broker.target, token=broker.tokens["alice"], **path) as gpu:
-            assert (gpu._fast is not None) == path.get("fast_path", True)
-            assert (gpu._direct is not None) == path.get("direct", False)
-            kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "saxpy")
-            n = 1000
-            x = np.arange(n, dtype=np.float32)
-            dx, dy = gpu.allocate_memory(x.nbytes), gpu.allocate_memory(x.nbytes)
-            gpu.copy_h2d(x, dx)
-            gpu.memset(dy, 0)
-            gpu.copy_d2d(dx, dy, x.nbytes)  # y = x
-            gpu.execute_kernel(kernel, (n + 127) // 128, 128, [np.float32(2), dx, dy, np.int32(n)])
-            gpu.synchronize()
-            out = np.empty_like(x)
-            gpu.copy_d2h(dy, out)
-            np.testing.assert_array_equal(out, 3 * x)
-            with pytest.raises(InvalidArgument):  # errors come back the same way
-                gpu.execute_kernel(kernel, 1, 128, [np.float32(2), dx])
-            with pytest.raises(OutOfRange, match="past the end"):
-                gpu.memset(Buffer(dx.handle, dx.size, x.nbytes + 1), 0, 1)
-            with pytest.raises(NotFound, match="no kernel"):
-                gpu.execute_kernel(Kernel("krn_invented", "saxpy"), 1, 1, [np.float32(2), dx, dy, np.int32(n)])
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_local_clients_take_the_link_with_the_same_results_and_errors(broker: BrokerProcess, transport: str) -> None:
+    with connect(broker.target, token=broker.tokens["alice"], transport=transport) as gpu:
+        assert gpu.transport.kind == ("unix" if transport == "auto" else "grpc")
+        kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "saxpy")
+        n = 1000
+        x = np.arange(n, dtype=np.float32)
+        dx, dy = gpu.allocate_memory(x.nbytes), gpu.allocate_memory(x.nbytes)
+        gpu.copy_h2d(x, dx)
+        gpu.memset(dy, 0)
+        gpu.copy_d2d(dx, dy, x.nbytes)  # y = x
+        gpu.execute_kernel(kernel, (n + 127) // 128, 128, [np.float32(2), dx, dy, np.int32(n)])
+        gpu.synchronize()
+        out = np.empty_like(x)
+        gpu.copy_d2h(dy, out)
+        np.testing.assert_array_equal(out, 3 * x)
+        with pytest.raises(InvalidArgument):  # errors come back the same way
+            gpu.execute_kernel(kernel, 1, 128, [np.float32(2), dx])
+        with pytest.raises(OutOfRange, match="past the end"):
+            gpu.memset(Buffer(dx.handle, dx.size, x.nbytes + 1), 0, 1)
+        with pytest.raises(NotFound, match="no kernel"):
+            gpu.execute_kernel(Kernel("k_invented", "saxpy"), 1, 1, [np.float32(2), dx, dy, np.int32(n)])
 
 
-def test_fast_path_authenticates_like_the_front(broker: BrokerProcess) -> None:
+def test_the_link_authenticates_like_the_front(broker: BrokerProcess) -> None:
     with connect(broker.target, token=broker.tokens["alice"]) as alice:
         with pytest.raises(Unauthenticated, match="missing or invalid bearer token"):
-            FastChannel(_fast_path(broker), "gpb_nope_nope", alice.session, 10)
+            _link(broker, "gpb_nope_nope", alice.session)
         with pytest.raises(NotFound):  # bob may not drive alice's session, even knowing its id
-            FastChannel(_fast_path(broker), broker.tokens["bob"], alice.session, 10)
-        channel = FastChannel(_fast_path(broker), broker.tokens["alice"], alice.session, 10)
-        with pytest.raises(InvalidArgument, match="unknown fast-path operation"):
-            channel.call("format_disk", b"")
-        channel.close()
+            _link(broker, broker.tokens["bob"], alice.session)
+        link = _link(broker, broker.tokens["alice"], alice.session)
+        link.call(Synchronize())
+        link.close()
 
 
-def test_async_commands_over_the_fast_path_defer_their_errors(broker: BrokerProcess) -> None:
-    with connect(broker.target, token=broker.tokens["alice"], async_commands=True) as gpu:
-        assert gpu._fast is not None
-        kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "scale_inplace")
-        buf = gpu.allocate_memory(64 * 4)
-        gpu.memset(buf, 0)
-        for _ in range(300):  # more than one batch
-            gpu.execute_kernel(kernel, 1, 64, [buf, np.float32(1), np.int32(64)])
-        gpu.execute_kernel(kernel, 1, 64, [buf])
-        with pytest.raises(InvalidArgument, match=r"launch of 'scale_inplace'"):
-            gpu.synchronize()
-        out = np.empty(64, dtype=np.float32)
-        gpu.copy_d2h(buf, out)
-        np.testing.assert_array_equal(out, 300.0)
-
-
-def test_direct_links_are_bound_to_their_session(broker: BrokerProcess) -> None:
+def test_links_are_bound_to_their_session(broker: BrokerProcess) -> None:
     """A link serves only the session the front authenticated it for, even for the same tenant's other handles."""
     with connect(broker.target, token=broker.tokens["alice"]) as one, \
             connect(broker.target, token=broker.tokens["alice"]) as two:
-        assert one._direct is not None and two._direct is not None
+        assert one.transport.kind == two.transport.kind == "unix"
         theirs = one.allocate_memory(64)
         with pytest.raises(NotFound, match="no buf"):
             two.memset(theirs, 1)
-        link = FastChannel(_fast_path(broker), broker.tokens["alice"], two.session, 10, direct=True)
-        assert link.direct
-        malformed = [("format_disk", {}, InvalidArgument), ("launch", [1, 2], InvalidArgument),
-                     ("memset", {"buf": "x"}, InvalidArgument), ("launch", {"kernel": 3}, NotFound),
-                     ("synchronize", {"stream": ["x"]}, NotFound), ("batch", {"commands": 7}, InvalidArgument)]
-        for op, params, error in malformed:
-            with pytest.raises(error):
-                link.call(op, params)
-        link.close()
-        one.memset(theirs, 1)  # the worker lived through all of it
+        one.memset(theirs, 1)
         one.synchronize()
 
 
-def test_direct_links_per_session_are_bounded(broker: BrokerProcess) -> None:
-    """Past the limit, new connections are served by the front (whose per-session call limits apply)."""
+def test_a_malformed_frame_is_refused_with_id_0_and_the_link_closed(broker: BrokerProcess) -> None:
+    with connect(broker.target, token=broker.tokens["alice"]) as gpu:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10)
+        sock.connect(broker.target.removeprefix("unix:") + ".fast")
+        send_frame(sock, {"token": broker.tokens["alice"], "session": gpu.session, "link": 1})
+        recv_payload(sock, 1 << 16)  # the worker's hello reply
+        send_payload(sock, encode(Batch(1, 1, [])) + b"\xc1")  # trailing garbage: no batch
+        ack = decode_ack(recv_payload(sock, 1 << 16))
+        assert ack.id == 0 and ack.error is not None and ack.error.code == "INVALID_ARGUMENT"
+        assert sock.recv(1) == b""  # then closed
+        sock.close()
+        gpu.synchronize()  # the session's own link lived through it
+
+
+def test_links_per_session_are_bounded(broker: BrokerProcess) -> None:
     with connect(broker.target, token=broker.tokens["bob"]) as gpu:
-        links = [FastChannel(_fast_path(broker), broker.tokens["bob"], gpu.session, 10, direct=True)
-                 for _ in range(MAX_LINKS_PER_SESSION)]
-        assert sum(link.direct for link in links) == MAX_LINKS_PER_SESSION - 1  # the client's own is the first
-        assert not links[-1].direct
+        links = [_link(broker, broker.tokens["bob"], gpu.session) for _ in range(MAX_LINKS_PER_SESSION - 1)]
+        with pytest.raises(ResourceExhausted, match="links"):  # the client's own is the first
+            _link(broker, broker.tokens["bob"], gpu.session)
         for link in links:
             link.close()
+    with connect(broker.target, token=broker.tokens["bob"], transport="link") as gpu:
+        gpu.synchronize()
 
 
 def test_an_ended_session_is_reported_by_the_front_not_as_a_lost_link(broker: BrokerProcess) -> None:
-    with connect(broker.target, token=broker.tokens["bob"]) as gpu:
-        assert gpu._direct is not None
-        gpu.synchronize()
-        gpu._stub.CloseSession(pb.SessionRequest(session=gpu.session), metadata=gpu._metadata)  # ended elsewhere
-        with pytest.raises(NotFound, match="session"):
+    for async_commands in (False, True):
+        with connect(broker.target, token=broker.tokens["bob"], async_commands=async_commands) as gpu:
+            assert gpu.transport.kind == "unix"
             gpu.synchronize()
+            gpu._stub.CloseSession(pb.SessionRequest(session=gpu.session), metadata=gpu._metadata)  # ended elsewhere
+            with pytest.raises(NotFound, match="session"):
+                gpu.execute_kernel(Kernel("k_any", "x"), 1, 1, [])
+                gpu.synchronize()
+
+
+@pytest.fixture(scope="module")
+def tls_broker(backend: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[BrokerProcess, TlsOptions]]:
+    """TCP with mutual TLS and a TCP link port, and no same-host link (``fast_path = false``)."""
+    d = tmp_path_factory.mktemp("ca")
+    ca, server = init_certs(d)
+    alice = mint_client_cert(d, "alice")
+    tls = TlsConfig(cert_file=str(server.cert), key_file=str(server.key), client_ca_file=str(ca.cert),
+                    require_client_cert=True)
+    settings = {"tls": tls, "link_listen": "127.0.0.1:0", "fast_path": False}
+    with BrokerProcess(TENANTS, backend=backend, tcp=["127.0.0.1:0"], settings=settings) as proc:
+        yield proc, TlsOptions(ca_file=ca.cert, cert_file=alice.cert, key_file=alice.key, server_name="localhost")
+
+
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+@pytest.mark.parametrize("async_commands", [False, True], ids=["sync", "async"])
+def test_tcp_clients_take_the_tls_link_with_the_same_results_and_errors(
+        tls_broker: tuple[BrokerProcess, TlsOptions], transport: str, async_commands: bool) -> None:
+    broker, tls = tls_broker
+    with connect(broker.tcp_target, tls=tls, transport=transport, async_commands=async_commands) as gpu:
+        assert gpu.transport.kind == ("tcp" if transport == "auto" else "grpc")
+        kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "saxpy")
+        size = 3 * gpu.chunk_bytes + 4099  # several chunks each way, and a short last one
+        x = np.random.default_rng(1).random(size // 4, dtype=np.float32)
+        dx, dy = gpu.allocate_memory(x.nbytes), gpu.allocate_memory(x.nbytes)
+        gpu.copy_h2d(x, dx)
+        gpu.memset(dy, 0)
+        gpu.execute_kernel(kernel, (x.size + 127) // 128, 128, [np.float32(2), dx, dy, np.int32(x.size)])
+        gpu.synchronize()
+        out = np.empty_like(x)
+        gpu.copy_d2h(dy, out)
+        np.testing.assert_array_equal(out, np.float32(2) * x)
+        with pytest.raises(InvalidArgument, match="saxpy"):  # at the launch, or deferred to the sync
+            gpu.execute_kernel(kernel, 1, 128, [np.float32(2), dx])
+            gpu.synchronize()
+
+
+def test_where_the_broker_has_no_link_auto_takes_grpc_and_link_says_why(
+        tls_broker: tuple[BrokerProcess, TlsOptions]) -> None:
+    broker, _ = tls_broker
+    token = broker.tokens["bob"]
+    with connect(broker.target, token=token) as gpu:  # its Unix socket has no "<socket>.fast"
+        assert gpu.transport.kind == "grpc"
+        gpu.synchronize()
+    with pytest.raises(Unavailable, match=r"no link to the broker's worker: unix: no unix link"):
+        connect(broker.target, token=token, transport="link")

@@ -191,8 +191,8 @@ def test_quota_applies_per_device_and_placement_skips_a_full_one(two: BrokerProc
 # -- health ------------------------------------------------------------------------------------------------------
 def _crash_workers(broker: BrokerProcess, admin: AdminClient, device: int, times: int) -> None:
     for crash in range(1, times + 1):
-        # No direct link, which would let tenant code run unseen: a death then would be alice's, not the device's.
-        with connect(broker.target, broker.tokens["alice"], device=device, direct=False, fast_path=False):
+        # No link, which would let tenant code run unseen: a death then would be alice's, not the device's.
+        with connect(broker.target, broker.tokens["alice"], device=device, transport="grpc"):
             os.kill(_worker_pid(broker, "alice", device), signal.SIGKILL)
             wait_for(lambda n=crash: admin.status().devices[device].recent_worker_failures == n, 30,
                      f"worker failure {crash} on device {device} to be counted")

@@ -144,8 +144,8 @@ def test_device_out_of_service_after_repeated_worker_crashes(ops_broker: BrokerP
             AdminClient(ops_broker.target, ops_broker.tokens["ops"]) as admin:
         kernel, buf, x = _scaled(bob)
         for crashes in (1, 2):  # device_failure_threshold = 2
-            # No direct link, which would let tenant code run unseen: a death then would be alice's, not the device's.
-            with connect(ops_broker.target, token=ops_broker.tokens["alice"], direct=False, fast_path=False):
+            # No link, which would let tenant code run unseen: a death then would be alice's, not the device's.
+            with connect(ops_broker.target, token=ops_broker.tokens["alice"], transport="grpc"):
                 (pid,) = worker_pids(ops_broker, "alice")
                 os.kill(pid, signal.SIGKILL)
                 wait_for(lambda n=crashes: admin.status().devices[0].recent_worker_failures == n, 30,

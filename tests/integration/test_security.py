@@ -154,8 +154,8 @@ def test_session_and_handle_limits(guarded: BrokerProcess) -> None:
 
 
 def test_concurrent_rpcs_per_session(guarded: BrokerProcess) -> None:
-    # Calls through the front (a direct link to the worker serves one call at a time; test_fast_path bounds those).
-    with connect(guarded.target, token=guarded.tokens["bob"], direct=False) as bob:
+    # Typed calls through the front (a link carries one batch at a time; test_fast_path bounds links per session).
+    with connect(guarded.target, token=guarded.tokens["bob"], transport="grpc") as bob:
         size = 32 << 20
         buf = bob.allocate_memory(size)
         # Hold one call open: a device-to-host stream we read one chunk of, then leave (flow control stalls it).
@@ -163,14 +163,14 @@ def test_concurrent_rpcs_per_session(guarded: BrokerProcess) -> None:
             handle=buf.handle), size=size), metadata=bob._metadata)
         next(stream)
         with pytest.raises(ResourceExhausted, match="in flight"):
-            bob.synchronize()
+            bob.device_info()
         stream.cancel()
-        wait_for(lambda: _synchronizes(bob), 10, "the slot to be released")
+        wait_for(lambda: _answers(bob), 10, "the slot to be released")
 
 
-def _synchronizes(gpu) -> bool:
+def _answers(gpu) -> bool:
     try:
-        gpu.synchronize()
+        gpu.device_info()
         return True
     except ResourceExhausted:
         return False

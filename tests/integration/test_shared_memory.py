@@ -1,4 +1,4 @@
-"""Same-host copies through shared memory: correctness against numpy and the gRPC streams, and the side channel's
+"""Same-host copies through shared memory: correctness against numpy and Write/Read commands, and the side channel's
 authentication, isolation, limits and cleanup."""
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from gpubroker.client import (
     Unauthenticated,
     connect,
 )
-from gpubroker.client._shm import STAGING_BYTES, SideChannel, create_segment_fd
+from gpubroker.client._protocol import CopyShared, Read, Write
+from gpubroker.client._shm import STAGING_BYTES, STAGING_SLOTS, SideChannel, create_segment_fd
 
 from ..conftest import worker_pids
 from ..helpers import wait_for
@@ -75,7 +76,7 @@ def test_shared_and_streamed_copies_match_numpy(gpu: RemoteGpu, size: int, host:
     out = (gpu.host_array(size + 3) if host == "host_array" else np.zeros(size + 3, dtype=np.uint8))[2:2 + size]
     gpu.copy_d2h(view, out, offset=17)
     np.testing.assert_array_equal(out, data)
-    # Cross-check on the same session: what shared memory wrote, the gRPC streams read back, and vice versa.
+    # Cross-check on the same session: what shared memory wrote, Read commands read back, and vice versa.
     with monkeypatch.context() as m:
         _streams_only(gpu, m)
         streamed = np.zeros(size, dtype=np.uint8)
@@ -108,24 +109,27 @@ def test_staging_path_for_plain_arrays_larger_than_the_staging_segment(broker: B
     size = STAGING_BYTES + 12345
     data = _bytes(size, 7)
     with connect(broker.target, token=broker.tokens["alice"]) as g:
-        assert g._shm is not None
-        calls: list[int] = []
-        real = g._shm._copy_shared
-        monkeypatch.setattr(g._shm, "_copy_shared", lambda *a: (calls.append(a[4]), real(*a))[1])
+        pieces: list[tuple[int, int, bool]] = []  # (slot offset, size, to_device) of each staged CopyShared
+        submit = g.transport.submit
 
-        def no_streams(*_a: object, **_k: object) -> None:
-            raise AssertionError("copied over the gRPC streams")
+        def staged_only(command: object, *a: object, **k: object) -> int:
+            assert not isinstance(command, (Write, Read)), "copied through the transport's socket"
+            if isinstance(command, CopyShared):
+                pieces.append((command.segment_offset, command.size, command.to_device))
+            return submit(command, *a, **k)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(g._stub, "CopyHostToDevice", no_streams)
-        monkeypatch.setattr(g._stub, "CopyDeviceToHost", no_streams)
+        monkeypatch.setattr(g.transport, "submit", staged_only)
         buf = g.allocate_memory(size)
         g.copy_h2d(data, buf)
         out = np.zeros(size, dtype=np.uint8)
         g.copy_d2h(buf, out)
         np.testing.assert_array_equal(out, data)
-        assert calls == [STAGING_BYTES, 12345, STAGING_BYTES, 12345]
+        slot = STAGING_BYTES // STAGING_SLOTS
+        expected = [(i * slot, slot) for i in range(STAGING_SLOTS)] + [(0, 12345)]  # the slots in turn, then again
+        assert pieces == [(*p, True) for p in expected] + [(*p, False) for p in expected]
         with pytest.raises(OutOfRange):  # refused before any piece moves
             g.copy_h2d(data, buf, offset=1)
+        assert len(pieces) == 2 * len(expected)
 
 
 def test_falls_back_to_streams_without_a_side_channel(broker: BrokerProcess) -> None:

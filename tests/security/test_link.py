@@ -5,9 +5,12 @@ module only: what a client of any language would do."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import ssl
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -35,7 +38,9 @@ from gpubroker.client._protocol import (
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
-TENANTS = [TenantSpec("alice", memory_quota=1 << 20), TenantSpec("bob")]
+from ..helpers import wait_for
+
+TENANTS = [TenantSpec("alice", memory_quota=1 << 20), TenantSpec("bob"), TenantSpec("carol")]
 HELLO_TIMEOUT = 1.0
 _HEADER = struct.Struct("!I")
 
@@ -197,3 +202,31 @@ def test_an_over_quota_allocation_through_grpc_names_the_quota(broker: BrokerPro
         stub.Free(pb.FreeRequest(session=session, buffer=kept.handle), timeout=30)
         stub.Free(pb.FreeRequest(session=session, buffer=stub.Allocate(
             pb.AllocateRequest(session=session, size=1 << 20), timeout=30).handle), timeout=30)
+
+
+def test_a_rotated_token_closes_its_links(broker: BrokerProcess, certs: dict[str, CertPaths]) -> None:
+    token = broker.tokens["carol"]
+    local = grpc.composite_channel_credentials(grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
+                                               grpc.access_token_call_credentials(token))
+    with grpc.secure_channel(broker.target, local) as channel:
+        session = pb_grpc.GpuBrokerStub(channel).OpenSession(pb.OpenSessionRequest(device=0), timeout=60).session
+        with _tls(broker, certs, "stranger") as sock:  # a certificate naming no tenant: the token decides
+            _, status, _ = _hello(sock, token, session)
+            assert status == 0
+            _send(sock, encode(Batch(1, 0, [Synchronize()])))
+            assert decode_ack(_recv(sock)).done == 1
+            subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", "tenant", "rotate-token", "carol",
+                            "--config", str(broker.config_path)], check=True, capture_output=True)
+            assert broker.process is not None
+            broker.process.send_signal(signal.SIGHUP)  # the reload revokes the old token's channels
+            sock.settimeout(0.1)
+
+            def closed() -> bool:
+                try:
+                    return sock.recv(1) == b""
+                except TimeoutError:
+                    return False
+                except OSError:
+                    return True
+
+            wait_for(closed, 10, "the rotated token's link to be closed")
