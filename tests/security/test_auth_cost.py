@@ -9,6 +9,7 @@ import hashlib
 import os
 import secrets
 import signal
+import socket
 import statistics
 import threading
 import time
@@ -21,7 +22,8 @@ from gpubroker.broker.auth import FailurePenalty, TokenVerifier, mint_token
 from gpubroker.broker.config import BrokerConfig, TenantConfig, load_config, save_config
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import Unauthenticated, Unavailable, connect
-from gpubroker.client._fast import FastChannel
+from gpubroker.client._errors import error_from_wire
+from gpubroker.client._frames import pack_frame, recv_frame
 from gpubroker.client._transport import make_channel
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
@@ -101,6 +103,20 @@ def test_the_penalty_grows_for_the_failing_peer_only() -> None:
     assert len(small._failures) == 3  # bounded however many peers fail
 
 
+def _link_hello(path: str, token: str) -> None:
+    """A link's hello; the front's refusal raised (a refused connection: Unavailable)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        try:
+            sock.connect(path)
+            sock.sendall(pack_frame({"token": token, "session": "ses_x", "link": 1}))
+            _, status, result = recv_frame(sock)
+        except (OSError, EOFError) as exc:
+            raise Unavailable(str(exc)) from None
+        if status != 0:
+            raise error_from_wire(result["code"], result["message"], result.get("type"))
+
+
 @pytest.fixture(scope="module")
 def broker(backend: str) -> Iterator[BrokerProcess]:
     with BrokerProcess([TenantSpec("alice"), TenantSpec("bob")], backend=backend,
@@ -130,12 +146,11 @@ def test_a_wrong_secret_flood_leaves_another_tenants_calls_as_fast(broker: Broke
         while not stop.is_set():
             t = time.perf_counter()
             with pytest.raises((Unauthenticated, Unavailable)):
-                FastChannel(fast_path, wrong, "ses_x", 10)
+                _link_hello(fast_path, wrong)
             failures.append(time.perf_counter() - t)
 
-    with connect(broker.target, token=broker.tokens["bob"], fast_path=False) as by_grpc, \
-            connect(broker.target, token=broker.tokens["bob"], direct=False) as by_fast:
-        assert by_fast._fast is not None
+    with connect(broker.target, token=broker.tokens["bob"], transport="grpc") as by_grpc, \
+            connect(broker.target, token=broker.tokens["bob"], transport="link") as by_fast:
         grpc_buf, fast_buf = by_grpc.allocate_memory(4096), by_fast.allocate_memory(4096)
         calls = {"grpc": lambda: by_grpc.memset(grpc_buf, 1), "fast": lambda: by_fast.memset(fast_buf, 1)}
         for call in calls.values():
@@ -171,8 +186,7 @@ def test_a_legacy_scrypt_entry_serves_every_path_until_rotated(broker: BrokerPro
     os.kill(broker.process.pid, signal.SIGHUP)
     wait_for(lambda: "changed=['alice']" in broker.log_tail(100_000), 20, "the reload")
     token = f"gpb_{cfg.tenants['alice'].token_id}_{secret}"
-    with connect(broker.target, token=token, direct=False) as gpu:  # gRPC, then the fast path's hello
-        assert gpu._fast is not None
+    with connect(broker.target, token=token, transport="link") as gpu:  # gRPC, then the link's hello
         gpu.memset(gpu.allocate_memory(64), 0)
     with pytest.raises(Unauthenticated):
         connect(broker.target, token=f"gpb_{cfg.tenants['alice'].token_id}_{secrets.token_urlsafe(32)}")

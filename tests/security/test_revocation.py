@@ -1,11 +1,12 @@
 """Revocation: rotating or removing a token closes, within about a second of the reload, every channel it opened
-(a gRPC Commands stream, a fast-path connection, a direct link, a shared-memory channel). A rotated tenant's
+(a gRPC Commands stream, a link served by the worker, a shared-memory channel). A rotated tenant's
 sessions stay: the client reconnects to them with the new token."""
 
 from __future__ import annotations
 
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -19,9 +20,12 @@ import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import AdminClient, NotFound, RemoteGpu, Unauthenticated, connect
-from gpubroker.client._fast import FastChannel, peer_hung_up
+from gpubroker.client._errors import error_from_wire
+from gpubroker.client._frames import pack_frame, recv_frame
+from gpubroker.client._protocol import Batch, Memset, Synchronize, decode_ack, encode, new_handle
 from gpubroker.client._shm import SideChannel, create_segment_fd
 from gpubroker.client._transport import make_channel
+from gpubroker.client._transports import peer_hung_up
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
@@ -48,6 +52,28 @@ def _reload(broker: BrokerProcess) -> float:
     return time.monotonic()
 
 
+def _frame(payload: bytes) -> bytes:
+    return len(payload).to_bytes(4, "big") + payload
+
+
+def _payload(sock: socket.socket) -> bytes:
+    length = int.from_bytes(sock.recv(4, socket.MSG_WAITALL), "big")
+    return sock.recv(length, socket.MSG_WAITALL)
+
+
+def open_link(broker: BrokerProcess, token: str, session: str) -> socket.socket:
+    """A same-host link (``<socket>.fast``), its hello accepted by the front and answered by the worker."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(broker.target.removeprefix("unix:") + ".fast")
+    sock.sendall(pack_frame({"token": token, "session": session, "link": 1}))
+    _, status, result = recv_frame(sock)
+    if status != 0:
+        sock.close()
+        raise error_from_wire(result["code"], result["message"], result.get("type"), result.get("details"))
+    return sock
+
+
 @dataclass
 class Channels:
     """One of each long-lived channel, opened with ``token`` on ``session``."""
@@ -66,22 +92,26 @@ class Channels:
                 yield batch
 
         self.stream = pb_grpc.GpuBrokerStub(self.grpc).Commands(requests(), metadata=metadata)
-        self.fast = FastChannel(base + ".fast", self.token, self.session, 10)
-        self.direct = FastChannel(base + ".fast", self.token, self.session, 10, direct=True)
-        assert self.direct.direct
+        self.link = open_link(self.broker, self.token, self.session)
         self.shm = SideChannel(base + ".shm", self.token)
         return self
+
+    def on_link(self, *commands: Any) -> None:
+        """A batch on the link, which the worker runs and acknowledges."""
+        self.link.sendall(_frame(encode(Batch(1, 0, list(commands)))))
+        ack = decode_ack(_payload(self.link))
+        assert ack.error is None and ack.done == len(commands), ack
 
     def use(self) -> None:
         """A call on each: all of them work."""
         self.batches.put(pb.CommandBatch(session=self.session, batch=1,
                                          commands=[pb.Command(seq=1, synchronize=pb.StreamRequest())]))
         assert next(self.stream).batch == 1
-        self.fast.call("synchronize", pb.StreamRequest(session=self.session).SerializeToString())
-        self.direct.call("synchronize", {})
+        self.on_link(Synchronize())
         fd = create_segment_fd(4096)
         try:
-            assert self.shm.register(self.session, fd, 4096).startswith("seg_")
+            segment = new_handle("segment")
+            assert self.shm.register(self.session, fd, 4096, segment) == segment
         finally:
             os.close(fd)
 
@@ -103,12 +133,12 @@ class Channels:
         return ended[0]
 
     def all_cut(self) -> bool:
-        return all(peer_hung_up(sock) for sock in (self.fast._sock, self.direct._sock, self.shm._sock))
+        return all(peer_hung_up(sock) for sock in (self.link, self.shm._sock))
 
     def close(self) -> None:
         self.batches.put(None)
-        for channel in (self.fast, self.direct, self.shm):
-            channel.close()
+        self.link.close()
+        self.shm.close()
         self.grpc.close()
 
 
@@ -123,14 +153,13 @@ def test_rotation_cuts_every_channel_and_the_new_token_reaches_the_same_session(
         reloaded = _reload(broker)
         code, when = before.stream_end(5)
         assert code == grpc.StatusCode.UNAUTHENTICATED and when - reloaded < CUT_WITHIN, (code, when - reloaded)
-        wait_for(before.all_cut, CUT_WITHIN, "the fast path, direct link and side channel to be closed")
+        wait_for(before.all_cut, CUT_WITHIN, "the link and side channel to be closed")
         with pytest.raises(Unauthenticated):
-            FastChannel(broker.target.removeprefix("unix:") + ".fast", old, gpu.session, 10)
+            open_link(broker, old, gpu.session)
         # The session stayed: the new token opens every kind of channel on it again, and its buffer is there.
         after = Channels(broker, new, gpu.session).open()
         after.use()
-        after.fast.call("memset", pb.MemsetRequest(session=gpu.session, buffer=pb.BufferRef(handle=buf.handle),
-                                                   size=4096, value=7).SerializeToString())
+        after.on_link(Memset((buf.handle, 0), 7, 4096))
         after.close()
         broker.tokens["bob"] = new
     finally:
@@ -148,7 +177,7 @@ def test_removal_cuts_every_channel_and_ends_the_sessions(broker: BrokerProcess)
         reloaded = _reload(broker)
         code, when = channels.stream_end(5)
         assert code == grpc.StatusCode.UNAUTHENTICATED and when - reloaded < CUT_WITHIN, (code, when - reloaded)
-        wait_for(channels.all_cut, CUT_WITHIN, "the fast path, direct link and side channel to be closed")
+        wait_for(channels.all_cut, CUT_WITHIN, "the link and side channel to be closed")
         with pytest.raises((Unauthenticated, NotFound)):
             gpu.synchronize()
     finally:
