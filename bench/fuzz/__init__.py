@@ -4,10 +4,11 @@
 runs a short mix in CI and ``gpubroker bench fuzz --cases N`` a long one (see ``main``).
 """
 
-from ._bench import FUZZ_SETTINGS, FUZZ_TENANTS, fuzz_limits, main
+from ._bench import FUZZ_SETTINGS, FUZZ_TENANTS, fuzz_limits, link_fuzzer, main, start_fuzz_broker
 from ._grpc import FuzzFailure, GrpcFuzzer
+from ._link import LinkFuzzer, LinkTarget, LinkVictims
 from ._model import ALLOWED_CODES
 from ._raw import RawFuzzer
 
-__all__ = ["ALLOWED_CODES", "FUZZ_SETTINGS", "FUZZ_TENANTS", "FuzzFailure", "GrpcFuzzer", "RawFuzzer", "fuzz_limits",
-           "main"]
+__all__ = ["ALLOWED_CODES", "FUZZ_SETTINGS", "FUZZ_TENANTS", "FuzzFailure", "GrpcFuzzer", "LinkFuzzer",
+           "LinkTarget", "LinkVictims", "RawFuzzer", "fuzz_limits", "link_fuzzer", "main", "start_fuzz_broker"]

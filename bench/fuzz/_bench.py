@@ -1,9 +1,10 @@
 """`gpubroker bench fuzz`: a long fuzzing run against a fresh broker, reported as JSON.
 
 Run: ``gpubroker bench fuzz --cases 100000 [--backend opencl] [--max-steps 4] [--seed N] [--out fuzz.json]``.
-Cases are gRPC cases (``GrpcFuzzer``) and, a share of them, raw-socket cases (``RawFuzzer``). It stops at the
-first broken promise and reports it; otherwise it reports every status seen, whether the broker is still up and
-whether its accounting is still exact.
+Cases are gRPC cases (``GrpcFuzzer``) and, a share of them, raw-socket cases: the framed link on the Unix socket
+and on the TCP link with TLS (``LinkFuzzer``), the shared-memory side channel and the gRPC socket (``RawFuzzer``).
+It stops at the first broken promise and reports it; otherwise it reports every status seen, whether the broker
+is still up and whether its accounting is still exact.
 """
 
 from __future__ import annotations
@@ -11,20 +12,32 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import ssl
 import sys
+import tempfile
 import time
 import traceback
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
+from gpubroker.broker.certs import init_certs
+from gpubroker.broker.config import TlsConfig
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 
-__all__ = ["FUZZ_SETTINGS", "FUZZ_TENANTS", "fuzz_limits", "main", "run_fuzz"]
+from .._net import free_port
+from ._link import LinkFuzzer, LinkTarget, LinkVictims, open_link_session
 
-# "root" administers, alice, bob and eve are fuzzed through gRPC, mallory through the raw sockets.
+__all__ = ["FUZZ_SETTINGS", "FUZZ_TENANTS", "fuzz_limits", "link_fuzzer", "main", "run_fuzz",
+           "start_fuzz_broker"]
+
+# "root" administers, alice, bob and eve are fuzzed through gRPC, mallory through the raw sockets and the framed
+# link; trent is the link fuzz's victim (its buffer's handle is named, its data must survive, its session work).
 FUZZ_TENANTS = [TenantSpec("root", memory_quota=1 << 20, admin=True), TenantSpec("alice", memory_quota=8 << 20),
                 TenantSpec("bob", memory_quota=2 << 20), TenantSpec("eve", memory_quota=256 << 10),
-                TenantSpec("mallory", memory_quota=1 << 20)]
+                TenantSpec("mallory", memory_quota=4 << 20), TenantSpec("trent", memory_quota=1 << 20)]
 # Small limits, so that fuzzed requests reach them: chunking, message and module sizes, handles, sessions, streams.
 FUZZ_SETTINGS: dict[str, object] = {
     "lease_seconds": 600.0, "chunk_bytes": 64 << 10, "max_message_bytes": 1 << 20, "max_module_bytes": 64 << 10,
@@ -37,14 +50,42 @@ FUZZ_SETTINGS: dict[str, object] = {
 _GRPC_TENANTS = ("alice", "bob", "eve")
 
 
+@contextmanager
+def start_fuzz_broker(backend: str) -> Iterator[tuple[BrokerProcess, list[LinkTarget]]]:
+    """A broker with the fuzz's tenants and limits, a TCP link with TLS, and the two places a link is opened:
+    its Unix socket and its TCP port."""
+    with tempfile.TemporaryDirectory(prefix="gpb-fuzz-") as certs:
+        _, server = init_certs(certs)
+        port = free_port()
+        settings = {**FUZZ_SETTINGS, "tls": TlsConfig(cert_file=str(server.cert), key_file=str(server.key)),
+                    "link_listen": f"127.0.0.1:{port}"}
+        with BrokerProcess(FUZZ_TENANTS, backend=backend, settings=settings, tcp=["127.0.0.1:0"]) as broker:
+            tls = ssl.create_default_context(cafile=str(Path(certs) / "ca.pem"))
+            yield broker, [LinkTarget("unix", unix_path=broker.target[len("unix:"):] + ".fast"),
+                           LinkTarget("tcp", address=("127.0.0.1", port), tls=tls)]
+
+
+@contextmanager
+def link_fuzzer(broker: BrokerProcess, observe: Callable[[str, str, str], Any],
+                backend: str) -> Iterator[tuple[LinkFuzzer, LinkVictims]]:
+    """mallory's link session with the fuzz kernels, and the victims whose handles it names."""
+    gpu, kernels = open_link_session(broker.target, broker.tokens["mallory"], backend)
+    victims = LinkVictims(broker.target, broker.tokens["trent"], broker.tokens["mallory"])
+    try:
+        yield LinkFuzzer(broker.tokens["mallory"], gpu.session, kernels, victims.handles, observe), victims
+    finally:
+        victims.close()
+        gpu.close()
+
+
 def fuzz_limits() -> dict[str, Any]:
     return {"quotas": {t.name: t.memory_quota for t in FUZZ_TENANTS}, "chunk_bytes": FUZZ_SETTINGS["chunk_bytes"],
             "max_module_bytes": FUZZ_SETTINGS["max_module_bytes"],
             "max_shared_bytes": FUZZ_SETTINGS["max_shared_bytes_per_session"]}
 
 
-def run_fuzz(broker: BrokerProcess, cases: int, max_steps: int, raw_share: float, seed: int | None,
-             compile_odds: int = 8, progress: bool = True) -> dict[str, Any]:
+def run_fuzz(broker: BrokerProcess, targets: list[LinkTarget], cases: int, max_steps: int, raw_share: float,
+             seed: int | None, compile_odds: int = 8, progress: bool = True) -> dict[str, Any]:
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as with_seed
     from hypothesis import strategies as st
@@ -57,15 +98,23 @@ def run_fuzz(broker: BrokerProcess, cases: int, max_steps: int, raw_share: float
                         fuzz_limits(), max_steps=max_steps, compile_odds=compile_odds)
     raw = RawFuzzer(broker.target, broker.tokens["mallory"], fuzzer.open_session(broker.tokens["mallory"]),
                     fuzzer.observe)
+    stack = ExitStack()
+    link, victims = stack.enter_context(link_fuzzer(broker, fuzzer.observe, fuzzer.backend))
     kinds: Counter[str] = Counter()
     started = time.monotonic()
     raw_weight = max(0, min(100, round(raw_share * 100)))
-    choices = ["grpc"] * (100 - raw_weight) + ["fast", "shm", "grpc_socket"] * raw_weight
+    by_name = {t.name: t for t in targets}
+    choices = ["grpc"] * (100 - raw_weight) + [*(f"link_{t}" for t in by_name), "shm", "grpc_socket"] * raw_weight
 
     def one_case(data: Any) -> None:
         kind = data.draw(st.sampled_from(choices), label="kind")
         if kind == "grpc":
             fuzzer.run_case(data)
+        elif kind.startswith("link_"):
+            link.case(data.draw, by_name[kind[len("link_"):]])
+            if kinds[kind] % 50 == 0:
+                fuzzer.check_raw_session(link.session)
+                victims.check()
         else:
             getattr(raw, f"{'grpc' if kind == 'grpc_socket' else kind}_case")(data.draw)
             if kinds[kind] % 50 == 0:
@@ -105,9 +154,12 @@ def run_fuzz(broker: BrokerProcess, cases: int, max_steps: int, raw_share: float
         try:
             fuzzer.check_accounting()
             fuzzer.check_raw_session(raw.session)
+            fuzzer.check_raw_session(link.session)
+            victims.check()
             exact = True
         except AssertionError as exc:
             failure = failure or str(exc)
+    stack.close()
     by_code: Counter[str] = Counter()
     for key, count in fuzzer.statuses.items():
         by_code[key.rsplit(" ", 1)[1]] += count
@@ -134,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
-    with BrokerProcess(FUZZ_TENANTS, backend=args.backend, settings=FUZZ_SETTINGS) as broker:
-        result = run_fuzz(broker, args.cases, args.max_steps, args.raw_share, args.seed, args.compile_odds)
+    with start_fuzz_broker(args.backend) as (broker, targets):
+        result = run_fuzz(broker, targets, args.cases, args.max_steps, args.raw_share, args.seed, args.compile_odds)
         result.update(backend=args.backend, max_steps=args.max_steps, compile_odds=args.compile_odds, seed=args.seed)
     text = json.dumps(result, indent=2)
     print(text)

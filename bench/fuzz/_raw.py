@@ -1,4 +1,4 @@
-"""Fuzz the broker's raw local sockets: "<socket>.fast" (front and direct links), "<socket>.shm", the gRPC socket.
+"""Fuzz the broker's raw local sockets besides the framed link (``_link.py``): "<socket>.shm" and the gRPC socket.
 
 Each case writes hostile bytes, then half-closes its end: the broker must answer only well-formed frames with a
 documented status, and close the connection (never hang on it, never crash). Registrations that succeed are
@@ -18,13 +18,13 @@ from typing import Any
 import msgpack
 from hypothesis import strategies as st
 
+from gpubroker.client._protocol import new_handle
 from gpubroker.client._shm import create_segment_fd
 
 __all__ = ["RawFuzzer"]
 
 Draw = Callable[..., Any]
 _HEADER = struct.Struct("!I")
-_FAST_OPS = ["launch", "memset", "copy_d2d", "synchronize", "batch", "copy_shared", "nope", ""]
 
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=16),
                      st.binary(max_size=16))
@@ -55,7 +55,7 @@ def unframe(data: bytes) -> list[Any]:
 
 
 class RawFuzzer:
-    """``fast_case``, ``shm_case`` and ``grpc_case`` each run one hypothesis-drawn case against the broker."""
+    """``shm_case`` and ``grpc_case`` each run one hypothesis-drawn case against the broker."""
 
     def __init__(self, target: str, token: str, session: str, observe: Callable[[str, str, str], Any],
                  timeout: float = 10.0) -> None:
@@ -101,52 +101,11 @@ class RawFuzzer:
             raise AssertionError(f"{where}: malformed error {error!r}")
         self.observe(where, error["code"], str(error.get("message")))
 
-    # -- <socket>.fast ----------------------------------------------------------------------------
-    def fast_case(self, draw: Draw) -> None:
-        mode = draw(st.sampled_from(["garbage", "bad_hello", "front", "front", "direct", "direct"]))
-        chunks: list[bytes] = []
-        if mode == "garbage":
-            chunks.append(draw(st.binary(max_size=64)))
-        elif mode == "bad_hello":
-            chunks.append(frame(draw(st.one_of(junk, st.fixed_dictionaries(
-                {"token": st.one_of(junk, st.just(self.token)), "session": st.one_of(junk, st.just(self.session))},
-                optional={"direct": junk})))))
-        else:
-            hello = {"token": self.token, "session": self.session, **({"direct": True} if mode == "direct" else {})}
-            chunks.append(frame(hello))
-            for i in range(draw(st.integers(0, 4))):
-                chunks.append(self._fast_request(draw, i + 1, direct=mode == "direct"))
-        replies = unframe(self._exchange(self.path + ".fast", [(c, []) for c in chunks]))
-        for reply in replies:
-            if not (isinstance(reply, list) and len(reply) == 3 and reply[1] in (0, 1)):
-                raise AssertionError(f".fast ({mode}): a malformed reply {reply!r}")
-            if reply[1] == 1:
-                self._check_error(f"fast {mode}", reply[2])
-            else:
-                self.observe(f"fast {mode}", "OK", "")
-        if mode in ("front", "direct") and not replies:
-            raise AssertionError(f".fast ({mode}): no answer to a valid hello")
-        if mode == "bad_hello" and replies and replies[0][1] == 0:
-            hello = msgpack.unpackb(chunks[0][_HEADER.size:], raw=False, strict_map_key=False)
-            if not (isinstance(hello, dict) and hello.get("token") == self.token
-                    and hello.get("session") == self.session):
-                raise AssertionError(f".fast accepted the hello {hello!r}")
-
-    def _fast_request(self, draw: Draw, req_id: int, direct: bool) -> bytes:
-        kind = draw(st.sampled_from(["bytes", "junk", "request", "request", "request"]))
-        if kind == "bytes":  # a length prefix and whatever follows (maybe a torn frame: the close ends it)
-            body = draw(st.binary(max_size=48))
-            return _HEADER.pack(draw(st.sampled_from([len(body), len(body) + 5, 2**31, 2**32 - 1]))) + body
-        if kind == "junk":
-            return frame(draw(junk))
-        op = draw(st.sampled_from(_FAST_OPS))
-        payload = draw(junk if direct else st.one_of(st.binary(max_size=48), junk))
-        return frame([draw(st.one_of(st.just(req_id), junk)), op, payload])
-
     # -- <socket>.shm -----------------------------------------------------------------------------
     def shm_case(self, draw: Draw) -> int:
         """Returns how many segments it registered (and released again)."""
         opened: list[int] = []
+        used: set[str] = set()
         chunks: list[tuple[bytes, list[int]]] = []
         try:
             for _ in range(draw(st.integers(1, 3))):
@@ -157,8 +116,15 @@ class RawFuzzer:
                 elif kind == "junk":
                     chunks.append((frame(draw(junk)), fds))
                 elif kind == "register":
+                    # The client names the segment (issue 13): a fresh handle, one already registered, or junk.
+                    handle = draw(st.one_of(st.just(new_handle("segment")), st.just(new_handle("segment")),
+                                            st.sampled_from(sorted(used) or ["g0"]), st.just(""),
+                                            st.just("g" * 65), junk))
+                    if isinstance(handle, str) and handle.startswith("g") and len(handle) == 17:
+                        used.add(handle)
                     message = {"token": draw(st.sampled_from([self.token] * 4 + ["", "gpb_x_y"])),
                                "session": draw(st.sampled_from([self.session] * 4 + ["", "ses_nope"])),
+                               "handle": handle,
                                "size": draw(st.one_of(st.sampled_from([4096, 4096, 1, 0, -1, 2**40, True]), junk))}
                     chunks.append((frame(message), fds))
                 else:
@@ -179,6 +145,8 @@ class RawFuzzer:
                 self.observe("shm", "OK", "")
             elif reply != {"released": True}:
                 raise AssertionError(f".shm: a malformed reply {reply!r}")
+        if len(set(registered)) != len(registered):
+            raise AssertionError(f".shm: one segment handle registered twice: {registered}")
         if registered:  # give them back, so the session's accounting returns to nothing
             release = [(frame({"token": self.token, "session": self.session, "release": seg}), [])
                        for seg in registered]

@@ -61,6 +61,7 @@ __all__ = ["Executor", "command_name"]
 log = logging.getLogger("gpubroker.worker")
 
 _DTYPES: dict[str, np.dtype[Any]] = {}  # scalar dtype names already accepted
+_DETAIL_TYPES = (str, int, float, bool, type(None))
 
 
 def command_name(command: object) -> str:
@@ -166,8 +167,10 @@ class Executor:
 
     @staticmethod
     def _error(batch: Batch, done: int, objs: SessionObjects, command: object, exc: GpuBrokerError) -> CommandError:
+        # Only what encodes for certain: an Ack that failed to encode would leave its link or request unanswered.
+        details = {str(k): v if type(v) in _DETAIL_TYPES else str(v) for k, v in exc.details.items()}
         return CommandError(batch.first + done, _describe(objs, command), exc.code, exc.message, type(exc).__name__,
-                            exc.details)
+                            details)
 
     # -- memory ------------------------------------------------------------------------------------
     def _allocate(self, objs: SessionObjects, cmd: Allocate) -> None:

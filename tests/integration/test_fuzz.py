@@ -1,4 +1,5 @@
-"""Fuzzing: random and hostile requests on every RPC and on the broker's raw local sockets.
+"""Fuzzing: random and hostile requests on every RPC, on the framed link (Unix socket and TCP with TLS) and on the
+broker's other raw local sockets.
 
 A short run here (one broker for the module); ``gpubroker bench fuzz --cases 100000`` runs the long one. Each case
 checks that every answer is OK or a documented status, that calls naming sessions or handles the caller does not
@@ -16,10 +17,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpubroker.bench.fuzz import FUZZ_SETTINGS, FUZZ_TENANTS, GrpcFuzzer, RawFuzzer, fuzz_limits
+from gpubroker.bench.fuzz import (
+    GrpcFuzzer,
+    LinkFuzzer,
+    LinkTarget,
+    LinkVictims,
+    RawFuzzer,
+    fuzz_limits,
+    link_fuzzer,
+    start_fuzz_broker,
+)
 from gpubroker.broker.launcher import BrokerProcess
 
-EXAMPLES = int(os.environ.get("GPUBROKER_FUZZ_EXAMPLES", "250"))
+EXAMPLES = int(os.environ.get("GPUBROKER_FUZZ_EXAMPLES", "120"))
 # Derandomized: CI runs the same cases every time (a failure reproduces); the bench run explores at random.
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -27,9 +37,14 @@ RAW = settings(FUZZ, max_examples=EXAMPLES)
 
 
 @pytest.fixture(scope="module")
-def fuzz_broker(backend: str) -> Iterator[BrokerProcess]:
-    with BrokerProcess(FUZZ_TENANTS, backend=backend, settings=FUZZ_SETTINGS) as broker:
-        yield broker
+def broker_and_links(backend: str) -> Iterator[tuple[BrokerProcess, list[LinkTarget]]]:
+    with start_fuzz_broker(backend) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def fuzz_broker(broker_and_links: tuple[BrokerProcess, list[LinkTarget]]) -> BrokerProcess:
+    return broker_and_links[0]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +61,12 @@ def raw(fuzz_broker: BrokerProcess, fuzzer: GrpcFuzzer) -> RawFuzzer:
     return RawFuzzer(fuzz_broker.target, token, fuzzer.open_session(token), fuzzer.observe)
 
 
+@pytest.fixture(scope="module")
+def link(fuzz_broker: BrokerProcess, fuzzer: GrpcFuzzer, backend: str) -> Iterator[tuple[LinkFuzzer, LinkVictims]]:
+    with link_fuzzer(fuzz_broker, fuzzer.observe, backend) as pair:
+        yield pair
+
+
 @FUZZ
 @given(data=st.data())
 def test_every_rpc_under_random_invalid_and_hostile_requests(fuzzer: GrpcFuzzer, data: Any) -> None:
@@ -54,9 +75,21 @@ def test_every_rpc_under_random_invalid_and_hostile_requests(fuzzer: GrpcFuzzer,
 
 @RAW
 @given(data=st.data())
-def test_fast_path_socket_under_garbage_and_malformed_frames(raw: RawFuzzer, data: Any) -> None:
-    """Before and after a valid hello, on the front's connection and on a direct link to the worker."""
-    raw.fast_case(data.draw)
+def test_framed_link_under_hostile_batches_and_malformed_frames(
+        broker_and_links: tuple[BrokerProcess, list[LinkTarget]], link: tuple[LinkFuzzer, LinkVictims],
+        data: Any) -> None:
+    """Raw Batch frames on the Unix link and the TCP link (TLS): every frame answered by an Ack or the link closed,
+    and after each case a fresh link on the session frees what the case left and reads back what it writes."""
+    targets = broker_and_links[1]
+    link[0].case(data.draw, data.draw(st.sampled_from(targets), label="where"))
+
+
+def test_after_the_link_fuzz_the_session_holds_nothing_and_the_victims_are_intact(
+        fuzzer: GrpcFuzzer, link: tuple[LinkFuzzer, LinkVictims]) -> None:
+    links, victims = link
+    assert links.cases and links.acks  # (it ran above, in this module, and reached the worker)
+    fuzzer.check_raw_session(links.session)
+    victims.check()  # another tenant's and another session's buffers, whose handles the cases named
 
 
 @RAW

@@ -1,0 +1,499 @@
+"""Fuzz the framed link (issue 13): raw Batch frames straight to a session's worker, on the Unix socket
+``<socket>.fast`` and on the TCP link (``link_listen``, TLS terminated by the front).
+
+A case opens one connection: garbage, a hostile hello, or a valid hello followed by frames drawn from
+hypothesis-built commands (valid ones, and ones naming foreign, unknown or reused handles, huge sizes, commands
+that only the front may run), malformed msgpack, wrong types, frames over the announced maximum and frames cut
+short. The promises checked: the hello is refused unless it is right; every whole frame is answered, in order,
+by one Ack for its batch (``done`` and the error's sequence number consistent, the error's status documented, a
+Read's result exactly its size), or the link closes (only after the client stopped sending or sent a frame that
+cannot be run); a malformed frame gets an Ack with id 0 and INVALID_ARGUMENT, then the link is closed; the link
+is closed (never left hanging) when the client stops; and after every case a fresh link on the same session
+still works and frees what the case left, so the session's memory comes back to nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import ssl
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import msgspec
+import numpy as np
+from hypothesis import strategies as st
+
+from gpubroker.client import _protocol as proto
+
+from ._model import ALLOWED_CODES
+from ._raw import junk
+from ._values import dtypes
+
+__all__ = ["LinkFuzzer", "LinkTarget", "LinkVictims", "open_link_session"]
+
+Draw = Callable[..., Any]
+_HEADER = struct.Struct("!I")
+# Launch extents the device takes at once (a fuzzed launch must not occupy it for long) or refuses at once.
+_EXTENTS = [1, 1, 2, 3, 4, 0, -1, 2**32, 2**63 - 1]
+_BLOCKS = [1, 2, 64, 256, 0, -1, 4096, 2**32]
+_SIZES = [1, 4, 64, 100, 4096, 8192, 0]
+_HUGE = [2**31, 2**40, 2**62, 2**63 - 1]
+
+
+@dataclass(frozen=True)
+class LinkTarget:
+    """Where a link is opened: a Unix socket path, or a TCP address with the TLS context to reach it."""
+
+    name: str  # "unix" or "tcp"
+    unix_path: str = ""
+    address: tuple[str, int] = ("", 0)
+    tls: ssl.SSLContext | None = None
+
+    def connect(self, timeout: float) -> socket.socket:
+        if self.unix_path:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            sock.connect(self.unix_path)
+            return sock
+        raw = socket.create_connection(self.address, timeout=timeout)
+        if self.tls is None:
+            return raw
+        try:
+            return self.tls.wrap_socket(raw, server_hostname=self.address[0])
+        except BaseException:
+            raw.close()
+            raise
+
+
+class _Reader:
+    """Whole frames off a socket; ``None`` at a clean end of stream; a torn frame or a silent peer fails."""
+
+    def __init__(self, sock: socket.socket, where: str) -> None:
+        self.sock = sock
+        self.where = where
+        self.buf = bytearray()
+        self.eof = False
+
+    def frame(self) -> bytes | None:
+        while True:
+            if len(self.buf) >= _HEADER.size:
+                (n,) = _HEADER.unpack_from(self.buf)
+                if len(self.buf) >= _HEADER.size + n:
+                    payload = bytes(self.buf[_HEADER.size:_HEADER.size + n])
+                    del self.buf[:_HEADER.size + n]
+                    return payload
+            if self.eof:
+                if self.buf:
+                    raise AssertionError(f"{self.where}: a torn reply ({len(self.buf)} bytes) before the close")
+                return None
+            try:
+                data = self.sock.recv(1 << 16)
+            except TimeoutError:
+                raise AssertionError(f"{self.where}: neither answered nor closed in time") from None
+            except (ConnectionResetError, ssl.SSLError):  # (a TLS peer that closes without close_notify)
+                data = b""
+            if not data:
+                self.eof = True
+            self.buf += data
+
+
+@dataclass
+class _Live:
+    """What the case's link session holds, by the Acks: commands[:done] of each batch ran."""
+
+    bufs: dict[str, int] = field(default_factory=dict)  # handle -> size
+    streams: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Frame:
+    data: bytes  # header included
+    batch: proto.Batch | None  # decodable: it must be answered by an Ack naming it
+    kind: str  # "batch", "malformed", "huge", "torn"
+
+
+class LinkFuzzer:
+    """``case(draw, target)`` runs one hypothesis-drawn connection against the session ``session``."""
+
+    def __init__(self, token: str, session: str, kernels: dict[str, str], foreign: list[str],
+                 observe: Callable[[str, str, str], Any], *, timeout: float = 10.0) -> None:
+        self.token = token
+        self.session = session  # a session of the tenant owning ``token``, holding only the fuzz kernels
+        self.kernels = kernels  # kernel name -> handle, in ``session``
+        self.foreign = foreign  # live handles of other sessions (another tenant's, and the same tenant's)
+        self.observe = observe
+        self.timeout = timeout
+        self.cases = 0
+        self.acks = 0
+        self._next_id = 1
+        self._seq = 0
+
+    # -- drawing commands -----------------------------------------------------------------------------------------
+    def _handle(self, draw: Draw, live: list[str], kind: str) -> str:
+        how = draw(st.sampled_from(["live", "live", "fresh", "foreign", "junk"] if live
+                                   else ["fresh", "fresh", "foreign", "junk"]))
+        if how == "live":
+            return str(draw(st.sampled_from(live)))
+        if how == "foreign" and self.foreign:
+            return str(draw(st.sampled_from(self.foreign)))
+        if how == "junk":
+            return str(draw(st.one_of(st.text(min_size=1, max_size=proto.MAX_HANDLE),
+                                      st.sampled_from(["b", "bzz", "k0", "s" * proto.MAX_HANDLE]))))
+        return proto.new_handle(kind)
+
+    def _ref(self, draw: Draw, live: _Live) -> tuple[str, int]:
+        return self._handle(draw, list(live.bufs), "buf"), draw(st.sampled_from([0, 0, 0, 128, 4096, 2**40]))
+
+    def _stream(self, draw: Draw, live: _Live) -> str:
+        return str(draw(st.sampled_from(["", "", "", *sorted(live.streams), "s" + "0" * 16, "nope"])))
+
+    def _size(self, draw: Draw) -> int:
+        return int(draw(st.one_of(st.sampled_from(_SIZES), st.sampled_from(_HUGE), st.integers(1, 5000))))
+
+    def _arg(self, draw: Draw, live: _Live) -> proto.KernelArg:
+        if draw(st.booleans()):
+            handle, offset = self._ref(draw, live)
+            return proto.BufferArg(handle, offset)
+        return proto.ScalarArg(draw(dtypes()).encode("utf-8", "replace")[:16].decode("utf-8", "ignore"),
+                               draw(st.binary(max_size=8)))
+
+    def _command(self, draw: Draw, live: _Live) -> proto.Command:
+        op = draw(st.sampled_from(["allocate"] * 3 + ["free", "memset", "copy_d2d", "launch", "launch", "write",
+                                                      "write", "read", "read", "create_stream", "destroy_stream",
+                                                      "synchronize", "copy_shared", "device_info", "front_only"]))
+        if op == "allocate":
+            return proto.Allocate(self._handle(draw, list(live.bufs), "buf"),
+                                  draw(st.one_of(st.sampled_from([64, 4096, 65536, 1 << 20]), st.sampled_from(_HUGE),
+                                                 st.integers(1, 8192))))
+        if op == "free":
+            return proto.Free(self._handle(draw, list(live.bufs), "buf"))
+        if op == "memset":
+            return proto.Memset(self._ref(draw, live), draw(st.integers(0, 255)),
+                                draw(st.one_of(st.just(-1), st.integers(-3, 5000), st.sampled_from(_HUGE))),
+                                draw(st.sampled_from([0, 0, 64, 4096, 2**40])), self._stream(draw, live))
+        if op == "copy_d2d":
+            return proto.CopyD2D(self._ref(draw, live), self._ref(draw, live), self._size(draw),
+                                 draw(st.sampled_from([0, 0, 64, 2**40])), draw(st.sampled_from([0, 0, 64, 2**40])),
+                                 self._stream(draw, live))
+        if op == "launch":
+            names = sorted(self.kernels)
+            kernel = (self.kernels[draw(st.sampled_from(names))] if names and draw(st.integers(0, 3))
+                      else self._handle(draw, [], "kernel"))
+            dims = st.lists(st.sampled_from(_EXTENTS), min_size=1, max_size=3).map(tuple)
+            blocks = st.lists(st.sampled_from(_BLOCKS), min_size=1, max_size=3).map(tuple)
+            return proto.Launch(kernel, draw(dims), draw(blocks),
+                                [self._arg(draw, live) for _ in range(draw(st.integers(0, 5)))],
+                                draw(st.sampled_from([0, 0, 64, 1 << 20, 2**40])), self._stream(draw, live))
+        if op == "write":
+            data = draw(st.one_of(st.binary(max_size=256), st.sampled_from([b"", b"\x00" * 4096, b"\xab" * 100_000])))
+            return proto.Write(self._ref(draw, live), draw(st.sampled_from([0, 0, 1, 64, 4095, 2**40])), data,
+                               self._stream(draw, live))
+        if op == "read":
+            return proto.Read(self._ref(draw, live), draw(st.sampled_from([0, 0, 1, 64, 4095, 2**40])),
+                              self._size(draw), self._stream(draw, live))
+        if op == "create_stream":
+            return proto.CreateStream(self._handle(draw, sorted(live.streams), "stream"))
+        if op == "destroy_stream":
+            return proto.DestroyStream(self._handle(draw, sorted(live.streams), "stream"))
+        if op == "synchronize":
+            return proto.Synchronize(self._stream(draw, live))
+        if op == "copy_shared":
+            return proto.CopyShared(self._handle(draw, [], "segment"), 0, self._ref(draw, live), 0,
+                                    self._size(draw), draw(st.booleans()), self._stream(draw, live))
+        if op == "device_info":
+            return proto.DeviceInfoQuery()
+        # Commands the front must supervise (a compile needs its time limit): refused on a link.
+        which = draw(st.sampled_from(["load", "unload", "get"]))
+        if which == "load":
+            return proto.LoadModule(proto.new_handle("module"), "opencl_c", b"__kernel void k(void) {}")
+        if which == "unload":
+            return proto.UnloadModule(proto.new_handle("module"))
+        return proto.GetKernel(proto.new_handle("kernel"), proto.new_handle("module"), "k")
+
+    def _batch(self, draw: Draw, live: _Live) -> proto.Batch:
+        commands = [self._command(draw, live) for _ in range(draw(st.integers(0, 6)))]
+        batch = proto.Batch(self._next_id, self._seq, commands)
+        self._next_id += 1
+        self._seq += len(commands)
+        return batch
+
+    def _frames(self, draw: Draw, live: _Live, max_frame: int) -> list[_Frame]:
+        frames: list[_Frame] = []
+        for _ in range(draw(st.integers(1, 6))):
+            kind = draw(st.sampled_from(["batch"] * 6 + ["bytes", "junk", "wrong_types", "huge", "torn"]))
+            if kind == "batch":
+                payload = proto.encode(self._batch(draw, live))
+            elif kind == "bytes":
+                payload = draw(st.binary(max_size=48))
+            elif kind == "junk":
+                payload = msgpack.packb(draw(junk), use_bin_type=True)
+            elif kind == "wrong_types":  # batch-shaped, with a field of the wrong type or out of range
+                good = msgspec.msgpack.decode(proto.encode(self._batch(draw, live)))
+                good[draw(st.integers(0, 2))] = draw(junk)
+                payload = msgpack.packb(good, use_bin_type=True)
+            elif kind == "huge":  # a header over the link's maximum: refused before its payload is read
+                frames.append(_Frame(_HEADER.pack(draw(st.sampled_from([max_frame + 1, 2**31, 2**32 - 1])))
+                                     + draw(st.binary(max_size=16)), None, "huge"))
+                break
+            else:  # cut short: the header promises more than ever comes
+                body = draw(st.binary(max_size=32))
+                frames.append(_Frame(_HEADER.pack(len(body) + draw(st.integers(1, 1000))) + body, None, "torn"))
+                break
+            if len(payload) > max_frame:  # (a batch of several large writes)
+                frames.append(_Frame(_HEADER.pack(len(payload)) + payload, None, "huge"))
+                break
+            try:  # the one decoder says what the worker must make of it (random bytes may happen to be a batch)
+                batch = proto.decode_batch(payload)
+            except msgspec.DecodeError:
+                frames.append(_Frame(_HEADER.pack(len(payload)) + payload, None, "malformed"))
+                break
+            frames.append(_Frame(_HEADER.pack(len(payload)) + payload, batch, "batch"))
+        return frames
+
+    # -- one connection -------------------------------------------------------------------------------------------
+    def _hello(self, sock: socket.socket, reader: _Reader, where: str) -> int:
+        sock.sendall(_frame({"token": self.token, "session": self.session, "link": 1}))
+        reply = reader.frame()
+        if reply is None:
+            raise AssertionError(f"{where}: a valid hello got no answer")
+        decoded = msgpack.unpackb(reply, raw=False, strict_map_key=False)
+        if not (isinstance(decoded, list) and len(decoded) == 3 and decoded[:2] == [0, 0]
+                and isinstance(decoded[2], dict) and decoded[2].get("link") == 1
+                and isinstance(decoded[2].get("max_frame"), int) and decoded[2]["max_frame"] > 0):
+            raise AssertionError(f"{where}: a valid hello got {decoded!r}")
+        return int(decoded[2]["max_frame"])
+
+    def case(self, draw: Draw, target: LinkTarget) -> None:
+        where = f"link/{target.name}"
+        mode = draw(st.sampled_from(["garbage", "bad_hello", "link", "link", "link", "link"]))
+        live = _Live()
+        try:
+            if mode == "garbage":
+                self._garbage(draw, target, where)
+            elif mode == "bad_hello":
+                self._bad_hello(draw, target, where)
+            else:
+                self._link(draw, target, where, live)
+        finally:
+            self.cases += 1
+        self._clean_up_and_probe(target, where, live)
+
+    def _garbage(self, draw: Draw, target: LinkTarget, where: str) -> None:
+        body = draw(st.binary(max_size=64))
+        data = _HEADER.pack(len(body)) + body if target.tls is not None or draw(st.booleans()) else body
+        with contextlib.closing(target.connect(self.timeout)) as sock:
+            sock.sendall(data)
+            self._end(sock, target, where, hello_only=True)
+
+    def _bad_hello(self, draw: Draw, target: LinkTarget, where: str) -> None:
+        token = draw(st.one_of(st.just(self.token[:-4] + "AAAA"), st.just(""), junk))
+        session = draw(st.one_of(st.just(self.session), st.just("ses_nope"), junk))
+        hello = draw(st.sampled_from([{"token": token, "session": session, "link": 1}, {"token": token},
+                                      [token, session, 1]]))
+        with contextlib.closing(target.connect(self.timeout)) as sock:
+            sock.sendall(_frame(hello))
+            self._end(sock, target, where, hello_only=True)
+
+    def _end(self, sock: socket.socket, target: LinkTarget, where: str, hello_only: bool) -> None:
+        """After a hostile hello: a refusal ([0, 1, error]) or a close, never acceptance, never silence."""
+        if target.tls is None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_WR)
+        reader = _Reader(sock, where)
+        reply = reader.frame()
+        if reply is None:
+            self.observe(f"{where} hello", "CLOSED", "")
+            return
+        decoded = msgpack.unpackb(reply, raw=False, strict_map_key=False)
+        if not (isinstance(decoded, list) and len(decoded) == 3 and decoded[:2] == [0, 1]):
+            raise AssertionError(f"{where}: a hostile hello got {decoded!r}")
+        error = decoded[2]
+        if not isinstance(error, dict) or not isinstance(error.get("code"), str):
+            raise AssertionError(f"{where}: a malformed refusal {error!r}")
+        self.observe(f"{where} hello", error["code"], str(error.get("message")))
+
+    def _link(self, draw: Draw, target: LinkTarget, where: str, live: _Live) -> None:
+        with contextlib.closing(target.connect(self.timeout)) as sock:
+            reader = _Reader(sock, where)
+            max_frame = self._hello(sock, reader, where)
+            frames = self._frames(draw, live, max_frame)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(b"".join(f.data for f in frames))
+            last = frames[-1].kind
+            # Unix: half-close, so the worker must end the link when the client stops (over TLS a half-close
+            # would end TLS itself: there the case reads what it expects, then closes).
+            half = target.tls is None
+            if half:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_WR)
+            # Every whole frame is answered, in order, unless the link ends first: after the client stops sending
+            # (a half-close) or at a frame that cannot be run (malformed, oversized), whose refusal (an Ack with id
+            # 0) may overtake batches still waiting for the device's turn, which then never run.
+            may_end = half or last != "batch"
+            ended = False
+            for f in frames:
+                if f.batch is None:
+                    continue
+                reply = reader.frame()
+                if reply is None and may_end:
+                    ended = True
+                    break
+                ack = self._decode_ack(reply, where, f"batch {f.batch.id}")
+                if ack.id == 0 and last in ("malformed", "huge"):
+                    self._check_refusal(ack, where, last)
+                    ended = True
+                    break
+                self._check_ack(ack, f.batch, where, live)
+            if not ended and last in ("malformed", "huge"):
+                reply = reader.frame()
+                if reply is not None:
+                    self._check_refusal(self._decode_ack(reply, where, f"a {last} frame"), where, last)
+                elif last == "malformed":
+                    raise AssertionError(f"{where}: the link closed without refusing a malformed frame")
+            if last in ("malformed", "huge") or half:
+                extra = reader.frame()  # the worker must close the link now
+                if extra is not None:
+                    raise AssertionError(f"{where}: more after the link should have closed: {extra[:200]!r}")
+
+    def _check_refusal(self, ack: proto.Ack, where: str, last: str) -> None:
+        """A frame refused as a whole: Ack id 0 with nothing run (INVALID_ARGUMENT for one that is no batch)."""
+        if (ack.id != 0 or ack.done != 0 or ack.error is None
+                or (last == "malformed" and ack.error.code != "INVALID_ARGUMENT")
+                or ack.error.code not in ALLOWED_CODES):
+            raise AssertionError(f"{where}: a {last} frame got {ack!r}")
+        self.observe(f"{where} {last}", ack.error.code, ack.error.message)
+
+    @staticmethod
+    def _decode_ack(reply: bytes | None, where: str, what: str) -> proto.Ack:
+        if reply is None:
+            raise AssertionError(f"{where}: the link closed without answering {what}")
+        try:
+            return proto.decode_ack(reply)
+        except msgspec.DecodeError as exc:
+            raise AssertionError(f"{where}: not an Ack ({exc}): {reply[:200]!r}") from None
+
+    def _check_ack(self, ack: proto.Ack, batch: proto.Batch, where: str, live: _Live) -> None:
+        self.acks += 1
+        n = len(batch.commands)
+        if ack.id != batch.id or not 0 <= ack.done <= n:
+            raise AssertionError(f"{where}: batch {batch.id} of {n} commands got {ack!r}")
+        for command in batch.commands[:ack.done]:  # these ran
+            if isinstance(command, proto.Allocate):
+                live.bufs[command.handle] = command.size
+            elif isinstance(command, proto.Free):
+                live.bufs.pop(command.handle, None)
+            elif isinstance(command, proto.CreateStream):
+                live.streams.add(command.handle)
+            elif isinstance(command, proto.DestroyStream):
+                live.streams.discard(command.handle)
+        if ack.error is not None:
+            error = ack.error
+            if ack.done == n or not batch.first + ack.done <= error.seq < batch.first + n:
+                raise AssertionError(f"{where}: batch {batch.id} (first {batch.first}, {n} commands) got {ack!r}")
+            if error.code not in ALLOWED_CODES:
+                raise AssertionError(f"{where}: undocumented status {error.code} ({error.message!r}) for "
+                                     f"{batch.commands[error.seq - batch.first]!r}")
+            self.observe(f"{where} {type(batch.commands[error.seq - batch.first]).__name__}", error.code,
+                         error.message)
+            return
+        if ack.done != n:
+            raise AssertionError(f"{where}: batch {batch.id} ran {ack.done} of {n} commands with no error")
+        ran_foreign = [c for c in batch.commands if isinstance(c, proto.Free) and c.handle in self.foreign]
+        if ran_foreign:
+            raise AssertionError(f"{where}: freed another session's buffer: {ran_foreign!r}")
+        last = batch.commands[-1] if batch.commands else None
+        if isinstance(last, proto.Read) and not (isinstance(ack.result, bytes) and len(ack.result) == last.size):
+            raise AssertionError(f"{where}: a Read of {last.size} bytes got {str(ack.result)[:200]}")
+        if isinstance(last, proto.DeviceInfoQuery) and not isinstance(ack.result, dict):
+            raise AssertionError(f"{where}: a device query got {str(ack.result)[:200]}")
+        self.observe(f"{where} batch", "OK", "")
+
+    # -- after each case --------------------------------------------------------------------------------------------
+    def _clean_up_and_probe(self, target: LinkTarget, where: str, live: _Live) -> None:
+        """On a fresh link: free what the case left, then a write and read back of a new buffer must agree."""
+        probe = proto.new_handle("buf")
+        pattern = bytes(range(256)) * 4
+        cleanup = [proto.Free(h) for h in live.bufs] + [proto.DestroyStream(h) for h in live.streams]
+        batches = [proto.Batch(self._next_id, self._seq, [*cleanup, proto.Allocate(probe, len(pattern)),
+                                                          proto.Write((probe, 0), 0, pattern),
+                                                          proto.Read((probe, 0), 0, len(pattern))]),
+                   proto.Batch(self._next_id + 1, self._seq + len(cleanup) + 3, [proto.Free(probe)])]
+        self._next_id += 2
+        self._seq += len(cleanup) + 4
+        with contextlib.closing(target.connect(self.timeout)) as sock:
+            reader = _Reader(sock, f"{where} (clean-up)")
+            self._hello(sock, reader, where)
+            sock.sendall(b"".join(_framed(proto.encode(b)) for b in batches))
+            for batch in batches:
+                ack = self._decode_ack(reader.frame(), where, "the clean-up")
+                if (ack.id, ack.done, ack.error) != (batch.id, len(batch.commands), None):
+                    raise AssertionError(f"{where}: after the case, the clean-up {batch.commands!r} got {ack!r}")
+                if batch is batches[0] and ack.result != pattern:
+                    raise AssertionError(f"{where}: after the case, a read back differs: {str(ack.result)[:200]}")
+
+
+def _framed(payload: bytes) -> bytes:
+    return _HEADER.pack(len(payload)) + payload
+
+
+def _frame(obj: Any) -> bytes:
+    return _framed(msgpack.packb(obj, use_bin_type=True))
+
+
+class LinkVictims:
+    """Sessions whose handles the link cases name as foreign ones, and whose data must survive them: another
+    tenant's (its own worker, over its own link) and another session of the fuzzed tenant (the same worker)."""
+
+    def __init__(self, target: str, victim_token: str, fuzzed_token: str, timeout: float = 30.0) -> None:
+        from gpubroker.client import connect
+
+        self.pattern = np.arange(1024, dtype=np.uint32)
+        self.gpus = [connect(target, token=victim_token, device=0, timeout=timeout),
+                     connect(target, token=fuzzed_token, device=0, transport="grpc", timeout=timeout)]
+        self.bufs = []
+        for gpu in self.gpus:
+            buf = gpu.allocate_memory(self.pattern.nbytes)
+            gpu.copy_h2d(self.pattern, buf)
+            self.bufs.append(buf)
+
+    @property
+    def handles(self) -> list[str]:
+        return [b.handle for b in self.bufs]
+
+    def check(self) -> None:
+        """Each victim still works (a memset, a copy and a synchronize) and its buffer holds what it wrote."""
+        for gpu, buf in zip(self.gpus, self.bufs, strict=True):
+            out = np.empty_like(self.pattern)
+            gpu.copy_d2h(buf, out)
+            if not np.array_equal(out, self.pattern):
+                raise AssertionError(f"a victim's buffer {buf.handle} changed under the link fuzz")
+            scratch = gpu.allocate_memory(256)
+            gpu.memset(scratch, 7)
+            gpu.synchronize()
+            word = np.empty(256, dtype=np.uint8)
+            gpu.copy_d2h(scratch, word)
+            gpu.free_memory(scratch)
+            if not (word == 7).all():
+                raise AssertionError("a victim's memset read back wrong")
+
+    def close(self) -> None:
+        for gpu in self.gpus:
+            with contextlib.suppress(Exception):
+                gpu.close()
+
+
+def open_link_session(target: str, token: str, backend: str,
+                      timeout: float = 30.0) -> tuple[Any, dict[str, str]]:
+    """The fuzzed session (over gRPC, so the case's links are its only ones) with the fuzz kernels loaded:
+    (the RemoteGpu, kernel name -> handle)."""
+    from gpubroker.client import connect
+
+    from ._values import FUZZ_KERNELS, fuzz_source
+
+    gpu = connect(target, token=token, device=0, transport="grpc", timeout=timeout)
+    src = fuzz_source(backend)
+    return gpu, {name: gpu.compile_kernel(src, name).handle for name in FUZZ_KERNELS}
