@@ -31,13 +31,11 @@ from .._frames import (
     unpack_frame,
 )
 from .._tls import TlsOptions
-from ._core import BatchingTransport, Lost
+from ._core import ENVELOPE, BatchingTransport, Lost
 
-__all__ = ["ENVELOPE", "HELLO_REPLY_MAX", "VMADDR_CID_HOST", "Connector", "FramedLink", "peer_hung_up",
+__all__ = ["HELLO_REPLY_MAX", "VMADDR_CID_HOST", "Connector", "FramedLink", "peer_hung_up",
            "tcp_connector", "unix_connector", "vsock_connector"]
 
-# What a frame may carry beyond its copy data (the contract's max frame is chunk_bytes + this).
-ENVELOPE: Final = 64 * 1024
 # The front's or worker's answer to a hello: a few hundred bytes, or an error message cut at 4 KiB.
 HELLO_REPLY_MAX: Final = 64 * 1024
 VMADDR_CID_HOST: Final = 2  # a VM guest reaches its host at this vsock CID
@@ -191,7 +189,7 @@ class FramedLink(BatchingTransport):
     def _open(self) -> None:
         self._sock, max_frame = self._handshake()
         self._frames = _Frames(self._sock, max_frame)
-        self.max_data = max_frame - ENVELOPE
+        self.max_data, self.max_frame = max_frame - ENVELOPE, max_frame
 
     def _handshake(self) -> tuple[socket.socket, int]:
         """A connection whose hello the worker answered, and its max frame; or the refusal, raised."""
