@@ -113,7 +113,7 @@ def run_fuzz(broker: BrokerProcess, targets: list[LinkTarget], cases: int, max_s
         elif kind.startswith("link_"):
             link.case(data.draw, by_name[kind[len("link_"):]])
             if kinds[kind] % 50 == 0:
-                fuzzer.check_raw_session(link.session, handles=None)
+                fuzzer.check_raw_session(link.session)
                 victims.check()
         else:
             getattr(raw, f"{'grpc' if kind == 'grpc_socket' else kind}_case")(data.draw)
@@ -154,7 +154,7 @@ def run_fuzz(broker: BrokerProcess, targets: list[LinkTarget], cases: int, max_s
         try:
             fuzzer.check_accounting()
             fuzzer.check_raw_session(raw.session)
-            fuzzer.check_raw_session(link.session, handles=None)
+            fuzzer.check_raw_session(link.session)
             victims.check()
             exact = True
         except AssertionError as exc:

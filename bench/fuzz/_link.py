@@ -6,9 +6,10 @@ hypothesis-built commands (valid ones, and ones naming foreign, unknown or reuse
 that only the front may run), malformed msgpack, wrong types, frames over the announced maximum and frames cut
 short. The promises checked: the hello is refused unless it is right; every whole frame is answered, in order,
 by one Ack for its batch (``done`` and the error's sequence number consistent, the error's status documented, a
-Read's result exactly its size); a malformed frame gets an Ack with id 0 and INVALID_ARGUMENT, then the link is
-closed; the link is closed (never left hanging) when the client stops; and after every case a fresh link on the
-same session still works and frees what the case left, so the session's memory comes back to nothing.
+Read's result exactly its size), or the link closes (only after the client stopped sending or sent a frame that
+cannot be run); a malformed frame gets an Ack with id 0 and INVALID_ARGUMENT, then the link is closed; the link
+is closed (never left hanging) when the client stops; and after every case a fresh link on the same session
+still works and frees what the case left, so the session's memory comes back to nothing.
 """
 
 from __future__ import annotations
@@ -329,24 +330,42 @@ class LinkFuzzer:
             if half:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_WR)
+            # Every whole frame is answered, in order, unless the link ends first: after the client stops sending
+            # (a half-close) or at a frame that cannot be run (malformed, oversized), whose refusal (an Ack with id
+            # 0) may overtake batches still waiting for the device's turn, which then never run.
+            may_end = half or last != "batch"
+            ended = False
             for f in frames:
-                if f.batch is not None:
-                    self._check_ack(reader.frame(), f.batch, where, live)
-            if last == "malformed":
-                ack = self._decode_ack(reader.frame(), where, "a malformed frame")
-                if ack.id != 0 or ack.error is None or ack.error.code != "INVALID_ARGUMENT":
-                    raise AssertionError(f"{where}: a malformed frame got {ack!r}")
-                self.observe(f"{where} malformed", ack.error.code, ack.error.message)
-            if last == "huge":  # an error Ack (id 0) or a plain close
+                if f.batch is None:
+                    continue
+                reply = reader.frame()
+                if reply is None and may_end:
+                    ended = True
+                    break
+                ack = self._decode_ack(reply, where, f"batch {f.batch.id}")
+                if ack.id == 0 and last in ("malformed", "huge"):
+                    self._check_refusal(ack, where, last)
+                    ended = True
+                    break
+                self._check_ack(ack, f.batch, where, live)
+            if not ended and last in ("malformed", "huge"):
                 reply = reader.frame()
                 if reply is not None:
-                    ack = self._decode_ack(reply, where, "an oversized frame")
-                    if ack.id != 0 or ack.error is None:
-                        raise AssertionError(f"{where}: an oversized frame got {ack!r}")
+                    self._check_refusal(self._decode_ack(reply, where, f"a {last} frame"), where, last)
+                elif last == "malformed":
+                    raise AssertionError(f"{where}: the link closed without refusing a malformed frame")
             if last in ("malformed", "huge") or half:
                 extra = reader.frame()  # the worker must close the link now
                 if extra is not None:
                     raise AssertionError(f"{where}: more after the link should have closed: {extra[:200]!r}")
+
+    def _check_refusal(self, ack: proto.Ack, where: str, last: str) -> None:
+        """A frame refused as a whole: Ack id 0 with nothing run (INVALID_ARGUMENT for one that is no batch)."""
+        if (ack.id != 0 or ack.done != 0 or ack.error is None
+                or (last == "malformed" and ack.error.code != "INVALID_ARGUMENT")
+                or ack.error.code not in ALLOWED_CODES):
+            raise AssertionError(f"{where}: a {last} frame got {ack!r}")
+        self.observe(f"{where} {last}", ack.error.code, ack.error.message)
 
     @staticmethod
     def _decode_ack(reply: bytes | None, where: str, what: str) -> proto.Ack:
@@ -357,8 +376,7 @@ class LinkFuzzer:
         except msgspec.DecodeError as exc:
             raise AssertionError(f"{where}: not an Ack ({exc}): {reply[:200]!r}") from None
 
-    def _check_ack(self, reply: bytes | None, batch: proto.Batch, where: str, live: _Live) -> None:
-        ack = self._decode_ack(reply, where, f"batch {batch.id}")
+    def _check_ack(self, ack: proto.Ack, batch: proto.Batch, where: str, live: _Live) -> None:
         self.acks += 1
         n = len(batch.commands)
         if ack.id != batch.id or not 0 <= ack.done <= n:

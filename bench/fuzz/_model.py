@@ -75,10 +75,6 @@ class Sess:
     def memory(self) -> int:
         return sum(b.size for b in self.bufs.values())
 
-    @property
-    def handle_count(self) -> int:
-        return len(self.bufs) + len(self.modules) + len(self.kernels) + len(self.streams) + len(self.segs)
-
     def handles(self) -> list[str]:
         return [*self.bufs, *self.modules, *self.kernels, *self.streams, *self.segs]
 
