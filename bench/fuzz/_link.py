@@ -129,6 +129,7 @@ class LinkFuzzer:
         self.timeout = timeout
         self.cases = 0
         self.acks = 0
+        self.closed = 0  # hostile hellos answered by a close rather than a refusal
         self._next_id = 1
         self._seq = 0
 
@@ -306,7 +307,7 @@ class LinkFuzzer:
         reader = _Reader(sock, where)
         reply = reader.frame()
         if reply is None:
-            self.observe(f"{where} hello", "CLOSED", "")
+            self.closed += 1
             return
         decoded = msgpack.unpackb(reply, raw=False, strict_map_key=False)
         if not (isinstance(decoded, list) and len(decoded) == 3 and decoded[:2] == [0, 1]):
