@@ -31,6 +31,8 @@ from .workers import WorkerClient, WorkerPool
 __all__ = ["Admission", "Session", "SessionManager"]
 
 log = logging.getLogger("gpubroker.sessions")
+# How long a view (placement, admin, metrics) waits for a worker's fresh memory figures before it uses the last.
+_USAGE_WAIT = 1.0
 
 @dataclass
 class Session:
@@ -278,10 +280,12 @@ class SessionManager:
         await asyncio.gather(*(self.refresh_usage(w) for w in workers.values()))
 
     async def refresh_usage(self, worker: WorkerClient) -> None:
-        """Ask the worker what it uses now, in all and per session (``usage``)."""
+        """Ask the worker what it uses now, in all and per session (``usage``). A worker busy in a long command
+        answers late: the mirror's last figures stand then."""
         try:
-            usage = await worker.call("usage", "")  # (checked: counts >= 0, session ids short strings)
-        except GpuBrokerError:
+            # (checked: counts >= 0, session ids short strings)
+            usage = await asyncio.wait_for(worker.call("usage", ""), _USAGE_WAIT)
+        except (GpuBrokerError, TimeoutError):
             return
         worker.memory_reported(usage["memory_used"])
         for session in self.sessions.values():

@@ -8,7 +8,6 @@ scrapes. The endpoint is served by prometheus_client's HTTP thread on its own re
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Iterator, Reversible
@@ -131,8 +130,13 @@ class BrokerCollector(Collector):
                          manager.config.max_shared_bytes_per_tenant, {t: crashes.total.get(t, 0) for t in tenants},
                          {t: crashes.backoff(t) or 0.0 for t in tenants})
 
+    async def _fresh_snapshot(self) -> _Snapshot:
+        await self.sessions.refresh_all()
+        return self.snapshot()
+
     def collect(self) -> Iterator[Metric]:
-        snap = _on_loop(self.loop, self.snapshot, _SNAPSHOT_TIMEOUT)
+        # Links allocate without the front: the workers' fresh memory figures first (bounded), then the snapshot.
+        snap = asyncio.run_coroutine_threadsafe(self._fresh_snapshot(), self.loop).result(_SNAPSHOT_TIMEOUT)
         labels = ["tenant", "device"]
 
         def family(kind: type[CounterMetricFamily | GaugeMetricFamily], name: str, doc: str,
@@ -192,25 +196,6 @@ class BrokerCollector(Collector):
         yield backoff
         yield GaugeMetricFamily("gpubroker_draining", "1 while the broker refuses new sessions.",
                                 value=int(snap.draining))
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], T], timeout: float) -> T:
-    """Run ``fn`` on ``loop`` from another thread and return its result."""
-    future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-    def run() -> None:
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(fn())
-            except BaseException as exc:
-                future.set_exception(exc)
-
-    loop.call_soon_threadsafe(run)
-    try:
-        return future.result(timeout)
-    except TimeoutError:
-        future.cancel()
-        raise
 
 
 class MetricsServer:
