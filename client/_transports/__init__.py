@@ -6,10 +6,9 @@ vsock), ``GrpcCommands`` inside gRPC's ``Commands`` stream.
 """
 
 from ._choose import TRANSPORTS, choose_transport, in_vm, split_host_port
-from ._core import BatchingTransport, Lost, Transport, command_error
+from ._core import ENVELOPE, BatchingTransport, Lost, Transport, command_error
 from ._grpc import GrpcCommands
 from ._link import (
-    ENVELOPE,
     VMADDR_CID_HOST,
     Connector,
     FramedLink,

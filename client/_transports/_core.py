@@ -13,11 +13,13 @@ from typing import Any, Final, Protocol
 
 import msgspec
 
-from .._errors import DeadlineExceeded, GpuBrokerError, Unavailable, error_from_wire
+from .._errors import DeadlineExceeded, GpuBrokerError, InvalidArgument, Unavailable, error_from_wire
 from .._protocol import Ack, Batch, Command, CommandError, Write, decode_ack, encode
 
-__all__ = ["BatchingTransport", "Lost", "Transport", "command_error"]
+__all__ = ["ENVELOPE", "BatchingTransport", "Lost", "Transport", "command_error"]
 
+# What a frame may carry beyond its copy data (the contract's max frame is chunk_bytes + this).
+ENVELOPE: Final = 64 * 1024
 # The first batch of a burst goes out small, so the device starts while the rest of the burst is being built.
 _FIRST_BATCH: Final = 16
 # Seconds unused after which a connection is asked whether the broker hung up (idleness, revocation) before a
@@ -92,6 +94,7 @@ class BatchingTransport:
     def __init__(self, *, timeout: float | None, max_data: int, window: int = 4, batch_size: int = 256) -> None:
         self.timeout = timeout  # bounds the wait for each ack (an ack may be a long kernel away)
         self.max_data = max_data
+        self.max_frame = max_data + ENVELOPE  # the largest encoded batch the peer takes
         self.window = window
         self.batch_size = batch_size
         self._lock = threading.RLock()
@@ -205,30 +208,38 @@ class BatchingTransport:
     def _flush(self, call_seq: int = 0) -> _Sent | None:
         if not self._pending:
             return None
+        commands, self._pending = self._pending, []
+        on_result, self._pending_result = self._pending_result, None
         if self._closed:
-            self._pending.clear()
             raise Unavailable(f"this {self.kind} transport is closed")
         if self._open_now and not self._unacked and time.monotonic() - self._last > _QUIET and self._hung_up():
             self._drop()  # closed by the broker while idle: reopened below, nothing lost
         if not self._open_now:
-            try:
-                self._open()
-            except BaseException:
-                self._pending.clear()  # these commands never went out; the error says why
-                raise
+            self._open()  # (refused: these commands never went out, and the refusal says why)
             self._open_now = True
+        return self._send_batch(commands, self._seq - len(commands) + 1, on_result, call_seq)
+
+    def _send_batch(self, commands: list[Command], first: int, on_result: Callable[[Any], None] | None,
+                    call_seq: int) -> _Sent | None:
+        payload = encode(Batch(self._next_id, first, commands))
+        if len(payload) > self.max_frame:
+            if len(commands) > 1:  # (many launches with long argument lists): two batches, in order
+                half = len(commands) // 2
+                if self._send_batch(commands[:half], first, None, 0) is None:
+                    return None
+                return self._send_batch(commands[half:], first + half, on_result, call_seq)
+            self._keep(InvalidArgument(f"command {first} ({type(commands[0]).__name__}) is {len(payload)} bytes "
+                                       f"encoded, more than the {self.max_frame} a batch may be"), call_seq)
+            return None
         while len(self._unacked) >= self.window and self._open_now:
             self._read_ack()  # back-pressure: the worker is `window` batches behind
-        commands, self._pending = self._pending, []
-        on_result, self._pending_result = self._pending_result, None
-        first = self._seq - len(commands) + 1
         if not self._open_now:
             # Lost while waiting for room: the loss is kept; these commands are reported lost with it.
             return None
         sent = _Sent(self._next_id, first, len(commands), on_result, call_seq)
         self._next_id += 1
         try:
-            self._send(encode(Batch(sent.id, first, commands)))
+            self._send(payload)
         except Lost as exc:
             self._lose(exc.reason, call_seq)
             return None

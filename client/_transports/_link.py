@@ -20,15 +20,22 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from .._errors import GpuBrokerError, Unavailable, error_from_wire
-from .._frames import FRAME_HEADER, FrameRefused, recv_payload, send_frame, send_payload, unpack_frame
+from .._frames import (
+    FRAME_HEADER,
+    FrameClosed,
+    FrameRefused,
+    FrameTooLarge,
+    recv_payload,
+    send_frame,
+    send_payload,
+    unpack_frame,
+)
 from .._tls import TlsOptions
-from ._core import BatchingTransport, Lost
+from ._core import ENVELOPE, BatchingTransport, Lost
 
-__all__ = ["ENVELOPE", "HELLO_REPLY_MAX", "VMADDR_CID_HOST", "Connector", "FramedLink", "peer_hung_up",
+__all__ = ["HELLO_REPLY_MAX", "VMADDR_CID_HOST", "Connector", "FramedLink", "peer_hung_up",
            "tcp_connector", "unix_connector", "vsock_connector"]
 
-# What a frame may carry beyond its copy data (the contract's max frame is chunk_bytes + this).
-ENVELOPE: Final = 64 * 1024
 # The front's or worker's answer to a hello: a few hundred bytes, or an error message cut at 4 KiB.
 HELLO_REPLY_MAX: Final = 64 * 1024
 VMADDR_CID_HOST: Final = 2  # a VM guest reaches its host at this vsock CID
@@ -118,6 +125,48 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
+class _Frames:
+    """Reads frames from a socket with as few system calls as it can: one recv usually brings a whole small ack
+    (and any that follow it); a large one is read straight into its own buffer."""
+
+    def __init__(self, sock: socket.socket, limit: int) -> None:
+        self._sock = sock
+        self._limit = limit
+        self._buf = bytearray()
+
+    def next(self) -> bytearray:
+        buf = self._buf
+        while len(buf) < FRAME_HEADER.size:
+            self._fill()
+        (length,) = FRAME_HEADER.unpack_from(buf)
+        if length > self._limit:
+            raise FrameTooLarge(length, self._limit)
+        end = FRAME_HEADER.size + length
+        if len(buf) < end and length > _JOIN_MAX:
+            payload = bytearray(length)
+            view = memoryview(payload)
+            got = len(buf) - FRAME_HEADER.size
+            view[:got] = buf[FRAME_HEADER.size:]
+            buf.clear()
+            while got < length:
+                k = self._sock.recv_into(view[got:], length - got)
+                if k == 0:
+                    raise FrameClosed("peer closed the connection")
+                got += k
+            return payload
+        while len(buf) < end:
+            self._fill()
+        payload = buf[FRAME_HEADER.size:end]
+        del buf[:end]
+        return payload
+
+    def _fill(self) -> None:
+        chunk = self._sock.recv(_JOIN_MAX)
+        if not chunk:
+            raise FrameClosed("peer closed the connection")
+        self._buf += chunk
+
+
 class FramedLink(BatchingTransport):
     """Batches on a framed stream socket to the session's worker; opened (hello answered) on construction.
 
@@ -132,15 +181,18 @@ class FramedLink(BatchingTransport):
         self._connect = connect
         self._hello: dict[str, Any] = {"token": token, "session": session, "link": 1}
         self._sock: socket.socket | None = None
-        self._max_frame = 0
+        self._frames: _Frames | None = None
         with self._lock:
             self._open()
             self._open_now = True
 
     def _open(self) -> None:
-        self._sock = self._handshake()
+        self._sock, max_frame = self._handshake()
+        self._frames = _Frames(self._sock, max_frame)
+        self.max_data, self.max_frame = max_frame - ENVELOPE, max_frame
 
-    def _handshake(self) -> socket.socket:
+    def _handshake(self) -> tuple[socket.socket, int]:
+        """A connection whose hello the worker answered, and its max frame; or the refusal, raised."""
         try:
             sock = self._connect(self.timeout)
         except OSError as exc:
@@ -166,9 +218,7 @@ class FramedLink(BatchingTransport):
         except GpuBrokerError:
             sock.close()
             raise
-        self._max_frame = max_frame
-        self.max_data = max_frame - ENVELOPE
-        return sock
+        return sock, max_frame
 
     def _send(self, payload: bytes) -> None:
         sock = self._sock
@@ -183,10 +233,9 @@ class FramedLink(BatchingTransport):
             raise Lost(f"sending failed: {exc}") from None
 
     def _receive(self, timeout: float | None) -> bytes | bytearray:
-        sock = self._sock
-        assert sock is not None
+        assert self._frames is not None
         try:
-            return recv_payload(sock, self._max_frame)
+            return self._frames.next()
         except TimeoutError:
             raise
         except (OSError, EOFError, FrameRefused) as exc:
@@ -204,7 +253,7 @@ class FramedLink(BatchingTransport):
         """The front knows why a link dropped (the session's worker died, the session ended): ask it with a new
         hello; one that is answered means the session lives and only the connection was lost."""
         try:
-            self._handshake().close()
+            self._handshake()[0].close()
         except GpuBrokerError as refusal:
             if not isinstance(refusal, Unavailable):
                 return refusal

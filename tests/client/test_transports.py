@@ -22,6 +22,7 @@ from gpubroker.client._protocol import (
     Launch,
     Memset,
     Read,
+    ScalarArg,
     Synchronize,
     Write,
     decode_batch,
@@ -276,6 +277,9 @@ def test_auto_falls_back_to_grpc_where_no_link_answers_and_link_says_why(no_brok
         choose_transport("link", target=target, **options)
     with pytest.raises(Unavailable, match="the broker offers none"):
         choose_transport("link", target="127.0.0.1:7070", **options)
+    if hasattr(socket, "AF_VSOCK"):  # a VM guest's link: tried where told to (no host listens on vsock here)
+        with pytest.raises(Unavailable, match=r"unix: no unix link.*; vsock: no vsock link"):
+            choose_transport("link", target=target, **{**options, "link_vsock_port": 5000, "vsock": True})
     with pytest.raises(InvalidArgument, match="transport must be one of"):
         choose_transport("carrier-pigeon", target=target, **options)
 
@@ -297,4 +301,20 @@ def test_wait_for_reads_acks_up_to_one_command_and_no_further() -> None:
     assert got == [1, 2]
     t.wait()
     assert got == [1, 2, 3]
+    t.close()
+
+
+def test_a_batch_over_the_frame_limit_goes_as_several_and_a_command_over_it_is_refused() -> None:
+    peer = Peer(ok)
+    t = link([peer])
+    wide = [ScalarArg("<i4", b"\x01\x00\x00\x00")] * 600  # about 9 KB a launch encoded
+    for i in range(256):
+        t.submit(Launch(f"k{i}", (1, 1, 1), (1, 1, 1), wide))
+    t.wait()
+    assert len(peer.batches) > 2 and all(len(encode(b)) <= MAX_FRAME for b in peer.batches)
+    assert [c.kernel for b in peer.batches for c in b.commands] == [f"k{i}" for i in range(256)]  # type: ignore
+    t.submit(Launch("huge", (1, 1, 1), (1, 1, 1), wide * 200))
+    with pytest.raises(InvalidArgument, match=r"command 257 \(Launch\) is \d+ bytes encoded, more than the"):
+        t.wait()
+    t.call(Synchronize())  # the link is fine
     t.close()
