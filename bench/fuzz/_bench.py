@@ -171,6 +171,7 @@ def run_fuzz(broker: BrokerProcess, targets: list[LinkTarget], cases: int, max_s
             "cases_per_s": round(total / duration, 1) if duration else 0.0, "statuses": dict(by_code.most_common()),
             "statuses_by_call": dict(sorted(fuzzer.statuses.items())), "broker_alive": alive,
             "accounting_exact": exact, "failure": failure, "broker_tracebacks": log.count("Traceback"),
+            "link": {"cases": link.cases, "acks": link.acks, "hellos_closed": link.closed},
             "worker_deaths": sum(1 for line in log.splitlines()
                                  if " ERROR " in line and "the worker process for tenant" in line)}
 

@@ -107,6 +107,9 @@ class _Live:
 
     bufs: dict[str, int] = field(default_factory=dict)  # handle -> size
     streams: set[str] = field(default_factory=set)
+    # What the case's commands allocated or created so far, whether that ran or not: what later ones name.
+    named_bufs: set[str] = field(default_factory=set)
+    named_streams: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -129,6 +132,7 @@ class LinkFuzzer:
         self.timeout = timeout
         self.cases = 0
         self.acks = 0
+        self.closed = 0  # hostile hellos answered by a close rather than a refusal
         self._next_id = 1
         self._seq = 0
 
@@ -146,10 +150,10 @@ class LinkFuzzer:
         return proto.new_handle(kind)
 
     def _ref(self, draw: Draw, live: _Live) -> tuple[str, int]:
-        return self._handle(draw, list(live.bufs), "buf"), draw(st.sampled_from([0, 0, 0, 128, 4096, 2**40]))
+        return self._handle(draw, sorted(live.named_bufs), "buf"), draw(st.sampled_from([0, 0, 0, 128, 4096, 2**40]))
 
     def _stream(self, draw: Draw, live: _Live) -> str:
-        return str(draw(st.sampled_from(["", "", "", *sorted(live.streams), "s" + "0" * 16, "nope"])))
+        return str(draw(st.sampled_from(["", "", "", *sorted(live.named_streams), "s" + "0" * 16, "nope"])))
 
     def _size(self, draw: Draw) -> int:
         return int(draw(st.one_of(st.sampled_from(_SIZES), st.sampled_from(_HUGE), st.integers(1, 5000))))
@@ -166,11 +170,13 @@ class LinkFuzzer:
                                                       "write", "read", "read", "create_stream", "destroy_stream",
                                                       "synchronize", "copy_shared", "device_info", "front_only"]))
         if op == "allocate":
-            return proto.Allocate(self._handle(draw, list(live.bufs), "buf"),
-                                  draw(st.one_of(st.sampled_from([64, 4096, 65536, 1 << 20]), st.sampled_from(_HUGE),
-                                                 st.integers(1, 8192))))
+            allocate = proto.Allocate(self._handle(draw, sorted(live.named_bufs), "buf"),
+                                      draw(st.one_of(st.sampled_from([64, 4096, 65536, 1 << 20]),
+                                                     st.sampled_from(_HUGE), st.integers(1, 8192))))
+            live.named_bufs.add(allocate.handle)  # (later commands of the case name it, allocated or not)
+            return allocate
         if op == "free":
-            return proto.Free(self._handle(draw, list(live.bufs), "buf"))
+            return proto.Free(self._handle(draw, sorted(live.named_bufs), "buf"))
         if op == "memset":
             return proto.Memset(self._ref(draw, live), draw(st.integers(0, 255)),
                                 draw(st.one_of(st.just(-1), st.integers(-3, 5000), st.sampled_from(_HUGE))),
@@ -196,9 +202,11 @@ class LinkFuzzer:
             return proto.Read(self._ref(draw, live), draw(st.sampled_from([0, 0, 1, 64, 4095, 2**40])),
                               self._size(draw), self._stream(draw, live))
         if op == "create_stream":
-            return proto.CreateStream(self._handle(draw, sorted(live.streams), "stream"))
+            create = proto.CreateStream(self._handle(draw, sorted(live.named_streams), "stream"))
+            live.named_streams.add(create.handle)
+            return create
         if op == "destroy_stream":
-            return proto.DestroyStream(self._handle(draw, sorted(live.streams), "stream"))
+            return proto.DestroyStream(self._handle(draw, sorted(live.named_streams), "stream"))
         if op == "synchronize":
             return proto.Synchronize(self._stream(draw, live))
         if op == "copy_shared":
@@ -306,7 +314,7 @@ class LinkFuzzer:
         reader = _Reader(sock, where)
         reply = reader.frame()
         if reply is None:
-            self.observe(f"{where} hello", "CLOSED", "")
+            self.closed += 1
             return
         decoded = msgpack.unpackb(reply, raw=False, strict_map_key=False)
         if not (isinstance(decoded, list) and len(decoded) == 3 and decoded[:2] == [0, 1]):
