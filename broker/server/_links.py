@@ -111,8 +111,9 @@ class LinkServer:
                 log.warning("link listener %s: accept failed: %s", where, exc)
                 await asyncio.sleep(0.1)
                 continue
-            peer = where if conn.family == socket.AF_UNIX else f"{where} peer={address}"
-            ticket = self.gate.admit(conn if conn.family == socket.AF_UNIX else None, peer)
+            local = conn.family == socket.AF_UNIX
+            ticket = self.gate.admit(conn if local else None, where if local else f"{where} peer={address}",
+                                     address=None if local else f"vsock:{_host(address)}")
             if ticket is None:  # past a cap on unauthenticated connections: refused (and audited) at once
                 conn.close()
                 continue
@@ -151,7 +152,7 @@ class LinkServer:
         """The hello, then a socketpair to the worker, whose end here relays to and from the connection."""
         transport = link.transport
         peer = transport.get_extra_info("peername")
-        ticket = self.gate.admit(None, f"{where} peer={peer}")
+        ticket = self.gate.admit(None, f"{where} peer={peer}", address=_host(peer))
         if ticket is None:
             transport.abort()
             return
