@@ -48,6 +48,8 @@ DEFAULT_MAX_FRAME = 1024 * 1024 + 64 * 1024
 class _Link:
     sock: socket.socket
     session: str
+    waiting: int = 0  # its batches queued for the lease: acks go out in order, so its end waits for them
+    ended: bool = False  # no more frames will be read (the client closed, or a malformed frame): drop once answered
 
 
 def _refusal(message: str) -> bytes:
@@ -67,7 +69,8 @@ class Links:
         self.holding = False  # the front granted this worker the tenant's turn
         self.contended = False  # others wait for the device: give the turn back after each batch
         self._asked = False
-        self._waiting: deque[tuple[_Link, Batch]] = deque()
+        # Batches waiting for the lease, in arrival order; a str is a refusal that must follow its link's batches.
+        self._waiting: deque[tuple[_Link, Batch | str]] = deque()
 
     # -- links -------------------------------------------------------------------------------------
     def attach(self, sock: socket.socket, session: str) -> None:
@@ -78,6 +81,10 @@ class Links:
         send_frame(sock, [0, 0, {"link": 1, "max_frame": self.max_frame}])
         self.links[sock.fileno()] = _Link(sock, session)
         self.version += 1
+
+    def readers(self) -> dict[int, socket.socket]:
+        """The links to read frames from (not those whose end came while batches of theirs still wait)."""
+        return {fd: link.sock for fd, link in self.links.items() if not link.ended}
 
     def close_session(self, session: str) -> None:
         for fd, link in list(self.links.items()):
@@ -96,8 +103,9 @@ class Links:
         if op == "grant":
             self.holding, self._asked, self.contended = True, False, False
             while self._waiting and self.holding and not self._executor.fatal:
-                link, batch = self._waiting.popleft()
-                self._serve(link, batch)
+                link, item = self._waiting.popleft()
+                link.waiting -= 1
+                self._serve(link, item)
         elif op == "yield":
             self.contended = True
             if not self._waiting:
@@ -123,39 +131,58 @@ class Links:
         link = self.links.get(fd)
         if link is None:
             return
+        item: Batch | str
         try:
-            payload = recv_payload(link.sock, self.max_frame)
-            batch = decode_batch(payload)
-        except (FrameClosed, OSError):
-            self._drop(fd)
+            item = decode_batch(recv_payload(link.sock, self.max_frame))
+        except (FrameClosed, OSError):  # the client's end (or a half frame past the timeout): nothing to answer
+            self._end(fd, link)
             return
         except FrameTooLarge as exc:
-            self._refuse(link, f"a frame of {exc.length} bytes, over the link's limit of {exc.limit}")
-            return
+            item = f"a frame of {exc.length} bytes, over the link's limit of {exc.limit}"
         except msgspec.DecodeError as exc:  # (ValidationError too) a frame that is no batch
-            self._refuse(link, f"malformed batch: {exc}")
+            item = f"malformed batch: {exc}"
+        if type(item) is str:  # what follows a bad frame cannot be framed: answer it, read no more
+            if link.waiting:
+                self._queue(link, item)  # after the batches before it
+                self._end(fd, link)
+            else:
+                self._serve(link, item)
+                self._drop(fd)
             return
         if not self.holding or self._waiting:
-            self._waiting.append((link, batch))
-            self._ask()
+            self._queue(link, item)
             return
-        self._serve(link, batch)
+        self._serve(link, item)
         if self.contended:
             self._release()  # others wait: each batch is one turn, as it would be through the front
 
-    def _refuse(self, link: _Link, message: str) -> None:
-        """Answer a malformed frame with Ack id 0, then close the link: what follows cannot be framed."""
-        try:
-            send_payload(link.sock, _refusal(message[:1024]))
-        except OSError:
-            pass
-        self._drop(link.sock.fileno())
+    def _queue(self, link: _Link, item: Batch | str) -> None:
+        link.waiting += 1
+        self._waiting.append((link, item))
+        self._ask()
 
-    def _serve(self, link: _Link, batch: Batch) -> None:
-        if link.sock.fileno() not in self.links:
+    def _end(self, fd: int, link: _Link) -> None:
+        """No more frames from this link: drop it now, or once the batches it sent before are answered."""
+        if link.waiting:
+            link.ended = True
+            self.version += 1
+        else:
+            self._drop(fd)
+
+    def _serve(self, link: _Link, item: Batch | str) -> None:
+        """Answer one batch (run it) or refusal (Ack id 0); drop the link after its last answer or a failed send."""
+        fd = link.sock.fileno()
+        if self.links.get(fd) is not link:
             return  # dropped while its batch waited
-        ack = self._executor.run(link.session, batch, link=True)
+        if type(item) is str:
+            payload = _refusal(item[:1024])
+        else:
+            assert isinstance(item, Batch)
+            payload = encode(self._executor.run(link.session, item, link=True))
         try:
-            send_payload(link.sock, encode(ack))
+            send_payload(link.sock, payload)
         except OSError:
-            self._drop(link.sock.fileno())
+            self._drop(fd)
+            return
+        if link.ended and not link.waiting:
+            self._drop(fd)

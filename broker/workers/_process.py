@@ -55,14 +55,19 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
     links = server.links
     selector = selectors.DefaultSelector()
     selector.register(sock, selectors.EVENT_READ)
-    front, watched, version = sock.fileno(), set[int](), -1
+    front, watched, version = sock.fileno(), dict[int, socket.socket](), -1
     while True:
-        if version != links.version:  # links came or went: keep the selector in step
-            for fd in watched - links.links.keys():
-                selector.unregister(fd)
-            for fd in links.links.keys() - watched:
-                selector.register(links.links[fd].sock, selectors.EVENT_READ)
-            watched, version = set(links.links), links.version
+        if version != links.version:  # links came, went or ended: keep the selector in step
+            readers = links.readers()
+            for fd, link in list(watched.items()):
+                if readers.get(fd) is not link:  # (a closed link's number may be a new link's already)
+                    selector.unregister(fd)
+                    del watched[fd]
+            for fd, link in readers.items():
+                if fd not in watched:
+                    selector.register(link, selectors.EVENT_READ)
+                    watched[fd] = link
+            version = links.version
         for key, _ in selector.select():
             if key.fd == front:
                 code = _serve_front(sock, server)

@@ -362,3 +362,22 @@ def test_a_link_must_be_a_stream_socket(worker: Worker, session: str) -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     with ours, theirs, pytest.raises(InvalidArgument, match="must be a Unix or vsock stream socket"):
         worker.run(worker.client.call_with_fd("attach_link", session, theirs.fileno()))
+
+
+def test_a_link_that_ends_while_its_batches_wait_still_gets_their_acks_in_order(worker: Worker, session: str) -> None:
+    worker.control.clear()
+    buf = new_handle("buf")
+    with _attach(worker, session) as link:
+        # Batches, then a malformed frame, then the client's end, all before the worker holds the turn.
+        _send(link, encode(Batch(1, 0, [Allocate(buf, 64)])))
+        _send(link, encode(Batch(2, 1, [Read((buf, 0), 0, 4)])))
+        _send(link, b"\xc1")
+        link.shutdown(socket.SHUT_WR)
+        wait_for(lambda: worker.control == ["want"], 10, "the worker's lease request")
+        worker.run(worker.client.send_control("grant"))
+        assert [decode_ack(_recv(link)).id for _ in range(3)] == [1, 2, 0]
+        with pytest.raises(EOFError):
+            _recv(link)
+    worker.run(worker.client.send_control("revoke"))
+    wait_for(lambda: worker.control[-1] == "released", 10, "the turn revoked")
+    assert worker.call("usage")["sessions"][session] == 64  # the batches ran
