@@ -31,6 +31,8 @@ from .workers import WorkerClient, WorkerPool
 __all__ = ["Admission", "Session", "SessionManager"]
 
 log = logging.getLogger("gpubroker.sessions")
+# A link frame's room around a copy chunk (the contract's max frame: chunk_bytes + 64 KiB).
+LINK_ENVELOPE = 64 * 1024
 # How long a view (placement, admin, metrics) waits for a worker's fresh memory figures before it uses the last.
 _USAGE_WAIT = 1.0
 
@@ -258,9 +260,11 @@ class SessionManager:
 
     def limits(self, tenant: str, device: int) -> dict[str, int]:
         """What the worker of (tenant, device) enforces (``set_limits``): its memory quota, per-session handles
-        and streams."""
+        and streams; the broker's index of its device (its quota errors name it) and the largest link frame (a
+        copy chunk and the batch around it)."""
         return {"memory_quota": self.quota(tenant, device), "max_handles": self.config.max_handles_per_session,
-                "max_streams": self.config.max_streams_per_session}
+                "max_streams": self.config.max_streams_per_session, "device": device,
+                "max_frame": self.config.chunk_bytes + LINK_ENVELOPE}
 
     def mirror(self, worker: WorkerClient, used: int) -> None:
         """A worker's report of its memory use (checked >= 0 by WorkerClient), clamped to its tenant's quota:

@@ -1,4 +1,4 @@
-"""RemoteGpu: GpuCompute over gRPC to a gpubroker, as a session that ends when it is closed."""
+"""RemoteGpu: GpuCompute on a gpubroker session: device commands through one transport, the control plane on gRPC."""
 
 from __future__ import annotations
 

@@ -226,7 +226,7 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "The window of tenant_crash_budget."))] = 60.0
     hello_max_bytes: Annotated[int, Meta(ge=1, description=(
         "The largest hello a peer may send before it authenticates on the raw listeners (<socket>.fast, "
-        "<socket>.shm).")), SIZE] = 64 * 1024
+        "<socket>.shm, link_listen, link_vsock_port).")), SIZE] = 64 * 1024
     hello_timeout_seconds: Annotated[float, Meta(gt=0, description=(
         "How long a peer on a raw listener may take to send its hello."))] = 5.0
     max_unauthenticated_connections: Annotated[int, Meta(ge=1, description=(
@@ -246,8 +246,8 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "The fair scheduler's time slice: how long one tenant's turn on a device lasts while others "
         "wait."))] = 5.0
     fast_path: Annotated[bool, Meta(description=(
-        "Serve a raw Unix socket <socket>.fast beside each Unix listener for same-host synchronous "
-        "calls."))] = True
+        "Serve the command link on a Unix socket <socket>.fast beside each Unix listener: same-host clients "
+        "then reach their worker directly after the front authenticates them (false: they use gRPC)."))] = True
     peer_copies: Annotated[Literal["auto", "host"], Meta(description=(
         "Copies between a tenant's sessions on two devices: auto takes the GPUs' peer path where CUDA allows "
         "it (else host memory); host always stages through host memory."))] = "auto"

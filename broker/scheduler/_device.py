@@ -91,7 +91,7 @@ class DeviceScheduler:
         self._clock = clock
         self._waiters: dict[str, deque[asyncio.Future[None]]] = {}
         self._switching: asyncio.Task[None] | None = None
-        # Leases: turns held for a worker's direct client links, which give them back when asked (preempted).
+        # Leases: turns held for a worker's client links, which give them back when asked (preempted).
         self._leases: dict[str, list[Callable[[bool], None]]] = {}
         self._lease_timer: asyncio.TimerHandle | None = None
         self._lease_deadline = 0.0

@@ -1,4 +1,4 @@
-"""A worker's lease on its tenant's turns, for device calls its direct client links run without the front."""
+"""A worker's lease on its tenant's turns, for the device work its client links run without the front."""
 
 from __future__ import annotations
 

@@ -59,6 +59,7 @@ from ..scheduler import DeviceScheduler
 from ..sessions import Session, SessionManager
 
 __all__ = [
+    "RPC_COMMANDS",
     "CommandRunner",
     "allocate_commands",
     "command_of",
@@ -222,6 +223,19 @@ def command_of(command: pb.Command) -> Command:
     if convert is None or kind is None:
         raise InvalidArgument("a command names no operation")
     return convert(getattr(command, kind))[0]
+
+
+# Every RPC of the GpuBroker service: the function that turns it into commands, or None for the control plane
+# (sessions, devices, CopyPeer's front-driven pieces), which carries no device command of its own.
+RPC_COMMANDS: dict[str, Callable[..., Any] | None] = {
+    "Allocate": allocate_commands, "Free": free_commands, "Memset": memset_commands,
+    "CopyDeviceToDevice": copy_d2d_commands, "CopyHostToDevice": write_command, "CopyDeviceToHost": read_command,
+    "LoadModule": load_module_commands, "GetKernel": get_kernel_commands, "LaunchKernel": launch_commands,
+    "CreateStream": create_stream_commands, "DestroyStream": destroy_stream_commands,
+    "Synchronize": synchronize_commands, "GetDeviceInfo": device_info_commands, "CopyShared": copy_shared_commands,
+    "Commands": command_of,
+    "OpenSession": None, "CloseSession": None, "Heartbeat": None, "ListDevices": None, "CopyPeer": None,
+}
 
 
 def raise_for(ack: Ack) -> Ack:

@@ -42,8 +42,8 @@ from ._preauth import PreAuthGate, Ticket
 __all__ = ["LinkServer", "fast_path_address"]
 
 log = logging.getLogger("gpubroker.links")
-# Relay reads: large, so a copy chunk crosses the front in a few system calls.
-_RELAY_READ = 1 << 20
+# What a TCP link's relay buffers each way before it pauses reading the other side.
+_RELAY_BUFFER = 4 << 20
 
 
 def fast_path_address(unix_path: str) -> str:
@@ -111,8 +111,9 @@ class LinkServer:
                 log.warning("link listener %s: accept failed: %s", where, exc)
                 await asyncio.sleep(0.1)
                 continue
-            peer = where if conn.family == socket.AF_UNIX else f"{where} peer={address}"
-            ticket = self.gate.admit(conn if conn.family == socket.AF_UNIX else None, peer)
+            local = conn.family == socket.AF_UNIX
+            ticket = self.gate.admit(conn if local else None, where if local else f"{where} peer={address}",
+                                     address=None if local else f"vsock:{_host(address)}")
             if ticket is None:  # past a cap on unauthenticated connections: refused (and audited) at once
                 conn.close()
                 continue
@@ -151,7 +152,7 @@ class LinkServer:
         """The hello, then a socketpair to the worker, whose end here relays to and from the connection."""
         transport = link.transport
         peer = transport.get_extra_info("peername")
-        ticket = self.gate.admit(None, f"{where} peer={peer}")
+        ticket = self.gate.admit(None, f"{where} peer={peer}", address=_host(peer))
         if ticket is None:
             transport.abort()
             return
@@ -306,6 +307,8 @@ class _TcpLink(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # (uvloop's transports subclass no asyncio class)
+        # A few copy chunks in flight each way before the other side is paused, not one chunk's fraction.
+        self.transport.set_write_buffer_limits(high=_RELAY_BUFFER)
         sock = transport.get_extra_info("socket")
         if sock is not None:  # a launch + sync is a small frame each way: never held back by Nagle
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -380,6 +383,7 @@ class _WorkerEnd(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.link.worker = cast(asyncio.Transport, transport)
+        self.link.worker.set_write_buffer_limits(high=_RELAY_BUFFER)
         self.link.transport.pause_reading()  # until relay() has sent what came after the hello
 
     def data_received(self, data: bytes) -> None:

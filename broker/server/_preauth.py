@@ -37,6 +37,9 @@ class Ticket:
     gate: PreAuthGate
     pid: int
     uid: int
+    # Whose count it is in: the peer's uid on local sockets; on TCP, where every peer's uid is unknown (-1),
+    # its address, so that one remote host's connections cannot use up everyone's share.
+    key: int | str
     listener: str
     open: bool = True
 
@@ -47,7 +50,7 @@ class Ticket:
     def done(self) -> None:
         if self.open:
             self.open = False
-            self.gate._release(self.uid)
+            self.gate._release(self.key)
 
     def refuse(self, why: str) -> None:
         """Audit a refusal of this connection (the caller closes it)."""
@@ -61,7 +64,7 @@ class PreAuthGate:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
         self.total = 0
-        self.per_uid: dict[int, int] = {}
+        self.per_uid: dict[int | str, int] = {}
         self.audit = RateLimitedLog(audit)
         self.refusals = 0
 
@@ -74,28 +77,31 @@ class PreAuthGate:
         """Seconds a hello may take (the config's schema keeps it above 0)."""
         return self.config.hello_timeout_seconds
 
-    def admit(self, sock: socket.socket | None, listener: str) -> Ticket | None:
-        """A ticket for a new connection, or None (audited) when a cap is reached: the caller closes it."""
+    def admit(self, sock: socket.socket | None, listener: str, address: str | None = None) -> Ticket | None:
+        """A ticket for a new connection, or None (audited) when a cap is reached: the caller closes it. A TCP
+        peer is counted by its ``address`` (the per-uid cap applies to each address)."""
         pid, uid = peer_credentials(sock)
+        key: int | str = address if address is not None else uid
         cfg = self.config
         if self.total >= cfg.max_unauthenticated_connections:
             self.refused(listener, pid, uid, f"{self.total} unauthenticated connections open, the limit")
             return None
-        mine = self.per_uid.get(uid, 0)
+        mine = self.per_uid.get(key, 0)
         if mine >= cfg.max_unauthenticated_per_uid:
-            self.refused(listener, pid, uid, f"uid {uid} has {mine} unauthenticated connections open, the limit")
+            who = f"address {address}" if address is not None else f"uid {uid}"
+            self.refused(listener, pid, uid, f"{who} has {mine} unauthenticated connections open, the limit")
             return None
         self.total += 1
-        self.per_uid[uid] = mine + 1
-        return Ticket(self, pid, uid, listener)
+        self.per_uid[key] = mine + 1
+        return Ticket(self, pid, uid, key, listener)
 
-    def _release(self, uid: int) -> None:
+    def _release(self, key: int | str) -> None:
         self.total -= 1
-        left = self.per_uid.get(uid, 1) - 1
+        left = self.per_uid.get(key, 1) - 1
         if left > 0:
-            self.per_uid[uid] = left
+            self.per_uid[key] = left
         else:
-            self.per_uid.pop(uid, None)
+            self.per_uid.pop(key, None)
 
     def refused(self, listener: str, pid: int, uid: int, why: str) -> None:
         self.refusals += 1

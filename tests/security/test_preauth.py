@@ -152,6 +152,12 @@ def test_caps_count_unauthenticated_connections_in_all_and_per_uid() -> None:
         gate = PreAuthGate(BrokerConfig(max_unauthenticated_connections=2, max_unauthenticated_per_uid=10))
         held = [gate.admit(pairs[i][0], "x") for i in range(2)]
         assert None not in held and gate.admit(pairs[2][0], "x") is None  # the total is reached first here
+        # TCP peers (the link's listener) have no uid: each address is counted as a uid is.
+        gate = PreAuthGate(BrokerConfig(max_unauthenticated_connections=10, max_unauthenticated_per_uid=2))
+        remote = [gate.admit(None, "tls:x", address="10.0.0.1") for _ in range(2)]
+        assert None not in remote and gate.admit(None, "tls:x", address="10.0.0.1") is None
+        other = gate.admit(None, "tls:x", address="10.0.0.2")
+        assert other is not None and gate.per_uid == {"10.0.0.1": 2, "10.0.0.2": 1}
     finally:
         for a, b in pairs:
             a.close()

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.client import AdminClient, NotFound, RemoteGpu, Unauthenticated, connect
+from gpubroker.client import AdminClient, InvalidArgument, NotFound, RemoteGpu, Unauthenticated, connect
 from gpubroker.client._errors import error_from_wire
 from gpubroker.client._frames import pack_frame, recv_frame
 from gpubroker.client._protocol import Batch, Memset, Synchronize, decode_ack, encode, new_handle
@@ -183,3 +183,24 @@ def test_removal_cuts_every_channel_and_ends_the_sessions(broker: BrokerProcess)
     finally:
         channels.close()
         gpu.close()
+
+
+def test_the_side_channel_takes_a_segment_only_under_a_handle_of_the_clients(broker: BrokerProcess) -> None:
+    token = broker.tokens["ops"]
+    with connect(broker.target, token=token) as gpu:
+        channel = SideChannel(broker.target.removeprefix("unix:") + ".shm", token)
+        fd = create_segment_fd(4096)
+        try:
+            for handle in (None, "", 7, "g" * 65):  # none, empty, no string, longer than a handle
+                message = {"session": gpu.session, "token": token, "size": 4096, "handle": handle}
+                with pytest.raises(InvalidArgument, match="names its segment"):
+                    channel.request(message, [fd])
+            assert channel.register(gpu.session, fd, 4096, "g1") == "g1"
+            with pytest.raises(InvalidArgument, match="already registered"):
+                channel.register(gpu.session, fd, 4096, "g1")
+            channel.release(gpu.session, "g1")
+            with pytest.raises(NotFound, match="no segment 'g1'"):
+                channel.release(gpu.session, "g1")
+        finally:
+            os.close(fd)
+            channel.close()
