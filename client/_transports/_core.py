@@ -84,9 +84,8 @@ class _Sent:
 class BatchingTransport:
     """The batching core. Subclasses connect and move bytes; this orders, batches, bounds and reports.
 
-    Not thread-free but thread-safe: one lock serializes callers (a RemoteGpu may be shared by threads), and no
-    thread of its own runs on the hot path: the caller's thread sends, and acks are read when the window is full
-    or at a sync point.
+    Thread-safe (one lock serializes callers: a RemoteGpu may be shared by threads), yet with no thread of its
+    own on the hot path: the caller's thread sends, and acks are read when the window is full or at a sync point.
     """
 
     kind = "?"

@@ -42,6 +42,7 @@ class GrpcCommands(BatchingTransport):
         self._acks: queue.SimpleQueue[Any] | None = None
         self._call: Any = None
         self._first = True
+        self._ended: GpuBrokerError | None = None  # the status the last stream ended with
 
     def _open(self) -> None:
         outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -94,8 +95,6 @@ class GrpcCommands(BatchingTransport):
         if self._call is not None:
             self._call.cancel()
         self._outbox = self._acks = self._call = None
-
-    _ended: GpuBrokerError | None = None
 
     def _why_lost(self, reason: str) -> GpuBrokerError:
         # The stream's own status says why (the session ended, the worker died, a revoked token).
