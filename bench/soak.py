@@ -34,8 +34,8 @@ _N = 1 << 16  # floats per cycle's buffer
 
 def _cycle(target: str, token: str, backend: str, i: int, x: np.ndarray) -> None:
     """One session's life, over the transport this cycle's number picks."""
-    options = {"shared_memory": i % 2 == 0, "async_commands": i % 3 == 0, "direct": i % 4 != 1,
-               "fast_path": i % 5 != 2}
+    options = {"shared_memory": i % 2 == 0, "async_commands": i % 3 == 0,
+               "transport": "grpc" if i % 5 == 2 else "auto" if i % 4 == 1 else "link"}
     with connect(target, token=token, **options) as gpu:
         buf = gpu.allocate_memory(x.nbytes)
         if options["shared_memory"] and i % 4 == 0:
@@ -122,7 +122,7 @@ def snapshot(broker: BrokerProcess, admin_tenant: str) -> dict[str, Any]:
     for tenant, figures in workers.items():
         # The device's own count, through a session of the tenant's worker: on OpenCL that worker's allocations
         # (total - free is exactly what it holds); on CUDA the whole device's use, allocator caches and all.
-        with connect(broker.target, token=broker.tokens[tenant], shared_memory=False, fast_path=False) as gpu:
+        with connect(broker.target, token=broker.tokens[tenant], shared_memory=False, transport="grpc") as gpu:
             info = gpu.device_info()
         figures["device_bytes_in_use"] = info.total_memory - info.free_memory
         figures["backend"] = info.backend
