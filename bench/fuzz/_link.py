@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from gpubroker.client import _protocol as proto
 
-from ._model import ALLOWED_CODES
+from ._model import ALLOWED_CODES, Buf
 from ._raw import junk
 from ._values import dtypes
 
@@ -110,6 +110,68 @@ class _Live:
     # What the case's commands allocated or created so far, whether that ran or not: what later ones name.
     named_bufs: set[str] = field(default_factory=set)
     named_streams: set[str] = field(default_factory=set)
+    # Each live buffer's bytes where they are known (written on the default stream, in order). A buffer that work
+    # on another stream wrote is racy (that stream is not ordered with the default one): never checked again.
+    shadow: dict[str, Buf] = field(default_factory=dict)
+    racy: set[str] = field(default_factory=set)
+
+    def _span(self, ref: tuple[str, int], offset: int, n: int) -> tuple[Buf, int, int] | None:
+        buf = self.shadow.get(ref[0])
+        if buf is None:
+            return None
+        start = min(ref[1] + offset, buf.size)
+        return buf, start, max(0, min(n, buf.size - start))
+
+    def ran(self, command: proto.Command) -> None:
+        """The effect of a command that ran (the fuzz kernels have none)."""
+        if isinstance(command, proto.Allocate):
+            self.bufs[command.handle] = command.size
+            self.shadow[command.handle] = Buf(command.handle, command.size)  # (its bytes are unknown)
+            self.racy.discard(command.handle)
+        elif isinstance(command, proto.Free):
+            self.bufs.pop(command.handle, None)
+            self.shadow.pop(command.handle, None)
+        elif isinstance(command, proto.CreateStream):
+            self.streams.add(command.handle)
+        elif isinstance(command, proto.DestroyStream):
+            self.streams.discard(command.handle)
+        elif isinstance(command, proto.Memset | proto.Write | proto.CopyD2D):
+            dst = command.dst if isinstance(command, proto.CopyD2D) else command.buf
+            if command.stream:
+                self.racy.add(dst[0])
+                return
+            if isinstance(command, proto.Memset):
+                buf = self.shadow.get(dst[0])
+                n = (buf.size - dst[1] - command.offset) if buf and command.size == -1 else command.size
+                span = self._span(dst, command.offset, n)
+                if span:
+                    span[0].set(span[1], bytes([command.value]) * span[2])
+            elif isinstance(command, proto.Write):
+                span = self._span(dst, command.offset, len(command.data))
+                if span:
+                    span[0].set(span[1], command.data[:span[2]])
+            else:
+                span = self._span(dst, command.dst_offset, command.size)
+                src = self._span(command.src, command.src_offset, command.size)
+                if span and src and command.src[0] not in self.racy:
+                    sbuf, start, n = src[0], src[1], min(src[2], span[2])
+                    span[0].set(span[1], bytes(sbuf.data[start:start + n]), bytes(sbuf.known[start:start + n]))
+                elif span:
+                    self.racy.add(dst[0])
+
+    def failed(self, command: proto.Command) -> None:
+        """A command that failed may have written part of what it names: those bytes are unknown now."""
+        if isinstance(command, proto.Memset | proto.Write | proto.CopyD2D):
+            self.racy.add((command.dst if isinstance(command, proto.CopyD2D) else command.buf)[0])
+
+    def mismatch(self, read: proto.Read, got: bytes) -> int | None:
+        """Where a default-stream Read of a buffer whose bytes are known differs from them, if it does."""
+        if read.stream or read.buf[0] in self.racy:
+            return None
+        span = self._span(read.buf, read.offset, len(got))
+        if not span or span[2] != len(got):
+            return None
+        return span[0].mismatch(span[1], got)
 
 
 @dataclass
@@ -390,16 +452,11 @@ class LinkFuzzer:
         if ack.id != batch.id or not 0 <= ack.done <= n:
             raise AssertionError(f"{where}: batch {batch.id} of {n} commands got {ack!r}")
         for command in batch.commands[:ack.done]:  # these ran
-            if isinstance(command, proto.Allocate):
-                live.bufs[command.handle] = command.size
-            elif isinstance(command, proto.Free):
-                live.bufs.pop(command.handle, None)
-            elif isinstance(command, proto.CreateStream):
-                live.streams.add(command.handle)
-            elif isinstance(command, proto.DestroyStream):
-                live.streams.discard(command.handle)
+            live.ran(command)
         if ack.error is not None:
             error = ack.error
+            if ack.done < n:
+                live.failed(batch.commands[ack.done])
             if ack.done == n or not batch.first + ack.done <= error.seq < batch.first + n:
                 raise AssertionError(f"{where}: batch {batch.id} (first {batch.first}, {n} commands) got {ack!r}")
             if error.code not in ALLOWED_CODES:
@@ -414,8 +471,12 @@ class LinkFuzzer:
         if ran_foreign:
             raise AssertionError(f"{where}: freed another session's buffer: {ran_foreign!r}")
         last = batch.commands[-1] if batch.commands else None
-        if isinstance(last, proto.Read) and not (isinstance(ack.result, bytes) and len(ack.result) == last.size):
-            raise AssertionError(f"{where}: a Read of {last.size} bytes got {str(ack.result)[:200]}")
+        if isinstance(last, proto.Read):
+            if not (isinstance(ack.result, bytes) and len(ack.result) == last.size):
+                raise AssertionError(f"{where}: a Read of {last.size} bytes got {str(ack.result)[:200]}")
+            bad = live.mismatch(last, ack.result)
+            if bad is not None:
+                raise AssertionError(f"{where}: {last!r} read back a byte it did not write, at buffer offset {bad}")
         if isinstance(last, proto.DeviceInfoQuery) and not isinstance(ack.result, dict):
             raise AssertionError(f"{where}: a device query got {str(ack.result)[:200]}")
         self.observe(f"{where} batch", "OK", "")
