@@ -114,6 +114,7 @@ class _Live:
     # on another stream wrote is racy (that stream is not ordered with the default one): never checked again.
     shadow: dict[str, Buf] = field(default_factory=dict)
     racy: set[str] = field(default_factory=set)
+    reads_checked: int = 0
 
     def _span(self, ref: tuple[str, int], offset: int, n: int) -> tuple[Buf, int, int] | None:
         buf = self.shadow.get(ref[0])
@@ -171,6 +172,7 @@ class _Live:
         span = self._span(read.buf, read.offset, len(got))
         if not span or span[2] != len(got):
             return None
+        self.reads_checked += 1
         return span[0].mismatch(span[1], got)
 
 
@@ -195,6 +197,7 @@ class LinkFuzzer:
         self.cases = 0
         self.acks = 0
         self.closed = 0  # hostile hellos answered by a close rather than a refusal
+        self.reads_checked = 0  # reads whose bytes the case knew (besides each case's probe)
         self._next_id = 1
         self._seq = 0
 
@@ -257,7 +260,8 @@ class LinkFuzzer:
                                 [self._arg(draw, live) for _ in range(draw(st.integers(0, 5)))],
                                 draw(st.sampled_from([0, 0, 64, 1 << 20, 2**40])), self._stream(draw, live))
         if op == "write":
-            data = draw(st.one_of(st.binary(max_size=256), st.sampled_from([b"", b"\x00" * 4096, b"\xab" * 100_000])))
+            data = draw(st.one_of(st.binary(min_size=1, max_size=256), st.binary(max_size=256),
+                                  st.sampled_from([b"", b"\x00" * 4096, b"\xab" * 100_000])))
             return proto.Write(self._ref(draw, live), draw(st.sampled_from([0, 0, 1, 64, 4095, 2**40])), data,
                                self._stream(draw, live))
         if op == "read":
@@ -284,8 +288,34 @@ class LinkFuzzer:
             return proto.UnloadModule(proto.new_handle("module"))
         return proto.GetKernel(proto.new_handle("kernel"), proto.new_handle("module"), "k")
 
+    def _round_trip(self, draw: Draw, live: _Live) -> list[proto.Command]:
+        """Writes and memsets of one buffer (allocated first when new), then a read back of part of it."""
+        commands: list[proto.Command] = []
+        handle = draw(st.sampled_from([*sorted(live.named_bufs), "new"]))
+        if handle == "new":
+            handle = proto.new_handle("buf")
+            commands.append(proto.Allocate(handle, draw(st.sampled_from([64, 256, 4096]))))
+            live.named_bufs.add(handle)
+        for _ in range(draw(st.integers(1, 3))):
+            offset = draw(st.sampled_from([0, 1, 17, 63]))
+            if draw(st.booleans()):
+                commands.append(proto.Write((handle, 0), offset, draw(st.binary(min_size=1, max_size=200))))
+            else:
+                commands.append(proto.Memset((handle, 0), draw(st.integers(0, 255)),
+                                             draw(st.sampled_from([1, 7, 40, -1])), offset))
+        commands.append(proto.Read((handle, 0), draw(st.sampled_from([0, 0, 16])),
+                                   draw(st.sampled_from([1, 16, 48]))))
+        return commands
+
     def _batch(self, draw: Draw, live: _Live) -> proto.Batch:
-        commands = [self._command(draw, live) for _ in range(draw(st.integers(0, 6)))]
+        if draw(st.integers(0, 3)) == 0:
+            commands = self._round_trip(draw, live)
+        else:
+            commands = [self._command(draw, live) for _ in range(draw(st.integers(0, 6)))]
+        if live.named_bufs and draw(st.integers(0, 2)) == 0:  # end with a plausible read of a buffer it named
+            handle = draw(st.sampled_from(sorted(live.named_bufs)))
+            commands.append(proto.Read((handle, draw(st.sampled_from([0, 0, 128]))),
+                                       draw(st.sampled_from([0, 0, 1, 64])), draw(st.sampled_from([1, 16, 64, 1000]))))
         batch = proto.Batch(self._next_id, self._seq, commands)
         self._next_id += 1
         self._seq += len(commands)
@@ -350,6 +380,7 @@ class LinkFuzzer:
                 self._link(draw, target, where, live)
         finally:
             self.cases += 1
+        self.reads_checked += live.reads_checked
         self._clean_up_and_probe(target, where, live)
 
     def _garbage(self, draw: Draw, target: LinkTarget, where: str) -> None:
