@@ -136,6 +136,8 @@ def test_the_first_failure_stops_the_batch_and_names_the_command(worker: Worker,
     assert worker.batch(session, Read((buf, 0), 0, 4)).error is None
     ack = worker.batch(session, Read((buf, 0), 0, 8 * N), first=7)
     assert (ack.error.seq, ack.error.command, ack.error.code) == (7, f"read of {8 * N} bytes", "OUT_OF_RANGE")
+    ack = worker.batch(session, Read((buf, 0), 0, 1 << 62))  # refused before any host memory is made for it
+    assert ack.error is not None and ack.error.code == "OUT_OF_RANGE" and "run past the end" in ack.error.message
 
 
 def test_unknown_foreign_and_duplicate_handles(worker: Worker, session: str) -> None:
