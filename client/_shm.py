@@ -47,7 +47,7 @@ MAX_FRAME = 64 * 1024
 # The per-session bounce buffer for host memory that is not a host_array, in slots that pipeline a copy.
 STAGING_BYTES = 64 * 1024 * 1024
 STAGING_SLOTS = 4  # pieces in flight: the transport's window
-# memfds and their seals are Linux's; elsewhere the fast path is off and copies go as Write and Read commands.
+# memfds and their seals are Linux's; elsewhere shared memory is off and copies go as Write and Read commands.
 SUPPORTED = hasattr(os, "memfd_create") and hasattr(fcntl, "F_SEAL_SHRINK") and hasattr(socket, "send_fds")
 # The broker refuses a segment that could shrink under the worker's mapping (touching it would SIGBUS).
 SEGMENT_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if SUPPORTED else 0

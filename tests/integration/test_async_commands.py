@@ -1,4 +1,5 @@
-"""Asynchronous batched commands: order per stream, deferred errors that name the command, back-pressure."""
+"""Asynchronous batched commands on every transport: order per stream, deferred errors that name the command,
+queued allocations and frees (client-chosen handles); back-pressure is tested in tests/client/test_transports.py."""
 
 from __future__ import annotations
 
