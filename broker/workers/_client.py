@@ -26,7 +26,7 @@ from gpubroker.client import (
     Unavailable,
     WorkerCrashed,
 )
-from gpubroker.client._protocol import Ack, Batch
+from gpubroker.client._protocol import Ack, Batch, DeviceInfoQuery
 
 from ..sandbox import Launch, WorkerSandbox
 from ._frames import MAX_FRAME, FrameClosed, FrameRefused, read_reply, write_frame_async
@@ -216,7 +216,10 @@ class WorkerClient:
 
     async def run_batch(self, session: str, batch: Batch, encoded: bytes) -> Ack:
         """Run ``batch`` (``encoded`` is its encoding) in the session; its Ack, checked against it."""
-        ack: Ack = await self._call("batch", session, {"batch": encoded}, None, check=batch)
+        # A batch that only asks what the device is runs none of the tenant's code (the front's own, at a session's
+        # opening): a death after it is still the device's.
+        front = all(isinstance(command, DeviceInfoQuery) for command in batch.commands)
+        ack: Ack = await self._call("batch", session, {"batch": encoded}, None, check=batch, front=front)
         return ack
 
     async def call_with_fd(self, op: str, session: str, fd: int, **params: Any) -> Any:
@@ -235,13 +238,14 @@ class WorkerClient:
             return type(self.fault)(death, **self.fault.details)
         return WorkerCrashed(death)
 
-    async def _call(self, op: str, session: str, params: dict[str, Any], fd: int | None, check: Any = None) -> Any:
+    async def _call(self, op: str, session: str, params: dict[str, Any], fd: int | None, check: Any = None,
+                    front: bool = False) -> Any:
         if self.death is not None:
             raise self.death_error()
         if self._writer is None:
             raise FailedPrecondition("worker not started")
         self.last_used = time.monotonic()
-        if op not in _FRONT_OPS:
+        if op not in _FRONT_OPS and not front:
             self.tenant_code_ran = True
         req_id = self._last_id = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
