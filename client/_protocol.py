@@ -79,14 +79,14 @@ class _Struct(msgspec.Struct, array_like=True, frozen=True, gc=False, omit_defau
 
 
 # -- kernel arguments ------------------------------------------------------------------------------
-class BufferArg(_Struct, tag="b"):
+class BufferArg(_Struct, tag="b", frozen=True):
     """A pointer into an allocation: ``handle`` plus ``offset`` bytes (a Buffer view)."""
 
     handle: Handle
     offset: NonNegative = 0
 
 
-class ScalarArg(_Struct, tag="s"):
+class ScalarArg(_Struct, tag="s", frozen=True):
     """A scalar by value: a numpy dtype string ("<f4", "<i8", ...) and its bytes."""
 
     dtype: Annotated[str, msgspec.Meta(max_length=16)]
@@ -97,22 +97,22 @@ KernelArg = BufferArg | ScalarArg
 
 
 # -- commands --------------------------------------------------------------------------------------
-class _Command(_Struct, tag_field="op"):
+class _Command(_Struct, tag_field="op", frozen=True):
     # True: the command may travel on a framed link straight to the worker (device work and the memory and
     # streams it uses). False: only through the front, which supervises it (a compile may need its time limit).
     link: ClassVar[bool] = True
 
 
-class Allocate(_Command, tag="allocate"):
+class Allocate(_Command, tag="allocate", frozen=True):
     handle: Handle
     size: Annotated[int, msgspec.Meta(gt=0)]
 
 
-class Free(_Command, tag="free"):
+class Free(_Command, tag="free", frozen=True):
     handle: Handle
 
 
-class Memset(_Command, tag="memset"):
+class Memset(_Command, tag="memset", frozen=True):
     buf: BufRef
     value: Annotated[int, msgspec.Meta(ge=0, le=255)]
     size: int  # bytes from ``offset``; -1: to the end of the view
@@ -120,7 +120,7 @@ class Memset(_Command, tag="memset"):
     stream: OptionalStream = ""
 
 
-class CopyD2D(_Command, tag="copy_d2d"):
+class CopyD2D(_Command, tag="copy_d2d", frozen=True):
     src: BufRef
     dst: BufRef
     size: NonNegative
@@ -129,7 +129,7 @@ class CopyD2D(_Command, tag="copy_d2d"):
     stream: OptionalStream = ""
 
 
-class Launch(_Command, tag="launch"):
+class Launch(_Command, tag="launch", frozen=True):
     kernel: Handle
     grid: Dims
     block: Dims
@@ -138,19 +138,19 @@ class Launch(_Command, tag="launch"):
     stream: OptionalStream = ""
 
 
-class CreateStream(_Command, tag="create_stream"):
+class CreateStream(_Command, tag="create_stream", frozen=True):
     handle: Handle
 
 
-class DestroyStream(_Command, tag="destroy_stream"):
+class DestroyStream(_Command, tag="destroy_stream", frozen=True):
     handle: Handle
 
 
-class Synchronize(_Command, tag="synchronize"):
+class Synchronize(_Command, tag="synchronize", frozen=True):
     stream: OptionalStream = ""  # "": the whole device (every stream of the session)
 
 
-class Write(_Command, tag="write"):
+class Write(_Command, tag="write", frozen=True):
     """Host to device: ``data`` into the view at ``offset`` (one chunk of a copy; large copies are several)."""
 
     buf: BufRef
@@ -159,7 +159,7 @@ class Write(_Command, tag="write"):
     stream: OptionalStream = ""
 
 
-class Read(_Command, tag="read"):
+class Read(_Command, tag="read", frozen=True):
     """Device to host: ``size`` bytes of the view from ``offset``; the Ack's result is the bytes."""
 
     buf: BufRef
@@ -168,7 +168,7 @@ class Read(_Command, tag="read"):
     stream: OptionalStream = ""
 
 
-class CopyShared(_Command, tag="copy_shared"):
+class CopyShared(_Command, tag="copy_shared", frozen=True):
     """Between a shared-memory segment (same host; registered through the front) and device memory."""
 
     segment: Handle
@@ -180,11 +180,11 @@ class CopyShared(_Command, tag="copy_shared"):
     stream: OptionalStream = ""
 
 
-class DeviceInfoQuery(_Command, tag="device_info"):
+class DeviceInfoQuery(_Command, tag="device_info", frozen=True):
     """The device as its runtime describes it, plus this worker's memory use; the Ack's result is a dict."""
 
 
-class LoadModule(_Command, tag="load_module"):
+class LoadModule(_Command, tag="load_module", frozen=True):
     """Compile or load ``image`` (source as UTF-8 bytes); the Ack's result is the module's kernel names."""
 
     link: ClassVar[bool] = False
@@ -194,12 +194,12 @@ class LoadModule(_Command, tag="load_module"):
     options: list[str] = []
 
 
-class UnloadModule(_Command, tag="unload_module"):
+class UnloadModule(_Command, tag="unload_module", frozen=True):
     link: ClassVar[bool] = False
     handle: Handle
 
 
-class GetKernel(_Command, tag="get_kernel"):
+class GetKernel(_Command, tag="get_kernel", frozen=True):
     link: ClassVar[bool] = False
     handle: Handle  # the kernel's new handle
     module: Handle
@@ -215,7 +215,7 @@ LINK_COMMANDS: Final = frozenset(c for c in COMMANDS if c.link)
 
 
 # -- batches and acknowledgements ------------------------------------------------------------------
-class Batch(_Struct):
+class Batch(_Struct, frozen=True):
     """Commands to run in order. ``id`` is the sender's (acks come back in order, each naming its batch);
     ``first`` is the sequence number of its first command, by which a failure is reported."""
 
@@ -224,7 +224,7 @@ class Batch(_Struct):
     commands: list[Command]
 
 
-class CommandError(_Struct):
+class CommandError(_Struct, frozen=True):
     """The first command of a batch that failed: its sequence number, what it was, and the error."""
 
     seq: int
@@ -235,7 +235,7 @@ class CommandError(_Struct):
     details: dict[str, Any] = {}
 
 
-class Ack(_Struct):
+class Ack(_Struct, frozen=True):
     """A batch's answer: how many of its commands ran, the first failure (the rest did not run), and the result
     of its last command when that returns one (a Read's bytes, a device description, kernel names)."""
 
