@@ -21,6 +21,7 @@ from gpubroker.client import GpuBrokerError, Internal
 from ._frames import FrameClosed, recv_frame, send_frame
 from ._links import CONTROL
 from ._main import EXIT_FATAL, WorkerServer
+from ._ring import Doorbell
 
 __all__ = ["main", "serve"]
 
@@ -55,12 +56,12 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
     links = server.links
     selector = selectors.DefaultSelector()
     selector.register(sock, selectors.EVENT_READ)
-    front, watched, version = sock.fileno(), dict[int, socket.socket](), -1
+    front, watched, version = sock.fileno(), dict[int, socket.socket | Doorbell](), -1
     while True:
         if version != links.version:  # links came, went or ended: keep the selector in step
             readers = links.readers()
             for fd, link in list(watched.items()):
-                if readers.get(fd) is not link:  # (a closed link's number may be a new link's already)
+                if readers.get(fd) is not link:  # (a closed link's or ring's number may be a new one's already)
                     selector.unregister(fd)
                     del watched[fd]
             for fd, link in readers.items():

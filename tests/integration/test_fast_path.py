@@ -39,10 +39,14 @@ def _link(broker: BrokerProcess, token: str, session: str) -> FramedLink:
     return FramedLink(unix_connector(path), token, session, kind="unix", timeout=10)
 
 
-@pytest.mark.parametrize("transport", ["auto", "grpc"])
+# "auto" takes the shared-memory ring on the same host; "link" the plain Unix link.
+_KINDS = {"auto": "ring", "ring": "ring", "link": "unix", "grpc": "grpc"}
+
+
+@pytest.mark.parametrize("transport", list(_KINDS))
 def test_local_clients_take_the_link_with_the_same_results_and_errors(broker: BrokerProcess, transport: str) -> None:
     with connect(broker.target, token=broker.tokens["alice"], transport=transport) as gpu:
-        assert gpu.transport.kind == ("unix" if transport == "auto" else "grpc")
+        assert gpu.transport.kind == _KINDS[transport]
         kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "saxpy")
         n = 1000
         x = np.arange(n, dtype=np.float32)

@@ -1,0 +1,297 @@
+"""RingTransport: same-host batches through shared memory, with an eventfd doorbell each way.
+
+A Unix link (``FramedLink``) is upgraded once its hello is answered: the client creates a sealed memfd holding
+two single-producer/single-consumer byte rings (batches client -> worker, acks worker -> client) and two
+eventfds (doorbells), and sends them over the link in one frame (``{"ring": 1, "commands": n, "acks": m}`` with
+the three fds attached, SCM_RIGHTS); the worker maps them (``broker/workers/_ring.py``) and answers on the link
+``[0, 0, {"ring": 1}]``, or ``[0, 1, error]`` and the link stays a plain link. From then on each batch is one
+record in the command ring and each ack one record in the ack ring, in order; the link socket stays open and
+says when the other side is gone (its close ends the ring).
+
+Each side spins briefly for the other's answer (a few tens of microseconds of polls of the ring's index) before
+blocking on its doorbell: a launch + sync then costs no wake-up across processes. A doorbell is always rung
+after a record is published, so a side that stopped spinning is never missed; a side that was spinning finds
+the counter set and drains it before it next blocks.
+
+Layout (little-endian, all indices byte counts that only grow; a record is a 4-byte length then its bytes,
+wrapping around the ring's end): the first page holds four u64 indices, each on its own cache line (command
+head written by the client, command tail by the worker, ack head by the worker, ack tail by the client); the
+command ring follows, then the ack ring. Each side keeps its own indices privately and only publishes them: an
+index read from the shared page is the other side's, and is checked before it is used.
+
+Ordering: the producer copies a record in, then publishes the head with one aligned 8-byte store (a
+``memoryview`` cast to "Q"); the consumer reads the head, then the record. That order holds on x86-64 (stores
+are not reordered with stores, loads with loads); Python gives no fences, so weaker memory models are not
+supported by this transport.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import select
+import socket
+import struct
+import time
+from typing import Final
+
+from .._errors import GpuBrokerError, Unavailable, error_from_wire
+from .._frames import pack_frame, recv_payload, unpack_frame
+from ._core import Lost
+from ._link import HELLO_REPLY_MAX, Connector, FramedLink
+
+__all__ = ["ACK_HEAD", "ACK_TAIL", "CMD_HEAD", "CMD_TAIL", "RING_DATA", "RING_SEALS", "RING_SUPPORTED",
+           "ByteRing", "RingBroken", "RingTransport", "drain_bell", "ring_caps"]
+
+# Where each index lives, in u64 words of the first page (a cache line apart: no false sharing between sides).
+CMD_HEAD: Final = 0
+CMD_TAIL: Final = 8
+ACK_HEAD: Final = 16
+ACK_TAIL: Final = 24
+RING_DATA: Final = 4096  # the command ring starts after the index page
+# The worker refuses a memfd that could shrink under its mapping (touching it would SIGBUS).
+RING_SUPPORTED: Final = (hasattr(os, "memfd_create") and hasattr(os, "eventfd") and hasattr(os, "RWF_NOWAIT")
+                         and hasattr(socket, "send_fds") and hasattr(fcntl, "F_SEAL_SHRINK"))
+RING_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if RING_SUPPORTED else 0
+# A ring holds a window of the largest records: an ack never waits for room, and a batch only when the window
+# is full (the core reads an ack first). Windows above this are cut to it for the ring.
+MAX_RING_WINDOW: Final = 16
+# How long the client polls the ack ring before blocking on its doorbell: about the turnaround of a small
+# launch + sync; past it the wake-up costs little against what the command takes.
+_SPIN_SECONDS: Final = 100e-6
+_SPIN_POLLS: Final = 32  # polls between two reads of the clock
+_LEN: Final = struct.Struct("<I")
+_ONE: Final = (1).to_bytes(8, "little")
+
+
+class RingBroken(Exception):
+    """An index or record length read from shared memory is impossible: the other side wrote nonsense."""
+
+
+def ring_caps(window: int, max_frame: int) -> int:
+    """The byte size of each ring for ``window`` records of at most ``max_frame`` bytes (whole pages)."""
+    need = min(window, MAX_RING_WINDOW) * (max_frame + _LEN.size)
+    return -(-need // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def drain_bell(fd: int) -> None:
+    """Reset a doorbell without ever blocking, whatever the fd's O_NONBLOCK flag (which the other side, sharing
+    the file description, could change): RWF_NOWAIT is per call."""
+    try:
+        os.preadv(fd, [bytearray(8)], -1, os.RWF_NOWAIT)
+    except BlockingIOError:
+        pass
+
+
+class ByteRing:
+    """One direction of a ring, as its producer or its consumer sees it: this side's index kept privately,
+    the other side's read from shared memory and checked."""
+
+    def __init__(self, mm: mmap.mmap, words: memoryview, base: int, cap: int, head: int, tail: int,
+                 limit: int) -> None:
+        self._mm = mm
+        self._words = words  # the index page as u64s: each read or write is one aligned 8-byte access
+        self._base = base
+        self.cap = cap
+        self._head_word = head // 8
+        self._tail_word = tail // 8
+        self._limit = limit  # the largest record this side takes
+        self._index = 0  # the producer's head or the consumer's tail: never read back from shared memory
+
+    # -- producer ----------------------------------------------------------------------------------
+    def put(self, payload: bytes | bytearray) -> bool:
+        """Copy one record in and publish it; False when it does not fit now. RingBroken for a bad tail."""
+        used = self._index - self._words[self._tail_word]
+        if not 0 <= used <= self.cap:
+            raise RingBroken(f"the consumer's index is {used} bytes behind in a ring of {self.cap}")
+        n = _LEN.size + len(payload)
+        if n > self.cap - used:
+            return False
+        pos = self._index % self.cap
+        self._copy_in(pos, _LEN.pack(len(payload)))
+        self._copy_in((pos + _LEN.size) % self.cap, payload)
+        self._index += n
+        self._words[self._head_word] = self._index  # published: after the record's bytes
+        return True
+
+    def _copy_in(self, pos: int, data: bytes | bytearray) -> None:
+        first = min(len(data), self.cap - pos)
+        start = self._base + pos
+        mm = self._mm
+        if first == len(data):
+            mm[start:start + first] = data
+        else:
+            view = memoryview(data)
+            mm[start:start + first] = view[:first]
+            mm[self._base:self._base + len(data) - first] = view[first:]
+
+    # -- consumer ----------------------------------------------------------------------------------
+    def ready(self) -> bool:
+        """Whether a record may be waiting (one 8-byte read: what a spin polls)."""
+        return self._words[self._head_word] != self._index
+
+    def get(self) -> bytes | None:
+        """The next record, copied out of shared memory (the producer may reuse its bytes after this), or None.
+        RingBroken for an impossible head or length; nothing is consumed then."""
+        avail = self._words[self._head_word] - self._index
+        if avail == 0:
+            return None
+        if not _LEN.size <= avail <= self.cap:
+            raise RingBroken(f"the producer's index is {avail} bytes ahead in a ring of {self.cap}")
+        pos = self._index % self.cap
+        (length,) = _LEN.unpack(self._copy_out(pos, _LEN.size))
+        if length > self._limit or _LEN.size + length > avail:
+            raise RingBroken(f"a record of {length} bytes (limit {self._limit}, {avail - _LEN.size} published)")
+        payload = self._copy_out((pos + _LEN.size) % self.cap, length)
+        self._index += _LEN.size + length
+        self._words[self._tail_word] = self._index  # the bytes are ours now: the producer may overwrite them
+        return payload
+
+    def _copy_out(self, pos: int, n: int) -> bytes:
+        start = self._base + pos
+        if pos + n <= self.cap:
+            return self._mm[start:start + n]
+        first = self.cap - pos
+        return self._mm[start:start + first] + self._mm[self._base:self._base + n - first]
+
+
+class RingTransport(FramedLink):
+    """A same-host Unix link upgraded to the shared-memory ring; opened (hello and upgrade answered) on
+    construction. With ``fallback`` a worker that refuses the upgrade leaves a plain link (``kind`` "unix");
+    without it the refusal is raised (Unavailable)."""
+
+    def __init__(self, connect: Connector, token: str, session: str, *, timeout: float | None, fallback: bool,
+                 window: int = 4, batch_size: int = 256) -> None:
+        self._fallback = fallback
+        self._mm: mmap.mmap | None = None
+        self._words: memoryview | None = None
+        self._bells: tuple[int, int] | None = None  # (commands' doorbell, acks' doorbell)
+        self._commands: ByteRing | None = None
+        self._acks: ByteRing | None = None
+        self._ring_window = min(window, MAX_RING_WINDOW)
+        super().__init__(connect, token, session, kind="ring", timeout=timeout, window=self._ring_window,
+                         batch_size=batch_size)
+
+    def _open(self) -> None:
+        super()._open()
+        try:
+            self._upgrade()
+            self.kind = "ring"
+        except GpuBrokerError:
+            self._unmap()
+            if not self._fallback:
+                super()._shut()
+                raise
+            self.kind = "unix"
+
+    def _upgrade(self) -> None:
+        if not RING_SUPPORTED:
+            raise Unavailable("shared-memory rings need Linux (memfd, eventfd, RWF_NOWAIT)")
+        sock = self._sock
+        assert sock is not None
+        cap = ring_caps(self._ring_window, self.max_frame)
+        size = RING_DATA + 2 * cap
+        fd = os.memfd_create(f"gpubroker-ring-{os.getpid()}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        bells = (os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK), os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
+        self._bells = bells
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, RING_SEALS)
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            frame = pack_frame({"ring": 1, "commands": cap, "acks": cap})
+            try:
+                sent = socket.send_fds(sock, [frame], [fd, *bells])
+                sock.sendall(frame[sent:])
+                reply = unpack_frame(recv_payload(sock, HELLO_REPLY_MAX))
+            except (OSError, EOFError, ValueError) as exc:
+                raise Unavailable(f"the worker did not answer the ring upgrade: {exc}") from None
+        finally:
+            os.close(fd)  # mapped (or failed): the fd itself is not needed any more
+        try:
+            _, status, result = reply
+            if status != 0:
+                raise error_from_wire(str(result["code"]), str(result["message"]), result.get("type"),
+                                      result.get("details"))
+            if result.get("ring") != 1:
+                raise Unavailable(f"the worker answered the ring upgrade with {result!r}")
+        except (TypeError, ValueError, KeyError, AttributeError):
+            raise Unavailable(f"the worker answered the ring upgrade with {reply!r}") from None
+        words = memoryview(self._mm).cast("Q")
+        self._words = words
+        self._commands = ByteRing(self._mm, words, RING_DATA, cap, CMD_HEAD * 8, CMD_TAIL * 8, self.max_frame)
+        self._acks = ByteRing(self._mm, words, RING_DATA + cap, cap, ACK_HEAD * 8, ACK_TAIL * 8,
+                              cap - _LEN.size)
+
+    def _unmap(self) -> None:
+        self._commands = self._acks = None
+        if self._words is not None:
+            self._words.release()
+            self._words = None
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        if self._bells is not None:
+            for bell in self._bells:
+                os.close(bell)
+            self._bells = None
+
+    def _send(self, payload: bytes) -> None:
+        if self._commands is None:
+            super()._send(payload)
+            return
+        assert self._bells is not None
+        try:
+            if not self._commands.put(payload):  # the window bounds what is in flight: the worker stopped reading
+                raise Lost("the worker stopped taking batches from the ring")
+            os.eventfd_write(self._bells[0], 1)
+        except RingBroken as exc:
+            raise Lost(f"the command ring is broken: {exc}") from None
+        except OSError as exc:
+            raise Lost(f"ringing the worker failed: {exc}") from None
+
+    def _receive(self, timeout: float | None) -> bytes | bytearray:
+        acks = self._acks
+        if acks is None:
+            return super()._receive(timeout)
+        try:
+            payload = acks.get()
+            if payload is not None:
+                return payload
+            spin_end = time.perf_counter() + _SPIN_SECONDS
+            while time.perf_counter() < spin_end:
+                for _ in range(_SPIN_POLLS):
+                    if acks.ready():
+                        payload = acks.get()
+                        if payload is not None:
+                            return payload
+            return self._block(acks, timeout)
+        except RingBroken as exc:
+            raise Lost(f"the ack ring is broken: {exc}") from None
+
+    def _block(self, acks: ByteRing, timeout: float | None) -> bytes:
+        """Wait on the doorbell (and the link socket, whose hang-up says the worker is gone) for the next ack."""
+        assert self._bells is not None and self._sock is not None
+        bell, sock = self._bells[1], self._sock
+        poller = select.poll()
+        poller.register(bell, select.POLLIN)
+        poller.register(sock, select.POLLIN | select.POLLRDHUP)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            drain_bell(bell)  # then look: an ack published after this rings the bell again
+            payload = acks.get()
+            if payload is not None:
+                return payload
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            events = poller.poll(None if left is None else left * 1000)
+            if not events:
+                raise TimeoutError
+            if any(fd == sock.fileno() for fd, _ in events):
+                payload = acks.get()  # (an ack written just before the worker closed the link)
+                if payload is not None:
+                    return payload
+                raise Lost("the worker closed the link")
+
+    def _shut(self) -> None:
+        self._unmap()
+        super()._shut()
