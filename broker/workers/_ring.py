@@ -126,16 +126,17 @@ class WorkerRing:
             for _ in range(_SPIN_POLLS):
                 if commands.ready():
                     return True
+            os.sched_yield()  # a polite spin: the client (or anything else) that wants this CPU runs
         return False
 
     def answer(self, payload: bytes) -> None:
         """Publish one ack and ring the client's doorbell. RingBroken when the client does not read its acks
         (the window it was given always fits) or its index is impossible."""
-        if not self.acks.put(payload):
-            raise RingBroken("the client does not read its acks (its ring is full)")
         bell = self._bells[1]
         if not fcntl.fcntl(bell, fcntl.F_GETFL) & os.O_NONBLOCK:
             raise RingBroken("the acks' doorbell was made blocking")
+        if not self.acks.put(payload):
+            raise RingBroken("the client does not read its acks (its ring is full)")
         try:
             os.eventfd_write(bell, 1)
         except BlockingIOError:

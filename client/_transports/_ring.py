@@ -265,6 +265,7 @@ class RingTransport(FramedLink):
                         payload = acks.get()
                         if payload is not None:
                             return payload
+                os.sched_yield()  # a polite spin: whatever else wants this CPU (the worker, its device) runs
             return self._block(acks, timeout)
         except RingBroken as exc:
             raise Lost(f"the ack ring is broken: {exc}") from None

@@ -13,11 +13,11 @@ from gpubroker.broker.launcher import BrokerProcess
 from gpubroker.client import InvalidArgument, NotFound, RemoteGpu, ResourceExhausted, connect
 
 
-# Batches straight to the worker on the same-host link; inside gRPC's Commands stream.
-@pytest.fixture(scope="module", params=["link", "grpc"])
+# Batches straight to the worker through the same-host ring, on the same-host link; inside gRPC's Commands stream.
+@pytest.fixture(scope="module", params=["ring", "link", "grpc"])
 def gpu(broker: BrokerProcess, request: pytest.FixtureRequest) -> Iterator[RemoteGpu]:
     with connect(broker.target, token=broker.tokens["carol"], async_commands=True, transport=request.param) as g:
-        assert g.transport.kind == ("unix" if request.param == "link" else "grpc")
+        assert g.transport.kind == {"ring": "ring", "link": "unix", "grpc": "grpc"}[request.param]
         yield g
 
 

@@ -82,7 +82,7 @@ def test_links_are_bound_to_their_session(broker: BrokerProcess) -> None:
     """A link serves only the session the front authenticated it for, even for the same tenant's other handles."""
     with connect(broker.target, token=broker.tokens["alice"]) as one, \
             connect(broker.target, token=broker.tokens["alice"]) as two:
-        assert one.transport.kind == two.transport.kind == "unix"
+        assert one.transport.kind == two.transport.kind == "ring"
         theirs = one.allocate_memory(64)
         with pytest.raises(NotFound, match="no buf"):
             two.memset(theirs, 1)
@@ -119,7 +119,7 @@ def test_links_per_session_are_bounded(broker: BrokerProcess) -> None:
 def test_an_ended_session_is_reported_by_the_front_not_as_a_lost_link(broker: BrokerProcess) -> None:
     for async_commands in (False, True):
         with connect(broker.target, token=broker.tokens["bob"], async_commands=async_commands) as gpu:
-            assert gpu.transport.kind == "unix"
+            assert gpu.transport.kind == "ring"
             gpu.synchronize()
             gpu._stub.CloseSession(pb.SessionRequest(session=gpu.session), metadata=gpu._metadata)  # ended elsewhere
             with pytest.raises(NotFound, match="session"):

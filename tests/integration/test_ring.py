@@ -1,0 +1,205 @@
+"""The same-host shared-memory ring: a Unix link upgraded to two byte rings in a sealed memfd with eventfd
+doorbells. Results are the link's (tests/integration/test_fast_path.py runs its transport test on the ring); here:
+what a hostile client may write into the shared memory or offer as a ring (the worker answers an error or drops
+the ring, and lives on), the client's close, and the worker's death seen through a ring."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gpubroker.broker import samples
+from gpubroker.broker.launcher import BrokerProcess
+from gpubroker.client import InvalidArgument, RemoteGpu, Unavailable, WorkerCrashed, connect
+from gpubroker.client._frames import pack_frame, recv_payload, send_frame, send_payload, unpack_frame
+from gpubroker.client._protocol import Batch, Synchronize, decode_ack, encode
+from gpubroker.client._transports import RingTransport, unix_connector
+from gpubroker.client._transports._ring import ACK_TAIL, CMD_HEAD, RING_DATA, RING_SEALS, ring_caps
+
+from ..conftest import TENANTS, worker_pids
+from ..helpers import wait_for
+
+
+@pytest.fixture(scope="module")
+def ring_broker(backend: str) -> Iterator[BrokerProcess]:
+    """A broker of this module's own: these tests kill workers and feed them broken rings."""
+    with BrokerProcess(TENANTS, backend=backend, settings={"lease_seconds": 30.0}) as proc:
+        yield proc
+
+
+@pytest.fixture
+def gpu(ring_broker: BrokerProcess) -> Iterator[RemoteGpu]:
+    with connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring") as g:
+        assert g.transport.kind == "ring"
+        yield g
+
+
+def _fast(broker: BrokerProcess) -> str:
+    return broker.target.removeprefix("unix:") + ".fast"
+
+
+def _ring(broker: BrokerProcess, session: str) -> RingTransport:
+    return RingTransport(unix_connector(_fast(broker)), broker.tokens["alice"], session, timeout=10, fallback=False)
+
+
+def _still_serves(broker: BrokerProcess, gpu: RemoteGpu, pid: int) -> None:
+    """The session's own ring and a new one still work, on the same worker: nothing crashed."""
+    gpu.synchronize()
+    other = _ring(broker, gpu.session)
+    other.call(Synchronize())
+    other.close()
+    assert worker_pids(broker, "alice") == [pid]
+
+
+def _publish(t: RingTransport, head: int, record: bytes = b"") -> None:
+    """Write ``record`` at the command ring's start and claim ``head`` bytes published, as a hostile client may."""
+    assert t._mm is not None and t._words is not None
+    t._mm[RING_DATA:RING_DATA + len(record)] = record
+    t._words[CMD_HEAD] = head
+
+
+# What a hostile client may write into a fresh command ring: (head, record).
+_BAD_COMMANDS: dict[str, tuple[int, bytes]] = {
+    "head far past the ring": (1 << 60, b""),
+    "head inside a length field": (3, b""),
+    "length over the frame limit": (12, (0xFFFFFFF0).to_bytes(4, "little")),
+    "length past what is published": (8, (100).to_bytes(4, "little")),
+    "a record that is no batch": (7, (3).to_bytes(4, "little") + b"\xc1\xc1\xc1"),
+}
+
+
+@pytest.mark.parametrize("how", list(_BAD_COMMANDS))
+def test_a_broken_command_ring_is_refused_with_id_0_and_closed(ring_broker: BrokerProcess, gpu: RemoteGpu,
+                                                                how: str) -> None:
+    (pid,) = worker_pids(ring_broker, "alice")
+    t = _ring(ring_broker, gpu.session)
+    assert t._bells is not None and t._sock is not None
+    _publish(t, *_BAD_COMMANDS[how])
+    os.eventfd_write(t._bells[0], 1)
+    ack = decode_ack(t._receive(10))
+    assert ack.id == 0 and ack.error is not None and ack.error.code == "INVALID_ARGUMENT"
+    assert ("malformed batch" if "no batch" in how else "broken ring") in ack.error.message
+    assert t._sock.recv(1) == b""  # then the link (and with it the ring) is closed
+    t.close()
+    _still_serves(ring_broker, gpu, pid)
+
+
+def test_an_impossible_ack_index_or_a_blocking_doorbell_drops_the_ring(ring_broker: BrokerProcess,
+                                                                       gpu: RemoteGpu) -> None:
+    """Where the worker cannot even answer (the client's ack index is nonsense, or it made the worker's doorbell
+    blocking so a write could hang it), it drops the ring, and the client sees a lost link."""
+    (pid,) = worker_pids(ring_broker, "alice")
+    for spoil in ("index", "doorbell"):
+        t = _ring(ring_broker, gpu.session)
+        assert t._words is not None and t._bells is not None
+        if spoil == "index":
+            t._words[ACK_TAIL] = 1 << 40
+        else:
+            fcntl.fcntl(t._bells[1], fcntl.F_SETFL, fcntl.fcntl(t._bells[1], fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        with pytest.raises(Unavailable, match="lost"):
+            t.call(Synchronize())
+        t.close()
+    _still_serves(ring_broker, gpu, pid)
+
+
+def _hello(broker: BrokerProcess, session: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(_fast(broker))
+    send_frame(sock, {"token": broker.tokens["alice"], "session": session, "link": 1})
+    recv_payload(sock, 1 << 16)
+    return sock
+
+
+def _memfd(size: int, seals: int) -> int:
+    fd = os.memfd_create("test-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def _offers(max_frame: int) -> dict[str, tuple[Any, Callable[[], list[int]], str]]:
+    cap = ring_caps(4, max_frame)
+    good = {"ring": 1, "commands": cap, "acks": cap}
+    size = RING_DATA + 2 * cap
+
+    def bells() -> list[int]:
+        return [os.eventfd(0, os.EFD_NONBLOCK), os.eventfd(0, os.EFD_NONBLOCK)]
+
+    def pipe() -> list[int]:
+        r, w = os.pipe()
+        return [_memfd(size, RING_SEALS), r, w]
+
+    return {
+        "unsealed": (good, lambda: [_memfd(size, 0), *bells()], "not sealed"),
+        "too small": (good, lambda: [_memfd(size - 4096, RING_SEALS), *bells()], "holds"),
+        "huge rings": ({**good, "acks": 1 << 40}, lambda: [_memfd(size, RING_SEALS), *bells()], "size"),
+        "tiny rings": ({**good, "commands": 16}, lambda: [_memfd(size, RING_SEALS), *bells()], "size"),
+        "a pipe for doorbells": (good, pipe, "eventfds"),
+        "two fds": (good, lambda: [_memfd(size, RING_SEALS), bells()[0]], "3 fds"),
+        "not a map": ([1, 2, 3], lambda: [_memfd(size, RING_SEALS), *bells()], "ring upgrade"),
+    }
+
+
+@pytest.mark.parametrize("how", list(_offers(1 << 20)))
+def test_a_bad_ring_offer_is_refused_and_the_link_stays(ring_broker: BrokerProcess, gpu: RemoteGpu,
+                                                        how: str) -> None:
+    (pid,) = worker_pids(ring_broker, "alice")
+    max_frame = gpu.transport.max_frame
+    request, make_fds, message = _offers(max_frame)[how]
+    sock = _hello(ring_broker, gpu.session)
+    fds = make_fds()
+    try:
+        frame = pack_frame(request)
+        sent = socket.send_fds(sock, [frame], fds)
+        sock.sendall(frame[sent:])
+    finally:
+        for fd in fds:
+            os.close(fd)
+    _, status, error = unpack_frame(recv_payload(sock, 1 << 16))
+    assert status == 1 and error["code"] == InvalidArgument.code and message in error["message"]
+    send_payload(sock, encode(Batch(1, 1, [Synchronize()])))  # still a plain link
+    ack = decode_ack(recv_payload(sock, 1 << 16))
+    assert ack.id == 1 and ack.done == 1 and ack.error is None
+    sock.close()
+    _still_serves(ring_broker, gpu, pid)
+
+
+def _ring_mapped(pid: int) -> bool:
+    return "gpubroker-ring" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_the_clients_close_ends_the_ring(ring_broker: BrokerProcess) -> None:
+    with connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring") as gpu:
+        gpu.synchronize()
+        (pid,) = worker_pids(ring_broker, "alice")
+        try:
+            assert _ring_mapped(pid)
+        except PermissionError:
+            pytest.skip("the worker's maps are not readable here (the sandbox)")
+        gpu.transport.close()  # the session stays; its ring goes
+        wait_for(lambda: not _ring_mapped(pid), 10, "the worker to unmap the closed ring")
+
+
+@pytest.mark.parametrize("async_commands", [False, True], ids=["sync", "async"])
+def test_the_workers_death_is_seen_through_the_ring(ring_broker: BrokerProcess, async_commands: bool) -> None:
+    with connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring",
+                 async_commands=async_commands) as gpu:
+        kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "scale_inplace")
+        buf = gpu.allocate_memory(4096)
+        gpu.memset(buf, 0)
+        gpu.synchronize()
+        (pid,) = worker_pids(ring_broker, "alice")
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerCrashed, match="SIGKILL"):
+            gpu.execute_kernel(kernel, 1, 256, [buf, np.float32(2), np.int32(1024)])
+            gpu.synchronize()
+    wait_for(lambda: not worker_pids(ring_broker, "alice"), 10, "the killed worker to be reaped")
