@@ -9,7 +9,9 @@ record in the command ring and each ack one record in the ack ring, in order; th
 says when the other side is gone (its close ends the ring).
 
 Each side spins briefly for the other's answer (a few tens of microseconds of polls of the ring's index) before
-blocking on its doorbell: a launch + sync then costs no wake-up across processes. A doorbell is always rung
+blocking on its doorbell: a launch + sync then costs no wake-up across processes. The client spins only for the
+last batch it sent (a call, a sync): waiting for room in the window it blocks at once, since the worker has a
+window of batches to run first. A doorbell is always rung
 after a record is published, so a side that stopped spinning is never missed; a side that was spinning finds
 the counter set and drains it before it next blocks.
 
@@ -258,6 +260,10 @@ class RingTransport(FramedLink):
             payload = acks.get()
             if payload is not None:
                 return payload
+            if len(self._unacked) > 1:
+                # Back-pressure or a drain: what is awaited is not the last batch, and the rest is behind it;
+                # spinning would only burn the client's CPU (and the CPU the worker and its device may need).
+                return self._block(acks, timeout)
             spin_end = time.perf_counter() + _SPIN_SECONDS
             while time.perf_counter() < spin_end:
                 for _ in range(_SPIN_POLLS):
