@@ -29,6 +29,7 @@ from gpubroker.client._transports._ring import (
     CMD_HEAD,
     CMD_TAIL,
     MAX_RING_WINDOW,
+    MAX_SPIN_US,
     RING_DATA,
     ByteRing,
     RingBroken,
@@ -40,10 +41,10 @@ from ._frames import FrameClosed, FrameTooLarge
 
 __all__ = ["Doorbell", "RingBroken", "WorkerRing", "open_ring", "recv_payload_fds"]
 
-# After answering a batch the worker polls the ring this long for the next before going back to its select:
-# a synchronous client's next command is usually a few microseconds behind its ack. Short, so the front's
-# messages (a revoked turn) and other links wait at most this long.
-SPIN_SECONDS: Final = 50e-6
+# After answering a batch the worker polls the ring for the next before going back to its select, as long as
+# the client asked (``spin_us``: 0 where its host has no spare CPU), at most MAX_SPIN_US: a synchronous client's
+# next command is usually a few microseconds behind its ack. Short, so the front's messages (a revoked turn)
+# and other links wait at most this long.
 _SPIN_POLLS: Final = 16
 _RING_FDS: Final = 3  # the memfd, the commands' doorbell, the acks' doorbell
 
@@ -107,8 +108,10 @@ def _is_eventfd(fd: int) -> bool:
 class WorkerRing:
     """A mapped ring: batches to take (``commands``), acks to give (``answer``), the doorbell to watch."""
 
-    def __init__(self, mm: mmap.mmap, bells: tuple[int, int], commands: int, acks: int, max_frame: int) -> None:
+    def __init__(self, mm: mmap.mmap, bells: tuple[int, int], commands: int, acks: int, max_frame: int,
+                 spin: float) -> None:
         self._mm = mm
+        self.spin_seconds = spin
         self._words = memoryview(mm).cast("Q")
         self._bells = bells
         self.bell = Doorbell(bells[0])
@@ -120,8 +123,10 @@ class WorkerRing:
 
     def spin(self) -> bool:
         """Poll for the next batch for a short while; whether one came."""
+        if not self.spin_seconds:
+            return False
         commands = self.commands
-        end = time.perf_counter() + SPIN_SECONDS
+        end = time.perf_counter() + self.spin_seconds
         while time.perf_counter() < end:
             for _ in range(_SPIN_POLLS):
                 if commands.ready():
@@ -149,7 +154,7 @@ class WorkerRing:
 
 
 def open_ring(request: Any, fds: list[int], max_frame: int) -> WorkerRing:
-    """Map the ring a client offers (``{"ring": 1, "commands": n, "acks": m}`` with a sealed memfd and two
+    """Map the ring a client offers (``{"ring": 1, "commands": n, "acks": m, "spin_us": s}`` with a sealed memfd and two
     eventfds); InvalidArgument naming what is wrong. Takes the fds: closed here on failure, by the ring after."""
     try:
         if len(fds) != _RING_FDS:
@@ -164,6 +169,9 @@ def open_ring(request: Any, fds: list[int], max_frame: int) -> WorkerRing:
                 raise InvalidArgument(f"a ring's size must be {low} to {high} bytes, got {size!r}")
             sizes.append(size)
         commands, acks = sizes
+        spin = request.get("spin_us", 0)
+        if type(spin) is not int or not 0 <= spin <= MAX_SPIN_US:
+            raise InvalidArgument(f"a ring's spin must be 0 to {MAX_SPIN_US} us, got {spin!r}")
         memfd, *bells = fds
         try:
             seals = fcntl.fcntl(memfd, fcntl.F_GET_SEALS)
@@ -189,5 +197,5 @@ def open_ring(request: Any, fds: list[int], max_frame: int) -> WorkerRing:
         _close_all(fds)
         raise
     os.close(memfd)  # the mapping keeps the memory
-    return WorkerRing(mm, (bells[0], bells[1]), commands, acks, max_frame)
+    return WorkerRing(mm, (bells[0], bells[1]), commands, acks, max_frame, spin * 1e-6)
 

@@ -2,18 +2,18 @@
 
 A Unix link (``FramedLink``) is upgraded once its hello is answered: the client creates a sealed memfd holding
 two single-producer/single-consumer byte rings (batches client -> worker, acks worker -> client) and two
-eventfds (doorbells), and sends them over the link in one frame (``{"ring": 1, "commands": n, "acks": m}`` with
-the three fds attached, SCM_RIGHTS); the worker maps them (``broker/workers/_ring.py``) and answers on the link
-``[0, 0, {"ring": 1}]``, or ``[0, 1, error]`` and the link stays a plain link. From then on each batch is one
-record in the command ring and each ack one record in the ack ring, in order; the link socket stays open and
-says when the other side is gone (its close ends the ring).
+eventfds (doorbells), and sends them over the link in one frame, ``{"ring": 1, "commands": n, "acks": m,
+"spin_us": s}`` with the three fds attached (SCM_RIGHTS); the worker maps them (``broker/workers/_ring.py``)
+and answers on the link ``[0, 0, {"ring": 1}]``, or ``[0, 1, error]`` and the link stays a plain link. From then
+on each batch is one record in the command ring and each ack one record in the ack ring, in order; the link
+socket stays open and says when the other side is gone (its close ends the ring).
 
-Each side spins briefly for the other's answer (a few tens of microseconds of polls of the ring's index) before
-blocking on its doorbell: a launch + sync then costs no wake-up across processes. The client spins only for the
-last batch it sent (a call, a sync): waiting for room in the window it blocks at once, since the worker has a
-window of batches to run first. A doorbell is always rung
-after a record is published, so a side that stopped spinning is never missed; a side that was spinning finds
-the counter set and drains it before it next blocks.
+Each side spins briefly for the other's answer (``spin_us`` of polls of the ring's index, where the host has
+CPUs to spare) before blocking on its doorbell: a launch + sync then costs no wake-up across processes. The
+client spins only for the last batch it sent (a call, a sync): waiting for room in the window it blocks at once,
+since the worker has a window of batches to run first. A doorbell is always rung after a record is published,
+so a side that stopped spinning is never missed; a side that was spinning finds the counter set and drains it
+before it next blocks.
 
 Layout (little-endian, all indices byte counts that only grow; a record is a 4-byte length then its bytes,
 wrapping around the ring's end): the first page holds four u64 indices, each on its own cache line (command
@@ -43,8 +43,9 @@ from .._frames import pack_frame, recv_payload, unpack_frame
 from ._core import Lost
 from ._link import HELLO_REPLY_MAX, Connector, FramedLink
 
-__all__ = ["ACK_HEAD", "ACK_TAIL", "CMD_HEAD", "CMD_TAIL", "RING_DATA", "RING_SEALS", "RING_SUPPORTED",
-           "ByteRing", "RingBroken", "RingTransport", "drain_bell", "ring_caps"]
+__all__ = ["ACK_HEAD", "ACK_TAIL", "CMD_HEAD", "CMD_TAIL", "MAX_SPIN_US", "RING_DATA", "RING_SEALS",
+           "RING_SUPPORTED", "SPIN_ENV", "ByteRing", "RingBroken", "RingTransport", "drain_bell", "ring_caps",
+           "spin_us"]
 
 # Where each index lives, in u64 words of the first page (a cache line apart: no false sharing between sides).
 CMD_HEAD: Final = 0
@@ -59,9 +60,15 @@ RING_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL 
 # A ring holds a window of the largest records: an ack never waits for room, and a batch only when the window
 # is full (the core reads an ack first). Windows above this are cut to it for the ring.
 MAX_RING_WINDOW: Final = 16
-# How long the client polls the ack ring before blocking on its doorbell: about the turnaround of a small
-# launch + sync; past it the wake-up costs little against what the command takes.
-_SPIN_SECONDS: Final = 100e-6
+# How long each side polls for the other's answer before blocking on its doorbell: about the turnaround of a
+# small launch + sync; past it a wake-up costs little against what the command takes. Only where spare CPUs
+# are: on a host of 2 or 3 the spinning side takes the CPU that the other side (and PoCL's device threads)
+# needs, and is slower than a wake-up. GPUBROKER_RING_SPIN_US sets it (0: never spin); the worker spins what
+# the client asks, up to MAX_SPIN_US.
+SPIN_ENV: Final = "GPUBROKER_RING_SPIN_US"
+MAX_SPIN_US: Final = 200
+_SPIN_US: Final = 50
+_SPIN_MIN_CPUS: Final = 4
 _SPIN_POLLS: Final = 32  # polls between two reads of the clock
 _LEN: Final = struct.Struct("<I")
 _ONE: Final = (1).to_bytes(8, "little")
@@ -69,6 +76,17 @@ _ONE: Final = (1).to_bytes(8, "little")
 
 class RingBroken(Exception):
     """An index or record length read from shared memory is impossible: the other side wrote nonsense."""
+
+
+def spin_us() -> int:
+    """This process's spin for a new ring, in microseconds (see SPIN_ENV)."""
+    value = os.environ.get(SPIN_ENV)
+    if value is not None:
+        try:
+            return max(0, min(int(value), MAX_SPIN_US))
+        except ValueError:
+            pass
+    return _SPIN_US if len(os.sched_getaffinity(0)) >= _SPIN_MIN_CPUS else 0
 
 
 def ring_caps(window: int, max_frame: int) -> int:
@@ -172,6 +190,7 @@ class RingTransport(FramedLink):
         self._commands: ByteRing | None = None
         self._acks: ByteRing | None = None
         self._ring_window = min(window, MAX_RING_WINDOW)
+        self._spin = spin_us() * 1e-6
         super().__init__(connect, token, session, kind="ring", timeout=timeout, window=self._ring_window,
                          batch_size=batch_size)
 
@@ -201,7 +220,7 @@ class RingTransport(FramedLink):
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, RING_SEALS)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            frame = pack_frame({"ring": 1, "commands": cap, "acks": cap})
+            frame = pack_frame({"ring": 1, "commands": cap, "acks": cap, "spin_us": spin_us()})
             try:
                 sent = socket.send_fds(sock, [frame], [fd, *bells])
                 sock.sendall(frame[sent:])
@@ -260,11 +279,11 @@ class RingTransport(FramedLink):
             payload = acks.get()
             if payload is not None:
                 return payload
-            if len(self._unacked) > 1:
+            if len(self._unacked) > 1 or not self._spin:
                 # Back-pressure or a drain: what is awaited is not the last batch, and the rest is behind it;
                 # spinning would only burn the client's CPU (and the CPU the worker and its device may need).
                 return self._block(acks, timeout)
-            spin_end = time.perf_counter() + _SPIN_SECONDS
+            spin_end = time.perf_counter() + self._spin
             while time.perf_counter() < spin_end:
                 for _ in range(_SPIN_POLLS):
                     if acks.ready():

@@ -22,7 +22,7 @@ from gpubroker.client import InvalidArgument, RemoteGpu, Unavailable, WorkerCras
 from gpubroker.client._frames import pack_frame, recv_payload, send_frame, send_payload, unpack_frame
 from gpubroker.client._protocol import Batch, Synchronize, decode_ack, encode
 from gpubroker.client._transports import RingTransport, unix_connector
-from gpubroker.client._transports._ring import ACK_TAIL, CMD_HEAD, RING_DATA, RING_SEALS, ring_caps
+from gpubroker.client._transports._ring import ACK_TAIL, CMD_HEAD, RING_DATA, RING_SEALS, SPIN_ENV, ring_caps
 
 from ..conftest import TENANTS, worker_pids
 from ..helpers import wait_for
@@ -143,6 +143,7 @@ def _offers(max_frame: int) -> dict[str, tuple[Any, Callable[[], list[int]], str
         "too small": (good, lambda: [_memfd(size - 4096, RING_SEALS), *bells()], "holds"),
         "huge rings": ({**good, "acks": 1 << 40}, lambda: [_memfd(size, RING_SEALS), *bells()], "size"),
         "tiny rings": ({**good, "commands": 16}, lambda: [_memfd(size, RING_SEALS), *bells()], "size"),
+        "a long spin": ({**good, "spin_us": 10**6}, lambda: [_memfd(size, RING_SEALS), *bells()], "spin"),
         "a pipe for doorbells": (good, pipe, "eventfds"),
         "two fds": (good, lambda: [_memfd(size, RING_SEALS), bells()[0]], "3 fds"),
         "not a map": ([1, 2, 3], lambda: [_memfd(size, RING_SEALS), *bells()], "ring upgrade"),
@@ -173,6 +174,33 @@ def test_a_bad_ring_offer_is_refused_and_the_link_stays(ring_broker: BrokerProce
     _still_serves(ring_broker, gpu, pid)
 
 
+@pytest.mark.parametrize("spin", ["0", "50"], ids=["block", "spin"])
+@pytest.mark.parametrize("async_commands", [False, True], ids=["sync", "async"])
+def test_results_through_the_ring_spinning_or_not(ring_broker: BrokerProcess, async_commands: bool, spin: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dependent kernels and reads back, many round trips, across the ring's wrap (small records, 1 MiB reads)."""
+    monkeypatch.setenv(SPIN_ENV, spin)
+    with connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring",
+                 async_commands=async_commands, shared_memory=False) as gpu:
+        kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "scale_inplace")
+        n = 256 * 1024
+        x = np.arange(n, dtype=np.float32)
+        buf = gpu.allocate_memory(x.nbytes)
+        gpu.copy_h2d(x, buf)
+        out = np.empty_like(x)
+        for i in range(12):  # 12 MiB of reads back: the ack ring (4 windows of 1 MiB) wraps
+            gpu.execute_kernel(kernel, n // 256, 256, [buf, np.float32(-1), np.int32(n)])
+            gpu.copy_d2h(buf, out)
+            np.testing.assert_array_equal(out, x if i % 2 else 1 - x)
+        for _ in range(300):
+            gpu.execute_kernel(kernel, 1, 1, [buf, np.float32(1), np.int32(1)])
+            gpu.synchronize()
+        with pytest.raises(InvalidArgument):  # an error comes back the same way, naming the command
+            gpu.execute_kernel(kernel, 1, 1, [buf])
+            gpu.synchronize()
+        gpu.synchronize()
+
+
 def _ring_mapped(pid: int) -> bool:
     return "gpubroker-ring" in Path(f"/proc/{pid}/maps").read_text()
 
@@ -189,8 +217,11 @@ def test_the_clients_close_ends_the_ring(ring_broker: BrokerProcess) -> None:
         wait_for(lambda: not _ring_mapped(pid), 10, "the worker to unmap the closed ring")
 
 
+@pytest.mark.parametrize("spin", ["0", "50"], ids=["block", "spin"])
 @pytest.mark.parametrize("async_commands", [False, True], ids=["sync", "async"])
-def test_the_workers_death_is_seen_through_the_ring(ring_broker: BrokerProcess, async_commands: bool) -> None:
+def test_the_workers_death_is_seen_through_the_ring(ring_broker: BrokerProcess, async_commands: bool, spin: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SPIN_ENV, spin)  # both sides: the client tells its worker how long to spin
     with connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring",
                  async_commands=async_commands) as gpu:
         kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "scale_inplace")
