@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,9 @@ CONTROL = -1
 _LINK_TIMEOUT = 10.0
 # Each link is served in order, one batch at a time; past this many, new links stay with the front.
 MAX_LINKS_PER_SESSION = 8
+# How long the worker runs one ring's batches (and spins for more) before it looks at the front and its other
+# links: a "yield" or "revoke" is read this late at most, besides the batch in hand.
+_RING_SLICE = 500e-6
 # The largest frame a link takes: a copy chunk (the config's chunk_bytes, 1 MiB unless the front's set_limits
 # says otherwise) plus 64 KiB for the batch around it.
 DEFAULT_MAX_FRAME = 1024 * 1024 + 64 * 1024
@@ -75,6 +79,7 @@ class Links:
         self.max_frame = DEFAULT_MAX_FRAME
         self.links: dict[int, _Link] = {}
         self._rings: dict[int, _Link] = {}  # by the fd of the ring's commands doorbell
+        self._resuming: dict[int, _Link] = {}  # rings to pump again after the serve loop's next look around
         self.version = 0  # bumped whenever a link comes or goes, so the serve loop re-reads the set
         self.holding = False  # the front granted this worker the tenant's turn
         self.contended = False  # others wait for the device: give the turn back after each batch
@@ -112,6 +117,7 @@ class Links:
         link = self.links.pop(fd, None)
         if link is not None:
             self.version += 1
+            self._resuming.pop(fd, None)
             if link.ring is not None:
                 self._rings.pop(link.ring.bell.fd, None)
                 link.ring.close()
@@ -128,7 +134,7 @@ class Links:
                 self._serve(link, item)
             for link in list(self._rings.values()):
                 if self.holding:
-                    self._pump(link, spin=False)
+                    self._pump(link)
         elif op == "yield":
             self.contended = True
             if not self._waiting:
@@ -155,7 +161,7 @@ class Links:
         if ring_link is not None:
             assert ring_link.ring is not None
             ring_link.ring.drain()  # then look: a batch published after this rings again
-            self._pump(ring_link, spin=True)
+            self._pump(ring_link)
             return
         link = self.links.get(fd)
         if link is None:
@@ -220,15 +226,33 @@ class Links:
         except OSError:
             self._drop(link.sock.fileno())
 
+    @property
+    def resuming(self) -> bool:
+        """Rings whose batches were cut off by their time slice: the serve loop polls, then calls ``resume``."""
+        return bool(self._resuming)
+
+    def resume(self) -> None:
+        resuming, self._resuming = self._resuming, {}
+        for link in resuming.values():
+            if link.ring is not None:
+                self._pump(link)
+
     def _rings_pending(self) -> bool:
         return any(link.ring is not None and link.ring.commands.ready() for link in self._rings.values())
 
-    def _pump(self, link: _Link, spin: bool) -> None:
-        """Run the ring's batches while this worker holds the turn; with ``spin``, poll briefly for the next
-        after each answer (an uncontended turn only). Without the turn they stay in the ring: ask for it."""
+    def _pump(self, link: _Link) -> None:
+        """Run the ring's batches while this worker holds the turn; once one is answered, poll briefly for the
+        next (an uncontended turn only). Without the turn they stay in the ring: ask for it."""
         ring, fd = link.ring, link.sock.fileno()
         assert ring is not None
+        served = False
+        end = time.perf_counter() + _RING_SLICE
         while self.links.get(fd) is link and not self._executor.fatal:
+            if time.perf_counter() > end:
+                # The front (a yield, a revoke) and the other links get their turn in the serve loop, which
+                # comes back here (``resume``): nothing waits on this ring's doorbell, already drained.
+                self._resuming[fd] = link
+                return
             if not self.holding:
                 if ring.commands.ready():
                     self._ask()
@@ -236,7 +260,7 @@ class Links:
             try:
                 payload = ring.commands.get()
                 if payload is None:
-                    if spin and not self.contended and ring.spin():
+                    if served and not self.contended and ring.spin():
                         continue
                     ring.drain()
                     if ring.commands.ready():
@@ -251,7 +275,7 @@ class Links:
             except RingBroken as exc:
                 self._end_ring(link, f"broken ring: {exc}")
                 return
-            spin = True
+            served = True
             if self.contended:
                 self._release()  # others wait: each batch is one turn; what is left waits for the next grant
                 if ring.commands.ready():

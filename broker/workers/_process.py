@@ -69,7 +69,7 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
                     selector.register(link, selectors.EVENT_READ)
                     watched[fd] = link
             version = links.version
-        for key, _ in selector.select():
+        for key, _ in selector.select(0 if links.resuming else None):
             if key.fd == front:
                 code = _serve_front(sock, server)
                 if code == 0:
@@ -82,6 +82,11 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
                 return EXIT_FATAL
             if version != links.version:
                 break  # the selector's other events may name a link that is gone
+        if links.resuming:  # rings cut off by their time slice, after everything else had its look
+            links.resume()
+            if server.fatal:
+                log.error("fatal device error; exiting so the tenant gets a fresh context")
+                return EXIT_FATAL
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,11 +95,14 @@ def ring_caps(window: int, max_frame: int) -> int:
     return -(-need // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
+_DRAINED = [bytearray(8)]  # where a doorbell's count goes (never read)
+
+
 def drain_bell(fd: int) -> None:
     """Reset a doorbell without ever blocking, whatever the fd's O_NONBLOCK flag (which the other side, sharing
     the file description, could change): RWF_NOWAIT is per call."""
     try:
-        os.preadv(fd, [bytearray(8)], -1, os.RWF_NOWAIT)
+        os.preadv(fd, _DRAINED, -1, os.RWF_NOWAIT)
     except BlockingIOError:
         pass
 
@@ -189,6 +192,7 @@ class RingTransport(FramedLink):
         self._bells: tuple[int, int] | None = None  # (commands' doorbell, acks' doorbell)
         self._commands: ByteRing | None = None
         self._acks: ByteRing | None = None
+        self._poller: select.poll | None = None  # the acks' doorbell and the link socket
         self._ring_window = min(window, MAX_RING_WINDOW)
         self._spin = spin_us() * 1e-6
         super().__init__(connect, token, session, kind="ring", timeout=timeout, window=self._ring_window,
@@ -243,9 +247,13 @@ class RingTransport(FramedLink):
         self._commands = ByteRing(self._mm, words, RING_DATA, cap, CMD_HEAD * 8, CMD_TAIL * 8, self.max_frame)
         self._acks = ByteRing(self._mm, words, RING_DATA + cap, cap, ACK_HEAD * 8, ACK_TAIL * 8,
                               cap - _LEN.size)
+        self._poller = select.poll()
+        self._poller.register(self._bells[1], select.POLLIN)
+        self._poller.register(sock, select.POLLIN | select.POLLRDHUP)
 
     def _unmap(self) -> None:
         self._commands = self._acks = None
+        self._poller = None
         if self._words is not None:
             self._words.release()
             self._words = None
@@ -296,27 +304,26 @@ class RingTransport(FramedLink):
             raise Lost(f"the ack ring is broken: {exc}") from None
 
     def _block(self, acks: ByteRing, timeout: float | None) -> bytes:
-        """Wait on the doorbell (and the link socket, whose hang-up says the worker is gone) for the next ack."""
-        assert self._bells is not None and self._sock is not None
-        bell, sock = self._bells[1], self._sock
-        poller = select.poll()
-        poller.register(bell, select.POLLIN)
-        poller.register(sock, select.POLLIN | select.POLLRDHUP)
+        """Wait on the doorbell (and the link socket, whose hang-up says the worker is gone) for the next ack.
+        The bell is drained after each wake-up and before the ring is looked at again: an ack published after
+        that look rings it anew, so none is missed (two system calls per wait)."""
+        assert self._bells is not None and self._sock is not None and self._poller is not None
+        bell, sock = self._bells[1], self._sock.fileno()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            drain_bell(bell)  # then look: an ack published after this rings the bell again
-            payload = acks.get()
-            if payload is not None:
-                return payload
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            events = poller.poll(None if left is None else left * 1000)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1000
+            events = self._poller.poll(left)
             if not events:
                 raise TimeoutError
-            if any(fd == sock.fileno() for fd, _ in events):
+            if any(fd == sock for fd, _ in events):
                 payload = acks.get()  # (an ack written just before the worker closed the link)
                 if payload is not None:
                     return payload
                 raise Lost("the worker closed the link")
+            drain_bell(bell)
+            payload = acks.get()
+            if payload is not None:
+                return payload
 
     def _shut(self) -> None:
         self._unmap()

@@ -9,6 +9,8 @@ import fcntl
 import os
 import signal
 import socket
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -234,3 +236,40 @@ def test_the_workers_death_is_seen_through_the_ring(ring_broker: BrokerProcess, 
             gpu.execute_kernel(kernel, 1, 256, [buf, np.float32(2), np.int32(1024)])
             gpu.synchronize()
     wait_for(lambda: not worker_pids(ring_broker, "alice"), 10, "the killed worker to be reaped")
+
+
+def test_a_spinning_ring_does_not_keep_the_device_from_another_tenant(ring_broker: BrokerProcess,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client whose next batch always arrives within its worker's spin keeps that worker busy; the worker
+    still reads the front's "yield" (its ring has a time slice), so another tenant's commands get their turns
+    while the first goes on."""
+    monkeypatch.setenv(SPIN_ENV, "200")
+    stop, counts, errors = threading.Event(), [0], list[BaseException]()
+
+    def hammer() -> None:
+        try:
+            with connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring") as alice:
+                while not stop.is_set():
+                    alice.synchronize()
+                    counts[0] += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    try:
+        wait_for(lambda: counts[0] > 100 or bool(errors), 30, "alice's ring to be busy")
+        with connect(ring_broker.target, token=ring_broker.tokens["bob"], transport="grpc", timeout=20) as bob:
+            kernel = bob.compile_kernel(samples.source(bob.device_info().backend), "empty_kernel")
+            start = counts[0]
+            t0 = time.monotonic()
+            for _ in range(20):
+                bob.execute_kernel(kernel, 1, 1, [])
+                bob.synchronize()
+            took = time.monotonic() - t0
+        assert counts[0] > start, "alice stopped while bob ran: this test shows nothing"
+        assert took < 10, f"bob's 20 launches took {took:.1f} s beside a spinning ring"
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not errors
