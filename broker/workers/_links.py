@@ -80,6 +80,8 @@ class Links:
         self.links: dict[int, _Link] = {}
         self._rings: dict[int, _Link] = {}  # by the fd of the ring's commands doorbell
         self._resuming: dict[int, _Link] = {}  # rings to pump again after the serve loop's next look around
+        # Whether the front has written something not yet read (the serve loop sets it: a zero-timeout poll).
+        self.front_waiting: Callable[[], bool] = lambda: False
         self.version = 0  # bumped whenever a link comes or goes, so the serve loop re-reads the set
         self.holding = False  # the front granted this worker the tenant's turn
         self.contended = False  # others wait for the device: give the turn back after each batch
@@ -280,6 +282,11 @@ class Links:
                 self._release()  # others wait: each batch is one turn; what is left waits for the next grant
                 if ring.commands.ready():
                     self._ask()
+                return
+            if self.front_waiting():
+                # A "yield" may be in it (sent just after the grant): read before another batch runs, as a
+                # link's next frame would be. (One poll per batch.)
+                self._resuming[fd] = link
                 return
 
     def _end_ring(self, link: _Link, message: str) -> None:

@@ -11,6 +11,7 @@ import gc
 import json
 import logging
 import os
+import select
 import selectors
 import socket
 import sys
@@ -56,6 +57,9 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
     links = server.links
     selector = selectors.DefaultSelector()
     selector.register(sock, selectors.EVENT_READ)
+    front_poll = select.poll()
+    front_poll.register(sock, select.POLLIN)
+    links.front_waiting = lambda: bool(front_poll.poll(0))
     front, watched, version = sock.fileno(), dict[int, socket.socket | Doorbell](), -1
     while True:
         if version != links.version:  # links came, went or ended: keep the selector in step
