@@ -185,15 +185,21 @@ class LinkServer:
         loop = asyncio.get_running_loop()
         relay = _TcpRelay(conn, tls, self.gate.hello_max_bytes, self.gate.hello_timeout, self._stop_r, loop)
         threading.Thread(target=relay.run, name="gpubroker-link", daemon=True).start()
-        deadline = loop.call_later(self.gate.hello_timeout, relay.abort)
+        late = f"no hello within hello_timeout_seconds ({self.gate.hello_timeout:g} s)"
+
+        def too_late() -> None:
+            ticket.refuse(late)  # (audited before the client sees its connection end)
+            relay.abort()
+
+        deadline = loop.call_later(self.gate.hello_timeout, too_late)
         frames: list[bytes] = []
         worker_end: socket.socket | None = None
         try:
             try:
                 data, cert = await relay.hello
             except (ssl.SSLError, OSError, EOFError) as exc:  # a failed handshake, a hello cut short, the deadline
-                if relay.aborted or isinstance(exc, TimeoutError):
-                    ticket.refuse(f"no hello within hello_timeout_seconds ({self.gate.hello_timeout:g} s)")
+                if isinstance(exc, TimeoutError) and not relay.aborted:  # (the thread's clock ran out first)
+                    ticket.refuse(late)
                 return
             finally:
                 deadline.cancel()
@@ -380,10 +386,13 @@ class _TcpRelay:
         except Exception as exc:  # (ssl.SSLError, OSError, EOFError: the loop's side sorts them out)
             hello = exc
         self._loop.call_soon_threadsafe(_settle, self.hello, hello)
+        try:
+            frames, worker = self._verdict.get(timeout=_VERDICT_WAIT)
+        except queue.Empty:  # (the broker stopping before it judged the hello)
+            frames, worker = [], None
         if isinstance(hello, BaseException):
             self._close()
             return
-        frames, worker = self._verdict.get()
         try:
             self.sock.settimeout(self._timeout)
             for frame in frames:
@@ -447,6 +456,9 @@ def _settle(future: asyncio.Future[Any], outcome: Any) -> None:
             future.set_result(outcome)
 
 
+# How long a link's thread waits for the front to judge its hello (authentication's failure delay and the hand-off
+# take seconds at most; only a broker stopping meanwhile leaves it waiting).
+_VERDICT_WAIT = 120.0
 # What a link's relay holds each way: a few TLS records' worth per read and write, at most this much of a
 # client's frames in the front at a time (the rest waits in the sockets).
 _RELAY_PIECE = 512 * 1024
