@@ -463,6 +463,13 @@ _VERDICT_WAIT = 120.0
 # client's frames in the front at a time (the rest waits in the sockets).
 _RELAY_PIECE = 512 * 1024
 _IN, _OUT = select.POLLIN, select.POLLOUT
+# A TLS record's most plaintext. A client streaming a large frame sends full records, and its frame's last
+# record is short: while full ones come, the relay gathers up to _GATHER bytes before it writes them to the
+# worker, so neither it nor the worker wakes for every 16 KiB; a short record (a small batch, a frame's end) goes
+# at once. _LINGER_MS bounds the wait for a frame that happens to end on a full record.
+_RECORD = 16 * 1024
+_GATHER = 256 * 1024
+_LINGER_MS = 2
 
 
 class _Flow:
@@ -478,6 +485,15 @@ class _Flow:
         self.src_waits = 0  # the poll event src needs before the next read (0: try now)
         self.dst_waits = 0
         self._again = 0  # an SSL write that would block is repeated with the same length
+        self._gathers = isinstance(src, ssl.SSLSocket)
+        self._full = False  # the last read was a whole record: more of the frame is on its way
+        self.flush = False  # (set when the linger is over: write what is gathered)
+
+    @property
+    def holding(self) -> bool:
+        """Gathering a streamed frame's records before writing them on."""
+        return (self._gathers and self._full and not self.flush and not self.eof
+                and self.end - self.start < _GATHER and self.end < _RELAY_PIECE)
 
     def pump(self) -> bool:
         """Move what can move now; whether anything did."""
@@ -496,10 +512,11 @@ class _Flow:
                 else:
                     if n:
                         self.end += n
+                        self._full = n == _RECORD
                         progress = True
                     else:
                         self.eof = True
-            if self.start < self.end and not self.dst_waits and not self.broken:
+            if self.start < self.end and not self.dst_waits and not self.broken and not self.holding:
                 size = self._again or self.end - self.start
                 try:
                     n = self.dst.send(self.buf[self.start:self.start + size])
@@ -511,6 +528,7 @@ class _Flow:
                     self.broken = True
                 else:
                     self._again = 0
+                    self.flush = False
                     self.start += n
                     if self.start == self.end:
                         self.start = self.end = 0
@@ -553,9 +571,13 @@ def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int) -> None:
             else:  # not even for a hang-up, which poll would report at once, again and again
                 with contextlib.suppress(KeyError):
                     poller.unregister(fd)
-        ready = dict(poller.poll())
+        holding = [flow for flow in (up, down) if flow.holding]
+        ready = dict(poller.poll(_LINGER_MS if holding else None))
         if stop_fd in ready:
             return
+        if not ready:
+            for flow in holding:
+                flow.flush = True
         for flow in (up, down):  # whatever became ready is tried again
             if flow.src.fileno() in ready:
                 flow.src_waits = 0

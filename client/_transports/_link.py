@@ -43,6 +43,7 @@ HELLO_REPLY_MAX: Final = 64 * 1024
 VMADDR_CID_HOST: Final = 2  # a VM guest reaches its host at this vsock CID
 _RDHUP = getattr(select, "POLLRDHUP", 0x2000)  # the peer shut its end (Linux)
 _JOIN_MAX = 64 * 1024
+_RECORD = 16 * 1024  # a TLS record's most plaintext
 
 # A connected socket within ``timeout`` seconds (OSError if not).
 Connector = Callable[[float | None], socket.socket]
@@ -310,8 +311,13 @@ class FramedLink(BatchingTransport):
         assert sock is not None
         try:
             if isinstance(sock, ssl.SSLSocket) and len(payload) > _JOIN_MAX:  # TLS has no sendmsg
-                sock.sendall(FRAME_HEADER.pack(len(payload)))
-                sock.sendall(payload)
+                # The header with the first record's worth of the payload (one copy of 16 KiB, not of the
+                # payload), then the rest: whole records while the frame streams, and a short one at its end
+                # (which the front's relay takes as the frame's end, server/_links.py).
+                head = _RECORD - FRAME_HEADER.size
+                view = memoryview(payload)
+                sock.sendall(FRAME_HEADER.pack(len(payload)) + view[:head])
+                sock.sendall(view[head:])
             else:
                 send_payload(sock, payload)
         except OSError as exc:  # (a timeout too: part of a frame may have gone, so the stream is out of step)
