@@ -74,6 +74,14 @@ _LEN: Final = struct.Struct("<I")
 _ONE: Final = (1).to_bytes(8, "little")
 
 
+class _Declined(Exception):
+    """The worker answered the ring upgrade with a refusal (``error``), or none was offered: the link is intact."""
+
+    def __init__(self, error: GpuBrokerError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 class RingBroken(Exception):
     """An index or record length read from shared memory is impossible: the other side wrote nonsense."""
 
@@ -203,41 +211,57 @@ class RingTransport(FramedLink):
         try:
             self._upgrade()
             self.kind = "ring"
-        except GpuBrokerError:
+            return
+        except _Declined as declined:  # answered: the link is as it was
             self._unmap()
+            if self._fallback:
+                self.kind = "unix"
+                return
+            super()._shut()
+            raise declined.error from None
+        except GpuBrokerError:  # unanswered or garbled: the link is in no known state
+            self._unmap()
+            super()._shut()
             if not self._fallback:
-                super()._shut()
                 raise
-            self.kind = "unix"
+        super()._open()  # a plain link, then
+        self.kind = "unix"
 
     def _upgrade(self) -> None:
+        """Offer the worker a ring on the open link; _Declined when it answers no, Unavailable otherwise."""
         if not RING_SUPPORTED:
-            raise Unavailable("shared-memory rings need Linux (memfd, eventfd, RWF_NOWAIT)")
+            raise _Declined(Unavailable("shared-memory rings need Linux (memfd, eventfd, RWF_NOWAIT)"))
         sock = self._sock
         assert sock is not None
         cap = ring_caps(self._ring_window, self.max_frame)
         size = RING_DATA + 2 * cap
-        fd = os.memfd_create(f"gpubroker-ring-{os.getpid()}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        bells = (os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK), os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
-        self._bells = bells
+        try:
+            fd = os.memfd_create(f"gpubroker-ring-{os.getpid()}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as exc:
+            raise _Declined(Unavailable(f"no memory for a ring: {exc}")) from None
         try:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, RING_SEALS)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._bells = (os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK),
+                           os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
+        except OSError as exc:  # (nothing sent yet: the link is untouched)
+            os.close(fd)
+            raise _Declined(Unavailable(f"no memory for a ring: {exc}")) from None
+        try:
             frame = pack_frame({"ring": 1, "commands": cap, "acks": cap, "spin_us": spin_us()})
-            try:
-                sent = socket.send_fds(sock, [frame], [fd, *bells])
-                sock.sendall(frame[sent:])
-                reply = unpack_frame(recv_payload(sock, HELLO_REPLY_MAX))
-            except (OSError, EOFError, ValueError) as exc:
-                raise Unavailable(f"the worker did not answer the ring upgrade: {exc}") from None
+            sent = socket.send_fds(sock, [frame], [fd, *self._bells])
+            sock.sendall(frame[sent:])
+            reply = unpack_frame(recv_payload(sock, HELLO_REPLY_MAX))
+        except (OSError, EOFError, ValueError) as exc:
+            raise Unavailable(f"the worker did not answer the ring upgrade: {exc}") from None
         finally:
-            os.close(fd)  # mapped (or failed): the fd itself is not needed any more
+            os.close(fd)  # mapped, and the worker has its own: the fd itself is not needed any more
         try:
             _, status, result = reply
             if status != 0:
-                raise error_from_wire(str(result["code"]), str(result["message"]), result.get("type"),
-                                      result.get("details"))
+                raise _Declined(error_from_wire(str(result["code"]), str(result["message"]), result.get("type"),
+                                                result.get("details")))
             if result.get("ring") != 1:
                 raise Unavailable(f"the worker answered the ring upgrade with {result!r}")
         except (TypeError, ValueError, KeyError, AttributeError):

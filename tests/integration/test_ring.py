@@ -273,3 +273,21 @@ def test_a_spinning_ring_does_not_keep_the_device_from_another_tenant(ring_broke
         stop.set()
         thread.join(30)
     assert not errors
+
+
+def test_a_refused_upgrade_leaves_auto_on_the_link_and_ring_says_why(ring_broker: BrokerProcess,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client offering rings smaller than a frame (as an older or broken one might) is refused by the worker:
+    "auto" goes on over the plain link it upgraded, "ring" raises the worker's reason."""
+    import gpubroker.client._transports._ring as ring_module
+
+    monkeypatch.setattr(ring_module, "ring_caps", lambda window, max_frame: 4096)
+    with connect(ring_broker.target, token=ring_broker.tokens["alice"]) as gpu:
+        assert gpu.transport.kind == "unix"
+        buf = gpu.allocate_memory(64)
+        gpu.memset(buf, 7)
+        out = np.empty(64, dtype=np.uint8)
+        gpu.copy_d2h(buf, out)
+        assert (out == 7).all()
+    with pytest.raises(Unavailable, match=r"no link .*unix: a ring's size must be"):
+        connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring")
