@@ -90,14 +90,21 @@ def test_links_are_bound_to_their_session(broker: BrokerProcess) -> None:
         one.synchronize()
 
 
-def test_a_malformed_frame_is_refused_with_id_0_and_the_link_closed(broker: BrokerProcess) -> None:
+def _bad_utf8() -> bytes:
+    payload = bytearray(encode(Batch(1, 1, [Synchronize()])))
+    payload[payload.index(b"synchronize") + 2] = 0xAD  # msgspec raised UnicodeDecodeError, which killed the worker
+    return bytes(payload)
+
+
+@pytest.mark.parametrize("payload", [encode(Batch(1, 1, [])) + b"\xc1", _bad_utf8()], ids=["trailing", "utf8"])
+def test_a_malformed_frame_is_refused_with_id_0_and_the_link_closed(broker: BrokerProcess, payload: bytes) -> None:
     with connect(broker.target, token=broker.tokens["alice"]) as gpu:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(10)
         sock.connect(broker.target.removeprefix("unix:") + ".fast")
         send_frame(sock, {"token": broker.tokens["alice"], "session": gpu.session, "link": 1})
         recv_payload(sock, 1 << 16)  # the worker's hello reply
-        send_payload(sock, encode(Batch(1, 1, [])) + b"\xc1")  # trailing garbage: no batch
+        send_payload(sock, payload)
         ack = decode_ack(recv_payload(sock, 1 << 16))
         assert ack.id == 0 and ack.error is not None and ack.error.code == "INVALID_ARGUMENT"
         assert sock.recv(1) == b""  # then closed

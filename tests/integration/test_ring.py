@@ -23,7 +23,7 @@ from gpubroker.broker.launcher import BrokerProcess
 from gpubroker.client import InvalidArgument, RemoteGpu, Unavailable, WorkerCrashed, connect
 from gpubroker.client._frames import pack_frame, recv_payload, send_frame, send_payload, unpack_frame
 from gpubroker.client._protocol import Batch, Synchronize, decode_ack, encode
-from gpubroker.client._transports import RingTransport, unix_connector
+from gpubroker.client._transports import Lost, RingTransport, unix_connector
 from gpubroker.client._transports._ring import ACK_TAIL, CMD_HEAD, RING_DATA, RING_SEALS, SPIN_ENV, ring_caps
 
 from ..conftest import TENANTS, worker_pids
@@ -291,3 +291,28 @@ def test_a_refused_upgrade_leaves_auto_on_the_link_and_ring_says_why(ring_broker
         assert (out == 7).all()
     with pytest.raises(Unavailable, match=r"no link .*unix: a ring's size must be"):
         connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring")
+
+
+def test_random_corruption_of_the_command_ring_is_answered_or_dropped(ring_broker: BrokerProcess,
+                                                                      gpu: RemoteGpu) -> None:
+    """Mutated batches, lengths and heads (seeded): each ring gets an answer or is closed, never a hang, and
+    the worker serves on."""
+    (pid,) = worker_pids(ring_broker, "alice")
+    rng = np.random.default_rng(1313)
+    base = bytearray(encode(Batch(1, 1, [Synchronize()])))
+    for _ in range(40):
+        t = _ring(ring_broker, gpu.session)
+        assert t._bells is not None
+        record = bytearray(base)
+        for at in rng.integers(0, len(record), int(rng.integers(1, 4))):
+            record[at] = int(rng.integers(0, 256))
+        length = len(record) if rng.random() < 0.7 else int(rng.integers(0, 1 << 32))
+        head = 4 + len(record) + (0 if rng.random() < 0.7 else int(rng.integers(-4 - len(record) + 1, 1 << 20)))
+        _publish(t, head, length.to_bytes(4, "little") + bytes(record))
+        os.eventfd_write(t._bells[0], 1)
+        try:
+            decode_ack(t._receive(10))  # an answer (a refusal, or the batch's own ack)
+        except Lost:
+            pass  # or the ring closed
+        t.close()
+    _still_serves(ring_broker, gpu, pid)
