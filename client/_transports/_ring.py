@@ -59,7 +59,7 @@ RING_SUPPORTED: Final = (hasattr(os, "memfd_create") and hasattr(os, "eventfd") 
 RING_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if RING_SUPPORTED else 0
 # A ring holds a window of the largest records: an ack never waits for room, and a batch only when the window
 # is full (the core reads an ack first). Windows above this are cut to it for the ring.
-MAX_RING_WINDOW: Final = 16
+MAX_RING_WINDOW: Final = 8
 # How long each side polls for the other's answer before blocking on its doorbell: about the turnaround of a
 # small launch + sync; past it a wake-up costs little against what the command takes. Only where spare CPUs
 # are: on a host of 2 or 3 the spinning side takes the CPU that the other side (and PoCL's device threads)
