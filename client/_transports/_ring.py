@@ -71,7 +71,6 @@ _SPIN_US: Final = 50
 _SPIN_MIN_CPUS: Final = 4
 _SPIN_POLLS: Final = 32  # polls between two reads of the clock
 _LEN: Final = struct.Struct("<I")
-_ONE: Final = (1).to_bytes(8, "little")
 
 
 class _Declined(Exception):
