@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -27,10 +27,8 @@ from ._protocol import (
     KernelArg,
     Launch,
     Memset,
-    Read,
     ScalarArg,
     Synchronize,
-    Write,
     new_handle,
 )
 from ._shm import SharedMemory
@@ -64,7 +62,8 @@ class RemoteGpu:
     Every device command (allocate, free, memset, copies, launches, streams, synchronize) is built once
     (``client/_protocol.py``) and goes through the one transport chosen at connect (``gpu.transport``):
     ``transport="auto"`` takes a framed link straight to the session's worker where the broker offers one (the
-    same host's ``<socket>.fast``; a VM guest's vsock port, ``vsock=None`` probing for one; the broker's TCP link
+    same host's ``<socket>.fast``, upgraded to a shared-memory ring with doorbells where the worker takes it,
+    ``"ring"`` insisting on that; a VM guest's vsock port, ``vsock=None`` probing for one; the broker's TCP link
     port, with the same TLS options), else gRPC's ``Commands`` stream; ``"link"`` insists on a link, ``"grpc"``
     never takes one. The control plane (sessions, devices, modules, kernels, CopyPeer) is typed gRPC.
 
@@ -111,7 +110,7 @@ class RemoteGpu:
     # -- plumbing ----------------------------------------------------------------------------------
     @property
     def transport(self) -> Transport:
-        """The transport every device command takes (its ``kind``: "unix", "tcp", "vsock" or "grpc")."""
+        """The transport every device command takes (its ``kind``: "ring", "unix", "tcp", "vsock" or "grpc")."""
         if self._closed.is_set():
             raise FailedPrecondition("this RemoteGpu is closed")
         if self._transport is None:
@@ -224,12 +223,7 @@ class RemoteGpu:
             return
         # Up front: a bad range must not leave a partial copy behind.
         check_device_range(buf, offset, data.nbytes, "copy_h2d")
-        chunk = self.chunk_bytes
-        # Pipelined within the transport's window (bounded memory); each chunk's bytes are encoded straight from
-        # the caller's buffer (msgspec takes a memoryview where bytes are declared).
-        for start in range(0, max(data.nbytes, 1), chunk):
-            transport.submit(Write(ref, offset + start, cast("bytes", data[start:start + chunk]), where))
-        transport.wait(raise_error=True)
+        transport.copy_in(ref, offset, data, where, self.chunk_bytes)
 
     def copy_d2h(self, buf: Buffer, dst: Any, offset: int = 0, stream: Stream | None = None) -> None:
         out = writable_bytes(dst)
@@ -238,11 +232,7 @@ class RemoteGpu:
         if self._shm is not None and self._shm.copy(out, buf, offset, where, to_device=False):
             return
         check_device_range(buf, offset, out.nbytes, "copy_d2h")
-        chunk = self.chunk_bytes
-        for start in range(0, max(out.nbytes, 1), chunk):
-            n = min(chunk, out.nbytes - start)
-            transport.submit(Read(ref, offset + start, n, where), on_result=_into(out, start, n))
-        transport.wait(raise_error=True)
+        transport.copy_out(ref, offset, out, where, self.chunk_bytes)
 
     def copy_d2d(self, src: Buffer, dst: Buffer, size: int, src_offset: int = 0, dst_offset: int = 0,
                  stream: Stream | None = None) -> None:
@@ -321,16 +311,6 @@ class RemoteGpu:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _into(out: memoryview, start: int, size: int) -> Callable[[Any], None]:
-    """Where a Read's bytes go, once they are checked to be exactly the bytes asked for."""
-    def put(data: Any) -> None:
-        if not isinstance(data, (bytes, bytearray)) or len(data) != size:
-            got = len(data) if isinstance(data, (bytes, bytearray)) else type(data).__name__
-            raise GpuBrokerError(f"the broker answered a read of {size} bytes with {got}")
-        out[start:start + size] = data
-    return put
 
 
 def _check_counts(**values: object) -> None:

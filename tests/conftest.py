@@ -44,10 +44,11 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-# Every transport a client may take (as dask/distributed tests every Comm): the same-host link (a Unix socket
-# handed to the worker), the TCP link with TLS (relayed by the front to the worker), and gRPC.
-TRANSPORTS = ["link", "tcp-tls", "grpc"]
-_KIND = {"link": "unix", "tcp-tls": "tcp", "grpc": "grpc"}
+# Every transport a client may take (as dask/distributed tests every Comm): the same-host ring (shared memory
+# with doorbells, over a link), the same-host link (a Unix socket handed to the worker), the TCP link with TLS
+# (relayed by the front to the worker), and gRPC.
+TRANSPORTS = ["ring", "link", "tcp-tls", "grpc"]
+_KIND = {"ring": "ring", "link": "unix", "tcp-tls": "tcp", "grpc": "grpc"}
 
 
 @pytest.fixture(scope="session")

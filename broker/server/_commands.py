@@ -275,8 +275,13 @@ class CommandRunner:
         batch, data = pack(commands)
         return raise_for(await self.execute(session, batch, data))
 
-    async def execute(self, session: Session, batch: Batch, data: bytes) -> Ack:
-        """Run ``batch`` (``data``: its encoding) in the session's worker; a failing command is in the Ack."""
+    async def execute(self, session: Session, batch: Batch, data: bytes,
+                      sent: asyncio.Future[None] | None = None) -> Ack:
+        """Run ``batch`` (``data``: its encoding) in the session's worker; a failing command is in the Ack.
+
+        ``sent`` (a stream's batches run ahead of their acks) is resolved once the batch is on its way to the worker:
+        in the worker client's queue of requests, which it writes in order, so the stream's next batch may follow.
+        """
         session.check_alive()
         session.touch()
         device_work = compile_ = False
@@ -292,17 +297,24 @@ class CommandRunner:
                 await self.before_free(session, command.handle)
         async with self.schedulers[session.device].turn(session.tenant) if device_work else _no_turn():
             if not compile_:
+                _resolve(sent)  # (the call below runs on in this step, to its place in the worker's queue)
                 return await session.worker.run_batch(session.id, batch, data)
+            call = asyncio.ensure_future(session.worker.run_batch(session.id, batch, data))
+            _resolve(sent)  # (after: the call's first step is scheduled before the next batch's)
             try:
                 # A pathological source must not hold the tenant's worker (or this call) forever.
-                return await asyncio.wait_for(session.worker.run_batch(session.id, batch, data),
-                                              self.config.compile_timeout_seconds)
+                return await asyncio.wait_for(call, self.config.compile_timeout_seconds)
             except TimeoutError:
                 error = DeadlineExceeded(
                     f"compiling the module took longer than {self.config.compile_timeout_seconds:g} s; the "
                     "tenant's worker was restarted, so this session's device state is lost")
                 await self.sessions.pool.restart(session.worker, error)  # the tenant's failure (its crash budget)
                 raise error from None
+
+
+def _resolve(sent: asyncio.Future[None] | None) -> None:
+    if sent is not None and not sent.done():
+        sent.set_result(None)
 
 
 @contextlib.asynccontextmanager

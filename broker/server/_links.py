@@ -24,11 +24,15 @@ import asyncio
 import contextlib
 import logging
 import os
+import queue
+import select
 import socket
 import ssl
+import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from gpubroker.client import GpuBrokerError, InvalidArgument, Unauthenticated, WorkerCrashed
 from gpubroker.client._frames import FRAME_HEADER, pack_frame, unpack_frame
@@ -42,8 +46,6 @@ from ._preauth import PreAuthGate, Ticket
 __all__ = ["LinkServer", "fast_path_address"]
 
 log = logging.getLogger("gpubroker.links")
-# What a TCP link's relay buffers each way before it pauses reading the other side.
-_RELAY_BUFFER = 4 << 20
 
 
 def fast_path_address(unix_path: str) -> str:
@@ -61,7 +63,8 @@ class LinkServer:
         self.service = service
         self.gate = gate
         self._listeners: list[tuple[socket.socket, str]] = []
-        self._servers: list[asyncio.AbstractServer] = []
+        # Written once at stop: the TCP links' relay threads poll its other end.
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
         self._paths: list[Path] = []
         self._link_watches: dict[tuple[str, str], tuple[Principal, int]] = {}  # (session, credential) -> watch
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -79,16 +82,25 @@ class LinkServer:
     async def listen_tcp(self, host: str, port: int, tls: ssl.SSLContext | None) -> int:
         """Serve links on TCP (TLS terminated here when ``tls``); the port bound."""
         where = f"{'tls' if tls is not None else 'tcp'}:{host}:{port}"
-        server = await asyncio.get_running_loop().create_server(
-            lambda: _TcpLink(self, where), host, port, ssl=tls,
-            ssl_handshake_timeout=self.gate.hello_timeout if tls else None)
-        self._servers.append(server)
-        bound: int = server.sockets[0].getsockname()[1]
+        loop = asyncio.get_running_loop()
+        family, _, _, _, address = (await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE))[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(128)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._listeners.append((sock, where))
+        self._spawn(self._accept_tcp(sock, where, tls))
+        bound: int = sock.getsockname()[1]
         return bound
 
     async def stop(self) -> None:
-        for server in self._servers:
-            server.close()
+        os.write(self._stop_w, b"x")  # every TCP link's relay thread polls this: they all end
         for sock, _ in self._listeners:
             sock.close()
         for task in list(self._tasks):
@@ -147,38 +159,78 @@ class LinkServer:
             ticket.done()
             conn.close()  # this process's descriptor: the connection lives on in the worker
 
-    # -- TCP (TLS terminated here): relayed to the worker -----------------------------------------------
-    async def _serve_tcp(self, link: _TcpLink, where: str) -> None:
-        """The hello, then a socketpair to the worker, whose end here relays to and from the connection."""
-        transport = link.transport
-        peer = transport.get_extra_info("peername")
-        ticket = self.gate.admit(None, f"{where} peer={peer}", address=_host(peer))
-        if ticket is None:
-            transport.abort()
-            return
-        ours: socket.socket | None = None
+    # -- TCP (TLS terminated here): relayed to the worker by a thread of its own ----------------------------
+    async def _accept_tcp(self, listener: socket.socket, where: str, tls: ssl.SSLContext | None) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, address = await loop.sock_accept(listener)
+            except OSError as exc:
+                log.warning("link listener %s: accept failed: %s", where, exc)
+                await asyncio.sleep(0.1)
+                continue
+            # Admitted before the TLS handshake: the caps on unauthenticated connections count handshakes too.
+            ticket = self.gate.admit(None, f"{where} peer={address}", address=_host(address))
+            if ticket is None:
+                conn.close()
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a launch + sync: never held by Nagle
+            self._spawn(self._serve_tcp(conn, ticket, address, tls))
+
+    async def _serve_tcp(self, conn: socket.socket, ticket: Ticket, address: Any, tls: ssl.SSLContext | None) -> None:
+        """The link's thread does the handshake and reads the hello (within hello_timeout_seconds: at the deadline
+        the connection is shut, which ends any read); the hello is judged here, as on every listener; then the
+        thread answers a refusal, or relays between the connection and a socketpair whose other end is the
+        worker's."""
+        loop = asyncio.get_running_loop()
+        relay = _TcpRelay(conn, tls, self.gate.hello_max_bytes, self.gate.hello_timeout, self._stop_r, loop)
+        threading.Thread(target=relay.run, name="gpubroker-link", daemon=True).start()
+        late = f"no hello within hello_timeout_seconds ({self.gate.hello_timeout:g} s)"
+
+        def too_late() -> None:
+            ticket.refuse(late)  # (audited before the client sees its connection end)
+            relay.abort()
+
+        deadline = loop.call_later(self.gate.hello_timeout, too_late)
+        frames: list[bytes] = []
+        worker_end: socket.socket | None = None
         try:
-            context = _auth_context(transport.get_extra_info("peercert"))
-            session, principal = await self._hello(link.recv_exactly, link.send, ticket, context,
-                                                   f"addr:{_host(peer)}")
+            try:
+                data, cert = await relay.hello
+            except (ssl.SSLError, OSError, EOFError) as exc:  # a failed handshake, a hello cut short, the deadline
+                if isinstance(exc, TimeoutError) and not relay.aborted:  # (the thread's clock ran out first)
+                    ticket.refuse(late)
+                return
+            finally:
+                deadline.cancel()
+            received = bytearray(data)
+
+            async def recv_exactly(n: int) -> bytes:
+                if len(received) < n:
+                    raise ConnectionError("closed during the hello")
+                part = bytes(received[:n])
+                del received[:n]
+                return part
+
+            async def send(frame: bytes) -> None:
+                frames.append(frame)  # (the thread writes them, before it relays or closes)
+
+            session, principal = await self._hello(recv_exactly, send, ticket, _auth_context(cert),
+                                                   f"addr:{_host(address)}")
+            ours: socket.socket | None
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                if not await self._hand_over(session, principal, theirs.fileno(), link.send):
-                    return
+                if await self._hand_over(session, principal, theirs.fileno(), send):
+                    worker_end, ours = ours, None
             finally:
                 theirs.close()
-            ours.setblocking(False)
-            await asyncio.get_running_loop().connect_accepted_socket(lambda: _WorkerEnd(link), ours)
-            ours = None  # the worker end's transport owns it now
-            link.relay()
+                if ours is not None:
+                    ours.close()
         except (_HelloRefused, ConnectionError, OSError):
             pass
         finally:
             ticket.done()
-            if ours is not None:
-                ours.close()
-            if link.worker is None:
-                transport.close()  # (after what was written: a refusal reaches the client)
+            relay.decide(frames, worker_end)
 
     # -- the hello and the hand-off --------------------------------------------------------------------
     async def _hello(self, recv_exactly: Callable[[int], Awaitable[bytes]], send: Callable[[bytes], Awaitable[None]],
@@ -290,114 +342,244 @@ def _auth_context(cert: Any) -> dict[str, list[bytes]]:
     return {"x509_subject_alternative_name": names, "x509_common_name": common}
 
 
+class _TcpRelay:
+    """One TCP link, in a thread of its own: the TLS handshake and the hello (judged by the front on its loop),
+    then the relay between the connection and the worker's socketpair.
 
-class _TcpLink(asyncio.Protocol):
-    """One TCP link: its hello buffered here for the front to judge, then every byte written straight to the
-    worker's socketpair (and back, by _WorkerEnd): one callback per read, no task switch, so the relay costs
-    the front as little as an event loop allows. Each side's flow control pauses the other's reading."""
+    A thread, not the event loop, because the relay is the link's whole cost in the front: decrypting and
+    encrypting every byte, and copying it. The ssl and socket calls let go of the GIL, so several links (a
+    striped copy) use several cores, and none of it delays the loop's gRPC calls and scheduler. One thread
+    does both directions: an SSL object is not safe for two threads at once.
+    """
 
-    def __init__(self, server: LinkServer, where: str) -> None:
-        self.server = server
-        self.where = where
-        self.transport: asyncio.Transport = None  # type: ignore[assignment]  # (set at once by connection_made)
-        self.worker: asyncio.Transport | None = None  # the worker's end, once relaying
-        self._buffer = bytearray()
-        self._waiter: asyncio.Future[None] | None = None
+    def __init__(self, conn: socket.socket, tls: ssl.SSLContext | None, hello_limit: int, timeout: float,
+                 stop_fd: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.sock: socket.socket = conn
+        self.aborted = False
+        self.hello: asyncio.Future[tuple[bytes, Any]] = loop.create_future()
+        self._tls = tls
+        self._limit = hello_limit
+        self._timeout = timeout
+        self._stop_fd = stop_fd
+        self._loop = loop
+        self._lock = threading.Lock()  # abort (the loop) against the thread's wrap and close of the socket
         self._closed = False
+        self._verdict: queue.SimpleQueue[tuple[list[bytes], socket.socket | None]] = queue.SimpleQueue()
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # (uvloop's transports subclass no asyncio class)
-        # A few copy chunks in flight each way before the other side is paused, not one chunk's fraction.
-        self.transport.set_write_buffer_limits(high=_RELAY_BUFFER)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:  # a launch + sync is a small frame each way: never held back by Nagle
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.server._spawn(self.server._serve_tcp(self, self.where))
+    # -- the loop's side -----------------------------------------------------------------------------
+    def abort(self) -> None:
+        """The hello's deadline: shut the connection, which ends the thread's read (the thread closes it)."""
+        with self._lock:
+            if not self._closed:
+                self.aborted = True
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
 
-    def data_received(self, data: bytes) -> None:
-        if self.worker is not None:
-            self.worker.write(data)
+    def decide(self, frames: list[bytes], worker: socket.socket | None) -> None:
+        """What the thread does after the hello: write ``frames`` (a refusal), then relay to ``worker`` or close."""
+        self._verdict.put((frames, worker))
+
+    # -- the thread ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            hello: tuple[bytes, Any] | BaseException = self._read_hello()
+        except Exception as exc:  # (ssl.SSLError, OSError, EOFError: the loop's side sorts them out)
+            hello = exc
+        self._loop.call_soon_threadsafe(_settle, self.hello, hello)
+        try:
+            frames, worker = self._verdict.get(timeout=_VERDICT_WAIT)
+        except queue.Empty:  # (the broker stopping before it judged the hello)
+            frames, worker = [], None
+        if isinstance(hello, BaseException):
+            self._close()
             return
-        self._buffer += data
-        if len(self._buffer) > FRAME_HEADER.size + self.server.gate.hello_max_bytes:
-            self.transport.pause_reading()  # what an unauthenticated peer makes the front hold stays bounded
-        self._wake()
+        try:
+            self.sock.settimeout(self._timeout)
+            for frame in frames:
+                self.sock.sendall(frame)
+            if worker is not None:
+                _relay(self.sock, worker, self._stop_fd)
+        except OSError:
+            pass
+        finally:
+            if worker is not None:
+                worker.close()
+            self._close()
 
-    def eof_received(self) -> bool | None:
-        if self.worker is not None and self.worker.can_write_eof():
-            self.worker.write_eof()
-        self._closed = True
-        self._wake()
-        return None
+    def _read_hello(self) -> tuple[bytes, Any]:
+        """The handshake and the hello's frame (only its header if that announces more than the limit)."""
+        deadline = time.monotonic() + self._timeout
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
-        self._wake()
-        if self.worker is not None:
-            self.worker.close()
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.aborted:
+                raise TimeoutError("no hello in time")
+            return remaining
 
-    def pause_writing(self) -> None:
-        if self.worker is not None:
-            self.worker.pause_reading()
+        cert: Any = None
+        if self._tls is not None:
+            with self._lock:
+                if self.aborted:
+                    raise TimeoutError("no hello in time")
+                self.sock = self._tls.wrap_socket(self.sock, server_side=True, do_handshake_on_connect=False)
+            assert isinstance(self.sock, ssl.SSLSocket)
+            self.sock.settimeout(left())
+            self.sock.do_handshake()
+            cert = self.sock.getpeercert()
+        header = self._exactly(FRAME_HEADER.size, left)
+        (length,) = FRAME_HEADER.unpack(header)
+        if length > self._limit:
+            return header, cert  # refused by the front before a byte of the body is read
+        return header + self._exactly(length, left), cert
 
-    def resume_writing(self) -> None:
-        if self.worker is not None:
-            self.worker.resume_reading()
+    def _exactly(self, n: int, left: Callable[[], float]) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            self.sock.settimeout(left())
+            part = self.sock.recv(n - len(data))
+            if not part:
+                raise EOFError("closed during the hello")
+            data += part
+        return bytes(data)
 
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+    def _close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self.sock.close()
 
-    async def recv_exactly(self, n: int) -> bytes:
-        while len(self._buffer) < n:
-            if self._closed:
-                raise ConnectionError("closed during the hello")
-            if self.transport.is_reading() is False and len(self._buffer) < n:
-                self.transport.resume_reading()
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        data = bytes(self._buffer[:n])
-        del self._buffer[:n]
-        return data
 
-    async def send(self, frame: bytes) -> None:
-        self.transport.write(frame)
-
-    def relay(self) -> None:
-        """From now on the worker serves the link: what arrived after the hello goes first."""
-        assert self.worker is not None
-        if self._buffer:
-            self.worker.write(bytes(self._buffer))
-            self._buffer.clear()
-        if self._closed:
-            self.worker.close()
+def _settle(future: asyncio.Future[Any], outcome: Any) -> None:
+    if not future.done():
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
         else:
-            self.transport.resume_reading()
+            future.set_result(outcome)
 
 
-class _WorkerEnd(asyncio.Protocol):
-    """The front's end of a TCP link's socketpair: the worker's bytes go to the client as they come."""
+# How long a link's thread waits for the front to judge its hello (authentication's failure delay and the hand-off
+# take seconds at most; only a broker stopping meanwhile leaves it waiting).
+_VERDICT_WAIT = 120.0
+# What a link's relay holds each way: a few TLS records' worth per read and write, at most this much of a
+# client's frames in the front at a time (the rest waits in the sockets).
+_RELAY_PIECE = 512 * 1024
+_IN, _OUT = select.POLLIN, select.POLLOUT
+# A TLS record's most plaintext. A client streaming a large frame sends full records, and its frame's last
+# record is short: while full ones come, the relay gathers up to _GATHER bytes before it writes them to the
+# worker, so neither it nor the worker wakes for every 16 KiB; a short record (a small batch, a frame's end) goes
+# at once. _LINGER_MS bounds the wait for a frame that happens to end on a full record.
+_RECORD = 16 * 1024
+_GATHER = 256 * 1024
+_LINGER_MS = 2
 
-    def __init__(self, link: _TcpLink) -> None:
-        self.link = link
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.link.worker = cast(asyncio.Transport, transport)
-        self.link.worker.set_write_buffer_limits(high=_RELAY_BUFFER)
-        self.link.transport.pause_reading()  # until relay() has sent what came after the hello
+class _Flow:
+    """One direction of a relay: bytes from ``src`` into a bounded buffer, and from it to ``dst``; non-blocking,
+    retried after poll says the side it waits for is ready."""
 
-    def data_received(self, data: bytes) -> None:
-        self.link.transport.write(data)
+    def __init__(self, src: socket.socket, dst: socket.socket) -> None:
+        self.src, self.dst = src, dst
+        self.buf = memoryview(bytearray(_RELAY_PIECE))
+        self.start = self.end = 0
+        self.eof = False  # src ended (or failed)
+        self.broken = False  # dst failed: the relay is over
+        self.src_waits = 0  # the poll event src needs before the next read (0: try now)
+        self.dst_waits = 0
+        self._again = 0  # an SSL write that would block is repeated with the same length
+        self._gathers = isinstance(src, ssl.SSLSocket)
+        self._full = False  # the last read was a whole record: more of the frame is on its way
+        self.flush = False  # (set when the linger is over: write what is gathered)
 
-    def eof_received(self) -> bool | None:
-        self.link.transport.close()  # the worker closed the link (revocation, a malformed frame, its end)
-        return None
+    @property
+    def holding(self) -> bool:
+        """Gathering a streamed frame's records before writing them on."""
+        return (self._gathers and self._full and not self.flush and not self.eof
+                and self.end - self.start < _GATHER and self.end < _RELAY_PIECE)
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.link.transport.close()
+    def pump(self) -> bool:
+        """Move what can move now; whether anything did."""
+        moved = False
+        while True:
+            progress = False
+            if not self.eof and not self.src_waits and self.end < _RELAY_PIECE:
+                try:
+                    n = self.src.recv_into(self.buf[self.end:])
+                except (ssl.SSLWantReadError, BlockingIOError):
+                    self.src_waits = _IN
+                except ssl.SSLWantWriteError:
+                    self.src_waits = _OUT
+                except OSError:  # (a reset, a TLS error, an end without close_notify): the side is gone
+                    self.eof = True
+                else:
+                    if n:
+                        self.end += n
+                        self._full = n == _RECORD
+                        progress = True
+                    else:
+                        self.eof = True
+            if self.start < self.end and not self.dst_waits and not self.broken and not self.holding:
+                size = self._again or self.end - self.start
+                try:
+                    n = self.dst.send(self.buf[self.start:self.start + size])
+                except (ssl.SSLWantWriteError, BlockingIOError):
+                    self.dst_waits, self._again = _OUT, size
+                except ssl.SSLWantReadError:
+                    self.dst_waits, self._again = _IN, size
+                except OSError:
+                    self.broken = True
+                else:
+                    self._again = 0
+                    self.flush = False
+                    self.start += n
+                    if self.start == self.end:
+                        self.start = self.end = 0
+                    progress = True
+            if not progress:
+                return moved
+            moved = True
 
-    def pause_writing(self) -> None:
-        self.link.transport.pause_reading()
+    @property
+    def drained(self) -> bool:
+        return self.eof and self.start == self.end
 
-    def resume_writing(self) -> None:
-        self.link.transport.resume_reading()
+
+def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int) -> None:
+    """Relay until the worker's end closes (after the client's, or at a revocation) or either side fails."""
+    tcp.setblocking(False)
+    worker.setblocking(False)
+    up, down = _Flow(tcp, worker), _Flow(worker, tcp)
+    poller = select.poll()
+    poller.register(stop_fd, _IN)
+    shut = False
+    while True:
+        up.pump()
+        down.pump()
+        if up.broken or down.broken or down.drained:
+            return  # (the worker ended the link, or a side failed: the client's connection closes)
+        if up.drained and not shut:
+            shut = True
+            with contextlib.suppress(OSError):
+                worker.shutdown(socket.SHUT_WR)  # the client's end: the worker answers what it has, then closes
+        wants = {tcp.fileno(): 0, worker.fileno(): 0}
+        for flow in (up, down):
+            if not flow.eof and flow.end < _RELAY_PIECE:
+                wants[flow.src.fileno()] |= flow.src_waits
+            if flow.start < flow.end:
+                wants[flow.dst.fileno()] |= flow.dst_waits
+        for fd, events in wants.items():
+            if events:
+                poller.register(fd, events)  # (again: modifies)
+            else:  # not even for a hang-up, which poll would report at once, again and again
+                with contextlib.suppress(KeyError):
+                    poller.unregister(fd)
+        holding = [flow for flow in (up, down) if flow.holding]
+        ready = dict(poller.poll(_LINGER_MS if holding else None))
+        if stop_fd in ready:
+            return
+        if not ready:
+            for flow in holding:
+                flow.flush = True
+        for flow in (up, down):  # whatever became ready is tried again
+            if flow.src.fileno() in ready:
+                flow.src_waits = 0
+            if flow.dst.fileno() in ready:
+                flow.dst_waits = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any, TypeVar
 
@@ -34,6 +35,10 @@ from ._status import Context, admitted, principal_of, rpc, stream_rpc
 
 __all__ = ["GpuBrokerService", "device_info_to_pb"]
 
+# Batches of one Commands stream read before their acks went out: a client keeps at most 4 unacknowledged (its
+# window, client/_transports/_core.py), so this overlaps all it sends; the front holds no more than 4 batches
+# (each at most chunk_bytes + 64 KiB) of a stream, whatever a client sends.
+READ_AHEAD = 4
 REVOKED_MESSAGE = ("the token that opened this stream was rotated or its tenant removed; reconnect with the "
                    "current token")
 T = TypeVar("T")
@@ -45,18 +50,19 @@ class _Revocable:
 
     def __init__(self) -> None:
         self.revoked = False
-        self._pending: asyncio.Future[Any] | None = None
+        # What the stream awaits: its next request and, while batches run ahead (Commands), the next ack.
+        self._pending: set[asyncio.Future[Any]] = set()
 
     def revoke(self) -> None:
         self.revoked = True
-        if self._pending is not None:
-            self._pending.cancel()
+        for future in self._pending:
+            future.cancel()
 
     async def run(self, awaitable: Awaitable[T]) -> T:
         if self.revoked:
             raise Unauthenticated(REVOKED_MESSAGE)
         future = asyncio.ensure_future(awaitable)
-        self._pending = future
+        self._pending.add(future)
         try:
             return await future
         except asyncio.CancelledError:
@@ -65,7 +71,7 @@ class _Revocable:
                 raise Unauthenticated(REVOKED_MESSAGE) from None
             raise
         finally:
-            self._pending = None
+            self._pending.discard(future)
 
     async def iterate(self, items: AsyncIterator[T]) -> AsyncIterator[T]:
         iterator = aiter(items)
@@ -75,6 +81,22 @@ class _Revocable:
             except StopAsyncIteration:
                 return
             yield item
+
+
+def _passed(sent: asyncio.Future[None], task: asyncio.Future[Any]) -> None:
+    """A batch that finished without reaching the worker (nothing to run) lets the next one go; one that failed
+    stops it (the stream ends with the failure)."""
+    if not sent.done():
+        if task.cancelled() or task.exception() is not None:
+            sent.cancel()
+        else:
+            sent.set_result(None)
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    """Retrieve an abandoned future's outcome so asyncio does not log 'exception was never retrieved'."""
+    if not future.cancelled():
+        future.exception()
 
 
 def device_info_to_pb(info: DeviceInfo) -> pb.DeviceInfo:
@@ -276,21 +298,68 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
     @stream_rpc
     async def Commands(self, request_iterator: AsyncIterator[pb.CommandBatch], context: Context
                        ) -> AsyncIterator[pb.BatchAck]:
-        """Batches run in order, each under one scheduler turn; a failure is acknowledged, not raised."""
-        principal = principal_of(self.auth, context)
-        session: Session | None = None
-        with self._revocable(principal) as guard:
-            async for batch in guard.iterate(request_iterator):
-                if session is None:
-                    session = self.sessions.get(batch.session, principal.tenant)
-                yield await guard.run(self.run_batch(session, batch))
+        """Batches run in order, each under one scheduler turn; a failure is acknowledged, not raised.
 
-    async def run_batch(self, session: Session, batch: pb.CommandBatch) -> pb.BatchAck:
+        The stream reads ahead: while a batch runs, the next ones are received, decoded and queued behind it in the
+        worker, so a client's pipelined batches (a copy's chunks) overlap the stream, the front and the worker
+        rather than taking turns. At most READ_AHEAD batches are read and not yet acknowledged.
+        """
+        principal = principal_of(self.auth, context)
+        with self._revocable(principal) as guard:
+            acks: asyncio.Queue[asyncio.Future[pb.BatchAck] | None] = asyncio.Queue()
+            room = asyncio.Semaphore(READ_AHEAD)
+            reader = asyncio.ensure_future(
+                self._read_ahead(guard.iterate(request_iterator), principal.tenant, acks, room))
+            try:
+                while (ack := await guard.run(acks.get())) is not None:
+                    yield await guard.run(ack)
+                    room.release()
+            finally:
+                reader.cancel()
+                reader.add_done_callback(_consume)
+                while not acks.empty():
+                    if (left := acks.get_nowait()) is not None:
+                        left.cancel()
+                        left.add_done_callback(_consume)
+
+    async def _read_ahead(self, requests: AsyncIterator[pb.CommandBatch], tenant: str,
+                          acks: asyncio.Queue[asyncio.Future[pb.BatchAck] | None], room: asyncio.Semaphore) -> None:
+        """Read the stream's batches (``room`` permitting) and start each behind the one before it; the acks'
+        futures go to ``acks`` in order, then None at the stream's end, or the failure that ended it."""
+        loop = asyncio.get_running_loop()
+        session: Session | None = None
+        sent: asyncio.Future[None] | None = None
+        try:
+            while True:
+                await room.acquire()
+                batch = await anext(requests, None)
+                if batch is None:
+                    break
+                if session is None:
+                    session = self.sessions.get(batch.session, tenant)
+                after, sent = sent, loop.create_future()
+                task = asyncio.ensure_future(self.run_batch(session, batch, after, sent))
+                task.add_done_callback(functools.partial(_passed, sent))
+                acks.put_nowait(task)
+            acks.put_nowait(None)
+        except Exception as exc:  # (a malformed message, an unknown session): the stream's end, after the acks
+            failed: asyncio.Future[pb.BatchAck] = loop.create_future()
+            failed.set_exception(exc)
+            acks.put_nowait(failed)
+
+    async def run_batch(self, session: Session, batch: pb.CommandBatch, after: asyncio.Future[None] | None = None,
+                        sent: asyncio.Future[None] | None = None) -> pb.BatchAck:
         """An ``encoded`` batch runs as it is, its Ack returned encoded; typed commands go through the typed
-        calls' conversions, a command that does not convert failing there (those before it still run)."""
+        calls' conversions, a command that does not convert failing there (those before it still run).
+
+        ``after`` (the stream's batch before it is on its way to the worker) is awaited before anything runs, so
+        batches read ahead keep the stream's order; ``sent`` is this batch's, for the next one.
+        """
         if batch.encoded:
             decoded = commands.decode(batch.encoded)
-            ack = await self.execute(session, decoded, batch.encoded)
+            if after is not None:
+                await after
+            ack = await self.execute(session, decoded, batch.encoded, sent)
             return pb.BatchAck(batch=batch.batch, encoded=encode(ack))
         converted: list[Command] = []
         error: pb.CommandError | None = None
@@ -301,9 +370,11 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
                 error = pb.CommandError(seq=command.seq, command=command.WhichOneof("kind") or "empty command",
                                         code=exc.code, message=exc.message)
                 break
+        if after is not None:
+            await after
         if converted:
             decoded, data = commands.pack(converted)
-            ack = await self.execute(session, decoded, data)
+            ack = await self.execute(session, decoded, data, sent)
             if ack.error is not None:
                 failed = ack.error
                 error = pb.CommandError(seq=batch.commands[failed.seq].seq, command=failed.command, code=failed.code,

@@ -9,14 +9,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, cast
 
 import msgspec
 
 from .._errors import DeadlineExceeded, GpuBrokerError, InvalidArgument, Unavailable, error_from_wire
-from .._protocol import Ack, Batch, Command, CommandError, Write, decode_ack, encode
+from .._protocol import Ack, Batch, BufRef, Command, CommandError, Read, Write, decode_ack, encode
 
-__all__ = ["ENVELOPE", "BatchingTransport", "Lost", "Transport", "command_error"]
+__all__ = ["ENVELOPE", "BatchingTransport", "Lost", "Transport", "command_error", "read_into"]
 
 # What a frame may carry beyond its copy data (the contract's max frame is chunk_bytes + this).
 ENVELOPE: Final = 64 * 1024
@@ -30,7 +30,7 @@ _QUIET: Final = 1.0
 class Transport(Protocol):
     """How RemoteGpu's device commands reach the worker, in program order, on one connection."""
 
-    kind: str  # "unix", "tcp", "vsock" (a framed link) or "grpc"
+    kind: str  # "ring" (same host, shared memory), "unix", "tcp", "vsock" (a framed link) or "grpc"
     max_data: int  # the largest Write or Read chunk one command may carry
 
     def call(self, command: Command) -> Any:
@@ -53,6 +53,16 @@ class Transport(Protocol):
         """Flush and read every ack; then raise the first kept error (naming its command) if asked."""
         ...
 
+    def copy_in(self, ref: BufRef, offset: int, data: memoryview, stream: str, chunk: int) -> None:
+        """Host to device: ``data`` into the view at ``offset``, in Writes of at most ``chunk`` bytes pipelined
+        within the window; returns once every one is acknowledged, raising the first error (a deferred one of an
+        earlier command too)."""
+        ...
+
+    def copy_out(self, ref: BufRef, offset: int, out: memoryview, stream: str, chunk: int) -> None:
+        """Device to host: ``out.nbytes`` bytes of the view from ``offset`` into ``out``, as ``copy_in``."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -62,6 +72,16 @@ class Lost(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+def read_into(out: memoryview, start: int, size: int) -> Callable[[Any], None]:
+    """Where a Read's bytes go, once they are checked to be exactly the bytes asked for."""
+    def put(data: Any) -> None:
+        if not isinstance(data, (bytes, bytearray)) or len(data) != size:
+            got = len(data) if isinstance(data, (bytes, bytearray)) else type(data).__name__
+            raise GpuBrokerError(f"the broker answered a read of {size} bytes with {got}")
+        out[start:start + size] = data
+    return put
 
 
 def command_error(e: CommandError, own: bool) -> GpuBrokerError:
@@ -188,6 +208,20 @@ class BatchingTransport:
                 self._read_ack()
             if raise_error:
                 self._raise_kept()
+
+    def copy_in(self, ref: BufRef, offset: int, data: memoryview, stream: str, chunk: int) -> None:
+        with self._lock:
+            for start in range(0, max(data.nbytes, 1), chunk):
+                # (each chunk's bytes encoded straight from the caller's buffer: msgspec takes a memoryview)
+                self.submit(Write(ref, offset + start, cast("bytes", data[start:start + chunk]), stream))
+            self.wait(raise_error=True)
+
+    def copy_out(self, ref: BufRef, offset: int, out: memoryview, stream: str, chunk: int) -> None:
+        with self._lock:
+            for start in range(0, max(out.nbytes, 1), chunk):
+                n = min(chunk, out.nbytes - start)
+                self.submit(Read(ref, offset + start, n, stream), on_result=read_into(out, start, n))
+            self.wait(raise_error=True)
 
     def close(self) -> None:
         with self._lock:

@@ -16,8 +16,9 @@ import os
 import select
 import socket
 import ssl
+import threading
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from .._errors import GpuBrokerError, Unavailable, error_from_wire
 from .._frames import (
@@ -30,8 +31,9 @@ from .._frames import (
     send_payload,
     unpack_frame,
 )
+from .._protocol import BufRef, Read, Write
 from .._tls import TlsOptions
-from ._core import ENVELOPE, BatchingTransport, Lost
+from ._core import ENVELOPE, BatchingTransport, Lost, read_into
 
 __all__ = ["HELLO_REPLY_MAX", "VMADDR_CID_HOST", "Connector", "FramedLink", "peer_hung_up",
            "tcp_connector", "unix_connector", "vsock_connector"]
@@ -41,6 +43,7 @@ HELLO_REPLY_MAX: Final = 64 * 1024
 VMADDR_CID_HOST: Final = 2  # a VM guest reaches its host at this vsock CID
 _RDHUP = getattr(select, "POLLRDHUP", 0x2000)  # the peer shut its end (Linux)
 _JOIN_MAX = 64 * 1024
+_RECORD = 16 * 1024  # a TLS record's most plaintext
 
 # A connected socket within ``timeout`` seconds (OSError if not).
 Connector = Callable[[float | None], socket.socket]
@@ -167,6 +170,13 @@ class _Frames:
         self._buf += chunk
 
 
+# A copy this large over TCP is striped over several links of the session: one TLS connection is one core's
+# encryption here and one relay thread's decryption in the front, fewer bytes a second than a device takes.
+STRIPE_MIN: Final = 8 << 20
+# Links a striped copy uses, its own included (the worker serves at most 8 per session).
+TCP_STRIPES: Final = 4
+
+
 class FramedLink(BatchingTransport):
     """Batches on a framed stream socket to the session's worker; opened (hello answered) on construction.
 
@@ -182,10 +192,86 @@ class FramedLink(BatchingTransport):
         self._hello: dict[str, Any] = {"token": token, "session": session, "link": 1}
         self._sock: socket.socket | None = None
         self._frames: _Frames | None = None
+        self.stripes = TCP_STRIPES if kind == "tcp" else 1
+        self._more: list[FramedLink] = []  # the session's further links for striped copies, opened at the first
         with self._lock:
             self._open()
             self._open_now = True
 
+    # -- striped copies -------------------------------------------------------------------------------
+    def copy_in(self, ref: BufRef, offset: int, data: memoryview, stream: str, chunk: int) -> None:
+        if self.stripes <= 1 or data.nbytes < STRIPE_MIN:
+            return super().copy_in(ref, offset, data, stream, chunk)
+
+        def write(link: FramedLink, start: int, size: int) -> None:
+            link.submit(Write(ref, offset + start, cast("bytes", data[start:start + size]), stream))
+
+        self._striped(data.nbytes, chunk, write)
+        return None
+
+    def copy_out(self, ref: BufRef, offset: int, out: memoryview, stream: str, chunk: int) -> None:
+        if self.stripes <= 1 or out.nbytes < STRIPE_MIN:
+            return super().copy_out(ref, offset, out, stream, chunk)
+
+        def read(link: FramedLink, start: int, size: int) -> None:
+            link.submit(Read(ref, offset + start, size, stream), on_result=read_into(out, start, size))
+
+        self._striped(out.nbytes, chunk, read)
+        return None
+
+    def _striped(self, size: int, chunk: int, send: Callable[[FramedLink, int, int], None]) -> None:
+        """The copy's chunks dealt round-robin over this link and the session's others, each link's share sent
+        by a thread of its own and pipelined within that link's window; in program order with the commands
+        around it: those queued before it are acknowledged first, and it returns once every chunk is."""
+        with self._lock:
+            self.wait(raise_error=False)  # (an earlier command's error stays kept: raised at the end, as unstriped)
+            links = [self, *self._stripe_links()]
+            errors: list[GpuBrokerError | None] = [None] * len(links)
+
+            def share(k: int) -> None:
+                link = links[k]
+                try:
+                    for start in range(k * chunk, size, len(links) * chunk):
+                        send(link, start, min(chunk, size - start))
+                    link.wait(raise_error=True)
+                except GpuBrokerError as exc:
+                    errors[k] = exc
+                    link.wait(raise_error=False)  # (nothing of this copy left unacknowledged on the link)
+
+            threads = [threading.Thread(target=share, args=(k,), name="gpubroker-stripe", daemon=True)
+                       for k in range(1, len(links))]
+            for thread in threads:
+                thread.start()
+            try:
+                share(0)
+            finally:
+                for thread in threads:
+                    thread.join()
+            failed = next((e for e in errors if e is not None), None)
+            if failed is not None:
+                raise failed
+            self._raise_kept()
+
+    def _stripe_links(self) -> list[FramedLink]:
+        """The session's further links (opened once; one that cannot be opened now is done without)."""
+        while len(self._more) < self.stripes - 1:
+            try:
+                link = FramedLink(self._connect, self._hello["token"], self._hello["session"], kind=self.kind,
+                                  timeout=self.timeout, window=self.window, batch_size=self.batch_size)
+            except GpuBrokerError:
+                break
+            link.stripes = 1
+            self._more.append(link)
+        return self._more
+
+    def close(self) -> None:
+        with self._lock:
+            more, self._more = self._more, []
+        for link in more:
+            link.close()
+        super().close()
+
+    # -- the connection -------------------------------------------------------------------------------
     def _open(self) -> None:
         self._sock, max_frame = self._handshake()
         self._frames = _Frames(self._sock, max_frame)
@@ -225,8 +311,13 @@ class FramedLink(BatchingTransport):
         assert sock is not None
         try:
             if isinstance(sock, ssl.SSLSocket) and len(payload) > _JOIN_MAX:  # TLS has no sendmsg
-                sock.sendall(FRAME_HEADER.pack(len(payload)))
-                sock.sendall(payload)
+                # The header with the first record's worth of the payload (one copy of 16 KiB, not of the
+                # payload), then the rest: whole records while the frame streams, and a short one at its end
+                # (which the front's relay takes as the frame's end, server/_links.py).
+                head = _RECORD - FRAME_HEADER.size
+                view = memoryview(payload)
+                sock.sendall(FRAME_HEADER.pack(len(payload)) + view[:head])
+                sock.sendall(view[head:])
             else:
                 send_payload(sock, payload)
         except OSError as exc:  # (a timeout too: part of a frame may have gone, so the stream is out of step)

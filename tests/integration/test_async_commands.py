@@ -14,8 +14,8 @@ from gpubroker.client import InvalidArgument, NotFound, RemoteGpu, ResourceExhau
 from ..conftest import TRANSPORTS, OpenGpu
 
 
-# Batches straight to the worker on the same-host link, relayed by the front on the TCP link, inside gRPC's
-# Commands stream.
+# Batches straight to the worker through the same-host ring and on the same-host link, relayed by the front on
+# the TCP link, inside gRPC's Commands stream.
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def gpu(open_gpu: OpenGpu, request: pytest.FixtureRequest) -> Iterator[RemoteGpu]:
     with open_gpu("carol", request.param, async_commands=True) as g:
