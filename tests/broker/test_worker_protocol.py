@@ -16,10 +16,16 @@ import msgpack
 import numpy as np
 import pytest
 
+from gpubroker.broker.backends import open_backend
 from gpubroker.broker.sandbox import WorkerSandbox
 from gpubroker.broker.workers import WorkerClient
+from gpubroker.broker.workers._executor import Executor
+from gpubroker.broker.workers._handles import HandleTables
+from gpubroker.broker.workers._segments import SegmentTable
 from gpubroker.client import InvalidArgument, NotFound
 from gpubroker.client._protocol import (
+    COMMANDS,
+    LINK_COMMANDS,
     Ack,
     Allocate,
     Batch,
@@ -383,3 +389,13 @@ def test_a_link_that_ends_while_its_batches_wait_still_gets_their_acks_in_order(
     worker.run(worker.client.send_control("revoke"))
     wait_for(lambda: worker.control[-1] == "released", 10, "the turn revoked")
     assert worker.call("usage")["sessions"][session] == 64  # the batches ran
+
+
+def test_every_command_has_one_handler_and_links_take_only_link_commands() -> None:
+    backend = open_backend("opencl", 0)
+    try:
+        executor = Executor(backend, HandleTables(), SegmentTable(backend))
+        assert set(executor.handlers) == set(COMMANDS)
+        assert set(executor.link_handlers) == set(LINK_COMMANDS)
+    finally:
+        backend.close()
