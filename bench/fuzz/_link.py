@@ -6,10 +6,10 @@ hypothesis-built commands (valid ones, and ones naming foreign, unknown or reuse
 that only the front may run), malformed msgpack, wrong types, frames over the announced maximum and frames cut
 short. The promises checked: the hello is refused unless it is right; every whole frame is answered, in order,
 by one Ack for its batch (``done`` and the error's sequence number consistent, the error's status documented, a
-Read's result exactly its size), or the link closes (only after the client stopped sending or sent a frame that
-cannot be run); a malformed frame gets an Ack with id 0 and INVALID_ARGUMENT, then the link is closed; the link
-is closed (never left hanging) when the client stops; and after every case a fresh link on the same session
-still works and frees what the case left, so the session's memory comes back to nothing.
+Read's result exactly its size, the bytes it returns those the case wrote); a malformed frame then gets an Ack
+with id 0 and INVALID_ARGUMENT, and the link is closed; the link is closed (never left hanging) when the client
+stops; and after every case a fresh link on the same session still works and frees what the case left, so the
+session's memory comes back to nothing.
 """
 
 from __future__ import annotations
@@ -431,25 +431,13 @@ class LinkFuzzer:
             if half:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_WR)
-            # Every whole frame is answered, in order, unless the link ends first: after the client stops sending
-            # (a half-close) or at a frame that cannot be run (malformed, oversized), whose refusal (an Ack with id
-            # 0) may overtake batches still waiting for the device's turn, which then never run.
-            may_end = half or last != "batch"
-            ended = False
+            # Every whole frame is answered, in order, also when the link then ends (a half-close, a frame that
+            # cannot be run, a half frame): batches waiting for the device's turn still get their acks first.
             for f in frames:
-                if f.batch is None:
-                    continue
-                reply = reader.frame()
-                if reply is None and may_end:
-                    ended = True
-                    break
-                ack = self._decode_ack(reply, where, f"batch {f.batch.id}")
-                if ack.id == 0 and last in ("malformed", "huge"):
-                    self._check_refusal(ack, where, last)
-                    ended = True
-                    break
-                self._check_ack(ack, f.batch, where, live)
-            if not ended and last in ("malformed", "huge"):
+                if f.batch is not None:
+                    self._check_ack(self._decode_ack(reader.frame(), where, f"batch {f.batch.id}"), f.batch, where,
+                                    live)
+            if last in ("malformed", "huge"):
                 reply = reader.frame()
                 if reply is not None:
                     self._check_refusal(self._decode_ack(reply, where, f"a {last} frame"), where, last)
