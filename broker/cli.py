@@ -332,8 +332,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--backend", choices=["auto", "cuda", "opencl"])
     m.set_defaults(fn=_cmd_demo)
 
-    b = sub.add_parser("bench", help="benchmarks printing JSON: `remote` (remote vs in-process: launch round trip, "
-                       "copy bandwidth), `fairness` (shares, Jain's index, light-tenant latency) or `multi` "
+    b = sub.add_parser("bench", help="benchmarks printing JSON: `remote` (gpubroker on every transport against "
+                       "plain CuPy or pyopencl in one process: launch round trip, launch rate, copy bandwidth), "
+                       "`fairness` (shares, Jain's index, light-tenant latency) or `multi` "
                        "(several devices: sessions on each, peer copies, fairness per device); `fuzz` (random and "
                        "hostile requests, --cases N), `soak` (session cycles: leaks of memory, fds, segments) and "
                        "`cold-start` (a tenant's first session, worker start included, sandboxed and not)")
