@@ -113,6 +113,9 @@ def _doorbell(fd: int) -> socket.socket:
         if peer not in ("", b"") or bell.getsockname() not in ("", b""):
             # A named peer is some listener's, not the client's own end: the worker would ring a stranger.
             raise InvalidArgument("a ring's doorbell must be a socketpair's end (no names)")
+        # No timeout: Python then makes each call once, MSG_DONTWAIT and all; with one it would first wait for
+        # the socket to be ready (a default timeout, socket.setdefaulttimeout, would give it one).
+        bell.settimeout(None)
     except BaseException:
         bell.close()
         raise

@@ -271,6 +271,7 @@ class RingTransport(FramedLink):
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, RING_SEALS)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             self._bell, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._bell.settimeout(None)  # each call made once (no wait for readiness first, as a timeout has)
         except OSError as exc:  # (nothing sent yet: the link is untouched)
             os.close(fd)
             raise _Declined(Unavailable(f"no memory for a ring: {exc}")) from None
