@@ -12,7 +12,7 @@ lease (``want``), runs link batches while it holds one, and hands it back when t
 tenant's turn, or the scheduler's periodic accounting). While others wait, each batch is one turn.
 
 On the same host the client may upgrade its link, in the link's first frame, to a shared-memory ring
-(``_ring.py``): the same batches and acks, through memory, with eventfd doorbells. A ring's batches are taken
+(``_ring.py``): the same batches and acks, through memory, with socket doorbells. A ring's batches are taken
 only while the worker holds the turn (else they stay in the ring, which bounds them, and the worker asks for the
 turn); after answering one the worker polls the ring briefly for the next, only while it holds an uncontended
 turn, so a spin never delays another tenant and never runs a batch without the turn.
@@ -35,7 +35,7 @@ from gpubroker.client._protocol import Ack, Batch, CommandError, decode_batch, e
 
 from ._executor import Executor
 from ._frames import FrameClosed, FrameTooLarge, recv_payload, send_frame, send_payload, unpack_frame
-from ._ring import Doorbell, RingBroken, WorkerRing, open_ring, recv_payload_fds
+from ._ring import RingBroken, WorkerRing, open_ring, recv_payload_fds
 
 __all__ = ["CONTROL", "DEFAULT_MAX_FRAME", "MAX_LINKS_PER_SESSION", "Links"]
 
@@ -99,10 +99,10 @@ class Links:
         self.links[sock.fileno()] = _Link(sock, session)
         self.version += 1
 
-    def readers(self) -> dict[int, socket.socket | Doorbell]:
+    def readers(self) -> dict[int, socket.socket]:
         """The links to read frames from (not those whose end came while batches of theirs still wait), and the
         doorbells of their rings."""
-        readers: dict[int, socket.socket | Doorbell] = {
+        readers: dict[int, socket.socket] = {
             fd: link.sock for fd, link in self.links.items() if not link.ended}
         for fd, link in self._rings.items():
             assert link.ring is not None
@@ -121,7 +121,7 @@ class Links:
             self.version += 1
             self._resuming.pop(fd, None)
             if link.ring is not None:
-                self._rings.pop(link.ring.bell.fd, None)
+                self._rings.pop(link.ring.bell.fileno(), None)
                 link.ring.close()
                 link.ring = None
             link.sock.close()
@@ -162,7 +162,11 @@ class Links:
         ring_link = self._rings.get(fd)
         if ring_link is not None:
             assert ring_link.ring is not None
-            ring_link.ring.drain()  # then look: a batch published after this rings again
+            try:
+                ring_link.ring.drain()  # then look: a batch published after this rings again
+            except RingBroken as exc:
+                self._end_ring(ring_link, f"broken ring: {exc}")
+                return
             self._pump(ring_link)
             return
         link = self.links.get(fd)
@@ -220,7 +224,7 @@ class Links:
             reply = [0, 1, InvalidArgument(f"the ring could not be mapped: {exc}").to_wire()]
         else:
             link.ring = ring
-            self._rings[ring.bell.fd] = link
+            self._rings[ring.bell.fileno()] = link
             self.version += 1
             reply = [0, 0, {"ring": 1}]
         try:

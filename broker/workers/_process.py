@@ -22,7 +22,6 @@ from gpubroker.client import GpuBrokerError, Internal
 from ._frames import FrameClosed, recv_frame, send_frame
 from ._links import CONTROL
 from ._main import EXIT_FATAL, WorkerServer
-from ._ring import Doorbell
 
 __all__ = ["main", "serve"]
 
@@ -60,7 +59,7 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
     front_poll = select.poll()
     front_poll.register(sock, select.POLLIN)
     links.front_waiting = lambda: bool(front_poll.poll(0))
-    front, watched, version = sock.fileno(), dict[int, socket.socket | Doorbell](), -1
+    front, watched, version = sock.fileno(), dict[int, socket.socket](), -1
     while True:
         if version != links.version:  # links came, went or ended: keep the selector in step
             readers = links.readers()
