@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -60,8 +60,13 @@ def parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int = COPY_THREADS)
         np.copyto(dst, src)
         return
     step = ((n + parts - 1) // parts + _PAGE - 1) // _PAGE * _PAGE  # n / parts, rounded up to whole pages
-    pool = _executor()
-    futures = [pool.submit(np.copyto, dst[a:a + step], src[a:a + step]) for a in range(step, n, step)]
+    futures: list[Future[None]] = []
+    try:
+        pool = _executor()
+        for a in range(step, n, step):
+            futures.append(pool.submit(np.copyto, dst[a:a + step], src[a:a + step]))
+    except RuntimeError:  # (the interpreter is shutting down: no new threads) this thread copies the rest
+        np.copyto(dst[step * (len(futures) + 1):], src[step * (len(futures) + 1):])
     try:
         np.copyto(dst[:step], src[:step])  # this thread copies the first part meanwhile
     finally:
