@@ -46,10 +46,12 @@ log = logging.getLogger("gpubroker.client")
 # Requests and replies are a few hundred bytes; anything much larger is a bug or a hostile peer.
 MAX_FRAME = 64 * 1024
 # The per-session bounce buffer for host memory that is not a host_array, in slots that pipeline a copy. The
-# client's memcpy sets the pace (a DMA is several times faster): the worker need only stay one slot ahead, and
-# each slot costs a round trip and a stream sync (tens of microseconds), so slots are large; but a copy waits for
-# one slot's DMA before its first copy-out (to the host) or after its last fill (to the device), so not larger.
-# 32 MiB: 0.6 ms of DMA at 55 GB/s against ~1.5 ms of memcpy per slot. Four: the transport's window.
+# client's memcpy sets the pace (a DMA is several times faster), so the worker need only stay a slot ahead; each
+# piece costs the client a round trip and a thread hand-off (~50 us), so slots are large: at 32 MiB that is ~4% of
+# the piece's memcpy (~1.3 ms at 25 GB/s). The wait for one DMA at a copy's start (to the host) or end (to the
+# device) does not grow with the slot: the pieces ramp up (or down) there (staged_pieces). Larger slots would
+# cost pinned memory (the segment is page-locked on CUDA: 128 MiB per session) for ~2%. Four: the transport's
+# window, so submitting a slot's piece never waits for more than that slot's acknowledgement.
 STAGING_SLOTS = 4
 STAGING_BYTES = STAGING_SLOTS * 32 * 1024 * 1024
 # memfds and their seals are Linux's; elsewhere shared memory is off and copies go as Write and Read commands.
