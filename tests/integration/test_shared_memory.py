@@ -29,7 +29,7 @@ from gpubroker.client import (
     connect,
 )
 from gpubroker.client._protocol import CopyShared, Read, Write
-from gpubroker.client._shm import STAGING_BYTES, STAGING_SLOTS, SideChannel, create_segment_fd
+from gpubroker.client._shm import STAGING_BYTES, STAGING_SLOTS, SideChannel, create_segment_fd, staged_pieces
 
 from ..conftest import worker_pids
 from ..helpers import wait_for
@@ -125,11 +125,15 @@ def test_staging_path_for_plain_arrays_larger_than_the_staging_segment(broker: B
         g.copy_d2h(buf, out)
         np.testing.assert_array_equal(out, data)
         slot = STAGING_BYTES // STAGING_SLOTS
-        expected = [(i * slot, slot) for i in range(STAGING_SLOTS)] + [(0, 12345)]  # the slots in turn, then again
-        assert pieces == [(*p, True) for p in expected] + [(*p, False) for p in expected]
+        # The slots in turn, then again from the first: each piece a slot's size or less, the ramp of smaller
+        # pieces at the end of a copy to the device and at the start of one to the host.
+        expected = [((i % STAGING_SLOTS) * slot, n, to_device) for to_device in (True, False)
+                    for i, n in enumerate(staged_pieces(size, slot, to_device))]
+        assert pieces == expected
+        assert [n for _, n, d in pieces if d] == [slot // 8 + 12345, slot, slot, slot, slot // 2, slot // 4, slot // 8]
         with pytest.raises(OutOfRange):  # refused before any piece moves
             g.copy_h2d(data, buf, offset=1)
-        assert len(pieces) == 2 * len(expected)
+        assert len(pieces) == len(expected)
 
 
 def test_falls_back_to_streams_without_a_side_channel(broker: BrokerProcess) -> None:
