@@ -16,13 +16,11 @@ import errno
 import fcntl
 import mmap
 import os
-import socket
 import stat
 import time
 from typing import Any, Final
 
 from gpubroker.client import InvalidArgument, Unavailable
-from gpubroker.client._frames import FRAME_HEADER
 from gpubroker.client._transports._ring import (
     ACK_HEAD,
     ACK_TAIL,
@@ -37,16 +35,14 @@ from gpubroker.client._transports._ring import (
     ring_caps,
 )
 
-from ._frames import FrameClosed, FrameTooLarge
-
-__all__ = ["Doorbell", "RingBroken", "WorkerRing", "open_ring", "recv_payload_fds"]
+__all__ = ["RING_FDS", "Doorbell", "RingBroken", "WorkerRing", "open_ring"]
 
 # After answering a batch the worker polls the ring for the next before going back to its select, as long as
 # the client asked (``spin_us``: 0 where its host has no spare CPU), at most MAX_SPIN_US: a synchronous client's
 # next command is usually a few microseconds behind its ack. Short, so the front's messages (a revoked turn)
 # and other links wait at most this long.
 _SPIN_POLLS: Final = 16
-_RING_FDS: Final = 3  # the memfd, the commands' doorbell, the acks' doorbell
+RING_FDS: Final = 3  # the memfd, the commands' doorbell, the acks' doorbell (on a link's first frame)
 
 
 class Doorbell:
@@ -57,40 +53,6 @@ class Doorbell:
 
     def fileno(self) -> int:
         return self.fd
-
-
-def recv_payload_fds(sock: socket.socket, limit: int) -> tuple[bytearray, list[int]]:
-    """One frame's payload and any fds attached to its first byte (the ring upgrade's); FrameTooLarge past
-    ``limit`` (the fds closed)."""
-    fds: list[int] = []
-    header = bytearray()
-    while len(header) < FRAME_HEADER.size:
-        data, ancdata, _, _ = sock.recvmsg(FRAME_HEADER.size - len(header),
-                                           socket.CMSG_SPACE(_RING_FDS * 4) if not header else 0)
-        if not data:
-            _close_all(fds)
-            raise FrameClosed("peer closed the connection")
-        header += data
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                usable = len(payload) - len(payload) % 4
-                fds.extend(memoryview(payload)[:usable].cast("i"))
-    (length,) = FRAME_HEADER.unpack(header)
-    if length > limit:
-        _close_all(fds)
-        raise FrameTooLarge(length, limit)
-    body = bytearray(length)
-    view, got = memoryview(body), 0
-    try:
-        while got < length:
-            k = sock.recv_into(view[got:], length - got)
-            if k == 0:
-                raise FrameClosed("peer closed the connection")
-            got += k
-    except BaseException:
-        _close_all(fds)
-        raise
-    return body, fds
 
 
 def _close_all(fds: list[int]) -> None:
@@ -157,8 +119,8 @@ def open_ring(request: Any, fds: list[int], max_frame: int) -> WorkerRing:
     """Map the ring a client offers (``{"ring": 1, "commands": n, "acks": m, "spin_us": s}`` with a sealed memfd and two
     eventfds); InvalidArgument naming what is wrong. Takes the fds: closed here on failure, by the ring after."""
     try:
-        if len(fds) != _RING_FDS:
-            raise InvalidArgument(f"a ring upgrade carries {_RING_FDS} fds (memfd, two eventfds), got {len(fds)}")
+        if len(fds) != RING_FDS:
+            raise InvalidArgument(f"a ring upgrade carries {RING_FDS} fds (memfd, two eventfds), got {len(fds)}")
         if not isinstance(request, dict) or request.get("ring") != 1:
             raise InvalidArgument("a frame with fds attached must be a ring upgrade {'ring': 1, ...}")
         low, high = max_frame + 4, ring_caps(MAX_RING_WINDOW, max_frame)
