@@ -308,12 +308,13 @@ class Links:
                 else:
                     n = sock.recv_into(view)
             except (BlockingIOError, InterruptedError):
+                if link.reading:  # half a frame: the rest has the link timeout (from its first byte) to come
+                    self._timed[link.fd] = link
                 return None
             if n == 0:
                 raise FrameClosed("peer closed the connection")
-            if body is None and not link.got:  # a new frame: from now on its rest has the link timeout to come
+            if body is None and not link.got:
                 link.started = time.monotonic()
-                self._timed[link.fd] = link
             link.got += n
             if n < len(view):
                 continue  # (most likely all there is for now: the next read says so)
