@@ -12,7 +12,7 @@ lease (``want``), runs link batches while it holds one, and hands it back when t
 tenant's turn, or the scheduler's periodic accounting). While others wait, each batch is one turn.
 
 On the same host the client may upgrade its link, in the link's first frame, to a shared-memory ring
-(``_ring.py``): the same batches and acks, through memory, with eventfd doorbells. A ring's batches are taken
+(``_ring.py``): the same batches and acks, through memory, with socket doorbells. A ring's batches are taken
 only while the worker holds the turn (else they stay in the ring, which bounds them, and the worker asks for the
 turn); after answering one the worker polls the ring briefly for the next, only while it holds an uncontended
 turn, so a spin never delays another tenant and never runs a batch without the turn.
@@ -47,7 +47,7 @@ from gpubroker.client._protocol import Ack, Batch, CommandError, decode_batch, e
 
 from ._executor import Executor
 from ._frames import FrameClosed, FrameTooLarge, unpack_frame
-from ._ring import RING_FDS, Doorbell, RingBroken, WorkerRing, open_ring
+from ._ring import MAX_FDS, RingBroken, WorkerRing, open_ring
 
 __all__ = ["CONTROL", "DEFAULT_MAX_FRAME", "MAX_LINKS_PER_SESSION", "Links"]
 
@@ -145,10 +145,10 @@ class Links:
             self._timed.pop(link.fd, None)
             raise OSError("the client closed its link before the hello's answer")
 
-    def watch(self) -> dict[int, tuple[socket.socket | Doorbell, int]]:
+    def watch(self) -> dict[int, tuple[socket.socket, int]]:
         """What the serve loop's selector watches: the links to read frames from (not those whose end came) or
         whose outbox waits for room, with the selector's events, and the doorbells of their rings."""
-        watch: dict[int, tuple[socket.socket | Doorbell, int]] = {}
+        watch: dict[int, tuple[socket.socket, int]] = {}
         for fd, link in self.links.items():
             events = (0 if link.ended else selectors.EVENT_READ) | (selectors.EVENT_WRITE if link.writing else 0)
             if events:
@@ -201,7 +201,7 @@ class Links:
             _close_fds(link.fds)
             link.outbox.clear()
             if link.ring is not None:
-                self._rings.pop(link.ring.bell.fd, None)
+                self._rings.pop(link.ring.bell.fileno(), None)
                 link.ring.close()
                 link.ring = None
             link.sock.close()
@@ -242,7 +242,11 @@ class Links:
         ring_link = self._rings.get(fd)
         if ring_link is not None:
             assert ring_link.ring is not None
-            ring_link.ring.drain()  # then look: a batch published after this rings again
+            try:
+                ring_link.ring.drain()  # then look: a batch published after this rings again
+            except RingBroken as exc:
+                self._end_ring(ring_link, f"broken ring: {exc}")
+                return
             self._pump(ring_link)
             return
         link = self.links.get(fd)
@@ -301,7 +305,7 @@ class Links:
             view = memoryview(link.head if body is None else body)[link.got:]
             try:
                 if link.fresh and body is None and not link.got:
-                    n, ancdata, _, _ = sock.recvmsg_into([view], socket.CMSG_SPACE(RING_FDS * 4))
+                    n, ancdata, _, _ = sock.recvmsg_into([view], socket.CMSG_SPACE(MAX_FDS * 4))
                     for level, kind, data in ancdata:
                         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                             link.fds.extend(memoryview(data)[:len(data) - len(data) % 4].cast("i"))
@@ -404,7 +408,7 @@ class Links:
             reply = [0, 1, InvalidArgument(f"the ring could not be mapped: {exc}").to_wire()]
         else:
             link.ring = ring
-            self._rings[ring.bell.fd] = link
+            self._rings[ring.bell.fileno()] = link
             self.version += 1
             reply = [0, 0, {"ring": 1}]
         if not self._send(link, msgpack.packb(reply)):

@@ -22,7 +22,6 @@ from gpubroker.client import GpuBrokerError, Internal
 from ._frames import FrameClosed, recv_frame, send_frame
 from ._links import CONTROL
 from ._main import EXIT_FATAL, WorkerServer
-from ._ring import Doorbell
 
 __all__ = ["main", "serve"]
 
@@ -61,7 +60,7 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
     front_poll.register(sock, select.POLLIN)
     links.front_waiting = lambda: bool(front_poll.poll(0))
     front, version = sock.fileno(), -1
-    watched: dict[int, tuple[socket.socket | Doorbell, int]] = {}
+    watched: dict[int, tuple[socket.socket, int]] = {}
     while True:
         if version != links.version:  # links came, went, ended or wait for room: keep the selector in step
             wanted = links.watch()

@@ -1,9 +1,10 @@
-"""RingTransport: same-host batches through shared memory, with an eventfd doorbell each way.
+"""RingTransport: same-host batches through shared memory, with a socket doorbell each way.
 
 A Unix link (``FramedLink``) is upgraded once its hello is answered: the client creates a sealed memfd holding
-two single-producer/single-consumer byte rings (batches client -> worker, acks worker -> client) and two
-eventfds (doorbells), and sends them over the link in one frame, ``{"ring": 1, "commands": n, "acks": m,
-"spin_us": s}`` with the three fds attached (SCM_RIGHTS); the worker maps them (``broker/workers/_ring.py``)
+two single-producer/single-consumer byte rings (batches client -> worker, acks worker -> client) and a
+connected ``SOCK_SEQPACKET`` socketpair (the doorbells: a one-byte record each way), and sends the memfd and the
+worker's end of the pair over the link in one frame, ``{"ring": 1, "commands": n, "acks": m, "spin_us": s}``
+with the two fds attached (SCM_RIGHTS); the worker maps them (``broker/workers/_ring.py``)
 and answers on the link ``[0, 0, {"ring": 1}]``, or ``[0, 1, error]`` and the link stays a plain link. From then
 on each batch is one record in the command ring and each ack one record in the ack ring, in order; the link
 socket stays open and says when the other side is gone (its close ends the ring).
@@ -12,8 +13,13 @@ Each side spins briefly for the other's answer (``spin_us`` of polls of the ring
 CPUs to spare) before blocking on its doorbell: a launch + sync then costs no wake-up across processes. The
 client spins only for the last batch it sent (a call, a sync): waiting for room in the window it blocks at once,
 since the worker has a window of batches to run first. A doorbell is always rung after a record is published,
-so a side that stopped spinning is never missed; a side that was spinning finds the counter set and drains it
-before it next blocks.
+so a side that stopped spinning is never missed; a side that was spinning finds a record waiting on its socket
+and drains it before it next blocks.
+
+Doorbells are sockets, not eventfds, because the client shares the worker's end's open file description (it
+created it) and may change its flags (O_NONBLOCK) or fill its queues at any time: with a socket each call says
+``MSG_DONTWAIT`` for itself, so no doorbell operation ever blocks, whatever the file's flags. A ring that finds
+no room to ring drops the wake-up: a full queue means the other side has one pending already.
 
 Layout (little-endian, all indices byte counts that only grow; a record is a 4-byte length then its bytes,
 wrapping around the ring's end): the first page holds four u64 indices, each on its own cache line (command
@@ -29,6 +35,7 @@ supported by this transport.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -44,8 +51,8 @@ from ._core import Lost
 from ._link import HELLO_REPLY_MAX, Connector, FramedLink
 
 __all__ = ["ACK_HEAD", "ACK_TAIL", "CMD_HEAD", "CMD_TAIL", "MAX_SPIN_US", "RING_DATA", "RING_SEALS",
-           "RING_SUPPORTED", "SPIN_ENV", "ByteRing", "RingBroken", "RingTransport", "drain_bell", "ring_caps",
-           "spin_us"]
+           "RING_SUPPORTED", "SPIN_ENV", "ByteRing", "RingBroken", "RingTransport", "drain_bell", "ring_bell",
+           "ring_caps", "spin_us"]
 
 # Where each index lives, in u64 words of the first page (a cache line apart: no false sharing between sides).
 CMD_HEAD: Final = 0
@@ -54,8 +61,8 @@ ACK_HEAD: Final = 16
 ACK_TAIL: Final = 24
 RING_DATA: Final = 4096  # the command ring starts after the index page
 # The worker refuses a memfd that could shrink under its mapping (touching it would SIGBUS).
-RING_SUPPORTED: Final = (hasattr(os, "memfd_create") and hasattr(os, "eventfd") and hasattr(os, "RWF_NOWAIT")
-                         and hasattr(socket, "send_fds") and hasattr(fcntl, "F_SEAL_SHRINK"))
+RING_SUPPORTED: Final = (hasattr(os, "memfd_create") and hasattr(socket, "send_fds") and hasattr(fcntl, "F_SEAL_SHRINK")
+                         and hasattr(socket, "SOCK_SEQPACKET") and hasattr(socket, "MSG_NOSIGNAL"))
 RING_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if RING_SUPPORTED else 0
 # A ring holds a window of the largest records: an ack never waits for room, and a batch only when the window
 # is full (the core reads an ack first). Windows above this are cut to it for the ring.
@@ -102,16 +109,37 @@ def ring_caps(window: int, max_frame: int) -> int:
     return -(-need // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
-_DRAINED = [bytearray(8)]  # where a doorbell's count goes (never read)
+# The most wake-ups one drain takes: a flood of them (a hostile client's) then only makes the next poll return at
+# once, instead of keeping the drain going for as long as the flood lasts.
+_DRAIN_MAX: Final = 64
+_RING: Final = b"\x01"
 
 
-def drain_bell(fd: int) -> None:
-    """Reset a doorbell without ever blocking, whatever the fd's O_NONBLOCK flag (which the other side, sharing
-    the file description, could change): RWF_NOWAIT is per call."""
+def ring_bell(bell: socket.socket) -> None:
+    """Wake the other side, never blocking: MSG_DONTWAIT is per call, so the file's O_NONBLOCK (which the other
+    side, sharing the file description, may clear) does not matter. No room (EAGAIN, ENOBUFS) means wake-ups
+    are queued already: this one is dropped. OSError when the other end is gone or shut."""
     try:
-        os.preadv(fd, _DRAINED, -1, os.RWF_NOWAIT)
+        bell.send(_RING, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
     except BlockingIOError:
         pass
+    except OSError as exc:
+        if exc.errno != errno.ENOBUFS:
+            raise
+
+
+def drain_bell(bell: socket.socket) -> bool:
+    """Take the wake-ups waiting (at most _DRAIN_MAX), never blocking (MSG_DONTWAIT per call); False when the
+    other end is gone or shut (end of file, or an error): no wake-up will come any more."""
+    for _ in range(_DRAIN_MAX):
+        try:
+            if not bell.recv(16, socket.MSG_DONTWAIT):
+                return False
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+    return True
 
 
 class ByteRing:
@@ -196,10 +224,10 @@ class RingTransport(FramedLink):
         self._fallback = fallback
         self._mm: mmap.mmap | None = None
         self._words: memoryview | None = None
-        self._bells: tuple[int, int] | None = None  # (commands' doorbell, acks' doorbell)
+        self._bell: socket.socket | None = None  # this side's end of the doorbells' socketpair
         self._commands: ByteRing | None = None
         self._acks: ByteRing | None = None
-        self._poller: select.poll | None = None  # the acks' doorbell and the link socket
+        self._poller: select.poll | None = None  # the doorbell and the link socket
         self._ring_window = min(window, MAX_RING_WINDOW)
         self._spin = spin_us() * 1e-6
         super().__init__(connect, token, session, kind="ring", timeout=timeout, window=self._ring_window,
@@ -229,7 +257,7 @@ class RingTransport(FramedLink):
     def _upgrade(self) -> None:
         """Offer the worker a ring on the open link; _Declined when it answers no, Unavailable otherwise."""
         if not RING_SUPPORTED:
-            raise _Declined(Unavailable("shared-memory rings need Linux (memfd, eventfd, RWF_NOWAIT)"))
+            raise _Declined(Unavailable("shared-memory rings need Linux (memfd, sealing, SOCK_SEQPACKET)"))
         sock = self._sock
         assert sock is not None
         cap = ring_caps(self._ring_window, self.max_frame)
@@ -242,20 +270,21 @@ class RingTransport(FramedLink):
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, RING_SEALS)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            self._bells = (os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK),
-                           os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
+            self._bell, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._bell.settimeout(None)  # each call made once (no wait for readiness first, as a timeout has)
         except OSError as exc:  # (nothing sent yet: the link is untouched)
             os.close(fd)
             raise _Declined(Unavailable(f"no memory for a ring: {exc}")) from None
         try:
             frame = pack_frame({"ring": 1, "commands": cap, "acks": cap, "spin_us": spin_us()})
-            sent = socket.send_fds(sock, [frame], [fd, *self._bells])
+            sent = socket.send_fds(sock, [frame], [fd, theirs.fileno()])
             sock.sendall(frame[sent:])
             reply = unpack_frame(recv_payload(sock, HELLO_REPLY_MAX))
         except (OSError, EOFError, ValueError) as exc:
             raise Unavailable(f"the worker did not answer the ring upgrade: {exc}") from None
         finally:
-            os.close(fd)  # mapped, and the worker has its own: the fd itself is not needed any more
+            os.close(fd)  # mapped, and the worker has its own: the fds themselves are not needed any more
+            theirs.close()
         try:
             _, status, result = reply
             if status != 0:
@@ -271,7 +300,7 @@ class RingTransport(FramedLink):
         self._acks = ByteRing(self._mm, words, RING_DATA + cap, cap, ACK_HEAD * 8, ACK_TAIL * 8,
                               cap - _LEN.size)
         self._poller = select.poll()
-        self._poller.register(self._bells[1], select.POLLIN)
+        self._poller.register(self._bell, select.POLLIN)
         self._poller.register(sock, select.POLLIN | select.POLLRDHUP)
 
     def _unmap(self) -> None:
@@ -283,20 +312,19 @@ class RingTransport(FramedLink):
         if self._mm is not None:
             self._mm.close()
             self._mm = None
-        if self._bells is not None:
-            for bell in self._bells:
-                os.close(bell)
-            self._bells = None
+        if self._bell is not None:
+            self._bell.close()
+            self._bell = None
 
     def _send(self, payload: bytes) -> None:
         if self._commands is None:
             super()._send(payload)
             return
-        assert self._bells is not None
+        assert self._bell is not None
         try:
             if not self._commands.put(payload):  # the window bounds what is in flight: the worker stopped reading
                 raise Lost("the worker stopped taking batches from the ring")
-            os.eventfd_write(self._bells[0], 1)
+            ring_bell(self._bell)
         except RingBroken as exc:
             raise Lost(f"the command ring is broken: {exc}") from None
         except OSError as exc:
@@ -329,24 +357,21 @@ class RingTransport(FramedLink):
     def _block(self, acks: ByteRing, timeout: float | None) -> bytes:
         """Wait on the doorbell (and the link socket, whose hang-up says the worker is gone) for the next ack.
         The bell is drained after each wake-up and before the ring is looked at again: an ack published after
-        that look rings it anew, so none is missed (two system calls per wait)."""
-        assert self._bells is not None and self._sock is not None and self._poller is not None
-        bell, sock = self._bells[1], self._sock.fileno()
+        that look rings it anew, so none is missed."""
+        assert self._bell is not None and self._sock is not None and self._poller is not None
+        bell, sock = self._bell, self._sock.fileno()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1000
             events = self._poller.poll(left)
             if not events:
                 raise TimeoutError
-            if any(fd == sock for fd, _ in events):
-                payload = acks.get()  # (an ack written just before the worker closed the link)
-                if payload is not None:
-                    return payload
-                raise Lost("the worker closed the link")
-            drain_bell(bell)
-            payload = acks.get()
+            gone = any(fd == sock for fd, _ in events) or not drain_bell(bell)
+            payload = acks.get()  # (after a hang-up too: an ack written just before the worker closed the link)
             if payload is not None:
                 return payload
+            if gone:
+                raise Lost("the worker closed the link")
 
     def _shut(self) -> None:
         self._unmap()
