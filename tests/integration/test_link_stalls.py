@@ -21,13 +21,13 @@ import pytest
 from gpubroker.broker.launcher import BrokerProcess
 from gpubroker.broker.workers._links import DEFAULT_MAX_FRAME
 from gpubroker.client import RemoteGpu, connect
-from gpubroker.client._frames import recv_payload, send_frame
-from gpubroker.client._protocol import Batch, Read, Synchronize, encode
+from gpubroker.client._frames import recv_payload, send_frame, send_payload
+from gpubroker.client._protocol import Batch, Read, Synchronize, decode_ack, encode
 
 from ..helpers import wait_for
 
 # The worker's link timeout is 10 s (broker/workers/_links.py): every answer here must come well before it.
-PROMPT = 3.0
+PROMPT = 4.0
 LINK_TIMEOUT = 10.0
 _HEADER = struct.Struct("!I")
 
@@ -112,9 +112,10 @@ def test_a_client_that_never_reads_its_acks_holds_no_one(
 
     sender = threading.Thread(target=send_flood, daemon=True)
     sender.start()
-    # A trickle: a few acks more than the sockets buffer, never read: its outbox stays, and does not move.
+    # A trickle: acks far past what the socket buffers (yet within the outbox's bound), never read: its outbox
+    # stays, and does not move.
     trickle = _raw_link(broker, token, one.session)
-    trickle.sendall(frame * 64)
+    trickle.sendall(frame * 200)
     _prompt([one, two, bob], "while two links do not read their acks")
     wait_for(lambda: _closed_by_peer(flood), LINK_TIMEOUT, "the flooding link to be dropped")
     sender.join(LINK_TIMEOUT)
@@ -124,3 +125,24 @@ def test_a_client_that_never_reads_its_acks_holds_no_one(
     for sock in (flood, trickle):
         sock.close()
     _prompt([one, two, bob], "after")
+
+
+def test_acks_a_slow_reader_has_not_taken_wait_in_order(
+        broker: BrokerProcess, clients: tuple[RemoteGpu, RemoteGpu, RemoteGpu]) -> None:
+    """Acks past what the socket buffers wait in the link's outbox and go out in order once the client reads."""
+    one, two, bob = clients
+    chunk, count = 64 * 1024, 100  # 6 MiB of acks: far more than a socket buffers
+    buf = one.allocate_memory(chunk)
+    one.memset(buf, 0x5A)
+    one.synchronize()
+    sock = _raw_link(broker, broker.tokens["alice"], one.session)
+    for k in range(1, count + 1):
+        send_payload(sock, encode(Batch(k, k, [Read((buf.handle, 0), 0, chunk)])))
+    _prompt([one, two, bob], "while a link's acks wait for its client")
+    for k in range(1, count + 1):
+        ack = decode_ack(recv_payload(sock, DEFAULT_MAX_FRAME))
+        assert (ack.id, ack.done, ack.error) == (k, 1, None)
+        assert ack.result == b"\x5a" * chunk
+    send_payload(sock, encode(Batch(count + 1, count + 1, [Synchronize()])))
+    assert decode_ack(recv_payload(sock, DEFAULT_MAX_FRAME)).id == count + 1  # the link lived through it
+    sock.close()
