@@ -16,26 +16,38 @@ On the same host the client may upgrade its link, in the link's first frame, to 
 only while the worker holds the turn (else they stay in the ring, which bounds them, and the worker asks for the
 turn); after answering one the worker polls the ring briefly for the next, only while it holds an uncontended
 turn, so a spin never delays another tenant and never runs a batch without the turn.
+
+Nothing a client does (or fails to do) on its link may hold the worker, whose loop serves every session of the
+tenant on the device and may hold the tenant's turn, for which other tenants wait: every link's socket is
+non-blocking. A frame is read as it arrives into the link's own buffer (bounded by the link's max frame, checked
+on the header before its payload is allocated) and runs only once whole; an ack the socket does not take at once
+waits in the link's outbox, in order, and goes out when the socket is writable. A link whose frame stays half
+sent, or whose outbox does not move, for the link timeout is dropped (the serve loop's select wakes up for that
+deadline), as is one whose outbox outgrows its bound (the client does not read its acks).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import selectors
 import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import msgspec
 
 from gpubroker.client import GpuBrokerError, InvalidArgument, ResourceExhausted
+from gpubroker.client._frames import FRAME_HEADER
 from gpubroker.client._protocol import Ack, Batch, CommandError, decode_batch, encode
 
 from ._executor import Executor
-from ._frames import FrameClosed, FrameTooLarge, recv_payload, send_frame, send_payload, unpack_frame
-from ._ring import RingBroken, WorkerRing, open_ring, recv_payload_fds
+from ._frames import FrameClosed, FrameTooLarge, unpack_frame
+from ._ring import MAX_FDS, RingBroken, WorkerRing, open_ring
 
 __all__ = ["CONTROL", "DEFAULT_MAX_FRAME", "MAX_LINKS_PER_SESSION", "Links"]
 
@@ -43,8 +55,14 @@ log = logging.getLogger("gpubroker.worker")
 
 # The request id of lease messages between the front and the worker (replies to requests have ids >= 1).
 CONTROL = -1
-# A client that stops reading its acks, or sends half a frame, loses its link after this long.
+# A client that leaves a frame half sent, or stops taking its acks, loses its link after this long: a deadline the
+# serve loop keeps (no read or write ever waits), so meanwhile the worker serves everything else.
 _LINK_TIMEOUT = 10.0
+# Acks a link's socket has not taken yet wait in its outbox, up to this many of the largest frames (a client's
+# window of Reads fits many times over): past it the client is not reading its acks and loses its link.
+_OUTBOX_FRAMES = 16
+# Buffers handed to one sendmsg when an outbox drains.
+_SEND_BUFFERS = 64
 # Each link is served in order, one batch at a time; past this many, new links stay with the front.
 MAX_LINKS_PER_SESSION = 8
 # How long the worker runs one ring's batches (and spins for more) before it looks at the front and its other
@@ -55,14 +73,37 @@ _RING_SLICE = 500e-6
 DEFAULT_MAX_FRAME = 1024 * 1024 + 64 * 1024
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Link:
     sock: socket.socket
     session: str
+    fd: int  # the socket's number, kept (a closed socket has none): the link's key
     waiting: int = 0  # its batches queued for the lease: acks go out in order, so its end waits for them
     ended: bool = False  # no more frames will be read (the client closed, or a malformed frame): drop once answered
+    closing: bool = False  # nothing more to answer: dropped once its outbox is out
     fresh: bool = True  # no frame read yet: the first may be a ring upgrade (with fds attached)
     ring: WorkerRing | None = None
+    # The frame being read: ``got`` bytes of its header, then (``body`` allocated from the header) of its payload.
+    head: bytearray = field(default_factory=lambda: bytearray(FRAME_HEADER.size))
+    body: bytearray | None = None
+    got: int = 0
+    started: float = 0.0  # when its first byte came (monotonic)
+    fds: list[int] = field(default_factory=list)  # fds that came with the first frame's first bytes (a ring's)
+    # Frames (header and payload apart) the socket has not taken yet, in order, and their bytes.
+    outbox: deque[memoryview] = field(default_factory=deque)
+    queued: int = 0
+    writing: bool = False  # the selector watches it for room (its outbox is not empty)
+    progress: float = 0.0  # when the socket last took bytes of a waiting outbox (monotonic)
+
+    @property
+    def reading(self) -> bool:
+        """A frame is half read."""
+        return self.got > 0 or self.body is not None
+
+    def deadline(self) -> float | None:
+        """When this link is dropped if nothing moves (a frame half sent, an outbox not drained), or None."""
+        times = [t for t, pending in ((self.started, self.reading), (self.progress, self.writing)) if pending]
+        return min(times) + _LINK_TIMEOUT if times else None
 
 
 def _refusal(message: str) -> bytes:
@@ -80,6 +121,7 @@ class Links:
         self.links: dict[int, _Link] = {}
         self._rings: dict[int, _Link] = {}  # by the fd of the ring's commands doorbell
         self._resuming: dict[int, _Link] = {}  # rings to pump again after the serve loop's next look around
+        self._timed: dict[int, _Link] = {}  # links that may have a deadline (a half frame, an outbox waiting)
         # Whether the front has written something not yet read (the serve loop sets it: a zero-timeout poll).
         self.front_waiting: Callable[[], bool] = lambda: False
         self.version = 0  # bumped whenever a link comes or goes, so the serve loop re-reads the set
@@ -94,20 +136,55 @@ class Links:
         """Serve ``sock`` for ``session``: answer the client's hello, then take its batches."""
         if sum(1 for link in self.links.values() if link.session == session) >= MAX_LINKS_PER_SESSION:
             raise ResourceExhausted(f"this session already has {MAX_LINKS_PER_SESSION} links, the limit")
-        sock.settimeout(_LINK_TIMEOUT)
-        send_frame(sock, [0, 0, {"link": 1, "max_frame": self.max_frame}])
-        self.links[sock.fileno()] = _Link(sock, session)
+        sock.setblocking(False)
+        link = _Link(sock, session, sock.fileno())
+        self.links[link.fd] = link
         self.version += 1
+        if not self._send(link, msgpack.packb([0, 0, {"link": 1, "max_frame": self.max_frame}])):
+            self.links.pop(link.fd, None)
+            self._timed.pop(link.fd, None)
+            raise OSError("the client closed its link before the hello's answer")
 
-    def readers(self) -> dict[int, socket.socket]:
-        """The links to read frames from (not those whose end came while batches of theirs still wait), and the
-        doorbells of their rings."""
-        readers: dict[int, socket.socket] = {
-            fd: link.sock for fd, link in self.links.items() if not link.ended}
+    def watch(self) -> dict[int, tuple[socket.socket, int]]:
+        """What the serve loop's selector watches: the links to read frames from (not those whose end came) or
+        whose outbox waits for room, with the selector's events, and the doorbells of their rings."""
+        watch: dict[int, tuple[socket.socket, int]] = {}
+        for fd, link in self.links.items():
+            events = (0 if link.ended else selectors.EVENT_READ) | (selectors.EVENT_WRITE if link.writing else 0)
+            if events:
+                watch[fd] = (link.sock, events)
         for fd, link in self._rings.items():
             assert link.ring is not None
-            readers[fd] = link.ring.bell
-        return readers
+            watch[fd] = (link.ring.bell, selectors.EVENT_READ)
+        return watch
+
+    # -- deadlines ---------------------------------------------------------------------------------
+    def timeout(self) -> float | None:
+        """Seconds until the earliest link deadline (the serve loop's select waits no longer), or None."""
+        if not self._timed:
+            return None
+        deadlines = []
+        for fd, link in list(self._timed.items()):
+            deadline = link.deadline()
+            if deadline is None:
+                del self._timed[fd]
+            else:
+                deadlines.append(deadline)
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def expire(self) -> None:
+        """Drop the links whose half frame or waiting outbox did not move for the link timeout."""
+        if not self._timed:
+            return
+        now = time.monotonic()
+        for fd, link in list(self._timed.items()):
+            deadline = link.deadline()
+            if deadline is None:
+                del self._timed[fd]
+            elif deadline <= now:
+                log.info("dropping a link of session %s: %s for %.0f s", link.session,
+                         "a frame half sent" if link.reading else "its acks not read", _LINK_TIMEOUT)
+                self._drop(fd)
 
     def close_session(self, session: str) -> None:
         for fd, link in list(self.links.items()):
@@ -120,6 +197,9 @@ class Links:
         if link is not None:
             self.version += 1
             self._resuming.pop(fd, None)
+            self._timed.pop(fd, None)
+            _close_fds(link.fds)
+            link.outbox.clear()
             if link.ring is not None:
                 self._rings.pop(link.ring.bell.fileno(), None)
                 link.ring.close()
@@ -177,16 +257,17 @@ class Links:
             return
         item: Batch | str
         try:
+            payload = self._receive(link)
+            if payload is None:
+                return  # the rest of the frame is still on its way
             if link.fresh:
                 link.fresh = False
-                payload, fds = recv_payload_fds(link.sock, self.max_frame)
+                fds, link.fds = link.fds, []
                 if fds:
                     self._upgrade(link, payload, fds)
                     return
-            else:
-                payload = recv_payload(link.sock, self.max_frame)
             item = decode_batch(payload)
-        except (FrameClosed, OSError):  # the client's end (or a half frame past the timeout): nothing to answer
+        except (FrameClosed, OSError):  # the client's end (a half frame with it): nothing to answer
             self._end(fd, link)
             return
         except FrameTooLarge as exc:
@@ -199,7 +280,7 @@ class Links:
                 self._end(fd, link)
             else:
                 self._serve(link, item)
-                self._drop(fd)
+                self._finish(link)
             return
         if not self.holding or self._waiting:
             self._queue(link, item)
@@ -207,6 +288,109 @@ class Links:
         self._serve(link, item)
         if self.contended:
             self._release()  # others wait: each batch is one turn, as it would be through the front
+
+    def writable(self, fd: int) -> None:
+        """A link's socket has room for its waiting outbox."""
+        link = self.links.get(fd)
+        if link is not None and not self._flush(link):
+            self._drop(fd)
+
+    def _receive(self, link: _Link) -> bytearray | None:
+        """Read what the link's socket holds of its next frame, never waiting for more: the payload once whole,
+        else None. FrameClosed at the client's end, FrameTooLarge (before the payload is read) past the max frame.
+        The first frame's first bytes may carry fds (a ring upgrade's): kept on the link."""
+        sock = link.sock
+        while True:
+            body = link.body
+            view = memoryview(link.head if body is None else body)[link.got:]
+            try:
+                if link.fresh and body is None and not link.got:
+                    n, ancdata, _, _ = sock.recvmsg_into([view], socket.CMSG_SPACE(MAX_FDS * 4))
+                    for level, kind, data in ancdata:
+                        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                            link.fds.extend(memoryview(data)[:len(data) - len(data) % 4].cast("i"))
+                else:
+                    n = sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                if link.reading:  # half a frame: the rest has the link timeout (from its first byte) to come
+                    self._timed[link.fd] = link
+                return None
+            if n == 0:
+                raise FrameClosed("peer closed the connection")
+            if body is None and not link.got:
+                link.started = time.monotonic()
+            link.got += n
+            if n < len(view):
+                continue  # (most likely all there is for now: the next read says so)
+            if body is None:
+                (length,) = FRAME_HEADER.unpack(link.head)
+                link.got = 0
+                if length > self.max_frame:
+                    raise FrameTooLarge(length, self.max_frame)
+                link.body = bytearray(length)
+                if length:
+                    continue
+            payload, link.body, link.got = link.body, None, 0
+            assert payload is not None
+            return payload
+
+    def _send(self, link: _Link, payload: bytes) -> bool:
+        """Queue one frame on the link's outbox and send what its socket takes now; False when the link must be
+        dropped (its socket failed, or its outbox outgrew its bound: the client does not read its acks)."""
+        was_empty = not link.outbox
+        link.outbox.append(memoryview(FRAME_HEADER.pack(len(payload))))
+        link.outbox.append(memoryview(payload))
+        link.queued += FRAME_HEADER.size + len(payload)
+        if was_empty and not self._flush(link):
+            return False
+        if link.queued > _OUTBOX_FRAMES * self.max_frame:
+            log.info("dropping a link of session %s: %d bytes of acks not read", link.session, link.queued)
+            return False
+        return True
+
+    def _flush(self, link: _Link) -> bool:
+        """Send what the link's socket takes of its outbox; False when the socket failed. Keeps the selector's
+        interest in room (and the link's deadline) in step; a closing link is dropped once its outbox is out."""
+        outbox = link.outbox
+        while outbox:
+            buffers = [outbox[k] for k in range(min(len(outbox), _SEND_BUFFERS))]
+            try:
+                sent = link.sock.sendmsg(buffers)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                return False
+            link.queued -= sent
+            if link.writing:
+                link.progress = time.monotonic()
+            while sent:
+                head = outbox[0]
+                if sent >= len(head):
+                    sent -= len(head)
+                    outbox.popleft()
+                else:
+                    outbox[0] = head[sent:]
+                    sent = 0
+        if outbox and not link.writing:
+            link.writing, link.progress = True, time.monotonic()
+            self._timed[link.fd] = link
+            self.version += 1
+        elif not outbox and link.writing:
+            link.writing = False
+            self.version += 1
+        if not outbox and link.closing:
+            self._drop(link.fd)
+        return True
+
+    def _finish(self, link: _Link) -> None:
+        """Nothing more to answer on this link: close it once its outbox is out."""
+        if self.links.get(link.fd) is not link:
+            return
+        if link.outbox:
+            link.closing, link.ended = True, True
+            self.version += 1
+        else:
+            self._drop(link.fd)
 
     # -- rings -------------------------------------------------------------------------------------
     def _upgrade(self, link: _Link, payload: bytearray, fds: list[int]) -> None:
@@ -227,10 +411,8 @@ class Links:
             self._rings[ring.bell.fileno()] = link
             self.version += 1
             reply = [0, 0, {"ring": 1}]
-        try:
-            send_frame(link.sock, reply)
-        except OSError:
-            self._drop(link.sock.fileno())
+        if not self._send(link, msgpack.packb(reply)):
+            self._drop(link.fd)
 
     @property
     def resuming(self) -> bool:
@@ -249,7 +431,7 @@ class Links:
     def _pump(self, link: _Link) -> None:
         """Run the ring's batches while this worker holds the turn; once one is answered, poll briefly for the
         next (an uncontended turn only). Without the turn they stay in the ring: ask for it."""
-        ring, fd = link.ring, link.sock.fileno()
+        ring, fd = link.ring, link.fd
         assert ring is not None
         served = False
         end = time.perf_counter() + _RING_SLICE
@@ -301,7 +483,7 @@ class Links:
             link.ring.answer(_refusal(message[:1024]))
         except RingBroken:
             pass
-        self._drop(link.sock.fileno())
+        self._drop(link.fd)
 
     def _queue(self, link: _Link, item: Batch | str) -> None:
         link.waiting += 1
@@ -310,15 +492,16 @@ class Links:
 
     def _end(self, fd: int, link: _Link) -> None:
         """No more frames from this link: drop it now, or once the batches it sent before are answered."""
+        link.body, link.got = None, 0  # (a half frame ends here: nothing more comes)
         if link.waiting:
             link.ended = True
             self.version += 1
         else:
-            self._drop(fd)
+            self._finish(link)
 
     def _serve(self, link: _Link, item: Batch | str) -> None:
         """Answer one batch (run it) or refusal (Ack id 0); drop the link after its last answer or a failed send."""
-        fd = link.sock.fileno()
+        fd = link.fd
         if self.links.get(fd) is not link:
             return  # dropped while its batch waited
         if type(item) is str:
@@ -326,10 +509,13 @@ class Links:
         else:
             assert isinstance(item, Batch)
             payload = encode(self._executor.run(link.session, item, link=True))
-        try:
-            send_payload(link.sock, payload)
-        except OSError:
+        if not self._send(link, payload):
             self._drop(fd)
             return
         if link.ended and not link.waiting:
-            self._drop(fd)
+            self._finish(link)
+
+
+def _close_fds(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())

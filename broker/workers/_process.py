@@ -59,32 +59,42 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
     front_poll = select.poll()
     front_poll.register(sock, select.POLLIN)
     links.front_waiting = lambda: bool(front_poll.poll(0))
-    front, watched, version = sock.fileno(), dict[int, socket.socket](), -1
+    front, version = sock.fileno(), -1
+    watched: dict[int, tuple[socket.socket, int]] = {}
     while True:
-        if version != links.version:  # links came, went or ended: keep the selector in step
-            readers = links.readers()
-            for fd, link in list(watched.items()):
-                if readers.get(fd) is not link:  # (a closed link's or ring's number may be a new one's already)
+        if version != links.version:  # links came, went, ended or wait for room: keep the selector in step
+            wanted = links.watch()
+            for fd, entry in list(watched.items()):
+                want = wanted.get(fd)
+                if want is None or want[0] is not entry[0]:  # (a closed link's number may be a new one's already)
                     selector.unregister(fd)
                     del watched[fd]
-            for fd, link in readers.items():
+                elif want[1] != entry[1]:
+                    selector.modify(want[0], want[1])
+                    watched[fd] = want
+            for fd, want in wanted.items():
                 if fd not in watched:
-                    selector.register(link, selectors.EVENT_READ)
-                    watched[fd] = link
+                    selector.register(want[0], want[1])
+                    watched[fd] = want
             version = links.version
-        for key, _ in selector.select(0 if links.resuming else None):
+        # No read or write on a link ever waits: the select wakes up for the links' deadlines instead.
+        for key, events in selector.select(0 if links.resuming else links.timeout()):
             if key.fd == front:
                 code = _serve_front(sock, server)
                 if code == 0:
                     return 0
             else:
                 code = None
-                links.readable(key.fd)
+                if events & selectors.EVENT_WRITE:
+                    links.writable(key.fd)
+                if events & selectors.EVENT_READ:
+                    links.readable(key.fd)
             if code is not None or server.fatal:
                 log.error("fatal device error; exiting so the tenant gets a fresh context")
                 return EXIT_FATAL
             if version != links.version:
                 break  # the selector's other events may name a link that is gone
+        links.expire()
         if links.resuming:  # rings cut off by their time slice, after everything else had its look
             links.resume()
             if server.fatal:

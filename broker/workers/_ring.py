@@ -23,7 +23,6 @@ import time
 from typing import Any, Final
 
 from gpubroker.client import InvalidArgument
-from gpubroker.client._frames import FRAME_HEADER
 from gpubroker.client._transports._ring import (
     ACK_HEAD,
     ACK_TAIL,
@@ -39,9 +38,7 @@ from gpubroker.client._transports._ring import (
     ring_caps,
 )
 
-from ._frames import FrameClosed, FrameTooLarge
-
-__all__ = ["RingBroken", "WorkerRing", "open_ring", "recv_payload_fds"]
+__all__ = ["MAX_FDS", "RingBroken", "WorkerRing", "open_ring"]
 
 # After answering a batch the worker polls the ring for the next before going back to its select, as long as
 # the client asked (``spin_us``: 0 where its host has no spare CPU), at most MAX_SPIN_US: a synchronous client's
@@ -49,43 +46,9 @@ __all__ = ["RingBroken", "WorkerRing", "open_ring", "recv_payload_fds"]
 # and other links wait at most this long.
 _SPIN_POLLS: Final = 16
 _RING_FDS: Final = 2  # the memfd, the worker's end of the doorbells' socketpair
-# Room for one fd more than a ring takes, so that an offer of too many is seen as such (the kernel closes those
-# past the room it finds, silently) and refused.
-_MAX_FDS: Final = _RING_FDS + 1
-
-
-def recv_payload_fds(sock: socket.socket, limit: int) -> tuple[bytearray, list[int]]:
-    """One frame's payload and any fds attached to its first byte (the ring upgrade's); FrameTooLarge past
-    ``limit`` (the fds closed)."""
-    fds: list[int] = []
-    header = bytearray()
-    while len(header) < FRAME_HEADER.size:
-        data, ancdata, _, _ = sock.recvmsg(FRAME_HEADER.size - len(header),
-                                           socket.CMSG_SPACE(_MAX_FDS * 4) if not header else 0)
-        if not data:
-            _close_all(fds)
-            raise FrameClosed("peer closed the connection")
-        header += data
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                usable = len(payload) - len(payload) % 4
-                fds.extend(memoryview(payload)[:usable].cast("i"))
-    (length,) = FRAME_HEADER.unpack(header)
-    if length > limit:
-        _close_all(fds)
-        raise FrameTooLarge(length, limit)
-    body = bytearray(length)
-    view, got = memoryview(body), 0
-    try:
-        while got < length:
-            k = sock.recv_into(view[got:], length - got)
-            if k == 0:
-                raise FrameClosed("peer closed the connection")
-            got += k
-    except BaseException:
-        _close_all(fds)
-        raise
-    return body, fds
+# The room a link's first frame is read with (_links.py): one fd more than a ring takes, so that an offer of too
+# many is seen as such (the kernel closes those past the room it finds, silently) and refused.
+MAX_FDS: Final = _RING_FDS + 1
 
 
 def _close_all(fds: list[int]) -> None:
