@@ -549,6 +549,7 @@ def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int) -> None:
     up, down = _Flow(tcp, worker), _Flow(worker, tcp)
     poller = select.poll()
     poller.register(stop_fd, _IN)
+    registered: dict[int, int] = {}
     shut = False
     while True:
         up.pump()
@@ -566,11 +567,13 @@ def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int) -> None:
             if flow.start < flow.end:
                 wants[flow.dst.fileno()] |= flow.dst_waits
         for fd, events in wants.items():
+            if events == registered.get(fd, 0):
+                continue
+            registered[fd] = events
             if events:
                 poller.register(fd, events)  # (again: modifies)
             else:  # not even for a hang-up, which poll would report at once, again and again
-                with contextlib.suppress(KeyError):
-                    poller.unregister(fd)
+                poller.unregister(fd)
         holding = [flow for flow in (up, down) if flow.holding]
         ready = dict(poller.poll(_LINGER_MS if holding else None))
         if stop_fd in ready:
