@@ -501,6 +501,7 @@ class _Flow:
         while True:
             progress = False
             if not self.eof and not self.src_waits and self.end < _RELAY_PIECE:
+                room = _RELAY_PIECE - self.end
                 try:
                     n = self.src.recv_into(self.buf[self.end:])
                 except (ssl.SSLWantReadError, BlockingIOError):
@@ -514,6 +515,11 @@ class _Flow:
                         self.end += n
                         self._full = n == _RECORD
                         progress = True
+                        tls = self.src if isinstance(self.src, ssl.SSLSocket) else None
+                        if n < room and not self._full and not (tls is not None and tls.pending()):
+                            # Most likely all there was (a small batch, an ack): wait for poll rather than
+                            # fail a read. (OpenSSL reads a record at a time, so none hides in its buffer.)
+                            self.src_waits = _IN
                     else:
                         self.eof = True
             if self.start < self.end and not self.dst_waits and not self.broken and not self.holding:
