@@ -34,6 +34,7 @@ def test_a_large_copy_is_striped_in_program_order(tls_broker: tuple[BrokerProces
     with connect(broker.tcp_target, token=broker.tokens["alice"], tls=tls, async_commands=True) as gpu:
         link = gpu.transport
         assert isinstance(link, FramedLink) and link.kind == "tcp"
+        link.stripes = TCP_STRIPES  # (what a host of 8 cores or more takes; this one may have fewer)
         buf = gpu.allocate_memory(size + 4096)
         gpu.memset(buf, 7)  # queued: must have run before the copy's chunks land
         gpu.copy_h2d(data, buf, offset=4096)
@@ -50,6 +51,8 @@ def test_a_striped_copy_raises_its_error_and_the_link_goes_on(tls_broker: tuple[
     broker, tls = tls_broker
     size = STRIPE_MIN
     with connect(broker.tcp_target, token=broker.tokens["alice"], tls=tls, async_commands=True) as gpu:
+        assert isinstance(gpu.transport, FramedLink)
+        gpu.transport.stripes = TCP_STRIPES
         gone = gpu.allocate_memory(size)
         gpu.free_memory(gone)  # queued: the copy's chunks come after it
         with pytest.raises(NotFound, match="buf"):
