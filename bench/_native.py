@@ -184,7 +184,7 @@ class NativeOpenCL:
         self.empty = program.empty_kernel
         self.spin = program.spin
         self.x = cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, SPIN_BLOCK * 4)
-        cl.enqueue_fill_buffer(self.queue, self.x, np.float32(0), 0, SPIN_BLOCK * 4)
+        cl.enqueue_fill_buffer(self.queue, self.x, np.zeros(1, dtype=np.float32), 0, SPIN_BLOCK * 4)
         self.word = np.empty(1, dtype=np.float32)
         self._launch_empty()
         self._launch_spin(1)

@@ -34,8 +34,8 @@ _N = 1 << 16  # floats per cycle's buffer
 
 def _cycle(target: str, token: str, backend: str, i: int, x: np.ndarray) -> None:
     """One session's life, over the transport this cycle's number picks."""
-    options = {"shared_memory": i % 2 == 0, "async_commands": i % 3 == 0,
-               "transport": "grpc" if i % 5 == 2 else "auto" if i % 4 == 1 else "link"}
+    options: dict[str, Any] = {"shared_memory": i % 2 == 0, "async_commands": i % 3 == 0,
+                               "transport": "grpc" if i % 5 == 2 else "auto" if i % 4 == 1 else "link"}
     with connect(target, token=token, **options) as gpu:
         buf = gpu.allocate_memory(x.nbytes)
         if options["shared_memory"] and i % 4 == 0:

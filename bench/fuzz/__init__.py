@@ -1,7 +1,9 @@
-"""Fuzzing the broker: its gRPC API (random and invalid fields, hostile sequences) and its raw local sockets.
+"""Fuzzing the broker: its gRPC API (random and invalid fields, hostile sequences), the framed link straight to a
+worker (raw Batch frames on the Unix socket and on TCP with TLS) and its other raw local sockets.
 
-``GrpcFuzzer`` and ``RawFuzzer`` run hypothesis-drawn cases against a running broker; tests/integration/test_fuzz.py
-runs a short mix in CI and ``gpubroker bench fuzz --cases N`` a long one (see ``main``).
+``GrpcFuzzer``, ``LinkFuzzer`` and ``RawFuzzer`` run hypothesis-drawn cases against a running broker
+(``start_fuzz_broker``); tests/integration/test_fuzz.py runs a short mix in CI and ``gpubroker bench fuzz --cases N``
+a long one (see ``main``).
 """
 
 from ._bench import FUZZ_SETTINGS, FUZZ_TENANTS, fuzz_limits, link_fuzzer, main, start_fuzz_broker

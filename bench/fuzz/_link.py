@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from gpubroker.client import _protocol as proto
 
-from ._model import ALLOWED_CODES
+from ._model import ALLOWED_CODES, Buf
 from ._raw import junk
 from ._values import dtypes
 
@@ -110,6 +110,70 @@ class _Live:
     # What the case's commands allocated or created so far, whether that ran or not: what later ones name.
     named_bufs: set[str] = field(default_factory=set)
     named_streams: set[str] = field(default_factory=set)
+    # Each live buffer's bytes where they are known (written on the default stream, in order). A buffer that work
+    # on another stream wrote is racy (that stream is not ordered with the default one): never checked again.
+    shadow: dict[str, Buf] = field(default_factory=dict)
+    racy: set[str] = field(default_factory=set)
+    reads_checked: int = 0
+
+    def _span(self, ref: tuple[str, int], offset: int, n: int) -> tuple[Buf, int, int] | None:
+        buf = self.shadow.get(ref[0])
+        if buf is None:
+            return None
+        start = min(ref[1] + offset, buf.size)
+        return buf, start, max(0, min(n, buf.size - start))
+
+    def ran(self, command: proto.Command) -> None:
+        """The effect of a command that ran (the fuzz kernels have none)."""
+        if isinstance(command, proto.Allocate):
+            self.bufs[command.handle] = command.size
+            self.shadow[command.handle] = Buf(command.handle, command.size)  # (its bytes are unknown)
+            self.racy.discard(command.handle)
+        elif isinstance(command, proto.Free):
+            self.bufs.pop(command.handle, None)
+            self.shadow.pop(command.handle, None)
+        elif isinstance(command, proto.CreateStream):
+            self.streams.add(command.handle)
+        elif isinstance(command, proto.DestroyStream):
+            self.streams.discard(command.handle)
+        elif isinstance(command, proto.Memset | proto.Write | proto.CopyD2D):
+            dst = command.dst if isinstance(command, proto.CopyD2D) else command.buf
+            if command.stream:
+                self.racy.add(dst[0])
+                return
+            if isinstance(command, proto.Memset):
+                buf = self.shadow.get(dst[0])
+                n = (buf.size - dst[1] - command.offset) if buf and command.size == -1 else command.size
+                span = self._span(dst, command.offset, n)
+                if span:
+                    span[0].set(span[1], bytes([command.value]) * span[2])
+            elif isinstance(command, proto.Write):
+                span = self._span(dst, command.offset, len(command.data))
+                if span:
+                    span[0].set(span[1], command.data[:span[2]])
+            else:
+                span = self._span(dst, command.dst_offset, command.size)
+                src = self._span(command.src, command.src_offset, command.size)
+                if span and src and command.src[0] not in self.racy:
+                    sbuf, start, n = src[0], src[1], min(src[2], span[2])
+                    span[0].set(span[1], bytes(sbuf.data[start:start + n]), bytes(sbuf.known[start:start + n]))
+                elif span:
+                    self.racy.add(dst[0])
+
+    def failed(self, command: proto.Command) -> None:
+        """A command that failed may have written part of what it names: those bytes are unknown now."""
+        if isinstance(command, proto.Memset | proto.Write | proto.CopyD2D):
+            self.racy.add((command.dst if isinstance(command, proto.CopyD2D) else command.buf)[0])
+
+    def mismatch(self, read: proto.Read, got: bytes) -> int | None:
+        """Where a default-stream Read of a buffer whose bytes are known differs from them, if it does."""
+        if read.stream or read.buf[0] in self.racy:
+            return None
+        span = self._span(read.buf, read.offset, len(got))
+        if not span or span[2] != len(got):
+            return None
+        self.reads_checked += 1
+        return span[0].mismatch(span[1], got)
 
 
 @dataclass
@@ -133,6 +197,7 @@ class LinkFuzzer:
         self.cases = 0
         self.acks = 0
         self.closed = 0  # hostile hellos answered by a close rather than a refusal
+        self.reads_checked = 0  # reads whose bytes the case knew (besides each case's probe)
         self._next_id = 1
         self._seq = 0
 
@@ -195,7 +260,8 @@ class LinkFuzzer:
                                 [self._arg(draw, live) for _ in range(draw(st.integers(0, 5)))],
                                 draw(st.sampled_from([0, 0, 64, 1 << 20, 2**40])), self._stream(draw, live))
         if op == "write":
-            data = draw(st.one_of(st.binary(max_size=256), st.sampled_from([b"", b"\x00" * 4096, b"\xab" * 100_000])))
+            data = draw(st.one_of(st.binary(min_size=1, max_size=256), st.binary(max_size=256),
+                                  st.sampled_from([b"", b"\x00" * 4096, b"\xab" * 100_000])))
             return proto.Write(self._ref(draw, live), draw(st.sampled_from([0, 0, 1, 64, 4095, 2**40])), data,
                                self._stream(draw, live))
         if op == "read":
@@ -222,8 +288,34 @@ class LinkFuzzer:
             return proto.UnloadModule(proto.new_handle("module"))
         return proto.GetKernel(proto.new_handle("kernel"), proto.new_handle("module"), "k")
 
+    def _round_trip(self, draw: Draw, live: _Live) -> list[proto.Command]:
+        """Writes and memsets of one buffer (allocated first when new), then a read back of part of it."""
+        commands: list[proto.Command] = []
+        handle = draw(st.sampled_from([*sorted(live.named_bufs), "new"]))
+        if handle == "new":
+            handle = proto.new_handle("buf")
+            commands.append(proto.Allocate(handle, draw(st.sampled_from([64, 256, 4096]))))
+            live.named_bufs.add(handle)
+        for _ in range(draw(st.integers(1, 3))):
+            offset = draw(st.sampled_from([0, 1, 17, 63]))
+            if draw(st.booleans()):
+                commands.append(proto.Write((handle, 0), offset, draw(st.binary(min_size=1, max_size=200))))
+            else:
+                commands.append(proto.Memset((handle, 0), draw(st.integers(0, 255)),
+                                             draw(st.sampled_from([1, 7, 40, -1])), offset))
+        commands.append(proto.Read((handle, 0), draw(st.sampled_from([0, 0, 16])),
+                                   draw(st.sampled_from([1, 16, 48]))))
+        return commands
+
     def _batch(self, draw: Draw, live: _Live) -> proto.Batch:
-        commands = [self._command(draw, live) for _ in range(draw(st.integers(0, 6)))]
+        if draw(st.integers(0, 3)) == 0:
+            commands = self._round_trip(draw, live)
+        else:
+            commands = [self._command(draw, live) for _ in range(draw(st.integers(0, 6)))]
+        if live.named_bufs and draw(st.integers(0, 2)) == 0:  # end with a plausible read of a buffer it named
+            handle = draw(st.sampled_from(sorted(live.named_bufs)))
+            commands.append(proto.Read((handle, draw(st.sampled_from([0, 0, 128]))),
+                                       draw(st.sampled_from([0, 0, 1, 64])), draw(st.sampled_from([1, 16, 64, 1000]))))
         batch = proto.Batch(self._next_id, self._seq, commands)
         self._next_id += 1
         self._seq += len(commands)
@@ -288,6 +380,7 @@ class LinkFuzzer:
                 self._link(draw, target, where, live)
         finally:
             self.cases += 1
+        self.reads_checked += live.reads_checked
         self._clean_up_and_probe(target, where, live)
 
     def _garbage(self, draw: Draw, target: LinkTarget, where: str) -> None:
@@ -390,16 +483,11 @@ class LinkFuzzer:
         if ack.id != batch.id or not 0 <= ack.done <= n:
             raise AssertionError(f"{where}: batch {batch.id} of {n} commands got {ack!r}")
         for command in batch.commands[:ack.done]:  # these ran
-            if isinstance(command, proto.Allocate):
-                live.bufs[command.handle] = command.size
-            elif isinstance(command, proto.Free):
-                live.bufs.pop(command.handle, None)
-            elif isinstance(command, proto.CreateStream):
-                live.streams.add(command.handle)
-            elif isinstance(command, proto.DestroyStream):
-                live.streams.discard(command.handle)
+            live.ran(command)
         if ack.error is not None:
             error = ack.error
+            if ack.done < n:
+                live.failed(batch.commands[ack.done])
             if ack.done == n or not batch.first + ack.done <= error.seq < batch.first + n:
                 raise AssertionError(f"{where}: batch {batch.id} (first {batch.first}, {n} commands) got {ack!r}")
             if error.code not in ALLOWED_CODES:
@@ -414,8 +502,12 @@ class LinkFuzzer:
         if ran_foreign:
             raise AssertionError(f"{where}: freed another session's buffer: {ran_foreign!r}")
         last = batch.commands[-1] if batch.commands else None
-        if isinstance(last, proto.Read) and not (isinstance(ack.result, bytes) and len(ack.result) == last.size):
-            raise AssertionError(f"{where}: a Read of {last.size} bytes got {str(ack.result)[:200]}")
+        if isinstance(last, proto.Read):
+            if not (isinstance(ack.result, bytes) and len(ack.result) == last.size):
+                raise AssertionError(f"{where}: a Read of {last.size} bytes got {str(ack.result)[:200]}")
+            bad = live.mismatch(last, ack.result)
+            if bad is not None:
+                raise AssertionError(f"{where}: {last!r} read back a byte it did not write, at buffer offset {bad}")
         if isinstance(last, proto.DeviceInfoQuery) and not isinstance(ack.result, dict):
             raise AssertionError(f"{where}: a device query got {str(ack.result)[:200]}")
         self.observe(f"{where} batch", "OK", "")

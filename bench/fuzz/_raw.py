@@ -35,7 +35,7 @@ junk = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4
 
 
 def frame(obj: Any) -> bytes:
-    payload = msgpack.packb(obj, use_bin_type=True)
+    payload: bytes = msgpack.packb(obj, use_bin_type=True)
     return _HEADER.pack(len(payload)) + payload
 
 
@@ -148,7 +148,8 @@ class RawFuzzer:
         if len(set(registered)) != len(registered):
             raise AssertionError(f".shm: one segment handle registered twice: {registered}")
         if registered:  # give them back, so the session's accounting returns to nothing
-            release = [(frame({"token": self.token, "session": self.session, "release": seg}), [])
+            no_fds: list[int] = []
+            release = [(frame({"token": self.token, "session": self.session, "release": seg}), no_fds)
                        for seg in registered]
             for reply in unframe(self._exchange(self.path + ".shm", release)):
                 if reply != {"released": True}:

@@ -30,6 +30,7 @@ from gpubroker.client import (
     Module,
     ModuleFormat,
 )
+from gpubroker.client._host import check_device_range
 from gpubroker.client._protocol import (
     Ack,
     Allocate,
@@ -215,8 +216,10 @@ class Executor:
         self.backend.copy_h2d(cmd.data, objs.view(*cmd.buf), cmd.offset, objs.stream(cmd.stream))
 
     def _read(self, objs: SessionObjects, cmd: Read) -> bytearray:
+        view = objs.view(*cmd.buf)
+        check_device_range(view, cmd.offset, cmd.size, "copy_d2h")  # before the host buffer is made for it
         out = bytearray(cmd.size)  # encoded as bin as it is: no copy to bytes first
-        self.backend.copy_d2h(objs.view(*cmd.buf), out, cmd.offset, objs.stream(cmd.stream))
+        self.backend.copy_d2h(view, out, cmd.offset, objs.stream(cmd.stream))
         return out
 
     def _copy_shared(self, objs: SessionObjects, cmd: CopyShared) -> None:

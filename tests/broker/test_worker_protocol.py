@@ -16,10 +16,16 @@ import msgpack
 import numpy as np
 import pytest
 
+from gpubroker.broker.backends import open_backend
 from gpubroker.broker.sandbox import WorkerSandbox
 from gpubroker.broker.workers import WorkerClient
+from gpubroker.broker.workers._executor import Executor
+from gpubroker.broker.workers._handles import HandleTables
+from gpubroker.broker.workers._segments import SegmentTable
 from gpubroker.client import InvalidArgument, NotFound
 from gpubroker.client._protocol import (
+    COMMANDS,
+    LINK_COMMANDS,
     Ack,
     Allocate,
     Batch,
@@ -136,6 +142,8 @@ def test_the_first_failure_stops_the_batch_and_names_the_command(worker: Worker,
     assert worker.batch(session, Read((buf, 0), 0, 4)).error is None
     ack = worker.batch(session, Read((buf, 0), 0, 8 * N), first=7)
     assert (ack.error.seq, ack.error.command, ack.error.code) == (7, f"read of {8 * N} bytes", "OUT_OF_RANGE")
+    ack = worker.batch(session, Read((buf, 0), 0, 1 << 62))  # refused before any host memory is made for it
+    assert ack.error is not None and ack.error.code == "OUT_OF_RANGE" and "run past the end" in ack.error.message
 
 
 def test_unknown_foreign_and_duplicate_handles(worker: Worker, session: str) -> None:
@@ -381,3 +389,13 @@ def test_a_link_that_ends_while_its_batches_wait_still_gets_their_acks_in_order(
     worker.run(worker.client.send_control("revoke"))
     wait_for(lambda: worker.control[-1] == "released", 10, "the turn revoked")
     assert worker.call("usage")["sessions"][session] == 64  # the batches ran
+
+
+def test_every_command_has_one_handler_and_links_take_only_link_commands() -> None:
+    backend = open_backend("opencl", 0)
+    try:
+        executor = Executor(backend, HandleTables(), SegmentTable(backend))
+        assert set(executor.handlers) == set(COMMANDS)
+        assert set(executor.link_handlers) == set(LINK_COMMANDS)
+    finally:
+        backend.close()

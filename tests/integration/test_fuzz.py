@@ -89,6 +89,7 @@ def test_after_the_link_fuzz_the_session_holds_nothing_and_the_victims_are_intac
         fuzzer: GrpcFuzzer, link: tuple[LinkFuzzer, LinkVictims]) -> None:
     links, victims = link
     assert links.cases and links.acks  # (it ran above, in this module, and reached the worker)
+    assert links.reads_checked  # and read back bytes it knew
     fuzzer.check_raw_session(links.session)
     victims.check()  # another tenant's and another session's buffers, whose handles the cases named
 
