@@ -481,7 +481,7 @@ class _Flow:
         self.buf = memoryview(bytearray(_RELAY_PIECE))
         self.start = self.end = 0
         self.eof = False  # src ended (or failed)
-        self.broken = False  # dst failed: the relay is over
+        self.broken = False  # dst failed: what src sends from now on is dropped
         self.src_waits = 0  # the poll event src needs before the next read (0: try now)
         self.dst_waits = 0
         self._again = 0  # an SSL write that would block is repeated with the same length
@@ -532,6 +532,7 @@ class _Flow:
                     self.dst_waits, self._again = _IN, size
                 except OSError:
                     self.broken = True
+                    self.start = self.end = 0
                 else:
                     self._again = 0
                     self.flush = False
@@ -539,6 +540,11 @@ class _Flow:
                     if self.start == self.end:
                         self.start = self.end = 0
                     progress = True
+            if self.broken and self.end:
+                # dst takes no more: src's bytes are read and dropped, so that what goes the other way (the
+                # worker's last answer) is not cut short by a reset for unread bytes.
+                self.start = self.end = 0
+                progress = True
             if not progress:
                 return moved
             moved = True
@@ -560,8 +566,8 @@ def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int) -> None:
     while True:
         up.pump()
         down.pump()
-        if up.broken or down.broken or down.drained:
-            return  # (the worker ended the link, or a side failed: the client's connection closes)
+        if down.broken or down.drained:
+            return  # (the worker ended the link, or the client's side failed: the connection closes)
         if up.drained and not shut:
             shut = True
             with contextlib.suppress(OSError):
