@@ -219,6 +219,8 @@ class LinkServer:
                                                    f"addr:{_host(address)}")
             ours: socket.socket | None
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            for end in (ours, theirs):  # a copy's chunk or more in flight each way: fewer wake-ups per byte
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PAIR_BUFFER)
             try:
                 if await self._hand_over(session, principal, theirs.fileno(), send):
                     worker_end, ours = ours, None
@@ -463,6 +465,8 @@ _VERDICT_WAIT = 120.0
 # client's frames in the front at a time (the rest waits in the sockets).
 _RELAY_PIECE = 512 * 1024
 _IN, _OUT = select.POLLIN, select.POLLOUT
+# What each end of a TCP link's socketpair may have on its way to the other (the kernel caps it at wmem_max).
+_PAIR_BUFFER = 2 << 20
 # A TLS record's most plaintext. A client streaming a large frame sends full records, and its frame's last
 # record is short: while full ones come, the relay gathers up to _GATHER bytes before it writes them to the
 # worker, so neither it nor the worker wakes for every 16 KiB; a short record (a small batch, a frame's end) goes
