@@ -201,9 +201,9 @@ def _native_run(native: Native, s: _Setup) -> dict[str, Any]:
 
 @contextmanager
 def _session(s: _Setup, target: str, kind: str, **kwargs: Any) -> Iterator[tuple[RemoteGpu, _Kernels]]:
-    """A session whose commands take the transport ``kind`` ("unix", "tcp" or "grpc"), or an error: a benchmark
-    that fell back to another transport would report the wrong one's figures."""
-    transport = "grpc" if kind == "grpc" else "link"
+    """A session whose commands take the transport ``kind`` ("ring", "unix", "tcp" or "grpc"), or an error: a
+    benchmark that fell back to another transport would report the wrong one's figures."""
+    transport = kind if kind in ("grpc", "ring") else "link"
     with connect(target, token=s.broker.tokens["bench"], device=0, transport=transport, **kwargs) as gpu:
         if gpu.transport.kind != kind:
             raise AssertionError(f"asked for a {kind} transport, got {gpu.transport.kind}")
@@ -225,13 +225,13 @@ def _link_figures(s: _Setup, target: str, kind: str, **kwargs: Any) -> dict[str,
 def _remote_run(s: _Setup) -> dict[str, Any]:
     p, target = s.plan, s.broker.target
     remote: dict[str, Any] = {}
-    with _session(s, target, "unix") as (gpu, k):  # synchronous: every call is its own round trip
+    with _session(s, target, "ring") as (gpu, k):  # synchronous: every call is its own round trip
         remote["launch_sync_p50_us"] = _launch_sync(gpu, k, p.launches)
         remote["copies_host_array"] = {_size_key(n): _copies(gpu, n, p.copy_repeats, host_array=True)
                                        for n in p.copy_sizes}
         remote["copies_numpy"] = {_size_key(n): _copies(gpu, n, p.copy_repeats, host_array=False)
                                   for n in p.copy_sizes}
-    with _session(s, target, "unix", async_commands=True) as (gpu, k):
+    with _session(s, target, "ring", async_commands=True) as (gpu, k):
         # With asynchronous commands a launch + sync is one round trip: the sync rides with the launch.
         remote["launch_sync_async_p50_us"] = _launch_sync(gpu, k, p.launches)
         wall, cpu = _async_launches(gpu, k, p.async_launches)
@@ -385,7 +385,8 @@ def measure(backend: str, quick: bool, runs: int, device: int = 0,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "host": host, "source": _commit(),
         "native": native.kind,
         "transports": {
-            "same_host": "the framed link on <socket>.fast, straight to the worker, with shared memory",
+            "same_host": "the link on <socket>.fast upgraded to a shared-memory ring, straight to the worker, with "
+                         "shared memory for copies",
             "grpc": "gRPC on the broker's Unix socket (reference: other languages, grpcurl)",
             "tcp_tls": "the framed link over loopback TCP with TLS (link_listen; the front terminates TLS)",
             "vsock_standin": "a Unix socket standing in for vsock: the framed link without shared memory",

@@ -253,8 +253,14 @@ encode = _encoder.encode  # Batch or Ack -> bytes: the one encoding
 
 def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
     """A batch from the wire; msgspec.ValidationError / DecodeError (both msgspec.DecodeError) if malformed."""
-    return _batch_decoder.decode(data)
+    try:
+        return _batch_decoder.decode(data)
+    except UnicodeDecodeError as exc:  # msgspec lets a str that is not UTF-8 through as this, not a DecodeError
+        raise msgspec.DecodeError(f"malformed string: {exc}") from None
 
 
 def decode_ack(data: bytes | bytearray | memoryview) -> Ack:
-    return _ack_decoder.decode(data)
+    try:
+        return _ack_decoder.decode(data)
+    except UnicodeDecodeError as exc:
+        raise msgspec.DecodeError(f"malformed string: {exc}") from None

@@ -62,7 +62,8 @@ class RemoteGpu:
     Every device command (allocate, free, memset, copies, launches, streams, synchronize) is built once
     (``client/_protocol.py``) and goes through the one transport chosen at connect (``gpu.transport``):
     ``transport="auto"`` takes a framed link straight to the session's worker where the broker offers one (the
-    same host's ``<socket>.fast``; a VM guest's vsock port, ``vsock=None`` probing for one; the broker's TCP link
+    same host's ``<socket>.fast``, upgraded to a shared-memory ring with doorbells where the worker takes it,
+    ``"ring"`` insisting on that; a VM guest's vsock port, ``vsock=None`` probing for one; the broker's TCP link
     port, with the same TLS options), else gRPC's ``Commands`` stream; ``"link"`` insists on a link, ``"grpc"``
     never takes one. The control plane (sessions, devices, modules, kernels, CopyPeer) is typed gRPC.
 
@@ -109,7 +110,7 @@ class RemoteGpu:
     # -- plumbing ----------------------------------------------------------------------------------
     @property
     def transport(self) -> Transport:
-        """The transport every device command takes (its ``kind``: "unix", "tcp", "vsock" or "grpc")."""
+        """The transport every device command takes (its ``kind``: "ring", "unix", "tcp", "vsock" or "grpc")."""
         if self._closed.is_set():
             raise FailedPrecondition("this RemoteGpu is closed")
         if self._transport is None:

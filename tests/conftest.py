@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from gpubroker.broker.config import TlsConfig
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.client import RemoteGpu, TlsOptions, connect
 
 from .helpers import descendants
 
@@ -41,12 +44,53 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+# Every transport a client may take (as dask/distributed tests every Comm): the same-host ring (shared memory
+# with doorbells, over a link), the same-host link (a Unix socket handed to the worker), the TCP link with TLS
+# (relayed by the front to the worker), and gRPC.
+TRANSPORTS = ["ring", "link", "tcp-tls", "grpc"]
+_KIND = {"ring": "ring", "link": "unix", "tcp-tls": "tcp", "grpc": "grpc"}
+
+
 @pytest.fixture(scope="session")
-def broker(backend: str) -> Iterator[BrokerProcess]:
-    """One broker shared by the read-mostly tests; tests that break things start their own."""
-    with BrokerProcess(TENANTS, backend=backend, settings={"lease_seconds": 30.0}) as proc:
+def server_tls(tmp_path_factory: pytest.TempPathFactory) -> tuple[TlsConfig, TlsOptions]:
+    """A CA and a server certificate: the shared broker's TLS settings and the client's options for them."""
+    from gpubroker.broker.certs import init_certs  # cryptography: imported only where a test needs certificates
+
+    ca, server = init_certs(tmp_path_factory.mktemp("ca"))
+    return (TlsConfig(cert_file=str(server.cert), key_file=str(server.key)),
+            TlsOptions(ca_file=ca.cert, server_name="localhost"))
+
+
+@pytest.fixture(scope="session")
+def broker(backend: str, server_tls: tuple[TlsConfig, TlsOptions]) -> Iterator[BrokerProcess]:
+    """One broker shared by the read-mostly tests; tests that break things start their own. It serves every
+    transport: gRPC and the same-host link on its Unix socket, gRPC and the link over TCP with TLS."""
+    settings = {"lease_seconds": 30.0, "tls": server_tls[0], "link_listen": "127.0.0.1:0"}
+    with BrokerProcess(TENANTS, backend=backend, tcp=["127.0.0.1:0"], settings=settings) as proc:
         yield proc
     assert proc.process is not None
+
+
+OpenGpu = Callable[..., RemoteGpu]
+
+
+@pytest.fixture(scope="session")
+def open_gpu(broker: BrokerProcess, server_tls: tuple[TlsConfig, TlsOptions]) -> OpenGpu:
+    """``open_gpu(tenant, transport, **connect_kwargs)``: a session on the shared broker over ``transport`` (one of
+    TRANSPORTS), checked to have taken it."""
+
+    def open_on(tenant: str, transport: str, **kwargs: Any) -> RemoteGpu:
+        if transport == "tcp-tls":
+            gpu = connect(broker.tcp_target, token=broker.tokens[tenant], tls=server_tls[1], transport="link",
+                          **kwargs)
+        else:
+            gpu = connect(broker.target, token=broker.tokens[tenant], transport=transport, **kwargs)
+        if gpu.transport.kind != _KIND[transport]:
+            gpu.close()
+            raise AssertionError(f"asked for {transport}, got {gpu.transport.kind}")
+        return gpu
+
+    return open_on
 
 
 @pytest.fixture

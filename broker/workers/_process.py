@@ -11,6 +11,7 @@ import gc
 import json
 import logging
 import os
+import select
 import selectors
 import socket
 import sys
@@ -55,12 +56,15 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
     links = server.links
     selector = selectors.DefaultSelector()
     selector.register(sock, selectors.EVENT_READ)
+    front_poll = select.poll()
+    front_poll.register(sock, select.POLLIN)
+    links.front_waiting = lambda: bool(front_poll.poll(0))
     front, watched, version = sock.fileno(), dict[int, socket.socket](), -1
     while True:
         if version != links.version:  # links came, went or ended: keep the selector in step
             readers = links.readers()
             for fd, link in list(watched.items()):
-                if readers.get(fd) is not link:  # (a closed link's number may be a new link's already)
+                if readers.get(fd) is not link:  # (a closed link's or ring's number may be a new one's already)
                     selector.unregister(fd)
                     del watched[fd]
             for fd, link in readers.items():
@@ -68,7 +72,7 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
                     selector.register(link, selectors.EVENT_READ)
                     watched[fd] = link
             version = links.version
-        for key, _ in selector.select():
+        for key, _ in selector.select(0 if links.resuming else None):
             if key.fd == front:
                 code = _serve_front(sock, server)
                 if code == 0:
@@ -81,6 +85,11 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
                 return EXIT_FATAL
             if version != links.version:
                 break  # the selector's other events may name a link that is gone
+        if links.resuming:  # rings cut off by their time slice, after everything else had its look
+            links.resume()
+            if server.fatal:
+                log.error("fatal device error; exiting so the tenant gets a fresh context")
+                return EXIT_FATAL
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
 ``BatchingTransport`` is the one batching core (pending commands, sequence numbers, window, deferred errors);
 ``FramedLink`` carries its batches on a stream socket straight to the session's worker (Unix, TCP with TLS,
-vsock), ``GrpcCommands`` inside gRPC's ``Commands`` stream.
+vsock), ``RingTransport`` through shared memory on the same host, ``GrpcCommands`` inside gRPC's ``Commands`` stream.
 """
 
 from ._choose import TRANSPORTS, choose_transport, in_vm, split_host_port
@@ -17,6 +17,7 @@ from ._link import (
     unix_connector,
     vsock_connector,
 )
+from ._ring import RingTransport
 
 __all__ = [
     "ENVELOPE",
@@ -27,6 +28,7 @@ __all__ = [
     "FramedLink",
     "GrpcCommands",
     "Lost",
+    "RingTransport",
     "Transport",
     "choose_transport",
     "command_error",

@@ -14,11 +14,12 @@ from .._tls import TlsOptions
 from ._core import Transport
 from ._grpc import GrpcCommands
 from ._link import VMADDR_CID_HOST, Connector, FramedLink, tcp_connector, unix_connector, vsock_connector
+from ._ring import RingTransport
 
 __all__ = ["TRANSPORTS", "choose_transport", "in_vm", "split_host_port"]
 
 log = logging.getLogger("gpubroker.client")
-TRANSPORTS: Final = ("auto", "link", "grpc")
+TRANSPORTS: Final = ("auto", "ring", "link", "grpc")
 _VSOCK_PROBE_SECONDS: Final = 0.2
 
 
@@ -48,14 +49,17 @@ def in_vm(port: int) -> bool:
 def choose_transport(preference: str, *, target: str, tls: TlsOptions | None, token: str, session: str,
                      link_port: int, link_vsock_port: int, vsock: bool | None, stub: pb_grpc.GpuBrokerStub,
                      metadata: tuple[tuple[str, str], ...], timeout: float | None, max_data: int) -> Transport:
-    """``preference``: "link" (a framed link or Unavailable naming why each failed), "grpc", or "auto" (a link
-    where one answers: the same host's ``<socket>.fast``, the host's vsock port from a VM, the broker's TCP link
-    port; else gRPC)."""
+    """``preference``: "link" (a framed link or Unavailable naming why each failed), "ring" (the same host's link
+    upgraded to a shared-memory ring, or Unavailable), "grpc", or "auto" (the ring where the worker takes the
+    upgrade, else a link where one answers: the same host's ``<socket>.fast``, the host's vsock port from a VM,
+    the broker's TCP link port; else gRPC)."""
     if preference not in TRANSPORTS:
         raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORTS)}, got {preference!r}")
     if preference == "grpc":
         return GrpcCommands(stub, metadata, session, max_data=max_data, timeout=timeout)
     unix = target.startswith("unix:")
+    if preference == "ring" and not unix:
+        raise Unavailable(f"a shared-memory ring needs a broker on this host (a unix: target), not {target!r}")
 
     def candidates() -> Iterator[tuple[str, Connector]]:  # lazily: a VM probe only where nothing nearer answers
         if unix:
@@ -69,10 +73,12 @@ def choose_transport(preference: str, *, target: str, tls: TlsOptions | None, to
     failures = []
     for kind, connect in candidates():
         try:
+            if kind == "unix" and preference != "link":  # the same host: a ring where the worker takes one
+                return RingTransport(connect, token, session, timeout=timeout, fallback=preference == "auto")
             return FramedLink(connect, token, session, kind=kind, timeout=timeout)
         except GpuBrokerError as exc:
             failures.append(f"{kind}: {exc.message}")
-    if preference == "link":
+    if preference in ("link", "ring"):
         raise Unavailable("no link to the broker's worker: " + ("; ".join(failures) or "the broker offers none"))
     if failures:
         log.debug("no link to the broker's worker (%s); commands go by gRPC", "; ".join(failures))

@@ -30,7 +30,7 @@ _QUIET: Final = 1.0
 class Transport(Protocol):
     """How RemoteGpu's device commands reach the worker, in program order, on one connection."""
 
-    kind: str  # "unix", "tcp", "vsock" (a framed link) or "grpc"
+    kind: str  # "ring" (same host, shared memory), "unix", "tcp", "vsock" (a framed link) or "grpc"
     max_data: int  # the largest Write or Read chunk one command may carry
 
     def call(self, command: Command) -> Any:

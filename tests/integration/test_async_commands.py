@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 
 from gpubroker.broker import samples
-from gpubroker.broker.launcher import BrokerProcess
-from gpubroker.client import InvalidArgument, NotFound, RemoteGpu, ResourceExhausted, connect
+from gpubroker.client import InvalidArgument, NotFound, RemoteGpu, ResourceExhausted
+
+from ..conftest import TRANSPORTS, OpenGpu
 
 
-# Batches straight to the worker on the same-host link; inside gRPC's Commands stream.
-@pytest.fixture(scope="module", params=["link", "grpc"])
-def gpu(broker: BrokerProcess, request: pytest.FixtureRequest) -> Iterator[RemoteGpu]:
-    with connect(broker.target, token=broker.tokens["carol"], async_commands=True, transport=request.param) as g:
-        assert g.transport.kind == ("unix" if request.param == "link" else "grpc")
+# Batches straight to the worker through the same-host ring and on the same-host link, relayed by the front on
+# the TCP link, inside gRPC's Commands stream.
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def gpu(open_gpu: OpenGpu, request: pytest.FixtureRequest) -> Iterator[RemoteGpu]:
+    with open_gpu("carol", request.param, async_commands=True) as g:
         yield g
 
 

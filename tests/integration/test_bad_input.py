@@ -24,10 +24,12 @@ from gpubroker.client import (
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
+from ..conftest import TRANSPORTS, OpenGpu
 
-@pytest.fixture(scope="module")
-def gpu(broker: BrokerProcess) -> Iterator[RemoteGpu]:
-    with connect(broker.target, token=broker.tokens["bob"]) as g:
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def gpu(open_gpu: OpenGpu, request: pytest.FixtureRequest) -> Iterator[RemoteGpu]:
+    with open_gpu("bob", request.param) as g:
         yield g
 
 

@@ -39,10 +39,14 @@ def _link(broker: BrokerProcess, token: str, session: str) -> FramedLink:
     return FramedLink(unix_connector(path), token, session, kind="unix", timeout=10)
 
 
-@pytest.mark.parametrize("transport", ["auto", "grpc"])
+# "auto" takes the shared-memory ring on the same host; "link" the plain Unix link.
+_KINDS = {"auto": "ring", "ring": "ring", "link": "unix", "grpc": "grpc"}
+
+
+@pytest.mark.parametrize("transport", list(_KINDS))
 def test_local_clients_take_the_link_with_the_same_results_and_errors(broker: BrokerProcess, transport: str) -> None:
     with connect(broker.target, token=broker.tokens["alice"], transport=transport) as gpu:
-        assert gpu.transport.kind == ("unix" if transport == "auto" else "grpc")
+        assert gpu.transport.kind == _KINDS[transport]
         kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "saxpy")
         n = 1000
         x = np.arange(n, dtype=np.float32)
@@ -78,7 +82,7 @@ def test_links_are_bound_to_their_session(broker: BrokerProcess) -> None:
     """A link serves only the session the front authenticated it for, even for the same tenant's other handles."""
     with connect(broker.target, token=broker.tokens["alice"]) as one, \
             connect(broker.target, token=broker.tokens["alice"]) as two:
-        assert one.transport.kind == two.transport.kind == "unix"
+        assert one.transport.kind == two.transport.kind == "ring"
         theirs = one.allocate_memory(64)
         with pytest.raises(NotFound, match="no buf"):
             two.memset(theirs, 1)
@@ -86,14 +90,21 @@ def test_links_are_bound_to_their_session(broker: BrokerProcess) -> None:
         one.synchronize()
 
 
-def test_a_malformed_frame_is_refused_with_id_0_and_the_link_closed(broker: BrokerProcess) -> None:
+def _bad_utf8() -> bytes:
+    payload = bytearray(encode(Batch(1, 1, [Synchronize()])))
+    payload[payload.index(b"synchronize") + 2] = 0xAD  # msgspec raised UnicodeDecodeError, which killed the worker
+    return bytes(payload)
+
+
+@pytest.mark.parametrize("payload", [encode(Batch(1, 1, [])) + b"\xc1", _bad_utf8()], ids=["trailing", "utf8"])
+def test_a_malformed_frame_is_refused_with_id_0_and_the_link_closed(broker: BrokerProcess, payload: bytes) -> None:
     with connect(broker.target, token=broker.tokens["alice"]) as gpu:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(10)
         sock.connect(broker.target.removeprefix("unix:") + ".fast")
         send_frame(sock, {"token": broker.tokens["alice"], "session": gpu.session, "link": 1})
         recv_payload(sock, 1 << 16)  # the worker's hello reply
-        send_payload(sock, encode(Batch(1, 1, [])) + b"\xc1")  # trailing garbage: no batch
+        send_payload(sock, payload)
         ack = decode_ack(recv_payload(sock, 1 << 16))
         assert ack.id == 0 and ack.error is not None and ack.error.code == "INVALID_ARGUMENT"
         assert sock.recv(1) == b""  # then closed
@@ -115,7 +126,7 @@ def test_links_per_session_are_bounded(broker: BrokerProcess) -> None:
 def test_an_ended_session_is_reported_by_the_front_not_as_a_lost_link(broker: BrokerProcess) -> None:
     for async_commands in (False, True):
         with connect(broker.target, token=broker.tokens["bob"], async_commands=async_commands) as gpu:
-            assert gpu.transport.kind == "unix"
+            assert gpu.transport.kind == "ring"
             gpu.synchronize()
             gpu._stub.CloseSession(pb.SessionRequest(session=gpu.session), metadata=gpu._metadata)  # ended elsewhere
             with pytest.raises(NotFound, match="session"):

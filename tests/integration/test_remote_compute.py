@@ -14,10 +14,12 @@ from gpubroker.broker.launcher import BrokerProcess
 from gpubroker.client import Buffer, GpuCompute, RemoteGpu, connect
 from gpubroker.v1 import broker_pb2 as pb
 
+from ..conftest import TRANSPORTS, OpenGpu
 
-@pytest.fixture(scope="module")
-def gpu(broker: BrokerProcess) -> Iterator[RemoteGpu]:
-    with connect(broker.target, token=broker.tokens["alice"]) as g:
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def gpu(open_gpu: OpenGpu, request: pytest.FixtureRequest) -> Iterator[RemoteGpu]:
+    with open_gpu("alice", request.param) as g:
         yield g
 
 

@@ -1,0 +1,442 @@
+"""The same-host shared-memory ring: a Unix link upgraded to two byte rings in a sealed memfd with a
+SOCK_SEQPACKET socketpair for doorbells. Results are the link's (tests/integration/test_fast_path.py runs its
+transport test on the ring); here: what a hostile client may write into the shared memory, offer as a ring or do
+to its doorbells (the worker answers an error or drops the ring, and lives on, never blocked), the client's
+close, and the worker's death seen through a ring."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gpubroker.broker import samples
+from gpubroker.broker.launcher import BrokerProcess
+from gpubroker.client import InvalidArgument, RemoteGpu, Unavailable, WorkerCrashed, connect
+from gpubroker.client._frames import pack_frame, recv_payload, send_frame, send_payload, unpack_frame
+from gpubroker.client._protocol import Batch, Synchronize, decode_ack, encode
+from gpubroker.client._transports import Lost, RingTransport, unix_connector
+from gpubroker.client._transports._ring import (
+    ACK_HEAD,
+    ACK_TAIL,
+    CMD_HEAD,
+    CMD_TAIL,
+    RING_DATA,
+    RING_SEALS,
+    SPIN_ENV,
+    ByteRing,
+    ring_bell,
+    ring_caps,
+)
+
+from ..conftest import TENANTS, worker_pids
+from ..helpers import wait_for
+
+
+@pytest.fixture(scope="module")
+def ring_broker(backend: str) -> Iterator[BrokerProcess]:
+    """A broker of this module's own: these tests kill workers and feed them broken rings."""
+    with BrokerProcess(TENANTS, backend=backend, settings={"lease_seconds": 30.0}) as proc:
+        yield proc
+
+
+@pytest.fixture
+def gpu(ring_broker: BrokerProcess) -> Iterator[RemoteGpu]:
+    with connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring") as g:
+        assert g.transport.kind == "ring"
+        yield g
+
+
+def _fast(broker: BrokerProcess) -> str:
+    return broker.target.removeprefix("unix:") + ".fast"
+
+
+def _ring(broker: BrokerProcess, session: str) -> RingTransport:
+    return RingTransport(unix_connector(_fast(broker)), broker.tokens["alice"], session, timeout=10, fallback=False)
+
+
+def _still_serves(broker: BrokerProcess, gpu: RemoteGpu, pid: int) -> None:
+    """The session's own ring and a new one still work, on the same worker: nothing crashed."""
+    gpu.synchronize()
+    other = _ring(broker, gpu.session)
+    other.call(Synchronize())
+    other.close()
+    assert worker_pids(broker, "alice") == [pid]
+
+
+def _publish(t: RingTransport, head: int, record: bytes = b"") -> None:
+    """Write ``record`` at the command ring's start and claim ``head`` bytes published, as a hostile client may."""
+    assert t._mm is not None and t._words is not None
+    t._mm[RING_DATA:RING_DATA + len(record)] = record
+    t._words[CMD_HEAD] = head
+
+
+# What a hostile client may write into a fresh command ring: (head, record).
+_BAD_COMMANDS: dict[str, tuple[int, bytes]] = {
+    "head far past the ring": (1 << 60, b""),
+    "head inside a length field": (3, b""),
+    "length over the frame limit": (12, (0xFFFFFFF0).to_bytes(4, "little")),
+    "length past what is published": (8, (100).to_bytes(4, "little")),
+    "a record that is no batch": (7, (3).to_bytes(4, "little") + b"\xc1\xc1\xc1"),
+}
+
+
+@pytest.mark.parametrize("how", list(_BAD_COMMANDS))
+def test_a_broken_command_ring_is_refused_with_id_0_and_closed(ring_broker: BrokerProcess, gpu: RemoteGpu,
+                                                                how: str) -> None:
+    (pid,) = worker_pids(ring_broker, "alice")
+    t = _ring(ring_broker, gpu.session)
+    assert t._bell is not None and t._sock is not None
+    _publish(t, *_BAD_COMMANDS[how])
+    ring_bell(t._bell)
+    ack = decode_ack(t._receive(10))
+    assert ack.id == 0 and ack.error is not None and ack.error.code == "INVALID_ARGUMENT"
+    assert ("malformed batch" if "no batch" in how else "broken ring") in ack.error.message
+    assert t._sock.recv(1) == b""  # then the link (and with it the ring) is closed
+    t.close()
+    _still_serves(ring_broker, gpu, pid)
+
+
+def test_an_impossible_ack_index_or_a_shut_doorbell_drops_the_ring(ring_broker: BrokerProcess,
+                                                                    gpu: RemoteGpu) -> None:
+    """Where the worker cannot answer (the client's ack index is nonsense) or cannot ring (the client shut its
+    end of the doorbell), it drops the ring: its link closes, and the client sees a lost link."""
+    (pid,) = worker_pids(ring_broker, "alice")
+    t = _ring(ring_broker, gpu.session)
+    assert t._words is not None and t._sock is not None
+    t._words[ACK_TAIL] = 1 << 40
+    with pytest.raises(Unavailable, match="lost"):
+        t.call(Synchronize())
+    t.close()
+    t = _ring(ring_broker, gpu.session)
+    assert t._bell is not None and t._sock is not None and t._commands is not None
+    t._bell.shutdown(socket.SHUT_RD)  # the worker's ring of it fails (EPIPE): no ack could wake this client
+    assert t._commands.put(encode(Batch(1, 1, [Synchronize()])))
+    ring_bell(t._bell)
+    assert t._sock.recv(1) == b""  # the worker closed the link, and with it the ring
+    t.close()
+    _still_serves(ring_broker, gpu, pid)
+
+
+def _hello(broker: BrokerProcess, session: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(_fast(broker))
+    send_frame(sock, {"token": broker.tokens["alice"], "session": session, "link": 1})
+    _, status, _ = unpack_frame(recv_payload(sock, 1 << 16))
+    assert status == 0
+    return sock
+
+
+def _memfd(size: int, seals: int) -> int:
+    fd = os.memfd_create("test-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def _offers(max_frame: int, keep: list[socket.socket]) -> dict[str, tuple[Any, Callable[[], list[int]], str]]:
+    """What a hostile client may offer as a ring: (request, its fds, what the refusal says). Sockets whose fds
+    are sent go into ``keep`` (the caller closes them), as do their other ends."""
+    cap = ring_caps(4, max_frame)
+    good = {"ring": 1, "commands": cap, "acks": cap}
+    size = RING_DATA + 2 * cap
+
+    def kept(*socks: socket.socket) -> int:
+        keep.extend(socks)
+        return socks[0].fileno()
+
+    def bell(kind: int = socket.SOCK_SEQPACKET) -> int:
+        return kept(*socket.socketpair(socket.AF_UNIX, kind))
+
+    def pipe() -> list[int]:
+        r, w = os.pipe()
+        os.close(w)
+        return [_memfd(size, RING_SEALS), r]
+
+    def named() -> list[int]:  # connected, but to a listener (of anyone's): not the client's own end
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(f"\0gpubroker-test-{os.getpid()}-{len(keep)}")
+        listener.listen(1)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.connect(listener.getsockname())
+        return [_memfd(size, RING_SEALS), kept(sock, listener)]
+
+    return {
+        "unsealed": (good, lambda: [_memfd(size, 0), bell()], "not sealed"),
+        "too small": (good, lambda: [_memfd(size - 4096, RING_SEALS), bell()], "holds"),
+        "huge rings": ({**good, "acks": 1 << 40}, lambda: [_memfd(size, RING_SEALS), bell()], "size"),
+        "tiny rings": ({**good, "commands": 16}, lambda: [_memfd(size, RING_SEALS), bell()], "size"),
+        "a long spin": ({**good, "spin_us": 10**6}, lambda: [_memfd(size, RING_SEALS), bell()], "spin"),
+        "a pipe for a doorbell": (good, pipe, "must be a socket"),
+        "an eventfd for a doorbell": (good, lambda: [_memfd(size, RING_SEALS), os.eventfd(0)], "must be a socket"),
+        "a datagram doorbell": (good, lambda: [_memfd(size, RING_SEALS), bell(socket.SOCK_DGRAM)], "SOCK_SEQPACKET"),
+        "an inet doorbell": (good, lambda: [_memfd(size, RING_SEALS), kept(socket.socket(socket.AF_INET,
+                                                                                         socket.SOCK_DGRAM))],
+                             "AF_UNIX"),
+        "an unconnected doorbell": (good, lambda: [_memfd(size, RING_SEALS),
+                                                   kept(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))],
+                                    "connected"),
+        "a doorbell to a listener": (good, named, "no names"),
+        "one fd": (good, lambda: [_memfd(size, RING_SEALS)], "2 fds"),
+        "three fds": (good, lambda: [_memfd(size, RING_SEALS), bell(), bell()], "2 fds"),
+        "not a map": ([1, 2, 3], lambda: [_memfd(size, RING_SEALS), bell()], "ring upgrade"),
+    }
+
+
+@pytest.mark.parametrize("how", list(_offers(1 << 20, [])))
+def test_a_bad_ring_offer_is_refused_and_the_link_stays(ring_broker: BrokerProcess, gpu: RemoteGpu,
+                                                        how: str) -> None:
+    (pid,) = worker_pids(ring_broker, "alice")
+    max_frame = gpu.transport.max_frame
+    keep: list[socket.socket] = []
+    request, make_fds, message = _offers(max_frame, keep)[how]
+    sock = _hello(ring_broker, gpu.session)
+    fds = make_fds()
+    kept = {s.fileno() for s in keep}
+    try:
+        frame = pack_frame(request)
+        sent = socket.send_fds(sock, [frame], fds)
+        sock.sendall(frame[sent:])
+    finally:
+        for fd in fds:
+            if fd not in kept:
+                os.close(fd)
+        for s in keep:
+            s.close()
+    _, status, error = unpack_frame(recv_payload(sock, 1 << 16))
+    assert status == 1 and error["code"] == InvalidArgument.code and message in error["message"]
+    send_payload(sock, encode(Batch(1, 1, [Synchronize()])))  # still a plain link
+    ack = decode_ack(recv_payload(sock, 1 << 16))
+    assert ack.id == 1 and ack.done == 1 and ack.error is None
+    sock.close()
+    _still_serves(ring_broker, gpu, pid)
+
+
+@pytest.mark.parametrize("spin", ["0", "50"], ids=["block", "spin"])
+@pytest.mark.parametrize("async_commands", [False, True], ids=["sync", "async"])
+def test_results_through_the_ring_spinning_or_not(ring_broker: BrokerProcess, async_commands: bool, spin: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dependent kernels and reads back, many round trips, across the ring's wrap (small records, 1 MiB reads)."""
+    monkeypatch.setenv(SPIN_ENV, spin)
+    with connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring",
+                 async_commands=async_commands, shared_memory=False) as gpu:
+        kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "scale_inplace")
+        n = 256 * 1024
+        x = np.arange(n, dtype=np.float32)
+        buf = gpu.allocate_memory(x.nbytes)
+        gpu.copy_h2d(x, buf)
+        out = np.empty_like(x)
+        for i in range(12):  # 12 MiB of reads back: the ack ring (4 windows of 1 MiB) wraps
+            gpu.execute_kernel(kernel, n // 256, 256, [buf, np.float32(-1), np.int32(n)])
+            gpu.copy_d2h(buf, out)
+            np.testing.assert_array_equal(out, x if i % 2 else 1 - x)
+        for _ in range(300):
+            gpu.execute_kernel(kernel, 1, 1, [buf, np.float32(1), np.int32(1)])
+            gpu.synchronize()
+        with pytest.raises(InvalidArgument):  # an error comes back the same way, naming the command
+            gpu.execute_kernel(kernel, 1, 1, [buf])
+            gpu.synchronize()
+        gpu.synchronize()
+
+
+def _ring_mapped(pid: int) -> bool:
+    return "gpubroker-ring" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_the_clients_close_ends_the_ring(ring_broker: BrokerProcess) -> None:
+    with connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring") as gpu:
+        gpu.synchronize()
+        (pid,) = worker_pids(ring_broker, "alice")
+        try:
+            assert _ring_mapped(pid)
+        except PermissionError:
+            pytest.skip("the worker's maps are not readable here (the sandbox)")
+        gpu.transport.close()  # the session stays; its ring goes
+        wait_for(lambda: not _ring_mapped(pid), 10, "the worker to unmap the closed ring")
+
+
+@pytest.mark.parametrize("spin", ["0", "50"], ids=["block", "spin"])
+@pytest.mark.parametrize("async_commands", [False, True], ids=["sync", "async"])
+def test_the_workers_death_is_seen_through_the_ring(ring_broker: BrokerProcess, async_commands: bool, spin: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SPIN_ENV, spin)  # both sides: the client tells its worker how long to spin
+    with connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring",
+                 async_commands=async_commands) as gpu:
+        kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "scale_inplace")
+        buf = gpu.allocate_memory(4096)
+        gpu.memset(buf, 0)
+        gpu.synchronize()
+        (pid,) = worker_pids(ring_broker, "alice")
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerCrashed, match="SIGKILL"):
+            gpu.execute_kernel(kernel, 1, 256, [buf, np.float32(2), np.int32(1024)])
+            gpu.synchronize()
+    wait_for(lambda: not worker_pids(ring_broker, "alice"), 10, "the killed worker to be reaped")
+
+
+def test_a_spinning_ring_does_not_keep_the_device_from_another_tenant(ring_broker: BrokerProcess,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client whose next batch always arrives within its worker's spin keeps that worker busy; the worker
+    still reads the front's "yield" (its ring has a time slice), so another tenant's commands get their turns
+    while the first goes on."""
+    monkeypatch.setenv(SPIN_ENV, "200")
+    stop, counts, errors = threading.Event(), [0], list[BaseException]()
+
+    def hammer() -> None:
+        try:
+            with connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring") as alice:
+                while not stop.is_set():
+                    alice.synchronize()
+                    counts[0] += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    try:
+        wait_for(lambda: counts[0] > 100 or bool(errors), 30, "alice's ring to be busy")
+        with connect(ring_broker.target, token=ring_broker.tokens["bob"], transport="grpc", timeout=20) as bob:
+            kernel = bob.compile_kernel(samples.source(bob.device_info().backend), "empty_kernel")
+            start = counts[0]
+            t0 = time.monotonic()
+            for _ in range(20):
+                bob.execute_kernel(kernel, 1, 1, [])
+                bob.synchronize()
+            took = time.monotonic() - t0
+        assert counts[0] > start, "alice stopped while bob ran: this test shows nothing"
+        assert took < 10, f"bob's 20 launches took {took:.1f} s beside a spinning ring"
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not errors
+
+
+def test_a_refused_upgrade_leaves_auto_on_the_link_and_ring_says_why(ring_broker: BrokerProcess,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client offering rings smaller than a frame (as an older or broken one might) is refused by the worker:
+    "auto" goes on over the plain link it upgraded, "ring" raises the worker's reason."""
+    import gpubroker.client._transports._ring as ring_module
+
+    monkeypatch.setattr(ring_module, "ring_caps", lambda window, max_frame: 4096)
+    with connect(ring_broker.target, token=ring_broker.tokens["alice"]) as gpu:
+        assert gpu.transport.kind == "unix"
+        buf = gpu.allocate_memory(64)
+        gpu.memset(buf, 7)
+        out = np.empty(64, dtype=np.uint8)
+        gpu.copy_d2h(buf, out)
+        assert (out == 7).all()
+    with pytest.raises(Unavailable, match=r"no link .*unix: a ring's size must be"):
+        connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring")
+
+
+def test_random_corruption_of_the_command_ring_is_answered_or_dropped(ring_broker: BrokerProcess,
+                                                                      gpu: RemoteGpu) -> None:
+    """Mutated batches, lengths and heads (seeded): each ring gets an answer or is closed, never a hang, and
+    the worker serves on."""
+    (pid,) = worker_pids(ring_broker, "alice")
+    rng = np.random.default_rng(1313)
+    base = bytearray(encode(Batch(1, 1, [Synchronize()])))
+    for _ in range(40):
+        t = _ring(ring_broker, gpu.session)
+        assert t._bell is not None
+        record = bytearray(base)
+        for at in rng.integers(0, len(record), int(rng.integers(1, 4))):
+            record[at] = int(rng.integers(0, 256))
+        length = len(record) if rng.random() < 0.7 else int(rng.integers(0, 1 << 32))
+        head = 4 + len(record) + (0 if rng.random() < 0.7 else int(rng.integers(-4 - len(record) + 1, 1 << 20)))
+        _publish(t, head, length.to_bytes(4, "little") + bytes(record))
+        ring_bell(t._bell)
+        try:
+            decode_ack(t._receive(10))  # an answer (a refusal, or the batch's own ack)
+        except Lost:
+            pass  # or the ring closed
+        t.close()
+    _still_serves(ring_broker, gpu, pid)
+
+
+def _next_ack(acks: ByteRing, what: str) -> bytes:
+    """The next ack, polled for (this client takes no wake-ups: it flooded its own doorbell)."""
+    got: list[bytes] = []
+    wait_for(lambda: bool(got.append(acks.get() or b"") or got[-1]), 10, what)
+    return got[-1]
+
+
+def test_a_client_that_blocks_and_floods_its_doorbells_cannot_stall_the_worker(ring_broker: BrokerProcess,
+                                                                               gpu: RemoteGpu) -> None:
+    """A hostile client keeps a copy of the worker's end of the doorbells, clears O_NONBLOCK on both ends, fills
+    the queue the worker rings into (a blocking send there would never return) and floods the worker with
+    wake-ups. The worker still answers every batch in its ring (dropping the wake-ups it cannot send), and never
+    holds the device turn while stuck: another tenant's launches get done within a deadline."""
+    (pid,) = worker_pids(ring_broker, "alice")
+    sock = _hello(ring_broker, gpu.session)
+    max_frame = gpu.transport.max_frame
+    cap = ring_caps(4, max_frame)
+    size = RING_DATA + 2 * cap
+    fd = _memfd(size, RING_SEALS)
+    mm = mmap.mmap(fd, size)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    frame = pack_frame({"ring": 1, "commands": cap, "acks": cap})
+    sent = socket.send_fds(sock, [frame], [fd, theirs.fileno()])
+    sock.sendall(frame[sent:])
+    os.close(fd)
+    _, status, _ = unpack_frame(recv_payload(sock, 1 << 16))
+    assert status == 0
+    words = memoryview(mm).cast("Q")
+    commands = ByteRing(mm, words, RING_DATA, cap, CMD_HEAD * 8, CMD_TAIL * 8, max_frame)
+    acks = ByteRing(mm, words, RING_DATA + cap, cap, ACK_HEAD * 8, ACK_TAIL * 8, cap - 4)
+    for end in (ours, theirs):  # the worker's end shares its file description with this copy
+        fcntl.fcntl(end.fileno(), fcntl.F_SETFL, fcntl.fcntl(end.fileno(), fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    for sender in (theirs, ours):  # fill both directions: the worker's rings and its inbox
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                sender.send(b"\x01", socket.MSG_DONTWAIT)
+    with pytest.raises(BlockingIOError):  # a send from the worker's end (without MSG_DONTWAIT: blocks) finds no room
+        theirs.send(b"\x01", socket.MSG_DONTWAIT)
+    stop, flooded = threading.Event(), [0]
+
+    def flood() -> None:  # blocking sends: each one as soon as the worker drains room for it
+        with contextlib.suppress(OSError):
+            while not stop.is_set():
+                ours.send(b"\x01")
+                flooded[0] += 1
+
+    thread = threading.Thread(target=flood)
+    thread.start()
+    try:
+        for i in range(1, 11):
+            assert commands.put(encode(Batch(i, i, [Synchronize()])))
+            ack = decode_ack(_next_ack(acks, f"the ack of batch {i}"))
+            assert ack.id == i and ack.done == 1 and ack.error is None
+        assert flooded[0] > 0, "the worker never drained its flooded doorbell: this test shows nothing"
+        with connect(ring_broker.target, token=ring_broker.tokens["bob"], transport="grpc", timeout=20) as bob:
+            kernel = bob.compile_kernel(samples.source(bob.device_info().backend), "empty_kernel")
+            t0 = time.monotonic()
+            for i in range(20):
+                bob.execute_kernel(kernel, 1, 1, [])
+                bob.synchronize()
+                assert commands.put(encode(Batch(100 + i, 100 + i, [Synchronize()])))  # alice's ring stays busy
+            took = time.monotonic() - t0
+        assert took < 10, f"bob's 20 launches took {took:.1f} s beside a flooded ring"
+    finally:
+        stop.set()
+        ours.shutdown(socket.SHUT_RDWR)  # wakes the flood's blocked send
+        thread.join(10)
+        words.release()
+        mm.close()
+        ours.close()
+        theirs.close()
+        sock.close()
+    assert not thread.is_alive()
+    _still_serves(ring_broker, gpu, pid)
