@@ -8,7 +8,10 @@ the front never sees them. Three listeners, one hello and one hand-off:
 - ``link_listen`` (TCP): the front terminates TLS (mTLS as the gRPC listener's) and relays bytes both ways
   between the connection and one end of a socketpair whose other end goes to the worker: a worker runs its
   tenant's code and must never hold the server's key. Without [tls] (loopback, or ``insecure``) the same relay:
-  a worker takes only local sockets, whose peers the kernel names.
+  a worker takes only local sockets, whose peers the kernel names. Each TCP link has a thread of its own for
+  its handshake, its hello's bytes and then the relay (``_TcpRelay``): the encryption is a link's whole cost in
+  the front, and threads spread it over cores (a client stripes a large copy over several links) and keep it
+  off the event loop.
 
 The hello is one frame (4-byte big-endian length + msgpack ``{"token", "session", "link": 1}``), read under the
 pre-authentication limits (``hello_max_bytes``, ``hello_timeout_seconds``, the unauthenticated-connection caps)
