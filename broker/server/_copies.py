@@ -83,6 +83,8 @@ async def write_chunks(run: Run, session: Session, header: pb.HostToDeviceHeader
             chunk = await anext(rest, None)
         if written != header.size:
             raise InvalidArgument(f"chunks carried {written} bytes; the header announced {header.size}")
+        if not written:  # an empty copy still names a buffer, a stream and a range, which the worker checks
+            inflight.append(asyncio.ensure_future(run(session, [write_command(header, 0, b"")])))
         while inflight:
             await inflight[0]
             _reap(inflight)
@@ -97,6 +99,9 @@ async def read_chunks(run: Run, session: Session, request: pb.CopyDeviceToHostRe
     issued, size = 0, request.size
     inflight: deque[asyncio.Future[Ack]] = deque()
     try:
+        if not size:  # an empty copy still names a buffer, a stream and a range, which the worker checks
+            ack = await run(session, [read_command(request, 0, 0)])
+            yield pb.DeviceToHostChunk(data=ack.result)
         while inflight or issued < size:
             while issued < size and len(inflight) < depth:
                 n = min(chunk, size - issued)

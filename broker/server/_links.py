@@ -8,7 +8,10 @@ the front never sees them. Three listeners, one hello and one hand-off:
 - ``link_listen`` (TCP): the front terminates TLS (mTLS as the gRPC listener's) and relays bytes both ways
   between the connection and one end of a socketpair whose other end goes to the worker: a worker runs its
   tenant's code and must never hold the server's key. Without [tls] (loopback, or ``insecure``) the same relay:
-  a worker takes only local sockets, whose peers the kernel names.
+  a worker takes only local sockets, whose peers the kernel names. Each TCP link has a thread of its own for
+  its handshake, its hello's bytes and then the relay (``_TcpRelay``): the encryption is a link's whole cost in
+  the front, and threads spread it over cores (a client stripes a large copy over several links) and keep it
+  off the event loop.
 
 The hello is one frame (4-byte big-endian length + msgpack ``{"token", "session", "link": 1}``), read under the
 pre-authentication limits (``hello_max_bytes``, ``hello_timeout_seconds``, the unauthenticated-connection caps)
@@ -219,6 +222,8 @@ class LinkServer:
                                                    f"addr:{_host(address)}")
             ours: socket.socket | None
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            for end in (ours, theirs):  # a copy's chunk or more in flight each way: fewer wake-ups per byte
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PAIR_BUFFER)
             try:
                 if await self._hand_over(session, principal, theirs.fileno(), send):
                     worker_end, ours = ours, None
@@ -463,6 +468,8 @@ _VERDICT_WAIT = 120.0
 # client's frames in the front at a time (the rest waits in the sockets).
 _RELAY_PIECE = 512 * 1024
 _IN, _OUT = select.POLLIN, select.POLLOUT
+# What each end of a TCP link's socketpair may have on its way to the other (the kernel caps it at wmem_max).
+_PAIR_BUFFER = 2 << 20
 # A TLS record's most plaintext. A client streaming a large frame sends full records, and its frame's last
 # record is short: while full ones come, the relay gathers up to _GATHER bytes before it writes them to the
 # worker, so neither it nor the worker wakes for every 16 KiB; a short record (a small batch, a frame's end) goes
@@ -481,7 +488,7 @@ class _Flow:
         self.buf = memoryview(bytearray(_RELAY_PIECE))
         self.start = self.end = 0
         self.eof = False  # src ended (or failed)
-        self.broken = False  # dst failed: the relay is over
+        self.broken = False  # dst failed: what src sends from now on is dropped
         self.src_waits = 0  # the poll event src needs before the next read (0: try now)
         self.dst_waits = 0
         self._again = 0  # an SSL write that would block is repeated with the same length
@@ -501,6 +508,7 @@ class _Flow:
         while True:
             progress = False
             if not self.eof and not self.src_waits and self.end < _RELAY_PIECE:
+                room = _RELAY_PIECE - self.end
                 try:
                     n = self.src.recv_into(self.buf[self.end:])
                 except (ssl.SSLWantReadError, BlockingIOError):
@@ -514,6 +522,11 @@ class _Flow:
                         self.end += n
                         self._full = n == _RECORD
                         progress = True
+                        tls = self.src if isinstance(self.src, ssl.SSLSocket) else None
+                        if n < room and not self._full and not (tls is not None and tls.pending()):
+                            # Most likely all there was (a small batch, an ack): wait for poll rather than
+                            # fail a read. (OpenSSL reads a record at a time, so none hides in its buffer.)
+                            self.src_waits = _IN
                     else:
                         self.eof = True
             if self.start < self.end and not self.dst_waits and not self.broken and not self.holding:
@@ -526,6 +539,7 @@ class _Flow:
                     self.dst_waits, self._again = _IN, size
                 except OSError:
                     self.broken = True
+                    self.start = self.end = 0
                 else:
                     self._again = 0
                     self.flush = False
@@ -533,6 +547,11 @@ class _Flow:
                     if self.start == self.end:
                         self.start = self.end = 0
                     progress = True
+            if self.broken and self.end:
+                # dst takes no more: src's bytes are read and dropped, so that what goes the other way (the
+                # worker's last answer) is not cut short by a reset for unread bytes.
+                self.start = self.end = 0
+                progress = True
             if not progress:
                 return moved
             moved = True
@@ -549,12 +568,13 @@ def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int) -> None:
     up, down = _Flow(tcp, worker), _Flow(worker, tcp)
     poller = select.poll()
     poller.register(stop_fd, _IN)
+    registered: dict[int, int] = {}
     shut = False
     while True:
         up.pump()
         down.pump()
-        if up.broken or down.broken or down.drained:
-            return  # (the worker ended the link, or a side failed: the client's connection closes)
+        if down.broken or down.drained:
+            return  # (the worker ended the link, or the client's side failed: the connection closes)
         if up.drained and not shut:
             shut = True
             with contextlib.suppress(OSError):
@@ -566,11 +586,13 @@ def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int) -> None:
             if flow.start < flow.end:
                 wants[flow.dst.fileno()] |= flow.dst_waits
         for fd, events in wants.items():
+            if events == registered.get(fd, 0):
+                continue
+            registered[fd] = events
             if events:
                 poller.register(fd, events)  # (again: modifies)
             else:  # not even for a hang-up, which poll would report at once, again and again
-                with contextlib.suppress(KeyError):
-                    poller.unregister(fd)
+                poller.unregister(fd)
         holding = [flow for flow in (up, down) if flow.holding]
         ready = dict(poller.poll(_LINGER_MS if holding else None))
         if stop_fd in ready:

@@ -35,8 +35,8 @@ from .._protocol import BufRef, Read, Write
 from .._tls import TlsOptions
 from ._core import ENVELOPE, BatchingTransport, Lost, read_into
 
-__all__ = ["HELLO_REPLY_MAX", "VMADDR_CID_HOST", "Connector", "FramedLink", "peer_hung_up",
-           "tcp_connector", "unix_connector", "vsock_connector"]
+__all__ = ["HELLO_REPLY_MAX", "STRIPE_MIN", "TCP_STRIPES", "VMADDR_CID_HOST", "Connector", "FramedLink",
+           "peer_hung_up", "tcp_connector", "tcp_stripes", "unix_connector", "vsock_connector"]
 
 # The front's or worker's answer to a hello: a few hundred bytes, or an error message cut at 4 KiB.
 HELLO_REPLY_MAX: Final = 64 * 1024
@@ -173,8 +173,16 @@ class _Frames:
 # A copy this large over TCP is striped over several links of the session: one TLS connection is one core's
 # encryption here and one relay thread's decryption in the front, fewer bytes a second than a device takes.
 STRIPE_MIN: Final = 8 << 20
-# Links a striped copy uses, its own included (the worker serves at most 8 per session).
+# Links a striped copy uses at most, its own included (the worker serves at most 8 per session).
 TCP_STRIPES: Final = 4
+
+
+def tcp_stripes() -> int:
+    """Links a copy over TCP stripes over here: one per two cores this process may use, as each link's share
+    is encrypted by a thread of its own (and, on loopback, decrypted by another in the front). A 2-core host
+    gains nothing: its cores are all busy with one link already."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(TCP_STRIPES, cores // 2))
 
 
 class FramedLink(BatchingTransport):
@@ -192,7 +200,7 @@ class FramedLink(BatchingTransport):
         self._hello: dict[str, Any] = {"token": token, "session": session, "link": 1}
         self._sock: socket.socket | None = None
         self._frames: _Frames | None = None
-        self.stripes = TCP_STRIPES if kind == "tcp" else 1
+        self.stripes = tcp_stripes() if kind == "tcp" else 1
         self._more: list[FramedLink] = []  # the session's further links for striped copies, opened at the first
         with self._lock:
             self._open()

@@ -12,6 +12,7 @@ from gpubroker.broker.certs import init_certs
 from gpubroker.broker.config import TlsConfig
 from gpubroker.broker.launcher import BrokerProcess
 from gpubroker.client import NotFound, TlsOptions, connect
+from gpubroker.client._protocol import Batch, Write, encode
 from gpubroker.client._transports._link import STRIPE_MIN, TCP_STRIPES, FramedLink
 
 from ..conftest import TENANTS
@@ -34,6 +35,7 @@ def test_a_large_copy_is_striped_in_program_order(tls_broker: tuple[BrokerProces
     with connect(broker.tcp_target, token=broker.tokens["alice"], tls=tls, async_commands=True) as gpu:
         link = gpu.transport
         assert isinstance(link, FramedLink) and link.kind == "tcp"
+        link.stripes = TCP_STRIPES  # (what a host of 8 cores or more takes; this one may have fewer)
         buf = gpu.allocate_memory(size + 4096)
         gpu.memset(buf, 7)  # queued: must have run before the copy's chunks land
         gpu.copy_h2d(data, buf, offset=4096)
@@ -50,6 +52,8 @@ def test_a_striped_copy_raises_its_error_and_the_link_goes_on(tls_broker: tuple[
     broker, tls = tls_broker
     size = STRIPE_MIN
     with connect(broker.tcp_target, token=broker.tokens["alice"], tls=tls, async_commands=True) as gpu:
+        assert isinstance(gpu.transport, FramedLink)
+        gpu.transport.stripes = TCP_STRIPES
         gone = gpu.allocate_memory(size)
         gpu.free_memory(gone)  # queued: the copy's chunks come after it
         with pytest.raises(NotFound, match="buf"):
@@ -63,3 +67,26 @@ def test_a_striped_copy_raises_its_error_and_the_link_goes_on(tls_broker: tuple[
         gpu.copy_d2h(kept, out)
         np.testing.assert_array_equal(out, data)
         gpu.synchronize()
+
+
+def test_a_frame_that_ends_on_a_full_tls_record_is_relayed(tls_broker: tuple[BrokerProcess, TlsOptions]) -> None:
+    """The front's relay gathers full TLS records before writing them to the worker, taking a short one as a frame's
+    end: a frame whose records are all full must still go on (after the relay's short linger)."""
+    broker, tls = tls_broker
+    # (a frame held for good would fail its ack's wait: DeadlineExceeded)
+    with connect(broker.tcp_target, token=broker.tokens["alice"], tls=tls, timeout=30) as gpu:
+        link = gpu.transport
+        assert isinstance(link, FramedLink) and link.kind == "tcp"
+        buf = gpu.allocate_memory(1 << 20)
+        gpu.synchronize()
+        record, header = 16 * 1024, 4
+        for _ in range(3):  # (ids and sequence numbers stay small ints: one byte each, as in the estimate)
+            probe = bytes(70_000)  # (a payload as long in msgpack's terms: a bin32)
+            overhead = len(encode(Batch(link._next_id, link._seq + 1, [Write((buf.handle, 0), 0, probe, "")])))
+            overhead -= len(probe)
+            size = 6 * record - header - overhead  # the frame: header + payload, exactly six full records
+            data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+            link.call(Write((buf.handle, 0), 0, data, ""))
+            out = np.empty(size, np.uint8)
+            gpu.copy_d2h(buf, out)
+            assert out.tobytes() == data
