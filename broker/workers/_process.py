@@ -73,7 +73,12 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
                     selector.register(link, selectors.EVENT_READ)
                     watched[fd] = link
             version = links.version
-        for key, _ in selector.select(0 if links.resuming else None):
+        executor = server.executor
+        issuing = executor.issuing()
+        events = selector.select(0 if links.resuming or issuing else None)
+        if issuing and not events:
+            executor.idle()  # nothing to read: the host goes idle now, and that must not count as device time
+        for key, _ in events:
             if key.fd == front:
                 code = _serve_front(sock, server)
                 if code == 0:
