@@ -76,8 +76,10 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
         executor = server.executor
         issuing = executor.issuing()
         events = selector.select(0 if links.resuming or issuing else None)
-        if issuing and not events:
-            executor.idle()  # nothing to read: the host goes idle now, and that must not count as device time
+        if issuing and not events and not links.resuming:
+            # Nothing to read and no ring to go back to: the host goes idle now, which must not count as device
+            # time. (Only now, not at every batch end: see _cuda_timing.)
+            executor.idle()
         for key, _ in events:
             if key.fd == front:
                 code = _serve_front(sock, server)
