@@ -230,9 +230,13 @@ class CudaBackend(CudaCopyMixin, CudaCodeMixin, CudaPeerMixin):
             raise self._fail("synchronize", exc) from exc
 
     # -- device-time accounting --------------------------------------------------------------
+    def device_time_open(self) -> bool:
+        """Whether a device-time segment is open (commands issued since the last end mark)."""
+        return self._timer.busy
+
     def flush_device_time(self) -> None:
-        """End the open device-time segments: the worker calls this when a batch is issued, so the time the
-        host then spends idle (waiting for the next batch) is not charged. Never raises."""
+        """End the open device-time segments: the worker calls this when it is about to wait for input, so the
+        time the host then spends idle (waiting for the next batch) is not charged. Never raises."""
         if self._fatal is None and self._ready and not self._closed:
             self._timer.flush()
 

@@ -2,14 +2,17 @@
 
 A segment is a run of commands on one stream: ``begin`` records a start event when the first command
 after the last close is issued on that stream, and ``close`` records the end event once the host is done
-issuing (end of a worker batch, a synchronize, a blocking copy, a take). ``cudaEventElapsedTime`` of the
-pair is charged. So a launch normally costs one dict lookup, not two ``cudaEventRecord`` calls.
+issuing (the worker is about to wait for input, a synchronize, a blocking copy, a take). Not at every
+batch end: a timing event between two kernels makes the GPU drain its queue, which dependent small
+kernels feel. ``cudaEventElapsedTime`` of the pair is charged. So a launch normally costs one dict
+lookup, not two ``cudaEventRecord`` calls.
 
 Trade-off: inside a segment, time the stream sits idle waiting for the host to issue the next command
-counts as device time (tiny kernels are charged at the host's issue rate). Segments end at every batch
-end and synchronize, and the scheduler takes (fences) at slice ends, so host idle time between batches
-is not charged. A start recorded while the stream is still busy with an earlier segment completes only
-after that work, so segments never double count.
+counts as device time (tiny kernels are charged at the host's issue rate; a link's brief poll for its
+next batch too). Segments end whenever the worker waits for input and at every synchronize, and the
+scheduler takes (fences) at slice ends, so host idle time between batches is not charged. A start
+recorded while the stream is still busy with an earlier segment completes only after that work, so
+segments never double count.
 """
 
 from __future__ import annotations
@@ -91,8 +94,13 @@ class DeviceTimer:
         if len(self._pairs) > self._fold_at:
             self._fold()
 
+    @property
+    def busy(self) -> bool:
+        """Whether a segment is open on some stream."""
+        return bool(self._open)
+
     def flush(self) -> None:
-        """Close every open segment: the host is about to stop issuing (a batch ended)."""
+        """Close every open segment: the host is about to stop issuing (the worker waits for input)."""
         if self._open:
             with self.lock:
                 self.close()

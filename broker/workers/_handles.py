@@ -64,7 +64,7 @@ class SessionObjects:
     # (buffer handle, view offset) -> the backend's Buffer view: a launch's args are rebuilt from these.
     views: dict[tuple[str, int], Buffer] = field(default_factory=dict)
     # A launch's arguments as the client sent them -> the backend's argument list (workers/_executor.py).
-    launch_args: dict[Any, list[object]] = field(default_factory=dict)
+    launch_args: dict[Any, Any] = field(default_factory=dict)  # (kernel, args) -> the backend's prepared launch
 
     def missing(self, kind: str, handle: str) -> NotFound:
         # The same answer for a freed, foreign or invented handle.

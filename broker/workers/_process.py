@@ -78,16 +78,23 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
                     watched[fd] = want
             version = links.version
         # No read or write on a link ever waits: the select wakes up for the links' deadlines instead.
-        for key, events in selector.select(0 if links.resuming else links.timeout()):
+        executor = server.executor
+        issuing = executor.issuing()
+        events = selector.select(0 if links.resuming or issuing else links.timeout())
+        if issuing and not events and not links.resuming:
+            # Nothing to read and no ring to go back to: the host goes idle now, which must not count as device
+            # time. (Only now, not at every batch end: see _cuda_timing.)
+            executor.idle()
+        for key, mask in events:
             if key.fd == front:
                 code = _serve_front(sock, server)
                 if code == 0:
                     return 0
             else:
                 code = None
-                if events & selectors.EVENT_WRITE:
+                if mask & selectors.EVENT_WRITE:
                     links.writable(key.fd)
-                if events & selectors.EVENT_READ:
+                if mask & selectors.EVENT_READ:
                     links.readable(key.fd)
             if code is not None or server.fatal:
                 log.error("fatal device error; exiting so the tenant gets a fresh context")

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +19,9 @@ cupy = pytest.importorskip("cupy")
 
 from gpubroker.broker.backends import _cuda_timing  # noqa: E402
 from gpubroker.broker.backends._cuda import CudaBackend, list_cuda_devices  # noqa: E402
+from gpubroker.broker.workers._executor import Executor  # noqa: E402
+from gpubroker.broker.workers._handles import HandleTables  # noqa: E402
+from gpubroker.broker.workers._segments import SegmentTable  # noqa: E402
 from gpubroker.client import (  # noqa: E402
     ArgumentTypeError,
     Buffer,
@@ -32,6 +36,18 @@ from gpubroker.client import (  # noqa: E402
     OutOfRange,
     ResourceExhausted,
     Stream,
+)
+from gpubroker.client._protocol import (  # noqa: E402
+    Allocate,
+    Batch,
+    BufferArg,
+    Free,
+    GetKernel,
+    Launch,
+    LoadModule,
+    Read,
+    ScalarArg,
+    Write,
 )
 
 pytestmark = pytest.mark.cuda
@@ -678,3 +694,58 @@ def test_device_time_survives_close() -> None:
     took = backend.take_device_time()  # close waited for the launch; its time is still charged
     assert 1e-3 < took < 8e-3, took
     assert backend.take_device_time() == 0.0
+
+
+# -- the worker's launch path: prepared launches, device-time segments across batches ---------------------------
+def _executor(gpu: CudaBackend) -> Executor:
+    executor = Executor(gpu, HandleTables(), SegmentTable(gpu))
+    ack = executor.run("s", Batch(1, 0, [LoadModule("m", "cuda_c", (SOURCE + SPIN_SOURCE).encode(), []),
+                                         GetKernel("saxpy", "m", "saxpy"), GetKernel("spin", "m", "spin")]))
+    assert ack.error is None, ack.error
+    return executor
+
+
+def _scalar_arg(value: np.generic) -> ScalarArg:
+    return ScalarArg(value.dtype.str, value.tobytes())
+
+
+def test_worker_launches_pack_views_and_scalars_and_recheck_each_shape(gpu: CudaBackend) -> None:
+    executor = _executor(gpu)
+    n = 256
+    x, y = np.arange(n, dtype=np.float32), np.ones(n, dtype=np.float32)
+    launch = Launch("saxpy", (2,), (64,), [_scalar_arg(np.float32(2.0)), BufferArg("x", 0), BufferArg("y", 256),
+                                           _scalar_arg(np.int32(128))])
+    ack = executor.run("s", Batch(2, 0, [Allocate("x", 4 * n), Allocate("y", 4 * n), Write(("x", 0), 0, x.tobytes()),
+                                         Write(("y", 0), 0, y.tobytes()), launch, launch,
+                                         Read(("y", 0), 0, 4 * n)]))
+    assert ack.error is None, ack.error
+    got = np.frombuffer(ack.result, dtype=np.float32)
+    # y's view starts 64 floats in: 128 of them got 2 * x + y twice, the rest are untouched.
+    assert np.array_equal(got[64:192], 1 + 4 * x[:128]) and np.all(got[:64] == 1) and np.all(got[192:] == 1)
+    # The same arguments with a shape the device refuses: the shapes that passed before do not vouch for it.
+    too_big = Launch("saxpy", (2,), (gpu.device_info().max_threads_per_block + 1,), launch.args)
+    ack = executor.run("s", Batch(3, 10, [launch, too_big]))
+    assert ack.done == 1 and ack.error is not None and ack.error.seq == 11 and ack.error.type == "InvalidArgument"
+    # A freed buffer takes its prepared launches with it: the handle is unknown, not a dangling pointer.
+    ack = executor.run("s", Batch(4, 20, [Free("y"), launch]))
+    assert ack.done == 1 and ack.error is not None and ack.error.type == "NotFound", ack.error
+    # A wrong scalar width is refused at the first launch, as by execute_kernel.
+    bad = Launch("saxpy", (1,), (1,), [_scalar_arg(np.float64(2.0)), BufferArg("x", 0), BufferArg("x", 0),
+                                       _scalar_arg(np.int32(1))])
+    ack = executor.run("s", Batch(5, 30, [bad]))
+    assert ack.error is not None and ack.error.type == "ArgumentTypeError", ack.error
+
+
+def test_worker_segment_spans_batches_and_ends_when_the_worker_goes_idle(gpu: CudaBackend) -> None:
+    executor = _executor(gpu)
+    spin = Launch("spin", (1,), (1,), [_scalar_arg(spin_cycles(gpu, 1e-3))])
+    gpu.take_device_time()
+    for i in range(3):  # back-to-back batches: one segment, no timing event between their kernels
+        assert executor.run("s", Batch(10 + i, 0, [spin])).error is None
+        assert executor.issuing()
+    assert gpu._timer._pairs == []
+    executor.idle()  # what the serve loop does before it waits for input
+    assert not executor.issuing()
+    time.sleep(0.05)  # host idle time: not the device's, so not charged
+    took = gpu.take_device_time()
+    assert 2e-3 < took < 20e-3, took
