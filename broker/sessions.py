@@ -76,6 +76,10 @@ class Session:
         self.last_seen = time.monotonic()
 
     def check_alive(self) -> WorkerClient:
+        if self.worker.fault is not None:
+            # Killed (or being killed) for a cause: a client that asks why its link dropped learns the cause at
+            # once, not a crash, even before the front has noticed the process's exit.
+            raise self.worker.death_error()
         if self.lost is not None:
             # A worker killed for a cause (the kernel time limit) fails the session's calls with that status.
             raise self.worker.death_error() if self.worker.death is not None else WorkerCrashed(self.lost)

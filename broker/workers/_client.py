@@ -233,9 +233,9 @@ class WorkerClient:
     def death_error(self) -> GpuBrokerError:
         """What a call on the dead worker fails with: its fault's status (a time limit: DEADLINE_EXCEEDED), else
         WorkerCrashed; the message says why it died."""
+        if self.fault is not None:  # (also while it is being killed for it: the death is not yet noticed)
+            return type(self.fault)(self.death or self.fault.message, **self.fault.details)
         death = self.death or "the worker is gone"
-        if self.fault is not None:
-            return type(self.fault)(death, **self.fault.details)
         return WorkerCrashed(death)
 
     async def _call(self, op: str, session: str, params: dict[str, Any], fd: int | None, check: Any = None,
