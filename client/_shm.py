@@ -38,13 +38,16 @@ try:
 except ImportError:  # not a Unix: no shared memory, copies go as Write and Read commands
     fcntl = None  # type: ignore[assignment]  # the module or None, tested before use
 
-__all__ = ["FRAME_HEADER", "MAX_FRAME", "SEGMENT_SEALS", "STAGING_BYTES", "STAGING_SLOTS", "SUPPORTED", "SharedMemory",
-           "SideChannel", "create_segment_fd", "pack_frame", "staged_pieces", "unpack_frame"]
+__all__ = ["FRAME_HEADER", "MAX_FRAME", "SEGMENT_SEALS", "STAGE_MIN", "STAGING_BYTES", "STAGING_SLOTS", "SUPPORTED",
+           "SharedMemory", "SideChannel", "create_segment_fd", "pack_frame", "staged_pieces", "unpack_frame"]
 
 log = logging.getLogger("gpubroker.client")
 
 # Requests and replies are a few hundred bytes; anything much larger is a bug or a hostile peer.
 MAX_FRAME = 64 * 1024
+# Plain host memory smaller than this is copied by Write / Read commands on the transport rather than through the
+# staging segment: a small read back (a loss, a flag) is then one round trip, not a pipeline of slots and threads.
+STAGE_MIN = 256 * 1024
 # The per-session bounce buffer for host memory that is not a host_array, in slots that pipeline a copy. The
 # client's memcpy sets the pace (a DMA is several times faster), so the worker need only stay a slot ahead; each
 # piece costs the client a round trip and a thread hand-off (~50 us), so slots are large: at 32 MiB that is ~4% of
@@ -301,6 +304,8 @@ class SharedMemory:
         if hit is not None:
             self._copy_shared(hit[0], hit[1], buf, offset, size, to_device, stream)
             return True
+        if size < STAGE_MIN:
+            return False  # one Write or Read on the transport: a round trip, where staging costs a pipeline's worth
         with self._staging_lock:
             staging = self._staging_segment()
             if staging is None:

@@ -29,7 +29,7 @@ from gpubroker.client import (
     connect,
 )
 from gpubroker.client._protocol import CopyShared, Read, Write
-from gpubroker.client._shm import STAGING_BYTES, STAGING_SLOTS, SideChannel, create_segment_fd, staged_pieces
+from gpubroker.client._shm import STAGE_MIN, STAGING_BYTES, STAGING_SLOTS, SideChannel, create_segment_fd, staged_pieces
 
 from ..conftest import worker_pids
 from ..helpers import wait_for
@@ -206,7 +206,7 @@ def test_segments_are_unmapped_when_released_and_when_the_session_ends(broker: B
         b = g.host_array(1 << 20)  # a dead array's segment is released with the next registration
         second = _segment_names(broker, "alice", me) - before
         assert len(second) == 1 and second != first
-        g.copy_h2d(np.ones(10, dtype=np.uint8), g.allocate_memory(10))  # and a staging segment
+        g.copy_h2d(np.ones(1 << 20, dtype=np.uint8), g.allocate_memory(1 << 20))  # and a staging segment
         assert len(_segment_names(broker, "alice", me) - before) == 2
         del b
     assert _segment_names(broker, "alice", me) - before == set()
@@ -337,3 +337,14 @@ def test_a_tenants_sessions_together_cannot_map_more_than_its_limit(shared_broke
         wait_for(lambda: _shared_use(shared_broker, admin, "alice") == (0, 0), timeout=15,
                  what="the dead client's lease to expire")
         assert _shared_use(shared_broker, admin, "bob") == (1 << 30, 1 << 30)
+
+
+def test_small_plain_copies_take_one_round_trip_not_the_staging_segment(broker: BrokerProcess) -> None:
+    """A 4-byte read back (a flag, a loss) is one Read on the transport: no staging segment, no pipeline."""
+    with connect(broker.target, token=broker.tokens["bob"]) as g:
+        buf = g.allocate_memory(STAGE_MIN)
+        g.copy_h2d(np.arange(STAGE_MIN // 4 - 1, dtype=np.float32), buf)
+        word = np.zeros(1, dtype=np.float32)
+        g.copy_d2h(buf.at(0), word, offset=8)
+        assert word[0] == 2.0
+        assert g._shm is not None and g._shm._staging is None
