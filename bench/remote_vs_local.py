@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import socket
 import statistics
@@ -327,6 +328,9 @@ def _targets(remote: dict[str, Any], ratios: dict[str, Any]) -> dict[str, Any]:
 
 
 def _commit() -> dict[str, Any]:
+    """The commit measured: git's, or GPUBROKER_COMMIT where the code runs from a wheel (the GPU machine)."""
+    if os.environ.get("GPUBROKER_COMMIT"):
+        return {"commit": os.environ["GPUBROKER_COMMIT"], "from": "GPUBROKER_COMMIT"}
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,

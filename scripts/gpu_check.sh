@@ -12,6 +12,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/gpb-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1
+[ -f .whl/COMMIT ] && export GPUBROKER_COMMIT="$(cat .whl/COMMIT)"  # what the benchmarks' JSON names
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PY" -c 'import cupy, grpc, google.protobuf as p; print("cupy", cupy.__version__, "grpc", grpc.__version__, "protobuf", p.__version__)'
 "$PY" -m gpubroker.broker.cli devices --backend cuda

@@ -20,4 +20,6 @@ rm -rf .whl && mkdir -p .whl
   --abi cp312 --abi abi3 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_34_x86_64 'msgspec>=0.19' 'cryptography>=42' 'cffi>=1.14' \
   pycparser
+# The commit these wheels hold, for the benchmarks' JSON (the GPU machine has no git history).
+{ git rev-parse HEAD | tr -d '\n'; git diff --quiet HEAD -- . || printf '+dirty'; echo; } > .whl/COMMIT
 ls -l .whl
