@@ -9,12 +9,13 @@ and answers on the link ``[0, 0, {"ring": 1}]``, or ``[0, 1, error]`` and the li
 on each batch is one record in the command ring and each ack one record in the ack ring, in order; the link
 socket stays open and says when the other side is gone (its close ends the ring).
 
-Each side spins briefly for the other's answer (``spin_us`` of polls of the ring's index, where the host has
-CPUs to spare) before blocking on its doorbell: a launch + sync then costs no wake-up across processes. The
-client spins only for the last batch it sent (a call, a sync): waiting for room in the window it blocks at once,
-since the worker has a window of batches to run first. A doorbell is always rung after a record is published,
-so a side that stopped spinning is never missed; a side that was spinning finds a record waiting on its socket
-and drains it before it next blocks.
+Each side spins for the other's answer (polls of the ring's index, where the host has CPUs to spare) before
+blocking on its doorbell: a launch + sync then costs no wake-up across processes. The worker spins briefly
+(``spin_us``) for the client's next batch; the client spins for the answer to the last batch it sent (a call, a
+sync) for up to WAIT_SPIN_US, so a call that keeps the device busy for milliseconds costs no wake-up either:
+waiting for room in the window it blocks at once, since the worker has a window of batches to run first. A
+doorbell is always rung after a record is published, so a side that stopped spinning is never missed; a side
+that was spinning finds a record waiting on its socket and drains it before it next blocks.
 
 Doorbells are sockets, not eventfds, because the client shares the worker's end's open file description (it
 created it) and may change its flags (O_NONBLOCK) or fill its queues at any time: with a socket each call says
@@ -52,7 +53,7 @@ from ._link import HELLO_REPLY_MAX, Connector, FramedLink
 
 __all__ = ["ACK_HEAD", "ACK_TAIL", "CMD_HEAD", "CMD_TAIL", "MAX_SPIN_US", "RING_DATA", "RING_SEALS",
            "RING_SUPPORTED", "SPIN_ENV", "ByteRing", "RingBroken", "RingTransport", "drain_bell", "ring_bell",
-           "ring_caps", "spin_us"]
+           "ring_caps", "spin_us", "wait_spin_us"]
 
 # Where each index lives, in u64 words of the first page (a cache line apart: no false sharing between sides).
 CMD_HEAD: Final = 0
@@ -75,6 +76,14 @@ MAX_RING_WINDOW: Final = 8
 SPIN_ENV: Final = "GPUBROKER_RING_SPIN_US"
 MAX_SPIN_US: Final = 200
 _SPIN_US: Final = 50
+# How long the client polls for the answer to its own last batch (a call, a sync), where it spins by default:
+# far longer than the worker's spin, because a wake-up is not cheap everywhere. In a VM a blocked client's idle
+# vCPU halts, and the worker's doorbell then costs an interrupt through the hypervisor, measured at 0.1-0.2 ms
+# on an H200 VM: every blocking call after a few ms of device work (a ~5 ms kernel and its sync, a 64 MiB copy)
+# paid it, and so did the worker, whose own spin for the next batch had ended meanwhile. Native CUDA spins the
+# same way (cudaDeviceScheduleAuto with spare CPUs). Past this a call blocks: a wake-up is small against it.
+# Where SPIN_ENV is set, the client's wait spins just that long (0: never).
+WAIT_SPIN_US: Final = 20_000
 _SPIN_MIN_CPUS: Final = 4
 _SPIN_POLLS: Final = 32  # polls between two reads of the clock
 _LEN: Final = struct.Struct("<I")
@@ -101,6 +110,13 @@ def spin_us() -> int:
         except ValueError:
             pass
     return _SPIN_US if len(os.sched_getaffinity(0)) >= _SPIN_MIN_CPUS else 0
+
+
+def wait_spin_us() -> int:
+    """How long this process polls for the answer to its last batch before blocking, in microseconds."""
+    if os.environ.get(SPIN_ENV) is not None:
+        return spin_us()
+    return WAIT_SPIN_US if len(os.sched_getaffinity(0)) >= _SPIN_MIN_CPUS else 0
 
 
 def ring_caps(window: int, max_frame: int) -> int:
@@ -229,7 +245,7 @@ class RingTransport(FramedLink):
         self._acks: ByteRing | None = None
         self._poller: select.poll | None = None  # the doorbell and the link socket
         self._ring_window = min(window, MAX_RING_WINDOW)
-        self._spin = spin_us() * 1e-6
+        self._spin = wait_spin_us() * 1e-6
         super().__init__(connect, token, session, kind="ring", timeout=timeout, window=self._ring_window,
                          batch_size=batch_size)
 

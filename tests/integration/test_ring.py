@@ -35,9 +35,11 @@ from gpubroker.client._transports._ring import (
     RING_DATA,
     RING_SEALS,
     SPIN_ENV,
+    WAIT_SPIN_US,
     ByteRing,
     ring_bell,
     ring_caps,
+    wait_spin_us,
 )
 
 from ..conftest import TENANTS, worker_pids
@@ -224,12 +226,36 @@ def test_a_bad_ring_offer_is_refused_and_the_link_stays(ring_broker: BrokerProce
     _still_serves(ring_broker, gpu, pid)
 
 
-@pytest.mark.parametrize("spin", ["0", "50"], ids=["block", "spin"])
+def _cpus(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(n)))
+
+
+def test_the_clients_wait_spins_long_only_where_cpus_are_spare(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call's answer is polled for up to WAIT_SPIN_US by default (a wake-up costs 0.1-0.2 ms in a VM), not at all
+    on a host of few CPUs, and exactly as long as SPIN_ENV says where it is set (the worker's spin too)."""
+    monkeypatch.delenv(SPIN_ENV, raising=False)
+    _cpus(monkeypatch, 16)
+    assert wait_spin_us() == WAIT_SPIN_US > 1000
+    _cpus(monkeypatch, 2)
+    assert wait_spin_us() == 0
+    monkeypatch.setenv(SPIN_ENV, "70")
+    assert wait_spin_us() == 70
+    monkeypatch.setenv(SPIN_ENV, "0")
+    _cpus(monkeypatch, 16)
+    assert wait_spin_us() == 0
+
+
+@pytest.mark.parametrize("spin", ["0", "50", None], ids=["block", "spin", "default-wait"])
 @pytest.mark.parametrize("async_commands", [False, True], ids=["sync", "async"])
-def test_results_through_the_ring_spinning_or_not(ring_broker: BrokerProcess, async_commands: bool, spin: str,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Dependent kernels and reads back, many round trips, across the ring's wrap (small records, 1 MiB reads)."""
-    monkeypatch.setenv(SPIN_ENV, spin)
+def test_results_through_the_ring_spinning_or_not(ring_broker: BrokerProcess, async_commands: bool,
+                                                  spin: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dependent kernels and reads back, many round trips, across the ring's wrap (small records, 1 MiB reads).
+    ``default-wait``: the client's long wait spin (as on a host of spare CPUs) and the worker's short one."""
+    if spin is None:
+        monkeypatch.delenv(SPIN_ENV, raising=False)
+        _cpus(monkeypatch, 16)
+    else:
+        monkeypatch.setenv(SPIN_ENV, spin)
     with connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring",
                  async_commands=async_commands, shared_memory=False) as gpu:
         kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "scale_inplace")
