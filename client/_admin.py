@@ -7,7 +7,7 @@ from typing import Any, TypeVar, cast
 from gpubroker.v1 import admin_pb2 as apb
 from gpubroker.v1 import admin_pb2_grpc as apb_grpc
 
-from ._transport import make_channel, translated
+from ._channel import make_channel, translated
 
 R = TypeVar("R")
 

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, cast
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
+from ._channel import make_channel, translated
 from ._errors import InvalidArgument
 from ._tls import TlsOptions
-from ._transport import make_channel, translated
 from ._types import Buffer, DeviceInfo
 
 if TYPE_CHECKING:

@@ -15,9 +15,9 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ._channel import make_channel
 from ._errors import GpuBrokerError, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from ._tls import TlsOptions
-from ._transport import make_channel
 
 __all__ = ["HEALTH_TIMEOUT", "device_health_name", "place_session", "split_targets"]
 

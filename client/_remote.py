@@ -12,6 +12,7 @@ import numpy as np
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
+from ._channel import make_channel, translated
 from ._devices import copy_peer, device_info_from_pb
 from ._errors import FailedPrecondition, GpuBrokerError, InvalidArgument
 from ._host import check_device_range, readable_bytes, writable_bytes
@@ -33,7 +34,6 @@ from ._protocol import (
 )
 from ._shm import SharedMemory
 from ._tls import TlsOptions
-from ._transport import make_channel, translated
 from ._transports import TRANSPORTS, Transport, choose_transport
 from ._types import (
     Buffer,

@@ -15,8 +15,8 @@ from typing import Any
 import grpc
 from hypothesis import strategies as st
 
+from gpubroker.client._channel import make_channel
 from gpubroker.client._shm import SideChannel
-from gpubroker.client._transport import make_channel
 from gpubroker.v1 import admin_pb2 as apb
 from gpubroker.v1 import admin_pb2_grpc as apb_grpc
 from gpubroker.v1 import broker_pb2 as pb

@@ -14,8 +14,8 @@ import grpc
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
+from .._channel import translate_rpc_error
 from .._errors import GpuBrokerError
-from .._transport import translate_rpc_error
 from ._core import BatchingTransport, Lost
 
 __all__ = ["GrpcCommands"]

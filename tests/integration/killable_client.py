@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from gpubroker.client import connect
-from gpubroker.client._transport import make_channel
+from gpubroker.client._channel import make_channel
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 

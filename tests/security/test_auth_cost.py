@@ -22,9 +22,9 @@ from gpubroker.broker.auth import FailurePenalty, TokenVerifier, mint_token
 from gpubroker.broker.config import BrokerConfig, TenantConfig, load_config, save_config
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import Unauthenticated, Unavailable, connect
+from gpubroker.client._channel import make_channel
 from gpubroker.client._errors import error_from_wire
 from gpubroker.client._frames import pack_frame, recv_frame
-from gpubroker.client._transport import make_channel
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 

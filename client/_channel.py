@@ -1,4 +1,4 @@
-"""The client's transport boundary: channels, auth metadata, and gRPC errors into GpuBrokerError."""
+"""The client's gRPC channel: channels, auth metadata, keepalive, and gRPC errors into GpuBrokerError."""
 
 from __future__ import annotations
 
