@@ -25,7 +25,7 @@ from ._errors import (
 )
 from ._host import HostBuffer
 from ._tls import TlsOptions
-from ._types import Buffer, DeviceInfo, Kernel, Module, ModuleFormat, Stream
+from ._types import Buffer, DeviceInfo, Event, Kernel, Module, ModuleFormat, Stream
 
 if TYPE_CHECKING:  # imported on first use by __getattr__ below; named here so their types are known
     from ._admin import AdminClient
@@ -43,6 +43,7 @@ __all__ = [
     "CompileError",
     "DeadlineExceeded",
     "DeviceInfo",
+    "Event",
     "FailedPrecondition",
     "GpuBrokerError",
     "GpuCompute",

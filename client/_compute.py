@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from ._host import HostBuffer
-from ._types import Buffer, DeviceInfo, Kernel, Module, ModuleFormat, Stream
+from ._types import Buffer, DeviceInfo, Event, Kernel, Module, ModuleFormat, Stream
 
 __all__ = ["GpuCompute"]
 
@@ -59,5 +59,22 @@ class GpuCompute(Protocol):
     def destroy_stream(self, stream: Stream) -> None: ...
 
     def synchronize(self, stream: Stream | None = None) -> None: ...
+
+    def create_event(self) -> Event: ...
+
+    def record_event(self, event: Event, stream: Stream | None = None) -> None:
+        """Mark the point reached by the work queued so far on ``stream``; a later record moves the mark."""
+        ...
+
+    def wait_event(self, event: Event, stream: Stream | None = None) -> None:
+        """Make ``stream``'s later work wait, on the device, for the event's mark; the host does not block. An
+        event never recorded is complete."""
+        ...
+
+    def synchronize_event(self, event: Event) -> None:
+        """Block the host until the event's mark is reached (at once if it was never recorded)."""
+        ...
+
+    def destroy_event(self, event: Event) -> None: ...
 
     def close(self) -> None: ...

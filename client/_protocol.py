@@ -34,7 +34,9 @@ __all__ = [
     "CommandError",
     "CopyD2D",
     "CopyShared",
+    "CreateEvent",
     "CreateStream",
+    "DestroyEvent",
     "DestroyStream",
     "DeviceInfoQuery",
     "Free",
@@ -46,9 +48,12 @@ __all__ = [
     "MAX_HANDLE",
     "Memset",
     "Read",
+    "RecordEvent",
     "ScalarArg",
     "Synchronize",
+    "SynchronizeEvent",
     "UnloadModule",
+    "WaitEvent",
     "Write",
     "decode_ack",
     "decode_batch",
@@ -65,11 +70,11 @@ Dims = Annotated[tuple[int, ...], msgspec.Meta(min_length=1, max_length=3)]
 # A buffer view: the allocation's handle and the view's offset into it (Buffer.handle, Buffer.offset).
 BufRef = tuple[Handle, NonNegative]
 
-_PREFIX = {"buf": "b", "stream": "s", "module": "m", "kernel": "k", "segment": "g"}
+_PREFIX = {"buf": "b", "stream": "s", "event": "e", "module": "m", "kernel": "k", "segment": "g"}
 
 
 def new_handle(kind: str) -> str:
-    """A fresh handle for a buffer, stream, module, kernel or segment: random (64 bits), so a handle one session
+    """A fresh handle for a buffer, stream, event, module, kernel or segment: random (64 bits), so a handle one session
     names can never be guessed into another's, and the worker refuses one already in use in the session."""
     return f"{_PREFIX[kind]}{secrets.token_hex(8)}"
 
@@ -150,6 +155,31 @@ class Synchronize(_Command, tag="synchronize", frozen=True):
     stream: OptionalStream = ""  # "": the whole device (every stream of the session)
 
 
+# Events order streams on the device: ``WaitEvent`` makes a stream wait, on the GPU, for what was queued before the
+# event's last ``RecordEvent`` (no host blocks); ``SynchronizeEvent`` makes the host wait for it. An event never
+# recorded is complete (CUDA's rule): waiting on it returns at once.
+class CreateEvent(_Command, tag="create_event", frozen=True):
+    handle: Handle
+
+
+class DestroyEvent(_Command, tag="destroy_event", frozen=True):
+    handle: Handle
+
+
+class RecordEvent(_Command, tag="record_event", frozen=True):
+    event: Handle
+    stream: OptionalStream = ""
+
+
+class WaitEvent(_Command, tag="wait_event", frozen=True):
+    event: Handle
+    stream: OptionalStream = ""
+
+
+class SynchronizeEvent(_Command, tag="synchronize_event", frozen=True):
+    event: Handle
+
+
 class Write(_Command, tag="write", frozen=True):
     """Host to device: ``data`` into the view at ``offset`` (one chunk of a copy; large copies are several)."""
 
@@ -206,11 +236,13 @@ class GetKernel(_Command, tag="get_kernel", frozen=True):
     name: Annotated[str, msgspec.Meta(max_length=1024)]
 
 
-Command = (Allocate | Free | Memset | CopyD2D | Launch | CreateStream | DestroyStream | Synchronize | Write | Read
-           | CopyShared | DeviceInfoQuery | LoadModule | UnloadModule | GetKernel)
+Command = (Allocate | Free | Memset | CopyD2D | Launch | CreateStream | DestroyStream | Synchronize | CreateEvent
+           | DestroyEvent | RecordEvent | WaitEvent | SynchronizeEvent | Write | Read | CopyShared | DeviceInfoQuery
+           | LoadModule | UnloadModule | GetKernel)
 COMMANDS: Final[tuple[type[_Command], ...]] = (
-    Allocate, Free, Memset, CopyD2D, Launch, CreateStream, DestroyStream, Synchronize, Write, Read, CopyShared,
-    DeviceInfoQuery, LoadModule, UnloadModule, GetKernel)
+    Allocate, Free, Memset, CopyD2D, Launch, CreateStream, DestroyStream, Synchronize, CreateEvent, DestroyEvent,
+    RecordEvent, WaitEvent, SynchronizeEvent, Write, Read, CopyShared, DeviceInfoQuery, LoadModule, UnloadModule,
+    GetKernel)
 LINK_COMMANDS: Final = frozenset(c for c in COMMANDS if c.link)
 
 

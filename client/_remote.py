@@ -22,14 +22,19 @@ from ._protocol import (
     BufferArg,
     Command,
     CopyD2D,
+    CreateEvent,
     CreateStream,
+    DestroyEvent,
     DestroyStream,
     Free,
     KernelArg,
     Launch,
     Memset,
+    RecordEvent,
     ScalarArg,
     Synchronize,
+    SynchronizeEvent,
+    WaitEvent,
     new_handle,
 )
 from ._shm import SharedMemory
@@ -38,6 +43,7 @@ from ._transports import TRANSPORTS, Transport, choose_transport
 from ._types import (
     Buffer,
     DeviceInfo,
+    Event,
     Kernel,
     Module,
     ModuleFormat,
@@ -287,6 +293,25 @@ class RemoteGpu:
         # One round trip carrying what is queued and the sync; an asynchronous command's error surfaces here.
         self.transport.call(Synchronize(_stream(stream)))
 
+    # Events are commands like stream creation: queued with async_commands, the handle chosen here.
+    def create_event(self) -> Event:
+        handle = new_handle("event")
+        self._command(CreateEvent(handle))
+        return Event(handle)
+
+    def record_event(self, event: Event, stream: Stream | None = None) -> None:
+        self._command(RecordEvent(_event_ref(event), _stream(stream)))
+
+    def wait_event(self, event: Event, stream: Stream | None = None) -> None:
+        self._command(WaitEvent(_event_ref(event), _stream(stream)))
+
+    def synchronize_event(self, event: Event) -> None:
+        # The host waits: one round trip carrying what is queued, as synchronize.
+        self.transport.call(SynchronizeEvent(_event_ref(event)))
+
+    def destroy_event(self, event: Event) -> None:
+        self._command(DestroyEvent(_event_ref(event)))
+
     def close(self) -> None:
         """End the session (the broker frees its buffers, modules and streams) and the channel."""
         if self._closed.is_set():
@@ -321,6 +346,12 @@ def _check_counts(**values: object) -> None:
             raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}")
         if value < 0:
             raise InvalidArgument(f"{name} must be >= 0, got {value}")
+
+
+def _event_ref(event: Event) -> str:
+    if type(event) is not Event:
+        raise InvalidArgument(f"expected an Event, got {type(event).__name__}")
+    return _handle(event.handle, "event")
 
 
 def _stream_ref(stream: Stream) -> str:

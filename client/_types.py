@@ -14,6 +14,7 @@ __all__ = [
     "Buffer",
     "DeviceInfo",
     "Dim3",
+    "Event",
     "Kernel",
     "KernelArg",
     "Module",
@@ -99,6 +100,13 @@ class Kernel:
 
 @dataclass(frozen=True)
 class Stream:
+    handle: str
+
+
+@dataclass(frozen=True)
+class Event:
+    """A point in a stream's work (``record_event``) that another stream or the host can wait for."""
+
     handle: str
 
 

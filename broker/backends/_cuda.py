@@ -24,6 +24,7 @@ from gpubroker.client import (
     Aborted,
     Buffer,
     DeviceInfo,
+    Event,
     FailedPrecondition,
     GpuBrokerError,
     InvalidArgument,
@@ -61,6 +62,7 @@ class CudaBackend(CudaCopyMixin, CudaCodeMixin, CudaPeerMixin):
         self._fatal: Aborted | None = None
         self._buffers: HandleTable[Memory] = HandleTable("buf")
         self._streams: HandleTable[cupy.cuda.Stream] = HandleTable("stream")
+        self._cuda_events: HandleTable[cupy.cuda.Event] = HandleTable("event")
         self._modules: HandleTable[ModuleRec] = HandleTable("module")
         self._kernels: HandleTable[KernelRec] = HandleTable("kernel")
         self.allocated_bytes = 0
@@ -116,7 +118,7 @@ class CudaBackend(CudaCopyMixin, CudaCodeMixin, CudaPeerMixin):
             self._timer.settle()  # the work is done: a take after close still charges it
         else:
             self._timer.abandon()
-        tables = (self._kernels, self._modules, self._streams, self._buffers)
+        tables = (self._cuda_events, self._kernels, self._modules, self._streams, self._buffers)
         for table in tables:
             for handle in table.handles():
                 obj = table.pop(handle)
@@ -228,6 +230,52 @@ class CudaBackend(CudaCopyMixin, CudaCodeMixin, CudaPeerMixin):
                 s.synchronize()
         except Exception as exc:
             raise self._fail("synchronize", exc) from exc
+
+    # -- events ------------------------------------------------------------------------------
+    def _event(self, event: Event) -> cupy.cuda.Event:
+        if not isinstance(event, Event):
+            raise InvalidArgument(f"expected an Event, got {type(event).__name__}")
+        return self._cuda_events.get(event.handle)
+
+    def create_event(self) -> Event:
+        self._use()
+        try:
+            ev = cupy.cuda.Event(disable_timing=True)  # ordering only: a timing event costs more to record
+        except Exception as exc:
+            raise self._fail("create_event", exc) from exc
+        return Event(self._cuda_events.add(ev))
+
+    def record_event(self, event: Event, stream: Stream | None = None) -> None:
+        self._use()
+        ev, s = self._event(event), self._stream(stream)
+        try:
+            ev.record(s)
+        except Exception as exc:
+            raise self._fail("record_event", exc) from exc
+
+    def wait_event(self, event: Event, stream: Stream | None = None) -> None:
+        """The stream waits on the GPU (cudaStreamWaitEvent); an event never recorded is complete."""
+        self._use()
+        ev, s = self._event(event), self._stream(stream)
+        try:
+            s.wait_event(ev)
+        except Exception as exc:
+            raise self._fail("wait_event", exc) from exc
+
+    def synchronize_event(self, event: Event) -> None:
+        self._use()
+        ev = self._event(event)
+        try:
+            with self._timer.lock:
+                self._timer.close(None)  # the host waits now: end the segments first, as synchronize does
+            ev.synchronize()
+        except Exception as exc:
+            raise self._fail("synchronize_event", exc) from exc
+
+    def destroy_event(self, event: Event) -> None:
+        self._use()
+        self._event(event)
+        self._cuda_events.pop(event.handle)  # cudaEventDestroy defers until a pending record completes
 
     # -- device-time accounting --------------------------------------------------------------
     def device_time_open(self) -> bool:

@@ -17,6 +17,7 @@ import pyopencl as cl
 from gpubroker.client import (
     Buffer,
     DeviceInfo,
+    Event,
     FailedPrecondition,
     HostBuffer,
     InvalidArgument,
@@ -35,6 +36,13 @@ from ._opencl_timing import FOLD_EVENTS, QUEUE_PROPS, OpenCLTimingMixin
 __all__ = ["OpenCLBackend", "list_opencl_devices"]
 
 _QUEUE_PROPS = QUEUE_PROPS
+
+
+@dataclass(slots=True)
+class _Marker:
+    event: cl.Event | None = None
+
+
 # The fold threshold's floor (see _opencl_timing). Read at call time through _fold_floor, so patching this
 # module's name (as the tests do) still takes effect.
 _FOLD_EVENTS = FOLD_EVENTS
@@ -65,6 +73,8 @@ class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
         self._lock = threading.RLock()
         self._buffers: HandleTable[_Alloc] = HandleTable("buf")
         self._streams: HandleTable[cl.CommandQueue] = HandleTable("stream")
+        # An event's last recorded marker; None: never recorded (complete, as in CUDA).
+        self._markers: HandleTable[_Marker] = HandleTable("event")
         self._modules: HandleTable[ModuleRec] = HandleTable("mod")
         self._kernels: HandleTable[KernelRec] = HandleTable("kern")
         # Sub-buffers made for launches stay referenced until their launch completes.
@@ -118,6 +128,7 @@ class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
             self._kernels = HandleTable("kern")
             self._modules = HandleTable("mod")
             self._streams = HandleTable("stream")
+            self._markers = HandleTable("event")
             self._allocated = 0
             self._queue = self._context = self._device = None
 
@@ -270,6 +281,46 @@ class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
             with cl_errors("memset"):
                 event = cl.enqueue_fill_buffer(queue, alloc.mem, np.array([value], dtype=np.uint8), start, size)
             self._track(event)
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def _marker(self, event: Event) -> _Marker:
+        self._ready()
+        if not isinstance(event, Event):
+            raise InvalidArgument(f"expected an Event, got {type(event).__name__}")
+        return self._markers.get(event.handle)
+
+    def create_event(self) -> Event:
+        self._ready()
+        with self._lock:
+            return Event(self._markers.add(_Marker()))
+
+    def record_event(self, event: Event, stream: Stream | None = None) -> None:
+        """A marker on the stream's queue: complete when everything enqueued before it is."""
+        marker, queue = self._marker(event), self._queue_for(stream)
+        with cl_errors("record_event"):
+            marker.event = cl.enqueue_marker(queue)
+            # Submitted now: another queue's barrier (or the host) may wait on it before this queue is flushed.
+            queue.flush()
+
+    def wait_event(self, event: Event, stream: Stream | None = None) -> None:
+        """A barrier on the stream's queue that waits for the marker: the device orders them, the host goes on."""
+        marker, queue = self._marker(event), self._queue_for(stream)
+        if marker.event is None:
+            return
+        with cl_errors("wait_event"):
+            cl.enqueue_barrier(queue, wait_for=[marker.event])
+
+    def synchronize_event(self, event: Event) -> None:
+        marker = self._marker(event)
+        if marker.event is not None:
+            with cl_errors("synchronize_event"):
+                marker.event.wait()
+
+    def destroy_event(self, event: Event) -> None:
+        self._marker(event)
+        with self._lock:
+            self._markers.pop(event.handle)  # the OpenCL event lives on while a barrier still waits for it
 
     # -- streams ---------------------------------------------------------------------------------
 

@@ -45,8 +45,11 @@ from gpubroker.client._protocol import (
     LoadModule,
     Memset,
     Read,
+    RecordEvent,
     ScalarArg,
     Synchronize,
+    SynchronizeEvent,
+    WaitEvent,
     Write,
     decode_batch,
     encode,
@@ -86,8 +89,10 @@ _FORMATS = {
     pb.MODULE_FORMAT_CUBIN: ModuleFormat.CUBIN,
     pb.MODULE_FORMAT_FATBIN: ModuleFormat.FATBIN,
 }
-# Commands that use the device: a batch holding one waits for the tenant's turn on it.
-_DEVICE_WORK = (Launch, Memset, CopyD2D, Synchronize, Write, Read, CopyShared)
+# Commands that use the device: a batch holding one waits for the tenant's turn on it (an event's record and wait
+# queue on a stream, and its host wait holds the worker on the device like a synchronize).
+_DEVICE_WORK = (Launch, Memset, CopyD2D, Synchronize, Write, Read, CopyShared, RecordEvent, WaitEvent,
+                SynchronizeEvent)
 # A shared-memory copy takes one scheduler turn per piece of this size, so a huge copy cannot hold the device
 # for long past its tenant's quantum (256 MiB: ~5 ms pinned on an H200, one quantum).
 SHARED_PIECE = 256 * 1024 * 1024
@@ -226,7 +231,9 @@ def command_of(command: pb.Command) -> Command:
 
 
 # Every RPC of the GpuBroker service: the function that turns it into commands, or None for the control plane
-# (sessions, devices, CopyPeer's front-driven pieces), which carries no device command of its own.
+# (sessions, devices, CopyPeer's front-driven pieces), which carries no device command of its own. Some commands
+# have no typed RPC (events: CreateEvent, RecordEvent, WaitEvent, SynchronizeEvent, DestroyEvent): the Commands
+# stream carries them for every language through ``CommandBatch.encoded``, as the links do.
 RPC_COMMANDS: dict[str, Callable[..., Any] | None] = {
     "Allocate": allocate_commands, "Free": free_commands, "Memset": memset_commands,
     "CopyDeviceToDevice": copy_d2d_commands, "CopyHostToDevice": write_command, "CopyDeviceToHost": read_command,

@@ -43,7 +43,9 @@ from gpubroker.client._protocol import (
     CommandError,
     CopyD2D,
     CopyShared,
+    CreateEvent,
     CreateStream,
+    DestroyEvent,
     DestroyStream,
     DeviceInfoQuery,
     Dims,
@@ -54,8 +56,11 @@ from gpubroker.client._protocol import (
     LoadModule,
     Memset,
     Read,
+    RecordEvent,
     Synchronize,
+    SynchronizeEvent,
     UnloadModule,
+    WaitEvent,
     Write,
 )
 
@@ -115,7 +120,9 @@ def _describe(objs: SessionObjects, command: object) -> str:
         case GetKernel(name=name):
             return f"get_kernel of {name!r}"
         case CreateStream(handle=handle) | DestroyStream(handle=handle) | LoadModule(handle=handle) \
-                | UnloadModule(handle=handle):
+                | UnloadModule(handle=handle) | CreateEvent(handle=handle) | DestroyEvent(handle=handle):
+            return f"{command_name(command)} of {handle!r}"
+        case RecordEvent(event=handle) | WaitEvent(event=handle) | SynchronizeEvent(event=handle):
             return f"{command_name(command)} of {handle!r}"
     return command_name(command)
 
@@ -155,7 +162,9 @@ class Executor:
         handlers: dict[type, Callable[[SessionObjects, Any], Any]] = {
             Allocate: self._allocate, Free: self._free, Memset: self._memset, CopyD2D: self._copy_d2d,
             Launch: self._launch, CreateStream: self._create_stream, DestroyStream: self._destroy_stream,
-            Synchronize: self._synchronize, Write: self._write, Read: self._read, CopyShared: self._copy_shared,
+            Synchronize: self._synchronize, CreateEvent: self._create_event, DestroyEvent: self._destroy_event,
+            RecordEvent: self._record_event, WaitEvent: self._wait_event, SynchronizeEvent: self._synchronize_event,
+            Write: self._write, Read: self._read, CopyShared: self._copy_shared,
             DeviceInfoQuery: self._device_info, LoadModule: self._load_module, UnloadModule: self._unload_module,
             GetKernel: self._get_kernel,
         }
@@ -300,6 +309,25 @@ class Executor:
 
     def _synchronize(self, objs: SessionObjects, cmd: Synchronize) -> None:
         self.backend.synchronize(objs.stream(cmd.stream))
+
+    # -- events ------------------------------------------------------------------------------------
+    def _create_event(self, objs: SessionObjects, cmd: CreateEvent) -> None:
+        self.tables.claim(objs, "event", cmd.handle)
+        objs.events[cmd.handle] = self.backend.create_event()
+        objs.kinds[cmd.handle] = "event"
+
+    def _destroy_event(self, objs: SessionObjects, cmd: DestroyEvent) -> None:
+        self.backend.destroy_event(objs.event(cmd.handle))
+        del objs.events[cmd.handle], objs.kinds[cmd.handle]
+
+    def _record_event(self, objs: SessionObjects, cmd: RecordEvent) -> None:
+        self.backend.record_event(objs.event(cmd.event), objs.stream(cmd.stream))
+
+    def _wait_event(self, objs: SessionObjects, cmd: WaitEvent) -> None:
+        self.backend.wait_event(objs.event(cmd.event), objs.stream(cmd.stream))
+
+    def _synchronize_event(self, objs: SessionObjects, cmd: SynchronizeEvent) -> None:
+        self.backend.synchronize_event(objs.event(cmd.event))
 
     # -- the device --------------------------------------------------------------------------------
     def _device_info(self, objs: SessionObjects, cmd: DeviceInfoQuery) -> dict[str, Any]:

@@ -15,7 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpubroker.client import Buffer, InvalidArgument, Kernel, Module, NotFound, OutOfRange, ResourceExhausted, Stream
+from gpubroker.client import (
+    Buffer,
+    Event,
+    InvalidArgument,
+    Kernel,
+    Module,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+    Stream,
+)
 
 from ._segments import Segment
 
@@ -57,6 +67,7 @@ class SessionObjects:
     kinds: dict[str, str] = field(default_factory=dict)  # every handle in use -> its kind (one namespace)
     buffers: dict[str, BufferEntry] = field(default_factory=dict)
     streams: dict[str, Stream] = field(default_factory=dict)
+    events: dict[str, Event] = field(default_factory=dict)
     modules: dict[str, Module] = field(default_factory=dict)
     kernels: dict[str, KernelEntry] = field(default_factory=dict)
     segments: dict[str, Segment] = field(default_factory=dict)
@@ -98,6 +109,12 @@ class SessionObjects:
         if stream is None:
             raise self.missing("stream", handle)
         return stream
+
+    def event(self, handle: str) -> Event:
+        event = self.events.get(handle)
+        if event is None:
+            raise self.missing("event", handle)
+        return event
 
     def kernel(self, handle: str) -> KernelEntry:
         entry = self.kernels.get(handle)

@@ -133,6 +133,11 @@ class WorkerServer(PeerOps):
         for seg in objs.segments.values():  # unpin and unmap: a dead client's segments go with its lease
             self.segments.release(seg)
         freed = 0
+        for event in objs.events.values():  # first: a stream's destruction need not outlive them
+            try:
+                self.backend.destroy_event(event)
+            except GpuBrokerError as exc:
+                log.warning("close_session %s: %s", session, exc.message)
         for stream in objs.streams.values():
             try:
                 self.backend.destroy_stream(stream)

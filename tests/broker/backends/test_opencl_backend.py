@@ -578,3 +578,58 @@ def test_device_time_survives_close() -> None:
         backend.memset(buf, 1)
     assert backend.take_device_time() > 0  # close waited for the memset; its time is still charged
     assert backend.take_device_time() == 0.0
+
+
+# -- events ----------------------------------------------------------------------------------------
+# Each work-item spins before it writes i + 1: slow enough that a read on another stream which did not wait for
+# the event would see the memset's zeros.
+SLOW_FILL = """
+__kernel void slow_fill(__global int* out, uint n, uint spin) {
+    size_t i = get_global_id(0);
+    uint acc = (uint)i;
+    for (uint k = 0; k < spin; ++k) acc = acc * 1664525u + 1013904223u;
+    if (i < n) out[i] = acc == 0xdeadbeefu && spin == 3u ? -1 : (int)i + 1;
+}
+"""
+
+
+def test_a_stream_waits_on_the_device_for_another_streams_event(gpu: OpenCLBackend) -> None:
+    slow = gpu.compile_kernel(SLOW_FILL, "slow_fill")
+    n = 1024
+    a, b = gpu.create_stream(), gpu.create_stream()
+    buf = gpu.allocate_memory(n * 4)
+    ev = gpu.create_event()
+    try:
+        gpu.memset(buf, 0)
+        gpu.synchronize()
+        gpu.execute_kernel(slow, n // 64, 64, [buf, np.uint32(n), np.uint32(200_000)], stream=a)
+        gpu.record_event(ev, a)
+        gpu.wait_event(ev, b)  # returns at once: the barrier is the device's to honour
+        host = np.empty(n, dtype=np.int32)
+        gpu.copy_d2h(buf, host, stream=b)
+        np.testing.assert_array_equal(host, np.arange(1, n + 1, dtype=np.int32))
+        gpu.synchronize_event(ev)
+    finally:
+        gpu.destroy_event(ev)
+        gpu.free_memory(buf)
+        gpu.destroy_stream(a)
+        gpu.destroy_stream(b)
+    with pytest.raises(NotFound, match="event"):
+        gpu.synchronize_event(ev)
+    with pytest.raises(NotFound, match="event"):
+        gpu.record_event(ev)
+
+
+def test_an_event_never_recorded_is_complete(gpu: OpenCLBackend) -> None:
+    ev = gpu.create_event()
+    s = gpu.create_stream()
+    try:
+        gpu.wait_event(ev, s)
+        gpu.wait_event(ev)
+        gpu.synchronize_event(ev)
+        gpu.synchronize(s)
+    finally:
+        gpu.destroy_event(ev)
+        gpu.destroy_stream(s)
+    with pytest.raises(InvalidArgument, match="Event"):
+        gpu.wait_event("e-1")  # type: ignore[arg-type]
