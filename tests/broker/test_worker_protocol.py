@@ -32,7 +32,9 @@ from gpubroker.client._protocol import (
     BufferArg,
     Command,
     CopyShared,
+    CreateEvent,
     CreateStream,
+    DestroyEvent,
     DestroyStream,
     DeviceInfoQuery,
     Free,
@@ -215,6 +217,25 @@ def test_handle_and_stream_limits_are_per_session(worker: Worker, session: str) 
         other = f"ses_{os.urandom(6).hex()}"
         assert worker.batch(other, CreateStream(s2)).error is None  # another session has room of its own
         worker.call("close_session", other)
+    finally:
+        worker.call("set_limits", memory_quota=1 << 40, max_handles=4096, max_streams=64)
+
+
+def test_events_count_toward_the_handle_limit_and_go_with_their_session(worker: Worker, session: str) -> None:
+    worker.call("set_limits", memory_quota=1 << 30, max_handles=2, max_streams=4)
+    try:
+        e1, e2, e3 = new_handle("event"), new_handle("event"), new_handle("event")
+        ack = worker.batch(session, CreateEvent(e1), CreateEvent(e2), CreateEvent(e3))
+        assert ack.done == 2 and ack.error is not None and ack.error.code == "RESOURCE_EXHAUSTED"
+        assert "already holds 2 handles" in ack.error.message
+        ack = worker.batch(session, CreateEvent(e1))
+        assert ack.error is not None and ack.error.code == "INVALID_ARGUMENT" and "(a event)" in ack.error.message
+        ack = worker.batch(session, DestroyEvent(e1), CreateEvent(e3))  # a destroyed event frees its handle
+        assert ack.error is None and ack.done == 2
+        worker.call("close_session", session)
+        ack = worker.batch(session, DestroyEvent(e2))  # closed with its session: the id starts afresh
+        assert ack.error is not None and ack.error.code == "NOT_FOUND"
+        assert ack.error.message == f"no event {e2!r} in this session"
     finally:
         worker.call("set_limits", memory_quota=1 << 40, max_handles=4096, max_streams=64)
 

@@ -17,6 +17,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
+from gpubroker.broker import samples  # noqa: E402
 from gpubroker.broker.backends import _cuda_timing  # noqa: E402
 from gpubroker.broker.backends._cuda import CudaBackend, list_cuda_devices  # noqa: E402
 from gpubroker.broker.workers._executor import Executor  # noqa: E402
@@ -41,13 +42,20 @@ from gpubroker.client._protocol import (  # noqa: E402
     Allocate,
     Batch,
     BufferArg,
+    CreateEvent,
+    CreateStream,
+    DestroyEvent,
     Free,
     GetKernel,
     Launch,
     LoadModule,
     Read,
+    RecordEvent,
     ScalarArg,
+    SynchronizeEvent,
+    WaitEvent,
     Write,
+    new_handle,
 )
 
 pytestmark = pytest.mark.cuda
@@ -749,3 +757,46 @@ def test_worker_segment_spans_batches_and_ends_when_the_worker_goes_idle(gpu: Cu
     time.sleep(0.05)  # host idle time: not the device's, so not charged
     took = gpu.take_device_time()
     assert 2e-3 < took < 20e-3, took
+
+
+# -- events ------------------------------------------------------------------------------------------
+def test_a_stream_waits_on_the_gpu_for_another_streams_event(gpu: CudaBackend) -> None:
+    spin = gpu.compile_kernel(samples.source("cuda"), "spin")
+    n, iters = 256, np.int64(2_000_000)  # milliseconds: a read that did not wait would see the zeros
+    ref = upload(gpu, np.zeros(n, dtype=np.float32))
+    gpu.execute_kernel(spin, n // 64, 64, [ref, iters])
+    expected = download(gpu, ref, np.float32, n)
+    assert np.all(expected > 0)
+    a, b = gpu.create_stream(), gpu.create_stream()
+    buf = upload(gpu, np.zeros(n, dtype=np.float32))
+    gpu.synchronize()
+    ev = gpu.create_event()
+    gpu.execute_kernel(spin, n // 64, 64, [buf, iters], stream=a)
+    gpu.record_event(ev, a)
+    gpu.wait_event(ev, b)  # the host goes on: stream b waits on the GPU
+    got = np.empty(n, dtype=np.float32)
+    gpu.copy_d2h(buf, got, stream=b)
+    np.testing.assert_array_equal(got, expected)
+    gpu.synchronize_event(ev)
+    gpu.destroy_event(ev)
+    with pytest.raises(NotFound, match="event"):
+        gpu.synchronize_event(ev)
+    never = gpu.create_event()
+    gpu.wait_event(never, b)  # never recorded: complete (CUDA's rule)
+    gpu.synchronize_event(never)
+    gpu.destroy_event(never)
+    gpu.destroy_stream(a)
+    gpu.destroy_stream(b)
+
+
+def test_events_as_commands_through_the_executor(gpu: CudaBackend) -> None:
+    executor = Executor(gpu, HandleTables(), SegmentTable(gpu))
+    s, e = new_handle("stream"), new_handle("event")
+    ack = executor.run("s1", Batch(1, 0, [CreateStream(s), CreateEvent(e), RecordEvent(e, s), WaitEvent(e, ""),
+                                          SynchronizeEvent(e), DestroyEvent(e)]))
+    assert ack.error is None and ack.done == 6
+    ack = executor.run("s1", Batch(2, 6, [SynchronizeEvent(e)]))
+    assert ack.error is not None and ack.error.code == "NOT_FOUND" and ack.error.seq == 6
+    executor.run("s2", Batch(3, 0, [CreateEvent(e)]))
+    ack = executor.run("s1", Batch(4, 0, [WaitEvent(e, s)]))  # another session's event
+    assert ack.error is not None and ack.error.message == f"no event {e!r} in this session"
