@@ -73,9 +73,10 @@ class RemoteGpu:
     port, with the same TLS options), else gRPC's ``Commands`` stream; ``"link"`` insists on a link, ``"grpc"``
     never takes one. The control plane (sessions, devices, modules, kernels, CopyPeer) is typed gRPC.
 
-    With ``async_commands``, launches, memsets, device copies, allocations, frees and stream creation return at
-    once and their errors surface at the next ``synchronize`` naming the command (as in CUDA); without, each is
-    a round trip that raises its own error.
+    With ``async_commands``, launches, memsets, device copies, allocations, frees, stream creation and events
+    (create, record, wait, destroy) return at once and their errors surface at the next ``synchronize`` naming
+    the command (as in CUDA); without, each is a round trip that raises its own error. ``synchronize_event``
+    always waits (the host's wait for an event).
 
     ``timeout`` bounds each call (seconds) and each wait for an acknowledgement; a background thread sends
     heartbeats within the lease. ``tls`` (a TlsOptions) is for TCP listeners with TLS or mTLS; with a client

@@ -159,7 +159,9 @@ class HandleTables:
     def claim(self, objs: SessionObjects, kind: str, handle: str) -> None:
         """Check that ``handle`` is free and the session has room for one more object of ``kind``."""
         if handle in objs.kinds:
-            raise InvalidArgument(f"handle {handle!r} is already in use in this session (a {objs.kinds[handle]})")
+            used = objs.kinds[handle]
+            raise InvalidArgument(f"handle {handle!r} is already in use in this session "
+                                  f"({'an' if used[0] in 'aeiou' else 'a'} {used})")
         limit = self.limits.max_handles
         if limit is not None and len(objs.kinds) >= limit:
             raise ResourceExhausted(f"this session already holds {len(objs.kinds)} handles, the limit; free some",

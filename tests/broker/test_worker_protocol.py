@@ -229,7 +229,7 @@ def test_events_count_toward_the_handle_limit_and_go_with_their_session(worker: 
         assert ack.done == 2 and ack.error is not None and ack.error.code == "RESOURCE_EXHAUSTED"
         assert "already holds 2 handles" in ack.error.message
         ack = worker.batch(session, CreateEvent(e1))
-        assert ack.error is not None and ack.error.code == "INVALID_ARGUMENT" and "(a event)" in ack.error.message
+        assert ack.error is not None and ack.error.code == "INVALID_ARGUMENT" and "(an event)" in ack.error.message
         ack = worker.batch(session, DestroyEvent(e1), CreateEvent(e3))  # a destroyed event frees its handle
         assert ack.error is None and ack.done == 2
         worker.call("close_session", session)
