@@ -11,12 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, cast
 
+import lz4.block
 import msgspec
 
 from .._errors import DeadlineExceeded, GpuBrokerError, InvalidArgument, Unavailable, error_from_wire
 from .._protocol import Ack, Batch, BufRef, Command, CommandError, Read, Write, decode_ack, encode
 
-__all__ = ["ENVELOPE", "BatchingTransport", "Lost", "Transport", "command_error", "read_into"]
+__all__ = ["ENVELOPE", "BatchingTransport", "Lost", "Transport", "command_error", "read_into", "write_command"]
 
 # What a frame may carry beyond its copy data (the contract's max frame is chunk_bytes + this).
 ENVELOPE: Final = 64 * 1024
@@ -74,9 +75,30 @@ class Lost(Exception):
         self.reason = reason
 
 
-def read_into(out: memoryview, start: int, size: int) -> Callable[[Any], None]:
-    """Where a Read's bytes go, once they are checked to be exactly the bytes asked for."""
+def write_command(ref: BufRef, offset: int, data: memoryview, stream: str, codec: str = "") -> Write:
+    """One chunk's Write: with ``codec`` (the link negotiated lz4), its bytes as an lz4 block where that shrinks
+    them (random data would not: then raw, and the worker does no work for it)."""
+    if codec and data.nbytes:
+        block = lz4.block.compress(data, store_size=False)
+        if len(block) < data.nbytes:
+            return Write(ref, offset, block, stream, codec, data.nbytes)
+    return Write(ref, offset, cast("bytes", data), stream)  # (encoded straight from the caller's buffer)
+
+
+def read_into(out: memoryview, start: int, size: int, codec: str = "") -> Callable[[Any], None]:
+    """Where a Read's bytes go, once they are checked to be exactly the bytes asked for. With ``codec`` (asked of
+    the worker), the result is ``[codec, data]``: "" for raw bytes, or the codec, decompressed to exactly ``size``."""
     def put(data: Any) -> None:
+        if codec and type(data) is list and len(data) == 2 and data[0] in ("", codec) \
+                and isinstance(data[1], (bytes, bytearray)):
+            if data[0]:
+                try:
+                    data = lz4.block.decompress(data[1], uncompressed_size=size) if size else b""
+                except lz4.block.LZ4BlockError as exc:
+                    raise GpuBrokerError(f"the broker answered a read of {size} bytes with a bad lz4 block: "
+                                         f"{exc}") from None
+            else:
+                data = data[1]
         if not isinstance(data, (bytes, bytearray)) or len(data) != size:
             got = len(data) if isinstance(data, (bytes, bytearray)) else type(data).__name__
             raise GpuBrokerError(f"the broker answered a read of {size} bytes with {got}")
@@ -114,6 +136,7 @@ class BatchingTransport:
         self.timeout = timeout  # bounds the wait for each ack (an ack may be a long kernel away)
         self.max_data = max_data
         self.max_frame = max_data + ENVELOPE  # the largest encoded batch the peer takes
+        self.codec = ""  # what the link negotiated for copies' bytes (see _protocol.CODECS); "" none
         self.window = window
         self.batch_size = batch_size
         self._lock = threading.RLock()
@@ -213,14 +236,15 @@ class BatchingTransport:
         with self._lock:
             for start in range(0, max(data.nbytes, 1), chunk):
                 # (each chunk's bytes encoded straight from the caller's buffer: msgspec takes a memoryview)
-                self.submit(Write(ref, offset + start, cast("bytes", data[start:start + chunk]), stream))
+                self.submit(write_command(ref, offset + start, data[start:start + chunk], stream, self.codec))
             self.wait(raise_error=True)
 
     def copy_out(self, ref: BufRef, offset: int, out: memoryview, stream: str, chunk: int) -> None:
         with self._lock:
             for start in range(0, max(out.nbytes, 1), chunk):
                 n = min(chunk, out.nbytes - start)
-                self.submit(Read(ref, offset + start, n, stream), on_result=read_into(out, start, n))
+                self.submit(Read(ref, offset + start, n, stream, self.codec),
+                            on_result=read_into(out, start, n, self.codec))
             self.wait(raise_error=True)
 
     def close(self) -> None:
