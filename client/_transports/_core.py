@@ -17,12 +17,14 @@ import msgspec
 from .._errors import DeadlineExceeded, GpuBrokerError, InvalidArgument, Unavailable, error_from_wire
 from .._protocol import Ack, Batch, BufRef, Command, CommandError, Read, Write, decode_ack, encode
 
-__all__ = ["ENVELOPE", "BatchingTransport", "Lost", "Transport", "command_error", "read_into", "write_command"]
+__all__ = ["ENVELOPE", "BatchingTransport", "Lost", "Transport", "command_error", "read_into"]
 
 # What a frame may carry beyond its copy data (the contract's max frame is chunk_bytes + this).
 ENVELOPE: Final = 64 * 1024
 # The first batch of a burst goes out small, so the device starts while the rest of the burst is being built.
 _FIRST_BATCH: Final = 16
+# Chunks sent raw untried after one that lz4 did not shrink by a sixteenth (random data: not worth the CPU).
+_RAW_WRITES: Final = 15
 # Seconds unused after which a connection is asked whether the broker hung up (idleness, revocation) before a
 # batch goes out on it: then it is reopened, and nothing queued is lost.
 _QUIET: Final = 1.0
@@ -73,16 +75,6 @@ class Lost(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-def write_command(ref: BufRef, offset: int, data: memoryview, stream: str, codec: str = "") -> Write:
-    """One chunk's Write: with ``codec`` (the link negotiated lz4), its bytes as an lz4 block where that shrinks
-    them (random data would not: then raw, and the worker does no work for it)."""
-    if codec and data.nbytes:
-        block = lz4.block.compress(data, store_size=False)
-        if len(block) < data.nbytes:
-            return Write(ref, offset, block, stream, codec, data.nbytes)
-    return Write(ref, offset, cast("bytes", data), stream)  # (encoded straight from the caller's buffer)
 
 
 def read_into(out: memoryview, start: int, size: int, codec: str = "") -> Callable[[Any], None]:
@@ -137,6 +129,7 @@ class BatchingTransport:
         self.max_data = max_data
         self.max_frame = max_data + ENVELOPE  # the largest encoded batch the peer takes
         self.codec = ""  # what the link negotiated for copies' bytes (see _protocol.CODECS); "" none
+        self._raw_writes = 0  # chunks left to send raw untried (see write_command)
         self.window = window
         self.batch_size = batch_size
         self._lock = threading.RLock()
@@ -232,11 +225,24 @@ class BatchingTransport:
             if raise_error:
                 self._raise_kept()
 
+    def write_command(self, ref: BufRef, offset: int, data: memoryview, stream: str) -> Write:
+        """One chunk's Write: where the link negotiated lz4, its bytes as an lz4 block when that shrinks them by a
+        useful part (random data would not: then raw, and the next chunks raw untried for a while)."""
+        if self.codec and data.nbytes:
+            if self._raw_writes > 0:
+                self._raw_writes -= 1
+            else:
+                block = lz4.block.compress(data, store_size=False)
+                if len(block) <= data.nbytes - (data.nbytes >> 4):
+                    return Write(ref, offset, block, stream, self.codec, data.nbytes)
+                self._raw_writes = _RAW_WRITES
+        return Write(ref, offset, cast("bytes", data), stream)  # (encoded straight from the caller's buffer)
+
     def copy_in(self, ref: BufRef, offset: int, data: memoryview, stream: str, chunk: int) -> None:
         with self._lock:
             for start in range(0, max(data.nbytes, 1), chunk):
                 # (each chunk's bytes encoded straight from the caller's buffer: msgspec takes a memoryview)
-                self.submit(write_command(ref, offset + start, data[start:start + chunk], stream, self.codec))
+                self.submit(self.write_command(ref, offset + start, data[start:start + chunk], stream))
             self.wait(raise_error=True)
 
     def copy_out(self, ref: BufRef, offset: int, out: memoryview, stream: str, chunk: int) -> None:

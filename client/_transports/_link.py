@@ -33,7 +33,7 @@ from .._frames import (
 )
 from .._protocol import BufRef, Read
 from .._tls import TlsOptions
-from ._core import ENVELOPE, BatchingTransport, Lost, read_into, write_command
+from ._core import ENVELOPE, BatchingTransport, Lost, read_into
 
 __all__ = ["HELLO_REPLY_MAX", "STRIPE_MIN", "TCP_STRIPES", "VMADDR_CID_HOST", "Connector", "FramedLink",
            "peer_hung_up", "tcp_connector", "tcp_stripes", "unix_connector", "vsock_connector"]
@@ -215,7 +215,7 @@ class FramedLink(BatchingTransport):
             return super().copy_in(ref, offset, data, stream, chunk)
 
         def write(link: FramedLink, start: int, size: int) -> None:
-            link.submit(write_command(ref, offset + start, data[start:start + size], stream, link.codec))
+            link.submit(link.write_command(ref, offset + start, data[start:start + size], stream))
 
         self._striped(data.nbytes, chunk, write)
         return None
