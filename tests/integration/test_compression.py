@@ -56,6 +56,14 @@ def test_copies_over_tcp_are_byte_identical_with_and_without_lz4(open_gpu: OpenG
         for edge in (1, CHUNK - 1, CHUNK, CHUNK + 1):  # chunk edges
             data = np.arange(edge, dtype=np.uint8)
             np.testing.assert_array_equal(_round_trip(gpu, data, 3), data)
+        # Random chunks (then sent raw untried for a while), then compressible ones again.
+        rng = np.random.default_rng(5)
+        data = np.concatenate([rng.integers(0, 256, 3 * CHUNK, dtype=np.uint8), np.zeros(20 * CHUNK, np.uint8),
+                               rng.integers(0, 256, CHUNK, dtype=np.uint8)])
+        np.testing.assert_array_equal(_round_trip(gpu, data, 1), data)
+        zeros = memoryview(np.zeros(CHUNK, np.uint8)).cast("B")
+        link._raw_writes = 0  # (the last chunk was random: the next ones would go raw untried)
+        assert link.write_command(("b0", 0), 0, zeros, "").codec == (compress or "")  # (it did compress)
 
 
 def test_auto_takes_lz4_on_tcp_only(open_gpu: OpenGpu) -> None:
