@@ -64,6 +64,13 @@ def test_copies_over_tcp_are_byte_identical_with_and_without_lz4(open_gpu: OpenG
         zeros = memoryview(np.zeros(CHUNK, np.uint8)).cast("B")
         link._raw_writes = 0  # (the last chunk was random: the next ones would go raw untried)
         assert link.write_command(("b0", 0), 0, zeros, "").codec == (compress or "")  # (it did compress)
+        buf = gpu.allocate_memory(CHUNK)
+        gpu.memset(buf, 0)
+        result = link.call(Read((buf.handle, buf.offset), 0, CHUNK, codec="lz4"))
+        if compress:  # the worker compressed the Read's result
+            assert result[0] == "lz4" and lz4.block.decompress(result[1], uncompressed_size=CHUNK) == bytes(CHUNK)
+        else:  # not negotiated on this link: the bytes as they are
+            assert result == bytes(CHUNK)
 
 
 def test_auto_takes_lz4_on_tcp_only(open_gpu: OpenGpu) -> None:
