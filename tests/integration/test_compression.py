@@ -8,6 +8,7 @@ import lz4.block
 import numpy as np
 import pytest
 
+from gpubroker.broker.workers._executor import _RAW_READS
 from gpubroker.client import InvalidArgument, OutOfRange, RemoteGpu
 from gpubroker.client._protocol import Read, Write
 from gpubroker.client._transports._link import FramedLink
@@ -66,7 +67,9 @@ def test_copies_over_tcp_are_byte_identical_with_and_without_lz4(open_gpu: OpenG
         assert link.write_command(("b0", 0), 0, zeros, "").codec == (compress or "")  # (it did compress)
         buf = gpu.allocate_memory(CHUNK)
         gpu.memset(buf, 0)
-        result = link.call(Read((buf.handle, buf.offset), 0, CHUNK, codec="lz4"))
+        # (the session's last Read was random: the worker sends up to _RAW_READS more raw untried)
+        for _ in range(_RAW_READS + 1):
+            result = link.call(Read((buf.handle, buf.offset), 0, CHUNK, codec="lz4"))
         if compress:  # the worker compressed the Read's result
             assert result[0] == "lz4" and lz4.block.decompress(result[1], uncompressed_size=CHUNK) == bytes(CHUNK)
         else:  # not negotiated on this link: the bytes as they are
