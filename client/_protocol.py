@@ -29,6 +29,7 @@ __all__ = [
     "Batch",
     "BufferArg",
     "BufRef",
+    "CODECS",
     "Command",
     "COMMANDS",
     "CommandError",
@@ -65,6 +66,9 @@ MAX_HANDLE: Final = 64  # characters; a longer handle is refused at decoding
 Handle = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HANDLE)]
 OptionalStream = Annotated[str, msgspec.Meta(max_length=MAX_HANDLE)]  # "" is the default stream
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Codec = Annotated[str, msgspec.Meta(max_length=16)]
+# Codecs a link may negotiate for its bulk bytes (Write data, Read results): lz4 blocks, for slow links.
+CODECS: Final = ("lz4",)
 Dims = Annotated[tuple[int, ...], msgspec.Meta(min_length=1, max_length=3)]
 
 # A buffer view: the allocation's handle and the view's offset into it (Buffer.handle, Buffer.offset).
@@ -187,6 +191,10 @@ class Write(_Command, tag="write", frozen=True):
     offset: NonNegative
     data: bytes
     stream: OptionalStream = ""
+    # "lz4": ``data`` is an lz4 block (no stored size) that decompresses to exactly ``size`` bytes (slow links
+    # only: a link that negotiated lz4); "" : ``data`` is the bytes as they are and ``size`` is unused.
+    codec: Codec = ""
+    size: NonNegative = 0
 
 
 class Read(_Command, tag="read", frozen=True):
@@ -196,6 +204,9 @@ class Read(_Command, tag="read", frozen=True):
     offset: NonNegative
     size: NonNegative
     stream: OptionalStream = ""
+    # The codec the client takes the result in ("lz4" where its link negotiated it): then the result is
+    # ``[codec, data]`` (codec "" when compressing did not pay: data raw), else the bytes as they are.
+    codec: Codec = ""
 
 
 class CopyShared(_Command, tag="copy_shared", frozen=True):

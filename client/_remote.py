@@ -17,6 +17,7 @@ from ._devices import copy_peer, device_info_from_pb
 from ._errors import FailedPrecondition, GpuBrokerError, InvalidArgument
 from ._host import check_device_range, readable_bytes, writable_bytes
 from ._protocol import (
+    CODECS,
     MAX_HANDLE,
     Allocate,
     BufferArg,
@@ -81,16 +82,21 @@ class RemoteGpu:
     ``timeout`` bounds each call (seconds) and each wait for an acknowledgement; a background thread sends
     heartbeats within the lease. ``tls`` (a TlsOptions) is for TCP listeners with TLS or mTLS; with a client
     certificate the token may be None. On a unix: target copies use the broker's shared-memory side channel when
-    it is there (``shared_memory=False``: never).
+    it is there (``shared_memory=False``: never). ``compress`` ("auto", "lz4" or None) asks the link for lz4 on
+    copies' bytes, each chunk sent compressed only where that shrinks it: "auto" on TCP and vsock links only (on the
+    same host bytes move faster than lz4 packs them), "lz4" on any link, None never; gRPC never compresses.
     """
 
     def __init__(self, target: str, token: str | None = None, device: int | None = None, *,
                  timeout: float | None = 300.0,
                  chunk_bytes: int | None = None, client_name: str = "gpubroker-python",
                  tls: TlsOptions | None = None, async_commands: bool = False, transport: str = "auto",
-                 vsock: bool | None = None, shared_memory: bool = True) -> None:
+                 vsock: bool | None = None, shared_memory: bool = True, compress: str | None = "auto") -> None:
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        if compress not in (None, "auto", *CODECS):
+            raise InvalidArgument(f"compress must be None, 'auto' or one of {', '.join(CODECS)}, got {compress!r}")
+        self._compress = compress
         self.target = target
         self._token = token or ""
         self._tls = tls
@@ -174,7 +180,7 @@ class RemoteGpu:
             self._transport = choose_transport(
                 self._want_transport, target=self.target, tls=self._tls, token=self._token, session=self._session,
                 link_port=resp.link_port, link_vsock_port=resp.link_vsock_port, vsock=self._vsock, stub=self._stub,
-                metadata=self._metadata, timeout=self.timeout, max_data=chunk)
+                metadata=self._metadata, timeout=self.timeout, max_data=chunk, compress=self._compress)
         except BaseException:
             self.close()  # (transport="link" with none there): the session is not left to expire
             raise

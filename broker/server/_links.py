@@ -154,8 +154,8 @@ class LinkServer:
 
         penalty = f"uid:{ticket.uid}" if conn.family == socket.AF_UNIX else f"addr:{_host(address)}"
         try:
-            session, principal = await self._hello(recv_exactly, send, ticket, {}, penalty)
-            await self._hand_over(session, principal, conn.fileno(), send)
+            session, principal, compress = await self._hello(recv_exactly, send, ticket, {}, penalty)
+            await self._hand_over(session, principal, conn.fileno(), send, compress)
         except (_HelloRefused, ConnectionError, OSError):
             pass
         finally:
@@ -218,14 +218,14 @@ class LinkServer:
             async def send(frame: bytes) -> None:
                 frames.append(frame)  # (the thread writes them, before it relays or closes)
 
-            session, principal = await self._hello(recv_exactly, send, ticket, _auth_context(cert),
+            session, principal, compress = await self._hello(recv_exactly, send, ticket, _auth_context(cert),
                                                    f"addr:{_host(address)}")
             ours: socket.socket | None
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             for end in (ours, theirs):  # a copy's chunk or more in flight each way: fewer wake-ups per byte
                 end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PAIR_BUFFER)
             try:
-                if await self._hand_over(session, principal, theirs.fileno(), send):
+                if await self._hand_over(session, principal, theirs.fileno(), send, compress):
                     worker_end, ours = ours, None
             finally:
                 theirs.close()
@@ -240,7 +240,7 @@ class LinkServer:
     # -- the hello and the hand-off --------------------------------------------------------------------
     async def _hello(self, recv_exactly: Callable[[int], Awaitable[bytes]], send: Callable[[bytes], Awaitable[None]],
                      ticket: Ticket, auth_context: Mapping[str, list[bytes]], penalty: str
-                     ) -> tuple[Session, Principal]:
+                     ) -> tuple[Session, Principal, list[str]]:
         """The first frame, authenticated as a gRPC call would be; refusals are answered and raise
         _HelloRefused."""
         limit = self.gate.hello_max_bytes
@@ -281,17 +281,20 @@ class LinkServer:
             raise _HelloRefused from None
         ticket.done()
         bind_log_context(tenant=session.tenant, session=session.id)
-        return session, principal
+        # The codecs the client takes (the worker picks one): only a short list of short names goes on.
+        compress = hello.get("compress")
+        codecs = [c for c in compress[:16] if type(c) is str and len(c) <= 16] if type(compress) is list else []
+        return session, principal, codecs
 
     async def _hand_over(self, session: Session, principal: Principal, fd: int,
-                         send: Callable[[bytes], Awaitable[None]]) -> bool:
+                         send: Callable[[bytes], Awaitable[None]], compress: list[str]) -> bool:
         """Give the connection (``fd``) to the session's worker, which answers the hello and serves it from then
         on; a worker that cannot take it gets the client the reason instead."""
         dup = os.dup(fd)
         try:
             worker = session.check_alive()
             self._lease(session)
-            await worker.call_with_fd("attach_link", session.id, dup)  # (checked: {"link": 1})
+            await worker.call_with_fd("attach_link", session.id, dup, compress=compress)  # (checked: {"link": 1})
         except GpuBrokerError as exc:
             if not isinstance(exc, WorkerCrashed):
                 log.info("no link for session %s: %s", session.id, exc)

@@ -19,8 +19,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
+import lz4.block
 import numpy as np
 
 from gpubroker.client import (
@@ -36,6 +37,7 @@ from gpubroker.client import (
 )
 from gpubroker.client._host import check_device_range
 from gpubroker.client._protocol import (
+    CODECS,
     Ack,
     Allocate,
     Batch,
@@ -97,6 +99,26 @@ def _scalar(dtype: str, raw: bytes) -> np.generic:
     return value
 
 
+# Reads sent raw untried after one that lz4 did not shrink (a compressible chunk after that waits this long).
+_RAW_READS = 15
+
+
+def _lz4_block_exact(block: bytes, size: int) -> bytes:
+    """``block`` decompressed, which must be exactly ``size`` bytes: lz4 writes no more than ``size`` (a bomb is
+    refused, not inflated), and a block that holds fewer is a lie; both INVALID_ARGUMENT."""
+    if size == 0:
+        if block:
+            raise InvalidArgument("an lz4 block for 0 bytes must be empty")
+        return b""
+    try:
+        data = cast("bytes", lz4.block.decompress(block, uncompressed_size=size))
+    except lz4.block.LZ4BlockError as exc:
+        raise InvalidArgument(f"an lz4 block that is not {size} bytes once decompressed ({exc})") from None
+    if len(data) != size:
+        raise InvalidArgument(f"an lz4 block of {len(data)} bytes once decompressed; the write says {size}")
+    return data
+
+
 def _describe(objs: SessionObjects, command: object) -> str:
     """What a failed command was, for its CommandError (the error path only: never on a success)."""
     match command:
@@ -111,8 +133,8 @@ def _describe(objs: SessionObjects, command: object) -> str:
             return "memset to the end of the view" if size == -1 else f"memset of {size} bytes"
         case CopyD2D(size=size):
             return f"copy_d2d of {size} bytes"
-        case Write(data=data):
-            return f"write of {len(data)} bytes"
+        case Write(data=data, codec=codec, size=size):
+            return f"write of {size} bytes ({codec})" if codec else f"write of {len(data)} bytes"
         case Read(size=size):
             return f"read of {size} bytes"
         case CopyShared(size=size, to_device=to_device):
@@ -139,6 +161,10 @@ class Executor:
         self.backend = backend
         self.tables = tables
         self.segments = segments
+        self._codec = ""  # what the link of the batch being run negotiated (see run)
+        # The most a compressed Write may inflate to: a link's max frame (what it could have sent raw); the links
+        # set it from the front's limits.
+        self.max_inflate = 1 << 20 | 1 << 16
         self.fatal = False  # a command corrupted the device context: the worker exits after replying
         # The backend's device-time segments (CUDA: a pair of timing events per stream) stay open while batches
         # keep coming, and end when the worker is about to wait for input (``idle``, from the serve loop): idle
@@ -173,8 +199,10 @@ class Executor:
         self.link_handlers = {kind: fn for kind, fn in handlers.items() if getattr(kind, "link", False)}
 
     # -- batches -----------------------------------------------------------------------------------
-    def run(self, session: str, batch: Batch, link: bool = False) -> Ack:
-        """Run ``batch`` for ``session``; the first failure stops it and is reported in the Ack."""
+    def run(self, session: str, batch: Batch, link: bool = False, codec: str = "") -> Ack:
+        """Run ``batch`` for ``session``; the first failure stops it and is reported in the Ack. ``codec`` is what
+        the batch's link negotiated for Read results ("" elsewhere: the front checks results are raw bytes)."""
+        self._codec = codec
         objs = self.tables.session(session)
         handlers = self.link_handlers if link else self.handlers
         result: Any = None
@@ -254,14 +282,36 @@ class Executor:
                               objs.stream(cmd.stream))
 
     def _write(self, objs: SessionObjects, cmd: Write) -> None:
-        self.backend.copy_h2d(cmd.data, objs.view(*cmd.buf), cmd.offset, objs.stream(cmd.stream))
+        view = objs.view(*cmd.buf)
+        data: bytes = cmd.data
+        if cmd.codec:
+            if cmd.codec not in CODECS:
+                raise InvalidArgument(f"unknown codec {cmd.codec!r}; this worker knows {list(CODECS)}")
+            # The range first: what the block claims to hold is bounded by the buffer before a byte is made for it.
+            check_device_range(view, cmd.offset, cmd.size, "copy_h2d")
+            if cmd.size > self.max_inflate:
+                raise InvalidArgument(f"an {cmd.codec} write inflates to at most {self.max_inflate} bytes (the link's "
+                                      f"max frame), this one says {cmd.size}")
+            data = _lz4_block_exact(cmd.data, cmd.size)
+        self.backend.copy_h2d(data, view, cmd.offset, objs.stream(cmd.stream))
 
-    def _read(self, objs: SessionObjects, cmd: Read) -> bytearray:
+    def _read(self, objs: SessionObjects, cmd: Read) -> bytearray | list[Any]:
         view = objs.view(*cmd.buf)
         check_device_range(view, cmd.offset, cmd.size, "copy_d2h")  # before the host buffer is made for it
         out = bytearray(cmd.size)  # encoded as bin as it is: no copy to bytes first
         self.backend.copy_d2h(view, out, cmd.offset, objs.stream(cmd.stream))
-        return out
+        if not cmd.codec or cmd.codec != self._codec:  # not asked, or not negotiated on this path: raw bytes
+            return out
+        if objs.raw_reads > 0:
+            objs.raw_reads -= 1
+            return ["", out]
+        packed = lz4.block.compress(out, store_size=False)
+        # Only when it shrinks by a useful part: random data would come back as large, and the client would
+        # decompress for nothing; then the next chunks go raw untried (the worker's CPU is the tenant's turn).
+        if len(packed) <= cmd.size - (cmd.size >> 4):
+            return [cmd.codec, packed]
+        objs.raw_reads = _RAW_READS
+        return ["", out]
 
     def _copy_shared(self, objs: SessionObjects, cmd: CopyShared) -> None:
         """Between a mapped segment and device memory: the backend reads or writes the mapping directly."""

@@ -76,6 +76,9 @@ class SessionObjects:
     views: dict[tuple[str, int], Buffer] = field(default_factory=dict)
     # A launch's arguments as the client sent them -> the backend's argument list (workers/_executor.py).
     launch_args: dict[Any, Any] = field(default_factory=dict)  # (kernel, args) -> the backend's prepared launch
+    # Reads left to send raw without trying to compress them: a chunk that did not shrink says the next ones of
+    # the copy likely will not either (see the executor's _read).
+    raw_reads: int = 0
 
     def missing(self, kind: str, handle: str) -> NotFound:
         # The same answer for a freed, foreign or invented handle.

@@ -43,7 +43,7 @@ import msgspec
 
 from gpubroker.client import GpuBrokerError, InvalidArgument, ResourceExhausted
 from gpubroker.client._frames import FRAME_HEADER
-from gpubroker.client._protocol import Ack, Batch, CommandError, decode_batch, encode
+from gpubroker.client._protocol import CODECS, Ack, Batch, CommandError, decode_batch, encode
 
 from ._executor import Executor
 from ._frames import FrameClosed, FrameTooLarge, unpack_frame
@@ -94,6 +94,7 @@ class _Link:
     queued: int = 0
     writing: bool = False  # the selector watches it for room (its outbox is not empty)
     progress: float = 0.0  # when the socket last took bytes of a waiting outbox (monotonic)
+    codec: str = ""  # what its hello negotiated for Read results ("" none)
 
     @property
     def reading(self) -> bool:
@@ -132,15 +133,22 @@ class Links:
         self._waiting: deque[tuple[_Link, Batch | str]] = deque()
 
     # -- links -------------------------------------------------------------------------------------
-    def attach(self, sock: socket.socket, session: str) -> None:
-        """Serve ``sock`` for ``session``: answer the client's hello, then take its batches."""
+    def attach(self, sock: socket.socket, session: str, compress: object = None) -> None:
+        """Serve ``sock`` for ``session``: answer the client's hello, then take its batches. ``compress`` is the
+        hello's list of codecs the client takes, in its order of preference (as the front relayed it: unchecked):
+        the first this worker knows is the link's, named in the answer; none known, the answer names none."""
         if sum(1 for link in self.links.values() if link.session == session) >= MAX_LINKS_PER_SESSION:
             raise ResourceExhausted(f"this session already has {MAX_LINKS_PER_SESSION} links, the limit")
         sock.setblocking(False)
         link = _Link(sock, session, sock.fileno())
+        hello: dict[str, Any] = {"link": 1, "max_frame": self.max_frame}
+        if type(compress) is list:
+            link.codec = next((c for c in compress[:16] if type(c) is str and c in CODECS), "")
+            if link.codec:
+                hello["compress"] = link.codec
         self.links[link.fd] = link
         self.version += 1
-        if not self._send(link, msgpack.packb([0, 0, {"link": 1, "max_frame": self.max_frame}])):
+        if not self._send(link, msgpack.packb([0, 0, hello])):
             self.links.pop(link.fd, None)
             self._timed.pop(link.fd, None)
             raise OSError("the client closed its link before the hello's answer")
@@ -508,7 +516,7 @@ class Links:
             payload = _refusal(item[:1024])
         else:
             assert isinstance(item, Batch)
-            payload = encode(self._executor.run(link.session, item, link=True))
+            payload = encode(self._executor.run(link.session, item, link=True, codec=link.codec))
         if not self._send(link, payload):
             self._drop(fd)
             return

@@ -117,7 +117,7 @@ class WorkerServer(PeerOps):
         if device is not None:
             self.tables.device = device
         if max_frame is not None:
-            self.links.max_frame = max_frame
+            self.links.max_frame = self.executor.max_inflate = max_frame
 
     def op_usage(self, session: str, p: dict[str, Any]) -> Any:
         return {"memory_used": self.tables.memory_used, "sessions": self.tables.usage()}
@@ -192,7 +192,7 @@ class WorkerServer(PeerOps):
             sock.close()
             raise InvalidArgument("a link must be a Unix or vsock stream socket")
         try:
-            self.links.attach(sock, session)
+            self.links.attach(sock, session, p.get("compress"))
         except GpuBrokerError:
             sock.close()
             raise

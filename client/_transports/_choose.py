@@ -10,6 +10,7 @@ from typing import Final
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from .._errors import GpuBrokerError, InvalidArgument, Unavailable
+from .._protocol import CODECS
 from .._tls import TlsOptions
 from ._core import Transport
 from ._grpc import GrpcCommands
@@ -48,13 +49,19 @@ def in_vm(port: int) -> bool:
 
 def choose_transport(preference: str, *, target: str, tls: TlsOptions | None, token: str, session: str,
                      link_port: int, link_vsock_port: int, vsock: bool | None, stub: pb_grpc.GpuBrokerStub,
-                     metadata: tuple[tuple[str, str], ...], timeout: float | None, max_data: int) -> Transport:
+                     metadata: tuple[tuple[str, str], ...], timeout: float | None, max_data: int,
+                     compress: str | None = None) -> Transport:
     """``preference``: "link" (a framed link or Unavailable naming why each failed), "ring" (the same host's link
     upgraded to a shared-memory ring, or Unavailable), "grpc", or "auto" (the ring where the worker takes the
     upgrade, else a link where one answers: the same host's ``<socket>.fast``, the host's vsock port from a VM,
-    the broker's TCP link port; else gRPC)."""
+    the broker's TCP link port; else gRPC).
+
+    ``compress``: None (copies' bytes as they are), "lz4" (asked on any link), or "auto" (lz4 on TCP and vsock
+    links only: on the same host, shared memory and Unix sockets move bytes faster than lz4 packs them)."""
     if preference not in TRANSPORTS:
         raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORTS)}, got {preference!r}")
+    if compress not in (None, "auto", *CODECS):
+        raise InvalidArgument(f"compress must be None, 'auto' or one of {', '.join(CODECS)}, got {compress!r}")
     if preference == "grpc":
         return GrpcCommands(stub, metadata, session, max_data=max_data, timeout=timeout)
     unix = target.startswith("unix:")
@@ -75,7 +82,8 @@ def choose_transport(preference: str, *, target: str, tls: TlsOptions | None, to
         try:
             if kind == "unix" and preference != "link":  # the same host: a ring where the worker takes one
                 return RingTransport(connect, token, session, timeout=timeout, fallback=preference == "auto")
-            return FramedLink(connect, token, session, kind=kind, timeout=timeout)
+            codec = ("lz4" if kind in ("tcp", "vsock") else "") if compress == "auto" else compress or ""
+            return FramedLink(connect, token, session, kind=kind, timeout=timeout, compress=codec)
         except GpuBrokerError as exc:
             failures.append(f"{kind}: {exc.message}")
     if preference in ("link", "ring"):

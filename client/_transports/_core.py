@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, cast
 
+import lz4.block
 import msgspec
 
 from .._errors import DeadlineExceeded, GpuBrokerError, InvalidArgument, Unavailable, error_from_wire
@@ -22,6 +23,8 @@ __all__ = ["ENVELOPE", "BatchingTransport", "Lost", "Transport", "command_error"
 ENVELOPE: Final = 64 * 1024
 # The first batch of a burst goes out small, so the device starts while the rest of the burst is being built.
 _FIRST_BATCH: Final = 16
+# Chunks sent raw untried after one that lz4 did not shrink by a sixteenth (random data: not worth the CPU).
+_RAW_WRITES: Final = 15
 # Seconds unused after which a connection is asked whether the broker hung up (idleness, revocation) before a
 # batch goes out on it: then it is reopened, and nothing queued is lost.
 _QUIET: Final = 1.0
@@ -74,9 +77,20 @@ class Lost(Exception):
         self.reason = reason
 
 
-def read_into(out: memoryview, start: int, size: int) -> Callable[[Any], None]:
-    """Where a Read's bytes go, once they are checked to be exactly the bytes asked for."""
+def read_into(out: memoryview, start: int, size: int, codec: str = "") -> Callable[[Any], None]:
+    """Where a Read's bytes go, once they are checked to be exactly the bytes asked for. With ``codec`` (asked of
+    the worker), the result is ``[codec, data]``: "" for raw bytes, or the codec, decompressed to exactly ``size``."""
     def put(data: Any) -> None:
+        if codec and type(data) is list and len(data) == 2 and data[0] in ("", codec) \
+                and isinstance(data[1], (bytes, bytearray)):
+            if data[0]:
+                try:
+                    data = lz4.block.decompress(data[1], uncompressed_size=size) if size else b""
+                except lz4.block.LZ4BlockError as exc:
+                    raise GpuBrokerError(f"the broker answered a read of {size} bytes with a bad lz4 block: "
+                                         f"{exc}") from None
+            else:
+                data = data[1]
         if not isinstance(data, (bytes, bytearray)) or len(data) != size:
             got = len(data) if isinstance(data, (bytes, bytearray)) else type(data).__name__
             raise GpuBrokerError(f"the broker answered a read of {size} bytes with {got}")
@@ -114,6 +128,8 @@ class BatchingTransport:
         self.timeout = timeout  # bounds the wait for each ack (an ack may be a long kernel away)
         self.max_data = max_data
         self.max_frame = max_data + ENVELOPE  # the largest encoded batch the peer takes
+        self.codec = ""  # what the link negotiated for copies' bytes (see _protocol.CODECS); "" none
+        self._raw_writes = 0  # chunks left to send raw untried (see write_command)
         self.window = window
         self.batch_size = batch_size
         self._lock = threading.RLock()
@@ -209,18 +225,32 @@ class BatchingTransport:
             if raise_error:
                 self._raise_kept()
 
+    def write_command(self, ref: BufRef, offset: int, data: memoryview, stream: str) -> Write:
+        """One chunk's Write: where the link negotiated lz4, its bytes as an lz4 block when that shrinks them by a
+        useful part (random data would not: then raw, and the next chunks raw untried for a while)."""
+        if self.codec and data.nbytes:
+            if self._raw_writes > 0:
+                self._raw_writes -= 1
+            else:
+                block = lz4.block.compress(data, store_size=False)
+                if len(block) <= data.nbytes - (data.nbytes >> 4):
+                    return Write(ref, offset, block, stream, self.codec, data.nbytes)
+                self._raw_writes = _RAW_WRITES
+        return Write(ref, offset, cast("bytes", data), stream)  # (encoded straight from the caller's buffer)
+
     def copy_in(self, ref: BufRef, offset: int, data: memoryview, stream: str, chunk: int) -> None:
         with self._lock:
             for start in range(0, max(data.nbytes, 1), chunk):
                 # (each chunk's bytes encoded straight from the caller's buffer: msgspec takes a memoryview)
-                self.submit(Write(ref, offset + start, cast("bytes", data[start:start + chunk]), stream))
+                self.submit(self.write_command(ref, offset + start, data[start:start + chunk], stream))
             self.wait(raise_error=True)
 
     def copy_out(self, ref: BufRef, offset: int, out: memoryview, stream: str, chunk: int) -> None:
         with self._lock:
             for start in range(0, max(out.nbytes, 1), chunk):
                 n = min(chunk, out.nbytes - start)
-                self.submit(Read(ref, offset + start, n, stream), on_result=read_into(out, start, n))
+                self.submit(Read(ref, offset + start, n, stream, self.codec),
+                            on_result=read_into(out, start, n, self.codec))
             self.wait(raise_error=True)
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable
-from typing import Any, Final, cast
+from typing import Any, Final
 
 from .._errors import GpuBrokerError, Unavailable, error_from_wire
 from .._frames import (
@@ -31,7 +31,7 @@ from .._frames import (
     send_payload,
     unpack_frame,
 )
-from .._protocol import BufRef, Read, Write
+from .._protocol import BufRef, Read
 from .._tls import TlsOptions
 from ._core import ENVELOPE, BatchingTransport, Lost, read_into
 
@@ -193,11 +193,14 @@ class FramedLink(BatchingTransport):
     """
 
     def __init__(self, connect: Connector, token: str, session: str, *, kind: str, timeout: float | None,
-                 window: int = 4, batch_size: int = 256) -> None:
+                 window: int = 4, batch_size: int = 256, compress: str = "") -> None:
         super().__init__(timeout=timeout, max_data=0, window=window, batch_size=batch_size)
         self.kind = kind
         self._connect = connect
         self._hello: dict[str, Any] = {"token": token, "session": session, "link": 1}
+        self._compress = compress  # asked for in the hello; ``codec`` is what the worker took ("" none)
+        if compress:
+            self._hello["compress"] = [compress]
         self._sock: socket.socket | None = None
         self._frames: _Frames | None = None
         self.stripes = tcp_stripes() if kind == "tcp" else 1
@@ -212,7 +215,7 @@ class FramedLink(BatchingTransport):
             return super().copy_in(ref, offset, data, stream, chunk)
 
         def write(link: FramedLink, start: int, size: int) -> None:
-            link.submit(Write(ref, offset + start, cast("bytes", data[start:start + size]), stream))
+            link.submit(link.write_command(ref, offset + start, data[start:start + size], stream))
 
         self._striped(data.nbytes, chunk, write)
         return None
@@ -222,7 +225,8 @@ class FramedLink(BatchingTransport):
             return super().copy_out(ref, offset, out, stream, chunk)
 
         def read(link: FramedLink, start: int, size: int) -> None:
-            link.submit(Read(ref, offset + start, size, stream), on_result=read_into(out, start, size))
+            link.submit(Read(ref, offset + start, size, stream, link.codec),
+                        on_result=read_into(out, start, size, link.codec))
 
         self._striped(out.nbytes, chunk, read)
         return None
@@ -265,7 +269,8 @@ class FramedLink(BatchingTransport):
         while len(self._more) < self.stripes - 1:
             try:
                 link = FramedLink(self._connect, self._hello["token"], self._hello["session"], kind=self.kind,
-                                  timeout=self.timeout, window=self.window, batch_size=self.batch_size)
+                                  timeout=self.timeout, window=self.window, batch_size=self.batch_size,
+                                  compress=self._compress)
             except GpuBrokerError:
                 break
             link.stripes = 1
@@ -304,8 +309,11 @@ class FramedLink(BatchingTransport):
                 raise error_from_wire(str(result["code"]), str(result["message"]), result.get("type"),
                                       result.get("details"))
             max_frame = result["max_frame"]
-            if result.get("link") != 1 or type(max_frame) is not int or max_frame <= ENVELOPE:
+            codec = result.get("compress", "")
+            if result.get("link") != 1 or type(max_frame) is not int or max_frame <= ENVELOPE \
+                    or codec not in ("", self._compress):
                 raise Unavailable(f"the broker's {self.kind} link answered its hello with {result!r}")
+            self.codec = codec
         except (TypeError, ValueError, KeyError, AttributeError):
             sock.close()
             raise Unavailable(f"the broker's {self.kind} link answered its hello with {reply!r}") from None
