@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from gpubroker.broker.launcher import descendants, parent_pids
+from gpubroker.client._frames import FRAME_HEADER
 
-__all__ = ["descendants", "parent_pids", "proc_status", "wait_for"]
+__all__ = ["descendants", "parent_pids", "proc_status", "recv_payload", "send_payload", "wait_for"]
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -24,3 +26,24 @@ def proc_status(pid: int) -> dict[str, str]:
     """/proc/PID/status as a map (Seccomp, NoNewPrivs, CapEff, Uid, ...)."""
     lines = Path(f"/proc/{pid}/status").read_text().splitlines()
     return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+
+def send_payload(sock: socket.socket, payload: bytes) -> None:
+    """One raw frame (length, then the payload as it is: an encoded Batch, say) on a blocking socket."""
+    sock.sendall(FRAME_HEADER.pack(len(payload)) + payload)
+
+
+def recv_payload(sock: socket.socket) -> bytes:
+    """One raw frame's payload; EOFError when the peer closes first."""
+
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            part = sock.recv(n - len(data))
+            if not part:
+                raise EOFError("the peer closed the link")
+            data += part
+        return data
+
+    (length,) = FRAME_HEADER.unpack(exactly(FRAME_HEADER.size))
+    return exactly(length)

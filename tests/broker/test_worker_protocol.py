@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import struct
 import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
@@ -23,6 +22,7 @@ from gpubroker.broker.workers._executor import Executor
 from gpubroker.broker.workers._handles import HandleTables
 from gpubroker.broker.workers._segments import SegmentTable
 from gpubroker.client import InvalidArgument, NotFound
+from gpubroker.client._frames import FRAME_HEADER
 from gpubroker.client._protocol import (
     COMMANDS,
     LINK_COMMANDS,
@@ -50,12 +50,11 @@ from gpubroker.client._protocol import (
     encode,
     new_handle,
 )
-from tests.helpers import wait_for
+from tests.helpers import recv_payload, send_payload, wait_for
 
 T = TypeVar("T")
 SCALE = b"""__kernel void scale(__global float* x, const float a, const int n) {
     int i = get_global_id(0); if (i < n) x[i] *= a; }"""
-_HEADER = struct.Struct("!I")
 N = 256
 
 
@@ -286,21 +285,6 @@ def test_segments_by_the_clients_handle(worker: Worker, session: str) -> None:
 
 
 # -- links ---------------------------------------------------------------------------------------------------
-def _send(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(_HEADER.pack(len(payload)) + payload)
-
-
-def _recv(sock: socket.socket) -> bytes:
-    def exact(n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = sock.recv(n - len(data))
-            if not chunk:
-                raise EOFError("link closed")
-            data += chunk
-        return data
-
-    return exact(_HEADER.unpack(exact(_HEADER.size))[0])
 
 
 def _attach(worker: Worker, session: str) -> socket.socket:
@@ -310,7 +294,7 @@ def _attach(worker: Worker, session: str) -> socket.socket:
         assert worker.run(worker.client.call_with_fd("attach_link", session, theirs.fileno())) == {"link": 1}
     finally:
         theirs.close()  # the worker holds its own copy
-    hello = msgpack.unpackb(_recv(ours))
+    hello = msgpack.unpackb(recv_payload(ours))
     assert hello[:2] == [0, 0] and hello[2]["link"] == 1 and hello[2]["max_frame"] > 1 << 20
     return ours
 
@@ -320,7 +304,7 @@ def test_a_link_serves_batches_under_the_lease(worker: Worker, session: str) -> 
     link = _attach(worker, session)
     with link:
         x = np.arange(N, dtype=np.float32)
-        _send(link, encode(Batch(5, 0, [Allocate(buf, x.nbytes), Write((buf, 0), 0, x.tobytes()),
+        send_payload(link, encode(Batch(5, 0, [Allocate(buf, x.nbytes), Write((buf, 0), 0, x.tobytes()),
                                         _launch(kernel, buf, 2.0), Read((buf, 0), 0, x.nbytes)])))
         # Without the tenant's turn the worker only asks for it; the batch waits.
         wait_for(lambda: worker.control == ["want"], 10, "the worker's lease request")
@@ -329,20 +313,20 @@ def test_a_link_serves_batches_under_the_lease(worker: Worker, session: str) -> 
             link.recv(1)
         link.settimeout(30)
         worker.run(worker.client.send_control("grant"))
-        ack = decode_ack(_recv(link))
+        ack = decode_ack(recv_payload(link))
         assert ack.id == 5 and ack.error is None and ack.done == 4
         assert np.array_equal(np.frombuffer(ack.result, np.float32), x * 2)
         # Holding the turn, a batch runs at once; a failure is reported by its sequence number.
-        _send(link, encode(Batch(6, 4, [_launch(kernel, buf, 2.0), Read((buf, 0), 4 * N, 4)])))
-        ack = decode_ack(_recv(link))
+        send_payload(link, encode(Batch(6, 4, [_launch(kernel, buf, 2.0), Read((buf, 0), 4 * N, 4)])))
+        ack = decode_ack(recv_payload(link))
         assert (ack.id, ack.done, ack.error.seq, ack.error.command) == (6, 1, 5, "read of 4 bytes")
         # Others wait: the worker gives the turn back; the next batch asks again and runs once granted.
         worker.run(worker.client.send_control("yield"))
         wait_for(lambda: worker.control == ["want", "released"], 10, "the turn given back")
-        _send(link, encode(Batch(7, 6, [Read((buf, 0), 0, 8)])))
+        send_payload(link, encode(Batch(7, 6, [Read((buf, 0), 0, 8)])))
         wait_for(lambda: worker.control[-1] == "want", 10, "a second lease request")
         worker.run(worker.client.send_control("grant"))
-        assert decode_ack(_recv(link)).result == (x[:2] * 4).tobytes()
+        assert decode_ack(recv_payload(link)).result == (x[:2] * 4).tobytes()
         worker.run(worker.client.send_control("revoke"))
         wait_for(lambda: worker.control[-1] == "released", 10, "the turn revoked")
 
@@ -351,25 +335,25 @@ def test_a_link_refuses_front_only_commands_and_malformed_frames(worker: Worker,
     link = _attach(worker, session)
     worker.control.clear()
     with link:
-        _send(link, encode(Batch(1, 0, [Allocate(new_handle("buf"), 8), LoadModule(new_handle("module"),
+        send_payload(link, encode(Batch(1, 0, [Allocate(new_handle("buf"), 8), LoadModule(new_handle("module"),
                                                                                       "opencl_c", SCALE)])))
         wait_for(lambda: worker.control == ["want"], 10, "the worker's lease request")
         worker.run(worker.client.send_control("grant"))
-        ack = decode_ack(_recv(link))
+        ack = decode_ack(recv_payload(link))
         assert ack.done == 1 and ack.error is not None and ack.error.seq == 1
         assert ack.error.code == "INVALID_ARGUMENT" and "cannot be sent on a link" in ack.error.message
-        _send(link, b"\x92\x01")  # no batch: answered with Ack id 0, then the link is closed
-        ack = decode_ack(_recv(link))
+        send_payload(link, b"\x92\x01")  # no batch: answered with Ack id 0, then the link is closed
+        ack = decode_ack(recv_payload(link))
         assert ack.id == 0 and ack.done == 0 and ack.error is not None and ack.error.code == "INVALID_ARGUMENT"
         with pytest.raises(EOFError):
-            _recv(link)
+            recv_payload(link)
     big = _attach(worker, session)
     with big:
-        big.sendall(_HEADER.pack(1 << 30))  # refused from its header, before a byte of it is read
-        ack = decode_ack(_recv(big))
+        big.sendall(FRAME_HEADER.pack(1 << 30))  # refused from its header, before a byte of it is read
+        ack = decode_ack(recv_payload(big))
         assert ack.id == 0 and ack.error is not None and "over the link's limit" in ack.error.message
         with pytest.raises(EOFError):
-            _recv(big)
+            recv_payload(big)
     worker.run(worker.client.send_control("revoke"))
     wait_for(lambda: worker.control[-1] == "released", 10, "the turn revoked")
 
@@ -383,7 +367,7 @@ def test_closing_the_session_closes_its_links_and_frees_its_memory(worker: Worke
     assert worker.call("close_session", session) == 1
     for link in links:
         with link, pytest.raises(EOFError):
-            _recv(link)
+            recv_payload(link)
     assert session not in worker.call("usage")["sessions"]
 
 
@@ -398,15 +382,15 @@ def test_a_link_that_ends_while_its_batches_wait_still_gets_their_acks_in_order(
     buf = new_handle("buf")
     with _attach(worker, session) as link:
         # Batches, then a malformed frame, then the client's end, all before the worker holds the turn.
-        _send(link, encode(Batch(1, 0, [Allocate(buf, 64)])))
-        _send(link, encode(Batch(2, 1, [Read((buf, 0), 0, 4)])))
-        _send(link, b"\xc1")
+        send_payload(link, encode(Batch(1, 0, [Allocate(buf, 64)])))
+        send_payload(link, encode(Batch(2, 1, [Read((buf, 0), 0, 4)])))
+        send_payload(link, b"\xc1")
         link.shutdown(socket.SHUT_WR)
         wait_for(lambda: worker.control == ["want"], 10, "the worker's lease request")
         worker.run(worker.client.send_control("grant"))
-        assert [decode_ack(_recv(link)).id for _ in range(3)] == [1, 2, 0]
+        assert [decode_ack(recv_payload(link)).id for _ in range(3)] == [1, 2, 0]
         with pytest.raises(EOFError):
-            _recv(link)
+            recv_payload(link)
     worker.run(worker.client.send_control("revoke"))
     wait_for(lambda: worker.control[-1] == "released", 10, "the turn revoked")
     assert worker.call("usage")["sessions"][session] == 64  # the batches ran

@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import socket
 import ssl
-import struct
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 from gpubroker.broker.certs import CertPaths, init_certs, mint_client_cert
 from gpubroker.broker.config import TlsConfig
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.client._frames import FRAME_HEADER
 from gpubroker.client._protocol import (
     Allocate,
     Batch,
@@ -38,11 +38,10 @@ from gpubroker.client._protocol import (
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
-from ..helpers import wait_for
+from ..helpers import recv_payload, send_payload, wait_for
 
 TENANTS = [TenantSpec("alice", memory_quota=1 << 20), TenantSpec("bob"), TenantSpec("carol")]
 HELLO_TIMEOUT = 1.0
-_HEADER = struct.Struct("!I")
 
 
 @pytest.fixture(scope="module")
@@ -70,27 +69,11 @@ def _tls(broker: BrokerProcess, certs: dict[str, CertPaths], who: str) -> ssl.SS
     return context.wrap_socket(raw, server_hostname="localhost")
 
 
-def _send(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(_HEADER.pack(len(payload)) + payload)
-
-
-def _recv(sock: socket.socket) -> bytes:
-    def exactly(n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            part = sock.recv(n - len(data))
-            if not part:
-                raise EOFError("the broker closed the link")
-            data += part
-        return data
-
-    (length,) = _HEADER.unpack(exactly(_HEADER.size))
-    return exactly(length)
 
 
 def _hello(sock: socket.socket, token: str, session: str) -> Any:
-    _send(sock, msgpack.packb({"token": token, "session": session, "link": 1}))
-    return msgpack.unpackb(_recv(sock))
+    send_payload(sock, msgpack.packb({"token": token, "session": session, "link": 1}))
+    return msgpack.unpackb(recv_payload(sock))
 
 
 def _open_session(broker: BrokerProcess, certs: dict[str, CertPaths]) -> tuple[grpc.Channel, str, int]:
@@ -125,8 +108,8 @@ def test_a_silent_connection_is_closed_after_the_hello_timeout(broker: BrokerPro
 def test_an_oversize_hello_is_refused_before_its_body_is_read(broker: BrokerProcess,
                                                               certs: dict[str, CertPaths]) -> None:
     with _tls(broker, certs, "alice") as sock:
-        sock.sendall(_HEADER.pack(1 << 20))  # only the header: the answer must not wait for the body
-        _, status, error = msgpack.unpackb(_recv(sock))
+        sock.sendall(FRAME_HEADER.pack(1 << 20))  # only the header: the answer must not wait for the body
+        _, status, error = msgpack.unpackb(recv_payload(sock))
         assert status == 1 and error["code"] == "INVALID_ARGUMENT" and "at most 65536 bytes" in error["message"]
         assert sock.recv(1) == b""
 
@@ -156,18 +139,18 @@ def test_the_link_carries_batches_to_the_worker(broker: BrokerProcess, certs: di
             assert status == 0 and reply["link"] == 1 and reply["max_frame"] > 0
             buf = new_handle("buf")
             data = np.arange(1024, dtype=np.float32).tobytes()
-            _send(sock, encode(Batch(1, 0, [Allocate(buf, len(data)), Write((buf, 0), 0, data),
+            send_payload(sock, encode(Batch(1, 0, [Allocate(buf, len(data)), Write((buf, 0), 0, data),
                                             Memset((buf, 0), 0, 16, 0), Synchronize(), Read((buf, 0), 0, len(data))])))
-            ack = decode_ack(_recv(sock))
+            ack = decode_ack(recv_payload(sock))
             assert (ack.id, ack.done, ack.error) == (1, 5, None)
             assert ack.result == bytes(16) + data[16:]
             # Over the tenant's quota (1 MiB): the worker refuses, naming the command, and the link goes on.
-            _send(sock, encode(Batch(2, 5, [Allocate(new_handle("buf"), 2 << 20), Free(buf)])))
-            ack = decode_ack(_recv(sock))
+            send_payload(sock, encode(Batch(2, 5, [Allocate(new_handle("buf"), 2 << 20), Free(buf)])))
+            ack = decode_ack(recv_payload(sock))
             assert ack.done == 0 and ack.error is not None and ack.error.seq == 5
             assert ack.error.code == "RESOURCE_EXHAUSTED" and "quota" in ack.error.message
-            _send(sock, encode(Batch(3, 7, [Free(buf)])))
-            assert decode_ack(_recv(sock)).done == 1
+            send_payload(sock, encode(Batch(3, 7, [Free(buf)])))
+            assert decode_ack(recv_payload(sock)).done == 1
 
 
 def test_grpc_commands_run_encoded_batches_as_they_are(broker: BrokerProcess, certs: dict[str, CertPaths]) -> None:
@@ -213,8 +196,8 @@ def test_a_rotated_token_closes_its_links(broker: BrokerProcess, certs: dict[str
         with _tls(broker, certs, "stranger") as sock:  # a certificate naming no tenant: the token decides
             _, status, _ = _hello(sock, token, session)
             assert status == 0
-            _send(sock, encode(Batch(1, 0, [Synchronize()])))
-            assert decode_ack(_recv(sock)).done == 1
+            send_payload(sock, encode(Batch(1, 0, [Synchronize()])))
+            assert decode_ack(recv_payload(sock)).done == 1
             subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", "tenant", "rotate-token", "carol",
                             "--config", str(broker.config_path)], check=True, capture_output=True)
             assert broker.process is not None
