@@ -50,7 +50,7 @@ audit = logging.getLogger("gpubroker.audit")
 # HTTP/2 keepalive: the broker pings each client connection after this long without traffic and drops one whose
 # answer takes longer than the timeout, so a client that vanished without closing (a host gone, a VM paused)
 # cannot hold its calls, their concurrency slots and their buffered chunks forever. Clients ping every 30 s
-# (client/_transport.py), which this allows even between calls.
+# (client/_channel.py), which this allows even between calls.
 KEEPALIVE_TIME_MS = 20_000
 KEEPALIVE_TIMEOUT_MS = 10_000
 MIN_CLIENT_PING_INTERVAL_MS = 10_000
