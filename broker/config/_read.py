@@ -183,18 +183,14 @@ def _check_broker(where: _Where, s: BrokerSettings) -> None:
                           f"({s.max_message_bytes}), got {s.chunk_bytes}")
     if s.devices is not None and len(set(s.devices)) != len(s.devices):
         raise where.error("devices", f"must list distinct device indices, got {s.devices}")
-    if s.metrics_listen.strip():
-        try:
-            split_host_port(s.metrics_listen)
-        except ValueError as exc:
-            raise where.error("metrics_listen", str(exc)) from None
-    s.metrics_listen = s.metrics_listen.strip()
-    if s.link_listen.strip():
-        try:
-            split_host_port(s.link_listen)
-        except ValueError as exc:
-            raise where.error("link_listen", str(exc)) from None
-    s.link_listen = s.link_listen.strip()
+    for key in ("metrics_listen", "link_listen"):  # HOST:PORT, or empty (off)
+        address = getattr(s, key).strip()
+        if address:
+            try:
+                split_host_port(address)
+            except ValueError as exc:
+                raise where.error(key, str(exc)) from None
+        setattr(s, key, address)
     for address in s.listen:
         if not address.strip():
             raise where.error("listen", "an address is empty (expected unix:PATH or HOST:PORT)")
