@@ -23,6 +23,8 @@ from typing import Annotated, Any, ClassVar, Final
 
 import msgspec
 
+from ._errors import InvalidArgument
+
 __all__ = [
     "Ack",
     "Allocate",
@@ -60,6 +62,7 @@ __all__ = [
     "decode_batch",
     "encode",
     "new_handle",
+    "parse_batch",
 ]
 
 MAX_HANDLE: Final = 64  # characters; a longer handle is refused at decoding
@@ -300,6 +303,14 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
         return _batch_decoder.decode(data)
     except UnicodeDecodeError as exc:  # msgspec lets a str that is not UTF-8 through as this, not a DecodeError
         raise msgspec.DecodeError(f"malformed string: {exc}") from None
+
+
+def parse_batch(data: bytes | bytearray | memoryview) -> Batch:
+    """``decode_batch`` for a receiver that answers a malformed batch with an error: InvalidArgument naming why."""
+    try:
+        return _batch_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise InvalidArgument(f"malformed batch: {exc}") from None
 
 
 def decode_ack(data: bytes | bytearray | memoryview) -> Ack:

@@ -15,8 +15,6 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import msgspec
-
 from gpubroker.client import (
     DeadlineExceeded,
     InvalidArgument,
@@ -51,9 +49,9 @@ from gpubroker.client._protocol import (
     SynchronizeEvent,
     WaitEvent,
     Write,
-    decode_batch,
     encode,
     new_handle,
+    parse_batch,
 )
 from gpubroker.v1 import broker_pb2 as pb
 
@@ -253,18 +251,11 @@ def raise_for(ack: Ack) -> Ack:
     return ack
 
 
-def decode(data: bytes) -> Batch:
-    try:
-        return decode_batch(data)
-    except msgspec.DecodeError as exc:
-        raise InvalidArgument(f"malformed command batch: {exc}") from None
-
-
 def pack(commands: list[Command], batch_id: int = 0, first: int = 0) -> tuple[Batch, bytes]:
     """A batch of the front's own commands, encoded and decoded once: the decoding checks every field's type and
     range exactly as a client's batch is checked (a Struct built in Python is not)."""
     data = encode(Batch(batch_id, first, commands))
-    return decode(data), data
+    return parse_batch(data), data
 
 
 # -- the runner ----------------------------------------------------------------------------------------------

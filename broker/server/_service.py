@@ -18,7 +18,7 @@ from gpubroker.client import (
     ResourceExhausted,
     Unauthenticated,
 )
-from gpubroker.client._protocol import Allocate, Command, CreateStream, GetKernel, LoadModule, encode
+from gpubroker.client._protocol import Allocate, Command, CreateStream, GetKernel, LoadModule, encode, parse_batch
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
@@ -356,7 +356,7 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
         batches read ahead keep the stream's order; ``sent`` is this batch's, for the next one.
         """
         if batch.encoded:
-            decoded = commands.decode(batch.encoded)
+            decoded = parse_batch(batch.encoded)
             if after is not None:
                 await after
             ack = await self.execute(session, decoded, batch.encoded, sent)

@@ -14,10 +14,8 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from gpubroker.client import GpuBrokerError, GpuCompute, Internal, InvalidArgument
-from gpubroker.client._protocol import decode_batch, encode
+from gpubroker.client._protocol import encode, parse_batch
 
 from ._executor import Executor
 from ._frames import send_frame
@@ -91,11 +89,7 @@ class WorkerServer(PeerOps):
         data = p.get("batch")
         if type(data) is not bytes:
             raise InvalidArgument("batch: params must hold the encoded batch as bytes")
-        try:
-            batch = decode_batch(data)
-        except msgspec.DecodeError as exc:
-            raise InvalidArgument(f"malformed batch: {exc}") from None
-        return encode(self.executor.run(session, batch))
+        return encode(self.executor.run(session, parse_batch(data)))
 
     # -- the front's own ---------------------------------------------------------------------------
     def op_ping(self, session: str, p: dict[str, Any]) -> Any:
