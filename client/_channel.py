@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -72,12 +72,5 @@ def translate_rpc_error(err: grpc.RpcError) -> GpuBrokerError:
 def translated(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     try:
         return call(*args, **kwargs)
-    except grpc.RpcError as err:
-        raise translate_rpc_error(err) from None
-
-
-def translated_iter(iterator: Iterator[T]) -> Iterator[T]:
-    try:
-        yield from iterator
     except grpc.RpcError as err:
         raise translate_rpc_error(err) from None
