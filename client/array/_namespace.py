@@ -1,0 +1,99 @@
+"""The namespace object: every function of the standard, bound to one device session.
+
+``namespace(gpu)`` returns the one Namespace of that GpuCompute (made on first use). Functions that take arrays
+are the modules' plain functions (the device comes from their arrays); functions that make arrays from nothing
+(creation functions, ``from_dlpack``, ``__array_namespace_info__``) take the Context as their first parameter,
+named ``ctx``, and are bound to this namespace's (``types.MethodType``: their signatures read as the standard's).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import types
+from typing import Any
+
+from gpubroker.client import GpuCompute
+
+from ._context import Context
+
+__all__ = ["Namespace", "namespace", "namespace_of"]
+
+API_VERSION = "2024.12"
+
+# The modules whose ``__all__`` the namespace exposes (each owned by one concept; see README "Arrays").
+_MODULES = ("_dtypes", "_creation", "_elementwise", "_statistical", "_manipulation", "_indexing", "_searching",
+            "_sorting", "_sets", "_linear", "_utility", "_info")
+_SUBMODULES = {"linalg": "_linalg", "fft": "_fft"}
+# Names in a module's __all__ that are helpers for other modules, not the standard's.
+_PRIVATE = frozenset({"ALL_DTYPES", "DType", "promote", "result_type_of", "scalar_dtype", "finfo_object",
+                      "iinfo_object"})
+
+_lock = threading.Lock()
+
+
+def _bind(ctx: Context, fn: Any) -> Any:
+    if inspect.isfunction(fn):
+        params = list(inspect.signature(fn).parameters)
+        if params and params[0] == "ctx":
+            return types.MethodType(fn, ctx)
+    return fn
+
+
+class _Sub(types.SimpleNamespace):
+    pass
+
+
+class Namespace(types.SimpleNamespace):
+    """``xp``: the standard's functions and constants for one device session."""
+
+    __array_api_version__ = API_VERSION
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__()
+        import importlib
+
+        self._ctx = ctx
+        for mod_name in _MODULES:
+            try:
+                mod = importlib.import_module(f"{__package__}.{mod_name}")
+            except ModuleNotFoundError as exc:  # a concept not built yet
+                if exc.name != f"{__package__}.{mod_name}":
+                    raise
+                continue
+            for name in mod.__all__:
+                if name not in _PRIVATE:
+                    setattr(self, name, _bind(ctx, getattr(mod, name)))
+        for sub, mod_name in _SUBMODULES.items():
+            try:
+                mod = importlib.import_module(f"{__package__}.{mod_name}")
+            except ModuleNotFoundError as exc:
+                if exc.name != f"{__package__}.{mod_name}":
+                    raise
+                continue
+            setattr(self, sub, _Sub(**{n: _bind(ctx, getattr(mod, n)) for n in mod.__all__}))
+
+    def __repr__(self) -> str:
+        return f"<Array API namespace on {self._ctx.info_name}>"
+
+
+def namespace_of(ctx: Context, api_version: str | None = None) -> Namespace:
+    if api_version is not None and api_version not in ("2021.12", "2022.12", "2023.12", API_VERSION):
+        raise ValueError(f"api_version {api_version!r} is not supported (this namespace is {API_VERSION})")
+    return namespace(ctx.gpu)
+
+
+def namespace(gpu: GpuCompute) -> Namespace:
+    """The Array API namespace whose arrays live on ``gpu`` (a RemoteGpu or an in-process backend); one per gpu.
+
+    On a RemoteGpu, connect with ``async_commands=True``: array operations then queue as commands and only host
+    conversions and data-dependent shapes wait for the device.
+    """
+    # Kept on the gpu object itself: the namespace lives as long as its session, and every array of the session
+    # answers __array_namespace__ with this same object (array-api-compat refuses arrays of two namespaces).
+    with _lock:
+        ns = getattr(gpu, "_array_namespace", None)
+        if ns is None:
+            ns = Namespace(Context(gpu))
+            gpu._array_namespace = ns  # type: ignore[attr-defined]
+        return ns
