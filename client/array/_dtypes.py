@@ -41,9 +41,9 @@ __all__ = [
 ]
 
 DType = np.dtype
-_pybool = type(True)  # the builtin, before the module's ``bool`` (the dtype) shadows it
+_pybool = bool  # the builtin, before the module's ``bool`` (the dtype) shadows it
 
-bool: Final = np.dtype("bool")  # noqa: A001 (the standard's name)
+bool: Final = np.dtype("bool")
 int8: Final = np.dtype("int8")
 int16: Final = np.dtype("int16")
 int32: Final = np.dtype("int32")
@@ -191,7 +191,7 @@ def can_cast(from_: Any, to: np.dtype[Any], /) -> _pybool:
 
 
 @dataclass(frozen=True)
-class finfo_object:  # noqa: N801 (the standard's name)
+class finfo_object:
     bits: int
     eps: float
     max: float
@@ -201,14 +201,14 @@ class finfo_object:  # noqa: N801 (the standard's name)
 
 
 @dataclass(frozen=True)
-class iinfo_object:  # noqa: N801 (the standard's name)
+class iinfo_object:
     bits: int
     max: int
     min: int
     dtype: np.dtype[Any]
 
 
-def finfo(type: Any, /) -> finfo_object:  # noqa: A002 (the standard's name)
+def finfo(type: Any, /) -> finfo_object:
     dt = _check(type.dtype if hasattr(type, "dtype") and not isinstance(type, np.dtype) else type)
     if dt.kind not in "fc":
         raise ValueError(f"finfo takes a floating dtype, got {dt}")
@@ -218,7 +218,7 @@ def finfo(type: Any, /) -> finfo_object:  # noqa: A002 (the standard's name)
                         real)
 
 
-def iinfo(type: Any, /) -> iinfo_object:  # noqa: A002 (the standard's name)
+def iinfo(type: Any, /) -> iinfo_object:
     dt = _check(type.dtype if hasattr(type, "dtype") and not isinstance(type, np.dtype) else type)
     if dt.kind not in "iu":
         raise ValueError(f"iinfo takes an integer dtype, got {dt}")
