@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from ._errors import InvalidArgument
+from ._types import ArrayRef, Buffer
 
 __all__ = [
     "ALL_DTYPES",
@@ -34,6 +35,7 @@ __all__ = [
     "ParamValue",
     "Params",
     "Shape",
+    "check_library_call",
     "check_library_params",
     "check_shape",
     "fft_length",
@@ -61,6 +63,8 @@ REAL: Final = SIGNED + UNSIGNED + REAL_FLOATING
 NUMERIC: Final = REAL + COMPLEX_FLOATING
 ALL_DTYPES: Final = BOOL + NUMERIC
 
+_ITEMSIZE: Final = {"bool": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint8": 1, "uint16": 2, "uint32": 4,
+                     "uint64": 8, "float32": 4, "float64": 8, "complex64": 8, "complex128": 16}
 _REAL_OF: Final = {"float32": "float32", "float64": "float64", "complex64": "float32", "complex128": "float64"}
 _COMPLEX_OF: Final = {"float32": "complex64", "float64": "complex128", "complex64": "complex64",
                       "complex128": "complex128"}
@@ -570,3 +574,47 @@ def library_outputs(op: str, inputs: Sequence[tuple[str, Sequence[int]]],
     """
     entry = library_op(op)
     return entry.outputs_for(inputs, entry.check_params(params))
+
+
+def check_library_call(op: object, inputs: object, outputs: object, params: Mapping[str, object] | None,
+                       resolve: Callable[[Buffer], Buffer] | None = None
+                       ) -> tuple[list[ArrayRef], list[ArrayRef], Params]:
+    """Everything about a call that does not need the data: the op and its params, each array a well-formed
+    ArrayRef inside its allocation (``resolve`` gives a buffer view sized to the real allocation), the outputs
+    exactly what ``library_outputs`` says. Returns the arrays on resolved buffers and the checked params."""
+    entry = library_op(op)
+    name = entry.name
+    checked = entry.check_params(params)
+    resolved: list[list[ArrayRef]] = []
+    for what, refs in (("inputs", inputs), ("outputs", outputs)):
+        if isinstance(refs, (str, bytes)) or not isinstance(refs, Sequence):
+            raise InvalidArgument(f"{name}: {what} must be a sequence of ArrayRef")
+        out: list[ArrayRef] = []
+        for i, ref in enumerate(refs):
+            if not isinstance(ref, ArrayRef) or not isinstance(ref.buffer, Buffer):
+                raise InvalidArgument(f"{name}: {what}[{i}] must be an ArrayRef, got {type(ref).__name__}")
+            out.append(_fits(name, f"{what}[{i}]", ref, resolve))
+        resolved.append(out)
+    ins, outs = resolved
+    expected = entry.outputs_for([(r.dtype, r.shape) for r in ins], checked)
+    if len(outs) != len(expected):
+        raise InvalidArgument(f"{name}: writes {len(expected)} output(s), got {len(outs)}")
+    for i, (ref, (dtype, shape)) in enumerate(zip(outs, expected, strict=True)):
+        if ref.dtype != dtype or tuple(ref.shape) != shape:
+            raise InvalidArgument(f"{name}: output {i} must be {dtype} of shape {shape}, got {ref.dtype} of shape "
+                                  f"{tuple(ref.shape)}")
+    return ins, outs, checked
+
+
+def _fits(op: str, what: str, ref: ArrayRef, resolve: Callable[[Buffer], Buffer] | None) -> ArrayRef:
+    if type(ref.dtype) is not str or ref.dtype not in ALL_DTYPES:
+        raise InvalidArgument(f"{op}: {what} has an unknown dtype {str(ref.dtype)[:40]!r}")
+    shape = check_shape(op, what, ref.shape)
+    buffer = ref.buffer if resolve is None else resolve(ref.buffer)
+    if type(buffer.offset) is not int or type(buffer.size) is not int or buffer.offset < 0:
+        raise InvalidArgument(f"{op}: {what} has a malformed buffer view ({buffer.offset!r} into {buffer.size!r})")
+    nbytes = math.prod(shape) * _ITEMSIZE[ref.dtype]
+    if buffer.offset + nbytes > buffer.size:
+        raise InvalidArgument(f"{op}: {what} ({ref.dtype} of shape {shape}, {nbytes} bytes from offset "
+                              f"{buffer.offset}) overruns its {buffer.size}-byte buffer")
+    return ArrayRef(buffer, ref.dtype, shape)

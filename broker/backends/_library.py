@@ -13,60 +13,18 @@ arrays, which are counted. On CUDA the backend gives CuPy's unused pool blocks b
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from gpubroker.client import ArrayRef, Buffer, InvalidArgument, ResourceExhausted
-from gpubroker.client._library import ALL_DTYPES, Params, check_shape, fft_length, fftn_plan, library_op
+from gpubroker.client import InvalidArgument, ResourceExhausted
+from gpubroker.client._library import Params, check_library_call, fft_length, fftn_plan
 
-__all__ = ["check_library_call", "library_errors", "run"]
+__all__ = ["check_library_call", "library_errors", "run"]  # check_library_call: the table's, for the backends
 
 Arrays = Sequence[Any]  # xp.ndarray: numpy.ndarray or cupy.ndarray
 Impl = Callable[[Any, Arrays, Arrays, Params], None]
-
-
-def check_library_call(op: object, inputs: object, outputs: object, params: Mapping[str, object] | None,
-                       resolve: Callable[[Buffer], Buffer]) -> tuple[list[ArrayRef], list[ArrayRef], Params]:
-    """Everything about a call that does not need the data: the op and its params, each array a well-formed
-    ArrayRef inside its allocation (``resolve`` gives a buffer view sized to the real allocation), the outputs
-    exactly what ``library_outputs`` says. Returns the arrays on resolved buffers and the checked params."""
-    entry = library_op(op)
-    name = entry.name
-    checked = entry.check_params(params)
-    resolved: list[list[ArrayRef]] = []
-    for what, refs in (("inputs", inputs), ("outputs", outputs)):
-        if isinstance(refs, (str, bytes)) or not isinstance(refs, Sequence):
-            raise InvalidArgument(f"{name}: {what} must be a sequence of ArrayRef")
-        out: list[ArrayRef] = []
-        for i, ref in enumerate(refs):
-            if not isinstance(ref, ArrayRef) or not isinstance(ref.buffer, Buffer):
-                raise InvalidArgument(f"{name}: {what}[{i}] must be an ArrayRef, got {type(ref).__name__}")
-            out.append(_fits(name, f"{what}[{i}]", ref, resolve))
-        resolved.append(out)
-    ins, outs = resolved
-    expected = entry.outputs_for([(r.dtype, r.shape) for r in ins], checked)
-    if len(outs) != len(expected):
-        raise InvalidArgument(f"{name}: writes {len(expected)} output(s), got {len(outs)}")
-    for i, (ref, (dtype, shape)) in enumerate(zip(outs, expected, strict=True)):
-        if ref.dtype != dtype or tuple(ref.shape) != shape:
-            raise InvalidArgument(f"{name}: output {i} must be {dtype} of shape {shape}, got {ref.dtype} of shape "
-                                  f"{tuple(ref.shape)}")
-    return ins, outs, checked
-
-
-def _fits(op: str, what: str, ref: ArrayRef, resolve: Callable[[Buffer], Buffer]) -> ArrayRef:
-    if type(ref.dtype) is not str or ref.dtype not in ALL_DTYPES:
-        raise InvalidArgument(f"{op}: {what} has an unknown dtype {str(ref.dtype)[:40]!r}")
-    shape = check_shape(op, what, ref.shape)
-    buffer = resolve(ref.buffer)
-    nbytes = math.prod(shape) * np.dtype(ref.dtype).itemsize
-    if buffer.offset + nbytes > buffer.size:
-        raise InvalidArgument(f"{op}: {what} ({ref.dtype} of shape {shape}, {nbytes} bytes from offset "
-                              f"{buffer.offset}) overruns its {buffer.size}-byte buffer")
-    return ArrayRef(buffer, ref.dtype, shape)
 
 
 @contextlib.contextmanager
