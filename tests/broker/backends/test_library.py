@@ -281,3 +281,11 @@ def test_on_a_stream(gpu: GpuCompute) -> None:
     (got,) = run_op(gpu, "matmul", [a, b], stream=stream)
     close(got, a @ b)
     gpu.destroy_stream(stream)
+
+
+def test_library_time_is_device_time(gpu: GpuCompute) -> None:
+    take = gpu.take_device_time  # type: ignore[attr-defined]  # every backend has it; GpuCompute does not
+    take()
+    x = real(256, 256)
+    run_op(gpu, "linalg.svd", [x])
+    assert take() > 0.0
