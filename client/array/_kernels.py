@@ -749,8 +749,8 @@ class Kernels:
     def reduce(self, fn: str, out: View, x: View, axes: tuple[int, ...], center: View | None = None) -> None:
         """``out`` = ``fn`` ("sum", "prod", "max", "min", "all", "any", "argmax", "argmin", "sumsq", "count" (of
         nonzero elements)) of ``x`` over ``axes``; ``out.shape`` is ``x.shape`` without them. "sumsq" sums
-        ``(x - center)**2`` where ``center`` has ``out``'s shape (the second pass of var). Sums and products accumulate in ``out.dtype``; argmax and
-        argmin give the first occurrence's flat index over ``axes`` (C order) as int64.
+        ``(x - center)**2`` where ``center`` has ``out``'s shape (the second pass of var). Sums and products
+        accumulate in ``out.dtype``; argmax and argmin give the first occurrence's flat index over ``axes`` (C order) as int64.
 
         One work-group per output element: its work-items stride over the reduced elements, each accumulating
         its share, and a tree in shared memory combines the partial values pairwise."""
@@ -818,7 +818,7 @@ class Kernels:
         if acc_dtype.kind == "f":
             lowest, highest = f"(({at})-GB_INF)", f"(({at})GB_INF)"
         elif acc_dtype.kind in "iu":
-            info = np.iinfo(acc_dtype)  # type: ignore[type-var]
+            info = np.iinfo(acc_dtype)
             suffix = "ULL" if acc_dtype.kind == "u" else "LL"
             lowest = f"(({at})({info.min}{suffix}))" if info.min != -(2**63) else f"(({at})(-{2**63 - 1}LL - 1))"
             highest = f"(({at})({info.max}{suffix}))"
