@@ -750,7 +750,8 @@ class Kernels:
         """``out`` = ``fn`` ("sum", "prod", "max", "min", "all", "any", "argmax", "argmin", "sumsq", "count" (of
         nonzero elements)) of ``x`` over ``axes``; ``out.shape`` is ``x.shape`` without them. "sumsq" sums
         ``(x - center)**2`` where ``center`` has ``out``'s shape (the second pass of var). Sums and products
-        accumulate in ``out.dtype``; argmax and argmin give the first occurrence's flat index over ``axes`` (C order) as int64.
+        accumulate in ``out.dtype``; argmax and argmin give the first occurrence's flat index over ``axes``
+        (C order) as int64.
 
         One work-group per output element: its work-items stride over the reduced elements, each accumulating
         its share, and a tree in shared memory combines the partial values pairwise."""
