@@ -225,7 +225,11 @@ def test_outer(xp: Any) -> None:
 def test_vector_norm(xp: Any, ord: float, axis: Any) -> None:
     a = rand(2, 3, 4, dtype="complex128")
     a[0, 0, 0] = 0
-    want = np.linalg.norm(a.reshape(-1) if axis is None else a, ord=ord, axis=axis)
+    axes = tuple(range(a.ndim)) if axis is None else (axis,) if isinstance(axis, int) else axis
+    axes = tuple(ax % a.ndim for ax in axes)
+    rest = [d for d in range(a.ndim) if d not in axes]
+    flat = np.transpose(a, rest + list(axes)).reshape(*[a.shape[d] for d in rest], -1)
+    want = np.linalg.norm(flat, ord=ord, axis=-1)  # numpy takes two axes as a matrix norm: flatten them first
     close(xp.linalg.vector_norm(xp.asarray(a), axis=axis, ord=ord), want)
     got = np.asarray(xp.linalg.vector_norm(xp.asarray(a), axis=axis, ord=ord, keepdims=True))
     assert got.ndim == 3
