@@ -454,7 +454,7 @@ def _expr(fn: str, compute: np.dtype[Any], operands: Sequence[str]) -> str:
 
 
 # -- reductions ------------------------------------------------------------------------------------------------
-REDUCTIONS: Final = ("sum", "prod", "max", "min", "all", "any", "argmax", "argmin", "sumsq")
+REDUCTIONS: Final = ("sum", "prod", "max", "min", "all", "any", "argmax", "argmin", "sumsq", "count")
 
 
 # -- plans -----------------------------------------------------------------------------------------------------
@@ -747,7 +747,155 @@ class Kernels:
 
     # -- reductions --------------------------------------------------------------------------------------------
     def reduce(self, fn: str, out: View, x: View, axes: tuple[int, ...], center: View | None = None) -> None:
-        """``out`` = ``fn`` ("sum", "prod", "max", "min", "all", "any", "argmax", "argmin", "sumsq") of ``x`` over
-        ``axes``; ``out.shape`` is ``x.shape`` without them. "sumsq" sums ``(x - center)**2`` where ``center``
-        has ``out``'s shape (the second pass of var). Sums and products accumulate in ``out.dtype``."""
-        raise NotImplementedError
+        """``out`` = ``fn`` ("sum", "prod", "max", "min", "all", "any", "argmax", "argmin", "sumsq", "count" (of
+        nonzero elements)) of ``x`` over ``axes``; ``out.shape`` is ``x.shape`` without them. "sumsq" sums
+        ``(x - center)**2`` where ``center`` has ``out``'s shape (the second pass of var). Sums and products
+        accumulate in ``out.dtype``; argmax and argmin give the first occurrence's flat index over ``axes``
+        (C order) as int64.
+
+        One work-group per output element: its work-items stride over the reduced elements, each accumulating
+        its share, and a tree in shared memory combines the partial values pairwise."""
+        cstrides = center.strides if center is not None else None
+        key = ("reduce", fn, out.dtype, out.shape, out.strides, x.dtype, x.shape, x.strides, axes, cstrides,
+               None if center is None else center.dtype)
+        plan = self._plans.get(key)
+        if plan is None:
+            if out.size == 0:
+                return
+            plan = self._plan_reduce(key, fn, out, x, axes, center)
+        args: list[Any] = [out.buffer, np.int64(out.offset), x.buffer, np.int64(x.offset)]
+        if center is not None:
+            args += [center.buffer, np.int64(center.offset)]
+        args.extend(plan.tail)
+        self._ctx.gpu.execute_kernel(plan.kernel, plan.grid, plan.block, args)
+
+    def _plan_reduce(self, key: tuple[Any, ...], fn: str, out: View, x: View, axes: tuple[int, ...],
+                     center: View | None) -> _Plan:
+        if fn not in REDUCTIONS:
+            raise ValueError(f"no reduction {fn!r}")
+        kept = [k for k in range(len(x.shape)) if k not in axes]
+        if tuple(x.shape[k] for k in kept) != out.shape:
+            raise ValueError(f"reduction output shape {out.shape} is not {x.shape} without axes {axes}")
+        kept_strides = [tuple(x.strides[k] for k in kept), out.strides]
+        if center is not None:
+            kept_strides.append(center.strides)
+        kdims, kper = _collapse(out.shape, kept_strides)
+        rdims, rper = _collapse(tuple(x.shape[k] for k in axes), [tuple(x.strides[k] for k in axes)])
+        m = 1
+        for k in axes:
+            m *= x.shape[k]
+        nout = out.size
+        variant = (len(kdims), len(rdims), m < _SMALL_INDEX and nout < _SMALL_INDEX)
+        ckey = ("reduce", fn, out.dtype, x.dtype, None if center is None else center.dtype, variant)
+
+        def make(name: str) -> str:
+            return self._source_reduce(name, fn, out.dtype, x.dtype, None if center is None else center.dtype,
+                                       variant)
+
+        kernel = self._compile(ckey, make)
+        meta = self._meta([*kdims, *[s for p in kper for s in p], *rdims, *rper[0], 0])
+        tail: list[Any] = [meta.buffer, np.int64(nout), np.int64(m)]
+        grid = min(nout, 65535)
+        return self._remember(key, _Plan(kernel, grid, self.block, tail, meta))
+
+    def _source_reduce(self, name: str, fn: str, out_dtype: np.dtype[Any], x_dtype: np.dtype[Any],
+                       center_dtype: np.dtype[Any] | None, variant: tuple[int, int, bool]) -> str:
+        kd, rd, small = variant
+        idx = "U32" if small else "I64"
+        ot, xt = ctype(out_dtype), ctype(x_dtype)
+        arg = fn in ("argmax", "argmin")
+        acc_dtype: np.dtype[Any]
+        if fn in ("all", "any"):
+            acc_dtype = np.dtype(np.bool_)
+        elif fn == "count":
+            acc_dtype = np.dtype(np.int64)
+        elif fn in ("max", "min") or arg:
+            acc_dtype = x_dtype
+        else:
+            acc_dtype = out_dtype
+        at = ctype(acc_dtype)
+        types = {ot, xt, at, "I64"} | ({ctype(center_dtype)} if center_dtype is not None else set())
+        real = acc_dtype.kind == "f"
+        if acc_dtype.kind == "f":
+            lowest, highest = f"(({at})-GB_INF)", f"(({at})GB_INF)"
+        elif acc_dtype.kind in "iu":
+            info = np.iinfo(acc_dtype)
+            suffix = "ULL" if acc_dtype.kind == "u" else "LL"
+            lowest = f"(({at})({info.min}{suffix}))" if info.min != -(2**63) else f"(({at})(-{2**63 - 1}LL - 1))"
+            highest = f"(({at})({info.max}{suffix}))"
+        else:
+            lowest = highest = f"(({at})0)"
+        complex_acc = acc_dtype.kind == "c"
+        combine_init = {  # {a}: the accumulated value, {b}: the next one
+            "sum": (f"{at}_add({{a}}, {{b}})" if complex_acc else "{a} + {b}",
+                    f"{at}_make(0, 0)" if complex_acc else f"({at})0"),
+            "sumsq": ("{a} + {b}", f"({at})0"),
+            "count": ("{a} + {b}", "(I64)0"),
+            "prod": (f"{at}_mul({{a}}, {{b}})" if complex_acc else "{a} * {b}",
+                     f"{at}_make(1, 0)" if complex_acc else f"({at})1"),
+            "max": ("((!isnan({a}) && ({b} > {a} || isnan({b}))) ? {b} : {a})" if real else "({b} > {a} ? {b} : {a})",
+                    lowest),
+            "min": ("((!isnan({a}) && ({b} < {a} || isnan({b}))) ? {b} : {a})" if real else "({b} < {a} ? {b} : {a})",
+                    highest),
+            "all": ("(U8)({a} && {b})", "(U8)1"),
+            "any": ("(U8)({a} || {b})", "(U8)0"),
+            "argmax": ("", lowest),
+            "argmin": ("", highest),
+        }
+        combine, init = combine_init[fn]
+        if fn in ("sum", "prod") and acc_dtype.kind in "iu":
+            u = _UNSIGNED[at]  # wrap around on overflow like NumPy, without signed-overflow UB
+            combine = f"({at})(({u}){{a}} {'+' if fn == 'sum' else '*'} ({u}){{b}})"
+        helpers = ""
+        if arg:
+            op = ">" if fn == "argmax" else "<"
+            nan_first = "if (isnan(av)) return !isnan(bv) || ai < bi;\n  if (isnan(bv)) return 0;\n  " if real \
+                else ""
+            helpers = (f"FN int gb_better({at} av, I64 ai, {at} bv, I64 bi) {{\n  {nan_first}"
+                       f"return av {op} bv || (av == bv && ai < bi);\n}}\n")
+        params = [f"GLOBAL {ot}* o", "I64 oo", f"GLOBAL const {xt}* x", "I64 xo"]
+        if center_dtype is not None:
+            params += [f"GLOBAL const {ctype(center_dtype)}* cen", "I64 co"]
+        params += ["GLOBAL const I64* meta", "I64 nout", "I64 m"]
+        nk = 3 if center_dtype is not None else 2
+        pro = "".join(f"  const {idx} kd{d} = ({idx})meta[{d}];\n" for d in range(kd))
+        pro += "".join(f"  const I64 kt{p}_{d} = meta[{kd + p * kd + d}];\n" for p in range(nk) for d in range(kd))
+        base = kd + nk * kd
+        pro += "".join(f"  const {idx} rd{d} = ({idx})meta[{base + d}];\n" for d in range(rd))
+        pro += "".join(f"  const I64 rt{d} = meta[{base + rd + d}];\n" for d in range(rd))
+        shared = f"  SHARED {at} sv[{self.block}];\n" + (f"  SHARED I64 si[{self.block}];\n" if arg else "")
+        kidx = f"    {idx} r = ({idx})g;\n    I64 xb = xo, ob = oo" + (", cb = co" if nk == 3 else "") + ";\n"
+        names = ["xb", "ob", "cb"]
+        for d in range(kd - 1, -1, -1):
+            kidx += f"    {{ {idx} c = " + (f"r % kd{d}; r /= kd{d};" if d else "r;")
+            kidx += "".join(f" {names[p]} += (I64)c * kt{p}_{d};" for p in range(nk)) + " }\n"
+        ridx = f"      {idx} q = ({idx})j;\n      I64 xp = xb;\n"
+        for d in range(rd - 1, -1, -1):
+            ridx += f"      {{ {idx} c = " + (f"q % rd{d}; q /= rd{d};" if d else "q;") + f" xp += (I64)c * rt{d}; }}\n"
+        load = cast(x_dtype, acc_dtype, "x[xp]")
+        if fn == "count":
+            load = f"(I64){cast(x_dtype, np.dtype(np.bool_), 'x[xp]')}"
+        center_load = (f"    const {at} cv = {cast(center_dtype, acc_dtype, 'cen[cb]')};\n"
+                       if center_dtype is not None else "")
+        if arg:
+            loop = (f"    {at} acc = {init}; I64 ai = m;\n"
+                    f"    for (I64 j = LID; j < m; j += {self.block}) {{\n{ridx}"
+                    f"      {at} v = {load};\n      if (gb_better(v, j, acc, ai)) {{ acc = v; ai = j; }}\n    }}\n"
+                    f"    sv[LID] = acc; si[LID] = ai; SYNC();\n"
+                    f"    for (int s = {self.block // 2}; s > 0; s >>= 1) {{\n"
+                    f"      if (LID < s && gb_better(sv[LID + s], si[LID + s], sv[LID], si[LID])) "
+                    f"{{ sv[LID] = sv[LID + s]; si[LID] = si[LID + s]; }}\n      SYNC();\n    }}\n"
+                    f"    if (LID == 0) o[ob] = {cast(np.dtype(np.int64), out_dtype, 'si[0]')};\n    SYNC();\n")
+        else:
+            pair = combine.format(a="sv[LID]", b="sv[LID + s]")
+            step = combine.format(a="acc", b="(v - cv) * (v - cv)" if fn == "sumsq" else "v")
+            loop = (f"{center_load}    {at} acc = {init};\n"
+                    f"    for (I64 j = LID; j < m; j += {self.block}) {{\n{ridx}"
+                    f"      {at} v = {load};\n      acc = {step};\n    }}\n"
+                    f"    sv[LID] = acc; SYNC();\n"
+                    f"    for (int s = {self.block // 2}; s > 0; s >>= 1) {{\n"
+                    f"      if (LID < s) sv[LID] = {pair};\n      SYNC();\n    }}\n"
+                    f"    if (LID == 0) o[ob] = {cast(acc_dtype, out_dtype, 'sv[0]')};\n    SYNC();\n")
+        body = (f"{helpers}KERNEL void {name}({', '.join(params)}) {{\n{shared}{pro}"
+                f"  for (I64 g = GROUP; g < nout; g += NGROUPS) {{\n{kidx}{loop}  }}\n}}\n")
+        return _source(types, body)

@@ -101,7 +101,7 @@ def moveaxis(x: Array, source: int | tuple[int, ...], destination: int | tuple[i
     return permute_dims(x, tuple(order))
 
 
-def expand_dims(x: Array, /, *, axis: int = 0) -> Array:
+def expand_dims(x: Array, /, axis: int = 0) -> Array:
     """A new axis of extent 1 at ``axis`` (in the result's axes; negative counts from its end). A view."""
     x = _check(x)
     if not -x.ndim - 1 <= axis <= x.ndim:
