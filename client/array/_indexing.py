@@ -236,13 +236,13 @@ def _masked(x: Array, mask: Array) -> Array:
         raise IndexError(f"boolean index of shape {mask.shape} does not match the array's shape {x.shape}")
     if mask.size == 0:  # an empty mask selects nothing (numpy's and the standard's tests' reading)
         return empty_array(x._ctx, (0, *x.shape[k:]), x.dtype)
-    from ._manipulation import reshape
+    if k == 0:  # x[True] / x[False] as arrays: a new axis of extent 1 or 0
+        return _basic(_basic(x, (None,)), (slice(0, 1 if bool(mask) else 0),))
+    from ._library_calls import call
+    from ._statistical import count_nonzero
 
-    rows = 1
-    for extent in x.shape[:k]:
-        rows *= extent
-    flat = reshape(x, (rows, *x.shape[k:])) if k != 1 else x
-    return take(flat, _mask_positions(mask), axis=0)
+    count = int(count_nonzero(mask))  # the one wait: the result's size must be known to allocate it
+    return call("compress", [x, mask], {"count": count})[0]
 
 
 # -- setitem ------------------------------------------------------------------------------------------
