@@ -54,6 +54,8 @@ class Namespace(types.SimpleNamespace):
         import importlib
 
         self._ctx = ctx
+        # What tools that report on namespaces print (array-api-tests, array-api-compat's messages).
+        self.__name__ = "gpubroker.client.array"
         for mod_name in _MODULES:
             try:
                 mod = importlib.import_module(f"{__package__}.{mod_name}")
