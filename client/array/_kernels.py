@@ -361,7 +361,7 @@ _INT_SAME = "{a}"
 ELEMENTWISE_OPS: Final[dict[str, Op]] = {
     "copy": Op(1, {k: "{a}" for k in "biufc"}),
     "abs": Op(1, {"i": "({a} < 0 ? ({T})(({U})0 - ({U}){a}) : {a})", "u": "{a}", "f": "fabs({a})",
-                  "c": "{T}_abs({a})"}),
+                  "c": "{T}_abs({a})"}, "real"),
     **{name: _float_fn(name) for name in ("acos", "acosh", "asin", "asinh", "atan", "atanh", "cos", "cosh", "exp",
                                           "expm1", "log", "log1p", "log2", "log10", "sin", "sinh", "sqrt", "tan",
                                           "tanh")},
