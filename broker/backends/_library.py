@@ -101,6 +101,9 @@ def _pinv(xp: Any, ins: Arrays, outs: Arrays, params: Params) -> None:
     # Through the SVD with the standard's rtol (relative to the largest singular value); the same code on both
     # array modules (NumPy's rcond and CuPy's differ in default and meaning).
     x = ins[0]
+    if min(x.shape[-2], x.shape[-1]) == 0:
+        outs[0][...] = 0
+        return
     u, s, vh = xp.linalg.svd(x, full_matrices=False)
     cutoff = _default_rtol(x, params["rtol"]) * xp.max(s, axis=-1, keepdims=True)
     keep = s > cutoff
