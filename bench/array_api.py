@@ -133,6 +133,7 @@ class SuiteResult:
     failures: dict[str, str] = field(default_factory=dict)  # test id (or collector) -> first line of its reason
     skipped: dict[str, str] = field(default_factory=dict)  # test id -> the skip's reason
     unexpected_passes: list[str] = field(default_factory=list)  # xfail-marked tests that passed
+    outcomes: dict[str, str] = field(default_factory=dict)  # test id -> passed, failed, error or skipped
     exit_code: int = 0
     seconds: float = 0.0
 
@@ -161,6 +162,7 @@ def summarize(report: dict[str, Any]) -> SuiteResult:
     counts: dict[str, Counter[str]] = {}
     for test in report.get("tests", []):
         nodeid, outcome = test["nodeid"], test["outcome"]
+        result.outcomes[nodeid] = outcome
         file_counts = counts.setdefault(_test_file(nodeid), Counter())
         if outcome in ("passed", "xpassed"):
             file_counts["passed"] += 1
