@@ -7,6 +7,7 @@ its memory. Operators delegate to the namespace's functions (one implementation 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -16,7 +17,9 @@ from ._context import Context, Storage, View
 if TYPE_CHECKING:
     from ._context import Device
 
-__all__ = ["Array", "empty_array", "wrap"]
+__all__ = ["Array", "empty_array", "to_host", "wrap"]
+
+_KDLCPU = 1  # DLPack's DLDeviceType for host memory
 
 
 def _ew() -> Any:
@@ -62,6 +65,102 @@ class Array:
         from ._namespace import namespace_of
 
         return namespace_of(self._ctx, api_version)
+
+    @property
+    def T(self) -> Array:
+        """The transpose of a 2-d array (a view); ValueError for any other rank (the standard's rule)."""
+        if self.ndim != 2:
+            raise ValueError(f"x.T needs a 2-d array, this one has {self.ndim} dimensions (use permute_dims or mT)")
+        from ._manipulation import permute_dims
+
+        return permute_dims(self, (1, 0))
+
+    @property
+    def mT(self) -> Array:
+        """The last two axes swapped (a view); ValueError below 2 dimensions."""
+        if self.ndim < 2:
+            raise ValueError(f"x.mT needs at least 2 dimensions, this array has {self.ndim}")
+        from ._manipulation import permute_dims
+
+        axes = (*range(self.ndim - 2), self.ndim - 1, self.ndim - 2)
+        return permute_dims(self, axes)
+
+    def to_device(self, device: Device, /, *, stream: int | Any | None = None) -> Array:
+        """This array on ``device``: itself where ``device`` is its own; one namespace has one device, so any
+        other device is a ValueError (move data between sessions through the host: ``asarray(np.asarray(x))``)."""
+        if device is not self._ctx.device:
+            raise ValueError(f"{device!r} is not this array's device {self._ctx.device!r}; "
+                             "an array moves to another session through the host")
+        return self
+
+    # -- conversions to the host: the only calls that wait for the device ----------------------------
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
+        """A host copy (numpy's ``numpy.asarray(x)``); ``copy=False`` is a ValueError, the data being elsewhere."""
+        if copy is False:
+            raise ValueError("the array lives on a gpubroker device: converting it to numpy always copies")
+        host = to_host(self)
+        return host if dtype is None else host.astype(dtype, copy=False)
+
+    def __dlpack__(self, /, *, stream: int | Any | None = None, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[Any, int] | None = None, copy: bool | None = None) -> Any:
+        """DLPack export through the host: the capsule of a host copy (``__dlpack_device__`` says kDLCPU).
+
+        ``copy=False`` is a BufferError (the bytes must come over); ``dl_device`` may only name the CPU.
+        """
+        if copy is False:
+            raise BufferError("the array lives on a gpubroker device: exporting it always copies to the host")
+        if dl_device is not None and (int(dl_device[0]), int(dl_device[1])) != (_KDLCPU, 0):
+            raise BufferError(f"only the host (kDLCPU, 0) is offered, not {dl_device!r}")
+        host = to_host(self)
+        if max_version is None:
+            return host.__dlpack__()
+        return host.__dlpack__(max_version=max_version)
+
+    def __dlpack_device__(self, /) -> tuple[int, int]:
+        return (_KDLCPU, 0)
+
+    def _scalar(self, what: str) -> Any:
+        if self.ndim != 0:
+            raise TypeError(f"{what}() of an array needs a 0-d array, this one has shape {self.shape}")
+        return to_host(self)[()].item()
+
+    def __bool__(self, /) -> bool:
+        return bool(self._scalar("bool"))
+
+    def __complex__(self, /) -> complex:
+        return complex(self._scalar("complex"))
+
+    def __int__(self, /) -> int:
+        if self.dtype.kind == "c":
+            raise TypeError("int() of a complex array is not allowed (take the real part first)")
+        return int(self._scalar("int"))
+
+    def __float__(self, /) -> float:
+        if self.dtype.kind == "c":
+            raise TypeError("float() of a complex array is not allowed (take the real part first)")
+        return float(self._scalar("float"))
+
+    def __index__(self, /) -> int:
+        if self.dtype.kind not in "iu":
+            raise TypeError(f"only integer arrays can be used as an index, this one is {self.dtype}")
+        return int(self._scalar("index"))
+
+    def __iter__(self) -> Iterator[Array]:
+        """Arrays along the first axis (views); TypeError for a 0-d array, as numpy's."""
+        if self.ndim == 0:
+            raise TypeError("iteration over a 0-d array")
+        return (self[i] for i in range(self.shape[0]))
+
+    # -- indexing ------------------------------------------------------------------------------------
+    def __getitem__(self, key: Any, /) -> Array:
+        from ._indexing import getitem
+
+        return getitem(self, key)
+
+    def __setitem__(self, key: Any, value: Array | complex, /) -> None:
+        from ._indexing import setitem
+
+        setitem(self, key, value)
 
 
     # -- operators: each is the namespace function of the same meaning (one implementation) -------------
@@ -173,16 +272,16 @@ class Array:
     def __irshift__(self, other: Array | complex, /) -> Array:
         return _ew().inplace("bitwise_right_shift", self, other)  # type: ignore[no-any-return]
 
-    def __lt__(self, other: Array | complex, /) -> Array:  # type: ignore[override]
+    def __lt__(self, other: Array | complex, /) -> Array:
         return _ew().less(self, other)  # type: ignore[no-any-return]
 
-    def __le__(self, other: Array | complex, /) -> Array:  # type: ignore[override]
+    def __le__(self, other: Array | complex, /) -> Array:
         return _ew().less_equal(self, other)  # type: ignore[no-any-return]
 
-    def __gt__(self, other: Array | complex, /) -> Array:  # type: ignore[override]
+    def __gt__(self, other: Array | complex, /) -> Array:
         return _ew().greater(self, other)  # type: ignore[no-any-return]
 
-    def __ge__(self, other: Array | complex, /) -> Array:  # type: ignore[override]
+    def __ge__(self, other: Array | complex, /) -> Array:
         return _ew().greater_equal(self, other)  # type: ignore[no-any-return]
 
     def __eq__(self, other: Array | complex, /) -> Array:  # type: ignore[override]
@@ -218,10 +317,11 @@ class Array:
     def __invert__(self, /) -> Array:
         return _ew().bitwise_invert(self)  # type: ignore[no-any-return]
 
-    __hash__ = None  # type: ignore[assignment]  (mutable, and == is elementwise)
+    __hash__ = None  # type: ignore[assignment]  # mutable, and == is elementwise
 
     def __repr__(self) -> str:
-        return f"Array({np.asarray(self)!r}, device={self._ctx.device!r})"
+        values = np.array2string(to_host(self), separator=", ", prefix="Array(")
+        return f"Array({values}, dtype={self.dtype.name}, device={self._ctx.device!r})"
 
 
 def empty_array(ctx: Context, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Array:
@@ -233,3 +333,19 @@ def empty_array(ctx: Context, shape: tuple[int, ...], dtype: np.dtype[Any]) -> A
 def wrap(ctx: Context, storage: Storage, view: View) -> Array:
     """An array over ``view`` of ``storage`` (a view of another array shares its storage)."""
     return Array(ctx, storage, view)
+
+
+def to_host(x: Array) -> np.ndarray[Any, Any]:
+    """A fresh numpy array with ``x``'s values (waits for the work queued before it). A view that is not
+    contiguous is first made contiguous on the device, so only its own elements cross."""
+    view = x._view
+    host = np.empty(view.shape, view.dtype)
+    if host.size == 0:
+        return host
+    if not view.contiguous:
+        from ._indexing import copy_view
+
+        x = copy_view(x)
+        view = x._view
+    x._ctx.gpu.copy_d2h(view.buffer, host.reshape(-1).view(np.uint8), view.offset * view.dtype.itemsize)
+    return host

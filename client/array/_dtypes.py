@@ -68,9 +68,9 @@ _BY_KIND: Final = {
     "complex floating": (complex64, complex128),
     "numeric": (int8, int16, int32, int64, uint8, uint16, uint32, uint64, float32, float64, complex64, complex128),
 }
-_SIGNED_BY_SIZE: Final = {1: int8, 2: int16, 4: int32, 8: int64}
-_FLOAT_BY_SIZE: Final = {4: float32, 8: float64}
-_COMPLEX_BY_FLOAT: Final = {float32: complex64, float64: complex128}
+_SIGNED_BY_SIZE: Final[dict[int, np.dtype[Any]]] = {1: int8, 2: int16, 4: int32, 8: int64}
+_FLOAT_BY_SIZE: Final[dict[int, np.dtype[Any]]] = {4: float32, 8: float64}
+_COMPLEX_BY_FLOAT: Final[dict[np.dtype[Any], np.dtype[Any]]] = {float32: complex64, float64: complex128}
 
 
 def _check(dtype: object) -> np.dtype[Any]:
