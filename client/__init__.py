@@ -24,8 +24,9 @@ from ._errors import (
     WorkerCrashed,
 )
 from ._host import HostBuffer
+from ._library import LIBRARY_OPS, library_outputs
 from ._tls import TlsOptions
-from ._types import Buffer, DeviceInfo, Event, Kernel, Module, ModuleFormat, Stream
+from ._types import ArrayRef, Buffer, DeviceInfo, Event, Kernel, Module, ModuleFormat, Stream
 
 if TYPE_CHECKING:  # imported on first use by __getattr__ below; named here so their types are known
     from ._admin import AdminClient
@@ -38,6 +39,7 @@ __all__ = [
     "AdminClient",
     "AlreadyExists",
     "ArgumentTypeError",
+    "ArrayRef",
     "Buffer",
     "Cancelled",
     "CompileError",
@@ -51,6 +53,7 @@ __all__ = [
     "Internal",
     "InvalidArgument",
     "Kernel",
+    "LIBRARY_OPS",
     "Module",
     "ModuleFormat",
     "NotFound",
@@ -66,6 +69,7 @@ __all__ = [
     "WorkerCrashed",
     "connect",
     "copy_peer",
+    "library_outputs",
     "list_devices",
 ]
 

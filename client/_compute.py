@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from ._host import HostBuffer
-from ._types import Buffer, DeviceInfo, Event, Kernel, Module, ModuleFormat, Stream
+from ._types import ArrayRef, Buffer, DeviceInfo, Event, Kernel, Module, ModuleFormat, Stream
 
 __all__ = ["GpuCompute"]
 
@@ -53,6 +53,20 @@ class GpuCompute(Protocol):
 
     def execute_kernel(self, kernel: Kernel, grid: int | Sequence[int], block: int | Sequence[int],
                        args: Sequence[object], shared_mem: int = 0, stream: Stream | None = None) -> None: ...
+
+    def run_library(self, op: str, inputs: Sequence[ArrayRef], outputs: Sequence[ArrayRef],
+                    params: Mapping[str, object] | None = None, stream: Stream | None = None) -> None:
+        """Run the library operation ``op`` (matmul, ``linalg.*``, ``fft.*``, sort, unique, ...: the table is
+        ``gpubroker.client.LIBRARY_OPS``) on ``inputs``, writing ``outputs``; asynchronous like a launch (its errors
+        may surface at the next synchronize).
+
+        Every array is C-contiguous from its buffer view's offset. The caller allocates the outputs with exactly
+        the dtypes and shapes ``gpubroker.client.library_outputs(op, [(dtype, shape), ...], params)`` gives; any
+        other, an array that overruns its buffer, an unknown op or param, or input the op refuses (a singular
+        matrix to ``linalg.inv`` where the library reports it) raise InvalidArgument naming the op. Params are
+        ints, floats, bools, strs, None or lists of ints. Outputs must not overlap inputs.
+        """
+        ...
 
     def create_stream(self) -> Stream: ...
 

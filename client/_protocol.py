@@ -52,6 +52,7 @@ __all__ = [
     "Memset",
     "Read",
     "RecordEvent",
+    "RunLibrary",
     "ScalarArg",
     "Synchronize",
     "SynchronizeEvent",
@@ -200,6 +201,25 @@ class Write(_Command, tag="write", frozen=True):
     size: NonNegative = 0
 
 
+# A library operation's array: the buffer view, a NumPy dtype name, the shape (C-contiguous from the view).
+LibraryArray = tuple[BufRef, Annotated[str, msgspec.Meta(max_length=16)],
+                     Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=1 << 62)], ...], msgspec.Meta(max_length=32)]]
+# Its params: int, float, bool, short str, None or a short list of ints (client/_library.py checks each's meaning).
+LibraryParam = (int | float | bool | Annotated[str, msgspec.Meta(max_length=32)] | None
+                | Annotated[list[int], msgspec.Meta(max_length=32)])
+
+
+class RunLibrary(_Command, tag="run_library", frozen=True):
+    """A library operation (matmul, linalg, fft, sort, unique, ...: client/_library.py's table) on arrays of the
+    session; device work like a launch."""
+
+    name: Annotated[str, msgspec.Meta(max_length=32)]  # the op ("linalg.svd"); ``op`` is the command's tag
+    inputs: Annotated[list[LibraryArray], msgspec.Meta(max_length=8)]
+    outputs: Annotated[list[LibraryArray], msgspec.Meta(max_length=8)]
+    params: Annotated[dict[Annotated[str, msgspec.Meta(max_length=32)], LibraryParam], msgspec.Meta(max_length=16)] = {}
+    stream: OptionalStream = ""
+
+
 class Read(_Command, tag="read", frozen=True):
     """Device to host: ``size`` bytes of the view from ``offset``; the Ack's result is the bytes."""
 
@@ -250,13 +270,13 @@ class GetKernel(_Command, tag="get_kernel", frozen=True):
     name: Annotated[str, msgspec.Meta(max_length=1024)]
 
 
-Command = (Allocate | Free | Memset | CopyD2D | Launch | CreateStream | DestroyStream | Synchronize | CreateEvent
-           | DestroyEvent | RecordEvent | WaitEvent | SynchronizeEvent | Write | Read | CopyShared | DeviceInfoQuery
-           | LoadModule | UnloadModule | GetKernel)
+Command = (Allocate | Free | Memset | CopyD2D | Launch | RunLibrary | CreateStream | DestroyStream | Synchronize
+           | CreateEvent | DestroyEvent | RecordEvent | WaitEvent | SynchronizeEvent | Write | Read | CopyShared
+           | DeviceInfoQuery | LoadModule | UnloadModule | GetKernel)
 COMMANDS: Final[tuple[type[_Command], ...]] = (
-    Allocate, Free, Memset, CopyD2D, Launch, CreateStream, DestroyStream, Synchronize, CreateEvent, DestroyEvent,
-    RecordEvent, WaitEvent, SynchronizeEvent, Write, Read, CopyShared, DeviceInfoQuery, LoadModule, UnloadModule,
-    GetKernel)
+    Allocate, Free, Memset, CopyD2D, Launch, RunLibrary, CreateStream, DestroyStream, Synchronize, CreateEvent,
+    DestroyEvent, RecordEvent, WaitEvent, SynchronizeEvent, Write, Read, CopyShared, DeviceInfoQuery, LoadModule,
+    UnloadModule, GetKernel)
 LINK_COMMANDS: Final = frozenset(c for c in COMMANDS if c.link)
 
 

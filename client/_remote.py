@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -16,6 +16,7 @@ from ._channel import make_channel, translated
 from ._devices import copy_peer, device_info_from_pb
 from ._errors import FailedPrecondition, GpuBrokerError, InvalidArgument
 from ._host import check_device_range, readable_bytes, writable_bytes
+from ._library import check_library_call
 from ._protocol import (
     CODECS,
     MAX_HANDLE,
@@ -32,6 +33,7 @@ from ._protocol import (
     Launch,
     Memset,
     RecordEvent,
+    RunLibrary,
     ScalarArg,
     Synchronize,
     SynchronizeEvent,
@@ -42,6 +44,7 @@ from ._shm import SharedMemory
 from ._tls import TlsOptions
 from ._transports import TRANSPORTS, Transport, choose_transport
 from ._types import (
+    ArrayRef,
     Buffer,
     DeviceInfo,
     Event,
@@ -287,6 +290,15 @@ class RemoteGpu:
             else _handle(kernel.handle, "kernel")
         self._command(Launch(handle, normalize_dims(grid, "grid"), normalize_dims(block, "block"), wire, shared_mem,
                              _stream(stream) if stream is not None else ""))
+
+    def run_library(self, op: str, inputs: Sequence[ArrayRef], outputs: Sequence[ArrayRef],
+                    params: Mapping[str, object] | None = None, stream: Stream | None = None) -> None:
+        # Checked here too (the table is pure): a mistake raises at the call, not at the next synchronize, and
+        # only what encodes is sent. The worker checks again against the real allocations.
+        ins, outs, checked = check_library_call(op, inputs, outputs, params)
+        self._command(RunLibrary(op, [(_ref(r.buffer), r.dtype, r.shape) for r in ins],
+                                 [(_ref(r.buffer), r.dtype, r.shape) for r in outs], checked,
+                                 _stream(stream) if stream is not None else ""))
 
     def create_stream(self) -> Stream:
         handle = new_handle("stream")

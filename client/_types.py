@@ -11,6 +11,7 @@ import numpy as np
 from ._errors import ArgumentTypeError, InvalidArgument
 
 __all__ = [
+    "ArrayRef",
     "Buffer",
     "DeviceInfo",
     "Dim3",
@@ -84,6 +85,17 @@ class Buffer:
             raise InvalidArgument(
                 f"offset {offset} is outside the buffer ({self.nbytes} bytes from offset {self.offset})")
         return replace(self, offset=self.offset + offset)
+
+
+@dataclass(frozen=True)
+class ArrayRef:
+    """A C-contiguous array in device memory for a library operation (``GpuCompute.run_library``): ``shape``
+    elements of ``dtype`` (a NumPy dtype name: "float32", "int64", "complex128", "bool", ...) laid out row-major
+    from ``buffer``'s view offset. The worker checks it fits the buffer."""
+
+    buffer: Buffer
+    dtype: str
+    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)

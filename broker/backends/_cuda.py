@@ -14,6 +14,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import cupy
 import numpy as np
@@ -22,6 +24,7 @@ from cupy.cuda.memory import Memory
 
 from gpubroker.client import (
     Aborted,
+    ArrayRef,
     Buffer,
     DeviceInfo,
     Event,
@@ -33,6 +36,7 @@ from gpubroker.client import (
     Stream,
 )
 
+from . import _library
 from ._common import HandleTable, LaunchChecker
 from ._cuda_copies import CudaCopyMixin
 from ._cuda_modules import CudaCodeMixin
@@ -43,6 +47,12 @@ from ._cuda_util import KernelRec, ModuleRec, list_cuda_devices, props_info, tra
 __all__ = ["CudaBackend", "list_cuda_devices"]
 
 log = logging.getLogger(__name__)
+
+# Library calls take their temporaries (cuSOLVER / cuFFT workspaces, CuPy intermediates) from CuPy's pool, which
+# the quota does not count (see _library). The pool keeps freed blocks for reuse; past this many idle bytes they
+# go back to the device. Not after every call: cudaFree waits for the whole device, which would make each
+# library call synchronous.
+_POOL_IDLE_MAX = 256 << 20
 
 
 class CudaBackend(CudaCopyMixin, CudaCodeMixin, CudaPeerMixin):
@@ -230,6 +240,35 @@ class CudaBackend(CudaCopyMixin, CudaCodeMixin, CudaPeerMixin):
                 s.synchronize()
         except Exception as exc:
             raise self._fail("synchronize", exc) from exc
+
+    # -- library operations ------------------------------------------------------------------
+    def run_library(self, op: str, inputs: Sequence[ArrayRef], outputs: Sequence[ArrayRef],
+                    params: Mapping[str, object] | None = None, stream: Stream | None = None) -> None:
+        """cuBLAS, cuSOLVER, cuFFT and CuPy's sorts on the stream's queue, through CuPy arrays over the buffers.
+        Asynchronous, except the ops whose result size depends on the data (unique, nonzero, compress), which
+        wait to check it."""
+        self._use()
+        ins, outs, checked = _library.check_library_call(op, inputs, outputs, params,
+                                                         lambda buf: self._resolve(buf)[1])
+        s = self._stream(stream)
+        timer = self._timer
+        try:
+            with _library.library_errors(op), s, timer.lock:
+                timer.begin(s.ptr)
+                _library.run(cupy, op, [self._cupy_array(r) for r in ins], [self._cupy_array(r) for r in outs],
+                             checked)
+            pool = cupy.get_default_memory_pool()
+            if pool.free_bytes() > _POOL_IDLE_MAX:
+                pool.free_all_blocks()
+        except GpuBrokerError:
+            raise
+        except Exception as exc:
+            raise self._fail(f"run_library of {op!r}", exc) from exc
+
+    def _cupy_array(self, ref: ArrayRef) -> Any:
+        """A CuPy array over the buffer (no copy); it holds the allocation while CuPy uses it."""
+        mem, view = self._resolve(ref.buffer)
+        return cupy.ndarray(ref.shape, dtype=ref.dtype, memptr=cupy.cuda.MemoryPointer(mem, view.offset))
 
     # -- events ------------------------------------------------------------------------------
     def _event(self, event: Event) -> cupy.cuda.Event:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 
@@ -15,6 +16,7 @@ import numpy as np
 import pyopencl as cl
 
 from gpubroker.client import (
+    ArrayRef,
     Buffer,
     DeviceInfo,
     Event,
@@ -27,6 +29,7 @@ from gpubroker.client import (
 )
 from gpubroker.client._host import check_device_range, readable_bytes, writable_bytes
 
+from . import _library
 from ._common import HandleTable, LaunchChecker
 from ._opencl_info import KernelRec, all_devices, as_int, cl_errors, describe_device
 from ._opencl_info import list_opencl_devices as list_opencl_devices
@@ -281,6 +284,38 @@ class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
             with cl_errors("memset"):
                 event = cl.enqueue_fill_buffer(queue, alloc.mem, np.array([value], dtype=np.uint8), start, size)
             self._track(event)
+
+    # -- library operations ----------------------------------------------------------------------
+
+    def run_library(self, op: str, inputs: Sequence[ArrayRef], outputs: Sequence[ArrayRef],
+                    params: Mapping[str, object] | None = None, stream: Stream | None = None) -> None:
+        """Blocking: computes with NumPy (LAPACK, pocketfft) on host copies of the inputs, then writes the outputs.
+
+        PoCL's device is the host CPU, so NumPy on a copy is the device's own library; a discrete OpenCL GPU would
+        pay a PCIe round trip each way, which is the price of having no BLAS / LAPACK / FFT in OpenCL C here.
+        """
+        queue = self._queue_for(stream)
+        ins, outs, checked = _library.check_library_call(op, inputs, outputs, params,
+                                                         lambda buf: self._resolve(buf)[1])
+        host_inputs = [np.empty(ref.shape, ref.dtype) for ref in ins]
+        for ref, host in zip(ins, host_inputs, strict=True):
+            if host.nbytes:
+                # The stream's in-order queue: the copy waits for the work queued before it.
+                with cl_errors(f"run_library of {op!r}"):
+                    event = cl.enqueue_copy(queue, host, self._resolve(ref.buffer)[0].mem,
+                                            src_offset=ref.buffer.offset, is_blocking=True)
+                    event.wait()
+                self._track(event)
+        host_outputs = [np.empty(ref.shape, ref.dtype) for ref in outs]
+        with _library.library_errors(op):
+            _library.run(np, op, host_inputs, host_outputs, checked)
+        for ref, host in zip(outs, host_outputs, strict=True):
+            if host.nbytes:
+                with cl_errors(f"run_library of {op!r}"):
+                    event = cl.enqueue_copy(queue, self._resolve(ref.buffer)[0].mem, host,
+                                            dst_offset=ref.buffer.offset, is_blocking=True)
+                    event.wait()
+                self._track(event)
 
     # -- events ----------------------------------------------------------------------------------
 

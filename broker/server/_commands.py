@@ -44,6 +44,7 @@ from gpubroker.client._protocol import (
     Memset,
     Read,
     RecordEvent,
+    RunLibrary,
     ScalarArg,
     Synchronize,
     SynchronizeEvent,
@@ -89,7 +90,7 @@ _FORMATS = {
 }
 # Commands that use the device: a batch holding one waits for the tenant's turn on it (an event's record and wait
 # queue on a stream, and its host wait holds the worker on the device like a synchronize).
-_DEVICE_WORK = (Launch, Memset, CopyD2D, Synchronize, Write, Read, CopyShared, RecordEvent, WaitEvent,
+_DEVICE_WORK = (Launch, RunLibrary, Memset, CopyD2D, Synchronize, Write, Read, CopyShared, RecordEvent, WaitEvent,
                 SynchronizeEvent)
 # A shared-memory copy takes one scheduler turn per piece of this size, so a huge copy cannot hold the device
 # for long past its tenant's quantum (256 MiB: ~5 ms pinned on an H200, one quantum).

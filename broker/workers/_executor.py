@@ -25,6 +25,7 @@ import lz4.block
 import numpy as np
 
 from gpubroker.client import (
+    ArrayRef,
     FailedPrecondition,
     GpuBrokerError,
     GpuCompute,
@@ -36,6 +37,7 @@ from gpubroker.client import (
     Stream,
 )
 from gpubroker.client._host import check_device_range
+from gpubroker.client._library import check_library_call
 from gpubroker.client._protocol import (
     CODECS,
     Ack,
@@ -59,6 +61,7 @@ from gpubroker.client._protocol import (
     Memset,
     Read,
     RecordEvent,
+    RunLibrary,
     Synchronize,
     SynchronizeEvent,
     UnloadModule,
@@ -125,6 +128,8 @@ def _describe(objs: SessionObjects, command: object) -> str:
         case Launch(kernel=handle):
             entry = objs.kernels.get(handle)
             return f"launch of {entry.name!r}" if entry is not None else f"launch of kernel {handle!r}"
+        case RunLibrary(name=name):
+            return f"run_library of {name!r}"
         case Allocate(size=size):
             return f"allocate of {size} bytes"
         case Free(handle=handle):
@@ -187,7 +192,8 @@ class Executor:
         self._launch_prepared: Callable[[Any, Dims, Dims, int, Stream | None], None] = launch
         handlers: dict[type, Callable[[SessionObjects, Any], Any]] = {
             Allocate: self._allocate, Free: self._free, Memset: self._memset, CopyD2D: self._copy_d2d,
-            Launch: self._launch, CreateStream: self._create_stream, DestroyStream: self._destroy_stream,
+            Launch: self._launch, RunLibrary: self._run_library, CreateStream: self._create_stream,
+            DestroyStream: self._destroy_stream,
             Synchronize: self._synchronize, CreateEvent: self._create_event, DestroyEvent: self._destroy_event,
             RecordEvent: self._record_event, WaitEvent: self._wait_event, SynchronizeEvent: self._synchronize_event,
             Write: self._write, Read: self._read, CopyShared: self._copy_shared,
@@ -337,6 +343,17 @@ class Executor:
             objs.launch_args[key] = prep
         self._launch_prepared(prep, cmd.grid, cmd.block, cmd.shared_mem,
                               objs.stream(cmd.stream) if cmd.stream else None)
+
+    def _run_library(self, objs: SessionObjects, cmd: RunLibrary) -> None:
+        """The arrays on the session's buffer views, checked here against their allocations and the op table (the
+        worker trusts nothing the client sends), then the backend's library, which checks them again: an
+        in-process caller has no worker in front of it."""
+        inputs = [ArrayRef(objs.view(*ref), dtype, shape) for ref, dtype, shape in cmd.inputs]
+        outputs = [ArrayRef(objs.view(*ref), dtype, shape) for ref, dtype, shape in cmd.outputs]
+        # The views are sized to their allocations (SessionObjects.view): no resolve needed.
+        check_library_call(cmd.name, inputs, outputs, cmd.params)
+        self.backend.run_library(cmd.name, inputs, outputs, cmd.params,
+                                 objs.stream(cmd.stream) if cmd.stream else None)
 
     @staticmethod
     def _resolve_args(objs: SessionObjects, args: list[KernelArg]) -> list[object]:

@@ -23,7 +23,7 @@ API_VERSION = "2024.12"
 
 # The modules whose ``__all__`` the namespace exposes (each owned by one concept; see README "Arrays").
 _MODULES = ("_dtypes", "_creation", "_elementwise", "_statistical", "_manipulation", "_indexing", "_searching",
-            "_sorting", "_sets", "_linear", "_utility", "_info")
+            "_sorting", "_sets", "_linear", "_utility", "_info", "_scans")
 _SUBMODULES = {"linalg": "_linalg", "fft": "_fft"}
 # Names in a module's __all__ that are helpers for other modules, not the standard's.
 _PRIVATE = frozenset({"ALL_DTYPES", "DType", "promote", "result_type_of", "scalar_dtype", "finfo_object",

@@ -17,6 +17,11 @@ SAMPLES: dict[type, p.Command] = {
     p.Memset: p.Memset(("b1", 16), 7, -1, 4, "s1"),
     p.CopyD2D: p.CopyD2D(("b1", 0), ("b2", 8), 64, 1, 2, ""),
     p.Launch: p.Launch("k1", (4, 1), (64,), [p.BufferArg("b1", 8), p.ScalarArg("<f4", b"\0\0\x80?")], 128, "s1"),
+    p.RunLibrary: p.RunLibrary("linalg.svd", [(("b1", 0), "float32", (4, 3, 5))],
+                               [(("b2", 0), "float32", (4, 3, 3)), (("b2", 192), "float32", (4, 3)),
+                                (("b3", 64), "float32", (4, 5, 5))],
+                               {"full_matrices": True, "rtol": 1.5, "n": 3, "norm": "ortho", "s": [1, -1], "x": None},
+                               "s1"),
     p.CreateStream: p.CreateStream("s1"),
     p.DestroyStream: p.DestroyStream("s1"),
     p.Synchronize: p.Synchronize("s1"),
@@ -57,6 +62,10 @@ def test_ack_round_trip() -> None:
 @pytest.mark.parametrize("raw", [
     b"", b"\xc1", msgspec.msgpack.encode([1, 1, [["explode", 1]]]),  # no such command
     msgspec.msgpack.encode([1, 1, [["allocate", "b1", 0]]]),  # size must be > 0
+    msgspec.msgpack.encode([1, 1, [["run_library", "sort", [[["b1", 0], "float32", [-1]]], [], {}, ""]]]),  # extent
+    msgspec.msgpack.encode([1, 1, [["run_library", "sort", [], [], {"axis": {"a": 1}}, ""]]]),  # param of no kind
+    msgspec.msgpack.encode([1, 1, [["run_library", "sort", [], [], {"axis": [1] * 33}, ""]]]),  # list too long
+    msgspec.msgpack.encode([1, 1, [["run_library", "x" * 33, [], [], {}, ""]]]),  # op name too long
     msgspec.msgpack.encode([1, 1, [["allocate", "b" * 65, 8]]]),  # handle too long
     msgspec.msgpack.encode([1, 1, [["memset", ["b1", 0], 256, -1, 0, ""]]]),  # not a byte value
     msgspec.msgpack.encode([1, 1, [["launch", "k", [1, 1, 1, 1], [1], [], 0, ""]]]),  # four grid extents
