@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
@@ -307,8 +308,14 @@ class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
                     event.wait()
                 self._track(event)
         host_outputs = [np.empty(ref.shape, ref.dtype) for ref in outs]
-        with _library.library_errors(op):
-            _library.run(np, op, host_inputs, host_outputs, checked)
+        started = time.perf_counter()
+        try:
+            with _library.library_errors(op):
+                _library.run(np, op, host_inputs, host_outputs, checked)
+        finally:
+            # The device is this CPU: the library's time is device time, charged like a kernel's.
+            with self._lock:
+                self._folded += time.perf_counter() - started
         for ref, host in zip(outs, host_outputs, strict=True):
             if host.nbytes:
                 with cl_errors(f"run_library of {op!r}"):
