@@ -59,10 +59,10 @@ def _many(op: str, kind: str, x: Array, s: Sequence[int] | None, axes: Sequence[
     if s_list is not None:
         if any(e < 1 and e != -1 for e in s_list):
             raise ValueError(f"fft.{op}: every element of s must be at least 1 (or -1), got {s!r}")
-        if axes_list is not None and len(s_list) != len(axes_list):
+        if axes_list is None:
+            raise ValueError(f"fft.{op}: s needs axes (the standard leaves no default for them)")
+        if len(s_list) != len(axes_list):
             raise ValueError(f"fft.{op}: s and axes differ in length ({s!r}, {axes!r})")
-        if axes_list is None and len(s_list) > x.ndim:
-            raise ValueError(f"fft.{op}: s {s!r} is longer than the array's {x.ndim} dimensions")
     (out,) = call(f"fft.{op}", [x], {"s": s_list, "axes": axes_list, "norm": norm})
     return out
 

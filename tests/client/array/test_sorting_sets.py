@@ -127,3 +127,25 @@ def test_cumulative_dtype_and_axis_rules(xp: Any) -> None:
         xp.cumulative_sum(xp.asarray(np.ones((2, 2))))
     with pytest.raises(TypeError):
         xp.cumulative_prod(xp.asarray(np.ones(3, bool)))
+
+
+@pytest.mark.parametrize("transport", ["ring", "grpc"])
+def test_library_functions_through_a_broker(open_gpu: Any, transport: str) -> None:
+    """Through a real broker with queued commands: results stay on the device and come back right; the
+    data-dependent shapes (unique, nonzero) wait for their count and go on."""
+    from gpubroker.client.array import namespace
+
+    with open_gpu("alice", transport, async_commands=True) as gpu:
+        xp = namespace(gpu)
+        a = RNG.standard_normal((6, 4))
+        x = xp.asarray(a)
+        np.testing.assert_allclose(np.asarray(x.mT @ x), a.T @ a, rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(np.asarray(xp.linalg.svdvals(x)), np.linalg.svd(a, compute_uv=False), rtol=1e-9)
+        same(xp.sort(x, axis=0), np.sort(a, axis=0))
+        ints = np.array([4, 1, 4, 0, 1, 4], dtype="int32")
+        got = xp.unique_counts(xp.asarray(ints))
+        same(got.values, np.array([0, 1, 4], "int32"))
+        same(got.counts, np.array([1, 2, 3], "int64"))
+        rows, cols = xp.nonzero(xp.asarray(a > 0))
+        same(rows, np.nonzero(a > 0)[0].astype("int64"))
+        same(cols, np.nonzero(a > 0)[1].astype("int64"))
