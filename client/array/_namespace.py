@@ -54,6 +54,10 @@ class Namespace(types.SimpleNamespace):
         import importlib
 
         self._ctx = ctx
+        # A module's name, as libraries expect of a namespace: array-api-compat's array_namespace() (vendored by
+        # scikit-learn) deduplicates the namespaces of its arguments by ``__name__``, and scikit-learn names it
+        # in messages and compares it with NumPy's names.
+        self.__name__ = __package__
         for mod_name in _MODULES:
             try:
                 mod = importlib.import_module(f"{__package__}.{mod_name}")
