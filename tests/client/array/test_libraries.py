@@ -37,7 +37,7 @@ from sklearn.linear_model import Ridge
 import gpubroker.client.array
 from gpubroker.broker.backends import open_backend
 from gpubroker.broker.launcher import BrokerProcess
-from gpubroker.client import GpuCompute, RemoteGpu
+from gpubroker.client import GpuCompute, RemoteGpu, ResourceExhausted
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "arrays_section.md"
 
@@ -218,6 +218,31 @@ def test_einops_repeat_and_pack_match_numpy(xp: Any) -> None:
     packed, shapes = einops.array_api.pack([xp.asarray(x), xp.asarray(x[:, :1])], "h *")
     np.testing.assert_array_equal(_host(packed), np.concatenate([x, x[:, :1]], axis=1))
     assert [tuple(s) for s in shapes] == [(3,), (1,)]
+
+
+# -- the section's guarantees, as it states them ------------------------------------------------------------
+def test_an_array_past_the_quota_is_resource_exhausted_naming_the_size(open_gpu: OpenGpu) -> None:
+    # carol's quota is 64 MiB; with async_commands the allocation's error comes at the next wait, naming the size.
+    gpu = open_gpu("carol", "ring", async_commands=True)
+    try:
+        xp = gpubroker.client.array.namespace(gpu)
+        too_big = xp.zeros((32 << 20,), dtype=xp.float32)  # 128 MiB
+        with pytest.raises(ResourceExhausted, match=str(128 << 20)):
+            float(xp.sum(too_big))
+        del too_big
+        assert float(xp.sum(xp.ones((1000,), dtype=xp.float32))) == 1000.0  # the session goes on
+    finally:
+        gpu.close()
+
+
+def test_wrong_dtypes_and_shapes_are_python_errors_on_the_client(xp: Any) -> None:
+    floats, ints = xp.asarray(np.ones((2, 3), np.float32)), xp.asarray(np.ones((2, 3), np.int32))
+    with pytest.raises(TypeError):
+        xp.bitwise_and(floats, floats)
+    with pytest.raises(ValueError):
+        floats + xp.asarray(np.ones((4,), np.float32))
+    with pytest.raises(IndexError):
+        ints[5, 0]
 
 
 # -- the README's example, as written -----------------------------------------------------------------------
