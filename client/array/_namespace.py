@@ -54,10 +54,8 @@ class Namespace(types.SimpleNamespace):
         import importlib
 
         self._ctx = ctx
-        # A module's name, as libraries expect of a namespace: array-api-compat's array_namespace() (vendored by
-        # scikit-learn) deduplicates the namespaces of its arguments by ``__name__``, and scikit-learn names it
-        # in messages and compares it with NumPy's names.
-        self.__name__ = __package__
+        # What tools that report on namespaces print (array-api-tests, array-api-compat's messages).
+        self.__name__ = "gpubroker.client.array"
         for mod_name in _MODULES:
             try:
                 mod = importlib.import_module(f"{__package__}.{mod_name}")
