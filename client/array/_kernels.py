@@ -361,7 +361,7 @@ _INT_SAME = "{a}"
 ELEMENTWISE_OPS: Final[dict[str, Op]] = {
     "copy": Op(1, {k: "{a}" for k in "biufc"}),
     "abs": Op(1, {"i": "({a} < 0 ? ({T})(({U})0 - ({U}){a}) : {a})", "u": "{a}", "f": "fabs({a})",
-                  "c": "{T}_abs({a})"}),
+                  "c": "{T}_abs({a})"}, "real"),
     **{name: _float_fn(name) for name in ("acos", "acosh", "asin", "asinh", "atan", "atanh", "cos", "cosh", "exp",
                                           "expm1", "log", "log1p", "log2", "log10", "sin", "sinh", "sqrt", "tan",
                                           "tanh")},
@@ -454,6 +454,7 @@ def _expr(fn: str, compute: np.dtype[Any], operands: Sequence[str]) -> str:
 
 
 # -- reductions ------------------------------------------------------------------------------------------------
+_SECOND_PASS: Final = {"sumsq": "sum", "count": "sum"}  # how a split reduction combines its partial values
 REDUCTIONS: Final = ("sum", "prod", "max", "min", "all", "any", "argmax", "argmin", "sumsq", "count")
 
 
@@ -465,6 +466,8 @@ class _Plan:
     block: int
     tail: list[Any]  # the args after the operands': [meta buffer,] element count(s)
     meta: Storage | None  # keeps the meta buffer alive while the plan is cached
+    partials: View | None = None  # a split reduction's first pass writes here (see Kernels.reduce)
+    partials_storage: Storage | None = None
 
 
 def _collapse(shape: tuple[int, ...], strides: Sequence[tuple[int, ...]]) -> tuple[list[int], list[list[int]]]:
@@ -754,7 +757,10 @@ class Kernels:
         (C order) as int64.
 
         One work-group per output element: its work-items stride over the reduced elements, each accumulating
-        its share, and a tree in shared memory combines the partial values pairwise."""
+        its share, and a tree in shared memory combines the partial values pairwise. Where there are few outputs
+        and many elements each (a full ``sum``), each output's elements are split in parts, one work-group each,
+        into a buffer of partial values that a second pass reduces: the whole device works, and float sums stay
+        close to pairwise."""
         cstrides = center.strides if center is not None else None
         key = ("reduce", fn, out.dtype, out.shape, out.strides, x.dtype, x.shape, x.strides, axes, cstrides,
                None if center is None else center.dtype)
@@ -763,11 +769,15 @@ class Kernels:
             if out.size == 0:
                 return
             plan = self._plan_reduce(key, fn, out, x, axes, center)
-        args: list[Any] = [out.buffer, np.int64(out.offset), x.buffer, np.int64(x.offset)]
+        partials = plan.partials
+        args: list[Any] = [out.buffer if partials is None else partials.buffer,
+                           np.int64(out.offset if partials is None else 0), x.buffer, np.int64(x.offset)]
         if center is not None:
             args += [center.buffer, np.int64(center.offset)]
         args.extend(plan.tail)
         self._ctx.gpu.execute_kernel(plan.kernel, plan.grid, plan.block, args)
+        if partials is not None:
+            self.reduce(_SECOND_PASS.get(fn, fn), out, partials, (len(out.shape),))
 
     def _plan_reduce(self, key: tuple[Any, ...], fn: str, out: View, x: View, axes: tuple[int, ...],
                      center: View | None) -> _Plan:
@@ -793,10 +803,25 @@ class Kernels:
                                        variant)
 
         kernel = self._compile(ckey, make)
+        parts = 1
+        if fn not in ("argmax", "argmin") and m >= 32 * self.block:
+            parts = min(-(-m // (8 * self.block)), max(1, self._grid_cap // nout))
+        partials = partials_storage = None
+        if parts > 1:  # the first pass writes (out.shape..., parts) partial values, contiguous
+            from ._context import View as _View
+            from ._context import contiguous_strides
+
+            partials_storage = self._ctx.allocate(nout * parts * out.dtype.itemsize)
+            shape = (*out.shape, parts)
+            partials = _View(partials_storage.buffer, out.dtype, shape, contiguous_strides(shape), 0)
+            kept_strides[1] = partials.strides[:-1]
+            kdims, kper = _collapse(out.shape, kept_strides)
+        chunk = -(-m // parts)
         meta = self._meta([*kdims, *[s for p in kper for s in p], *rdims, *rper[0], 0])
-        tail: list[Any] = [meta.buffer, np.int64(nout), np.int64(m)]
-        grid = min(nout, 65535)
-        return self._remember(key, _Plan(kernel, grid, self.block, tail, meta))
+        tail: list[Any] = [meta.buffer, np.int64(nout), np.int64(m), np.int64(parts), np.int64(chunk),
+                           np.int64(1 if parts > 1 else 0)]
+        grid = min(nout * parts, 65535)
+        return self._remember(key, _Plan(kernel, grid, self.block, tail, meta, partials, partials_storage))
 
     def _source_reduce(self, name: str, fn: str, out_dtype: np.dtype[Any], x_dtype: np.dtype[Any],
                        center_dtype: np.dtype[Any] | None, variant: tuple[int, int, bool]) -> str:
@@ -856,7 +881,7 @@ class Kernels:
         params = [f"GLOBAL {ot}* o", "I64 oo", f"GLOBAL const {xt}* x", "I64 xo"]
         if center_dtype is not None:
             params += [f"GLOBAL const {ctype(center_dtype)}* cen", "I64 co"]
-        params += ["GLOBAL const I64* meta", "I64 nout", "I64 m"]
+        params += ["GLOBAL const I64* meta", "I64 nout", "I64 m", "I64 parts", "I64 chunk", "I64 pstep"]
         nk = 3 if center_dtype is not None else 2
         pro = "".join(f"  const {idx} kd{d} = ({idx})meta[{d}];\n" for d in range(kd))
         pro += "".join(f"  const I64 kt{p}_{d} = meta[{kd + p * kd + d}];\n" for p in range(nk) for d in range(kd))
@@ -864,7 +889,10 @@ class Kernels:
         pro += "".join(f"  const {idx} rd{d} = ({idx})meta[{base + d}];\n" for d in range(rd))
         pro += "".join(f"  const I64 rt{d} = meta[{base + rd + d}];\n" for d in range(rd))
         shared = f"  SHARED {at} sv[{self.block}];\n" + (f"  SHARED I64 si[{self.block}];\n" if arg else "")
-        kidx = f"    {idx} r = ({idx})g;\n    I64 xb = xo, ob = oo" + (", cb = co" if nk == 3 else "") + ";\n"
+        kidx = (f"    const I64 go = g / parts, gp = g - go * parts;\n"
+                f"    const I64 j0 = gp * chunk, j1 = m < j0 + chunk ? m : j0 + chunk;\n"
+                f"    {idx} r = ({idx})go;\n    I64 xb = xo, ob = oo + gp * pstep" + (", cb = co" if nk == 3 else "")
+                + ";\n")
         names = ["xb", "ob", "cb"]
         for d in range(kd - 1, -1, -1):
             kidx += f"    {{ {idx} c = " + (f"r % kd{d}; r /= kd{d};" if d else "r;")
@@ -879,7 +907,7 @@ class Kernels:
                        if center_dtype is not None else "")
         if arg:
             loop = (f"    {at} acc = {init}; I64 ai = m;\n"
-                    f"    for (I64 j = LID; j < m; j += {self.block}) {{\n{ridx}"
+                    f"    for (I64 j = j0 + LID; j < j1; j += {self.block}) {{\n{ridx}"
                     f"      {at} v = {load};\n      if (gb_better(v, j, acc, ai)) {{ acc = v; ai = j; }}\n    }}\n"
                     f"    sv[LID] = acc; si[LID] = ai; SYNC();\n"
                     f"    for (int s = {self.block // 2}; s > 0; s >>= 1) {{\n"
@@ -890,12 +918,12 @@ class Kernels:
             pair = combine.format(a="sv[LID]", b="sv[LID + s]")
             step = combine.format(a="acc", b="(v - cv) * (v - cv)" if fn == "sumsq" else "v")
             loop = (f"{center_load}    {at} acc = {init};\n"
-                    f"    for (I64 j = LID; j < m; j += {self.block}) {{\n{ridx}"
+                    f"    for (I64 j = j0 + LID; j < j1; j += {self.block}) {{\n{ridx}"
                     f"      {at} v = {load};\n      acc = {step};\n    }}\n"
                     f"    sv[LID] = acc; SYNC();\n"
                     f"    for (int s = {self.block // 2}; s > 0; s >>= 1) {{\n"
                     f"      if (LID < s) sv[LID] = {pair};\n      SYNC();\n    }}\n"
                     f"    if (LID == 0) o[ob] = {cast(acc_dtype, out_dtype, 'sv[0]')};\n    SYNC();\n")
         body = (f"{helpers}KERNEL void {name}({', '.join(params)}) {{\n{shared}{pro}"
-                f"  for (I64 g = GROUP; g < nout; g += NGROUPS) {{\n{kidx}{loop}  }}\n}}\n")
+                f"  for (I64 g = GROUP; g < nout * parts; g += NGROUPS) {{\n{kidx}{loop}  }}\n}}\n")
         return _source(types, body)
