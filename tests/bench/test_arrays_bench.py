@@ -1,12 +1,14 @@
 """`gpubroker bench arrays --quick` on PoCL (against NumPy, there being no native OpenCL array library): both
 workloads run natively and through a broker, with medians and spreads, ratios, the sizes and the targets; the
 namespace's results agree with NumPy's. And the MLP's hand-written backward pass is checked against finite
-differences, so the benchmark trains what it says it trains. (Timings are the benchmark's figures, never a
-test's.)"""
+differences, so the benchmark trains what it says it trains; and through a broker its training steps only queue
+commands, the loss read at the end being the one wait. (Timings are the benchmark's figures, never a test's.)"""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +16,10 @@ import array_api_compat.numpy as xp_numpy
 import numpy as np
 import pytest
 
+import gpubroker.client.array
 from gpubroker.bench.arrays import MlpPlan, MlpState, Plan, mlp_host_data, mlp_upload, train_mlp
 from gpubroker.broker import cli
+from gpubroker.client import RemoteGpu
 
 STAT = {"median", "min", "max"}
 
@@ -50,6 +54,40 @@ def test_mlp_training_lowers_the_loss() -> None:
     first = _loss(xp_numpy, host)
     last = float(train_mlp(xp_numpy, mlp_upload(xp_numpy, host), 30, plan.learning_rate))
     assert last < 0.8 * first
+
+
+# The RemoteGpu calls that wait for the device or the worker (a round trip) rather than queue a command.
+WAITING_CALLS = ("copy_d2h", "synchronize", "synchronize_event", "load_module", "get_kernel", "device_info")
+
+
+def test_mlp_steps_queue_without_waiting_for_the_device(open_gpu: Callable[..., RemoteGpu],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the benchmark's ratio rests on: once its kernels are compiled, a training step is only queued commands
+    # (launches, library calls, allocations, frees); reading the loss is the one wait.
+    plan = Plan.make(quick=True).mlp
+    host = mlp_host_data(plan)
+    gpu = open_gpu("alice", "ring", async_commands=True)
+    try:
+        xp = gpubroker.client.array.namespace(gpu)
+        train_mlp(xp, mlp_upload(xp, host), 2, plan.learning_rate)  # compiles every kernel the steps use
+        state = mlp_upload(xp, host)
+        waits: Counter[str] = Counter()
+
+        def counting(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                waits[name] += 1
+                return call(*args, **kwargs)
+            return counted
+
+        for name in WAITING_CALLS:
+            monkeypatch.setattr(gpu, name, counting(name, getattr(gpu, name)))
+        loss = train_mlp(xp, state, 3, plan.learning_rate)
+        assert not waits, f"a training step waited for the device: {dict(waits)}"
+        assert np.isfinite(float(loss))
+        assert waits == Counter(copy_d2h=1)
+    finally:
+        monkeypatch.undo()
+        gpu.close()
 
 
 def test_bench_arrays_quick_reports_both_workloads_against_native(tmp_path: Path,
