@@ -32,7 +32,11 @@ import pytest
 import sklearn
 from sklearn.decomposition import PCA
 from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
-from sklearn.linear_model import Ridge
+from sklearn.linear_model import LogisticRegression, Ridge, RidgeCV
+from sklearn.metrics import r2_score
+from sklearn.metrics.pairwise import rbf_kernel
+from sklearn.naive_bayes import GaussianNB
+from sklearn.preprocessing import MinMaxScaler, StandardScaler
 
 import gpubroker.client.array
 from gpubroker.broker.backends import open_backend
@@ -169,6 +173,33 @@ def test_ridge_fit_predict_match_numpy(xp: Any, multi_target: bool) -> None:
         _close(ridge.coef_, ref.coef_)
         _close(ridge.intercept_, np.asarray(ref.intercept_))
         _close(predicted, ref.predict(X))
+
+
+# Other estimators and functions with array API support in scikit-learn 1.9, each reaching parts of the namespace
+# the three above do not (constants such as xp.inf and xp.pi, hashing the namespace, logsumexp, pairwise
+# kernels): name -> what it computes from (X, class labels, regression targets).
+MORE: dict[str, Callable[[Any, Any, Any], Any]] = {
+    "StandardScaler": lambda X, y, t: StandardScaler().fit_transform(X),
+    "MinMaxScaler": lambda X, y, t: MinMaxScaler().fit_transform(X),
+    "GaussianNB": lambda X, y, t: GaussianNB().fit(X, y).predict_proba(X),
+    "LogisticRegression": lambda X, y, t: LogisticRegression().fit(X, y).predict_proba(X),
+    "RidgeCV": lambda X, y, t: RidgeCV(alphas=(0.1, 1.0, 10.0)).fit(X, t).predict(X),
+    "rbf_kernel": lambda X, y, t: rbf_kernel(X),
+    "r2_score": lambda X, y, t: r2_score(t, 0.9 * t),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # RidgeCV's note that dispatch solves with "svd"
+@pytest.mark.parametrize("name", MORE)
+def test_more_estimators_match_numpy(request: pytest.FixtureRequest, xp: Any, name: str) -> None:
+    if "broker" in request.node.callspec.id:
+        pytest.skip("in-process only: the three estimators above cover the broker (this keeps the file quick)")
+    X, y = _blobs()
+    t = (X @ np.linspace(-1, 1, X.shape[1]) + 0.5).astype(np.float32)
+    expected = np.asarray(MORE[name](X, y, t), dtype=np.float64)
+    with sklearn.config_context(array_api_dispatch=True):
+        got = MORE[name](xp.asarray(X), xp.asarray(y), xp.asarray(t))
+    _close(np.asarray(_host(got), dtype=np.float64), expected)
 
 
 # -- einops -------------------------------------------------------------------------------------------------
