@@ -795,7 +795,10 @@ class Kernels:
         for k in axes:
             m *= x.shape[k]
         nout = out.size
-        variant = (len(kdims), len(rdims), m < _SMALL_INDEX and nout < _SMALL_INDEX)
+        block = self.block  # a work-group as small as the reduced extent allows (a row of 10: one warp)
+        while block > 32 and block // 2 >= m:
+            block //= 2
+        variant = (len(kdims), len(rdims), m < _SMALL_INDEX and nout < _SMALL_INDEX, block)
         ckey = ("reduce", fn, out.dtype, x.dtype, None if center is None else center.dtype, variant)
 
         def make(name: str) -> str:
@@ -821,11 +824,11 @@ class Kernels:
         tail: list[Any] = [meta.buffer, np.int64(nout), np.int64(m), np.int64(parts), np.int64(chunk),
                            np.int64(1 if parts > 1 else 0)]
         grid = min(nout * parts, 65535)
-        return self._remember(key, _Plan(kernel, grid, self.block, tail, meta, partials, partials_storage))
+        return self._remember(key, _Plan(kernel, grid, block, tail, meta, partials, partials_storage))
 
     def _source_reduce(self, name: str, fn: str, out_dtype: np.dtype[Any], x_dtype: np.dtype[Any],
-                       center_dtype: np.dtype[Any] | None, variant: tuple[int, int, bool]) -> str:
-        kd, rd, small = variant
+                       center_dtype: np.dtype[Any] | None, variant: tuple[int, int, bool, int]) -> str:
+        kd, rd, small, block = variant
         idx = "U32" if small else "I64"
         ot, xt = ctype(out_dtype), ctype(x_dtype)
         arg = fn in ("argmax", "argmin")
@@ -888,7 +891,7 @@ class Kernels:
         base = kd + nk * kd
         pro += "".join(f"  const {idx} rd{d} = ({idx})meta[{base + d}];\n" for d in range(rd))
         pro += "".join(f"  const I64 rt{d} = meta[{base + rd + d}];\n" for d in range(rd))
-        shared = f"  SHARED {at} sv[{self.block}];\n" + (f"  SHARED I64 si[{self.block}];\n" if arg else "")
+        shared = f"  SHARED {at} sv[{block}];\n" + (f"  SHARED I64 si[{block}];\n" if arg else "")
         kidx = (f"    const I64 go = g / parts, gp = g - go * parts;\n"
                 f"    const I64 j0 = gp * chunk, j1 = m < j0 + chunk ? m : j0 + chunk;\n"
                 f"    {idx} r = ({idx})go;\n    I64 xb = xo, ob = oo + gp * pstep" + (", cb = co" if nk == 3 else "")
@@ -907,10 +910,10 @@ class Kernels:
                        if center_dtype is not None else "")
         if arg:
             loop = (f"    {at} acc = {init}; I64 ai = m;\n"
-                    f"    for (I64 j = j0 + LID; j < j1; j += {self.block}) {{\n{ridx}"
+                    f"    for (I64 j = j0 + LID; j < j1; j += {block}) {{\n{ridx}"
                     f"      {at} v = {load};\n      if (gb_better(v, j, acc, ai)) {{ acc = v; ai = j; }}\n    }}\n"
                     f"    sv[LID] = acc; si[LID] = ai; SYNC();\n"
-                    f"    for (int s = {self.block // 2}; s > 0; s >>= 1) {{\n"
+                    f"    for (int s = {block // 2}; s > 0; s >>= 1) {{\n"
                     f"      if (LID < s && gb_better(sv[LID + s], si[LID + s], sv[LID], si[LID])) "
                     f"{{ sv[LID] = sv[LID + s]; si[LID] = si[LID + s]; }}\n      SYNC();\n    }}\n"
                     f"    if (LID == 0) o[ob] = {cast(np.dtype(np.int64), out_dtype, 'si[0]')};\n    SYNC();\n")
@@ -918,10 +921,10 @@ class Kernels:
             pair = combine.format(a="sv[LID]", b="sv[LID + s]")
             step = combine.format(a="acc", b="(v - cv) * (v - cv)" if fn == "sumsq" else "v")
             loop = (f"{center_load}    {at} acc = {init};\n"
-                    f"    for (I64 j = j0 + LID; j < j1; j += {self.block}) {{\n{ridx}"
+                    f"    for (I64 j = j0 + LID; j < j1; j += {block}) {{\n{ridx}"
                     f"      {at} v = {load};\n      acc = {step};\n    }}\n"
                     f"    sv[LID] = acc; SYNC();\n"
-                    f"    for (int s = {self.block // 2}; s > 0; s >>= 1) {{\n"
+                    f"    for (int s = {block // 2}; s > 0; s >>= 1) {{\n"
                     f"      if (LID < s) sv[LID] = {pair};\n      SYNC();\n    }}\n"
                     f"    if (LID == 0) o[ob] = {cast(acc_dtype, out_dtype, 'sv[0]')};\n    SYNC();\n")
         body = (f"{helpers}KERNEL void {name}({', '.join(params)}) {{\n{shared}{pro}"
