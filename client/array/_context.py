@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Context", "Device", "Storage", "View"]
 
-# A pool keeps dead buffers for reuse up to this many bytes (they still count toward the tenant's quota, as
-# CuPy's pool's do); ``Context.release_memory`` frees them.
+# A pool keeps dead buffers for reuse up to this many bytes, and at most a quarter of the tenant's memory quota:
+# pooled buffers still count toward the quota (as CuPy's pool's do), so a tight quota must not fill up with them.
+# ``Context.release_memory`` frees them.
 POOL_MAX = 256 * 1024 * 1024
 _ALIGN = 256  # sizes are rounded up to this, so near sizes share pooled buffers
 
@@ -105,6 +106,7 @@ class Context:
         self._dead: deque[Buffer] = deque()  # appended by finalizers (any thread), drained by allocate
         self._pool: dict[int, list[Buffer]] = {}
         self._pooled = 0
+        self._pool_max = POOL_MAX if info.memory_quota is None else min(POOL_MAX, info.memory_quota // 4)
         self._lock = threading.Lock()
         from ._kernels import Kernels
 
@@ -123,10 +125,10 @@ class Context:
         return Storage(self, self.gpu.allocate_memory(size), size)
 
     def _collect(self) -> None:
-        """Dead buffers into the pool, or freed past POOL_MAX (the caller holds the lock)."""
+        """Dead buffers into the pool, or freed past its bound (the caller holds the lock)."""
         while self._dead:
             buf = self._dead.popleft()
-            if self._pooled + buf.size <= POOL_MAX:
+            if self._pooled + buf.size <= self._pool_max:
                 self._pool.setdefault(buf.size, []).append(buf)
                 self._pooled += buf.size
             else:
