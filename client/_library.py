@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+import numpy as np
+
 from ._errors import InvalidArgument
 from ._types import ArrayRef, Buffer
 
@@ -95,18 +97,19 @@ class Param:
             raise InvalidArgument(f"{op}: param {name!r} must not be None")
         kind = self.kind
         if kind == "bool":
-            if type(value) is bool:
-                return value
+            if isinstance(value, (bool, np.bool_)):
+                return bool(value)
             raise InvalidArgument(f"{op}: param {name!r} must be a bool, got {_show(value)}")
         if kind == "int":
-            if type(value) is not int:
+            integer = _as_int(value)
+            if integer is None:
                 raise InvalidArgument(f"{op}: param {name!r} must be an int, got {_show(value)}")
-            _check_int(op, name, value, self.minimum)
-            return value
+            _check_int(op, name, integer, self.minimum)
+            return integer
         if kind == "float":
-            if type(value) not in (int, float):
+            if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
                 raise InvalidArgument(f"{op}: param {name!r} must be a float, got {_show(value)}")
-            number = float(value)  # type: ignore[arg-type]
+            number = float(value)
             if not math.isfinite(number) or (self.minimum is not None and number < self.minimum):
                 raise InvalidArgument(f"{op}: param {name!r} must be a finite float >= {self.minimum}, got {number!r}")
             return number
@@ -123,11 +126,21 @@ class Param:
                                   f"got {_show(value)}")
         items: list[int] = []
         for item in value:  # type: ignore[attr-defined]
-            if type(item) is not int:
+            entry = _as_int(item)
+            if entry is None:
                 raise InvalidArgument(f"{op}: param {name!r} must hold ints, got {_show(item)}")
-            _check_int(op, name, item, self.minimum)
-            items.append(item)
+            _check_int(op, name, entry, self.minimum)
+            items.append(entry)
         return items
+
+
+def _as_int(value: object) -> int | None:
+    """A Python or NumPy integer as an int (what the wire carries); None for anything else, bools included."""
+    if type(value) is int:
+        return value
+    if isinstance(value, np.integer):
+        return int(value)
+    return None
 
 
 def _show(value: object) -> str:
@@ -195,6 +208,8 @@ def _spec(op: str, index: int, item: object) -> ArraySpec:
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         raise InvalidArgument(f"{op}: input {index} must be a (dtype, shape) pair")
     dtype, shape = item
+    if isinstance(dtype, np.dtype):
+        dtype = dtype.name
     if type(dtype) is not str or dtype not in ALL_DTYPES:
         raise InvalidArgument(f"{op}: input {index} has an unknown dtype {_show(dtype)}")
     return dtype, check_shape(op, f"input {index}", shape)
@@ -204,10 +219,11 @@ def check_shape(op: str, what: str, shape: object) -> Shape:
     """``shape`` as a tuple of extents, or InvalidArgument naming the op and ``what``."""
     if not isinstance(shape, (tuple, list)) or len(shape) > MAX_LIBRARY_NDIM:
         raise InvalidArgument(f"{op}: {what} shape must be a tuple of at most {MAX_LIBRARY_NDIM} ints")
-    for extent in shape:
-        if type(extent) is not int or not 0 <= extent <= _MAX_INT:
+    extents = tuple(_as_int(extent) for extent in shape)
+    for extent in extents:
+        if extent is None or not 0 <= extent <= _MAX_INT:
             raise InvalidArgument(f"{op}: {what} shape {tuple(shape)!r} must hold ints >= 0")
-    return tuple(shape)
+    return extents  # type: ignore[return-value]  # (no None is left)
 
 
 # -- shape helpers ---------------------------------------------------------------------------------
@@ -607,14 +623,17 @@ def check_library_call(op: object, inputs: object, outputs: object, params: Mapp
 
 
 def _fits(op: str, what: str, ref: ArrayRef, resolve: Callable[[Buffer], Buffer] | None) -> ArrayRef:
-    if type(ref.dtype) is not str or ref.dtype not in ALL_DTYPES:
-        raise InvalidArgument(f"{op}: {what} has an unknown dtype {str(ref.dtype)[:40]!r}")
+    dtype: object = ref.dtype
+    if isinstance(dtype, np.dtype):
+        dtype = dtype.name
+    if type(dtype) is not str or dtype not in ALL_DTYPES:
+        raise InvalidArgument(f"{op}: {what} has an unknown dtype {str(dtype)[:40]!r}")
     shape = check_shape(op, what, ref.shape)
     buffer = ref.buffer if resolve is None else resolve(ref.buffer)
     if type(buffer.offset) is not int or type(buffer.size) is not int or buffer.offset < 0:
         raise InvalidArgument(f"{op}: {what} has a malformed buffer view ({buffer.offset!r} into {buffer.size!r})")
-    nbytes = math.prod(shape) * _ITEMSIZE[ref.dtype]
+    nbytes = math.prod(shape) * _ITEMSIZE[dtype]
     if buffer.offset + nbytes > buffer.size:
-        raise InvalidArgument(f"{op}: {what} ({ref.dtype} of shape {shape}, {nbytes} bytes from offset "
+        raise InvalidArgument(f"{op}: {what} ({dtype} of shape {shape}, {nbytes} bytes from offset "
                               f"{buffer.offset}) overruns its {buffer.size}-byte buffer")
-    return ArrayRef(buffer, ref.dtype, shape)
+    return ArrayRef(buffer, dtype, shape)

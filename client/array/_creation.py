@@ -40,10 +40,7 @@ def check_device(ctx: Context, device: Device | None) -> None:
 
 def supports(ctx: Context, dtype: np.dtype[Any]) -> bool:
     """Whether the device computes in ``dtype``."""
-    try:
-        return ctx.kernels.supports(dtype)
-    except NotImplementedError:  # the kernels' probe not built yet: every dtype is offered
-        return True
+    return ctx.kernels.supports(dtype)
 
 
 def require_dtype(ctx: Context, dtype: Any) -> np.dtype[Any]:
@@ -115,12 +112,7 @@ def fill(out: Array, value: Scalar) -> None:
     if view.contiguous and _zero_bits(value):
         ctx.gpu.memset(view.buffer, 0, out.size * out.dtype.itemsize, view.offset * out.dtype.itemsize)
         return
-    try:
-        ctx.kernels.fill(view, value)
-    except NotImplementedError:  # until the generated fill exists: the values cross once
-        from ._indexing import copy_into
-
-        copy_into(out, upload(ctx, np.full((), value, out.dtype))._view)
+    ctx.kernels.fill(view, value)
 
 
 def _zero_bits(value: Scalar) -> bool:
@@ -298,17 +290,7 @@ def arange(ctx: Context, start: int | float, /, stop: int | float | None = None,
 
 
 def _arange_into(out: Array, start: int | float, step: int | float) -> None:
-    try:
-        out._ctx.kernels.arange(out._view, start, step)
-    except NotImplementedError:  # until the generated arange exists: computed here, uploaded once
-        from ._indexing import copy_into
-
-        n = out.shape[0]
-        if out.dtype.kind in "iu":
-            host = (int(start) + np.arange(n, dtype=np.int64) * int(step)).astype(out.dtype)
-        else:
-            host = (start + np.arange(n, dtype=np.float64) * step).astype(out.dtype)
-        copy_into(out, upload(out._ctx, host)._view)
+    out._ctx.kernels.arange(out._view, start, step)
 
 
 def linspace(ctx: Context, start: Any, stop: Any, /, num: int, *,
@@ -407,7 +389,7 @@ def _triangle(x: Array, k: int, lower: bool) -> Array:
     diff = subtract(cols_2d, rows_2d)  # j - i: the diagonal each element is on
     keep = less_equal(diff, k) if lower else greater_equal(diff, k)
     zero = zeros(ctx, (), dtype=x.dtype)
-    return where(keep, x, zero)  # type: ignore[no-any-return]
+    return where(keep, x, zero)
 
 
 def tril(x: Array, /, *, k: int = 0) -> Array:

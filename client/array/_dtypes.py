@@ -32,6 +32,7 @@ __all__ = [
     "int64",
     "isdtype",
     "promote",
+    "result_type",
     "result_type_of",
     "scalar_dtype",
     "uint8",
@@ -159,6 +160,15 @@ def result_type_of(*items: object) -> np.dtype[Any]:
     return out
 
 
+def result_type(*arrays_and_dtypes: Any) -> np.dtype[Any]:
+    """The dtype the standard's promotion gives ``arrays_and_dtypes`` (arrays, dtypes and Python scalars; at
+    least one array or dtype: ValueError otherwise)."""
+    if not any(isinstance(item, np.dtype) or (hasattr(item, "dtype") and not isinstance(item, np.generic))
+               for item in arrays_and_dtypes):
+        raise ValueError("result_type needs at least one array or dtype")
+    return result_type_of(*arrays_and_dtypes)
+
+
 def _default_for(value: object) -> np.dtype[Any]:
     if isinstance(value, _pybool):
         return bool
@@ -176,14 +186,18 @@ def can_cast(from_: Any, to: np.dtype[Any], /) -> _pybool:
     dst = _check(to)
     if src == dst:
         return True
-    if src.kind == "b" or dst.kind == "b":
+    if dst.kind == "b":
         return False
+    if src.kind == "b":
+        return True  # False and True survive as 0 and 1 in every dtype (numpy's "safe" casting)
     if src.kind in "fc" and dst.kind in "iu":
         return False
     if src.kind == "c" and dst.kind == "f":
         return False
     if src.kind in "iu" and dst.kind in "fc":
-        return False  # cross-kind: not in the standard's table
+        # Cross-kind, outside the standard's promotion table (which leaves it to the library): allowed where
+        # every value survives exactly, as numpy's "safe" casting says (int32 -> float64, not int64 -> float32).
+        return _pybool(np.can_cast(src, dst, "safe"))
     try:
         return promote(src, dst) == dst
     except TypeError:

@@ -86,11 +86,11 @@ def as_operand(ctx: Context, value: Scalar, dtype: np.dtype[Any]) -> Array:
         if hit is not None:
             table.move_to_end(key)
             return hit
-    if dtype.kind in "iu" and not isinstance(value, (bool, int)):
-        raise TypeError(f"a {type(value).__name__} cannot be an operand of {dtype} here")
     if dtype.kind in "iu":
+        if not isinstance(value, (bool, int)):
+            raise TypeError(f"a {type(value).__name__} cannot be an operand of {dtype} here")
         info = np.iinfo(dtype)
-        if not info.min <= int(value) <= info.max:
+        if not info.min <= value <= info.max:
             raise OverflowError(f"Python integer {value} is out of bounds for {dtype}")
     out = empty_array(ctx, (), dtype)
     ctx.kernels.fill(out._view, value)

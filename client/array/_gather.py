@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["IndexOperand", "MAX_DIMS", "gather"]
 
 MAX_DIMS = 32  # coordinates are decomposed in generated straight-line code: any rank works, this bounds the source
+_RANKS = (0, 1, 2, 4, 8, 16, MAX_DIMS)
 _BLOCK = 256
 _MAX_GRID = 1 << 16  # the loop strides over the grid, so big arrays need no bigger grid
 
@@ -129,6 +130,12 @@ def gather(ctx: Context, out: View, x: View, indices: Sequence[IndexOperand] = (
     shape, walked = _coalesce(out.shape, strides)
     if len(shape) > MAX_DIMS:
         raise ValueError(f"at most {MAX_DIMS} dimensions are supported, got {len(shape)}")
+    # Ranks come in a few sizes (outer dimensions of extent 1 pad the rest): fewer kernels to compile, and
+    # every compile costs a fraction of a second (NVRTC, PoCL's clang).
+    rank = next(r for r in _RANKS if r >= len(shape))
+    pad = rank - len(shape)
+    shape = [1] * pad + shape
+    walked = [[0] * pad + w for w in walked]
     kernel = _kernel(ctx, out.dtype.itemsize, len(shape), [op.view.dtype for op in indices])
     i64 = np.int64
     args: list[object] = [out.buffer, x.buffer, *(op.view.buffer for op in indices),

@@ -232,12 +232,17 @@ def _mask_positions(mask: Array) -> Array:
 def _masked(x: Array, mask: Array) -> Array:
     """``x[mask]``: the elements (or sub-arrays) where a mask over ``x``'s leading axes is True, in order."""
     k = mask.ndim
-    if mask.shape != x.shape[:k]:
+    if k > x.ndim or any(m not in (n, 0) for m, n in zip(mask.shape, x.shape, strict=False)):
         raise IndexError(f"boolean index of shape {mask.shape} does not match the array's shape {x.shape}")
-    from ._manipulation import reshape
+    if mask.size == 0:  # an empty mask selects nothing (numpy's and the standard's tests' reading)
+        return empty_array(x._ctx, (0, *x.shape[k:]), x.dtype)
+    if k == 0:  # x[True] / x[False] as arrays: a new axis of extent 1 or 0
+        return _basic(_basic(x, (None,)), (slice(0, 1 if bool(mask) else 0),))
+    from ._library_calls import call
+    from ._statistical import count_nonzero
 
-    flat = reshape(x, (-1, *x.shape[k:])) if k != 1 else x
-    return take(flat, _mask_positions(mask), axis=0)
+    count = int(count_nonzero(mask))  # the one wait: the result's size must be known to allocate it
+    return call("compress", [x, mask], {"count": count})[0]
 
 
 # -- setitem ------------------------------------------------------------------------------------------
@@ -302,8 +307,10 @@ def _fill(target: Array, value: bool | int | float | complex) -> None:
 
 def _set_masked(x: Array, mask: Array, value: Any) -> None:
     k = mask.ndim
-    if mask.shape != x.shape[:k]:
+    if k > x.ndim or any(m not in (n, 0) for m, n in zip(mask.shape, x.shape, strict=False)):
         raise IndexError(f"boolean index of shape {mask.shape} does not match the array's shape {x.shape}")
+    if mask.size == 0:
+        return
     from ._elementwise import where
 
     full_mask = wrap(mask._ctx, mask._storage, View(mask._view.buffer, mask.dtype, x.shape,

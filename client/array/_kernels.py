@@ -454,7 +454,7 @@ def _expr(fn: str, compute: np.dtype[Any], operands: Sequence[str]) -> str:
 
 
 # -- reductions ------------------------------------------------------------------------------------------------
-REDUCTIONS: Final = ("sum", "prod", "max", "min", "all", "any", "argmax", "argmin", "sumsq")
+REDUCTIONS: Final = ("sum", "prod", "max", "min", "all", "any", "argmax", "argmin", "sumsq", "count")
 
 
 # -- plans -----------------------------------------------------------------------------------------------------
@@ -747,10 +747,11 @@ class Kernels:
 
     # -- reductions --------------------------------------------------------------------------------------------
     def reduce(self, fn: str, out: View, x: View, axes: tuple[int, ...], center: View | None = None) -> None:
-        """``out`` = ``fn`` ("sum", "prod", "max", "min", "all", "any", "argmax", "argmin", "sumsq") of ``x`` over
-        ``axes``; ``out.shape`` is ``x.shape`` without them. "sumsq" sums ``(x - center)**2`` where ``center``
-        has ``out``'s shape (the second pass of var). Sums and products accumulate in ``out.dtype``; argmax and
-        argmin give the first occurrence's flat index over ``axes`` (C order) as int64.
+        """``out`` = ``fn`` ("sum", "prod", "max", "min", "all", "any", "argmax", "argmin", "sumsq", "count" (of
+        nonzero elements)) of ``x`` over ``axes``; ``out.shape`` is ``x.shape`` without them. "sumsq" sums
+        ``(x - center)**2`` where ``center`` has ``out``'s shape (the second pass of var). Sums and products
+        accumulate in ``out.dtype``; argmax and argmin give the first occurrence's flat index over ``axes``
+        (C order) as int64.
 
         One work-group per output element: its work-items stride over the reduced elements, each accumulating
         its share, and a tree in shared memory combines the partial values pairwise."""
@@ -803,8 +804,11 @@ class Kernels:
         idx = "U32" if small else "I64"
         ot, xt = ctype(out_dtype), ctype(x_dtype)
         arg = fn in ("argmax", "argmin")
+        acc_dtype: np.dtype[Any]
         if fn in ("all", "any"):
             acc_dtype = np.dtype(np.bool_)
+        elif fn == "count":
+            acc_dtype = np.dtype(np.int64)
         elif fn in ("max", "min") or arg:
             acc_dtype = x_dtype
         else:
@@ -826,6 +830,7 @@ class Kernels:
             "sum": (f"{at}_add({{a}}, {{b}})" if complex_acc else "{a} + {b}",
                     f"{at}_make(0, 0)" if complex_acc else f"({at})0"),
             "sumsq": ("{a} + {b}", f"({at})0"),
+            "count": ("{a} + {b}", "(I64)0"),
             "prod": (f"{at}_mul({{a}}, {{b}})" if complex_acc else "{a} * {b}",
                      f"{at}_make(1, 0)" if complex_acc else f"({at})1"),
             "max": ("((!isnan({a}) && ({b} > {a} || isnan({b}))) ? {b} : {a})" if real else "({b} > {a} ? {b} : {a})",
@@ -868,6 +873,8 @@ class Kernels:
         for d in range(rd - 1, -1, -1):
             ridx += f"      {{ {idx} c = " + (f"q % rd{d}; q /= rd{d};" if d else "q;") + f" xp += (I64)c * rt{d}; }}\n"
         load = cast(x_dtype, acc_dtype, "x[xp]")
+        if fn == "count":
+            load = f"(I64){cast(x_dtype, np.dtype(np.bool_), 'x[xp]')}"
         center_load = (f"    const {at} cv = {cast(center_dtype, acc_dtype, 'cen[cb]')};\n"
                        if center_dtype is not None else "")
         if arg:

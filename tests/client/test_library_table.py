@@ -101,3 +101,16 @@ def test_unknown_op() -> None:
         library_outputs("linalg.eig", [("float32", (3, 3))])
     with pytest.raises(InvalidArgument, match=r"^unknown library op"):
         library_outputs(3, [])  # type: ignore[arg-type]
+
+
+def test_numpy_integers_and_dtypes_are_taken_as_python_ones() -> None:
+    import numpy as np
+
+    shape = (np.int64(3), np.intp(4))
+    assert library_outputs("fft.rfft", [(np.dtype("float32"), shape)], {"n": np.int32(6), "axis": np.int8(0)}) \
+        == [("complex64", (4, 4))]
+    assert library_outputs("linalg.pinv", [("float64", (2, 2))], {"rtol": np.float32(0.5)}) == [("float64", (2, 2))]
+    assert library_outputs("linalg.svd", [("float64", (3, 2))], {"full_matrices": np.bool_(False)})[0] \
+        == ("float64", (3, 2))
+    with pytest.raises(InvalidArgument, match="'upper' must be a bool"):
+        library_outputs("linalg.cholesky", [("float64", (2, 2))], {"upper": np.int8(1)})

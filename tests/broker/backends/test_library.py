@@ -289,3 +289,10 @@ def test_library_time_is_device_time(gpu: GpuCompute) -> None:
     x = real(256, 256)
     run_op(gpu, "linalg.svd", [x])
     assert take() > 0.0
+
+
+def test_an_empty_result_still_checks_a_data_dependent_size(gpu: GpuCompute) -> None:
+    with pytest.raises(InvalidArgument, match=r"^nonzero: the result has 2 element\(s\), the outputs are sized for 0"):
+        run_op(gpu, "nonzero", [np.array([0, 1, 1])], {"count": 0})
+    with pytest.raises(InvalidArgument, match=r"^compress: the result has 1 element\(s\)"):
+        run_op(gpu, "compress", [np.array([0, 1, 1]), np.array([True, False, False])], {"count": 0})

@@ -123,5 +123,27 @@ def test_round_trip_through_a_broker(open_gpu: OpenGpu) -> None:
         view = x[1::2, ::-1].T
         np.testing.assert_array_equal(np.asarray(view), host[1::2, ::-1].T)
         np.testing.assert_array_equal(np.asarray(xp.take(x, xp.asarray([4, 0]), axis=0)), host[[4, 0]])
+        np.testing.assert_array_equal(np.asarray(x[x > 12.0]), host[host > 12.0])  # a data-dependent shape
+    finally:
+        gpu.close()
+
+
+@pytest.mark.cuda
+def test_views_take_and_masks_on_cuda() -> None:
+    """The gather kernel's CUDA C (strided copies, take, integer arrays) and a mask, on an in-process CUDA device."""
+    from gpubroker.broker.backends import open_backend
+
+    gpu = open_backend("cuda")
+    try:
+        xp = namespace(gpu)
+        host = np.arange(2 * 3 * 4, dtype=np.complex128).reshape(2, 3, 4) * (1 + 1j)
+        x = xp.asarray(host)
+        np.testing.assert_array_equal(np.asarray(xp.permute_dims(x, (2, 0, 1))), np.transpose(host, (2, 0, 1)))
+        np.testing.assert_array_equal(np.asarray(x[:, ::-2, 1]), host[:, ::-2, 1])
+        np.testing.assert_array_equal(np.asarray(xp.take(x, xp.asarray([3, -4]), axis=2)), host[:, :, [3, -4]])
+        ints = xp.asarray(np.arange(10, dtype=np.int8))
+        np.testing.assert_array_equal(np.asarray(ints[xp.asarray([[9, 0], [1, 2]])]), np.array([[9, 0], [1, 2]]))
+        np.testing.assert_array_equal(np.asarray(ints[ints > 6]), np.array([7, 8, 9], dtype=np.int8))
+        np.testing.assert_array_equal(np.asarray(xp.tile(ints[:2], (3,))), np.tile(np.arange(2, dtype=np.int8), 3))
     finally:
         gpu.close()
