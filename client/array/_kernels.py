@@ -93,6 +93,8 @@ _PRELUDE: Final = r"""
 #endif
 #define F32 float
 #define F64 double
+#define GB_PI_2 1.570796326794896619231321691639751442
+#define GB_PI_4 0.785398163397448309615660845819875721
 """
 _FP64: Final = "#ifdef __OPENCL_VERSION__\n#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n#endif\n"
 
@@ -100,7 +102,7 @@ _FP64: Final = "#ifdef __OPENCL_VERSION__\n#pragma OPENCL EXTENSION cl_khr_fp64 
 _REAL_HELPERS: Final = r"""
 FN R R_floordiv(R a, R b) {
   R mod = fmod(a, b);
-  if (b == (R)0) return a / b;
+  if (b == (R)0 || isinf(a) || isinf(b)) return a / b;  /* the standard's infinities: +-inf, +-0 or NaN */
   R div = (a - mod) / b;
   if (mod != (R)0) { if ((b < (R)0) != (mod < (R)0)) div -= (R)1; }
   R fl;
@@ -191,7 +193,7 @@ FN C C_sign(C a) {
 }
 FN C C_exp(C a) {
   if (a.im == (R)0) return C_make(exp(a.re), a.im);
-  if (isinf(a.re) && a.re < (R)0 && !isfinite(a.im)) return C_make((R)0, (R)0);
+  if (isinf(a.re) && !isfinite(a.im)) return a.re < (R)0 ? C_make((R)0, (R)0) : C_make(a.re, (R)GB_NAN);
   R e = exp(a.re);
   return C_make(e * cos(a.im), e * sin(a.im));
 }
@@ -209,7 +211,9 @@ FN C C_sqrt(C a) {
   return C_make(fabs(a.im) / (t + t), copysign(t, a.im));
 }
 FN C C_expm1(C a) {
+  if (a.re == (R)0 && a.im == (R)0) return C_make((R)0, a.im);
   if (a.im == (R)0) return C_make(expm1(a.re), a.im);
+  if (isinf(a.re) && !isfinite(a.im)) return a.re < (R)0 ? C_make((R)-1, (R)0) : C_make(a.re, (R)GB_NAN);
   R e = expm1(a.re), s = sin((R)0.5 * a.im);
   return C_make(e * cos(a.im) - (R)2 * s * s, (e + (R)1) * sin(a.im));
 }
@@ -232,36 +236,92 @@ FN C C_pow(C a, C b) {
   if (b.im == (R)0 && a.im == (R)0 && a.re > (R)0) return C_make(pow(a.re, b.re), (R)0);
   return C_exp(C_mul(b, C_log(a)));
 }
-FN C C_sinh(C a) { return C_make(sinh(a.re) * cos(a.im), cosh(a.re) * sin(a.im)); }
-FN C C_cosh(C a) { return C_make(cosh(a.re) * cos(a.im), sinh(a.re) * sin(a.im)); }
+FN C C_sinh(C a) {
+  R x = a.re, y = a.im;
+  if (isfinite(x) && isfinite(y)) {
+    if (y == (R)0) return C_make(sinh(x), y);
+    return C_make(sinh(x) * cos(y), cosh(x) * sin(y));
+  }
+  if (x == (R)0) return C_make(x, y - y);
+  if (y == (R)0) return C_make(x, y);
+  if (isinf(x)) return isfinite(y) ? C_make(x * cos(y), (R)GB_INF * sin(y)) : C_make(x, y - y);
+  return C_make((x * x) * (y - y), (x + x) * (y - y));
+}
+FN C C_cosh(C a) {
+  R x = a.re, y = a.im;
+  if (isfinite(x) && isfinite(y)) {
+    if (y == (R)0) return C_make(cosh(x), x * y);
+    return C_make(cosh(x) * cos(y), sinh(x) * sin(y));
+  }
+  if (x == (R)0) return C_make(y - y, (R)0);
+  if (y == (R)0) return C_make(x * x, copysign((R)0, x) * y);
+  if (isinf(x)) return isfinite(y) ? C_make((R)GB_INF * cos(y), x * sin(y)) : C_make(x * x, x * (y - y));
+  return C_make((x * x) * (y - y), (x + x) * (y - y));
+}
 FN C C_tanh(C a) {
-  if (fabs(a.re) > (R)20) return C_make(copysign((R)1, a.re), copysign((R)0, sin((R)2 * a.im)));
-  R d = cosh((R)2 * a.re) + cos((R)2 * a.im);
-  return C_make(sinh((R)2 * a.re) / d, sin((R)2 * a.im) / d);
+  R x = a.re, y = a.im;
+  if (isnan(x)) return C_make(x, y == (R)0 ? y : x);
+  if (isinf(x)) return C_make(copysign((R)1, x), copysign((R)0, y));
+  if (!isfinite(y)) return C_make(x == (R)0 ? x : y - y, y - y);
+  if (fabs(x) > (R)20) return C_make(copysign((R)1, x), (R)4 * sin(y) * cos(y) * exp((R)-2 * fabs(x)));
+  R d = cosh((R)2 * x) + cos((R)2 * y);
+  return C_make(sinh((R)2 * x) / d, sin((R)2 * y) / d);
 }
 FN C C_sin(C a) { C s = C_sinh(C_make(-a.im, a.re)); return C_make(s.im, -s.re); }
 FN C C_cos(C a) { return C_cosh(C_make(-a.im, a.re)); }
 FN C C_tan(C a) { C t = C_tanh(C_make(-a.im, a.re)); return C_make(t.im, -t.re); }
 FN C C_asinh(C a) {
-  C w = C_sqrt(C_add(C_mul(a, a), C_make((R)1, (R)0)));
-  if (a.re < (R)0 || (a.re == (R)0 && signbit(a.re))) {
-    C r = C_log(C_sub(w, a));  /* asinh(-z) = -asinh(z): avoids cancellation for negative real parts */
-    return C_make(-r.re, -r.im);
+  /* odd and conjugate-symmetric: computed for |x| + i|y|, then the signs restored */
+  R ax = fabs(a.re), ay = fabs(a.im), re, im;
+  if (isnan(ax)) { re = isinf(ay) ? (R)GB_INF : ax; im = ay == (R)0 ? ay : (R)GB_NAN; }
+  else if (isnan(ay)) { re = isinf(ax) ? ax : ay; im = ay; }
+  else if (isinf(ax) || isinf(ay)) {
+    re = (R)GB_INF;
+    im = isinf(ax) ? (isinf(ay) ? (R)GB_PI_4 : (R)0)
+                   : (R)GB_PI_2;
+  } else {
+    C z = C_make(ax, ay);
+    C w = C_log(C_add(z, C_sqrt(C_add(C_mul(z, z), C_make((R)1, (R)0)))));
+    re = w.re; im = w.im;
   }
-  return C_log(C_add(a, w));
+  return C_make(copysign(re, a.re), copysign(im, a.im));
 }
 FN C C_asin(C a) { C s = C_asinh(C_make(-a.im, a.re)); return C_make(s.im, -s.re); }
-FN C C_acos(C a) {
-  C s = C_asin(a);
-  return C_make((R)1.570796326794896619231321691639751442 - s.re, -s.im);
-}
 FN C C_acosh(C a) {
-  C w = C_log(C_add(a, C_mul(C_sqrt(C_add(a, C_make((R)1, (R)0))), C_sqrt(C_sub(a, C_make((R)1, (R)0))))));
-  return w;
+  /* conjugate-symmetric: computed for x + i|y|, then the imaginary sign restored */
+  R x = a.re, ay = fabs(a.im), re, im;
+  if (isnan(x)) { re = isinf(ay) ? (R)GB_INF : x; im = x; }
+  else if (isnan(ay)) { re = isinf(x) ? (R)GB_INF : ay; im = x == (R)0 ? (R)GB_PI_2 : ay; }
+  else if (isinf(x)) {
+    re = (R)GB_INF;
+    im = isinf(ay) ? (x > (R)0 ? (R)GB_PI_4 : (R)(3 * GB_PI_4)) : (x > (R)0 ? (R)0 : (R)(2 * GB_PI_2));
+  } else if (isinf(ay)) { re = (R)GB_INF; im = (R)GB_PI_2; }
+  else {
+    C z = C_make(x, ay);
+    C w = C_log(C_add(z, C_mul(C_sqrt(C_add(z, C_make((R)1, (R)0))), C_sqrt(C_sub(z, C_make((R)1, (R)0))))));
+    re = w.re; im = w.im;
+  }
+  return C_make(re, copysign(im, a.im));
+}
+FN C C_acos(C a) {
+  /* acos(z) = -i acosh(z) in the upper half plane; conjugate-symmetric */
+  C w = C_acosh(C_make(a.re, fabs(a.im)));
+  R im = -w.re;
+  return C_make(w.im, signbit(a.im) ? -im : im);
 }
 FN C C_atanh(C a) {
-  C l = C_sub(C_log1p(a), C_log1p(C_neg(a)));
-  return C_make((R)0.5 * l.re, (R)0.5 * l.im);
+  /* odd and conjugate-symmetric: computed for |x| + i|y|, then the signs restored */
+  R ax = fabs(a.re), ay = fabs(a.im), re, im;
+  if (isnan(ax)) { re = isinf(ay) ? (R)0 : ax; im = isinf(ay) ? (R)GB_PI_2 : ax; }
+  else if (isnan(ay)) { re = (isinf(ax) || ax == (R)0) ? (R)0 : ay; im = ay; }
+  else if (isinf(ax) || isinf(ay)) { re = (R)0; im = (R)GB_PI_2; }
+  else if (ax == (R)1 && ay == (R)0) { re = (R)GB_INF; im = (R)0; }
+  else {
+    C z = C_make(ax, ay);
+    C l = C_sub(C_log1p(z), C_log1p(C_neg(z)));
+    re = (R)0.5 * l.re; im = (R)0.5 * l.im;
+  }
+  return C_make(copysign(re, a.re), copysign(im, a.im));
 }
 FN C C_atan(C a) { C t = C_atanh(C_make(-a.im, a.re)); return C_make(t.im, -t.re); }
 """
@@ -361,7 +421,7 @@ _INT_SAME = "{a}"
 ELEMENTWISE_OPS: Final[dict[str, Op]] = {
     "copy": Op(1, {k: "{a}" for k in "biufc"}),
     "abs": Op(1, {"i": "({a} < 0 ? ({T})(({U})0 - ({U}){a}) : {a})", "u": "{a}", "f": "fabs({a})",
-                  "c": "{T}_abs({a})"}),
+                  "c": "{T}_abs({a})"}, "real"),
     **{name: _float_fn(name) for name in ("acos", "acosh", "asin", "asinh", "atan", "atanh", "cos", "cosh", "exp",
                                           "expm1", "log", "log1p", "log2", "log10", "sin", "sinh", "sqrt", "tan",
                                           "tanh")},
@@ -454,6 +514,7 @@ def _expr(fn: str, compute: np.dtype[Any], operands: Sequence[str]) -> str:
 
 
 # -- reductions ------------------------------------------------------------------------------------------------
+_SECOND_PASS: Final = {"sumsq": "sum", "count": "sum"}  # how a split reduction combines its partial values
 REDUCTIONS: Final = ("sum", "prod", "max", "min", "all", "any", "argmax", "argmin", "sumsq", "count")
 
 
@@ -465,6 +526,8 @@ class _Plan:
     block: int
     tail: list[Any]  # the args after the operands': [meta buffer,] element count(s)
     meta: Storage | None  # keeps the meta buffer alive while the plan is cached
+    partials: View | None = None  # a split reduction's first pass writes here (see Kernels.reduce)
+    partials_storage: Storage | None = None
 
 
 def _collapse(shape: tuple[int, ...], strides: Sequence[tuple[int, ...]]) -> tuple[list[int], list[list[int]]]:
@@ -754,7 +817,10 @@ class Kernels:
         (C order) as int64.
 
         One work-group per output element: its work-items stride over the reduced elements, each accumulating
-        its share, and a tree in shared memory combines the partial values pairwise."""
+        its share, and a tree in shared memory combines the partial values pairwise. Where there are few outputs
+        and many elements each (a full ``sum``), each output's elements are split in parts, one work-group each,
+        into a buffer of partial values that a second pass reduces: the whole device works, and float sums stay
+        close to pairwise."""
         cstrides = center.strides if center is not None else None
         key = ("reduce", fn, out.dtype, out.shape, out.strides, x.dtype, x.shape, x.strides, axes, cstrides,
                None if center is None else center.dtype)
@@ -763,11 +829,15 @@ class Kernels:
             if out.size == 0:
                 return
             plan = self._plan_reduce(key, fn, out, x, axes, center)
-        args: list[Any] = [out.buffer, np.int64(out.offset), x.buffer, np.int64(x.offset)]
+        partials = plan.partials
+        args: list[Any] = [out.buffer if partials is None else partials.buffer,
+                           np.int64(out.offset if partials is None else 0), x.buffer, np.int64(x.offset)]
         if center is not None:
             args += [center.buffer, np.int64(center.offset)]
         args.extend(plan.tail)
         self._ctx.gpu.execute_kernel(plan.kernel, plan.grid, plan.block, args)
+        if partials is not None:
+            self.reduce(_SECOND_PASS.get(fn, fn), out, partials, (len(out.shape),))
 
     def _plan_reduce(self, key: tuple[Any, ...], fn: str, out: View, x: View, axes: tuple[int, ...],
                      center: View | None) -> _Plan:
@@ -785,7 +855,10 @@ class Kernels:
         for k in axes:
             m *= x.shape[k]
         nout = out.size
-        variant = (len(kdims), len(rdims), m < _SMALL_INDEX and nout < _SMALL_INDEX)
+        block = self.block  # a work-group as small as the reduced extent allows (a row of 10: one warp)
+        while block > 32 and block // 2 >= m:
+            block //= 2
+        variant = (len(kdims), len(rdims), m < _SMALL_INDEX and nout < _SMALL_INDEX, block)
         ckey = ("reduce", fn, out.dtype, x.dtype, None if center is None else center.dtype, variant)
 
         def make(name: str) -> str:
@@ -793,14 +866,29 @@ class Kernels:
                                        variant)
 
         kernel = self._compile(ckey, make)
+        parts = 1
+        if fn not in ("argmax", "argmin") and m >= 32 * self.block:
+            parts = min(-(-m // (8 * self.block)), max(1, self._grid_cap // nout))
+        partials = partials_storage = None
+        if parts > 1:  # the first pass writes (out.shape..., parts) partial values, contiguous
+            from ._context import View as _View
+            from ._context import contiguous_strides
+
+            partials_storage = self._ctx.allocate(nout * parts * out.dtype.itemsize)
+            shape = (*out.shape, parts)
+            partials = _View(partials_storage.buffer, out.dtype, shape, contiguous_strides(shape), 0)
+            kept_strides[1] = partials.strides[:-1]
+            kdims, kper = _collapse(out.shape, kept_strides)
+        chunk = -(-m // parts)
         meta = self._meta([*kdims, *[s for p in kper for s in p], *rdims, *rper[0], 0])
-        tail: list[Any] = [meta.buffer, np.int64(nout), np.int64(m)]
-        grid = min(nout, 65535)
-        return self._remember(key, _Plan(kernel, grid, self.block, tail, meta))
+        tail: list[Any] = [meta.buffer, np.int64(nout), np.int64(m), np.int64(parts), np.int64(chunk),
+                           np.int64(1 if parts > 1 else 0)]
+        grid = min(nout * parts, 65535)
+        return self._remember(key, _Plan(kernel, grid, block, tail, meta, partials, partials_storage))
 
     def _source_reduce(self, name: str, fn: str, out_dtype: np.dtype[Any], x_dtype: np.dtype[Any],
-                       center_dtype: np.dtype[Any] | None, variant: tuple[int, int, bool]) -> str:
-        kd, rd, small = variant
+                       center_dtype: np.dtype[Any] | None, variant: tuple[int, int, bool, int]) -> str:
+        kd, rd, small, block = variant
         idx = "U32" if small else "I64"
         ot, xt = ctype(out_dtype), ctype(x_dtype)
         arg = fn in ("argmax", "argmin")
@@ -856,15 +944,18 @@ class Kernels:
         params = [f"GLOBAL {ot}* o", "I64 oo", f"GLOBAL const {xt}* x", "I64 xo"]
         if center_dtype is not None:
             params += [f"GLOBAL const {ctype(center_dtype)}* cen", "I64 co"]
-        params += ["GLOBAL const I64* meta", "I64 nout", "I64 m"]
+        params += ["GLOBAL const I64* meta", "I64 nout", "I64 m", "I64 parts", "I64 chunk", "I64 pstep"]
         nk = 3 if center_dtype is not None else 2
         pro = "".join(f"  const {idx} kd{d} = ({idx})meta[{d}];\n" for d in range(kd))
         pro += "".join(f"  const I64 kt{p}_{d} = meta[{kd + p * kd + d}];\n" for p in range(nk) for d in range(kd))
         base = kd + nk * kd
         pro += "".join(f"  const {idx} rd{d} = ({idx})meta[{base + d}];\n" for d in range(rd))
         pro += "".join(f"  const I64 rt{d} = meta[{base + rd + d}];\n" for d in range(rd))
-        shared = f"  SHARED {at} sv[{self.block}];\n" + (f"  SHARED I64 si[{self.block}];\n" if arg else "")
-        kidx = f"    {idx} r = ({idx})g;\n    I64 xb = xo, ob = oo" + (", cb = co" if nk == 3 else "") + ";\n"
+        shared = f"  SHARED {at} sv[{block}];\n" + (f"  SHARED I64 si[{block}];\n" if arg else "")
+        kidx = (f"    const I64 go = g / parts, gp = g - go * parts;\n"
+                f"    const I64 j0 = gp * chunk, j1 = m < j0 + chunk ? m : j0 + chunk;\n"
+                f"    {idx} r = ({idx})go;\n    I64 xb = xo, ob = oo + gp * pstep" + (", cb = co" if nk == 3 else "")
+                + ";\n")
         names = ["xb", "ob", "cb"]
         for d in range(kd - 1, -1, -1):
             kidx += f"    {{ {idx} c = " + (f"r % kd{d}; r /= kd{d};" if d else "r;")
@@ -879,10 +970,10 @@ class Kernels:
                        if center_dtype is not None else "")
         if arg:
             loop = (f"    {at} acc = {init}; I64 ai = m;\n"
-                    f"    for (I64 j = LID; j < m; j += {self.block}) {{\n{ridx}"
+                    f"    for (I64 j = j0 + LID; j < j1; j += {block}) {{\n{ridx}"
                     f"      {at} v = {load};\n      if (gb_better(v, j, acc, ai)) {{ acc = v; ai = j; }}\n    }}\n"
                     f"    sv[LID] = acc; si[LID] = ai; SYNC();\n"
-                    f"    for (int s = {self.block // 2}; s > 0; s >>= 1) {{\n"
+                    f"    for (int s = {block // 2}; s > 0; s >>= 1) {{\n"
                     f"      if (LID < s && gb_better(sv[LID + s], si[LID + s], sv[LID], si[LID])) "
                     f"{{ sv[LID] = sv[LID + s]; si[LID] = si[LID + s]; }}\n      SYNC();\n    }}\n"
                     f"    if (LID == 0) o[ob] = {cast(np.dtype(np.int64), out_dtype, 'si[0]')};\n    SYNC();\n")
@@ -890,12 +981,12 @@ class Kernels:
             pair = combine.format(a="sv[LID]", b="sv[LID + s]")
             step = combine.format(a="acc", b="(v - cv) * (v - cv)" if fn == "sumsq" else "v")
             loop = (f"{center_load}    {at} acc = {init};\n"
-                    f"    for (I64 j = LID; j < m; j += {self.block}) {{\n{ridx}"
+                    f"    for (I64 j = j0 + LID; j < j1; j += {block}) {{\n{ridx}"
                     f"      {at} v = {load};\n      acc = {step};\n    }}\n"
                     f"    sv[LID] = acc; SYNC();\n"
-                    f"    for (int s = {self.block // 2}; s > 0; s >>= 1) {{\n"
+                    f"    for (int s = {block // 2}; s > 0; s >>= 1) {{\n"
                     f"      if (LID < s) sv[LID] = {pair};\n      SYNC();\n    }}\n"
                     f"    if (LID == 0) o[ob] = {cast(acc_dtype, out_dtype, 'sv[0]')};\n    SYNC();\n")
         body = (f"{helpers}KERNEL void {name}({', '.join(params)}) {{\n{shared}{pro}"
-                f"  for (I64 g = GROUP; g < nout; g += NGROUPS) {{\n{kidx}{loop}  }}\n}}\n")
+                f"  for (I64 g = GROUP; g < nout * parts; g += NGROUPS) {{\n{kidx}{loop}  }}\n}}\n")
         return _source(types, body)
