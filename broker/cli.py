@@ -219,6 +219,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from gpubroker.bench.soak import main as bench_main
     elif args.which == "cold-start":
         from gpubroker.bench.cold_start import main as bench_main
+    elif args.which == "arrays":
+        from gpubroker.bench.arrays import main as bench_main
     elif args.which == "array-api":
         from gpubroker.bench.array_api import main as bench_main
     else:
@@ -341,9 +343,10 @@ def _parser() -> argparse.ArgumentParser:
                        "hostile requests, --cases N), `soak` (session cycles: leaks of memory, fds, segments) and "
                        "`cold-start` (a tenant's first session, worker start included, sandboxed and not); "
                        "`array-api` (the Array API conformance suite against gpubroker.client.array, over a broker "
-                       "or in process)")
-    b.add_argument("which", choices=["remote", "fairness", "multi", "fuzz", "soak", "cold-start",
-                                           "array-api"])
+                       "or in process); `arrays` (an MLP training loop and an sklearn PCA on the Array API "
+                       "namespace through a broker, against the same code on CuPy natively)")
+    b.add_argument("which", choices=["remote", "fairness", "multi", "fuzz", "soak", "cold-start", "array-api",
+                                     "arrays"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (--backend, --out, ...)")
     b.set_defaults(fn=_cmd_bench)
 

@@ -7,6 +7,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# scipy reads SCIPY_ARRAY_API once, at its first import, and scikit-learn's array_api_dispatch (the array
+# namespace's library tests, `gpubroker bench arrays`) refuses to run without it. This file is imported before
+# any test module, so no test that imports scipy early can leave it off for the rest of the session.
+os.environ.setdefault("SCIPY_ARRAY_API", "1")
+
 import pytest
 
 from gpubroker.broker.config import TlsConfig

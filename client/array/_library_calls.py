@@ -3,7 +3,12 @@
 A library operation takes C-contiguous inputs and writes outputs the caller allocates; ``call`` makes the inputs
 contiguous (a copy kernel where they are not), asks the op table (``library_outputs``, the same table the worker
 checks against) what the outputs are, allocates them and queues the operation. Nothing here waits for the device
-except ``read_count``, which data-dependent shapes (unique, nonzero) need.
+except ``read_count`` and ``read_scalar``: the sizes that data-dependent shapes (unique, nonzero) need, and a 0-d
+array passed where a library operation takes one number.
+
+Temporaries (a contiguous copy, a cast) may die as soon as ``call`` returns: their memory goes back to the pool,
+and whatever reuses it is queued after the library operation on the same stream, so it never overwrites an input
+the operation has yet to read.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ API_VERSION = "2024.12"
 
 # The modules whose ``__all__`` the namespace exposes (each owned by one concept; see README "Arrays").
 _MODULES = ("_dtypes", "_creation", "_elementwise", "_statistical", "_manipulation", "_indexing", "_searching",
-            "_sorting", "_sets", "_linear", "_utility", "_info", "_scans")
+            "_sorting", "_sets", "_linear", "_utility", "_info", "_scans", "_constants")
 _SUBMODULES = {"linalg": "_linalg", "fft": "_fft"}
 # Names in a module's __all__ that are helpers for other modules, not the standard's.
 _PRIVATE = frozenset({"ALL_DTYPES", "DType", "promote", "result_type_of", "scalar_dtype", "finfo_object",
@@ -49,11 +49,22 @@ class Namespace(types.SimpleNamespace):
 
     __array_api_version__ = API_VERSION
 
+    # Identity, as a module's: SimpleNamespace compares attributes and so is unhashable, but libraries keep
+    # namespaces in sets and caches (array-api-extra's is_numpy_namespace, which scikit-learn's GaussianNB
+    # reaches), and two sessions' namespaces are never the same one.
+    def __hash__(self) -> int:  # type: ignore[override]  # (SimpleNamespace declares itself unhashable)
+        return object.__hash__(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
     def __init__(self, ctx: Context) -> None:
         super().__init__()
         import importlib
 
         self._ctx = ctx
+        # What tools that report on namespaces print (array-api-tests, array-api-compat's messages).
+        self.__name__ = "gpubroker.client.array"
         for mod_name in _MODULES:
             try:
                 mod = importlib.import_module(f"{__package__}.{mod_name}")

@@ -7,7 +7,15 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.array_backends import ARRAY_BACKENDS, namespace_on
+
 RNG = np.random.default_rng(1414)
+
+
+@pytest.fixture(scope="module", params=ARRAY_BACKENDS)
+def xp(request: pytest.FixtureRequest) -> Any:
+    """The namespace on each backend (this module's tests run on CUDA too, under ``-m cuda``)."""
+    return namespace_on(request.param)
 
 
 def signal(*shape: int, complex_: bool = True, dtype: str = "complex128") -> np.ndarray[Any, Any]:

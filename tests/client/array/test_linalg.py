@@ -8,7 +8,15 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.array_backends import ARRAY_BACKENDS, namespace_on
+
 RNG = np.random.default_rng(14)
+
+
+@pytest.fixture(scope="module", params=ARRAY_BACKENDS)
+def xp(request: pytest.FixtureRequest) -> Any:
+    """The namespace on each backend (this module's tests run on CUDA too, under ``-m cuda``)."""
+    return namespace_on(request.param)
 
 
 def rand(*shape: int, dtype: str = "float64") -> np.ndarray[Any, Any]:
