@@ -81,11 +81,12 @@ def namespace_from_env() -> Any:
 
 
 def find_suite(explicit: str | None = None) -> Path:
-    """The offline array-api-tests folder: ``explicit``, ``$ARRAY_API_TESTS_DIR``, ``shared/array-api-tests`` in the
-    repository or ``../shared/array-api-tests`` beside it (the first that has ``array_api_tests/``)."""
+    """The offline array-api-tests folder: ``explicit``, ``$ARRAY_API_TESTS_DIR``, ``shared/array-api-tests`` in or
+    beside the repository (an editable install's) or the current directory (where gpubroker is installed from
+    wheels, as on the GPU machine): the first that has ``array_api_tests/``."""
+    roots = [REPO_ROOT, REPO_ROOT.parent, Path.cwd(), Path.cwd().parent]
     candidates = [explicit] if explicit else [os.environ.get("ARRAY_API_TESTS_DIR"),
-                                               str(REPO_ROOT / "shared" / "array-api-tests"),
-                                               str(REPO_ROOT.parent / "shared" / "array-api-tests")]
+                                               *(str(root / "shared" / "array-api-tests") for root in roots)]
     for candidate in candidates:
         if candidate and (Path(candidate) / "array_api_tests").is_dir():
             return Path(candidate)
