@@ -17,10 +17,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 "$PY" -c 'import cupy, grpc, google.protobuf as p; print("cupy", cupy.__version__, "grpc", grpc.__version__, "protobuf", p.__version__)'
 "$PY" -m gpubroker.broker.cli devices --backend cuda
 status=0
-# TESTS=0, REMOTE=0, FAIRNESS=0, COLD=0 skip a part (to split the check across calls with a time limit).
+# TESTS=0, REMOTE=0, FAIRNESS=0, COLD=0, ARRAY_API=0, ARRAYS=0 skip a part (to split the check across calls with a time limit).
 if [ "${TESTS:-1}" = 1 ]; then
   "$PY" -m pytest -p no:cacheprovider -o addopts="" -m cuda -q -rs \
-    tests/integration tests/security tests/broker/backends/test_cuda_backend.py 2>&1 | tee "$OUTDIR/gpu-tests.log"
+    tests/integration tests/security tests/broker/backends/test_cuda_backend.py tests/broker/backends/test_library.py \
+    tests/client/array 2>&1 | tee "$OUTDIR/gpu-tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "${REMOTE:-1}" = 1 ]; then
@@ -32,6 +33,15 @@ if [ "${FAIRNESS:-1}" = 1 ]; then
 fi
 if [ "${COLD:-1}" = 1 ]; then
   "$PY" -m gpubroker.broker.cli bench cold-start --backend cuda --out "$OUTDIR/cold-start.json" || status=1
+fi
+# The array namespace: the standard's conformance suite over a broker (its folder: ARRAY_API_TESTS_DIR, else
+# ../shared/array-api-tests; carry a copy to the GPU machine), then the MLP and PCA benchmark against CuPy.
+if [ "${ARRAY_API:-1}" = 1 ]; then
+  "$PY" -m gpubroker.broker.cli bench array-api --backend cuda --max-examples "${ARRAY_API_EXAMPLES:-20}" \
+    --out "$OUTDIR/array-api.json" || status=1
+fi
+if [ "${ARRAYS:-1}" = 1 ]; then
+  "$PY" -m gpubroker.broker.cli bench arrays --backend cuda --out "$OUTDIR/arrays.json" || status=1
 fi
 if [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ]; then
   "$PY" -m gpubroker.broker.cli bench multi --backend cuda --out "$OUTDIR/multi.json" || status=1

@@ -93,6 +93,8 @@ _PRELUDE: Final = r"""
 #endif
 #define F32 float
 #define F64 double
+#define GB_PI_2 1.570796326794896619231321691639751442
+#define GB_PI_4 0.785398163397448309615660845819875721
 """
 _FP64: Final = "#ifdef __OPENCL_VERSION__\n#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n#endif\n"
 
@@ -100,7 +102,7 @@ _FP64: Final = "#ifdef __OPENCL_VERSION__\n#pragma OPENCL EXTENSION cl_khr_fp64 
 _REAL_HELPERS: Final = r"""
 FN R R_floordiv(R a, R b) {
   R mod = fmod(a, b);
-  if (b == (R)0) return a / b;
+  if (b == (R)0 || isinf(a) || isinf(b)) return a / b;  /* the standard's infinities: +-inf, +-0 or NaN */
   R div = (a - mod) / b;
   if (mod != (R)0) { if ((b < (R)0) != (mod < (R)0)) div -= (R)1; }
   R fl;
@@ -191,7 +193,7 @@ FN C C_sign(C a) {
 }
 FN C C_exp(C a) {
   if (a.im == (R)0) return C_make(exp(a.re), a.im);
-  if (isinf(a.re) && a.re < (R)0 && !isfinite(a.im)) return C_make((R)0, (R)0);
+  if (isinf(a.re) && !isfinite(a.im)) return a.re < (R)0 ? C_make((R)0, (R)0) : C_make(a.re, (R)GB_NAN);
   R e = exp(a.re);
   return C_make(e * cos(a.im), e * sin(a.im));
 }
@@ -209,7 +211,9 @@ FN C C_sqrt(C a) {
   return C_make(fabs(a.im) / (t + t), copysign(t, a.im));
 }
 FN C C_expm1(C a) {
+  if (a.re == (R)0 && a.im == (R)0) return C_make((R)0, a.im);
   if (a.im == (R)0) return C_make(expm1(a.re), a.im);
+  if (isinf(a.re) && !isfinite(a.im)) return a.re < (R)0 ? C_make((R)-1, (R)0) : C_make(a.re, (R)GB_NAN);
   R e = expm1(a.re), s = sin((R)0.5 * a.im);
   return C_make(e * cos(a.im) - (R)2 * s * s, (e + (R)1) * sin(a.im));
 }
@@ -232,36 +236,92 @@ FN C C_pow(C a, C b) {
   if (b.im == (R)0 && a.im == (R)0 && a.re > (R)0) return C_make(pow(a.re, b.re), (R)0);
   return C_exp(C_mul(b, C_log(a)));
 }
-FN C C_sinh(C a) { return C_make(sinh(a.re) * cos(a.im), cosh(a.re) * sin(a.im)); }
-FN C C_cosh(C a) { return C_make(cosh(a.re) * cos(a.im), sinh(a.re) * sin(a.im)); }
+FN C C_sinh(C a) {
+  R x = a.re, y = a.im;
+  if (isfinite(x) && isfinite(y)) {
+    if (y == (R)0) return C_make(sinh(x), y);
+    return C_make(sinh(x) * cos(y), cosh(x) * sin(y));
+  }
+  if (x == (R)0) return C_make(x, y - y);
+  if (y == (R)0) return C_make(x, y);
+  if (isinf(x)) return isfinite(y) ? C_make(x * cos(y), (R)GB_INF * sin(y)) : C_make(x, y - y);
+  return C_make((x * x) * (y - y), (x + x) * (y - y));
+}
+FN C C_cosh(C a) {
+  R x = a.re, y = a.im;
+  if (isfinite(x) && isfinite(y)) {
+    if (y == (R)0) return C_make(cosh(x), x * y);
+    return C_make(cosh(x) * cos(y), sinh(x) * sin(y));
+  }
+  if (x == (R)0) return C_make(y - y, (R)0);
+  if (y == (R)0) return C_make(x * x, copysign((R)0, x) * y);
+  if (isinf(x)) return isfinite(y) ? C_make((R)GB_INF * cos(y), x * sin(y)) : C_make(x * x, x * (y - y));
+  return C_make((x * x) * (y - y), (x + x) * (y - y));
+}
 FN C C_tanh(C a) {
-  if (fabs(a.re) > (R)20) return C_make(copysign((R)1, a.re), copysign((R)0, sin((R)2 * a.im)));
-  R d = cosh((R)2 * a.re) + cos((R)2 * a.im);
-  return C_make(sinh((R)2 * a.re) / d, sin((R)2 * a.im) / d);
+  R x = a.re, y = a.im;
+  if (isnan(x)) return C_make(x, y == (R)0 ? y : x);
+  if (isinf(x)) return C_make(copysign((R)1, x), copysign((R)0, y));
+  if (!isfinite(y)) return C_make(x == (R)0 ? x : y - y, y - y);
+  if (fabs(x) > (R)20) return C_make(copysign((R)1, x), (R)4 * sin(y) * cos(y) * exp((R)-2 * fabs(x)));
+  R d = cosh((R)2 * x) + cos((R)2 * y);
+  return C_make(sinh((R)2 * x) / d, sin((R)2 * y) / d);
 }
 FN C C_sin(C a) { C s = C_sinh(C_make(-a.im, a.re)); return C_make(s.im, -s.re); }
 FN C C_cos(C a) { return C_cosh(C_make(-a.im, a.re)); }
 FN C C_tan(C a) { C t = C_tanh(C_make(-a.im, a.re)); return C_make(t.im, -t.re); }
 FN C C_asinh(C a) {
-  C w = C_sqrt(C_add(C_mul(a, a), C_make((R)1, (R)0)));
-  if (a.re < (R)0 || (a.re == (R)0 && signbit(a.re))) {
-    C r = C_log(C_sub(w, a));  /* asinh(-z) = -asinh(z): avoids cancellation for negative real parts */
-    return C_make(-r.re, -r.im);
+  /* odd and conjugate-symmetric: computed for |x| + i|y|, then the signs restored */
+  R ax = fabs(a.re), ay = fabs(a.im), re, im;
+  if (isnan(ax)) { re = isinf(ay) ? (R)GB_INF : ax; im = ay == (R)0 ? ay : (R)GB_NAN; }
+  else if (isnan(ay)) { re = isinf(ax) ? ax : ay; im = ay; }
+  else if (isinf(ax) || isinf(ay)) {
+    re = (R)GB_INF;
+    im = isinf(ax) ? (isinf(ay) ? (R)GB_PI_4 : (R)0)
+                   : (R)GB_PI_2;
+  } else {
+    C z = C_make(ax, ay);
+    C w = C_log(C_add(z, C_sqrt(C_add(C_mul(z, z), C_make((R)1, (R)0)))));
+    re = w.re; im = w.im;
   }
-  return C_log(C_add(a, w));
+  return C_make(copysign(re, a.re), copysign(im, a.im));
 }
 FN C C_asin(C a) { C s = C_asinh(C_make(-a.im, a.re)); return C_make(s.im, -s.re); }
-FN C C_acos(C a) {
-  C s = C_asin(a);
-  return C_make((R)1.570796326794896619231321691639751442 - s.re, -s.im);
-}
 FN C C_acosh(C a) {
-  C w = C_log(C_add(a, C_mul(C_sqrt(C_add(a, C_make((R)1, (R)0))), C_sqrt(C_sub(a, C_make((R)1, (R)0))))));
-  return w;
+  /* conjugate-symmetric: computed for x + i|y|, then the imaginary sign restored */
+  R x = a.re, ay = fabs(a.im), re, im;
+  if (isnan(x)) { re = isinf(ay) ? (R)GB_INF : x; im = x; }
+  else if (isnan(ay)) { re = isinf(x) ? (R)GB_INF : ay; im = x == (R)0 ? (R)GB_PI_2 : ay; }
+  else if (isinf(x)) {
+    re = (R)GB_INF;
+    im = isinf(ay) ? (x > (R)0 ? (R)GB_PI_4 : (R)(3 * GB_PI_4)) : (x > (R)0 ? (R)0 : (R)(2 * GB_PI_2));
+  } else if (isinf(ay)) { re = (R)GB_INF; im = (R)GB_PI_2; }
+  else {
+    C z = C_make(x, ay);
+    C w = C_log(C_add(z, C_mul(C_sqrt(C_add(z, C_make((R)1, (R)0))), C_sqrt(C_sub(z, C_make((R)1, (R)0))))));
+    re = w.re; im = w.im;
+  }
+  return C_make(re, copysign(im, a.im));
+}
+FN C C_acos(C a) {
+  /* acos(z) = -i acosh(z) in the upper half plane; conjugate-symmetric */
+  C w = C_acosh(C_make(a.re, fabs(a.im)));
+  R im = -w.re;
+  return C_make(w.im, signbit(a.im) ? -im : im);
 }
 FN C C_atanh(C a) {
-  C l = C_sub(C_log1p(a), C_log1p(C_neg(a)));
-  return C_make((R)0.5 * l.re, (R)0.5 * l.im);
+  /* odd and conjugate-symmetric: computed for |x| + i|y|, then the signs restored */
+  R ax = fabs(a.re), ay = fabs(a.im), re, im;
+  if (isnan(ax)) { re = isinf(ay) ? (R)0 : ax; im = isinf(ay) ? (R)GB_PI_2 : ax; }
+  else if (isnan(ay)) { re = (isinf(ax) || ax == (R)0) ? (R)0 : ay; im = ay; }
+  else if (isinf(ax) || isinf(ay)) { re = (R)0; im = (R)GB_PI_2; }
+  else if (ax == (R)1 && ay == (R)0) { re = (R)GB_INF; im = (R)0; }
+  else {
+    C z = C_make(ax, ay);
+    C l = C_sub(C_log1p(z), C_log1p(C_neg(z)));
+    re = (R)0.5 * l.re; im = (R)0.5 * l.im;
+  }
+  return C_make(copysign(re, a.re), copysign(im, a.im));
 }
 FN C C_atan(C a) { C t = C_atanh(C_make(-a.im, a.re)); return C_make(t.im, -t.re); }
 """
