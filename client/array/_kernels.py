@@ -602,6 +602,16 @@ class Kernels:
     def _grid(self, n: int) -> int:
         return min(-(-n // self.block), self._grid_cap)
 
+    def _lookup(self, key: tuple[Any, ...]) -> _Plan | None:
+        """The cached plan for ``key`` (marked recently used), or None."""
+        plan = self._plans.get(key)
+        if plan is not None:
+            try:
+                self._plans.move_to_end(key)
+            except KeyError:  # evicted by another thread meanwhile: the plan in hand still works
+                pass
+        return plan
+
     def _remember(self, key: tuple[Any, ...], plan: _Plan) -> _Plan:
         with self._lock:
             self._plans[key] = plan
@@ -617,7 +627,7 @@ class Kernels:
         output's where ``fn`` gives its operands' dtype, else the promoted inputs'); each input is converted to it
         as it is read (so a promotion costs no separate copy), and the value to ``out.dtype`` as it is stored."""
         key = (fn, dtype, out.dtype, out.shape, out.strides, *[(v.dtype, v.strides) for v in inputs])
-        plan = self._plans.get(key)
+        plan = self._lookup(key)
         if plan is None:
             if out.size == 0:
                 return
@@ -754,7 +764,7 @@ class Kernels:
     def _generated(self, fn: str, out: View, scalars: list[np.generic]) -> None:
         """A kernel with no array inputs (fill, arange) over ``out``, contiguous or strided."""
         key = (fn, out.dtype, out.shape, out.strides, tuple(type(s) for s in scalars))
-        plan = self._plans.get(key)
+        plan = self._lookup(key)
         if plan is None:
             if out.size == 0:
                 return
@@ -824,7 +834,7 @@ class Kernels:
         cstrides = center.strides if center is not None else None
         key = ("reduce", fn, out.dtype, out.shape, out.strides, x.dtype, x.shape, x.strides, axes, cstrides,
                None if center is None else center.dtype)
-        plan = self._plans.get(key)
+        plan = self._lookup(key)
         if plan is None:
             if out.size == 0:
                 return
