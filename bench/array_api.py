@@ -199,7 +199,8 @@ def summarize(report: dict[str, Any]) -> SuiteResult:
 def run_suite(*, mode: str = "broker", backend: str = "opencl", transport: str = "auto", max_examples: int = 20,
               pytest_args: list[str] | None = None, suite: str | None = None, json_report: str | None = None,
               derandomize: bool = False, deadline: bool = False, test_timeout: float = 300.0,
-              timeout: float | None = None, traceback: str = "line", quiet: bool = False) -> SuiteResult:
+              timeout: float | None = None, traceback: str = "line", shrink: bool = True,
+              quiet: bool = False) -> SuiteResult:
     """Run the conformance suite once against the namespace and summarize it (see the module's docstring)."""
     source = find_suite(suite)
     started = time.perf_counter()
@@ -218,6 +219,8 @@ def run_suite(*, mode: str = "broker", backend: str = "opencl", transport: str =
             command.append("--disable-deadline")
         if derandomize:
             command.append("--derandomize")
+        if not shrink:
+            command += ["-p", "gpubroker.bench._array_api_plugin"]
         with _namespace_env(mode, backend, transport) as extra_env:
             env = {**os.environ, **extra_env, "PYTHONDONTWRITEBYTECODE": "1"}
             env.pop("PYTEST_ADDOPTS", None)
@@ -265,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--failures", help="write the failing test ids, one per line with its reason, here")
     parser.add_argument("--derandomize", action="store_true", help="the same examples every run")
     parser.add_argument("--deadline", action="store_true", help="keep hypothesis' 800 ms deadline per example")
+    parser.add_argument("--no-shrink", action="store_true",
+                        help="report a failure's first example, not a minimal one (much faster where tests fail)")
     parser.add_argument("--test-timeout", type=float, default=300.0, help="seconds per test (pytest-timeout)")
     parser.add_argument("--tb", default="line", help="pytest's traceback style for failures (line, short, long)")
     parser.add_argument("pytest_args", nargs="*", help="after --: pytest arguments (files, ids, -k EXPR)")
@@ -272,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_suite(mode=args.mode, backend=args.backend, transport=args.transport,
                        max_examples=args.max_examples, pytest_args=args.pytest_args or None, suite=args.suite,
                        json_report=args.json_report, derandomize=args.derandomize, deadline=args.deadline,
-                       test_timeout=args.test_timeout, traceback=args.tb)
+                       test_timeout=args.test_timeout, traceback=args.tb, shrink=not args.no_shrink)
     print(format_summary(result))
     if args.out:
         Path(args.out).write_text(json.dumps(asdict(result), indent=2) + "\n")
