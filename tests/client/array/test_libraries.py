@@ -47,7 +47,9 @@ from gpubroker.broker.backends import open_backend
 from gpubroker.broker.launcher import BrokerProcess
 from gpubroker.client import GpuCompute, RemoteGpu, ResourceExhausted
 
-DOC = Path(__file__).resolve().parents[3] / "docs" / "arrays_section.md"
+ROOT = Path(__file__).resolve().parents[3]
+# The "Arrays" section: README.md's once it is pasted there, its draft until then.
+README, DRAFT = ROOT / "README.md", ROOT / "docs" / "arrays_section.md"
 
 # How each namespace is reached: ours in-process and through a broker, and the standard's reference.
 WHERE = ["in-process", "broker", "array_api_strict"]
@@ -308,10 +310,21 @@ def test_wrong_dtypes_and_shapes_are_python_errors_on_the_client(xp: Any) -> Non
 
 
 # -- the README's example, as written -----------------------------------------------------------------------
+def arrays_section() -> tuple[Path, str]:
+    """Where the "Arrays" section is and its text: from its ``## Arrays`` heading to the next ``## `` heading."""
+    for path in (README, DRAFT):
+        found = re.search(r"^## Arrays\n(.*?)(?=^## |\Z)", path.read_text() if path.exists() else "",
+                          flags=re.DOTALL | re.MULTILINE)
+        if found:
+            return path, found.group(1)
+    raise AssertionError(f"no '## Arrays' section in {README} or {DRAFT}")
+
+
 def example_text() -> str:
-    """The one fenced Python block of the README's "Arrays" section draft."""
-    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
-    assert len(blocks) == 1, f"{DOC} should have exactly one ```python block, the example"
+    """The one fenced Python block of the README's "Arrays" section."""
+    path, section = arrays_section()
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    assert len(blocks) == 1, f"the Arrays section of {path} should have exactly one ```python block, the example"
     return str(blocks[0])
 
 
