@@ -127,7 +127,12 @@ def _unary(fn: str, category: frozenset[np.dtype[Any]], x: Array) -> Array:
 
 def _operands(fn: str, category: frozenset[np.dtype[Any]], x1: Array | Scalar, x2: Array | Scalar
               ) -> tuple[Context, View, View, np.dtype[Any]]:
-    """The context, both operands as views (a scalar as a cached constant) and the dtype they promote to."""
+    """The context, both operands as views (a scalar as a cached constant) and the dtype they promote to. A NumPy
+    scalar counts as the Python scalar it holds."""
+    if isinstance(x2, np.generic):
+        x2 = x2.item()
+    if isinstance(x1, np.generic):
+        x1 = x1.item()
     if isinstance(x1, Array):
         ctx = x1._ctx
         d1 = x1.dtype

@@ -217,6 +217,8 @@ def test_python_scalars_take_the_arrays_dtype(xp: Any) -> None:
     check(x / 2, a / np.float32(2))
     check(x ** 2, a ** 2, rtol=1e-6)
     check(x > 0.5, a > 0.5)
+    check(x * np.float32(3), a * np.float32(3))  # a NumPy scalar counts as the Python scalar it holds
+    check(np.float64(2) - x, np.float32(2) - a)
     i = sample("int16")
     check(xp.asarray(i) * 3, i * np.int16(3))
     check(xp.asarray(i) + True, i + np.int16(1))

@@ -233,3 +233,23 @@ def test_namespace_on_cuda() -> None:
         np.testing.assert_array_equal(np.asarray(i % 0), np.zeros(16, np.int64))
     finally:
         gpu.close()
+
+
+def test_through_a_broker_with_queued_commands(open_gpu: Any) -> None:
+    """The same kernels through a real broker (the worker compiles and launches them); the array work queues
+    (async_commands) and the host conversion waits for it."""
+    from gpubroker.client.array import namespace
+
+    gpu = open_gpu("alice", "link", async_commands=True)
+    try:
+        xp = namespace(gpu)
+        data = np.arange(24, dtype=np.float32).reshape(4, 6)
+        x = xp.asarray(data)
+        y = xp.where(x.mT > 5.0, xp.sqrt(x.mT), -x.mT) + 1
+        np.testing.assert_allclose(np.asarray(y), np.where(data.T > 5, np.sqrt(data.T), -data.T) + 1, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(xp.mean(x, axis=0)), data.mean(axis=0), rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(xp.argmin(xp.abs(x - 3.5), axis=1)), [3, 0, 0, 0])
+        b = xp.asarray(np.array([True, False, True]))
+        np.testing.assert_array_equal(np.asarray(xp.logical_xor(b, True)), [False, True, False])
+    finally:
+        gpu.close()
