@@ -1,6 +1,7 @@
-"""Unmodified libraries on the namespace: scikit-learn through ``array_api_dispatch`` and einops through
-``einops.array_api``, in-process (PoCL; CuPy with -m cuda) and through a real broker (the same-host ring with
-``async_commands``), each result compared with the same library on NumPy.
+"""Unmodified libraries on the namespace: scikit-learn through ``array_api_dispatch`` (LDA, PCA and Ridge, then
+more estimators), SciPy functions that dispatch on their argument, and einops through ``einops.array_api``,
+in-process (PoCL; CuPy with -m cuda) and through a real broker (the same-host ring with ``async_commands``), each
+result compared with the same library on NumPy.
 
 The namespace ``array_api_strict`` (the standard's reference) runs the same tests: a failure there means the
 test asks for something the standard does not give, not that ours is wrong.
@@ -29,6 +30,9 @@ import einops
 import einops.array_api
 import numpy as np
 import pytest
+import scipy.fft
+import scipy.special
+import scipy.stats
 import sklearn
 from sklearn.decomposition import PCA
 from sklearn.discriminant_analysis import LinearDiscriminantAnalysis
@@ -43,7 +47,9 @@ from gpubroker.broker.backends import open_backend
 from gpubroker.broker.launcher import BrokerProcess
 from gpubroker.client import GpuCompute, RemoteGpu, ResourceExhausted
 
-DOC = Path(__file__).resolve().parents[3] / "docs" / "arrays_section.md"
+ROOT = Path(__file__).resolve().parents[3]
+# The "Arrays" section: README.md's once it is pasted there, its draft until then.
+README, DRAFT = ROOT / "README.md", ROOT / "docs" / "arrays_section.md"
 
 # How each namespace is reached: ours in-process and through a broker, and the standard's reference.
 WHERE = ["in-process", "broker", "array_api_strict"]
@@ -175,6 +181,11 @@ def test_ridge_fit_predict_match_numpy(xp: Any, multi_target: bool) -> None:
         _close(predicted, ref.predict(X))
 
 
+def _not_through_the_broker(request: pytest.FixtureRequest) -> None:
+    if "broker" in request.node.callspec.id:
+        pytest.skip("in-process only: LDA, PCA and Ridge cover the broker (this keeps the file quick)")
+
+
 # Other estimators and functions with array API support in scikit-learn 1.9, each reaching parts of the namespace
 # the three above do not (constants such as xp.inf and xp.pi, hashing the namespace, logsumexp, pairwise
 # kernels): name -> what it computes from (X, class labels, regression targets).
@@ -192,14 +203,36 @@ MORE: dict[str, Callable[[Any, Any, Any], Any]] = {
 @pytest.mark.filterwarnings("ignore::UserWarning")  # RidgeCV's note that dispatch solves with "svd"
 @pytest.mark.parametrize("name", MORE)
 def test_more_estimators_match_numpy(request: pytest.FixtureRequest, xp: Any, name: str) -> None:
-    if "broker" in request.node.callspec.id:
-        pytest.skip("in-process only: the three estimators above cover the broker (this keeps the file quick)")
+    _not_through_the_broker(request)
     X, y = _blobs()
     t = (X @ np.linspace(-1, 1, X.shape[1]) + 0.5).astype(np.float32)
     expected = np.asarray(MORE[name](X, y, t), dtype=np.float64)
     with sklearn.config_context(array_api_dispatch=True):
         got = MORE[name](xp.asarray(X), xp.asarray(y), xp.asarray(t))
     _close(np.asarray(_host(got), dtype=np.float64), expected)
+
+
+# -- SciPy --------------------------------------------------------------------------------------------------
+# SciPy functions that dispatch to the namespace of their argument (with SCIPY_ARRAY_API=1): special functions
+# with reductions, statistics, transforms.
+SCIPY: dict[str, Callable[[Any], Any]] = {
+    "special.logsumexp": lambda a: scipy.special.logsumexp(a, axis=1),
+    "special.softmax": lambda a: scipy.special.softmax(a, axis=1),
+    "special.expit": lambda a: scipy.special.expit(a),
+    "stats.zscore": lambda a: scipy.stats.zscore(a, axis=0),
+    "stats.skew": lambda a: scipy.stats.skew(a, axis=0),
+    "fft.rfft": lambda a: scipy.fft.rfft(a, axis=1),
+    "fft.dct": lambda a: scipy.fft.dct(a, axis=1),
+}
+
+
+@pytest.mark.parametrize("name", SCIPY)
+def test_scipy_functions_match_numpy(request: pytest.FixtureRequest, xp: Any, name: str) -> None:
+    _not_through_the_broker(request)
+    x = np.random.default_rng(9).normal(size=(6, 8)).astype(np.float32)
+    got = SCIPY[name](xp.asarray(x))
+    assert got.__array_namespace__() is xp.asarray(x).__array_namespace__()  # computed on the device
+    _close(got, SCIPY[name](x), rtol=1e-4)
 
 
 # -- einops -------------------------------------------------------------------------------------------------
@@ -277,10 +310,21 @@ def test_wrong_dtypes_and_shapes_are_python_errors_on_the_client(xp: Any) -> Non
 
 
 # -- the README's example, as written -----------------------------------------------------------------------
+def arrays_section() -> tuple[Path, str]:
+    """Where the "Arrays" section is and its text: from its ``## Arrays`` heading to the next ``## `` heading."""
+    for path in (README, DRAFT):
+        found = re.search(r"^## Arrays\n(.*?)(?=^## |\Z)", path.read_text() if path.exists() else "",
+                          flags=re.DOTALL | re.MULTILINE)
+        if found:
+            return path, found.group(1)
+    raise AssertionError(f"no '## Arrays' section in {README} or {DRAFT}")
+
+
 def example_text() -> str:
-    """The one fenced Python block of the README's "Arrays" section draft."""
-    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
-    assert len(blocks) == 1, f"{DOC} should have exactly one ```python block, the example"
+    """The one fenced Python block of the README's "Arrays" section."""
+    path, section = arrays_section()
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    assert len(blocks) == 1, f"the Arrays section of {path} should have exactly one ```python block, the example"
     return str(blocks[0])
 
 
