@@ -95,6 +95,7 @@ _PRELUDE: Final = r"""
 #define F64 double
 #define GB_PI_2 1.570796326794896619231321691639751442
 #define GB_PI_4 0.785398163397448309615660845819875721
+#define GB_LN2 0.693147180559945309417232121458176568
 """
 _FP64: Final = "#ifdef __OPENCL_VERSION__\n#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n#endif\n"
 
@@ -281,8 +282,9 @@ FN C C_asinh(C a) {
                    : (R)GB_PI_2;
   } else {
     C z = C_make(ax, ay);
-    C w = C_log(C_add(z, C_sqrt(C_add(C_mul(z, z), C_make((R)1, (R)0)))));
-    re = w.re; im = w.im;
+    /* far out, asinh(z) = log(2z) to working precision, and z*z would overflow */
+    C w = ax > (R)1e8 || ay > (R)1e8 ? C_log(z) : C_log(C_add(z, C_sqrt(C_add(C_mul(z, z), C_make((R)1, (R)0)))));
+    re = ax > (R)1e8 || ay > (R)1e8 ? w.re + (R)GB_LN2 : w.re; im = w.im;
   }
   return C_make(copysign(re, a.re), copysign(im, a.im));
 }
@@ -298,8 +300,10 @@ FN C C_acosh(C a) {
   } else if (isinf(ay)) { re = (R)GB_INF; im = (R)GB_PI_2; }
   else {
     C z = C_make(x, ay);
-    C w = C_log(C_add(z, C_mul(C_sqrt(C_add(z, C_make((R)1, (R)0))), C_sqrt(C_sub(z, C_make((R)1, (R)0))))));
-    re = w.re; im = w.im;
+    int far = fabs(x) > (R)1e8 || ay > (R)1e8;  /* acosh(z) = log(2z) to working precision */
+    C w = far ? C_log(z)
+              : C_log(C_add(z, C_mul(C_sqrt(C_add(z, C_make((R)1, (R)0))), C_sqrt(C_sub(z, C_make((R)1, (R)0))))));
+    re = far ? w.re + (R)GB_LN2 : w.re; im = w.im;
   }
   return C_make(re, copysign(im, a.im));
 }
