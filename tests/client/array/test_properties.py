@@ -37,7 +37,7 @@ API_VERSION = "2024.12"
 sxp.set_array_api_strict_flags(api_version=API_VERSION)
 hxp = make_strategies_namespace(sxp, api_version=API_VERSION)
 
-EXAMPLES = 8  # per function: the whole file stays near a minute on two cores
+EXAMPLES = 4  # per function: the whole file stays within a few minutes on two busy cores
 
 # The reference is NumPy underneath: its floating-point warnings (log of a negative, overflow) are expected here.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -272,8 +272,10 @@ for _name in ("logical_and", "logical_or", "logical_xor"):
     case(_name, binary(BOOL))
 for _name in ("bitwise_and", "bitwise_or", "bitwise_xor"):
     case(_name, binary(INT_BOOL))
-# Integer division: no zero divisors (unspecified); floats take every value (the standard's special cases).
-case("floor_divide", st.one_of(binary(INT, "half", "positive"), binary(REAL_FLOAT)), "ulp")
+# Integer division: no zero divisors (unspecified); floats take every value (the standard's special cases), but
+# floor_divide's finite ones only: the reference (NumPy) gives -1 for (positive) // -inf where the standard says -0
+# (the conformance suite's special cases check those).
+case("floor_divide", st.one_of(binary(INT, "half", "positive"), binary(REAL_FLOAT, "finite")), "ulp")
 case("remainder", st.one_of(binary(INT, "half", "positive"), binary(REAL_FLOAT)), "ulp")
 # pow: small integer bases and non-negative exponents (no overflow, no negative integer powers).
 case("pow", st.one_of(binary(INT, "tiny", "nonneg"), binary(FLOAT, "small", "tiny")), "ulp")
@@ -363,7 +365,8 @@ def _diff(draw: st.DrawFn) -> Call:
     axis = draw(st.integers(-len(shape), len(shape) - 1))
     kwargs: dict[str, Any] = {"axis": axis, "n": draw(st.integers(0, 2))}
     for key in ("prepend", "append"):
-        if draw(st.booleans()):
+        # (with n=0 the reference returns x without them, where the standard's size is M + N1 + N2 - n)
+        if kwargs["n"] > 0 and draw(st.booleans()):
             edge = list(shape)
             edge[axis] = draw(st.integers(1, 2))
             kwargs[key] = draw(arrays(dtype, tuple(edge), "small"))
