@@ -29,7 +29,6 @@ os.environ.setdefault("SCIPY_ARRAY_API", "1")
 import argparse
 import datetime as dt
 import itertools
-import json
 import platform
 import socket
 import sys
@@ -37,7 +36,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,12 +44,11 @@ from gpubroker.broker.backends import detect_backend
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import RemoteGpu, connect
 
-from .remote_vs_local import _commit, summarize
+from .remote_vs_local import _commit, summarize, write_result
 
 __all__ = ["MlpPlan", "MlpState", "PcaPlan", "Plan", "fit_pca", "main", "measure", "mlp_host_data", "mlp_upload",
            "pca_host_data", "train_mlp"]
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_RATIO = 1.5  # the issue's: ours within 1.5x of the same code on CuPy natively, on the H200
 
 
@@ -354,15 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = detect_backend() if args.backend == "auto" else args.backend
     result = measure(backend, args.quick, args.runs, args.device,
                      progress=lambda text: print(f"bench arrays: {text}", file=sys.stderr, flush=True))
-    text = json.dumps(result, indent=2)
-    print(text)
-    out = Path(args.out) if args.out else None
-    if out is None and RESULTS.is_dir():  # a source checkout: keep the figures beside the others
-        stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
-        out = RESULTS / f"arrays-{backend}{'-quick' if args.quick else ''}-{socket.gethostname()}-{stamp}.json"
-    if out is not None:
-        out.write_text(text + "\n")
-        print(f"bench arrays: wrote {out}", file=sys.stderr)
+    write_result(result, "arrays", backend, args.quick, args.out)
     print(table(result), file=sys.stderr)
     return 0
 

@@ -50,7 +50,7 @@ from gpubroker.client import GpuCompute, RemoteGpu, TlsOptions, connect
 from ._native import SPIN_BLOCK, Native, open_native
 from ._net import free_port
 
-__all__ = ["Plan", "main", "summarize"]
+__all__ = ["Plan", "main", "summarize", "write_result"]
 
 MiB = 1 << 20
 READ_EVERY = 50  # dependent small kernels: a 4-byte read back every this many steps
@@ -468,17 +468,22 @@ def main(argv: list[str] | None = None) -> int:
     backend = detect_backend() if args.backend == "auto" else args.backend
     result = measure(backend, args.quick, args.runs, args.device,
                      progress=lambda text: print(f"bench remote: {text}", file=sys.stderr, flush=True))
-    text = json.dumps(result, indent=2)
-    print(text)
-    out = Path(args.out) if args.out else None
-    if out is None and RESULTS.is_dir():  # a source checkout: keep the figures beside the others
-        stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
-        out = RESULTS / f"remote-{backend}{'-quick' if args.quick else ''}-{socket.gethostname()}-{stamp}.json"
-    if out is not None:
-        out.write_text(text + "\n")
-        print(f"bench remote: wrote {out}", file=sys.stderr)
+    write_result(result, "remote", backend, args.quick, args.out)
     print(table(result), file=sys.stderr)
     return 0
+
+
+def write_result(result: Any, bench: str, backend: str, quick: bool, out_arg: str | None) -> None:
+    """A benchmark's JSON: to stdout, and to ``out_arg`` or (in a source checkout) a new file in bench/results/."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    out = Path(out_arg) if out_arg else None
+    if out is None and RESULTS.is_dir():  # a source checkout: keep the figures beside the others
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S")
+        out = RESULTS / f"{bench}-{backend}{'-quick' if quick else ''}-{socket.gethostname()}-{stamp}.json"
+    if out is not None:
+        out.write_text(text + "\n")
+        print(f"bench {bench}: wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

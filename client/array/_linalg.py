@@ -67,6 +67,12 @@ def _matrices(name: str, x: Array, square: bool = False) -> None:
         raise ValueError(f"linalg.{name} needs square matrices, got shape {x.shape}")
 
 
+def _float_matrices(name: str, x: Array, square: bool = False) -> None:
+    """What every matrix routine of the library checks: floating (stacks of) matrices, square where ``square``."""
+    _floating(name, x)
+    _matrices(name, x, square)
+
+
 def _real_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     return np.dtype(f"float{dtype.itemsize * 4}") if dtype.kind == "c" else dtype
 
@@ -74,40 +80,35 @@ def _real_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
 # -- library operations --------------------------------------------------------------------------------
 def cholesky(x: Array, /, *, upper: bool = False) -> Array:
     """The Cholesky factor of the Hermitian positive-definite (stack of) ``x``: lower (``L @ L^H``) or upper."""
-    _floating("cholesky", x)
-    _matrices("cholesky", x, square=True)
+    _float_matrices("cholesky", x, square=True)
     (out,) = call("linalg.cholesky", [x], {"upper": bool(upper)})
     return out
 
 
 def det(x: Array, /) -> Array:
     """The determinant of each square matrix of ``x``."""
-    _floating("det", x)
-    _matrices("det", x, square=True)
+    _float_matrices("det", x, square=True)
     (out,) = call("linalg.det", [x])
     return out
 
 
 def eigh(x: Array, /) -> EighResult:
     """Eigenvalues (ascending, real) and eigenvectors (columns) of the Hermitian (stack of) ``x``."""
-    _floating("eigh", x)
-    _matrices("eigh", x, square=True)
+    _float_matrices("eigh", x, square=True)
     values, vectors = call("linalg.eigh", [x])
     return EighResult(values, vectors)
 
 
 def eigvalsh(x: Array, /) -> Array:
     """Eigenvalues (ascending, real) of the Hermitian (stack of) ``x``."""
-    _floating("eigvalsh", x)
-    _matrices("eigvalsh", x, square=True)
+    _float_matrices("eigvalsh", x, square=True)
     (out,) = call("linalg.eigvalsh", [x])
     return out
 
 
 def inv(x: Array, /) -> Array:
     """The inverse of each square matrix of ``x``."""
-    _floating("inv", x)
-    _matrices("inv", x, square=True)
+    _float_matrices("inv", x, square=True)
     (out,) = call("linalg.inv", [x])
     return out
 
@@ -124,8 +125,7 @@ def _host_rtol(rtol: float | Array | None) -> float | Array | None:
 def pinv(x: Array, /, *, rtol: float | Array | None = None) -> Array:
     """The Moore-Penrose pseudo-inverse of each matrix of ``x``; singular values at most ``rtol`` times the
     largest count as zero (default: ``max(M, N) * eps``)."""
-    _floating("pinv", x)
-    _matrices("pinv", x)
+    _float_matrices("pinv", x)
     tol = _host_rtol(rtol)
     if isinstance(tol, Array):
         return _pinv_stacked_rtol(x, tol)
@@ -165,8 +165,7 @@ def _expand_second_last(x: Array) -> Array:
 
 def qr(x: Array, /, *, mode: Literal["reduced", "complete"] = "reduced") -> QRResult:
     """The QR factorization of each matrix of ``x`` (``mode`` "reduced" or "complete")."""
-    _floating("qr", x)
-    _matrices("qr", x)
+    _float_matrices("qr", x)
     if mode not in ("reduced", "complete"):
         raise ValueError(f"linalg.qr: mode must be 'reduced' or 'complete', got {mode!r}")
     q, r = call("linalg.qr", [x], {"mode": mode})
@@ -175,8 +174,7 @@ def qr(x: Array, /, *, mode: Literal["reduced", "complete"] = "reduced") -> QRRe
 
 def slogdet(x: Array, /) -> SlogdetResult:
     """The sign (or phase, for complex) and the natural log of the absolute value of each determinant."""
-    _floating("slogdet", x)
-    _matrices("slogdet", x, square=True)
+    _float_matrices("slogdet", x, square=True)
     sign, logabsdet = call("linalg.slogdet", [x])
     return SlogdetResult(sign, logabsdet)
 
@@ -202,16 +200,14 @@ def solve(x1: Array, x2: Array, /) -> Array:
 
 def svd(x: Array, /, *, full_matrices: bool = True) -> SVDResult:
     """The singular value decomposition ``x = U @ diag(S) @ Vh`` of each matrix (S descending, real)."""
-    _floating("svd", x)
-    _matrices("svd", x)
+    _float_matrices("svd", x)
     u, s, vh = call("linalg.svd", [x], {"full_matrices": bool(full_matrices)})
     return SVDResult(u, s, vh)
 
 
 def svdvals(x: Array, /) -> Array:
     """The singular values of each matrix of ``x`` (descending, real)."""
-    _floating("svdvals", x)
-    _matrices("svdvals", x)
+    _float_matrices("svdvals", x)
     (out,) = call("linalg.svdvals", [x])
     return out
 
@@ -219,8 +215,7 @@ def svdvals(x: Array, /) -> Array:
 def matrix_rank(x: Array, /, *, rtol: float | Array | None = None) -> Array:
     """The rank of each matrix of ``x``: its count of singular values above ``rtol`` times the largest
     (default ``rtol``: ``max(M, N) * eps``)."""
-    _floating("matrix_rank", x)
-    _matrices("matrix_rank", x)
+    _float_matrices("matrix_rank", x)
     tol = _host_rtol(rtol)
     if isinstance(tol, Array):
         from . import _elementwise, _statistical  # at call time: this module loads without them
@@ -363,8 +358,7 @@ def matrix_norm(x: Array, /, *, keepdims: bool = False,
     """The ``ord``-norm of each matrix of ``x``: "fro" (default), "nuc", 1, -1, 2, -2, inf, -inf."""
     from . import _elementwise, _statistical  # at call time: this module loads without them
 
-    _floating("matrix_norm", x)
-    _matrices("matrix_norm", x)
+    _float_matrices("matrix_norm", x)
     stack = x.shape[:-2]
     if ord is None or ord == "fro":
         magnitude = _elementwise.abs(x)
@@ -388,8 +382,7 @@ def matrix_norm(x: Array, /, *, keepdims: bool = False,
 def matrix_power(x: Array, n: int, /) -> Array:
     """``x`` multiplied by itself ``n`` times (the identity for 0, powers of the inverse for negative ``n``), by
     repeated squaring."""
-    _floating("matrix_power", x)
-    _matrices("matrix_power", x, square=True)
+    _float_matrices("matrix_power", x, square=True)
     if not isinstance(n, (int, np.integer)) or isinstance(n, bool):
         raise TypeError(f"linalg.matrix_power: n must be an integer, got {type(n).__name__}")
     n = int(n)

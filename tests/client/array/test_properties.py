@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from hypothesis.extra.array_api import make_strategies_namespace
 
-from gpubroker.client.array import Array, namespace
+from gpubroker.client.array import Array
 
 API_VERSION = "2024.12"
 sxp.set_array_api_strict_flags(api_version=API_VERSION)
@@ -1139,16 +1139,8 @@ def _cases() -> Iterator[Any]:
         yield pytest.param(found, id=found.name)
 
 
-@pytest.fixture(scope="module")
-def xp() -> Iterator[Any]:
-    """The namespace on in-process PoCL."""
-    from gpubroker.broker.backends import open_backend
-
-    gpu = open_backend("opencl")
-    try:
-        yield namespace(gpu)
-    finally:
-        gpu.close()
+# ``xp``: the package's session-wide namespace on in-process PoCL (conftest.py), whose compiled kernels the other
+# files' tests share.
 
 
 @pytest.mark.parametrize("function", list(_cases()))
