@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 from typing import Any
 
+import numpy as np
 import pytest
 
 from gpubroker.broker.backends import open_backend
@@ -24,3 +25,11 @@ def namespace_on(backend: str) -> Any:
         atexit.register(gpu.close)
         _namespaces[backend] = namespace(gpu)
     return _namespaces[backend]
+
+
+def assert_exact(actual: Any, expected: np.ndarray[Any, Any]) -> None:
+    """``actual`` (a namespace array) downloaded equals ``expected`` exactly: dtype, shape and every element."""
+    host = np.asarray(actual)
+    assert host.dtype == expected.dtype, (host.dtype, expected.dtype)
+    assert host.shape == expected.shape, (host.shape, expected.shape)
+    np.testing.assert_array_equal(host, expected)

@@ -8,18 +8,14 @@ from typing import Any
 
 import pytest
 
-from gpubroker.broker.backends import open_backend
-from gpubroker.client.array import namespace
+from tests.array_backends import namespace_on
 
 
 @pytest.fixture(scope="session")
-def xp() -> Iterator[Any]:
-    """``gpubroker.client.array.namespace`` of an in-process OpenCL (PoCL) backend."""
-    gpu = open_backend("opencl")
-    try:
-        yield namespace(gpu)
-    finally:
-        gpu.close()
+def xp() -> Any:
+    """``gpubroker.client.array.namespace`` of an in-process OpenCL (PoCL) backend: the one every array test module
+    shares (tests/array_backends.py), so kernels compiled for one file serve the others."""
+    return namespace_on("opencl")
 
 
 @pytest.fixture(autouse=True)

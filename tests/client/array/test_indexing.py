@@ -7,14 +7,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.array_backends import assert_exact as check
+
 HOST = np.arange(3 * 4 * 5, dtype=np.float32).reshape(3, 4, 5)
-
-
-def check(actual: Any, expected: np.ndarray[Any, Any]) -> None:
-    host = np.asarray(actual)
-    assert host.dtype == expected.dtype, (host.dtype, expected.dtype)
-    assert host.shape == expected.shape, (host.shape, expected.shape)
-    np.testing.assert_array_equal(host, expected)
 
 
 BASIC_KEYS = [0, -1, (1, 2), (1, 2, 3), (-3, -4, -5), slice(None), slice(1, None), slice(None, None, -1),

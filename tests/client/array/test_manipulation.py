@@ -7,14 +7,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.array_backends import assert_exact as check
+
 HOST = np.arange(2 * 3 * 4, dtype=np.int32).reshape(2, 3, 4)
-
-
-def check(actual: Any, expected: np.ndarray[Any, Any]) -> None:
-    host = np.asarray(actual)
-    assert host.dtype == expected.dtype, (host.dtype, expected.dtype)
-    assert host.shape == expected.shape, (host.shape, expected.shape)
-    np.testing.assert_array_equal(host, expected)
 
 
 def shares_storage(a: Any, b: Any) -> bool:
