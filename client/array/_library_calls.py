@@ -20,13 +20,12 @@ import numpy as np
 
 from gpubroker.client import ArrayRef, library_outputs
 
-from ._array import Array, empty_array, to_host, wrap
-from ._context import Context, View, contiguous_strides
+from ._array import Array, empty_array, to_host
+from ._context import Context
 from ._indexing import copy_view
 from ._manipulation import astype
 
-__all__ = ["as_ref", "call", "cast", "contiguous", "context_of", "normalize_axis", "permuted", "read_count",
-           "read_scalar", "reshaped"]
+__all__ = ["as_ref", "call", "cast", "contiguous", "context_of", "normalize_axis", "read_count", "read_scalar"]
 
 
 def context_of(*arrays: Array) -> Context:
@@ -48,24 +47,6 @@ def contiguous(x: Array) -> Array:
 def cast(x: Array, dtype: np.dtype[Any]) -> Array:
     """``x`` in ``dtype``: itself if it already is, else a converted contiguous copy."""
     return x if x.dtype == dtype else astype(x, dtype)
-
-
-def reshaped(x: Array, shape: tuple[int, ...]) -> Array:
-    """``x`` with another shape of the same size: a view sharing its storage where ``x`` is contiguous, else a view
-    of a contiguous copy."""
-    c = contiguous(x)
-    v = c._view
-    shape = tuple(int(s) for s in shape)
-    if int(np.prod(shape, dtype=np.int64)) != v.size:
-        raise ValueError(f"cannot reshape an array of shape {v.shape} to {shape}")
-    return wrap(c._ctx, c._storage, View(v.buffer, v.dtype, shape, contiguous_strides(shape), v.offset))
-
-
-def permuted(x: Array, axes: Sequence[int]) -> Array:
-    """A view of ``x`` with its axes in the order ``axes`` (a permutation of ``range(x.ndim)``)."""
-    v = x._view
-    return wrap(x._ctx, x._storage, View(v.buffer, v.dtype, tuple(v.shape[a] for a in axes),
-                                         tuple(v.strides[a] for a in axes), v.offset))
 
 
 def normalize_axis(axis: int, ndim: int, what: str = "axis") -> int:

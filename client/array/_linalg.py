@@ -17,8 +17,9 @@ from ._array import Array, empty_array, wrap
 from ._context import View, broadcast_shapes
 from ._dtypes import promote
 from ._indexing import copy_view
-from ._library_calls import call, cast, context_of, read_scalar, reshaped
+from ._library_calls import call, cast, context_of, read_scalar
 from ._linear import matmul, matrix_transpose, tensordot, vecdot
+from ._manipulation import reshape
 
 __all__ = ["cholesky", "cross", "det", "diagonal", "eigh", "eigvalsh", "inv", "matmul", "matrix_norm",
            "matrix_power", "matrix_rank", "matrix_transpose", "outer", "pinv", "qr", "slogdet", "solve", "svd",
@@ -156,11 +157,11 @@ def _conj_transpose(x: Array) -> Array:
 
 
 def _expand_last(x: Array) -> Array:
-    return reshaped(x, (*x.shape, 1))
+    return reshape(x, (*x.shape, 1))
 
 
 def _expand_second_last(x: Array) -> Array:
-    return reshaped(x, (*x.shape[:-1], 1, x.shape[-1]))
+    return reshape(x, (*x.shape[:-1], 1, x.shape[-1]))
 
 
 def qr(x: Array, /, *, mode: Literal["reduced", "complete"] = "reduced") -> QRResult:
@@ -306,7 +307,7 @@ def outer(x1: Array, x2: Array, /) -> Array:
     context_of(x1, x2)
     if x1.ndim != 1 or x2.ndim != 1:
         raise ValueError(f"linalg.outer takes 1-d arrays, got shapes {x1.shape} and {x2.shape}")
-    return _elementwise.multiply(reshaped(x1, (x1.shape[0], 1)), reshaped(x2, (1, x2.shape[0])))
+    return _elementwise.multiply(reshape(x1, (x1.shape[0], 1)), reshape(x2, (1, x2.shape[0])))
 
 
 def _norm_axes(axis: int | tuple[int, ...] | None, ndim: int) -> tuple[int, ...]:
@@ -376,7 +377,7 @@ def matrix_norm(x: Array, /, *, keepdims: bool = False,
         result = (_statistical.max if ord in (1, math.inf) else _statistical.min)(sums, axis=-1)
     else:
         raise ValueError(f"linalg.matrix_norm: ord must be 'fro', 'nuc', 1, -1, 2, -2, inf or -inf, got {ord!r}")
-    return reshaped(result, (*stack, 1, 1)) if keepdims else result
+    return reshape(result, (*stack, 1, 1)) if keepdims else result
 
 
 def matrix_power(x: Array, n: int, /) -> Array:

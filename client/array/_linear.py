@@ -17,7 +17,8 @@ import numpy as np
 from ._array import Array, empty_array
 from ._context import broadcast_shapes
 from ._dtypes import promote
-from ._library_calls import call, cast, context_of, normalize_axis, permuted, reshaped
+from ._library_calls import call, cast, context_of, normalize_axis
+from ._manipulation import permute_dims, reshape
 
 __all__ = ["matmul", "matrix_transpose", "tensordot", "vecdot"]
 
@@ -57,15 +58,15 @@ def matmul(x1: Array, x2: Array, /) -> Array:
     dtype = _numeric_dtype("matmul", x1, x2)
     if x1.ndim == 0 or x2.ndim == 0:
         raise ValueError("matmul does not take 0-d arrays")
-    a = reshaped(x1, (1, x1.shape[0])) if x1.ndim == 1 else x1
-    b = reshaped(x2, (x2.shape[0], 1)) if x2.ndim == 1 else x2
+    a = reshape(x1, (1, x1.shape[0])) if x1.ndim == 1 else x1
+    b = reshape(x2, (x2.shape[0], 1)) if x2.ndim == 1 else x2
     out = batched_matmul(a, b, dtype)
     shape = out.shape
     if x2.ndim == 1:
         shape = shape[:-1]
     if x1.ndim == 1:
         shape = (*shape[:-2], shape[-1]) if x2.ndim != 1 else shape[:-1]
-    return reshaped(out, shape) if shape != out.shape else out
+    return reshape(out, shape) if shape != out.shape else out
 
 
 def matrix_transpose(x: Array, /) -> Array:
@@ -73,8 +74,7 @@ def matrix_transpose(x: Array, /) -> Array:
     context_of(x)
     if x.ndim < 2:
         raise ValueError(f"matrix_transpose needs at least 2 dimensions, got shape {x.shape}")
-    axes = [*range(x.ndim - 2), x.ndim - 1, x.ndim - 2]
-    return permuted(x, axes)
+    return permute_dims(x, (*range(x.ndim - 2), x.ndim - 1, x.ndim - 2))
 
 
 def _tensordot_axes(x1: Array, x2: Array, axes: Any) -> tuple[list[int], list[int]]:
@@ -113,10 +113,10 @@ def tensordot(x1: Array, x2: Array, /, *, axes: int | tuple[Sequence[int], Seque
     k = math.prod(x1.shape[i] for i in ax1)
     m = math.prod(x1.shape[i] for i in free1)
     n = math.prod(x2.shape[i] for i in free2)
-    a = reshaped(permuted(x1, free1 + ax1), (m, k))
-    b = reshaped(permuted(x2, ax2 + free2), (k, n))
+    a = reshape(permute_dims(x1, (*free1, *ax1)), (m, k))
+    b = reshape(permute_dims(x2, (*ax2, *free2)), (k, n))
     out = batched_matmul(a, b, dtype)
-    return reshaped(out, tuple(x1.shape[i] for i in free1) + tuple(x2.shape[i] for i in free2))
+    return reshape(out, tuple(x1.shape[i] for i in free1) + tuple(x2.shape[i] for i in free2))
 
 
 def vecdot(x1: Array, x2: Array, /, *, axis: int = -1) -> Array:
