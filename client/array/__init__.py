@@ -1,9 +1,9 @@
 """``gpubroker.client.array``: the Python Array API standard (2024.12) on a gpubroker device.
 
 ``xp = gpubroker.client.array.namespace(gpu)`` for any GpuCompute (a RemoteGpu or an in-process backend); see
-README "Arrays". Elementwise functions and reductions run as kernels generated from one operation table
-(``_kernels``); matmul, linalg, fft, sorting and set functions run as library operations in the worker
-(``GpuCompute.run_library``).
+the docs' SDK guide, "Arrays" (docs/sdk/arrays.md). Elementwise functions and reductions run as kernels generated
+from one operation table (``_kernels``); matmul, linalg, fft, sorting and set functions run as library operations
+in the worker (``GpuCompute.run_library``).
 """
 
 from ._array import Array

@@ -21,7 +21,7 @@ __all__ = ["Namespace", "namespace", "namespace_of"]
 
 API_VERSION = "2024.12"
 
-# The modules whose ``__all__`` the namespace exposes (each owned by one concept; see README "Arrays").
+# The modules whose ``__all__`` the namespace exposes (each owned by one concept; see docs/sdk/arrays.md).
 _MODULES = ("_dtypes", "_creation", "_elementwise", "_statistical", "_manipulation", "_indexing", "_searching",
             "_sorting", "_sets", "_linear", "_utility", "_info", "_scans", "_constants")
 _SUBMODULES = {"linalg": "_linalg", "fft": "_fft"}
@@ -45,7 +45,26 @@ class _Sub(types.SimpleNamespace):
 
 
 class Namespace(types.SimpleNamespace):
-    """``xp``: the standard's functions and constants for one device session."""
+    """``xp``: the standard's functions and constants for one device session.
+
+    Made by [`namespace`][gpubroker.client.array.namespace], one per session. Its attributes are the Python
+    Array API standard's (version `__array_api_version__`, 2024.12), bound to the session's device:
+
+    - data types (`xp.float32`, ... are NumPy dtype objects), `can_cast`, `result_type`, `finfo`, `iinfo`,
+      `isdtype`, and the constants `e`, `inf`, `nan`, `newaxis`, `pi`;
+    - creation functions (`asarray` uploads a NumPy array, `zeros`, `arange`, `linspace`, `eye`, `meshgrid`,
+      `from_dlpack`, ...);
+    - elementwise functions, reductions and statistics, manipulation, indexing (`take`, `take_along_axis`),
+      searching, sorting, set functions, `matmul`, `tensordot`, `vecdot`, cumulative sums and products, `all`,
+      `any`, `diff`;
+    - the `linalg` and `fft` extensions, as `xp.linalg` and `xp.fft`;
+    - `__array_namespace_info__()`, whose `dtypes()` leaves out what the device lacks (float64 on some OpenCL
+      devices).
+
+    Elementwise functions and reductions run as kernels generated for the device; `matmul`, `linalg`, `fft`,
+    sorting and set functions run as library operations in the worker
+    ([`run_library`][gpubroker.client.GpuCompute.run_library]). Namespaces compare and hash by identity.
+    """
 
     __array_api_version__ = API_VERSION
 
@@ -99,6 +118,19 @@ def namespace(gpu: GpuCompute) -> Namespace:
 
     On a RemoteGpu, connect with ``async_commands=True``: array operations then queue as commands and only host
     conversions and data-dependent shapes wait for the device.
+
+    ```python
+    xp = gpubroker.client.array.namespace(gpu)
+    x = xp.reshape(xp.asarray(np.arange(6, dtype=np.float32)), (2, 3))
+    print(np.asarray(xp.sum(x * 2, axis=1)))  # [ 6. 24.]
+    ```
+
+    Args:
+        gpu: Any [GpuCompute][gpubroker.client.GpuCompute]: a session from `connect`, or an in-process backend.
+
+    Returns:
+        The session's namespace: the same object at every call for one `gpu`, and the one every array of the
+            session answers `__array_namespace__()` with.
     """
     # Kept on the gpu object itself: the namespace lives as long as its session, and every array of the session
     # answers __array_namespace__ with this same object (array-api-compat refuses arrays of two namespaces).
