@@ -90,7 +90,9 @@ class RemoteGpu:
     same host bytes move faster than lz4 packs them), "lz4" on any link, None never; gRPC never compresses.
 
     Make one with [`connect`][gpubroker.client.connect], which opens the session (a `RemoteGpu` constructed
-    directly opens it at `initialize()` or on entering a `with` block). Its GpuCompute methods behave as
+    directly opens it at `initialize()` or on entering a `with` block). It is a context manager:
+    `with connect(...) as gpu:` closes the session on leaving the block, error or not, so the broker frees its
+    memory at once. Its GpuCompute methods behave as
     [GpuCompute][gpubroker.client.GpuCompute] documents; each method here says only what is particular to a
     session. A `RemoteGpu` may be shared by threads: its commands go out one at a time, in the order the calls
     are made.
@@ -156,7 +158,11 @@ class RemoteGpu:
     # -- plumbing ----------------------------------------------------------------------------------
     @property
     def transport(self) -> Transport:
-        """The transport every device command takes (its ``kind``: "ring", "unix", "tcp", "vsock" or "grpc")."""
+        """The transport every device command takes (its ``kind``: "ring", "unix", "tcp", "vsock" or "grpc").
+
+        Raises:
+            FailedPrecondition: the session is closed, or not initialized.
+        """
         if self._closed.is_set():
             raise FailedPrecondition("this RemoteGpu is closed")
         if self._transport is None:
@@ -239,13 +245,36 @@ class RemoteGpu:
         return self._info.id if self._info is not None else self._device
 
     def list_devices(self) -> list[DeviceInfo]:
-        """Every device of this broker, with its health and this tenant's quota and use there."""
+        """Every device of this broker, with its health and this tenant's quota and use there.
+
+        The same as [`list_devices`][gpubroker.client.list_devices] on this session's broker and credentials.
+
+        Returns:
+            One [DeviceInfo][gpubroker.client.DeviceInfo] per device of the broker; its `id` is the `device=` to
+                open a session there.
+        """
         return [device_info_from_pb(d) for d in self._call("ListDevices", pb.ListDevicesRequest()).devices]
 
     def copy_peer(self, src: Buffer, dst_gpu: RemoteGpu, dst: Buffer, size: int, src_offset: int = 0,
                   dst_offset: int = 0) -> str:
         """Copy from ``src`` here to ``dst`` in ``dst_gpu``, another session of this tenant on this broker (usually on
-        another device); returns the path taken: "peer", "host", "device" or "none". See ``copy_peer``."""
+        another device); returns the path taken: "peer", "host", "device" or "none". See ``copy_peer``.
+
+        Done when it returns, after the work both sessions queued before it; the errors are
+        [`copy_peer`][gpubroker.client.copy_peer]'s.
+
+        Args:
+            src: The source allocation or view, of this session.
+            dst_gpu: The destination session.
+            dst: The destination allocation or view, of `dst_gpu`.
+            size: Bytes, >= 0.
+            src_offset: Where to start reading in `src`.
+            dst_offset: Where to start writing in `dst`.
+
+        Returns:
+            `"peer"` (device to device), `"host"` (staged through the broker's host memory), `"device"` (both
+                sessions on one device) or `"none"` (nothing to copy).
+        """
         return copy_peer(self, src, dst_gpu, dst, size, src_offset, dst_offset)
 
     def device_info(self) -> DeviceInfo:
@@ -584,10 +613,12 @@ class RemoteGpu:
                 self._shm.close()
 
     def __enter__(self) -> RemoteGpu:
+        """Open the session if it is not open yet (`initialize`); the block gets this RemoteGpu."""
         self.initialize()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Close the session on leaving the block, whether or not it raised."""
         self.close()
 
 
