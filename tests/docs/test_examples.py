@@ -25,7 +25,8 @@ from ..conftest import BACKENDS
 from .pages import DOCS, REFUSED, RUN, Block, blocks, pages
 
 PAGE_TIMEOUT = 900
-EXAMPLE_PAGES = [p for p in pages() if any(b.lang in RUN for b in blocks(p))]
+# The README's first program is an example too.
+EXAMPLE_PAGES = [p for p in [*pages(), DOCS.parent / "README.md"] if any(b.lang in RUN for b in blocks(p))]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -69,7 +70,7 @@ def test_toml_blocks_are_valid_config() -> None:
 
 
 def _page_id(page: Path) -> str:
-    return str(page.relative_to(DOCS).with_suffix(""))
+    return str(page.relative_to(DOCS if page.is_relative_to(DOCS) else DOCS.parent).with_suffix(""))
 
 
 @pytest.mark.timeout(PAGE_TIMEOUT)
