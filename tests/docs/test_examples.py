@@ -33,7 +33,10 @@ EXAMPLE_PAGES = [p for p in [*pages(), DOCS.parent / "README.md"] if any(b.lang 
 def docs_broker(request: pytest.FixtureRequest) -> Iterator[BrokerProcess]:
     """The broker the examples talk to: a tenant with a 1 GiB quota and an admin tenant; two PoCL devices."""
     backend = str(request.param)
-    env = {"POCL_DEVICES": "pthread pthread"} if backend == "opencl" else {}
+    # Two PoCL devices; kernels built without optimisation, as in the array tests (results unchanged, CI's cold
+    # compiles several times faster).
+    env = ({"POCL_DEVICES": "pthread pthread", "POCL_EXTRA_BUILD_FLAGS": "-cl-opt-disable"}
+           if backend == "opencl" else {})
     tenants = [TenantSpec("docs", memory_quota=1 << 30), TenantSpec("ops", admin=True)]
     with BrokerProcess(tenants, backend=backend, env=env, settings={"metrics_listen": "127.0.0.1:0"}) as proc:
         yield proc
