@@ -89,7 +89,8 @@ def test_page_examples_run(page: Path, docs_broker: BrokerProcess, tmp_path: Pat
                                  "where": b.where} for b in chosen]))
     workdir = tmp_path / "work"
     workdir.mkdir()
-    env = {**os.environ,
+    # A reader's environment: nothing the suite's own conftest set (SCIPY_ARRAY_API) leaks into the examples.
+    env = {**{k: v for k, v in os.environ.items() if k != "SCIPY_ARRAY_API"},
            "GPUBROKER_TARGET": docs_broker.target,
            "GPUBROKER_TOKEN": docs_broker.tokens["docs"],
            "GPUBROKER_ADMIN_TOKEN": docs_broker.tokens["ops"],
