@@ -17,11 +17,11 @@ from gpubroker.client import GpuCompute
 
 from ._context import Context
 
-__all__ = ["Namespace", "namespace", "namespace_of"]
+__all__ = ["Namespace", "namespace", "namespace_of", "release_memory"]
 
 API_VERSION = "2024.12"
 
-# The modules whose ``__all__`` the namespace exposes (each owned by one concept; see README "Arrays").
+# The modules whose ``__all__`` the namespace exposes (each owned by one concept; see docs/sdk/arrays.md).
 _MODULES = ("_dtypes", "_creation", "_elementwise", "_statistical", "_manipulation", "_indexing", "_searching",
             "_sorting", "_sets", "_linear", "_utility", "_info", "_scans", "_constants")
 _SUBMODULES = {"linalg": "_linalg", "fft": "_fft"}
@@ -108,3 +108,18 @@ def namespace(gpu: GpuCompute) -> Namespace:
             ns = Namespace(Context(gpu))
             gpu._array_namespace = ns  # type: ignore[attr-defined]
         return ns
+
+
+def release_memory(gpu: GpuCompute) -> None:
+    """Free now the device buffers that the namespace of ``gpu`` keeps pooled for reuse.
+
+    Dead arrays' buffers go to a per-session pool (at most 256 MiB and a quarter of the tenant's quota) so that a
+    loop of same-shaped operations allocates nothing; the pool counts against the quota. The memory of live
+    arrays stays. Does nothing when ``gpu`` has no namespace yet.
+
+    Args:
+        gpu: the session whose namespace's pool to empty.
+    """
+    ns = getattr(gpu, "_array_namespace", None)
+    if ns is not None:
+        ns._ctx.release_memory()
