@@ -83,7 +83,7 @@ def test_page_examples_run(page: Path, docs_broker: BrokerProcess, tmp_path: Pat
     chosen: list[Block] = [b for b in blocks(page)
                            if b.lang in RUN and b.marker != "skip" and (b.marker != "gpu" or on_gpu)]
     if not chosen:
-        pytest.skip("every example on this page needs a GPU")
+        pytest.skip("every example on this page is marked gpu (run on CUDA) or skip (with its reason)")
     spec = tmp_path / "blocks.json"
     spec.write_text(json.dumps([{"file": str(b.page), "line": b.line, "lang": b.lang, "source": b.source,
                                  "where": b.where} for b in chosen]))
