@@ -17,7 +17,7 @@ from gpubroker.client import GpuCompute
 
 from ._context import Context
 
-__all__ = ["Namespace", "namespace", "namespace_of"]
+__all__ = ["Namespace", "namespace", "namespace_of", "release_memory"]
 
 API_VERSION = "2024.12"
 
@@ -140,3 +140,22 @@ def namespace(gpu: GpuCompute) -> Namespace:
             ns = Namespace(Context(gpu))
             gpu._array_namespace = ns  # type: ignore[attr-defined]
         return ns
+
+
+def release_memory(gpu: GpuCompute) -> None:
+    """Free now the device buffers that the namespace of ``gpu`` keeps pooled for reuse.
+
+    Dead arrays' buffers go to a per-session pool (at most 256 MiB and a quarter of the tenant's quota) so that a
+    loop of same-shaped operations allocates nothing; the pool counts against the quota. The memory of live
+    arrays stays. Does nothing when ``gpu`` has no namespace yet.
+
+    Args:
+        gpu: the session whose namespace's pool to empty.
+
+    Raises:
+        GpuBrokerError: what freeing raises (see [GpuCompute.free_memory][gpubroker.client.GpuCompute.free_memory]);
+            on a session with `async_commands` the frees are queued and their errors come at the next wait.
+    """
+    ns = getattr(gpu, "_array_namespace", None)
+    if ns is not None:
+        ns._ctx.release_memory()
