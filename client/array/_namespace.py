@@ -27,7 +27,7 @@ _MODULES = ("_dtypes", "_creation", "_elementwise", "_statistical", "_manipulati
 _SUBMODULES = {"linalg": "_linalg", "fft": "_fft"}
 # Names in a module's __all__ that are helpers for other modules, not the standard's.
 _PRIVATE = frozenset({"ALL_DTYPES", "DType", "promote", "result_type_of", "scalar_dtype", "finfo_object",
-                      "iinfo_object"})
+                      "iinfo_object", "as_operand", "inplace", "inplace_result", "AxisError"})
 
 _lock = threading.Lock()
 
