@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 OUTDIR=${1:-build/screenshots}
 CHROMIUM=${CHROMIUM:-$(command -v chromium || command -v chromium-browser || command -v google-chrome || true)}
 [ -n "$CHROMIUM" ] || { echo "no chromium on the PATH (Debian: apt install chromium)" >&2; exit 1; }
-./dev docs build >/dev/null
+./dev docs build >/dev/null || { echo "the strict build failed: ./dev docs build" >&2; exit 1; }
 mkdir -p "$OUTDIR"
 PORT=${PORT:-8765}
 .venv/bin/python -m http.server "$PORT" --bind 127.0.0.1 --directory build/site >/dev/null 2>&1 &
@@ -17,13 +17,13 @@ for _ in $(seq 50); do curl -fs "http://127.0.0.1:$PORT/" >/dev/null && break; s
 shot() {  # name, path, width, height
   # The flags keep a closed network quiet (no background requests) and give each shot a fresh profile.
   "$CHROMIUM" --headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking \
-    --disable-component-update --disable-sync --hide-scrollbars --user-data-dir="$(mktemp -d)" \
+    --disable-component-update --disable-sync --hide-scrollbars --virtual-time-budget=3000 --user-data-dir="$(mktemp -d)" \
     --window-size="$3,$4" --screenshot="$OUTDIR/$1.png" "http://127.0.0.1:$PORT/$2" >/dev/null 2>&1
   echo "$OUTDIR/$1.png"
 }
 shot home "" 1400 1000
 shot home-narrow "" 420 900
 shot api-reference "reference/client/" 1400 1400
-shot api-gpucompute "reference/client/#gpubroker.client.GpuCompute" 1400 1400
+shot api-reference-full "reference/client/" 1400 12000  # the whole top of the page: connect, GpuCompute, its methods
 shot operator-guide "operator/" 1400 1000
 shot operator-configuration "operator/configuration/" 1400 1400
