@@ -37,7 +37,26 @@ def device_info_from_pb(msg: pb.DeviceInfo) -> DeviceInfo:
 
 def list_devices(target: str, token: str | None = None, *, tls: TlsOptions | None = None,
                  timeout: float = 30.0) -> list[DeviceInfo]:
-    """Every device the broker at ``target`` serves, with its health and the caller's quota and use there."""
+    """Every device the broker at ``target`` serves, with its health and the caller's quota and use there.
+
+    Needs no session: use it to choose a `device=` for [`connect`][gpubroker.client.connect]. A session has the
+    same as a method, [`RemoteGpu.list_devices`][gpubroker.client.RemoteGpu.list_devices].
+
+    Args:
+        target: The broker's address (`unix:/path` or `host:port`).
+        token: The tenant's token; None with a client certificate that names the tenant.
+        tls: TLS settings for `host:port` targets.
+        timeout: Seconds to wait for the answer.
+
+    Returns:
+        One [DeviceInfo][gpubroker.client.DeviceInfo] per device, in the broker's order (its `id` is the index to
+            pass as `device=`), with `health` and the tenant's `memory_quota` and `memory_used` there.
+
+    Raises:
+        Unauthenticated: the token is missing or wrong.
+        Unavailable: the broker cannot be reached.
+        DeadlineExceeded: no answer within `timeout`.
+    """
     channel, metadata = make_channel(target, token, tls)
     try:
         reply = translated(pb_grpc.GpuBrokerStub(channel).ListDevices, pb.ListDevicesRequest(), metadata=metadata,
@@ -58,7 +77,31 @@ def copy_peer(src_gpu: RemoteGpu, src: Buffer, dst_gpu: RemoteGpu, dst: Buffer, 
     """Copy ``size`` bytes from ``src`` (of ``src_gpu``'s session) to ``dst`` (of ``dst_gpu``'s): two sessions of one
     tenant on one broker, usually on two devices. Runs after the work both sessions queued before it and is done
     when it returns. Returns the path the broker took: "peer" (GPU to GPU), "host" (staged through host memory),
-    "device" (both sessions on one device) or "none" (size 0)."""
+    "device" (both sessions on one device) or "none" (size 0).
+
+    The bytes go from device to device inside the broker, never through the client. The same as
+    `src_gpu.copy_peer(src, dst_gpu, dst, size, ...)` ([`RemoteGpu.copy_peer`][gpubroker.client.RemoteGpu.copy_peer]).
+
+    Args:
+        src_gpu: The session that holds `src`.
+        src: The source allocation or view.
+        dst_gpu: The session that holds `dst`: the same tenant, on the same broker.
+        dst: The destination allocation or view.
+        size: The number of bytes, >= 0.
+        src_offset: Where to start reading, in bytes from `src`'s view start.
+        dst_offset: Where to start writing, in bytes from `dst`'s view start.
+
+    Returns:
+        The path taken: `"peer"`, `"host"`, `"device"` or `"none"`.
+
+    Raises:
+        InvalidArgument: the sessions are on two brokers; `size` is not an int; `src` or `dst` is not a Buffer;
+            a negative size or offset.
+        OutOfRange: either range runs past the end of its allocation.
+        NotFound: `src` or `dst` names no allocation of its session, or `dst_gpu` is another tenant's session.
+        GpuBrokerError: any error every call may raise (see [GpuCompute][gpubroker.client.GpuCompute]). Deferred
+            errors of either session stay kept for its next wait.
+    """
     if dst_gpu.target != src_gpu.target:
         raise InvalidArgument(f"both sessions must be on one broker, not {src_gpu.target} and {dst_gpu.target}")
     if not isinstance(size, int) or isinstance(size, bool):

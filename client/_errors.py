@@ -28,7 +28,24 @@ __all__ = [
 
 
 class GpuBrokerError(Exception):
-    """Root of every error gpubroker raises; ``code`` is the gRPC status name."""
+    """Root of every error gpubroker raises; ``code`` is the gRPC status name.
+
+    Every implementation of GpuCompute, local or remote, raises these same classes, and errors keep their class
+    across the wire: a `CompileError` in the tenant's worker is a `CompileError` in the client. Catch
+    `GpuBrokerError` for all of them, or a subclass for one kind. The class itself stands for gRPC's `UNKNOWN`, a
+    status no subclass names.
+
+    Args:
+        message: What went wrong, for a person.
+        **details: Machine-readable facts about it (numbers, names), kept as ``details``.
+
+    Attributes:
+        code: The gRPC status code's name (`"INVALID_ARGUMENT"`, ...), the same on every subclass of one code.
+        message: What went wrong, for a person (also ``str(exc)``).
+        details: Facts about the error, by name: for example `quota`, `used` and `requested` on a quota refusal,
+            `retry_after_seconds` where waiting helps, `seq` and `command` on a deferred command's error, `log` on
+            a `CompileError`.
+    """
 
     code: ClassVar[str] = "UNKNOWN"
 
@@ -38,80 +55,213 @@ class GpuBrokerError(Exception):
         self.details = details
 
     def to_wire(self) -> dict[str, Any]:
-        """A msgpack-able form that survives IPC and gRPC trailers."""
+        """A msgpack-able form that survives IPC and gRPC trailers.
+
+        Returns:
+            The class's name, the code, the message and the details, as plain values.
+        """
         return {"type": type(self).__name__, "code": self.code, "message": self.message,
                 "details": self.details}
 
 
 class InvalidArgument(GpuBrokerError):
+    """`INVALID_ARGUMENT`: a request that is wrong on its face, whatever the state of the device.
+
+    A size or offset that is negative or not an integer, a memset value that is not a byte, a launch whose grid or
+    block is malformed or exceeds the device's limits or whose arguments do not match the kernel, a module format
+    the device's backend does not load, a library call whose op, params, dtypes or shapes are wrong. The same
+    request fails again: fix it.
+    """
+
     code = "INVALID_ARGUMENT"
 
 
 class ArgumentTypeError(InvalidArgument, TypeError):
-    """A kernel argument of the wrong type (for example a bare Python int)."""
+    """A kernel argument of the wrong type (for example a bare Python int).
+
+    Raised by `execute_kernel` for a bare Python `int`, `float` or `bool` (its width is ambiguous: pass
+    `np.int32(...)`, `np.float32(...)`), an object that is neither a `Buffer` nor a NumPy scalar, or, checked
+    against the kernel's parameters, a scalar of the wrong width or kind. Also a `TypeError`, so code that
+    catches `TypeError` sees it. Fix the arguments.
+    """
 
 
 class CompileError(InvalidArgument):
-    """Kernel source that did not compile; ``log`` holds the compiler's output."""
+    """Kernel source that did not compile; ``log`` holds the compiler's output.
+
+    Raised by `compile_kernel` and `load_module` (NVRTC on CUDA, the OpenCL compiler on OpenCL). The message
+    carries the first lines of the log. Fix the source; print `exc.log` to see every diagnostic.
+    """
 
     @property
     def log(self) -> str:
+        """The compiler's whole output (its errors and warnings); empty when the compiler wrote none."""
         return str(self.details.get("log", ""))
 
 
 class OutOfRange(GpuBrokerError):
+    """`OUT_OF_RANGE`: a copy or memset that runs past the end of its buffer.
+
+    The offset plus the size reaches beyond the allocation (counted from the view's start); a host copy checks
+    this before any byte moves. Fix the offset or the size (`buf.nbytes` is what a view holds).
+    """
+
     code = "OUT_OF_RANGE"
 
 
 class NotFound(GpuBrokerError):
+    """`NOT_FOUND`: a handle, session, device or kernel name that does not exist for the caller.
+
+    - A buffer, stream, event, module or kernel that this session never created, already freed, or that belongs
+      to another session (the three read alike, so guessing teaches nothing): a bug in the caller, typically a
+      use after free.
+    - The session itself (the message names it): it was closed, its lease expired (the client stopped sending
+      heartbeats), an operator ended it, or the broker restarted. Open a new session.
+    - A device index the broker does not have, or a kernel name the module lacks (the message lists its
+      kernels): fix the name.
+    """
+
     code = "NOT_FOUND"
 
 
 class AlreadyExists(GpuBrokerError):
+    """`ALREADY_EXISTS`: something to be created is there already.
+
+    Raised by the operator's tools, not by device calls: adding a tenant whose name is taken, or writing
+    certificates over existing files without `--force`. Pick another name, or remove or replace the old one.
+    """
+
     code = "ALREADY_EXISTS"
 
 
 class ResourceExhausted(GpuBrokerError):
+    """`RESOURCE_EXHAUSTED`: a limit of the tenant, the session or the device is reached.
+
+    - An allocation past the tenant's memory quota on the device (the message and `details` give `quota`,
+      `used` and `requested`), or past the memory the device has.
+    - A session over the broker's limits: handles (`max_handles_per_session`), streams, calls in flight, host
+      memory shared through the same-host side channel; a module larger than `max_module_bytes`.
+    - A new session past the tenant's session limit, or (no device named) on a broker where the tenant's quota is
+      used up on every device.
+
+    Free what you hold (buffers, streams, sessions) and retry, or ask the operator for a larger quota. Calls in
+    flight: retry once your other calls finish.
+    """
+
     code = "RESOURCE_EXHAUSTED"
 
 
 class PermissionDenied(GpuBrokerError):
+    """`PERMISSION_DENIED`: the caller is known but may not do this.
+
+    An Admin call ([AdminClient][gpubroker.client.AdminClient], the `gpubroker status`, `sessions`, `drain` ...
+    commands) by a tenant without `admin = true`. Use an admin tenant's token.
+    """
+
     code = "PERMISSION_DENIED"
 
 
 class Unauthenticated(GpuBrokerError):
+    """`UNAUTHENTICATED`: no valid credential.
+
+    The token is missing or wrong, or no tenant is named by the client certificate; or, on a live session, the
+    token was rotated or its tenant removed (the broker closes the connections it opened). Get the tenant's
+    current token from the operator and connect again.
+    """
+
     code = "UNAUTHENTICATED"
 
 
 class FailedPrecondition(GpuBrokerError):
+    """`FAILED_PRECONDITION`: the call is not possible in the current state of the object or the system.
+
+    A `RemoteGpu` used after `close()` or before `initialize()`; `host_array` where shared memory is off; freeing
+    a buffer a `copy_peer` is using; in-process, a backend whose runtime library (CuPy, pyopencl) is missing.
+    Retrying as it is fails again: change the order of calls or the setup.
+    """
+
     code = "FAILED_PRECONDITION"
 
 
 class Aborted(GpuBrokerError):
+    """`ABORTED`: the session's device work was cut short and cannot go on.
+
+    On CUDA, a kernel that faulted (an illegal address, a trap) corrupts its device context: the error is raised
+    at the next wait, the tenant's worker then exits, and the session's later calls raise
+    [WorkerCrashed][gpubroker.client.WorkerCrashed] (its subclass). The session's device state is gone: fix the
+    kernel and open a new session.
+    """
+
     code = "ABORTED"
 
 
 class WorkerCrashed(Aborted):
-    """The tenant's worker process died; the session's device state is gone."""
+    """The tenant's worker process died; the session's device state is gone.
+
+    The worker (one process per tenant and device, where the tenant's kernels run) was killed or exited: a
+    kernel that crashed it, a fatal device error, the sandbox's limits, an operator. The message says why
+    (`killed by signal SIGKILL`, ...). Every call of the session raises it from then on, and the tenant's other
+    sessions on that device fail the same way. Close the session and open a new one (it gets a fresh worker),
+    then upload the data again. A tenant whose workers keep crashing has its new sessions refused for a while
+    (`Unavailable`, with `retry_after_seconds`).
+    """
 
 
 class Unavailable(GpuBrokerError):
+    """`UNAVAILABLE`: the broker cannot serve this now; often transient.
+
+    The broker cannot be reached, or the connection to it was lost (it stopped or restarted); it is draining
+    and takes no new sessions; the device does not serve new sessions (its workers keep failing); the tenant
+    crashed its workers too often lately; a `transport` insisted on is not offered; none of several brokers took
+    the session (`details["endpoints"]` gives each one's reason). Retry after a while, or on another broker;
+    `details["retry_after_seconds"]`, where present, says how long to wait. Queued work of a lost connection may
+    not have run.
+    """
+
     code = "UNAVAILABLE"
 
 
 class DeadlineExceeded(GpuBrokerError):
+    """`DEADLINE_EXCEEDED`: something took longer than allowed.
+
+    - No answer within the session's `timeout` (`connect(..., timeout=...)`, 300 s by default): the call may or
+      may not have run. The connection is dropped and later calls work; retry, or raise the timeout for long
+      kernels.
+    - The tenant's device work held the device longer than the broker's kernel time limit while other tenants
+      waited, or a compile ran past the compile time limit: the tenant's worker was killed and the session's
+      device state is gone. Open a new session, with shorter kernels or simpler source.
+    """
+
     code = "DEADLINE_EXCEEDED"
 
 
 class Cancelled(GpuBrokerError):
+    """`CANCELLED`: gRPC's status for a call cancelled before it completed.
+
+    gpubroker's own code does not raise it; it comes from gRPC, for a call whose channel was closed under it
+    (`close()` from another thread). Whether the call ran is unknown; on a live session, repeat it if needed.
+    """
+
     code = "CANCELLED"
 
 
 class Unimplemented(GpuBrokerError):
+    """`UNIMPLEMENTED`: gRPC's status for a call the broker does not know.
+
+    gpubroker's own code does not raise it; gRPC does, when the client calls a method the broker lacks, as an
+    older broker would. Upgrade the broker, or use the client version that matches it.
+    """
+
     code = "UNIMPLEMENTED"
 
 
 class Internal(GpuBrokerError):
+    """`INTERNAL`: a bug in gpubroker, or a runtime error it did not translate.
+
+    The worker reports it and keeps running, so the session may still work. It should not happen: report it
+    with the message (and the broker's log).
+    """
+
     code = "INTERNAL"
 
 

@@ -11,6 +11,15 @@ __all__ = ["HostBuffer", "check_device_range", "readable_bytes", "writable_bytes
 
 # Anything with the buffer protocol (numpy arrays, bytes, bytearray, memoryview, mmap).
 HostBuffer = bytes | bytearray | memoryview | np.ndarray
+"""Host memory a copy reads or writes: any object with the buffer protocol, C-contiguous.
+
+The type names the common ones (NumPy arrays, `bytes`, `bytearray`, `memoryview`); others with the protocol, such
+as an `mmap` or an `array.array`, work too. [`copy_h2d`][gpubroker.client.GpuCompute.copy_h2d] reads all of it;
+[`copy_d2h`][gpubroker.client.GpuCompute.copy_d2h] fills all of it, so it must be writable (not `bytes`). The
+bytes are taken as they lie in memory, whatever the element type. An object without the protocol, or not
+C-contiguous (a strided NumPy view), is refused with `InvalidArgument`: copy it with `numpy.ascontiguousarray`
+first.
+"""
 
 
 def readable_bytes(src: object) -> memoryview:

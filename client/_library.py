@@ -564,6 +564,16 @@ LIBRARY_OPS: Final[Mapping[str, LibraryOp]] = _table(
     LibraryOp("nonzero", 1, 1, ALL_DTYPES, _nonzero, _COUNT),
     LibraryOp("compress", 2, 1, ALL_DTYPES, _compress, _COUNT),
 )
+"""The library operations [`run_library`][gpubroker.client.GpuCompute.run_library] runs, by name.
+
+Each entry (a `LibraryOp`) says what the op takes: `inputs` and `outputs` (how many arrays), `dtypes` (what its
+first input may be: NumPy dtype names) and `params` (each a `Param`: its kind, default, and the strings or least
+value it allows). The names and semantics are NumPy's and the Array API standard's: `matmul`, `linalg.*`,
+`fft.*`, sorting, searching, cumulative sums and products, `unique_*`, `nonzero`. Ops whose result size depends
+on the data (`unique_*`, `nonzero`, `compress`) take that size as the param `count`, learned first (`count_unique`,
+a count of nonzero elements). [`library_outputs`][gpubroker.client.library_outputs] gives the outputs to allocate.
+The table is read-only, and the same in the client and the worker.
+"""
 
 
 def library_op(op: object) -> LibraryOp:
@@ -585,8 +595,19 @@ def library_outputs(op: str, inputs: Sequence[tuple[str, Sequence[int]]],
     """The (dtype, shape) of each output ``op`` writes for ``inputs`` (each a (dtype, shape)) and ``params``.
 
     The caller allocates exactly these (C-contiguous) and passes them to ``GpuCompute.run_library``; the worker
-    refuses any other. InvalidArgument, naming the op, for an unknown op or param, a wrong number of inputs, a
-    dtype the op does not take, a shape it cannot work on, or a param out of range.
+    refuses any other. Pure: it asks no device.
+
+    Args:
+        op: The operation's name, a key of [`LIBRARY_OPS`][gpubroker.client.LIBRARY_OPS].
+        inputs: Each input's NumPy dtype name and shape, such as `[("float32", (64, 32)), ("float32", (32, 8))]`.
+        params: The op's parameters; missing ones take their defaults.
+
+    Returns:
+        Each output's dtype name and shape, in the order `run_library` takes them.
+
+    Raises:
+        InvalidArgument: naming the op: an unknown op or param, a wrong number of inputs, a dtype the op does not
+            take, a shape it cannot work on, or a param out of range.
     """
     entry = library_op(op)
     return entry.outputs_for(inputs, entry.check_params(params))

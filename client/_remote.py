@@ -88,6 +88,33 @@ class RemoteGpu:
     it is there (``shared_memory=False``: never). ``compress`` ("auto", "lz4" or None) asks the link for lz4 on
     copies' bytes, each chunk sent compressed only where that shrinks it: "auto" on TCP and vsock links only (on the
     same host bytes move faster than lz4 packs them), "lz4" on any link, None never; gRPC never compresses.
+
+    Make one with [`connect`][gpubroker.client.connect], which opens the session (a `RemoteGpu` constructed
+    directly opens it at `initialize()` or on entering a `with` block). It is a context manager:
+    `with connect(...) as gpu:` closes the session on leaving the block, error or not, so the broker frees its
+    memory at once. Its GpuCompute methods behave as
+    [GpuCompute][gpubroker.client.GpuCompute] documents; each method here says only what is particular to a
+    session. A `RemoteGpu` may be shared by threads: its commands go out one at a time, in the order the calls
+    are made.
+
+    Args:
+        target: The broker's address: `unix:/path` or `host:port`.
+        token: The tenant's token; None with a client certificate that names the tenant.
+        device: The broker's device index; None lets the broker choose.
+        timeout: Seconds each call, and each wait for an acknowledgement, may take; None: no limit. A call
+            past it raises `DeadlineExceeded`.
+        chunk_bytes: The most bytes one copy command carries (the broker's limit caps it); None: the broker's.
+        client_name: How the session names its client in the broker's logs.
+        tls: TLS settings for `host:port` targets ([TlsOptions][gpubroker.client.TlsOptions]).
+        async_commands: Queue commands and defer their errors to the next wait (see above); False makes each
+            command a round trip that raises its own error.
+        transport: `"auto"`, `"ring"`, `"link"` or `"grpc"`: how device commands travel (see above).
+        vsock: Whether to look for the broker's vsock link (in a VM guest); None: probe for one.
+        shared_memory: Whether host copies on a `unix:` target may use the broker's shared-memory side channel.
+        compress: `"auto"`, `"lz4"` or None: lz4 for copies' bytes on links (see above).
+
+    Raises:
+        InvalidArgument: an unknown `transport` or `compress`.
     """
 
     def __init__(self, target: str, token: str | None = None, device: int | None = None, *,
@@ -101,6 +128,7 @@ class RemoteGpu:
             raise InvalidArgument(f"compress must be None, 'auto' or one of {', '.join(CODECS)}, got {compress!r}")
         self._compress = compress
         self.target = target
+        """The broker's address this session is on."""
         self._token = token or ""
         self._tls = tls
         self._want_transport = transport
@@ -110,7 +138,9 @@ class RemoteGpu:
         self._shm = SharedMemory(target, token, lambda: self._session, lambda: self.transport,
                                  timeout) if shared_memory else None
         self.async_commands = async_commands
+        """Whether commands are queued, their errors deferred to the next wait (set at connect)."""
         self.timeout = timeout
+        """Seconds each call may take (None: no limit)."""
         self._channel, self._metadata = make_channel(target, token, tls)
         self._stub = pb_grpc.GpuBrokerStub(self._channel)
         self._device = device
@@ -121,12 +151,18 @@ class RemoteGpu:
         self._closed = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self.chunk_bytes = 1024 * 1024
+        """The most bytes one copy command carries, agreed with the broker when the session opens."""
         self.lease_seconds = 0.0
+        """How long the broker keeps the session without a heartbeat; a background thread sends them."""
 
     # -- plumbing ----------------------------------------------------------------------------------
     @property
     def transport(self) -> Transport:
-        """The transport every device command takes (its ``kind``: "ring", "unix", "tcp", "vsock" or "grpc")."""
+        """The transport every device command takes (its ``kind``: "ring", "unix", "tcp", "vsock" or "grpc").
+
+        Raises:
+            FailedPrecondition: the session is closed, or not initialized.
+        """
         if self._closed.is_set():
             raise FailedPrecondition("this RemoteGpu is closed")
         if self._transport is None:
@@ -169,6 +205,15 @@ class RemoteGpu:
 
     # -- GpuCompute --------------------------------------------------------------------------------
     def initialize(self) -> None:
+        """Open the session on the broker and choose the transport; does nothing when it is open already.
+
+        [`connect`][gpubroker.client.connect] calls it. See
+        [GpuCompute.initialize][gpubroker.client.GpuCompute.initialize].
+
+        Raises:
+            Unavailable: also when `transport="link"` or `"ring"` was asked for and the broker offers none.
+            GpuBrokerError: as [GpuCompute.initialize][gpubroker.client.GpuCompute.initialize] says.
+        """
         if self._session:
             return
         resp = self._call("OpenSession", pb.OpenSessionRequest(
@@ -191,6 +236,7 @@ class RemoteGpu:
 
     @property
     def session(self) -> str:
+        """The session's id (as `gpubroker sessions` lists it); empty before `initialize`."""
         return self._session
 
     @property
@@ -199,19 +245,58 @@ class RemoteGpu:
         return self._info.id if self._info is not None else self._device
 
     def list_devices(self) -> list[DeviceInfo]:
-        """Every device of this broker, with its health and this tenant's quota and use there."""
+        """Every device of this broker, with its health and this tenant's quota and use there.
+
+        The same as [`list_devices`][gpubroker.client.list_devices] on this session's broker and credentials.
+
+        Returns:
+            One [DeviceInfo][gpubroker.client.DeviceInfo] per device of the broker; its `id` is the `device=` to
+                open a session there.
+        """
         return [device_info_from_pb(d) for d in self._call("ListDevices", pb.ListDevicesRequest()).devices]
 
     def copy_peer(self, src: Buffer, dst_gpu: RemoteGpu, dst: Buffer, size: int, src_offset: int = 0,
                   dst_offset: int = 0) -> str:
         """Copy from ``src`` here to ``dst`` in ``dst_gpu``, another session of this tenant on this broker (usually on
-        another device); returns the path taken: "peer", "host", "device" or "none". See ``copy_peer``."""
+        another device); returns the path taken: "peer", "host", "device" or "none". See ``copy_peer``.
+
+        Done when it returns, after the work both sessions queued before it; the errors are
+        [`copy_peer`][gpubroker.client.copy_peer]'s.
+
+        Args:
+            src: The source allocation or view, of this session.
+            dst_gpu: The destination session.
+            dst: The destination allocation or view, of `dst_gpu`.
+            size: Bytes, >= 0.
+            src_offset: Where to start reading in `src`.
+            dst_offset: Where to start writing in `dst`.
+
+        Returns:
+            `"peer"` (device to device), `"host"` (staged through the broker's host memory), `"device"` (both
+                sessions on one device) or `"none"` (nothing to copy).
+        """
         return copy_peer(self, src, dst_gpu, dst, size, src_offset, dst_offset)
 
     def device_info(self) -> DeviceInfo:
+        """The device, with this tenant's quota, use and room on it and the device's health. See
+        [GpuCompute.device_info][gpubroker.client.GpuCompute.device_info].
+
+        Returns:
+            The device as the worker reports it now.
+        """
         return device_info_from_pb(self._call("GetDeviceInfo", pb.SessionRequest(session=self._session)))
 
     def allocate_memory(self, size: int) -> Buffer:
+        """Allocate device memory, counted against the tenant's quota on this device. With `async_commands` it is
+        queued: a refusal (`ResourceExhausted` past the quota) is raised at the next wait. See
+        [GpuCompute.allocate_memory][gpubroker.client.GpuCompute.allocate_memory].
+
+        Args:
+            size: Bytes, > 0.
+
+        Returns:
+            The new allocation.
+        """
         if not isinstance(size, (int, np.integer)) or isinstance(size, bool):
             raise InvalidArgument(f"size must be an int, got {type(size).__name__}")
         if size <= 0:
@@ -222,16 +307,52 @@ class RemoteGpu:
         return Buffer(handle, int(size))
 
     def free_memory(self, buf: Buffer) -> None:
+        """Free an allocation (queued with `async_commands`).
+        See [GpuCompute.free_memory][gpubroker.client.GpuCompute.free_memory].
+
+        Args:
+            buf: The allocation or any view of it.
+        """
         self._command(Free(_ref(buf)[0]))
 
     def host_array(self, shape: int | Sequence[int], dtype: Any = np.uint8) -> np.ndarray:
         """A numpy array in memory shared with the broker's worker (same host, unix: target): copies to and from
-        it, or any view of it, are a single CopyShared with no bytes through a socket. Valid for this session."""
+        it, or any view of it, are a single CopyShared with no bytes through a socket. Valid for this session.
+
+        Fill it and pass it (or a slice) to `copy_h2d`, or pass it to `copy_d2h` and read it afterwards. The
+        memory is mapped into the tenant's worker until the array and every view of it are gone, or the session
+        ends; it counts against the broker's shared-memory limits.
+
+        Args:
+            shape: The array's shape: an int or a sequence of ints.
+            dtype: Its NumPy dtype.
+
+        Returns:
+            A zero-filled NumPy array of `shape` and `dtype`.
+
+        Raises:
+            FailedPrecondition: shared memory is off (`shared_memory=False`) or not offered: the target is not a
+                `unix:` socket on this host, or the broker has no side channel there.
+            InvalidArgument: a negative dimension.
+            ResourceExhausted: the session or the tenant would map more host memory than the broker allows
+                (`max_shared_bytes_per_session`, `max_shared_bytes_per_tenant`).
+        """
         if self._shm is None:
             raise FailedPrecondition("host_array needs shared memory; this RemoteGpu has shared_memory=False")
         return self._shm.host_array(shape, dtype)
 
     def copy_h2d(self, src: Any, buf: Buffer, offset: int = 0, stream: Stream | None = None) -> None:
+        """Copy host memory to the device; always a round trip, also with `async_commands`. On a `unix:` target a
+        `host_array` (or any host buffer of 256 KiB or more, through a staging segment) goes through shared
+        memory; anything else goes as write commands of `chunk_bytes`.
+        See [GpuCompute.copy_h2d][gpubroker.client.GpuCompute.copy_h2d].
+
+        Args:
+            src: Host memory to read (C-contiguous, with the buffer protocol).
+            buf: The destination allocation or view.
+            offset: Where to start writing, in bytes from the view's start.
+            stream: The stream the copy is ordered on; None for the default stream.
+        """
         data = readable_bytes(src)
         ref, where = _ref(buf), _stream(stream)
         transport = self.transport
@@ -242,6 +363,15 @@ class RemoteGpu:
         transport.copy_in(ref, offset, data, where, self.chunk_bytes)
 
     def copy_d2h(self, buf: Buffer, dst: Any, offset: int = 0, stream: Stream | None = None) -> None:
+        """Copy device memory to the host; always a round trip, through shared memory where `copy_h2d` would go.
+        See [GpuCompute.copy_d2h][gpubroker.client.GpuCompute.copy_d2h].
+
+        Args:
+            buf: The source allocation or view.
+            dst: Writable host memory to fill (C-contiguous).
+            offset: Where to start reading, in bytes from the view's start.
+            stream: The stream the copy is ordered on; None for the default stream.
+        """
         out = writable_bytes(dst)
         ref, where = _ref(buf), _stream(stream)
         transport = self.transport
@@ -252,33 +382,99 @@ class RemoteGpu:
 
     def copy_d2d(self, src: Buffer, dst: Buffer, size: int, src_offset: int = 0, dst_offset: int = 0,
                  stream: Stream | None = None) -> None:
+        """Copy between device buffers of this session (queued with `async_commands`). See
+        [GpuCompute.copy_d2d][gpubroker.client.GpuCompute.copy_d2d].
+
+        Args:
+            src: The source allocation or view.
+            dst: The destination allocation or view.
+            size: Bytes, >= 0.
+            src_offset: Where to start reading in `src`.
+            dst_offset: Where to start writing in `dst`.
+            stream: The stream the copy is queued on; None for the default stream.
+        """
         _check_counts(size=size, src_offset=src_offset, dst_offset=dst_offset)
         self._command(CopyD2D(_ref(src), _ref(dst), size, src_offset, dst_offset, _stream(stream)))
 
     def memset(self, buf: Buffer, value: int, size: int | None = None, offset: int = 0,
                stream: Stream | None = None) -> None:
+        """Fill device memory with a byte (queued with `async_commands`).
+        See [GpuCompute.memset][gpubroker.client.GpuCompute.memset].
+
+        Args:
+            buf: The allocation or view to fill.
+            value: The byte, 0 to 255.
+            size: Bytes to set; None for the rest of the allocation.
+            offset: Where to start, in bytes from the view's start.
+            stream: The stream the fill is queued on; None for the default stream.
+        """
         if not isinstance(value, (int, np.integer)) or not 0 <= value <= 255:
             raise InvalidArgument(f"memset value must be a byte (0..255), got {value!r}")
         _check_counts(offset=offset, size=0 if size is None else size)
         self._command(Memset(_ref(buf), int(value), -1 if size is None else size, offset, _stream(stream)))
 
     def compile_kernel(self, source: str, name: str, options: Sequence[str] = ()) -> Kernel:
+        """Compile source in the tenant's worker, in the device's language (CUDA C or OpenCL C), with a compile
+        cache of the tenant's own. See [GpuCompute.compile_kernel][gpubroker.client.GpuCompute.compile_kernel].
+
+        Args:
+            source: The kernel source.
+            name: The kernel's name in it.
+            options: Compiler options.
+
+        Returns:
+            The kernel.
+        """
         backend = self._info.backend if self._info else "opencl"
         fmt = ModuleFormat.CUDA_C if backend == "cuda" else ModuleFormat.OPENCL_C
         return self.get_kernel(self.load_module(source, fmt, options), name)
 
     def load_module(self, image: str | bytes, format: ModuleFormat, options: Sequence[str] = ()) -> Module:
+        """Load a module in the tenant's worker (within the broker's `max_module_bytes` and
+        `compile_timeout_seconds`). See [GpuCompute.load_module][gpubroker.client.GpuCompute.load_module].
+
+        Args:
+            image: Source text or a binary image.
+            format: What `image` is.
+            options: Compiler options for source.
+
+        Returns:
+            The module and its kernels' names.
+        """
         raw = image.encode() if isinstance(image, str) else bytes(image)
         resp = self._call("LoadModule", pb.LoadModuleRequest(session=self._session, format=_FORMATS[format],
                                                               image=raw, options=list(options)))
         return Module(resp.handle, tuple(resp.kernel_names))
 
     def get_kernel(self, module: Module, name: str) -> Kernel:
+        """Take a kernel from a module of this session.
+        See [GpuCompute.get_kernel][gpubroker.client.GpuCompute.get_kernel].
+
+        Args:
+            module: The module.
+            name: The kernel's name.
+
+        Returns:
+            The kernel.
+        """
         resp = self._call("GetKernel", pb.GetKernelRequest(session=self._session, module=module.handle, name=name))
         return Kernel(resp.handle, resp.name)
 
     def execute_kernel(self, kernel: Kernel, grid: int | Sequence[int], block: int | Sequence[int],
                        args: Sequence[object], shared_mem: int = 0, stream: Stream | None = None) -> None:
+        """Launch a kernel. The argument types are checked here (a bare Python number raises `ArgumentTypeError`
+        at once); the worker checks the rest, so without `async_commands` the call raises what it finds, with
+        them the next wait does. Launches take fair-scheduling turns with other tenants' work. See
+        [GpuCompute.execute_kernel][gpubroker.client.GpuCompute.execute_kernel].
+
+        Args:
+            kernel: The kernel.
+            grid: Blocks per dimension.
+            block: Threads per block.
+            args: Buffers and NumPy scalars.
+            shared_mem: Bytes of dynamic shared memory per block.
+            stream: The stream the launch is queued on; None for the default stream.
+        """
         # The hot path of asynchronous work: checks cost a type test each where the arguments are well formed.
         checked = check_kernel_args(args) if args or type(args) not in (list, tuple) else []
         if type(kernel) is not Kernel:
@@ -293,6 +489,17 @@ class RemoteGpu:
 
     def run_library(self, op: str, inputs: Sequence[ArrayRef], outputs: Sequence[ArrayRef],
                     params: Mapping[str, object] | None = None, stream: Stream | None = None) -> None:
+        """Run a library operation in the tenant's worker. The call is checked here against the op table (a
+        mistake raises at once); the worker checks it again against the real allocations. See
+        [GpuCompute.run_library][gpubroker.client.GpuCompute.run_library].
+
+        Args:
+            op: The operation's name.
+            inputs: The input arrays.
+            outputs: The output arrays.
+            params: The op's parameters.
+            stream: The stream it is queued on; None for the default stream.
+        """
         # Checked here too (the table is pure): a mistake raises at the call, not at the next synchronize, and
         # only what encodes is sent. The worker checks again against the real allocations.
         ins, outs, checked = check_library_call(op, inputs, outputs, params)
@@ -301,38 +508,94 @@ class RemoteGpu:
                                  _stream(stream) if stream is not None else ""))
 
     def create_stream(self) -> Stream:
+        """Create a stream (queued with `async_commands`).
+        See [GpuCompute.create_stream][gpubroker.client.GpuCompute.create_stream].
+
+        Returns:
+            The stream.
+        """
         handle = new_handle("stream")
         self._command(CreateStream(handle))
         return Stream(handle)
 
     def destroy_stream(self, stream: Stream) -> None:
+        """Finish and destroy a stream; always a round trip.
+        See [GpuCompute.destroy_stream][gpubroker.client.GpuCompute.destroy_stream].
+
+        Args:
+            stream: The stream.
+        """
         self.transport.call(DestroyStream(_stream_ref(stream)))
 
     def synchronize(self, stream: Stream | None = None) -> None:
+        """Wait for the device: one round trip carrying whatever is still queued. See
+        [GpuCompute.synchronize][gpubroker.client.GpuCompute.synchronize].
+
+        Args:
+            stream: The stream to wait for; None for all of the session's.
+        """
         # One round trip carrying what is queued and the sync; an asynchronous command's error surfaces here.
         self.transport.call(Synchronize(_stream(stream)))
 
     # Events are commands like stream creation: queued with async_commands, the handle chosen here.
     def create_event(self) -> Event:
+        """Create an event (queued with `async_commands`).
+        See [GpuCompute.create_event][gpubroker.client.GpuCompute.create_event].
+
+        Returns:
+            The event.
+        """
         handle = new_handle("event")
         self._command(CreateEvent(handle))
         return Event(handle)
 
     def record_event(self, event: Event, stream: Stream | None = None) -> None:
+        """Record an event (queued with `async_commands`).
+        See [GpuCompute.record_event][gpubroker.client.GpuCompute.record_event].
+
+        Args:
+            event: The event.
+            stream: The stream to mark; None for the default stream.
+        """
         self._command(RecordEvent(_event_ref(event), _stream(stream)))
 
     def wait_event(self, event: Event, stream: Stream | None = None) -> None:
+        """Make a stream wait for an event, on the device (queued with `async_commands`). See
+        [GpuCompute.wait_event][gpubroker.client.GpuCompute.wait_event].
+
+        Args:
+            event: The event.
+            stream: The stream that waits; None for the default stream.
+        """
         self._command(WaitEvent(_event_ref(event), _stream(stream)))
 
     def synchronize_event(self, event: Event) -> None:
+        """Wait on the host for an event; always a round trip.
+        See [GpuCompute.synchronize_event][gpubroker.client.GpuCompute.synchronize_event].
+
+        Args:
+            event: The event.
+        """
         # The host waits: one round trip carrying what is queued, as synchronize.
         self.transport.call(SynchronizeEvent(_event_ref(event)))
 
     def destroy_event(self, event: Event) -> None:
+        """Destroy an event (queued with `async_commands`).
+        See [GpuCompute.destroy_event][gpubroker.client.GpuCompute.destroy_event].
+
+        Args:
+            event: The event.
+        """
         self._command(DestroyEvent(_event_ref(event)))
 
     def close(self) -> None:
-        """End the session (the broker frees its buffers, modules and streams) and the channel."""
+        """End the session (the broker frees its buffers, modules and streams) and the channel.
+
+        Commands still queued in the client are dropped (those already sent may run): `synchronize()` first to
+        have them all run and see their errors.
+        Never raises for a session that is already gone; closing twice does nothing. Leaving a `with` block
+        calls it.
+        """
         if self._closed.is_set():
             return
         if self._transport is not None:
@@ -350,10 +613,12 @@ class RemoteGpu:
                 self._shm.close()
 
     def __enter__(self) -> RemoteGpu:
+        """Open the session if it is not open yet (`initialize`); the block gets this RemoteGpu."""
         self.initialize()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Close the session on leaving the block, whether or not it raised."""
         self.close()
 
 

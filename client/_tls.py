@@ -20,19 +20,38 @@ class TlsOptions:
       CN or SAN URI names the tenant, so the token may then be ``None``.
     - ``server_name``: the name to check the broker's certificate against, when the target's host is not in it.
     - ``insecure``: plaintext TCP to a broker started with ``--insecure``; the token travels in the clear.
+
+    Pass it as `connect(target, token, tls=TlsOptions(...))` (also to `list_devices` and `AdminClient`). It does
+    not apply to `unix:` targets. A certificate that does not verify fails the connection with `Unavailable`.
     """
 
     ca_file: str | os.PathLike[str] | None = None
+    """A PEM file with the CA certificate(s) that signed the broker's certificate; None: the system's roots."""
     ca: bytes | None = None
+    """The same CA certificate(s) as PEM bytes."""
     cert_file: str | os.PathLike[str] | None = None
+    """A PEM file with the client's certificate (mTLS); needs a key."""
     key_file: str | os.PathLike[str] | None = None
+    """A PEM file with the client certificate's private key."""
     cert: bytes | None = None
+    """The client's certificate as PEM bytes."""
     key: bytes | None = None
+    """The client certificate's private key as PEM bytes."""
     server_name: str | None = None
+    """The name the broker's certificate must carry, when it is not the target's host (an address, say)."""
     insecure: bool = False
+    """Plaintext TCP, for a broker started with `--insecure` (loopback or a trusted network only)."""
 
     def materials(self) -> tuple[bytes | None, bytes | None, bytes | None]:
-        """(root CA, client key, client cert) as PEM bytes, read now so a missing file fails before connecting."""
+        """(root CA, client key, client cert) as PEM bytes, read now so a missing file fails before connecting.
+
+        Returns:
+            The root CA, the client key and the client certificate, each None where not given.
+
+        Raises:
+            InvalidArgument: a file cannot be read, or a client certificate without its key (or a key without
+                its certificate).
+        """
         root = self.ca if self.ca is not None else _read(self.ca_file)
         key = self.key if self.key is not None else _read(self.key_file)
         cert = self.cert if self.cert is not None else _read(self.cert_file)

@@ -21,7 +21,7 @@ status=0
 if [ "${TESTS:-1}" = 1 ]; then
   "$PY" -m pytest -p no:cacheprovider -o addopts="" -m cuda -q -rs \
     tests/integration tests/security tests/broker/backends/test_cuda_backend.py tests/broker/backends/test_library.py \
-    tests/client/array 2>&1 | tee "$OUTDIR/gpu-tests.log"
+    tests/client/array tests/docs/test_examples.py 2>&1 | tee "$OUTDIR/gpu-tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "${REMOTE:-1}" = 1 ]; then

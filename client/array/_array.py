@@ -30,7 +30,22 @@ def _ew() -> Any:
 
 
 class Array:
-    """An n-dimensional array on a gpubroker device (``gpubroker.client.array.namespace(gpu)`` makes them)."""
+    """An n-dimensional array on a gpubroker device (``gpubroker.client.array.namespace(gpu)`` makes them).
+
+    Arrays are made by the namespace's functions (`xp.asarray(numpy_array)`, `xp.zeros(...)`, ...) and by
+    operations on arrays; the constructor is not public. They have the standard's attributes and operators
+    (arithmetic, comparison, bitwise, `@`, indexing with ints, slices, `None`, `...`, integer arrays and boolean
+    masks, in-place operators and `x[key] = value`), and `__array_namespace__()` returns their namespace.
+
+    Operations queue device work and return at once (with `async_commands`); the conversions to the host are
+    the calls that wait for the device: `numpy.asarray(x)` (`__array__`), `x.__dlpack__()`, `bool(x)`,
+    `int(x)`, `float(x)`, `complex(x)`, `operator.index(x)`, iterating. Errors follow the standard: `TypeError`,
+    `ValueError` and `IndexError` for wrong dtypes, shapes and indices, raised on the client; device and broker
+    errors are [GpuBrokerError][gpubroker.client.GpuBrokerError]s.
+
+    The array keeps its device memory alive; when the last array on an allocation is gone, the memory goes back
+    to the session's pool or is freed.
+    """
 
     __slots__ = ("__weakref__", "_ctx", "_storage", "_view")
     __array_priority__ = 100  # numpy defers to our operators: ``np_array + x`` is x.__radd__
@@ -43,22 +58,27 @@ class Array:
     # -- attributes --------------------------------------------------------------------------------
     @property
     def dtype(self) -> np.dtype[Any]:
+        """The element type: a NumPy dtype object (`xp.float32 is np.dtype("float32")`)."""
         return self._view.dtype
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The extent of each dimension; `()` for a 0-d array. Always known (never None)."""
         return self._view.shape
 
     @property
     def ndim(self) -> int:
+        """The number of dimensions."""
         return len(self._view.shape)
 
     @property
     def size(self) -> int:
+        """The number of elements (the product of `shape`; 1 for a 0-d array)."""
         return self._view.size
 
     @property
     def device(self) -> Device:
+        """The device the array lives on: its session's, the one device of its namespace."""
         return self._ctx.device
 
     def __array_namespace__(self, /, *, api_version: str | None = None) -> Any:
@@ -87,7 +107,18 @@ class Array:
 
     def to_device(self, device: Device, /, *, stream: int | Any | None = None) -> Array:
         """This array on ``device``: itself where ``device`` is its own; one namespace has one device, so any
-        other device is a ValueError (move data between sessions through the host: ``asarray(np.asarray(x))``)."""
+        other device is a ValueError (move data between sessions through the host: ``asarray(np.asarray(x))``).
+
+        Args:
+            device: The target device (`x.device`).
+            stream: Accepted for the standard's signature; not used.
+
+        Returns:
+            This array.
+
+        Raises:
+            ValueError: `device` is not this array's device.
+        """
         if device is not self._ctx.device:
             raise ValueError(f"{device!r} is not this array's device {self._ctx.device!r}; "
                              "an array moves to another session through the host")

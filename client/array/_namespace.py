@@ -17,17 +17,17 @@ from gpubroker.client import GpuCompute
 
 from ._context import Context
 
-__all__ = ["Namespace", "namespace", "namespace_of"]
+__all__ = ["Namespace", "namespace", "namespace_of", "release_memory"]
 
 API_VERSION = "2024.12"
 
-# The modules whose ``__all__`` the namespace exposes (each owned by one concept; see README "Arrays").
+# The modules whose ``__all__`` the namespace exposes (each owned by one concept; see docs/sdk/arrays.md).
 _MODULES = ("_dtypes", "_creation", "_elementwise", "_statistical", "_manipulation", "_indexing", "_searching",
             "_sorting", "_sets", "_linear", "_utility", "_info", "_scans", "_constants")
 _SUBMODULES = {"linalg": "_linalg", "fft": "_fft"}
 # Names in a module's __all__ that are helpers for other modules, not the standard's.
 _PRIVATE = frozenset({"ALL_DTYPES", "DType", "promote", "result_type_of", "scalar_dtype", "finfo_object",
-                      "iinfo_object"})
+                      "iinfo_object", "as_operand", "inplace", "inplace_result", "AxisError"})
 
 _lock = threading.Lock()
 
@@ -45,7 +45,26 @@ class _Sub(types.SimpleNamespace):
 
 
 class Namespace(types.SimpleNamespace):
-    """``xp``: the standard's functions and constants for one device session."""
+    """``xp``: the standard's functions and constants for one device session.
+
+    Made by [`namespace`][gpubroker.client.array.namespace], one per session. Its attributes are the Python
+    Array API standard's (version `__array_api_version__`, 2024.12), bound to the session's device:
+
+    - data types (`xp.float32`, ... are NumPy dtype objects), `can_cast`, `result_type`, `finfo`, `iinfo`,
+      `isdtype`, and the constants `e`, `inf`, `nan`, `newaxis`, `pi`;
+    - creation functions (`asarray` uploads a NumPy array, `zeros`, `arange`, `linspace`, `eye`, `meshgrid`,
+      `from_dlpack`, ...);
+    - elementwise functions, reductions and statistics, manipulation, indexing (`take`, `take_along_axis`),
+      searching, sorting, set functions, `matmul`, `tensordot`, `vecdot`, cumulative sums and products, `all`,
+      `any`, `diff`;
+    - the `linalg` and `fft` extensions, as `xp.linalg` and `xp.fft`;
+    - `__array_namespace_info__()`, whose `dtypes()` leaves out what the device lacks (float64 on some OpenCL
+      devices).
+
+    Elementwise functions and reductions run as kernels generated for the device; `matmul`, `linalg`, `fft`,
+    sorting and set functions run as library operations in the worker
+    ([`run_library`][gpubroker.client.GpuCompute.run_library]). Namespaces compare and hash by identity.
+    """
 
     __array_api_version__ = API_VERSION
 
@@ -99,6 +118,19 @@ def namespace(gpu: GpuCompute) -> Namespace:
 
     On a RemoteGpu, connect with ``async_commands=True``: array operations then queue as commands and only host
     conversions and data-dependent shapes wait for the device.
+
+    ```python
+    xp = gpubroker.client.array.namespace(gpu)
+    x = xp.reshape(xp.asarray(np.arange(6, dtype=np.float32)), (2, 3))
+    print(np.asarray(xp.sum(x * 2, axis=1)))  # [ 6. 24.]
+    ```
+
+    Args:
+        gpu: Any [GpuCompute][gpubroker.client.GpuCompute]: a session from `connect`, or an in-process backend.
+
+    Returns:
+        The session's namespace: the same object at every call for one `gpu`, and the one every array of the
+            session answers `__array_namespace__()` with.
     """
     # Kept on the gpu object itself: the namespace lives as long as its session, and every array of the session
     # answers __array_namespace__ with this same object (array-api-compat refuses arrays of two namespaces).
@@ -108,3 +140,22 @@ def namespace(gpu: GpuCompute) -> Namespace:
             ns = Namespace(Context(gpu))
             gpu._array_namespace = ns  # type: ignore[attr-defined]
         return ns
+
+
+def release_memory(gpu: GpuCompute) -> None:
+    """Free now the device buffers that the namespace of ``gpu`` keeps pooled for reuse.
+
+    Dead arrays' buffers go to a per-session pool (at most 256 MiB and a quarter of the tenant's quota) so that a
+    loop of same-shaped operations allocates nothing; the pool counts against the quota. The memory of live
+    arrays stays. Does nothing when ``gpu`` has no namespace yet.
+
+    Args:
+        gpu: the session whose namespace's pool to empty.
+
+    Raises:
+        GpuBrokerError: what freeing raises (see [GpuCompute.free_memory][gpubroker.client.GpuCompute.free_memory]);
+            on a session with `async_commands` the frees are queued and their errors come at the next wait.
+    """
+    ns = getattr(gpu, "_array_namespace", None)
+    if ns is not None:
+        ns._ctx.release_memory()

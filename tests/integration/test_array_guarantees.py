@@ -16,7 +16,7 @@ import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import AdminClient, GpuBrokerError, InvalidArgument, RemoteGpu, ResourceExhausted, connect
-from gpubroker.client.array import namespace
+from gpubroker.client.array import namespace, release_memory
 
 QUOTA = 32 << 20
 
@@ -52,7 +52,7 @@ def test_a_dead_array_gives_its_memory_back(arrays_broker: BrokerProcess) -> Non
         assert gpu.device_info().memory_used >= (before or 0) + (4 << 20)
         del x
         gc.collect()
-        xp._ctx.release_memory()  # dead buffers: freed (queued), the pool emptied
+        release_memory(gpu)  # dead buffers: freed (queued), the pool emptied
         gpu.synchronize()
         # The 4 MiB went back; what stays is small: the sum's 0-d result and the kernels' cached shape tables.
         assert gpu.device_info().memory_used <= (before or 0) + (64 << 10)

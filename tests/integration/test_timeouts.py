@@ -1,6 +1,6 @@
 """Timeouts: a call past its deadline fails and leaves its client usable; the broker drops a client gone silent.
 
-Every client call carries a deadline; long-lived calls rely on HTTP/2 keepalive (see the README's Reliability).
+Every client call carries a deadline; long-lived calls rely on HTTP/2 keepalive (see docs/reliability.md).
 """
 
 from __future__ import annotations

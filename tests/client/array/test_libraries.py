@@ -6,7 +6,7 @@ result compared with the same library on NumPy.
 The namespace ``array_api_strict`` (the standard's reference) runs the same tests: a failure there means the
 test asks for something the standard does not give, not that ours is wrong.
 
-The README's "Arrays" example (docs/arrays_section.md) runs here exactly as written, against a broker.
+The SDK guide's scikit-learn example (docs/sdk/arrays.md) runs with the docs' examples (tests/docs).
 """
 
 from __future__ import annotations
@@ -18,11 +18,7 @@ import os
 # too late whenever another module imported scipy first). Checked here so the cause is named if that changes.
 os.environ.setdefault("SCIPY_ARRAY_API", "1")
 
-import re
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import array_api_strict
@@ -44,12 +40,7 @@ from sklearn.preprocessing import MinMaxScaler, StandardScaler
 
 import gpubroker.client.array
 from gpubroker.broker.backends import open_backend
-from gpubroker.broker.launcher import BrokerProcess
 from gpubroker.client import GpuCompute, RemoteGpu, ResourceExhausted
-
-ROOT = Path(__file__).resolve().parents[3]
-# The "Arrays" section: README.md's once it is pasted there, its draft until then.
-README, DRAFT = ROOT / "README.md", ROOT / "docs" / "arrays_section.md"
 
 # How each namespace is reached: ours in-process and through a broker, and the standard's reference.
 WHERE = ["in-process", "broker", "array_api_strict"]
@@ -307,33 +298,3 @@ def test_wrong_dtypes_and_shapes_are_python_errors_on_the_client(xp: Any) -> Non
         floats + xp.asarray(np.ones((4,), np.float32))
     with pytest.raises(IndexError):
         ints[5, 0]
-
-
-# -- the README's example, as written -----------------------------------------------------------------------
-def arrays_section() -> tuple[Path, str]:
-    """Where the "Arrays" section is and its text: from its ``## Arrays`` heading to the next ``## `` heading."""
-    for path in (README, DRAFT):
-        found = re.search(r"^## Arrays\n(.*?)(?=^## |\Z)", path.read_text() if path.exists() else "",
-                          flags=re.DOTALL | re.MULTILINE)
-        if found:
-            return path, found.group(1)
-    raise AssertionError(f"no '## Arrays' section in {README} or {DRAFT}")
-
-
-def example_text() -> str:
-    """The one fenced Python block of the README's "Arrays" section."""
-    path, section = arrays_section()
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
-    assert len(blocks) == 1, f"the Arrays section of {path} should have exactly one ```python block, the example"
-    return str(blocks[0])
-
-
-def test_readme_example_runs_as_written(broker: BrokerProcess) -> None:
-    # A fresh interpreter, so the example's own first lines (SCIPY_ARRAY_API before sklearn) are what count;
-    # the broker is found as a user's would be, from GPUBROKER_TARGET and GPUBROKER_TOKEN.
-    env = {k: v for k, v in os.environ.items() if k != "SCIPY_ARRAY_API"}
-    env.update(GPUBROKER_TARGET=broker.target, GPUBROKER_TOKEN=broker.tokens["alice"])
-    done = subprocess.run([sys.executable, "-c", example_text()], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert "matches NumPy: True" in done.stdout, done.stdout

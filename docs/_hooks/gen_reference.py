@@ -1,0 +1,55 @@
+"""The API reference's generated parts: the library operations' table, read from ``LIBRARY_OPS`` itself."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gpubroker.client import LIBRARY_OPS
+from gpubroker.client._library import ALL_DTYPES, Param
+
+# Named dtype groups, largest first, so a row says "real floating" rather than listing two names.
+_GROUPS = (
+    ("any", ALL_DTYPES),
+    ("numeric", tuple(d for d in ALL_DTYPES if d != "bool")),
+    ("bool, real", ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float32",
+                    "float64")),
+    ("real", ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float32", "float64")),
+    ("floating", ("float32", "float64", "complex64", "complex128")),
+    ("real floating", ("float32", "float64")),
+    ("complex floating", ("complex64", "complex128")),
+)
+
+
+def _dtypes(dtypes: tuple[str, ...]) -> str:
+    for name, group in _GROUPS:
+        if set(dtypes) == set(group):
+            return name
+    return ", ".join(dtypes)
+
+
+def _param(name: str, spec: Param) -> str:
+    kind = {"ints": "list of ints"}.get(spec.kind, spec.kind)
+    if spec.kind == "dtype":
+        kind = f"a dtype name ({_dtypes(spec.choices)})"
+    elif spec.choices:
+        kind = " \\| ".join(f'"{c}"' for c in spec.choices)
+    text = f"`{name}`: {kind}"
+    if spec.nullable:
+        text += " or None"
+    if spec.minimum is not None:
+        text += f", >= {spec.minimum}"
+    if spec.required:
+        return text + ", required"
+    return text + f" (default `{spec.default!r}`)"
+
+
+def library_ops() -> str:
+    """A table row per op: its name, arrays in and out, the first input's dtypes, its params."""
+    rows = ["| op | inputs | outputs | first input's dtypes | params |", "|---|---:|---:|---|---|"]
+    for name, op in LIBRARY_OPS.items():
+        params = "; ".join(_param(p, spec) for p, spec in op.params.items()) or "none"
+        rows.append(f"| `{name}` | {op.inputs} | {op.outputs} | {_dtypes(op.dtypes)} | {params} |")
+    return "\n".join(rows) + "\n"
+
+
+GENERATED: dict[str, Callable[[], str]] = {"library-ops": library_ops}
