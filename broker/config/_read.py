@@ -77,7 +77,8 @@ def describe_type(tp: Any) -> str:
                 for name, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
                     value = getattr(meta, name)
                     if value is not None and not (OCTAL in forms and name == "ge"):
-                        bounds.append(f"{sign} {oct(value) if OCTAL in forms else format(value, 'g')}")
+                        shown = oct(value) if OCTAL in forms else value if isinstance(value, int) else f"{value:g}"
+                        bounds.append(f"{sign} {shown}")
                 if meta.min_length is not None:
                     bounds.append("(not empty)" if meta.min_length == 1 else f"(at least {meta.min_length})")
                 if meta.pattern is not None and meta.pattern == _NAME.pattern:

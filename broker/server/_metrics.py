@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Reversible
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, TypeVar
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, start_http_server
@@ -26,7 +26,8 @@ from ..scheduler import DeviceScheduler
 from ..sessions import SessionManager
 from ..workers import WorkerPool
 
-__all__ = ["RPC_DURATION", "SHARE_WINDOW_SECONDS", "BrokerCollector", "MetricsServer", "observe_rpc", "serve_metrics"]
+__all__ = ["METRICS", "RPC_BUCKETS", "RPC_DURATION", "RPC_METRIC", "SHARE_WINDOW_SECONDS", "BrokerCollector",
+           "MetricSpec", "MetricsServer", "observe_rpc", "serve_metrics"]
 
 log = logging.getLogger("gpubroker.metrics")
 T = TypeVar("T")
@@ -35,13 +36,70 @@ SHARE_WINDOW_SECONDS = 10.0  # gpubroker_device_share covers this much recent de
 _SNAPSHOT_TIMEOUT = 5.0  # a scrape fails (so Prometheus sees the broker down) if the event loop is stuck this long
 _QUANTILES = (0.5, 0.99)
 
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric family the broker exposes: what ``BrokerCollector.collect`` yields, and the docs list."""
+
+    name: str  # the family's name; a counter's samples add ``_total``, a histogram's ``_bucket``, ``_sum``, ``_count``
+    type: Literal["gauge", "counter", "histogram"]
+    labels: tuple[str, ...]
+    help: str
+
+    def family(self, value: float | None = None) -> CounterMetricFamily | GaugeMetricFamily:
+        """An empty family to fill with ``add_metric`` (or, without labels, holding ``value``)."""
+        kind: type[CounterMetricFamily | GaugeMetricFamily] = (
+            CounterMetricFamily if self.type == "counter" else GaugeMetricFamily)
+        if value is not None:
+            return kind(self.name, self.help, value=value)
+        return kind(self.name, self.help, labels=list(self.labels))
+
+
+_TD = ("tenant", "device")
+# Every family, in the order a scrape shows them: BrokerCollector.collect yields exactly these (the docs'
+# metrics list is generated from this table and RPC_METRIC, and a test checks a live scrape against both).
+MEMORY_USED = MetricSpec("gpubroker_memory_used_bytes", "gauge", _TD,
+                         "Device memory the tenant's sessions hold on the device.")
+MEMORY_QUOTA = MetricSpec("gpubroker_memory_quota_bytes", "gauge", _TD,
+                          "The tenant's device-memory quota on the device.")
+DEVICE_SECONDS = MetricSpec("gpubroker_device_seconds", "counter", _TD,
+                            "Device time charged to the tenant by the fair scheduler (charged at its fences).")
+DEVICE_SHARE = MetricSpec("gpubroker_device_share", "gauge", _TD,
+                          f"The tenant's fraction of the device time charged in the last {SHARE_WINDOW_SECONDS:g} s.")
+SESSIONS = MetricSpec("gpubroker_sessions", "gauge", _TD, "Open sessions.")
+QUEUE_DEPTH = MetricSpec("gpubroker_queue_depth", "gauge", _TD,
+                         "Device calls waiting for the tenant's turn on the device.")
+INFLIGHT = MetricSpec("gpubroker_device_calls_inflight", "gauge", _TD, "Device calls holding a turn on the device.")
+WORKER_UP = MetricSpec("gpubroker_worker_up", "gauge", _TD,
+                       "1 while the tenant has a live worker process on the device.")
+WORKER_RESTARTS = MetricSpec("gpubroker_worker_restarts", "counter", _TD,
+                             "Workers that died or were killed (crash, fatal device error, compile timeout); the "
+                             "tenant's next session gets a fresh one.")
+SCHEDULER_WAIT = MetricSpec("gpubroker_scheduler_wait_seconds", "gauge", (*_TD, "quantile"),
+                            "Wait for a turn on the device, over the tenant's last 4096 device calls.")
+SHARED_MEMORY = MetricSpec("gpubroker_shared_memory_bytes", "gauge", ("tenant",),
+                           "Host memory the tenant maps through the same-host shared-memory side channel, summed "
+                           "over its sessions on every device.")
+SHARED_LIMIT = MetricSpec("gpubroker_shared_memory_limit_bytes", "gauge", (),
+                          "How much of it each tenant may map (max_shared_bytes_per_tenant).")
+TENANT_CRASHES = MetricSpec("gpubroker_tenant_worker_crashes", "counter", ("tenant",),
+                            "Worker deaths charged to the tenant (its kernels, compiles or lies, or a kill for the "
+                            "kernel time limit): its crash budget. Never counted against the device.")
+TENANT_BACKOFF = MetricSpec("gpubroker_tenant_backoff_seconds", "gauge", ("tenant",),
+                            "Seconds until the tenant, over its crash budget, may open sessions again (0: it may).")
+DRAINING = MetricSpec("gpubroker_draining", "gauge", (), "1 while the broker refuses new sessions.")
+METRICS: tuple[MetricSpec, ...] = (MEMORY_USED, MEMORY_QUOTA, DEVICE_SECONDS, DEVICE_SHARE, SESSIONS, QUEUE_DEPTH,
+                                   INFLIGHT, WORKER_UP, WORKER_RESTARTS, SCHEDULER_WAIT, SHARED_MEMORY, SHARED_LIMIT,
+                                   TENANT_CRASHES, TENANT_BACKOFF, DRAINING)
+
 # One histogram for the process: the RPC wrappers observe it whether or not an endpoint serves it (a few
 # microseconds against a gRPC call's hundreds), and each broker's registry exposes it.
-RPC_DURATION = Histogram(
-    "gpubroker_rpc_duration_seconds", "Time from an RPC's arrival to its answer (a stream's whole life), by status.",
-    ["method", "code"], registry=None,
-    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-             30.0, 60.0))
+RPC_METRIC = MetricSpec("gpubroker_rpc_duration_seconds", "histogram", ("method", "code"),
+                        "Time from an RPC's arrival to its answer (a stream's whole life), by status.")
+RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+               30.0, 60.0)
+RPC_DURATION = Histogram(RPC_METRIC.name, RPC_METRIC.help, list(RPC_METRIC.labels), registry=None,
+                         buckets=RPC_BUCKETS)
 
 
 def observe_rpc(method: str, code: str, seconds: float) -> None:
@@ -137,65 +195,40 @@ class BrokerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         # Links allocate without the front: the workers' fresh memory figures first (bounded), then the snapshot.
         snap = asyncio.run_coroutine_threadsafe(self._fresh_snapshot(), self.loop).result(_SNAPSHOT_TIMEOUT)
-        labels = ["tenant", "device"]
 
-        def family(kind: type[CounterMetricFamily | GaugeMetricFamily], name: str, doc: str,
-                   value: Callable[[_TenantRow], float]) -> Metric:
-            metric = kind(name, doc, labels=labels)
+        def per_row(spec: MetricSpec, value: Callable[[_TenantRow], float]) -> Metric:
+            metric = spec.family()
             for row in snap.rows:
                 metric.add_metric([row.tenant, str(row.device)], value(row))
             return metric
 
-        yield family(GaugeMetricFamily, "gpubroker_memory_used_bytes",
-                     "Device memory the tenant's sessions hold on the device.", lambda r: r.memory_used)
-        yield family(GaugeMetricFamily, "gpubroker_memory_quota_bytes",
-                     "The tenant's device-memory quota on the device.", lambda r: r.memory_quota)
-        yield family(CounterMetricFamily, "gpubroker_device_seconds",
-                     "Device time charged to the tenant by the fair scheduler (charged at its fences).",
-                     lambda r: r.device_seconds)
-        yield family(GaugeMetricFamily, "gpubroker_device_share",
-                     f"The tenant's fraction of the device time charged in the last {SHARE_WINDOW_SECONDS:g} s.",
-                     lambda r: r.share)
-        yield family(GaugeMetricFamily, "gpubroker_sessions", "Open sessions.", lambda r: r.sessions)
-        yield family(GaugeMetricFamily, "gpubroker_queue_depth",
-                     "Device calls waiting for the tenant's turn on the device.", lambda r: r.queued)
-        yield family(GaugeMetricFamily, "gpubroker_device_calls_inflight",
-                     "Device calls holding a turn on the device.", lambda r: r.inflight)
-        yield family(GaugeMetricFamily, "gpubroker_worker_up",
-                     "1 while the tenant has a live worker process on the device.", lambda r: int(r.worker_up))
-        yield family(CounterMetricFamily, "gpubroker_worker_restarts",
-                     "Workers that died or were killed (crash, fatal device error, compile timeout); the tenant's "
-                     "next session gets a fresh one.", lambda r: r.restarts)
-        waits = GaugeMetricFamily("gpubroker_scheduler_wait_seconds",
-                                  "Wait for a turn on the device, over the tenant's last 4096 device calls.",
-                                  labels=[*labels, "quantile"])
+        yield per_row(MEMORY_USED, lambda r: r.memory_used)
+        yield per_row(MEMORY_QUOTA, lambda r: r.memory_quota)
+        yield per_row(DEVICE_SECONDS, lambda r: r.device_seconds)
+        yield per_row(DEVICE_SHARE, lambda r: r.share)
+        yield per_row(SESSIONS, lambda r: r.sessions)
+        yield per_row(QUEUE_DEPTH, lambda r: r.queued)
+        yield per_row(INFLIGHT, lambda r: r.inflight)
+        yield per_row(WORKER_UP, lambda r: int(r.worker_up))
+        yield per_row(WORKER_RESTARTS, lambda r: r.restarts)
+        waits = SCHEDULER_WAIT.family()
         for row in snap.rows:
             for q, seconds in row.waits.items():
                 waits.add_metric([row.tenant, str(row.device), str(q)], seconds)
         yield waits
-        shared = GaugeMetricFamily("gpubroker_shared_memory_bytes",
-                                   "Host memory the tenant maps through the same-host shared-memory side channel, "
-                                   "summed over its sessions on every device.", labels=["tenant"])
+        shared = SHARED_MEMORY.family()
         for name, used in snap.shared.items():
             shared.add_metric([name], used)
         yield shared
-        yield GaugeMetricFamily("gpubroker_shared_memory_limit_bytes",
-                                "How much of it each tenant may map (max_shared_bytes_per_tenant).",
-                                value=snap.shared_limit)
-        crashes = CounterMetricFamily(
-            "gpubroker_tenant_worker_crashes", "Worker deaths charged to the tenant (its kernels, compiles or lies, "
-            "or a kill for the kernel time limit): its crash budget. Never counted against the device.",
-            labels=["tenant"])
-        backoff = GaugeMetricFamily(
-            "gpubroker_tenant_backoff_seconds",
-            "Seconds until the tenant, over its crash budget, may open sessions again (0: it may).", labels=["tenant"])
+        yield SHARED_LIMIT.family(value=snap.shared_limit)
+        crashes = TENANT_CRASHES.family()
+        backoff = TENANT_BACKOFF.family()
         for tenant, count in snap.crashes.items():
             crashes.add_metric([tenant], count)
             backoff.add_metric([tenant], snap.backoff[tenant])
         yield crashes
         yield backoff
-        yield GaugeMetricFamily("gpubroker_draining", "1 while the broker refuses new sessions.",
-                                value=int(snap.draining))
+        yield DRAINING.family(value=int(snap.draining))
 
 
 class MetricsServer:
