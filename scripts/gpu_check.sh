@@ -10,6 +10,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpb-site \
     .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/gpb-site${PYTHONPATH:+:$PYTHONPATH}
+  export PATH=/tmp/gpb-site/bin:$PATH  # the `gpubroker` command, which the docs' bash examples call
 fi
 export PYTHONUNBUFFERED=1
 [ -f .whl/COMMIT ] && export GPUBROKER_COMMIT="$(cat .whl/COMMIT)"  # what the benchmarks' JSON names
@@ -21,7 +22,7 @@ status=0
 if [ "${TESTS:-1}" = 1 ]; then
   "$PY" -m pytest -p no:cacheprovider -o addopts="" -m cuda -q -rs \
     tests/integration tests/security tests/broker/backends/test_cuda_backend.py tests/broker/backends/test_library.py \
-    tests/client/array tests/docs/test_examples.py 2>&1 | tee "$OUTDIR/gpu-tests.log"
+    tests/client/array tests/docs/test_examples.py tests/docs/test_generated.py 2>&1 | tee "$OUTDIR/gpu-tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "${REMOTE:-1}" = 1 ]; then
