@@ -15,9 +15,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mkdocs.structure.files import File, Files
+if TYPE_CHECKING:  # mkdocs is imported where the build calls in: the tests read the generators without it
+    from mkdocs.structure.files import Files
 
 _HERE = Path(__file__).resolve().parent
 _MARKER = re.compile(r"^<!-- generated: ([a-z0-9-]+) -->$", re.MULTILINE)
@@ -50,6 +51,8 @@ def generators() -> dict[str, Callable[[], str]]:
 
 
 def on_files(files: Files, config: Any) -> Files:
+    from mkdocs.structure.files import File
+
     for module in _modules():
         make = getattr(module, "FILES", None)
         if make is None:
