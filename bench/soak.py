@@ -5,7 +5,7 @@ synchronize -> copy out (checked) -> close, over every transport in turn (gRPC s
 or the front's fast path, asynchronous command batches). After a warm-up, a baseline is taken of the broker's and
 its workers' RSS, open file descriptors and threads, the shared segments mapped, the device memory charged and the
 sessions open; after the cycles the same figures are taken again once the broker has settled.
-Run: ``gpubroker bench soak [--cycles 1000] [--tenants 4] [--backend opencl] [--out soak.json]``.
+Run: ``gpubroker bench soak [--cycles 1000] [--tenants 4] [--backend auto|cuda|opencl] [--out soak.json]``.
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, default=1000, help="session cycles per tenant (default 1000)")
     parser.add_argument("--tenants", type=int, default=4, help="tenants cycling at once, one process each")
     parser.add_argument("--warmup", type=int, default=5, help="cycles per tenant before the baseline (default 5)")
-    parser.add_argument("--backend", default="opencl", choices=["auto", "cuda", "opencl"])
+    parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "opencl"])
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
     names = [f"tenant{i}" for i in range(args.tenants)]

@@ -1,6 +1,6 @@
 """`gpubroker bench fuzz`: a long fuzzing run against a fresh broker, reported as JSON.
 
-Run: ``gpubroker bench fuzz --cases 100000 [--backend opencl] [--max-steps 4] [--seed N] [--out fuzz.json]``.
+Run: ``gpubroker bench fuzz --cases 100000 [--backend auto|cuda|opencl] [--max-steps 4] [--seed N] [--out fuzz.json]``.
 Cases are gRPC cases (``GrpcFuzzer``) and, a share of them, raw-socket cases: the framed link on the Unix socket
 and on the TCP link with TLS (``LinkFuzzer``), the shared-memory side channel and the gRPC socket (``RawFuzzer``).
 It stops at the first broken promise and reports it; otherwise it reports every status seen, whether the broker
@@ -179,7 +179,7 @@ def run_fuzz(broker: BrokerProcess, targets: list[LinkTarget], cases: int, max_s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpubroker bench fuzz", description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=100_000)
-    parser.add_argument("--backend", default="opencl", choices=["auto", "cuda", "opencl"])
+    parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "opencl"])
     parser.add_argument("--max-steps", type=int, default=4, help="calls per gRPC case, at most (default 4)")
     parser.add_argument("--raw-share", type=float, default=0.1, help="share of raw-socket cases (default 0.1)")
     parser.add_argument("--compile-odds", type=int, default=8,
