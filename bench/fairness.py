@@ -24,7 +24,7 @@ from gpubroker.broker.backends import detect_backend, open_backend
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import AdminClient, connect
 
-__all__ = ["main"]
+__all__ = ["main", "share_series"]
 
 
 def _calibrate(backend: str, target_ms: float) -> int:
@@ -135,6 +135,19 @@ def _run(backend: str, weights: dict[str, int], lengths: list[int], seconds: flo
     return result
 
 
+def share_series(timeline: list[dict[str, float]], tenants: list[str], tenant: str) -> tuple[list[float], list[float]]:
+    """``tenant``'s share of the device time charged between each two samples of ``timeline`` (cumulative device
+    seconds by tenant, and ``t``), at the later sample's time; intervals with no charge are left out."""
+    ts, shares = [], []
+    for prev, cur in itertools.pairwise(timeline):
+        delta = {t: cur.get(t, 0.0) - prev.get(t, 0.0) for t in tenants}
+        whole = sum(delta.values())
+        if whole > 0:
+            ts.append(cur["t"])
+            shares.append(delta[tenant] / whole)
+    return ts, shares
+
+
 def _plot(results: dict[str, Any], path: str) -> str | None:
     try:
         import matplotlib
@@ -149,13 +162,7 @@ def _plot(results: dict[str, Any], path: str) -> str | None:
         timeline = results[name]["timeline"]
         tenants = list(results[name]["tenants"])
         for tenant in tenants:
-            ts, shares = [], []
-            for prev, cur in itertools.pairwise(timeline):
-                delta = {t: cur.get(t, 0) - prev.get(t, 0) for t in tenants}
-                whole = sum(delta.values())
-                if whole > 0:
-                    ts.append(cur["t"])
-                    shares.append(delta[tenant] / whole)
+            ts, shares = share_series(timeline, tenants, tenant)
             ax.plot(ts, shares, label=f"{tenant} (w={results[name]['tenants'][tenant]['weight']})")
         ax.set_title(f"{name}: device-time share per 0.25 s")
         ax.set_xlabel("seconds")

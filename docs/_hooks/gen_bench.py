@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import functools
 import io
-import itertools
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+from gpubroker.bench.fairness import share_series
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
@@ -399,13 +400,7 @@ def _fairness_plot() -> bytes:
         tenants = list(run["tenants"])
         timeline = run["timeline"]
         for tenant in tenants:
-            ts, shares = [], []
-            for prev, cur in itertools.pairwise(timeline):
-                delta = {t: cur.get(t, 0.0) - prev.get(t, 0.0) for t in tenants}
-                whole = sum(delta.values())
-                if whole > 0:
-                    ts.append(cur["t"])
-                    shares.append(delta[tenant] / whole)
+            ts, shares = share_series(timeline, tenants, tenant)
             line = ax.plot(ts, shares, label=f"{tenant} (weight {run['tenants'][tenant]['weight']})", linewidth=1.2)
             if name == "weighted" or tenant == tenants[0]:
                 ax.axhline(run["tenants"][tenant]["target"], color=line[0].get_color(), linestyle=":", linewidth=1)
