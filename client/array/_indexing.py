@@ -8,6 +8,7 @@ range values inside an index array are clamped on the device (the standard leave
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import TYPE_CHECKING, Any
 
@@ -330,7 +331,9 @@ def _set_masked(x: Array, mask: Array, value: Any) -> None:
 
 def _scatter_rows(x: Array, k: int, positions: Array, values: Array) -> None:
     """``x.reshape(-1, *x.shape[k:])[positions] = values`` done on the host (rare: a value per masked element)."""
-    host = to_host(x).reshape((-1, *x.shape[k:]))
+    # The leading extent spelled out, not -1: numpy cannot infer it when another extent is 0 (x of shape (0,)
+    # under a 0-d mask is one row of no elements).
+    host = to_host(x).reshape((math.prod(x.shape[:k]), *x.shape[k:]))
     host[to_host(positions)] = to_host(values)
     from ._creation import asarray
 

@@ -117,6 +117,22 @@ def test_setitem_boolean_mask(xp: Any) -> None:
     check(x, host)
 
 
+@pytest.mark.parametrize(("shape", "mask", "values"), [
+    ((0,), np.True_, np.empty((1, 0), np.float32)),  # one row of no elements (found by the property test)
+    ((2, 3), np.True_, np.arange(6, dtype=np.float32).reshape(1, 2, 3)),  # a 0-d mask: x[True] is x[None]
+    ((3, 2), np.array([True, False, True]), np.arange(4, dtype=np.float32).reshape(2, 2)),
+    ((3, 0), np.array([True, False, True]), np.empty((2, 0), np.float32)),
+], ids=["empty-under-0d", "0d-mask", "rows", "rows-of-nothing"])
+def test_setitem_mask_with_an_array_per_selected_element(xp: Any, shape: tuple[int, ...], mask: Any,
+                                                         values: Any) -> None:
+    pytest.importorskip("gpubroker.client.array._elementwise")
+    host = np.zeros(shape, np.float32)
+    x = xp.asarray(host)
+    x[xp.asarray(mask)] = xp.asarray(values)
+    host[mask] = values
+    check(x, host)
+
+
 @pytest.mark.parametrize("axis", [0, 1, -1])
 def test_take(xp: Any, axis: int) -> None:
     indices = np.array([0, 2, -1, 1, 0])
