@@ -93,18 +93,15 @@ def _remote_table(name: str) -> str:
          _num(nat["large_kernels_s"]["median"] * 1e3), _spread(rem["large_kernels_s"], 1e3),
          _ratio(ratio["large_kernels_time"])],
     ]
-    for size in SIZES:
-        for way in ("h2d", "d2h"):
-            rows.append([f"`host_array` copy {size} {way.upper()} (GB/s), against pinned",
-                         _num(nat["copies_pinned"][size][f"{way}_gbps"]["median"]),
-                         _spread(rem["copies_host_array"][size][f"{way}_gbps"]),
-                         _ratio(ratio["host_array_vs_pinned"][size][way])])
-    for size in SIZES:
-        for way in ("h2d", "d2h"):
-            rows.append([f"numpy array copy {size} {way.upper()} (GB/s), against pageable",
-                         _num(nat["copies_pageable"][size][f"{way}_gbps"]["median"]),
-                         _spread(rem["copies_numpy"][size][f"{way}_gbps"]),
-                         _ratio(ratio["numpy_vs_pageable"][size][way])])
+    # (what is copied, the native copy it is set against: their figures' keys, and the ratios')
+    copies = (("`host_array`", "pinned", "copies_host_array", "copies_pinned", "host_array_vs_pinned"),
+              ("numpy array", "pageable", "copies_numpy", "copies_pageable", "numpy_vs_pageable"))
+    for what, against, ours, native, ratios in copies:
+        for size in SIZES:
+            for way in ("h2d", "d2h"):
+                rows.append([f"{what} copy {size} {way.upper()} (GB/s), against {against}",
+                             _num(nat[native][size][f"{way}_gbps"]["median"]),
+                             _spread(rem[ours][size][f"{way}_gbps"]), _ratio(ratio[ratios][size][way])])
     rows.append(["gRPC `Commands`: launch + sync p50 (µs)", "", _spread(rem["grpc_launch_sync_p50_us"]),
                  _ratio(ratio["grpc_launch_sync_p50"])])
     links = (("tcp_tls", "loopback TCP link with TLS"), ("vsock_standin", "vsock (a Unix socket standing in)"))

@@ -105,8 +105,8 @@ def _section(heading: str, struct: type[msgspec.Struct], anchor: str) -> Iterato
     if heading == "[tls.identities]":
         (field,) = table_keys(heading)
         value_type = typing.get_args(typing.get_args(field.type)[0])[1]  # dict[str, <this>]
-        yield description(field).removeprefix("[tls.identities]: ")[:1].upper() + \
-            description(field).removeprefix("[tls.identities]: ")[1:]
+        text = description(field).removeprefix("[tls.identities]: ")
+        yield text[:1].upper() + text[1:]
         yield ""
         yield from _definition("\"SAN URI or CN\"", "tls-identities-entry", describe_type(value_type), "{}",
                                "Each key is a client certificate's identity (its SAN URI, or its CN); each value "

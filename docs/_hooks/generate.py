@@ -24,19 +24,21 @@ _HERE = Path(__file__).resolve().parent
 _MARKER = re.compile(r"^<!-- generated: ([a-z0-9-]+) -->$", re.MULTILINE)
 
 
+def load(stem: str) -> ModuleType:
+    """The module docs/_hooks/STEM.py, loaded once (as ``gpubroker_docs_STEM``: the folder is no package)."""
+    name = f"gpubroker_docs_{stem}"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, _HERE / f"{stem}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
 def _modules() -> list[ModuleType]:
-    found = []
-    for path in sorted(_HERE.glob("gen_*.py")):
-        name = f"gpubroker_docs_{path.stem}"
-        module = sys.modules.get(name)
-        if module is None:
-            spec = importlib.util.spec_from_file_location(name, path)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-        found.append(module)
-    return found
+    return [load(path.stem) for path in sorted(_HERE.glob("gen_*.py"))]
 
 
 def generators() -> dict[str, Callable[[], str]]:

@@ -23,15 +23,15 @@ _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local 
 
 
 def _hook(name: str) -> ModuleType:
-    """A module of docs/_hooks, loaded as the build loads it."""
-    qualified = f"gpubroker_docs_{name}"
-    if qualified not in sys.modules:
-        spec = importlib.util.spec_from_file_location(qualified, HOOKS / f"{name}.py")
+    """A module of docs/_hooks, loaded as the build loads it (generate.py's ``load``, after generate.py itself)."""
+    if "gpubroker_docs_generate" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gpubroker_docs_generate", HOOKS / "generate.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
-        sys.modules[qualified] = module
+        sys.modules[spec.name] = module
         spec.loader.exec_module(module)
-    return sys.modules[qualified]
+    generate = sys.modules["gpubroker_docs_generate"]
+    return generate if name == "generate" else generate.load(name)
 
 
 def _generated(name: str) -> str:
