@@ -5,18 +5,26 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gpubroker.client import LIBRARY_OPS
-from gpubroker.client._library import ALL_DTYPES, Param
+from gpubroker.client._library import (
+    ALL_DTYPES,
+    BOOL,
+    COMPLEX_FLOATING,
+    FLOATING,
+    NUMERIC,
+    REAL,
+    REAL_FLOATING,
+    Param,
+)
 
-# Named dtype groups, largest first, so a row says "real floating" rather than listing two names.
+# The op table's own dtype groups, named, largest first, so a row says "real floating" rather than listing two names.
 _GROUPS = (
     ("any", ALL_DTYPES),
-    ("numeric", tuple(d for d in ALL_DTYPES if d != "bool")),
-    ("bool, real", ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float32",
-                    "float64")),
-    ("real", ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float32", "float64")),
-    ("floating", ("float32", "float64", "complex64", "complex128")),
-    ("real floating", ("float32", "float64")),
-    ("complex floating", ("complex64", "complex128")),
+    ("numeric", NUMERIC),
+    ("bool, real", BOOL + REAL),
+    ("real", REAL),
+    ("floating", FLOATING),
+    ("real floating", REAL_FLOATING),
+    ("complex floating", COMPLEX_FLOATING),
 )
 
 
