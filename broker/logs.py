@@ -10,11 +10,14 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["CONTEXT_FIELDS", "JsonFormatter", "bind_log_context", "configure_logging", "log_context"]
+__all__ = ["CONTEXT_FIELDS", "RECORD_FIELDS", "JsonFormatter", "bind_log_context", "configure_logging", "log_context"]
 
 TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 # The fields a line carries when the code that logs it runs on behalf of a call.
 CONTEXT_FIELDS = ("tenant", "session", "method")
+# Fields a record may carry of its own (``extra=``), each its own key in JSON lines: a worker's output is logged by
+# the front with its tenant, device, pid and stream, and the worker's (escaped) text only ever in ``output``.
+RECORD_FIELDS = ("device", "pid", "stream", "output", "dropped_bytes", "dropped_lines")
 # What is known of the call being served, set by the RPC wrappers (and whoever else serves tenants' calls).
 log_context: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("log_context", default=None)
 # The task that bound them: tasks it spawns inherit its context but not its identity (a scheduler switch started
@@ -52,19 +55,28 @@ class _ContextFilter(logging.Filter):
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object a line: time (UTC, ISO 8601), level, logger, message, then the call's fields."""
+    """One JSON object a line: time (UTC, ISO 8601), level, logger, message, then the call's and the record's fields.
+
+    A record with a ``json_message`` has that as its message here: its fields say the rest (a worker's output: the
+    text line repeats them, the JSON line need not).
+    """
 
     def format(self, record: logging.LogRecord) -> str:
+        json_message = getattr(record, "json_message", None)
         line: dict[str, Any] = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname,
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": json_message if isinstance(json_message, str) else record.getMessage(),
         }
         for key in CONTEXT_FIELDS:
             value = getattr(record, key, None)
             if value:
                 line[key] = str(value)
+        for key in RECORD_FIELDS:
+            value = getattr(record, key, None)
+            if value is not None:
+                line[key] = value if isinstance(value, int | float | bool) else str(value)
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         elif record.exc_text:

@@ -16,6 +16,7 @@ import json
 import os
 import resource
 import signal
+import stat
 import sys
 from typing import Any
 
@@ -280,28 +281,6 @@ def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any) -> None:
     os._exit(127)
 
 
-def _relay(pipes: dict[int, int]) -> None:
-    """Copy each pipe to its target until every one is at end-of-file; a failing target (the front's log is gone)
-    drops what would go there."""
-    import selectors
-
-    selector = selectors.DefaultSelector()
-    for source in pipes:
-        selector.register(source, selectors.EVENT_READ)
-    sinks: dict[int, int | None] = dict(pipes)
-    while selector.get_map():
-        for key, _ in selector.select():
-            data = os.read(key.fd, 65536)
-            if not data:
-                selector.unregister(key.fd)
-                continue
-            while data and (sink := sinks[key.fd]) is not None:
-                try:
-                    data = data[os.write(sink, data):]
-                except OSError:
-                    sinks[key.fd] = None
-
-
 def _mirror_exit(status: int) -> None:
     """Leave as the child did: the same exit code, or death by the same signal (the front reads either)."""
     if os.WIFSIGNALED(status):
@@ -326,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The launcher dies with the front (the worker then dies with the launcher).
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "set the parent-death signal")
+        for fd in (1, 2):
+            # The worker writes on these: never the front's log file itself (it could reopen it for reading
+            # through /proc/self/fd, and write on it raw), only the pipes the front reads it through.
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SetupError(f"the worker's {('stdout', 'stderr')[fd - 1]} is a file: give it a pipe")
         seccomp_filter = None
         if spec.get("seccomp", True):
             from ._seccomp import build_filter
@@ -347,23 +331,18 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_SETUP_FAILED
     sys.stdout.flush()
     sys.stderr.flush()
-    # The worker's output reaches the front's log through this launcher: with the log file itself as its stdio,
-    # the worker could reopen it for reading through /proc/self/fd.
-    pipes = [os.pipe(), os.pipe()]  # its stdout, its stderr
+    # The worker's stdout and stderr are the launcher's own: pipes of the front's, one pair per worker, which the
+    # front reads, rate-limits, escapes and logs as the tenant's (workers/_output.py). Nothing is relayed here:
+    # a copy through this process would cost a second copy of every byte, and the front drains them anyway.
     pid = os.fork()
     if pid == 0:
-        for target, (_, w) in enumerate(pipes, 1):
-            os.dup2(w, target)
         _child(spec, worker_argv, seccomp_filter)
-    for _, w in pipes:
-        os.close(w)
     # Only the worker holds its channels: the front's closing them must reach it as end-of-file.
-    _close_fds([r for r, _ in pipes])
+    _close_fds([])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         # The front ends workers by closing their channels or by SIGKILL; a signal sent to the whole process
         # group (a terminal's ^C, systemd's stop) must not end them before the front has drained.
         signal.signal(sig, signal.SIG_IGN)
-    _relay({r: target for target, (r, _) in enumerate(pipes, 1)})  # until the worker (and all it started) is gone
     while True:
         try:
             _, status = os.waitpid(pid, 0)

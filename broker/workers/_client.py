@@ -29,8 +29,10 @@ from gpubroker.client import (
 from gpubroker.client._protocol import Ack, Batch, DeviceInfoQuery
 
 from ..sandbox import Launch, WorkerSandbox
+from ..sandbox._launch import EXIT_SETUP_FAILED
 from ._frames import MAX_FRAME, FrameClosed, FrameRefused, read_reply, write_frame_async
 from ._links import CONTROL  # the request id of lease messages, both ways
+from ._output import WorkerOutput
 from ._replies import WorkerLied, check_result, device_info_from_dict, error_from_worker
 
 __all__ = ["CONTROL", "EXIT_FATAL", "WorkerClient", "device_info_from_dict"]
@@ -50,6 +52,9 @@ _CHARGE_SLACK = 0.05
 # The status a worker exits with after its tenant's kernel corrupted its device context (workers/_main.py
 # EXIT_FATAL; the front does not import the worker's side).
 EXIT_FATAL = 3
+# Once a worker has exited, how long its pipes may take to reach end-of-file: a process it started that is still
+# alive (only where there is no sandbox, whose PID namespace ends with the worker) would hold them open forever.
+_OUTPUT_CLOSE_SECONDS = 2.0
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
@@ -103,7 +108,8 @@ class WorkerClient:
 
     def __init__(self, tenant: str, device: int, backend: str,
                  on_exit: Callable[[WorkerClient], None] | None = None, ordinal: int | None = None,
-                 sandbox: WorkerSandbox | None = None, max_reply_bytes: int = MAX_FRAME) -> None:
+                 sandbox: WorkerSandbox | None = None, max_reply_bytes: int = MAX_FRAME,
+                 on_output_dropped: Callable[[int], None] | None = None) -> None:
         self.tenant = tenant
         self.device = device  # the broker's index
         self.ordinal = device if ordinal is None else ordinal  # the backend's index of the same device
@@ -114,6 +120,8 @@ class WorkerClient:
         self.oom_killed = False  # the kernel's OOM killer ended it in its cgroup (memory.max): its tenant's doing
         self.info: DeviceInfo | None = None
         self.process: subprocess.Popen[bytes] | None = None
+        # Its stdout and stderr: untrusted, read by the front and logged rate-limited and escaped as this tenant's.
+        self.output = WorkerOutput(tenant, device, on_output_dropped)
         self.death: str | None = None
         self.last_used = time.monotonic()
         self._on_exit = on_exit
@@ -178,10 +186,19 @@ class WorkerClient:
             self._launch = self.sandbox.prepare(self.tenant, self.device, argv, fds)
             try:
                 # subprocess (vfork + exec) rather than the event loop's spawner: uvloop forks, and a forked
-                # child of a process full of gRPC threads was seen to crash before it could exec.
+                # child of a process full of gRPC threads was seen to crash before it could exec. Its output
+                # comes to the front on pipes of its own, never onto the front's log as it is (workers/_output.py).
                 self.process = subprocess.Popen(self._launch.argv, env=self._launch.env, pass_fds=fds,
-                                                stdin=subprocess.DEVNULL)
+                                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                                stderr=subprocess.PIPE)
+                self.output.pid = self.process.pid
+                assert self.process.stdout is not None and self.process.stderr is not None
+                await self.output.attach(self.process.stdout, self.process.stderr)
             except BaseException:
+                if self.process is not None:
+                    self.process.kill()
+                    await self._wait(None)
+                    self.output.close()
                 await self._release()
                 raise
         finally:
@@ -193,8 +210,12 @@ class WorkerClient:
         except (FrameClosed, TimeoutError, FrameRefused, ValueError, TypeError) as exc:
             await self.kill()
             code = self.process.returncode
+            how = "timed out" if isinstance(exc, TimeoutError) else _describe_exit(code)
+            if code == EXIT_SETUP_FAILED and self.output.last_line:
+                # The launcher's own message (no tenant code has run yet; escaped all the same).
+                how += f": {self.output.last_line}"
             raise Unavailable(f"worker for tenant {self.tenant!r} on device {self.device} failed to start "
-                              f"({'timed out' if isinstance(exc, TimeoutError) else _describe_exit(code)})") from None
+                              f"({how})") from None
         try:  # (a worker's start runs no tenant code, but its answer is checked all the same)
             error = error_from_worker(result) if status != 0 else None
             self.info = device_info_from_dict(result) if error is None else None
@@ -429,6 +450,8 @@ class WorkerClient:
             except TimeoutError:
                 self.process.kill()
                 code = await self._wait(None)
+        # Its last words (a fatal device error, say) before the line that reports its death.
+        await self.output.closed(_OUTPUT_CLOSE_SECONDS)
         await self._release()
         if self.fault is not None:
             self.death = (f"{self.fault.message}; this session's device state is lost, open a new session")
@@ -481,6 +504,7 @@ class WorkerClient:
         if self._fd_sock is not None:
             self._fd_sock.close()  # (a worker that failed to start never reaches _died)
         if self.process is not None and self.process.returncode is not None:
+            await self.output.closed(_OUTPUT_CLOSE_SECONDS)
             await self._release()
 
     async def _release(self) -> None:
