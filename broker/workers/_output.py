@@ -8,7 +8,8 @@ worker never blocks on a full pipe) and logs each line the worker wrote as one r
   stream, then the content as one quoted field, ``output="..."``, in which every character that is not printable
   (newlines, carriage returns, escapes, Unicode line separators, bidi controls), every quote and backslash, and
   every byte that is not UTF-8 is escaped: nothing a kernel writes can start a line of its own or end the field;
-  in JSON lines the same escaped text is the ``output`` field and the tenant a field of the front's;
+  in JSON lines the text (escaped the same, but for quotes, which JSON escapes) is the ``output`` field and the
+  tenant a field of the front's;
 - cut at ``MAX_LINE_BYTES`` (the rest of a longer line is dropped, counted);
 - admitted by two token buckets per worker, bytes and lines per second with a burst; what they refuse is
   dropped, counted, and said in one summary line per ``SUMMARY_SECONDS`` (and when the pipes close).
@@ -38,22 +39,26 @@ MAX_LINE_BYTES = 2048  # of the worker's bytes; escaped, a line is at most 4 x t
 SUMMARY_SECONDS = 2.0  # while output is being dropped, one summary line at most this often
 _LEVEL = logging.WARNING  # one level for all of it: a worker cannot choose its own line's severity
 
-_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\", '"': '\\"'}
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}
 
 
-def escape(text: str) -> str:
-    """``text`` (decoded with ``surrogateescape``) with nothing that could end a quoted field or start a line.
+def escape(text: str, *, quote: bool = True) -> str:
+    """``text`` (decoded with ``surrogateescape``) with nothing that could start a line or (``quote``) end a
+    quoted field.
 
     Printable characters stay as they are, so an honest line reads as written; the rest become ``\\n``, ``\\r``,
-    ``\\t``, ``\\\\``, ``\\"``, ``\\xNN`` (an ASCII control, or a byte that was not UTF-8) or ``\\uNNNN`` /
-    ``\\UNNNNNNNN`` (any other character that is not printable, e.g. U+2028 LINE SEPARATOR or a bidi override).
+    ``\\t``, ``\\\\``, ``\\"`` (with ``quote``; a JSON line's field is quoted by JSON), ``\\xNN`` (an ASCII
+    control, or a byte that was not UTF-8) or ``\\uNNNN`` / ``\\UNNNNNNNN`` (any other character that is not
+    printable, e.g. U+2028 LINE SEPARATOR or a bidi override).
     """
-    if text.isprintable() and '"' not in text and "\\" not in text:
+    if text.isprintable() and "\\" not in text and not (quote and '"' in text):
         return text
     out = []
     for c in text:
         if c in _NAMED:
             out.append(_NAMED[c])
+        elif c == '"':
+            out.append('\\"' if quote else c)
         elif c.isprintable():
             out.append(c)
         else:
@@ -127,7 +132,8 @@ class WorkerOutput:
 
     def line(self, stream: str, data: bytes, cut: bool) -> None:
         """One line, without its newline (``cut``: the first ``MAX_LINE_BYTES`` of a longer one)."""
-        text = escape(data.decode("utf-8", "surrogateescape"))
+        decoded = data.decode("utf-8", "surrogateescape")
+        text = escape(decoded)
         if stream == "stderr":
             self.last_line = text[:400]
         now = time.monotonic()
@@ -142,7 +148,7 @@ class WorkerOutput:
         log.log(_LEVEL, 'tenant=%s device=%d pid=%d stream=%s output="%s"%s', self.tenant, self.device, self.pid,
                 stream, text, f" (cut at {MAX_LINE_BYTES} bytes)" if cut else "",
                 extra={"tenant": self.tenant, "device": self.device, "pid": self.pid, "stream": stream,
-                       "output": text, "json_message": "worker output"})
+                       "output": escape(decoded, quote=False), "json_message": "worker output"})
 
     def admits(self) -> bool:
         """Whether a line could be logged now (the streams drop whole chunks at once while it could not)."""
@@ -178,7 +184,7 @@ class WorkerOutput:
                 "rate limit (%d bytes and %d lines a second, lines cut at %d bytes)", self.tenant, self.device,
                 self.pid, nbytes, nlines, BYTES_PER_SECOND, LINES_PER_SECOND, MAX_LINE_BYTES,
                 extra={"tenant": self.tenant, "device": self.device, "pid": self.pid, "dropped_bytes": nbytes,
-                       "dropped_lines": nlines})
+                       "dropped_lines": nlines, "json_message": "worker output dropped over its rate limit"})
 
 
 def _factory(stream: _Stream) -> Callable[[], _Stream]:

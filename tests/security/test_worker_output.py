@@ -11,19 +11,24 @@ much was dropped, and the broker and bob keep working. Run once with text log li
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import re
 import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.client import Kernel, ModuleFormat, RemoteGpu, connect
+from gpubroker.broker.sandbox import Launch, WorkerSandbox
+from gpubroker.broker.workers import WorkerClient
+from gpubroker.client import Kernel, ModuleFormat, RemoteGpu, Unavailable, connect
 
 from ..helpers import wait_for
 from .exploits import ATTACK_SOURCE, VICTIM_SOURCE, Program, check_arch, run
@@ -169,5 +174,29 @@ def test_a_kernel_cannot_forge_or_flood_the_log(world: World) -> None:
                               f"e.g.:\n{forged_lines[0][:400]}")
     # Readable: the kernel's first line is there as it wrote it, escaped only where it had to be.
     shown = [f.get("output", f.get("message", "")) for _, f in carrying]
-    assert any(forged.decode().replace('"', '\\"') in s for s in shown), shown[:3]
+    # (a text line's field is quoted, so its quotes are escaped; a JSON line's is quoted by JSON)
+    expected = forged.decode() if world.log_format == "json" else forged.decode().replace('"', '\\"')
+    assert any(expected in s for s in shown), shown[:3]
     assert any("overwrite\\r\\x1b[2K" in s for s in shown), shown[:3]
+
+
+class _Unbuildable(WorkerSandbox):
+    """The real launcher, told to join a cgroup that does not exist: it fails its set-up before any worker runs."""
+
+    def prepare(self, tenant: str, device: int, worker_argv: list[str], keep_fds: list[int]) -> Launch:
+        spec = self.spec(None, keep_fds, Path("/nonexistent-gpb-cgroup"))
+        return Launch(self.launcher_argv(spec, worker_argv), self.environment(None))
+
+
+def test_a_sandbox_that_cannot_be_built_is_explained(caplog: pytest.LogCaptureFixture) -> None:
+    """The launcher's own message (on its stderr, exit status 125) still says why a worker could not start: in
+    the start's error, and in the log as the worker's output."""
+    client = WorkerClient("mallory", 0, "opencl", sandbox=_Unbuildable(enabled=True, backend="opencl"))
+    with caplog.at_level(logging.INFO), pytest.raises(Unavailable) as info:
+        asyncio.run(client.start(60.0))
+    print(info.value)
+    assert re.search(r"exited with status 125: gpubroker sandbox: cannot build the worker's sandbox: "
+                     r"write '0' to /nonexistent-gpb-cgroup/cgroup\.procs", str(info.value)), info.value
+    (record,) = [r for r in caplog.records if r.name == "gpubroker.worker.output"]
+    assert record.getMessage().startswith("tenant=mallory device=0 pid=")
+    assert "cannot build the worker's sandbox" in getattr(record, "output", "")
