@@ -87,10 +87,13 @@ TENANT_CRASHES = MetricSpec("gpubroker_tenant_worker_crashes", "counter", ("tena
                             "kernel time limit): its crash budget. Never counted against the device.")
 TENANT_BACKOFF = MetricSpec("gpubroker_tenant_backoff_seconds", "gauge", ("tenant",),
                             "Seconds until the tenant, over its crash budget, may open sessions again (0: it may).")
+OUTPUT_DROPPED = MetricSpec("gpubroker_worker_output_dropped_bytes", "counter", ("tenant",),
+                            "Bytes its workers wrote on stdout and stderr that were not logged: over the per-worker "
+                            "rate limit, or past the longest line kept.")
 DRAINING = MetricSpec("gpubroker_draining", "gauge", (), "1 while the broker refuses new sessions.")
 METRICS: tuple[MetricSpec, ...] = (MEMORY_USED, MEMORY_QUOTA, DEVICE_SECONDS, DEVICE_SHARE, SESSIONS, QUEUE_DEPTH,
                                    INFLIGHT, WORKER_UP, WORKER_RESTARTS, SCHEDULER_WAIT, SHARED_MEMORY, SHARED_LIMIT,
-                                   TENANT_CRASHES, TENANT_BACKOFF, DRAINING)
+                                   TENANT_CRASHES, TENANT_BACKOFF, OUTPUT_DROPPED, DRAINING)
 
 # One histogram for the process: the RPC wrappers observe it whether or not an endpoint serves it (a few
 # microseconds against a gRPC call's hundreds), and each broker's registry exposes it.
@@ -132,6 +135,7 @@ class _Snapshot:
     # Per tenant: worker deaths charged to it (its crash budget), and how long its new sessions are refused.
     crashes: dict[str, int]
     backoff: dict[str, float]
+    output_dropped: dict[str, int]  # bytes of its workers' output not logged (the rate limit)
 
 
 def _recent_seconds(charges: Reversible[tuple[float, float]], since: float) -> float:
@@ -164,7 +168,7 @@ class BrokerCollector(Collector):
         # Configured tenants always have rows, so a tenant's figures are there (at 0) before its first session
         # and stay after its last; tenants removed by a reload keep theirs while anything remains of them.
         known = set(manager.config.tenants) | {t for t, _ in manager.memory_used} | {t for t, _ in counts}
-        known |= {t for t, _ in self.pool.restarts_by} | set(manager.shared_used)
+        known |= {t for t, _ in self.pool.restarts_by} | set(manager.shared_used) | set(self.pool.output_dropped)
         rows = []
         since = time.monotonic() - SHARE_WINDOW_SECONDS  # the schedulers' clock
         for device, scheduler in sorted(self.schedulers.items()):
@@ -186,7 +190,8 @@ class BrokerCollector(Collector):
         tenants = sorted(known | set(crashes.total))
         return _Snapshot(rows, manager.draining, {t: manager.shared(t) for t in sorted(known)},
                          manager.config.max_shared_bytes_per_tenant, {t: crashes.total.get(t, 0) for t in tenants},
-                         {t: crashes.backoff(t) or 0.0 for t in tenants})
+                         {t: crashes.backoff(t) or 0.0 for t in tenants},
+                         {t: self.pool.output_dropped.get(t, 0) for t in sorted(known)})
 
     async def _fresh_snapshot(self) -> _Snapshot:
         await self.sessions.refresh_all()
@@ -228,6 +233,10 @@ class BrokerCollector(Collector):
             backoff.add_metric([tenant], snap.backoff[tenant])
         yield crashes
         yield backoff
+        dropped = OUTPUT_DROPPED.family()
+        for tenant, nbytes in snap.output_dropped.items():
+            dropped.add_metric([tenant], nbytes)
+        yield dropped
         yield DRAINING.family(value=int(snap.draining))
 
 

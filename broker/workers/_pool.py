@@ -14,6 +14,7 @@ Each worker's death is charged to its cause, once:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import time
@@ -118,6 +119,8 @@ class WorkerPool:
         # Workers that died or were killed under a live registration (crash, fatal device error, stuck compile),
         # by (tenant, device): the metrics endpoint's worker restarts.
         self.restarts_by: dict[tuple[str, int], int] = {}
+        # Bytes of workers' output dropped over the per-worker rate limit, by tenant (workers/_output.py).
+        self.output_dropped: dict[str, int] = {}
         self.crashes = TenantCrashes(crash_budget, crash_window, clock)
         # Set when the broker drains or stops: stop signals then are the operator's, not failures.
         self.draining = False
@@ -147,10 +150,14 @@ class WorkerPool:
             task.add_done_callback(lambda _t: self._starting.pop(key, None))
         return await asyncio.shield(task)
 
+    def _output_dropped(self, tenant: str, nbytes: int) -> None:
+        self.output_dropped[tenant] = self.output_dropped.get(tenant, 0) + nbytes
+
     async def _start(self, key: tuple[str, int]) -> WorkerClient:
         ordinal = self.ordinals[key[1]] if self.ordinals is not None else key[1]
         worker = WorkerClient(key[0], key[1], self.backend, on_exit=self._forget, ordinal=ordinal,
-                              sandbox=self.sandbox, max_reply_bytes=self.max_reply_bytes)
+                              sandbox=self.sandbox, max_reply_bytes=self.max_reply_bytes,
+                              on_output_dropped=functools.partial(self._output_dropped, key[0]))
         await worker.start(self.start_timeout)
         worker.on_memory = self.on_memory
         if self.limits is not None:

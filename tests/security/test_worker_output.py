@@ -18,6 +18,7 @@ import logging
 import re
 import secrets
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +54,8 @@ class World:
 @pytest.fixture(scope="module", params=["text", "json"])
 def world(request: pytest.FixtureRequest) -> Iterator[World]:
     check_arch()
-    with BrokerProcess(TENANTS, backend="opencl", settings={"log_format": request.param}) as broker, \
+    with BrokerProcess(TENANTS, backend="opencl", settings={"log_format": request.param,
+                                                                  "metrics_listen": "127.0.0.1:0"}) as broker, \
             contextlib.ExitStack() as stack:
         attacker = stack.enter_context(connect(broker.target, token=broker.tokens["mallory"], timeout=TIMEOUT))
         attack = attacker.get_kernel(attacker.load_module(ATTACK_SOURCE, ModuleFormat.OPENCL_C), "gpb_attack")
@@ -174,6 +176,10 @@ def test_a_kernel_cannot_forge_or_flood_the_log(world: World) -> None:
                               f"e.g.:\n{forged_lines[0][:400]}")
     # Readable: the kernel's first line is there as it wrote it, escaped only where it had to be.
     shown = [f.get("output", f.get("message", "")) for _, f in carrying]
+    scrape = urllib.request.urlopen(broker.metrics_url, timeout=10).read().decode()
+    dropped = re.search(r'^gpubroker_worker_output_dropped_bytes_total\{tenant="mallory"\} (\S+)$', scrape, re.M)
+    assert dropped is not None and float(dropped.group(1)) > FLOOD, "the dropped bytes are not in the metrics"
+    assert 'gpubroker_worker_output_dropped_bytes_total{tenant="bob"} 0.0' in scrape
     # (a text line's field is quoted, so its quotes are escaped; a JSON line's is quoted by JSON)
     expected = forged.decode() if world.log_format == "json" else forged.decode().replace('"', '\\"')
     assert any(expected in s for s in shown), shown[:3]
