@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO
 
 __all__ = ["BURST_BYTES", "BURST_LINES", "BYTES_PER_SECOND", "LINES_PER_SECOND", "MAX_LINE_BYTES", "WorkerOutput",
            "escape"]

@@ -89,7 +89,7 @@ def _serves(gpu: RemoteGpu, kernel: Kernel) -> None:
 def _records(world: World, text: str) -> list[tuple[str, dict[str, str]]]:
     """Each log line as (the line, its fields): the logger, level, tenant and the worker's output where there is
     one. A line that is neither the front's text format nor a JSON object is returned with no fields."""
-    records = []
+    records: list[tuple[str, dict[str, str]]] = []
     for line in text.split("\n"):
         if not line:
             continue
