@@ -29,6 +29,7 @@ import pytest
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.broker.sandbox import Launch, WorkerSandbox
 from gpubroker.broker.workers import WorkerClient
+from gpubroker.broker.workers._output import escape
 from gpubroker.client import Kernel, ModuleFormat, RemoteGpu, Unavailable, connect
 
 from ..helpers import wait_for
@@ -206,3 +207,11 @@ def test_a_sandbox_that_cannot_be_built_is_explained(caplog: pytest.LogCaptureFi
     (record,) = [r for r in caplog.records if r.name == "gpubroker.worker.output"]
     assert record.getMessage().startswith("tenant=mallory device=0 pid=")
     assert "cannot build the worker's sandbox" in getattr(record, "output", "")
+
+
+def test_escapes_leave_nothing_that_starts_a_line_or_ends_the_field() -> None:
+    hostile = "a\nb\rc\x1b[2K\u2028d\u2029e\u202e\x85\"\\".encode() + b"\xff\xc3"
+    text = escape(hostile.decode("utf-8", "surrogateescape"))
+    assert text == 'a\\nb\\rc\\x1b[2K\\u2028d\\u2029e\\u202e\\u0085\\"\\\\\\xff\\xc3'
+    assert text.isprintable() and len(text.splitlines()) == 1
+    assert escape("fatal device error; exiting") == "fatal device error; exiting"  # an honest line reads as written
