@@ -192,6 +192,10 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_streams_per_session: Annotated[int, Meta(ge=1, description="Streams one session may hold at once.")] = 64
     max_inflight_per_tenant: Annotated[int, Meta(ge=1, description=(
         "Device calls in flight across all of a tenant's sessions."))] = 256
+    max_read_ahead_bytes_per_tenant: Annotated[int, Meta(ge=1, description=(
+        "The bytes (as sent) of a tenant's gRPC Commands batches that the front has read and not yet run, across "
+        "all its streams: a stream reads on only while the tenant is under this (one batch larger than it runs "
+        "alone). The front holds a few times this in memory as it decodes and queues them.")), SIZE] = 64 * 1024**2
     max_shared_bytes_per_session: Annotated[int, Meta(ge=0, description=(
         "Host memory one session may map through the same-host shared-memory side channel <socket>.shm "
         "(its host arrays and its staging buffer).")), SIZE] = 4 * 1024**3
