@@ -237,6 +237,23 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Unauthenticated connections the raw listeners keep open at once, in all; more are closed."))] = 256
     max_unauthenticated_per_uid: Annotated[int, Meta(ge=1, description=(
         "The same, per peer uid (SO_PEERCRED)."))] = 64
+    max_grpc_connections: Annotated[int, Meta(ge=1, description=(
+        "gRPC connections the broker keeps open at once, authenticated or not, shared equally by its listen "
+        "addresses (each gets its share); more are closed as they are accepted. Never more than half the "
+        "broker's descriptor limit "
+        "(RLIMIT_NOFILE): the rest stay for workers, links and shared memory, so a flood of connections cannot "
+        "starve a tenant's new session of descriptors."))] = 512
+    max_grpc_connections_per_peer: Annotated[int, Meta(ge=1, description=(
+        "gRPC connections one peer may hold at once, authenticated or not: a uid on a Unix socket (SO_PEERCRED), "
+        "an address on TCP. The broker counts them a few times a second and closes the newest past this, so a "
+        "flood from one peer leaves the rest of max_grpc_connections to everyone else."))] = 64
+    grpc_idle_seconds: Annotated[float, Meta(gt=0, description=(
+        "A gRPC connection with no call in flight for this long is closed (HTTP/2 GOAWAY; a client reconnects "
+        "at its next call): a connection that finished its handshake but never makes a call holds a slot of "
+        "max_grpc_connections no longer than this."))] = 30.0
+    max_grpc_streams_per_connection: Annotated[int, Meta(ge=1, description=(
+        "Calls one gRPC connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); a client "
+        "queues more until one ends."))] = 128
     auth_failure_delay_max_seconds: Annotated[float, Meta(ge=0, description=(
         "The longest a peer's answer to a failed authentication is held back: the delay starts at 2 ms and doubles "
         "with each failure of that peer (uid on Unix sockets, address on TCP), so a guessing flood slows itself "
