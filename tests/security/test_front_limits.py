@@ -140,7 +140,8 @@ def test_commands_streams_past_the_call_limit_are_refused_and_read_ahead_is_boun
                 results = list(pool.map(stream, range(STREAMS)))
             took = time.monotonic() - started
         codes = [code for code, _ in results]
-        print(f"streams: {[c.name for c in codes]}; front grew by {memory.growth / 2**20:.0f} MiB (peak), took {took:.1f} s")
+        print(f"streams: {[c.name for c in codes]}; front grew by {memory.growth / 2**20:.0f} MiB (peak), "
+              f"took {took:.1f} s")
         assert took >= NAP_SECONDS * 0.9, "the kernel did not hold the worker: the streams did not pile up"
         # Every stream within the limit ran all its batches; the rest were refused at their first batch.
         assert codes.count(grpc.StatusCode.OK) <= CALL_LIMIT
