@@ -252,8 +252,10 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "at its next call): a connection that finished its handshake but never makes a call holds a slot of "
         "max_grpc_connections no longer than this."))] = 30.0
     max_grpc_streams_per_connection: Annotated[int, Meta(ge=1, description=(
-        "Calls one gRPC connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); a client "
-        "queues more until one ends."))] = 128
+        "Calls one gRPC connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; a client queues "
+        "more until one ends, past it gRPC refuses the stream). It also bounds the calls a peer can keep open "
+        "without ever sending their request (gRPC waits for one with no deadline, and a connection with a call "
+        "open is not idle): at most max_grpc_connections_per_peer times this."))] = 64
     auth_failure_delay_max_seconds: Annotated[float, Meta(ge=0, description=(
         "The longest a peer's answer to a failed authentication is held back: the delay starts at 2 ms and doubles "
         "with each failure of that peer (uid on Unix sockets, address on TCP), so a guessing flood slows itself "
