@@ -192,6 +192,10 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_streams_per_session: Annotated[int, Meta(ge=1, description="Streams one session may hold at once.")] = 64
     max_inflight_per_tenant: Annotated[int, Meta(ge=1, description=(
         "Device calls in flight across all of a tenant's sessions."))] = 256
+    max_read_ahead_bytes_per_tenant: Annotated[int, Meta(ge=1, description=(
+        "The bytes (as sent) of a tenant's gRPC Commands batches that the front has read and not yet run, across "
+        "all its streams: a stream reads on only while the tenant is under this (one batch larger than it runs "
+        "alone). The front holds a few times this in memory as it decodes and queues them.")), SIZE] = 64 * 1024**2
     max_shared_bytes_per_session: Annotated[int, Meta(ge=0, description=(
         "Host memory one session may map through the same-host shared-memory side channel <socket>.shm "
         "(its host arrays and its staging buffer).")), SIZE] = 4 * 1024**3
@@ -233,6 +237,25 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Unauthenticated connections the raw listeners keep open at once, in all; more are closed."))] = 256
     max_unauthenticated_per_uid: Annotated[int, Meta(ge=1, description=(
         "The same, per peer uid (SO_PEERCRED)."))] = 64
+    max_grpc_connections: Annotated[int, Meta(ge=1, description=(
+        "gRPC connections the broker keeps open at once, authenticated or not, shared equally by its listen "
+        "addresses (each gets its share); more are closed as they are accepted. Never more than half the "
+        "broker's descriptor limit "
+        "(RLIMIT_NOFILE): the rest stay for workers, links and shared memory, so a flood of connections cannot "
+        "starve a tenant's new session of descriptors."))] = 512
+    max_grpc_connections_per_peer: Annotated[int, Meta(ge=1, description=(
+        "gRPC connections one peer may hold at once, authenticated or not: a uid on a Unix socket (SO_PEERCRED), "
+        "an address on TCP. The broker counts them a few times a second and closes the newest past this, so a "
+        "flood from one peer leaves the rest of max_grpc_connections to everyone else."))] = 64
+    grpc_idle_seconds: Annotated[float, Meta(gt=0, description=(
+        "A gRPC connection with no call in flight for this long is closed (HTTP/2 GOAWAY; a client reconnects "
+        "at its next call): a connection that finished its handshake but never makes a call holds a slot of "
+        "max_grpc_connections no longer than this."))] = 30.0
+    max_grpc_streams_per_connection: Annotated[int, Meta(ge=1, description=(
+        "Calls one gRPC connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; a client queues "
+        "more until one ends, past it gRPC refuses the stream). It also bounds the calls a peer can keep open "
+        "without ever sending their request (gRPC waits for one with no deadline, and a connection with a call "
+        "open is not idle): at most max_grpc_connections_per_peer times this."))] = 64
     auth_failure_delay_max_seconds: Annotated[float, Meta(ge=0, description=(
         "The longest a peer's answer to a failed authentication is held back: the delay starts at 2 ms and doubles "
         "with each failure of that peer (uid on Unix sockets, address on TCP), so a guessing flood slows itself "

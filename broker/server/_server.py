@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
@@ -33,6 +34,7 @@ from ..workers import WorkerClient, WorkerPool, device_info_from_dict
 from . import _systemd
 from ._admin import AdminService
 from ._credentials import link_tls, tcp_credentials
+from ._grpc_peers import GrpcPeerCensus
 from ._health import BrokerHealth
 from ._links import LinkServer, fast_path_address
 from ._metrics import MetricsServer, serve_metrics
@@ -95,6 +97,23 @@ def _keepalive_options() -> list[tuple[str, int]]:
             ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS)]
 
 
+def _milliseconds(seconds: float) -> int:
+    return max(1, min(2**31 - 1, int(seconds * 1000)))
+
+
+def grpc_connection_cap(configured: int) -> int:
+    """``max_grpc_connections``, held to half the broker's descriptor limit: however many connections a flood
+    opens, the other half stays for the workers' pipes and sockets, the links and shared memory (gRPC itself
+    backs off when accept fails, but a worker that cannot start fails its tenant's session)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or configured <= soft // 2:
+        return configured
+    cap = max(1, soft // 2)
+    log.warning("max_grpc_connections = %d, but the broker may open only %d descriptors: at most %d gRPC "
+                "connections are kept (raise LimitNOFILE / ulimit -n for more)", configured, soft, cap)
+    return cap
+
+
 def _prepare_unix_socket(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() or path.is_symlink():
@@ -133,6 +152,7 @@ class Broker:
         self._kills: set[asyncio.Task[None]] = set()
         self.metrics: MetricsServer | None = None
         self.sandbox: WorkerSandbox | None = None
+        self.census: GrpcPeerCensus | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -180,6 +200,15 @@ class Broker:
             # the hello timeout is dropped, so idle unauthenticated connections cannot pile up (gRPC's default
             # is two minutes).
             ("grpc.server_handshake_timeout_ms", max(1, int(cfg.hello_timeout_seconds * 1000))),
+            # After it: a connection that sent the HTTP/2 preface and SETTINGS is past the handshake, so on its
+            # own it would stay open for good. gRPC closes one with no call in flight after grpc_idle_seconds, holds
+            # at most max_grpc_connections at once (closing more as they are accepted) and lets each open at most
+            # max_grpc_streams_per_connection calls; the calls themselves are limited per session and tenant.
+            ("grpc.max_connection_idle_ms", _milliseconds(cfg.grpc_idle_seconds)),
+            # (gRPC counts them per listener: each of the listen addresses gets its share of the cap)
+            ("grpc.max_allowed_incoming_connections",
+             max(1, grpc_connection_cap(cfg.max_grpc_connections) // len(cfg.listen))),
+            ("grpc.max_concurrent_streams", cfg.max_grpc_streams_per_connection),
             *_keepalive_options(),
         ])
         # Requests whose bytes do not parse get INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN).
@@ -202,6 +231,8 @@ class Broker:
                 port = self.server.add_secure_port(address, tcp_creds[address])
                 self.ports.append(address.rsplit(":", 1)[0] + f":{port}")
         await self.server.start()
+        self.census = GrpcPeerCensus(self.ports, cfg.max_grpc_connections_per_peer)
+        self.census.start()
         # The framed link: the front authenticates its hello, then the session's worker serves it (_links.py).
         self.links = LinkServer(service, gate)
         for address in self.ports:
@@ -356,6 +387,8 @@ class Broker:
             await self.links.stop()
         if self.server is not None:
             await self.server.stop(grace)
+        if self.census is not None:
+            await self.census.stop()
         if self.shm is not None:
             await self.shm.close()
         if self.relay is not None:

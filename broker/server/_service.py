@@ -4,6 +4,7 @@ worker (server/_commands.py), and answer from the worker's Ack."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -37,7 +38,8 @@ __all__ = ["GpuBrokerService", "device_info_to_pb"]
 
 # Batches of one Commands stream read before their acks went out: a client keeps at most 4 unacknowledged (its
 # window, client/_transports/_core.py), so this overlaps all it sends; the front holds no more than 4 batches
-# (each at most chunk_bytes + 64 KiB) of a stream, whatever a client sends.
+# (each at most chunk_bytes + 64 KiB) of a stream, whatever a client sends, and all of a tenant's streams together
+# no more than max_read_ahead_bytes_per_tenant of them (_ReadAheadBudget).
 READ_AHEAD = 4
 REVOKED_MESSAGE = ("the token that opened this stream was rotated or its tenant removed; reconnect with the "
                    "current token")
@@ -83,6 +85,48 @@ class _Revocable:
             yield item
 
 
+class _ReadAheadBudget:
+    """The bytes of a tenant's batches that its Commands streams have read and not yet finished running, shared by
+    all of them: a stream decodes a batch it has read only once the tenant's budget has room for it (a batch
+    larger than the whole budget waits until the tenant holds nothing else). Decoding and queueing multiply a
+    batch's size several times over in the front, so this, not the count per stream, is what bounds a tenant's
+    share of the front's memory however many streams the call limits let it open. Waiters are served in order."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    def _fits(self, size: int) -> bool:
+        return self.used == 0 or self.used + size <= self.limit
+
+    async def acquire(self, size: int) -> None:
+        if not self._waiters and self._fits(size):
+            self.used += size
+            return
+        entry = (size, asyncio.get_running_loop().create_future())
+        self._waiters.append(entry)
+        try:
+            await entry[1]
+        except asyncio.CancelledError:
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+                self._grant()  # (a big batch that left may have held smaller ones back)
+            elif not entry[1].cancelled():
+                self.release(size)  # granted as the stream was cancelled
+            raise
+
+    def release(self, size: int) -> None:
+        self.used -= size
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][0]):
+            size, granted = self._waiters.popleft()
+            self.used += size
+            granted.set_result(None)
+
+
 def _passed(sent: asyncio.Future[None], task: asyncio.Future[Any]) -> None:
     """A batch that finished without reaching the worker (nothing to run) lets the next one go; one that failed
     stops it (the stream ends with the failure)."""
@@ -91,6 +135,10 @@ def _passed(sent: asyncio.Future[None], task: asyncio.Future[Any]) -> None:
             sent.cancel()
         else:
             sent.set_result(None)
+
+
+def _released(budget: _ReadAheadBudget, size: int, task: asyncio.Future[Any]) -> None:
+    budget.release(size)
 
 
 def _consume(future: asyncio.Future[Any]) -> None:
@@ -119,6 +167,7 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
         self.devices = devices
         self.schedulers = schedulers
         self.init_peer_copies()
+        self._budgets: dict[str, _ReadAheadBudget] = {}  # per tenant: its Commands streams' read-ahead
         # Where the session's link is served besides <socket>.fast (the Broker sets them once listening).
         self.link_port = 0
         self.link_vsock_port = 0
@@ -300,16 +349,23 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
                        ) -> AsyncIterator[pb.BatchAck]:
         """Batches run in order, each under one scheduler turn; a failure is acknowledged, not raised.
 
-        The stream reads ahead: while a batch runs, the next ones are received, decoded and queued behind it in the
-        worker, so a client's pipelined batches (a copy's chunks) overlap the stream, the front and the worker
-        rather than taking turns. At most READ_AHEAD batches are read and not yet acknowledged.
+        The stream is one of its session's calls in flight (the call limits count it, like every call, for as long
+        as it is open). It reads ahead: while a batch runs, the next ones are received, decoded and queued behind
+        it in the worker, so a client's pipelined batches (a copy's chunks) overlap the stream, the front and the
+        worker rather than taking turns. At most READ_AHEAD batches are read and not yet acknowledged, and all the
+        tenant's streams together hold at most its read-ahead budget of batches not yet run.
         """
         principal = principal_of(self.auth, context)
         with self._revocable(principal) as guard:
+            requests = guard.iterate(request_iterator)
+            first = await anext(requests, None)
+            if first is None:
+                return
+            session = self._session(context, first.session, principal.tenant)  # (the slot: the wrapper releases it)
+            budget = self._read_ahead_budget(principal.tenant)
             acks: asyncio.Queue[asyncio.Future[pb.BatchAck] | None] = asyncio.Queue()
-            room = asyncio.Semaphore(READ_AHEAD)
-            reader = asyncio.ensure_future(
-                self._read_ahead(guard.iterate(request_iterator), principal.tenant, acks, room))
+            room = asyncio.Semaphore(READ_AHEAD - 1)  # (the first batch holds one)
+            reader = asyncio.ensure_future(self._read_ahead(first, requests, session, budget, acks, room))
             try:
                 while (ack := await guard.run(acks.get())) is not None:
                     yield await guard.run(ack)
@@ -322,25 +378,48 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
                         left.cancel()
                         left.add_done_callback(_consume)
 
-    async def _read_ahead(self, requests: AsyncIterator[pb.CommandBatch], tenant: str,
-                          acks: asyncio.Queue[asyncio.Future[pb.BatchAck] | None], room: asyncio.Semaphore) -> None:
-        """Read the stream's batches (``room`` permitting) and start each behind the one before it; the acks'
-        futures go to ``acks`` in order, then None at the stream's end, or the failure that ended it."""
+    def _read_ahead_budget(self, tenant: str) -> _ReadAheadBudget:
+        budget = self._budgets.get(tenant)
+        if budget is None:
+            budget = self._budgets[tenant] = _ReadAheadBudget(self.config.max_read_ahead_bytes_per_tenant)
+        budget.limit = self.config.max_read_ahead_bytes_per_tenant  # (a reload may change it)
+        return budget
+
+    async def _read_ahead(self, first: pb.CommandBatch, requests: AsyncIterator[pb.CommandBatch], session: Session,
+                          budget: _ReadAheadBudget, acks: asyncio.Queue[asyncio.Future[pb.BatchAck] | None],
+                          room: asyncio.Semaphore) -> None:
+        """Read the stream's batches (``room`` and the tenant's ``budget`` permitting) and start each behind the
+        one before it; the acks' futures go to ``acks`` in order, then None at the stream's end, or the failure
+        that ended it. A batch's bytes count against the budget from before it is decoded until it has run."""
         loop = asyncio.get_running_loop()
-        session: Session | None = None
         sent: asyncio.Future[None] | None = None
+        batch: pb.CommandBatch | None = first
+        running: set[asyncio.Future[pb.BatchAck]] = set()
         try:
-            while True:
-                await room.acquire()
-                batch = await anext(requests, None)
-                if batch is None:
-                    break
-                if session is None:
-                    session = self.sessions.get(batch.session, tenant)
+            while batch is not None:
+                size = batch.ByteSize()
+                await budget.acquire(size)
                 after, sent = sent, loop.create_future()
-                task = asyncio.ensure_future(self.run_batch(session, batch, after, sent))
+                try:
+                    task = asyncio.ensure_future(self.run_batch(session, batch, after, sent))
+                except BaseException:
+                    budget.release(size)
+                    raise
+                running.add(task)
+                task.add_done_callback(running.discard)
                 task.add_done_callback(functools.partial(_passed, sent))
+                task.add_done_callback(functools.partial(_released, budget, size))
                 acks.put_nowait(task)
+                del batch  # (its task holds it until it has run)
+                await room.acquire()
+                if running:
+                    # Reading ahead: only while the tenant has room for another batch (not reserved: a stream
+                    # whose client sends nothing must not hold the tenant's budget), so the message waits in
+                    # gRPC's flow control rather than in the front, decoded.
+                    hint = min(self.config.max_message_bytes, budget.limit)
+                    await budget.acquire(hint)
+                    budget.release(hint)
+                batch = await anext(requests, None)
             acks.put_nowait(None)
         except Exception as exc:  # (a malformed message, an unknown session): the stream's end, after the acks
             failed: asyncio.Future[pb.BatchAck] = loop.create_future()
