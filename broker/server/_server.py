@@ -26,7 +26,7 @@ from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 from ..auth import Authenticator
 from ..config import BrokerConfig, load_config, split_host_port
 from ..relay import RelayServer, serve_relay, vsock_listener
-from ..sandbox import SandboxUnavailable, WorkerSandbox
+from ..sandbox import SandboxUnavailable, WorkerSandbox, cache_key
 from ..scheduler import DeviceScheduler
 from ..sessions import SessionManager
 from ..workers import WorkerClient, WorkerPool, device_info_from_dict
@@ -133,6 +133,8 @@ class Broker:
         self._kills: set[asyncio.Task[None]] = set()
         self.metrics: MetricsServer | None = None
         self.sandbox: WorkerSandbox | None = None
+        self._sweeping = asyncio.Lock()
+        self._sweeps: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         cfg = self.config
@@ -153,6 +155,11 @@ class Broker:
         log.info("backend %s: %s", backend, ", ".join(f"{i}: {d.name} ({backend} device {d.id})"
                                                       for i, d in enumerate(devices)))
         self.sandbox = sandbox = await asyncio.to_thread(start_sandbox, cfg, backend)
+        # Each tenant's compile cache is its name's and its token's (sandbox.cache_key): whatever a tenant left in
+        # its cache is never found by a tenant added under its name later. What no tenant of the config owns is
+        # deleted now (tenants removed, or rotated, while the broker was down) and at every reload.
+        sandbox.tenant_key = self._cache_key
+        await self._sweep_caches()
         self.health = BrokerHealth(cfg, devices)  # (NVML maps the backend's own indices, the ids here)
         # Worker deaths are charged to their cause (workers/_pool.py): the tenant's crash budget, or (only for
         # failures no tenant caused) the device's health. A worker's reply is at most a copy chunk and envelope.
@@ -252,6 +259,32 @@ class Broker:
     def _worker_exited(self, worker: WorkerClient) -> None:
         if self.sessions is not None:
             self.sessions.worker_exited(worker)
+        if worker.cache_dir is not None and worker.cache_dir.name != self._cache_key(worker.tenant):
+            # It wrote to a cache its tenant no longer owns (removed, or its token rotated): sweep it now.
+            task = asyncio.get_running_loop().create_task(self._sweep_caches())
+            self._sweeps.add(task)
+            task.add_done_callback(self._sweeps.discard)
+
+    def _cache_key(self, tenant: str) -> str:
+        """The key of the tenant's compile cache now (sandbox.cache_key of its token); a tenant that is not in the
+        config gets a key of its own that nothing keeps (the next sweep deletes that cache)."""
+        t = self.config.tenants.get(tenant)
+        return cache_key(t.token_hash) if t is not None else "removed"
+
+    async def _sweep_caches(self) -> None:
+        """Delete the compile caches that no tenant of the config owns and no running worker writes to."""
+        if self.sandbox is None:
+            return
+        async with self._sweeping:
+            keep = {name: {cache_key(t.token_hash)} for name, t in self.config.tenants.items()}
+            in_use = {w.cache_dir for w in self.pool.workers() if w.cache_dir is not None} if self.pool else set()
+            try:
+                removed = await asyncio.to_thread(self.sandbox.sweep_caches, keep, in_use)
+            except Exception:  # (never the broker's end: the caches stay until the next sweep)
+                log.exception("sweeping the tenants' compile caches failed")
+                return
+        for path in removed:
+            log.info("deleted compile cache %s (its tenant was removed or its token rotated)", path)
 
     def _overrun(self, device: int, tenant: str, message: str) -> None:
         """The tenant's device work overran the kernel time limit: kill its worker (its calls get ``message``)."""
@@ -346,6 +379,7 @@ class Broker:
         ended = 0
         for name in removed:
             ended += await self.sessions.end_tenant(name, reason="ended: tenant removed")
+        await self._sweep_caches()  # the removed tenants' caches (their workers are gone), and rotated tokens'
         audit.info("action=reload added=%s removed=%s changed=%s sessions_ended=%d", added, removed, changed, ended)
         return apb.ReloadResponse(added=added, removed=removed, changed=changed, sessions_ended=ended)
 
