@@ -12,7 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,7 +74,7 @@ def cache_key(token_hash: str) -> str:
 @dataclass
 class Launch:
     """How to start one worker: its argv and environment, the cgroup to release after it exits, and the
-    compile cache it writes to (kept by the sweeps while it runs)."""
+    compile cache it writes to."""
 
     argv: list[str]
     env: dict[str, str]
@@ -125,11 +125,15 @@ class WorkerSandbox:
     def tenants_root(self) -> Path:
         return self.cache_root / TENANT_CACHES
 
+    def cache_path(self, tenant: str, key: str) -> Path:
+        """Where the tenant's compile cache under ``key`` is (see ``cache_key``): ``<cache_dir>/tenants/<tenant>/
+        <key>``."""
+        return self.tenants_root / tenant / key
+
     def tenant_cache(self, tenant: str, key: str | None = None) -> Path:
-        """The tenant's own compile-cache directory (mode 0700), created on first use:
-        ``<cache_dir>/tenants/<tenant>/<key>`` (``key``: ``tenant_key(tenant)``, see ``cache_key``)."""
-        key = self.tenant_key(tenant) if key is None else key
-        path = self.tenants_root / tenant / key
+        """The tenant's own compile-cache directory (mode 0700), created on first use (``key``: its
+        ``tenant_key``)."""
+        path = self.cache_path(tenant, self.tenant_key(tenant) if key is None else key)
         try:
             for directory in (self.cache_root, self.tenants_root, path.parent, path):
                 directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -139,20 +143,21 @@ class WorkerSandbox:
                               f"({exc.strerror}); the operator must fix [broker] cache_dir") from None
         return path
 
-    def sweep_caches(self, keep: Mapping[str, set[str]], in_use: set[Path]) -> list[Path]:
-        """Delete every tenant cache but those of ``keep`` (tenant name -> the cache keys to keep) and those a
-        running worker writes to (``in_use``): a removed tenant's caches go with it, and a rotated token's once
-        no worker uses it. Blocking (run it in a thread). Returns what it deleted."""
+    def remove_caches(self, paths: Iterable[Path]) -> list[Path]:
+        """Delete these tenant caches (each a ``cache_path``: nothing else is ever touched), and a tenant's
+        directory that is left empty. Blocking (run it in a thread). Returns what it deleted.
+
+        Only caches this broker knows to be stale are named here (a removed tenant's, a rotated token's): the
+        cache root may be shared with other brokers of the same user, whose tenants' caches are theirs."""
         removed: list[Path] = []
-        for name in _listdir(str(self.tenants_root)):
-            tenant_dir = self.tenants_root / name
-            keys = _listdir(str(tenant_dir)) if tenant_dir.is_dir() and not tenant_dir.is_symlink() else []
-            stale = [tenant_dir / k for k in keys if k not in keep.get(name, ()) and tenant_dir / k not in in_use]
-            if name not in keep and len(stale) == len(keys):
-                stale = [tenant_dir]  # nothing of it is kept: the tenant's directory goes whole
-            for path in stale:
+        for path in paths:
+            if path.parent.parent != self.tenants_root:
+                continue
+            if path.is_symlink() or path.exists():
                 _remove(path)
                 removed.append(path)
+            with contextlib.suppress(OSError):  # (only if empty: another key of the name may be in use)
+                path.parent.rmdir()
         return removed
 
     def environment(self, cache: Path | None) -> dict[str, str]:

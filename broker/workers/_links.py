@@ -161,6 +161,7 @@ class Links:
         link = self._held.get(held)
         if link is None or link.session != session:
             raise InvalidArgument(f"no link numbered {held} is held (its session ended, or its links were closed)")
+        del self._held[held]
         self._answer(link)
 
     def _answer(self, link: _Link) -> None:

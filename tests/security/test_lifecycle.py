@@ -242,6 +242,15 @@ def test_a_link_hello_pending_behind_a_long_kernel_is_not_served_after_its_token
             pytest.fail(f"a link whose token was rotated while its hello waited was served after the rotation "
                         f"(its read of the tenant's buffer {'returned the buffer' if read == secret else ack})")
         assert result["code"] == "UNAUTHENTICATED", result
+        # Her session lives on: a link with the new token is served.
+        fresh = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with fresh:
+            fresh.settimeout(TIMEOUT)
+            fresh.connect(broker.target.removeprefix("unix:") + ".fast")
+            fresh.sendall(pack_frame({"token": new.token, "session": gpu.session, "link": 1}))
+            assert recv_frame(fresh)[1] == 0
+            send_payload(fresh, encode(Batch(1, 0, [Read((buf.handle, 0), 0, len(secret))])))
+            assert decode_ack(recv_payload(fresh)).result == secret
     finally:
         if link is not None:
             link.close()
