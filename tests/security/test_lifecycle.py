@@ -130,45 +130,65 @@ def _compiled(broker: BrokerProcess, tenant: str, name: str) -> set[Path]:
 
 # -- 6: a poisoned cache outlives its tenant -------------------------------------------------------------------------
 
-def test_a_tenant_added_again_under_a_removed_ones_name_does_not_run_its_poisoned_cache(broker: BrokerProcess) -> None:
-    x = np.arange(64, dtype=np.float32)
-    innocent = kernel_source(INNOCENT, "x[i] = x[i] * 2.0f + 1.0f;")
-    with connect(broker.target, token=broker.tokens["dave"], timeout=TIMEOUT) as dave:
-        module = dave.load_module(ATTACK_SOURCE, ModuleFormat.OPENCL_C)
-        attack, addr = dave.get_kernel(module, "gpb_attack"), dave.get_kernel(module, "gpb_addr")
-        np.testing.assert_array_equal(_computes(dave, dave.compile_kernel(innocent, INNOCENT)), x * 2 + 1)
-        (cached,) = _compiled(broker, "dave", INNOCENT)
-        # Dave compiles a look-alike (same name and signature, other code), then from inside his worker renames its
-        # compiled code over the innocent kernel's in his own cache: his to write.
-        evil = dave.compile_kernel(kernel_source(INNOCENT, "x[i] = 666.0f;"), INNOCENT)
-        np.testing.assert_array_equal(_computes(dave, evil), np.full_like(x, 666.0))
-        (planted,) = _compiled(broker, "dave", INNOCENT) - {cached}
+X = np.arange(64, dtype=np.float32)
+INNOCENT_SOURCE = kernel_source(INNOCENT, "x[i] = x[i] * 2.0f + 1.0f;")
+
+
+def _poison(broker: BrokerProcess, tenant: str) -> tuple[Path, int]:
+    """The tenant compiles and runs an innocent kernel, then a look-alike (same name and signature, other code),
+    and from inside its worker renames the look-alike's compiled code over the innocent one's in its own cache
+    (its to write). Returns the poisoned file and the tenant's worker."""
+    with connect(broker.target, token=broker.tokens[tenant], timeout=TIMEOUT) as gpu:
+        module = gpu.load_module(ATTACK_SOURCE, ModuleFormat.OPENCL_C)
+        attack, addr = gpu.get_kernel(module, "gpb_attack"), gpu.get_kernel(module, "gpb_addr")
+        np.testing.assert_array_equal(_computes(gpu, gpu.compile_kernel(INNOCENT_SOURCE, INNOCENT)), X * 2 + 1)
+        (cached,) = _compiled(broker, tenant, INNOCENT)
+        evil = gpu.compile_kernel(kernel_source(INNOCENT, "x[i] = 666.0f;"), INNOCENT)
+        np.testing.assert_array_equal(_computes(gpu, evil), np.full_like(X, 666.0))
+        (planted,) = _compiled(broker, tenant, INNOCENT) - {cached}
         payload = planted.read_bytes()
         program = Program()
         program.replace_file(f"rename the look-alike over {cached}", cached, payload)
-        (poisoning,) = run(dave, attack, program)
-        assert poisoning.ret >= 0, f"dave could not write his own cache: {poisoning}"
-        assert cached.read_bytes() == payload, "the poisoned kernel is not in dave's cache"
+        (poisoning,) = run(gpu, attack, program)
+        assert poisoning.ret >= 0, f"{tenant} could not write its own cache: {poisoning}"
+        assert cached.read_bytes() == payload, f"the poisoned kernel is not in {tenant}'s cache"
         marker = secrets.token_bytes(64)
-        buf = dave.allocate_memory(len(marker))
-        dave.copy_h2d(marker, buf)
+        buf = gpu.allocate_memory(len(marker))
+        gpu.copy_h2d(marker, buf)
         assert broker.process is not None
-        worker = find_worker(broker.process.pid, buffer_address(dave, addr, buf), marker, "dave")
+        return cached, find_worker(broker.process.pid, buffer_address(gpu, addr, buf), marker, tenant)
 
-        _cli("tenant", "remove", "dave", "--config", str(broker.config_path))
-        _reload(broker)
+
+def _runs_clean(broker: BrokerProcess, tenant: str) -> None:
+    """The tenant's innocent kernel computes what its source says, not its predecessor's planted code."""
+    with connect(broker.target, token=broker.tokens[tenant], timeout=TIMEOUT) as gpu:
+        out = _computes(gpu, gpu.compile_kernel(INNOCENT_SOURCE, INNOCENT))
+    assert not (out == 666.0).all(), "the new tenant ran the code its predecessor planted in the cache"
+    np.testing.assert_array_equal(out, X * 2 + 1)
+
+
+def test_a_tenant_added_again_under_a_removed_ones_name_does_not_run_its_poisoned_cache(broker: BrokerProcess) -> None:
+    cached, worker = _poison(broker, "dave")
+    _cli("tenant", "remove", "dave", "--config", str(broker.config_path))
+    _reload(broker)
     wait_for(lambda: pid_state(worker) in (None, "Z"), 20, "the removed tenant's worker to end")
-
     # Another tenant, added under the same name with a new token, compiles the same innocent source.
     token = _cli("tenant", "add", "dave", "--config", str(broker.config_path)).strip().splitlines()[-1]
     _reload(broker)
     broker.tokens["dave"] = token
-    with connect(broker.target, token=token, timeout=TIMEOUT) as new_dave:
-        out = _computes(new_dave, new_dave.compile_kernel(innocent, INNOCENT))
-    assert not (out == 666.0).all(), "the new tenant ran the code its predecessor planted in the cache"
-    np.testing.assert_array_equal(out, x * 2 + 1)
+    _runs_clean(broker, "dave")
     # And the removed tenant's cache went with it (the disk it held is free).
     assert not cached.exists(), f"the removed tenant's cache is still there: {cached}"
+
+
+def test_a_tenant_replaced_while_the_broker_was_down_does_not_run_its_predecessors_cache(tmp_path: Path) -> None:
+    """The same, with the name's tenant replaced in the config while no broker ran (a new broker on the same cache
+    directory with a new token for the name: what ``tenant remove`` and ``tenant add`` with the broker down leave)."""
+    settings = {"cache_dir": str(tmp_path / "caches")}
+    with BrokerProcess([TenantSpec("gus")], backend="opencl", settings=settings) as before:
+        _poison(before, "gus")
+    with BrokerProcess([TenantSpec("gus")], backend="opencl", settings=settings) as after:
+        _runs_clean(after, "gus")
 
 
 # -- 7: a link's hello pending across its token's rotation -----------------------------------------------------------
