@@ -175,6 +175,8 @@ class SessionManager:
                 # Removed while its worker started (end_tenant ran meanwhile): neither session nor worker stays.
                 await self.pool.stop_tenant(tenant)
                 raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
+            if not worker.alive:  # (stopped as it started: its tenant was removed, and added again meanwhile)
+                raise Unavailable("the tenant's worker stopped while it started; retry")
             self._check_admission(device)  # a drain may have begun while the worker started
             session = Session(id=f"ses_{secrets.token_urlsafe(18)}", tenant=tenant, device=device, worker=worker,
                               lease_seconds=self.config.lease_seconds, tenant_inflight=self.inflight)

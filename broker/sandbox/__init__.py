@@ -17,8 +17,8 @@ it have been beaten, and says what it stops.
   ``/dev/null|zero|full|random|urandom``; on CUDA the NVIDIA device nodes, ``/usr/local/{cuda,nvidia}`` and
   ``/sys``; a private tmpfs ``/tmp`` and ``/dev/shm``; and read-write only its tenant's own compile cache
   (``<cache_dir>/tenants/<tenant>/<key>``, mode 0700, the key derived from its token: a tenant removed and added
-  again under its name never finds its predecessor's cache, which the broker deletes at the removal or its next
-  start). The broker's config, TLS keys, state, sockets, ``/etc/passwd`` and other
+  again under its name never finds its predecessor's cache, which the broker deletes at the removal, as it does a
+  rotated token's once no worker uses it). The broker's config, TLS keys, state, sockets, ``/etc/passwd`` and other
   tenants' caches do not exist there, so neither a kernel nor an ``#include "/path"`` in kernel source (PoCL,
   NVRTC: the compilers run in the worker) can read them.
 - **Network, IPC and UTS namespaces**: no network interface but a down loopback, no System V IPC or abstract

@@ -42,8 +42,8 @@ ENV_KEEP = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "LD_LIBRARY_PATH", "GP
             "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_PATH", "CUDA_HOME")
 ENV_PREFIXES = ("POCL_", "CUPY_", "OCL_ICD_")
 NOFILE = 4096
-# Under the cache root: one directory per tenant name, in it one per credential (see ``cache_key``). Only this
-# subdirectory is ever swept, so a cache_dir that the operator shares with other files loses none of them.
+# Under the cache root: one directory per tenant name, in it one per credential (see ``cache_key``). Nothing outside
+# it is ever deleted, so a cache_dir that the operator shares with other files loses none of them.
 TENANT_CACHES = "tenants"
 
 
@@ -316,7 +316,7 @@ def _remove(path: Path) -> None:
             with contextlib.suppress(OSError):
                 os.chmod(os.path.join(top, d), 0o700, follow_symlinks=False)
     shutil.rmtree(path, onerror=lambda _f, name, exc: log.warning(
-        "could not remove %s from a swept compile cache: %s", name, exc[1]))
+        "could not remove %s of a stale compile cache: %s", name, exc[1]))
 
 
 def _listdir(path: str) -> list[str]:
