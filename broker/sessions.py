@@ -20,10 +20,12 @@ from gpubroker.client import (
     GpuBrokerError,
     NotFound,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
     WorkerCrashed,
 )
 
+from .auth import UNAUTHENTICATED_MESSAGE
 from .config import BrokerConfig
 from .placement import DeviceLoad, NoServingDevice, choose_device
 from .workers import WorkerClient, WorkerPool
@@ -110,6 +112,9 @@ class SessionManager:
         self.devices = list(devices)
         self.sessions: dict[str, Session] = {}
         self.opening: dict[int, int] = {}  # sessions being opened (worker starting) per device, for placement
+        # Sessions being opened per tenant: each holds its place under max_sessions_per_tenant from the check
+        # to its registration (or failure), so concurrent opens waiting for one worker start cannot all pass.
+        self.reserved: dict[str, int] = {}
         # Called as a session ends, before its worker frees its memory (CopyPeer's caches let go of it there).
         self.closing_hooks: list[Callable[[Session], Awaitable[None]]] = []
         # What each tenant's worker on each device reports it uses, clamped to [0, quota]: placement, views,
@@ -152,22 +157,35 @@ class SessionManager:
             await self.refresh_tenant(tenant)
             device = self.place(tenant)
         self._check_admission(device)
-        live = sum(1 for s in self.sessions.values() if s.tenant == tenant)
+        live = sum(1 for s in self.sessions.values() if s.tenant == tenant) + self.reserved.get(tenant, 0)
         if live >= self.config.max_sessions_per_tenant:
             raise ResourceExhausted(f"tenant {tenant!r} already has {live} sessions, the limit; close one first")
+        # From here to the registration (or the failure) the session holds its place: nothing below may await
+        # outside this try, or the place leaks.
+        self.reserved[tenant] = self.reserved.get(tenant, 0) + 1
         self.opening[device] = self.opening.get(device, 0) + 1
         try:
-            worker = await self.pool.get(tenant, device)
-        except Exception as exc:
-            if self.admission is not None:
-                self.admission.worker_start_failed(device, exc)
-            raise
+            try:
+                worker = await self.pool.get(tenant, device)
+            except Exception as exc:
+                if self.admission is not None:
+                    self.admission.worker_start_failed(device, exc)
+                raise
+            if tenant not in self.config.tenants:
+                # Removed while its worker started (end_tenant ran meanwhile): neither session nor worker stays.
+                await self.pool.stop_tenant(tenant)
+                raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
+            if not worker.alive:  # (stopped as it started: its tenant was removed, and added again meanwhile)
+                raise Unavailable("the tenant's worker stopped while it started; retry")
+            self._check_admission(device)  # a drain may have begun while the worker started
+            session = Session(id=f"ses_{secrets.token_urlsafe(18)}", tenant=tenant, device=device, worker=worker,
+                              lease_seconds=self.config.lease_seconds, tenant_inflight=self.inflight)
+            self.sessions[session.id] = session
         finally:
             self.opening[device] -= 1
-        self._check_admission(device)  # a drain may have begun while the worker started
-        session = Session(id=f"ses_{secrets.token_urlsafe(18)}", tenant=tenant, device=device, worker=worker,
-                          lease_seconds=self.config.lease_seconds, tenant_inflight=self.inflight)
-        self.sessions[session.id] = session
+            self.reserved[tenant] -= 1
+            if not self.reserved[tenant]:
+                del self.reserved[tenant]
         self.idle.clear()
         log.info("session %s opened for tenant %s on device %d", session.id, tenant, device)
         return session
@@ -230,6 +248,11 @@ class SessionManager:
             await self.close(session, reason=reason)
             ended += 1
         await self.pool.stop_tenant(tenant)
+        # Nothing of it is left to count (its sessions released their segments, its workers are gone): a tenant
+        # added again under its name starts from zero.
+        self.shared_used.pop(tenant, None)
+        for key in [k for k in self.memory_used if k[0] == tenant]:
+            del self.memory_used[key]
         return ended
 
     def worker_exited(self, worker: WorkerClient) -> None:

@@ -207,8 +207,10 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "false is warned at every start, and the broker refuses to start when it cannot sandbox unless this is "
         "false."))] = True
     cache_dir: Annotated[str, Meta(description=(
-        "Where the per-tenant compile caches live, one private subdirectory each; empty: a directory of the "
-        "broker's own under $STATE_DIRECTORY, $XDG_CACHE_HOME or ~/.cache."))] = ""
+        "Where the per-tenant compile caches live, one private subdirectory each (tenants/NAME/KEY, the key "
+        "derived from the tenant's token: deleted when the tenant is removed or its token rotated, never found by "
+        "a later tenant of the same name); empty: a directory of the broker's own under $CACHE_DIRECTORY, "
+        "$STATE_DIRECTORY, $XDG_CACHE_HOME or ~/.cache."))] = ""
     worker_memory_max: Annotated[int, Meta(ge=0, description=(
         "Memory one worker may use (cgroup v2 memory.max where the broker may create cgroups, else an "
         "rlimit); 0: no limit.")), SIZE] = 0

@@ -16,7 +16,9 @@ it have been beaten, and says what it stops.
   import paths, the gpubroker packages, ``/usr``, ``/lib*``, ``/etc/ld.so.cache`` and CPU topology in ``/sys``;
   ``/dev/null|zero|full|random|urandom``; on CUDA the NVIDIA device nodes, ``/usr/local/{cuda,nvidia}`` and
   ``/sys``; a private tmpfs ``/tmp`` and ``/dev/shm``; and read-write only its tenant's own compile cache
-  (``<cache_dir>/<tenant>``, mode 0700). The broker's config, TLS keys, state, sockets, ``/etc/passwd`` and other
+  (``<cache_dir>/tenants/<tenant>/<key>``, mode 0700, the key derived from its token: a tenant removed and added
+  again under its name never finds its predecessor's cache, which the broker deletes at the removal, as it does a
+  rotated token's once no worker uses it). The broker's config, TLS keys, state, sockets, ``/etc/passwd`` and other
   tenants' caches do not exist there, so neither a kernel nor an ``#include "/path"`` in kernel source (PoCL,
   NVRTC: the compilers run in the worker) can read them.
 - **Network, IPC and UTS namespaces**: no network interface but a down loopback, no System V IPC or abstract
@@ -49,7 +51,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Launch", "SandboxUnavailable", "WorkerCgroups", "WorkerSandbox", "default_cache_dir", "set_dumpable"]
+__all__ = ["Launch", "SandboxUnavailable", "WorkerCgroups", "WorkerSandbox", "cache_key", "default_cache_dir",
+           "set_dumpable"]
 
 
 def set_dumpable(dumpable: bool) -> None:
@@ -62,7 +65,7 @@ def set_dumpable(dumpable: bool) -> None:
 def __getattr__(name: str) -> Any:
     # Imported on first use: the launcher (``python -m gpubroker.broker.sandbox``) loads this package on every
     # worker start and needs none of the front's side.
-    if name in ("Launch", "SandboxUnavailable", "WorkerSandbox", "default_cache_dir"):
+    if name in ("Launch", "SandboxUnavailable", "WorkerSandbox", "cache_key", "default_cache_dir"):
         from . import _policy
 
         return getattr(_policy, name)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import importlib.util
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +22,7 @@ from gpubroker.client import FailedPrecondition, Unavailable
 from ._cgroup import WorkerCgroups
 from ._launch import EXIT_SETUP_FAILED
 
-__all__ = ["Launch", "SandboxUnavailable", "WorkerSandbox", "default_cache_dir"]
+__all__ = ["Launch", "SandboxUnavailable", "WorkerSandbox", "cache_key", "default_cache_dir"]
 
 log = logging.getLogger("gpubroker.sandbox")
 
@@ -38,6 +42,9 @@ ENV_KEEP = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "LD_LIBRARY_PATH", "GP
             "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_PATH", "CUDA_HOME")
 ENV_PREFIXES = ("POCL_", "CUPY_", "OCL_ICD_")
 NOFILE = 4096
+# Under the cache root: one directory per tenant name, in it one per credential (see ``cache_key``). Nothing outside
+# it is ever deleted, so a cache_dir that the operator shares with other files loses none of them.
+TENANT_CACHES = "tenants"
 
 
 class SandboxUnavailable(Exception):
@@ -55,13 +62,24 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "gpubroker"
 
 
+def cache_key(token_hash: str) -> str:
+    """The name of a tenant's compile cache under its name's directory: derived from its stored token hash (a
+    fresh random HMAC key each time a token is minted), so a tenant removed and added again under the same name,
+    with the broker up or down meanwhile, never finds its predecessor's cache, and a rotated token (after a
+    leak, say) leaves behind what the old token's holder may have planted: that tenant's next worker starts from
+    an empty cache. Not secret: a one-way digest of a value that is itself no credential."""
+    return hashlib.sha256(token_hash.encode()).hexdigest()[:16]
+
+
 @dataclass
 class Launch:
-    """How to start one worker: its argv and environment, and the cgroup to release after it exits."""
+    """How to start one worker: its argv and environment, the cgroup to release after it exits, and the
+    compile cache it writes to."""
 
     argv: list[str]
     env: dict[str, str]
     cgroup: Path | None = None
+    cache: Path | None = None
 
 
 class WorkerSandbox:
@@ -76,6 +94,8 @@ class WorkerSandbox:
         self.pids_max = pids_max
         self.cgroups: WorkerCgroups | None = None
         self.cgroup_reason = "sandbox off" if not enabled else "cgroups not tried"
+        # The key of each tenant's cache (``cache_key`` of its token hash); the broker sets it from its config.
+        self.tenant_key: Callable[[str], str] = lambda tenant: "default"
         if enabled and use_cgroups:
             self.cgroups, self.cgroup_reason = WorkerCgroups.setup(memory_max, pids_max, cpu_weight)
 
@@ -101,18 +121,44 @@ class WorkerSandbox:
                                      f"compile caches ({exc.strerror}); expected a directory this broker's user "
                                      "may create and own") from None
 
-    def tenant_cache(self, tenant: str) -> Path:
-        """The tenant's own compile-cache directory (mode 0700), created on first use."""
+    @property
+    def tenants_root(self) -> Path:
+        return self.cache_root / TENANT_CACHES
+
+    def cache_path(self, tenant: str, key: str) -> Path:
+        """Where the tenant's compile cache under ``key`` is (see ``cache_key``): ``<cache_dir>/tenants/<tenant>/
+        <key>``."""
+        return self.tenants_root / tenant / key
+
+    def tenant_cache(self, tenant: str, key: str | None = None) -> Path:
+        """The tenant's own compile-cache directory (mode 0700), created on first use (``key``: its
+        ``tenant_key``)."""
+        path = self.cache_path(tenant, self.tenant_key(tenant) if key is None else key)
         try:
-            self.cache_root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(self.cache_root, 0o700)
-            path = self.cache_root / tenant
-            path.mkdir(mode=0o700, exist_ok=True)
-            os.chmod(path, 0o700)
+            for directory in (self.cache_root, self.tenants_root, path.parent, path):
+                directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+                os.chmod(directory, 0o700)
         except OSError as exc:  # (an operator's doing, not the tenant's: say what to fix)
             raise Unavailable(f"cannot prepare tenant {tenant!r}'s compile cache under {str(self.cache_root)!r} "
                               f"({exc.strerror}); the operator must fix [broker] cache_dir") from None
         return path
+
+    def remove_caches(self, paths: Iterable[Path]) -> list[Path]:
+        """Delete these tenant caches (each a ``cache_path``: nothing else is ever touched), and a tenant's
+        directory that is left empty. Blocking (run it in a thread). Returns what it deleted.
+
+        Only caches this broker knows to be stale are named here (a removed tenant's, a rotated token's): the
+        cache root may be shared with other brokers of the same user, whose tenants' caches are theirs."""
+        removed: list[Path] = []
+        for path in paths:
+            if path.parent.parent != self.tenants_root:
+                continue
+            if path.is_symlink() or path.exists():
+                _remove(path)
+                removed.append(path)
+            with contextlib.suppress(OSError):  # (only if empty: another key of the name may be in use)
+                path.parent.rmdir()
+        return removed
 
     def environment(self, cache: Path | None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k in ENV_KEEP or k.startswith(ENV_PREFIXES)}
@@ -147,7 +193,7 @@ class WorkerSandbox:
         cache = self.tenant_cache(tenant)
         env = self.environment(cache)
         if not self.enabled:
-            return Launch(worker_argv, {**os.environ, **env})
+            return Launch(worker_argv, {**os.environ, **env}, cache=cache)
         cgroup = None
         if self.cgroups is not None:
             try:
@@ -155,7 +201,7 @@ class WorkerSandbox:
             except OSError as exc:  # (a cgroup that cannot be made costs this worker its cgroup, not its start)
                 log.warning("no cgroup for tenant %s's worker on device %d, rlimits only: %s", tenant, device, exc)
         spec = self.spec(cache, keep_fds, cgroup)
-        return Launch(self.launcher_argv(spec, worker_argv), env, cgroup)
+        return Launch(self.launcher_argv(spec, worker_argv), env, cgroup, cache)
 
     def release(self, launch: Launch) -> bool:
         """After the worker exited: remove its cgroup; whether the OOM killer ended it (blocking)."""
@@ -249,6 +295,28 @@ def _existing(paths: list[str]) -> list[str]:
         if p not in seen and os.path.lexists(p):
             seen.append(p)
     return seen
+
+
+def _remove(path: Path) -> None:
+    """A cache directory and all in it; a symbolic link a tenant left there is removed, never followed."""
+    if path.is_symlink() or not path.is_dir():
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return
+    failures: list[str] = []
+    shutil.rmtree(path, onerror=lambda _f, name, _e: failures.append(name))
+    if not failures:
+        return
+    # The worker runs as this user: a tenant may have taken the permissions off directories of its own cache.
+    # Give them back (top down: each directory before its contents are listed) and try once more.
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o700)
+    for top, dirs, _ in os.walk(path):
+        for d in dirs:
+            with contextlib.suppress(OSError):
+                os.chmod(os.path.join(top, d), 0o700, follow_symlinks=False)
+    shutil.rmtree(path, onerror=lambda _f, name, exc: log.warning(
+        "could not remove %s of a stale compile cache: %s", name, exc[1]))
 
 
 def _listdir(path: str) -> list[str]:

@@ -18,13 +18,16 @@ pre-authentication limits (``hello_max_bytes``, ``hello_timeout_seconds``, the u
 and authenticated exactly as a gRPC call (failure delay, audit). A refusal is ``[0, 1, error]`` from the front;
 the worker itself answers an accepted hello (``[0, 0, {"link": 1, "max_frame": n}]``). The tenant's turns on the
 device are leased to the worker for its links' device work, and a revoked credential closes the session's links
-(``close_links``).
+(``close_links``). The watch for that is registered with the authentication, before the hand-off, and the worker
+holds a handed-off link unanswered until the front has checked the credential once more (``serve_link``): a
+worker busy in a long kernel cannot let a link in after its token's rotation (``_hand_over``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import queue
@@ -49,6 +52,8 @@ from ._preauth import PreAuthGate, Ticket
 __all__ = ["LinkServer", "fast_path_address"]
 
 log = logging.getLogger("gpubroker.links")
+REVOKED_MESSAGE = ("the token that opened this link was rotated or its tenant removed while the link was being "
+                   "set up; reconnect with the current token")
 
 
 def fast_path_address(unix_path: str) -> str:
@@ -71,6 +76,7 @@ class LinkServer:
         self._paths: list[Path] = []
         self._link_watches: dict[tuple[str, str], tuple[Principal, int]] = {}  # (session, credential) -> watch
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._numbers = itertools.count(1)  # each hand-off's link, as the worker holds it until it is served
         service.sessions.closing_hooks.append(self._session_closing)
 
     # -- listeners -----------------------------------------------------------------------------------
@@ -289,12 +295,26 @@ class LinkServer:
     async def _hand_over(self, session: Session, principal: Principal, fd: int,
                          send: Callable[[bytes], Awaitable[None]], compress: list[str]) -> bool:
         """Give the connection (``fd``) to the session's worker, which answers the hello and serves it from then
-        on; a worker that cannot take it gets the client the reason instead."""
+        on; a worker that cannot take it gets the client the reason instead.
+
+        The worker may be busy for seconds (a long kernel) before it takes the link, and a rotation or removal
+        may come meanwhile. So the authentication and its revocation watch are one step: the watch is registered
+        before the first await (a revocation from then on closes the session's links, this one included, as the
+        worker reads its requests in order), and the worker only holds the link until the front, once the
+        hand-off is done, finds the credential still valid and says ``serve_link``: no frame of a revoked
+        credential's link is ever read."""
+        self._watch_links(session, principal)
+        number = next(self._numbers)
         dup = os.dup(fd)
         try:
             worker = session.check_alive()
             self._lease(session)
-            await worker.call_with_fd("attach_link", session.id, dup, compress=compress)  # (checked: {"link": 1})
+            # (checked: {"link": 1})
+            await worker.call_with_fd("attach_link", session.id, dup, compress=compress, held=number)
+            if not self.service.auth.valid(principal.tenant, principal.credential):
+                # Revoked while the worker took it: the watch has asked the worker to close the session's links.
+                raise Unauthenticated(REVOKED_MESSAGE)
+            await worker.call("serve_link", session.id, held=number)
         except GpuBrokerError as exc:
             if not isinstance(exc, WorkerCrashed):
                 log.info("no link for session %s: %s", session.id, exc)
@@ -302,7 +322,6 @@ class LinkServer:
             return False
         finally:
             os.close(dup)  # the worker holds its own copy now
-        self._watch_links(session, principal)
         return True
 
     def _lease(self, session: Session) -> None:

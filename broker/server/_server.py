@@ -27,7 +27,7 @@ from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 from ..auth import Authenticator
 from ..config import BrokerConfig, load_config, split_host_port
 from ..relay import RelayServer, serve_relay, vsock_listener
-from ..sandbox import SandboxUnavailable, WorkerSandbox
+from ..sandbox import SandboxUnavailable, WorkerSandbox, cache_key
 from ..scheduler import DeviceScheduler
 from ..sessions import SessionManager
 from ..workers import WorkerClient, WorkerPool, device_info_from_dict
@@ -153,6 +153,8 @@ class Broker:
         self.metrics: MetricsServer | None = None
         self.sandbox: WorkerSandbox | None = None
         self.census: GrpcPeerCensus | None = None
+        self._removing = asyncio.Lock()  # deletions of stale compile caches, one at a time
+        self._removals: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         cfg = self.config
@@ -173,6 +175,9 @@ class Broker:
         log.info("backend %s: %s", backend, ", ".join(f"{i}: {d.name} ({backend} device {d.id})"
                                                       for i, d in enumerate(devices)))
         self.sandbox = sandbox = await asyncio.to_thread(start_sandbox, cfg, backend)
+        # Each tenant's compile cache is its name's and its token's (sandbox.cache_key): whatever a tenant left in
+        # its cache is never found by a tenant added under its name later, even with the broker down meanwhile.
+        sandbox.tenant_key = self._cache_key
         self.health = BrokerHealth(cfg, devices)  # (NVML maps the backend's own indices, the ids here)
         # Worker deaths are charged to their cause (workers/_pool.py): the tenant's crash budget, or (only for
         # failures no tenant caused) the device's health. A worker's reply is at most a copy chunk and envelope.
@@ -283,6 +288,35 @@ class Broker:
     def _worker_exited(self, worker: WorkerClient) -> None:
         if self.sessions is not None:
             self.sessions.worker_exited(worker)
+        if worker.cache_dir is not None and worker.cache_dir.name != self._cache_key(worker.tenant):
+            # It wrote to a cache its tenant no longer owns (removed, or its token rotated): delete it now.
+            self._spawn_removal({worker.cache_dir})
+
+    def _cache_key(self, tenant: str) -> str:
+        """The key of the tenant's compile cache now (sandbox.cache_key of its token); a tenant that is not in the
+        config gets one that nothing keeps (its worker's cache is deleted when it exits)."""
+        t = self.config.tenants.get(tenant)
+        return cache_key(t.token_hash) if t is not None else "removed"
+
+    def _spawn_removal(self, paths: set[Path]) -> None:
+        task = asyncio.get_running_loop().create_task(self._remove_caches(paths))
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
+
+    async def _remove_caches(self, paths: set[Path]) -> None:
+        """Delete these compile caches, but those a running worker writes to (each is deleted when its worker
+        exits: ``_worker_exited``)."""
+        if self.sandbox is None:
+            return
+        async with self._removing:
+            in_use = {w.cache_dir for w in self.pool.workers()} if self.pool is not None else set()
+            try:
+                removed = await asyncio.to_thread(self.sandbox.remove_caches, paths - in_use)
+            except Exception:  # (never the broker's end: a cache left behind is found by nobody)
+                log.exception("deleting stale compile caches failed")
+                return
+        for path in removed:
+            log.info("deleted compile cache %s (its tenant was removed or its token rotated)", path)
 
     def _overrun(self, device: int, tenant: str, message: str) -> None:
         """The tenant's device work overran the kernel time limit: kill its worker (its calls get ``message``)."""
@@ -377,6 +411,11 @@ class Broker:
         ended = 0
         for name in removed:
             ended += await self.sessions.end_tenant(name, reason="ended: tenant removed")
+        if self.sandbox is not None:
+            # The caches of the removed tenants (their workers are gone) and of rotated tokens (once no worker
+            # writes to them): no tenant ever finds them again, and their disk is free.
+            await self._remove_caches({self.sandbox.cache_path(n, cache_key(old[n].token_hash)) for n in old
+                                       if n not in new or new[n].token_hash != old[n].token_hash})
         audit.info("action=reload added=%s removed=%s changed=%s sessions_ended=%d", added, removed, changed, ended)
         return apb.ReloadResponse(added=added, removed=removed, changed=changed, sessions_ended=ended)
 
@@ -399,6 +438,8 @@ class Broker:
             await self.sessions.stop()
         if self.pool is not None:
             await self.pool.close()
+        if self._removals:  # (caches of workers that just exited)
+            await asyncio.gather(*self._removals, return_exceptions=True)
         if self.health is not None:
             await self.health.stop()
         if self.metrics is not None:  # last: a scrape during the stop still sees the sessions go

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from gpubroker.client import (
@@ -117,6 +118,7 @@ class WorkerClient:
         # Without one (a worker started outside a broker), the plain worker with its own cache directory.
         self.sandbox = sandbox if sandbox is not None else WorkerSandbox(enabled=False, backend=backend)
         self._launch: Launch | None = None
+        self.cache_dir: Path | None = None  # the tenant's compile cache it writes to (kept while it runs)
         self.oom_killed = False  # the kernel's OOM killer ended it in its cgroup (memory.max): its tenant's doing
         self.info: DeviceInfo | None = None
         self.process: subprocess.Popen[bytes] | None = None
@@ -184,6 +186,7 @@ class WorkerClient:
                     "--backend", self.backend, "--device", str(self.ordinal), "--tenant", self.tenant]
             # In the sandbox's launcher, which runs the worker as its child in namespaces of its own.
             self._launch = self.sandbox.prepare(self.tenant, self.device, argv, fds)
+            self.cache_dir = self._launch.cache
             try:
                 # subprocess (vfork + exec) rather than the event loop's spawner: uvloop forks, and a forked
                 # child of a process full of gRPC threads was seen to crash before it could exec. Its output

@@ -120,6 +120,7 @@ class Links:
         self._send_front = send_front
         self.max_frame = DEFAULT_MAX_FRAME
         self.links: dict[int, _Link] = {}
+        self._held: dict[int, _Link] = {}  # links taken but not yet answered, by the front's number (``attach``)
         self._rings: dict[int, _Link] = {}  # by the fd of the ring's commands doorbell
         self._resuming: dict[int, _Link] = {}  # rings to pump again after the serve loop's next look around
         self._timed: dict[int, _Link] = {}  # links that may have a deadline (a half frame, an outbox waiting)
@@ -133,24 +134,46 @@ class Links:
         self._waiting: deque[tuple[_Link, Batch | str]] = deque()
 
     # -- links -------------------------------------------------------------------------------------
-    def attach(self, sock: socket.socket, session: str, compress: object = None) -> None:
+    def attach(self, sock: socket.socket, session: str, compress: object = None, held: int | None = None) -> None:
         """Serve ``sock`` for ``session``: answer the client's hello, then take its batches. ``compress`` is the
         hello's list of codecs the client takes, in its order of preference (as the front relayed it: unchecked):
-        the first this worker knows is the link's, named in the answer; none known, the answer names none."""
-        if sum(1 for link in self.links.values() if link.session == session) >= MAX_LINKS_PER_SESSION:
+        the first this worker knows is the link's, named in the answer; none known, the answer names none.
+
+        With ``held`` (the front's number for it) the link is only taken: neither answered nor read until the
+        front says ``serve(held)``, after it has checked that the credential which opened it still holds (this
+        worker may have been busy for seconds, a rotation or removal meanwhile); ``close_session`` drops it."""
+        links = [link for link in (*self.links.values(), *self._held.values()) if link.session == session]
+        if len(links) >= MAX_LINKS_PER_SESSION:
             raise ResourceExhausted(f"this session already has {MAX_LINKS_PER_SESSION} links, the limit")
+        if held is not None and held in self._held:
+            raise InvalidArgument(f"a link numbered {held} is already held")
         sock.setblocking(False)
         link = _Link(sock, session, sock.fileno())
-        hello: dict[str, Any] = {"link": 1, "max_frame": self.max_frame}
         if type(compress) is list:
             link.codec = next((c for c in compress[:16] if type(c) is str and c in CODECS), "")
-            if link.codec:
-                hello["compress"] = link.codec
+        if held is not None:
+            self._held[held] = link
+            return
+        self._answer(link)
+
+    def serve(self, held: int, session: str) -> None:
+        """Answer and serve the link taken under ``held`` (the front found its credential still valid)."""
+        link = self._held.get(held)
+        if link is None or link.session != session:
+            raise InvalidArgument(f"no link numbered {held} is held (its session ended, or its links were closed)")
+        del self._held[held]
+        self._answer(link)
+
+    def _answer(self, link: _Link) -> None:
+        hello: dict[str, Any] = {"link": 1, "max_frame": self.max_frame}
+        if link.codec:
+            hello["compress"] = link.codec
         self.links[link.fd] = link
         self.version += 1
         if not self._send(link, msgpack.packb([0, 0, hello])):
             self.links.pop(link.fd, None)
             self._timed.pop(link.fd, None)
+            link.sock.close()
             raise OSError("the client closed its link before the hello's answer")
 
     def watch(self) -> dict[int, tuple[socket.socket, int]]:
@@ -195,6 +218,10 @@ class Links:
                 self._drop(fd)
 
     def close_session(self, session: str) -> None:
+        for number, link in list(self._held.items()):
+            if link.session == session:
+                del self._held[number]
+                link.sock.close()
         for fd, link in list(self.links.items()):
             if link.session == session:
                 self._drop(fd)

@@ -61,7 +61,8 @@ class WorkerServer(PeerOps):
             "batch": self.op_batch, "ping": self.op_ping, "take_device_time": self.op_take_device_time,
             "set_limits": self.op_set_limits, "usage": self.op_usage, "close_session": self.op_close_session,
             "register_segment": self.op_register_segment, "release_segment": self.op_release_segment,
-            "attach_link": self.op_attach_link, "close_links": self.op_close_links, "pin": self.op_pin,
+            "attach_link": self.op_attach_link, "serve_link": self.op_serve_link, "close_links": self.op_close_links,
+            "pin": self.op_pin,
             "unpin": self.op_unpin, "peer_local": self.op_peer_local, "peer_export": self.op_peer_export,
             "peer_open": self.op_peer_open, "peer_copy": self.op_peer_copy, "peer_close": self.op_peer_close,
         }
@@ -177,7 +178,11 @@ class WorkerServer(PeerOps):
     # -- links -------------------------------------------------------------------------------------
     def op_attach_link(self, session: str, p: dict[str, Any]) -> Any:
         """Take over a client's authenticated link (sent on the fd channel) for this session; the worker
-        answers the client's hello itself."""
+        answers the client's hello itself, at once, or with ``held`` (the front's number for the link, an int)
+        once the front says ``serve_link``."""
+        held = p.get("held")
+        if held is not None and type(held) is not int:
+            raise InvalidArgument("attach_link: held must be an int")
         token = p.get("token", b"")
         fd = self.segments.receive(token if type(token) is bytes else b"")
         sock = socket.socket(fileno=fd)
@@ -186,7 +191,7 @@ class WorkerServer(PeerOps):
             sock.close()
             raise InvalidArgument("a link must be a Unix or vsock stream socket")
         try:
-            self.links.attach(sock, session, p.get("compress"))
+            self.links.attach(sock, session, p.get("compress"), held)
         except GpuBrokerError:
             sock.close()
             raise
@@ -194,6 +199,17 @@ class WorkerServer(PeerOps):
             sock.close()
             raise Internal(f"could not answer the client on its link: {exc}") from None
         return {"link": 1}
+
+    def op_serve_link(self, session: str, p: dict[str, Any]) -> Any:
+        """Answer and serve a link taken with ``held``: the front checked, after the hand-off, that the credential
+        which opened it was not revoked meanwhile."""
+        held = p.get("held")
+        if type(held) is not int:
+            raise InvalidArgument("serve_link: held must be an int")
+        try:
+            self.links.serve(held, session)
+        except OSError as exc:
+            raise Internal(f"could not answer the client on its link: {exc}") from None
 
     def op_close_links(self, session: str, p: dict[str, Any]) -> Any:
         """Close the session's links (the token that opened them was revoked); the session stays."""

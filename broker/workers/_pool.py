@@ -73,6 +73,10 @@ class TenantCrashes:
             deaths.popleft()
         return deaths
 
+    def forget(self, tenant: str) -> None:
+        """The tenant was removed: its back-off is not its successor's under the same name (the total stays)."""
+        self._deaths.pop(tenant, None)
+
     def recent(self, tenant: str) -> int:
         return len(self._expire(tenant))
 
@@ -237,10 +241,16 @@ class WorkerPool:
                 await worker.stop()
 
     async def stop_tenant(self, tenant: str) -> None:
+        """Stop every worker of the tenant (it was removed), those still starting too, and forget its crashes: a
+        tenant added again under its name starts with none of its state."""
+        starting = [task for key, task in self._starting.items() if key[0] == tenant]
+        if starting:  # (a start registers its worker when it succeeds: wait for that, then stop it with the rest)
+            await asyncio.wait(starting)
         for key, worker in list(self._workers.items()):
             if key[0] == tenant:
                 del self._workers[key]
                 await worker.stop()
+        self.crashes.forget(tenant)
 
     async def restart(self, worker: WorkerClient, fault: GpuBrokerError | None = None) -> None:
         """Kill a worker for its tenant's sake (a compile past its timeout, device work past the kernel time

@@ -99,9 +99,10 @@ def test_environment_is_scrubbed_and_caches_are_per_tenant(sandboxed: BrokerProc
                             "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_PATH", "CUDA_HOME"} | {
                                 k for k in env if k.startswith(("POCL_", "CUPY_", "OCL_ICD_"))}
     alice_cache, bob_cache = Path(alice_env["HOME"]), Path(bob_env["HOME"])
-    assert alice_cache != bob_cache and alice_cache.parent == bob_cache.parent
-    assert alice_cache.name == "alice" and alice_env["POCL_CACHE_DIR"].startswith(str(alice_cache))
-    for cache in (alice_cache, bob_cache, alice_cache.parent):
+    # <cache_dir>/tenants/<name>/<key of its token>: each tenant's own, and a new tenant's under an old name new
+    assert alice_cache != bob_cache and alice_cache.parent.parent == bob_cache.parent.parent
+    assert alice_cache.parent.name == "alice" and alice_env["POCL_CACHE_DIR"].startswith(str(alice_cache))
+    for cache in (alice_cache, bob_cache, alice_cache.parent, alice_cache.parent.parent):
         assert stat.S_IMODE(cache.stat().st_mode) == 0o700
     assert any((alice_cache / "pocl").rglob("*")), "PoCL's kernel cache is not in the tenant's directory"
 
@@ -131,7 +132,8 @@ def test_sandbox_off_works_and_warns(tmp_path: Path) -> None:
         assert os.readlink(f"/proc/{pid}/ns/pid") == os.readlink(f"/proc/{front}/ns/pid")
         assert "sandbox is OFF" in b.log_tail(20000)
         # Still a compile cache of its own (a shared one let a tenant replace another's compiled kernels).
-        assert _environ(pid)["POCL_CACHE_DIR"] == str(tmp_path / "alice" / "pocl")
+        pocl = Path(_environ(pid)["POCL_CACHE_DIR"])
+        assert pocl.name == "pocl" and pocl.parent.parent == tmp_path / "tenants" / "alice"
 
 
 def test_broker_refuses_to_start_without_its_sandbox(tmp_path: Path) -> None:
