@@ -48,6 +48,7 @@ class CacheView:
     def seed(self) -> int:
         """Copy the host's newest files into the tmpfs, up to half the bound; the bytes copied."""
         fcntl.flock(self.host_fd, fcntl.LOCK_SH)
+        host, view = _Dirs(self.host_fd, create=False), _Dirs(self.view_fd, create=True)
         try:
             files, _, _ = _walk(self.host_fd)
             total = 0
@@ -58,25 +59,31 @@ class CacheView:
                 if total + cost > self.limit // 2:
                     break
                 try:
-                    _copy(self.host_fd, self.view_fd, rel, st)
+                    _copy(host, view, rel, st)
                 except OSError:
                     break  # (the tmpfs is full: ENOSPC)
                 total += cost
             return total
         finally:
+            host.close()
+            view.close()
             fcntl.flock(self.host_fd, fcntl.LOCK_UN)
 
     def save(self) -> int:
         """Make the host directory what the tmpfs holds, within the bound; the bytes copied."""
         fcntl.flock(self.host_fd, fcntl.LOCK_EX)
+        src, dst = _Dirs(self.view_fd, create=False), _Dirs(self.host_fd, create=True)
         try:
             view, view_dirs, _ = _walk(self.view_fd)
             host, host_dirs, others = _walk(self.host_fd)
             # What the worker removed or changed goes first, so the bound holds at every step of the save.
             for rel in [*others, *(r for r, st in host.items() if not _same(st, view.get(r)))]:
-                _unlink(self.host_fd, rel)
-            for rel in sorted(set(host_dirs) - set(view_dirs), key=lambda r: -r.count("/")):
-                _unlink(self.host_fd, rel, directory=True)
+                _unlink(dst, rel)
+            gone = set(host_dirs) - set(view_dirs)
+            dst.close()  # (descriptors of directories about to go)
+            for rel in sorted(gone, key=lambda r: -r.count("/")):
+                _unlink(dst, rel, directory=True)
+                dst.close()
             kept = {r for r, st in host.items() if _same(st, view.get(r))}
             total = sum(_cost(view[r]) for r in kept) + ENTRY_BYTES * len(view_dirs)
             copied = 0
@@ -87,12 +94,14 @@ class CacheView:
                 if total + cost > self.limit:
                     continue
                 try:
-                    copied += _copy(self.view_fd, self.host_fd, rel, view[rel])
+                    copied += _copy(src, dst, rel, view[rel])
                 except OSError:
                     continue  # (a name the host has as a directory, a full disk: that file is not cached)
                 total += cost
             return copied
         finally:
+            src.close()
+            dst.close()
             fcntl.flock(self.host_fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
@@ -151,71 +160,72 @@ def _walk(root_fd: int) -> tuple[Files, list[str], list[str]]:
     return files, dirs, others
 
 
-def _open_parent(root_fd: int, rel: str, create: bool) -> tuple[int, str]:
-    """A descriptor of ``rel``'s directory (its components created with ``create``), and its last name."""
-    *parts, name = rel.split("/")
-    fd = os.dup(root_fd)
-    try:
-        for part in parts:
-            if create:
+class _Dirs:
+    """Descriptors of the directories below one root, opened (and with ``create``, made) once per operation."""
+
+    def __init__(self, root_fd: int, create: bool) -> None:
+        self.fds: dict[str, int] = {"": root_fd}
+        self.create = create
+
+    def parent(self, rel: str) -> tuple[int, str]:
+        """A descriptor of ``rel``'s directory (not to be closed: close() does), and its last name."""
+        head, _, name = rel.rpartition("/")
+        return self._get(head), name
+
+    def _get(self, rel: str) -> int:
+        fd = self.fds.get(rel)
+        if fd is None:
+            head, _, name = rel.rpartition("/")
+            parent = self._get(head)
+            if self.create:
                 try:
-                    os.mkdir(part, 0o700, dir_fd=fd)
+                    os.mkdir(name, 0o700, dir_fd=parent)
                 except FileExistsError:
                     pass
-            sub = os.open(part, _DIR, dir_fd=fd)
-            os.close(fd)
-            fd = sub
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, name
+            fd = self.fds[rel] = os.open(name, _DIR, dir_fd=parent)
+        return fd
+
+    def close(self) -> None:
+        for rel, fd in self.fds.items():
+            if rel:  # (the root's descriptor is the caller's)
+                os.close(fd)
+        self.fds = {"": self.fds[""]}
 
 
-def _unlink(root_fd: int, rel: str, *, directory: bool = False) -> None:
+def _unlink(dirs: _Dirs, rel: str, *, directory: bool = False) -> None:
     try:
-        fd, name = _open_parent(root_fd, rel, create=False)
-    except OSError:
-        return
-    try:
+        fd, name = dirs.parent(rel)
         os.rmdir(name, dir_fd=fd) if directory else os.unlink(name, dir_fd=fd)
     except OSError:
         pass  # (a directory still holding what did not fit, a name gone already)
-    finally:
-        os.close(fd)
 
 
-def _copy(src_root: int, dst_root: int, rel: str, st: os.stat_result) -> int:
+def _copy(src_dirs: _Dirs, dst_dirs: _Dirs, rel: str, st: os.stat_result) -> int:
     """Copy one regular file, keeping its mode and mtime, through a temporary name renamed into place."""
-    src_dir, name = _open_parent(src_root, rel, create=False)
-    try:
-        src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=src_dir)
-    finally:
-        os.close(src_dir)
+    src_dir, name = src_dirs.parent(rel)
+    src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=src_dir)
     try:
         if not stat.S_ISREG(os.fstat(src).st_mode):
             raise OSError("not a regular file")
-        dst_dir, name = _open_parent(dst_root, rel, create=True)
+        dst_dir, name = dst_dirs.parent(rel)
+        tmp = f"{TEMP_PREFIX}{os.getpid()}"
+        dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                      stat.S_IMODE(st.st_mode) & 0o700 or 0o600, dir_fd=dst_dir)
         try:
-            tmp = f"{TEMP_PREFIX}{os.getpid()}"
-            dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                          stat.S_IMODE(st.st_mode) & 0o700 or 0o600, dir_fd=dst_dir)
-            try:
-                copied = 0
-                while copied < st.st_size:  # (never past the size seen: the bound counted that)
-                    sent = os.sendfile(dst, src, copied, min(_CHUNK, st.st_size - copied))
-                    if sent <= 0:
-                        break
-                    copied += sent
-                os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
-            finally:
-                os.close(dst)
-            try:
-                os.rename(tmp, name, src_dir_fd=dst_dir, dst_dir_fd=dst_dir)
-            except OSError:
-                os.unlink(tmp, dir_fd=dst_dir)
-                raise
+            copied = 0
+            while copied < st.st_size:  # (never past the size seen: the bound counted that)
+                sent = os.sendfile(dst, src, copied, min(_CHUNK, st.st_size - copied))
+                if sent <= 0:
+                    break
+                copied += sent
+            os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
         finally:
-            os.close(dst_dir)
+            os.close(dst)
+        try:
+            os.rename(tmp, name, src_dir_fd=dst_dir, dst_dir_fd=dst_dir)
+        except OSError:
+            os.unlink(tmp, dir_fd=dst_dir)
+            raise
     finally:
         os.close(src)
     return copied

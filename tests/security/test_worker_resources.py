@@ -23,7 +23,7 @@ from gpubroker.client import ModuleFormat, RemoteGpu, connect
 from ..conftest import worker_pids
 from ..helpers import descendants, wait_for
 from . import exploits
-from .exploits import ATTACK_SOURCE, AT_FDCWD, O_CREAT, O_RDWR, Attempt, Program, check_arch, process_env, run
+from .exploits import AT_FDCWD, ATTACK_SOURCE, O_CREAT, O_RDWR, Attempt, Program, check_arch, process_env, run
 
 MiB = 1 << 20
 MEMORY_MAX = 1024 * MiB
@@ -166,8 +166,10 @@ def test_host_memory_outside_the_worker_limit_is_refused(broker: BrokerProcess) 
         big.append(fill(program, "/dev/shm/gpb-big", 2048 * MiB, label="fallocate 2 GiB in /dev/shm"))
         # /tmp and /dev/shm together hold at most worker_tmp_max_bytes, however it is asked for.
         chunk = 8 * MiB
-        tmp = [fill(program, f"/tmp/gpb-{i}", chunk, label=f"/tmp chunk {i}", must_fail=False) for i in range(12)]
-        shm = [fill(program, f"/dev/shm/gpb-{i}", chunk, label=f"/dev/shm chunk {i}", must_fail=False) for i in range(12)]
+        tmp = [fill(program, f"/tmp/gpb-{i}", chunk, label=f"/tmp chunk {i}", must_fail=False)
+               for i in range(12)]
+        shm = [fill(program, f"/dev/shm/gpb-{i}", chunk, label=f"/dev/shm chunk {i}", must_fail=False)
+               for i in range(12)]
         remove(program, ["/tmp/gpb-big", "/dev/shm/gpb-big", *(f"/tmp/gpb-{i}" for i in range(12)),
                          *(f"/dev/shm/gpb-{i}" for i in range(12))])
         launch(alice, program)
@@ -186,7 +188,8 @@ def test_the_compile_cache_is_bounded_on_the_host_disk(broker: BrokerProcess) ->
         program = Program()
         big = fill(program, f"{cache}/gpb-big", 2048 * MiB, label="fallocate 2 GiB in the cache")
         chunk = 6 * MiB  # each under the file-size limit; together past cache_max_bytes
-        chunks = [fill(program, f"{cache}/gpb-{i}", chunk, label=f"cache chunk {i}", must_fail=False) for i in range(16)]
+        chunks = [fill(program, f"{cache}/gpb-{i}", chunk, label=f"cache chunk {i}", must_fail=False)
+                  for i in range(16)]
         # Apparent sizes and no blocks: allowed, and the save must not make them real past the bound.
         holes = [sparse(program, f"{cache}/gpb-hole-{i}", 48 * MiB, label=f"sparse file {i}") for i in range(4)]
         launch(carol, program)
