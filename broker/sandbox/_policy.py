@@ -257,6 +257,11 @@ try:
     raise AssertionError("an AF_INET socket could be opened")
 except PermissionError:
     pass
+try:
+    os.memfd_create("probe")
+    raise AssertionError("memfd_create is allowed")
+except PermissionError:
+    pass
 print("ok")
 """
 
