@@ -186,6 +186,8 @@ def fork():
         os._exit(7)
     return os.waitpid(pid, 0)[1]
 results["fork"] = err(fork)
+# The one way to start a process on OpenCL: posix_spawn's clone(CLONE_VM | CLONE_VFORK), for PoCL's linker.
+results["posix_spawn"] = err(lambda: os.waitpid(os.posix_spawn("/bin/true", ["/bin/true"], {}), 0)[1])
 results["memfd"] = err(lambda: os.memfd_create("x"))
 results["shmget"] = err(lambda: libc.shmget(0, 1 << 20, 0o1600))
 print(results)
@@ -206,7 +208,8 @@ def test_sandboxed_process_is_refused_what_it_must_not_do(tmp_path: Path) -> Non
         "inet": "EPERM", "inet6": "EPERM", "netlink": "EPERM", "unix": "allowed", "kill_other": "EPERM",
         "kill_self": "allowed", "ptrace": "EPERM", "unshare": "EPERM", "mount": "EPERM", "clone3": "ENOSYS",
         "personality": "EPERM", "bpf": "EPERM", "config": "ENOENT", "passwd": "ENOENT", "sysctl": "EROFS",
-        "usr": "EROFS", "tmp": "allowed", "fork": "EPERM", "memfd": "EPERM", "shmget": "EPERM"}
+        "usr": "EROFS", "tmp": "allowed", "fork": "EPERM", "memfd": "EPERM", "shmget": "EPERM",
+        "posix_spawn": "allowed"}
 
 
 def test_devices_command_shows_the_sandbox() -> None:
