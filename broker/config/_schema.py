@@ -212,8 +212,17 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "a later tenant of the same name); empty: a directory of the broker's own under $CACHE_DIRECTORY, "
         "$STATE_DIRECTORY, $XDG_CACHE_HOME or ~/.cache."))] = ""
     worker_memory_max: Annotated[int, Meta(ge=0, description=(
-        "Memory one worker may use (cgroup v2 memory.max where the broker may create cgroups, else an "
-        "rlimit); 0: no limit.")), SIZE] = 0
+        "Memory one worker may use, its /tmp, /dev/shm and compile cache included: cgroup v2 memory.max where "
+        "the broker may create cgroups, else RLIMIT_DATA (private writable memory, both backends) and on OpenCL "
+        "RLIMIT_AS, each less the tmpfs sizes; 0: no limit.")), SIZE] = 0
+    cache_max_bytes: Annotated[int, Meta(ge=1 << 20, description=(
+        "The most one tenant's compile cache may hold. A sandboxed worker writes its cache into a tmpfs of this "
+        "size (counted as its memory), seeded with the newest half of the cache on disk, and the cache on disk "
+        "becomes what it held when it exited, within this bound (the oldest kernels are compiled again). No "
+        "file a worker writes may be larger than this or worker_tmp_max_bytes (RLIMIT_FSIZE).")), SIZE] = 256 << 20
+    worker_tmp_max_bytes: Annotated[int, Meta(ge=1 << 20, description=(
+        "What a sandboxed worker's /tmp and /dev/shm may hold together (one tmpfs, counted as its memory). "
+        "With worker_memory_max set, this and cache_max_bytes may take at most half of it.")), SIZE] = 64 << 20
     worker_pids_max: Annotated[int, Meta(ge=0, description=(
         "Processes and threads one worker may have (cgroup v2 pids.max, else an rlimit); 0: no limit."))] = 512
     worker_cpu_weight: Annotated[int, Meta(ge=1, le=10000, description=(

@@ -15,10 +15,13 @@ it have been beaten, and says what it stops.
 - **Mount namespace, pivot_root into a tmpfs root**: the worker sees only, read-only, the Python runtime, its
   import paths, the gpubroker packages, ``/usr``, ``/lib*``, ``/etc/ld.so.cache`` and CPU topology in ``/sys``;
   ``/dev/null|zero|full|random|urandom``; on CUDA the NVIDIA device nodes, ``/usr/local/{cuda,nvidia}`` and
-  ``/sys``; a private tmpfs ``/tmp`` and ``/dev/shm``; and read-write only its tenant's own compile cache
-  (``<cache_dir>/tenants/<tenant>/<key>``, mode 0700, the key derived from its token: a tenant removed and added
-  again under its name never finds its predecessor's cache, which the broker deletes at the removal, as it does a
-  rotated token's once no worker uses it). The broker's config, TLS keys, state, sockets, ``/etc/passwd`` and other
+  ``/sys``; ``/tmp`` and ``/dev/shm``, two directories of one private tmpfs of ``worker_tmp_max_bytes``; and
+  read-write only its tenant's own compile cache (``<cache_dir>/tenants/<tenant>/<key>``, mode 0700, the key
+  derived from its token: a tenant removed and added again under its name never finds its predecessor's cache,
+  which the broker deletes at the removal, as it does a rotated token's once no worker uses it), itself a tmpfs of
+  ``cache_max_bytes`` that the launcher seeds from the disk and saves back, bounded, after the worker exits
+  (``_cache.py``): the worker never writes the host's disk. The broker's config, TLS keys, state, sockets,
+  ``/etc/passwd`` and other
   tenants' caches do not exist there, so neither a kernel nor an ``#include "/path"`` in kernel source (PoCL,
   NVRTC: the compilers run in the worker) can read them.
 - **Network, IPC and UTS namespaces**: no network interface but a down loopback, no System V IPC or abstract
@@ -29,10 +32,16 @@ it have been beaten, and says what it stops.
   mount and pivot_root and the new mount API, namespace changes (unshare, setns, clone with CLONE_NEW*; clone3
   gets ENOSYS so glibc falls back to clone), bpf, keyctl, perf_event_open, userfaultfd, io_uring, module and
   kexec calls, personality changes, and any socket but AF_UNIX. Other syscall ABIs (x86 ``int 0x80``) kill it.
+  No new processes: fork, vfork and clone without CLONE_THREAD (only threads; on OpenCL also posix_spawn's
+  clone(CLONE_VM | CLONE_VFORK), with which PoCL 3.0 starts the system linker for each new kernel). No memory
+  outside the limits below: memfd_create, memfd_secret, System V shared memory, message queues and semaphores.
 - **Resource limits**: a cgroup v2 per worker (``memory.max`` = ``worker_memory_max``, ``pids.max``,
-  ``cpu.weight``) where the broker has a delegated cgroup to itself (systemd ``Delegate=yes``); otherwise
-  rlimits (processes per user namespace, address space on OpenCL). Always: no core dumps, bounded descriptors.
-  A worker the OOM killer ends is its tenant's failure.
+  ``cpu.weight``) where the broker has a delegated cgroup to itself (systemd ``Delegate=yes``), which is charged
+  for its tmpfs pages too; otherwise rlimits: processes per user namespace, and with ``worker_memory_max``
+  ``RLIMIT_DATA`` (private writable memory, both backends: CUDA's PROT_NONE reservations do not count) and on
+  OpenCL ``RLIMIT_AS``, each ``worker_memory_max`` less the tmpfs sizes, so the tmpfs are counted inside it.
+  Always: no core dumps, bounded descriptors, ``RLIMIT_FSIZE`` (the larger tmpfs size: EFBIG past it, which also
+  bounds a memfd the front passed). A worker the OOM killer ends is its tenant's failure.
 - **Environment and descriptors**: only PATH, locale, PYTHONPATH, LD_LIBRARY_PATH, the log format, CUDA's device
   selection and the operator's ``POCL_*``/``CUPY_*`` settings pass; HOME and every compile cache point into the
   tenant's cache. The worker inherits only stdio and its two channels to the front.

@@ -20,6 +20,8 @@ import stat
 import sys
 from typing import Any
 
+from ._cache import CacheView, inodes_for
+
 __all__ = ["EXIT_SETUP_FAILED", "main"]
 
 EXIT_SETUP_FAILED = 125  # the sandbox could not be built; the message is on stderr
@@ -172,10 +174,18 @@ def _build_root(spec: dict[str, Any]) -> None:
     _mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
     for d in ("tmp", "dev", "proc", "etc"):
         os.mkdir(f"{new}/{d}", 0o755)
-    _mount("tmpfs", f"{new}/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={spec.get('tmp_size', '1g')}")
     _mount("tmpfs", f"{new}/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
     os.mkdir(f"{new}/dev/shm")
-    _mount("tmpfs", f"{new}/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=1777,size=256m")
+    # /tmp and /dev/shm are two directories of one tmpfs (outside the new root), so one size bounds both.
+    size = int(spec.get("tmp_size", 64 << 20))
+    os.mkdir("/scratch")
+    _mount("tmpfs", "/scratch", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0755,size={size},nr_inodes={inodes_for(size)}")
+    for name, target, attrs in (("tmp", f"{new}/tmp", MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV),
+                                ("shm", f"{new}/dev/shm", MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC)):
+        os.mkdir(f"/scratch/{name}")
+        os.chmod(f"/scratch/{name}", 0o1777)
+        _mount(f"/scratch/{name}", target, None, MS_BIND)
+        _restrict(target, attrs)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2")):
         os.symlink(target, f"{new}/dev/{name}")
@@ -212,6 +222,39 @@ def _pivot_root(new_root: str, put_old: str) -> None:
     _check(_libc.syscall(ctypes.c_long(number), _b(new_root), _b(put_old)), f"pivot_root {new_root}")
 
 
+def _cache_view(cache: dict[str, Any]) -> CacheView:
+    """Mount the tenant's cache tmpfs over its host directory (in this mount namespace: the worker's bind of that
+    path is then the tmpfs) and seed it; the launcher saves it back after the worker exits (_cache.py)."""
+    path, size = cache["path"], int(cache["size"])
+    dir_flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        host_fd = os.open(path, dir_flags)  # before the tmpfs hides it
+    except OSError as exc:
+        raise SetupError(f"open the compile cache {path}: {exc.strerror}") from None
+    try:
+        _mount(None, "/", None, MS_REC | MS_PRIVATE)  # (nothing mounted here reaches the host's namespace)
+        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,size={size},nr_inodes={inodes_for(size)}")
+        view = CacheView(host_fd, os.open(path, dir_flags), size)
+    except BaseException:
+        os.close(host_fd)
+        raise
+    try:
+        view.seed()
+    except OSError as exc:  # (a cache that cannot be read costs this worker its cached kernels, not its start)
+        os.write(2, f"gpubroker sandbox: could not read the compile cache {path}: {exc}\n".encode())
+    return view
+
+
+def _save_cache(view: CacheView | None) -> None:
+    if view is None:
+        return
+    try:
+        view.save()
+    except OSError as exc:
+        os.write(2, f"gpubroker sandbox: could not save the compile cache: {exc}\n".encode())
+    view.close()
+
+
 # ---- privileges ----
 
 class _CapHeader(ctypes.Structure):
@@ -236,7 +279,7 @@ def _drop_capabilities() -> None:
 
 def _limit(spec: dict[str, Any]) -> None:
     limits = {"core": resource.RLIMIT_CORE, "nofile": resource.RLIMIT_NOFILE, "as": resource.RLIMIT_AS,
-              "nproc": resource.RLIMIT_NPROC, "fsize": resource.RLIMIT_FSIZE}
+              "nproc": resource.RLIMIT_NPROC, "fsize": resource.RLIMIT_FSIZE, "data": resource.RLIMIT_DATA}
     for name, value in spec.get("rlimits", {}).items():
         kind = limits[name]
         _, hard = resource.getrlimit(kind)
@@ -314,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         if spec.get("seccomp", True):
             from ._seccomp import build_filter
 
-            seccomp_filter = build_filter()  # before the new root hides libseccomp's files
+            # (before the new root hides libseccomp's files)
+            seccomp_filter = build_filter(allow_spawn=bool(spec.get("spawn", False)))
         if spec.get("cgroup"):
             _write(os.path.join(spec["cgroup"], "cgroup.procs"), "0\n")
         uid, gid = os.getuid(), os.getgid()
@@ -326,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         # Only now: a process that is not dumpable has its /proc/self files owned by root, so a broker that runs
         # as a user of its own could not have written its id maps above.
         _prctl(PR_SET_DUMPABLE, 0, "clear dumpable")
+        cache = _cache_view(spec["cache"]) if spec.get("cache") else None
     except (SetupError, ImportError, RuntimeError, OSError) as exc:
         print(f"gpubroker sandbox: cannot build the worker's sandbox: {exc}", file=sys.stderr, flush=True)
         return EXIT_SETUP_FAILED
@@ -338,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     if pid == 0:
         _child(spec, worker_argv, seccomp_filter)
     # Only the worker holds its channels: the front's closing them must reach it as end-of-file.
-    _close_fds([])
+    _close_fds([cache.host_fd, cache.view_fd] if cache is not None else [])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         # The front ends workers by closing their channels or by SIGKILL; a signal sent to the whole process
         # group (a terminal's ^C, systemd's stop) must not end them before the front has drained.
@@ -349,5 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         except ChildProcessError:
             return EXIT_SETUP_FAILED
+    # The worker and everything in its PID namespace are gone: nothing writes the cache while it is copied.
+    _save_cache(cache)
     _mirror_exit(status)
     return 0

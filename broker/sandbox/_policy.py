@@ -45,6 +45,8 @@ NOFILE = 4096
 # Under the cache root: one directory per tenant name, in it one per credential (see ``cache_key``). Nothing outside
 # it is ever deleted, so a cache_dir that the operator shares with other files loses none of them.
 TENANT_CACHES = "tenants"
+CACHE_MAX = 256 << 20  # the schema's defaults, for a WorkerSandbox made without a config
+TMP_MAX = 64 << 20
 
 
 class SandboxUnavailable(Exception):
@@ -86,12 +88,22 @@ class WorkerSandbox:
     """Builds every worker's launch from the config; ``check()`` proves at start that the sandbox works."""
 
     def __init__(self, *, enabled: bool, backend: str, cache_dir: str = "", memory_max: int = 0,
-                 pids_max: int = 512, cpu_weight: int = 100, use_cgroups: bool = True) -> None:
+                 pids_max: int = 512, cpu_weight: int = 100, use_cgroups: bool = True,
+                 cache_max: int = CACHE_MAX, tmp_max: int = TMP_MAX) -> None:
         self.enabled = enabled
         self.backend = backend
         self.cache_root = Path(cache_dir) if cache_dir else default_cache_dir()
         self.memory_max = memory_max
         self.pids_max = pids_max
+        self.cache_max = cache_max
+        self.tmp_max = tmp_max
+        if memory_max and enabled and 2 * (cache_max + tmp_max) > memory_max:
+            # Both tmpfs are the worker's memory (its cgroup is charged for their pages; without one, its rlimits
+            # leave room for them): they may take at most half of it.
+            raise FailedPrecondition(
+                f"[broker] worker_memory_max ({memory_max} bytes) includes the worker's compile cache "
+                f"(cache_max_bytes, {cache_max}) and its /tmp and /dev/shm (worker_tmp_max_bytes, {tmp_max}), which "
+                "may take at most half of it: raise worker_memory_max or lower those")
         self.cgroups: WorkerCgroups | None = None
         self.cgroup_reason = "sandbox off" if not enabled else "cgroups not tried"
         # The key of each tenant's cache (``cache_key`` of its token hash); the broker sets it from its config.
@@ -102,7 +114,8 @@ class WorkerSandbox:
     @classmethod
     def from_config(cls, cfg: Any, backend: str, use_cgroups: bool = True) -> WorkerSandbox:
         return cls(enabled=cfg.sandbox, backend=backend, cache_dir=cfg.cache_dir, memory_max=cfg.worker_memory_max,
-                   pids_max=cfg.worker_pids_max, cpu_weight=cfg.worker_cpu_weight, use_cgroups=use_cgroups)
+                   pids_max=cfg.worker_pids_max, cpu_weight=cfg.worker_cpu_weight, use_cgroups=use_cgroups,
+                   cache_max=cfg.cache_max_bytes, tmp_max=cfg.worker_tmp_max_bytes)
 
     @property
     def description(self) -> str:
@@ -177,15 +190,26 @@ class WorkerSandbox:
             dev += [*CUDA_DEVICES, *(f"/dev/{n}" for n in _listdir("/dev") if n[6:].isdigit()
                                       and n.startswith("nvidia"))]
         ro += [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p.startswith("/")]
-        rlimits = {"core": 0, "nofile": NOFILE}
+        # No file the worker writes (its cache, /tmp, /dev/shm, a memfd the front passed it) grows past the larger
+        # of its tmpfs: EFBIG (the worker, a Python, ignores SIGXFSZ).
+        rlimits = {"core": 0, "nofile": NOFILE, "fsize": max(self.cache_max, self.tmp_max)}
         pids_cgroup = cgroup is not None and self.cgroups is not None and "pids" in self.cgroups.controllers
         if self.pids_max and not pids_cgroup:
             # Counted per user namespace (Linux >= 5.14): this worker's processes and threads only.
             rlimits["nproc"] = self.pids_max + 1
-        if cgroup is None and self.memory_max and self.backend == "opencl":
-            rlimits["as"] = self.memory_max  # (CUDA reserves huge virtual ranges: no address-space limit there)
+        if cgroup is None and self.memory_max:
+            # The tmpfs are counted inside the budget: what they may hold is taken off the mappings' limits.
+            mapped = self.memory_max - (self.cache_max if cache is not None else 0) - self.tmp_max
+            # Private writable memory (heap, stacks, anonymous mappings): not the PROT_NONE ranges CUDA reserves,
+            # so it holds on both backends.
+            rlimits["data"] = mapped
+            if self.backend == "opencl":
+                rlimits["as"] = mapped  # (CUDA reserves huge virtual ranges: no address-space limit there)
         return {"ro": _existing(ro), "rw": [str(cache)] if cache is not None else [], "dev": _existing(dev),
-                "keep_fds": keep_fds, "rlimits": rlimits, "seccomp": True,
+                "keep_fds": keep_fds, "rlimits": rlimits, "seccomp": True, "tmp_size": self.tmp_max,
+                # PoCL links each new kernel with the system linker (posix_spawn): no other backend spawns.
+                "spawn": self.backend == "opencl",
+                "cache": {"path": str(cache), "size": self.cache_max} if cache is not None else None,
                 "cgroup": str(cgroup) if cgroup is not None else ""}
 
     def prepare(self, tenant: str, device: int, worker_argv: list[str], keep_fds: list[int]) -> Launch:
@@ -277,6 +301,11 @@ assert os.getpid() == 1, "not in a PID namespace of its own"
 try:
     socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     raise AssertionError("an AF_INET socket could be opened")
+except PermissionError:
+    pass
+try:
+    os.memfd_create("probe")
+    raise AssertionError("memfd_create is allowed")
 except PermissionError:
     pass
 print("ok")

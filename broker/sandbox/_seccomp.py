@@ -1,5 +1,6 @@
 """The worker's seccomp filter, built with libseccomp (through pyseccomp): everything is allowed except what
-reaches other processes, the kernel's attack surface, or the network; those fail with EPERM.
+reaches other processes, the kernel's attack surface, the network, new processes, or memory that no limit counts;
+those fail with EPERM.
 
 The worker is PID 1 of its PID namespace, so "itself" is pid 1 (0 means its own process group, which holds
 only itself and its descendants there).
@@ -10,7 +11,7 @@ from __future__ import annotations
 import errno
 from typing import Any
 
-__all__ = ["DENIED", "build_filter"]
+__all__ = ["DENIED", "PROCESS_CREATION", "UNCOUNTED_MEMORY", "build_filter"]
 
 # Refused outright: other processes' memory, mounts and namespaces, kernel interfaces a worker has no use for.
 DENIED = (
@@ -24,6 +25,21 @@ DENIED = (
     "acct", "quotactl", "name_to_handle_at", "open_by_handle_at", "iopl", "ioperm", "syslog", "vhangup",
     "lookup_dcookie", "fanotify_init", "nfsservctl",
 )
+# A worker makes threads, never processes: a forked child would escape the worker's time limit and charge (its CPU is
+# not the worker's) and the rlimits that bound the worker (each process gets a budget of its own). clone without
+# CLONE_THREAD is refused below; the filter is loaded before the launcher's exec of the worker, and exec itself
+# makes no process. The one exception, on OpenCL only (``allow_spawn``): PoCL 3.0 links every newly compiled kernel
+# with the system linker, which its in-process clang driver starts with posix_spawn, i.e. clone(CLONE_VM |
+# CLONE_VFORK): that shape alone passes there (see build_filter).
+PROCESS_CREATION = ("fork", "vfork")
+CLONE_THREAD = 0x00010000
+CLONE_VM = 0x00000100
+CLONE_VFORK = 0x00004000
+# Memory outside every rlimit (RLIMIT_AS/RLIMIT_DATA count mappings; a memfd or a System V segment holds its pages
+# whether mapped or not): memfd_create (the front passes the worker the memfds it shares; the worker makes none),
+# memfd_secret, and System V shared memory, message queues and semaphores (the worker's own IPC namespace keeps
+# them from other processes, but not from the host's memory).
+UNCOUNTED_MEMORY = ("memfd_create", "memfd_secret", "shmget", "msgget", "semget")
 # Signals aimed at a process (argument 0): only pid 0 (its group) and 1 (itself) pass.
 SIGNALS_TO_PID = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open")
 CLONE_NEW = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
@@ -31,19 +47,31 @@ AF_UNIX = 1
 PERSONALITY_QUERY = 0xFFFFFFFF
 
 
-def build_filter() -> Any:
-    """The filter, ready to ``load()`` (after no_new_privs); ImportError/RuntimeError without libseccomp."""
+def build_filter(allow_spawn: bool = False) -> Any:
+    """The filter, ready to ``load()`` (after no_new_privs); ImportError/RuntimeError without libseccomp.
+
+    ``allow_spawn``: clone(CLONE_VM | CLONE_VFORK), posix_spawn's, passes too (PoCL's linker); fork, vfork and
+    every other clone without CLONE_THREAD are refused all the same.
+    """
     seccomp = _import_pyseccomp()
     deny = seccomp.ERRNO(errno.EPERM)
     f = seccomp.SyscallFilter(seccomp.ALLOW)
     # A syscall of another ABI (x86's int 0x80, x32) would dodge the rules below: kill the process instead.
     f.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
-    for name in DENIED:
+    for name in (*DENIED, *PROCESS_CREATION, *UNCOUNTED_MEMORY):
         _rule(seccomp, f, deny, name)
     for name in SIGNALS_TO_PID:
         _rule(seccomp, f, deny, name, seccomp.Arg(0, seccomp.GT, 1))
     for flag in CLONE_NEW:
         _rule(seccomp, f, deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    # Threads only (rules on one syscall are alternatives: any one refuses the call).
+    if allow_spawn:
+        # Without CLONE_THREAD, only with both CLONE_VM and CLONE_VFORK: the three other combinations are refused.
+        shape = CLONE_THREAD | CLONE_VM | CLONE_VFORK
+        for flags in (0, CLONE_VM, CLONE_VFORK):
+            _rule(seccomp, f, deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, shape, flags))
+    else:
+        _rule(seccomp, f, deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_THREAD, 0))
     # clone3 passes its flags in memory, out of a filter's reach: ENOSYS makes glibc fall back to clone.
     _rule(seccomp, f, seccomp.ERRNO(errno.ENOSYS), "clone3")
     for name in ("socket", "socketpair"):
