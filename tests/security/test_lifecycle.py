@@ -123,9 +123,13 @@ def _computes(gpu: RemoteGpu, kernel: Kernel) -> np.ndarray:
     return out
 
 
-def _compiled(broker: BrokerProcess, tenant: str, name: str) -> set[Path]:
-    """The tenant's compiled ``name.so`` files, seen from the host (PoCL: <hash>/<name>/<wg-size>/<name>.so)."""
-    return {p for p in _cache_dir(broker).rglob(f"{name}.so") if tenant in p.relative_to(_cache_dir(broker)).parts}
+def _compiled(broker: BrokerProcess, tenant: str, name: str, worker: int) -> set[Path]:
+    """The tenant's compiled ``name.so`` files (PoCL: <hash>/<name>/<wg-size>/<name>.so), as paths in its worker,
+    found through the worker's own view of its cache (a tmpfs that reaches the disk only after the worker exits)."""
+    root = Path(f"/proc/{worker}/root")
+    inside = root / str(_cache_dir(broker)).lstrip("/")
+    return {Path("/") / p.relative_to(root) for p in inside.rglob(f"{name}.so")
+            if tenant in p.relative_to(inside).parts}
 
 
 # -- 6: a poisoned cache outlives its tenant -------------------------------------------------------------------------
@@ -141,22 +145,24 @@ def _poison(broker: BrokerProcess, tenant: str) -> tuple[Path, int]:
     with connect(broker.target, token=broker.tokens[tenant], timeout=TIMEOUT) as gpu:
         module = gpu.load_module(ATTACK_SOURCE, ModuleFormat.OPENCL_C)
         attack, addr = gpu.get_kernel(module, "gpb_attack"), gpu.get_kernel(module, "gpb_addr")
-        np.testing.assert_array_equal(_computes(gpu, gpu.compile_kernel(INNOCENT_SOURCE, INNOCENT)), X * 2 + 1)
-        (cached,) = _compiled(broker, tenant, INNOCENT)
-        evil = gpu.compile_kernel(kernel_source(INNOCENT, "x[i] = 666.0f;"), INNOCENT)
-        np.testing.assert_array_equal(_computes(gpu, evil), np.full_like(X, 666.0))
-        (planted,) = _compiled(broker, tenant, INNOCENT) - {cached}
-        payload = planted.read_bytes()
-        program = Program()
-        program.replace_file(f"rename the look-alike over {cached}", cached, payload)
-        (poisoning,) = run(gpu, attack, program)
-        assert poisoning.ret >= 0, f"{tenant} could not write its own cache: {poisoning}"
-        assert cached.read_bytes() == payload, f"the poisoned kernel is not in {tenant}'s cache"
         marker = secrets.token_bytes(64)
         buf = gpu.allocate_memory(len(marker))
         gpu.copy_h2d(marker, buf)
         assert broker.process is not None
-        return cached, find_worker(broker.process.pid, buffer_address(gpu, addr, buf), marker, tenant)
+        worker = find_worker(broker.process.pid, buffer_address(gpu, addr, buf), marker, tenant)
+        seen = Path(f"/proc/{worker}/root")
+        np.testing.assert_array_equal(_computes(gpu, gpu.compile_kernel(INNOCENT_SOURCE, INNOCENT)), X * 2 + 1)
+        (cached,) = _compiled(broker, tenant, INNOCENT, worker)
+        evil = gpu.compile_kernel(kernel_source(INNOCENT, "x[i] = 666.0f;"), INNOCENT)
+        np.testing.assert_array_equal(_computes(gpu, evil), np.full_like(X, 666.0))
+        (planted,) = _compiled(broker, tenant, INNOCENT, worker) - {cached}
+        payload = (seen / str(planted).lstrip("/")).read_bytes()
+        program = Program()
+        program.replace_file(f"rename the look-alike over {cached}", cached, payload)
+        (poisoning,) = run(gpu, attack, program)
+        assert poisoning.ret >= 0, f"{tenant} could not write its own cache: {poisoning}"
+        assert (seen / str(cached).lstrip("/")).read_bytes() == payload, f"the poisoned kernel is not in {tenant}'s cache"
+        return cached, worker
 
 
 def _runs_clean(broker: BrokerProcess, tenant: str) -> None:
@@ -219,11 +225,14 @@ def test_a_link_hello_pending_behind_a_long_kernel_is_not_served_after_its_token
         buf = gpu.allocate_memory(len(secret))
         gpu.copy_h2d(secret, buf)
         nap = gpu.compile_kernel(NAP_SOURCE, "gpb_nap")
-        # Her cache (PoCL's lies in it since the compile): where the kernel marks its start.
-        cache = next(p for p in _cache_dir(broker).rglob("pocl") if "erin" in p.parts).parent
-        started, ended = (cache / f"nap-{secrets.token_hex(4)}-{what}" for what in ("started", "ended"))
+        # Her worker's /tmp (its own tmpfs, seen from here through /proc/<worker>/root): where the kernel marks its
+        # start and end. (Address 0 holds no marker: the worker is found as the one naming her on its command line.)
+        assert broker.process is not None
+        worker = find_worker(broker.process.pid, 0, secrets.token_bytes(8), "erin")
+        inside = [Path("/tmp") / f"nap-{secrets.token_hex(4)}-{what}" for what in ("started", "ended")]
+        started, ended = (Path(f"/proc/{worker}/root") / str(p).lstrip("/") for p in inside)
         marks = gpu.allocate_memory(4096)
-        gpu.copy_h2d(bytes(started).ljust(2048, b"\0") + bytes(ended).ljust(2048, b"\0"), marks)
+        gpu.copy_h2d(bytes(inside[0]).ljust(2048, b"\0") + bytes(inside[1]).ljust(2048, b"\0"), marks)
 
         def nap_in_the_worker() -> None:  # a launch and a synchronize: the worker is held until the kernel ends
             with contextlib.suppress(GpuBrokerError):  # (her stream is cut at the rotation: the kernel runs on)
