@@ -145,7 +145,7 @@ class _Connection:
                         return unpack_frame(payload), fds
                     except Exception as exc:  # (ValueError and kin; TypeError for a list or map as a key)
                         self._fds = fds  # closed with the connection
-                        raise InvalidArgument(f"side-channel frame is not valid msgpack ({type(exc).__name__}); "
+                        raise InvalidArgument(f"malformed side-channel request: not msgpack ({type(exc).__name__}); "
                                               "a request is one msgpack map") from None
             # Never more than the frame being read can still need: the buffer stays under the frame limit.
             want = (FRAME_HEADER.size + limit) - len(self._buf)
