@@ -187,15 +187,22 @@ def _shm_connections(path: str) -> int:
     return count
 
 
-def test_silent_shm_connections_from_the_tenants_uid_do_not_deny_it_shared_memory(broker: BrokerProcess) -> None:
+def test_the_sdk_holds_no_unauthenticated_side_channel(broker: BrokerProcess) -> None:
+    # Small copies open no side channel (they go as commands), and a side channel says its hello at once.
     path = _path(broker, "shm")
-    token = broker.tokens["bob"]
-    # The SDK holds no unauthenticated place: small copies open no side channel, and it says its hello at once.
-    with connect(broker.target, token=token) as gpu:
+    with connect(broker.target, token=broker.tokens["bob"]) as gpu:
         before = _shm_connections(path)
         buf = gpu.allocate_memory(64)
         gpu.copy_h2d(np.zeros(16, dtype=np.float32), buf)
         assert _shm_connections(path) == before, "a small copy opened a side channel and said nothing"
+        gpu.host_array(16)
+        assert gpu._shm is not None and gpu._shm._channel is not None
+        assert gpu._shm._channel.request({"hello": 1, "session": gpu.session, "token": broker.tokens["bob"]}) == {
+            "hello": 1}
+
+
+def test_silent_shm_connections_from_the_tenants_uid_do_not_deny_it_shared_memory(broker: BrokerProcess) -> None:
+    path = _path(broker, "shm")
     # A flood from the same uid (another tenant's process, or any process of that user): silent connections,
     # as many as the broker keeps for one uid before authentication (max_unauthenticated_per_uid, 64).
     flood: list[socket.socket] = []
