@@ -15,10 +15,11 @@ the front never sees them. Three listeners, one hello and one hand-off:
 
 The hello is one frame (4-byte big-endian length + msgpack ``{"token", "session", "link": 1}``), read under the
 pre-authentication limits (``hello_max_bytes``, ``hello_timeout_seconds``, the unauthenticated-connection caps)
-and authenticated exactly as a gRPC call (failure delay, audit). A refusal is ``[0, 1, error]`` from the front;
-the worker itself answers an accepted hello (``[0, 0, {"link": 1, "max_frame": n}]``). The tenant's turns on the
-device are leased to the worker for its links' device work, and a revoked credential closes the session's links
-(``close_links``).
+and authenticated exactly as a gRPC call (failure delay, audit); a malformed hello (not msgpack, not a map, a field
+of the wrong type, cut short) is refused the same way: audited, delayed, answered. A refusal is ``[0, 1, error]``
+from the front; the worker itself answers an accepted hello (``[0, 0, {"link": 1, "max_frame": n}]``). The
+tenant's turns on the device are leased to the worker for its links' device work, and a revoked credential closes
+the session's links (``close_links``).
 """
 
 from __future__ import annotations
@@ -261,7 +262,9 @@ class LinkServer:
             ticket.refuse(f"no hello within hello_timeout_seconds ({self.gate.hello_timeout:g} s)")
             raise _HelloRefused from None
         except ConnectionError:
-            if length >= 0:  # (a header, then an end: a hello cut short; a bare close is no hello at all)
+            # A header, then an end: a hello cut short (a bare close is no hello at all; an evicted connection's
+            # end was audited when it was evicted).
+            if length >= 0 and ticket.open:
                 await refuse_malformed(ticket, auth.penalty, penalty,
                                        f"cut short: the peer closed before the {length} bytes its header announced")
             raise
