@@ -9,7 +9,9 @@ another tenant (and the flooded tenant itself) shared memory; refuse a tenant's 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import random
 import resource
 import socket
 import struct
@@ -134,6 +136,53 @@ def test_malformed_hellos_are_answered_audited_and_delayed_never_a_traceback(bro
     assert len(audited) >= len(MALFORMED), audited
     assert any("unhashable" in line or "TypeError" in line for line in audited), audited
     _copy_and_check(broker, "bob")  # and the broker serves on
+
+
+def _mutations(seed: int, n: int) -> list[bytes]:
+    """Frames made from a well-formed hello by a fuzzer's edits: flipped bytes, cuts, insertions, random bytes.
+    The frame's header always matches its payload: the broker has a whole frame to judge."""
+    rng = random.Random(seed)
+    base = msgpack.packb({"token": "gpb_000000000000_" + "x" * 43, "session": "ses_0123456789abcdef",
+                          "link": 1, "hello": 1, "compress": ["lz4"]})
+    frames = []
+    for i in range(n):
+        data = bytearray(base)
+        kind = i % 5
+        if kind == 4:  # a key that is a list or a map (unhashable), the rest as it was
+            data[1:1] = rng.choice([b"\x90", b"\x80", b"\x91\x01", b"\x81\x01\x02"]) + b"\xc0"
+            data[0] += 1  # (one more entry in the map)
+        elif kind == 0:
+            for _ in range(rng.randint(1, 6)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+        elif kind == 1:
+            del data[rng.randrange(1, len(data)):]
+        elif kind == 2:
+            at = rng.randrange(len(data))
+            data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+        else:
+            data = bytearray(rng.randbytes(rng.randint(1, 200)))
+        frames.append(_raw(bytes(data)))
+    return frames
+
+
+def test_fuzzed_hellos_are_answered_or_closed_and_never_crash_the_front(broker: BrokerProcess) -> None:
+    def attempt(path: str, frame: bytes) -> object:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(30)
+            sock.connect(path)
+            sock.sendall(frame)
+            return _reply(sock)
+
+    jobs = [(_path(broker, which), frame) for which in ("fast", "shm") for frame in _mutations(21, 60)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda job: attempt(*job), jobs))
+    for (path, frame), reply in zip(jobs, replies, strict=True):
+        # Every whole frame gets an answer: a refusal saying why (none of these is a valid hello).
+        assert reply is not None, (path, frame)
+        assert _error(reply)["code"] in ("INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND"), (frame, reply)
+    log = _log(broker)
+    assert "Traceback" not in log, log[log.index("Traceback") - 500:][:3000]
+    _copy_and_check(broker, "bob")
 
 
 def _copy_and_check(broker: BrokerProcess, tenant: str) -> None:
