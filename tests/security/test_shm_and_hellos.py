@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 import random
 import resource
 import socket
@@ -23,7 +24,9 @@ import msgpack
 import numpy as np
 import pytest
 
+from gpubroker.broker.config import BrokerConfig
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.broker.server._preauth import PreAuthGate, Ticket
 from gpubroker.client import RemoteGpu, ResourceExhausted, connect
 from gpubroker.client._frames import pack_frame
 
@@ -312,3 +315,35 @@ def test_one_tenants_idle_shm_connections_do_not_deny_another(broker: BrokerProc
                 sock.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert "Traceback" not in _log(broker)
+
+
+def test_at_a_cap_a_new_connection_takes_an_idle_ones_place_never_a_talking_ones() -> None:
+    # The gate alone (no broker): which connection makes room is what keeps a flood from denying a peer.
+    gate = PreAuthGate(BrokerConfig(max_unauthenticated_connections=3, max_unauthenticated_per_uid=2))
+    pairs = [socket.socketpair() for _ in range(5)]
+    evicted: list[int] = []
+    try:
+        def admit(i: int) -> Ticket | None:
+            ticket = gate.admit(pairs[i][0], "x")
+            if ticket is not None:
+                ticket.sock, ticket.evict = pairs[i][0], lambda: evicted.append(i)
+            return ticket
+
+        first, second = admit(0), admit(1)
+        assert first is not None and second is not None
+        pairs[0][1].sendall(b"\x00")  # the oldest has its hello on the way: not idle
+        third = admit(2)  # takes the place of the idle one (1), not of the older, talking one (0)
+        assert third is not None and evicted == [1] and not second.open and first.open
+        assert gate.per_uid == {os.getuid(): 2} and gate.total == 2
+        third.judging = True  # a hello being judged is not idle either
+        assert admit(3) is None and gate.refusals == 2  # (the eviction was audited too)
+        third.judging = False
+        third.delaying = True  # sitting out a failure delay is
+        assert admit(3) is not None and evicted == [1, 2]
+        # A ticket with no way to end it (a TCP link's, today) is never evicted.
+        gate = PreAuthGate(BrokerConfig(max_unauthenticated_connections=3, max_unauthenticated_per_uid=1))
+        assert gate.admit(pairs[4][0], "x") is not None and gate.admit(pairs[4][0], "x") is None
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
