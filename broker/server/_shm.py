@@ -97,7 +97,8 @@ def _refusal(error: GpuBrokerError) -> bytes:
 
 
 # The types a request's fields have when present (more fields are allowed: a newer client's).
-_FIELDS: dict[str, type] = {"token": str, "session": str, "size": int, "handle": str, "release": str, "hello": int}
+# (A registration's handle and size are checked with the registration, which says what they must be.)
+_FIELDS: dict[str, type] = {"token": str, "session": str, "release": str, "hello": int}
 
 
 def _malformed(message: Any) -> str:
@@ -290,13 +291,16 @@ class SharedMemoryServer:
                 if malformed:
                     for fd in fds:
                         os.close(fd)
-                    if conn.ticket.open:
+                    hello = conn.ticket.open
+                    if hello:  # audited and delayed as a failed authentication; then the connection ends
                         await refuse_malformed(conn.ticket, self.auth.penalty, f"uid:{conn.ticket.uid}", malformed)
                     await conn.write({"error": InvalidArgument(
                         f"malformed side-channel request ({malformed}): it is one msgpack map "
                         '{"token": str, "session": str, and "size": int + "handle": str, "release": str or '
                         '"hello": 1}').to_wire()})
-                    return
+                    if hello:
+                        return
+                    continue  # (an authenticated connection goes on, as after any refused request)
                 if idle is not None:
                     idle.busy += 1
                 failed = False
