@@ -252,12 +252,7 @@ class LinkServer:
         try:
             async with asyncio.timeout(self.gate.hello_timeout):
                 (length,) = FRAME_HEADER.unpack(await recv_exactly(FRAME_HEADER.size))
-                if length > limit:  # refused before a byte of the body is read
-                    ticket.refuse(f"hello of {length} bytes exceeds hello_max_bytes ({limit})")
-                    await send(pack_frame([0, 1, InvalidArgument(
-                        f"a link hello is at most {limit} bytes, got {length}").to_wire()]))
-                    raise _HelloRefused
-                payload = await recv_exactly(length)
+                payload = await recv_exactly(length) if length <= limit else b""  # (too long: not a byte of it)
         except TimeoutError:
             ticket.refuse(f"no hello within hello_timeout_seconds ({self.gate.hello_timeout:g} s)")
             raise _HelloRefused from None
@@ -268,6 +263,12 @@ class LinkServer:
                 await refuse_malformed(ticket, auth.penalty, penalty,
                                        f"cut short: the peer closed before the {length} bytes its header announced")
             raise
+        if length > limit:
+            await refuse_malformed(ticket, auth.penalty, penalty,
+                                   f"hello of {length} bytes exceeds hello_max_bytes ({limit})")
+            await send(pack_frame([0, 1, InvalidArgument(
+                f"a link hello is at most {limit} bytes, got {length}").to_wire()]))
+            raise _HelloRefused
         hello, malformed = _parse_hello(payload)
         if malformed:
             await refuse_malformed(ticket, auth.penalty, penalty, malformed)

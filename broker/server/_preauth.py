@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..auth import FailurePenalty, RateLimitedLog, failure_delay, peer_credentials, wait_failure_delay
+from ..auth import FailurePenalty, RateLimitedLog, failure_delay, peer_credentials
 from ..config import BrokerConfig
 
 __all__ = ["IdleSweeper", "PreAuthGate", "Ticket", "refuse_malformed"]
@@ -57,6 +57,7 @@ class Ticket:
     judging: bool = False  # its hello is being authenticated: not idle, whatever its socket holds
     delaying: bool = False  # sitting out a failed authentication's delay: idle, whatever its socket holds
     admitted: float = field(default_factory=time.monotonic)
+    _woken: asyncio.Future[None] | None = field(default=None, repr=False)
 
     @property
     def peer(self) -> str:
@@ -88,12 +89,23 @@ class Ticket:
 
     async def sit_out_failure(self) -> None:
         """Wait out the failure delay a failed authentication of this connection earned; meanwhile the
-        connection keeps its place but is idle (a newer connection of its peer may take that place)."""
+        connection keeps its place but is idle: a newer connection of its peer may take that place, which ends
+        the wait at once (so an evicted connection's descriptor goes now, not after its delay)."""
+        delay = failure_delay.get()
+        if not delay:
+            return
+        failure_delay.set(0.0)
         self.delaying = True
+        self._woken = asyncio.get_running_loop().create_future()
         try:
-            await wait_failure_delay()
+            await asyncio.wait([self._woken], timeout=delay)
         finally:
             self.delaying = False
+            self._woken = None
+
+    def _wake(self) -> None:
+        if self._woken is not None and not self._woken.done():
+            self._woken.set_result(None)
 
 
 class PreAuthGate:
@@ -150,6 +162,7 @@ class PreAuthGate:
                     assert evict is not None
                     with contextlib.suppress(OSError):
                         evict()
+                    ticket._wake()
                     return True
         return False
 

@@ -133,9 +133,9 @@ class _Connection:
             limit = self.limit
             if len(self._buf) >= FRAME_HEADER.size:
                 (length,) = FRAME_HEADER.unpack_from(self._buf)
-                if length > limit:
+                if length > limit:  # (a hello's is audited and delayed by the caller, as any malformed hello)
                     if self.ticket.open:
-                        self.ticket.refuse(f"hello of {length} bytes exceeds hello_max_bytes ({limit})")
+                        raise InvalidArgument(f"hello of {length} bytes exceeds hello_max_bytes ({limit})")
                     raise InvalidArgument(f"side-channel frame of {length} bytes exceeds {limit}")
                 end = FRAME_HEADER.size + length
                 if len(self._buf) >= end:
