@@ -38,7 +38,7 @@ def _where(listener: str) -> str:
     return listener if listener.startswith(("tcp:", "tls:", "vsock:")) else f"unix:{listener}"
 
 
-@dataclass
+@dataclass(eq=False)  # (each connection's own: the gate finds and removes it by identity)
 class Ticket:
     """One admitted connection that has not authenticated yet; ``done`` gives its place back (once)."""
 
@@ -56,7 +56,6 @@ class Ticket:
     sock: socket.socket | None = None
     judging: bool = False  # its hello is being authenticated: not idle, whatever its socket holds
     delaying: bool = False  # sitting out a failed authentication's delay: idle, whatever its socket holds
-    admitted: float = field(default_factory=time.monotonic)
     _woken: asyncio.Future[None] | None = field(default=None, repr=False)
 
     @property

@@ -342,7 +342,7 @@ def test_at_a_cap_a_new_connection_takes_an_idle_ones_place_never_a_talking_ones
         assert admit(3) is None and gate.refusals == 2  # (the eviction was audited too)
         third.judging = False
         third.delaying = True  # sitting out a failure delay is
-        assert admit(3) is not None and evicted == [1, 2]
+        assert admit(3) is not None and evicted == [1, 2] and gate.evictions == 2
         # A ticket with no way to end it (a TCP link's, today) is never evicted.
         gate = PreAuthGate(BrokerConfig(max_unauthenticated_connections=3, max_unauthenticated_per_uid=1))
         assert gate.admit(pairs[4][0], "x") is not None and gate.admit(pairs[4][0], "x") is None
