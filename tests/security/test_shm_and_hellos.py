@@ -27,7 +27,7 @@ import pytest
 from gpubroker.broker.config import BrokerConfig
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.broker.server._preauth import PreAuthGate, Ticket
-from gpubroker.client import RemoteGpu, ResourceExhausted, connect
+from gpubroker.client import AdminClient, RemoteGpu, ResourceExhausted, connect
 from gpubroker.client._frames import pack_frame
 from gpubroker.client._transports import peer_hung_up
 
@@ -38,7 +38,8 @@ DELAY_MAX = 0.3  # auth_failure_delay_max_seconds: the delay a peer's repeated f
 # hello_timeout_seconds: long, so that a flood of silent connections stays in place for as long as a test needs it
 # (however loaded the machine): the flood must be defeated while it lasts, not outlived.
 HELLO_TIMEOUT = 60.0
-TENANTS = [TenantSpec("alice", memory_quota=QUOTA), TenantSpec("bob"), TenantSpec("mallory")]
+TENANTS = [TenantSpec("alice", memory_quota=QUOTA), TenantSpec("bob"), TenantSpec("mallory"),
+           TenantSpec("ops", admin=True)]
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +225,10 @@ def test_a_tenants_shared_memory_is_bounded_by_its_quota_across_sessions(broker:
         message = info.value.message
         assert "[tenants.alice] shared_memory" in message and "release segments" in message, message
         assert info.value.details["limit"] == QUOTA and info.value.details["used"] == QUOTA
+        # The operator sees each tenant's own limit (bob's quota is the launcher's 2 GiB).
+        with AdminClient(broker.target, broker.tokens["ops"]) as admin:
+            limits = {row.tenant: row.shared_bytes_limit for row in admin.usage().tenants}
+        assert limits["alice"] == QUOTA and limits.get("bob", 2 << 30) == 2 << 30, limits
         # What she holds works, and what she frees is hers again.
         a1[:16] = 7
         buf = s1.allocate_memory(16)
@@ -307,6 +312,17 @@ def test_one_tenants_idle_shm_connections_do_not_deny_another(broker: BrokerProc
                 sock.close()
             # Bob, another tenant, still gets shared memory.
             _copy_and_check(broker, "bob")
+            # A new session of mallory's is refused the side channel: its host_array is plain memory, with a
+            # warning saying so, and its copies still work (as commands).
+            with connect(broker.target, token=broker.tokens["mallory"]) as late:
+                with pytest.warns(RuntimeWarning, match="refused shared memory"):
+                    plain = late.host_array(1024, np.float32)
+                plain[:] = np.arange(1024, dtype=np.float32)
+                buf = late.allocate_memory(plain.nbytes)
+                late.copy_h2d(plain, buf)
+                back = np.zeros_like(plain)
+                late.copy_d2h(buf, back)
+                np.testing.assert_array_equal(back, plain)
             # Mallory was held to her own cap, told which and what to do.
             assert len(held) == 64, len(held)
             assert refusals and refusals[0]["code"] == "RESOURCE_EXHAUSTED", refusals[:1]
