@@ -75,7 +75,8 @@ def _cmd_tenant_add(args: argparse.Namespace) -> int:
     token = mint_token()
     tenant = TenantConfig(name=args.name, token_id=token.token_id, token_hash=token.token_hash,
                           memory_quota=parse_size(args.memory), weight=args.weight, admin=args.admin,
-                          device_memory=_device_memory(args.device_memory))
+                          device_memory=_device_memory(args.device_memory),
+                          shared_memory_quota=parse_size(args.shared_memory) if args.shared_memory else None)
     # In place: the operator's comments and layout stay as they were; only the new table is appended.
     path = add_tenant_in_place(args.config, tenant)
     audit.info("action=tenant-add tenant=%s config=%s admin=%s by=%s", args.name, path, args.admin, _who())
@@ -288,6 +289,8 @@ def _parser() -> argparse.ArgumentParser:
     ta.add_argument("--config", required=True)
     ta.add_argument("--memory", default="8GiB", help="device memory quota (default 8GiB)")
     ta.add_argument("--weight", type=int, default=1, help="fair-share weight (default 1)")
+    ta.add_argument("--shared-memory", metavar="SIZE",
+                    help="host memory its sessions may share through <socket>.shm (default: equal to --memory)")
     ta.add_argument("--admin", action="store_true", help="may call the Admin service")
     ta.add_argument("--device-memory", action="append", metavar="DEVICE=SIZE",
                     help="a quota of its own on one device, e.g. 1=16GiB (repeatable; others get --memory)")

@@ -31,6 +31,7 @@ class TenantSpec:
     weight: int = 1
     admin: bool = False
     device_memory: dict[int, int] = field(default_factory=dict)  # per-device quotas besides memory_quota
+    shared_memory: int | None = None  # [tenants.NAME] shared_memory (None: its memory_quota)
 
 
 @dataclass
@@ -92,7 +93,7 @@ class BrokerProcess:
         for spec in self.tenants:
             token = mint_token()
             cfg.add_tenant(TenantConfig(spec.name, token.token_id, token.token_hash, spec.memory_quota, spec.weight,
-                                        spec.admin, dict(spec.device_memory)))
+                                        spec.admin, dict(spec.device_memory), spec.shared_memory))
             self.tokens[spec.name] = token.token
         config_path = save_config(cfg, self.workdir / "gpubroker.toml")
         ready = self.workdir / "ready.json"

@@ -321,7 +321,9 @@ class RemoteGpu:
 
         Fill it and pass it (or a slice) to `copy_h2d`, or pass it to `copy_d2h` and read it afterwards. The
         memory is mapped into the tenant's worker until the array and every view of it are gone, or the session
-        ends; it counts against the broker's shared-memory limits.
+        ends; it counts against the broker's shared-memory limits. If the broker refuses the shared-memory side
+        channel itself (its connection limits), the array is plain host memory instead, with a RuntimeWarning:
+        copies of it then go as commands, slower but the same.
 
         Args:
             shape: The array's shape: an int or a sequence of ints.
@@ -335,7 +337,8 @@ class RemoteGpu:
                 `unix:` socket on this host, or the broker has no side channel there.
             InvalidArgument: a negative dimension.
             ResourceExhausted: the session or the tenant would map more host memory than the broker allows
-                (`max_shared_bytes_per_session`, `max_shared_bytes_per_tenant`).
+                (`max_shared_bytes_per_session`; the tenant's `shared_memory`, which defaults to its memory quota;
+                `max_shared_bytes_per_tenant`).
         """
         if self._shm is None:
             raise FailedPrecondition("host_array needs shared memory; this RemoteGpu has shared_memory=False")

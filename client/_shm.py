@@ -6,7 +6,14 @@ chosen by the client as every handle is) with a sealed memfd attached (SCM_RIGHT
 tenant's worker and answers ``{"segment": handle}`` (or ``{"error": {code, message}}``). A ``CopyShared`` command
 then moves bytes between that mapping and device memory: no copy data travels through a socket at all.
 ``{"session", "token", "release": handle}`` unmaps a segment early; otherwise it
-lives as long as its session.
+lives as long as its session. The SDK's first request, sent as soon as it connects, is ``{"hello": 1, "session",
+"token"}`` (answered ``{"hello": 1}``): a connection that has said nothing holds one of the broker's few places
+for unauthenticated peers, and may be closed to make room for another.
+
+When the broker refuses the side channel (its connection limits, a flood from other clients), ``host_array``
+returns plain host memory with a warning and copies go as Write and Read commands: slower, never wrong. The
+broker's limits on the bytes mapped (per session, per tenant) are the caller's to respect, and raise
+RESOURCE_EXHAUSTED saying so.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import mmap
 import os
 import socket
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -79,7 +87,9 @@ def create_segment_fd(size: int) -> int:
 class SideChannel:
     """One connection to the broker's ``.shm`` socket; it may carry any number of requests, one at a time."""
 
-    def __init__(self, path: str, token: str, timeout: float | None = 30.0) -> None:
+    def __init__(self, path: str, token: str, timeout: float | None = 30.0, session: str | None = None) -> None:
+        """Connect to ``path``; with ``session``, authenticate at once (the hello), so that the connection never
+        sits unauthenticated (GpuBrokerError when the broker refuses it)."""
         self.token = token
         self._timeout = timeout
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -90,6 +100,12 @@ class SideChannel:
             self._sock.close()
             raise
         self._lock = threading.Lock()
+        if session is not None:
+            try:
+                self.request({"hello": 1, "session": session, "token": token})
+            except BaseException:
+                self._sock.close()
+                raise
 
     def register(self, session: str, fd: int, size: int, handle: str | None = None) -> str:
         """Hand ``fd`` (``size`` bytes) to the session's worker as ``handle`` (a new one by default); returns the
@@ -144,6 +160,10 @@ class SideChannel:
 
     def close(self) -> None:
         self._sock.close()
+
+
+class _Refused(Unavailable):
+    """The broker refused the side channel (not the request): host_array falls back to plain memory."""
 
 
 def _forget(table: dict[str, tuple[int, int]], released: list[str], handle: str) -> None:
@@ -206,6 +226,7 @@ class SharedMemory:
         self._timeout = timeout
         self._channel: SideChannel | None = None
         self._off = self.path is None  # once off (no side channel there), stays off for this session
+        self._refused = ""  # why the broker refused the side channel (then off, and host arrays are plain memory)
         self._connect_lock = threading.Lock()
         self._staging_lock = threading.Lock()
         self._staging: tuple[mmap.mmap, str] | None = None
@@ -224,14 +245,21 @@ class SharedMemory:
             if self._channel is None and not self._off:
                 assert self.path is not None
                 try:
-                    self._channel = SideChannel(self.path, self._token, self._timeout)
-                except OSError as exc:
+                    self._channel = SideChannel(self.path, self._token, self._timeout, session=self._session())
+                except (FileNotFoundError, ConnectionRefusedError) as exc:
                     log.debug("no shared-memory side channel at %s (%s); copies go as commands", self.path, exc)
+                    self._off = True
+                except (OSError, GpuBrokerError) as exc:  # there, but refused: a limit, a flood, a closed door
+                    self._refused = str(exc)
+                    log.warning("the broker refused shared memory for this session (%s); copies go as Write and "
+                                "Read commands and host_array returns plain host memory", exc)
                     self._off = True
             return self._channel
 
     def _register(self, size: int) -> tuple[mmap.mmap, str]:
         channel = self.channel()
+        if channel is None and self._refused:
+            raise _Refused(self._refused)
         if channel is None:
             raise FailedPrecondition(
                 "shared memory needs a unix: target whose broker serves the side channel "
@@ -264,7 +292,14 @@ class SharedMemory:
         if any(d < 0 for d in dims):
             raise InvalidArgument(f"negative dimension in shape {dims}")
         nbytes = math.prod(dims) * dt.itemsize
-        mm, handle = self._register(max(nbytes, 1))
+        try:
+            mm, handle = self._register(max(nbytes, 1))
+        except _Refused as exc:
+            warnings.warn(f"host_array: the broker refused shared memory for this session ({exc}); this array is "
+                          "plain host memory and copies of it go as Write and Read commands (slower). Close idle "
+                          "RemoteGpu sessions, or ask the operator about the shared-memory connection limits.",
+                          RuntimeWarning, stacklevel=3)
+            return np.zeros(dims, dtype=dt)
         owner = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
         # Every view of the result keeps ``owner`` alive (numpy stops collapsing bases at the mmap), so its
         # finalizer marks exactly when no array can reach the segment any more.
@@ -298,14 +333,16 @@ class SharedMemory:
     def copy(self, host: memoryview, buf: Buffer, offset: int, stream: str, to_device: bool) -> bool:
         """Copy between ``host`` and ``buf`` through shared memory; False: not possible (Write and Read it)."""
         size = host.nbytes
-        if size == 0 or self._off or not isinstance(buf, Buffer) or self.channel() is None:
+        if size == 0 or self._off or not isinstance(buf, Buffer):
             return False  # (an empty copy still goes to the broker, which checks its handles)
-        hit = self._find(_address(host), size)
+        hit = self._find(_address(host), size) if self._arrays else None
         if hit is not None:
             self._copy_shared(hit[0], hit[1], buf, offset, size, to_device, stream)
             return True
-        if size < STAGE_MIN:
-            return False  # one Write or Read on the transport: a round trip, where staging costs a pipeline's worth
+        # One Write or Read on the transport: a round trip, where staging costs a pipeline's worth. (Checked
+        # before connecting: a session that only copies small things never opens the side channel.)
+        if size < STAGE_MIN or self.channel() is None:
+            return False
         with self._staging_lock:
             staging = self._staging_segment()
             if staging is None:

@@ -103,10 +103,22 @@ class TenantConfig(msgspec.Struct, forbid_unknown_fields=True):
     device_memory: Annotated[dict[Annotated[int, Meta(ge=0)], Annotated[int, Meta(ge=1)]], Meta(description=(
         "Quotas of their own on some devices: broker device index = size, e.g. { 1 = \"64GiB\" }.")),
         SIZE] = msgspec.field(default_factory=dict)
+    shared_memory_quota: Annotated[Annotated[int, Meta(ge=0)] | None, Meta(description=(
+        "Host memory all of the tenant's sessions together may map through the same-host shared-memory side "
+        "channel <socket>.shm (host arrays and staging buffers, on every device); more is refused with "
+        "RESOURCE_EXHAUSTED. Absent: equal to the tenant's memory (its device memory quota), so a tenant's "
+        "shared host memory grows with its quota. The broker's max_shared_bytes_per_tenant caps it too.")),
+        SIZE] = msgspec.field(default=None, name="shared_memory")
 
     def quota_on(self, device: int) -> int:
         """The memory quota on one of the broker's devices."""
         return self.device_memory.get(device, self.memory_quota)
+
+    def shared_quota(self) -> tuple[int, str]:
+        """The host memory the tenant may map through the side channel, and the key that sets it."""
+        if self.shared_memory_quota is not None:
+            return self.shared_memory_quota, "shared_memory"
+        return self.memory_quota, "shared_memory, which defaults to memory"
 
 
 class TlsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -200,8 +212,13 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Host memory one session may map through the same-host shared-memory side channel <socket>.shm "
         "(its host arrays and its staging buffer).")), SIZE] = 4 * 1024**3
     max_shared_bytes_per_tenant: Annotated[int, Meta(ge=0, description=(
-        "Host memory all of a tenant's sessions together may map through the side channel; shown in Usage and "
-        "the metrics.")), SIZE] = 16 * 1024**3
+        "The most host memory any tenant's sessions together may map through the side channel, whatever the "
+        "tenant's own shared_memory (which defaults to its memory quota); the limit in effect for each tenant is "
+        "shown in Usage and the metrics.")), SIZE] = 16 * 1024**3
+    max_shm_connections_per_tenant: Annotated[int, Meta(ge=1, description=(
+        "Authenticated connections one tenant may hold open on the shared-memory side channel <socket>.shm (a "
+        "client holds one per session); more are refused with RESOURCE_EXHAUSTED, so one tenant's idle "
+        "connections cannot use up the listener for the others."))] = 64
     sandbox: Annotated[bool, Meta(description=(
         "Run every worker in a sandbox (namespaces, an allowlisted filesystem, seccomp, resource limits); "
         "false is warned at every start, and the broker refuses to start when it cannot sandbox unless this is "
@@ -298,6 +315,16 @@ class BrokerConfig(BrokerSettings, kw_only=True):
     tls: TlsConfig | None = None
     tenants: dict[str, TenantConfig] = msgspec.field(default_factory=dict)
     path: Path | None = None  # the file it was read from: relative TLS paths and reloads start here
+
+    def shared_limit(self, tenant: str) -> tuple[int, str]:
+        """The host memory a tenant's sessions together may map through the side channel, and the key that sets
+        it: the tenant's own shared_memory (its memory quota unless set), within max_shared_bytes_per_tenant."""
+        t = self.tenants.get(tenant)
+        if t is not None:
+            own, key = t.shared_quota()
+            if own < self.max_shared_bytes_per_tenant:
+                return own, f"[tenants.{tenant}] {key}"
+        return self.max_shared_bytes_per_tenant, "max_shared_bytes_per_tenant"
 
     def add_tenant(self, tenant: TenantConfig) -> None:
         if not _NAME.match(tenant.name):

@@ -118,7 +118,7 @@ class AdminService(apb_grpc.AdminServicer):
                     memory_quota=self.sessions.quota(tenant, device),
                     sessions=sum(1 for s in self.sessions.sessions.values()
                                  if s.tenant == tenant and s.device == device),
-                    shared_bytes=self.sessions.shared(tenant), shared_bytes_limit=config.max_shared_bytes_per_tenant))
+                    shared_bytes=self.sessions.shared(tenant), shared_bytes_limit=config.shared_limit(tenant)[0]))
         return apb.UsageResponse(tenants=rows, fair_scheduling=config.fair_scheduling, quantum_ms=config.quantum_ms)
 
     @rpc

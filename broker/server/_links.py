@@ -15,12 +15,13 @@ the front never sees them. Three listeners, one hello and one hand-off:
 
 The hello is one frame (4-byte big-endian length + msgpack ``{"token", "session", "link": 1}``), read under the
 pre-authentication limits (``hello_max_bytes``, ``hello_timeout_seconds``, the unauthenticated-connection caps)
-and authenticated exactly as a gRPC call (failure delay, audit). A refusal is ``[0, 1, error]`` from the front;
-the worker itself answers an accepted hello (``[0, 0, {"link": 1, "max_frame": n}]``). The tenant's turns on the
-device are leased to the worker for its links' device work, and a revoked credential closes the session's links
-(``close_links``). The watch for that is registered with the authentication, before the hand-off, and the worker
-holds a handed-off link unanswered until the front has checked the credential once more (``serve_link``): a
-worker busy in a long kernel cannot let a link in after its token's rotation (``_hand_over``).
+and authenticated exactly as a gRPC call (failure delay, audit); a malformed hello (not msgpack, not a map, a field
+of the wrong type, cut short) is refused the same way: audited, delayed, answered. A refusal is ``[0, 1, error]``
+from the front; the worker itself answers an accepted hello (``[0, 0, {"link": 1, "max_frame": n}]``). The
+tenant's turns on the device are leased to the worker for its links' device work, and a revoked credential closes
+the session's links (``close_links``). The watch for that is registered with the authentication, before the
+hand-off, and the worker holds a handed-off link unanswered until the front has checked the credential once more
+(``serve_link``): a worker busy in a long kernel cannot let a link in after its token's rotation (``_hand_over``).
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ from typing import Any
 from gpubroker.client import GpuBrokerError, InvalidArgument, Unauthenticated, WorkerCrashed
 from gpubroker.client._frames import FRAME_HEADER, pack_frame, unpack_frame
 
-from ..auth import Principal, wait_failure_delay
+from ..auth import Principal
 from ..logs import bind_log_context
 from ..scheduler import TurnLease
 from ..sessions import Session
-from ._preauth import PreAuthGate, Ticket
+from ._preauth import PreAuthGate, Ticket, refuse_malformed
 
 __all__ = ["LinkServer", "fast_path_address"]
 
@@ -138,6 +139,8 @@ class LinkServer:
             if ticket is None:  # past a cap on unauthenticated connections: refused (and audited) at once
                 conn.close()
                 continue
+            # Until its hello comes, a newer connection of its peer may take its place (_preauth.py).
+            ticket.sock, ticket.evict = conn, _shutter(conn)
             conn.setblocking(False)
             self._spawn(self._serve_socket(conn, ticket, address))
 
@@ -250,41 +253,55 @@ class LinkServer:
         """The first frame, authenticated as a gRPC call would be; refusals are answered and raise
         _HelloRefused."""
         limit = self.gate.hello_max_bytes
+        auth = self.service.auth
+        length = -1
         try:
             async with asyncio.timeout(self.gate.hello_timeout):
                 (length,) = FRAME_HEADER.unpack(await recv_exactly(FRAME_HEADER.size))
-                if length > limit:  # refused before a byte of the body is read
-                    ticket.refuse(f"hello of {length} bytes exceeds hello_max_bytes ({limit})")
-                    await send(pack_frame([0, 1, InvalidArgument(
-                        f"a link hello is at most {limit} bytes, got {length}").to_wire()]))
-                    raise _HelloRefused
-                payload = await recv_exactly(length)
+                payload = await recv_exactly(length) if length <= limit else b""  # (too long: not a byte of it)
         except TimeoutError:
             ticket.refuse(f"no hello within hello_timeout_seconds ({self.gate.hello_timeout:g} s)")
             raise _HelloRefused from None
-        auth = self.service.auth
+        except ConnectionError:
+            # A header, then an end: a hello cut short (a bare close is no hello at all; an evicted connection's
+            # end was audited when it was evicted).
+            if length >= 0 and ticket.open:
+                await refuse_malformed(ticket, auth.penalty, penalty,
+                                       f"cut short: the peer closed before the {length} bytes its header announced")
+            raise
+        if length > limit:
+            await refuse_malformed(ticket, auth.penalty, penalty,
+                                   f"hello of {length} bytes exceeds hello_max_bytes ({limit})")
+            await send(pack_frame([0, 1, InvalidArgument(
+                f"a link hello is at most {limit} bytes, got {length}").to_wire()]))
+            raise _HelloRefused
+        hello, malformed = _parse_hello(payload)
+        if malformed:
+            await refuse_malformed(ticket, auth.penalty, penalty, malformed)
+            await send(pack_frame([0, 1, InvalidArgument(
+                f"malformed link hello ({malformed}): it is one msgpack map "
+                '{"token": str, "session": str, "link": 1}').to_wire()]))
+            raise _HelloRefused
+        token = hello.get("token") or None
+        ticket.judging = True  # (a hello in hand: not to be evicted while it is judged)
         try:
-            try:
-                hello = unpack_frame(payload)
-            except ValueError:  # (msgpack's unpack errors: a malformed hello is no credentials, as a wrong token)
-                hello = None
-            token = hello.get("token") if isinstance(hello, dict) else None
-            token = token if isinstance(token, str) and token else None
             await auth.tokens.prepare(token)
             metadata = [("authorization", f"Bearer {token}")] if token else []
             try:
                 principal = auth.authenticate(metadata, auth_context, ticket.peer, "link/hello", penalty_key=penalty)
             except Unauthenticated:
-                await wait_failure_delay()
+                ticket.judging = False
+                await ticket.sit_out_failure()
                 raise
-            assert isinstance(hello, dict)
             if hello.get("link") != 1:
                 raise InvalidArgument(f"this broker speaks link version 1, the hello asked for {hello.get('link')!r}")
-            session = self.service.sessions.get(str(hello.get("session", "")), principal.tenant)
+            session = self.service.sessions.get(hello.get("session") or "", principal.tenant)
             session.check_alive()
         except GpuBrokerError as exc:
             await send(pack_frame([0, 1, exc.to_wire()]))
             raise _HelloRefused from None
+        finally:
+            ticket.judging = False
         ticket.done()
         bind_log_context(tenant=session.tenant, session=session.id)
         # The codecs the client takes (the worker picks one): only a short list of short names goes on.
@@ -354,6 +371,34 @@ class LinkServer:
         for key in [k for k in self._link_watches if k[0] == session.id]:
             principal, watch = self._link_watches.pop(key)
             self.service.auth.revocations.unwatch(principal, watch)
+
+
+# The hello's fields and the types they must have when present (more fields are allowed: a newer client's).
+_HELLO_FIELDS: dict[str, type | tuple[type, ...]] = {"token": str, "session": str, "link": int, "compress": list}
+
+
+def _shutter(conn: socket.socket) -> Callable[[], None]:
+    """Ends a connection from outside its task: its pending read sees the end, and the task closes it."""
+    def shut() -> None:
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+    return shut
+
+
+def _parse_hello(payload: bytes) -> tuple[dict[str, Any], str]:
+    """The hello as a map, or why it is none: msgpack that fails to unpack (a truncated or invalid frame, a list
+    or map as a key, extra data), something other than a map, or a field of the wrong type."""
+    try:
+        hello = unpack_frame(payload)
+    except Exception as exc:  # (ValueError and its kinds, TypeError for unhashable keys: all malformed input)
+        return {}, f"not msgpack ({type(exc).__name__})"
+    if not isinstance(hello, dict):
+        return {}, f"not a map but {type(hello).__name__}"
+    for name, kind in _HELLO_FIELDS.items():
+        value = hello.get(name)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            return {}, f"{name} is {type(value).__name__}, not {getattr(kind, '__name__', kind)}"
+    return hello, ""
 
 
 def _host(address: Any) -> str:

@@ -80,8 +80,9 @@ SCHEDULER_WAIT = MetricSpec("gpubroker_scheduler_wait_seconds", "gauge", (*_TD, 
 SHARED_MEMORY = MetricSpec("gpubroker_shared_memory_bytes", "gauge", ("tenant",),
                            "Host memory the tenant maps through the same-host shared-memory side channel, summed "
                            "over its sessions on every device.")
-SHARED_LIMIT = MetricSpec("gpubroker_shared_memory_limit_bytes", "gauge", (),
-                          "How much of it each tenant may map (max_shared_bytes_per_tenant).")
+SHARED_LIMIT = MetricSpec("gpubroker_shared_memory_limit_bytes", "gauge", ("tenant",),
+                          "How much of it the tenant may map: its shared_memory (its memory quota unless set), "
+                          "within max_shared_bytes_per_tenant.")
 TENANT_CRASHES = MetricSpec("gpubroker_tenant_worker_crashes", "counter", ("tenant",),
                             "Worker deaths charged to the tenant (its kernels, compiles or lies, or a kill for the "
                             "kernel time limit): its crash budget. Never counted against the device.")
@@ -131,7 +132,7 @@ class _Snapshot:
     rows: list[_TenantRow]
     draining: bool
     shared: dict[str, int]  # host memory each tenant maps through the shared-memory side channel (all devices)
-    shared_limit: int
+    shared_limit: dict[str, int]  # what each of those tenants may map
     # Per tenant: worker deaths charged to it (its crash budget), and how long its new sessions are refused.
     crashes: dict[str, int]
     backoff: dict[str, float]
@@ -189,7 +190,8 @@ class BrokerCollector(Collector):
         crashes = self.pool.crashes
         tenants = sorted(known | set(crashes.total))
         return _Snapshot(rows, manager.draining, {t: manager.shared(t) for t in sorted(known)},
-                         manager.config.max_shared_bytes_per_tenant, {t: crashes.total.get(t, 0) for t in tenants},
+                         {t: manager.config.shared_limit(t)[0] for t in sorted(known)},
+                         {t: crashes.total.get(t, 0) for t in tenants},
                          {t: crashes.backoff(t) or 0.0 for t in tenants},
                          {t: self.pool.output_dropped.get(t, 0) for t in sorted(known)})
 
@@ -225,7 +227,10 @@ class BrokerCollector(Collector):
         for name, used in snap.shared.items():
             shared.add_metric([name], used)
         yield shared
-        yield SHARED_LIMIT.family(value=snap.shared_limit)
+        limits = SHARED_LIMIT.family()
+        for name, limit in snap.shared_limit.items():
+            limits.add_metric([name], limit)
+        yield limits
         crashes = TENANT_CRASHES.family()
         backoff = TENANT_BACKOFF.family()
         for tenant, count in snap.crashes.items():

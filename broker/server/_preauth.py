@@ -6,6 +6,14 @@ SO_PEERCRED, which a peer cannot forge), and refused at once past either cap; it
 fit in ``hello_max_bytes`` and arrive within ``hello_timeout_seconds``. Refusals go to the audit log with the
 peer's pid and uid, rate-limited. Authenticated connections that sit idle for ``connection_idle_seconds`` are
 closed by a sweep (a timestamp per frame costs less than a timer per frame).
+
+A cap alone would let a flood of silent connections from one uid deny everyone of that uid (several tenants may
+run as one uid): at a cap, a new connection takes the place of the oldest one that is *idle* (no hello bytes
+waiting in its socket, or sitting out a failed authentication's delay) rather than being refused. A client
+sends its hello as soon as it connects (the SDK does), so its connection is never the idle one; only when no
+connection of that peer is idle is the new one refused. A malformed hello (not msgpack, not a map, unhashable
+keys, cut short) is refused like a failed authentication: an answer, an audit line and the failure delay
+(``refuse_malformed``).
 """
 
 from __future__ import annotations
@@ -18,10 +26,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..auth import RateLimitedLog, peer_credentials
+from ..auth import FailurePenalty, RateLimitedLog, failure_delay, peer_credentials
 from ..config import BrokerConfig
 
-__all__ = ["IdleSweeper", "PreAuthGate", "Ticket"]
+__all__ = ["IdleSweeper", "PreAuthGate", "Ticket", "refuse_malformed"]
 
 audit = logging.getLogger("gpubroker.audit")
 def _where(listener: str) -> str:
@@ -30,7 +38,7 @@ def _where(listener: str) -> str:
     return listener if listener.startswith(("tcp:", "tls:", "vsock:")) else f"unix:{listener}"
 
 
-@dataclass
+@dataclass(eq=False)  # (each connection's own: the gate finds and removes it by identity)
 class Ticket:
     """One admitted connection that has not authenticated yet; ``done`` gives its place back (once)."""
 
@@ -42,6 +50,13 @@ class Ticket:
     key: int | str
     listener: str
     open: bool = True
+    # How the gate may end this connection to make room for a newer one of the same peer (None: never), and the
+    # socket it peeks at to tell whether a hello is on its way.
+    evict: Callable[[], None] | None = None
+    sock: socket.socket | None = None
+    judging: bool = False  # its hello is being authenticated: not idle, whatever its socket holds
+    delaying: bool = False  # sitting out a failed authentication's delay: idle, whatever its socket holds
+    _woken: asyncio.Future[None] | None = field(default=None, repr=False)
 
     @property
     def peer(self) -> str:
@@ -50,12 +65,46 @@ class Ticket:
     def done(self) -> None:
         if self.open:
             self.open = False
-            self.gate._release(self.key)
+            self.gate._release(self)
 
     def refuse(self, why: str) -> None:
         """Audit a refusal of this connection (the caller closes it)."""
         self.gate.refused(self.listener, self.pid, self.uid, why)
         self.done()
+
+    @property
+    def idle(self) -> bool:
+        """Evictable now: nothing of a hello waits in its socket (or its peer is gone) and none is being judged."""
+        if not self.open or self.evict is None or self.judging:
+            return False
+        if self.delaying or self.sock is None:
+            return True
+        try:
+            return not self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # (b"": the peer closed)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return True  # (a broken connection: nothing will come)
+
+    async def sit_out_failure(self) -> None:
+        """Wait out the failure delay a failed authentication of this connection earned; meanwhile the
+        connection keeps its place but is idle: a newer connection of its peer may take that place, which ends
+        the wait at once (so an evicted connection's descriptor goes now, not after its delay)."""
+        delay = failure_delay.get()
+        if not delay:
+            return
+        failure_delay.set(0.0)
+        self.delaying = True
+        self._woken = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait([self._woken], timeout=delay)
+        finally:
+            self.delaying = False
+            self._woken = None
+
+    def _wake(self) -> None:
+        if self._woken is not None and not self._woken.done():
+            self._woken.set_result(None)
 
 
 class PreAuthGate:
@@ -65,6 +114,8 @@ class PreAuthGate:
         self.config = config
         self.total = 0
         self.per_uid: dict[int | str, int] = {}
+        self.tickets: dict[int | str, list[Ticket]] = {}  # open tickets per peer key, oldest first
+        self.evictions = 0
         self.audit = RateLimitedLog(audit)
         self.refusals = 0
 
@@ -83,25 +134,51 @@ class PreAuthGate:
         pid, uid = peer_credentials(sock)
         key: int | str = address if address is not None else uid
         cfg = self.config
-        if self.total >= cfg.max_unauthenticated_connections:
-            self.refused(listener, pid, uid, f"{self.total} unauthenticated connections open, the limit")
-            return None
-        mine = self.per_uid.get(key, 0)
-        if mine >= cfg.max_unauthenticated_per_uid:
+        if self.per_uid.get(key, 0) >= cfg.max_unauthenticated_per_uid and not self._evict(key):
             who = f"address {address}" if address is not None else f"uid {uid}"
-            self.refused(listener, pid, uid, f"{who} has {mine} unauthenticated connections open, the limit")
+            self.refused(listener, pid, uid, f"{who} has {self.per_uid.get(key, 0)} unauthenticated connections "
+                         "open (none idle), the limit")
+            return None
+        if self.total >= cfg.max_unauthenticated_connections and not self._evict(None):
+            self.refused(listener, pid, uid, f"{self.total} unauthenticated connections open (none idle), the limit")
             return None
         self.total += 1
-        self.per_uid[key] = mine + 1
-        return Ticket(self, pid, uid, key, listener)
+        self.per_uid[key] = self.per_uid.get(key, 0) + 1
+        ticket = Ticket(self, pid, uid, key, listener)
+        self.tickets.setdefault(key, []).append(ticket)
+        return ticket
 
-    def _release(self, key: int | str) -> None:
+    def _evict(self, key: int | str | None) -> bool:
+        """Make room by ending the oldest idle connection of ``key`` (None: of the peer holding the most);
+        whether one was ended. A connection whose hello is on its way is never the one."""
+        keys = [key] if key is not None else sorted(self.tickets, key=lambda k: -len(self.tickets[k]))
+        for k in keys:
+            for ticket in list(self.tickets.get(k, ())):
+                if ticket.idle:
+                    self.evictions += 1
+                    evict = ticket.evict
+                    ticket.refuse("no hello yet, and a newer connection of this peer needed its place")
+                    assert evict is not None
+                    with contextlib.suppress(OSError):
+                        evict()
+                    ticket._wake()
+                    return True
+        return False
+
+    def _release(self, ticket: Ticket) -> None:
+        key = ticket.key
         self.total -= 1
         left = self.per_uid.get(key, 1) - 1
         if left > 0:
             self.per_uid[key] = left
         else:
             self.per_uid.pop(key, None)
+        mine = self.tickets.get(key)
+        if mine is not None:
+            with contextlib.suppress(ValueError):
+                mine.remove(ticket)
+            if not mine:
+                del self.tickets[key]
 
     def refused(self, listener: str, pid: int, uid: int, why: str) -> None:
         self.refusals += 1
@@ -109,6 +186,15 @@ class PreAuthGate:
         where = _where(listener)
         self.audit.warning(f"pre-auth refusals on {where}", "refused: peer=%s pid=%d uid=%d reason=%s",
                            where, pid, uid, why)
+
+
+async def refuse_malformed(ticket: Ticket, penalty: FailurePenalty, penalty_key: str, why: str) -> None:
+    """A hello that is no hello (not msgpack, not a map, unhashable keys, cut short): audited (rate limited) and
+    charged to its peer as a failed authentication, whose delay is waited out here; then the caller answers, or
+    just closes, and gives the ticket back."""
+    ticket.gate.refused(ticket.listener, ticket.pid, ticket.uid, f"malformed hello: {why}")
+    failure_delay.set(penalty.fail(penalty_key))
+    await ticket.sit_out_failure()
 
 
 @dataclass(eq=False)

@@ -4,6 +4,13 @@ gRPC cannot carry file descriptors, so each ``unix:PATH`` listener gets a siblin
 and group). The protocol is in ``gpubroker.client._shm``. This runs in the broker's event loop with only
 non-blocking socket calls, readiness waited for through ``add_reader``/``add_writer``: uvloop's ``sock_recv``
 cannot receive SCM_RIGHTS, and a thread per connection would need waking to stop.
+
+Bounds: before authentication, the pre-authentication gate (_preauth.py: caps per uid and in all, the hello's size
+and time, a newer connection of a peer taking an idle one's place); after it, ``max_shm_connections_per_tenant``
+connections per tenant (so one tenant's idle connections cannot use up the listener for the others), and the
+bytes mapped per session and per tenant (the tenant's ``shared_memory``, its memory quota by default, and the
+broker's ``max_shared_bytes_per_tenant``). A malformed first frame is refused as a failed authentication is: an
+answer, an audit line and the failure delay; never a traceback.
 """
 
 from __future__ import annotations
@@ -24,16 +31,18 @@ from gpubroker.client import (
     GpuBrokerError,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
+    Unavailable,
 )
 from gpubroker.client._protocol import MAX_HANDLE
 from gpubroker.client._shm import FRAME_HEADER, MAX_FRAME, pack_frame, unpack_frame
 
-from ..auth import Authenticator, Principal, peer_credentials, wait_failure_delay
+from ..auth import Authenticator, Principal, RateLimitedLog, peer_credentials, wait_failure_delay
 from ..config import BrokerConfig
 from ..sessions import Session, SessionManager
-from ._preauth import Idle, IdleSweeper, PreAuthGate, Ticket
+from ._preauth import Idle, IdleSweeper, PreAuthGate, Ticket, refuse_malformed
 
 __all__ = ["SharedMemoryServer"]
 
@@ -41,6 +50,14 @@ log = logging.getLogger("gpubroker.server")
 # Connections are cheap but not free: beyond this many at once, new ones are closed at once.
 MAX_CONNECTIONS = 1024
 _MAX_FDS = 4  # one is expected; a few more are received only to be closed
+
+
+def _answer_and_close(conn: socket.socket, error: GpuBrokerError) -> None:
+    """Best effort: a fresh socket's buffer takes a short answer without blocking; then the close."""
+    with contextlib.suppress(OSError):
+        conn.setblocking(False)
+        conn.send(_refusal(error))
+    conn.close()
 
 
 def check_segment_fd(fd: int, size: int) -> None:
@@ -71,6 +88,30 @@ async def _wait(loop: asyncio.AbstractEventLoop, fd: int, writable: bool) -> Non
         remove(fd)
 
 
+class _CutShort(ConnectionError):
+    """The peer closed in the middle of a frame."""
+
+
+def _refusal(error: GpuBrokerError) -> bytes:
+    return pack_frame({"error": error.to_wire()})
+
+
+# The types a request's fields have when present (more fields are allowed: a newer client's).
+# (A registration's handle and size are checked with the registration, which says what they must be.)
+_FIELDS: dict[str, type] = {"token": str, "session": str, "release": str, "hello": int}
+
+
+def _malformed(message: Any) -> str:
+    """Why a request is not one (empty: it is well formed)."""
+    if not isinstance(message, dict):
+        return f"not a map but {type(message).__name__}"
+    for name, kind in _FIELDS.items():
+        value = message.get(name)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            return f"{name} is {type(value).__name__}, not {kind.__name__}"
+    return ""
+
+
 class _Connection:
     """One client's connection: frames in (with any fds that came along), replies out."""
 
@@ -82,6 +123,8 @@ class _Connection:
         self._buf = bytearray()
         self._fds: list[int] = []
         self.limit = MAX_FRAME
+        self.tenant: str | None = None  # whose connection this is, from its first authenticated request
+        self.closing = False  # refused for good: closed once the refusal is answered
         self.watches: dict[tuple[str, str], tuple[Principal, int]] = {}  # revocation watches, by credential
 
     async def read(self) -> tuple[Any, list[int]] | None:
@@ -90,9 +133,9 @@ class _Connection:
             limit = self.limit
             if len(self._buf) >= FRAME_HEADER.size:
                 (length,) = FRAME_HEADER.unpack_from(self._buf)
-                if length > limit:
+                if length > limit:  # (a hello's is audited and delayed by the caller, as any malformed hello)
                     if self.ticket.open:
-                        self.ticket.refuse(f"hello of {length} bytes exceeds hello_max_bytes ({limit})")
+                        raise InvalidArgument(f"hello of {length} bytes exceeds hello_max_bytes ({limit})")
                     raise InvalidArgument(f"side-channel frame of {length} bytes exceeds {limit}")
                 end = FRAME_HEADER.size + length
                 if len(self._buf) >= end:
@@ -101,9 +144,10 @@ class _Connection:
                     fds, self._fds = self._fds, []
                     try:
                         return unpack_frame(payload), fds
-                    except ValueError:
+                    except Exception as exc:  # (ValueError and kin; TypeError for a list or map as a key)
                         self._fds = fds  # closed with the connection
-                        raise InvalidArgument("side-channel frame is not valid msgpack") from None
+                        raise InvalidArgument(f"malformed side-channel request: not msgpack ({type(exc).__name__}); "
+                                              "a request is one msgpack map") from None
             # Never more than the frame being read can still need: the buffer stays under the frame limit.
             want = (FRAME_HEADER.size + limit) - len(self._buf)
             try:
@@ -115,6 +159,8 @@ class _Connection:
             if flags & socket.MSG_CTRUNC:
                 raise InvalidArgument(f"at most one file descriptor per request ({_MAX_FDS} received)")
             if not data:
+                if self._buf:
+                    raise _CutShort(f"cut short: the peer closed with {len(self._buf)} bytes of a frame unread")
                 return None
             self._buf += data
 
@@ -150,6 +196,8 @@ class SharedMemoryServer:
         self.gate = gate if gate is not None else PreAuthGate(config)
         self.idle = IdleSweeper(config.connection_idle_seconds, "side channel")
         self._listeners: list[tuple[socket.socket, Path, int]] = []
+        self.per_tenant: dict[str, int] = {}  # authenticated connections per tenant
+        self.audit = RateLimitedLog(logging.getLogger("gpubroker.audit"))
         self._tasks: set[asyncio.Task[None]] = set()
 
     def listen(self, path: Path, secure: Callable[[Path], None]) -> None:
@@ -195,14 +243,20 @@ class SharedMemoryServer:
             if len(self._tasks) > MAX_CONNECTIONS:
                 pid, uid = peer_credentials(conn)
                 self.gate.refused(str(path), pid, uid, f"{MAX_CONNECTIONS} side-channel connections open, the limit")
-                conn.close()
+                _answer_and_close(conn, Unavailable(f"the broker has {MAX_CONNECTIONS} shared-memory connections "
+                                                     "open; copies can go without shared memory, or retry later"))
                 continue
             ticket = self.gate.admit(conn, str(path))
             if ticket is None:  # past a cap on unauthenticated connections: refused (and audited) at once
-                conn.close()
+                _answer_and_close(conn, ResourceExhausted(
+                    "too many unauthenticated shared-memory connections from your uid are open; send the "
+                    "request at once after connecting (the SDK does), or retry later"))
                 continue
+            connection = _Connection(conn, ticket.peer, ticket)
+            # Until its first request comes, a newer connection of its peer may take its place (_preauth.py).
+            ticket.sock, ticket.evict = conn, connection.hang_up
             conn.setblocking(False)
-            self._spawn(self._serve(_Connection(conn, ticket.peer, ticket)))
+            self._spawn(self._serve(connection))
 
     async def _serve(self, conn: _Connection) -> None:
         idle: Idle | None = None
@@ -222,14 +276,35 @@ class SharedMemoryServer:
                         conn.limit = MAX_FRAME
                         request = await conn.read()
                 except GpuBrokerError as exc:  # a broken frame: say why, then hang up
+                    if conn.ticket.open:  # a malformed hello: audited and delayed as a failed authentication
+                        await refuse_malformed(conn.ticket, self.auth.penalty, f"uid:{conn.ticket.uid}", exc.message)
                     await conn.write({"error": exc.to_wire()})
+                    return
+                except _CutShort as exc:
+                    if conn.ticket.open:
+                        await refuse_malformed(conn.ticket, self.auth.penalty, f"uid:{conn.ticket.uid}", str(exc))
                     return
                 if request is None:
                     return
                 message, fds = request
+                malformed = _malformed(message)
+                if malformed:
+                    for fd in fds:
+                        os.close(fd)
+                    hello = conn.ticket.open
+                    if hello:  # audited and delayed as a failed authentication; then the connection ends
+                        await refuse_malformed(conn.ticket, self.auth.penalty, f"uid:{conn.ticket.uid}", malformed)
+                    await conn.write({"error": InvalidArgument(
+                        f"malformed side-channel request ({malformed}): it is one msgpack map "
+                        '{"token": str, "session": str, and "size": int + "handle": str, "release": str or '
+                        '"hello": 1}').to_wire()})
+                    if hello:
+                        return
+                    continue  # (an authenticated connection goes on, as after any refused request)
                 if idle is not None:
                     idle.busy += 1
                 failed = False
+                conn.ticket.judging = True  # (a request in hand: not to be evicted while it is judged)
                 try:
                     reply = await self._handle(conn, message, fds)
                 except GpuBrokerError as exc:
@@ -239,15 +314,16 @@ class SharedMemoryServer:
                     log.exception("side channel: unexpected error")
                     reply = {"error": {"code": "INTERNAL", "message": f"internal broker error: {type(exc).__name__}"}}
                 finally:
+                    conn.ticket.judging = False
                     for fd in fds:  # the worker has its own copy by now (or never will)
                         os.close(fd)
                     if idle is not None:
                         idle.busy -= 1
                         idle.last_active = time.monotonic()
                 if failed:
-                    await wait_failure_delay()
+                    await (conn.ticket.sit_out_failure() if conn.ticket.open else wait_failure_delay())
                 await conn.write(reply)
-                if conn.ticket.open:
+                if conn.ticket.open or conn.closing:
                     return  # a connection that did not authenticate gets one try
                 if idle is None:
                     idle = self.idle.add(conn.hang_up)
@@ -256,19 +332,46 @@ class SharedMemoryServer:
         finally:
             for principal, watch in conn.watches.values():
                 self.auth.revocations.unwatch(principal, watch)
+            if conn.tenant is not None:
+                left = self.per_tenant.get(conn.tenant, 1) - 1
+                if left > 0:
+                    self.per_tenant[conn.tenant] = left
+                else:
+                    self.per_tenant.pop(conn.tenant, None)
             if idle is not None:
                 self.idle.remove(idle)
             conn.close()
 
-    async def _handle(self, conn: _Connection, message: Any, fds: list[int]) -> dict[str, Any]:
-        if not isinstance(message, dict):
-            raise InvalidArgument("a side-channel request is a map")
+    def _claim(self, conn: _Connection, tenant: str) -> None:
+        """Count an authenticated connection against its tenant's cap (once); a connection is one tenant's."""
+        if conn.tenant == tenant:
+            return
+        if conn.tenant is not None:
+            conn.closing = True
+            raise PermissionDenied(
+                f"this shared-memory connection is tenant {conn.tenant!r}'s; connect again for another tenant")
+        cap = self.config.max_shm_connections_per_tenant
+        mine = self.per_tenant.get(tenant, 0)
+        if mine >= cap:
+            self.audit.warning(f"shm tenant cap {tenant}", "refused: peer=%s tenant=%s reason=%s", conn.peer, tenant,
+                               f"{mine} authenticated shared-memory connections open, the limit "
+                               "(max_shm_connections_per_tenant)")
+            conn.closing = True
+            raise ResourceExhausted(
+                f"tenant {tenant!r} has {mine} shared-memory connections open, the limit "
+                f"(max_shm_connections_per_tenant = {cap}); close RemoteGpu sessions you no longer use, or ask the "
+                "operator to raise it", limit=cap, used=mine)
+        self.per_tenant[tenant] = mine + 1
+        conn.tenant = tenant
+
+    async def _handle(self, conn: _Connection, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         token = message.get("token")
         # The same rules and the same answer as a gRPC call on the Unix socket (which has no certificates).
-        metadata = [("authorization", f"Bearer {token}")] if isinstance(token, str) and token else []
+        metadata = [("authorization", f"Bearer {token}")] if token else []
         await self.auth.prepare(metadata)
         principal = self.auth.authenticate(metadata, {}, conn.peer, "SharedMemory",
                                            penalty_key=f"uid:{conn.ticket.uid}")
+        self._claim(conn, principal.tenant)
         conn.ticket.done()  # authenticated: no longer counted against the pre-authentication caps
         key = (principal.tenant, principal.credential)
         if key not in conn.watches:  # closed when this token is rotated or its tenant removed
@@ -278,6 +381,8 @@ class SharedMemoryServer:
             raise InvalidArgument("the request names no session")
         session = self.sessions.get(session_id, principal.tenant)
         session.check_alive()
+        if message.get("hello") is not None:  # the SDK's first request, sent as it connects: authenticated, no more
+            return {"hello": 1}
         if "release" in message:
             await self._release(session, str(message["release"]))
             return {"released": True}
@@ -299,13 +404,14 @@ class SharedMemoryServer:
             raise ResourceExhausted(f"this session would map {session.shared_bytes + size} bytes of shared memory; "
                                     f"the limit is {limit}", limit=limit, used=session.shared_bytes, requested=size)
         # Summed over all of the tenant's sessions (on every device): sessions x the per-session limit is no bound.
-        tenant_limit, tenant_used = self.config.max_shared_bytes_per_tenant, self.sessions.shared(session.tenant)
+        tenant_limit, which = self.config.shared_limit(session.tenant)
+        tenant_used = self.sessions.shared(session.tenant)
         if tenant_used + size > tenant_limit:
             raise ResourceExhausted(
                 f"tenant {session.tenant!r} would map {tenant_used + size} bytes of shared memory across its "
-                f"sessions: {size} requested, {tenant_used} in use, and the limit (max_shared_bytes_per_tenant) is "
-                f"{tenant_limit}; release segments or end sessions first", limit=tenant_limit, used=tenant_used,
-                requested=size)
+                f"sessions: {size} requested, {tenant_used} in use, and the limit ({which}) is "
+                f"{tenant_limit}; release segments (drop host arrays) or end sessions first, or ask the operator "
+                "to raise it", limit=tenant_limit, used=tenant_used, requested=size)
         check_segment_fd(fd, size)
         if handle in session.segments:
             raise InvalidArgument(f"segment {handle!r} is already registered in this session")

@@ -277,7 +277,10 @@ SHARED_LIMIT = 3 << 30
 
 @pytest.fixture
 def shared_broker(backend: str) -> Iterator[BrokerProcess]:
-    tenants = [TenantSpec("alice"), TenantSpec("bob"), TenantSpec("ops", admin=True)]
+    # Quotas above SHARED_LIMIT: the broker-wide cap is the one in effect (a tenant's own shared_memory
+    # defaults to its quota; tests/security/test_shm_and_hellos.py tests that one).
+    tenants = [TenantSpec("alice", memory_quota=8 << 30), TenantSpec("bob", memory_quota=8 << 30),
+               TenantSpec("ops", admin=True)]
     settings = {"max_shared_bytes_per_tenant": SHARED_LIMIT, "max_shared_bytes_per_session": 2 << 30,
                 "lease_seconds": 1.0, "metrics_listen": "127.0.0.1:0"}
     with BrokerProcess(tenants, backend=backend, settings=settings) as proc:

@@ -1,0 +1,368 @@
+"""The raw same-host sockets before and around authentication (issue 21, items 10-12), attacked through a real
+broker on PoCL: malformed hellos on ``<socket>.fast`` and ``<socket>.shm``, floods of authenticated and of silent
+``.shm`` connections, and shared host memory past a tenant's quota across its sessions.
+
+Each attack is what a hostile local client does with raw sockets (or the SDK's own calls); each test asserts what
+the broker must do: answer or close, audit and delay a malformed hello and never log a traceback; keep serving
+another tenant (and the flooded tenant itself) shared memory; refuse a tenant's shared bytes past its own limit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import random
+import resource
+import socket
+import struct
+import time
+import warnings
+from collections.abc import Iterator
+
+import msgpack
+import numpy as np
+import pytest
+
+from gpubroker.broker.config import BrokerConfig
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.broker.server._preauth import PreAuthGate, Ticket
+from gpubroker.client import AdminClient, RemoteGpu, ResourceExhausted, connect
+from gpubroker.client._frames import pack_frame
+from gpubroker.client._transports import peer_hung_up
+
+from ..helpers import wait_for
+
+QUOTA = 128 << 20  # alice's memory quota: by default, also the shared host memory all her sessions may map
+DELAY_MAX = 0.3  # auth_failure_delay_max_seconds: the delay a peer's repeated failures grow to
+# hello_timeout_seconds: long, so that a flood of silent connections stays in place for as long as a test needs it
+# (however loaded the machine): the flood must be defeated while it lasts, not outlived.
+HELLO_TIMEOUT = 60.0
+TENANTS = [TenantSpec("alice", memory_quota=QUOTA), TenantSpec("bob"), TenantSpec("mallory"),
+           TenantSpec("ops", admin=True)]
+
+
+@pytest.fixture(scope="module")
+def broker(backend: str) -> Iterator[BrokerProcess]:
+    settings = {"auth_failure_delay_max_seconds": DELAY_MAX, "hello_timeout_seconds": HELLO_TIMEOUT}
+    with BrokerProcess(TENANTS, backend=backend, settings=settings) as proc:
+        yield proc
+
+
+def _path(broker: BrokerProcess, which: str) -> str:
+    return broker.target.removeprefix("unix:") + "." + which
+
+
+def _log(broker: BrokerProcess) -> str:
+    return broker.log_path.read_text(errors="replace")
+
+
+def _reply(sock: socket.socket) -> object:
+    """The broker's one answer frame, or None if it closed without one."""
+    data = b""
+    while True:
+        part = sock.recv(65536)
+        if not part:
+            break
+        data += part
+    if len(data) < 4:
+        return None
+    (length,) = struct.unpack("!I", data[:4])
+    return msgpack.unpackb(data[4:4 + length], raw=False)
+
+
+def _error(reply: object) -> dict[str, str]:
+    """The error in a refusal: ``[0, 1, error]`` on a link, ``{"error": error}`` on the side channel."""
+    if isinstance(reply, list) and len(reply) == 3 and reply[1] == 1:
+        return dict(reply[2])
+    assert isinstance(reply, dict) and "error" in reply, reply
+    return dict(reply["error"])
+
+
+def _frame(obj: object) -> bytes:
+    payload = msgpack.packb(obj)
+    return struct.pack("!I", len(payload)) + payload
+
+
+def _raw(payload: bytes) -> bytes:
+    return struct.pack("!I", len(payload)) + payload
+
+
+# Hellos that are no hellos: each must be answered (INVALID_ARGUMENT) or, if cut short, closed, and audited.
+MALFORMED = {
+    "list-as-map-key": _raw(b"\x81\x90\xc0"),  # {[]: nil}: the issue's 3 bytes (TypeError: unhashable)
+    "map-as-map-key": _raw(b"\x81\x80\xc0"),
+    "reserved-byte": _raw(b"\xc1"),
+    "extra-data": _raw(b"\x91\xc0\x00"),
+    "bad-utf8": _raw(b"\xa2\xff\xfe"),
+    "deep-nesting": _raw(b"\x91" * 3000 + b"\xc0"),
+    "huge-array-length": _raw(b"\xdd\xff\xff\xff\xff"),
+    "not-a-map": _frame([1, 2]),
+    "token-int": _frame({"token": 7, "session": "ses_x", "link": 1}),
+    "token-list": _frame({"token": ["gpb_x"], "session": "ses_x", "link": 1}),
+    "session-map": _frame({"token": "gpb_x_y", "session": {"a": 1}, "link": 1}),
+    "wrong-types": _frame({"token": "gpb_x_y", "session": "ses_x", "link": "1", "size": "big", "release": 5,
+                           "hello": "yes"}),
+    "cut-short": struct.pack("!I", 100) + b"\x81\xa5token",  # a header for 100 bytes, 10 of them, then the end
+}
+
+
+@pytest.mark.parametrize("which", ["fast", "shm"])
+def test_malformed_hellos_are_answered_audited_and_delayed_never_a_traceback(broker: BrokerProcess,
+                                                                             which: str) -> None:
+    path = _path(broker, which)
+    took: dict[str, float] = {}
+    for name, data in MALFORMED.items():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(20)
+            sock.connect(path)
+            started = time.monotonic()
+            sock.sendall(data)
+            if name == "cut-short":
+                sock.shutdown(socket.SHUT_WR)
+            reply = _reply(sock)
+            took[name] = time.monotonic() - started
+        if name == "cut-short":
+            assert reply is None, reply  # nothing to answer: the peer is gone; closed
+        else:
+            assert reply is not None, f"{which}: {name}: closed without an answer"
+            error = _error(reply)
+            assert error["code"] == "INVALID_ARGUMENT" and "malformed" in error["message"], (name, error)
+    # Extra fields are a newer client's, not malformed: answered as any hello is (here: a token that is none).
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(20)
+        sock.connect(path)
+        sock.sendall(_frame({"token": "gpb_000000000000_bogus", "session": "ses_x", "link": 1, "hello": 1,
+                             "extra": [1, {"k": None}]}))
+        assert _error(_reply(sock))["code"] == "UNAUTHENTICATED"
+    # The failure delay: every malformed hello is charged to its peer (uid) as a failed authentication, so a run
+    # of them is held back (it doubles from 2 ms up to auth_failure_delay_max_seconds).
+    assert took["wrong-types"] >= DELAY_MAX * 0.9, took
+    log = _log(broker)
+    assert "Traceback" not in log, log[log.index("Traceback") - 500:][:3000]
+    audited = [line for line in log.splitlines() if "reason=malformed hello" in line and path in line]
+    assert len(audited) >= len(MALFORMED), audited
+    assert any("unhashable" in line or "TypeError" in line for line in audited), audited
+    _copy_and_check(broker, "bob")  # and the broker serves on
+
+
+def _mutations(seed: int, n: int) -> list[bytes]:
+    """Frames made from a well-formed hello by a fuzzer's edits: flipped bytes, cuts, insertions, random bytes.
+    The frame's header always matches its payload: the broker has a whole frame to judge."""
+    rng = random.Random(seed)
+    base = msgpack.packb({"token": "gpb_000000000000_" + "x" * 43, "session": "ses_0123456789abcdef",
+                          "link": 1, "hello": 1, "compress": ["lz4"]})
+    frames = []
+    for i in range(n):
+        data = bytearray(base)
+        kind = i % 5
+        if kind == 4:  # a key that is a list or a map (unhashable), the rest as it was
+            data[1:1] = rng.choice([b"\x90", b"\x80", b"\x91\x01", b"\x81\x01\x02"]) + b"\xc0"
+            data[0] += 1  # (one more entry in the map)
+        elif kind == 0:
+            for _ in range(rng.randint(1, 6)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+        elif kind == 1:
+            del data[rng.randrange(1, len(data)):]
+        elif kind == 2:
+            at = rng.randrange(len(data))
+            data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+        else:
+            data = bytearray(rng.randbytes(rng.randint(1, 200)))
+        frames.append(_raw(bytes(data)))
+    return frames
+
+
+def test_fuzzed_hellos_are_answered_or_closed_and_never_crash_the_front(broker: BrokerProcess) -> None:
+    def attempt(path: str, frame: bytes) -> object:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(30)
+            sock.connect(path)
+            sock.sendall(frame)
+            return _reply(sock)
+
+    jobs = [(_path(broker, which), frame) for which in ("fast", "shm") for frame in _mutations(21, 60)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda job: attempt(*job), jobs))
+    for (path, frame), reply in zip(jobs, replies, strict=True):
+        # Every whole frame gets an answer: a refusal saying why (none of these is a valid hello).
+        assert reply is not None, (path, frame)
+        assert _error(reply)["code"] in ("INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND"), (frame, reply)
+    log = _log(broker)
+    assert "Traceback" not in log, log[log.index("Traceback") - 500:][:3000]
+    _copy_and_check(broker, "bob")
+
+
+def _copy_and_check(broker: BrokerProcess, tenant: str) -> None:
+    with connect(broker.target, token=broker.tokens[tenant]) as gpu:
+        _shared_round_trip(gpu)
+
+
+def _shared_round_trip(gpu: RemoteGpu) -> None:
+    """A host array that is really shared memory (no fallback warning), copied to the device and back."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to plain memory would warn
+        host = gpu.host_array(4096, np.float32)
+    assert gpu._shm is not None and gpu._shm._arrays, "host_array fell back to plain memory"
+    host[:] = np.arange(4096, dtype=np.float32)
+    buf = gpu.allocate_memory(host.nbytes)
+    gpu.copy_h2d(host, buf)
+    back = gpu.host_array(4096, np.float32)
+    gpu.copy_d2h(buf, back)
+    np.testing.assert_array_equal(back, host)
+
+
+def test_a_tenants_shared_memory_is_bounded_by_its_quota_across_sessions(broker: BrokerProcess) -> None:
+    # Three sessions of alice (128 MiB quota) each ask for a 64 MiB host array: the third is past her shared
+    # memory (which defaults to her quota), counted across all her sessions.
+    token = broker.tokens["alice"]
+    with connect(broker.target, token=token) as s1, connect(broker.target, token=token) as s2, \
+            connect(broker.target, token=token) as s3:
+        a1 = s1.host_array(64 << 20)
+        a2 = s2.host_array(64 << 20)
+        with pytest.raises(ResourceExhausted) as info:
+            s3.host_array(64 << 20)
+        message = info.value.message
+        assert "[tenants.alice] shared_memory" in message and "release segments" in message, message
+        assert info.value.details["limit"] == QUOTA and info.value.details["used"] == QUOTA
+        # The operator sees each tenant's own limit (bob's quota is the launcher's 2 GiB).
+        with AdminClient(broker.target, broker.tokens["ops"]) as admin:
+            limits = {row.tenant: row.shared_bytes_limit for row in admin.usage().tenants}
+        assert limits["alice"] == QUOTA and limits.get("bob", 2 << 30) == 2 << 30, limits
+        # What she holds works, and what she frees is hers again.
+        a1[:16] = 7
+        buf = s1.allocate_memory(16)
+        s1.copy_h2d(a1[:16], buf)
+        del a1, a2
+        s2.close()
+        _shared_round_trip(s3)
+
+
+def _shm_connections(path: str) -> int:
+    """Connected sockets the broker accepted on ``path`` (from /proc/net/unix: state 03, the listener's path)."""
+    count = 0
+    for line in open("/proc/net/unix").read().splitlines()[1:]:  # noqa: SIM115 - read whole at once
+        fields = line.split()
+        if len(fields) >= 8 and fields[7] == path and fields[5] == "03":
+            count += 1
+    return count
+
+
+def test_the_sdk_holds_no_unauthenticated_side_channel(broker: BrokerProcess) -> None:
+    # Small copies open no side channel (they go as commands), and a side channel says its hello at once.
+    path = _path(broker, "shm")
+    with connect(broker.target, token=broker.tokens["bob"]) as gpu:
+        before = _shm_connections(path)
+        buf = gpu.allocate_memory(64)
+        gpu.copy_h2d(np.zeros(16, dtype=np.float32), buf)
+        assert _shm_connections(path) == before, "a small copy opened a side channel and said nothing"
+        gpu.host_array(16)
+        assert gpu._shm is not None and gpu._shm._channel is not None
+        assert gpu._shm._channel.request({"hello": 1, "session": gpu.session, "token": broker.tokens["bob"]}) == {
+            "hello": 1}
+
+
+def test_silent_shm_connections_from_the_tenants_uid_do_not_deny_it_shared_memory(broker: BrokerProcess) -> None:
+    path = _path(broker, "shm")
+    # A flood from the same uid (another tenant's process, or any process of that user): silent connections,
+    # as many as the broker keeps for one uid before authentication (max_unauthenticated_per_uid, 64).
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(80):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            flood.append(sock)
+            sock.connect(path)
+        wait_for(lambda: _shm_connections(path) >= 64, 10, "the broker to accept the flood")
+        # Bob's new session still gets shared memory while the flood holds its uid's places.
+        _copy_and_check(broker, "bob")
+        assert sum(not peer_hung_up(sock) for sock in flood) >= 60, "the flood was gone before bob's turn"
+    finally:
+        for sock in flood:
+            sock.close()
+
+
+def test_one_tenants_idle_shm_connections_do_not_deny_another(broker: BrokerProcess) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if hard < 1400:
+        pytest.skip(f"needs 1400 descriptors, the hard limit is {hard}")
+    path = _path(broker, "shm")
+    held: list[socket.socket] = []
+    refusals: list[dict[str, str]] = []
+    try:
+        with connect(broker.target, token=broker.tokens["mallory"]) as mallory:
+            # Mallory authenticates 1,100 side-channel connections (a request for a segment that does not exist:
+            # NOT_FOUND, and the connection stays open) and leaves them idle.
+            request = pack_frame({"token": broker.tokens["mallory"], "session": mallory.session, "release": "no"})
+            for _ in range(1100):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(20)
+                try:
+                    sock.connect(path)
+                    sock.sendall(request)
+                    header = sock.recv(4)
+                    reply = msgpack.unpackb(sock.recv(struct.unpack("!I", header)[0])) if len(header) == 4 else None
+                except OSError:
+                    reply = None
+                if isinstance(reply, dict) and reply.get("error", {}).get("code") == "NOT_FOUND":
+                    held.append(sock)
+                    continue
+                if isinstance(reply, dict) and "error" in reply:
+                    refusals.append(reply["error"])
+                sock.close()
+            # Bob, another tenant, still gets shared memory.
+            _copy_and_check(broker, "bob")
+            # A new session of mallory's is refused the side channel: its host_array is plain memory, with a
+            # warning saying so, and its copies still work (as commands).
+            with connect(broker.target, token=broker.tokens["mallory"]) as late:
+                with pytest.warns(RuntimeWarning, match="refused shared memory"):
+                    plain = late.host_array(1024, np.float32)
+                plain[:] = np.arange(1024, dtype=np.float32)
+                buf = late.allocate_memory(plain.nbytes)
+                late.copy_h2d(plain, buf)
+                back = np.zeros_like(plain)
+                late.copy_d2h(buf, back)
+                np.testing.assert_array_equal(back, plain)
+            # Mallory was held to her own cap, told which and what to do.
+            assert len(held) == 64, len(held)
+            assert refusals and refusals[0]["code"] == "RESOURCE_EXHAUSTED", refusals[:1]
+            assert "max_shm_connections_per_tenant" in refusals[0]["message"]
+            assert "tenant=mallory" in _log(broker)
+    finally:
+        for sock in held:
+            with contextlib.suppress(OSError):
+                sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert "Traceback" not in _log(broker)
+
+
+def test_at_a_cap_a_new_connection_takes_an_idle_ones_place_never_a_talking_ones() -> None:
+    # The gate alone (no broker): which connection makes room is what keeps a flood from denying a peer.
+    gate = PreAuthGate(BrokerConfig(max_unauthenticated_connections=3, max_unauthenticated_per_uid=2))
+    pairs = [socket.socketpair() for _ in range(5)]
+    evicted: list[int] = []
+    try:
+        def admit(i: int) -> Ticket | None:
+            ticket = gate.admit(pairs[i][0], "x")
+            if ticket is not None:
+                ticket.sock, ticket.evict = pairs[i][0], lambda: evicted.append(i)
+            return ticket
+
+        first, second = admit(0), admit(1)
+        assert first is not None and second is not None
+        pairs[0][1].sendall(b"\x00")  # the oldest has its hello on the way: not idle
+        third = admit(2)  # takes the place of the idle one (1), not of the older, talking one (0)
+        assert third is not None and evicted == [1] and not second.open and first.open
+        assert gate.per_uid == {os.getuid(): 2} and gate.total == 2
+        third.judging = True  # a hello being judged is not idle either
+        assert admit(3) is None and gate.refusals == 2  # (the eviction was audited too)
+        third.judging = False
+        third.delaying = True  # sitting out a failure delay is
+        assert admit(3) is not None and evicted == [1, 2] and gate.evictions == 2
+        # A ticket with no way to end it (a TCP link's, today) is never evicted.
+        gate = PreAuthGate(BrokerConfig(max_unauthenticated_connections=3, max_unauthenticated_per_uid=1))
+        assert gate.admit(pairs[4][0], "x") is not None and gate.admit(pairs[4][0], "x") is None
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
