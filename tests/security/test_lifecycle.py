@@ -161,7 +161,8 @@ def _poison(broker: BrokerProcess, tenant: str) -> tuple[Path, int]:
         program.replace_file(f"rename the look-alike over {cached}", cached, payload)
         (poisoning,) = run(gpu, attack, program)
         assert poisoning.ret >= 0, f"{tenant} could not write its own cache: {poisoning}"
-        assert (seen / str(cached).lstrip("/")).read_bytes() == payload, f"the poisoned kernel is not in {tenant}'s cache"
+        assert (seen / str(cached).lstrip("/")).read_bytes() == payload, \
+            f"the poisoned kernel is not in {tenant}'s cache"
         return cached, worker
 
 
