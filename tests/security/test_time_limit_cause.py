@@ -16,7 +16,7 @@ dies. Two attacks, each through a real broker on PoCL with the attacker and one 
    is counted against it, and the attacker's worker is the one killed.
 
 The machine these run on has two cores shared with other work, so the victim's kernel is sized against the limit
-with wide margins: about a third of the limit alone, several times the limit once the burners crowd it.
+with wide margins: half the limit alone, over twice the limit once the burners crowd it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ..conftest import worker_pids
 from ..helpers import descendants, wait_for
 from .exploits import check_arch
 
-LIMIT = 3.0  # max_kernel_seconds
+LIMIT = 2.0  # max_kernel_seconds
 OUTSIDE = 10.0  # max_cpu_seconds_outside_turns: several seconds of the burners on two cores
 
 BURN = r"""
@@ -118,7 +118,13 @@ class Victim:
         while (took := self.run(n)) < 0.1:
             n *= 4
         self.n = max(1, int(n * seconds / took))
-        return min(self.run() for _ in range(3))
+        best = min(self.run() for _ in range(3))
+        for _ in range(3):  # (a busy machine makes any one measure long: size it again from the best of three)
+            if best < 1.3 * seconds:
+                break
+            self.n = max(1, int(self.n * seconds / best))
+            best = min(self.run() for _ in range(3))
+        return best
 
     def intact(self) -> bool:
         back = np.zeros_like(self.pattern)
@@ -177,8 +183,8 @@ def test_a_victim_slowed_by_anothers_burners_is_not_killed_for_it(broker: Broker
     with connect(broker.target, token=broker.tokens["bob"], device=0) as bob, \
             connect(broker.target, token=broker.tokens["mallory"], device=0) as mallory:
         victim = Victim(bob)
-        alone = victim.calibrate(LIMIT / 2.5)
-        assert alone < LIMIT * 0.7, alone
+        alone = victim.calibrate(LIMIT / 2)
+        assert alone < LIMIT * 0.75, alone
         crashes = _crashes(broker, "bob"), _crashes(broker, "mallory")
         [bob_pid] = worker_pids(broker, "bob")
         tiny = mallory.compile_kernel(WORK, "gpb_work")
@@ -187,7 +193,7 @@ def test_a_victim_slowed_by_anothers_burners_is_not_killed_for_it(broker: Broker
         mallory.synchronize()
         [attacker] = worker_pids(broker, "mallory")
         before = _tree_cpu(attacker)
-        assert all(c > 0 for c in _burn(mallory, 6))
+        assert all(c > 0 for c in _burn(mallory, 8))  # (two cores: the victim's kernel gets a fifth of them)
         wait_for(lambda: _tree_cpu(attacker) - before > 0.5, 20, "the burners to burn")
 
         outcome: list[BaseException | float] = []
@@ -212,7 +218,7 @@ def test_a_victim_slowed_by_anothers_burners_is_not_killed_for_it(broker: Broker
         thread.join(120)
         assert not thread.is_alive()
         [took] = outcome
-        assert isinstance(took, float), took  # the victim's kernel finished: its worker was not killed
+        assert isinstance(took, float), (alone, took)  # the victim's kernel finished: its worker was not killed
         assert worker_pids(broker, "bob") == [bob_pid]
         assert victim.intact()  # its buffers are still there
         assert _crashes(broker, "bob") == crashes[0]  # and no crash was counted against it
@@ -221,4 +227,4 @@ def test_a_victim_slowed_by_anothers_burners_is_not_killed_for_it(broker: Broker
                  "the attacker's worker and its burners to be killed")
         assert _crashes(broker, "mallory") == crashes[1] + 1
         assert "tenant bob: device work held the device past max_kernel_seconds" not in broker.log_tail(1_000_000)
-        assert victim.run() < LIMIT, "the victim's kernels are back to their normal length"
+        assert min(victim.run() for _ in range(2)) < 2 * alone, "the victim's kernels are back to their normal length"
