@@ -329,7 +329,10 @@ class DeviceScheduler:
                     seconds = await self._fence(old)
                 except Exception as exc:  # a dead worker: its hold was still its own, charged as consumed
                     log.info("fence for tenant %s failed: %s", old, exc)
-                    seconds = self._consumed(self.slice_start)
+                    # (until its last call ended, which its death ended: not the grace the scheduler gave it)
+                    last = self._use(old).last_release
+                    until = last if last is not None and last >= self.slice_start else self._clock()
+                    seconds = min(self._consumed(self.slice_start), until - self.slice_start)
                     if self._overran == gen:  # killed for holding the device: that hold was at others' cost
                         contended = self._clock() - held_since
                 else:
