@@ -173,9 +173,9 @@ def test_burners_left_behind_are_charged_to_their_tenant_and_stopped(broker: Bro
         # Charged to the attacker: its usage shows the CPU it burned, though its one kernel took milliseconds.
         usage = {u.tenant: u for u in admin.usage(window_seconds=60).tenants}
         assert usage["mallory"].device_seconds > 1.0, usage["mallory"].device_seconds
-        # And the other tenant's kernels run at their normal speed again.
-        after = min(victim.run() for _ in range(3))
-        assert after < max(1.6 * normal, normal + 0.2), (normal, slowed, after)
+        # And the other tenant's kernels run at their normal speed again (polled: others share this machine).
+        wait_for(lambda: victim.run() < max(1.6 * normal, normal + 0.2), 30,
+                 f"the other tenant's kernel back to its normal {normal:.2f} s (slowed: {slowed:.2f} s)")
         assert victim.intact()
 
 
@@ -227,4 +227,4 @@ def test_a_victim_slowed_by_anothers_burners_is_not_killed_for_it(broker: Broker
                  "the attacker's worker and its burners to be killed")
         assert _crashes(broker, "mallory") == crashes[1] + 1
         assert "tenant bob: device work held the device past max_kernel_seconds" not in broker.log_tail(1_000_000)
-        assert min(victim.run() for _ in range(2)) < 2 * alone, "the victim's kernels are back to their normal length"
+        wait_for(lambda: victim.run() < 1.6 * alone, 30, "the victim's kernels back to their normal length")
