@@ -5,7 +5,8 @@ never sees them, since they hold no device turn, yet they take the host's CPUs f
 device, the device itself). Every ``period`` seconds the watch reads each worker's process tree (workers/_cpu.py)
 and takes what it used beyond what its turns and requests account for:
 
-- while its tenant holds the device (``DeviceScheduler.held_seconds``), up to ``hold_cpus`` CPUs: the device's
+- while its tenant holds the device (``DeviceScheduler.held_seconds``; all the time with fair scheduling off,
+  which has no turns), up to ``hold_cpus`` CPUs: the device's
   compute units on a CPU device (the device is the host's CPUs, all the holder's), one on a GPU (the thread that
   feeds it);
 - while it serves a request of the front's (a compile runs outside the turns), one CPU;
@@ -91,7 +92,9 @@ class CpuWatch:
 
     def _account(self, worker: WorkerClient, reading: CpuReading) -> None:
         scheduler = self.schedulers.get(worker.device)
-        held = scheduler.held_seconds(worker.tenant) if scheduler is not None else 0.0
+        # With fair scheduling off there are no turns: the worker is taken to hold the device all the time.
+        held = (scheduler.held_seconds(worker.tenant) if scheduler is not None and scheduler.enabled
+                else reading.at)
         busy = worker.busy_seconds()
         seen = self._seen.get(worker)
         self._seen[worker] = now = _Seen(reading, held, busy, seen.outside if seen is not None else deque())
