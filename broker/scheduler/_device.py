@@ -456,6 +456,8 @@ class DeviceScheduler:
             consumed = self._consumed(start)
             if consumed < length:
                 # Others slowed it: its own consumption is still under the limit. Look again when it could reach it.
+                log.info("tenant %s: %.2f s of its own device time in %.2f s of its hold (others slowed it), "
+                         "under its limit of %g s", self.holder, consumed, now - start, length)
                 deadline = now + max(length - consumed, self.meter_after)
                 self._measured = (self._slice_gen, start, deadline)
         if now >= deadline:

@@ -22,6 +22,7 @@ with wide margins: half the limit alone, over twice the limit once the burners c
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -159,7 +160,7 @@ def test_burners_left_behind_are_charged_to_their_tenant_and_stopped(broker: Bro
         children = _burn(mallory, 3)
         returned = time.monotonic() - start
         assert all(c > 0 for c in children), children  # three burners, forked or cloned
-        assert returned < 2.0, returned  # the kernel itself is over at once: nothing timed what it left behind
+        assert returned < 5.0, returned  # the kernel itself is soon over: nothing timed what it left behind
         wait_for(lambda: _tree_cpu(attacker) - before > 1.0, 20, "the burners to burn")
         slowed = victim.run()
         # Stopped within a bound: OUTSIDE CPU-seconds at the one core or more the burners get here, plus margin.
@@ -226,5 +227,11 @@ def test_a_victim_slowed_by_anothers_burners_is_not_killed_for_it(broker: Broker
         wait_for(lambda: attacker not in worker_pids(broker, "mallory") and not descendants(attacker), 40,
                  "the attacker's worker and its burners to be killed")
         assert _crashes(broker, "mallory") == crashes[1] + 1
-        assert "tenant bob: device work held the device past max_kernel_seconds" not in broker.log_tail(1_000_000)
+        log = broker.log_tail(1_000_000)
+        assert "tenant bob: device work held the device past max_kernel_seconds" not in log
+        # The broker measured it: past the limit in wall time, under it in its own device time.
+        measured = re.search(r"tenant bob: ([\d.]+) s of its own device time in ([\d.]+) s of its hold", log)
+        assert measured is not None, log[-3000:]
+        own, held = float(measured[1]), float(measured[2])
+        assert own < LIMIT <= held, (own, held, alone)
         wait_for(lambda: victim.run() < 1.6 * alone, 30, "the victim's kernels back to their normal length")
