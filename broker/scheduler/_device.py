@@ -71,7 +71,7 @@ class DeviceScheduler:
                  clock: Callable[[], float] = time.monotonic, accounting_period: float = 1.0,
                  idle_grace: float | None = None, min_slice: float = 0.001, max_hold: float = 0.0,
                  lone_hold: float = 0.0, on_overrun: Overrun | None = None, hold_meter: HoldMeter | None = None,
-                 meter_after: float = 0.05) -> None:
+                 meter_after: float = 0.05, fence_idle: bool = False) -> None:
         self.quantum = quantum
         # The kernel time limits (0: none): while others wait, and for a lone holder.
         self.max_hold = max_hold
@@ -90,6 +90,11 @@ class DeviceScheduler:
         self._meter_at = 0.0
         self._meter_timer: asyncio.TimerHandle | None = None
         self._meter_base: tuple[float, float] | None = None
+        # With ``fence_idle``, a lone holder that goes idle is fenced an accounting period into its slice and
+        # gives the device up (unless it comes back within its grace): its hold ends when its work does.
+        self.fence_idle = fence_idle
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_timer_gen = 0
         # (slice, limit start, when to look again): a limit already measured and found not yet reached.
         self._measured: tuple[int, float, float] | None = None
         # Slices shorter than this are never cut short: each switch costs a fence.
@@ -252,6 +257,18 @@ class DeviceScheduler:
                     self._grace_timer = asyncio.get_running_loop().call_later(wait, self._grace_over)
         elif elapsed >= self.accounting_period:
             self._start_switch(holder)
+        elif self.fence_idle and (self._idle_timer is None or self._idle_timer_gen != self._slice_gen):
+            # An idle lone holder's slice ends too (fenced: its queued work done) an accounting period in, so
+            # the time it is taken to hold the device, when its worker's CPU is its device work, ends with it.
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+            self._idle_timer_gen = self._slice_gen
+            self._idle_timer = asyncio.get_running_loop().call_later(self.accounting_period - elapsed,
+                                                                     self._idle_timer_over)
+
+    def _idle_timer_over(self) -> None:
+        self._idle_timer = None
+        self._maybe_switch()
 
     def _check_leases(self, holder: str) -> None:
         """When the holder's only work in flight is leases: preempt them if its turn is up, else look again then."""

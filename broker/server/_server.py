@@ -180,7 +180,8 @@ class Broker:
         # On a CPU device (OpenCL here means PoCL's) the device is the host's CPUs: a hold's device time is what
         # the holder's worker consumed of them (workers/_cpu.py), so a tenant slowed by others' CPU use is neither
         # timed out nor charged for it. On a GPU, a hold's wall time is its device time (the device is the
-        # holder's alone), and the fence's figure its charge.
+        # holder's alone), and the fence's figure its charge. An idle holder is fenced and gives the device up an
+        # accounting period in (fence_idle): the time it counts as holding ends with its work (the CPU watch).
         cpu_device = backend == "opencl"
         self._ncpu = cpu_count()
         self._units = {d: max(1, min(info.multiprocessor_count, self._ncpu)) for d, info in enumerate(devices)}
@@ -188,7 +189,8 @@ class Broker:
             d: DeviceScheduler(functools.partial(self._fence, d), quantum=cfg.quantum_ms / 1000,
                                enabled=cfg.fair_scheduling, max_hold=cfg.max_kernel_seconds,
                                lone_hold=cfg.lone_kernel_seconds, on_overrun=functools.partial(self._overrun, d),
-                               hold_meter=functools.partial(self._hold_meter, d) if cpu_device else None)
+                               hold_meter=functools.partial(self._hold_meter, d) if cpu_device else None,
+                               fence_idle=True)
             for d in range(len(devices))}
         # CPU the workers use outside their turns: while holding, a CPU device's worker may use all its compute
         # units and a GPU's one CPU; on the fair clock, a device second is that many CPU-seconds (a GPU's: the

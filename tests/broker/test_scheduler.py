@@ -508,3 +508,23 @@ def test_a_dead_workers_hold_is_charged() -> None:
         return sched.usage["a"].device_seconds
 
     assert asyncio.run(scenario()) == pytest.approx(0.1, abs=0.05)
+
+
+def test_an_idle_lone_holder_is_fenced_and_gives_the_device_up() -> None:
+    """With fence_idle, a lone holder's hold ends (fenced) an accounting period after its last work: the time it
+    counts as holding the device, when its worker's CPU is device work, ends with its work."""
+
+    async def scenario() -> tuple[str | None, float, int]:
+        loop = asyncio.get_running_loop()
+        dev = Device()
+        sched = DeviceScheduler(dev.fence, quantum=0.005, clock=loop.time, accounting_period=0.1, fence_idle=True)
+        async with sched.turn("a"):
+            pass
+        await asyncio.sleep(0.3)
+        held = sched.held_seconds("a")
+        await asyncio.sleep(0.2)
+        assert sched.held_seconds("a") == held  # no longer holding: its held time stopped
+        return sched.holder, held, dev.fences
+
+    holder, held, fences = asyncio.run(scenario())
+    assert holder is None and fences == 1 and 0.1 <= held < 0.25, (holder, held, fences)
