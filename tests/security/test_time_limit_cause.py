@@ -39,7 +39,9 @@ from ..helpers import descendants, wait_for
 from .exploits import check_arch
 
 LIMIT = 2.0  # max_kernel_seconds
-OUTSIDE = 10.0  # max_cpu_seconds_outside_turns: several seconds of the burners on two cores
+# Sized by the host's CPUs (PoCL's compute units), so the figures hold on more than this machine's two.
+CPUS = len(os.sched_getaffinity(0))
+OUTSIDE = 5.0 * CPUS  # max_cpu_seconds_outside_turns: several seconds of burners that fill the host
 
 BURN = r"""
 /* Leave n CPU burners behind: fork (57), or where that is refused, clone (56) a bare thread: CLONE_VM|CLONE_FS|
@@ -157,17 +159,17 @@ def test_burners_left_behind_are_charged_to_their_tenant_and_stopped(broker: Bro
         [attacker] = worker_pids(broker, "mallory")
         before = _tree_cpu(attacker)
         start = time.monotonic()
-        children = _burn(mallory, 3)
+        children = _burn(mallory, CPUS + 1)
         returned = time.monotonic() - start
-        assert all(c > 0 for c in children), children  # three burners, forked or cloned
+        assert all(c > 0 for c in children), children  # the burners, forked or cloned
         assert returned < 5.0, returned  # the kernel itself is soon over: nothing timed what it left behind
         wait_for(lambda: _tree_cpu(attacker) - before > 1.0, 20, "the burners to burn")
         slowed = victim.run()
-        # Stopped within a bound: OUTSIDE CPU-seconds at the one core or more the burners get here, plus margin.
+        # Stopped within a bound: OUTSIDE CPU-seconds, at most of the host's CPUs (about 5 s), plus a wide margin.
         wait_for(lambda: attacker not in worker_pids(broker, "mallory") and not descendants(attacker), 40,
                  "the attacker's worker and its burners to be killed")
         log = broker.log_tail(1_000_000)
-        assert "max_cpu_seconds_outside_turns = 10" in log, log[-3000:]
+        assert f"max_cpu_seconds_outside_turns = {OUTSIDE:g}: threads or processes" in log, log[-3000:]
         assert _crashes(broker, "mallory") == 1 and _crashes(broker, "alice") == 0
         with pytest.raises(ResourceExhausted, match="outside its device turns"):
             mallory.allocate_memory(8)  # its session's state went with its worker
@@ -194,7 +196,8 @@ def test_a_victim_slowed_by_anothers_burners_is_not_killed_for_it(broker: Broker
         mallory.synchronize()
         [attacker] = worker_pids(broker, "mallory")
         before = _tree_cpu(attacker)
-        assert all(c > 0 for c in _burn(mallory, 8))  # (two cores: the victim's kernel gets a fifth of them)
+        # Four burners a CPU: the victim's kernel gets a fifth of the host.
+        assert all(c > 0 for c in _burn(mallory, min(4 * CPUS, 256)))
         wait_for(lambda: _tree_cpu(attacker) - before > 0.5, 20, "the burners to burn")
 
         outcome: list[BaseException | float] = []
