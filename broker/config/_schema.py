@@ -250,6 +250,13 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lone_kernel_seconds: Annotated[float, Meta(ge=0, description=(
         "The same limit for a tenant that nobody waits for; 0: a lone tenant may run kernels of any "
         "length."))] = 0.0
+    max_cpu_seconds_outside_turns: Annotated[float, Meta(ge=0, description=(
+        "Host CPU-seconds a worker may use outside its tenant's device turns within "
+        "cpu_outside_turns_window_seconds: threads or processes a kernel left running, beyond a CPU while the "
+        "worker serves a request (a compile). Past it the worker is killed (RESOURCE_EXHAUSTED, its tenant's "
+        "failure). Such CPU is charged to the tenant's fair share either way. 0: no limit."))] = 10.0
+    cpu_outside_turns_window_seconds: Annotated[float, Meta(gt=0, description=(
+        "The window of max_cpu_seconds_outside_turns."))] = 60.0
     tenant_crash_budget: Annotated[int, Meta(ge=0, description=(
         "A tenant whose workers die this often within the window (its kernels, its compiles) gets UNAVAILABLE "
         "with a retry hint for new sessions until a window passes; never counted against device health; "

@@ -12,6 +12,13 @@ over (its calls in flight and its leases done, its fence back) within ``max_hold
 or ``on_overrun`` is called for it (the front kills its worker, whose calls then fail and whose fence ends, so
 the waiting tenants go on). A holder nobody waits for is limited by ``lone_hold`` (0: never) past its periodic
 accounting fence. The limits are read off the scheduler's clock, so tests can drive them on a virtual one.
+
+The limits count what the holder consumed, not how long others made it take. With a ``hold_meter`` (a CPU device,
+where the device is the host's CPUs: workers/_cpu.py states the rule), a hold longer than ``meter_after`` is
+measured from then on, and the holder is over its limit only once its consumption (the unmetered start counted
+as wall time) reaches it; its charge for the slice is that consumption where it is less than the fence's. Without
+a meter (CUDA: the device is the holder's alone), a hold's wall time is its device time. A holder whose worker
+dies is still charged its hold.
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ log = logging.getLogger("gpubroker.scheduler")
 Fence = Callable[[str], Awaitable[float]]
 # Called with the tenant whose device work overran the time limit and a message naming the limit.
 Overrun = Callable[[str, str], None]
+# Starts measuring what a tenant's worker consumes of the device: the callable it returns gives the device seconds
+# consumed since (None: no meter for this tenant's worker, its hold's wall time is its device time).
+HoldMeter = Callable[[str], Callable[[], float] | None]
 
 
 @dataclass
@@ -45,6 +55,9 @@ class TenantUsage:
     queued: int = 0
     inflight: int = 0
     last_release: float | None = None
+    # Device seconds charged for CPU its worker used outside its turns (threads a kernel left running, compiles).
+    outside_seconds: float = 0.0
+    held: float = 0.0  # wall seconds it held the device, in slices already ended
 
     def wait_percentile(self, q: float) -> float:
         if not self.waits:
@@ -57,7 +70,8 @@ class DeviceScheduler:
     def __init__(self, fence: Fence, quantum: float = 0.005, enabled: bool = True,
                  clock: Callable[[], float] = time.monotonic, accounting_period: float = 1.0,
                  idle_grace: float | None = None, min_slice: float = 0.001, max_hold: float = 0.0,
-                 lone_hold: float = 0.0, on_overrun: Overrun | None = None) -> None:
+                 lone_hold: float = 0.0, on_overrun: Overrun | None = None, hold_meter: HoldMeter | None = None,
+                 meter_after: float = 0.05, fence_idle: bool = False) -> None:
         self.quantum = quantum
         # The kernel time limits (0: none): while others wait, and for a lone holder.
         self.max_hold = max_hold
@@ -67,6 +81,22 @@ class DeviceScheduler:
         self._overran: int | None = None  # the slice whose holder was reported for overrunning
         self._watchdog: asyncio.TimerHandle | None = None
         self._watchdog_at = 0.0
+        # The slice's consumption meter: started ``meter_after`` into a slice (slices are mostly far shorter, and a
+        # reading costs /proc reads), with the clock when it started; and the meter's value when the current limit
+        # began (its contention), if the meter was running by then.
+        self._hold_meter = hold_meter
+        self.meter_after = meter_after
+        self._meter: Callable[[], float] | None = None
+        self._meter_at = 0.0
+        self._meter_timer: asyncio.TimerHandle | None = None
+        self._meter_base: tuple[float, float] | None = None
+        # With ``fence_idle``, a lone holder that goes idle is fenced an accounting period into its slice and
+        # gives the device up (unless it comes back within its grace): its hold ends when its work does.
+        self.fence_idle = fence_idle
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_timer_gen = 0
+        # (slice, limit start, when to look again): a limit already measured and found not yet reached.
+        self._measured: tuple[int, float, float] | None = None
         # Slices shorter than this are never cut short: each switch costs a fence.
         self.min_slice = min_slice
         # How long a holder with nothing in flight keeps its slice for its next command: a client's next call
@@ -154,6 +184,7 @@ class DeviceScheduler:
             if self.holder is None:
                 self.holder, self.slice_start, self.contended_since = tenant, now, None
                 self._slice_gen += 1
+                self._new_slice()
                 self.check_overrun()
             if (self.holder == tenant and not (self._others_waiting(tenant) and self._slice_over())
                     and not self._accounting_due()):
@@ -163,6 +194,8 @@ class DeviceScheduler:
                 return
         if self.holder not in (None, tenant) and self.contended_since is None:
             self.contended_since = now
+            if self._meter is not None:  # the limit starts now: what the holder consumed so far is not in it
+                self._meter_base = (now, self._meter())
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(tenant, deque()).append(fut)
         use.queued += 1
@@ -224,6 +257,18 @@ class DeviceScheduler:
                     self._grace_timer = asyncio.get_running_loop().call_later(wait, self._grace_over)
         elif elapsed >= self.accounting_period:
             self._start_switch(holder)
+        elif self.fence_idle and (self._idle_timer is None or self._idle_timer_gen != self._slice_gen):
+            # An idle lone holder's slice ends too (fenced: its queued work done) an accounting period in, so
+            # the time it is taken to hold the device, when its worker's CPU is its device work, ends with it.
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+            self._idle_timer_gen = self._slice_gen
+            self._idle_timer = asyncio.get_running_loop().call_later(self.accounting_period - elapsed,
+                                                                     self._idle_timer_over)
+
+    def _idle_timer_over(self) -> None:
+        self._idle_timer = None
+        self._maybe_switch()
 
     def _check_leases(self, holder: str) -> None:
         """When the holder's only work in flight is leases: preempt them if its turn is up, else look again then."""
@@ -299,11 +344,21 @@ class DeviceScheduler:
                 gen = self._slice_gen
                 try:
                     seconds = await self._fence(old)
-                except Exception as exc:  # a dead worker: charge nothing, move on
+                except Exception as exc:  # a dead worker: its hold was still its own, charged as consumed
                     log.info("fence for tenant %s failed: %s", old, exc)
-                    # ... unless it was killed for holding the device: that hold was its own, at others' cost.
-                    seconds, contended = 0.0, (self._clock() - held_since if self._overran == gen else 0.0)
+                    # (until its last call ended, which its death ended: not the grace the scheduler gave it)
+                    last = self._use(old).last_release
+                    until = last if last is not None and last >= self.slice_start else self._clock()
+                    seconds = min(self._consumed(self.slice_start), until - self.slice_start)
+                    if self._overran == gen:  # killed for holding the device: that hold was at others' cost
+                        contended = self._clock() - held_since
+                else:
+                    if self._meter is not None:  # the fence's figure is wall time, slowdowns included
+                        seconds = min(seconds, self._consumed(self.slice_start))
+                if self._meter is not None:
+                    contended = min(contended, self._consumed(held_since))
                 self._charge(old, seconds, max(seconds, contended))
+                self._use(old).held += self._clock() - self.slice_start
             waiting = [t for t, q in self._waiters.items() if q]
             # After the old holder's charge, so newcomers start level with it and with those waiting.
             self.policy.apply_lifts([*waiting, *([old] if old is not None else [])])
@@ -317,6 +372,7 @@ class DeviceScheduler:
             self.slice_start = self._clock()
             self.contended_since = self.slice_start if any(t != self.holder for t in waiting) else None
             self._slice_gen += 1
+            self._new_slice()
         finally:
             self._switching = None
         self.check_overrun()
@@ -337,29 +393,90 @@ class DeviceScheduler:
         """When the current slice began to cost others the device (its start, if nobody has waited yet)."""
         return self.slice_start if self.contended_since is None else max(self.contended_since, self.slice_start)
 
-    def _hold_deadline(self) -> tuple[float, str] | None:
-        """When the holder's device work overruns its limit, and the message saying which; None: no limit."""
+    def _hold_deadline(self) -> tuple[float, float, str] | None:
+        """When the holder's limit began, how long it is, and the message saying which; None: no limit."""
         holder = self.holder
         if holder is None:
             return None
         if self.contended_since is not None and self._others_waiting(holder):
             if self.max_hold <= 0:
                 return None
-            return (self._contended_start() + self.max_hold,
+            return (self._contended_start(), self.max_hold,
                     f"device work held the device past max_kernel_seconds = {self.max_hold:g} s while other "
                     "tenants waited; the worker was restarted")
         if self.lone_hold <= 0:
             return None
-        return (self.slice_start + self.accounting_period + self.lone_hold,
+        return (self.slice_start, self.accounting_period + self.lone_hold,
                 f"device work ran past lone_kernel_seconds = {self.lone_hold:g} s; the worker was restarted")
+
+    # -- what a hold consumed ---------------------------------------------------------------------------
+    def _new_slice(self) -> None:
+        """A slice began (holder, slice_start and _slice_gen are set): the last one's meter goes, this one's
+        starts ``meter_after`` from now if the slice lasts that long."""
+        self._meter = self._meter_base = None
+        if self._meter_timer is not None:
+            self._meter_timer.cancel()
+            self._meter_timer = None
+        if self._hold_meter is not None and self.holder is not None:
+            self._meter_timer = asyncio.get_running_loop().call_later(self.meter_after, self._start_meter,
+                                                                      self._slice_gen)
+
+    def _start_meter(self, gen: int) -> None:
+        self._meter_timer = None
+        if gen != self._slice_gen or self.holder is None or self._hold_meter is None:
+            return
+        self._meter = self._hold_meter(self.holder)
+        self._meter_at = self._clock()
+
+    def _consumed(self, since: float) -> float:
+        """The device seconds the holder consumed from ``since`` (in the current slice) to now: the meter's
+        reading, with any time before the meter started counted as wall time; without a meter, the wall time."""
+        now = self._clock()
+        meter = self._meter
+        if meter is None:
+            return now - since
+        if self._meter_at >= since:
+            return self._meter_at - since + meter()
+        base = self._meter_base
+        if base is not None and base[0] == since:
+            return meter() - base[1]
+        return now - since
+
+    def held_seconds(self, tenant: str) -> float:
+        """Wall seconds the tenant has held the device, the running slice included."""
+        held = self._use(tenant).held
+        if self.holder == tenant:
+            held += max(0.0, self._clock() - self.slice_start)
+        return held
+
+    def charge_outside(self, tenant: str, device_seconds: float) -> None:
+        """Charge the tenant for host CPU its worker used outside its turns, in device seconds (on a CPU device that
+        CPU is the device; on any device it is taken from the other tenants' workers): its fair-queuing clock, and
+        its usage (``device_seconds``, its share)."""
+        if device_seconds <= 0:
+            return
+        self._use(tenant).outside_seconds += device_seconds
+        self._charge(tenant, device_seconds, device_seconds)  # (its usage and share show it too)
 
     def check_overrun(self) -> None:
         """Report a holder past its limit (once per slice), else arm a timer for when it would be."""
         found = self._hold_deadline()
         if found is None or self._overran == self._slice_gen:
             return
-        deadline, message = found
+        start, length, message = found
+        deadline = start + length
+        measured = self._measured
+        if measured is not None and measured[:2] == (self._slice_gen, start):
+            deadline = max(deadline, measured[2])
         now = self._clock()
+        if now >= deadline:
+            consumed = self._consumed(start)
+            if consumed < length:
+                # Others slowed it: its own consumption is still under the limit. Look again when it could reach it.
+                log.info("tenant %s: %.2f s of its own device time in %.2f s of its hold (others slowed it), "
+                         "under its limit of %g s", self.holder, consumed, now - start, length)
+                deadline = now + max(length - consumed, self.meter_after)
+                self._measured = (self._slice_gen, start, deadline)
         if now >= deadline:
             self._overran = self._slice_gen
             holder = self.holder

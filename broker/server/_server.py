@@ -15,11 +15,19 @@ import socket
 import stat
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 
-from gpubroker.client import DeadlineExceeded, DeviceInfo, FailedPrecondition, InvalidArgument
+from gpubroker.client import (
+    DeadlineExceeded,
+    DeviceInfo,
+    FailedPrecondition,
+    GpuBrokerError,
+    InvalidArgument,
+    Unavailable,
+)
 from gpubroker.v1 import admin_pb2 as apb
 from gpubroker.v1 import admin_pb2_grpc as apb_grpc
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
@@ -31,8 +39,10 @@ from ..sandbox import SandboxUnavailable, WorkerSandbox, cache_key
 from ..scheduler import DeviceScheduler
 from ..sessions import SessionManager
 from ..workers import WorkerClient, WorkerPool, device_info_from_dict
+from ..workers._cpu import cpu_count, hold_seconds
 from . import _systemd
 from ._admin import AdminService
+from ._cpuwatch import CpuWatch
 from ._credentials import link_tls, tcp_credentials
 from ._grpc_peers import GrpcPeerCensus
 from ._health import BrokerHealth
@@ -155,6 +165,9 @@ class Broker:
         self.census: GrpcPeerCensus | None = None
         self._removing = asyncio.Lock()  # deletions of stale compile caches, one at a time
         self._removals: set[asyncio.Task[None]] = set()
+        self.cpu_watch: CpuWatch | None = None
+        self._units: dict[int, int] = {}  # by device: its compute units (a CPU device's share of the host)
+        self._ncpu = 1
 
     async def start(self) -> None:
         cfg = self.config
@@ -189,11 +202,30 @@ class Broker:
         # Clients number the devices as this broker serves them: 0, 1, ... in the config's order.
         devices = [dataclasses.replace(d, id=i) for i, d in enumerate(devices)]
         self.sessions = SessionManager(cfg, self.pool, self.health, devices)
+        # On a CPU device (OpenCL here means PoCL's) the device is the host's CPUs: a hold's device time is what
+        # the holder's worker consumed of them (workers/_cpu.py), so a tenant slowed by others' CPU use is neither
+        # timed out nor charged for it. On a GPU, a hold's wall time is its device time (the device is the
+        # holder's alone), and the fence's figure its charge. An idle holder is fenced and gives the device up an
+        # accounting period in (fence_idle): the time it counts as holding ends with its work (the CPU watch).
+        cpu_device = backend == "opencl"
+        self._ncpu = cpu_count()
+        self._units = {d: max(1, min(info.multiprocessor_count, self._ncpu)) for d, info in enumerate(devices)}
         self.schedulers = {
             d: DeviceScheduler(functools.partial(self._fence, d), quantum=cfg.quantum_ms / 1000,
                                enabled=cfg.fair_scheduling, max_hold=cfg.max_kernel_seconds,
-                               lone_hold=cfg.lone_kernel_seconds, on_overrun=functools.partial(self._overrun, d))
+                               lone_hold=cfg.lone_kernel_seconds, on_overrun=functools.partial(self._overrun, d),
+                               hold_meter=functools.partial(self._hold_meter, d) if cpu_device else None,
+                               fence_idle=True)
             for d in range(len(devices))}
+        # CPU the workers use outside their turns: while holding, a CPU device's worker may use all its compute
+        # units and a GPU's one CPU; on the fair clock, a device second is that many CPU-seconds (a GPU's: the
+        # host's CPUs, which such CPU is taken from).
+        self.cpu_watch = CpuWatch(
+            self.pool, self.schedulers,
+            hold_cpus={d: float(u) if cpu_device else 1.0 for d, u in self._units.items()},
+            charge_cpus={d: float(u) if cpu_device else float(self._ncpu) for d, u in self._units.items()},
+            limit=cfg.max_cpu_seconds_outside_turns, window=cfg.cpu_outside_turns_window_seconds,
+            kill=self._kill_for)
         self._apply_weights()
         self.auth = Authenticator(cfg)
         self.service = service = GpuBrokerService(cfg, self.auth, self.sessions, devices, self.schedulers)
@@ -272,6 +304,7 @@ class Broker:
         if cfg.metrics_listen:
             self.metrics = serve_metrics(cfg.metrics_listen, self.sessions, self.schedulers, self.pool)
         self.sessions.start()
+        self.cpu_watch.start()
         log.info("serving on %s", ", ".join(self.ports))
         if cfg.vsock_port:
             # grpcio cannot listen on vsock: relay VM connections to our Unix socket, whose local credentials
@@ -320,13 +353,39 @@ class Broker:
 
     def _overrun(self, device: int, tenant: str, message: str) -> None:
         """The tenant's device work overran the kernel time limit: kill its worker (its calls get ``message``)."""
-        pool = self.pool
-        worker = pool.live(tenant, device) if pool is not None else None
-        if pool is None or worker is None:
+        worker = self.pool.live(tenant, device) if self.pool is not None else None
+        if worker is not None:
+            self._kill_for(worker, DeadlineExceeded(message))
+
+    def _kill_for(self, worker: WorkerClient, fault: GpuBrokerError) -> None:
+        """Kill a worker for its tenant's doing; its calls fail with ``fault``, its death is its tenant's failure."""
+        if self.pool is None or not worker.alive:
             return
-        task = asyncio.get_running_loop().create_task(pool.restart(worker, DeadlineExceeded(message)))
+        task = asyncio.get_running_loop().create_task(self.pool.restart(worker, fault))
         self._kills.add(task)
         task.add_done_callback(self._kills.discard)
+
+    def _hold_meter(self, device: int, tenant: str) -> Callable[[], float] | None:
+        """Start measuring the device seconds the tenant's worker consumes of a CPU device (workers/_cpu.py)."""
+        worker = self.pool.live(tenant, device) if self.pool is not None else None
+        cpu = worker.cpu if worker is not None else None
+        if worker is None or cpu is None:
+            return None
+        units, ncpu = self._units[device], self._ncpu
+        try:
+            start = cpu.read(time.monotonic())
+        except OSError:
+            return None
+        last = 0.0
+
+        def consumed() -> float:
+            nonlocal last
+            if worker.alive:  # (once it is gone, what it consumed until its last reading)
+                with contextlib.suppress(OSError):
+                    last = hold_seconds(start, cpu.read(time.monotonic()), units, ncpu)
+            return last
+
+        return consumed
 
     async def drain(self, grace: float | None) -> float | None:
         """Refuse new sessions from now on (health NOT_SERVING); with a grace, end the sessions left after it.
@@ -382,8 +441,8 @@ class Broker:
     async def _fence(self, device: int, tenant: str) -> float:
         """Wait for the tenant's queued work on the device and return the device seconds it used."""
         worker = self.pool.live(tenant, device) if self.pool is not None else None
-        if worker is None:
-            return 0.0
+        if worker is None:  # (the scheduler charges the hold all the same)
+            raise Unavailable(f"tenant {tenant}'s worker on device {device} is gone")
         return await worker.take_device_time()  # checked: finite, >= 0, within the wall time
 
     def _apply_weights(self) -> None:
@@ -434,6 +493,8 @@ class Broker:
             # After the server's grace period, so VM clients get it too; what is left of theirs ends here.
             self.relay.close()
             await self.relay.wait_closed()
+        if self.cpu_watch is not None:
+            await self.cpu_watch.stop()
         if self.sessions is not None:
             await self.sessions.stop()
         if self.pool is not None:

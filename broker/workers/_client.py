@@ -31,6 +31,7 @@ from gpubroker.client._protocol import Ack, Batch, DeviceInfoQuery
 
 from ..sandbox import Launch, WorkerSandbox
 from ..sandbox._launch import EXIT_SETUP_FAILED
+from ._cpu import WorkerCpu
 from ._frames import MAX_FRAME, FrameClosed, FrameRefused, read_reply, write_frame_async
 from ._links import CONTROL  # the request id of lease messages, both ways
 from ._output import WorkerOutput
@@ -156,6 +157,12 @@ class WorkerClient:
         # Carries file descriptors (shared-memory segments) to the worker, apart from the request stream, whose
         # asyncio transport cannot send SCM_RIGHTS.
         self._fd_sock: socket.socket | None = None
+        # The worker's process tree, for what it consumes of the host's CPUs (its tenant's limits and charges).
+        self.cpu: WorkerCpu | None = None
+        # Wall time with a request of the front's in flight (a compile uses a CPU outside the device turns).
+        self._calls_in_flight = 0
+        self._busy_since = 0.0
+        self._busy_total = 0.0
 
     @property
     def alive(self) -> bool:
@@ -194,6 +201,7 @@ class WorkerClient:
                 self.process = subprocess.Popen(self._launch.argv, env=self._launch.env, pass_fds=fds,
                                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                                 stderr=subprocess.PIPE)
+                self.cpu = WorkerCpu(self.process.pid)
                 self.output.pid = self.process.pid
                 assert self.process.stdout is not None and self.process.stderr is not None
                 await self.output.attach(self.process.stdout, self.process.stderr)
@@ -288,11 +296,26 @@ class WorkerClient:
             self._pending.pop(req_id, None)
             await self._died()
             raise self.death_error() from None
+        self._busy(1)
         try:
             return await fut
         finally:
+            self._busy(-1)
             if self._pending.pop(req_id, None) is not None and self.death is None:
                 self._abandon(req_id)  # the caller gave up: its reply, when it comes, is moot but honest
+
+    def _busy(self, change: int) -> None:
+        now = time.monotonic()
+        if self._calls_in_flight > 0:
+            self._busy_total += now - self._busy_since
+        self._busy_since = now
+        self._calls_in_flight += change
+
+    def busy_seconds(self) -> float:
+        """Wall seconds during which the worker had at least one of the front's requests to serve."""
+        if self._calls_in_flight > 0:
+            return self._busy_total + time.monotonic() - self._busy_since
+        return self._busy_total
 
     def _abandon(self, req_id: int) -> None:
         self._abandoned[req_id] = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 import pytest
 
@@ -437,3 +438,93 @@ def test_a_worker_that_keeps_its_leased_turn_past_the_limit_is_killed() -> None:
         assert "max_kernel_seconds = 1 s" in dev.killed["a"]
 
     asyncio.run(scenario())
+
+
+def _metered(loop: asyncio.AbstractEventLoop, rates: dict[str, float]) -> Callable[[str], Callable[[], float] | None]:
+    """A hold meter whose holder consumes the device at ``rates[tenant]`` device seconds per second (1: alone;
+    below 1: slowed by others' use of a CPU device); None (wall time) for a tenant without a rate."""
+
+    def start(tenant: str) -> Callable[[], float] | None:
+        if tenant not in rates:
+            return None
+        began = loop.time()
+        return lambda: (loop.time() - began) * rates[tenant]
+
+    return start
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.25])
+def test_the_limit_counts_the_holders_own_consumption_not_its_slowdown(rate: float) -> None:
+    """A holder slowed by others (a quarter of the device: rate 0.25) reaches its limit four times later in wall time
+    and is charged what it consumed, not the wall time others made it take."""
+
+    async def scenario() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        dev = StuckDevice()
+
+        async def fence(tenant: str) -> float:  # (a killed worker's fence fails, as the front's does)
+            if tenant in dev.killed:
+                raise RuntimeError("the worker is gone")
+            return await dev.fence(tenant)
+
+        sched = DeviceScheduler(fence, quantum=0.005, clock=loop.time, max_hold=0.2, meter_after=0.02,
+                                hold_meter=_metered(loop, {"a": rate}), on_overrun=dev.kill)
+        hung = dev.hang("a")
+
+        async def holder() -> None:
+            async with sched.turn("a"):
+                with contextlib.suppress(RuntimeError):
+                    await hung
+
+        a = asyncio.ensure_future(holder())
+        await asyncio.sleep(0.05)  # (the meter starts 20 ms into the slice)
+        start = loop.time()
+        async with sched.turn("b"):
+            waited = loop.time() - start
+        await a
+        assert list(dev.killed) == ["a"]
+        return waited, sched.usage["a"].device_seconds
+
+    waited, charged = asyncio.run(scenario())
+    assert 0.2 / rate <= waited < 0.2 / rate + 0.5, waited
+    # (killed: its hold is charged though its worker died; what it consumed, at its rate, since the slice began)
+    assert charged == pytest.approx(0.02 + rate * (0.05 + waited - 0.02), abs=0.05), (charged, waited)
+
+
+def test_a_dead_workers_hold_is_charged() -> None:
+    async def scenario() -> float:
+        loop = asyncio.get_running_loop()
+
+        async def fence(tenant: str) -> float:
+            if tenant == "a":
+                raise RuntimeError("the worker is gone")
+            return 0.0
+
+        sched = DeviceScheduler(fence, quantum=0.005, clock=loop.time)
+        async with sched.turn("a"):
+            await asyncio.sleep(0.1)  # its kernel ran 0.1 s, then its worker died
+        async with sched.turn("b"):
+            pass
+        return sched.usage["a"].device_seconds
+
+    assert asyncio.run(scenario()) == pytest.approx(0.1, abs=0.05)
+
+
+def test_an_idle_lone_holder_is_fenced_and_gives_the_device_up() -> None:
+    """With fence_idle, a lone holder's hold ends (fenced) an accounting period after its last work: the time it
+    counts as holding the device, when its worker's CPU is device work, ends with its work."""
+
+    async def scenario() -> tuple[str | None, float, int]:
+        loop = asyncio.get_running_loop()
+        dev = Device()
+        sched = DeviceScheduler(dev.fence, quantum=0.005, clock=loop.time, accounting_period=0.1, fence_idle=True)
+        async with sched.turn("a"):
+            pass
+        await asyncio.sleep(0.3)
+        held = sched.held_seconds("a")
+        await asyncio.sleep(0.2)
+        assert sched.held_seconds("a") == held  # no longer holding: its held time stopped
+        return sched.holder, held, dev.fences
+
+    holder, held, fences = asyncio.run(scenario())
+    assert holder is None and fences == 1 and 0.1 <= held < 0.25, (holder, held, fences)
