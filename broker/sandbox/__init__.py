@@ -60,8 +60,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Launch", "SandboxUnavailable", "WorkerCgroups", "WorkerSandbox", "cache_key", "default_cache_dir",
-           "set_dumpable"]
+__all__ = ["EXIT_SETUP_FAILED", "Launch", "SandboxUnavailable", "WorkerCgroups", "WorkerSandbox",
+           "cache_key", "default_cache_dir", "set_dumpable"]
 
 
 def set_dumpable(dumpable: bool) -> None:
@@ -78,6 +78,10 @@ def __getattr__(name: str) -> Any:
         from . import _policy
 
         return getattr(_policy, name)
+    if name == "EXIT_SETUP_FAILED":
+        from ._launch import EXIT_SETUP_FAILED
+
+        return EXIT_SETUP_FAILED
     if name == "WorkerCgroups":
         from ._cgroup import WorkerCgroups
 

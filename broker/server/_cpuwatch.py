@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 from gpubroker.client import GpuBrokerError, ResourceExhausted
 
 from ..scheduler import DeviceScheduler
-from ..workers import WorkerClient, WorkerPool
-from ..workers._cpu import CpuReading, scan_children
+from ..workers import CpuReading, WorkerClient, WorkerPool, scan_children
 
 __all__ = ["CpuWatch"]
 

@@ -38,8 +38,7 @@ from ..relay import RelayServer, serve_relay, vsock_listener
 from ..sandbox import SandboxUnavailable, WorkerSandbox, cache_key
 from ..scheduler import DeviceScheduler
 from ..sessions import SessionManager
-from ..workers import WorkerClient, WorkerPool, device_info_from_dict
-from ..workers._cpu import cpu_count, hold_seconds
+from ..workers import WorkerClient, WorkerPool, cpu_count, device_info_from_dict, hold_seconds
 from . import _systemd
 from ._admin import AdminService
 from ._cpuwatch import CpuWatch

@@ -1,6 +1,8 @@
 """Per-tenant worker processes: each owns one device context and talks to the front over a socketpair."""
 
 from ._client import WorkerClient, device_info_from_dict
+from ._cpu import CpuReading, cpu_count, hold_seconds, scan_children
 from ._pool import WorkerPool
 
-__all__ = ["WorkerClient", "WorkerPool", "device_info_from_dict"]
+__all__ = ["CpuReading", "WorkerClient", "WorkerPool", "cpu_count", "device_info_from_dict", "hold_seconds",
+           "scan_children"]

@@ -29,8 +29,7 @@ from gpubroker.client import (
 )
 from gpubroker.client._protocol import Ack, Batch, DeviceInfoQuery
 
-from ..sandbox import Launch, WorkerSandbox
-from ..sandbox._launch import EXIT_SETUP_FAILED
+from ..sandbox import EXIT_SETUP_FAILED, Launch, WorkerSandbox
 from ._cpu import WorkerCpu
 from ._frames import MAX_FRAME, FrameClosed, FrameRefused, read_reply, write_frame_async
 from ._links import CONTROL  # the request id of lease messages, both ways
