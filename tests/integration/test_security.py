@@ -36,7 +36,7 @@ from ..conftest import worker_pids
 from ..helpers import wait_for
 
 LIMITS = {"lease_seconds": 30.0, "max_sessions_per_tenant": 3, "max_handles_per_session": 8,
-          "max_concurrent_rpcs_per_session": 1, "max_module_bytes": 64 * 1024, "compile_timeout_seconds": 1.5}
+          "max_concurrent_rpcs_per_session": 2, "max_module_bytes": 64 * 1024, "compile_timeout_seconds": 1.5}
 
 
 @pytest.fixture
@@ -158,7 +158,8 @@ def test_concurrent_rpcs_per_session(guarded: BrokerProcess) -> None:
     with connect(guarded.target, token=guarded.tokens["bob"], transport="grpc") as bob:
         size = 32 << 20
         buf = bob.allocate_memory(size)
-        # Hold one call open: a device-to-host stream we read one chunk of, then leave (flow control stalls it).
+        # The session's Commands stream (its allocate above) holds one of its two calls, like every call. Hold the
+        # other open: a device-to-host stream we read one chunk of, then leave (flow control stalls it).
         stream = bob._stub.CopyDeviceToHost(pb.CopyDeviceToHostRequest(session=bob.session, buffer=pb.BufferRef(
             handle=buf.handle), size=size), metadata=bob._metadata)
         next(stream)
