@@ -312,6 +312,26 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     metrics_listen: Annotated[str, Meta(description=(
         "Serve Prometheus metrics at http://HOST:PORT/metrics (unauthenticated: keep it on loopback or a "
         "monitoring network); empty: off."))] = ""
+    max_metrics_connections: Annotated[int, Meta(ge=1, description=(
+        "Connections the metrics endpoint holds at once (it serves them on the broker's event loop, no thread "
+        "each); more are closed as they are accepted, and counted in gpubroker_endpoint_refusals."))] = 16
+    max_metrics_connections_per_peer: Annotated[int, Meta(ge=1, description=(
+        "The same, per peer address: one peer's flood leaves the rest to Prometheus."))] = 4
+    metrics_request_timeout_seconds: Annotated[float, Meta(gt=0, description=(
+        "A metrics connection must send its whole request (at most 8 KiB of request line and headers) within "
+        "this, and take its answer within this again; else it is closed."))] = 5.0
+    metrics_refresh_seconds: Annotated[float, Meta(ge=0, description=(
+        "The metrics figures are taken (a usage round trip to every worker with sessions) at most once per this "
+        "interval: a scrape always gets figures taken after it arrived, and scrapes that come sooner wait for the "
+        "next refresh and share it, so a scrape flood costs the workers and the event loop one refresh per "
+        "interval."))] = 1.0
+    max_health_streams: Annotated[int, Meta(ge=1, description=(
+        "gRPC health Watch and server-reflection streams (both are served without a token and stay open until "
+        "the peer ends them) open at once, in all; more are refused with RESOURCE_EXHAUSTED. Health Check, what "
+        "probes and load balancers call, is not limited."))] = 64
+    max_health_streams_per_peer: Annotated[int, Meta(ge=1, description=(
+        "The same, per peer: an address on TCP; every local peer of a Unix socket counts as one (gRPC does not "
+        "say which uid a call came from)."))] = 16
     log_format: Annotated[Literal["text", "json"], Meta(description=(
         "Log lines as text, or as JSON objects carrying the tenant, session and method when known."))] = "text"
 

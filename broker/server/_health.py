@@ -16,29 +16,33 @@ not serving refuses new sessions with UNAVAILABLE and a retry hint; sessions alr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from gpubroker.client import DeviceInfo, Unavailable
 from gpubroker.v1 import admin_pb2 as apb
 from gpubroker.v1 import broker_pb2 as pb
 
+from ..auth import RateLimitedLog
 from ..config import BrokerConfig
 from ..workers import WorkerClient
+from ._metrics import HEALTH_REASONS
 
 __all__ = ["APPLICATION_XIDS", "BROKER_SERVICE", "BrokerHealth", "device_service"]
 
 log = logging.getLogger("gpubroker.health")
+audit = logging.getLogger("gpubroker.audit")
 
 BROKER_SERVICE = pb.DESCRIPTOR.services_by_name["GpuBroker"].full_name
 _ADMIN_SERVICE = apb.DESCRIPTOR.services_by_name["Admin"].full_name
@@ -69,7 +73,11 @@ class BrokerHealth:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.devices = devices
-        self.servicer = health.aio.HealthServicer()
+        # Watch and reflection streams are served without a token and live until the peer ends them: both
+        # count against max_health_streams (and per peer), refused with RESOURCE_EXHAUSTED past it.
+        self.streams = StreamLimiter(config)
+        self.refusals = self.streams.refusals  # (endpoint, reason) -> count: gpubroker_endpoint_refusals
+        self.servicer = _BoundedHealthServicer(self.streams)
         self.draining = False
         self.drain_deadline: float | None = None  # when the drain ends the sessions left (clock time)
         self._clock = clock
@@ -84,8 +92,9 @@ class BrokerHealth:
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Health and reflection (so `grpcurl` can list and call the API); neither needs a token."""
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
-        reflection.enable_server_reflection(
-            [BROKER_SERVICE, _ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        reflector = _BoundedReflectionServicer(
+            [BROKER_SERVICE, _ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.streams)
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflector, server)  # type: ignore[no-untyped-call]
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -222,6 +231,88 @@ class BrokerHealth:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _peer_host(peer: str) -> str:
+    """The peer of a gRPC call without its port: "ipv4:10.0.0.1:5000" -> "10.0.0.1"; "unix:..." -> "unix" (gRPC
+    names no uid for a Unix socket's peer: every local peer shares one count)."""
+    kind, _sep, address = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        host = address.rsplit(":", 1)[0].strip("[]")
+        return host.removeprefix("::ffff:")
+    return kind or "unknown"
+
+
+class StreamLimiter:
+    """Counts the open unauthenticated streams (health Watch, reflection), in all and per peer."""
+
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        self.open = 0
+        self.by_peer: dict[str, int] = {}
+        self.refusals: dict[tuple[str, str], int] = {}
+        for reason in HEALTH_REASONS:
+            self.refusals[("health", reason)] = 0
+        self._log = RateLimitedLog(audit)
+
+    @contextlib.asynccontextmanager
+    async def slot(self, context: grpc.aio.ServicerContext[Any, Any], what: str) -> AsyncIterator[None]:
+        """Hold one stream slot for the ``with`` body; abort the call with RESOURCE_EXHAUSTED when none is free."""
+        peer = _peer_host(context.peer())
+        total, per_peer = self.config.max_health_streams, self.config.max_health_streams_per_peer
+        refusal = None
+        if self.open >= total:
+            refusal = ("streams", f"{self.open} {what} streams open, max_health_streams is {total}")
+        elif self.by_peer.get(peer, 0) >= per_peer:
+            refusal = ("peer streams", f"this peer has {self.by_peer[peer]} {what} streams open, "
+                       f"max_health_streams_per_peer is {per_peer}")
+        if refusal is not None:
+            reason, detail = refusal
+            self.refusals[("health", reason)] += 1
+            self._log.warning(f"health {reason}", "action=refuse-stream listener=grpc method=%s peer=%s reason=%s",
+                              what, peer, detail)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"too many open streams: {detail}; end one (Check needs no stream) or retry later")
+        self.open += 1
+        self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
+        try:
+            yield
+        finally:
+            self.open -= 1
+            self.by_peer[peer] -= 1
+            if not self.by_peer[peer]:
+                del self.by_peer[peer]
+
+
+class _BoundedHealthServicer(health.aio.HealthServicer):  # type: ignore[misc]
+    """grpc.health.v1 with Watch streams bounded by a ``StreamLimiter`` (Check is one cheap unary call)."""
+
+    def __init__(self, streams: StreamLimiter) -> None:
+        super().__init__()
+        self._streams = streams
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest,
+                    context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        async with self._streams.slot(context, "Watch"):
+            await super().Watch(request, context)
+
+
+class _BoundedReflectionServicer(reflection.aio.ReflectionServicer):
+    """Server reflection with its streams bounded by the same ``StreamLimiter``: they too stay open for good."""
+
+    def __init__(self, service_names: list[str], streams: StreamLimiter) -> None:
+        super().__init__(service_names)
+        self._streams = streams
+
+    async def ServerReflectionInfo(  # type: ignore[override]
+            self, request_iterator: AsyncIterable[reflection_pb2.ServerReflectionRequest],
+            context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[reflection_pb2.ServerReflectionResponse]:
+        async with self._streams.slot(context, "ServerReflectionInfo"):
+            # (an async generator, though its stub says a coroutine that returns an AsyncIterable)
+            responses = cast(AsyncIterable[reflection_pb2.ServerReflectionResponse],
+                             super().ServerReflectionInfo(request_iterator, context))
+            async for response in responses:
+                yield response
 
 
 class _XidWatcher:

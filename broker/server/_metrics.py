@@ -2,38 +2,44 @@
 
 The tenant figures are read from the live sessions, schedulers and worker pool at scrape time, on the broker's
 event loop (they are only ever changed there), so a scrape sees one consistent moment and costs nothing between
-scrapes. The endpoint is served by prometheus_client's HTTP thread on its own registry.
+scrapes. The endpoint is a small HTTP/1.1 server on the same event loop (``MetricsServer``): unauthenticated by
+design, so bounded in connections, time, request size and refreshes (no thread per connection, no refresh per
+scrape), on a registry of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gzip
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Reversible
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, TypeVar
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from gpubroker.client import FailedPrecondition, InvalidArgument
 
+from ..auth import RateLimitedLog
 from ..config import split_host_port
 from ..scheduler import DeviceScheduler
 from ..sessions import SessionManager
 from ..workers import WorkerPool
 
 __all__ = ["METRICS", "RPC_BUCKETS", "RPC_DURATION", "RPC_METRIC", "SHARE_WINDOW_SECONDS", "BrokerCollector",
-           "MetricSpec", "MetricsServer", "observe_rpc", "serve_metrics"]
+           "MetricSpec", "MetricsLimits", "MetricsServer", "observe_rpc", "serve_metrics"]
 
 log = logging.getLogger("gpubroker.metrics")
+audit = logging.getLogger("gpubroker.audit")
 T = TypeVar("T")
 
 SHARE_WINDOW_SECONDS = 10.0  # gpubroker_device_share covers this much recent device time
-_SNAPSHOT_TIMEOUT = 5.0  # a scrape fails (so Prometheus sees the broker down) if the event loop is stuck this long
 _QUANTILES = (0.5, 0.99)
 
 
@@ -92,9 +98,18 @@ OUTPUT_DROPPED = MetricSpec("gpubroker_worker_output_dropped_bytes", "counter", 
                             "Bytes its workers wrote on stdout and stderr that were not logged: over the per-worker "
                             "rate limit, or past the longest line kept.")
 DRAINING = MetricSpec("gpubroker_draining", "gauge", (), "1 while the broker refuses new sessions.")
+ENDPOINT_REFUSALS = MetricSpec("gpubroker_endpoint_refusals", "counter", ("endpoint", "reason"),
+                               "Connections and streams the unauthenticated endpoints refused or cut: metrics "
+                               "(over max_metrics_connections or its per-peer cap, too slow, too large or not a "
+                               "request), health (Watch and reflection streams over max_health_streams or its "
+                               "per-peer cap).")
 METRICS: tuple[MetricSpec, ...] = (MEMORY_USED, MEMORY_QUOTA, DEVICE_SECONDS, DEVICE_SHARE, SESSIONS, QUEUE_DEPTH,
                                    INFLIGHT, WORKER_UP, WORKER_RESTARTS, SCHEDULER_WAIT, SHARED_MEMORY, SHARED_LIMIT,
-                                   TENANT_CRASHES, TENANT_BACKOFF, OUTPUT_DROPPED, DRAINING)
+                                   TENANT_CRASHES, TENANT_BACKOFF, OUTPUT_DROPPED, DRAINING, ENDPOINT_REFUSALS)
+# Every (endpoint, reason) of gpubroker_endpoint_refusals, at 0 from the start (so rate() sees the first one).
+METRICS_REASONS = ("connections", "peer connections", "timeout", "bad request")
+HEALTH_REASONS = ("streams", "peer streams")
+
 
 # One histogram for the process: the RPC wrappers observe it whether or not an endpoint serves it (a few
 # microseconds against a gRPC call's hundreds), and each broker's registry exposes it.
@@ -153,11 +168,15 @@ class BrokerCollector(Collector):
     """Reads the broker's state at scrape time, on its event loop."""
 
     def __init__(self, sessions: SessionManager, schedulers: dict[int, DeviceScheduler], pool: WorkerPool,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 refusals: dict[tuple[str, str], int]) -> None:
         self.sessions = sessions
         self.schedulers = schedulers
         self.pool = pool
-        self.loop = loop
+        # What ``collect`` shows: the endpoint sets it to a fresh snapshot just before it renders a page.
+        self.current: _Snapshot | None = None
+        # Connections and streams refused by the unauthenticated endpoints, by (endpoint, reason): the metrics
+        # endpoint's own and the health service's (server/_health.py).
+        self.refusals = refusals
 
     def snapshot(self) -> _Snapshot:
         """The figures by (tenant, device); must run on the event loop."""
@@ -195,14 +214,15 @@ class BrokerCollector(Collector):
                          {t: crashes.backoff(t) or 0.0 for t in tenants},
                          {t: self.pool.output_dropped.get(t, 0) for t in sorted(known)})
 
-    async def _fresh_snapshot(self) -> _Snapshot:
+    async def fresh_snapshot(self) -> _Snapshot:
+        """Fresh figures: links allocate without the front, so the workers' memory figures first (each bounded)."""
         await self.sessions.refresh_all()
         return self.snapshot()
 
     def collect(self) -> Iterator[Metric]:
-        # Links allocate without the front: the workers' fresh memory figures first (bounded), then the snapshot.
-        snap = asyncio.run_coroutine_threadsafe(self._fresh_snapshot(), self.loop).result(_SNAPSHOT_TIMEOUT)
-
+        snap = self.current
+        if snap is None:
+            return
         def per_row(spec: MetricSpec, value: Callable[[_TenantRow], float]) -> Metric:
             metric = spec.family()
             for row in snap.rows:
@@ -243,47 +263,226 @@ class BrokerCollector(Collector):
             dropped.add_metric([tenant], nbytes)
         yield dropped
         yield DRAINING.family(value=int(snap.draining))
+        refused = ENDPOINT_REFUSALS.family()
+        for (endpoint, reason), count in sorted(self.refusals.items()):
+            refused.add_metric([endpoint, reason], count)
+        yield refused
+
+
+@dataclass
+class _Page:
+    """One refresh of the figures and the pages rendered from it (by content type and encoding), shared by every
+    scrape that waited for it."""
+
+    snapshot: _Snapshot
+    bodies: dict[tuple[str, bool], bytes] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MetricsLimits:
+    max_connections: int = 16
+    max_connections_per_peer: int = 4
+    request_timeout: float = 5.0  # for the request head, and again for taking the answer
+    refresh_interval: float = 1.0  # the figures are taken at most once per this
+
+
+def _host(address: str) -> str:
+    return address.removeprefix("::ffff:")  # (a dual-stack listener shows IPv4 peers as v4-mapped addresses)
 
 
 class MetricsServer:
-    """``/metrics`` over HTTP on a registry of this broker's own."""
+    """``/metrics`` over HTTP/1.1 on the broker's event loop, on a registry of this broker's own.
 
-    def __init__(self, collector: BrokerCollector) -> None:
+    The endpoint is unauthenticated by design, so everything it does for a peer is bounded: at most
+    ``max_connections`` connections (``max_connections_per_peer`` from one address; more are closed as they are
+    accepted), a request head of at most 8 KiB that must arrive within ``request_timeout`` (and an answer that
+    must be taken within it), one request per connection, and no thread for any of them. The figures are taken
+    at most once per ``refresh_interval``: a scrape always gets figures taken after it arrived, and every scrape
+    waiting meanwhile shares the next refresh and its rendered page, so a flood of scrapes costs the workers one
+    ``usage`` round trip per interval and the event loop little more than reading requests.
+    """
+
+    def __init__(self, collector: BrokerCollector, limits: MetricsLimits | None = None) -> None:
+        self.collector = collector
+        self.limits = limits or MetricsLimits()
         self.registry = CollectorRegistry()
         self.registry.register(collector)
         self.registry.register(RPC_DURATION)
         ProcessCollector(registry=self.registry)
         self.address = ""
-        self._httpd: WSGIServer | None = None
+        for reason in METRICS_REASONS:
+            collector.refusals.setdefault(("metrics", reason), 0)
+        self._server: asyncio.Server | None = None
+        self._open: dict[str, int] = {}  # peer -> connections held
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._refresh: asyncio.Task[_Page] | None = None
+        self._refresh_started = -math.inf  # (the event loop's clock)
+        self._refusals = RateLimitedLog(audit)
 
-    def start(self, listen: str) -> str:
+    async def start(self, listen: str) -> str:
         """Bind ``HOST:PORT`` (port 0 picks one) and return the bound address."""
         try:
             host, port = split_host_port(listen)
         except ValueError as exc:
             raise InvalidArgument(f"metrics_listen: {exc}") from None
         try:
-            httpd, _thread = start_http_server(port, host, registry=self.registry)
+            self._server = await asyncio.start_server(self._connection, host, port, limit=_MAX_HEAD)
         except OSError as exc:
             raise FailedPrecondition(f"metrics_listen {listen}: {exc.strerror or exc}") from None
-        self._httpd = httpd
-        bound = httpd.server_port
+        bound = self._server.sockets[0].getsockname()[1]
         self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         return self.address
 
     async def stop(self) -> None:
-        httpd = self._httpd
-        self._httpd = None
-        if httpd is not None:
-            await asyncio.to_thread(httpd.shutdown)
-            httpd.server_close()
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        await server.wait_closed()
+        if self._refresh is not None and not self._refresh.done():
+            self._refresh.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._refresh
+
+    # -- connections -------------------------------------------------------------------------------
+    def _refuse(self, reason: str, peer: str, detail: str) -> None:
+        self.collector.refusals[("metrics", reason)] += 1
+        self._refusals.warning(f"metrics {reason}", "action=refuse-connection listener=metrics peer=%s reason=%s",
+                               peer, detail)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        address = writer.get_extra_info("peername")
+        peer = _host(str(address[0])) if isinstance(address, tuple) else str(address)
+        limits = self.limits
+        if len(self._writers) >= limits.max_connections:
+            self._refuse("connections", peer, f"over max_metrics_connections ({limits.max_connections})")
+            writer.transport.abort()
+            return
+        if self._open.get(peer, 0) >= limits.max_connections_per_peer:
+            self._refuse("peer connections", peer,
+                         f"over max_metrics_connections_per_peer ({limits.max_connections_per_peer})")
+            writer.transport.abort()
+            return
+        self._open[peer] = self._open.get(peer, 0) + 1
+        self._writers.add(writer)
+        try:
+            await self._exchange(reader, writer, peer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the peer went away
+        finally:
+            self._writers.discard(writer)
+            self._open[peer] -= 1
+            if not self._open[peer]:
+                del self._open[peer]
+            writer.transport.abort()  # one request per connection; whatever is unsent, the peer had its time
+
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
+        timeout = self.limits.request_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                head = await reader.readuntil(b"\r\n\r\n")
+        except TimeoutError:
+            self._refuse("timeout", peer, f"no whole request within metrics_request_timeout_seconds ({timeout:g})")
+            return
+        except asyncio.LimitOverrunError:
+            self._refuse("bad request", peer, f"a request head over {_MAX_HEAD} bytes")
+            await self._answer(writer, 431, b"request header fields too large\n")
+            return
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            self._refuse("bad request", peer, "not an HTTP/1 request")
+            await self._answer(writer, 400, b"bad request\n")
+            return
+        method, target = parts[0], parts[1]
+        headers = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        path = target.split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            await self._answer(writer, 405, b"only GET and HEAD\n", extra=[("Allow", "GET, HEAD")])
+            return
+        if path == "/":
+            await self._answer(writer, 200, b"gpubroker: the metrics are at /metrics\n", head_only=method == "HEAD")
+            return
+        if path != "/metrics":
+            await self._answer(writer, 404, b"not found: the metrics are at /metrics\n")
+            return
+        encoder, content_type = choose_encoder(headers.get("accept", ""))
+        gzipped = "gzip" in headers.get("accept-encoding", "")
+        try:
+            page = await self._fresh_page()
+        except Exception:
+            log.exception("taking the metrics figures failed")
+            await self._answer(writer, 503, b"the figures could not be taken; see the broker's log\n")
+            return
+        key = (content_type, gzipped)
+        body = page.bodies.get(key)
+        if body is None:
+            self.collector.current = page.snapshot
+            try:
+                body = encoder(self.registry)
+            finally:
+                self.collector.current = None
+            page.bodies[key] = body = gzip.compress(body) if gzipped else body
+        extra = [("Content-Encoding", "gzip")] if gzipped else []
+        await self._answer(writer, 200, body, content_type, extra, head_only=method == "HEAD")
+
+    async def _answer(self, writer: asyncio.StreamWriter, status: int, body: bytes,
+                      content_type: str = "text/plain; charset=utf-8", extra: list[tuple[str, str]] | None = None,
+                      head_only: bool = False) -> None:
+        reason = _REASONS.get(status, "")
+        lines = [f"HTTP/1.1 {status} {reason}", f"Content-Type: {content_type}", f"Content-Length: {len(body)}",
+                 "Connection: close", *(f"{name}: {value}" for name, value in extra or [])]
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        if not head_only:
+            writer.write(body)
+        try:
+            async with asyncio.timeout(self.limits.request_timeout):
+                await writer.drain()
+        except TimeoutError:
+            self._refuse("timeout", str(writer.get_extra_info("peername")), "did not take its answer in time")
+
+    # -- figures -----------------------------------------------------------------------------------
+    async def _fresh_page(self) -> _Page:
+        """A page of figures taken after this call: the refresh under way if it began since, else the next one
+        (no sooner than ``refresh_interval`` after the last began)."""
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
+        while True:
+            task = self._refresh
+            if task is not None and self._refresh_started >= arrived:
+                return await asyncio.shield(task)  # (one scrape giving up must not cancel the others' refresh)
+            if task is not None and not task.done():
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(task)  # it began before this scrape: wait for it, then take the next
+                continue
+            wait = self._refresh_started + self.limits.refresh_interval - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            self._refresh_started = loop.time()
+            self._refresh = loop.create_task(self._take(), name="metrics refresh")
+
+    async def _take(self) -> _Page:
+        return _Page(await self.collector.fresh_snapshot())
 
 
-def serve_metrics(listen: str, sessions: SessionManager, schedulers: dict[int, DeviceScheduler],
-                  pool: WorkerPool) -> MetricsServer:
+_MAX_HEAD = 8192  # bytes of request line and headers; a scrape sends a few hundred
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+
+
+async def serve_metrics(listen: str, sessions: SessionManager, schedulers: dict[int, DeviceScheduler],
+                        pool: WorkerPool, refusals: dict[tuple[str, str], int],
+                        limits: MetricsLimits | None = None) -> MetricsServer:
     """Start the endpoint for a running broker (call on its event loop)."""
-    server = MetricsServer(BrokerCollector(sessions, schedulers, pool, asyncio.get_running_loop()))
-    server.start(listen)
+    server = MetricsServer(BrokerCollector(sessions, schedulers, pool, refusals), limits)
+    await server.start(listen)
     log.info("metrics on http://%s/metrics (unauthenticated: keep it on loopback or a monitoring network)",
              server.address)
     return server

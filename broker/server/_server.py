@@ -46,7 +46,7 @@ from ._credentials import link_tls, tcp_credentials
 from ._grpc_peers import GrpcPeerCensus
 from ._health import BrokerHealth
 from ._links import LinkServer, fast_path_address
-from ._metrics import MetricsServer, serve_metrics
+from ._metrics import MetricsLimits, MetricsServer, serve_metrics
 from ._preauth import PreAuthGate
 from ._service import GpuBrokerService
 from ._shm import SharedMemoryServer
@@ -301,7 +301,10 @@ class Broker:
                 except OSError as exc:  # a path too long for AF_UNIX, say: clients then copy over gRPC
                     log.warning("no shared-memory side channel at %s: %s", shm_path, exc)
         if cfg.metrics_listen:
-            self.metrics = serve_metrics(cfg.metrics_listen, self.sessions, self.schedulers, self.pool)
+            self.metrics = await serve_metrics(
+                cfg.metrics_listen, self.sessions, self.schedulers, self.pool, self.health.refusals,
+                MetricsLimits(cfg.max_metrics_connections, cfg.max_metrics_connections_per_peer,
+                              cfg.metrics_request_timeout_seconds, cfg.metrics_refresh_seconds))
         self.sessions.start()
         self.cpu_watch.start()
         log.info("serving on %s", ", ".join(self.ports))
