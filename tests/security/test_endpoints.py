@@ -1,0 +1,239 @@
+"""The unauthenticated endpoints (issue 21, round 2): metrics and gRPC health cannot be turned on the front.
+
+Both answer without a token by design (Prometheus, kubelets, load balancers), so whatever a peer makes them do must
+be bounded. The attacks, each found against the broker before these bounds:
+
+- slowloris on ``/metrics``: prometheus_client's server gave every connection a front thread and never timed out a
+  half-sent request (200 of them: +200 threads, +200 descriptors, for good);
+- a scrape flood: every scrape ran a ``usage`` round trip to every worker on the event loop, uncached (about 320
+  scrapes a second cost the front 5 CPU-seconds in 6 s and made a tenant's calls ten times slower);
+- health ``Watch`` streams: unbounded, about 21 KiB of front memory each, and they keep a connection from idling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.client import RemoteGpu, connect
+
+from ..helpers import proc_status, wait_for
+
+TENANTS = [TenantSpec(f"t{i}") for i in range(8)]
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local endpoint: never via a proxy
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    tmp = tmp_path_factory.mktemp("endpoints")
+    # The shipped limits: max_metrics_connections 16 (4 per peer), a 5 s request timeout, one refresh a second,
+    # max_health_streams 64 (16 per peer).
+    with BrokerProcess(TENANTS, backend="opencl",
+                       settings={"cache_dir": str(tmp / "caches"), "metrics_listen": "127.0.0.1:0"}) as broker:
+        yield broker
+
+
+def _counts(pid: int) -> tuple[int, int]:
+    return int(proc_status(pid)["Threads"]), len(list(Path(f"/proc/{pid}/fd").iterdir()))
+
+
+def _scrape(broker: BrokerProcess, source: str | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """One scrape (from ``source``, another loopback address, when given): sample (name, labels) -> value."""
+    host, port = broker.metrics.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30,
+                                      source_address=(source, 0) if source is not None else None)
+    try:
+        conn.request("GET", "/metrics")
+        response = conn.getresponse()
+        assert response.status == 200
+        text = response.read().decode()
+    finally:
+        conn.close()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _refused(found: dict[tuple[str, tuple[tuple[str, str], ...]], float], endpoint: str, reason: str) -> float:
+    # (0 where the family is missing: the attacks' own assertions come first, and say what went wrong)
+    return found.get(("gpubroker_endpoint_refusals_total", (("endpoint", endpoint), ("reason", reason))), 0.0)
+
+
+# -- the metrics endpoint: idle connections ---------------------------------------------------------------------
+CONNECTIONS = 200
+ALLOWED = 32  # idle connections the endpoint may hold on to (it holds max_metrics_connections_per_peer: 4)
+
+
+def test_idle_metrics_connections_do_not_each_hold_a_front_thread(broker: BrokerProcess) -> None:
+    assert broker.process is not None
+    front = broker.process.pid
+    host, port = broker.metrics.rsplit(":", 1)
+    before = _refused(_scrape(broker), "metrics", "peer connections")
+    threads0, fds0 = _counts(front)
+    with contextlib.ExitStack() as stack:
+        for _ in range(CONNECTIONS):
+            sock = stack.enter_context(socket.create_connection((host, int(port)), timeout=5))
+            sock.sendall(b"GET /metrics HTTP/1.1\r\n")  # ... and never the rest
+        with contextlib.suppress(AssertionError):  # (before the fix: a thread each, every one of them)
+            wait_for(lambda: _counts(front)[0] - threads0 >= CONNECTIONS, timeout=3, what="the front's threads")
+        threads, fds = _counts(front)
+        print(f"\n{CONNECTIONS} half-sent requests to the metrics endpoint: the front went from {threads0} to "
+              f"{threads} threads and from {fds0} to {fds} descriptors")
+        assert threads - threads0 <= ALLOWED and fds - fds0 <= ALLOWED, (
+            f"{CONNECTIONS} unauthenticated idle connections to the metrics endpoint hold {threads - threads0} front "
+            f"threads and {fds - fds0} front descriptors")
+        # Prometheus, another peer, still scrapes while the flood holds its share; the refusals are counted.
+        found = _scrape(broker, source="127.0.0.2")
+        assert _refused(found, "metrics", "peer connections") - before >= CONNECTIONS - ALLOWED
+        # The ones it held are cut after the request timeout: the front's descriptors come back.
+        wait_for(lambda: _counts(front)[1] <= fds0 + 1, timeout=20, what="the held connections to be closed")
+    assert _refused(_scrape(broker), "metrics", "timeout") >= 1
+
+
+# -- the metrics endpoint: a scrape flood -----------------------------------------------------------------------
+SCRAPERS = 4
+FLOOD_SECONDS = 6.0
+CALLS = 60
+ALLOWED_SLOWDOWN = 3.0  # a tenant's median call during the flood, against the same before it
+ALLOWED_CPU_SHARE = 0.25  # of one core, for the front during the flood (before the fix: nearly 0.9)
+
+
+def _median_call(gpu: RemoteGpu) -> float:
+    times = []
+    for _ in range(CALLS):
+        start = time.monotonic()
+        gpu.free_memory(gpu.allocate_memory(16))
+        times.append(time.monotonic() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_unauthenticated_scrape_flood_does_not_slow_the_tenants(broker: BrokerProcess) -> None:
+    assert broker.process is not None
+    front = broker.process.pid
+    with contextlib.ExitStack() as stack:
+        gpus = [stack.enter_context(contextlib.closing(connect(broker.target, token=broker.tokens[t.name], timeout=30,
+                                                               transport="grpc", shared_memory=False)))
+                for t in TENANTS]
+        before = _median_call(gpus[0])
+        stop = threading.Event()
+        scrapes = [0] * SCRAPERS
+
+        def scrape(i: int) -> None:
+            while not stop.is_set():
+                with _HTTP.open(broker.metrics_url, timeout=10) as reply:
+                    reply.read()
+                scrapes[i] += 1
+
+        threads = [threading.Thread(target=scrape, args=(i,)) for i in range(SCRAPERS)]
+        cpu0, start = _cpu_seconds(front), time.monotonic()
+        for thread in threads:
+            thread.start()
+        try:
+            stop.wait(1.0)  # (the flood under way: the scrapers' first answers are in)
+            during = _median_call(gpus[0])
+            stop.wait(max(0.0, FLOOD_SECONDS - (time.monotonic() - start)))
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+        elapsed, cpu = time.monotonic() - start, _cpu_seconds(front) - cpu0
+    print(f"\n{sum(scrapes)} unauthenticated scrapes in {elapsed:.1f} s ({sum(scrapes) / elapsed:.0f}/s): the front "
+          f"used {cpu:.2f} s of CPU; a tenant's Allocate+Free took {before * 1e3:.1f} ms (median) before and "
+          f"{during * 1e3:.1f} ms during")
+    assert sum(scrapes) >= SCRAPERS, "the scrapers were not answered"
+    assert during <= ALLOWED_SLOWDOWN * before, (
+        f"an unauthenticated scrape flood made a tenant's calls {during / before:.1f}x slower "
+        f"({before * 1e3:.1f} -> {during * 1e3:.1f} ms) and cost the front {cpu:.2f} CPU-seconds in {elapsed:.1f} s")
+    assert cpu <= ALLOWED_CPU_SHARE * elapsed, f"the scrape flood cost the front {cpu:.2f} CPU-s in {elapsed:.1f} s"
+
+
+# -- gRPC health: Watch streams ---------------------------------------------------------------------------------
+CHANNELS = 25
+STREAMS_PER_CHANNEL = 60  # under max_grpc_streams_per_connection (64): each is served or refused, none queued
+# The front's growth while the flood is on: the refused streams still cost gRPC core a call each until refused
+# (about 10-18 MiB of high-water here for 1,500 at once, bounded by max_grpc_streams_per_connection per
+# connection); 1,500 served ones cost over 32 MiB more and stay.
+ALLOWED_GROWTH = 24 * 1024 * 1024
+PER_PEER = 16  # max_health_streams_per_peer: every local peer of the Unix socket is one peer to gRPC
+
+
+def _rss(pid: int) -> int:
+    return int(proc_status(pid)["VmRSS"].split()[0]) * 1024
+
+
+def _channel(broker: BrokerProcess) -> grpc.Channel:
+    # (a subchannel pool of its own: a connection of its own, as another client's would be)
+    return grpc.secure_channel(broker.target, grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
+                               options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def test_unauthenticated_health_watch_streams_are_bounded(broker: BrokerProcess) -> None:
+    assert broker.process is not None
+    front = broker.process.pid
+    base = _rss(front)
+    with contextlib.ExitStack() as stack:
+        channels = [stack.enter_context(contextlib.closing(_channel(broker))) for _ in range(CHANNELS)]
+        calls = [health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+                 for channel in channels for _ in range(STREAMS_PER_CHANNEL)]
+        served, refused = [], 0
+        for call in calls:  # each one's first answer, or its refusal
+            try:
+                next(call)
+                served.append(call)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                assert "max_health_streams" in (exc.details() or "")
+                refused += 1
+        grown = _rss(front) - base
+        print(f"\n{len(served)} of {len(calls)} unauthenticated Watch streams on {CHANNELS} connections served, "
+              f"{refused} refused; the front grew by {grown / 2**20:.0f} MiB")
+        assert len(served) == PER_PEER, f"{len(served)} unauthenticated Watch streams from one peer were served"
+        assert grown <= ALLOWED_GROWTH, (f"{len(served)} unauthenticated health Watch streams grew the front by "
+                                         f"{grown / 2**20:.0f} MiB")
+        # Health checking still works at the cap: Check is not a stream, and a served Watch still hears changes.
+        stub = health_pb2_grpc.HealthStub(channels[0])
+        assert stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        # Reflection streams (also served without a token, also open for good) count against the same cap.
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channels[0]).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+        with pytest.raises(grpc.RpcError) as caught:
+            next(reflect)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for call in served:
+            call.cancel()
+        # Their slots come back once they end.
+        fresh = health_pb2_grpc.HealthStub(channels[-1]).Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+
+        def watch_served() -> bool:
+            nonlocal fresh
+            try:
+                return next(fresh).status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                fresh = health_pb2_grpc.HealthStub(channels[-1]).Watch(health_pb2.HealthCheckRequest(service=""),
+                                                                         timeout=10)
+                return False
+
+        wait_for(watch_served, 10, "a Watch to be served again")
+        fresh.cancel()
+    found = _scrape(broker)
+    assert _refused(found, "health", "peer streams") >= CHANNELS * STREAMS_PER_CHANNEL - PER_PEER
