@@ -325,6 +325,9 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "interval: a scrape always gets figures taken after it arrived, and scrapes that come sooner wait for the "
         "next refresh and share it, so a scrape flood costs the workers and the event loop one refresh per "
         "interval."))] = 1.0
+    metrics_requests_per_peer_per_second: Annotated[float, Meta(gt=0, description=(
+        "Requests one peer address may have answered per second, whatever it asks for: more wait their turn "
+        "(429 Too Many Requests when that is further off than metrics_request_timeout_seconds)."))] = 10.0
     max_health_streams: Annotated[int, Meta(ge=1, description=(
         "gRPC health Watch and server-reflection streams (both are served without a token and stay open until "
         "the peer ends them) open at once, in all; more are refused with RESOURCE_EXHAUSTED. Health Check, what "

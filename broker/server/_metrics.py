@@ -99,15 +99,15 @@ OUTPUT_DROPPED = MetricSpec("gpubroker_worker_output_dropped_bytes", "counter", 
                             "rate limit, or past the longest line kept.")
 DRAINING = MetricSpec("gpubroker_draining", "gauge", (), "1 while the broker refuses new sessions.")
 ENDPOINT_REFUSALS = MetricSpec("gpubroker_endpoint_refusals", "counter", ("endpoint", "reason"),
-                               "Connections and streams the unauthenticated endpoints refused or cut: metrics "
-                               "(over max_metrics_connections or its per-peer cap, too slow, too large or not a "
-                               "request), health (Watch and reflection streams over max_health_streams or its "
-                               "per-peer cap).")
+                               "Connections, requests and streams the unauthenticated endpoints refused or cut: "
+                               "metrics (over max_metrics_connections or its per-peer cap, too slow, too large or not "
+                               "a request, over the per-peer request rate), health (Watch and reflection streams over "
+                               "max_health_streams or its per-peer cap).")
 METRICS: tuple[MetricSpec, ...] = (MEMORY_USED, MEMORY_QUOTA, DEVICE_SECONDS, DEVICE_SHARE, SESSIONS, QUEUE_DEPTH,
                                    INFLIGHT, WORKER_UP, WORKER_RESTARTS, SCHEDULER_WAIT, SHARED_MEMORY, SHARED_LIMIT,
                                    TENANT_CRASHES, TENANT_BACKOFF, OUTPUT_DROPPED, DRAINING, ENDPOINT_REFUSALS)
 # Every (endpoint, reason) of gpubroker_endpoint_refusals, at 0 from the start (so rate() sees the first one).
-METRICS_REASONS = ("connections", "peer connections", "timeout", "bad request")
+METRICS_REASONS = ("connections", "peer connections", "timeout", "bad request", "rate")
 HEALTH_REASONS = ("streams", "peer streams")
 
 
@@ -284,6 +284,7 @@ class MetricsLimits:
     max_connections_per_peer: int = 4
     request_timeout: float = 5.0  # for the request head, and again for taking the answer
     refresh_interval: float = 1.0  # the figures are taken at most once per this
+    requests_per_peer_per_second: float = 10.0  # a peer's answers are paced to this, whatever it asks for
 
 
 def _host(address: str) -> str:
@@ -296,7 +297,9 @@ class MetricsServer:
     The endpoint is unauthenticated by design, so everything it does for a peer is bounded: at most
     ``max_connections`` connections (``max_connections_per_peer`` from one address; more are closed as they are
     accepted), a request head of at most 8 KiB that must arrive within ``request_timeout`` (and an answer that
-    must be taken within it), one request per connection, and no thread for any of them. The figures are taken
+    must be taken within it), one request per connection, no thread for any of them, and each peer's answers
+    paced to ``requests_per_peer_per_second`` (a request waits its turn, at no cost, so a peer asking in a
+    loop for any path, even a missing one, gets no more of the event loop than that). The figures are taken
     at most once per ``refresh_interval``: a scrape always gets figures taken after it arrived, and every scrape
     waiting meanwhile shares the next refresh and its rendered page, so a flood of scrapes costs the workers one
     ``usage`` round trip per interval and the event loop little more than reading requests.
@@ -315,6 +318,8 @@ class MetricsServer:
         self._server: asyncio.Server | None = None
         self._open: dict[str, int] = {}  # peer -> connections held
         self._writers: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._next_turn: dict[str, float] = {}  # peer -> when its next answer may go (the event loop's clock)
         self._refresh: asyncio.Task[_Page] | None = None
         self._refresh_started = -math.inf  # (the event loop's clock)
         self._refusals = RateLimitedLog(audit)
@@ -340,6 +345,9 @@ class MetricsServer:
         server.close()
         for writer in list(self._writers):
             writer.transport.abort()
+        for task in list(self._handlers):  # (those waiting for their turn or for a refresh)
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
         await server.wait_closed()
         if self._refresh is not None and not self._refresh.done():
             self._refresh.cancel()
@@ -367,16 +375,28 @@ class MetricsServer:
             return
         self._open[peer] = self._open.get(peer, 0) + 1
         self._writers.add(writer)
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+        # (drain() then waits until the whole answer is with the kernel, not just below the usual 64 KiB)
+        writer.transport.set_write_buffer_limits(high=0)
         try:
             await self._exchange(reader, writer, peer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the peer went away
         finally:
+            if task is not None:
+                self._handlers.discard(task)
             self._writers.discard(writer)
             self._open[peer] -= 1
             if not self._open[peer]:
                 del self._open[peer]
-            writer.transport.abort()  # one request per connection; whatever is unsent, the peer had its time
+            # One request per connection. An answer the peer did not take in time is dropped (a graceful close
+            # would keep the connection until the peer reads it).
+            if writer.transport.get_write_buffer_size():
+                writer.transport.abort()
+            else:
+                writer.close()
 
     async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
         timeout = self.limits.request_timeout
@@ -395,6 +415,10 @@ class MetricsServer:
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
             self._refuse("bad request", peer, "not an HTTP/1 request")
             await self._answer(writer, 400, b"bad request\n")
+            return
+        if not await self._turn(peer):
+            self._refuse("rate", peer, "over metrics_requests_per_peer_per_second")
+            await self._answer(writer, 429, b"too many requests from this address\n", extra=[("Retry-After", "1")])
             return
         method, target = parts[0], parts[1]
         headers = {}
@@ -447,6 +471,20 @@ class MetricsServer:
         except TimeoutError:
             self._refuse("timeout", str(writer.get_extra_info("peername")), "did not take its answer in time")
 
+    async def _turn(self, peer: str) -> bool:
+        """Wait for this peer's next turn to be answered; False if that is further off than a request may take."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if len(self._next_turn) > _MAX_PACED_PEERS:  # forget the peers whose turn has come anyway
+            self._next_turn = {p: t for p, t in self._next_turn.items() if t > now}
+        turn = max(now, self._next_turn.get(peer, now))
+        if turn - now > self.limits.request_timeout:
+            return False
+        self._next_turn[peer] = turn + 1.0 / self.limits.requests_per_peer_per_second
+        if turn > now:
+            await asyncio.sleep(turn - now)
+        return True
+
     # -- figures -----------------------------------------------------------------------------------
     async def _fresh_page(self) -> _Page:
         """A page of figures taken after this call: the refresh under way if it began since, else the next one
@@ -473,7 +511,8 @@ class MetricsServer:
 
 
 _MAX_HEAD = 8192  # bytes of request line and headers; a scrape sends a few hundred
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+_MAX_PACED_PEERS = 4096  # peers whose next turn is remembered before the past ones are forgotten
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 429: "Too Many Requests",
             431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
 

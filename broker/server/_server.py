@@ -304,7 +304,8 @@ class Broker:
             self.metrics = await serve_metrics(
                 cfg.metrics_listen, self.sessions, self.schedulers, self.pool, self.health.refusals,
                 MetricsLimits(cfg.max_metrics_connections, cfg.max_metrics_connections_per_peer,
-                              cfg.metrics_request_timeout_seconds, cfg.metrics_refresh_seconds))
+                              cfg.metrics_request_timeout_seconds, cfg.metrics_refresh_seconds,
+                              cfg.metrics_requests_per_peer_per_second))
         self.sessions.start()
         self.cpu_watch.start()
         log.info("serving on %s", ", ".join(self.ports))

@@ -112,12 +112,17 @@ ALLOWED_CPU_SHARE = 0.25  # of one core, for the front during the flood (before 
 
 
 def _median_call(gpu: RemoteGpu) -> float:
-    times = []
-    for _ in range(CALLS):
-        start = time.monotonic()
-        gpu.free_memory(gpu.allocate_memory(16))
-        times.append(time.monotonic() - start)
-    return sorted(times)[len(times) // 2]
+    """A tenant's median Allocate+Free: the best of three medians, so that a moment of load on this shared machine
+    is not taken for the flood's doing (a flood that slows the front slows all three)."""
+    medians = []
+    for _ in range(3):
+        times = []
+        for _ in range(CALLS):
+            start = time.monotonic()
+            gpu.free_memory(gpu.allocate_memory(16))
+            times.append(time.monotonic() - start)
+        medians.append(sorted(times)[len(times) // 2])
+    return min(medians)
 
 
 def _cpu_seconds(pid: int) -> float:
