@@ -117,14 +117,15 @@ def test_a_kernel_cannot_plant_code_that_the_next_launcher_runs_on_the_host(brok
              what="the launcher to save the planted file to the host cache")
     with contextlib.closing(connect(broker.target, token=broker.tokens["carol"], timeout=TIMEOUT)) as gpu:
         gpu.device_info()
+        escaped = proof.read_text() if proof.exists() else ""
+        print(f"what the planted code wrote on the host: {escaped!r}")
+        assert not escaped, f"code a kernel planted in its cache ran on the host at the next worker start: {escaped}"
         launchers = [p for p in descendants(_front(broker)) if b"gpubroker.broker.sandbox" in _cmdline(p)]
+        assert launchers
         for pid in launchers:
             env = _environ(pid)
             assert not any(v.startswith(str(cache)) for v in env.values()), \
                 f"a launcher's environment names the tenant's cache: {env}"
-    escaped = proof.read_text() if proof.exists() else ""
-    print(f"what the planted code wrote on the host: {escaped!r}")
-    assert not escaped, f"code a kernel planted in its cache ran on the host at the next worker start: {escaped}"
 
 
 def _escape_code(proof: Path) -> str:
