@@ -369,13 +369,9 @@ def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any) -> None:
         os.write(2, f"gpubroker sandbox: cannot build the worker's sandbox: {exc}\n".encode())
         os._exit(EXIT_SETUP_FAILED)
     try:
-        # The worker's environment (HOME and the caches in the tenant's cache) is set only here, inside the
+        # The worker's own environment (HOME and the caches in the tenant's cache) is added only here, inside the
         # sandbox: the launcher itself never had it.
-        env = spec.get("env")
-        if env is None:
-            os.execv(argv[0], argv)
-        else:
-            os.execve(argv[0], argv, {str(k): str(v) for k, v in env.items()})
+        os.execve(argv[0], argv, {**os.environ, **{str(k): str(v) for k, v in spec.get("env", {}).items()}})
     except OSError as exc:
         os.write(2, f"gpubroker sandbox: cannot start {argv[0]}: {exc.strerror}\n".encode())
     os._exit(127)

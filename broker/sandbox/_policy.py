@@ -202,11 +202,7 @@ class WorkerSandbox:
 
     def environment(self, cache: Path | None) -> dict[str, str]:
         """The worker's environment: the launcher's, with HOME and every compile cache in the tenant's cache."""
-        env = self.launcher_environment()
-        if cache is not None:
-            env.update(HOME=str(cache), XDG_CACHE_HOME=str(cache), POCL_CACHE_DIR=str(cache / "pocl"),
-                       CUPY_CACHE_DIR=str(cache / "cupy"), CUDA_CACHE_PATH=str(cache / "nv"))
-        return env
+        return {**self.launcher_environment(), **_cache_environment(cache)}
 
     def spec(self, cache: Path | None, keep_fds: list[int], cgroup: Path | None) -> dict[str, Any]:
         """The launcher's instructions: what to bind, what to limit."""
@@ -233,7 +229,10 @@ class WorkerSandbox:
             if self.backend == "opencl":
                 rlimits["as"] = mapped  # (CUDA reserves huge virtual ranges: no address-space limit there)
         return {"ro": _existing(ro), "rw": [str(cache)] if cache is not None else [], "dev": _existing(dev),
-                "keep_fds": keep_fds, "env": self.environment(cache), "worker_uid": self.worker_uid, "rlimits": rlimits, "seccomp": True, "tmp_size": self.tmp_max,
+                # (only what the worker's environment adds to the launcher's: the rest is the operator's, and a
+                # command line is anyone's to read)
+                "keep_fds": keep_fds, "env": _cache_environment(cache), "worker_uid": self.worker_uid,
+                "rlimits": rlimits, "seccomp": True, "tmp_size": self.tmp_max,
                 # PoCL links each new kernel with the system linker (posix_spawn): no other backend spawns.
                 "spawn": self.backend == "opencl",
                 "cache": {"path": str(cache), "size": self.cache_max} if cache is not None else None,
@@ -348,6 +347,14 @@ def _refusal(reason: str) -> str:
     return (f"cannot sandbox the workers: {reason}. Fix that, or run them unsandboxed (every tenant can then "
             "reach the broker and the other tenants) with `sandbox = false` in [broker] or `gpubroker serve "
             "--no-sandbox`")
+
+
+def _cache_environment(cache: Path | None) -> dict[str, str]:
+    """HOME and every compile cache in the tenant's cache: the worker's alone, never the launcher's."""
+    if cache is None:
+        return {}
+    return {"HOME": str(cache), "XDG_CACHE_HOME": str(cache), "POCL_CACHE_DIR": str(cache / "pocl"),
+            "CUPY_CACHE_DIR": str(cache / "cupy"), "CUDA_CACHE_PATH": str(cache / "nv")}
 
 
 def _existing(paths: list[str]) -> list[str]:

@@ -41,8 +41,19 @@ from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import Kernel, ModuleFormat, RemoteGpu, connect
 
 from ..helpers import descendants, wait_for
-from .exploits import (ATTACK_SOURCE, NR, O_CREAT, O_TRUNC, O_WRONLY, SIGSTOP, VICTIM_SOURCE, Program, check_arch,
-                       pid_state, run)
+from .exploits import (
+    ATTACK_SOURCE,
+    NR,
+    O_CREAT,
+    O_TRUNC,
+    O_WRONLY,
+    SIGSTOP,
+    VICTIM_SOURCE,
+    Program,
+    check_arch,
+    pid_state,
+    run,
+)
 
 TIMEOUT = 30.0
 PY = f"python{sys.version_info.major}.{sys.version_info.minor}"
