@@ -30,7 +30,7 @@ import subprocess
 import sys
 import sysconfig
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +61,10 @@ PIDS_MAX = 64  # the configured limit (the default is 512: smaller here, to keep
 NR.setdefault("mkdirat", 258)
 NR.setdefault("setpriority", 141)
 NR.setdefault("ioprio_set", 251)
+NR.setdefault("sched_setscheduler", 144)
+NR.setdefault("sched_setaffinity", 203)
+NR.setdefault("prlimit64", 302)
+SCHED_IDLE, RLIMIT_NOFILE = 5, 7
 PRIO_PGRP, PRIO_USER = 1, 2
 IOPRIO_WHO_PGRP, IOPRIO_WHO_USER = 2, 3
 IOPRIO_IDLE = 3 << 13  # class IDLE, level 0
@@ -202,11 +206,19 @@ def test_a_kernel_cannot_stop_the_front_or_other_workers_through_its_process_gro
 
 def test_a_kernel_cannot_renice_another_tenants_worker(world: World) -> None:
     """``setpriority(PRIO_PGRP, 0, 19)`` reniced every process of the group that holds no capability the attacker
-    lacks: every other tenant's worker. The same through ``ioprio_set``, and by user (all share the uid)."""
+    lacks: every other tenant's worker. The same through ``ioprio_set``, and by user (all share the uid). Calls
+    that name a pid (the scheduler's, prlimit) find none but the worker's own: its PID namespace shows no other."""
     victims = _workers(world.broker, "bob")
     assert victims, "bob has no worker"
-    before = {p: (_nice(p), _ioprio(p)) for p in victims}
+    before = {p: _priorities(p) for p in victims}
     program = Program()
+    for pid in victims:
+        program.call(program.attempt(f"sched_setscheduler(bob's worker {pid}, SCHED_IDLE)"), "sched_setscheduler",
+                     pid, SCHED_IDLE, program.put(bytes(8)))
+        program.call(program.attempt(f"sched_setaffinity(bob's worker {pid}, CPU 0 only)"), "sched_setaffinity",
+                     pid, 8, program.put((1).to_bytes(8, "little")))
+        program.call(program.attempt(f"prlimit64(bob's worker {pid}, RLIMIT_NOFILE, 0)"), "prlimit64",
+                     pid, RLIMIT_NOFILE, program.put(bytes(16)), 0)
     for label, args in (("setpriority(PRIO_PGRP, 0, 19): the caller's process group", (PRIO_PGRP, 0, 19)),
                         ("setpriority(PRIO_USER, 0, 19): the caller's uid", (PRIO_USER, 0, 19))):
         program.call(program.attempt(label), "setpriority", *args)
@@ -214,8 +226,8 @@ def test_a_kernel_cannot_renice_another_tenants_worker(world: World) -> None:
                         ("ioprio_set(IOPRIO_WHO_USER, 0, IDLE)", (IOPRIO_WHO_USER, 0, IOPRIO_IDLE))):
         program.call(program.attempt(label), "ioprio_set", *args)
     attempts = run(world.attacker, world.kernel, program)
-    after = {p: (_nice(p), _ioprio(p)) for p in victims}
-    print("\n  " + "\n  ".join(str(a) for a in attempts) + f"\nbob's worker's (nice, ioprio): {before} -> {after}")
+    after = {p: _priorities(p) for p in victims}
+    print("\n  " + "\n  ".join(str(a) for a in attempts) + f"\nbob's worker's priorities: {before} -> {after}")
     for pid in victims:  # (as root, the test may undo it)
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, pid, 0)
@@ -311,15 +323,17 @@ def _workers(broker: BrokerProcess, tenant: str) -> list[int]:
     return found
 
 
-def _nice(pid: int) -> int | None:
-    try:
-        return os.getpriority(os.PRIO_PROCESS, pid)
-    except OSError:
-        return None
+def _priorities(pid: int) -> tuple[object, ...]:
+    """What another process could change of ``pid``: nice, I/O priority, scheduling policy, CPUs, descriptors."""
+    def get(read: Callable[[], object]) -> object:
+        try:
+            return read()
+        except (OSError, subprocess.SubprocessError):
+            return None
 
-
-def _ioprio(pid: int) -> str | None:
-    try:
-        return subprocess.run(["ionice", "-p", str(pid)], capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
+    return (get(lambda: os.getpriority(os.PRIO_PROCESS, pid)),
+            get(lambda: subprocess.run(["ionice", "-p", str(pid)], capture_output=True, text=True,
+                                       timeout=10).stdout.strip()),
+            get(lambda: os.sched_getscheduler(pid)), get(lambda: sorted(os.sched_getaffinity(pid))),
+            get(lambda: [line for line in Path(f"/proc/{pid}/limits").read_text().splitlines()
+                         if line.startswith("Max open files")]))
