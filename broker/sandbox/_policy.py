@@ -339,6 +339,16 @@ try:
     raise AssertionError("memfd_create is allowed")
 except PermissionError:
     pass
+# The GPU's device nodes, as the worker's user (a root broker's workers run as worker_uid): refused here, every
+# worker's start would fail instead, charged to the device.
+for name in sorted(os.listdir("/dev")):
+    if name in ("nvidiactl", "nvidia-uvm") or (name.startswith("nvidia") and name[6:].isdigit()):
+        try:
+            os.close(os.open("/dev/" + name, os.O_RDWR))
+        except OSError as exc:
+            raise AssertionError(f"the worker's user (uid {os.getuid()} in its namespace) cannot open /dev/{name} "
+                                 f"({exc.strerror}): give it access (mode 0666, as the driver makes them) or set "
+                                 "worker_uid = 0") from None
 print("ok")
 """
 
