@@ -298,6 +298,10 @@ def _become_worker_user() -> None:
     os.setgroups([])
     os.setresgid(WORKER_ID, WORKER_ID, WORKER_ID)
     os.setresuid(WORKER_ID, WORKER_ID, WORKER_ID)
+    # A change of credentials clears the parent-death signal: set it again, or the worker would outlive the
+    # launcher the front kills. (Should the launcher die in between, the worker finds its channel to the front
+    # closed and leaves.)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "set the parent-death signal again")
 
 
 def _map_ids_from_outside(host_id: int) -> tuple[int, int]:

@@ -140,6 +140,16 @@ class WorkerSandbox:
             return "OFF"
         return "namespaces+seccomp+" + ("cgroup" if self.cgroups is not None else "rlimits")
 
+    @property
+    def pids_enforced(self) -> bool:
+        """Whether the kernel holds each worker to ``pids_max``: a pids cgroup, or RLIMIT_NPROC on a worker that is
+        not the host's root (which the kernel never holds to it). Otherwise only the CPU watch's count does."""
+        if not self.enabled:
+            return False
+        if self.cgroups is not None and "pids" in self.cgroups.controllers:
+            return True
+        return os.getuid() != 0 or self.worker_uid is not None
+
     def check_cache_root(self) -> None:
         """Create the caches' root (mode 0700) now, so a root the broker cannot use stops it at start, by name."""
         try:
@@ -280,11 +290,11 @@ class WorkerSandbox:
             self._probe(None, timeout)
         log.info("workers are sandboxed: %s (%s)", self.description,
                  self.cgroup_reason if self.cgroups is not None else f"rlimits only: {self.cgroup_reason}")
-        pids_cgroup = self.cgroups is not None and "pids" in self.cgroups.controllers
-        if self.pids_max and not pids_cgroup and os.getuid() == 0 and self.worker_uid is None:
-            log.warning("worker_pids_max = %d is not enforced: the broker runs as root, the kernel never holds root "
-                        "to RLIMIT_NPROC, there is no pids cgroup, and worker_uid = 0 runs the workers as root; "
-                        "a tenant's kernels may make threads until the host runs out of pids", self.pids_max)
+        if self.pids_max and not self.pids_enforced:
+            log.warning("worker_pids_max = %d is not enforced by the kernel: the broker runs as root, which the "
+                        "kernel never holds to RLIMIT_NPROC, there is no pids cgroup, and worker_uid = 0 runs the "
+                        "workers as root. The front kills a worker seen with more threads (it looks every 0.5 s: a "
+                        "kernel may make thousands before), charged to its tenant", self.pids_max)
 
     def _probe(self, cgroup: Path | None, timeout: float) -> None:
         try:

@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.client import Kernel, ModuleFormat, RemoteGpu, connect
+from gpubroker.client import Kernel, ModuleFormat, RemoteGpu, ResourceExhausted, connect
 
 from ..helpers import descendants, wait_for
 from .exploits import (
@@ -285,6 +285,39 @@ def test_a_kernel_cannot_make_more_threads_than_worker_pids_max(broker: BrokerPr
                              f"{PIDS_MAX} (RLIMIT_NPROC does not hold a root worker)")
     assert err == -11, f"the clone past the limit failed with {err}, not -EAGAIN"
     assert all(n <= PIDS_MAX + 1 for n in threads.values()), threads
+
+
+@pytest.fixture(scope="module")
+def root_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    """A root broker told to run its workers as root (``worker_uid = 0``, as for a GPU that only root may open)."""
+    check_arch()
+    if os.getuid() != 0:
+        pytest.skip("worker_uid applies to a root broker only")
+    tmp = tmp_path_factory.mktemp("rootworkers")
+    with BrokerProcess([TenantSpec("erin")], backend="opencl",
+                       settings={"cache_dir": str(tmp / "caches"), "worker_pids_max": PIDS_MAX,
+                                 "worker_uid": 0}) as broker:
+        yield broker
+
+
+def test_without_a_kernel_bound_the_front_kills_a_worker_with_too_many_threads(root_workers: BrokerProcess) -> None:
+    """With workers as root and no pids cgroup nothing in the kernel bounds their threads: the broker says so at
+    start, and the front's CPU watch (which scans each worker's threads every 0.5 s) kills one seen past
+    worker_pids_max, charged to its tenant."""
+    assert "is not enforced by the kernel" in root_workers.log_tail(100_000)
+    attempt = PIDS_MAX * 4
+    with contextlib.closing(connect(root_workers.target, token=root_workers.tokens["erin"], timeout=TIMEOUT)) as gpu:
+        kernel = gpu.get_kernel(gpu.load_module(THREADS_SOURCE, ModuleFormat.OPENCL_C), "gpb_threads")
+        stacks = gpu.allocate_memory(512 * (attempt + 1))
+        res = gpu.allocate_memory(16)
+        (worker,) = _workers(root_workers, "erin")
+        gpu.execute_kernel(kernel, 1, 1, [np.int32(attempt), stacks, res])  # type: ignore[list-item]
+        with pytest.raises(ResourceExhausted) as info:
+            gpu.synchronize()
+            wait_for(lambda: pid_state(worker) is None, timeout=TIMEOUT, what="the worker to be killed")
+            gpu.device_info()
+    print(f"\n{info.value}")
+    assert "worker_pids_max" in str(info.value)
 
 
 # ---- helpers ----
