@@ -310,6 +310,7 @@ def _map_ids_from_outside(host_id: int) -> tuple[int, int]:
     ``host_id``: only a process with CAP_SETUID in the parent namespace may map more than its own id, which this
     one has lost by unsharing. Returns (helper pid, the pipe's end to write once unshared)."""
     ready, go = os.pipe()
+    launcher = os.getpid()  # (not the helper's getppid(): were the launcher gone, that would be another process)
     helper = os.fork()
     if helper != 0:
         os.close(ready)
@@ -319,7 +320,6 @@ def _map_ids_from_outside(host_id: int) -> tuple[int, int]:
         os.close(go)
         if os.read(ready, 1) == b"":  # (the launcher failed before its unshare, or died)
             os._exit(1)
-        launcher = os.getppid()
         for name, own in (("uid_map", os.getuid()), ("gid_map", os.getgid())):
             _write(f"/proc/{launcher}/{name}", f"0 {own} 1\n{WORKER_ID} {host_id} 1\n")
     except (SetupError, OSError) as exc:
