@@ -107,7 +107,8 @@ def _workers(broker_pid: int) -> dict[int, str]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if argv[1:3] == [b"-m", b"gpubroker.broker.workers"] and b"--tenant" in argv:
+        module = argv[argv.index(b"-m") + 1:argv.index(b"-m") + 2] if b"-m" in argv else []  # (after -s -P)
+        if module == [b"gpubroker.broker.workers"] and b"--tenant" in argv:
             found[pid] = argv[argv.index(b"--tenant") + 1].decode()
     return found
 

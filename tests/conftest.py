@@ -25,6 +25,12 @@ TENANTS = [TenantSpec("alice", memory_quota=1 << 40), TenantSpec("bob", memory_q
            TenantSpec("carol", memory_quota=64 << 20)]
 
 
+def _runs_module(cmdline: list[bytes], module: bytes) -> bool:
+    """Whether a Python's command line runs ``module`` (its first ``-m``: a launcher's names the sandbox, then the
+    worker's command line after it)."""
+    return b"-m" in cmdline and cmdline[cmdline.index(b"-m") + 1:cmdline.index(b"-m") + 2] == [module]
+
+
 def worker_pids(broker: BrokerProcess, tenant: str) -> list[int]:
     """Live worker processes of ``tenant`` under ``broker`` (found through /proc).
 
@@ -39,7 +45,7 @@ def worker_pids(broker: BrokerProcess, tenant: str) -> list[int]:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and cmdline[1:3] == [b"-m", b"gpubroker.broker.workers"] and tenant.encode() in cmdline:
+        if state != "Z" and _runs_module(cmdline, b"gpubroker.broker.workers") and tenant.encode() in cmdline:
             pids.append(pid)
     return pids
 

@@ -242,6 +242,13 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "With worker_memory_max set, this and cache_max_bytes may take at most half of it.")), SIZE] = 64 << 20
     worker_pids_max: Annotated[int, Meta(ge=0, description=(
         "Processes and threads one worker may have (cgroup v2 pids.max, else an rlimit); 0: no limit."))] = 512
+    worker_uid: Annotated[int, Meta(ge=0, le=2**32 - 2, description=(
+        "With the broker running as root: the host uid and gid its sandboxed workers run as (nobody by default). "
+        "The kernel never holds the host's root to RLIMIT_NPROC, so without a pids cgroup only this makes "
+        "worker_pids_max bind. The worker must be able to read the Python install, the gpubroker packages and the "
+        "device libraries, and open the device nodes, as that user (world-readable and /dev/nvidia* mode 0666 as "
+        "usual). 0: run them as root (worker_pids_max then holds only with a pids cgroup). Ignored when the "
+        "broker is not root (its workers run as its own user)."))] = 65534
     worker_cpu_weight: Annotated[int, Meta(ge=1, le=10000, description=(
         "One worker's CPU weight against the others' (cgroup v2 cpu.weight, 1-10000)."))] = 100
     max_kernel_seconds: Annotated[float, Meta(ge=0, description=(

@@ -4,12 +4,20 @@ Threat model: a tenant runs arbitrary native code inside its own worker (by desi
 accepts inline asm and integer-to-pointer casts; assume it on CUDA too). Each layer below assumes the ones before
 it have been beaten, and says what it stops.
 
-- **Launcher** (``python -m gpubroker.broker.sandbox``, spawned by the front with vfork+exec): a fresh,
-  single-threaded process that unshares the namespaces, forks the worker as PID 1 of the new PID namespace and
-  waits, mirroring the worker's exit (same status, or death by the same signal) so the front's crash accounting
-  is unchanged. Both die with their parent (``PR_SET_PDEATHSIG``).
+- **Launcher** (``python -s -P -m gpubroker.broker.sandbox``, spawned by the front with vfork+exec in a session of
+  its own): a fresh, single-threaded process that unshares the namespaces, forks the worker as PID 1 of the new PID
+  namespace and waits, mirroring the worker's exit (same status, or death by the same signal) so the front's crash
+  accounting is unchanged. Both die with their parent (``PR_SET_PDEATHSIG``). It runs on the host with the
+  broker's capabilities, so nothing it reads may be the tenant's: its environment is the operator's alone (no
+  HOME, no cache: a Python runs the ``.pth`` files under ``$HOME/.local``; ``-s`` skips them besides), and the
+  worker's environment is set only at the worker's exec, inside the sandbox. The worker starts with ``-s -P`` too
+  and leads a session of its own (``setsid``): "its process group" is never the front's or another worker's.
 - **User namespace** (the broker's uid mapped to itself, setgroups denied): the worker holds capabilities only
-  over its own namespaces, and drops even those (below).
+  over its own namespaces, and drops even those (below). A root broker's worker runs as the host's
+  ``worker_uid`` (nobody by default; a helper the launcher forks before it unshares writes the map ``0 0`` for
+  the setup, ``1 worker_uid`` for the worker, which switches to 1 before it drops its capabilities): the kernel
+  never holds the host's root to RLIMIT_NPROC, so only as another user is a worker held to ``worker_pids_max``
+  without a pids cgroup.
 - **PID namespace + a fresh /proc**: no other process is visible: not the front (whose memory holds every
   tenant's token), not another tenant's worker (``/proc/<pid>/mem``), not their environments.
 - **Mount namespace, pivot_root into a tmpfs root**: the worker sees only, read-only, the Python runtime, its
@@ -28,7 +36,9 @@ it have been beaten, and says what it stops.
   Unix sockets shared with the host (so the broker's sockets cannot be reached either).
 - **Privileges**: every capability dropped (bounding, inheritable, ambient, permitted, effective) with the
   securebits locked (an exec as the namespace's root regains none), ``no_new_privs``, not dumpable.
-- **seccomp** (libseccomp through pyseccomp; EPERM): ptrace, ``process_vm_*``, signals to any process but itself,
+- **seccomp** (libseccomp through pyseccomp; EPERM): ptrace, ``process_vm_*``, signals to any process but itself
+  (pid 1: not 0, its group, nor -1), priorities of a process group or a user (only PRIO_PROCESS), another pid's
+  rlimits,
   mount and pivot_root and the new mount API, namespace changes (unshare, setns, clone with CLONE_NEW*; clone3
   gets ENOSYS so glibc falls back to clone), bpf, keyctl, perf_event_open, userfaultfd, io_uring, module and
   kexec calls, personality changes, and any socket but AF_UNIX. Other syscall ABIs (x86 ``int 0x80``) kill it.
@@ -37,7 +47,8 @@ it have been beaten, and says what it stops.
   outside the limits below: memfd_create, memfd_secret, System V shared memory, message queues and semaphores.
 - **Resource limits**: a cgroup v2 per worker (``memory.max`` = ``worker_memory_max``, ``pids.max``,
   ``cpu.weight``) where the broker has a delegated cgroup to itself (systemd ``Delegate=yes``), which is charged
-  for its tmpfs pages too; otherwise rlimits: processes per user namespace, and with ``worker_memory_max``
+  for its tmpfs pages too; otherwise rlimits: processes and threads per user namespace (``RLIMIT_NPROC``, which
+  binds a root broker's workers only with ``worker_uid``, the default), and with ``worker_memory_max``
   ``RLIMIT_DATA`` (private writable memory, both backends: CUDA's PROT_NONE reservations do not count) and on
   OpenCL ``RLIMIT_AS``, each ``worker_memory_max`` less the tmpfs sizes, so the tmpfs are counted inside it.
   Always: no core dumps, bounded descriptors, ``RLIMIT_FSIZE`` (the larger tmpfs size: EFBIG past it, which also
@@ -61,7 +72,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["EXIT_SETUP_FAILED", "Launch", "SandboxUnavailable", "WorkerCgroups", "WorkerSandbox",
-           "cache_key", "default_cache_dir", "set_dumpable"]
+           "cache_key", "default_cache_dir", "python_argv", "set_dumpable"]
 
 
 def set_dumpable(dumpable: bool) -> None:
@@ -74,7 +85,7 @@ def set_dumpable(dumpable: bool) -> None:
 def __getattr__(name: str) -> Any:
     # Imported on first use: the launcher (``python -m gpubroker.broker.sandbox``) loads this package on every
     # worker start and needs none of the front's side.
-    if name in ("Launch", "SandboxUnavailable", "WorkerSandbox", "cache_key", "default_cache_dir"):
+    if name in ("Launch", "SandboxUnavailable", "WorkerSandbox", "cache_key", "default_cache_dir", "python_argv"):
         from . import _policy
 
         return getattr(_policy, name)

@@ -69,6 +69,14 @@ class CacheView:
             view.close()
             fcntl.flock(self.host_fd, fcntl.LOCK_UN)
 
+    def give_to(self, uid: int, gid: int) -> None:
+        """Make the tmpfs and all in it (the launcher seeded it as itself) the worker's, where the worker runs as
+        another user than the launcher: it must write its compiles there. Links are changed, never followed."""
+        os.fchown(self.view_fd, uid, gid)
+        for _, dirs, files, fd in os.fwalk(".", dir_fd=self.view_fd, follow_symlinks=False):
+            for name in (*dirs, *files):
+                os.chown(name, uid, gid, dir_fd=fd, follow_symlinks=False)
+
     def save(self) -> int:
         """Make the host directory what the tmpfs holds, within the bound; the bytes copied."""
         fcntl.flock(self.host_fd, fcntl.LOCK_EX)

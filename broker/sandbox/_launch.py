@@ -25,6 +25,9 @@ from ._cache import CacheView, inodes_for
 __all__ = ["EXIT_SETUP_FAILED", "main"]
 
 EXIT_SETUP_FAILED = 125  # the sandbox could not be built; the message is on stderr
+# The worker's uid and gid inside its user namespace when it runs as a host user of its own (``worker_uid``): 0
+# there stays the launcher's (its setup creates files in the new root, which needs its id mapped).
+WORKER_ID = 1
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
@@ -222,7 +225,7 @@ def _pivot_root(new_root: str, put_old: str) -> None:
     _check(_libc.syscall(ctypes.c_long(number), _b(new_root), _b(put_old)), f"pivot_root {new_root}")
 
 
-def _cache_view(cache: dict[str, Any]) -> CacheView:
+def _cache_view(cache: dict[str, Any], owner: bool = False) -> CacheView:
     """Mount the tenant's cache tmpfs over its host directory (in this mount namespace: the worker's bind of that
     path is then the tmpfs) and seed it; the launcher saves it back after the worker exits (_cache.py)."""
     path, size = cache["path"], int(cache["size"])
@@ -242,6 +245,12 @@ def _cache_view(cache: dict[str, Any]) -> CacheView:
         view.seed()
     except OSError as exc:  # (a cache that cannot be read costs this worker its cached kernels, not its start)
         os.write(2, f"gpubroker sandbox: could not read the compile cache {path}: {exc}\n".encode())
+    if owner:
+        try:
+            view.give_to(WORKER_ID, WORKER_ID)
+        except OSError as exc:
+            view.close()
+            raise SetupError(f"give the compile cache to the worker's user: {exc.strerror}") from None
     return view
 
 
@@ -265,16 +274,58 @@ class _CapData(ctypes.Structure):
     _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
-def _drop_capabilities() -> None:
+def _drop_capabilities(switch_user: bool = False) -> None:
     _prctl(PR_SET_SECUREBITS, SECUREBITS, "set securebits")
     cap = 0
     while _libc.prctl(ctypes.c_int(PR_CAPBSET_DROP), ctypes.c_ulong(cap), ctypes.c_ulong(0), ctypes.c_ulong(0),
                       ctypes.c_ulong(0)) == 0:
         cap += 1  # until EINVAL: past the kernel's last capability
     _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, "clear ambient capabilities")
+    if switch_user:
+        try:
+            _become_worker_user()
+        except OSError as exc:
+            raise SetupError(f"switch to the worker's user: {exc.strerror}") from None
     header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words
     data = (_CapData * 2)()
     _check(_libc.capset(ctypes.byref(header), data), "capset")
+
+
+def _become_worker_user() -> None:
+    """Switch to the namespace's ``WORKER_ID`` (a host uid other than root: see ``_map_ids_from_outside``), with no
+    supplementary groups. Needs CAP_SETUID and CAP_SETGID, which the securebits keep across the switch (the caller
+    drops them right after)."""
+    os.setgroups([])
+    os.setresgid(WORKER_ID, WORKER_ID, WORKER_ID)
+    os.setresuid(WORKER_ID, WORKER_ID, WORKER_ID)
+    # A change of credentials clears the parent-death signal: set it again, or the worker would outlive the
+    # launcher the front kills. (Should the launcher die in between, the worker finds its channel to the front
+    # closed and leaves.)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "set the parent-death signal again")
+
+
+def _map_ids_from_outside(host_id: int) -> tuple[int, int]:
+    """Fork a helper that stays in the host's user namespace and, once this process has unshared its own, maps
+    there the namespace's 0 to this process's ids (root: the launcher's setup, as before) and ``WORKER_ID`` to
+    ``host_id``: only a process with CAP_SETUID in the parent namespace may map more than its own id, which this
+    one has lost by unsharing. Returns (helper pid, the pipe's end to write once unshared)."""
+    ready, go = os.pipe()
+    launcher = os.getpid()  # (not the helper's getppid(): were the launcher gone, that would be another process)
+    helper = os.fork()
+    if helper != 0:
+        os.close(ready)
+        return helper, go
+    code = 0
+    try:
+        os.close(go)
+        if os.read(ready, 1) == b"":  # (the launcher failed before its unshare, or died)
+            os._exit(1)
+        for name, own in (("uid_map", os.getuid()), ("gid_map", os.getgid())):
+            _write(f"/proc/{launcher}/{name}", f"0 {own} 1\n{WORKER_ID} {host_id} 1\n")
+    except (SetupError, OSError) as exc:
+        os.write(2, f"gpubroker sandbox: map the worker's user namespace: {exc}\n".encode())
+        code = 1
+    os._exit(code)
 
 
 def _limit(spec: dict[str, Any]) -> None:
@@ -301,12 +352,16 @@ def _close_fds(keep: list[int]) -> None:
 def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any) -> None:
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "set the parent-death signal")
+        # A session and process group of its own: "my group" (kill(0, ...), setpriority(PRIO_PGRP, 0, ...)) is
+        # resolved by the group's struct pid, across PID namespaces, so in the launcher's group the worker would
+        # reach the launcher (and, without the front's new session, the front and every other worker).
+        os.setsid()
         # Cosmetic (the UTS namespace is the isolation), and systemd's ProtectHostname= filters it: best effort.
         _libc.sethostname(b"gpubroker-worker", ctypes.c_size_t(16))
         _build_root(spec)
         _limit(spec)
         _close_fds(list(spec.get("keep_fds", [])))
-        _drop_capabilities()
+        _drop_capabilities(switch_user=spec.get("worker_uid") is not None)
         _prctl(PR_SET_NO_NEW_PRIVS, 1, "set no_new_privs")
         _prctl(PR_SET_DUMPABLE, 0, "clear dumpable")
         if seccomp_filter is not None:
@@ -318,7 +373,9 @@ def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any) -> None:
         os.write(2, f"gpubroker sandbox: cannot build the worker's sandbox: {exc}\n".encode())
         os._exit(EXIT_SETUP_FAILED)
     try:
-        os.execv(argv[0], argv)
+        # The worker's own environment (HOME and the caches in the tenant's cache) is added only here, inside the
+        # sandbox: the launcher itself never had it.
+        os.execve(argv[0], argv, {**os.environ, **{str(k): str(v) for k, v in spec.get("env", {}).items()}})
     except OSError as exc:
         os.write(2, f"gpubroker sandbox: cannot start {argv[0]}: {exc.strerror}\n".encode())
     os._exit(127)
@@ -362,15 +419,33 @@ def main(argv: list[str] | None = None) -> int:
         if spec.get("cgroup"):
             _write(os.path.join(spec["cgroup"], "cgroup.procs"), "0\n")
         uid, gid = os.getuid(), os.getgid()
+        worker_uid = spec.get("worker_uid")
+        helper = _map_ids_from_outside(int(worker_uid)) if worker_uid is not None else None
         flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWUTS
-        _check(_libc.unshare(ctypes.c_int(flags | CLONE_NEWCGROUP)), "unshare the worker's namespaces")
-        _write("/proc/self/setgroups", "deny\n")
-        _write("/proc/self/uid_map", f"{uid} {uid} 1\n")
-        _write("/proc/self/gid_map", f"{gid} {gid} 1\n")
+        try:
+            _check(_libc.unshare(ctypes.c_int(flags | CLONE_NEWCGROUP)), "unshare the worker's namespaces")
+        except SetupError:
+            if helper is not None:  # (it reads end-of-file and leaves)
+                os.close(helper[1])
+                os.waitpid(helper[0], 0)
+            raise
+        if helper is None:
+            _write("/proc/self/setgroups", "deny\n")
+            _write("/proc/self/uid_map", f"{uid} {uid} 1\n")
+            _write("/proc/self/gid_map", f"{gid} {gid} 1\n")
+        else:
+            # A root broker's worker runs as another host user (``worker_uid``): the kernel never holds the host's
+            # root to RLIMIT_NPROC, so only then does worker_pids_max bound its threads without a pids cgroup.
+            pid, go = helper
+            os.write(go, b"x")
+            os.close(go)
+            _, status = os.waitpid(pid, 0)
+            if status != 0:
+                raise SetupError("the worker's user namespace could not be mapped (see above)")
         # Only now: a process that is not dumpable has its /proc/self files owned by root, so a broker that runs
         # as a user of its own could not have written its id maps above.
         _prctl(PR_SET_DUMPABLE, 0, "clear dumpable")
-        cache = _cache_view(spec["cache"]) if spec.get("cache") else None
+        cache = _cache_view(spec["cache"], owner=worker_uid is not None) if spec.get("cache") else None
     except (SetupError, ImportError, RuntimeError, OSError) as exc:
         print(f"gpubroker sandbox: cannot build the worker's sandbox: {exc}", file=sys.stderr, flush=True)
         return EXIT_SETUP_FAILED

@@ -22,7 +22,7 @@ from gpubroker.client import FailedPrecondition, Unavailable
 from ._cgroup import WorkerCgroups
 from ._launch import EXIT_SETUP_FAILED
 
-__all__ = ["Launch", "SandboxUnavailable", "WorkerSandbox", "cache_key", "default_cache_dir"]
+__all__ = ["Launch", "SandboxUnavailable", "WorkerSandbox", "cache_key", "default_cache_dir", "python_argv"]
 
 log = logging.getLogger("gpubroker.sandbox")
 
@@ -47,6 +47,18 @@ NOFILE = 4096
 TENANT_CACHES = "tenants"
 CACHE_MAX = 256 << 20  # the schema's defaults, for a WorkerSandbox made without a config
 TMP_MAX = 64 << 20
+WORKER_UID = 65534  # the schema's default: nobody (Debian's nogroup has the same number)
+
+
+def python_argv() -> list[str]:
+    """How the front starts a Python module of its own (the launcher, the worker), before the module's name.
+
+    ``-s``: no user site. Its ``.pth`` files run at start, and the worker's HOME is its tenant's cache, which the
+    tenant's kernels write: with it, a kernel plants code that the next launcher (on the host, with every
+    capability) or worker runs. ``-P``: no script or working directory on the import path. Not ``-I``, whose ``-E``
+    would drop the operator's PYTHONPATH, which may be how this gpubroker is found; every other variable a Python
+    reads is the operator's or none (``launcher_environment``)."""
+    return [sys.executable, "-s", "-P", "-m"]
 
 
 class SandboxUnavailable(Exception):
@@ -89,8 +101,12 @@ class WorkerSandbox:
 
     def __init__(self, *, enabled: bool, backend: str, cache_dir: str = "", memory_max: int = 0,
                  pids_max: int = 512, cpu_weight: int = 100, use_cgroups: bool = True,
-                 cache_max: int = CACHE_MAX, tmp_max: int = TMP_MAX) -> None:
+                 cache_max: int = CACHE_MAX, tmp_max: int = TMP_MAX, worker_uid: int = WORKER_UID) -> None:
         self.enabled = enabled
+        # The host uid (and gid) a root broker's workers run as: the kernel never holds the host's root to
+        # RLIMIT_NPROC, so as root a worker's threads would be bounded by nothing without a pids cgroup. A broker
+        # of another user runs its workers as itself (RLIMIT_NPROC holds it). 0: as the broker, root included.
+        self.worker_uid = worker_uid if os.getuid() == 0 and worker_uid > 0 else None
         self.backend = backend
         self.cache_root = Path(cache_dir) if cache_dir else default_cache_dir()
         self.memory_max = memory_max
@@ -115,7 +131,7 @@ class WorkerSandbox:
     def from_config(cls, cfg: Any, backend: str, use_cgroups: bool = True) -> WorkerSandbox:
         return cls(enabled=cfg.sandbox, backend=backend, cache_dir=cfg.cache_dir, memory_max=cfg.worker_memory_max,
                    pids_max=cfg.worker_pids_max, cpu_weight=cfg.worker_cpu_weight, use_cgroups=use_cgroups,
-                   cache_max=cfg.cache_max_bytes, tmp_max=cfg.worker_tmp_max_bytes)
+                   cache_max=cfg.cache_max_bytes, tmp_max=cfg.worker_tmp_max_bytes, worker_uid=cfg.worker_uid)
 
     @property
     def description(self) -> str:
@@ -123,6 +139,16 @@ class WorkerSandbox:
         if not self.enabled:
             return "OFF"
         return "namespaces+seccomp+" + ("cgroup" if self.cgroups is not None else "rlimits")
+
+    @property
+    def pids_enforced(self) -> bool:
+        """Whether the kernel holds each worker to ``pids_max``: a pids cgroup, or RLIMIT_NPROC on a worker that is
+        not the host's root (which the kernel never holds to it). Otherwise only the CPU watch's count does."""
+        if not self.enabled:
+            return False
+        if self.cgroups is not None and "pids" in self.cgroups.controllers:
+            return True
+        return os.getuid() != 0 or self.worker_uid is not None
 
     def check_cache_root(self) -> None:
         """Create the caches' root (mode 0700) now, so a root the broker cannot use stops it at start, by name."""
@@ -173,13 +199,20 @@ class WorkerSandbox:
                 path.parent.rmdir()
         return removed
 
-    def environment(self, cache: Path | None) -> dict[str, str]:
+    @staticmethod
+    def launcher_environment() -> dict[str, str]:
+        """The launcher's environment: the operator's settings only. It runs on the host with every capability, so
+        nothing in it may name a path a tenant can write: no HOME, no XDG_*, no cache (a Python finds code to run
+        under HOME: the user site's ``.pth`` files). The worker's own is in its spec; the launcher's child sets it
+        at the exec, inside the sandbox."""
         env = {k: v for k, v in os.environ.items() if k in ENV_KEEP or k.startswith(ENV_PREFIXES)}
         env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
-        if cache is not None:
-            env.update(HOME=str(cache), XDG_CACHE_HOME=str(cache), POCL_CACHE_DIR=str(cache / "pocl"),
-                       CUPY_CACHE_DIR=str(cache / "cupy"), CUDA_CACHE_PATH=str(cache / "nv"))
+        env["PYTHONNOUSERSITE"] = "1"  # (besides -s: any Python started from here skips the user site too)
         return env
+
+    def environment(self, cache: Path | None) -> dict[str, str]:
+        """The worker's environment: the launcher's, with HOME and every compile cache in the tenant's cache."""
+        return {**self.launcher_environment(), **_cache_environment(cache)}
 
     def spec(self, cache: Path | None, keep_fds: list[int], cgroup: Path | None) -> dict[str, Any]:
         """The launcher's instructions: what to bind, what to limit."""
@@ -206,7 +239,10 @@ class WorkerSandbox:
             if self.backend == "opencl":
                 rlimits["as"] = mapped  # (CUDA reserves huge virtual ranges: no address-space limit there)
         return {"ro": _existing(ro), "rw": [str(cache)] if cache is not None else [], "dev": _existing(dev),
-                "keep_fds": keep_fds, "rlimits": rlimits, "seccomp": True, "tmp_size": self.tmp_max,
+                # (only what the worker's environment adds to the launcher's: the rest is the operator's, and a
+                # command line is anyone's to read)
+                "keep_fds": keep_fds, "env": _cache_environment(cache), "worker_uid": self.worker_uid,
+                "rlimits": rlimits, "seccomp": True, "tmp_size": self.tmp_max,
                 # PoCL links each new kernel with the system linker (posix_spawn): no other backend spawns.
                 "spawn": self.backend == "opencl",
                 "cache": {"path": str(cache), "size": self.cache_max} if cache is not None else None,
@@ -225,7 +261,7 @@ class WorkerSandbox:
             except OSError as exc:  # (a cgroup that cannot be made costs this worker its cgroup, not its start)
                 log.warning("no cgroup for tenant %s's worker on device %d, rlimits only: %s", tenant, device, exc)
         spec = self.spec(cache, keep_fds, cgroup)
-        return Launch(self.launcher_argv(spec, worker_argv), env, cgroup, cache)
+        return Launch(self.launcher_argv(spec, worker_argv), self.launcher_environment(), cgroup, cache)
 
     def release(self, launch: Launch) -> bool:
         """After the worker exited: remove its cgroup; whether the OOM killer ended it (blocking)."""
@@ -235,7 +271,7 @@ class WorkerSandbox:
 
     @staticmethod
     def launcher_argv(spec: dict[str, Any], worker_argv: list[str]) -> list[str]:
-        return [sys.executable, "-m", "gpubroker.broker.sandbox", "--spec", json.dumps(spec), "--", *worker_argv]
+        return [*python_argv(), "gpubroker.broker.sandbox", "--spec", json.dumps(spec), "--", *worker_argv]
 
     def check(self, timeout: float = 60.0) -> None:
         """Start a sandboxed Python that checks its own confinement; SandboxUnavailable if anything fails.
@@ -254,12 +290,17 @@ class WorkerSandbox:
             self._probe(None, timeout)
         log.info("workers are sandboxed: %s (%s)", self.description,
                  self.cgroup_reason if self.cgroups is not None else f"rlimits only: {self.cgroup_reason}")
+        if self.pids_max and not self.pids_enforced:
+            log.warning("worker_pids_max = %d is not enforced by the kernel: the broker runs as root, which the "
+                        "kernel never holds to RLIMIT_NPROC, there is no pids cgroup, and worker_uid = 0 runs the "
+                        "workers as root. The front kills a worker seen with more threads (it looks every 0.5 s: a "
+                        "kernel may make thousands before), charged to its tenant", self.pids_max)
 
     def _probe(self, cgroup: Path | None, timeout: float) -> None:
         try:
             argv = self.launcher_argv(self.spec(None, [], cgroup), [sys.executable, "-I", "-c", _PROBE])
             try:
-                proc = subprocess.run(argv, env=self.environment(None), capture_output=True, timeout=timeout,
+                proc = subprocess.run(argv, env=self.launcher_environment(), capture_output=True, timeout=timeout,
                                       stdin=subprocess.DEVNULL, check=False)
             except subprocess.TimeoutExpired:
                 raise SandboxUnavailable(_refusal(f"the sandbox probe did not finish within {timeout:g} s")) from None
@@ -308,6 +349,16 @@ try:
     raise AssertionError("memfd_create is allowed")
 except PermissionError:
     pass
+# The GPU's device nodes, as the worker's user (a root broker's workers run as worker_uid): refused here, every
+# worker's start would fail instead, charged to the device.
+for name in sorted(os.listdir("/dev")):
+    if name in ("nvidiactl", "nvidia-uvm") or (name.startswith("nvidia") and name[6:].isdigit()):
+        try:
+            os.close(os.open("/dev/" + name, os.O_RDWR))
+        except OSError as exc:
+            raise AssertionError(f"the worker's user (uid {os.getuid()} in its namespace) cannot open /dev/{name} "
+                                 f"({exc.strerror}): give it access (mode 0666, as the driver makes them) or set "
+                                 "worker_uid = 0") from None
 print("ok")
 """
 
@@ -316,6 +367,14 @@ def _refusal(reason: str) -> str:
     return (f"cannot sandbox the workers: {reason}. Fix that, or run them unsandboxed (every tenant can then "
             "reach the broker and the other tenants) with `sandbox = false` in [broker] or `gpubroker serve "
             "--no-sandbox`")
+
+
+def _cache_environment(cache: Path | None) -> dict[str, str]:
+    """HOME and every compile cache in the tenant's cache: the worker's alone, never the launcher's."""
+    if cache is None:
+        return {}
+    return {"HOME": str(cache), "XDG_CACHE_HOME": str(cache), "POCL_CACHE_DIR": str(cache / "pocl"),
+            "CUPY_CACHE_DIR": str(cache / "cupy"), "CUDA_CACHE_PATH": str(cache / "nv")}
 
 
 def _existing(paths: list[str]) -> list[str]:

@@ -2,8 +2,11 @@
 reaches other processes, the kernel's attack surface, the network, new processes, or memory that no limit counts;
 those fail with EPERM.
 
-The worker is PID 1 of its PID namespace, so "itself" is pid 1 (0 means its own process group, which holds
-only itself and its descendants there).
+The worker is PID 1 of its PID namespace, so "itself" is pid 1. A pid it names is looked up in that namespace,
+where no other process is visible; but "my process group" (pid 0 to kill, who 0 to setpriority(PRIO_PGRP) or
+ioprio_set(IOPRIO_WHO_PGRP)) and "my uid" are not confined by it: the group is found by its struct pid, across
+namespaces. The worker leads a session and group of its own (the launcher's setsid), and the filter refuses
+those forms all the same.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import errno
 from typing import Any
 
-__all__ = ["DENIED", "PROCESS_CREATION", "UNCOUNTED_MEMORY", "build_filter"]
+__all__ = ["DENIED", "PRIORITY_CALLS", "PROCESS_CREATION", "SIGNALS_TO_PID", "UNCOUNTED_MEMORY", "build_filter"]
 
 # Refused outright: other processes' memory, mounts and namespaces, kernel interfaces a worker has no use for.
 DENIED = (
@@ -40,8 +43,15 @@ CLONE_VFORK = 0x00004000
 # memfd_secret, and System V shared memory, message queues and semaphores (the worker's own IPC namespace keeps
 # them from other processes, but not from the host's memory).
 UNCOUNTED_MEMORY = ("memfd_create", "memfd_secret", "shmget", "msgget", "semget")
-# Signals aimed at a process (argument 0): only pid 0 (its group) and 1 (itself) pass.
+# Signals aimed at a process (argument 0): only pid 1 (itself) passes; not 0 (its process group), -1 (every
+# process it may signal) or a negative group.
 SIGNALS_TO_PID = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open")
+SELF = 1
+# Priorities of processes (argument 0, ``which``): only PRIO_PROCESS / IOPRIO_WHO_PROCESS, whose pid is looked up in
+# the worker's namespace (0: itself; a thread's tid: that thread); not a process group's or a user's.
+PRIORITY_CALLS = {"setpriority": 0, "getpriority": 0, "ioprio_set": 1, "ioprio_get": 1}
+# Another process's limits (argument 0, the pid): only 0 (itself, glibc's getrlimit and setrlimit) and 1.
+PID_SELF_ONLY = ("prlimit64",)
 CLONE_NEW = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 AF_UNIX = 1
 PERSONALITY_QUERY = 0xFFFFFFFF
@@ -61,7 +71,11 @@ def build_filter(allow_spawn: bool = False) -> Any:
     for name in (*DENIED, *PROCESS_CREATION, *UNCOUNTED_MEMORY):
         _rule(seccomp, f, deny, name)
     for name in SIGNALS_TO_PID:
-        _rule(seccomp, f, deny, name, seccomp.Arg(0, seccomp.GT, 1))
+        _rule(seccomp, f, deny, name, seccomp.Arg(0, seccomp.NE, SELF))
+    for name, process in PRIORITY_CALLS.items():
+        _rule(seccomp, f, deny, name, seccomp.Arg(0, seccomp.NE, process))
+    for name in PID_SELF_ONLY:
+        _rule(seccomp, f, deny, name, seccomp.Arg(0, seccomp.GT, SELF))
     for flag in CLONE_NEW:
         _rule(seccomp, f, deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     # Threads only (rules on one syscall are alternatives: any one refuses the call).

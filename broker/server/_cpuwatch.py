@@ -17,6 +17,10 @@ over the host's CPUs otherwise), and once the rest summed over ``window`` second
 worker is killed, its calls fail with RESOURCE_EXHAUSTED saying why, and its death is its tenant's failure (its
 crash budget). Killing the worker ends everything a kernel left behind: its threads die with it, and processes
 forked in its PID namespace die with the namespace's init.
+
+The same scan counts each worker's threads where the kernel does not hold the workers to ``worker_pids_max`` (a
+root broker with ``worker_uid = 0`` and no pids cgroup, or no sandbox): a worker seen with more is killed the same
+way. Only a backstop: between two scans a kernel can make thousands.
 """
 
 from __future__ import annotations
@@ -52,12 +56,17 @@ class _Seen:
 class CpuWatch:
     def __init__(self, pool: WorkerPool, schedulers: dict[int, DeviceScheduler], hold_cpus: dict[int, float],
                  charge_cpus: dict[int, float], limit: float, window: float,
-                 kill: Callable[[WorkerClient, GpuBrokerError], None], period: float = 0.5) -> None:
+                 kill: Callable[[WorkerClient, GpuBrokerError], None], period: float = 0.5,
+                 threads_max: int = 0) -> None:
         self.pool = pool
         self.schedulers = schedulers
         self.hold_cpus = hold_cpus  # by device: CPUs a worker may use while its tenant holds the device
         self.charge_cpus = charge_cpus  # by device: CPU-seconds that make a device second on the fair clock
         self.limit = limit
+        # Threads a worker's tree may have beyond its launcher's one; 0: not watched (the kernel holds the workers
+        # to worker_pids_max: a pids cgroup, or RLIMIT_NPROC on a worker that is not the host's root). A backstop:
+        # seen only once a period, so a kernel may make many more in between.
+        self.threads_max = threads_max
         self.window = window
         self.period = period
         self._kill = kill
@@ -86,8 +95,19 @@ class CpuWatch:
         readings = await asyncio.to_thread(_read_all, workers)  # (a scan of /proc: off the event loop)
         self._seen = {w: s for w, s in self._seen.items() if w in readings}
         for worker, reading in readings.items():
-            if worker.alive:
+            if worker.alive and not self._too_many_threads(worker, reading):
                 self._account(worker, reading)
+
+    def _too_many_threads(self, worker: WorkerClient, reading: CpuReading) -> bool:
+        threads = len(reading.threads)
+        if not self.threads_max or threads <= self.threads_max + 1:  # (+1: the sandbox's launcher)
+            return False
+        message = (f"the worker for tenant {worker.tenant!r} on device {worker.device} had {threads - 1} threads, "
+                   f"past worker_pids_max = {self.threads_max}; the worker was restarted")
+        log.warning("tenant %s: %s", worker.tenant, message)
+        self._seen.pop(worker, None)
+        self._kill(worker, ResourceExhausted(message))
+        return True
 
     def _account(self, worker: WorkerClient, reading: CpuReading) -> None:
         scheduler = self.schedulers.get(worker.device)

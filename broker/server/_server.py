@@ -224,7 +224,9 @@ class Broker:
             hold_cpus={d: float(u) if cpu_device else 1.0 for d, u in self._units.items()},
             charge_cpus={d: float(u) if cpu_device else float(self._ncpu) for d, u in self._units.items()},
             limit=cfg.max_cpu_seconds_outside_turns, window=cfg.cpu_outside_turns_window_seconds,
-            kill=self._kill_for)
+            kill=self._kill_for,
+            # (where the kernel does not hold the workers to worker_pids_max, the watch's count is all there is)
+            threads_max=cfg.worker_pids_max if not sandbox.pids_enforced else 0)
         self._apply_weights()
         self.auth = Authenticator(cfg)
         self.service = service = GpuBrokerService(cfg, self.auth, self.sessions, devices, self.schedulers)

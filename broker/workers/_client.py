@@ -13,7 +13,6 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +28,7 @@ from gpubroker.client import (
 )
 from gpubroker.client._protocol import Ack, Batch, DeviceInfoQuery
 
-from ..sandbox import EXIT_SETUP_FAILED, Launch, WorkerSandbox
+from ..sandbox import EXIT_SETUP_FAILED, Launch, WorkerSandbox, python_argv
 from ._cpu import WorkerCpu
 from ._frames import MAX_FRAME, FrameClosed, FrameRefused, read_reply, write_frame_async
 from ._links import CONTROL  # the request id of lease messages, both ways
@@ -187,7 +186,7 @@ class WorkerClient:
         self._fd_sock.setblocking(False)
         try:
             fds = [child.fileno(), fd_child.fileno()]
-            argv = [sys.executable, "-m", "gpubroker.broker.workers", "--fd", str(child.fileno()),
+            argv = [*python_argv(), "gpubroker.broker.workers", "--fd", str(child.fileno()),
                     "--fd-channel", str(fd_child.fileno()),
                     "--backend", self.backend, "--device", str(self.ordinal), "--tenant", self.tenant]
             # In the sandbox's launcher, which runs the worker as its child in namespaces of its own.
@@ -197,9 +196,13 @@ class WorkerClient:
                 # subprocess (vfork + exec) rather than the event loop's spawner: uvloop forks, and a forked
                 # child of a process full of gRPC threads was seen to crash before it could exec. Its output
                 # comes to the front on pipes of its own, never onto the front's log as it is (workers/_output.py).
+                # A session of its own: never the front's process group, which a worker's "my group" (kill(0),
+                # setpriority(PRIO_PGRP, 0)) would otherwise reach (the sandbox's worker makes one of its own too).
+                # The front ends workers by pid; a launcher dies with the front (PR_SET_PDEATHSIG), an unsandboxed
+                # worker at its channel's end-of-file.
                 self.process = subprocess.Popen(self._launch.argv, env=self._launch.env, pass_fds=fds,
                                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                stderr=subprocess.PIPE)
+                                                stderr=subprocess.PIPE, start_new_session=True)
                 self.cpu = WorkerCpu(self.process.pid)
                 self.output.pid = self.process.pid
                 assert self.process.stdout is not None and self.process.stderr is not None
