@@ -123,7 +123,7 @@ class Victim:
         self.n = max(1, int(n * seconds / took))
         best = min(self.run() for _ in range(3))
         for _ in range(3):  # (a busy machine makes any one measure long: size it again from the best of three)
-            if best < 1.3 * seconds:
+            if 0.85 * seconds < best < 1.15 * seconds:
                 break
             self.n = max(1, int(self.n * seconds / best))
             best = min(self.run() for _ in range(3))
@@ -170,7 +170,9 @@ def test_burners_left_behind_are_charged_to_their_tenant_and_stopped(broker: Bro
                  "the attacker's worker and its burners to be killed")
         log = broker.log_tail(1_000_000)
         assert f"max_cpu_seconds_outside_turns = {OUTSIDE:g}: threads or processes" in log, log[-3000:]
-        assert _crashes(broker, "mallory") == 1 and _crashes(broker, "alice") == 0
+        # (The charge is logged as the front reaps the worker, just after it is gone.)
+        wait_for(lambda: _crashes(broker, "mallory") == 1, 10, "the attacker's crash to be charged")
+        assert _crashes(broker, "alice") == 0
         with pytest.raises(ResourceExhausted, match="outside its device turns"):
             mallory.allocate_memory(8)  # its session's state went with its worker
         # Charged to the attacker: its usage shows the CPU it burned, though its one kernel took milliseconds.
@@ -186,8 +188,11 @@ def test_a_victim_slowed_by_anothers_burners_is_not_killed_for_it(broker: Broker
     with connect(broker.target, token=broker.tokens["bob"], device=0) as bob, \
             connect(broker.target, token=broker.tokens["mallory"], device=0) as mallory:
         victim = Victim(bob)
-        alone = victim.calibrate(LIMIT / 2)
-        assert alone < LIMIT * 0.75, alone
+        # Each worker is a session of its own, so the kernel's autogroup scheduling gives the victim's worker about
+        # half the CPUs however many burners the attacker runs: sized to 0.7 of the limit alone, its hold passes
+        # the limit in wall time only because of them, while its own device time stays under it.
+        alone = victim.calibrate(LIMIT * 0.7)
+        assert LIMIT * 0.55 < alone < LIMIT * 0.85, alone
         crashes = _crashes(broker, "bob"), _crashes(broker, "mallory")
         [bob_pid] = worker_pids(broker, "bob")
         tiny = mallory.compile_kernel(WORK, "gpb_work")
@@ -229,12 +234,12 @@ def test_a_victim_slowed_by_anothers_burners_is_not_killed_for_it(broker: Broker
         # The attacker is the one killed (its burners, outside its turns) and charged with the crash.
         wait_for(lambda: attacker not in worker_pids(broker, "mallory") and not descendants(attacker), 40,
                  "the attacker's worker and its burners to be killed")
-        assert _crashes(broker, "mallory") == crashes[1] + 1
+        wait_for(lambda: _crashes(broker, "mallory") == crashes[1] + 1, 10, "the attacker's crash to be charged")
         log = broker.log_tail(1_000_000)
         assert "tenant bob: device work held the device past max_kernel_seconds" not in log
         # The broker measured it: past the limit in wall time, under it in its own device time.
         measured = re.search(r"tenant bob: ([\d.]+) s of its own device time in ([\d.]+) s of its hold", log)
-        assert measured is not None, log[-3000:]
+        assert measured is not None, (alone, took, log[-3000:])
         own, held = float(measured[1]), float(measured[2])
         assert own < LIMIT <= held, (own, held, alone)
         wait_for(lambda: victim.run() < 1.6 * alone, 30, "the victim's kernels back to their normal length")
