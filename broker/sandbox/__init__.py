@@ -37,9 +37,12 @@ it have been beaten, and says what it stops.
   outside the limits below: memfd_create, memfd_secret, System V shared memory, message queues and semaphores.
 - **Resource limits**: a cgroup v2 per worker (``memory.max`` = ``worker_memory_max``, ``pids.max``,
   ``cpu.weight``) where the broker has a delegated cgroup to itself (systemd ``Delegate=yes``), which is charged
-  for its tmpfs pages too; otherwise rlimits: processes per user namespace, and with ``worker_memory_max``
-  ``RLIMIT_DATA`` (private writable memory, both backends: CUDA's PROT_NONE reservations do not count) and on
-  OpenCL ``RLIMIT_AS``, each ``worker_memory_max`` less the tmpfs sizes, so the tmpfs are counted inside it.
+  for its tmpfs pages too; otherwise rlimits: processes per user namespace, ``RLIMIT_DATA`` (private writable
+  memory, both backends: CUDA's PROT_NONE reservations do not count) and on OpenCL ``RLIMIT_AS``, each the
+  worker's memory less the tmpfs sizes, so the tmpfs are counted inside it. The worker's memory is
+  ``worker_memory_max`` where the operator set it, else (0, the default) its tenant's: the memory quota on its
+  device plus its shared memory (which RLIMIT_DATA leaves out: shared mappings are not private memory) plus the
+  runtime's own and the tmpfs (``automatic_memory_max``).
   Always: no core dumps, bounded descriptors, ``RLIMIT_FSIZE`` (the larger tmpfs size: EFBIG past it, which also
   bounds a memfd the front passed). A worker the OOM killer ends is its tenant's failure.
 - **Environment and descriptors**: only PATH, locale, PYTHONPATH, LD_LIBRARY_PATH, the log format, CUDA's device

@@ -22,7 +22,7 @@ from gpubroker.client import FailedPrecondition, Unavailable
 from ._cgroup import WorkerCgroups
 from ._launch import EXIT_SETUP_FAILED
 
-__all__ = ["Launch", "SandboxUnavailable", "WorkerSandbox", "cache_key", "default_cache_dir"]
+__all__ = ["Launch", "SandboxUnavailable", "WorkerSandbox", "automatic_memory_max", "cache_key", "default_cache_dir"]
 
 log = logging.getLogger("gpubroker.sandbox")
 
@@ -47,6 +47,28 @@ NOFILE = 4096
 TENANT_CACHES = "tenants"
 CACHE_MAX = 256 << 20  # the schema's defaults, for a WorkerSandbox made without a config
 TMP_MAX = 64 << 20
+# worker_memory_max = 0 (the default) is automatic: what the tenant may hold plus what the runtime needs of its own
+# (automatic_memory_max). A CUDA worker's own: `import torch` failed under an RLIMIT_DATA of 1 GiB and worked under
+# 4 GiB (an H100 host), with about 1.5 GiB of private writable memory after it; CuPy needs less.
+CUDA_RUNTIME = 4 << 30
+# An OpenCL worker's own: the interpreter, the ICD, PoCL and LLVM (about 320 MiB of address space with PoCL on two
+# CPUs) and, for each CPU, a PoCL thread's stack (8 MiB) and its malloc arena (64 MiB of address space, which
+# RLIMIT_AS counts).
+OPENCL_RUNTIME = 512 << 20
+OPENCL_RUNTIME_PER_CPU = 80 << 20
+
+
+def automatic_memory_max(backend: str, quota: int, shared: int, cache_max: int, tmp_max: int) -> int:
+    """The memory one worker may use when ``worker_memory_max`` is 0: the tenant's device memory quota on the
+    worker's device (``quota``: on OpenCL's CPU devices, buffers are host memory), the host memory its sessions
+    may share with the worker (``shared``: mapped into the worker, and on a cgroup charged to it where it touches
+    the pages first), the runtime's own (CUDA_RUNTIME, or OPENCL_RUNTIME and OPENCL_RUNTIME_PER_CPU), and its
+    tmpfs (compile cache, /tmp and /dev/shm); never less than twice the tmpfs, so that they take at most half of
+    it, as an explicit worker_memory_max must leave them."""
+    # (cuda, or auto: whichever backend a worker finds, the larger)
+    runtime = OPENCL_RUNTIME + OPENCL_RUNTIME_PER_CPU * (os.cpu_count() or 1) if backend == "opencl" else CUDA_RUNTIME
+    tmpfs = cache_max + tmp_max
+    return max(quota + shared + runtime + tmpfs, 2 * tmpfs)
 
 
 class SandboxUnavailable(Exception):
@@ -82,6 +104,7 @@ class Launch:
     env: dict[str, str]
     cgroup: Path | None = None
     cache: Path | None = None
+    memory_max: int = 0  # the memory it may use (worker_memory_max, or the automatic value for its tenant); 0: none
 
 
 class WorkerSandbox:
@@ -108,6 +131,11 @@ class WorkerSandbox:
         self.cgroup_reason = "sandbox off" if not enabled else "cgroups not tried"
         # The key of each tenant's cache (``cache_key`` of its token hash); the broker sets it from its config.
         self.tenant_key: Callable[[str], str] = lambda tenant: "default"
+        # What a tenant may hold, for the automatic memory limit (worker_memory_max = 0): its memory quota on a
+        # device, and the host memory its sessions may map through the side channel. The broker sets both from its
+        # config; without one (a probe, a test's sandbox) a worker gets the runtime's share alone.
+        self.tenant_quota: Callable[[str, int], int] = lambda tenant, device: 0
+        self.tenant_shared: Callable[[str], int] = lambda tenant: 0
         if enabled and use_cgroups:
             self.cgroups, self.cgroup_reason = WorkerCgroups.setup(memory_max, pids_max, cpu_weight)
 
@@ -116,6 +144,17 @@ class WorkerSandbox:
         return cls(enabled=cfg.sandbox, backend=backend, cache_dir=cfg.cache_dir, memory_max=cfg.worker_memory_max,
                    pids_max=cfg.worker_pids_max, cpu_weight=cfg.worker_cpu_weight, use_cgroups=use_cgroups,
                    cache_max=cfg.cache_max_bytes, tmp_max=cfg.worker_tmp_max_bytes)
+
+    def worker_memory(self, tenant: str | None, device: int = 0) -> tuple[int, int]:
+        """The memory the tenant's worker on ``device`` may use, and how much of it is the side channel's shared
+        memory: ``worker_memory_max`` when the operator set it (none of it set apart), else
+        ``automatic_memory_max`` of the tenant's quotas as the config says now (``tenant`` None: no tenant's, a
+        probe). A running worker keeps the limits it started with."""
+        if self.memory_max:
+            return self.memory_max, 0
+        quota = self.tenant_quota(tenant, device) if tenant is not None else 0
+        shared = self.tenant_shared(tenant) if tenant is not None else 0
+        return automatic_memory_max(self.backend, quota, shared, self.cache_max, self.tmp_max), shared
 
     @property
     def description(self) -> str:
@@ -181,8 +220,11 @@ class WorkerSandbox:
                        CUPY_CACHE_DIR=str(cache / "cupy"), CUDA_CACHE_PATH=str(cache / "nv"))
         return env
 
-    def spec(self, cache: Path | None, keep_fds: list[int], cgroup: Path | None) -> dict[str, Any]:
-        """The launcher's instructions: what to bind, what to limit."""
+    def spec(self, cache: Path | None, keep_fds: list[int], cgroup: Path | None,
+             memory: tuple[int, int] | None = None) -> dict[str, Any]:
+        """The launcher's instructions: what to bind, what to limit (``memory``: the worker's ``worker_memory``, by
+        default that of no tenant)."""
+        memory_max, shared = memory if memory is not None else self.worker_memory(None)
         ro = [*SYSTEM_RO, *self._python_paths]
         dev = list(DEVICES)
         if self.backend in ("cuda", "auto"):
@@ -197,12 +239,13 @@ class WorkerSandbox:
         if self.pids_max and not pids_cgroup:
             # Counted per user namespace (Linux >= 5.14): this worker's processes and threads only.
             rlimits["nproc"] = self.pids_max + 1
-        if cgroup is None and self.memory_max:
+        if cgroup is None and memory_max:
             # The tmpfs are counted inside the budget: what they may hold is taken off the mappings' limits.
-            mapped = self.memory_max - (self.cache_max if cache is not None else 0) - self.tmp_max
+            mapped = memory_max - (self.cache_max if cache is not None else 0) - self.tmp_max
             # Private writable memory (heap, stacks, anonymous mappings): not the PROT_NONE ranges CUDA reserves,
-            # so it holds on both backends.
-            rlimits["data"] = mapped
+            # so it holds on both backends. Nor the side channel's segments (shared mappings): the part of the
+            # budget set apart for them is not the private memory's.
+            rlimits["data"] = mapped - shared
             if self.backend == "opencl":
                 rlimits["as"] = mapped  # (CUDA reserves huge virtual ranges: no address-space limit there)
         return {"ro": _existing(ro), "rw": [str(cache)] if cache is not None else [], "dev": _existing(dev),
@@ -218,14 +261,15 @@ class WorkerSandbox:
         env = self.environment(cache)
         if not self.enabled:
             return Launch(worker_argv, {**os.environ, **env}, cache=cache)
+        memory = self.worker_memory(tenant, device)
         cgroup = None
         if self.cgroups is not None:
             try:
-                cgroup = self.cgroups.create(tenant, device)
+                cgroup = self.cgroups.create(tenant, device, memory[0])
             except OSError as exc:  # (a cgroup that cannot be made costs this worker its cgroup, not its start)
                 log.warning("no cgroup for tenant %s's worker on device %d, rlimits only: %s", tenant, device, exc)
-        spec = self.spec(cache, keep_fds, cgroup)
-        return Launch(self.launcher_argv(spec, worker_argv), env, cgroup, cache)
+        spec = self.spec(cache, keep_fds, cgroup, memory)
+        return Launch(self.launcher_argv(spec, worker_argv), env, cgroup, cache, memory[0])
 
     def release(self, launch: Launch) -> bool:
         """After the worker exited: remove its cgroup; whether the OOM killer ended it (blocking)."""
@@ -246,7 +290,7 @@ class WorkerSandbox:
             return
         if self.cgroups is not None:
             try:
-                self._probe(self.cgroups.create("probe", 0), timeout)
+                self._probe(self.cgroups.create("probe", 0, self.worker_memory(None)[0]), timeout)
             except (OSError, SandboxUnavailable) as exc:
                 log.warning("worker cgroups do not work here (%s); trying rlimits only", exc)
                 self.cgroups, self.cgroup_reason = None, f"worker cgroups failed: {exc}"
