@@ -64,7 +64,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["EXIT_SETUP_FAILED", "Launch", "SandboxUnavailable", "WorkerCgroups", "WorkerSandbox",
-           "cache_key", "default_cache_dir", "set_dumpable"]
+           "automatic_memory_max", "cache_key", "default_cache_dir", "set_dumpable"]
 
 
 def set_dumpable(dumpable: bool) -> None:
@@ -77,7 +77,8 @@ def set_dumpable(dumpable: bool) -> None:
 def __getattr__(name: str) -> Any:
     # Imported on first use: the launcher (``python -m gpubroker.broker.sandbox``) loads this package on every
     # worker start and needs none of the front's side.
-    if name in ("Launch", "SandboxUnavailable", "WorkerSandbox", "cache_key", "default_cache_dir"):
+    if name in ("Launch", "SandboxUnavailable", "WorkerSandbox", "automatic_memory_max", "cache_key",
+                "default_cache_dir"):
         from . import _policy
 
         return getattr(_policy, name)
