@@ -10,7 +10,8 @@ and time, a newer connection of a peer taking an idle one's place); after it, ``
 connections per tenant (so one tenant's idle connections cannot use up the listener for the others), and the
 bytes mapped per session and per tenant (the tenant's ``shared_memory``, its memory quota by default, and the
 broker's ``max_shared_bytes_per_tenant``). A malformed first frame is refused as a failed authentication is: an
-answer, an audit line and the failure delay; never a traceback.
+answer, an audit line and the failure delay; never a traceback. So is a frame that comes with more than one
+descriptor, however they are spread over its bytes: the front never holds more than one of a peer's descriptors.
 """
 
 from __future__ import annotations
