@@ -234,7 +234,8 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "RLIMIT_AS, each less the tmpfs sizes. 0 (the default): automatic, per tenant and device: the tenant's "
         "memory quota on that device (on OpenCL's CPU devices, buffers are host memory) plus its shared_memory "
         "(side-channel segments the worker maps; not counted in RLIMIT_DATA) plus the runtime's own (4 GiB on "
-        "CUDA, enough for CuPy and PyTorch; on OpenCL 512 MiB and 80 MiB per CPU) plus cache_max_bytes and "
+        "CUDA, enough for CuPy and PyTorch; on OpenCL 512 MiB and 32 MiB per CPU, and RLIMIT_AS allows another "
+        "512 MiB and 96 MiB per CPU of address space that PoCL reserves) plus cache_max_bytes and "
         "worker_tmp_max_bytes, and at least twice those two; a worker keeps the limit it started with until it "
         "is restarted. A value here applies to every worker instead.")), SIZE] = 0
     cache_max_bytes: Annotated[int, Meta(ge=1 << 20, description=(

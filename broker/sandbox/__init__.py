@@ -42,7 +42,7 @@ it have been beaten, and says what it stops.
   worker's memory less the tmpfs sizes, so the tmpfs are counted inside it. The worker's memory is
   ``worker_memory_max`` where the operator set it, else (0, the default) its tenant's: the memory quota on its
   device plus its shared memory (which RLIMIT_DATA leaves out: shared mappings are not private memory) plus the
-  runtime's own and the tmpfs (``automatic_memory_max``).
+  runtime's own and the tmpfs (``automatic_memory_max``); RLIMIT_AS allows besides what PoCL reserves.
   Always: no core dumps, bounded descriptors, ``RLIMIT_FSIZE`` (the larger tmpfs size: EFBIG past it, which also
   bounds a memfd the front passed). A worker the OOM killer ends is its tenant's failure.
 - **Environment and descriptors**: only PATH, locale, PYTHONPATH, LD_LIBRARY_PATH, the log format, CUDA's device
@@ -64,7 +64,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["EXIT_SETUP_FAILED", "Launch", "SandboxUnavailable", "WorkerCgroups", "WorkerSandbox",
-           "automatic_memory_max", "cache_key", "default_cache_dir", "set_dumpable"]
+           "automatic_memory_max", "automatic_reserved", "cache_key", "default_cache_dir", "set_dumpable"]
 
 
 def set_dumpable(dumpable: bool) -> None:
@@ -77,8 +77,8 @@ def set_dumpable(dumpable: bool) -> None:
 def __getattr__(name: str) -> Any:
     # Imported on first use: the launcher (``python -m gpubroker.broker.sandbox``) loads this package on every
     # worker start and needs none of the front's side.
-    if name in ("Launch", "SandboxUnavailable", "WorkerSandbox", "automatic_memory_max", "cache_key",
-                "default_cache_dir"):
+    if name in ("Launch", "SandboxUnavailable", "WorkerSandbox", "automatic_memory_max", "automatic_reserved",
+                "cache_key", "default_cache_dir"):
         from . import _policy
 
         return getattr(_policy, name)

@@ -15,14 +15,15 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpubroker.client import FailedPrecondition, Unavailable
 
 from ._cgroup import WorkerCgroups
 from ._launch import EXIT_SETUP_FAILED
 
-__all__ = ["Launch", "SandboxUnavailable", "WorkerSandbox", "automatic_memory_max", "cache_key", "default_cache_dir"]
+__all__ = ["Launch", "SandboxUnavailable", "WorkerMemory", "WorkerSandbox", "automatic_memory_max",
+           "automatic_reserved", "cache_key", "default_cache_dir"]
 
 log = logging.getLogger("gpubroker.sandbox")
 
@@ -51,11 +52,24 @@ TMP_MAX = 64 << 20
 # (automatic_memory_max). A CUDA worker's own: `import torch` failed under an RLIMIT_DATA of 1 GiB and worked under
 # 4 GiB (an H100 host), with about 1.5 GiB of private writable memory after it; CuPy needs less.
 CUDA_RUNTIME = 4 << 30
-# An OpenCL worker's own: the interpreter, the ICD, PoCL and LLVM (about 320 MiB of address space with PoCL on two
-# CPUs) and, for each CPU, a PoCL thread's stack (8 MiB) and its malloc arena (64 MiB of address space, which
-# RLIMIT_AS counts).
+# An OpenCL worker's own: the interpreter, the ICD, PoCL and LLVM, and a PoCL thread per CPU with its stack and
+# working memory. PoCL 6 at its first context, private writable memory (VmData): about 50 MiB on two CPUs, 440 MiB
+# on sixteen (the H200 host).
 OPENCL_RUNTIME = 512 << 20
-OPENCL_RUNTIME_PER_CPU = 80 << 20
+OPENCL_RUNTIME_PER_CPU = 32 << 20
+# Address space an OpenCL worker reserves without using it as memory, which RLIMIT_AS counts all the same: each
+# thread's malloc arena (64 MiB), the libraries' mappings. PoCL 6 at its first context (VmSize less VmData):
+# about 270 MiB on two CPUs, 1 GiB on sixteen.
+OPENCL_RESERVED = 512 << 20
+OPENCL_RESERVED_PER_CPU = 96 << 20
+
+
+class WorkerMemory(NamedTuple):
+    """One worker's memory bounds (``WorkerSandbox.worker_memory``)."""
+
+    total: int  # all it may use, its tmpfs included: memory.max in a cgroup (0: no limit)
+    shared: int = 0  # of which the side channel's segments (shared mappings: not in RLIMIT_DATA)
+    reserved: int = 0  # address space beyond the total that RLIMIT_AS allows for (reserved, never memory)
 
 
 def automatic_memory_max(backend: str, quota: int, shared: int, cache_max: int, tmp_max: int) -> int:
@@ -66,9 +80,19 @@ def automatic_memory_max(backend: str, quota: int, shared: int, cache_max: int, 
     tmpfs (compile cache, /tmp and /dev/shm); never less than twice the tmpfs, so that they take at most half of
     it, as an explicit worker_memory_max must leave them."""
     # (cuda, or auto: whichever backend a worker finds, the larger)
-    runtime = OPENCL_RUNTIME + OPENCL_RUNTIME_PER_CPU * (os.cpu_count() or 1) if backend == "opencl" else CUDA_RUNTIME
+    runtime = OPENCL_RUNTIME + OPENCL_RUNTIME_PER_CPU * _cpus() if backend == "opencl" else CUDA_RUNTIME
     tmpfs = cache_max + tmp_max
     return max(quota + shared + runtime + tmpfs, 2 * tmpfs)
+
+
+def automatic_reserved(backend: str) -> int:
+    """The address space an automatic limit allows a worker beyond its memory (RLIMIT_AS, OpenCL only)."""
+    return OPENCL_RESERVED + OPENCL_RESERVED_PER_CPU * _cpus() if backend == "opencl" else 0
+
+
+def _cpus() -> int:
+    """The host's CPUs: PoCL runs a thread on each."""
+    return os.cpu_count() or 1
 
 
 class SandboxUnavailable(Exception):
@@ -145,16 +169,17 @@ class WorkerSandbox:
                    pids_max=cfg.worker_pids_max, cpu_weight=cfg.worker_cpu_weight, use_cgroups=use_cgroups,
                    cache_max=cfg.cache_max_bytes, tmp_max=cfg.worker_tmp_max_bytes)
 
-    def worker_memory(self, tenant: str | None, device: int = 0) -> tuple[int, int]:
-        """The memory the tenant's worker on ``device`` may use, and how much of it is the side channel's shared
-        memory: ``worker_memory_max`` when the operator set it (none of it set apart), else
-        ``automatic_memory_max`` of the tenant's quotas as the config says now (``tenant`` None: no tenant's, a
-        probe). A running worker keeps the limits it started with."""
+    def worker_memory(self, tenant: str | None, device: int = 0) -> WorkerMemory:
+        """The memory the tenant's worker on ``device`` may use: ``worker_memory_max`` when the operator set it
+        (all of it for any use), else ``automatic_memory_max`` of the tenant's quotas as the config says now, with
+        the shared memory and the reserved address space (``automatic_reserved``) said apart (``tenant`` None: no
+        tenant's, a probe). A running worker keeps the limits it started with."""
         if self.memory_max:
-            return self.memory_max, 0
+            return WorkerMemory(self.memory_max)
         quota = self.tenant_quota(tenant, device) if tenant is not None else 0
         shared = self.tenant_shared(tenant) if tenant is not None else 0
-        return automatic_memory_max(self.backend, quota, shared, self.cache_max, self.tmp_max), shared
+        return WorkerMemory(automatic_memory_max(self.backend, quota, shared, self.cache_max, self.tmp_max), shared,
+                            automatic_reserved(self.backend))
 
     @property
     def description(self) -> str:
@@ -221,10 +246,10 @@ class WorkerSandbox:
         return env
 
     def spec(self, cache: Path | None, keep_fds: list[int], cgroup: Path | None,
-             memory: tuple[int, int] | None = None) -> dict[str, Any]:
+             memory: WorkerMemory | None = None) -> dict[str, Any]:
         """The launcher's instructions: what to bind, what to limit (``memory``: the worker's ``worker_memory``, by
         default that of no tenant)."""
-        memory_max, shared = memory if memory is not None else self.worker_memory(None)
+        memory_max, shared, reserved = memory if memory is not None else self.worker_memory(None)
         ro = [*SYSTEM_RO, *self._python_paths]
         dev = list(DEVICES)
         if self.backend in ("cuda", "auto"):
@@ -247,7 +272,8 @@ class WorkerSandbox:
             # budget set apart for them is not the private memory's.
             rlimits["data"] = mapped - shared
             if self.backend == "opencl":
-                rlimits["as"] = mapped  # (CUDA reserves huge virtual ranges: no address-space limit there)
+                # (CUDA reserves huge virtual ranges: no address-space limit there)
+                rlimits["as"] = mapped + reserved
         return {"ro": _existing(ro), "rw": [str(cache)] if cache is not None else [], "dev": _existing(dev),
                 "keep_fds": keep_fds, "rlimits": rlimits, "seccomp": True, "tmp_size": self.tmp_max,
                 # PoCL links each new kernel with the system linker (posix_spawn): no other backend spawns.
@@ -265,11 +291,11 @@ class WorkerSandbox:
         cgroup = None
         if self.cgroups is not None:
             try:
-                cgroup = self.cgroups.create(tenant, device, memory[0])
+                cgroup = self.cgroups.create(tenant, device, memory.total)
             except OSError as exc:  # (a cgroup that cannot be made costs this worker its cgroup, not its start)
                 log.warning("no cgroup for tenant %s's worker on device %d, rlimits only: %s", tenant, device, exc)
         spec = self.spec(cache, keep_fds, cgroup, memory)
-        return Launch(self.launcher_argv(spec, worker_argv), env, cgroup, cache, memory[0])
+        return Launch(self.launcher_argv(spec, worker_argv), env, cgroup, cache, memory.total)
 
     def release(self, launch: Launch) -> bool:
         """After the worker exited: remove its cgroup; whether the OOM killer ended it (blocking)."""
@@ -290,7 +316,7 @@ class WorkerSandbox:
             return
         if self.cgroups is not None:
             try:
-                self._probe(self.cgroups.create("probe", 0, self.worker_memory(None)[0]), timeout)
+                self._probe(self.cgroups.create("probe", 0, self.worker_memory(None).total), timeout)
             except (OSError, SandboxUnavailable) as exc:
                 log.warning("worker cgroups do not work here (%s); trying rlimits only", exc)
                 self.cgroups, self.cgroup_reason = None, f"worker cgroups failed: {exc}"
