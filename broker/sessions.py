@@ -8,12 +8,13 @@ each (tenant, device)'s memory use as the worker reports it, and the host memory
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 from gpubroker.client import (
     DeviceInfo,
@@ -30,13 +31,20 @@ from .config import BrokerConfig
 from .placement import DeviceLoad, NoServingDevice, choose_device
 from .workers import WorkerClient, WorkerPool
 
-__all__ = ["Admission", "Session", "SessionManager"]
+__all__ = ["Admission", "Session", "SessionManager", "out_of_descriptors"]
 
 log = logging.getLogger("gpubroker.sessions")
 # A link frame's room around a copy chunk (the contract's max frame: chunk_bytes + 64 KiB).
 LINK_ENVELOPE = 64 * 1024
 # How long a view (placement, admin, metrics) waits for a worker's fresh memory figures before it uses the last.
 _USAGE_WAIT = 1.0
+
+
+def out_of_descriptors(exc: BaseException) -> TypeGuard[OSError]:
+    """Whether ``exc`` says the front ran out of file descriptors (its own RLIMIT_NOFILE: EMFILE; the system's
+    file table: ENFILE), say while a worker starts (its socketpairs and pipes): the broker's condition for a while,
+    neither the tenant's doing nor the device's fault, and no bug."""
+    return isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE)
 
 @dataclass
 class Session:
@@ -168,7 +176,8 @@ class SessionManager:
             try:
                 worker = await self.pool.get(tenant, device)
             except Exception as exc:
-                if self.admission is not None:
+                # (The front short of descriptors is neither the device's fault nor the tenant's: not charged.)
+                if self.admission is not None and not out_of_descriptors(exc):
                     self.admission.worker_start_failed(device, exc)
                 raise
             if tenant not in self.config.tenants:

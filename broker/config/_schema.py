@@ -231,7 +231,13 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     worker_memory_max: Annotated[int, Meta(ge=0, description=(
         "Memory one worker may use, its /tmp, /dev/shm and compile cache included: cgroup v2 memory.max where "
         "the broker may create cgroups, else RLIMIT_DATA (private writable memory, both backends) and on OpenCL "
-        "RLIMIT_AS, each less the tmpfs sizes; 0: no limit.")), SIZE] = 0
+        "RLIMIT_AS, each less the tmpfs sizes. 0 (the default): automatic, per tenant and device: the tenant's "
+        "memory quota on that device (on OpenCL's CPU devices, buffers are host memory) plus its shared_memory "
+        "(side-channel segments the worker maps; not counted in RLIMIT_DATA) plus the runtime's own (4 GiB on "
+        "CUDA, enough for CuPy and PyTorch; on OpenCL 512 MiB and 32 MiB per CPU, and RLIMIT_AS allows another "
+        "512 MiB and 96 MiB per CPU of address space that PoCL reserves) plus cache_max_bytes and "
+        "worker_tmp_max_bytes, and at least twice those two; a worker keeps the limit it started with until it "
+        "is restarted. A value here applies to every worker instead.")), SIZE] = 0
     cache_max_bytes: Annotated[int, Meta(ge=1 << 20, description=(
         "The most one tenant's compile cache may hold. A sandboxed worker writes its cache into a tmpfs of this "
         "size (counted as its memory), seeded with the newest half of the cache on disk, and the cache on disk "
@@ -239,7 +245,8 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "file a worker writes may be larger than this or worker_tmp_max_bytes (RLIMIT_FSIZE).")), SIZE] = 256 << 20
     worker_tmp_max_bytes: Annotated[int, Meta(ge=1 << 20, description=(
         "What a sandboxed worker's /tmp and /dev/shm may hold together (one tmpfs, counted as its memory). "
-        "With worker_memory_max set, this and cache_max_bytes may take at most half of it.")), SIZE] = 64 << 20
+        "This and cache_max_bytes may take at most half of worker_memory_max (the automatic value leaves them "
+        "that room).")), SIZE] = 64 << 20
     worker_pids_max: Annotated[int, Meta(ge=0, description=(
         "Processes and threads one worker may have (cgroup v2 pids.max, else an rlimit); 0: no limit."))] = 512
     worker_uid: Annotated[int, Meta(ge=0, le=2**32 - 2, description=(

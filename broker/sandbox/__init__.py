@@ -48,9 +48,12 @@ it have been beaten, and says what it stops.
 - **Resource limits**: a cgroup v2 per worker (``memory.max`` = ``worker_memory_max``, ``pids.max``,
   ``cpu.weight``) where the broker has a delegated cgroup to itself (systemd ``Delegate=yes``), which is charged
   for its tmpfs pages too; otherwise rlimits: processes and threads per user namespace (``RLIMIT_NPROC``, which
-  binds a root broker's workers only with ``worker_uid``, the default), and with ``worker_memory_max``
-  ``RLIMIT_DATA`` (private writable memory, both backends: CUDA's PROT_NONE reservations do not count) and on
-  OpenCL ``RLIMIT_AS``, each ``worker_memory_max`` less the tmpfs sizes, so the tmpfs are counted inside it.
+  binds a root broker's workers only with ``worker_uid``, the default), ``RLIMIT_DATA`` (private writable
+  memory, both backends: CUDA's PROT_NONE reservations do not count) and on OpenCL ``RLIMIT_AS``, each the
+  worker's memory less the tmpfs sizes, so the tmpfs are counted inside it. The worker's memory is
+  ``worker_memory_max`` where the operator set it, else (0, the default) its tenant's: the memory quota on its
+  device plus its shared memory (which RLIMIT_DATA leaves out: shared mappings are not private memory) plus the
+  runtime's own and the tmpfs (``automatic_memory_max``); RLIMIT_AS allows besides what PoCL reserves.
   Always: no core dumps, bounded descriptors, ``RLIMIT_FSIZE`` (the larger tmpfs size: EFBIG past it, which also
   bounds a memfd the front passed). A worker the OOM killer ends is its tenant's failure.
 - **Environment and descriptors**: only PATH, locale, PYTHONPATH, LD_LIBRARY_PATH, the log format, CUDA's device
@@ -72,7 +75,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["EXIT_SETUP_FAILED", "Launch", "SandboxUnavailable", "WorkerCgroups", "WorkerSandbox",
-           "cache_key", "default_cache_dir", "python_argv", "set_dumpable"]
+           "automatic_memory_max", "automatic_reserved", "cache_key", "default_cache_dir", "python_argv",
+           "set_dumpable"]
 
 
 def set_dumpable(dumpable: bool) -> None:
@@ -85,7 +89,8 @@ def set_dumpable(dumpable: bool) -> None:
 def __getattr__(name: str) -> Any:
     # Imported on first use: the launcher (``python -m gpubroker.broker.sandbox``) loads this package on every
     # worker start and needs none of the front's side.
-    if name in ("Launch", "SandboxUnavailable", "WorkerSandbox", "cache_key", "default_cache_dir", "python_argv"):
+    if name in ("Launch", "SandboxUnavailable", "WorkerSandbox", "automatic_memory_max", "automatic_reserved",
+                "cache_key", "default_cache_dir", "python_argv"):
         from . import _policy
 
         return getattr(_policy, name)

@@ -93,15 +93,17 @@ class WorkerCgroups:
         return cls(parent, wanted, memory_max, pids_max, cpu_weight), \
             f"cgroup v2 at {parent} ({', '.join(sorted(wanted))})"
 
-    def create(self, tenant: str, device: int) -> Path:
-        """A new cgroup for one worker, its limits set; the launcher moves itself in before it unshares."""
+    def create(self, tenant: str, device: int, memory_max: int | None = None) -> Path:
+        """A new cgroup for one worker, its limits set (``memory_max``: this worker's memory.max, by default the
+        one set up; 0: none); the launcher moves itself in before it unshares."""
+        memory_max = self.memory_max if memory_max is None else memory_max
         path = self.parent / f"{tenant}-{device}-{next(self._serial)}"
         path.mkdir()
         try:
             if "pids" in self.controllers:
                 _write(path / "pids.max", f"{self.pids_max or 'max'}\n")
-            _write(path / "memory.max", f"{self.memory_max or 'max'}\n")
-            if self.memory_max and (path / "memory.swap.max").exists():
+            _write(path / "memory.max", f"{memory_max or 'max'}\n")
+            if memory_max and (path / "memory.swap.max").exists():
                 _write(path / "memory.swap.max", "0\n")  # the limit is on memory, not on memory + swap
             if "cpu" in self.controllers:
                 _write(path / "cpu.weight", f"{self.cpu_weight}\n")

@@ -15,14 +15,15 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpubroker.client import FailedPrecondition, Unavailable
 
 from ._cgroup import WorkerCgroups
 from ._launch import EXIT_SETUP_FAILED
 
-__all__ = ["Launch", "SandboxUnavailable", "WorkerSandbox", "cache_key", "default_cache_dir", "python_argv"]
+__all__ = ["Launch", "SandboxUnavailable", "WorkerMemory", "WorkerSandbox", "automatic_memory_max",
+           "automatic_reserved", "cache_key", "default_cache_dir", "python_argv"]
 
 log = logging.getLogger("gpubroker.sandbox")
 
@@ -59,6 +60,51 @@ def python_argv() -> list[str]:
     would drop the operator's PYTHONPATH, which may be how this gpubroker is found; every other variable a Python
     reads is the operator's or none (``launcher_environment``)."""
     return [sys.executable, "-s", "-P", "-m"]
+# worker_memory_max = 0 (the default) is automatic: what the tenant may hold plus what the runtime needs of its own
+# (automatic_memory_max). A CUDA worker's own: `import torch` failed under an RLIMIT_DATA of 1 GiB and worked under
+# 4 GiB (an H100 host), with about 1.5 GiB of private writable memory after it; CuPy needs less.
+CUDA_RUNTIME = 4 << 30
+# An OpenCL worker's own: the interpreter, the ICD, PoCL and LLVM, and a PoCL thread per CPU with its stack and
+# working memory. PoCL 6 at its first context, private writable memory (VmData): about 50 MiB on two CPUs, 440 MiB
+# on sixteen (the H200 host).
+OPENCL_RUNTIME = 512 << 20
+OPENCL_RUNTIME_PER_CPU = 32 << 20
+# Address space an OpenCL worker reserves without using it as memory, which RLIMIT_AS counts all the same: each
+# thread's malloc arena (64 MiB), the libraries' mappings. PoCL 6 at its first context (VmSize less VmData):
+# about 270 MiB on two CPUs, 1 GiB on sixteen.
+OPENCL_RESERVED = 512 << 20
+OPENCL_RESERVED_PER_CPU = 96 << 20
+
+
+class WorkerMemory(NamedTuple):
+    """One worker's memory bounds (``WorkerSandbox.worker_memory``)."""
+
+    total: int  # all it may use, its tmpfs included: memory.max in a cgroup (0: no limit)
+    shared: int = 0  # of which the side channel's segments (shared mappings: not in RLIMIT_DATA)
+    reserved: int = 0  # address space beyond the total that RLIMIT_AS allows for (reserved, never memory)
+
+
+def automatic_memory_max(backend: str, quota: int, shared: int, cache_max: int, tmp_max: int) -> int:
+    """The memory one worker may use when ``worker_memory_max`` is 0: the tenant's device memory quota on the
+    worker's device (``quota``: on OpenCL's CPU devices, buffers are host memory), the host memory its sessions
+    may share with the worker (``shared``: mapped into the worker, and on a cgroup charged to it where it touches
+    the pages first), the runtime's own (CUDA_RUNTIME, or OPENCL_RUNTIME and OPENCL_RUNTIME_PER_CPU), and its
+    tmpfs (compile cache, /tmp and /dev/shm); never less than twice the tmpfs, so that they take at most half of
+    it, as an explicit worker_memory_max must leave them."""
+    # (cuda, or auto: whichever backend a worker finds, the larger)
+    runtime = OPENCL_RUNTIME + OPENCL_RUNTIME_PER_CPU * _cpus() if backend == "opencl" else CUDA_RUNTIME
+    tmpfs = cache_max + tmp_max
+    return max(quota + shared + runtime + tmpfs, 2 * tmpfs)
+
+
+def automatic_reserved(backend: str) -> int:
+    """The address space an automatic limit allows a worker beyond its memory (RLIMIT_AS, OpenCL only)."""
+    return OPENCL_RESERVED + OPENCL_RESERVED_PER_CPU * _cpus() if backend == "opencl" else 0
+
+
+def _cpus() -> int:
+    """The host's CPUs: PoCL runs a thread on each."""
+    return os.cpu_count() or 1
 
 
 class SandboxUnavailable(Exception):
@@ -94,6 +140,7 @@ class Launch:
     env: dict[str, str]
     cgroup: Path | None = None
     cache: Path | None = None
+    memory_max: int = 0  # the memory it may use (worker_memory_max, or the automatic value for its tenant); 0: none
 
 
 class WorkerSandbox:
@@ -124,6 +171,11 @@ class WorkerSandbox:
         self.cgroup_reason = "sandbox off" if not enabled else "cgroups not tried"
         # The key of each tenant's cache (``cache_key`` of its token hash); the broker sets it from its config.
         self.tenant_key: Callable[[str], str] = lambda tenant: "default"
+        # What a tenant may hold, for the automatic memory limit (worker_memory_max = 0): its memory quota on a
+        # device, and the host memory its sessions may map through the side channel. The broker sets both from its
+        # config; without one (a probe, a test's sandbox) a worker gets the runtime's share alone.
+        self.tenant_quota: Callable[[str, int], int] = lambda tenant, device: 0
+        self.tenant_shared: Callable[[str], int] = lambda tenant: 0
         if enabled and use_cgroups:
             self.cgroups, self.cgroup_reason = WorkerCgroups.setup(memory_max, pids_max, cpu_weight)
 
@@ -132,6 +184,18 @@ class WorkerSandbox:
         return cls(enabled=cfg.sandbox, backend=backend, cache_dir=cfg.cache_dir, memory_max=cfg.worker_memory_max,
                    pids_max=cfg.worker_pids_max, cpu_weight=cfg.worker_cpu_weight, use_cgroups=use_cgroups,
                    cache_max=cfg.cache_max_bytes, tmp_max=cfg.worker_tmp_max_bytes, worker_uid=cfg.worker_uid)
+
+    def worker_memory(self, tenant: str | None, device: int = 0) -> WorkerMemory:
+        """The memory the tenant's worker on ``device`` may use: ``worker_memory_max`` when the operator set it
+        (all of it for any use), else ``automatic_memory_max`` of the tenant's quotas as the config says now, with
+        the shared memory and the reserved address space (``automatic_reserved``) said apart (``tenant`` None: no
+        tenant's, a probe). A running worker keeps the limits it started with."""
+        if self.memory_max:
+            return WorkerMemory(self.memory_max)
+        quota = self.tenant_quota(tenant, device) if tenant is not None else 0
+        shared = self.tenant_shared(tenant) if tenant is not None else 0
+        return WorkerMemory(automatic_memory_max(self.backend, quota, shared, self.cache_max, self.tmp_max), shared,
+                            automatic_reserved(self.backend))
 
     @property
     def description(self) -> str:
@@ -214,8 +278,11 @@ class WorkerSandbox:
         """The worker's environment: the launcher's, with HOME and every compile cache in the tenant's cache."""
         return {**self.launcher_environment(), **_cache_environment(cache)}
 
-    def spec(self, cache: Path | None, keep_fds: list[int], cgroup: Path | None) -> dict[str, Any]:
-        """The launcher's instructions: what to bind, what to limit."""
+    def spec(self, cache: Path | None, keep_fds: list[int], cgroup: Path | None,
+             memory: WorkerMemory | None = None) -> dict[str, Any]:
+        """The launcher's instructions: what to bind, what to limit (``memory``: the worker's ``worker_memory``, by
+        default that of no tenant)."""
+        memory_max, shared, reserved = memory if memory is not None else self.worker_memory(None)
         ro = [*SYSTEM_RO, *self._python_paths]
         dev = list(DEVICES)
         if self.backend in ("cuda", "auto"):
@@ -230,14 +297,16 @@ class WorkerSandbox:
         if self.pids_max and not pids_cgroup:
             # Counted per user namespace (Linux >= 5.14): this worker's processes and threads only.
             rlimits["nproc"] = self.pids_max + 1
-        if cgroup is None and self.memory_max:
+        if cgroup is None and memory_max:
             # The tmpfs are counted inside the budget: what they may hold is taken off the mappings' limits.
-            mapped = self.memory_max - (self.cache_max if cache is not None else 0) - self.tmp_max
+            mapped = memory_max - (self.cache_max if cache is not None else 0) - self.tmp_max
             # Private writable memory (heap, stacks, anonymous mappings): not the PROT_NONE ranges CUDA reserves,
-            # so it holds on both backends.
-            rlimits["data"] = mapped
+            # so it holds on both backends. Nor the side channel's segments (shared mappings): the part of the
+            # budget set apart for them is not the private memory's.
+            rlimits["data"] = mapped - shared
             if self.backend == "opencl":
-                rlimits["as"] = mapped  # (CUDA reserves huge virtual ranges: no address-space limit there)
+                # (CUDA reserves huge virtual ranges: no address-space limit there)
+                rlimits["as"] = mapped + reserved
         return {"ro": _existing(ro), "rw": [str(cache)] if cache is not None else [], "dev": _existing(dev),
                 # (only what the worker's environment adds to the launcher's: the rest is the operator's, and a
                 # command line is anyone's to read)
@@ -254,14 +323,15 @@ class WorkerSandbox:
         env = self.environment(cache)
         if not self.enabled:
             return Launch(worker_argv, {**os.environ, **env}, cache=cache)
+        memory = self.worker_memory(tenant, device)
         cgroup = None
         if self.cgroups is not None:
             try:
-                cgroup = self.cgroups.create(tenant, device)
+                cgroup = self.cgroups.create(tenant, device, memory.total)
             except OSError as exc:  # (a cgroup that cannot be made costs this worker its cgroup, not its start)
                 log.warning("no cgroup for tenant %s's worker on device %d, rlimits only: %s", tenant, device, exc)
-        spec = self.spec(cache, keep_fds, cgroup)
-        return Launch(self.launcher_argv(spec, worker_argv), self.launcher_environment(), cgroup, cache)
+        spec = self.spec(cache, keep_fds, cgroup, memory)
+        return Launch(self.launcher_argv(spec, worker_argv), self.launcher_environment(), cgroup, cache, memory.total)
 
     def release(self, launch: Launch) -> bool:
         """After the worker exited: remove its cgroup; whether the OOM killer ended it (blocking)."""
@@ -282,7 +352,7 @@ class WorkerSandbox:
             return
         if self.cgroups is not None:
             try:
-                self._probe(self.cgroups.create("probe", 0), timeout)
+                self._probe(self.cgroups.create("probe", 0, self.worker_memory(None).total), timeout)
             except (OSError, SandboxUnavailable) as exc:
                 log.warning("worker cgroups do not work here (%s); trying rlimits only", exc)
                 self.cgroups, self.cgroup_reason = None, f"worker cgroups failed: {exc}"

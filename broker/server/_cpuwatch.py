@@ -37,6 +37,7 @@ from gpubroker.client import GpuBrokerError, ResourceExhausted
 
 from ..scheduler import DeviceScheduler
 from ..workers import CpuReading, WorkerClient, WorkerPool, scan_children
+from ._status import log_failure
 
 __all__ = ["CpuWatch"]
 
@@ -87,8 +88,8 @@ class CpuWatch:
             await asyncio.sleep(self.period)
             try:
                 await self.tick()
-            except Exception:  # (a /proc oddity must not end the watch: the next tick tries again)
-                log.exception("the CPU watch failed; trying again")
+            except Exception as exc:  # (a /proc oddity must not end the watch: the next tick tries again)
+                log_failure(log, "the CPU watch failed; trying again", exc)
 
     async def tick(self) -> None:
         workers = [w for w in self.pool.workers() if w.alive and w.cpu is not None]

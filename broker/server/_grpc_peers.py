@@ -23,6 +23,7 @@ import socket
 from collections.abc import Iterator
 
 from ..auth import RateLimitedLog, peer_credentials
+from ._status import log_failure
 
 __all__ = ["GrpcPeerCensus"]
 
@@ -85,8 +86,8 @@ class GrpcPeerCensus:
             busy = True
             try:
                 busy = self.scan()
-            except Exception:  # a census that fails must not end the broker; try again next time
-                log.exception("counting the gRPC connections per peer failed")
+            except Exception as exc:  # a census that fails must not end the broker; try again next time
+                log_failure(log, "counting the gRPC connections per peer failed", exc)
             await asyncio.sleep(self.interval if busy else self.quiet_interval)
 
     def _peer_of(self, sock: socket.socket) -> str | None:

@@ -190,6 +190,8 @@ class Broker:
         # Each tenant's compile cache is its name's and its token's (sandbox.cache_key): whatever a tenant left in
         # its cache is never found by a tenant added under its name later, even with the broker down meanwhile.
         sandbox.tenant_key = self._cache_key
+        # With worker_memory_max = 0, each worker's memory limit follows its tenant's quotas (sandbox/_policy.py).
+        sandbox.tenant_quota, sandbox.tenant_shared = self._memory_quota, self._shared_quota
         self.health = BrokerHealth(cfg, devices)  # (NVML maps the backend's own indices, the ids here)
         # Worker deaths are charged to their cause (workers/_pool.py): the tenant's crash budget, or (only for
         # failures no tenant caused) the device's health. A worker's reply is at most a copy chunk and envelope.
@@ -335,6 +337,15 @@ class Broker:
         config gets one that nothing keeps (its worker's cache is deleted when it exits)."""
         t = self.config.tenants.get(tenant)
         return cache_key(t.token_hash) if t is not None else "removed"
+
+    def _memory_quota(self, tenant: str, device: int) -> int:
+        """The tenant's device memory quota on ``device`` now (0 for a tenant no longer in the config)."""
+        t = self.config.tenants.get(tenant)
+        return t.quota_on(device) if t is not None else 0
+
+    def _shared_quota(self, tenant: str) -> int:
+        """The host memory the tenant's sessions may map through the side channel now (0 for a removed tenant)."""
+        return self.config.shared_limit(tenant)[0] if tenant in self.config.tenants else 0
 
     def _spawn_removal(self, paths: set[Path]) -> None:
         task = asyncio.get_running_loop().create_task(self._remove_caches(paths))

@@ -10,7 +10,8 @@ and time, a newer connection of a peer taking an idle one's place); after it, ``
 connections per tenant (so one tenant's idle connections cannot use up the listener for the others), and the
 bytes mapped per session and per tenant (the tenant's ``shared_memory``, its memory quota by default, and the
 broker's ``max_shared_bytes_per_tenant``). A malformed first frame is refused as a failed authentication is: an
-answer, an audit line and the failure delay; never a traceback.
+answer, an audit line and the failure delay; never a traceback. So is a frame that comes with more than one
+descriptor, however they are spread over its bytes: the front never holds more than one of a peer's descriptors.
 """
 
 from __future__ import annotations
@@ -39,17 +40,21 @@ from gpubroker.client import (
 from gpubroker.client._protocol import MAX_HANDLE
 from gpubroker.client._shm import FRAME_HEADER, MAX_FRAME, pack_frame, unpack_frame
 
-from ..auth import Authenticator, Principal, RateLimitedLog, peer_credentials, wait_failure_delay
+from ..auth import Authenticator, Principal, RateLimitedLog, failure_delay, peer_credentials, wait_failure_delay
 from ..config import BrokerConfig
-from ..sessions import Session, SessionManager
+from ..sessions import Session, SessionManager, out_of_descriptors
 from ._preauth import Idle, IdleSweeper, PreAuthGate, Ticket, refuse_malformed
+from ._status import descriptors_exhausted
 
 __all__ = ["SharedMemoryServer"]
 
 log = logging.getLogger("gpubroker.server")
 # Connections are cheap but not free: beyond this many at once, new ones are closed at once.
 MAX_CONNECTIONS = 1024
-_MAX_FDS = 4  # one is expected; a few more are received only to be closed
+# The descriptors one request may carry: a registration's segment. Any request may be a connection's first (the
+# token rides in every request, so a client may register without a hello), so a frame not yet authenticated may
+# carry it too; a peer costs the front at most this many descriptors besides its socket, however it sends them.
+FDS_PER_FRAME = 1
 
 
 def _answer_and_close(conn: socket.socket, error: GpuBrokerError) -> None:
@@ -61,14 +66,26 @@ def _answer_and_close(conn: socket.socket, error: GpuBrokerError) -> None:
 
 
 def check_segment_fd(fd: int, size: int) -> None:
-    """Only a sealed memfd at least ``size`` bytes long: it can never shrink under the worker's mapping."""
+    """Only a sealed memfd at least ``size`` bytes long: it can never shrink under the worker's mapping.
+
+    This runs on the event loop, and the client chose the descriptor: a file of a FUSE filesystem (or a stale
+    network mount) can block any call that asks its filesystem, ``fstat`` included, and with it the whole front.
+    F_GET_SEALS asks nobody: only a memfd (shmem or hugetlbfs) answers it, every other file is EINVAL at once, and
+    a tmpfs file that is no memfd answers F_SEAL_SEAL without F_SEAL_SHRINK. So the seals are checked first, and
+    only a memfd, whose size is in memory, is ever ``fstat``-ed."""
+    refusal = "the segment must be a memfd sealed against shrinking (F_SEAL_SHRINK)"
     try:
-        info = os.fstat(fd)
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
-        raise InvalidArgument("the segment must be a memfd sealed against shrinking (F_SEAL_SHRINK)") from None
-    if not stat.S_ISREG(info.st_mode) or not seals & fcntl.F_SEAL_SHRINK:
-        raise InvalidArgument("the segment must be a memfd sealed against shrinking (F_SEAL_SHRINK)")
+        raise InvalidArgument(refusal) from None
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise InvalidArgument(refusal)
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        raise InvalidArgument(refusal) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise InvalidArgument(refusal)
     if info.st_size < size:
         raise InvalidArgument(f"the segment's memfd holds {info.st_size} bytes, fewer than the {size} announced")
 
@@ -90,6 +107,10 @@ async def _wait(loop: asyncio.AbstractEventLoop, fd: int, writable: bool) -> Non
 
 class _CutShort(ConnectionError):
     """The peer closed in the middle of a frame."""
+
+
+class _SurplusFds(InvalidArgument):
+    """A frame came with more descriptors than a request carries (all of them closed at once)."""
 
 
 def _refusal(error: GpuBrokerError) -> bytes:
@@ -128,10 +149,19 @@ class _Connection:
         self.watches: dict[tuple[str, str], tuple[Principal, int]] = {}  # revocation watches, by credential
 
     async def read(self) -> tuple[Any, list[int]] | None:
-        """The next request and the fds received with it (the caller closes them); None at end of stream."""
+        """The next request and the fds received with it (the caller closes them); None at end of stream.
+
+        Never more than FDS_PER_FRAME descriptors are held for a frame: a Unix stream delivers each message that
+        carries descriptors on its own, so a peer could otherwise send a frame a byte at a time, each byte with
+        descriptors, and have the front hold them all until the frame ends (or its own limit is reached). The
+        kernel drops what does not fit the one slot offered (MSG_CTRUNC), a second one that arrives later is
+        closed at once, and either way the connection is refused (``_SurplusFds``)."""
         while True:
             limit = self.limit
-            if len(self._buf) >= FRAME_HEADER.size:
+            # Only up to the end of the frame being read (its header first): the next frame's bytes, and the
+            # descriptors that come with them, stay in the socket until this one is answered.
+            want = FRAME_HEADER.size - len(self._buf)
+            if want <= 0:
                 (length,) = FRAME_HEADER.unpack_from(self._buf)
                 if length > limit:  # (a hello's is audited and delayed by the caller, as any malformed hello)
                     if self.ticket.open:
@@ -148,16 +178,17 @@ class _Connection:
                         self._fds = fds  # closed with the connection
                         raise InvalidArgument(f"malformed side-channel request: not msgpack ({type(exc).__name__}); "
                                               "a request is one msgpack map") from None
-            # Never more than the frame being read can still need: the buffer stays under the frame limit.
-            want = (FRAME_HEADER.size + limit) - len(self._buf)
+                want = end - len(self._buf)
             try:
-                data, fds, flags, _ = socket.recv_fds(self.sock, max(want, 1), _MAX_FDS)
+                data, fds, flags, _ = socket.recv_fds(self.sock, want, FDS_PER_FRAME)
             except BlockingIOError:
                 await _wait(self.loop, self.sock.fileno(), writable=False)
                 continue
             self._fds += fds
-            if flags & socket.MSG_CTRUNC:
-                raise InvalidArgument(f"at most one file descriptor per request ({_MAX_FDS} received)")
+            if flags & socket.MSG_CTRUNC or len(self._fds) > FDS_PER_FRAME:
+                self._close_fds()
+                raise _SurplusFds(f"a side-channel request carries at most {FDS_PER_FRAME} file descriptor (a "
+                                  "registration's memfd), attached to its frame; this one came with more")
             if not data:
                 if self._buf:
                     raise _CutShort(f"cut short: the peer closed with {len(self._buf)} bytes of a frame unread")
@@ -177,11 +208,14 @@ class _Connection:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
 
+    def _close_fds(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
+
     def close(self) -> None:
         self.ticket.done()
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        self._close_fds()
         self.sock.close()
 
 
@@ -198,6 +232,7 @@ class SharedMemoryServer:
         self._listeners: list[tuple[socket.socket, Path, int]] = []
         self.per_tenant: dict[str, int] = {}  # authenticated connections per tenant
         self.audit = RateLimitedLog(logging.getLogger("gpubroker.audit"))
+        self.accept_log = RateLimitedLog(log)
         self._tasks: set[asyncio.Task[None]] = set()
 
     def listen(self, path: Path, secure: Callable[[Path], None]) -> None:
@@ -236,8 +271,8 @@ class SharedMemoryServer:
         while True:
             try:
                 conn, _ = await loop.sock_accept(listener)
-            except OSError as exc:  # EMFILE and the like: back off rather than spin
-                log.warning("side channel %s: accept failed: %s", path, exc)
+            except OSError as exc:  # EMFILE and the like: back off rather than spin (and log it rate-limited)
+                self.accept_log.warning(f"shm accept {path}", "side channel %s: accept failed: %s", path, exc)
                 await asyncio.sleep(0.1)
                 continue
             if len(self._tasks) > MAX_CONNECTIONS:
@@ -278,6 +313,8 @@ class SharedMemoryServer:
                 except GpuBrokerError as exc:  # a broken frame: say why, then hang up
                     if conn.ticket.open:  # a malformed hello: audited and delayed as a failed authentication
                         await refuse_malformed(conn.ticket, self.auth.penalty, f"uid:{conn.ticket.uid}", exc.message)
+                    elif isinstance(exc, _SurplusFds):  # (its tenant's: audited and delayed the same way)
+                        await self._refuse_surplus(conn, exc)
                     await conn.write({"error": exc.to_wire()})
                     return
                 except _CutShort as exc:
@@ -311,8 +348,12 @@ class SharedMemoryServer:
                     reply = {"error": exc.to_wire()}
                     failed = isinstance(exc, Unauthenticated)
                 except Exception as exc:
-                    log.exception("side channel: unexpected error")
-                    reply = {"error": {"code": "INTERNAL", "message": f"internal broker error: {type(exc).__name__}"}}
+                    if out_of_descriptors(exc):  # (the front's condition, for a while: no bug, no traceback)
+                        reply = {"error": descriptors_exhausted(exc).to_wire()}
+                    else:
+                        log.exception("side channel: unexpected error")
+                        reply = {"error": {"code": "INTERNAL",
+                                           "message": f"internal broker error: {type(exc).__name__}"}}
                 finally:
                     conn.ticket.judging = False
                     for fd in fds:  # the worker has its own copy by now (or never will)
@@ -341,6 +382,14 @@ class SharedMemoryServer:
             if idle is not None:
                 self.idle.remove(idle)
             conn.close()
+
+    async def _refuse_surplus(self, conn: _Connection, exc: _SurplusFds) -> None:
+        """An authenticated connection sent a frame with surplus descriptors: audited with its tenant and charged
+        the failure delay to its peer, as a malformed hello is (the caller answers and hangs up)."""
+        self.audit.warning(f"shm surplus fds {conn.tenant}", "refused: peer=%s tenant=%s reason=%s", conn.peer,
+                           conn.tenant, exc.message)
+        failure_delay.set(self.auth.penalty.fail(f"uid:{conn.ticket.uid}"))
+        await wait_failure_delay()
 
     def _claim(self, conn: _Connection, tenant: str) -> None:
         """Count an authenticated connection against its tenant's cap (once); a connection is one tenant's."""

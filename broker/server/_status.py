@@ -13,16 +13,21 @@ from typing import Any, TypeAlias, TypeVar
 import grpc
 import msgpack
 
-from gpubroker.client import GpuBrokerError, Internal, InvalidArgument
+from gpubroker.client import GpuBrokerError, Internal, InvalidArgument, Unavailable
 
-from ..auth import Authenticator, Principal, failure_delay, wait_failure_delay
+from ..auth import Authenticator, Principal, RateLimitedLog, failure_delay, wait_failure_delay
 from ..logs import bind_log_context, log_context
-from ..sessions import Session
+from ..sessions import Session, out_of_descriptors
 from ._metrics import observe_rpc
 
-__all__ = ["ERROR_TRAILER", "Context", "add_servicer", "principal_of", "release_slot", "rpc", "stream_rpc"]
+__all__ = ["ERROR_TRAILER", "Context", "add_servicer", "descriptors_exhausted", "log_failure", "principal_of",
+           "release_slot", "rpc", "stream_rpc"]
 
 log = logging.getLogger("gpubroker.server")
+# One line per burst of calls refused for want of descriptors (a flood of them must not flood the log too).
+_exhausted_log = RateLimitedLog(log)
+# How long a client refused for want of the front's descriptors is told to wait.
+EXHAUSTED_RETRY_SECONDS = 1.0
 # The RPC being served, for audit lines; set by the wrappers below.
 current_method: contextvars.ContextVar[str] = contextvars.ContextVar("current_method", default="")
 # The session whose concurrent-RPC slot this call holds; released when the call ends.
@@ -129,7 +134,30 @@ async def _prepare(servicer: Any, context: Context) -> None:
         await auth.prepare(context.invocation_metadata())
 
 
+def descriptors_exhausted(exc: OSError) -> Unavailable:
+    """The answer to a call that failed because the front is out of file descriptors (``out_of_descriptors``): a
+    line in the log (rate-limited, no traceback: no bug) and UNAVAILABLE with a retry hint for the caller."""
+    _exhausted_log.warning("out of descriptors", "a call failed: the broker is out of file descriptors (%s); "
+                           "raise its LimitNOFILE if this persists", exc.strerror or exc)
+    return Unavailable("the broker is out of file descriptors for now (too many connections or workers open); "
+                       "retry in a moment, and tell the operator if it persists",
+                       retry_after_seconds=EXHAUSTED_RETRY_SECONDS)
+
+
+def log_failure(logger: logging.Logger, message: str, exc: Exception) -> None:
+    """Log a failure of the front's own periodic work (``message`` says what failed): for want of descriptors, a
+    line (rate-limited: the next round may fail too, and no traceback: no bug); anything else with its
+    traceback."""
+    if out_of_descriptors(exc):
+        _exhausted_log.warning(f"out of descriptors: {message}", "%s: the broker is out of file descriptors (%s)",
+                               message, exc.strerror or exc)
+    else:
+        logger.error("%s", message, exc_info=exc)
+
+
 def _unexpected(exc: Exception) -> GpuBrokerError:
+    if out_of_descriptors(exc):
+        return descriptors_exhausted(exc)
     log.exception("unexpected error in an RPC handler")
     return Internal(f"internal broker error: {type(exc).__name__}")
 

@@ -117,6 +117,7 @@ class WorkerClient:
         # Without one (a worker started outside a broker), the plain worker with its own cache directory.
         self.sandbox = sandbox if sandbox is not None else WorkerSandbox(enabled=False, backend=backend)
         self._launch: Launch | None = None
+        self.memory_max = 0  # the memory it may use, as its launch set it (sandbox/_policy.py worker_memory)
         self.cache_dir: Path | None = None  # the tenant's compile cache it writes to (kept while it runs)
         self.oom_killed = False  # the kernel's OOM killer ended it in its cgroup (memory.max): its tenant's doing
         self.info: DeviceInfo | None = None
@@ -192,6 +193,7 @@ class WorkerClient:
             # In the sandbox's launcher, which runs the worker as its child in namespaces of its own.
             self._launch = self.sandbox.prepare(self.tenant, self.device, argv, fds)
             self.cache_dir = self._launch.cache
+            self.memory_max = self._launch.memory_max
             try:
                 # subprocess (vfork + exec) rather than the event loop's spawner: uvloop forks, and a forked
                 # child of a process full of gRPC threads was seen to crash before it could exec. Its output
@@ -486,7 +488,7 @@ class WorkerClient:
         else:
             how = _describe_exit(code)
             if self.oom_killed:
-                how += f" by the OOM killer (the worker memory limit, {self.sandbox.memory_max} bytes)"
+                how += f" by the OOM killer (the worker memory limit, {self.memory_max} bytes)"
             self.death = (f"the worker process for tenant {self.tenant!r} on device {self.device} "
                           f"(pid {self.pid}) {how}; this session's device state is lost, "
                           "open a new session")

@@ -1,6 +1,7 @@
 """The raw same-host sockets before and around authentication (issue 21, items 10-12), attacked through a real
 broker on PoCL: malformed hellos on ``<socket>.fast`` and ``<socket>.shm``, floods of authenticated and of silent
-``.shm`` connections, and shared host memory past a tenant's quota across its sessions.
+``.shm`` connections, and shared host memory past a tenant's quota across its sessions; and (round 2) descriptors
+sent a byte at a time for the front to hold, and the front at its descriptor limit.
 
 Each attack is what a hostile local client does with raw sockets (or the SDK's own calls); each test asserts what
 the broker must do: answer or close, audit and delay a malformed hello and never log a traceback; keep serving
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import os
 import random
 import resource
@@ -20,6 +22,7 @@ import time
 import warnings
 from collections.abc import Iterator
 
+import grpc
 import msgpack
 import numpy as np
 import pytest
@@ -28,8 +31,12 @@ from gpubroker.broker.config import BrokerConfig
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.broker.server._preauth import PreAuthGate, Ticket
 from gpubroker.client import AdminClient, RemoteGpu, ResourceExhausted, connect
+from gpubroker.client._channel import make_channel
 from gpubroker.client._frames import pack_frame
+from gpubroker.client._shm import create_segment_fd
 from gpubroker.client._transports import peer_hung_up
+from gpubroker.v1 import broker_pb2 as pb
+from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ..helpers import wait_for
 
@@ -38,8 +45,12 @@ DELAY_MAX = 0.3  # auth_failure_delay_max_seconds: the delay a peer's repeated f
 # hello_timeout_seconds: long, so that a flood of silent connections stays in place for as long as a test needs it
 # (however loaded the machine): the flood must be defeated while it lasts, not outlived.
 HELLO_TIMEOUT = 60.0
-TENANTS = [TenantSpec("alice", memory_quota=QUOTA), TenantSpec("bob"), TenantSpec("mallory"),
+# (dora opens her first session only while the front is out of descriptors: her worker is not started before.)
+TENANTS = [TenantSpec("alice", memory_quota=QUOTA), TenantSpec("bob"), TenantSpec("mallory"), TenantSpec("dora"),
            TenantSpec("ops", admin=True)]
+# What one connection may cost the front in descriptors, its own socket included, with room for the front's own
+# passing ones (the gRPC census and the CPU watch open /proc directories).
+DESCRIPTORS_PER_PEER = 8
 
 
 @pytest.fixture(scope="module")
@@ -366,3 +377,144 @@ def test_at_a_cap_a_new_connection_takes_an_idle_ones_place_never_a_talking_ones
         for a, b in pairs:
             a.close()
             b.close()
+
+
+def _descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _one_reply(sock: socket.socket) -> object:
+    """One answer frame, read exactly (the connection may go on)."""
+    def exact(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            part = sock.recv(n - len(data))
+            if not part:
+                raise ConnectionError(f"closed after {len(data)} of {n} bytes")
+            data += part
+        return data
+    (length,) = struct.unpack("!I", exact(4))
+    return msgpack.unpackb(exact(length), raw=False)
+
+
+@pytest.mark.parametrize("per_message", [4, 1])
+def test_a_peer_cannot_make_the_front_hold_descriptors_sent_a_byte_at_a_time(broker: BrokerProcess,
+                                                                               per_message: int) -> None:
+    # Found in round 2: a Unix stream delivers each message that carries descriptors on its own, so a hello sent
+    # one byte per message, each with descriptors, made the front hold all of them until the frame was whole
+    # (4,001 for 1,000 messages of 4; a 64 KiB hello could be 262,144, past LimitNOFILE), unauthenticated. Four
+    # per message is past what one message may carry, one within it: only their count over the frame tells.
+    assert broker.process is not None
+    front = broker.process.pid
+    path = _path(broker, "shm")
+    start = len(_log(broker))
+    base = _descriptors(front)
+    held = sent = 0
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(5)
+            sock.connect(path)
+            sock.sendall(b"\x00\x00\xff\xf0")  # a hello of 65,520 bytes is coming (within hello_max_bytes)
+            with contextlib.suppress(OSError):  # (the front hung up: it holds nothing of this peer's any more)
+                for sent in range(1, 1001):
+                    socket.send_fds(sock, [b"\x80"], [null] * per_message)
+                    if sent % 50 == 0:
+                        held = max(held, _descriptors(front) - base)
+
+            def settled() -> bool:  # the front has taken all it was sent, or hung up
+                nonlocal held
+                held = max(held, _descriptors(front) - base)
+                return held >= per_message * sent or peer_hung_up(sock)
+
+            with contextlib.suppress(AssertionError):
+                wait_for(settled, 10, "the front to take the descriptors or hang up")
+            print(f"\n{sent} one-byte messages with {per_message} descriptors each, unauthenticated: the front held "
+                  f"at most {held} more descriptors ({base} before)")
+            assert held <= DESCRIPTORS_PER_PEER, f"one unauthenticated connection made the front hold {held}"
+            # Refused as a malformed hello is: answered, audited, after the failure delay; then closed.
+            error = _error(_one_reply(sock))  # (then the end: a reset, as the front left what was sent unread)
+            assert error["code"] == "INVALID_ARGUMENT" and "at most 1 file descriptor" in error["message"], error
+    finally:
+        os.close(null)
+    wait_for(lambda: _descriptors(front) - base <= 2, 10, "the front to close the connection")
+    log = _log(broker)[start:]
+    assert "Traceback" not in log, log[log.index("Traceback") - 500:][:3000]
+    assert f"peer=unix:{path}" in log and "reason=malformed hello: a side-channel request carries at most 1 file " \
+        "descriptor" in log, log[-3000:]
+    _copy_and_check(broker, "bob")
+
+
+def test_a_request_with_a_second_descriptor_ends_its_authenticated_connection(broker: BrokerProcess) -> None:
+    # After its hello, a tenant's connection sends a registration with one segment on its first byte and another
+    # on the rest: refused, audited with its tenant, the connection ended, neither descriptor kept.
+    assert broker.process is not None
+    token = broker.tokens["bob"]
+    start = len(_log(broker))
+    with connect(broker.target, token=token) as gpu, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        base = _descriptors(broker.process.pid)
+        sock.settimeout(20)
+        sock.connect(_path(broker, "shm"))
+        sock.sendall(_frame({"hello": 1, "session": gpu.session, "token": token}))
+        assert _one_reply(sock) == {"hello": 1}
+        frame = _frame({"session": gpu.session, "token": token, "size": 4096, "handle": "two-fds"})
+        segments = [create_segment_fd(4096), create_segment_fd(4096)]
+        try:
+            socket.send_fds(sock, [frame[:1]], segments[:1])
+            socket.send_fds(sock, [frame[1:]], segments[1:])
+        finally:
+            for fd in segments:
+                os.close(fd)
+        error = _error(_one_reply(sock))
+        assert error["code"] == "INVALID_ARGUMENT" and "at most 1 file descriptor" in error["message"], error
+        sock.settimeout(5)
+        try:
+            ended = sock.recv(1) == b""
+        except ConnectionResetError:  # (the front left the rest of the frame unread: the end comes as a reset)
+            ended = True
+        except TimeoutError:
+            ended = False
+        assert ended, "the connection went on"
+        wait_for(lambda: _descriptors(broker.process.pid if broker.process else 0) <= base, 10,
+                 "the front to close the connection and both descriptors")
+        _shared_round_trip(gpu)  # the tenant's own side channel serves on
+    log = _log(broker)[start:]
+    assert "Traceback" not in log, log[log.index("Traceback") - 500:][:3000]
+    assert "tenant=bob reason=a side-channel request carries at most 1 file descriptor" in log, log[-3000:]
+
+
+def test_a_front_out_of_descriptors_answers_unavailable_and_charges_no_device(broker: BrokerProcess) -> None:
+    # The front at its descriptor limit (what the hoard above could do; many clients can too): a session that needs
+    # a new worker (its socketpairs and pipes) fails. Found in round 2: INTERNAL with a traceback in the log. Now
+    # UNAVAILABLE with a retry hint, one log line, and the device is not charged for it: past
+    # device_failure_threshold (3) such failures it would stop serving everyone for a minute.
+    assert broker.process is not None
+    front = broker.process.pid
+    start = len(_log(broker))
+    channel, metadata = make_channel(broker.target, broker.tokens["dora"])
+    with channel:
+        grpc.channel_ready_future(channel).result(timeout=30)  # (connected now: later no descriptor is needed)
+        stub = pb_grpc.GpuBrokerStub(channel)
+        limits = resource.prlimit(front, resource.RLIMIT_NOFILE)
+        taken = {int(name) for name in os.listdir(f"/proc/{front}/fd")}
+        lowest_free = next(n for n in itertools.count() if n not in taken)
+        errors: list[grpc.RpcError] = []
+        resource.prlimit(front, resource.RLIMIT_NOFILE, (lowest_free, limits[1]))  # no descriptor left
+        try:
+            for _ in range(4):
+                try:
+                    stub.OpenSession(pb.OpenSessionRequest(device=0), metadata=metadata, timeout=30)
+                except grpc.RpcError as exc:
+                    errors.append(exc)
+        finally:
+            resource.prlimit(front, resource.RLIMIT_NOFILE, limits)
+        assert len(errors) == 4, "a session opened with no descriptor left"
+        for exc in errors:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, (exc.code(), exc.details())
+            assert "out of file descriptors" in (exc.details() or ""), exc.details()
+        # Descriptors free again: the device serves (it was not taken out of service for the front's condition).
+        session = stub.OpenSession(pb.OpenSessionRequest(device=0), metadata=metadata, timeout=60).session
+        stub.CloseSession(pb.SessionRequest(session=session), metadata=metadata, timeout=60)
+    log = _log(broker)[start:]
+    assert "Traceback" not in log, log[log.index("Traceback") - 500:][:3000]
+    assert "out of file descriptors" in log, log[-3000:]
