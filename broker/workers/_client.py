@@ -33,8 +33,8 @@ from ..sandbox import EXIT_SETUP_FAILED, Launch, WorkerSandbox
 from ._cpu import WorkerCpu
 from ._frames import MAX_FRAME, FrameClosed, FrameRefused, read_reply, write_frame_async
 from ._links import CONTROL  # the request id of lease messages, both ways
-from ._output import WorkerOutput
-from ._replies import WorkerLied, check_result, device_info_from_dict, error_from_worker
+from ._output import WorkerOutput, escape
+from ._replies import WorkerLied, check_result, decode_control, decode_error, decode_result, device_info_from_dict
 
 __all__ = ["CONTROL", "EXIT_FATAL", "WorkerClient", "device_info_from_dict"]
 
@@ -227,8 +227,8 @@ class WorkerClient:
             raise Unavailable(f"worker for tenant {self.tenant!r} on device {self.device} failed to start "
                               f"({how})") from None
         try:  # (a worker's start runs no tenant code, but its answer is checked all the same)
-            error = error_from_worker(result) if status != 0 else None
-            self.info = device_info_from_dict(result) if error is None else None
+            error = decode_error(result) if status != 0 else None
+            self.info = device_info_from_dict(decode_result("device_info", result)) if error is None else None
         except WorkerLied as exc:
             await self.kill()
             raise Unavailable(f"worker for tenant {self.tenant!r} on device {self.device} failed to start "
@@ -393,13 +393,12 @@ class WorkerClient:
             self._lied(str(exc))
         await self._died()
 
-    def _take(self, frame: Any) -> None:
-        """One frame from the worker: a reply to a pending request, or a lease message; WorkerLied otherwise."""
-        if type(frame) is not list or len(frame) != 3 or type(frame[0]) is not int:
-            raise WorkerLied("a frame that is not [id, status, result]")
+    def _take(self, frame: tuple[int, int | str, Any]) -> None:
+        """One frame from the worker (its result still encoded): a reply to a pending request, or a lease message;
+        WorkerLied otherwise."""
         req_id, status, result = frame
         if req_id == CONTROL:
-            self._control(status, result)
+            self._control(status, decode_control(result))
             return
         pending = self._pending.pop(req_id, None)
         if pending is None:
@@ -411,9 +410,9 @@ class WorkerClient:
         fut, op, params = pending
         try:
             if status == 0:
-                outcome: Any = check_result(op, params, result)
+                outcome: Any = check_result(op, params, decode_result(op, result))
             elif status == 1:
-                outcome = error_from_worker(result)
+                outcome = decode_error(result)
             else:
                 raise WorkerLied(f"a reply of status {str(status)[:20]}")
         except WorkerLied:
@@ -449,8 +448,9 @@ class WorkerClient:
     def _lied(self, reason: str) -> None:
         """Kill the worker now for breaking the protocol; the reader then reports its death."""
         if self.fault is None:
+            # The reason may quote the worker (a key it sent, in a decode error): escaped, it cannot forge a log line.
             self.fault = WorkerCrashed(f"the worker for tenant {self.tenant!r} on device {self.device} broke the "
-                                       f"front's protocol ({reason[:200]}) and was killed")
+                                       f"front's protocol ({escape(reason[:200], quote=False)}) and was killed")
             log.error("tenant %s: %s", self.tenant, self.fault.message)
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
