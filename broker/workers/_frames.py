@@ -15,6 +15,7 @@ import msgspec
 from msgspec import Raw
 
 from gpubroker.client._frames import (
+    FRAME_HEADER,
     MAX_FRAME,
     FrameClosed,
     FrameRefused,
@@ -28,8 +29,9 @@ from gpubroker.client._frames import (
     write_frame_async,
 )
 
-__all__ = ["MAX_FRAME", "FrameClosed", "FrameRefused", "FrameTooLarge", "pack_frame", "read_frame_async",
-           "read_payload_async", "read_reply", "recv_frame", "send_frame", "unpack_frame", "write_frame_async"]
+__all__ = ["FRAME_HEADER", "MAX_FRAME", "FrameClosed", "FrameRefused", "FrameTooLarge", "pack_frame",
+           "read_frame_async", "read_payload_async", "read_reply", "recv_frame", "send_frame", "unpack_frame",
+           "write_frame_async"]
 
 
 # A reply's envelope: [id, status, result] (a lease message: [CONTROL, op, extra]). Its result is left encoded

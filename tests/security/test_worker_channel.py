@@ -8,6 +8,9 @@ over the worker's request socket to the front, or leaves the worker unable to re
   the worker is killed for it and charged to its tenant.
 - A worker's error message is escaped where the front takes it (``error_from_worker``): a newline in it cannot
   put a forged line into the front's log.
+- Requests to a worker that does not read (its kernel sleeps) wait for room before they are written: a caller
+  that gives up leaves nothing in the front; the bytes waiting are capped (RESOURCE_EXHAUSTED past
+  worker_send_buffer_bytes), and a worker that reads none of them for worker_write_stall_seconds is killed.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from ..helpers import descendants, proc_status, send_payload, wait_for
 from .exploits import check_arch
 
 # Each test's attacker is a tenant of its own: a worker killed for a lie counts against its tenant's crash budget.
-TENANTS = ["bomber", "victim", "forger"]
+TENANTS = ["bomber", "victim", "forger", "sleeper"]
+SEND_BUFFER = 5 * 1024 * 1024
+WRITE_STALL = 4.0
 
 # -- the kernel that takes over its worker's request socket ---------------------------------------------------------
 TAKEOVER_SOURCE = r"""
@@ -96,7 +101,8 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
     check_arch()
     tmp = tmp_path_factory.mktemp("channel")
     with BrokerProcess([TenantSpec(name) for name in TENANTS], backend="opencl",
-                       settings={"cache_dir": str(tmp / "caches")}) as broker:
+                       settings={"cache_dir": str(tmp / "caches"), "worker_send_buffer_bytes": SEND_BUFFER,
+                                 "worker_write_stall_seconds": WRITE_STALL}) as broker:
         yield broker
 
 
@@ -200,3 +206,76 @@ def test_a_workers_error_message_cannot_forge_a_line_in_the_fronts_log(broker: B
     print(f"\nthe front's line: {context}\nforged lines in the broker's log: {forged}")
     assert not forged, f"a worker's error message put a whole forged line into the front's log: {forged}"
     assert any("no room\\n" + FORGED in line for line in context), context  # there, escaped, on the front's line
+
+
+SLEEP_SECONDS = 20
+SLEEP_SOURCE = r"""
+__kernel void gpb_sleep(__global long* ts) {
+    long r;
+    __asm__ volatile("syscall" : "=a"(r) : "a"(35L), "D"((long)ts), "S"(0L) : "rcx", "r11", "memory");
+    ts[2] = r;
+}
+"""
+
+
+def _sleep(gpu: RemoteGpu, seconds: int) -> None:
+    """A kernel that parks the worker in nanosleep: it reads nothing from the front meanwhile."""
+    kernel = gpu.get_kernel(gpu.load_module(SLEEP_SOURCE, ModuleFormat.OPENCL_C), "gpb_sleep")
+    ts = gpu.allocate_memory(24)
+    gpu.copy_h2d(np.array([seconds, 0, 1], dtype=np.int64), ts)
+    gpu.execute_kernel(kernel, 1, 1, [ts])
+
+
+def _rss(pid: int) -> int:
+    return int(proc_status(pid)["VmRSS"].split()[0]) * 1024
+
+
+FLOOD_CALLS = 25  # per flooding session
+FLOODERS = 4
+MODULE_BYTES = 2 * 1024 * 1024 - 4096
+# Honest in-flight state: the calls waiting (each holds its request a few times over as it is decoded and encoded)
+# and what the allocator keeps of them (gRPC's threads' arenas): measured 17-100 MiB, against 300+ MiB without the
+# fix, where every given-up request stayed queued toward the worker.
+FLOOD_GROWTH = 128 * 1024 * 1024
+
+
+def test_requests_to_a_worker_that_does_not_read_are_bounded_and_the_worker_killed(broker: BrokerProcess) -> None:
+    assert broker.process is not None
+    front = broker.process.pid
+    sleeper = connect(broker.target, token=broker.tokens["sleeper"], timeout=SLEEP_SECONDS * 4)
+    flooders = [connect(broker.target, token=broker.tokens["sleeper"], timeout=0.3, transport="grpc",
+                        shared_memory=False) for _ in range(FLOODERS)]
+    with contextlib.ExitStack() as stack, concurrent.futures.ThreadPoolExecutor(1 + FLOODERS) as pool:
+        stack.enter_context(contextlib.closing(sleeper))
+        for flooder in flooders:
+            stack.enter_context(contextlib.closing(flooder))
+        _sleep(sleeper, SLEEP_SECONDS)
+        started = time.monotonic()
+        asleep = pool.submit(_synchronized, sleeper)
+        base = _rss(front)
+        source = "/*" + "x" * (MODULE_BYTES - 4) + "*/"
+
+        def flood(flooder: RemoteGpu) -> list[str]:
+            errors = []
+            for _ in range(FLOOD_CALLS):
+                if asleep.done():
+                    break
+                try:
+                    flooder.load_module(source, ModuleFormat.OPENCL_C)
+                except GpuBrokerError as exc:
+                    errors.append(f"{type(exc).__name__}: {exc.message}")
+            return errors
+
+        errors = [error for errors in pool.map(flood, flooders) for error in errors]
+        grown = _rss(front) - base
+        wait_for(asleep.done, timeout=SLEEP_SECONDS * 3, what="the sleeping kernel")
+        ended = time.monotonic() - started
+    refused = [error for error in errors if "worker_send_buffer_bytes" in error]
+    print(f"\n{len(errors)} module loads of {MODULE_BYTES / 2**20:.0f} MiB failed while the worker slept "
+          f"({len(refused)} refused for room, e.g. {refused[:1]}); the front grew by {grown / 2**20:.0f} MiB; "
+          f"the sleeping session after {ended:.1f} s: {asleep.result()}")
+    assert grown <= FLOOD_GROWTH, f"requests to a worker that was not reading grew the front by {grown >> 20} MiB"
+    assert refused and all(error.startswith("ResourceExhausted") for error in refused), errors[:3]
+    # The worker read nothing for WRITE_STALL seconds while requests waited: killed, well before its kernel ended.
+    assert asleep.result().startswith("ResourceExhausted") and "worker_write_stall_seconds" in asleep.result()
+    assert ended < SLEEP_SECONDS, f"the worker was left to sleep {ended:.1f} s with requests waiting"
