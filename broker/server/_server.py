@@ -272,7 +272,7 @@ class Broker:
         self.census = GrpcPeerCensus(self.ports, cfg.max_grpc_connections_per_peer)
         self.census.start()
         # The framed link: the front authenticates its hello, then the session's worker serves it (_links.py).
-        self.links = LinkServer(service, gate)
+        self.links = LinkServer(service, gate, cfg.max_links_per_tenant, cfg.link_handoff_timeout_seconds)
         for address in self.ports:
             if address.startswith("unix:"):
                 _secure_unix_socket(Path(address[len("unix:"):]), cfg.socket_mode, cfg.socket_group)

@@ -8,6 +8,9 @@ over the worker's request socket to the front, or leaves the worker unable to re
   the worker is killed for it and charged to its tenant.
 - A worker's error message is escaped where the front takes it (``error_from_worker``): a newline in it cannot
   put a forged line into the front's log.
+- A session's links are counted by the front (the worker's cap is its tenant's to break): past 8 being handed
+  over or relayed, a hello is refused at once, and a hand-off the worker does not complete in
+  link_handoff_timeout_seconds is refused, the worker told to drop it when it wakes.
 - Requests to a worker that does not read (its kernel sleeps) wait for room before they are written: a caller
   that gives up leaves nothing in the front; the bytes waiting are capped (RESOURCE_EXHAUSTED past
   worker_send_buffer_bytes), and a worker that reads none of them for worker_write_stall_seconds is killed.
@@ -31,13 +34,14 @@ import pytest
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import GpuBrokerError, ModuleFormat, RemoteGpu, connect
 
-from ..helpers import descendants, proc_status, send_payload, wait_for
+from ..helpers import descendants, proc_status, recv_payload, send_payload, wait_for
 from .exploits import check_arch
 
 # Each test's attacker is a tenant of its own: a worker killed for a lie counts against its tenant's crash budget.
-TENANTS = ["bomber", "victim", "forger", "sleeper"]
+TENANTS = ["bomber", "victim", "forger", "sleeper", "linker"]
 SEND_BUFFER = 5 * 1024 * 1024
 WRITE_STALL = 4.0
+HANDOFF_TIMEOUT = 8.0  # (longer than the links test takes to count the threads: the hand-offs still wait then)
 
 # -- the kernel that takes over its worker's request socket ---------------------------------------------------------
 TAKEOVER_SOURCE = r"""
@@ -102,7 +106,8 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
     tmp = tmp_path_factory.mktemp("channel")
     with BrokerProcess([TenantSpec(name) for name in TENANTS], backend="opencl",
                        settings={"cache_dir": str(tmp / "caches"), "worker_send_buffer_bytes": SEND_BUFFER,
-                                 "worker_write_stall_seconds": WRITE_STALL}) as broker:
+                                 "worker_write_stall_seconds": WRITE_STALL, "link_listen": "127.0.0.1:0",
+                                 "link_handoff_timeout_seconds": HANDOFF_TIMEOUT}) as broker:
         yield broker
 
 
@@ -279,3 +284,58 @@ def test_requests_to_a_worker_that_does_not_read_are_bounded_and_the_worker_kill
     # The worker read nothing for WRITE_STALL seconds while requests waited: killed, well before its kernel ended.
     assert asleep.result().startswith("ResourceExhausted") and "worker_write_stall_seconds" in asleep.result()
     assert ended < SLEEP_SECONDS, f"the worker was left to sleep {ended:.1f} s with requests waiting"
+
+
+LINKS = 64
+LINKS_ALLOWED = 8 * 3  # the per-session cap, with some room (a thread and a few descriptors each)
+LINK_SLEEP_SECONDS = 15
+
+
+def _counts(pid: int) -> tuple[int, int]:
+    return int(proc_status(pid)["Threads"]), len(list(Path(f"/proc/{pid}/fd").iterdir()))
+
+
+def _answer(sock: socket.socket) -> str:
+    """The link hello's answer: the worker's acceptance, or the front's refusal's status and message."""
+    try:
+        _, status, result = msgpack.unpackb(recv_payload(sock))
+    except (OSError, ValueError) as exc:
+        return f"no answer ({type(exc).__name__})"
+    return "accepted" if status == 0 else f"{result['code']}: {result['message']}"
+
+
+def test_a_sessions_links_are_bounded_by_the_front(broker: BrokerProcess) -> None:
+    assert broker.process is not None
+    front = broker.process.pid
+    gpu = connect(broker.target, token=broker.tokens["linker"], timeout=LINK_SLEEP_SECONDS * 4, transport="grpc",
+                  shared_memory=False)
+    with contextlib.closing(gpu), concurrent.futures.ThreadPoolExecutor(1) as pool, contextlib.ExitStack() as links:
+        _sleep(gpu, LINK_SLEEP_SECONDS)
+        asleep = pool.submit(_synchronized, gpu)
+        threads0, fds0 = _counts(front)
+        hello = msgpack.packb({"token": broker.tokens["linker"], "session": gpu.session, "link": 1})
+        socks = []
+        for _ in range(LINKS):
+            sock = links.enter_context(socket.create_connection(("127.0.0.1", broker.link_port), timeout=10))
+            send_payload(sock, hello)
+            socks.append(sock)
+        with contextlib.suppress(AssertionError):  # (the count is read once it stops growing, or at the deadline)
+            wait_for(lambda: _counts(front)[0] - threads0 >= LINKS, timeout=5, what="the links' threads")
+        threads, fds = _counts(front)
+        answers = [_answer(sock) for sock in socks]
+        still_asleep = not asleep.done()
+        links.close()
+        wait_for(asleep.done, timeout=LINK_SLEEP_SECONDS * 3, what="the sleeping kernel")
+        # Awake, the worker drops the links whose hand-off timed out; then the session's places are free again.
+        with socket.create_connection(("127.0.0.1", broker.link_port), timeout=10) as sock:
+            send_payload(sock, hello)
+            after = _answer(sock)
+    refused = [a for a in answers if a.startswith("RESOURCE_EXHAUSTED")]
+    timed_out = [a for a in answers if a.startswith("UNAVAILABLE") and "link_handoff_timeout_seconds" in a]
+    print(f"\n{LINKS} link hellos for one session while its worker slept ({still_asleep}): the front went from "
+          f"{threads0} to {threads} threads and from {fds0} to {fds} descriptors; {len(refused)} refused at once "
+          f"(e.g. {refused[:1]}), {len(timed_out)} timed out (e.g. {timed_out[:1]}); once awake: {after}")
+    assert threads - threads0 <= LINKS_ALLOWED and fds - fds0 <= 3 * LINKS_ALLOWED, (
+        f"{LINKS} links of one session hold {threads - threads0} front threads and {fds - fds0} descriptors")
+    assert len(refused) == LINKS - 8 and len(timed_out) == 8, answers
+    assert after == "accepted", after
