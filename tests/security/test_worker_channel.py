@@ -40,7 +40,7 @@ from .exploits import check_arch
 # Each test's attacker is a tenant of its own: a worker killed for a lie counts against its tenant's crash budget.
 TENANTS = ["bomber", "victim", "forger", "sleeper", "linker"]
 SEND_BUFFER = 5 * 1024 * 1024
-WRITE_STALL = 4.0
+WRITE_STALL = 12.0  # (past the flood below: what the front holds is measured while the worker still lives)
 HANDOFF_TIMEOUT = 8.0  # (longer than the links test takes to count the threads: the hand-offs still wait then)
 
 # -- the kernel that takes over its worker's request socket ---------------------------------------------------------
@@ -213,7 +213,7 @@ def test_a_workers_error_message_cannot_forge_a_line_in_the_fronts_log(broker: B
     assert any("no room\\n" + FORGED in line for line in context), context  # there, escaped, on the front's line
 
 
-SLEEP_SECONDS = 20
+SLEEP_SECONDS = 30
 SLEEP_SOURCE = r"""
 __kernel void gpb_sleep(__global long* ts) {
     long r;
@@ -272,13 +272,19 @@ def test_requests_to_a_worker_that_does_not_read_are_bounded_and_the_worker_kill
             return errors
 
         errors = [error for errors in pool.map(flood, flooders) for error in errors]
+        flooding = time.monotonic() - started
+        for flooder in flooders:  # (their connections' own buffers go with them)
+            flooder.close()
         grown = _rss(front) - base
+        measured_asleep = not asleep.done()
         wait_for(asleep.done, timeout=SLEEP_SECONDS * 3, what="the sleeping kernel")
         ended = time.monotonic() - started
     refused = [error for error in errors if "worker_send_buffer_bytes" in error]
     print(f"\n{len(errors)} module loads of {MODULE_BYTES / 2**20:.0f} MiB failed while the worker slept "
           f"({len(refused)} refused for room, e.g. {refused[:1]}); the front grew by {grown / 2**20:.0f} MiB; "
+          f"(flooded for {flooding:.1f} s, measured with the worker {'alive' if measured_asleep else 'gone'}); "
           f"the sleeping session after {ended:.1f} s: {asleep.result()}")
+    assert measured_asleep, "the flood outlasted worker_write_stall_seconds: nothing measured what waits toward it"
     assert grown <= FLOOD_GROWTH, f"requests to a worker that was not reading grew the front by {grown >> 20} MiB"
     assert refused and all(error.startswith("ResourceExhausted") for error in refused), errors[:3]
     # The worker read nothing for WRITE_STALL seconds while requests waited: killed, well before its kernel ended.
