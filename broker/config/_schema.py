@@ -167,7 +167,8 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "The bytes of requests the front holds for one worker that has not read them yet (its kernel or compile "
         "keeps it busy): a request past it gets RESOURCE_EXHAUSTED with a retry hint (one request alone always "
         "goes, whatever its size). Requests wait for room before they are written, so one whose caller gives "
-        "up leaves nothing behind.")), SIZE] = 16 * 1024 * 1024
+        "up leaves nothing behind. The default is max_read_ahead_bytes_per_tenant's: a tenant's honest "
+        "concurrent copies fit.")), SIZE] = 64 * 1024 * 1024
     worker_write_stall_seconds: Annotated[float, Meta(gt=0, description=(
         "A worker that reads none of the front's requests for this long while some wait to be written (more "
         "than the socket holds: a few hundred KiB) is killed, its tenant's failure (RESOURCE_EXHAUSTED). "

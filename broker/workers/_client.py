@@ -60,7 +60,8 @@ EXIT_FATAL = 3
 # alive (only where there is no sandbox, whose PID namespace ends with the worker) would hold them open forever.
 _OUTPUT_CLOSE_SECONDS = 2.0
 # The defaults of the config's worker_send_buffer_bytes and worker_write_stall_seconds (see there).
-DEFAULT_SEND_BUFFER = 16 * 1024 * 1024
+DEFAULT_SEND_BUFFER = 64 * 1024 * 1024
+_FRAME_ALLOWANCE = 256
 DEFAULT_WRITE_STALL = 300.0
 
 
@@ -80,6 +81,15 @@ def _describe_exit(code: int | None) -> str:
     if code == EXIT_FATAL:
         return "exited after a fatal device error (its context was corrupted)"
     return f"exited with status {code}"
+
+
+def _frame_size(frame: list[Any]) -> int:
+    """About the bytes ``frame`` encodes to, without encoding it: its params' bytes and strings (a batch, a module
+    source) and an allowance for the rest of it (ids, names, numbers)."""
+    params = frame[3]
+    if type(params) is not dict:
+        return _FRAME_ALLOWANCE
+    return _FRAME_ALLOWANCE + sum(len(v) for v in params.values() if type(v) in (bytes, str))
 
 
 class WorkerClient:
@@ -405,8 +415,7 @@ class WorkerClient:
         """
         assert self._writer is not None
         writer = self._writer
-        payload: bytes = msgpack.packb(frame, use_bin_type=True)
-        size = FRAME_HEADER.size + len(payload)
+        size = _frame_size(frame)
         queued = self._queued_bytes()
         if capped and queued > 0 and queued + size > self.send_buffer_bytes:
             raise ResourceExhausted(
@@ -421,7 +430,8 @@ class WorkerClient:
                 await self._room(writer)
                 if fd is not None:
                     frame[3] = {**frame[3], "token": self._send_fd(fd)}
-                    payload = msgpack.packb(frame, use_bin_type=True)
+                # Encoded only now, with room for it: a request waiting holds no encoded copy of itself.
+                payload: bytes = msgpack.packb(frame, use_bin_type=True)
                 writer.writelines((FRAME_HEADER.pack(len(payload)), payload))  # (no joined copy of a large one)
         finally:
             self._waiting_bytes -= size
