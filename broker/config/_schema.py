@@ -163,6 +163,16 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "A tenant's worker process with no session for this long is stopped."))] = 60.0
     worker_start_timeout: Annotated[float, Meta(gt=0, description=(
         "How long a worker may take to start before the session that asked for it fails."))] = 60.0
+    worker_send_buffer_bytes: Annotated[int, Meta(ge=1, description=(
+        "The bytes of requests the front holds for one worker that has not read them yet (its kernel or compile "
+        "keeps it busy): a request past it gets RESOURCE_EXHAUSTED with a retry hint (one request alone always "
+        "goes, whatever its size). Requests wait for room before they are written, so one whose caller gives "
+        "up leaves nothing behind. The default is max_read_ahead_bytes_per_tenant's: a tenant's honest "
+        "concurrent copies fit.")), SIZE] = 64 * 1024 * 1024
+    worker_write_stall_seconds: Annotated[float, Meta(gt=0, description=(
+        "A worker that reads none of the front's requests for this long while some wait to be written (more "
+        "than the socket holds: a few hundred KiB) is killed, its tenant's failure (RESOURCE_EXHAUSTED). "
+        "Keep it above the longest kernel or compile a tenant runs while it also sends large requests."))] = 300.0
     socket_mode: Annotated[int, Meta(ge=0, le=0o777, description=(
         "The Unix sockets' permission mode, as an octal string (\"660\") or an int (0o660).")), OCTAL] = 0o660
     socket_group: Annotated[str, Meta(description=(
@@ -179,6 +189,13 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     link_vsock_port: Annotated[int, Meta(ge=0, le=0xFFFFFFFF, description=(
         "Serve the framed command link to VM guests on this AF_VSOCK port (handed straight to the session's "
         "worker after the front authenticates the hello); 0: off."))] = 0
+    max_links_per_tenant: Annotated[int, Meta(ge=1, description=(
+        "Framed links one tenant may have being handed to its workers or relayed by the front (a TCP link: a "
+        "thread and a few descriptors each) across all its sessions; more are refused with RESOURCE_EXHAUSTED. "
+        "Each session has at most 8 whatever this is."))] = 64
+    link_handoff_timeout_seconds: Annotated[float, Meta(gt=0, description=(
+        "How long a session's worker may take to accept a new link (it is busy in a kernel or compile "
+        "meanwhile); past it the link is refused with UNAVAILABLE and the client may retry."))] = 30.0
     drain_grace_seconds: Annotated[float, Meta(ge=0, description=(
         "Draining (SIGTERM, or Admin Drain with a grace): how long running sessions may go on before they are "
         "ended."))] = 30.0

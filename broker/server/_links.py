@@ -22,12 +22,19 @@ tenant's turns on the device are leased to the worker for its links' device work
 the session's links (``close_links``). The watch for that is registered with the authentication, before the
 hand-off, and the worker holds a handed-off link unanswered until the front has checked the credential once more
 (``serve_link``): a worker busy in a long kernel cannot let a link in after its token's rotation (``_hand_over``).
+
+What a link costs the front is bounded by the front, never by the worker (which runs its tenant's code and may
+answer yes to every link, or never answer): a session has at most ``MAX_LINKS_PER_SESSION`` links being handed
+over or relayed (a TCP link's thread and descriptors), a tenant at most ``max_links_per_tenant`` across its
+sessions, and a hand-off the worker has not completed within ``link_handoff_timeout_seconds`` is refused
+(UNAVAILABLE: the worker is busy, retry) and its connection closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -41,13 +48,21 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from gpubroker.client import GpuBrokerError, InvalidArgument, Unauthenticated, WorkerCrashed
+from gpubroker.client import (
+    GpuBrokerError,
+    InvalidArgument,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    WorkerCrashed,
+)
 from gpubroker.client._frames import FRAME_HEADER, pack_frame, unpack_frame
 
 from ..auth import Principal
 from ..logs import bind_log_context
 from ..scheduler import TurnLease
 from ..sessions import Session
+from ..workers import MAX_LINKS_PER_SESSION
 from ._preauth import PreAuthGate, Ticket, refuse_malformed
 
 __all__ = ["LinkServer", "fast_path_address"]
@@ -68,9 +83,15 @@ class _HelloRefused(Exception):
 class LinkServer:
     """Every link listener of the broker, sharing the pre-authentication gate with the side channel."""
 
-    def __init__(self, service: Any, gate: PreAuthGate) -> None:
+    def __init__(self, service: Any, gate: PreAuthGate, max_links_per_tenant: int = 64,
+                 handoff_timeout: float = 30.0) -> None:
         self.service = service
         self.gate = gate
+        self.max_links_per_tenant = max_links_per_tenant
+        self.handoff_timeout = handoff_timeout
+        # Links being handed over (any listener) or relayed (TCP: a thread each), by session and by tenant.
+        self._session_links: dict[str, int] = {}
+        self._tenant_links: dict[str, int] = {}
         self._listeners: list[tuple[socket.socket, str]] = []
         # Written once at stop: the TCP links' relay threads poll its other end.
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
@@ -164,7 +185,9 @@ class LinkServer:
         penalty = f"uid:{ticket.uid}" if conn.family == socket.AF_UNIX else f"addr:{_host(address)}"
         try:
             session, principal, compress = await self._hello(recv_exactly, send, ticket, {}, penalty)
-            await self._hand_over(session, principal, conn.fileno(), send, compress)
+            release = await self._hand_over(session, principal, conn.fileno(), send, compress)
+            if release is not None:
+                release()  # (handed over whole: from here on it costs the front nothing; the worker counts it)
         except (_HelloRefused, ConnectionError, OSError):
             pass
         finally:
@@ -234,7 +257,9 @@ class LinkServer:
             for end in (ours, theirs):  # a copy's chunk or more in flight each way: fewer wake-ups per byte
                 end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PAIR_BUFFER)
             try:
-                if await self._hand_over(session, principal, theirs.fileno(), send, compress):
+                release = await self._hand_over(session, principal, theirs.fileno(), send, compress)
+                if release is not None:  # counted until the relay's thread ends
+                    relay.on_end = functools.partial(loop.call_soon_threadsafe, release)
                     worker_end, ours = ours, None
             finally:
                 theirs.close()
@@ -310,9 +335,14 @@ class LinkServer:
         return session, principal, codecs
 
     async def _hand_over(self, session: Session, principal: Principal, fd: int,
-                         send: Callable[[bytes], Awaitable[None]], compress: list[str]) -> bool:
+                         send: Callable[[bytes], Awaitable[None]], compress: list[str]) -> Callable[[], None] | None:
         """Give the connection (``fd``) to the session's worker, which answers the hello and serves it from then
-        on; a worker that cannot take it gets the client the reason instead.
+        on; a worker that cannot take it gets the client the reason instead. Returns the link's place in the
+        session's and tenant's counts (to be released once the front holds nothing of it), or None: refused.
+
+        The counts are the front's own (the worker's cap is its tenant's to break): past them the hello is
+        refused before the worker is asked; and a worker that takes longer than link_handoff_timeout_seconds
+        (asleep in its tenant's kernel, or never answering) gets the link refused.
 
         The worker may be busy for seconds (a long kernel) before it takes the link, and a rotation or removal
         may come meanwhile. So the authentication and its revocation watch are one step: the watch is registered
@@ -322,24 +352,76 @@ class LinkServer:
         credential's link is ever read."""
         self._watch_links(session, principal)
         number = next(self._numbers)
+        release: Callable[[], None] | None = None
         dup = os.dup(fd)
         try:
+            release = self._claim_link(session)
             worker = session.check_alive()
             self._lease(session)
-            # (checked: {"link": 1})
-            await worker.call_with_fd("attach_link", session.id, dup, compress=compress, held=number)
-            if not self.service.auth.valid(principal.tenant, principal.credential):
-                # Revoked while the worker took it: the watch has asked the worker to close the session's links.
-                raise Unauthenticated(REVOKED_MESSAGE)
-            await worker.call("serve_link", session.id, held=number)
+            try:
+                async with asyncio.timeout(self.handoff_timeout):
+                    # (checked: {"link": 1})
+                    await worker.call_with_fd("attach_link", session.id, dup, compress=compress, held=number)
+                    if not self.service.auth.valid(principal.tenant, principal.credential):
+                        # Revoked while the worker took it: the watch has asked the worker to close the session's
+                        # links.
+                        raise Unauthenticated(REVOKED_MESSAGE)
+                    await worker.call("serve_link", session.id, held=number)
+            except TimeoutError:
+                # The worker may still take the link when it wakes: it is told to drop it, and the link keeps its
+                # place in the counts until it has (or has died), so timed-out hand-offs cannot pile up either.
+                self._spawn(self._drop_held(worker, session, number, release))
+                release = None
+                raise Unavailable(f"the session's worker did not take the link within link_handoff_timeout_seconds "
+                                  f"({self.handoff_timeout:g} s): it is busy (a long kernel or compile); retry once "
+                                  "its work is done", retry_after_seconds=1.0) from None
         except GpuBrokerError as exc:
             if not isinstance(exc, WorkerCrashed):
-                log.info("no link for session %s: %s", session.id, exc)
+                log.info("no link for session %s: %s", session.id, exc)  # (a worker's message: escaped)
+            if release is not None:
+                release()
             await send(pack_frame([0, 1, exc.to_wire()]))
-            return False
+            return None
         finally:
             os.close(dup)  # the worker holds its own copy now
-        return True
+        return release
+
+    async def _drop_held(self, worker: Any, session: Session, number: int, release: Callable[[], None]) -> None:
+        try:
+            await worker.call("drop_link", session.id, held=number)
+        except GpuBrokerError:
+            pass  # (the worker died, or the session ended: the link went with it)
+        finally:
+            release()
+
+    def _claim_link(self, session: Session) -> Callable[[], None]:
+        """A place for one more link of ``session`` in the front's counts; ResourceExhausted past them. The
+        callable returned gives it back (once)."""
+        held = self._session_links.get(session.id, 0)
+        if held >= MAX_LINKS_PER_SESSION:
+            raise ResourceExhausted(f"this session already has {held} links open or being set up, the limit; close "
+                                    "one (or wait for its hand-off to finish) before opening another")
+        tenant_held = self._tenant_links.get(session.tenant, 0)
+        if tenant_held >= self.max_links_per_tenant:
+            raise ResourceExhausted(f"tenant {session.tenant!r} already has {tenant_held} links open or being set "
+                                    "up across its sessions (max_links_per_tenant); close some before opening more")
+        self._session_links[session.id] = held + 1
+        self._tenant_links[session.tenant] = tenant_held + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            for counts, key in ((self._session_links, session.id), (self._tenant_links, session.tenant)):
+                left = counts.get(key, 0) - 1
+                if left > 0:
+                    counts[key] = left
+                else:
+                    counts.pop(key, None)
+
+        return release
 
     def _lease(self, session: Session) -> None:
         """The worker's turns on the device for its links' device work come from this device's scheduler."""
@@ -437,6 +519,8 @@ class _TcpRelay:
         self._lock = threading.Lock()  # abort (the loop) against the thread's wrap and close of the socket
         self._closed = False
         self._verdict: queue.SimpleQueue[tuple[list[bytes], socket.socket | None]] = queue.SimpleQueue()
+        # Called (from the thread) once the relay is over: gives the link's place back in the front's counts.
+        self.on_end: Callable[[], Any] | None = None
 
     # -- the loop's side -----------------------------------------------------------------------------
     def abort(self) -> None:
@@ -477,6 +561,9 @@ class _TcpRelay:
             if worker is not None:
                 worker.close()
             self._close()
+            if self.on_end is not None:
+                with contextlib.suppress(RuntimeError):  # (the loop closed: the broker stopped)
+                    self.on_end()
 
     def _read_hello(self) -> tuple[bytes, Any]:
         """The handshake and the hello's frame (only its header if that announces more than the limit)."""

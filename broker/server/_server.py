@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import json
@@ -199,7 +200,8 @@ class Broker:
                                on_worker_exit=self._worker_exited, ordinals=[d.id for d in devices],
                                crash_budget=cfg.tenant_crash_budget, crash_window=cfg.tenant_crash_window_seconds,
                                on_failure=self.health.worker_exited, max_reply_bytes=cfg.max_message_bytes + (1 << 20),
-                               sandbox=self.sandbox)
+                               sandbox=self.sandbox, send_buffer_bytes=cfg.worker_send_buffer_bytes,
+                               write_stall_seconds=cfg.worker_write_stall_seconds)
         # Clients number the devices as this broker serves them: 0, 1, ... in the config's order.
         devices = [dataclasses.replace(d, id=i) for i, d in enumerate(devices)]
         self.sessions = SessionManager(cfg, self.pool, self.health, devices)
@@ -274,7 +276,7 @@ class Broker:
         self.census = GrpcPeerCensus(self.ports, cfg.max_grpc_connections_per_peer)
         self.census.start()
         # The framed link: the front authenticates its hello, then the session's worker serves it (_links.py).
-        self.links = LinkServer(service, gate)
+        self.links = LinkServer(service, gate, cfg.max_links_per_tenant, cfg.link_handoff_timeout_seconds)
         for address in self.ports:
             if address.startswith("unix:"):
                 _secure_unix_socket(Path(address[len("unix:"):]), cfg.socket_mode, cfg.socket_group)
@@ -569,8 +571,28 @@ async def _serve(config: BrokerConfig, ready_file: str | None) -> None:
         watchdog.cancel()
 
 
+# glibc's M_MMAP_THRESHOLD, and the size above which the front's allocations are mapped apart from its heap.
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD = 128 * 1024
+
+
+def _large_frees_go_back_to_the_os() -> None:
+    """Fix glibc's mmap threshold at its default (128 KiB), so that a large buffer freed goes back to the OS.
+
+    glibc raises the threshold to the size of each mapped block freed (up to 32 MiB): after the first request of
+    a few MiB, every later one comes from the heap, and the heap keeps what it had at its peak. Requests a tenant
+    sends and gives up on (to a worker that is not reading, say) then leave the front hundreds of MiB larger
+    for good, although what it holds is bounded; with the threshold fixed, what it holds is what it uses. (A
+    few page faults per large buffer is the price; other C libraries: nothing to do.)
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+
+
 def run_broker(config: BrokerConfig, ready_file: str | None = None) -> None:
     """Serve until SIGTERM or SIGINT, on uvloop where it is installed."""
+    _large_frees_go_back_to_the_os()
     try:
         import uvloop
     except ImportError:

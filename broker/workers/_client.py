@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
+
 from gpubroker.client import (
     DeviceInfo,
     FailedPrecondition,
@@ -30,12 +32,13 @@ from gpubroker.client._protocol import Ack, Batch, DeviceInfoQuery
 
 from ..sandbox import EXIT_SETUP_FAILED, Launch, WorkerSandbox, python_argv
 from ._cpu import WorkerCpu
-from ._frames import MAX_FRAME, FrameClosed, FrameRefused, read_reply, write_frame_async
+from ._frames import FRAME_HEADER, MAX_FRAME, FrameClosed, FrameRefused, read_reply
 from ._links import CONTROL  # the request id of lease messages, both ways
-from ._output import WorkerOutput
-from ._replies import WorkerLied, check_result, device_info_from_dict, error_from_worker
+from ._output import WorkerOutput, escape
+from ._replies import WorkerLied, check_result, decode_control, decode_error, decode_result, device_info_from_dict
 
-__all__ = ["CONTROL", "EXIT_FATAL", "WorkerClient", "device_info_from_dict"]
+__all__ = ["CONTROL", "DEFAULT_SEND_BUFFER", "DEFAULT_WRITE_STALL", "EXIT_FATAL", "WorkerClient",
+           "device_info_from_dict"]
 
 log = logging.getLogger("gpubroker.workers")
 
@@ -55,6 +58,10 @@ EXIT_FATAL = 3
 # Once a worker has exited, how long its pipes may take to reach end-of-file: a process it started that is still
 # alive (only where there is no sandbox, whose PID namespace ends with the worker) would hold them open forever.
 _OUTPUT_CLOSE_SECONDS = 2.0
+# The defaults of the config's worker_send_buffer_bytes and worker_write_stall_seconds (see there).
+DEFAULT_SEND_BUFFER = 64 * 1024 * 1024
+_FRAME_ALLOWANCE = 256
+DEFAULT_WRITE_STALL = 300.0
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
@@ -73,6 +80,15 @@ def _describe_exit(code: int | None) -> str:
     if code == EXIT_FATAL:
         return "exited after a fatal device error (its context was corrupted)"
     return f"exited with status {code}"
+
+
+def _frame_size(frame: list[Any]) -> int:
+    """About the bytes ``frame`` encodes to, without encoding it: its params' bytes and strings (a batch, a module
+    source) and an allowance for the rest of it (ids, names, numbers)."""
+    params = frame[3]
+    if type(params) is not dict:
+        return _FRAME_ALLOWANCE
+    return _FRAME_ALLOWANCE + sum(len(v) for v in params.values() if type(v) in (bytes, str))
 
 
 class WorkerClient:
@@ -101,6 +117,11 @@ class WorkerClient:
       device was; making itself cheaper is bounded by the scheduler, which charges a holder at least the wall
       time it kept others waiting.
 
+    What the front holds for a worker is bounded too: requests wait for room in the socket before they are written
+    (a caller that gives up meanwhile leaves nothing behind), the bytes waiting toward one worker are capped
+    (``send_buffer_bytes``: past it a call gets RESOURCE_EXHAUSTED), and a worker that reads none of them for
+    ``write_stall_seconds`` while they wait is killed, its tenant's failure.
+
     A worker that breaks any of these is killed at once (its callers get ``WorkerCrashed`` saying why) and its
     death is its tenant's failure (workers/_pool.py): it counts against the tenant's crash budget, never
     against the device.
@@ -109,7 +130,8 @@ class WorkerClient:
     def __init__(self, tenant: str, device: int, backend: str,
                  on_exit: Callable[[WorkerClient], None] | None = None, ordinal: int | None = None,
                  sandbox: WorkerSandbox | None = None, max_reply_bytes: int = MAX_FRAME,
-                 on_output_dropped: Callable[[int], None] | None = None) -> None:
+                 on_output_dropped: Callable[[int], None] | None = None, send_buffer_bytes: int = DEFAULT_SEND_BUFFER,
+                 write_stall_seconds: float = DEFAULT_WRITE_STALL) -> None:
         self.tenant = tenant
         self.device = device  # the broker's index
         self.ordinal = device if ordinal is None else ordinal  # the backend's index of the same device
@@ -147,6 +169,12 @@ class WorkerClient:
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._write_lock = asyncio.Lock()
+        # The requests' encoded bytes waiting for room toward the worker (not yet in its transport), their cap,
+        # and since when the worker has read nothing while some waited (None: it keeps up).
+        self.send_buffer_bytes = send_buffer_bytes
+        self.write_stall_seconds = write_stall_seconds
+        self._waiting_bytes = 0
+        self._stalled_since: float | None = None
         self._stopping = False
         # Lease messages from the worker (its direct client links want, or gave back, the tenant's turn).
         self.on_control: Callable[[str], None] | None = None
@@ -232,8 +260,8 @@ class WorkerClient:
             raise Unavailable(f"worker for tenant {self.tenant!r} on device {self.device} failed to start "
                               f"({how})") from None
         try:  # (a worker's start runs no tenant code, but its answer is checked all the same)
-            error = error_from_worker(result) if status != 0 else None
-            self.info = device_info_from_dict(result) if error is None else None
+            error = decode_error(result) if status != 0 else None
+            self.info = device_info_from_dict(decode_result("device_info", result)) if error is None else None
         except WorkerLied as exc:
             await self.kill()
             raise Unavailable(f"worker for tenant {self.tenant!r} on device {self.device} failed to start "
@@ -289,17 +317,20 @@ class WorkerClient:
         fut.add_done_callback(_retrieve)
         self._pending[req_id] = (fut, op, params if check is None else check)
         try:
-            async with self._write_lock:
-                if fd is not None:
-                    params = {**params, "token": self._send_fd(fd)}
-                await write_frame_async(self._writer, [req_id, op, session, params])
-        except GpuBrokerError:  # the fd could not be passed; nothing was sent
+            if fd is None:
+                await self._send([req_id, op, session, params])
+            else:  # (the token is made under the lock, the fd sent just before the request: see call_with_fd)
+                await self._send([req_id, op, session, params], fd)
+        except GpuBrokerError:  # the fd could not be passed, or no room: nothing was sent
             self._pending.pop(req_id, None)
             raise
         except (ConnectionError, OSError):
             self._pending.pop(req_id, None)
             await self._died()
             raise self.death_error() from None
+        except BaseException:  # cancelled while waiting for room: its frame was never written
+            self._pending.pop(req_id, None)
+            raise
         self._busy(1)
         try:
             return await fut
@@ -368,11 +399,70 @@ class WorkerClient:
             self._want_pending = False
             self._grants_out += 1
         try:
-            async with self._write_lock:
-                await write_frame_async(self._writer, [CONTROL, op, "", None])
+            await self._send([CONTROL, op, "", None], capped=False)  # (their number is bounded by the grants)
         except (ConnectionError, OSError):
             await self._died()
             raise self.death_error() from None
+
+    def _queued_bytes(self) -> int:
+        """The bytes the front holds toward the worker: in its transport, and waiting for room."""
+        assert self._writer is not None
+        return self._writer.transport.get_write_buffer_size() + self._waiting_bytes
+
+    async def _send(self, frame: list[Any], fd: int | None = None, capped: bool = True) -> None:
+        """Write ``frame`` once the worker's socket has room for it (below the transport's high-water mark).
+
+        Waiting comes before the write, not after: a caller cancelled while it waits (its deadline) leaves
+        nothing in the transport, and the transport never holds more than its mark and one frame. The bytes
+        waiting are capped (one frame alone always goes, whatever its size), and a worker that reads none of
+        them for ``write_stall_seconds`` is killed: its tenant's kernel or compile parks it, or it stopped
+        reading on purpose.
+        """
+        assert self._writer is not None
+        writer = self._writer
+        size = _frame_size(frame)
+        queued = self._queued_bytes()
+        if capped and queued > 0 and queued + size > self.send_buffer_bytes:
+            raise ResourceExhausted(
+                f"the worker for tenant {self.tenant!r} on device {self.device} has {queued} bytes of requests "
+                f"waiting that it has not read (its device work, a kernel or a compile, keeps it busy): this "
+                f"{size}-byte request would pass the {self.send_buffer_bytes}-byte limit "
+                "(worker_send_buffer_bytes); retry once its work finishes, or send smaller requests",
+                retry_after_seconds=1.0)
+        self._waiting_bytes += size
+        try:
+            async with self._write_lock:
+                await self._room(writer)
+                if fd is not None:
+                    frame[3] = {**frame[3], "token": self._send_fd(fd)}
+                # Encoded only now, with room for it: a request waiting holds no encoded copy of itself.
+                payload: bytes = msgpack.packb(frame, use_bin_type=True)
+                writer.writelines((FRAME_HEADER.pack(len(payload)), payload))  # (no joined copy of a large one)
+        finally:
+            self._waiting_bytes -= size
+
+    async def _room(self, writer: asyncio.StreamWriter) -> None:
+        """Until the transport is below its high-water mark; the worker killed if it stalls too long."""
+        if writer.transport.get_write_buffer_size() == 0:
+            self._stalled_since = None
+            return
+        now = time.monotonic()
+        if self._stalled_since is None:
+            self._stalled_since = now
+        left = self._stalled_since + self.write_stall_seconds - now
+        try:
+            await asyncio.wait_for(writer.drain(), max(left, 0.0))
+        except TimeoutError:
+            if self.fault is None:
+                self.fault = ResourceExhausted(
+                    f"the worker for tenant {self.tenant!r} on device {self.device} read none of the front's "
+                    f"requests for {self.write_stall_seconds:g} s while {self._queued_bytes()} bytes of them "
+                    "waited (worker_write_stall_seconds: its kernel or compile kept it from reading) and was killed")
+                log.error("tenant %s: %s", self.tenant, self.fault.message)
+            if self.process is not None and self.process.poll() is None:
+                self.process.kill()  # (the reader then reports its death, charged to its tenant: it has a fault)
+            raise self.death_error() from None
+        self._stalled_since = None
 
     def _send_fd(self, fd: int) -> bytes:
         if self._fd_sock is None:
@@ -398,13 +488,12 @@ class WorkerClient:
             self._lied(str(exc))
         await self._died()
 
-    def _take(self, frame: Any) -> None:
-        """One frame from the worker: a reply to a pending request, or a lease message; WorkerLied otherwise."""
-        if type(frame) is not list or len(frame) != 3 or type(frame[0]) is not int:
-            raise WorkerLied("a frame that is not [id, status, result]")
+    def _take(self, frame: tuple[int, int | str, Any]) -> None:
+        """One frame from the worker (its result still encoded): a reply to a pending request, or a lease message;
+        WorkerLied otherwise."""
         req_id, status, result = frame
         if req_id == CONTROL:
-            self._control(status, result)
+            self._control(status, decode_control(result))
             return
         pending = self._pending.pop(req_id, None)
         if pending is None:
@@ -416,9 +505,9 @@ class WorkerClient:
         fut, op, params = pending
         try:
             if status == 0:
-                outcome: Any = check_result(op, params, result)
+                outcome: Any = check_result(op, params, decode_result(op, result))
             elif status == 1:
-                outcome = error_from_worker(result)
+                outcome = decode_error(result)
             else:
                 raise WorkerLied(f"a reply of status {str(status)[:20]}")
         except WorkerLied:
@@ -454,8 +543,9 @@ class WorkerClient:
     def _lied(self, reason: str) -> None:
         """Kill the worker now for breaking the protocol; the reader then reports its death."""
         if self.fault is None:
+            # The reason may quote the worker (a key it sent, in a decode error): escaped, it cannot forge a log line.
             self.fault = WorkerCrashed(f"the worker for tenant {self.tenant!r} on device {self.device} broke the "
-                                       f"front's protocol ({reason[:200]}) and was killed")
+                                       f"front's protocol ({escape(reason[:200], quote=False)}) and was killed")
             log.error("tenant %s: %s", self.tenant, self.fault.message)
         if self.process is not None and self.process.poll() is None:
             self.process.kill()

@@ -10,9 +10,12 @@ Ack as the payload (no msgpack wrapping around what is msgpack already), read an
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+
+import msgspec
+from msgspec import Raw
 
 from gpubroker.client._frames import (
+    FRAME_HEADER,
     MAX_FRAME,
     FrameClosed,
     FrameRefused,
@@ -26,18 +29,25 @@ from gpubroker.client._frames import (
     write_frame_async,
 )
 
-__all__ = ["MAX_FRAME", "FrameClosed", "FrameRefused", "FrameTooLarge", "pack_frame", "read_frame_async",
-           "read_payload_async", "read_reply", "recv_frame", "send_frame", "unpack_frame", "write_frame_async"]
+__all__ = ["FRAME_HEADER", "MAX_FRAME", "FrameClosed", "FrameRefused", "FrameTooLarge", "pack_frame",
+           "read_frame_async", "read_payload_async", "read_reply", "recv_frame", "send_frame", "unpack_frame",
+           "write_frame_async"]
 
 
-async def read_reply(reader: asyncio.StreamReader, limit: int) -> Any:
-    """One frame of at most ``limit`` bytes; FrameRefused past it or for bytes that do not unpack."""
+# A reply's envelope: [id, status, result] (a lease message: [CONTROL, op, extra]). Its result is left encoded
+# (one small object over the payload) and decoded by the schema of the request it answers (workers/_replies.py):
+# never unpacked as arbitrary msgpack, which would build an object of ~64 bytes for each one-byte element.
+_ENVELOPE = msgspec.msgpack.Decoder(tuple[int, int | str, Raw])
+
+
+async def read_reply(reader: asyncio.StreamReader, limit: int) -> tuple[int, int | str, Raw]:
+    """One frame of at most ``limit`` bytes, ``[id, status, result]`` with the result still encoded; FrameRefused
+    past the limit or for bytes of another shape."""
     try:
         payload = await read_payload_async(reader, limit)
     except FrameTooLarge as exc:
         raise FrameRefused(f"a frame of {exc.length} bytes, over the front's limit of {limit}") from None
     try:
-        # Containers are bounded by the payload already; nesting by msgpack's own stack limit.
-        return unpack_frame(payload)
-    except Exception as exc:  # ExtraData, FormatError, StackError, UnicodeDecodeError, ...
-        raise FrameRefused(f"a frame that is not msgpack ({type(exc).__name__})") from None
+        return _ENVELOPE.decode(payload)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise FrameRefused(f"a frame that is not [id, status, result] ({str(exc)[:120]})") from None

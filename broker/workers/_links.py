@@ -164,6 +164,15 @@ class Links:
         del self._held[held]
         self._answer(link)
 
+    def drop(self, held: int, session: str) -> None:
+        """Close the link taken under ``held`` unanswered: the front gave up its hand-off (this worker took too
+        long) and refused the client. None held under that number (never taken, or gone with its session): nothing
+        to do."""
+        link = self._held.get(held)
+        if link is not None and link.session == session:
+            del self._held[held]
+            link.sock.close()
+
     def _answer(self, link: _Link) -> None:
         hello: dict[str, Any] = {"link": 1, "max_frame": self.max_frame}
         if link.codec:

@@ -61,7 +61,8 @@ class WorkerServer(PeerOps):
             "batch": self.op_batch, "ping": self.op_ping, "take_device_time": self.op_take_device_time,
             "set_limits": self.op_set_limits, "usage": self.op_usage, "close_session": self.op_close_session,
             "register_segment": self.op_register_segment, "release_segment": self.op_release_segment,
-            "attach_link": self.op_attach_link, "serve_link": self.op_serve_link, "close_links": self.op_close_links,
+            "attach_link": self.op_attach_link, "serve_link": self.op_serve_link, "drop_link": self.op_drop_link,
+            "close_links": self.op_close_links,
             "pin": self.op_pin,
             "unpin": self.op_unpin, "peer_local": self.op_peer_local, "peer_export": self.op_peer_export,
             "peer_open": self.op_peer_open, "peer_copy": self.op_peer_copy, "peer_close": self.op_peer_close,
@@ -210,6 +211,13 @@ class WorkerServer(PeerOps):
             self.links.serve(held, session)
         except OSError as exc:
             raise Internal(f"could not answer the client on its link: {exc}") from None
+
+    def op_drop_link(self, session: str, p: dict[str, Any]) -> Any:
+        """Close a link taken with ``held`` that the front will not serve: its hand-off timed out."""
+        held = p.get("held")
+        if type(held) is not int:
+            raise InvalidArgument("drop_link: held must be an int")
+        self.links.drop(held, session)
 
     def op_close_links(self, session: str, p: dict[str, Any]) -> Any:
         """Close the session's links (the token that opened them was revoked); the session stays."""

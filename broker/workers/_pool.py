@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from gpubroker.client import GpuBrokerError, Unavailable
 
 from ..sandbox import WorkerSandbox
-from ._client import EXIT_FATAL, WorkerClient
+from ._client import DEFAULT_SEND_BUFFER, DEFAULT_WRITE_STALL, EXIT_FATAL, WorkerClient
 from ._frames import MAX_FRAME
 
 __all__ = ["TenantCrashes", "WorkerPool"]
@@ -105,7 +105,8 @@ class WorkerPool:
                  ordinals: Sequence[int] | None = None, crash_budget: int = 0, crash_window: float = 60.0,
                  on_failure: Callable[[WorkerClient], None] | None = None,
                  max_reply_bytes: int = MAX_FRAME, sandbox: WorkerSandbox | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, send_buffer_bytes: int = DEFAULT_SEND_BUFFER,
+                 write_stall_seconds: float = DEFAULT_WRITE_STALL) -> None:
         self.backend = backend
         self.sandbox = sandbox
         # The backend's own index of each of the broker's devices (config `devices` may pick and reorder them).
@@ -117,6 +118,8 @@ class WorkerPool:
         self.start_timeout = start_timeout
         self.idle_seconds = idle_seconds
         self.max_reply_bytes = max_reply_bytes
+        self.send_buffer_bytes = send_buffer_bytes
+        self.write_stall_seconds = write_stall_seconds
         self._workers: dict[tuple[str, int], WorkerClient] = {}
         self._starting: dict[tuple[str, int], asyncio.Task[WorkerClient]] = {}
         self.restarts = 0
@@ -161,7 +164,8 @@ class WorkerPool:
         ordinal = self.ordinals[key[1]] if self.ordinals is not None else key[1]
         worker = WorkerClient(key[0], key[1], self.backend, on_exit=self._forget, ordinal=ordinal,
                               sandbox=self.sandbox, max_reply_bytes=self.max_reply_bytes,
-                              on_output_dropped=functools.partial(self._output_dropped, key[0]))
+                              on_output_dropped=functools.partial(self._output_dropped, key[0]),
+                              send_buffer_bytes=self.send_buffer_bytes, write_stall_seconds=self.write_stall_seconds)
         await worker.start(self.start_timeout)
         worker.on_memory = self.on_memory
         if self.limits is not None:
