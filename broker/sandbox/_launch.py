@@ -25,6 +25,7 @@ from ._cache import CacheView, inodes_for
 __all__ = ["EXIT_SETUP_FAILED", "main"]
 
 EXIT_SETUP_FAILED = 125  # the sandbox could not be built; the message is on stderr
+SIGPENDING_MAX = 256  # queued signals a worker may have pending (a Python worker uses a handful)
 # The worker's uid and gid inside its user namespace when it runs as a host user of its own (``worker_uid``): 0
 # there stays the launcher's (its setup creates files in the new root, which needs its id mapped).
 WORKER_ID = 1
@@ -418,6 +419,13 @@ def main(argv: list[str] | None = None) -> int:
             seccomp_filter = build_filter(allow_spawn=bool(spec.get("spawn", False)))
         if spec.get("cgroup"):
             _write(os.path.join(spec["cgroup"], "cgroup.procs"), "0\n")
+        # Before the user namespace is made: the kernel charges its queued signals and message-queue bytes to the
+        # creator's uid too (host-wide), against the limits the creator had at its creation. Low ones here keep a
+        # worker from taking the broker's user's (root's, for a root broker) from every other process of it.
+        for kind, value in ((resource.RLIMIT_SIGPENDING, SIGPENDING_MAX), (resource.RLIMIT_MSGQUEUE, 0)):
+            _, hard = resource.getrlimit(kind)
+            value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+            resource.setrlimit(kind, (value, value))
         uid, gid = os.getuid(), os.getgid()
         worker_uid = spec.get("worker_uid")
         helper = _map_ids_from_outside(int(worker_uid)) if worker_uid is not None else None

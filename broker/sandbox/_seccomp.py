@@ -14,7 +14,8 @@ from __future__ import annotations
 import errno
 from typing import Any
 
-__all__ = ["DENIED", "PRIORITY_CALLS", "PROCESS_CREATION", "SIGNALS_TO_PID", "UNCOUNTED_MEMORY", "build_filter"]
+__all__ = ["DENIED", "HOST_USER_COUNTS", "PRIORITY_CALLS", "PROCESS_CREATION", "SIGNALS_TO_PID", "UNCOUNTED_MEMORY",
+           "build_filter"]
 
 # Refused outright: other processes' memory, mounts and namespaces, kernel interfaces a worker has no use for.
 DENIED = (
@@ -43,6 +44,10 @@ CLONE_VFORK = 0x00004000
 # memfd_secret, and System V shared memory, message queues and semaphores (the worker's own IPC namespace keeps
 # them from other processes, but not from the host's memory).
 UNCOUNTED_MEMORY = ("memfd_create", "memfd_secret", "shmget", "msgget", "semget")
+# Counted per user on the host, not per worker: the kernel charges a user namespace's inotify instances and POSIX
+# message queues to its creator's uid as well (the broker's user, host-wide: root's, for a root broker), so one
+# worker could take every one of them from the host. A compute worker needs neither.
+HOST_USER_COUNTS = ("inotify_init", "inotify_init1", "mq_open")
 # Signals aimed at a process (argument 0): only pid 1 (itself) passes; not 0 (its process group), -1 (every
 # process it may signal) or a negative group.
 SIGNALS_TO_PID = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open")
@@ -68,7 +73,7 @@ def build_filter(allow_spawn: bool = False) -> Any:
     f = seccomp.SyscallFilter(seccomp.ALLOW)
     # A syscall of another ABI (x86's int 0x80, x32) would dodge the rules below: kill the process instead.
     f.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
-    for name in (*DENIED, *PROCESS_CREATION, *UNCOUNTED_MEMORY):
+    for name in (*DENIED, *PROCESS_CREATION, *UNCOUNTED_MEMORY, *HOST_USER_COUNTS):
         _rule(seccomp, f, deny, name)
     for name in SIGNALS_TO_PID:
         _rule(seccomp, f, deny, name, seccomp.Arg(0, seccomp.NE, SELF))
