@@ -28,7 +28,7 @@ from gpubroker.client import (
     Unavailable,
     WorkerCrashed,
 )
-from gpubroker.client._protocol import Ack, Batch, DeviceInfoQuery
+from gpubroker.client._protocol import Ack, Batch, CopyShared, DeviceInfoQuery, LoadModule, Read, Write
 
 from ..sandbox import EXIT_SETUP_FAILED, Launch, WorkerSandbox, python_argv
 from ._cpu import WorkerCpu
@@ -49,6 +49,10 @@ _FRONT_OPS = frozenset({"device_info", "take_device_time", "close_session", "pin
 # Replies to requests whose callers gave up are remembered (to tell them from replies to requests never made)
 # up to this many; past it the oldest are forgotten, and a late reply to one of those counts as a lie.
 _ABANDONED_MAX = 65536
+# Commands whose work the worker does on the host's CPU outside any device turn: compiles and copies. Only while
+# one of these is in flight may a worker use CPU outside its turns (the CPU watch); a tenant that keeps cheap calls
+# (allocations, frees) going does not earn its leftover threads a CPU.
+_HOST_WORK = (LoadModule, Write, Read, CopyShared)
 # Fence charges may exceed the wall time since the last fence by this much (clock granularity, and the
 # worker's timer starting a hair before the front's).
 _CHARGE_SLACK = 0.05
@@ -283,7 +287,9 @@ class WorkerClient:
         # A batch that only asks what the device is runs none of the tenant's code (the front's own, at a session's
         # opening): a death after it is still the device's.
         front = all(isinstance(command, DeviceInfoQuery) for command in batch.commands)
-        ack: Ack = await self._call("batch", session, {"batch": encoded}, None, check=batch, front=front)
+        host_work = any(isinstance(command, _HOST_WORK) for command in batch.commands)
+        ack: Ack = await self._call("batch", session, {"batch": encoded}, None, check=batch, front=front,
+                                    host_work=host_work)
         return ack
 
     async def call_with_fd(self, op: str, session: str, fd: int, **params: Any) -> Any:
@@ -303,7 +309,7 @@ class WorkerClient:
         return WorkerCrashed(death)
 
     async def _call(self, op: str, session: str, params: dict[str, Any], fd: int | None, check: Any = None,
-                    front: bool = False) -> Any:
+                    front: bool = False, host_work: bool = True) -> Any:
         if self.death is not None:
             raise self.death_error()
         if self._writer is None:
@@ -331,11 +337,12 @@ class WorkerClient:
         except BaseException:  # cancelled while waiting for room: its frame was never written
             self._pending.pop(req_id, None)
             raise
-        self._busy(1)
+        busy = 1 if host_work else 0
+        self._busy(busy)
         try:
             return await fut
         finally:
-            self._busy(-1)
+            self._busy(-busy)
             if self._pending.pop(req_id, None) is not None and self.death is None:
                 self._abandon(req_id)  # the caller gave up: its reply, when it comes, is moot but honest
 
@@ -347,7 +354,8 @@ class WorkerClient:
         self._calls_in_flight += change
 
     def busy_seconds(self) -> float:
-        """Wall seconds during which the worker had at least one of the front's requests to serve."""
+        """Wall seconds during which the worker had at least one of the front's requests to serve that works on the
+        host's CPU (a compile, a copy: ``_HOST_WORK``; the front's own requests)."""
         if self._calls_in_flight > 0:
             return self._busy_total + time.monotonic() - self._busy_since
         return self._busy_total
