@@ -2,7 +2,8 @@
 
 gRPC cannot carry file descriptors, so next to its Unix socket ``PATH`` the broker listens on ``PATH.shm``. A
 client sends one length-prefixed msgpack frame ``{"session", "token", "size", "handle"}`` (the segment's handle,
-chosen by the client as every handle is) with a sealed memfd attached (SCM_RIGHTS); the broker maps it into the
+chosen by the client as every handle is) with a memfd of exactly ``size`` bytes attached (SCM_RIGHTS), sealed
+against shrinking and growing (``create_segment_fd``); the broker maps it into the
 tenant's worker and answers ``{"segment": handle}`` (or ``{"error": {code, message}}``). A ``CopyShared`` command
 then moves bytes between that mapping and device memory: no copy data travels through a socket at all.
 ``{"session", "token", "release": handle}`` unmaps a segment early; otherwise it
@@ -67,7 +68,8 @@ STAGING_SLOTS = 4
 STAGING_BYTES = STAGING_SLOTS * 32 * 1024 * 1024
 # memfds and their seals are Linux's; elsewhere shared memory is off and copies go as Write and Read commands.
 SUPPORTED = hasattr(os, "memfd_create") and hasattr(fcntl, "F_SEAL_SHRINK") and hasattr(socket, "send_fds")
-# The broker refuses a segment that could shrink under the worker's mapping (touching it would SIGBUS).
+# The broker refuses a segment that could shrink under the worker's mapping (touching it would SIGBUS), or that
+# could hold more than the size it announced and is charged for (a larger file, or one that could grow).
 SEGMENT_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if SUPPORTED else 0
 _names = itertools.count(1)
 

@@ -65,20 +65,32 @@ def _answer_and_close(conn: socket.socket, error: GpuBrokerError) -> None:
     conn.close()
 
 
+# The seals a segment must carry (the SDK's create_segment_fd adds them): it can neither shrink under the worker's
+# mapping (touching a page past the end would SIGBUS the worker) nor grow past the size it was charged for.
+SEGMENT_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
 def check_segment_fd(fd: int, size: int) -> None:
-    """Only a sealed memfd at least ``size`` bytes long: it can never shrink under the worker's mapping.
+    """Only a memfd sealed against shrinking and growing, exactly ``size`` bytes long.
+
+    The tenant is charged ``size`` bytes, and the worker maps that much; but every page of the file is the worker's
+    to fill (a kernel may map the whole file through a second mapping, ``mremap`` of the first), pages that no
+    rlimit counts and that live as long as the memfd. So the file must hold exactly what was charged and never
+    more: a sparse memfd larger than announced, or one that the client could grow after the check, would let the
+    worker allocate host memory that nobody is charged for.
 
     This runs on the event loop, and the client chose the descriptor: a file of a FUSE filesystem (or a stale
     network mount) can block any call that asks its filesystem, ``fstat`` included, and with it the whole front.
     F_GET_SEALS asks nobody: only a memfd (shmem or hugetlbfs) answers it, every other file is EINVAL at once, and
     a tmpfs file that is no memfd answers F_SEAL_SEAL without F_SEAL_SHRINK. So the seals are checked first, and
     only a memfd, whose size is in memory, is ever ``fstat``-ed."""
-    refusal = "the segment must be a memfd sealed against shrinking (F_SEAL_SHRINK)"
+    refusal = ("the segment must be a memfd sealed against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW) "
+               "after ftruncate to exactly the announced size, as the SDK's create_segment_fd makes it")
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
         raise InvalidArgument(refusal) from None
-    if not seals & fcntl.F_SEAL_SHRINK:
+    if seals & SEGMENT_SEALS != SEGMENT_SEALS:
         raise InvalidArgument(refusal)
     try:
         info = os.fstat(fd)
@@ -86,8 +98,9 @@ def check_segment_fd(fd: int, size: int) -> None:
         raise InvalidArgument(refusal) from None
     if not stat.S_ISREG(info.st_mode):
         raise InvalidArgument(refusal)
-    if info.st_size < size:
-        raise InvalidArgument(f"the segment's memfd holds {info.st_size} bytes, fewer than the {size} announced")
+    if info.st_size != size:
+        raise InvalidArgument(f"the segment's memfd holds {info.st_size} bytes, not the {size} announced: "
+                              "announce its exact size (ftruncate it to that size before sealing it)")
 
 
 async def _wait(loop: asyncio.AbstractEventLoop, fd: int, writable: bool) -> None:
@@ -444,10 +457,10 @@ class SharedMemoryServer:
         handle = message.get("handle")
         if not isinstance(handle, str) or not 0 < len(handle) <= MAX_HANDLE:
             raise InvalidArgument(f"a registration names its segment: a handle of 1 to {MAX_HANDLE} characters")
-        await self._register(session, fds[0], size, handle)
+        await self._register(session, fds[0], size, handle, conn.peer)
         return {"segment": handle, "size": size}
 
-    async def _register(self, session: Session, fd: int, size: int, handle: str) -> None:
+    async def _register(self, session: Session, fd: int, size: int, handle: str, peer: str) -> None:
         limit = self.config.max_shared_bytes_per_session
         if session.shared_bytes + size > limit:
             raise ResourceExhausted(f"this session would map {session.shared_bytes + size} bytes of shared memory; "
@@ -461,7 +474,12 @@ class SharedMemoryServer:
                 f"sessions: {size} requested, {tenant_used} in use, and the limit ({which}) is "
                 f"{tenant_limit}; release segments (drop host arrays) or end sessions first, or ask the operator "
                 "to raise it", limit=tenant_limit, used=tenant_used, requested=size)
-        check_segment_fd(fd, size)
+        try:
+            check_segment_fd(fd, size)
+        except InvalidArgument as exc:  # a client that is not the SDK, or a hostile one: the operator sees it
+            self.audit.warning(f"shm segment {session.tenant}", "refused: peer=%s tenant=%s reason=%s", peer,
+                               session.tenant, exc.message)
+            raise
         if handle in session.segments:
             raise InvalidArgument(f"segment {handle!r} is already registered in this session")
         # Reserved before the worker maps it, so concurrent registrations can never overshoot the limits.

@@ -1,7 +1,8 @@
 """The raw same-host sockets before and around authentication (issue 21, items 10-12), attacked through a real
 broker on PoCL: malformed hellos on ``<socket>.fast`` and ``<socket>.shm``, floods of authenticated and of silent
 ``.shm`` connections, and shared host memory past a tenant's quota across its sessions; and (round 2) descriptors
-sent a byte at a time for the front to hold, and the front at its descriptor limit.
+sent a byte at a time for the front to hold, and the front at its descriptor limit; and (round 3) a segment whose
+memfd holds more than the size it announces (and is charged for), which a kernel in the worker then fills.
 
 Each attack is what a hostile local client does with raw sockets (or the SDK's own calls); each test asserts what
 the broker must do: answer or close, audit and delay a malformed hello and never log a traceback; keep serving
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import fcntl
 import itertools
 import os
 import random
@@ -31,15 +33,17 @@ import pytest
 from gpubroker.broker.config import BrokerConfig
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.broker.server._preauth import PreAuthGate, Ticket
-from gpubroker.client import AdminClient, RemoteGpu, ResourceExhausted, connect
+from gpubroker.client import AdminClient, InvalidArgument, ModuleFormat, RemoteGpu, ResourceExhausted, connect
 from gpubroker.client._channel import make_channel
 from gpubroker.client._frames import pack_frame
-from gpubroker.client._shm import create_segment_fd
+from gpubroker.client._shm import SideChannel, create_segment_fd
 from gpubroker.client._transports import peer_hung_up
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
+from ..conftest import worker_pids
 from ..helpers import wait_for
+from .exploits import check_arch
 
 QUOTA = 128 << 20  # alice's memory quota: by default, also the shared host memory all her sessions may map
 DELAY_MAX = 0.3  # auth_failure_delay_max_seconds: the delay a peer's repeated failures grow to
@@ -521,3 +525,131 @@ def test_a_front_out_of_descriptors_answers_unavailable_and_charges_no_device(br
     log = _log(broker)[start:]
     assert "Traceback" not in log, log[log.index("Traceback") - 500:][:3000]
     assert "out of file descriptors" in log, log[-3000:]
+
+
+# Found in round 3 (attack3): a segment that holds more than it was charged for. The front charged (per session,
+# per tenant) the size a registration announced, and checked only that the memfd was sealed against shrinking and
+# at least that long. A sparse memfd far larger than announced (ftruncate costs its client nothing), or one not
+# sealed against growing and grown after the check, was every page the worker's to fill: a kernel maps the whole
+# file through a second mapping of the worker's (``mremap(addr, 0, window, MREMAP_MAYMOVE)``), slides that window
+# over it and populates it (``MADV_POPULATE_WRITE``), unmapping as it goes, so that no rlimit of the worker counts
+# the pages (shared: not RLIMIT_DATA; never more than two windows of RLIMIT_AS) and no quota does either.
+SEGMENT_ANNOUNCED = 4096
+SEGMENT_FILE = 256 << 20  # what the worker could fill: 64 Ki times what mallory is charged for
+FILL_WINDOW = 32 << 20
+FILL_SOURCE = r"""
+static long sys6(long n, long a, long b, long c, long d, long e, long f) {
+    long r;
+    __asm__ volatile("mov %5, %%r10\n\tmov %6, %%r8\n\tmov %7, %%r9\n\tsyscall"
+                     : "=a"(r) : "a"(n), "D"(a), "S"(b), "d"(c), "r"(d), "r"(e), "r"(f)
+                     : "rcx", "r11", "r10", "r8", "r9", "memory");
+    return r;
+}
+#define SYS_MREMAP 25
+#define SYS_MADVISE 28
+#define SYS_MUNMAP 11
+#define MREMAP_MAYMOVE 1
+#define MADV_POPULATE_WRITE 23
+__kernel void gpb_fill(const ulong addr, const ulong total, const ulong window, __global long* res) {
+    long w = (long)window;
+    long m = sys6(SYS_MREMAP, (long)addr, 0, w, MREMAP_MAYMOVE, 0, 0);  /* a second mapping of the same pages */
+    res[0] = m;
+    if (m < 0) return;
+    long r = sys6(SYS_MADVISE, m, w, MADV_POPULATE_WRITE, 0, 0, 0);
+    res[1] = r;
+    if (r < 0) { sys6(SYS_MUNMAP, m, w, 0, 0, 0, 0); return; }
+    ulong done = window;
+    while (done + window <= total) {
+        long m2 = sys6(SYS_MREMAP, m, w, 2 * w, MREMAP_MAYMOVE, 0, 0);  /* grow by a window */
+        if (m2 < 0) { res[2] = m2; break; }
+        r = sys6(SYS_MADVISE, m2 + w, w, MADV_POPULATE_WRITE, 0, 0, 0);
+        sys6(SYS_MUNMAP, m2, w, 0, 0, 0, 0);  /* drop the front window: the pages stay in the memfd */
+        m = m2 + w;
+        if (r < 0) { res[3] = r; break; }
+        done += window;
+    }
+    sys6(SYS_MUNMAP, m, w, 0, 0, 0, 0);
+    res[4] = (long)done;
+}
+"""
+
+
+def _worker_maps(broker: BrokerProcess, tenant: str, name: str) -> list[str]:
+    """The lines of ``tenant``'s workers' /proc/PID/maps that map the memfd called ``name``."""
+    lines = []
+    for pid in worker_pids(broker, tenant):
+        with contextlib.suppress(OSError):
+            lines += [line for line in open(f"/proc/{pid}/maps").read().splitlines()  # noqa: SIM115
+                      if f"/memfd:{name} " in line + " "]
+    return lines
+
+
+def _fill_from_the_worker(broker: BrokerProcess, gpu: RemoteGpu, name: str) -> list[int]:
+    """The attack's second half, once a segment is registered: a kernel of the worker fills the whole memfd."""
+    check_arch()
+    lines = _worker_maps(broker, "mallory", name)  # (an attacker reads its own /proc/self/maps)
+    assert lines, "the worker did not map the segment"
+    address = int(lines[0].split("-", 1)[0], 16)
+    kernel = gpu.get_kernel(gpu.load_module(FILL_SOURCE, ModuleFormat.OPENCL_C), "gpb_fill")
+    res = gpu.allocate_memory(8 * 8)
+    gpu.copy_h2d(np.zeros(8, dtype=np.int64), res)
+    gpu.execute_kernel(kernel, 1, 1, [np.uint64(address), np.uint64(SEGMENT_FILE), np.uint64(FILL_WINDOW), res])
+    gpu.synchronize()
+    out = np.empty(8, dtype=np.int64)
+    gpu.copy_d2h(res, out)
+    return [int(v) for v in out]
+
+
+@pytest.mark.parametrize("attack", ["larger-than-announced", "growable"])
+def test_a_segment_holding_more_than_it_announces_is_refused(broker: BrokerProcess, backend: str,
+                                                             attack: str) -> None:
+    # larger-than-announced: a sparse 256 MiB memfd, sealed as the SDK seals, announced as 4 KiB.
+    # growable: a 4 KiB memfd sealed against shrinking only, grown to 256 MiB once registered.
+    name = f"attack3-{attack}"
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    start = len(_log(broker))
+    try:
+        if attack == "larger-than-announced":
+            os.ftruncate(fd, SEGMENT_FILE)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        else:
+            os.ftruncate(fd, SEGMENT_ANNOUNCED)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+        token = broker.tokens["mallory"]
+        with connect(broker.target, token=token, timeout=60) as gpu:
+            channel = SideChannel(_path(broker, "shm"), token, session=gpu.session)
+            try:
+                try:
+                    channel.register(gpu.session, fd, SEGMENT_ANNOUNCED, name)
+                except InvalidArgument as exc:
+                    refusal = exc.message
+                else:  # the hole: the attack goes on, to show what the worker makes of it
+                    if attack == "growable":
+                        os.ftruncate(fd, SEGMENT_FILE)
+                    results = _fill_from_the_worker(broker, gpu, name) if backend == "opencl" else []
+                    held = os.fstat(fd).st_blocks * 512  # the client never touched a page
+                    channel.release(gpu.session, name)
+                    pytest.fail(f"a segment announced (and charged) as {SEGMENT_ANNOUNCED} bytes was registered; "
+                                f"the worker's kernel then filled {held >> 20} MiB of host memory with it "
+                                f"(kernel results {results})")
+                assert "F_SEAL_GROW" in refusal if attack == "growable" else "not the 4096 announced" in refusal, (
+                    refusal)
+                assert "create_segment_fd" in refusal or "ftruncate" in refusal, refusal  # (what to do)
+                # Nothing mapped in the worker, nothing populated; the refusal is audited with the tenant.
+                assert not _worker_maps(broker, "mallory", name)
+                assert os.fstat(fd).st_blocks == 0
+                log = _log(broker)[start:]
+                assert "Traceback" not in log, log[log.index("Traceback") - 500:][:3000]
+                assert f"tenant=mallory reason={refusal}" in log, log[-3000:]
+                # The same connection registers a segment made as the SDK makes it (exactly its size, sealed).
+                good = create_segment_fd(SEGMENT_ANNOUNCED)
+                try:
+                    assert channel.register(gpu.session, good, SEGMENT_ANNOUNCED, name) == name
+                finally:
+                    os.close(good)
+                channel.release(gpu.session, name)
+            finally:
+                channel.close()
+            _shared_round_trip(gpu)
+    finally:
+        os.close(fd)
