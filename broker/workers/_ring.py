@@ -157,10 +157,14 @@ def open_ring(request: Any, fds: list[int], max_frame: int) -> WorkerRing:
             seals = fcntl.fcntl(memfd, fcntl.F_GET_SEALS)
         except OSError:
             raise InvalidArgument("the ring's memory is not a memfd") from None
-        if not seals & fcntl.F_SEAL_SHRINK:
-            raise InvalidArgument("the ring's memfd is not sealed against shrinking (F_SEAL_SHRINK)")
+        # Sealed against shrinking (touching a page past a shrunk end would SIGBUS) and growing, and exactly the
+        # ring's size: the pages of a larger or growable memfd could be filled from the worker (mremap over the
+        # mapping) past every memory bound, uncounted.
+        if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
+            raise InvalidArgument("the ring's memfd is not sealed against shrinking and growing "
+                                  "(F_SEAL_SHRINK | F_SEAL_GROW)")
         size = RING_DATA + commands + acks
-        if os.fstat(memfd).st_size < size:
+        if os.fstat(memfd).st_size != size:
             raise InvalidArgument(f"the ring's memfd holds {os.fstat(memfd).st_size} bytes, not {size}")
         mm = mmap.mmap(memfd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:

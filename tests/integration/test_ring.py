@@ -178,6 +178,9 @@ def _offers(max_frame: int, keep: list[socket.socket]) -> dict[str, tuple[Any, C
     return {
         "unsealed": (good, lambda: [_memfd(size, 0), bell()], "not sealed"),
         "too small": (good, lambda: [_memfd(size - 4096, RING_SEALS), bell()], "holds"),
+        # (issue 21: pages past the ring, or grown into, could be filled from the worker past its memory bounds)
+        "too large": (good, lambda: [_memfd(size + (64 << 20), RING_SEALS), bell()], "holds"),
+        "growable": (good, lambda: [_memfd(size, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL), bell()], "growing"),
         "huge rings": ({**good, "acks": 1 << 40}, lambda: [_memfd(size, RING_SEALS), bell()], "size"),
         "tiny rings": ({**good, "commands": 16}, lambda: [_memfd(size, RING_SEALS), bell()], "size"),
         "a long spin": ({**good, "spin_us": 10**6}, lambda: [_memfd(size, RING_SEALS), bell()], "spin"),
