@@ -24,7 +24,7 @@ from gpubroker.client import ModuleFormat, connect
 
 from ..helpers import wait_for
 from . import exploits
-from .exploits import ATTACK_SOURCE, O_CREAT, O_RDWR, Program, check_arch, run
+from .exploits import ATTACK_SOURCE, O_CREAT, O_RDWR, SYSCALL_SOURCE, Program, check_arch, run
 
 for _name, _nr in (("inotify_init1", 294), ("mq_open", 240), ("mq_unlink", 241)):
     exploits.NR.setdefault(_name, _nr)
@@ -119,14 +119,7 @@ def test_a_worker_cannot_take_the_broker_users_message_queue_bytes(broker: Broke
                        f"{os.geteuid()}) could then make none on the whole host ({errno.errorcode.get(host)})")
 
 
-SIGQUEUE_SOURCE = r"""
-static long sys6(long n, long a, long b, long c, long d, long e, long f) {
-    long r;
-    __asm__ volatile("mov %5, %%r10\n\tmov %6, %%r8\n\tmov %7, %%r9\n\tsyscall"
-                     : "=a"(r) : "a"(n), "D"(a), "S"(b), "d"(c), "r"(d), "r"(e), "r"(f)
-                     : "rcx", "r11", "r10", "r8", "r9", "memory");
-    return r;
-}
+SIGQUEUE_SOURCE = SYSCALL_SOURCE + r"""
 /* Block a real-time signal on this thread and queue it to this thread until the kernel refuses (pid 1: itself). */
 __kernel void gpb_sigqueue(__global long* scratch, const long most, __global long* res) {
     long sig = 40;

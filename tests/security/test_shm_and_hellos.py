@@ -43,7 +43,7 @@ from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ..conftest import worker_pids
 from ..helpers import wait_for
-from .exploits import check_arch
+from .exploits import SYSCALL_SOURCE, check_arch
 
 QUOTA = 128 << 20  # alice's memory quota: by default, also the shared host memory all her sessions may map
 DELAY_MAX = 0.3  # auth_failure_delay_max_seconds: the delay a peer's repeated failures grow to
@@ -537,14 +537,7 @@ def test_a_front_out_of_descriptors_answers_unavailable_and_charges_no_device(br
 SEGMENT_ANNOUNCED = 4096
 SEGMENT_FILE = 256 << 20  # what the worker could fill: 64 Ki times what mallory is charged for
 FILL_WINDOW = 32 << 20
-FILL_SOURCE = r"""
-static long sys6(long n, long a, long b, long c, long d, long e, long f) {
-    long r;
-    __asm__ volatile("mov %5, %%r10\n\tmov %6, %%r8\n\tmov %7, %%r9\n\tsyscall"
-                     : "=a"(r) : "a"(n), "D"(a), "S"(b), "d"(c), "r"(d), "r"(e), "r"(f)
-                     : "rcx", "r11", "r10", "r8", "r9", "memory");
-    return r;
-}
+FILL_SOURCE = SYSCALL_SOURCE + r"""
 #define SYS_MREMAP 25
 #define SYS_MADVISE 28
 #define SYS_MUNMAP 11

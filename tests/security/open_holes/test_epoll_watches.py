@@ -24,20 +24,13 @@ from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import GpuBrokerError, ModuleFormat, connect
 
 from ...helpers import wait_for
-from ..exploits import check_arch
+from ..exploits import SYSCALL_SOURCE, check_arch
 
 WORKER_UID = 65534
 TARGETS = 3600  # eventfds each epoll instance watches (under RLIMIT_NOFILE, 4096, with room for a batch)
 BATCH = 200  # epoll instances made, then sent in flight and closed, at a time
 
-EPOLL_SOURCE = r"""
-static long sys6(long n, long a, long b, long c, long d, long e, long f) {
-    long r;
-    __asm__ volatile("mov %5, %%r10\n\tmov %6, %%r8\n\tmov %7, %%r9\n\tsyscall"
-                     : "=a"(r) : "a"(n), "D"(a), "S"(b), "d"(c), "r"(d), "r"(e), "r"(f)
-                     : "rcx", "r11", "r10", "r8", "r9", "memory");
-    return r;
-}
+EPOLL_SOURCE = SYSCALL_SOURCE + r"""
 /* scratch: targets[ntargets] ints | sv[2] | ev (16) | iov (16) | msg (64) | byte (8) | cmsg (16 + 4 x batch) */
 __kernel void gpb_epoll(__global char* scratch, const int ntargets, const int batch, __global long* res) {
     __global int* targets = (__global int*)scratch;
