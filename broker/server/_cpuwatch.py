@@ -26,7 +26,6 @@ way. Only a backstop: between two scans a kernel can make thousands.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -37,7 +36,7 @@ from gpubroker.client import GpuBrokerError, ResourceExhausted
 
 from ..scheduler import DeviceScheduler
 from ..workers import CpuReading, WorkerClient, WorkerPool, scan_children
-from ._status import log_failure
+from ._status import cancel_and_wait, log_failure
 
 __all__ = ["CpuWatch"]
 
@@ -78,10 +77,7 @@ class CpuWatch:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="cpu-watch")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         while True:

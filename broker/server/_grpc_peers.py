@@ -23,7 +23,7 @@ import socket
 from collections.abc import Iterator
 
 from ..auth import RateLimitedLog, peer_credentials
-from ._status import log_failure
+from ._status import cancel_and_wait, log_failure
 
 __all__ = ["GrpcPeerCensus"]
 
@@ -76,10 +76,7 @@ class GrpcPeerCensus:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="grpc peer census")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         while True:

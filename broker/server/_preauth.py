@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from ..auth import FailurePenalty, RateLimitedLog, failure_delay, peer_credentials
 from ..config import BrokerConfig
+from ._status import cancel_and_wait
 
 __all__ = ["IdleSweeper", "PreAuthGate", "Ticket", "refuse_malformed"]
 
@@ -238,8 +239,5 @@ class IdleSweeper:
                     entry.close()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

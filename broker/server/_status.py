@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import logging
@@ -20,8 +21,8 @@ from ..logs import bind_log_context, log_context
 from ..sessions import Session, out_of_descriptors
 from ._metrics import observe_rpc
 
-__all__ = ["ERROR_TRAILER", "Context", "add_servicer", "descriptors_exhausted", "log_failure", "principal_of",
-           "release_slot", "rpc", "stream_rpc"]
+__all__ = ["ERROR_TRAILER", "Context", "add_servicer", "cancel_and_wait", "descriptors_exhausted", "log_failure",
+           "principal_of", "release_slot", "rpc", "stream_rpc"]
 
 log = logging.getLogger("gpubroker.server")
 # One line per burst of calls refused for want of descriptors (a flood of them must not flood the log too).
@@ -32,6 +33,14 @@ EXHAUSTED_RETRY_SECONDS = 1.0
 current_method: contextvars.ContextVar[str] = contextvars.ContextVar("current_method", default="")
 # The session whose concurrent-RPC slot this call holds; released when the call ends.
 admitted: contextvars.ContextVar[Session | None] = contextvars.ContextVar("admitted", default=None)
+
+
+async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
+    """End one of the front's background loops (a sweep, a watch, a census) and wait until it has."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def release_slot(session: Session) -> None:
