@@ -126,7 +126,8 @@ class BrokerProcess:
             return ""
 
     def stop(self, timeout: float = 20.0) -> int | None:
-        """SIGTERM, wait, then SIGKILL the whole process group (the broker and its workers)."""
+        """SIGTERM, wait, then SIGKILL the broker's process group. Its workers are sessions of their own (setsid);
+        they die with it all the same (each launcher and worker has a parent-death signal)."""
         code = None
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
