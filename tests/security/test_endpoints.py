@@ -21,6 +21,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -197,20 +198,30 @@ def test_unauthenticated_health_watch_streams_are_bounded(broker: BrokerProcess)
     base = _rss(front)
     with contextlib.ExitStack() as stack:
         channels = [stack.enter_context(contextlib.closing(_channel(broker))) for _ in range(CHANNELS)]
-        calls = [health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
-                 for channel in channels for _ in range(STREAMS_PER_CHANNEL)]
-        served, refused = [], 0
-        for call in calls:  # each one's first answer, or its refusal
-            try:
-                next(call)
-                served.append(call)
-            except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-                assert "max_health_streams" in (exc.details() or "")
-                refused += 1
+        def watch(channel: grpc.Channel) -> Any:
+            return health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+
+        calls = [(channel, watch(channel)) for channel in channels for _ in range(STREAMS_PER_CHANNEL)]
+        served, refused, cancelled = [], 0, 0
+        for channel, call in calls:  # each one's first answer, or its refusal
+            while True:
+                try:
+                    next(call)
+                    served.append(call)
+                except grpc.RpcError as exc:
+                    # A stream the transport cancelled (seen once, in a full run on a loaded machine) was neither
+                    # served nor refused: it is opened again, a few times at most, until it is one or the other.
+                    if exc.code() == grpc.StatusCode.CANCELLED and cancelled < 10:
+                        cancelled += 1
+                        call = watch(channel)
+                        continue
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                    assert "max_health_streams" in (exc.details() or "")
+                    refused += 1
+                break
         grown = _rss(front) - base
         print(f"\n{len(served)} of {len(calls)} unauthenticated Watch streams on {CHANNELS} connections served, "
-              f"{refused} refused; the front grew by {grown / 2**20:.0f} MiB")
+              f"{refused} refused ({cancelled} cancelled and opened again); the front grew by {grown / 2**20:.0f} MiB")
         assert len(served) == PER_PEER, f"{len(served)} unauthenticated Watch streams from one peer were served"
         assert grown <= ALLOWED_GROWTH, (f"{len(served)} unauthenticated health Watch streams grew the front by "
                                          f"{grown / 2**20:.0f} MiB")
