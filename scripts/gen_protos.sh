@@ -3,16 +3,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-out=protos
+out=src
 if [ "${1:-}" = "--check" ]; then
   out=$(mktemp -d)
   trap 'rm -rf "$out"' EXIT
 fi
-"$PY" -m grpc_tools.protoc -Iprotos --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
-  protos/gpubroker/v1/*.proto
+"$PY" -m grpc_tools.protoc -Isrc --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
+  src/gpubroker/v1/*.proto
 if [ "${1:-}" = "--check" ]; then
   for f in "$out"/gpubroker/v1/*_pb2*.py*; do
-    if ! diff -u "protos/gpubroker/v1/$(basename "$f")" "$f"; then
+    if ! diff -u "src/gpubroker/v1/$(basename "$f")" "$f"; then
       echo "generated stubs are stale: run scripts/gen_protos.sh" >&2
       exit 1
     fi

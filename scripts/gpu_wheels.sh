@@ -11,7 +11,7 @@ src=$(mktemp -d)
 trap 'rm -rf "$src"' EXIT
 git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$src"
 rm -rf .whl && mkdir -p .whl
-(cd "$src" && "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$OLDPWD/.whl" .)
+(cd "$src" && "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$OLDPWD/.whl" . ./bench)
 # Pure-Python dependencies the GPU image lacks (it has grpcio 1.84, so the grpc add-ons are pinned to match).
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl \
   grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 'prometheus-client>=0.20' 'tomlkit>=0.13' 'pyseccomp>=0.1.2' \

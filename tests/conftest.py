@@ -45,7 +45,7 @@ def worker_pids(broker: BrokerProcess, tenant: str) -> list[int]:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and _runs_module(cmdline, b"gpubroker.broker.workers") and tenant.encode() in cmdline:
+        if state != "Z" and _runs_module(cmdline, b"gpubroker.broker.worker") and tenant.encode() in cmdline:
             pids.append(pid)
     return pids
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gpubroker.broker.launcher import descendants, parent_pids
-from gpubroker.client._frames import FRAME_HEADER
+from gpubroker.wire.frames import FRAME_HEADER
 
 __all__ = ["descendants", "parent_pids", "proc_status", "recv_payload", "send_payload", "wait_for"]
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from gpubroker.bench.fairness import share_series
+from gpubroker_bench.fairness import share_series
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 

@@ -1,4 +1,5 @@
-"""The configuration reference, generated from the config schema (broker/config/_schema.py) at every build.
+"""The configuration reference,
+generated from the config schema (src/gpubroker/broker/config/_schema.py) at every build.
 
 Each table of the config file is one msgspec Struct whose fields carry their type, range, default and description
 (``Annotated[type, Meta(..., description=...), form] = default``). This renders them: a section per table

@@ -1,4 +1,4 @@
-"""The metrics list, generated from the broker's metric table (broker/server/_metrics.py) at every build.
+"""The metrics list, generated from the broker's metric table (src/gpubroker/broker/front/_metrics.py) at every build.
 
 ``METRICS`` is the table ``BrokerCollector.collect`` yields its families from, and ``RPC_METRIC`` the RPC latency
 histogram's; a family added there appears here, with its name, type, labels and help string.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpubroker.broker.server._metrics import METRICS, RPC_BUCKETS, RPC_METRIC, MetricSpec
+from gpubroker.broker.front._metrics import METRICS, RPC_BUCKETS, RPC_METRIC, MetricSpec
 
 __all__ = ["GENERATED", "metrics_list", "series"]
 

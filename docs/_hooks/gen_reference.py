@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gpubroker.client import LIBRARY_OPS
-from gpubroker.client._library import (
+from gpubroker.wire.library import (
     ALL_DTYPES,
     BOOL,
     COMPLEX_FLOATING,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpubroker.bench.array_api import format_summary, run_suite, summarize
+from gpubroker_bench.array_api import format_summary, run_suite, summarize
 
 
 def _test(nodeid: str, outcome: str, **phases: Any) -> dict[str, Any]:

@@ -15,9 +15,9 @@ from typing import Any
 import array_api_compat.numpy as xp_numpy
 import numpy as np
 import pytest
+from gpubroker_bench.arrays import MlpPlan, MlpState, Plan, mlp_host_data, mlp_upload, train_mlp
 
 import gpubroker.client.array
-from gpubroker.bench.arrays import MlpPlan, MlpState, Plan, mlp_host_data, mlp_upload, train_mlp
 from gpubroker.broker import cli
 from gpubroker.client import RemoteGpu
 

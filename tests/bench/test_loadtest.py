@@ -9,7 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpubroker.bench.loadtest import (
+from gpubroker.broker import cli
+from gpubroker.broker.backends import open_backend
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.client import InvalidArgument
+from gpubroker.loadtest import (
     LoadTestConfig,
     WorkloadSpec,
     WrongResult,
@@ -18,10 +22,6 @@ from gpubroker.bench.loadtest import (
     loadtest,
     make_workload,
 )
-from gpubroker.broker import cli
-from gpubroker.broker.backends import open_backend
-from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.client import InvalidArgument
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpubroker_bench.remote_vs_local import summarize
 
-from gpubroker.bench.remote_vs_local import summarize
 from gpubroker.broker import cli
 
 SIZES = {"1MiB", "4MiB"}  # --quick's copy sizes

@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess
-from gpubroker.client._protocol import Allocate, Batch, Free, Memset, Read, decode_ack, encode, new_handle
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+from gpubroker.wire.commands import Allocate, Batch, Free, Memset, Read, decode_ack, encode, new_handle
 
 
 def _channel(broker: BrokerProcess) -> grpc.Channel:

@@ -13,7 +13,6 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gpubroker.broker.auth import TokenVerifier, hash_token, mint_token
 from gpubroker.broker.config import (
     BrokerConfig,
     BrokerSettings,
@@ -24,6 +23,7 @@ from gpubroker.broker.config import (
     parse_size,
     save_config,
 )
+from gpubroker.broker.front.auth import TokenVerifier, hash_token, mint_token
 from gpubroker.client import AlreadyExists, InvalidArgument, Unauthenticated
 
 

@@ -1,14 +1,15 @@
-"""The front's one conversion per typed RPC (broker/server/_commands.py): every RPC is accounted for, each request
+"""The front's one conversion per typed RPC (src/gpubroker/broker/front/_commands.py): every RPC is accounted for,
+each request
 becomes protocol commands that survive the one encoding, and bad requests are refused with a clear status."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpubroker.broker.server._commands import RPC_COMMANDS, command_of, copy_shared_commands, pack
+from gpubroker.broker.front._commands import RPC_COMMANDS, command_of, copy_shared_commands, pack
 from gpubroker.client import GpuBrokerError, InvalidArgument, NotFound
-from gpubroker.client._protocol import CopyShared, Launch, Memset, ScalarArg
 from gpubroker.v1 import broker_pb2 as pb
+from gpubroker.wire.commands import CopyShared, Launch, Memset, ScalarArg
 
 
 def test_every_rpc_of_the_service_maps_onto_commands_or_is_control_plane() -> None:

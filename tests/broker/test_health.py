@@ -10,8 +10,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from gpubroker.broker.config import BrokerConfig, load_config
-from gpubroker.broker.server._health import BROKER_SERVICE, BrokerHealth, device_service
-from gpubroker.broker.workers import WorkerClient, WorkerPool
+from gpubroker.broker.front._health import BROKER_SERVICE, BrokerHealth, device_service
+from gpubroker.broker.front.workers import WorkerClient, WorkerPool
 from gpubroker.client import DeadlineExceeded, DeviceInfo, InvalidArgument, Unavailable
 
 

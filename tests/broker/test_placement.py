@@ -8,7 +8,7 @@ import pytest
 
 from gpubroker.broker.cli import main as cli_main
 from gpubroker.broker.config import TenantConfig, load_config, save_config
-from gpubroker.broker.placement import DeviceLoad, NoServingDevice, choose_device
+from gpubroker.broker.front._placement import DeviceLoad, NoServingDevice, choose_device
 from gpubroker.client import InvalidArgument, ResourceExhausted
 
 

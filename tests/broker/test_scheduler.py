@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gpubroker.broker.scheduler import DeviceScheduler, FairPolicy, TurnLease
+from gpubroker.broker.front.scheduler import DeviceScheduler, FairPolicy, TurnLease
 
 
 class Device:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from gpubroker.broker.front import _systemd
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.broker.server import _systemd
 from gpubroker.client import connect
 
 TIMEOUT = 20.0

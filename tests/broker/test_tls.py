@@ -17,8 +17,8 @@ import pytest
 from gpubroker.broker import cli
 from gpubroker.broker.certs import CertPaths, init_certs, mint_client_cert
 from gpubroker.broker.config import BrokerConfig, TlsConfig
+from gpubroker.broker.front._server import tcp_credentials
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.broker.server._server import tcp_credentials
 from gpubroker.client import (
     FailedPrecondition,
     InvalidArgument,
@@ -206,6 +206,6 @@ def test_certs_commands_write_private_keys_and_print_the_config(tmp_path: Path) 
 
 def test_serve_insecure_flag_sets_the_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     seen: list[BrokerConfig] = []
-    monkeypatch.setattr("gpubroker.broker.server.run_broker", lambda cfg, ready_file=None: seen.append(cfg))
+    monkeypatch.setattr("gpubroker.broker.front.run_broker", lambda cfg, ready_file=None: seen.append(cfg))
     assert cli.main(["serve", "--config", str(tmp_path / "c.toml"), "--insecure"]) == 0
     assert seen[0].insecure is True

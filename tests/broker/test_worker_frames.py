@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from gpubroker.broker.workers._frames import FrameClosed, read_frame_async, recv_frame, send_frame
+from gpubroker.wire.worker import FrameClosed, read_frame_async, recv_frame, send_frame
 
 
 def test_frames_round_trip_and_close() -> None:

@@ -16,14 +16,13 @@ import numpy as np
 import pytest
 
 from gpubroker.broker.backends import open_backend
+from gpubroker.broker.front.workers import WorkerClient
 from gpubroker.broker.sandbox import WorkerSandbox
-from gpubroker.broker.workers import WorkerClient
-from gpubroker.broker.workers._executor import Executor
-from gpubroker.broker.workers._handles import HandleTables
-from gpubroker.broker.workers._segments import SegmentTable
+from gpubroker.broker.worker._executor import Executor
+from gpubroker.broker.worker._handles import HandleTables
+from gpubroker.broker.worker._segments import SegmentTable
 from gpubroker.client import InvalidArgument, NotFound
-from gpubroker.client._frames import FRAME_HEADER
-from gpubroker.client._protocol import (
+from gpubroker.wire.commands import (
     COMMANDS,
     LINK_COMMANDS,
     Ack,
@@ -50,6 +49,7 @@ from gpubroker.client._protocol import (
     encode,
     new_handle,
 )
+from gpubroker.wire.frames import FRAME_HEADER
 from tests.helpers import recv_payload, send_payload, wait_for
 
 T = TypeVar("T")

@@ -15,9 +15,9 @@ from gpubroker.client import (
     OutOfRange,
     WorkerCrashed,
 )
-from gpubroker.client._errors import error_from_wire
-from gpubroker.client._host import check_device_range, readable_bytes, writable_bytes
-from gpubroker.client._types import check_kernel_args, normalize_dims
+from gpubroker.wire.errors import error_from_wire
+from gpubroker.wire.host import check_device_range, readable_bytes, writable_bytes
+from gpubroker.wire.types import check_kernel_args, normalize_dims
 
 
 def test_normalize_dims() -> None:

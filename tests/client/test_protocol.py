@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gpubroker.client import _protocol as p
+from gpubroker.wire import commands as p
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES: dict[type, p.Command] = {
@@ -98,14 +98,14 @@ def _msgspec_codec_calls(path: Path) -> list[str]:
 # The front's check of what a worker replies (issue 21: a reply is decoded against the schema of the request it
 # answers, never as arbitrary msgpack): the frame's envelope, and the results' schemas. Decoders only: the
 # replies' bytes are the worker's, encoded by the one command model's codec.
-REPLY_SCHEMAS = {"broker/workers/_frames.py", "broker/workers/_replies.py"}
+REPLY_SCHEMAS = {"src/gpubroker/wire/worker.py", "src/gpubroker/broker/front/workers/_replies.py"}
 
 
 def test_commands_have_one_encoder() -> None:
-    """Only client/_protocol.py encodes or decodes commands: no module builds a codec of its own (besides the
-    front's schema decoders for worker replies, which encode nothing)."""
-    codecs = {str(path.relative_to(ROOT)): calls for path in sorted((ROOT / "client").rglob("*.py"))
-              + sorted((ROOT / "broker").rglob("*.py")) if (calls := _msgspec_codec_calls(path))}
-    assert set(codecs) == {"client/_protocol.py", *REPLY_SCHEMAS}, codecs
+    """Only src/gpubroker/wire/commands.py encodes or decodes commands: no module builds a codec of its own (besides
+    the front's schema decoders for worker replies, which encode nothing)."""
+    codecs = {str(path.relative_to(ROOT)): calls for path in sorted((ROOT / "src" / "gpubroker").rglob("*.py"))
+              if (calls := _msgspec_codec_calls(path))}
+    assert set(codecs) == {"src/gpubroker/wire/commands.py", *REPLY_SCHEMAS}, codecs
     for path in REPLY_SCHEMAS:
         assert set(codecs[path]) == {"msgspec.msgpack.Decoder"}, (path, codecs[path])

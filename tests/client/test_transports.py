@@ -1,7 +1,7 @@
 """The one batching core and the framed link, against a scripted peer on a real socketpair: order, the window,
 deferred errors naming the command, results, lost links, timeouts, and the choice of transport at connect.
 
-The peer speaks the protocol (client/_protocol.py) and stands in for the front's hello and the worker's acks;
+The peer speaks the protocol (src/gpubroker/wire/commands.py) and stands in for the front's hello and the worker's acks;
 it runs no device work (the integration suite does that against real brokers)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from gpubroker.client import DeadlineExceeded, InvalidArgument, NotFound, Unauthenticated, Unavailable
-from gpubroker.client._frames import recv_frame, recv_payload, send_frame, send_payload
-from gpubroker.client._protocol import (
+from gpubroker.client._transports import FramedLink, GrpcCommands, _core, choose_transport, split_host_port
+from gpubroker.wire.commands import (
     Ack,
     Batch,
     CommandError,
@@ -28,7 +28,7 @@ from gpubroker.client._protocol import (
     decode_batch,
     encode,
 )
-from gpubroker.client._transports import FramedLink, GrpcCommands, _core, choose_transport, split_host_port
+from gpubroker.wire.frames import recv_frame, recv_payload, send_frame, send_payload
 
 MAX_FRAME = 1 << 20
 Handler = Callable[[Batch], Ack | None]  # None: close the connection instead of answering

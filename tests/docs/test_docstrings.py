@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import subprocess
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -35,8 +34,7 @@ NO_RAISES = {"close"}  # GpuCompute methods that raise nothing, so need no Raise
 
 @cache
 def _package() -> griffe.Module:
-    subprocess.run([str(ROOT / "scripts" / "package_tree.sh")], check=True)
-    loaded = griffe.load("gpubroker.client", search_paths=[str(ROOT / "build" / "pkg")], docstring_parser="google",
+    loaded = griffe.load("gpubroker.client", search_paths=[str(ROOT / "src")], docstring_parser="google",
                          resolve_aliases=True, resolve_implicit=False)
     assert isinstance(loaded, griffe.Module)
     return loaded

@@ -8,10 +8,10 @@ import lz4.block
 import numpy as np
 import pytest
 
-from gpubroker.broker.workers._executor import _RAW_READS
+from gpubroker.broker.worker._executor import _RAW_READS
 from gpubroker.client import InvalidArgument, OutOfRange, RemoteGpu
-from gpubroker.client._protocol import Read, Write
 from gpubroker.client._transports._link import FramedLink
+from gpubroker.wire.commands import Read, Write
 
 from ..conftest import OpenGpu
 

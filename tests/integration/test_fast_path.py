@@ -13,7 +13,6 @@ from gpubroker.broker import samples
 from gpubroker.broker.certs import init_certs, mint_client_cert
 from gpubroker.broker.config import TlsConfig
 from gpubroker.broker.launcher import BrokerProcess
-from gpubroker.broker.workers._links import MAX_LINKS_PER_SESSION
 from gpubroker.client import (
     Buffer,
     InvalidArgument,
@@ -26,10 +25,11 @@ from gpubroker.client import (
     Unavailable,
     connect,
 )
-from gpubroker.client._frames import recv_payload, send_frame, send_payload
-from gpubroker.client._protocol import Batch, Synchronize, decode_ack, encode
 from gpubroker.client._transports import FramedLink, unix_connector
 from gpubroker.v1 import broker_pb2 as pb
+from gpubroker.wire.commands import Batch, Synchronize, decode_ack, encode
+from gpubroker.wire.frames import recv_payload, send_frame, send_payload
+from gpubroker.wire.worker import MAX_LINKS_PER_SESSION
 
 from ..conftest import TENANTS
 

@@ -14,10 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from gpubroker.bench.fuzz import (
+from gpubroker_bench.fuzz import (
     GrpcFuzzer,
     LinkFuzzer,
     LinkTarget,
@@ -27,6 +24,9 @@ from gpubroker.bench.fuzz import (
     link_fuzzer,
     start_fuzz_broker,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from gpubroker.broker.launcher import BrokerProcess
 
 EXAMPLES = int(os.environ.get("GPUBROKER_FUZZ_EXAMPLES", "100"))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gpubroker.client import ArrayRef, Buffer, InvalidArgument, RemoteGpu, library_outputs
-from gpubroker.client._protocol import RunLibrary
+from gpubroker.wire.commands import RunLibrary
 
 from ..conftest import TRANSPORTS, OpenGpu
 from ..library_calls import allocate, download, run_op, upload

@@ -19,14 +19,14 @@ from collections.abc import Iterator
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess
-from gpubroker.broker.workers._links import DEFAULT_MAX_FRAME
+from gpubroker.broker.worker._links import DEFAULT_MAX_FRAME
 from gpubroker.client import RemoteGpu, connect
-from gpubroker.client._frames import recv_payload, send_frame, send_payload
-from gpubroker.client._protocol import Batch, Read, Synchronize, decode_ack, encode
+from gpubroker.wire.commands import Batch, Read, Synchronize, decode_ack, encode
+from gpubroker.wire.frames import recv_payload, send_frame, send_payload
 
 from ..helpers import wait_for
 
-# The worker's link timeout is 10 s (broker/workers/_links.py): every answer here must come well before it.
+# The worker's link timeout is 10 s (src/gpubroker/broker/worker/_links.py): every answer here must come well before it.
 PROMPT = 4.0
 LINK_TIMEOUT = 10.0
 _HEADER = struct.Struct("!I")

@@ -24,10 +24,10 @@ import pytest
 from gpubroker.broker import samples
 from gpubroker.broker.launcher import BrokerProcess
 from gpubroker.client import InvalidArgument, RemoteGpu, Unavailable, WorkerCrashed, connect
-from gpubroker.client._frames import pack_frame, recv_payload, send_frame, send_payload, unpack_frame
-from gpubroker.client._protocol import Batch, Synchronize, decode_ack, encode
 from gpubroker.client._transports import Lost, RingTransport, unix_connector
-from gpubroker.client._transports._ring import (
+from gpubroker.wire.commands import Batch, Synchronize, decode_ack, encode
+from gpubroker.wire.frames import pack_frame, recv_payload, send_frame, send_payload, unpack_frame
+from gpubroker.wire.ring import (
     ACK_HEAD,
     ACK_TAIL,
     CMD_HEAD,

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpubroker.broker.auth import UNAUTHENTICATED_MESSAGE
+from gpubroker.broker.front.auth import UNAUTHENTICATED_MESSAGE
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import (
     AdminClient,
@@ -28,8 +28,8 @@ from gpubroker.client import (
     Unauthenticated,
     connect,
 )
-from gpubroker.client._protocol import CopyShared, Read, Write
 from gpubroker.client._shm import STAGE_MIN, STAGING_BYTES, STAGING_SLOTS, SideChannel, create_segment_fd, staged_pieces
+from gpubroker.wire.commands import CopyShared, Read, Write
 
 from ..conftest import worker_pids
 from ..helpers import wait_for

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from gpubroker.bench.soak import SOAK_SETTINGS, run_soak
+from gpubroker_bench.soak import SOAK_SETTINGS, run_soak
+
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 
 TENANTS = ["t0", "t1", "t2"]

@@ -12,8 +12,8 @@ from gpubroker.broker.certs import init_certs
 from gpubroker.broker.config import TlsConfig
 from gpubroker.broker.launcher import BrokerProcess
 from gpubroker.client import NotFound, TlsOptions, connect
-from gpubroker.client._protocol import Batch, Write, encode
 from gpubroker.client._transports._link import STRIPE_MIN, TCP_STRIPES, FramedLink
+from gpubroker.wire.commands import Batch, Write, encode
 
 from ..conftest import TENANTS
 

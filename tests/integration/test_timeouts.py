@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from gpubroker.broker import samples
-from gpubroker.broker.auth import mint_token
 from gpubroker.broker.config import BrokerConfig, TenantConfig
+from gpubroker.broker.front import _server
+from gpubroker.broker.front.auth import mint_token
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.broker.server import _server
 from gpubroker.client import DeadlineExceeded, connect
 
 from ..conftest import worker_pids

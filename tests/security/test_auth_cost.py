@@ -18,15 +18,15 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
-from gpubroker.broker.auth import FailurePenalty, TokenVerifier, mint_token
 from gpubroker.broker.config import BrokerConfig, TenantConfig, load_config, save_config
+from gpubroker.broker.front.auth import FailurePenalty, TokenVerifier, mint_token
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import Unauthenticated, Unavailable, connect
 from gpubroker.client._channel import make_channel
-from gpubroker.client._errors import error_from_wire
-from gpubroker.client._frames import pack_frame, recv_frame
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+from gpubroker.wire.errors import error_from_wire
+from gpubroker.wire.frames import pack_frame, recv_frame
 
 from ..helpers import wait_for
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gpubroker.broker.auth import TokenVerifier
 from gpubroker.broker.config import load_config
+from gpubroker.broker.front.auth import TokenVerifier
 from gpubroker.client import InvalidArgument
 
 CONFIG = '''\

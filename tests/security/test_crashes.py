@@ -22,12 +22,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpubroker.broker import samples
+from gpubroker.broker.front._health import device_service
+from gpubroker.broker.front.workers._replies import WorkerLied, check_result, device_info_from_dict, error_from_worker
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.broker.server._health import device_service
-from gpubroker.broker.workers._replies import WorkerLied, check_result, device_info_from_dict, error_from_worker
 from gpubroker.client import GpuBrokerError, RemoteGpu, Unavailable, WorkerCrashed, connect
 from gpubroker.client._channel import make_channel
-from gpubroker.client._protocol import Ack, Allocate, Batch, CommandError, Launch, LoadModule, Read, encode
+from gpubroker.wire.commands import Ack, Allocate, Batch, CommandError, Launch, LoadModule, Read, encode
 
 from ..conftest import worker_pids
 from ..helpers import wait_for

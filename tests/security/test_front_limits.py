@@ -20,9 +20,9 @@ import pytest
 from gpubroker.broker import samples
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import RemoteGpu, TlsOptions, connect
-from gpubroker.client._protocol import Batch, Write, encode
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+from gpubroker.wire.commands import Batch, Write, encode
 
 from ..helpers import wait_for
 

@@ -28,8 +28,8 @@ import grpc
 import numpy as np
 import pytest
 
-from gpubroker.broker.auth import mint_token
 from gpubroker.broker.config import rotate_token_in_place
+from gpubroker.broker.front.auth import mint_token
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import (
     AdminClient,
@@ -42,10 +42,10 @@ from gpubroker.client import (
     list_devices,
 )
 from gpubroker.client._channel import make_channel
-from gpubroker.client._frames import pack_frame, recv_frame
-from gpubroker.client._protocol import Batch, Read, decode_ack, encode
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+from gpubroker.wire.commands import Batch, Read, decode_ack, encode
+from gpubroker.wire.frames import pack_frame, recv_frame
 
 from ..helpers import recv_payload, send_payload, wait_for
 from .exploits import (

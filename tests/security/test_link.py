@@ -1,6 +1,7 @@
 """The framed link over TCP (``link_listen``), through a real broker on PoCL: the front terminates TLS (mTLS as the
 gRPC listener's), authenticates the hello under the pre-authentication limits, then relays the connection to
-the session's worker, which answers protocol batches (client/_protocol.py) on it. Raw sockets and the protocol
+the session's worker, which answers protocol batches (src/gpubroker/wire/commands.py) on it. Raw sockets and the
+protocol
 module only: what a client of any language would do."""
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import pytest
 from gpubroker.broker.certs import CertPaths, init_certs, mint_client_cert
 from gpubroker.broker.config import TlsConfig
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.client._frames import FRAME_HEADER
-from gpubroker.client._protocol import (
+from gpubroker.v1 import broker_pb2 as pb
+from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+from gpubroker.wire.commands import (
     Allocate,
     Batch,
     Free,
@@ -35,8 +37,7 @@ from gpubroker.client._protocol import (
     encode,
     new_handle,
 )
-from gpubroker.v1 import broker_pb2 as pb
-from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+from gpubroker.wire.frames import FRAME_HEADER
 
 from ..helpers import recv_payload, send_payload, wait_for
 

@@ -17,11 +17,11 @@ import pytest
 
 from gpubroker.broker import samples
 from gpubroker.broker.config import BrokerConfig
+from gpubroker.broker.front._preauth import PreAuthGate
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.broker.server._preauth import PreAuthGate
 from gpubroker.client import connect
-from gpubroker.client._frames import pack_frame, recv_frame
 from gpubroker.client._transports import peer_hung_up
+from gpubroker.wire.frames import pack_frame, recv_frame
 
 from ..helpers import wait_for
 

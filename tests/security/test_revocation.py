@@ -21,13 +21,13 @@ import pytest
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import AdminClient, InvalidArgument, NotFound, RemoteGpu, Unauthenticated, connect
 from gpubroker.client._channel import make_channel
-from gpubroker.client._errors import error_from_wire
-from gpubroker.client._frames import pack_frame, recv_frame
-from gpubroker.client._protocol import Batch, Memset, Synchronize, decode_ack, encode, new_handle
 from gpubroker.client._shm import SideChannel, create_segment_fd
 from gpubroker.client._transports import peer_hung_up
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+from gpubroker.wire.commands import Batch, Memset, Synchronize, decode_ack, encode, new_handle
+from gpubroker.wire.errors import error_from_wire
+from gpubroker.wire.frames import pack_frame, recv_frame
 
 from ..helpers import wait_for
 

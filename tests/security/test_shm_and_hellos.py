@@ -31,15 +31,15 @@ import numpy as np
 import pytest
 
 from gpubroker.broker.config import BrokerConfig
+from gpubroker.broker.front._preauth import PreAuthGate, Ticket
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.broker.server._preauth import PreAuthGate, Ticket
 from gpubroker.client import AdminClient, InvalidArgument, ModuleFormat, RemoteGpu, ResourceExhausted, connect
 from gpubroker.client._channel import make_channel
-from gpubroker.client._frames import pack_frame
 from gpubroker.client._shm import SideChannel, create_segment_fd
 from gpubroker.client._transports import peer_hung_up
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+from gpubroker.wire.frames import pack_frame
 
 from ..conftest import worker_pids
 from ..helpers import wait_for

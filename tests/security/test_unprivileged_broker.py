@@ -87,7 +87,7 @@ def _run_unprivileged(tmp_path: Path, cache: Path) -> None:
             out = np.empty(16, dtype=np.float32)
             gpu.copy_d2h(buf, out)
             assert (out == 3).all()  # scale_inplace: x = x * factor + 1
-        (worker,) = [p for p in descendants(front) if b"gpubroker.broker.workers" in _cmdline(p)
+        (worker,) = [p for p in descendants(front) if b"gpubroker.broker.worker" in _cmdline(p)
                      and b"alice" in _cmdline(p) and b"gpubroker.broker.sandbox" not in _cmdline(p)]
         status = proc_status(worker)
         assert status["Seccomp"] == "2" and int(status["CapEff"], 16) == 0

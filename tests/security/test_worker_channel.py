@@ -118,7 +118,7 @@ def _front_fd(front: int, tenant: str) -> int:
             args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
-        if "gpubroker.broker.workers" in args and tenant in args and args[0].endswith("python"):
+        if "gpubroker.broker.worker" in args and tenant in args and args[0].endswith("python"):
             return int(args[args.index("--fd") + 1])
     raise AssertionError(f"no worker of {tenant} under the front")
 

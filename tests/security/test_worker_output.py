@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gpubroker.broker.front.workers import WorkerClient
+from gpubroker.broker.front.workers._output import escape
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.broker.sandbox import Launch, WorkerSandbox
-from gpubroker.broker.workers import WorkerClient
-from gpubroker.broker.workers._output import escape
 from gpubroker.client import Kernel, ModuleFormat, RemoteGpu, Unavailable, connect
 
 from ..helpers import wait_for

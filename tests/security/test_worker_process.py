@@ -351,7 +351,7 @@ def _workers(broker: BrokerProcess, tenant: str) -> list[int]:
     found = []
     for pid in descendants(_front(broker)):
         args = _cmdline(pid).split(b"\0")
-        if b"gpubroker.broker.workers" in args and tenant.encode() in args and b"--spec" not in args:
+        if b"gpubroker.broker.worker" in args and tenant.encode() in args and b"--spec" not in args:
             found.append(pid)
     return found
 

@@ -20,9 +20,9 @@ cupy = pytest.importorskip("cupy")
 from gpubroker.broker import samples  # noqa: E402
 from gpubroker.broker.backends import _cuda_timing  # noqa: E402
 from gpubroker.broker.backends._cuda import CudaBackend, list_cuda_devices  # noqa: E402
-from gpubroker.broker.workers._executor import Executor  # noqa: E402
-from gpubroker.broker.workers._handles import HandleTables  # noqa: E402
-from gpubroker.broker.workers._segments import SegmentTable  # noqa: E402
+from gpubroker.broker.worker._executor import Executor  # noqa: E402
+from gpubroker.broker.worker._handles import HandleTables  # noqa: E402
+from gpubroker.broker.worker._segments import SegmentTable  # noqa: E402
 from gpubroker.client import (  # noqa: E402
     ArgumentTypeError,
     Buffer,
@@ -38,7 +38,7 @@ from gpubroker.client import (  # noqa: E402
     ResourceExhausted,
     Stream,
 )
-from gpubroker.client._protocol import (  # noqa: E402
+from gpubroker.wire.commands import (  # noqa: E402
     Allocate,
     Batch,
     BufferArg,

@@ -1,6 +1,7 @@
 """CI's quick pass of the Array API conformance suite (../shared/array-api-tests) on in-process PoCL.
 
-It runs ``gpubroker bench array-api``'s runner (bench/array_api.py) in process mode with few, derandomized examples
+It runs ``gpubroker bench array-api``'s runner (bench/gpubroker_bench/array_api.py) in process mode with few,
+derandomized examples
 (the same inputs every run) and asserts that at least 95 % of the suite's tests pass and that every failing test
 is one that ``array_api_failures.txt`` (beside this file) lists with its reason: a new failure fails CI. A listed
 test that passes is reported (a warning naming it) so its line can go; it does not fail the run, since the list
@@ -14,8 +15,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-
-from gpubroker.bench.array_api import find_suite, format_summary, run_suite
+from gpubroker_bench.array_api import find_suite, format_summary, run_suite
 
 FAILURES_FILE = Path(__file__).with_name("array_api_failures.txt")
 MAX_EXAMPLES = 2

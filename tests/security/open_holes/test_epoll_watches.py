@@ -102,7 +102,7 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
 def device_health(broker: BrokerProcess) -> str:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from gpubroker.broker.server._health import device_service
+    from gpubroker.broker.front._health import device_service
     from gpubroker.client._channel import make_channel
 
     channel, _ = make_channel(broker.target, broker.tokens["bob"])

@@ -1,0 +1,188 @@
+"""Fuzz the broker's raw local sockets besides the framed link (``_link.py``): "<socket>.shm" and the gRPC socket.
+
+Each case writes hostile bytes, then half-closes its end: the broker must answer only well-formed frames with a
+documented status, and close the connection (never hang on it, never crash). Registrations that succeed are
+released again, so the session's handle count must come back to zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+from hypothesis import strategies as st
+
+from gpubroker.client._shm import create_segment_fd
+from gpubroker.wire.commands import new_handle
+
+__all__ = ["RawFuzzer"]
+
+Draw = Callable[..., Any]
+_HEADER = struct.Struct("!I")
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=16),
+                     st.binary(max_size=16))
+# msgpack-able junk: what a confused or hostile client might send where a request belongs.
+junk = st.recursive(_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                       st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                    max_leaves=8)
+
+
+def frame(obj: Any) -> bytes:
+    payload: bytes = msgpack.packb(obj, use_bin_type=True)
+    return _HEADER.pack(len(payload)) + payload
+
+
+def unframe(data: bytes) -> list[Any]:
+    """The whole frames in ``data`` (a trailing partial frame means the broker cut a reply short: an error)."""
+    frames, pos = [], 0
+    while pos < len(data):
+        if pos + _HEADER.size > len(data):
+            raise AssertionError(f"a torn reply header: {data[pos:]!r}")
+        (length,) = _HEADER.unpack_from(data, pos)
+        end = pos + _HEADER.size + length
+        if end > len(data):
+            raise AssertionError(f"a torn reply of {length} bytes ({len(data) - pos - _HEADER.size} came)")
+        frames.append(msgpack.unpackb(data[pos + _HEADER.size:end], raw=False, strict_map_key=False))
+        pos = end
+    return frames
+
+
+class RawFuzzer:
+    """``shm_case`` and ``grpc_case`` each run one hypothesis-drawn case against the broker."""
+
+    def __init__(self, target: str, token: str, session: str, observe: Callable[[str, str, str], Any],
+                 timeout: float = 10.0) -> None:
+        self.path = target[len("unix:"):]
+        self.token = token
+        self.session = session  # a live session of the tenant owning ``token``, with no handles
+        self.observe = observe
+        self.timeout = timeout
+        self.cases = 0
+
+    def _exchange(self, path: str, chunks: list[tuple[bytes, list[int]]]) -> bytes:
+        """Send each chunk (with its fds), half-close, and read until the broker closes: it must, in time."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(path)
+            for data, fds in chunks:
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    if fds:
+                        socket.send_fds(sock, [data], fds)
+                    else:
+                        sock.sendall(data)
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_WR)
+            received = bytearray()
+            while True:
+                try:
+                    got = sock.recv(1 << 16)
+                except ConnectionResetError:
+                    break
+                except TimeoutError:
+                    raise AssertionError(f"{path} neither answered nor closed within {self.timeout} s") from None
+                if not got:
+                    break
+                received += got
+            return bytes(received)
+        finally:
+            sock.close()
+            self.cases += 1
+
+    def _check_error(self, where: str, error: Any) -> None:
+        if not isinstance(error, dict) or not isinstance(error.get("code"), str):
+            raise AssertionError(f"{where}: malformed error {error!r}")
+        self.observe(where, error["code"], str(error.get("message")))
+
+    # -- <socket>.shm -----------------------------------------------------------------------------
+    def shm_case(self, draw: Draw) -> int:
+        """Returns how many segments it registered (and released again)."""
+        opened: list[int] = []
+        used: set[str] = set()
+        chunks: list[tuple[bytes, list[int]]] = []
+        try:
+            for _ in range(draw(st.integers(1, 3))):
+                kind = draw(st.sampled_from(["bytes", "junk", "register", "register", "release"]))
+                fds = self._fds(draw, opened) if kind in ("register", "junk") else []
+                if kind == "bytes":
+                    chunks.append((draw(st.binary(max_size=48)), []))
+                elif kind == "junk":
+                    chunks.append((frame(draw(junk)), fds))
+                elif kind == "register":
+                    # The client names the segment (issue 13): a fresh handle, one already registered, or junk.
+                    handle = draw(st.one_of(st.just(new_handle("segment")), st.just(new_handle("segment")),
+                                            st.sampled_from(sorted(used) or ["g0"]), st.just(""),
+                                            st.just("g" * 65), junk))
+                    if isinstance(handle, str) and handle.startswith("g") and len(handle) == 17:
+                        used.add(handle)
+                    message = {"token": draw(st.sampled_from([self.token] * 4 + ["", "gpb_x_y"])),
+                               "session": draw(st.sampled_from([self.session] * 4 + ["", "ses_nope"])),
+                               "handle": handle,
+                               "size": draw(st.one_of(st.sampled_from([4096, 4096, 1, 0, -1, 2**40, True]), junk))}
+                    chunks.append((frame(message), fds))
+                else:
+                    chunks.append((frame({"token": self.token, "session": self.session,
+                                          "release": draw(st.one_of(st.text(max_size=12), junk))}), []))
+            replies = unframe(self._exchange(self.path + ".shm", chunks))
+        finally:
+            for fd in opened:
+                os.close(fd)
+        registered = []
+        for reply in replies:
+            if not isinstance(reply, dict):
+                raise AssertionError(f".shm: a malformed reply {reply!r}")
+            if "error" in reply:
+                self._check_error("shm", reply["error"])
+            elif "segment" in reply:
+                registered.append(reply["segment"])
+                self.observe("shm", "OK", "")
+            elif reply != {"released": True}:
+                raise AssertionError(f".shm: a malformed reply {reply!r}")
+        if len(set(registered)) != len(registered):
+            raise AssertionError(f".shm: one segment handle registered twice: {registered}")
+        if registered:  # give them back, so the session's accounting returns to nothing
+            no_fds: list[int] = []
+            release = [(frame({"token": self.token, "session": self.session, "release": seg}), no_fds)
+                       for seg in registered]
+            for reply in unframe(self._exchange(self.path + ".shm", release)):
+                if reply != {"released": True}:
+                    raise AssertionError(f".shm: releasing a segment it registered got {reply!r}")
+        return len(registered)
+
+    @staticmethod
+    def _fds(draw: Draw, opened: list[int]) -> list[int]:
+        """Descriptors to attach: memfds sealed or not, of the announced size or not, pipes, sockets, /dev/null."""
+        fds = []
+        for kind in draw(st.lists(st.sampled_from(["sealed", "sealed", "small", "unsealed", "pipe", "socket",
+                                                   "devnull"]), max_size=5)):
+            if kind in ("sealed", "small"):
+                fd = create_segment_fd(4096 if kind == "sealed" else 16)
+            elif kind == "unsealed":
+                fd = os.memfd_create("fuzz-unsealed", os.MFD_ALLOW_SEALING)
+                os.ftruncate(fd, 4096)
+            elif kind == "pipe":
+                fd, other = os.pipe()
+                opened.append(other)
+            elif kind == "socket":
+                a, b = socket.socketpair()
+                fd, other = a.detach(), b.detach()
+                opened.append(other)
+            else:
+                fd = os.open(os.devnull, os.O_RDWR)
+            fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.FD_CLOEXEC)
+            opened.append(fd)
+            fds.append(fd)
+        return fds
+
+    # -- the gRPC socket --------------------------------------------------------------------------
+    def grpc_case(self, draw: Draw) -> None:
+        preface = draw(st.sampled_from([b"", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"GET / HTTP/1.1\r\n\r\n"]))
+        self._exchange(self.path, [(preface + draw(st.binary(max_size=256)), [])])
+        self.observe("grpc socket", "OK", "")

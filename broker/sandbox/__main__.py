@@ -1,8 +1,0 @@
-"""``python -m gpubroker.broker.sandbox --spec JSON -- PROGRAM [ARGS...]``: run PROGRAM in a worker sandbox."""
-
-import sys
-
-from ._launch import main
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,0 @@
-"""The gRPC front: the only part of the broker that imports grpc."""
-
-from ._server import Broker, probe_devices, run_broker
-from ._service import GpuBrokerService, device_info_to_pb
-from ._status import ERROR_TRAILER
-
-__all__ = ["ERROR_TRAILER", "Broker", "GpuBrokerService", "device_info_to_pb", "probe_devices", "run_broker"]

@@ -1,0 +1,160 @@
+"""The operator's commands over the Admin service: `gpubroker status | sessions | end-session | drain`.
+
+The same commands (plus `reload` and `usage`) stay under `gpubroker admin ...`. Every one needs an admin tenant's
+token (`--token` or, better, the GPUBROKER_TOKEN variable) and the broker's address (`--target`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from gpubroker.broker.config import DEFAULT_SOCKET, format_size
+
+__all__ = ["add_admin_parsers", "run_admin", "table"]
+
+# Top-level commands and what each is called under `gpubroker admin`.
+_TOP_LEVEL = ("status", "sessions", "end-session", "drain")
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Iterable[int] = ()) -> str:
+    """Rows as aligned columns under their headers; columns numbered in ``right`` align right."""
+    cells = [[str(h) for h in headers], *([str(c) for c in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    right = set(right)
+    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w)
+                       for i, (c, w) in enumerate(zip(row, widths, strict=True))) for row in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+
+
+def _sessions_table(sessions: Sequence[Any]) -> str:
+    if not sessions:
+        return "(no sessions)"
+    return table(["session", "tenant", "dev", "idle s", "memory", "worker", "lost"],
+                 [[s.session, s.tenant, s.device, f"{s.idle_seconds:.1f}", s.memory_used,
+                   s.worker_pid or "", s.lost] for s in sessions], right=(2, 3, 4, 5))
+
+
+def _usage_table(resp: Any) -> str:
+    if not resp.tenants:
+        return "(no tenant has used a device yet)"
+    return table(["tenant", "dev", "weight", "device s", "share", "queued", "inflight", "wait p50 ms", "p99 ms",
+                  "memory used", "quota", "sessions", "shared host", "limit"],
+                 [[u.tenant, u.device, f"{u.weight:g}", f"{u.device_seconds:.3f}", f"{u.share:.1%}", u.queued,
+                   u.inflight, f"{u.wait_p50_ms:.2f}", f"{u.wait_p99_ms:.2f}", u.memory_used, u.memory_quota,
+                   u.sessions, u.shared_bytes, u.shared_bytes_limit] for u in resp.tenants], right=range(1, 14))
+
+
+def _print_status(target: str, status: Any, sessions: Sequence[Any], usage: Any, window: float) -> None:
+    state = status.health + (", draining" if status.draining else "")
+    if status.HasField("drain_seconds_left"):
+        state += f" (sessions left are ended in {status.drain_seconds_left:.0f} s)"
+    print(f"gpubroker {status.version} at {target}: {state}; up {_duration(status.uptime_seconds)}")
+    print(f"sandbox: {status.sandbox or 'unknown'}")
+    print("\ndevices")
+    print(table(["dev", "name", "backend", "memory", "health", "sessions", "memory used", "worker failures",
+                 "reason"],
+                [[d.device, d.name, d.backend, f"{d.total_memory / 2**30:.1f} GiB", d.health, d.sessions,
+                  d.memory_used, d.recent_worker_failures, d.reason] for d in status.devices],
+                right=(0, 3, 5, 6, 7)))
+    print("\ntenants")
+    print(table(["tenant", "weight", "quota", "admin", "sessions", "memory used"],
+                [[t.tenant, t.weight, format_size(t.memory_quota), "yes" if t.admin else "no", t.sessions,
+                  t.memory_used] for t in status.tenants], right=(1, 2, 4, 5)))
+    print("\nsessions")
+    print(_sessions_table(sessions))
+    print(f"\nusage (share over the last {window:g} s; fair scheduling {'on' if usage.fair_scheduling else 'off'}, "
+          f"quantum {usage.quantum_ms:g} ms)")
+    print(_usage_table(usage))
+
+
+def run_admin(args: argparse.Namespace) -> int:
+    from gpubroker.client import AdminClient
+
+    token = args.token or os.environ.get("GPUBROKER_TOKEN", "")
+    if not token:
+        print("gpubroker: error: an admin token is needed (--token or GPUBROKER_TOKEN)", file=sys.stderr)
+        return 2
+    with AdminClient(args.target, token) as admin:
+        command = args.admin_cmd
+        if command == "status":
+            window = 10.0
+            status = admin.status()
+            _print_status(args.target, status, admin.list_sessions(), admin.usage(window), window)
+        elif command == "sessions":
+            print(_sessions_table(admin.list_sessions(args.tenant or "")))
+        elif command == "end-session":
+            ended = admin.end_session(args.session)
+            print(f"ended session {args.session} of tenant {ended.tenant}; freed {ended.memory_freed} bytes")
+        elif command == "reload":
+            r = admin.reload()
+            print(f"reloaded: added {list(r.added)}, removed {list(r.removed)}, changed {list(r.changed)}, "
+                  f"{r.sessions_ended} sessions ended")
+        elif command == "usage":
+            usage = admin.usage(args.window)
+            print(f"fair scheduling {'on' if usage.fair_scheduling else 'off'}, quantum {usage.quantum_ms:g} ms; "
+                  f"share over the last {args.window:g} s")
+            print(_usage_table(usage))
+        elif command == "drain":
+            drained = admin.drain(args.grace)
+            when = (f"; those still running are ended in {drained.seconds_left:.0f} s"
+                    if drained.HasField("seconds_left") else "; running sessions go on until they close")
+            print(f"draining: new sessions are refused (health NOT_SERVING){when}. "
+                  f"{drained.sessions_running} sessions still running:")
+            print(_sessions_table(drained.sessions))
+    return 0
+
+
+def _target_options(defaults: bool = True) -> argparse.ArgumentParser:
+    """--target and --token; without ``defaults`` (a subcommand's copy) they do not override the group's."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--target", default=DEFAULT_SOCKET if defaults else argparse.SUPPRESS,
+                         help=f"broker address (default {DEFAULT_SOCKET})")
+    options.add_argument("--token", default=None if defaults else argparse.SUPPRESS,
+                         help="an admin tenant's token (prefer the GPUBROKER_TOKEN variable)")
+    return options
+
+
+def _add_commands(sub: Any, parents: list[argparse.ArgumentParser], names: Sequence[str]) -> None:
+    helps = {
+        "status": "devices with their health, tenants, sessions and usage, as tables",
+        "sessions": "list sessions",
+        "end-session": "end a session and free its memory",
+        "reload": "re-read tenants from the config file",
+        "drain": "refuse new sessions (health NOT_SERVING); running ones go on",
+        "usage": "per tenant and device: device time, share, queue, waits, memory, shared host memory",
+    }
+    for name in names:
+        p = sub.add_parser(name, help=helps[name], parents=parents)
+        p.set_defaults(admin_cmd=name, fn=run_admin)
+        if name == "sessions":
+            p.add_argument("--tenant", help="only this tenant's")
+        elif name == "end-session":
+            p.add_argument("session")
+        elif name == "drain":
+            p.add_argument("--grace", type=float, metavar="S",
+                           help="end the sessions still running after S seconds (default: let them run)")
+        elif name == "usage":
+            p.add_argument("--window", type=float, default=10.0, help="seconds over which to compute shares")
+
+
+def add_admin_parsers(sub: Any) -> None:
+    """`gpubroker admin ...` and the top-level `status`, `sessions`, `end-session` and `drain`."""
+    options = _target_options()
+    a = sub.add_parser("admin", help="admin calls on a running broker (token: --token or GPUBROKER_TOKEN)",
+                       parents=[options])
+    _add_commands(a.add_subparsers(dest="admin_cmd", required=True), [_target_options(defaults=False)],
+                  ["status", "sessions", "end-session", "reload", "drain", "usage"])
+    _add_commands(sub, [options], _TOP_LEVEL)

@@ -1,0 +1,389 @@
+"""`gpubroker`: serve, manage tenants, list devices, run the demo and the benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from gpubroker import __version__
+from gpubroker.broker.admin_cli import add_admin_parsers
+from gpubroker.broker.config import (
+    BrokerConfig,
+    TenantConfig,
+    add_tenant_in_place,
+    format_size,
+    load_config,
+    parse_size,
+    remove_tenant_in_place,
+    rotate_token_in_place,
+    split_host_port,
+)
+from gpubroker.broker.front.auth import mint_token
+from gpubroker.broker.logs import configure_logging
+from gpubroker.client import GpuBrokerError, InvalidArgument
+
+__all__ = ["main"]
+
+audit = logging.getLogger("gpubroker.audit")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from gpubroker.broker.front import run_broker
+    from gpubroker.broker.sandbox import set_dumpable
+
+    cfg = load_config(args.config)
+    if args.listen:
+        cfg.listen = args.listen
+    if args.backend:
+        cfg.backend = args.backend
+    if args.insecure:
+        cfg.insecure = True
+    if args.no_sandbox:
+        cfg.sandbox = False
+    if args.vsock_port is not None:
+        cfg.vsock_port = args.vsock_port
+    if args.metrics_listen is not None:
+        cfg.metrics_listen = args.metrics_listen
+    if args.log_format:
+        cfg.log_format = args.log_format
+    configure_logging(cfg.log_format, verbose=args.verbose)
+    os.environ["GPUBROKER_LOG_FORMAT"] = cfg.log_format  # for the workers it starts
+    # The front holds every tenant's tokens in memory: no same-uid process may ptrace it or read /proc/<pid>/mem.
+    set_dumpable(False)
+    if not cfg.tenants:
+        print(f"gpubroker: warning: {args.config} has no tenants; add one with `gpubroker tenant add`",
+              file=sys.stderr)
+    run_broker(cfg, ready_file=args.ready_file)
+    return 0
+
+
+def _device_memory(items: list[str] | None) -> dict[int, int]:
+    """``["1=16GiB", ...]`` (from --device-memory) as {device index: bytes}."""
+    quotas = {}
+    for item in items or ():
+        device, sep, size = item.partition("=")
+        if not sep or not device.strip().isdigit():
+            raise InvalidArgument(f"--device-memory takes DEVICE=SIZE (e.g. 1=16GiB), not {item!r}")
+        quotas[int(device)] = parse_size(size)
+    return quotas
+
+
+def _cmd_tenant_add(args: argparse.Namespace) -> int:
+    token = mint_token()
+    tenant = TenantConfig(name=args.name, token_id=token.token_id, token_hash=token.token_hash,
+                          memory_quota=parse_size(args.memory), weight=args.weight, admin=args.admin,
+                          device_memory=_device_memory(args.device_memory),
+                          shared_memory_quota=parse_size(args.shared_memory) if args.shared_memory else None)
+    # In place: the operator's comments and layout stay as they were; only the new table is appended.
+    path = add_tenant_in_place(args.config, tenant)
+    audit.info("action=tenant-add tenant=%s config=%s admin=%s by=%s", args.name, path, args.admin, _who())
+    print(f"added tenant {args.name!r} to {path} (memory {format_size(tenant.memory_quota)}, "
+          f"weight {args.weight}). Its token, shown only now:")
+    print(token.token)
+    return 0
+
+
+def _cmd_tenant_list(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    print(f"{'tenant':<24} {'memory':>10} {'weight':>6} {'admin':>5}  per device")
+    for t in cfg.tenants.values():
+        own = ", ".join(f"{d}: {format_size(q)}" for d, q in sorted(t.device_memory.items()))
+        print(f"{t.name:<24} {format_size(t.memory_quota):>10} {t.weight:>6} {'yes' if t.admin else '':>5}  {own}")
+    return 0
+
+
+def _cmd_tenant_rotate(args: argparse.Namespace) -> int:
+    token = mint_token()
+    path = rotate_token_in_place(args.config, args.name, token.token_id, token.token_hash)
+    audit.info("action=tenant-rotate-token tenant=%s config=%s by=%s", args.name, path, _who())
+    print(f"new token for tenant {args.name!r} in {path}; the old one stops working when the broker reloads "
+          "(SIGHUP or `gpubroker admin reload`). Shown only now:")
+    print(token.token)
+    return 0
+
+
+def _who() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except Exception:
+        return f"uid {os.getuid()}"
+
+
+def _cmd_tenant_remove(args: argparse.Namespace) -> int:
+    path = remove_tenant_in_place(args.config, args.name)
+    audit.info("action=tenant-remove tenant=%s config=%s by=%s", args.name, path, _who())
+    print(f"removed tenant {args.name!r}")
+    return 0
+
+
+def _cmd_certs_init(args: argparse.Namespace) -> int:
+    from gpubroker.broker.certs import default_sans, init_certs, tls_snippet
+
+    sans = list(dict.fromkeys([*default_sans(), *(args.san or [])]))  # loopback and this host always work
+    ca, server = init_certs(args.dir, sans, days=args.days, force=args.force)
+    print(f"CA:     {ca.cert} (key {ca.key}, mode 0600; keep it off the broker host if you can)")
+    print(f"server: {server.cert} (key {server.key}), SANs: {', '.join(sans)}")
+    print("\nPaste into the broker's config:\n")
+    print(tls_snippet(args.dir))
+    print(f"\nClients get certificates with `gpubroker certs client NAME --dir {args.dir}`.")
+    return 0
+
+
+def _cmd_certs_client(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from gpubroker.broker.certs import mint_client_cert
+
+    out = mint_client_cert(args.dir, args.name, uri=args.uri, days=args.days, force=args.force)
+    ca = Path(args.dir).resolve() / "ca.pem"
+    print(f"client: {out.cert} (key {out.key}, mode 0600), CN={args.name}" + (f", URI={args.uri}" if args.uri else ""))
+    if args.uri:
+        print(f'\nMap it to a tenant in the broker\'s config:\n\n[tls.identities]\n"{args.uri}" = "{args.name}"')
+    else:
+        print(f"\nIt authenticates as tenant {args.name!r} (or map CN {args.name!r} in [tls.identities]).")
+    print(f'\nClient: connect("HOST:PORT", tls=TlsOptions(ca_file="{ca}", cert_file="{out.cert}", '
+          f'key_file="{out.key}"))')
+    return 0
+
+
+def _cmd_devices(args: argparse.Namespace) -> int:
+    if args.target:
+        from gpubroker.client import list_devices
+
+        token = args.token or os.environ.get("GPUBROKER_TOKEN") or None
+        devices = list_devices(args.target, token)
+        kind = devices[0].backend if devices else "none"
+        print(f"broker {args.target}, backend: {kind}, sandbox: {_remote_sandbox(args.target, token)}")
+    else:
+        from gpubroker.broker.front import probe_devices
+
+        cfg = load_config(args.config) if args.config else BrokerConfig()
+        backend = args.backend or cfg.backend
+        kind, devices = probe_devices(backend)
+        print(f"backend: {kind}, sandbox: {_local_sandbox(cfg, kind)}")
+    for d in devices:
+        cc = f"cc {d.compute_capability[0]}.{d.compute_capability[1]}" if d.compute_capability else d.opencl_version
+        line = (f"  {d.id}: {d.name} ({d.vendor}), {d.total_memory / 2**30:.1f} GiB, "
+                f"{d.multiprocessor_count} SMs/CUs at {d.clock_mhz} MHz, L2 {d.l2_cache_bytes / 2**20:.1f} MiB, {cc}")
+        if d.health is not None:  # from a broker: whether it takes sessions, and this tenant's quota there
+            line += f"; {d.health}" + (f" ({d.health_reason})" if d.health_reason else "")
+            line += f"; quota {format_size(d.memory_quota or 0)}, used {d.memory_used or 0}"
+        print(line)
+    return 0
+
+
+def _local_sandbox(cfg: BrokerConfig, backend: str) -> str:
+    """The sandbox a broker with this config would give its workers here (probed), or why it would refuse."""
+    from gpubroker.broker.sandbox import SandboxUnavailable, WorkerSandbox
+
+    # (No cgroups are set up for a look: that would move this process. "cgroup" needs a delegated cgroup.)
+    sandbox = WorkerSandbox.from_config(cfg, backend, use_cgroups=False)
+    try:
+        sandbox.check()
+    except SandboxUnavailable as exc:
+        return f"UNAVAILABLE ({exc})"
+    return sandbox.description if not cfg.sandbox else "namespaces+seccomp (+cgroup where delegated)"
+
+
+def _remote_sandbox(target: str, token: str | None) -> str:
+    """What a running broker reports (its Status is for admin tenants only)."""
+    from gpubroker.client import AdminClient, PermissionDenied
+
+    if not token:
+        return "unknown (needs a token)"
+    try:
+        with AdminClient(target, token) as admin:
+            return admin.status().sandbox or "unknown"
+    except PermissionDenied:
+        return "unknown (shown to admin tenants only: see `gpubroker status`)"
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from gpubroker.broker.demo import run_demo
+
+    return run_demo(backend=args.backend or "auto")
+
+
+# `gpubroker bench WHICH`: the module of the benchmarks' distribution (bench/ in the repository, `gpubroker-bench`,
+# outside the gpubroker wheel) whose main() runs it.
+_BENCHES = {"remote": "remote_vs_local", "fairness": "fairness", "multi": "multi_gpu", "fuzz": "fuzz", "soak": "soak",
+            "cold-start": "cold_start", "arrays": "arrays", "array-api": "array_api"}
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        module = importlib.import_module(f"gpubroker_bench.{_BENCHES.get(args.which, 'remote_vs_local')}")
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not exc.name.startswith("gpubroker_bench"):
+            raise
+        print("gpubroker: error: the benchmarks are a distribution of their own: install it from the repository's "
+              "bench/ folder (`pip install ./bench`, or `./dev bench`, which does)", file=sys.stderr)
+        return 2
+    main: Callable[[list[str]], int] = module.main
+    return main(args.rest)
+
+
+def _cmd_loadtest(args: argparse.Namespace) -> int:
+    from gpubroker.loadtest import LoadTestConfig, loadtest
+
+    config = LoadTestConfig(tenants=args.tenants, duration=args.duration, mix=args.mix, backend=args.backend,
+                            target=args.target, tokens_file=args.tokens, admin_tenant=args.admin_tenant,
+                            device=args.device, max_ops=args.max_ops, long_ms=args.long_ms,
+                            copy_bytes=parse_size(args.copy_size), out=args.out, png=args.png)
+    return loadtest(config)[0]
+
+
+def _cmd_relay(args: argparse.Namespace) -> int:
+    from gpubroker.broker.relay import run_relay_command
+
+    run_relay_command(args.listen, args.vsock_connect, args.max_connections, int(args.socket_mode, 8))
+    return 0
+
+
+def _metrics_address(value: str) -> str:
+    if value:
+        try:
+            split_host_port(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpubroker", description="A GPU API-remoting broker.")
+    p.add_argument("--version", action="version", version=f"gpubroker {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the broker")
+    s.add_argument("--config", required=True, help="TOML config (tenants, limits)")
+    s.add_argument("--listen", action="append", help="unix:PATH or HOST:PORT (repeatable); overrides the config")
+    s.add_argument("--backend", choices=["auto", "cuda", "opencl"], help="overrides the config")
+    s.add_argument("--ready-file", help="write the bound addresses here (JSON) once serving")
+    s.add_argument("--insecure", action="store_true",
+                   help="allow plaintext TCP on non-loopback addresses (tokens travel in the clear)")
+    s.add_argument("--no-sandbox", action="store_true",
+                   help="run workers without their sandbox (tenants' code can then reach the broker and each other)")
+    s.add_argument("--vsock-port", type=int, help="also accept VMs on this vsock port (0: off); overrides the config")
+    s.add_argument("--metrics-listen", type=_metrics_address, metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (empty: off); overrides the config")
+    s.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON; overrides the config")
+    s.set_defaults(fn=_cmd_serve)
+
+    r = sub.add_parser("relay", help="in a VM: a local Unix socket relayed to the host's broker over vsock")
+    r.add_argument("--listen", required=True, help="unix:PATH for local clients (e.g. unix:/run/gpubroker.sock)")
+    r.add_argument("--vsock-connect", required=True, help="CID:PORT of the broker (CID 2 is the host)")
+    r.add_argument("--max-connections", type=int, default=256, help="more are closed at once (default 256)")
+    r.add_argument("--socket-mode", default="660", help="octal mode of the Unix socket (default 660)")
+    r.set_defaults(fn=_cmd_relay)
+
+    t = sub.add_parser("tenant", help="manage tenants in a config").add_subparsers(dest="tenant_cmd", required=True)
+    ta = t.add_parser("add", help="add a tenant and print its token once")
+    ta.add_argument("name")
+    ta.add_argument("--config", required=True)
+    ta.add_argument("--memory", default="8GiB", help="device memory quota (default 8GiB)")
+    ta.add_argument("--weight", type=int, default=1, help="fair-share weight (default 1)")
+    ta.add_argument("--shared-memory", metavar="SIZE",
+                    help="host memory its sessions may share through <socket>.shm (default: equal to --memory)")
+    ta.add_argument("--admin", action="store_true", help="may call the Admin service")
+    ta.add_argument("--device-memory", action="append", metavar="DEVICE=SIZE",
+                    help="a quota of its own on one device, e.g. 1=16GiB (repeatable; others get --memory)")
+    ta.set_defaults(fn=_cmd_tenant_add)
+    tl = t.add_parser("list", help="list tenants")
+    tl.add_argument("--config", required=True)
+    tl.set_defaults(fn=_cmd_tenant_list)
+    tr = t.add_parser("remove", help="remove a tenant")
+    tr.add_argument("name")
+    tr.add_argument("--config", required=True)
+    tr.set_defaults(fn=_cmd_tenant_remove)
+    tt = t.add_parser("rotate-token", help="replace a tenant's token and print the new one once")
+    tt.add_argument("name")
+    tt.add_argument("--config", required=True)
+    tt.set_defaults(fn=_cmd_tenant_rotate)
+
+    add_admin_parsers(sub)  # `gpubroker admin ...`, and `status`, `sessions`, `end-session`, `drain`
+
+    c = sub.add_parser("certs", help="mint a CA, server and client certificates for TLS on TCP listeners")
+    cs = c.add_subparsers(dest="certs_cmd", required=True)
+    ci = cs.add_parser("init", help="a CA and the broker's server certificate; prints the [tls] config")
+    ci.add_argument("--dir", required=True, help="where to write ca.pem, ca.key, server.pem, server.key")
+    ci.add_argument("--san", action="append", help="extra DNS name or IP for the server certificate (repeatable); "
+                    "localhost, 127.0.0.1, ::1 and this host's name are always included")
+    ci.add_argument("--days", type=int, default=825, help="server certificate validity (default 825)")
+    ci.add_argument("--force", action="store_true",
+                    help="replace an existing CA (the certificates it signed stop working)")
+    ci.set_defaults(fn=_cmd_certs_init)
+    cc = cs.add_parser("client", help="a client certificate signed by the CA in --dir (CN = NAME)")
+    cc.add_argument("name")
+    cc.add_argument("--dir", required=True, help="the directory `certs init` wrote; adds clients/NAME.pem and .key")
+    cc.add_argument("--uri", help="a SAN URI (e.g. spiffe://example.org/team-a) to map in [tls.identities]")
+    cc.add_argument("--days", type=int, default=365, help="validity (default 365)")
+    cc.add_argument("--force", action="store_true", help="replace an existing certificate of this name")
+    cc.set_defaults(fn=_cmd_certs_client)
+
+    d = sub.add_parser("devices", help="list the devices the broker would serve (or, with --target, those a "
+                       "running broker serves, with their health)")
+    d.add_argument("--config")
+    d.add_argument("--backend", choices=["auto", "cuda", "opencl"])
+    d.add_argument("--target", help="ask a running broker (unix:PATH or HOST:PORT) instead of probing here")
+    d.add_argument("--token", help="a tenant's token for --target (prefer the GPUBROKER_TOKEN variable)")
+    d.set_defaults(fn=_cmd_devices)
+
+    m = sub.add_parser("demo", help="start an embedded broker and run two tenants' work against it")
+    m.add_argument("--backend", choices=["auto", "cuda", "opencl"])
+    m.set_defaults(fn=_cmd_demo)
+
+    b = sub.add_parser("bench", help="benchmarks printing JSON: `remote` (gpubroker on every transport against "
+                       "plain CuPy or pyopencl in one process: launch round trip, launch rate, copy bandwidth), "
+                       "`fairness` (shares, Jain's index, light-tenant latency) or `multi` "
+                       "(several devices: sessions on each, peer copies, fairness per device); `fuzz` (random and "
+                       "hostile requests, --cases N), `soak` (session cycles: leaks of memory, fds, segments) and "
+                       "`cold-start` (a tenant's first session, worker start included, sandboxed and not); "
+                       "`array-api` (the Array API conformance suite against gpubroker.client.array, over a broker "
+                       "or in process); `arrays` (an MLP training loop and an sklearn PCA on the Array API "
+                       "namespace through a broker, against the same code on CuPy natively)")
+    b.add_argument("which", choices=["remote", "fairness", "multi", "fuzz", "soak", "cold-start", "array-api",
+                                     "arrays"])
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (--backend, --out, ...)")
+    b.set_defaults(fn=_cmd_bench)
+
+    lt = sub.add_parser("loadtest", help="many tenants with mixed workloads against a broker (embedded, or a local "
+                        "--target): live progress, a per-tenant table, JSON and a PNG; exit 1 on any error")
+    lt.add_argument("--tenants", type=int, default=4, help="tenants, one process each (default 4, at most 64)")
+    lt.add_argument("--duration", type=float, default=10.0, help="seconds of load (default 10, at most 3600)")
+    lt.add_argument("--mix", default="copies,short,long,sync,async",
+                    help="workloads given to tenants round-robin (a,b,c) or by weight (a=3,b=1): copies, short, "
+                    "long, sync, async (default: all five)")
+    lt.add_argument("--backend", choices=["auto", "cuda", "opencl"], default="auto", help="the embedded broker's")
+    lt.add_argument("--target", help="a running broker instead: unix:PATH or a loopback HOST:PORT (nothing else)")
+    lt.add_argument("--tokens", help="with --target: JSON object of tenant name -> token, with the admin tenant's")
+    lt.add_argument("--admin-tenant", default="admin", help="the admin tenant in --tokens, for usage (default admin)")
+    lt.add_argument("--device", type=int, default=0, help="device index (default 0)")
+    lt.add_argument("--max-ops", type=int, default=1_000_000, help="per tenant, at most (default 1000000)")
+    lt.add_argument("--long-ms", type=float, default=5.0, help="the long kernel's calibrated length (default 5)")
+    lt.add_argument("--copy-size", default="4MiB", help="bytes per copy of the copies workload (default 4MiB)")
+    lt.add_argument("--out", default="loadtest.json", help="the JSON file (default ./loadtest.json)")
+    lt.add_argument("--png", help="the plot (default: --out with .png)")
+    lt.set_defaults(fn=_cmd_loadtest)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        return int(args.fn(args) or 0)
+    except GpuBrokerError as exc:
+        print(f"gpubroker: error: {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Credentials for the broker's TCP listeners: TLS (or mTLS) when configured, local credentials on loopback; the
+same for the TCP link listener (link_listen), as an ssl context."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import ssl
+import tempfile
+from pathlib import Path
+
+import grpc
+
+from gpubroker.broker.config import BrokerConfig
+from gpubroker.wire.errors import FailedPrecondition
+
+__all__ = ["link_tls", "tcp_credentials"]
+
+log = logging.getLogger("gpubroker.server")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve anywhere
+
+
+def _read_tls_file(cfg: BrokerConfig, key: str) -> bytes:
+    name = getattr(cfg.tls, key)
+    if not name:
+        raise FailedPrecondition(f"[tls] {key} is not set")
+    path = Path(name)
+    if not path.is_absolute() and cfg.path is not None:
+        path = cfg.path.parent / path  # relative paths are relative to the config file, not the cwd
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise FailedPrecondition(f"[tls] {key} {path}: {exc.strerror}") from None
+
+
+def _check_tls(cfg: BrokerConfig) -> None:
+    tls = cfg.tls
+    if tls is not None:
+        if tls.require_client_cert and not tls.client_ca_file:
+            raise FailedPrecondition("[tls] require_client_cert needs client_ca_file (the CA that signs clients)")
+        if not tls.allow_tokens and not tls.require_client_cert:
+            raise FailedPrecondition("[tls] allow_tokens = false needs require_client_cert = true: "
+                                     "otherwise no TCP client could authenticate")
+        # Python gRPC either requires a verified client certificate or asks for none at all: with
+        # require_client_cert off, TCP clients authenticate by token only and client_ca_file goes unused.
+        if tls.client_ca_file and not tls.require_client_cert:
+            log.warning("[tls] client_ca_file is set but require_client_cert is false: client certificates "
+                        "are not requested, so TCP clients authenticate by token only")
+
+
+def tcp_credentials(cfg: BrokerConfig, address: str) -> grpc.ServerCredentials:
+    """TLS on every TCP listener when [tls] is set; else local credentials on loopback, plaintext only if insecure."""
+    tls = cfg.tls
+    if tls is not None:
+        _check_tls(cfg)
+        client_ca = _read_tls_file(cfg, "client_ca_file") if tls.require_client_cert else None
+        return grpc.ssl_server_credentials([(_read_tls_file(cfg, "key_file"), _read_tls_file(cfg, "cert_file"))],
+                                           root_certificates=client_ca, require_client_auth=tls.require_client_cert)
+    if _is_loopback(address.rsplit(":", 1)[0].strip("[]")):
+        return grpc.local_server_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+    if cfg.insecure:
+        log.warning("plaintext TCP on %s (insecure = true): tokens travel in the clear; configure [tls]", address)
+        return grpc.insecure_server_credentials()
+    raise FailedPrecondition(f"refusing plaintext TCP on non-loopback {address}: configure [tls] "
+                             "(see `gpubroker certs init`) or pass --insecure")
+
+
+def link_tls(cfg: BrokerConfig, address: str) -> ssl.SSLContext | None:
+    """The TCP link's TLS: the gRPC listeners' certificate, key and (mTLS) client CA; None for plaintext, which
+    only loopback or ``insecure`` allows, as for gRPC."""
+    tls = cfg.tls
+    if tls is None:
+        if not _is_loopback(address.rsplit(":", 1)[0].strip("[]")):
+            if not cfg.insecure:
+                raise FailedPrecondition(f"refusing a plaintext link on non-loopback {address}: configure [tls] "
+                                         "or pass --insecure")
+            log.warning("plaintext link on %s (insecure = true): tokens travel in the clear; configure [tls]",
+                        address)
+        return None
+    _check_tls(cfg)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    # ssl loads a chain and key only from files: copies in a private temporary directory, removed at once.
+    with tempfile.TemporaryDirectory() as tmp:
+        cert_path, key_path = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
+        cert_path.write_bytes(_read_tls_file(cfg, "cert_file"))
+        key_path.touch(0o600)
+        key_path.write_bytes(_read_tls_file(cfg, "key_file"))
+        context.load_cert_chain(cert_path, key_path)
+    if tls.require_client_cert:
+        context.load_verify_locations(cadata=_read_tls_file(cfg, "client_ca_file").decode())
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

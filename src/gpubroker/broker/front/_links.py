@@ -1,0 +1,760 @@
+"""The framed link's listeners: the front authenticates a hello, then hands the connection to the session's worker.
+
+After the hello, a link carries protocol batches (gpubroker/wire/commands.py) between the client and its worker, and
+the front never sees them. Three listeners, one hello and one hand-off:
+
+- ``<socket>.fast`` beside each Unix listener (same host): the accepted socket goes to the worker (SCM_RIGHTS).
+- ``link_vsock_port`` (VM guests): the accepted AF_VSOCK socket goes to the worker the same way.
+- ``link_listen`` (TCP): the front terminates TLS (mTLS as the gRPC listener's) and relays bytes both ways
+  between the connection and one end of a socketpair whose other end goes to the worker: a worker runs its
+  tenant's code and must never hold the server's key. Without [tls] (loopback, or ``insecure``) the same relay:
+  a worker takes only local sockets, whose peers the kernel names. Each TCP link has a thread of its own for
+  its handshake, its hello's bytes and then the relay (``_TcpRelay``): the encryption is a link's whole cost in
+  the front, and threads spread it over cores (a client stripes a large copy over several links) and keep it
+  off the event loop.
+
+The hello is one frame (4-byte big-endian length + msgpack ``{"token", "session", "link": 1}``), read under the
+pre-authentication limits (``hello_max_bytes``, ``hello_timeout_seconds``, the unauthenticated-connection caps)
+and authenticated exactly as a gRPC call (failure delay, audit); a malformed hello (not msgpack, not a map, a field
+of the wrong type, cut short) is refused the same way: audited, delayed, answered. A refusal is ``[0, 1, error]``
+from the front; the worker itself answers an accepted hello (``[0, 0, {"link": 1, "max_frame": n}]``). The
+tenant's turns on the device are leased to the worker for its links' device work, and a revoked credential closes
+the session's links (``close_links``). The watch for that is registered with the authentication, before the
+hand-off, and the worker holds a handed-off link unanswered until the front has checked the credential once more
+(``serve_link``): a worker busy in a long kernel cannot let a link in after its token's rotation (``_hand_over``).
+
+What a link costs the front is bounded by the front, never by the worker (which runs its tenant's code and may
+answer yes to every link, or never answer): a session has at most ``MAX_LINKS_PER_SESSION`` links being handed
+over or relayed (a TCP link's thread and descriptors), a tenant at most ``max_links_per_tenant`` across its
+sessions, and a hand-off the worker has not completed within ``link_handoff_timeout_seconds`` is refused
+(UNAVAILABLE: the worker is busy, retry) and its connection closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import logging
+import os
+import queue
+import select
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from gpubroker.broker.front._preauth import PreAuthGate, Ticket, refuse_malformed
+from gpubroker.broker.front._sessions import Session
+from gpubroker.broker.front.auth import Principal
+from gpubroker.broker.front.scheduler import TurnLease
+from gpubroker.broker.logs import bind_log_context
+from gpubroker.wire.errors import (
+    GpuBrokerError,
+    InvalidArgument,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    WorkerCrashed,
+)
+from gpubroker.wire.frames import FRAME_HEADER, pack_frame, unpack_frame
+from gpubroker.wire.worker import MAX_LINKS_PER_SESSION
+
+__all__ = ["LinkServer", "fast_path_address"]
+
+log = logging.getLogger("gpubroker.links")
+REVOKED_MESSAGE = ("the token that opened this link was rotated or its tenant removed while the link was being "
+                   "set up; reconnect with the current token")
+
+
+def fast_path_address(unix_path: str) -> str:
+    return f"{unix_path}.fast"
+
+
+class _HelloRefused(Exception):
+    """The hello did not arrive whole and in time (audited on its ticket); the connection just closes."""
+
+
+class LinkServer:
+    """Every link listener of the broker, sharing the pre-authentication gate with the side channel."""
+
+    def __init__(self, service: Any, gate: PreAuthGate, max_links_per_tenant: int = 64,
+                 handoff_timeout: float = 30.0) -> None:
+        self.service = service
+        self.gate = gate
+        self.max_links_per_tenant = max_links_per_tenant
+        self.handoff_timeout = handoff_timeout
+        # Links being handed over (any listener) or relayed (TCP: a thread each), by session and by tenant.
+        self._session_links: dict[str, int] = {}
+        self._tenant_links: dict[str, int] = {}
+        self._listeners: list[tuple[socket.socket, str]] = []
+        # Written once at stop: the TCP links' relay threads poll its other end.
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        self._paths: list[Path] = []
+        self._link_watches: dict[tuple[str, str], tuple[Principal, int]] = {}  # (session, credential) -> watch
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._numbers = itertools.count(1)  # each hand-off's link, as the worker holds it until it is served
+        service.sessions.closing_hooks.append(self._session_closing)
+
+    # -- listeners -----------------------------------------------------------------------------------
+    def listen_socket(self, sock: socket.socket, where: str, path: Path | None = None) -> None:
+        """Serve links on a listening Unix or vsock socket: each accepted socket is handed to a worker."""
+        sock.setblocking(False)
+        self._listeners.append((sock, where))
+        if path is not None:
+            self._paths.append(path)
+        self._spawn(self._accept(sock, where))
+
+    async def listen_tcp(self, host: str, port: int, tls: ssl.SSLContext | None) -> int:
+        """Serve links on TCP (TLS terminated here when ``tls``); the port bound."""
+        where = f"{'tls' if tls is not None else 'tcp'}:{host}:{port}"
+        loop = asyncio.get_running_loop()
+        family, _, _, _, address = (await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE))[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(128)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self._listeners.append((sock, where))
+        self._spawn(self._accept_tcp(sock, where, tls))
+        bound: int = sock.getsockname()[1]
+        return bound
+
+    async def stop(self) -> None:
+        os.write(self._stop_w, b"x")  # every TCP link's relay thread polls this: they all end
+        for sock, _ in self._listeners:
+            sock.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for path in self._paths:
+            path.unlink(missing_ok=True)
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self, listener: socket.socket, where: str) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, address = await loop.sock_accept(listener)
+            except OSError as exc:  # EMFILE and the like: back off rather than spin
+                log.warning("link listener %s: accept failed: %s", where, exc)
+                await asyncio.sleep(0.1)
+                continue
+            local = conn.family == socket.AF_UNIX
+            ticket = self.gate.admit(conn if local else None, where if local else f"{where} peer={address}",
+                                     address=None if local else f"vsock:{_host(address)}")
+            if ticket is None:  # past a cap on unauthenticated connections: refused (and audited) at once
+                conn.close()
+                continue
+            # Until its hello comes, a newer connection of its peer may take its place (_preauth.py).
+            ticket.sock, ticket.evict = conn, _shutter(conn)
+            conn.setblocking(False)
+            self._spawn(self._serve_socket(conn, ticket, address))
+
+    # -- a socket handed over whole (Unix, vsock) --------------------------------------------------------
+    async def _serve_socket(self, conn: socket.socket, ticket: Ticket, address: Any) -> None:
+        loop = asyncio.get_running_loop()
+
+        async def recv_exactly(n: int) -> bytes:
+            # Never more than the hello: what follows it is the worker's to read.
+            data = bytearray()
+            while len(data) < n:
+                part = await loop.sock_recv(conn, n - len(data))
+                if not part:
+                    raise ConnectionError("closed during the hello")
+                data += part
+            return bytes(data)
+
+        async def send(frame: bytes) -> None:
+            await loop.sock_sendall(conn, frame)
+
+        penalty = f"uid:{ticket.uid}" if conn.family == socket.AF_UNIX else f"addr:{_host(address)}"
+        try:
+            session, principal, compress = await self._hello(recv_exactly, send, ticket, {}, penalty)
+            release = await self._hand_over(session, principal, conn.fileno(), send, compress)
+            if release is not None:
+                release()  # (handed over whole: from here on it costs the front nothing; the worker counts it)
+        except (_HelloRefused, ConnectionError, OSError):
+            pass
+        finally:
+            ticket.done()
+            conn.close()  # this process's descriptor: the connection lives on in the worker
+
+    # -- TCP (TLS terminated here): relayed to the worker by a thread of its own ----------------------------
+    async def _accept_tcp(self, listener: socket.socket, where: str, tls: ssl.SSLContext | None) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, address = await loop.sock_accept(listener)
+            except OSError as exc:
+                log.warning("link listener %s: accept failed: %s", where, exc)
+                await asyncio.sleep(0.1)
+                continue
+            # Admitted before the TLS handshake: the caps on unauthenticated connections count handshakes too.
+            ticket = self.gate.admit(None, f"{where} peer={address}", address=_host(address))
+            if ticket is None:
+                conn.close()
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a launch + sync: never held by Nagle
+            self._spawn(self._serve_tcp(conn, ticket, address, tls))
+
+    async def _serve_tcp(self, conn: socket.socket, ticket: Ticket, address: Any, tls: ssl.SSLContext | None) -> None:
+        """The link's thread does the handshake and reads the hello (within hello_timeout_seconds: at the deadline
+        the connection is shut, which ends any read); the hello is judged here, as on every listener; then the
+        thread answers a refusal, or relays between the connection and a socketpair whose other end is the
+        worker's."""
+        loop = asyncio.get_running_loop()
+        relay = _TcpRelay(conn, tls, self.gate.hello_max_bytes, self.gate.hello_timeout, self._stop_r, loop)
+        threading.Thread(target=relay.run, name="gpubroker-link", daemon=True).start()
+        late = f"no hello within hello_timeout_seconds ({self.gate.hello_timeout:g} s)"
+
+        def too_late() -> None:
+            ticket.refuse(late)  # (audited before the client sees its connection end)
+            relay.abort()
+
+        deadline = loop.call_later(self.gate.hello_timeout, too_late)
+        frames: list[bytes] = []
+        worker_end: socket.socket | None = None
+        try:
+            try:
+                data, cert = await relay.hello
+            except (ssl.SSLError, OSError, EOFError) as exc:  # a failed handshake, a hello cut short, the deadline
+                if isinstance(exc, TimeoutError) and not relay.aborted:  # (the thread's clock ran out first)
+                    ticket.refuse(late)
+                return
+            finally:
+                deadline.cancel()
+            received = bytearray(data)
+
+            async def recv_exactly(n: int) -> bytes:
+                if len(received) < n:
+                    raise ConnectionError("closed during the hello")
+                part = bytes(received[:n])
+                del received[:n]
+                return part
+
+            async def send(frame: bytes) -> None:
+                frames.append(frame)  # (the thread writes them, before it relays or closes)
+
+            session, principal, compress = await self._hello(recv_exactly, send, ticket, _auth_context(cert),
+                                                   f"addr:{_host(address)}")
+            ours: socket.socket | None
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            for end in (ours, theirs):  # a copy's chunk or more in flight each way: fewer wake-ups per byte
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PAIR_BUFFER)
+            try:
+                release = await self._hand_over(session, principal, theirs.fileno(), send, compress)
+                if release is not None:  # counted until the relay's thread ends
+                    relay.on_end = functools.partial(loop.call_soon_threadsafe, release)
+                    worker_end, ours = ours, None
+            finally:
+                theirs.close()
+                if ours is not None:
+                    ours.close()
+        except (_HelloRefused, ConnectionError, OSError):
+            pass
+        finally:
+            ticket.done()
+            relay.decide(frames, worker_end)
+
+    # -- the hello and the hand-off --------------------------------------------------------------------
+    async def _hello(self, recv_exactly: Callable[[int], Awaitable[bytes]], send: Callable[[bytes], Awaitable[None]],
+                     ticket: Ticket, auth_context: Mapping[str, list[bytes]], penalty: str
+                     ) -> tuple[Session, Principal, list[str]]:
+        """The first frame, authenticated as a gRPC call would be; refusals are answered and raise
+        _HelloRefused."""
+        limit = self.gate.hello_max_bytes
+        auth = self.service.auth
+        length = -1
+        try:
+            async with asyncio.timeout(self.gate.hello_timeout):
+                (length,) = FRAME_HEADER.unpack(await recv_exactly(FRAME_HEADER.size))
+                payload = await recv_exactly(length) if length <= limit else b""  # (too long: not a byte of it)
+        except TimeoutError:
+            ticket.refuse(f"no hello within hello_timeout_seconds ({self.gate.hello_timeout:g} s)")
+            raise _HelloRefused from None
+        except ConnectionError:
+            # A header, then an end: a hello cut short (a bare close is no hello at all; an evicted connection's
+            # end was audited when it was evicted).
+            if length >= 0 and ticket.open:
+                await refuse_malformed(ticket, auth.penalty, penalty,
+                                       f"cut short: the peer closed before the {length} bytes its header announced")
+            raise
+        if length > limit:
+            await refuse_malformed(ticket, auth.penalty, penalty,
+                                   f"hello of {length} bytes exceeds hello_max_bytes ({limit})")
+            await send(pack_frame([0, 1, InvalidArgument(
+                f"a link hello is at most {limit} bytes, got {length}").to_wire()]))
+            raise _HelloRefused
+        hello, malformed = _parse_hello(payload)
+        if malformed:
+            await refuse_malformed(ticket, auth.penalty, penalty, malformed)
+            await send(pack_frame([0, 1, InvalidArgument(
+                f"malformed link hello ({malformed}): it is one msgpack map "
+                '{"token": str, "session": str, "link": 1}').to_wire()]))
+            raise _HelloRefused
+        token = hello.get("token") or None
+        ticket.judging = True  # (a hello in hand: not to be evicted while it is judged)
+        try:
+            await auth.tokens.prepare(token)
+            metadata = [("authorization", f"Bearer {token}")] if token else []
+            try:
+                principal = auth.authenticate(metadata, auth_context, ticket.peer, "link/hello", penalty_key=penalty)
+            except Unauthenticated:
+                ticket.judging = False
+                await ticket.sit_out_failure()
+                raise
+            if hello.get("link") != 1:
+                raise InvalidArgument(f"this broker speaks link version 1, the hello asked for {hello.get('link')!r}")
+            session = self.service.sessions.get(hello.get("session") or "", principal.tenant)
+            session.check_alive()
+        except GpuBrokerError as exc:
+            await send(pack_frame([0, 1, exc.to_wire()]))
+            raise _HelloRefused from None
+        finally:
+            ticket.judging = False
+        ticket.done()
+        bind_log_context(tenant=session.tenant, session=session.id)
+        # The codecs the client takes (the worker picks one): only a short list of short names goes on.
+        compress = hello.get("compress")
+        codecs = [c for c in compress[:16] if type(c) is str and len(c) <= 16] if type(compress) is list else []
+        return session, principal, codecs
+
+    async def _hand_over(self, session: Session, principal: Principal, fd: int,
+                         send: Callable[[bytes], Awaitable[None]], compress: list[str]) -> Callable[[], None] | None:
+        """Give the connection (``fd``) to the session's worker, which answers the hello and serves it from then
+        on; a worker that cannot take it gets the client the reason instead. Returns the link's place in the
+        session's and tenant's counts (to be released once the front holds nothing of it), or None: refused.
+
+        The counts are the front's own (the worker's cap is its tenant's to break): past them the hello is
+        refused before the worker is asked; and a worker that takes longer than link_handoff_timeout_seconds
+        (asleep in its tenant's kernel, or never answering) gets the link refused.
+
+        The worker may be busy for seconds (a long kernel) before it takes the link, and a rotation or removal
+        may come meanwhile. So the authentication and its revocation watch are one step: the watch is registered
+        before the first await (a revocation from then on closes the session's links, this one included, as the
+        worker reads its requests in order), and the worker only holds the link until the front, once the
+        hand-off is done, finds the credential still valid and says ``serve_link``: no frame of a revoked
+        credential's link is ever read."""
+        self._watch_links(session, principal)
+        number = next(self._numbers)
+        release: Callable[[], None] | None = None
+        dup = os.dup(fd)
+        try:
+            release = self._claim_link(session)
+            worker = session.check_alive()
+            self._lease(session)
+            try:
+                async with asyncio.timeout(self.handoff_timeout):
+                    # (checked: {"link": 1})
+                    await worker.call_with_fd("attach_link", session.id, dup, compress=compress, held=number)
+                    if not self.service.auth.valid(principal.tenant, principal.credential):
+                        # Revoked while the worker took it: the watch has asked the worker to close the session's
+                        # links.
+                        raise Unauthenticated(REVOKED_MESSAGE)
+                    await worker.call("serve_link", session.id, held=number)
+            except TimeoutError:
+                # The worker may still take the link when it wakes: it is told to drop it, and the link keeps its
+                # place in the counts until it has (or has died), so timed-out hand-offs cannot pile up either.
+                self._spawn(self._drop_held(worker, session, number, release))
+                release = None
+                raise Unavailable(f"the session's worker did not take the link within link_handoff_timeout_seconds "
+                                  f"({self.handoff_timeout:g} s): it is busy (a long kernel or compile); retry once "
+                                  "its work is done", retry_after_seconds=1.0) from None
+        except GpuBrokerError as exc:
+            if not isinstance(exc, WorkerCrashed):
+                log.info("no link for session %s: %s", session.id, exc)  # (a worker's message: escaped)
+            if release is not None:
+                release()
+            await send(pack_frame([0, 1, exc.to_wire()]))
+            return None
+        finally:
+            os.close(dup)  # the worker holds its own copy now
+        return release
+
+    async def _drop_held(self, worker: Any, session: Session, number: int, release: Callable[[], None]) -> None:
+        try:
+            await worker.call("drop_link", session.id, held=number)
+        except GpuBrokerError:
+            pass  # (the worker died, or the session ended: the link went with it)
+        finally:
+            release()
+
+    def _claim_link(self, session: Session) -> Callable[[], None]:
+        """A place for one more link of ``session`` in the front's counts; ResourceExhausted past them. The
+        callable returned gives it back (once)."""
+        held = self._session_links.get(session.id, 0)
+        if held >= MAX_LINKS_PER_SESSION:
+            raise ResourceExhausted(f"this session already has {held} links open or being set up, the limit; close "
+                                    "one (or wait for its hand-off to finish) before opening another")
+        tenant_held = self._tenant_links.get(session.tenant, 0)
+        if tenant_held >= self.max_links_per_tenant:
+            raise ResourceExhausted(f"tenant {session.tenant!r} already has {tenant_held} links open or being set "
+                                    "up across its sessions (max_links_per_tenant); close some before opening more")
+        self._session_links[session.id] = held + 1
+        self._tenant_links[session.tenant] = tenant_held + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            for counts, key in ((self._session_links, session.id), (self._tenant_links, session.tenant)):
+                left = counts.get(key, 0) - 1
+                if left > 0:
+                    counts[key] = left
+                else:
+                    counts.pop(key, None)
+
+        return release
+
+    def _lease(self, session: Session) -> None:
+        """The worker's turns on the device for its links' device work come from this device's scheduler."""
+        worker = session.worker
+        if worker.on_control is None:
+            lease = TurnLease(self.service.schedulers[session.device], session.tenant, worker.send_control)
+            worker.on_control = lease.on_message
+            worker.on_death.append(lease.close)
+
+    def _watch_links(self, session: Session, principal: Principal) -> None:
+        """A link lives in the worker: at a revocation, the front tells the worker to close the session's links
+        (the client reconnects with the current token). One watch per session and credential."""
+        key = (session.id, principal.credential)
+        if key in self._link_watches:
+            return
+
+        def close_links() -> None:
+            self._link_watches.pop(key, None)
+            self._spawn(self._close_links(session))
+
+        self._link_watches[key] = (principal, self.service.auth.revocations.watch(principal, close_links))
+
+    async def _close_links(self, session: Session) -> None:
+        if session.lost is None:
+            with contextlib.suppress(GpuBrokerError):
+                await session.worker.call("close_links", session.id)
+
+    async def _session_closing(self, session: Session) -> None:
+        for key in [k for k in self._link_watches if k[0] == session.id]:
+            principal, watch = self._link_watches.pop(key)
+            self.service.auth.revocations.unwatch(principal, watch)
+
+
+# The hello's fields and the types they must have when present (more fields are allowed: a newer client's).
+_HELLO_FIELDS: dict[str, type | tuple[type, ...]] = {"token": str, "session": str, "link": int, "compress": list}
+
+
+def _shutter(conn: socket.socket) -> Callable[[], None]:
+    """Ends a connection from outside its task: its pending read sees the end, and the task closes it."""
+    def shut() -> None:
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+    return shut
+
+
+def _parse_hello(payload: bytes) -> tuple[dict[str, Any], str]:
+    """The hello as a map, or why it is none: msgpack that fails to unpack (a truncated or invalid frame, a list
+    or map as a key, extra data), something other than a map, or a field of the wrong type."""
+    try:
+        hello = unpack_frame(payload)
+    except Exception as exc:  # (ValueError and its kinds, TypeError for unhashable keys: all malformed input)
+        return {}, f"not msgpack ({type(exc).__name__})"
+    if not isinstance(hello, dict):
+        return {}, f"not a map but {type(hello).__name__}"
+    for name, kind in _HELLO_FIELDS.items():
+        value = hello.get(name)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            return {}, f"{name} is {type(value).__name__}, not {getattr(kind, '__name__', kind)}"
+    return hello, ""
+
+
+def _host(address: Any) -> str:
+    return str(address[0]) if isinstance(address, tuple) and address else str(address)
+
+
+def _auth_context(cert: Any) -> dict[str, list[bytes]]:
+    """A verified client certificate's names as gRPC's auth context gives them (auth.certificate_identities)."""
+    if not isinstance(cert, dict):
+        return {}
+    names = [value.encode() for kind, value in cert.get("subjectAltName", ()) if kind == "URI"]
+    common = [value.encode() for rdn in cert.get("subject", ()) for key, value in rdn if key == "commonName"]
+    return {"x509_subject_alternative_name": names, "x509_common_name": common}
+
+
+class _TcpRelay:
+    """One TCP link, in a thread of its own: the TLS handshake and the hello (judged by the front on its loop),
+    then the relay between the connection and the worker's socketpair.
+
+    A thread, not the event loop, because the relay is the link's whole cost in the front: decrypting and
+    encrypting every byte, and copying it. The ssl and socket calls let go of the GIL, so several links (a
+    striped copy) use several cores, and none of it delays the loop's gRPC calls and scheduler. One thread
+    does both directions: an SSL object is not safe for two threads at once.
+    """
+
+    def __init__(self, conn: socket.socket, tls: ssl.SSLContext | None, hello_limit: int, timeout: float,
+                 stop_fd: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.sock: socket.socket = conn
+        self.aborted = False
+        self.hello: asyncio.Future[tuple[bytes, Any]] = loop.create_future()
+        self._tls = tls
+        self._limit = hello_limit
+        self._timeout = timeout
+        self._stop_fd = stop_fd
+        self._loop = loop
+        self._lock = threading.Lock()  # abort (the loop) against the thread's wrap and close of the socket
+        self._closed = False
+        self._verdict: queue.SimpleQueue[tuple[list[bytes], socket.socket | None]] = queue.SimpleQueue()
+        # Called (from the thread) once the relay is over: gives the link's place back in the front's counts.
+        self.on_end: Callable[[], Any] | None = None
+
+    # -- the loop's side -----------------------------------------------------------------------------
+    def abort(self) -> None:
+        """The hello's deadline: shut the connection, which ends the thread's read (the thread closes it)."""
+        with self._lock:
+            if not self._closed:
+                self.aborted = True
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
+
+    def decide(self, frames: list[bytes], worker: socket.socket | None) -> None:
+        """What the thread does after the hello: write ``frames`` (a refusal), then relay to ``worker`` or close."""
+        self._verdict.put((frames, worker))
+
+    # -- the thread ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            hello: tuple[bytes, Any] | BaseException = self._read_hello()
+        except Exception as exc:  # (ssl.SSLError, OSError, EOFError: the loop's side sorts them out)
+            hello = exc
+        self._loop.call_soon_threadsafe(_settle, self.hello, hello)
+        try:
+            frames, worker = self._verdict.get(timeout=_VERDICT_WAIT)
+        except queue.Empty:  # (the broker stopping before it judged the hello)
+            frames, worker = [], None
+        if isinstance(hello, BaseException):
+            self._close()
+            return
+        try:
+            self.sock.settimeout(self._timeout)
+            for frame in frames:
+                self.sock.sendall(frame)
+            if worker is not None:
+                _relay(self.sock, worker, self._stop_fd)
+        except OSError:
+            pass
+        finally:
+            if worker is not None:
+                worker.close()
+            self._close()
+            if self.on_end is not None:
+                with contextlib.suppress(RuntimeError):  # (the loop closed: the broker stopped)
+                    self.on_end()
+
+    def _read_hello(self) -> tuple[bytes, Any]:
+        """The handshake and the hello's frame (only its header if that announces more than the limit)."""
+        deadline = time.monotonic() + self._timeout
+
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.aborted:
+                raise TimeoutError("no hello in time")
+            return remaining
+
+        cert: Any = None
+        if self._tls is not None:
+            with self._lock:
+                if self.aborted:
+                    raise TimeoutError("no hello in time")
+                self.sock = self._tls.wrap_socket(self.sock, server_side=True, do_handshake_on_connect=False)
+            assert isinstance(self.sock, ssl.SSLSocket)
+            self.sock.settimeout(left())
+            self.sock.do_handshake()
+            cert = self.sock.getpeercert()
+        header = self._exactly(FRAME_HEADER.size, left)
+        (length,) = FRAME_HEADER.unpack(header)
+        if length > self._limit:
+            return header, cert  # refused by the front before a byte of the body is read
+        return header + self._exactly(length, left), cert
+
+    def _exactly(self, n: int, left: Callable[[], float]) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            self.sock.settimeout(left())
+            part = self.sock.recv(n - len(data))
+            if not part:
+                raise EOFError("closed during the hello")
+            data += part
+        return bytes(data)
+
+    def _close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self.sock.close()
+
+
+def _settle(future: asyncio.Future[Any], outcome: Any) -> None:
+    if not future.done():
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+
+# How long a link's thread waits for the front to judge its hello (authentication's failure delay and the hand-off
+# take seconds at most; only a broker stopping meanwhile leaves it waiting).
+_VERDICT_WAIT = 120.0
+# What a link's relay holds each way: a few TLS records' worth per read and write, at most this much of a
+# client's frames in the front at a time (the rest waits in the sockets).
+_RELAY_PIECE = 512 * 1024
+_IN, _OUT = select.POLLIN, select.POLLOUT
+# What each end of a TCP link's socketpair may have on its way to the other (the kernel caps it at wmem_max).
+_PAIR_BUFFER = 2 << 20
+# A TLS record's most plaintext. A client streaming a large frame sends full records, and its frame's last
+# record is short: while full ones come, the relay gathers up to _GATHER bytes before it writes them to the
+# worker, so neither it nor the worker wakes for every 16 KiB; a short record (a small batch, a frame's end) goes
+# at once. _LINGER_MS bounds the wait for a frame that happens to end on a full record.
+_RECORD = 16 * 1024
+_GATHER = 256 * 1024
+_LINGER_MS = 2
+
+
+class _Flow:
+    """One direction of a relay: bytes from ``src`` into a bounded buffer, and from it to ``dst``; non-blocking,
+    retried after poll says the side it waits for is ready."""
+
+    def __init__(self, src: socket.socket, dst: socket.socket) -> None:
+        self.src, self.dst = src, dst
+        self.buf = memoryview(bytearray(_RELAY_PIECE))
+        self.start = self.end = 0
+        self.eof = False  # src ended (or failed)
+        self.broken = False  # dst failed: what src sends from now on is dropped
+        self.src_waits = 0  # the poll event src needs before the next read (0: try now)
+        self.dst_waits = 0
+        self._again = 0  # an SSL write that would block is repeated with the same length
+        self._gathers = isinstance(src, ssl.SSLSocket)
+        self._full = False  # the last read was a whole record: more of the frame is on its way
+        self.flush = False  # (set when the linger is over: write what is gathered)
+
+    @property
+    def holding(self) -> bool:
+        """Gathering a streamed frame's records before writing them on."""
+        return (self._gathers and self._full and not self.flush and not self.eof
+                and self.end - self.start < _GATHER and self.end < _RELAY_PIECE)
+
+    def pump(self) -> bool:
+        """Move what can move now; whether anything did."""
+        moved = False
+        while True:
+            progress = False
+            if not self.eof and not self.src_waits and self.end < _RELAY_PIECE:
+                room = _RELAY_PIECE - self.end
+                try:
+                    n = self.src.recv_into(self.buf[self.end:])
+                except (ssl.SSLWantReadError, BlockingIOError):
+                    self.src_waits = _IN
+                except ssl.SSLWantWriteError:
+                    self.src_waits = _OUT
+                except OSError:  # (a reset, a TLS error, an end without close_notify): the side is gone
+                    self.eof = True
+                else:
+                    if n:
+                        self.end += n
+                        self._full = n == _RECORD
+                        progress = True
+                        tls = self.src if isinstance(self.src, ssl.SSLSocket) else None
+                        if n < room and not self._full and not (tls is not None and tls.pending()):
+                            # Most likely all there was (a small batch, an ack): wait for poll rather than
+                            # fail a read. (OpenSSL reads a record at a time, so none hides in its buffer.)
+                            self.src_waits = _IN
+                    else:
+                        self.eof = True
+            if self.start < self.end and not self.dst_waits and not self.broken and not self.holding:
+                size = self._again or self.end - self.start
+                try:
+                    n = self.dst.send(self.buf[self.start:self.start + size])
+                except (ssl.SSLWantWriteError, BlockingIOError):
+                    self.dst_waits, self._again = _OUT, size
+                except ssl.SSLWantReadError:
+                    self.dst_waits, self._again = _IN, size
+                except OSError:
+                    self.broken = True
+                    self.start = self.end = 0
+                else:
+                    self._again = 0
+                    self.flush = False
+                    self.start += n
+                    if self.start == self.end:
+                        self.start = self.end = 0
+                    progress = True
+            if self.broken and self.end:
+                # dst takes no more: src's bytes are read and dropped, so that what goes the other way (the
+                # worker's last answer) is not cut short by a reset for unread bytes.
+                self.start = self.end = 0
+                progress = True
+            if not progress:
+                return moved
+            moved = True
+
+    @property
+    def drained(self) -> bool:
+        return self.eof and self.start == self.end
+
+
+def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int) -> None:
+    """Relay until the worker's end closes (after the client's, or at a revocation) or either side fails."""
+    tcp.setblocking(False)
+    worker.setblocking(False)
+    up, down = _Flow(tcp, worker), _Flow(worker, tcp)
+    poller = select.poll()
+    poller.register(stop_fd, _IN)
+    registered: dict[int, int] = {}
+    shut = False
+    while True:
+        up.pump()
+        down.pump()
+        if down.broken or down.drained:
+            return  # (the worker ended the link, or the client's side failed: the connection closes)
+        if up.drained and not shut:
+            shut = True
+            with contextlib.suppress(OSError):
+                worker.shutdown(socket.SHUT_WR)  # the client's end: the worker answers what it has, then closes
+        wants = {tcp.fileno(): 0, worker.fileno(): 0}
+        for flow in (up, down):
+            if not flow.eof and flow.end < _RELAY_PIECE:
+                wants[flow.src.fileno()] |= flow.src_waits
+            if flow.start < flow.end:
+                wants[flow.dst.fileno()] |= flow.dst_waits
+        for fd, events in wants.items():
+            if events == registered.get(fd, 0):
+                continue
+            registered[fd] = events
+            if events:
+                poller.register(fd, events)  # (again: modifies)
+            else:  # not even for a hang-up, which poll would report at once, again and again
+                poller.unregister(fd)
+        holding = [flow for flow in (up, down) if flow.holding]
+        ready = dict(poller.poll(_LINGER_MS if holding else None))
+        if stop_fd in ready:
+            return
+        if not ready:
+            for flow in holding:
+                flow.flush = True
+        for flow in (up, down):  # whatever became ready is tried again
+            if flow.src.fileno() in ready:
+                flow.src_waits = 0
+            if flow.dst.fileno() in ready:
+                flow.dst_waits = 0

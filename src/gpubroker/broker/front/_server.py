@@ -1,0 +1,597 @@
+"""Run the broker: probe devices, start the grpc.aio server on its listeners, stop cleanly on signals."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import functools
+import json
+import logging
+import os
+import resource
+import signal
+import socket
+import stat
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from gpubroker.broker.config import BrokerConfig, load_config, split_host_port
+from gpubroker.broker.front import _systemd
+from gpubroker.broker.front._admin import AdminService
+from gpubroker.broker.front._cpuwatch import CpuWatch
+from gpubroker.broker.front._credentials import link_tls, tcp_credentials
+from gpubroker.broker.front._grpc_peers import GrpcPeerCensus
+from gpubroker.broker.front._health import BrokerHealth
+from gpubroker.broker.front._links import LinkServer, fast_path_address
+from gpubroker.broker.front._metrics import MetricsLimits, MetricsServer, serve_metrics
+from gpubroker.broker.front._preauth import PreAuthGate
+from gpubroker.broker.front._service import GpuBrokerService
+from gpubroker.broker.front._sessions import SessionManager
+from gpubroker.broker.front._shm import SharedMemoryServer
+from gpubroker.broker.front._status import add_servicer
+from gpubroker.broker.front.auth import Authenticator
+from gpubroker.broker.front.scheduler import DeviceScheduler
+from gpubroker.broker.front.workers import WorkerClient, WorkerPool, cpu_count, device_info_from_dict, hold_seconds
+from gpubroker.broker.relay import RelayServer, serve_relay, vsock_listener
+from gpubroker.broker.sandbox import SandboxUnavailable, WorkerSandbox, cache_key
+from gpubroker.v1 import admin_pb2 as apb
+from gpubroker.v1 import admin_pb2_grpc as apb_grpc
+from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+from gpubroker.wire.errors import DeadlineExceeded, FailedPrecondition, GpuBrokerError, InvalidArgument, Unavailable
+from gpubroker.wire.types import DeviceInfo
+
+__all__ = ["Broker", "probe_devices", "run_broker", "tcp_credentials"]
+
+log = logging.getLogger("gpubroker.server")
+# Seconds a drain that ran out of grace waits for the sessions it ends to close before the broker stops regardless.
+_CLOSE_MARGIN = 5.0
+audit = logging.getLogger("gpubroker.audit")
+# HTTP/2 keepalive: the broker pings each client connection after this long without traffic and drops one whose
+# answer takes longer than the timeout, so a client that vanished without closing (a host gone, a VM paused)
+# cannot hold its calls, their concurrency slots and their buffered chunks forever. Clients ping every 30 s
+# (gpubroker/client/_channel.py), which this allows even between calls.
+KEEPALIVE_TIME_MS = 20_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+MIN_CLIENT_PING_INTERVAL_MS = 10_000
+
+
+def probe_devices(backend: str) -> tuple[str, list[DeviceInfo]]:
+    """Ask a throwaway process which devices the backend sees: the front never opens a device context."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "gpubroker.broker.worker", "--list", "--backend", backend],
+                          capture_output=True, text=True, timeout=120)
+    try:
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise FailedPrecondition(f"device probe failed: {proc.stderr.strip()[-2000:]}") from None
+    if "error" in result:
+        raise FailedPrecondition(f"no {result['backend']} devices: {result['error']}")
+    return result["backend"], [device_info_from_dict(d) for d in result["devices"]]
+
+
+def start_sandbox(cfg: BrokerConfig, backend: str) -> WorkerSandbox:
+    """The workers' sandbox, proven to work here (FailedPrecondition naming what failed), or loudly off."""
+    sandbox = WorkerSandbox.from_config(cfg, backend)
+    sandbox.check_cache_root()
+    if not cfg.sandbox:
+        log.warning("the worker sandbox is OFF (sandbox = false / --no-sandbox): every tenant's code runs with the "
+                    "broker's own user and can read its config and keys, other tenants' memory and tokens; "
+                    "per-tenant cache directories only")
+        return sandbox
+    try:
+        sandbox.check()
+    except SandboxUnavailable as exc:
+        raise FailedPrecondition(str(exc)) from None
+    return sandbox
+
+
+def _keepalive_options() -> list[tuple[str, int]]:
+    # (this gRPC waits grpc.http2.ping_timeout_ms for a keepalive ping's answer; older ones keepalive_timeout_ms)
+    return [("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS), ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS)]
+
+
+def _milliseconds(seconds: float) -> int:
+    return max(1, min(2**31 - 1, int(seconds * 1000)))
+
+
+def grpc_connection_cap(configured: int) -> int:
+    """``max_grpc_connections``, held to half the broker's descriptor limit: however many connections a flood
+    opens, the other half stays for the workers' pipes and sockets, the links and shared memory (gRPC itself
+    backs off when accept fails, but a worker that cannot start fails its tenant's session)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or configured <= soft // 2:
+        return configured
+    cap = max(1, soft // 2)
+    log.warning("max_grpc_connections = %d, but the broker may open only %d descriptors: at most %d gRPC "
+                "connections are kept (raise LimitNOFILE / ulimit -n for more)", configured, soft, cap)
+    return cap
+
+
+def _prepare_unix_socket(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise InvalidArgument(f"{path} exists and is not a socket")
+        path.unlink()  # a stale socket from a previous run
+
+
+def _secure_unix_socket(path: Path, mode: int, group: str) -> None:
+    if group:
+        import grp
+
+        try:
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+        except KeyError:
+            raise InvalidArgument(f"socket_group {group!r} does not exist") from None
+    os.chmod(path, mode)
+
+
+class Broker:
+    """The front: one grpc.aio server, its sessions and its worker pool."""
+
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        self.server: grpc.aio.Server | None = None
+        self.sessions: SessionManager | None = None
+        self.pool: WorkerPool | None = None
+        self.ports: list[str] = []
+        self.schedulers: dict[int, DeviceScheduler] = {}
+        self.links: LinkServer | None = None
+        self.service: GpuBrokerService | None = None
+        self.relay: RelayServer | None = None
+        self.shm: SharedMemoryServer | None = None
+        self.health: BrokerHealth | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self._kills: set[asyncio.Task[None]] = set()
+        self.metrics: MetricsServer | None = None
+        self.sandbox: WorkerSandbox | None = None
+        self.census: GrpcPeerCensus | None = None
+        self._removing = asyncio.Lock()  # deletions of stale compile caches, one at a time
+        self._removals: set[asyncio.Task[None]] = set()
+        self.cpu_watch: CpuWatch | None = None
+        self._units: dict[int, int] = {}  # by device: its compute units (a CPU device's share of the host)
+        self._ncpu = 1
+
+    async def start(self) -> None:
+        cfg = self.config
+        # Listener credentials first: a TLS or plaintext misconfiguration fails before the slow device probe.
+        tcp_creds = {a: tcp_credentials(cfg, a) for a in cfg.listen if not a.startswith("unix:")}
+        link_context = link_tls(cfg, cfg.link_listen) if cfg.link_listen else None
+        unix_paths = [a[len("unix:"):] for a in cfg.listen if a.startswith("unix:")]
+        if cfg.vsock_port and not unix_paths:
+            raise FailedPrecondition("vsock_port relays to the broker's own Unix socket: add a unix: listener")
+        backend, devices = await asyncio.to_thread(probe_devices, cfg.backend)
+        if cfg.devices is not None:
+            missing = [d for d in cfg.devices if d >= len(devices)]
+            if missing:
+                raise FailedPrecondition(f"configured devices {missing} do not exist ({len(devices)} found)")
+            devices = [devices[d] for d in cfg.devices]
+        if not devices:
+            raise FailedPrecondition(f"the {backend} backend found no devices")
+        log.info("backend %s: %s", backend, ", ".join(f"{i}: {d.name} ({backend} device {d.id})"
+                                                      for i, d in enumerate(devices)))
+        self.sandbox = sandbox = await asyncio.to_thread(start_sandbox, cfg, backend)
+        # Each tenant's compile cache is its name's and its token's (sandbox.cache_key): whatever a tenant left in
+        # its cache is never found by a tenant added under its name later, even with the broker down meanwhile.
+        sandbox.tenant_key = self._cache_key
+        # With worker_memory_max = 0, each worker's memory limit follows its tenant's quotas (sandbox/_policy.py).
+        sandbox.tenant_quota, sandbox.tenant_shared = self._memory_quota, self._shared_quota
+        self.health = BrokerHealth(cfg, devices)  # (NVML maps the backend's own indices, the ids here)
+        # Worker deaths are charged to their cause (workers/_pool.py): the tenant's crash budget, or (only for
+        # failures no tenant caused) the device's health. A worker's reply is at most a copy chunk and envelope.
+        self.pool = WorkerPool(backend, cfg.worker_start_timeout, cfg.worker_idle_seconds,
+                               on_worker_exit=self._worker_exited, ordinals=[d.id for d in devices],
+                               crash_budget=cfg.tenant_crash_budget, crash_window=cfg.tenant_crash_window_seconds,
+                               on_failure=self.health.worker_exited, max_reply_bytes=cfg.max_message_bytes + (1 << 20),
+                               sandbox=self.sandbox, send_buffer_bytes=cfg.worker_send_buffer_bytes,
+                               write_stall_seconds=cfg.worker_write_stall_seconds)
+        # Clients number the devices as this broker serves them: 0, 1, ... in the config's order.
+        devices = [dataclasses.replace(d, id=i) for i, d in enumerate(devices)]
+        self.sessions = SessionManager(cfg, self.pool, self.health, devices)
+        # On a CPU device (OpenCL here means PoCL's) the device is the host's CPUs: a hold's device time is what
+        # the holder's worker consumed of them (workers/_cpu.py), so a tenant slowed by others' CPU use is neither
+        # timed out nor charged for it. On a GPU, a hold's wall time is its device time (the device is the
+        # holder's alone), and the fence's figure its charge. An idle holder is fenced and gives the device up an
+        # accounting period in (fence_idle): the time it counts as holding ends with its work (the CPU watch).
+        cpu_device = backend == "opencl"
+        self._ncpu = cpu_count()
+        self._units = {d: max(1, min(info.multiprocessor_count, self._ncpu)) for d, info in enumerate(devices)}
+        self.schedulers = {
+            d: DeviceScheduler(functools.partial(self._fence, d), quantum=cfg.quantum_ms / 1000,
+                               enabled=cfg.fair_scheduling, max_hold=cfg.max_kernel_seconds,
+                               lone_hold=cfg.lone_kernel_seconds, on_overrun=functools.partial(self._overrun, d),
+                               hold_meter=functools.partial(self._hold_meter, d) if cpu_device else None,
+                               fence_idle=True)
+            for d in range(len(devices))}
+        # CPU the workers use outside their turns: while holding, a CPU device's worker may use all its compute
+        # units and a GPU's one CPU; on the fair clock, a device second is that many CPU-seconds (a GPU's: the
+        # host's CPUs, which such CPU is taken from).
+        self.cpu_watch = CpuWatch(
+            self.pool, self.schedulers,
+            hold_cpus={d: float(u) if cpu_device else 1.0 for d, u in self._units.items()},
+            charge_cpus={d: float(u) if cpu_device else float(self._ncpu) for d, u in self._units.items()},
+            limit=cfg.max_cpu_seconds_outside_turns, window=cfg.cpu_outside_turns_window_seconds,
+            kill=self._kill_for,
+            # (where the kernel does not hold the workers to worker_pids_max, the watch's count is all there is)
+            threads_max=cfg.worker_pids_max if not sandbox.pids_enforced else 0)
+        self._apply_weights()
+        self.auth = Authenticator(cfg)
+        self.service = service = GpuBrokerService(cfg, self.auth, self.sessions, devices, self.schedulers)
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+            # Before authentication: a connection that has not finished its HTTP/2 (and TLS) handshake within
+            # the hello timeout is dropped, so idle unauthenticated connections cannot pile up (gRPC's default
+            # is two minutes).
+            ("grpc.server_handshake_timeout_ms", max(1, int(cfg.hello_timeout_seconds * 1000))),
+            # After it: a connection that sent the HTTP/2 preface and SETTINGS is past the handshake, so on its
+            # own it would stay open for good. gRPC closes one with no call in flight after grpc_idle_seconds, holds
+            # at most max_grpc_connections at once (closing more as they are accepted) and lets each open at most
+            # max_grpc_streams_per_connection calls; the calls themselves are limited per session and tenant.
+            ("grpc.max_connection_idle_ms", _milliseconds(cfg.grpc_idle_seconds)),
+            # (gRPC counts them per listener: each of the listen addresses gets its share of the cap)
+            ("grpc.max_allowed_incoming_connections",
+             max(1, grpc_connection_cap(cfg.max_grpc_connections) // len(cfg.listen))),
+            ("grpc.max_concurrent_streams", cfg.max_grpc_streams_per_connection),
+            *_keepalive_options(),
+        ])
+        # Requests whose bytes do not parse get INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN).
+        add_servicer(pb_grpc.add_GpuBrokerServicer_to_server, service, self.server)
+        admin = AdminService(self.auth, self.sessions, self.reload, self.schedulers, drain=self.drain,
+                             health=self.health, devices=devices, sandbox=sandbox.description)
+        add_servicer(apb_grpc.add_AdminServicer_to_server, admin, self.server)
+        self.health.add_to_server(self.server)  # grpc.health.v1 and reflection, both without a token
+        await self.health.start()
+        # One count of unauthenticated connections across every raw listener (.fast and .shm of each socket).
+        gate = PreAuthGate(cfg)
+        for address in cfg.listen:
+            if address.startswith("unix:"):
+                path = Path(address[len("unix:"):])
+                _prepare_unix_socket(path)
+                # Local credentials: the only way gRPC lets call credentials (the bearer token) ride a socket.
+                self.server.add_secure_port(address, grpc.local_server_credentials(grpc.LocalConnectionType.UDS))
+                self.ports.append(address)
+            else:
+                port = self.server.add_secure_port(address, tcp_creds[address])
+                self.ports.append(address.rsplit(":", 1)[0] + f":{port}")
+        await self.server.start()
+        self.census = GrpcPeerCensus(self.ports, cfg.max_grpc_connections_per_peer)
+        self.census.start()
+        # The framed link: the front authenticates its hello, then the session's worker serves it (_links.py).
+        self.links = LinkServer(service, gate, cfg.max_links_per_tenant, cfg.link_handoff_timeout_seconds)
+        for address in self.ports:
+            if address.startswith("unix:"):
+                _secure_unix_socket(Path(address[len("unix:"):]), cfg.socket_mode, cfg.socket_group)
+                if cfg.fast_path:
+                    path = Path(fast_path_address(address[len("unix:"):]))
+                    _prepare_unix_socket(path)
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    sock.bind(str(path))
+                    _secure_unix_socket(path, cfg.socket_mode, cfg.socket_group)  # before anyone can connect
+                    sock.listen(128)
+                    self.links.listen_socket(sock, str(path), path)
+        if cfg.link_listen:
+            host, port = split_host_port(cfg.link_listen)
+            service.link_port = await self.links.listen_tcp(host, port, link_context)
+            log.info("serving links on %s:%d (%s)", host, service.link_port,
+                     "TLS" if link_context is not None else "plaintext")
+        if cfg.link_vsock_port:
+            self.links.listen_socket(vsock_listener(cfg.link_vsock_port), f"vsock:{cfg.link_vsock_port}")
+            service.link_vsock_port = cfg.link_vsock_port
+        # Same-host shared memory: "<socket>.shm" beside each Unix socket carries memfds to the workers.
+        self.shm = SharedMemoryServer(cfg, self.auth, self.sessions, gate)
+        for address in self.ports:
+            if address.startswith("unix:"):
+                shm_path = Path(address[len("unix:"):] + ".shm")
+                _prepare_unix_socket(shm_path)
+                try:
+                    self.shm.listen(shm_path, lambda p: _secure_unix_socket(p, cfg.socket_mode, cfg.socket_group))
+                except OSError as exc:  # a path too long for AF_UNIX, say: clients then copy over gRPC
+                    log.warning("no shared-memory side channel at %s: %s", shm_path, exc)
+        if cfg.metrics_listen:
+            self.metrics = await serve_metrics(
+                cfg.metrics_listen, self.sessions, self.schedulers, self.pool, self.health.refusals,
+                MetricsLimits(cfg.max_metrics_connections, cfg.max_metrics_connections_per_peer,
+                              cfg.metrics_request_timeout_seconds, cfg.metrics_refresh_seconds,
+                              cfg.metrics_requests_per_peer_per_second))
+        self.sessions.start()
+        self.cpu_watch.start()
+        log.info("serving on %s", ", ".join(self.ports))
+        if cfg.vsock_port:
+            # grpcio cannot listen on vsock: relay VM connections to our Unix socket, whose local credentials
+            # then carry the bearer token exactly as for a local client.
+            try:
+                self.relay = await serve_relay(vsock_listener(cfg.vsock_port), unix_paths[0],
+                                               max_per_peer=cfg.max_unauthenticated_per_uid,
+                                               idle_seconds=cfg.connection_idle_seconds)
+            except BaseException:
+                await self.stop(0)
+                raise
+            log.info("relaying vsock port %d to unix:%s", cfg.vsock_port, unix_paths[0])
+
+    def _worker_exited(self, worker: WorkerClient) -> None:
+        if self.sessions is not None:
+            self.sessions.worker_exited(worker)
+        if worker.cache_dir is not None and worker.cache_dir.name != self._cache_key(worker.tenant):
+            # It wrote to a cache its tenant no longer owns (removed, or its token rotated): delete it now.
+            self._spawn_removal({worker.cache_dir})
+
+    def _cache_key(self, tenant: str) -> str:
+        """The key of the tenant's compile cache now (sandbox.cache_key of its token); a tenant that is not in the
+        config gets one that nothing keeps (its worker's cache is deleted when it exits)."""
+        t = self.config.tenants.get(tenant)
+        return cache_key(t.token_hash) if t is not None else "removed"
+
+    def _memory_quota(self, tenant: str, device: int) -> int:
+        """The tenant's device memory quota on ``device`` now (0 for a tenant no longer in the config)."""
+        t = self.config.tenants.get(tenant)
+        return t.quota_on(device) if t is not None else 0
+
+    def _shared_quota(self, tenant: str) -> int:
+        """The host memory the tenant's sessions may map through the side channel now (0 for a removed tenant)."""
+        return self.config.shared_limit(tenant)[0] if tenant in self.config.tenants else 0
+
+    def _spawn_removal(self, paths: set[Path]) -> None:
+        task = asyncio.get_running_loop().create_task(self._remove_caches(paths))
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
+
+    async def _remove_caches(self, paths: set[Path]) -> None:
+        """Delete these compile caches, but those a running worker writes to (each is deleted when its worker
+        exits: ``_worker_exited``)."""
+        if self.sandbox is None:
+            return
+        async with self._removing:
+            in_use = {w.cache_dir for w in self.pool.workers()} if self.pool is not None else set()
+            try:
+                removed = await asyncio.to_thread(self.sandbox.remove_caches, paths - in_use)
+            except Exception:  # (never the broker's end: a cache left behind is found by nobody)
+                log.exception("deleting stale compile caches failed")
+                return
+        for path in removed:
+            log.info("deleted compile cache %s (its tenant was removed or its token rotated)", path)
+
+    def _overrun(self, device: int, tenant: str, message: str) -> None:
+        """The tenant's device work overran the kernel time limit: kill its worker (its calls get ``message``)."""
+        worker = self.pool.live(tenant, device) if self.pool is not None else None
+        if worker is not None:
+            self._kill_for(worker, DeadlineExceeded(message))
+
+    def _kill_for(self, worker: WorkerClient, fault: GpuBrokerError) -> None:
+        """Kill a worker for its tenant's doing; its calls fail with ``fault``, its death is its tenant's failure."""
+        if self.pool is None or not worker.alive:
+            return
+        task = asyncio.get_running_loop().create_task(self.pool.restart(worker, fault))
+        self._kills.add(task)
+        task.add_done_callback(self._kills.discard)
+
+    def _hold_meter(self, device: int, tenant: str) -> Callable[[], float] | None:
+        """Start measuring the device seconds the tenant's worker consumes of a CPU device (workers/_cpu.py)."""
+        worker = self.pool.live(tenant, device) if self.pool is not None else None
+        cpu = worker.cpu if worker is not None else None
+        if worker is None or cpu is None:
+            return None
+        units, ncpu = self._units[device], self._ncpu
+        try:
+            start = cpu.read(time.monotonic())
+        except OSError:
+            return None
+        last = 0.0
+
+        def consumed() -> float:
+            nonlocal last
+            if worker.alive:  # (once it is gone, what it consumed until its last reading)
+                with contextlib.suppress(OSError):
+                    last = hold_seconds(start, cpu.read(time.monotonic()), units, ncpu)
+            return last
+
+        return consumed
+
+    async def drain(self, grace: float | None) -> float | None:
+        """Refuse new sessions from now on (health NOT_SERVING); with a grace, end the sessions left after it.
+
+        Returns the seconds until they are ended (None: no deadline). The broker stays up; SIGTERM stops it.
+        """
+        assert self.sessions is not None and self.health is not None
+        if not self.health.draining:
+            log.warning("draining: new sessions are refused, %d running%s", len(self.sessions.sessions),
+                        "" if grace is None else f", ended after {grace:g} s if still running")
+        self.sessions.draining = True
+        if self.pool is not None:
+            self.pool.draining = True  # stop signals to workers from now on are the operator's, not failures
+        before = self.health.drain_deadline
+        await self.health.drain(None if grace is None else time.monotonic() + grace)
+        deadline = self.health.drain_deadline
+        if deadline is None:
+            return None
+        if deadline != before:  # a first or shorter grace: (re)arm the end of the drain
+            if self._drain_task is not None:
+                self._drain_task.cancel()
+            self._drain_task = asyncio.create_task(self._end_sessions_at(deadline), name="drain")
+        return max(0.0, deadline - time.monotonic())
+
+    async def _end_sessions_at(self, deadline: float) -> None:
+        assert self.sessions is not None
+        try:
+            await asyncio.wait_for(self.sessions.idle.wait(), max(0.0, deadline - time.monotonic()))
+            return
+        except TimeoutError:
+            pass
+        left = list(self.sessions.sessions.values())
+        log.warning("drain grace over: ending %d sessions still running", len(left))
+        for session in left:
+            await self.sessions.close(session, reason="ended: the broker drained")
+
+    async def drain_and_wait(self, grace: float, until: asyncio.Event | None = None) -> None:
+        """Drain, then wait until every session has closed or the grace is over (or ``until`` is set)."""
+        assert self.sessions is not None and self.health is not None
+        await self.drain(grace)
+        waits = [asyncio.ensure_future(self.sessions.idle.wait())]
+        if until is not None:
+            waits.append(asyncio.ensure_future(until.wait()))
+        deadline = self.health.drain_deadline
+        # At the deadline the drain task ends the sessions left; allow their closing a moment, then stop anyway.
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + _CLOSE_MARGIN
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+
+    async def _fence(self, device: int, tenant: str) -> float:
+        """Wait for the tenant's queued work on the device and return the device seconds it used."""
+        worker = self.pool.live(tenant, device) if self.pool is not None else None
+        if worker is None:  # (the scheduler charges the hold all the same)
+            raise Unavailable(f"tenant {tenant}'s worker on device {device} is gone")
+        return await worker.take_device_time()  # checked: finite, >= 0, within the wall time
+
+    def _apply_weights(self) -> None:
+        for scheduler in self.schedulers.values():
+            for tenant in self.config.tenants.values():
+                scheduler.set_weight(tenant.name, tenant.weight)
+
+    async def reload(self) -> apb.ReloadResponse:
+        """Re-read the tenants from the config file; live sessions of kept tenants go on."""
+        if self.config.path is None or self.sessions is None:
+            return apb.ReloadResponse()
+        fresh = await asyncio.to_thread(load_config, self.config.path)
+        old, new = self.config.tenants, fresh.tenants
+        added = sorted(set(new) - set(old))
+        removed = sorted(set(old) - set(new))
+        changed = sorted(n for n in set(old) & set(new) if old[n] != new[n])
+        # Swap in place: the service, sessions and authenticator all hold this config object. The authenticator's
+        # reload also closes, at once, every stream and connection that a rotated or removed token opened (their
+        # sessions stay: the client reconnects with its new token; a removed tenant's sessions end below).
+        self.config.tenants = new
+        self.auth.reload(self.config)
+        self._apply_weights()
+        if self.pool is not None:
+            await self.pool.apply_limits()  # quotas are the workers' to enforce
+        ended = 0
+        for name in removed:
+            ended += await self.sessions.end_tenant(name, reason="ended: tenant removed")
+        if self.sandbox is not None:
+            # The caches of the removed tenants (their workers are gone) and of rotated tokens (once no worker
+            # writes to them): no tenant ever finds them again, and their disk is free.
+            await self._remove_caches({self.sandbox.cache_path(n, cache_key(old[n].token_hash)) for n in old
+                                       if n not in new or new[n].token_hash != old[n].token_hash})
+        audit.info("action=reload added=%s removed=%s changed=%s sessions_ended=%d", added, removed, changed, ended)
+        return apb.ReloadResponse(added=added, removed=removed, changed=changed, sessions_ended=ended)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+        if self.links is not None:
+            await self.links.stop()
+        if self.server is not None:
+            await self.server.stop(grace)
+        if self.census is not None:
+            await self.census.stop()
+        if self.shm is not None:
+            await self.shm.close()
+        if self.relay is not None:
+            # After the server's grace period, so VM clients get it too; what is left of theirs ends here.
+            self.relay.close()
+            await self.relay.wait_closed()
+        if self.cpu_watch is not None:
+            await self.cpu_watch.stop()
+        if self.sessions is not None:
+            await self.sessions.stop()
+        if self.pool is not None:
+            await self.pool.close()
+        if self._removals:  # (caches of workers that just exited)
+            await asyncio.gather(*self._removals, return_exceptions=True)
+        if self.health is not None:
+            await self.health.stop()
+        if self.metrics is not None:  # last: a scrape during the stop still sees the sessions go
+            await self.metrics.stop()
+
+
+async def _serve(config: BrokerConfig, ready_file: str | None) -> None:
+    broker = Broker(config)
+    await broker.start()
+    if ready_file:
+        # Written whole, then renamed: whoever waits for the file never reads half of it.
+        tmp = Path(ready_file + ".tmp")
+        ready: dict[str, object] = {"ports": broker.ports, "pid": os.getpid()}
+        if broker.metrics is not None:
+            ready["metrics"] = broker.metrics.address
+        if broker.service is not None and broker.service.link_port:
+            ready["link_port"] = broker.service.link_port
+        tmp.write_text(json.dumps(ready))
+        tmp.replace(ready_file)
+    print(f"gpubroker: serving on {', '.join(broker.ports)}", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    reloads: set[asyncio.Task[None]] = set()
+
+    async def reload_logged() -> None:
+        try:
+            await broker.reload()
+        except Exception as exc:  # a broken config must not take the broker down; keep the old tenants
+            log.error("reload on SIGHUP failed, keeping the current tenants: %s", exc)
+
+    def on_sighup() -> None:
+        task = loop.create_task(reload_logged())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
+    # Ready for systemd (Type=notify) only once the signal handlers are in: its SIGTERM may follow at once.
+    _systemd.notify("READY=1", f"STATUS=serving on {', '.join(broker.ports)}")
+    watchdog = _systemd.start_watchdog()
+    await stop.wait()
+    log.info("stopping")
+    _systemd.notify("STOPPING=1")
+    # Drain first: new sessions are refused while running ones finish, for up to drain_grace_seconds.
+    stop.clear()  # a second SIGTERM or SIGINT cuts the drain short
+    await broker.drain_and_wait(config.drain_grace_seconds, until=stop)
+    await broker.stop()
+    if watchdog is not None:  # pinged through the whole stop, which may outlast WatchdogSec
+        watchdog.cancel()
+
+
+# glibc's M_MMAP_THRESHOLD, and the size above which the front's allocations are mapped apart from its heap.
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD = 128 * 1024
+
+
+def _large_frees_go_back_to_the_os() -> None:
+    """Fix glibc's mmap threshold at its default (128 KiB), so that a large buffer freed goes back to the OS.
+
+    glibc raises the threshold to the size of each mapped block freed (up to 32 MiB): after the first request of
+    a few MiB, every later one comes from the heap, and the heap keeps what it had at its peak. Requests a tenant
+    sends and gives up on (to a worker that is not reading, say) then leave the front hundreds of MiB larger
+    for good, although what it holds is bounded; with the threshold fixed, what it holds is what it uses. (A
+    few page faults per large buffer is the price; other C libraries: nothing to do.)
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+
+
+def run_broker(config: BrokerConfig, ready_file: str | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, on uvloop where it is installed."""
+    _large_frees_go_back_to_the_os()
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None  # type: ignore[assignment]  # the module or None, tested before use
+    with contextlib.suppress(KeyboardInterrupt):
+        if uvloop is not None:
+            uvloop.run(_serve(config, ready_file))
+        else:
+            asyncio.run(_serve(config, ready_file))

@@ -1,0 +1,355 @@
+"""Sessions: a tenant's use of one device, with a lease.
+
+The session's handles (buffers, streams, modules, kernels, segments) are named by its client and resolved by its
+worker alone (gpubroker/wire/commands.py): the front keeps no handle table. It keeps what it accounts: a mirror of
+each (tenant, device)'s memory use as the worker reports it, and the host memory mapped through the side channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeGuard
+
+from gpubroker.broker.config import BrokerConfig
+from gpubroker.broker.front._placement import DeviceLoad, NoServingDevice, choose_device
+from gpubroker.broker.front.auth import UNAUTHENTICATED_MESSAGE
+from gpubroker.broker.front.workers import WorkerClient, WorkerPool
+from gpubroker.wire.errors import (
+    GpuBrokerError,
+    NotFound,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    WorkerCrashed,
+)
+from gpubroker.wire.types import DeviceInfo
+
+__all__ = ["Admission", "Session", "SessionManager", "out_of_descriptors"]
+
+log = logging.getLogger("gpubroker.sessions")
+# A link frame's room around a copy chunk (the contract's max frame: chunk_bytes + 64 KiB).
+LINK_ENVELOPE = 64 * 1024
+# How long a view (placement, admin, metrics) waits for a worker's fresh memory figures before it uses the last.
+_USAGE_WAIT = 1.0
+
+
+def out_of_descriptors(exc: BaseException) -> TypeGuard[OSError]:
+    """Whether ``exc`` says the front ran out of file descriptors (its own RLIMIT_NOFILE: EMFILE; the system's
+    file table: ENFILE), say while a worker starts (its socketpairs and pipes): the broker's condition for a while,
+    neither the tenant's doing nor the device's fault, and no bug."""
+    return isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE)
+
+@dataclass
+class Session:
+    id: str
+    tenant: str
+    device: int
+    worker: WorkerClient
+    lease_seconds: float
+    last_seen: float = field(default_factory=time.monotonic)
+    memory_used: int = 0  # as the worker last reported it (usage)
+    lost: str | None = None  # why the session's device state is gone
+    inflight: int = 0
+    shared_bytes: int = 0  # host memory mapped for this session through the shared-memory side channel
+    # The sizes of the segments the front registered for it, to uncount each at its release (not a handle
+    # table: the worker resolves them; these are the side channel's accounting).
+    segments: dict[str, int] = field(default_factory=dict)
+    # Buffers that copies to or from another device (CopyPeer) use now, by handle: a Free through the front is
+    # refused before it unmaps them elsewhere (the worker pins them too, for every path).
+    peer_pins: dict[str, int] = field(default_factory=dict)
+    tenant_inflight: dict[str, int] = field(default_factory=dict)
+    # Copies to or from another device under way (CopyPeer): closing waits for them, as another process may be
+    # reading this session's memory.
+    peer_copies: int = 0
+    peer_idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.peer_idle.set()
+
+    def begin_peer_copy(self) -> None:
+        self.peer_copies += 1
+        self.peer_idle.clear()
+
+    def end_peer_copy(self) -> None:
+        self.peer_copies -= 1
+        if self.peer_copies == 0:
+            self.peer_idle.set()
+
+    def touch(self) -> None:
+        self.last_seen = time.monotonic()
+
+    def check_alive(self) -> WorkerClient:
+        if self.worker.fault is not None:
+            # Killed (or being killed) for a cause: a client that asks why its link dropped learns the cause at
+            # once, not a crash, even before the front has noticed the process's exit.
+            raise self.worker.death_error()
+        if self.lost is not None:
+            # A worker killed for a cause (the kernel time limit) fails the session's calls with that status.
+            raise self.worker.death_error() if self.worker.death is not None else WorkerCrashed(self.lost)
+        return self.worker
+
+
+
+class Admission(Protocol):
+    """Health's say on new sessions (server/_health.py): a draining broker or a failing device refuses them."""
+
+    def check_open(self, device: int) -> None: ...
+
+    def problem(self, device: int) -> str | None: ...
+
+    def retry_after(self, device: int | None = None) -> float: ...
+
+    def worker_start_failed(self, device: int, error: BaseException) -> None: ...
+
+
+class SessionManager:
+    """Opens, finds, expires and closes sessions; mirrors each (tenant, device)'s memory use."""
+
+    def __init__(self, config: BrokerConfig, pool: WorkerPool, admission: Admission | None = None,
+                 devices: Sequence[DeviceInfo] = ()) -> None:
+        self.config = config
+        self.pool = pool
+        self.admission = admission
+        self.devices = list(devices)
+        self.sessions: dict[str, Session] = {}
+        self.opening: dict[int, int] = {}  # sessions being opened (worker starting) per device, for placement
+        # Sessions being opened per tenant: each holds its place under max_sessions_per_tenant from the check
+        # to its registration (or failure), so concurrent opens waiting for one worker start cannot all pass.
+        self.reserved: dict[str, int] = {}
+        # Called as a session ends, before its worker frees its memory (CopyPeer's caches let go of it there).
+        self.closing_hooks: list[Callable[[Session], Awaitable[None]]] = []
+        # What each tenant's worker on each device reports it uses, clamped to [0, quota]: placement, views,
+        # metrics and admin read it; the worker enforces the quota itself.
+        self.memory_used: dict[tuple[str, int], int] = {}
+        # Host memory each tenant maps through the shared-memory side channel, until its worker has unmapped it.
+        self.shared_used: dict[str, int] = {}
+        self.draining = False
+        # Set while no session is open: a drain waits on it.
+        self.idle = asyncio.Event()
+        self.idle.set()
+        # Calls in flight per tenant across its sessions; each Session shares this dict to release its slot.
+        self.inflight: dict[str, int] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        pool.limits = self.limits
+        pool.on_memory = self.mirror
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap_loop(), name="session-reaper")
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for session in list(self.sessions.values()):
+            await self.close(session)
+
+    def _check_admission(self, device: int) -> None:
+        if self.admission is not None:
+            self.admission.check_open(device)  # draining, or the device out of service: UNAVAILABLE + retry hint
+        elif self.draining:
+            raise Unavailable("the broker is draining and accepts no new sessions; retry on another broker")
+
+    async def open(self, tenant: str, device: int | None) -> Session:
+        """A new session on ``device``, or (None) on the device that ``place`` picks."""
+        # A tenant that keeps crashing its workers is backed off (UNAVAILABLE, retry hint): its crashes are its own.
+        self.pool.crashes.check(tenant)
+        if device is None:
+            # Its links allocate without the front: ask its workers what it holds now, then place.
+            await self.refresh_tenant(tenant)
+            device = self.place(tenant)
+        self._check_admission(device)
+        live = sum(1 for s in self.sessions.values() if s.tenant == tenant) + self.reserved.get(tenant, 0)
+        if live >= self.config.max_sessions_per_tenant:
+            raise ResourceExhausted(f"tenant {tenant!r} already has {live} sessions, the limit; close one first")
+        # From here to the registration (or the failure) the session holds its place: nothing below may await
+        # outside this try, or the place leaks.
+        self.reserved[tenant] = self.reserved.get(tenant, 0) + 1
+        self.opening[device] = self.opening.get(device, 0) + 1
+        try:
+            try:
+                worker = await self.pool.get(tenant, device)
+            except Exception as exc:
+                # (The front short of descriptors is neither the device's fault nor the tenant's: not charged.)
+                if self.admission is not None and not out_of_descriptors(exc):
+                    self.admission.worker_start_failed(device, exc)
+                raise
+            if tenant not in self.config.tenants:
+                # Removed while its worker started (end_tenant ran meanwhile): neither session nor worker stays.
+                await self.pool.stop_tenant(tenant)
+                raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
+            if not worker.alive:  # (stopped as it started: its tenant was removed, and added again meanwhile)
+                raise Unavailable("the tenant's worker stopped while it started; retry")
+            self._check_admission(device)  # a drain may have begun while the worker started
+            session = Session(id=f"ses_{secrets.token_urlsafe(18)}", tenant=tenant, device=device, worker=worker,
+                              lease_seconds=self.config.lease_seconds, tenant_inflight=self.inflight)
+            self.sessions[session.id] = session
+        finally:
+            self.opening[device] -= 1
+            self.reserved[tenant] -= 1
+            if not self.reserved[tenant]:
+                del self.reserved[tenant]
+        self.idle.clear()
+        log.info("session %s opened for tenant %s on device %d", session.id, tenant, device)
+        return session
+
+    def place(self, tenant: str) -> int:
+        """The least loaded serving device where the tenant has quota room (see placement.py)."""
+        if self.draining:
+            self._check_admission(0)  # the drain's own refusal
+        if not self.devices:
+            return 0  # built without its devices (a test's manager): the first, as before placement
+        loads = []
+        for device, info in enumerate(self.devices):
+            on_device = [s for s in self.sessions.values() if s.device == device and s.lost is None]
+            reserved = sum(used for (_, d), used in self.memory_used.items() if d == device)
+            loads.append(DeviceLoad(
+                device=device, problem=self.admission.problem(device) if self.admission is not None else None,
+                sessions=len(on_device) + self.opening.get(device, 0),
+                tenant_sessions=sum(1 for s in on_device if s.tenant == tenant),
+                room=self.quota(tenant, device) - self.used(tenant, device),
+                memory_fraction=reserved / info.total_memory if info.total_memory else 0.0))
+        try:
+            return choose_device(tenant, loads)
+        except NoServingDevice:
+            assert self.admission is not None  # without health every device serves
+            # Refused as a request for the device that is soonest back would be, with its retry hint.
+            self.admission.check_open(min(range(len(loads)), key=self.admission.retry_after))
+            raise Unavailable("no device serves new sessions") from None
+
+    def get(self, session_id: str, tenant: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None or session.tenant != tenant:
+            raise NotFound(f"no session {session_id!r}")
+        session.touch()
+        return session
+
+    async def close(self, session: Session, reason: str = "closed") -> None:
+        if self.sessions.pop(session.id, None) is None:
+            return
+        try:
+            await session.peer_idle.wait()  # another device's worker may be reading its memory
+            for hook in self.closing_hooks:
+                await hook(session)
+            if session.lost is None:
+                try:
+                    await session.worker.call("close_session", session.id)
+                    await self.refresh_usage(session.worker)  # what the session held is free again
+                except WorkerCrashed:
+                    pass
+            self.release_shared(session, session.shared_bytes)  # the worker's close_session unmapped them
+            session.segments.clear()
+            log.info("session %s of tenant %s %s", session.id, session.tenant, reason)
+        finally:
+            if not self.sessions:
+                self.idle.set()
+
+    async def end_tenant(self, tenant: str, reason: str) -> int:
+        """End every session of a tenant and stop its workers (the tenant was removed)."""
+        ended = 0
+        for session in [s for s in self.sessions.values() if s.tenant == tenant]:
+            await self.close(session, reason=reason)
+            ended += 1
+        await self.pool.stop_tenant(tenant)
+        # Nothing of it is left to count (its sessions released their segments, its workers are gone): a tenant
+        # added again under its name starts from zero.
+        self.shared_used.pop(tenant, None)
+        for key in [k for k in self.memory_used if k[0] == tenant]:
+            del self.memory_used[key]
+        return ended
+
+    def worker_exited(self, worker: WorkerClient) -> None:
+        """The worker died or was stopped: its sessions' device memory is gone with it."""
+        for session in self.sessions.values():
+            if session.worker is worker and session.lost is None:
+                session.lost = worker.death or "the worker stopped"
+                session.memory_used = 0
+                session.segments.clear()
+                self.release_shared(session, session.shared_bytes)  # the worker's mappings died with it
+        if self.pool.live(worker.tenant, worker.device) is None:  # its device memory went with it
+            self.memory_used.pop((worker.tenant, worker.device), None)
+
+    async def _reap_loop(self) -> None:
+        interval = max(0.05, min(1.0, self.config.lease_seconds / 4))
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                if now - session.last_seen > session.lease_seconds:
+                    await self.close(session, reason="expired (no heartbeat within the lease)")
+            busy = {(s.tenant, s.device) for s in self.sessions.values() if s.lost is None}
+            await self.pool.reap_idle(busy)
+
+    # -- memory accounting -------------------------------------------------------------------------
+    def quota(self, tenant: str, device: int | None = None) -> int:
+        """The tenant's memory quota on ``device`` (None: its default, which applies on each device)."""
+        t = self.config.tenants.get(tenant)
+        if t is None:
+            return 0
+        return t.memory_quota if device is None else t.quota_on(device)
+
+    def limits(self, tenant: str, device: int) -> dict[str, int]:
+        """What the worker of (tenant, device) enforces (``set_limits``): its memory quota, per-session handles
+        and streams; the broker's index of its device (its quota errors name it) and the largest link frame (a
+        copy chunk and the batch around it)."""
+        return {"memory_quota": self.quota(tenant, device), "max_handles": self.config.max_handles_per_session,
+                "max_streams": self.config.max_streams_per_session, "device": device,
+                "max_frame": self.config.chunk_bytes + LINK_ENVELOPE}
+
+    def mirror(self, worker: WorkerClient, used: int) -> None:
+        """A worker's report of its memory use (checked >= 0 by WorkerClient), clamped to its tenant's quota:
+        a worker may say anything, but its tenant's views and the placement of others stay bounded."""
+        if self.pool.live(worker.tenant, worker.device) is not worker:
+            return  # a dead or replaced worker's late report
+        self.memory_used[(worker.tenant, worker.device)] = min(used, self.quota(worker.tenant, worker.device))
+
+    async def refresh_tenant(self, tenant: str) -> None:
+        """Fresh figures from the tenant's live workers (its placement, its view of the devices)."""
+        workers = [w for d in range(max(len(self.devices), 1)) if (w := self.pool.live(tenant, d)) is not None]
+        await asyncio.gather(*(self.refresh_usage(w) for w in workers))
+
+    async def refresh_all(self) -> None:
+        """Fresh figures from every live worker that has sessions (admin views)."""
+        workers = {id(s.worker): s.worker for s in self.sessions.values() if s.lost is None and s.worker.alive}
+        await asyncio.gather(*(self.refresh_usage(w) for w in workers.values()))
+
+    async def refresh_usage(self, worker: WorkerClient) -> None:
+        """Ask the worker what it uses now, in all and per session (``usage``). A worker busy in a long command
+        answers late: the mirror's last figures stand then."""
+        try:
+            # (checked: counts >= 0, session ids short strings)
+            usage = await asyncio.wait_for(worker.call("usage", ""), _USAGE_WAIT)
+        except (GpuBrokerError, TimeoutError):
+            return
+        worker.memory_reported(usage["memory_used"])
+        for session in self.sessions.values():
+            if session.worker is worker:
+                session.memory_used = min(usage["sessions"].get(session.id, 0),
+                                          self.quota(session.tenant, session.device))
+
+    def used(self, tenant: str, device: int) -> int:
+        return self.memory_used.get((tenant, device), 0)
+
+    def reserve_shared(self, session: Session, size: int) -> None:
+        """Count a segment before the worker maps it (server/_shm.py checks the limits first)."""
+        session.shared_bytes += size
+        self.shared_used[session.tenant] = self.shared_used.get(session.tenant, 0) + size
+
+    def release_shared(self, session: Session, size: int) -> None:
+        """Uncount what the worker unmapped; never more than the session still counts (a release may race its close)."""
+        size = min(size, session.shared_bytes)
+        session.shared_bytes -= size
+        left = self.shared_used.get(session.tenant, 0) - size
+        if left > 0:
+            self.shared_used[session.tenant] = left
+        else:
+            self.shared_used.pop(session.tenant, None)
+
+    def shared(self, tenant: str) -> int:
+        """Host memory the tenant's sessions map through the shared-memory side channel now."""
+        return self.shared_used.get(tenant, 0)

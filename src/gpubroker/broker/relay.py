@@ -1,0 +1,302 @@
+"""A byte relay between a listening socket and a stream target: vsock <-> the broker's Unix socket.
+
+PyPI grpcio refuses `vsock:` addresses, so VMs reach the broker through this relay: on the host the broker
+listens on AF_VSOCK and pipes each connection to its own Unix socket (`serve --vsock-port`); in a guest
+`gpubroker relay` accepts on a local Unix socket and connects out over AF_VSOCK. gRPC's own framing, auth and
+credentials pass through untouched, because the broker and the client both still see a Unix socket.
+
+Only the loop's `sock_*` primitives are used, never transports: uvloop builds a TCP transport for any
+non-Unix socket (it sets TCP_NODELAY and cannot name vsock peers), so streams would fail on vsock there.
+Each direction holds at most one chunk; `sock_sendall` waits for the kernel to take it before the next read,
+so a slow side pushes back on the fast one instead of growing a buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
+from gpubroker.wire.errors import FailedPrecondition, InvalidArgument
+
+__all__ = ["VMADDR_CID_ANY", "VMADDR_PORT_ANY", "RelayServer", "serve_relay", "unix_connector", "unix_listener",
+           "vsock_connector", "vsock_listener"]
+
+log = logging.getLogger("gpubroker.relay")
+audit = logging.getLogger("gpubroker.audit")
+
+# socket.VMADDR_* exist only where AF_VSOCK does; the values are fixed by the Linux ABI.
+VMADDR_CID_ANY = 0xFFFFFFFF
+VMADDR_PORT_ANY = 0xFFFFFFFF
+CHUNK = 64 * 1024  # per direction: the most a connection holds in user space
+Connector = Callable[[], Awaitable[socket.socket]]
+
+
+def unix_connector(path: str) -> Connector:
+    async def connect() -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    return connect
+
+
+def vsock_connector(cid: int, port: int, timeout: float = 10.0) -> Connector:
+    async def connect() -> socket.socket:
+        # uvloop's sock_connect resolves non-Unix addresses through getaddrinfo, which knows no vsock:
+        # connect blocking (bounded by the timeout) in a thread instead.
+        sock = _vsock_socket()
+        sock.settimeout(timeout)
+        try:
+            await asyncio.to_thread(sock.connect, (cid, port))
+        except BaseException:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        return sock
+    return connect
+
+
+def _vsock_socket() -> socket.socket:
+    family = getattr(socket, "AF_VSOCK", None)
+    if family is None:
+        raise FailedPrecondition("this platform has no AF_VSOCK sockets (vsock needs Linux)")
+    try:
+        return socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise FailedPrecondition(f"cannot create an AF_VSOCK socket ({exc.strerror}): this host has no vsock "
+                                 "support (load vhost_vsock on a KVM host)") from None
+
+
+def vsock_listener(port: int, cid: int = VMADDR_CID_ANY, backlog: int = 128) -> socket.socket:
+    """A listening AF_VSOCK stream socket, or FailedPrecondition saying why there cannot be one."""
+    sock = _vsock_socket()
+    try:
+        sock.bind((cid, port))
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            why = "the port is in use"
+        elif exc.errno == errno.EACCES:
+            why = "vsock ports below 1024 need CAP_NET_BIND_SERVICE"
+        else:
+            why = "this host has no vsock transport (load vhost_vsock on a KVM host)"
+        where = "any CID" if cid == VMADDR_CID_ANY else f"CID {cid}"
+        raise FailedPrecondition(f"cannot listen on vsock {where} port {port}: {exc.strerror}; {why}") from None
+    return sock
+
+
+def unix_listener(path: str, mode: int = 0o660, backlog: int = 128) -> socket.socket:
+    """A listening Unix socket at ``path``, replacing a stale socket but never any other file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_symlink() or target.exists():
+        if not target.is_socket():
+            raise InvalidArgument(f"{path} exists and is not a socket")
+        target.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    os.chmod(path, mode)  # before listen(): nobody connects while the socket still has the umask's mode
+    sock.listen(backlog)
+    return sock
+
+
+def _describe(sock: socket.socket, peer: object) -> str:
+    if getattr(socket, "AF_VSOCK", None) == sock.family and isinstance(peer, tuple):
+        return f"vsock CID {peer[0]} port {peer[1]}"
+    return f"{sock.family.name} {peer!r}" if peer else sock.family.name
+
+
+class RelayServer:
+    """Accepts on ``listen_sock`` and relays each connection to a fresh socket from ``connect``."""
+
+    def __init__(self, listen_sock: socket.socket, connect: Connector, max_connections: int,
+                 max_per_peer: int = 0, idle_seconds: float = 0.0) -> None:
+        self.listen_sock = listen_sock
+        self.max_connections = max_connections
+        # Before any byte is relayed nobody is authenticated: one peer (a VM's CID, a local uid) may hold at most
+        # this many connections (0: no limit), and a connection with no traffic either way for idle_seconds is
+        # closed (gRPC's keepalive pings keep live channels busy well within that).
+        self.max_per_peer = max_per_peer
+        self.idle_seconds = idle_seconds
+        self._per_peer: dict[object, int] = {}
+        self._refusals = RateLimitedLog(audit)
+        self._connect = connect
+        self._conns: set[asyncio.Task[None]] = set()
+        self._accepting: asyncio.Task[None] | None = None
+
+    @property
+    def active(self) -> int:
+        return len(self._conns)
+
+    def start(self) -> None:
+        self.listen_sock.setblocking(False)
+        self._accepting = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, peer = await loop.sock_accept(self.listen_sock)
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors: keep serving the connections we have rather than dying.
+                    log.warning("relay accept failed: %s", exc)
+                    await asyncio.sleep(0.1)
+                    continue
+                log.error("relay: accepting on %s failed, no longer accepting: %s", self.listen_sock, exc)
+                return
+            who = _describe(conn, peer)
+            key = _peer_key(conn, peer)
+            if len(self._conns) >= self.max_connections:
+                # Refuse by closing at once: queueing would let one guest hold the rest hostage.
+                self._refusals.warning("relay refusal", "relay: refused %s, %d connections already open", who,
+                                       len(self._conns))
+                conn.close()
+                continue
+            if self.max_per_peer and self._per_peer.get(key, 0) >= self.max_per_peer:
+                self._refusals.warning("relay refusal", "relay: refused %s (%s), which already has %d connections "
+                                       "open, the limit per peer", who, key, self._per_peer[key])
+                conn.close()
+                continue
+            log.info("relay: accepted %s", who)
+            self._per_peer[key] = self._per_peer.get(key, 0) + 1
+            task = loop.create_task(self._relay(conn, who))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+            def left(_task: object, key: object = key) -> None:
+                self._left(key)
+
+            task.add_done_callback(left)
+
+    def _left(self, key: object) -> None:
+        left = self._per_peer.get(key, 1) - 1
+        if left > 0:
+            self._per_peer[key] = left
+        else:
+            self._per_peer.pop(key, None)
+
+    async def _relay(self, client: socket.socket, who: str) -> None:
+        backend: socket.socket | None = None
+        try:
+            client.setblocking(False)
+            try:
+                backend = await self._connect()
+            except OSError as exc:
+                log.warning("relay: %s: cannot reach the backend: %s", who, exc)
+                return
+            activity = [time.monotonic()]
+            pumps = [asyncio.ensure_future(_pump(client, backend, activity)),
+                     asyncio.ensure_future(_pump(backend, client, activity))]
+            try:
+                # Either side closing (or failing) ends the whole connection: close both, nothing lingers.
+                while True:
+                    done, _ = await asyncio.wait(pumps, timeout=self.idle_seconds / 4 or None,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if done:
+                        break
+                    if time.monotonic() - activity[0] > self.idle_seconds:
+                        log.info("relay: closing %s, idle for %.0f s", who, self.idle_seconds)
+                        break
+            finally:
+                for pump in pumps:
+                    pump.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)
+        finally:
+            client.close()
+            if backend is not None:
+                backend.close()
+            log.debug("relay: closed %s", who)
+
+    def close(self) -> None:
+        """Stop accepting and end every relayed connection."""
+        if self._accepting is not None:
+            self._accepting.cancel()
+        self.listen_sock.close()
+        for task in self._conns:
+            task.cancel()
+
+    async def wait_closed(self) -> None:
+        tasks = [t for t in (self._accepting, *self._conns) if t is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _pump(src: socket.socket, dst: socket.socket, activity: list[float]) -> None:
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(OSError):  # a reset is just another way for a side to close
+        while data := await loop.sock_recv(src, CHUNK):
+            activity[0] = time.monotonic()
+            await loop.sock_sendall(dst, data)
+
+
+def _peer_key(sock: socket.socket, peer: object) -> object:
+    """Whom a relayed connection is counted against: a VM's CID, a local peer's uid (SO_PEERCRED)."""
+    if getattr(socket, "AF_VSOCK", None) == sock.family and isinstance(peer, tuple):
+        return f"cid:{peer[0]}"
+    if sock.family == socket.AF_UNIX:
+        _pid, uid = peer_credentials(sock)
+        if uid >= 0:
+            return f"uid:{uid}"
+    return f"{sock.family.name}:{peer!r}"
+
+
+async def serve_relay(listen_sock: socket.socket, target: str | Connector, max_connections: int = 256,
+                      max_per_peer: int = 0, idle_seconds: float = 0.0) -> RelayServer:
+    """Relay connections on ``listen_sock`` to the Unix socket path ``target`` (or sockets ``target()`` opens)."""
+    if max_connections < 1:
+        raise InvalidArgument("max_connections must be >= 1")
+    server = RelayServer(listen_sock, unix_connector(target) if isinstance(target, str) else target, max_connections,
+                         max_per_peer, idle_seconds)
+    server.start()
+    return server
+
+
+async def run_guest_relay(listen_path: str, cid: int, port: int, max_connections: int = 256,
+                          mode: int = 0o660) -> None:
+    """`gpubroker relay`: a local Unix socket in a guest, relayed to the broker over vsock, until signalled."""
+    import signal
+
+    relay = await serve_relay(unix_listener(listen_path, mode), vsock_connector(cid, port), max_connections)
+    log.info("relaying unix:%s to vsock CID %d port %d", listen_path, cid, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        relay.close()
+        await relay.wait_closed()
+        with contextlib.suppress(OSError):
+            os.unlink(listen_path)
+
+
+def run_relay_command(listen: str, vsock_connect: str, max_connections: int = 256, mode: int = 0o660) -> None:
+    """`gpubroker relay --listen unix:PATH --vsock-connect CID:PORT`, on uvloop where it is installed."""
+    if not listen.startswith("unix:") or len(listen) == len("unix:"):
+        raise InvalidArgument(f"--listen must be unix:PATH, not {listen!r}")
+    try:
+        cid, port = (int(part) for part in vsock_connect.split(":"))
+    except ValueError:
+        raise InvalidArgument(f"--vsock-connect must be CID:PORT (e.g. 2:7070), not {vsock_connect!r}") from None
+    _vsock_socket().close()  # no vsock here: say so now, not on the first client's connection
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None  # type: ignore[assignment]  # the module or None, tested before use
+    main = run_guest_relay(listen[len("unix:"):], cid, port, max_connections, mode)
+    with contextlib.suppress(KeyboardInterrupt):
+        uvloop.run(main) if uvloop is not None else asyncio.run(main)

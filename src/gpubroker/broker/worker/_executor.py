@@ -1,0 +1,426 @@
+"""The worker's one execution path: a batch of protocol commands, run in order, answered by one Ack.
+
+Batches come from the front (the ``batch`` op: typed gRPC calls turned into commands, module loads under the
+front's compile time limit) and from links straight from the client (workers/_links.py); a single synchronous call
+is a batch of one. Each command class has one handler (a dict from the class to a method). The first failure
+stops the batch: the Ack says how many ran and names the failed command by its sequence number and what it was
+("launch of 'scale'"); nothing after it runs.
+
+The launch path is the hot one: a launch is cached per session by its kernel handle and its arguments as sent
+(frozen, hashable protocol structs). The CUDA backend's entry is a prepared launch (its arguments packed once
+for cuLaunchKernel, the launch shapes that passed its checks), so a repeated launch is two dict lookups and the
+driver call, rebuilding no Python object; another backend's entry is the resolved argument list. A cached entry
+is dropped with any object of the session that goes (free, stream destroyed, module unloaded), since a later
+object may take its handle.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any, NamedTuple, cast
+
+import lz4.block
+import numpy as np
+
+from gpubroker.broker.worker._handles import _CACHE_MAX, BufferEntry, HandleTables, KernelEntry, SessionObjects
+from gpubroker.broker.worker._segments import SegmentTable
+from gpubroker.wire.commands import (
+    CODECS,
+    Ack,
+    Allocate,
+    Batch,
+    BufferArg,
+    CommandError,
+    CopyD2D,
+    CopyShared,
+    CreateEvent,
+    CreateStream,
+    DestroyEvent,
+    DestroyStream,
+    DeviceInfoQuery,
+    Dims,
+    Free,
+    GetKernel,
+    KernelArg,
+    Launch,
+    LoadModule,
+    Memset,
+    Read,
+    RecordEvent,
+    RunLibrary,
+    Synchronize,
+    SynchronizeEvent,
+    UnloadModule,
+    WaitEvent,
+    Write,
+)
+from gpubroker.wire.compute import GpuCompute
+from gpubroker.wire.errors import FailedPrecondition, GpuBrokerError, Internal, InvalidArgument
+from gpubroker.wire.host import check_device_range
+from gpubroker.wire.library import check_library_call
+from gpubroker.wire.types import ArrayRef, Kernel, Module, ModuleFormat, Stream
+
+__all__ = ["Executor", "command_name"]
+
+log = logging.getLogger("gpubroker.worker")
+
+_DTYPES: dict[str, np.dtype[Any]] = {}  # scalar dtype names already accepted
+_DETAIL_TYPES = (str, int, float, bool, type(None))
+
+
+def command_name(command: object) -> str:
+    """The command's wire tag ("launch", "load_module", ...)."""
+    return str(type(command).__struct_config__.tag)  # type: ignore[attr-defined]
+
+
+def _scalar(dtype: str, raw: bytes) -> np.generic:
+    dt = _DTYPES.get(dtype)
+    if dt is None:
+        try:
+            dt = np.dtype(dtype)
+        except Exception:  # TypeError mostly; ValueError, SyntaxError and others for some strings numpy half-parses
+            raise InvalidArgument(f"unknown scalar dtype {dtype!r}") from None
+        if dt.kind not in "iuf" or dt.itemsize > 8:
+            raise InvalidArgument(f"scalar of dtype {dtype!r} must be an int or float of at most 8 bytes")
+        if len(_DTYPES) < 64:
+            _DTYPES[dtype] = dt
+    if len(raw) != dt.itemsize:
+        raise InvalidArgument(f"scalar of dtype {dtype!r} must be {dt.itemsize} bytes, got {len(raw)}")
+    value: np.generic = np.frombuffer(raw, dtype=dt)[0]
+    return value
+
+
+# Reads sent raw untried after one that lz4 did not shrink (a compressible chunk after that waits this long).
+_RAW_READS = 15
+
+
+def _lz4_block_exact(block: bytes, size: int) -> bytes:
+    """``block`` decompressed, which must be exactly ``size`` bytes: lz4 writes no more than ``size`` (a bomb is
+    refused, not inflated), and a block that holds fewer is a lie; both INVALID_ARGUMENT."""
+    if size == 0:
+        if block:
+            raise InvalidArgument("an lz4 block for 0 bytes must be empty")
+        return b""
+    try:
+        data = cast("bytes", lz4.block.decompress(block, uncompressed_size=size))
+    except lz4.block.LZ4BlockError as exc:
+        raise InvalidArgument(f"an lz4 block that is not {size} bytes once decompressed ({exc})") from None
+    if len(data) != size:
+        raise InvalidArgument(f"an lz4 block of {len(data)} bytes once decompressed; the write says {size}")
+    return data
+
+
+def _describe(objs: SessionObjects, command: object) -> str:
+    """What a failed command was, for its CommandError (the error path only: never on a success)."""
+    match command:
+        case Launch(kernel=handle):
+            entry = objs.kernels.get(handle)
+            return f"launch of {entry.name!r}" if entry is not None else f"launch of kernel {handle!r}"
+        case RunLibrary(name=name):
+            return f"run_library of {name!r}"
+        case Allocate(size=size):
+            return f"allocate of {size} bytes"
+        case Free(handle=handle):
+            return f"free of {handle!r}"
+        case Memset(size=size):
+            return "memset to the end of the view" if size == -1 else f"memset of {size} bytes"
+        case CopyD2D(size=size):
+            return f"copy_d2d of {size} bytes"
+        case Write(data=data, codec=codec, size=size):
+            return f"write of {size} bytes ({codec})" if codec else f"write of {len(data)} bytes"
+        case Read(size=size):
+            return f"read of {size} bytes"
+        case CopyShared(size=size, to_device=to_device):
+            return f"copy_shared of {size} bytes {'to' if to_device else 'from'} the device"
+        case GetKernel(name=name):
+            return f"get_kernel of {name!r}"
+        case CreateStream(handle=handle) | DestroyStream(handle=handle) | LoadModule(handle=handle) \
+                | UnloadModule(handle=handle) | CreateEvent(handle=handle) | DestroyEvent(handle=handle):
+            return f"{command_name(command)} of {handle!r}"
+        case RecordEvent(event=handle) | WaitEvent(event=handle) | SynchronizeEvent(event=handle):
+            return f"{command_name(command)} of {handle!r}"
+    return command_name(command)
+
+
+class _Unprepared(NamedTuple):
+    kernel: Kernel
+    args: list[object]
+
+
+class Executor:
+    """Runs batches for every session of the worker against its backend, through the one handle table."""
+
+    def __init__(self, backend: GpuCompute, tables: HandleTables, segments: SegmentTable) -> None:
+        self.backend = backend
+        self.tables = tables
+        self.segments = segments
+        self._codec = ""  # what the link of the batch being run negotiated (see run)
+        # The most a compressed Write may inflate to: a link's max frame (what it could have sent raw); the links
+        # set it from the front's limits.
+        self.max_inflate = 1 << 20 | 1 << 16
+        self.fatal = False  # a command corrupted the device context: the worker exits after replying
+        # The backend's device-time segments (CUDA: a pair of timing events per stream) stay open while batches
+        # keep coming, and end when the worker is about to wait for input (``idle``, from the serve loop): idle
+        # host time is never charged, and back-to-back batches put no timing event between their kernels (each
+        # one drains the GPU's queue: on an H200, 2000 dependent 15 us kernels took 1.2-1.5x as long with a pair
+        # per batch).
+        self._segments_open: Callable[[], bool] | None = getattr(backend, "device_time_open", None)
+        self._end_segments: Callable[[], object] | None = getattr(backend, "flush_device_time", None)
+        # A backend that packs a launch's arguments once (CUDA) is given them once per (kernel, arguments);
+        # any other gets the resolved arguments at each launch.
+        prepare = getattr(backend, "prepare_launch", None)
+        launch = getattr(backend, "launch_prepared", None)
+        if prepare is None or launch is None:
+            execute = backend.execute_kernel
+
+            def launch(p: _Unprepared, grid: Dims, block: Dims, shared_mem: int, stream: Stream | None) -> None:
+                execute(p.kernel, grid, block, p.args, shared_mem, stream)
+            prepare = _Unprepared
+        self._prepare: Callable[[Kernel, list[object]], Any] = prepare
+        self._launch_prepared: Callable[[Any, Dims, Dims, int, Stream | None], None] = launch
+        handlers: dict[type, Callable[[SessionObjects, Any], Any]] = {
+            Allocate: self._allocate, Free: self._free, Memset: self._memset, CopyD2D: self._copy_d2d,
+            Launch: self._launch, RunLibrary: self._run_library, CreateStream: self._create_stream,
+            DestroyStream: self._destroy_stream,
+            Synchronize: self._synchronize, CreateEvent: self._create_event, DestroyEvent: self._destroy_event,
+            RecordEvent: self._record_event, WaitEvent: self._wait_event, SynchronizeEvent: self._synchronize_event,
+            Write: self._write, Read: self._read, CopyShared: self._copy_shared,
+            DeviceInfoQuery: self._device_info, LoadModule: self._load_module, UnloadModule: self._unload_module,
+            GetKernel: self._get_kernel,
+        }
+        self.handlers = handlers
+        # What a link may send: device work, and the memory and streams it uses (not compiles: see _protocol).
+        self.link_handlers = {kind: fn for kind, fn in handlers.items() if getattr(kind, "link", False)}
+
+    # -- batches -----------------------------------------------------------------------------------
+    def run(self, session: str, batch: Batch, link: bool = False, codec: str = "") -> Ack:
+        """Run ``batch`` for ``session``; the first failure stops it and is reported in the Ack. ``codec`` is what
+        the batch's link negotiated for Read results ("" elsewhere: the front checks results are raw bytes)."""
+        self._codec = codec
+        objs = self.tables.session(session)
+        handlers = self.link_handlers if link else self.handlers
+        result: Any = None
+        done = 0
+        command: object = None
+        try:
+            for command in batch.commands:
+                handler = handlers.get(type(command))
+                if handler is None:
+                    raise InvalidArgument(f"{command_name(command)} cannot be sent on a link; it goes through the "
+                                          "front")
+                result = handler(objs, command)
+                done += 1
+        except GpuBrokerError as exc:
+            if exc.details.get("fatal"):
+                self.fatal = True
+            return Ack(batch.id, done, self._error(batch, done, objs, command, exc))
+        except Exception as exc:  # a bug or an untranslated runtime error: report it, keep the worker
+            log.exception("%s failed", command_name(command))
+            return Ack(batch.id, done, self._error(batch, done, objs, command,
+                                                   Internal(f"{type(exc).__name__}: {exc}")))
+        return Ack(batch.id, done, None, result)
+
+    def issuing(self) -> bool:
+        """Whether device-time segments are open: then the worker calls ``idle`` before it waits for input."""
+        return self._segments_open is not None and not self.fatal and self._segments_open()
+
+    def idle(self) -> None:
+        """The worker is about to wait for input: end the device-time segments, so the wait is not charged."""
+        if self._end_segments is not None and not self.fatal:
+            self._end_segments()
+
+    @staticmethod
+    def _error(batch: Batch, done: int, objs: SessionObjects, command: object, exc: GpuBrokerError) -> CommandError:
+        # Only what encodes for certain: an Ack that failed to encode would leave its link or request unanswered.
+        details = {str(k): v if type(v) in _DETAIL_TYPES else str(v) for k, v in exc.details.items()}
+        return CommandError(batch.first + done, _describe(objs, command), exc.code, exc.message, type(exc).__name__,
+                            details)
+
+    # -- memory ------------------------------------------------------------------------------------
+    def _allocate(self, objs: SessionObjects, cmd: Allocate) -> None:
+        tables = self.tables
+        tables.claim(objs, "buf", cmd.handle)
+        tables.reserve(cmd.size)
+        try:
+            buf = self.backend.allocate_memory(cmd.size)
+        except BaseException:
+            tables.unreserve(cmd.size)
+            raise
+        objs.kinds[cmd.handle] = "buf"
+        objs.buffers[cmd.handle] = BufferEntry(buf, cmd.size)
+        objs.memory_used += cmd.size
+
+    def _free(self, objs: SessionObjects, cmd: Free) -> None:
+        entry = objs.buffer(cmd.handle)
+        if entry.pins:
+            raise FailedPrecondition("buffer in use by a copy to another device")
+        self.backend.free_memory(entry.buffer)
+        self.forget_buffer(objs, cmd.handle, entry)
+
+    def forget_buffer(self, objs: SessionObjects, handle: str, entry: BufferEntry) -> None:
+        """The buffer was freed on the device: take it out of the table and the accounts."""
+        del objs.buffers[handle], objs.kinds[handle]
+        objs.memory_used -= entry.size
+        self.tables.unreserve(entry.size)
+        objs.forget_caches()
+
+    def _memset(self, objs: SessionObjects, cmd: Memset) -> None:
+        size = cmd.size
+        if size < -1:
+            raise InvalidArgument(f"memset size must be >= 0, or -1 for the rest of the view; got {size}")
+        self.backend.memset(objs.view(*cmd.buf), cmd.value, None if size == -1 else size, cmd.offset,
+                            objs.stream(cmd.stream))
+
+    def _copy_d2d(self, objs: SessionObjects, cmd: CopyD2D) -> None:
+        self.backend.copy_d2d(objs.view(*cmd.src), objs.view(*cmd.dst), cmd.size, cmd.src_offset, cmd.dst_offset,
+                              objs.stream(cmd.stream))
+
+    def _write(self, objs: SessionObjects, cmd: Write) -> None:
+        view = objs.view(*cmd.buf)
+        data: bytes = cmd.data
+        if cmd.codec:
+            if cmd.codec not in CODECS:
+                raise InvalidArgument(f"unknown codec {cmd.codec!r}; this worker knows {list(CODECS)}")
+            # The range first: what the block claims to hold is bounded by the buffer before a byte is made for it.
+            check_device_range(view, cmd.offset, cmd.size, "copy_h2d")
+            if cmd.size > self.max_inflate:
+                raise InvalidArgument(f"an {cmd.codec} write inflates to at most {self.max_inflate} bytes (the link's "
+                                      f"max frame), this one says {cmd.size}")
+            data = _lz4_block_exact(cmd.data, cmd.size)
+        self.backend.copy_h2d(data, view, cmd.offset, objs.stream(cmd.stream))
+
+    def _read(self, objs: SessionObjects, cmd: Read) -> bytearray | list[Any]:
+        view = objs.view(*cmd.buf)
+        check_device_range(view, cmd.offset, cmd.size, "copy_d2h")  # before the host buffer is made for it
+        out = bytearray(cmd.size)  # encoded as bin as it is: no copy to bytes first
+        self.backend.copy_d2h(view, out, cmd.offset, objs.stream(cmd.stream))
+        if not cmd.codec or cmd.codec != self._codec:  # not asked, or not negotiated on this path: raw bytes
+            return out
+        if objs.raw_reads > 0:
+            objs.raw_reads -= 1
+            return ["", out]
+        packed = lz4.block.compress(out, store_size=False)
+        # Only when it shrinks by a useful part: random data would come back as large, and the client would
+        # decompress for nothing; then the next chunks go raw untried (the worker's CPU is the tenant's turn).
+        if len(packed) <= cmd.size - (cmd.size >> 4):
+            return [cmd.codec, packed]
+        objs.raw_reads = _RAW_READS
+        return ["", out]
+
+    def _copy_shared(self, objs: SessionObjects, cmd: CopyShared) -> None:
+        """Between a mapped segment and device memory: the backend reads or writes the mapping directly."""
+        buf, stream = objs.view(*cmd.buf), objs.stream(cmd.stream)
+        with self.segments.view(objs.segment(cmd.segment), cmd.segment_offset, cmd.size) as host:
+            if cmd.to_device:
+                self.backend.copy_h2d(host, buf, cmd.offset, stream)
+            else:
+                self.backend.copy_d2h(buf, host, cmd.offset, stream)
+
+    # -- launches ----------------------------------------------------------------------------------
+    def _launch(self, objs: SessionObjects, cmd: Launch) -> None:
+        """Straight to the backend, which checks the dims and the args against the kernel and the device."""
+        key = (cmd.kernel, tuple(cmd.args))
+        prep = objs.launch_args.get(key)
+        if prep is None:
+            entry = objs.kernels.get(cmd.kernel)
+            if entry is None:
+                raise objs.missing("kernel", cmd.kernel)
+            prep = self._prepare(entry.kernel, self._resolve_args(objs, cmd.args))
+            if len(objs.launch_args) >= _CACHE_MAX:
+                objs.launch_args.clear()
+            objs.launch_args[key] = prep
+        self._launch_prepared(prep, cmd.grid, cmd.block, cmd.shared_mem,
+                              objs.stream(cmd.stream) if cmd.stream else None)
+
+    def _run_library(self, objs: SessionObjects, cmd: RunLibrary) -> None:
+        """The arrays on the session's buffer views, checked here against their allocations and the op table (the
+        worker trusts nothing the client sends), then the backend's library, which checks them again: an
+        in-process caller has no worker in front of it."""
+        inputs = [ArrayRef(objs.view(*ref), dtype, shape) for ref, dtype, shape in cmd.inputs]
+        outputs = [ArrayRef(objs.view(*ref), dtype, shape) for ref, dtype, shape in cmd.outputs]
+        # The views are sized to their allocations (SessionObjects.view): no resolve needed.
+        check_library_call(cmd.name, inputs, outputs, cmd.params)
+        self.backend.run_library(cmd.name, inputs, outputs, cmd.params,
+                                 objs.stream(cmd.stream) if cmd.stream else None)
+
+    @staticmethod
+    def _resolve_args(objs: SessionObjects, args: list[KernelArg]) -> list[object]:
+        return [objs.view(arg.handle, arg.offset) if isinstance(arg, BufferArg) else _scalar(arg.dtype, arg.value)
+                for arg in args]
+
+    # -- streams -----------------------------------------------------------------------------------
+    def _create_stream(self, objs: SessionObjects, cmd: CreateStream) -> None:
+        self.tables.claim(objs, "stream", cmd.handle)
+        objs.streams[cmd.handle] = self.backend.create_stream()
+        objs.kinds[cmd.handle] = "stream"
+
+    def _destroy_stream(self, objs: SessionObjects, cmd: DestroyStream) -> None:
+        stream = objs.streams.get(cmd.handle)
+        if stream is None:
+            raise objs.missing("stream", cmd.handle)
+        self.backend.destroy_stream(stream)
+        del objs.streams[cmd.handle], objs.kinds[cmd.handle]
+        objs.forget_caches()
+
+    def _synchronize(self, objs: SessionObjects, cmd: Synchronize) -> None:
+        self.backend.synchronize(objs.stream(cmd.stream))
+
+    # -- events ------------------------------------------------------------------------------------
+    def _create_event(self, objs: SessionObjects, cmd: CreateEvent) -> None:
+        self.tables.claim(objs, "event", cmd.handle)
+        objs.events[cmd.handle] = self.backend.create_event()
+        objs.kinds[cmd.handle] = "event"
+
+    def _destroy_event(self, objs: SessionObjects, cmd: DestroyEvent) -> None:
+        self.backend.destroy_event(objs.event(cmd.handle))
+        del objs.events[cmd.handle], objs.kinds[cmd.handle]
+
+    def _record_event(self, objs: SessionObjects, cmd: RecordEvent) -> None:
+        self.backend.record_event(objs.event(cmd.event), objs.stream(cmd.stream))
+
+    def _wait_event(self, objs: SessionObjects, cmd: WaitEvent) -> None:
+        self.backend.wait_event(objs.event(cmd.event), objs.stream(cmd.stream))
+
+    def _synchronize_event(self, objs: SessionObjects, cmd: SynchronizeEvent) -> None:
+        self.backend.synchronize_event(objs.event(cmd.event))
+
+    # -- the device --------------------------------------------------------------------------------
+    def _device_info(self, objs: SessionObjects, cmd: DeviceInfoQuery) -> dict[str, Any]:
+        info = asdict(self.backend.device_info())
+        info["memory_used"] = self.tables.memory_used
+        quota = self.tables.limits.memory_quota
+        if quota is not None:
+            info["memory_quota"] = quota
+            info["memory_available"] = max(0, quota - self.tables.memory_used)
+        return info
+
+    # -- modules and kernels (through the front only) -----------------------------------------------
+    def _load_module(self, objs: SessionObjects, cmd: LoadModule) -> list[str]:
+        self.tables.claim(objs, "module", cmd.handle)
+        try:
+            fmt = ModuleFormat(cmd.format)
+        except ValueError:
+            raise InvalidArgument(f"unknown module format {cmd.format!r}") from None
+        module = self.backend.load_module(cmd.image, fmt, tuple(cmd.options))
+        objs.modules[cmd.handle] = module
+        objs.kinds[cmd.handle] = "module"
+        return list(module.kernel_names)
+
+    def _get_kernel(self, objs: SessionObjects, cmd: GetKernel) -> None:
+        self.tables.claim(objs, "kernel", cmd.handle)
+        kernel = self.backend.get_kernel(objs.module(cmd.module), cmd.name)
+        objs.kernels[cmd.handle] = KernelEntry(kernel, cmd.name, cmd.module)
+        objs.kinds[cmd.handle] = "kernel"
+
+    def _unload_module(self, objs: SessionObjects, cmd: UnloadModule) -> None:
+        self.unload(objs, cmd.handle, objs.module(cmd.handle))
+
+    def unload(self, objs: SessionObjects, handle: str, module: Module) -> None:
+        # Every backend has it, but it is not part of the SDK's GpuCompute, the type open_backend returns
+        self.backend.unload_module(module)  # type: ignore[attr-defined]
+        del objs.modules[handle], objs.kinds[handle]
+        for kernel in [k for k, entry in objs.kernels.items() if entry.module == handle]:
+            del objs.kernels[kernel], objs.kinds[kernel]
+        objs.forget_caches()

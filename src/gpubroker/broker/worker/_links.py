@@ -1,0 +1,560 @@
+"""Links: a client's framed connection served by its worker directly, with no hop through the front.
+
+The front authenticates a link's hello (on ``<socket>.fast``, TCP behind the front's TLS, or vsock), then hands
+the connection to the session's worker (``attach_link``), which answers the hello itself
+(``[0, 0, {"link": 1, "max_frame": n}]``, a msgpack frame). From then on every client frame's payload is an
+encoded protocol Batch, answered by one frame holding its encoded Ack, in order. Only link commands may come this
+way (a module load goes through the front, which bounds its compile time); a malformed frame is answered by an
+Ack with id 0 and its error, then the link is closed.
+
+Device work needs the tenant's turn on the device, which only the front's scheduler gives: the worker asks for a
+lease (``want``), runs link batches while it holds one, and hands it back when the front revokes it (another
+tenant's turn, or the scheduler's periodic accounting). While others wait, each batch is one turn.
+
+On the same host the client may upgrade its link, in the link's first frame, to a shared-memory ring
+(``_ring.py``): the same batches and acks, through memory, with socket doorbells. A ring's batches are taken
+only while the worker holds the turn (else they stay in the ring, which bounds them, and the worker asks for the
+turn); after answering one the worker polls the ring briefly for the next, only while it holds an uncontended
+turn, so a spin never delays another tenant and never runs a batch without the turn.
+
+Nothing a client does (or fails to do) on its link may hold the worker, whose loop serves every session of the
+tenant on the device and may hold the tenant's turn, for which other tenants wait: every link's socket is
+non-blocking. A frame is read as it arrives into the link's own buffer (bounded by the link's max frame, checked
+on the header before its payload is allocated) and runs only once whole; an ack the socket does not take at once
+waits in the link's outbox, in order, and goes out when the socket is writable. A link whose frame stays half
+sent, or whose outbox does not move, for the link timeout is dropped (the serve loop's select wakes up for that
+deadline), as is one whose outbox outgrows its bound (the client does not read its acks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import msgspec
+
+from gpubroker.broker.worker._executor import Executor
+from gpubroker.broker.worker._ring import MAX_FDS, RingBroken, WorkerRing, open_ring
+from gpubroker.wire.commands import CODECS, Ack, Batch, CommandError, decode_batch, encode
+from gpubroker.wire.errors import GpuBrokerError, InvalidArgument, ResourceExhausted
+from gpubroker.wire.frames import FRAME_HEADER
+from gpubroker.wire.worker import CONTROL, MAX_LINKS_PER_SESSION, FrameClosed, FrameTooLarge, unpack_frame
+
+__all__ = ["CONTROL", "DEFAULT_MAX_FRAME", "MAX_LINKS_PER_SESSION", "Links"]
+
+log = logging.getLogger("gpubroker.worker")
+
+# A client that leaves a frame half sent, or stops taking its acks, loses its link after this long: a deadline the
+# serve loop keeps (no read or write ever waits), so meanwhile the worker serves everything else.
+_LINK_TIMEOUT = 10.0
+# Acks a link's socket has not taken yet wait in its outbox, up to this many of the largest frames (a client's
+# window of Reads fits many times over): past it the client is not reading its acks and loses its link.
+_OUTBOX_FRAMES = 16
+# Buffers handed to one sendmsg when an outbox drains.
+_SEND_BUFFERS = 64
+# How long the worker runs one ring's batches (and spins for more) before it looks at the front and its other
+# links: a "yield" or "revoke" is read this late at most, besides the batch in hand.
+_RING_SLICE = 500e-6
+# The largest frame a link takes: a copy chunk (the config's chunk_bytes, 1 MiB unless the front's set_limits
+# says otherwise) plus 64 KiB for the batch around it.
+DEFAULT_MAX_FRAME = 1024 * 1024 + 64 * 1024
+
+
+@dataclass(slots=True, eq=False)
+class _Link:
+    sock: socket.socket
+    session: str
+    fd: int  # the socket's number, kept (a closed socket has none): the link's key
+    waiting: int = 0  # its batches queued for the lease: acks go out in order, so its end waits for them
+    ended: bool = False  # no more frames will be read (the client closed, or a malformed frame): drop once answered
+    closing: bool = False  # nothing more to answer: dropped once its outbox is out
+    fresh: bool = True  # no frame read yet: the first may be a ring upgrade (with fds attached)
+    ring: WorkerRing | None = None
+    # The frame being read: ``got`` bytes of its header, then (``body`` allocated from the header) of its payload.
+    head: bytearray = field(default_factory=lambda: bytearray(FRAME_HEADER.size))
+    body: bytearray | None = None
+    got: int = 0
+    started: float = 0.0  # when its first byte came (monotonic)
+    fds: list[int] = field(default_factory=list)  # fds that came with the first frame's first bytes (a ring's)
+    # Frames (header and payload apart) the socket has not taken yet, in order, and their bytes.
+    outbox: deque[memoryview] = field(default_factory=deque)
+    queued: int = 0
+    writing: bool = False  # the selector watches it for room (its outbox is not empty)
+    progress: float = 0.0  # when the socket last took bytes of a waiting outbox (monotonic)
+    codec: str = ""  # what its hello negotiated for Read results ("" none)
+
+    @property
+    def reading(self) -> bool:
+        """A frame is half read."""
+        return self.got > 0 or self.body is not None
+
+    def deadline(self) -> float | None:
+        """When this link is dropped if nothing moves (a frame half sent, an outbox not drained), or None."""
+        times = [t for t, pending in ((self.started, self.reading), (self.progress, self.writing)) if pending]
+        return min(times) + _LINK_TIMEOUT if times else None
+
+
+def _refusal(message: str) -> bytes:
+    """The Ack for a frame that is no batch: id 0, nothing done, INVALID_ARGUMENT."""
+    return encode(Ack(0, 0, CommandError(0, "batch", InvalidArgument.code, message, InvalidArgument.__name__)))
+
+
+class Links:
+    """The worker's client links and its lease on the device."""
+
+    def __init__(self, executor: Executor, send_front: Callable[[list[Any]], None]) -> None:
+        self._executor = executor
+        self._send_front = send_front
+        self.max_frame = DEFAULT_MAX_FRAME
+        self.links: dict[int, _Link] = {}
+        self._held: dict[int, _Link] = {}  # links taken but not yet answered, by the front's number (``attach``)
+        self._rings: dict[int, _Link] = {}  # by the fd of the ring's commands doorbell
+        self._resuming: dict[int, _Link] = {}  # rings to pump again after the serve loop's next look around
+        self._timed: dict[int, _Link] = {}  # links that may have a deadline (a half frame, an outbox waiting)
+        # Whether the front has written something not yet read (the serve loop sets it: a zero-timeout poll).
+        self.front_waiting: Callable[[], bool] = lambda: False
+        self.version = 0  # bumped whenever a link comes or goes, so the serve loop re-reads the set
+        self.holding = False  # the front granted this worker the tenant's turn
+        self.contended = False  # others wait for the device: give the turn back after each batch
+        self._asked = False
+        # Batches waiting for the lease, in arrival order; a str is a refusal that must follow its link's batches.
+        self._waiting: deque[tuple[_Link, Batch | str]] = deque()
+
+    # -- links -------------------------------------------------------------------------------------
+    def attach(self, sock: socket.socket, session: str, compress: object = None, held: int | None = None) -> None:
+        """Serve ``sock`` for ``session``: answer the client's hello, then take its batches. ``compress`` is the
+        hello's list of codecs the client takes, in its order of preference (as the front relayed it: unchecked):
+        the first this worker knows is the link's, named in the answer; none known, the answer names none.
+
+        With ``held`` (the front's number for it) the link is only taken: neither answered nor read until the
+        front says ``serve(held)``, after it has checked that the credential which opened it still holds (this
+        worker may have been busy for seconds, a rotation or removal meanwhile); ``close_session`` drops it."""
+        links = [link for link in (*self.links.values(), *self._held.values()) if link.session == session]
+        if len(links) >= MAX_LINKS_PER_SESSION:
+            raise ResourceExhausted(f"this session already has {MAX_LINKS_PER_SESSION} links, the limit")
+        if held is not None and held in self._held:
+            raise InvalidArgument(f"a link numbered {held} is already held")
+        sock.setblocking(False)
+        link = _Link(sock, session, sock.fileno())
+        if type(compress) is list:
+            link.codec = next((c for c in compress[:16] if type(c) is str and c in CODECS), "")
+        if held is not None:
+            self._held[held] = link
+            return
+        self._answer(link)
+
+    def serve(self, held: int, session: str) -> None:
+        """Answer and serve the link taken under ``held`` (the front found its credential still valid)."""
+        link = self._held.get(held)
+        if link is None or link.session != session:
+            raise InvalidArgument(f"no link numbered {held} is held (its session ended, or its links were closed)")
+        del self._held[held]
+        self._answer(link)
+
+    def drop(self, held: int, session: str) -> None:
+        """Close the link taken under ``held`` unanswered: the front gave up its hand-off (this worker took too
+        long) and refused the client. None held under that number (never taken, or gone with its session): nothing
+        to do."""
+        link = self._held.get(held)
+        if link is not None and link.session == session:
+            del self._held[held]
+            link.sock.close()
+
+    def _answer(self, link: _Link) -> None:
+        hello: dict[str, Any] = {"link": 1, "max_frame": self.max_frame}
+        if link.codec:
+            hello["compress"] = link.codec
+        self.links[link.fd] = link
+        self.version += 1
+        if not self._send(link, msgpack.packb([0, 0, hello])):
+            self.links.pop(link.fd, None)
+            self._timed.pop(link.fd, None)
+            link.sock.close()
+            raise OSError("the client closed its link before the hello's answer")
+
+    def watch(self) -> dict[int, tuple[socket.socket, int]]:
+        """What the serve loop's selector watches: the links to read frames from (not those whose end came) or
+        whose outbox waits for room, with the selector's events, and the doorbells of their rings."""
+        watch: dict[int, tuple[socket.socket, int]] = {}
+        for fd, link in self.links.items():
+            events = (0 if link.ended else selectors.EVENT_READ) | (selectors.EVENT_WRITE if link.writing else 0)
+            if events:
+                watch[fd] = (link.sock, events)
+        for fd, link in self._rings.items():
+            assert link.ring is not None
+            watch[fd] = (link.ring.bell, selectors.EVENT_READ)
+        return watch
+
+    # -- deadlines ---------------------------------------------------------------------------------
+    def timeout(self) -> float | None:
+        """Seconds until the earliest link deadline (the serve loop's select waits no longer), or None."""
+        if not self._timed:
+            return None
+        deadlines = []
+        for fd, link in list(self._timed.items()):
+            deadline = link.deadline()
+            if deadline is None:
+                del self._timed[fd]
+            else:
+                deadlines.append(deadline)
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def expire(self) -> None:
+        """Drop the links whose half frame or waiting outbox did not move for the link timeout."""
+        if not self._timed:
+            return
+        now = time.monotonic()
+        for fd, link in list(self._timed.items()):
+            deadline = link.deadline()
+            if deadline is None:
+                del self._timed[fd]
+            elif deadline <= now:
+                log.info("dropping a link of session %s: %s for %.0f s", link.session,
+                         "a frame half sent" if link.reading else "its acks not read", _LINK_TIMEOUT)
+                self._drop(fd)
+
+    def close_session(self, session: str) -> None:
+        for number, link in list(self._held.items()):
+            if link.session == session:
+                del self._held[number]
+                link.sock.close()
+        for fd, link in list(self.links.items()):
+            if link.session == session:
+                self._drop(fd)
+        self._waiting = deque(w for w in self._waiting if w[0].session != session)
+
+    def _drop(self, fd: int) -> None:
+        link = self.links.pop(fd, None)
+        if link is not None:
+            self.version += 1
+            self._resuming.pop(fd, None)
+            self._timed.pop(fd, None)
+            _close_fds(link.fds)
+            link.outbox.clear()
+            if link.ring is not None:
+                self._rings.pop(link.ring.bell.fileno(), None)
+                link.ring.close()
+                link.ring = None
+            link.sock.close()
+
+    # -- the lease ---------------------------------------------------------------------------------
+    def on_control(self, op: str) -> None:
+        if op == "grant":
+            self.holding, self._asked, self.contended = True, False, False
+            while self._waiting and self.holding and not self._executor.fatal:
+                link, item = self._waiting.popleft()
+                link.waiting -= 1
+                self._serve(link, item)
+            for link in list(self._rings.values()):
+                if self.holding:
+                    self._pump(link)
+        elif op == "yield":
+            self.contended = True
+            if not self._waiting:
+                self._release()
+        elif op == "revoke":
+            self._release()
+        if not self.holding and (self._waiting or self._rings_pending()):
+            self._ask()
+
+    def _release(self) -> None:
+        if self.holding:
+            self.holding = False
+            self._send_front([CONTROL, "released", None])
+
+    def _ask(self) -> None:
+        if not self._asked:
+            self._asked = True
+            self._send_front([CONTROL, "want", None])
+
+    # -- batches -----------------------------------------------------------------------------------
+    def readable(self, fd: int) -> None:
+        """A frame is arriving on a link: run it now if this worker holds the turn, else queue it and ask."""
+        ring_link = self._rings.get(fd)
+        if ring_link is not None:
+            assert ring_link.ring is not None
+            try:
+                ring_link.ring.drain()  # then look: a batch published after this rings again
+            except RingBroken as exc:
+                self._end_ring(ring_link, f"broken ring: {exc}")
+                return
+            self._pump(ring_link)
+            return
+        link = self.links.get(fd)
+        if link is None:
+            return
+        if link.ring is not None:  # a ring's link carries nothing more: its close (or anything) ends the ring
+            self._drop(fd)
+            return
+        item: Batch | str
+        try:
+            payload = self._receive(link)
+            if payload is None:
+                return  # the rest of the frame is still on its way
+            if link.fresh:
+                link.fresh = False
+                fds, link.fds = link.fds, []
+                if fds:
+                    self._upgrade(link, payload, fds)
+                    return
+            item = decode_batch(payload)
+        except (FrameClosed, OSError):  # the client's end (a half frame with it): nothing to answer
+            self._end(fd, link)
+            return
+        except FrameTooLarge as exc:
+            item = f"a frame of {exc.length} bytes, over the link's limit of {exc.limit}"
+        except msgspec.DecodeError as exc:  # (ValidationError too) a frame that is no batch
+            item = f"malformed batch: {exc}"
+        if type(item) is str:  # what follows a bad frame cannot be framed: answer it, read no more
+            if link.waiting:
+                self._queue(link, item)  # after the batches before it
+                self._end(fd, link)
+            else:
+                self._serve(link, item)
+                self._finish(link)
+            return
+        if not self.holding or self._waiting:
+            self._queue(link, item)
+            return
+        self._serve(link, item)
+        if self.contended:
+            self._release()  # others wait: each batch is one turn, as it would be through the front
+
+    def writable(self, fd: int) -> None:
+        """A link's socket has room for its waiting outbox."""
+        link = self.links.get(fd)
+        if link is not None and not self._flush(link):
+            self._drop(fd)
+
+    def _receive(self, link: _Link) -> bytearray | None:
+        """Read what the link's socket holds of its next frame, never waiting for more: the payload once whole,
+        else None. FrameClosed at the client's end, FrameTooLarge (before the payload is read) past the max frame.
+        The first frame's first bytes may carry fds (a ring upgrade's): kept on the link."""
+        sock = link.sock
+        while True:
+            body = link.body
+            view = memoryview(link.head if body is None else body)[link.got:]
+            try:
+                if link.fresh and body is None and not link.got:
+                    n, ancdata, _, _ = sock.recvmsg_into([view], socket.CMSG_SPACE(MAX_FDS * 4))
+                    for level, kind, data in ancdata:
+                        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                            link.fds.extend(memoryview(data)[:len(data) - len(data) % 4].cast("i"))
+                else:
+                    n = sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                if link.reading:  # half a frame: the rest has the link timeout (from its first byte) to come
+                    self._timed[link.fd] = link
+                return None
+            if n == 0:
+                raise FrameClosed("peer closed the connection")
+            if body is None and not link.got:
+                link.started = time.monotonic()
+            link.got += n
+            if n < len(view):
+                continue  # (most likely all there is for now: the next read says so)
+            if body is None:
+                (length,) = FRAME_HEADER.unpack(link.head)
+                link.got = 0
+                if length > self.max_frame:
+                    raise FrameTooLarge(length, self.max_frame)
+                link.body = bytearray(length)
+                if length:
+                    continue
+            payload, link.body, link.got = link.body, None, 0
+            assert payload is not None
+            return payload
+
+    def _send(self, link: _Link, payload: bytes) -> bool:
+        """Queue one frame on the link's outbox and send what its socket takes now; False when the link must be
+        dropped (its socket failed, or its outbox outgrew its bound: the client does not read its acks)."""
+        was_empty = not link.outbox
+        link.outbox.append(memoryview(FRAME_HEADER.pack(len(payload))))
+        link.outbox.append(memoryview(payload))
+        link.queued += FRAME_HEADER.size + len(payload)
+        if was_empty and not self._flush(link):
+            return False
+        if link.queued > _OUTBOX_FRAMES * self.max_frame:
+            log.info("dropping a link of session %s: %d bytes of acks not read", link.session, link.queued)
+            return False
+        return True
+
+    def _flush(self, link: _Link) -> bool:
+        """Send what the link's socket takes of its outbox; False when the socket failed. Keeps the selector's
+        interest in room (and the link's deadline) in step; a closing link is dropped once its outbox is out."""
+        outbox = link.outbox
+        while outbox:
+            buffers = [outbox[k] for k in range(min(len(outbox), _SEND_BUFFERS))]
+            try:
+                sent = link.sock.sendmsg(buffers)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                return False
+            link.queued -= sent
+            if link.writing:
+                link.progress = time.monotonic()
+            while sent:
+                head = outbox[0]
+                if sent >= len(head):
+                    sent -= len(head)
+                    outbox.popleft()
+                else:
+                    outbox[0] = head[sent:]
+                    sent = 0
+        if outbox and not link.writing:
+            link.writing, link.progress = True, time.monotonic()
+            self._timed[link.fd] = link
+            self.version += 1
+        elif not outbox and link.writing:
+            link.writing = False
+            self.version += 1
+        if not outbox and link.closing:
+            self._drop(link.fd)
+        return True
+
+    def _finish(self, link: _Link) -> None:
+        """Nothing more to answer on this link: close it once its outbox is out."""
+        if self.links.get(link.fd) is not link:
+            return
+        if link.outbox:
+            link.closing, link.ended = True, True
+            self.version += 1
+        else:
+            self._drop(link.fd)
+
+    # -- rings -------------------------------------------------------------------------------------
+    def _upgrade(self, link: _Link, payload: bytearray, fds: list[int]) -> None:
+        """Map the ring the client offers in its link's first frame and answer on the link; a refusal leaves
+        a plain link."""
+        try:
+            try:
+                request = unpack_frame(payload)
+            except Exception:  # (any of msgpack's errors)
+                request = None
+            ring = open_ring(request, fds, self.max_frame)
+        except GpuBrokerError as exc:
+            reply = [0, 1, exc.to_wire()]
+        except OSError as exc:
+            reply = [0, 1, InvalidArgument(f"the ring could not be mapped: {exc}").to_wire()]
+        else:
+            link.ring = ring
+            self._rings[ring.bell.fileno()] = link
+            self.version += 1
+            reply = [0, 0, {"ring": 1}]
+        if not self._send(link, msgpack.packb(reply)):
+            self._drop(link.fd)
+
+    @property
+    def resuming(self) -> bool:
+        """Rings whose batches were cut off by their time slice: the serve loop polls, then calls ``resume``."""
+        return bool(self._resuming)
+
+    def resume(self) -> None:
+        resuming, self._resuming = self._resuming, {}
+        for link in resuming.values():
+            if link.ring is not None:
+                self._pump(link)
+
+    def _rings_pending(self) -> bool:
+        return any(link.ring is not None and link.ring.commands.ready() for link in self._rings.values())
+
+    def _pump(self, link: _Link) -> None:
+        """Run the ring's batches while this worker holds the turn; once one is answered, poll briefly for the
+        next (an uncontended turn only). Without the turn they stay in the ring: ask for it."""
+        ring, fd = link.ring, link.fd
+        assert ring is not None
+        served = False
+        end = time.perf_counter() + _RING_SLICE
+        while self.links.get(fd) is link and not self._executor.fatal:
+            if time.perf_counter() > end:
+                # The front (a yield, a revoke) and the other links get their turn in the serve loop, which
+                # comes back here (``resume``): nothing waits on this ring's doorbell, already drained.
+                self._resuming[fd] = link
+                return
+            if not self.holding:
+                if ring.commands.ready():
+                    self._ask()
+                return
+            try:
+                payload = ring.commands.get()
+                if payload is None:
+                    if served and not self.contended and ring.spin():
+                        continue
+                    ring.drain()
+                    if ring.commands.ready():
+                        continue
+                    return
+                try:
+                    ack = encode(self._executor.run(link.session, decode_batch(payload), link=True))
+                except msgspec.DecodeError as exc:  # (ValidationError too): as a malformed frame on a link
+                    self._end_ring(link, f"malformed batch: {exc}")
+                    return
+                ring.answer(ack)
+            except RingBroken as exc:
+                self._end_ring(link, f"broken ring: {exc}")
+                return
+            served = True
+            if self.contended:
+                self._release()  # others wait: each batch is one turn; what is left waits for the next grant
+                if ring.commands.ready():
+                    self._ask()
+                return
+            if self.front_waiting():
+                # A "yield" may be in it (sent just after the grant): read before another batch runs, as a
+                # link's next frame would be. (One poll per batch.)
+                self._resuming[fd] = link
+                return
+
+    def _end_ring(self, link: _Link, message: str) -> None:
+        """A ring that cannot go on: its client is told why (when its ack ring takes it), then the link closes."""
+        assert link.ring is not None
+        log.info("closing a ring of session %s: %s", link.session, message)
+        try:
+            link.ring.answer(_refusal(message[:1024]))
+        except RingBroken:
+            pass
+        self._drop(link.fd)
+
+    def _queue(self, link: _Link, item: Batch | str) -> None:
+        link.waiting += 1
+        self._waiting.append((link, item))
+        self._ask()
+
+    def _end(self, fd: int, link: _Link) -> None:
+        """No more frames from this link: drop it now, or once the batches it sent before are answered."""
+        link.body, link.got = None, 0  # (a half frame ends here: nothing more comes)
+        if link.waiting:
+            link.ended = True
+            self.version += 1
+        else:
+            self._finish(link)
+
+    def _serve(self, link: _Link, item: Batch | str) -> None:
+        """Answer one batch (run it) or refusal (Ack id 0); drop the link after its last answer or a failed send."""
+        fd = link.fd
+        if self.links.get(fd) is not link:
+            return  # dropped while its batch waited
+        if type(item) is str:
+            payload = _refusal(item[:1024])
+        else:
+            assert isinstance(item, Batch)
+            payload = encode(self._executor.run(link.session, item, link=True, codec=link.codec))
+        if not self._send(link, payload):
+            self._drop(fd)
+            return
+        if link.ended and not link.waiting:
+            self._finish(link)
+
+
+def _close_fds(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())

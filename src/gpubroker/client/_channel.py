@@ -1,0 +1,76 @@
+"""The client's gRPC channel: channels, auth metadata, keepalive, and gRPC errors into GpuBrokerError."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
+
+import grpc
+import msgpack
+
+from gpubroker.client._tls import TlsOptions
+from gpubroker.wire.errors import GpuBrokerError, error_from_wire
+
+__all__ = ["ERROR_TRAILER", "KEEPALIVE_OPTIONS", "make_channel", "translate_rpc_error", "translated"]
+
+ERROR_TRAILER = "gpubroker-error-bin"
+T = TypeVar("T")
+# While calls are in flight the client pings the broker after 30 s without traffic and fails them when no answer
+# comes within 10 s: a call waiting on a long kernel, or a command stream (which has no deadline), ends with
+# UNAVAILABLE when the broker's host vanished instead of hanging. The broker allows pings this often.
+KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000), ("grpc.http2.ping_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0), ("grpc.http2.max_pings_without_data", 0))
+
+
+def make_channel(target: str, token: str | None,
+                 tls: TlsOptions | None = None) -> tuple[grpc.Channel, tuple[tuple[str, str], ...]]:
+    """A channel to ``unix:/path`` or ``host:port``, and the metadata each call must add.
+
+    Unix sockets and loopback TCP use gRPC local credentials, which let the bearer token travel as call
+    credentials; ``tls`` selects TLS (optionally with a client certificate) or, with ``insecure``, plaintext.
+    The client sends any size; the broker enforces its own limit.
+    """
+    options: list[tuple[str, Any]] = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
+                                      *KEEPALIVE_OPTIONS]
+    unix = target.startswith("unix:")
+    if tls is not None and tls.insecure and not unix:
+        # gRPC refuses call credentials on an insecure channel, so the token rides as plain metadata.
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        return grpc.insecure_channel(target, options=options), metadata
+    if tls is not None and not unix:  # a Unix socket is local: tls does not apply to it
+        root, key, cert = tls.materials()
+        creds = grpc.ssl_channel_credentials(root, key, cert)
+        if tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+    else:
+        kind = grpc.LocalConnectionType.UDS if unix else grpc.LocalConnectionType.LOCAL_TCP
+        creds = grpc.local_channel_credentials(kind)
+    if token:
+        creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+    return grpc.secure_channel(target, creds, options=options), ()
+
+
+def translate_rpc_error(err: grpc.RpcError) -> GpuBrokerError:
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    message = (err.details() if hasattr(err, "details") else None) or str(err)
+    type_name: str | None = None
+    details: dict[str, Any] = {}
+    # Pairs at run time (grpc's _Metadatum is a namedtuple); the stubs declare a class that is not iterable.
+    trailers = cast("Sequence[tuple[str, Any]] | None",
+                    err.trailing_metadata() if hasattr(err, "trailing_metadata") else None)
+    for key, value in trailers or ():
+        if key == ERROR_TRAILER:
+            try:
+                extra = msgpack.unpackb(value, raw=False)
+                type_name, details = extra.get("type"), extra.get("details") or {}
+            except (ValueError, msgpack.UnpackException):
+                pass
+    return error_from_wire(code.name, message, type_name, details)
+
+
+def translated(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    try:
+        return call(*args, **kwargs)
+    except grpc.RpcError as err:
+        raise translate_rpc_error(err) from None

@@ -1,0 +1,69 @@
+"""``connect``: a session on one broker, or on the first of several that is healthy and takes it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from gpubroker.client._endpoints import place_session, split_targets
+from gpubroker.client._remote import RemoteGpu
+from gpubroker.client._tls import TlsOptions
+
+__all__ = ["connect"]
+
+
+def connect(target: str | Sequence[str], token: str | None = None, device: int | None = None, *,
+            tls: TlsOptions | None = None, **kwargs: Any) -> RemoteGpu:
+    """Open a session on ``device`` of the broker at ``target`` (``unix:/path`` or ``host:port``); without a device,
+    on the one the broker chooses (the least loaded that serves and where the tenant has quota room).
+
+    Several brokers (a list, or addresses separated by commas): the session goes to the first that is healthy and
+    takes it; ``Unavailable`` names each one's reason when none does.
+
+    The session is a [`RemoteGpu`][gpubroker.client.RemoteGpu], ready to use; use it as a context manager (or
+    call `close()`) so the broker frees its memory at once rather than when its lease runs out.
+
+    ```python
+    target, token = os.environ["GPUBROKER_TARGET"], os.environ["GPUBROKER_TOKEN"]
+    with connect(target, token=token, async_commands=True) as gpu:
+        print(gpu.device_info().name)
+    ```
+
+    Args:
+        target: The broker's address: `unix:/path/to/socket` on the same host (or in a container given the
+            socket), `host:port` over TCP (`tls=` for TLS); or several, as a list or separated by commas.
+        token: The tenant's token (`gpb_...`); None with a client certificate that names the tenant.
+        device: The broker's device index; None lets the broker choose (`gpu.device` then says which).
+        tls: TLS settings for `host:port` targets ([TlsOptions][gpubroker.client.TlsOptions]).
+        **kwargs: The session's options, passed to [`RemoteGpu`][gpubroker.client.RemoteGpu]: `async_commands`,
+            `transport`, `timeout`, `shared_memory`, `compress`, `vsock`, `chunk_bytes`, `client_name`.
+
+    Returns:
+        An open session.
+
+    Raises:
+        Unauthenticated: the token is missing or wrong (or the certificate names no tenant). With several
+            brokers this is raised at once, not tried on the next.
+        NotFound: the broker has no device `device`.
+        ResourceExhausted: the tenant has as many sessions as the broker allows, or (no device named) no quota
+            room on any serving device.
+        Unavailable: the broker cannot be reached, is draining, or does not serve the device; or, with several,
+            none took the session (`exc.details["endpoints"]` maps each address to its reason). Retry later or
+            elsewhere.
+        InvalidArgument: no address in `target`; an unknown `transport` or `compress`; a TLS file that cannot
+            be read.
+    """
+
+    def open_on(one: str) -> RemoteGpu:
+        gpu = RemoteGpu(one, token, device, tls=tls, **kwargs)
+        try:
+            gpu.initialize()
+        except BaseException:
+            gpu._channel.close()
+            raise
+        return gpu
+
+    targets = split_targets(target)
+    if len(targets) == 1:
+        return open_on(targets[0])
+    return place_session(targets, device, tls, open_on)

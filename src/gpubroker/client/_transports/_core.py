@@ -1,0 +1,379 @@
+"""The one batching core behind every client transport: pending commands, sequence numbers, the window, the
+error kept for the next sync. A transport only opens a connection, sends encoded batches and receives encoded
+acks (``_open``, ``_send``, ``_receive``, ``_shut``); everything else is here, the same on every transport."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final, Protocol, cast
+
+import lz4.block
+import msgspec
+
+from gpubroker.wire.commands import Ack, Batch, BufRef, Command, CommandError, Read, Write, decode_ack, encode
+from gpubroker.wire.errors import DeadlineExceeded, GpuBrokerError, InvalidArgument, Unavailable, error_from_wire
+
+__all__ = ["ENVELOPE", "BatchingTransport", "Lost", "Transport", "command_error", "read_into"]
+
+# What a frame may carry beyond its copy data (the contract's max frame is chunk_bytes + this).
+ENVELOPE: Final = 64 * 1024
+# The first batch of a burst goes out small, so the device starts while the rest of the burst is being built.
+_FIRST_BATCH: Final = 16
+# Chunks sent raw untried after one that lz4 did not shrink by a sixteenth (random data: not worth the CPU).
+_RAW_WRITES: Final = 15
+# Seconds unused after which a connection is asked whether the broker hung up (idleness, revocation) before a
+# batch goes out on it: then it is reopened, and nothing queued is lost.
+_QUIET: Final = 1.0
+
+
+class Transport(Protocol):
+    """How RemoteGpu's device commands reach the worker, in program order, on one connection."""
+
+    kind: str  # "ring" (same host, shared memory), "unix", "tcp", "vsock" (a framed link) or "grpc"
+    max_data: int  # the largest Write or Read chunk one command may carry
+
+    def call(self, command: Command) -> Any:
+        """Send what is queued plus ``command`` as one batch and wait for its ack (one round trip); return the
+        command's result. Raises the command's own error, or a deferred one of an earlier command."""
+        ...
+
+    def submit(self, command: Command, on_result: Callable[[Any], None] | None = None) -> int:
+        """Queue ``command``; returns its sequence number. ``on_result`` gets its result once acknowledged (the
+        command then ends its batch). Blocks while ``window`` batches are unacknowledged (back-pressure)."""
+        ...
+
+    def flush(self) -> None: ...
+
+    def wait_for(self, seq: int) -> None:
+        """Until command ``seq`` is acknowledged (a pipeline reusing what an earlier command used)."""
+        ...
+
+    def wait(self, raise_error: bool = True) -> None:
+        """Flush and read every ack; then raise the first kept error (naming its command) if asked."""
+        ...
+
+    def copy_in(self, ref: BufRef, offset: int, data: memoryview, stream: str, chunk: int) -> None:
+        """Host to device: ``data`` into the view at ``offset``, in Writes of at most ``chunk`` bytes pipelined
+        within the window; returns once every one is acknowledged, raising the first error (a deferred one of an
+        earlier command too)."""
+        ...
+
+    def copy_out(self, ref: BufRef, offset: int, out: memoryview, stream: str, chunk: int) -> None:
+        """Device to host: ``out.nbytes`` bytes of the view from ``offset`` into ``out``, as ``copy_in``."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Lost(Exception):
+    """The connection failed (closed, reset, refused a frame); ``reason`` says why, for the error raised."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def read_into(out: memoryview, start: int, size: int, codec: str = "") -> Callable[[Any], None]:
+    """Where a Read's bytes go, once they are checked to be exactly the bytes asked for. With ``codec`` (asked of
+    the worker), the result is ``[codec, data]``: "" for raw bytes, or the codec, decompressed to exactly ``size``."""
+    def put(data: Any) -> None:
+        if codec and type(data) is list and len(data) == 2 and data[0] in ("", codec) \
+                and isinstance(data[1], (bytes, bytearray)):
+            if data[0]:
+                try:
+                    data = lz4.block.decompress(data[1], uncompressed_size=size) if size else b""
+                except lz4.block.LZ4BlockError as exc:
+                    raise GpuBrokerError(f"the broker answered a read of {size} bytes with a bad lz4 block: "
+                                         f"{exc}") from None
+            else:
+                data = data[1]
+        if not isinstance(data, (bytes, bytearray)) or len(data) != size:
+            got = len(data) if isinstance(data, (bytes, bytearray)) else type(data).__name__
+            raise GpuBrokerError(f"the broker answered a read of {size} bytes with {got}")
+        out[start:start + size] = data
+    return put
+
+
+def command_error(e: CommandError, own: bool) -> GpuBrokerError:
+    """The error of a failed command: as its own call's error (``own``), or deferred, naming the command."""
+    message = e.message if own else f"command {e.seq} ({e.command}) failed: {e.message}"
+    details = dict(e.details) if isinstance(e.details, dict) else {}
+    details.update(seq=e.seq, command=e.command)
+    return error_from_wire(e.code, message, e.type or None, details)
+
+
+@dataclass(slots=True)
+class _Sent:
+    id: int
+    first: int
+    count: int
+    on_result: Callable[[Any], None] | None
+    call_seq: int  # the sequence number of the call waiting for this batch, else 0
+
+
+class BatchingTransport:
+    """The batching core. Subclasses connect and move bytes; this orders, batches, bounds and reports.
+
+    Thread-safe (one lock serializes callers: a RemoteGpu may be shared by threads), yet with no thread of its
+    own on the hot path: the caller's thread sends, and acks are read when the window is full or at a sync point.
+    """
+
+    kind = "?"
+
+    def __init__(self, *, timeout: float | None, max_data: int, window: int = 4, batch_size: int = 256) -> None:
+        self.timeout = timeout  # bounds the wait for each ack (an ack may be a long kernel away)
+        self.max_data = max_data
+        self.max_frame = max_data + ENVELOPE  # the largest encoded batch the peer takes
+        self.codec = ""  # what the link negotiated for copies' bytes (see _protocol.CODECS); "" none
+        self._raw_writes = 0  # chunks left to send raw untried (see write_command)
+        self.window = window
+        self.batch_size = batch_size
+        self._lock = threading.RLock()
+        self._pending: list[Command] = []
+        self._pending_result: Callable[[Any], None] | None = None
+        self._seq = 0  # the last sequence number given out
+        self._next_id = 1  # batch ids start at 1: an ack with id 0 refuses a malformed frame
+        self._unacked: deque[_Sent] = deque()
+        self._error: GpuBrokerError | None = None  # the first deferred failure, raised at the next sync
+        self._call_error: GpuBrokerError | None = None
+        self._open_now = False
+        self._closed = False
+        self._last = time.monotonic()
+
+    # -- what a transport provides ---------------------------------------------------------------
+    def _open(self) -> None:
+        """Connect (again); raise the peer's refusal as a GpuBrokerError."""
+        raise NotImplementedError
+
+    def _send(self, payload: bytes) -> None:
+        """One encoded Batch; raise Lost if the connection failed."""
+        raise NotImplementedError
+
+    def _receive(self, timeout: float | None) -> bytes | bytearray:
+        """The next encoded Ack; raise Lost if the connection failed, TimeoutError after ``timeout``."""
+        raise NotImplementedError
+
+    def _shut(self) -> None:
+        """Drop the connection (no error)."""
+        raise NotImplementedError
+
+    def _hung_up(self) -> bool:
+        """Whether the peer closed the idle connection (asked only after a quiet spell)."""
+        return False
+
+    def _why_lost(self, reason: str) -> GpuBrokerError:
+        """The error for a lost connection (a transport may ask its broker why)."""
+        return Unavailable(f"{self.kind} transport lost: {reason}")
+
+    # -- the caller's side -----------------------------------------------------------------------
+    def submit(self, command: Command, on_result: Callable[[Any], None] | None = None) -> int:
+        with self._lock:
+            if on_result is None and type(command) is not Write:  # the hot path: one more queued command
+                self._seq += 1
+                pending = self._pending
+                pending.append(command)
+                n = len(pending)
+                if n >= self.batch_size or (n >= _FIRST_BATCH and not self._unacked):
+                    self._flush()
+                return self._seq
+            if type(command) is Write and self._pending:
+                self._flush()  # a chunk of copy data rides alone: a frame stays within max_data + 64 KiB
+            self._seq += 1
+            self._pending.append(command)
+            self._pending_result = on_result
+            self._flush()  # a result is only ever the last command's; a Write rides alone
+            return self._seq
+
+    def call(self, command: Command) -> Any:
+        box: list[Any] = []
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            self._pending.append(command)
+            self._pending_result = box.append
+            sent = self._flush(call_seq=seq)
+            while sent is not None and self._unacked and self._unacked[0].id <= sent.id:
+                self._read_ack()
+            own, self._call_error = self._call_error, None
+            if own is not None:
+                raise own
+            self._raise_kept()
+            return box[0] if box else None
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush()
+
+    def wait_for(self, seq: int) -> None:
+        """Flush and read acks until command ``seq``'s batch is acknowledged (its result delivered); errors stay
+        kept for the next sync."""
+        with self._lock:
+            if self._pending and seq > self._seq - len(self._pending):
+                self._flush()
+            while self._unacked and self._unacked[0].first <= seq:
+                self._read_ack()
+
+    def wait(self, raise_error: bool = True) -> None:
+        with self._lock:
+            self._flush()
+            while self._unacked:
+                self._read_ack()
+            if raise_error:
+                self._raise_kept()
+
+    def write_command(self, ref: BufRef, offset: int, data: memoryview, stream: str) -> Write:
+        """One chunk's Write: where the link negotiated lz4, its bytes as an lz4 block when that shrinks them by a
+        useful part (random data would not: then raw, and the next chunks raw untried for a while)."""
+        if self.codec and data.nbytes:
+            if self._raw_writes > 0:
+                self._raw_writes -= 1
+            else:
+                block = lz4.block.compress(data, store_size=False)
+                if len(block) <= data.nbytes - (data.nbytes >> 4):
+                    return Write(ref, offset, block, stream, self.codec, data.nbytes)
+                self._raw_writes = _RAW_WRITES
+        return Write(ref, offset, cast("bytes", data), stream)  # (encoded straight from the caller's buffer)
+
+    def copy_in(self, ref: BufRef, offset: int, data: memoryview, stream: str, chunk: int) -> None:
+        with self._lock:
+            for start in range(0, max(data.nbytes, 1), chunk):
+                # (each chunk's bytes encoded straight from the caller's buffer: msgspec takes a memoryview)
+                self.submit(self.write_command(ref, offset + start, data[start:start + chunk], stream))
+            self.wait(raise_error=True)
+
+    def copy_out(self, ref: BufRef, offset: int, out: memoryview, stream: str, chunk: int) -> None:
+        with self._lock:
+            for start in range(0, max(out.nbytes, 1), chunk):
+                n = min(chunk, out.nbytes - start)
+                self.submit(Read(ref, offset + start, n, stream, self.codec),
+                            on_result=read_into(out, start, n, self.codec))
+            self.wait(raise_error=True)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._pending.clear()
+            self._unacked.clear()
+            if self._open_now:
+                self._open_now = False
+                self._shut()
+
+    # -- the core --------------------------------------------------------------------------------
+    def _raise_kept(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _flush(self, call_seq: int = 0) -> _Sent | None:
+        if not self._pending:
+            return None
+        commands, self._pending = self._pending, []
+        on_result, self._pending_result = self._pending_result, None
+        if self._closed:
+            raise Unavailable(f"this {self.kind} transport is closed")
+        if self._open_now and not self._unacked and time.monotonic() - self._last > _QUIET and self._hung_up():
+            self._drop()  # closed by the broker while idle: reopened below, nothing lost
+        if not self._open_now:
+            self._open()  # (refused: these commands never went out, and the refusal says why)
+            self._open_now = True
+        return self._send_batch(commands, self._seq - len(commands) + 1, on_result, call_seq)
+
+    def _send_batch(self, commands: list[Command], first: int, on_result: Callable[[Any], None] | None,
+                    call_seq: int) -> _Sent | None:
+        payload = encode(Batch(self._next_id, first, commands))
+        if len(payload) > self.max_frame:
+            if len(commands) > 1:  # (many launches with long argument lists): two batches, in order
+                half = len(commands) // 2
+                if self._send_batch(commands[:half], first, None, 0) is None:
+                    return None
+                return self._send_batch(commands[half:], first + half, on_result, call_seq)
+            self._keep(InvalidArgument(f"command {first} ({type(commands[0]).__name__}) is {len(payload)} bytes "
+                                       f"encoded, more than the {self.max_frame} a batch may be"), call_seq)
+            return None
+        while len(self._unacked) >= self.window and self._open_now:
+            self._read_ack()  # back-pressure: the worker is `window` batches behind
+        if not self._open_now:
+            # Lost while waiting for room: the loss is kept; these commands are reported lost with it.
+            return None
+        sent = _Sent(self._next_id, first, len(commands), on_result, call_seq)
+        self._next_id += 1
+        try:
+            self._send(payload)
+        except Lost as exc:
+            self._lose(exc.reason, call_seq)
+            return None
+        self._unacked.append(sent)
+        self._last = time.monotonic()
+        return sent
+
+    def _read_ack(self) -> None:
+        try:
+            payload = self._receive(self.timeout)
+        except TimeoutError:
+            # The answer may still come, and would be read as the next batch's: this connection is done.
+            waiting = self._unacked[0]
+            self._drop()
+            raise DeadlineExceeded(f"no answer from the broker within {self.timeout:g} s (batch of "
+                                   f"{waiting.count} commands from command {waiting.first})") from None
+        except Lost as exc:
+            self._lose(exc.reason, self._unacked[0].call_seq if self._unacked else 0)
+            return
+        self._last = time.monotonic()
+        try:
+            ack = decode_ack(payload)
+        except msgspec.DecodeError as exc:
+            self._lose(f"a malformed acknowledgement ({exc})", self._unacked[0].call_seq)
+            return
+        sent = self._unacked[0]
+        if ack.id == 0 and ack.error is not None:  # the worker refused a frame of ours, then closed the link
+            self._keep(command_error(ack.error, own=False), sent.call_seq)
+            self._drop()
+            return
+        if ack.id != sent.id or not 0 <= ack.done <= sent.count or (ack.error is None) != (ack.done == sent.count) \
+                or (ack.error is not None and ack.error.seq != sent.first + ack.done):
+            self._lose(f"an acknowledgement out of step (batch {ack.id}, {ack.done} done; expected batch "
+                       f"{sent.id} of {sent.count})", sent.call_seq)
+            return
+        self._unacked.popleft()
+        self._note(ack, sent)
+
+    def _note(self, ack: Ack, sent: _Sent) -> None:
+        if ack.error is not None:
+            own = ack.error.seq == sent.call_seq
+            error = command_error(ack.error, own)
+            if own:
+                self._call_error = error
+            elif self._error is None:
+                self._error = error
+            return
+        if sent.on_result is not None:
+            try:
+                sent.on_result(ack.result)
+            except GpuBrokerError as exc:  # a result that is not what was asked for (a Read's byte count)
+                self._keep(exc, sent.call_seq)
+
+    def _keep(self, error: GpuBrokerError, call_seq: int) -> None:
+        if call_seq:
+            self._call_error = error
+        elif self._error is None:
+            self._error = error
+
+    def _lose(self, reason: str, call_seq: int) -> None:
+        """The connection failed: every unacknowledged batch may not have run, which the next sync must not hide.
+        The next batch opens a new connection (or fails saying why it cannot)."""
+        unacked = sum(s.count for s in self._unacked)
+        self._drop()
+        if unacked:
+            reason = f"{reason} ({unacked} commands unacknowledged: they may not have run)"
+        self._keep(self._why_lost(reason), call_seq)
+
+    def _drop(self) -> None:
+        self._unacked.clear()
+        if self._open_now:
+            self._open_now = False
+            self._shut()
+

@@ -1,0 +1,367 @@
+"""FramedLink: the client's commands on one stream socket straight to its session's worker.
+
+The same frames on every kind of socket (4-byte big-endian length, then the payload): a hello to the front
+``{"token", "session", "link": 1}``, which authenticates it as it does a gRPC call and hands the connection to the
+session's worker; the worker answers ``[0, 0, {"link": 1, "max_frame": n}]`` (a refusal comes from the front as
+``[0, 1, error]``). After that every frame is an encoded protocol Batch one way and its Ack the other, in order.
+
+Where the socket comes from is the only difference between transports: the broker's ``<socket>.fast`` Unix
+socket on the same host, its ``link_listen`` TCP port (with the gRPC listener's TLS, which the front
+terminates), or its vsock port from a VM guest.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import ssl
+import threading
+from collections.abc import Callable
+from typing import Any, Final
+
+from gpubroker.client._tls import TlsOptions
+from gpubroker.client._transports._core import ENVELOPE, BatchingTransport, Lost, read_into
+from gpubroker.wire.commands import BufRef, Read
+from gpubroker.wire.errors import GpuBrokerError, Unavailable, error_from_wire
+from gpubroker.wire.frames import (
+    FRAME_HEADER,
+    FrameClosed,
+    FrameRefused,
+    FrameTooLarge,
+    recv_payload,
+    send_frame,
+    send_payload,
+    unpack_frame,
+)
+
+__all__ = ["HELLO_REPLY_MAX", "STRIPE_MIN", "TCP_STRIPES", "VMADDR_CID_HOST", "Connector", "FramedLink",
+           "peer_hung_up", "tcp_connector", "tcp_stripes", "unix_connector", "vsock_connector"]
+
+# The front's or worker's answer to a hello: a few hundred bytes, or an error message cut at 4 KiB.
+HELLO_REPLY_MAX: Final = 64 * 1024
+VMADDR_CID_HOST: Final = 2  # a VM guest reaches its host at this vsock CID
+_RDHUP = getattr(select, "POLLRDHUP", 0x2000)  # the peer shut its end (Linux)
+_JOIN_MAX = 64 * 1024
+_RECORD = 16 * 1024  # a TLS record's most plaintext
+
+# A connected socket within ``timeout`` seconds (OSError if not).
+Connector = Callable[[float | None], socket.socket]
+
+
+def peer_hung_up(sock: socket.socket) -> bool:
+    """Whether the broker closed this idle connection (its idle timeout, a revoked token): nothing is waiting to
+    be read on a connection between batches, so a hang-up there means it is gone, and a batch not yet sent can
+    go on a new one instead of failing. (A zero-timeout poll: a recv would wait out the socket's timeout.)"""
+    if sock.fileno() == -1:
+        return True
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | _RDHUP)
+    return any(events & (_RDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, events in poller.poll(0))
+
+
+def unix_connector(path: str) -> Connector:
+    def connect(timeout: float | None) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    return connect
+
+
+def tcp_connector(host: str, port: int, tls: TlsOptions | None) -> Connector:
+    """TCP to the broker's link port: TLS (and a client certificate) as for its gRPC listener, unless the
+    client's options say plaintext (``insecure``) or there are none (a loopback listener without TLS)."""
+    context = _tls_context(tls) if tls is not None and not tls.insecure else None
+    server_name = (tls.server_name if tls is not None else None) or host
+
+    def connect(timeout: float | None) -> socket.socket:
+        sock = socket.create_connection((host, port), timeout=timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a batch is one small write: send it now
+            if context is not None:
+                return context.wrap_socket(sock, server_hostname=server_name)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    return connect
+
+
+def vsock_connector(port: int, cid: int = VMADDR_CID_HOST) -> Connector:
+    def connect(timeout: float | None) -> socket.socket:
+        sock = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect((cid, port))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    return connect
+
+
+def _tls_context(tls: TlsOptions) -> ssl.SSLContext:
+    root, key, cert = tls.materials()
+    context = ssl.create_default_context(cadata=root.decode() if root is not None else None)
+    if key is not None and cert is not None:
+        # load_cert_chain reads only files: hand it the PEM through memfds, so no key lands on a disk.
+        fds = [_memfd("gpubroker-cert", cert), _memfd("gpubroker-key", key)]
+        try:
+            context.load_cert_chain(f"/proc/self/fd/{fds[0]}", f"/proc/self/fd/{fds[1]}")
+        finally:
+            for fd in fds:
+                os.close(fd)
+    return context
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.write(fd, data)
+    return fd
+
+
+class _Frames:
+    """Reads frames from a socket with as few system calls as it can: one recv usually brings a whole small ack
+    (and any that follow it); a large one is read straight into its own buffer."""
+
+    def __init__(self, sock: socket.socket, limit: int) -> None:
+        self._sock = sock
+        self._limit = limit
+        self._buf = bytearray()
+
+    def next(self) -> bytearray:
+        buf = self._buf
+        while len(buf) < FRAME_HEADER.size:
+            self._fill()
+        (length,) = FRAME_HEADER.unpack_from(buf)
+        if length > self._limit:
+            raise FrameTooLarge(length, self._limit)
+        end = FRAME_HEADER.size + length
+        if len(buf) < end and length > _JOIN_MAX:
+            payload = bytearray(length)
+            view = memoryview(payload)
+            got = len(buf) - FRAME_HEADER.size
+            view[:got] = buf[FRAME_HEADER.size:]
+            buf.clear()
+            while got < length:
+                k = self._sock.recv_into(view[got:], length - got)
+                if k == 0:
+                    raise FrameClosed("peer closed the connection")
+                got += k
+            return payload
+        while len(buf) < end:
+            self._fill()
+        payload = buf[FRAME_HEADER.size:end]
+        del buf[:end]
+        return payload
+
+    def _fill(self) -> None:
+        chunk = self._sock.recv(_JOIN_MAX)
+        if not chunk:
+            raise FrameClosed("peer closed the connection")
+        self._buf += chunk
+
+
+# A copy this large over TCP is striped over several links of the session: one TLS connection is one core's
+# encryption here and one relay thread's decryption in the front, fewer bytes a second than a device takes.
+STRIPE_MIN: Final = 8 << 20
+# Links a striped copy uses at most, its own included (the worker serves at most 8 per session).
+TCP_STRIPES: Final = 4
+
+
+def tcp_stripes() -> int:
+    """Links a copy over TCP stripes over here: one per two cores this process may use, as each link's share
+    is encrypted by a thread of its own (and, on loopback, decrypted by another in the front). A 2-core host
+    gains nothing: its cores are all busy with one link already."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(TCP_STRIPES, cores // 2))
+
+
+class FramedLink(BatchingTransport):
+    """Batches on a framed stream socket to the session's worker; opened (hello answered) on construction.
+
+    Raises the front's refusal (Unauthenticated, NotFound for another tenant's session, ...) as its error, and
+    Unavailable when nothing answers (no link there: the caller may fall back to gRPC).
+    """
+
+    def __init__(self, connect: Connector, token: str, session: str, *, kind: str, timeout: float | None,
+                 window: int = 4, batch_size: int = 256, compress: str = "") -> None:
+        super().__init__(timeout=timeout, max_data=0, window=window, batch_size=batch_size)
+        self.kind = kind
+        self._connect = connect
+        self._hello: dict[str, Any] = {"token": token, "session": session, "link": 1}
+        self._compress = compress  # asked for in the hello; ``codec`` is what the worker took ("" none)
+        if compress:
+            self._hello["compress"] = [compress]
+        self._sock: socket.socket | None = None
+        self._frames: _Frames | None = None
+        self.stripes = tcp_stripes() if kind == "tcp" else 1
+        self._more: list[FramedLink] = []  # the session's further links for striped copies, opened at the first
+        with self._lock:
+            self._open()
+            self._open_now = True
+
+    # -- striped copies -------------------------------------------------------------------------------
+    def copy_in(self, ref: BufRef, offset: int, data: memoryview, stream: str, chunk: int) -> None:
+        if self.stripes <= 1 or data.nbytes < STRIPE_MIN:
+            return super().copy_in(ref, offset, data, stream, chunk)
+
+        def write(link: FramedLink, start: int, size: int) -> None:
+            link.submit(link.write_command(ref, offset + start, data[start:start + size], stream))
+
+        self._striped(data.nbytes, chunk, write)
+        return None
+
+    def copy_out(self, ref: BufRef, offset: int, out: memoryview, stream: str, chunk: int) -> None:
+        if self.stripes <= 1 or out.nbytes < STRIPE_MIN:
+            return super().copy_out(ref, offset, out, stream, chunk)
+
+        def read(link: FramedLink, start: int, size: int) -> None:
+            link.submit(Read(ref, offset + start, size, stream, link.codec),
+                        on_result=read_into(out, start, size, link.codec))
+
+        self._striped(out.nbytes, chunk, read)
+        return None
+
+    def _striped(self, size: int, chunk: int, send: Callable[[FramedLink, int, int], None]) -> None:
+        """The copy's chunks dealt round-robin over this link and the session's others, each link's share sent
+        by a thread of its own and pipelined within that link's window; in program order with the commands
+        around it: those queued before it are acknowledged first, and it returns once every chunk is."""
+        with self._lock:
+            self.wait(raise_error=False)  # (an earlier command's error stays kept: raised at the end, as unstriped)
+            links = [self, *self._stripe_links()]
+            errors: list[GpuBrokerError | None] = [None] * len(links)
+
+            def share(k: int) -> None:
+                link = links[k]
+                try:
+                    for start in range(k * chunk, size, len(links) * chunk):
+                        send(link, start, min(chunk, size - start))
+                    link.wait(raise_error=True)
+                except GpuBrokerError as exc:
+                    errors[k] = exc
+                    link.wait(raise_error=False)  # (nothing of this copy left unacknowledged on the link)
+
+            threads = [threading.Thread(target=share, args=(k,), name="gpubroker-stripe", daemon=True)
+                       for k in range(1, len(links))]
+            for thread in threads:
+                thread.start()
+            try:
+                share(0)
+            finally:
+                for thread in threads:
+                    thread.join()
+            failed = next((e for e in errors if e is not None), None)
+            if failed is not None:
+                raise failed
+            self._raise_kept()
+
+    def _stripe_links(self) -> list[FramedLink]:
+        """The session's further links (opened once; one that cannot be opened now is done without)."""
+        while len(self._more) < self.stripes - 1:
+            try:
+                link = FramedLink(self._connect, self._hello["token"], self._hello["session"], kind=self.kind,
+                                  timeout=self.timeout, window=self.window, batch_size=self.batch_size,
+                                  compress=self._compress)
+            except GpuBrokerError:
+                break
+            link.stripes = 1
+            self._more.append(link)
+        return self._more
+
+    def close(self) -> None:
+        with self._lock:
+            more, self._more = self._more, []
+        for link in more:
+            link.close()
+        super().close()
+
+    # -- the connection -------------------------------------------------------------------------------
+    def _open(self) -> None:
+        self._sock, max_frame = self._handshake()
+        self._frames = _Frames(self._sock, max_frame)
+        self.max_data, self.max_frame = max_frame - ENVELOPE, max_frame
+
+    def _handshake(self) -> tuple[socket.socket, int]:
+        """A connection whose hello the worker answered, and its max frame; or the refusal, raised."""
+        try:
+            sock = self._connect(self.timeout)
+        except OSError as exc:
+            raise Unavailable(f"no {self.kind} link to the broker: {exc}") from None
+        try:
+            sock.settimeout(self.timeout)  # the hello's answer and each ack are waited for this long
+            send_frame(sock, self._hello)
+            reply = unpack_frame(recv_payload(sock, HELLO_REPLY_MAX))
+        except (OSError, EOFError, ValueError) as exc:  # closed unanswered: refused before authentication, a cap
+            sock.close()
+            raise Unavailable(f"the broker's {self.kind} link did not answer its hello: {exc}") from None
+        try:
+            _, status, result = reply
+            if status != 0:
+                raise error_from_wire(str(result["code"]), str(result["message"]), result.get("type"),
+                                      result.get("details"))
+            max_frame = result["max_frame"]
+            codec = result.get("compress", "")
+            if result.get("link") != 1 or type(max_frame) is not int or max_frame <= ENVELOPE \
+                    or codec not in ("", self._compress):
+                raise Unavailable(f"the broker's {self.kind} link answered its hello with {result!r}")
+            self.codec = codec
+        except (TypeError, ValueError, KeyError, AttributeError):
+            sock.close()
+            raise Unavailable(f"the broker's {self.kind} link answered its hello with {reply!r}") from None
+        except GpuBrokerError:
+            sock.close()
+            raise
+        return sock, max_frame
+
+    def _send(self, payload: bytes) -> None:
+        sock = self._sock
+        assert sock is not None
+        try:
+            if isinstance(sock, ssl.SSLSocket) and len(payload) > _JOIN_MAX:  # TLS has no sendmsg
+                # The header with the first record's worth of the payload (one copy of 16 KiB, not of the
+                # payload), then the rest: whole records while the frame streams, and a short one at its end
+                # (which the front's relay takes as the frame's end, server/_links.py).
+                head = _RECORD - FRAME_HEADER.size
+                view = memoryview(payload)
+                sock.sendall(FRAME_HEADER.pack(len(payload)) + view[:head])
+                sock.sendall(view[head:])
+            else:
+                send_payload(sock, payload)
+        except OSError as exc:  # (a timeout too: part of a frame may have gone, so the stream is out of step)
+            raise Lost(f"sending failed: {exc}") from None
+
+    def _receive(self, timeout: float | None) -> bytes | bytearray:
+        assert self._frames is not None
+        try:
+            return self._frames.next()
+        except TimeoutError:
+            raise
+        except (OSError, EOFError, FrameRefused) as exc:
+            raise Lost(str(exc) or type(exc).__name__) from None
+
+    def _shut(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _hung_up(self) -> bool:
+        return self._sock is None or peer_hung_up(self._sock)
+
+    def _why_lost(self, reason: str) -> GpuBrokerError:
+        """The front knows why a link dropped (the session's worker died, the session ended): ask it with a new
+        hello; one that is answered means the session lives and only the connection was lost."""
+        try:
+            self._handshake()[0].close()
+        except GpuBrokerError as refusal:
+            if not isinstance(refusal, Unavailable):
+                return refusal
+        return Unavailable(f"the {self.kind} link to the broker was lost: {reason}")

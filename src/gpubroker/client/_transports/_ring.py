@@ -1,0 +1,242 @@
+"""RingTransport: same-host batches through shared memory, with a socket doorbell each way.
+
+A Unix link (``FramedLink``) is upgraded once its hello is answered: the client creates a sealed memfd holding
+two single-producer/single-consumer byte rings (batches client -> worker, acks worker -> client) and a
+connected ``SOCK_SEQPACKET`` socketpair (the doorbells: a one-byte record each way), and sends the memfd and the
+worker's end of the pair over the link in one frame, ``{"ring": 1, "commands": n, "acks": m, "spin_us": s}``
+with the two fds attached (SCM_RIGHTS); the worker maps them (``gpubroker/broker/worker/_ring.py``)
+and answers on the link ``[0, 0, {"ring": 1}]``, or ``[0, 1, error]`` and the link stays a plain link. From then
+on each batch is one record in the command ring and each ack one record in the ack ring, in order; the link
+socket stays open and says when the other side is gone (its close ends the ring).
+
+Each side spins for the other's answer (polls of the ring's index, where the host has CPUs to spare) before
+blocking on its doorbell: a launch + sync then costs no wake-up across processes. The worker spins briefly
+(``spin_us``) for the client's next batch; the client spins for the answer to the last batch it sent (a call, a
+sync) for up to WAIT_SPIN_US, so a call that keeps the device busy for milliseconds costs no wake-up either:
+waiting for room in the window it blocks at once, since the worker has a window of batches to run first. A
+doorbell is always rung after a record is published, so a side that stopped spinning is never missed; a side
+that was spinning finds a record waiting on its socket and drains it before it next blocks.
+
+Doorbells are sockets, not eventfds, because the client shares the worker's end's open file description (it
+created it) and may change its flags (O_NONBLOCK) or fill its queues at any time: with a socket each call says
+``MSG_DONTWAIT`` for itself, so no doorbell operation ever blocks, whatever the file's flags. A ring that finds
+no room to ring drops the wake-up: a full queue means the other side has one pending already.
+
+Layout (little-endian, all indices byte counts that only grow; a record is a 4-byte length then its bytes,
+wrapping around the ring's end): the first page holds four u64 indices, each on its own cache line (command
+head written by the client, command tail by the worker, ack head by the worker, ack tail by the client); the
+command ring follows, then the ack ring. Each side keeps its own indices privately and only publishes them: an
+index read from the shared page is the other side's, and is checked before it is used.
+
+Ordering: the producer copies a record in, then publishes the head with one aligned 8-byte store (a
+``memoryview`` cast to "Q"); the consumer reads the head, then the record. That order holds on x86-64 (stores
+are not reordered with stores, loads with loads); Python gives no fences, so weaker memory models are not
+supported by this transport.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import select
+import socket
+import time
+
+from gpubroker.client._transports._core import Lost
+from gpubroker.client._transports._link import HELLO_REPLY_MAX, Connector, FramedLink
+from gpubroker.wire.errors import GpuBrokerError, Unavailable, error_from_wire
+from gpubroker.wire.frames import pack_frame, recv_payload, unpack_frame
+from gpubroker.wire.ring import (
+    ACK_HEAD,
+    ACK_TAIL,
+    CMD_HEAD,
+    CMD_TAIL,
+    MAX_RING_WINDOW,
+    RECORD_LENGTH,
+    RING_DATA,
+    RING_SEALS,
+    RING_SUPPORTED,
+    SPIN_POLLS,
+    ByteRing,
+    RingBroken,
+    drain_bell,
+    ring_bell,
+    ring_caps,
+    spin_us,
+    wait_spin_us,
+)
+
+__all__ = ["RING_SUPPORTED", "RingTransport"]
+
+
+class _Declined(Exception):
+    """The worker answered the ring upgrade with a refusal (``error``), or none was offered: the link is intact."""
+
+    def __init__(self, error: GpuBrokerError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class RingTransport(FramedLink):
+    """A same-host Unix link upgraded to the shared-memory ring; opened (hello and upgrade answered) on
+    construction. With ``fallback`` a worker that refuses the upgrade leaves a plain link (``kind`` "unix");
+    without it the refusal is raised (Unavailable)."""
+
+    def __init__(self, connect: Connector, token: str, session: str, *, timeout: float | None, fallback: bool,
+                 window: int = 4, batch_size: int = 256) -> None:
+        self._fallback = fallback
+        self._mm: mmap.mmap | None = None
+        self._words: memoryview | None = None
+        self._bell: socket.socket | None = None  # this side's end of the doorbells' socketpair
+        self._commands: ByteRing | None = None
+        self._acks: ByteRing | None = None
+        self._poller: select.poll | None = None  # the doorbell and the link socket
+        self._ring_window = min(window, MAX_RING_WINDOW)
+        self._spin = wait_spin_us() * 1e-6
+        super().__init__(connect, token, session, kind="ring", timeout=timeout, window=self._ring_window,
+                         batch_size=batch_size)
+
+    def _open(self) -> None:
+        super()._open()
+        try:
+            self._upgrade()
+            self.kind = "ring"
+            return
+        except _Declined as declined:  # answered: the link is as it was
+            self._unmap()
+            if self._fallback:
+                self.kind = "unix"
+                return
+            super()._shut()
+            raise declined.error from None
+        except GpuBrokerError:  # unanswered or garbled: the link is in no known state
+            self._unmap()
+            super()._shut()
+            if not self._fallback:
+                raise
+        super()._open()  # a plain link, then
+        self.kind = "unix"
+
+    def _upgrade(self) -> None:
+        """Offer the worker a ring on the open link; _Declined when it answers no, Unavailable otherwise."""
+        if not RING_SUPPORTED:
+            raise _Declined(Unavailable("shared-memory rings need Linux (memfd, sealing, SOCK_SEQPACKET)"))
+        sock = self._sock
+        assert sock is not None
+        cap = ring_caps(self._ring_window, self.max_frame)
+        size = RING_DATA + 2 * cap
+        try:
+            fd = os.memfd_create(f"gpubroker-ring-{os.getpid()}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as exc:
+            raise _Declined(Unavailable(f"no memory for a ring: {exc}")) from None
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, RING_SEALS)
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._bell, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._bell.settimeout(None)  # each call made once (no wait for readiness first, as a timeout has)
+        except OSError as exc:  # (nothing sent yet: the link is untouched)
+            os.close(fd)
+            raise _Declined(Unavailable(f"no memory for a ring: {exc}")) from None
+        try:
+            frame = pack_frame({"ring": 1, "commands": cap, "acks": cap, "spin_us": spin_us()})
+            sent = socket.send_fds(sock, [frame], [fd, theirs.fileno()])
+            sock.sendall(frame[sent:])
+            reply = unpack_frame(recv_payload(sock, HELLO_REPLY_MAX))
+        except (OSError, EOFError, ValueError) as exc:
+            raise Unavailable(f"the worker did not answer the ring upgrade: {exc}") from None
+        finally:
+            os.close(fd)  # mapped, and the worker has its own: the fds themselves are not needed any more
+            theirs.close()
+        try:
+            _, status, result = reply
+            if status != 0:
+                raise _Declined(error_from_wire(str(result["code"]), str(result["message"]), result.get("type"),
+                                                result.get("details")))
+            if result.get("ring") != 1:
+                raise Unavailable(f"the worker answered the ring upgrade with {result!r}")
+        except (TypeError, ValueError, KeyError, AttributeError):
+            raise Unavailable(f"the worker answered the ring upgrade with {reply!r}") from None
+        words = memoryview(self._mm).cast("Q")
+        self._words = words
+        self._commands = ByteRing(self._mm, words, RING_DATA, cap, CMD_HEAD * 8, CMD_TAIL * 8, self.max_frame)
+        self._acks = ByteRing(self._mm, words, RING_DATA + cap, cap, ACK_HEAD * 8, ACK_TAIL * 8,
+                              cap - RECORD_LENGTH.size)
+        self._poller = select.poll()
+        self._poller.register(self._bell, select.POLLIN)
+        self._poller.register(sock, select.POLLIN | select.POLLRDHUP)
+
+    def _unmap(self) -> None:
+        self._commands = self._acks = None
+        self._poller = None
+        if self._words is not None:
+            self._words.release()
+            self._words = None
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        if self._bell is not None:
+            self._bell.close()
+            self._bell = None
+
+    def _send(self, payload: bytes) -> None:
+        if self._commands is None:
+            super()._send(payload)
+            return
+        assert self._bell is not None
+        try:
+            if not self._commands.put(payload):  # the window bounds what is in flight: the worker stopped reading
+                raise Lost("the worker stopped taking batches from the ring")
+            ring_bell(self._bell)
+        except RingBroken as exc:
+            raise Lost(f"the command ring is broken: {exc}") from None
+        except OSError as exc:
+            raise Lost(f"ringing the worker failed: {exc}") from None
+
+    def _receive(self, timeout: float | None) -> bytes | bytearray:
+        acks = self._acks
+        if acks is None:
+            return super()._receive(timeout)
+        try:
+            payload = acks.get()
+            if payload is not None:
+                return payload
+            if len(self._unacked) > 1 or not self._spin:
+                # Back-pressure or a drain: what is awaited is not the last batch, and the rest is behind it;
+                # spinning would only burn the client's CPU (and the CPU the worker and its device may need).
+                return self._block(acks, timeout)
+            spin_end = time.perf_counter() + self._spin
+            while time.perf_counter() < spin_end:
+                for _ in range(SPIN_POLLS):
+                    if acks.ready():
+                        payload = acks.get()
+                        if payload is not None:
+                            return payload
+                os.sched_yield()  # a polite spin: whatever else wants this CPU (the worker, its device) runs
+            return self._block(acks, timeout)
+        except RingBroken as exc:
+            raise Lost(f"the ack ring is broken: {exc}") from None
+
+    def _block(self, acks: ByteRing, timeout: float | None) -> bytes:
+        """Wait on the doorbell (and the link socket, whose hang-up says the worker is gone) for the next ack.
+        The bell is drained after each wake-up and before the ring is looked at again: an ack published after
+        that look rings it anew, so none is missed."""
+        assert self._bell is not None and self._sock is not None and self._poller is not None
+        bell, sock = self._bell, self._sock.fileno()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1000
+            events = self._poller.poll(left)
+            if not events:
+                raise TimeoutError
+            gone = any(fd == sock for fd, _ in events) or not drain_bell(bell)
+            payload = acks.get()  # (after a hang-up too: an ack written just before the worker closed the link)
+            if payload is not None:
+                return payload
+            if gone:
+                raise Lost("the worker closed the link")
+
+    def _shut(self) -> None:
+        self._unmap()
+        super()._shut()

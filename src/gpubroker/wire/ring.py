@@ -1,0 +1,188 @@
+"""The ring's shared layout, both sides': byte rings in one sealed memfd and a socket doorbell each way.
+
+The client's RingTransport (``gpubroker/client/_transports/_ring.py``, whose docstring tells the protocol) and the
+worker's WorkerRing (``gpubroker/broker/worker/_ring.py``) map the same memfd through ``ByteRing``: where the
+indices live, how a record is laid out, how long each side spins and how a doorbell rings are defined here once.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import socket
+import struct
+from typing import Final
+
+__all__ = ["ACK_HEAD", "ACK_TAIL", "CMD_HEAD", "CMD_TAIL", "MAX_RING_WINDOW", "MAX_SPIN_US", "RING_DATA", "RING_SEALS",
+           "RECORD_LENGTH", "RING_SUPPORTED", "SPIN_ENV", "SPIN_POLLS", "WAIT_SPIN_US", "ByteRing", "RingBroken",
+           "drain_bell", "ring_bell",
+           "ring_caps", "spin_us", "wait_spin_us"]
+
+# Where each index lives, in u64 words of the first page (a cache line apart: no false sharing between sides).
+CMD_HEAD: Final = 0
+CMD_TAIL: Final = 8
+ACK_HEAD: Final = 16
+ACK_TAIL: Final = 24
+RING_DATA: Final = 4096  # the command ring starts after the index page
+# The worker refuses a memfd that could shrink under its mapping (touching it would SIGBUS).
+RING_SUPPORTED: Final = (hasattr(os, "memfd_create") and hasattr(socket, "send_fds") and hasattr(fcntl, "F_SEAL_SHRINK")
+                         and hasattr(socket, "SOCK_SEQPACKET") and hasattr(socket, "MSG_NOSIGNAL"))
+RING_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if RING_SUPPORTED else 0
+# A ring holds a window of the largest records: an ack never waits for room, and a batch only when the window
+# is full (the core reads an ack first). Windows above this are cut to it for the ring.
+MAX_RING_WINDOW: Final = 8
+# How long each side polls for the other's answer before blocking on its doorbell: about the turnaround of a
+# small launch + sync; past it a wake-up costs little against what the command takes. Only where spare CPUs
+# are: on a host of 2 or 3 the spinning side takes the CPU that the other side (and PoCL's device threads)
+# needs, and is slower than a wake-up. GPUBROKER_RING_SPIN_US sets it (0: never spin); the worker spins what
+# the client asks, up to MAX_SPIN_US.
+SPIN_ENV: Final = "GPUBROKER_RING_SPIN_US"
+MAX_SPIN_US: Final = 200
+_SPIN_US: Final = 50
+# How long the client polls for the answer to its own last batch (a call, a sync), where it spins by default:
+# far longer than the worker's spin, because a wake-up is not cheap everywhere. In a VM a blocked client's idle
+# vCPU halts, and the worker's doorbell then costs an interrupt through the hypervisor, measured at 0.1-0.2 ms
+# on an H200 VM: every blocking call after a few ms of device work (a ~5 ms kernel and its sync, a 64 MiB copy)
+# paid it, and so did the worker, whose own spin for the next batch had ended meanwhile. Native CUDA spins the
+# same way (cudaDeviceScheduleAuto with spare CPUs). Past this a call blocks: a wake-up is small against it.
+# Where SPIN_ENV is set, the client's wait spins just that long (0: never).
+WAIT_SPIN_US: Final = 20_000
+_SPIN_MIN_CPUS: Final = 4
+SPIN_POLLS: Final = 32  # polls between two reads of the clock
+RECORD_LENGTH: Final = struct.Struct("<I")
+
+
+class RingBroken(Exception):
+    """An index or record length read from shared memory is impossible: the other side wrote nonsense."""
+
+
+def spin_us() -> int:
+    """This process's spin for a new ring, in microseconds (see SPIN_ENV)."""
+    value = os.environ.get(SPIN_ENV)
+    if value is not None:
+        try:
+            return max(0, min(int(value), MAX_SPIN_US))
+        except ValueError:
+            pass
+    return _SPIN_US if len(os.sched_getaffinity(0)) >= _SPIN_MIN_CPUS else 0
+
+
+def wait_spin_us() -> int:
+    """How long this process polls for the answer to its last batch before blocking, in microseconds."""
+    if os.environ.get(SPIN_ENV) is not None:
+        return spin_us()
+    return WAIT_SPIN_US if len(os.sched_getaffinity(0)) >= _SPIN_MIN_CPUS else 0
+
+
+def ring_caps(window: int, max_frame: int) -> int:
+    """The byte size of each ring for ``window`` records of at most ``max_frame`` bytes (whole pages)."""
+    need = min(window, MAX_RING_WINDOW) * (max_frame + RECORD_LENGTH.size)
+    return -(-need // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+# The most wake-ups one drain takes: a flood of them (a hostile client's) then only makes the next poll return at
+# once, instead of keeping the drain going for as long as the flood lasts.
+_DRAIN_MAX: Final = 64
+_RING: Final = b"\x01"
+
+
+def ring_bell(bell: socket.socket) -> None:
+    """Wake the other side, never blocking: MSG_DONTWAIT is per call, so the file's O_NONBLOCK (which the other
+    side, sharing the file description, may clear) does not matter. No room (EAGAIN, ENOBUFS) means wake-ups
+    are queued already: this one is dropped. OSError when the other end is gone or shut."""
+    try:
+        bell.send(_RING, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+    except BlockingIOError:
+        pass
+    except OSError as exc:
+        if exc.errno != errno.ENOBUFS:
+            raise
+
+
+def drain_bell(bell: socket.socket) -> bool:
+    """Take the wake-ups waiting (at most _DRAIN_MAX), never blocking (MSG_DONTWAIT per call); False when the
+    other end is gone or shut (end of file, or an error): no wake-up will come any more."""
+    for _ in range(_DRAIN_MAX):
+        try:
+            if not bell.recv(16, socket.MSG_DONTWAIT):
+                return False
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+    return True
+
+
+class ByteRing:
+    """One direction of a ring, as its producer or its consumer sees it: this side's index kept privately,
+    the other side's read from shared memory and checked."""
+
+    def __init__(self, mm: mmap.mmap, words: memoryview, base: int, cap: int, head: int, tail: int,
+                 limit: int) -> None:
+        self._mm = mm
+        self._words = words  # the index page as u64s: each read or write is one aligned 8-byte access
+        self._base = base
+        self.cap = cap
+        self._head_word = head // 8
+        self._tail_word = tail // 8
+        self._limit = limit  # the largest record this side takes
+        self._index = 0  # the producer's head or the consumer's tail: never read back from shared memory
+
+    # -- producer ----------------------------------------------------------------------------------
+    def put(self, payload: bytes | bytearray) -> bool:
+        """Copy one record in and publish it; False when it does not fit now. RingBroken for a bad tail."""
+        used = self._index - self._words[self._tail_word]
+        if not 0 <= used <= self.cap:
+            raise RingBroken(f"the consumer's index is {used} bytes behind in a ring of {self.cap}")
+        n = RECORD_LENGTH.size + len(payload)
+        if n > self.cap - used:
+            return False
+        pos = self._index % self.cap
+        self._copy_in(pos, RECORD_LENGTH.pack(len(payload)))
+        self._copy_in((pos + RECORD_LENGTH.size) % self.cap, payload)
+        self._index += n
+        self._words[self._head_word] = self._index  # published: after the record's bytes
+        return True
+
+    def _copy_in(self, pos: int, data: bytes | bytearray) -> None:
+        first = min(len(data), self.cap - pos)
+        start = self._base + pos
+        mm = self._mm
+        if first == len(data):
+            mm[start:start + first] = data
+        else:
+            view = memoryview(data)
+            mm[start:start + first] = view[:first]
+            mm[self._base:self._base + len(data) - first] = view[first:]
+
+    # -- consumer ----------------------------------------------------------------------------------
+    def ready(self) -> bool:
+        """Whether a record may be waiting (one 8-byte read: what a spin polls)."""
+        return self._words[self._head_word] != self._index
+
+    def get(self) -> bytes | None:
+        """The next record, copied out of shared memory (the producer may reuse its bytes after this), or None.
+        RingBroken for an impossible head or length; nothing is consumed then."""
+        avail = self._words[self._head_word] - self._index
+        if avail == 0:
+            return None
+        if not RECORD_LENGTH.size <= avail <= self.cap:
+            raise RingBroken(f"the producer's index is {avail} bytes ahead in a ring of {self.cap}")
+        pos = self._index % self.cap
+        (length,) = RECORD_LENGTH.unpack(self._copy_out(pos, RECORD_LENGTH.size))
+        if length > self._limit or RECORD_LENGTH.size + length > avail:
+            published = avail - RECORD_LENGTH.size
+            raise RingBroken(f"a record of {length} bytes (limit {self._limit}, {published} published)")
+        payload = self._copy_out((pos + RECORD_LENGTH.size) % self.cap, length)
+        self._index += RECORD_LENGTH.size + length
+        self._words[self._tail_word] = self._index  # the bytes are ours now: the producer may overwrite them
+        return payload
+
+    def _copy_out(self, pos: int, n: int) -> bytes:
+        start = self._base + pos
+        if pos + n <= self.cap:
+            return self._mm[start:start + n]
+        first = self.cap - pos
+        return self._mm[start:start + first] + self._mm[self._base:self._base + n - first]
