@@ -29,6 +29,7 @@ from gpubroker.client import (
 from .auth import UNAUTHENTICATED_MESSAGE
 from .config import BrokerConfig
 from .placement import DeviceLoad, NoServingDevice, choose_device
+from .sandbox import WorkerUidsExhausted
 from .workers import WorkerClient, WorkerPool
 
 __all__ = ["Admission", "Session", "SessionManager", "out_of_descriptors"]
@@ -176,8 +177,10 @@ class SessionManager:
             try:
                 worker = await self.pool.get(tenant, device)
             except Exception as exc:
-                # (The front short of descriptors is neither the device's fault nor the tenant's: not charged.)
-                if self.admission is not None and not out_of_descriptors(exc):
+                # (The front short of descriptors, or of host uids for its workers, is neither the device's fault nor
+                # the tenant's: not charged.)
+                if self.admission is not None and not out_of_descriptors(exc) and not isinstance(
+                        exc, WorkerUidsExhausted):
                     self.admission.worker_start_failed(device, exc)
                 raise
             if tenant not in self.config.tenants:

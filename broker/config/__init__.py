@@ -18,6 +18,7 @@ from ._schema import (
     TlsConfig,
     format_size,
     parse_size,
+    parse_uid_range,
     split_host_port,
 )
 from ._write import save_config
@@ -35,6 +36,7 @@ __all__ = [
     "load_config",
     "parse_config",
     "parse_size",
+    "parse_uid_range",
     "remove_tenant_in_place",
     "rotate_token_in_place",
     "save_config",

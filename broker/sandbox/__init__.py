@@ -75,8 +75,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["EXIT_SETUP_FAILED", "Launch", "SandboxUnavailable", "WorkerCgroups", "WorkerSandbox",
-           "automatic_memory_max", "automatic_reserved", "cache_key", "default_cache_dir", "python_argv",
-           "set_dumpable"]
+           "WorkerUidsExhausted", "automatic_memory_max", "automatic_reserved", "cache_key", "default_cache_dir",
+           "python_argv", "set_dumpable"]
 
 
 def set_dumpable(dumpable: bool) -> None:
@@ -89,8 +89,8 @@ def set_dumpable(dumpable: bool) -> None:
 def __getattr__(name: str) -> Any:
     # Imported on first use: the launcher (``python -m gpubroker.broker.sandbox``) loads this package on every
     # worker start and needs none of the front's side.
-    if name in ("Launch", "SandboxUnavailable", "WorkerSandbox", "automatic_memory_max", "automatic_reserved",
-                "cache_key", "default_cache_dir", "python_argv"):
+    if name in ("Launch", "SandboxUnavailable", "WorkerSandbox", "WorkerUidsExhausted", "automatic_memory_max",
+                "automatic_reserved", "cache_key", "default_cache_dir", "python_argv"):
         from . import _policy
 
         return getattr(_policy, name)
