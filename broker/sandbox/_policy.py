@@ -138,7 +138,7 @@ class WorkerUids:
     def take(self, tenant: str) -> int:
         if len(self.taken) >= self.size:
             raise WorkerUidsExhausted(
-                f"tenant {tenant!r}'s worker cannot start now: each of the {self.size} host uids of [broker] "
+                f"a worker for tenant {tenant!r} cannot start now: each of the {self.size} host uids of [broker] "
                 "worker_uids runs another worker (or one that is exiting); retry in a moment, or ask the operator to "
                 "widen worker_uids", reason="worker uids", retry_after_seconds=1.0)
         while True:
