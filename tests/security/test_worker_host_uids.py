@@ -88,7 +88,6 @@ __kernel void gpb_epoll(__global char* scratch, const int ntargets, const int ba
         if (s < 0) { sent_err = s; break; }
         for (int i = 0; i < n; ++i) sys6(3, fds[i], 0, 0, 0, 0, 0);
     }
-    for (int i = 0; i < made; ++i) sys6(3, targets[i], 0, 0, 0, 0, 0);
     res[0] = watches; res[1] = epolls; res[2] = err; res[3] = sent_err; res[4] = made;
 }
 
