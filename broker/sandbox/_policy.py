@@ -460,6 +460,9 @@ class WorkerSandbox:
             self._probe(None, timeout)
         log.info("workers are sandboxed: %s (%s)", self.description,
                  self.cgroup_reason if self.cgroups is not None else f"rlimits only: {self.cgroup_reason}")
+        if self.uids is not None:
+            log.info("each worker runs as a host uid of its own, from worker_uids %d-%d", self.uids.first,
+                     self.uids.last)
         if self.pids_max and not self.pids_enforced:
             log.warning("worker_pids_max = %d is not enforced by the kernel: the broker runs as root, which the "
                         "kernel never holds to RLIMIT_NPROC, there is no pids cgroup, and worker_uids = 0 runs the "
