@@ -193,10 +193,12 @@ def test_each_worker_runs_as_a_host_uid_of_its_own_until_its_last_process_ends(b
         bob.free_memory(bob.allocate_memory(4096))
         (alices,), (bobs,) = workers(broker, "alice"), workers(broker, "bob")
         owners = {host_uid(alices): alices, host_uid(bobs): bobs}
-        # Both uids of the range are taken: a third worker cannot start now, and that is nobody's failure.
-        with (pytest.raises(ResourceExhausted) as refused,
-              connect(broker.target, token=broker.tokens["carol"], timeout=TIMEOUT) as carol):
-            carol.device_info()
+        # Both uids of the range are taken: a third worker cannot start now, and that is nobody's failure (as
+        # often as it takes a device out of service, device_failure_threshold).
+        for _ in range(3):
+            with (pytest.raises(ResourceExhausted) as refused,
+                  connect(broker.target, token=broker.tokens["carol"], timeout=TIMEOUT) as carol):
+                carol.device_info()
         health = device_health(broker)
     print(f"\nthe workers' host uids: {owners}; carol's start got: {refused.value}")
     assert set(owners) == set(UIDS), f"the workers run as host uids {set(owners)}, not one each of {UIDS}"
