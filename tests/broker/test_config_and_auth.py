@@ -21,6 +21,7 @@ from gpubroker.broker.config import (
     load_config,
     parse_config,
     parse_size,
+    parse_uid_range,
     save_config,
 )
 from gpubroker.broker.front.auth import TokenVerifier, hash_token, mint_token
@@ -71,12 +72,13 @@ NEW_KEYS = ["sandbox", "cache_dir", "worker_memory_max", "worker_pids_max", "wor
             # (issue 21: the gRPC front, .shm, the worker's tmpfs)
             "max_grpc_connections", "max_grpc_connections_per_peer", "grpc_idle_seconds",
             "max_grpc_streams_per_connection", "max_read_ahead_bytes_per_tenant", "max_shm_connections_per_tenant",
-            "cache_max_bytes", "worker_tmp_max_bytes", "worker_uid"]
+            "cache_max_bytes", "worker_tmp_max_bytes", "worker_uids"]
 # Values other than the defaults for keys whose type alone does not give one.
 SPECIAL = {"listen": ["unix:/tmp/a.sock", "127.0.0.1:0", "[::1]:7070"], "devices": [1, 0], "chunk_bytes": 3 << 20,
            "max_message_bytes": 5 << 20, "socket_mode": 0o640, "backend": "opencl", "peer_copies": "host",
            "log_format": "json", "metrics_listen": "[::1]:9464", "worker_cpu_weight": 250,
-           "device_failure_window_seconds": 7.5, "max_shared_bytes_per_tenant": 12345, "link_listen": "[::1]:7071"}
+           "device_failure_window_seconds": 7.5, "max_shared_bytes_per_tenant": 12345, "link_listen": "[::1]:7071",
+           "worker_uids": "100000-100099"}
 
 
 def _other_value(name: str, default: object, tp: object) -> object:
@@ -186,3 +188,16 @@ def test_devices_command_lists_a_real_device() -> None:
                           capture_output=True, text=True, check=True)
     assert "backend: opencl" in proc.stdout
     assert "  0: " in proc.stdout
+
+
+def test_worker_uids_is_a_range_and_the_old_worker_uid_names_its_replacement() -> None:
+    assert parse_uid_range(parse_config({"broker": {"worker_uids": "0x7FFF0000-0x7FFFFFFE"}}).worker_uids) == (
+        0x7FFF0000, 0x7FFFFFFE)
+    assert parse_uid_range(BrokerSettings().worker_uids) == (0x7FFF0000, 0x7FFFFFFE)
+    assert parse_uid_range(parse_config({"broker": {"worker_uids": "0"}}).worker_uids) is None  # (as root)
+    for bad in ("70000", "10-5", "0-3", "a-b", "1-4294967295", ""):
+        with pytest.raises(InvalidArgument, match=r"\[broker\] worker_uids: expected"):
+            parse_config({"broker": {"worker_uids": bad}})
+    # One uid shared by every worker was the hole: the key is refused, saying what replaced it.
+    with pytest.raises(InvalidArgument, match=r"\[broker\] worker_uid: replaced by worker_uids"):
+        parse_config({"broker": {"worker_uid": 65534}})

@@ -203,7 +203,8 @@ def test_sandboxed_process_is_refused_what_it_must_not_do(tmp_path: Path) -> Non
     secret.write_text("token_hash = 'x'\n")
     sandbox = WorkerSandbox(enabled=True, backend="opencl", cache_dir=str(tmp_path / "cache"), use_cgroups=False)
     cache = sandbox.tenant_cache("alice")
-    argv = sandbox.launcher_argv(sandbox.spec(cache, [], None), [sys.executable, "-c", _INSIDE, str(secret)])
+    uid = sandbox.uids.take("alice") if sandbox.uids is not None else None  # (a root broker's worker: its own uid)
+    argv = sandbox.launcher_argv(sandbox.spec(cache, [], None, uid=uid), [sys.executable, "-c", _INSIDE, str(secret)])
     proc = subprocess.run(argv, env=sandbox.environment(cache), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     results = ast.literal_eval(proc.stdout.strip().splitlines()[-1])

@@ -13,7 +13,7 @@ inside the worker, on PoCL) through one real broker.
   signals through only to pid 1 (the worker itself) and priorities only for PRIO_PROCESS.
 - **Threads**: the kernel never holds the host's root to RLIMIT_NPROC, so under a root broker (here, the GPU host)
   ``worker_pids_max`` bounded nothing without a pids cgroup (256 threads made against 64). A root broker's workers
-  now run as another host user (``worker_uid``, nobody by default), which the kernel does hold to it.
+  now run as other host users (``worker_uids``, one each), whom the kernel does hold to it.
 
 The broker runs under a Python whose user site is on (a virtualenv with the system site packages that also sees
 this checkout): the repository's own .venv turns the user site off, which would hide the first hole, but the
@@ -289,14 +289,14 @@ def test_a_kernel_cannot_make_more_threads_than_worker_pids_max(broker: BrokerPr
 
 @pytest.fixture(scope="module")
 def root_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    """A root broker told to run its workers as root (``worker_uid = 0``, as for a GPU that only root may open)."""
+    """A root broker told to run its workers as root (``worker_uids = "0"``, as for a GPU that only root may open)."""
     check_arch()
     if os.getuid() != 0:
-        pytest.skip("worker_uid applies to a root broker only")
+        pytest.skip("worker_uids applies to a root broker only")
     tmp = tmp_path_factory.mktemp("rootworkers")
     with BrokerProcess([TenantSpec("erin")], backend="opencl",
                        settings={"cache_dir": str(tmp / "caches"), "worker_pids_max": PIDS_MAX,
-                                 "worker_uid": 0}) as broker:
+                                 "worker_uids": "0"}) as broker:
         yield broker
 
 

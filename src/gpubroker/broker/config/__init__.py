@@ -23,6 +23,7 @@ from gpubroker.broker.config._schema import (
     TlsConfig,
     format_size,
     parse_size,
+    parse_uid_range,
     split_host_port,
 )
 from gpubroker.broker.config._write import save_config
@@ -40,6 +41,7 @@ __all__ = [
     "load_config",
     "parse_config",
     "parse_size",
+    "parse_uid_range",
     "remove_tenant_in_place",
     "rotate_token_in_place",
     "save_config",

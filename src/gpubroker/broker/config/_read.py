@@ -31,6 +31,7 @@ from gpubroker.broker.config._schema import (
     TlsConfig,
     _Form,
     parse_size,
+    parse_uid_range,
     split_host_port,
 )
 from gpubroker.wire.errors import InvalidArgument
@@ -46,6 +47,12 @@ def _fields(struct: type[msgspec.Struct]) -> dict[str, msgspec.structs.FieldInfo
 
 
 _BROKER_KEYS = _fields(BrokerSettings)
+# Keys that once were, and what replaced them: refused with that, not as unknown.
+_REPLACED = {"broker": {
+    "worker_uid": ("replaced by worker_uids, a range of host uids (each worker runs as one of its own, which no "
+                   "other worker shares): remove worker_uid; the default range suits most hosts, and worker_uids "
+                   "= \"0\" runs the workers as root, as worker_uid = 0 did"),
+}}
 _TLS_KEYS = _fields(TlsConfig)
 _TENANT_KEYS = {k: f for k, f in _fields(TenantConfig).items() if k != "name"}  # the name is the table's
 
@@ -136,6 +143,8 @@ def _normalize(where: _Where, table: dict[str, Any], fields: dict[str, msgspec.s
     out: dict[str, Any] = {}
     for key, value in table.items():
         field = fields.get(key)
+        if field is None and key in _REPLACED.get(where.table, {}):
+            raise where.error(key, _REPLACED[where.table][key])
         if field is None:
             raise where.unknown(key, list(fields))
         forms = _forms(field)
@@ -194,6 +203,10 @@ def _check_broker(where: _Where, s: BrokerSettings) -> None:
     for address in s.listen:
         if not address.strip():
             raise where.error("listen", "an address is empty (expected unix:PATH or HOST:PORT)")
+    try:
+        parse_uid_range(s.worker_uids)
+    except ValueError as exc:
+        raise where.error("worker_uids", str(exc)) from None
 
 
 def parse_config(data: dict[str, Any], source: str = "<config>", path: Path | None = None) -> BrokerConfig:

@@ -26,12 +26,14 @@ __all__ = [
     "TlsConfig",
     "format_size",
     "parse_size",
+    "parse_uid_range",
     "split_host_port",
 ]
 
 DEFAULT_SOCKET = "unix:/run/gpubroker/gpubroker.sock"
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
           "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+UID_MAX = 2**32 - 2  # (2**32 - 1 is (uid_t) -1: "no change" to setresuid and chown)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -68,6 +70,23 @@ def format_size(n: int) -> str:
         if n >= scale and n % scale == 0:
             return f"{n // scale}{unit}"
     return str(n)
+
+
+def parse_uid_range(text: str) -> tuple[int, int] | None:
+    """worker_uids: 'FIRST-LAST' (decimal or 0x hex) as (first, last), or None for '0' (as root); ValueError for
+    anything else."""
+    if text.strip() == "0":
+        return None
+    first, sep, last = text.partition("-")
+    try:
+        if not sep:
+            raise ValueError
+        low, high = int(first.strip(), 0), int(last.strip(), 0)
+    except ValueError:
+        raise ValueError(f"expected FIRST-LAST (e.g. 2147418112-2147483646) or 0, got {text!r}") from None
+    if not 1 <= low <= high <= UID_MAX:
+        raise ValueError(f"expected 1 <= FIRST <= LAST <= {UID_MAX}, got {text!r}")
+    return low, high
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -266,13 +285,21 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "that room).")), SIZE] = 64 << 20
     worker_pids_max: Annotated[int, Meta(ge=0, description=(
         "Processes and threads one worker may have (cgroup v2 pids.max, else an rlimit); 0: no limit."))] = 512
-    worker_uid: Annotated[int, Meta(ge=0, le=2**32 - 2, description=(
-        "With the broker running as root: the host uid and gid its sandboxed workers run as (nobody by default). "
-        "The kernel never holds the host's root to RLIMIT_NPROC, so without a pids cgroup only this makes "
-        "worker_pids_max bind. The worker must be able to read the Python install, the gpubroker packages and the "
-        "device libraries, and open the device nodes, as that user (world-readable and /dev/nvidia* mode 0666 as "
-        "usual). 0: run them as root (worker_pids_max then holds only with a pids cgroup). Ignored when the "
-        "broker is not root (its workers run as its own user)."))] = 65534
+    worker_uids: Annotated[str, Meta(description=(
+        "With the broker running as root: the host uids its sandboxed workers run as, FIRST-LAST (decimal or 0x "
+        "hex): each worker gets one of its own (its gid the same number) for as long as any process of it lives, "
+        "because the kernel counts some things per host uid rather than per namespace (pipe buffers, descriptors "
+        "in flight on Unix sockets, RLIMIT_NPROC before Linux 5.14), so workers sharing one could take them from "
+        "each other. A worker that cannot get one (every uid in use) is refused with RESOURCE_EXHAUSTED, charged "
+        "to neither its tenant nor the device: keep the range larger than tenants x devices. The default, "
+        "0x7FFF0000-0x7FFFFFFE, is a range no distribution, systemd (its container ranges end at 0x6FFFFFFF, its "
+        "foreign range is 0x7FFE0000-0x7FFEFFFF) or shadow's subordinate ids allocate, below 2^31 where some "
+        "programs mishandle uids; two root brokers on one host need ranges of their own. The workers must be able "
+        "to read the Python install, the gpubroker packages and the device libraries, and open the device nodes, "
+        "as any such user (world-readable and /dev/nvidia* mode 0666 as usual). 0: run them as root (the kernel "
+        "never holds root to RLIMIT_NPROC: worker_pids_max then holds only with a pids cgroup). Ignored when the "
+        "broker is not root (its workers run as its own user). Replaces worker_uid, one uid that every worker "
+        "shared."))] = "2147418112-2147483646"
     worker_cpu_weight: Annotated[int, Meta(ge=1, le=10000, description=(
         "One worker's CPU weight against the others' (cgroup v2 cpu.weight, 1-10000)."))] = 100
     max_kernel_seconds: Annotated[float, Meta(ge=0, description=(

@@ -19,7 +19,7 @@ crash budget). Killing the worker ends everything a kernel left behind: its thre
 forked in its PID namespace die with the namespace's init.
 
 The same scan counts each worker's threads where the kernel does not hold the workers to ``worker_pids_max`` (a
-root broker with ``worker_uid = 0`` and no pids cgroup, or no sandbox): a worker seen with more is killed the same
+root broker with ``worker_uids = "0"`` and no pids cgroup, or no sandbox): a worker seen with more is killed the same
 way. Only a backstop: between two scans a kernel can make thousands.
 """
 

@@ -20,6 +20,7 @@ from gpubroker.broker.config import BrokerConfig
 from gpubroker.broker.front._placement import DeviceLoad, NoServingDevice, choose_device
 from gpubroker.broker.front.auth import UNAUTHENTICATED_MESSAGE
 from gpubroker.broker.front.workers import WorkerClient, WorkerPool
+from gpubroker.broker.sandbox import WorkerUidsExhausted
 from gpubroker.wire.errors import (
     GpuBrokerError,
     NotFound,
@@ -175,8 +176,10 @@ class SessionManager:
             try:
                 worker = await self.pool.get(tenant, device)
             except Exception as exc:
-                # (The front short of descriptors is neither the device's fault nor the tenant's: not charged.)
-                if self.admission is not None and not out_of_descriptors(exc):
+                # (The front short of descriptors, or of host uids for its workers, is neither the device's fault nor
+                # the tenant's: not charged.)
+                if self.admission is not None and not out_of_descriptors(exc) and not isinstance(
+                        exc, WorkerUidsExhausted):
                     self.admission.worker_start_failed(device, exc)
                 raise
             if tenant not in self.config.tenants:

@@ -13,11 +13,14 @@ it have been beaten, and says what it stops.
   worker's environment is set only at the worker's exec, inside the sandbox. The worker starts with ``-s -P`` too
   and leads a session of its own (``setsid``): "its process group" is never the front's or another worker's.
 - **User namespace** (the broker's uid mapped to itself, setgroups denied): the worker holds capabilities only
-  over its own namespaces, and drops even those (below). A root broker's worker runs as the host's
-  ``worker_uid`` (nobody by default; a helper the launcher forks before it unshares writes the map ``0 0`` for
-  the setup, ``1 worker_uid`` for the worker, which switches to 1 before it drops its capabilities): the kernel
-  never holds the host's root to RLIMIT_NPROC, so only as another user is a worker held to ``worker_pids_max``
-  without a pids cgroup.
+  over its own namespaces, and drops even those (below). A root broker's worker runs as a host uid of its own
+  from ``worker_uids`` (a helper the launcher forks before it unshares writes the map ``0 0`` for the setup,
+  ``1 <uid>`` for the worker, which switches to 1 before it drops its capabilities): the kernel never holds the
+  host's root to RLIMIT_NPROC, so only as another user is a worker held to ``worker_pids_max`` without a pids
+  cgroup; and it counts pipe buffers and descriptors in flight per host uid, so a uid shared by two workers would
+  let one take them from the other. The front takes the uid at the start and gives it back once the worker's
+  pidfd, which the launcher hands it before it lets the worker go on, says that the worker (its PID namespace's
+  init, which the kernel ends only after every other process there) has ended.
 - **PID namespace + a fresh /proc**: no other process is visible: not the front (whose memory holds every
   tenant's token), not another tenant's worker (``/proc/<pid>/mem``), not their environments.
 - **Mount namespace, pivot_root into a tmpfs root**: the worker sees only, read-only, the Python runtime, its
@@ -45,10 +48,12 @@ it have been beaten, and says what it stops.
   No new processes: fork, vfork and clone without CLONE_THREAD (only threads; on OpenCL also posix_spawn's
   clone(CLONE_VM | CLONE_VFORK), with which PoCL 3.0 starts the system linker for each new kernel). No memory
   outside the limits below: memfd_create, memfd_secret, System V shared memory, message queues and semaphores.
+  Nothing counted per host user rather than per worker: inotify, POSIX message queues, epoll instances (the
+  worker waits with poll(2)).
 - **Resource limits**: a cgroup v2 per worker (``memory.max`` = ``worker_memory_max``, ``pids.max``,
   ``cpu.weight``) where the broker has a delegated cgroup to itself (systemd ``Delegate=yes``), which is charged
   for its tmpfs pages too; otherwise rlimits: processes and threads per user namespace (``RLIMIT_NPROC``, which
-  binds a root broker's workers only with ``worker_uid``, the default), ``RLIMIT_DATA`` (private writable
+  binds a root broker's workers only as uids of ``worker_uids``, the default), ``RLIMIT_DATA`` (private writable
   memory, both backends: CUDA's PROT_NONE reservations do not count) and on OpenCL ``RLIMIT_AS``, each the
   worker's memory less the tmpfs sizes, so the tmpfs are counted inside it. The worker's memory is
   ``worker_memory_max`` where the operator set it, else (0, the default) its tenant's: the memory quota on its
@@ -75,8 +80,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["EXIT_SETUP_FAILED", "Launch", "SandboxUnavailable", "WorkerCgroups", "WorkerSandbox",
-           "automatic_memory_max", "automatic_reserved", "cache_key", "default_cache_dir", "python_argv",
-           "set_dumpable"]
+           "WorkerUidsExhausted", "automatic_memory_max", "automatic_reserved", "cache_key", "default_cache_dir",
+           "python_argv", "set_dumpable"]
 
 
 def set_dumpable(dumpable: bool) -> None:
@@ -89,8 +94,8 @@ def set_dumpable(dumpable: bool) -> None:
 def __getattr__(name: str) -> Any:
     # Imported on first use: the launcher (``python -m gpubroker.broker.sandbox``) loads this package on every
     # worker start and needs none of the front's side.
-    if name in ("Launch", "SandboxUnavailable", "WorkerSandbox", "automatic_memory_max", "automatic_reserved",
-                "cache_key", "default_cache_dir", "python_argv"):
+    if name in ("Launch", "SandboxUnavailable", "WorkerSandbox", "WorkerUidsExhausted", "automatic_memory_max",
+                "automatic_reserved", "cache_key", "default_cache_dir", "python_argv"):
         from gpubroker.broker.sandbox import _policy
 
         return getattr(_policy, name)

@@ -16,6 +16,7 @@ import json
 import os
 import resource
 import signal
+import socket
 import stat
 import sys
 from typing import Any
@@ -26,8 +27,9 @@ __all__ = ["EXIT_SETUP_FAILED", "main"]
 
 EXIT_SETUP_FAILED = 125  # the sandbox could not be built; the message is on stderr
 SIGPENDING_MAX = 256  # queued signals a worker may have pending (a Python worker uses a handful)
-# The worker's uid and gid inside its user namespace when it runs as a host user of its own (``worker_uid``): 0
-# there stays the launcher's (its setup creates files in the new root, which needs its id mapped).
+# The worker's uid and gid inside its user namespace when it runs as a host user of its own (``worker_uid``, one of
+# the front's worker_uids): 0 there stays the launcher's (its setup creates files in the new root, which needs its id
+# mapped).
 WORKER_ID = 1
 
 CLONE_NEWNS = 0x00020000
@@ -350,9 +352,15 @@ def _close_fds(keep: list[int]) -> None:
 
 # ---- the two processes ----
 
-def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any) -> None:
+def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any, go: int) -> None:
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "set the parent-death signal")
+        # Nothing until the launcher says go: it first hands the front this process's pidfd, by which the front
+        # knows when the last process of the worker's uid has ended. End-of-file instead: the launcher is gone (a
+        # launcher that died before the parent-death signal was set would otherwise leave this one running).
+        if os.read(go, 1) != b"x":
+            os._exit(EXIT_SETUP_FAILED)
+        os.close(go)
         # A session and process group of its own: "my group" (kill(0, ...), setpriority(PRIO_PGRP, 0, ...)) is
         # resolved by the group's struct pid, across PID namespaces, so in the launcher's group the worker would
         # reach the launcher (and, without the front's new session, the front and every other worker).
@@ -380,6 +388,19 @@ def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any) -> None:
     except OSError as exc:
         os.write(2, f"gpubroker sandbox: cannot start {argv[0]}: {exc.strerror}\n".encode())
     os._exit(127)
+
+
+def _report_pidfd(report_fd: int, pid: int) -> None:
+    """Send the front a pidfd of the worker (``pid``, this launcher's child, not yet reapable: it waits for its go)
+    on the socket it passed for that, which then closes. The front gives the worker's uid back once it turns
+    readable (sandbox/_policy.py, ``WorkerSandbox.free_uid``): a killed launcher says nothing of its worker, which
+    the kernel ends a moment later."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        with socket.socket(fileno=report_fd) as report:
+            socket.send_fds(report, [b"p"], [pidfd])
+    finally:
+        os.close(pidfd)
 
 
 def _mirror_exit(status: int) -> None:
@@ -462,9 +483,22 @@ def main(argv: list[str] | None = None) -> int:
     # The worker's stdout and stderr are the launcher's own: pipes of the front's, one pair per worker, which the
     # front reads, rate-limits, escapes and logs as the tenant's (workers/_output.py). Nothing is relayed here:
     # a copy through this process would cost a second copy of every byte, and the front drains them anyway.
+    go, say_go = os.pipe()
     pid = os.fork()
     if pid == 0:
-        _child(spec, worker_argv, seccomp_filter)
+        os.close(say_go)
+        _child(spec, worker_argv, seccomp_filter, go)
+    os.close(go)
+    if spec.get("report_fd") is not None:
+        try:
+            _report_pidfd(int(spec["report_fd"]), pid)
+        except OSError as exc:  # (the child has not gone on: it ends at the end-of-file of its go)
+            print(f"gpubroker sandbox: cannot hand the front the worker's pidfd: {exc}", file=sys.stderr, flush=True)
+            os.close(say_go)
+            os.waitpid(pid, 0)
+            return EXIT_SETUP_FAILED
+    os.write(say_go, b"x")
+    os.close(say_go)
     # Only the worker holds its channels: the front's closing them must reach it as end-of-file.
     _close_fds([cache.host_fd, cache.view_fd] if cache is not None else [])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

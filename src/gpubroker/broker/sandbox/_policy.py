@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hashlib
@@ -9,7 +10,9 @@ import importlib.util
 import json
 import logging
 import os
+import select
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
@@ -17,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from gpubroker.broker.config import parse_uid_range
 from gpubroker.broker.sandbox._cgroup import WorkerCgroups
 from gpubroker.broker.sandbox._launch import EXIT_SETUP_FAILED
-from gpubroker.wire.errors import FailedPrecondition, Unavailable
+from gpubroker.wire.errors import FailedPrecondition, ResourceExhausted, Unavailable
 
-__all__ = ["Launch", "SandboxUnavailable", "WorkerMemory", "WorkerSandbox", "automatic_memory_max",
-           "automatic_reserved", "cache_key", "default_cache_dir", "python_argv"]
+__all__ = ["Launch", "SandboxUnavailable", "WorkerMemory", "WorkerSandbox", "WorkerUids", "WorkerUidsExhausted",
+           "automatic_memory_max", "automatic_reserved", "cache_key", "default_cache_dir", "python_argv"]
 
 log = logging.getLogger("gpubroker.sandbox")
 
@@ -45,7 +49,8 @@ NOFILE = 4096
 TENANT_CACHES = "tenants"
 CACHE_MAX = 256 << 20  # the schema's defaults, for a WorkerSandbox made without a config
 TMP_MAX = 64 << 20
-WORKER_UID = 65534  # the schema's default: nobody (Debian's nogroup has the same number)
+# The schema's default worker_uids (0x7FFF0000-0x7FFFFFFE: see its description for why no one else uses them).
+WORKER_UIDS = (0x7FFF0000, 0x7FFFFFFE)
 
 
 def python_argv() -> list[str]:
@@ -108,6 +113,42 @@ class SandboxUnavailable(Exception):
     """The sandbox cannot be built on this host; the message says what failed and how to opt out."""
 
 
+class WorkerUidsExhausted(ResourceExhausted):
+    """Every host uid of ``worker_uids`` belongs to a worker that is running or still exiting: the broker's
+    condition for a while (too many workers for its range), neither the tenant's doing nor the device's fault."""
+
+
+class WorkerUids:
+    """The host uids a root broker's workers run as (``worker_uids``), one worker each: the kernel counts some
+    things per host user, whatever the namespace (pipe buffers, descriptors in flight, RLIMIT_NPROC before Linux
+    5.14), so workers that shared one could take them from each other. A uid is taken at a worker's start and given
+    back only once no process of that worker is left (``WorkerSandbox.free_uid``)."""
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last = first, last
+        self.size = last - first + 1
+        self.taken: set[int] = set()
+        # Round robin: a uid given back is the last to be taken again, so whatever the kernel frees after the
+        # processes (an in-flight descriptor cycle its garbage collector has yet to reach) is gone by then.
+        self._next = 0
+
+    def take(self, tenant: str) -> int:
+        if len(self.taken) >= self.size:
+            raise WorkerUidsExhausted(
+                f"a worker for tenant {tenant!r} cannot start now: each of the {self.size} host uids of [broker] "
+                "worker_uids runs another worker (or one that is exiting); retry in a moment, or ask the operator to "
+                "widen worker_uids", reason="worker uids", retry_after_seconds=1.0)
+        while True:
+            uid = self.first + self._next
+            self._next = (self._next + 1) % self.size
+            if uid not in self.taken:
+                self.taken.add(uid)
+                return uid
+
+    def give(self, uid: int) -> None:
+        self.taken.discard(uid)
+
+
 def default_cache_dir() -> Path:
     """Where the per-tenant compile caches go when the config names no ``cache_dir``."""
     if os.environ.get("CACHE_DIRECTORY"):  # systemd's CacheDirectory= (deploy/gpubroker.service)
@@ -138,6 +179,21 @@ class Launch:
     cgroup: Path | None = None
     cache: Path | None = None
     memory_max: int = 0  # the memory it may use (worker_memory_max, or the automatic value for its tenant); 0: none
+    uid: int | None = None  # the host uid it runs as (worker_uids), its own until ``WorkerSandbox.free_uid``
+    # A socketpair on which the launcher sends the worker's pidfd (with ``uid``): the front's end, and the
+    # launcher's, which the front passes to it and closes once it is started (``started``).
+    pidfd_report: socket.socket | None = None
+    launcher_end: socket.socket | None = None
+
+    @property
+    def launcher_fds(self) -> list[int]:
+        """The descriptors the launcher itself needs besides the worker's (not passed on to the worker)."""
+        return [self.launcher_end.fileno()] if self.launcher_end is not None else []
+
+    def started(self) -> None:
+        """The launcher was started (or could not be): the front keeps only its own end."""
+        if self.launcher_end is not None:
+            self.launcher_end.close()
 
 
 class WorkerSandbox:
@@ -145,12 +201,14 @@ class WorkerSandbox:
 
     def __init__(self, *, enabled: bool, backend: str, cache_dir: str = "", memory_max: int = 0,
                  pids_max: int = 512, cpu_weight: int = 100, use_cgroups: bool = True,
-                 cache_max: int = CACHE_MAX, tmp_max: int = TMP_MAX, worker_uid: int = WORKER_UID) -> None:
+                 cache_max: int = CACHE_MAX, tmp_max: int = TMP_MAX,
+                 worker_uids: tuple[int, int] | None = WORKER_UIDS) -> None:
         self.enabled = enabled
-        # The host uid (and gid) a root broker's workers run as: the kernel never holds the host's root to
-        # RLIMIT_NPROC, so as root a worker's threads would be bounded by nothing without a pids cgroup. A broker
-        # of another user runs its workers as itself (RLIMIT_NPROC holds it). 0: as the broker, root included.
-        self.worker_uid = worker_uid if os.getuid() == 0 and worker_uid > 0 else None
+        # The host uids (and gids) a root broker's workers run as, one each (WorkerUids): the kernel never holds
+        # the host's root to RLIMIT_NPROC, so as root a worker's threads would be bounded by nothing without a pids
+        # cgroup, and it counts a few things per host uid. A broker of another user runs its workers as itself
+        # (RLIMIT_NPROC holds it). None: as the broker, root included.
+        self.uids = WorkerUids(*worker_uids) if os.getuid() == 0 and worker_uids is not None else None
         self.backend = backend
         self.cache_root = Path(cache_dir) if cache_dir else default_cache_dir()
         self.memory_max = memory_max
@@ -180,7 +238,8 @@ class WorkerSandbox:
     def from_config(cls, cfg: Any, backend: str, use_cgroups: bool = True) -> WorkerSandbox:
         return cls(enabled=cfg.sandbox, backend=backend, cache_dir=cfg.cache_dir, memory_max=cfg.worker_memory_max,
                    pids_max=cfg.worker_pids_max, cpu_weight=cfg.worker_cpu_weight, use_cgroups=use_cgroups,
-                   cache_max=cfg.cache_max_bytes, tmp_max=cfg.worker_tmp_max_bytes, worker_uid=cfg.worker_uid)
+                   cache_max=cfg.cache_max_bytes, tmp_max=cfg.worker_tmp_max_bytes,
+                   worker_uids=parse_uid_range(cfg.worker_uids))
 
     def worker_memory(self, tenant: str | None, device: int = 0) -> WorkerMemory:
         """The memory the tenant's worker on ``device`` may use: ``worker_memory_max`` when the operator set it
@@ -209,7 +268,7 @@ class WorkerSandbox:
             return False
         if self.cgroups is not None and "pids" in self.cgroups.controllers:
             return True
-        return os.getuid() != 0 or self.worker_uid is not None
+        return os.getuid() != 0 or self.uids is not None
 
     def check_cache_root(self) -> None:
         """Create the caches' root (mode 0700) now, so a root the broker cannot use stops it at start, by name."""
@@ -276,9 +335,9 @@ class WorkerSandbox:
         return {**self.launcher_environment(), **_cache_environment(cache)}
 
     def spec(self, cache: Path | None, keep_fds: list[int], cgroup: Path | None,
-             memory: WorkerMemory | None = None) -> dict[str, Any]:
+             memory: WorkerMemory | None = None, uid: int | None = None) -> dict[str, Any]:
         """The launcher's instructions: what to bind, what to limit (``memory``: the worker's ``worker_memory``, by
-        default that of no tenant)."""
+        default that of no tenant; ``uid``: the host uid it runs as, one of ``uids``, or None: as the broker)."""
         memory_max, shared, reserved = memory if memory is not None else self.worker_memory(None)
         ro = [*SYSTEM_RO, *self._python_paths]
         dev = list(DEVICES)
@@ -307,7 +366,7 @@ class WorkerSandbox:
         return {"ro": _existing(ro), "rw": [str(cache)] if cache is not None else [], "dev": _existing(dev),
                 # (only what the worker's environment adds to the launcher's: the rest is the operator's, and a
                 # command line is anyone's to read)
-                "keep_fds": keep_fds, "env": _cache_environment(cache), "worker_uid": self.worker_uid,
+                "keep_fds": keep_fds, "env": _cache_environment(cache), "worker_uid": uid,
                 "rlimits": rlimits, "seccomp": True, "tmp_size": self.tmp_max,
                 # PoCL links each new kernel with the system linker (posix_spawn): no other backend spawns.
                 "spawn": self.backend == "opencl",
@@ -327,8 +386,49 @@ class WorkerSandbox:
                 cgroup = self.cgroups.create(tenant, device, memory.total)
             except OSError as exc:  # (a cgroup that cannot be made costs this worker its cgroup, not its start)
                 log.warning("no cgroup for tenant %s's worker on device %d, rlimits only: %s", tenant, device, exc)
-        spec = self.spec(cache, keep_fds, cgroup, memory)
-        return Launch(self.launcher_argv(spec, worker_argv), self.launcher_environment(), cgroup, cache, memory.total)
+        launch = Launch([], self.launcher_environment(), cgroup, cache, memory.total)
+        if self.uids is not None:
+            # (the last step that may fail: nothing after it leaves the uid taken)
+            launch.uid = self.uids.take(tenant)
+            try:
+                launch.pidfd_report, launch.launcher_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            except OSError:
+                self.uids.give(launch.uid)
+                raise
+        spec = self.spec(cache, keep_fds, cgroup, memory, launch.uid)
+        if launch.launcher_end is not None:
+            spec["report_fd"] = launch.launcher_end.fileno()
+        launch.argv = self.launcher_argv(spec, worker_argv)
+        return launch
+
+    def free_uid(self, launch: Launch) -> None:
+        """Once the launcher has exited: give the worker's host uid back as soon as no process of the worker is left.
+
+        The launcher sent the worker's pidfd (before it let the worker go on to take the uid). The worker is the
+        init of its PID namespace, and the kernel ends it only after every other process there is gone, so the
+        pidfd turns readable exactly when the last process of the uid has ended. Without a pidfd, the launcher
+        ended before it let the worker go on: no process ever ran as the uid. Waiting needs the running event
+        loop (the worker, killed with its launcher, may take a moment to end)."""
+        uid, launch.uid = launch.uid, None
+        if uid is None or self.uids is None:
+            return
+        pidfd = _received_pidfd(launch.pidfd_report) if launch.pidfd_report is not None else None
+        if pidfd is None:
+            self.uids.give(uid)
+            return
+        if _exited(pidfd):
+            os.close(pidfd)
+            self.uids.give(uid)
+            return
+        loop = asyncio.get_running_loop()
+
+        def gone() -> None:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            assert self.uids is not None
+            self.uids.give(uid)
+
+        loop.add_reader(pidfd, gone)
 
     def release(self, launch: Launch) -> bool:
         """After the worker exited: remove its cgroup; whether the OOM killer ended it (blocking)."""
@@ -357,20 +457,29 @@ class WorkerSandbox:
             self._probe(None, timeout)
         log.info("workers are sandboxed: %s (%s)", self.description,
                  self.cgroup_reason if self.cgroups is not None else f"rlimits only: {self.cgroup_reason}")
+        if self.uids is not None:
+            log.info("each worker runs as a host uid of its own, from worker_uids %d-%d", self.uids.first,
+                     self.uids.last)
         if self.pids_max and not self.pids_enforced:
             log.warning("worker_pids_max = %d is not enforced by the kernel: the broker runs as root, which the "
-                        "kernel never holds to RLIMIT_NPROC, there is no pids cgroup, and worker_uid = 0 runs the "
+                        "kernel never holds to RLIMIT_NPROC, there is no pids cgroup, and worker_uids = 0 runs the "
                         "workers as root. The front kills a worker seen with more threads (it looks every 0.5 s: a "
                         "kernel may make thousands before), charged to its tenant", self.pids_max)
 
     def _probe(self, cgroup: Path | None, timeout: float) -> None:
+        # As a worker runs: as a uid of the range (any one, the GPU's nodes must open for all), given back once the
+        # launcher has ended of itself (after its child, the init of the probe's namespace); one it was killed
+        # with at the timeout is never given back.
+        uid = self.uids.take("(the sandbox probe)") if self.uids is not None else None
         try:
-            argv = self.launcher_argv(self.spec(None, [], cgroup), [sys.executable, "-I", "-c", _PROBE])
+            argv = self.launcher_argv(self.spec(None, [], cgroup, uid=uid), [sys.executable, "-I", "-c", _PROBE])
             try:
                 proc = subprocess.run(argv, env=self.launcher_environment(), capture_output=True, timeout=timeout,
                                       stdin=subprocess.DEVNULL, check=False)
             except subprocess.TimeoutExpired:
                 raise SandboxUnavailable(_refusal(f"the sandbox probe did not finish within {timeout:g} s")) from None
+            if uid is not None and self.uids is not None:
+                self.uids.give(uid)
         finally:
             if cgroup is not None and self.cgroups is not None:
                 self.cgroups.release(cgroup)
@@ -416,8 +525,8 @@ try:
     raise AssertionError("memfd_create is allowed")
 except PermissionError:
     pass
-# The GPU's device nodes, as the worker's user (a root broker's workers run as worker_uid): refused here, every
-# worker's start would fail instead, charged to the device.
+# The GPU's device nodes, as the worker's user (a root broker's workers run as uids of worker_uids): refused here,
+# every worker's start would fail instead, charged to the device.
 for name in sorted(os.listdir("/dev")):
     if name in ("nvidiactl", "nvidia-uvm") or (name.startswith("nvidia") and name[6:].isdigit()):
         try:
@@ -425,9 +534,26 @@ for name in sorted(os.listdir("/dev")):
         except OSError as exc:
             raise AssertionError(f"the worker's user (uid {os.getuid()} in its namespace) cannot open /dev/{name} "
                                  f"({exc.strerror}): give it access (mode 0666, as the driver makes them) or set "
-                                 "worker_uid = 0") from None
+                                 "worker_uids = '0'") from None
 print("ok")
 """
+
+
+def _received_pidfd(report: socket.socket) -> int | None:
+    """The pidfd the launcher sent on ``report`` (which is closed), or None if it sent none before it ended."""
+    with report:
+        report.setblocking(False)
+        try:
+            _, fds, _, _ = socket.recv_fds(report, 1, 1)
+        except (BlockingIOError, OSError):
+            return None
+    return fds[0] if fds else None
+
+
+def _exited(pidfd: int) -> bool:
+    poll = select.poll()
+    poll.register(pidfd, select.POLLIN)
+    return bool(poll.poll(0))
 
 
 def _refusal(reason: str) -> str:

@@ -46,8 +46,13 @@ CLONE_VFORK = 0x00004000
 UNCOUNTED_MEMORY = ("memfd_create", "memfd_secret", "shmget", "msgget", "semget")
 # Counted per user on the host, not per worker: the kernel charges a user namespace's inotify instances and POSIX
 # message queues to its creator's uid as well (the broker's user, host-wide: root's, for a root broker), so one
-# worker could take every one of them from the host. A compute worker needs neither.
-HOST_USER_COUNTS = ("inotify_init", "inotify_init1", "mq_open")
+# worker could take every one of them from the host. And epoll: its watches count against
+# fs.epoll.max_user_watches of the host user that made the instance (the broker's, for a broker that is not root,
+# whose workers all run as its own uid), ~160 bytes of kernel memory each that no rlimit counts; no bound on
+# instances would do (one instance may watch each open file under each descriptor number it ever had). So no
+# instance: the worker waits with poll(2) (Python's selectors fall back to it), as PoCL and, as far as is known,
+# CUDA's own threads do. A compute worker needs none of these.
+HOST_USER_COUNTS = ("inotify_init", "inotify_init1", "mq_open", "epoll_create", "epoll_create1")
 # Signals aimed at a process (argument 0): only pid 1 (itself) passes; not 0 (its process group), -1 (every
 # process it may signal) or a negative group.
 SIGNALS_TO_PID = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open")

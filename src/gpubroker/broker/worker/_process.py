@@ -53,7 +53,8 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
     """Serve the front and any client links until the front closes its socket; returns the exit code."""
     server.front = sock
     links = server.links
-    selector = selectors.DefaultSelector()
+    # poll(2), never epoll: the sandbox refuses epoll instances (sandbox/_seccomp.py, HOST_USER_COUNTS).
+    selector = selectors.PollSelector()
     selector.register(sock, selectors.EVENT_READ)
     front_poll = select.poll()
     front_poll.register(sock, select.POLLIN)

@@ -230,9 +230,9 @@ class WorkerClient:
                 # setpriority(PRIO_PGRP, 0)) would otherwise reach (the sandbox's worker makes one of its own too).
                 # The front ends workers by pid; a launcher dies with the front (PR_SET_PDEATHSIG), an unsandboxed
                 # worker at its channel's end-of-file.
-                self.process = subprocess.Popen(self._launch.argv, env=self._launch.env, pass_fds=fds,
-                                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                stderr=subprocess.PIPE, start_new_session=True)
+                self.process = subprocess.Popen(self._launch.argv, env=self._launch.env,
+                                                pass_fds=[*fds, *self._launch.launcher_fds], stdin=subprocess.DEVNULL,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
                 self.cpu = WorkerCpu(self.process.pid)
                 self.output.pid = self.process.pid
                 assert self.process.stdout is not None and self.process.stderr is not None
@@ -247,6 +247,8 @@ class WorkerClient:
         finally:
             child.close()
             fd_child.close()
+            if self._launch is not None:
+                self._launch.started()
         reader, self._writer = await asyncio.open_unix_connection(sock=parent, limit=1 << 20)
         try:
             _, status, result = await asyncio.wait_for(read_reply(reader, self.max_reply_bytes), timeout)
@@ -632,9 +634,14 @@ class WorkerClient:
             await self._release()
 
     async def _release(self) -> None:
-        """Once the worker is gone: remove its cgroup (once), noting an OOM kill there."""
+        """Once the launcher is gone: remove the worker's cgroup (once), noting an OOM kill there, and give its host
+        uid back once its last process has ended."""
         launch, self._launch = self._launch, None
-        if launch is not None and launch.cgroup is not None:
+        if launch is None:
+            return
+        launch.started()  # (a start that failed before its Popen)
+        self.sandbox.free_uid(launch)
+        if launch.cgroup is not None:
             self.oom_killed = await asyncio.to_thread(self.sandbox.release, launch) or self.oom_killed
 
     async def _wait(self, timeout: float | None) -> int:
