@@ -155,7 +155,7 @@ def workers(broker: BrokerProcess, tenant: str | None = None) -> list[int]:
             args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"gpubroker.broker.workers" in args and b"--spec" not in args and (
+        if b"gpubroker.broker.worker" in args and b"--spec" not in args and (
                 tenant is None or tenant.encode() in args):
             found.append(pid)
     return found
@@ -174,7 +174,7 @@ def no_workers_left(broker: BrokerProcess) -> None:
 def device_health(broker: BrokerProcess) -> str:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from gpubroker.broker.server._health import device_service
+    from gpubroker.broker.front._health import device_service
     from gpubroker.client._channel import make_channel
 
     channel, _ = make_channel(broker.target, broker.tokens["bob"])
