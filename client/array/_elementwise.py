@@ -3,7 +3,7 @@
 Every function checks its operands' dtypes against the standard's category for it (TypeError otherwise, as
 array-api-strict does), promotes (``_dtypes.promote``; a Python scalar takes ``_dtypes.scalar_dtype``) and
 broadcasts, then queues one kernel (``Kernels.elementwise``) that converts each operand to the promoted dtype as it
-reads it: a promotion costs no separate copy. The operation table and its C live in ``_kernels``.
+reads it: a promotion costs no separate copy. The operation table and its C live in ``_op_table``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 from ._array import Array, empty_array
 from ._context import View, broadcast_shapes, broadcast_view
 from ._dtypes import ALL_DTYPES, promote, scalar_dtype
-from ._kernels import result_dtype
+from ._op_table import result_dtype
 
 if TYPE_CHECKING:
     from ._context import Context

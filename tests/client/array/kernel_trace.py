@@ -33,6 +33,7 @@ from gpubroker.client import Buffer, GpuBrokerError, Kernel
 from gpubroker.client.array import namespace
 from gpubroker.client.array._context import Context
 from gpubroker.client.array._gather import IndexOperand, gather
+from gpubroker.client.array._op_table import ELEMENTWISE_OPS
 
 DIGESTS = Path(__file__).with_name("kernel_trace.json")
 
@@ -137,8 +138,6 @@ def _layouts(ctx: Context, dtype: np.dtype[Any]) -> Iterator[tuple[str, Any]]:
 
 
 def case_elementwise(device: str, fn: str) -> Iterator[str]:
-    from gpubroker.client.array._kernels import ELEMENTWISE_OPS
-
     gpu = TraceGpu(device)
     ctx = Context(gpu)
     op = ELEMENTWISE_OPS[fn]
@@ -195,8 +194,6 @@ def case_promotions(device: str) -> Iterator[str]:
     for fn in ("add", "multiply", "equal", "less", "maximum", "pow", "atan2", "bitwise_and", "logical_and",
                "floor_divide", "remainder", "abs", "real", "sign"):
         for a, b in itertools.product(DTYPES, repeat=2):
-            from gpubroker.client.array._kernels import ELEMENTWISE_OPS
-
             arity = ELEMENTWISE_OPS[fn].arity
             ins = [_views(ctx, a, (5, 3)), _views(ctx, b, (5, 3))][:arity]
             for out_dtype in (a, np.dtype(np.float64), np.dtype(np.bool_)):
@@ -473,8 +470,6 @@ def case_namespace(device: str) -> Iterator[str]:
 
 # -- the cases, digested ------------------------------------------------------------------------------------------
 def cases() -> dict[str, Callable[[], Iterator[str]]]:
-    from gpubroker.client.array._kernels import ELEMENTWISE_OPS
-
     table: dict[str, Callable[[], Iterator[str]]] = {}
     for device in DEVICES:
         for fn in sorted(ELEMENTWISE_OPS):
