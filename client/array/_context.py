@@ -11,11 +11,9 @@ from gpubroker.client import GpuCompute
 
 from ._kernels import Kernels
 from ._memory import Memory, Storage
-from ._views import View, broadcast_shapes, broadcast_view, contiguous_strides
+from ._views import View
 
-# View, Storage and the broadcasting helpers moved to _views and _memory; the modules that take them from here
-# import them from there in the next change (the import order).
-__all__ = ["Context", "Device", "Storage", "View", "broadcast_shapes", "broadcast_view", "contiguous_strides"]
+__all__ = ["Context", "Device"]
 
 
 class Device:

@@ -12,16 +12,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from gpubroker.client import Kernel
 
-from ._context import View
-
-if TYPE_CHECKING:
-    from ._context import Context
+from ._context import Context
+from ._views import View
 
 __all__ = ["IndexOperand", "MAX_DIMS", "gather"]
 

@@ -20,12 +20,11 @@ import numpy as np
 
 from gpubroker.client import ArrayRef, library_outputs
 
-from ._array import Array, empty_array, to_host
+from ._array import Array, contiguous, empty_array, to_host
 from ._context import Context
-from ._indexing import copy_view
-from ._manipulation import astype
+from ._creation import astype
 
-__all__ = ["as_ref", "call", "cast", "contiguous", "context_of", "normalize_axis", "read_count", "read_scalar"]
+__all__ = ["as_ref", "call", "cast", "context_of", "normalize_axis", "read_count", "read_scalar"]
 
 
 def context_of(*arrays: Array) -> Context:
@@ -37,11 +36,6 @@ def context_of(*arrays: Array) -> Context:
     if any(x._ctx is not ctx for x in arrays[1:]):
         raise ValueError("arrays on different devices")
     return ctx
-
-
-def contiguous(x: Array) -> Array:
-    """``x`` itself if it is C-contiguous, else a contiguous copy (what a library operation takes)."""
-    return x if x._view.contiguous else copy_view(x)
 
 
 def cast(x: Array, dtype: np.dtype[Any]) -> Array:

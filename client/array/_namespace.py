@@ -15,6 +15,8 @@ from typing import Any
 
 from gpubroker.client import GpuCompute
 
+from . import _elementwise, _indexing, _linear
+from ._array import Operators, install_operators
 from ._context import Context
 
 __all__ = ["Namespace", "namespace", "namespace_of", "release_memory"]
@@ -159,3 +161,13 @@ def release_memory(gpu: GpuCompute) -> None:
     ns = getattr(gpu, "_array_namespace", None)
     if ns is not None:
         ns._ctx.release_memory()
+
+
+# The array object's operators are functions of the modules above _array: installed here, at the top of the
+# package's import order.
+install_operators(Operators(
+    binary=_elementwise.binary, inplace=_elementwise.inplace, inplace_result=_elementwise.inplace_result,
+    negative=_elementwise.negative, positive=_elementwise.positive, abs=_elementwise.abs,
+    bitwise_invert=_elementwise.bitwise_invert, matmul=_linear.matmul, getitem=_indexing.getitem,
+    setitem=_indexing.setitem, namespace=namespace_of,
+))
