@@ -1,7 +1,7 @@
 """``gpubroker.client.array``: the Python Array API standard (2024.12) on a gpubroker device.
 
 ``xp = gpubroker.client.array.namespace(gpu)`` for any GpuCompute (a RemoteGpu or an in-process backend); see the
-SDK guide's "Arrays" page (docs/sdk/arrays.md). Elementwise functions
+SDK guide's "Arrays" page (docs/sdk/arrays.md). ``_standard`` lists what the namespace holds. Elementwise functions
 and reductions run as kernels generated from operations declared as data (``_op_table``, ``_reductions``) and the
 C of ``csrc/``; matmul, linalg, fft, sorting and set functions run as library operations in the worker
 (``GpuCompute.run_library``).
@@ -9,7 +9,7 @@ C of ``csrc/``; matmul, linalg, fft, sorting and set functions run as library op
 The modules import one another in one order, lowest first: ``_dtypes``, ``_views``, ``_memory``; the kernels
 (``_csource``, ``_op_table``, ``_reductions``, ``_kernel_source``, ``_kernels``); ``_context``, ``_gather``;
 ``_array``; the functions (``_elementwise``, ``_creation``, ``_library_calls``, ``_statistical``, ``_indexing``,
-``_manipulation``, then the rest); ``_namespace`` last, which installs the array's operators.
+``_manipulation``, then the rest); ``_standard`` and ``_namespace`` last, which installs the array's operators.
 """
 
 from ._array import Array
