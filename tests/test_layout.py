@@ -114,6 +114,7 @@ def test_setuptools_finds_the_packages_and_the_wheel_holds_no_benchmarks(tmp_pat
     names = zipfile.ZipFile(wheel).namelist()
     for expected in ("gpubroker/wire/commands.py", "gpubroker/client/array/__init__.py",
                      "gpubroker/broker/front/_server.py", "gpubroker/broker/worker/__main__.py",
-                     "gpubroker/v1/broker.proto", "gpubroker/v1/broker_pb2.pyi", "gpubroker/loadtest/__init__.py"):
+                     "gpubroker/v1/broker.proto", "gpubroker/v1/broker_pb2.pyi", "gpubroker/loadtest/__init__.py",
+                     "gpubroker/client/array/csrc/prelude.h", "gpubroker/client/array/csrc/reduce.c.in"):
         assert expected in names
     assert not [n for n in names if n.startswith(("gpubroker_bench/", "bench/", "tests/"))]

@@ -10,8 +10,12 @@ import numpy as np
 import pytest
 
 from gpubroker.broker.backends import open_backend
-from gpubroker.client.array._context import Context, View
-from gpubroker.client.array._kernels import ELEMENTWISE_OPS, REDUCTIONS, _collapse, _source, ctype
+from gpubroker.client.array._context import Context
+from gpubroker.client.array._csource import ctype, source
+from gpubroker.client.array._kernels import collapse
+from gpubroker.client.array._op_table import ELEMENTWISE_OPS
+from gpubroker.client.array._reductions import REDUCTIONS
+from gpubroker.client.array._views import View
 
 DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float32", "float64",
           "complex64", "complex128"]
@@ -138,11 +142,11 @@ def test_a_second_call_compiles_and_uploads_nothing(ctx: Context) -> None:
 
 
 def test_collapse_merges_what_addresses_alike() -> None:
-    assert _collapse((4, 5, 6), [(30, 6, 1), (30, 6, 1)]) == ([120], [[1], [1]])
-    assert _collapse((4, 1, 6), [(6, 6, 1), (0, 0, 1)]) == ([4, 6], [[6, 1], [0, 1]])
-    assert _collapse((4, 5, 6), [(30, 6, 1), (0, 0, 0)]) == ([120], [[1], [0]])
-    assert _collapse((4, 6), [(1, 4), (6, 1)]) == ([4, 6], [[1, 4], [6, 1]])
-    assert _collapse((1, 1), [(1, 1)]) == ([], [[]])
+    assert collapse((4, 5, 6), [(30, 6, 1), (30, 6, 1)]) == ([120], [[1], [1]])
+    assert collapse((4, 1, 6), [(6, 6, 1), (0, 0, 1)]) == ([4, 6], [[6, 1], [0, 1]])
+    assert collapse((4, 5, 6), [(30, 6, 1), (0, 0, 0)]) == ([120], [[1], [0]])
+    assert collapse((4, 6), [(1, 4), (6, 1)]) == ([4, 6], [[1, 4], [6, 1]])
+    assert collapse((1, 1), [(1, 1)]) == ([], [[]])
 
 
 @pytest.mark.parametrize("dtype", ["int32", "uint8", "float32", "float64", "complex64"])
@@ -193,11 +197,12 @@ def test_supports_reports_double_precision(ctx: Context) -> None:
 
 
 def test_generated_source_targets_both_languages() -> None:
-    source = _source({"F32", "C64", "I64"}, "KERNEL void k(GLOBAL C64* o) { o[0] = C64_exp(o[0]); }\n")
-    assert "#ifdef __OPENCL_VERSION__" in source and 'extern "C" __global__' in source
-    assert "cl_khr_fp64" not in source  # only where a dtype needs double
-    assert "C64_exp" in source and "C64_sqrt" not in source  # only the helpers the kernel uses
-    assert "cl_khr_fp64" in _source({"F64"}, "KERNEL void k(GLOBAL F64* o) { o[0] = 1; }\n")
+    text = source({"F32", "C64", "I64"}, "KERNEL void k(GLOBAL C64* o) { o[0] = C64_exp(o[0]); }\n")
+    assert "#ifdef __OPENCL_VERSION__" in text and 'extern "C" __global__' in text
+    assert "cl_khr_fp64" not in text  # only where a dtype needs double
+    assert "C64_exp" in text and "C64_sqrt" not in text  # only the helpers the kernel uses
+    assert "//" not in text.split("KERNEL void k")[0]  # the files' descriptions stay out of the source
+    assert "cl_khr_fp64" in source({"F64"}, "KERNEL void k(GLOBAL F64* o) { o[0] = 1; }\n")
 
 
 def test_operation_table_is_consistent() -> None:

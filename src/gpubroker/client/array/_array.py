@@ -7,26 +7,53 @@ its memory. Operators delegate to the namespace's functions (one implementation 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from gpubroker.client.array._context import Context, Storage, View
+from gpubroker.client.array._context import Context, Device
+from gpubroker.client.array._gather import gather
+from gpubroker.client.array._memory import Storage
+from gpubroker.client.array._views import View, broadcast_view
 
-if TYPE_CHECKING:
-    from gpubroker.client.array._context import Device
-
-__all__ = ["Array", "empty_array", "to_host", "wrap"]
+__all__ = ["Array", "Operators", "contiguous", "copy_into", "copy_view", "empty_array", "install_operators",
+           "to_host", "wrap"]
 
 _KDLCPU = 1  # DLPack's DLDeviceType for host memory
 
 
-def _ew() -> Any:
-    """The elementwise module (imported late: it imports this one)."""
-    from gpubroker.client.array import _elementwise
+@dataclass(frozen=True, slots=True)
+class Operators:
+    """The functions that the array's operators, subscripts and ``__array_namespace__`` are: the namespace's own
+    (one implementation of each meaning). The modules that implement them make arrays, so they sit above this one
+    in the import order; ``_namespace``, which imports them all, installs them here once (``install_operators``)."""
 
-    return _elementwise
+    binary: Callable[[str, Array | complex, Array | complex], Array]
+    """An elementwise function of two operands by its name: ``binary("add", x1, x2)`` is ``add(x1, x2)``."""
+    inplace: Callable[[str, Array, Array | complex], Array]
+    """``x <op>= other``: the named function computed into x's memory."""
+    inplace_result: Callable[[Array, Array], Array]
+    """``x @= y``: a result copied into x's memory."""
+    negative: Callable[[Array], Array]
+    positive: Callable[[Array], Array]
+    abs: Callable[[Array], Array]
+    bitwise_invert: Callable[[Array], Array]
+    matmul: Callable[[Array, Array], Array]
+    getitem: Callable[[Array, Any], Array]
+    setitem: Callable[[Array, Any, Any], None]
+    namespace: Callable[[Context, str | None], Any]
+    """The namespace of a context's arrays (for the api_version asked)."""
+
+
+_operators: Operators  # set by install_operators when the package is imported
+
+
+def install_operators(operators: Operators) -> None:
+    """Make ``operators`` what every array's operators call (``_namespace`` does, at import)."""
+    global _operators
+    _operators = operators
 
 
 class Array:
@@ -82,28 +109,28 @@ class Array:
         return self._ctx.device
 
     def __array_namespace__(self, /, *, api_version: str | None = None) -> Any:
-        from gpubroker.client.array._namespace import namespace_of
-
-        return namespace_of(self._ctx, api_version)
+        return _operators.namespace(self._ctx, api_version)
 
     @property
     def T(self) -> Array:
         """The transpose of a 2-d array (a view); ValueError for any other rank (the standard's rule)."""
         if self.ndim != 2:
             raise ValueError(f"x.T needs a 2-d array, this one has {self.ndim} dimensions (use permute_dims or mT)")
-        from gpubroker.client.array._manipulation import permute_dims
-
-        return permute_dims(self, (1, 0))
+        return self._permuted((1, 0))
 
     @property
     def mT(self) -> Array:
         """The last two axes swapped (a view); ValueError below 2 dimensions."""
         if self.ndim < 2:
             raise ValueError(f"x.mT needs at least 2 dimensions, this array has {self.ndim}")
-        from gpubroker.client.array._manipulation import permute_dims
+        return self._permuted((*range(self.ndim - 2), self.ndim - 1, self.ndim - 2))
 
-        axes = (*range(self.ndim - 2), self.ndim - 1, self.ndim - 2)
-        return permute_dims(self, axes)
+    def _permuted(self, axes: tuple[int, ...]) -> Array:
+        """The view with axis ``i`` this array's axis ``axes[i]`` (``axes`` a permutation: ``permute_dims``'s
+        view without its checks)."""
+        v = self._view
+        view = View(v.buffer, v.dtype, tuple(v.shape[a] for a in axes), tuple(v.strides[a] for a in axes), v.offset)
+        return Array(self._ctx, self._storage, view)
 
     def to_device(self, device: Device, /, *, stream: int | Any | None = None) -> Array:
         """This array on ``device``: itself where ``device`` is its own; one namespace has one device, so any
@@ -184,169 +211,159 @@ class Array:
 
     # -- indexing ------------------------------------------------------------------------------------
     def __getitem__(self, key: Any, /) -> Array:
-        from gpubroker.client.array._indexing import getitem
-
-        return getitem(self, key)
+        return _operators.getitem(self, key)
 
     def __setitem__(self, key: Any, value: Array | complex, /) -> None:
-        from gpubroker.client.array._indexing import setitem
-
-        setitem(self, key, value)
+        _operators.setitem(self, key, value)
 
 
     # -- operators: each is the namespace function of the same meaning (one implementation) -------------
     def __add__(self, other: Array | complex, /) -> Array:
-        return _ew().add(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("add", self, other)
 
     def __radd__(self, other: Array | complex, /) -> Array:
-        return _ew().add(other, self)  # type: ignore[no-any-return]
+        return _operators.binary("add", other, self)
 
     def __iadd__(self, other: Array | complex, /) -> Array:
-        return _ew().inplace("add", self, other)  # type: ignore[no-any-return]
+        return _operators.inplace("add", self, other)
 
     def __sub__(self, other: Array | complex, /) -> Array:
-        return _ew().subtract(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("subtract", self, other)
 
     def __rsub__(self, other: Array | complex, /) -> Array:
-        return _ew().subtract(other, self)  # type: ignore[no-any-return]
+        return _operators.binary("subtract", other, self)
 
     def __isub__(self, other: Array | complex, /) -> Array:
-        return _ew().inplace("subtract", self, other)  # type: ignore[no-any-return]
+        return _operators.inplace("subtract", self, other)
 
     def __mul__(self, other: Array | complex, /) -> Array:
-        return _ew().multiply(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("multiply", self, other)
 
     def __rmul__(self, other: Array | complex, /) -> Array:
-        return _ew().multiply(other, self)  # type: ignore[no-any-return]
+        return _operators.binary("multiply", other, self)
 
     def __imul__(self, other: Array | complex, /) -> Array:
-        return _ew().inplace("multiply", self, other)  # type: ignore[no-any-return]
+        return _operators.inplace("multiply", self, other)
 
     def __truediv__(self, other: Array | complex, /) -> Array:
-        return _ew().divide(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("divide", self, other)
 
     def __rtruediv__(self, other: Array | complex, /) -> Array:
-        return _ew().divide(other, self)  # type: ignore[no-any-return]
+        return _operators.binary("divide", other, self)
 
     def __itruediv__(self, other: Array | complex, /) -> Array:
-        return _ew().inplace("divide", self, other)  # type: ignore[no-any-return]
+        return _operators.inplace("divide", self, other)
 
     def __floordiv__(self, other: Array | complex, /) -> Array:
-        return _ew().floor_divide(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("floor_divide", self, other)
 
     def __rfloordiv__(self, other: Array | complex, /) -> Array:
-        return _ew().floor_divide(other, self)  # type: ignore[no-any-return]
+        return _operators.binary("floor_divide", other, self)
 
     def __ifloordiv__(self, other: Array | complex, /) -> Array:
-        return _ew().inplace("floor_divide", self, other)  # type: ignore[no-any-return]
+        return _operators.inplace("floor_divide", self, other)
 
     def __mod__(self, other: Array | complex, /) -> Array:
-        return _ew().remainder(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("remainder", self, other)
 
     def __rmod__(self, other: Array | complex, /) -> Array:
-        return _ew().remainder(other, self)  # type: ignore[no-any-return]
+        return _operators.binary("remainder", other, self)
 
     def __imod__(self, other: Array | complex, /) -> Array:
-        return _ew().inplace("remainder", self, other)  # type: ignore[no-any-return]
+        return _operators.inplace("remainder", self, other)
 
     def __pow__(self, other: Array | complex, /) -> Array:
-        return _ew().pow(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("pow", self, other)
 
     def __rpow__(self, other: Array | complex, /) -> Array:
-        return _ew().pow(other, self)  # type: ignore[no-any-return]
+        return _operators.binary("pow", other, self)
 
     def __ipow__(self, other: Array | complex, /) -> Array:
-        return _ew().inplace("pow", self, other)  # type: ignore[no-any-return]
+        return _operators.inplace("pow", self, other)
 
     def __and__(self, other: Array | complex, /) -> Array:
-        return _ew().bitwise_and(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("bitwise_and", self, other)
 
     def __rand__(self, other: Array | complex, /) -> Array:
-        return _ew().bitwise_and(other, self)  # type: ignore[no-any-return]
+        return _operators.binary("bitwise_and", other, self)
 
     def __iand__(self, other: Array | complex, /) -> Array:
-        return _ew().inplace("bitwise_and", self, other)  # type: ignore[no-any-return]
+        return _operators.inplace("bitwise_and", self, other)
 
     def __or__(self, other: Array | complex, /) -> Array:
-        return _ew().bitwise_or(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("bitwise_or", self, other)
 
     def __ror__(self, other: Array | complex, /) -> Array:
-        return _ew().bitwise_or(other, self)  # type: ignore[no-any-return]
+        return _operators.binary("bitwise_or", other, self)
 
     def __ior__(self, other: Array | complex, /) -> Array:
-        return _ew().inplace("bitwise_or", self, other)  # type: ignore[no-any-return]
+        return _operators.inplace("bitwise_or", self, other)
 
     def __xor__(self, other: Array | complex, /) -> Array:
-        return _ew().bitwise_xor(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("bitwise_xor", self, other)
 
     def __rxor__(self, other: Array | complex, /) -> Array:
-        return _ew().bitwise_xor(other, self)  # type: ignore[no-any-return]
+        return _operators.binary("bitwise_xor", other, self)
 
     def __ixor__(self, other: Array | complex, /) -> Array:
-        return _ew().inplace("bitwise_xor", self, other)  # type: ignore[no-any-return]
+        return _operators.inplace("bitwise_xor", self, other)
 
     def __lshift__(self, other: Array | complex, /) -> Array:
-        return _ew().bitwise_left_shift(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("bitwise_left_shift", self, other)
 
     def __rlshift__(self, other: Array | complex, /) -> Array:
-        return _ew().bitwise_left_shift(other, self)  # type: ignore[no-any-return]
+        return _operators.binary("bitwise_left_shift", other, self)
 
     def __ilshift__(self, other: Array | complex, /) -> Array:
-        return _ew().inplace("bitwise_left_shift", self, other)  # type: ignore[no-any-return]
+        return _operators.inplace("bitwise_left_shift", self, other)
 
     def __rshift__(self, other: Array | complex, /) -> Array:
-        return _ew().bitwise_right_shift(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("bitwise_right_shift", self, other)
 
     def __rrshift__(self, other: Array | complex, /) -> Array:
-        return _ew().bitwise_right_shift(other, self)  # type: ignore[no-any-return]
+        return _operators.binary("bitwise_right_shift", other, self)
 
     def __irshift__(self, other: Array | complex, /) -> Array:
-        return _ew().inplace("bitwise_right_shift", self, other)  # type: ignore[no-any-return]
+        return _operators.inplace("bitwise_right_shift", self, other)
 
     def __lt__(self, other: Array | complex, /) -> Array:
-        return _ew().less(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("less", self, other)
 
     def __le__(self, other: Array | complex, /) -> Array:
-        return _ew().less_equal(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("less_equal", self, other)
 
     def __gt__(self, other: Array | complex, /) -> Array:
-        return _ew().greater(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("greater", self, other)
 
     def __ge__(self, other: Array | complex, /) -> Array:
-        return _ew().greater_equal(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("greater_equal", self, other)
 
     def __eq__(self, other: Array | complex, /) -> Array:  # type: ignore[override]
-        return _ew().equal(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("equal", self, other)
 
     def __ne__(self, other: Array | complex, /) -> Array:  # type: ignore[override]
-        return _ew().not_equal(self, other)  # type: ignore[no-any-return]
+        return _operators.binary("not_equal", self, other)
 
     def __matmul__(self, other: Array, /) -> Array:
-        from gpubroker.client.array._linear import matmul
-
-        return matmul(self, other)
+        return _operators.matmul(self, other)
 
     def __rmatmul__(self, other: Array, /) -> Array:
-        from gpubroker.client.array._linear import matmul
-
-        return matmul(other, self)
+        return _operators.matmul(other, self)
 
     def __imatmul__(self, other: Array, /) -> Array:
-        from gpubroker.client.array._linear import matmul
-
-        return _ew().inplace_result(self, matmul(self, other))  # type: ignore[no-any-return]
+        return _operators.inplace_result(self, _operators.matmul(self, other))
 
     def __neg__(self, /) -> Array:
-        return _ew().negative(self)  # type: ignore[no-any-return]
+        return _operators.negative(self)
 
     def __pos__(self, /) -> Array:
-        return _ew().positive(self)  # type: ignore[no-any-return]
+        return _operators.positive(self)
 
     def __abs__(self, /) -> Array:
-        return _ew().abs(self)  # type: ignore[no-any-return]
+        return _operators.abs(self)
 
     def __invert__(self, /) -> Array:
-        return _ew().bitwise_invert(self)  # type: ignore[no-any-return]
+        return _operators.bitwise_invert(self)
 
     __hash__ = None  # type: ignore[assignment]  # mutable, and == is elementwise
 
@@ -366,6 +383,37 @@ def wrap(ctx: Context, storage: Storage, view: View) -> Array:
     return Array(ctx, storage, view)
 
 
+def copy_view(x: Array) -> Array:
+    """A fresh contiguous copy of ``x`` (same dtype), made on the device."""
+    out = empty_array(x._ctx, x.shape, x.dtype)
+    gather(x._ctx, out._view, x._view)
+    return out
+
+
+def contiguous(x: Array) -> Array:
+    """``x`` itself where its view is C-contiguous, else a contiguous copy (what a library operation takes)."""
+    return x if x._view.contiguous else copy_view(x)
+
+
+def copy_into(out: Array, src: View) -> None:
+    """Queue ``out[...] = src`` (``src`` broadcast to ``out.shape``; cast where the dtypes differ). A source that
+    shares memory with ``out`` is copied aside first: a parallel copy between overlapping ranges would race."""
+    ctx = out._ctx
+    view = broadcast_view(src, out.shape)
+    if src.buffer.handle == out._view.buffer.handle:
+        aside = empty_array(ctx, src.shape, src.dtype)
+        gather(ctx, aside._view, _as_rank(src, len(src.shape)))
+        view = broadcast_view(aside._view, out.shape)
+    if view.dtype == out.dtype:
+        gather(ctx, out._view, view)
+    else:
+        ctx.kernels.copy(out._view, view)
+
+
+def _as_rank(view: View, ndim: int) -> View:
+    return view if len(view.strides) == ndim else broadcast_view(view, view.shape)
+
+
 def to_host(x: Array) -> np.ndarray[Any, Any]:
     """A fresh numpy array with ``x``'s values (waits for the work queued before it). A view that is not
     contiguous is first made contiguous on the device, so only its own elements cross."""
@@ -374,8 +422,6 @@ def to_host(x: Array) -> np.ndarray[Any, Any]:
     if host.size == 0:
         return host
     if not view.contiguous:
-        from gpubroker.client.array._indexing import copy_view
-
         x = copy_view(x)
         view = x._view
     x._ctx.gpu.copy_d2h(view.buffer, host.reshape(-1).view(np.uint8), view.offset * view.dtype.itemsize)

@@ -1,5 +1,5 @@
 """Creation functions: arrays from host data (``asarray``, ``from_dlpack``), from nothing (``zeros``, ``arange``,
-``eye``, ...) and from other arrays' shapes (``zeros_like``, ``tril``, ``meshgrid``, ...).
+``eye``, ...) and from other arrays (``zeros_like``, ``astype``, ``tril``, ``meshgrid``, ...).
 
 Functions that make an array from nothing take the namespace's Context as their first parameter (the namespace
 binds it). Host data crosses once, with ``copy_h2d``; everything else is device work queued without a wait.
@@ -9,21 +9,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from gpubroker.client.array._array import Array, empty_array, to_host
-from gpubroker.client.array._context import View
+from gpubroker.client.array._array import Array, copy_into, copy_view, empty_array, to_host
+from gpubroker.client.array._context import Context, Device
 from gpubroker.client.array._dtypes import ALL_DTYPES
+from gpubroker.client.array._elementwise import greater_equal, less_equal, subtract, where
 from gpubroker.client.array._gather import gather
-from gpubroker.client.array._indexing import copy_view
+from gpubroker.client.array._views import View
 
-if TYPE_CHECKING:
-    from gpubroker.client.array._context import Context, Device
-
-__all__ = ["arange", "asarray", "empty", "empty_like", "eye", "from_dlpack", "full", "full_like", "linspace",
-           "meshgrid", "ones", "ones_like", "tril", "triu", "zeros", "zeros_like"]
+__all__ = ["arange", "asarray", "astype", "empty", "empty_like", "eye", "from_dlpack", "full", "full_like",
+           "linspace", "meshgrid", "ones", "ones_like", "tril", "triu", "zeros", "zeros_like"]
 
 Scalar = bool | int | float | complex
 _I64 = np.dtype("int64")
@@ -176,8 +174,6 @@ def asarray(ctx: Context, obj: Any, /, *, dtype: Any = None, device: Device | No
             return copy_view(obj) if copy else obj
         if copy is False:
             raise ValueError(f"asarray(copy=False) cannot change the dtype from {obj.dtype} to {want}")
-        from gpubroker.client.array._manipulation import astype
-
         return astype(obj, want)
     if copy is False:
         raise ValueError(f"asarray(copy=False): a {type(obj).__name__} must be copied to the device")
@@ -315,8 +311,6 @@ def linspace(ctx: Context, start: Any, stop: Any, /, num: int, *,
     divisions = num - 1 if endpoint else num
     if dt.kind == "c":  # rare: computed on the host
         host = np.linspace(complex(start), complex(stop), num, endpoint=endpoint).astype(dt)
-        from gpubroker.client.array._indexing import copy_into
-
         copy_into(out, upload(ctx, host)._view)
         return out
     step = (float(stop) - float(start)) / divisions if divisions else 0.0
@@ -373,13 +367,28 @@ def full_like(x: Array, /, fill_value: Scalar, *, dtype: Any = None, device: Dev
     return out
 
 
+def astype(x: Array, dtype: Any, /, *, copy: bool = True, device: Any = None) -> Array:
+    """``x`` as ``dtype``: itself where nothing changes and ``copy`` is False, else a fresh array. Complex to
+    real is a TypeError (the standard: take ``real`` first); bool casts to 0/1, nonzero numbers to True."""
+    if not isinstance(x, Array):
+        raise TypeError(f"expected an array, got {type(x).__name__}")
+    check_device(x._ctx, device)
+    dt = require_dtype(x._ctx, dtype)
+    if x.dtype.kind == "c" and dt.kind != "c":
+        raise TypeError(f"casting {x.dtype} to {dt} drops the imaginary part: take real() first")
+    if dt == x.dtype:
+        return copy_view(x) if copy else x
+    out = empty_array(x._ctx, x.shape, dt)
+    if out.size:
+        x._ctx.kernels.copy(out._view, x._view)
+    return out
+
+
 def _triangle(x: Array, k: int, lower: bool) -> Array:
     if not isinstance(x, Array):
         raise TypeError(f"expected an array, got {type(x).__name__}")
     if x.ndim < 2:
         raise ValueError(f"tril/triu need at least 2 dimensions, got shape {x.shape}")
-    from gpubroker.client.array._elementwise import greater_equal, less_equal, subtract, where
-
     ctx = x._ctx
     n, m = x.shape[-2:]
     rows = arange(ctx, n)

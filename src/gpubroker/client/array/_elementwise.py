@@ -3,7 +3,7 @@
 Every function checks its operands' dtypes against the standard's category for it (TypeError otherwise, as
 array-api-strict does), promotes (``_dtypes.promote``; a Python scalar takes ``_dtypes.scalar_dtype``) and
 broadcasts, then queues one kernel (``Kernels.elementwise``) that converts each operand to the promoted dtype as it
-reads it: a promotion costs no separate copy. The operation table and its C live in ``_kernels``.
+reads it: a promotion costs no separate copy. The operation table and its C live in ``_op_table``.
 """
 
 from __future__ import annotations
@@ -11,17 +11,15 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import numpy as np
 
 from gpubroker.client.array._array import Array, empty_array
-from gpubroker.client.array._context import View, broadcast_shapes, broadcast_view
+from gpubroker.client.array._context import Context
 from gpubroker.client.array._dtypes import ALL_DTYPES, promote, scalar_dtype
-from gpubroker.client.array._kernels import result_dtype
-
-if TYPE_CHECKING:
-    from gpubroker.client.array._context import Context
+from gpubroker.client.array._op_table import result_dtype
+from gpubroker.client.array._views import View, broadcast_shapes, broadcast_view
 
 __all__ = [
     "abs", "acos", "acosh", "add", "as_operand", "asin", "asinh", "atan", "atan2", "atanh", "bitwise_and",
@@ -169,7 +167,8 @@ def _with_scalar(fn: str, category: frozenset[np.dtype[Any]], dtype: np.dtype[An
     return out
 
 
-def _binary(fn: str, x1: Array | Scalar, x2: Array | Scalar) -> Array:
+def binary(fn: str, x1: Array | Scalar, x2: Array | Scalar) -> Array:
+    """The elementwise function ``fn`` of two operands (what the array's binary operators call)."""
     ctx, v1, v2, dtype = _operands(fn, _BINARY[fn], x1, x2)
     return _launch(fn, ctx, [v1, v2], dtype)
 
@@ -334,122 +333,122 @@ def trunc(x: Array, /) -> Array:
 
 # -- binary functions ---------------------------------------------------------------------------------------------
 def add(x1: Array | complex, x2: Array | complex, /) -> Array:
-    return _binary("add", x1, x2)
+    return binary("add", x1, x2)
 
 
 def atan2(x1: Array | float, x2: Array | float, /) -> Array:
-    return _binary("atan2", x1, x2)
+    return binary("atan2", x1, x2)
 
 
 def bitwise_and(x1: Array | int, x2: Array | int, /) -> Array:
-    return _binary("bitwise_and", x1, x2)
+    return binary("bitwise_and", x1, x2)
 
 
 def bitwise_left_shift(x1: Array | int, x2: Array | int, /) -> Array:
     """``x1 << x2``; a shift past the width gives 0 (a negative shift is not defined by the standard: 0)."""
-    return _binary("bitwise_left_shift", x1, x2)
+    return binary("bitwise_left_shift", x1, x2)
 
 
 def bitwise_or(x1: Array | int, x2: Array | int, /) -> Array:
-    return _binary("bitwise_or", x1, x2)
+    return binary("bitwise_or", x1, x2)
 
 
 def bitwise_right_shift(x1: Array | int, x2: Array | int, /) -> Array:
     """``x1 >> x2`` (arithmetic for signed integers); a shift past the width gives 0 or -1."""
-    return _binary("bitwise_right_shift", x1, x2)
+    return binary("bitwise_right_shift", x1, x2)
 
 
 def bitwise_xor(x1: Array | int, x2: Array | int, /) -> Array:
-    return _binary("bitwise_xor", x1, x2)
+    return binary("bitwise_xor", x1, x2)
 
 
 def copysign(x1: Array | float, x2: Array | float, /) -> Array:
-    return _binary("copysign", x1, x2)
+    return binary("copysign", x1, x2)
 
 
 def divide(x1: Array | complex, x2: Array | complex, /) -> Array:
-    return _binary("divide", x1, x2)
+    return binary("divide", x1, x2)
 
 
 def equal(x1: Array | complex, x2: Array | complex, /) -> Array:
-    return _binary("equal", x1, x2)
+    return binary("equal", x1, x2)
 
 
 def floor_divide(x1: Array | float, x2: Array | float, /) -> Array:
     """Python's ``//``: rounds toward -inf; an integer division by zero gives 0 (it never traps the device)."""
-    return _binary("floor_divide", x1, x2)
+    return binary("floor_divide", x1, x2)
 
 
 def greater(x1: Array | float, x2: Array | float, /) -> Array:
-    return _binary("greater", x1, x2)
+    return binary("greater", x1, x2)
 
 
 def greater_equal(x1: Array | float, x2: Array | float, /) -> Array:
-    return _binary("greater_equal", x1, x2)
+    return binary("greater_equal", x1, x2)
 
 
 def hypot(x1: Array | float, x2: Array | float, /) -> Array:
-    return _binary("hypot", x1, x2)
+    return binary("hypot", x1, x2)
 
 
 def less(x1: Array | float, x2: Array | float, /) -> Array:
-    return _binary("less", x1, x2)
+    return binary("less", x1, x2)
 
 
 def less_equal(x1: Array | float, x2: Array | float, /) -> Array:
-    return _binary("less_equal", x1, x2)
+    return binary("less_equal", x1, x2)
 
 
 def logaddexp(x1: Array | float, x2: Array | float, /) -> Array:
-    return _binary("logaddexp", x1, x2)
+    return binary("logaddexp", x1, x2)
 
 
 def logical_and(x1: Array | bool, x2: Array | bool, /) -> Array:
-    return _binary("logical_and", x1, x2)
+    return binary("logical_and", x1, x2)
 
 
 def logical_or(x1: Array | bool, x2: Array | bool, /) -> Array:
-    return _binary("logical_or", x1, x2)
+    return binary("logical_or", x1, x2)
 
 
 def logical_xor(x1: Array | bool, x2: Array | bool, /) -> Array:
-    return _binary("logical_xor", x1, x2)
+    return binary("logical_xor", x1, x2)
 
 
 def maximum(x1: Array | float, x2: Array | float, /) -> Array:
     """The larger of each pair; NaN if either is NaN."""
-    return _binary("maximum", x1, x2)
+    return binary("maximum", x1, x2)
 
 
 def minimum(x1: Array | float, x2: Array | float, /) -> Array:
     """The smaller of each pair; NaN if either is NaN."""
-    return _binary("minimum", x1, x2)
+    return binary("minimum", x1, x2)
 
 
 def multiply(x1: Array | complex, x2: Array | complex, /) -> Array:
-    return _binary("multiply", x1, x2)
+    return binary("multiply", x1, x2)
 
 
 def nextafter(x1: Array | float, x2: Array | float, /) -> Array:
-    return _binary("nextafter", x1, x2)
+    return binary("nextafter", x1, x2)
 
 
 def not_equal(x1: Array | complex, x2: Array | complex, /) -> Array:
-    return _binary("not_equal", x1, x2)
+    return binary("not_equal", x1, x2)
 
 
 def pow(x1: Array | complex, x2: Array | complex, /) -> Array:
     """``x1 ** x2``; an integer to a negative integer power gives 0 (1 and -1 give +-1)."""
-    return _binary("pow", x1, x2)
+    return binary("pow", x1, x2)
 
 
 def remainder(x1: Array | float, x2: Array | float, /) -> Array:
     """Python's ``%``: the result takes the divisor's sign; an integer remainder by zero gives 0."""
-    return _binary("remainder", x1, x2)
+    return binary("remainder", x1, x2)
 
 
 def subtract(x1: Array | complex, x2: Array | complex, /) -> Array:
-    return _binary("subtract", x1, x2)
+    return binary("subtract", x1, x2)
 
 
 # -- where and clip -----------------------------------------------------------------------------------------------

@@ -12,15 +12,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from gpubroker.client import Kernel
-from gpubroker.client.array._context import View
-
-if TYPE_CHECKING:
-    from gpubroker.client.array._context import Context
+from gpubroker.client.array._context import Context
+from gpubroker.client.array._views import View
 
 __all__ = ["IndexOperand", "MAX_DIMS", "gather"]
 

@@ -10,50 +10,19 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from gpubroker.client.array._array import Array, empty_array, to_host, wrap
-from gpubroker.client.array._context import View, broadcast_shapes, broadcast_view
+from gpubroker.client.array._array import Array, copy_into, empty_array, to_host, wrap
+from gpubroker.client.array._creation import asarray, fill
+from gpubroker.client.array._elementwise import where
 from gpubroker.client.array._gather import IndexOperand, gather
-
-if TYPE_CHECKING:
-    pass
+from gpubroker.client.array._library_calls import call
+from gpubroker.client.array._statistical import count_nonzero
+from gpubroker.client.array._views import View, broadcast_shapes, broadcast_view
 
 __all__ = ["take", "take_along_axis"]
-
-
-# -- copies -------------------------------------------------------------------------------------------
-def copy_into(out: Array, src: View) -> None:
-    """Queue ``out[...] = src`` (``src`` broadcast to ``out.shape``; cast where the dtypes differ). A source that
-    shares memory with ``out`` is copied aside first: a parallel copy between overlapping ranges would race."""
-    ctx = out._ctx
-    view = broadcast_view(src, out.shape)
-    if src.buffer.handle == out._view.buffer.handle:
-        aside = empty_array(ctx, src.shape, src.dtype)
-        gather(ctx, aside._view, _as_rank(src, len(src.shape)))
-        view = broadcast_view(aside._view, out.shape)
-    if view.dtype == out.dtype:
-        gather(ctx, out._view, view)
-    else:
-        ctx.kernels.copy(out._view, view)
-
-
-def _as_rank(view: View, ndim: int) -> View:
-    return view if len(view.strides) == ndim else broadcast_view(view, view.shape)
-
-
-def copy_view(x: Array) -> Array:
-    """A fresh contiguous copy of ``x`` (same dtype), made on the device."""
-    out = empty_array(x._ctx, x.shape, x.dtype)
-    gather(x._ctx, out._view, x._view)
-    return out
-
-
-def contiguous(x: Array) -> Array:
-    """``x`` itself where its view is C-contiguous, else a contiguous copy."""
-    return x if x._view.contiguous else copy_view(x)
 
 
 # -- keys ---------------------------------------------------------------------------------------------
@@ -179,8 +148,6 @@ def _advanced(x: Array, items: tuple[Any, ...]) -> Array:
             extent = x.shape[axis_of[i]]
             if not -extent <= index < extent:
                 raise IndexError(f"index {index} is out of bounds for axis {axis_of[i]} with size {extent}")
-            from gpubroker.client.array._creation import asarray
-
             index_arrays.append(asarray(ctx, index, dtype=np.dtype("int64")))
     idx_shape = broadcast_shapes(*(a.shape for a in index_arrays))
     # The view of x with the advanced axes left whole (basic items applied elsewhere).
@@ -224,8 +191,6 @@ def _advanced(x: Array, items: tuple[Any, ...]) -> Array:
 def _mask_positions(mask: Array) -> Array:
     """The flat positions (int64) of the True elements of ``mask``, counted on the host (a data-dependent
     shape must be known before its result is allocated)."""
-    from gpubroker.client.array._creation import asarray
-
     positions = np.flatnonzero(to_host(mask)).astype(np.int64)
     return asarray(mask._ctx, positions)
 
@@ -239,9 +204,6 @@ def _masked(x: Array, mask: Array) -> Array:
         return empty_array(x._ctx, (0, *x.shape[k:]), x.dtype)
     if k == 0:  # x[True] / x[False] as arrays: a new axis of extent 1 or 0
         return _basic(_basic(x, (None,)), (slice(0, 1 if bool(mask) else 0),))
-    from gpubroker.client.array._library_calls import call
-    from gpubroker.client.array._statistical import count_nonzero
-
     count = int(count_nonzero(mask))  # the one wait: the result's size must be known to allocate it
     return call("compress", [x, mask], {"count": count})[0]
 
@@ -278,8 +240,6 @@ def setitem(x: Array, key: Any, value: Any) -> None:
     """``x[key] = value``: a scalar or an array broadcast into the view ``x[key]``; with a boolean mask, the
     masked elements only."""
     if (not isinstance(value, Array) and hasattr(value, "__array__")) or isinstance(value, (list, tuple)):
-        from gpubroker.client.array._creation import asarray
-
         value = asarray(x._ctx, value)
     _check_value_dtype(x, value)
     items = _as_key_tuple(key)
@@ -301,8 +261,6 @@ def setitem(x: Array, key: Any, value: Any) -> None:
 
 
 def _fill(target: Array, value: bool | int | float | complex) -> None:
-    from gpubroker.client.array._creation import fill
-
     fill(target, value)
 
 
@@ -312,17 +270,14 @@ def _set_masked(x: Array, mask: Array, value: Any) -> None:
         raise IndexError(f"boolean index of shape {mask.shape} does not match the array's shape {x.shape}")
     if mask.size == 0:
         return
-    from gpubroker.client.array._elementwise import where
-
     full_mask = wrap(mask._ctx, mask._storage, View(mask._view.buffer, mask.dtype, x.shape,
                                                     (*mask._view.strides, *([0] * (x.ndim - k))),
                                                     mask._view.offset))
     if isinstance(value, Array) and value.ndim > 0 and value.shape != x.shape:
         # x[mask] = values-of-the-selected-elements: broadcast over the selection, written by position.
         positions = _mask_positions(mask)
-        from gpubroker.client.array._manipulation import broadcast_to
-
-        vals = broadcast_to(value, (positions.shape[0], *x.shape[k:]))
+        # broadcast_to's view (that module is above this one: its repeat takes)
+        vals = wrap(value._ctx, value._storage, broadcast_view(value._view, (positions.shape[0], *x.shape[k:])))
         _scatter_rows(x, k, positions, vals)
         return
     result = where(full_mask, value, x)
@@ -335,8 +290,6 @@ def _scatter_rows(x: Array, k: int, positions: Array, values: Array) -> None:
     # under a 0-d mask is one row of no elements).
     host = to_host(x).reshape((math.prod(x.shape[:k]), *x.shape[k:]))
     host[to_host(positions)] = to_host(values)
-    from gpubroker.client.array._creation import asarray
-
     copy_into(x, asarray(x._ctx, host.reshape(x.shape))._view)
 
 

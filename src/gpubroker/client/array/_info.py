@@ -3,15 +3,13 @@ device has no double precision)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from gpubroker.client.array._context import Context, Device
 from gpubroker.client.array._creation import check_device, default_complex, default_float, supports
 from gpubroker.client.array._dtypes import ALL_DTYPES, isdtype
-
-if TYPE_CHECKING:
-    from gpubroker.client.array._context import Context, Device
 
 __all__ = ["__array_namespace_info__"]
 

@@ -19,12 +19,11 @@ from typing import Any
 import numpy as np
 
 from gpubroker.client import ArrayRef, library_outputs
-from gpubroker.client.array._array import Array, empty_array, to_host
+from gpubroker.client.array._array import Array, contiguous, empty_array, to_host
 from gpubroker.client.array._context import Context
-from gpubroker.client.array._indexing import copy_view
-from gpubroker.client.array._manipulation import astype
+from gpubroker.client.array._creation import astype
 
-__all__ = ["as_ref", "call", "cast", "contiguous", "context_of", "normalize_axis", "read_count", "read_scalar"]
+__all__ = ["as_ref", "call", "cast", "context_of", "normalize_axis", "read_count", "read_scalar"]
 
 
 def context_of(*arrays: Array) -> Context:
@@ -36,11 +35,6 @@ def context_of(*arrays: Array) -> Context:
     if any(x._ctx is not ctx for x in arrays[1:]):
         raise ValueError("arrays on different devices")
     return ctx
-
-
-def contiguous(x: Array) -> Array:
-    """``x`` itself if it is C-contiguous, else a contiguous copy (what a library operation takes)."""
-    return x if x._view.contiguous else copy_view(x)
 
 
 def cast(x: Array, dtype: np.dtype[Any]) -> Array:

@@ -13,13 +13,13 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from gpubroker.client.array._array import Array, empty_array, wrap
-from gpubroker.client.array._context import View, broadcast_shapes
+from gpubroker.client.array import _elementwise, _statistical
+from gpubroker.client.array._array import Array, copy_view, empty_array, wrap
 from gpubroker.client.array._dtypes import promote
-from gpubroker.client.array._indexing import copy_view
 from gpubroker.client.array._library_calls import call, cast, context_of, read_scalar
 from gpubroker.client.array._linear import matmul, matrix_transpose, tensordot, vecdot
 from gpubroker.client.array._manipulation import reshape
+from gpubroker.client.array._views import View, broadcast_shapes
 
 __all__ = ["cholesky", "cross", "det", "diagonal", "eigh", "eigvalsh", "inv", "matmul", "matrix_norm",
            "matrix_power", "matrix_rank", "matrix_transpose", "outer", "pinv", "qr", "slogdet", "solve", "svd",
@@ -137,8 +137,6 @@ def pinv(x: Array, /, *, rtol: float | Array | None = None) -> Array:
 def _pinv_stacked_rtol(x: Array, rtol: Array) -> Array:
     """pinv with one rtol per matrix (an array ``rtol`` broadcast against the stack): ``V diag(1/S) U^H`` where S
     is above its matrix's cutoff, composed from svd."""
-    from gpubroker.client.array import _elementwise, _statistical  # at call time: this module loads without them
-
     u, s, vh = svd(x, full_matrices=False)
     cutoff = _elementwise.multiply(_statistical.max(s, axis=-1, keepdims=True), _expand_last(rtol))
     keep = _elementwise.greater(s, cutoff)
@@ -150,8 +148,6 @@ def _pinv_stacked_rtol(x: Array, rtol: Array) -> Array:
 
 
 def _conj_transpose(x: Array) -> Array:
-    from gpubroker.client.array import _elementwise  # at call time: this module loads without them
-
     t = matrix_transpose(x)
     return _elementwise.conj(t) if x.dtype.kind == "c" else t
 
@@ -219,8 +215,6 @@ def matrix_rank(x: Array, /, *, rtol: float | Array | None = None) -> Array:
     _float_matrices("matrix_rank", x)
     tol = _host_rtol(rtol)
     if isinstance(tol, Array):
-        from gpubroker.client.array import _elementwise, _statistical  # at call time: this module loads without them
-
         s = svdvals(x)
         cutoff = _elementwise.multiply(_statistical.max(s, axis=-1, keepdims=True), _expand_last(tol))
         return _statistical.sum(_elementwise.greater(s, cutoff), axis=-1, dtype=np.dtype("int64"))
@@ -240,8 +234,6 @@ def _component(x: Array, axis: int, index: int) -> Array:
 def cross(x1: Array, x2: Array, /, *, axis: int = -1) -> Array:
     """The cross product of the 3-element vectors along ``axis`` (negative, counted from the last dimension);
     the other dimensions broadcast."""
-    from gpubroker.client.array import _elementwise  # at call time: this module loads without them
-
     _numeric("cross", x1)
     _numeric("cross", x2)
     ctx = context_of(x1, x2)
@@ -292,16 +284,12 @@ def diagonal(x: Array, /, *, offset: int = 0) -> Array:
 
 def trace(x: Array, /, *, offset: int = 0, dtype: np.dtype[Any] | None = None) -> Array:
     """The sum of the ``offset`` diagonal of each matrix (``sum``'s dtype rules)."""
-    from gpubroker.client.array import _statistical  # at call time: this module loads without them
-
     _numeric("trace", x)
     return _statistical.sum(diagonal(x, offset=offset), axis=-1, dtype=dtype)
 
 
 def outer(x1: Array, x2: Array, /) -> Array:
     """The outer product of two vectors: ``out[i, j] = x1[i] * x2[j]``."""
-    from gpubroker.client.array import _elementwise  # at call time: this module loads without them
-
     _numeric("outer", x1)
     _numeric("outer", x2)
     context_of(x1, x2)
@@ -329,8 +317,6 @@ def _norm_axes(axis: int | tuple[int, ...] | None, ndim: int) -> tuple[int, ...]
 def vector_norm(x: Array, /, *, axis: int | tuple[int, ...] | None = None, keepdims: bool = False,
                 ord: int | float = 2) -> Array:
     """The ``ord``-norm of ``x`` over ``axis`` (all axes by default): a real floating array."""
-    from gpubroker.client.array import _elementwise, _statistical  # at call time: this module loads without them
-
     _floating("vector_norm", x)
     axes = _norm_axes(axis, x.ndim)
     magnitude = _elementwise.abs(x)  # real, of x's precision
@@ -357,8 +343,6 @@ def vector_norm(x: Array, /, *, axis: int | tuple[int, ...] | None = None, keepd
 def matrix_norm(x: Array, /, *, keepdims: bool = False,
                 ord: int | float | Literal["fro", "nuc"] | None = "fro") -> Array:
     """The ``ord``-norm of each matrix of ``x``: "fro" (default), "nuc", 1, -1, 2, -2, inf, -inf."""
-    from gpubroker.client.array import _elementwise, _statistical  # at call time: this module loads without them
-
     _float_matrices("matrix_norm", x)
     stack = x.shape[:-2]
     if ord is None or ord == "fro":

@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from gpubroker.client.array import _elementwise, _statistical
 from gpubroker.client.array._array import Array, empty_array
-from gpubroker.client.array._context import broadcast_shapes
 from gpubroker.client.array._dtypes import promote
 from gpubroker.client.array._library_calls import call, cast, context_of, normalize_axis
 from gpubroker.client.array._manipulation import permute_dims, reshape
+from gpubroker.client.array._views import broadcast_shapes
 
 __all__ = ["matmul", "matrix_transpose", "tensordot", "vecdot"]
 
@@ -122,8 +123,6 @@ def tensordot(x1: Array, x2: Array, /, *, axes: int | tuple[Sequence[int], Seque
 def vecdot(x1: Array, x2: Array, /, *, axis: int = -1) -> Array:
     """The dot product of vectors along ``axis`` (negative, counted from the end; conjugating ``x1`` if complex);
     the other dimensions broadcast, the contracted one must match."""
-    from gpubroker.client.array import _elementwise, _statistical  # at call time: this module loads without them
-
     dtype = _numeric_dtype("vecdot", x1, x2)
     if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
         raise TypeError(f"vecdot: axis must be an integer, got {type(axis).__name__}")

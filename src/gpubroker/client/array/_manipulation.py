@@ -1,4 +1,4 @@
-"""Manipulation functions: shape, axis order and layout changes, joining, splitting, repetition, and ``astype``.
+"""Manipulation functions: shape, axis order and layout changes, joining, splitting and repetition.
 
 Whatever a strided view can express is a view sharing the input's storage (no device work): ``permute_dims``,
 ``moveaxis``, ``expand_dims``, ``squeeze``, ``flip``, ``broadcast_to``, ``unstack`` and ``reshape`` where the
@@ -12,40 +12,23 @@ from typing import Any
 
 import numpy as np
 
-from gpubroker.client.array._array import Array, empty_array, to_host, wrap
-from gpubroker.client.array._context import View, broadcast_shapes, broadcast_view, contiguous_strides
-from gpubroker.client.array._creation import check_device, require_dtype, upload
+from gpubroker.client.array._array import Array, copy_into, copy_view, empty_array, to_host, wrap
+from gpubroker.client.array._creation import upload
 from gpubroker.client.array._dtypes import result_type_of
 from gpubroker.client.array._gather import gather
-from gpubroker.client.array._indexing import copy_into, copy_view, take
+from gpubroker.client.array._indexing import take
+from gpubroker.client.array._views import (
+    AxisError,
+    View,
+    broadcast_shapes,
+    broadcast_view,
+    contiguous_strides,
+    normalize_axes,
+    normalize_axis,
+)
 
-__all__ = ["AxisError", "astype", "broadcast_arrays", "broadcast_to", "concat", "expand_dims", "flip", "moveaxis",
-           "permute_dims", "repeat", "reshape", "roll", "squeeze", "stack", "tile", "unstack"]
-
-
-class AxisError(ValueError, IndexError):
-    """An axis out of range: a ValueError and an IndexError (numpy's AxisError is both; the standard asks
-    for one or the other depending on the function)."""
-
-
-def normalize_axis(axis: int, ndim: int) -> int:
-    """``axis`` in ``[0, ndim)`` (negative counts from the end); AxisError outside."""
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"an axis is an int, got {axis!r}")
-    if not -ndim <= axis < ndim:
-        raise AxisError(f"axis {axis} is out of range for an array of {ndim} dimensions")
-    return int(axis) % ndim
-
-
-def normalize_axes(axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
-    """Axes as a tuple of distinct non-negative ints (None: all of them); AxisError for a repeated one."""
-    if axis is None:
-        return tuple(range(ndim))
-    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
-    out = tuple(normalize_axis(a, ndim) for a in axes)
-    if len(set(out)) != len(out):
-        raise AxisError(f"repeated axis in {axis!r}")
-    return out
+__all__ = ["broadcast_arrays", "broadcast_to", "concat", "expand_dims", "flip", "moveaxis", "permute_dims", "repeat",
+           "reshape", "roll", "squeeze", "stack", "tile", "unstack"]
 
 
 def _check(x: object) -> Array:
@@ -58,23 +41,6 @@ def _view(x: Array, shape: Sequence[int], strides: Sequence[int], offset: int | 
     v = x._view
     return wrap(x._ctx, x._storage, View(v.buffer, v.dtype, tuple(shape), tuple(strides),
                                          v.offset if offset is None else offset))
-
-
-# -- casting ------------------------------------------------------------------------------------------
-def astype(x: Array, dtype: Any, /, *, copy: bool = True, device: Any = None) -> Array:
-    """``x`` as ``dtype``: itself where nothing changes and ``copy`` is False, else a fresh array. Complex to
-    real is a TypeError (the standard: take ``real`` first); bool casts to 0/1, nonzero numbers to True."""
-    x = _check(x)
-    check_device(x._ctx, device)
-    dt = require_dtype(x._ctx, dtype)
-    if x.dtype.kind == "c" and dt.kind != "c":
-        raise TypeError(f"casting {x.dtype} to {dt} drops the imaginary part: take real() first")
-    if dt == x.dtype:
-        return copy_view(x) if copy else x
-    out = empty_array(x._ctx, x.shape, dt)
-    if out.size:
-        x._ctx.kernels.copy(out._view, x._view)
-    return out
 
 
 # -- views --------------------------------------------------------------------------------------------

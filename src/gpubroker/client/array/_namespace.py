@@ -1,9 +1,13 @@
 """The namespace object: every function of the standard, bound to one device session.
 
-``namespace(gpu)`` returns the one Namespace of that GpuCompute (made on first use). Functions that take arrays
-are the modules' plain functions (the device comes from their arrays); functions that make arrays from nothing
-(creation functions, ``from_dlpack``, ``__array_namespace_info__``) take the Context as their first parameter,
-named ``ctx``, and are bound to this namespace's (``types.MethodType``: their signatures read as the standard's).
+``namespace(gpu)`` returns the one Namespace of that GpuCompute (made on first use). What it holds is listed in
+``_standard``. Functions that take arrays are the modules' plain functions (the device comes from their arrays);
+functions that make arrays from nothing (creation functions, ``from_dlpack``, ``__array_namespace_info__``) take
+the Context as their first parameter, named ``ctx``, and are bound to this namespace's (``types.MethodType``:
+their signatures read as the standard's).
+
+This module is the top of the package's import order: it also installs the array object's operators
+(``_array.install_operators``), which are functions of the modules above ``_array``.
 """
 
 from __future__ import annotations
@@ -14,19 +18,13 @@ import types
 from typing import Any
 
 from gpubroker.client import GpuCompute
+from gpubroker.client.array import _elementwise, _indexing, _linear, _standard
+from gpubroker.client.array._array import Operators, install_operators
 from gpubroker.client.array._context import Context
 
 __all__ = ["Namespace", "namespace", "namespace_of", "release_memory"]
 
 API_VERSION = "2024.12"
-
-# The modules whose ``__all__`` the namespace exposes (each owned by one concept; see docs/sdk/arrays.md).
-_MODULES = ("_dtypes", "_creation", "_elementwise", "_statistical", "_manipulation", "_indexing", "_searching",
-            "_sorting", "_sets", "_linear", "_utility", "_info", "_scans", "_constants")
-_SUBMODULES = {"linalg": "_linalg", "fft": "_fft"}
-# Names in a module's __all__ that are helpers for other modules, not the standard's.
-_PRIVATE = frozenset({"ALL_DTYPES", "DType", "promote", "result_type_of", "scalar_dtype", "finfo_object",
-                      "iinfo_object", "as_operand", "inplace", "inplace_result", "AxisError"})
 
 _lock = threading.Lock()
 
@@ -78,29 +76,13 @@ class Namespace(types.SimpleNamespace):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__()
-        import importlib
-
         self._ctx = ctx
         # What tools that report on namespaces print (array-api-tests, array-api-compat's messages).
         self.__name__ = "gpubroker.client.array"
-        for mod_name in _MODULES:
-            try:
-                mod = importlib.import_module(f"{__package__}.{mod_name}")
-            except ModuleNotFoundError as exc:  # a concept not built yet
-                if exc.name != f"{__package__}.{mod_name}":
-                    raise
-                continue
-            for name in mod.__all__:
-                if name not in _PRIVATE:
-                    setattr(self, name, _bind(ctx, getattr(mod, name)))
-        for sub, mod_name in _SUBMODULES.items():
-            try:
-                mod = importlib.import_module(f"{__package__}.{mod_name}")
-            except ModuleNotFoundError as exc:
-                if exc.name != f"{__package__}.{mod_name}":
-                    raise
-                continue
-            setattr(self, sub, _Sub(**{n: _bind(ctx, getattr(mod, n)) for n in mod.__all__}))
+        for name in _standard.__all__:
+            setattr(self, name, _bind(ctx, getattr(_standard, name)))
+        for sub, (module, names) in _standard.EXTENSIONS.items():
+            setattr(self, sub, _Sub(**{n: _bind(ctx, getattr(module, n)) for n in names}))
 
     def __repr__(self) -> str:
         return f"<Array API namespace on {self._ctx.info_name}>"
@@ -158,3 +140,11 @@ def release_memory(gpu: GpuCompute) -> None:
     ns = getattr(gpu, "_array_namespace", None)
     if ns is not None:
         ns._ctx.release_memory()
+
+
+install_operators(Operators(
+    binary=_elementwise.binary, inplace=_elementwise.inplace, inplace_result=_elementwise.inplace_result,
+    negative=_elementwise.negative, positive=_elementwise.positive, abs=_elementwise.abs,
+    bitwise_invert=_elementwise.bitwise_invert, matmul=_linear.matmul, getitem=_indexing.getitem,
+    setitem=_indexing.setitem, namespace=namespace_of,
+))

@@ -6,19 +6,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from gpubroker.client.array import _indexing
+from gpubroker.client.array import _indexing, _statistical
 from gpubroker.client.array._array import Array, wrap
-from gpubroker.client.array._context import View
 from gpubroker.client.array._dtypes import promote
 from gpubroker.client.array._library_calls import call, cast, context_of, read_count
+from gpubroker.client.array._views import View
 
 __all__ = ["nonzero", "searchsorted"]
 
 
 def nonzero(x: Array, /) -> tuple[Array, ...]:
     """The indices of the non-zero elements of ``x``: one 1-d int64 array per dimension, in row-major order."""
-    from gpubroker.client.array import _statistical  # at call time: this module loads without them
-
     context_of(x)
     if x.ndim == 0:
         raise ValueError("nonzero does not take 0-d arrays")

@@ -7,16 +7,15 @@ keeps float32 data accurate where one pass of sums of squares would cancel.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import numpy as np
 
-from gpubroker.client.array._array import Array, empty_array
-from gpubroker.client.array._context import View, contiguous_strides
-from gpubroker.client.array._manipulation import normalize_axes, normalize_axis
-
-if TYPE_CHECKING:
-    from gpubroker.client.array._context import Context
+from gpubroker.client.array._array import Array, empty_array, wrap
+from gpubroker.client.array._context import Context
+from gpubroker.client.array._creation import require_dtype
+from gpubroker.client.array._elementwise import divide, sqrt
+from gpubroker.client.array._views import View, contiguous_strides, normalize_axes, normalize_axis
 
 __all__ = ["argmax", "argmin", "count_nonzero", "max", "mean", "min", "prod", "std", "sum", "var"]
 
@@ -74,8 +73,6 @@ def min(x: Array, /, *, axis: int | tuple[int, ...] | None = None, keepdims: boo
 
 def _sum_dtype(fn: str, x: Array, dtype: Any) -> np.dtype[Any]:
     if dtype is not None:
-        from gpubroker.client.array._creation import require_dtype
-
         return require_dtype(x._ctx, dtype)
     if x.dtype.kind in "bi":
         return _I64  # the standard: small integers sum in the default integer dtype
@@ -108,8 +105,6 @@ def _count(x: Array, axes: tuple[int, ...]) -> int:
 
 def mean(x: Array, /, *, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Array:
     """The arithmetic mean over ``axis`` (NaN over an empty axis)."""
-    from gpubroker.client.array._elementwise import divide
-
     x = _check("mean", x, "fc")
     axes = normalize_axes(axis, x.ndim)
     total = reduce_into("sum", x, axes, keepdims, x.dtype)
@@ -120,8 +115,6 @@ def var(x: Array, /, *, axis: int | tuple[int, ...] | None = None, correction: i
         keepdims: bool = False) -> Array:
     """The variance over ``axis``: the sum of squared deviations from the mean over ``N - correction`` (NaN
     where that is not positive)."""
-    from gpubroker.client.array._elementwise import divide
-
     x = _check("var", x, "f")
     axes = normalize_axes(axis, x.ndim)
     n = _count(x, axes)
@@ -134,8 +127,6 @@ def var(x: Array, /, *, axis: int | tuple[int, ...] | None = None, correction: i
 def std(x: Array, /, *, axis: int | tuple[int, ...] | None = None, correction: int | float = 0.0,
         keepdims: bool = False) -> Array:
     """The standard deviation: ``sqrt(var(...))``."""
-    from gpubroker.client.array._elementwise import sqrt
-
     x = _check("std", x, "f")
     return sqrt(var(x, axis=axis, correction=correction, keepdims=keepdims))
 
@@ -147,8 +138,6 @@ def _arg(fn: str, x: Array, axis: int | None, keepdims: bool) -> Array:
         _nonempty(fn, x, axes)
         out = reduce_into(fn, x, axes, False, _I64)
         if keepdims:
-            from gpubroker.client.array._array import wrap
-
             shape = (1,) * x.ndim
             out = wrap(out._ctx, out._storage, View(out._view.buffer, _I64, shape, (1,) * x.ndim, out._view.offset))
         return out

@@ -7,9 +7,10 @@ from typing import Final
 import numpy as np
 
 from gpubroker.client.array._array import Array, wrap
-from gpubroker.client.array._context import View
-from gpubroker.client.array._manipulation import normalize_axes, normalize_axis
+from gpubroker.client.array._elementwise import not_equal, positive, subtract
+from gpubroker.client.array._manipulation import concat
 from gpubroker.client.array._statistical import reduce_into
+from gpubroker.client.array._views import View, normalize_axes, normalize_axis
 
 __all__ = ["all", "any", "diff"]
 
@@ -45,8 +46,6 @@ def diff(x: Array, /, *, axis: int = -1, n: int = 1, prepend: Array | None = Non
          append: Array | None = None) -> Array:
     """The ``n``-th forward difference along ``axis`` (``x[i+1] - x[i]``; for booleans ``x[i+1] != x[i]``),
     after joining ``prepend`` and ``append`` to ``x`` along it."""
-    from gpubroker.client.array._elementwise import not_equal, subtract
-
     x = _check("diff", x)
     if x.ndim == 0:
         raise ValueError("diff needs an array of at least one dimension")
@@ -54,13 +53,9 @@ def diff(x: Array, /, *, axis: int = -1, n: int = 1, prepend: Array | None = Non
         raise ValueError(f"diff's n must be a non-negative int, got {n!r}")
     axis = normalize_axis(axis, x.ndim)
     if prepend is not None or append is not None:
-        from gpubroker.client.array._manipulation import concat
-
         parts = [p for p in (prepend, x, append) if p is not None]
         x = concat(parts, axis=axis)
     if n == 0:
-        from gpubroker.client.array._elementwise import positive
-
         return positive(x) if x.dtype.kind != "b" else not_equal(x, False)
     for _ in range(n):
         extent = x.shape[axis]
