@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,8 +22,8 @@ from ..logs import bind_log_context, log_context
 from ..sessions import Session, SessionManager, out_of_descriptors
 from ._metrics import observe_rpc
 
-__all__ = ["ERROR_TRAILER", "Context", "Unread", "add_servicer", "cancel_and_wait", "descriptors_exhausted",
-           "log_failure", "principal_of", "release_slot", "rpc", "stream_rpc"]
+__all__ = ["ERROR_TRAILER", "Context", "Malformed", "Unread", "add_servicer", "cancel_and_wait",
+           "descriptors_exhausted", "log_failure", "principal_of", "release_slot", "rpc", "stream_rpc"]
 
 log = logging.getLogger("gpubroker.server")
 # One line per burst of calls refused for want of descriptors (a flood of them must not flood the log too).
@@ -97,18 +98,20 @@ def _authenticate(auth: Authenticator, context: Context) -> Principal:
 class Unread:
     """A unary call's request message, not read yet. Every call of the services is registered with gRPC as
     request-streaming (``add_servicer``), so that gRPC reads no message of a call until the wrapper asks for it,
-    once the call has authenticated (``_admit``): gRPC grants a message's bytes to the peer only while a read of
-    it is pending, so a call that never authenticates holds at most its stream's flow-control window (64 KiB)
-    of a message in the front, however large the message it announces."""
+    once the call has authenticated (``_admit``): gRPC grants the peer a message's bytes only while a read of it
+    is pending, so a call that never authenticates holds at most its stream's flow-control window (64 KiB, the
+    server probing no BDP: server/_server.py) of a message in the front, however large the message it announces."""
 
-    __slots__ = ("_requests",)
+    __slots__ = ("_context",)
 
-    def __init__(self, requests: AsyncIterator[Any]) -> None:
-        self._requests = requests
+    def __init__(self, context: Context) -> None:
+        self._context = context
 
     async def read(self) -> Any:
-        request = await anext(aiter(self._requests), None)
-        if request is None:
+        # (the context's read, not gRPC's request iterator: one left unfinished is an async generator that the
+        # event loop closes later in a task of its own, a measurable cost on every call)
+        request = await self._context.read()
+        if request is grpc.aio.EOF:
             raise InvalidArgument("the call ended before its request message (a unary call sends exactly one)")
         return request
 
@@ -136,7 +139,8 @@ def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
 
 
 def add_servicer(add: Callable[[Any, Any], None], servicer: Any, server: grpc.aio.Server) -> None:
-    """Register a servicer as its generated ``add_*_to_server`` would, with requests parsed by ``_tolerant``."""
+    """Register a servicer as its generated ``add_*_to_server`` would, with requests parsed by ``_tolerant`` and
+    read only when the servicer asks (a unary call's request comes as ``Unread``: ``_read_when_asked``)."""
     captured: dict[str, dict[str, Any]] = {}
 
     class _Capture:
@@ -156,23 +160,30 @@ def add_servicer(add: Callable[[Any, Any], None], servicer: Any, server: grpc.ai
 
 def _read_when_asked(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
     """A unary-request handler registered as request-streaming, its request passed as ``Unread``: gRPC reads a
-    unary call's message as soon as the call arrives, before any handler (or interceptor's handler) runs, and a
-    streaming call's only when the handler reads it."""
+    unary call's message as soon as the call arrives, before any handler runs, and a streaming call's only when
+    the handler reads it. (A server interceptor would not do: it runs at the same point, but sees neither the
+    peer, which failure delays are charged to, nor a TLS client's certificate, and gRPC reads a unary call's
+    message before whatever handler it returns runs.) gRPC's own request iterator (``requests``) goes unused:
+    ``Unread`` reads through the context."""
     if handler.request_streaming:
         return handler
     if handler.response_streaming:
-        unary_stream: Any = handler.unary_stream  # (our wrappers: async, whatever the stubs say)
+        unary_stream: Any = handler.unary_stream  # (async, whatever the stubs say)
 
         async def stream_stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
-            async for response in unary_stream(Unread(requests), context):
+            async for response in unary_stream(Unread(context), context):
                 yield response
 
-        return grpc.stream_stream_rpc_method_handler(stream_stream, handler.request_deserializer,
+        async def stream_writer(requests: AsyncIterator[Any], context: Context) -> None:
+            await unary_stream(Unread(context), context)  # (one that writes its responses through its context)
+
+        behavior = stream_writer if inspect.iscoroutinefunction(unary_stream) else stream_stream
+        return grpc.stream_stream_rpc_method_handler(behavior, handler.request_deserializer,
                                                      handler.response_serializer)
     unary_unary: Any = handler.unary_unary
 
     async def stream_unary(requests: AsyncIterator[Any], context: Context) -> Any:
-        return await unary_unary(Unread(requests), context)
+        return await unary_unary(Unread(context), context)
 
     return grpc.stream_unary_rpc_method_handler(stream_unary, handler.request_deserializer,
                                                 handler.response_serializer)
