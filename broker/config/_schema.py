@@ -323,7 +323,9 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Calls one gRPC connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; a client queues "
         "more until one ends, past it gRPC refuses the stream). It also bounds the calls a peer can keep open "
         "without ever sending their request (gRPC waits for one with no deadline, and a connection with a call "
-        "open is not idle): at most max_grpc_connections_per_peer times this."))] = 64
+        "open is not idle): at most max_grpc_connections_per_peer times this, each holding at most 64 KiB of a "
+        "request until it has authenticated (answered at once if it does not; one that does counts against its "
+        "tenant's max_inflight_per_tenant)."))] = 64
     auth_failure_delay_max_seconds: Annotated[float, Meta(ge=0, description=(
         "The longest a peer's answer to a failed authentication is held back: the delay starts at 2 ms and doubles "
         "with each failure of that peer (uid on Unix sockets, address on TCP), so a guessing flood slows itself "
