@@ -239,7 +239,9 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "A compile that runs longer gets DEADLINE_EXCEEDED and the tenant's worker is restarted."))] = 60.0
     max_streams_per_session: Annotated[int, Meta(ge=1, description="Streams one session may hold at once.")] = 64
     max_inflight_per_tenant: Annotated[int, Meta(ge=1, description=(
-        "Device calls in flight across all of a tenant's sessions."))] = 256
+        "gRPC calls in flight across all of a tenant's connections and sessions; more get RESOURCE_EXHAUSTED. A "
+        "call counts from its authentication, before its request message is read, to its end: what a tenant's "
+        "requests still on their way in hold of the broker's memory is at most this times max_message_bytes."))] = 256
     max_read_ahead_bytes_per_tenant: Annotated[int, Meta(ge=1, description=(
         "The bytes (as sent) of a tenant's gRPC Commands batches that the front has read and not yet run, across "
         "all its streams: a stream reads on only while the tenant is under this (one batch larger than it runs "
@@ -348,7 +350,9 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Calls one gRPC connection may have open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; a client queues "
         "more until one ends, past it gRPC refuses the stream). It also bounds the calls a peer can keep open "
         "without ever sending their request (gRPC waits for one with no deadline, and a connection with a call "
-        "open is not idle): at most max_grpc_connections_per_peer times this."))] = 64
+        "open is not idle): at most max_grpc_connections_per_peer times this, each holding at most 64 KiB of a "
+        "request until it has authenticated (answered at once if it does not; one that does counts against its "
+        "tenant's max_inflight_per_tenant)."))] = 64
     auth_failure_delay_max_seconds: Annotated[float, Meta(ge=0, description=(
         "The longest a peer's answer to a failed authentication is held back: the delay starts at 2 ms and doubles "
         "with each failure of that peer (uid on Unix sockets, address on TCP), so a guessing flood slows itself "
@@ -388,11 +392,13 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "(429 Too Many Requests when that is further off than metrics_request_timeout_seconds)."))] = 10.0
     max_health_streams: Annotated[int, Meta(ge=1, description=(
         "gRPC health Watch and server-reflection streams (both are served without a token and stay open until "
-        "the peer ends them) open at once, in all; more are refused with RESOURCE_EXHAUSTED. Health Check, what "
-        "probes and load balancers call, is not limited."))] = 64
+        "the peer ends them) open at once, in all; more are refused with RESOURCE_EXHAUSTED. The same number "
+        "again of health Check requests still on their way in (a probe's arrives with its call at once; one sent "
+        "slowly or never completed holds up to max_message_bytes of the broker's memory while it is read); Check "
+        "calls themselves are not limited."))] = 64
     max_health_streams_per_peer: Annotated[int, Meta(ge=1, description=(
-        "The same, per peer: an address on TCP; every local peer of a Unix socket counts as one (gRPC does not "
-        "say which uid a call came from)."))] = 16
+        "The same (streams, and Check requests on their way in), per peer: an address on TCP; every local peer of "
+        "a Unix socket counts as one (gRPC does not say which uid a call came from)."))] = 16
     log_format: Annotated[Literal["text", "json"], Meta(description=(
         "Log lines as text, or as JSON objects carrying the tenant, session and method when known."))] = "text"
 

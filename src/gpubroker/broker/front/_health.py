@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 
 from gpubroker.broker.config import BrokerConfig
 from gpubroker.broker.front._metrics import HEALTH_REASONS
+from gpubroker.broker.front._status import Malformed, Unread, add_servicer
 from gpubroker.broker.front.auth import RateLimitedLog
 from gpubroker.broker.front.workers import WorkerClient
 from gpubroker.v1 import admin_pb2 as apb
@@ -74,7 +75,8 @@ class BrokerHealth:
         self.config = config
         self.devices = devices
         # Watch and reflection streams are served without a token and live until the peer ends them: both
-        # count against max_health_streams (and per peer), refused with RESOURCE_EXHAUSTED past it.
+        # count against max_health_streams (and per peer), refused with RESOURCE_EXHAUSTED past it; so do Check
+        # requests on their way in, in a count of their own.
         self.streams = StreamLimiter(config)
         self.refusals = self.streams.refusals  # (endpoint, reason) -> count: gpubroker_endpoint_refusals
         self.servicer = _BoundedHealthServicer(self.streams)
@@ -90,8 +92,9 @@ class BrokerHealth:
 
     # -- wiring ------------------------------------------------------------------------------------
     def add_to_server(self, server: grpc.aio.Server) -> None:
-        """Health and reflection (so `grpcurl` can list and call the API); neither needs a token."""
-        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        """Health and reflection (so `grpcurl` can list and call the API); neither needs a token. Health's requests
+        are read only within a slot of ``self.streams`` (``add_servicer``: gRPC reads a request only when asked)."""
+        add_servicer(health_pb2_grpc.add_HealthServicer_to_server, self.servicer, server)
         reflector = _BoundedReflectionServicer(
             [BROKER_SERVICE, _ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self.streams)
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflector, server)  # type: ignore[no-untyped-call]
@@ -243,58 +246,102 @@ def _peer_host(peer: str) -> str:
     return kind or "unknown"
 
 
+@dataclass
+class _Tally:
+    """What is open, in all and per peer."""
+
+    open: int = 0
+    by_peer: dict[str, int] = field(default_factory=dict)
+
+
 class StreamLimiter:
-    """Counts the open unauthenticated streams (health Watch, reflection), in all and per peer."""
+    """Counts what unauthenticated calls hold open, in all and per peer: health Watch and reflection streams
+    (``slot``), and apart from them health requests on their way in (``reading``). Any request may be announced at
+    up to max_message_bytes and never completed, which gRPC buffers while the front reads it; a real probe's
+    arrives with its call, in microseconds."""
 
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
-        self.open = 0
-        self.by_peer: dict[str, int] = {}
+        self.streams = _Tally()
+        self.requests = _Tally()
         self.refusals: dict[tuple[str, str], int] = {}
         for reason in HEALTH_REASONS:
             self.refusals[("health", reason)] = 0
         self._log = RateLimitedLog(audit)
 
-    @contextlib.asynccontextmanager
-    async def slot(self, context: grpc.aio.ServicerContext[Any, Any], what: str) -> AsyncIterator[None]:
+    def slot(self, context: grpc.aio.ServicerContext[Any, Any], what: str
+             ) -> contextlib.AbstractAsyncContextManager[None]:
         """Hold one stream slot for the ``with`` body; abort the call with RESOURCE_EXHAUSTED when none is free."""
+        return self._hold(self.streams, "streams", context, what)
+
+    def reading(self, context: grpc.aio.ServicerContext[Any, Any], what: str
+                ) -> contextlib.AbstractAsyncContextManager[None]:
+        """The same for a request being read, in a count of its own (a Check is served at the stream cap)."""
+        return self._hold(self.requests, "requests", context, what)
+
+    @contextlib.asynccontextmanager
+    async def _hold(self, tally: _Tally, kind: str, context: grpc.aio.ServicerContext[Any, Any], what: str
+                    ) -> AsyncIterator[None]:
         peer = _peer_host(context.peer())
         total, per_peer = self.config.max_health_streams, self.config.max_health_streams_per_peer
         refusal = None
-        if self.open >= total:
-            refusal = ("streams", f"{self.open} {what} streams open, max_health_streams is {total}")
-        elif self.by_peer.get(peer, 0) >= per_peer:
-            refusal = ("peer streams", f"this peer has {self.by_peer[peer]} {what} streams open, "
+        if tally.open >= total:
+            refusal = (kind, f"{tally.open} {what} {kind} open, max_health_streams is {total}")
+        elif tally.by_peer.get(peer, 0) >= per_peer:
+            refusal = (f"peer {kind}", f"this peer has {tally.by_peer[peer]} {what} {kind} open, "
                        f"max_health_streams_per_peer is {per_peer}")
         if refusal is not None:
             reason, detail = refusal
             self.refusals[("health", reason)] += 1
-            self._log.warning(f"health {reason}", "action=refuse-stream listener=grpc method=%s peer=%s reason=%s",
-                              what, peer, detail)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"too many open streams: {detail}; end one (Check needs no stream) or retry later")
-        self.open += 1
-        self.by_peer[peer] = self.by_peer.get(peer, 0) + 1
+            self._log.warning(f"health {reason}", "action=refuse-%s listener=grpc method=%s peer=%s reason=%s",
+                              kind.removesuffix("s"), what, peer, detail)
+            hint = "end one (Check needs no stream)" if kind == "streams" else "send whole requests"
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many open {kind}: {detail}; {hint} or "
+                                "retry later")
+        tally.open += 1
+        tally.by_peer[peer] = tally.by_peer.get(peer, 0) + 1
         try:
             yield
         finally:
-            self.open -= 1
-            self.by_peer[peer] -= 1
-            if not self.by_peer[peer]:
-                del self.by_peer[peer]
+            tally.open -= 1
+            tally.by_peer[peer] -= 1
+            if not tally.by_peer[peer]:
+                del tally.by_peer[peer]
+
+
+async def _read(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+    """A health call's request, read now (``Unread``); INVALID_ARGUMENT if it does not parse."""
+    if isinstance(request, Unread):
+        request = await request.read()
+    if isinstance(request, Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
+    return request
 
 
 class _BoundedHealthServicer(health.aio.HealthServicer):  # type: ignore[misc]
-    """grpc.health.v1 with Watch streams bounded by a ``StreamLimiter`` (Check is one cheap unary call)."""
+    """grpc.health.v1 with Watch streams bounded by a ``StreamLimiter``, and the requests of its unary calls
+    (Check, List: one cheap call each) read only within a ``reading`` slot of it."""
 
     def __init__(self, streams: StreamLimiter) -> None:
         super().__init__()
         self._streams = streams
 
-    async def Watch(self, request: health_pb2.HealthCheckRequest,
+    async def Check(self, request: Unread | health_pb2.HealthCheckRequest,
+                    context: grpc.aio.ServicerContext[Any, Any]) -> health_pb2.HealthCheckResponse:
+        if isinstance(request, Unread):  # (not yet read: within a slot)
+            async with self._streams.reading(context, "Check"):
+                request = await _read(request, context)
+        return await super().Check(request, context)
+
+    async def List(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        async with self._streams.reading(context, "List"):
+            await _read(request, context)
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "List is not served: Check or Watch a service by name")
+
+    async def Watch(self, request: Unread | health_pb2.HealthCheckRequest,
                     context: grpc.aio.ServicerContext[Any, Any]) -> None:
         async with self._streams.slot(context, "Watch"):
-            await super().Watch(request, context)
+            await super().Watch(await _read(request, context), context)
 
 
 class _BoundedReflectionServicer(reflection.aio.ReflectionServicer):

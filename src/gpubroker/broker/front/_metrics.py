@@ -107,7 +107,7 @@ METRICS: tuple[MetricSpec, ...] = (MEMORY_USED, MEMORY_QUOTA, DEVICE_SECONDS, DE
                                    TENANT_CRASHES, TENANT_BACKOFF, OUTPUT_DROPPED, DRAINING, ENDPOINT_REFUSALS)
 # Every (endpoint, reason) of gpubroker_endpoint_refusals, at 0 from the start (so rate() sees the first one).
 METRICS_REASONS = ("connections", "peer connections", "timeout", "bad request", "rate")
-HEALTH_REASONS = ("streams", "peer streams")
+HEALTH_REASONS = ("streams", "peer streams", "requests", "peer requests")
 
 
 # One histogram for the process: the RPC wrappers observe it whether or not an endpoint serves it (a few

@@ -188,15 +188,11 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
         return session
 
     def admit(self, session: Session) -> None:
-        """Take one of the session's (and its tenant's) concurrent-call slots, or refuse."""
+        """Take one of the session's concurrent-call slots, or refuse (the call holds its tenant's already: every
+        call counts against max_inflight_per_tenant from its authentication, server/_status.py)."""
         if session.inflight >= self.config.max_concurrent_rpcs_per_session:
             raise ResourceExhausted(f"this session already has {session.inflight} calls in flight, the limit")
-        tenant_inflight = self.sessions.inflight.get(session.tenant, 0)
-        if tenant_inflight >= self.config.max_inflight_per_tenant:
-            raise ResourceExhausted(f"tenant {session.tenant!r} already has {tenant_inflight} calls in flight, "
-                                    "the limit")
         session.inflight += 1
-        self.sessions.inflight[session.tenant] = tenant_inflight + 1
 
     def _tenant_view(self, tenant: str, device: int, info: DeviceInfo, live: bool = True) -> pb.DeviceInfo:
         """The device as ``tenant`` sees it: the broker's index, its quota and use there, and the device's health."""

@@ -64,7 +64,6 @@ class Session:
     # Buffers that copies to or from another device (CopyPeer) use now, by handle: a Free through the front is
     # refused before it unmaps them elsewhere (the worker pins them too, for every path).
     peer_pins: dict[str, int] = field(default_factory=dict)
-    tenant_inflight: dict[str, int] = field(default_factory=dict)
     # Copies to or from another device under way (CopyPeer): closing waits for them, as another process may be
     # reading this session's memory.
     peer_copies: int = 0
@@ -134,11 +133,27 @@ class SessionManager:
         # Set while no session is open: a drain waits on it.
         self.idle = asyncio.Event()
         self.idle.set()
-        # Calls in flight per tenant across its sessions; each Session shares this dict to release its slot.
+        # gRPC calls in flight per tenant (enter_call), whether they name a session or not.
         self.inflight: dict[str, int] = {}
         self._reaper: asyncio.Task[None] | None = None
         pool.limits = self.limits
         pool.on_memory = self.mirror
+
+    def enter_call(self, tenant: str) -> None:
+        """Count one more of the tenant's calls in flight, or refuse it past ``max_inflight_per_tenant``. A call
+        counts from its authentication, before its request is read, to its end (server/_status.py): a request
+        that is slow to arrive, or never completes, holds its tenant's place as much as one that runs."""
+        calls = self.inflight.get(tenant, 0)
+        if calls >= self.config.max_inflight_per_tenant:
+            raise ResourceExhausted(f"tenant {tenant!r} already has {calls} calls in flight, the limit")
+        self.inflight[tenant] = calls + 1
+
+    def leave_call(self, tenant: str) -> None:
+        calls = self.inflight[tenant] - 1
+        if calls:
+            self.inflight[tenant] = calls
+        else:
+            del self.inflight[tenant]
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -190,7 +205,7 @@ class SessionManager:
                 raise Unavailable("the tenant's worker stopped while it started; retry")
             self._check_admission(device)  # a drain may have begun while the worker started
             session = Session(id=f"ses_{secrets.token_urlsafe(18)}", tenant=tenant, device=device, worker=worker,
-                              lease_seconds=self.config.lease_seconds, tenant_inflight=self.inflight)
+                              lease_seconds=self.config.lease_seconds)
             self.sessions[session.id] = session
         finally:
             self.opening[device] -= 1

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,13 +16,13 @@ import grpc
 import msgpack
 
 from gpubroker.broker.front._metrics import observe_rpc
-from gpubroker.broker.front._sessions import Session, out_of_descriptors
+from gpubroker.broker.front._sessions import Session, SessionManager, out_of_descriptors
 from gpubroker.broker.front.auth import Authenticator, Principal, RateLimitedLog, failure_delay, wait_failure_delay
 from gpubroker.broker.logs import bind_log_context, log_context
 from gpubroker.wire.errors import GpuBrokerError, Internal, InvalidArgument, Unavailable
 
-__all__ = ["ERROR_TRAILER", "Context", "add_servicer", "cancel_and_wait", "descriptors_exhausted", "log_failure",
-           "principal_of", "release_slot", "rpc", "stream_rpc"]
+__all__ = ["ERROR_TRAILER", "Context", "Malformed", "Unread", "add_servicer", "cancel_and_wait",
+           "descriptors_exhausted", "log_failure", "principal_of", "release_slot", "rpc", "stream_rpc"]
 
 log = logging.getLogger("gpubroker.server")
 # One line per burst of calls refused for want of descriptors (a flood of them must not flood the log too).
@@ -32,6 +33,10 @@ EXHAUSTED_RETRY_SECONDS = 1.0
 current_method: contextvars.ContextVar[str] = contextvars.ContextVar("current_method", default="")
 # The session whose concurrent-RPC slot this call holds; released when the call ends.
 admitted: contextvars.ContextVar[Session | None] = contextvars.ContextVar("admitted", default=None)
+# Who made the call being served: authenticated by the wrappers below before its request is read (``_admit``).
+caller: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("caller", default=None)
+# The tenant whose count of calls in flight this call holds (SessionManager.enter_call); released when it ends.
+counted: contextvars.ContextVar[tuple[SessionManager, str] | None] = contextvars.ContextVar("counted", default=None)
 
 
 async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
@@ -43,16 +48,20 @@ async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
 
 
 def release_slot(session: Session) -> None:
-    """Give back the concurrent-call slot that the service's ``admit`` took."""
+    """Give back the session's concurrent-call slot that the service's ``admit`` took."""
     session.inflight -= 1
-    session.tenant_inflight[session.tenant] -= 1
 
 
-def _release_slot() -> None:
+def _release_slots() -> None:
+    """At the call's end: its session's slot, and its place in its tenant's calls in flight."""
     session = admitted.get()
     if session is not None:
         release_slot(session)
         admitted.set(None)
+    tenant = counted.get()
+    if tenant is not None:
+        tenant[0].leave_call(tenant[1])
+        counted.set(None)
 ERROR_TRAILER = "gpubroker-error-bin"
 
 Req = TypeVar("Req")
@@ -69,6 +78,12 @@ async def abort_with(context: Context, exc: GpuBrokerError) -> None:
 
 
 def principal_of(auth: Authenticator, context: Context) -> Principal:
+    """Who made the call: authenticated once, by the wrapper, before its request was read (``_admit``)."""
+    principal = caller.get()
+    return principal if principal is not None else _authenticate(auth, context)
+
+
+def _authenticate(auth: Authenticator, context: Context) -> Principal:
     """Authenticate the call from its metadata and, on TLS, its verified client certificate."""
     try:
         auth_context = context.auth_context() or {}
@@ -77,6 +92,27 @@ def principal_of(auth: Authenticator, context: Context) -> Principal:
     principal = auth.authenticate(context.invocation_metadata(), auth_context, context.peer(), current_method.get())
     bind_log_context(tenant=principal.tenant)
     return principal
+
+
+class Unread:
+    """A unary call's request message, not read yet. Every call of the services is registered with gRPC as
+    request-streaming (``add_servicer``), so that gRPC reads no message of a call until the wrapper asks for it,
+    once the call has authenticated (``_admit``): gRPC grants the peer a message's bytes only while a read of it
+    is pending, so a call that never authenticates holds at most its stream's flow-control window (64 KiB, the
+    server probing no BDP: server/_server.py) of a message in the front, however large the message it announces."""
+
+    __slots__ = ("_context",)
+
+    def __init__(self, context: Context) -> None:
+        self._context = context
+
+    async def read(self) -> Any:
+        # (the context's read, not gRPC's request iterator: one left unfinished is an async generator that the
+        # event loop closes later in a task of its own, a measurable cost on every call)
+        request = await self._context.read()
+        if request is grpc.aio.EOF:
+            raise InvalidArgument("the call ended before its request message (a unary call sends exactly one)")
+        return request
 
 
 class Malformed:
@@ -102,7 +138,8 @@ def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
 
 
 def add_servicer(add: Callable[[Any, Any], None], servicer: Any, server: grpc.aio.Server) -> None:
-    """Register a servicer as its generated ``add_*_to_server`` would, with requests parsed by ``_tolerant``."""
+    """Register a servicer as its generated ``add_*_to_server`` would, with requests parsed by ``_tolerant`` and
+    read only when the servicer asks (a unary call's request comes as ``Unread``: ``_read_when_asked``)."""
     captured: dict[str, dict[str, Any]] = {}
 
     class _Capture:
@@ -114,10 +151,41 @@ def add_servicer(add: Callable[[Any, Any], None], servicer: Any, server: grpc.ai
 
     add(servicer, _Capture())
     for service, handlers in captured.items():
-        tolerant = {name: h._replace(request_deserializer=_tolerant(h.request_deserializer))
+        tolerant = {name: _read_when_asked(h._replace(request_deserializer=_tolerant(h.request_deserializer)))
                     for name, h in handlers.items()}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, tolerant),))
         server.add_registered_method_handlers(service, tolerant)
+
+
+def _read_when_asked(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+    """A unary-request handler registered as request-streaming, its request passed as ``Unread``: gRPC reads a
+    unary call's message as soon as the call arrives, before any handler runs, and a streaming call's only when
+    the handler reads it. (A server interceptor would not do: it runs at the same point, but sees neither the
+    peer, which failure delays are charged to, nor a TLS client's certificate, and gRPC reads a unary call's
+    message before whatever handler it returns runs.) gRPC's own request iterator (``requests``) goes unused:
+    ``Unread`` reads through the context."""
+    if handler.request_streaming:
+        return handler
+    if handler.response_streaming:
+        unary_stream: Any = handler.unary_stream  # (async, whatever the stubs say)
+
+        async def stream_stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+            async for response in unary_stream(Unread(context), context):
+                yield response
+
+        async def stream_writer(requests: AsyncIterator[Any], context: Context) -> None:
+            await unary_stream(Unread(context), context)  # (one that writes its responses through its context)
+
+        behavior = stream_writer if inspect.iscoroutinefunction(unary_stream) else stream_stream
+        return grpc.stream_stream_rpc_method_handler(behavior, handler.request_deserializer,
+                                                     handler.response_serializer)
+    unary_unary: Any = handler.unary_unary
+
+    async def stream_unary(requests: AsyncIterator[Any], context: Context) -> Any:
+        return await unary_unary(Unread(context), context)
+
+    return grpc.stream_unary_rpc_method_handler(stream_unary, handler.request_deserializer,
+                                                handler.response_serializer)
 
 
 def _parsed(request: Any) -> Any:
@@ -134,12 +202,30 @@ async def _parsed_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield _parsed(request)
 
 
-async def _prepare(servicer: Any, context: Context) -> None:
-    """Whatever the call's authentication needs off the event loop (a legacy scrypt token), before the handler."""
+async def _admit(servicer: Any, context: Context) -> None:
+    """Before the call's request is read: authenticate it (from its metadata, and on TLS its certificate) and
+    count it among its tenant's calls in flight. A call that fails is answered without its message ever being
+    read; one that passes holds its tenant's slot while its message arrives, however slowly, so what a tenant's
+    messages on their way in hold of the front is bounded by its calls in flight. (``servicer`` has the broker's
+    ``auth``, an Authenticator, and ``sessions``, the SessionManager that counts the calls.)"""
     failure_delay.set(0.0)
-    auth = getattr(servicer, "auth", None)
-    if auth is not None:
-        await auth.prepare(context.invocation_metadata())
+    auth: Authenticator = servicer.auth
+    await auth.prepare(context.invocation_metadata())  # (a legacy scrypt token: checked off the event loop)
+    principal = _authenticate(auth, context)
+    caller.set(principal)
+    sessions: SessionManager = servicer.sessions
+    sessions.enter_call(principal.tenant)
+    counted.set((sessions, principal.tenant))
+
+
+async def _received(request: Any) -> Any:
+    """The call's request, read now if it is a unary call's (``Unread``); refused if it did not parse."""
+    if isinstance(request, Unread):
+        request = await request.read()
+        session = getattr(request, "session", None)  # the session the call names, if its message has one
+        if isinstance(session, str):
+            bind_log_context(session=session)
+    return _parsed(request)
 
 
 def descriptors_exhausted(exc: OSError) -> Unavailable:
@@ -181,8 +267,10 @@ def _begin(method: str, request: object) -> float:
     """Set the call's context (for audit and log lines) and return its start time."""
     current_method.set(method)
     admitted.set(None)
+    caller.set(None)
+    counted.set(None)
     log_context.set(None)
-    session = getattr(request, "session", None)  # the session the call names, if its message has one
+    session = getattr(request, "session", None)  # a request already read (not through gRPC): its session
     bind_log_context(method=method, session=session if isinstance(session, str) else "")
     return time.perf_counter()
 
@@ -207,8 +295,8 @@ def rpc(fn: Callable[[Any, Req, Context], Awaitable[Resp]]) -> Callable[..., Awa
         started = _begin(fn.__name__, request)
         code = "OK"
         try:
-            await _prepare(self, context)
-            return await fn(self, _parsed(request), context)
+            await _admit(self, context)
+            return await fn(self, await _received(request), context)
         except Exception as exc:
             code = _status_name(exc, context)
             await wait_failure_delay()
@@ -217,7 +305,7 @@ def rpc(fn: Callable[[Any, Req, Context], Awaitable[Resp]]) -> Callable[..., Awa
             code = _status_name(exc, context)
             raise
         finally:
-            _release_slot()
+            _release_slots()
             observe_rpc(fn.__name__, code, time.perf_counter() - started)
         raise AssertionError("unreachable: abort raises")
 
@@ -233,8 +321,8 @@ def stream_rpc(fn: Callable[[Any, Req, Context], AsyncIterator[Resp]]
         started = _begin(fn.__name__, request)
         code = "OK"
         try:
-            await _prepare(self, context)
-            async for item in fn(self, _parsed(request), context):
+            await _admit(self, context)
+            async for item in fn(self, await _received(request), context):
                 yield item
         except Exception as exc:
             code = _status_name(exc, context)
@@ -244,7 +332,7 @@ def stream_rpc(fn: Callable[[Any, Req, Context], AsyncIterator[Resp]]
             code = _status_name(exc, context)
             raise
         finally:
-            _release_slot()
+            _release_slots()
             observe_rpc(fn.__name__, code, time.perf_counter() - started)
 
     return wrapper
