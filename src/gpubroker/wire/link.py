@@ -161,7 +161,7 @@ _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode
 _hello = msgspec.msgpack.Decoder(Hello)
 _ring_offer = msgspec.msgpack.Decoder(RingOffer)
-_segment_request = msgspec.msgpack.Decoder(SegmentRequest)  # type: ignore[arg-type]  # (a union is a type)
+_segment_request: msgspec.msgpack.Decoder[RegisterSegment | ReleaseSegment] = msgspec.msgpack.Decoder(SegmentRequest)
 _answer = msgspec.msgpack.Decoder(tuple[int, int, msgspec.Raw])
 _error = msgspec.msgpack.Decoder(dict[str, Any])
 T = TypeVar("T")
@@ -173,7 +173,7 @@ def _decode(decoder: msgspec.msgpack.Decoder[T], payload: bytes | bytearray | me
         return decoder.decode(payload)
     except msgspec.ValidationError as exc:  # msgpack, but not this message
         raise Malformed(str(exc)[:200]) from None
-    except Exception as exc:  # noqa: BLE001 - any input may fail: DecodeError, RecursionError for deep nesting
+    except Exception as exc:  # any input may fail: DecodeError, RecursionError for deep nesting
         # (in a field it skips), UnicodeDecodeError for a string that is not UTF-8
         raise Malformed(f"not msgpack ({type(exc).__name__}: {str(exc)[:120]})") from None
 
