@@ -56,7 +56,7 @@ def unframe(data: bytes) -> list[Any]:
 
 
 class RawFuzzer:
-    """``shm_case`` and ``grpc_case`` each run one hypothesis-drawn case against the broker."""
+    """``segments_case`` and ``grpc_case`` each run one hypothesis-drawn case against the broker."""
 
     def __init__(self, target: str, token: str, session: str, observe: Callable[[str, str, str], Any],
                  timeout: float = 10.0) -> None:
