@@ -315,7 +315,8 @@ class LinkServer:
                 f"malformed link hello ({exc}): it is one msgpack map "
                 '{"token": str, "session": str, "link": 1} (or "segments": 1 for shared memory)'))))
             raise _HelloRefused from None
-        if hello.link is not None and not links:  # (no secret to judge, and none told: the listener's setting)
+        # Before authentication: the answer depends on the listener's setting alone, and says nothing of a token.
+        if hello.link is not None and not links:
             await send(_frame(refusal(Unavailable(
                 "this broker serves no links on its Unix socket (fast_path = false): commands go by gRPC; the "
                 "socket takes shared-memory segments only"))))
