@@ -29,6 +29,7 @@ from typing import Annotated, Any, Final, TypeVar
 import msgspec
 
 from gpubroker.wire.commands import MAX_HANDLE
+from gpubroker.wire.commands import encode as _encode
 from gpubroker.wire.errors import GpuBrokerError, error_from_wire
 
 __all__ = [
@@ -157,8 +158,7 @@ class Malformed(ValueError):
     """Bytes that are not the message expected; the text says why, short enough for an answer and an audit line."""
 
 
-_encoder = msgspec.msgpack.Encoder()
-encode = _encoder.encode
+encode = _encode  # the command model's one encoder: a Struct or plain values -> msgpack bytes
 _hello = msgspec.msgpack.Decoder(Hello)
 _ring_offer = msgspec.msgpack.Decoder(RingOffer)
 _segment_request: msgspec.msgpack.Decoder[RegisterSegment | ReleaseSegment] = msgspec.msgpack.Decoder(SegmentRequest)
@@ -192,12 +192,12 @@ def decode_segment_request(payload: bytes | bytearray | memoryview) -> RegisterS
 
 def accepted(result: msgspec.Struct) -> bytes:
     """The payload of an answer that says yes."""
-    return _encoder.encode((0, 0, result))
+    return encode((0, 0, result))
 
 
 def refusal(error: GpuBrokerError) -> bytes:
     """The payload of an answer that says no, and why."""
-    return _encoder.encode((0, 1, error.to_wire()))
+    return encode((0, 1, error.to_wire()))
 
 
 def open_answer(payload: bytes | bytearray | memoryview, kind: type[T]) -> T:
