@@ -99,6 +99,9 @@ def _msgspec_codec_calls(path: Path) -> list[str]:
 # answers, never as arbitrary msgpack): the frame's envelope, and the results' schemas. Decoders only: the
 # replies' bytes are the worker's, encoded by the one command model's codec.
 REPLY_SCHEMAS = {"src/gpubroker/wire/worker.py", "src/gpubroker/broker/front/workers/_replies.py"}
+# The link's own messages (hello, ring upgrade, segment requests): their schemas' decoders, encoded by the same one
+# encoder as the commands.
+LINK_SCHEMAS = {"src/gpubroker/wire/link.py"}
 
 
 def test_commands_have_one_encoder() -> None:
@@ -106,6 +109,6 @@ def test_commands_have_one_encoder() -> None:
     the front's schema decoders for worker replies, which encode nothing)."""
     codecs = {str(path.relative_to(ROOT)): calls for path in sorted((ROOT / "src" / "gpubroker").rglob("*.py"))
               if (calls := _msgspec_codec_calls(path))}
-    assert set(codecs) == {"src/gpubroker/wire/commands.py", *REPLY_SCHEMAS}, codecs
-    for path in REPLY_SCHEMAS:
+    assert set(codecs) == {"src/gpubroker/wire/commands.py", *REPLY_SCHEMAS, *LINK_SCHEMAS}, codecs
+    for path in REPLY_SCHEMAS | LINK_SCHEMAS:
         assert set(codecs[path]) == {"msgspec.msgpack.Decoder"}, (path, codecs[path])

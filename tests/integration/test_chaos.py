@@ -252,7 +252,7 @@ def test_broker_killed_outright_clients_get_unavailable_and_a_restart_starts_cle
     with _broker(backend, lease_seconds=10.0) as broker:
         gpu = connect(broker.target, token=broker.tokens["alice"], timeout=60)
         buf = gpu.allocate_memory(MIB)
-        host = gpu.host_array(MIB, np.uint8)  # the shared-memory side channel is connected too
+        host = gpu.host_array(MIB, np.uint8)  # the shared-memory segments channel is connected too
         gpu.copy_h2d(host, buf)
         workers = worker_pids(broker, "alice")
         assert broker.process is not None

@@ -4,6 +4,7 @@ authentication, and results and errors identical to gRPC's."""
 from __future__ import annotations
 
 import socket
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -174,8 +175,19 @@ def test_where_the_broker_has_no_link_auto_takes_grpc_and_link_says_why(
         tls_broker: tuple[BrokerProcess, TlsOptions]) -> None:
     broker, _ = tls_broker
     token = broker.tokens["bob"]
-    with connect(broker.target, token=token) as gpu:  # its Unix socket has no "<socket>.fast"
+    with connect(broker.target, token=token) as gpu:  # its "<socket>.fast" takes no links (segments only)
         assert gpu.transport.kind == "grpc"
         gpu.synchronize()
-    with pytest.raises(Unavailable, match=r"no link to the broker's worker: unix: no unix link"):
+        # Host memory is shared all the same: segments registered on "<socket>.fast", CopyShared by gRPC.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a fallback to plain memory would warn
+            host = gpu.host_array(4096, np.uint8)
+        assert gpu._shm is not None and gpu._shm._arrays, "host_array fell back to plain memory"
+        host[:] = np.arange(4096) % 251
+        buf = gpu.allocate_memory(4096)
+        gpu.copy_h2d(host, buf)
+        back = gpu.host_array(4096, np.uint8)
+        gpu.copy_d2h(buf, back)
+        np.testing.assert_array_equal(back, host)
+    with pytest.raises(Unavailable, match=r"no link to the broker's worker: unix: this broker serves no links"):
         connect(broker.target, token=token, transport="link")

@@ -96,9 +96,9 @@ def test_after_the_link_fuzz_the_session_holds_nothing_and_the_victims_are_intac
 
 @RAW
 @given(data=st.data())
-def test_shared_memory_socket_under_garbage_frames_and_hostile_descriptors(raw: RawFuzzer, fuzzer: GrpcFuzzer,
-                                                                            data: Any) -> None:
-    raw.shm_case(data.draw)
+def test_segment_connections_under_garbage_frames_and_hostile_descriptors(raw: RawFuzzer, fuzzer: GrpcFuzzer,
+                                                                          data: Any) -> None:
+    raw.segments_case(data.draw)
     fuzzer.check_raw_session(raw.session)
 
 

@@ -1,5 +1,5 @@
-"""Same-host copies through shared memory: correctness against numpy and Write/Read commands, and the side channel's
-authentication, isolation, limits and cleanup."""
+"""Same-host copies through shared memory: correctness against numpy and Write/Read commands, and segment
+registration's authentication (a segments hello on the link socket), isolation, limits and cleanup."""
 
 from __future__ import annotations
 
@@ -28,7 +28,14 @@ from gpubroker.client import (
     Unauthenticated,
     connect,
 )
-from gpubroker.client._shm import STAGE_MIN, STAGING_BYTES, STAGING_SLOTS, SideChannel, create_segment_fd, staged_pieces
+from gpubroker.client._shm import (
+    STAGE_MIN,
+    STAGING_BYTES,
+    STAGING_SLOTS,
+    SegmentChannel,
+    create_segment_fd,
+    staged_pieces,
+)
 from gpubroker.wire.commands import CopyShared, Read, Write
 
 from ..conftest import worker_pids
@@ -104,6 +111,24 @@ def test_host_array_round_trip_is_zero_copy(broker: BrokerProcess) -> None:
         assert g.host_array(0).size == 0
 
 
+def test_a_session_without_a_link_shares_host_memory_too(broker: BrokerProcess) -> None:
+    """Segments are registered on the link socket, but CopyShared goes on whatever carries the session's commands:
+    a session whose commands go by gRPC (as a client in another language's would) keeps its host arrays."""
+    with connect(broker.target, token=broker.tokens["alice"], transport="grpc") as g:
+        assert g.transport.kind == "grpc"
+        a = g.host_array(4096, np.uint8)
+        assert g._shm is not None and g._shm._arrays, "host_array fell back to plain memory"
+        a[:] = _bytes(4096, 3)
+        buf = g.allocate_memory(4096)
+        g.copy_h2d(a, buf)
+        b = g.host_array(4096, np.uint8)
+        g.copy_d2h(buf, b)
+        np.testing.assert_array_equal(a, b)
+        big = _bytes(STAGE_MIN * 2, 4)  # plain memory, through the staging segment
+        g.copy_h2d(big, g.allocate_memory(big.nbytes))
+        assert g._shm._staging is not None
+
+
 def test_staging_path_for_plain_arrays_larger_than_the_staging_segment(broker: BrokerProcess,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     size = STAGING_BYTES + 12345
@@ -136,7 +161,7 @@ def test_staging_path_for_plain_arrays_larger_than_the_staging_segment(broker: B
         assert len(pieces) == len(expected)
 
 
-def test_falls_back_to_streams_without_a_side_channel(broker: BrokerProcess) -> None:
+def test_falls_back_to_streams_without_shared_memory(broker: BrokerProcess) -> None:
     with connect(broker.target, token=broker.tokens["alice"], shared_memory=False) as g:
         with pytest.raises(FailedPrecondition):
             g.host_array(16)
@@ -157,20 +182,21 @@ def test_falls_back_to_streams_without_a_side_channel(broker: BrokerProcess) -> 
 
 def _register(broker: BrokerProcess, token: str, session: str, size: int = 4096, seal: bool = True,
               announce: int | None = None) -> str:
-    channel = SideChannel(broker.target[len("unix:"):] + ".shm", token)
+    channel = SegmentChannel(broker.target[len("unix:"):] + ".fast", token, session)
     fd = create_segment_fd(size) if seal else os.memfd_create("gpubroker-seg-unsealed")
     try:
         if not seal:
             os.ftruncate(fd, size)
-        return channel.register(session, fd, size if announce is None else announce)
+        return channel.register(fd, size if announce is None else announce)
     finally:
         os.close(fd)
         channel.close()
 
 
-def test_side_channel_authenticates_and_isolates(broker: BrokerProcess, gpu: RemoteGpu) -> None:
-    path = Path(broker.target[len("unix:"):] + ".shm")
+def test_segment_registration_authenticates_and_isolates(broker: BrokerProcess, gpu: RemoteGpu) -> None:
+    path = Path(broker.target[len("unix:"):] + ".fast")
     assert path.is_socket() and path.stat().st_mode & 0o777 == 0o660  # the main socket's mode
+    assert not Path(broker.target[len("unix:"):] + ".shm").exists()  # (one socket: the link's)
     for token in ("gpb_000000000000_wrong", ""):
         with pytest.raises(Unauthenticated) as info:
             _register(broker, token, gpu.session)
@@ -317,9 +343,9 @@ def test_a_tenants_sessions_together_cannot_map_more_than_its_limit(shared_broke
         assert _shared_use(shared_broker, admin, "bob") == (1 << 30, 1 << 30)
 
         # Released exactly: a freed segment, an ended session, a dead client.
-        channel = SideChannel(shared_broker.target[len("unix:"):] + ".shm", alice)
+        channel = SegmentChannel(shared_broker.target[len("unix:"):] + ".fast", alice, a1.session)
         try:
-            channel.release(a1.session, first)
+            channel.release(first)
         finally:
             channel.close()
         assert _shared_use(shared_broker, admin, "alice") == (1 << 30, 1 << 30)

@@ -359,7 +359,7 @@ def test_cannot_open_a_network_socket(world: World) -> None:
     program = Program()
     program.connect(f"TCP connect to a listener on 127.0.0.1:{port}", AF_INET, sockaddr_in(port))
     program.connect(f"TCP connect to the broker's TLS port 127.0.0.1:{broker_port}", AF_INET, sockaddr_in(broker_port))
-    for path in (unix, unix.with_name(unix.name + ".fast"), unix.with_name(unix.name + ".shm")):
+    for path in (unix, unix.with_name(unix.name + ".fast")):
         if path.exists():
             program.connect(f"connect to the broker's socket {path}", AF_UNIX, sockaddr_un(path))
     try:

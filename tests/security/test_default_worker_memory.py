@@ -93,7 +93,7 @@ def test_a_default_worker_cannot_take_host_memory_far_past_its_quota(broker: Bro
             assert not attempt.succeeded, (
                 f"with the default config a kernel populated {attempt.label}: worker_memory_max = 0 bounds nothing")
             assert attempt.ret == -12, attempt  # ENOMEM: refused by the limit, the worker unharmed
-        # The worker serves on: memory within the quota, and the side channel's shared memory, work.
+        # The worker serves on: memory within the quota, and shared memory, work.
         buf = gpu.allocate_memory(QUOTA // 2)
         host = gpu.host_array(16 * MiB // 4, np.float32)
         host[:] = 3.0

@@ -21,13 +21,14 @@ import pytest
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import AdminClient, InvalidArgument, NotFound, RemoteGpu, Unauthenticated, connect
 from gpubroker.client._channel import make_channel
-from gpubroker.client._shm import SideChannel, create_segment_fd
+from gpubroker.client._shm import SegmentChannel, create_segment_fd
 from gpubroker.client._transports import peer_hung_up
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 from gpubroker.wire.commands import Batch, Memset, Synchronize, decode_ack, encode, new_handle
 from gpubroker.wire.errors import error_from_wire
 from gpubroker.wire.frames import pack_frame, recv_frame
+from gpubroker.wire.link import SegmentRegistered
 
 from ..helpers import wait_for
 
@@ -93,7 +94,7 @@ class Channels:
 
         self.stream = pb_grpc.GpuBrokerStub(self.grpc).Commands(requests(), metadata=metadata)
         self.link = open_link(self.broker, self.token, self.session)
-        self.shm = SideChannel(base + ".shm", self.token)
+        self.shm = SegmentChannel(base + ".fast", self.token, self.session)
         return self
 
     def on_link(self, *commands: Any) -> None:
@@ -111,7 +112,7 @@ class Channels:
         fd = create_segment_fd(4096)
         try:
             segment = new_handle("segment")
-            assert self.shm.register(self.session, fd, 4096, segment) == segment
+            assert self.shm.register(fd, 4096, segment) == segment
         finally:
             os.close(fd)
 
@@ -153,7 +154,7 @@ def test_rotation_cuts_every_channel_and_the_new_token_reaches_the_same_session(
         reloaded = _reload(broker)
         code, when = before.stream_end(5)
         assert code == grpc.StatusCode.UNAUTHENTICATED and when - reloaded < CUT_WITHIN, (code, when - reloaded)
-        wait_for(before.all_cut, CUT_WITHIN, "the link and side channel to be closed")
+        wait_for(before.all_cut, CUT_WITHIN, "the link and the segments channel to be closed")
         with pytest.raises(Unauthenticated):
             open_link(broker, old, gpu.session)
         # The session stayed: the new token opens every kind of channel on it again, and its buffer is there.
@@ -177,7 +178,7 @@ def test_removal_cuts_every_channel_and_ends_the_sessions(broker: BrokerProcess)
         reloaded = _reload(broker)
         code, when = channels.stream_end(5)
         assert code == grpc.StatusCode.UNAUTHENTICATED and when - reloaded < CUT_WITHIN, (code, when - reloaded)
-        wait_for(channels.all_cut, CUT_WITHIN, "the link and side channel to be closed")
+        wait_for(channels.all_cut, CUT_WITHIN, "the link and the segments channel to be closed")
         with pytest.raises((Unauthenticated, NotFound)):
             gpu.synchronize()
     finally:
@@ -185,22 +186,21 @@ def test_removal_cuts_every_channel_and_ends_the_sessions(broker: BrokerProcess)
         gpu.close()
 
 
-def test_the_side_channel_takes_a_segment_only_under_a_handle_of_the_clients(broker: BrokerProcess) -> None:
+def test_a_segment_is_registered_only_under_a_handle_of_the_clients(broker: BrokerProcess) -> None:
     token = broker.tokens["ops"]
     with connect(broker.target, token=token) as gpu:
-        channel = SideChannel(broker.target.removeprefix("unix:") + ".shm", token)
+        channel = SegmentChannel(broker.target.removeprefix("unix:") + ".fast", token, gpu.session)
         fd = create_segment_fd(4096)
         try:
             for handle in (None, "", 7, "g" * 65):  # none, empty, no string, longer than a handle
-                message = {"session": gpu.session, "token": token, "size": 4096, "handle": handle}
-                with pytest.raises(InvalidArgument, match="names its segment"):
-                    channel.request(message, [fd])
-            assert channel.register(gpu.session, fd, 4096, "g1") == "g1"
+                with pytest.raises(InvalidArgument, match=r"malformed segment request.*naming its segment"):
+                    channel.request(["register", handle, 4096], SegmentRegistered, [fd])
+            assert channel.register(fd, 4096, "g1") == "g1"
             with pytest.raises(InvalidArgument, match="already registered"):
-                channel.register(gpu.session, fd, 4096, "g1")
-            channel.release(gpu.session, "g1")
+                channel.register(fd, 4096, "g1")
+            channel.release("g1")
             with pytest.raises(NotFound, match="no segment 'g1'"):
-                channel.release(gpu.session, "g1")
+                channel.release("g1")
         finally:
             os.close(fd)
             channel.close()

@@ -2,7 +2,8 @@
 
 Run: ``gpubroker bench fuzz --cases 100000 [--backend auto|cuda|opencl] [--max-steps 4] [--seed N] [--out fuzz.json]``.
 Cases are gRPC cases (``GrpcFuzzer``) and, a share of them, raw-socket cases: the framed link on the Unix socket
-and on the TCP link with TLS (``LinkFuzzer``), the shared-memory side channel and the gRPC socket (``RawFuzzer``).
+and on the TCP link with TLS (``LinkFuzzer``), segment connections on the link socket and the gRPC socket
+(``RawFuzzer``).
 It stops at the first broken promise and reports it; otherwise it reports every status seen, whether the broker
 is still up and whether its accounting is still exact.
 """
@@ -103,7 +104,7 @@ def run_fuzz(broker: BrokerProcess, targets: list[LinkTarget], cases: int, max_s
     started = time.monotonic()
     raw_weight = max(0, min(100, round(raw_share * 100)))
     by_name = {t.name: t for t in targets}
-    choices = ["grpc"] * (100 - raw_weight) + [*(f"link_{t}" for t in by_name), "shm", "grpc_socket"] * raw_weight
+    choices = ["grpc"] * (100 - raw_weight) + [*(f"link_{t}" for t in by_name), "segments", "grpc_socket"] * raw_weight
 
     def one_case(data: Any) -> None:
         kind = data.draw(st.sampled_from(choices), label="kind")

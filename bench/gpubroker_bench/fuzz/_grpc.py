@@ -1,6 +1,6 @@
 """Fuzz the gRPC API through raw stubs: random and invalid fields, hostile sequences, interleaved sessions.
 
-A case opens a session, runs a few random steps (each one RPC, or a side-channel registration), checks that the
+A case opens a session, runs a few random steps (each one RPC, or a shared-memory segment request), checks that the
 broker's accounting agrees with the model exactly, and closes what it opened. Every answer must be OK or one of
 the documented statuses; a call that names a session or handle it does not own must fail; bytes read back must
 be those written (see _model.py).
@@ -16,7 +16,6 @@ import grpc
 from hypothesis import strategies as st
 
 from gpubroker.client._channel import make_channel
-from gpubroker.client._shm import SideChannel
 from gpubroker.v1 import admin_pb2 as apb
 from gpubroker.v1 import admin_pb2_grpc as apb_grpc
 from gpubroker.v1 import broker_pb2 as pb
@@ -54,7 +53,6 @@ class GrpcFuzzer(StepsMixin):
         self.statuses: Counter[str] = Counter()  # "Method CODE" -> count
         self.cases = 0
         self.steps = 0
-        self._side: dict[str, SideChannel] = {}
         devices = self.stub.ListDevices(pb.ListDevicesRequest(), metadata=self._md(admin_token), timeout=timeout)
         self.devices = list(devices.devices)
         self.backend = self.devices[0].backend
@@ -108,16 +106,7 @@ class GrpcFuzzer(StepsMixin):
         if not rows or rows[0].memory_used != 0 or rows[0].lost:
             raise FuzzFailure(f"the raw sockets' session: {rows[0] if rows else 'gone'}")
 
-    def side_channel(self, tenant: str) -> SideChannel:
-        side = self._side.get(tenant)
-        if side is None:
-            side = self._side[tenant] = SideChannel(self.target[len("unix:"):] + ".shm", self.tokens[tenant],
-                                                    timeout=self.timeout)
-        return side
-
     def close(self) -> None:
-        for side in self._side.values():
-            side.close()
         self.channel.close()
 
     # -- choosing callers and handles --------------------------------------------------------------

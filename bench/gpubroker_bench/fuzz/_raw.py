@@ -1,4 +1,5 @@
-"""Fuzz the broker's raw local sockets besides the framed link (``_link.py``): "<socket>.shm" and the gRPC socket.
+"""Fuzz the broker's raw local sockets besides the framed link's batches (``_link.py``): segment connections on
+"<socket>.fast" (a hello asking for ``segments``, then registrations with hostile descriptors) and the gRPC socket.
 
 Each case writes hostile bytes, then half-closes its end: the broker must answer only well-formed frames with a
 documented status, and close the connection (never hang on it, never crash). Registrations that succeed are
@@ -55,7 +56,7 @@ def unframe(data: bytes) -> list[Any]:
 
 
 class RawFuzzer:
-    """``shm_case`` and ``grpc_case`` each run one hypothesis-drawn case against the broker."""
+    """``segments_case`` and ``grpc_case`` each run one hypothesis-drawn case against the broker."""
 
     def __init__(self, target: str, token: str, session: str, observe: Callable[[str, str, str], Any],
                  timeout: float = 10.0) -> None:
@@ -101,13 +102,26 @@ class RawFuzzer:
             raise AssertionError(f"{where}: malformed error {error!r}")
         self.observe(where, error["code"], str(error.get("message")))
 
-    # -- <socket>.shm -----------------------------------------------------------------------------
-    def shm_case(self, draw: Draw) -> int:
+    # -- segment connections on <socket>.fast -------------------------------------------------------
+    def _segments_hello(self) -> bytes:
+        return frame({"token": self.token, "session": self.session, "segments": 1})
+
+    def segments_case(self, draw: Draw) -> int:
         """Returns how many segments it registered (and released again)."""
         opened: list[int] = []
         used: set[str] = set()
         chunks: list[tuple[bytes, list[int]]] = []
         try:
+            # Mostly the hello that opens a segments connection; else one with a wrong token or session, junk, or
+            # none at all (then what follows is judged as the hello).
+            hello = draw(st.sampled_from(["good"] * 6 + ["token", "session", "junk", "none"]))
+            if hello == "good":
+                chunks.append((self._segments_hello(), []))
+            elif hello in ("token", "session"):
+                chunks.append((frame({"token": self.token if hello == "session" else "gpb_x_y", "segments": 1,
+                                      "session": self.session if hello == "token" else "ses_nope"}), []))
+            elif hello == "junk":
+                chunks.append((frame(draw(junk)), self._fds(draw, opened)))
             for _ in range(draw(st.integers(1, 3))):
                 kind = draw(st.sampled_from(["bytes", "junk", "register", "register", "release"]))
                 fds = self._fds(draw, opened) if kind in ("register", "junk") else []
@@ -122,38 +136,35 @@ class RawFuzzer:
                                             st.just("g" * 65), junk))
                     if isinstance(handle, str) and handle.startswith("g") and len(handle) == 17:
                         used.add(handle)
-                    message = {"token": draw(st.sampled_from([self.token] * 4 + ["", "gpb_x_y"])),
-                               "session": draw(st.sampled_from([self.session] * 4 + ["", "ses_nope"])),
-                               "handle": handle,
-                               "size": draw(st.one_of(st.sampled_from([4096, 4096, 1, 0, -1, 2**40, True]), junk))}
-                    chunks.append((frame(message), fds))
+                    size = draw(st.one_of(st.sampled_from([4096, 4096, 1, 0, -1, 2**40, True]), junk))
+                    chunks.append((frame(["register", handle, size]), fds))
                 else:
-                    chunks.append((frame({"token": self.token, "session": self.session,
-                                          "release": draw(st.one_of(st.text(max_size=12), junk))}), []))
-            replies = unframe(self._exchange(self.path + ".shm", chunks))
+                    chunks.append((frame(["release", draw(st.one_of(st.text(max_size=12), junk))]), []))
+            replies = unframe(self._exchange(self.path + ".fast", chunks))
         finally:
             for fd in opened:
                 os.close(fd)
         registered = []
         for reply in replies:
-            if not isinstance(reply, dict):
-                raise AssertionError(f".shm: a malformed reply {reply!r}")
-            if "error" in reply:
-                self._check_error("shm", reply["error"])
-            elif "segment" in reply:
-                registered.append(reply["segment"])
-                self.observe("shm", "OK", "")
-            elif reply != {"released": True}:
-                raise AssertionError(f".shm: a malformed reply {reply!r}")
+            if not (isinstance(reply, list) and len(reply) == 3 and reply[0] == 0 and reply[1] in (0, 1)):
+                raise AssertionError(f"segments: a malformed reply {reply!r}")
+            result = reply[2]
+            if reply[1] == 1:
+                self._check_error("segments", result)
+            elif isinstance(result, dict) and set(result) == {"segment", "size"}:
+                registered.append(result["segment"])
+                self.observe("segments", "OK", "")
+            elif result not in ({"released": True}, {"segments": 1}):
+                raise AssertionError(f"segments: a malformed reply {reply!r}")
         if len(set(registered)) != len(registered):
-            raise AssertionError(f".shm: one segment handle registered twice: {registered}")
+            raise AssertionError(f"segments: one segment handle registered twice: {registered}")
         if registered:  # give them back, so the session's accounting returns to nothing
             no_fds: list[int] = []
-            release = [(frame({"token": self.token, "session": self.session, "release": seg}), no_fds)
-                       for seg in registered]
-            for reply in unframe(self._exchange(self.path + ".shm", release)):
-                if reply != {"released": True}:
-                    raise AssertionError(f".shm: releasing a segment it registered got {reply!r}")
+            release = [(self._segments_hello(), no_fds),
+                       *((frame(["release", seg]), no_fds) for seg in registered)]
+            replies = unframe(self._exchange(self.path + ".fast", release))
+            if replies[1:] != [[0, 0, {"released": True}]] * len(registered):
+                raise AssertionError(f"segments: releasing segments it registered got {replies!r}")
         return len(registered)
 
     @staticmethod

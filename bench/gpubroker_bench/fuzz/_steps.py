@@ -9,13 +9,15 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from hypothesis import strategies as st
 
 from gpubroker.client import GpuBrokerError
-from gpubroker.client._shm import create_segment_fd
+from gpubroker.client._shm import SegmentChannel, create_segment_fd
 from gpubroker.v1 import broker_pb2 as pb
+from gpubroker.wire.commands import new_handle
+from gpubroker.wire.link import RegisterSegment, ReleaseSegment, SegmentRegistered, SegmentReleased
 from gpubroker_bench.fuzz._fields import Fields, payload
 from gpubroker_bench.fuzz._model import Buf, Sess
 from gpubroker_bench.fuzz._steps_code import CodeStepsMixin
@@ -24,6 +26,7 @@ from gpubroker_bench.fuzz._values import int64s, uint32s, uint64s
 __all__ = ["StepsMixin"]
 
 Draw = Callable[..., Any]
+T = TypeVar("T")
 
 
 class StepsMixin(CodeStepsMixin):
@@ -287,13 +290,21 @@ class StepsMixin(CodeStepsMixin):
             self.read(sess, buf, start, got, stream, "CopyDeviceToHost")
 
     # -- shared memory ----------------------------------------------------------------------------
-    def side_call(self, what: str, message: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any] | None, str]:
-        side = self.side_channel(next(iter(self.tokens)))
+    def side_call(self, what: str, token: str, session: str, request: Any, answer: type[T],
+                  fds: list[int]) -> tuple[T | None, str]:
+        """One segment request on a segments connection of its own, opened with ``token`` for ``session`` (whose
+        hello is refused as the request would be)."""
         self.steps += 1
         try:
-            return side.request(message, fds), self.observe(what, "OK", "")
+            channel = SegmentChannel(self.target[len("unix:"):] + ".fast", token, session, timeout=self.timeout)
         except GpuBrokerError as exc:
-            return None, self.observe(what, exc.code, exc.message, message)
+            return None, self.observe(what, exc.code, exc.message, {"token": token, "session": session})
+        try:
+            return channel.request(request, answer, fds), self.observe(what, "OK", "")
+        except GpuBrokerError as exc:
+            return None, self.observe(what, exc.code, exc.message, request)
+        finally:
+            channel.close()
 
     def step_register_segment(self, draw: Draw, caller: tuple[str, str, Sess | None] | None = None,
                               size: int | None = None) -> None:
@@ -304,8 +315,8 @@ class StepsMixin(CodeStepsMixin):
         try:
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
             mm[:] = payload(draw, size)
-            reply, code = self.side_call("SharedMemory register", {"token": token, "session": session, "size": size},
-                                         [fd])
+            reply, code = self.side_call("SharedMemory register", token, session,
+                                         RegisterSegment(new_handle("segment"), size), SegmentRegistered, [fd])
         finally:
             os.close(fd)
         self.refused("SharedMemory register", code, "the caller does not own the session", sess is None,
@@ -314,14 +325,14 @@ class StepsMixin(CodeStepsMixin):
         if code == "OK" and reply is not None and sess is not None:
             from gpubroker_bench.fuzz._model import Seg
 
-            sess.segs[str(reply["segment"])] = Seg(str(reply["segment"]), size, mm)
+            sess.segs[reply.segment] = Seg(reply.segment, size, mm)
         else:
             mm.close()
 
     def step_release_segment(self, draw: Draw) -> None:
         token, session, sess = self.caller(draw)
         handle, seg = self.handle(draw, sess, "segment", draw(st.booleans()))
-        _, code = self.side_call("SharedMemory release", {"token": token, "session": session, "release": handle}, [])
+        _, code = self.side_call("SharedMemory release", token, session, ReleaseSegment(handle), SegmentReleased, [])
         self.refused("SharedMemory release", code, f"{handle!r} is no live segment of the session", sess is None,
                      seg is None)
         self.lost(code, sess)

@@ -290,7 +290,7 @@ def _parser() -> argparse.ArgumentParser:
     ta.add_argument("--memory", default="8GiB", help="device memory quota (default 8GiB)")
     ta.add_argument("--weight", type=int, default=1, help="fair-share weight (default 1)")
     ta.add_argument("--shared-memory", metavar="SIZE",
-                    help="host memory its sessions may share through <socket>.shm (default: equal to --memory)")
+                    help="host memory its sessions may share with its workers (default: equal to --memory)")
     ta.add_argument("--admin", action="store_true", help="may call the Admin service")
     ta.add_argument("--device-memory", action="append", metavar="DEVICE=SIZE",
                     help="a quota of its own on one device, e.g. 1=16GiB (repeatable; others get --memory)")

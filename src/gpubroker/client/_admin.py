@@ -96,7 +96,7 @@ class AdminClient:
 
     def usage(self, window_seconds: float = 0.0) -> apb.UsageResponse:
         """Per tenant and device: device time, share, queue, waits, device memory and its quota, sessions, and the
-        host memory the tenant maps through the shared-memory side channel (``shared_bytes``, summed over all its
+        host memory the tenant maps through the same-host shared memory (``shared_bytes``, summed over all its
         sessions, against ``shared_bytes_limit``).
 
         Args:

@@ -83,10 +83,11 @@ class RemoteGpu:
 
     ``timeout`` bounds each call (seconds) and each wait for an acknowledgement; a background thread sends
     heartbeats within the lease. ``tls`` (a TlsOptions) is for TCP listeners with TLS or mTLS; with a client
-    certificate the token may be None. On a unix: target copies use the broker's shared-memory side channel when
-    it is there (``shared_memory=False``: never). ``compress`` ("auto", "lz4" or None) asks the link for lz4 on
-    copies' bytes, each chunk sent compressed only where that shrinks it: "auto" on TCP and vsock links only (on the
-    same host bytes move faster than lz4 packs them), "lz4" on any link, None never; gRPC never compresses.
+    certificate the token may be None. On a unix: target copies use shared memory registered on the broker's
+    link socket when it is there (``shared_memory=False``: never). ``compress`` ("auto", "lz4" or None) asks the
+    link for lz4 on copies' bytes, each chunk sent compressed only where that shrinks it: "auto" on TCP and vsock
+    links only (on the same host bytes move faster than lz4 packs them), "lz4" on any link, None never; gRPC never
+    compresses.
 
     Make one with [`connect`][gpubroker.client.connect], which opens the session (a `RemoteGpu` constructed
     directly opens it at `initialize()` or on entering a `with` block). It is a context manager:
@@ -109,7 +110,7 @@ class RemoteGpu:
             command a round trip that raises its own error.
         transport: `"auto"`, `"ring"`, `"link"` or `"grpc"`: how device commands travel (see above).
         vsock: Whether to look for the broker's vsock link (in a VM guest); None: probe for one.
-        shared_memory: Whether host copies on a `unix:` target may use the broker's shared-memory side channel.
+        shared_memory: Whether host copies on a `unix:` target may use shared memory with the broker's worker.
         compress: `"auto"`, `"lz4"` or None: lz4 for copies' bytes on links (see above).
 
     Raises:
@@ -133,7 +134,7 @@ class RemoteGpu:
         self._want_transport = transport
         self._vsock = vsock
         self._transport: Transport | None = None
-        # Same host (a unix: target with the broker's "<socket>.shm"): copies go through shared memory.
+        # Same host (a unix: target with the broker's "<socket>.fast"): copies go through shared memory.
         self._shm = SharedMemory(target, token, lambda: self._session, lambda: self.transport,
                                  timeout) if shared_memory else None
         self.async_commands = async_commands
@@ -333,7 +334,7 @@ class RemoteGpu:
 
         Raises:
             FailedPrecondition: shared memory is off (`shared_memory=False`) or not offered: the target is not a
-                `unix:` socket on this host, or the broker has no side channel there.
+                `unix:` socket on this host, or the broker has no link socket (`<socket>.fast`) beside it.
             InvalidArgument: a negative dimension.
             ResourceExhausted: the session or the tenant would map more host memory than the broker allows
                 (`max_shared_bytes_per_session`; the tenant's `shared_memory`, which defaults to its memory quota;

@@ -1,20 +1,21 @@
 """Same host: host memory shared with the tenant's worker through memfd segments.
 
-gRPC cannot carry file descriptors, so next to its Unix socket ``PATH`` the broker listens on ``PATH.shm``. A
-client sends one length-prefixed msgpack frame ``{"session", "token", "size", "handle"}`` (the segment's handle,
-chosen by the client as every handle is) with a memfd of exactly ``size`` bytes attached (SCM_RIGHTS), sealed
-against shrinking and growing (``create_segment_fd``); the broker maps it into the
-tenant's worker and answers ``{"segment": handle}`` (or ``{"error": {code, message}}``). A ``CopyShared`` command
-then moves bytes between that mapping and device memory: no copy data travels through a socket at all.
-``{"session", "token", "release": handle}`` unmaps a segment early; otherwise it
-lives as long as its session. The SDK's first request, sent as soon as it connects, is ``{"hello": 1, "session",
-"token"}`` (answered ``{"hello": 1}``): a connection that has said nothing holds one of the broker's few places
-for unauthenticated peers, and may be closed to make room for another.
+gRPC cannot carry file descriptors, but the broker's link socket ``PATH.fast`` beside its Unix socket ``PATH``
+can. A ``SegmentChannel`` is a connection there whose hello (gpubroker/wire/link.py) says ``segments: 1`` with the
+token and session: the front authenticates it as it does every link, then keeps it and registers segments on it
+(it never goes to the worker). ``RegisterSegment`` names the segment's handle (chosen by the client, as every
+handle is) and its size, with a memfd of exactly that size attached (SCM_RIGHTS), sealed against shrinking and
+growing (``create_segment_fd``); the broker maps it into the tenant's worker and answers ``SegmentRegistered``. A
+``CopyShared`` command, on whatever transport the session's commands take (gRPC included), then moves bytes
+between that mapping and device memory: no copy data travels through a socket at all. ``ReleaseSegment`` unmaps a
+segment early; otherwise it lives as long as its session. The channel says its hello as soon as it connects: a
+connection that has said nothing holds one of the broker's few places for unauthenticated peers, and may be
+closed to make room for another.
 
-When the broker refuses the side channel (its connection limits, a flood from other clients), ``host_array``
-returns plain host memory with a warning and copies go as Write and Read commands: slower, never wrong. The
-broker's limits on the bytes mapped (per session, per tenant) are the caller's to respect, and raise
-RESOURCE_EXHAUSTED saying so.
+When the broker refuses the channel (its connection limits, a flood from other clients), ``host_array`` returns
+plain host memory with a warning and copies go as Write and Read commands: slower, never wrong. The broker's
+limits on the bytes mapped (per session, per tenant) are the caller's to respect, and raise RESOURCE_EXHAUSTED
+saying so.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -43,10 +44,23 @@ from gpubroker.wire.errors import (
     GpuBrokerError,
     InvalidArgument,
     Unavailable,
-    error_from_wire,
 )
-from gpubroker.wire.frames import FRAME_HEADER, pack_frame, unpack_frame
+from gpubroker.wire.frames import FRAME_HEADER
 from gpubroker.wire.host import check_device_range
+from gpubroker.wire.link import (
+    MAX_SEGMENT_FRAME,
+    SEGMENTS_VERSION,
+    Hello,
+    Malformed,
+    RegisterSegment,
+    ReleaseSegment,
+    SegmentRegistered,
+    SegmentReleased,
+    SegmentsAccepted,
+    encode,
+    link_path,
+    open_answer,
+)
 from gpubroker.wire.types import Buffer
 
 try:
@@ -54,13 +68,12 @@ try:
 except ImportError:  # not a Unix: no shared memory, copies go as Write and Read commands
     fcntl = None  # type: ignore[assignment]  # the module or None, tested before use
 
-__all__ = ["FRAME_HEADER", "MAX_FRAME", "SEGMENT_SEALS", "STAGE_MIN", "STAGING_BYTES", "STAGING_SLOTS", "SUPPORTED",
-           "SharedMemory", "SideChannel", "create_segment_fd", "pack_frame", "staged_pieces", "unpack_frame"]
+__all__ = ["SEGMENT_SEALS", "STAGE_MIN", "STAGING_BYTES", "STAGING_SLOTS", "SUPPORTED", "SegmentChannel",
+           "SharedMemory", "create_segment_fd", "staged_pieces"]
 
 log = logging.getLogger("gpubroker.client")
 
-# Requests and replies are a few hundred bytes; anything much larger is a bug or a hostile peer.
-MAX_FRAME = 64 * 1024
+T = TypeVar("T")
 # Plain host memory smaller than this is copied by Write / Read commands on the transport rather than through the
 # staging segment: a small read back (a loss, a flag) is then one round trip, not a pipeline of slots and threads.
 STAGE_MIN = 256 * 1024
@@ -93,13 +106,13 @@ def create_segment_fd(size: int) -> int:
     return fd
 
 
-class SideChannel:
-    """One connection to the broker's ``.shm`` socket; it may carry any number of requests, one at a time."""
+class SegmentChannel:
+    """One segments connection to the broker's link socket for one session; it may carry any number of
+    requests, one at a time."""
 
-    def __init__(self, path: str, token: str, timeout: float | None = 30.0, session: str | None = None) -> None:
-        """Connect to ``path``; with ``session``, authenticate at once (the hello), so that the connection never
-        sits unauthenticated (GpuBrokerError when the broker refuses it)."""
-        self.token = token
+    def __init__(self, path: str, token: str, session: str, timeout: float | None = 30.0) -> None:
+        """Connect to ``path`` and say the hello at once, so that the connection never sits unauthenticated
+        (GpuBrokerError when the broker refuses it)."""
         self._timeout = timeout
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
@@ -109,56 +122,55 @@ class SideChannel:
             self._sock.close()
             raise
         self._lock = threading.Lock()
-        if session is not None:
-            try:
-                self.request({"hello": 1, "session": session, "token": token})
-            except BaseException:
-                self._sock.close()
-                raise
+        try:
+            self.request(Hello(token=token, session=session, segments=SEGMENTS_VERSION), SegmentsAccepted)
+        except BaseException:
+            self._sock.close()
+            raise
 
-    def register(self, session: str, fd: int, size: int, handle: str | None = None) -> str:
+    def register(self, fd: int, size: int, handle: str | None = None) -> str:
         """Hand ``fd`` (``size`` bytes) to the session's worker as ``handle`` (a new one by default); returns the
         segment's handle for CopyShared."""
         handle = handle or new_handle("segment")
-        reply = self.request({"session": session, "token": self.token, "size": size, "handle": handle}, [fd])
-        if reply.get("segment", handle) != handle:
-            raise Unavailable(f"the broker registered segment {reply.get('segment')!r} as asked for {handle!r}")
+        reply = self.request(RegisterSegment(handle, size), SegmentRegistered, [fd])
+        if reply.segment != handle:
+            raise Unavailable(f"the broker registered segment {reply.segment!r} as asked for {handle!r}")
         return handle
 
-    def release(self, session: str, segment: str) -> None:
-        self.request({"session": session, "token": self.token, "release": segment})
+    def release(self, segment: str) -> None:
+        self.request(ReleaseSegment(segment), SegmentReleased)
 
-    def request(self, message: dict[str, Any], fds: Sequence[int] = ()) -> dict[str, Any]:
-        """Send one frame (with ``fds`` attached to its first byte) and return the reply, or raise its error."""
-        frame = pack_frame(message)
+    def request(self, message: object, answer: type[T], fds: Sequence[int] = ()) -> T:
+        """Send one frame (``message`` encoded, with ``fds`` attached to its first byte) and return its answer,
+        of type ``answer``, or raise its error."""
+        payload = encode(message)
+        frame = FRAME_HEADER.pack(len(payload)) + payload
         with self._lock:
             try:
                 sent = socket.send_fds(self._sock, [frame], list(fds)) if fds else 0
                 self._sock.sendall(frame[sent:])
                 (length,) = FRAME_HEADER.unpack(self._recv_exact(FRAME_HEADER.size))
-                if length > MAX_FRAME:
-                    raise Unavailable(f"the broker's side channel sent a {length}-byte frame")
-                reply = unpack_frame(self._recv_exact(length))
+                if length > MAX_SEGMENT_FRAME:
+                    raise Unavailable(f"the broker's shared-memory channel sent a {length}-byte frame")
+                reply = self._recv_exact(length)
             except (OSError, ValueError) as exc:
                 # A late answer would be read as the next request's: the connection is done (a new one is made).
                 self._sock.close()
                 if isinstance(exc, TimeoutError):
-                    raise DeadlineExceeded(f"no answer on the shared-memory side channel within {self._timeout} s"
+                    raise DeadlineExceeded(f"no answer on the shared-memory channel within {self._timeout} s"
                                            ) from None
-                raise Unavailable(f"the broker's shared-memory side channel failed: {exc}") from None
-        if not isinstance(reply, dict):
-            raise Unavailable("the broker's side channel sent a malformed reply")
-        error = reply.get("error")
-        if error is not None:
-            raise error_from_wire(error["code"], error["message"], error.get("type"), error.get("details"))
-        return reply
+                raise Unavailable(f"the broker's shared-memory channel failed: {exc}") from None
+        try:
+            return open_answer(reply, answer)
+        except Malformed as exc:
+            raise Unavailable(f"the broker's shared-memory channel sent a malformed answer ({exc})") from None
 
     def _recv_exact(self, n: int) -> bytes:
         buf = bytearray()
         while len(buf) < n:
             chunk = self._sock.recv(n - len(buf))
             if not chunk:
-                raise ConnectionError("the broker closed the side channel")
+                raise ConnectionError("the broker closed the shared-memory channel")
             buf += chunk
         return bytes(buf)
 
@@ -172,7 +184,7 @@ class SideChannel:
 
 
 class _Refused(Unavailable):
-    """The broker refused the side channel (not the request): host_array falls back to plain memory."""
+    """The broker refused the segments channel (not the request): host_array falls back to plain memory."""
 
 
 def _forget(table: dict[str, tuple[int, int]], released: list[str], handle: str) -> None:
@@ -219,23 +231,23 @@ class SharedMemory:
     """The client side of shared memory for one RemoteGpu session: host arrays, staging, CopyShared commands.
 
     ``transport()`` is the RemoteGpu's transport, which carries the CopyShared commands; ``session()`` is its
-    session id. Everything falls back (``copy`` returns
-    False) when the target is not a Unix socket or the broker has no side channel.
+    session id. Everything falls back (``copy`` returns False) when the target is not a Unix socket or the broker
+    has no link socket beside it.
     """
 
     def __init__(self, target: str, token: str | None, session: Callable[[], str],
                  transport: Callable[[], Transport], timeout: float | None = 30.0,
                  staging_bytes: int = STAGING_BYTES) -> None:
         path = target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
-        self.path = path + ".shm" if target.startswith("unix:") and token and SUPPORTED else None
+        self.path = link_path(path) if target.startswith("unix:") and token and SUPPORTED else None
         self.staging_bytes = staging_bytes
         self._token = token or ""
         self._session = session
         self._transport = transport
         self._timeout = timeout
-        self._channel: SideChannel | None = None
-        self._off = self.path is None  # once off (no side channel there), stays off for this session
-        self._refused = ""  # why the broker refused the side channel (then off, and host arrays are plain memory)
+        self._channel: SegmentChannel | None = None
+        self._off = self.path is None  # once off (no link socket there), stays off for this session
+        self._refused = ""  # why the broker refused the channel (then off, and host arrays are plain memory)
         self._connect_lock = threading.Lock()
         self._staging_lock = threading.Lock()
         self._staging: tuple[mmap.mmap, str] | None = None
@@ -243,9 +255,10 @@ class SharedMemory:
         self._arrays: dict[str, tuple[int, int]] = {}  # live host_array segments: handle -> (address, size)
         self._released: list[str] = []  # host_array segments whose arrays died; released at the next request
 
-    # -- the side channel ----------------------------------------------------------------------------
-    def channel(self) -> SideChannel | None:
-        """The connected side channel, or None when there is none (then copies go as Write and Read commands)."""
+    # -- the segments channel ------------------------------------------------------------------------
+    def channel(self) -> SegmentChannel | None:
+        """The connected segments channel, or None when there is none (then copies go as Write and Read
+        commands)."""
         if self._off:
             return None
         with self._connect_lock:
@@ -254,9 +267,9 @@ class SharedMemory:
             if self._channel is None and not self._off:
                 assert self.path is not None
                 try:
-                    self._channel = SideChannel(self.path, self._token, self._timeout, session=self._session())
+                    self._channel = SegmentChannel(self.path, self._token, self._session(), self._timeout)
                 except (FileNotFoundError, ConnectionRefusedError) as exc:
-                    log.debug("no shared-memory side channel at %s (%s); copies go as commands", self.path, exc)
+                    log.debug("no shared-memory channel at %s (%s); copies go as commands", self.path, exc)
                     self._off = True
                 except (OSError, GpuBrokerError) as exc:  # there, but refused: a limit, a flood, a closed door
                     self._refused = str(exc)
@@ -271,15 +284,15 @@ class SharedMemory:
             raise _Refused(self._refused)
         if channel is None:
             raise FailedPrecondition(
-                "shared memory needs a unix: target whose broker serves the side channel "
-                f"{self.path or '<socket>.shm'}, and RemoteGpu(..., shared_memory=True)")
+                "shared memory needs a unix: target whose broker serves its link socket "
+                f"{self.path or '<socket>.fast'}, and RemoteGpu(..., shared_memory=True)")
         while True:
             try:
                 handle = self._released.pop()  # (another thread may take the last one first)
             except IndexError:
                 break
             try:
-                channel.release(self._session(), handle)
+                channel.release(handle)
             except GpuBrokerError as exc:  # already gone with its session: nothing to free
                 log.debug("releasing segment %s: %s", handle, exc)
         fd = create_segment_fd(size)
@@ -287,7 +300,7 @@ class SharedMemory:
             # Faulted in here, so the pages are allocated (and charged) to this process, not the broker's worker.
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED | mmap.MAP_POPULATE)
             try:
-                return mm, channel.register(self._session(), fd, size)
+                return mm, channel.register(fd, size)
             except BaseException:
                 mm.close()
                 raise
@@ -349,7 +362,7 @@ class SharedMemory:
             self._copy_shared(hit[0], hit[1], buf, offset, size, to_device, stream)
             return True
         # One Write or Read on the transport: a round trip, where staging costs a pipeline's worth. (Checked
-        # before connecting: a session that only copies small things never opens the side channel.)
+        # before connecting: a session that only copies small things never opens the channel.)
         if size < STAGE_MIN or self.channel() is None:
             return False
         with self._staging_lock:

@@ -259,8 +259,8 @@ class GpuBrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CopyShared(self, request, context):
-        """Same-host copies through a shared-memory segment the client registered on the broker's side channel
-        (the Unix socket "<socket>.shm", which carries the segment's file descriptor).
+        """Same-host copies through a shared-memory segment the client registered on the broker's link socket
+        ("<socket>.fast", with a hello asking for segments: it carries the segment's file descriptor).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

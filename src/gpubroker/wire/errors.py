@@ -140,7 +140,7 @@ class ResourceExhausted(GpuBrokerError):
     - An allocation past the tenant's memory quota on the device (the message and `details` give `quota`,
       `used` and `requested`), or past the memory the device has.
     - A session over the broker's limits: handles (`max_handles_per_session`), streams, calls in flight, host
-      memory shared through the same-host side channel; a module larger than `max_module_bytes`.
+      memory shared as same-host segments; a module larger than `max_module_bytes`.
     - A new session past the tenant's session limit, or (no device named) on a broker where the tenant's quota is
       used up on every device.
 

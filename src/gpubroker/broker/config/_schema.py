@@ -123,8 +123,8 @@ class TenantConfig(msgspec.Struct, forbid_unknown_fields=True):
         "Quotas of their own on some devices: broker device index = size, e.g. { 1 = \"64GiB\" }.")),
         SIZE] = msgspec.field(default_factory=dict)
     shared_memory_quota: Annotated[Annotated[int, Meta(ge=0)] | None, Meta(description=(
-        "Host memory all of the tenant's sessions together may map through the same-host shared-memory side "
-        "channel <socket>.shm (host arrays and staging buffers, on every device); more is refused with "
+        "Host memory all of the tenant's sessions together may share with their workers as segments registered "
+        "on <socket>.fast (host arrays and staging buffers, on every device); more is refused with "
         "RESOURCE_EXHAUSTED. Absent: equal to the tenant's memory (its device memory quota), so a tenant's "
         "shared host memory grows with its quota. The broker's max_shared_bytes_per_tenant caps it too.")),
         SIZE] = msgspec.field(default=None, name="shared_memory")
@@ -134,7 +134,7 @@ class TenantConfig(msgspec.Struct, forbid_unknown_fields=True):
         return self.device_memory.get(device, self.memory_quota)
 
     def shared_quota(self) -> tuple[int, str]:
-        """The host memory the tenant may map through the side channel, and the key that sets it."""
+        """The host memory the tenant may map as shared-memory segments, and the key that sets it."""
         if self.shared_memory_quota is not None:
             return self.shared_memory_quota, "shared_memory"
         return self.memory_quota, "shared_memory, which defaults to memory"
@@ -247,15 +247,15 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "all its streams: a stream reads on only while the tenant is under this (one batch larger than it runs "
         "alone). The front holds a few times this in memory as it decodes and queues them.")), SIZE] = 64 * 1024**2
     max_shared_bytes_per_session: Annotated[int, Meta(ge=0, description=(
-        "Host memory one session may map through the same-host shared-memory side channel <socket>.shm "
+        "Host memory one session may map as same-host shared-memory segments registered on <socket>.fast "
         "(its host arrays and its staging buffer).")), SIZE] = 4 * 1024**3
     max_shared_bytes_per_tenant: Annotated[int, Meta(ge=0, description=(
-        "The most host memory any tenant's sessions together may map through the side channel, whatever the "
+        "The most host memory any tenant's sessions together may map as shared-memory segments, whatever the "
         "tenant's own shared_memory (which defaults to its memory quota); the limit in effect for each tenant is "
         "shown in Usage and the metrics.")), SIZE] = 16 * 1024**3
     max_shm_connections_per_tenant: Annotated[int, Meta(ge=1, description=(
-        "Authenticated connections one tenant may hold open on the shared-memory side channel <socket>.shm (a "
-        "client holds one per session); more are refused with RESOURCE_EXHAUSTED, so one tenant's idle "
+        "Authenticated shared-memory connections (segment registration on <socket>.fast) one tenant may hold "
+        "open (a client holds one per session); more are refused with RESOURCE_EXHAUSTED, so one tenant's idle "
         "connections cannot use up the listener for the others."))] = 64
     sandbox: Annotated[bool, Meta(description=(
         "Run every worker in a sandbox (namespaces, an allowlisted filesystem, seccomp, resource limits); "
@@ -271,7 +271,7 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "the broker may create cgroups, else RLIMIT_DATA (private writable memory, both backends) and on OpenCL "
         "RLIMIT_AS, each less the tmpfs sizes. 0 (the default): automatic, per tenant and device: the tenant's "
         "memory quota on that device (on OpenCL's CPU devices, buffers are host memory) plus its shared_memory "
-        "(side-channel segments the worker maps; not counted in RLIMIT_DATA) plus the runtime's own (4 GiB on "
+        "(shared-memory segments the worker maps; not counted in RLIMIT_DATA) plus the runtime's own (4 GiB on "
         "CUDA, enough for CuPy and PyTorch; on OpenCL 512 MiB and 32 MiB per CPU, and RLIMIT_AS allows another "
         "512 MiB and 96 MiB per CPU of address space that PoCL reserves) plus cache_max_bytes and "
         "worker_tmp_max_bytes, and at least twice those two; a worker keeps the limit it started with until it "
@@ -325,7 +325,7 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "The window of tenant_crash_budget."))] = 60.0
     hello_max_bytes: Annotated[int, Meta(ge=1, description=(
         "The largest hello a peer may send before it authenticates on the raw listeners (<socket>.fast, "
-        "<socket>.shm, link_listen, link_vsock_port).")), SIZE] = 64 * 1024
+        "link_listen, link_vsock_port).")), SIZE] = 64 * 1024
     hello_timeout_seconds: Annotated[float, Meta(gt=0, description=(
         "How long a peer on a raw listener may take to send its hello."))] = 5.0
     max_unauthenticated_connections: Annotated[int, Meta(ge=1, description=(
@@ -411,7 +411,7 @@ class BrokerConfig(BrokerSettings, kw_only=True):
     path: Path | None = None  # the file it was read from: relative TLS paths and reloads start here
 
     def shared_limit(self, tenant: str) -> tuple[int, str]:
-        """The host memory a tenant's sessions together may map through the side channel, and the key that sets
+        """The host memory a tenant's sessions together may map as shared-memory segments, and the key that sets
         it: the tenant's own shared_memory (its memory quota unless set), within max_shared_bytes_per_tenant."""
         t = self.tenants.get(tenant)
         if t is not None:

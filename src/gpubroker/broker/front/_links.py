@@ -3,7 +3,9 @@
 After the hello, a link carries protocol batches (gpubroker/wire/commands.py) between the client and its worker, and
 the front never sees them. Three listeners, one hello and one hand-off:
 
-- ``<socket>.fast`` beside each Unix listener (same host): the accepted socket goes to the worker (SCM_RIGHTS).
+- ``<socket>.fast`` beside each Unix listener (same host): the accepted socket goes to the worker (SCM_RIGHTS);
+  or, when its hello asks for ``segments``, it stays with the front, which registers the shared-memory segments
+  sent on it (memfds, SCM_RIGHTS: ``_segments.py``). With ``fast_path = false`` it serves segments only.
 - ``link_vsock_port`` (VM guests): the accepted AF_VSOCK socket goes to the worker the same way.
 - ``link_listen`` (TCP): the front terminates TLS (mTLS as the gRPC listener's) and relays bytes both ways
   between the connection and one end of a socketpair whose other end goes to the worker: a worker runs its
@@ -13,11 +15,12 @@ the front never sees them. Three listeners, one hello and one hand-off:
   the front, and threads spread it over cores (a client stripes a large copy over several links) and keep it
   off the event loop.
 
-The hello is one frame (4-byte big-endian length + msgpack ``{"token", "session", "link": 1}``), read under the
-pre-authentication limits (``hello_max_bytes``, ``hello_timeout_seconds``, the unauthenticated-connection caps)
-and authenticated exactly as a gRPC call (failure delay, audit); a malformed hello (not msgpack, not a map, a field
-of the wrong type, cut short) is refused the same way: audited, delayed, answered. A refusal is ``[0, 1, error]``
-from the front; the worker itself answers an accepted hello (``[0, 0, {"link": 1, "max_frame": n}]``). The
+The hello is one frame (4-byte big-endian length + a msgpack ``Hello``, gpubroker/wire/link.py: token, session,
+``link: 1`` or ``segments: 1``), read under the pre-authentication limits (``hello_max_bytes``,
+``hello_timeout_seconds``, the unauthenticated-connection caps) and authenticated exactly as a gRPC call (failure
+delay, audit); a malformed hello (not msgpack, not a map, a field of the wrong type or size, descriptors sent with
+it, cut short) is refused the same way: audited, delayed, answered. A refusal is an error answer from the front;
+the worker itself answers an accepted link's hello (``LinkAccepted``, its max frame). The
 tenant's turns on the device are leased to the worker for its links' device work, and a revoked credential closes
 the session's links (``close_links``). The watch for that is registered with the authentication, before the
 hand-off, and the worker holds a handed-off link unanswered until the front has checked the credential once more
@@ -49,11 +52,13 @@ from pathlib import Path
 from typing import Any
 
 from gpubroker.broker.front._preauth import PreAuthGate, Ticket, refuse_malformed
+from gpubroker.broker.front._segments import FdStream, SegmentService
 from gpubroker.broker.front._sessions import Session
 from gpubroker.broker.front.auth import Principal
 from gpubroker.broker.front.scheduler import TurnLease
 from gpubroker.broker.logs import bind_log_context
 from gpubroker.wire.errors import (
+    FailedPrecondition,
     GpuBrokerError,
     InvalidArgument,
     ResourceExhausted,
@@ -61,7 +66,8 @@ from gpubroker.wire.errors import (
     Unavailable,
     WorkerCrashed,
 )
-from gpubroker.wire.frames import FRAME_HEADER, pack_frame, unpack_frame
+from gpubroker.wire.frames import FRAME_HEADER
+from gpubroker.wire.link import LINK_VERSION, SEGMENTS_VERSION, Hello, Malformed, decode_hello, refusal
 from gpubroker.wire.worker import MAX_LINKS_PER_SESSION
 
 __all__ = ["LinkServer", "fast_path_address"]
@@ -80,18 +86,20 @@ class _HelloRefused(Exception):
 
 
 class LinkServer:
-    """Every link listener of the broker, sharing the pre-authentication gate with the side channel."""
+    """Every link listener of the broker, sharing one pre-authentication gate."""
 
-    def __init__(self, service: Any, gate: PreAuthGate, max_links_per_tenant: int = 64,
+    def __init__(self, service: Any, gate: PreAuthGate, segments: SegmentService, max_links_per_tenant: int = 64,
                  handoff_timeout: float = 30.0) -> None:
         self.service = service
         self.gate = gate
+        self.segments = segments
         self.max_links_per_tenant = max_links_per_tenant
         self.handoff_timeout = handoff_timeout
         # Links being handed over (any listener) or relayed (TCP: a thread each), by session and by tenant.
         self._session_links: dict[str, int] = {}
         self._tenant_links: dict[str, int] = {}
         self._listeners: list[tuple[socket.socket, str]] = []
+        self._no_links: set[str] = set()  # listeners that serve segments only (fast_path = false)
         # Written once at stop: the TCP links' relay threads poll its other end.
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
         self._paths: list[Path] = []
@@ -101,10 +109,13 @@ class LinkServer:
         service.sessions.closing_hooks.append(self._session_closing)
 
     # -- listeners -----------------------------------------------------------------------------------
-    def listen_socket(self, sock: socket.socket, where: str, path: Path | None = None) -> None:
-        """Serve links on a listening Unix or vsock socket: each accepted socket is handed to a worker."""
+    def listen_socket(self, sock: socket.socket, where: str, path: Path | None = None, links: bool = True) -> None:
+        """Serve links on a listening Unix or vsock socket: each accepted socket is handed to a worker (a Unix
+        socket's segment connections stay here). ``links`` False: segment connections only."""
         sock.setblocking(False)
         self._listeners.append((sock, where))
+        if not links:
+            self._no_links.add(where)
         if path is not None:
             self._paths.append(path)
         self._spawn(self._accept(sock, where))
@@ -136,6 +147,7 @@ class LinkServer:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.segments.close()
         for path in self._paths:
             path.unlink(missing_ok=True)
 
@@ -161,37 +173,29 @@ class LinkServer:
                 continue
             # Until its hello comes, a newer connection of its peer may take its place (_preauth.py).
             ticket.sock, ticket.evict = conn, _shutter(conn)
-            conn.setblocking(False)
-            self._spawn(self._serve_socket(conn, ticket, address))
+            self._spawn(self._serve_socket(conn, ticket, address, where not in self._no_links))
 
-    # -- a socket handed over whole (Unix, vsock) --------------------------------------------------------
-    async def _serve_socket(self, conn: socket.socket, ticket: Ticket, address: Any) -> None:
-        loop = asyncio.get_running_loop()
-
-        async def recv_exactly(n: int) -> bytes:
-            # Never more than the hello: what follows it is the worker's to read.
-            data = bytearray()
-            while len(data) < n:
-                part = await loop.sock_recv(conn, n - len(data))
-                if not part:
-                    raise ConnectionError("closed during the hello")
-                data += part
-            return bytes(data)
-
-        async def send(frame: bytes) -> None:
-            await loop.sock_sendall(conn, frame)
-
-        penalty = f"uid:{ticket.uid}" if conn.family == socket.AF_UNIX else f"addr:{_host(address)}"
+    # -- a socket handed over whole (Unix, vsock), or kept for segments (Unix) ----------------------------
+    async def _serve_socket(self, conn: socket.socket, ticket: Ticket, address: Any, links: bool) -> None:
+        # Read exactly (never more than the hello: what follows it is the worker's to read, or the segment
+        # requests'), and with any descriptors sent along: a hello carries none, so they are refused.
+        stream = FdStream(conn, "a link hello")
+        local = conn.family == socket.AF_UNIX
+        penalty = f"uid:{ticket.uid}" if local else f"addr:{_host(address)}"
         try:
-            session, principal, compress = await self._hello(recv_exactly, send, ticket, {}, penalty)
-            release = await self._hand_over(session, principal, conn.fileno(), send, compress)
+            session, principal, hello = await self._hello(stream.recv_exactly, stream.send, ticket, {}, penalty,
+                                                          segments=local, links=links)
+            if hello.segments is not None:
+                await self.segments.serve(stream, ticket.peer, penalty, session, principal)
+                return
+            release = await self._hand_over(session, principal, conn.fileno(), stream.send, list(hello.compress))
             if release is not None:
                 release()  # (handed over whole: from here on it costs the front nothing; the worker counts it)
         except (_HelloRefused, ConnectionError, OSError):
             pass
         finally:
             ticket.done()
-            conn.close()  # this process's descriptor: the connection lives on in the worker
+            stream.close()  # this process's descriptor: a link lives on in the worker
 
     # -- TCP (TLS terminated here): relayed to the worker by a thread of its own ----------------------------
     async def _accept_tcp(self, listener: socket.socket, where: str, tls: ssl.SSLContext | None) -> None:
@@ -249,14 +253,14 @@ class LinkServer:
             async def send(frame: bytes) -> None:
                 frames.append(frame)  # (the thread writes them, before it relays or closes)
 
-            session, principal, compress = await self._hello(recv_exactly, send, ticket, _auth_context(cert),
-                                                   f"addr:{_host(address)}")
+            session, principal, hello = await self._hello(recv_exactly, send, ticket, _auth_context(cert),
+                                                          f"addr:{_host(address)}", segments=False, links=True)
             ours: socket.socket | None
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             for end in (ours, theirs):  # a copy's chunk or more in flight each way: fewer wake-ups per byte
                 end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PAIR_BUFFER)
             try:
-                release = await self._hand_over(session, principal, theirs.fileno(), send, compress)
+                release = await self._hand_over(session, principal, theirs.fileno(), send, list(hello.compress))
                 if release is not None:  # counted until the relay's thread ends
                     relay.on_end = functools.partial(loop.call_soon_threadsafe, release)
                     worker_end, ours = ours, None
@@ -272,10 +276,11 @@ class LinkServer:
 
     # -- the hello and the hand-off --------------------------------------------------------------------
     async def _hello(self, recv_exactly: Callable[[int], Awaitable[bytes]], send: Callable[[bytes], Awaitable[None]],
-                     ticket: Ticket, auth_context: Mapping[str, list[bytes]], penalty: str
-                     ) -> tuple[Session, Principal, list[str]]:
-        """The first frame, authenticated as a gRPC call would be; refusals are answered and raise
-        _HelloRefused."""
+                     ticket: Ticket, auth_context: Mapping[str, list[bytes]], penalty: str, *, segments: bool,
+                     links: bool) -> tuple[Session, Principal, Hello]:
+        """The first frame, authenticated as a gRPC call would be; refusals are answered and raise _HelloRefused.
+        ``segments``: this listener may serve segment connections (a Unix socket, where descriptors pass);
+        ``links``: batch links (not on ``<socket>.fast`` with fast_path = false)."""
         limit = self.gate.hello_max_bytes
         auth = self.service.auth
         length = -1
@@ -285,6 +290,10 @@ class LinkServer:
                 payload = await recv_exactly(length) if length <= limit else b""  # (too long: not a byte of it)
         except TimeoutError:
             ticket.refuse(f"no hello within hello_timeout_seconds ({self.gate.hello_timeout:g} s)")
+            raise _HelloRefused from None
+        except InvalidArgument as exc:  # descriptors sent with the hello (closed at once): malformed
+            await refuse_malformed(ticket, auth.penalty, penalty, exc.message)
+            await send(_frame(refusal(exc)))
             raise _HelloRefused from None
         except ConnectionError:
             # A header, then an end: a hello cut short (a bare close is no hello at all; an evicted connection's
@@ -296,17 +305,23 @@ class LinkServer:
         if length > limit:
             await refuse_malformed(ticket, auth.penalty, penalty,
                                    f"hello of {length} bytes exceeds hello_max_bytes ({limit})")
-            await send(pack_frame([0, 1, InvalidArgument(
-                f"a link hello is at most {limit} bytes, got {length}").to_wire()]))
+            await send(_frame(refusal(InvalidArgument(f"a link hello is at most {limit} bytes, got {length}"))))
             raise _HelloRefused
-        hello, malformed = _parse_hello(payload)
-        if malformed:
-            await refuse_malformed(ticket, auth.penalty, penalty, malformed)
-            await send(pack_frame([0, 1, InvalidArgument(
-                f"malformed link hello ({malformed}): it is one msgpack map "
-                '{"token": str, "session": str, "link": 1}').to_wire()]))
+        try:
+            hello = decode_hello(payload)
+        except Malformed as exc:
+            await refuse_malformed(ticket, auth.penalty, penalty, str(exc))
+            await send(_frame(refusal(InvalidArgument(
+                f"malformed link hello ({exc}): it is one msgpack map "
+                '{"token": str, "session": str, "link": 1} (or "segments": 1 for shared memory)'))))
+            raise _HelloRefused from None
+        # Before authentication: the answer depends on the listener's setting alone, and says nothing of a token.
+        if hello.link is not None and not links:
+            await send(_frame(refusal(Unavailable(
+                "this broker serves no links on its Unix socket (fast_path = false): commands go by gRPC; the "
+                "socket takes shared-memory segments only"))))
             raise _HelloRefused
-        token = hello.get("token") or None
+        token = hello.token or None
         ticket.judging = True  # (a hello in hand: not to be evicted while it is judged)
         try:
             await auth.tokens.prepare(token)
@@ -317,21 +332,28 @@ class LinkServer:
                 ticket.judging = False
                 await ticket.sit_out_failure()
                 raise
-            if hello.get("link") != 1:
-                raise InvalidArgument(f"this broker speaks link version 1, the hello asked for {hello.get('link')!r}")
-            session = self.service.sessions.get(hello.get("session") or "", principal.tenant)
+            if hello.segments is not None:
+                if hello.link is not None:
+                    raise InvalidArgument("a hello asks for a link or for segments, not both")
+                if hello.segments != SEGMENTS_VERSION:
+                    raise InvalidArgument(f"this broker speaks segments version {SEGMENTS_VERSION}, the hello asked "
+                                          f"for {hello.segments!r}")
+                if not segments:
+                    raise FailedPrecondition("shared-memory segments pass file descriptors: register them on the "
+                                             "broker's Unix socket <socket>.fast, on its host")
+            elif hello.link != LINK_VERSION:
+                raise InvalidArgument(f"this broker speaks link version {LINK_VERSION}, the hello asked for "
+                                      f"{hello.link!r}")
+            session = self.service.sessions.get(hello.session or "", principal.tenant)
             session.check_alive()
         except GpuBrokerError as exc:
-            await send(pack_frame([0, 1, exc.to_wire()]))
+            await send(_frame(refusal(exc)))
             raise _HelloRefused from None
         finally:
             ticket.judging = False
         ticket.done()
         bind_log_context(tenant=session.tenant, session=session.id)
-        # The codecs the client takes (the worker picks one): only a short list of short names goes on.
-        compress = hello.get("compress")
-        codecs = [c for c in compress[:16] if type(c) is str and len(c) <= 16] if type(compress) is list else []
-        return session, principal, codecs
+        return session, principal, hello
 
     async def _hand_over(self, session: Session, principal: Principal, fd: int,
                          send: Callable[[bytes], Awaitable[None]], compress: list[str]) -> Callable[[], None] | None:
@@ -379,7 +401,7 @@ class LinkServer:
                 log.info("no link for session %s: %s", session.id, exc)  # (a worker's message: escaped)
             if release is not None:
                 release()
-            await send(pack_frame([0, 1, exc.to_wire()]))
+            await send(_frame(refusal(exc)))
             return None
         finally:
             os.close(dup)  # the worker holds its own copy now
@@ -454,10 +476,6 @@ class LinkServer:
             self.service.auth.revocations.unwatch(principal, watch)
 
 
-# The hello's fields and the types they must have when present (more fields are allowed: a newer client's).
-_HELLO_FIELDS: dict[str, type | tuple[type, ...]] = {"token": str, "session": str, "link": int, "compress": list}
-
-
 def _shutter(conn: socket.socket) -> Callable[[], None]:
     """Ends a connection from outside its task: its pending read sees the end, and the task closes it."""
     def shut() -> None:
@@ -466,20 +484,8 @@ def _shutter(conn: socket.socket) -> Callable[[], None]:
     return shut
 
 
-def _parse_hello(payload: bytes) -> tuple[dict[str, Any], str]:
-    """The hello as a map, or why it is none: msgpack that fails to unpack (a truncated or invalid frame, a list
-    or map as a key, extra data), something other than a map, or a field of the wrong type."""
-    try:
-        hello = unpack_frame(payload)
-    except Exception as exc:  # (ValueError and its kinds, TypeError for unhashable keys: all malformed input)
-        return {}, f"not msgpack ({type(exc).__name__})"
-    if not isinstance(hello, dict):
-        return {}, f"not a map but {type(hello).__name__}"
-    for name, kind in _HELLO_FIELDS.items():
-        value = hello.get(name)
-        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-            return {}, f"{name} is {type(value).__name__}, not {getattr(kind, '__name__', kind)}"
-    return hello, ""
+def _frame(payload: bytes) -> bytes:
+    return FRAME_HEADER.pack(len(payload)) + payload
 
 
 def _host(address: Any) -> str:

@@ -83,7 +83,7 @@ WORKER_RESTARTS = MetricSpec("gpubroker_worker_restarts", "counter", _TD,
 SCHEDULER_WAIT = MetricSpec("gpubroker_scheduler_wait_seconds", "gauge", (*_TD, "quantile"),
                             "Wait for a turn on the device, over the tenant's last 4096 device calls.")
 SHARED_MEMORY = MetricSpec("gpubroker_shared_memory_bytes", "gauge", ("tenant",),
-                           "Host memory the tenant maps through the same-host shared-memory side channel, summed "
+                           "Host memory the tenant maps as same-host shared-memory segments, summed "
                            "over its sessions on every device.")
 SHARED_LIMIT = MetricSpec("gpubroker_shared_memory_limit_bytes", "gauge", ("tenant",),
                           "How much of it the tenant may map: its shared_memory (its memory quota unless set), "
@@ -145,7 +145,7 @@ class _TenantRow:
 class _Snapshot:
     rows: list[_TenantRow]
     draining: bool
-    shared: dict[str, int]  # host memory each tenant maps through the shared-memory side channel (all devices)
+    shared: dict[str, int]  # host memory each tenant maps as shared-memory segments (all devices)
     shared_limit: dict[str, int]  # what each of those tenants may map
     # Per tenant: worker deaths charged to it (its crash budget), and how long its new sessions are refused.
     crashes: dict[str, int]

@@ -1,4 +1,4 @@
-"""Limits before authentication on the raw Unix listeners (``<socket>.fast``, ``<socket>.shm``).
+"""Limits before authentication on the raw listeners (``<socket>.fast``, the link's vsock and TCP ports).
 
 Anyone who can open a socket can hold a connection and make the broker buffer what it sends before it knows who
 is talking. So until a connection has authenticated it is counted, in all and per peer uid (the kernel's

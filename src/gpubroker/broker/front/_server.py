@@ -31,9 +31,9 @@ from gpubroker.broker.front._health import BrokerHealth
 from gpubroker.broker.front._links import LinkServer, fast_path_address
 from gpubroker.broker.front._metrics import MetricsLimits, MetricsServer, serve_metrics
 from gpubroker.broker.front._preauth import PreAuthGate
+from gpubroker.broker.front._segments import SegmentService
 from gpubroker.broker.front._service import GpuBrokerService
 from gpubroker.broker.front._sessions import SessionManager
-from gpubroker.broker.front._shm import SharedMemoryServer
 from gpubroker.broker.front._status import add_servicer
 from gpubroker.broker.front.auth import Authenticator
 from gpubroker.broker.front.scheduler import DeviceScheduler
@@ -149,7 +149,6 @@ class Broker:
         self.links: LinkServer | None = None
         self.service: GpuBrokerService | None = None
         self.relay: RelayServer | None = None
-        self.shm: SharedMemoryServer | None = None
         self.health: BrokerHealth | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self._kills: set[asyncio.Task[None]] = set()
@@ -262,7 +261,7 @@ class Broker:
         add_servicer(apb_grpc.add_AdminServicer_to_server, admin, self.server)
         self.health.add_to_server(self.server)  # grpc.health.v1 and reflection, both without a token
         await self.health.start()
-        # One count of unauthenticated connections across every raw listener (.fast and .shm of each socket).
+        # One count of unauthenticated connections across every raw listener (.fast of each socket, vsock, TCP).
         gate = PreAuthGate(cfg)
         for address in cfg.listen:
             if address.startswith("unix:"):
@@ -277,19 +276,28 @@ class Broker:
         await self.server.start()
         self.census = GrpcPeerCensus(self.ports, cfg.max_grpc_connections_per_peer)
         self.census.start()
-        # The framed link: the front authenticates its hello, then the session's worker serves it (_links.py).
-        self.links = LinkServer(service, gate, cfg.max_links_per_tenant, cfg.link_handoff_timeout_seconds)
+        # The framed link: the front authenticates its hello, then the session's worker serves it (_links.py); on
+        # "<socket>.fast" beside each Unix socket a hello may ask for shared-memory segments instead, which the
+        # front registers itself (_segments.py). With fast_path = false that socket serves segments only.
+        segments = SegmentService(cfg, self.auth, self.sessions)
+        self.links = LinkServer(service, gate, segments, cfg.max_links_per_tenant, cfg.link_handoff_timeout_seconds)
         for address in self.ports:
             if address.startswith("unix:"):
                 _secure_unix_socket(Path(address[len("unix:"):]), cfg.socket_mode, cfg.socket_group)
-                if cfg.fast_path:
-                    path = Path(fast_path_address(address[len("unix:"):]))
-                    _prepare_unix_socket(path)
-                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                path = Path(fast_path_address(address[len("unix:"):]))
+                _prepare_unix_socket(path)
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
                     sock.bind(str(path))
                     _secure_unix_socket(path, cfg.socket_mode, cfg.socket_group)  # before anyone can connect
                     sock.listen(128)
-                    self.links.listen_socket(sock, str(path), path)
+                except OSError as exc:  # a path too long for AF_UNIX, say
+                    sock.close()
+                    if cfg.fast_path:
+                        raise
+                    log.warning("no shared-memory socket at %s: %s", path, exc)  # (copies go as commands)
+                    continue
+                self.links.listen_socket(sock, str(path), path, links=cfg.fast_path)
         if cfg.link_listen:
             host, port = split_host_port(cfg.link_listen)
             service.link_port = await self.links.listen_tcp(host, port, link_context)
@@ -298,16 +306,6 @@ class Broker:
         if cfg.link_vsock_port:
             self.links.listen_socket(vsock_listener(cfg.link_vsock_port), f"vsock:{cfg.link_vsock_port}")
             service.link_vsock_port = cfg.link_vsock_port
-        # Same-host shared memory: "<socket>.shm" beside each Unix socket carries memfds to the workers.
-        self.shm = SharedMemoryServer(cfg, self.auth, self.sessions, gate)
-        for address in self.ports:
-            if address.startswith("unix:"):
-                shm_path = Path(address[len("unix:"):] + ".shm")
-                _prepare_unix_socket(shm_path)
-                try:
-                    self.shm.listen(shm_path, lambda p: _secure_unix_socket(p, cfg.socket_mode, cfg.socket_group))
-                except OSError as exc:  # a path too long for AF_UNIX, say: clients then copy over gRPC
-                    log.warning("no shared-memory side channel at %s: %s", shm_path, exc)
         if cfg.metrics_listen:
             self.metrics = await serve_metrics(
                 cfg.metrics_listen, self.sessions, self.schedulers, self.pool, self.health.refusals,
@@ -348,7 +346,7 @@ class Broker:
         return t.quota_on(device) if t is not None else 0
 
     def _shared_quota(self, tenant: str) -> int:
-        """The host memory the tenant's sessions may map through the side channel now (0 for a removed tenant)."""
+        """The host memory the tenant's sessions may map as shared-memory segments now (0 for a removed tenant)."""
         return self.config.shared_limit(tenant)[0] if tenant in self.config.tenants else 0
 
     def _spawn_removal(self, paths: set[Path]) -> None:
@@ -507,8 +505,6 @@ class Broker:
             await self.server.stop(grace)
         if self.census is not None:
             await self.census.stop()
-        if self.shm is not None:
-            await self.shm.close()
         if self.relay is not None:
             # After the server's grace period, so VM clients get it too; what is left of theirs ends here.
             self.relay.close()

@@ -2,7 +2,7 @@
 
 The session's handles (buffers, streams, modules, kernels, segments) are named by its client and resolved by its
 worker alone (gpubroker/wire/commands.py): the front keeps no handle table. It keeps what it accounts: a mirror of
-each (tenant, device)'s memory use as the worker reports it, and the host memory mapped through the side channel.
+each (tenant, device)'s memory use as the worker reports it, and the host memory mapped as shared-memory segments.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ class Session:
     memory_used: int = 0  # as the worker last reported it (usage)
     lost: str | None = None  # why the session's device state is gone
     inflight: int = 0
-    shared_bytes: int = 0  # host memory mapped for this session through the shared-memory side channel
+    shared_bytes: int = 0  # host memory mapped for this session as shared-memory segments
     # The sizes of the segments the front registered for it, to uncount each at its release (not a handle
-    # table: the worker resolves them; these are the side channel's accounting).
+    # table: the worker resolves them; these are the segments' accounting).
     segments: dict[str, int] = field(default_factory=dict)
     # Buffers that copies to or from another device (CopyPeer) use now, by handle: a Free through the front is
     # refused before it unmaps them elsewhere (the worker pins them too, for every path).
@@ -127,7 +127,7 @@ class SessionManager:
         # What each tenant's worker on each device reports it uses, clamped to [0, quota]: placement, views,
         # metrics and admin read it; the worker enforces the quota itself.
         self.memory_used: dict[tuple[str, int], int] = {}
-        # Host memory each tenant maps through the shared-memory side channel, until its worker has unmapped it.
+        # Host memory each tenant maps as shared-memory segments, until its worker has unmapped it.
         self.shared_used: dict[str, int] = {}
         self.draining = False
         # Set while no session is open: a drain waits on it.
@@ -354,7 +354,7 @@ class SessionManager:
         return self.memory_used.get((tenant, device), 0)
 
     def reserve_shared(self, session: Session, size: int) -> None:
-        """Count a segment before the worker maps it (server/_shm.py checks the limits first)."""
+        """Count a segment before the worker maps it (_segments.py checks the limits first)."""
         session.shared_bytes += size
         self.shared_used[session.tenant] = self.shared_used.get(session.tenant, 0) + size
 
@@ -369,5 +369,5 @@ class SessionManager:
             self.shared_used.pop(session.tenant, None)
 
     def shared(self, tenant: str) -> int:
-        """Host memory the tenant's sessions map through the shared-memory side channel now."""
+        """Host memory the tenant's sessions map as shared-memory segments now."""
         return self.shared_used.get(tenant, 0)

@@ -209,7 +209,7 @@ class Principal:
     admin: bool
     via: str  # "token" or "certificate"
     # What proved it: the stored token hash (a rotation changes it) or the certificate's identity. Channels that
-    # outlive their first call (streams, links, side channels) are closed when it stops being valid.
+    # outlive their first call (streams, links, segment connections) are closed when it stops being valid.
     credential: str = ""
 
     def require_admin(self, action: str) -> None:

@@ -2,7 +2,7 @@
 
 The front authenticates a link's hello (on ``<socket>.fast``, TCP behind the front's TLS, or vsock), then hands
 the connection to the session's worker (``attach_link``), which answers the hello itself
-(``[0, 0, {"link": 1, "max_frame": n}]``, a msgpack frame). From then on every client frame's payload is an
+(``LinkAccepted``, gpubroker/wire/link.py). From then on every client frame's payload is an
 encoded protocol Batch, answered by one frame holding its encoded Ack, in order. Only link commands may come this
 way (a module load goes through the front, which bounds its compile time); a malformed frame is answered by an
 Ack with id 0 and its error, then the link is closed.
@@ -38,7 +38,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import msgspec
 
 from gpubroker.broker.worker._executor import Executor
@@ -46,7 +45,8 @@ from gpubroker.broker.worker._ring import MAX_FDS, RingBroken, WorkerRing, open_
 from gpubroker.wire.commands import CODECS, Ack, Batch, CommandError, decode_batch, encode
 from gpubroker.wire.errors import GpuBrokerError, InvalidArgument, ResourceExhausted
 from gpubroker.wire.frames import FRAME_HEADER
-from gpubroker.wire.worker import CONTROL, MAX_LINKS_PER_SESSION, FrameClosed, FrameTooLarge, unpack_frame
+from gpubroker.wire.link import LINK_VERSION, LinkAccepted, RingAccepted, accepted, refusal
+from gpubroker.wire.worker import CONTROL, MAX_LINKS_PER_SESSION, FrameClosed, FrameTooLarge
 
 __all__ = ["CONTROL", "DEFAULT_MAX_FRAME", "MAX_LINKS_PER_SESSION", "Links"]
 
@@ -169,12 +169,10 @@ class Links:
             link.sock.close()
 
     def _answer(self, link: _Link) -> None:
-        hello: dict[str, Any] = {"link": 1, "max_frame": self.max_frame}
-        if link.codec:
-            hello["compress"] = link.codec
         self.links[link.fd] = link
         self.version += 1
-        if not self._send(link, msgpack.packb([0, 0, hello])):
+        if not self._send(link, accepted(LinkAccepted(link=LINK_VERSION, max_frame=self.max_frame,
+                                                      compress=link.codec))):
             self.links.pop(link.fd, None)
             self._timed.pop(link.fd, None)
             link.sock.close()
@@ -436,21 +434,17 @@ class Links:
         """Map the ring the client offers in its link's first frame and answer on the link; a refusal leaves
         a plain link."""
         try:
-            try:
-                request = unpack_frame(payload)
-            except Exception:  # (any of msgpack's errors)
-                request = None
-            ring = open_ring(request, fds, self.max_frame)
+            ring = open_ring(payload, fds, self.max_frame)
         except GpuBrokerError as exc:
-            reply = [0, 1, exc.to_wire()]
+            reply = refusal(exc)
         except OSError as exc:
-            reply = [0, 1, InvalidArgument(f"the ring could not be mapped: {exc}").to_wire()]
+            reply = refusal(InvalidArgument(f"the ring could not be mapped: {exc}"))
         else:
             link.ring = ring
             self._rings[ring.bell.fileno()] = link
             self.version += 1
-            reply = [0, 0, {"ring": 1}]
-        if not self._send(link, msgpack.packb(reply)):
+            reply = accepted(RingAccepted())
+        if not self._send(link, reply):
             self._drop(link.fd)
 
     @property

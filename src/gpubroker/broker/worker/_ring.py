@@ -20,9 +20,10 @@ import mmap
 import os
 import socket
 import time
-from typing import Any, Final
+from typing import Final
 
 from gpubroker.wire.errors import InvalidArgument
+from gpubroker.wire.link import Malformed, decode_ring_offer
 from gpubroker.wire.ring import (
     ACK_HEAD,
     ACK_TAIL,
@@ -132,25 +133,26 @@ class WorkerRing:
         self.bell.close()
 
 
-def open_ring(request: Any, fds: list[int], max_frame: int) -> WorkerRing:
-    """Map the ring a client offers (``{"ring": 1, "commands": n, "acks": m, "spin_us": s}`` with a sealed memfd and
-    its doorbell, a SOCK_SEQPACKET socketpair's end); InvalidArgument naming what is wrong. Takes the fds: closed
-    here on failure, by the ring after."""
+def open_ring(payload: bytes | bytearray, fds: list[int], max_frame: int) -> WorkerRing:
+    """Map the ring a client offers (a ``RingOffer``, gpubroker/wire/link.py, with a sealed memfd and its
+    doorbell, a SOCK_SEQPACKET socketpair's end, attached); InvalidArgument naming what is wrong. Takes the fds:
+    closed here on failure, by the ring after."""
     try:
         if len(fds) != _RING_FDS:
             raise InvalidArgument(f"a ring upgrade carries {_RING_FDS} fds (memfd, doorbell), got {len(fds)}")
-        if not isinstance(request, dict) or request.get("ring") != 1:
-            raise InvalidArgument("a frame with fds attached must be a ring upgrade {'ring': 1, ...}")
+        try:
+            offer = decode_ring_offer(payload)
+        except Malformed as exc:
+            raise InvalidArgument(f"a frame with fds attached must be a ring upgrade {{'ring': 1, 'commands': n, "
+                                  f"'acks': m, 'spin_us': s}} ({exc})") from None
+        if offer.ring != 1:
+            raise InvalidArgument(f"this worker speaks ring version 1, the upgrade asked for {offer.ring}")
         low, high = max_frame + 4, ring_caps(MAX_RING_WINDOW, max_frame)
-        sizes: list[int] = []
-        for key in ("commands", "acks"):
-            size = request.get(key)
-            if type(size) is not int or not low <= size <= high:
+        for size in (offer.commands, offer.acks):
+            if not low <= size <= high:
                 raise InvalidArgument(f"a ring's size must be {low} to {high} bytes, got {size!r}")
-            sizes.append(size)
-        commands, acks = sizes
-        spin = request.get("spin_us", 0)
-        if type(spin) is not int or not 0 <= spin <= MAX_SPIN_US:
+        commands, acks, spin = offer.commands, offer.acks, offer.spin_us
+        if not 0 <= spin <= MAX_SPIN_US:
             raise InvalidArgument(f"a ring's spin must be 0 to {MAX_SPIN_US} us, got {spin!r}")
         memfd, bell_fd = fds
         try:

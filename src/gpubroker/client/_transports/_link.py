@@ -1,9 +1,9 @@
 """FramedLink: the client's commands on one stream socket straight to its session's worker.
 
-The same frames on every kind of socket (4-byte big-endian length, then the payload): a hello to the front
-``{"token", "session", "link": 1}``, which authenticates it as it does a gRPC call and hands the connection to the
-session's worker; the worker answers ``[0, 0, {"link": 1, "max_frame": n}]`` (a refusal comes from the front as
-``[0, 1, error]``). After that every frame is an encoded protocol Batch one way and its Ack the other, in order.
+The same frames on every kind of socket (4-byte big-endian length, then the payload): a ``Hello`` to the front
+(gpubroker/wire/link.py: token, session, ``link: 1``), which authenticates it as it does a gRPC call and hands the
+connection to the session's worker; the worker answers ``LinkAccepted`` (its max frame; a refusal comes from the
+front as an error). After that every frame is an encoded protocol Batch one way and its Ack the other, in order.
 
 Where the socket comes from is the only difference between transports: the broker's ``<socket>.fast`` Unix
 socket on the same host, its ``link_listen`` TCP port (with the gRPC listener's TLS, which the front
@@ -18,22 +18,14 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Final
 
 from gpubroker.client._tls import TlsOptions
 from gpubroker.client._transports._core import ENVELOPE, BatchingTransport, Lost, read_into
 from gpubroker.wire.commands import BufRef, Read
-from gpubroker.wire.errors import GpuBrokerError, Unavailable, error_from_wire
-from gpubroker.wire.frames import (
-    FRAME_HEADER,
-    FrameClosed,
-    FrameRefused,
-    FrameTooLarge,
-    recv_payload,
-    send_frame,
-    send_payload,
-    unpack_frame,
-)
+from gpubroker.wire.errors import GpuBrokerError, Unavailable
+from gpubroker.wire.frames import FRAME_HEADER, FrameClosed, FrameRefused, FrameTooLarge, recv_payload, send_payload
+from gpubroker.wire.link import LINK_VERSION, Hello, LinkAccepted, Malformed, encode, open_answer
 
 __all__ = ["HELLO_REPLY_MAX", "STRIPE_MIN", "TCP_STRIPES", "VMADDR_CID_HOST", "Connector", "FramedLink",
            "peer_hung_up", "tcp_connector", "tcp_stripes", "unix_connector", "vsock_connector"]
@@ -197,10 +189,8 @@ class FramedLink(BatchingTransport):
         super().__init__(timeout=timeout, max_data=0, window=window, batch_size=batch_size)
         self.kind = kind
         self._connect = connect
-        self._hello: dict[str, Any] = {"token": token, "session": session, "link": 1}
+        self._hello = Hello(token=token, session=session, link=LINK_VERSION, compress=(compress,) if compress else ())
         self._compress = compress  # asked for in the hello; ``codec`` is what the worker took ("" none)
-        if compress:
-            self._hello["compress"] = [compress]
         self._sock: socket.socket | None = None
         self._frames: _Frames | None = None
         self.stripes = tcp_stripes() if kind == "tcp" else 1
@@ -268,7 +258,7 @@ class FramedLink(BatchingTransport):
         """The session's further links (opened once; one that cannot be opened now is done without)."""
         while len(self._more) < self.stripes - 1:
             try:
-                link = FramedLink(self._connect, self._hello["token"], self._hello["session"], kind=self.kind,
+                link = FramedLink(self._connect, self._hello.token or "", self._hello.session or "", kind=self.kind,
                                   timeout=self.timeout, window=self.window, batch_size=self.batch_size,
                                   compress=self._compress)
             except GpuBrokerError:
@@ -298,25 +288,21 @@ class FramedLink(BatchingTransport):
             raise Unavailable(f"no {self.kind} link to the broker: {exc}") from None
         try:
             sock.settimeout(self.timeout)  # the hello's answer and each ack are waited for this long
-            send_frame(sock, self._hello)
-            reply = unpack_frame(recv_payload(sock, HELLO_REPLY_MAX))
+            send_payload(sock, encode(self._hello))
+            reply = recv_payload(sock, HELLO_REPLY_MAX)
         except (OSError, EOFError, ValueError) as exc:  # closed unanswered: refused before authentication, a cap
             sock.close()
             raise Unavailable(f"the broker's {self.kind} link did not answer its hello: {exc}") from None
         try:
-            _, status, result = reply
-            if status != 0:
-                raise error_from_wire(str(result["code"]), str(result["message"]), result.get("type"),
-                                      result.get("details"))
-            max_frame = result["max_frame"]
-            codec = result.get("compress", "")
-            if result.get("link") != 1 or type(max_frame) is not int or max_frame <= ENVELOPE \
-                    or codec not in ("", self._compress):
-                raise Unavailable(f"the broker's {self.kind} link answered its hello with {result!r}")
+            answer = open_answer(reply, LinkAccepted)  # (the front's refusal raised as its error)
+            max_frame, codec = answer.max_frame, answer.compress
+            if answer.link != LINK_VERSION or max_frame <= ENVELOPE or codec not in ("", self._compress):
+                raise Unavailable(f"the broker's {self.kind} link answered its hello with {answer!r}")
             self.codec = codec
-        except (TypeError, ValueError, KeyError, AttributeError):
+        except Malformed as exc:
             sock.close()
-            raise Unavailable(f"the broker's {self.kind} link answered its hello with {reply!r}") from None
+            raise Unavailable(f"the broker's {self.kind} link answered its hello with {bytes(reply[:200])!r} "
+                              f"({exc})") from None
         except GpuBrokerError:
             sock.close()
             raise

@@ -3,9 +3,10 @@
 A Unix link (``FramedLink``) is upgraded once its hello is answered: the client creates a sealed memfd holding
 two single-producer/single-consumer byte rings (batches client -> worker, acks worker -> client) and a
 connected ``SOCK_SEQPACKET`` socketpair (the doorbells: a one-byte record each way), and sends the memfd and the
-worker's end of the pair over the link in one frame, ``{"ring": 1, "commands": n, "acks": m, "spin_us": s}``
-with the two fds attached (SCM_RIGHTS); the worker maps them (``gpubroker/broker/worker/_ring.py``)
-and answers on the link ``[0, 0, {"ring": 1}]``, or ``[0, 1, error]`` and the link stays a plain link. From then
+worker's end of the pair over the link in one frame, a ``RingOffer`` (``gpubroker/wire/link.py``: the rings'
+sizes and the worker's spin) with the two fds attached (SCM_RIGHTS); the worker maps them
+(``gpubroker/broker/worker/_ring.py``) and answers on the link ``RingAccepted``, or an error and the link stays a
+plain link. From then
 on each batch is one record in the command ring and each ack one record in the ack ring, in order; the link
 socket stays open and says when the other side is gone (its close ends the ring).
 
@@ -45,8 +46,9 @@ import time
 
 from gpubroker.client._transports._core import Lost
 from gpubroker.client._transports._link import HELLO_REPLY_MAX, Connector, FramedLink
-from gpubroker.wire.errors import GpuBrokerError, Unavailable, error_from_wire
-from gpubroker.wire.frames import pack_frame, recv_payload, unpack_frame
+from gpubroker.wire.errors import GpuBrokerError, Unavailable
+from gpubroker.wire.frames import FRAME_HEADER, recv_payload
+from gpubroker.wire.link import Malformed, RingAccepted, RingOffer, encode, open_answer
 from gpubroker.wire.ring import (
     ACK_HEAD,
     ACK_TAIL,
@@ -140,24 +142,24 @@ class RingTransport(FramedLink):
             os.close(fd)
             raise _Declined(Unavailable(f"no memory for a ring: {exc}")) from None
         try:
-            frame = pack_frame({"ring": 1, "commands": cap, "acks": cap, "spin_us": spin_us()})
+            offer = encode(RingOffer(ring=1, commands=cap, acks=cap, spin_us=spin_us()))
+            frame = FRAME_HEADER.pack(len(offer)) + offer
             sent = socket.send_fds(sock, [frame], [fd, theirs.fileno()])
             sock.sendall(frame[sent:])
-            reply = unpack_frame(recv_payload(sock, HELLO_REPLY_MAX))
+            reply = recv_payload(sock, HELLO_REPLY_MAX)
         except (OSError, EOFError, ValueError) as exc:
             raise Unavailable(f"the worker did not answer the ring upgrade: {exc}") from None
         finally:
             os.close(fd)  # mapped, and the worker has its own: the fds themselves are not needed any more
             theirs.close()
         try:
-            _, status, result = reply
-            if status != 0:
-                raise _Declined(error_from_wire(str(result["code"]), str(result["message"]), result.get("type"),
-                                                result.get("details")))
-            if result.get("ring") != 1:
-                raise Unavailable(f"the worker answered the ring upgrade with {result!r}")
-        except (TypeError, ValueError, KeyError, AttributeError):
-            raise Unavailable(f"the worker answered the ring upgrade with {reply!r}") from None
+            answer = open_answer(reply, RingAccepted)
+        except GpuBrokerError as refused:
+            raise _Declined(refused) from None
+        except Malformed as exc:
+            raise Unavailable(f"the worker answered the ring upgrade with {bytes(reply[:200])!r} ({exc})") from None
+        if answer.ring != 1:
+            raise Unavailable(f"the worker answered the ring upgrade with {answer!r}")
         words = memoryview(self._mm).cast("Q")
         self._words = words
         self._commands = ByteRing(self._mm, words, RING_DATA, cap, CMD_HEAD * 8, CMD_TAIL * 8, self.max_frame)
