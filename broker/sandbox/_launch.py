@@ -18,9 +18,12 @@ import resource
 import signal
 import stat
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._cache import CacheView, inodes_for
+
+if TYPE_CHECKING:
+    import socket
 
 __all__ = ["EXIT_SETUP_FAILED", "main"]
 
@@ -350,7 +353,7 @@ def _close_fds(keep: list[int]) -> None:
 
 # ---- the two processes ----
 
-def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any) -> None:
+def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any, channel: socket.socket | None) -> None:
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "set the parent-death signal")
         # A session and process group of its own: "my group" (kill(0, ...), setpriority(PRIO_PGRP, 0, ...)) is
@@ -361,7 +364,7 @@ def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any) -> None:
         _libc.sethostname(b"gpubroker-worker", ctypes.c_size_t(16))
         _build_root(spec)
         _limit(spec)
-        _close_fds(list(spec.get("keep_fds", [])))
+        _close_fds([*spec.get("keep_fds", []), *([channel.fileno()] if channel is not None else [])])
         _drop_capabilities(switch_user=spec.get("worker_uid") is not None)
         _prctl(PR_SET_NO_NEW_PRIVS, 1, "set no_new_privs")
         _prctl(PR_SET_DUMPABLE, 0, "clear dumpable")
@@ -370,6 +373,14 @@ def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any) -> None:
                 seccomp_filter.load()
             except OSError as exc:
                 raise SetupError(f"load the seccomp filter: {exc}") from None
+        if channel is not None:
+            # Last: from here every exec (the worker's own, next) and spawn stops until the launcher answers.
+            from ._spawn import install_listener, send_listener
+
+            listener = install_listener()
+            send_listener(channel, listener)
+            os.close(listener)
+            channel.close()
     except (SetupError, OSError) as exc:
         os.write(2, f"gpubroker sandbox: cannot build the worker's sandbox: {exc}\n".encode())
         os._exit(EXIT_SETUP_FAILED)
@@ -462,21 +473,41 @@ def main(argv: list[str] | None = None) -> int:
     # The worker's stdout and stderr are the launcher's own: pipes of the front's, one pair per worker, which the
     # front reads, rate-limits, escapes and logs as the tenant's (workers/_output.py). Nothing is relayed here:
     # a copy through this process would cost a second copy of every byte, and the front drains them anyway.
+    # On OpenCL (a worker that may spawn PoCL's linker), the child hands over the listener of its exec supervision.
+    channel, proc = None, -1
+    if spec.get("spawn"):
+        import socket
+
+        from . import _spawn  # noqa: F401  (loaded here: the child imports nothing once in its new root)
+
+        channel = socket.socketpair()
+        proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # (the host's: see ExecSupervisor)
     pid = os.fork()
     if pid == 0:
-        _child(spec, worker_argv, seccomp_filter)
+        _child(spec, worker_argv, seccomp_filter, channel[1] if channel is not None else None)
+    listener = None
+    if channel is not None:
+        from ._spawn import receive_listener
+
+        channel[1].close()
+        listener = receive_listener(channel[0])  # (None: the child failed first, and says why)
+        channel[0].close()
     # Only the worker holds its channels: the front's closing them must reach it as end-of-file.
-    _close_fds([cache.host_fd, cache.view_fd] if cache is not None else [])
+    _close_fds([*([cache.host_fd, cache.view_fd] if cache is not None else []),
+                *([listener, proc] if listener is not None else [])])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         # The front ends workers by closing their channels or by SIGKILL; a signal sent to the whole process
         # group (a terminal's ^C, systemd's stop) must not end them before the front has drained.
         signal.signal(sig, signal.SIG_IGN)
-    while True:
-        try:
+    try:
+        if listener is not None:
+            from ._spawn import ExecSupervisor
+
+            status = ExecSupervisor(pid, listener, proc).wait()
+        else:
             _, status = os.waitpid(pid, 0)
-            break
-        except ChildProcessError:
-            return EXIT_SETUP_FAILED
+    except ChildProcessError:
+        return EXIT_SETUP_FAILED
     # The worker and everything in its PID namespace are gone: nothing writes the cache while it is copied.
     _save_cache(cache)
     _mirror_exit(status)
