@@ -209,11 +209,11 @@ class WorkerSandbox:
 
     @property
     def description(self) -> str:
-        """The layers in force, e.g. ``namespaces+seccomp+cgroup`` (``OFF`` without a sandbox)."""
+        """The layers in force, e.g. ``namespaces+seccomp+cgroup+landlock`` (``OFF`` without a sandbox)."""
         if not self.enabled:
             return "OFF"
-        return "namespaces+seccomp+" + ("landlock+" if self.landlock else "") + (
-            "cgroup" if self.cgroups is not None else "rlimits")
+        return "namespaces+seccomp+" + ("cgroup" if self.cgroups is not None else "rlimits") + (
+            "+landlock" if self.landlock else "")
 
     @property
     def pids_enforced(self) -> bool:
