@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.broker.sandbox import WorkerSandbox, _landlock
 from gpubroker.broker.sandbox._landlock import elf_interpreter
 from gpubroker.client import ModuleFormat, RemoteGpu, connect
 
@@ -83,7 +84,7 @@ __kernel void gpb_spawn(__global char* blob, __global const long* offs, const in
     }
 }
 """
-# The work-group sizes the linking case compiles its kernel for: PoCL links one shared object per size.
+# The linking case compiles this kernel for three work-group sizes: PoCL links one shared object for each.
 LINK_SOURCE = "__kernel void gpb_scale(__global float* a, const float f) { a[get_global_id(0)] *= f; }"
 
 
@@ -186,11 +187,26 @@ def test_pocls_own_linking_still_works(gpu: RemoteGpu) -> None:
     buf = gpu.allocate_memory(host.nbytes)
     try:
         gpu.copy_h2d(host, buf)
-        for local in (1, 4, 16):
-            gpu.execute_kernel(kernel, 64, local, [buf, np.float32(2.0)])
+        for block in (1, 4, 16):
+            gpu.execute_kernel(kernel, host.size // block, block, [buf, np.float32(2.0)])
         gpu.synchronize()
         back = np.empty_like(host)
         gpu.copy_d2h(buf, back)
     finally:
         gpu.free_memory(buf)
     np.testing.assert_array_equal(back, host * 8)
+
+
+def test_without_landlock_the_sandbox_says_so_and_still_supervises(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A kernel without Landlock (older than 5.19, or the LSM not enabled): the status says which layers hold, the
+    # worker is not told to apply it (it would fail to start), and the exec supervision still bounds what it spawns.
+    monkeypatch.setattr(_landlock, "abi", lambda: 0)
+    sandbox = WorkerSandbox(enabled=True, backend="opencl", use_cgroups=False)
+    assert sandbox.description == "namespaces+seccomp+rlimits"
+    spec = sandbox.spec(None, [], None)
+    assert _landlock.EXEC_ENV not in spec["env"] and spec["spawn"] is True
+    monkeypatch.setattr(_landlock, "abi", lambda: 7)
+    landlocked = WorkerSandbox(enabled=True, backend="cuda", use_cgroups=False)
+    assert landlocked.description == "namespaces+seccomp+rlimits+landlock"
+    cuda = landlocked.spec(None, [], None)
+    assert cuda["env"][_landlock.EXEC_ENV] == "none" and cuda["spawn"] is False  # (CUDA: no exec at all)
