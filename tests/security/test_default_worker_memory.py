@@ -23,6 +23,7 @@ import pytest
 from gpubroker.broker.config import BrokerConfig
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.broker.sandbox import automatic_memory_max, automatic_reserved
+from gpubroker.broker.sandbox._spawn import LINKER_MEMORY
 from gpubroker.client import ModuleFormat, connect
 
 from ..conftest import worker_pids
@@ -113,13 +114,14 @@ def test_the_default_limits_follow_each_tenants_quotas(broker: BrokerProcess) ->
             limits[name] = _limits(pid)
     defaults = BrokerConfig()
     tmpfs = defaults.cache_max_bytes + defaults.worker_tmp_max_bytes
-    # Private writable memory: the quota and the runtime's share (the tmpfs are counted apart); the address
-    # space besides: the shared memory the tenant's sessions may map into the worker, and what PoCL reserves.
+    # Private writable memory: the quota and the runtime's share (the tmpfs, and the one linker PoCL may run, are
+    # counted apart); the address space besides: the shared memory the tenant's sessions may map into the worker,
+    # and what PoCL reserves.
     for name, quota, shared in (("alice", QUOTA, QUOTA), ("carol", CAROL_QUOTA, CAROL_SHARED)):
         memory = automatic_memory_max("opencl", quota, shared, defaults.cache_max_bytes,
                                       defaults.worker_tmp_max_bytes)
-        assert limits[name] == {"data": memory - tmpfs - shared,
-                                "as": memory - tmpfs + automatic_reserved("opencl")}, (name, limits)
+        assert limits[name] == {"data": memory - tmpfs - shared - LINKER_MEMORY,
+                                "as": memory - tmpfs + automatic_reserved("opencl") - LINKER_MEMORY}, (name, limits)
     assert limits["carol"]["data"] - limits["alice"]["data"] == CAROL_QUOTA - QUOTA, limits
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.broker.sandbox._spawn import LINKER_MEMORY
 from gpubroker.client import ModuleFormat, RemoteGpu, connect
 
 from ..conftest import worker_pids
@@ -236,10 +237,10 @@ def test_the_sandbox_limits_are_what_the_config_says(broker: BrokerProcess) -> N
         fsize = next(line for line in limits.splitlines() if line.startswith("Max file size")).split()[3]
         assert fsize == str(max(TMP_MAX, CACHE_MAX))
         # Private writable memory (both backends), and on OpenCL the address space: worker_memory_max less what its
-        # tmpfs may hold, so that they are counted inside it.
+        # tmpfs may hold, so that they are counted inside it, and on OpenCL less the linker PoCL runs.
         for name in ("Max data size", "Max address space"):
             value = next(line for line in limits.splitlines() if line.startswith(name)).split()[3]
-            assert value == str(MEMORY_MAX - TMP_MAX - CACHE_MAX), limits
+            assert value == str(MEMORY_MAX - TMP_MAX - CACHE_MAX - LINKER_MEMORY), limits
         mounts = Path(f"/proc/{alice.pid}/mounts").read_text()
         home = process_env(alice.pid)["HOME"]
         options = {fields[1]: fields[3] for fields in (line.split() for line in mounts.splitlines())

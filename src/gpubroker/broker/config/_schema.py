@@ -269,10 +269,12 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     worker_memory_max: Annotated[int, Meta(ge=0, description=(
         "Memory one worker may use, its /tmp, /dev/shm and compile cache included: cgroup v2 memory.max where "
         "the broker may create cgroups, else RLIMIT_DATA (private writable memory, both backends) and on OpenCL "
-        "RLIMIT_AS, each less the tmpfs sizes. 0 (the default): automatic, per tenant and device: the tenant's "
+        "RLIMIT_AS, each less the tmpfs sizes and on OpenCL less the 128 MiB of the one linker PoCL may run at a "
+        "time (held to that much by the sandbox). 0 (the default): automatic, per tenant and device: the tenant's "
         "memory quota on that device (on OpenCL's CPU devices, buffers are host memory) plus its shared_memory "
         "(shared-memory segments the worker maps; not counted in RLIMIT_DATA) plus the runtime's own (4 GiB on "
-        "CUDA, enough for CuPy and PyTorch; on OpenCL 512 MiB and 32 MiB per CPU, and RLIMIT_AS allows another "
+        "CUDA, enough for CuPy and PyTorch; on OpenCL 512 MiB and 32 MiB per CPU and the linker's 128 MiB, and "
+        "RLIMIT_AS allows another "
         "512 MiB and 96 MiB per CPU of address space that PoCL reserves) plus cache_max_bytes and "
         "worker_tmp_max_bytes, and at least twice those two; a worker keeps the limit it started with until it "
         "is restarted. A value here applies to every worker instead.")), SIZE] = 0

@@ -50,6 +50,12 @@ it have been beaten, and says what it stops.
   outside the limits below: memfd_create, memfd_secret, System V shared memory, message queues and semaphores.
   Nothing counted per host user rather than per worker: inotify, POSIX message queues, epoll instances (the
   worker waits with poll(2)).
+- **Exec supervision** (OpenCL, ``_spawn.py``): a second filter stops every exec and posix_spawn-shaped clone of the
+  worker's tree until the launcher answers: the worker alone spawns, a spawned process runs only once the previous
+  one has exited, under RLIMIT_DATA and RLIMIT_AS of ``LINKER_MEMORY`` (taken out of the worker's own), so its
+  fresh address space cannot multiply the worker's memory.
+- **Landlock** (``_landlock.py``, Linux >= 5.19; without it the broker warns and the status lacks ``+landlock``):
+  the worker and all it starts may execute only PoCL's linker and its interpreter (OpenCL) or nothing (CUDA).
 - **Resource limits**: a cgroup v2 per worker (``memory.max`` = ``worker_memory_max``, ``pids.max``,
   ``cpu.weight``) where the broker has a delegated cgroup to itself (systemd ``Delegate=yes``), which is charged
   for its tmpfs pages too; otherwise rlimits: processes and threads per user namespace (``RLIMIT_NPROC``, which

@@ -352,7 +352,8 @@ def _close_fds(keep: list[int]) -> None:
 
 # ---- the two processes ----
 
-def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any, go: int) -> None:
+def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any, go: int,
+           channel: socket.socket | None) -> None:
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "set the parent-death signal")
         # Nothing until the launcher says go: it first hands the front this process's pidfd, by which the front
@@ -369,7 +370,7 @@ def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any, go: int) 
         _libc.sethostname(b"gpubroker-worker", ctypes.c_size_t(16))
         _build_root(spec)
         _limit(spec)
-        _close_fds(list(spec.get("keep_fds", [])))
+        _close_fds([*spec.get("keep_fds", []), *([channel.fileno()] if channel is not None else [])])
         _drop_capabilities(switch_user=spec.get("worker_uid") is not None)
         _prctl(PR_SET_NO_NEW_PRIVS, 1, "set no_new_privs")
         _prctl(PR_SET_DUMPABLE, 0, "clear dumpable")
@@ -378,6 +379,14 @@ def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any, go: int) 
                 seccomp_filter.load()
             except OSError as exc:
                 raise SetupError(f"load the seccomp filter: {exc}") from None
+        if channel is not None:
+            # Last: from here every exec (the worker's own, next) and spawn stops until the launcher answers.
+            from gpubroker.broker.sandbox._spawn import install_listener, send_listener
+
+            listener = install_listener()
+            send_listener(channel, listener)
+            os.close(listener)
+            channel.close()
     except (SetupError, OSError) as exc:
         os.write(2, f"gpubroker sandbox: cannot build the worker's sandbox: {exc}\n".encode())
         os._exit(EXIT_SETUP_FAILED)
@@ -484,10 +493,17 @@ def main(argv: list[str] | None = None) -> int:
     # front reads, rate-limits, escapes and logs as the tenant's (workers/_output.py). Nothing is relayed here:
     # a copy through this process would cost a second copy of every byte, and the front drains them anyway.
     go, say_go = os.pipe()
+    # On OpenCL (a worker that may spawn PoCL's linker), the child hands over the listener of its exec supervision.
+    channel, proc = None, -1
+    if spec.get("spawn"):
+        from gpubroker.broker.sandbox import _spawn  # noqa: F401  (loaded here: the child imports nothing once in its new root)
+
+        channel = socket.socketpair()
+        proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # (the host's: see ExecSupervisor)
     pid = os.fork()
     if pid == 0:
         os.close(say_go)
-        _child(spec, worker_argv, seccomp_filter, go)
+        _child(spec, worker_argv, seccomp_filter, go, channel[1] if channel is not None else None)
     os.close(go)
     if spec.get("report_fd") is not None:
         try:
@@ -499,18 +515,29 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_SETUP_FAILED
     os.write(say_go, b"x")
     os.close(say_go)
+    listener = None
+    if channel is not None:
+        from gpubroker.broker.sandbox._spawn import receive_listener
+
+        channel[1].close()
+        listener = receive_listener(channel[0])  # (None: the child failed first, and says why)
+        channel[0].close()
     # Only the worker holds its channels: the front's closing them must reach it as end-of-file.
-    _close_fds([cache.host_fd, cache.view_fd] if cache is not None else [])
+    _close_fds([*([cache.host_fd, cache.view_fd] if cache is not None else []),
+                *([listener, proc] if listener is not None else [])])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         # The front ends workers by closing their channels or by SIGKILL; a signal sent to the whole process
         # group (a terminal's ^C, systemd's stop) must not end them before the front has drained.
         signal.signal(sig, signal.SIG_IGN)
-    while True:
-        try:
+    try:
+        if listener is not None:
+            from gpubroker.broker.sandbox._spawn import ExecSupervisor
+
+            status = ExecSupervisor(pid, listener, proc).wait()
+        else:
             _, status = os.waitpid(pid, 0)
-            break
-        except ChildProcessError:
-            return EXIT_SETUP_FAILED
+    except ChildProcessError:
+        return EXIT_SETUP_FAILED
     # The worker and everything in its PID namespace are gone: nothing writes the cache while it is copied.
     _save_cache(cache)
     _mirror_exit(status)

@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from gpubroker.broker.config import parse_uid_range
+from gpubroker.broker.sandbox import _landlock
 from gpubroker.broker.sandbox._cgroup import WorkerCgroups
 from gpubroker.broker.sandbox._launch import EXIT_SETUP_FAILED
+from gpubroker.broker.sandbox._spawn import LINKER_MEMORY
 from gpubroker.wire.errors import FailedPrecondition, ResourceExhausted, Unavailable
 
 __all__ = ["Launch", "SandboxUnavailable", "WorkerMemory", "WorkerSandbox", "WorkerUids", "WorkerUidsExhausted",
@@ -93,8 +95,9 @@ def automatic_memory_max(backend: str, quota: int, shared: int, cache_max: int, 
     the pages first), the runtime's own (CUDA_RUNTIME, or OPENCL_RUNTIME and OPENCL_RUNTIME_PER_CPU), and its
     tmpfs (compile cache, /tmp and /dev/shm); never less than twice the tmpfs, so that they take at most half of
     it, as an explicit worker_memory_max must leave them."""
-    # (cuda, or auto: whichever backend a worker finds, the larger)
-    runtime = OPENCL_RUNTIME + OPENCL_RUNTIME_PER_CPU * _cpus() if backend == "opencl" else CUDA_RUNTIME
+    # (cuda, or auto: whichever backend a worker finds, the larger; on OpenCL the one linker PoCL may run besides)
+    runtime = (OPENCL_RUNTIME + OPENCL_RUNTIME_PER_CPU * _cpus() + LINKER_MEMORY if backend == "opencl"
+               else CUDA_RUNTIME)
     tmpfs = cache_max + tmp_max
     return max(quota + shared + runtime + tmpfs, 2 * tmpfs)
 
@@ -215,15 +218,22 @@ class WorkerSandbox:
         self.pids_max = pids_max
         self.cache_max = cache_max
         self.tmp_max = tmp_max
-        if memory_max and enabled and 2 * (cache_max + tmp_max) > memory_max:
+        # On OpenCL the worker's memory includes the one linker PoCL may run at a time (_spawn.py).
+        linker = LINKER_MEMORY if backend == "opencl" else 0
+        if memory_max and enabled and 2 * (cache_max + tmp_max) + linker > memory_max:
             # Both tmpfs are the worker's memory (its cgroup is charged for their pages; without one, its rlimits
             # leave room for them): they may take at most half of it.
             raise FailedPrecondition(
                 f"[broker] worker_memory_max ({memory_max} bytes) includes the worker's compile cache "
                 f"(cache_max_bytes, {cache_max}) and its /tmp and /dev/shm (worker_tmp_max_bytes, {tmp_max}), which "
-                "may take at most half of it: raise worker_memory_max or lower those")
+                "may take at most half of it"
+                + (f" once the {linker >> 20} MiB of the linker PoCL runs are set apart" if linker else "")
+                + ": raise worker_memory_max or lower those")
         self.cgroups: WorkerCgroups | None = None
         self.cgroup_reason = "sandbox off" if not enabled else "cgroups not tried"
+        # Landlock's ABI (0: none here): where there is one, each worker may execute only PoCL's linker (OpenCL) or
+        # nothing at all (_landlock.py).
+        self.landlock = _landlock.abi() if enabled else 0
         # The key of each tenant's cache (``cache_key`` of its token hash); the broker sets it from its config.
         self.tenant_key: Callable[[str], str] = lambda tenant: "default"
         # What a tenant may hold, for the automatic memory limit (worker_memory_max = 0): its memory quota on a
@@ -255,10 +265,11 @@ class WorkerSandbox:
 
     @property
     def description(self) -> str:
-        """The layers in force, e.g. ``namespaces+seccomp+cgroup`` (``OFF`` without a sandbox)."""
+        """The layers in force, e.g. ``namespaces+seccomp+cgroup+landlock`` (``OFF`` without a sandbox)."""
         if not self.enabled:
             return "OFF"
-        return "namespaces+seccomp+" + ("cgroup" if self.cgroups is not None else "rlimits")
+        return "namespaces+seccomp+" + ("cgroup" if self.cgroups is not None else "rlimits") + (
+            "+landlock" if self.landlock else "")
 
     @property
     def pids_enforced(self) -> bool:
@@ -353,9 +364,12 @@ class WorkerSandbox:
         if self.pids_max and not pids_cgroup:
             # Counted per user namespace (Linux >= 5.14): this worker's processes and threads only.
             rlimits["nproc"] = self.pids_max + 1
+        spawn = self.backend == "opencl"
         if cgroup is None and memory_max:
-            # The tmpfs are counted inside the budget: what they may hold is taken off the mappings' limits.
-            mapped = memory_max - (self.cache_max if cache is not None else 0) - self.tmp_max
+            # The tmpfs are counted inside the budget: what they may hold is taken off the mappings' limits, and
+            # so is, on OpenCL, the memory of the one linker PoCL may run at a time (_spawn.py: its own rlimits).
+            mapped = (memory_max - (self.cache_max if cache is not None else 0) - self.tmp_max
+                      - (LINKER_MEMORY if spawn else 0))
             # Private writable memory (heap, stacks, anonymous mappings): not the PROT_NONE ranges CUDA reserves,
             # so it holds on both backends. Nor the side channel's segments (shared mappings): the part of the
             # budget set apart for them is not the private memory's.
@@ -366,10 +380,13 @@ class WorkerSandbox:
         return {"ro": _existing(ro), "rw": [str(cache)] if cache is not None else [], "dev": _existing(dev),
                 # (only what the worker's environment adds to the launcher's: the rest is the operator's, and a
                 # command line is anyone's to read)
-                "keep_fds": keep_fds, "env": _cache_environment(cache), "worker_uid": uid,
+                "keep_fds": keep_fds, "worker_uid": uid,
+                "env": {**_cache_environment(cache),
+                        **({_landlock.EXEC_ENV: "linker" if spawn else "none"} if self.landlock else {})},
                 "rlimits": rlimits, "seccomp": True, "tmp_size": self.tmp_max,
-                # PoCL links each new kernel with the system linker (posix_spawn): no other backend spawns.
-                "spawn": self.backend == "opencl",
+                # PoCL links each new kernel with the system linker (posix_spawn): no other backend spawns, and
+                # there the launcher supervises every exec (_spawn.py).
+                "spawn": spawn,
                 "cache": {"path": str(cache), "size": self.cache_max} if cache is not None else None,
                 "cgroup": str(cgroup) if cgroup is not None else ""}
 
@@ -460,6 +477,11 @@ class WorkerSandbox:
         if self.uids is not None:
             log.info("each worker runs as a host uid of its own, from worker_uids %d-%d", self.uids.first,
                      self.uids.last)
+        if not self.landlock:
+            log.warning("Landlock is not available here (it needs Linux >= 5.19 with the LSM enabled: see "
+                        "/sys/kernel/security/lsm): workers may execute any program the sandbox shows%s",
+                        "; on OpenCL each process a worker spawns still runs one at a time, within "
+                        f"{LINKER_MEMORY >> 20} MiB" if self.backend == "opencl" else "")
         if self.pids_max and not self.pids_enforced:
             log.warning("worker_pids_max = %d is not enforced by the kernel: the broker runs as root, which the "
                         "kernel never holds to RLIMIT_NPROC, there is no pids cgroup, and worker_uids = 0 runs the "
