@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from gpubroker.client._memcpy import parallel_copy
@@ -43,6 +44,7 @@ from gpubroker.wire.errors import (
     GpuBrokerError,
     InvalidArgument,
     Unavailable,
+    WireError,
     error_from_wire,
 )
 from gpubroker.wire.frames import FRAME_HEADER, pack_frame, unpack_frame
@@ -150,7 +152,7 @@ class SideChannel:
             raise Unavailable("the broker's side channel sent a malformed reply")
         error = reply.get("error")
         if error is not None:
-            raise error_from_wire(error["code"], error["message"], error.get("type"), error.get("details"))
+            raise error_from_wire(msgspec.convert(error, WireError))
         return reply
 
     def _recv_exact(self, n: int) -> bytes:

@@ -51,6 +51,7 @@ from gpubroker.wire.errors import (
     Unavailable,
 )
 from gpubroker.wire.frames import FRAME_HEADER, MAX_FRAME, pack_frame, unpack_frame
+from gpubroker.wire.worker import RegisterSegment, ReleaseSegment
 
 __all__ = ["SharedMemoryServer"]
 
@@ -492,7 +493,7 @@ class SharedMemoryServer:
         self.sessions.reserve_shared(session, size)
         session.segments[handle] = size
         try:
-            await session.worker.call_with_fd("register_segment", session.id, fd, handle=handle, size=size)
+            await session.worker.call(RegisterSegment(handle, size), session.id, fd)
         except BaseException:
             if session.segments.pop(handle, None) is not None:
                 self.sessions.release_shared(session, size)
@@ -501,13 +502,13 @@ class SharedMemoryServer:
             # Closed while the worker mapped it: the worker's close ran first, so unmap this one too. (The close
             # uncounted this segment with the rest of the session's.)
             with contextlib.suppress(GpuBrokerError):
-                await session.worker.call("release_segment", session.id, handle=handle)
+                await session.worker.call(ReleaseSegment(handle), session.id)
             raise NotFound(f"no session {session.id!r}")
 
     async def _release(self, session: Session, handle: str) -> None:
         if handle not in session.segments:
             raise NotFound(f"no segment {handle[:80]!r} in this session")
-        await session.worker.call("release_segment", session.id, handle=handle)
+        await session.worker.call(ReleaseSegment(handle), session.id)
         size = session.segments.pop(handle, None)
         if size is not None:
             self.sessions.release_shared(session, size)

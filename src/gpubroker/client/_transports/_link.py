@@ -20,10 +20,12 @@ import threading
 from collections.abc import Callable
 from typing import Any, Final
 
+import msgspec
+
 from gpubroker.client._tls import TlsOptions
 from gpubroker.client._transports._core import ENVELOPE, BatchingTransport, Lost, read_into
 from gpubroker.wire.commands import BufRef, Read
-from gpubroker.wire.errors import GpuBrokerError, Unavailable, error_from_wire
+from gpubroker.wire.errors import GpuBrokerError, Unavailable, WireError, error_from_wire
 from gpubroker.wire.frames import (
     FRAME_HEADER,
     FrameClosed,
@@ -306,8 +308,7 @@ class FramedLink(BatchingTransport):
         try:
             _, status, result = reply
             if status != 0:
-                raise error_from_wire(str(result["code"]), str(result["message"]), result.get("type"),
-                                      result.get("details"))
+                raise error_from_wire(msgspec.convert(result, WireError))
             max_frame = result["max_frame"]
             codec = result.get("compress", "")
             if result.get("link") != 1 or type(max_frame) is not int or max_frame <= ENVELOPE \

@@ -43,9 +43,11 @@ import select
 import socket
 import time
 
+import msgspec
+
 from gpubroker.client._transports._core import Lost
 from gpubroker.client._transports._link import HELLO_REPLY_MAX, Connector, FramedLink
-from gpubroker.wire.errors import GpuBrokerError, Unavailable, error_from_wire
+from gpubroker.wire.errors import GpuBrokerError, Unavailable, WireError, error_from_wire
 from gpubroker.wire.frames import pack_frame, recv_payload, unpack_frame
 from gpubroker.wire.ring import (
     ACK_HEAD,
@@ -152,8 +154,7 @@ class RingTransport(FramedLink):
         try:
             _, status, result = reply
             if status != 0:
-                raise _Declined(error_from_wire(str(result["code"]), str(result["message"]), result.get("type"),
-                                                result.get("details")))
+                raise _Declined(error_from_wire(msgspec.convert(result, WireError)))
             if result.get("ring") != 1:
                 raise Unavailable(f"the worker answered the ring upgrade with {result!r}")
         except (TypeError, ValueError, KeyError, AttributeError):
