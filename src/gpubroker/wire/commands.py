@@ -52,10 +52,10 @@ __all__ = [
     "DestroyEvent",
     "DestroyStream",
     "DeviceInfoQuery",
+    "DeviceReport",
     "Free",
     "GetKernel",
     "Handle",
-    "DeviceReport",
     "KernelArg",
     "KernelNames",
     "Launch",
@@ -135,10 +135,19 @@ DeviceReport = Annotated[dict[str, str | bool | int | float | Annotated[list[int
 # What a LoadModule returns: the module's kernel names.
 KernelNames = Annotated[list[Annotated[str, msgspec.Meta(max_length=1024)]], msgspec.Meta(max_length=65536)]
 
-@functools.cache
-def _batch_decoder() -> msgspec.msgpack.Decoder[Batch]:
-    """A batch of any registered command (built again once a command is registered: see Command)."""
-    return msgspec.msgpack.Decoder(Batch[functools.reduce(operator.or_, commands())])  # type: ignore[misc]
+
+# The decoder of batches of every command, built at first use and again after a command is defined (Command), so
+# that the hot path (each batch of each link) reads one global.
+_batch_decoder: msgspec.msgpack.Decoder[Batch] | None = None
+
+
+def _batches() -> msgspec.msgpack.Decoder[Batch]:
+    global _batch_decoder
+    decoder = _batch_decoder
+    if decoder is None:
+        decoder = _batch_decoder = msgspec.msgpack.Decoder(
+            Batch[functools.reduce(operator.or_, commands())])  # type: ignore[misc]
+    return decoder
 
 
 @functools.cache
@@ -161,8 +170,8 @@ def tag_of(command: Command | type[Command]) -> str:
 class Command(_Struct, tag_field="op", frozen=True):
     """One device operation; its subclasses are the command model, each registered as it is defined.
 
-    A subclass declares, besides its fields, the traits every process reads off the class (override the ones
-    whose default does not fit):
+    A subclass declares, besides its fields, the traits every process reads off the class below (it sets those
+    whose default does not fit, as plain class attributes), and may override ``describe`` and ``check_result``.
     """
 
     # True: the command may travel on a framed link straight to the worker (device work and the memory and
@@ -182,8 +191,9 @@ class Command(_Struct, tag_field="op", frozen=True):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # A new command: the decoders are built again, over every command, when next used.
         super().__init_subclass__(**kwargs)
+        global _batch_decoder
         commands.cache_clear()
-        _batch_decoder.cache_clear()
+        _batch_decoder = None
         _ack_decoder.cache_clear()
 
     def describe(self) -> str:
@@ -309,6 +319,7 @@ class SynchronizeEvent(Command, tag="synchronize_event", frozen=True):
 class Write(Command, tag="write", frozen=True):
     """Host to device: ``data`` into the view at ``offset`` (one chunk of a copy; large copies are several)."""
 
+    host_work = True
     buf: BufRef
     offset: NonNegative
     data: bytes
@@ -317,8 +328,6 @@ class Write(Command, tag="write", frozen=True):
     # only: a link that negotiated lz4); "" : ``data`` is the bytes as they are and ``size`` is unused.
     codec: Codec = ""
     size: NonNegative = 0
-
-    host_work = True
 
     def describe(self) -> str:
         return f"write of {self.size} bytes ({self.codec})" if self.codec else f"write of {len(self.data)} bytes"
@@ -350,6 +359,8 @@ class RunLibrary(Command, tag="run_library", frozen=True):
 class Read(Command, tag="read", frozen=True):
     """Device to host: ``size`` bytes of the view from ``offset``; the Ack's result is the bytes."""
 
+    host_work = True
+    result = bytes  # (as the front gets it: a link's codec applies only on the link)
     buf: BufRef
     offset: NonNegative
     size: NonNegative
@@ -357,9 +368,6 @@ class Read(Command, tag="read", frozen=True):
     # The codec the client takes the result in ("lz4" where its link negotiated it): then the result is
     # ``[codec, data]`` (codec "" when compressing did not pay: data raw), else the bytes as they are.
     codec: Codec = ""
-
-    host_work = True
-    result = bytes  # (as the front gets it: a link's codec applies only on the link)
 
     def describe(self) -> str:
         return f"read of {self.size} bytes"
@@ -372,6 +380,7 @@ class Read(Command, tag="read", frozen=True):
 class CopyShared(Command, tag="copy_shared", frozen=True):
     """Between a shared-memory segment (same host; registered through the front) and device memory."""
 
+    host_work = True
     segment: Handle
     segment_offset: NonNegative
     buf: BufRef
@@ -379,8 +388,6 @@ class CopyShared(Command, tag="copy_shared", frozen=True):
     size: NonNegative
     to_device: bool
     stream: OptionalStream = ""
-
-    host_work = True
 
     def describe(self) -> str:
         return f"copy_shared of {self.size} bytes {'to' if self.to_device else 'from'} the device"
@@ -490,7 +497,7 @@ encode = _encoder.encode  # Batch, Ack, or any message of gpubroker/wire -> byte
 def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
     """A batch from the wire; msgspec.ValidationError / DecodeError (both msgspec.DecodeError) if malformed."""
     try:
-        return _batch_decoder().decode(data)
+        return (_batch_decoder or _batches()).decode(data)
     except UnicodeDecodeError as exc:  # msgspec lets a str that is not UTF-8 through as this, not a DecodeError
         raise msgspec.DecodeError(f"malformed string: {exc}") from None
 
@@ -498,7 +505,7 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
 def parse_batch(data: bytes | bytearray | memoryview) -> Batch:
     """``decode_batch`` for a receiver that answers a malformed batch with an error: InvalidArgument naming why."""
     try:
-        return _batch_decoder().decode(data)
+        return (_batch_decoder or _batches()).decode(data)
     except msgspec.DecodeError as exc:
         raise InvalidArgument(f"malformed batch: {exc}") from None
 

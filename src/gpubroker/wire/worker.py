@@ -174,7 +174,7 @@ class RunBatch(WorkerRequest[bytes], tag="batch", frozen=True):
     batch: bytes
 
 
-class Ping(WorkerRequest[int], tag="ping", frozen=True):
+class Ping(WorkerRequest[NonNegative], tag="ping", frozen=True):
     """The worker's pid."""
 
     tenant_code = False
