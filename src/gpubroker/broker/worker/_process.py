@@ -78,6 +78,8 @@ def _serve_front(sock: socket.socket, server: WorkerServer) -> int | None:
         reply = (1, Internal(f"{type(exc).__name__}: {exc}").as_wire())
     if frame.id != CONTROL:
         _reply(sock, frame.id, *reply)
+    else:  # (nothing to answer: a lease message has no reply)
+        log.error("a lease message the worker cannot take: %s", reply[1])
     return EXIT_FATAL if fatal else None
 
 
