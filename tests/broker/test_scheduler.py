@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from gpubroker.broker.front.scheduler import DeviceScheduler, FairPolicy, TurnLease
+from gpubroker.wire.worker import LeaseToWorker, Want
 
 
 class Device:
@@ -411,11 +412,11 @@ def test_a_worker_that_keeps_its_leased_turn_past_the_limit_is_killed() -> None:
 
         sched = DeviceScheduler(dev.fence, quantum=0.005, clock=dev.clock, max_hold=1.0, on_overrun=kill)
 
-        async def send(op: str) -> None:
-            sent.append(op)
+        async def send(message: LeaseToWorker) -> None:
+            sent.append(type(message).__name__.lower())
 
         lease = TurnLease(sched, "a", send)
-        lease.on_message("want")  # the worker's direct link runs a kernel that never ends: it never says "released"
+        lease.on_message(Want())  # the worker's direct link runs a kernel that never ends: it never says "released"
         await _settle()
         assert sent == ["grant"]
         served = asyncio.Event()

@@ -1,6 +1,6 @@
 """The worker's one execution path, driven as the front drives it: a real worker process (WorkerClient, sandbox
-off) on PoCL, fed encoded protocol batches (``batch``), the front's own operations, and a link handed over with
-``attach_link`` that serves Batch / Ack frames under the lease."""
+off) on PoCL, fed encoded protocol batches (``RunBatch``), the front's own requests, and a link handed over with
+``AttachLink`` that serves Batch / Ack frames under the lease."""
 
 from __future__ import annotations
 
@@ -23,8 +23,6 @@ from gpubroker.broker.worker._handles import HandleTables
 from gpubroker.broker.worker._segments import SegmentTable
 from gpubroker.client import InvalidArgument, NotFound
 from gpubroker.wire.commands import (
-    COMMANDS,
-    LINK_COMMANDS,
     Ack,
     Allocate,
     Batch,
@@ -45,11 +43,30 @@ from gpubroker.wire.commands import (
     ScalarArg,
     Synchronize,
     Write,
+    commands,
     decode_ack,
     encode,
+    link_commands,
     new_handle,
 )
 from gpubroker.wire.frames import FRAME_HEADER
+from gpubroker.wire.worker import (
+    AttachLink,
+    CloseSession,
+    Grant,
+    LeaseToFront,
+    Pin,
+    RegisterSegment,
+    ReleaseSegment,
+    Revoke,
+    RunBatch,
+    SetLimits,
+    Unpin,
+    Usage,
+    UsageReport,
+    WorkerRequest,
+    Yield,
+)
 from tests.helpers import recv_payload, send_payload, wait_for
 
 T = TypeVar("T")
@@ -67,15 +84,18 @@ class Worker:
         self.thread.start()
         self.client = WorkerClient("t", 0, "opencl", sandbox=WorkerSandbox(enabled=False, backend="opencl"))
         self.control: list[str] = []
-        self.client.on_control = self.control.append
+        self.client.on_control = self.on_control
         self.run(self.client.start(60.0))
         self.ids = 0
+
+    def on_control(self, message: LeaseToFront) -> None:
+        self.control.append(type(message).__name__.lower())
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
 
-    def call(self, op: str, session: str = "", **params: Any) -> Any:
-        return self.run(self.client.call(op, session, **params))
+    def call(self, request: WorkerRequest[T], session: str = "", fd: int | None = None) -> T:
+        return self.run(self.client.call(request, session, fd))
 
     def batch(self, session: str, *commands: Command, first: int = 0) -> Ack:
         self.ids += 1
@@ -100,7 +120,7 @@ def worker() -> Iterator[Worker]:
 def session(worker: Worker) -> Iterator[str]:
     sid = f"ses_{os.urandom(6).hex()}"
     yield sid
-    worker.call("close_session", sid)
+    worker.call(CloseSession(), sid)
 
 
 def _scale_kernel(worker: Worker, session: str) -> str:
@@ -156,7 +176,7 @@ def test_unknown_foreign_and_duplicate_handles(worker: Worker, session: str) -> 
         assert ack.error is not None and ack.error.code == "NOT_FOUND"
         assert ack.error.message == f"no buf {buf!r} in this session"
     finally:
-        worker.call("close_session", other)
+        worker.call(CloseSession(), other)
     ack = worker.batch(session, Allocate(buf, 64))
     assert ack.error is not None and ack.error.code == "INVALID_ARGUMENT" and "already in use" in ack.error.message
     stream = new_handle("stream")
@@ -182,7 +202,7 @@ def test_a_freed_handle_taken_again_is_the_new_buffer_in_a_repeated_launch(worke
 
 
 def test_the_memory_quota_is_the_workers_and_fails_the_allocation_naming_it(worker: Worker, session: str) -> None:
-    worker.call("set_limits", memory_quota=4096, max_handles=100, max_streams=4, device=2)
+    worker.call(SetLimits(memory_quota=4096, max_handles=100, max_streams=4, device=2))
     try:
         a, b = new_handle("buf"), new_handle("buf")
         assert worker.batch(session, Allocate(a, 3000)).error is None
@@ -192,18 +212,18 @@ def test_the_memory_quota_is_the_workers_and_fails_the_allocation_naming_it(work
         assert ack.error.message == ("memory quota exceeded for tenant 't' on device 2: quota 4096 bytes, used 3000, "
                                      "requested 2000")
         assert ack.error.details == {"quota": 4096, "used": 3000, "requested": 2000, "device": 2}
-        assert worker.call("usage") == {"memory_used": 3000, "sessions": {session: 3000}}
+        assert worker.call(Usage()) == UsageReport(3000, {session: 3000})
         assert worker.run(worker.client.take_device_time()) >= 0
         assert worker.batch(session, Free(a), Allocate(b, 2000)).error is None  # freed memory counts no more
-        assert worker.call("usage")["memory_used"] == 2000
+        assert worker.call(Usage()).memory_used == 2000
     finally:
-        worker.call("set_limits", memory_quota=1 << 40, max_handles=4096, max_streams=64)
-    worker.call("close_session", session)
-    assert worker.call("usage") == {"memory_used": 0, "sessions": {}}
+        worker.call(SetLimits(memory_quota=1 << 40, max_handles=4096, max_streams=64))
+    worker.call(CloseSession(), session)
+    assert worker.call(Usage()) == UsageReport(0, {})
 
 
 def test_handle_and_stream_limits_are_per_session(worker: Worker, session: str) -> None:
-    worker.call("set_limits", memory_quota=1 << 30, max_handles=3, max_streams=1)
+    worker.call(SetLimits(memory_quota=1 << 30, max_handles=3, max_streams=1))
     try:
         s1, s2 = new_handle("stream"), new_handle("stream")
         ack = worker.batch(session, CreateStream(s1), CreateStream(s2))
@@ -215,13 +235,13 @@ def test_handle_and_stream_limits_are_per_session(worker: Worker, session: str) 
         assert "already holds 3 handles" in ack.error.message
         other = f"ses_{os.urandom(6).hex()}"
         assert worker.batch(other, CreateStream(s2)).error is None  # another session has room of its own
-        worker.call("close_session", other)
+        worker.call(CloseSession(), other)
     finally:
-        worker.call("set_limits", memory_quota=1 << 40, max_handles=4096, max_streams=64)
+        worker.call(SetLimits(memory_quota=1 << 40, max_handles=4096, max_streams=64))
 
 
 def test_events_count_toward_the_handle_limit_and_go_with_their_session(worker: Worker, session: str) -> None:
-    worker.call("set_limits", memory_quota=1 << 30, max_handles=2, max_streams=4)
+    worker.call(SetLimits(memory_quota=1 << 30, max_handles=2, max_streams=4))
     try:
         e1, e2, e3 = new_handle("event"), new_handle("event"), new_handle("event")
         ack = worker.batch(session, CreateEvent(e1), CreateEvent(e2), CreateEvent(e3))
@@ -231,34 +251,38 @@ def test_events_count_toward_the_handle_limit_and_go_with_their_session(worker: 
         assert ack.error is not None and ack.error.code == "INVALID_ARGUMENT" and "(an event)" in ack.error.message
         ack = worker.batch(session, DestroyEvent(e1), CreateEvent(e3))  # a destroyed event frees its handle
         assert ack.error is None and ack.done == 2
-        worker.call("close_session", session)
+        worker.call(CloseSession(), session)
         ack = worker.batch(session, DestroyEvent(e2))  # closed with its session: the id starts afresh
         assert ack.error is not None and ack.error.code == "NOT_FOUND"
         assert ack.error.message == f"no event {e2!r} in this session"
     finally:
-        worker.call("set_limits", memory_quota=1 << 40, max_handles=4096, max_streams=64)
+        worker.call(SetLimits(memory_quota=1 << 40, max_handles=4096, max_streams=64))
+
+
+class FormatDisk(WorkerRequest[None], tag="format_disk", frozen=True):
+    """A request no worker knows (the front has no such request: a worker answers it as malformed)."""
 
 
 def test_a_malformed_batch_is_invalid_argument_and_the_worker_serves_on(worker: Worker, session: str) -> None:
     for data in (b"\x93\x01", msgpack.packb([1, 0, [["launch", "k", [1, 1, 1, 1], [1], [], 0, ""]]]),
                  msgpack.packb([1, 0, [["format_disk"]]]), b"junk"):
         with pytest.raises(InvalidArgument, match="malformed batch"):
-            worker.call("batch", session, batch=data)
-    with pytest.raises(InvalidArgument, match="unknown worker operation"):
-        worker.call("format_disk", session)
+            worker.call(RunBatch(data), session)
+    with pytest.raises(InvalidArgument, match="malformed worker request"):
+        worker.call(FormatDisk(), session)
     assert worker.batch(session, Allocate(new_handle("buf"), 8)).error is None
 
 
 def test_a_pinned_buffer_cannot_be_freed(worker: Worker, session: str) -> None:
     buf = new_handle("buf")
     worker.batch(session, Allocate(buf, 64))
-    worker.call("pin", session, handles=[buf])
+    worker.call(Pin([buf]), session)
     ack = worker.batch(session, Free(buf))
     assert ack.error is not None and ack.error.code == "FAILED_PRECONDITION"
     assert ack.error.message == "buffer in use by a copy to another device"
     with pytest.raises(NotFound):
-        worker.call("pin", session, handles=[new_handle("buf")])
-    worker.call("unpin", session, handles=[buf])
+        worker.call(Pin([new_handle("buf")]), session)
+    worker.call(Unpin([buf]), session)
     assert worker.batch(session, Free(buf)).error is None
 
 
@@ -268,16 +292,16 @@ def test_segments_by_the_clients_handle(worker: Worker, session: str) -> None:
         os.ftruncate(fd, 4096)
         os.pwrite(fd, np.arange(256, dtype=np.float32).tobytes(), 0)
         seg, buf = new_handle("segment"), new_handle("buf")
-        worker.run(worker.client.call_with_fd("register_segment", session, fd, handle=seg, size=4096))
+        worker.call(RegisterSegment(seg, 4096), session, fd)
         with pytest.raises(InvalidArgument, match="already in use"):
-            worker.run(worker.client.call_with_fd("register_segment", session, fd, handle=seg, size=4096))
+            worker.call(RegisterSegment(seg, 4096), session, fd)
         ack = worker.batch(session, Allocate(buf, 1024), CopyShared(seg, 0, (buf, 0), 0, 1024, True),
                            CopyShared(seg, 1024, (buf, 0), 0, 1024, False))
         assert ack.error is None
         assert os.pread(fd, 1024, 1024) == np.arange(256, dtype=np.float32).tobytes()
         ack = worker.batch(session, CopyShared(seg, 4000, (buf, 0), 0, 200, True))
         assert ack.error is not None and ack.error.code == "OUT_OF_RANGE"
-        worker.call("release_segment", session, handle=seg)
+        worker.call(ReleaseSegment(seg), session)
         ack = worker.batch(session, CopyShared(seg, 0, (buf, 0), 0, 4, True))
         assert ack.error is not None and ack.error.message == f"no segment {seg!r} in this session"
     finally:
@@ -291,7 +315,7 @@ def _attach(worker: Worker, session: str) -> socket.socket:
     ours, theirs = socket.socketpair()
     ours.settimeout(30)
     try:
-        assert worker.run(worker.client.call_with_fd("attach_link", session, theirs.fileno())) == {"link": 1}
+        assert worker.call(AttachLink(), session, theirs.fileno()) is None
     finally:
         theirs.close()  # the worker holds its own copy
     hello = msgpack.unpackb(recv_payload(ours))
@@ -312,7 +336,7 @@ def test_a_link_serves_batches_under_the_lease(worker: Worker, session: str) -> 
         with pytest.raises(BlockingIOError):
             link.recv(1)
         link.settimeout(30)
-        worker.run(worker.client.send_control("grant"))
+        worker.run(worker.client.send_control(Grant()))
         ack = decode_ack(recv_payload(link))
         assert ack.id == 5 and ack.error is None and ack.done == 4
         assert np.array_equal(np.frombuffer(ack.result, np.float32), x * 2)
@@ -321,13 +345,13 @@ def test_a_link_serves_batches_under_the_lease(worker: Worker, session: str) -> 
         ack = decode_ack(recv_payload(link))
         assert (ack.id, ack.done, ack.error.seq, ack.error.command) == (6, 1, 5, "read of 4 bytes")
         # Others wait: the worker gives the turn back; the next batch asks again and runs once granted.
-        worker.run(worker.client.send_control("yield"))
+        worker.run(worker.client.send_control(Yield()))
         wait_for(lambda: worker.control == ["want", "released"], 10, "the turn given back")
         send_payload(link, encode(Batch(7, 6, [Read((buf, 0), 0, 8)])))
         wait_for(lambda: worker.control[-1] == "want", 10, "a second lease request")
-        worker.run(worker.client.send_control("grant"))
+        worker.run(worker.client.send_control(Grant()))
         assert decode_ack(recv_payload(link)).result == (x[:2] * 4).tobytes()
-        worker.run(worker.client.send_control("revoke"))
+        worker.run(worker.client.send_control(Revoke()))
         wait_for(lambda: worker.control[-1] == "released", 10, "the turn revoked")
 
 
@@ -338,7 +362,7 @@ def test_a_link_refuses_front_only_commands_and_malformed_frames(worker: Worker,
         send_payload(link, encode(Batch(1, 0, [Allocate(new_handle("buf"), 8), LoadModule(new_handle("module"),
                                                                                       "opencl_c", SCALE)])))
         wait_for(lambda: worker.control == ["want"], 10, "the worker's lease request")
-        worker.run(worker.client.send_control("grant"))
+        worker.run(worker.client.send_control(Grant()))
         ack = decode_ack(recv_payload(link))
         assert ack.done == 1 and ack.error is not None and ack.error.seq == 1
         assert ack.error.code == "INVALID_ARGUMENT" and "cannot be sent on a link" in ack.error.message
@@ -354,7 +378,7 @@ def test_a_link_refuses_front_only_commands_and_malformed_frames(worker: Worker,
         assert ack.id == 0 and ack.error is not None and "over the link's limit" in ack.error.message
         with pytest.raises(EOFError):
             recv_payload(big)
-    worker.run(worker.client.send_control("revoke"))
+    worker.run(worker.client.send_control(Revoke()))
     wait_for(lambda: worker.control[-1] == "released", 10, "the turn revoked")
 
 
@@ -362,19 +386,19 @@ def test_closing_the_session_closes_its_links_and_frees_its_memory(worker: Worke
     links = [_attach(worker, session) for _ in range(8)]
     ours, theirs = socket.socketpair()
     with ours, theirs, pytest.raises(Exception, match="already has 8 links"):
-        worker.run(worker.client.call_with_fd("attach_link", session, theirs.fileno()))
+        worker.call(AttachLink(), session, theirs.fileno())
     worker.batch(session, Allocate(new_handle("buf"), 1000))
-    assert worker.call("close_session", session) == 1
+    assert worker.call(CloseSession(), session) == 1
     for link in links:
         with link, pytest.raises(EOFError):
             recv_payload(link)
-    assert session not in worker.call("usage")["sessions"]
+    assert session not in worker.call(Usage()).sessions
 
 
 def test_a_link_must_be_a_stream_socket(worker: Worker, session: str) -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     with ours, theirs, pytest.raises(InvalidArgument, match="must be a Unix or vsock stream socket"):
-        worker.run(worker.client.call_with_fd("attach_link", session, theirs.fileno()))
+        worker.call(AttachLink(), session, theirs.fileno())
 
 
 def test_a_link_that_ends_while_its_batches_wait_still_gets_their_acks_in_order(worker: Worker, session: str) -> None:
@@ -387,20 +411,20 @@ def test_a_link_that_ends_while_its_batches_wait_still_gets_their_acks_in_order(
         send_payload(link, b"\xc1")
         link.shutdown(socket.SHUT_WR)
         wait_for(lambda: worker.control == ["want"], 10, "the worker's lease request")
-        worker.run(worker.client.send_control("grant"))
+        worker.run(worker.client.send_control(Grant()))
         assert [decode_ack(recv_payload(link)).id for _ in range(3)] == [1, 2, 0]
         with pytest.raises(EOFError):
             recv_payload(link)
-    worker.run(worker.client.send_control("revoke"))
+    worker.run(worker.client.send_control(Revoke()))
     wait_for(lambda: worker.control[-1] == "released", 10, "the turn revoked")
-    assert worker.call("usage")["sessions"][session] == 64  # the batches ran
+    assert worker.call(Usage()).sessions[session] == 64  # the batches ran
 
 
 def test_every_command_has_one_handler_and_links_take_only_link_commands() -> None:
     backend = open_backend("opencl", 0)
     try:
         executor = Executor(backend, HandleTables(), SegmentTable(backend))
-        assert set(executor.handlers) == set(COMMANDS)
-        assert set(executor.link_handlers) == set(LINK_COMMANDS)
+        assert set(executor.handlers) == set(commands())
+        assert set(executor.link_handlers) == link_commands()
     finally:
         backend.close()

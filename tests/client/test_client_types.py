@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -15,7 +16,8 @@ from gpubroker.client import (
     OutOfRange,
     WorkerCrashed,
 )
-from gpubroker.wire.errors import error_from_wire
+from gpubroker.wire.commands import encode
+from gpubroker.wire.errors import Internal, WireError, decode_wire_error, error_from_wire
 from gpubroker.wire.host import check_device_range, readable_bytes, writable_bytes
 from gpubroker.wire.types import check_kernel_args, normalize_dims
 
@@ -73,10 +75,26 @@ def test_host_buffers() -> None:
 
 def test_errors_survive_the_wire() -> None:
     err = CompileError("bad source", log="line 1: error")
-    back = error_from_wire(**{k: v for k, v in err.to_wire().items() if k != "type"}, type_name="CompileError")
+    back = error_from_wire(decode_wire_error(encode(err.as_wire())))
     assert isinstance(back, CompileError) and back.log == "line 1: error" and back.code == "INVALID_ARGUMENT"
-    assert type(error_from_wire("NOT_FOUND", "gone")) is NotFound
-    assert isinstance(error_from_wire("ABORTED", "died", "WorkerCrashed"), WorkerCrashed)
+    assert msgspec.structs.asdict(err.as_wire()) == {"code": "INVALID_ARGUMENT", "message": "bad source",
+                                                     "type": "CompileError", "details": {"log": "line 1: error"}}
+    assert type(error_from_wire(WireError("NOT_FOUND", "gone"))) is NotFound
+    assert isinstance(error_from_wire(WireError("ABORTED", "died", "WorkerCrashed")), WorkerCrashed)
     # A type name that does not match its code falls back to the code's class.
-    assert type(error_from_wire("NOT_FOUND", "x", "CompileError")) is NotFound
-    assert type(error_from_wire("WHATEVER", "x")) is GpuBrokerError
+    assert type(error_from_wire(WireError("NOT_FOUND", "x", "CompileError"))) is NotFound
+    assert type(error_from_wire(WireError("WHATEVER", "x"))) is GpuBrokerError
+
+
+def test_an_errors_details_are_bounded_so_that_every_receiver_decodes_them() -> None:
+    """A WireError's details are a few short scalars (the front decodes a worker's as nothing else): as_wire turns
+    any other value into its text, and keeps the first 32."""
+    err = Internal("x", log="y" * (1 << 20), nested={"a": 1}, inf=float("inf"), dims=(1, 2), huge=1 << 70,
+                   **{f"k{i}": i for i in range(40)})
+    wire = err.as_wire()
+    assert decode_wire_error(encode(wire)) == wire
+    assert len(wire.details) == 32 and len(wire.details["log"]) == 256 * 1024
+    assert wire.details["nested"] == "{'a': 1}" and wire.details["inf"] == "inf" and wire.details["dims"] == [1, 2]
+    assert wire.details["huge"] == str(1 << 70)
+    with pytest.raises(msgspec.DecodeError, match="unknown field"):
+        decode_wire_error(msgspec.msgpack.encode({"code": "INTERNAL", "message": "m", "pad": [[]] * 100}))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import msgpack
+import msgspec
 import pytest
 
 from gpubroker.wire.errors import NotFound, ResourceExhausted
@@ -43,7 +44,7 @@ def test_the_messages_are_the_maps_they_replaced_byte_for_byte() -> None:
         {"ring": 1, "commands": 8, "acks": 9, "spin_us": 3})
     assert accepted(RingAccepted()) == msgpack.packb([0, 0, {"ring": 1}])
     error = NotFound("no session 'x'")
-    assert refusal(error) == msgpack.packb([0, 1, error.to_wire()], use_bin_type=True)
+    assert refusal(error) == msgpack.packb([0, 1, msgspec.structs.asdict(error.as_wire())], use_bin_type=True)
 
 
 def test_a_newer_clients_extra_fields_are_ignored_and_the_old_ring_offer_still_reads() -> None:

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from gpubroker.wire import commands as p
+from gpubroker.wire.errors import WireError
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES: dict[type, p.Command] = {
@@ -40,11 +41,46 @@ SAMPLES: dict[type, p.Command] = {
 }
 
 
+def _builtin() -> set[type[p.Command]]:
+    """The commands of gpubroker itself (a test may define more: tests/broker/test_adding_an_operation.py)."""
+    return {c for c in p.commands() if c.__module__ == p.__name__}
+
+
 def test_every_command_has_a_sample_and_a_unique_tag() -> None:
-    assert set(SAMPLES) == set(p.COMMANDS)
-    tags = [c.__struct_config__.tag for c in p.COMMANDS]
+    assert set(SAMPLES) == _builtin()
+    tags = [p.tag_of(c) for c in p.commands()]
     assert len(set(tags)) == len(tags)
-    assert set(p.COMMANDS) - {p.LoadModule, p.UnloadModule, p.GetKernel} == p.LINK_COMMANDS
+    assert _builtin() - {p.LoadModule, p.UnloadModule, p.GetKernel} == p.link_commands() & _builtin()
+
+
+def test_traits_are_declared_on_the_command_classes() -> None:
+    """What each process reads off a command's class (the tables that used to list them in the front and the
+    worker): device work waits for the tenant's turn, host work lets the worker use CPU, and results."""
+    device_work = {c for c in _builtin() if c.device_work}
+    assert device_work == {p.Launch, p.RunLibrary, p.Memset, p.CopyD2D, p.Synchronize, p.Write, p.Read, p.CopyShared,
+                           p.RecordEvent, p.WaitEvent, p.SynchronizeEvent}
+    assert {c for c in _builtin() if c.host_work} == {p.LoadModule, p.Write, p.Read, p.CopyShared}
+    assert {c: c.result for c in _builtin() if c.result is not None} == {
+        p.Read: bytes, p.DeviceInfoQuery: p.DeviceReport, p.LoadModule: p.KernelNames}
+    assert SAMPLES[p.Memset].describe() == "memset to the end of the view"
+    assert SAMPLES[p.Free].describe() == "free of 'b1'"
+    assert SAMPLES[p.Launch].describe() == "launch of kernel 'k1'"
+    assert SAMPLES[p.Synchronize].describe() == "synchronize"
+
+
+def test_two_commands_with_one_tag_are_refused() -> None:
+    class Twin(p.Command, tag="allocate", frozen=True):
+        pass
+
+    try:
+        with pytest.raises(TypeError, match="two commands with the tag 'allocate'"):
+            p.commands()
+    finally:
+        del Twin
+        import gc
+
+        gc.collect()  # (Command's subclasses are weak references: the twin is gone once collected)
+    assert p.tag_of(p.commands()[0]) == "allocate"
 
 
 @pytest.mark.parametrize("command", list(SAMPLES.values()), ids=lambda c: type(c).__name__)
@@ -54,9 +90,19 @@ def test_round_trip(command: p.Command) -> None:
 
 
 def test_ack_round_trip() -> None:
-    ack = p.Ack(4, 1, p.CommandError(18, "launch of 'scale'", "INVALID_ARGUMENT", "bad grid", "InvalidArgument",
-                                     {"fatal": False}), b"\x01\x02")
+    error = WireError("INVALID_ARGUMENT", "bad grid", "InvalidArgument", {"fatal": False})
+    ack = p.Ack(4, 1, p.CommandError(18, "launch of 'scale'", error), b"\x01\x02")
     assert p.decode_ack(p.encode(ack)) == ack
+    assert (ack.error.code, ack.error.message, ack.error.type) == ("INVALID_ARGUMENT", "bad grid", "InvalidArgument")
+
+
+def test_an_ack_for_the_front_decodes_only_what_the_last_command_returns() -> None:
+    read = p.Batch(1, 0, [p.Read(("b1", 0), 0, 4)])
+    assert p.decode_ack_for(p.encode(p.Ack(1, 1, None, b"abcd")), read).result == b"abcd"
+    with pytest.raises(msgspec.DecodeError, match=r"Expected `bytes \| null`"):
+        p.decode_ack_for(p.encode(p.Ack(1, 1, None, [[]] * 1000)), read)
+    with pytest.raises(msgspec.DecodeError, match="Expected `null`"):
+        p.decode_ack_for(p.encode(p.Ack(1, 1, None, "b_forged")), p.Batch(1, 0, [p.Allocate("b1", 8)]))
 
 
 @pytest.mark.parametrize("raw", [
@@ -95,20 +141,14 @@ def _msgspec_codec_calls(path: Path) -> list[str]:
     return found
 
 
-# The front's check of what a worker replies (issue 21: a reply is decoded against the schema of the request it
-# answers, never as arbitrary msgpack): the frame's envelope, and the results' schemas. Decoders only: the
-# replies' bytes are the worker's, encoded by the one command model's codec.
-REPLY_SCHEMAS = {"src/gpubroker/wire/worker.py", "src/gpubroker/broker/front/workers/_replies.py"}
-# The link's own messages (hello, ring upgrade, segment requests): their schemas' decoders, encoded by the same one
-# encoder as the commands.
-LINK_SCHEMAS = {"src/gpubroker/wire/link.py"}
 
-
-def test_commands_have_one_encoder() -> None:
-    """Only src/gpubroker/wire/commands.py encodes or decodes commands: no module builds a codec of its own (besides
-    the front's schema decoders for worker replies, which encode nothing)."""
+def test_the_wire_has_one_encoder_and_owns_every_decoder() -> None:
+    """Every message between processes is a type of gpubroker/wire, encoded by the one encoder (wire/commands.py
+    ``encode``) and decoded by the wire's own decoders: no module elsewhere builds a msgspec codec or encodes with
+    one (the front checks a worker's replies with the wire's decoders of each request's result type)."""
     codecs = {str(path.relative_to(ROOT)): calls for path in sorted((ROOT / "src" / "gpubroker").rglob("*.py"))
               if (calls := _msgspec_codec_calls(path))}
-    assert set(codecs) == {"src/gpubroker/wire/commands.py", *REPLY_SCHEMAS, *LINK_SCHEMAS}, codecs
-    for path in REPLY_SCHEMAS | LINK_SCHEMAS:
-        assert set(codecs[path]) == {"msgspec.msgpack.Decoder"}, (path, codecs[path])
+    assert all(path.startswith("src/gpubroker/wire/") for path in codecs), codecs
+    encoders = {path: encoding for path, calls in codecs.items()
+                if (encoding := [call for call in calls if call != "msgspec.msgpack.Decoder"])}
+    assert encoders == {"src/gpubroker/wire/commands.py": ["msgspec.msgpack.Encoder"]}, encoders

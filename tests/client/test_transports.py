@@ -28,6 +28,7 @@ from gpubroker.wire.commands import (
     decode_batch,
     encode,
 )
+from gpubroker.wire.errors import WireError
 from gpubroker.wire.frames import recv_frame, recv_payload, send_frame, send_payload
 
 MAX_FRAME = 1 << 20
@@ -119,8 +120,8 @@ def test_a_deferred_error_names_its_command_is_raised_once_and_the_rest_of_its_b
     def fail_third(batch: Batch) -> Ack:
         if batch.first <= 3 < batch.first + len(batch.commands):
             done = 3 - batch.first
-            return Ack(batch.id, done, CommandError(3, "launch of 'scale'", "INVALID_ARGUMENT", "2 args, 3 given",
-                                                    "InvalidArgument", {"given": 2}))
+            return Ack(batch.id, done, CommandError(3, "launch of 'scale'", WireError(
+                "INVALID_ARGUMENT", "2 args, 3 given", "InvalidArgument", {"given": 2})))
         return ok(batch)
 
     t = link([Peer(fail_third)])
@@ -139,7 +140,8 @@ def test_a_call_returns_its_result_and_raises_its_own_error_plainly() -> None:
         last = batch.commands[-1]
         if isinstance(last, Memset):
             seq = batch.first + len(batch.commands) - 1
-            return Ack(batch.id, len(batch.commands) - 1, CommandError(seq, "memset", "NOT_FOUND", "no buf 'b1'"))
+            return Ack(batch.id, len(batch.commands) - 1, CommandError(seq, "memset", WireError("NOT_FOUND",
+                                                                                                 "no buf 'b1'")))
         return ok(batch)
 
     t = link([Peer(handler)])

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import grpc
+import msgspec
 import pytest
 
 from gpubroker.broker.config import BrokerConfig, TenantConfig, load_config, save_config
@@ -25,7 +26,7 @@ from gpubroker.client import Unauthenticated, Unavailable, connect
 from gpubroker.client._channel import make_channel
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
-from gpubroker.wire.errors import error_from_wire
+from gpubroker.wire.errors import WireError, error_from_wire
 from gpubroker.wire.frames import pack_frame, recv_frame
 
 from ..helpers import wait_for
@@ -114,7 +115,7 @@ def _link_hello(path: str, token: str) -> None:
         except (OSError, EOFError) as exc:
             raise Unavailable(str(exc)) from None
         if status != 0:
-            raise error_from_wire(result["code"], result["message"], result.get("type"))
+            raise error_from_wire(msgspec.convert(result, WireError))
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import msgspec
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
@@ -26,7 +27,7 @@ from gpubroker.client._transports import peer_hung_up
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 from gpubroker.wire.commands import Batch, Memset, Synchronize, decode_ack, encode, new_handle
-from gpubroker.wire.errors import error_from_wire
+from gpubroker.wire.errors import WireError, error_from_wire
 from gpubroker.wire.frames import pack_frame, recv_frame
 from gpubroker.wire.link import SegmentRegistered
 
@@ -71,7 +72,7 @@ def open_link(broker: BrokerProcess, token: str, session: str) -> socket.socket:
     _, status, result = recv_frame(sock)
     if status != 0:
         sock.close()
-        raise error_from_wire(result["code"], result["message"], result.get("type"), result.get("details"))
+        raise error_from_wire(msgspec.convert(result, WireError))
     return sock
 
 

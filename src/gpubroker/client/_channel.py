@@ -6,14 +6,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import grpc
-import msgpack
+import msgspec
 
 from gpubroker.client._tls import TlsOptions
-from gpubroker.wire.errors import GpuBrokerError, error_from_wire
+from gpubroker.wire.errors import ERROR_TRAILER, GpuBrokerError, WireError, decode_wire_error, error_from_wire
 
-__all__ = ["ERROR_TRAILER", "KEEPALIVE_OPTIONS", "make_channel", "translate_rpc_error", "translated"]
+__all__ = ["KEEPALIVE_OPTIONS", "make_channel", "translate_rpc_error", "translated"]
 
-ERROR_TRAILER = "gpubroker-error-bin"
 T = TypeVar("T")
 # While calls are in flight the client pings the broker after 30 s without traffic and fails them when no answer
 # comes within 10 s: a call waiting on a long kernel, or a command stream (which has no deadline), ends with
@@ -54,19 +53,19 @@ def make_channel(target: str, token: str | None,
 def translate_rpc_error(err: grpc.RpcError) -> GpuBrokerError:
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     message = (err.details() if hasattr(err, "details") else None) or str(err)
-    type_name: str | None = None
+    type_name = ""
     details: dict[str, Any] = {}
     # Pairs at run time (grpc's _Metadatum is a namedtuple); the stubs declare a class that is not iterable.
     trailers = cast("Sequence[tuple[str, Any]] | None",
                     err.trailing_metadata() if hasattr(err, "trailing_metadata") else None)
     for key, value in trailers or ():
-        if key == ERROR_TRAILER:
+        if key == ERROR_TRAILER and isinstance(value, bytes):
             try:
-                extra = msgpack.unpackb(value, raw=False)
-                type_name, details = extra.get("type"), extra.get("details") or {}
-            except (ValueError, msgpack.UnpackException):
-                pass
-    return error_from_wire(code.name, message, type_name, details)
+                extra = decode_wire_error(value)
+                type_name, details = extra.type, extra.details
+            except msgspec.DecodeError:
+                pass  # (the status alone, then)
+    return error_from_wire(WireError(code.name, message, type_name, details))
 
 
 def translated(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:

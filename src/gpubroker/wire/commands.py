@@ -14,16 +14,27 @@ resolves them, per session, in one place.
 A synchronous call is a batch whose last command returns its result; asynchronous commands ride in batches that
 are acknowledged in order, and the first failure is reported by its sequence number and description, then
 raised at the next synchronize (as CUDA reports an asynchronous error).
+
+Each command declares its traits on its class (``Command``'s class variables): whether a link may carry it,
+whether it is device work (a batch holding one waits for the tenant's turn), whether it works on the host's CPU,
+the type of its result (which the front decodes a worker's answer as, and nothing else) and how a failure names
+it. Defining the class registers it: the decoders, ``commands()`` and ``link_commands()`` take every registered
+command, so a new operation is its class here, its handler in the worker and its backend method, and nothing else
+(docs/architecture/adding-an-operation.md).
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 import secrets
-from typing import Annotated, Any, ClassVar, Final
+from typing import Annotated, Any, ClassVar, Final, Generic, Optional
 
 import msgspec
+from typing_extensions import TypeVar
 
-from gpubroker.wire.errors import InvalidArgument
+from gpubroker.wire.errors import GpuBrokerError, InvalidArgument, WireError
+from gpubroker.wire.types import device_info_from_report
 
 __all__ = [
     "Ack",
@@ -33,7 +44,6 @@ __all__ = [
     "BufRef",
     "CODECS",
     "Command",
-    "COMMANDS",
     "CommandError",
     "CopyD2D",
     "CopyShared",
@@ -42,14 +52,18 @@ __all__ = [
     "DestroyEvent",
     "DestroyStream",
     "DeviceInfoQuery",
+    "DeviceReport",
     "Free",
     "GetKernel",
+    "Handle",
     "KernelArg",
-    "LINK_COMMANDS",
+    "KernelNames",
     "Launch",
     "LoadModule",
     "MAX_HANDLE",
     "Memset",
+    "NonNegative",
+    "OptionalStream",
     "Read",
     "RecordEvent",
     "RunLibrary",
@@ -59,11 +73,15 @@ __all__ = [
     "UnloadModule",
     "WaitEvent",
     "Write",
+    "commands",
     "decode_ack",
+    "decode_ack_for",
     "decode_batch",
     "encode",
+    "link_commands",
     "new_handle",
     "parse_batch",
+    "tag_of",
 ]
 
 MAX_HANDLE: Final = 64  # characters; a longer handle is refused at decoding
@@ -109,31 +127,131 @@ class ScalarArg(_Struct, tag="s", frozen=True):
 KernelArg = BufferArg | ScalarArg
 
 
-# -- commands --------------------------------------------------------------------------------------
-class _Command(_Struct, tag_field="op", frozen=True):
+# -- commands ------------------------------------------------------------------------------------
+# What a DeviceInfoQuery returns: the device's fields (wire/types.py DeviceInfo) and the worker's memory use, as a
+# map of short scalars (DeviceInfoQuery.check_result then holds it to every field of DeviceInfo).
+DeviceReport = Annotated[dict[str, str | bool | int | float | Annotated[list[int], msgspec.Meta(max_length=3)] | None],
+                         msgspec.Meta(max_length=64)]
+# What a LoadModule returns: the module's kernel names.
+KernelNames = Annotated[list[Annotated[str, msgspec.Meta(max_length=1024)]], msgspec.Meta(max_length=65536)]
+
+
+# The decoder of batches of every command, built at first use and again after a command is defined (Command), so
+# that the hot path (each batch of each link) reads one global.
+_batch_decoder: msgspec.msgpack.Decoder[Batch] | None = None
+
+
+def _batches() -> msgspec.msgpack.Decoder[Batch]:
+    global _batch_decoder
+    decoder = _batch_decoder
+    if decoder is None:
+        decoder = _batch_decoder = msgspec.msgpack.Decoder(
+            Batch[functools.reduce(operator.or_, commands())])  # type: ignore[misc]
+    return decoder
+
+
+@functools.cache
+def _ack_decoder(last: type[Command] | None) -> msgspec.msgpack.Decoder[Ack]:
+    """An Ack whose result may be only what ``last`` returns (None: anything, for a receiver that trusts the
+    sender)."""
+    if last is None:
+        return msgspec.msgpack.Decoder(Ack)
+    # (a type built at run time from the command's trait, which no static type checker follows; Optional, because
+    # None | None is no expression)
+    result: Any = Optional[last.result]  # noqa: UP045
+    return msgspec.msgpack.Decoder(Ack[result])
+
+
+def tag_of(command: Command | type[Command]) -> str:
+    """A command's wire tag ("launch", "load_module", ...)."""
+    return str(command.__struct_config__.tag)
+
+
+class Command(_Struct, tag_field="op", frozen=True):
+    """One device operation; its subclasses are the command model, each registered as it is defined.
+
+    A subclass declares, besides its fields, the traits every process reads off the class below (it sets those
+    whose default does not fit, as plain class attributes), and may override ``describe`` and ``check_result``.
+    """
+
     # True: the command may travel on a framed link straight to the worker (device work and the memory and
     # streams it uses). False: only through the front, which supervises it (a compile may need its time limit).
     link: ClassVar[bool] = True
+    # True: it uses the device, so a batch holding it waits for the tenant's fair-scheduling turn on the front's
+    # paths (links take the same turn as a lease). False for what only changes the session's tables (allocations,
+    # streams, events, modules). The default is the safe one.
+    device_work: ClassVar[bool] = True
+    # True: the worker works on the host's CPU for it (a compile, a copy): while one is in flight through the
+    # front, the worker may use CPU outside its device turns (the front's CPU watch).
+    host_work: ClassVar[bool] = False
+    # The type of what it returns as a batch's last command (msgspec validates a worker's answer as this type and
+    # nothing else; ``check_result`` then holds the value to the command). None: it returns nothing.
+    result: ClassVar[Any] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A new command: the decoders are built again, over every command, when next used.
+        super().__init_subclass__(**kwargs)
+        global _batch_decoder
+        commands.cache_clear()
+        _batch_decoder = None
+        _ack_decoder.cache_clear()
+
+    def describe(self) -> str:
+        """What the command was, as a failure names it to the user ("memset of 16 bytes"); by default its tag and
+        the object it names (its ``handle`` or ``event`` field, where it has one: "free of 'b1'")."""
+        named = getattr(self, "handle", None) or getattr(self, "event", None)
+        return tag_of(self) if named is None else f"{tag_of(self)} of {named!r}"
+
+    def check_result(self, result: Any) -> None:
+        """Hold a result already of type ``result`` to this command (a read's bytes are exactly its size);
+        ValueError saying why not. By default any value of the type is fine."""
 
 
-class Allocate(_Command, tag="allocate", frozen=True):
+@functools.cache
+def commands() -> tuple[type[Command], ...]:
+    """Every command: each subclass of Command, in the order defined; TypeError if two share a tag."""
+    found: dict[str, type[Command]] = {}
+    pending = list(Command.__subclasses__())
+    while pending:
+        cls = pending.pop(0)
+        other = found.setdefault(tag_of(cls), cls)
+        if other is not cls:
+            raise TypeError(f"two commands with the tag {tag_of(cls)!r}: {other.__qualname__} and {cls.__qualname__}")
+        pending.extend(cls.__subclasses__())
+    return tuple(found.values())
+
+
+def link_commands() -> frozenset[type[Command]]:
+    """The commands a link may carry (``link`` true)."""
+    return frozenset(cls for cls in commands() if cls.link)
+
+
+class Allocate(Command, tag="allocate", frozen=True):
+    device_work = False
     handle: Handle
     size: Annotated[int, msgspec.Meta(gt=0)]
 
+    def describe(self) -> str:
+        return f"allocate of {self.size} bytes"
 
-class Free(_Command, tag="free", frozen=True):
+
+class Free(Command, tag="free", frozen=True):
+    device_work = False
     handle: Handle
 
 
-class Memset(_Command, tag="memset", frozen=True):
+class Memset(Command, tag="memset", frozen=True):
     buf: BufRef
     value: Annotated[int, msgspec.Meta(ge=0, le=255)]
     size: int  # bytes from ``offset``; -1: to the end of the view
     offset: NonNegative = 0
     stream: OptionalStream = ""
 
+    def describe(self) -> str:
+        return "memset to the end of the view" if self.size == -1 else f"memset of {self.size} bytes"
 
-class CopyD2D(_Command, tag="copy_d2d", frozen=True):
+
+class CopyD2D(Command, tag="copy_d2d", frozen=True):
     src: BufRef
     dst: BufRef
     size: NonNegative
@@ -141,8 +259,11 @@ class CopyD2D(_Command, tag="copy_d2d", frozen=True):
     dst_offset: NonNegative = 0
     stream: OptionalStream = ""
 
+    def describe(self) -> str:
+        return f"copy_d2d of {self.size} bytes"
 
-class Launch(_Command, tag="launch", frozen=True):
+
+class Launch(Command, tag="launch", frozen=True):
     kernel: Handle
     grid: Dims
     block: Dims
@@ -150,47 +271,55 @@ class Launch(_Command, tag="launch", frozen=True):
     shared_mem: NonNegative = 0
     stream: OptionalStream = ""
 
+    def describe(self) -> str:
+        return f"launch of kernel {self.kernel!r}"  # (the worker names the kernel where it knows it)
 
-class CreateStream(_Command, tag="create_stream", frozen=True):
+
+class CreateStream(Command, tag="create_stream", frozen=True):
+    device_work = False
     handle: Handle
 
 
-class DestroyStream(_Command, tag="destroy_stream", frozen=True):
+class DestroyStream(Command, tag="destroy_stream", frozen=True):
+    device_work = False
     handle: Handle
 
 
-class Synchronize(_Command, tag="synchronize", frozen=True):
+class Synchronize(Command, tag="synchronize", frozen=True):
     stream: OptionalStream = ""  # "": the whole device (every stream of the session)
 
 
 # Events order streams on the device: ``WaitEvent`` makes a stream wait, on the GPU, for what was queued before the
 # event's last ``RecordEvent`` (no host blocks); ``SynchronizeEvent`` makes the host wait for it. An event never
 # recorded is complete (CUDA's rule): waiting on it returns at once.
-class CreateEvent(_Command, tag="create_event", frozen=True):
+class CreateEvent(Command, tag="create_event", frozen=True):
+    device_work = False
     handle: Handle
 
 
-class DestroyEvent(_Command, tag="destroy_event", frozen=True):
+class DestroyEvent(Command, tag="destroy_event", frozen=True):
+    device_work = False
     handle: Handle
 
 
-class RecordEvent(_Command, tag="record_event", frozen=True):
+class RecordEvent(Command, tag="record_event", frozen=True):
     event: Handle
     stream: OptionalStream = ""
 
 
-class WaitEvent(_Command, tag="wait_event", frozen=True):
+class WaitEvent(Command, tag="wait_event", frozen=True):
     event: Handle
     stream: OptionalStream = ""
 
 
-class SynchronizeEvent(_Command, tag="synchronize_event", frozen=True):
+class SynchronizeEvent(Command, tag="synchronize_event", frozen=True):
     event: Handle
 
 
-class Write(_Command, tag="write", frozen=True):
+class Write(Command, tag="write", frozen=True):
     """Host to device: ``data`` into the view at ``offset`` (one chunk of a copy; large copies are several)."""
 
+    host_work = True
     buf: BufRef
     offset: NonNegative
     data: bytes
@@ -199,6 +328,9 @@ class Write(_Command, tag="write", frozen=True):
     # only: a link that negotiated lz4); "" : ``data`` is the bytes as they are and ``size`` is unused.
     codec: Codec = ""
     size: NonNegative = 0
+
+    def describe(self) -> str:
+        return f"write of {self.size} bytes ({self.codec})" if self.codec else f"write of {len(self.data)} bytes"
 
 
 # A library operation's array: the buffer view, a NumPy dtype name, the shape (C-contiguous from the view).
@@ -210,7 +342,7 @@ LibraryParam = (int | float | bool | Annotated[str, msgspec.Meta(max_length=32)]
                 | Annotated[list[int], msgspec.Meta(max_length=32)])
 
 
-class RunLibrary(_Command, tag="run_library", frozen=True):
+class RunLibrary(Command, tag="run_library", frozen=True):
     """A library operation (matmul, linalg, fft, sort, unique, ...: gpubroker/wire/library.py's table) on arrays of the
     session; device work like a launch."""
 
@@ -220,10 +352,15 @@ class RunLibrary(_Command, tag="run_library", frozen=True):
     params: Annotated[dict[Annotated[str, msgspec.Meta(max_length=32)], LibraryParam], msgspec.Meta(max_length=16)] = {}
     stream: OptionalStream = ""
 
+    def describe(self) -> str:
+        return f"run_library of {self.name!r}"
 
-class Read(_Command, tag="read", frozen=True):
+
+class Read(Command, tag="read", frozen=True):
     """Device to host: ``size`` bytes of the view from ``offset``; the Ack's result is the bytes."""
 
+    host_work = True
+    result = bytes  # (as the front gets it: a link's codec applies only on the link)
     buf: BufRef
     offset: NonNegative
     size: NonNegative
@@ -232,10 +369,18 @@ class Read(_Command, tag="read", frozen=True):
     # ``[codec, data]`` (codec "" when compressing did not pay: data raw), else the bytes as they are.
     codec: Codec = ""
 
+    def describe(self) -> str:
+        return f"read of {self.size} bytes"
 
-class CopyShared(_Command, tag="copy_shared", frozen=True):
+    def check_result(self, result: Any) -> None:
+        if len(result) != self.size:
+            raise ValueError(f"a read that returned other than the {self.size} bytes asked for")
+
+
+class CopyShared(Command, tag="copy_shared", frozen=True):
     """Between a shared-memory segment (same host; registered through the front) and device memory."""
 
+    host_work = True
     segment: Handle
     segment_offset: NonNegative
     buf: BufRef
@@ -244,51 +389,64 @@ class CopyShared(_Command, tag="copy_shared", frozen=True):
     to_device: bool
     stream: OptionalStream = ""
 
+    def describe(self) -> str:
+        return f"copy_shared of {self.size} bytes {'to' if self.to_device else 'from'} the device"
 
-class DeviceInfoQuery(_Command, tag="device_info", frozen=True):
+
+class DeviceInfoQuery(Command, tag="device_info", frozen=True):
     """The device as its runtime describes it, plus this worker's memory use; the Ack's result is a dict."""
 
+    device_work = False
+    result = DeviceReport
 
-class LoadModule(_Command, tag="load_module", frozen=True):
+    def check_result(self, result: Any) -> None:
+        device_info_from_report(result)
+
+
+class LoadModule(Command, tag="load_module", frozen=True):
     """Compile or load ``image`` (source as UTF-8 bytes); the Ack's result is the module's kernel names."""
 
-    link: ClassVar[bool] = False
+    link = False
+    device_work = False
+    host_work = True
+    result = KernelNames
     handle: Handle
     format: Annotated[str, msgspec.Meta(max_length=16)]  # a ModuleFormat value
     image: bytes
     options: list[str] = []
 
 
-class UnloadModule(_Command, tag="unload_module", frozen=True):
-    link: ClassVar[bool] = False
+class UnloadModule(Command, tag="unload_module", frozen=True):
+    link = False
+    device_work = False
     handle: Handle
 
 
-class GetKernel(_Command, tag="get_kernel", frozen=True):
-    link: ClassVar[bool] = False
+class GetKernel(Command, tag="get_kernel", frozen=True):
+    link = False
+    device_work = False
     handle: Handle  # the kernel's new handle
     module: Handle
     name: Annotated[str, msgspec.Meta(max_length=1024)]
 
-
-Command = (Allocate | Free | Memset | CopyD2D | Launch | RunLibrary | CreateStream | DestroyStream | Synchronize
-           | CreateEvent | DestroyEvent | RecordEvent | WaitEvent | SynchronizeEvent | Write | Read | CopyShared
-           | DeviceInfoQuery | LoadModule | UnloadModule | GetKernel)
-COMMANDS: Final[tuple[type[_Command], ...]] = (
-    Allocate, Free, Memset, CopyD2D, Launch, RunLibrary, CreateStream, DestroyStream, Synchronize, CreateEvent,
-    DestroyEvent, RecordEvent, WaitEvent, SynchronizeEvent, Write, Read, CopyShared, DeviceInfoQuery, LoadModule,
-    UnloadModule, GetKernel)
-LINK_COMMANDS: Final = frozenset(c for c in COMMANDS if c.link)
+    def describe(self) -> str:
+        return f"get_kernel of {self.name!r}"
 
 
 # -- batches and acknowledgements ------------------------------------------------------------------
-class Batch(_Struct, frozen=True):
+C = TypeVar("C", bound=Command, default=Command)
+R = TypeVar("R", default=Any)
+
+
+class Batch(_Struct, Generic[C], frozen=True):
     """Commands to run in order. ``id`` is the sender's (acks come back in order, each naming its batch);
-    ``first`` is the sequence number of its first command, by which a failure is reported."""
+    ``first`` is the sequence number of its first command, by which a failure is reported.
+
+    (Generic only so that its decoder is built over the commands registered: ``Batch`` is ``Batch[Command]``.)"""
 
     id: int
     first: int
-    commands: list[Command]
+    commands: list[C]
 
 
 class CommandError(_Struct, frozen=True):
@@ -296,32 +454,50 @@ class CommandError(_Struct, frozen=True):
 
     seq: int
     command: str  # "launch of 'scale'", "allocate of 4096 bytes", ...
-    code: str  # a gRPC status name
-    message: str
-    type: str = ""  # the GpuBrokerError class name
-    details: dict[str, Any] = {}
+    error: WireError
+
+    # The error's fields, read through (``ack.error.code``).
+    @property
+    def code(self) -> str:
+        return self.error.code
+
+    @property
+    def message(self) -> str:
+        return self.error.message
+
+    @property
+    def type(self) -> str:
+        return self.error.type
+
+    @property
+    def details(self) -> dict[str, Any]:
+        return self.error.details
+
+    @classmethod
+    def of(cls, seq: int, command: str, exc: GpuBrokerError) -> CommandError:
+        return cls(seq, command, exc.as_wire())
 
 
-class Ack(_Struct, frozen=True):
+class Ack(_Struct, Generic[R], frozen=True):
     """A batch's answer: how many of its commands ran, the first failure (the rest did not run), and the result
-    of its last command when that returns one (a Read's bytes, a device description, kernel names)."""
+    of its last command when that returns one (a Read's bytes, a device description, kernel names).
+
+    (Generic only for the front, which decodes ``result`` as the last command's result type: ``decode_ack_for``.)"""
 
     id: int
     done: int
     error: CommandError | None = None
-    result: Any = None
+    result: R = None  # type: ignore[assignment]  # (None where no result is due: an R of None or Any)
 
 
 _encoder = msgspec.msgpack.Encoder()
-_batch_decoder = msgspec.msgpack.Decoder(Batch)
-_ack_decoder = msgspec.msgpack.Decoder(Ack)
-encode = _encoder.encode  # Batch or Ack -> bytes: the one encoding
+encode = _encoder.encode  # Batch, Ack, or any message of gpubroker/wire -> bytes: the one encoding
 
 
 def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
     """A batch from the wire; msgspec.ValidationError / DecodeError (both msgspec.DecodeError) if malformed."""
     try:
-        return _batch_decoder.decode(data)
+        return (_batch_decoder or _batches()).decode(data)
     except UnicodeDecodeError as exc:  # msgspec lets a str that is not UTF-8 through as this, not a DecodeError
         raise msgspec.DecodeError(f"malformed string: {exc}") from None
 
@@ -329,13 +505,26 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
 def parse_batch(data: bytes | bytearray | memoryview) -> Batch:
     """``decode_batch`` for a receiver that answers a malformed batch with an error: InvalidArgument naming why."""
     try:
-        return _batch_decoder.decode(data)
+        return (_batch_decoder or _batches()).decode(data)
     except msgspec.DecodeError as exc:
         raise InvalidArgument(f"malformed batch: {exc}") from None
 
 
 def decode_ack(data: bytes | bytearray | memoryview) -> Ack:
+    """An Ack from a sender the receiver trusts (a client reading its broker): its result as it comes."""
     try:
-        return _ack_decoder.decode(data)
+        return _ack_decoder(None).decode(data)
+    except UnicodeDecodeError as exc:
+        raise msgspec.DecodeError(f"malformed string: {exc}") from None
+
+
+def decode_ack_for(data: bytes | bytearray | memoryview, batch: Batch) -> Ack:
+    """An Ack to ``batch`` from a sender the receiver does not trust (the front reading a worker): its result
+    decoded only as the type the batch's last command returns (``Command.result``; nothing where it returns
+    nothing), so nothing else is ever built. msgspec.DecodeError if it is no such Ack; the caller holds the rest
+    (ids, counts, ``check_result``) to the batch."""
+    last = type(batch.commands[-1]) if batch.commands else Command
+    try:
+        return _ack_decoder(last).decode(data)
     except UnicodeDecodeError as exc:
         raise msgspec.DecodeError(f"malformed string: {exc}") from None

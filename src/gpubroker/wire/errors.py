@@ -1,10 +1,20 @@
-"""One error hierarchy for every implementation of GpuCompute, local or remote."""
+"""One error hierarchy for every implementation of GpuCompute, local or remote, and its one wire form.
+
+An error crosses a process boundary as a `WireError` (its status code's name, message, class name and details),
+whatever carries it: a worker's reply to the front, a command's error in a batch's Ack, the gRPC error trailer,
+a refused link hello. `GpuBrokerError.as_wire` makes one, bounded so that it always decodes (details are short
+scalars); `error_from_wire` rebuilds the most specific class known for it.
+"""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import math
+from typing import Annotated, Any, ClassVar, Final
+
+import msgspec
 
 __all__ = [
+    "ERROR_TRAILER",
     "Aborted",
     "AlreadyExists",
     "ArgumentTypeError",
@@ -22,9 +32,70 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "Unimplemented",
+    "WireError",
     "WorkerCrashed",
+    "decode_wire_error",
     "error_from_wire",
 ]
+
+# The gRPC trailer in which the front sends a refused call's WireError (the status carries the code and message
+# too, for clients in other languages).
+ERROR_TRAILER: Final = "gpubroker-error-bin"
+
+# What an error's details may hold on the wire: a few short scalars by name (a quota's numbers, a retry delay, a
+# compile log). Anything else is sent as its str (as_wire), so an honest sender's error always decodes, and a
+# receiver that trusts nothing (the front, reading a worker) decodes only these shapes.
+MAX_DETAILS: Final = 32
+MAX_DETAIL_KEY: Final = 64
+MAX_DETAIL_TEXT: Final = 256 * 1024  # a compile log is the longest legitimate detail
+_Scalar = None | bool | int | float
+DetailValue = (Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_TEXT)] | _Scalar
+               | Annotated[list[_Scalar], msgspec.Meta(max_length=16)])
+Details = Annotated[dict[Annotated[str, msgspec.Meta(max_length=MAX_DETAIL_KEY)], DetailValue],
+                    msgspec.Meta(max_length=MAX_DETAILS)]
+
+
+class WireError(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An error as it crosses a process boundary: the one envelope of every error on every channel.
+
+    A map (``{"code", "message", "type", "details"}``, the keys a client in another language reads in the gRPC
+    trailer), with no other key: a receiver refuses one that has any (the front kills a worker that sends it).
+    """
+
+    code: str  # the gRPC status code's name
+    message: str
+    type: str = ""  # the GpuBrokerError class's name ("CompileError"), "" for the code's plain class
+    details: Details = {}
+
+
+_wire_error_decoder = msgspec.msgpack.Decoder(WireError)
+
+
+def decode_wire_error(data: bytes | bytearray | memoryview) -> WireError:
+    """A WireError from its encoding (msgspec.DecodeError if it is none)."""
+    try:
+        return _wire_error_decoder.decode(data)
+    except UnicodeDecodeError as exc:  # msgspec lets a str that is not UTF-8 through as this, not a DecodeError
+        raise msgspec.DecodeError(f"malformed string: {exc}") from None
+
+
+def _wire_scalar(value: Any) -> Any:
+    """``value`` as a detail's scalar, or its str when it has no such form (a non-finite float, a huge int)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return int(value) if -(1 << 63) <= value < 1 << 64 else str(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else str(value)
+    return str(value)[:MAX_DETAIL_TEXT]
+
+
+def _wire_detail(value: Any) -> Any:
+    if isinstance(value, (list, tuple)) and len(value) <= 16:
+        items = [_wire_scalar(v) for v in value]
+        if not any(type(v) is str for v in items):
+            return items
+    return _wire_scalar(value)
 
 
 class GpuBrokerError(Exception):
@@ -54,14 +125,16 @@ class GpuBrokerError(Exception):
         self.message = message
         self.details = details
 
-    def to_wire(self) -> dict[str, Any]:
-        """A msgpack-able form that survives IPC and gRPC trailers.
+    def as_wire(self) -> WireError:
+        """The error as it crosses a process boundary (a worker's reply, a batch's Ack, a gRPC trailer).
 
         Returns:
-            The class's name, the code, the message and the details, as plain values.
+            Its code, message and class name, and its details bounded to what every receiver decodes: at most 32,
+            each a short scalar or a short list of them (anything else as its text).
         """
-        return {"type": type(self).__name__, "code": self.code, "message": self.message,
-                "details": self.details}
+        details = {str(key)[:MAX_DETAIL_KEY]: _wire_detail(value)
+                   for key, value in list(self.details.items())[:MAX_DETAILS]}
+        return WireError(self.code, self.message, type(self).__name__, details)
 
 
 class InvalidArgument(GpuBrokerError):
@@ -279,10 +352,11 @@ for _cls in _all_subclasses(GpuBrokerError):
     _BY_CODE.setdefault(_cls.code, _cls)
 
 
-def error_from_wire(code: str, message: str, type_name: str | None = None,
-                    details: dict[str, Any] | None = None) -> GpuBrokerError:
-    """Rebuild the most specific error known for a wire (code, type) pair."""
-    cls = _BY_NAME.get(type_name or "") or _BY_CODE.get(code, GpuBrokerError)
+def error_from_wire(error: WireError) -> GpuBrokerError:
+    """Rebuild the most specific error known for a WireError: its class when that class carries its code, else
+    the code's plain class (never any other class: a name is only looked up among gpubroker's errors)."""
+    code = error.code
+    cls = _BY_NAME.get(error.type) or _BY_CODE.get(code, GpuBrokerError)
     if cls.code != code and code in _BY_CODE:
         cls = _BY_CODE[code]
-    return cls(message, **(details or {}))
+    return cls(error.message, **error.details)

@@ -30,7 +30,7 @@ import msgspec
 
 from gpubroker.wire.commands import MAX_HANDLE
 from gpubroker.wire.commands import encode as _encode
-from gpubroker.wire.errors import GpuBrokerError, error_from_wire
+from gpubroker.wire.errors import GpuBrokerError, WireError, error_from_wire
 
 __all__ = [
     "LINK_SUFFIX",
@@ -163,7 +163,7 @@ _hello = msgspec.msgpack.Decoder(Hello)
 _ring_offer = msgspec.msgpack.Decoder(RingOffer)
 _segment_request: msgspec.msgpack.Decoder[RegisterSegment | ReleaseSegment] = msgspec.msgpack.Decoder(SegmentRequest)
 _answer = msgspec.msgpack.Decoder(tuple[int, int, msgspec.Raw])
-_error = msgspec.msgpack.Decoder(dict[str, Any])
+_error = msgspec.msgpack.Decoder(WireError)  # the one error envelope (wire/errors.py)
 T = TypeVar("T")
 _results: dict[type[Any], msgspec.msgpack.Decoder[Any]] = {}  # an answer's result, by its type
 
@@ -197,7 +197,7 @@ def accepted(result: msgspec.Struct) -> bytes:
 
 def refusal(error: GpuBrokerError) -> bytes:
     """The payload of an answer that says no, and why."""
-    return encode((0, 1, error.to_wire()))
+    return encode((0, 1, error.as_wire()))
 
 
 def open_answer(payload: bytes | bytearray | memoryview, kind: type[T]) -> T:
@@ -210,10 +210,7 @@ def open_answer(payload: bytes | bytearray | memoryview, kind: type[T]) -> T:
             decoder = _results[kind] = msgspec.msgpack.Decoder(kind)
         result_of_kind: T = _decode(decoder, result)
         return result_of_kind
-    error = _decode(_error, result)
-    code, message = error.get("code"), error.get("message")
-    if status != 1 or not isinstance(code, str) or not isinstance(message, str):
-        raise Malformed(f"an answer with status {status} and no error in it")
-    kind_name, details = error.get("type"), error.get("details")
-    raise error_from_wire(code, message, kind_name if isinstance(kind_name, str) else None,
-                          details if isinstance(details, dict) else None)
+    if status != 1:
+        raise Malformed(f"an answer with status {status}")
+    error: WireError = _decode(_error, result)
+    raise error_from_wire(error)

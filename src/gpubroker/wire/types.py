@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +23,7 @@ __all__ = [
     "ModuleFormat",
     "Stream",
     "check_kernel_args",
+    "device_info_from_report",
     "normalize_dims",
 ]
 
@@ -103,6 +105,55 @@ class DeviceInfo:
     sessions already open go on."""
     health_reason: str = ""
     """Why the device is not serving; empty while it serves."""
+
+
+def _count(value: Any, what: str, high: int = 1 << 63) -> int:
+    if type(value) is not int or not 0 <= value <= high:
+        raise ValueError(f"{what} is not an integer in [0, {high}]")
+    return value
+
+
+def _text(value: Any, what: str, limit: int = 1024, empty: bool = True) -> str:
+    if type(value) is not str or len(value) > limit or (not value and not empty):
+        raise ValueError(f"{what} is not a string of at most {limit} characters")
+    return value
+
+
+def device_info_from_report(d: Any) -> DeviceInfo:
+    """A DeviceInfo from its report as plain values (a DeviceInfoQuery's result, a worker's first words, the device
+    probe's JSON), every field of the right type and range; ValueError naming the first that is not."""
+    if type(d) is not dict:
+        raise ValueError("device info that is not a map")
+    fields: dict[str, Any] = {}
+    for key in ("id", "total_memory", "free_memory", "multiprocessor_count", "clock_mhz", "l2_cache_bytes",
+                "max_threads_per_block"):
+        fields[key] = _count(d.get(key), f"device info {key}")
+    for key in ("name", "vendor", "backend", "driver_version", "health_reason"):
+        if key in d or key in ("name", "vendor", "backend"):
+            fields[key] = _text(d.get(key), f"device info {key}")
+    if type(d.get("unified_memory")) is not bool:
+        raise ValueError("device info unified_memory is not a boolean")
+    fields["unified_memory"] = d["unified_memory"]
+    for key in ("max_block_dims", "max_grid_dims"):
+        dims = d.get(key)
+        # type() refuses subclasses; isinstance tells the type checker what passed
+        if type(dims) not in (list, tuple) or not isinstance(dims, (list, tuple)) or len(dims) != 3:
+            raise ValueError(f"device info {key} is not three integers")
+        fields[key] = tuple(_count(v, f"device info {key}") for v in dims)
+    cc = d.get("compute_capability")
+    if cc is not None:
+        if type(cc) not in (list, tuple) or not isinstance(cc, (list, tuple)) or len(cc) != 2:
+            raise ValueError("device info compute_capability is not two integers")
+        fields["compute_capability"] = tuple(_count(v, "device info compute_capability", 1000) for v in cc)
+    version = d.get("opencl_version")
+    if version is not None:
+        fields["opencl_version"] = _text(version, "device info opencl_version")
+    for key in ("memory_quota", "memory_used", "memory_available"):
+        if d.get(key) is not None:
+            fields[key] = _count(d[key], f"device info {key}")
+    if d.get("health") is not None:
+        fields["health"] = _text(d["health"], "device info health", limit=64, empty=False)
+    return DeviceInfo(**fields)
 
 
 @dataclass(frozen=True)

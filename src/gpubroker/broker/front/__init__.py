@@ -2,6 +2,5 @@
 
 from gpubroker.broker.front._server import Broker, probe_devices, run_broker
 from gpubroker.broker.front._service import GpuBrokerService, device_info_to_pb
-from gpubroker.broker.front._status import ERROR_TRAILER
 
-__all__ = ["ERROR_TRAILER", "Broker", "GpuBrokerService", "device_info_to_pb", "probe_devices", "run_broker"]
+__all__ = ["Broker", "GpuBrokerService", "device_info_to_pb", "probe_devices", "run_broker"]

@@ -39,12 +39,8 @@ from gpubroker.wire.commands import (
     LoadModule,
     Memset,
     Read,
-    RecordEvent,
-    RunLibrary,
     ScalarArg,
     Synchronize,
-    SynchronizeEvent,
-    WaitEvent,
     Write,
     encode,
     new_handle,
@@ -81,10 +77,6 @@ _FORMATS = {
     pb.MODULE_FORMAT_CUBIN: ModuleFormat.CUBIN,
     pb.MODULE_FORMAT_FATBIN: ModuleFormat.FATBIN,
 }
-# Commands that use the device: a batch holding one waits for the tenant's turn on it (an event's record and wait
-# queue on a stream, and its host wait holds the worker on the device like a synchronize).
-_DEVICE_WORK = (Launch, RunLibrary, Memset, CopyD2D, Synchronize, Write, Read, CopyShared, RecordEvent, WaitEvent,
-                SynchronizeEvent)
 # A shared-memory copy takes one scheduler turn per piece of this size, so a huge copy cannot hold the device
 # for long past its tenant's quantum (256 MiB: ~5 ms pinned on an H200, one quantum).
 SHARED_PIECE = 256 * 1024 * 1024
@@ -241,7 +233,7 @@ def raise_for(ack: Ack) -> Ack:
     """The Ack, or its error raised as the gpubroker error the worker reported (already bounded and checked)."""
     error = ack.error
     if error is not None:
-        raise error_from_wire(error.code, error.message, error.type or None, dict(error.details))
+        raise error_from_wire(error.error)
     return ack
 
 
@@ -278,9 +270,11 @@ class CommandRunner:
         session.touch()
         device_work = compile_ = False
         for command in batch.commands:
-            if isinstance(command, _DEVICE_WORK):
+            # A command that uses the device (its class's ``device_work``) makes the batch wait for the tenant's
+            # turn on it.
+            if command.device_work:
                 device_work = True
-            elif isinstance(command, LoadModule):
+            if isinstance(command, LoadModule):
                 compile_ = True
                 if len(command.image) > self.config.max_module_bytes:
                     raise ResourceExhausted(f"module of {len(command.image)} bytes exceeds the limit of "

@@ -68,7 +68,7 @@ from gpubroker.wire.errors import (
 )
 from gpubroker.wire.frames import FRAME_HEADER
 from gpubroker.wire.link import LINK_VERSION, SEGMENTS_VERSION, Hello, Malformed, decode_hello, refusal
-from gpubroker.wire.worker import MAX_LINKS_PER_SESSION
+from gpubroker.wire.worker import MAX_LINKS_PER_SESSION, AttachLink, CloseLinks, DropLink, ServeLink
 
 __all__ = ["LinkServer", "fast_path_address"]
 
@@ -381,13 +381,12 @@ class LinkServer:
             self._lease(session)
             try:
                 async with asyncio.timeout(self.handoff_timeout):
-                    # (checked: {"link": 1})
-                    await worker.call_with_fd("attach_link", session.id, dup, compress=compress, held=number)
+                    await worker.call(AttachLink(compress, number), session.id, dup)
                     if not self.service.auth.valid(principal.tenant, principal.credential):
                         # Revoked while the worker took it: the watch has asked the worker to close the session's
                         # links.
                         raise Unauthenticated(REVOKED_MESSAGE)
-                    await worker.call("serve_link", session.id, held=number)
+                    await worker.call(ServeLink(number), session.id)
             except TimeoutError:
                 # The worker may still take the link when it wakes: it is told to drop it, and the link keeps its
                 # place in the counts until it has (or has died), so timed-out hand-offs cannot pile up either.
@@ -409,7 +408,7 @@ class LinkServer:
 
     async def _drop_held(self, worker: Any, session: Session, number: int, release: Callable[[], None]) -> None:
         try:
-            await worker.call("drop_link", session.id, held=number)
+            await worker.call(DropLink(number), session.id)
         except GpuBrokerError:
             pass  # (the worker died, or the session ended: the link went with it)
         finally:
@@ -468,7 +467,7 @@ class LinkServer:
     async def _close_links(self, session: Session) -> None:
         if session.lost is None:
             with contextlib.suppress(GpuBrokerError):
-                await session.worker.call("close_links", session.id)
+                await session.worker.call(CloseLinks(), session.id)
 
     async def _session_closing(self, session: Session) -> None:
         for key in [k for k in self._link_watches if k[0] == session.id]:

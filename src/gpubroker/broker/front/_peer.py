@@ -25,19 +25,32 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from gpubroker.broker.front._commands import raise_for
 from gpubroker.broker.front._peer_cache import ImportCache, StagingCache
 from gpubroker.broker.front._sessions import Session
 from gpubroker.broker.front._status import Context, release_slot, rpc
 from gpubroker.v1 import broker_pb2 as pb
-from gpubroker.wire.commands import Batch, Command, CopyShared, Synchronize, encode, new_handle
+from gpubroker.wire.commands import Batch, BufRef, Command, CopyShared, Synchronize, encode, new_handle
 from gpubroker.wire.errors import FailedPrecondition, GpuBrokerError, InvalidArgument, NotFound, OutOfRange
+from gpubroker.wire.worker import (
+    PeerClose,
+    PeerCopy,
+    PeerExport,
+    PeerLocal,
+    PeerOpen,
+    Pin,
+    RegisterSegment,
+    ReleaseSegment,
+    Unpin,
+    WorkerRequest,
+)
 
 __all__ = ["PeerCopies"]
 
 log = logging.getLogger("gpubroker.server")
+T = TypeVar("T")
 # Bytes per piece, each under its own scheduler turns: about a millisecond of copying either way (pinned host
 # copies run at ~50 GB/s, peer and device copies at hundreds).
 HOST_PIECE = 64 * 1024 * 1024
@@ -60,11 +73,11 @@ async def _together(*coros: Coroutine[Any, Any, Any]) -> None:
             raise outcome
 
 
-def _ref(ref: pb.BufferRef, what: str) -> list[Any]:
-    """A buffer view as the workers' peer operations take it: [the client's handle, the view's offset]."""
+def _ref(ref: pb.BufferRef, what: str) -> BufRef:
+    """A buffer view as the workers' peer operations take it: (the client's handle, the view's offset)."""
     if not ref.handle or len(ref.handle) > 64:
         raise NotFound(f"no buf {ref.handle[:80]!r} in this session")
-    return [ref.handle, ref.offset]
+    return (ref.handle, ref.offset)
 
 
 _BUSY = "the buffer is being copied to or from another device; free it once that copy returns"
@@ -119,7 +132,7 @@ class PeerCopies:
             # Each worker refuses to free a pinned buffer (FAILED_PRECONDITION), through any path; the front's
             # count lets a Free it runs refuse before unmapping what the copy uses.
             for session, handle in ((src, src_ref[0]), (dst, dst_ref[0])):
-                await session.worker.call("pin", session.id, handles=[handle])
+                await session.worker.call(Pin([handle]), session.id)
                 pinned.append((session, handle))
                 session.peer_pins[handle] = session.peer_pins.get(handle, 0) + 1
             if src.worker is dst.worker:
@@ -146,7 +159,7 @@ class PeerCopies:
                     session.peer_pins[handle] = left
                 if session.lost is None:
                     with contextlib.suppress(GpuBrokerError):
-                        await session.worker.call("unpin", session.id, handles=[handle])
+                        await session.worker.call(Unpin([handle]), session.id)
             for session in sessions:
                 session.end_peer_copy()
 
@@ -166,11 +179,12 @@ class PeerCopies:
             session.check_alive()
             session.touch()
 
-    async def _on(self: Any, sessions: tuple[Session, ...], target: Session, op: str, **params: Any) -> Any:
-        """``op`` in ``target``'s worker, under the tenant's turns on the devices of ``sessions``."""
+    async def _on(self: Any, sessions: tuple[Session, ...], target: Session, request: WorkerRequest[T]) -> T:
+        """``request`` in ``target``'s worker, under the tenant's turns on the devices of ``sessions``."""
         async with self._turns(target.tenant, [s.device for s in sessions]):
             self._still_open(*sessions)
-            return await target.worker.call(op, target.id, **params)
+            result: T = await target.worker.call(request, target.id)
+            return result
 
     async def _run(self: Any, sessions: tuple[Session, ...], target: Session, *commands: Command,
                    side: str = "source or destination") -> None:
@@ -181,25 +195,24 @@ class PeerCopies:
             with _side(side):
                 raise_for(await target.worker.run_batch(target.id, batch, encode(batch)))
 
-    async def _copy_on_device(self: Any, src: Session, dst: Session, src_ref: list[Any], dst_ref: list[Any],
+    async def _copy_on_device(self: Any, src: Session, dst: Session, src_ref: BufRef, dst_ref: BufRef,
                               request: pb.CopyPeerRequest) -> None:
         await self._run((src, dst), dst, Synchronize())
         for done in range(0, request.size, DEVICE_PIECE):
             n = min(DEVICE_PIECE, request.size - done)
             with _side("source or destination"):
-                await self._on((src, dst), dst, "peer_local", src_session=src.id, src=src_ref, dst=dst_ref,
-                           src_offset=request.src_offset + done, dst_offset=request.dst_offset + done, size=n)
+                await self._on((src, dst), dst, PeerLocal(src.id, src_ref, dst_ref, n, request.src_offset + done,
+                                                          request.dst_offset + done))
 
-    async def _copy_by_peer(self: Any, src: Session, dst: Session, src_ref: list[Any], dst_ref: list[Any],
+    async def _copy_by_peer(self: Any, src: Session, dst: Session, src_ref: BufRef, dst_ref: BufRef,
                             request: pb.CopyPeerRequest) -> None:
         both = (src, dst)
         key = (src.id, str(src_ref[0]), dst.id)
         imported, own = self.peer_imports.get(key), False
         if imported is None:  # map the source allocation into the destination's worker (then kept: _peer_cache)
             with _side("source"):
-                exported = await self._on(both, src, "peer_export", buf=src_ref)
-            imported = await self._on(both, dst, "peer_open", handle=exported["handle"], size=exported["size"],
-                                      src_device=src.worker.ordinal)
+                exported = await self._on(both, src, PeerExport(src_ref))
+            imported = await self._on(both, dst, PeerOpen(exported.handle, exported.size, src.worker.ordinal))
             own = not self.peer_imports.add(key, dst, imported)
         else:  # what export and open would have waited for
             await self._synchronize(src, dst)
@@ -208,20 +221,19 @@ class PeerCopies:
             for done in range(0, request.size, DEVICE_PIECE):
                 n = min(DEVICE_PIECE, request.size - done)
                 try:
-                    await self._on(both, dst, "peer_copy", src_offset=start + done, size=n, dst=dst_ref,
-                                   dst_offset=request.dst_offset + done, **{"import": imported})
+                    await self._on(both, dst, PeerCopy(imported, start + done, n, dst_ref, request.dst_offset + done))
                 except OutOfRange as exc:  # past the mapped source allocation, or past the destination view
                     with _side("source" if "peer's" in exc.message else "destination"):
                         raise
         finally:
             if own:
                 with contextlib.suppress(GpuBrokerError):
-                    await dst.worker.call("peer_close", dst.id, **{"import": imported})
+                    await dst.worker.call(PeerClose(imported), dst.id)
 
     async def _synchronize(self: Any, src: Session, dst: Session) -> None:
         await _together(self._run((src,), src, Synchronize()), self._run((dst,), dst, Synchronize()))
 
-    async def _copy_by_host(self: Any, src: Session, dst: Session, src_ref: list[Any], dst_ref: list[Any],
+    async def _copy_by_host(self: Any, src: Session, dst: Session, src_ref: BufRef, dst_ref: BufRef,
                             request: pb.CopyPeerRequest) -> None:
         if request.size > SMALL_HOST_COPY:  # through the tenant's kept staging
             async with self.peer_staging.use(src.tenant) as staging:
@@ -234,8 +246,7 @@ class PeerCopies:
             os.ftruncate(fd, request.size)
             for session in (src, dst):
                 segment = new_handle("segment")
-                await session.worker.call_with_fd("register_segment", session.id, fd, handle=segment,
-                                                  size=request.size)
+                await session.worker.call(RegisterSegment(segment, request.size), session.id, fd)
                 registered.append((session, segment))
         finally:
             os.close(fd)  # the workers' mappings keep the memory
@@ -245,9 +256,9 @@ class PeerCopies:
         finally:
             for session, segment in registered:
                 with contextlib.suppress(GpuBrokerError):
-                    await session.worker.call("release_segment", session.id, handle=segment)
+                    await session.worker.call(ReleaseSegment(segment), session.id)
 
-    async def _pipeline(self: Any, src: Session, dst: Session, src_ref: list[Any], dst_ref: list[Any],
+    async def _pipeline(self: Any, src: Session, dst: Session, src_ref: BufRef, dst_ref: BufRef,
                         request: pb.CopyPeerRequest, segments: tuple[str, str], piece: int) -> None:
         """Piece i goes up to the destination while piece i + 1 comes down from the source, in the other half."""
         size, (seg_src, seg_dst) = request.size, segments

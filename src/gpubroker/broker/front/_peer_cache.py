@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from gpubroker.broker.front._sessions import Session
 from gpubroker.wire.commands import new_handle
 from gpubroker.wire.errors import GpuBrokerError
+from gpubroker.wire.worker import PeerClose, RegisterSegment, ReleaseSegment
 
 __all__ = ["ImportCache", "Staging", "StagingCache"]
 
@@ -49,7 +50,7 @@ class ImportCache:
                     or (buffer is None and k[2] == session.id)]:
             dst, import_id = self._imports.pop(key)
             with contextlib.suppress(GpuBrokerError):  # a dead worker took its mappings with it
-                await dst.worker.call("peer_close", dst.id, **{"import": import_id})
+                await dst.worker.call(PeerClose(import_id), dst.id)
 
 
 @dataclass
@@ -66,7 +67,7 @@ class Staging:
         if found is not None:
             return found[1]
         segment = new_handle("segment")
-        await session.worker.call_with_fd("register_segment", session.id, self.fd, handle=segment, size=self.size)
+        await session.worker.call(RegisterSegment(segment, self.size), session.id, self.fd)
         self.segments[session.id] = (session, segment)
         return segment
 
@@ -110,7 +111,7 @@ class StagingCache:
         found = staging.segments.pop(session.id, None)
         if found is not None:
             with contextlib.suppress(GpuBrokerError):
-                await session.worker.call("release_segment", session.id, handle=found[1])
+                await session.worker.call(ReleaseSegment(found[1]), session.id)
         self.prune(session.tenant)
 
     def prune(self, tenant: str) -> None:

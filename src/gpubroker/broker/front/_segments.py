@@ -38,6 +38,7 @@ from gpubroker.broker.front._preauth import IdleSweeper
 from gpubroker.broker.front._sessions import Session, SessionManager, out_of_descriptors
 from gpubroker.broker.front._status import descriptors_exhausted
 from gpubroker.broker.front.auth import Authenticator, Principal, RateLimitedLog, failure_delay, wait_failure_delay
+from gpubroker.wire import worker as to_worker  # (its RegisterSegment and ReleaseSegment: the worker's side)
 from gpubroker.wire.errors import (
     GpuBrokerError,
     Internal,
@@ -361,7 +362,7 @@ class SegmentService:
         self.sessions.reserve_shared(session, size)
         session.segments[handle] = size
         try:
-            await session.worker.call_with_fd("register_segment", session.id, fd, handle=handle, size=size)
+            await session.worker.call(to_worker.RegisterSegment(handle, size), session.id, fd)
         except BaseException:
             if session.segments.pop(handle, None) is not None:
                 self.sessions.release_shared(session, size)
@@ -370,13 +371,13 @@ class SegmentService:
             # Closed while the worker mapped it: the worker's close ran first, so unmap this one too. (The close
             # uncounted this segment with the rest of the session's.)
             with contextlib.suppress(GpuBrokerError):
-                await session.worker.call("release_segment", session.id, handle=handle)
+                await session.worker.call(to_worker.ReleaseSegment(handle), session.id)
             raise NotFound(f"no session {session.id!r}")
 
     async def _release(self, session: Session, handle: str) -> None:
         if handle not in session.segments:
             raise NotFound(f"no segment {handle[:80]!r} in this session")
-        await session.worker.call("release_segment", session.id, handle=handle)
+        await session.worker.call(to_worker.ReleaseSegment(handle), session.id)
         size = session.segments.pop(handle, None)
         if size is not None:
             self.sessions.release_shared(session, size)

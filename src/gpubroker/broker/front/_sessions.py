@@ -30,6 +30,7 @@ from gpubroker.wire.errors import (
     WorkerCrashed,
 )
 from gpubroker.wire.types import DeviceInfo
+from gpubroker.wire.worker import CloseSession, SetLimits, Usage
 
 __all__ = ["Admission", "Session", "SessionManager", "out_of_descriptors"]
 
@@ -256,7 +257,7 @@ class SessionManager:
                 await hook(session)
             if session.lost is None:
                 try:
-                    await session.worker.call("close_session", session.id)
+                    await session.worker.call(CloseSession(), session.id)
                     await self.refresh_usage(session.worker)  # what the session held is free again
                 except WorkerCrashed:
                     pass
@@ -311,13 +312,12 @@ class SessionManager:
             return 0
         return t.memory_quota if device is None else t.quota_on(device)
 
-    def limits(self, tenant: str, device: int) -> dict[str, int]:
-        """What the worker of (tenant, device) enforces (``set_limits``): its memory quota, per-session handles
-        and streams; the broker's index of its device (its quota errors name it) and the largest link frame (a
-        copy chunk and the batch around it)."""
-        return {"memory_quota": self.quota(tenant, device), "max_handles": self.config.max_handles_per_session,
-                "max_streams": self.config.max_streams_per_session, "device": device,
-                "max_frame": self.config.chunk_bytes + LINK_ENVELOPE}
+    def limits(self, tenant: str, device: int) -> SetLimits:
+        """What the worker of (tenant, device) enforces: its memory quota, per-session handles and streams; the
+        broker's index of its device (its quota errors name it) and the largest link frame (a copy chunk and the
+        batch around it)."""
+        return SetLimits(self.quota(tenant, device), self.config.max_handles_per_session,
+                         self.config.max_streams_per_session, device, self.config.chunk_bytes + LINK_ENVELOPE)
 
     def mirror(self, worker: WorkerClient, used: int) -> None:
         """A worker's report of its memory use (checked >= 0 by WorkerClient), clamped to its tenant's quota:
@@ -340,14 +340,14 @@ class SessionManager:
         """Ask the worker what it uses now, in all and per session (``usage``). A worker busy in a long command
         answers late: the mirror's last figures stand then."""
         try:
-            # (checked: counts >= 0, session ids short strings)
-            usage = await asyncio.wait_for(worker.call("usage", ""), _USAGE_WAIT)
+            # (decoded as counts >= 0 by session ids of short strings)
+            usage = await asyncio.wait_for(worker.call(Usage()), _USAGE_WAIT)
         except (GpuBrokerError, TimeoutError):
             return
-        worker.memory_reported(usage["memory_used"])
+        worker.memory_reported(usage.memory_used)
         for session in self.sessions.values():
             if session.worker is worker:
-                session.memory_used = min(usage["sessions"].get(session.id, 0),
+                session.memory_used = min(usage.sessions.get(session.id, 0),
                                           self.quota(session.tenant, session.device))
 
     def used(self, tenant: str, device: int) -> int:

@@ -13,16 +13,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias, TypeVar
 
 import grpc
-import msgpack
+import msgspec
 
 from gpubroker.broker.front._metrics import observe_rpc
 from gpubroker.broker.front._sessions import Session, SessionManager, out_of_descriptors
 from gpubroker.broker.front.auth import Authenticator, Principal, RateLimitedLog, failure_delay, wait_failure_delay
 from gpubroker.broker.logs import bind_log_context, log_context
-from gpubroker.wire.errors import GpuBrokerError, Internal, InvalidArgument, Unavailable
+from gpubroker.wire.commands import encode
+from gpubroker.wire.errors import ERROR_TRAILER, GpuBrokerError, Internal, InvalidArgument, Unavailable
 
-__all__ = ["ERROR_TRAILER", "Context", "Malformed", "Unread", "add_servicer", "cancel_and_wait",
-           "descriptors_exhausted", "log_failure", "principal_of", "release_slot", "rpc", "stream_rpc"]
+__all__ = ["Context", "Malformed", "Unread", "add_servicer", "cancel_and_wait", "descriptors_exhausted",
+           "log_failure", "principal_of", "release_slot", "rpc", "stream_rpc"]
 
 log = logging.getLogger("gpubroker.server")
 # One line per burst of calls refused for want of descriptors (a flood of them must not flood the log too).
@@ -62,7 +63,6 @@ def _release_slots() -> None:
     if tenant is not None:
         tenant[0].leave_call(tenant[1])
         counted.set(None)
-ERROR_TRAILER = "gpubroker-error-bin"
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -73,8 +73,10 @@ Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
 async def abort_with(context: Context, exc: GpuBrokerError) -> None:
-    details = msgpack.packb({"type": type(exc).__name__, "details": exc.details}, use_bin_type=True)
-    await context.abort(grpc.StatusCode[exc.code], exc.message, trailing_metadata=((ERROR_TRAILER, details),))
+    # The status says the code and the message; the trailer, the WireError's class and details (its message left
+    # empty: the status has it, and a trailer has little room).
+    trailer = encode(msgspec.structs.replace(exc.as_wire(), message=""))
+    await context.abort(grpc.StatusCode[exc.code], exc.message, trailing_metadata=((ERROR_TRAILER, trailer),))
 
 
 def principal_of(auth: Authenticator, context: Context) -> Principal:

@@ -1,10 +1,11 @@
 """The worker's one execution path: a batch of protocol commands, run in order, answered by one Ack.
 
-Batches come from the front (the ``batch`` op: typed gRPC calls turned into commands, module loads under the
+Batches come from the front (the ``batch`` request: typed gRPC calls turned into commands, module loads under the
 front's compile time limit) and from links straight from the client (workers/_links.py); a single synchronous call
-is a batch of one. Each command class has one handler (a dict from the class to a method). The first failure
-stops the batch: the Ack says how many ran and names the failed command by its sequence number and what it was
-("launch of 'scale'"); nothing after it runs.
+is a batch of one. Each command class has one handler, registered with ``@handles(TheCommand)``: a method here, or
+a function of an operation defined elsewhere (it takes the executor first), registered before the worker builds its
+Executor. The first failure stops the batch: the Ack says how many ran and names the failed command by its sequence
+number and what it was (``Command.describe``: "launch of 'scale'"); nothing after it runs.
 
 The launch path is the hot one: a launch is cached per session by its kernel handle and its arguments as sent
 (frozen, hashable protocol structs). The CUDA backend's entry is a prepared launch (its arguments packed once
@@ -17,9 +18,10 @@ object may take its handle.
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import lz4.block
 import numpy as np
@@ -32,6 +34,7 @@ from gpubroker.wire.commands import (
     Allocate,
     Batch,
     BufferArg,
+    Command,
     CommandError,
     CopyD2D,
     CopyShared,
@@ -55,24 +58,37 @@ from gpubroker.wire.commands import (
     UnloadModule,
     WaitEvent,
     Write,
+    tag_of,
 )
 from gpubroker.wire.compute import GpuCompute
-from gpubroker.wire.errors import FailedPrecondition, GpuBrokerError, Internal, InvalidArgument
+from gpubroker.wire.errors import FailedPrecondition, GpuBrokerError, Internal, InvalidArgument, Unimplemented
 from gpubroker.wire.host import check_device_range
 from gpubroker.wire.library import check_library_call
 from gpubroker.wire.types import ArrayRef, Kernel, Module, ModuleFormat, Stream
 
-__all__ = ["Executor", "command_name"]
+__all__ = ["Executor", "Handler", "handles"]
 
 log = logging.getLogger("gpubroker.worker")
 
 _DTYPES: dict[str, np.dtype[Any]] = {}  # scalar dtype names already accepted
-_DETAIL_TYPES = (str, int, float, bool, type(None))
 
 
-def command_name(command: object) -> str:
-    """The command's wire tag ("launch", "load_module", ...)."""
-    return str(type(command).__struct_config__.tag)  # type: ignore[attr-defined]
+C = TypeVar("C", bound=Command)
+# A command's handler: the executor, the session's objects, the command; it returns the command's result (the
+# type its class's ``result`` says), or None.
+Handler = Callable[["Executor", SessionObjects, C], Any]
+# Every command's handler, by the command's class (``handles``).
+_HANDLERS: dict[type[Command], Handler[Any]] = {}
+
+
+def handles(command: type[C]) -> Callable[[Handler[C]], Handler[C]]:
+    """Register the decorated function as ``command``'s handler (one per command: TypeError for a second)."""
+    def register(handler: Handler[C]) -> Handler[C]:
+        if command in _HANDLERS:
+            raise TypeError(f"{command.__name__} has a handler already: {_HANDLERS[command].__qualname__}")
+        _HANDLERS[command] = handler
+        return handler
+    return register
 
 
 def _scalar(dtype: str, raw: bytes) -> np.generic:
@@ -112,36 +128,14 @@ def _lz4_block_exact(block: bytes, size: int) -> bytes:
     return data
 
 
-def _describe(objs: SessionObjects, command: object) -> str:
-    """What a failed command was, for its CommandError (the error path only: never on a success)."""
-    match command:
-        case Launch(kernel=handle):
-            entry = objs.kernels.get(handle)
-            return f"launch of {entry.name!r}" if entry is not None else f"launch of kernel {handle!r}"
-        case RunLibrary(name=name):
-            return f"run_library of {name!r}"
-        case Allocate(size=size):
-            return f"allocate of {size} bytes"
-        case Free(handle=handle):
-            return f"free of {handle!r}"
-        case Memset(size=size):
-            return "memset to the end of the view" if size == -1 else f"memset of {size} bytes"
-        case CopyD2D(size=size):
-            return f"copy_d2d of {size} bytes"
-        case Write(data=data, codec=codec, size=size):
-            return f"write of {size} bytes ({codec})" if codec else f"write of {len(data)} bytes"
-        case Read(size=size):
-            return f"read of {size} bytes"
-        case CopyShared(size=size, to_device=to_device):
-            return f"copy_shared of {size} bytes {'to' if to_device else 'from'} the device"
-        case GetKernel(name=name):
-            return f"get_kernel of {name!r}"
-        case CreateStream(handle=handle) | DestroyStream(handle=handle) | LoadModule(handle=handle) \
-                | UnloadModule(handle=handle) | CreateEvent(handle=handle) | DestroyEvent(handle=handle):
-            return f"{command_name(command)} of {handle!r}"
-        case RecordEvent(event=handle) | WaitEvent(event=handle) | SynchronizeEvent(event=handle):
-            return f"{command_name(command)} of {handle!r}"
-    return command_name(command)
+def _describe(objs: SessionObjects, command: Command) -> str:
+    """What a failed command was, for its CommandError (the error path only: never on a success): the command's
+    own description, a launch's with its kernel's name where the session knows it."""
+    if isinstance(command, Launch):
+        entry = objs.kernels.get(command.kernel)
+        if entry is not None:
+            return f"launch of {entry.name!r}"
+    return command.describe()
 
 
 class _Unprepared(NamedTuple):
@@ -180,19 +174,11 @@ class Executor:
             prepare = _Unprepared
         self._prepare: Callable[[Kernel, list[object]], Any] = prepare
         self._launch_prepared: Callable[[Any, Dims, Dims, int, Stream | None], None] = launch
-        handlers: dict[type, Callable[[SessionObjects, Any], Any]] = {
-            Allocate: self._allocate, Free: self._free, Memset: self._memset, CopyD2D: self._copy_d2d,
-            Launch: self._launch, RunLibrary: self._run_library, CreateStream: self._create_stream,
-            DestroyStream: self._destroy_stream,
-            Synchronize: self._synchronize, CreateEvent: self._create_event, DestroyEvent: self._destroy_event,
-            RecordEvent: self._record_event, WaitEvent: self._wait_event, SynchronizeEvent: self._synchronize_event,
-            Write: self._write, Read: self._read, CopyShared: self._copy_shared,
-            DeviceInfoQuery: self._device_info, LoadModule: self._load_module, UnloadModule: self._unload_module,
-            GetKernel: self._get_kernel,
-        }
-        self.handlers = handlers
-        # What a link may send: device work, and the memory and streams it uses (not compiles: see _protocol).
-        self.link_handlers = {kind: fn for kind, fn in handlers.items() if getattr(kind, "link", False)}
+        # Every registered handler, bound to this executor (those registered later are not: see ``handles``).
+        self.handlers: dict[type[Command], Callable[[SessionObjects, Any], Any]] = {
+            kind: types.MethodType(handler, self) for kind, handler in _HANDLERS.items()}
+        # What a link may send: device work, and the memory and streams it uses (not compiles: ``Command.link``).
+        self.link_handlers = {kind: fn for kind, fn in self.handlers.items() if kind.link}
 
     # -- batches -----------------------------------------------------------------------------------
     def run(self, session: str, batch: Batch, link: bool = False, codec: str = "") -> Ack:
@@ -203,13 +189,15 @@ class Executor:
         handlers = self.link_handlers if link else self.handlers
         result: Any = None
         done = 0
-        command: object = None
+        command: Command | None = None
         try:
             for command in batch.commands:
                 handler = handlers.get(type(command))
                 if handler is None:
-                    raise InvalidArgument(f"{command_name(command)} cannot be sent on a link; it goes through the "
-                                          "front")
+                    if type(command) in self.handlers:
+                        raise InvalidArgument(f"{tag_of(command)} cannot be sent on a link; it goes through the "
+                                              "front")
+                    raise Unimplemented(f"this worker has no handler for {tag_of(command)}")
                 result = handler(objs, command)
                 done += 1
         except GpuBrokerError as exc:
@@ -217,7 +205,7 @@ class Executor:
                 self.fatal = True
             return Ack(batch.id, done, self._error(batch, done, objs, command, exc))
         except Exception as exc:  # a bug or an untranslated runtime error: report it, keep the worker
-            log.exception("%s failed", command_name(command))
+            log.exception("%s failed", tag_of(command) if command is not None else "a batch")
             return Ack(batch.id, done, self._error(batch, done, objs, command,
                                                    Internal(f"{type(exc).__name__}: {exc}")))
         return Ack(batch.id, done, None, result)
@@ -232,13 +220,14 @@ class Executor:
             self._end_segments()
 
     @staticmethod
-    def _error(batch: Batch, done: int, objs: SessionObjects, command: object, exc: GpuBrokerError) -> CommandError:
-        # Only what encodes for certain: an Ack that failed to encode would leave its link or request unanswered.
-        details = {str(k): v if type(v) in _DETAIL_TYPES else str(v) for k, v in exc.details.items()}
-        return CommandError(batch.first + done, _describe(objs, command), exc.code, exc.message, type(exc).__name__,
-                            details)
+    def _error(batch: Batch, done: int, objs: SessionObjects, command: Command | None,
+               exc: GpuBrokerError) -> CommandError:
+        # (as_wire keeps only details that encode for certain: an Ack that failed to encode would leave its link or
+        # request unanswered)
+        return CommandError.of(batch.first + done, _describe(objs, command) if command is not None else "batch", exc)
 
     # -- memory ------------------------------------------------------------------------------------
+    @handles(Allocate)
     def _allocate(self, objs: SessionObjects, cmd: Allocate) -> None:
         tables = self.tables
         tables.claim(objs, "buf", cmd.handle)
@@ -252,6 +241,7 @@ class Executor:
         objs.buffers[cmd.handle] = BufferEntry(buf, cmd.size)
         objs.memory_used += cmd.size
 
+    @handles(Free)
     def _free(self, objs: SessionObjects, cmd: Free) -> None:
         entry = objs.buffer(cmd.handle)
         if entry.pins:
@@ -266,6 +256,7 @@ class Executor:
         self.tables.unreserve(entry.size)
         objs.forget_caches()
 
+    @handles(Memset)
     def _memset(self, objs: SessionObjects, cmd: Memset) -> None:
         size = cmd.size
         if size < -1:
@@ -273,10 +264,12 @@ class Executor:
         self.backend.memset(objs.view(*cmd.buf), cmd.value, None if size == -1 else size, cmd.offset,
                             objs.stream(cmd.stream))
 
+    @handles(CopyD2D)
     def _copy_d2d(self, objs: SessionObjects, cmd: CopyD2D) -> None:
         self.backend.copy_d2d(objs.view(*cmd.src), objs.view(*cmd.dst), cmd.size, cmd.src_offset, cmd.dst_offset,
                               objs.stream(cmd.stream))
 
+    @handles(Write)
     def _write(self, objs: SessionObjects, cmd: Write) -> None:
         view = objs.view(*cmd.buf)
         data: bytes = cmd.data
@@ -291,6 +284,7 @@ class Executor:
             data = _lz4_block_exact(cmd.data, cmd.size)
         self.backend.copy_h2d(data, view, cmd.offset, objs.stream(cmd.stream))
 
+    @handles(Read)
     def _read(self, objs: SessionObjects, cmd: Read) -> bytearray | list[Any]:
         view = objs.view(*cmd.buf)
         check_device_range(view, cmd.offset, cmd.size, "copy_d2h")  # before the host buffer is made for it
@@ -309,6 +303,7 @@ class Executor:
         objs.raw_reads = _RAW_READS
         return ["", out]
 
+    @handles(CopyShared)
     def _copy_shared(self, objs: SessionObjects, cmd: CopyShared) -> None:
         """Between a mapped segment and device memory: the backend reads or writes the mapping directly."""
         buf, stream = objs.view(*cmd.buf), objs.stream(cmd.stream)
@@ -319,6 +314,7 @@ class Executor:
                 self.backend.copy_d2h(buf, host, cmd.offset, stream)
 
     # -- launches ----------------------------------------------------------------------------------
+    @handles(Launch)
     def _launch(self, objs: SessionObjects, cmd: Launch) -> None:
         """Straight to the backend, which checks the dims and the args against the kernel and the device."""
         key = (cmd.kernel, tuple(cmd.args))
@@ -334,6 +330,7 @@ class Executor:
         self._launch_prepared(prep, cmd.grid, cmd.block, cmd.shared_mem,
                               objs.stream(cmd.stream) if cmd.stream else None)
 
+    @handles(RunLibrary)
     def _run_library(self, objs: SessionObjects, cmd: RunLibrary) -> None:
         """The arrays on the session's buffer views, checked here against their allocations and the op table (the
         worker trusts nothing the client sends), then the backend's library, which checks them again: an
@@ -351,11 +348,13 @@ class Executor:
                 for arg in args]
 
     # -- streams -----------------------------------------------------------------------------------
+    @handles(CreateStream)
     def _create_stream(self, objs: SessionObjects, cmd: CreateStream) -> None:
         self.tables.claim(objs, "stream", cmd.handle)
         objs.streams[cmd.handle] = self.backend.create_stream()
         objs.kinds[cmd.handle] = "stream"
 
+    @handles(DestroyStream)
     def _destroy_stream(self, objs: SessionObjects, cmd: DestroyStream) -> None:
         stream = objs.streams.get(cmd.handle)
         if stream is None:
@@ -364,29 +363,36 @@ class Executor:
         del objs.streams[cmd.handle], objs.kinds[cmd.handle]
         objs.forget_caches()
 
+    @handles(Synchronize)
     def _synchronize(self, objs: SessionObjects, cmd: Synchronize) -> None:
         self.backend.synchronize(objs.stream(cmd.stream))
 
     # -- events ------------------------------------------------------------------------------------
+    @handles(CreateEvent)
     def _create_event(self, objs: SessionObjects, cmd: CreateEvent) -> None:
         self.tables.claim(objs, "event", cmd.handle)
         objs.events[cmd.handle] = self.backend.create_event()
         objs.kinds[cmd.handle] = "event"
 
+    @handles(DestroyEvent)
     def _destroy_event(self, objs: SessionObjects, cmd: DestroyEvent) -> None:
         self.backend.destroy_event(objs.event(cmd.handle))
         del objs.events[cmd.handle], objs.kinds[cmd.handle]
 
+    @handles(RecordEvent)
     def _record_event(self, objs: SessionObjects, cmd: RecordEvent) -> None:
         self.backend.record_event(objs.event(cmd.event), objs.stream(cmd.stream))
 
+    @handles(WaitEvent)
     def _wait_event(self, objs: SessionObjects, cmd: WaitEvent) -> None:
         self.backend.wait_event(objs.event(cmd.event), objs.stream(cmd.stream))
 
+    @handles(SynchronizeEvent)
     def _synchronize_event(self, objs: SessionObjects, cmd: SynchronizeEvent) -> None:
         self.backend.synchronize_event(objs.event(cmd.event))
 
     # -- the device --------------------------------------------------------------------------------
+    @handles(DeviceInfoQuery)
     def _device_info(self, objs: SessionObjects, cmd: DeviceInfoQuery) -> dict[str, Any]:
         info = asdict(self.backend.device_info())
         info["memory_used"] = self.tables.memory_used
@@ -397,6 +403,7 @@ class Executor:
         return info
 
     # -- modules and kernels (through the front only) -----------------------------------------------
+    @handles(LoadModule)
     def _load_module(self, objs: SessionObjects, cmd: LoadModule) -> list[str]:
         self.tables.claim(objs, "module", cmd.handle)
         try:
@@ -408,12 +415,14 @@ class Executor:
         objs.kinds[cmd.handle] = "module"
         return list(module.kernel_names)
 
+    @handles(GetKernel)
     def _get_kernel(self, objs: SessionObjects, cmd: GetKernel) -> None:
         self.tables.claim(objs, "kernel", cmd.handle)
         kernel = self.backend.get_kernel(objs.module(cmd.module), cmd.name)
         objs.kernels[cmd.handle] = KernelEntry(kernel, cmd.name, cmd.module)
         objs.kinds[cmd.handle] = "kernel"
 
+    @handles(UnloadModule)
     def _unload_module(self, objs: SessionObjects, cmd: UnloadModule) -> None:
         self.unload(objs, cmd.handle, objs.module(cmd.handle))
 

@@ -36,7 +36,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
@@ -46,7 +45,19 @@ from gpubroker.wire.commands import CODECS, Ack, Batch, CommandError, decode_bat
 from gpubroker.wire.errors import GpuBrokerError, InvalidArgument, ResourceExhausted
 from gpubroker.wire.frames import FRAME_HEADER
 from gpubroker.wire.link import LINK_VERSION, LinkAccepted, RingAccepted, accepted, refusal
-from gpubroker.wire.worker import CONTROL, MAX_LINKS_PER_SESSION, FrameClosed, FrameTooLarge
+from gpubroker.wire.worker import (
+    CONTROL,
+    MAX_LINKS_PER_SESSION,
+    FrameClosed,
+    FrameTooLarge,
+    Grant,
+    LeaseToFront,
+    LeaseToWorker,
+    Released,
+    Revoke,
+    Want,
+    Yield,
+)
 
 __all__ = ["CONTROL", "DEFAULT_MAX_FRAME", "MAX_LINKS_PER_SESSION", "Links"]
 
@@ -104,13 +115,13 @@ class _Link:
 
 def _refusal(message: str) -> bytes:
     """The Ack for a frame that is no batch: id 0, nothing done, INVALID_ARGUMENT."""
-    return encode(Ack(0, 0, CommandError(0, "batch", InvalidArgument.code, message, InvalidArgument.__name__)))
+    return encode(Ack(0, 0, CommandError.of(0, "batch", InvalidArgument(message))))
 
 
 class Links:
     """The worker's client links and its lease on the device."""
 
-    def __init__(self, executor: Executor, send_front: Callable[[list[Any]], None]) -> None:
+    def __init__(self, executor: Executor, send_front: Callable[[LeaseToFront], None]) -> None:
         self._executor = executor
         self._send_front = send_front
         self.max_frame = DEFAULT_MAX_FRAME
@@ -244,8 +255,8 @@ class Links:
             link.sock.close()
 
     # -- the lease ---------------------------------------------------------------------------------
-    def on_control(self, op: str) -> None:
-        if op == "grant":
+    def on_control(self, message: LeaseToWorker) -> None:
+        if isinstance(message, Grant):
             self.holding, self._asked, self.contended = True, False, False
             while self._waiting and self.holding and not self._executor.fatal:
                 link, item = self._waiting.popleft()
@@ -254,11 +265,11 @@ class Links:
             for link in list(self._rings.values()):
                 if self.holding:
                     self._pump(link)
-        elif op == "yield":
+        elif isinstance(message, Yield):
             self.contended = True
             if not self._waiting:
                 self._release()
-        elif op == "revoke":
+        elif isinstance(message, Revoke):
             self._release()
         if not self.holding and (self._waiting or self._rings_pending()):
             self._ask()
@@ -266,12 +277,12 @@ class Links:
     def _release(self) -> None:
         if self.holding:
             self.holding = False
-            self._send_front([CONTROL, "released", None])
+            self._send_front(Released())
 
     def _ask(self) -> None:
         if not self._asked:
             self._asked = True
-            self._send_front([CONTROL, "want", None])
+            self._send_front(Want())
 
     # -- batches -----------------------------------------------------------------------------------
     def readable(self, fd: int) -> None:

@@ -1,7 +1,7 @@
 """Worker operations for copies between a tenant's sessions (CopyPeer; the front drives them, see server/_peer.py).
 
-Buffers are named by the client's handles as ``[handle, view_offset]`` refs, resolved in the sessions' handle
-tables (workers/_handles.py); the front pins both buffers (``pin`` / ``unpin``) around a copy, so neither can be
+Buffers are named by the client's handles as ``(handle, view_offset)`` refs, resolved in the sessions' handle
+tables (workers/_handles.py); the front pins both buffers (``Pin`` / ``Unpin``) around a copy, so neither can be
 freed while another worker may be reading or writing it.
 
 - ``peer_local``: both sessions on this worker's device: a device-to-device copy, waited for.
@@ -21,9 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpubroker.broker.worker._handles import HandleTables
+from gpubroker.wire.commands import BufRef
 from gpubroker.wire.compute import GpuCompute
-from gpubroker.wire.errors import FailedPrecondition, GpuBrokerError, InvalidArgument, NotFound, OutOfRange
+from gpubroker.wire.errors import FailedPrecondition, GpuBrokerError, NotFound, OutOfRange
 from gpubroker.wire.types import Buffer
+from gpubroker.wire.worker import PeerClose, PeerCopy, PeerExport, PeerExported, PeerLocal, PeerOpen, Pin, Unpin
 
 __all__ = ["PeerImports", "PeerOps"]
 
@@ -66,36 +68,29 @@ class PeerImports:
         return entry
 
 
-def _int(value: Any, what: str) -> int:
-    if type(value) is not int or value < 0:
-        raise InvalidArgument(f"{what} must be an int >= 0, got {str(value)[:40]}")
-    return value
-
-
 class PeerOps:
-    """Mixed into WorkerServer, which provides ``backend``, ``tables`` and ``peer_imports``."""
+    """The worker's side of copies between a tenant's sessions: its backend's peer path and what it opened."""
 
-    backend: GpuCompute
-    tables: HandleTables
-    peer_imports: PeerImports
+    def __init__(self, backend: GpuCompute, tables: HandleTables) -> None:
+        self.backend = backend
+        self.tables = tables
+        self.imports = PeerImports()  # other devices' allocations opened for CopyPeer
 
-    def _view(self, session: str, ref: Any) -> Buffer:
-        """The backend's view for a ``[handle, view_offset]`` ref of ``session``."""
-        if type(ref) not in (list, tuple) or len(ref) != 2 or type(ref[0]) is not str:
-            raise InvalidArgument("a buffer ref must be [handle, view_offset]")
-        return self.tables.session(session).view(ref[0], _int(ref[1], "a buffer view offset"))
+    def _view(self, session: str, ref: BufRef) -> Buffer:
+        """The backend's view for a ``(handle, view_offset)`` ref of ``session``."""
+        return self.tables.session(session).view(*ref)
 
-    def op_pin(self, session: str, p: dict[str, Any]) -> Any:
+    def pin(self, session: str, request: Pin) -> None:
         """Keep buffers from being freed while a copy to or from another device uses them (all or none)."""
         objs = self.tables.session(session)
-        entries = [objs.buffer(str(handle)) for handle in p["handles"]]
+        entries = [objs.buffer(handle) for handle in request.handles]
         for entry in entries:
             entry.pins += 1
 
-    def op_unpin(self, session: str, p: dict[str, Any]) -> Any:
+    def unpin(self, session: str, request: Unpin) -> None:
         objs = self.tables.session(session)
-        for handle in p["handles"]:
-            entry = objs.buffers.get(str(handle))
+        for handle in request.handles:
+            entry = objs.buffers.get(handle)
             if entry is not None and entry.pins:
                 entry.pins -= 1
 
@@ -105,37 +100,35 @@ class PeerOps:
             raise FailedPrecondition("this backend has no peer path between devices", peer_unsupported=True)
         return fn
 
-    def op_peer_local(self, session: str, p: dict[str, Any]) -> Any:
+    def local(self, session: str, request: PeerLocal) -> None:
         """Copy from another session's buffer on this device into this session's, and wait for it."""
-        src = self._view(str(p["src_session"]), p["src"])
-        dst = self._view(session, p["dst"])
-        self.backend.copy_d2d(src, dst, _int(p["size"], "size"), _int(p["src_offset"], "src_offset"),
-                              _int(p["dst_offset"], "dst_offset"))
+        src = self._view(request.src_session, request.src)
+        dst = self._view(session, request.dst)
+        self.backend.copy_d2d(src, dst, request.size, request.src_offset, request.dst_offset)
         self.backend.synchronize()
 
-    def op_peer_export(self, session: str, p: dict[str, Any]) -> Any:
-        handle, size = self._peer_backend("export_peer")(self._view(session, p["buf"]))
-        return {"handle": handle, "size": size}
+    def export(self, session: str, request: PeerExport) -> PeerExported:
+        handle, size = self._peer_backend("export_peer")(self._view(session, request.buf))
+        return PeerExported(handle, size)
 
-    def op_peer_open(self, session: str, p: dict[str, Any]) -> Any:
-        src_device, size = _int(p["src_device"], "src_device"), _int(p["size"], "size")
-        ptr = self._peer_backend("open_peer")(bytes(p["handle"]), src_device)
-        return self.peer_imports.add(_Import(session, ptr, src_device, size))
+    def open(self, session: str, request: PeerOpen) -> str:
+        ptr = self._peer_backend("open_peer")(request.handle, request.src_device)
+        return self.imports.add(_Import(session, ptr, request.src_device, request.size))
 
-    def op_peer_copy(self, session: str, p: dict[str, Any]) -> Any:
-        entry = self.peer_imports.get(session, p["import"])
-        src_offset, size = _int(p["src_offset"], "src_offset"), _int(p["size"], "size")
+    def copy(self, session: str, request: PeerCopy) -> None:
+        entry = self.imports.get(session, request.import_id)
+        src_offset, size = request.src_offset, request.size
         if src_offset + size > entry.size:
             raise OutOfRange(f"{size} bytes at offset {src_offset} run past the peer's {entry.size}-byte allocation")
-        self._peer_backend("copy_from_peer")(entry.ptr + src_offset, self._view(session, p["dst"]),
-                                             _int(p["dst_offset"], "dst_offset"), size)
+        self._peer_backend("copy_from_peer")(entry.ptr + src_offset, self._view(session, request.dst),
+                                             request.dst_offset, size)
 
-    def op_peer_close(self, session: str, p: dict[str, Any]) -> Any:
-        self._peer_backend("close_peer")(self.peer_imports.pop(session, p["import"]).ptr)
+    def close(self, session: str, request: PeerClose) -> None:
+        self._peer_backend("close_peer")(self.imports.pop(session, request.import_id).ptr)
 
-    def close_peer_imports(self, session: str) -> None:
+    def close_session(self, session: str) -> None:
         """The session ends: unmap what it opened (errors are logged; the rest still close)."""
-        for entry in self.peer_imports.pop_session(session):
+        for entry in self.imports.pop_session(session):
             try:
                 self._peer_backend("close_peer")(entry.ptr)
             except GpuBrokerError as exc:

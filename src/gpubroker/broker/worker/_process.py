@@ -16,36 +16,70 @@ import selectors
 import socket
 import sys
 from dataclasses import asdict
+from typing import Literal
 
-from gpubroker.broker.worker._links import CONTROL
+import msgspec
+
 from gpubroker.broker.worker._main import EXIT_FATAL, WorkerServer
-from gpubroker.wire.errors import GpuBrokerError, Internal
-from gpubroker.wire.worker import FrameClosed, recv_frame, send_frame
+from gpubroker.wire.errors import GpuBrokerError, Internal, InvalidArgument
+from gpubroker.wire.worker import (
+    CONTROL,
+    MAX_FRAME,
+    FrameClosed,
+    FromWorker,
+    Grant,
+    Revoke,
+    Yield,
+    decode_to_worker,
+    decode_worker_message,
+    encode,
+    recv_payload,
+    send_payload,
+)
 
 __all__ = ["main", "serve"]
 
 log = logging.getLogger("gpubroker.worker")
 
 
+def _reply(sock: socket.socket, req_id: int, status: Literal[0, 1], body: object) -> None:
+    send_payload(sock, encode(FromWorker(req_id, status, body)))
+
+
 def _serve_front(sock: socket.socket, server: WorkerServer) -> int | None:
     """One request (or lease message) from the front; an exit code when the worker must stop."""
     try:
-        req_id, op, session, params = recv_frame(sock)
+        payload = recv_payload(sock, MAX_FRAME)
     except FrameClosed:
         return 0
-    if req_id == CONTROL:
-        server.links.on_control(op)
-        return None
+    # The front's frames are the front's (trusted): one that is not even an envelope is a bug on its side, and the
+    # worker stops rather than guess which request it was.
+    frame = decode_to_worker(payload)
     fatal = False
+    what = "a request"
     try:
-        reply = [req_id, 0, server.handle(op, session, params if params is not None else {})]
+        message = decode_worker_message(frame.body)
+        what = type(message).__name__
+        if isinstance(message, (Grant, Yield, Revoke)):
+            if frame.id == CONTROL:
+                server.links.on_control(message)
+                return None
+            raise InvalidArgument(f"a lease message ({type(message).__name__}) with a request's id")
+        if frame.id == CONTROL:
+            raise InvalidArgument(f"a request ({type(message).__name__}) with the lease messages' id")
+        reply: tuple[Literal[0, 1], object] = (0, server.handle(frame.session, message))
+    except msgspec.DecodeError as exc:
+        reply = (1, InvalidArgument(f"malformed worker request: {exc}").as_wire())
     except GpuBrokerError as exc:
         fatal = bool(exc.details.get("fatal"))
-        reply = [req_id, 1, exc.to_wire()]
+        reply = (1, exc.as_wire())
     except Exception as exc:  # a bug or an untranslated runtime error: report it, keep serving
-        log.exception("worker op %s failed", op)
-        reply = [req_id, 1, Internal(f"{type(exc).__name__}: {exc}").to_wire()]
-    send_frame(sock, reply)
+        log.exception("worker request %s failed", what)
+        reply = (1, Internal(f"{type(exc).__name__}: {exc}").as_wire())
+    if frame.id != CONTROL:
+        _reply(sock, frame.id, *reply)
+    else:  # (nothing to answer: a lease message has no reply)
+        log.error("a lease message the worker cannot take: %s", reply[1])
     return EXIT_FATAL if fatal else None
 
 
@@ -141,12 +175,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         backend = open_backend(args.backend, args.device)
-        send_frame(sock, [0, 0, asdict(backend.device_info())])
+        _reply(sock, 0, 0, asdict(backend.device_info()))  # (the front reads it as a DeviceInfoQuery's result)
     except GpuBrokerError as exc:
-        send_frame(sock, [0, 1, exc.to_wire()])
+        _reply(sock, 0, 1, exc.as_wire())
         return 2
     except Exception as exc:
-        send_frame(sock, [0, 1, Internal(f"device init failed: {type(exc).__name__}: {exc}").to_wire()])
+        _reply(sock, 0, 1, Internal(f"device init failed: {type(exc).__name__}: {exc}").as_wire())
         return 2
     server = WorkerServer(backend, args.tenant, args.device)
     # What exists now (the runtime, the device's bindings) lives as long as the worker: out of the collector's

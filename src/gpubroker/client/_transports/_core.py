@@ -15,7 +15,14 @@ import lz4.block
 import msgspec
 
 from gpubroker.wire.commands import Ack, Batch, BufRef, Command, CommandError, Read, Write, decode_ack, encode
-from gpubroker.wire.errors import DeadlineExceeded, GpuBrokerError, InvalidArgument, Unavailable, error_from_wire
+from gpubroker.wire.errors import (
+    DeadlineExceeded,
+    GpuBrokerError,
+    InvalidArgument,
+    Unavailable,
+    WireError,
+    error_from_wire,
+)
 
 __all__ = ["ENVELOPE", "BatchingTransport", "Lost", "Transport", "command_error", "read_into"]
 
@@ -101,9 +108,7 @@ def read_into(out: memoryview, start: int, size: int, codec: str = "") -> Callab
 def command_error(e: CommandError, own: bool) -> GpuBrokerError:
     """The error of a failed command: as its own call's error (``own``), or deferred, naming the command."""
     message = e.message if own else f"command {e.seq} ({e.command}) failed: {e.message}"
-    details = dict(e.details) if isinstance(e.details, dict) else {}
-    details.update(seq=e.seq, command=e.command)
-    return error_from_wire(e.code, message, e.type or None, details)
+    return error_from_wire(WireError(e.code, message, e.type, {**e.details, "seq": e.seq, "command": e.command}))
 
 
 @dataclass(slots=True)

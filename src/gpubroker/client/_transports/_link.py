@@ -24,7 +24,14 @@ from gpubroker.client._tls import TlsOptions
 from gpubroker.client._transports._core import ENVELOPE, BatchingTransport, Lost, read_into
 from gpubroker.wire.commands import BufRef, Read
 from gpubroker.wire.errors import GpuBrokerError, Unavailable
-from gpubroker.wire.frames import FRAME_HEADER, FrameClosed, FrameRefused, FrameTooLarge, recv_payload, send_payload
+from gpubroker.wire.frames import (
+    FRAME_HEADER,
+    FrameClosed,
+    FrameRefused,
+    FrameTooLarge,
+    recv_payload,
+    send_payload,
+)
 from gpubroker.wire.link import LINK_VERSION, Hello, LinkAccepted, Malformed, encode, open_answer
 
 __all__ = ["HELLO_REPLY_MAX", "STRIPE_MIN", "TCP_STRIPES", "VMADDR_CID_HOST", "Connector", "FramedLink",

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from gpubroker.broker.front.scheduler._device import DeviceScheduler
+from gpubroker.wire.worker import Grant, LeaseToFront, LeaseToWorker, Released, Revoke, Want, Yield
 
 __all__ = ["TurnLease"]
 
@@ -14,14 +15,15 @@ log = logging.getLogger("gpubroker.scheduler")
 
 
 class TurnLease:
-    """Turns taken on a worker's behalf: "want" from the worker starts one, "released" ends it.
+    """Turns taken on a worker's behalf: Want from the worker starts one, Released ends it.
 
-    The scheduler preempts a lease like any holder: when others wait the worker is sent "yield" (give the turn
+    The scheduler preempts a lease like any holder: when others wait the worker is sent Yield (give the turn
     back as soon as the call in hand is done, so each of its calls is one turn, as through the front) and when
-    the holder's slice is over, "revoke" (give it back now). Messages go out in order, after the "grant".
+    the holder's slice is over, Revoke (give it back now). Messages go out in order, after the Grant.
     """
 
-    def __init__(self, scheduler: DeviceScheduler, tenant: str, send: Callable[[str], Awaitable[None]]) -> None:
+    def __init__(self, scheduler: DeviceScheduler, tenant: str,
+                 send: Callable[[LeaseToWorker], Awaitable[None]]) -> None:
         self.scheduler = scheduler
         self.tenant = tenant
         self._send = send
@@ -32,12 +34,12 @@ class TurnLease:
         self._asked = 0  # the strongest request (yield 1, revoke 2) made of the current turn
         self._closed = False
 
-    def on_message(self, op: str) -> None:
-        if op == "want":
+    def on_message(self, message: LeaseToFront) -> None:
+        if isinstance(message, Want):
             self._wanted = True
             if self._task is None and not self._closed:
                 self._task = asyncio.get_running_loop().create_task(self._hold())
-        elif op == "released" and self._released is not None and not self._released.done():
+        elif isinstance(message, Released) and self._released is not None and not self._released.done():
             self._released.set_result(None)
 
     def close(self) -> None:
@@ -48,16 +50,16 @@ class TurnLease:
 
     async def _hold(self) -> None:
         try:
-            # A "want" that arrives while the last turn is being given back is served by the next round.
+            # A Want that arrives while the last turn is being given back is served by the next round.
             while self._wanted and not self._closed:
                 self._wanted = False
                 self._released = asyncio.get_running_loop().create_future()
                 self._granted, self._asked = False, 0
                 async with self.scheduler.turn(self.tenant, preempt=self._preempt):
-                    await self._send("grant")
+                    await self._send(Grant())
                     self._granted = True
                     if self._asked:  # asked to give the turn back before the worker even had it
-                        await self._send("revoke" if self._asked == 2 else "yield")
+                        await self._send(Revoke() if self._asked == 2 else Yield())
                     await self._released
         except asyncio.CancelledError:
             pass
@@ -72,12 +74,12 @@ class TurnLease:
             return
         self._asked = level
         if self._granted:
-            task = asyncio.get_running_loop().create_task(self._ask("revoke" if hard else "yield"))
+            task = asyncio.get_running_loop().create_task(self._ask(Revoke() if hard else Yield()))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    async def _ask(self, op: str) -> None:
+    async def _ask(self, message: LeaseToWorker) -> None:
         try:
-            await self._send(op)
+            await self._send(message)
         except Exception:
             if self._released is not None and not self._released.done():
                 self._released.set_result(None)  # nobody left to answer: end the turn here

@@ -16,42 +16,57 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import msgpack
+import msgspec
+from msgspec import Raw
 
 from gpubroker.broker.front.workers._cpu import WorkerCpu
 from gpubroker.broker.front.workers._output import WorkerOutput, escape
 from gpubroker.broker.front.workers._replies import (
     WorkerLied,
-    check_result,
+    check_ack,
     decode_control,
     decode_error,
-    decode_result,
+    decode_reply,
     device_info_from_dict,
+    first_words,
 )
 from gpubroker.broker.sandbox import EXIT_SETUP_FAILED, Launch, WorkerSandbox, python_argv
-from gpubroker.wire.commands import Ack, Batch, CopyShared, DeviceInfoQuery, LoadModule, Read, Write
+from gpubroker.wire.commands import Ack, Batch, DeviceInfoQuery
 from gpubroker.wire.errors import FailedPrecondition, GpuBrokerError, ResourceExhausted, Unavailable, WorkerCrashed
 from gpubroker.wire.types import DeviceInfo
-from gpubroker.wire.worker import CONTROL, EXIT_FATAL, FRAME_HEADER, MAX_FRAME, FrameClosed, FrameRefused, read_reply
+from gpubroker.wire.worker import (
+    CONTROL,
+    EXIT_FATAL,
+    FRAME_HEADER,
+    MAX_FRAME,
+    FrameClosed,
+    FrameRefused,
+    FromWorker,
+    Grant,
+    LeaseToFront,
+    LeaseToWorker,
+    Released,
+    RunBatch,
+    TakeDeviceTime,
+    ToWorker,
+    Want,
+    WorkerRequest,
+    encode,
+    read_reply,
+)
 
 __all__ = ["CONTROL", "DEFAULT_SEND_BUFFER", "DEFAULT_WRITE_STALL", "EXIT_FATAL", "WorkerClient",
            "device_info_from_dict"]
 
+T = TypeVar("T")
+
 log = logging.getLogger("gpubroker.workers")
 
-# Requests the front makes of a worker on its own account; any other is the tenant's, and once one has been
-# served the worker has run tenant code (a kernel, a compile, a module load, or whatever a request can reach).
-_FRONT_OPS = frozenset({"device_info", "take_device_time", "close_session", "ping", "set_limits", "usage",
-                        "close_links", "pin", "unpin"})
 # Replies to requests whose callers gave up are remembered (to tell them from replies to requests never made)
 # up to this many; past it the oldest are forgotten, and a late reply to one of those counts as a lie.
 _ABANDONED_MAX = 65536
-# Commands whose work the worker does on the host's CPU outside any device turn: compiles and copies. Only while
-# one of these is in flight may a worker use CPU outside its turns (the CPU watch); a tenant that keeps cheap calls
-# (allocations, frees) going does not earn its leftover threads a CPU.
-_HOST_WORK = (LoadModule, Write, Read, CopyShared)
 # Fence charges may exceed the wall time since the last fence by this much (clock granularity, and the
 # worker's timer starting a hair before the front's).
 _CHARGE_SLACK = 0.05
@@ -82,13 +97,10 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
-def _frame_size(frame: list[Any]) -> int:
-    """About the bytes ``frame`` encodes to, without encoding it: its params' bytes and strings (a batch, a module
+def _frame_size(message: msgspec.Struct) -> int:
+    """About the bytes ``message`` encodes to, without encoding it: its bytes and strings (a batch, a module
     source) and an allowance for the rest of it (ids, names, numbers)."""
-    params = frame[3]
-    if type(params) is not dict:
-        return _FRAME_ALLOWANCE
-    return _FRAME_ALLOWANCE + sum(len(v) for v in params.values() if type(v) in (bytes, str))
+    return _FRAME_ALLOWANCE + sum(len(v) for v in msgspec.structs.astuple(message) if type(v) in (bytes, str))
 
 
 class WorkerClient:
@@ -98,20 +110,20 @@ class WorkerClient:
     backend), so anything the worker writes on its socket may be forged. The front therefore
 
     - reads frames of at most ``max_reply_bytes`` (the largest honest reply: a copy chunk plus its envelope)
-      and only msgpack of the shape ``[id, status, result]``;
+      and only the protocol's envelope (gpubroker/wire/worker.py ``FromWorker``), its body left encoded;
     - takes replies only to requests it made: an id it never issued, or one already answered, is a lie (replies
       to requests whose caller gave up are remembered and dropped);
-    - checks each result against the request (workers/_replies.py): handles are short strings, a read returns
-      exactly the bytes asked for, a batch error names one of the batch's commands, device info has every field
-      of its type, a peer export is no larger than its allocation;
+    - decodes each result as the type its request returns (``WorkerRequest``'s type parameter) and nothing else,
+      and checks it against the request (workers/_replies.py): a read returns exactly the bytes asked for, a batch
+      error names one of the batch's commands, device info has every field of its type;
     - rebuilds errors only as gpubroker classes of a status a worker may report (never UNAUTHENTICATED or
       PERMISSION_DENIED, never an arbitrary class), message cut at 4 KiB, details bounded to short scalars;
     - decodes a batch's answer as an Ack and holds it to the batch (``check_ack``): its id, no more commands done
       than it held, an error only for one of them, a read's result exactly the bytes asked for;
     - takes memory use (fences, usage, lease releases) only as integers >= 0, and the front clamps it to the
       tenant's quota (the mirror only informs placement and views: the worker enforces the quota);
-    - takes lease messages (``CONTROL``) only of the known ops and in protocol order: one ``want`` per grant the
-      front sends, one ``released`` per grant, which bounds their rate by the front's own grants;
+    - takes lease messages (``CONTROL``) only of the known kinds and in protocol order: one ``Want`` per grant the
+      front sends, one ``Released`` per grant, which bounds their rate by the front's own grants;
     - takes fence charges (``take_device_time``) only finite and >= 0, and no more than the wall time since the
       worker's previous fence (cut to it), so a worker cannot make itself dearer, nor others cheaper, than the
       device was; making itself cheaper is bounded by the scheduler, which charges a holder at least the wall
@@ -152,8 +164,8 @@ class WorkerClient:
         self.max_reply_bytes = max_reply_bytes
         self._ids = itertools.count(1)
         self._last_id = 0
-        # Each request's future, op and what its reply is checked against (its params; a batch: the Batch).
-        self._pending: dict[int, tuple[asyncio.Future[Any], str, Any]] = {}
+        # Each request's future, the request, and (a batch) the Batch its Ack is held to.
+        self._pending: dict[int, tuple[asyncio.Future[Any], WorkerRequest[Any], Batch | None]] = {}
         self._abandoned: dict[int, None] = {}  # (ordered: the oldest is forgotten first)
         # Set when the front kills the worker for a cause (a time limit, a lie): its callers get this error,
         # and the death is its tenant's failure.
@@ -162,7 +174,7 @@ class WorkerClient:
         # Who the death is charged to, once decided by the pool: "tenant", "device" or None (a stop, a drain).
         self.blame: str | None = None
         self._dying: asyncio.Future[None] | None = None
-        self._want_pending = False  # a lease "want" not yet answered with a grant
+        self._want_pending = False  # a lease Want not yet answered with a grant
         self._grants_out = 0  # grants sent and not yet given back
         self._last_take: float | None = None
         self._started = time.monotonic()
@@ -177,7 +189,7 @@ class WorkerClient:
         self._stalled_since: float | None = None
         self._stopping = False
         # Lease messages from the worker (its direct client links want, or gave back, the tenant's turn).
-        self.on_control: Callable[[str], None] | None = None
+        self.on_control: Callable[[LeaseToFront], None] | None = None
         self.on_death: list[Callable[[], None]] = []
         # The worker's device memory use as it reports it (fences, usage, lease releases), checked >= 0.
         self.on_memory: Callable[[WorkerClient, int], None] | None = None
@@ -251,7 +263,7 @@ class WorkerClient:
                 self._launch.started()
         reader, self._writer = await asyncio.open_unix_connection(sock=parent, limit=1 << 20)
         try:
-            _, status, result = await asyncio.wait_for(read_reply(reader, self.max_reply_bytes), timeout)
+            first = await asyncio.wait_for(read_reply(reader, self.max_reply_bytes), timeout)
         except (FrameClosed, TimeoutError, FrameRefused, ValueError, TypeError) as exc:
             await self.kill()
             code = self.process.returncode
@@ -262,41 +274,41 @@ class WorkerClient:
             raise Unavailable(f"worker for tenant {self.tenant!r} on device {self.device} failed to start "
                               f"({how})") from None
         try:  # (a worker's start runs no tenant code, but its answer is checked all the same)
-            error = decode_error(result) if status != 0 else None
-            self.info = device_info_from_dict(decode_result("device_info", result)) if error is None else None
+            words = first_words(first.status, first.body)
         except WorkerLied as exc:
             await self.kill()
             raise Unavailable(f"worker for tenant {self.tenant!r} on device {self.device} failed to start "
                               f"(it answered with {exc})") from None
-        if error is not None:
+        if isinstance(words, GpuBrokerError):
             await self.kill()
-            raise error
-        assert self.info is not None
+            raise words
+        self.info = words
         self._reader_task = asyncio.create_task(self._read_replies(reader), name=f"worker-{self.tenant}-{self.device}")
         log.info("worker for tenant %s on device %d started (pid %d)", self.tenant, self.device, self.process.pid)
         return self.info
 
-    async def call(self, op: str, session: str, **params: Any) -> Any:
-        """Run one operation; raises the worker's error, or WorkerCrashed if it dies meanwhile."""
-        return await self._call(op, session, params, None)
+    async def call(self, request: WorkerRequest[T], session: str = "", fd: int | None = None) -> T:
+        """Run one request (in ``session``, for those of a session); its result, of the type the request returns.
+        Raises the worker's error, or WorkerCrashed if it dies meanwhile.
+
+        With ``fd`` (a request with a ``token`` field), the fd is passed on the fd channel and the worker receives
+        it while serving the request: it goes out just before the request, under the same lock and with no await in
+        between, so the worker (which reads the channel in request order) pairs them; a one-time token checks the
+        pairing.
+        """
+        result: T = await self._call(request, session, fd)
+        return result
 
     async def run_batch(self, session: str, batch: Batch, encoded: bytes) -> Ack:
         """Run ``batch`` (``encoded`` is its encoding) in the session; its Ack, checked against it."""
         # A batch that only asks what the device is runs none of the tenant's code (the front's own, at a session's
         # opening): a death after it is still the device's.
         front = all(isinstance(command, DeviceInfoQuery) for command in batch.commands)
-        host_work = any(isinstance(command, _HOST_WORK) for command in batch.commands)
-        ack: Ack = await self._call("batch", session, {"batch": encoded}, None, check=batch, front=front,
-                                    host_work=host_work)
+        # Only while a compile or a copy (``host_work``) is in flight may a worker use CPU outside its turns (the
+        # CPU watch); a tenant that keeps cheap calls (allocations, frees) going does not earn its threads a CPU.
+        host_work = any(command.host_work for command in batch.commands)
+        ack: Ack = await self._call(RunBatch(encoded), session, None, batch=batch, front=front, host_work=host_work)
         return ack
-
-    async def call_with_fd(self, op: str, session: str, fd: int, **params: Any) -> Any:
-        """Run ``op`` with ``fd`` passed on the fd channel; the worker receives it while serving ``op``.
-
-        The fd goes out just before the request, under the same lock and with no await in between, so the
-        worker (which reads the channel in request order) pairs them; a one-time token checks the pairing.
-        """
-        return await self._call(op, session, params, fd)
 
     def death_error(self) -> GpuBrokerError:
         """What a call on the dead worker fails with: its fault's status (a time limit: DEADLINE_EXCEEDED), else
@@ -306,25 +318,23 @@ class WorkerClient:
         death = self.death or "the worker is gone"
         return WorkerCrashed(death)
 
-    async def _call(self, op: str, session: str, params: dict[str, Any], fd: int | None, check: Any = None,
+    async def _call(self, request: WorkerRequest[Any], session: str, fd: int | None, batch: Batch | None = None,
                     front: bool = False, host_work: bool = True) -> Any:
         if self.death is not None:
             raise self.death_error()
         if self._writer is None:
             raise FailedPrecondition("worker not started")
         self.last_used = time.monotonic()
-        if op not in _FRONT_OPS and not front:
+        if request.tenant_code and not front:
             self.tenant_code_ran = True
         req_id = self._last_id = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         # A caller cancelled in the very step its reply or the worker's death arrived never reads the outcome.
         fut.add_done_callback(_retrieve)
-        self._pending[req_id] = (fut, op, params if check is None else check)
+        self._pending[req_id] = (fut, request, batch)
         try:
-            if fd is None:
-                await self._send([req_id, op, session, params])
-            else:  # (the token is made under the lock, the fd sent just before the request: see call_with_fd)
-                await self._send([req_id, op, session, params], fd)
+            # (with an fd, its token is made under the lock, the fd sent just before the request: see call)
+            await self._send(ToWorker(req_id, session, request), fd)
         except GpuBrokerError:  # the fd could not be passed, or no room: nothing was sent
             self._pending.pop(req_id, None)
             raise
@@ -372,16 +382,14 @@ class WorkerClient:
         charged more (which would make others look cheap beside it).
         """
         since = self._last_take if self._last_take is not None else self._started
-        result = await self.call("take_device_time", "")
+        result = await self.call(TakeDeviceTime())
         now = time.monotonic()
         self._last_take = now
-        seconds: Any = result.get("seconds") if type(result) is dict else None
-        used: Any = result.get("memory_used") if type(result) is dict else None
-        if (type(seconds) not in (int, float) or not math.isfinite(seconds) or seconds < 0
-                or type(used) is not int or used < 0):
-            self._lied(f"a device-time charge of {str(result)[:60]}")
+        seconds = result.seconds  # (the type has it a float >= 0, and the memory used a count)
+        if not math.isfinite(seconds):
+            self._lied(f"a device-time charge of {str(seconds)[:60]}")
             raise WorkerCrashed(self.death or "the worker was killed for a bad device-time charge")
-        self.memory_reported(used)
+        self.memory_reported(result.memory_used)
         wall = now - since + _CHARGE_SLACK
         if seconds > wall:
             log.info("tenant %s: a device-time charge of %.3f s over %.3f s of wall time, charged as the wall time",
@@ -389,23 +397,21 @@ class WorkerClient:
             return wall
         return float(seconds)
 
-    def memory_reported(self, used: Any) -> None:
-        """The worker's memory use, from any of its reports: an integer >= 0, or the worker lied."""
-        if type(used) is not int or used < 0:
-            self._lied(f"a memory use of {str(used)[:40]}")
-            raise WorkerCrashed(self.death or "the worker was killed for a bad memory report")
+    def memory_reported(self, used: int) -> None:
+        """The worker's memory use, from any of its reports (decoded as a count >= 0)."""
         if self.on_memory is not None:
             self.on_memory(self, used)
 
-    async def send_control(self, op: str) -> None:
-        """A lease message to the worker ("grant" or "revoke"); no reply."""
+    async def send_control(self, message: LeaseToWorker) -> None:
+        """A lease message to the worker (Grant, Yield or Revoke); no reply."""
         if self.death is not None or self._writer is None:
             raise WorkerCrashed(self.death or "worker not started")
-        if op == "grant":
+        if isinstance(message, Grant):
             self._want_pending = False
             self._grants_out += 1
         try:
-            await self._send([CONTROL, op, "", None], capped=False)  # (their number is bounded by the grants)
+            # (their number is bounded by the grants)
+            await self._send(ToWorker(CONTROL, "", message), capped=False)
         except (ConnectionError, OSError):
             await self._died()
             raise self.death_error() from None
@@ -415,7 +421,7 @@ class WorkerClient:
         assert self._writer is not None
         return self._writer.transport.get_write_buffer_size() + self._waiting_bytes
 
-    async def _send(self, frame: list[Any], fd: int | None = None, capped: bool = True) -> None:
+    async def _send(self, frame: ToWorker[Any], fd: int | None = None, capped: bool = True) -> None:
         """Write ``frame`` once the worker's socket has room for it (below the transport's high-water mark).
 
         Waiting comes before the write, not after: a caller cancelled while it waits (its deadline) leaves
@@ -426,7 +432,7 @@ class WorkerClient:
         """
         assert self._writer is not None
         writer = self._writer
-        size = _frame_size(frame)
+        size = _frame_size(frame.body)
         queued = self._queued_bytes()
         if capped and queued > 0 and queued + size > self.send_buffer_bytes:
             raise ResourceExhausted(
@@ -440,9 +446,10 @@ class WorkerClient:
             async with self._write_lock:
                 await self._room(writer)
                 if fd is not None:
-                    frame[3] = {**frame[3], "token": self._send_fd(fd)}
+                    frame = ToWorker(frame.id, frame.session, msgspec.structs.replace(frame.body,
+                                                                                    token=self._send_fd(fd)))
                 # Encoded only now, with room for it: a request waiting holds no encoded copy of itself.
-                payload: bytes = msgpack.packb(frame, use_bin_type=True)
+                payload = encode(frame)
                 writer.writelines((FRAME_HEADER.pack(len(payload)), payload))  # (no joined copy of a large one)
         finally:
             self._waiting_bytes -= size
@@ -494,12 +501,14 @@ class WorkerClient:
             self._lied(str(exc))
         await self._died()
 
-    def _take(self, frame: tuple[int, int | str, Any]) -> None:
-        """One frame from the worker (its result still encoded): a reply to a pending request, or a lease message;
+    def _take(self, frame: FromWorker[Raw]) -> None:
+        """One frame from the worker (its body still encoded): a reply to a pending request, or a lease message;
         WorkerLied otherwise."""
-        req_id, status, result = frame
+        req_id, status, body = frame.id, frame.status, frame.body
         if req_id == CONTROL:
-            self._control(status, decode_control(result))
+            if status != 0:
+                raise WorkerLied("a lease message of status 1")
+            self._control(decode_control(body))
             return
         pending = self._pending.pop(req_id, None)
         if pending is None:
@@ -508,14 +517,14 @@ class WorkerClient:
                 return
             raise WorkerLied(f"a reply to request {req_id}, which " + (
                 "was already answered" if 0 < req_id <= self._last_id else "the front never made"))
-        fut, op, params = pending
+        fut, request, batch = pending
         try:
-            if status == 0:
-                outcome: Any = check_result(op, params, decode_result(op, result))
-            elif status == 1:
-                outcome = decode_error(result)
+            if status == 1:
+                outcome: Any = decode_error(body)
             else:
-                raise WorkerLied(f"a reply of status {str(status)[:20]}")
+                outcome = decode_reply(type(request), body)
+                if batch is not None:
+                    outcome = check_ack(batch, outcome)
         except WorkerLied:
             self._pending[req_id] = pending  # its caller learns of the worker's death with the others
             raise
@@ -526,25 +535,19 @@ class WorkerClient:
         else:
             fut.set_exception(outcome)
 
-    def _control(self, op: Any, extra: Any) -> None:
-        if op == "want":
+    def _control(self, message: LeaseToFront) -> None:
+        if isinstance(message, Want):
             if self._want_pending:
                 raise WorkerLied("a second lease 'want' before the front granted the first")
             self._want_pending = True
-        elif op == "released":
+        elif isinstance(message, Released):
             if self._grants_out <= 0:
                 raise WorkerLied("a lease 'released' with no turn granted")
             self._grants_out -= 1
-            if extra is not None:  # the memory use its links' commands left
-                used = extra.get("memory_used") if type(extra) is dict else None
-                if type(used) is not int or used < 0:
-                    raise WorkerLied("a lease 'released' with a memory use that is no count")
-                if self.on_memory is not None:
-                    self.on_memory(self, used)
-        else:
-            raise WorkerLied(f"an unknown lease message {str(op)[:40]!r}")
+            if message.memory_used is not None and self.on_memory is not None:  # what its links' commands left
+                self.on_memory(self, message.memory_used)
         if self.on_control is not None:
-            self.on_control(op)
+            self.on_control(message)
 
     def _lied(self, reason: str) -> None:
         """Kill the worker now for breaking the protocol; the reader then reports its death."""

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from gpubroker.broker.front.workers._client import DEFAULT_SEND_BUFFER, DEFAULT_WRITE_STALL, EXIT_FATAL, WorkerClient
 from gpubroker.broker.sandbox import WorkerSandbox
 from gpubroker.wire.errors import GpuBrokerError, Unavailable
-from gpubroker.wire.worker import MAX_FRAME
+from gpubroker.wire.worker import MAX_FRAME, SetLimits
 
 __all__ = ["TenantCrashes", "WorkerPool"]
 
@@ -133,7 +133,7 @@ class WorkerPool:
         self._settling: dict[int, asyncio.TimerHandle] = {}
         # What each worker enforces (memory quota, handles and streams per session), sent right after it starts
         # and at every reload; and where its reports of memory use go (the sessions' mirror).
-        self.limits: Callable[[str, int], dict[str, int]] | None = None
+        self.limits: Callable[[str, int], SetLimits] | None = None
         self.on_memory: Callable[[WorkerClient, int], None] | None = None
 
     def workers(self) -> list[WorkerClient]:
@@ -169,7 +169,7 @@ class WorkerPool:
         worker.on_memory = self.on_memory
         if self.limits is not None:
             try:  # before any session can use it: the quota holds from the first allocation
-                await worker.call("set_limits", "", **self.limits(*key))
+                await worker.call(self.limits(*key))
             except BaseException:
                 await worker.kill()
                 raise
@@ -183,7 +183,7 @@ class WorkerPool:
         for (tenant, device), worker in list(self._workers.items()):
             if worker.alive:
                 try:
-                    await worker.call("set_limits", "", **self.limits(tenant, device))
+                    await worker.call(self.limits(tenant, device))
                 except GpuBrokerError as exc:  # (it died meanwhile: its death is reported on its own)
                     log.info("set_limits for tenant %s on device %d: %s", tenant, device, exc.message)
 
