@@ -37,6 +37,7 @@ from gpubroker.v1 import broker_pb2 as pb
 from ..auth import RateLimitedLog
 from ..config import BrokerConfig
 from ..workers import WorkerClient
+from ._grpc_peers import grpc_peer
 from ._metrics import HEALTH_REASONS
 
 __all__ = ["APPLICATION_XIDS", "BROKER_SERVICE", "BrokerHealth", "device_service"]
@@ -258,7 +259,7 @@ class StreamLimiter:
     @contextlib.asynccontextmanager
     async def slot(self, context: grpc.aio.ServicerContext[Any, Any], what: str) -> AsyncIterator[None]:
         """Hold one stream slot for the ``with`` body; abort the call with RESOURCE_EXHAUSTED when none is free."""
-        peer = _peer_host(context.peer())
+        peer = _peer_host(grpc_peer(context))
         total, per_peer = self.config.max_health_streams, self.config.max_health_streams_per_peer
         refusal = None
         if self.open >= total:

@@ -43,8 +43,8 @@ from ..workers import WorkerClient, WorkerPool, cpu_count, device_info_from_dict
 from . import _systemd
 from ._admin import AdminService
 from ._cpuwatch import CpuWatch
-from ._credentials import link_tls, tcp_credentials
-from ._grpc_peers import GrpcPeerCensus
+from ._credentials import _is_loopback, link_tls, tcp_credentials
+from ._grpc_peers import GrpcGate
 from ._health import BrokerHealth
 from ._links import LinkServer, fast_path_address
 from ._metrics import MetricsLimits, MetricsServer, serve_metrics
@@ -111,16 +111,22 @@ def _milliseconds(seconds: float) -> int:
     return max(1, min(2**31 - 1, int(seconds * 1000)))
 
 
+# Descriptors one gRPC connection takes in the broker: the client's socket and the gate's socket to gRPC (both the
+# gate's), and gRPC's end of that.
+DESCRIPTORS_PER_CONNECTION = 3
+
+
 def grpc_connection_cap(configured: int) -> int:
     """``max_grpc_connections``, held to half the broker's descriptor limit: however many connections a flood
-    opens, the other half stays for the workers' pipes and sockets, the links and shared memory (gRPC itself
-    backs off when accept fails, but a worker that cannot start fails its tenant's session)."""
+    opens, the other half stays for the workers' pipes and sockets, the links and shared memory (the gate backs
+    off when accept fails, but a worker that cannot start fails its tenant's session)."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or configured <= soft // 2:
+    if soft == resource.RLIM_INFINITY or configured * DESCRIPTORS_PER_CONNECTION <= soft // 2:
         return configured
-    cap = max(1, soft // 2)
-    log.warning("max_grpc_connections = %d, but the broker may open only %d descriptors: at most %d gRPC "
-                "connections are kept (raise LimitNOFILE / ulimit -n for more)", configured, soft, cap)
+    cap = max(1, soft // 2 // DESCRIPTORS_PER_CONNECTION)
+    log.warning("max_grpc_connections = %d, but the broker may open only %d descriptors (%d for each gRPC "
+                "connection): at most %d gRPC connections are kept (raise LimitNOFILE / ulimit -n for more)",
+                configured, soft, DESCRIPTORS_PER_CONNECTION, cap)
     return cap
 
 
@@ -162,7 +168,7 @@ class Broker:
         self._kills: set[asyncio.Task[None]] = set()
         self.metrics: MetricsServer | None = None
         self.sandbox: WorkerSandbox | None = None
-        self.census: GrpcPeerCensus | None = None
+        self.gate: GrpcGate | None = None
         self._removing = asyncio.Lock()  # deletions of stale compile caches, one at a time
         self._removals: set[asyncio.Task[None]] = set()
         self.cpu_watch: CpuWatch | None = None
@@ -243,13 +249,12 @@ class Broker:
             # is two minutes).
             ("grpc.server_handshake_timeout_ms", max(1, int(cfg.hello_timeout_seconds * 1000))),
             # After it: a connection that sent the HTTP/2 preface and SETTINGS is past the handshake, so on its
-            # own it would stay open for good. gRPC closes one with no call in flight after grpc_idle_seconds, holds
-            # at most max_grpc_connections at once (closing more as they are accepted) and lets each open at most
-            # max_grpc_streams_per_connection calls; the calls themselves are limited per session and tenant.
+            # own it would stay open for good. gRPC closes one with no call in flight after grpc_idle_seconds and
+            # lets each open at most max_grpc_streams_per_connection calls; the calls themselves are limited per
+            # session and tenant. (How many connections there are, in all and per peer, the gate decides as it
+            # accepts them: _grpc_peers.py. gRPC's own cap would count the gate's connections, which close a
+            # moment before gRPC sees them go.)
             ("grpc.max_connection_idle_ms", _milliseconds(cfg.grpc_idle_seconds)),
-            # (gRPC counts them per listener: each of the listen addresses gets its share of the cap)
-            ("grpc.max_allowed_incoming_connections",
-             max(1, grpc_connection_cap(cfg.max_grpc_connections) // len(cfg.listen))),
             ("grpc.max_concurrent_streams", cfg.max_grpc_streams_per_connection),
             *_keepalive_options(),
         ])
@@ -262,32 +267,40 @@ class Broker:
         await self.health.start()
         # One count of unauthenticated connections across every raw listener (.fast and .shm of each socket).
         gate = PreAuthGate(cfg)
+        # gRPC listens only on Unix sockets of the broker's own; the gate accepts on the listen addresses, caps
+        # connections in all and per peer as it accepts them, and relays each to gRPC (_grpc_peers.py).
+        self.gate = GrpcGate(grpc_connection_cap(cfg.max_grpc_connections), cfg.max_grpc_connections_per_peer,
+                             self.health.refusals)
         for address in cfg.listen:
             if address.startswith("unix:"):
                 path = Path(address[len("unix:"):])
                 _prepare_unix_socket(path)
+                public = self.gate.listen_unix(
+                    path, lambda p: _secure_unix_socket(p, cfg.socket_mode, cfg.socket_group))
                 # Local credentials: the only way gRPC lets call credentials (the bearer token) ride a socket.
-                self.server.add_secure_port(address, grpc.local_server_credentials(grpc.LocalConnectionType.UDS))
-                self.ports.append(address)
+                credentials = grpc.local_server_credentials(grpc.LocalConnectionType.UDS)
             else:
-                port = self.server.add_secure_port(address, tcp_creds[address])
-                self.ports.append(address.rsplit(":", 1)[0] + f":{port}")
+                # Loopback without TLS: local credentials, whose check (a loopback peer) is the gate's, since
+                # gRPC sees a Unix socket; TLS (or insecure plaintext) passes through the gate untouched.
+                local = cfg.tls is None and _is_loopback(address.rsplit(":", 1)[0].strip("[]"))
+                public = self.gate.listen_tcp(address, loopback_only=local)
+                credentials = (grpc.local_server_credentials(grpc.LocalConnectionType.UDS) if local
+                               else tcp_creds[address])
+            self.server.add_secure_port(self.gate.private_address(public), credentials)
+            self.ports.append(public)
         await self.server.start()
-        self.census = GrpcPeerCensus(self.ports, cfg.max_grpc_connections_per_peer)
-        self.census.start()
+        self.gate.start()
         # The framed link: the front authenticates its hello, then the session's worker serves it (_links.py).
         self.links = LinkServer(service, gate, cfg.max_links_per_tenant, cfg.link_handoff_timeout_seconds)
         for address in self.ports:
-            if address.startswith("unix:"):
-                _secure_unix_socket(Path(address[len("unix:"):]), cfg.socket_mode, cfg.socket_group)
-                if cfg.fast_path:
-                    path = Path(fast_path_address(address[len("unix:"):]))
-                    _prepare_unix_socket(path)
-                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    sock.bind(str(path))
-                    _secure_unix_socket(path, cfg.socket_mode, cfg.socket_group)  # before anyone can connect
-                    sock.listen(128)
-                    self.links.listen_socket(sock, str(path), path)
+            if address.startswith("unix:") and cfg.fast_path:
+                path = Path(fast_path_address(address[len("unix:"):]))
+                _prepare_unix_socket(path)
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.bind(str(path))
+                _secure_unix_socket(path, cfg.socket_mode, cfg.socket_group)  # before anyone can connect
+                sock.listen(128)
+                self.links.listen_socket(sock, str(path), path)
         if cfg.link_listen:
             host, port = split_host_port(cfg.link_listen)
             service.link_port = await self.links.listen_tcp(host, port, link_context)
@@ -319,7 +332,9 @@ class Broker:
             # grpcio cannot listen on vsock: relay VM connections to our Unix socket, whose local credentials
             # then carry the bearer token exactly as for a local client.
             try:
-                self.relay = await serve_relay(vsock_listener(cfg.vsock_port), unix_paths[0],
+                # (straight to gRPC's listener behind it: the relay caps VMs, each a peer of its own, itself)
+                private = self.gate.private_address(f"unix:{Path(unix_paths[0])}")[len("unix:"):]
+                self.relay = await serve_relay(vsock_listener(cfg.vsock_port), private,
                                                max_per_peer=cfg.max_unauthenticated_per_uid,
                                                idle_seconds=cfg.connection_idle_seconds)
             except BaseException:
@@ -501,10 +516,12 @@ class Broker:
             self._drain_task.cancel()
         if self.links is not None:
             await self.links.stop()
+        if self.gate is not None:
+            await self.gate.close_listeners()  # no new connections; those open get gRPC's grace
         if self.server is not None:
             await self.server.stop(grace)
-        if self.census is not None:
-            await self.census.stop()
+        if self.gate is not None:
+            await self.gate.stop()
         if self.shm is not None:
             await self.shm.close()
         if self.relay is not None:

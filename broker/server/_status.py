@@ -19,6 +19,7 @@ from gpubroker.client import GpuBrokerError, Internal, InvalidArgument, Unavaila
 from ..auth import Authenticator, Principal, RateLimitedLog, failure_delay, wait_failure_delay
 from ..logs import bind_log_context, log_context
 from ..sessions import Session, out_of_descriptors
+from ._grpc_peers import grpc_peer
 from ._metrics import observe_rpc
 
 __all__ = ["ERROR_TRAILER", "Context", "add_servicer", "cancel_and_wait", "descriptors_exhausted", "log_failure",
@@ -75,7 +76,7 @@ def principal_of(auth: Authenticator, context: Context) -> Principal:
         auth_context = context.auth_context() or {}
     except Exception:  # local credentials carry no auth context on some grpc builds
         auth_context = {}
-    principal = auth.authenticate(context.invocation_metadata(), auth_context, context.peer(), current_method.get())
+    principal = auth.authenticate(context.invocation_metadata(), auth_context, grpc_peer(context), current_method.get())
     bind_log_context(tenant=principal.tenant)
     return principal
 
