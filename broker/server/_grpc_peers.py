@@ -492,16 +492,16 @@ class GrpcGate:
             return f"{_tcp_name(host, port)} is not a loopback peer (the listener has local credentials)"
         if loopback or host == _plain(conn.getsockname()[0]):
             try:
-                uid = self._owners.of(conn, (host, port))
+                owner = self._owners.of(conn, (host, port))
             except OSError as exc:
                 return f"{_tcp_name(host, port)}: cannot tell who owns it ({exc.strerror})"
-            if uid is None:
+            if owner is None:
                 # (a local peer whose socket is gone already; or, through the host's own address, a peer in
                 # another network namespace, whose sockets these lookups do not see: counted by its address)
                 if loopback:
                     return f"{_tcp_name(host, port)}: its socket is gone"
                 return _Peer(host, _tcp_name(host, port))
-            return _Peer(f"uid {uid}", f"{_tcp_name(host, port)} uid={uid}")
+            return _Peer(f"uid {owner}", f"{_tcp_name(host, port)} uid={owner}")
         return _Peer(host, _tcp_name(host, port))
 
     def _refuse(self, conn: socket.socket, listener: _Listener, reason: str, peer: _Peer | None, why: str) -> None:
