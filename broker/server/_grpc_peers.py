@@ -249,6 +249,7 @@ class GrpcGate:
         self.max_per_peer = max_per_peer
         self.open = 0
         self.per_peer: dict[str, int] = {}
+        self.accept_failures = 0  # accept() out of descriptors (or memory): each time, the gate backs off
         # (endpoint, reason) -> count, for gpubroker_endpoint_refusals: its keys are set here, before the gate's
         # thread counts into them, so that a scrape iterating it never sees it grow.
         self.refusals = refusals if refusals is not None else {}
@@ -430,6 +431,7 @@ class GrpcGate:
                 return
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self.accept_failures += 1
                     self._back_off(listener, exc)
                     return
                 if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
@@ -439,7 +441,8 @@ class GrpcGate:
                 return
             listener.backoff = 0.0
             try:
-                self._admit(listener, conn, address)
+                if not self._admit(listener, conn, address):
+                    return
             except Exception as exc:  # one connection's failure must not stop the listener
                 conn.close()
                 log.error("gRPC listener %s: admitting a connection failed: %r", listener.public, exc)
@@ -449,8 +452,9 @@ class GrpcGate:
         backlog (or are refused by the kernel once it is full) meanwhile."""
         assert self._loop is not None
         listener.backoff = min(ACCEPT_BACKOFF_MAX, max(ACCEPT_BACKOFF, listener.backoff * 2))
-        self._audit.warning("grpc accept", "action=refuse-connection listener=%s reason=accept failed (%s): "
-                            "accepting again in %.2f s", listener.public, exc.strerror, listener.backoff)
+        self._audit.warning("grpc accept", "action=pause-accept listener=%s reason=accept failed (%s): accepting "
+                            "again in %.2f s (connections wait in the backlog)", listener.public, exc.strerror,
+                            listener.backoff)
         self._loop.remove_reader(listener.sock.fileno())
         self._loop.call_later(listener.backoff, self._resume, listener)
 
@@ -459,26 +463,37 @@ class GrpcGate:
             assert self._loop is not None
             self._loop.add_reader(listener.sock.fileno(), self._accept, listener)
 
-    def _admit(self, listener: _Listener, conn: socket.socket, address: Any) -> None:
+    def _admit(self, listener: _Listener, conn: socket.socket, address: Any) -> bool:
+        """Relay ``conn``, or refuse it; whether to go on accepting now."""
         if self.open >= self.max_connections:
             self._refuse(conn, listener, "connections", None, f"{self.open} gRPC connections open, the broker's "
                          f"max_grpc_connections ({self.max_connections})")
-            return
+            return True
         peer = self._identify(listener, conn, address)
         if isinstance(peer, str):
             self._refuse(conn, listener, "not local", None, peer)
-            return
+            return True
         held = self.per_peer.get(peer.key, 0)
         if held >= self.max_per_peer:
             self._refuse(conn, listener, "peer connections", peer, f"{peer.key} holds {held} gRPC connections, "
                          f"max_grpc_connections_per_peer")
-            return
+            return True
+        try:
+            # The socket to gRPC, now: a connection accepted is one that has both its descriptors.
+            backend = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as exc:
+            conn.close()
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                self._back_off(listener, exc)
+                return False
+            raise
         self.open += 1
         self.per_peer[peer.key] = held + 1
         relay = _Relay(self, peer)
         self._relays.add(relay)
         assert self._loop is not None
-        relay.task = self._loop.create_task(relay.open(conn, listener.private))
+        relay.task = self._loop.create_task(relay.open(conn, backend, listener.private))
+        return True
 
     def _identify(self, listener: _Listener, conn: socket.socket, address: Any) -> _Peer | str:
         """Who is at the other end of ``conn``; a string saying why it may not connect, if it may not."""
@@ -597,9 +612,8 @@ class _Relay:
         self.task: asyncio.Task[None] | None = None
         self._cut: asyncio.TimerHandle | None = None
 
-    async def open(self, conn: socket.socket, private: str) -> None:
+    async def open(self, conn: socket.socket, backend: socket.socket, private: str) -> None:
         loop = asyncio.get_running_loop()
-        backend = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             backend.setblocking(False)
             conn.setblocking(False)

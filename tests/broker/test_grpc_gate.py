@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -163,6 +166,16 @@ def test_the_total_cap_holds_over_every_listener_and_peer() -> None:
     asyncio.run(main())
 
 
+class _Context:
+    """What grpc_peer asks of a gRPC servicer context."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
+
+
 def test_grpc_is_told_the_peer_the_gate_accepted() -> None:
     async def main() -> None:
         async with running_gate(max_connections=4, max_per_peer=4) as (_gate, unix, tcp):
@@ -174,12 +187,8 @@ def test_grpc_is_told_the_peer_the_gate_accepted() -> None:
                     "unix:" if expected else "ipv4:"))
                 assert seen.startswith("unix-abstract:")
 
-                class Context:
-                    def peer(self) -> str:
-                        return seen
-
                 local = writer.get_extra_info("sockname")
-                assert gate_module.grpc_peer(Context()) == (
+                assert gate_module.grpc_peer(_Context(seen)) == (
                     expected or f"ipv4:127.0.0.1:{local[1]} uid={os.geteuid()}")
                 writer.close()
                 await writer.wait_closed()
@@ -198,3 +207,95 @@ def test_a_non_loopback_peer_is_refused_on_a_listener_with_local_credentials() -
         listener.sock.close()
     finally:
         asyncio.run(gate.stop())
+
+
+# A gate in a process of its own, allowed few descriptors (its backend in another, as gRPC would be in the broker
+# but with descriptors of its own here): connections past what the gate can accept wait in the backlog while it
+# backs off (it does not spin), and are relayed once descriptors are free again.
+ECHO = """
+import socket, sys, threading
+server = socket.socket(socket.AF_UNIX)
+server.bind(sys.argv[1])
+server.listen(1024)
+print("up", flush=True)
+def echo(conn):
+    with conn:
+        while data := conn.recv(65536):
+            conn.sendall(data)
+while True:
+    threading.Thread(target=echo, args=(server.accept()[0],), daemon=True).start()
+"""
+OUT_OF_DESCRIPTORS = """
+import asyncio, resource, subprocess, sys
+from pathlib import Path
+from gpubroker.broker.server._grpc_peers import GrpcGate
+
+async def main():
+    gate = GrpcGate(1000, 1000)
+    public = Path(gate.private_dir) / "public.sock"
+    gate.listen_unix(public, lambda _path: None)
+    echo = subprocess.Popen([sys.executable, "-c", sys.argv[1], gate.private_address(f"unix:{public}")[5:]],
+                            stdout=subprocess.PIPE, text=True)
+    echo.stdout.readline()
+    gate.start()
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (48, hard))
+    print(public, flush=True)
+    while await asyncio.to_thread(sys.stdin.readline):
+        print(gate.accept_failures, flush=True)
+    echo.kill()
+    await gate.stop()
+
+asyncio.run(main())
+"""
+
+
+def test_out_of_descriptors_the_gate_backs_off_and_accepts_again_later() -> None:
+    child = subprocess.Popen([sys.executable, "-c", OUT_OF_DESCRIPTORS, ECHO], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    stdin, stdout = child.stdin, child.stdout
+    assert stdin is not None and stdout is not None
+
+    def accept_failures() -> int:
+        stdin.write("\n")
+        stdin.flush()
+        return int(stdout.readline())
+
+    def echoed(sock: socket.socket) -> bool:
+        sock.settimeout(TIMEOUT)
+        try:
+            sock.sendall(b"ping")
+            return sock.recv(4) == b"ping"
+        except OSError:
+            return False
+
+    conns: list[socket.socket] = []
+    try:
+        path = stdout.readline().strip()
+        # Each relayed connection takes two of the gate's 48 descriptors: about 15 fit; the rest wait in the
+        # listener's backlog while accept fails with EMFILE.
+        for _ in range(40):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(path)
+            conns.append(sock)
+        assert echoed(conns[0]), "the first connection was not relayed"
+        waiting = conns[-1]
+        waiting.sendall(b"ping")
+        waiting.setblocking(False)
+        before, started = accept_failures(), time.monotonic()
+        time.sleep(1.0)  # (a window to count the gate's tries in, while it cannot accept)
+        tries, elapsed = accept_failures() - before, time.monotonic() - started
+        # Backing off, it tries again after 0.05 s, 0.1 s, ... 1 s; spinning, it would try thousands of times.
+        assert tries <= 10, f"the gate tried to accept {tries} times in {elapsed:.1f} s while out of descriptors"
+        with pytest.raises(BlockingIOError):
+            waiting.recv(4)  # (not relayed yet)
+        # Descriptors free again: the waiting connection is accepted and relayed.
+        for sock in conns[:-1]:
+            sock.close()
+        waiting.settimeout(TIMEOUT)
+        assert waiting.recv(4) == b"ping", "the waiting connection was never relayed"
+    finally:
+        for sock in conns:
+            sock.close()
+        stdin.close()
+        child.wait(timeout=TIMEOUT)
