@@ -11,6 +11,7 @@ socket: ``broker/server/_grpc_peers.py``.)
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import textwrap
 import time
@@ -19,7 +20,9 @@ from collections.abc import Iterator
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.client import GpuBrokerError, connect
+from gpubroker.client import GpuBrokerError, Unauthenticated, connect
+
+from ..helpers import wait_for
 
 PER_PEER = 8
 CALLS = 20
@@ -101,3 +104,15 @@ def test_one_local_user_cannot_evict_the_tcp_tenants(broker: BrokerProcess) -> N
     assert ok == CALLS, (f"a local user holding {PER_PEER} idle connections without a token made the tenant's calls "
                          f"fail ({ok} of {CALLS} succeeded): every local user is the same TCP peer")
     assert held == PER_PEER, f"the holder kept {held} connections, its cap is {PER_PEER}"
+
+
+def test_the_audit_names_a_local_tcp_peer_by_its_uid(broker: BrokerProcess) -> None:
+    """gRPC sees the gate's end of each connection; the audit lines name the peer the gate accepted."""
+    with pytest.raises(Unauthenticated):
+        connect(broker.tcp_target, token="gpb_000000000000_wrong", timeout=5, transport="grpc", shared_memory=False)
+    pattern = re.compile(rf"auth failure: peer=ipv4:127\.0\.0\.1:\d+ uid={os.geteuid()} ")
+
+    def audited() -> bool:
+        return bool(pattern.search(broker.log_path.read_text(errors="replace")))
+
+    wait_for(audited, 10.0, "an audit line naming the failed peer's address and uid")
