@@ -14,12 +14,19 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import pytest
+import uvloop
 
 from gpubroker.broker.server import _grpc_peers as gate_module
 from gpubroker.broker.server._grpc_peers import GrpcGate, socket_owner
 
 OTHER_UID = 65533
 TIMEOUT = 10.0
+
+
+@pytest.fixture(params=[False, True], ids=["front-loop", "own-thread"])
+def own_thread(request: pytest.FixtureRequest) -> bool:
+    """Where the gate relays: on the loop that runs it (the broker's), or on a thread and uvloop of its own."""
+    return bool(request.param)
 
 
 @contextmanager
@@ -81,9 +88,10 @@ async def _echo_server(path: str) -> asyncio.Server:
 
 
 @asynccontextmanager
-async def running_gate(max_connections: int, max_per_peer: int) -> AsyncIterator[tuple[GrpcGate, str, str]]:
+async def running_gate(max_connections: int, max_per_peer: int,
+                       own_thread: bool) -> AsyncIterator[tuple[GrpcGate, str, str]]:
     """A gate on a Unix socket and loopback TCP, relaying to an echo server: (the gate, its unix path, HOST:PORT)."""
-    gate = GrpcGate(max_connections, max_per_peer)
+    gate = GrpcGate(max_connections, max_per_peer, own_thread=own_thread)
     try:
         public = Path(gate.private_dir) / "public.sock"
         unix = gate.listen_unix(public, lambda _path: None)
@@ -114,9 +122,10 @@ async def _kept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> b
 
 
 @pytest.mark.parametrize("listener", ["unix", "tcp"])
-def test_connections_past_a_peers_cap_or_the_total_are_refused_as_they_are_accepted(listener: str) -> None:
+def test_connections_past_a_peers_cap_or_the_total_are_refused_as_they_are_accepted(listener: str,
+                                                                                     own_thread: bool) -> None:
     async def main() -> None:
-        async with running_gate(max_connections=5, max_per_peer=3) as (gate, unix, tcp):
+        async with running_gate(max_connections=5, max_per_peer=3, own_thread=own_thread) as (gate, unix, tcp):
             where = unix if listener == "unix" else tcp
             conns = [await _open(where) for _ in range(4)]
             kept = [await _kept(*c) for c in conns]
@@ -135,15 +144,15 @@ def test_connections_past_a_peers_cap_or_the_total_are_refused_as_they_are_accep
             for _reader, writer in [*conns[1:], again]:
                 writer.close()
 
-    asyncio.run(main())
+    uvloop.run(main())
 
 
-def test_the_total_cap_holds_over_every_listener_and_peer() -> None:
+def test_the_total_cap_holds_over_every_listener_and_peer(own_thread: bool) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root for a second local uid")
 
     async def main() -> None:
-        async with running_gate(max_connections=4, max_per_peer=3) as (gate, unix, tcp):
+        async with running_gate(max_connections=4, max_per_peer=3, own_thread=own_thread) as (gate, unix, tcp):
             mine = [await _open(unix) for _ in range(3)]
             assert all([await _kept(*c) for c in mine])
             # Another uid (its socket created as that uid) gets the one place left, on the other listener.
@@ -163,7 +172,7 @@ def test_the_total_cap_holds_over_every_listener_and_peer() -> None:
             for _reader, writer in [*mine, *theirs]:
                 writer.close()
 
-    asyncio.run(main())
+    uvloop.run(main())
 
 
 class _Context:
@@ -176,9 +185,9 @@ class _Context:
         return self._peer
 
 
-def test_grpc_is_told_the_peer_the_gate_accepted() -> None:
+def test_grpc_is_told_the_peer_the_gate_accepted(own_thread: bool) -> None:
     async def main() -> None:
-        async with running_gate(max_connections=4, max_per_peer=4) as (_gate, unix, tcp):
+        async with running_gate(max_connections=4, max_per_peer=4, own_thread=own_thread) as (_gate, unix, tcp):
             for where, expected in ((unix, f"unix:{unix} uid={os.geteuid()}"), (tcp, None)):
                 reader, writer = await _open(where)
                 assert await _kept(reader, writer)
@@ -193,7 +202,7 @@ def test_grpc_is_told_the_peer_the_gate_accepted() -> None:
                 writer.close()
                 await writer.wait_closed()
 
-    asyncio.run(main())
+    uvloop.run(main())
 
 
 def test_a_non_loopback_peer_is_refused_on_a_listener_with_local_credentials() -> None:
