@@ -26,9 +26,10 @@ relayed connection's peer by the address of the gate's end, an abstract Unix add
 (``unix-abstract:1f3a0``); ``grpc_peer`` maps it back to the peer the gate accepted.
 
 The relay forwards at the protocol level (each side's data is written to the other's transport; a side whose
-writes back up pauses the other's reads), on the front's event loop. On a thread of its own with its own uvloop
-(``own_thread``) it was no faster on the 2-core machine this was measured on: each relayed write then also hands
-the GIL between threads (gRPC unary round trips 0-60 us slower than on the front's loop, gRPC copies within noise).
+writes back up pauses the other's reads), on the front's event loop. It costs a gRPC unary round trip one more
+wakeup each way (40-60 us on the 2-core VM it was measured on, about 5-8% of a call; gRPC copies within noise).
+On a thread of its own with its own uvloop (``own_thread``) it was no faster there: each relayed write then also
+hands the GIL between threads (unary round trips up to 15% slower than on the front's loop, copies within noise).
 """
 
 from __future__ import annotations
