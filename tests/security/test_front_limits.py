@@ -6,6 +6,7 @@ and a tenant still opens a session and launches during it."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -31,12 +32,14 @@ READ_AHEAD_BUDGET = 16 * 1024**2  # max_read_ahead_bytes_per_tenant
 STREAMS = 12
 BATCHES = 6  # per stream: more than its read-ahead of 4
 CHUNK = 4 * 1024**2 - 64 * 1024  # one Write per batch, just under max_message_bytes (4 MiB)
-# The flood: raw TCP connections from another loopback address that send the HTTP/2 preface and SETTINGS, then
-# nothing, against a broker that may open 1024 descriptors (systemd's default soft limit).
+# The flood: raw TCP connections from another local user (a local TCP peer is its uid, whatever loopback address it
+# uses) that send the HTTP/2 preface and SETTINGS, then nothing, against a broker that may open 1024 descriptors
+# (systemd's default soft limit).
 FLOOD = 1000
 FLOOD_FROM = "127.0.0.2"
+FLOOD_UID = 65533
 DESCRIPTORS = 1024
-GRPC_CONNECTIONS = 64  # max_grpc_connections: 32 for each of the two listeners
+GRPC_CONNECTIONS = 64  # max_grpc_connections (the two listeners together)
 PER_PEER = 8  # max_grpc_connections_per_peer
 GRPC_IDLE = 15.0  # grpc_idle_seconds
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + an empty SETTINGS frame
@@ -158,23 +161,29 @@ def test_commands_streams_past_the_call_limit_are_refused_and_read_ahead_is_boun
 
 
 def _open_flood(target: str) -> tuple[list[socket.socket], int]:
-    """FLOOD raw connections from FLOOD_FROM, each sent the preface and SETTINGS; those connect refused or timed out
-    are counted, not kept."""
+    """FLOOD raw connections of FLOOD_UID from FLOOD_FROM, each sent the preface and SETTINGS; those connect refused
+    or timed out are counted, not kept."""
     host, port = target.rsplit(":", 1)
     flood, failed = [], 0
-    for _ in range(FLOOD):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.settimeout(2)
-        try:
-            sock.bind((FLOOD_FROM, 0))
-            sock.connect((host, int(port)))
-            sock.sendall(PREFACE)
-        except OSError:
-            sock.close()
-            failed += 1
-            continue
-        sock.setblocking(False)
-        flood.append(sock)
+    os.setegid(FLOOD_UID)
+    os.seteuid(FLOOD_UID)  # (a socket is owned by whoever created it: each of these is FLOOD_UID's)
+    try:
+        for _ in range(FLOOD):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.settimeout(2)
+            try:
+                sock.bind((FLOOD_FROM, 0))
+                sock.connect((host, int(port)))
+                sock.sendall(PREFACE)
+            except OSError:
+                sock.close()
+                failed += 1
+                continue
+            sock.setblocking(False)
+            flood.append(sock)
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
     return flood, failed
 
 
@@ -206,6 +215,8 @@ def _launch_and_sync(gpu: RemoteGpu) -> None:
 
 
 def test_a_flood_of_idle_http2_connections_is_capped_per_peer_and_timed_out(front: BrokerProcess) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to flood as another local user")
     began = time.monotonic()
     flood, failed = _open_flood(front.tcp_target)
     try:
@@ -215,7 +226,7 @@ def test_a_flood_of_idle_http2_connections_is_capped_per_peer_and_timed_out(fron
                  f"the flood held to {PER_PEER} connections (its peer's cap)")
         assert _still_open(flood) > 0 and time.monotonic() - began < GRPC_IDLE * 0.8, \
             "too slow to tell the per-peer cap from the idle timeout"
-        # A tenant on another address gets a new connection, a session and a launch meanwhile.
+        # A tenant of another uid gets a new connection, a session and a launch meanwhile.
         started = time.monotonic()
         with connect(front.tcp_target, token=front.tokens["bob"], tls=TlsOptions(insecure=True), timeout=30) as gpu:
             _launch_and_sync(gpu)

@@ -55,7 +55,7 @@ HELLO_TIMEOUT = 60.0
 TENANTS = [TenantSpec("alice", memory_quota=QUOTA), TenantSpec("bob"), TenantSpec("mallory"), TenantSpec("dora"),
            TenantSpec("ops", admin=True)]
 # What one connection may cost the front in descriptors, its own socket included, with room for the front's own
-# passing ones (the gRPC census and the CPU watch open /proc directories).
+# passing ones (the CPU watch opens /proc directories).
 DESCRIPTORS_PER_PEER = 8
 
 

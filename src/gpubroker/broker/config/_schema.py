@@ -335,15 +335,16 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_unauthenticated_per_uid: Annotated[int, Meta(ge=1, description=(
         "The same, per peer uid (SO_PEERCRED)."))] = 64
     max_grpc_connections: Annotated[int, Meta(ge=1, description=(
-        "gRPC connections the broker keeps open at once, authenticated or not, shared equally by its listen "
-        "addresses (each gets its share); more are closed as they are accepted. Never more than half the "
-        "broker's descriptor limit "
-        "(RLIMIT_NOFILE): the rest stay for workers, links and shared memory, so a flood of connections cannot "
-        "starve a tenant's new session of descriptors."))] = 512
+        "gRPC connections the broker keeps open at once, authenticated or not, over all its listen addresses; "
+        "more are refused as they are accepted. Each takes three of the broker's descriptors (the client's socket, "
+        "and the front's relay to gRPC's private socket), and together they never take more than half the "
+        "broker's descriptor limit (RLIMIT_NOFILE): the rest stay for workers, links and shared memory, so a flood "
+        "of connections cannot starve a tenant's new session of descriptors."))] = 512
     max_grpc_connections_per_peer: Annotated[int, Meta(ge=1, description=(
-        "gRPC connections one peer may hold at once, authenticated or not: a uid on a Unix socket (SO_PEERCRED), "
-        "an address on TCP. The broker counts them a few times a second and closes the newest past this, so a "
-        "flood from one peer leaves the rest of max_grpc_connections to everyone else."))] = 64
+        "gRPC connections one peer may hold at once, authenticated or not: a uid on a Unix socket (SO_PEERCRED) "
+        "and on TCP from this host (the uid owning the client's socket: every local user has address 127.0.0.1), "
+        "an address on other TCP. More are refused as they are accepted, so a flood from one peer, however fast "
+        "it reconnects, leaves the rest of max_grpc_connections to everyone else."))] = 64
     grpc_idle_seconds: Annotated[float, Meta(gt=0, description=(
         "A gRPC connection with no call in flight for this long is closed (HTTP/2 GOAWAY; a client reconnects "
         "at its next call): a connection that finished its handshake but never makes a call holds a slot of "

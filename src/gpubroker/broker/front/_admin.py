@@ -8,6 +8,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from gpubroker import __version__
+from gpubroker.broker.front._grpc_peers import grpc_peer
 from gpubroker.broker.front._health import BrokerHealth
 from gpubroker.broker.front._sessions import Session, SessionManager
 from gpubroker.broker.front._status import Context, principal_of, rpc
@@ -70,13 +71,13 @@ class AdminService(apb_grpc.AdminServicer):
         freed = session.memory_used
         await self.sessions.close(session, reason=f"ended by admin {admin}")
         audit.info("admin=%s action=end-session session=%s tenant=%s peer=%s", admin, session.id, session.tenant,
-                   context.peer())
+                   grpc_peer(context))
         return apb.EndSessionResponse(tenant=session.tenant, memory_freed=freed)
 
     @rpc
     async def Reload(self, request: apb.ReloadRequest, context: Context) -> apb.ReloadResponse:
         admin = self._admin(context, "Reload")
-        audit.info("admin=%s action=reload peer=%s", admin, context.peer())
+        audit.info("admin=%s action=reload peer=%s", admin, grpc_peer(context))
         return await self._reload()
 
     @rpc
@@ -86,7 +87,7 @@ class AdminService(apb_grpc.AdminServicer):
         if grace is not None and not (math.isfinite(grace) and grace >= 0):
             raise InvalidArgument(f"grace_seconds must be a finite number >= 0, got {grace}")
         audit.info("admin=%s action=drain grace=%s peer=%s", admin, "none" if grace is None else f"{grace:g}",
-                   context.peer())
+                   grpc_peer(context))
         if self._drain is not None:
             seconds_left = await self._drain(grace)
         else:

@@ -31,6 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from gpubroker.broker.config import BrokerConfig
+from gpubroker.broker.front._grpc_peers import grpc_peer
 from gpubroker.broker.front._metrics import HEALTH_REASONS
 from gpubroker.broker.front._status import Malformed, Unread, add_servicer
 from gpubroker.broker.front.auth import RateLimitedLog
@@ -282,7 +283,7 @@ class StreamLimiter:
     @contextlib.asynccontextmanager
     async def _hold(self, tally: _Tally, kind: str, context: grpc.aio.ServicerContext[Any, Any], what: str
                     ) -> AsyncIterator[None]:
-        peer = _peer_host(context.peer())
+        peer = _peer_host(grpc_peer(context))
         total, per_peer = self.config.max_health_streams, self.config.max_health_streams_per_peer
         refusal = None
         if tally.open >= total:

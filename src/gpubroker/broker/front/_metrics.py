@@ -101,7 +101,8 @@ ENDPOINT_REFUSALS = MetricSpec("gpubroker_endpoint_refusals", "counter", ("endpo
                                "Connections, requests and streams the unauthenticated endpoints refused or cut: "
                                "metrics (over max_metrics_connections or its per-peer cap, too slow, too large or not "
                                "a request, over the per-peer request rate), health (Watch and reflection streams over "
-                               "max_health_streams or its per-peer cap).")
+                               "max_health_streams or its per-peer cap), grpc (connections refused as they were "
+                               "accepted: over max_grpc_connections or max_grpc_connections_per_peer).")
 METRICS: tuple[MetricSpec, ...] = (MEMORY_USED, MEMORY_QUOTA, DEVICE_SECONDS, DEVICE_SHARE, SESSIONS, QUEUE_DEPTH,
                                    INFLIGHT, WORKER_UP, WORKER_RESTARTS, SCHEDULER_WAIT, SHARED_MEMORY, SHARED_LIMIT,
                                    TENANT_CRASHES, TENANT_BACKOFF, OUTPUT_DROPPED, DRAINING, ENDPOINT_REFUSALS)

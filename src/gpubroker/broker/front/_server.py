@@ -25,8 +25,8 @@ from gpubroker.broker.config import BrokerConfig, load_config, split_host_port
 from gpubroker.broker.front import _systemd
 from gpubroker.broker.front._admin import AdminService
 from gpubroker.broker.front._cpuwatch import CpuWatch
-from gpubroker.broker.front._credentials import link_tls, tcp_credentials
-from gpubroker.broker.front._grpc_peers import GrpcPeerCensus
+from gpubroker.broker.front._credentials import _is_loopback, link_tls, tcp_credentials
+from gpubroker.broker.front._grpc_peers import GrpcGate
 from gpubroker.broker.front._health import BrokerHealth
 from gpubroker.broker.front._links import LinkServer, fast_path_address
 from gpubroker.broker.front._metrics import MetricsLimits, MetricsServer, serve_metrics
@@ -104,16 +104,22 @@ def _milliseconds(seconds: float) -> int:
     return max(1, min(2**31 - 1, int(seconds * 1000)))
 
 
+# Descriptors one gRPC connection takes in the broker: the client's socket and the gate's socket to gRPC (both the
+# gate's), and gRPC's end of that.
+DESCRIPTORS_PER_CONNECTION = 3
+
+
 def grpc_connection_cap(configured: int) -> int:
     """``max_grpc_connections``, held to half the broker's descriptor limit: however many connections a flood
-    opens, the other half stays for the workers' pipes and sockets, the links and shared memory (gRPC itself
-    backs off when accept fails, but a worker that cannot start fails its tenant's session)."""
+    opens, the other half stays for the workers' pipes and sockets, the links and shared memory (the gate backs
+    off when accept fails, but a worker that cannot start fails its tenant's session)."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or configured <= soft // 2:
+    if soft == resource.RLIM_INFINITY or configured * DESCRIPTORS_PER_CONNECTION <= soft // 2:
         return configured
-    cap = max(1, soft // 2)
-    log.warning("max_grpc_connections = %d, but the broker may open only %d descriptors: at most %d gRPC "
-                "connections are kept (raise LimitNOFILE / ulimit -n for more)", configured, soft, cap)
+    cap = max(1, soft // 2 // DESCRIPTORS_PER_CONNECTION)
+    log.warning("max_grpc_connections = %d, but the broker may open only %d descriptors (%d for each gRPC "
+                "connection): at most %d gRPC connections are kept (raise LimitNOFILE / ulimit -n for more)",
+                configured, soft, DESCRIPTORS_PER_CONNECTION, cap)
     return cap
 
 
@@ -154,7 +160,7 @@ class Broker:
         self._kills: set[asyncio.Task[None]] = set()
         self.metrics: MetricsServer | None = None
         self.sandbox: WorkerSandbox | None = None
-        self.census: GrpcPeerCensus | None = None
+        self.gate: GrpcGate | None = None
         self._removing = asyncio.Lock()  # deletions of stale compile caches, one at a time
         self._removals: set[asyncio.Task[None]] = set()
         self.cpu_watch: CpuWatch | None = None
@@ -235,13 +241,12 @@ class Broker:
             # is two minutes).
             ("grpc.server_handshake_timeout_ms", max(1, int(cfg.hello_timeout_seconds * 1000))),
             # After it: a connection that sent the HTTP/2 preface and SETTINGS is past the handshake, so on its
-            # own it would stay open for good. gRPC closes one with no call in flight after grpc_idle_seconds, holds
-            # at most max_grpc_connections at once (closing more as they are accepted) and lets each open at most
-            # max_grpc_streams_per_connection calls; the calls themselves are limited per session and tenant.
+            # own it would stay open for good. gRPC closes one with no call in flight after grpc_idle_seconds and
+            # lets each open at most max_grpc_streams_per_connection calls; the calls themselves are limited per
+            # session and tenant. (How many connections there are, in all and per peer, the gate decides as it
+            # accepts them: _grpc_peers.py. gRPC's own cap would count the gate's connections, which close a
+            # moment before gRPC sees them go.)
             ("grpc.max_connection_idle_ms", _milliseconds(cfg.grpc_idle_seconds)),
-            # (gRPC counts them per listener: each of the listen addresses gets its share of the cap)
-            ("grpc.max_allowed_incoming_connections",
-             max(1, grpc_connection_cap(cfg.max_grpc_connections) // len(cfg.listen))),
             ("grpc.max_concurrent_streams", cfg.max_grpc_streams_per_connection),
             *_keepalive_options(),
             # No BDP probing: with it, gRPC widens every stream's flow-control window of a busy connection to
@@ -263,19 +268,29 @@ class Broker:
         await self.health.start()
         # One count of unauthenticated connections across every raw listener (.fast of each socket, vsock, TCP).
         gate = PreAuthGate(cfg)
+        # gRPC listens only on Unix sockets of the broker's own; the gate accepts on the listen addresses, caps
+        # connections in all and per peer as it accepts them, and relays each to gRPC (_grpc_peers.py).
+        self.gate = GrpcGate(grpc_connection_cap(cfg.max_grpc_connections), cfg.max_grpc_connections_per_peer,
+                             self.health.refusals)
         for address in cfg.listen:
             if address.startswith("unix:"):
                 path = Path(address[len("unix:"):])
                 _prepare_unix_socket(path)
+                public = self.gate.listen_unix(
+                    path, lambda p: _secure_unix_socket(p, cfg.socket_mode, cfg.socket_group))
                 # Local credentials: the only way gRPC lets call credentials (the bearer token) ride a socket.
-                self.server.add_secure_port(address, grpc.local_server_credentials(grpc.LocalConnectionType.UDS))
-                self.ports.append(address)
+                credentials = grpc.local_server_credentials(grpc.LocalConnectionType.UDS)
             else:
-                port = self.server.add_secure_port(address, tcp_creds[address])
-                self.ports.append(address.rsplit(":", 1)[0] + f":{port}")
+                # Loopback without TLS: local credentials, whose check (a loopback peer) is the gate's, since
+                # gRPC sees a Unix socket; TLS (or insecure plaintext) passes through the gate untouched.
+                local = cfg.tls is None and _is_loopback(address.rsplit(":", 1)[0].strip("[]"))
+                public = self.gate.listen_tcp(address, loopback_only=local)
+                credentials = (grpc.local_server_credentials(grpc.LocalConnectionType.UDS) if local
+                               else tcp_creds[address])
+            self.server.add_secure_port(self.gate.private_address(public), credentials)
+            self.ports.append(public)
         await self.server.start()
-        self.census = GrpcPeerCensus(self.ports, cfg.max_grpc_connections_per_peer)
-        self.census.start()
+        self.gate.start()
         # The framed link: the front authenticates its hello, then the session's worker serves it (_links.py); on
         # "<socket>.fast" beside each Unix socket a hello may ask for shared-memory segments instead, which the
         # front registers itself (_segments.py). With fast_path = false that socket serves segments only.
@@ -319,7 +334,9 @@ class Broker:
             # grpcio cannot listen on vsock: relay VM connections to our Unix socket, whose local credentials
             # then carry the bearer token exactly as for a local client.
             try:
-                self.relay = await serve_relay(vsock_listener(cfg.vsock_port), unix_paths[0],
+                # (straight to gRPC's listener behind it: the relay caps VMs, each a peer of its own, itself)
+                private = self.gate.private_address(f"unix:{Path(unix_paths[0])}")[len("unix:"):]
+                self.relay = await serve_relay(vsock_listener(cfg.vsock_port), private,
                                                max_per_peer=cfg.max_unauthenticated_per_uid,
                                                idle_seconds=cfg.connection_idle_seconds)
             except BaseException:
@@ -501,10 +518,12 @@ class Broker:
             self._drain_task.cancel()
         if self.links is not None:
             await self.links.stop()
+        if self.gate is not None:
+            await self.gate.close_listeners()  # no new connections; those open get gRPC's grace
         if self.server is not None:
             await self.server.stop(grace)
-        if self.census is not None:
-            await self.census.stop()
+        if self.gate is not None:
+            await self.gate.stop()
         if self.relay is not None:
             # After the server's grace period, so VM clients get it too; what is left of theirs ends here.
             self.relay.close()

@@ -15,6 +15,7 @@ from typing import Any, TypeAlias, TypeVar
 import grpc
 import msgspec
 
+from gpubroker.broker.front._grpc_peers import grpc_peer
 from gpubroker.broker.front._metrics import observe_rpc
 from gpubroker.broker.front._sessions import Session, SessionManager, out_of_descriptors
 from gpubroker.broker.front.auth import Authenticator, Principal, RateLimitedLog, failure_delay, wait_failure_delay
@@ -91,7 +92,7 @@ def _authenticate(auth: Authenticator, context: Context) -> Principal:
         auth_context = context.auth_context() or {}
     except Exception:  # local credentials carry no auth context on some grpc builds
         auth_context = {}
-    principal = auth.authenticate(context.invocation_metadata(), auth_context, context.peer(), current_method.get())
+    principal = auth.authenticate(context.invocation_metadata(), auth_context, grpc_peer(context), current_method.get())
     bind_log_context(tenant=principal.tenant)
     return principal
 

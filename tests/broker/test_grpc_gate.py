@@ -1,0 +1,310 @@
+"""The gRPC gate in-process (``broker/server/_grpc_peers.py``): who owns a local TCP connection, the caps at accept,
+the relay both ways and the peer gRPC's handlers are told. A real broker behind it: the tests in tests/security."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+
+import pytest
+import uvloop
+
+from gpubroker.broker.server import _grpc_peers as gate_module
+from gpubroker.broker.server._grpc_peers import GrpcGate, socket_owner
+
+OTHER_UID = 65533
+TIMEOUT = 10.0
+
+
+@pytest.fixture(params=[False, True], ids=["front-loop", "own-thread"])
+def own_thread(request: pytest.FixtureRequest) -> bool:
+    """Where the gate relays: on the loop that runs it (the broker's), or on a thread and uvloop of its own."""
+    return bool(request.param)
+
+
+@contextmanager
+def tcp_pair(host: str = "127.0.0.1", as_uid: int | None = None) -> Iterator[tuple[socket.socket, socket.socket]]:
+    """(the accepted end, the client's end) of a TCP connection on ``host``; the client's socket created by
+    ``as_uid`` (root only)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as listener:
+        listener.bind((host, 0))
+        listener.listen()
+        if as_uid is not None:
+            os.seteuid(as_uid)
+        try:
+            client = socket.socket(family, socket.SOCK_STREAM)
+        finally:
+            if as_uid is not None:
+                os.seteuid(0)
+        with client:
+            client.connect(listener.getsockname())
+            accepted, _ = listener.accept()
+            with accepted:
+                yield accepted, client
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_the_owner_of_a_local_tcp_connection_is_its_client_sockets_uid(host: str) -> None:
+    if host == "::1" and not _has_ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    uid = OTHER_UID if os.geteuid() == 0 else None
+    with tcp_pair(host, as_uid=uid) as (accepted, _client):
+        expected = uid if uid is not None else os.geteuid()
+        assert socket_owner(accepted) == expected
+        # The fallback where sock_diag is missing: /proc/net/tcp{,6} says the same.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        peer, local = accepted.getpeername()[:2], accepted.getsockname()[:2]
+        assert gate_module._proc_owner(family, peer, local) == expected
+    # A connection whose client end is gone has no owner.
+    assert gate_module._SockDiag().owner(socket.AF_INET, ("127.0.0.1", 1), ("127.0.0.1", 2)) is None
+    assert gate_module._proc_owner(socket.AF_INET, ("127.0.0.1", 1), ("127.0.0.1", 2)) is None
+
+
+async def _echo_server(path: str) -> asyncio.Server:
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    return await asyncio.start_unix_server(echo, path)
+
+
+@asynccontextmanager
+async def running_gate(max_connections: int, max_per_peer: int,
+                       own_thread: bool) -> AsyncIterator[tuple[GrpcGate, str, str]]:
+    """A gate on a Unix socket and loopback TCP, relaying to an echo server: (the gate, its unix path, HOST:PORT)."""
+    gate = GrpcGate(max_connections, max_per_peer, own_thread=own_thread)
+    try:
+        public = Path(gate.private_dir) / "public.sock"
+        unix = gate.listen_unix(public, lambda _path: None)
+        tcp = gate.listen_tcp("127.0.0.1:0", loopback_only=True)
+        servers = [await _echo_server(gate.private_address(a)[len("unix:"):]) for a in (unix, tcp)]
+        gate.start()
+        yield gate, str(public), tcp
+    finally:
+        await gate.stop()
+        for server in servers:
+            server.close()
+
+
+async def _open(where: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    if where.startswith("/"):
+        return await asyncio.open_unix_connection(where)
+    host, port = where.rsplit(":", 1)
+    return await asyncio.open_connection(host, int(port))
+
+
+async def _kept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    """Whether the gate relays this connection (an echo comes back) rather than closing it."""
+    writer.write(b"ping")
+    try:
+        return await asyncio.wait_for(reader.readexactly(4), TIMEOUT) == b"ping"
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return False
+
+
+@pytest.mark.parametrize("listener", ["unix", "tcp"])
+def test_connections_past_a_peers_cap_or_the_total_are_refused_as_they_are_accepted(listener: str,
+                                                                                     own_thread: bool) -> None:
+    async def main() -> None:
+        async with running_gate(max_connections=5, max_per_peer=3, own_thread=own_thread) as (gate, unix, tcp):
+            where = unix if listener == "unix" else tcp
+            conns = [await _open(where) for _ in range(4)]
+            kept = [await _kept(*c) for c in conns]
+            assert kept == [True, True, True, False], "the fourth connection of one peer passed its cap of 3"
+            assert gate.per_peer == {f"uid {os.geteuid()}": 3} and gate.open == 3
+            assert gate.refusals[("grpc", "peer connections")] == 1
+            # One closed gives its place back at once.
+            conns[0][1].close()
+            await conns[0][1].wait_closed()
+            for _ in range(int(TIMEOUT / 0.01)):
+                if gate.open == 2:
+                    break
+                await asyncio.sleep(0.01)
+            again = await _open(where)
+            assert await _kept(*again)
+            for _reader, writer in [*conns[1:], again]:
+                writer.close()
+
+    uvloop.run(main())
+
+
+def test_the_total_cap_holds_over_every_listener_and_peer(own_thread: bool) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root for a second local uid")
+
+    async def main() -> None:
+        async with running_gate(max_connections=4, max_per_peer=3, own_thread=own_thread) as (gate, unix, tcp):
+            mine = [await _open(unix) for _ in range(3)]
+            assert all([await _kept(*c) for c in mine])
+            # Another uid (its socket created as that uid) gets the one place left, on the other listener.
+            host, port = tcp.rsplit(":", 1)
+            os.seteuid(OTHER_UID)
+            try:
+                others = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(2)]
+            finally:
+                os.seteuid(0)
+            for sock in others:
+                sock.setblocking(False)
+                await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+            theirs = [await asyncio.open_connection(sock=sock) for sock in others]
+            assert [await _kept(*c) for c in theirs] == [True, False]
+            assert gate.per_peer == {f"uid {os.geteuid()}": 3, f"uid {OTHER_UID}": 1}
+            assert gate.refusals[("grpc", "connections")] == 1
+            for _reader, writer in [*mine, *theirs]:
+                writer.close()
+
+    uvloop.run(main())
+
+
+class _Context:
+    """What grpc_peer asks of a gRPC servicer context."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
+
+
+def test_grpc_is_told_the_peer_the_gate_accepted(own_thread: bool) -> None:
+    async def main() -> None:
+        async with running_gate(max_connections=4, max_per_peer=4, own_thread=own_thread) as (_gate, unix, tcp):
+            for where, expected in ((unix, f"unix:{unix} uid={os.geteuid()}"), (tcp, None)):
+                reader, writer = await _open(where)
+                assert await _kept(reader, writer)
+                # What gRPC sees: the gate's end, an abstract Unix address, which grpc_peer maps back.
+                seen = next(name for name in gate_module._relayed if gate_module._relayed[name].startswith(
+                    "unix:" if expected else "ipv4:"))
+                assert seen.startswith("unix-abstract:")
+
+                local = writer.get_extra_info("sockname")
+                assert gate_module.grpc_peer(_Context(seen)) == (
+                    expected or f"ipv4:127.0.0.1:{local[1]} uid={os.geteuid()}")
+                writer.close()
+                await writer.wait_closed()
+
+    uvloop.run(main())
+
+
+def test_a_non_loopback_peer_is_refused_on_a_listener_with_local_credentials() -> None:
+    gate = GrpcGate(4, 4)
+    try:
+        listener = gate_module._Listener(socket.socket(), "127.0.0.1:1", "/nonexistent", loopback_only=True)
+        with tcp_pair() as (accepted, _client):
+            assert isinstance(gate._identify(listener, accepted, ("10.1.2.3", 5000)), str)
+            assert gate._identify(listener, accepted, accepted.getpeername()) == gate_module._Peer(
+                f"uid {os.geteuid()}", f"ipv4:127.0.0.1:{accepted.getpeername()[1]} uid={os.geteuid()}")
+        listener.sock.close()
+    finally:
+        asyncio.run(gate.stop())
+
+
+# A gate in a process of its own, allowed few descriptors (its backend in another, as gRPC would be in the broker
+# but with descriptors of its own here): connections past what the gate can accept wait in the backlog while it
+# backs off (it does not spin), and are relayed once descriptors are free again.
+ECHO = """
+import socket, sys, threading
+server = socket.socket(socket.AF_UNIX)
+server.bind(sys.argv[1])
+server.listen(1024)
+print("up", flush=True)
+def echo(conn):
+    with conn:
+        while data := conn.recv(65536):
+            conn.sendall(data)
+while True:
+    threading.Thread(target=echo, args=(server.accept()[0],), daemon=True).start()
+"""
+OUT_OF_DESCRIPTORS = """
+import asyncio, resource, subprocess, sys
+from pathlib import Path
+from gpubroker.broker.server._grpc_peers import GrpcGate
+
+async def main():
+    gate = GrpcGate(1000, 1000)
+    public = Path(gate.private_dir) / "public.sock"
+    gate.listen_unix(public, lambda _path: None)
+    echo = subprocess.Popen([sys.executable, "-c", sys.argv[1], gate.private_address(f"unix:{public}")[5:]],
+                            stdout=subprocess.PIPE, text=True)
+    echo.stdout.readline()
+    gate.start()
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (48, hard))
+    print(public, flush=True)
+    while await asyncio.to_thread(sys.stdin.readline):
+        print(gate.accept_failures, flush=True)
+    echo.kill()
+    await gate.stop()
+
+asyncio.run(main())
+"""
+
+
+def test_out_of_descriptors_the_gate_backs_off_and_accepts_again_later() -> None:
+    child = subprocess.Popen([sys.executable, "-c", OUT_OF_DESCRIPTORS, ECHO], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    stdin, stdout = child.stdin, child.stdout
+    assert stdin is not None and stdout is not None
+
+    def accept_failures() -> int:
+        stdin.write("\n")
+        stdin.flush()
+        return int(stdout.readline())
+
+    def echoed(sock: socket.socket) -> bool:
+        sock.settimeout(TIMEOUT)
+        try:
+            sock.sendall(b"ping")
+            return sock.recv(4) == b"ping"
+        except OSError:
+            return False
+
+    conns: list[socket.socket] = []
+    try:
+        path = stdout.readline().strip()
+        # Each relayed connection takes two of the gate's 48 descriptors: about 15 fit; the rest wait in the
+        # listener's backlog while accept fails with EMFILE.
+        for _ in range(40):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(path)
+            conns.append(sock)
+        assert echoed(conns[0]), "the first connection was not relayed"
+        waiting = conns[-1]
+        waiting.sendall(b"ping")
+        waiting.setblocking(False)
+        before, started = accept_failures(), time.monotonic()
+        time.sleep(1.0)  # (a window to count the gate's tries in, while it cannot accept)
+        tries, elapsed = accept_failures() - before, time.monotonic() - started
+        # Backing off, it tries again after 0.05 s, 0.1 s, ... 1 s; spinning, it would try thousands of times.
+        assert tries <= 10, f"the gate tried to accept {tries} times in {elapsed:.1f} s while out of descriptors"
+        with pytest.raises(BlockingIOError):
+            waiting.recv(4)  # (not relayed yet)
+        # Descriptors free again: the waiting connection is accepted and relayed.
+        for sock in conns[:-1]:
+            sock.close()
+        waiting.settimeout(TIMEOUT)
+        assert waiting.recv(4) == b"ping", "the waiting connection was never relayed"
+    finally:
+        for sock in conns:
+            sock.close()
+        stdin.close()
+        child.wait(timeout=TIMEOUT)
