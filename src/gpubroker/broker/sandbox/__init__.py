@@ -85,9 +85,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["EXIT_SETUP_FAILED", "Launch", "SandboxUnavailable", "WorkerCgroups", "WorkerSandbox",
-           "WorkerUidsExhausted", "automatic_memory_max", "automatic_reserved", "cache_key", "default_cache_dir",
-           "python_argv", "set_dumpable"]
+__all__ = ["EXEC_ENV", "EXIT_SETUP_FAILED", "Launch", "SandboxUnavailable", "WorkerCgroups", "WorkerSandbox",
+           "WorkerUidsExhausted", "automatic_memory_max", "automatic_reserved", "cache_key", "confine_exec",
+           "default_cache_dir", "linker_files", "python_argv", "set_dumpable"]
 
 
 def set_dumpable(dumpable: bool) -> None:
@@ -109,6 +109,10 @@ def __getattr__(name: str) -> Any:
         from gpubroker.broker.sandbox._launch import EXIT_SETUP_FAILED
 
         return EXIT_SETUP_FAILED
+    if name in ("EXEC_ENV", "confine_exec", "linker_files"):  # the worker confines what it may execute
+        from gpubroker.broker.sandbox import _landlock
+
+        return getattr(_landlock, name)
     if name == "WorkerCgroups":
         from gpubroker.broker.sandbox._cgroup import WorkerCgroups
 

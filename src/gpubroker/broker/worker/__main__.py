@@ -2,8 +2,7 @@ import faulthandler
 import os
 import sys
 
-from gpubroker.broker.sandbox import EXIT_SETUP_FAILED, set_dumpable
-from gpubroker.broker.sandbox._landlock import EXEC_ENV, confine_exec, linker_files
+from gpubroker.broker.sandbox import EXEC_ENV, EXIT_SETUP_FAILED, confine_exec, linker_files, set_dumpable
 from gpubroker.broker.worker._process import main
 
 if __name__ == "__main__":
