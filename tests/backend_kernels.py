@@ -14,7 +14,7 @@ from typing import Protocol
 
 from gpubroker.client import GpuCompute, ModuleFormat
 
-__all__ = ["FORMAT", "KERNELS", "MODULE_KERNELS", "Backend", "unopened", "source"]
+__all__ = ["FORMAT", "KERNELS", "MODULE_KERNELS", "Backend", "module_source", "source", "unopened"]
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,12 @@ MODULE_KERNELS = ("vadd", "saxpy", "block_sum", "fill2d", "transpose", "fill_ind
 def source(backend: str, *names: str) -> str:
     """The kernels ``names`` in the dialect of ``backend`` ("cuda" or "opencl"), as one source."""
     return "\n".join(KERNELS[name].of(backend) for name in names) + "\n"
+
+
+def module_source(backend: str) -> str:
+    """The contract's module: the tests that compile a whole source compile this one, which PoCL's kernel cache
+    then holds (a build of it costs a loaded 2-core host half a second; a cache hit, nothing)."""
+    return source(backend, *MODULE_KERNELS)
 
 
 class Backend(GpuCompute, Protocol):
