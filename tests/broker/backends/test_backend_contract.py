@@ -4,7 +4,7 @@ Every test here runs on each backend (``backend`` from tests/conftest.py: OpenCL
 ``-m cuda`` on a GPU host), with the kernels of tests/backend_kernels.py in that backend's dialect. What only one
 backend has (CUDA's binary images, signature parsing and fatal errors; OpenCL's alignment, ``__local`` and
 work-group rules; each one's device-time internals) is tested in test_cuda_backend.py and test_opencl_backend.py.
-Where the backends differ on purpose, the difference is stated once, as data, next to the test that shows it.
+Where the backends differ on purpose, the difference is stated once, as data, below the imports.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ Arr = np.ndarray[Any, Any]
 NEW_KERNEL_PER_GET = {"cuda": False, "opencl": True}
 # Iterations of `spin` that take milliseconds: long enough that a read which did not wait for it sees zeros.
 SLOW_SPIN = {"cuda": 2_000_000, "opencl": 100_000}
-# A large copy: CUDA stages copies of pageable host memory through pinned buffers, so 64 MiB crosses many of them;
+# A large copy: CUDA's driver copies pageable host memory through its pinned staging buffers, 64 MiB through many;
 # PoCL's device is the host, where a copy is a memcpy at any size (and 64 MiB costs a loaded 2-core host a second).
 LARGE_COPY = {"cuda": 64 << 20, "opencl": 4 << 20}
 
@@ -225,7 +225,7 @@ def test_transpose_2d_grid(gpu: Backend, kernels: dict[str, Kernel]) -> None:
 
 
 def test_view_as_kernel_arg(gpu: Backend, kernels: dict[str, Kernel]) -> None:
-    # 512 bytes in: a multiple of every device's sub-buffer alignment (test_opencl_backend tests the others).
+    # 512 bytes in: a multiple of OpenCL's sub-buffer alignment (PoCL's is 128; test_opencl_backend tests others).
     n, start = 1000, 128
     buf = gpu.allocate_memory(4 * n)
     gpu.memset(buf, 0xFF)
@@ -240,7 +240,7 @@ def test_view_as_kernel_arg(gpu: Backend, kernels: dict[str, Kernel]) -> None:
 # -- modules and kernels -------------------------------------------------------------------------------------------
 
 def test_module_lists_its_kernels(gpu: Backend, module: Module, backend: str) -> None:
-    # CUDA lists a module's kernels where the driver can tell (12.4 and later); an OpenCL module always can.
+    # CUDA lists a module's kernels where its driver can (cuModuleEnumerateFunctions, 12.4 on); OpenCL always can.
     assert set(module.kernel_names) == set(MODULE_KERNELS) or (backend == "cuda" and module.kernel_names == ())
     first, again = gpu.get_kernel(module, "vadd"), gpu.get_kernel(module, "vadd")
     assert (first != again) is NEW_KERNEL_PER_GET[backend]
