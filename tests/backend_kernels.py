@@ -8,13 +8,14 @@ backend fills from ``shared_mem`` (the caller never passes it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
 
 from gpubroker.client import GpuCompute, ModuleFormat
 
-__all__ = ["FORMAT", "KERNELS", "MODULE_KERNELS", "Backend", "module_source", "source", "unopened"]
+__all__ = ["FORMAT", "KERNELS", "MODULE_KERNELS", "Backend", "OpenDevice", "module_source", "source", "unopened"]
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,10 @@ class Backend(GpuCompute, Protocol):
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None: ...
+
+
+# The session's shared device of a kind (the ``open_device`` fixture, tests/broker/backends/conftest.py).
+OpenDevice = Callable[[str], Backend]
 
 
 def unopened(backend: str, device: object = 0) -> Backend:

@@ -10,7 +10,6 @@ Where the backends differ on purpose, the difference is stated once, as data, be
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -55,7 +54,7 @@ from gpubroker.wire.commands import (
     Write,
     new_handle,
 )
-from tests.backend_kernels import FORMAT, MODULE_KERNELS, Backend, module_source, source, unopened
+from tests.backend_kernels import FORMAT, MODULE_KERNELS, Backend, OpenDevice, module_source, source, unopened
 
 F32 = np.float32
 I32 = np.int32
@@ -79,9 +78,8 @@ def _cuda_needs_cupy(backend: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def gpu(backend: str) -> Iterator[Backend]:
-    with unopened(backend) as device:
-        yield device
+def gpu(backend: str, open_device: OpenDevice) -> Backend:
+    return open_device(backend)
 
 
 @pytest.fixture(scope="module")

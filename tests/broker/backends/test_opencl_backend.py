@@ -5,8 +5,6 @@ backends share is in test_backend_contract.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pyopencl as cl
 import pytest
@@ -25,16 +23,17 @@ from gpubroker.client import (
     NotFound,
     ResourceExhausted,
 )
-from tests.backend_kernels import module_source, source
+from tests.backend_kernels import OpenDevice, module_source, source
 
 F32 = np.float32
 I32 = np.int32
 
 
 @pytest.fixture(scope="module")
-def gpu() -> Iterator[OpenCLBackend]:
-    with OpenCLBackend(0) as backend:
-        yield backend
+def gpu(open_device: OpenDevice) -> OpenCLBackend:
+    device = open_device("opencl")  # the contract's: one OpenCL context for the session
+    assert isinstance(device, OpenCLBackend)
+    return device
 
 
 @pytest.fixture(scope="module")
