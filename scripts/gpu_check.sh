@@ -21,7 +21,8 @@ status=0
 # TESTS=0, REMOTE=0, FAIRNESS=0, COLD=0, ARRAY_API=0, ARRAYS=0 skip a part (to split the check across calls with a time limit).
 if [ "${TESTS:-1}" = 1 ]; then
   "$PY" -m pytest -p no:cacheprovider -o addopts="" -m cuda -q -rs \
-    tests/integration tests/security tests/broker/backends/test_cuda_backend.py tests/broker/backends/test_library.py \
+    tests/integration tests/security tests/broker/backends/test_backend_contract.py \
+    tests/broker/backends/test_cuda_backend.py tests/broker/backends/test_library.py \
     tests/client/array tests/docs/test_examples.py tests/docs/test_generated.py 2>&1 | tee "$OUTDIR/gpu-tests.log"
   status=${PIPESTATUS[0]}
 fi
