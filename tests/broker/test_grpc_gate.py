@@ -1,5 +1,6 @@
-"""The gRPC gate in-process (``broker/server/_grpc_peers.py``): who owns a local TCP connection, the caps at accept,
-the relay both ways and the peer gRPC's handlers are told. A real broker behind it: the tests in tests/security."""
+"""The gRPC gate in-process (``src/gpubroker/broker/front/_grpc_peers.py``): who owns a local TCP connection, the
+caps at accept, the relay both ways and the peer gRPC's handlers are told. A real broker behind it: the tests in
+tests/security."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from gpubroker.broker.server import _grpc_peers as gate_module
-from gpubroker.broker.server._grpc_peers import GrpcGate, socket_owner
+from gpubroker.broker.front import _grpc_peers as gate_module
+from gpubroker.broker.front._grpc_peers import GrpcGate, socket_owner
 
 OTHER_UID = 65533
 TIMEOUT = 10.0
@@ -237,7 +238,7 @@ while True:
 OUT_OF_DESCRIPTORS = """
 import asyncio, resource, subprocess, sys
 from pathlib import Path
-from gpubroker.broker.server._grpc_peers import GrpcGate
+from gpubroker.broker.front._grpc_peers import GrpcGate
 
 async def main():
     gate = GrpcGate(1000, 1000)

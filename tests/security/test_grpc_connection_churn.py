@@ -5,7 +5,7 @@ stays for everyone else, and a tenant of another uid opens sessions throughout t
 (The hole, found by the last attacker: the per-peer cap was a census every 0.2 s that shut down a peer's newest
 connections past it, while gRPC accepted them itself; a peer that took each place back the moment it was shut down
 held the listener at its total cap nearly all the time, and the tenant's sessions succeeded 0 of 6. Now the front
-accepts the connections and applies both caps at accept: ``broker/server/_grpc_peers.py``.)
+accepts the connections and applies both caps at accept: ``src/gpubroker/broker/front/_grpc_peers.py``.)
 """
 
 from __future__ import annotations

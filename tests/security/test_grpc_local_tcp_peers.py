@@ -5,7 +5,7 @@ the address, so one local user holding its connection cap leaves the tenants' co
 so a process holding that many idle connections (the HTTP/2 preface and SETTINGS, never a token) made every
 tenant's loopback connection the newest past the cap, shut down within a fraction of a second: 0-11 of 20 calls
 succeeded. Now the gate that accepts the gRPC listeners' connections counts a local TCP peer by the uid owning its
-socket: ``broker/server/_grpc_peers.py``.)
+socket: ``src/gpubroker/broker/front/_grpc_peers.py``.)
 """
 
 from __future__ import annotations

@@ -248,11 +248,13 @@ def pack(commands: list[Command], batch_id: int = 0, first: int = 0) -> tuple[Ba
 class CommandRunner:
     """Runs batches in a session's worker: the one path of every device operation that reaches the front."""
 
-    config: BrokerConfig
-    sessions: SessionManager
-    schedulers: dict[int, DeviceScheduler]
-    # Called with the session and a buffer's handle before a batch frees it (CopyPeer unmaps it elsewhere).
-    before_free: Callable[[Session, str], Awaitable[None]]
+    def __init__(self, config: BrokerConfig, sessions: SessionManager, schedulers: dict[int, DeviceScheduler],
+                 before_free: Callable[[Session, str], Awaitable[None]]) -> None:
+        self.config = config
+        self.sessions = sessions
+        self.schedulers = schedulers
+        # Called with the session and a buffer's handle before a batch frees it (CopyPeer unmaps it elsewhere).
+        self.before_free = before_free
 
     async def run(self, session: Session, commands: list[Command]) -> Ack:
         """The front's commands for a typed call; the Ack, or the command's error raised."""

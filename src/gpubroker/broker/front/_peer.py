@@ -24,13 +24,14 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
+from gpubroker.broker.config import BrokerConfig
 from gpubroker.broker.front._commands import raise_for
 from gpubroker.broker.front._peer_cache import ImportCache, StagingCache
-from gpubroker.broker.front._sessions import Session
-from gpubroker.broker.front._status import Context, release_slot, rpc
+from gpubroker.broker.front._sessions import Session, SessionManager
+from gpubroker.broker.front.scheduler import DeviceScheduler
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.wire.commands import Batch, BufRef, Command, CopyShared, Synchronize, encode, new_handle
 from gpubroker.wire.errors import FailedPrecondition, GpuBrokerError, InvalidArgument, NotFound, OutOfRange
@@ -47,7 +48,7 @@ from gpubroker.wire.worker import (
     WorkerRequest,
 )
 
-__all__ = ["PeerCopies"]
+__all__ = ["PeerCopier"]
 
 log = logging.getLogger("gpubroker.server")
 T = TypeVar("T")
@@ -92,30 +93,23 @@ def _side(side: str) -> Iterator[None]:
         raise OutOfRange(f"peer copy: the {side} buffer: {exc.message}", **exc.details) from None
 
 
-class PeerCopies:
-    """CopyPeer for GpuBrokerService, whose sessions, schedulers, devices, config and helpers it uses."""
+class PeerCopier:
+    """CopyPeer's work for the front's service: a copy between two sessions of one tenant, on one device, by the
+    devices' peer path or through host memory, under the tenant's turns on both devices."""
 
-    # (source, destination) backend device indices whose peer path failed: they go through the host from then on.
-    peer_unreachable: set[tuple[int, int]]
-    peer_imports: ImportCache
-    peer_staging: StagingCache
+    def __init__(self, config: BrokerConfig, sessions: SessionManager, schedulers: dict[int, DeviceScheduler]) -> None:
+        self.config = config
+        self.sessions = sessions
+        self.schedulers = schedulers
+        # (source, destination) backend device indices whose peer path failed: they go through the host from then on.
+        self.peer_unreachable: set[tuple[int, int]] = set()
+        self.peer_imports = ImportCache()
+        self.peer_staging = StagingCache(2 * HOST_PIECE)
+        sessions.closing_hooks.append(self._session_closing)
 
-    @rpc
-    async def CopyPeer(self: Any, request: pb.CopyPeerRequest, context: Context) -> pb.CopyPeerResponse:
-        tenant = self._tenant(context)
-        src = self._session(context, request.src_session, tenant)
-        # Another tenant's session, or a made-up one, is NOT_FOUND: nothing to learn by guessing.
-        dst = self.sessions.get(request.dst_session, tenant)
-        dst.check_alive()
-        if dst is not src:
-            self.admit(dst)
-        try:
-            return pb.CopyPeerResponse(path=await self.copy_peer(src, dst, request))
-        finally:
-            if dst is not src:
-                release_slot(dst)
-
-    async def copy_peer(self: Any, src: Session, dst: Session, request: pb.CopyPeerRequest) -> str:
+    async def copy(self, src: Session, dst: Session, request: pb.CopyPeerRequest) -> str:
+        """Copy ``request.size`` bytes from ``src``'s buffer to ``dst``'s; the path taken ("device", "peer", "host" or
+        "none")."""
         size = request.size
         for what, value in (("copy size", size), ("source offset", request.src_offset),
                             ("destination offset", request.dst_offset)):
@@ -165,28 +159,28 @@ class PeerCopies:
 
     # -- pieces ------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def _turns(self: Any, tenant: str, devices: Iterable[int]) -> AsyncIterator[None]:
+    async def _turns(self, tenant: str, devices: Iterable[int]) -> AsyncIterator[None]:
         """The tenant's turn on each device, taken in device order."""
         async with contextlib.AsyncExitStack() as stack:
             for device in sorted(set(devices)):
                 await stack.enter_async_context(self.schedulers[device].turn(tenant))
             yield
 
-    def _still_open(self: Any, *sessions: Session) -> None:
+    def _still_open(self, *sessions: Session) -> None:
         for session in sessions:
             if self.sessions.sessions.get(session.id) is not session:
                 raise NotFound(f"session {session.id!r} ended during the copy")
             session.check_alive()
             session.touch()
 
-    async def _on(self: Any, sessions: tuple[Session, ...], target: Session, request: WorkerRequest[T]) -> T:
+    async def _on(self, sessions: tuple[Session, ...], target: Session, request: WorkerRequest[T]) -> T:
         """``request`` in ``target``'s worker, under the tenant's turns on the devices of ``sessions``."""
         async with self._turns(target.tenant, [s.device for s in sessions]):
             self._still_open(*sessions)
             result: T = await target.worker.call(request, target.id)
             return result
 
-    async def _run(self: Any, sessions: tuple[Session, ...], target: Session, *commands: Command,
+    async def _run(self, sessions: tuple[Session, ...], target: Session, *commands: Command,
                    side: str = "source or destination") -> None:
         """Commands in ``target``'s worker, under the tenant's turns on the devices of ``sessions``."""
         batch = Batch(0, 0, list(commands))
@@ -195,7 +189,7 @@ class PeerCopies:
             with _side(side):
                 raise_for(await target.worker.run_batch(target.id, batch, encode(batch)))
 
-    async def _copy_on_device(self: Any, src: Session, dst: Session, src_ref: BufRef, dst_ref: BufRef,
+    async def _copy_on_device(self, src: Session, dst: Session, src_ref: BufRef, dst_ref: BufRef,
                               request: pb.CopyPeerRequest) -> None:
         await self._run((src, dst), dst, Synchronize())
         for done in range(0, request.size, DEVICE_PIECE):
@@ -204,7 +198,7 @@ class PeerCopies:
                 await self._on((src, dst), dst, PeerLocal(src.id, src_ref, dst_ref, n, request.src_offset + done,
                                                           request.dst_offset + done))
 
-    async def _copy_by_peer(self: Any, src: Session, dst: Session, src_ref: BufRef, dst_ref: BufRef,
+    async def _copy_by_peer(self, src: Session, dst: Session, src_ref: BufRef, dst_ref: BufRef,
                             request: pb.CopyPeerRequest) -> None:
         both = (src, dst)
         key = (src.id, str(src_ref[0]), dst.id)
@@ -230,10 +224,10 @@ class PeerCopies:
                 with contextlib.suppress(GpuBrokerError):
                     await dst.worker.call(PeerClose(imported), dst.id)
 
-    async def _synchronize(self: Any, src: Session, dst: Session) -> None:
+    async def _synchronize(self, src: Session, dst: Session) -> None:
         await _together(self._run((src,), src, Synchronize()), self._run((dst,), dst, Synchronize()))
 
-    async def _copy_by_host(self: Any, src: Session, dst: Session, src_ref: BufRef, dst_ref: BufRef,
+    async def _copy_by_host(self, src: Session, dst: Session, src_ref: BufRef, dst_ref: BufRef,
                             request: pb.CopyPeerRequest) -> None:
         if request.size > SMALL_HOST_COPY:  # through the tenant's kept staging
             async with self.peer_staging.use(src.tenant) as staging:
@@ -258,13 +252,13 @@ class PeerCopies:
                 with contextlib.suppress(GpuBrokerError):
                     await session.worker.call(ReleaseSegment(segment), session.id)
 
-    async def _pipeline(self: Any, src: Session, dst: Session, src_ref: BufRef, dst_ref: BufRef,
+    async def _pipeline(self, src: Session, dst: Session, src_ref: BufRef, dst_ref: BufRef,
                         request: pb.CopyPeerRequest, segments: tuple[str, str], piece: int) -> None:
         """Piece i goes up to the destination while piece i + 1 comes down from the source, in the other half."""
         size, (seg_src, seg_dst) = request.size, segments
         slots = 1 if size <= piece else 2
         await self._synchronize(src, dst)
-        run: Callable[..., Coroutine[Any, Any, Any]] = self._run  # (self is Any in this mixin: name what _run is)
+        run = self._run
 
         def down(i: int) -> Coroutine[Any, Any, Any]:
             return run((src,), src, CopyShared(seg_src, (i % slots) * piece, (src_ref[0], src_ref[1]),
@@ -282,17 +276,11 @@ class PeerCopies:
             await _together(up(i), *([down(i + 1)] if i + 1 < count else []))
 
     # -- caches ------------------------------------------------------------------------------------
-    def init_peer_copies(self: Any) -> None:
-        self.peer_unreachable = set()
-        self.peer_imports = ImportCache()
-        self.peer_staging = StagingCache(2 * HOST_PIECE)
-        self.sessions.closing_hooks.append(self._peer_session_closing)
-
-    async def _peer_session_closing(self: Any, session: Session) -> None:
+    async def _session_closing(self, session: Session) -> None:
         await self.peer_imports.close_where(session)
         await self.peer_staging.release(session)
 
-    async def before_free(self: Any, session: Session, handle: str) -> None:
+    async def before_free(self, session: Session, handle: str) -> None:
         """Before a batch through the front frees a buffer: refuse while a copy uses it; unmap it where other
         workers keep it. (A Free on the session's link reaches the worker alone, which refuses a pinned buffer;
         a mapping kept elsewhere then lives until either session ends.)"""

@@ -15,9 +15,9 @@ from gpubroker.broker.config import BrokerConfig
 from gpubroker.broker.front import _commands as commands
 from gpubroker.broker.front._commands import CommandRunner
 from gpubroker.broker.front._copies import read_chunks, write_chunks
-from gpubroker.broker.front._peer import PeerCopies
+from gpubroker.broker.front._peer import PeerCopier
 from gpubroker.broker.front._sessions import Session, SessionManager
-from gpubroker.broker.front._status import Context, admitted, principal_of, rpc, stream_rpc
+from gpubroker.broker.front._status import Context, admitted, principal_of, release_slot, rpc, stream_rpc
 from gpubroker.broker.front.auth import Authenticator, Principal
 from gpubroker.broker.front.scheduler import DeviceScheduler
 from gpubroker.broker.front.workers import device_info_from_dict
@@ -151,7 +151,7 @@ def device_info_to_pb(info: DeviceInfo) -> pb.DeviceInfo:
     return pb.DeviceInfo(**fields)
 
 
-class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
+class GpuBrokerService(pb_grpc.GpuBrokerServicer):
     def __init__(self, config: BrokerConfig, auth: Authenticator, sessions: SessionManager,
                  devices: list[DeviceInfo], schedulers: dict[int, DeviceScheduler]) -> None:
         self.config = config
@@ -159,7 +159,8 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
         self.sessions = sessions
         self.devices = devices
         self.schedulers = schedulers
-        self.init_peer_copies()
+        self.peers = PeerCopier(config, sessions, schedulers)
+        self.runner = CommandRunner(config, sessions, schedulers, self.peers.before_free)
         self._budgets: dict[str, _ReadAheadBudget] = {}  # per tenant: its Commands streams' read-ahead
         # Where the session's link is served besides <socket>.fast (the Broker sets them once listening).
         self.link_port = 0
@@ -222,7 +223,7 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
 
     async def _device_info(self, session: Session) -> DeviceInfo:
         """The device as the worker describes it now (its memory use then mirrored)."""
-        ack = await self.run(session, commands.device_info_commands(pb.SessionRequest()))
+        ack = await self.runner.run(session, commands.device_info_commands(pb.SessionRequest()))
         info = device_info_from_dict(ack.result)  # (checked already, with the Ack)
         if info.memory_used is not None:
             session.worker.memory_reported(info.memory_used)
@@ -257,23 +258,23 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
     async def Allocate(self, request: pb.AllocateRequest, context: Context) -> pb.BufferHandle:
         session = self._session(context, request.session)
         allocate = commands.allocate_commands(request)
-        await self.run(session, allocate)  # over the quota: the worker's RESOURCE_EXHAUSTED
+        await self.runner.run(session, allocate)  # over the quota: the worker's RESOURCE_EXHAUSTED
         assert isinstance(allocate[0], Allocate)
         return pb.BufferHandle(handle=allocate[0].handle, size=request.size)
 
     @rpc
     async def Free(self, request: pb.FreeRequest, context: Context) -> pb.Empty:
-        await self.run(self._session(context, request.session), commands.free_commands(request))
+        await self.runner.run(self._session(context, request.session), commands.free_commands(request))
         return pb.Empty()
 
     @rpc
     async def Memset(self, request: pb.MemsetRequest, context: Context) -> pb.Empty:
-        await self.run(self._session(context, request.session), commands.memset_commands(request))
+        await self.runner.run(self._session(context, request.session), commands.memset_commands(request))
         return pb.Empty()
 
     @rpc
     async def CopyDeviceToDevice(self, request: pb.CopyDeviceToDeviceRequest, context: Context) -> pb.Empty:
-        await self.run(self._session(context, request.session), commands.copy_d2d_commands(request))
+        await self.runner.run(self._session(context, request.session), commands.copy_d2d_commands(request))
         return pb.Empty()
 
     @rpc
@@ -289,7 +290,7 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
             session = self._session(context, header.session, principal.tenant)
             if header.offset < 0 or header.size < 0:
                 raise InvalidArgument(f"copy offset and size must be >= 0, got {header.offset} and {header.size}")
-            await write_chunks(self.run, session, header, first, requests, self.config.chunk_bytes)
+            await write_chunks(self.runner.run, session, header, first, requests, self.config.chunk_bytes)
         return pb.Empty()
 
     @stream_rpc
@@ -301,14 +302,14 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
             raise InvalidArgument(f"copy offset and size must be >= 0, got {request.offset} and {request.size}")
         chunk = min(request.chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
         with self._revocable(principal) as guard:
-            async for message in guard.iterate(read_chunks(self.run, session, request, chunk)):
+            async for message in guard.iterate(read_chunks(self.runner.run, session, request, chunk)):
                 yield message
 
     @rpc
     async def CopyShared(self, request: pb.CopySharedRequest, context: Context) -> pb.Empty:
         session = self._session(context, request.session)
         for piece in commands.copy_shared_commands(request):  # each piece its own turn
-            await self.run(session, [piece])
+            await self.runner.run(session, [piece])
         return pb.Empty()
 
     # -- code --------------------------------------------------------------------------------------
@@ -316,7 +317,7 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
     async def LoadModule(self, request: pb.LoadModuleRequest, context: Context) -> pb.ModuleHandle:
         session = self._session(context, request.session)
         load = commands.load_module_commands(request)
-        ack = await self.run(session, load)  # (compile_timeout_seconds and the restart: the runner's)
+        ack = await self.runner.run(session, load)  # (compile_timeout_seconds and the restart: the runner's)
         assert isinstance(load[0], LoadModule)
         return pb.ModuleHandle(handle=load[0].handle, kernel_names=ack.result)
 
@@ -324,13 +325,13 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
     async def GetKernel(self, request: pb.GetKernelRequest, context: Context) -> pb.KernelHandle:
         session = self._session(context, request.session)
         get = commands.get_kernel_commands(request)
-        await self.run(session, get)
+        await self.runner.run(session, get)
         assert isinstance(get[0], GetKernel)
         return pb.KernelHandle(handle=get[0].handle, name=request.name)
 
     @rpc
     async def LaunchKernel(self, request: pb.LaunchKernelRequest, context: Context) -> pb.Empty:
-        await self.run(self._session(context, request.session), commands.launch_commands(request))
+        await self.runner.run(self._session(context, request.session), commands.launch_commands(request))
         return pb.Empty()
 
     @stream_rpc
@@ -427,7 +428,7 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
             decoded = parse_batch(batch.encoded)
             if after is not None:
                 await after
-            ack = await self.execute(session, decoded, batch.encoded, sent)
+            ack = await self.runner.execute(session, decoded, batch.encoded, sent)
             return pb.BatchAck(batch=batch.batch, encoded=encode(ack))
         converted: list[Command] = []
         error: pb.CommandError | None = None
@@ -442,7 +443,7 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
             await after
         if converted:
             decoded, data = commands.pack(converted)
-            ack = await self.execute(session, decoded, data, sent)
+            ack = await self.runner.execute(session, decoded, data, sent)
             if ack.error is not None:
                 failed = ack.error
                 error = pb.CommandError(seq=batch.commands[failed.seq].seq, command=failed.command, code=failed.code,
@@ -454,16 +455,31 @@ class GpuBrokerService(PeerCopies, CommandRunner, pb_grpc.GpuBrokerServicer):
     async def CreateStream(self, request: pb.SessionRequest, context: Context) -> pb.StreamHandle:
         session = self._session(context, request.session)
         create = commands.create_stream_commands(request)
-        await self.run(session, create)  # (the per-session stream limit: the worker's)
+        await self.runner.run(session, create)  # (the per-session stream limit: the worker's)
         assert isinstance(create[0], CreateStream)
         return pb.StreamHandle(handle=create[0].handle)
 
     @rpc
     async def DestroyStream(self, request: pb.StreamRequest, context: Context) -> pb.Empty:
-        await self.run(self._session(context, request.session), commands.destroy_stream_commands(request))
+        await self.runner.run(self._session(context, request.session), commands.destroy_stream_commands(request))
         return pb.Empty()
 
     @rpc
     async def Synchronize(self, request: pb.StreamRequest, context: Context) -> pb.Empty:
-        await self.run(self._session(context, request.session), commands.synchronize_commands(request))
+        await self.runner.run(self._session(context, request.session), commands.synchronize_commands(request))
         return pb.Empty()
+
+    @rpc
+    async def CopyPeer(self, request: pb.CopyPeerRequest, context: Context) -> pb.CopyPeerResponse:
+        tenant = self._tenant(context)
+        src = self._session(context, request.src_session, tenant)
+        # Another tenant's session, or a made-up one, is NOT_FOUND: nothing to learn by guessing.
+        dst = self.sessions.get(request.dst_session, tenant)
+        dst.check_alive()
+        if dst is not src:
+            self.admit(dst)
+        try:
+            return pb.CopyPeerResponse(path=await self.peers.copy(src, dst, request))
+        finally:
+            if dst is not src:
+                release_slot(dst)
