@@ -20,7 +20,6 @@ and put the peer only in the line; bound ``RateLimitedLog._state`` (drop kinds w
 from __future__ import annotations
 
 import socket
-import subprocess
 import time
 from collections.abc import Iterator
 
