@@ -111,8 +111,8 @@ def _rotate(broker: BrokerProcess, tenant: str) -> str:
 def test_a_call_staged_before_a_rotation_does_not_run_with_the_revoked_token(broker: BrokerProcess) -> None:
     path = broker.target.removeprefix("unix:")
     old = broker.tokens["bob"]
-    with connect(broker.target, token=old, transport="grpc", shared_memory=False) as gpu:
-        session = gpu.session
+    gpu = connect(broker.target, token=old, transport="grpc", shared_memory=False)  # (left open: its session lives)
+    session = gpu.session
     allocate = Staged(path, "/gpubroker.v1.GpuBroker/Allocate", old,
                       pb.AllocateRequest(session=session, size=4096).SerializeToString())
     open_session = Staged(path, "/gpubroker.v1.GpuBroker/OpenSession", old,
