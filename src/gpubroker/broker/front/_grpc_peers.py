@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from gpubroker.broker.config import split_host_port
+from gpubroker.broker.front._descriptors import set_passrights
 from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
 from gpubroker.wire.errors import InvalidArgument
 
@@ -285,6 +286,7 @@ class GrpcGate:
         returns its public address, whose private one ``private_address`` gives."""
         public = f"unix:{path}"
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        set_passrights(sock, False)  # gRPC takes no descriptors: none may reach the relay's recv (_descriptors.py)
         try:
             sock.bind(str(path))
             secure(path)

@@ -51,6 +51,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from gpubroker.broker.front._descriptors import set_passrights
 from gpubroker.broker.front._preauth import PreAuthGate, Ticket, refuse_malformed
 from gpubroker.broker.front._segments import FdStream, SegmentService
 from gpubroker.broker.front._sessions import Session
@@ -185,6 +186,8 @@ class LinkServer:
         try:
             session, principal, hello = await self._hello(stream.recv_exactly, stream.send, ticket, {}, penalty,
                                                           segments=local, links=links)
+            if local:  # authenticated: now it may pass descriptors (a ring's memfd, a segment's)
+                set_passrights(conn, True)
             if hello.segments is not None:
                 await self.segments.serve(stream, ticket.peer, penalty, session, principal)
                 return

@@ -34,6 +34,7 @@ import stat
 import time
 
 from gpubroker.broker.config import BrokerConfig
+from gpubroker.broker.front._descriptors import discard
 from gpubroker.broker.front._preauth import IdleSweeper
 from gpubroker.broker.front._sessions import Session, SessionManager, out_of_descriptors
 from gpubroker.broker.front._status import descriptors_exhausted
@@ -213,8 +214,7 @@ class FdStream:
 
     def close_fds(self) -> None:
         fds, self.fds = self.fds, []
-        for fd in fds:
-            os.close(fd)
+        discard(fds)  # (never on the loop: a descriptor's last close may wait as long as its sender likes)
 
     def close(self) -> None:
         self.close_fds()

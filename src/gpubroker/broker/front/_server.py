@@ -26,6 +26,7 @@ from gpubroker.broker.front import _systemd
 from gpubroker.broker.front._admin import AdminService
 from gpubroker.broker.front._cpuwatch import CpuWatch
 from gpubroker.broker.front._credentials import _is_loopback, link_tls, tcp_credentials
+from gpubroker.broker.front._descriptors import PASSRIGHTS_SUPPORTED, set_passrights
 from gpubroker.broker.front._grpc_peers import GrpcGate
 from gpubroker.broker.front._health import BrokerHealth
 from gpubroker.broker.front._links import LinkServer, fast_path_address
@@ -268,6 +269,10 @@ class Broker:
         await self.health.start()
         # One count of unauthenticated connections across every raw listener (.fast of each socket, vsock, TCP).
         gate = PreAuthGate(cfg)
+        if not PASSRIGHTS_SUPPORTED:
+            log.warning("this kernel cannot refuse descriptors on a Unix socket (SO_PASSRIGHTS, Linux >= 6.16): a "
+                        "peer of the broker's sockets may send one whose last close stalls the front; run a newer "
+                        "kernel")
         # gRPC listens only on Unix sockets of the broker's own; the gate accepts on the listen addresses, caps
         # connections in all and per peer as it accepts them, and relays each to gRPC (_grpc_peers.py).
         self.gate = GrpcGate(grpc_connection_cap(cfg.max_grpc_connections), cfg.max_grpc_connections_per_peer,
@@ -302,6 +307,7 @@ class Broker:
                 path = Path(fast_path_address(address[len("unix:"):]))
                 _prepare_unix_socket(path)
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                set_passrights(sock, False)  # (until a connection's hello authenticates it: _descriptors.py)
                 try:
                     sock.bind(str(path))
                     _secure_unix_socket(path, cfg.socket_mode, cfg.socket_group)  # before anyone can connect

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec import Raw
 
+from gpubroker.broker.front._descriptors import set_passrights
 from gpubroker.broker.front.workers._cpu import WorkerCpu
 from gpubroker.broker.front.workers._output import WorkerOutput, escape
 from gpubroker.broker.front.workers._replies import (
@@ -223,6 +224,9 @@ class WorkerClient:
     async def start(self, timeout: float) -> DeviceInfo:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._fd_sock, fd_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The worker never sends the front a descriptor: its last close could stop the front (front/_descriptors.py).
+        set_passrights(parent, False)
+        set_passrights(self._fd_sock, False)
         # Never block the event loop: a full fd channel fails that registration instead.
         self._fd_sock.setblocking(False)
         try:
