@@ -1,5 +1,6 @@
-"""attack4 (fixed): a descriptor sent to any of the front's Unix sockets hung the whole front: the front's own thread ends up
-closing it, and closing a TCP socket with SO_LINGER and unacknowledged data blocks until the data is acknowledged.
+"""attack4 (fixed): a descriptor sent to any of the front's Unix sockets hung the whole front: the front's own thread
+ended up closing it, and closing a TCP socket with SO_LINGER and unacknowledged data blocks until the data is
+acknowledged.
 
 The hole: a Unix stream socket's peer may attach descriptors (SCM_RIGHTS) to any bytes it sends, and whoever can
 connect to the broker's sockets (no token needed) sends one byte carrying a TCP socket of its own that is connected
