@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
+from gpubroker.wire.addresses import AddressError, VsockAddress, parse_address, unix_path
 from gpubroker.wire.errors import FailedPrecondition, InvalidArgument
 
 __all__ = ["VMADDR_CID_ANY", "VMADDR_PORT_ANY", "RelayServer", "serve_relay", "unix_connector", "unix_listener",
@@ -286,17 +287,21 @@ async def run_guest_relay(listen_path: str, cid: int, port: int, max_connections
 
 def run_relay_command(listen: str, vsock_connect: str, max_connections: int = 256, mode: int = 0o660) -> None:
     """`gpubroker relay --listen unix:PATH --vsock-connect CID:PORT`, on uvloop where it is installed."""
-    if not listen.startswith("unix:") or len(listen) == len("unix:"):
+    path = unix_path(listen)
+    if not path:
         raise InvalidArgument(f"--listen must be unix:PATH, not {listen!r}")
     try:
-        cid, port = (int(part) for part in vsock_connect.split(":"))
-    except ValueError:
+        host = parse_address(f"vsock:{vsock_connect}")
+        if not isinstance(host, VsockAddress):
+            raise AddressError
+        cid, port = host.cid, host.port
+    except AddressError:
         raise InvalidArgument(f"--vsock-connect must be CID:PORT (e.g. 2:7070), not {vsock_connect!r}") from None
     _vsock_socket().close()  # no vsock here: say so now, not on the first client's connection
     try:
         import uvloop
     except ImportError:
         uvloop = None  # type: ignore[assignment]  # the module or None, tested before use
-    main = run_guest_relay(listen[len("unix:"):], cid, port, max_connections, mode)
+    main = run_guest_relay(path, cid, port, max_connections, mode)
     with contextlib.suppress(KeyboardInterrupt):
         uvloop.run(main) if uvloop is not None else asyncio.run(main)

@@ -50,8 +50,8 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, cast
 
-from gpubroker.broker.config import split_host_port
 from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
+from gpubroker.wire.addresses import TcpAddress, UnixAddress, parse_host_port
 from gpubroker.wire.errors import InvalidArgument
 
 __all__ = ["GrpcGate", "grpc_peer", "socket_owner"]
@@ -278,7 +278,11 @@ class GrpcGate:
 
     def private_address(self, public: str) -> str:
         """``unix:PATH`` of gRPC's listener behind the public address ``public`` (as ``listen_*`` returned it)."""
-        return "unix:" + self._private[public]
+        return str(UnixAddress(self.private_path(public)))
+
+    def private_path(self, public: str) -> str:
+        """The path of gRPC's Unix listener behind the public address ``public``."""
+        return self._private[public]
 
     def listen_unix(self, path: Path, secure: Callable[[Path], None], backlog: int = 1024) -> str:
         """Listen on the Unix socket ``path`` (``secure`` sets its owner and mode before anyone can connect);
@@ -300,9 +304,10 @@ class GrpcGate:
         """Listen on ``HOST:PORT`` (every address HOST resolves to, on one port; port 0: one the kernel picks);
         returns the address with its port, whose private one ``private_address`` gives."""
         try:
-            host, port = split_host_port(address)
+            wanted = parse_host_port(address)
         except ValueError as exc:
             raise InvalidArgument(f"listen: {exc}") from None
+        host, port = wanted.host, wanted.port
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         except socket.gaierror as exc:
@@ -331,7 +336,7 @@ class GrpcGate:
             for sock in socks:
                 sock.close()
             raise
-        public = address.rsplit(":", 1)[0] + f":{port}"
+        public = str(TcpAddress(host, port))
         private = self._private_path(public)
         self._listeners.extend(_Listener(sock, public, private, loopback_only) for sock in socks)
         return public

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpubroker.broker.config import BrokerConfig, TenantConfig
+from gpubroker.wire.addresses import AddressError, parse_host_port
 from gpubroker.wire.errors import PermissionDenied, Unauthenticated, Unavailable
 
 __all__ = ["Authenticator", "FailurePenalty", "NewToken", "Principal", "RateLimitedLog", "Revocations",
@@ -242,8 +243,11 @@ def peer_credentials(sock: socket.socket | None) -> tuple[int, int]:
 def peer_key(peer: str) -> str:
     """Whom a failure is charged to: a gRPC peer's address without its port (``ipv4:10.0.0.5:41234`` ->
     ``ipv4:10.0.0.5``), a Unix peer's ``uid:N``; gRPC's own Unix peers carry no credentials, so they share one."""
-    if peer.startswith(("ipv4:", "ipv6:")):
-        return peer.rsplit(":", 1)[0]
+    kind = peer.partition(":")[0]
+    if kind in ("ipv4", "ipv6"):
+        with contextlib.suppress(AddressError):
+            host = parse_host_port(peer, schemes=True).host
+            return f"ipv6:[{host}]" if kind == "ipv6" else f"ipv4:{host}"
     return peer
 
 
