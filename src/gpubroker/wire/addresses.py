@@ -66,7 +66,9 @@ def parse_host_port(text: str, *, default_host: str = "", schemes: bool = False)
     none (``:9464``); without one, a missing host is an error."""
     address = text.strip()
     if schemes:
-        address = address.split("://", 1)[-1]
+        _scheme, sep, rest = address.partition("://")
+        if sep:  # scheme://[authority]/HOST:PORT (dns:///host:443): what follows the authority
+            address = rest.partition("/")[2] or rest
         for scheme in _GRPC_SCHEMES:
             address = address.removeprefix(scheme)
     host, sep, port = address.rpartition(":")
