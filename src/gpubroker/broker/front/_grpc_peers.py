@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import functools
 import ipaddress
 import logging
 import os
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
+from gpubroker.broker.front.listeners import Acceptor, out_of_descriptors
 from gpubroker.wire.addresses import TcpAddress, UnixAddress, parse_host_port
 from gpubroker.wire.errors import InvalidArgument
 
@@ -58,11 +60,6 @@ __all__ = ["GrpcGate", "grpc_peer", "socket_owner"]
 
 log = logging.getLogger("gpubroker.server")
 audit = logging.getLogger("gpubroker.audit")
-# Connections accepted per wakeup of a listener: then the loop serves the relays before accepting more.
-ACCEPT_BATCH = 64
-# Out of descriptors: the gate stops accepting for this long, doubling while it lasts (up to the most).
-ACCEPT_BACKOFF = 0.05
-ACCEPT_BACKOFF_MAX = 1.0
 # A relayed connection ends when either side ends it; the other then has this long to take what was sent to it
 # last (a GOAWAY, say) before it is cut.
 CLOSE_GRACE = 5.0
@@ -216,11 +213,10 @@ def socket_owner(conn: socket.socket) -> int | None:
 
 @dataclasses.dataclass(eq=False)
 class _Listener:
-    sock: socket.socket
     public: str  # as the broker lists it: unix:PATH or HOST:PORT
     private: str  # the path of gRPC's listener its connections are relayed to
     loopback_only: bool  # local credentials: only loopback peers (what gRPC's LOCAL_TCP check allowed)
-    backoff: float = 0.0
+    acceptor: Acceptor = dataclasses.field(init=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +246,6 @@ class GrpcGate:
         self.max_per_peer = max_per_peer
         self.open = 0
         self.per_peer: dict[str, int] = {}
-        self.accept_failures = 0  # accept() out of descriptors (or memory): each time, the gate backs off
         # (endpoint, reason) -> count, for gpubroker_endpoint_refusals: its keys are set here, before the gate's
         # thread counts into them, so that a scrape iterating it never sees it grow.
         self.refusals = refusals if refusals is not None else {}
@@ -297,7 +292,7 @@ class GrpcGate:
             sock.close()
             raise
         sock.setblocking(False)
-        self._listeners.append(_Listener(sock, public, self._private_path(public), loopback_only=False))
+        self._add_listener(sock, public, self._private_path(public), loopback_only=False)
         return public
 
     def listen_tcp(self, address: str, loopback_only: bool, backlog: int = 1024) -> str:
@@ -338,8 +333,19 @@ class GrpcGate:
             raise
         public = str(TcpAddress(host, port))
         private = self._private_path(public)
-        self._listeners.extend(_Listener(sock, public, private, loopback_only) for sock in socks)
+        for sock in socks:
+            self._add_listener(sock, public, private, loopback_only)
         return public
+
+    def _add_listener(self, sock: socket.socket, public: str, private: str, loopback_only: bool) -> None:
+        listener = _Listener(public, private, loopback_only)
+        listener.acceptor = Acceptor(sock, public, functools.partial(self._admit, listener), "grpc")
+        self._listeners.append(listener)
+
+    @property
+    def accept_failures(self) -> int:
+        """How often accept() ran out of descriptors (or memory): each time, the gate backed off."""
+        return sum(listener.acceptor.failures for listener in self._listeners)
 
     # -- run -------------------------------------------------------------------------------------------------------
 
@@ -374,22 +380,20 @@ class GrpcGate:
     def _begin(self) -> None:
         assert self._loop is not None
         for listener in self._listeners:
-            self._loop.add_reader(listener.sock.fileno(), self._accept, listener)
+            listener.acceptor.start(self._loop)
 
     async def close_listeners(self) -> None:
         """Stop accepting; the connections relayed so far go on (gRPC's graceful stop ends them)."""
         if self._loop is None:
             for listener in self._listeners:
-                listener.sock.close()
+                listener.acceptor.close()
             return
         await self._on_gate(self._close_listeners())
 
     async def _close_listeners(self) -> None:
         assert self._loop is not None
         for listener in self._listeners:
-            if listener.sock.fileno() >= 0:
-                self._loop.remove_reader(listener.sock.fileno())
-                listener.sock.close()
+            listener.acceptor.close()
 
     async def stop(self) -> None:
         """Stop accepting, cut every relayed connection, end the gate's thread and remove its directory."""
@@ -429,46 +433,6 @@ class GrpcGate:
 
     # -- accept (on the gate's loop) ---------------------------------------------------------------------------------
 
-    def _accept(self, listener: _Listener) -> None:
-        for _ in range(ACCEPT_BATCH):
-            try:
-                conn, address = listener.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    self.accept_failures += 1
-                    self._back_off(listener, exc)
-                    return
-                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
-                    continue  # (that connection is gone; the next one may be fine)
-                log.error("gRPC listener %s: accept failed, no longer accepting: %s", listener.public, exc)
-                self._loop.remove_reader(listener.sock.fileno())  # type: ignore[union-attr]
-                return
-            listener.backoff = 0.0
-            try:
-                if not self._admit(listener, conn, address):
-                    return
-            except Exception as exc:  # one connection's failure must not stop the listener
-                conn.close()
-                log.error("gRPC listener %s: admitting a connection failed: %r", listener.public, exc)
-
-    def _back_off(self, listener: _Listener, exc: OSError) -> None:
-        """Out of descriptors (or memory): accept nothing on this listener for a moment; connections wait in its
-        backlog (or are refused by the kernel once it is full) meanwhile."""
-        assert self._loop is not None
-        listener.backoff = min(ACCEPT_BACKOFF_MAX, max(ACCEPT_BACKOFF, listener.backoff * 2))
-        self._audit.warning("grpc accept", "action=pause-accept listener=%s reason=accept failed (%s): accepting "
-                            "again in %.2f s (connections wait in the backlog)", listener.public, exc.strerror,
-                            listener.backoff)
-        self._loop.remove_reader(listener.sock.fileno())
-        self._loop.call_later(listener.backoff, self._resume, listener)
-
-    def _resume(self, listener: _Listener) -> None:
-        if not self._closed and listener.sock.fileno() >= 0:
-            assert self._loop is not None
-            self._loop.add_reader(listener.sock.fileno(), self._accept, listener)
-
     def _admit(self, listener: _Listener, conn: socket.socket, address: Any) -> bool:
         """Relay ``conn``, or refuse it; whether to go on accepting now."""
         if self.open >= self.max_connections:
@@ -489,8 +453,8 @@ class GrpcGate:
             backend = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         except OSError as exc:
             conn.close()
-            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                self._back_off(listener, exc)
+            if out_of_descriptors(exc):
+                listener.acceptor.back_off(exc)
                 return False
             raise
         self.open += 1
