@@ -55,6 +55,7 @@ from gpubroker.broker.front._preauth import PreAuthGate, Ticket, refuse_malforme
 from gpubroker.broker.front._segments import FdStream, SegmentService
 from gpubroker.broker.front._sessions import Session
 from gpubroker.broker.front.auth import Principal
+from gpubroker.broker.front.listeners import Acceptor
 from gpubroker.broker.front.scheduler import TurnLease
 from gpubroker.broker.logs import bind_log_context
 from gpubroker.wire.errors import (
@@ -98,7 +99,7 @@ class LinkServer:
         # Links being handed over (any listener) or relayed (TCP: a thread each), by session and by tenant.
         self._session_links: dict[str, int] = {}
         self._tenant_links: dict[str, int] = {}
-        self._listeners: list[tuple[socket.socket, str]] = []
+        self._listeners: list[Acceptor] = []
         self._no_links: set[str] = set()  # listeners that serve segments only (fast_path = false)
         # Written once at stop: the TCP links' relay threads poll its other end.
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
@@ -112,13 +113,11 @@ class LinkServer:
     def listen_socket(self, sock: socket.socket, where: str, path: Path | None = None, links: bool = True) -> None:
         """Serve links on a listening Unix or vsock socket: each accepted socket is handed to a worker (a Unix
         socket's segment connections stay here). ``links`` False: segment connections only."""
-        sock.setblocking(False)
-        self._listeners.append((sock, where))
         if not links:
             self._no_links.add(where)
         if path is not None:
             self._paths.append(path)
-        self._spawn(self._accept(sock, where))
+        self._listen(Acceptor(sock, where, functools.partial(self._admit_socket, where), "link"))
 
     async def listen_tcp(self, host: str, port: int, tls: ssl.SSLContext | None) -> int:
         """Serve links on TCP (TLS terminated here when ``tls``); the port bound."""
@@ -131,19 +130,17 @@ class LinkServer:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(address)
             sock.listen(128)
-            sock.setblocking(False)
         except BaseException:
             sock.close()
             raise
-        self._listeners.append((sock, where))
-        self._spawn(self._accept_tcp(sock, where, tls))
         bound: int = sock.getsockname()[1]
+        self._listen(Acceptor(sock, where, functools.partial(self._admit_tcp, where, tls), "link"))
         return bound
 
     async def stop(self) -> None:
         os.write(self._stop_w, b"x")  # every TCP link's relay thread polls this: they all end
-        for sock, _ in self._listeners:
-            sock.close()
+        for acceptor in self._listeners:
+            acceptor.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -156,24 +153,21 @@ class LinkServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _accept(self, listener: socket.socket, where: str) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, address = await loop.sock_accept(listener)
-            except OSError as exc:  # EMFILE and the like: back off rather than spin
-                log.warning("link listener %s: accept failed: %s", where, exc)
-                await asyncio.sleep(0.1)
-                continue
-            local = conn.family == socket.AF_UNIX
-            ticket = self.gate.admit(conn if local else None, where if local else f"{where} peer={address}",
-                                     address=None if local else f"vsock:{_host(address)}")
-            if ticket is None:  # past a cap on unauthenticated connections: refused (and audited) at once
-                conn.close()
-                continue
-            # Until its hello comes, a newer connection of its peer may take its place (_preauth.py).
-            ticket.sock, ticket.evict = conn, _shutter(conn)
-            self._spawn(self._serve_socket(conn, ticket, address, where not in self._no_links))
+    def _listen(self, acceptor: Acceptor) -> None:
+        self._listeners.append(acceptor)
+        acceptor.start()
+
+    def _admit_socket(self, where: str, conn: socket.socket, address: Any) -> bool:
+        local = conn.family == socket.AF_UNIX
+        ticket = self.gate.admit(conn if local else None, where if local else f"{where} peer={address}",
+                                 address=None if local else f"vsock:{_host(address)}")
+        if ticket is None:  # past a cap on unauthenticated connections: refused (and audited) at once
+            conn.close()
+            return True
+        # Until its hello comes, a newer connection of its peer may take its place (_preauth.py).
+        ticket.sock, ticket.evict = conn, _shutter(conn)
+        self._spawn(self._serve_socket(conn, ticket, address, where not in self._no_links))
+        return True
 
     # -- a socket handed over whole (Unix, vsock), or kept for segments (Unix) ----------------------------
     async def _serve_socket(self, conn: socket.socket, ticket: Ticket, address: Any, links: bool) -> None:
@@ -198,22 +192,15 @@ class LinkServer:
             stream.close()  # this process's descriptor: a link lives on in the worker
 
     # -- TCP (TLS terminated here): relayed to the worker by a thread of its own ----------------------------
-    async def _accept_tcp(self, listener: socket.socket, where: str, tls: ssl.SSLContext | None) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, address = await loop.sock_accept(listener)
-            except OSError as exc:
-                log.warning("link listener %s: accept failed: %s", where, exc)
-                await asyncio.sleep(0.1)
-                continue
-            # Admitted before the TLS handshake: the caps on unauthenticated connections count handshakes too.
-            ticket = self.gate.admit(None, f"{where} peer={address}", address=_host(address))
-            if ticket is None:
-                conn.close()
-                continue
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a launch + sync: never held by Nagle
-            self._spawn(self._serve_tcp(conn, ticket, address, tls))
+    def _admit_tcp(self, where: str, tls: ssl.SSLContext | None, conn: socket.socket, address: Any) -> bool:
+        # Admitted before the TLS handshake: the caps on unauthenticated connections count handshakes too.
+        ticket = self.gate.admit(None, f"{where} peer={address}", address=_host(address))
+        if ticket is None:
+            conn.close()
+            return True
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a launch + sync: never held by Nagle
+        self._spawn(self._serve_tcp(conn, ticket, address, tls))
+        return True
 
     async def _serve_tcp(self, conn: socket.socket, ticket: Ticket, address: Any, tls: ssl.SSLContext | None) -> None:
         """The link's thread does the handshake and reads the hello (within hello_timeout_seconds: at the deadline
