@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
+from gpubroker.broker.front.listeners import Acceptor
 from gpubroker.wire.addresses import AddressError, VsockAddress, parse_address, unix_path
 from gpubroker.wire.errors import FailedPrecondition, InvalidArgument
 
@@ -136,52 +137,42 @@ class RelayServer:
         self._refusals = RateLimitedLog(audit)
         self._connect = connect
         self._conns: set[asyncio.Task[None]] = set()
-        self._accepting: asyncio.Task[None] | None = None
+        self._acceptor = Acceptor(listen_sock, _describe(listen_sock, listen_sock.getsockname()), self._admit,
+                                  "relay")
 
     @property
     def active(self) -> int:
         return len(self._conns)
 
     def start(self) -> None:
-        self.listen_sock.setblocking(False)
-        self._accepting = asyncio.get_running_loop().create_task(self._accept_loop())
+        self._acceptor.start()
 
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, peer = await loop.sock_accept(self.listen_sock)
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    # Out of descriptors: keep serving the connections we have rather than dying.
-                    log.warning("relay accept failed: %s", exc)
-                    await asyncio.sleep(0.1)
-                    continue
-                log.error("relay: accepting on %s failed, no longer accepting: %s", self.listen_sock, exc)
-                return
-            who = _describe(conn, peer)
-            key = _peer_key(conn, peer)
-            if len(self._conns) >= self.max_connections:
-                # Refuse by closing at once: queueing would let one guest hold the rest hostage.
-                self._refusals.warning("relay refusal", "relay: refused %s, %d connections already open", who,
-                                       len(self._conns))
-                conn.close()
-                continue
-            if self.max_per_peer and self._per_peer.get(key, 0) >= self.max_per_peer:
-                self._refusals.warning("relay refusal", "relay: refused %s (%s), which already has %d connections "
-                                       "open, the limit per peer", who, key, self._per_peer[key])
-                conn.close()
-                continue
-            log.info("relay: accepted %s", who)
-            self._per_peer[key] = self._per_peer.get(key, 0) + 1
-            task = loop.create_task(self._relay(conn, who))
-            self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
+    def _admit(self, conn: socket.socket, peer: object) -> bool:
+        """Relay ``conn`` (accepted by the Acceptor), or refuse it by closing it at once."""
+        who = _describe(conn, peer)
+        key = _peer_key(conn, peer)
+        if len(self._conns) >= self.max_connections:
+            # Refuse by closing at once: queueing would let one guest hold the rest hostage.
+            self._refusals.warning("relay refusal", "relay: refused %s, %d connections already open", who,
+                                   len(self._conns))
+            conn.close()
+            return True
+        if self.max_per_peer and self._per_peer.get(key, 0) >= self.max_per_peer:
+            self._refusals.warning("relay refusal", "relay: refused %s (%s), which already has %d connections "
+                                   "open, the limit per peer", who, key, self._per_peer[key])
+            conn.close()
+            return True
+        log.info("relay: accepted %s", who)
+        self._per_peer[key] = self._per_peer.get(key, 0) + 1
+        task = asyncio.get_running_loop().create_task(self._relay(conn, who))
+        self._conns.add(task)
+        task.add_done_callback(self._conns.discard)
 
-            def left(_task: object, key: object = key) -> None:
-                self._left(key)
+        def left(_task: object, key: object = key) -> None:
+            self._left(key)
 
-            task.add_done_callback(left)
+        task.add_done_callback(left)
+        return True
 
     def _left(self, key: object) -> None:
         left = self._per_peer.get(key, 1) - 1
@@ -224,15 +215,12 @@ class RelayServer:
 
     def close(self) -> None:
         """Stop accepting and end every relayed connection."""
-        if self._accepting is not None:
-            self._accepting.cancel()
-        self.listen_sock.close()
+        self._acceptor.close()
         for task in self._conns:
             task.cancel()
 
     async def wait_closed(self) -> None:
-        tasks = [t for t in (self._accepting, *self._conns) if t is not None]
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._conns, return_exceptions=True)
 
 
 async def _pump(src: socket.socket, dst: socket.socket, activity: list[float]) -> None:
