@@ -44,7 +44,7 @@ import os
 import socket
 import ssl
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ from gpubroker.broker.front._preauth import PreAuthGate, Ticket, refuse_malforme
 from gpubroker.broker.front._segments import FdStream, SegmentService
 from gpubroker.broker.front._sessions import Session
 from gpubroker.broker.front._tcp_relay import PAIR_BUFFER, TcpRelay
-from gpubroker.broker.front.auth import Principal
+from gpubroker.broker.front.auth import Credentials, Principal, peer_certificate_names
 from gpubroker.broker.front.listeners import Acceptor
 from gpubroker.broker.front.scheduler import TurnLease
 from gpubroker.broker.logs import bind_log_context
@@ -175,7 +175,7 @@ class LinkServer:
         local = conn.family == socket.AF_UNIX
         penalty = f"uid:{ticket.uid}" if local else f"addr:{_host(address)}"
         try:
-            session, principal, hello = await self._hello(stream.recv_exactly, stream.send, ticket, {}, penalty,
+            session, principal, hello = await self._hello(stream.recv_exactly, stream.send, ticket, (), penalty,
                                                           segments=local, links=links)
             if hello.segments is not None:
                 await self.segments.serve(stream, ticket.peer, penalty, session, principal)
@@ -238,7 +238,7 @@ class LinkServer:
             async def send(frame: bytes) -> None:
                 frames.append(frame)  # (the thread writes them, before it relays or closes)
 
-            session, principal, hello = await self._hello(recv_exactly, send, ticket, _auth_context(cert),
+            session, principal, hello = await self._hello(recv_exactly, send, ticket, peer_certificate_names(cert),
                                                           f"addr:{_host(address)}", segments=False, links=True)
             ours: socket.socket | None
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -261,7 +261,7 @@ class LinkServer:
 
     # -- the hello and the hand-off --------------------------------------------------------------------
     async def _hello(self, recv_exactly: Callable[[int], Awaitable[bytes]], send: Callable[[bytes], Awaitable[None]],
-                     ticket: Ticket, auth_context: Mapping[str, list[bytes]], penalty: str, *, segments: bool,
+                     ticket: Ticket, certificate_names: tuple[str, ...], penalty: str, *, segments: bool,
                      links: bool) -> tuple[Session, Principal, Hello]:
         """The first frame, authenticated as a gRPC call would be; refusals are answered and raise _HelloRefused.
         ``segments``: this listener may serve segment connections (a Unix socket, where descriptors pass);
@@ -306,13 +306,13 @@ class LinkServer:
                 "this broker serves no links on its Unix socket (fast_path = false): commands go by gRPC; the "
                 "socket takes shared-memory segments only"))))
             raise _HelloRefused
-        token = hello.token or None
+        token = hello.token.strip() if hello.token else None  # (as a gRPC call's "Bearer" value is read)
         ticket.judging = True  # (a hello in hand: not to be evicted while it is judged)
         try:
             await auth.tokens.prepare(token)
-            metadata = [("authorization", f"Bearer {token}")] if token else []
             try:
-                principal = auth.authenticate(metadata, auth_context, ticket.peer, "link/hello", penalty_key=penalty)
+                principal = auth.authenticate(Credentials(token, certificate_names, ticket.peer), "link/hello",
+                                              penalty_key=penalty)
             except Unauthenticated:
                 ticket.judging = False
                 await ticket.sit_out_failure()
@@ -474,12 +474,3 @@ def _frame(payload: bytes) -> bytes:
 
 def _host(address: Any) -> str:
     return str(address[0]) if isinstance(address, tuple) and address else str(address)
-
-
-def _auth_context(cert: Any) -> dict[str, list[bytes]]:
-    """A verified client certificate's names as gRPC's auth context gives them (auth.certificate_identities)."""
-    if not isinstance(cert, dict):
-        return {}
-    names = [value.encode() for kind, value in cert.get("subjectAltName", ()) if kind == "URI"]
-    common = [value.encode() for rdn in cert.get("subject", ()) for key, value in rdn if key == "commonName"]
-    return {"x509_subject_alternative_name": names, "x509_common_name": common}
