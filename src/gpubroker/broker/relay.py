@@ -23,8 +23,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
-from gpubroker.broker.front.listeners import Acceptor
+from gpubroker.broker.front.auth import RateLimitedLog
+from gpubroker.broker.front.listeners import Acceptor, Peer
 from gpubroker.wire.addresses import AddressError, VsockAddress, parse_address, unix_path
 from gpubroker.wire.errors import FailedPrecondition, InvalidArgument
 
@@ -147,9 +147,9 @@ class RelayServer:
     def start(self) -> None:
         self._acceptor.start()
 
-    def _admit(self, conn: socket.socket, peer: object) -> bool:
+    def _admit(self, conn: socket.socket, peer: Peer) -> bool:
         """Relay ``conn`` (accepted by the Acceptor), or refuse it by closing it at once."""
-        who = _describe(conn, peer)
+        who = _describe(conn, peer.accepted)
         key = _peer_key(conn, peer)
         if len(self._conns) >= self.max_connections:
             # Refuse by closing at once: queueing would let one guest hold the rest hostage.
@@ -231,15 +231,13 @@ async def _pump(src: socket.socket, dst: socket.socket, activity: list[float]) -
             await loop.sock_sendall(dst, data)
 
 
-def _peer_key(sock: socket.socket, peer: object) -> object:
+def _peer_key(sock: socket.socket, peer: Peer) -> object:
     """Whom a relayed connection is counted against: a VM's CID, a local peer's uid (SO_PEERCRED)."""
-    if getattr(socket, "AF_VSOCK", None) == sock.family and isinstance(peer, tuple):
-        return f"cid:{peer[0]}"
-    if sock.family == socket.AF_UNIX:
-        _pid, uid = peer_credentials(sock)
-        if uid >= 0:
-            return f"uid:{uid}"
-    return f"{sock.family.name}:{peer!r}"
+    if isinstance(peer.address, VsockAddress):
+        return f"cid:{peer.address.cid}"
+    if peer.address is None and peer.uid >= 0:
+        return f"uid:{peer.uid}"
+    return f"{sock.family.name}:{peer.accepted!r}"
 
 
 async def serve_relay(listen_sock: socket.socket, target: str | Connector, max_connections: int = 256,

@@ -51,8 +51,8 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, cast
 
-from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
-from gpubroker.broker.front.listeners import Acceptor, out_of_descriptors
+from gpubroker.broker.front.auth import RateLimitedLog
+from gpubroker.broker.front.listeners import Acceptor, Peer, out_of_descriptors
 from gpubroker.wire.addresses import TcpAddress, UnixAddress, parse_host_port
 from gpubroker.wire.errors import InvalidArgument
 
@@ -433,13 +433,13 @@ class GrpcGate:
 
     # -- accept (on the gate's loop) ---------------------------------------------------------------------------------
 
-    def _admit(self, listener: _Listener, conn: socket.socket, address: Any) -> bool:
+    def _admit(self, listener: _Listener, conn: socket.socket, accepted: Peer) -> bool:
         """Relay ``conn``, or refuse it; whether to go on accepting now."""
         if self.open >= self.max_connections:
             self._refuse(conn, listener, "connections", None, f"{self.open} gRPC connections open, the broker's "
                          f"max_grpc_connections ({self.max_connections})")
             return True
-        peer = self._identify(listener, conn, address)
+        peer = self._identify(listener, conn, accepted)
         if isinstance(peer, str):
             self._refuse(conn, listener, "not local", None, peer)
             return True
@@ -465,13 +465,14 @@ class GrpcGate:
         relay.task = self._loop.create_task(relay.open(conn, backend, listener.private))
         return True
 
-    def _identify(self, listener: _Listener, conn: socket.socket, address: Any) -> _Peer | str:
-        """Who is at the other end of ``conn``; a string saying why it may not connect, if it may not."""
-        if conn.family == socket.AF_UNIX:
-            _pid, uid = peer_credentials(conn)
+    def _identify(self, listener: _Listener, conn: socket.socket, accepted: Peer) -> _Peer | str:
+        """Who is at the other end of ``conn`` (``accepted``: as the kernel names it), counted as the gate counts
+        peers; a string saying why it may not connect, if it may not."""
+        if not isinstance(accepted.address, TcpAddress):  # (a Unix socket: the gate listens on no vsock port)
+            uid = accepted.uid
             key = f"uid {uid}" if uid >= 0 else "unix"
             return _Peer(key, f"{listener.public} uid={uid}")
-        host, port = _plain(address[0]), int(address[1])
+        host, port = _plain(accepted.address.host), accepted.address.port
         loopback = _is_loopback(host)
         if listener.loopback_only and not loopback:
             return f"{_tcp_name(host, port)} is not a loopback peer (the listener has local credentials)"

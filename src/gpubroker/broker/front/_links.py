@@ -53,7 +53,7 @@ from gpubroker.broker.front._segments import FdStream, SegmentService
 from gpubroker.broker.front._sessions import Session
 from gpubroker.broker.front._tcp_relay import PAIR_BUFFER, TcpRelay
 from gpubroker.broker.front.auth import Credentials, Principal, peer_certificate_names
-from gpubroker.broker.front.listeners import Acceptor
+from gpubroker.broker.front.listeners import Acceptor, Peer
 from gpubroker.broker.front.scheduler import TurnLease
 from gpubroker.broker.logs import bind_log_context
 from gpubroker.wire.errors import (
@@ -155,25 +155,24 @@ class LinkServer:
         self._listeners.append(acceptor)
         acceptor.start()
 
-    def _admit_socket(self, where: str, conn: socket.socket, address: Any) -> bool:
-        local = conn.family == socket.AF_UNIX
-        ticket = self.gate.admit(conn if local else None, where if local else f"{where} peer={address}",
-                                 address=None if local else f"vsock:{_host(address)}")
+    def _admit_socket(self, where: str, conn: socket.socket, peer: Peer) -> bool:
+        local = peer.address is None
+        ticket = self.gate.admit(peer, where if local else f"{where} peer={peer.accepted}")
         if ticket is None:  # past a cap on unauthenticated connections: refused (and audited) at once
             conn.close()
             return True
         # Until its hello comes, a newer connection of its peer may take its place (_preauth.py).
         ticket.sock, ticket.evict = conn, _shutter(conn)
-        self._spawn(self._serve_socket(conn, ticket, address, where not in self._no_links))
+        self._spawn(self._serve_socket(conn, ticket, peer, where not in self._no_links))
         return True
 
     # -- a socket handed over whole (Unix, vsock), or kept for segments (Unix) ----------------------------
-    async def _serve_socket(self, conn: socket.socket, ticket: Ticket, address: Any, links: bool) -> None:
+    async def _serve_socket(self, conn: socket.socket, ticket: Ticket, peer: Peer, links: bool) -> None:
         # Read exactly (never more than the hello: what follows it is the worker's to read, or the segment
         # requests'), and with any descriptors sent along: a hello carries none, so they are refused.
         stream = FdStream(conn, "a link hello")
-        local = conn.family == socket.AF_UNIX
-        penalty = f"uid:{ticket.uid}" if local else f"addr:{_host(address)}"
+        local = peer.address is None
+        penalty = f"uid:{ticket.uid}" if local else f"addr:{peer.host}"
         try:
             session, principal, hello = await self._hello(stream.recv_exactly, stream.send, ticket, (), penalty,
                                                           segments=local, links=links)
@@ -190,17 +189,17 @@ class LinkServer:
             stream.close()  # this process's descriptor: a link lives on in the worker
 
     # -- TCP (TLS terminated here): relayed to the worker by a thread of its own ----------------------------
-    def _admit_tcp(self, where: str, tls: ssl.SSLContext | None, conn: socket.socket, address: Any) -> bool:
+    def _admit_tcp(self, where: str, tls: ssl.SSLContext | None, conn: socket.socket, peer: Peer) -> bool:
         # Admitted before the TLS handshake: the caps on unauthenticated connections count handshakes too.
-        ticket = self.gate.admit(None, f"{where} peer={address}", address=_host(address))
+        ticket = self.gate.admit(peer, f"{where} peer={peer.accepted}")
         if ticket is None:
             conn.close()
             return True
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a launch + sync: never held by Nagle
-        self._spawn(self._serve_tcp(conn, ticket, address, tls))
+        self._spawn(self._serve_tcp(conn, ticket, peer, tls))
         return True
 
-    async def _serve_tcp(self, conn: socket.socket, ticket: Ticket, address: Any, tls: ssl.SSLContext | None) -> None:
+    async def _serve_tcp(self, conn: socket.socket, ticket: Ticket, peer: Peer, tls: ssl.SSLContext | None) -> None:
         """The link's thread does the handshake and reads the hello (within hello_timeout_seconds: at the deadline
         the connection is shut, which ends any read); the hello is judged here, as on every listener; then the
         thread answers a refusal, or relays between the connection and a socketpair whose other end is the
@@ -239,7 +238,7 @@ class LinkServer:
                 frames.append(frame)  # (the thread writes them, before it relays or closes)
 
             session, principal, hello = await self._hello(recv_exactly, send, ticket, peer_certificate_names(cert),
-                                                          f"addr:{_host(address)}", segments=False, links=True)
+                                                          f"addr:{peer.host}", segments=False, links=True)
             ours: socket.socket | None
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             for end in (ours, theirs):  # a copy's chunk or more in flight each way: fewer wake-ups per byte
@@ -471,6 +470,3 @@ def _shutter(conn: socket.socket) -> Callable[[], None]:
 def _frame(payload: bytes) -> bytes:
     return FRAME_HEADER.pack(len(payload)) + payload
 
-
-def _host(address: Any) -> str:
-    return str(address[0]) if isinstance(address, tuple) and address else str(address)

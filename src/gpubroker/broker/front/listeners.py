@@ -2,7 +2,8 @@
 link's ``<socket>.fast``, vsock and TCP ports, the vsock relay to gRPC) accepts through an `Acceptor`.
 
 An acceptor takes what its listening socket has queued in batches, then lets the loop serve what it accepted
-before taking more; each connection goes to the listener's ``admit`` (which counts it, refuses it or serves it).
+before taking more; each connection goes to the listener's ``admit`` with its `Peer` (who is at the other end, in
+the same terms whichever the scheme), which counts it, refuses it or serves it.
 Out of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM) it stops accepting for a moment, doubling while that
 lasts, rather than spinning on a listener it cannot serve: connections wait in the backlog meanwhile (or the
 kernel refuses them once it is full). A connection that is gone before it was taken (ECONNABORTED, EPROTO, EPERM)
@@ -16,11 +17,14 @@ import errno
 import logging
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final
 
-from gpubroker.broker.front.auth import RateLimitedLog
+from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
+from gpubroker.wire.addresses import TcpAddress, VsockAddress
 
-__all__ = ["ACCEPT_BACKOFF", "ACCEPT_BACKOFF_MAX", "ACCEPT_BATCH", "Acceptor", "Admit", "out_of_descriptors"]
+__all__ = ["ACCEPT_BACKOFF", "ACCEPT_BACKOFF_MAX", "ACCEPT_BATCH", "Acceptor", "Admit", "Peer", "out_of_descriptors",
+           "peer_of"]
 
 log = logging.getLogger("gpubroker.server")
 audit = logging.getLogger("gpubroker.audit")
@@ -33,9 +37,41 @@ ACCEPT_BACKOFF_MAX: Final = 1.0
 _OUT_OF_DESCRIPTORS: Final = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _GONE: Final = (errno.ECONNABORTED, errno.EPROTO, errno.EPERM)
 
-# (the accepted socket, the address accept returned) -> whether to go on accepting now (False: the admitter ran
-# out of descriptors itself and called `Acceptor.back_off`).
-Admit = Callable[[socket.socket, Any], bool]
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who is at the other end of an accepted connection, as far as the kernel tells: on a Unix socket the peer
+    process's pid and uid (SO_PEERCRED, which a peer cannot forge; -1 if unknown) and no address; on TCP and vsock
+    its address (pid and uid -1: a remote peer's are unknown here, a local TCP peer's owner is the gRPC gate's
+    own lookup)."""
+
+    pid: int
+    uid: int
+    address: TcpAddress | VsockAddress | None
+    accepted: Any  # the address as accept() gave it, as audit lines show it
+
+    @property
+    def host(self) -> str:
+        """A TCP peer's host, a vsock peer's CID ("" on a Unix socket)."""
+        if isinstance(self.address, TcpAddress):
+            return self.address.host
+        return str(self.address.cid) if self.address is not None else ""
+
+
+def peer_of(conn: socket.socket, accepted: Any) -> Peer:
+    """The `Peer` of ``conn``, which accept() returned with the address ``accepted``."""
+    if conn.family == socket.AF_UNIX:
+        pid, uid = peer_credentials(conn)
+        return Peer(pid, uid, None, accepted)
+    if conn.family == getattr(socket, "AF_VSOCK", None):
+        return Peer(-1, -1, VsockAddress(int(accepted[0]), int(accepted[1])), accepted)
+    return Peer(-1, -1, TcpAddress(str(accepted[0]), int(accepted[1])), accepted)
+
+
+# (the accepted socket, its peer) -> whether to go on accepting now (False: the admitter ran out of descriptors
+# itself and called `Acceptor.back_off`).
+Admit = Callable[[socket.socket, Peer], bool]
 
 _audit = RateLimitedLog(audit)
 
@@ -108,7 +144,7 @@ class Acceptor:
             self.backoff = 0.0
             try:
                 conn.setblocking(False)  # (as asyncio's sock_accept leaves it: every admitter serves it on a loop)
-                if not self._admit(conn, address):
+                if not self._admit(conn, peer_of(conn, address)):
                     return
             except Exception as exc:  # one connection's failure must not stop the listener
                 conn.close()
