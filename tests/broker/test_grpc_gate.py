@@ -19,6 +19,7 @@ import uvloop
 
 from gpubroker.broker.front import _grpc_peers as gate_module
 from gpubroker.broker.front._grpc_peers import GrpcGate, socket_owner
+from gpubroker.broker.front.listeners import peer_of
 
 OTHER_UID = 65533
 TIMEOUT = 10.0
@@ -209,12 +210,11 @@ def test_grpc_is_told_the_peer_the_gate_accepted(own_thread: bool) -> None:
 def test_a_non_loopback_peer_is_refused_on_a_listener_with_local_credentials() -> None:
     gate = GrpcGate(4, 4)
     try:
-        listener = gate_module._Listener(socket.socket(), "127.0.0.1:1", "/nonexistent", loopback_only=True)
+        listener = gate_module._Listener("127.0.0.1:1", "/nonexistent", loopback_only=True)
         with tcp_pair() as (accepted, _client):
-            assert isinstance(gate._identify(listener, accepted, ("10.1.2.3", 5000)), str)
-            assert gate._identify(listener, accepted, accepted.getpeername()) == gate_module._Peer(
+            assert isinstance(gate._identify(listener, accepted, peer_of(accepted, ("10.1.2.3", 5000))), str)
+            assert gate._identify(listener, accepted, peer_of(accepted, accepted.getpeername())) == gate_module._Peer(
                 f"uid {os.geteuid()}", f"ipv4:127.0.0.1:{accepted.getpeername()[1]} uid={os.geteuid()}")
-        listener.sock.close()
     finally:
         asyncio.run(gate.stop())
 

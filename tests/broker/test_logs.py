@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from gpubroker.broker.cli import main
-from gpubroker.broker.config import BrokerConfig, load_config, save_config, split_host_port
+from gpubroker.broker.config import BrokerConfig, load_config, save_config
 from gpubroker.broker.logs import bind_log_context, configure_logging, log_context
 from gpubroker.client import InvalidArgument
+from gpubroker.wire.addresses import TcpAddress, parse_host_port
 
 
 @pytest.fixture
@@ -69,7 +70,7 @@ def test_settings_round_trip_and_bad_values_are_refused(tmp_path: Path) -> None:
     path = save_config(BrokerConfig(metrics_listen="[::1]:9464", log_format="json"), tmp_path / "c.toml")
     again = load_config(path)
     assert (again.metrics_listen, again.log_format) == ("[::1]:9464", "json")
-    assert split_host_port("[::1]:9464") == ("::1", 9464)
+    assert parse_host_port("[::1]:9464") == TcpAddress("::1", 9464)
     assert BrokerConfig().metrics_listen == ""  # off unless asked for
     bad = (('metrics_listen = "9464"', "metrics_listen"), ('metrics_listen = "host:99999"', "metrics_listen"),
            ('log_format = "xml"', "log_format"))

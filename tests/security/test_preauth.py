@@ -18,9 +18,11 @@ import pytest
 from gpubroker.broker import samples
 from gpubroker.broker.config import BrokerConfig
 from gpubroker.broker.front._preauth import PreAuthGate
+from gpubroker.broker.front.listeners import Peer, peer_of
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import connect
 from gpubroker.client._transports import peer_hung_up
+from gpubroker.wire.addresses import TcpAddress
 from gpubroker.wire.frames import pack_frame, recv_frame
 
 from ..helpers import wait_for
@@ -124,30 +126,34 @@ def test_idle_authenticated_segment_connections_are_closed(guarded: BrokerProces
         assert time.monotonic() - started >= IDLE - 0.5 > HELLO_TIMEOUT
 
 
+def tcp_peer(host: str) -> Peer:
+    return Peer(-1, -1, TcpAddress(host, 40000), (host, 40000))
+
+
 def test_caps_count_unauthenticated_connections_in_all_and_per_uid() -> None:
     gate = PreAuthGate(BrokerConfig(max_unauthenticated_connections=3, max_unauthenticated_per_uid=2))
     pairs = [socket.socketpair() for _ in range(4)]
     try:
-        first, second = gate.admit(pairs[0][0], "x"), gate.admit(pairs[1][0], "x")
+        first, second = gate.admit(peer_of(pairs[0][0], ""), "x"), gate.admit(peer_of(pairs[1][0], ""), "x")
         assert first is not None and second is not None and first.uid == os.getuid() and first.pid == os.getpid()
-        assert gate.admit(pairs[2][0], "x") is None  # this uid's two places are taken
+        assert gate.admit(peer_of(pairs[2][0], ""), "x") is None  # this uid's two places are taken
         assert gate.refusals == 1
         first.done()
         first.done()  # once only
         assert gate.total == 1 and gate.per_uid == {os.getuid(): 1}
-        third = gate.admit(pairs[2][0], "x")
+        third = gate.admit(peer_of(pairs[2][0], ""), "x")
         assert third is not None
         third.done()
         second.done()
         assert gate.total == 0 and gate.per_uid == {}
         gate = PreAuthGate(BrokerConfig(max_unauthenticated_connections=2, max_unauthenticated_per_uid=10))
-        held = [gate.admit(pairs[i][0], "x") for i in range(2)]
-        assert None not in held and gate.admit(pairs[2][0], "x") is None  # the total is reached first here
+        held = [gate.admit(peer_of(pairs[i][0], ""), "x") for i in range(2)]
+        assert None not in held and gate.admit(peer_of(pairs[2][0], ""), "x") is None  # the total is reached first here
         # TCP peers (the link's listener) have no uid: each address is counted as a uid is.
         gate = PreAuthGate(BrokerConfig(max_unauthenticated_connections=10, max_unauthenticated_per_uid=2))
-        remote = [gate.admit(None, "tls:x", address="10.0.0.1") for _ in range(2)]
-        assert None not in remote and gate.admit(None, "tls:x", address="10.0.0.1") is None
-        other = gate.admit(None, "tls:x", address="10.0.0.2")
+        remote = [gate.admit(tcp_peer("10.0.0.1"), "tls:x") for _ in range(2)]
+        assert None not in remote and gate.admit(tcp_peer("10.0.0.1"), "tls:x") is None
+        other = gate.admit(tcp_peer("10.0.0.2"), "tls:x")
         assert other is not None and gate.per_uid == {"10.0.0.1": 2, "10.0.0.2": 1}
     finally:
         for a, b in pairs:

@@ -34,6 +34,7 @@ import pytest
 
 from gpubroker.broker.config import BrokerConfig
 from gpubroker.broker.front._preauth import PreAuthGate, Ticket
+from gpubroker.broker.front.listeners import peer_of
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import AdminClient, InvalidArgument, ModuleFormat, RemoteGpu, ResourceExhausted, connect
 from gpubroker.client._channel import make_channel
@@ -376,7 +377,7 @@ def test_at_a_cap_a_new_connection_takes_an_idle_ones_place_never_a_talking_ones
     evicted: list[int] = []
     try:
         def admit(i: int) -> Ticket | None:
-            ticket = gate.admit(pairs[i][0], "x")
+            ticket = gate.admit(peer_of(pairs[i][0], ""), "x")
             if ticket is not None:
                 ticket.sock, ticket.evict = pairs[i][0], lambda: evicted.append(i)
             return ticket
@@ -394,7 +395,8 @@ def test_at_a_cap_a_new_connection_takes_an_idle_ones_place_never_a_talking_ones
         assert admit(3) is not None and evicted == [1, 2] and gate.evictions == 2
         # A ticket with no way to end it (a TCP link's, today) is never evicted.
         gate = PreAuthGate(BrokerConfig(max_unauthenticated_connections=3, max_unauthenticated_per_uid=1))
-        assert gate.admit(pairs[4][0], "x") is not None and gate.admit(pairs[4][0], "x") is None
+        peer = peer_of(pairs[4][0], "")
+        assert gate.admit(peer, "x") is not None and gate.admit(peer, "x") is None
     finally:
         for a, b in pairs:
             a.close()

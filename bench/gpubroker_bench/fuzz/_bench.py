@@ -27,6 +27,7 @@ from typing import Any
 from gpubroker.broker.certs import init_certs
 from gpubroker.broker.config import TlsConfig
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.wire.addresses import unix_path
 from gpubroker_bench._net import free_port
 from gpubroker_bench.fuzz._link import LinkFuzzer, LinkTarget, LinkVictims, open_link_session
 
@@ -61,7 +62,7 @@ def start_fuzz_broker(backend: str) -> Iterator[tuple[BrokerProcess, list[LinkTa
                     "link_listen": f"127.0.0.1:{port}"}
         with BrokerProcess(FUZZ_TENANTS, backend=backend, settings=settings, tcp=["127.0.0.1:0"]) as broker:
             tls = ssl.create_default_context(cafile=str(Path(certs) / "ca.pem"))
-            yield broker, [LinkTarget("unix", unix_path=broker.target[len("unix:"):] + ".fast"),
+            yield broker, [LinkTarget("unix", unix_path=f"{unix_path(broker.target)}.fast"),
                            LinkTarget("tcp", address=("127.0.0.1", port), tls=tls)]
 
 

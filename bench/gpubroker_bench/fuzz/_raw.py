@@ -20,6 +20,7 @@ import msgpack
 from hypothesis import strategies as st
 
 from gpubroker.client._shm import create_segment_fd
+from gpubroker.wire.addresses import unix_path
 from gpubroker.wire.commands import new_handle
 
 __all__ = ["RawFuzzer"]
@@ -60,7 +61,9 @@ class RawFuzzer:
 
     def __init__(self, target: str, token: str, session: str, observe: Callable[[str, str, str], Any],
                  timeout: float = 10.0) -> None:
-        self.path = target[len("unix:"):]
+        path = unix_path(target)
+        assert path, f"the raw fuzzer needs a unix: target, not {target!r}"
+        self.path = path
         self.token = token
         self.session = session  # a live session of the tenant owning ``token``, with no handles
         self.observe = observe

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from gpubroker.client import GpuBrokerError
 from gpubroker.client._shm import SegmentChannel, create_segment_fd
 from gpubroker.v1 import broker_pb2 as pb
+from gpubroker.wire.addresses import unix_path
 from gpubroker.wire.commands import new_handle
 from gpubroker.wire.link import RegisterSegment, ReleaseSegment, SegmentRegistered, SegmentReleased
 from gpubroker_bench.fuzz._fields import Fields, payload
@@ -296,7 +297,7 @@ class StepsMixin(CodeStepsMixin):
         hello is refused as the request would be)."""
         self.steps += 1
         try:
-            channel = SegmentChannel(self.target[len("unix:"):] + ".fast", token, session, timeout=self.timeout)
+            channel = SegmentChannel(f"{unix_path(self.target)}.fast", token, session, timeout=self.timeout)
         except GpuBrokerError as exc:
             return None, self.observe(what, exc.code, exc.message, {"token": token, "session": session})
         try:

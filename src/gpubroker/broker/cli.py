@@ -20,11 +20,11 @@ from gpubroker.broker.config import (
     parse_size,
     remove_tenant_in_place,
     rotate_token_in_place,
-    split_host_port,
 )
 from gpubroker.broker.front.auth import mint_token
 from gpubroker.broker.logs import configure_logging
 from gpubroker.client import GpuBrokerError, InvalidArgument
+from gpubroker.wire.addresses import parse_host_port
 
 __all__ = ["main"]
 
@@ -249,7 +249,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
 def _metrics_address(value: str) -> str:
     if value:
         try:
-            split_host_port(value)
+            parse_host_port(value)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return value

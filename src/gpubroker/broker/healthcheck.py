@@ -15,6 +15,8 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gpubroker.wire.addresses import unix_path
+
 __all__ = ["check", "main"]
 
 DEFAULT_TARGET = "unix:/run/gpubroker/gpubroker.sock"
@@ -25,7 +27,7 @@ _NO_ANSWER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 def check(target: str = DEFAULT_TARGET, service: str = "", timeout: float = 5.0,
           live: bool = False) -> tuple[bool, str]:
     """(passed, what was seen) for one health check of the broker at ``target`` (``unix:PATH``)."""
-    if not target.startswith("unix:"):
+    if unix_path(target) is None:
         raise ValueError(f"only unix: targets are supported, not {target!r} (TCP listeners need TLS)")
     credentials = grpc.local_channel_credentials(grpc.LocalConnectionType.UDS)
     with grpc.secure_channel(target, credentials) as channel:

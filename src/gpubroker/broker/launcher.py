@@ -17,6 +17,7 @@ from typing import Literal, cast
 from gpubroker.broker.config import BrokerConfig, TenantConfig, save_config
 from gpubroker.broker.front.auth import mint_token
 from gpubroker.client import Unavailable
+from gpubroker.wire.addresses import unix_path
 
 BackendName = Literal["auto", "cuda", "opencl"]  # BrokerConfig.backend's values
 
@@ -55,7 +56,7 @@ class BrokerProcess:
     @property
     def tcp_target(self) -> str:
         """The first TCP listener's bound ``host:port`` (a port of 0 in ``tcp`` is resolved)."""
-        return next(p for p in self.ports if not p.startswith("unix:"))
+        return next(p for p in self.ports if unix_path(p) is None)
 
     @property
     def metrics_url(self) -> str:

@@ -23,7 +23,9 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
+from gpubroker.broker.front.auth import RateLimitedLog
+from gpubroker.broker.front.listeners import Acceptor, Peer
+from gpubroker.wire.addresses import AddressError, VsockAddress, parse_address, unix_path
 from gpubroker.wire.errors import FailedPrecondition, InvalidArgument
 
 __all__ = ["VMADDR_CID_ANY", "VMADDR_PORT_ANY", "RelayServer", "serve_relay", "unix_connector", "unix_listener",
@@ -135,52 +137,42 @@ class RelayServer:
         self._refusals = RateLimitedLog(audit)
         self._connect = connect
         self._conns: set[asyncio.Task[None]] = set()
-        self._accepting: asyncio.Task[None] | None = None
+        self._acceptor = Acceptor(listen_sock, _describe(listen_sock, listen_sock.getsockname()), self._admit,
+                                  "relay")
 
     @property
     def active(self) -> int:
         return len(self._conns)
 
     def start(self) -> None:
-        self.listen_sock.setblocking(False)
-        self._accepting = asyncio.get_running_loop().create_task(self._accept_loop())
+        self._acceptor.start()
 
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, peer = await loop.sock_accept(self.listen_sock)
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    # Out of descriptors: keep serving the connections we have rather than dying.
-                    log.warning("relay accept failed: %s", exc)
-                    await asyncio.sleep(0.1)
-                    continue
-                log.error("relay: accepting on %s failed, no longer accepting: %s", self.listen_sock, exc)
-                return
-            who = _describe(conn, peer)
-            key = _peer_key(conn, peer)
-            if len(self._conns) >= self.max_connections:
-                # Refuse by closing at once: queueing would let one guest hold the rest hostage.
-                self._refusals.warning("relay refusal", "relay: refused %s, %d connections already open", who,
-                                       len(self._conns))
-                conn.close()
-                continue
-            if self.max_per_peer and self._per_peer.get(key, 0) >= self.max_per_peer:
-                self._refusals.warning("relay refusal", "relay: refused %s (%s), which already has %d connections "
-                                       "open, the limit per peer", who, key, self._per_peer[key])
-                conn.close()
-                continue
-            log.info("relay: accepted %s", who)
-            self._per_peer[key] = self._per_peer.get(key, 0) + 1
-            task = loop.create_task(self._relay(conn, who))
-            self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
+    def _admit(self, conn: socket.socket, peer: Peer) -> bool:
+        """Relay ``conn`` (accepted by the Acceptor), or refuse it by closing it at once."""
+        who = _describe(conn, peer.accepted)
+        key = _peer_key(conn, peer)
+        if len(self._conns) >= self.max_connections:
+            # Refuse by closing at once: queueing would let one guest hold the rest hostage.
+            self._refusals.warning("relay refusal", "relay: refused %s, %d connections already open", who,
+                                   len(self._conns))
+            conn.close()
+            return True
+        if self.max_per_peer and self._per_peer.get(key, 0) >= self.max_per_peer:
+            self._refusals.warning("relay refusal", "relay: refused %s (%s), which already has %d connections "
+                                   "open, the limit per peer", who, key, self._per_peer[key])
+            conn.close()
+            return True
+        log.info("relay: accepted %s", who)
+        self._per_peer[key] = self._per_peer.get(key, 0) + 1
+        task = asyncio.get_running_loop().create_task(self._relay(conn, who))
+        self._conns.add(task)
+        task.add_done_callback(self._conns.discard)
 
-            def left(_task: object, key: object = key) -> None:
-                self._left(key)
+        def left(_task: object, key: object = key) -> None:
+            self._left(key)
 
-            task.add_done_callback(left)
+        task.add_done_callback(left)
+        return True
 
     def _left(self, key: object) -> None:
         left = self._per_peer.get(key, 1) - 1
@@ -223,15 +215,12 @@ class RelayServer:
 
     def close(self) -> None:
         """Stop accepting and end every relayed connection."""
-        if self._accepting is not None:
-            self._accepting.cancel()
-        self.listen_sock.close()
+        self._acceptor.close()
         for task in self._conns:
             task.cancel()
 
     async def wait_closed(self) -> None:
-        tasks = [t for t in (self._accepting, *self._conns) if t is not None]
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._conns, return_exceptions=True)
 
 
 async def _pump(src: socket.socket, dst: socket.socket, activity: list[float]) -> None:
@@ -242,15 +231,13 @@ async def _pump(src: socket.socket, dst: socket.socket, activity: list[float]) -
             await loop.sock_sendall(dst, data)
 
 
-def _peer_key(sock: socket.socket, peer: object) -> object:
+def _peer_key(sock: socket.socket, peer: Peer) -> object:
     """Whom a relayed connection is counted against: a VM's CID, a local peer's uid (SO_PEERCRED)."""
-    if getattr(socket, "AF_VSOCK", None) == sock.family and isinstance(peer, tuple):
-        return f"cid:{peer[0]}"
-    if sock.family == socket.AF_UNIX:
-        _pid, uid = peer_credentials(sock)
-        if uid >= 0:
-            return f"uid:{uid}"
-    return f"{sock.family.name}:{peer!r}"
+    if isinstance(peer.address, VsockAddress):
+        return f"cid:{peer.address.cid}"
+    if peer.address is None and peer.uid >= 0:
+        return f"uid:{peer.uid}"
+    return f"{sock.family.name}:{peer.accepted!r}"
 
 
 async def serve_relay(listen_sock: socket.socket, target: str | Connector, max_connections: int = 256,
@@ -286,17 +273,21 @@ async def run_guest_relay(listen_path: str, cid: int, port: int, max_connections
 
 def run_relay_command(listen: str, vsock_connect: str, max_connections: int = 256, mode: int = 0o660) -> None:
     """`gpubroker relay --listen unix:PATH --vsock-connect CID:PORT`, on uvloop where it is installed."""
-    if not listen.startswith("unix:") or len(listen) == len("unix:"):
+    path = unix_path(listen)
+    if not path:
         raise InvalidArgument(f"--listen must be unix:PATH, not {listen!r}")
     try:
-        cid, port = (int(part) for part in vsock_connect.split(":"))
-    except ValueError:
+        host = parse_address(f"vsock:{vsock_connect}")
+        if not isinstance(host, VsockAddress):
+            raise AddressError
+        cid, port = host.cid, host.port
+    except AddressError:
         raise InvalidArgument(f"--vsock-connect must be CID:PORT (e.g. 2:7070), not {vsock_connect!r}") from None
     _vsock_socket().close()  # no vsock here: say so now, not on the first client's connection
     try:
         import uvloop
     except ImportError:
         uvloop = None  # type: ignore[assignment]  # the module or None, tested before use
-    main = run_guest_relay(listen[len("unix:"):], cid, port, max_connections, mode)
+    main = run_guest_relay(path, cid, port, max_connections, mode)
     with contextlib.suppress(KeyboardInterrupt):
         uvloop.run(main) if uvloop is not None else asyncio.run(main)

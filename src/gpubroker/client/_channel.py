@@ -9,6 +9,7 @@ import grpc
 import msgspec
 
 from gpubroker.client._tls import TlsOptions
+from gpubroker.wire.addresses import unix_path
 from gpubroker.wire.errors import ERROR_TRAILER, GpuBrokerError, WireError, decode_wire_error, error_from_wire
 
 __all__ = ["KEEPALIVE_OPTIONS", "make_channel", "translate_rpc_error", "translated"]
@@ -32,7 +33,7 @@ def make_channel(target: str, token: str | None,
     """
     options: list[tuple[str, Any]] = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
                                       *KEEPALIVE_OPTIONS]
-    unix = target.startswith("unix:")
+    unix = unix_path(target) is not None
     if tls is not None and tls.insecure and not unix:
         # gRPC refuses call credentials on an insecure channel, so the token rides as plain metadata.
         metadata = (("authorization", f"Bearer {token}"),) if token else ()

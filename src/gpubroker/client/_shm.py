@@ -37,6 +37,7 @@ import numpy as np
 from gpubroker.client._memcpy import parallel_copy
 from gpubroker.client._transports import Transport, peer_hung_up
 from gpubroker.client._wire import buf_ref
+from gpubroker.wire.addresses import unix_path
 from gpubroker.wire.commands import CopyShared, new_handle
 from gpubroker.wire.errors import (
     DeadlineExceeded,
@@ -238,8 +239,8 @@ class SharedMemory:
     def __init__(self, target: str, token: str | None, session: Callable[[], str],
                  transport: Callable[[], Transport], timeout: float | None = 30.0,
                  staging_bytes: int = STAGING_BYTES) -> None:
-        path = target[len("unix://"):] if target.startswith("unix://") else target[len("unix:"):]
-        self.path = link_path(path) if target.startswith("unix:") and token and SUPPORTED else None
+        path = unix_path(target)
+        self.path = link_path(path) if path is not None and token and SUPPORTED else None
         self.staging_bytes = staging_bytes
         self._token = token or ""
         self._session = session

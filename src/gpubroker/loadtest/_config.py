@@ -9,6 +9,7 @@ from pathlib import Path
 
 from gpubroker.client import InvalidArgument
 from gpubroker.loadtest._workloads import WORKLOADS
+from gpubroker.wire.addresses import AddressError, parse_host_port, unix_path
 
 __all__ = ["MAX_DURATION_S", "MAX_TENANTS", "LoadTestConfig", "assign_workloads", "check_target", "load_tokens"]
 
@@ -98,15 +99,18 @@ def check_target(target: str) -> str:
     """``target`` if it is a Unix socket or a loopback TCP address; a load test never leaves the host."""
     hint = ("loadtest targets must be a Unix socket (unix:/path) or a loopback address "
             f"(127.0.0.1:PORT, [::1]:PORT, localhost:PORT), not {target!r}")
-    if target.startswith("unix:"):
-        if not target[len("unix:"):].lstrip("/"):
+    path = unix_path(target)
+    if path is not None:
+        if not path.lstrip("/"):
             raise InvalidArgument(hint)
         return target
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    try:
+        address = parse_host_port(target)
+    except AddressError:
+        raise InvalidArgument(hint) from None
+    host = address.host
+    if address.port == 0:
         raise InvalidArgument(hint)
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
     if host == "localhost":
         return target
     try:

@@ -24,7 +24,6 @@ from gpubroker.broker.config._schema import (
     format_size,
     parse_size,
     parse_uid_range,
-    split_host_port,
 )
 from gpubroker.broker.config._write import save_config
 
@@ -45,6 +44,5 @@ __all__ = [
     "remove_tenant_in_place",
     "rotate_token_in_place",
     "save_config",
-    "split_host_port",
 ]
 

@@ -32,8 +32,8 @@ from gpubroker.broker.config._schema import (
     _Form,
     parse_size,
     parse_uid_range,
-    split_host_port,
 )
+from gpubroker.wire.addresses import parse_host_port
 from gpubroker.wire.errors import InvalidArgument
 
 __all__ = ["describe_type", "load_config", "parse_config"]
@@ -196,7 +196,7 @@ def _check_broker(where: _Where, s: BrokerSettings) -> None:
         address = getattr(s, key).strip()
         if address:
             try:
-                split_host_port(address)
+                parse_host_port(address)
             except ValueError as exc:
                 raise where.error(key, str(exc)) from None
         setattr(s, key, address)

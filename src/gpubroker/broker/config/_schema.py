@@ -27,7 +27,6 @@ __all__ = [
     "format_size",
     "parse_size",
     "parse_uid_range",
-    "split_host_port",
 ]
 
 DEFAULT_SOCKET = "unix:/run/gpubroker/gpubroker.sock"
@@ -87,15 +86,6 @@ def parse_uid_range(text: str) -> tuple[int, int] | None:
     if not 1 <= low <= high <= UID_MAX:
         raise ValueError(f"expected 1 <= FIRST <= LAST <= {UID_MAX}, got {text!r}")
     return low, high
-
-
-def split_host_port(address: str) -> tuple[str, int]:
-    """'127.0.0.1:9464' or '[::1]:9464' as (host, port); ValueError for anything else."""
-    host, sep, port = address.strip().rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:9464), got {address!r}")
-    return host, int(port)
 
 
 # -- the schema ------------------------------------------------------------------------------------------------

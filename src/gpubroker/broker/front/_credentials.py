@@ -12,11 +12,21 @@ from pathlib import Path
 import grpc
 
 from gpubroker.broker.config import BrokerConfig
-from gpubroker.wire.errors import FailedPrecondition
+from gpubroker.wire.addresses import AddressError, parse_host_port
+from gpubroker.wire.errors import FailedPrecondition, InvalidArgument
 
 __all__ = ["link_tls", "tcp_credentials"]
 
 log = logging.getLogger("gpubroker.server")
+
+
+def loopback_address(address: str) -> bool:
+    """Whether a listen address ``HOST:PORT`` names a loopback host; InvalidArgument (``listen: ...``) for text
+    that is no HOST:PORT, as the listener itself would say."""
+    try:
+        return _is_loopback(parse_host_port(address).host)
+    except AddressError as exc:
+        raise InvalidArgument(f"listen: {exc}") from None
 
 
 def _is_loopback(host: str) -> bool:
@@ -64,7 +74,7 @@ def tcp_credentials(cfg: BrokerConfig, address: str) -> grpc.ServerCredentials:
         client_ca = _read_tls_file(cfg, "client_ca_file") if tls.require_client_cert else None
         return grpc.ssl_server_credentials([(_read_tls_file(cfg, "key_file"), _read_tls_file(cfg, "cert_file"))],
                                            root_certificates=client_ca, require_client_auth=tls.require_client_cert)
-    if _is_loopback(address.rsplit(":", 1)[0].strip("[]")):
+    if loopback_address(address):
         return grpc.local_server_credentials(grpc.LocalConnectionType.LOCAL_TCP)
     if cfg.insecure:
         log.warning("plaintext TCP on %s (insecure = true): tokens travel in the clear; configure [tls]", address)
@@ -78,7 +88,7 @@ def link_tls(cfg: BrokerConfig, address: str) -> ssl.SSLContext | None:
     only loopback or ``insecure`` allows, as for gRPC."""
     tls = cfg.tls
     if tls is None:
-        if not _is_loopback(address.rsplit(":", 1)[0].strip("[]")):
+        if not loopback_address(address):
             if not cfg.insecure:
                 raise FailedPrecondition(f"refusing a plaintext link on non-loopback {address}: configure [tls] "
                                          "or pass --insecure")

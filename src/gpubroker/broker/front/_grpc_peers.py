@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import functools
 import ipaddress
 import logging
 import os
@@ -50,20 +51,16 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, cast
 
-from gpubroker.broker.config import split_host_port
 from gpubroker.broker.front._descriptors import set_passrights
-from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
+from gpubroker.broker.front.auth import RateLimitedLog
+from gpubroker.broker.front.listeners import Acceptor, Peer, out_of_descriptors
+from gpubroker.wire.addresses import TcpAddress, UnixAddress, parse_host_port
 from gpubroker.wire.errors import InvalidArgument
 
 __all__ = ["GrpcGate", "grpc_peer", "socket_owner"]
 
 log = logging.getLogger("gpubroker.server")
 audit = logging.getLogger("gpubroker.audit")
-# Connections accepted per wakeup of a listener: then the loop serves the relays before accepting more.
-ACCEPT_BATCH = 64
-# Out of descriptors: the gate stops accepting for this long, doubling while it lasts (up to the most).
-ACCEPT_BACKOFF = 0.05
-ACCEPT_BACKOFF_MAX = 1.0
 # A relayed connection ends when either side ends it; the other then has this long to take what was sent to it
 # last (a GOAWAY, say) before it is cut.
 CLOSE_GRACE = 5.0
@@ -217,11 +214,10 @@ def socket_owner(conn: socket.socket) -> int | None:
 
 @dataclasses.dataclass(eq=False)
 class _Listener:
-    sock: socket.socket
     public: str  # as the broker lists it: unix:PATH or HOST:PORT
     private: str  # the path of gRPC's listener its connections are relayed to
     loopback_only: bool  # local credentials: only loopback peers (what gRPC's LOCAL_TCP check allowed)
-    backoff: float = 0.0
+    acceptor: Acceptor = dataclasses.field(init=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +247,6 @@ class GrpcGate:
         self.max_per_peer = max_per_peer
         self.open = 0
         self.per_peer: dict[str, int] = {}
-        self.accept_failures = 0  # accept() out of descriptors (or memory): each time, the gate backs off
         # (endpoint, reason) -> count, for gpubroker_endpoint_refusals: its keys are set here, before the gate's
         # thread counts into them, so that a scrape iterating it never sees it grow.
         self.refusals = refusals if refusals is not None else {}
@@ -279,7 +274,11 @@ class GrpcGate:
 
     def private_address(self, public: str) -> str:
         """``unix:PATH`` of gRPC's listener behind the public address ``public`` (as ``listen_*`` returned it)."""
-        return "unix:" + self._private[public]
+        return str(UnixAddress(self.private_path(public)))
+
+    def private_path(self, public: str) -> str:
+        """The path of gRPC's Unix listener behind the public address ``public``."""
+        return self._private[public]
 
     def listen_unix(self, path: Path, secure: Callable[[Path], None], backlog: int = 1024) -> str:
         """Listen on the Unix socket ``path`` (``secure`` sets its owner and mode before anyone can connect);
@@ -295,16 +294,17 @@ class GrpcGate:
             sock.close()
             raise
         sock.setblocking(False)
-        self._listeners.append(_Listener(sock, public, self._private_path(public), loopback_only=False))
+        self._add_listener(sock, public, self._private_path(public), loopback_only=False)
         return public
 
     def listen_tcp(self, address: str, loopback_only: bool, backlog: int = 1024) -> str:
         """Listen on ``HOST:PORT`` (every address HOST resolves to, on one port; port 0: one the kernel picks);
         returns the address with its port, whose private one ``private_address`` gives."""
         try:
-            host, port = split_host_port(address)
+            wanted = parse_host_port(address)
         except ValueError as exc:
             raise InvalidArgument(f"listen: {exc}") from None
+        host, port = wanted.host, wanted.port
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         except socket.gaierror as exc:
@@ -333,10 +333,21 @@ class GrpcGate:
             for sock in socks:
                 sock.close()
             raise
-        public = address.rsplit(":", 1)[0] + f":{port}"
+        public = str(TcpAddress(host, port))
         private = self._private_path(public)
-        self._listeners.extend(_Listener(sock, public, private, loopback_only) for sock in socks)
+        for sock in socks:
+            self._add_listener(sock, public, private, loopback_only)
         return public
+
+    def _add_listener(self, sock: socket.socket, public: str, private: str, loopback_only: bool) -> None:
+        listener = _Listener(public, private, loopback_only)
+        listener.acceptor = Acceptor(sock, public, functools.partial(self._admit, listener), "grpc")
+        self._listeners.append(listener)
+
+    @property
+    def accept_failures(self) -> int:
+        """How often accept() ran out of descriptors (or memory): each time, the gate backed off."""
+        return sum(listener.acceptor.failures for listener in self._listeners)
 
     # -- run -------------------------------------------------------------------------------------------------------
 
@@ -371,22 +382,20 @@ class GrpcGate:
     def _begin(self) -> None:
         assert self._loop is not None
         for listener in self._listeners:
-            self._loop.add_reader(listener.sock.fileno(), self._accept, listener)
+            listener.acceptor.start(self._loop)
 
     async def close_listeners(self) -> None:
         """Stop accepting; the connections relayed so far go on (gRPC's graceful stop ends them)."""
         if self._loop is None:
             for listener in self._listeners:
-                listener.sock.close()
+                listener.acceptor.close()
             return
         await self._on_gate(self._close_listeners())
 
     async def _close_listeners(self) -> None:
         assert self._loop is not None
         for listener in self._listeners:
-            if listener.sock.fileno() >= 0:
-                self._loop.remove_reader(listener.sock.fileno())
-                listener.sock.close()
+            listener.acceptor.close()
 
     async def stop(self) -> None:
         """Stop accepting, cut every relayed connection, end the gate's thread and remove its directory."""
@@ -426,53 +435,13 @@ class GrpcGate:
 
     # -- accept (on the gate's loop) ---------------------------------------------------------------------------------
 
-    def _accept(self, listener: _Listener) -> None:
-        for _ in range(ACCEPT_BATCH):
-            try:
-                conn, address = listener.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    self.accept_failures += 1
-                    self._back_off(listener, exc)
-                    return
-                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
-                    continue  # (that connection is gone; the next one may be fine)
-                log.error("gRPC listener %s: accept failed, no longer accepting: %s", listener.public, exc)
-                self._loop.remove_reader(listener.sock.fileno())  # type: ignore[union-attr]
-                return
-            listener.backoff = 0.0
-            try:
-                if not self._admit(listener, conn, address):
-                    return
-            except Exception as exc:  # one connection's failure must not stop the listener
-                conn.close()
-                log.error("gRPC listener %s: admitting a connection failed: %r", listener.public, exc)
-
-    def _back_off(self, listener: _Listener, exc: OSError) -> None:
-        """Out of descriptors (or memory): accept nothing on this listener for a moment; connections wait in its
-        backlog (or are refused by the kernel once it is full) meanwhile."""
-        assert self._loop is not None
-        listener.backoff = min(ACCEPT_BACKOFF_MAX, max(ACCEPT_BACKOFF, listener.backoff * 2))
-        self._audit.warning("grpc accept", "action=pause-accept listener=%s reason=accept failed (%s): accepting "
-                            "again in %.2f s (connections wait in the backlog)", listener.public, exc.strerror,
-                            listener.backoff)
-        self._loop.remove_reader(listener.sock.fileno())
-        self._loop.call_later(listener.backoff, self._resume, listener)
-
-    def _resume(self, listener: _Listener) -> None:
-        if not self._closed and listener.sock.fileno() >= 0:
-            assert self._loop is not None
-            self._loop.add_reader(listener.sock.fileno(), self._accept, listener)
-
-    def _admit(self, listener: _Listener, conn: socket.socket, address: Any) -> bool:
+    def _admit(self, listener: _Listener, conn: socket.socket, accepted: Peer) -> bool:
         """Relay ``conn``, or refuse it; whether to go on accepting now."""
         if self.open >= self.max_connections:
             self._refuse(conn, listener, "connections", None, f"{self.open} gRPC connections open, the broker's "
                          f"max_grpc_connections ({self.max_connections})")
             return True
-        peer = self._identify(listener, conn, address)
+        peer = self._identify(listener, conn, accepted)
         if isinstance(peer, str):
             self._refuse(conn, listener, "not local", None, peer)
             return True
@@ -486,8 +455,8 @@ class GrpcGate:
             backend = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         except OSError as exc:
             conn.close()
-            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                self._back_off(listener, exc)
+            if out_of_descriptors(exc):
+                listener.acceptor.back_off(exc)
                 return False
             raise
         self.open += 1
@@ -498,13 +467,14 @@ class GrpcGate:
         relay.task = self._loop.create_task(relay.open(conn, backend, listener.private))
         return True
 
-    def _identify(self, listener: _Listener, conn: socket.socket, address: Any) -> _Peer | str:
-        """Who is at the other end of ``conn``; a string saying why it may not connect, if it may not."""
-        if conn.family == socket.AF_UNIX:
-            _pid, uid = peer_credentials(conn)
+    def _identify(self, listener: _Listener, conn: socket.socket, accepted: Peer) -> _Peer | str:
+        """Who is at the other end of ``conn`` (``accepted``: as the kernel names it), counted as the gate counts
+        peers; a string saying why it may not connect, if it may not."""
+        if not isinstance(accepted.address, TcpAddress):  # (a Unix socket: the gate listens on no vsock port)
+            uid = accepted.uid
             key = f"uid {uid}" if uid >= 0 else "unix"
             return _Peer(key, f"{listener.public} uid={uid}")
-        host, port = _plain(address[0]), int(address[1])
+        host, port = _plain(accepted.address.host), accepted.address.port
         loopback = _is_loopback(host)
         if listener.loopback_only and not loopback:
             return f"{_tcp_name(host, port)} is not a loopback peer (the listener has local credentials)"

@@ -38,6 +38,7 @@ from gpubroker.broker.front.auth import RateLimitedLog
 from gpubroker.broker.front.workers import WorkerClient
 from gpubroker.v1 import admin_pb2 as apb
 from gpubroker.v1 import broker_pb2 as pb
+from gpubroker.wire.addresses import AddressError, parse_host_port
 from gpubroker.wire.errors import Unavailable
 from gpubroker.wire.types import DeviceInfo
 
@@ -240,10 +241,10 @@ class BrokerHealth:
 def _peer_host(peer: str) -> str:
     """The peer of a gRPC call without its port: "ipv4:10.0.0.1:5000" -> "10.0.0.1"; "unix:..." -> "unix" (gRPC
     names no uid for a Unix socket's peer: every local peer shares one count)."""
-    kind, _sep, address = peer.partition(":")
+    kind = peer.partition(":")[0]
     if kind in ("ipv4", "ipv6"):
-        host = address.rsplit(":", 1)[0].strip("[]")
-        return host.removeprefix("::ffff:")
+        with contextlib.suppress(AddressError):
+            return parse_host_port(peer, schemes=True).host.removeprefix("::ffff:")
     return kind or "unknown"
 
 

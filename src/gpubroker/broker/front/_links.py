@@ -11,9 +11,9 @@ the front never sees them. Three listeners, one hello and one hand-off:
   between the connection and one end of a socketpair whose other end goes to the worker: a worker runs its
   tenant's code and must never hold the server's key. Without [tls] (loopback, or ``insecure``) the same relay:
   a worker takes only local sockets, whose peers the kernel names. Each TCP link has a thread of its own for
-  its handshake, its hello's bytes and then the relay (``_TcpRelay``): the encryption is a link's whole cost in
-  the front, and threads spread it over cores (a client stripes a large copy over several links) and keep it
-  off the event loop.
+  its handshake, its hello's bytes and then the relay (``TcpRelay``, in _tcp_relay.py): the encryption is a
+  link's whole cost in the front, and threads spread it over cores (a client stripes a large copy over several
+  links) and keep it off the event loop.
 
 The hello is one frame (4-byte big-endian length + a msgpack ``Hello``, gpubroker/wire/link.py: token, session,
 ``link: 1`` or ``segments: 1``), read under the pre-authentication limits (``hello_max_bytes``,
@@ -41,13 +41,10 @@ import functools
 import itertools
 import logging
 import os
-import queue
-import select
 import socket
 import ssl
 import threading
-import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +52,9 @@ from gpubroker.broker.front._descriptors import set_passrights
 from gpubroker.broker.front._preauth import PreAuthGate, Ticket, refuse_malformed
 from gpubroker.broker.front._segments import FdStream, SegmentService
 from gpubroker.broker.front._sessions import Session
-from gpubroker.broker.front.auth import Principal
+from gpubroker.broker.front._tcp_relay import PAIR_BUFFER, TcpRelay
+from gpubroker.broker.front.auth import Credentials, Principal, peer_certificate_names
+from gpubroker.broker.front.listeners import Acceptor, Peer
 from gpubroker.broker.front.scheduler import TurnLease
 from gpubroker.broker.logs import bind_log_context
 from gpubroker.wire.errors import (
@@ -99,7 +98,7 @@ class LinkServer:
         # Links being handed over (any listener) or relayed (TCP: a thread each), by session and by tenant.
         self._session_links: dict[str, int] = {}
         self._tenant_links: dict[str, int] = {}
-        self._listeners: list[tuple[socket.socket, str]] = []
+        self._listeners: list[Acceptor] = []
         self._no_links: set[str] = set()  # listeners that serve segments only (fast_path = false)
         # Written once at stop: the TCP links' relay threads poll its other end.
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
@@ -113,13 +112,11 @@ class LinkServer:
     def listen_socket(self, sock: socket.socket, where: str, path: Path | None = None, links: bool = True) -> None:
         """Serve links on a listening Unix or vsock socket: each accepted socket is handed to a worker (a Unix
         socket's segment connections stay here). ``links`` False: segment connections only."""
-        sock.setblocking(False)
-        self._listeners.append((sock, where))
         if not links:
             self._no_links.add(where)
         if path is not None:
             self._paths.append(path)
-        self._spawn(self._accept(sock, where))
+        self._listen(Acceptor(sock, where, functools.partial(self._admit_socket, where), "link"))
 
     async def listen_tcp(self, host: str, port: int, tls: ssl.SSLContext | None) -> int:
         """Serve links on TCP (TLS terminated here when ``tls``); the port bound."""
@@ -132,19 +129,17 @@ class LinkServer:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(address)
             sock.listen(128)
-            sock.setblocking(False)
         except BaseException:
             sock.close()
             raise
-        self._listeners.append((sock, where))
-        self._spawn(self._accept_tcp(sock, where, tls))
         bound: int = sock.getsockname()[1]
+        self._listen(Acceptor(sock, where, functools.partial(self._admit_tcp, where, tls), "link"))
         return bound
 
     async def stop(self) -> None:
         os.write(self._stop_w, b"x")  # every TCP link's relay thread polls this: they all end
-        for sock, _ in self._listeners:
-            sock.close()
+        for acceptor in self._listeners:
+            acceptor.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -157,34 +152,30 @@ class LinkServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _accept(self, listener: socket.socket, where: str) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, address = await loop.sock_accept(listener)
-            except OSError as exc:  # EMFILE and the like: back off rather than spin
-                log.warning("link listener %s: accept failed: %s", where, exc)
-                await asyncio.sleep(0.1)
-                continue
-            local = conn.family == socket.AF_UNIX
-            ticket = self.gate.admit(conn if local else None, where if local else f"{where} peer={address}",
-                                     address=None if local else f"vsock:{_host(address)}")
-            if ticket is None:  # past a cap on unauthenticated connections: refused (and audited) at once
-                conn.close()
-                continue
-            # Until its hello comes, a newer connection of its peer may take its place (_preauth.py).
-            ticket.sock, ticket.evict = conn, _shutter(conn)
-            self._spawn(self._serve_socket(conn, ticket, address, where not in self._no_links))
+    def _listen(self, acceptor: Acceptor) -> None:
+        self._listeners.append(acceptor)
+        acceptor.start()
+
+    def _admit_socket(self, where: str, conn: socket.socket, peer: Peer) -> bool:
+        local = peer.address is None
+        ticket = self.gate.admit(peer, where if local else f"{where} peer={peer.accepted}")
+        if ticket is None:  # past a cap on unauthenticated connections: refused (and audited) at once
+            conn.close()
+            return True
+        # Until its hello comes, a newer connection of its peer may take its place (_preauth.py).
+        ticket.sock, ticket.evict = conn, _shutter(conn)
+        self._spawn(self._serve_socket(conn, ticket, peer, where not in self._no_links))
+        return True
 
     # -- a socket handed over whole (Unix, vsock), or kept for segments (Unix) ----------------------------
-    async def _serve_socket(self, conn: socket.socket, ticket: Ticket, address: Any, links: bool) -> None:
+    async def _serve_socket(self, conn: socket.socket, ticket: Ticket, peer: Peer, links: bool) -> None:
         # Read exactly (never more than the hello: what follows it is the worker's to read, or the segment
         # requests'), and with any descriptors sent along: a hello carries none, so they are refused.
         stream = FdStream(conn, "a link hello")
-        local = conn.family == socket.AF_UNIX
-        penalty = f"uid:{ticket.uid}" if local else f"addr:{_host(address)}"
+        local = peer.address is None
+        penalty = f"uid:{ticket.uid}" if local else f"addr:{peer.host}"
         try:
-            session, principal, hello = await self._hello(stream.recv_exactly, stream.send, ticket, {}, penalty,
+            session, principal, hello = await self._hello(stream.recv_exactly, stream.send, ticket, (), penalty,
                                                           segments=local, links=links)
             if local:  # authenticated: now it may pass descriptors (a ring's memfd, a segment's)
                 set_passrights(conn, True)
@@ -201,30 +192,23 @@ class LinkServer:
             stream.close()  # this process's descriptor: a link lives on in the worker
 
     # -- TCP (TLS terminated here): relayed to the worker by a thread of its own ----------------------------
-    async def _accept_tcp(self, listener: socket.socket, where: str, tls: ssl.SSLContext | None) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, address = await loop.sock_accept(listener)
-            except OSError as exc:
-                log.warning("link listener %s: accept failed: %s", where, exc)
-                await asyncio.sleep(0.1)
-                continue
-            # Admitted before the TLS handshake: the caps on unauthenticated connections count handshakes too.
-            ticket = self.gate.admit(None, f"{where} peer={address}", address=_host(address))
-            if ticket is None:
-                conn.close()
-                continue
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a launch + sync: never held by Nagle
-            self._spawn(self._serve_tcp(conn, ticket, address, tls))
+    def _admit_tcp(self, where: str, tls: ssl.SSLContext | None, conn: socket.socket, peer: Peer) -> bool:
+        # Admitted before the TLS handshake: the caps on unauthenticated connections count handshakes too.
+        ticket = self.gate.admit(peer, f"{where} peer={peer.accepted}")
+        if ticket is None:
+            conn.close()
+            return True
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a launch + sync: never held by Nagle
+        self._spawn(self._serve_tcp(conn, ticket, peer, tls))
+        return True
 
-    async def _serve_tcp(self, conn: socket.socket, ticket: Ticket, address: Any, tls: ssl.SSLContext | None) -> None:
+    async def _serve_tcp(self, conn: socket.socket, ticket: Ticket, peer: Peer, tls: ssl.SSLContext | None) -> None:
         """The link's thread does the handshake and reads the hello (within hello_timeout_seconds: at the deadline
         the connection is shut, which ends any read); the hello is judged here, as on every listener; then the
         thread answers a refusal, or relays between the connection and a socketpair whose other end is the
         worker's."""
         loop = asyncio.get_running_loop()
-        relay = _TcpRelay(conn, tls, self.gate.hello_max_bytes, self.gate.hello_timeout, self._stop_r, loop)
+        relay = TcpRelay(conn, tls, self.gate.hello_max_bytes, self.gate.hello_timeout, self._stop_r, loop)
         threading.Thread(target=relay.run, name="gpubroker-link", daemon=True).start()
         late = f"no hello within hello_timeout_seconds ({self.gate.hello_timeout:g} s)"
 
@@ -256,12 +240,12 @@ class LinkServer:
             async def send(frame: bytes) -> None:
                 frames.append(frame)  # (the thread writes them, before it relays or closes)
 
-            session, principal, hello = await self._hello(recv_exactly, send, ticket, _auth_context(cert),
-                                                          f"addr:{_host(address)}", segments=False, links=True)
+            session, principal, hello = await self._hello(recv_exactly, send, ticket, peer_certificate_names(cert),
+                                                          f"addr:{peer.host}", segments=False, links=True)
             ours: socket.socket | None
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             for end in (ours, theirs):  # a copy's chunk or more in flight each way: fewer wake-ups per byte
-                end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PAIR_BUFFER)
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PAIR_BUFFER)
             try:
                 release = await self._hand_over(session, principal, theirs.fileno(), send, list(hello.compress))
                 if release is not None:  # counted until the relay's thread ends
@@ -279,7 +263,7 @@ class LinkServer:
 
     # -- the hello and the hand-off --------------------------------------------------------------------
     async def _hello(self, recv_exactly: Callable[[int], Awaitable[bytes]], send: Callable[[bytes], Awaitable[None]],
-                     ticket: Ticket, auth_context: Mapping[str, list[bytes]], penalty: str, *, segments: bool,
+                     ticket: Ticket, certificate_names: tuple[str, ...], penalty: str, *, segments: bool,
                      links: bool) -> tuple[Session, Principal, Hello]:
         """The first frame, authenticated as a gRPC call would be; refusals are answered and raise _HelloRefused.
         ``segments``: this listener may serve segment connections (a Unix socket, where descriptors pass);
@@ -324,13 +308,13 @@ class LinkServer:
                 "this broker serves no links on its Unix socket (fast_path = false): commands go by gRPC; the "
                 "socket takes shared-memory segments only"))))
             raise _HelloRefused
-        token = hello.token or None
+        token = hello.token.strip() if hello.token else None  # (as a gRPC call's "Bearer" value is read)
         ticket.judging = True  # (a hello in hand: not to be evicted while it is judged)
         try:
             await auth.tokens.prepare(token)
-            metadata = [("authorization", f"Bearer {token}")] if token else []
             try:
-                principal = auth.authenticate(metadata, auth_context, ticket.peer, "link/hello", penalty_key=penalty)
+                principal = auth.authenticate(Credentials(token, certificate_names, ticket.peer), "link/hello",
+                                              penalty_key=penalty)
             except Unauthenticated:
                 ticket.judging = False
                 await ticket.sit_out_failure()
@@ -489,280 +473,3 @@ def _shutter(conn: socket.socket) -> Callable[[], None]:
 def _frame(payload: bytes) -> bytes:
     return FRAME_HEADER.pack(len(payload)) + payload
 
-
-def _host(address: Any) -> str:
-    return str(address[0]) if isinstance(address, tuple) and address else str(address)
-
-
-def _auth_context(cert: Any) -> dict[str, list[bytes]]:
-    """A verified client certificate's names as gRPC's auth context gives them (auth.certificate_identities)."""
-    if not isinstance(cert, dict):
-        return {}
-    names = [value.encode() for kind, value in cert.get("subjectAltName", ()) if kind == "URI"]
-    common = [value.encode() for rdn in cert.get("subject", ()) for key, value in rdn if key == "commonName"]
-    return {"x509_subject_alternative_name": names, "x509_common_name": common}
-
-
-class _TcpRelay:
-    """One TCP link, in a thread of its own: the TLS handshake and the hello (judged by the front on its loop),
-    then the relay between the connection and the worker's socketpair.
-
-    A thread, not the event loop, because the relay is the link's whole cost in the front: decrypting and
-    encrypting every byte, and copying it. The ssl and socket calls let go of the GIL, so several links (a
-    striped copy) use several cores, and none of it delays the loop's gRPC calls and scheduler. One thread
-    does both directions: an SSL object is not safe for two threads at once.
-    """
-
-    def __init__(self, conn: socket.socket, tls: ssl.SSLContext | None, hello_limit: int, timeout: float,
-                 stop_fd: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.sock: socket.socket = conn
-        self.aborted = False
-        self.hello: asyncio.Future[tuple[bytes, Any]] = loop.create_future()
-        self._tls = tls
-        self._limit = hello_limit
-        self._timeout = timeout
-        self._stop_fd = stop_fd
-        self._loop = loop
-        self._lock = threading.Lock()  # abort (the loop) against the thread's wrap and close of the socket
-        self._closed = False
-        self._verdict: queue.SimpleQueue[tuple[list[bytes], socket.socket | None]] = queue.SimpleQueue()
-        # Called (from the thread) once the relay is over: gives the link's place back in the front's counts.
-        self.on_end: Callable[[], Any] | None = None
-
-    # -- the loop's side -----------------------------------------------------------------------------
-    def abort(self) -> None:
-        """The hello's deadline: shut the connection, which ends the thread's read (the thread closes it)."""
-        with self._lock:
-            if not self._closed:
-                self.aborted = True
-                with contextlib.suppress(OSError):
-                    self.sock.shutdown(socket.SHUT_RDWR)
-
-    def decide(self, frames: list[bytes], worker: socket.socket | None) -> None:
-        """What the thread does after the hello: write ``frames`` (a refusal), then relay to ``worker`` or close."""
-        self._verdict.put((frames, worker))
-
-    # -- the thread ----------------------------------------------------------------------------------
-    def run(self) -> None:
-        try:
-            hello: tuple[bytes, Any] | BaseException = self._read_hello()
-        except Exception as exc:  # (ssl.SSLError, OSError, EOFError: the loop's side sorts them out)
-            hello = exc
-        self._loop.call_soon_threadsafe(_settle, self.hello, hello)
-        try:
-            frames, worker = self._verdict.get(timeout=_VERDICT_WAIT)
-        except queue.Empty:  # (the broker stopping before it judged the hello)
-            frames, worker = [], None
-        if isinstance(hello, BaseException):
-            self._close()
-            return
-        try:
-            self.sock.settimeout(self._timeout)
-            for frame in frames:
-                self.sock.sendall(frame)
-            if worker is not None:
-                _relay(self.sock, worker, self._stop_fd)
-        except OSError:
-            pass
-        finally:
-            if worker is not None:
-                worker.close()
-            self._close()
-            if self.on_end is not None:
-                with contextlib.suppress(RuntimeError):  # (the loop closed: the broker stopped)
-                    self.on_end()
-
-    def _read_hello(self) -> tuple[bytes, Any]:
-        """The handshake and the hello's frame (only its header if that announces more than the limit)."""
-        deadline = time.monotonic() + self._timeout
-
-        def left() -> float:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or self.aborted:
-                raise TimeoutError("no hello in time")
-            return remaining
-
-        cert: Any = None
-        if self._tls is not None:
-            with self._lock:
-                if self.aborted:
-                    raise TimeoutError("no hello in time")
-                self.sock = self._tls.wrap_socket(self.sock, server_side=True, do_handshake_on_connect=False)
-            assert isinstance(self.sock, ssl.SSLSocket)
-            self.sock.settimeout(left())
-            self.sock.do_handshake()
-            cert = self.sock.getpeercert()
-        header = self._exactly(FRAME_HEADER.size, left)
-        (length,) = FRAME_HEADER.unpack(header)
-        if length > self._limit:
-            return header, cert  # refused by the front before a byte of the body is read
-        return header + self._exactly(length, left), cert
-
-    def _exactly(self, n: int, left: Callable[[], float]) -> bytes:
-        data = bytearray()
-        while len(data) < n:
-            self.sock.settimeout(left())
-            part = self.sock.recv(n - len(data))
-            if not part:
-                raise EOFError("closed during the hello")
-            data += part
-        return bytes(data)
-
-    def _close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self.sock.close()
-
-
-def _settle(future: asyncio.Future[Any], outcome: Any) -> None:
-    if not future.done():
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
-
-
-# How long a link's thread waits for the front to judge its hello (authentication's failure delay and the hand-off
-# take seconds at most; only a broker stopping meanwhile leaves it waiting).
-_VERDICT_WAIT = 120.0
-# What a link's relay holds each way: a few TLS records' worth per read and write, at most this much of a
-# client's frames in the front at a time (the rest waits in the sockets).
-_RELAY_PIECE = 512 * 1024
-_IN, _OUT = select.POLLIN, select.POLLOUT
-# What each end of a TCP link's socketpair may have on its way to the other (the kernel caps it at wmem_max).
-_PAIR_BUFFER = 2 << 20
-# A TLS record's most plaintext. A client streaming a large frame sends full records, and its frame's last
-# record is short: while full ones come, the relay gathers up to _GATHER bytes before it writes them to the
-# worker, so neither it nor the worker wakes for every 16 KiB; a short record (a small batch, a frame's end) goes
-# at once. _LINGER_MS bounds the wait for a frame that happens to end on a full record.
-_RECORD = 16 * 1024
-_GATHER = 256 * 1024
-_LINGER_MS = 2
-
-
-class _Flow:
-    """One direction of a relay: bytes from ``src`` into a bounded buffer, and from it to ``dst``; non-blocking,
-    retried after poll says the side it waits for is ready."""
-
-    def __init__(self, src: socket.socket, dst: socket.socket) -> None:
-        self.src, self.dst = src, dst
-        self.buf = memoryview(bytearray(_RELAY_PIECE))
-        self.start = self.end = 0
-        self.eof = False  # src ended (or failed)
-        self.broken = False  # dst failed: what src sends from now on is dropped
-        self.src_waits = 0  # the poll event src needs before the next read (0: try now)
-        self.dst_waits = 0
-        self._again = 0  # an SSL write that would block is repeated with the same length
-        self._gathers = isinstance(src, ssl.SSLSocket)
-        self._full = False  # the last read was a whole record: more of the frame is on its way
-        self.flush = False  # (set when the linger is over: write what is gathered)
-
-    @property
-    def holding(self) -> bool:
-        """Gathering a streamed frame's records before writing them on."""
-        return (self._gathers and self._full and not self.flush and not self.eof
-                and self.end - self.start < _GATHER and self.end < _RELAY_PIECE)
-
-    def pump(self) -> bool:
-        """Move what can move now; whether anything did."""
-        moved = False
-        while True:
-            progress = False
-            if not self.eof and not self.src_waits and self.end < _RELAY_PIECE:
-                room = _RELAY_PIECE - self.end
-                try:
-                    n = self.src.recv_into(self.buf[self.end:])
-                except (ssl.SSLWantReadError, BlockingIOError):
-                    self.src_waits = _IN
-                except ssl.SSLWantWriteError:
-                    self.src_waits = _OUT
-                except OSError:  # (a reset, a TLS error, an end without close_notify): the side is gone
-                    self.eof = True
-                else:
-                    if n:
-                        self.end += n
-                        self._full = n == _RECORD
-                        progress = True
-                        tls = self.src if isinstance(self.src, ssl.SSLSocket) else None
-                        if n < room and not self._full and not (tls is not None and tls.pending()):
-                            # Most likely all there was (a small batch, an ack): wait for poll rather than
-                            # fail a read. (OpenSSL reads a record at a time, so none hides in its buffer.)
-                            self.src_waits = _IN
-                    else:
-                        self.eof = True
-            if self.start < self.end and not self.dst_waits and not self.broken and not self.holding:
-                size = self._again or self.end - self.start
-                try:
-                    n = self.dst.send(self.buf[self.start:self.start + size])
-                except (ssl.SSLWantWriteError, BlockingIOError):
-                    self.dst_waits, self._again = _OUT, size
-                except ssl.SSLWantReadError:
-                    self.dst_waits, self._again = _IN, size
-                except OSError:
-                    self.broken = True
-                    self.start = self.end = 0
-                else:
-                    self._again = 0
-                    self.flush = False
-                    self.start += n
-                    if self.start == self.end:
-                        self.start = self.end = 0
-                    progress = True
-            if self.broken and self.end:
-                # dst takes no more: src's bytes are read and dropped, so that what goes the other way (the
-                # worker's last answer) is not cut short by a reset for unread bytes.
-                self.start = self.end = 0
-                progress = True
-            if not progress:
-                return moved
-            moved = True
-
-    @property
-    def drained(self) -> bool:
-        return self.eof and self.start == self.end
-
-
-def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int) -> None:
-    """Relay until the worker's end closes (after the client's, or at a revocation) or either side fails."""
-    tcp.setblocking(False)
-    worker.setblocking(False)
-    up, down = _Flow(tcp, worker), _Flow(worker, tcp)
-    poller = select.poll()
-    poller.register(stop_fd, _IN)
-    registered: dict[int, int] = {}
-    shut = False
-    while True:
-        up.pump()
-        down.pump()
-        if down.broken or down.drained:
-            return  # (the worker ended the link, or the client's side failed: the connection closes)
-        if up.drained and not shut:
-            shut = True
-            with contextlib.suppress(OSError):
-                worker.shutdown(socket.SHUT_WR)  # the client's end: the worker answers what it has, then closes
-        wants = {tcp.fileno(): 0, worker.fileno(): 0}
-        for flow in (up, down):
-            if not flow.eof and flow.end < _RELAY_PIECE:
-                wants[flow.src.fileno()] |= flow.src_waits
-            if flow.start < flow.end:
-                wants[flow.dst.fileno()] |= flow.dst_waits
-        for fd, events in wants.items():
-            if events == registered.get(fd, 0):
-                continue
-            registered[fd] = events
-            if events:
-                poller.register(fd, events)  # (again: modifies)
-            else:  # not even for a hang-up, which poll would report at once, again and again
-                poller.unregister(fd)
-        holding = [flow for flow in (up, down) if flow.holding]
-        ready = dict(poller.poll(_LINGER_MS if holding else None))
-        if stop_fd in ready:
-            return
-        if not ready:
-            for flow in holding:
-                flow.flush = True
-        for flow in (up, down):  # whatever became ready is tried again
-            if flow.src.fileno() in ready:
-                flow.src_waits = 0
-            if flow.dst.fileno() in ready:
-                flow.dst_waits = 0

@@ -24,11 +24,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from gpubroker.broker.config import split_host_port
 from gpubroker.broker.front._sessions import SessionManager
 from gpubroker.broker.front.auth import RateLimitedLog
 from gpubroker.broker.front.scheduler import DeviceScheduler
 from gpubroker.broker.front.workers import WorkerPool
+from gpubroker.wire.addresses import TcpAddress, parse_host_port
 from gpubroker.wire.errors import FailedPrecondition, InvalidArgument
 
 __all__ = ["METRICS", "RPC_BUCKETS", "RPC_DURATION", "RPC_METRIC", "SHARE_WINDOW_SECONDS", "BrokerCollector",
@@ -327,15 +327,14 @@ class MetricsServer:
     async def start(self, listen: str) -> str:
         """Bind ``HOST:PORT`` (port 0 picks one) and return the bound address."""
         try:
-            host, port = split_host_port(listen)
+            wanted = parse_host_port(listen)
         except ValueError as exc:
             raise InvalidArgument(f"metrics_listen: {exc}") from None
         try:
-            self._server = await asyncio.start_server(self._connection, host, port, limit=_MAX_HEAD)
+            self._server = await asyncio.start_server(self._connection, wanted.host, wanted.port, limit=_MAX_HEAD)
         except OSError as exc:
             raise FailedPrecondition(f"metrics_listen {listen}: {exc.strerror or exc}") from None
-        bound = self._server.sockets[0].getsockname()[1]
-        self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+        self.address = str(TcpAddress(wanted.host, self._server.sockets[0].getsockname()[1]))
         return self.address
 
     async def stop(self) -> None:

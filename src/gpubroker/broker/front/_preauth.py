@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 
 from gpubroker.broker.config import BrokerConfig
 from gpubroker.broker.front._status import cancel_and_wait
-from gpubroker.broker.front.auth import FailurePenalty, RateLimitedLog, failure_delay, peer_credentials
+from gpubroker.broker.front.auth import FailurePenalty, RateLimitedLog, failure_delay
+from gpubroker.broker.front.listeners import Peer
+from gpubroker.wire.addresses import VsockAddress
 
 __all__ = ["IdleSweeper", "PreAuthGate", "Ticket", "refuse_malformed"]
 
@@ -129,10 +131,13 @@ class PreAuthGate:
         """Seconds a hello may take (the config's schema keeps it above 0)."""
         return self.config.hello_timeout_seconds
 
-    def admit(self, sock: socket.socket | None, listener: str, address: str | None = None) -> Ticket | None:
-        """A ticket for a new connection, or None (audited) when a cap is reached: the caller closes it. A TCP
-        peer is counted by its ``address`` (the per-uid cap applies to each address)."""
-        pid, uid = peer_credentials(sock)
+    def admit(self, peer: Peer, listener: str) -> Ticket | None:
+        """A ticket for a new connection, or None (audited) when a cap is reached: the caller closes it. A Unix
+        peer is counted by its uid; a TCP peer by its host, a vsock peer by its CID (the per-uid cap applies to
+        each)."""
+        pid, uid = peer.pid, peer.uid
+        address = None if peer.address is None else (
+            f"vsock:{peer.host}" if isinstance(peer.address, VsockAddress) else peer.host)
         key: int | str = address if address is not None else uid
         cfg = self.config
         if self.per_uid.get(key, 0) >= cfg.max_unauthenticated_per_uid and not self._evict(key):

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import grpc
 
-from gpubroker.broker.config import BrokerConfig, load_config, split_host_port
+from gpubroker.broker.config import BrokerConfig, load_config
 from gpubroker.broker.front import _systemd
 from gpubroker.broker.front._admin import AdminService
 from gpubroker.broker.front._cpuwatch import CpuWatch
-from gpubroker.broker.front._credentials import _is_loopback, link_tls, tcp_credentials
+from gpubroker.broker.front._credentials import link_tls, loopback_address, tcp_credentials
 from gpubroker.broker.front._descriptors import PASSRIGHTS_SUPPORTED, set_passrights
 from gpubroker.broker.front._grpc_peers import GrpcGate
 from gpubroker.broker.front._health import BrokerHealth
@@ -44,6 +44,7 @@ from gpubroker.broker.sandbox import SandboxUnavailable, WorkerSandbox, cache_ke
 from gpubroker.v1 import admin_pb2 as apb
 from gpubroker.v1 import admin_pb2_grpc as apb_grpc
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+from gpubroker.wire.addresses import parse_host_port, unix_path
 from gpubroker.wire.errors import DeadlineExceeded, FailedPrecondition, GpuBrokerError, InvalidArgument, Unavailable
 from gpubroker.wire.types import DeviceInfo
 
@@ -171,9 +172,9 @@ class Broker:
     async def start(self) -> None:
         cfg = self.config
         # Listener credentials first: a TLS or plaintext misconfiguration fails before the slow device probe.
-        tcp_creds = {a: tcp_credentials(cfg, a) for a in cfg.listen if not a.startswith("unix:")}
+        tcp_creds = {a: tcp_credentials(cfg, a) for a in cfg.listen if unix_path(a) is None}
         link_context = link_tls(cfg, cfg.link_listen) if cfg.link_listen else None
-        unix_paths = [a[len("unix:"):] for a in cfg.listen if a.startswith("unix:")]
+        unix_paths = [path for path in map(unix_path, cfg.listen) if path is not None]
         if cfg.vsock_port and not unix_paths:
             raise FailedPrecondition("vsock_port relays to the broker's own Unix socket: add a unix: listener")
         backend, devices = await asyncio.to_thread(probe_devices, cfg.backend)
@@ -278,8 +279,8 @@ class Broker:
         self.gate = GrpcGate(grpc_connection_cap(cfg.max_grpc_connections), cfg.max_grpc_connections_per_peer,
                              self.health.refusals)
         for address in cfg.listen:
-            if address.startswith("unix:"):
-                path = Path(address[len("unix:"):])
+            if (listen_path := unix_path(address)) is not None:
+                path = Path(listen_path)
                 _prepare_unix_socket(path)
                 public = self.gate.listen_unix(
                     path, lambda p: _secure_unix_socket(p, cfg.socket_mode, cfg.socket_group))
@@ -288,7 +289,7 @@ class Broker:
             else:
                 # Loopback without TLS: local credentials, whose check (a loopback peer) is the gate's, since
                 # gRPC sees a Unix socket; TLS (or insecure plaintext) passes through the gate untouched.
-                local = cfg.tls is None and _is_loopback(address.rsplit(":", 1)[0].strip("[]"))
+                local = cfg.tls is None and loopback_address(address)
                 public = self.gate.listen_tcp(address, loopback_only=local)
                 credentials = (grpc.local_server_credentials(grpc.LocalConnectionType.UDS) if local
                                else tcp_creds[address])
@@ -302,9 +303,9 @@ class Broker:
         segments = SegmentService(cfg, self.auth, self.sessions)
         self.links = LinkServer(service, gate, segments, cfg.max_links_per_tenant, cfg.link_handoff_timeout_seconds)
         for address in self.ports:
-            if address.startswith("unix:"):
-                _secure_unix_socket(Path(address[len("unix:"):]), cfg.socket_mode, cfg.socket_group)
-                path = Path(fast_path_address(address[len("unix:"):]))
+            if (public_path := unix_path(address)) is not None:
+                _secure_unix_socket(Path(public_path), cfg.socket_mode, cfg.socket_group)
+                path = Path(fast_path_address(public_path))
                 _prepare_unix_socket(path)
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 set_passrights(sock, False)  # (until a connection's hello authenticates it: _descriptors.py)
@@ -320,7 +321,8 @@ class Broker:
                     continue
                 self.links.listen_socket(sock, str(path), path, links=cfg.fast_path)
         if cfg.link_listen:
-            host, port = split_host_port(cfg.link_listen)
+            link = parse_host_port(cfg.link_listen)
+            host, port = link.host, link.port
             service.link_port = await self.links.listen_tcp(host, port, link_context)
             log.info("serving links on %s:%d (%s)", host, service.link_port,
                      "TLS" if link_context is not None else "plaintext")
@@ -341,7 +343,7 @@ class Broker:
             # then carry the bearer token exactly as for a local client.
             try:
                 # (straight to gRPC's listener behind it: the relay caps VMs, each a peer of its own, itself)
-                private = self.gate.private_address(f"unix:{Path(unix_paths[0])}")[len("unix:"):]
+                private = self.gate.private_path(f"unix:{Path(unix_paths[0])}")
                 self.relay = await serve_relay(vsock_listener(cfg.vsock_port), private,
                                                max_per_peer=cfg.max_unauthenticated_per_uid,
                                                idle_seconds=cfg.connection_idle_seconds)

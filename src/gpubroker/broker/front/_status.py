@@ -18,7 +18,14 @@ import msgspec
 from gpubroker.broker.front._grpc_peers import grpc_peer
 from gpubroker.broker.front._metrics import observe_rpc
 from gpubroker.broker.front._sessions import Session, SessionManager, out_of_descriptors
-from gpubroker.broker.front.auth import Authenticator, Principal, RateLimitedLog, failure_delay, wait_failure_delay
+from gpubroker.broker.front.auth import (
+    Authenticator,
+    Principal,
+    RateLimitedLog,
+    failure_delay,
+    grpc_credentials,
+    wait_failure_delay,
+)
 from gpubroker.broker.logs import bind_log_context, log_context
 from gpubroker.wire.commands import encode
 from gpubroker.wire.errors import ERROR_TRAILER, GpuBrokerError, Internal, InvalidArgument, Unavailable
@@ -92,7 +99,8 @@ def _authenticate(auth: Authenticator, context: Context) -> Principal:
         auth_context = context.auth_context() or {}
     except Exception:  # local credentials carry no auth context on some grpc builds
         auth_context = {}
-    principal = auth.authenticate(context.invocation_metadata(), auth_context, grpc_peer(context), current_method.get())
+    principal = auth.authenticate(grpc_credentials(context.invocation_metadata(), auth_context, grpc_peer(context)),
+                                  current_method.get())
     bind_log_context(tenant=principal.tenant)
     return principal
 

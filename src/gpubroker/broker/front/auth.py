@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpubroker.broker.config import BrokerConfig, TenantConfig
+from gpubroker.wire.addresses import AddressError, parse_host_port
 from gpubroker.wire.errors import PermissionDenied, Unauthenticated, Unavailable
 
 __all__ = ["Authenticator", "FailurePenalty", "NewToken", "Principal", "RateLimitedLog", "Revocations",
@@ -218,11 +219,37 @@ class Principal:
             raise PermissionDenied(f"{action} needs an admin identity")
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """What a caller presents, whichever way it came (a gRPC call's metadata and auth context, a link's hello and
+    TLS session): a bearer token, a verified client certificate's names (SAN URIs, then its CN), and the peer as
+    audit lines name it."""
+
+    token: str | None
+    certificate_names: tuple[str, ...]
+    peer: str
+
+
 def certificate_identities(auth_context: Mapping[str, Iterable[bytes]]) -> list[str]:
     """A verified client certificate's SAN URIs, then its CN (gRPC puts them in the auth context)."""
     names = [v.decode() for v in auth_context.get("x509_subject_alternative_name", ()) if b"://" in v]
     names += [v.decode() for v in auth_context.get("x509_common_name", ())]
     return names
+
+
+def grpc_credentials(metadata: object, auth_context: Mapping[str, Iterable[bytes]], peer: str) -> Credentials:
+    """A gRPC call's credentials: the bearer token of its metadata, the names of its auth context."""
+    return Credentials(TokenVerifier.token_from_metadata(metadata), tuple(certificate_identities(auth_context)), peer)
+
+
+def peer_certificate_names(cert: object) -> tuple[str, ...]:
+    """A verified client certificate's names as `ssl.SSLSocket.getpeercert` gives them, in gRPC's order and with
+    its choice (SAN URIs, then the CN): a link over TLS authenticates as a gRPC call with that certificate."""
+    if not isinstance(cert, dict):
+        return ()
+    names = [value for kind, value in cert.get("subjectAltName", ()) if kind == "URI" and "://" in value]
+    names += [value for rdn in cert.get("subject", ()) for key, value in rdn if key == "commonName"]
+    return tuple(names)
 
 
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -242,8 +269,11 @@ def peer_credentials(sock: socket.socket | None) -> tuple[int, int]:
 def peer_key(peer: str) -> str:
     """Whom a failure is charged to: a gRPC peer's address without its port (``ipv4:10.0.0.5:41234`` ->
     ``ipv4:10.0.0.5``), a Unix peer's ``uid:N``; gRPC's own Unix peers carry no credentials, so they share one."""
-    if peer.startswith(("ipv4:", "ipv6:")):
-        return peer.rsplit(":", 1)[0]
+    kind = peer.partition(":")[0]
+    if kind in ("ipv4", "ipv6"):
+        with contextlib.suppress(AddressError):
+            host = parse_host_port(peer, schemes=True).host
+            return f"ipv6:[{host}]" if kind == "ipv6" else f"ipv4:{host}"
     return peer
 
 
@@ -383,10 +413,11 @@ class Authenticator:
         """What authentication may need off the event loop (legacy scrypt entries), before ``authenticate``."""
         await self.tokens.prepare(TokenVerifier.token_from_metadata(metadata))
 
-    def authenticate(self, metadata: object, auth_context: Mapping[str, Iterable[bytes]], peer: str,
-                     method: str = "", penalty_key: str | None = None) -> Principal:
+    def authenticate(self, credentials: Credentials, method: str = "", penalty_key: str | None = None) -> Principal:
+        """The Principal ``credentials`` prove: a mapped client certificate first (on TLS), else the token."""
         tls = self.config.tls
-        identities = certificate_identities(auth_context) if tls is not None else []
+        peer = credentials.peer
+        identities = list(credentials.certificate_names) if tls is not None else []
         for identity in identities:
             name = tls.identities.get(identity, identity) if tls is not None else identity
             tenant = self.config.tenants.get(name)
@@ -396,7 +427,7 @@ class Authenticator:
             self._failed(peer, penalty_key, "auth failure: peer=%s method=%s certificate=%s maps to no tenant",
                          peer, method, identities)
             raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
-        token = TokenVerifier.token_from_metadata(metadata)
+        token = credentials.token
         try:
             name = self.tokens.tenant_for(token)
         except Unauthenticated:

@@ -20,6 +20,7 @@ from gpubroker.client._transports._link import (
 )
 from gpubroker.client._transports._ring import RingTransport
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+from gpubroker.wire.addresses import AddressError, parse_host_port, unix_path
 from gpubroker.wire.commands import CODECS
 from gpubroker.wire.errors import GpuBrokerError, InvalidArgument, Unavailable
 
@@ -32,14 +33,11 @@ _VSOCK_PROBE_SECONDS: Final = 0.2
 
 def split_host_port(target: str) -> tuple[str, int]:
     """("host", port) of a gRPC target ``host:port`` or ``[v6]:port`` (with any ``dns:``/``ipv4:`` scheme)."""
-    address = target.split("://", 1)[-1]
-    for scheme in ("dns:", "ipv4:", "ipv6:"):
-        address = address.removeprefix(scheme)
-    host, _, port = address.rpartition(":")
     try:
-        return host.strip("[]") or "localhost", int(port)
-    except ValueError:
+        address = parse_host_port(target, default_host="localhost", schemes=True)
+    except AddressError:
         raise InvalidArgument(f"cannot tell host and port from target {target!r}") from None
+    return address.host, address.port
 
 
 def in_vm(port: int) -> bool:
@@ -70,14 +68,14 @@ def choose_transport(preference: str, *, target: str, tls: TlsOptions | None, to
         raise InvalidArgument(f"compress must be None, 'auto' or one of {', '.join(CODECS)}, got {compress!r}")
     if preference == "grpc":
         return GrpcCommands(stub, metadata, session, max_data=max_data, timeout=timeout)
-    unix = target.startswith("unix:")
+    path = unix_path(target)
+    unix = path is not None
     if preference == "ring" and not unix:
         raise Unavailable(f"a shared-memory ring needs a broker on this host (a unix: target), not {target!r}")
 
     def candidates() -> Iterator[tuple[str, Connector]]:  # lazily: a VM probe only where nothing nearer answers
         if unix:
-            path = target.removeprefix("unix://") if target.startswith("unix://") else target.removeprefix("unix:")
-            yield "unix", unix_connector(path + ".fast")
+            yield "unix", unix_connector(f"{path}.fast")
         if link_vsock_port and (vsock if vsock is not None else in_vm(link_vsock_port)):
             yield "vsock", vsock_connector(link_vsock_port)
         if link_port and not unix:

@@ -1,0 +1,286 @@
+"""A TCP link's thread: the TLS handshake (when the link does TLS) and the hello's bytes, then the relay between
+the connection and the worker's end of a socketpair (the front keeps the server's key; a worker takes only local
+sockets). `front/_links.py` judges the hello on its loop and tells the thread what to do (`TcpRelay.decide`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import select
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpubroker.wire.frames import FRAME_HEADER
+
+__all__ = ["PAIR_BUFFER", "TcpRelay"]
+
+
+class TcpRelay:
+    """One TCP link, in a thread of its own: the TLS handshake and the hello (judged by the front on its loop),
+    then the relay between the connection and the worker's socketpair.
+
+    A thread, not the event loop, because the relay is the link's whole cost in the front: decrypting and
+    encrypting every byte, and copying it. The ssl and socket calls let go of the GIL, so several links (a
+    striped copy) use several cores, and none of it delays the loop's gRPC calls and scheduler. One thread
+    does both directions: an SSL object is not safe for two threads at once.
+    """
+
+    def __init__(self, conn: socket.socket, tls: ssl.SSLContext | None, hello_limit: int, timeout: float,
+                 stop_fd: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.sock: socket.socket = conn
+        self.aborted = False
+        self.hello: asyncio.Future[tuple[bytes, Any]] = loop.create_future()
+        self._tls = tls
+        self._limit = hello_limit
+        self._timeout = timeout
+        self._stop_fd = stop_fd
+        self._loop = loop
+        self._lock = threading.Lock()  # abort (the loop) against the thread's wrap and close of the socket
+        self._closed = False
+        self._verdict: queue.SimpleQueue[tuple[list[bytes], socket.socket | None]] = queue.SimpleQueue()
+        # Called (from the thread) once the relay is over: gives the link's place back in the front's counts.
+        self.on_end: Callable[[], Any] | None = None
+
+    # -- the loop's side -----------------------------------------------------------------------------
+    def abort(self) -> None:
+        """The hello's deadline: shut the connection, which ends the thread's read (the thread closes it)."""
+        with self._lock:
+            if not self._closed:
+                self.aborted = True
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
+
+    def decide(self, frames: list[bytes], worker: socket.socket | None) -> None:
+        """What the thread does after the hello: write ``frames`` (a refusal), then relay to ``worker`` or close."""
+        self._verdict.put((frames, worker))
+
+    # -- the thread ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            hello: tuple[bytes, Any] | BaseException = self._read_hello()
+        except Exception as exc:  # (ssl.SSLError, OSError, EOFError: the loop's side sorts them out)
+            hello = exc
+        self._loop.call_soon_threadsafe(_settle, self.hello, hello)
+        try:
+            frames, worker = self._verdict.get(timeout=_VERDICT_WAIT)
+        except queue.Empty:  # (the broker stopping before it judged the hello)
+            frames, worker = [], None
+        if isinstance(hello, BaseException):
+            self._close()
+            return
+        try:
+            self.sock.settimeout(self._timeout)
+            for frame in frames:
+                self.sock.sendall(frame)
+            if worker is not None:
+                _relay(self.sock, worker, self._stop_fd)
+        except OSError:
+            pass
+        finally:
+            if worker is not None:
+                worker.close()
+            self._close()
+            if self.on_end is not None:
+                with contextlib.suppress(RuntimeError):  # (the loop closed: the broker stopped)
+                    self.on_end()
+
+    def _read_hello(self) -> tuple[bytes, Any]:
+        """The handshake and the hello's frame (only its header if that announces more than the limit)."""
+        deadline = time.monotonic() + self._timeout
+
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.aborted:
+                raise TimeoutError("no hello in time")
+            return remaining
+
+        cert: Any = None
+        if self._tls is not None:
+            with self._lock:
+                if self.aborted:
+                    raise TimeoutError("no hello in time")
+                self.sock = self._tls.wrap_socket(self.sock, server_side=True, do_handshake_on_connect=False)
+            assert isinstance(self.sock, ssl.SSLSocket)
+            self.sock.settimeout(left())
+            self.sock.do_handshake()
+            cert = self.sock.getpeercert()
+        header = self._exactly(FRAME_HEADER.size, left)
+        (length,) = FRAME_HEADER.unpack(header)
+        if length > self._limit:
+            return header, cert  # refused by the front before a byte of the body is read
+        return header + self._exactly(length, left), cert
+
+    def _exactly(self, n: int, left: Callable[[], float]) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            self.sock.settimeout(left())
+            part = self.sock.recv(n - len(data))
+            if not part:
+                raise EOFError("closed during the hello")
+            data += part
+        return bytes(data)
+
+    def _close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self.sock.close()
+
+
+def _settle(future: asyncio.Future[Any], outcome: Any) -> None:
+    if not future.done():
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+
+# How long a link's thread waits for the front to judge its hello (authentication's failure delay and the hand-off
+# take seconds at most; only a broker stopping meanwhile leaves it waiting).
+_VERDICT_WAIT = 120.0
+# What a link's relay holds each way: a few TLS records' worth per read and write, at most this much of a
+# client's frames in the front at a time (the rest waits in the sockets).
+_RELAY_PIECE = 512 * 1024
+_IN, _OUT = select.POLLIN, select.POLLOUT
+# What each end of a TCP link's socketpair may have on its way to the other (the kernel caps it at wmem_max).
+PAIR_BUFFER = 2 << 20
+# A TLS record's most plaintext. A client streaming a large frame sends full records, and its frame's last
+# record is short: while full ones come, the relay gathers up to _GATHER bytes before it writes them to the
+# worker, so neither it nor the worker wakes for every 16 KiB; a short record (a small batch, a frame's end) goes
+# at once. _LINGER_MS bounds the wait for a frame that happens to end on a full record.
+_RECORD = 16 * 1024
+_GATHER = 256 * 1024
+_LINGER_MS = 2
+
+
+class _Flow:
+    """One direction of a relay: bytes from ``src`` into a bounded buffer, and from it to ``dst``; non-blocking,
+    retried after poll says the side it waits for is ready."""
+
+    def __init__(self, src: socket.socket, dst: socket.socket) -> None:
+        self.src, self.dst = src, dst
+        self.buf = memoryview(bytearray(_RELAY_PIECE))
+        self.start = self.end = 0
+        self.eof = False  # src ended (or failed)
+        self.broken = False  # dst failed: what src sends from now on is dropped
+        self.src_waits = 0  # the poll event src needs before the next read (0: try now)
+        self.dst_waits = 0
+        self._again = 0  # an SSL write that would block is repeated with the same length
+        self._gathers = isinstance(src, ssl.SSLSocket)
+        self._full = False  # the last read was a whole record: more of the frame is on its way
+        self.flush = False  # (set when the linger is over: write what is gathered)
+
+    @property
+    def holding(self) -> bool:
+        """Gathering a streamed frame's records before writing them on."""
+        return (self._gathers and self._full and not self.flush and not self.eof
+                and self.end - self.start < _GATHER and self.end < _RELAY_PIECE)
+
+    def pump(self) -> bool:
+        """Move what can move now; whether anything did."""
+        moved = False
+        while True:
+            progress = False
+            if not self.eof and not self.src_waits and self.end < _RELAY_PIECE:
+                room = _RELAY_PIECE - self.end
+                try:
+                    n = self.src.recv_into(self.buf[self.end:])
+                except (ssl.SSLWantReadError, BlockingIOError):
+                    self.src_waits = _IN
+                except ssl.SSLWantWriteError:
+                    self.src_waits = _OUT
+                except OSError:  # (a reset, a TLS error, an end without close_notify): the side is gone
+                    self.eof = True
+                else:
+                    if n:
+                        self.end += n
+                        self._full = n == _RECORD
+                        progress = True
+                        tls = self.src if isinstance(self.src, ssl.SSLSocket) else None
+                        if n < room and not self._full and not (tls is not None and tls.pending()):
+                            # Most likely all there was (a small batch, an ack): wait for poll rather than
+                            # fail a read. (OpenSSL reads a record at a time, so none hides in its buffer.)
+                            self.src_waits = _IN
+                    else:
+                        self.eof = True
+            if self.start < self.end and not self.dst_waits and not self.broken and not self.holding:
+                size = self._again or self.end - self.start
+                try:
+                    n = self.dst.send(self.buf[self.start:self.start + size])
+                except (ssl.SSLWantWriteError, BlockingIOError):
+                    self.dst_waits, self._again = _OUT, size
+                except ssl.SSLWantReadError:
+                    self.dst_waits, self._again = _IN, size
+                except OSError:
+                    self.broken = True
+                    self.start = self.end = 0
+                else:
+                    self._again = 0
+                    self.flush = False
+                    self.start += n
+                    if self.start == self.end:
+                        self.start = self.end = 0
+                    progress = True
+            if self.broken and self.end:
+                # dst takes no more: src's bytes are read and dropped, so that what goes the other way (the
+                # worker's last answer) is not cut short by a reset for unread bytes.
+                self.start = self.end = 0
+                progress = True
+            if not progress:
+                return moved
+            moved = True
+
+    @property
+    def drained(self) -> bool:
+        return self.eof and self.start == self.end
+
+
+def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int) -> None:
+    """Relay until the worker's end closes (after the client's, or at a revocation) or either side fails."""
+    tcp.setblocking(False)
+    worker.setblocking(False)
+    up, down = _Flow(tcp, worker), _Flow(worker, tcp)
+    poller = select.poll()
+    poller.register(stop_fd, _IN)
+    registered: dict[int, int] = {}
+    shut = False
+    while True:
+        up.pump()
+        down.pump()
+        if down.broken or down.drained:
+            return  # (the worker ended the link, or the client's side failed: the connection closes)
+        if up.drained and not shut:
+            shut = True
+            with contextlib.suppress(OSError):
+                worker.shutdown(socket.SHUT_WR)  # the client's end: the worker answers what it has, then closes
+        wants = {tcp.fileno(): 0, worker.fileno(): 0}
+        for flow in (up, down):
+            if not flow.eof and flow.end < _RELAY_PIECE:
+                wants[flow.src.fileno()] |= flow.src_waits
+            if flow.start < flow.end:
+                wants[flow.dst.fileno()] |= flow.dst_waits
+        for fd, events in wants.items():
+            if events == registered.get(fd, 0):
+                continue
+            registered[fd] = events
+            if events:
+                poller.register(fd, events)  # (again: modifies)
+            else:  # not even for a hang-up, which poll would report at once, again and again
+                poller.unregister(fd)
+        holding = [flow for flow in (up, down) if flow.holding]
+        ready = dict(poller.poll(_LINGER_MS if holding else None))
+        if stop_fd in ready:
+            return
+        if not ready:
+            for flow in holding:
+                flow.flush = True
+        for flow in (up, down):  # whatever became ready is tried again
+            if flow.src.fileno() in ready:
+                flow.src_waits = 0
+            if flow.dst.fileno() in ready:
+                flow.dst_waits = 0
