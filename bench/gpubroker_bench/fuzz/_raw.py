@@ -78,10 +78,13 @@ class RawFuzzer:
             sock.connect(path)
             for data, fds in chunks:
                 with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                    if fds:
-                        socket.send_fds(sock, [data], fds)
-                    else:
-                        sock.sendall(data)
+                    try:
+                        if fds:
+                            socket.send_fds(sock, [data], fds)
+                        else:
+                            sock.sendall(data)
+                    except PermissionError:  # descriptors before the hello was answered: the kernel refuses them
+                        sock.sendall(data)  # (SO_PASSRIGHTS = 0 until then), so the bytes go alone
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_WR)
             received = bytearray()
