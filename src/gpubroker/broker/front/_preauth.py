@@ -190,8 +190,10 @@ class PreAuthGate:
         self.refusals += 1
         # Rate-limited per listener (there are a few), so that a flood on one still leaves the others' lines.
         where = _where(listener)
-        self.audit.warning(f"pre-auth refusals on {where}", "refused: peer=%s pid=%d uid=%d reason=%s",
-                           where, pid, uid, why)
+        # (by the listener alone: a TCP or vsock connection's name also holds its peer's address and port, and a
+        # kind per connection would limit nothing)
+        kind = f"pre-auth refusals on {where.split(' peer=', 1)[0]}"
+        self.audit.warning(kind, "refused: peer=%s pid=%d uid=%d reason=%s", where, pid, uid, why)
 
 
 async def refuse_malformed(ticket: Ticket, penalty: FailurePenalty, penalty_key: str, why: str) -> None:

@@ -298,6 +298,10 @@ class FailurePenalty:
         return delay
 
 
+# The most kinds of event a RateLimitedLog keeps; past it, those whose window has passed are dropped.
+_MAX_KINDS = 1024
+
+
 class RateLimitedLog:
     """At most ``burst`` lines per ``window`` seconds for each kind of event, then one line saying how many
     were left out: a flood of refusals is visible in the audit log but cannot fill the disk."""
@@ -308,6 +312,8 @@ class RateLimitedLog:
 
     def warning(self, kind: str, msg: str, *args: object) -> None:
         now = time.monotonic()
+        if kind not in self._state and len(self._state) >= _MAX_KINDS:
+            self._forget(now)
         state = self._state.setdefault(kind, [now, 0, 0])
         if now - state[0] >= self.window:
             self._flush(kind)
@@ -320,6 +326,13 @@ class RateLimitedLog:
         if state[2] == 1:  # say how many were left out at the window's end, even if the flood stops
             with contextlib.suppress(RuntimeError):  # (no event loop: the next line after the window says it)
                 asyncio.get_running_loop().call_later(max(0.0, state[0] + self.window - now), self._flush, kind)
+
+    def _forget(self, now: float) -> None:
+        """Drop the kinds whose window has passed (saying first what each left out): many kinds must not grow the
+        table for good."""
+        for kind in [k for k, state in self._state.items() if now - state[0] >= self.window]:
+            self._flush(kind)
+            del self._state[kind]
 
     def _flush(self, kind: str) -> None:
         state = self._state.get(kind)

@@ -1,5 +1,5 @@
-"""Refusals on the TCP link listener (``link_listen``) are not rate-limited: one audit line per connection, and one
-entry per connection in the rate limiter's table, which is never pruned.
+"""attack4 (fixed): refusals on the TCP link listener (``link_listen``) were not rate-limited: one audit line per
+connection, and one entry per connection in the rate limiter's table, which was never pruned.
 
 The hole: ``_links._accept_tcp`` names each connection's listener ``f"{where} peer={address}"`` (the peer's address
 and port), and ``PreAuthGate.refused`` rate-limits by ``f"pre-auth refusals on {listener}"``: every TCP connection
