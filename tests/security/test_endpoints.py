@@ -209,9 +209,10 @@ def test_unauthenticated_health_watch_streams_are_bounded(broker: BrokerProcess)
                     next(call)
                     served.append(call)
                 except grpc.RpcError as exc:
-                    # A stream the transport cancelled (seen once, in a full run on a loaded machine) was neither
-                    # served nor refused: it is opened again, a few times at most, until it is one or the other.
-                    if exc.code() == grpc.StatusCode.CANCELLED and cancelled < 10:
+                    # A stream the transport cancelled (seen in full runs on a loaded machine, more often since the
+                    # front relays gRPC's connections) was neither served nor refused: it is opened again, a bounded
+                    # number of times, until it is one or the other.
+                    if exc.code() == grpc.StatusCode.CANCELLED and cancelled < 4 * len(calls):
                         cancelled += 1
                         call = watch(channel)
                         continue
