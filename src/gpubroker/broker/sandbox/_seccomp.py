@@ -14,8 +14,8 @@ from __future__ import annotations
 import errno
 from typing import Any
 
-__all__ = ["DENIED", "HOST_USER_COUNTS", "PRIORITY_CALLS", "PROCESS_CREATION", "SIGNALS_TO_PID", "UNCOUNTED_MEMORY",
-           "build_filter"]
+__all__ = ["DENIED", "HOST_USER_COUNTS", "NEW_SOCKETS", "PRIORITY_CALLS", "PROCESS_CREATION", "SIGNALS_TO_PID",
+           "UNCOUNTED_MEMORY", "build_filter"]
 
 # Refused outright: other processes' memory, mounts and namespaces, kernel interfaces a worker has no use for.
 DENIED = (
@@ -53,6 +53,12 @@ UNCOUNTED_MEMORY = ("memfd_create", "memfd_secret", "shmget", "msgget", "semget"
 # instance: the worker waits with poll(2) (Python's selectors fall back to it), as PoCL and, as far as is known,
 # CUDA's own threads do. A compute worker needs none of these.
 HOST_USER_COUNTS = ("inotify_init", "inotify_init1", "mq_open", "epoll_create", "epoll_create1")
+# New sockets, of any family: a worker's sockets are all made by the front (its channels) or a client (its links'
+# ends) and inherited or received. What a Unix socket holds queued (up to 2 x net.core.wmem_max a socket, and the
+# sockets it has in flight) is host memory that RLIMIT_AS and RLIMIT_DATA do not count, only a memory cgroup
+# does: socketpairs filled and left unread took 2 GiB past a 1 GiB worker_memory_max. A bound on the number of
+# sockets would not do (RLIMIT_NOFILE of them hold gigabytes), and other families reach the network.
+NEW_SOCKETS = ("socket", "socketpair")
 # Signals aimed at a process (argument 0): only pid 1 (itself) passes; not 0 (its process group), -1 (every
 # process it may signal) or a negative group.
 SIGNALS_TO_PID = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open")
@@ -63,7 +69,6 @@ PRIORITY_CALLS = {"setpriority": 0, "getpriority": 0, "ioprio_set": 1, "ioprio_g
 # Another process's limits (argument 0, the pid): only 0 (itself, glibc's getrlimit and setrlimit) and 1.
 PID_SELF_ONLY = ("prlimit64",)
 CLONE_NEW = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
-AF_UNIX = 1
 PERSONALITY_QUERY = 0xFFFFFFFF
 
 
@@ -78,7 +83,7 @@ def build_filter(allow_spawn: bool = False) -> Any:
     f = seccomp.SyscallFilter(seccomp.ALLOW)
     # A syscall of another ABI (x86's int 0x80, x32) would dodge the rules below: kill the process instead.
     f.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
-    for name in (*DENIED, *PROCESS_CREATION, *UNCOUNTED_MEMORY, *HOST_USER_COUNTS):
+    for name in (*DENIED, *PROCESS_CREATION, *UNCOUNTED_MEMORY, *HOST_USER_COUNTS, *NEW_SOCKETS):
         _rule(seccomp, f, deny, name)
     for name in SIGNALS_TO_PID:
         _rule(seccomp, f, deny, name, seccomp.Arg(0, seccomp.NE, SELF))
@@ -98,8 +103,6 @@ def build_filter(allow_spawn: bool = False) -> Any:
         _rule(seccomp, f, deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_THREAD, 0))
     # clone3 passes its flags in memory, out of a filter's reach: ENOSYS makes glibc fall back to clone.
     _rule(seccomp, f, seccomp.ERRNO(errno.ENOSYS), "clone3")
-    for name in ("socket", "socketpair"):
-        _rule(seccomp, f, deny, name, seccomp.Arg(0, seccomp.NE, AF_UNIX))
     # Reading the persona is harmless; changing it (ADDR_NO_RANDOMIZE, READ_IMPLIES_EXEC) is not.
     _rule(seccomp, f, deny, "personality", seccomp.Arg(0, seccomp.NE, PERSONALITY_QUERY))
     return f

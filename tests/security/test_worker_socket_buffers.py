@@ -1,8 +1,10 @@
-"""A worker holds host memory in Unix socket buffers, past its memory limit: socketpair is allowed (AF_UNIX), and
-what its sockets hold queued is counted by no rlimit (RLIMIT_AS and RLIMIT_DATA count mappings), only by a memory
-cgroup, which a host without a delegated memory controller does not have.
+"""A worker cannot hold host memory in Unix socket buffers, past its memory limit (issue 21, round 4).
 
-The hole: on such a host (the broker's own log says "rlimits only: the memory controller is not delegated") a
+The attack (when AF_UNIX sockets were allowed): what a worker's sockets hold queued is counted by no rlimit
+(RLIMIT_AS and RLIMIT_DATA count mappings), only by a memory cgroup, which a host without a delegated memory
+controller does not have.
+
+On such a host (the broker's own log says "rlimits only: the memory controller is not delegated") a
 tenant's kernel makes socketpairs, raises each end's SO_SNDBUF to ``net.core.wmem_max`` (which the kernel doubles)
 and writes into each end until EAGAIN, reading nothing. Each socket then holds up to 2 x wmem_max of skbs in its
 peer's receive queue: with NOFILE = 4096 descriptors, 4096 x 2 x wmem_max (1.7 GiB at the default wmem_max of
@@ -15,10 +17,9 @@ at 2 GiB, queued 2048 MiB in 261 sockets in about a second, and the host's MemAv
 noisy reading on a shared machine) while the worker went on serving; it came back when the session closed. The
 bound here is the test's own (it stops at TARGET); the kernel's is NOFILE x 2 x wmem_max per worker.
 
-Suggested fix: refuse what makes memory outside the rlimits where there is no memory cgroup: socketpair/socket for a
-worker that needs none (the worker's own channels are created by the front and inherited; PoCL needs no sockets),
-or, if some are needed, cap SO_SNDBUF/SO_RCVBUF (seccomp on setsockopt's level and name) and the number of sockets;
-or require a memory cgroup for workers (the kernel charges socket memory to it).
+The fix: the worker's seccomp filter refuses new sockets of any family (``socket`` and ``socketpair``, EPERM): all
+of a worker's sockets are made by the front or a client and inherited or received, so none holds what no limit
+counts. The kernel below now gets EPERM at its first socketpair and queues nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import pytest
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import ModuleFormat, connect
 
-from ..exploits import SYSCALL_SOURCE, check_arch
+from .exploits import SYSCALL_SOURCE, check_arch
 
 MiB = 1 << 20
 MEMORY_MAX = 1024 * MiB
@@ -98,5 +99,6 @@ def test_a_worker_cannot_hold_host_memory_in_socket_buffers_past_its_limit(broke
     queued, sockets = int(out[0]), int(out[1])
     print(f"\nthe worker (worker_memory_max {MEMORY_MAX >> 20} MiB) queued {queued >> 20} MiB in {sockets} Unix "
           f"sockets; the host's MemAvailable dropped by {dropped >> 20} MiB")
+    assert int(out[3]) == -1, f"socketpair in a worker answered {int(out[3])}, not EPERM"
     assert queued <= MEMORY_MAX, (f"a worker limited to {MEMORY_MAX >> 20} MiB held {queued >> 20} MiB of host memory "
                                   f"in socket buffers ({sockets} sockets), counted by no limit")
