@@ -97,7 +97,7 @@ def test_environment_is_scrubbed_and_caches_are_per_tenant(sandboxed: BrokerProc
         assert set(env) <= {"PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "LD_LIBRARY_PATH", "GPUBROKER_LOG_FORMAT",
                             "HOME", "XDG_CACHE_HOME", "POCL_CACHE_DIR", "CUPY_CACHE_DIR", "CUDA_CACHE_PATH",
                             "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_PATH", "CUDA_HOME",
-                            "PYTHONNOUSERSITE", "GPUBROKER_WORKER_EXEC"} | {
+                            "PYTHONNOUSERSITE", "GPUBROKER_WORKER_EXEC", "GPUBROKER_WORKER_NO_SOCKETS"} | {
                                 k for k in env if k.startswith(("POCL_", "CUPY_", "OCL_ICD_"))}
     alice_cache, bob_cache = Path(alice_env["HOME"]), Path(bob_env["HOME"])
     # <cache_dir>/tenants/<name>/<key of its token>: each tenant's own, and a new tenant's under an old name new
@@ -193,6 +193,11 @@ results["fork"] = err(fork)
 results["posix_spawn"] = err(lambda: os.waitpid(os.posix_spawn("/bin/true", ["/bin/true"], {}), 0)[1])
 results["memfd"] = err(lambda: os.memfd_create("x"))
 results["shmget"] = err(lambda: libc.shmget(0, 1 << 20, 0o1600))
+# What a worker does once its device is open (CUDA's initialization makes a Unix socket): no new socket at all.
+from gpubroker.broker.sandbox import refuse_new_sockets
+refuse_new_sockets()
+results["unix_once_open"] = err(lambda: socket.socketpair())
+results["unix_socket_once_open"] = err(lambda: socket.socket(socket.AF_UNIX))
 print(results)
 """
 
@@ -213,7 +218,7 @@ def test_sandboxed_process_is_refused_what_it_must_not_do(tmp_path: Path) -> Non
         "kill_self": "allowed", "ptrace": "EPERM", "unshare": "EPERM", "mount": "EPERM", "clone3": "ENOSYS",
         "personality": "EPERM", "bpf": "EPERM", "config": "ENOENT", "passwd": "ENOENT", "sysctl": "EROFS",
         "usr": "EROFS", "tmp": "allowed", "fork": "EPERM", "memfd": "EPERM", "shmget": "EPERM",
-        "posix_spawn": "allowed"}
+        "posix_spawn": "allowed", "unix_once_open": "EPERM", "unix_socket_once_open": "EPERM"}
 
 
 def test_devices_command_shows_the_sandbox() -> None:

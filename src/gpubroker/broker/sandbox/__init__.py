@@ -44,7 +44,8 @@ it have been beaten, and says what it stops.
   rlimits,
   mount and pivot_root and the new mount API, namespace changes (unshare, setns, clone with CLONE_NEW*; clone3
   gets ENOSYS so glibc falls back to clone), bpf, keyctl, perf_event_open, userfaultfd, io_uring, module and
-  kexec calls, personality changes, and new sockets of any family. Other syscall ABIs (x86 ``int 0x80``) kill it.
+  kexec calls, personality changes, sockets but AF_UNIX, and once the device is open new sockets of any family
+  (``refuse_new_sockets``). Other syscall ABIs (x86 ``int 0x80``) kill it.
   No new processes: fork, vfork and clone without CLONE_THREAD (only threads; on OpenCL also posix_spawn's
   clone(CLONE_VM | CLONE_VFORK), with which PoCL 3.0 starts the system linker for each new kernel). No memory
   outside the limits below: memfd_create, memfd_secret, System V shared memory, message queues and semaphores.
@@ -85,9 +86,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["EXEC_ENV", "EXIT_SETUP_FAILED", "Launch", "SandboxUnavailable", "WorkerCgroups", "WorkerSandbox",
-           "WorkerUidsExhausted", "automatic_memory_max", "automatic_reserved", "cache_key", "confine_exec",
-           "default_cache_dir", "linker_files", "python_argv", "set_dumpable"]
+__all__ = ["EXEC_ENV", "EXIT_SETUP_FAILED", "SOCKETS_ENV", "Launch", "SandboxUnavailable", "WorkerCgroups",
+           "WorkerSandbox", "WorkerUidsExhausted", "automatic_memory_max", "automatic_reserved", "cache_key",
+           "confine_exec", "default_cache_dir", "linker_files", "python_argv", "refuse_new_sockets", "set_dumpable"]
 
 
 def set_dumpable(dumpable: bool) -> None:
@@ -113,6 +114,10 @@ def __getattr__(name: str) -> Any:
         from gpubroker.broker.sandbox import _landlock
 
         return getattr(_landlock, name)
+    if name in ("SOCKETS_ENV", "refuse_new_sockets"):  # the worker, once its device is open
+        from gpubroker.broker.sandbox import _seccomp
+
+        return getattr(_seccomp, name)
     if name == "WorkerCgroups":
         from gpubroker.broker.sandbox._cgroup import WorkerCgroups
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from gpubroker.broker.config import parse_uid_range
-from gpubroker.broker.sandbox import _landlock
+from gpubroker.broker.sandbox import _landlock, _seccomp
 from gpubroker.broker.sandbox._cgroup import WorkerCgroups
 from gpubroker.broker.sandbox._launch import EXIT_SETUP_FAILED
 from gpubroker.broker.sandbox._spawn import LINKER_MEMORY
@@ -381,7 +381,7 @@ class WorkerSandbox:
                 # (only what the worker's environment adds to the launcher's: the rest is the operator's, and a
                 # command line is anyone's to read)
                 "keep_fds": keep_fds, "worker_uid": uid,
-                "env": {**_cache_environment(cache),
+                "env": {**_cache_environment(cache), _seccomp.SOCKETS_ENV: "1",
                         **({_landlock.EXEC_ENV: "linker" if spawn else "none"} if self.landlock else {})},
                 "rlimits": rlimits, "seccomp": True, "tmp_size": self.tmp_max,
                 # PoCL links each new kernel with the system linker (posix_spawn): no other backend spawns, and

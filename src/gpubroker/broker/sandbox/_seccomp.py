@@ -15,7 +15,7 @@ import errno
 from typing import Any
 
 __all__ = ["DENIED", "HOST_USER_COUNTS", "NEW_SOCKETS", "PRIORITY_CALLS", "PROCESS_CREATION", "SIGNALS_TO_PID",
-           "UNCOUNTED_MEMORY", "build_filter"]
+           "SOCKETS_ENV", "UNCOUNTED_MEMORY", "build_filter", "refuse_new_sockets"]
 
 # Refused outright: other processes' memory, mounts and namespaces, kernel interfaces a worker has no use for.
 DENIED = (
@@ -53,12 +53,17 @@ UNCOUNTED_MEMORY = ("memfd_create", "memfd_secret", "shmget", "msgget", "semget"
 # instance: the worker waits with poll(2) (Python's selectors fall back to it), as PoCL and, as far as is known,
 # CUDA's own threads do. A compute worker needs none of these.
 HOST_USER_COUNTS = ("inotify_init", "inotify_init1", "mq_open", "epoll_create", "epoll_create1")
-# New sockets, of any family: a worker's sockets are all made by the front (its channels) or a client (its links'
-# ends) and inherited or received. What a Unix socket holds queued (up to 2 x net.core.wmem_max a socket, and the
-# sockets it has in flight) is host memory that RLIMIT_AS and RLIMIT_DATA do not count, only a memory cgroup
-# does: socketpairs filled and left unread took 2 GiB past a 1 GiB worker_memory_max. A bound on the number of
-# sockets would not do (RLIMIT_NOFILE of them hold gigabytes), and other families reach the network.
+# New sockets, of any family, once the worker's device is open (``refuse_new_sockets``): a worker's sockets are all
+# made by the front (its channels) or a client (its links' ends) and inherited or received. What a Unix socket
+# holds queued (up to 2 x net.core.wmem_max a socket, and the sockets it has in flight) is host memory that
+# RLIMIT_AS and RLIMIT_DATA do not count, only a memory cgroup does: socketpairs filled and left unread took 2 GiB
+# past a 1 GiB worker_memory_max. A bound on the number of sockets would not do (RLIMIT_NOFILE of them hold
+# gigabytes). Until the device is open only AF_UNIX passes (the filter below): CUDA's initialization makes a Unix
+# socket (it looks for an MPS server) and fails with cudaErrorOperatingSystem without one.
 NEW_SOCKETS = ("socket", "socketpair")
+AF_UNIX = 1
+# Set (to "1") in a sandboxed worker's environment: it calls refuse_new_sockets once its device is open.
+SOCKETS_ENV = "GPUBROKER_WORKER_NO_SOCKETS"
 # Signals aimed at a process (argument 0): only pid 1 (itself) passes; not 0 (its process group), -1 (every
 # process it may signal) or a negative group.
 SIGNALS_TO_PID = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open")
@@ -83,7 +88,7 @@ def build_filter(allow_spawn: bool = False) -> Any:
     f = seccomp.SyscallFilter(seccomp.ALLOW)
     # A syscall of another ABI (x86's int 0x80, x32) would dodge the rules below: kill the process instead.
     f.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
-    for name in (*DENIED, *PROCESS_CREATION, *UNCOUNTED_MEMORY, *HOST_USER_COUNTS, *NEW_SOCKETS):
+    for name in (*DENIED, *PROCESS_CREATION, *UNCOUNTED_MEMORY, *HOST_USER_COUNTS):
         _rule(seccomp, f, deny, name)
     for name in SIGNALS_TO_PID:
         _rule(seccomp, f, deny, name, seccomp.Arg(0, seccomp.NE, SELF))
@@ -103,9 +108,26 @@ def build_filter(allow_spawn: bool = False) -> Any:
         _rule(seccomp, f, deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_THREAD, 0))
     # clone3 passes its flags in memory, out of a filter's reach: ENOSYS makes glibc fall back to clone.
     _rule(seccomp, f, seccomp.ERRNO(errno.ENOSYS), "clone3")
+    for name in NEW_SOCKETS:
+        _rule(seccomp, f, deny, name, seccomp.Arg(0, seccomp.NE, AF_UNIX))
     # Reading the persona is harmless; changing it (ADDR_NO_RANDOMIZE, READ_IMPLIES_EXEC) is not.
     _rule(seccomp, f, deny, "personality", seccomp.Arg(0, seccomp.NE, PERSONALITY_QUERY))
     return f
+
+
+def refuse_new_sockets() -> None:
+    """From now on this process, its threads and whatever it spawns make no socket of any family (a filter stacked on
+    the launcher's: filters only ever add refusals). Called by a sandboxed worker once its device is open, before
+    anything of a tenant's runs; OSError/ImportError/RuntimeError if the filter cannot be loaded."""
+    seccomp = _import_pyseccomp()
+    f = seccomp.SyscallFilter(seccomp.ALLOW)
+    f.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
+    # Every thread: the device's runtime has started its own already (PoCL's pool runs the kernels), and a filter
+    # is loaded into the calling thread only unless synchronised (the load fails if a thread cannot take it).
+    f.set_attr(seccomp.Attr.CTL_TSYNC, 1)
+    for name in NEW_SOCKETS:
+        _rule(seccomp, f, seccomp.ERRNO(errno.EPERM), name)
+    f.load()
 
 
 def _import_pyseccomp() -> Any:

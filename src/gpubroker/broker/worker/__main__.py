@@ -2,7 +2,15 @@ import faulthandler
 import os
 import sys
 
-from gpubroker.broker.sandbox import EXEC_ENV, EXIT_SETUP_FAILED, confine_exec, linker_files, set_dumpable
+from gpubroker.broker.sandbox import (
+    EXEC_ENV,
+    EXIT_SETUP_FAILED,
+    SOCKETS_ENV,
+    confine_exec,
+    linker_files,
+    refuse_new_sockets,
+    set_dumpable,
+)
 from gpubroker.broker.worker._process import main
 
 if __name__ == "__main__":
@@ -20,7 +28,8 @@ if __name__ == "__main__":
             os._exit(EXIT_SETUP_FAILED)
     # A native crash in a device runtime still leaves a Python stack in the broker's log.
     faulthandler.enable()
-    code = main()
+    # Sandboxed: once the device is open (CUDA's initialization makes a Unix socket), no new socket of any family.
+    code = main(on_device_open=refuse_new_sockets if os.environ.pop(SOCKETS_ENV, None) == "1" else None)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: device runtimes can crash or hang in atexit handlers.

@@ -15,6 +15,7 @@ import select
 import selectors
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Literal
 
@@ -143,7 +144,9 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
                 return EXIT_FATAL
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, on_device_open: Callable[[], None] | None = None) -> int:
+    """The worker: open the device, answer the front's first request with its description, then serve.
+    ``on_device_open`` runs once the device is open, before anything of a tenant's (the sandbox's last layer)."""
     parser = argparse.ArgumentParser(prog="gpubroker-worker")
     parser.add_argument("--fd", type=int)
     parser.add_argument("--fd-channel", type=int, help="socket on which the front passes segment fds")
@@ -175,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         backend = open_backend(args.backend, args.device)
+        if on_device_open is not None:
+            try:
+                on_device_open()
+            except (OSError, ImportError, RuntimeError) as exc:
+                _reply(sock, 0, 1, Internal(f"the worker's sandbox could not refuse new sockets: {exc}").as_wire())
+                return 2
         _reply(sock, 0, 0, asdict(backend.device_info()))  # (the front reads it as a DeviceInfoQuery's result)
     except GpuBrokerError as exc:
         _reply(sock, 0, 1, exc.as_wire())
