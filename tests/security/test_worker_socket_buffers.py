@@ -17,9 +17,11 @@ at 2 GiB, queued 2048 MiB in 261 sockets in about a second, and the host's MemAv
 noisy reading on a shared machine) while the worker went on serving; it came back when the session closed. The
 bound here is the test's own (it stops at TARGET); the kernel's is NOFILE x 2 x wmem_max per worker.
 
-The fix: the worker's seccomp filter refuses new sockets of any family (``socket`` and ``socketpair``, EPERM): all
-of a worker's sockets are made by the front or a client and inherited or received, so none holds what no limit
-counts. The kernel below now gets EPERM at its first socketpair and queues nothing.
+The fix: once its device is open, a worker loads a second seccomp filter (over every thread) that refuses new
+sockets of any family (``socket`` and ``socketpair``, EPERM): all of a worker's sockets are made by the front or a
+client and inherited or received, so none holds what no limit counts. The kernel below now gets EPERM at its first
+socketpair and queues nothing. On OpenCL only for now: CUDA's initialization makes a Unix socket, and whether it
+makes none later is still to be checked on a GPU host (docs/operator/security.md, Known gaps).
 """
 
 from __future__ import annotations
