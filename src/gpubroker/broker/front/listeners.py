@@ -1,9 +1,11 @@
 """The front's one accept loop: every raw listener of the broker (the gRPC gate's Unix and TCP listeners, the
-link's ``<socket>.fast``, vsock and TCP ports, the vsock relay to gRPC) accepts through an `Acceptor`.
+link's ``<socket>.fast``, vsock and TCP ports, the metrics endpoint, the vsock relay to gRPC) accepts through an
+`Acceptor`.
 
 An acceptor takes what its listening socket has queued in batches, then lets the loop serve what it accepted
 before taking more; each connection goes to the listener's ``admit`` with its `Peer` (who is at the other end, in
-the same terms whichever the scheme), which counts it, refuses it or serves it.
+the same terms whichever the scheme, named by `peer_of` for every listener alike: whom each per-peer cap counts
+it against is `Peer.key`), which counts it, refuses it or serves it.
 Out of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM) it stops accepting for a moment, doubling while that
 lasts, rather than spinning on a listener it cannot serve: connections wait in the backlog meanwhile (or the
 kernel refuses them once it is full). A connection that is gone before it was taken (ECONNABORTED, EPROTO, EPERM)
