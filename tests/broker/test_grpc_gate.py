@@ -18,7 +18,9 @@ import pytest
 import uvloop
 
 from gpubroker.broker.front import _grpc_peers as gate_module
-from gpubroker.broker.front._grpc_peers import GrpcGate, socket_owner
+from gpubroker.broker.front import _owners as owners_module
+from gpubroker.broker.front._grpc_peers import GrpcGate
+from gpubroker.broker.front._owners import socket_owner
 from gpubroker.broker.front.listeners import peer_of
 
 OTHER_UID = 65533
@@ -73,10 +75,10 @@ def test_the_owner_of_a_local_tcp_connection_is_its_client_sockets_uid(host: str
         # The fallback where sock_diag is missing: /proc/net/tcp{,6} says the same.
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         peer, local = accepted.getpeername()[:2], accepted.getsockname()[:2]
-        assert gate_module._proc_owner(family, peer, local) == expected
+        assert owners_module._proc_owner(family, peer, local) == expected
     # A connection whose client end is gone has no owner.
-    assert gate_module._SockDiag().owner(socket.AF_INET, ("127.0.0.1", 1), ("127.0.0.1", 2)) is None
-    assert gate_module._proc_owner(socket.AF_INET, ("127.0.0.1", 1), ("127.0.0.1", 2)) is None
+    assert owners_module._SockDiag().owner(socket.AF_INET, ("127.0.0.1", 1), ("127.0.0.1", 2)) is None
+    assert owners_module._proc_owner(socket.AF_INET, ("127.0.0.1", 1), ("127.0.0.1", 2)) is None
 
 
 async def _echo_server(path: str) -> asyncio.Server:

@@ -140,7 +140,7 @@ def test_caps_count_unauthenticated_connections_in_all_and_per_uid() -> None:
         assert gate.refusals == 1
         first.done()
         first.done()  # once only
-        assert gate.total == 1 and gate.per_uid == {os.getuid(): 1}
+        assert gate.total == 1 and gate.per_uid == {f"uid {os.getuid()}": 1}
         third = gate.admit(peer_of(pairs[2][0], ""), "x")
         assert third is not None
         third.done()
@@ -149,12 +149,21 @@ def test_caps_count_unauthenticated_connections_in_all_and_per_uid() -> None:
         gate = PreAuthGate(BrokerConfig(max_unauthenticated_connections=2, max_unauthenticated_per_uid=10))
         held = [gate.admit(peer_of(pairs[i][0], ""), "x") for i in range(2)]
         assert None not in held and gate.admit(peer_of(pairs[2][0], ""), "x") is None  # the total is reached first here
-        # TCP peers (the link's listener) have no uid: each address is counted as a uid is.
+        # Remote TCP peers (the link's listener) have no uid: each network (a /24, a /64) is counted as a uid is,
+        # since one host commonly holds a network's worth of addresses.
         gate = PreAuthGate(BrokerConfig(max_unauthenticated_connections=10, max_unauthenticated_per_uid=2))
-        remote = [gate.admit(tcp_peer("10.0.0.1"), "tls:x") for _ in range(2)]
-        assert None not in remote and gate.admit(tcp_peer("10.0.0.1"), "tls:x") is None
-        other = gate.admit(tcp_peer("10.0.0.2"), "tls:x")
-        assert other is not None and gate.per_uid == {"10.0.0.1": 2, "10.0.0.2": 1}
+        remote = [gate.admit(tcp_peer(host), "tls:x") for host in ("10.0.0.1", "10.0.0.2")]
+        assert None not in remote and gate.admit(tcp_peer("10.0.0.3"), "tls:x") is None
+        assert gate.admit(tcp_peer("10.0.1.1"), "tls:x") is not None
+        assert gate.admit(tcp_peer("2001:db8::1"), "tls:x") is not None
+        assert gate.admit(tcp_peer("2001:db8::ffff:1"), "tls:x") is not None
+        assert gate.admit(tcp_peer("2001:db8:0:0:1::1"), "tls:x") is None
+        assert gate.per_uid == {"10.0.0.0/24": 2, "10.0.1.0/24": 1, "2001:db8::/64": 2}
+        # Each kind of listener has a total of its own: TCP peers holding theirs leave the Unix sockets' places.
+        gate = PreAuthGate(BrokerConfig(max_unauthenticated_connections=2, max_unauthenticated_per_uid=10))
+        remote = [gate.admit(tcp_peer(f"10.0.{i}.1"), "tls:x") for i in range(2)]
+        assert None not in remote and gate.admit(tcp_peer("10.0.9.1"), "tls:x") is None
+        assert gate.admit(peer_of(pairs[0][0], ""), "x") is not None
     finally:
         for a, b in pairs:
             a.close()

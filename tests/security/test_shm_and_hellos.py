@@ -388,7 +388,7 @@ def test_at_a_cap_a_new_connection_takes_an_idle_ones_place_never_a_talking_ones
         pairs[0][1].sendall(b"\x00")  # the oldest has its hello on the way: not idle
         third = admit(2)  # takes the place of the idle one (1), not of the older, talking one (0)
         assert third is not None and evicted == [1] and not second.open and first.open
-        assert gate.per_uid == {os.getuid(): 2} and gate.total == 2
+        assert gate.per_uid == {f"uid {os.getuid()}": 2} and gate.total == 2
         third.judging = True  # a hello being judged is not idle either
         assert admit(3) is None and gate.refusals == 2  # (the eviction was audited too)
         third.judging = False

@@ -321,9 +321,13 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     hello_timeout_seconds: Annotated[float, Meta(gt=0, description=(
         "How long a peer on a raw listener may take to send its hello."))] = 5.0
     max_unauthenticated_connections: Annotated[int, Meta(ge=1, description=(
-        "Unauthenticated connections the raw listeners keep open at once, in all; more are closed."))] = 256
+        "Unauthenticated connections the raw listeners keep open at once, per kind of listener (the Unix "
+        "<socket>.fast sockets, link_listen, link_vsock_port: each its own count, so that peers of one never take "
+        "another's places); more are closed."))] = 256
     max_unauthenticated_per_uid: Annotated[int, Meta(ge=1, description=(
-        "The same, per peer uid (SO_PEERCRED)."))] = 64
+        "The same, per peer across the raw listeners: a uid on Unix sockets (SO_PEERCRED) and on TCP from this host "
+        "(the uid owning the client's socket: every local user has address 127.0.0.1), a /24 (IPv4) or /64 (IPv6) "
+        "network on other TCP, a CID on vsock."))] = 64
     max_grpc_connections: Annotated[int, Meta(ge=1, description=(
         "gRPC connections the broker keeps open at once, authenticated or not, over all its listen addresses; "
         "more are refused as they are accepted. Each takes three of the broker's descriptors (the client's socket, "
@@ -333,8 +337,8 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_grpc_connections_per_peer: Annotated[int, Meta(ge=1, description=(
         "gRPC connections one peer may hold at once, authenticated or not: a uid on a Unix socket (SO_PEERCRED) "
         "and on TCP from this host (the uid owning the client's socket: every local user has address 127.0.0.1), "
-        "an address on other TCP. More are refused as they are accepted, so a flood from one peer, however fast "
-        "it reconnects, leaves the rest of max_grpc_connections to everyone else."))] = 64
+        "a /24 (IPv4) or /64 (IPv6) network on other TCP. More are refused as they are accepted, so a flood from "
+        "one peer, however fast it reconnects, leaves the rest of max_grpc_connections to everyone else."))] = 64
     grpc_idle_seconds: Annotated[float, Meta(gt=0, description=(
         "A gRPC connection with no call in flight for this long is closed (HTTP/2 GOAWAY; a client reconnects "
         "at its next call): a connection that finished its handshake but never makes a call holds a slot of "
@@ -371,7 +375,8 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Connections the metrics endpoint holds at once (it serves them on the broker's event loop, no thread "
         "each); more are closed as they are accepted, and counted in gpubroker_endpoint_refusals."))] = 16
     max_metrics_connections_per_peer: Annotated[int, Meta(ge=1, description=(
-        "The same, per peer address: one peer's flood leaves the rest to Prometheus."))] = 4
+        "The same, per peer (as max_grpc_connections_per_peer names peers: a local user by its uid, whatever its "
+        "loopback address; a remote host by its /24 or /64): one peer's flood leaves the rest to Prometheus."))] = 4
     metrics_request_timeout_seconds: Annotated[float, Meta(gt=0, description=(
         "A metrics connection must send its whole request (at most 8 KiB of request line and headers) within "
         "this, and take its answer within this again; else it is closed."))] = 5.0
@@ -381,7 +386,8 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "next refresh and share it, so a scrape flood costs the workers and the event loop one refresh per "
         "interval."))] = 1.0
     metrics_requests_per_peer_per_second: Annotated[float, Meta(gt=0, description=(
-        "Requests one peer address may have answered per second, whatever it asks for: more wait their turn "
+        "Requests one peer (as max_metrics_connections_per_peer counts them) may have answered per second, "
+        "whatever it asks for: more wait their turn "
         "(429 Too Many Requests when that is further off than metrics_request_timeout_seconds)."))] = 10.0
     max_health_streams: Annotated[int, Meta(ge=1, description=(
         "gRPC health Watch and server-reflection streams (both are served without a token and stay open until "

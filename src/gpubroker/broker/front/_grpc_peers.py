@@ -4,13 +4,13 @@ them, and relays each one's bytes to gRPC.
 gRPC core accepts the connections of the addresses it listens on, and has no limit per peer: one peer could hold
 every slot of its total cap. So gRPC listens only on Unix sockets in a directory of the broker's own (mode 0700:
 nobody else can connect to them), and the public addresses (``unix:PATH``, ``HOST:PORT``) are the gate's. For each
-connection it accepts, the gate names the peer:
+connection it accepts, the gate names the peer as every listener of the front does (``listeners.peer_of``):
 
 - on a Unix socket, the uid the kernel recorded at connect (SO_PEERCRED);
 - on TCP from this host (loopback, or the host's own address), the uid that owns the client's socket, which the
-  kernel finds by the connection's addresses (sock_diag; ``/proc/net/tcp`` where that is missing): every local
-  process has the address 127.0.0.1, so counting local peers by address would make all local users one peer;
-- on other TCP, the address.
+  kernel finds by the connection's addresses (sock_diag, ``_owners.py``): every local process has the address
+  127.0.0.1, so counting local peers by address would make all local users one peer;
+- on other TCP, its network: the /24 of an IPv4 address, the /64 of an IPv6 one.
 
 and refuses it, by closing it at once before reading a byte, when ``max_grpc_connections`` are open or its peer
 holds ``max_grpc_connections_per_peer``: both caps hold exactly, at every instant, however fast a peer reconnects.
@@ -37,14 +37,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import errno
 import functools
-import ipaddress
 import logging
-import os
 import shutil
 import socket
-import struct
 import tempfile
 import threading
 from collections.abc import Callable, Coroutine
@@ -53,11 +49,11 @@ from typing import Any, cast
 
 from gpubroker.broker.front._descriptors import set_passrights
 from gpubroker.broker.front.auth import RateLimitedLog
-from gpubroker.broker.front.listeners import Acceptor, Peer, out_of_descriptors
+from gpubroker.broker.front.listeners import Acceptor, Peer, out_of_descriptors, tcp_listeners
 from gpubroker.wire.addresses import TcpAddress, UnixAddress, parse_host_port
 from gpubroker.wire.errors import InvalidArgument
 
-__all__ = ["GrpcGate", "grpc_peer", "socket_owner"]
+__all__ = ["GrpcGate", "grpc_peer"]
 
 log = logging.getLogger("gpubroker.server")
 audit = logging.getLogger("gpubroker.audit")
@@ -79,136 +75,6 @@ def grpc_peer(context: Any) -> str:
     return _relayed.get(seen, seen)
 
 
-# -- who owns a local TCP connection -------------------------------------------------------------------------
-
-_NETLINK_SOCK_DIAG = 4
-_SOCK_DIAG_BY_FAMILY = 20
-_NLMSG_ERROR = 2
-_NLM_F_REQUEST = 1
-_NLMSG = struct.Struct("=IHHII")  # struct nlmsghdr
-_DIAG_REQ = struct.Struct("=BBBBI")  # struct inet_diag_req_v2 up to its socket id
-_DIAG_PORTS = struct.Struct(">HH")  # inet_diag_sockid: source and destination ports, big-endian
-_DIAG_TAIL = struct.Struct("=III")  # inet_diag_sockid: interface, cookie (two words)
-_DIAG_MSG_UID = struct.Struct("=IIIII")  # inet_diag_msg after family, state, timer, retrans and the sock id
-_DIAG_MSG_UID_OFFSET = 4 + 48
-_NO_COOKIE = 0xFFFFFFFF
-_ALL_STATES = 0xFFFFFFFF
-
-
-def _address_bytes(family: int, host: str) -> bytes:
-    raw = socket.inet_pton(family, host)
-    return raw + bytes(16 - len(raw))
-
-
-class _SockDiag:
-    """Asks the kernel (NETLINK_SOCK_DIAG) for the owner of one TCP socket, found by its four addresses: one
-    exact lookup in the kernel's table, whatever the number of connections."""
-
-    def __init__(self) -> None:
-        self.sock: socket.socket | None = None
-        self.seq = 0
-
-    def owner(self, family: int, src: tuple[str, int], dst: tuple[str, int]) -> int | None:
-        """The uid owning the TCP socket of ``family`` bound to ``src`` and connected to ``dst``; None if there is
-        none; OSError when sock_diag itself fails (no such netlink family, say)."""
-        if self.sock is None:
-            self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG)
-            self.sock.settimeout(1.0)  # (the kernel answers within the send; this bounds a surprise)
-        self.seq = self.seq + 1 & 0x7FFFFFFF
-        request = (_DIAG_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, _ALL_STATES)
-                   + _DIAG_PORTS.pack(src[1], dst[1]) + _address_bytes(family, src[0]) + _address_bytes(family, dst[0])
-                   + _DIAG_TAIL.pack(0, _NO_COOKIE, _NO_COOKIE))
-        self.sock.send(_NLMSG.pack(_NLMSG.size + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, self.seq, 0)
-                       + request)
-        while True:
-            reply = self.sock.recv(8192)
-            _length, kind, _flags, seq, _pid = _NLMSG.unpack_from(reply)
-            if seq != self.seq:
-                continue  # (the answer to an earlier request that timed out)
-            if kind == _NLMSG_ERROR:
-                (error,) = struct.unpack_from("=i", reply, _NLMSG.size)
-                if -error == errno.ENOENT:
-                    return None
-                raise OSError(-error, os.strerror(-error))
-            if kind != _SOCK_DIAG_BY_FAMILY:
-                raise OSError(errno.EPROTO, f"unexpected sock_diag answer {kind}")
-            offset = _NLMSG.size + _DIAG_MSG_UID_OFFSET
-            _expires, _rqueue, _wqueue, uid, _inode = _DIAG_MSG_UID.unpack_from(reply, offset)
-            return int(uid)
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-
-
-def _proc_address(family: int, host: str, port: int) -> str:
-    """An address as /proc/net/tcp{,6} writes it: the address's 32-bit words in host byte order, then the port."""
-    raw = socket.inet_pton(family, host)
-    words = struct.unpack(f"={len(raw) // 4}I", raw)
-    return "".join(f"{w:08X}" for w in words) + f":{port:04X}"
-
-
-def _proc_owner(family: int, src: tuple[str, int], dst: tuple[str, int]) -> int | None:
-    """``_SockDiag.owner`` from /proc/net/tcp{,6}: a read of every TCP socket of the namespace."""
-    local, remote = _proc_address(family, *src), _proc_address(family, *dst)
-    table = "/proc/net/tcp" if family == socket.AF_INET else "/proc/net/tcp6"
-    with open(table) as lines:
-        next(lines, None)  # (the header)
-        for line in lines:
-            fields = line.split()
-            if len(fields) > 7 and fields[1] == local and fields[2] == remote:
-                return int(fields[7])
-    return None
-
-
-def _plain(host: str) -> str:
-    """An IPv4 address as a v4-mapped IPv6 one (a dual-stack listener's view) -> the IPv4 address."""
-    return host[len("::ffff:"):] if host.startswith("::ffff:") and "." in host else host
-
-
-class _Owners:
-    """The uid owning the other end of a TCP connection accepted here, when that end is on this host."""
-
-    def __init__(self) -> None:
-        self.diag = _SockDiag()
-        self.use_diag = True
-
-    def of(self, conn: socket.socket, peer: tuple[str, int]) -> int | None:
-        local_host, local_port = conn.getsockname()[:2]
-        src, dst = (_plain(peer[0]), peer[1]), (_plain(local_host), local_port)
-        family = socket.AF_INET if "." in src[0] else socket.AF_INET6
-        if self.use_diag:
-            try:
-                uid = self.diag.owner(family, src, dst)
-                if uid is None and family == socket.AF_INET:
-                    # (an IPv6 socket that reached an IPv4 address: its end is found by its v4-mapped addresses)
-                    uid = self.diag.owner(socket.AF_INET6, ("::ffff:" + src[0], src[1]), ("::ffff:" + dst[0], dst[1]))
-                return uid
-            except OSError as exc:
-                log.warning("sock_diag cannot tell who owns local TCP connections (%s): reading /proc/net/tcp "
-                            "instead", exc)
-                self.use_diag = False
-                self.diag.close()
-        uid = _proc_owner(family, src, dst)
-        if uid is None and family == socket.AF_INET:
-            uid = _proc_owner(socket.AF_INET6, ("::ffff:" + src[0], src[1]), ("::ffff:" + dst[0], dst[1]))
-        return uid
-
-    def close(self) -> None:
-        self.diag.close()
-
-
-def socket_owner(conn: socket.socket) -> int | None:
-    """The uid owning the other end of a TCP connection accepted here; None when that end is not on this host
-    (or already gone)."""
-    owners = _Owners()
-    try:
-        return owners.of(conn, conn.getpeername())
-    finally:
-        owners.close()
-
-
 # -- listeners and peers -------------------------------------------------------------------------------------
 
 
@@ -222,19 +88,11 @@ class _Listener:
 
 @dataclasses.dataclass(frozen=True)
 class _Peer:
-    key: str  # whom the connection is counted against: "uid N" or a TCP address
+    key: str  # whom the connection is counted against (Peer.key): "uid N", a remote network
     name: str  # as gRPC would name it, for audit lines: ipv4:HOST:PORT [uid=N], unix:PATH uid=N
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(_plain(host)).is_loopback
-    except ValueError:
-        return False
-
-
 def _tcp_name(host: str, port: int) -> str:
-    host = _plain(host)
     return f"ipv4:{host}:{port}" if "." in host else f"ipv6:[{host}]:{port}"
 
 
@@ -255,7 +113,6 @@ class GrpcGate:
         self._audit = RateLimitedLog(audit)
         self._listeners: list[_Listener] = []
         self._relays: set[_Relay] = set()
-        self._owners = _Owners()
         self.private_dir = Path(tempfile.mkdtemp(prefix="gpubroker-grpc-"))  # mode 0700, the broker's own
         self._private: dict[str, str] = {}  # public address -> private path
         self._own_thread = own_thread
@@ -306,33 +163,10 @@ class GrpcGate:
             raise InvalidArgument(f"listen: {exc}") from None
         host, port = wanted.host, wanted.port
         try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            socks = tcp_listeners(host, port, backlog)
         except socket.gaierror as exc:
             raise InvalidArgument(f"listen: cannot resolve {host!r}: {exc.strerror}") from None
-        addresses = list(dict.fromkeys((family, sockaddr[:2]) for family, _t, _p, _c, sockaddr in infos))
-        socks: list[socket.socket] = []
-        try:
-            for family, (ip, _port) in addresses:
-                sock = socket.socket(family, socket.SOCK_STREAM)
-                socks.append(sock)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6:
-                    # One IPv6 address alone (``[::]``) serves IPv4 too, as gRPC's listener did.
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(len(addresses) > 1))
-                try:
-                    sock.bind((ip, port))
-                except OSError as exc:
-                    if socks[0] is not sock and exc.errno == errno.EADDRNOTAVAIL:
-                        socks.pop().close()  # (a host without IPv6, say: the first address is served)
-                        continue
-                    raise
-                port = sock.getsockname()[1]  # (the others take the port the kernel gave the first)
-                sock.listen(backlog)
-                sock.setblocking(False)
-        except BaseException:
-            for sock in socks:
-                sock.close()
-            raise
+        port = socks[0].getsockname()[1]
         public = str(TcpAddress(host, port))
         private = self._private_path(public)
         for sock in socks:
@@ -409,7 +243,6 @@ class GrpcGate:
                 with contextlib.suppress(RuntimeError):  # (its loop already stopped)
                     self._loop.call_soon_threadsafe(self._loop.stop)
                 await asyncio.to_thread(self._thread.join, 10.0)
-        self._owners.close()
         shutil.rmtree(self.private_dir, ignore_errors=True)
 
     async def _cut_all(self) -> None:
@@ -468,29 +301,21 @@ class GrpcGate:
         return True
 
     def _identify(self, listener: _Listener, conn: socket.socket, accepted: Peer) -> _Peer | str:
-        """Who is at the other end of ``conn`` (``accepted``: as the kernel names it), counted as the gate counts
-        peers; a string saying why it may not connect, if it may not."""
+        """Who is at the other end of ``conn`` (``accepted``: as the front names peers, ``listeners.peer_of``),
+        counted as every listener counts peers; a string saying why it may not connect, if it may not."""
         if not isinstance(accepted.address, TcpAddress):  # (a Unix socket: the gate listens on no vsock port)
-            uid = accepted.uid
-            key = f"uid {uid}" if uid >= 0 else "unix"
-            return _Peer(key, f"{listener.public} uid={uid}")
-        host, port = _plain(accepted.address.host), accepted.address.port
-        loopback = _is_loopback(host)
-        if listener.loopback_only and not loopback:
-            return f"{_tcp_name(host, port)} is not a loopback peer (the listener has local credentials)"
-        if loopback or host == _plain(conn.getsockname()[0]):
-            try:
-                owner = self._owners.of(conn, (host, port))
-            except OSError as exc:
-                return f"{_tcp_name(host, port)}: cannot tell who owns it ({exc.strerror})"
-            if owner is None:
-                # (a local peer whose socket is gone already; or, through the host's own address, a peer in
-                # another network namespace, whose sockets these lookups do not see: counted by its address)
-                if loopback:
-                    return f"{_tcp_name(host, port)}: its socket is gone"
-                return _Peer(host, _tcp_name(host, port))
-            return _Peer(f"uid {owner}", f"{_tcp_name(host, port)} uid={owner}")
-        return _Peer(host, _tcp_name(host, port))
+            return _Peer(accepted.key, f"{listener.public} uid={accepted.uid}")
+        name = _tcp_name(accepted.address.host, accepted.address.port)
+        if listener.loopback_only and not accepted.loopback:
+            return f"{name} is not a loopback peer (the listener has local credentials)"
+        if accepted.uid >= 0:
+            return _Peer(accepted.key, f"{name} uid={accepted.uid}")
+        if accepted.loopback:
+            # (the owner of a loopback peer's socket is always found while that socket exists)
+            return f"{name}: cannot tell who owns it (its socket is gone)"
+        # (a remote peer; or, through the host's own address, a peer in another network namespace, whose sockets
+        # these lookups do not see: counted by its address)
+        return _Peer(accepted.key, name)
 
     def _refuse(self, conn: socket.socket, listener: _Listener, reason: str, peer: _Peer | None, why: str) -> None:
         conn.close()

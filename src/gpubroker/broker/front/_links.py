@@ -85,6 +85,13 @@ class _HelloRefused(Exception):
     """The hello did not arrive whole and in time (audited on its ticket); the connection just closes."""
 
 
+def _penalty_key(peer: Peer) -> str:
+    """Whom a failed authentication's delay is charged to: a peer the kernel names by uid (a Unix socket, TCP from
+    this host) by its uid, as on gRPC, so that one local user guessing over loopback TCP delays no other; else its
+    address."""
+    return f"uid:{peer.uid}" if peer.uid >= 0 else f"addr:{peer.host}"
+
+
 class LinkServer:
     """Every link listener of the broker, sharing one pre-authentication gate."""
 
@@ -173,7 +180,7 @@ class LinkServer:
         # requests'), and with any descriptors sent along: a hello carries none, so they are refused.
         stream = FdStream(conn, "a link hello")
         local = peer.address is None
-        penalty = f"uid:{ticket.uid}" if local else f"addr:{peer.host}"
+        penalty = _penalty_key(peer)
         try:
             session, principal, hello = await self._hello(stream.recv_exactly, stream.send, ticket, (), penalty,
                                                           segments=local, links=links)
@@ -241,7 +248,7 @@ class LinkServer:
                 frames.append(frame)  # (the thread writes them, before it relays or closes)
 
             session, principal, hello = await self._hello(recv_exactly, send, ticket, peer_certificate_names(cert),
-                                                          f"addr:{peer.host}", segments=False, links=True)
+                                                          _penalty_key(peer), segments=False, links=True)
             ours: socket.socket | None
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             for end in (ours, theirs):  # a copy's chunk or more in flight each way: fewer wake-ups per byte

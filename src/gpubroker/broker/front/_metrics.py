@@ -4,7 +4,8 @@ The tenant figures are read from the live sessions, schedulers and worker pool a
 event loop (they are only ever changed there), so a scrape sees one consistent moment and costs nothing between
 scrapes. The endpoint is a small HTTP/1.1 server on the same event loop (``MetricsServer``): unauthenticated by
 design, so bounded in connections, time, request size and refreshes (no thread per connection, no refresh per
-scrape), on a registry of its own.
+scrape), on a registry of its own. It accepts through the front's one accept loop (``listeners.Acceptor``), which
+names each peer as every listener does: a local one by its uid, a remote one by its network.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import gzip
 import logging
 import math
+import socket
 import time
 from collections.abc import Callable, Iterator, Reversible
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from prometheus_client.registry import Collector
 
 from gpubroker.broker.front._sessions import SessionManager
 from gpubroker.broker.front.auth import RateLimitedLog
+from gpubroker.broker.front.listeners import Acceptor, Peer, tcp_listeners
 from gpubroker.broker.front.scheduler import DeviceScheduler
 from gpubroker.broker.front.workers import WorkerPool
 from gpubroker.wire.addresses import TcpAddress, parse_host_port
@@ -287,22 +290,19 @@ class MetricsLimits:
     requests_per_peer_per_second: float = 10.0  # a peer's answers are paced to this, whatever it asks for
 
 
-def _host(address: str) -> str:
-    return address.removeprefix("::ffff:")  # (a dual-stack listener shows IPv4 peers as v4-mapped addresses)
-
-
 class MetricsServer:
     """``/metrics`` over HTTP/1.1 on the broker's event loop, on a registry of this broker's own.
 
     The endpoint is unauthenticated by design, so everything it does for a peer is bounded: at most
-    ``max_connections`` connections (``max_connections_per_peer`` from one address; more are closed as they are
-    accepted), a request head of at most 8 KiB that must arrive within ``request_timeout`` (and an answer that
-    must be taken within it), one request per connection, no thread for any of them, and each peer's answers
-    paced to ``requests_per_peer_per_second`` (a request waits its turn, at no cost, so a peer asking in a
-    loop for any path, even a missing one, gets no more of the event loop than that). The figures are taken
-    at most once per ``refresh_interval``: a scrape always gets figures taken after it arrived, and every scrape
-    waiting meanwhile shares the next refresh and its rendered page, so a flood of scrapes costs the workers one
-    ``usage`` round trip per interval and the event loop little more than reading requests.
+    ``max_connections`` connections (``max_connections_per_peer`` from one peer: a local user by its uid, a remote
+    host by its /24 or /64; more are closed as they are accepted), a request head of at most 8 KiB that must
+    arrive within ``request_timeout`` (and an answer that must be taken within it), one request per connection,
+    no thread for any of them, and each peer's answers paced to ``requests_per_peer_per_second`` (a request waits
+    its turn, at no cost, so a peer asking in a loop for any path, even a missing one, gets no more of the event
+    loop than that). The figures are taken at most once per ``refresh_interval``: a scrape always gets figures
+    taken after it arrived, and every scrape waiting meanwhile shares the next refresh and its rendered page, so a
+    flood of scrapes costs the workers one ``usage`` round trip per interval and the event loop little more than
+    reading requests.
     """
 
     def __init__(self, collector: BrokerCollector, limits: MetricsLimits | None = None) -> None:
@@ -315,8 +315,9 @@ class MetricsServer:
         self.address = ""
         for reason in METRICS_REASONS:
             collector.refusals.setdefault(("metrics", reason), 0)
-        self._server: asyncio.Server | None = None
-        self._open: dict[str, int] = {}  # peer -> connections held
+        self._acceptors: list[Acceptor] = []
+        self._connections = 0  # held, from their accept to their close
+        self._open: dict[str, int] = {}  # peer (Peer.key) -> connections held
         self._writers: set[asyncio.StreamWriter] = set()
         self._handlers: set[asyncio.Task[None]] = set()
         self._next_turn: dict[str, float] = {}  # peer -> when its next answer may go (the event loop's clock)
@@ -331,23 +332,27 @@ class MetricsServer:
         except ValueError as exc:
             raise InvalidArgument(f"metrics_listen: {exc}") from None
         try:
-            self._server = await asyncio.start_server(self._connection, wanted.host, wanted.port, limit=_MAX_HEAD)
+            socks = tcp_listeners(wanted.host, wanted.port, backlog=128)
         except OSError as exc:
             raise FailedPrecondition(f"metrics_listen {listen}: {exc.strerror or exc}") from None
-        self.address = str(TcpAddress(wanted.host, self._server.sockets[0].getsockname()[1]))
+        self.address = str(TcpAddress(wanted.host, socks[0].getsockname()[1]))
+        for sock in socks:
+            acceptor = Acceptor(sock, f"metrics:{self.address}", self._admit, "metrics")
+            self._acceptors.append(acceptor)
+            acceptor.start()
         return self.address
 
     async def stop(self) -> None:
-        server, self._server = self._server, None
-        if server is None:
+        acceptors, self._acceptors = self._acceptors, []
+        if not acceptors:
             return
-        server.close()
+        for acceptor in acceptors:
+            acceptor.close()
         for writer in list(self._writers):
             writer.transport.abort()
         for task in list(self._handlers):  # (those waiting for their turn or for a refresh)
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
-        await server.wait_closed()
         if self._refresh is not None and not self._refresh.done():
             self._refresh.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -359,45 +364,56 @@ class MetricsServer:
         self._refusals.warning(f"metrics {reason}", "action=refuse-connection listener=metrics peer=%s reason=%s",
                                peer, detail)
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        address = writer.get_extra_info("peername")
-        peer = _host(str(address[0])) if isinstance(address, tuple) else str(address)
+    def _admit(self, conn: socket.socket, accepted: Peer) -> bool:
+        """Serve ``conn`` (from the acceptor), or close it at once past a cap; go on accepting either way."""
         limits = self.limits
-        if len(self._writers) >= limits.max_connections:
+        peer = _name(accepted)
+        if self._connections >= limits.max_connections:
             self._refuse("connections", peer, f"over max_metrics_connections ({limits.max_connections})")
-            writer.transport.abort()
-            return
-        if self._open.get(peer, 0) >= limits.max_connections_per_peer:
+            conn.close()
+            return True
+        key = accepted.key
+        if self._open.get(key, 0) >= limits.max_connections_per_peer:
             self._refuse("peer connections", peer,
-                         f"over max_metrics_connections_per_peer ({limits.max_connections_per_peer})")
-            writer.transport.abort()
-            return
-        self._open[peer] = self._open.get(peer, 0) + 1
-        self._writers.add(writer)
-        task = asyncio.current_task()
-        if task is not None:
-            self._handlers.add(task)
-        # (drain() then waits until the whole answer is with the kernel, not just below the usual 64 KiB)
-        writer.transport.set_write_buffer_limits(high=0)
+                         f"{key} holds {self._open[key]}: max_metrics_connections_per_peer "
+                         f"({limits.max_connections_per_peer})")
+            conn.close()
+            return True
+        self._connections += 1
+        self._open[key] = self._open.get(key, 0) + 1
+        task = asyncio.get_running_loop().create_task(self._connection(conn, key, peer))
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+        return True
+
+    async def _connection(self, conn: socket.socket, key: str, peer: str) -> None:
+        writer: asyncio.StreamWriter | None = None
         try:
-            await self._exchange(reader, writer, peer)
+            reader, writer = await asyncio.open_connection(sock=conn, limit=_MAX_HEAD)
+            self._writers.add(writer)
+            # (drain() then waits until the whole answer is with the kernel, not just below the usual 64 KiB)
+            writer.transport.set_write_buffer_limits(high=0)
+            await self._exchange(reader, writer, key, peer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the peer went away
         finally:
-            if task is not None:
-                self._handlers.discard(task)
-            self._writers.discard(writer)
-            self._open[peer] -= 1
-            if not self._open[peer]:
-                del self._open[peer]
-            # One request per connection. An answer the peer did not take in time is dropped (a graceful close
-            # would keep the connection until the peer reads it).
-            if writer.transport.get_write_buffer_size():
-                writer.transport.abort()
+            self._connections -= 1
+            self._open[key] -= 1
+            if not self._open[key]:
+                del self._open[key]
+            if writer is None:
+                conn.close()
             else:
-                writer.close()
+                self._writers.discard(writer)
+                # One request per connection. An answer the peer did not take in time is dropped (a graceful close
+                # would keep the connection until the peer reads it).
+                if writer.transport.get_write_buffer_size():
+                    writer.transport.abort()
+                else:
+                    writer.close()
 
-    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str) -> None:
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer_key: str,
+                        peer: str) -> None:
         timeout = self.limits.request_timeout
         try:
             async with asyncio.timeout(timeout):
@@ -415,9 +431,9 @@ class MetricsServer:
             self._refuse("bad request", peer, "not an HTTP/1 request")
             await self._answer(writer, 400, b"bad request\n")
             return
-        if not await self._turn(peer):
+        if not await self._turn(peer_key):
             self._refuse("rate", peer, "over metrics_requests_per_peer_per_second")
-            await self._answer(writer, 429, b"too many requests from this address\n", extra=[("Retry-After", "1")])
+            await self._answer(writer, 429, b"too many requests from this peer\n", extra=[("Retry-After", "1")])
             return
         method, target = parts[0], parts[1]
         headers = {}
@@ -471,7 +487,8 @@ class MetricsServer:
             self._refuse("timeout", str(writer.get_extra_info("peername")), "did not take its answer in time")
 
     async def _turn(self, peer: str) -> bool:
-        """Wait for this peer's next turn to be answered; False if that is further off than a request may take."""
+        """Wait for this peer's (``Peer.key``) next turn to be answered; False if that is further off than a
+        request may take."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         if len(self._next_turn) > _MAX_PACED_PEERS:  # forget the peers whose turn has come anyway
@@ -507,6 +524,11 @@ class MetricsServer:
 
     async def _take(self) -> _Page:
         return _Page(await self.collector.fresh_snapshot())
+
+
+def _name(peer: Peer) -> str:
+    """A peer as the audit lines name it: its address, and its uid where the kernel names it."""
+    return f"{peer.address}" + (f" uid={peer.uid}" if peer.uid >= 0 else "")
 
 
 _MAX_HEAD = 8192  # bytes of request line and headers; a scrape sends a few hundred

@@ -1,8 +1,13 @@
 """Limits before authentication on the raw listeners (``<socket>.fast``, the link's vsock and TCP ports).
 
 Anyone who can open a socket can hold a connection and make the broker buffer what it sends before it knows who
-is talking. So until a connection has authenticated it is counted, in all and per peer uid (the kernel's
-SO_PEERCRED, which a peer cannot forge), and refused at once past either cap; its first frame (the hello) must
+is talking. So until a connection has authenticated it is counted, per kind of listener (the Unix ``.fast``
+sockets, TCP, vsock: each has ``max_unauthenticated_connections`` of its own, so that peers of one can never take
+the places of another's, the local fast path's least of all) and per peer across them all, and refused at once
+past either cap. A peer is named as every listener of the front names it (``listeners.Peer.key``): by uid on a
+Unix socket (SO_PEERCRED) and on TCP from this host (the uid owning the client's socket: every local user has the
+address 127.0.0.1, and every address of 127.0.0.0/8 is the host's own), by its /24 or /64 on other TCP, by CID on
+vsock; ``max_unauthenticated_per_uid`` caps each. Its first frame (the hello) must
 fit in ``hello_max_bytes`` and arrive within ``hello_timeout_seconds``. Refusals go to the audit log with the
 peer's pid and uid, rate-limited. Authenticated connections that sit idle for ``connection_idle_seconds`` are
 closed by a sweep (a timestamp per frame costs less than a timer per frame).
@@ -48,10 +53,11 @@ class Ticket:
     gate: PreAuthGate
     pid: int
     uid: int
-    # Whose count it is in: the peer's uid on local sockets; on TCP, where every peer's uid is unknown (-1),
-    # its address, so that one remote host's connections cannot use up everyone's share.
-    key: int | str
+    # Whose count it is in (``Peer.key``): a local peer's uid, a remote one's network, so that one host's
+    # connections cannot use up everyone's share; and which listeners' total (``Peer`` kind: unix, tcp, vsock).
+    key: str
     listener: str
+    kind: str
     open: bool = True
     # How the gate may end this connection to make room for a newer one of the same peer (None: never), and the
     # socket it peeks at to tell whether a hello is on its way.
@@ -111,13 +117,14 @@ class Ticket:
 
 
 class PreAuthGate:
-    """Counts unauthenticated connections across every raw listener of the broker."""
+    """Counts unauthenticated connections of every raw listener of the broker: per kind of listener, and per peer
+    across them all."""
 
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
-        self.total = 0
-        self.per_uid: dict[int | str, int] = {}
-        self.tickets: dict[int | str, list[Ticket]] = {}  # open tickets per peer key, oldest first
+        self.totals: dict[str, int] = {}  # by kind of listener (unix, tcp, vsock)
+        self.per_uid: dict[str, int] = {}  # by peer (Peer.key)
+        self.tickets: dict[str, list[Ticket]] = {}  # open tickets per peer key, oldest first
         self.evictions = 0
         self.audit = RateLimitedLog(audit)
         self.refusals = 0
@@ -131,36 +138,41 @@ class PreAuthGate:
         """Seconds a hello may take (the config's schema keeps it above 0)."""
         return self.config.hello_timeout_seconds
 
+    @property
+    def total(self) -> int:
+        """Unauthenticated connections open on every raw listener."""
+        return sum(self.totals.values())
+
     def admit(self, peer: Peer, listener: str) -> Ticket | None:
-        """A ticket for a new connection, or None (audited) when a cap is reached: the caller closes it. A Unix
-        peer is counted by its uid; a TCP peer by its host, a vsock peer by its CID (the per-uid cap applies to
-        each)."""
-        pid, uid = peer.pid, peer.uid
-        address = None if peer.address is None else (
-            f"vsock:{peer.host}" if isinstance(peer.address, VsockAddress) else peer.host)
-        key: int | str = address if address is not None else uid
+        """A ticket for a new connection, or None (audited) when a cap is reached: the caller closes it."""
+        pid, uid, key = peer.pid, peer.uid, peer.key
+        kind = ("unix" if peer.address is None else "vsock" if isinstance(peer.address, VsockAddress) else "tcp")
         cfg = self.config
-        if self.per_uid.get(key, 0) >= cfg.max_unauthenticated_per_uid and not self._evict(key):
-            who = f"address {address}" if address is not None else f"uid {uid}"
-            self.refused(listener, pid, uid, f"{who} has {self.per_uid.get(key, 0)} unauthenticated connections "
+        if self.per_uid.get(key, 0) >= cfg.max_unauthenticated_per_uid and not self._evict(key, None):
+            self.refused(listener, pid, uid, f"{key} has {self.per_uid.get(key, 0)} unauthenticated connections "
                          "open (none idle), the limit")
             return None
-        if self.total >= cfg.max_unauthenticated_connections and not self._evict(None):
-            self.refused(listener, pid, uid, f"{self.total} unauthenticated connections open (none idle), the limit")
+        if self.totals.get(kind, 0) >= cfg.max_unauthenticated_connections and not self._evict(None, kind):
+            self.refused(listener, pid, uid, f"{self.totals.get(kind, 0)} unauthenticated {kind} connections open "
+                         "(none idle), the limit")
             return None
-        self.total += 1
+        self.totals[kind] = self.totals.get(kind, 0) + 1
         self.per_uid[key] = self.per_uid.get(key, 0) + 1
-        ticket = Ticket(self, pid, uid, key, listener)
+        ticket = Ticket(self, pid, uid, key, listener, kind)
         self.tickets.setdefault(key, []).append(ticket)
         return ticket
 
-    def _evict(self, key: int | str | None) -> bool:
-        """Make room by ending the oldest idle connection of ``key`` (None: of the peer holding the most);
-        whether one was ended. A connection whose hello is on its way is never the one."""
-        keys = [key] if key is not None else sorted(self.tickets, key=lambda k: -len(self.tickets[k]))
+    def _evict(self, key: str | None, kind: str | None) -> bool:
+        """Make room by ending the oldest idle connection of ``key`` (None: of the peer holding the most on
+        listeners of ``kind``; None: of any kind); whether one was ended. A connection whose hello is on its way is
+        never the one."""
+        def held(k: str) -> int:
+            return sum(1 for t in self.tickets[k] if kind is None or t.kind == kind)
+
+        keys = [key] if key is not None else sorted(self.tickets, key=lambda k: -held(k))
         for k in keys:
             for ticket in list(self.tickets.get(k, ())):
-                if ticket.idle:
+                if (kind is None or ticket.kind == kind) and ticket.idle:
                     self.evictions += 1
                     evict = ticket.evict
                     ticket.refuse("no hello yet, and a newer connection of this peer needed its place")
@@ -173,7 +185,7 @@ class PreAuthGate:
 
     def _release(self, ticket: Ticket) -> None:
         key = ticket.key
-        self.total -= 1
+        self.totals[ticket.kind] -= 1
         left = self.per_uid.get(key, 1) - 1
         if left > 0:
             self.per_uid[key] = left

@@ -1,9 +1,11 @@
 """The front's one accept loop: every raw listener of the broker (the gRPC gate's Unix and TCP listeners, the
-link's ``<socket>.fast``, vsock and TCP ports, the vsock relay to gRPC) accepts through an `Acceptor`.
+link's ``<socket>.fast``, vsock and TCP ports, the metrics endpoint, the vsock relay to gRPC) accepts through an
+`Acceptor`.
 
 An acceptor takes what its listening socket has queued in batches, then lets the loop serve what it accepted
 before taking more; each connection goes to the listener's ``admit`` with its `Peer` (who is at the other end, in
-the same terms whichever the scheme), which counts it, refuses it or serves it.
+the same terms whichever the scheme, named by `peer_of` for every listener alike: whom each per-peer cap counts
+it against is `Peer.key`), which counts it, refuses it or serves it.
 Out of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM) it stops accepting for a moment, doubling while that
 lasts, rather than spinning on a listener it cannot serve: connections wait in the backlog meanwhile (or the
 kernel refuses them once it is full). A connection that is gone before it was taken (ECONNABORTED, EPROTO, EPERM)
@@ -14,17 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import ipaddress
 import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
+from gpubroker.broker.front._owners import SocketOwners, plain_host
 from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
 from gpubroker.wire.addresses import TcpAddress, VsockAddress
 
-__all__ = ["ACCEPT_BACKOFF", "ACCEPT_BACKOFF_MAX", "ACCEPT_BATCH", "Acceptor", "Admit", "Peer", "out_of_descriptors",
-           "peer_of"]
+__all__ = ["ACCEPT_BACKOFF", "ACCEPT_BACKOFF_MAX", "ACCEPT_BATCH", "Acceptor", "Admit", "Peer", "network_of",
+           "out_of_descriptors", "peer_of", "tcp_listeners"]
 
 log = logging.getLogger("gpubroker.server")
 audit = logging.getLogger("gpubroker.audit")
@@ -43,13 +47,15 @@ _GONE: Final = (errno.ECONNABORTED, errno.EPROTO, errno.EPERM)
 class Peer:
     """Who is at the other end of an accepted connection, as far as the kernel tells: on a Unix socket the peer
     process's pid and uid (SO_PEERCRED, which a peer cannot forge; -1 if unknown) and no address; on TCP and vsock
-    its address (pid and uid -1: a remote peer's are unknown here, a local TCP peer's owner is the gRPC gate's
-    own lookup)."""
+    its address, and on TCP from this host (``local``: loopback, or the host's own address) the uid owning the
+    client's socket (sock_diag: every local process has the address 127.0.0.1; -1 if its socket is gone, or
+    sits in another network namespace). A remote peer's pid and uid are unknown (-1)."""
 
     pid: int
     uid: int
-    address: TcpAddress | VsockAddress | None
+    address: TcpAddress | VsockAddress | None  # (an IPv4 peer of a dual-stack listener: its IPv4 address)
     accepted: Any  # the address as accept() gave it, as audit lines show it
+    local: bool = False
 
     @property
     def host(self) -> str:
@@ -58,15 +64,98 @@ class Peer:
             return self.address.host
         return str(self.address.cid) if self.address is not None else ""
 
+    @property
+    def loopback(self) -> bool:
+        """A TCP peer at a loopback address (127.0.0.0/8, ::1)."""
+        return isinstance(self.address, TcpAddress) and _is_loopback(self.address.host)
 
-def peer_of(conn: socket.socket, accepted: Any) -> Peer:
-    """The `Peer` of ``conn``, which accept() returned with the address ``accepted``."""
+    @property
+    def key(self) -> str:
+        """Whom a connection of this peer is counted against, by every listener's caps alike: ``uid N`` where the
+        kernel names its uid (a Unix socket, TCP from this host), so that one local user is one peer whatever
+        the listener or address (127.0.0.0/8 is all the host's own); a remote TCP peer's network, a /24 (IPv4) or
+        /64 (IPv6), since one host commonly holds a network's worth of addresses; a VM by its CID."""
+        if self.uid >= 0:
+            return f"uid {self.uid}"
+        if isinstance(self.address, VsockAddress):
+            return f"vsock {self.address.cid}"
+        if isinstance(self.address, TcpAddress):
+            return self.address.host if self.local else network_of(self.address.host)
+        return "unix"  # (a Unix peer whose credentials were not told)
+
+
+def network_of(host: str) -> str:
+    """The network a remote peer is counted by: its /24 (IPv4) or /64 (IPv6); a name that is no address, itself."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    return str(ipaddress.ip_network(f"{ip}/{24 if ip.version == 4 else 64}", strict=False))
+
+
+def peer_of(conn: socket.socket, accepted: Any, owners: SocketOwners | None = None) -> Peer:
+    """The `Peer` of ``conn``, which accept() returned with the address ``accepted``: the one naming of peers for
+    every listener. ``owners``: the caller's lookup of local TCP peers' owners (one is made for this call
+    without it)."""
     if conn.family == socket.AF_UNIX:
         pid, uid = peer_credentials(conn)
         return Peer(pid, uid, None, accepted)
     if conn.family == getattr(socket, "AF_VSOCK", None):
         return Peer(-1, -1, VsockAddress(int(accepted[0]), int(accepted[1])), accepted)
-    return Peer(-1, -1, TcpAddress(str(accepted[0]), int(accepted[1])), accepted)
+    host, port = plain_host(str(accepted[0])), int(accepted[1])
+    address = TcpAddress(host, port)
+    if not _is_loopback(host) and host != plain_host(str(conn.getsockname()[0])):
+        return Peer(-1, -1, address, accepted)
+    lookup = owners if owners is not None else SocketOwners()
+    owner: int | None
+    try:
+        owner = lookup.of(conn, (host, port))
+    except OSError as exc:  # (neither sock_diag nor /proc/net/tcp answers: counted by its address)
+        _audit.warning("peer owner", "cannot tell who owns the local TCP peer %s: %s", address, exc.strerror or exc)
+        owner = None
+    finally:
+        if owners is None:
+            lookup.close()
+    return Peer(-1, -1 if owner is None else owner, address, accepted, local=True)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def tcp_listeners(host: str, port: int, backlog: int) -> list[socket.socket]:
+    """Listening sockets on every address ``host`` resolves to, on one port (0: the one the kernel picks for the
+    first), non-blocking; socket.gaierror if ``host`` resolves to nothing, OSError if an address cannot be bound
+    (but a second one that does not exist here: a host without IPv6, say)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    addresses = list(dict.fromkeys((family, sockaddr[:2]) for family, _t, _p, _c, sockaddr in infos))
+    socks: list[socket.socket] = []
+    try:
+        for family, (ip, _port) in addresses:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                # One IPv6 address alone (``[::]``) serves IPv4 too, as gRPC's listener did.
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(len(addresses) > 1))
+            try:
+                sock.bind((ip, port))
+            except OSError as exc:
+                if socks[0] is not sock and exc.errno == errno.EADDRNOTAVAIL:
+                    socks.pop().close()  # (a host without IPv6, say: the first address is served)
+                    continue
+                raise
+            port = sock.getsockname()[1]  # (the others take the port the kernel gave the first)
+            sock.listen(backlog)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
 
 
 # (the accepted socket, its peer) -> whether to go on accepting now (False: the admitter ran out of descriptors
@@ -94,6 +183,8 @@ class Acceptor:
         self.backoff = 0.0
         self.closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Who owns local TCP peers' sockets: the acceptor's own lookup (its netlink socket is used on its loop only).
+        self._owners = SocketOwners() if sock.family in (socket.AF_INET, socket.AF_INET6) else None
         sock.setblocking(False)
 
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -109,6 +200,8 @@ class Acceptor:
         if self._loop is not None and self.sock.fileno() >= 0:
             self._loop.remove_reader(self.sock.fileno())
         self.sock.close()
+        if self._owners is not None:
+            self._owners.close()
 
     def back_off(self, exc: OSError) -> None:
         """Out of descriptors (or memory): accept nothing for a moment; connections wait in the backlog."""
@@ -144,7 +237,7 @@ class Acceptor:
             self.backoff = 0.0
             try:
                 conn.setblocking(False)  # (as asyncio's sock_accept leaves it: every admitter serves it on a loop)
-                if not self._admit(conn, peer_of(conn, address)):
+                if not self._admit(conn, peer_of(conn, address, self._owners)):
                     return
             except Exception as exc:  # one connection's failure must not stop the listener
                 conn.close()

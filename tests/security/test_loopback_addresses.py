@@ -1,0 +1,149 @@
+"""Every address of 127.0.0.0/8 is the host's own: a local user binding 127.0.0.2 .. 127.0.0.5 is still one peer,
+on the link's TCP port and on the metrics endpoint, and no TCP peer can take the places of the ``.fast`` sockets.
+
+(The holes, found at the end of issue 21. The pre-authentication caps counted a TCP link connection by its source
+address, with one total (``max_unauthenticated_connections``, 256) across every raw listener, ``.fast`` included: a
+local user without a token holding 64 silent connections (``max_unauthenticated_per_uid``) from each of 4 loopback
+addresses held all 256 places, and every tenant's ``.fast`` link failed ("the broker's unix link did not answer its
+hello"): 0 of 10. The metrics endpoint counted ``max_metrics_connections_per_peer`` (4) by address too: 4 silent
+connections from each of 4 addresses held ``max_metrics_connections`` (16), and every scrape was refused: 0 of 10.
+Remotely, 4 IPv4 addresses or one IPv6 /64 did the same. Now every listener names its peers alike
+(``listeners.peer_of``): a TCP peer on this host by the uid owning its socket (sock_diag), a remote one by its /24 or
+/64; and each kind of raw listener (Unix, TCP, vsock) has a total of its own.)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import textwrap
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.client import GpuBrokerError, connect
+from gpubroker.wire.frames import pack_frame
+
+CALLS = 10
+HOLDER_UID = 65533  # another local user, without a token
+SOURCES = "127.0.0.2,127.0.0.3,127.0.0.4,127.0.0.5"
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local endpoint: never via a proxy
+
+# Holds N silent connections from each source address to HOST:PORT, reopening each one the broker closes.
+HOLDER = textwrap.dedent("""
+    import selectors, socket, sys
+    host, port, n, sources = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
+    sel = selectors.DefaultSelector()
+    def open_one(src):
+        s = socket.socket()
+        s.bind((src, 0))
+        try:
+            s.connect((host, port))
+        except OSError:
+            s.close()
+            return
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ, src)
+    for src in sources:
+        for _ in range(n):
+            open_one(src)
+    print("holding", flush=True)
+    while True:
+        for key, _ in sel.select(0.05):
+            try:
+                data = key.fileobj.recv(4096)
+            except OSError:
+                data = b""
+            if not data:
+                sel.unregister(key.fileobj)
+                key.fileobj.close()
+                open_one(key.data)
+""")
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the holder as another uid")
+    tmp = tmp_path_factory.mktemp("loopback-addresses")
+    settings = {"cache_dir": str(tmp / "caches"), "link_listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0"}
+    with BrokerProcess([TenantSpec("alice")], backend="opencl", settings=settings) as proc:
+        yield proc
+
+
+@contextmanager
+def holding(host: str, port: int, per_source: int) -> Iterator[None]:
+    """Another local user holding ``per_source`` silent connections to HOST:PORT from each of 4 loopback
+    addresses (their connects all returned: they are in the listener's queue or accepted)."""
+    def drop() -> None:
+        os.setgid(HOLDER_UID)
+        os.setuid(HOLDER_UID)
+
+    holder = subprocess.Popen(["/usr/bin/python3", "-I", "-c", HOLDER, host, str(port), str(per_source), SOURCES],
+                              stdout=subprocess.PIPE, text=True, preexec_fn=drop)
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "holding"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def links_ok(broker: BrokerProcess) -> tuple[int, list[str]]:
+    ok, errors = 0, []
+    for _ in range(CALLS):
+        try:
+            with connect(broker.target, token=broker.tokens["alice"], timeout=10, transport="link") as gpu:
+                gpu.free_memory(gpu.allocate_memory(4096))
+                ok += 1
+        except GpuBrokerError as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        time.sleep(0.2)  # (paced, so that the calls span the holder's reconnections)
+    return ok, errors
+
+
+def test_silent_tcp_link_connections_cannot_refuse_the_tenants_unix_links(broker: BrokerProcess) -> None:
+    assert links_ok(broker)[0] == CALLS
+    with holding("127.0.0.1", broker.link_port, 64):  # 4 x max_unauthenticated_per_uid (64): the old total
+        # One more connection, after the holder's in the listener's queue: once it is answered (a malformed hello
+        # is), or refused, the front has accepted every one of the holder's.
+        with socket.create_connection(("127.0.0.1", broker.link_port), timeout=10) as probe:
+            probe.sendall(pack_frame([1]))
+            try:
+                probe.recv(1)
+            except ConnectionResetError:
+                pass
+        ok, errors = links_ok(broker)
+    print(f"\nwith uid {HOLDER_UID} holding 4 x 64 silent TCP link connections, alice's unix links: {ok} of {CALLS}; "
+          f"{errors[:1]}")
+    assert ok == CALLS, (f"another local user's silent TCP connections to link_listen made {CALLS - ok} of {CALLS} "
+                         f"of alice's .fast links fail: {errors[:1]}")
+
+
+def scrapes_ok(broker: BrokerProcess) -> int:
+    ok = 0
+    for _ in range(CALLS):
+        try:
+            with _HTTP.open(broker.metrics_url, timeout=10) as answer:
+                ok += answer.status == 200
+        except OSError:
+            pass
+        time.sleep(0.2)  # (paced, so that the scrapes span the holder's reconnections)
+    return ok
+
+
+def test_one_local_user_cannot_refuse_every_scrape(broker: BrokerProcess) -> None:
+    assert scrapes_ok(broker) == CALLS
+    host, port = broker.metrics.rsplit(":", 1)
+    # 4 x max_metrics_connections_per_peer (4): max_metrics_connections. (The first scrape comes after the holder's
+    # connections in the listener's queue: it sees every one of them accepted.)
+    with holding(host, int(port), 4):
+        ok = scrapes_ok(broker)
+    print(f"\nwith uid {HOLDER_UID} holding 4 x 4 silent connections from 127.0.0.2-5: {ok} of {CALLS} scrapes")
+    assert ok == CALLS, f"another local user's silent connections refused {CALLS - ok} of {CALLS} scrapes"
