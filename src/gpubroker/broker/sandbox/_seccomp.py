@@ -14,8 +14,8 @@ from __future__ import annotations
 import errno
 from typing import Any
 
-__all__ = ["DENIED", "HOST_USER_COUNTS", "NEW_SOCKETS", "PRIORITY_CALLS", "PROCESS_CREATION", "SIGNALS_TO_PID",
-           "SOCKETS_ENV", "UNCOUNTED_MEMORY", "build_filter", "refuse_new_sockets"]
+__all__ = ["DENIED", "HOST_USER_COUNTS", "HOST_WIDE_COUNTS", "NEW_SOCKETS", "PRIORITY_CALLS", "PROCESS_CREATION",
+           "SIGNALS_TO_PID", "SOCKETS_ENV", "UNCOUNTED_MEMORY", "build_filter", "refuse_new_sockets"]
 
 # Refused outright: other processes' memory, mounts and namespaces, kernel interfaces a worker has no use for.
 DENIED = (
@@ -43,7 +43,14 @@ CLONE_VFORK = 0x00004000
 # whether mapped or not): memfd_create (the front passes the worker the memfds it shares; the worker makes none),
 # memfd_secret, and System V shared memory, message queues and semaphores (the worker's own IPC namespace keeps
 # them from other processes, but not from the host's memory).
-UNCOUNTED_MEMORY = ("memfd_create", "memfd_secret", "shmget", "msgget", "semget")
+# And pages pinned in pipes: vmsplice puts a reference to the worker's own page into a pipe, which keeps it past
+# munmap (with transparent huge pages, one byte keeps 2 MiB: 1,536 bytes held 3 GiB past a 1 GiB limit); the pipe
+# count bounds slots, not what is behind them. splice and tee move such references between pipes and files.
+UNCOUNTED_MEMORY = ("memfd_create", "memfd_secret", "shmget", "msgget", "semget", "vmsplice", "splice", "tee")
+# Native AIO: every io_setup reserves events against fs.aio-max-nr, one count for the whole host (16 calls took
+# all 65,536: every other process's io_setup failed). Neither PoCL nor CUDA's runtime uses it; io_uring is refused
+# with the kernel interfaces above.
+HOST_WIDE_COUNTS = ("io_setup", "io_submit", "io_cancel", "io_getevents", "io_pgetevents", "io_destroy")
 # Counted per user on the host, not per worker: the kernel charges a user namespace's inotify instances and POSIX
 # message queues to its creator's uid as well (the broker's user, host-wide: root's, for a root broker), so one
 # worker could take every one of them from the host. And epoll: its watches count against
@@ -88,7 +95,7 @@ def build_filter(allow_spawn: bool = False) -> Any:
     f = seccomp.SyscallFilter(seccomp.ALLOW)
     # A syscall of another ABI (x86's int 0x80, x32) would dodge the rules below: kill the process instead.
     f.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
-    for name in (*DENIED, *PROCESS_CREATION, *UNCOUNTED_MEMORY, *HOST_USER_COUNTS):
+    for name in (*DENIED, *PROCESS_CREATION, *UNCOUNTED_MEMORY, *HOST_USER_COUNTS, *HOST_WIDE_COUNTS):
         _rule(seccomp, f, deny, name)
     for name in SIGNALS_TO_PID:
         _rule(seccomp, f, deny, name, seccomp.Arg(0, seccomp.NE, SELF))
