@@ -16,7 +16,10 @@ import pytest
 from gpubroker.client import DeadlineExceeded, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from gpubroker.client._transports import (
     BatchingTransport,
+    Carrier,
+    FramedSocket,
     GrpcStream,
+    RingUpgrade,
     _core,
     choose_transport,
     framed_link,
@@ -327,4 +330,20 @@ def test_a_batch_over_the_frame_limit_goes_as_several_and_a_command_over_it_is_r
     with pytest.raises(InvalidArgument, match=r"command 257 \(Launch\) is \d+ bytes encoded, more than the"):
         t.wait()
     t.call(Synchronize())  # the link is fine
+    t.close()
+
+
+def test_one_batching_core_composes_each_carrier() -> None:
+    """Each medium is a carrier the one core owns (issue 22): nothing subclasses the core, and every carrier has
+    what the core calls."""
+    assert BatchingTransport.__subclasses__() == []
+    members = {name for name in vars(Carrier) if not name.startswith("_")}
+    assert members == {"kind", "max_data", "codec", "open", "send", "receive", "shut", "hung_up", "why_lost"}
+    for carrier in (FramedSocket, RingUpgrade, GrpcStream):
+        missing = {name for name in members - set(dir(carrier))
+                   if name not in ("kind", "max_data", "codec")}  # (set per instance, or class attributes)
+        assert not missing, f"{carrier.__name__} lacks {missing}"
+    peer = Peer(ok)
+    t = link([peer])
+    assert isinstance(t.carrier, FramedSocket) and t.kind == "unix" and t.stripes is None
     t.close()

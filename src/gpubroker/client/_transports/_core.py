@@ -45,7 +45,8 @@ class Transport(Protocol):
 
     @property
     def kind(self) -> str:
-        """"ring" (same host, shared memory), "unix", "tcp", "vsock" (a framed link) or "grpc"."""
+        """What carries the commands: "ring" (same host, shared memory), "unix", "tcp", "vsock" (a framed link)
+        or "grpc"."""
         ...
 
     @property
