@@ -14,7 +14,17 @@ from typing import Any
 import pytest
 
 from gpubroker.client import DeadlineExceeded, InvalidArgument, NotFound, Unauthenticated, Unavailable
-from gpubroker.client._transports import FramedLink, GrpcCommands, _core, choose_transport, split_host_port
+from gpubroker.client._transports import (
+    BatchingTransport,
+    Carrier,
+    FramedSocket,
+    GrpcStream,
+    RingUpgrade,
+    _core,
+    choose_transport,
+    framed_link,
+    split_host_port,
+)
 from gpubroker.wire.commands import (
     Ack,
     Batch,
@@ -72,14 +82,14 @@ def ok(batch: Batch) -> Ack:
     return Ack(batch.id, len(batch.commands), None, b"\x07" * last.size if isinstance(last, Read) else None)
 
 
-def link(peers: list[Peer], timeout: float | None = 10, **kwargs: Any) -> FramedLink:
+def link(peers: list[Peer], timeout: float | None = 10, **kwargs: Any) -> BatchingTransport:
     """A link whose every (re)connection is the next peer's socket; none left: refused."""
     def connect(_timeout: float | None) -> socket.socket:
         if not peers:
             raise ConnectionRefusedError("no broker here")
         return peers.pop(0).client
 
-    return FramedLink(connect, "gpb_x_y", "ses_1", kind="unix", timeout=timeout, **kwargs)
+    return framed_link(connect, "gpb_x_y", "ses_1", kind="unix", timeout=timeout, **kwargs)
 
 
 def launch(name: str = "k1") -> Launch:
@@ -273,7 +283,8 @@ def test_auto_falls_back_to_grpc_where_no_link_answers_and_link_says_why(no_brok
     options: dict[str, Any] = dict(tls=None, token="gpb_x_y", session="ses_1", link_port=0, link_vsock_port=0,
                                    vsock=False, stub=no_broker, metadata=(), timeout=5, max_data=1 << 20)
     target = f"unix:{tmp_path}/gpubroker.sock"  # no "<socket>.fast" there
-    assert isinstance(choose_transport("auto", target=target, **options), GrpcCommands)
+    chosen = choose_transport("auto", target=target, **options)
+    assert isinstance(chosen, BatchingTransport) and isinstance(chosen.carrier, GrpcStream)
     assert choose_transport("grpc", target=target, **options).kind == "grpc"
     with pytest.raises(Unavailable, match=r"no link to the broker's worker: unix: no unix link"):
         choose_transport("link", target=target, **options)
@@ -319,4 +330,20 @@ def test_a_batch_over_the_frame_limit_goes_as_several_and_a_command_over_it_is_r
     with pytest.raises(InvalidArgument, match=r"command 257 \(Launch\) is \d+ bytes encoded, more than the"):
         t.wait()
     t.call(Synchronize())  # the link is fine
+    t.close()
+
+
+def test_one_batching_core_composes_each_carrier() -> None:
+    """Each medium is a carrier the one core owns (issue 22): nothing subclasses the core, and every carrier has
+    what the core calls."""
+    assert BatchingTransport.__subclasses__() == []
+    members = {name for name in vars(Carrier) if not name.startswith("_")}
+    assert members == {"kind", "max_data", "codec", "open", "send", "receive", "shut", "hung_up", "why_lost"}
+    for carrier in (FramedSocket, RingUpgrade, GrpcStream):
+        missing = {name for name in members - set(dir(carrier))
+                   if name not in ("kind", "max_data", "codec")}  # (set per instance, or class attributes)
+        assert not missing, f"{carrier.__name__} lacks {missing}"
+    peer = Peer(ok)
+    t = link([peer])
+    assert isinstance(t.carrier, FramedSocket) and t.kind == "unix" and t.stripes is None
     t.close()

@@ -81,10 +81,10 @@ def test_a_chain_of_allocations_launches_and_frees_never_waits_for_a_round_trip(
         gpu: RemoteGpu, monkeypatch: pytest.MonkeyPatch) -> None:
     kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "scale_inplace")
     gpu.synchronize()
-    transport = gpu.transport
+    carrier = gpu.transport.carrier  # type: ignore[attr-defined]
     acks: list[object] = []
-    receive = transport._receive  # type: ignore[attr-defined]
-    monkeypatch.setattr(transport, "_receive", lambda timeout: (acks.append(1), receive(timeout))[1])
+    receive = carrier.receive
+    monkeypatch.setattr(carrier, "receive", lambda timeout, in_flight: (acks.append(1), receive(timeout, in_flight))[1])
     stream = gpu.create_stream()
     buf = gpu.allocate_memory(64 * 4)  # handles are the client's: usable before the broker has seen them
     gpu.memset(buf, 0, stream=stream)

@@ -10,7 +10,7 @@ import pytest
 
 from gpubroker.broker.worker._executor import _RAW_READS
 from gpubroker.client import InvalidArgument, OutOfRange, RemoteGpu
-from gpubroker.client._transports._link import FramedLink
+from gpubroker.client._transports import BatchingTransport, FramedSocket, framed_link
 from gpubroker.wire.commands import Read, Write
 
 from ..conftest import OpenGpu
@@ -49,7 +49,7 @@ def _round_trip(gpu: RemoteGpu, data: np.ndarray, offset: int) -> np.ndarray:
 def test_copies_over_tcp_are_byte_identical_with_and_without_lz4(open_gpu: OpenGpu, compress: str | None) -> None:
     with open_gpu("alice", "tcp-tls", compress=compress, chunk_bytes=CHUNK) as gpu:
         link = gpu.transport
-        assert isinstance(link, FramedLink) and link.codec == (compress or "")
+        assert isinstance(link, BatchingTransport) and link.codec == (compress or "")
         size = 3 * CHUNK + 4321
         for name, data in _datasets(size).items():
             for offset in (0, 7, CHUNK - 1):
@@ -78,9 +78,9 @@ def test_copies_over_tcp_are_byte_identical_with_and_without_lz4(open_gpu: OpenG
 
 def test_auto_takes_lz4_on_tcp_only(open_gpu: OpenGpu) -> None:
     with open_gpu("alice", "tcp-tls") as gpu:  # (compress="auto", the default)
-        assert isinstance(gpu.transport, FramedLink) and gpu.transport.codec == "lz4"
+        assert isinstance(gpu.transport, BatchingTransport) and gpu.transport.codec == "lz4"
     with open_gpu("alice", "link") as gpu:  # the same host: bytes move faster than lz4 packs them
-        assert isinstance(gpu.transport, FramedLink) and gpu.transport.codec == ""
+        assert isinstance(gpu.transport, BatchingTransport) and gpu.transport.codec == ""
 
 
 def test_compressed_writes_that_lie_are_refused_and_the_link_lives_on(open_gpu: OpenGpu) -> None:
@@ -114,8 +114,8 @@ def test_compressed_writes_that_lie_are_refused_and_the_link_lives_on(open_gpu: 
 def test_an_unknown_codec_is_not_negotiated(open_gpu: OpenGpu) -> None:
     with open_gpu("alice", "tcp-tls", compress=None) as gpu:
         link = gpu.transport
-        assert isinstance(link, FramedLink)
-        other = FramedLink(link._connect, gpu._token, gpu.session, kind="tcp", timeout=30, compress="zstd")
+        assert isinstance(link, BatchingTransport) and isinstance(link.carrier, FramedSocket)
+        other = framed_link(link.carrier._connect, gpu._token, gpu.session, kind="tcp", timeout=30, compress="zstd")
         try:
             assert other.codec == ""  # the worker answered the hello naming no codec
             buf = gpu.allocate_memory(4096)

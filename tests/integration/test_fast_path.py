@@ -26,7 +26,7 @@ from gpubroker.client import (
     Unavailable,
     connect,
 )
-from gpubroker.client._transports import FramedLink, unix_connector
+from gpubroker.client._transports import BatchingTransport, framed_link, unix_connector
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.wire.commands import Batch, Synchronize, decode_ack, encode
 from gpubroker.wire.frames import recv_payload, send_frame, send_payload
@@ -35,9 +35,9 @@ from gpubroker.wire.worker import MAX_LINKS_PER_SESSION
 from ..conftest import TENANTS
 
 
-def _link(broker: BrokerProcess, token: str, session: str) -> FramedLink:
+def _link(broker: BrokerProcess, token: str, session: str) -> BatchingTransport:
     path = broker.target.removeprefix("unix:") + ".fast"
-    return FramedLink(unix_connector(path), token, session, kind="unix", timeout=10)
+    return framed_link(unix_connector(path), token, session, kind="unix", timeout=10)
 
 
 # "auto" takes the shared-memory ring on the same host; "link" the plain Unix link.

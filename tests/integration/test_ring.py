@@ -24,7 +24,7 @@ import pytest
 from gpubroker.broker import samples
 from gpubroker.broker.launcher import BrokerProcess
 from gpubroker.client import InvalidArgument, RemoteGpu, Unavailable, WorkerCrashed, connect
-from gpubroker.client._transports import Lost, RingTransport, unix_connector
+from gpubroker.client._transports import BatchingTransport, Lost, RingUpgrade, ring_transport, unix_connector
 from gpubroker.wire.commands import Batch, Synchronize, decode_ack, encode
 from gpubroker.wire.frames import pack_frame, recv_payload, send_frame, send_payload, unpack_frame
 from gpubroker.wire.ring import (
@@ -64,8 +64,14 @@ def _fast(broker: BrokerProcess) -> str:
     return broker.target.removeprefix("unix:") + ".fast"
 
 
-def _ring(broker: BrokerProcess, session: str) -> RingTransport:
-    return RingTransport(unix_connector(_fast(broker)), broker.tokens["alice"], session, timeout=10, fallback=False)
+def _ring(broker: BrokerProcess, session: str) -> BatchingTransport:
+    return ring_transport(unix_connector(_fast(broker)), broker.tokens["alice"], session, timeout=10, fallback=False)
+
+
+def _carrier(t: BatchingTransport) -> RingUpgrade:
+    """The ring under a transport, to be tampered with as a hostile client would."""
+    assert isinstance(t.carrier, RingUpgrade)
+    return t.carrier
 
 
 def _still_serves(broker: BrokerProcess, gpu: RemoteGpu, pid: int) -> None:
@@ -77,11 +83,12 @@ def _still_serves(broker: BrokerProcess, gpu: RemoteGpu, pid: int) -> None:
     assert worker_pids(broker, "alice") == [pid]
 
 
-def _publish(t: RingTransport, head: int, record: bytes = b"") -> None:
+def _publish(t: BatchingTransport, head: int, record: bytes = b"") -> None:
     """Write ``record`` at the command ring's start and claim ``head`` bytes published, as a hostile client may."""
-    assert t._mm is not None and t._words is not None
-    t._mm[RING_DATA:RING_DATA + len(record)] = record
-    t._words[CMD_HEAD] = head
+    r = _carrier(t)
+    assert r._mm is not None and r._words is not None
+    r._mm[RING_DATA:RING_DATA + len(record)] = record
+    r._words[CMD_HEAD] = head
 
 
 # What a hostile client may write into a fresh command ring: (head, record).
@@ -99,13 +106,14 @@ def test_a_broken_command_ring_is_refused_with_id_0_and_closed(ring_broker: Brok
                                                                 how: str) -> None:
     (pid,) = worker_pids(ring_broker, "alice")
     t = _ring(ring_broker, gpu.session)
-    assert t._bell is not None and t._sock is not None
+    r = _carrier(t)
+    assert r._bell is not None and r.link.sock is not None
     _publish(t, *_BAD_COMMANDS[how])
-    ring_bell(t._bell)
-    ack = decode_ack(t._receive(10))
+    ring_bell(r._bell)
+    ack = decode_ack(r.receive(10, 1))
     assert ack.id == 0 and ack.error is not None and ack.error.code == "INVALID_ARGUMENT"
     assert ("malformed batch" if "no batch" in how else "broken ring") in ack.error.message
-    assert t._sock.recv(1) == b""  # then the link (and with it the ring) is closed
+    assert r.link.sock.recv(1) == b""  # then the link (and with it the ring) is closed
     t.close()
     _still_serves(ring_broker, gpu, pid)
 
@@ -116,17 +124,19 @@ def test_an_impossible_ack_index_or_a_shut_doorbell_drops_the_ring(ring_broker: 
     end of the doorbell), it drops the ring: its link closes, and the client sees a lost link."""
     (pid,) = worker_pids(ring_broker, "alice")
     t = _ring(ring_broker, gpu.session)
-    assert t._words is not None and t._sock is not None
-    t._words[ACK_TAIL] = 1 << 40
+    r = _carrier(t)
+    assert r._words is not None and r.link.sock is not None
+    r._words[ACK_TAIL] = 1 << 40
     with pytest.raises(Unavailable, match="lost"):
         t.call(Synchronize())
     t.close()
     t = _ring(ring_broker, gpu.session)
-    assert t._bell is not None and t._sock is not None and t._commands is not None
-    t._bell.shutdown(socket.SHUT_RD)  # the worker's ring of it fails (EPIPE): no ack could wake this client
-    assert t._commands.put(encode(Batch(1, 1, [Synchronize()])))
-    ring_bell(t._bell)
-    assert t._sock.recv(1) == b""  # the worker closed the link, and with it the ring
+    r = _carrier(t)
+    assert r._bell is not None and r.link.sock is not None and r._commands is not None
+    r._bell.shutdown(socket.SHUT_RD)  # the worker's ring of it fails (EPIPE): no ack could wake this client
+    assert r._commands.put(encode(Batch(1, 1, [Synchronize()])))
+    ring_bell(r._bell)
+    assert r.link.sock.recv(1) == b""  # the worker closed the link, and with it the ring
     t.close()
     _still_serves(ring_broker, gpu, pid)
 
@@ -379,16 +389,17 @@ def test_random_corruption_of_the_command_ring_is_answered_or_dropped(ring_broke
     base = bytearray(encode(Batch(1, 1, [Synchronize()])))
     for _ in range(40):
         t = _ring(ring_broker, gpu.session)
-        assert t._bell is not None
+        r = _carrier(t)
+        assert r._bell is not None
         record = bytearray(base)
         for at in rng.integers(0, len(record), int(rng.integers(1, 4))):
             record[at] = int(rng.integers(0, 256))
         length = len(record) if rng.random() < 0.7 else int(rng.integers(0, 1 << 32))
         head = 4 + len(record) + (0 if rng.random() < 0.7 else int(rng.integers(-4 - len(record) + 1, 1 << 20)))
         _publish(t, head, length.to_bytes(4, "little") + bytes(record))
-        ring_bell(t._bell)
+        ring_bell(r._bell)
         try:
-            decode_ack(t._receive(10))  # an answer (a refusal, or the batch's own ack)
+            decode_ack(r.receive(10, 1))  # an answer (a refusal, or the batch's own ack)
         except Lost:
             pass  # or the ring closed
         t.close()

@@ -12,7 +12,8 @@ from gpubroker.broker.certs import init_certs
 from gpubroker.broker.config import TlsConfig
 from gpubroker.broker.launcher import BrokerProcess
 from gpubroker.client import NotFound, TlsOptions, connect
-from gpubroker.client._transports._link import STRIPE_MIN, TCP_STRIPES, FramedLink
+from gpubroker.client._transports import BatchingTransport
+from gpubroker.client._transports._link import STRIPE_MIN, TCP_STRIPES
 from gpubroker.wire.commands import Batch, Write, encode
 
 from ..conftest import TENANTS
@@ -34,8 +35,8 @@ def test_a_large_copy_is_striped_in_program_order(tls_broker: tuple[BrokerProces
     data = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
     with connect(broker.tcp_target, token=broker.tokens["alice"], tls=tls, async_commands=True) as gpu:
         link = gpu.transport
-        assert isinstance(link, FramedLink) and link.kind == "tcp"
-        link.stripes = TCP_STRIPES  # (what a host of 8 cores or more takes; this one may have fewer)
+        assert isinstance(link, BatchingTransport) and link.kind == "tcp" and link.stripes is not None
+        link.stripes.count = TCP_STRIPES  # (what a host of 8 cores or more takes; this one may have fewer)
         buf = gpu.allocate_memory(size + 4096)
         gpu.memset(buf, 7)  # queued: must have run before the copy's chunks land
         gpu.copy_h2d(data, buf, offset=4096)
@@ -52,8 +53,8 @@ def test_a_striped_copy_raises_its_error_and_the_link_goes_on(tls_broker: tuple[
     broker, tls = tls_broker
     size = STRIPE_MIN
     with connect(broker.tcp_target, token=broker.tokens["alice"], tls=tls, async_commands=True) as gpu:
-        assert isinstance(gpu.transport, FramedLink)
-        gpu.transport.stripes = TCP_STRIPES
+        assert isinstance(gpu.transport, BatchingTransport) and gpu.transport.stripes is not None
+        gpu.transport.stripes.count = TCP_STRIPES
         gone = gpu.allocate_memory(size)
         gpu.free_memory(gone)  # queued: the copy's chunks come after it
         with pytest.raises(NotFound, match="buf"):
@@ -76,7 +77,7 @@ def test_a_frame_that_ends_on_a_full_tls_record_is_relayed(tls_broker: tuple[Bro
     # (a frame held for good would fail its ack's wait: DeadlineExceeded)
     with connect(broker.tcp_target, token=broker.tokens["alice"], tls=tls, timeout=30) as gpu:
         link = gpu.transport
-        assert isinstance(link, FramedLink) and link.kind == "tcp"
+        assert isinstance(link, BatchingTransport) and link.kind == "tcp"
         buf = gpu.allocate_memory(1 << 20)
         gpu.synchronize()
         record, header = 16 * 1024, 4

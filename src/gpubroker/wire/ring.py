@@ -1,6 +1,6 @@
 """The ring's shared layout, both sides': byte rings in one sealed memfd and a socket doorbell each way.
 
-The client's RingTransport (``gpubroker/client/_transports/_ring.py``, whose docstring tells the protocol) and the
+The client's ring carrier (``gpubroker/client/_transports/_ring.py``, whose docstring tells the protocol) and the
 worker's WorkerRing (``gpubroker/broker/worker/_ring.py``) map the same memfd through ``ByteRing``: where the
 indices live, how a record is laid out, how long each side spins and how a doorbell rings are defined here once.
 """

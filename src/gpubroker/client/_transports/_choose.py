@@ -9,16 +9,16 @@ from typing import Final
 
 from gpubroker.client._tls import TlsOptions
 from gpubroker.client._transports._core import Transport
-from gpubroker.client._transports._grpc import GrpcCommands
+from gpubroker.client._transports._grpc import grpc_commands
 from gpubroker.client._transports._link import (
     VMADDR_CID_HOST,
     Connector,
-    FramedLink,
+    framed_link,
     tcp_connector,
     unix_connector,
     vsock_connector,
 )
-from gpubroker.client._transports._ring import RingTransport
+from gpubroker.client._transports._ring import ring_transport
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 from gpubroker.wire.addresses import AddressError, parse_host_port, unix_path
 from gpubroker.wire.commands import CODECS
@@ -67,7 +67,7 @@ def choose_transport(preference: str, *, target: str, tls: TlsOptions | None, to
     if compress not in (None, "auto", *CODECS):
         raise InvalidArgument(f"compress must be None, 'auto' or one of {', '.join(CODECS)}, got {compress!r}")
     if preference == "grpc":
-        return GrpcCommands(stub, metadata, session, max_data=max_data, timeout=timeout)
+        return grpc_commands(stub, metadata, session, max_data=max_data, timeout=timeout)
     path = unix_path(target)
     unix = path is not None
     if preference == "ring" and not unix:
@@ -85,13 +85,13 @@ def choose_transport(preference: str, *, target: str, tls: TlsOptions | None, to
     for kind, connect in candidates():
         try:
             if kind == "unix" and preference != "link":  # the same host: a ring where the worker takes one
-                return RingTransport(connect, token, session, timeout=timeout, fallback=preference == "auto")
+                return ring_transport(connect, token, session, timeout=timeout, fallback=preference == "auto")
             codec = ("lz4" if kind in ("tcp", "vsock") else "") if compress == "auto" else compress or ""
-            return FramedLink(connect, token, session, kind=kind, timeout=timeout, compress=codec)
+            return framed_link(connect, token, session, kind=kind, timeout=timeout, compress=codec)
         except GpuBrokerError as exc:
             failures.append(f"{kind}: {exc.message}")
     if preference in ("link", "ring"):
         raise Unavailable("no link to the broker's worker: " + ("; ".join(failures) or "the broker offers none"))
     if failures:
         log.debug("no link to the broker's worker (%s); commands go by gRPC", "; ".join(failures))
-    return GrpcCommands(stub, metadata, session, max_data=max_data, timeout=timeout)
+    return grpc_commands(stub, metadata, session, max_data=max_data, timeout=timeout)

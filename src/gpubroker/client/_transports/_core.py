@@ -1,6 +1,8 @@
 """The one batching core behind every client transport: pending commands, sequence numbers, the window, the
-error kept for the next sync. A transport only opens a connection, sends encoded batches and receives encoded
-acks (``_open``, ``_send``, ``_receive``, ``_shut``); everything else is here, the same on every transport."""
+error kept for the next sync. ``BatchingTransport`` owns a ``Carrier``, which only opens a connection, sends
+encoded batches and receives encoded acks on one medium (``_grpc.py``, ``_link.py``, ``_ring.py``); everything
+else is here, the same on every transport. Striping large copies over further connections of the session is
+something a transport is given (``Stripes``), not something a carrier does."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from gpubroker.wire.errors import (
     error_from_wire,
 )
 
-__all__ = ["ENVELOPE", "BatchingTransport", "Lost", "Transport", "command_error", "read_into"]
+__all__ = ["ENVELOPE", "BatchingTransport", "Carrier", "Lost", "Stripes", "Transport", "command_error",
+           "read_into"]
 
 # What a frame may carry beyond its copy data (the contract's max frame is chunk_bytes + this).
 ENVELOPE: Final = 64 * 1024
@@ -40,8 +43,16 @@ _QUIET: Final = 1.0
 class Transport(Protocol):
     """How RemoteGpu's device commands reach the worker, in program order, on one connection."""
 
-    kind: str  # "ring" (same host, shared memory), "unix", "tcp", "vsock" (a framed link) or "grpc"
-    max_data: int  # the largest Write or Read chunk one command may carry
+    @property
+    def kind(self) -> str:
+        """What carries the commands: "ring" (same host, shared memory), "unix", "tcp", "vsock" (a framed link)
+        or "grpc"."""
+        ...
+
+    @property
+    def max_data(self) -> int:
+        """The largest Write or Read chunk one command may carry."""
+        ...
 
     def call(self, command: Command) -> Any:
         """Send what is queued plus ``command`` as one batch and wait for its ack (one round trip); return the
@@ -84,6 +95,65 @@ class Lost(Exception):
         self.reason = reason
 
 
+class Carrier(Protocol):
+    """One connection's medium under a BatchingTransport: it connects, moves encoded batches one way and encoded
+    acks the other, in order, and says why it was lost. The transport calls it under its lock only, one call at
+    a time."""
+
+    @property
+    def kind(self) -> str:
+        """The transport's kind (a ring declined at open leaves a plain link: "unix")."""
+        ...
+
+    @property
+    def max_data(self) -> int:
+        """The largest copy chunk a command may carry: given, or what the open connection's handshake said; a
+        batch may be this plus ENVELOPE encoded."""
+        ...
+
+    @property
+    def codec(self) -> str:
+        """What the open connection negotiated for copies' bytes (see wire.commands.CODECS); "" none."""
+        ...
+
+    def open(self) -> None:
+        """Connect (again); raise the peer's refusal as a GpuBrokerError."""
+        ...
+
+    def send(self, payload: bytes) -> None:
+        """One encoded Batch; raise Lost if the connection failed."""
+        ...
+
+    def receive(self, timeout: float | None, in_flight: int) -> bytes | bytearray:
+        """The next encoded Ack; raise Lost if the connection failed, TimeoutError after ``timeout``.
+        ``in_flight``: the batches unacknowledged, the awaited one included (1: nothing is queued behind it, so
+        the answer may be worth spinning for)."""
+        ...
+
+    def shut(self) -> None:
+        """Drop the connection (no error)."""
+        ...
+
+    def hung_up(self) -> bool:
+        """Whether the peer closed the idle connection (asked only after a quiet spell)."""
+        ...
+
+    def why_lost(self, reason: str) -> GpuBrokerError:
+        """The error for a lost connection (a carrier may ask its broker why)."""
+        ...
+
+
+@dataclass(slots=True)
+class Stripes:
+    """Further connections of the same session that a large copy is dealt over, each link's share sent by a
+    thread of its own (given to a TCP link: one TLS connection is one core's encryption, fewer bytes a second
+    than a device takes)."""
+
+    count: int  # connections a striped copy uses at most, the transport's own included (1: none)
+    min_bytes: int  # a copy smaller than this goes on the transport's own connection
+    carrier: Callable[[], Carrier]  # a further connection's carrier, not yet open
+
+
 def read_into(out: memoryview, start: int, size: int, codec: str = "") -> Callable[[Any], None]:
     """Where a Read's bytes go, once they are checked to be exactly the bytes asked for. With ``codec`` (asked of
     the worker), the result is ``[codec, data]``: "" for raw bytes, or the codec, decompressed to exactly ``size``."""
@@ -121,19 +191,19 @@ class _Sent:
 
 
 class BatchingTransport:
-    """The batching core. Subclasses connect and move bytes; this orders, batches, bounds and reports.
+    """The batching core over one ``carrier``: the carrier connects and moves bytes; this orders, batches, bounds
+    and reports. With ``stripes``, copies of ``stripes.min_bytes`` or more are dealt over further connections.
 
     Thread-safe (one lock serializes callers: a RemoteGpu may be shared by threads), yet with no thread of its
     own on the hot path: the caller's thread sends, and acks are read when the window is full or at a sync point.
     """
 
-    kind = "?"
-
-    def __init__(self, *, timeout: float | None, max_data: int, window: int = 4, batch_size: int = 256) -> None:
+    def __init__(self, carrier: Carrier, *, timeout: float | None, window: int = 4, batch_size: int = 256,
+                 stripes: Stripes | None = None) -> None:
+        self.carrier = carrier
         self.timeout = timeout  # bounds the wait for each ack (an ack may be a long kernel away)
-        self.max_data = max_data
-        self.max_frame = max_data + ENVELOPE  # the largest encoded batch the peer takes
-        self.codec = ""  # what the link negotiated for copies' bytes (see _protocol.CODECS); "" none
+        self.stripes = stripes
+        self._more: list[BatchingTransport] = []  # the session's further connections for striped copies
         self._raw_writes = 0  # chunks left to send raw untried (see write_command)
         self.window = window
         self.batch_size = batch_size
@@ -149,30 +219,30 @@ class BatchingTransport:
         self._closed = False
         self._last = time.monotonic()
 
-    # -- what a transport provides ---------------------------------------------------------------
-    def _open(self) -> None:
-        """Connect (again); raise the peer's refusal as a GpuBrokerError."""
-        raise NotImplementedError
+    # -- what the carrier says -----------------------------------------------------------------
+    @property
+    def kind(self) -> str:
+        return self.carrier.kind
 
-    def _send(self, payload: bytes) -> None:
-        """One encoded Batch; raise Lost if the connection failed."""
-        raise NotImplementedError
+    @property
+    def max_data(self) -> int:
+        return self.carrier.max_data
 
-    def _receive(self, timeout: float | None) -> bytes | bytearray:
-        """The next encoded Ack; raise Lost if the connection failed, TimeoutError after ``timeout``."""
-        raise NotImplementedError
+    @property
+    def max_frame(self) -> int:
+        """The largest encoded batch the peer takes."""
+        return self.carrier.max_data + ENVELOPE
 
-    def _shut(self) -> None:
-        """Drop the connection (no error)."""
-        raise NotImplementedError
+    @property
+    def codec(self) -> str:
+        return self.carrier.codec
 
-    def _hung_up(self) -> bool:
-        """Whether the peer closed the idle connection (asked only after a quiet spell)."""
-        return False
-
-    def _why_lost(self, reason: str) -> GpuBrokerError:
-        """The error for a lost connection (a transport may ask its broker why)."""
-        return Unavailable(f"{self.kind} transport lost: {reason}")
+    def open(self) -> None:
+        """Connect now rather than at the first batch, so that a refusal (a link's hello) is raised here."""
+        with self._lock:
+            if not self._open_now:
+                self.carrier.open()
+                self._open_now = True
 
     # -- the caller's side -----------------------------------------------------------------------
     def submit(self, command: Command, on_result: Callable[[Any], None] | None = None) -> int:
@@ -244,6 +314,13 @@ class BatchingTransport:
         return Write(ref, offset, cast("bytes", data), stream)  # (encoded straight from the caller's buffer)
 
     def copy_in(self, ref: BufRef, offset: int, data: memoryview, stream: str, chunk: int) -> None:
+        stripes = self.stripes
+        if stripes is not None and stripes.count > 1 and data.nbytes >= stripes.min_bytes:
+            def write(link: BatchingTransport, start: int, size: int) -> None:
+                link.submit(link.write_command(ref, offset + start, data[start:start + size], stream))
+
+            self._striped(data.nbytes, chunk, write)
+            return
         with self._lock:
             for start in range(0, max(data.nbytes, 1), chunk):
                 # (each chunk's bytes encoded straight from the caller's buffer: msgspec takes a memoryview)
@@ -251,6 +328,14 @@ class BatchingTransport:
             self.wait(raise_error=True)
 
     def copy_out(self, ref: BufRef, offset: int, out: memoryview, stream: str, chunk: int) -> None:
+        stripes = self.stripes
+        if stripes is not None and stripes.count > 1 and out.nbytes >= stripes.min_bytes:
+            def read(link: BatchingTransport, start: int, size: int) -> None:
+                link.submit(Read(ref, offset + start, size, stream, link.codec),
+                            on_result=read_into(out, start, size, link.codec))
+
+            self._striped(out.nbytes, chunk, read)
+            return
         with self._lock:
             for start in range(0, max(out.nbytes, 1), chunk):
                 n = min(chunk, out.nbytes - start)
@@ -260,12 +345,64 @@ class BatchingTransport:
 
     def close(self) -> None:
         with self._lock:
+            more, self._more = self._more, []
+        for link in more:
+            link.close()
+        with self._lock:
             self._closed = True
             self._pending.clear()
             self._unacked.clear()
             if self._open_now:
                 self._open_now = False
-                self._shut()
+                self.carrier.shut()
+
+    # -- striped copies ----------------------------------------------------------------------------
+    def _striped(self, size: int, chunk: int, send: Callable[[BatchingTransport, int, int], None]) -> None:
+        """The copy's chunks dealt round-robin over this connection and the session's others, each one's share
+        sent by a thread of its own and pipelined within that connection's window; in program order with the
+        commands around it: those queued before it are acknowledged first, and it returns once every chunk is."""
+        with self._lock:
+            self.wait(raise_error=False)  # (an earlier command's error stays kept: raised at the end, as unstriped)
+            links = [self, *self._stripe_links()]
+            errors: list[GpuBrokerError | None] = [None] * len(links)
+
+            def share(k: int) -> None:
+                link = links[k]
+                try:
+                    for start in range(k * chunk, size, len(links) * chunk):
+                        send(link, start, min(chunk, size - start))
+                    link.wait(raise_error=True)
+                except GpuBrokerError as exc:
+                    errors[k] = exc
+                    link.wait(raise_error=False)  # (nothing of this copy left unacknowledged on the link)
+
+            threads = [threading.Thread(target=share, args=(k,), name="gpubroker-stripe", daemon=True)
+                       for k in range(1, len(links))]
+            for thread in threads:
+                thread.start()
+            try:
+                share(0)
+            finally:
+                for thread in threads:
+                    thread.join()
+            failed = next((e for e in errors if e is not None), None)
+            if failed is not None:
+                raise failed
+            self._raise_kept()
+
+    def _stripe_links(self) -> list[BatchingTransport]:
+        """The session's further connections (opened once; one that cannot be opened now is done without)."""
+        stripes = self.stripes
+        assert stripes is not None
+        while len(self._more) < stripes.count - 1:
+            link = BatchingTransport(stripes.carrier(), timeout=self.timeout, window=self.window,
+                                     batch_size=self.batch_size)
+            try:
+                link.open()
+            except GpuBrokerError:
+                break
+            self._more.append(link)
+        return self._more
 
     # -- the core --------------------------------------------------------------------------------
     def _raise_kept(self) -> None:
@@ -280,17 +417,18 @@ class BatchingTransport:
         on_result, self._pending_result = self._pending_result, None
         if self._closed:
             raise Unavailable(f"this {self.kind} transport is closed")
-        if self._open_now and not self._unacked and time.monotonic() - self._last > _QUIET and self._hung_up():
+        if self._open_now and not self._unacked and time.monotonic() - self._last > _QUIET \
+                and self.carrier.hung_up():
             self._drop()  # closed by the broker while idle: reopened below, nothing lost
         if not self._open_now:
-            self._open()  # (refused: these commands never went out, and the refusal says why)
+            self.carrier.open()  # (refused: these commands never went out, and the refusal says why)
             self._open_now = True
         return self._send_batch(commands, self._seq - len(commands) + 1, on_result, call_seq)
 
     def _send_batch(self, commands: list[Command], first: int, on_result: Callable[[Any], None] | None,
                     call_seq: int) -> _Sent | None:
         payload = encode(Batch(self._next_id, first, commands))
-        if len(payload) > self.max_frame:
+        if len(payload) > self.carrier.max_data + ENVELOPE:  # (max_frame, without a property's call)
             if len(commands) > 1:  # (many launches with long argument lists): two batches, in order
                 half = len(commands) // 2
                 if self._send_batch(commands[:half], first, None, 0) is None:
@@ -307,7 +445,7 @@ class BatchingTransport:
         sent = _Sent(self._next_id, first, len(commands), on_result, call_seq)
         self._next_id += 1
         try:
-            self._send(payload)
+            self.carrier.send(payload)
         except Lost as exc:
             self._lose(exc.reason, call_seq)
             return None
@@ -317,7 +455,7 @@ class BatchingTransport:
 
     def _read_ack(self) -> None:
         try:
-            payload = self._receive(self.timeout)
+            payload = self.carrier.receive(self.timeout, len(self._unacked))
         except TimeoutError:
             # The answer may still come, and would be read as the next batch's: this connection is done.
             waiting = self._unacked[0]
@@ -374,11 +512,11 @@ class BatchingTransport:
         self._drop()
         if unacked:
             reason = f"{reason} ({unacked} commands unacknowledged: they may not have run)"
-        self._keep(self._why_lost(reason), call_seq)
+        self._keep(self.carrier.why_lost(reason), call_seq)
 
     def _drop(self) -> None:
         self._unacked.clear()
         if self._open_now:
             self._open_now = False
-            self._shut()
+            self.carrier.shut()
 

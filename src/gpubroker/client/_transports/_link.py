@@ -1,4 +1,5 @@
-"""FramedLink: the client's commands on one stream socket straight to its session's worker.
+"""The framed link: the client's commands on one stream socket straight to its session's worker (the
+``FramedSocket`` carrier under a BatchingTransport, made by ``framed_link``).
 
 The same frames on every kind of socket (4-byte big-endian length, then the payload): a ``Hello`` to the front
 (gpubroker/wire/link.py: token, session, ``link: 1``), which authenticates it as it does a gRPC call and hands the
@@ -16,13 +17,11 @@ import os
 import select
 import socket
 import ssl
-import threading
 from collections.abc import Callable
 from typing import Final
 
 from gpubroker.client._tls import TlsOptions
-from gpubroker.client._transports._core import ENVELOPE, BatchingTransport, Lost, read_into
-from gpubroker.wire.commands import BufRef, Read
+from gpubroker.client._transports._core import ENVELOPE, BatchingTransport, Lost, Stripes
 from gpubroker.wire.errors import GpuBrokerError, Unavailable
 from gpubroker.wire.frames import (
     FRAME_HEADER,
@@ -34,8 +33,8 @@ from gpubroker.wire.frames import (
 )
 from gpubroker.wire.link import LINK_VERSION, Hello, LinkAccepted, Malformed, encode, open_answer
 
-__all__ = ["HELLO_REPLY_MAX", "STRIPE_MIN", "TCP_STRIPES", "VMADDR_CID_HOST", "Connector", "FramedLink",
-           "peer_hung_up", "tcp_connector", "tcp_stripes", "unix_connector", "vsock_connector"]
+__all__ = ["HELLO_REPLY_MAX", "STRIPE_MIN", "TCP_STRIPES", "VMADDR_CID_HOST", "Connector", "FramedSocket",
+           "framed_link", "peer_hung_up", "tcp_connector", "tcp_stripes", "unix_connector", "vsock_connector"]
 
 # The front's or worker's answer to a hello: a few hundred bytes, or an error message cut at 4 KiB.
 HELLO_REPLY_MAX: Final = 64 * 1024
@@ -184,117 +183,57 @@ def tcp_stripes() -> int:
     return max(1, min(TCP_STRIPES, cores // 2))
 
 
-class FramedLink(BatchingTransport):
-    """Batches on a framed stream socket to the session's worker; opened (hello answered) on construction.
+def framed_link(connect: Connector, token: str, session: str, *, kind: str, timeout: float | None,
+                window: int = 4, batch_size: int = 256, compress: str = "") -> BatchingTransport:
+    """A transport whose batches go on a framed stream socket to the session's worker; opened (hello answered)
+    here. A TCP link stripes large copies over further links of the session (``tcp_stripes``, opened at the
+    first such copy).
 
     Raises the front's refusal (Unauthenticated, NotFound for another tenant's session, ...) as its error, and
     Unavailable when nothing answers (no link there: the caller may fall back to gRPC).
     """
+    carrier = FramedSocket(connect, token, session, kind=kind, timeout=timeout, compress=compress)
+    stripes = Stripes(tcp_stripes(), STRIPE_MIN, carrier.another) if kind == "tcp" else None
+    transport = BatchingTransport(carrier, timeout=timeout, window=window, batch_size=batch_size, stripes=stripes)
+    transport.open()
+    return transport
+
+
+class FramedSocket:
+    """The carrier of batches on a framed stream socket to the session's worker: the hello at each open, then
+    one frame per batch one way and per ack the other."""
 
     def __init__(self, connect: Connector, token: str, session: str, *, kind: str, timeout: float | None,
-                 window: int = 4, batch_size: int = 256, compress: str = "") -> None:
-        super().__init__(timeout=timeout, max_data=0, window=window, batch_size=batch_size)
-        self.kind = kind
+                 compress: str = "") -> None:
+        self.kind = kind  # (set by a ring upgrading this link: "ring", or "unix" where the worker declined)
+        self.max_data = 0  # (the worker's max frame less ENVELOPE, once a hello is answered)
+        self.max_frame = 0
+        self.codec = ""  # what the worker took of ``compress`` ("" none)
+        self.sock: socket.socket | None = None
         self._connect = connect
+        self._timeout = timeout  # the hello's answer and each ack are waited for this long
         self._hello = Hello(token=token, session=session, link=LINK_VERSION, compress=(compress,) if compress else ())
-        self._compress = compress  # asked for in the hello; ``codec`` is what the worker took ("" none)
-        self._sock: socket.socket | None = None
+        self._compress = compress  # asked for in the hello
         self._frames: _Frames | None = None
-        self.stripes = tcp_stripes() if kind == "tcp" else 1
-        self._more: list[FramedLink] = []  # the session's further links for striped copies, opened at the first
-        with self._lock:
-            self._open()
-            self._open_now = True
 
-    # -- striped copies -------------------------------------------------------------------------------
-    def copy_in(self, ref: BufRef, offset: int, data: memoryview, stream: str, chunk: int) -> None:
-        if self.stripes <= 1 or data.nbytes < STRIPE_MIN:
-            return super().copy_in(ref, offset, data, stream, chunk)
+    def another(self) -> FramedSocket:
+        """A further link of the same session, not yet open (for striped copies)."""
+        return FramedSocket(self._connect, self._hello.token or "", self._hello.session or "", kind=self.kind,
+                            timeout=self._timeout, compress=self._compress)
 
-        def write(link: FramedLink, start: int, size: int) -> None:
-            link.submit(link.write_command(ref, offset + start, data[start:start + size], stream))
-
-        self._striped(data.nbytes, chunk, write)
-        return None
-
-    def copy_out(self, ref: BufRef, offset: int, out: memoryview, stream: str, chunk: int) -> None:
-        if self.stripes <= 1 or out.nbytes < STRIPE_MIN:
-            return super().copy_out(ref, offset, out, stream, chunk)
-
-        def read(link: FramedLink, start: int, size: int) -> None:
-            link.submit(Read(ref, offset + start, size, stream, link.codec),
-                        on_result=read_into(out, start, size, link.codec))
-
-        self._striped(out.nbytes, chunk, read)
-        return None
-
-    def _striped(self, size: int, chunk: int, send: Callable[[FramedLink, int, int], None]) -> None:
-        """The copy's chunks dealt round-robin over this link and the session's others, each link's share sent
-        by a thread of its own and pipelined within that link's window; in program order with the commands
-        around it: those queued before it are acknowledged first, and it returns once every chunk is."""
-        with self._lock:
-            self.wait(raise_error=False)  # (an earlier command's error stays kept: raised at the end, as unstriped)
-            links = [self, *self._stripe_links()]
-            errors: list[GpuBrokerError | None] = [None] * len(links)
-
-            def share(k: int) -> None:
-                link = links[k]
-                try:
-                    for start in range(k * chunk, size, len(links) * chunk):
-                        send(link, start, min(chunk, size - start))
-                    link.wait(raise_error=True)
-                except GpuBrokerError as exc:
-                    errors[k] = exc
-                    link.wait(raise_error=False)  # (nothing of this copy left unacknowledged on the link)
-
-            threads = [threading.Thread(target=share, args=(k,), name="gpubroker-stripe", daemon=True)
-                       for k in range(1, len(links))]
-            for thread in threads:
-                thread.start()
-            try:
-                share(0)
-            finally:
-                for thread in threads:
-                    thread.join()
-            failed = next((e for e in errors if e is not None), None)
-            if failed is not None:
-                raise failed
-            self._raise_kept()
-
-    def _stripe_links(self) -> list[FramedLink]:
-        """The session's further links (opened once; one that cannot be opened now is done without)."""
-        while len(self._more) < self.stripes - 1:
-            try:
-                link = FramedLink(self._connect, self._hello.token or "", self._hello.session or "", kind=self.kind,
-                                  timeout=self.timeout, window=self.window, batch_size=self.batch_size,
-                                  compress=self._compress)
-            except GpuBrokerError:
-                break
-            link.stripes = 1
-            self._more.append(link)
-        return self._more
-
-    def close(self) -> None:
-        with self._lock:
-            more, self._more = self._more, []
-        for link in more:
-            link.close()
-        super().close()
-
-    # -- the connection -------------------------------------------------------------------------------
-    def _open(self) -> None:
-        self._sock, max_frame = self._handshake()
-        self._frames = _Frames(self._sock, max_frame)
+    def open(self) -> None:
+        self.sock, max_frame = self._handshake()
+        self._frames = _Frames(self.sock, max_frame)
         self.max_data, self.max_frame = max_frame - ENVELOPE, max_frame
 
     def _handshake(self) -> tuple[socket.socket, int]:
         """A connection whose hello the worker answered, and its max frame; or the refusal, raised."""
         try:
-            sock = self._connect(self.timeout)
+            sock = self._connect(self._timeout)
         except OSError as exc:
             raise Unavailable(f"no {self.kind} link to the broker: {exc}") from None
         try:
-            sock.settimeout(self.timeout)  # the hello's answer and each ack are waited for this long
+            sock.settimeout(self._timeout)  # the hello's answer and each ack are waited for this long
             send_payload(sock, encode(self._hello))
             reply = recv_payload(sock, HELLO_REPLY_MAX)
         except (OSError, EOFError, ValueError) as exc:  # closed unanswered: refused before authentication, a cap
@@ -315,8 +254,8 @@ class FramedLink(BatchingTransport):
             raise
         return sock, max_frame
 
-    def _send(self, payload: bytes) -> None:
-        sock = self._sock
+    def send(self, payload: bytes) -> None:
+        sock = self.sock
         assert sock is not None
         try:
             if isinstance(sock, ssl.SSLSocket) and len(payload) > _JOIN_MAX:  # TLS has no sendmsg
@@ -332,7 +271,8 @@ class FramedLink(BatchingTransport):
         except OSError as exc:  # (a timeout too: part of a frame may have gone, so the stream is out of step)
             raise Lost(f"sending failed: {exc}") from None
 
-    def _receive(self, timeout: float | None) -> bytes | bytearray:
+    def receive(self, timeout: float | None, in_flight: int) -> bytes | bytearray:
+        # (``timeout`` is the socket's own, set at the hello: a recv waits no longer)
         assert self._frames is not None
         try:
             return self._frames.next()
@@ -341,15 +281,15 @@ class FramedLink(BatchingTransport):
         except (OSError, EOFError, FrameRefused) as exc:
             raise Lost(str(exc) or type(exc).__name__) from None
 
-    def _shut(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+    def shut(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
-    def _hung_up(self) -> bool:
-        return self._sock is None or peer_hung_up(self._sock)
+    def hung_up(self) -> bool:
+        return self.sock is None or peer_hung_up(self.sock)
 
-    def _why_lost(self, reason: str) -> GpuBrokerError:
+    def why_lost(self, reason: str) -> GpuBrokerError:
         """The front knows why a link dropped (the session's worker died, the session ended): ask it with a new
         hello; one that is answered means the session lives and only the connection was lost."""
         try:

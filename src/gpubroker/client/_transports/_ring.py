@@ -1,14 +1,14 @@
-"""RingTransport: same-host batches through shared memory, with a socket doorbell each way.
+"""The ring: same-host batches through shared memory, with a socket doorbell each way (the ``RingUpgrade``
+carrier under a BatchingTransport, made by ``ring_transport``).
 
-A Unix link (``FramedLink``) is upgraded once its hello is answered: the client creates a sealed memfd holding
-two single-producer/single-consumer byte rings (batches client -> worker, acks worker -> client) and a
-connected ``SOCK_SEQPACKET`` socketpair (the doorbells: a one-byte record each way), and sends the memfd and the
-worker's end of the pair over the link in one frame, a ``RingOffer`` (``gpubroker/wire/link.py``: the rings'
-sizes and the worker's spin) with the two fds attached (SCM_RIGHTS); the worker maps them
-(``gpubroker/broker/worker/_ring.py``) and answers on the link ``RingAccepted``, or an error and the link stays a
-plain link. From then
-on each batch is one record in the command ring and each ack one record in the ack ring, in order; the link
-socket stays open and says when the other side is gone (its close ends the ring).
+A Unix link (a ``FramedSocket``, which the ring carrier holds) is upgraded once its hello is answered: the client
+creates a sealed memfd holding two single-producer/single-consumer byte rings (batches client -> worker, acks
+worker -> client) and a connected ``SOCK_SEQPACKET`` socketpair (the doorbells: a one-byte record each way), and
+sends the memfd and the worker's end of the pair over the link in one frame, a ``RingOffer``
+(``gpubroker/wire/link.py``: the rings' sizes and the worker's spin) with the two fds attached (SCM_RIGHTS); the
+worker maps them (``gpubroker/broker/worker/_ring.py``) and answers on the link ``RingAccepted``, or an error and
+the link stays a plain link. From then on each batch is one record in the command ring and each ack one record in
+the ack ring, in order; the link socket stays open and says when the other side is gone (its close ends the ring).
 
 Each side spins for the other's answer (polls of the ring's index, where the host has CPUs to spare) before
 blocking on its doorbell: a launch + sync then costs no wake-up across processes. The worker spins briefly
@@ -44,8 +44,8 @@ import select
 import socket
 import time
 
-from gpubroker.client._transports._core import Lost
-from gpubroker.client._transports._link import HELLO_REPLY_MAX, Connector, FramedLink
+from gpubroker.client._transports._core import BatchingTransport, Lost
+from gpubroker.client._transports._link import HELLO_REPLY_MAX, Connector, FramedSocket
 from gpubroker.wire.errors import GpuBrokerError, Unavailable
 from gpubroker.wire.frames import FRAME_HEADER, recv_payload
 from gpubroker.wire.link import Malformed, RingAccepted, RingOffer, encode, open_answer
@@ -69,7 +69,7 @@ from gpubroker.wire.ring import (
     wait_spin_us,
 )
 
-__all__ = ["RING_SUPPORTED", "RingTransport"]
+__all__ = ["RING_SUPPORTED", "RingUpgrade", "ring_transport"]
 
 
 class _Declined(Exception):
@@ -80,13 +80,26 @@ class _Declined(Exception):
         self.error = error
 
 
-class RingTransport(FramedLink):
-    """A same-host Unix link upgraded to the shared-memory ring; opened (hello and upgrade answered) on
-    construction. With ``fallback`` a worker that refuses the upgrade leaves a plain link (``kind`` "unix");
+def ring_transport(connect: Connector, token: str, session: str, *, timeout: float | None, fallback: bool,
+                   window: int = 4, batch_size: int = 256) -> BatchingTransport:
+    """A transport on a same-host Unix link upgraded to the shared-memory ring; opened (hello and upgrade
+    answered) here. With ``fallback`` a worker that refuses the upgrade leaves a plain link (``kind`` "unix");
     without it the refusal is raised (Unavailable)."""
+    window = min(window, MAX_RING_WINDOW)
+    carrier = RingUpgrade(FramedSocket(connect, token, session, kind="ring", timeout=timeout), window=window,
+                          fallback=fallback)
+    transport = BatchingTransport(carrier, timeout=timeout, window=window, batch_size=batch_size)
+    transport.open()
+    return transport
 
-    def __init__(self, connect: Connector, token: str, session: str, *, timeout: float | None, fallback: bool,
-                 window: int = 4, batch_size: int = 256) -> None:
+
+class RingUpgrade:
+    """The carrier of batches through the ring, over the framed ``link`` it upgrades at each open (whose socket
+    stays open: its close says the other side is gone). Where the worker declined the upgrade and ``fallback``
+    allows, the link carries the batches itself."""
+
+    def __init__(self, link: FramedSocket, *, window: int, fallback: bool) -> None:
+        self.link = link
         self._fallback = fallback
         self._mm: mmap.mmap | None = None
         self._words: memoryview | None = None
@@ -94,39 +107,51 @@ class RingTransport(FramedLink):
         self._commands: ByteRing | None = None
         self._acks: ByteRing | None = None
         self._poller: select.poll | None = None  # the doorbell and the link socket
-        self._ring_window = min(window, MAX_RING_WINDOW)
+        self._ring_window = window  # (sizes the rings: at most MAX_RING_WINDOW batches in flight)
         self._spin = wait_spin_us() * 1e-6
-        super().__init__(connect, token, session, kind="ring", timeout=timeout, window=self._ring_window,
-                         batch_size=batch_size)
 
-    def _open(self) -> None:
-        super()._open()
+    @property
+    def kind(self) -> str:
+        return self.link.kind  # "ring", or "unix" once the worker declined
+
+    @property
+    def max_data(self) -> int:
+        return self.link.max_data
+
+    @property
+    def codec(self) -> str:
+        return self.link.codec
+
+    def open(self) -> None:
+        link = self.link
+        link.open()
         try:
             self._upgrade()
-            self.kind = "ring"
+            link.kind = "ring"
             return
         except _Declined as declined:  # answered: the link is as it was
             self._unmap()
             if self._fallback:
-                self.kind = "unix"
+                link.kind = "unix"
                 return
-            super()._shut()
+            link.shut()
             raise declined.error from None
         except GpuBrokerError:  # unanswered or garbled: the link is in no known state
             self._unmap()
-            super()._shut()
+            link.shut()
             if not self._fallback:
                 raise
-        super()._open()  # a plain link, then
-        self.kind = "unix"
+        link.open()  # a plain link, then
+        link.kind = "unix"
 
     def _upgrade(self) -> None:
         """Offer the worker a ring on the open link; _Declined when it answers no, Unavailable otherwise."""
         if not RING_SUPPORTED:
             raise _Declined(Unavailable("shared-memory rings need Linux (memfd, sealing, SOCK_SEQPACKET)"))
-        sock = self._sock
+        sock = self.link.sock
         assert sock is not None
-        cap = ring_caps(self._ring_window, self.max_frame)
+        max_frame = self.link.max_frame
+        cap = ring_caps(self._ring_window, max_frame)
         size = RING_DATA + 2 * cap
         try:
             fd = os.memfd_create(f"gpubroker-ring-{os.getpid()}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -162,7 +187,7 @@ class RingTransport(FramedLink):
             raise Unavailable(f"the worker answered the ring upgrade with {answer!r}")
         words = memoryview(self._mm).cast("Q")
         self._words = words
-        self._commands = ByteRing(self._mm, words, RING_DATA, cap, CMD_HEAD * 8, CMD_TAIL * 8, self.max_frame)
+        self._commands = ByteRing(self._mm, words, RING_DATA, cap, CMD_HEAD * 8, CMD_TAIL * 8, max_frame)
         self._acks = ByteRing(self._mm, words, RING_DATA + cap, cap, ACK_HEAD * 8, ACK_TAIL * 8,
                               cap - RECORD_LENGTH.size)
         self._poller = select.poll()
@@ -182,9 +207,9 @@ class RingTransport(FramedLink):
             self._bell.close()
             self._bell = None
 
-    def _send(self, payload: bytes) -> None:
+    def send(self, payload: bytes) -> None:
         if self._commands is None:
-            super()._send(payload)
+            self.link.send(payload)
             return
         assert self._bell is not None
         try:
@@ -196,15 +221,15 @@ class RingTransport(FramedLink):
         except OSError as exc:
             raise Lost(f"ringing the worker failed: {exc}") from None
 
-    def _receive(self, timeout: float | None) -> bytes | bytearray:
+    def receive(self, timeout: float | None, in_flight: int) -> bytes | bytearray:
         acks = self._acks
         if acks is None:
-            return super()._receive(timeout)
+            return self.link.receive(timeout, in_flight)
         try:
             payload = acks.get()
             if payload is not None:
                 return payload
-            if len(self._unacked) > 1 or not self._spin:
+            if in_flight > 1 or not self._spin:
                 # Back-pressure or a drain: what is awaited is not the last batch, and the rest is behind it;
                 # spinning would only burn the client's CPU (and the CPU the worker and its device may need).
                 return self._block(acks, timeout)
@@ -224,8 +249,8 @@ class RingTransport(FramedLink):
         """Wait on the doorbell (and the link socket, whose hang-up says the worker is gone) for the next ack.
         The bell is drained after each wake-up and before the ring is looked at again: an ack published after
         that look rings it anew, so none is missed."""
-        assert self._bell is not None and self._sock is not None and self._poller is not None
-        bell, sock = self._bell, self._sock.fileno()
+        assert self._bell is not None and self.link.sock is not None and self._poller is not None
+        bell, sock = self._bell, self.link.sock.fileno()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1000
@@ -239,6 +264,12 @@ class RingTransport(FramedLink):
             if gone:
                 raise Lost("the worker closed the link")
 
-    def _shut(self) -> None:
+    def shut(self) -> None:
         self._unmap()
-        super()._shut()
+        self.link.shut()
+
+    def hung_up(self) -> bool:
+        return self.link.hung_up()
+
+    def why_lost(self, reason: str) -> GpuBrokerError:
+        return self.link.why_lost(reason)
