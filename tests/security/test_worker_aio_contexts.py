@@ -1,5 +1,6 @@
-"""A worker takes every asynchronous-I/O context of the host: ``io_setup`` fails with EAGAIN for every other
-process on it (other tenants' workers, the front, the host's own services) until the worker dies.
+"""A worker cannot take every asynchronous-I/O context of the host (issue 21, round 5). It could: then ``io_setup``
+failed with EAGAIN for every other process on it (other tenants' workers, the front, the host's own services) until
+the worker died.
 
 The hole: the worker's seccomp filter refuses io_uring but allows Linux native AIO (``io_setup``, ``io_submit``,
 ``io_getevents``, ``io_destroy``). Every ``io_setup(nr_events)`` reserves events against ``fs.aio-max-nr``, a single
@@ -15,9 +16,8 @@ Measured (2-core VM, kernel 6.18, fs.aio-max-nr = 65,536, PoCL, defaults): the k
 4,096 events in one launch; /proc/sys/fs/aio-nr went from 0 to 65,536, and a plain host process's ``io_setup(1)``
 failed with EAGAIN until the tenant's worker exited.
 
-Suggested fix: refuse ``io_setup`` (and ``io_submit``, ``io_cancel``, ``io_getevents``, ``io_pgetevents``,
-``io_destroy``) in the worker's filter, like io_uring: neither PoCL nor CUDA's runtime needs it; if a library ever
-does, a per-worker bound needs a count the kernel keeps per worker, which aio-max-nr is not.
+The fix: the worker's seccomp filter refuses native AIO (``io_setup``, ``io_submit``, ``io_cancel``,
+``io_getevents``, ``io_pgetevents``, ``io_destroy``: EPERM), as it refuses io_uring.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import pytest
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import ModuleFormat, connect
 
-from ...helpers import wait_for
-from ..exploits import SYSCALL_SOURCE, check_arch
+from ..helpers import wait_for
+from .exploits import SYSCALL_SOURCE, check_arch
 
 MiB = 1 << 20
 NR_IO_SETUP, NR_IO_DESTROY = 206, 207

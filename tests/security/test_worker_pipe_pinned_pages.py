@@ -1,4 +1,5 @@
-"""A worker holds host memory past its memory limit in pipes: vmsplice'd huge pages, 2 MiB for each byte queued.
+"""A worker cannot hold host memory past its memory limit in pipes (issue 21, round 5): it could, by vmsplicing
+huge pages, 2 MiB for each byte queued.
 
 The hole: without a memory cgroup (this host, the GPU hosts), a worker's memory is bounded by RLIMIT_AS and
 RLIMIT_DATA, which count mappings. ``vmsplice(2)`` (allowed by the worker's seccomp filter, as are ``pipe2``,
@@ -20,12 +21,9 @@ Measured (2-core VM, 24 GiB, kernel 6.18, THP madvise, PoCL, worker_memory_max =
 back when the session closed. Outside the broker, a plain process under RLIMIT_AS = 400 MiB held 1,005 MiB with
 512 bytes in 32 pipes.
 
-Suggested fix: refuse ``vmsplice`` in the worker's seccomp filter (a compute worker has no use for it; ``splice``
-and ``tee`` from a file hold page-cache pages the same way, one page per slot, so refuse them too, or bound them),
-and refuse ``madvise(MADV_HUGEPAGE)`` / set ``PR_SET_THP_DISABLE`` in the launcher (inherited, and it turns THP off
-for the worker whatever the host's mode): then a pipe slot holds at most one 4 KiB page, and the per-worker bound
-is ``fs.pipe-user-pages-soft`` pages (64 MiB), which the worker's memory budget should include. With a delegated
-memory cgroup, the pages stay charged to the worker's cgroup; without one, nothing else counts them.
+The fix: the worker's seccomp filter refuses ``vmsplice``, ``splice`` and ``tee`` (EPERM; a compute worker has no
+use for them), so a pipe slot holds at most one 4 KiB page the worker wrote, within ``fs.pipe-user-pages-soft`` of
+its own uid (``worker_uids``). The kernel below now gets EPERM at its first vmsplice.
 """
 
 from __future__ import annotations
@@ -39,8 +37,8 @@ import pytest
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import ModuleFormat, connect
 
-from ...helpers import wait_for
-from ..exploits import SYSCALL_SOURCE, check_arch
+from ..helpers import wait_for
+from .exploits import SYSCALL_SOURCE, check_arch
 
 MiB = 1 << 20
 MEMORY_MAX = 1024 * MiB
@@ -113,11 +111,14 @@ def test_a_worker_cannot_pin_host_memory_in_pipes_past_its_limit(broker: BrokerP
         gpu.copy_d2h(res, out)
         held = before - mem_available()
         gpu.free_memory(gpu.allocate_memory(16))  # the worker goes on serving
-    # The memory goes with the worker (idle a second after the session's end): the drop was the worker's pipes.
-    wait_for(lambda: before - mem_available() < held // 2, timeout=60, what="the pinned pages freed")
     pinned, pipes, queued = int(out[0]), int(out[1]), int(out[2])
+    if pinned > MEMORY_MAX:  # the memory goes with the worker (idle a second after the session's end)
+        wait_for(lambda: before - mem_available() < held // 2, timeout=60, what="the pinned pages freed")
     print(f"\nthe worker (worker_memory_max {MEMORY_MAX >> 20} MiB) queued {queued} bytes in {pipes} pipes "
           f"({pinned >> 20} MiB of huge pages referenced; errors: pipe2 {out[3]}, mmap {out[4]}, vmsplice {out[5]}); "
           f"the host's MemAvailable dropped by {held >> 20} MiB")
-    assert held <= MEMORY_MAX, (f"a worker limited to {MEMORY_MAX >> 20} MiB held {held >> 20} MiB of host memory in "
-                                f"{pipes} pipes ({queued} bytes queued by vmsplice), counted by no limit")
+    # (What the kernel itself counted: the host's MemAvailable is the evidence, but noisy on a shared machine.)
+    assert pinned <= MEMORY_MAX, (f"a worker limited to {MEMORY_MAX >> 20} MiB held {pinned >> 20} MiB of huge pages "
+                                  f"in {pipes} pipes ({queued} bytes queued by vmsplice; the host's MemAvailable "
+                                  f"dropped by {held >> 20} MiB), counted by no limit")
+    assert int(out[5]) == -1, f"vmsplice answered {int(out[5])}, not EPERM"
