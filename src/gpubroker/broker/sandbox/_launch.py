@@ -26,7 +26,14 @@ from gpubroker.broker.sandbox._cache import CacheView, inodes_for
 __all__ = ["EXIT_SETUP_FAILED", "main"]
 
 EXIT_SETUP_FAILED = 125  # the sandbox could not be built; the message is on stderr
-SIGPENDING_MAX = 256  # queued signals a worker may have pending (a Python worker uses a handful)
+# Queued signals (POSIX timers hold one each). The kernel counts them per uid in the worker's user namespace, checked
+# against the worker's own RLIMIT_SIGPENDING (SIGPENDING_MAX: a Python worker uses a handful), and again for the uid
+# that created the namespace (the broker's, for every worker alike), checked against the limit that creator had at
+# the namespace's creation (SIGPENDING_NAMESPACE). That second count is shared by every worker: were its limit the
+# worker's own, one worker queuing as many left every other none (247 queued by one: the others' timers and
+# signals failed). So the namespace's is far above the sum of the workers' own (1,024 workers of 64 each).
+SIGPENDING_MAX = 64
+SIGPENDING_NAMESPACE = 1024 * SIGPENDING_MAX
 # The worker's uid and gid inside its user namespace when it runs as a host user of its own (``worker_uid``, one of
 # the front's worker_uids): 0 there stays the launcher's (its setup creates files in the new root, which needs its id
 # mapped).
@@ -332,6 +339,7 @@ def _map_ids_from_outside(host_id: int) -> tuple[int, int]:
 
 
 def _limit(spec: dict[str, Any]) -> None:
+    resource.setrlimit(resource.RLIMIT_SIGPENDING, (SIGPENDING_MAX, SIGPENDING_MAX))  # (lower than the launcher's)
     limits = {"core": resource.RLIMIT_CORE, "nofile": resource.RLIMIT_NOFILE, "as": resource.RLIMIT_AS,
               "nproc": resource.RLIMIT_NPROC, "fsize": resource.RLIMIT_FSIZE, "data": resource.RLIMIT_DATA}
     for name, value in spec.get("rlimits", {}).items():
@@ -450,9 +458,9 @@ def main(argv: list[str] | None = None) -> int:
         if spec.get("cgroup"):
             _write(os.path.join(spec["cgroup"], "cgroup.procs"), "0\n")
         # Before the user namespace is made: the kernel charges its queued signals and message-queue bytes to the
-        # creator's uid too (host-wide), against the limits the creator had at its creation. Low ones here keep a
-        # worker from taking the broker's user's (root's, for a root broker) from every other process of it.
-        for kind, value in ((resource.RLIMIT_SIGPENDING, SIGPENDING_MAX), (resource.RLIMIT_MSGQUEUE, 0)):
+        # creator's uid too (host-wide), against the limits the creator had at its creation: none for message
+        # queues; for signals, room for every worker's own SIGPENDING_MAX (set in the child, after the unshare).
+        for kind, value in ((resource.RLIMIT_SIGPENDING, SIGPENDING_NAMESPACE), (resource.RLIMIT_MSGQUEUE, 0)):
             _, hard = resource.getrlimit(kind)
             value = value if hard == resource.RLIM_INFINITY else min(value, hard)
             resource.setrlimit(kind, (value, value))

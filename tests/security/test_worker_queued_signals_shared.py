@@ -1,5 +1,5 @@
-"""One worker's queued signals take every other worker's: their ``timer_create`` and real-time signals fail with
-EAGAIN while it lives.
+"""One worker's queued signals cannot take every other worker's (issue 21, round 5): they could, and their
+``timer_create`` and real-time signals failed with EAGAIN while it lived.
 
 The hole: the kernel counts queued signals (and POSIX timers, each of which holds a queued signal) per user *and up
 the chain of user namespaces*: a worker's count is charged to its own uid in its namespace and, again, to the uid
@@ -16,11 +16,9 @@ Measured (2-core VM, kernel 6.18, root broker with the default worker_uids, PoCL
 signals and made 4 timers; mallory's kernel then queued 247 (EAGAIN at the 248th: the broker uid's count reached
 256); alice's next kernel queued 0 signals and made 0 timers (EAGAIN), until mallory's worker exited.
 
-Suggested fix: create each worker's user namespace as a uid of its own (with ``worker_uids``: switch to the worker's
-host uid before ``unshare(CLONE_NEWUSER)``, mapping it from outside as now), so the parent-level count is that
-worker's alone; or give the launcher a tiny nested user namespace per worker between the broker's and the worker's;
-and refuse ``timer_create`` and ``rt_sigqueueinfo``/``rt_tgsigqueueinfo`` in the filter if no runtime needs them.
-Without ``worker_uids`` (an unprivileged broker) every worker shares the broker's uid, as for pipes (known gap).
+The fix: the namespace's count is given room for every worker's own (the launcher's RLIMIT_SIGPENDING at the
+namespace's creation, ``SIGPENDING_NAMESPACE``, 64 Ki), and each worker's own RLIMIT_SIGPENDING is 64 (set inside,
+after the unshare; it cannot raise it): one worker queues at most 64, and the others keep theirs.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ import pytest
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import ModuleFormat, RemoteGpu, connect
 
-from ..exploits import SYSCALL_SOURCE, check_arch
+from .exploits import SYSCALL_SOURCE, check_arch
 
 SIGNALS_SOURCE = SYSCALL_SOURCE + r"""
 /* Block `sig` in this thread and queue up to `n` of it to this thread; then make up to `n` POSIX timers. */
