@@ -1,30 +1,32 @@
 """The cuda backend's host<->device and device<->device copies, memsets and host-memory pinning.
 
-A mixin of ``CudaBackend`` (in ``_cuda``), which owns the state these methods use: ``_use``, ``_resolve``,
-``_stream``, ``_fail`` and the device timer ``_timer``. ``_cuda_host`` declares them for the type checker.
+``CudaCopies`` is one part of ``CudaBackend`` (in ``_cuda``); it holds the device state (``CudaDevice``) for its
+helpers (``use``, ``resolve``, ``stream``, ``fail``) and its device timer.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from cupy.cuda import runtime
 
+from gpubroker.broker.backends._cuda_device import CudaDevice
 from gpubroker.wire.errors import InvalidArgument
 from gpubroker.wire.host import HostBuffer, check_device_range, readable_bytes, writable_bytes
 from gpubroker.wire.types import Buffer, Stream
 
-__all__ = ["CudaCopyMixin"]
-
-if TYPE_CHECKING:
-    from gpubroker.broker.backends._cuda_host import CudaHost
-else:
-    CudaHost = object  # the type checker's view of CudaBackend's members; a plain mixin at run time
+__all__ = ["CudaCopies"]
 
 
-class CudaCopyMixin(CudaHost):
+class CudaCopies:
     """copy_h2d, copy_d2h, copy_d2d, memset and (un)register_host_memory for ``CudaBackend``."""
+
+    def __init__(self, device: CudaDevice) -> None:
+        # The device's helpers and timer, bound once: a copy looks each up on this object.
+        self._use = device.use
+        self._resolve = device.resolve
+        self._stream = device.stream
+        self._fail = device.fail
+        self._timer = device.timer
 
     def copy_h2d(self, src: HostBuffer, buf: Buffer, offset: int = 0, stream: Stream | None = None) -> None:
         self._use()

@@ -1,20 +1,21 @@
 """The cuda backend's modules, kernels and launches: NVRTC compilation, PTX / cubin / fatbin loading,
 kernel lookup and the launch itself.
 
-A mixin of ``CudaBackend`` (in ``_cuda``), which owns the state these methods use: ``_use``, ``_fail``,
-``_resolve``, ``_stream``, the handle tables, the launch checker, ``_smem_optin`` and the timer ``_timer``.
-``_cuda_host`` declares them for the type checker.
+``CudaCode`` is one part of ``CudaBackend`` (in ``_cuda``): it owns the module and kernel tables, and holds the
+device state (``CudaDevice``) for its helpers (``use``, ``fail``, ``resolve``, ``stream``), its launch checker, its
+shared-memory limit and its device timer.
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from cupy.cuda import driver, function, runtime
 from cupy.cuda.memory import Memory
 
+from gpubroker.broker.backends._common import HandleTable
+from gpubroker.broker.backends._cuda_device import CudaDevice
 from gpubroker.broker.backends._cuda_driver import driver_extras
 from gpubroker.broker.backends._cuda_util import (
     BAD_IMAGE,
@@ -28,12 +29,7 @@ from gpubroker.broker.backends._cuda_util import (
 from gpubroker.wire.errors import CompileError, InvalidArgument
 from gpubroker.wire.types import Buffer, Dim3, Kernel, KernelArg, Module, ModuleFormat, Stream
 
-__all__ = ["CudaCodeMixin", "PreparedLaunch"]
-
-if TYPE_CHECKING:
-    from gpubroker.broker.backends._cuda_host import CudaHost
-else:
-    CudaHost = object  # the type checker's view of CudaBackend's members; a plain mixin at run time
+__all__ = ["CudaCode", "PreparedLaunch"]
 
 _MAX_DYNAMIC_SHARED = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _DIMS_MAX = 16  # (grid, block, shared_mem) shapes remembered per prepared launch
@@ -55,8 +51,20 @@ class PreparedLaunch:
         self.keep: object = None  # what the array points into (values, allocations): alive while this is
 
 
-class CudaCodeMixin(CudaHost):
-    """compile_kernel, load_module, get_kernel, unload_module and execute_kernel for ``CudaBackend``."""
+class CudaCode:
+    """compile_kernel, load_module, get_kernel, unload_module and execute_kernel (and the worker's
+    prepare_launch / launch_prepared) for ``CudaBackend``."""
+
+    def __init__(self, device: CudaDevice) -> None:
+        self._dev = device
+        # The device's helpers and timer, bound once: a launch looks each up on this object.
+        self._use = device.use
+        self._fail = device.fail
+        self._resolve = device.resolve
+        self._stream = device.stream
+        self._timer = device.timer
+        self.modules: HandleTable[ModuleRec] = HandleTable("module")
+        self.kernels: HandleTable[KernelRec] = HandleTable("kernel")
 
     # -- code --------------------------------------------------------------------------------
     def compile_kernel(self, source: str, name: str, options: Sequence[str] = ()) -> Kernel:
@@ -69,7 +77,7 @@ class CudaCodeMixin(CudaHost):
             rec = make_kernel_rec(compile_module(source, options), name, None, source)
         except Exception as exc:
             raise self._fail(f"compile kernel {name!r}", exc) from exc
-        return Kernel(self._kernels.add(rec), name)
+        return Kernel(self.kernels.add(rec), name)
 
     def load_module(self, image: str | bytes, format: ModuleFormat, options: Sequence[str] = ()) -> Module:
         """Load CUDA C (compiled; ``options`` go to NVRTC), PTX, cubin or fatbin."""
@@ -99,13 +107,13 @@ class CudaCodeMixin(CudaHost):
                 err = CompileError(err.message, log=err.message, cuda_error=err.details["cuda_error"])
             raise err from exc
         names = driver_extras().function_names(mod.ptr)
-        return Module(self._modules.add(ModuleRec(mod, source)), names)
+        return Module(self.modules.add(ModuleRec(mod, source)), names)
 
     def get_kernel(self, module: Module, name: str) -> Kernel:
         self._use()
         if not isinstance(module, Module):
             raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
-        rec = self._modules.get(module.handle)
+        rec = self.modules.get(module.handle)
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"kernel name must be a non-empty str, got {name!r}")
         if name not in rec.kernels:
@@ -113,7 +121,7 @@ class CudaCodeMixin(CudaHost):
                 krec = make_kernel_rec(rec.module, name, module.handle, rec.source)
             except Exception as exc:
                 raise self._fail(f"get kernel {name!r}", exc) from exc
-            rec.kernels[name] = self._kernels.add(krec)
+            rec.kernels[name] = self.kernels.add(krec)
         return Kernel(rec.kernels[name], name)
 
     def unload_module(self, module: Module) -> None:
@@ -121,14 +129,14 @@ class CudaCodeMixin(CudaHost):
         self._use()
         if not isinstance(module, Module):
             raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
-        rec = self._modules.get(module.handle)
+        rec = self.modules.get(module.handle)
         try:
             runtime.deviceSynchronize()  # no launch of its code may still be running
         except Exception as exc:
             raise self._fail("unload_module", exc) from exc
-        self._modules.pop(module.handle)
+        self.modules.pop(module.handle)
         for handle in rec.kernels.values():
-            self._kernels.pop(handle)
+            self.kernels.pop(handle)
 
     # -- launch ------------------------------------------------------------------------------
     def execute_kernel(self, kernel: Kernel, grid: int | Sequence[int], block: int | Sequence[int],
@@ -145,7 +153,7 @@ class CudaCodeMixin(CudaHost):
         self._use()
         if not isinstance(kernel, Kernel):
             raise InvalidArgument(f"expected a Kernel, got {type(kernel).__name__}")
-        return PreparedLaunch(self._kernels.get(kernel.handle), args)
+        return PreparedLaunch(self.kernels.get(kernel.handle), args)
 
     def launch_prepared(self, prep: PreparedLaunch, grid: int | Sequence[int], block: int | Sequence[int],
                         shared_mem: int = 0, stream: Stream | None = None) -> None:
@@ -177,7 +185,7 @@ class CudaCodeMixin(CudaHost):
         """Every check of a launch (the device's limits, then the kernel's), in the usual order; packs the
         arguments the first time."""
         rec = prep.rec
-        shape = self._checker.check(grid, block, prep.args, shared_mem)
+        shape = self._dev.checker.check(grid, block, prep.args, shared_mem)
         # The kernel-specific checks read only the block, shared_mem and the arg types: a signature that
         # passed them once for this kernel skips them (bounded memo; failures are never stored).
         plan = (shape.block, shared_mem, shape.kinds)
@@ -186,9 +194,10 @@ class CudaCodeMixin(CudaHost):
             if threads > rec.max_threads:
                 raise InvalidArgument(f"kernel {rec.name!r} can run at most {rec.max_threads} threads per block "
                                       f"(its register use), not {threads}")
-            if shared_mem > self._smem_optin:
+            smem_optin = self._dev.smem_optin
+            if shared_mem > smem_optin:
                 raise InvalidArgument(f"{shared_mem} bytes of dynamic shared memory exceeds the device's "
-                                      f"{self._smem_optin} per block")
+                                      f"{smem_optin} per block")
             if rec.params is not None:
                 check_params(rec, shape.args)
             rec.plans.add(plan)

@@ -6,36 +6,37 @@ context (``cudaIpcOpenMemHandle``, which enables peer access) and copies from it
 peer-to-peer without a context on the source device. Only where ``cudaDeviceCanAccessPeer`` says so: otherwise
 the broker stages the copy through host memory instead.
 
-A mixin of ``CudaBackend`` (in ``_cuda``), which owns ``_use``, ``_resolve``, ``_fail``, ``_device``, ``_null``,
-``_timer`` and ``synchronize``. ``_cuda_host`` declares them for the type checker.
+``CudaPeer`` is one part of ``CudaBackend`` (in ``_cuda``); it holds the device state (``CudaDevice``) for its
+helpers (``use``, ``resolve``, ``fail``, ``synchronize``), its index, its default stream and its device timer.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from cupy.cuda import runtime
 
+from gpubroker.broker.backends._cuda_device import CudaDevice
 from gpubroker.wire.errors import FailedPrecondition, InvalidArgument
 from gpubroker.wire.host import check_device_range
 from gpubroker.wire.types import Buffer
 
-__all__ = ["CudaPeerMixin"]
-
-if TYPE_CHECKING:
-    from gpubroker.broker.backends._cuda_host import CudaHost
-else:
-    CudaHost = object  # the type checker's view of CudaBackend's members; a plain mixin at run time
+__all__ = ["CudaPeer"]
 
 
-class CudaPeerMixin(CudaHost):
+class CudaPeer:
     """export_peer, open_peer, copy_from_peer and close_peer for ``CudaBackend``."""
+
+    def __init__(self, device: CudaDevice) -> None:
+        self._dev = device
+        self._use = device.use
+        self._resolve = device.resolve
+        self._fail = device.fail
+        self._synchronize = device.synchronize
 
     def export_peer(self, buf: Buffer) -> tuple[bytes, int]:
         """An IPC handle of ``buf``'s whole allocation and its size, once the device's queued work is done."""
         self._use()
         mem, _ = self._resolve(buf)
-        self.synchronize()  # what the tenant queued before the copy has written the source by now
+        self._synchronize()  # what the tenant queued before the copy has written the source by now
         try:
             return bytes(runtime.ipcGetMemHandle(mem.ptr)), int(mem.size)
         except Exception as exc:
@@ -47,16 +48,17 @@ class CudaPeerMixin(CudaHost):
         FailedPrecondition with ``peer_unsupported`` when this device cannot reach that one as a peer.
         """
         self._use()
-        if not isinstance(handle, bytes) or not isinstance(src_device, int) or src_device == self._device:
+        index = self._dev.index
+        if not isinstance(handle, bytes) or not isinstance(src_device, int) or src_device == index:
             raise InvalidArgument("a peer copy needs an IPC handle from another device")
         try:
-            reachable = runtime.deviceCanAccessPeer(self._device, src_device)
+            reachable = runtime.deviceCanAccessPeer(index, src_device)
         except Exception as exc:
             raise self._fail("check peer access", exc) from exc
         if not reachable:
-            raise FailedPrecondition(f"CUDA device {self._device} cannot access device {src_device} as a peer",
+            raise FailedPrecondition(f"CUDA device {index} cannot access device {src_device} as a peer",
                                      peer_unsupported=True)
-        self.synchronize()  # and what it queued has stopped using the destination
+        self._synchronize()  # and what it queued has stopped using the destination
         try:
             return int(runtime.ipcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess))
         except Exception as exc:
@@ -72,7 +74,7 @@ class CudaPeerMixin(CudaHost):
         start = check_device_range(dst, dst_offset, size, "peer copy destination")
         if size == 0:
             return
-        s, timer = self._null, self._timer
+        s, timer = self._dev.null, self._dev.timer
         try:
             with timer.lock:
                 timer.begin(s.ptr)
