@@ -81,12 +81,7 @@ class CudaBackend:
         self.open_peer = peer.open_peer
         self.copy_from_peer = peer.copy_from_peer
         self.close_peer = peer.close_peer
-        # The device's helpers and timer, bound likewise for the methods below.
-        self._use = dev.use
-        self._fail = dev.fail
-        self._resolve = dev.resolve
-        self._stream = dev.stream
-        self._timer = dev.timer
+        self._timer = dev.timer  # the device's, which the device-time methods below (and the tests) read
 
     # -- lifecycle ---------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -132,16 +127,16 @@ class CudaBackend:
         self.allocated_bytes = 0
 
     def device_info(self) -> DeviceInfo:
-        self._use()
+        self._dev.use()
         try:
             info, _ = props_info(self._dev.index, runtime.memGetInfo()[0])
         except Exception as exc:
-            raise self._fail("device_info", exc) from exc
+            raise self._dev.fail("device_info", exc) from exc
         return info
 
     # -- memory ------------------------------------------------------------------------------
     def allocate_memory(self, size: int) -> Buffer:
-        self._use()
+        self._dev.use()
         if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size <= 0:
             raise InvalidArgument(f"allocation size must be a positive int, got {size!r}")
         size = int(size)
@@ -151,28 +146,28 @@ class CudaBackend:
         try:
             mem = Memory(size)  # plain cudaMalloc, not CuPy's pool: exact accounting, real frees
         except Exception as exc:
-            raise self._fail(f"allocate {size} bytes", exc) from exc
+            raise self._dev.fail(f"allocate {size} bytes", exc) from exc
         self.allocated_bytes += size
         return Buffer(self._dev.buffers.add(mem), size)
 
     def free_memory(self, buf: Buffer) -> None:
-        self._use()
-        self._resolve(buf)
+        self._dev.use()
+        self._dev.resolve(buf)
         # Dropping the last reference calls cudaFree, which also waits for work that may use it.
         self.allocated_bytes -= self._dev.buffers.pop(buf.handle).size
 
     # -- streams -----------------------------------------------------------------------------
     def create_stream(self) -> Stream:
-        self._use()
+        self._dev.use()
         try:
             s = cupy.cuda.Stream(non_blocking=True)
         except Exception as exc:
-            raise self._fail("create_stream", exc) from exc
+            raise self._dev.fail("create_stream", exc) from exc
         return Stream(self._dev.streams.add(s))
 
     def destroy_stream(self, stream: Stream) -> None:
-        self._use()
-        s = self._stream(stream)
+        self._dev.use()
+        s = self._dev.stream(stream)
         if s is self._dev.null:
             raise InvalidArgument("cannot destroy the default stream")
         try:
@@ -180,7 +175,7 @@ class CudaBackend:
                 self._timer.close(s.ptr)  # its pointer may be reused by a later stream
             s.synchronize()
         except Exception as exc:
-            raise self._fail("destroy_stream", exc) from exc
+            raise self._dev.fail("destroy_stream", exc) from exc
         self._dev.streams.pop(stream.handle)
 
     # -- library operations ------------------------------------------------------------------
@@ -189,10 +184,10 @@ class CudaBackend:
         """cuBLAS, cuSOLVER, cuFFT and CuPy's sorts on the stream's queue, through CuPy arrays over the buffers.
         Asynchronous, except the ops whose result size depends on the data (unique, nonzero, compress), which
         wait to check it."""
-        self._use()
+        self._dev.use()
         ins, outs, checked = _library.check_library_call(op, inputs, outputs, params,
-                                                         lambda buf: self._resolve(buf)[1])
-        s = self._stream(stream)
+                                                         lambda buf: self._dev.resolve(buf)[1])
+        s = self._dev.stream(stream)
         timer = self._timer
         try:
             with _library.library_errors(op), s, timer.lock:
@@ -205,11 +200,11 @@ class CudaBackend:
         except GpuBrokerError:
             raise
         except Exception as exc:
-            raise self._fail(f"run_library of {op!r}", exc) from exc
+            raise self._dev.fail(f"run_library of {op!r}", exc) from exc
 
     def _cupy_array(self, ref: ArrayRef) -> Any:
         """A CuPy array over the buffer (no copy); it holds the allocation while CuPy uses it."""
-        mem, view = self._resolve(ref.buffer)
+        mem, view = self._dev.resolve(ref.buffer)
         return cupy.ndarray(ref.shape, dtype=ref.dtype, memptr=cupy.cuda.MemoryPointer(mem, view.offset))
 
     # -- events ------------------------------------------------------------------------------
@@ -219,42 +214,42 @@ class CudaBackend:
         return self._cuda_events.get(event.handle)
 
     def create_event(self) -> Event:
-        self._use()
+        self._dev.use()
         try:
             ev = cupy.cuda.Event(disable_timing=True)  # ordering only: a timing event costs more to record
         except Exception as exc:
-            raise self._fail("create_event", exc) from exc
+            raise self._dev.fail("create_event", exc) from exc
         return Event(self._cuda_events.add(ev))
 
     def record_event(self, event: Event, stream: Stream | None = None) -> None:
-        self._use()
-        ev, s = self._event(event), self._stream(stream)
+        self._dev.use()
+        ev, s = self._event(event), self._dev.stream(stream)
         try:
             ev.record(s)
         except Exception as exc:
-            raise self._fail("record_event", exc) from exc
+            raise self._dev.fail("record_event", exc) from exc
 
     def wait_event(self, event: Event, stream: Stream | None = None) -> None:
         """The stream waits on the GPU (cudaStreamWaitEvent); an event never recorded is complete."""
-        self._use()
-        ev, s = self._event(event), self._stream(stream)
+        self._dev.use()
+        ev, s = self._event(event), self._dev.stream(stream)
         try:
             s.wait_event(ev)
         except Exception as exc:
-            raise self._fail("wait_event", exc) from exc
+            raise self._dev.fail("wait_event", exc) from exc
 
     def synchronize_event(self, event: Event) -> None:
-        self._use()
+        self._dev.use()
         ev = self._event(event)
         try:
             with self._timer.lock:
                 self._timer.close(None)  # the host waits now: end the segments first, as synchronize does
             ev.synchronize()
         except Exception as exc:
-            raise self._fail("synchronize_event", exc) from exc
+            raise self._dev.fail("synchronize_event", exc) from exc
 
     def destroy_event(self, event: Event) -> None:
-        self._use()
+        self._dev.use()
         self._event(event)
         self._cuda_events.pop(event.handle)  # cudaEventDestroy defers until a pending record completes
 
@@ -297,7 +292,7 @@ class CudaBackend:
                 runtime.setDevice(dev.index)
             runtime.deviceSynchronize()
         except Exception as exc:
-            err = self._fail("take_device_time", exc)
+            err = self._dev.fail("take_device_time", exc)
             if dev.fatal is not None:
                 self._timer.abandon(pairs)
                 return 0.0

@@ -57,11 +57,6 @@ class CudaCode:
 
     def __init__(self, device: CudaDevice) -> None:
         self._dev = device
-        # The device's helpers and timer, bound once: a launch looks each up on this object.
-        self._use = device.use
-        self._fail = device.fail
-        self._resolve = device.resolve
-        self._stream = device.stream
         self._timer = device.timer
         self.modules: HandleTable[ModuleRec] = HandleTable("module")
         self.kernels: HandleTable[KernelRec] = HandleTable("kernel")
@@ -69,19 +64,19 @@ class CudaCode:
     # -- code --------------------------------------------------------------------------------
     def compile_kernel(self, source: str, name: str, options: Sequence[str] = ()) -> Kernel:
         """Compile CUDA C with NVRTC and return kernel ``name`` (declare it ``extern "C"``)."""
-        self._use()
+        self._dev.use()
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"kernel name must be a non-empty str, got {name!r}")
         try:
             source = as_source(source)
             rec = make_kernel_rec(compile_module(source, options), name, None, source)
         except Exception as exc:
-            raise self._fail(f"compile kernel {name!r}", exc) from exc
+            raise self._dev.fail(f"compile kernel {name!r}", exc) from exc
         return Kernel(self.kernels.add(rec), name)
 
     def load_module(self, image: str | bytes, format: ModuleFormat, options: Sequence[str] = ()) -> Module:
         """Load CUDA C (compiled; ``options`` go to NVRTC), PTX, cubin or fatbin."""
-        self._use()
+        self._dev.use()
         if not isinstance(format, ModuleFormat) or format is ModuleFormat.OPENCL_C:
             raise InvalidArgument(f"the CUDA backend cannot load {format!r}")
         if not isinstance(image, (str, bytes, bytearray, memoryview)):
@@ -102,7 +97,7 @@ class CudaCode:
                 mod = function.Module()
                 mod.load(data)
         except Exception as exc:
-            err = self._fail(f"load {format.name} module", exc)
+            err = self._dev.fail(f"load {format.name} module", exc)
             if format is ModuleFormat.PTX and err.details.get("cuda_error") in BAD_IMAGE:
                 err = CompileError(err.message, log=err.message, cuda_error=err.details["cuda_error"])
             raise err from exc
@@ -110,7 +105,7 @@ class CudaCode:
         return Module(self.modules.add(ModuleRec(mod, source)), names)
 
     def get_kernel(self, module: Module, name: str) -> Kernel:
-        self._use()
+        self._dev.use()
         if not isinstance(module, Module):
             raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
         rec = self.modules.get(module.handle)
@@ -120,20 +115,20 @@ class CudaCode:
             try:
                 krec = make_kernel_rec(rec.module, name, module.handle, rec.source)
             except Exception as exc:
-                raise self._fail(f"get kernel {name!r}", exc) from exc
+                raise self._dev.fail(f"get kernel {name!r}", exc) from exc
             rec.kernels[name] = self.kernels.add(krec)
         return Kernel(rec.kernels[name], name)
 
     def unload_module(self, module: Module) -> None:
         """Unload a module; its kernels' handles become NOT_FOUND."""
-        self._use()
+        self._dev.use()
         if not isinstance(module, Module):
             raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
         rec = self.modules.get(module.handle)
         try:
             runtime.deviceSynchronize()  # no launch of its code may still be running
         except Exception as exc:
-            raise self._fail("unload_module", exc) from exc
+            raise self._dev.fail("unload_module", exc) from exc
         self.modules.pop(module.handle)
         for handle in rec.kernels.values():
             self.kernels.pop(handle)
@@ -150,7 +145,7 @@ class CudaCode:
         The worker keeps one per (kernel, arguments as sent) and drops it with any buffer or kernel it names.
         It holds the allocations it points into, so a stale one can never launch on freed memory.
         """
-        self._use()
+        self._dev.use()
         if not isinstance(kernel, Kernel):
             raise InvalidArgument(f"expected a Kernel, got {type(kernel).__name__}")
         return PreparedLaunch(self.kernels.get(kernel.handle), args)
@@ -159,7 +154,7 @@ class CudaCode:
                         shared_mem: int = 0, stream: Stream | None = None) -> None:
         """Launch ``prep``: a (grid, block, shared_mem) it launched with before skips every check (they read
         nothing else), and its packed argument array goes straight to cuLaunchKernel."""
-        self._use()
+        self._dev.use()
         # Only exact tuples and ints (the protocol's types) are memo keys, so equal keys always check equally.
         key = (grid, block, shared_mem) if type(grid) is tuple and type(block) is tuple \
             and type(shared_mem) is int else None
@@ -170,7 +165,7 @@ class CudaCode:
                 if len(prep.dims) >= _DIMS_MAX:
                     prep.dims.clear()
                 prep.dims[key] = dims
-        s = self._stream(stream)
+        s = self._dev.stream(stream)
         g, b = dims
         timer = self._timer
         try:
@@ -178,7 +173,7 @@ class CudaCode:
                 timer.begin(s.ptr)  # a dict lookup unless this is the stream's first command of the segment
                 _launch(prep.func, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, s.ptr, prep.params, 0)
         except Exception as exc:
-            raise self._fail(f"launch {prep.rec.name!r}", exc) from exc
+            raise self._dev.fail(f"launch {prep.rec.name!r}", exc) from exc
 
     def _admit(self, prep: PreparedLaunch, grid: int | Sequence[int], block: int | Sequence[int],
                shared_mem: int) -> tuple[Dim3, Dim3]:
@@ -207,7 +202,7 @@ class CudaCode:
             try:
                 driver.funcSetAttribute(rec.func.ptr, _MAX_DYNAMIC_SHARED, shared_mem)
             except Exception as exc:
-                raise self._fail(f"launch {rec.name!r}", exc) from exc
+                raise self._dev.fail(f"launch {rec.name!r}", exc) from exc
             rec.dynamic_shared = shared_mem
         return shape.grid, shape.block
 
@@ -221,7 +216,7 @@ class CudaCode:
         mems: list[Memory] = []
         for i, arg in enumerate(args):
             if isinstance(arg, Buffer):
-                mem, view = self._resolve(arg)
+                mem, view = self._dev.resolve(arg)
                 if view.offset > view.size:
                     raise InvalidArgument(f"view offset {view.offset} is past its {view.size}-byte allocation")
                 raw = (mem.ptr + view.offset).to_bytes(8, "little")

@@ -50,12 +50,7 @@ class OpenCLBackend:
         self.unload_module = code.unload_module
         self.execute_kernel = code.execute_kernel
         self.take_device_time = timing.take_device_time
-        # The device's helpers and lock, and the timing's track, bound likewise for the copies and memsets.
         self._lock = dev.lock
-        self._ready = dev.ready
-        self._queue_for = dev.queue_for
-        self._resolve = dev.resolve
-        self._track = timing.track
         self._allocated = 0
         # An event's last recorded marker; None: never recorded (complete, as in CUDA).
         self._markers: HandleTable[_Marker] = HandleTable("event")
@@ -100,11 +95,11 @@ class OpenCLBackend:
 
     def device_info(self) -> DeviceInfo:
         """Real device properties; free_memory is total minus what this instance has allocated."""
-        info = self._ready()
+        info = self._dev.ready()
         return replace(info, free_memory=max(info.total_memory - self._allocated, 0))
 
     def allocate_memory(self, size: int) -> Buffer:
-        info = self._ready()
+        info = self._dev.ready()
         size = as_int(size, "allocation size")
         if size <= 0:
             raise InvalidArgument(f"allocation size must be > 0, got {size}")
@@ -126,7 +121,7 @@ class OpenCLBackend:
             return Buffer(self._dev.buffers.add(Alloc(mem, size)), size)
 
     def free_memory(self, buf: Buffer) -> None:
-        self._ready()
+        self._dev.ready()
         with self._lock:
             alloc = self._dev.buffers.pop(self._dev.handle_of(buf))
             self._allocated -= alloc.size
@@ -136,8 +131,8 @@ class OpenCLBackend:
 
     def copy_h2d(self, src: HostBuffer, buf: Buffer, offset: int = 0, stream: Stream | None = None) -> None:
         """Blocking: returns once ``src`` has been read."""
-        queue = self._queue_for(stream)
-        alloc, view = self._resolve(buf)
+        queue = self._dev.queue_for(stream)
+        alloc, view = self._dev.resolve(buf)
         data = readable_bytes(src)
         start = check_device_range(view, as_int(offset, "offset"), data.nbytes, "copy_h2d")
         if data.nbytes:
@@ -145,19 +140,19 @@ class OpenCLBackend:
                 event = cl.enqueue_copy(queue, alloc.mem, data, dst_offset=start, is_blocking=True)
                 # A blocking copy's NannyEvent pins the host buffer until waited on; it is complete already.
                 event.wait()
-            self._track(event)
+            self._timing.track(event)
 
     def copy_d2h(self, buf: Buffer, dst: HostBuffer, offset: int = 0, stream: Stream | None = None) -> None:
         """Blocking: returns once ``dst`` holds the data."""
-        queue = self._queue_for(stream)
-        alloc, view = self._resolve(buf)
+        queue = self._dev.queue_for(stream)
+        alloc, view = self._dev.resolve(buf)
         data = writable_bytes(dst)
         start = check_device_range(view, as_int(offset, "offset"), data.nbytes, "copy_d2h")
         if data.nbytes:
             with cl_errors("copy_d2h"):
                 event = cl.enqueue_copy(queue, data, alloc.mem, src_offset=start, is_blocking=True)
                 event.wait()  # releases the NannyEvent's hold on dst
-            self._track(event)
+            self._timing.track(event)
 
     def copy_d2d(
         self,
@@ -169,10 +164,10 @@ class OpenCLBackend:
         stream: Stream | None = None,
     ) -> None:
         """Asynchronous on the stream's queue."""
-        queue = self._queue_for(stream)
+        queue = self._dev.queue_for(stream)
         size = as_int(size, "size")
-        src_alloc, src_view = self._resolve(src)
-        dst_alloc, dst_view = self._resolve(dst)
+        src_alloc, src_view = self._dev.resolve(src)
+        dst_alloc, dst_view = self._dev.resolve(dst)
         s = check_device_range(src_view, as_int(src_offset, "src_offset"), size, "copy_d2d source")
         d = check_device_range(dst_view, as_int(dst_offset, "dst_offset"), size, "copy_d2d destination")
         if size == 0:
@@ -184,24 +179,24 @@ class OpenCLBackend:
             )
         with cl_errors("copy_d2d"):
             event = cl.enqueue_copy(queue, dst_alloc.mem, src_alloc.mem, byte_count=size, src_offset=s, dst_offset=d)
-        self._track(event)
+        self._timing.track(event)
 
     def memset(
         self, buf: Buffer, value: int, size: int | None = None, offset: int = 0, stream: Stream | None = None
     ) -> None:
         """Fill ``size`` bytes (default: to the end of the view) with the byte ``value``; asynchronous."""
-        queue = self._queue_for(stream)
+        queue = self._dev.queue_for(stream)
         value = as_int(value, "memset value")
         if not 0 <= value <= 255:
             raise InvalidArgument(f"memset value must be a byte (0..255), got {value}")
-        alloc, view = self._resolve(buf)
+        alloc, view = self._dev.resolve(buf)
         offset = as_int(offset, "offset")
         size = max(view.nbytes - offset, 0) if size is None else as_int(size, "size")
         start = check_device_range(view, offset, size, "memset")
         if size:
             with cl_errors("memset"):
                 event = cl.enqueue_fill_buffer(queue, alloc.mem, np.array([value], dtype=np.uint8), start, size)
-            self._track(event)
+            self._timing.track(event)
 
     # -- library operations ----------------------------------------------------------------------
 
@@ -212,18 +207,18 @@ class OpenCLBackend:
         PoCL's device is the host CPU, so NumPy on a copy is the device's own library; a discrete OpenCL GPU would
         pay a PCIe round trip each way, which is the price of having no BLAS / LAPACK / FFT in OpenCL C here.
         """
-        queue = self._queue_for(stream)
+        queue = self._dev.queue_for(stream)
         ins, outs, checked = _library.check_library_call(op, inputs, outputs, params,
-                                                         lambda buf: self._resolve(buf)[1])
+                                                         lambda buf: self._dev.resolve(buf)[1])
         host_inputs = [np.empty(ref.shape, ref.dtype) for ref in ins]
         for ref, host in zip(ins, host_inputs, strict=True):
             if host.nbytes:
                 # The stream's in-order queue: the copy waits for the work queued before it.
                 with cl_errors(f"run_library of {op!r}"):
-                    event = cl.enqueue_copy(queue, host, self._resolve(ref.buffer)[0].mem,
+                    event = cl.enqueue_copy(queue, host, self._dev.resolve(ref.buffer)[0].mem,
                                             src_offset=ref.buffer.offset, is_blocking=True)
                     event.wait()
-                self._track(event)
+                self._timing.track(event)
         host_outputs = [np.empty(ref.shape, ref.dtype) for ref in outs]
         started = time.perf_counter()
         try:
@@ -235,27 +230,27 @@ class OpenCLBackend:
         for ref, host in zip(outs, host_outputs, strict=True):
             if host.nbytes:
                 with cl_errors(f"run_library of {op!r}"):
-                    event = cl.enqueue_copy(queue, self._resolve(ref.buffer)[0].mem, host,
+                    event = cl.enqueue_copy(queue, self._dev.resolve(ref.buffer)[0].mem, host,
                                             dst_offset=ref.buffer.offset, is_blocking=True)
                     event.wait()
-                self._track(event)
+                self._timing.track(event)
 
     # -- events ----------------------------------------------------------------------------------
 
     def _marker(self, event: Event) -> _Marker:
-        self._ready()
+        self._dev.ready()
         if not isinstance(event, Event):
             raise InvalidArgument(f"expected an Event, got {type(event).__name__}")
         return self._markers.get(event.handle)
 
     def create_event(self) -> Event:
-        self._ready()
+        self._dev.ready()
         with self._lock:
             return Event(self._markers.add(_Marker()))
 
     def record_event(self, event: Event, stream: Stream | None = None) -> None:
         """A marker on the stream's queue: complete when everything enqueued before it is."""
-        marker, queue = self._marker(event), self._queue_for(stream)
+        marker, queue = self._marker(event), self._dev.queue_for(stream)
         with cl_errors("record_event"):
             marker.event = cl.enqueue_marker(queue)
             # Submitted now: another queue's barrier (or the host) may wait on it before this queue is flushed.
@@ -263,7 +258,7 @@ class OpenCLBackend:
 
     def wait_event(self, event: Event, stream: Stream | None = None) -> None:
         """A barrier on the stream's queue that waits for the marker: the device orders them, the host goes on."""
-        marker, queue = self._marker(event), self._queue_for(stream)
+        marker, queue = self._marker(event), self._dev.queue_for(stream)
         if marker.event is None:
             return
         with cl_errors("wait_event"):
@@ -283,7 +278,7 @@ class OpenCLBackend:
     # -- streams ---------------------------------------------------------------------------------
 
     def create_stream(self) -> Stream:
-        self._ready()
+        self._dev.ready()
         context, device = self._dev.context, self._dev.device
         assert context is not None and device is not None  # set together with info: ready() passed
         with cl_errors("create_stream"):
@@ -295,7 +290,7 @@ class OpenCLBackend:
         """Finish the stream's work, then drop its queue."""
         if stream is None:
             raise InvalidArgument("destroy_stream needs a Stream; the default stream cannot be destroyed")
-        queue = self._queue_for(stream)
+        queue = self._dev.queue_for(stream)
         with cl_errors("destroy_stream"):
             queue.finish()
         with self._lock:
@@ -306,10 +301,10 @@ class OpenCLBackend:
     def synchronize(self, stream: Stream | None = None) -> None:
         """Wait for one stream, or for every queue when ``stream`` is None."""
         if stream is None:
-            self._ready()
+            self._dev.ready()
             queues = self._dev.all_queues()
         else:
-            queues = [self._queue_for(stream)]
+            queues = [self._dev.queue_for(stream)]
         with cl_errors("synchronize"):
             for queue in queues:
                 queue.finish()

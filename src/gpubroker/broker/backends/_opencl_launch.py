@@ -35,12 +35,8 @@ class OpenCLCode:
 
     def __init__(self, device: OpenCLDevice, timing: OpenCLTiming) -> None:
         self._dev = device
-        # The device's lock and helpers, and the timing's track, bound once: a launch looks each up on this object.
+        self._timing = timing
         self._lock = device.lock
-        self._ready = device.ready
-        self._queue_for = device.queue_for
-        self._resolve = device.resolve
-        self._track = timing.track
         self._modules: HandleTable[ModuleRec] = HandleTable("mod")
         self._kernels: HandleTable[KernelRec] = HandleTable("kern")
         # Sub-buffers made for launches stay referenced until their launch completes.
@@ -58,7 +54,7 @@ class OpenCLCode:
 
     def load_module(self, image: str | bytes, format: ModuleFormat, options: Sequence[str] = ()) -> Module:
         """Build OpenCL C source into a module; binary formats are CUDA-only."""
-        self._ready()
+        self._dev.ready()
         if format is not ModuleFormat.OPENCL_C:
             shown = format.value if isinstance(format, ModuleFormat) else repr(format)
             raise InvalidArgument(
@@ -92,7 +88,7 @@ class OpenCLCode:
 
     def get_kernel(self, module: Module, name: str) -> Kernel:
         """A fresh kernel object for ``name``; it belongs to ``module``."""
-        self._ready()
+        self._dev.ready()
         if not isinstance(module, Module):
             raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
         rec = self._modules.get(module.handle)
@@ -111,7 +107,7 @@ class OpenCLCode:
 
     def unload_module(self, module: Module) -> None:
         """Drop a module and every kernel taken from it; launches already queued still run."""
-        self._ready()
+        self._dev.ready()
         if not isinstance(module, Module):
             raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
         with self._lock:
@@ -130,11 +126,11 @@ class OpenCLCode:
     ) -> None:
         """Queue a launch: grid work-groups of block work-items. With shared_mem > 0 the kernel's last
         parameter must be a __local pointer, which receives shared_mem bytes (the caller does not pass it)."""
-        self._ready()
+        self._dev.ready()
         checker = self._dev.checker
         assert checker is not None
         shape = checker.check(grid, block, args, shared_mem)
-        queue = self._queue_for(stream)
+        queue = self._dev.queue_for(stream)
         if not isinstance(kernel, Kernel):
             raise InvalidArgument(f"expected a Kernel, got {type(kernel).__name__}")
         rec = self._kernels.get(kernel.handle)
@@ -164,7 +160,7 @@ class OpenCLCode:
                 self._in_flight = [e for e in self._in_flight if not self._done(e[1])]
             if subs:
                 self._in_flight.append((queue, event, subs))
-            self._track(event)
+            self._timing.track(event)
 
     def _check_plan(self, rec: KernelRec, shape: LaunchShape) -> None:
         """The checks that need the kernel: work-group limits, local memory, each arg against its parameter."""
@@ -184,7 +180,7 @@ class OpenCLCode:
 
     def _mem_arg(self, arg: Buffer, index: int, subs: list[cl.Buffer]) -> cl.Buffer:
         """The cl.Buffer for a kernel arg; a view with an offset becomes a sub-buffer."""
-        alloc, view = self._resolve(arg)
+        alloc, view = self._dev.resolve(arg)
         if view.offset == 0:
             return alloc.mem
         if not 0 < view.offset < view.size:
