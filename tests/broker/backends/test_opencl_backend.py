@@ -9,7 +9,7 @@ import numpy as np
 import pyopencl as cl
 import pytest
 
-from gpubroker.broker.backends import _opencl
+from gpubroker.broker.backends import _opencl_timing
 from gpubroker.broker.backends._opencl import OpenCLBackend, list_opencl_devices
 from gpubroker.broker.backends._opencl_info import translate_cl_error
 from gpubroker.client import (
@@ -171,17 +171,17 @@ def test_cl_errors_are_translated() -> None:
 
 
 def test_device_time_events_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_opencl, "_FOLD_EVENTS", 64)
+    monkeypatch.setattr(_opencl_timing, "FOLD_EVENTS", 64)
     with OpenCLBackend(0) as backend:
         buf = backend.allocate_memory(64 << 10)
         longest = 0
         for i in range(1, 20 * 64 + 1):
             backend.memset(buf, 3)
-            longest = max(longest, len(backend._events))
+            longest = max(longest, len(backend._timing._events))
             if i % 64 == 0:
                 backend.synchronize()
         # Without folding the list would hold all 1280 events; with it, completed ones leave once 64 pile up.
         assert longest <= 2 * 64 + 1, longest
         total = backend.take_device_time()
         assert total > 0
-        assert backend._events == [] and backend.take_device_time() == 0.0
+        assert backend._timing._events == [] and backend.take_device_time() == 0.0

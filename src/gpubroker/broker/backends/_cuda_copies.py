@@ -1,35 +1,33 @@
 """The cuda backend's host<->device and device<->device copies, memsets and host-memory pinning.
 
-A mixin of ``CudaBackend`` (in ``_cuda``), which owns the state these methods use: ``_use``, ``_resolve``,
-``_stream``, ``_fail`` and the device timer ``_timer``. ``_cuda_host`` declares them for the type checker.
+``CudaCopies`` is one part of ``CudaBackend`` (in ``_cuda``); it holds the device state (``CudaDevice``) for its
+helpers (``use``, ``resolve``, ``stream``, ``fail``) and its device timer.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from cupy.cuda import runtime
 
+from gpubroker.broker.backends._cuda_device import CudaDevice
 from gpubroker.wire.errors import InvalidArgument
 from gpubroker.wire.host import HostBuffer, check_device_range, readable_bytes, writable_bytes
 from gpubroker.wire.types import Buffer, Stream
 
-__all__ = ["CudaCopyMixin"]
-
-if TYPE_CHECKING:
-    from gpubroker.broker.backends._cuda_host import CudaHost
-else:
-    CudaHost = object  # the type checker's view of CudaBackend's members; a plain mixin at run time
+__all__ = ["CudaCopies"]
 
 
-class CudaCopyMixin(CudaHost):
+class CudaCopies:
     """copy_h2d, copy_d2h, copy_d2d, memset and (un)register_host_memory for ``CudaBackend``."""
 
+    def __init__(self, device: CudaDevice) -> None:
+        self._dev = device
+        self._timer = device.timer
+
     def copy_h2d(self, src: HostBuffer, buf: Buffer, offset: int = 0, stream: Stream | None = None) -> None:
-        self._use()
+        self._dev.use()
         view = readable_bytes(src)
-        (mem, buf), s = self._resolve(buf), self._stream(stream)
+        (mem, buf), s = self._dev.resolve(buf), self._dev.stream(stream)
         start = check_device_range(buf, offset, view.nbytes, "copy_h2d")
         if view.nbytes == 0:
             return
@@ -43,12 +41,12 @@ class CudaCopyMixin(CudaHost):
                 timer.close(s.ptr)  # we wait next: the host's idle time must not count
             s.synchronize()  # the caller may reuse src as soon as we return
         except Exception as exc:
-            raise self._fail("copy_h2d", exc) from exc
+            raise self._dev.fail("copy_h2d", exc) from exc
 
     def copy_d2h(self, buf: Buffer, dst: HostBuffer, offset: int = 0, stream: Stream | None = None) -> None:
-        self._use()
+        self._dev.use()
         view = writable_bytes(dst)
-        (mem, buf), s = self._resolve(buf), self._stream(stream)
+        (mem, buf), s = self._dev.resolve(buf), self._dev.stream(stream)
         start = check_device_range(buf, offset, view.nbytes, "copy_d2h")
         if view.nbytes == 0:
             return
@@ -62,34 +60,34 @@ class CudaCopyMixin(CudaHost):
                 timer.close(s.ptr)
             s.synchronize()  # dst must hold the data when we return
         except Exception as exc:
-            raise self._fail("copy_d2h", exc) from exc
+            raise self._dev.fail("copy_d2h", exc) from exc
 
     def register_host_memory(self, host: HostBuffer) -> int:
         """Page-lock a host range (a shared-memory segment) so copy_h2d / copy_d2h on views of it DMA directly.
 
         Returns the address to pass to unregister_host_memory, which must run before the range is unmapped.
         """
-        self._use()
+        self._dev.use()
         view = readable_bytes(host)
         ptr, size = int(np.frombuffer(view, dtype=np.uint8).ctypes.data), view.nbytes  # its address; no copy
         view.release()  # a live export would keep the caller from unmapping it later
         try:
             runtime.hostRegister(ptr, size, 0)  # cudaHostRegisterDefault
         except Exception as exc:
-            raise self._fail("register host memory", exc) from exc
+            raise self._dev.fail("register host memory", exc) from exc
         return ptr
 
     def unregister_host_memory(self, ptr: int) -> None:
-        self._use()
+        self._dev.use()
         try:
             runtime.hostUnregister(ptr)
         except Exception as exc:
-            raise self._fail("unregister host memory", exc) from exc
+            raise self._dev.fail("unregister host memory", exc) from exc
 
     def copy_d2d(self, src: Buffer, dst: Buffer, size: int, src_offset: int = 0, dst_offset: int = 0,
                  stream: Stream | None = None) -> None:
-        self._use()
-        (smem, src), (dmem, dst), s = self._resolve(src), self._resolve(dst), self._stream(stream)
+        self._dev.use()
+        (smem, src), (dmem, dst), s = self._dev.resolve(src), self._dev.resolve(dst), self._dev.stream(stream)
         a = check_device_range(src, src_offset, size, "copy_d2d source")
         b = check_device_range(dst, dst_offset, size, "copy_d2d destination")
         if size == 0:
@@ -102,14 +100,14 @@ class CudaCopyMixin(CudaHost):
                 timer.begin(s.ptr)
                 runtime.memcpyAsync(dmem.ptr + b, smem.ptr + a, size, runtime.memcpyDeviceToDevice, s.ptr)
         except Exception as exc:
-            raise self._fail("copy_d2d", exc) from exc
+            raise self._dev.fail("copy_d2d", exc) from exc
 
     def memset(self, buf: Buffer, value: int, size: int | None = None, offset: int = 0,
                stream: Stream | None = None) -> None:
-        self._use()
+        self._dev.use()
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 0 <= value <= 255:
             raise InvalidArgument(f"memset value must be a byte (0..255), got {value!r}")
-        (mem, buf), s = self._resolve(buf), self._stream(stream)
+        (mem, buf), s = self._dev.resolve(buf), self._dev.stream(stream)
         if size is None:
             size = max(0, buf.nbytes - offset) if isinstance(offset, int) else 0
         start = check_device_range(buf, offset, size, "memset")
@@ -121,4 +119,4 @@ class CudaCopyMixin(CudaHost):
                 timer.begin(s.ptr)
                 runtime.memsetAsync(mem.ptr + start, int(value), size, s.ptr)
         except Exception as exc:
-            raise self._fail("memset", exc) from exc
+            raise self._dev.fail("memset", exc) from exc

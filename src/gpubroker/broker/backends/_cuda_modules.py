@@ -1,20 +1,21 @@
 """The cuda backend's modules, kernels and launches: NVRTC compilation, PTX / cubin / fatbin loading,
 kernel lookup and the launch itself.
 
-A mixin of ``CudaBackend`` (in ``_cuda``), which owns the state these methods use: ``_use``, ``_fail``,
-``_resolve``, ``_stream``, the handle tables, the launch checker, ``_smem_optin`` and the timer ``_timer``.
-``_cuda_host`` declares them for the type checker.
+``CudaCode`` is one part of ``CudaBackend`` (in ``_cuda``): it owns the module and kernel tables, and holds the
+device state (``CudaDevice``) for its helpers (``use``, ``fail``, ``resolve``, ``stream``), its launch checker, its
+shared-memory limit and its device timer.
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from cupy.cuda import driver, function, runtime
 from cupy.cuda.memory import Memory
 
+from gpubroker.broker.backends._common import HandleTable
+from gpubroker.broker.backends._cuda_device import CudaDevice
 from gpubroker.broker.backends._cuda_driver import driver_extras
 from gpubroker.broker.backends._cuda_util import (
     BAD_IMAGE,
@@ -28,12 +29,7 @@ from gpubroker.broker.backends._cuda_util import (
 from gpubroker.wire.errors import CompileError, InvalidArgument
 from gpubroker.wire.types import Buffer, Dim3, Kernel, KernelArg, Module, ModuleFormat, Stream
 
-__all__ = ["CudaCodeMixin", "PreparedLaunch"]
-
-if TYPE_CHECKING:
-    from gpubroker.broker.backends._cuda_host import CudaHost
-else:
-    CudaHost = object  # the type checker's view of CudaBackend's members; a plain mixin at run time
+__all__ = ["CudaCode", "PreparedLaunch"]
 
 _MAX_DYNAMIC_SHARED = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _DIMS_MAX = 16  # (grid, block, shared_mem) shapes remembered per prepared launch
@@ -55,25 +51,32 @@ class PreparedLaunch:
         self.keep: object = None  # what the array points into (values, allocations): alive while this is
 
 
-class CudaCodeMixin(CudaHost):
-    """compile_kernel, load_module, get_kernel, unload_module and execute_kernel for ``CudaBackend``."""
+class CudaCode:
+    """compile_kernel, load_module, get_kernel, unload_module and execute_kernel (and the worker's
+    prepare_launch / launch_prepared) for ``CudaBackend``."""
+
+    def __init__(self, device: CudaDevice) -> None:
+        self._dev = device
+        self._timer = device.timer
+        self.modules: HandleTable[ModuleRec] = HandleTable("module")
+        self.kernels: HandleTable[KernelRec] = HandleTable("kernel")
 
     # -- code --------------------------------------------------------------------------------
     def compile_kernel(self, source: str, name: str, options: Sequence[str] = ()) -> Kernel:
         """Compile CUDA C with NVRTC and return kernel ``name`` (declare it ``extern "C"``)."""
-        self._use()
+        self._dev.use()
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"kernel name must be a non-empty str, got {name!r}")
         try:
             source = as_source(source)
             rec = make_kernel_rec(compile_module(source, options), name, None, source)
         except Exception as exc:
-            raise self._fail(f"compile kernel {name!r}", exc) from exc
-        return Kernel(self._kernels.add(rec), name)
+            raise self._dev.fail(f"compile kernel {name!r}", exc) from exc
+        return Kernel(self.kernels.add(rec), name)
 
     def load_module(self, image: str | bytes, format: ModuleFormat, options: Sequence[str] = ()) -> Module:
         """Load CUDA C (compiled; ``options`` go to NVRTC), PTX, cubin or fatbin."""
-        self._use()
+        self._dev.use()
         if not isinstance(format, ModuleFormat) or format is ModuleFormat.OPENCL_C:
             raise InvalidArgument(f"the CUDA backend cannot load {format!r}")
         if not isinstance(image, (str, bytes, bytearray, memoryview)):
@@ -94,41 +97,41 @@ class CudaCodeMixin(CudaHost):
                 mod = function.Module()
                 mod.load(data)
         except Exception as exc:
-            err = self._fail(f"load {format.name} module", exc)
+            err = self._dev.fail(f"load {format.name} module", exc)
             if format is ModuleFormat.PTX and err.details.get("cuda_error") in BAD_IMAGE:
                 err = CompileError(err.message, log=err.message, cuda_error=err.details["cuda_error"])
             raise err from exc
         names = driver_extras().function_names(mod.ptr)
-        return Module(self._modules.add(ModuleRec(mod, source)), names)
+        return Module(self.modules.add(ModuleRec(mod, source)), names)
 
     def get_kernel(self, module: Module, name: str) -> Kernel:
-        self._use()
+        self._dev.use()
         if not isinstance(module, Module):
             raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
-        rec = self._modules.get(module.handle)
+        rec = self.modules.get(module.handle)
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"kernel name must be a non-empty str, got {name!r}")
         if name not in rec.kernels:
             try:
                 krec = make_kernel_rec(rec.module, name, module.handle, rec.source)
             except Exception as exc:
-                raise self._fail(f"get kernel {name!r}", exc) from exc
-            rec.kernels[name] = self._kernels.add(krec)
+                raise self._dev.fail(f"get kernel {name!r}", exc) from exc
+            rec.kernels[name] = self.kernels.add(krec)
         return Kernel(rec.kernels[name], name)
 
     def unload_module(self, module: Module) -> None:
         """Unload a module; its kernels' handles become NOT_FOUND."""
-        self._use()
+        self._dev.use()
         if not isinstance(module, Module):
             raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
-        rec = self._modules.get(module.handle)
+        rec = self.modules.get(module.handle)
         try:
             runtime.deviceSynchronize()  # no launch of its code may still be running
         except Exception as exc:
-            raise self._fail("unload_module", exc) from exc
-        self._modules.pop(module.handle)
+            raise self._dev.fail("unload_module", exc) from exc
+        self.modules.pop(module.handle)
         for handle in rec.kernels.values():
-            self._kernels.pop(handle)
+            self.kernels.pop(handle)
 
     # -- launch ------------------------------------------------------------------------------
     def execute_kernel(self, kernel: Kernel, grid: int | Sequence[int], block: int | Sequence[int],
@@ -142,16 +145,16 @@ class CudaCodeMixin(CudaHost):
         The worker keeps one per (kernel, arguments as sent) and drops it with any buffer or kernel it names.
         It holds the allocations it points into, so a stale one can never launch on freed memory.
         """
-        self._use()
+        self._dev.use()
         if not isinstance(kernel, Kernel):
             raise InvalidArgument(f"expected a Kernel, got {type(kernel).__name__}")
-        return PreparedLaunch(self._kernels.get(kernel.handle), args)
+        return PreparedLaunch(self.kernels.get(kernel.handle), args)
 
     def launch_prepared(self, prep: PreparedLaunch, grid: int | Sequence[int], block: int | Sequence[int],
                         shared_mem: int = 0, stream: Stream | None = None) -> None:
         """Launch ``prep``: a (grid, block, shared_mem) it launched with before skips every check (they read
         nothing else), and its packed argument array goes straight to cuLaunchKernel."""
-        self._use()
+        self._dev.use()
         # Only exact tuples and ints (the protocol's types) are memo keys, so equal keys always check equally.
         key = (grid, block, shared_mem) if type(grid) is tuple and type(block) is tuple \
             and type(shared_mem) is int else None
@@ -162,7 +165,7 @@ class CudaCodeMixin(CudaHost):
                 if len(prep.dims) >= _DIMS_MAX:
                     prep.dims.clear()
                 prep.dims[key] = dims
-        s = self._stream(stream)
+        s = self._dev.stream(stream)
         g, b = dims
         timer = self._timer
         try:
@@ -170,14 +173,14 @@ class CudaCodeMixin(CudaHost):
                 timer.begin(s.ptr)  # a dict lookup unless this is the stream's first command of the segment
                 _launch(prep.func, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, s.ptr, prep.params, 0)
         except Exception as exc:
-            raise self._fail(f"launch {prep.rec.name!r}", exc) from exc
+            raise self._dev.fail(f"launch {prep.rec.name!r}", exc) from exc
 
     def _admit(self, prep: PreparedLaunch, grid: int | Sequence[int], block: int | Sequence[int],
                shared_mem: int) -> tuple[Dim3, Dim3]:
         """Every check of a launch (the device's limits, then the kernel's), in the usual order; packs the
         arguments the first time."""
         rec = prep.rec
-        shape = self._checker.check(grid, block, prep.args, shared_mem)
+        shape = self._dev.checker.check(grid, block, prep.args, shared_mem)
         # The kernel-specific checks read only the block, shared_mem and the arg types: a signature that
         # passed them once for this kernel skips them (bounded memo; failures are never stored).
         plan = (shape.block, shared_mem, shape.kinds)
@@ -186,9 +189,10 @@ class CudaCodeMixin(CudaHost):
             if threads > rec.max_threads:
                 raise InvalidArgument(f"kernel {rec.name!r} can run at most {rec.max_threads} threads per block "
                                       f"(its register use), not {threads}")
-            if shared_mem > self._smem_optin:
+            smem_optin = self._dev.smem_optin
+            if shared_mem > smem_optin:
                 raise InvalidArgument(f"{shared_mem} bytes of dynamic shared memory exceeds the device's "
-                                      f"{self._smem_optin} per block")
+                                      f"{smem_optin} per block")
             if rec.params is not None:
                 check_params(rec, shape.args)
             rec.plans.add(plan)
@@ -198,7 +202,7 @@ class CudaCodeMixin(CudaHost):
             try:
                 driver.funcSetAttribute(rec.func.ptr, _MAX_DYNAMIC_SHARED, shared_mem)
             except Exception as exc:
-                raise self._fail(f"launch {rec.name!r}", exc) from exc
+                raise self._dev.fail(f"launch {rec.name!r}", exc) from exc
             rec.dynamic_shared = shared_mem
         return shape.grid, shape.block
 
@@ -212,7 +216,7 @@ class CudaCodeMixin(CudaHost):
         mems: list[Memory] = []
         for i, arg in enumerate(args):
             if isinstance(arg, Buffer):
-                mem, view = self._resolve(arg)
+                mem, view = self._dev.resolve(arg)
                 if view.offset > view.size:
                     raise InvalidArgument(f"view offset {view.offset} is past its {view.size}-byte allocation")
                 raw = (mem.ptr + view.offset).to_bytes(8, "little")

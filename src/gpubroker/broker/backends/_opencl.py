@@ -1,13 +1,14 @@
 """GpuCompute in-process on an OpenCL device through pyopencl (PoCL's CPU device when there is no GPU).
 
-The class is split by concept: programs, kernels and launches live in ``_opencl_launch``, device-time
-accounting in ``_opencl_timing``, device discovery and OpenCL helpers in ``_opencl_info``.
+The backend is composed of parts, one per concept, each holding the device state it works on: ``OpenCLDevice``
+(``_opencl_device``: context, queues, allocations, lock) is shared by ``OpenCLCode`` (``_opencl_launch``:
+programs, kernels and launches) and ``OpenCLTiming`` (``_opencl_timing``: device-time accounting). Memory, copies,
+library operations, events and streams are here; device discovery and OpenCL helpers in ``_opencl_info``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -17,18 +18,17 @@ import numpy as np
 import pyopencl as cl
 
 from gpubroker.broker.backends import _library
-from gpubroker.broker.backends._common import HandleTable, LaunchChecker
-from gpubroker.broker.backends._opencl_info import KernelRec, all_devices, as_int, cl_errors, describe_device
+from gpubroker.broker.backends._common import HandleTable
+from gpubroker.broker.backends._opencl_device import QUEUE_PROPS, Alloc, OpenCLDevice
+from gpubroker.broker.backends._opencl_info import as_int, cl_errors
 from gpubroker.broker.backends._opencl_info import list_opencl_devices as list_opencl_devices
-from gpubroker.broker.backends._opencl_launch import ModuleRec, OpenCLCodeMixin
-from gpubroker.broker.backends._opencl_timing import FOLD_EVENTS, QUEUE_PROPS, OpenCLTimingMixin
-from gpubroker.wire.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from gpubroker.broker.backends._opencl_launch import OpenCLCode
+from gpubroker.broker.backends._opencl_timing import OpenCLTiming
+from gpubroker.wire.errors import InvalidArgument, ResourceExhausted
 from gpubroker.wire.host import HostBuffer, check_device_range, readable_bytes, writable_bytes
 from gpubroker.wire.types import ArrayRef, Buffer, DeviceInfo, Event, Stream
 
 __all__ = ["OpenCLBackend", "list_opencl_devices"]
-
-_QUEUE_PROPS = QUEUE_PROPS
 
 
 @dataclass(slots=True)
@@ -36,94 +36,51 @@ class _Marker:
     event: cl.Event | None = None
 
 
-# The fold threshold's floor (see _opencl_timing). Read at call time through _fold_floor, so patching this
-# module's name (as the tests do) still takes effect.
-_FOLD_EVENTS = FOLD_EVENTS
-
-
-@dataclass
-class _Alloc:
-    mem: cl.Buffer
-    size: int
-
-
-class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
+class OpenCLBackend:
     """One OpenCL device, driven in-process. Construct cheaply; ``initialize()`` opens the device."""
 
     def __init__(self, device: int = 0) -> None:
-        self._index = as_int(device, "device")
-        self._device: cl.Device | None = None
-        self._context: cl.Context | None = None
-        self._queue: cl.CommandQueue | None = None
-        self._info: DeviceInfo | None = None
-        self._checker: LaunchChecker | None = None  # device-limit launch checks, memoized per signature
-        self._align = 1
-        self._max_alloc = 0
-        self._local_mem = 0
+        dev = self._dev = OpenCLDevice(as_int(device, "device"))
+        timing = self._timing = OpenCLTiming(dev)
+        code = self._code = OpenCLCode(dev, timing)
+        # The parts' GpuCompute methods, bound once: a launch calls OpenCLCode's method with no forwarding frame.
+        self.load_module = code.load_module
+        self.compile_kernel = code.compile_kernel
+        self.get_kernel = code.get_kernel
+        self.unload_module = code.unload_module
+        self.execute_kernel = code.execute_kernel
+        self.take_device_time = timing.take_device_time
+        self._lock = dev.lock
         self._allocated = 0
-        self._closed = False
-        # Guards bookkeeping and the set-args-then-enqueue pair (a cl.Kernel's args are shared state).
-        self._lock = threading.RLock()
-        self._buffers: HandleTable[_Alloc] = HandleTable("buf")
-        self._streams: HandleTable[cl.CommandQueue] = HandleTable("stream")
         # An event's last recorded marker; None: never recorded (complete, as in CUDA).
         self._markers: HandleTable[_Marker] = HandleTable("event")
-        self._modules: HandleTable[ModuleRec] = HandleTable("mod")
-        self._kernels: HandleTable[KernelRec] = HandleTable("kern")
-        # Sub-buffers made for launches stay referenced until their launch completes.
-        self._in_flight: list[tuple[cl.CommandQueue, cl.Event, list[cl.Buffer]]] = []
-        # Device-time accounting: events of commands issued since the last take_device_time, plus the
-        # seconds of completed ones already folded out of the list.
-        self._events: list[cl.Event] = []
-        self._folded = 0.0
-        self._fold_at = _FOLD_EVENTS
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def initialize(self) -> None:
         """Create the context and the default in-order queue; a second call does nothing."""
-        with self._lock:
-            if self._closed:
-                raise FailedPrecondition("the opencl backend is closed")
-            if self._context is not None:
-                return
-            devices = all_devices()
-            if not 0 <= self._index < len(devices):
-                raise NotFound(f"opencl device {self._index} not found ({len(devices)} device(s) available)")
-            device = devices[self._index]
-            with cl_errors("initialize"):
-                context = cl.Context([device])
-                self._queue = cl.CommandQueue(context, device, properties=_QUEUE_PROPS)
-                # mem_base_addr_align is in bits; sub-buffer origins must be multiples of it.
-                self._align = max(int(device.mem_base_addr_align) // 8, 1)
-                self._max_alloc = int(device.max_mem_alloc_size)
-                self._local_mem = int(device.local_mem_size)
-            self._info = describe_device(device, self._index)
-            self._checker = LaunchChecker(self._info)
-            self._device, self._context = device, context
+        self._dev.open()
 
     def close(self) -> None:
         """Finish all queued work and release everything; safe to call twice."""
+        dev = self._dev
         with self._lock:
-            if self._closed:
+            if dev.closed:
                 return
-            self._closed = True
-            for queue in self._all_queues():
+            dev.closed = True
+            for queue in dev.all_queues():
                 # Closing must release everything even if a queued command failed.
                 with contextlib.suppress(cl.Error):
                     queue.finish()
             # Keep the finished work's device time: a take after close still charges it.
-            self._fold_completed(drop_pending=True)
-            for handle in self._buffers.handles():
+            self._timing.fold_completed(drop_pending=True)
+            for handle in dev.buffers.handles():
                 with contextlib.suppress(cl.Error):
-                    self._buffers.pop(handle).mem.release()
-            self._in_flight.clear()
-            self._kernels = HandleTable("kern")
-            self._modules = HandleTable("mod")
-            self._streams = HandleTable("stream")
+                    dev.buffers.pop(handle).mem.release()
+            self._code.clear()
             self._markers = HandleTable("event")
             self._allocated = 0
-            self._queue = self._context = self._device = None
+            dev.release()
 
     def __enter__(self) -> OpenCLBackend:
         self.initialize()
@@ -134,44 +91,21 @@ class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
     ) -> None:
         self.close()
 
-    def _ready(self) -> DeviceInfo:
-        if self._closed:
-            raise FailedPrecondition("the opencl backend is closed")
-        if self._info is None:
-            raise FailedPrecondition("the opencl backend is not initialized; call initialize() first")
-        return self._info
-
-    def _all_queues(self) -> list[cl.CommandQueue]:
-        queues = [] if self._queue is None else [self._queue]
-        return queues + [self._streams.get(h) for h in self._streams.handles()]
-
-    def _fold_floor(self) -> int:
-        return _FOLD_EVENTS
-
-    def _queue_for(self, stream: Stream | None) -> cl.CommandQueue:
-        self._ready()
-        if stream is None:
-            assert self._queue is not None
-            return self._queue
-        if not isinstance(stream, Stream):
-            raise InvalidArgument(f"stream must be a Stream or None, got {type(stream).__name__}")
-        return self._streams.get(stream.handle)
-
     # -- device and memory -----------------------------------------------------------------------
 
     def device_info(self) -> DeviceInfo:
         """Real device properties; free_memory is total minus what this instance has allocated."""
-        info = self._ready()
+        info = self._dev.ready()
         return replace(info, free_memory=max(info.total_memory - self._allocated, 0))
 
     def allocate_memory(self, size: int) -> Buffer:
-        info = self._ready()
+        info = self._dev.ready()
         size = as_int(size, "allocation size")
         if size <= 0:
             raise InvalidArgument(f"allocation size must be > 0, got {size}")
-        if size > self._max_alloc:
+        if size > self._dev.max_alloc:
             raise ResourceExhausted(
-                f"cannot allocate {size} bytes: the device's largest single allocation is {self._max_alloc} bytes"
+                f"cannot allocate {size} bytes: the device's largest single allocation is {self._dev.max_alloc} bytes"
             )
         with self._lock:
             free = info.total_memory - self._allocated
@@ -179,37 +113,26 @@ class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
                 raise ResourceExhausted(
                     f"cannot allocate {size} bytes: {free} of {info.total_memory} bytes of device memory are free"
                 )
-            assert self._context is not None  # set together with _info, which _ready() checked
+            context = self._dev.context
+            assert context is not None  # set together with info, which ready() checked
             with cl_errors("allocate_memory"):
-                mem = cl.Buffer(self._context, cl.mem_flags.READ_WRITE, size)
+                mem = cl.Buffer(context, cl.mem_flags.READ_WRITE, size)
             self._allocated += size
-            return Buffer(self._buffers.add(_Alloc(mem, size)), size)
+            return Buffer(self._dev.buffers.add(Alloc(mem, size)), size)
 
     def free_memory(self, buf: Buffer) -> None:
-        self._ready()
+        self._dev.ready()
         with self._lock:
-            alloc = self._buffers.pop(self._handle_of(buf))
+            alloc = self._dev.buffers.pop(self._dev.handle_of(buf))
             self._allocated -= alloc.size
             # clReleaseMemObject defers the real free until queued commands using the buffer finish.
             with cl_errors("free_memory"):
                 alloc.mem.release()
 
-    @staticmethod
-    def _handle_of(buf: object) -> str:
-        if not isinstance(buf, Buffer):
-            raise InvalidArgument(f"expected a Buffer, got {type(buf).__name__}")
-        handle: str = buf.handle  # declared: mypy may see the handle as untyped (Any)
-        return handle
-
-    def _resolve(self, buf: Buffer) -> tuple[_Alloc, Buffer]:
-        """The allocation behind a view, and the view re-sized to the real allocation (never trust buf.size)."""
-        alloc = self._buffers.get(self._handle_of(buf))
-        return alloc, Buffer(buf.handle, alloc.size, as_int(buf.offset, "buffer offset"))
-
     def copy_h2d(self, src: HostBuffer, buf: Buffer, offset: int = 0, stream: Stream | None = None) -> None:
         """Blocking: returns once ``src`` has been read."""
-        queue = self._queue_for(stream)
-        alloc, view = self._resolve(buf)
+        queue = self._dev.queue_for(stream)
+        alloc, view = self._dev.resolve(buf)
         data = readable_bytes(src)
         start = check_device_range(view, as_int(offset, "offset"), data.nbytes, "copy_h2d")
         if data.nbytes:
@@ -217,19 +140,19 @@ class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
                 event = cl.enqueue_copy(queue, alloc.mem, data, dst_offset=start, is_blocking=True)
                 # A blocking copy's NannyEvent pins the host buffer until waited on; it is complete already.
                 event.wait()
-            self._track(event)
+            self._timing.track(event)
 
     def copy_d2h(self, buf: Buffer, dst: HostBuffer, offset: int = 0, stream: Stream | None = None) -> None:
         """Blocking: returns once ``dst`` holds the data."""
-        queue = self._queue_for(stream)
-        alloc, view = self._resolve(buf)
+        queue = self._dev.queue_for(stream)
+        alloc, view = self._dev.resolve(buf)
         data = writable_bytes(dst)
         start = check_device_range(view, as_int(offset, "offset"), data.nbytes, "copy_d2h")
         if data.nbytes:
             with cl_errors("copy_d2h"):
                 event = cl.enqueue_copy(queue, data, alloc.mem, src_offset=start, is_blocking=True)
                 event.wait()  # releases the NannyEvent's hold on dst
-            self._track(event)
+            self._timing.track(event)
 
     def copy_d2d(
         self,
@@ -241,10 +164,10 @@ class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
         stream: Stream | None = None,
     ) -> None:
         """Asynchronous on the stream's queue."""
-        queue = self._queue_for(stream)
+        queue = self._dev.queue_for(stream)
         size = as_int(size, "size")
-        src_alloc, src_view = self._resolve(src)
-        dst_alloc, dst_view = self._resolve(dst)
+        src_alloc, src_view = self._dev.resolve(src)
+        dst_alloc, dst_view = self._dev.resolve(dst)
         s = check_device_range(src_view, as_int(src_offset, "src_offset"), size, "copy_d2d source")
         d = check_device_range(dst_view, as_int(dst_offset, "dst_offset"), size, "copy_d2d destination")
         if size == 0:
@@ -256,24 +179,24 @@ class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
             )
         with cl_errors("copy_d2d"):
             event = cl.enqueue_copy(queue, dst_alloc.mem, src_alloc.mem, byte_count=size, src_offset=s, dst_offset=d)
-        self._track(event)
+        self._timing.track(event)
 
     def memset(
         self, buf: Buffer, value: int, size: int | None = None, offset: int = 0, stream: Stream | None = None
     ) -> None:
         """Fill ``size`` bytes (default: to the end of the view) with the byte ``value``; asynchronous."""
-        queue = self._queue_for(stream)
+        queue = self._dev.queue_for(stream)
         value = as_int(value, "memset value")
         if not 0 <= value <= 255:
             raise InvalidArgument(f"memset value must be a byte (0..255), got {value}")
-        alloc, view = self._resolve(buf)
+        alloc, view = self._dev.resolve(buf)
         offset = as_int(offset, "offset")
         size = max(view.nbytes - offset, 0) if size is None else as_int(size, "size")
         start = check_device_range(view, offset, size, "memset")
         if size:
             with cl_errors("memset"):
                 event = cl.enqueue_fill_buffer(queue, alloc.mem, np.array([value], dtype=np.uint8), start, size)
-            self._track(event)
+            self._timing.track(event)
 
     # -- library operations ----------------------------------------------------------------------
 
@@ -284,18 +207,18 @@ class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
         PoCL's device is the host CPU, so NumPy on a copy is the device's own library; a discrete OpenCL GPU would
         pay a PCIe round trip each way, which is the price of having no BLAS / LAPACK / FFT in OpenCL C here.
         """
-        queue = self._queue_for(stream)
+        queue = self._dev.queue_for(stream)
         ins, outs, checked = _library.check_library_call(op, inputs, outputs, params,
-                                                         lambda buf: self._resolve(buf)[1])
+                                                         lambda buf: self._dev.resolve(buf)[1])
         host_inputs = [np.empty(ref.shape, ref.dtype) for ref in ins]
         for ref, host in zip(ins, host_inputs, strict=True):
             if host.nbytes:
                 # The stream's in-order queue: the copy waits for the work queued before it.
                 with cl_errors(f"run_library of {op!r}"):
-                    event = cl.enqueue_copy(queue, host, self._resolve(ref.buffer)[0].mem,
+                    event = cl.enqueue_copy(queue, host, self._dev.resolve(ref.buffer)[0].mem,
                                             src_offset=ref.buffer.offset, is_blocking=True)
                     event.wait()
-                self._track(event)
+                self._timing.track(event)
         host_outputs = [np.empty(ref.shape, ref.dtype) for ref in outs]
         started = time.perf_counter()
         try:
@@ -303,32 +226,31 @@ class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
                 _library.run(np, op, host_inputs, host_outputs, checked)
         finally:
             # The device is this CPU: the library's time is device time, charged like a kernel's.
-            with self._lock:
-                self._folded += time.perf_counter() - started
+            self._timing.charge(time.perf_counter() - started)
         for ref, host in zip(outs, host_outputs, strict=True):
             if host.nbytes:
                 with cl_errors(f"run_library of {op!r}"):
-                    event = cl.enqueue_copy(queue, self._resolve(ref.buffer)[0].mem, host,
+                    event = cl.enqueue_copy(queue, self._dev.resolve(ref.buffer)[0].mem, host,
                                             dst_offset=ref.buffer.offset, is_blocking=True)
                     event.wait()
-                self._track(event)
+                self._timing.track(event)
 
     # -- events ----------------------------------------------------------------------------------
 
     def _marker(self, event: Event) -> _Marker:
-        self._ready()
+        self._dev.ready()
         if not isinstance(event, Event):
             raise InvalidArgument(f"expected an Event, got {type(event).__name__}")
         return self._markers.get(event.handle)
 
     def create_event(self) -> Event:
-        self._ready()
+        self._dev.ready()
         with self._lock:
             return Event(self._markers.add(_Marker()))
 
     def record_event(self, event: Event, stream: Stream | None = None) -> None:
         """A marker on the stream's queue: complete when everything enqueued before it is."""
-        marker, queue = self._marker(event), self._queue_for(stream)
+        marker, queue = self._marker(event), self._dev.queue_for(stream)
         with cl_errors("record_event"):
             marker.event = cl.enqueue_marker(queue)
             # Submitted now: another queue's barrier (or the host) may wait on it before this queue is flushed.
@@ -336,7 +258,7 @@ class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
 
     def wait_event(self, event: Event, stream: Stream | None = None) -> None:
         """A barrier on the stream's queue that waits for the marker: the device orders them, the host goes on."""
-        marker, queue = self._marker(event), self._queue_for(stream)
+        marker, queue = self._marker(event), self._dev.queue_for(stream)
         if marker.event is None:
             return
         with cl_errors("wait_event"):
@@ -356,34 +278,35 @@ class OpenCLBackend(OpenCLCodeMixin, OpenCLTimingMixin):
     # -- streams ---------------------------------------------------------------------------------
 
     def create_stream(self) -> Stream:
-        self._ready()
-        assert self._context is not None and self._device is not None  # set together with _info: _ready() passed
+        self._dev.ready()
+        context, device = self._dev.context, self._dev.device
+        assert context is not None and device is not None  # set together with info: ready() passed
         with cl_errors("create_stream"):
-            queue = cl.CommandQueue(self._context, self._device, properties=_QUEUE_PROPS)
+            queue = cl.CommandQueue(context, device, properties=QUEUE_PROPS)
         with self._lock:
-            return Stream(self._streams.add(queue))
+            return Stream(self._dev.streams.add(queue))
 
     def destroy_stream(self, stream: Stream) -> None:
         """Finish the stream's work, then drop its queue."""
         if stream is None:
             raise InvalidArgument("destroy_stream needs a Stream; the default stream cannot be destroyed")
-        queue = self._queue_for(stream)
+        queue = self._dev.queue_for(stream)
         with cl_errors("destroy_stream"):
             queue.finish()
         with self._lock:
-            self._streams.pop(stream.handle)
-            self._in_flight = [e for e in self._in_flight if e[0] is not queue]
-            self._fold_completed()  # its commands are done: their events need not outlive the queue
+            self._dev.streams.pop(stream.handle)
+            self._code.forget_queues([queue])
+            self._timing.fold_completed()  # its commands are done: their events need not outlive the queue
 
     def synchronize(self, stream: Stream | None = None) -> None:
         """Wait for one stream, or for every queue when ``stream`` is None."""
         if stream is None:
-            self._ready()
-            queues = self._all_queues()
+            self._dev.ready()
+            queues = self._dev.all_queues()
         else:
-            queues = [self._queue_for(stream)]
+            queues = [self._dev.queue_for(stream)]
         with cl_errors("synchronize"):
             for queue in queues:
                 queue.finish()
         with self._lock:
-            self._in_flight = [e for e in self._in_flight if not any(e[0] is q for q in queues)]
+            self._code.forget_queues(queues)

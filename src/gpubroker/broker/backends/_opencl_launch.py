@@ -1,30 +1,26 @@
 """The opencl backend's programs, kernels and launches: building OpenCL C, kernel lookup, argument binding.
 
-A mixin of ``OpenCLBackend`` (in ``_opencl``), which owns the state these methods use: the handle tables,
-the lock, the context and device, the launch checker and the in-flight sub-buffers.
-``_opencl_host`` declares them for the type checker.
+``OpenCLCode`` is one part of ``OpenCLBackend`` (in ``_opencl``): it owns the module and kernel tables and the
+sub-buffers of launches in flight, and holds the device state (``OpenCLDevice``: context, queues, allocations, lock,
+launch checker) and the device-time accounting (``OpenCLTiming``) that every launch reports its event to.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pyopencl as cl
 
-from gpubroker.broker.backends._common import LaunchShape
+from gpubroker.broker.backends._common import HandleTable, LaunchShape
+from gpubroker.broker.backends._opencl_device import OpenCLDevice
 from gpubroker.broker.backends._opencl_info import KernelRec, build_program, check_arg, cl_errors, translate_cl_error
+from gpubroker.broker.backends._opencl_timing import OpenCLTiming
 from gpubroker.wire.errors import InvalidArgument, NotFound
 from gpubroker.wire.types import Buffer, Kernel, Module, ModuleFormat, Stream
 
-__all__ = ["ModuleRec", "OpenCLCodeMixin"]
-
-if TYPE_CHECKING:
-    from gpubroker.broker.backends._opencl_host import OpenCLHost
-else:
-    OpenCLHost = object  # the type checker's view of OpenCLBackend's members; a plain mixin at run time
+__all__ = ["ModuleRec", "OpenCLCode"]
 
 
 @dataclass
@@ -34,12 +30,31 @@ class ModuleRec:
     kernels: set[str] = field(default_factory=set)
 
 
-class OpenCLCodeMixin(OpenCLHost):
+class OpenCLCode:
     """load_module, compile_kernel, get_kernel, unload_module and execute_kernel for ``OpenCLBackend``."""
+
+    def __init__(self, device: OpenCLDevice, timing: OpenCLTiming) -> None:
+        self._dev = device
+        self._timing = timing
+        self._lock = device.lock
+        self._modules: HandleTable[ModuleRec] = HandleTable("mod")
+        self._kernels: HandleTable[KernelRec] = HandleTable("kern")
+        # Sub-buffers made for launches stay referenced until their launch completes.
+        self._in_flight: list[tuple[cl.CommandQueue, cl.Event, list[cl.Buffer]]] = []
+
+    def clear(self) -> None:
+        """Drop every module, kernel and in-flight sub-buffer (the backend closes; its queues are finished)."""
+        self._in_flight.clear()
+        self._kernels = HandleTable("kern")
+        self._modules = HandleTable("mod")
+
+    def forget_queues(self, queues: list[cl.CommandQueue]) -> None:
+        """Release the sub-buffers of launches on ``queues``, which have just finished. Hold the lock."""
+        self._in_flight = [e for e in self._in_flight if not any(e[0] is q for q in queues)]
 
     def load_module(self, image: str | bytes, format: ModuleFormat, options: Sequence[str] = ()) -> Module:
         """Build OpenCL C source into a module; binary formats are CUDA-only."""
-        self._ready()
+        self._dev.ready()
         if format is not ModuleFormat.OPENCL_C:
             shown = format.value if isinstance(format, ModuleFormat) else repr(format)
             raise InvalidArgument(
@@ -65,14 +80,15 @@ class OpenCLCodeMixin(OpenCLHost):
             raise
 
     def _build(self, source: str, options: Sequence[str]) -> str:
-        assert self._context is not None and self._device is not None  # set together with _info: _ready() passed
-        program, kernel_names = build_program(self._context, self._device, source, options)
+        context, device = self._dev.context, self._dev.device
+        assert context is not None and device is not None  # set together with info: ready() passed
+        program, kernel_names = build_program(context, device, source, options)
         with self._lock:
             return self._modules.add(ModuleRec(program, kernel_names))
 
     def get_kernel(self, module: Module, name: str) -> Kernel:
         """A fresh kernel object for ``name``; it belongs to ``module``."""
-        self._ready()
+        self._dev.ready()
         if not isinstance(module, Module):
             raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
         rec = self._modules.get(module.handle)
@@ -81,8 +97,9 @@ class OpenCLCodeMixin(OpenCLHost):
                 f"kernel {name!r} is not in module {module.handle!r}; "
                 f"it has: {', '.join(rec.kernel_names) or '(no kernels)'}"
             )
-        assert self._device is not None  # set together with _info, which _ready() checked
-        kernel_rec = KernelRec.create(rec.program, name, module.handle, self._device)
+        device = self._dev.device
+        assert device is not None  # set together with info, which ready() checked
+        kernel_rec = KernelRec.create(rec.program, name, module.handle, device)
         with self._lock:
             handle = self._kernels.add(kernel_rec)
             rec.kernels.add(handle)
@@ -90,7 +107,7 @@ class OpenCLCodeMixin(OpenCLHost):
 
     def unload_module(self, module: Module) -> None:
         """Drop a module and every kernel taken from it; launches already queued still run."""
-        self._ready()
+        self._dev.ready()
         if not isinstance(module, Module):
             raise InvalidArgument(f"expected a Module, got {type(module).__name__}")
         with self._lock:
@@ -109,10 +126,11 @@ class OpenCLCodeMixin(OpenCLHost):
     ) -> None:
         """Queue a launch: grid work-groups of block work-items. With shared_mem > 0 the kernel's last
         parameter must be a __local pointer, which receives shared_mem bytes (the caller does not pass it)."""
-        self._ready()
-        assert self._checker is not None
-        shape = self._checker.check(grid, block, args, shared_mem)
-        queue = self._queue_for(stream)
+        self._dev.ready()
+        checker = self._dev.checker
+        assert checker is not None
+        shape = checker.check(grid, block, args, shared_mem)
+        queue = self._dev.queue_for(stream)
         if not isinstance(kernel, Kernel):
             raise InvalidArgument(f"expected a Kernel, got {type(kernel).__name__}")
         rec = self._kernels.get(kernel.handle)
@@ -142,12 +160,12 @@ class OpenCLCodeMixin(OpenCLHost):
                 self._in_flight = [e for e in self._in_flight if not self._done(e[1])]
             if subs:
                 self._in_flight.append((queue, event, subs))
-            self._track(event)
+            self._timing.track(event)
 
     def _check_plan(self, rec: KernelRec, shape: LaunchShape) -> None:
         """The checks that need the kernel: work-group limits, local memory, each arg against its parameter."""
         specs = rec.specs
-        rec.check_shape(shape.block, shape.shared_mem, self._local_mem)
+        rec.check_shape(shape.block, shape.shared_mem, self._dev.local_mem)
         if shape.shared_mem:
             specs = specs[:-1]
         if len(shape.args) != len(specs):
@@ -162,16 +180,17 @@ class OpenCLCodeMixin(OpenCLHost):
 
     def _mem_arg(self, arg: Buffer, index: int, subs: list[cl.Buffer]) -> cl.Buffer:
         """The cl.Buffer for a kernel arg; a view with an offset becomes a sub-buffer."""
-        alloc, view = self._resolve(arg)
+        alloc, view = self._dev.resolve(arg)
         if view.offset == 0:
             return alloc.mem
         if not 0 < view.offset < view.size:
             raise InvalidArgument(
                 f"kernel arg {index}: view offset {view.offset} leaves no bytes of its {view.size}-byte buffer"
             )
-        if view.offset % self._align:
+        align = self._dev.align
+        if view.offset % align:
             raise InvalidArgument(
-                f"kernel arg {index}: view offset {view.offset} is not a multiple of {self._align} bytes; "
+                f"kernel arg {index}: view offset {view.offset} is not a multiple of {align} bytes; "
                 f"this OpenCL device only passes views aligned to its mem_base_addr_align "
                 f"(pass the whole buffer and an index offset instead)"
             )

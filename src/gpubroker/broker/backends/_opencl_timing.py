@@ -1,38 +1,39 @@
 """The opencl backend's device-time accounting: every command's profiling event is kept until
 take_device_time charges it; completed ones are folded into a running total so the list stays bounded.
 
-A mixin of ``OpenCLBackend`` (in ``_opencl``), which owns the state: ``_lock``, ``_events``, ``_folded``,
-``_fold_at``, ``_closed`` and ``_all_queues()``. ``_opencl_host`` declares them for the type checker.
+``OpenCLTiming`` is one part of ``OpenCLBackend`` (in ``_opencl``); it holds the device state (``OpenCLDevice``)
+for its lock, its closed flag and its queues.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import pyopencl as cl
 
-__all__ = ["FOLD_EVENTS", "OpenCLTimingMixin", "QUEUE_PROPS", "seconds_if_done"]
+from gpubroker.broker.backends._opencl_device import OpenCLDevice
 
-if TYPE_CHECKING:
-    from gpubroker.broker.backends._opencl_host import OpenCLHost
-else:
-    OpenCLHost = object  # the type checker's view of OpenCLBackend's members; a plain mixin at run time
+__all__ = ["FOLD_EVENTS", "OpenCLTiming", "seconds_if_done"]
 
-# Every queue profiles its commands, so take_device_time can charge what the device really spent.
-QUEUE_PROPS = cl.command_queue_properties.PROFILING_ENABLE
-# Past this many untaken events, completed ones are folded into a running total (bounded memory).
+# Past this many untaken events, completed ones are folded into a running total (bounded memory). Read at call
+# time, so patching it (as the tests do) takes effect on the next backend.
 FOLD_EVENTS = 4096
 _START, _END = cl.profiling_info.START, cl.profiling_info.END
 _COMPLETE = cl.command_execution_status.COMPLETE
 
 
-class OpenCLTimingMixin(OpenCLHost):
+class OpenCLTiming:
     """take_device_time and the event bookkeeping behind it, for ``OpenCLBackend``."""
 
-    def _fold_floor(self) -> int:
-        """The fewest untaken events that trigger a fold; ``OpenCLBackend`` overrides it (see there)."""
-        return FOLD_EVENTS
+    def __init__(self, device: OpenCLDevice) -> None:
+        self._dev = device
+        self._lock = device.lock
+        # Events of commands issued since the last take_device_time, plus the seconds of completed ones already
+        # folded out of the list.
+        self._events: list[cl.Event] = []
+        self._folded = 0.0
+        self._fold_at = FOLD_EVENTS
 
     def take_device_time(self) -> float:
         """Wait for all queued work, then return the device seconds spent by commands issued since the last
@@ -41,8 +42,8 @@ class OpenCLTimingMixin(OpenCLHost):
         with self._lock:
             events, self._events = self._events, []
             total, self._folded = self._folded, 0.0
-            self._fold_at = self._fold_floor()
-            queues = [] if self._closed else self._all_queues()
+            self._fold_at = FOLD_EVENTS
+            queues = [] if self._dev.closed else self._dev.all_queues()
         if not events:
             return total
         # Every event taken above was enqueued before these finishes, so each is complete afterwards.
@@ -61,16 +62,21 @@ class OpenCLTimingMixin(OpenCLHost):
                 self._events[:0] = pending
         return total
 
-    def _track(self, event: cl.Event) -> None:
+    def track(self, event: cl.Event) -> None:
         """Keep a command's event for take_device_time; fold completed ones when too many pile up."""
         with self._lock:
             self._events.append(event)
             if len(self._events) > self._fold_at:
-                self._fold_completed()
+                self.fold_completed()
                 # Doubling keeps the folding amortized O(1) per command even when the queue runs far behind.
-                self._fold_at = max(self._fold_floor(), 2 * len(self._events))
+                self._fold_at = max(FOLD_EVENTS, 2 * len(self._events))
 
-    def _fold_completed(self, drop_pending: bool = False) -> None:
+    def charge(self, seconds: float) -> None:
+        """Add device time measured otherwise (the host's clock, for work the CPU device did in NumPy)."""
+        with self._lock:
+            self._folded += seconds
+
+    def fold_completed(self, drop_pending: bool = False) -> None:
         """Move the device time of completed (or failed) commands into the running total. Hold the lock."""
         keep: list[cl.Event] = []
         for event in self._events:
