@@ -18,7 +18,7 @@ from typing import Protocol, TypeGuard
 
 from gpubroker.broker.config import BrokerConfig
 from gpubroker.broker.front._placement import DeviceLoad, NoServingDevice, choose_device
-from gpubroker.broker.front.auth import UNAUTHENTICATED_MESSAGE
+from gpubroker.broker.front.auth import UNAUTHENTICATED_MESSAGE, RateLimitedLog
 from gpubroker.broker.front.workers import WorkerClient, WorkerPool
 from gpubroker.broker.sandbox import WorkerUidsExhausted
 from gpubroker.wire.errors import (
@@ -131,6 +131,9 @@ class SessionManager:
         # Host memory each tenant maps as shared-memory segments, until its worker has unmapped it.
         self.shared_used: dict[str, int] = {}
         self.draining = False
+        # A session's opening and end, logged for each tenant at most 20 lines in 10 s (then a count): a tenant
+        # cycling sessions as fast as the front answers wrote 60 KiB/s of the log.
+        self.lifecycle_log = RateLimitedLog(log)
         # Set while no session is open: a drain waits on it.
         self.idle = asyncio.Event()
         self.idle.set()
@@ -214,7 +217,8 @@ class SessionManager:
             if not self.reserved[tenant]:
                 del self.reserved[tenant]
         self.idle.clear()
-        log.info("session %s opened for tenant %s on device %d", session.id, tenant, device)
+        self.lifecycle_log.log(logging.INFO, f"sessions of tenant {tenant}",
+                               "session %s opened for tenant %s on device %d", session.id, tenant, device)
         return session
 
     def place(self, tenant: str) -> int:
@@ -263,7 +267,8 @@ class SessionManager:
                     pass
             self.release_shared(session, session.shared_bytes)  # the worker's close_session unmapped them
             session.segments.clear()
-            log.info("session %s of tenant %s %s", session.id, session.tenant, reason)
+            self.lifecycle_log.log(logging.INFO, f"sessions of tenant {session.tenant}", "session %s of tenant %s %s",
+                                   session.id, session.tenant, reason)
         finally:
             if not self.sessions:
                 self.idle.set()

@@ -309,18 +309,23 @@ class RateLimitedLog:
     def __init__(self, logger: logging.Logger, burst: int = 20, window: float = 10.0) -> None:
         self.logger, self.burst, self.window = logger, burst, window
         self._state: dict[str, list[float]] = {}  # kind -> [window start, lines, suppressed]
+        self._levels: dict[str, int] = {}  # kind -> the level of its lines (and of the line saying what was left out)
 
     def warning(self, kind: str, msg: str, *args: object) -> None:
+        self.log(logging.WARNING, kind, msg, *args)
+
+    def log(self, level: int, kind: str, msg: str, *args: object) -> None:
         now = time.monotonic()
         if kind not in self._state and len(self._state) >= _MAX_KINDS:
             self._forget(now)
         state = self._state.setdefault(kind, [now, 0, 0])
+        self._levels[kind] = level
         if now - state[0] >= self.window:
             self._flush(kind)
             state[:] = [now, 0, 0]
         if state[1] < self.burst:
             state[1] += 1
-            self.logger.warning(msg, *args)
+            self.logger.log(level, msg, *args)
             return
         state[2] += 1
         if state[2] == 1:  # say how many were left out at the window's end, even if the flood stops
@@ -333,12 +338,13 @@ class RateLimitedLog:
         for kind in [k for k, state in self._state.items() if now - state[0] >= self.window]:
             self._flush(kind)
             del self._state[kind]
+            self._levels.pop(kind, None)
 
     def _flush(self, kind: str) -> None:
         state = self._state.get(kind)
         if state is not None and state[2]:
-            self.logger.warning("%s: %d more like this in the last %.0f s (not logged)", kind, int(state[2]),
-                                time.monotonic() - state[0])
+            self.logger.log(self._levels.get(kind, logging.WARNING), "%s: %d more like this in the last %.0f s (not "
+                            "logged)", kind, int(state[2]), time.monotonic() - state[0])
             state[2] = 0
 
 

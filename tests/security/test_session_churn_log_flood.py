@@ -1,6 +1,6 @@
-"""One tenant writes the front's log at 60 KiB/s by opening and closing sessions: nothing rate-limits it.
+"""One tenant cannot write the front's log at 60 KiB/s by opening and closing sessions (issue 21, round 5).
 
-The hole: every OpenSession and CloseSession writes an INFO line (``gpubroker.sessions``: "session ... opened for
+The hole was: every OpenSession and CloseSession writes an INFO line (``gpubroker.sessions``: "session ... opened for
 tenant ... on device 0", "session ... of tenant ... closed"), about 230 bytes a cycle, and nothing bounds how often a
 tenant may cycle: ``max_sessions_per_tenant`` counts open sessions, ``max_inflight_per_tenant`` calls in flight,
 neither a rate. A session on a worker that is already up costs the tenant a couple of round trips. So a tenant
@@ -12,9 +12,8 @@ journald's rate limit, where it applies, then drops *other* tenants' and the aud
 Measured (2-core VM, PoCL, defaults): 3 threads of one tenant, each ``connect(...); close()`` in a loop, made 1,328
 sessions in 5 s; the log grew by 309 KiB (62 KiB/s; a ``transport="link"`` session: 39 KiB/s).
 
-Suggested fix: log session opens and closes at DEBUG, or aggregated per tenant (counts per interval), or through
-the same per-tenant rate limit as worker output with a dropped-lines counter (as refusals are audited,
-rate-limited); and consider a per-tenant rate of OpenSession (each also costs the front a worker round trip).
+The fix: a session's opening and end are logged through a per-tenant rate limit (20 lines in 10 s, then one line
+counting the rest, as refusals are audited).
 """
 
 from __future__ import annotations
