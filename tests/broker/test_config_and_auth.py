@@ -24,7 +24,7 @@ from gpubroker.broker.config import (
     parse_uid_range,
     save_config,
 )
-from gpubroker.broker.front.auth import TokenVerifier, hash_token, mint_token
+from gpubroker.broker.front.auth import TokenVerifier, hash_token, mint_token, peer_key
 from gpubroker.client import AlreadyExists, InvalidArgument, Unauthenticated
 
 
@@ -201,3 +201,13 @@ def test_worker_uids_is_a_range_and_the_old_worker_uid_names_its_replacement() -
     # One uid shared by every worker was the hole: the key is refused, saying what replaced it.
     with pytest.raises(InvalidArgument, match=r"\[broker\] worker_uid: replaced by worker_uids"):
         parse_config({"broker": {"worker_uid": 65534}})
+
+
+def test_a_failed_authentication_is_charged_to_a_local_peer_by_its_uid() -> None:
+    """The gRPC gate names a local peer ``ADDRESS:PORT uid=N``: reconnecting from another port or loopback address
+    must not give a guesser a fresh failure delay (the key kept the port, each connection a new peer)."""
+    keys = {peer_key(p) for p in ("ipv4:127.0.0.1:41234 uid=1000", "ipv4:127.0.0.2:41235 uid=1000",
+                                  "ipv6:[::1]:5555 uid=1000", "unix:/run/gpubroker.sock uid=1000")}
+    assert keys == {"uid:1000"}
+    assert peer_key("ipv4:10.0.0.5:41234") == peer_key("ipv4:10.0.0.5:9") == "ipv4:10.0.0.5"
+    assert peer_key("ipv4:127.0.0.1:41234 uid=1001") != peer_key("ipv4:127.0.0.1:41234 uid=1000")

@@ -268,7 +268,11 @@ def peer_credentials(sock: socket.socket | None) -> tuple[int, int]:
 
 def peer_key(peer: str) -> str:
     """Whom a failure is charged to: a gRPC peer's address without its port (``ipv4:10.0.0.5:41234`` ->
-    ``ipv4:10.0.0.5``), a Unix peer's ``uid:N``; gRPC's own Unix peers carry no credentials, so they share one."""
+    ``ipv4:10.0.0.5``), a local peer's ``uid:N`` (``ipv4:127.0.0.1:41234 uid=1000``, ``unix:PATH uid=1000``: a
+    guesser reconnecting from another port or loopback address is the same peer)."""
+    _, _, uid = peer.partition(" uid=")
+    if uid.isdigit():  # a local peer (the gRPC gate names it by the uid owning its socket): any port, any address
+        return f"uid:{uid}"
     kind = peer.partition(":")[0]
     if kind in ("ipv4", "ipv6"):
         with contextlib.suppress(AddressError):
