@@ -345,7 +345,7 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "without ever sending their request (gRPC waits for one with no deadline, and a connection with a call "
         "open is not idle): at most max_grpc_connections_per_peer times this, each holding at most 64 KiB of a "
         "request until it has authenticated (answered at once if it does not; one that does counts against its "
-        "tenant's max_inflight_per_tenant)."))] = 64
+        "tenant's max_inflight_per_tenant, for at most request_message_timeout_seconds)."))] = 64
     request_message_timeout_seconds: Annotated[float, Meta(gt=0, description=(
         "How long a gRPC call (a unary request) may take to send its request message once it has authenticated; "
         "past it the call ends with DEADLINE_EXCEEDED and gives back its place among its tenant's "
