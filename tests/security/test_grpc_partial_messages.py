@@ -7,8 +7,9 @@ the whole request: a peer with no token kept calls open with messages announced 
 to 1.5 GiB in a few seconds; the caps allowed 64 connections per uid x 64 calls x 4 MiB). Now every call is
 authenticated before its request is read (an unauthenticated one is answered, after its peer's failure delay,
 with at most its HTTP/2 stream window of 64 KiB received: no BDP probing widens it), an authenticated one counts
-against its tenant's ``max_inflight_per_tenant`` from then on, however slowly its message comes, and the health
-service, served without a token, reads its requests only within a per-peer count.
+against its tenant's ``max_inflight_per_tenant`` from then on, until its message comes or
+``request_message_timeout_seconds`` have passed (then it ends, DEADLINE_EXCEEDED, and its place is given back), and
+the health service, served without a token, reads its requests only within a per-peer count.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ..helpers import wait_for
+from .test_calls_staged_before_rotation import Staged
 
 CONNECTIONS = 6
 STREAMS = 60  # calls kept open per connection (max_grpc_streams_per_connection: 64)
@@ -36,6 +38,7 @@ MESSAGE = 4 * 1024 * 1024 - 64  # announced: under max_message_bytes (4 MiB)
 FLOOD_SECONDS = 5.0
 TENANT_CALLS = 8  # max_inflight_per_tenant: what alice's unfinished messages may hold, 8 x 4 MiB
 HEALTH_PER_PEER = 4  # max_health_streams_per_peer: health requests on their way in from one peer
+REQUEST_TIMEOUT = 3.0  # request_message_timeout_seconds: how long an authenticated call's message may take
 # Unfixed, each flood grew the front by 1.4-1.5 GiB; fixed, by 8-40 MiB (the calls' own state and windows, and
 # alice's 8 messages).
 ALLOWED_GROWTH = 128 << 20
@@ -138,7 +141,8 @@ flood(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]),
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
     tmp = tmp_path_factory.mktemp("h2")
     settings: dict[str, object] = {"cache_dir": str(tmp / "caches"), "max_inflight_per_tenant": TENANT_CALLS,
-                                   "max_health_streams_per_peer": HEALTH_PER_PEER}
+                                   "max_health_streams_per_peer": HEALTH_PER_PEER,
+                                   "request_message_timeout_seconds": REQUEST_TIMEOUT}
     with BrokerProcess([TenantSpec("alice")], backend="opencl", settings=settings) as proc:
         yield proc
 
@@ -213,6 +217,42 @@ def test_a_tenants_unfinished_messages_count_against_its_calls_in_flight(broker:
             return True
 
         wait_for(served, 30, "alice's calls held by her closed connections to be given back")
+
+
+def test_a_request_message_late_past_the_deadline_ends_its_call_and_gives_its_place_back(
+        broker: BrokerProcess) -> None:
+    token = broker.tokens["alice"]
+    path = broker.target.removeprefix("unix:")
+    request = pb.ListDevicesRequest().SerializeToString()
+    with closing(_channel(broker)) as channel:
+        stub = pb_grpc.GpuBrokerStub(channel)
+        metadata = [("authorization", f"Bearer {token}")]
+
+        def served() -> bool:
+            try:
+                stub.ListDevices(pb.ListDevicesRequest(), metadata=metadata, timeout=10)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                return False
+            return True
+
+        wait_for(served, 30, "alice's calls of the tests before to be given back")
+        # Every place of alice's held by a call whose message never completes (each on a connection of its own).
+        staged = [Staged(path, "/gpubroker.v1.GpuBroker/ListDevices", token, request) for _ in range(TENANT_CALLS)]
+        try:
+            wait_for(lambda: not served(), 20, "the staged calls to authenticate")
+            held = time.monotonic()
+            ended = [call.ended(REQUEST_TIMEOUT + 15) for call in staged]
+            waited = time.monotonic() - held
+            given_back = served()  # (their connections still open)
+        finally:
+            for call in staged:
+                call.close()
+    print(f"\n{TENANT_CALLS} calls of alice's staged one byte short: ended by the broker: {sum(ended)}, "
+          f"{waited:.1f} s after they held her places (request_message_timeout_seconds = {REQUEST_TIMEOUT:g})")
+    assert all(ended) and not any(call.answered for call in staged), ended
+    assert waited >= REQUEST_TIMEOUT * 0.5, f"the staged calls ended after {waited:.1f} s, before the deadline"
+    assert given_back, "alice's places were still held after her staged calls ended"
 
 
 def test_health_requests_on_their_way_in_are_bounded(broker: BrokerProcess) -> None:

@@ -349,7 +349,12 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "without ever sending their request (gRPC waits for one with no deadline, and a connection with a call "
         "open is not idle): at most max_grpc_connections_per_peer times this, each holding at most 64 KiB of a "
         "request until it has authenticated (answered at once if it does not; one that does counts against its "
-        "tenant's max_inflight_per_tenant)."))] = 64
+        "tenant's max_inflight_per_tenant, for at most request_message_timeout_seconds)."))] = 64
+    request_message_timeout_seconds: Annotated[float, Meta(gt=0, description=(
+        "How long a gRPC call (a unary request) may take to send its request message once it has authenticated; "
+        "past it the call ends with DEADLINE_EXCEEDED and gives back its place among its tenant's "
+        "max_inflight_per_tenant. A call also ends, its place given back, when its token is rotated or its tenant "
+        "removed at a reload, and its credential is checked again once its message is read."))] = 30.0
     auth_failure_delay_max_seconds: Annotated[float, Meta(ge=0, description=(
         "The longest a peer's answer to a failed authentication is held back: the delay starts at 2 ms and doubles "
         "with each failure of that peer (uid on Unix sockets, address on TCP), so a guessing flood slows itself "

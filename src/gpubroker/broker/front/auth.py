@@ -353,8 +353,9 @@ class RateLimitedLog:
 
 
 class Revocations:
-    """Channels that outlive the call that authenticated them, by tenant, each closed when its credential is no
-    longer the tenant's (a rotated token, a removed tenant) at a reload."""
+    """Channels that outlive the call that authenticated them, and every gRPC call from its authentication to its
+    end, by tenant, each closed (a call cancelled) when its credential is no longer the tenant's (a rotated token, a
+    removed tenant) at a reload."""
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
