@@ -10,7 +10,7 @@ import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import grpc
 import msgspec
@@ -196,6 +196,17 @@ def _ended(exc: BaseException) -> GpuBrokerError | None:
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+
+
+class Admitting(Protocol):
+    """What a servicer whose handlers are wrapped here has: the broker's authenticator, and the sessions that
+    count each tenant's calls in flight."""
+
+    auth: Authenticator
+    sessions: SessionManager
+
+
+S = TypeVar("S", bound=Admitting)
 # The servicers use their context only for metadata, the peer and abort, none of which depend on the message types
 # (those matter only to a context's read and write, for streams the servicers read as iterators instead). A string,
 # because grpc.aio.ServicerContext is generic only in its stubs, not at run time.
@@ -335,20 +346,19 @@ async def _parsed_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield _parsed(request)
 
 
-async def _admit(servicer: Any, context: Context) -> None:
+async def _admit(servicer: Admitting, context: Context) -> None:
     """Before the call's request is read: authenticate it (from its metadata, and on TLS its certificate) and
     count it among its tenant's calls in flight. A call that fails is answered without its message ever being
     read; one that passes holds its tenant's slot while its message arrives (within
     request_message_timeout_seconds), so what a tenant's messages on their way in hold of the front is bounded by
     its calls in flight; and until its end it is watched for its credential's revocation (``_Admitted``).
-    (``servicer`` has the broker's ``auth``, an Authenticator, and ``sessions``, the SessionManager that counts the
-    calls.)"""
+    """
     failure_delay.set(0.0)
-    auth: Authenticator = servicer.auth
+    auth = servicer.auth
     await auth.prepare(context.invocation_metadata())  # (a legacy scrypt token: checked off the event loop)
     principal = _authenticate(auth, context)
     caller.set(principal)
-    sessions: SessionManager = servicer.sessions
+    sessions = servicer.sessions
     sessions.enter_call(principal.tenant)
     counted.set(_Admitted(auth, sessions, principal))
 
@@ -424,11 +434,11 @@ def _status_name(exc: BaseException, context: Context) -> str:
     return "INTERNAL"
 
 
-def rpc(fn: Callable[[Any, Req, Context], Awaitable[Resp]]) -> Callable[..., Awaitable[Resp]]:
+def rpc(fn: Callable[[S, Req, Context], Awaitable[Resp]]) -> Callable[[S, Req, Context], Awaitable[Resp]]:
     """Wrap a unary (or stream-in) handler: gpubroker errors become statuses, bugs become INTERNAL."""
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, request: Req, context: Context) -> Resp:
+    async def wrapper(self: S, request: Req, context: Context) -> Resp:
         started = _begin(fn.__name__, request)
         code = "OK"
         try:
@@ -452,12 +462,12 @@ def rpc(fn: Callable[[Any, Req, Context], Awaitable[Resp]]) -> Callable[..., Awa
     return wrapper
 
 
-def stream_rpc(fn: Callable[[Any, Req, Context], AsyncIterator[Resp]]
-               ) -> Callable[..., AsyncIterator[Resp]]:
+def stream_rpc(fn: Callable[[S, Req, Context], AsyncIterator[Resp]]
+               ) -> Callable[[S, Req, Context], AsyncIterator[Resp]]:
     """The same for server-streaming handlers."""
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, request: Req, context: Context) -> AsyncIterator[Resp]:
+    async def wrapper(self: S, request: Req, context: Context) -> AsyncIterator[Resp]:
         started = _begin(fn.__name__, request)
         code = "OK"
         try:
