@@ -18,8 +18,8 @@ from typing import Any
 import msgpack
 
 __all__ = ["FRAME_HEADER", "MAX_FRAME", "FrameClosed", "FrameDecoder", "FrameRefused", "FrameTooLarge",
-           "frame_length", "pack_frame", "read_frame_async", "read_payload_async", "recv_frame", "recv_payload", "send_frame", "send_payload",
-           "unpack_frame", "write_frame_async"]
+           "frame_length", "pack_frame", "read_frame_async", "read_payload_async", "recv_frame", "recv_payload",
+           "send_frame", "send_payload", "unpack_frame", "write_frame_async"]
 
 FRAME_HEADER = _HEADER = struct.Struct("!I")  # each frame: its payload's length, then the msgpack payload
 # A chunk of copy data plus its envelope; larger frames mean a bug or a hostile peer.
@@ -45,7 +45,7 @@ class FrameTooLarge(FrameRefused):
 
 def frame_length(header: bytes | bytearray | memoryview, limit: int) -> int:
     """The payload length a frame's header announces; FrameTooLarge if it exceeds ``limit`` (as FrameDecoder)."""
-    (length,) = _HEADER.unpack(header)
+    length: int = _HEADER.unpack(header)[0]
     if length > limit:
         raise FrameTooLarge(length, limit)
     return length

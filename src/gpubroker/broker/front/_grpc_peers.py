@@ -47,12 +47,12 @@ import socket
 import struct
 import tempfile
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, cast
 
-from gpubroker.broker.front._descriptors import set_passrights
 from gpubroker.broker.front.auth import RateLimitedLog
+from gpubroker.broker.front.listen import listen_tcp, listen_unix
 from gpubroker.broker.front.listeners import Acceptor, Peer, out_of_descriptors
 from gpubroker.wire.addresses import TcpAddress, UnixAddress, parse_host_port
 from gpubroker.wire.errors import InvalidArgument
@@ -280,19 +280,12 @@ class GrpcGate:
         """The path of gRPC's Unix listener behind the public address ``public``."""
         return self._private[public]
 
-    def listen_unix(self, path: Path, secure: Callable[[Path], None], backlog: int = 1024) -> str:
-        """Listen on the Unix socket ``path`` (``secure`` sets its owner and mode before anyone can connect);
-        returns its public address, whose private one ``private_address`` gives."""
+    def listen_unix(self, path: Path, mode: int, group: str = "", backlog: int = 1024) -> str:
+        """Listen on the Unix socket ``path`` (a stale one replaced; its ``group`` and ``mode`` set before anyone
+        can connect); returns its public address, whose private one ``private_address`` gives."""
         public = f"unix:{path}"
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        set_passrights(sock, False)  # gRPC takes no descriptors: none may reach the relay's recv (_descriptors.py)
-        try:
-            sock.bind(str(path))
-            secure(path)
-            sock.listen(backlog)
-        except BaseException:
-            sock.close()
-            raise
+        # gRPC takes no descriptors: none may reach the relay's recv (_descriptors.py)
+        sock = listen_unix(path, mode, group, backlog, passrights=False)
         sock.setblocking(False)
         self._add_listener(sock, public, self._private_path(public), loopback_only=False)
         return public
@@ -313,21 +306,15 @@ class GrpcGate:
         socks: list[socket.socket] = []
         try:
             for family, (ip, _port) in addresses:
-                sock = socket.socket(family, socket.SOCK_STREAM)
-                socks.append(sock)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6:
-                    # One IPv6 address alone (``[::]``) serves IPv4 too, as gRPC's listener did.
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(len(addresses) > 1))
                 try:
-                    sock.bind((ip, port))
+                    # One IPv6 address alone (``[::]``) serves IPv4 too, as gRPC's listener did.
+                    sock = listen_tcp(family, (ip, port), backlog, v6only=len(addresses) > 1)
                 except OSError as exc:
-                    if socks[0] is not sock and exc.errno == errno.EADDRNOTAVAIL:
-                        socks.pop().close()  # (a host without IPv6, say: the first address is served)
-                        continue
+                    if socks and exc.errno == errno.EADDRNOTAVAIL:
+                        continue  # (a host without IPv6, say: the first address is served)
                     raise
+                socks.append(sock)
                 port = sock.getsockname()[1]  # (the others take the port the kernel gave the first)
-                sock.listen(backlog)
                 sock.setblocking(False)
         except BaseException:
             for sock in socks:
