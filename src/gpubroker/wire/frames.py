@@ -62,20 +62,21 @@ class FrameDecoder:
     nothing), and handed to the caller as is: msgpack and msgspec read any buffer.
     """
 
-    __slots__ = ("_body", "_got", "_head", "limit", "reading")
+    __slots__ = ("_body", "_got", "_head", "_head_view", "limit", "reading")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.reading = False  # a frame is partly received (a stream's end now would cut it short)
         self._head = bytearray(_HEADER.size)
+        self._head_view = memoryview(self._head)
         self._body: bytearray | None = None  # the payload being read, once its header is whole
         self._got = 0  # bytes of the header, then of the payload, received so far
 
-    # (buffer and advance run for every frame of a link, twice: plain attributes, no calls beyond them)
+    # (buffer and advance run twice for every frame of a link: plain attributes, the header's view made once)
     def buffer(self) -> memoryview:
         """Where the stream's next bytes go: the rest of the header, then the rest of the payload."""
         body, got = self._body, self._got
-        view = memoryview(self._head if body is None else body)
+        view = self._head_view if body is None else memoryview(body)
         return view[got:] if got else view
 
     def advance(self, n: int) -> bytearray | None:
