@@ -98,7 +98,7 @@ async def running_gate(max_connections: int, max_per_peer: int,
     gate = GrpcGate(max_connections, max_per_peer, own_thread=own_thread)
     try:
         public = Path(gate.private_dir) / "public.sock"
-        unix = gate.listen_unix(public, lambda _path: None)
+        unix = gate.listen_unix(public, 0o600)
         tcp = gate.listen_tcp("127.0.0.1:0", loopback_only=True)
         servers = [await _echo_server(gate.private_address(a)[len("unix:"):]) for a in (unix, tcp)]
         gate.start()
@@ -245,7 +245,7 @@ from gpubroker.broker.front._grpc_peers import GrpcGate
 async def main():
     gate = GrpcGate(1000, 1000)
     public = Path(gate.private_dir) / "public.sock"
-    gate.listen_unix(public, lambda _path: None)
+    gate.listen_unix(public, 0o600)
     echo = subprocess.Popen([sys.executable, "-c", sys.argv[1], gate.private_address(f"unix:{public}")[5:]],
                             stdout=subprocess.PIPE, text=True)
     echo.stdout.readline()

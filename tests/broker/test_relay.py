@@ -20,6 +20,7 @@ import pytest
 import uvloop
 
 from gpubroker.broker import relay as relay_module
+from gpubroker.broker.front.listen import listen_vsock
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.broker.relay import (
     VMADDR_CID_ANY,
@@ -27,7 +28,6 @@ from gpubroker.broker.relay import (
     RelayServer,
     run_relay_command,
     serve_relay,
-    vsock_listener,
 )
 from gpubroker.client import FailedPrecondition, InvalidArgument, Unavailable, connect
 
@@ -218,16 +218,16 @@ def _host_has_vsock() -> bool:
 def test_vsock_listener_listens_or_says_why_not(workdir: Path) -> None:
     if not _host_has_vsock():
         with pytest.raises(FailedPrecondition, match="vsock"):
-            vsock_listener(VMADDR_PORT_ANY)
+            listen_vsock(VMADDR_PORT_ANY)
         return
-    listener = vsock_listener(VMADDR_PORT_ANY)  # an ephemeral port: never collides with a running broker
+    listener = listen_vsock(VMADDR_PORT_ANY)  # an ephemeral port: never collides with a running broker
     try:
         assert listener.family == socket.AF_VSOCK and listener.type == socket.SOCK_STREAM
         assert listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
         cid, port = listener.getsockname()
         assert cid == VMADDR_CID_ANY and port != VMADDR_PORT_ANY
         with pytest.raises(FailedPrecondition, match="in use"):
-            vsock_listener(port)
+            listen_vsock(port)
         if Path("/sys/module/vsock_loopback").exists():  # CID 1 reaches this host itself: relay for real
             with backend(workdir / "echo.sock", _Echo), \
                     running_relay(listener, str(workdir / "echo.sock"), uvloop.new_event_loop), \
@@ -242,7 +242,7 @@ def test_vsock_listener_listens_or_says_why_not(workdir: Path) -> None:
 def test_vsock_listener_without_af_vsock(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(socket, "AF_VSOCK", raising=False)
     with pytest.raises(FailedPrecondition, match="no AF_VSOCK"):
-        vsock_listener(7070)
+        listen_vsock(7070)
 
 
 def test_broker_relays_its_vsock_port_or_refuses_to_start() -> None:
@@ -257,7 +257,7 @@ def test_broker_relays_its_vsock_port_or_refuses_to_start() -> None:
         assert f"relaying vsock port {port} to unix:" in proc.log_tail()
         # The port is the broker's now: a second listener on it is refused.
         with pytest.raises(FailedPrecondition, match="in use"):
-            vsock_listener(port)
+            listen_vsock(port)
 
 
 @pytest.mark.parametrize(("listen", "vsock_connect", "match"), [

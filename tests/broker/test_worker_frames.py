@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from gpubroker.wire.frames import FRAME_HEADER, FrameDecoder, FrameTooLarge, frame_length, recv_payload
 from gpubroker.wire.worker import FrameClosed, read_frame_async, recv_frame, send_frame
 
 
@@ -37,3 +38,63 @@ def test_async_reader_sees_frames_then_eof() -> None:
         writer.close()
 
     asyncio.run(scenario())
+
+
+def test_decoder_takes_any_split_and_never_reads_past_a_frame() -> None:
+    """The one framing rule (wire/frames.py), however the bytes come: each payload whole, in order; the buffer it
+    offers ends at its frame's end (a reader reads nothing of the next frame, nor its descriptors)."""
+    payloads = [b"", b"x", bytes(range(256)) * 3, b"yz"]
+    stream = b"".join(FRAME_HEADER.pack(len(p)) + p for p in payloads)
+    for step in (1, 3, 5, len(stream)):
+        frames = FrameDecoder(1024)
+        got = [bytes(p) for k in range(0, len(stream), step) for p in frames.feed(stream[k:k + step])]
+        assert got == payloads
+        assert not frames.reading and frames.cut_short() is None
+    frames = FrameDecoder(1024)
+    assert len(frames.buffer()) == FRAME_HEADER.size
+    assert frames.advance(0) is None
+    frames.buffer()[:2] = FRAME_HEADER.pack(10)[:2]
+    assert frames.advance(2) is None and frames.reading
+    assert frames.cut_short() == "cut short: the peer closed with 2 bytes of a frame's header read"
+    frames.buffer()[:] = FRAME_HEADER.pack(10)[2:]
+    assert frames.advance(2) is None
+    assert len(frames.buffer()) == 10  # the payload's room, not a byte more
+    frames.buffer()[:4] = b"abcd"
+    assert frames.advance(4) is None
+    assert frames.cut_short() == "cut short: the peer closed with 4 of the 10 bytes of a frame read"
+    assert len(frames.buffer()) == 6
+    frames.reset()
+    assert not frames.reading and len(frames.buffer()) == FRAME_HEADER.size
+
+
+def test_decoder_refuses_a_header_over_its_bound_before_its_payload() -> None:
+    frames = FrameDecoder(8)
+    with pytest.raises(FrameTooLarge, match="frame of 9 bytes exceeds 8") as caught:
+        list(frames.feed(FRAME_HEADER.pack(4) + b"okok" + FRAME_HEADER.pack(9)))
+    assert (caught.value.length, caught.value.limit) == (9, 8)
+    assert not frames.reading  # between frames: the refused one's payload was never taken
+    with pytest.raises(FrameTooLarge):
+        frame_length(FRAME_HEADER.pack(9), 8)
+    assert frame_length(FRAME_HEADER.pack(8), 8) == 8
+    # feed yields the frames before a refused header first
+    frames = FrameDecoder(8)
+    feed = frames.feed(FRAME_HEADER.pack(2) + b"ok" + FRAME_HEADER.pack(9))
+    assert bytes(next(feed)) == b"ok"
+    with pytest.raises(FrameTooLarge):
+        next(feed)
+
+
+def test_recv_payload_reads_only_its_frame() -> None:
+    """A blocking reader stops at its frame's end: what follows (a link's next frame: the worker's) stays."""
+    a, b = socket.socketpair()
+    a.sendall(FRAME_HEADER.pack(3) + b"one" + FRAME_HEADER.pack(3) + b"two")
+    assert recv_payload(b, 3) == b"one"
+    assert b.recv(64) == FRAME_HEADER.pack(3) + b"two"
+    a.sendall(FRAME_HEADER.pack(4))
+    with pytest.raises(FrameTooLarge, match="frame of 4 bytes exceeds 3"):
+        recv_payload(b, 3)
+    a.sendall(FRAME_HEADER.pack(5) + b"ab")
+    a.close()
+    with pytest.raises(FrameClosed):
+        recv_payload(b, 10)
+    b.close()

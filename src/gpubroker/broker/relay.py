@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import os
 import socket
@@ -24,19 +23,16 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gpubroker.broker.front.auth import RateLimitedLog
+from gpubroker.broker.front.listen import VMADDR_CID_ANY, VMADDR_PORT_ANY, listen_unix, vsock_socket
 from gpubroker.broker.front.listeners import Acceptor, Peer
 from gpubroker.wire.addresses import AddressError, VsockAddress, parse_address, unix_path
-from gpubroker.wire.errors import FailedPrecondition, InvalidArgument
+from gpubroker.wire.errors import InvalidArgument
 
-__all__ = ["VMADDR_CID_ANY", "VMADDR_PORT_ANY", "RelayServer", "serve_relay", "unix_connector", "unix_listener",
-           "vsock_connector", "vsock_listener"]
+__all__ = ["VMADDR_CID_ANY", "VMADDR_PORT_ANY", "RelayServer", "serve_relay", "unix_connector", "vsock_connector"]
 
 log = logging.getLogger("gpubroker.relay")
 audit = logging.getLogger("gpubroker.audit")
 
-# socket.VMADDR_* exist only where AF_VSOCK does; the values are fixed by the Linux ABI.
-VMADDR_CID_ANY = 0xFFFFFFFF
-VMADDR_PORT_ANY = 0xFFFFFFFF
 CHUNK = 64 * 1024  # per direction: the most a connection holds in user space
 Connector = Callable[[], Awaitable[socket.socket]]
 
@@ -58,7 +54,7 @@ def vsock_connector(cid: int, port: int, timeout: float = 10.0) -> Connector:
     async def connect() -> socket.socket:
         # uvloop's sock_connect resolves non-Unix addresses through getaddrinfo, which knows no vsock:
         # connect blocking (bounded by the timeout) in a thread instead.
-        sock = _vsock_socket()
+        sock = vsock_socket()
         sock.settimeout(timeout)
         try:
             await asyncio.to_thread(sock.connect, (cid, port))
@@ -68,51 +64,6 @@ def vsock_connector(cid: int, port: int, timeout: float = 10.0) -> Connector:
         sock.setblocking(False)
         return sock
     return connect
-
-
-def _vsock_socket() -> socket.socket:
-    family = getattr(socket, "AF_VSOCK", None)
-    if family is None:
-        raise FailedPrecondition("this platform has no AF_VSOCK sockets (vsock needs Linux)")
-    try:
-        return socket.socket(family, socket.SOCK_STREAM)
-    except OSError as exc:
-        raise FailedPrecondition(f"cannot create an AF_VSOCK socket ({exc.strerror}): this host has no vsock "
-                                 "support (load vhost_vsock on a KVM host)") from None
-
-
-def vsock_listener(port: int, cid: int = VMADDR_CID_ANY, backlog: int = 128) -> socket.socket:
-    """A listening AF_VSOCK stream socket, or FailedPrecondition saying why there cannot be one."""
-    sock = _vsock_socket()
-    try:
-        sock.bind((cid, port))
-        sock.listen(backlog)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            why = "the port is in use"
-        elif exc.errno == errno.EACCES:
-            why = "vsock ports below 1024 need CAP_NET_BIND_SERVICE"
-        else:
-            why = "this host has no vsock transport (load vhost_vsock on a KVM host)"
-        where = "any CID" if cid == VMADDR_CID_ANY else f"CID {cid}"
-        raise FailedPrecondition(f"cannot listen on vsock {where} port {port}: {exc.strerror}; {why}") from None
-    return sock
-
-
-def unix_listener(path: str, mode: int = 0o660, backlog: int = 128) -> socket.socket:
-    """A listening Unix socket at ``path``, replacing a stale socket but never any other file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.is_symlink() or target.exists():
-        if not target.is_socket():
-            raise InvalidArgument(f"{path} exists and is not a socket")
-        target.unlink()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(path)
-    os.chmod(path, mode)  # before listen(): nobody connects while the socket still has the umask's mode
-    sock.listen(backlog)
-    return sock
 
 
 def _describe(sock: socket.socket, peer: object) -> str:
@@ -256,7 +207,7 @@ async def run_guest_relay(listen_path: str, cid: int, port: int, max_connections
     """`gpubroker relay`: a local Unix socket in a guest, relayed to the broker over vsock, until signalled."""
     import signal
 
-    relay = await serve_relay(unix_listener(listen_path, mode), vsock_connector(cid, port), max_connections)
+    relay = await serve_relay(listen_unix(Path(listen_path), mode), vsock_connector(cid, port), max_connections)
     log.info("relaying unix:%s to vsock CID %d port %d", listen_path, cid, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -283,7 +234,7 @@ def run_relay_command(listen: str, vsock_connect: str, max_connections: int = 25
         cid, port = host.cid, host.port
     except AddressError:
         raise InvalidArgument(f"--vsock-connect must be CID:PORT (e.g. 2:7070), not {vsock_connect!r}") from None
-    _vsock_socket().close()  # no vsock here: say so now, not on the first client's connection
+    vsock_socket().close()  # no vsock here: say so now, not on the first client's connection
     try:
         import uvloop
     except ImportError:

@@ -43,13 +43,13 @@ import shutil
 import socket
 import tempfile
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, cast
 
-from gpubroker.broker.front._descriptors import set_passrights
 from gpubroker.broker.front.auth import RateLimitedLog
-from gpubroker.broker.front.listeners import Acceptor, Peer, out_of_descriptors, tcp_listeners
+from gpubroker.broker.front.listen import listen_unix, tcp_listeners
+from gpubroker.broker.front.listeners import Acceptor, Peer, out_of_descriptors
 from gpubroker.wire.addresses import TcpAddress, UnixAddress, parse_host_port
 from gpubroker.wire.errors import InvalidArgument
 
@@ -137,19 +137,12 @@ class GrpcGate:
         """The path of gRPC's Unix listener behind the public address ``public``."""
         return self._private[public]
 
-    def listen_unix(self, path: Path, secure: Callable[[Path], None], backlog: int = 1024) -> str:
-        """Listen on the Unix socket ``path`` (``secure`` sets its owner and mode before anyone can connect);
-        returns its public address, whose private one ``private_address`` gives."""
+    def listen_unix(self, path: Path, mode: int, group: str = "", backlog: int = 1024) -> str:
+        """Listen on the Unix socket ``path`` (a stale one replaced; its ``group`` and ``mode`` set before anyone
+        can connect); returns its public address, whose private one ``private_address`` gives."""
         public = f"unix:{path}"
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        set_passrights(sock, False)  # gRPC takes no descriptors: none may reach the relay's recv (_descriptors.py)
-        try:
-            sock.bind(str(path))
-            secure(path)
-            sock.listen(backlog)
-        except BaseException:
-            sock.close()
-            raise
+        # gRPC takes no descriptors: none may reach the relay's recv (_descriptors.py)
+        sock = listen_unix(path, mode, group, backlog, passrights=False)
         sock.setblocking(False)
         self._add_listener(sock, public, self._private_path(public), loopback_only=False)
         return public

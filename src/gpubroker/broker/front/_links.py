@@ -54,6 +54,7 @@ from gpubroker.broker.front._segments import FdStream, SegmentService
 from gpubroker.broker.front._sessions import Session
 from gpubroker.broker.front._tcp_relay import PAIR_BUFFER, TcpRelay
 from gpubroker.broker.front.auth import Credentials, Principal, peer_certificate_names
+from gpubroker.broker.front.listen import listen_tcp
 from gpubroker.broker.front.listeners import Acceptor, Peer
 from gpubroker.broker.front.scheduler import TurnLease
 from gpubroker.broker.logs import bind_log_context
@@ -131,14 +132,7 @@ class LinkServer:
         loop = asyncio.get_running_loop()
         family, _, _, _, address = (await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                                            flags=socket.AI_PASSIVE))[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
-            sock.listen(128)
-        except BaseException:
-            sock.close()
-            raise
+        sock = listen_tcp(family, address)
         bound: int = sock.getsockname()[1]
         self._listen(Acceptor(sock, where, functools.partial(self._admit_tcp, where, tls), "link"))
         return bound

@@ -28,7 +28,8 @@ from prometheus_client.registry import Collector
 
 from gpubroker.broker.front._sessions import SessionManager
 from gpubroker.broker.front.auth import RateLimitedLog
-from gpubroker.broker.front.listeners import Acceptor, Peer, tcp_listeners
+from gpubroker.broker.front.listen import tcp_listeners
+from gpubroker.broker.front.listeners import Acceptor, Peer
 from gpubroker.broker.front.scheduler import DeviceScheduler
 from gpubroker.broker.front.workers import WorkerPool
 from gpubroker.wire.addresses import TcpAddress, parse_host_port

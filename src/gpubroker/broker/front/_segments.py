@@ -48,7 +48,7 @@ from gpubroker.wire.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from gpubroker.wire.frames import FRAME_HEADER
+from gpubroker.wire.frames import FRAME_HEADER, FrameDecoder, FrameTooLarge
 from gpubroker.wire.link import (
     MAX_SEGMENT_FRAME,
     Malformed,
@@ -152,11 +152,11 @@ class FdStream:
         self.fds: list[int] = []  # the frame's so far
         self._loop = asyncio.get_running_loop()
 
-    async def _fill(self, data: bytearray, n: int) -> bool:
-        """Read until ``data`` holds ``n`` bytes; False if the peer's end came first."""
-        while len(data) < n:
+    async def _recv(self, n: int) -> bytes:
+        """At most ``n`` bytes, once some come (b"" at the peer's end), with the descriptors sent along."""
+        while True:
             try:
-                part, fds, flags, _ = socket.recv_fds(self.sock, n - len(data), max(1, self.max_fds))
+                part, fds, flags, _ = socket.recv_fds(self.sock, n, max(1, self.max_fds))
             except BlockingIOError:
                 await _ready(self._loop, self.sock.fileno(), writable=False)
                 continue
@@ -166,35 +166,39 @@ class FdStream:
                 most = f"at most {self.max_fds} file descriptor" if self.max_fds else "no file descriptor"
                 raise SurplusFds(f"{self.what} carries {most}{' (a registration memfd)' if self.max_fds else ''}, "
                                  "attached to its frame; this one came with more")
-            if not part:
-                return False
-            data += part
-        return True
+            return part
 
     async def recv_exactly(self, n: int) -> bytes:
         """``n`` bytes; ConnectionError if the peer's end comes first."""
         data = bytearray()
-        if not await self._fill(data, n):
-            raise ConnectionError(f"closed with {len(data)} of {n} bytes read")
+        while len(data) < n:
+            part = await self._recv(n - len(data))
+            if not part:
+                raise ConnectionError(f"closed with {len(data)} of {n} bytes read")
+            data += part
         return bytes(data)
 
     async def read_frame(self, limit: int) -> tuple[bytes, list[int]] | None:
         """The next frame's payload and the descriptors that came with it (the caller closes them); None at the
         peer's end between frames, CutShort within one, InvalidArgument for a frame over ``limit`` bytes (before
         a byte of its payload is read)."""
-        header = bytearray()
-        if not await self._fill(header, FRAME_HEADER.size):
-            if header:
-                raise CutShort(f"cut short: the peer closed with {len(header)} bytes of a frame's header read")
-            return None
-        (length,) = FRAME_HEADER.unpack(header)
-        if length > limit:
-            raise InvalidArgument(f"{self.what} of {length} bytes exceeds {limit}")
-        payload = bytearray()
-        if not await self._fill(payload, length):
-            raise CutShort(f"cut short: the peer closed with {len(payload)} of the {length} bytes of a frame read")
-        fds, self.fds = self.fds, []
-        return bytes(payload), fds
+        frames = FrameDecoder(limit)
+        while True:
+            into = frames.buffer()  # (never past the frame's end: the next frame and its descriptors wait)
+            part = await self._recv(len(into))
+            if not part:
+                cut = frames.cut_short()
+                if cut is not None:
+                    raise CutShort(cut)
+                return None
+            into[:len(part)] = part
+            try:
+                payload = frames.advance(len(part))
+            except FrameTooLarge as exc:
+                raise InvalidArgument(f"{self.what} of {exc.length} bytes exceeds {limit}") from None
+            if payload is not None:
+                fds, self.fds = self.fds, []
+                return bytes(payload), fds
 
     async def send(self, frame: bytes) -> None:
         view = memoryview(frame)

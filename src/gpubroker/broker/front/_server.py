@@ -12,8 +12,6 @@ import logging
 import os
 import resource
 import signal
-import socket
-import stat
 import sys
 import time
 from collections.abc import Callable
@@ -26,7 +24,7 @@ from gpubroker.broker.front import _systemd
 from gpubroker.broker.front._admin import AdminService
 from gpubroker.broker.front._cpuwatch import CpuWatch
 from gpubroker.broker.front._credentials import link_tls, loopback_address, tcp_credentials
-from gpubroker.broker.front._descriptors import PASSRIGHTS_SUPPORTED, set_passrights
+from gpubroker.broker.front._descriptors import PASSRIGHTS_SUPPORTED
 from gpubroker.broker.front._grpc_peers import GrpcGate
 from gpubroker.broker.front._health import BrokerHealth
 from gpubroker.broker.front._links import LinkServer, fast_path_address
@@ -37,15 +35,16 @@ from gpubroker.broker.front._service import GpuBrokerService
 from gpubroker.broker.front._sessions import SessionManager
 from gpubroker.broker.front._status import add_servicer
 from gpubroker.broker.front.auth import Authenticator
+from gpubroker.broker.front.listen import listen_unix, listen_vsock, secure_unix_socket
 from gpubroker.broker.front.scheduler import DeviceScheduler
 from gpubroker.broker.front.workers import WorkerClient, WorkerPool, cpu_count, device_info_from_dict, hold_seconds
-from gpubroker.broker.relay import RelayServer, serve_relay, vsock_listener
+from gpubroker.broker.relay import RelayServer, serve_relay
 from gpubroker.broker.sandbox import SandboxUnavailable, WorkerSandbox, cache_key
 from gpubroker.v1 import admin_pb2 as apb
 from gpubroker.v1 import admin_pb2_grpc as apb_grpc
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 from gpubroker.wire.addresses import parse_host_port, unix_path
-from gpubroker.wire.errors import DeadlineExceeded, FailedPrecondition, GpuBrokerError, InvalidArgument, Unavailable
+from gpubroker.wire.errors import DeadlineExceeded, FailedPrecondition, GpuBrokerError, Unavailable
 from gpubroker.wire.types import DeviceInfo
 
 __all__ = ["Broker", "probe_devices", "run_broker", "tcp_credentials"]
@@ -123,25 +122,6 @@ def grpc_connection_cap(configured: int) -> int:
                 "connection): at most %d gRPC connections are kept (raise LimitNOFILE / ulimit -n for more)",
                 configured, soft, DESCRIPTORS_PER_CONNECTION, cap)
     return cap
-
-
-def _prepare_unix_socket(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() or path.is_symlink():
-        if not stat.S_ISSOCK(path.lstat().st_mode):
-            raise InvalidArgument(f"{path} exists and is not a socket")
-        path.unlink()  # a stale socket from a previous run
-
-
-def _secure_unix_socket(path: Path, mode: int, group: str) -> None:
-    if group:
-        import grp
-
-        try:
-            os.chown(path, -1, grp.getgrnam(group).gr_gid)
-        except KeyError:
-            raise InvalidArgument(f"socket_group {group!r} does not exist") from None
-    os.chmod(path, mode)
 
 
 class Broker:
@@ -280,10 +260,7 @@ class Broker:
                              self.health.refusals)
         for address in cfg.listen:
             if (listen_path := unix_path(address)) is not None:
-                path = Path(listen_path)
-                _prepare_unix_socket(path)
-                public = self.gate.listen_unix(
-                    path, lambda p: _secure_unix_socket(p, cfg.socket_mode, cfg.socket_group))
+                public = self.gate.listen_unix(Path(listen_path), cfg.socket_mode, cfg.socket_group)
                 # Local credentials: the only way gRPC lets call credentials (the bearer token) ride a socket.
                 credentials = grpc.local_server_credentials(grpc.LocalConnectionType.UDS)
             else:
@@ -304,17 +281,12 @@ class Broker:
         self.links = LinkServer(service, gate, segments, cfg.max_links_per_tenant, cfg.link_handoff_timeout_seconds)
         for address in self.ports:
             if (public_path := unix_path(address)) is not None:
-                _secure_unix_socket(Path(public_path), cfg.socket_mode, cfg.socket_group)
+                secure_unix_socket(Path(public_path), cfg.socket_mode, cfg.socket_group)
                 path = Path(fast_path_address(public_path))
-                _prepare_unix_socket(path)
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                set_passrights(sock, False)  # (until a connection's hello authenticates it: _descriptors.py)
                 try:
-                    sock.bind(str(path))
-                    _secure_unix_socket(path, cfg.socket_mode, cfg.socket_group)  # before anyone can connect
-                    sock.listen(128)
+                    # No descriptors until a connection's hello authenticates it (_descriptors.py).
+                    sock = listen_unix(path, cfg.socket_mode, cfg.socket_group, passrights=False)
                 except OSError as exc:  # a path too long for AF_UNIX, say
-                    sock.close()
                     if cfg.fast_path:
                         raise
                     log.warning("no shared-memory socket at %s: %s", path, exc)  # (copies go as commands)
@@ -327,7 +299,7 @@ class Broker:
             log.info("serving links on %s:%d (%s)", host, service.link_port,
                      "TLS" if link_context is not None else "plaintext")
         if cfg.link_vsock_port:
-            self.links.listen_socket(vsock_listener(cfg.link_vsock_port), f"vsock:{cfg.link_vsock_port}")
+            self.links.listen_socket(listen_vsock(cfg.link_vsock_port), f"vsock:{cfg.link_vsock_port}")
             service.link_vsock_port = cfg.link_vsock_port
         if cfg.metrics_listen:
             self.metrics = await serve_metrics(
@@ -344,7 +316,7 @@ class Broker:
             try:
                 # (straight to gRPC's listener behind it: the relay caps VMs, each a peer of its own, itself)
                 private = self.gate.private_path(f"unix:{Path(unix_paths[0])}")
-                self.relay = await serve_relay(vsock_listener(cfg.vsock_port), private,
+                self.relay = await serve_relay(listen_vsock(cfg.vsock_port), private,
                                                max_per_peer=cfg.max_unauthenticated_per_uid,
                                                idle_seconds=cfg.connection_idle_seconds)
             except BaseException:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gpubroker.wire.frames import FRAME_HEADER
+from gpubroker.wire.frames import FRAME_HEADER, FrameDecoder, FrameTooLarge
 
 __all__ = ["PAIR_BUFFER", "TcpRelay"]
 
@@ -110,21 +110,18 @@ class TcpRelay:
             self.sock.settimeout(left())
             self.sock.do_handshake()
             cert = self.sock.getpeercert()
-        header = self._exactly(FRAME_HEADER.size, left)
-        (length,) = FRAME_HEADER.unpack(header)
-        if length > self._limit:
-            return header, cert  # refused by the front before a byte of the body is read
-        return header + self._exactly(length, left), cert
-
-    def _exactly(self, n: int, left: Callable[[], float]) -> bytes:
-        data = bytearray()
-        while len(data) < n:
+        frames = FrameDecoder(self._limit)  # (never past the hello's end: what follows is the worker's)
+        while True:
             self.sock.settimeout(left())
-            part = self.sock.recv(n - len(data))
-            if not part:
+            n = self.sock.recv_into(frames.buffer())
+            if not n:
                 raise EOFError("closed during the hello")
-            data += part
-        return bytes(data)
+            try:
+                payload = frames.advance(n)
+            except FrameTooLarge as exc:
+                return FRAME_HEADER.pack(exc.length), cert  # refused by the front before a byte of the body is read
+            if payload is not None:
+                return FRAME_HEADER.pack(len(payload)) + payload, cert
 
     def _close(self) -> None:
         with self._lock:

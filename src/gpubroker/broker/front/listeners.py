@@ -28,7 +28,7 @@ from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
 from gpubroker.wire.addresses import TcpAddress, VsockAddress
 
 __all__ = ["ACCEPT_BACKOFF", "ACCEPT_BACKOFF_MAX", "ACCEPT_BATCH", "Acceptor", "Admit", "Peer", "network_of",
-           "out_of_descriptors", "peer_of", "tcp_listeners"]
+           "out_of_descriptors", "peer_of"]
 
 log = logging.getLogger("gpubroker.server")
 audit = logging.getLogger("gpubroker.audit")
@@ -124,38 +124,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def tcp_listeners(host: str, port: int, backlog: int) -> list[socket.socket]:
-    """Listening sockets on every address ``host`` resolves to, on one port (0: the one the kernel picks for the
-    first), non-blocking; socket.gaierror if ``host`` resolves to nothing, OSError if an address cannot be bound
-    (but a second one that does not exist here: a host without IPv6, say)."""
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    addresses = list(dict.fromkeys((family, sockaddr[:2]) for family, _t, _p, _c, sockaddr in infos))
-    socks: list[socket.socket] = []
-    try:
-        for family, (ip, _port) in addresses:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            socks.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                # One IPv6 address alone (``[::]``) serves IPv4 too, as gRPC's listener did.
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(len(addresses) > 1))
-            try:
-                sock.bind((ip, port))
-            except OSError as exc:
-                if socks[0] is not sock and exc.errno == errno.EADDRNOTAVAIL:
-                    socks.pop().close()  # (a host without IPv6, say: the first address is served)
-                    continue
-                raise
-            port = sock.getsockname()[1]  # (the others take the port the kernel gave the first)
-            sock.listen(backlog)
-            sock.setblocking(False)
-    except BaseException:
-        for sock in socks:
-            sock.close()
-        raise
-    return socks
 
 
 # (the accepted socket, its peer) -> whether to go on accepting now (False: the admitter ran out of descriptors

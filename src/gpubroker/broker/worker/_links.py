@@ -43,7 +43,7 @@ from gpubroker.broker.worker._executor import Executor
 from gpubroker.broker.worker._ring import MAX_FDS, RingBroken, WorkerRing, open_ring
 from gpubroker.wire.commands import CODECS, Ack, Batch, CommandError, decode_batch, encode
 from gpubroker.wire.errors import GpuBrokerError, InvalidArgument, ResourceExhausted
-from gpubroker.wire.frames import FRAME_HEADER
+from gpubroker.wire.frames import FRAME_HEADER, FrameDecoder
 from gpubroker.wire.link import LINK_VERSION, LinkAccepted, RingAccepted, accepted, refusal
 from gpubroker.wire.worker import (
     CONTROL,
@@ -89,10 +89,7 @@ class _Link:
     closing: bool = False  # nothing more to answer: dropped once its outbox is out
     fresh: bool = True  # no frame read yet: the first may be a ring upgrade (with fds attached)
     ring: WorkerRing | None = None
-    # The frame being read: ``got`` bytes of its header, then (``body`` allocated from the header) of its payload.
-    head: bytearray = field(default_factory=lambda: bytearray(FRAME_HEADER.size))
-    body: bytearray | None = None
-    got: int = 0
+    frames: FrameDecoder = field(default_factory=lambda: FrameDecoder(DEFAULT_MAX_FRAME))  # the frame being read
     started: float = 0.0  # when its first byte came (monotonic)
     fds: list[int] = field(default_factory=list)  # fds that came with the first frame's first bytes (a ring's)
     # Frames (header and payload apart) the socket has not taken yet, in order, and their bytes.
@@ -105,7 +102,7 @@ class _Link:
     @property
     def reading(self) -> bool:
         """A frame is half read."""
-        return self.got > 0 or self.body is not None
+        return self.frames.reading
 
     def deadline(self) -> float | None:
         """When this link is dropped if nothing moves (a frame half sent, an outbox not drained), or None."""
@@ -124,9 +121,9 @@ class Links:
     def __init__(self, executor: Executor, send_front: Callable[[LeaseToFront], None]) -> None:
         self._executor = executor
         self._send_front = send_front
-        self.max_frame = DEFAULT_MAX_FRAME
         self.links: dict[int, _Link] = {}
         self._held: dict[int, _Link] = {}  # links taken but not yet answered, by the front's number (``attach``)
+        self._max_frame = DEFAULT_MAX_FRAME
         self._rings: dict[int, _Link] = {}  # by the fd of the ring's commands doorbell
         self._resuming: dict[int, _Link] = {}  # rings to pump again after the serve loop's next look around
         self._timed: dict[int, _Link] = {}  # links that may have a deadline (a half frame, an outbox waiting)
@@ -138,6 +135,17 @@ class Links:
         self._asked = False
         # Batches waiting for the lease, in arrival order; a str is a refusal that must follow its link's batches.
         self._waiting: deque[tuple[_Link, Batch | str]] = deque()
+
+    @property
+    def max_frame(self) -> int:
+        """The largest frame a link takes (the front's set_limits, at start and on every reload)."""
+        return self._max_frame
+
+    @max_frame.setter
+    def max_frame(self, value: int) -> None:
+        self._max_frame = value
+        for link in (*self.links.values(), *self._held.values()):
+            link.frames.limit = value  # (the links open now too: their next header is held to it)
 
     # -- links -------------------------------------------------------------------------------------
     def attach(self, sock: socket.socket, session: str, compress: object = None, held: int | None = None) -> None:
@@ -154,7 +162,7 @@ class Links:
         if held is not None and held in self._held:
             raise InvalidArgument(f"a link numbered {held} is already held")
         sock.setblocking(False)
-        link = _Link(sock, session, sock.fileno())
+        link = _Link(sock, session, sock.fileno(), frames=FrameDecoder(self.max_frame))
         if type(compress) is list:
             link.codec = next((c for c in compress[:16] if type(c) is str and c in CODECS), "")
         if held is not None:
@@ -347,12 +355,12 @@ class Links:
         """Read what the link's socket holds of its next frame, never waiting for more: the payload once whole,
         else None. FrameClosed at the client's end, FrameTooLarge (before the payload is read) past the max frame.
         The first frame's first bytes may carry fds (a ring upgrade's): kept on the link."""
-        sock = link.sock
+        sock, frames = link.sock, link.frames
         while True:
-            body = link.body
-            view = memoryview(link.head if body is None else body)[link.got:]
+            view = frames.buffer()  # (never past the frame's end: the next frame's bytes stay in the socket)
+            first = not frames.reading  # (the frame's first bytes come now)
             try:
-                if link.fresh and body is None and not link.got:
+                if link.fresh and first:
                     n, ancdata, _, _ = sock.recvmsg_into([view], socket.CMSG_SPACE(MAX_FDS * 4))
                     for level, kind, data in ancdata:
                         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -365,22 +373,12 @@ class Links:
                 return None
             if n == 0:
                 raise FrameClosed("peer closed the connection")
-            if body is None and not link.got:
+            if first:
                 link.started = time.monotonic()
-            link.got += n
-            if n < len(view):
-                continue  # (most likely all there is for now: the next read says so)
-            if body is None:
-                (length,) = FRAME_HEADER.unpack(link.head)
-                link.got = 0
-                if length > self.max_frame:
-                    raise FrameTooLarge(length, self.max_frame)
-                link.body = bytearray(length)
-                if length:
-                    continue
-            payload, link.body, link.got = link.body, None, 0
-            assert payload is not None
-            return payload
+            payload = frames.advance(n)  # (FrameTooLarge past the max frame, from its header)
+            if payload is not None:
+                return payload
+            # Else the rest of the header or payload: most likely not there yet (the next read says so).
 
     def _send(self, link: _Link, payload: bytes) -> bool:
         """Queue one frame on the link's outbox and send what its socket takes now; False when the link must be
@@ -536,7 +534,7 @@ class Links:
 
     def _end(self, fd: int, link: _Link) -> None:
         """No more frames from this link: drop it now, or once the batches it sent before are answered."""
-        link.body, link.got = None, 0  # (a half frame ends here: nothing more comes)
+        link.frames.reset()  # (a half frame ends here: nothing more comes)
         if link.waiting:
             link.ended = True
             self.version += 1
