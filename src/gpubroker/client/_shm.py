@@ -46,7 +46,7 @@ from gpubroker.wire.errors import (
     InvalidArgument,
     Unavailable,
 )
-from gpubroker.wire.frames import FRAME_HEADER
+from gpubroker.wire.frames import FRAME_HEADER, FrameClosed, FrameTooLarge, recv_payload
 from gpubroker.wire.host import check_device_range
 from gpubroker.wire.link import (
     MAX_SEGMENT_FRAME,
@@ -150,10 +150,13 @@ class SegmentChannel:
             try:
                 sent = socket.send_fds(self._sock, [frame], list(fds)) if fds else 0
                 self._sock.sendall(frame[sent:])
-                (length,) = FRAME_HEADER.unpack(self._recv_exact(FRAME_HEADER.size))
-                if length > MAX_SEGMENT_FRAME:
-                    raise Unavailable(f"the broker's shared-memory channel sent a {length}-byte frame")
-                reply = self._recv_exact(length)
+                reply = recv_payload(self._sock, MAX_SEGMENT_FRAME)
+            except FrameTooLarge as exc:
+                self._sock.close()
+                raise Unavailable(f"the broker's shared-memory channel sent a {exc.length}-byte frame") from None
+            except FrameClosed:
+                self._sock.close()
+                raise Unavailable("the broker's shared-memory channel failed: the broker closed it") from None
             except (OSError, ValueError) as exc:
                 # A late answer would be read as the next request's: the connection is done (a new one is made).
                 self._sock.close()
@@ -165,15 +168,6 @@ class SegmentChannel:
             return open_answer(reply, answer)
         except Malformed as exc:
             raise Unavailable(f"the broker's shared-memory channel sent a malformed answer ({exc})") from None
-
-    def _recv_exact(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self._sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("the broker closed the shared-memory channel")
-            buf += chunk
-        return bytes(buf)
 
     @property
     def closed(self) -> bool:

@@ -67,7 +67,7 @@ from gpubroker.wire.errors import (
     Unavailable,
     WorkerCrashed,
 )
-from gpubroker.wire.frames import FRAME_HEADER
+from gpubroker.wire.frames import FRAME_HEADER, FrameTooLarge, frame_length
 from gpubroker.wire.link import LINK_VERSION, SEGMENTS_VERSION, Hello, Malformed, decode_hello, refusal
 from gpubroker.wire.worker import MAX_LINKS_PER_SESSION, AttachLink, CloseLinks, DropLink, ServeLink
 
@@ -274,8 +274,13 @@ class LinkServer:
         length = -1
         try:
             async with asyncio.timeout(self.gate.hello_timeout):
-                (length,) = FRAME_HEADER.unpack(await recv_exactly(FRAME_HEADER.size))
-                payload = await recv_exactly(length) if length <= limit else b""  # (too long: not a byte of it)
+                header = await recv_exactly(FRAME_HEADER.size)
+                try:
+                    length = frame_length(header, limit)
+                except FrameTooLarge as exc:
+                    length, payload = exc.length, b""  # (too long: not a byte of it read; refused below)
+                else:
+                    payload = await recv_exactly(length)
         except TimeoutError:
             ticket.refuse(f"no hello within hello_timeout_seconds ({self.gate.hello_timeout:g} s)")
             raise _HelloRefused from None

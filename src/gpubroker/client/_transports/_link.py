@@ -17,6 +17,7 @@ import os
 import select
 import socket
 import ssl
+from collections import deque
 from collections.abc import Callable
 from typing import Final
 
@@ -26,8 +27,8 @@ from gpubroker.wire.errors import GpuBrokerError, Unavailable
 from gpubroker.wire.frames import (
     FRAME_HEADER,
     FrameClosed,
+    FrameDecoder,
     FrameRefused,
-    FrameTooLarge,
     recv_payload,
     send_payload,
 )
@@ -127,45 +128,33 @@ def _memfd(name: str, data: bytes) -> int:
 
 
 class _Frames:
-    """Reads frames from a socket with as few system calls as it can: one recv usually brings a whole small ack
-    (and any that follow it); a large one is read straight into its own buffer."""
+    """Reads frames from a socket with as few system calls as it can, through the one frame decoder: between large
+    payloads, one recv of up to _JOIN_MAX usually brings a whole small ack (and any that follow it); the rest of a
+    large payload is received straight into its own buffer."""
 
     def __init__(self, sock: socket.socket, limit: int) -> None:
         self._sock = sock
-        self._limit = limit
-        self._buf = bytearray()
+        self._decoder = FrameDecoder(limit)
+        self._ready: deque[bytearray] = deque()
+        self._chunk = memoryview(bytearray(_JOIN_MAX))
 
     def next(self) -> bytearray:
-        buf = self._buf
-        while len(buf) < FRAME_HEADER.size:
-            self._fill()
-        (length,) = FRAME_HEADER.unpack_from(buf)
-        if length > self._limit:
-            raise FrameTooLarge(length, self._limit)
-        end = FRAME_HEADER.size + length
-        if len(buf) < end and length > _JOIN_MAX:
-            payload = bytearray(length)
-            view = memoryview(payload)
-            got = len(buf) - FRAME_HEADER.size
-            view[:got] = buf[FRAME_HEADER.size:]
-            buf.clear()
-            while got < length:
-                k = self._sock.recv_into(view[got:], length - got)
+        ready = self._ready
+        while not ready:
+            into = self._decoder.buffer()
+            if len(into) > _JOIN_MAX:  # a large payload's rest: in place, no copy
+                k = self._sock.recv_into(into)
                 if k == 0:
                     raise FrameClosed("peer closed the connection")
-                got += k
-            return payload
-        while len(buf) < end:
-            self._fill()
-        payload = buf[FRAME_HEADER.size:end]
-        del buf[:end]
-        return payload
-
-    def _fill(self) -> None:
-        chunk = self._sock.recv(_JOIN_MAX)
-        if not chunk:
-            raise FrameClosed("peer closed the connection")
-        self._buf += chunk
+                payload = self._decoder.advance(k)
+                if payload is not None:
+                    return payload
+                continue
+            k = self._sock.recv_into(self._chunk)
+            if k == 0:
+                raise FrameClosed("peer closed the connection")
+            ready.extend(self._decoder.feed(self._chunk[:k]))
+        return ready.popleft()
 
 
 # A copy this large over TCP is striped over several links of the session: one TLS connection is one core's
