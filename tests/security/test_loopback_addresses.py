@@ -23,14 +23,16 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import msgpack
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import GpuBrokerError, connect
-from gpubroker.wire.frames import pack_frame
+from gpubroker.wire.frames import pack_frame, recv_payload, send_payload
 
 CALLS = 10
 HOLDER_UID = 65533  # another local user, without a token
+PER_UID = 16
 SOURCES = "127.0.0.2,127.0.0.3,127.0.0.4,127.0.0.5"
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local endpoint: never via a proxy
 
@@ -71,28 +73,35 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
     if os.geteuid() != 0:
         pytest.skip("needs root to run the holder as another uid")
     tmp = tmp_path_factory.mktemp("loopback-addresses")
-    settings = {"cache_dir": str(tmp / "caches"), "link_listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0"}
+    settings = {"cache_dir": str(tmp / "caches"), "link_listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0",
+                # (a total of 4 users' shares: the test's holders fill it with few connections)
+                "max_unauthenticated_connections": 4 * PER_UID, "max_unauthenticated_per_uid": PER_UID}
     with BrokerProcess([TenantSpec("alice")], backend="opencl", settings=settings) as proc:
         yield proc
 
 
 @contextmanager
-def holding(host: str, port: int, per_source: int) -> Iterator[None]:
-    """Another local user holding ``per_source`` silent connections to HOST:PORT from each of 4 loopback
-    addresses (their connects all returned: they are in the listener's queue or accepted)."""
-    def drop() -> None:
-        os.setgid(HOLDER_UID)
-        os.setuid(HOLDER_UID)
-
-    holder = subprocess.Popen(["/usr/bin/python3", "-I", "-c", HOLDER, host, str(port), str(per_source), SOURCES],
-                              stdout=subprocess.PIPE, text=True, preexec_fn=drop)
+def holding(host: str, port: int, per_source: int, uids: tuple[int, ...] = (HOLDER_UID,),
+            sources: str = SOURCES) -> Iterator[None]:
+    """Other local users (``uids``), each holding ``per_source`` silent connections to HOST:PORT from each of
+    ``sources`` (their connects all returned: they are in the listener's queue or accepted)."""
+    holders = []
     try:
-        assert holder.stdout is not None
-        assert holder.stdout.readline().strip() == "holding"
+        for uid in uids:
+            def drop(uid: int = uid) -> None:
+                os.setgid(uid)
+                os.setuid(uid)
+
+            holder = subprocess.Popen(["/usr/bin/python3", "-I", "-c", HOLDER, host, str(port), str(per_source),
+                                       sources], stdout=subprocess.PIPE, text=True, preexec_fn=drop)
+            holders.append(holder)
+            assert holder.stdout is not None
+            assert holder.stdout.readline().strip() == "holding"
         yield
     finally:
-        holder.kill()
-        holder.wait()
+        for holder in holders:
+            holder.kill()
+            holder.wait()
 
 
 def links_ok(broker: BrokerProcess) -> tuple[int, list[str]]:
@@ -110,7 +119,7 @@ def links_ok(broker: BrokerProcess) -> tuple[int, list[str]]:
 
 def test_silent_tcp_link_connections_cannot_refuse_the_tenants_unix_links(broker: BrokerProcess) -> None:
     assert links_ok(broker)[0] == CALLS
-    with holding("127.0.0.1", broker.link_port, 64):  # 4 x max_unauthenticated_per_uid (64): the old total
+    with holding("127.0.0.1", broker.link_port, PER_UID):  # 4 x max_unauthenticated_per_uid: the old total
         # One more connection, after the holder's in the listener's queue: once it is answered (a malformed hello
         # is), or refused, the front has accepted every one of the holder's.
         with socket.create_connection(("127.0.0.1", broker.link_port), timeout=10) as probe:
@@ -120,8 +129,8 @@ def test_silent_tcp_link_connections_cannot_refuse_the_tenants_unix_links(broker
             except ConnectionResetError:
                 pass
         ok, errors = links_ok(broker)
-    print(f"\nwith uid {HOLDER_UID} holding 4 x 64 silent TCP link connections, alice's unix links: {ok} of {CALLS}; "
-          f"{errors[:1]}")
+    print(f"\nwith uid {HOLDER_UID} holding 4 x {PER_UID} silent TCP link connections, alice's unix links: {ok} of "
+          f"{CALLS}; {errors[:1]}")
     assert ok == CALLS, (f"another local user's silent TCP connections to link_listen made {CALLS - ok} of {CALLS} "
                          f"of alice's .fast links fail: {errors[:1]}")
 
@@ -147,3 +156,36 @@ def test_one_local_user_cannot_refuse_every_scrape(broker: BrokerProcess) -> Non
         ok = scrapes_ok(broker)
     print(f"\nwith uid {HOLDER_UID} holding 4 x 4 silent connections from 127.0.0.2-5: {ok} of {CALLS} scrapes")
     assert ok == CALLS, f"another local user's silent connections refused {CALLS - ok} of {CALLS} scrapes"
+
+
+def _tcp_hellos_ok(broker: BrokerProcess, hello: bytes) -> tuple[int, list[str]]:
+    ok, errors = 0, []
+    for _ in range(CALLS):
+        try:
+            with socket.create_connection(("127.0.0.1", broker.link_port), timeout=10) as sock:
+                send_payload(sock, hello)
+                _, status, result = msgpack.unpackb(recv_payload(sock, 1 << 16))
+            if status == 0:
+                ok += 1
+            else:
+                errors.append(f"{result['code']}: {result['message']}")
+        except (OSError, ValueError, EOFError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        time.sleep(0.2)  # (paced, so that the hellos span the holders' reconnections)
+    return ok, errors
+
+
+def test_silent_tcp_connections_of_many_users_cannot_refuse_a_tenants_tcp_link(broker: BrokerProcess) -> None:
+    """At the TCP listeners' total, a connection that has sent nothing makes room for a new one (as on ``.fast``):
+    four local users (or four remote networks) each holding their share of silent connections held every TCP
+    place for hello_timeout_seconds at a time, reconnecting, and every tenant's TCP link was refused."""
+    with connect(broker.target, token=broker.tokens["alice"], timeout=30, transport="grpc",
+                 shared_memory=False) as gpu:
+        hello = msgpack.packb({"token": broker.tokens["alice"], "session": gpu.session, "link": 1})
+        assert _tcp_hellos_ok(broker, hello)[0] == CALLS
+        with holding("127.0.0.1", broker.link_port, PER_UID, uids=(65530, 65531, 65532, 65533),
+                     sources="127.0.0.1"):
+            ok, errors = _tcp_hellos_ok(broker, hello)
+    print(f"\nwith 4 local users each holding {PER_UID} silent TCP link connections (the TCP total): alice's TCP "
+          f"link hellos: {ok} of {CALLS}; {errors[:1]}")
+    assert ok == CALLS, f"silent TCP connections of 4 users refused {CALLS - ok} of {CALLS} TCP links: {errors[:1]}"

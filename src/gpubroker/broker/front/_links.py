@@ -209,7 +209,17 @@ class LinkServer:
         thread answers a refusal, or relays between the connection and a socketpair whose other end is the
         worker's."""
         loop = asyncio.get_running_loop()
+        # Until its hello comes, a newer connection may take its place (_preauth.py), as on every listener: the
+        # gate peeks at a descriptor of its own for bytes on their way (the thread's socket may be wrapped in TLS
+        # meanwhile), and the relay's abort ends it. Without this, silent connections from a few networks held
+        # every TCP place for hello_timeout_seconds, again and again.
+        try:
+            peek: socket.socket | None = socket.socket(fileno=os.dup(conn.fileno()))
+        except OSError:  # (out of descriptors: this one is not evicted, as before)
+            peek = None
         relay = TcpRelay(conn, tls, self.gate.hello_max_bytes, self.gate.hello_timeout, self._stop_r, loop)
+        if peek is not None:
+            ticket.sock, ticket.evict = peek, relay.abort
         threading.Thread(target=relay.run, name="gpubroker-link", daemon=True).start()
         late = f"no hello within hello_timeout_seconds ({self.gate.hello_timeout:g} s)"
 
@@ -260,6 +270,8 @@ class LinkServer:
             pass
         finally:
             ticket.done()
+            if peek is not None:
+                peek.close()
             relay.decide(frames, worker_end)
 
     # -- the hello and the hand-off --------------------------------------------------------------------
