@@ -339,7 +339,9 @@ class LinkServer:
                 raise InvalidArgument(f"this broker speaks link version {LINK_VERSION}, the hello asked for "
                                       f"{hello.link!r}")
             session = self.service.sessions.get(hello.session or "", principal.tenant)
-            session.check_alive()
+            # (a link or a segment connection is work the worker does for this credential: at its revocation
+            # the worker is retired, _retire.py)
+            self.service.credentials.used(session.check_alive(), principal)
         except GpuBrokerError as exc:
             await send(_frame(refusal(exc)))
             raise _HelloRefused from None
