@@ -451,6 +451,8 @@ class WorkerClient:
         try:
             async with self._write_lock:
                 await self._room(writer)
+                if writer.is_closing():  # (retired, or stopped, while this waited: its death is being reported)
+                    raise ConnectionResetError("the worker's channel is closed")
                 if fd is not None:
                     frame = ToWorker(frame.id, frame.session, msgspec.structs.replace(frame.body,
                                                                                     token=self._send_fd(fd)))
