@@ -42,7 +42,7 @@ T = TypeVar("T")
 
 class _Revocable:
     """A stream's hold on its credential: at a revocation, whatever the stream awaits is cancelled and the stream
-    ends with UNAUTHENTICATED (its session stays; the client reconnects with the current token)."""
+    ends with UNAUTHENTICATED (the same revocation retires the session's worker: _retire.py)."""
 
     def __init__(self) -> None:
         self.revoked = False
