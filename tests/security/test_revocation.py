@@ -1,6 +1,7 @@
 """Revocation: rotating or removing a token closes, within about a second of the reload, every channel it opened
-(a gRPC Commands stream, a link served by the worker, a shared-memory channel). A rotated tenant's
-sessions stay: the client reconnects to them with the new token."""
+(a gRPC Commands stream, a link served by the worker, a shared-memory channel). The workers that ran anything for
+the old token are retired with it (front/_retire.py): their sessions end, saying why, and the new token's sessions
+get fresh workers."""
 
 from __future__ import annotations
 
@@ -20,7 +21,15 @@ import msgspec
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.client import AdminClient, InvalidArgument, NotFound, RemoteGpu, Unauthenticated, connect
+from gpubroker.client import (
+    AdminClient,
+    InvalidArgument,
+    NotFound,
+    RemoteGpu,
+    Unauthenticated,
+    WorkerCrashed,
+    connect,
+)
 from gpubroker.client._channel import make_channel
 from gpubroker.client._shm import SegmentChannel, create_segment_fd
 from gpubroker.client._transports import peer_hung_up
@@ -144,26 +153,31 @@ class Channels:
         self.grpc.close()
 
 
-def test_rotation_cuts_every_channel_and_the_new_token_reaches_the_same_session(broker: BrokerProcess) -> None:
+def test_rotation_cuts_every_channel_and_retires_the_workers_of_the_old_token(broker: BrokerProcess) -> None:
     old = broker.tokens["bob"]
     gpu: RemoteGpu = connect(broker.target, token=old)
-    buf = gpu.allocate_memory(4096)
+    gpu.allocate_memory(4096)
     before = Channels(broker, old, gpu.session).open()
     try:
         before.use()
         new = _cli("tenant", "rotate-token", "bob", "--config", str(broker.config_path)).strip().splitlines()[-1]
         reloaded = _reload(broker)
+        broker.tokens["bob"] = new
         code, when = before.stream_end(5)
         assert code == grpc.StatusCode.UNAUTHENTICATED and when - reloaded < CUT_WITHIN, (code, when - reloaded)
         wait_for(before.all_cut, CUT_WITHIN, "the link and the segments channel to be closed")
         with pytest.raises(Unauthenticated):
             open_link(broker, old, gpu.session)
-        # The session stayed: the new token opens every kind of channel on it again, and its buffer is there.
-        after = Channels(broker, new, gpu.session).open()
-        after.use()
-        after.on_link(Memset((buf.handle, 0), 7, 4096))
-        after.close()
-        broker.tokens["bob"] = new
+        # The session's worker ran the old token's code: it was retired, and the session says so to the new token.
+        with pytest.raises(WorkerCrashed, match=r"revoked \(token rotated\).*open a new session"):
+            open_link(broker, new, gpu.session)
+        # A new session of the new token: every kind of channel works on it.
+        with connect(broker.target, token=new) as fresh:
+            buf = fresh.allocate_memory(4096)
+            after = Channels(broker, new, fresh.session).open()
+            after.use()
+            after.on_link(Memset((buf.handle, 0), 7, 4096))
+            after.close()
     finally:
         before.close()
         gpu.close()  # (its old token is refused now: the close is best-effort, the lease ends the session)

@@ -83,7 +83,8 @@ class AdminClient:
         """Re-read the tenants from the broker's config file, as SIGHUP does.
 
         New tenants can connect at once; changed quotas and weights apply to running sessions; connections opened
-        with a rotated token are closed (their sessions stay); removed tenants' sessions end.
+        with a rotated token are closed, and the sessions on workers that ran anything for it end (those workers are
+        ended: their buffers are lost); removed tenants' sessions end.
 
         Returns:
             The tenants added, removed and changed, and how many sessions ended.

@@ -22,9 +22,11 @@ delay, audit); a malformed hello (not msgpack, not a map, a field of the wrong t
 it, cut short) is refused the same way: audited, delayed, answered. A refusal is an error answer from the front;
 the worker itself answers an accepted link's hello (``LinkAccepted``, its max frame). The
 tenant's turns on the device are leased to the worker for its links' device work, and a revoked credential closes
-the session's links (``close_links``). The watch for that is registered with the authentication, before the
-hand-off, and the worker holds a handed-off link unanswered until the front has checked the credential once more
-(``serve_link``): a worker busy in a long kernel cannot let a link in after its token's rotation (``_hand_over``).
+the session's links (``close_links``) and retires the worker, which ran that credential's holder's code and may keep
+a copy of a link that no request can make it close (``_retire.py``). The watch for that is registered with the
+authentication, before the hand-off, and the worker holds a handed-off link unanswered until the front has checked
+the credential once more (``serve_link``): a worker busy in a long kernel cannot let a link in after its token's
+rotation (``_hand_over``).
 
 What a link costs the front is bounded by the front, never by the worker (which runs its tenant's code and may
 answer yes to every link, or never answer): a session has at most ``MAX_LINKS_PER_SESSION`` links being handed
@@ -350,7 +352,9 @@ class LinkServer:
                 raise InvalidArgument(f"this broker speaks link version {LINK_VERSION}, the hello asked for "
                                       f"{hello.link!r}")
             session = self.service.sessions.get(hello.session or "", principal.tenant)
-            session.check_alive()
+            # (a link or a segment connection is work the worker does for this credential: at its revocation
+            # the worker is retired, _retire.py)
+            self.service.credentials.used(session.check_alive(), principal)
         except GpuBrokerError as exc:
             await send(_frame(refusal(exc)))
             raise _HelloRefused from None
@@ -458,7 +462,8 @@ class LinkServer:
 
     def _watch_links(self, session: Session, principal: Principal) -> None:
         """A link lives in the worker: at a revocation, the front tells the worker to close the session's links
-        (the client reconnects with the current token). One watch per session and credential."""
+        (the client reconnects with the current token). One watch per session and credential. (The same revocation
+        retires the worker, _retire.py: its end is what ends a link whose descriptor the tenant's code dup'd.)"""
         key = (session.id, principal.credential)
         if key in self._link_watches:
             return

@@ -475,8 +475,9 @@ class Broker:
         removed = sorted(set(old) - set(new))
         changed = sorted(n for n in set(old) & set(new) if old[n] != new[n])
         # Swap in place: the service, sessions and authenticator all hold this config object. The authenticator's
-        # reload also closes, at once, every stream and connection that a rotated or removed token opened (their
-        # sessions stay: the client reconnects with its new token; a removed tenant's sessions end below).
+        # reload also closes, at once, every stream and connection that a rotated or removed token opened, and kills
+        # every worker that ran anything for it (_retire.py: their sessions end, saying why; a removed tenant's
+        # sessions are closed below).
         self.config.tenants = new
         self.auth.reload(self.config)
         self._apply_weights()

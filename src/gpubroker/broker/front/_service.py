@@ -16,6 +16,7 @@ from gpubroker.broker.front import _commands as commands
 from gpubroker.broker.front._commands import CommandRunner
 from gpubroker.broker.front._copies import read_chunks, write_chunks
 from gpubroker.broker.front._peer import PeerCopier
+from gpubroker.broker.front._retire import WorkerCredentials
 from gpubroker.broker.front._sessions import Session, SessionManager
 from gpubroker.broker.front._status import Context, admitted, principal_of, release_slot, rpc, stream_rpc
 from gpubroker.broker.front.auth import Authenticator, Principal
@@ -41,7 +42,7 @@ T = TypeVar("T")
 
 class _Revocable:
     """A stream's hold on its credential: at a revocation, whatever the stream awaits is cancelled and the stream
-    ends with UNAUTHENTICATED (its session stays; the client reconnects with the current token)."""
+    ends with UNAUTHENTICATED (the same revocation retires the session's worker: _retire.py)."""
 
     def __init__(self) -> None:
         self.revoked = False
@@ -161,6 +162,8 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         self.schedulers = schedulers
         self.peers = PeerCopier(config, sessions, schedulers)
         self.runner = CommandRunner(config, sessions, schedulers, self.peers.before_free)
+        # Which credentials each worker ran something for: a revocation of one ends those workers (_retire.py).
+        self.credentials = WorkerCredentials(auth, sessions.pool)
         self._budgets: dict[str, _ReadAheadBudget] = {}  # per tenant: its Commands streams' read-ahead
         # Where the session's link is served besides <socket>.fast (the Broker sets them once listening).
         self.link_port = 0
@@ -181,9 +184,11 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         return principal_of(self.auth, context).tenant
 
     def _session(self, context: Context, session_id: str, tenant: str | None = None) -> Session:
-        """The caller's live session, holding one of its concurrent-RPC slots until the call ends."""
-        session = self.sessions.get(session_id, tenant or self._tenant(context))
-        session.check_alive()
+        """The caller's live session, holding one of its concurrent-RPC slots until the call ends; its worker is
+        retired if the caller's credential is revoked."""
+        principal = principal_of(self.auth, context)
+        session = self.sessions.get(session_id, tenant or principal.tenant)
+        self.credentials.used(session.check_alive(), principal)
         self.admit(session)
         admitted.set(session)
         return session
@@ -212,10 +217,16 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
     # -- sessions ----------------------------------------------------------------------------------
     @rpc
     async def OpenSession(self, request: pb.OpenSessionRequest, context: Context) -> pb.OpenSessionResponse:
-        tenant = self._tenant(context)
+        principal = principal_of(self.auth, context)
+        tenant = principal.tenant
         if not request.any_device and request.device >= len(self.devices):
             raise NotFound(f"no device {request.device}; this broker serves {len(self.devices)}")
         session = await self.sessions.open(tenant, None if request.any_device else request.device)
+        try:
+            self.credentials.used(session.worker, principal)  # (revoked while the worker started: no session)
+        except Unauthenticated:
+            await self.sessions.close(session, reason="closed: its token was revoked as it opened")
+            raise
         return pb.OpenSessionResponse(
             session=session.id, lease_seconds=session.lease_seconds, max_chunk_bytes=self.config.chunk_bytes,
             device=self._tenant_view(tenant, session.device, await self._device_info(session)),
@@ -475,7 +486,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         src = self._session(context, request.src_session, tenant)
         # Another tenant's session, or a made-up one, is NOT_FOUND: nothing to learn by guessing.
         dst = self.sessions.get(request.dst_session, tenant)
-        dst.check_alive()
+        self.credentials.used(dst.check_alive(), principal_of(self.auth, context))
         if dst is not src:
             self.admit(dst)
         try:

@@ -172,6 +172,8 @@ class WorkerClient:
         # and the death is its tenant's failure.
         self.fault: GpuBrokerError | None = None
         self.tenant_code_ran = False
+        # Killed by the front because a credential it served was revoked (``retire``): nobody's failure.
+        self.retired = False
         # Who the death is charged to, once decided by the pool: "tenant", "device" or None (a stop, a drain).
         self.blame: str | None = None
         self._dying: asyncio.Future[None] | None = None
@@ -449,6 +451,8 @@ class WorkerClient:
         try:
             async with self._write_lock:
                 await self._room(writer)
+                if writer.is_closing():  # (retired, or stopped, while this waited: its death is being reported)
+                    raise ConnectionResetError("the worker's channel is closed")
                 if fd is not None:
                     frame = ToWorker(frame.id, frame.session, msgspec.structs.replace(frame.body,
                                                                                     token=self._send_fd(fd)))
@@ -595,7 +599,7 @@ class WorkerClient:
             self.death = (f"the worker process for tenant {self.tenant!r} on device {self.device} "
                           f"(pid {self.pid}) {how}; this session's device state is lost, "
                           "open a new session")
-        (log.info if self._stopping else log.error)("%s", self.death)
+        (log.info if self._stopping or self.retired else log.error)("%s", self.death)
         for fut, _, _ in self._pending.values():
             if not fut.done():
                 fut.set_exception(self.death_error())
@@ -626,6 +630,23 @@ class WorkerClient:
                 await asyncio.wait_for(self._reader_task, timeout)
             except (TimeoutError, GpuBrokerError):
                 pass
+
+    def retire(self, fault: GpuBrokerError) -> None:
+        """Kill the worker now, without awaiting anything: a credential it ran something for was revoked, and the
+        worker itself runs that credential's holder's code (a thread a kernel left, descriptors it dup'd), so only
+        its end ends what the holder may still reach through it. Its calls fail with ``fault``; the death is
+        nobody's failure (neither its tenant's crash budget nor the device's health). A worker already being killed
+        for a cause keeps that cause."""
+        if self.fault is not None or self.death is not None or self.process is None:
+            return
+        self.retired = True
+        self.fault = fault
+        if self.process.poll() is None:
+            self.process.kill()  # (the launcher; the worker, its PID namespace's init, dies with it)
+        # Our end of its channel closes now, so its death is reported at once even if a copy of the worker's end
+        # was passed elsewhere before it died.
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.close()
 
     async def kill(self, fault: GpuBrokerError | None = None) -> None:
         """Kill the process; with ``fault``, its pending and later calls fail with that error's class and message."""

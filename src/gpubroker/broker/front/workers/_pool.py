@@ -2,7 +2,8 @@
 
 Each worker's death is charged to its cause, once:
 
-- to nobody when the front stopped it (idle, the tenant removed, the broker stopping), or when it died of a
+- to nobody when the front stopped it (idle, the tenant removed, the broker stopping) or retired it (a credential
+  it ran something for was revoked: ``retire``), or when it died of a
   stop signal (SIGTERM, SIGINT, SIGHUP: an operator's or a service manager's, as at a drain) while the broker
   drains or stops;
 - to its tenant when the tenant's code may have caused it: any tenant request was served (a kernel, a compile,
@@ -207,6 +208,8 @@ class WorkerPool:
 
     def _blame(self, worker: WorkerClient) -> str | None:
         code = worker.returncode
+        if worker.retired:
+            return None
         if worker.stopping and worker.fault is None:
             return None
         if worker.fault is not None or worker.tenant_code_ran or code == EXIT_FATAL:
@@ -218,8 +221,9 @@ class WorkerPool:
     def _charge(self, worker: WorkerClient, blame: str | None) -> None:
         worker.blame = blame
         if blame is None:
-            log.info("worker for tenant %s on device %d ended: no failure (%s)", worker.tenant, worker.device,
-                     "stopped" if worker.stopping else "stopped by a signal while the broker drains")
+            how = ("retired: a credential it served was revoked" if worker.retired else "stopped" if worker.stopping
+                   else "stopped by a signal while the broker drains")
+            log.info("worker for tenant %s on device %d ended: no failure (%s)", worker.tenant, worker.device, how)
             return
         self._count_restart((worker.tenant, worker.device))
         if blame == "tenant":
@@ -264,6 +268,15 @@ class WorkerPool:
             del self._workers[key]
         await worker.kill(fault or Unavailable(f"the worker for tenant {worker.tenant!r} on device "
                                                f"{worker.device} was restarted"))
+
+    def retire(self, worker: WorkerClient, fault: GpuBrokerError) -> None:
+        """Kill a worker, now and without awaiting, because a credential it served was revoked (a reload runs this:
+        WorkerCredentials). Its calls fail with ``fault``; its death is nobody's failure; the tenant's next session
+        gets a fresh worker."""
+        key = (worker.tenant, worker.device)
+        if self._workers.get(key) is worker:
+            del self._workers[key]
+        worker.retire(fault)
 
     async def close(self) -> None:
         self.draining = True
