@@ -63,7 +63,7 @@ __kernel void gpb_epoll(__global char* scratch, const int ntargets, const int ba
     long r = sys6(53, 1, 1, 0, (long)sv, 0, 0);  /* socketpair(AF_UNIX, SOCK_STREAM) */
     res[6] = r;
     *(__global unsigned int*)ev = 1;  /* EPOLLIN */
-    int stop = (r < 0 || err < 0);
+    int stop = err < 0;  /* (without a socket, the instances are only made: the first batch, as a probe) */
     while (!stop) {
         int n = 0;
         while (n < batch && !stop) {
@@ -77,6 +77,7 @@ __kernel void gpb_epoll(__global char* scratch, const int ntargets, const int ba
             }
         }
         if (n == 0) break;
+        if (r < 0) { for (int i = 0; i < n; ++i) sys6(3, fds[i], 0, 0, 0, 0, 0); break; }
         /* send them in flight to ourselves, then close them here: they live on with their watches */
         *(__global long*)cmsg = 16 + 4 * n;
         *(__global int*)(cmsg + 8) = 1;   /* SOL_SOCKET */
@@ -242,14 +243,17 @@ def test_a_worker_cannot_take_another_workers_pipe_buffers_or_descriptors_in_fli
             results[name] = [int(v) for v in out[:6]]
     print(f"\n(pipes made, error, last pipe's size, descriptors sent in flight, sendmsg's error, socketpair): "
           f"{results}")
-    made, _, size, sent, err, _ = results["alice"]
+    made, _, size, sent, err, sockets = results["alice"]
     # The attack did take its user's quotas: its own last pipe got the 2 pages past the soft limit, and its last
-    # sendmsg of descriptors was refused.
-    assert made == pipes and size == 8192 and err == -errno.ETOOMANYREFS and sent > 4096, results["alice"]
+    # sendmsg of descriptors was refused. (On OpenCL a worker makes no socket once its device is open, so it has
+    # none of its own to keep descriptors in flight on: then only the pipes are attacked.)
+    in_flight = sockets != -errno.EPERM
+    assert made == pipes and size == 8192, results["alice"]
+    assert not in_flight or (err == -errno.ETOOMANYREFS and sent > 4096), results["alice"]
     _, _, size, sent, err, _ = results["bob"]
     assert size == 65536, f"tenant alice's pipes left tenant bob's worker a pipe of {size} bytes, not 65536"
-    assert sent == 1 and err == 0, (f"tenant alice's descriptors in flight left tenant bob's worker unable to pass "
-                                    f"one ({errno.errorcode.get(-err, err)})")
+    assert not in_flight or (sent == 1 and err == 0), (f"tenant alice's descriptors in flight left tenant bob's "
+                                                       f"worker unable to pass one ({errno.errorcode.get(-err, err)})")
 
 
 def test_a_worker_cannot_take_every_workers_epoll_watches(broker: BrokerProcess) -> None:
