@@ -58,7 +58,7 @@ GRACE = 15.0  # how long after bob's last heartbeat the test waits for his sessi
 def broker() -> Iterator[BrokerProcess]:
     check_arch()
     tenants = [TenantSpec("ops", admin=True), TenantSpec("mallory"), TenantSpec("bob")]
-    settings = {"lease_seconds": LEASE, "max_sessions_per_tenant": 1}
+    settings: dict[str, object] = {"lease_seconds": LEASE, "max_sessions_per_tenant": 1}
     with BrokerProcess(tenants, backend="opencl", settings=settings) as proc:
         yield proc
 

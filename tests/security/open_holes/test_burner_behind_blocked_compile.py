@@ -132,7 +132,7 @@ __kernel void gpb_plant(__global long* out, const long ns) {
 @pytest.fixture(scope="module")
 def broker() -> Iterator[BrokerProcess]:
     check_arch()
-    settings = {"max_cpu_seconds_outside_turns": LIMIT, "cpu_outside_turns_window_seconds": 60.0,
+    settings: dict[str, object] = {"max_cpu_seconds_outside_turns": LIMIT, "cpu_outside_turns_window_seconds": 60.0,
                 "tenant_crash_budget": 100}
     tenants = [TenantSpec("ops", admin=True), TenantSpec("mallory")]
     with BrokerProcess(tenants, backend="opencl", settings=settings) as proc:
