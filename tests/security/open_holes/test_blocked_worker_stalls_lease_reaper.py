@@ -1,0 +1,124 @@
+"""One tenant's blocked worker stops the lease reaper for every tenant: another tenant's expired sessions are never
+ended, and it is locked out of new ones.
+
+The hole: the front's lease reaper (``SessionManager._reap_loop``, front/_sessions.py) ends each expired session in
+turn with ``await self.close(session)``, which asks the session's worker to close it (``CloseSession``) and waits
+for the answer, with no timeout. A worker answers the front only between the commands it runs, and a tenant can
+keep its worker inside one for as long as it likes: a kernel that sleeps (``nanosleep``: no CPU) and then a
+``synchronize``, on a device where nobody else waits (``lone_kernel_seconds`` = 0 by default: no limit). Once that
+tenant's session expires (its client stops heartbeating: the synchronize on the link does not renew the lease), the
+reaper waits on that worker for as long as the kernel lasts, and reaps nothing else: every other tenant's expired
+session keeps its device memory, its place in ``max_sessions_per_tenant`` and its worker.
+
+The attack: mallory launches a kernel that sleeps for minutes, synchronizes, and stops heartbeating. bob (with
+``max_sessions_per_tenant`` = 1) has a session whose client then dies (stops heartbeating), and opens a new one once
+the old one's lease (2 s) is long past.
+
+Measured (2-core VM, PoCL, lease_seconds = 2): mallory's session expired but was never logged as ended; bob's dead
+session was still listed 15 s after its last heartbeat (7 leases), and bob's new session was refused with
+RESOURCE_EXHAUSTED ("1 sessions, the limit") throughout, for as long as mallory's kernel sleeps.
+
+Suggested fix: the reaper must never wait on a tenant's worker: end each expired session in a task of its own (or
+forget it at once and let the worker's close follow), and bound every call the front makes to a worker on behalf of
+someone else (``asyncio.wait_for``, then kill the worker, charged to its tenant). See also
+test_blocked_worker_stalls_reload.py, the same pattern in the reload.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.client import AdminClient, GpuBrokerError, ResourceExhausted, connect
+
+from ...conftest import worker_pids
+from ...helpers import wait_for
+from ..exploits import SYSCALL_SOURCE, check_arch
+
+SLEEP_SOURCE = SYSCALL_SOURCE + r"""
+__kernel void gpb_sleep(__global long* out, const long seconds) {
+    long ts[2] = {1, 0};
+    for (long i = 0; i < seconds; ++i) out[0] = sys6(35, (long)ts, 0, 0, 0, 0, 0);   /* nanosleep(1 s) */
+}
+"""
+SLEEP = 150  # seconds: longer than the test; the test kills the worker at its end
+LEASE = 2.0
+GRACE = 15.0  # how long after bob's last heartbeat the test waits for his session to be reaped
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[BrokerProcess]:
+    check_arch()
+    tenants = [TenantSpec("ops", admin=True), TenantSpec("mallory"), TenantSpec("bob")]
+    settings: dict[str, object] = {"lease_seconds": LEASE, "max_sessions_per_tenant": 1}
+    with BrokerProcess(tenants, backend="opencl", settings=settings) as proc:
+        yield proc
+
+
+def _wchans(pid: int) -> dict[int, str]:
+    found = {}
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            found[int(tid)] = Path(f"/proc/{pid}/task/{tid}/wchan").read_text()
+    except OSError:
+        pass
+    return found
+
+
+def test_a_blocked_worker_stops_the_reaping_of_other_tenants_sessions(broker: BrokerProcess) -> None:
+    bob = connect(broker.target, token=broker.tokens["bob"])
+    bob.allocate_memory(1 << 20)
+    mallory = connect(broker.target, token=broker.tokens["mallory"])
+    worker = 0
+    try:
+        kernel = mallory.compile_kernel(SLEEP_SOURCE, "gpb_sleep")
+        out = mallory.allocate_memory(64)
+        [worker] = worker_pids(broker, "mallory")
+        mallory.execute_kernel(kernel, 1, 1, [out, np.int64(SLEEP)])
+
+        def block() -> None:
+            try:
+                mallory.synchronize()
+            except GpuBrokerError:
+                pass
+
+        threading.Thread(target=block, daemon=True).start()
+        wait_for(lambda: "futex" in _wchans(worker).get(worker, "")
+                 and "nanosleep" in "".join(_wchans(worker).values()), 20, "mallory's worker to block")
+        mallory._closed.set()  # her client stops heartbeating: her session expires
+        with AdminClient(broker.target, broker.tokens["ops"]) as admin:
+            # The reaper takes her session off the list, then waits on her worker to close it.
+            wait_for(lambda: not admin.list_sessions("mallory"), 10 * LEASE, "mallory's session to expire")
+            bob._closed.set()  # bob's client dies: his session should be reaped one lease later
+            dead_at = time.monotonic()
+            refused: list[str] = []
+            while time.monotonic() - dead_at < GRACE:
+                try:
+                    with connect(broker.target, token=broker.tokens["bob"]):
+                        break
+                except ResourceExhausted as exc:
+                    refused.append(exc.message)
+                time.sleep(0.5)
+            reopened = time.monotonic() - dead_at < GRACE
+            listed = [s.session for s in admin.list_sessions("bob")]
+            mallory_listed = [s.session for s in admin.list_sessions("mallory")]
+        assert reopened, (
+            f"bob's dead session (lease {LEASE:g} s) was not reaped within {GRACE:g} s while mallory's worker "
+            f"blocked in a lone synchronize: bob's sessions still listed {listed}, mallory's {mallory_listed}; "
+            f"bob's new session refused {len(refused)} times ({refused[-1] if refused else ''})")
+    finally:
+        if worker:  # (the broker's stop would wait for her sleeping kernel too)
+            os.kill(worker, signal.SIGKILL)
+        for gpu in (mallory, bob):
+            try:
+                gpu.close()
+            except GpuBrokerError:
+                pass
