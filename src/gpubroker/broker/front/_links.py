@@ -55,7 +55,7 @@ from gpubroker.broker.front._preauth import PreAuthGate, Ticket, refuse_malforme
 from gpubroker.broker.front._segments import FdStream, SegmentService
 from gpubroker.broker.front._sessions import Session
 from gpubroker.broker.front._tcp_relay import PAIR_BUFFER, TcpRelay
-from gpubroker.broker.front.auth import Credentials, Principal, peer_certificate_names
+from gpubroker.broker.front.auth import Credentials, Principal, RateLimitedLog, peer_certificate_names
 from gpubroker.broker.front.listen import listen_tcp
 from gpubroker.broker.front.listeners import Acceptor, Peer
 from gpubroker.broker.front.scheduler import TurnLease
@@ -108,6 +108,9 @@ class LinkServer:
         # Links being handed over (any listener) or relayed (TCP: a thread each), by session and by tenant.
         self._session_links: dict[str, int] = {}
         self._tenant_links: dict[str, int] = {}
+        # Authenticated hellos refused (the session's link cap, a hand-off timeout): per tenant at most 20 lines in
+        # 10 s, then a count. A tenant at its cap sending hellos as fast as the front answers wrote 300 KB/s.
+        self._refusals = RateLimitedLog(log)
         self._listeners: list[Acceptor] = []
         self._no_links: set[str] = set()  # listeners that serve segments only (fast_path = false)
         # Written once at stop: the TCP links' relay threads poll its other end.
@@ -406,7 +409,8 @@ class LinkServer:
                                   "its work is done", retry_after_seconds=1.0) from None
         except GpuBrokerError as exc:
             if not isinstance(exc, WorkerCrashed):
-                log.info("no link for session %s: %s", session.id, exc)  # (a worker's message: escaped)
+                self._refusals.log(logging.INFO, f"refused links of tenant {session.tenant}",
+                                   "no link for session %s: %s", session.id, exc)  # (a worker's message: escaped)
             if release is not None:
                 release()
             await send(_frame(refusal(exc)))
