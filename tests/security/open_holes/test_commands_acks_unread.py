@@ -14,7 +14,9 @@ Measured (2-core VM, PoCL; alice with a 256 MiB quota, ``max_read_ahead_bytes_pe
 buffer per session, each stream sending 4 batches of one ``Read`` of 4 MiB - 4 KiB and reading nothing, gRPC's BDP
 probing off in the client so that the client's own window stays 64 KiB): 16 streams in one session grew the front
 71 -> 456 MiB (+385 MiB, ~24 MiB a stream); 64 streams in two sessions +1,539 MiB. At ``max_inflight_per_tenant``
-(256): ~6 GiB for one tenant, and as much for each other tenant.
+(256): ~6 GiB for one tenant, and as much for each other tenant. The same holds, smaller, for
+``CopyDeviceToHost`` streams whose chunks are not read (READ_DEPTH 3 chunks read ahead per call): 16 calls reading
+a 64 MiB buffer, nothing read, +97 MiB (~6 MiB a call; ~1.5 GiB at 256).
 
 Suggested fix: count what a stream holds for its client (acks computed and not yet taken: their result bytes)
 against the same per-tenant read-ahead budget as the batches coming in, and run a batch whose reply would exceed it
