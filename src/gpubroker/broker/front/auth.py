@@ -456,12 +456,21 @@ class Authenticator:
             name = self.tokens.tenant_for(token)
         except Unauthenticated:
             token_id = token.split("_", 2)[1] if token and token.count("_") >= 2 else "-"
+            known = token_id in self.tokens.known_ids
             self._failed(peer, penalty_key, "auth failure: peer=%s method=%s token_id=%s", peer, method,
-                         token_id if token_id in self.tokens.known_ids else "unknown")
+                         token_id if known else "unknown", token_id=token_id if known else None)
             raise
         tenant = self.config.tenants[name]
         return Principal(tenant.name, tenant.admin, "token", tenant.token_hash)
 
-    def _failed(self, peer: str, penalty_key: str | None, msg: str, *args: object) -> None:
-        self.audit.warning("auth failure", msg, *args)
-        failure_delay.set(self.penalty.fail(penalty_key or peer_key(peer)))
+    def _failed(self, peer: str, penalty_key: str | None, msg: str, *args: object, token_id: str | None = None
+                ) -> None:
+        key = penalty_key or peer_key(peer)
+        # Rate-limited per known token id (a stolen token tried with wrong secrets: what an operator watches for),
+        # per local user, and for remote peers together (addresses are too many to each get lines of their own):
+        # one peer's flood of failures must not keep a guess at a real token out of the log.
+        local = peer_key(peer).startswith("uid:")
+        kind = (f"auth failures of token {token_id}" if token_id is not None
+                else f"auth failures from {peer_key(peer)}" if local else "auth failures from remote peers")
+        self.audit.warning(kind, msg, *args)
+        failure_delay.set(self.penalty.fail(key))

@@ -1,5 +1,5 @@
-"""Any local user hides every other peer's failed authentications from the audit log, a guess at a real tenant's
-token included: all of them share one rate limit.
+"""No local user can hide every other peer's failed authentications from the audit log, a guess at a real tenant's
+token least of all (issue 21, round 6): they shared one rate limit.
 
 The hole: the audit log is to record "every authentication failure (peer, RPC, token id when it names a known
 tenant)" (security.md, "Audit log"). To keep a flood from filling the disk, ``Authenticator._failed`` logs through a
@@ -13,9 +13,8 @@ Measured (2-core VM, PoCL, ``socket_mode`` 0666): uid 65533 sent 30 token-less `
 raw HTTP/2 connection (in well under a second); then a call from uid 0 with bob's real token id and a wrong secret
 failed UNAUTHENTICATED, and the log held 20 lines all naming uid 65533, none naming bob's token id or uid 0.
 
-Suggested fix: rate-limit per peer (``peer_key``: the peer's own lines, bounded per peer, with the table of peers
-already bounded by ``_MAX_KINDS``), and never fold a failure that names a known token id or a mapped certificate
-into another peer's count (limit those per token id instead); the summary line should name the peers it counted.
+The fix: failures are rate-limited per known token id (a guess at a real tenant's token), per local user, and for
+remote peers together: the flood of one uid leaves the guess at bob's token in the log.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
-from ...helpers import wait_for
+from ..helpers import wait_for
 
 ATTACKER_UID = 65533
 NOISE_CALLS = 30  # more than the audit log's burst (20 lines in 10 s)
