@@ -193,6 +193,13 @@ results["fork"] = err(fork)
 results["posix_spawn"] = err(lambda: os.waitpid(os.posix_spawn("/bin/true", ["/bin/true"], {}), 0)[1])
 results["memfd"] = err(lambda: os.memfd_create("x"))
 results["shmget"] = err(lambda: libc.shmget(0, 1 << 20, 0o1600))
+# Nodes: regular files only (a FIFO could keep a compile waiting on an #include of it); the file type in the high
+# bits of mknodat's mode register too (the kernel reads only the low 16).
+results["fifo"] = err(lambda: os.mkfifo("/tmp/fifo"))
+results["socket_node"] = err(lambda: os.mknod("/tmp/sock", 0o140600))
+results["whiteout"] = err(lambda: os.mknod("/tmp/whiteout", 0o020600, 0))
+results["fifo_high_bits"] = err(lambda: libc.syscall(259, -100, b"/tmp/fifo2", ctypes.c_ulong((1 << 40) | 0o010600), 0))
+results["regular_node"] = err(lambda: os.mknod("/tmp/regular", 0o100600))
 # What a worker does once its device is open (CUDA's initialization makes a Unix socket): no new socket at all.
 from gpubroker.broker.sandbox import refuse_new_sockets
 refuse_new_sockets()
@@ -218,7 +225,8 @@ def test_sandboxed_process_is_refused_what_it_must_not_do(tmp_path: Path) -> Non
         "kill_self": "allowed", "ptrace": "EPERM", "unshare": "EPERM", "mount": "EPERM", "clone3": "ENOSYS",
         "personality": "EPERM", "bpf": "EPERM", "config": "ENOENT", "passwd": "ENOENT", "sysctl": "EROFS",
         "usr": "EROFS", "tmp": "allowed", "fork": "EPERM", "memfd": "EPERM", "shmget": "EPERM",
-        "posix_spawn": "allowed", "unix_once_open": "EPERM", "unix_socket_once_open": "EPERM"}
+        "posix_spawn": "allowed", "unix_once_open": "EPERM", "unix_socket_once_open": "EPERM", "fifo": "EPERM",
+        "socket_node": "EPERM", "whiteout": "EPERM", "fifo_high_bits": "EPERM", "regular_node": "allowed"}
 
 
 def test_devices_command_shows_the_sandbox() -> None:

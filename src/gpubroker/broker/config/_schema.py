@@ -304,9 +304,10 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "length."))] = 0.0
     max_cpu_seconds_outside_turns: Annotated[float, Meta(ge=0, description=(
         "Host CPU-seconds a worker may use outside its tenant's device turns within "
-        "cpu_outside_turns_window_seconds: threads or processes a kernel left running, beyond a CPU while the "
-        "worker serves a request (a compile). Past it the worker is killed (RESOURCE_EXHAUSTED, its tenant's "
-        "failure). Such CPU is charged to the tenant's fair share either way. 0: no limit."))] = 10.0
+        "cpu_outside_turns_window_seconds: threads or processes a kernel left running, beyond the CPU of the "
+        "thread that serves a request (a compile; one CPU at most) while one is in flight. Past it the worker is "
+        "killed (RESOURCE_EXHAUSTED, its tenant's failure). Such CPU is charged to the tenant's fair share "
+        "either way. 0: no limit."))] = 10.0
     cpu_outside_turns_window_seconds: Annotated[float, Meta(gt=0, description=(
         "The window of max_cpu_seconds_outside_turns."))] = 60.0
     tenant_crash_budget: Annotated[int, Meta(ge=0, description=(

@@ -9,7 +9,10 @@ and takes what it used beyond what its turns and requests account for:
   which has no turns), up to ``hold_cpus`` CPUs: the device's
   compute units on a CPU device (the device is the host's CPUs, all the holder's), one on a GPU (the thread that
   feeds it);
-- while it serves a request of the front's (a compile runs outside the turns), one CPU;
+- while it serves a request of the front's that works on the host (a compile runs outside the turns), what its
+  serving thread used (``CpuReading.serving``: the thread that runs the compile, found by the front on its own),
+  at most one CPU. Never the other threads': a compile can be kept waiting (on a pipe it ``#include``s, say)
+  while a thread a kernel left behind burns, and that thread's CPU is outside the turns all the same;
 - ``_IDLE_CPU`` always: an idle worker's own upkeep.
 
 The rest is charged to the tenant's fair-queuing clock (in device seconds: over the compute units on a CPU device,
@@ -116,8 +119,9 @@ class CpuWatch:
         if seen is None:
             return
         wall = reading.at - seen.reading.at
-        allowed = (self.hold_cpus.get(worker.device, 1.0) * (held - seen.held) + (busy - seen.busy)
-                   + _IDLE_CPU * wall)
+        # Host work: the serving thread's CPU only, and no more than the wall time such work was in flight.
+        host = min(busy - seen.busy, max(0.0, reading.serving - seen.reading.serving))
+        allowed = self.hold_cpus.get(worker.device, 1.0) * (held - seen.held) + host + _IDLE_CPU * wall
         outside = reading.cpu - seen.reading.cpu - allowed
         if outside <= 0:
             return

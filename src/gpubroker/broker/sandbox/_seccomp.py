@@ -80,6 +80,15 @@ SELF = 1
 PRIORITY_CALLS = {"setpriority": 0, "getpriority": 0, "ioprio_set": 1, "ioprio_get": 1}
 # Another process's limits (argument 0, the pid): only 0 (itself, glibc's getrlimit and setrlimit) and 1.
 PID_SELF_ONLY = ("prlimit64",)
+# Nodes but regular files (mknod's mode carries the file type: argument 1 of mknod, 2 of mknodat): a FIFO lets the
+# tenant's own code keep a compile waiting on an ``#include`` of it (whatever runs meanwhile, the compile uses no
+# CPU), a socket node is never a socket the worker needs, and device nodes are not the worker's to make (a user
+# namespace may still make a whiteout, char 0:0). The worker's files are made with open(O_CREAT); neither PoCL, its
+# linker, CUDA's runtime nor Python makes any node. Refused: every file type but 0 and S_IFREG.
+MKNOD_MODE_ARG = {"mknod": 1, "mknodat": 2}
+S_IFMT = 0o170000
+S_IFREG = 0o100000
+NODE_TYPES = tuple(kind << 12 for kind in range(1, 16) if kind << 12 != S_IFREG)
 CLONE_NEW = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 PERSONALITY_QUERY = 0xFFFFFFFF
 
@@ -105,6 +114,9 @@ def build_filter(allow_spawn: bool = False) -> Any:
         _rule(seccomp, f, deny, name, seccomp.Arg(0, seccomp.GT, SELF))
     for flag in CLONE_NEW:
         _rule(seccomp, f, deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    for name, mode in MKNOD_MODE_ARG.items():
+        for kind in NODE_TYPES:
+            _rule(seccomp, f, deny, name, seccomp.Arg(mode, seccomp.MASKED_EQ, S_IFMT, kind))
     # Threads only (rules on one syscall are alternatives: any one refuses the call).
     if allow_spawn:
         # Without CLONE_THREAD, only with both CLONE_VM and CLONE_VFORK: the three other combinations are refused.

@@ -251,7 +251,7 @@ class WorkerClient:
                 self.process = subprocess.Popen(self._launch.argv, env=self._launch.env,
                                                 pass_fds=[*fds, *self._launch.launcher_fds], stdin=subprocess.DEVNULL,
                                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-                self.cpu = WorkerCpu(self.process.pid)
+                self.cpu = WorkerCpu(self.process.pid, launcher=self.sandbox.enabled)
                 self.output.pid = self.process.pid
                 assert self.process.stdout is not None and self.process.stderr is not None
                 await self.output.attach(self.process.stdout, self.process.stderr)

@@ -8,7 +8,12 @@ of /proc: this kernel has no /proc/<pid>/task/<tid>/children) and reads, for the
 - its CPU time: ``utime + stime + cutime + cstime`` of each process (every thread, dead ones and reaped children
   included), in clock ticks;
 - for each live thread, its time on a CPU and its time waiting for one (``/proc/<pid>/task/<tid>/schedstat``);
-- the host's busy CPU time (``/proc/stat``: everything but idle and iowait, steal included).
+- the host's busy CPU time (``/proc/stat``: everything but idle and iowait, steal included);
+- the CPU time of the worker's serving thread alone (``serving``): the worker serves the front's requests on its
+  main thread, which runs a compile in-process (PoCL's clang, NVRTC), so only that thread's CPU is a compile's. The
+  front finds it itself, never asking the worker: the main thread is the thread-group leader (tid == pid as seen on
+  the host), and a sandboxed worker is the launcher's child that is PID 1 of its own PID namespace (``NSpid``), a
+  place no process the tenant makes can take.
 
 ``hold_seconds`` turns two readings into the device seconds a hold consumed on a CPU device (PoCL), where the
 device *is* the host's CPUs. The rule: the hold's wall time, less the time other processes kept the worker off the
@@ -61,6 +66,18 @@ def _stat_fields(pid: int) -> list[bytes] | None:
     return data.rsplit(b")", 1)[1].split()  # (the command name may hold spaces and parentheses)
 
 
+def _innermost_pid(pid: int) -> int | None:
+    """The process's pid in its own PID namespace (the last of /proc/<pid>/status's ``NSpid``); None if gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def scan_children() -> dict[int, list[int]]:
     """Every process's children, by parent pid: one pass over /proc."""
     children: dict[int, list[int]] = {}
@@ -81,14 +98,21 @@ class CpuReading:
     cpu: float  # CPU-seconds of the tree (every thread, reaped children too)
     threads: dict[int, tuple[float, float]] = field(default_factory=dict)  # tid: (on a CPU, waiting for one), s
     host_busy: float = 0.0  # CPU-seconds the host spent busy, all CPUs
+    serving: float = 0.0  # CPU-seconds of the worker's serving thread (0 until the worker is found)
 
 
 class WorkerCpu:
     """A worker's process tree, rooted at the process the front started (the sandbox launcher, or the worker)."""
 
-    def __init__(self, root: int) -> None:
+    def __init__(self, root: int, launcher: bool = False) -> None:
         self.root = root
         self.pids: list[int] = [root]
+        # The worker's pid on the host, its main (serving) thread's tid: the root itself, or with ``launcher`` (the
+        # root is the sandbox's launcher) the launcher's child that is PID 1 of its PID namespace, found by
+        # ``refresh``. The launcher's only other child, the helper that maps a worker's uid, is gone before the
+        # worker is forked and is no PID 1; the worker's own children are never the launcher's (CLONE_PARENT is
+        # refused to a namespace's init and its threads).
+        self.worker: int | None = None if launcher else root
         # The most CPU a process of the tree was seen with: a process that exits and is reaped moves its time to
         # its parent's cutime, but one the namespace's reaper has not waited for yet would count twice or not at
         # all between two readings. The tree's time never goes backwards.
@@ -102,6 +126,8 @@ class WorkerCpu:
             pids.append(pid)
             stack.extend(children.get(pid, ()))
         self.pids = pids
+        if self.worker is None:
+            self.worker = next((pid for pid in children.get(self.root, ()) if _innermost_pid(pid) == 1), None)
 
     def read(self, at: float) -> CpuReading:
         cpu = 0.0
@@ -124,7 +150,8 @@ class WorkerCpu:
                     continue
                 threads[int(tid)] = (int(run) / 1e9, int(delay) / 1e9)
         self._last_cpu = cpu = max(cpu, self._last_cpu)
-        return CpuReading(at, cpu, threads, _host_busy())
+        serving = threads.get(self.worker, (0.0, 0.0))[0] if self.worker is not None else 0.0
+        return CpuReading(at, cpu, threads, _host_busy(), serving)
 
 
 def hold_seconds(start: CpuReading, end: CpuReading, units: int, ncpu: int) -> float:
