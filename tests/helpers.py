@@ -22,6 +22,14 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def mem_available() -> int:
+    """The host's MemAvailable, in bytes (0 where /proc/meminfo does not say)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def proc_status(pid: int) -> dict[str, str]:
     """/proc/PID/status as a map (Seccomp, NoNewPrivs, CapEff, Uid, ...)."""
     lines = Path(f"/proc/{pid}/status").read_text().splitlines()

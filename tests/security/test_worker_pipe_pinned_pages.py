@@ -37,7 +37,7 @@ import pytest
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import ModuleFormat, connect
 
-from ..helpers import wait_for
+from ..helpers import mem_available, wait_for
 from .exploits import SYSCALL_SOURCE, check_arch
 
 MiB = 1 << 20
@@ -78,13 +78,6 @@ __kernel void gpb_pin(__global uchar* buf, const long target, __global long* res
     res[2] = queued;
 }
 """
-
-
-def mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 @pytest.fixture(scope="module")

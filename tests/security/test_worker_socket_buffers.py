@@ -27,7 +27,6 @@ makes none later is still to be checked on a GPU host (docs/operator/security.md
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,6 +34,7 @@ import pytest
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import ModuleFormat, connect
 
+from ..helpers import mem_available
 from .exploits import SYSCALL_SOURCE, check_arch
 
 MiB = 1 << 20
@@ -67,13 +67,6 @@ __kernel void gpb_hog(__global uchar* buf, const long target, const int max_pair
     res[1] = sockets;
 }
 """
-
-
-def mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 @pytest.fixture(scope="module")
