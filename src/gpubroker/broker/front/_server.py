@@ -55,6 +55,8 @@ _CLOSE_MARGIN = 5.0
 # Seconds a reload's answer waits for the workers to take their new limits (those that answer later take them all
 # the same, before anything the front sends them after).
 _LIMITS_WAIT = 1.0
+# Seconds each worker has at least, at the broker's stop, to exit once its channel is closed before it is killed.
+_WORKER_EXIT_SECONDS = 1.0
 audit = logging.getLogger("gpubroker.audit")
 # HTTP/2 keepalive: the broker pings each client connection after this long without traffic and drops one whose
 # answer takes longer than the timeout, so a client that vanished without closing (a host gone, a VM paused)
@@ -518,12 +520,14 @@ class Broker:
             await self.relay.wait_closed()
         if self.cpu_watch is not None:
             await self.cpu_watch.stop()
+        # Bounded: a worker held in its tenant's kernel never answers its sessions' closes, nor reads its channel's
+        # end. The sessions' closes and the workers' exits share one grace; past it, the pool's close kills what is
+        # left (each worker gets a moment after its channel's end at least).
+        deadline = time.monotonic() + grace
         if self.sessions is not None:
-            # Bounded: a worker held in its tenant's kernel never answers its sessions' closes; the pool's close
-            # then kills what does not exit.
             await self.sessions.stop(grace)
         if self.pool is not None:
-            await self.pool.close()
+            await self.pool.close(max(_WORKER_EXIT_SECONDS, deadline - time.monotonic()))
         if self._removals:  # (caches of workers that just exited)
             await asyncio.gather(*self._removals, return_exceptions=True)
         if self.health is not None:

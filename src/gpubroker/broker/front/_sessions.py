@@ -264,29 +264,39 @@ class SessionManager:
 
     async def close(self, session: Session, reason: str = "closed") -> None:
         """End the session and wait for its worker to close it (its client's own close; others use ``end``)."""
+        if self._remove(session):
+            await self._closed(session, reason)
+
+    def _remove(self, session: Session) -> bool:
+        """Take the session off the list (and its tenant's count); False if it had already ended."""
         if self.sessions.pop(session.id, None) is None:
-            return
-        await self._closed(session, reason)
+            return False
+        if not self.sessions:
+            # (a drain waits for this: the closes under way are the broker's stop's to bound, not the drain's)
+            self.idle.set()
+        return True
+
+    async def _end(self, session: Session, reason: str) -> None:
+        try:
+            await self._closed(session, reason)
+        except Exception:  # (nobody awaits it: said here, once)
+            log.exception("closing session %s of tenant %s failed", session.id, session.tenant)
 
     async def _closed(self, session: Session, reason: str) -> None:
         """What follows a session's removal from the list: its worker frees what it held, the front uncounts it."""
-        try:
-            await session.peer_idle.wait()  # another device's worker may be reading its memory
-            for hook in self.closing_hooks:
-                await hook(session)
-            if session.lost is None:
-                try:
-                    await session.worker.call(CloseSession(), session.id)
-                    await self.refresh_usage(session.worker)  # what the session held is free again
-                except GpuBrokerError:  # (its worker died or was killed meanwhile, with all the session held)
-                    pass
-            self.release_shared(session, session.shared_bytes)  # the worker's close_session unmapped them
-            session.segments.clear()
-            self.lifecycle_log.log(logging.INFO, f"sessions of tenant {session.tenant}", "session %s of tenant %s %s",
-                                   session.id, session.tenant, reason)
-        finally:
-            if not self.sessions:
-                self.idle.set()
+        await session.peer_idle.wait()  # another device's worker may be reading its memory
+        for hook in self.closing_hooks:
+            await hook(session)
+        if session.lost is None:
+            try:
+                await session.worker.call(CloseSession(), session.id)
+                await self.refresh_usage(session.worker)  # what the session held is free again
+            except GpuBrokerError:  # (its worker died or was killed meanwhile, with all the session held)
+                pass
+        self.release_shared(session, session.shared_bytes)  # the worker's close_session unmapped them
+        session.segments.clear()
+        self.lifecycle_log.log(logging.INFO, f"sessions of tenant {session.tenant}", "session %s of tenant %s %s",
+                               session.id, session.tenant, reason)
 
     def end(self, session: Session, reason: str) -> asyncio.Task[None] | None:
         """End the session on behalf of someone other than its client (the lease reaper, an admin, a drain, the
@@ -294,9 +304,9 @@ class SessionManager:
         a task of its own, so that a worker that does not answer (its tenant's kernel may hold it for as long as it
         likes) holds up nothing but that close. Until the worker answers (or dies), what the session mapped stays
         counted against its own tenant. The task, or None if the session had already ended."""
-        if self.sessions.pop(session.id, None) is None:
+        if not self._remove(session):
             return None
-        task = asyncio.create_task(self._closed(session, reason), name=f"close-{session.id}")
+        task = asyncio.create_task(self._end(session, reason), name=f"close-{session.id}")
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
         return task

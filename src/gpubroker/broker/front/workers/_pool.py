@@ -307,16 +307,16 @@ class WorkerPool:
             del self._workers[key]
         worker.retire(fault)
 
-    async def close(self) -> None:
-        """Stop every worker: each gets its stop's timeout to exit once its channel closes, then is killed (one
-        stuck in its tenant's kernel never reads the close)."""
+    async def close(self, timeout: float = 10.0) -> None:
+        """Stop every worker: each gets ``timeout`` seconds to exit once its channel closes, then is killed (one
+        held in its tenant's kernel never reads the close)."""
         self.draining = True
         for handle in self._settling.values():
             handle.cancel()
         self._settling.clear()
         workers = list(self._workers.values())
         self._workers.clear()
-        await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
+        await asyncio.gather(*(w.stop(timeout) for w in workers), return_exceptions=True)
         # Idle stops and limits: each ends with its worker, bounded as above; requests to workers stopped are moot.
         for task in self._requests:
             task.cancel()

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -43,12 +41,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gpubroker.broker.config import BrokerConfig, load_config, save_config
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.client import GpuBrokerError, connect
+from gpubroker.client import GpuBrokerError, ResourceExhausted, connect
 
-from ...conftest import worker_pids
-from ...helpers import wait_for
-from ..exploits import SYSCALL_SOURCE, check_arch
+from ..conftest import worker_pids
+from ..helpers import wait_for
+from .exploits import SYSCALL_SOURCE, check_arch
 
 SLEEP_SOURCE = SYSCALL_SOURCE + r"""
 __kernel void gpb_sleep(__global long* out, const long seconds) {
@@ -56,14 +55,15 @@ __kernel void gpb_sleep(__global long* out, const long seconds) {
     for (long i = 0; i < seconds; ++i) out[0] = sys6(35, (long)ts, 0, 0, 0, 0, 0);   /* nanosleep(1 s) */
 }
 """
-SLEEP = 150  # seconds: longer than the test; the broker's stop ends it
-GRACE = 15.0  # how long the test gives a removal to complete (normally well under a second)
+SLEEP = 150  # seconds: longer than the test; her removal ends it
+GRACE = 10.0  # how long the test gives a removal to complete (normally well under a second)
+DAVE_QUOTA = 4 << 20
 
 
 @pytest.fixture(scope="module")
 def broker() -> Iterator[BrokerProcess]:
     check_arch()
-    tenants = [TenantSpec("ops", admin=True), TenantSpec("mallory"), TenantSpec("carol")]
+    tenants = [TenantSpec("ops", admin=True), TenantSpec("mallory"), TenantSpec("carol"), TenantSpec("dave")]
     with BrokerProcess(tenants, backend="opencl", settings={"lease_seconds": 120.0}) as proc:
         yield proc
 
@@ -78,9 +78,13 @@ def _wchans(pid: int) -> dict[int, str]:
     return found
 
 
-def _remove(broker: BrokerProcess, tenant: str) -> None:
-    subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", "tenant", "remove", tenant, "--config",
-                    str(broker.config_path)], check=True, capture_output=True)
+def _blocked(pid: int) -> bool:
+    """The worker's main thread waits in the device's finish, its kernel's thread sleeps."""
+    return "futex" in _wchans(pid).get(pid, "") and "nanosleep" in "".join(_wchans(pid).values())
+
+
+def _reload(broker: BrokerProcess, cfg: BrokerConfig, tenant: str) -> None:
+    save_config(cfg, broker.config_path)
     assert broker.process is not None
     os.kill(broker.process.pid, signal.SIGHUP)
     wait_for(lambda: f"action=revoke tenant={tenant}" in broker.log_tail(1_000_000), 20,
@@ -92,11 +96,13 @@ def test_a_blocked_worker_stalls_other_tenants_removal_and_its_own(broker: Broke
     carol.allocate_memory(1 << 20)
     [carol_worker] = worker_pids(broker, "carol")
     mallory = connect(broker.target, token=broker.tokens["mallory"])
+    dave = connect(broker.target, token=broker.tokens["dave"])
     worker = 0
     try:
         kernel = mallory.compile_kernel(SLEEP_SOURCE, "gpb_sleep")
         out = mallory.allocate_memory(64)
         [worker] = worker_pids(broker, "mallory")
+        dave.allocate_memory(1 << 20)  # (his worker starts after hers: behind it in the pool's order)
         mallory.execute_kernel(kernel, 1, 1, [out, np.int64(SLEEP)])
 
         def block() -> None:
@@ -106,32 +112,46 @@ def test_a_blocked_worker_stalls_other_tenants_removal_and_its_own(broker: Broke
                 pass  # (her link is closed at her removal)
 
         threading.Thread(target=block, daemon=True).start()
-        # Her worker's main thread waits in the device's finish, her kernel's thread sleeps.
-        wait_for(lambda: "futex" in _wchans(worker).get(worker, "")
-                 and "nanosleep" in "".join(_wchans(worker).values()), 20, "mallory's worker to block")
+        wait_for(lambda: _blocked(worker), 20, "mallory's worker to block")
 
-        _remove(broker, "carol")
+        # The operator removes carol and lowers dave's quota, in one reload.
+        cfg = load_config(broker.config_path)
+        cfg.remove_tenant("carol")
+        cfg.tenants["dave"].memory_quota = DAVE_QUOTA
+        _reload(broker, cfg, "carol")
         removed_at = time.monotonic()
-        while time.monotonic() - removed_at < GRACE and carol_worker in worker_pids(broker, "carol"):
+        while time.monotonic() - removed_at < GRACE and not (
+                "removed=['carol']" in broker.log_tail(1_000_000) and carol_worker not in worker_pids(broker, "carol")):
             time.sleep(0.2)
         carol_alive = carol_worker in worker_pids(broker, "carol")
-        carol_reloaded = "action=reload" in broker.log_tail(1_000_000)
+        carol_reloaded = "action=reload added=[] removed=['carol']" in broker.log_tail(1_000_000)
+        still_blocked = _blocked(worker)  # (what the reload had to get past)
+        try:
+            dave.allocate_memory(2 * DAVE_QUOTA)
+            dave_limited = False
+        except ResourceExhausted:
+            dave_limited = True
 
-        _remove(broker, "mallory")
+        cfg = load_config(broker.config_path)
+        cfg.remove_tenant("mallory")
+        _reload(broker, cfg, "mallory")
         removed_at = time.monotonic()
         while time.monotonic() - removed_at < GRACE and worker in worker_pids(broker, "mallory"):
             time.sleep(0.2)
         mallory_alive = worker in worker_pids(broker, "mallory")
         sleeping = "nanosleep" in "".join(_wchans(worker).values())
+        mallory_reloaded = "removed=['mallory']" in broker.log_tail(1_000_000)
 
-        assert not carol_alive and not mallory_alive, (
-            f"{GRACE:g} s after their removal: carol's worker alive: {carol_alive} (reload finished: "
-            f"{carol_reloaded}); mallory's worker alive: {mallory_alive}, its kernel still sleeping: {sleeping}; "
-            f"log: {broker.log_tail(1500)}")
+        assert still_blocked, "mallory's worker stopped blocking before the reload: make SLEEP longer"
+        assert carol_reloaded and not carol_alive and dave_limited and not mallory_alive and mallory_reloaded, (
+            f"{GRACE:g} s after their removal, while mallory's worker blocked in a lone synchronize: the reload "
+            f"removing carol finished: {carol_reloaded}, carol's worker alive: {carol_alive}; dave's lowered quota "
+            f"applied: {dave_limited}; mallory's removal finished: {mallory_reloaded}, her worker alive: "
+            f"{mallory_alive}, its kernel still sleeping: {sleeping}; log: {broker.log_tail(1500)}")
     finally:
-        if worker:  # (the broker's stop would wait for her sleeping kernel too)
+        if worker and Path(f"/proc/{worker}").exists():  # (unfixed, the broker's stop would wait for her kernel)
             os.kill(worker, signal.SIGKILL)
-        for gpu in (mallory, carol):
+        for gpu in (mallory, carol, dave):
             try:
                 gpu.close()
             except GpuBrokerError:
