@@ -22,6 +22,11 @@ Suggested fix: the reaper must never wait on a tenant's worker: end each expired
 forget it at once and let the worker's close follow), and bound every call the front makes to a worker on behalf of
 someone else (``asyncio.wait_for``, then kill the worker, charged to its tenant). See also
 test_blocked_worker_stalls_reload.py, the same pattern in the reload.
+
+The fix (front/_sessions.py): a session ended on behalf of someone other than its client (the reaper, an admin, a
+drain, the broker's stop: ``SessionManager.end``) leaves the list, and its tenant's count, at once; its worker is asked
+to close it in a task of its own. Idle workers are stopped in tasks too, and the broker's stop gives the closes and
+the workers' exits one grace, then kills what is left (the last test here).
 """
 
 from __future__ import annotations

@@ -27,6 +27,11 @@ tenant's sessions without asking its workers (kill them: ``stop_tenant`` first, 
 every such call (``asyncio.wait_for``, then kill the worker, charged to its tenant). The same pattern is in the
 lease reaper (``_reap_loop`` awaits ``close`` of each expired session in turn): one blocked worker there stops the
 reaping of every tenant's expired sessions.
+
+The fix (front/_server.py, _sessions.py, workers/_pool.py): the reload sends the limits to every worker at once, each
+in a task of its own, and waits at most a second for those that answer; a removed tenant's workers are killed
+(``WorkerPool.retire_tenant``) and its sessions dropped without a request to them. The test checks that the reload
+removing carol finishes while mallory's worker still blocks, and that mallory's removal ends her worker.
 """
 
 from __future__ import annotations
