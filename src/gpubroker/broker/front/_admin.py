@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -22,6 +23,9 @@ from gpubroker.wire.types import DeviceInfo
 __all__ = ["AdminService"]
 
 audit = logging.getLogger("gpubroker.audit")
+# Seconds an EndSession's answer waits for the session's worker to close it (what it reports freed is the session's
+# use before, either way).
+_CLOSE_WAIT = 1.0
 
 
 def _summary(s: Session, now: float) -> apb.SessionSummary:
@@ -69,7 +73,12 @@ class AdminService(apb_grpc.AdminServicer):
             raise NotFound(f"no session {request.session!r}")
         await self.sessions.refresh_all()
         freed = session.memory_used
-        await self.sessions.close(session, reason=f"ended by admin {admin}")
+        # Gone from the sessions at once; the answer waits a moment for its worker to close it, never longer (a
+        # worker held in its tenant's kernel closes it when it next reads, or its death frees all it held).
+        closing = self.sessions.end(session, reason=f"ended by admin {admin}")
+        if closing is None:
+            raise NotFound(f"no session {request.session!r}")
+        await asyncio.wait([closing], timeout=_CLOSE_WAIT)
         audit.info("admin=%s action=end-session session=%s tenant=%s peer=%s", admin, session.id, session.tenant,
                    grpc_peer(context))
         return apb.EndSessionResponse(tenant=session.tenant, memory_freed=freed)

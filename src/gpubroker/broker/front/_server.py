@@ -52,6 +52,11 @@ __all__ = ["Broker", "probe_devices", "run_broker", "tcp_credentials"]
 log = logging.getLogger("gpubroker.server")
 # Seconds a drain that ran out of grace waits for the sessions it ends to close before the broker stops regardless.
 _CLOSE_MARGIN = 5.0
+# Seconds a reload's answer waits for the workers to take their new limits (those that answer later take them all
+# the same, before anything the front sends them after).
+_LIMITS_WAIT = 1.0
+# Seconds each worker has at least, at the broker's stop, to exit once its channel is closed before it is killed.
+_WORKER_EXIT_SECONDS = 1.0
 audit = logging.getLogger("gpubroker.audit")
 # HTTP/2 keepalive: the broker pings each client connection after this long without traffic and drops one whose
 # answer takes longer than the timeout, so a client that vanished without closing (a host gone, a VM paused)
@@ -434,8 +439,8 @@ class Broker:
             pass
         left = list(self.sessions.sessions.values())
         log.warning("drain grace over: ending %d sessions still running", len(left))
-        for session in left:
-            await self.sessions.close(session, reason="ended: the broker drained")
+        for session in left:  # (each closed by its worker in a task of its own: none waits for another's)
+            self.sessions.end(session, reason="ended: the broker drained")
 
     async def drain_and_wait(self, grace: float, until: asyncio.Event | None = None) -> None:
         """Drain, then wait until every session has closed or the grace is over (or ``until`` is set)."""
@@ -481,16 +486,20 @@ class Broker:
         self.config.tenants = new
         self.auth.reload(self.config)
         self._apply_weights()
-        if self.pool is not None:
-            await self.pool.apply_limits()  # quotas are the workers' to enforce
-        ended = 0
-        for name in removed:
-            ended += await self.sessions.end_tenant(name, reason="ended: tenant removed")
+        # Nothing below waits in line for a tenant's worker (its tenant's kernel may keep it from answering for as
+        # long as it likes): the limits go to every worker at once, a removed tenant's workers are killed.
+        limits = self.pool.apply_limits() if self.pool is not None else []  # quotas are the workers' to enforce
+        ended = sum(self.sessions.end_tenant(name, reason="ended: tenant removed") for name in removed)
         if self.sandbox is not None:
-            # The caches of the removed tenants (their workers are gone) and of rotated tokens (once no worker
-            # writes to them): no tenant ever finds them again, and their disk is free.
+            # The caches of the removed tenants (their workers are killed; each deletes its cache again as it exits)
+            # and of rotated tokens (once no worker writes to them): no tenant ever finds them again, and their disk
+            # is free.
             await self._remove_caches({self.sandbox.cache_path(n, cache_key(old[n].token_hash)) for n in old
                                        if n not in new or new[n].token_hash != old[n].token_hash})
+        if limits:
+            # The answer waits a moment for the workers that answer: their new limits hold when it comes. One that
+            # does not answer takes them when it next reads (before anything the front sends it later).
+            await asyncio.wait(limits, timeout=_LIMITS_WAIT)
         audit.info("action=reload added=%s removed=%s changed=%s sessions_ended=%d", added, removed, changed, ended)
         return apb.ReloadResponse(added=added, removed=removed, changed=changed, sessions_ended=ended)
 
@@ -511,10 +520,14 @@ class Broker:
             await self.relay.wait_closed()
         if self.cpu_watch is not None:
             await self.cpu_watch.stop()
+        # Bounded: a worker held in its tenant's kernel never answers its sessions' closes, nor reads its channel's
+        # end. The sessions' closes and the workers' exits share one grace; past it, the pool's close kills what is
+        # left (each worker gets a moment after its channel's end at least).
+        deadline = time.monotonic() + grace
         if self.sessions is not None:
-            await self.sessions.stop()
+            await self.sessions.stop(grace)
         if self.pool is not None:
-            await self.pool.close()
+            await self.pool.close(max(_WORKER_EXIT_SECONDS, deadline - time.monotonic()))
         if self._removals:  # (caches of workers that just exited)
             await asyncio.gather(*self._removals, return_exceptions=True)
         if self.health is not None:

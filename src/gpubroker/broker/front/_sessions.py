@@ -140,6 +140,7 @@ class SessionManager:
         # gRPC calls in flight per tenant (enter_call), whether they name a session or not.
         self.inflight: dict[str, int] = {}
         self._reaper: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()  # closes that nobody waits for in line (``end``)
         pool.limits = self.limits
         pool.on_memory = self.mirror
 
@@ -163,11 +164,19 @@ class SessionManager:
     def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap_loop(), name="session-reaper")
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float) -> None:
+        """End every session, giving their workers ``timeout`` seconds in all to close them (at once, each in its
+        own task); the closes left then are abandoned: the workers are stopped next, which frees all they held."""
         if self._reaper is not None:
             self._reaper.cancel()
         for session in list(self.sessions.values()):
-            await self.close(session)
+            self.end(session, reason="ended: the broker stopped")
+        closing = set(self._closing)
+        if closing:
+            await asyncio.wait(closing, timeout=timeout)
+        for task in closing:
+            task.cancel()
+        await asyncio.gather(*closing, return_exceptions=True)
 
     def _check_admission(self, device: int) -> None:
         if self.admission is not None:
@@ -203,9 +212,10 @@ class SessionManager:
                 raise
             if tenant not in self.config.tenants:
                 # Removed while its worker started (end_tenant ran meanwhile): neither session nor worker stays.
-                await self.pool.stop_tenant(tenant)
+                self.pool.retire_tenant(tenant, Unauthenticated(UNAUTHENTICATED_MESSAGE))
                 raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
-            if not worker.alive:  # (stopped as it started: its tenant was removed, and added again meanwhile)
+            if not worker.alive or worker.retired:
+                # (killed as it started: its tenant was removed, and added again meanwhile)
                 raise Unavailable("the tenant's worker stopped while it started; retry")
             self._check_admission(device)  # a drain may have begun while the worker started
             session = Session(id=f"ses_{secrets.token_urlsafe(18)}", tenant=tenant, device=device, worker=worker,
@@ -253,39 +263,75 @@ class SessionManager:
         return session
 
     async def close(self, session: Session, reason: str = "closed") -> None:
-        if self.sessions.pop(session.id, None) is None:
-            return
-        try:
-            await session.peer_idle.wait()  # another device's worker may be reading its memory
-            for hook in self.closing_hooks:
-                await hook(session)
-            if session.lost is None:
-                try:
-                    await session.worker.call(CloseSession(), session.id)
-                    await self.refresh_usage(session.worker)  # what the session held is free again
-                except WorkerCrashed:
-                    pass
-            self.release_shared(session, session.shared_bytes)  # the worker's close_session unmapped them
-            session.segments.clear()
-            self.lifecycle_log.log(logging.INFO, f"sessions of tenant {session.tenant}", "session %s of tenant %s %s",
-                                   session.id, session.tenant, reason)
-        finally:
-            if not self.sessions:
-                self.idle.set()
+        """End the session and wait for its worker to close it (its client's own close; others use ``end``)."""
+        if self._remove(session):
+            await self._closed(session, reason)
 
-    async def end_tenant(self, tenant: str, reason: str) -> int:
-        """End every session of a tenant and stop its workers (the tenant was removed)."""
-        ended = 0
-        for session in [s for s in self.sessions.values() if s.tenant == tenant]:
-            await self.close(session, reason=reason)
-            ended += 1
-        await self.pool.stop_tenant(tenant)
-        # Nothing of it is left to count (its sessions released their segments, its workers are gone): a tenant
-        # added again under its name starts from zero.
+    def _remove(self, session: Session) -> bool:
+        """Take the session off the list (and its tenant's count); False if it had already ended."""
+        if self.sessions.pop(session.id, None) is None:
+            return False
+        if not self.sessions:
+            # (a drain waits for this: the closes under way are the broker's stop's to bound, not the drain's)
+            self.idle.set()
+        return True
+
+    async def _end(self, session: Session, reason: str) -> None:
+        try:
+            await self._closed(session, reason)
+        except Exception:  # (nobody awaits it: said here, once)
+            log.exception("closing session %s of tenant %s failed", session.id, session.tenant)
+
+    async def _closed(self, session: Session, reason: str) -> None:
+        """What follows a session's removal from the list: its worker frees what it held, the front uncounts it."""
+        await session.peer_idle.wait()  # another device's worker may be reading its memory
+        for hook in self.closing_hooks:
+            await hook(session)
+        if session.lost is None:
+            try:
+                await session.worker.call(CloseSession(), session.id)
+                await self.refresh_usage(session.worker)  # what the session held is free again
+            except GpuBrokerError:  # (its worker died or was killed meanwhile, with all the session held)
+                pass
+        self.release_shared(session, session.shared_bytes)  # the worker's close_session unmapped them
+        session.segments.clear()
+        self.lifecycle_log.log(logging.INFO, f"sessions of tenant {session.tenant}", "session %s of tenant %s %s",
+                               session.id, session.tenant, reason)
+
+    def end(self, session: Session, reason: str) -> asyncio.Task[None] | None:
+        """End the session on behalf of someone other than its client (the lease reaper, an admin, a drain, the
+        broker's stop): it leaves the sessions, and its tenant's count, at once; its worker is asked to close it in
+        a task of its own, so that a worker that does not answer (its tenant's kernel may hold it for as long as it
+        likes) holds up nothing but that close. Until the worker answers (or dies), what the session mapped stays
+        counted against its own tenant. The task, or None if the session had already ended."""
+        if not self._remove(session):
+            return None
+        task = asyncio.create_task(self._end(session, reason), name=f"close-{session.id}")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        return task
+
+    def end_tenant(self, tenant: str, reason: str) -> int:
+        """End every session of a tenant and kill its workers (the tenant was removed), without asking them: each
+        runs the removed tenant's code, which may keep it from answering for as long as it likes, and its death
+        frees all it held. The number of sessions ended."""
+        self.pool.retire_tenant(tenant, WorkerCrashed(
+            f"the worker of tenant {tenant!r} was ended because its tenant was removed"))
+        ended = [s for s in self.sessions.values() if s.tenant == tenant]
+        for session in ended:
+            # Nothing to ask its (killed) worker; the close still runs the hooks (links' watches, CopyPeer's
+            # caches) and logs the end.
+            session.lost = reason
+            session.memory_used = 0
+            session.segments.clear()
+            session.shared_bytes = 0  # (the tenant's total goes below: a later release must not touch a successor's)
+            self.end(session, reason)
+        # Nothing of it is left to count (its workers are killed, with their mappings): a tenant added again under
+        # its name starts from zero.
         self.shared_used.pop(tenant, None)
         for key in [k for k in self.memory_used if k[0] == tenant]:
             del self.memory_used[key]
-        return ended
+        return len(ended)
 
     def worker_exited(self, worker: WorkerClient) -> None:
         """The worker died or was stopped: its sessions' device memory is gone with it."""
@@ -305,9 +351,10 @@ class SessionManager:
             now = time.monotonic()
             for session in list(self.sessions.values()):
                 if now - session.last_seen > session.lease_seconds:
-                    await self.close(session, reason="expired (no heartbeat within the lease)")
+                    # (in a task of its own: a worker held in its tenant's kernel never stops the reaping of others)
+                    self.end(session, reason="expired (no heartbeat within the lease)")
             busy = {(s.tenant, s.device) for s in self.sessions.values() if s.lost is None}
-            await self.pool.reap_idle(busy)
+            self.pool.reap_idle(busy)
 
     # -- memory accounting -------------------------------------------------------------------------
     def quota(self, tenant: str, device: int | None = None) -> int:

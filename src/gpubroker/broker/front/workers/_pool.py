@@ -20,7 +20,8 @@ import logging
 import signal
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 from gpubroker.broker.front.workers._client import DEFAULT_SEND_BUFFER, DEFAULT_WRITE_STALL, EXIT_FATAL, WorkerClient
 from gpubroker.broker.sandbox import WorkerSandbox
@@ -99,6 +100,14 @@ class TenantCrashes:
             retry_after_seconds=round(max(1.0, left), 1))
 
 
+def _spawn(tasks: set[asyncio.Task[None]], work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+    """``work`` in a task of its own, kept in ``tasks`` until it ends."""
+    task = asyncio.create_task(work, name=name)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    return task
+
+
 class WorkerPool:
     def __init__(self, backend: str, start_timeout: float, idle_seconds: float,
                  on_worker_exit: Callable[[WorkerClient], None] | None = None,
@@ -136,6 +145,9 @@ class WorkerPool:
         # and at every reload; and where its reports of memory use go (the sessions' mirror).
         self.limits: Callable[[str, int], SetLimits] | None = None
         self.on_memory: Callable[[WorkerClient, int], None] | None = None
+        # Requests to workers (limits at a reload) and stops (idle workers) that nobody waits for in line.
+        self._requests: set[asyncio.Task[None]] = set()
+        self._stops: set[asyncio.Task[None]] = set()
 
     def workers(self) -> list[WorkerClient]:
         return list(self._workers.values())
@@ -177,16 +189,27 @@ class WorkerPool:
         self._workers[key] = worker
         return worker
 
-    async def apply_limits(self) -> None:
-        """Send every live worker its limits again (the config was reloaded)."""
+    def apply_limits(self) -> list[asyncio.Task[None]]:
+        """Send every live worker its limits again (the config was reloaded), each in a task of its own: the caller
+        never waits in line behind a worker that does not answer (a tenant's kernel may hold its worker for as long
+        as it likes). A worker reads its requests in order, so the limits hold for everything the front sends it
+        after this; its reply, whenever it comes, holds nothing but that task. The tasks, for a caller that may wait
+        a bounded time for those that answer."""
         if self.limits is None:
-            return
+            return []
+        tasks = []
         for (tenant, device), worker in list(self._workers.items()):
             if worker.alive:
-                try:
-                    await worker.call(self.limits(tenant, device))
-                except GpuBrokerError as exc:  # (it died meanwhile: its death is reported on its own)
-                    log.info("set_limits for tenant %s on device %d: %s", tenant, device, exc.message)
+                tasks.append(_spawn(self._requests, self._set_limits(worker, self.limits(tenant, device)),
+                                    f"set-limits-{tenant}-{device}"))
+        return tasks
+
+    @staticmethod
+    async def _set_limits(worker: WorkerClient, limits: SetLimits) -> None:
+        try:
+            await worker.call(limits)
+        except GpuBrokerError as exc:  # (it died meanwhile: its death is reported on its own)
+            log.info("set_limits for tenant %s on device %d: %s", worker.tenant, worker.device, exc.message)
 
     def _forget(self, worker: WorkerClient) -> None:
         """The worker's death (reported once per worker by WorkerClient): unregister it and charge its cause."""
@@ -238,26 +261,32 @@ class WorkerPool:
         self.restarts += 1
         self.restarts_by[key] = self.restarts_by.get(key, 0) + 1
 
-    async def reap_idle(self, busy: set[tuple[str, int]]) -> None:
-        """Stop workers with no sessions that have been idle longer than idle_seconds."""
+    def reap_idle(self, busy: set[tuple[str, int]]) -> None:
+        """Stop workers with no sessions that have been idle longer than idle_seconds, each in a task of its own (a
+        worker stuck in its tenant's kernel takes its stop timeout to go: the reaper never waits for that)."""
         now = time.monotonic()
         for key, worker in list(self._workers.items()):
             if key not in busy and now - worker.last_used > self.idle_seconds:
                 log.info("reaping idle worker for tenant %s on device %d", *key)
                 del self._workers[key]
-                await worker.stop()
+                _spawn(self._stops, worker.stop(), f"stop-{key[0]}-{key[1]}")
 
-    async def stop_tenant(self, tenant: str) -> None:
-        """Stop every worker of the tenant (it was removed), those still starting too, and forget its crashes: a
-        tenant added again under its name starts with none of its state."""
-        starting = [task for key, task in self._starting.items() if key[0] == tenant]
-        if starting:  # (a start registers its worker when it succeeds: wait for that, then stop it with the rest)
-            await asyncio.wait(starting)
+    def retire_tenant(self, tenant: str, fault: GpuBrokerError) -> None:
+        """Kill every worker of the tenant (it was removed), now and without awaiting (``retire``), those still
+        starting too as their start ends, and forget its crashes: a tenant added again under its name starts with
+        none of its state. Never a request to the workers: each runs the removed tenant's code, which may keep it
+        from answering for as long as it likes."""
+        for key, task in list(self._starting.items()):
+            if key[0] == tenant:  # (its worker registers as the start ends: killed right then)
+                task.add_done_callback(functools.partial(self._retire_started, fault))
         for key, worker in list(self._workers.items()):
             if key[0] == tenant:
-                del self._workers[key]
-                await worker.stop()
+                self.retire(worker, fault)
         self.crashes.forget(tenant)
+
+    def _retire_started(self, fault: GpuBrokerError, task: asyncio.Task[WorkerClient]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self.retire(task.result(), fault)
 
     async def restart(self, worker: WorkerClient, fault: GpuBrokerError | None = None) -> None:
         """Kill a worker for its tenant's sake (a compile past its timeout, device work past the kernel time
@@ -278,11 +307,17 @@ class WorkerPool:
             del self._workers[key]
         worker.retire(fault)
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = 10.0) -> None:
+        """Stop every worker: each gets ``timeout`` seconds to exit once its channel closes, then is killed (one
+        held in its tenant's kernel never reads the close)."""
         self.draining = True
         for handle in self._settling.values():
             handle.cancel()
         self._settling.clear()
         workers = list(self._workers.values())
         self._workers.clear()
-        await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
+        await asyncio.gather(*(w.stop(timeout) for w in workers), return_exceptions=True)
+        # Idle stops and limits: each ends with its worker, bounded as above; requests to workers stopped are moot.
+        for task in self._requests:
+            task.cancel()
+        await asyncio.gather(*self._requests, *self._stops, return_exceptions=True)

@@ -27,14 +27,17 @@ tenant's sessions without asking its workers (kill them: ``stop_tenant`` first, 
 every such call (``asyncio.wait_for``, then kill the worker, charged to its tenant). The same pattern is in the
 lease reaper (``_reap_loop`` awaits ``close`` of each expired session in turn): one blocked worker there stops the
 reaping of every tenant's expired sessions.
+
+The fix (front/_server.py, _sessions.py, workers/_pool.py): the reload sends the limits to every worker at once, each
+in a task of its own, and waits at most a second for those that answer; a removed tenant's workers are killed
+(``WorkerPool.retire_tenant``) and its sessions dropped without a request to them. The test checks that the reload
+removing carol finishes while mallory's worker still blocks, and that mallory's removal ends her worker.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -43,12 +46,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gpubroker.broker.config import BrokerConfig, load_config, save_config
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import GpuBrokerError, connect
 
-from ...conftest import worker_pids
-from ...helpers import wait_for
-from ..exploits import SYSCALL_SOURCE, check_arch
+from ..conftest import worker_pids
+from ..helpers import wait_for
+from .exploits import SYSCALL_SOURCE, check_arch
 
 SLEEP_SOURCE = SYSCALL_SOURCE + r"""
 __kernel void gpb_sleep(__global long* out, const long seconds) {
@@ -56,8 +60,8 @@ __kernel void gpb_sleep(__global long* out, const long seconds) {
     for (long i = 0; i < seconds; ++i) out[0] = sys6(35, (long)ts, 0, 0, 0, 0, 0);   /* nanosleep(1 s) */
 }
 """
-SLEEP = 150  # seconds: longer than the test; the broker's stop ends it
-GRACE = 15.0  # how long the test gives a removal to complete (normally well under a second)
+SLEEP = 150  # seconds: longer than the test; her removal ends it
+GRACE = 10.0  # how long the test gives a removal to complete (normally well under a second)
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +82,13 @@ def _wchans(pid: int) -> dict[int, str]:
     return found
 
 
-def _remove(broker: BrokerProcess, tenant: str) -> None:
-    subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", "tenant", "remove", tenant, "--config",
-                    str(broker.config_path)], check=True, capture_output=True)
+def _blocked(pid: int) -> bool:
+    """The worker's main thread waits in the device's finish, its kernel's thread sleeps."""
+    return "futex" in _wchans(pid).get(pid, "") and "nanosleep" in "".join(_wchans(pid).values())
+
+
+def _reload(broker: BrokerProcess, cfg: BrokerConfig, tenant: str) -> None:
+    save_config(cfg, broker.config_path)
     assert broker.process is not None
     os.kill(broker.process.pid, signal.SIGHUP)
     wait_for(lambda: f"action=revoke tenant={tenant}" in broker.log_tail(1_000_000), 20,
@@ -106,30 +114,37 @@ def test_a_blocked_worker_stalls_other_tenants_removal_and_its_own(broker: Broke
                 pass  # (her link is closed at her removal)
 
         threading.Thread(target=block, daemon=True).start()
-        # Her worker's main thread waits in the device's finish, her kernel's thread sleeps.
-        wait_for(lambda: "futex" in _wchans(worker).get(worker, "")
-                 and "nanosleep" in "".join(_wchans(worker).values()), 20, "mallory's worker to block")
+        wait_for(lambda: _blocked(worker), 20, "mallory's worker to block")
 
-        _remove(broker, "carol")
+        cfg = load_config(broker.config_path)
+        cfg.remove_tenant("carol")
+        _reload(broker, cfg, "carol")
         removed_at = time.monotonic()
-        while time.monotonic() - removed_at < GRACE and carol_worker in worker_pids(broker, "carol"):
+        while time.monotonic() - removed_at < GRACE and not (
+                "removed=['carol']" in broker.log_tail(1_000_000) and carol_worker not in worker_pids(broker, "carol")):
             time.sleep(0.2)
         carol_alive = carol_worker in worker_pids(broker, "carol")
-        carol_reloaded = "action=reload" in broker.log_tail(1_000_000)
+        carol_reloaded = "action=reload added=[] removed=['carol']" in broker.log_tail(1_000_000)
+        still_blocked = _blocked(worker)  # (what the reload had to get past)
 
-        _remove(broker, "mallory")
+        cfg = load_config(broker.config_path)
+        cfg.remove_tenant("mallory")
+        _reload(broker, cfg, "mallory")
         removed_at = time.monotonic()
         while time.monotonic() - removed_at < GRACE and worker in worker_pids(broker, "mallory"):
             time.sleep(0.2)
         mallory_alive = worker in worker_pids(broker, "mallory")
         sleeping = "nanosleep" in "".join(_wchans(worker).values())
+        mallory_reloaded = "removed=['mallory']" in broker.log_tail(1_000_000)
 
-        assert not carol_alive and not mallory_alive, (
-            f"{GRACE:g} s after their removal: carol's worker alive: {carol_alive} (reload finished: "
-            f"{carol_reloaded}); mallory's worker alive: {mallory_alive}, its kernel still sleeping: {sleeping}; "
-            f"log: {broker.log_tail(1500)}")
+        assert still_blocked, "mallory's worker stopped blocking before the reload: make SLEEP longer"
+        assert carol_reloaded and not carol_alive and not mallory_alive and mallory_reloaded, (
+            f"{GRACE:g} s after their removal, while mallory's worker blocked in a lone synchronize: the reload "
+            f"removing carol finished: {carol_reloaded}, carol's worker alive: {carol_alive}; mallory's removal "
+            f"finished: {mallory_reloaded}, her worker alive: {mallory_alive}, its kernel still sleeping: "
+            f"{sleeping}; log: {broker.log_tail(1500)}")
     finally:
-        if worker:  # (the broker's stop would wait for her sleeping kernel too)
+        if worker and Path(f"/proc/{worker}").exists():  # (unfixed, the broker's stop would wait for her kernel)
             os.kill(worker, signal.SIGKILL)
         for gpu in (mallory, carol):
             try:
