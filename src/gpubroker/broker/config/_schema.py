@@ -357,9 +357,9 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "RESOURCE_EXHAUSTED at once, and the connection it came on is closed, so that a peer opening and "
         "cancelling calls in a loop (HTTP/2 rapid reset) must reconnect, which "
         "max_connections_per_peer_per_second limits. The client library makes a few unary calls per session "
-        "(its commands ride one stream)."))] = 2000.0
+        "(its commands ride one stream)."))] = 500.0
     grpc_call_burst_per_peer: Annotated[int, Meta(ge=1, description=(
-        "The gRPC calls one peer may start at once, beyond max_grpc_calls_per_peer_per_second."))] = 4000
+        "The gRPC calls one peer may start at once, beyond max_grpc_calls_per_peer_per_second."))] = 1000
     grpc_idle_seconds: Annotated[float, Meta(gt=0, description=(
         "A gRPC connection with no call in flight for this long is closed (HTTP/2 GOAWAY; a client reconnects "
         "at its next call): a connection that finished its handshake but never makes a call holds a slot of "
