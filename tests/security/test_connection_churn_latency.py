@@ -11,12 +11,13 @@ or on ``.fast`` the pre-auth bookkeeping and the hello reader. Measured (2-core 
 ``ListDevices`` p50 3.9 -> 34 ms (4 threads: 0.8 -> 47 ms); on ``.fast`` 2.4 -> 28 ms. A control, the same churner
 against a bare Unix listener in another process, left alice's p50 at 1.7 ms.
 
-The fix: a per-peer connection rate in the one ``Acceptor`` every listener uses (``max_connections_per_peer_per_second``,
-a token bucket of ``connection_burst_per_peer`` per ``Peer.key``, one for all listeners): a connection past it is
-closed as soon as it is accepted and its peer named, before any relay, reader or task is made for it, and counted
-in ``gpubroker_endpoint_refusals`` (reason ``connection rate``). What is left of the churn's cost is the kernel's
-accept and close of each connection (about 10 us of the loop's time each, nothing per-peer can avoid): the test
-checks what the front did (all but the bucket's connections refused at accept) and, generously, alice's p50.
+The fix: a per-peer connection rate in the one ``Acceptor`` every listener uses
+(``max_connections_per_peer_per_second``, a token bucket of ``connection_burst_per_peer`` per ``Peer.key``, one for
+all listeners): a connection past it is closed as soon as it is accepted and its peer named, before any relay,
+reader or task is made for it, and counted in ``gpubroker_endpoint_refusals`` (reason ``connection rate``).
+What is left of the churn's cost is the kernel's accept and close of each connection (about 10 us of the loop's
+time each, nothing per-peer can avoid): the test checks what the front did (all but the bucket's connections
+refused at accept) and, generously, alice's p50.
 """
 
 from __future__ import annotations

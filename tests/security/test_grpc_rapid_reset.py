@@ -187,9 +187,8 @@ def test_rapid_reset_from_one_peer_does_not_slow_other_tenants(broker: BrokerPro
           f"{passed:.0f} of its calls passed the rate check (at most {bound:.0f}), {refused:.0f} refused {delta}")
     assert flood["cuts"] >= 1, (
         f"the front never closed the connection of a peer opening and cancelling calls in a loop: {flood}")
-    assert 1 <= refused and found.get(("gpubroker_endpoint_refusals_total", (("endpoint", "grpc"),
-                                                                              ("reason", "call rate")))), (
-        "no call was refused for its peer's call rate")
+    counted = found.get(("gpubroker_endpoint_refusals_total", (("endpoint", "grpc"), ("reason", "call rate"))), 0)
+    assert refused >= 1 and counted >= refused, "no call was refused for its peer's call rate, or none was counted"
     assert passed <= bound, (f"{passed:.0f} calls of one flooding peer ran the front's handler past the rate check in "
                              f"{elapsed:.1f} s, more than its bucket allows ({bound:.0f})")
     # Generous (a loaded 2-core machine): before the fix alice's p50 went 1 -> 17-45 ms, with handler runs unbounded.

@@ -77,12 +77,6 @@ class PeerRate:
             self._forget(now)
         return True
 
-    def empty(self, key: str, now: float | None = None) -> None:
-        """Take all of ``key``'s tokens (its next take refused until one has come back)."""
-        if now is None:
-            now = time.monotonic()
-        self._full_at[key] = max(now, self._full_at.get(key, now)) + self._slack + self._interval
-
     def count(self, endpoint: str) -> None:
         """Count a refusal at ``endpoint`` (its key set by `register` before anyone iterates the counts)."""
         if (endpoint, self.reason) in self.refusals:
@@ -90,6 +84,11 @@ class PeerRate:
 
     def register(self, endpoint: str) -> None:
         self.refusals.setdefault((endpoint, self.reason), 0)
+
+    @property
+    def peers(self) -> int:
+        """Peers remembered (whose bucket is not known to be full again)."""
+        return len(self._full_at)
 
     def _forget(self, now: float) -> None:
         # (list(): one step under the GIL, should another thread take meanwhile)
