@@ -34,7 +34,10 @@ FLOOD = 10000  # on .fast
 
 @pytest.fixture(scope="module")
 def guarded(backend: str) -> Iterator[BrokerProcess]:
-    settings = {"hello_timeout_seconds": HELLO_TIMEOUT, "connection_idle_seconds": IDLE, "lease_seconds": 30.0}
+    # (the flood below comes from this process's uid, its tenants' too: the caps are tested here, not how fast a
+    # peer may connect, which would refuse the tenants' connections after it: test_connection_churn_latency.py)
+    settings = {"hello_timeout_seconds": HELLO_TIMEOUT, "connection_idle_seconds": IDLE, "lease_seconds": 30.0,
+                "connection_burst_per_peer": 4 * FLOOD}
     with BrokerProcess([TenantSpec("alice"), TenantSpec("bob")], backend=backend, settings=settings) as proc:
         yield proc
 

@@ -349,7 +349,7 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "opens two or three connections per session."))] = 200.0
     connection_burst_per_peer: Annotated[int, Meta(ge=1, description=(
         "The connections one peer may open at once, beyond max_connections_per_peer_per_second (a load test's "
-        "many sessions starting together)."))] = 1000
+        "many sessions starting together, a test holding a thousand segment connections)."))] = 2000
     max_grpc_calls_per_peer_per_second: Annotated[float, Meta(gt=0, description=(
         "How fast one peer (as max_connections_per_peer_per_second names peers) may start gRPC calls, "
         "authenticated or not, on all its connections together: a token bucket of grpc_call_burst_per_peer, "
