@@ -196,7 +196,7 @@ def test_grpc_is_told_the_peer_the_gate_accepted(own_thread: bool) -> None:
                 reader, writer = await _open(where)
                 assert await _kept(reader, writer)
                 # What gRPC sees: the gate's end, an abstract Unix address, which grpc_peer maps back.
-                seen = next(name for name in gate_module._relayed if gate_module._relayed[name].startswith(
+                seen = next(name for name in gate_module._relayed if gate_module._relayed[name].peer.name.startswith(
                     "unix:" if expected else "ipv4:"))
                 assert seen.startswith("unix-abstract:")
 

@@ -43,8 +43,10 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
     tmp = tmp_path_factory.mktemp("endpoints")
     # The shipped limits: max_metrics_connections 16 (4 per peer), a 5 s request timeout, one refresh a second,
     # max_health_streams 64 (16 per peer).
-    with BrokerProcess(TENANTS, backend="opencl",
-                       settings={"cache_dir": str(tmp / "caches"), "metrics_listen": "127.0.0.1:0"}) as broker:
+    # (the health-stream flood below opens 1,500 calls at once from this process's uid: the caps are tested here, not
+    # how fast a peer may start calls, test_grpc_rapid_reset.py)
+    settings = {"cache_dir": str(tmp / "caches"), "metrics_listen": "127.0.0.1:0", "grpc_call_burst_per_peer": 20_000}
+    with BrokerProcess(TENANTS, backend="opencl", settings=settings) as broker:
         yield broker
 
 

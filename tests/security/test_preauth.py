@@ -18,7 +18,7 @@ import pytest
 from gpubroker.broker import samples
 from gpubroker.broker.config import BrokerConfig
 from gpubroker.broker.front._preauth import PreAuthGate
-from gpubroker.broker.front.listeners import Peer, peer_of
+from gpubroker.broker.front.listeners import MAX_RATED_PEERS, Peer, PeerRate, peer_of
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import connect
 from gpubroker.client._transports import peer_hung_up
@@ -34,7 +34,10 @@ FLOOD = 10000  # on .fast
 
 @pytest.fixture(scope="module")
 def guarded(backend: str) -> Iterator[BrokerProcess]:
-    settings = {"hello_timeout_seconds": HELLO_TIMEOUT, "connection_idle_seconds": IDLE, "lease_seconds": 30.0}
+    # (the flood below comes from this process's uid, its tenants' too: the caps are tested here, not how fast a
+    # peer may connect, which would refuse the tenants' connections after it: test_connection_churn_latency.py)
+    settings = {"hello_timeout_seconds": HELLO_TIMEOUT, "connection_idle_seconds": IDLE, "lease_seconds": 30.0,
+                "connection_burst_per_peer": 4 * FLOOD}
     with BrokerProcess([TenantSpec("alice"), TenantSpec("bob")], backend=backend, settings=settings) as proc:
         yield proc
 
@@ -128,6 +131,20 @@ def test_idle_authenticated_segment_connections_are_closed(guarded: BrokerProces
 
 def tcp_peer(host: str) -> Peer:
     return Peer(-1, -1, TcpAddress(host, 40000), (host, 40000))
+
+
+def test_a_peer_rate_is_a_token_bucket_per_peer_in_a_bounded_table() -> None:
+    """How fast a peer may connect or start calls (listeners.PeerRate): ``burst`` at once, then ``rate`` a
+    second; each peer its own; an idle peer forgotten, the table bounded whoever floods it."""
+    rate = PeerRate(10.0, 3)
+    assert [rate.take("uid 1", 100.0) for _ in range(4)] == [True, True, True, False]
+    assert rate.take("uid 2", 100.0)  # another peer starts with a full bucket
+    assert not rate.take("uid 1", 100.05) and rate.take("uid 1", 100.1)  # one token back each 0.1 s
+    assert [rate.take("uid 1", 101.0) for _ in range(4)] == [True, True, True, False]  # full again after a second
+    for i in range(3 * MAX_RATED_PEERS):  # a flood of peers, each taking once: the table stays bounded
+        rate.take(f"10.{i // 256}.{i % 256}.0/24", 300.0)
+        assert rate.peers <= MAX_RATED_PEERS + 1
+    assert rate.take("uid 1", 300.0)
 
 
 def test_caps_count_unauthenticated_connections_in_all_and_per_uid() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from gpubroker.broker.front.auth import RateLimitedLog
 from gpubroker.broker.front.listen import VMADDR_CID_ANY, VMADDR_PORT_ANY, listen_unix, vsock_socket
-from gpubroker.broker.front.listeners import Acceptor, Peer
+from gpubroker.broker.front.listeners import Acceptor, Peer, PeerRate
 from gpubroker.wire.addresses import AddressError, VsockAddress, parse_address, unix_path
 from gpubroker.wire.errors import InvalidArgument
 
@@ -76,7 +76,7 @@ class RelayServer:
     """Accepts on ``listen_sock`` and relays each connection to a fresh socket from ``connect``."""
 
     def __init__(self, listen_sock: socket.socket, connect: Connector, max_connections: int,
-                 max_per_peer: int = 0, idle_seconds: float = 0.0) -> None:
+                 max_per_peer: int = 0, idle_seconds: float = 0.0, connection_rate: PeerRate | None = None) -> None:
         self.listen_sock = listen_sock
         self.max_connections = max_connections
         # Before any byte is relayed nobody is authenticated: one peer (a VM's CID, a local uid) may hold at most
@@ -89,7 +89,7 @@ class RelayServer:
         self._connect = connect
         self._conns: set[asyncio.Task[None]] = set()
         self._acceptor = Acceptor(listen_sock, _describe(listen_sock, listen_sock.getsockname()), self._admit,
-                                  "relay")
+                                  "relay", connection_rate)
 
     @property
     def active(self) -> int:
@@ -192,12 +192,13 @@ def _peer_key(sock: socket.socket, peer: Peer) -> object:
 
 
 async def serve_relay(listen_sock: socket.socket, target: str | Connector, max_connections: int = 256,
-                      max_per_peer: int = 0, idle_seconds: float = 0.0) -> RelayServer:
+                      max_per_peer: int = 0, idle_seconds: float = 0.0,
+                      connection_rate: PeerRate | None = None) -> RelayServer:
     """Relay connections on ``listen_sock`` to the Unix socket path ``target`` (or sockets ``target()`` opens)."""
     if max_connections < 1:
         raise InvalidArgument("max_connections must be >= 1")
     server = RelayServer(listen_sock, unix_connector(target) if isinstance(target, str) else target, max_connections,
-                         max_per_peer, idle_seconds)
+                         max_per_peer, idle_seconds, connection_rate)
     server.start()
     return server
 

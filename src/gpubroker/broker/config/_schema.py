@@ -340,6 +340,27 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "and on TCP from this host (the uid owning the client's socket: every local user has address 127.0.0.1), "
         "a /24 (IPv4) or /64 (IPv6) network on other TCP. More are refused as they are accepted, so a flood from "
         "one peer, however fast it reconnects, leaves the rest of max_grpc_connections to everyone else."))] = 64
+    max_connections_per_peer_per_second: Annotated[float, Meta(gt=0, description=(
+        "How fast one peer (as max_grpc_connections_per_peer names peers: a local user by its uid, a remote host by "
+        "its /24 or /64) may open connections, on every listener of the front together (gRPC, <socket>.fast, the "
+        "link's TCP and vsock ports, metrics, the vsock relay): a token bucket of connection_burst_per_peer, "
+        "refilled at this rate. A connection past it is closed as soon as it is accepted, before any other work "
+        "(audited, rate-limited, and counted in gpubroker_endpoint_refusals), so that a peer connecting and "
+        "closing in a loop costs the front's event loop, which serves every tenant, next to nothing. A client "
+        "opens two or three connections per session."))] = 200.0
+    connection_burst_per_peer: Annotated[int, Meta(ge=1, description=(
+        "The connections one peer may open at once, beyond max_connections_per_peer_per_second (a load test's "
+        "many sessions starting together, a test holding a thousand segment connections)."))] = 2000
+    max_grpc_calls_per_peer_per_second: Annotated[float, Meta(gt=0, description=(
+        "How fast one peer (as max_connections_per_peer_per_second names peers) may start gRPC calls, "
+        "authenticated or not, on all its connections together: a token bucket of grpc_call_burst_per_peer, "
+        "refilled at this rate, checked before any other work of the call. A call past it is answered "
+        "RESOURCE_EXHAUSTED at once, and the connection it came on is closed, so that a peer opening and "
+        "cancelling calls in a loop (HTTP/2 rapid reset) must reconnect, which "
+        "max_connections_per_peer_per_second limits. The client library makes a few unary calls per session "
+        "(its commands ride one stream)."))] = 500.0
+    grpc_call_burst_per_peer: Annotated[int, Meta(ge=1, description=(
+        "The gRPC calls one peer may start at once, beyond max_grpc_calls_per_peer_per_second."))] = 1000
     grpc_idle_seconds: Annotated[float, Meta(gt=0, description=(
         "A gRPC connection with no call in flight for this long is closed (HTTP/2 GOAWAY; a client reconnects "
         "at its next call): a connection that finished its handshake but never makes a call holds a slot of "

@@ -25,6 +25,14 @@ credentials, and the gate checks instead that its peers are loopback, as gRPC's 
 relayed connection's peer by the address of the gate's end, an abstract Unix address the kernel picks
 (``unix-abstract:1f3a0``); ``grpc_peer`` maps it back to the peer the gate accepted.
 
+The gate also bounds how fast a peer may connect (``max_connections_per_peer_per_second``, the `Acceptor`'s, one
+`PeerRate` for every listener of the front) and start calls (``max_grpc_calls_per_peer_per_second``, checked by
+the call's handler before any other work: ``over_call_rate``). A call past its peer's call rate is refused, and
+the connection it came on is cut: the gate stops relaying what the client sends at once (a flood of HTTP/2
+HEADERS and RST_STREAM frames already on its way stops reaching gRPC, whose every call runs the front's handler
+on the loop every tenant's calls share), lets the refusal reach the client, then closes the connection. A
+flooder must reconnect, at the connection rate. (The gate reads no HTTP/2: TLS passes through it.)
+
 The relay forwards at the protocol level (each side's data is written to the other's transport; a side whose
 writes back up pauses the other's reads), on the front's event loop. It costs a gRPC unary round trip one more
 wakeup each way (40-60 us on the 2-core VM it was measured on, about 5-8% of a call; gRPC copies within noise).
@@ -49,11 +57,11 @@ from typing import Any, cast
 
 from gpubroker.broker.front.auth import RateLimitedLog
 from gpubroker.broker.front.listen import listen_unix, tcp_listeners
-from gpubroker.broker.front.listeners import Acceptor, Peer, out_of_descriptors
+from gpubroker.broker.front.listeners import Acceptor, Peer, PeerRate, out_of_descriptors
 from gpubroker.wire.addresses import TcpAddress, UnixAddress, parse_host_port
 from gpubroker.wire.errors import InvalidArgument
 
-__all__ = ["GrpcGate", "grpc_peer"]
+__all__ = ["GrpcGate", "grpc_peer", "over_call_rate"]
 
 log = logging.getLogger("gpubroker.server")
 audit = logging.getLogger("gpubroker.audit")
@@ -62,17 +70,38 @@ audit = logging.getLogger("gpubroker.audit")
 CLOSE_GRACE = 5.0
 # What one side of a relayed connection may hold unsent before it stops reading the other side.
 WRITE_BUFFER_HIGH = 256 * 1024
+# A connection cut for its peer's call rate stops being read at once, and is closed this much later: time for the
+# refusal (RESOURCE_EXHAUSTED, saying which limit) to reach the client.
+CUT_GRACE = 0.2
 
-# gRPC's peer string of a relayed connection ("unix-abstract:NAME") -> the peer the gate accepted. Written by
-# the gate's loop, read by the front's handlers (with own_thread, on two threads: each a single dict operation).
-_relayed: dict[str, str] = {}
+# gRPC's peer string of a relayed connection ("unix-abstract:NAME") -> the relayed connection. Written by the
+# gate's loop, read by the front's handlers (with own_thread, on two threads: each a single dict operation).
+_relayed: dict[str, _Relay] = {}
 
 
 def grpc_peer(context: Any) -> str:
     """The peer of a gRPC call as the gate accepted it (``ipv4:HOST:PORT``, with ``uid=N`` for a local peer;
     ``unix:PATH uid=N``), rather than the gate's end of the relay that gRPC sees."""
     seen: str = context.peer()
-    return _relayed.get(seen, seen)
+    relay = _relayed.get(seen)
+    return relay.peer.name if relay is not None else seen
+
+
+def over_call_rate(context: Any) -> str | None:
+    """Take one of the call's peer's tokens of ``max_grpc_calls_per_peer_per_second``; with none left, why the
+    call is refused (its connection is being cut). A dict lookup and some arithmetic: the first thing a call
+    does. (A call that did not come through the gate, the vsock relay's, is not counted: the relay caps its
+    VMs' connections itself.)"""
+    relay = _relayed.get(context.peer())
+    if relay is None:
+        return None
+    rate = relay.gate.call_rate
+    if rate is None or rate.take(relay.peer.key):
+        return None
+    relay.gate.too_many_calls(relay)
+    return (f"{relay.peer.key} started gRPC calls faster than max_grpc_calls_per_peer_per_second ({rate.rate:g} a "
+            f"second, {rate.burst:g} at once), on all its connections together: this call is refused and its "
+            f"connection closed; slow down")
 
 
 # -- listeners and peers -------------------------------------------------------------------------------------
@@ -100,9 +129,14 @@ class GrpcGate:
     """Accepts on the public gRPC addresses, caps connections in all and per peer, relays them to gRPC."""
 
     def __init__(self, max_connections: int, max_per_peer: int, refusals: dict[tuple[str, str], int] | None = None,
-                 own_thread: bool = False) -> None:
+                 own_thread: bool = False, connection_rate: PeerRate | None = None,
+                 call_rate: PeerRate | None = None) -> None:
         self.max_connections = max_connections
         self.max_per_peer = max_per_peer
+        self.connection_rate = connection_rate  # how fast each peer may connect (the acceptors')
+        self.call_rate = call_rate  # how fast each peer may start calls (``over_call_rate``)
+        if call_rate is not None:
+            call_rate.register("grpc")
         self.open = 0
         self.per_peer: dict[str, int] = {}
         # (endpoint, reason) -> count, for gpubroker_endpoint_refusals: its keys are set here, before the gate's
@@ -168,7 +202,8 @@ class GrpcGate:
 
     def _add_listener(self, sock: socket.socket, public: str, private: str, loopback_only: bool) -> None:
         listener = _Listener(public, private, loopback_only)
-        listener.acceptor = Acceptor(sock, public, functools.partial(self._admit, listener), "grpc")
+        listener.acceptor = Acceptor(sock, public, functools.partial(self._admit, listener), "grpc",
+                                     self.connection_rate)
         self._listeners.append(listener)
 
     @property
@@ -317,6 +352,22 @@ class GrpcGate:
         self._audit.warning(f"grpc {reason}", "action=refuse-connection listener=%s peer=%s reason=%s",
                             listener.public, peer.name if peer is not None else "-", why)
 
+    def too_many_calls(self, relay: _Relay) -> None:
+        """``relay``'s peer started a call past its call rate (on the front's loop): cut the connection."""
+        assert self.call_rate is not None
+        self.call_rate.count("grpc")
+        if relay.cutting:
+            return
+        relay.cutting = True
+        self._audit.warning("grpc call rate", "action=close-connection peer=%s reason=over "
+                            "max_grpc_calls_per_peer_per_second (%g a second, %g at once)", relay.peer.name,
+                            self.call_rate.rate, self.call_rate.burst)
+        if self._own_thread and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # (its loop already stopped)
+                self._loop.call_soon_threadsafe(relay.cut)
+        else:
+            relay.cut()
+
     def _release(self, relay: _Relay) -> None:
         self._relays.discard(relay)
         self.open -= 1
@@ -382,7 +433,7 @@ class _Side(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         other = self._peer_transport()
-        if other is not None:
+        if other is not None and not (self.relay.cutting and self is self.relay.backend):  # (the cut client stays)
             other.resume_reading()
 
 
@@ -398,6 +449,7 @@ class _Relay:
         self.sides = 0  # transports open
         self.opening = True
         self.closing = False
+        self.cutting = False  # its peer went over its call rate: the client is no longer read, and closed soon
         self.released = False
         self.name = ""  # gRPC's peer string of the gate's end
         self.task: asyncio.Task[None] | None = None
@@ -413,7 +465,7 @@ class _Relay:
                 name = backend.getsockname()
                 if isinstance(name, bytes) and name[:1] == b"\0":
                     self.name = "unix-abstract:" + name[1:].decode("ascii", "replace")
-                    _relayed[self.name] = self.peer.name
+                    _relayed[self.name] = self
             await loop.sock_connect(backend, private)
             await loop.create_unix_connection(lambda: self.backend, sock=backend)
             await loop.connect_accepted_socket(lambda: self.client, sock=conn)
@@ -441,6 +493,13 @@ class _Relay:
             if self.sides:
                 self._cut = asyncio.get_running_loop().call_later(CLOSE_GRACE, self.abort)
         self._maybe_release()
+
+    def cut(self) -> None:
+        """Stop relaying what the client sends (its calls no longer reach gRPC), and close in CUT_GRACE."""
+        if self.client.transport is not None:
+            self.client.transport.pause_reading()
+        if not self.closing:
+            asyncio.get_running_loop().call_later(CUT_GRACE, self.close)
 
     def abort(self) -> None:
         self.closing = True

@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from gpubroker.broker.config import BrokerConfig
-from gpubroker.broker.front._grpc_peers import grpc_peer
+from gpubroker.broker.front._grpc_peers import grpc_peer, over_call_rate
 from gpubroker.broker.front._metrics import HEALTH_REASONS
 from gpubroker.broker.front._status import Malformed, Unread, add_servicer
 from gpubroker.broker.front.auth import RateLimitedLog
@@ -284,6 +284,8 @@ class StreamLimiter:
     @contextlib.asynccontextmanager
     async def _hold(self, tally: _Tally, kind: str, context: grpc.aio.ServicerContext[Any, Any], what: str
                     ) -> AsyncIterator[None]:
+        if (too_fast := over_call_rate(context)) is not None:  # (first: its connection is being cut)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_fast)
         peer = _peer_host(grpc_peer(context))
         total, per_peer = self.config.max_health_streams, self.config.max_health_streams_per_peer
         refusal = None

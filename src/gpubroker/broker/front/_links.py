@@ -57,7 +57,7 @@ from gpubroker.broker.front._sessions import Session
 from gpubroker.broker.front._tcp_relay import PAIR_BUFFER, TcpRelay
 from gpubroker.broker.front.auth import Credentials, Principal, RateLimitedLog, peer_certificate_names
 from gpubroker.broker.front.listen import listen_tcp
-from gpubroker.broker.front.listeners import Acceptor, Peer
+from gpubroker.broker.front.listeners import Acceptor, Peer, PeerRate
 from gpubroker.broker.front.scheduler import TurnLease
 from gpubroker.broker.logs import bind_log_context
 from gpubroker.wire.errors import (
@@ -99,8 +99,9 @@ class LinkServer:
     """Every link listener of the broker, sharing one pre-authentication gate."""
 
     def __init__(self, service: Any, gate: PreAuthGate, segments: SegmentService, max_links_per_tenant: int = 64,
-                 handoff_timeout: float = 30.0) -> None:
+                 handoff_timeout: float = 30.0, connection_rate: PeerRate | None = None) -> None:
         self.service = service
+        self.connection_rate = connection_rate  # (how fast each peer may connect: the Acceptors')
         self.gate = gate
         self.segments = segments
         self.max_links_per_tenant = max_links_per_tenant
@@ -129,7 +130,7 @@ class LinkServer:
             self._no_links.add(where)
         if path is not None:
             self._paths.append(path)
-        self._listen(Acceptor(sock, where, functools.partial(self._admit_socket, where), "link"))
+        self._listen(Acceptor(sock, where, functools.partial(self._admit_socket, where), "link", self.connection_rate))
 
     async def listen_tcp(self, host: str, port: int, tls: ssl.SSLContext | None) -> int:
         """Serve links on TCP (TLS terminated here when ``tls``); the port bound."""
@@ -139,7 +140,8 @@ class LinkServer:
                                                            flags=socket.AI_PASSIVE))[0]
         sock = listen_tcp(family, address)
         bound: int = sock.getsockname()[1]
-        self._listen(Acceptor(sock, where, functools.partial(self._admit_tcp, where, tls), "link"))
+        self._listen(Acceptor(sock, where, functools.partial(self._admit_tcp, where, tls), "link",
+                              self.connection_rate))
         return bound
 
     async def stop(self) -> None:

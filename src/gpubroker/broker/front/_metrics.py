@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 from gpubroker.broker.front._sessions import SessionManager
 from gpubroker.broker.front.auth import RateLimitedLog
 from gpubroker.broker.front.listen import tcp_listeners
-from gpubroker.broker.front.listeners import Acceptor, Peer
+from gpubroker.broker.front.listeners import Acceptor, Peer, PeerRate
 from gpubroker.broker.front.scheduler import DeviceScheduler
 from gpubroker.broker.front.workers import WorkerPool
 from gpubroker.wire.addresses import TcpAddress, parse_host_port
@@ -106,7 +106,9 @@ ENDPOINT_REFUSALS = MetricSpec("gpubroker_endpoint_refusals", "counter", ("endpo
                                "metrics (over max_metrics_connections or its per-peer cap, too slow, too large or not "
                                "a request, over the per-peer request rate), health (Watch and reflection streams over "
                                "max_health_streams or its per-peer cap), grpc (connections refused as they were "
-                               "accepted: over max_grpc_connections or max_grpc_connections_per_peer).")
+                               "accepted: over max_grpc_connections or max_grpc_connections_per_peer; calls over "
+                               "max_grpc_calls_per_peer_per_second, whose connection is cut). Any endpoint (grpc, "
+                               "link, metrics, relay): connections over max_connections_per_peer_per_second.")
 METRICS: tuple[MetricSpec, ...] = (MEMORY_USED, MEMORY_QUOTA, DEVICE_SECONDS, DEVICE_SHARE, SESSIONS, QUEUE_DEPTH,
                                    INFLIGHT, WORKER_UP, WORKER_RESTARTS, SCHEDULER_WAIT, SHARED_MEMORY, SHARED_LIMIT,
                                    TENANT_CRASHES, TENANT_BACKOFF, OUTPUT_DROPPED, DRAINING, ENDPOINT_REFUSALS)
@@ -306,8 +308,10 @@ class MetricsServer:
     reading requests.
     """
 
-    def __init__(self, collector: BrokerCollector, limits: MetricsLimits | None = None) -> None:
+    def __init__(self, collector: BrokerCollector, limits: MetricsLimits | None = None,
+                 connection_rate: PeerRate | None = None) -> None:
         self.collector = collector
+        self.connection_rate = connection_rate  # (how fast each peer may connect: the Acceptor's)
         self.limits = limits or MetricsLimits()
         self.registry = CollectorRegistry()
         self.registry.register(collector)
@@ -338,7 +342,7 @@ class MetricsServer:
             raise FailedPrecondition(f"metrics_listen {listen}: {exc.strerror or exc}") from None
         self.address = str(TcpAddress(wanted.host, socks[0].getsockname()[1]))
         for sock in socks:
-            acceptor = Acceptor(sock, f"metrics:{self.address}", self._admit, "metrics")
+            acceptor = Acceptor(sock, f"metrics:{self.address}", self._admit, "metrics", self.connection_rate)
             self._acceptors.append(acceptor)
             acceptor.start()
         return self.address
@@ -540,9 +544,10 @@ _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Al
 
 async def serve_metrics(listen: str, sessions: SessionManager, schedulers: dict[int, DeviceScheduler],
                         pool: WorkerPool, refusals: dict[tuple[str, str], int],
-                        limits: MetricsLimits | None = None) -> MetricsServer:
+                        limits: MetricsLimits | None = None,
+                        connection_rate: PeerRate | None = None) -> MetricsServer:
     """Start the endpoint for a running broker (call on its event loop)."""
-    server = MetricsServer(BrokerCollector(sessions, schedulers, pool, refusals), limits)
+    server = MetricsServer(BrokerCollector(sessions, schedulers, pool, refusals), limits, connection_rate)
     await server.start(listen)
     log.info("metrics on http://%s/metrics (unauthenticated: keep it on loopback or a monitoring network)",
              server.address)

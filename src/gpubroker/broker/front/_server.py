@@ -36,6 +36,7 @@ from gpubroker.broker.front._sessions import SessionManager
 from gpubroker.broker.front._status import add_servicer
 from gpubroker.broker.front.auth import Authenticator
 from gpubroker.broker.front.listen import listen_unix, listen_vsock, secure_unix_socket
+from gpubroker.broker.front.listeners import PeerRate
 from gpubroker.broker.front.scheduler import DeviceScheduler
 from gpubroker.broker.front.workers import WorkerClient, WorkerPool, cpu_count, device_info_from_dict, hold_seconds
 from gpubroker.broker.relay import RelayServer, serve_relay
@@ -261,8 +262,14 @@ class Broker:
                         "kernel")
         # gRPC listens only on Unix sockets of the broker's own; the gate accepts on the listen addresses, caps
         # connections in all and per peer as it accepts them, and relays each to gRPC (_grpc_peers.py).
+        # How fast each peer may connect (every listener together: a peer is one peer whichever it connects to)
+        # and start gRPC calls; past either, closed at once (listeners.PeerRate).
+        connection_rate = PeerRate(cfg.max_connections_per_peer_per_second, cfg.connection_burst_per_peer,
+                                   self.health.refusals)
+        call_rate = PeerRate(cfg.max_grpc_calls_per_peer_per_second, cfg.grpc_call_burst_per_peer,
+                             self.health.refusals, reason="call rate")
         self.gate = GrpcGate(grpc_connection_cap(cfg.max_grpc_connections), cfg.max_grpc_connections_per_peer,
-                             self.health.refusals)
+                             self.health.refusals, connection_rate=connection_rate, call_rate=call_rate)
         for address in cfg.listen:
             if (listen_path := unix_path(address)) is not None:
                 public = self.gate.listen_unix(Path(listen_path), cfg.socket_mode, cfg.socket_group)
@@ -283,7 +290,8 @@ class Broker:
         # "<socket>.fast" beside each Unix socket a hello may ask for shared-memory segments instead, which the
         # front registers itself (_segments.py). With fast_path = false that socket serves segments only.
         segments = SegmentService(cfg, self.auth, self.sessions)
-        self.links = LinkServer(service, gate, segments, cfg.max_links_per_tenant, cfg.link_handoff_timeout_seconds)
+        self.links = LinkServer(service, gate, segments, cfg.max_links_per_tenant, cfg.link_handoff_timeout_seconds,
+                                connection_rate)
         for address in self.ports:
             if (public_path := unix_path(address)) is not None:
                 secure_unix_socket(Path(public_path), cfg.socket_mode, cfg.socket_group)
@@ -311,7 +319,7 @@ class Broker:
                 cfg.metrics_listen, self.sessions, self.schedulers, self.pool, self.health.refusals,
                 MetricsLimits(cfg.max_metrics_connections, cfg.max_metrics_connections_per_peer,
                               cfg.metrics_request_timeout_seconds, cfg.metrics_refresh_seconds,
-                              cfg.metrics_requests_per_peer_per_second))
+                              cfg.metrics_requests_per_peer_per_second), connection_rate)
         self.sessions.start()
         self.cpu_watch.start()
         log.info("serving on %s", ", ".join(self.ports))
@@ -323,7 +331,8 @@ class Broker:
                 private = self.gate.private_path(f"unix:{Path(unix_paths[0])}")
                 self.relay = await serve_relay(listen_vsock(cfg.vsock_port), private,
                                                max_per_peer=cfg.max_unauthenticated_per_uid,
-                                               idle_seconds=cfg.connection_idle_seconds)
+                                               idle_seconds=cfg.connection_idle_seconds,
+                                               connection_rate=connection_rate)
             except BaseException:
                 await self.stop(0)
                 raise

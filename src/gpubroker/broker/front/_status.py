@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeAlias, TypeVar
 import grpc
 import msgspec
 
-from gpubroker.broker.front._grpc_peers import grpc_peer
+from gpubroker.broker.front._grpc_peers import grpc_peer, over_call_rate
 from gpubroker.broker.front._metrics import observe_rpc
 from gpubroker.broker.front._sessions import Session, SessionManager, out_of_descriptors
 from gpubroker.broker.front.auth import (
@@ -34,6 +34,7 @@ from gpubroker.wire.errors import (
     GpuBrokerError,
     Internal,
     InvalidArgument,
+    ResourceExhausted,
     Unauthenticated,
     Unavailable,
 )
@@ -352,8 +353,13 @@ async def _admit(servicer: Admitting, context: Context) -> None:
     read; one that passes holds its tenant's slot while its message arrives (within
     request_message_timeout_seconds), so what a tenant's messages on their way in hold of the front is bounded by
     its calls in flight; and until its end it is watched for its credential's revocation (``_Admitted``).
+
+    First of all, before any work of authentication: its peer's call rate (``over_call_rate``), whose overflow is
+    refused at once and its connection cut, so that opening and cancelling calls in a loop cannot take the loop.
     """
     failure_delay.set(0.0)
+    if (too_fast := over_call_rate(context)) is not None:
+        raise ResourceExhausted(too_fast)
     auth = servicer.auth
     await auth.prepare(context.invocation_metadata())  # (a legacy scrypt token: checked off the event loop)
     principal = _authenticate(auth, context)

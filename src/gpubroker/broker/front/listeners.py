@@ -19,6 +19,7 @@ import errno
 import ipaddress
 import logging
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -27,8 +28,8 @@ from gpubroker.broker.front._owners import SocketOwners, plain_host
 from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
 from gpubroker.wire.addresses import TcpAddress, VsockAddress
 
-__all__ = ["ACCEPT_BACKOFF", "ACCEPT_BACKOFF_MAX", "ACCEPT_BATCH", "Acceptor", "Admit", "Peer", "network_of",
-           "out_of_descriptors", "peer_of"]
+__all__ = ["ACCEPT_BACKOFF", "ACCEPT_BACKOFF_MAX", "ACCEPT_BATCH", "Acceptor", "Admit", "Peer", "PeerRate",
+           "network_of", "out_of_descriptors", "peer_of"]
 
 log = logging.getLogger("gpubroker.server")
 audit = logging.getLogger("gpubroker.audit")
@@ -40,7 +41,61 @@ ACCEPT_BACKOFF: Final = 0.05
 ACCEPT_BACKOFF_MAX: Final = 1.0
 _OUT_OF_DESCRIPTORS: Final = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _GONE: Final = (errno.ECONNABORTED, errno.EPROTO, errno.EPERM)
+# Peers a `PeerRate` remembers at most: past it, those whose bucket is full again are forgotten (they lose nothing),
+# then if need be the oldest half (they start again with a full bucket: the table stays bounded whoever floods it).
+MAX_RATED_PEERS: Final = 4096
 
+
+class PeerRate:
+    """A rate limit per peer (`Peer.key`, or any key): a token bucket each, ``rate`` tokens a second up to ``burst``.
+
+    Each bucket is kept as one number, the time at which it is full again (GCRA): a take is a dict lookup and some
+    arithmetic (well under a microsecond), and a peer whose bucket is full again is the same as one never seen, so
+    idle peers are forgotten without a sweep. ``refusals``: gpubroker_endpoint_refusals' counts, which refusals
+    by this limit count into as (endpoint, ``reason``)."""
+
+    def __init__(self, rate: float, burst: float, refusals: dict[tuple[str, str], int] | None = None,
+                 reason: str = "connection rate") -> None:
+        self.rate, self.burst = rate, burst
+        self.refusals = refusals if refusals is not None else {}
+        self.reason = reason
+        self._interval = 1.0 / rate
+        self._slack = (max(1.0, burst) - 1.0) * self._interval  # how far ahead of now a bucket may be full again
+        self._full_at: dict[str, float] = {}
+
+    def take(self, key: str, now: float | None = None) -> bool:
+        """Take one of ``key``'s tokens; False (nothing taken) if it has none left."""
+        if now is None:
+            now = time.monotonic()
+        full_at = self._full_at.get(key, now)
+        if full_at < now:
+            full_at = now
+        elif full_at - now > self._slack:
+            return False
+        self._full_at[key] = full_at + self._interval
+        if len(self._full_at) > MAX_RATED_PEERS:
+            self._forget(now)
+        return True
+
+    def count(self, endpoint: str) -> None:
+        """Count a refusal at ``endpoint`` (its key set by `register` before anyone iterates the counts)."""
+        if (endpoint, self.reason) in self.refusals:
+            self.refusals[(endpoint, self.reason)] += 1
+
+    def register(self, endpoint: str) -> None:
+        self.refusals.setdefault((endpoint, self.reason), 0)
+
+    @property
+    def peers(self) -> int:
+        """Peers remembered (whose bucket is not known to be full again)."""
+        return len(self._full_at)
+
+    def _forget(self, now: float) -> None:
+        # (list(): one step under the GIL, should another thread take meanwhile)
+        busy = [(key, full_at) for key, full_at in list(self._full_at.items()) if full_at > now]
+        if len(busy) > MAX_RATED_PEERS // 2:
+            busy = busy[len(busy) - MAX_RATED_PEERS // 2:]
+        self._full_at = dict(busy)
 
 
 @dataclass(frozen=True)
@@ -142,11 +197,18 @@ class Acceptor:
     """Accepts on one listening socket (non-blocking from here on), on the loop `start` is given.
 
     ``name``: the listener as audit lines name it; ``kind``: which listener family it is (``grpc``, ``link``,
-    ``relay``), the rate-limited audit line's kind."""
+    ``metrics``, ``relay``), the rate-limited audit line's kind and gpubroker_endpoint_refusals' endpoint.
+    ``rate``: how fast each peer may connect (one `PeerRate` for every listener of the front, so that a peer is
+    one peer whichever it connects to): a connection past it is closed as soon as it is accepted and its peer
+    named, before the listener sees it: a peer connecting and closing in a loop costs the loop one accept, one
+    SO_PEERCRED lookup and one close per connection, and is admitted only at the rate."""
 
-    def __init__(self, sock: socket.socket, name: str, admit: Admit, kind: str) -> None:
+    def __init__(self, sock: socket.socket, name: str, admit: Admit, kind: str, rate: PeerRate | None = None) -> None:
         self.sock, self.name, self.kind = sock, name, kind
         self._admit = admit
+        self._rate = rate
+        if rate is not None:
+            rate.register(kind)
         self.failures = 0  # accept() out of descriptors (or memory): each time, the acceptor backs off
         self.backoff = 0.0
         self.closed = False
@@ -204,9 +266,21 @@ class Acceptor:
                 return
             self.backoff = 0.0
             try:
+                peer = peer_of(conn, address, self._owners)
+                if self._rate is not None and not self._rate.take(peer.key):
+                    self._too_fast(conn, peer)
+                    continue
                 conn.setblocking(False)  # (as asyncio's sock_accept leaves it: every admitter serves it on a loop)
-                if not self._admit(conn, peer_of(conn, address, self._owners)):
+                if not self._admit(conn, peer):
                     return
             except Exception as exc:  # one connection's failure must not stop the listener
                 conn.close()
                 log.error("%s listener %s: admitting a connection failed: %r", self.kind, self.name, exc)
+
+    def _too_fast(self, conn: socket.socket, peer: Peer) -> None:
+        conn.close()
+        assert self._rate is not None
+        self._rate.count(self.kind)
+        _audit.warning(f"{self.kind} connection rate", "action=refuse-connection listener=%s peer=%s reason=over "
+                       "max_connections_per_peer_per_second (%g a second, %g at once)", self.name, peer.key,
+                       self._rate.rate, self._rate.burst)
