@@ -65,7 +65,7 @@ SESSIONS = 6
 @pytest.fixture(scope="module")
 def broker() -> Iterator[BrokerProcess]:
     check_arch()
-    settings = {"lease_seconds": 120.0, "worker_send_buffer_bytes": SEND_BUFFER}
+    settings: dict[str, object] = {"lease_seconds": 120.0, "worker_send_buffer_bytes": SEND_BUFFER}
     with BrokerProcess([TenantSpec("mallory", memory_quota=OLD_QUOTA)], backend="opencl",
                        settings=settings) as proc:
         yield proc
