@@ -340,7 +340,10 @@ class WorkerClient:
         self._pending[req_id] = (fut, request, batch)
         try:
             # (with an fd, its token is made under the lock, the fd sent just before the request: see call)
-            await self._send(ToWorker(req_id, session, request), fd)
+            # The front's own requests (limits, closing, accounting: not the tenant's code) are never refused for the
+            # tenant's backlog: a reload's lower quota or a session's close must reach a worker whose tenant filled
+            # worker_send_buffer_bytes (they are few and small: each waits for its reply).
+            await self._send(ToWorker(req_id, session, request), fd, capped=request.tenant_code)
         except GpuBrokerError:  # the fd could not be passed, or no room: nothing was sent
             self._pending.pop(req_id, None)
             raise
