@@ -7,7 +7,7 @@ The hole: ``_metrics.py`` hands the client's ``Accept`` header to prometheus_cli
 any ``try``. That parses ``version=`` into a tuple of ints and strings and compares it with ``(1, 0, 0)``: a
 version whose first part is not a number (``x``, ``a.b``) raises ``TypeError``, which escapes ``_exchange`` and
 ``_connection`` (they catch only ``ConnectionError``/``IncompleteReadError``): the connection is closed with no
-answer and asyncio logs "Task exception was never retrieved" with the whole traceback (~1.3 KB a request), outside
+answer and asyncio logs "Task exception was never retrieved" with the whole traceback (~1 KB a request), outside
 the endpoint's rate-limited refusal log and its ``gpubroker_endpoint_refusals`` count. A version that does compare
 (``1.0.0.x``, ``9.9<LF>X-Evil: 1``) is copied into the answer's ``Content-Type`` (the head is split on CRLF only, so
 a bare LF survives into a header value and the answer carries an extra header line), and that content type is the
@@ -15,7 +15,7 @@ key of ``page.bodies``: every distinct version string encodes the whole registry
 the page until the next refresh.
 
 Measured (2-core VM, PoCL, default metrics limits): 20 requests with ``version=x`` from one peer: 0 answers,
-20 tracebacks (~26 KB) in the log in ~2 s (the per-peer pacing, 10 a second, is the only bound: each remote /24 or
+20 tracebacks (19 KB) in the log in ~2 s (the per-peer pacing, 10 a second, is the only bound: each remote /24 or
 local uid gets its own 10 a second).
 
 Suggested fix: choose the format ourselves: only ``text/plain`` (0.0.4) or ``application/openmetrics-text``
