@@ -7,7 +7,8 @@ reflection streams) per ``_peer_host(grpc_peer(context))``. ``grpc_peer`` names 
 uid (``unix:PATH uid=N``, ``ipv4:127.0.0.1:PORT uid=N``), but ``_peer_host`` keeps only the scheme of anything
 that is not a remote address: "unix" for every Unix-socket peer, "ipv4" for every local TCP one (it cannot parse
 the `` uid=N`` suffix). A health request whose message is announced and never completed is read with no deadline
-(``Unread.read`` of an unauthenticated health call has no ``request_message_timeout_seconds``), so one local user
+(``Unread.read`` of an unauthenticated health call has no ``request_message_timeout_seconds``; only the
+connection's keepalive ends it), so one local user
 holding ``max_health_streams_per_peer`` (16) such Check requests on one connection takes the whole "unix" share:
 every other local user's Check gets RESOURCE_EXHAUSTED. That includes the broker's own probes: the DaemonSet's
 readinessProbe execs ``python -m gpubroker.broker.healthcheck --target unix:/run/gpubroker/gpubroker.sock``
@@ -19,7 +20,9 @@ counts as one", on the premise that gRPC does not say which uid a call came from
 Measured (2-core VM, PoCL, defaults; socket_mode 0666): uid 65534 held 16 health Check calls, each one byte short
 of its 5-byte-header + 2-byte message, on one connection; the broker's readiness check run as root then got
 ``RESOURCE_EXHAUSTED: too many open requests: this peer has 16 Check requests open, max_health_streams_per_peer is
-16`` on every try, for as long as the connection was held.
+16`` on every try. (A holder that stopped answering gRPC's keepalive pings lost its calls within 30 s; the checks
+were SERVING again at 30, 60 and 90 s. One that answers the pings, or opens 16 new calls when the old end, keeps
+every other local peer's checks failing for as long as it likes.)
 
 Suggested fix: count health requests and streams by ``Peer.key`` as the gate names it (the uid of a local peer,
 the network of a remote one): ``grpc_peer``'s ``uid=N`` (or the gate's ``_Relay.peer.key``) rather than
