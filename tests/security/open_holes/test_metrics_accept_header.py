@@ -40,7 +40,7 @@ BAD_ACCEPT = b"application/openmetrics-text; version=x"
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
     tmp = tmp_path_factory.mktemp("metrics")
-    settings = {"cache_dir": str(tmp / "caches"), "metrics_listen": "127.0.0.1:0"}
+    settings: dict[str, object] = {"cache_dir": str(tmp / "caches"), "metrics_listen": "127.0.0.1:0"}
     with BrokerProcess([TenantSpec("alice")], backend="opencl", settings=settings) as proc:
         yield proc
 

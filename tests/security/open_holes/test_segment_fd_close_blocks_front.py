@@ -1,0 +1,121 @@
+"""A tenant stops the whole front, for as long as it likes, with one segment registration: the descriptor it attaches
+is a TCP socket with ``SO_LINGER`` and unsent data, and the front closes it on its event loop.
+
+The hole: ``SegmentService.serve`` (broker/front/_segments.py) closes the descriptors that came with every segment
+request with a plain ``os.close`` on the event loop, after the request is answered or refused ("the worker has its
+own copy by now (or never will)"). ``_descriptors.py`` explains why that must never happen: a descriptor's last
+close can block for as long as its sender likes, and ``discard`` exists to close anything that is not a regular file
+on a thread. The refusal path does not use it. So: authenticate a ``segments: 1`` connection on ``<socket>.fast``
+(any tenant on the host, its own token and session), make a TCP connection whose peer never reads (its send queue
+full, so its FIN cannot go), set ``SO_LINGER`` on it, attach it to the first byte of a ``RegisterSegment`` frame,
+close its own copy while the frame is in flight, then send the rest. ``check_segment_fd`` refuses it (F_GET_SEALS:
+EINVAL), and the front's ``os.close`` is the socket's last close: ``tcp_close`` waits up to the linger time for
+the FIN to be acknowledged, in the event loop's thread. Nothing else runs meanwhile: every tenant's gRPC calls,
+links' hand-offs, the scheduler, the lease reaper, reloads. A linger of ``MAX_SCHEDULE_TIMEOUT / HZ`` seconds or
+more is infinite. (A file on the tenant's own FUSE mount does the same with its FLUSH on close, and ``discard``
+itself ``fstat``s on the loop, which asks a FUSE daemon too.)
+
+Measured (2-core VM, PoCL, defaults): with a 20 s linger, bob's ``ListDevices`` (5 ms before) ended with
+DEADLINE_EXCEEDED at its 10 s timeout; the front answered again ~20 s after the frame. Here the linger is
+``LINGER`` seconds and the test ends it early by resetting the connection from its reading side.
+
+Suggested fix: never close a received descriptor on the loop: ``discard(fds)`` in ``serve`` too, and make
+``discard`` itself never ask the file anything on the loop (hand every descriptor that is not known to be a memfd,
+by F_GET_SEALS, which asks no filesystem, to the closing thread).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from gpubroker.broker.front._links import fast_path_address
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.client._shm import SegmentChannel
+from gpubroker.v1 import broker_pb2 as pb
+from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+from gpubroker.wire.frames import FRAME_HEADER
+from gpubroker.wire.link import RegisterSegment, encode
+
+LINGER = 8  # seconds the front's close may wait (the test resets the connection once it has measured)
+BOB_TIMEOUT = 4.0  # bob's call while the front closes alice's socket
+ALLOWED = 2.0  # what bob's call may take on a loaded 2-core machine (5-10 ms unloaded)
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    tmp = tmp_path_factory.mktemp("segment-fd")
+    with BrokerProcess([TenantSpec("alice"), TenantSpec("bob")], backend="opencl",
+                       settings={"cache_dir": str(tmp / "caches")}) as proc:
+        yield proc
+
+
+def _stub(broker: BrokerProcess, tenant: str) -> tuple[grpc.Channel, pb_grpc.GpuBrokerStub]:
+    credentials = grpc.composite_channel_credentials(grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
+                                                     grpc.access_token_call_credentials(broker.tokens[tenant]))
+    channel = grpc.secure_channel(broker.target, credentials)
+    return channel, pb_grpc.GpuBrokerStub(channel)
+
+
+def _bob_call(bob: pb_grpc.GpuBrokerStub) -> float:
+    start = time.monotonic()
+    try:
+        bob.ListDevices(pb.ListDevicesRequest(), timeout=BOB_TIMEOUT)
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc
+    return time.monotonic() - start
+
+
+def test_a_descriptor_sent_with_a_segment_request_is_never_closed_on_the_event_loop(broker: BrokerProcess) -> None:
+    bob_channel, bob = _stub(broker, "bob")
+    alice_channel, alice = _stub(broker, "alice")
+    listener = socket.socket()
+    lingering = socket.socket()
+    reader: socket.socket | None = None
+    segments: SegmentChannel | None = None
+    try:
+        before = _bob_call(bob)
+        session = alice.OpenSession(pb.OpenSessionRequest(device=0), timeout=60).session
+        # A TCP connection whose peer never reads: its send queue full, so its FIN waits behind the data.
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        lingering.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        lingering.connect(listener.getsockname())
+        reader, _ = listener.accept()
+        lingering.setblocking(False)
+        try:
+            while True:
+                lingering.send(bytes(65536))
+        except BlockingIOError:
+            pass
+        lingering.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, LINGER))
+        segments = SegmentChannel(fast_path_address(broker.target.removeprefix("unix:")), broker.tokens["alice"],
+                                  session, timeout=60)
+        payload = encode(RegisterSegment("seg_lingering", 4096))
+        frame = FRAME_HEADER.pack(len(payload)) + payload
+        sock = segments._sock  # (the SDK's own channel, authenticated; the frame is written by hand)
+        socket.send_fds(sock, [frame[:1]], [lingering.fileno()])
+        lingering.close()  # (the frame in flight holds the socket: the front's close will be its last)
+        sock.sendall(frame[1:])
+        during = _bob_call(bob)
+    finally:
+        if reader is not None:
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            reader.close()  # a reset: the lingering close ends at once
+        listener.close()
+        lingering.close()
+        if segments is not None:
+            segments._sock.close()
+        alice_channel.close()
+    after = _bob_call(bob)
+    bob_channel.close()
+    print(f"\nbob's ListDevices: {before * 1e3:.0f} ms before; {during:.2f} s while the front closed alice's lingering "
+          f"socket (linger {LINGER} s, bob's timeout {BOB_TIMEOUT:g} s); {after * 1e3:.0f} ms after the reset")
+    assert during <= ALLOWED, (f"bob's call took {during:.1f} s while the front closed a socket alice sent with a "
+                               "segment request: the close ran on the front's event loop")
