@@ -21,7 +21,11 @@ DEADLINE_EXCEEDED at its 10 s timeout; the front answered again ~20 s after the 
 
 Suggested fix: never close a received descriptor on the loop: ``discard(fds)`` in ``serve`` too, and make
 ``discard`` itself never ask the file anything on the loop (hand every descriptor that is not known to be a memfd,
-by F_GET_SEALS, which asks no filesystem, to the closing thread).
+by F_GET_SEALS, which asks no filesystem, to the closing thread). Mind the connection's own socket as well: a
+segment connection closed with frames still queued (a frame refused as too long, then more bytes carrying a
+descriptor) purges its receive queue in ``close``, and the kernel runs the queued descriptors' final ``fput`` in
+the closing thread on its way back to user space: close such a socket off the loop too (or read its queue out with
+``recv_fds`` and ``discard`` what comes).
 """
 
 from __future__ import annotations
