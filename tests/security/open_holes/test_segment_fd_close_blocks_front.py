@@ -16,7 +16,8 @@ more is infinite. (A file on the tenant's own FUSE mount does the same with its 
 itself ``fstat``s on the loop, which asks a FUSE daemon too.)
 
 Measured (2-core VM, PoCL, defaults): with a 20 s linger, bob's ``ListDevices`` (5 ms before) ended with
-DEADLINE_EXCEEDED at its 10 s timeout; the front answered again ~20 s after the frame. Here the linger is
+DEADLINE_EXCEEDED at its 10 s timeout; the front answered again ~20 s after the frame. The same with the socket
+queued behind a refused frame (a header announcing 1 GiB, then one byte carrying it): DEADLINE_EXCEEDED, ~20 s. Here the linger is
 ``LINGER`` seconds and the test ends it early by resetting the connection from its reading side.
 
 Suggested fix: never close a received descriptor on the loop: ``discard(fds)`` in ``serve`` too, and make
@@ -123,3 +124,50 @@ def test_a_descriptor_sent_with_a_segment_request_is_never_closed_on_the_event_l
           f"socket (linger {LINGER} s, bob's timeout {BOB_TIMEOUT:g} s); {after * 1e3:.0f} ms after the reset")
     assert during <= ALLOWED, (f"bob's call took {during:.1f} s while the front closed a socket alice sent with a "
                                "segment request: the close ran on the front's event loop")
+
+
+def test_a_descriptor_queued_behind_a_refused_frame_is_never_closed_on_the_event_loop(broker: BrokerProcess) -> None:
+    """The same through the connection's own close: a frame header announcing 1 GiB (refused: the connection ends),
+    then one byte carrying the lingering socket, which stays queued in the connection when the front closes it."""
+    bob_channel, bob = _stub(broker, "bob")
+    alice_channel, alice = _stub(broker, "alice")
+    listener = socket.socket()
+    lingering = socket.socket()
+    reader: socket.socket | None = None
+    segments: SegmentChannel | None = None
+    try:
+        session = alice.OpenSession(pb.OpenSessionRequest(device=0), timeout=60).session
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        lingering.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        lingering.connect(listener.getsockname())
+        reader, _ = listener.accept()
+        lingering.setblocking(False)
+        try:
+            while True:
+                lingering.send(bytes(65536))
+        except BlockingIOError:
+            pass
+        lingering.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, LINGER))
+        segments = SegmentChannel(fast_path_address(broker.target.removeprefix("unix:")), broker.tokens["alice"],
+                                  session, timeout=60)
+        sock = segments._sock
+        sock.send(FRAME_HEADER.pack(1 << 30))  # (its own message: the front reads these 4 bytes alone)
+        socket.send_fds(sock, [b"x"], [lingering.fileno()])
+        lingering.close()
+        during = _bob_call(bob)
+    finally:
+        if reader is not None:
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            reader.close()
+        listener.close()
+        lingering.close()
+        if segments is not None:
+            segments._sock.close()
+        alice_channel.close()
+    bob_channel.close()
+    print(f"\nbob's ListDevices took {during:.2f} s while the front closed a connection with alice's lingering socket "
+          "queued in it")
+    assert during <= ALLOWED, (f"bob's call took {during:.1f} s while the front closed a segment connection with a "
+                               "descriptor queued in it: its close ran on the front's event loop")
