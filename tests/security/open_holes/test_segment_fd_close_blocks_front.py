@@ -17,8 +17,9 @@ itself ``fstat``s on the loop, which asks a FUSE daemon too.)
 
 Measured (2-core VM, PoCL, defaults): with a 20 s linger, bob's ``ListDevices`` (5 ms before) ended with
 DEADLINE_EXCEEDED at its 10 s timeout; the front answered again ~20 s after the frame. The same with the socket
-queued behind a refused frame (a header announcing 1 GiB, then one byte carrying it): DEADLINE_EXCEEDED, ~20 s. Here the linger is
-``LINGER`` seconds and the test ends it early by resetting the connection from its reading side.
+queued behind a refused frame (a header announcing 1 GiB, then one byte carrying it): DEADLINE_EXCEEDED, ~20 s.
+Here the linger is ``LINGER`` seconds and the test ends it early by resetting the connection from its reading
+side.
 
 Suggested fix: never close a received descriptor on the loop: ``discard(fds)`` in ``serve`` too, and make
 ``discard`` itself never ask the file anything on the loop (hand every descriptor that is not known to be a memfd,
