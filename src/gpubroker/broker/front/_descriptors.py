@@ -15,14 +15,15 @@ a regular file (a memfd) at once, anything else on a thread of its own.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
-import stat
+import struct
 import threading
 from collections.abc import Iterable
 
-__all__ = ["PASSRIGHTS_SUPPORTED", "discard", "set_passrights"]
+__all__ = ["PASSRIGHTS_SUPPORTED", "close_receiving", "discard", "set_passrights"]
 
 log = logging.getLogger("gpubroker.server")
 
@@ -55,17 +56,74 @@ def _close_all(fds: list[int]) -> None:
             pass
 
 
+def _is_shmem(fd: int) -> bool:
+    """A memfd (or another shared-memory file), whose close never waits on anyone. Asked with F_GET_SEALS, which
+    no filesystem answers (an fstat of a FUSE file is a request to its server, which may never answer)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return False
+    return True
+
+
+_NO_LINGER = struct.pack("ii", 1, 0)
+
+
+def _unlinger(fd: int) -> None:
+    """A socket's close then resets it at once rather than waiting to send what it holds (SO_LINGER {1, 0}); a
+    descriptor that is no socket is left as it is."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _NO_LINGER)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
+
+
 def discard(fds: Iterable[int]) -> None:
-    """Close descriptors the front received and does not keep, without ever waiting on their last close."""
+    """Close descriptors the front received and does not keep, without ever waiting on their last close: a memfd
+    at once, a socket unlingered (its last close then waits for nothing), and whatever else on a thread."""
     slow: list[int] = []
     for fd in fds:
-        try:
-            regular = stat.S_ISREG(os.fstat(fd).st_mode)  # a memfd or a file: its close never waits on anyone
-        except OSError:
-            regular = False
-        if regular:
+        if _is_shmem(fd):
             _close_all([fd])
         else:
+            _unlinger(fd)
             slow.append(fd)
     if slow:
         threading.Thread(target=_close_all, args=(slow,), name="gpubroker discard fds", daemon=True).start()
+
+
+# How many queued messages a closing socket's drain reads at most (each holds a few descriptors at most, and the
+# socket's receive buffer bounds them anyway): past it, the socket itself is closed on a thread.
+_DRAIN_MAX = 4096
+
+
+def close_receiving(sock: socket.socket) -> None:
+    """Close a Unix socket that took descriptors and was not handed on: the descriptors still queued in it would be
+    dropped by the kernel at its last close, in the closing thread, each one's own last close included (a lingering
+    TCP socket waits as long as its sender likes). So: no more of them (SO_PASSRIGHTS off), those queued taken out
+    and discarded, then the close, which has nothing left to wait for."""
+    set_passrights(sock, False)
+    taken: list[int] = []
+    try:
+        for _ in range(_DRAIN_MAX):
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, 65536, 64, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            taken += fds
+            if not data and not fds:
+                break
+        else:  # (a peer still sending: what it queues next goes with the socket, closed off the loop)
+            discard(taken)
+            discard([sock.detach()])
+            return
+    except OSError:
+        pass
+    discard(taken)
+    sock.close()

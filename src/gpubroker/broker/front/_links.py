@@ -50,7 +50,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from gpubroker.broker.front._descriptors import set_passrights
 from gpubroker.broker.front._preauth import PreAuthGate, Ticket, refuse_malformed
 from gpubroker.broker.front._segments import FdStream, SegmentService
 from gpubroker.broker.front._sessions import Session
@@ -186,12 +185,13 @@ class LinkServer:
             session, principal, hello = await self._hello(stream.recv_exactly, stream.send, ticket, (), penalty,
                                                           segments=local, links=links)
             if local:  # authenticated: now it may pass descriptors (a ring's memfd, a segment's)
-                set_passrights(conn, True)
+                stream.allow_rights()
             if hello.segments is not None:
                 await self.segments.serve(stream, ticket.peer, penalty, session, principal)
                 return
             release = await self._hand_over(session, principal, conn.fileno(), stream.send, list(hello.compress))
             if release is not None:
+                stream.handed_on = True
                 release()  # (handed over whole: from here on it costs the front nothing; the worker counts it)
         except (_HelloRefused, ConnectionError, OSError):
             pass

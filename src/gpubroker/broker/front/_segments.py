@@ -34,7 +34,7 @@ import stat
 import time
 
 from gpubroker.broker.config import BrokerConfig
-from gpubroker.broker.front._descriptors import discard
+from gpubroker.broker.front._descriptors import PASSRIGHTS_SUPPORTED, close_receiving, discard, set_passrights
 from gpubroker.broker.front._preauth import IdleSweeper
 from gpubroker.broker.front._sessions import Session, SessionManager, out_of_descriptors
 from gpubroker.broker.front._status import descriptors_exhausted
@@ -150,6 +150,10 @@ class FdStream:
         self.what = what  # what a frame is, for a refusal: "a link hello", "a segment request"
         self.max_fds = 0
         self.fds: list[int] = []  # the frame's so far
+        # It may have descriptors queued: once authenticated (allow_rights), or always where the kernel cannot refuse
+        # them (no SO_PASSRIGHTS before Linux 6.16).
+        self.rights = not PASSRIGHTS_SUPPORTED
+        self.handed_on = False  # the socket is the worker's now (a link): the front's close is not its last
         self._loop = asyncio.get_running_loop()
 
     async def _recv(self, n: int) -> bytes:
@@ -220,9 +224,17 @@ class FdStream:
         fds, self.fds = self.fds, []
         discard(fds)  # (never on the loop: a descriptor's last close may wait as long as its sender likes)
 
+    def allow_rights(self) -> None:
+        """Authenticated: from now on the peer may pass descriptors (a ring's memfd, a segment's)."""
+        set_passrights(self.sock, True)
+        self.rights = True
+
     def close(self) -> None:
         self.close_fds()
-        self.sock.close()
+        if self.rights and not self.handed_on:
+            close_receiving(self.sock)  # (what is still queued in it is taken out first: see close_receiving)
+        else:
+            self.sock.close()
 
 
 class SegmentService:
@@ -277,8 +289,7 @@ class SegmentService:
                 try:
                     reply = await self._request(session, payload, fds, peer)
                 finally:
-                    for fd in fds:  # the worker has its own copy by now (or never will)
-                        os.close(fd)
+                    discard(fds)  # the worker has its own copy by now (or never will); never closed on the loop
                     idle.busy -= 1
                     idle.last_active = time.monotonic()
                 await stream.answer(reply)

@@ -1,7 +1,7 @@
-"""A tenant stops the whole front, for as long as it likes, with one segment registration: the descriptor it attaches
-is a TCP socket with ``SO_LINGER`` and unsent data, and the front closes it on its event loop.
+"""A tenant cannot stop the whole front with one segment registration (issue 21, round 8): it could, for as long
+as it liked, attaching a TCP socket with ``SO_LINGER`` and unsent data that the front closed on its event loop.
 
-The hole: ``SegmentService.serve`` (broker/front/_segments.py) closes the descriptors that came with every segment
+The hole was: ``SegmentService.serve`` (broker/front/_segments.py) closes the descriptors that came with every segment
 request with a plain ``os.close`` on the event loop, after the request is answered or refused ("the worker has its
 own copy by now (or never will)"). ``_descriptors.py`` explains why that must never happen: a descriptor's last
 close can block for as long as its sender likes, and ``discard`` exists to close anything that is not a regular file
@@ -21,13 +21,11 @@ queued behind a refused frame (a header announcing 1 GiB, then one byte carrying
 Here the linger is ``LINGER`` seconds and the test ends it early by resetting the connection from its reading
 side.
 
-Suggested fix: never close a received descriptor on the loop: ``discard(fds)`` in ``serve`` too, and make
-``discard`` itself never ask the file anything on the loop (hand every descriptor that is not known to be a memfd,
-by F_GET_SEALS, which asks no filesystem, to the closing thread). Mind the connection's own socket as well: a
-segment connection closed with frames still queued (a frame refused as too long, then more bytes carrying a
-descriptor) purges its receive queue in ``close``, and the kernel runs the queued descriptors' final ``fput`` in
-the closing thread on its way back to user space: close such a socket off the loop too (or read its queue out with
-``recv_fds`` and ``discard`` what comes).
+The fix: every descriptor the front receives and does not keep goes through ``discard`` (a memfd, told by
+F_GET_SEALS, which no filesystem answers, is closed at once; a socket is unlingered, so its last close waits for
+nothing; anything else is closed on a thread), and a connection that took descriptors and was not handed on is
+closed by ``close_receiving``: no more descriptors (SO_PASSRIGHTS off), those still queued taken out and
+discarded, then the close.
 """
 
 from __future__ import annotations
