@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterator, Reversible
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
-from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, exposition
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics import exposition as openmetrics_exposition
 from prometheus_client.registry import Collector
 
 from gpubroker.broker.front._sessions import SessionManager
@@ -456,7 +456,7 @@ class MetricsServer:
         if path != "/metrics":
             await self._answer(writer, 404, b"not found: the metrics are at /metrics\n")
             return
-        encoder, content_type = choose_encoder(headers.get("accept", ""))
+        encoder, content_type = _encoder(headers.get("accept", ""))
         gzipped = "gzip" in headers.get("accept-encoding", "")
         try:
             page = await self._fresh_page()
@@ -552,3 +552,12 @@ async def serve_metrics(listen: str, sessions: SessionManager, schedulers: dict[
     log.info("metrics on http://%s/metrics (unauthenticated: keep it on loopback or a monitoring network)",
              server.address)
     return server
+
+
+def _encoder(accept: str) -> tuple[Callable[[CollectorRegistry], bytes], str]:
+    """One of two fixed formats, by the Accept header: OpenMetrics if asked for, else Prometheus' text. Nothing of
+    the header is parsed further or reflected (prometheus_client's own choice raised on a bad version and copied it,
+    line breaks included, into the answer's Content-Type)."""
+    if "application/openmetrics-text" in accept:
+        return openmetrics_exposition.generate_latest, openmetrics_exposition.CONTENT_TYPE_LATEST
+    return exposition.generate_latest, exposition.CONTENT_TYPE_LATEST

@@ -1,7 +1,7 @@
-"""An unauthenticated peer of the metrics endpoint gets a traceback into the broker's log, and no answer, with one
-``Accept`` header: ``application/openmetrics-text; version=x``. The same header is reflected, unchecked, into the
-answer's ``Content-Type`` (a bare LF in it starts a header of the client's choosing) and into the key of the
-endpoint's page cache.
+"""(Fixed in issue 21, round 8.) An unauthenticated peer of the metrics endpoint got a traceback into the broker's
+log, and no answer, with one ``Accept`` header: ``application/openmetrics-text; version=x``. The same header was
+reflected, unchecked, into the answer's ``Content-Type`` (a bare LF in it started a header of the client's
+choosing) and into the key of the endpoint's page cache.
 
 The hole: ``_metrics.py`` hands the client's ``Accept`` header to prometheus_client's ``choose_encoder``, outside
 any ``try``. That parses ``version=`` into a tuple of ints and strings and compares it with ``(1, 0, 0)``: a
@@ -18,10 +18,8 @@ Measured (2-core VM, PoCL, default metrics limits): 20 requests with ``version=x
 20 tracebacks (19 KB) in the log in ~2 s (the per-peer pacing, 10 a second, is the only bound: each remote /24 or
 local uid gets its own 10 a second).
 
-Suggested fix: choose the format ourselves: only ``text/plain`` (0.0.4) or ``application/openmetrics-text``
-(1.0.0) with a fixed Content-Type, the Accept header matched, never reflected; wrap the encoding in the endpoint's
-error handling (a 406/400 answer, counted as a "bad request" refusal, rate-limited, never a traceback); key the
-page cache by the format chosen, never by client text.
+The fix: the endpoint picks one of two fixed formats itself (OpenMetrics if the header names it, else Prometheus'
+text) and reflects nothing of the header.
 """
 
 from __future__ import annotations
