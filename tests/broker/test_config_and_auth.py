@@ -73,7 +73,8 @@ NEW_KEYS = ["sandbox", "cache_dir", "worker_memory_max", "worker_pids_max", "wor
             "max_grpc_connections", "max_grpc_connections_per_peer", "grpc_idle_seconds",
             "max_grpc_streams_per_connection", "max_read_ahead_bytes_per_tenant", "max_shm_connections_per_tenant",
             "cache_max_bytes", "worker_tmp_max_bytes", "worker_uids",
-            "request_message_timeout_seconds"]  # (issue 21: a staged call's deadline)
+            "request_message_timeout_seconds",  # (issue 21: a staged call's deadline)
+            "max_unsent_reply_bytes_per_tenant"]  # (issue 21: replies a client does not read)
 # Values other than the defaults for keys whose type alone does not give one.
 SPECIAL = {"listen": ["unix:/tmp/a.sock", "127.0.0.1:0", "[::1]:7070"], "devices": [1, 0], "chunk_bytes": 3 << 20,
            "max_message_bytes": 5 << 20, "socket_mode": 0o640, "backend": "opencl", "peer_copies": "host",
