@@ -130,10 +130,9 @@ async def read_chunks(run: Run, session: Session, request: pb.CopyDeviceToHostRe
             ack = await inflight[0]
             inflight.popleft()
             session.touch()
-            message = pb.DeviceToHostChunk(data=ack.result)
-            room.settle(reserved.popleft(), len(message.data))
-            yield message
-            room.release(len(message.data))
+            room.settle(reserved.popleft(), len(ack.result))
+            yield pb.DeviceToHostChunk(data=ack.result)
+            room.release(len(ack.result))
     finally:
         with contextlib.suppress(RuntimeError):  # (no running loop when collected late)
             _abandon(inflight)

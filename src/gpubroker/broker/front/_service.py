@@ -24,8 +24,7 @@ from gpubroker.broker.front.scheduler import DeviceScheduler
 from gpubroker.broker.front.workers import device_info_from_dict
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
-from gpubroker.wire.commands import (Allocate, Command, CreateStream, GetKernel, LoadModule, Read, encode,
-                                     parse_batch)
+from gpubroker.wire.commands import Allocate, Command, CreateStream, GetKernel, LoadModule, Read, encode, parse_batch
 from gpubroker.wire.errors import GpuBrokerError, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
 from gpubroker.wire.types import DeviceInfo
 
@@ -437,14 +436,14 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
             session = self._session(context, first.session, principal.tenant)  # (the slot: the wrapper releases it)
             budget = self._read_ahead_budget(principal.tenant)
             replies = _Replies(self._reply_budget(principal.tenant))
-            acks: asyncio.Queue[asyncio.Future[pb.BatchAck] | None] = asyncio.Queue()
+            acks: asyncio.Queue[asyncio.Future[tuple[pb.BatchAck, int]] | None] = asyncio.Queue()
             room = asyncio.Semaphore(READ_AHEAD - 1)  # (the first batch holds one)
             reader = asyncio.ensure_future(self._read_ahead(first, requests, session, budget, replies, acks, room))
             try:
                 while (ack := await guard.run(acks.get())) is not None:
-                    message = await guard.run(ack)
+                    message, counted = await guard.run(ack)
                     yield message
-                    replies.release(message.ByteSize())  # (gRPC has written it out: the client is reading)
+                    replies.release(counted)  # (gRPC has written it out: the client is reading)
                     room.release()
             finally:
                 reader.cancel()
@@ -463,7 +462,8 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
 
     async def _read_ahead(self, first: pb.CommandBatch, requests: AsyncIterator[pb.CommandBatch], session: Session,
                           budget: _ReadAheadBudget, replies: _Replies,
-                          acks: asyncio.Queue[asyncio.Future[pb.BatchAck] | None], room: asyncio.Semaphore) -> None:
+                          acks: asyncio.Queue[asyncio.Future[tuple[pb.BatchAck, int]] | None],
+                          room: asyncio.Semaphore) -> None:
         """Read the stream's batches (``room`` and the tenant's ``budget`` permitting) and start each behind the
         one before it; the acks' futures go to ``acks`` in order, then None at the stream's end, or the failure
         that ended it. A batch's bytes count against the budget from before it is decoded until it has run; its
@@ -471,7 +471,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         loop = asyncio.get_running_loop()
         sent: asyncio.Future[None] | None = None
         batch: pb.CommandBatch | None = first
-        running: set[asyncio.Future[pb.BatchAck]] = set()
+        running: set[asyncio.Future[tuple[pb.BatchAck, int]]] = set()
         try:
             while batch is not None:
                 size = batch.ByteSize()
@@ -499,19 +499,20 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
                 batch = await anext(requests, None)
             acks.put_nowait(None)
         except Exception as exc:  # (a malformed message, an unknown session): the stream's end, after the acks
-            failed: asyncio.Future[pb.BatchAck] = loop.create_future()
+            failed: asyncio.Future[tuple[pb.BatchAck, int]] = loop.create_future()
             failed.set_exception(exc)
             acks.put_nowait(failed)
 
     async def run_batch(self, session: Session, batch: pb.CommandBatch, after: asyncio.Future[None] | None = None,
-                        sent: asyncio.Future[None] | None = None, replies: _Replies | None = None) -> pb.BatchAck:
+                        sent: asyncio.Future[None] | None = None, replies: _Replies | None = None
+                        ) -> tuple[pb.BatchAck, int]:
         """An ``encoded`` batch runs as it is, its Ack returned encoded; typed commands go through the typed
         calls' conversions, a command that does not convert failing there (those before it still run).
 
         ``after`` (the stream's batch before it is on its way to the worker) is awaited before anything runs, so
         batches read ahead keep the stream's order; ``sent`` is this batch's, for the next one. ``replies``: the
         ack's bytes are taken from it before the batch runs (waiting while the tenant's unsent replies are over
-        their budget), and counted there as the ack is returned.
+        their budget); returned with the ack, the bytes it holds there (to release once it is sent).
         """
         if batch.encoded:
             decoded = parse_batch(batch.encoded)
@@ -522,14 +523,15 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
                 if after is not None:
                     await after
                 ack = await self.runner.execute(session, decoded, batch.encoded, sent)
-                message = pb.BatchAck(batch=batch.batch, encoded=encode(ack))
+                data = encode(ack)
             except BaseException:
                 if replies is not None:
                     replies.release(expected)
                 raise
+            # (its length, not the message's ByteSize(): that serialises the message, a copy of every ack)
             if replies is not None:
-                replies.settle(expected, message.ByteSize())
-            return message
+                replies.settle(expected, len(data))
+            return pb.BatchAck(batch=batch.batch, encoded=data), len(data)
         converted: list[Command] = []
         error: pb.CommandError | None = None
         for command in batch.commands:
@@ -548,10 +550,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
                 failed = ack.error
                 error = pb.CommandError(seq=batch.commands[failed.seq].seq, command=failed.command, code=failed.code,
                                         message=failed.message)
-        message = pb.BatchAck(batch=batch.batch, error=error)  # (no results: a few bytes)
-        if replies is not None:
-            replies.settle(0, message.ByteSize())
-        return message
+        return pb.BatchAck(batch=batch.batch, error=error), 0  # (no results: a few bytes, not counted)
 
     # -- streams -----------------------------------------------------------------------------------
     @rpc
