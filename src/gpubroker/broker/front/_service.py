@@ -153,7 +153,10 @@ class _Replies:
     async def reserve(self, size: int) -> None:
         if not self.closed:
             await self.budget.acquire(size)
-            self.held += size
+            if self.closed:  # (granted as the call ended: what it produces now goes nowhere)
+                self.budget.release(size)
+            else:
+                self.held += size
 
     def settle(self, reserved: int, size: int) -> None:
         """The reply reserved as ``reserved`` bytes is ``size`` (a larger one is counted all the same)."""
