@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import grpc
@@ -97,3 +97,36 @@ def test_unread_acks_of_a_tenants_read_batches_are_bounded(broker: BrokerProcess
     assert growth <= ALLOWED_GROWTH, (
         f"a tenant's unread acks grew the front by {growth >> 20} MiB ({STREAMS} streams), past "
         f"{ALLOWED_GROWTH >> 20} MiB (its reply budget {BUDGET >> 20} MiB)")
+
+
+def test_acks_abandoned_unread_give_their_budget_back(broker: BrokerProcess) -> None:
+    """Streams cancelled with their acks unread leave nothing of the tenant's reply budget held: a stream after
+    them still runs its Reads (a budget left held would stall it until its deadline)."""
+    credentials = grpc.composite_channel_credentials(grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
+                                                     grpc.access_token_call_credentials(broker.tokens["alice"]))
+    with grpc.secure_channel(broker.target, credentials, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+        stub = pb_grpc.GpuBrokerStub(channel)
+        session = stub.OpenSession(pb.OpenSessionRequest(device=0), timeout=60).session
+        buf = stub.Allocate(pb.AllocateRequest(session=session, size=4 * 1024**2), timeout=60).handle
+        for _ in range(3):
+            stop = threading.Event()
+
+            def batches(count: int, stop: threading.Event = stop) -> Iterator[pb.CommandBatch]:
+                for k in range(count):
+                    yield pb.CommandBatch(session=session if k == 0 else "", batch=k + 1,
+                                          encoded=encode(Batch(k + 1, k, [Read((buf, 0), 0, READ)])))
+                stop.wait(60)
+
+            calls = [stub.Commands(batches(BATCHES), timeout=60) for _ in range(STREAMS)]
+            with ThreadPoolExecutor(STREAMS) as pool:
+                firsts = [pool.submit(next, call) for call in calls]
+                # (the batches run, the budget taken: a first ack has come; the others wait unread)
+                first = next(as_completed(firsts, timeout=60)).result()
+                assert not first.HasField("error")
+                for call in calls:
+                    call.cancel()  # (which ends the other threads' waits)
+            stop.set()
+        done = threading.Event()
+        done.set()
+        acks = list(stub.Commands(batches(2 * BATCHES, done), timeout=60))
+        assert len(acks) == 2 * BATCHES and not any(ack.HasField("error") for ack in acks)

@@ -128,6 +128,8 @@ class _ReadAheadBudget:
     def _grant(self) -> None:
         while self._waiters and self._fits(self._waiters[0][0]):
             size, granted = self._waiters.popleft()
+            if granted.done():  # (cancelled with its task, which has yet to run to take itself out: nothing held)
+                continue
             self.used += size
             granted.set_result(None)
 
