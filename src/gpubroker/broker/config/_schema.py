@@ -236,6 +236,13 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "The bytes (as sent) of a tenant's gRPC Commands batches that the front has read and not yet run, across "
         "all its streams: a stream reads on only while the tenant is under this (one batch larger than it runs "
         "alone). The front holds a few times this in memory as it decodes and queues them.")), SIZE] = 64 * 1024**2
+    max_unsent_reply_bytes_per_tenant: Annotated[int, Meta(ge=1, description=(
+        "The bytes of a tenant's gRPC replies that the front has produced and gRPC has not yet sent (Commands "
+        "acks, the Read results in them, and CopyDeviceToHost chunks its client has not taken), across all its "
+        "calls: a batch or chunk runs only while the tenant is under this counting what it will return (one "
+        "larger than it runs alone), so a client that does not read its replies stops its calls, not the front's "
+        "memory. The front holds a few times this in memory (the worker's reply, the message, gRPC's copy).")),
+        SIZE] = 64 * 1024**2
     max_shared_bytes_per_session: Annotated[int, Meta(ge=0, description=(
         "Host memory one session may map as same-host shared-memory segments registered on <socket>.fast "
         "(its host arrays and its staging buffer).")), SIZE] = 4 * 1024**3

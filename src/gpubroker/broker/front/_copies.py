@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from gpubroker.broker.front._commands import read_command, write_command
 from gpubroker.broker.front._sessions import Session
@@ -28,7 +28,7 @@ from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.wire.commands import Ack, Command
 from gpubroker.wire.errors import InvalidArgument
 
-__all__ = ["READ_DEPTH", "WRITE_DEPTH", "read_chunks", "write_chunks"]
+__all__ = ["READ_DEPTH", "WRITE_DEPTH", "ReplyRoom", "read_chunks", "write_chunks"]
 
 # Batches kept in flight per copy: enough to overlap the stream with the worker (one being served, one queued
 # behind it, for reads one more whose reply is on its way); deeper queues only hold more chunks.
@@ -36,6 +36,18 @@ WRITE_DEPTH = 2
 READ_DEPTH = 3
 
 Run = Callable[[Session, list[Command]], Awaitable[Ack]]
+
+
+class ReplyRoom(Protocol):
+    """The tenant's room for replies produced and not yet sent (_service.py's ``_Replies``)."""
+
+    def try_reserve(self, size: int) -> bool: ...
+
+    async def reserve(self, size: int) -> None: ...
+
+    def settle(self, reserved: int, size: int) -> None: ...
+
+    def release(self, size: int) -> None: ...
 
 
 def _consume(task: asyncio.Future[Any]) -> None:
@@ -92,11 +104,15 @@ async def write_chunks(run: Run, session: Session, header: pb.HostToDeviceHeader
 
 
 async def read_chunks(run: Run, session: Session, request: pb.CopyDeviceToHostRequest, chunk: int,
-                      depth: int = READ_DEPTH) -> AsyncIterator[pb.DeviceToHostChunk]:
+                      room: ReplyRoom, depth: int = READ_DEPTH) -> AsyncIterator[pb.DeviceToHostChunk]:
     """Read the request's bytes in chunks, in order, with up to ``depth`` reads in flight while earlier ones go
-    out."""
+    out. Each chunk's bytes are taken from ``room`` before its read starts and given back once the chunk has gone
+    (the consumer asks for the next): a client that takes no chunks stops the copy once the tenant's room is
+    used. A read waits for room only when none of the copy's is in flight (whose release needs no room); what is
+    still held when the copy is abandoned, the caller releases."""
     issued, size = 0, request.size
     inflight: deque[asyncio.Future[Ack]] = deque()
+    reserved: deque[int] = deque()  # each read's in flight
     try:
         if not size:  # an empty copy still names a buffer, a stream and a range, which the worker checks
             ack = await run(session, [read_command(request, 0, 0)])
@@ -104,12 +120,19 @@ async def read_chunks(run: Run, session: Session, request: pb.CopyDeviceToHostRe
         while inflight or issued < size:
             while issued < size and len(inflight) < depth:
                 n = min(chunk, size - issued)
+                if not inflight:
+                    await room.reserve(n)
+                elif not room.try_reserve(n):
+                    break
                 inflight.append(asyncio.ensure_future(run(session, [read_command(request, issued, n)])))
+                reserved.append(n)
                 issued += n
             ack = await inflight[0]
             inflight.popleft()
             session.touch()
+            room.settle(reserved.popleft(), len(ack.result))
             yield pb.DeviceToHostChunk(data=ack.result)
+            room.release(len(ack.result))
     finally:
         with contextlib.suppress(RuntimeError):  # (no running loop when collected late)
             _abandon(inflight)

@@ -8,7 +8,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from gpubroker.broker.config import BrokerConfig
@@ -24,7 +24,7 @@ from gpubroker.broker.front.scheduler import DeviceScheduler
 from gpubroker.broker.front.workers import device_info_from_dict
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
-from gpubroker.wire.commands import Allocate, Command, CreateStream, GetKernel, LoadModule, encode, parse_batch
+from gpubroker.wire.commands import Allocate, Command, CreateStream, GetKernel, LoadModule, Read, encode, parse_batch
 from gpubroker.wire.errors import GpuBrokerError, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
 from gpubroker.wire.types import DeviceInfo
 
@@ -94,9 +94,15 @@ class _ReadAheadBudget:
     def _fits(self, size: int) -> bool:
         return self.used == 0 or self.used + size <= self.limit
 
-    async def acquire(self, size: int) -> None:
+    def try_acquire(self, size: int) -> bool:
+        """Take ``size`` now if it fits and nobody waits ahead of it."""
         if not self._waiters and self._fits(size):
             self.used += size
+            return True
+        return False
+
+    async def acquire(self, size: int) -> None:
+        if self.try_acquire(size):
             return
         entry = (size, asyncio.get_running_loop().create_future())
         self._waiters.append(entry)
@@ -114,11 +120,68 @@ class _ReadAheadBudget:
         self.used -= size
         self._grant()
 
+    def charge(self, size: int) -> None:
+        """Count ``size`` more (what was taken turned out larger), room or not: later takers wait until it is
+        released."""
+        self.used += size
+
     def _grant(self) -> None:
         while self._waiters and self._fits(self._waiters[0][0]):
             size, granted = self._waiters.popleft()
+            if granted.done():  # (cancelled with its task, which has yet to run to take itself out: nothing held)
+                continue
             self.used += size
             granted.set_result(None)
+
+
+class _Replies:
+    """One call's share of its tenant's budget of replies not yet sent (``max_unsent_reply_bytes_per_tenant``): a
+    reply's bytes are taken before the work that produces them starts (a Read's size is known from its command),
+    settled to the reply's real size once it is there, and released when gRPC has taken it (the ``yield`` that
+    hands it over returns once gRPC has written it out, which HTTP/2 flow control holds back while the client
+    does not read). What the call still holds at its end is released then."""
+
+    def __init__(self, budget: _ReadAheadBudget) -> None:
+        self.budget = budget
+        self.held = 0
+        self.closed = False
+
+    def try_reserve(self, size: int) -> bool:
+        if self.closed or not self.budget.try_acquire(size):
+            return self.closed
+        self.held += size
+        return True
+
+    async def reserve(self, size: int) -> None:
+        if not self.closed:
+            await self.budget.acquire(size)
+            if self.closed:  # (granted as the call ended: what it produces now goes nowhere)
+                self.budget.release(size)
+            else:
+                self.held += size
+
+    def settle(self, reserved: int, size: int) -> None:
+        """The reply reserved as ``reserved`` bytes is ``size`` (a larger one is counted all the same)."""
+        if size > reserved and not self.closed:
+            self.budget.charge(size - reserved)
+            self.held += size - reserved
+        elif size < reserved:
+            self.release(reserved - size)
+
+    def release(self, size: int) -> None:
+        size = min(size, self.held)
+        self.held -= size
+        self.budget.release(size)
+
+    def close(self) -> None:
+        self.release(self.held)
+        self.closed = True
+
+
+def _reply_bytes(commands: Iterable[Command], limit: int) -> int:
+    """What a batch's ack will carry, as far as its commands say: its Reads' bytes (an ack larger than ``limit``,
+    the largest message, is refused rather than sent)."""
+    return min(sum(command.size for command in commands if isinstance(command, Read)), limit)
 
 
 def _passed(sent: asyncio.Future[None], task: asyncio.Future[Any]) -> None:
@@ -139,6 +202,14 @@ def _consume(future: asyncio.Future[Any]) -> None:
     """Retrieve an abandoned future's outcome so asyncio does not log 'exception was never retrieved'."""
     if not future.cancelled():
         future.exception()
+
+
+def _tenant_budget(budgets: dict[str, _ReadAheadBudget], tenant: str, limit: int) -> _ReadAheadBudget:
+    budget = budgets.get(tenant)
+    if budget is None:
+        budget = budgets[tenant] = _ReadAheadBudget(limit)
+    budget.limit = limit  # (a reload may change it)
+    return budget
 
 
 def device_info_to_pb(info: DeviceInfo) -> pb.DeviceInfo:
@@ -165,6 +236,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         # Which credentials each worker ran something for: a revocation of one ends those workers (_retire.py).
         self.credentials = WorkerCredentials(auth, sessions.pool)
         self._budgets: dict[str, _ReadAheadBudget] = {}  # per tenant: its Commands streams' read-ahead
+        self._reply_budgets: dict[str, _ReadAheadBudget] = {}  # per tenant: its calls' replies not yet sent
         # Where the session's link is served besides <socket>.fast (the Broker sets them once listening).
         self.link_port = 0
         self.link_vsock_port = 0
@@ -312,9 +384,13 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         if request.offset < 0 or request.size < 0:
             raise InvalidArgument(f"copy offset and size must be >= 0, got {request.offset} and {request.size}")
         chunk = min(request.chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
+        replies = _Replies(self._reply_budget(principal.tenant))
         with self._revocable(principal) as guard:
-            async for message in guard.iterate(read_chunks(self.runner.run, session, request, chunk)):
-                yield message
+            try:
+                async for message in guard.iterate(read_chunks(self.runner.run, session, request, chunk, replies)):
+                    yield message
+            finally:
+                replies.close()
 
     @rpc
     async def CopyShared(self, request: pb.CopySharedRequest, context: Context) -> pb.Empty:
@@ -364,12 +440,15 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
                 return
             session = self._session(context, first.session, principal.tenant)  # (the slot: the wrapper releases it)
             budget = self._read_ahead_budget(principal.tenant)
-            acks: asyncio.Queue[asyncio.Future[pb.BatchAck] | None] = asyncio.Queue()
+            replies = _Replies(self._reply_budget(principal.tenant))
+            acks: asyncio.Queue[asyncio.Future[tuple[pb.BatchAck, int]] | None] = asyncio.Queue()
             room = asyncio.Semaphore(READ_AHEAD - 1)  # (the first batch holds one)
-            reader = asyncio.ensure_future(self._read_ahead(first, requests, session, budget, acks, room))
+            reader = asyncio.ensure_future(self._read_ahead(first, requests, session, budget, replies, acks, room))
             try:
                 while (ack := await guard.run(acks.get())) is not None:
-                    yield await guard.run(ack)
+                    message, counted = await guard.run(ack)
+                    yield message
+                    replies.release(counted)  # (gRPC has written it out: the client is reading)
                     room.release()
             finally:
                 reader.cancel()
@@ -378,31 +457,33 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
                     if (left := acks.get_nowait()) is not None:
                         left.cancel()
                         left.add_done_callback(_consume)
+                replies.close()  # (the acks never sent; a batch still running counts nothing from here on)
 
     def _read_ahead_budget(self, tenant: str) -> _ReadAheadBudget:
-        budget = self._budgets.get(tenant)
-        if budget is None:
-            budget = self._budgets[tenant] = _ReadAheadBudget(self.config.max_read_ahead_bytes_per_tenant)
-        budget.limit = self.config.max_read_ahead_bytes_per_tenant  # (a reload may change it)
-        return budget
+        return _tenant_budget(self._budgets, tenant, self.config.max_read_ahead_bytes_per_tenant)
+
+    def _reply_budget(self, tenant: str) -> _ReadAheadBudget:
+        return _tenant_budget(self._reply_budgets, tenant, self.config.max_unsent_reply_bytes_per_tenant)
 
     async def _read_ahead(self, first: pb.CommandBatch, requests: AsyncIterator[pb.CommandBatch], session: Session,
-                          budget: _ReadAheadBudget, acks: asyncio.Queue[asyncio.Future[pb.BatchAck] | None],
+                          budget: _ReadAheadBudget, replies: _Replies,
+                          acks: asyncio.Queue[asyncio.Future[tuple[pb.BatchAck, int]] | None],
                           room: asyncio.Semaphore) -> None:
         """Read the stream's batches (``room`` and the tenant's ``budget`` permitting) and start each behind the
         one before it; the acks' futures go to ``acks`` in order, then None at the stream's end, or the failure
-        that ended it. A batch's bytes count against the budget from before it is decoded until it has run."""
+        that ended it. A batch's bytes count against the budget from before it is decoded until it has run; its
+        ack's against ``replies`` from before it runs until gRPC has sent it."""
         loop = asyncio.get_running_loop()
         sent: asyncio.Future[None] | None = None
         batch: pb.CommandBatch | None = first
-        running: set[asyncio.Future[pb.BatchAck]] = set()
+        running: set[asyncio.Future[tuple[pb.BatchAck, int]]] = set()
         try:
             while batch is not None:
                 size = batch.ByteSize()
                 await budget.acquire(size)
                 after, sent = sent, loop.create_future()
                 try:
-                    task = asyncio.ensure_future(self.run_batch(session, batch, after, sent))
+                    task = asyncio.ensure_future(self.run_batch(session, batch, after, sent, replies))
                 except BaseException:
                     budget.release(size)
                     raise
@@ -423,24 +504,39 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
                 batch = await anext(requests, None)
             acks.put_nowait(None)
         except Exception as exc:  # (a malformed message, an unknown session): the stream's end, after the acks
-            failed: asyncio.Future[pb.BatchAck] = loop.create_future()
+            failed: asyncio.Future[tuple[pb.BatchAck, int]] = loop.create_future()
             failed.set_exception(exc)
             acks.put_nowait(failed)
 
     async def run_batch(self, session: Session, batch: pb.CommandBatch, after: asyncio.Future[None] | None = None,
-                        sent: asyncio.Future[None] | None = None) -> pb.BatchAck:
+                        sent: asyncio.Future[None] | None = None, replies: _Replies | None = None
+                        ) -> tuple[pb.BatchAck, int]:
         """An ``encoded`` batch runs as it is, its Ack returned encoded; typed commands go through the typed
         calls' conversions, a command that does not convert failing there (those before it still run).
 
         ``after`` (the stream's batch before it is on its way to the worker) is awaited before anything runs, so
-        batches read ahead keep the stream's order; ``sent`` is this batch's, for the next one.
+        batches read ahead keep the stream's order; ``sent`` is this batch's, for the next one. ``replies``: the
+        ack's bytes are taken from it before the batch runs (waiting while the tenant's unsent replies are over
+        their budget); returned with the ack, the bytes it holds there (to release once it is sent).
         """
         if batch.encoded:
             decoded = parse_batch(batch.encoded)
-            if after is not None:
-                await after
-            ack = await self.runner.execute(session, decoded, batch.encoded, sent)
-            return pb.BatchAck(batch=batch.batch, encoded=encode(ack))
+            expected = _reply_bytes(decoded.commands, self.config.max_message_bytes)
+            if replies is not None:
+                await replies.reserve(expected)
+            try:
+                if after is not None:
+                    await after
+                ack = await self.runner.execute(session, decoded, batch.encoded, sent)
+                data = encode(ack)
+            except BaseException:
+                if replies is not None:
+                    replies.release(expected)
+                raise
+            # (its length, not the message's ByteSize(): that serialises the message, a copy of every ack)
+            if replies is not None:
+                replies.settle(expected, len(data))
+            return pb.BatchAck(batch=batch.batch, encoded=data), len(data)
         converted: list[Command] = []
         error: pb.CommandError | None = None
         for command in batch.commands:
@@ -459,7 +555,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
                 failed = ack.error
                 error = pb.CommandError(seq=batch.commands[failed.seq].seq, command=failed.command, code=failed.code,
                                         message=failed.message)
-        return pb.BatchAck(batch=batch.batch, error=error)
+        return pb.BatchAck(batch=batch.batch, error=error), 0  # (no results: a few bytes, not counted)
 
     # -- streams -----------------------------------------------------------------------------------
     @rpc
