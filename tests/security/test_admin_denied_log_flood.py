@@ -13,8 +13,7 @@ reconnecting when the call rate cuts its connection): 2,996 refusals, 2,996 "den
 300 KiB (75 KiB/s, held down only by the call rate's 500 a second; the budget the broker gives a worker's own output
 is 8 KiB/s, bursts of 64 KiB). Every local uid and remote /24 has a call rate of its own.
 
-Suggested fix: audit the refusal through a per-tenant ``RateLimitedLog`` (20 lines in 10 s, then one line counting
-the rest), as the other refusals are.
+The fix: refused Admin calls are audited per tenant at most 20 lines in 10 s, then a count.
 """
 
 from __future__ import annotations
