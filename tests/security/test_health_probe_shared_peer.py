@@ -1,57 +1,48 @@
-"""Any local user of the broker's Unix socket makes the broker's own readiness probe fail, for as long as it likes:
-the health service's per-peer counts see every Unix-socket peer as ONE peer ("unix"), and every local TCP peer as
-one peer ("ipv4").
+"""One local user cannot make the broker's own readiness probe fail: the health service counts peers as the gRPC
+listeners do (a uid locally, a /24 or /64 remotely), and a health request's message has
+``request_message_timeout_seconds`` to arrive.
 
-The hole: ``StreamLimiter`` (broker/front/_health.py) counts health requests on their way in (and Watch and
-reflection streams) per ``_peer_host(grpc_peer(context))``. ``grpc_peer`` names a gated connection's peer by its
-uid (``unix:PATH uid=N``, ``ipv4:127.0.0.1:PORT uid=N``), but ``_peer_host`` keeps only the scheme of anything
-that is not a remote address: "unix" for every Unix-socket peer, "ipv4" for every local TCP one (it cannot parse
-the `` uid=N`` suffix). A health request whose message is announced and never completed is read with no deadline
-(``Unread.read`` of an unauthenticated health call has no ``request_message_timeout_seconds``; only the
-connection's keepalive ends it), so one local user
-holding ``max_health_streams_per_peer`` (16) such Check requests on one connection takes the whole "unix" share:
-every other local user's Check gets RESOURCE_EXHAUSTED. That includes the broker's own probes: the DaemonSet's
-readinessProbe execs ``python -m gpubroker.broker.healthcheck --target unix:/run/gpubroker/gpubroker.sock``
-(failureThreshold 2, period 10 s), so a tenant's pod that can reach the socket takes the node's broker out of the
-Service within ~20 s and keeps it out; the SDK's multi-broker placement (``_endpoints._health_problem``) likewise
-skips the broker for every other local client. docs/operator/monitoring.md says "every local peer of a Unix socket
-counts as one", on the premise that gRPC does not say which uid a call came from: the gRPC gate now does.
-
-Measured (2-core VM, PoCL, defaults; socket_mode 0666): uid 65534 held 16 health Check calls, each one byte short
-of its 5-byte-header + 2-byte message, on one connection; the broker's readiness check run as root then got
+The hole (issue 21): ``StreamLimiter`` (broker/front/_health.py) counted health requests on their way in (and
+Watch and reflection streams) per peer host, which made every Unix-socket peer one peer ("unix") and every local
+TCP peer one peer ("ipv4"), dropping the uid the gRPC gate names; and an unauthenticated health request's message
+was read with no deadline. One local user holding ``max_health_streams_per_peer`` (16) Check calls on one
+connection, each one byte short of its message, took the whole "unix" share: the broker's readiness check
+(``python -m gpubroker.broker.healthcheck``, what the DaemonSet's readinessProbe execs, as root) got
 ``RESOURCE_EXHAUSTED: too many open requests: this peer has 16 Check requests open, max_health_streams_per_peer is
-16`` on every try. (A holder that stopped answering gRPC's keepalive pings lost its calls within 30 s; the checks
-were SERVING again at 30, 60 and 90 s. One that answers the pings, or opens 16 new calls when the old end, keeps
-every other local peer's checks failing for as long as it likes.)
-
-Suggested fix: count health requests and streams by ``Peer.key`` as the gate names it (the uid of a local peer,
-the network of a remote one): ``grpc_peer``'s ``uid=N`` (or the gate's ``_Relay.peer.key``) rather than
-``_peer_host``; and give an unauthenticated health request's message a deadline (request_message_timeout_seconds)
-as authenticated calls have.
+16`` on 3 tries of 3, for as long as the holder liked. Now the limiter counts by the gate's ``Peer.key``
+(``grpc_peer_key``), and a request that has not arrived within request_message_timeout_seconds ends with
+DEADLINE_EXCEEDED, giving back its place.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 
 import pytest
+from grpc_health.v1 import health_pb2
 
 from gpubroker.broker.healthcheck import check
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 
-from ..test_grpc_partial_messages import FLOODER
+from .test_calls_staged_before_rotation import Staged
+from .test_grpc_partial_messages import FLOODER
 
 ATTACKER_UID = 65534
 PER_PEER = 16  # max_health_streams_per_peer (the default)
 TRIES = 3  # readiness checks from root while the attacker holds its requests (the DaemonSet fails at 2)
+# request_message_timeout_seconds: long enough that the attacker's calls are still held (none ended) when it says
+# so, 2 s into its flood, on a loaded machine; short enough to wait for.
+REQUEST_TIMEOUT = 8.0
 
 
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
     tmp = tmp_path_factory.mktemp("health-peer")
-    settings = {"cache_dir": str(tmp / "caches"), "socket_mode": 0o666}
+    settings = {"cache_dir": str(tmp / "caches"), "socket_mode": 0o666,
+                "request_message_timeout_seconds": REQUEST_TIMEOUT}
     with BrokerProcess([TenantSpec("alice")], backend="opencl", settings=settings) as proc:
         os.chmod(os.path.dirname(proc.target.removeprefix("unix:")), 0o755)  # (a local user in socket_group)
         yield proc
@@ -74,7 +65,8 @@ def test_one_local_user_cannot_fail_the_brokers_readiness_probe(broker: BrokerPr
     try:
         assert attacker.stdout is not None
         sent = attacker.stdout.readline().strip()  # (printed once its calls are open: it holds them from here)
-        assert sent.startswith("sent "), sent
+        # All its calls admitted and held (one refused, or ended by the broker, would be replaced: opened > 16).
+        assert sent.startswith("sent ") and sent.endswith(f"opened {PER_PEER} calls, the server ended 0"), sent
         seen = [check(broker.target, timeout=10) for _ in range(TRIES)]
     finally:
         attacker.kill()
@@ -83,3 +75,21 @@ def test_one_local_user_cannot_fail_the_brokers_readiness_probe(broker: BrokerPr
     failed = [what for passed, what in seen if not passed]
     assert not failed, (f"uid {ATTACKER_UID}'s {PER_PEER} unfinished health requests failed {len(failed)} of {TRIES} "
                         f"readiness checks from uid 0: {failed[0]}")
+
+
+def test_a_health_request_held_one_byte_short_ends_at_its_deadline(broker: BrokerProcess) -> None:
+    request = health_pb2.HealthCheckRequest(service="").SerializeToString()
+    call = Staged(broker.target.removeprefix("unix:"), "/grpc.health.v1.Health/Check", "", request)
+    try:
+        started = time.monotonic()
+        ended = call.ended(REQUEST_TIMEOUT + 15)
+        waited = time.monotonic() - started
+    finally:
+        call.close()
+    print(f"\na Check held one byte short: ended by the broker: {ended}, after {waited:.1f} s "
+          f"(request_message_timeout_seconds = {REQUEST_TIMEOUT:g}); trailers {call.trailers!r}")
+    assert ended and not call.answered, (
+        f"a health Check whose message never completed was still open {waited:.1f} s later "
+        f"(request_message_timeout_seconds = {REQUEST_TIMEOUT:g})")
+    assert b"request_message_timeout_seconds" in call.trailers, call.trailers  # (its grpc-message says why)
+    assert waited >= REQUEST_TIMEOUT * 0.5, f"the held Check ended after {waited:.1f} s, before its deadline"
