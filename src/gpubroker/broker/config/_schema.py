@@ -383,7 +383,8 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "How long a gRPC call (a unary request) may take to send its request message once it has authenticated; "
         "past it the call ends with DEADLINE_EXCEEDED and gives back its place among its tenant's "
         "max_inflight_per_tenant. A call also ends, its place given back, when its token is rotated or its tenant "
-        "removed at a reload, and its credential is checked again once its message is read."))] = 30.0
+        "removed at a reload, and its credential is checked again once its message is read. A health request "
+        "(served without a token) has as long to arrive, within its peer's max_health_streams_per_peer."))] = 30.0
     auth_failure_delay_max_seconds: Annotated[float, Meta(ge=0, description=(
         "The longest a peer's answer to a failed authentication is held back: the delay starts at 2 ms and doubles "
         "with each failure of that peer (uid on Unix sockets, address on TCP), so a guessing flood slows itself "
@@ -430,8 +431,9 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "slowly or never completed holds up to max_message_bytes of the broker's memory while it is read); Check "
         "calls themselves are not limited."))] = 64
     max_health_streams_per_peer: Annotated[int, Meta(ge=1, description=(
-        "The same (streams, and Check requests on their way in), per peer: an address on TCP; every local peer of "
-        "a Unix socket counts as one (gRPC does not say which uid a call came from)."))] = 16
+        "The same (streams, and Check requests on their way in), per peer, as the gRPC listeners count peers: a "
+        "local peer (Unix socket, or TCP from this host) by its uid, a remote one by its /24 (IPv4) or /64 "
+        "(IPv6)."))] = 16
     log_format: Annotated[Literal["text", "json"], Meta(description=(
         "Log lines as text, or as JSON objects carrying the tenant, session and method when known."))] = "text"
 

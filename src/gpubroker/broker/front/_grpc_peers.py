@@ -61,7 +61,7 @@ from gpubroker.broker.front.listeners import Acceptor, Peer, PeerRate, out_of_de
 from gpubroker.wire.addresses import TcpAddress, UnixAddress, parse_host_port
 from gpubroker.wire.errors import InvalidArgument
 
-__all__ = ["GrpcGate", "grpc_peer", "over_call_rate"]
+__all__ = ["GrpcGate", "grpc_peer", "grpc_peer_key", "over_call_rate"]
 
 log = logging.getLogger("gpubroker.server")
 audit = logging.getLogger("gpubroker.audit")
@@ -85,6 +85,15 @@ def grpc_peer(context: Any) -> str:
     seen: str = context.peer()
     relay = _relayed.get(seen)
     return relay.peer.name if relay is not None else seen
+
+
+def grpc_peer_key(context: Any) -> str:
+    """Whom a gRPC call is counted against, as the gate counted its connection (``Peer.key``: "uid N" for a local
+    peer, whatever its socket; a remote peer's /24 or /64); a call that did not come through the gate, by gRPC's
+    name for its peer."""
+    seen: str = context.peer()
+    relay = _relayed.get(seen)
+    return relay.peer.key if relay is not None else seen
 
 
 def over_call_rate(context: Any) -> str | None:

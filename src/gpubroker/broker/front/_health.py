@@ -31,14 +31,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from gpubroker.broker.config import BrokerConfig
-from gpubroker.broker.front._grpc_peers import grpc_peer, over_call_rate
+from gpubroker.broker.front._grpc_peers import grpc_peer_key, over_call_rate
 from gpubroker.broker.front._metrics import HEALTH_REASONS
 from gpubroker.broker.front._status import Malformed, Unread, add_servicer
 from gpubroker.broker.front.auth import RateLimitedLog
 from gpubroker.broker.front.workers import WorkerClient
 from gpubroker.v1 import admin_pb2 as apb
 from gpubroker.v1 import broker_pb2 as pb
-from gpubroker.wire.addresses import AddressError, parse_host_port
 from gpubroker.wire.errors import Unavailable
 from gpubroker.wire.types import DeviceInfo
 
@@ -238,16 +237,6 @@ class BrokerHealth:
         task.add_done_callback(self._tasks.discard)
 
 
-def _peer_host(peer: str) -> str:
-    """The peer of a gRPC call without its port: "ipv4:10.0.0.1:5000" -> "10.0.0.1"; "unix:..." -> "unix" (gRPC
-    names no uid for a Unix socket's peer: every local peer shares one count)."""
-    kind = peer.partition(":")[0]
-    if kind in ("ipv4", "ipv6"):
-        with contextlib.suppress(AddressError):
-            return parse_host_port(peer, schemes=True).host.removeprefix("::ffff:")
-    return kind or "unknown"
-
-
 @dataclass
 class _Tally:
     """What is open, in all and per peer."""
@@ -286,7 +275,7 @@ class StreamLimiter:
                     ) -> AsyncIterator[None]:
         if (too_fast := over_call_rate(context)) is not None:  # (first: its connection is being cut)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_fast)
-        peer = _peer_host(grpc_peer(context))
+        peer = grpc_peer_key(context)  # (the gate's key: one local user is one peer, whatever its socket)
         total, per_peer = self.config.max_health_streams, self.config.max_health_streams_per_peer
         refusal = None
         if tally.open >= total:
@@ -313,10 +302,18 @@ class StreamLimiter:
                 del tally.by_peer[peer]
 
 
-async def _read(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-    """A health call's request, read now (``Unread``); INVALID_ARGUMENT if it does not parse."""
+async def _read(request: Any, context: grpc.aio.ServicerContext[Any, Any], config: BrokerConfig) -> Any:
+    """A health call's request, read now (``Unread``) within request_message_timeout_seconds (as an
+    authenticated call's: a request held one byte short would otherwise keep its place in the per-peer count until
+    the connection ends); INVALID_ARGUMENT if it does not parse."""
     if isinstance(request, Unread):
-        request = await request.read()
+        timeout = config.request_message_timeout_seconds
+        try:
+            async with asyncio.timeout(timeout):
+                request = await request.read()
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's request message did not arrive "
+                                f"within request_message_timeout_seconds ({timeout:g} s)")
     if isinstance(request, Malformed):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
     return request
@@ -334,18 +331,18 @@ class _BoundedHealthServicer(health.aio.HealthServicer):  # type: ignore[misc]
                     context: grpc.aio.ServicerContext[Any, Any]) -> health_pb2.HealthCheckResponse:
         if isinstance(request, Unread):  # (not yet read: within a slot)
             async with self._streams.reading(context, "Check"):
-                request = await _read(request, context)
+                request = await _read(request, context, self._streams.config)
         return await super().Check(request, context)
 
     async def List(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         async with self._streams.reading(context, "List"):
-            await _read(request, context)
+            await _read(request, context, self._streams.config)
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "List is not served: Check or Watch a service by name")
 
     async def Watch(self, request: Unread | health_pb2.HealthCheckRequest,
                     context: grpc.aio.ServicerContext[Any, Any]) -> None:
         async with self._streams.slot(context, "Watch"):
-            await super().Watch(await _read(request, context), context)
+            await super().Watch(await _read(request, context, self._streams.config), context)
 
 
 class _BoundedReflectionServicer(reflection.aio.ReflectionServicer):
