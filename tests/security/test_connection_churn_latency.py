@@ -22,9 +22,7 @@ refused at accept) and, generously, alice's p50.
 
 from __future__ import annotations
 
-import http.client
 import os
-import statistics
 import subprocess
 import textwrap
 import time
@@ -32,14 +30,13 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gpubroker.broker.config import BrokerSettings
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ..helpers import wait_for
+from ._probes import p50_ms, scrape
 
 ATTACKER_UID = 65533
 CHURN_SECONDS = 6.0
@@ -72,29 +69,11 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
         yield proc
 
 
-def _p50_ms(stub: pb_grpc.GpuBrokerStub) -> float:
-    times = []
-    for _ in range(CALLS):
-        start = time.monotonic()
-        stub.ListDevices(pb.ListDevicesRequest(), timeout=30)
-        times.append(time.monotonic() - start)
-    return statistics.median(times) * 1000
-
-
 def _refused(broker: BrokerProcess, endpoint: str) -> float:
     """Connections refused at ``endpoint`` for their peer's connection rate, as gpubroker_endpoint_refusals says."""
-    host, port = broker.metrics.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    try:
-        conn.request("GET", "/metrics")
-        response = conn.getresponse()
-        assert response.status == 200
-        text = response.read().decode()
-    finally:
-        conn.close()
-    wanted = {"endpoint": endpoint, "reason": "connection rate"}
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == "gpubroker_endpoint_refusals_total" and s.labels == wanted)
+    wanted = (("endpoint", endpoint), ("reason", "connection rate"))
+    return sum(value for (name, labels), value in scrape(broker).items()
+               if name == "gpubroker_endpoint_refusals_total" and labels == wanted)
 
 
 @pytest.mark.parametrize("suffix", ["", ".fast"], ids=["grpc-socket", "fast-socket"])
@@ -112,8 +91,8 @@ def test_connection_churn_of_one_local_user_does_not_slow_other_tenants(broker: 
     endpoint = "link" if suffix else "grpc"
     with grpc.secure_channel(broker.target, credentials) as channel:
         stub = pb_grpc.GpuBrokerStub(channel)
-        _p50_ms(stub)  # (warm)
-        before = _p50_ms(stub)
+        p50_ms(stub, CALLS)  # (warm)
+        before = p50_ms(stub, CALLS)
         refused_before = _refused(broker, endpoint)
         started = time.monotonic()
         churn = subprocess.Popen(["/usr/bin/python3", "-I", "-c", CHURNER, path, str(CHURN_SECONDS)],
@@ -122,7 +101,7 @@ def test_connection_churn_of_one_local_user_does_not_slow_other_tenants(broker: 
             assert churn.stdout is not None
             assert churn.stdout.readline().strip() == "churning"
             time.sleep(0.5)  # (not synchronisation: the churn's first half second is left out of the measurement)
-            during = _p50_ms(stub)
+            during = p50_ms(stub, CALLS)
             out, _ = churn.communicate(timeout=CHURN_SECONDS + 30)
         finally:
             if churn.poll() is None:

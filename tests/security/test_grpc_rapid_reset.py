@@ -22,9 +22,7 @@ that alice's calls stayed fast.
 
 from __future__ import annotations
 
-import http.client
 import os
-import statistics
 import subprocess
 import textwrap
 import time
@@ -32,12 +30,12 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gpubroker.broker.config import BrokerSettings
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
+
+from ._probes import Samples, p50_ms, scrape
 
 ATTACKER_UID = 65533
 FLOOD_SECONDS = 6.0
@@ -103,30 +101,7 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
         yield proc
 
 
-def _p50_ms(stub: pb_grpc.GpuBrokerStub) -> float:
-    times = []
-    for _ in range(CALLS):
-        start = time.monotonic()
-        stub.ListDevices(pb.ListDevicesRequest(), timeout=30)
-        times.append(time.monotonic() - start)
-    return statistics.median(times) * 1000
-
-
-def _scrape(broker: BrokerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    host, port = broker.metrics.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    try:
-        conn.request("GET", "/metrics")
-        response = conn.getresponse()
-        assert response.status == 200
-        text = response.read().decode()
-    finally:
-        conn.close()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def _handled(found: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> dict[str, float]:
+def _handled(found: Samples) -> dict[str, float]:
     """ListDevices calls the front's handler ended, by status."""
     return {dict(labels)["code"]: value for (name, labels), value in found.items()
             if name == "gpubroker_rpc_duration_seconds_count" and dict(labels).get("method") == "ListDevices"}
@@ -148,7 +123,7 @@ def _flood(broker: BrokerProcess, method: str, stub: pb_grpc.GpuBrokerStub, toke
         assert flood.stdout is not None
         assert flood.stdout.readline().strip() == "flooding"
         time.sleep(0.5)  # (not synchronisation: the flood's first half second is left out of the measurement)
-        during = _p50_ms(stub)
+        during = p50_ms(stub, CALLS)
         out, _ = flood.communicate(timeout=FLOOD_SECONDS + 30)
     finally:
         if flood.poll() is None:
@@ -167,15 +142,15 @@ def test_rapid_reset_from_one_peer_does_not_slow_other_tenants(broker: BrokerPro
                                                      grpc.access_token_call_credentials(broker.tokens["alice"]))
     with grpc.secure_channel(broker.target, credentials) as channel:
         stub = pb_grpc.GpuBrokerStub(channel)
-        _p50_ms(stub)  # (warm)
-        before = _p50_ms(stub)
-        handled = _handled(_scrape(broker))
+        p50_ms(stub, CALLS)  # (warm)
+        before = p50_ms(stub, CALLS)
+        handled = _handled(scrape(broker))
         started = time.monotonic()
         during, flood = _flood(broker, "/gpubroker.v1.GpuBroker/ListDevices", stub,
                                broker.tokens["mallory"] if with_token else "")
         elapsed = time.monotonic() - started
-        found = _scrape(broker)
-        after = _p50_ms(stub)  # (alice is served after the flood, on the connection she had throughout)
+        found = scrape(broker)
+        after = p50_ms(stub, CALLS)  # (alice is served after the flood, on the connection she had throughout)
     now = _handled(found)
     delta = {code: now[code] - handled.get(code, 0.0) for code in now}
     # The flood's calls whose handler went past the rate check (alice's CALLS during it aside).
