@@ -355,5 +355,9 @@ def test_a_sessions_links_are_bounded_by_the_front(broker: BrokerProcess) -> Non
           f"(e.g. {refused[:1]}), {len(timed_out)} timed out (e.g. {timed_out[:1]}); once awake: {after}")
     assert threads - threads0 <= LINKS_ALLOWED and fds - fds0 <= 3 * LINKS_ALLOWED, (
         f"{LINKS} links of one session hold {threads - threads0} front threads and {fds - fds0} descriptors")
-    assert len(refused) == LINKS - 8 and len(timed_out) == 8, answers
+    # The 8 within the cap wait for the worker: refused at link_handoff_timeout_seconds while it sleeps, or taken if
+    # its main thread served them before it sat down to wait for the kernel (PoCL runs kernels on threads of its
+    # own: on a loaded machine the hellos may come first). Either way the front held 8 at most.
+    accepted = [a for a in answers if a == "accepted"]
+    assert len(refused) == LINKS - 8 and len(timed_out) + len(accepted) == 8, answers
     assert after == "accepted", after
