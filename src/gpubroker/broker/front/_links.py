@@ -207,6 +207,16 @@ class LinkServer:
             conn.close()
             return True
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a launch + sync: never held by Nagle
+        # Evictable from now on (a newer connection may take its place until its hello comes: _preauth.py), not
+        # only once its task runs: connections that reconnect as fast as they are evicted must not be the only
+        # ones that cannot be. The gate peeks at a descriptor of its own (the thread's socket may be wrapped in TLS
+        # meanwhile); until the relay exists, eviction shuts the connection itself.
+        try:
+            ticket.sock = socket.socket(fileno=os.dup(conn.fileno()))
+        except OSError:  # (out of descriptors: this one is not evicted)
+            pass
+        else:
+            ticket.evict = _shutter(conn)
         self._spawn(self._serve_tcp(conn, ticket, peer, tls))
         return True
 
@@ -216,17 +226,11 @@ class LinkServer:
         thread answers a refusal, or relays between the connection and a socketpair whose other end is the
         worker's."""
         loop = asyncio.get_running_loop()
-        # Until its hello comes, a newer connection may take its place (_preauth.py), as on every listener: the
-        # gate peeks at a descriptor of its own for bytes on their way (the thread's socket may be wrapped in TLS
-        # meanwhile), and the relay's abort ends it. Without this, silent connections from a few networks held
-        # every TCP place for hello_timeout_seconds, again and again.
-        try:
-            peek: socket.socket | None = socket.socket(fileno=os.dup(conn.fileno()))
-        except OSError:  # (out of descriptors: this one is not evicted, as before)
-            peek = None
         relay = TcpRelay(conn, tls, self.gate.hello_max_bytes, self.gate.hello_timeout, self._stop_r, loop)
+        peek = ticket.sock
         if peek is not None:
-            ticket.sock, ticket.evict = peek, relay.abort
+            ticket.evict = relay.abort  # (it shuts whichever socket the thread holds, TLS-wrapped or not)
+            ticket.progressed = lambda: relay.progressed
         threading.Thread(target=relay.run, name="gpubroker-link", daemon=True).start()
         late = f"no hello within hello_timeout_seconds ({self.gate.hello_timeout:g} s)"
 

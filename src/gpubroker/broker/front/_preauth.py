@@ -64,6 +64,9 @@ class Ticket:
     evict: Callable[[], None] | None = None
     sock: socket.socket | None = None
     judging: bool = False  # its hello is being authenticated: not idle, whatever its socket holds
+    # Whether its hello has begun arriving where the socket no longer shows it (a TCP link's thread reads it):
+    # then it is not idle either.
+    progressed: Callable[[], bool] | None = None
     delaying: bool = False  # sitting out a failed authentication's delay: idle, whatever its socket holds
     _woken: asyncio.Future[None] | None = field(default=None, repr=False)
 
@@ -85,6 +88,8 @@ class Ticket:
     def idle(self) -> bool:
         """Evictable now: nothing of a hello waits in its socket (or its peer is gone) and none is being judged."""
         if not self.open or self.evict is None or self.judging:
+            return False
+        if self.progressed is not None and self.progressed():
             return False
         if self.delaying or self.sock is None:
             return True

@@ -35,6 +35,9 @@ class TcpRelay:
                  stop_fd: int, loop: asyncio.AbstractEventLoop) -> None:
         self.sock: socket.socket = conn
         self.aborted = False
+        # Set by the thread once the handshake is done or a byte of the hello has come: the connection is not idle
+        # (the gate never evicts it to make room), whatever its socket still holds.
+        self.progressed = False
         self.hello: asyncio.Future[tuple[bytes, Any]] = loop.create_future()
         self._tls = tls
         self._limit = hello_limit
@@ -109,6 +112,7 @@ class TcpRelay:
             assert isinstance(self.sock, ssl.SSLSocket)
             self.sock.settimeout(left())
             self.sock.do_handshake()
+            self.progressed = True
             cert = self.sock.getpeercert()
         frames = FrameDecoder(self._limit)  # (never past the hello's end: what follows is the worker's)
         while True:
@@ -116,6 +120,7 @@ class TcpRelay:
             n = self.sock.recv_into(frames.buffer())
             if not n:
                 raise EOFError("closed during the hello")
+            self.progressed = True
             try:
                 payload = frames.advance(n)
             except FrameTooLarge as exc:
