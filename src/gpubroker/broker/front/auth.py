@@ -470,12 +470,11 @@ class Authenticator:
 
     def _failed(self, peer: str, penalty_key: str | None, msg: str, *args: object, token_id: str | None = None
                 ) -> None:
-        key = penalty_key or peer_key(peer)
+        named = peer_key(peer)
         # Rate-limited per known token id (a stolen token tried with wrong secrets: what an operator watches for),
         # per local user, and for remote peers together (addresses are too many to each get lines of their own):
         # one peer's flood of failures must not keep a guess at a real token out of the log.
-        local = peer_key(peer).startswith("uid:")
         kind = (f"auth failures of token {token_id}" if token_id is not None
-                else f"auth failures from {peer_key(peer)}" if local else "auth failures from remote peers")
+                else f"auth failures from {named}" if named.startswith("uid:") else "auth failures from remote peers")
         self.audit.warning(kind, msg, *args)
-        failure_delay.set(self.penalty.fail(key))
+        failure_delay.set(self.penalty.fail(penalty_key or named))
