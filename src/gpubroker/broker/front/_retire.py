@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import functools
 
-from gpubroker.broker.front.auth import Authenticator, Principal
+from gpubroker.broker.front.auth import REVOKED_CALL_MESSAGE, Authenticator, Principal
 from gpubroker.broker.front.workers import WorkerClient, WorkerPool
 from gpubroker.wire.errors import Unauthenticated, WorkerCrashed
 
-__all__ = ["REVOKED_MESSAGE", "WorkerCredentials"]
+__all__ = ["WorkerCredentials"]
 
-REVOKED_MESSAGE = ("the token of this call was rotated or its tenant removed after the call was authenticated; "
-                   "retry with the current token")
 
 
 class WorkerCredentials:
@@ -41,7 +39,7 @@ class WorkerCredentials:
         authenticated (a rotation while it waited) gets UNAUTHENTICATED, and nothing runs: its watch would never
         fire, as the revocation has passed."""
         if not self.auth.valid(principal.tenant, principal.credential):
-            raise Unauthenticated(REVOKED_MESSAGE)
+            raise Unauthenticated(REVOKED_CALL_MESSAGE)
         watches = self._watches.get(worker)
         if watches is None:
             if not worker.alive:

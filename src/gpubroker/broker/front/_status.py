@@ -19,6 +19,7 @@ from gpubroker.broker.front._grpc_peers import grpc_peer, over_call_rate
 from gpubroker.broker.front._metrics import observe_rpc
 from gpubroker.broker.front._sessions import Session, SessionManager, out_of_descriptors
 from gpubroker.broker.front.auth import (
+    REVOKED_CALL_MESSAGE,
     Authenticator,
     Principal,
     RateLimitedLog,
@@ -56,8 +57,6 @@ caller: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("calle
 # The call's hold on its tenant's place among its calls in flight and on its credential (``_Admitted``), from its
 # authentication to its end.
 counted: contextvars.ContextVar[_Admitted | None] = contextvars.ContextVar("counted", default=None)
-REVOKED_MESSAGE = ("the credential this call was authenticated with was revoked (its token rotated or its tenant "
-                   "removed); call again with the current token")
 
 
 async def cancel_and_wait(task: asyncio.Task[None] | None) -> None:
@@ -104,7 +103,7 @@ class _Admitted:
 
     def revoke(self) -> None:
         self.watch = None  # (Revocations has dropped it)
-        self._end(Unauthenticated(REVOKED_MESSAGE))
+        self._end(Unauthenticated(REVOKED_CALL_MESSAGE))
 
     def late(self) -> None:
         self._end(DeadlineExceeded(
@@ -138,7 +137,7 @@ class _Admitted:
         finally:
             _reading.stop(self)
         if not self.auth.valid(self.principal.tenant, self.principal.credential):
-            raise Unauthenticated(REVOKED_MESSAGE)
+            raise Unauthenticated(REVOKED_CALL_MESSAGE)
         return message
 
 

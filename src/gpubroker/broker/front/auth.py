@@ -32,8 +32,9 @@ from gpubroker.broker.config import BrokerConfig, TenantConfig
 from gpubroker.wire.addresses import AddressError, parse_host_port
 from gpubroker.wire.errors import PermissionDenied, Unauthenticated, Unavailable
 
-__all__ = ["Authenticator", "FailurePenalty", "NewToken", "Principal", "RateLimitedLog", "Revocations",
-           "TokenVerifier", "hash_token", "mint_token", "peer_credentials", "peer_key", "wait_failure_delay"]
+__all__ = ["REVOKED_CALL_MESSAGE", "Authenticator", "FailurePenalty", "NewToken", "Principal", "RateLimitedLog",
+           "Revocations", "TokenVerifier", "hash_token", "mint_token", "peer_credentials", "peer_key",
+           "wait_failure_delay"]
 
 _TOKEN_PREFIX = "gpb"
 _HMAC = "hmac-sha256"
@@ -355,6 +356,11 @@ class RateLimitedLog:
 
 
 _denials = RateLimitedLog(audit)
+
+# What a call gets whose credential was revoked after it was authenticated (a reload rotated its token or removed
+# its tenant while the call waited): the interceptors' and the workers' retirement alike.
+REVOKED_CALL_MESSAGE = ("the credential this call was authenticated with was revoked (its token rotated or its "
+                        "tenant removed); call again with the current token")
 
 
 class Revocations:
