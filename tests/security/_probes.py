@@ -1,10 +1,13 @@
-"""What several security tests read from a running broker: a tenant's unary latency and the metrics endpoint."""
+"""What several security tests read from a running broker: a tenant's unary latency, the metrics endpoint, and
+where a worker's threads wait."""
 
 from __future__ import annotations
 
 import http.client
+import os
 import statistics
 import time
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -38,3 +41,25 @@ def scrape(broker: BrokerProcess) -> Samples:
         conn.close()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def wchans(pid: int) -> dict[int, str]:
+    """Where each thread of ``pid`` waits in the kernel (its wchan), by thread id; {} once it is gone."""
+    found = {}
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            found[int(tid)] = Path(f"/proc/{pid}/task/{tid}/wchan").read_text()
+    except OSError:
+        pass
+    return found
+
+
+def kernel_sleeps(pid: int) -> bool:
+    """Some thread of the worker ``pid`` sleeps in its kernel's nanosleep."""
+    return "nanosleep" in "".join(wchans(pid).values())
+
+
+def waits_on_its_kernel(pid: int) -> bool:
+    """The worker's main thread waits in the device's finish while its kernel's thread sleeps."""
+    waits = wchans(pid)
+    return "futex" in waits.get(pid, "") and "nanosleep" in "".join(waits.values())

@@ -47,6 +47,7 @@ from gpubroker.client import AdminClient, GpuBrokerError, RemoteGpu, ResourceExh
 
 from ..conftest import worker_pids
 from ..helpers import wait_for
+from ._probes import waits_on_its_kernel
 from .exploits import SYSCALL_SOURCE, check_arch
 
 SLEEP_SOURCE = SYSCALL_SOURCE + r"""
@@ -71,16 +72,6 @@ def broker() -> Iterator[BrokerProcess]:
         yield proc
 
 
-def _wchans(pid: int) -> dict[int, str]:
-    found = {}
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            found[int(tid)] = Path(f"/proc/{pid}/task/{tid}/wchan").read_text()
-    except OSError:
-        pass
-    return found
-
-
 def _block(gpu: RemoteGpu, pid: int) -> None:
     """The tenant's worker ``pid`` runs a kernel that sleeps for SLEEP seconds, and waits for it (synchronize)."""
     kernel = gpu.compile_kernel(SLEEP_SOURCE, "gpb_sleep")
@@ -94,8 +85,7 @@ def _block(gpu: RemoteGpu, pid: int) -> None:
             pass
 
     threading.Thread(target=block, daemon=True).start()
-    wait_for(lambda: "futex" in _wchans(pid).get(pid, "")
-             and "nanosleep" in "".join(_wchans(pid).values()), 20, "the worker to block")
+    wait_for(lambda: waits_on_its_kernel(pid), 20, "the worker to block")
 
 
 def test_a_blocked_worker_stops_the_reaping_of_other_tenants_sessions(broker: BrokerProcess) -> None:

@@ -52,6 +52,7 @@ from gpubroker.client import GpuBrokerError, connect
 
 from ..conftest import worker_pids
 from ..helpers import wait_for
+from ._probes import kernel_sleeps, waits_on_its_kernel
 from .exploits import SYSCALL_SOURCE, check_arch
 
 SLEEP_SOURCE = SYSCALL_SOURCE + r"""
@@ -70,21 +71,6 @@ def broker() -> Iterator[BrokerProcess]:
     tenants = [TenantSpec("ops", admin=True), TenantSpec("mallory"), TenantSpec("carol")]
     with BrokerProcess(tenants, backend="opencl", settings={"lease_seconds": 120.0}) as proc:
         yield proc
-
-
-def _wchans(pid: int) -> dict[int, str]:
-    found = {}
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            found[int(tid)] = Path(f"/proc/{pid}/task/{tid}/wchan").read_text()
-    except OSError:
-        pass
-    return found
-
-
-def _blocked(pid: int) -> bool:
-    """The worker's main thread waits in the device's finish, its kernel's thread sleeps."""
-    return "futex" in _wchans(pid).get(pid, "") and "nanosleep" in "".join(_wchans(pid).values())
 
 
 def _reload(broker: BrokerProcess, cfg: BrokerConfig, tenant: str) -> None:
@@ -114,7 +100,7 @@ def test_a_blocked_worker_stalls_other_tenants_removal_and_its_own(broker: Broke
                 pass  # (her link is closed at her removal)
 
         threading.Thread(target=block, daemon=True).start()
-        wait_for(lambda: _blocked(worker), 20, "mallory's worker to block")
+        wait_for(lambda: waits_on_its_kernel(worker), 20, "mallory's worker to block")
 
         cfg = load_config(broker.config_path)
         cfg.remove_tenant("carol")
@@ -125,7 +111,7 @@ def test_a_blocked_worker_stalls_other_tenants_removal_and_its_own(broker: Broke
             time.sleep(0.2)
         carol_alive = carol_worker in worker_pids(broker, "carol")
         carol_reloaded = "action=reload added=[] removed=['carol']" in broker.log_tail(1_000_000)
-        still_blocked = _blocked(worker)  # (what the reload had to get past)
+        still_blocked = waits_on_its_kernel(worker)  # (what the reload had to get past)
 
         cfg = load_config(broker.config_path)
         cfg.remove_tenant("mallory")
@@ -134,7 +120,7 @@ def test_a_blocked_worker_stalls_other_tenants_removal_and_its_own(broker: Broke
         while time.monotonic() - removed_at < GRACE and worker in worker_pids(broker, "mallory"):
             time.sleep(0.2)
         mallory_alive = worker in worker_pids(broker, "mallory")
-        sleeping = "nanosleep" in "".join(_wchans(worker).values())
+        sleeping = kernel_sleeps(worker)
         mallory_reloaded = "removed=['mallory']" in broker.log_tail(1_000_000)
 
         assert still_blocked, "mallory's worker stopped blocking before the reload: make SLEEP longer"

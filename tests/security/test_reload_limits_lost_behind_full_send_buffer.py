@@ -47,6 +47,7 @@ from gpubroker.client import GpuBrokerError, ModuleFormat, RemoteGpu, connect
 
 from ..conftest import worker_pids
 from ..helpers import wait_for
+from ._probes import kernel_sleeps
 from .exploits import SYSCALL_SOURCE, check_arch
 
 SLEEP_SOURCE = SYSCALL_SOURCE + r"""
@@ -69,15 +70,6 @@ def broker() -> Iterator[BrokerProcess]:
     with BrokerProcess([TenantSpec("mallory", memory_quota=OLD_QUOTA)], backend="opencl",
                        settings=settings) as proc:
         yield proc
-
-
-def _blocked(pid: int) -> bool:
-    """Some thread of the worker sleeps in its kernel's nanosleep."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-        return any("nanosleep" in open(f"/proc/{pid}/task/{tid}/wchan").read() for tid in tids)
-    except OSError:
-        return False
 
 
 class _Load(threading.Thread):
@@ -111,7 +103,7 @@ def test_a_reload_lowering_the_quota_reaches_a_worker_whose_send_buffer_is_full(
         blocker = threading.Thread(target=lambda: main.synchronize(), daemon=True)
         blocker.start()
         kernel_started = time.monotonic()
-        wait_for(lambda: _blocked(worker), 20, "mallory's worker to sleep in its kernel")
+        wait_for(lambda: kernel_sleeps(worker), 20, "mallory's worker to sleep in its kernel")
 
         # Fill the front's buffer toward her worker: loads of halving sizes, each until one is refused.
         refused = 0
@@ -140,7 +132,7 @@ def test_a_reload_lowering_the_quota_reaches_a_worker_whose_send_buffer_is_full(
         os.kill(broker.process.pid, signal.SIGHUP)
         wait_for(lambda: "action=reload" in broker.log_tail(1_000_000), 20, "the reload to finish")
         lost = [line for line in broker.log_tail(1_000_000).splitlines() if "set_limits for tenant mallory" in line]
-        assert _blocked(worker) and time.monotonic() - kernel_started < SLEEP_TENTHS / 10, (
+        assert kernel_sleeps(worker) and time.monotonic() - kernel_started < SLEEP_TENTHS / 10, (
             "the kernel ended before the reload: make SLEEP_TENTHS longer")
 
         # Her kernel ends by itself; the worker then reads what waited.
