@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -32,7 +33,16 @@ def mem_available() -> int:
 
 def proc_status(pid: int) -> dict[str, str]:
     """/proc/PID/status as a map (Seccomp, NoNewPrivs, CapEff, Uid, ...)."""
-    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return _status(f"/proc/{pid}")
+
+
+def seccomp_filters(pid: int) -> set[int]:
+    """How many seccomp filters each thread of ``pid`` runs under (/proc/PID/task/TID/status), as a set."""
+    return {int(_status(f"/proc/{pid}/task/{tid}")["Seccomp_filters"]) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def _status(path: str) -> dict[str, str]:
+    lines = Path(f"{path}/status").read_text().splitlines()
     return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
 
 

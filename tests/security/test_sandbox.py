@@ -22,7 +22,7 @@ from gpubroker.broker.sandbox import WorkerSandbox
 from gpubroker.client import AdminClient, CompileError, Unavailable, connect
 
 from ..conftest import worker_pids
-from ..helpers import proc_status
+from ..helpers import proc_status, seccomp_filters
 
 TENANTS = [TenantSpec("alice"), TenantSpec("bob"), TenantSpec("root-admin", admin=True)]
 SECRET_ENV = "GPUBROKER_TEST_FRONT_SECRET"
@@ -57,6 +57,9 @@ def test_worker_runs_confined(sandboxed: BrokerProcess) -> None:
     pid = _start_worker(sandboxed, "alice")
     status = proc_status(pid)
     assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1"
+    # Every thread (PoCL's pool too): the launcher's filter, its exec supervision's, and the one refusing new sockets
+    # once the device is open.
+    assert seccomp_filters(pid) == {3}
     for caps in ("CapEff", "CapPrm", "CapInh", "CapBnd", "CapAmb"):
         assert int(status[caps], 16) == 0, caps
     front = sandboxed.process.pid  # type: ignore[union-attr]
@@ -261,6 +264,9 @@ def test_cuda_worker_is_confined_and_nvrtc_cannot_include_host_files(tmp_path: P
         (pid,) = worker_pids(broker, "alice")
         status = proc_status(pid)
         assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1" and int(status["CapEff"], 16) == 0
+        # Every thread (CUDA's own too): the launcher's filter and the one refusing new sockets once the device is
+        # open (no exec supervision: CUDA spawns nothing).
+        assert seccomp_filters(pid) == {2}
         assert os.readlink(f"/proc/{pid}/ns/pid") != os.readlink(f"/proc/{broker.process.pid}/ns/pid")  # type: ignore[union-attr]
 
 

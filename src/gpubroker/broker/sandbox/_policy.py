@@ -381,11 +381,8 @@ class WorkerSandbox:
                 # (only what the worker's environment adds to the launcher's: the rest is the operator's, and a
                 # command line is anyone's to read)
                 "keep_fds": keep_fds, "worker_uid": uid,
-                # No new socket once the device is open: on OpenCL. On CUDA not yet: the CUDA runtime makes a Unix
-                # socket at its initialization, and whether it makes none later is still to be checked on a GPU
-                # host (docs/operator/security.md, Known gaps).
-                "env": {**_cache_environment(cache),
-                        **({_seccomp.SOCKETS_ENV: "1"} if self.backend == "opencl" else {}),
+                # No new socket once the device is open (not before: CUDA's initialization makes a Unix socket).
+                "env": {**_cache_environment(cache), _seccomp.SOCKETS_ENV: "1",
                         **({_landlock.EXEC_ENV: "linker" if spawn else "none"} if self.landlock else {})},
                 "rlimits": rlimits, "seccomp": True, "tmp_size": self.tmp_max,
                 # PoCL links each new kernel with the system linker (posix_spawn): no other backend spawns, and
