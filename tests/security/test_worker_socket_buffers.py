@@ -20,8 +20,8 @@ bound here is the test's own (it stops at TARGET); the kernel's is NOFILE x 2 x 
 The fix: once its device is open, a worker loads a second seccomp filter (over every thread) that refuses new
 sockets of any family (``socket`` and ``socketpair``, EPERM): all of a worker's sockets are made by the front or a
 client and inherited or received, so none holds what no limit counts. The kernel below now gets EPERM at its first
-socketpair and queues nothing. On OpenCL only for now: CUDA's initialization makes a Unix socket, and whether it
-makes none later is still to be checked on a GPU host (docs/operator/security.md, Known gaps).
+socketpair and queues nothing. On CUDA too (where a kernel cannot make syscalls, but host code of a tenant's is
+assumed): test_sandbox.py counts the filter on every thread of a CUDA worker, which the CUDA suite ran under.
 """
 
 from __future__ import annotations
