@@ -14,6 +14,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import sys
 import time
 from pathlib import Path
@@ -55,11 +56,15 @@ def _cycle(target: str, token: str, backend: str, i: int, x: np.ndarray) -> None
 
 def _tenant(target: str, token: str, warmup: int, cycles: int, go: Any, out: Any) -> None:
     x = np.arange(_N, dtype=np.float32)
-    with connect(target, token=token) as gpu:
-        backend = gpu.device_info().backend
+    try:
+        with connect(target, token=token) as gpu:
+            backend = gpu.device_info().backend
+        for i in range(warmup):
+            _cycle(target, token, backend, i, x)
+    except Exception as exc:  # the parent says why rather than waiting for a warm-up that never comes
+        out.put(("failed", 0, [f"warm-up: {type(exc).__name__}: {exc}"[:300]]))
+        return
     errors: list[str] = []
-    for i in range(warmup):
-        _cycle(target, token, backend, i, x)
     out.put(("warm", 0, []))
     go.wait()
     started = time.monotonic()
@@ -158,11 +163,13 @@ def run_soak(broker: BrokerProcess, tenants: list[str], cycles: int, warmup: int
         p.start()
     try:
         for _ in procs:
-            out.get(timeout=600)  # warm
+            kind, _, errs = _report(out, procs, timeout=600)
+            if kind == "failed":
+                raise RuntimeError(f"a soak tenant failed its {errs[0]}")
         baseline = settled(broker, admin_tenant)
         started = time.monotonic()
         go.set()
-        results = [out.get(timeout=24 * 3600) for _ in procs]
+        results = [_report(out, procs, timeout=24 * 3600) for _ in procs]
         duration = time.monotonic() - started
         final = settled(broker, admin_tenant, baseline)
     finally:
@@ -175,6 +182,22 @@ def run_soak(broker: BrokerProcess, tenants: list[str], cycles: int, warmup: int
     return {"tenants": len(tenants), "cycles_per_tenant": cycles, "cycles": total, "errors": len(errors),
             "first_errors": errors[:5], "duration_s": round(duration, 1), "cycles_per_s": round(total / duration, 1),
             "baseline": baseline, "final": final, "back_to_baseline": compare(baseline, final)}
+
+
+def _report(out: Any, procs: list[Any], timeout: float) -> tuple[str, float, list[str]]:
+    """A tenant process's next report; RuntimeError once one has died without reporting (a crash, a kill), rather
+    than waiting out ``timeout`` for it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            report: tuple[str, float, list[str]] = out.get(timeout=1.0)
+            return report
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a soak tenant process died without reporting (exit code {dead[0]})") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no soak tenant reported within {timeout:.0f} s") from None
 
 
 def compare(baseline: dict[str, Any], final: dict[str, Any], rss_slack_kib: int = 16 * 1024,
