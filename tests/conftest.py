@@ -11,6 +11,10 @@ from typing import Any
 # namespace's library tests, `gpubroker bench arrays`) refuses to run without it. This file is imported before
 # any test module, so no test that imports scipy early can leave it off for the rest of the session.
 os.environ.setdefault("SCIPY_ARRAY_API", "1")
+# grpcio is built with fork support, whose fork handlers make a fork() in a process holding gRPC channels wait for
+# gRPC's threads: the tests that start an attacker as another uid (subprocess with user=, which must fork rather than
+# vfork) then waited up to 62 s in fork, one run in two. No test uses gRPC in a forked child. (Read at grpc's import.)
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import pytest
 

@@ -69,17 +69,13 @@ def test_a_guess_at_a_known_token_id_is_audited_whatever_other_peers_do(broker: 
     if os.geteuid() != 0:
         pytest.skip("needs root to send the noise as another uid")
 
-    def drop() -> None:
-        os.setgid(ATTACKER_UID)
-        os.setuid(ATTACKER_UID)
-
     def noise_lines() -> int:
         return broker.log_path.read_text().count(f"uid={ATTACKER_UID} method=ListDevices")
 
     bob_id = broker.tokens["bob"].split("_")[1]
     noise = subprocess.Popen(["/usr/bin/python3", "-I", "-c", NOISE, broker.target.removeprefix("unix:"),
                               str(NOISE_CALLS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             preexec_fn=drop)
+                             user=ATTACKER_UID, group=ATTACKER_UID, extra_groups=[])
     try:
         assert noise.stdout is not None
         assert noise.stdout.readline().strip() == "sent"

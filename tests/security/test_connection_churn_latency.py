@@ -84,10 +84,6 @@ def test_connection_churn_of_one_local_user_does_not_slow_other_tenants(broker: 
     credentials = grpc.composite_channel_credentials(grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
                                                      grpc.access_token_call_credentials(broker.tokens["alice"]))
 
-    def drop() -> None:
-        os.setgid(ATTACKER_UID)
-        os.setuid(ATTACKER_UID)
-
     endpoint = "link" if suffix else "grpc"
     with grpc.secure_channel(broker.target, credentials) as channel:
         stub = pb_grpc.GpuBrokerStub(channel)
@@ -96,7 +92,8 @@ def test_connection_churn_of_one_local_user_does_not_slow_other_tenants(broker: 
         refused_before = _refused(broker, endpoint)
         started = time.monotonic()
         churn = subprocess.Popen(["/usr/bin/python3", "-I", "-c", CHURNER, path, str(CHURN_SECONDS)],
-                                 stdout=subprocess.PIPE, text=True, preexec_fn=drop)
+                                 stdout=subprocess.PIPE, text=True, user=ATTACKER_UID, group=ATTACKER_UID,
+                                 extra_groups=[])
         try:
             assert churn.stdout is not None
             assert churn.stdout.readline().strip() == "churning"

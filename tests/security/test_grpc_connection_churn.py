@@ -101,12 +101,8 @@ def test_one_peer_cannot_hold_the_grpc_listener_full(broker: BrokerProcess) -> N
         os.chmod(directory, opened[-1][1] | 0o755)
         directory = os.path.dirname(directory)
 
-    def drop() -> None:
-        os.setgid(ATTACKER_UID)
-        os.setuid(ATTACKER_UID)
-
     flood = subprocess.Popen(["/usr/bin/python3", "-I", "-c", FLOODER, path, str(CAP), str(FLOOD_SECONDS)],
-                             stdout=subprocess.PIPE, text=True, preexec_fn=drop)
+                             stdout=subprocess.PIPE, text=True, user=ATTACKER_UID, group=ATTACKER_UID, extra_groups=[])
     try:
         assert flood.stdout is not None
         assert flood.stdout.readline().strip() == "flooding"

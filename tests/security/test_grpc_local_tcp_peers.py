@@ -79,12 +79,9 @@ def test_one_local_user_cannot_evict_the_tcp_tenants(broker: BrokerProcess) -> N
     assert calls_ok(broker) == CALLS
     host, port = broker.tcp_target.rsplit(":", 1)
 
-    def drop() -> None:
-        os.setgid(HOLDER_UID)
-        os.setuid(HOLDER_UID)
-
     holder = subprocess.Popen(["/usr/bin/python3", "-I", "-c", HOLDER, host, port, str(PER_PEER + EXTRA)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=drop)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              user=HOLDER_UID, group=HOLDER_UID, extra_groups=[])
     try:
         assert holder.stdout is not None and holder.stdin is not None
         held = int(holder.stdout.readline().split()[1])

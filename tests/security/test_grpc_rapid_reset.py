@@ -113,12 +113,8 @@ def _flood(broker: BrokerProcess, method: str, stub: pb_grpc.GpuBrokerStub, toke
     flooder did."""
     path = broker.target.removeprefix("unix:")
 
-    def drop() -> None:
-        os.setgid(ATTACKER_UID)
-        os.setuid(ATTACKER_UID)
-
     flood = subprocess.Popen(["/usr/bin/python3", "-I", "-c", FLOODER, path, method, str(FLOOD_SECONDS), token],
-                             stdout=subprocess.PIPE, text=True, preexec_fn=drop)
+                             stdout=subprocess.PIPE, text=True, user=ATTACKER_UID, group=ATTACKER_UID, extra_groups=[])
     try:
         assert flood.stdout is not None
         assert flood.stdout.readline().strip() == "flooding"

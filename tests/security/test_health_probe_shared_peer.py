@@ -53,15 +53,11 @@ def test_one_local_user_cannot_fail_the_brokers_readiness_probe(broker: BrokerPr
         pytest.skip("needs root to hold the requests as another uid")
     assert check(broker.target, timeout=10) == (True, "SERVING")
 
-    def drop() -> None:
-        os.setgid(ATTACKER_UID)
-        os.setuid(ATTACKER_UID)
-
     # 16 Check calls, each message announced at 2 bytes and sent one byte short, for 2 s; then held for 60 s.
     attacker = subprocess.Popen(
         ["/usr/bin/python3", "-I", "-c", FLOODER, broker.target.removeprefix("unix:"),
          "/grpc.health.v1.Health/Check", "", str(PER_PEER), "2", "2", "60"],
-        stdout=subprocess.PIPE, text=True, preexec_fn=drop)
+        stdout=subprocess.PIPE, text=True, user=ATTACKER_UID, group=ATTACKER_UID, extra_groups=[])
     try:
         assert attacker.stdout is not None
         sent = attacker.stdout.readline().strip()  # (printed once its calls are open: it holds them from here)

@@ -88,12 +88,9 @@ def holding(host: str, port: int, per_source: int, uids: tuple[int, ...] = (HOLD
     holders = []
     try:
         for uid in uids:
-            def drop(uid: int = uid) -> None:
-                os.setgid(uid)
-                os.setuid(uid)
-
             holder = subprocess.Popen(["/usr/bin/python3", "-I", "-c", HOLDER, host, str(port), str(per_source),
-                                       sources], stdout=subprocess.PIPE, text=True, preexec_fn=drop)
+                                       sources], stdout=subprocess.PIPE, text=True, user=uid, group=uid,
+                                       extra_groups=[])
             holders.append(holder)
             assert holder.stdout is not None
             assert holder.stdout.readline().strip() == "holding"
