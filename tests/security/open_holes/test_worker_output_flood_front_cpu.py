@@ -10,7 +10,7 @@ calls, hellos and health checks.
 
 Measured here (2 cores, shared): with its stderr pipe grown to 1 MiB (F_SETPIPE_SZ on the pipe the front made), the
 worker wrote 3,608 MiB in 3.1 s and the front used 1.28 CPU-s meanwhile (42% of a CPU; 14% with the default 64 KiB
-pipe). One flooding tenant per CPU the front has would take all of its event loop.
+pipe; 0.70 CPU-s for 2,000 MiB at a load average of 8). One flooding tenant per CPU the front has would take all of its event loop.
 
 Secure: a pipe the front will not log from is not read faster than the rate limit lets it log (stop reading while
 the buckets are empty: the worker then blocks in its own write, within its own turn and time limit), or the front's
@@ -32,7 +32,10 @@ from gpubroker.client import ModuleFormat, connect
 from ..exploits import SYSCALL_SOURCE, check_arch
 
 FLOOD_SECONDS = 3.0
-ALLOWED_FRONT_CPU = 0.25  # of the flood's wall time: what the front may spend on one worker's output
+# What the front may spend on one worker's output over the whole flood (an idle front uses ~0.05 CPU-s in 3 s; a
+# front that reads no faster than it logs, far less than this). An absolute bound: on a loaded machine the worker
+# writes less, and the front's share of a CPU with it.
+ALLOWED_FRONT_CPU_SECONDS = 0.25
 
 SOURCE = SYSCALL_SOURCE + r"""
 /* Each work-item writes its 64 KiB block to stderr until `seconds` have passed (CLOCK_MONOTONIC). */
@@ -88,6 +91,6 @@ def test_a_workers_output_flood_does_not_take_the_fronts_cpu(broker: BrokerProce
     share = cpu / wall
     print(f"\nthe worker wrote {written >> 20} MiB to its stderr in {wall:.1f} s; the front used {cpu:.2f} CPU-s "
           f"meanwhile ({share:.0%} of a CPU)")
-    assert share < ALLOWED_FRONT_CPU, (
+    assert cpu < ALLOWED_FRONT_CPU_SECONDS, (
         f"a tenant's kernel wrote {written >> 20} MiB to its worker's stderr and the front spent {cpu:.2f} CPU-s "
         f"({share:.0%} of a CPU) of its event loop reading it, charged to nobody")
