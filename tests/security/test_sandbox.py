@@ -100,7 +100,7 @@ def test_environment_is_scrubbed_and_caches_are_per_tenant(sandboxed: BrokerProc
         assert set(env) <= {"PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "LD_LIBRARY_PATH", "GPUBROKER_LOG_FORMAT",
                             "HOME", "XDG_CACHE_HOME", "POCL_CACHE_DIR", "CUPY_CACHE_DIR", "CUDA_CACHE_PATH",
                             "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_PATH", "CUDA_HOME",
-                            "PYTHONNOUSERSITE", "GPUBROKER_WORKER_EXEC", "GPUBROKER_WORKER_NO_SOCKETS"} | {
+                            "PYTHONNOUSERSITE", "GPUBROKER_WORKER_EXEC", "GPUBROKER_WORKER_SEAL"} | {
                                 k for k in env if k.startswith(("POCL_", "CUPY_", "OCL_ICD_"))}
     alice_cache, bob_cache = Path(alice_env["HOME"]), Path(bob_env["HOME"])
     # <cache_dir>/tenants/<name>/<key of its token>: each tenant's own, and a new tenant's under an old name new
@@ -204,8 +204,8 @@ results["whiteout"] = err(lambda: os.mknod("/tmp/whiteout", 0o020600, 0))
 results["fifo_high_bits"] = err(lambda: libc.syscall(259, -100, b"/tmp/fifo2", ctypes.c_ulong((1 << 40) | 0o010600), 0))
 results["regular_node"] = err(lambda: os.mknod("/tmp/regular", 0o100600))
 # What a worker does once its device is open (CUDA's initialization makes a Unix socket): no new socket at all.
-from gpubroker.broker.sandbox import refuse_new_sockets
-refuse_new_sockets()
+from gpubroker.broker.sandbox import seal_after_device_open
+seal_after_device_open()
 results["unix_once_open"] = err(lambda: socket.socketpair())
 results["unix_socket_once_open"] = err(lambda: socket.socket(socket.AF_UNIX))
 print(results)

@@ -10,7 +10,8 @@ calls, hellos and health checks.
 
 Measured here (2 cores, shared): with its stderr pipe grown to 1 MiB (F_SETPIPE_SZ on the pipe the front made), the
 worker wrote 3,608 MiB in 3.1 s and the front used 1.28 CPU-s meanwhile (42% of a CPU; 14% with the default 64 KiB
-pipe; 0.70 CPU-s for 2,000 MiB at a load average of 8). One flooding tenant per CPU the front has would take all of its event loop.
+pipe; 0.70 CPU-s for 2,000 MiB at a load average of 8). One flooding tenant per CPU the front has would take all
+of its event loop.
 
 Secure: a pipe the front will not log from is not read faster than the rate limit lets it log (stop reading while
 the buckets are empty: the worker then blocks in its own write, within its own turn and time limit), or the front's

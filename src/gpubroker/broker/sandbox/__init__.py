@@ -46,7 +46,7 @@ it have been beaten, and says what it stops.
   gets ENOSYS so glibc falls back to clone), bpf, keyctl, perf_event_open, userfaultfd, io_uring, module and
   kexec calls, personality changes, mknod of any node but a regular file (a FIFO could keep a compile waiting
   on the tenant's own code), sockets but AF_UNIX, and once the device is open, new sockets of any family
-  (``refuse_new_sockets``). Other syscall ABIs (x86 ``int 0x80``) kill it.
+  (``seal_after_device_open``). Other syscall ABIs (x86 ``int 0x80``) kill it.
   No new processes: fork, vfork and clone without CLONE_THREAD (only threads; on OpenCL also posix_spawn's
   clone(CLONE_VM | CLONE_VFORK), with which PoCL 3.0 starts the system linker for each new kernel). No memory
   outside the limits below: memfd_create, memfd_secret, System V shared memory, message queues and semaphores.
@@ -87,9 +87,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["EXEC_ENV", "EXIT_SETUP_FAILED", "SOCKETS_ENV", "Launch", "SandboxUnavailable", "WorkerCgroups",
+__all__ = ["EXEC_ENV", "EXIT_SETUP_FAILED", "SEAL_ENV", "Launch", "SandboxUnavailable", "WorkerCgroups",
            "WorkerSandbox", "WorkerUidsExhausted", "automatic_memory_max", "automatic_reserved", "cache_key",
-           "confine_exec", "default_cache_dir", "linker_files", "python_argv", "refuse_new_sockets", "set_dumpable"]
+           "confine_exec", "default_cache_dir", "linker_files", "python_argv", "seal_after_device_open", "set_dumpable"]
 
 
 def set_dumpable(dumpable: bool) -> None:
@@ -115,7 +115,7 @@ def __getattr__(name: str) -> Any:
         from gpubroker.broker.sandbox import _landlock
 
         return getattr(_landlock, name)
-    if name in ("SOCKETS_ENV", "refuse_new_sockets"):  # the worker, once its device is open
+    if name in ("SEAL_ENV", "seal_after_device_open"):  # the worker, once its device is open
         from gpubroker.broker.sandbox import _seccomp
 
         return getattr(_seccomp, name)

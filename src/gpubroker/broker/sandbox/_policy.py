@@ -382,7 +382,7 @@ class WorkerSandbox:
                 # command line is anyone's to read)
                 "keep_fds": keep_fds, "worker_uid": uid,
                 # No new socket once the device is open (not before: CUDA's initialization makes a Unix socket).
-                "env": {**_cache_environment(cache), _seccomp.SOCKETS_ENV: "1",
+                "env": {**_cache_environment(cache), _seccomp.SEAL_ENV: "1",
                         **({_landlock.EXEC_ENV: "linker" if spawn else "none"} if self.landlock else {})},
                 "rlimits": rlimits, "seccomp": True, "tmp_size": self.tmp_max,
                 # PoCL links each new kernel with the system linker (posix_spawn): no other backend spawns, and

@@ -15,7 +15,7 @@ import errno
 from typing import Any
 
 __all__ = ["DENIED", "HOST_USER_COUNTS", "HOST_WIDE_COUNTS", "NEW_SOCKETS", "PRIORITY_CALLS", "PROCESS_CREATION",
-           "SIGNALS_TO_PID", "SOCKETS_ENV", "UNCOUNTED_MEMORY", "build_filter", "refuse_new_sockets"]
+           "SEAL_ENV", "SIGNALS_TO_PID", "UNCOUNTED_MEMORY", "build_filter", "seal_after_device_open"]
 
 # Refused outright: other processes' memory, mounts and namespaces, kernel interfaces a worker has no use for.
 DENIED = (
@@ -60,7 +60,9 @@ HOST_WIDE_COUNTS = ("io_setup", "io_submit", "io_cancel", "io_getevents", "io_pg
 # instance: the worker waits with poll(2) (Python's selectors fall back to it), as PoCL and, as far as is known,
 # CUDA's own threads do. A compute worker needs none of these.
 HOST_USER_COUNTS = ("inotify_init", "inotify_init1", "mq_open", "epoll_create", "epoll_create1")
-# New sockets, of any family, once the worker's device is open (``refuse_new_sockets``): a worker's sockets are all
+# Refused once the worker's device is open (``seal_after_device_open``), because the worker's own setup needs them
+# and nothing after it does:
+# New sockets, of any family: a worker's sockets are all
 # made by the front (its channels) or a client (its links' ends) and inherited or received. What a Unix socket
 # holds queued (up to 2 x net.core.wmem_max a socket, and the sockets it has in flight) is host memory that
 # RLIMIT_AS and RLIMIT_DATA do not count, only a memory cgroup does: socketpairs filled and left unread took 2 GiB
@@ -69,8 +71,15 @@ HOST_USER_COUNTS = ("inotify_init", "inotify_init1", "mq_open", "epoll_create", 
 # socket (it looks for an MPS server) and fails with cudaErrorOperatingSystem without one.
 NEW_SOCKETS = ("socket", "socketpair")
 AF_UNIX = 1
-# Set (to "1") in a sandboxed worker's environment: it calls refuse_new_sockets once its device is open.
-SOCKETS_ENV = "GPUBROKER_WORKER_NO_SOCKETS"
+# Kernel objects that no rlimit counts (only a memory cgroup) and that nothing bounds per process: Landlock rulesets
+# and rules (one per TCP port: 3.5 MiB of slab per ruleset, 4,096 of them per worker) and stacked seccomp filters (a
+# page or more of vmalloc each, ~3,600 per thread). The launcher applies its own Landlock ruleset and the worker
+# loads its filters before the device opens. (POSIX record locks are such objects too, but pyopencl's caches are
+# sqlite databases, which lock: docs/operator/security.md, Known gaps.)
+SETUP_ONLY = ("landlock_create_ruleset", "landlock_add_rule", "landlock_restrict_self", "seccomp")
+PR_SET_SECCOMP = 22
+# Set (to "1") in a sandboxed worker's environment: it calls seal_after_device_open once its device is open.
+SEAL_ENV = "GPUBROKER_WORKER_SEAL"
 # Signals aimed at a process (argument 0): only pid 1 (itself) passes; not 0 (its process group), -1 (every
 # process it may signal) or a negative group.
 SIGNALS_TO_PID = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open")
@@ -134,18 +143,21 @@ def build_filter(allow_spawn: bool = False) -> Any:
     return f
 
 
-def refuse_new_sockets() -> None:
-    """From now on this process, its threads and whatever it spawns make no socket of any family (a filter stacked on
-    the launcher's: filters only ever add refusals). Called by a sandboxed worker once its device is open, before
-    anything of a tenant's runs; OSError/ImportError/RuntimeError if the filter cannot be loaded."""
+def seal_after_device_open() -> None:
+    """From now on this process, its threads and whatever it spawns make no socket of any family and no Landlock
+    ruleset or seccomp filter (a filter stacked on the launcher's: filters only ever add refusals). Called by a
+    sandboxed worker once its device is open, before anything of a tenant's runs; OSError/ImportError/RuntimeError
+    if the filter cannot be loaded."""
     seccomp = _import_pyseccomp()
     f = seccomp.SyscallFilter(seccomp.ALLOW)
     f.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
     # Every thread: the device's runtime has started its own already (PoCL's pool runs the kernels), and a filter
     # is loaded into the calling thread only unless synchronised (the load fails if a thread cannot take it).
     f.set_attr(seccomp.Attr.CTL_TSYNC, 1)
-    for name in NEW_SOCKETS:
-        _rule(seccomp, f, seccomp.ERRNO(errno.EPERM), name)
+    deny = seccomp.ERRNO(errno.EPERM)
+    for name in NEW_SOCKETS + SETUP_ONLY:
+        _rule(seccomp, f, deny, name)
+    _rule(seccomp, f, deny, "prctl", seccomp.Arg(0, seccomp.EQ, PR_SET_SECCOMP))
     f.load()
 
 

@@ -5,10 +5,10 @@ import sys
 from gpubroker.broker.sandbox import (
     EXEC_ENV,
     EXIT_SETUP_FAILED,
-    SOCKETS_ENV,
+    SEAL_ENV,
     confine_exec,
     linker_files,
-    refuse_new_sockets,
+    seal_after_device_open,
     set_dumpable,
 )
 from gpubroker.broker.worker._process import main
@@ -29,7 +29,7 @@ if __name__ == "__main__":
     # A native crash in a device runtime still leaves a Python stack in the broker's log.
     faulthandler.enable()
     # Sandboxed: once the device is open (CUDA's initialization makes a Unix socket), no new socket of any family.
-    code = main(on_device_open=refuse_new_sockets if os.environ.pop(SOCKETS_ENV, None) == "1" else None)
+    code = main(on_device_open=seal_after_device_open if os.environ.pop(SEAL_ENV, None) == "1" else None)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: device runtimes can crash or hang in atexit handlers.
