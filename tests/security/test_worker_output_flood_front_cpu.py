@@ -13,9 +13,10 @@ worker wrote 3,608 MiB in 3.1 s and the front used 1.28 CPU-s meanwhile (42% of 
 pipe; 0.70 CPU-s for 2,000 MiB at a load average of 8). One flooding tenant per CPU the front has would take all
 of its event loop.
 
-Secure: a pipe the front will not log from is not read faster than the rate limit lets it log (stop reading while
-the buckets are empty: the worker then blocks in its own write, within its own turn and time limit), or the front's
-CPU on a worker's output is charged to its tenant and bounded.
+The fix (issue 21, round 9): the front reads a pipe no faster than it may log from it. Once the rate limit has
+refused something, the pipe is not read until a line could be logged again (at least 0.1 s): the worker then
+blocks in its own write, within its own turn and time limit. After: the same flood moved a few MiB and the front
+used about as much CPU as idle.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import pytest
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import ModuleFormat, connect
 
-from ..exploits import SYSCALL_SOURCE, check_arch
+from .exploits import SYSCALL_SOURCE, check_arch
 
 FLOOD_SECONDS = 3.0
 # What the front may spend on one worker's output over the whole flood (an idle front uses ~0.05 CPU-s in 3 s; a
