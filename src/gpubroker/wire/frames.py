@@ -113,9 +113,9 @@ class FrameDecoder:
                     raise FrameTooLarge(length, self.limit)
                 end = _HEADER.size + length
                 if len(view) >= end:
-                    payload = bytearray(view[_HEADER.size:end])
+                    whole = bytearray(view[_HEADER.size:end])
                     view = view[end:]
-                    yield payload
+                    yield whole
                     continue
             into = self.buffer()
             n = min(len(into), len(view))
