@@ -105,6 +105,18 @@ class FrameDecoder:
         the bound raises FrameTooLarge where it stands, after the frames before it. Exhaust it."""
         view = memoryview(data)
         while view:
+            if self._body is None and not self._got and len(view) >= _HEADER.size:
+                # Between frames with a whole header here (a recv of acks): a whole payload too is sliced out at
+                # once, not copied through buffer() and advance() (which cost a small ack more than its recv).
+                (length,) = _HEADER.unpack_from(view)
+                if length > self.limit:  # (frame_length's rule, without its slice and call)
+                    raise FrameTooLarge(length, self.limit)
+                end = _HEADER.size + length
+                if len(view) >= end:
+                    whole = bytearray(view[_HEADER.size:end])
+                    view = view[end:]
+                    yield whole
+                    continue
             into = self.buffer()
             n = min(len(into), len(view))
             into[:n] = view[:n]

@@ -142,19 +142,29 @@ class _Frames:
         ready = self._ready
         while not ready:
             into = self._decoder.buffer()
-            if len(into) > _JOIN_MAX:  # a large payload's rest: in place, no copy
-                k = self._sock.recv_into(into)
-                if k == 0:
-                    raise FrameClosed("peer closed the connection")
-                payload = self._decoder.advance(k)
-                if payload is not None:
-                    return payload
-                continue
+            if len(into) > _JOIN_MAX:
+                return self._rest(into)
             k = self._sock.recv_into(self._chunk)
             if k == 0:
                 raise FrameClosed("peer closed the connection")
             ready.extend(self._decoder.feed(self._chunk[:k]))
         return ready.popleft()
+
+    def _rest(self, into: memoryview) -> bytearray:
+        """A large payload's rest, received in place (no copy) until whole. Over TLS each recv brings one record
+        (16 KiB): the loop does no more per record than the recv, and tells the decoder once (also when a recv
+        fails: what came is the decoder's)."""
+        recv_into, got, want = self._sock.recv_into, 0, len(into)
+        try:
+            while got < want:
+                k = recv_into(into[got:])
+                if k == 0:
+                    raise FrameClosed("peer closed the connection")
+                got += k
+        finally:
+            payload = self._decoder.advance(got) if got else None
+        assert payload is not None  # (``into`` was the payload's whole rest)
+        return payload
 
 
 # A copy this large over TCP is striped over several links of the session: one TLS connection is one core's
