@@ -244,7 +244,7 @@ class TorchSession:
         aliased = tuple(r.alias_info is not None for r in schema.returns)
         devices, device_names, generator, generator_name = [], set(), -1, ""
         for i, arg in enumerate(schema.arguments):
-            kind = str(arg.type).rstrip("?")
+            kind = str(arg.type).removeprefix("Optional[").rstrip("]?")  # ("Device", "Optional[Device]", "Device?")
             if kind == "Device":
                 devices.append(i)
                 device_names.add(arg.name)
