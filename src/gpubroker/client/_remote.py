@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
+import msgspec
 import numpy as np
 
 from gpubroker.client._channel import make_channel, translated
@@ -552,7 +553,8 @@ class RemoteGpu:
             raise InvalidArgument(f"torch_op_sync takes a TorchOpSync, got {type(op).__name__}")
         if not torch_allowed(op.name):
             raise Unimplemented(f"the torch operator {op.name!r:.140} is not on the broker's allowlist")
-        result: OpResult = self.transport.call(op)
+        # (the Ack's result arrives as plain msgpack values: lists where the metadata's tuples were)
+        result: OpResult = msgspec.convert(self.transport.call(op), OpResult)
         return result
 
     def torch_from_buffer(self, handle: str, buf: Buffer, meta: TensorMeta, stream: Stream | None = None) -> None:
