@@ -9,10 +9,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
-
-from gpubroker.broker.launcher import BrokerProcess, TenantSpec  # noqa: E402
-from gpubroker.client import (  # noqa: E402
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
+from gpubroker.client import (
     InvalidArgument,
     NotFound,
     RemoteGpu,
@@ -20,7 +18,9 @@ from gpubroker.client import (  # noqa: E402
     Unimplemented,
     connect,
 )
-from gpubroker.wire.torch import DeviceArg, TensorArg, TensorMeta, TorchOp, TorchOpSync  # noqa: E402
+from gpubroker.wire.torch import DeviceArg, TensorArg, TensorMeta, TorchOp, TorchOpSync
+
+pytest.importorskip("torch")  # (the worker runs it: without it, nothing here can run)
 
 QUOTA = 16 << 20
 

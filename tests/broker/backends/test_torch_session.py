@@ -9,10 +9,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-
-from gpubroker.broker.backends import TorchAccounts, TorchSession  # noqa: E402
-from gpubroker.client import (  # noqa: E402
+from gpubroker.broker.backends import TorchAccounts, TorchSession
+from gpubroker.client import (
     GpuCompute,
     InvalidArgument,
     NotFound,
@@ -20,8 +18,8 @@ from gpubroker.client import (  # noqa: E402
     ResourceExhausted,
     Unimplemented,
 )
-from gpubroker.wire import torch_ops  # noqa: E402
-from gpubroker.wire.torch import (  # noqa: E402
+from gpubroker.wire import torch_ops
+from gpubroker.wire.torch import (
     Complex,
     DeviceArg,
     DtypeArg,
@@ -31,7 +29,9 @@ from gpubroker.wire.torch import (  # noqa: E402
     TorchOp,
     TorchOpSync,
 )
-from tests.backend_kernels import OpenDevice  # noqa: E402
+from tests.backend_kernels import OpenDevice
+
+torch = pytest.importorskip("torch")
 
 BACKENDS = [pytest.param("opencl", id="opencl"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
 
