@@ -137,6 +137,10 @@ class TorchPlacement(Protocol):
         """The device's default generator."""
         ...
 
+    def trim(self) -> None:
+        """Tensors were freed: give idle cached memory back to the device where the backend caches it."""
+        ...
+
     def error(self, what: str, exc: Exception) -> GpuBrokerError | None:
         """The backend's own reading of an exception (a CUDA fault that broke the context), or None."""
         ...
@@ -215,6 +219,7 @@ class TorchSession:
     def free(self, handles: Sequence[str]) -> None:
         """Drop the tensors; a storage goes back to the accounts with its last handle. A handle that names no
         tensor is skipped: the client frees the handles of an operator that failed, which never named one."""
+        released = False
         for h in handles:
             if self._tensors.pop(h, None) is None:
                 continue
@@ -225,6 +230,9 @@ class TorchSession:
             if storage.refs == 0:
                 del self._storages[key]
                 self.accounts.unreserve(storage.nbytes)
+                released = True
+        if released:
+            self.placement.trim()
 
     def close(self) -> None:
         """Drop every tensor (the session ended)."""
@@ -585,8 +593,15 @@ class CpuPlacement:
         gen: torch.Generator = self._torch.default_generator
         return gen
 
+    def trim(self) -> None:
+        pass  # (CPU tensors are freed with their last reference)
+
     def error(self, what: str, exc: Exception) -> GpuBrokerError | None:
         return None
+
+
+# Idle bytes PyTorch's CUDA caching allocator may keep after tensors are freed (CudaPlacement.trim).
+_CACHE_IDLE_MAX = 256 << 20
 
 
 class CudaPlacement:
@@ -609,7 +624,10 @@ class CudaPlacement:
         if ext is None:
             if len(self._streams) > 1024:
                 self._streams.clear()
-            ext = self._streams[s.ptr] = self._torch.cuda.ExternalStream(s.ptr, device=self.device())
+            # The default stream (CuPy's null stream, pointer 0) is PyTorch's default stream too: both are the
+            # legacy default stream; any other is the CuPy stream itself, wrapped.
+            ext = self._streams[s.ptr] = (self._torch.cuda.default_stream(self.device()) if s.ptr == 0
+                                          else self._torch.cuda.ExternalStream(s.ptr, device=self.device()))
         return s, ext
 
     @contextmanager
@@ -654,6 +672,15 @@ class CudaPlacement:
         self._torch.cuda.init()  # (the default generators exist once CUDA is initialized)
         gen: torch.Generator = self._torch.cuda.default_generators[self._dev.index]
         return gen
+
+    def trim(self) -> None:
+        # PyTorch's caching allocator keeps freed blocks for reuse, outside the quota (which counts live storages);
+        # past this many idle bytes they go back to the device, as CuPy's pool does after library calls. Not after
+        # every free: cudaFree waits for the whole device.
+        cuda = self._torch.cuda
+        index = self._dev.index
+        if cuda.memory_reserved(index) - cuda.memory_allocated(index) > _CACHE_IDLE_MAX:
+            cuda.empty_cache()
 
     def error(self, what: str, exc: Exception) -> GpuBrokerError | None:
         text = str(exc)
