@@ -23,8 +23,10 @@ tenant's: they become gpubroker errors carrying PyTorch's class name (``details[
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -83,6 +85,9 @@ def import_torch() -> Any:
                 import torch
             except (ImportError, OSError, MemoryError) as exc:  # (absent, or its libraries failed to load)
                 raise Unimplemented(f"this broker has no PyTorch for the torch device: {exc}") from None
+            # PyTorch's warnings about a tenant's operators (deprecated arguments, a slow path) would reach the
+            # broker's log from every worker, as often as tenants make them: nobody reads them there.
+            warnings.filterwarnings("ignore", module=re.escape(__name__))
             cpus = len(os.sched_getaffinity(0))
             if torch.get_num_threads() > cpus:
                 torch.set_num_threads(cpus)
@@ -338,7 +343,7 @@ class TorchSession:
             return own
         kind = type(exc).__name__
         message = f"{name}: {kind}: {exc}"[:4096]
-        if isinstance(exc, self._t.OutOfMemoryError) or "can't allocate memory" in str(exc):
+        if isinstance(exc, self._t.OutOfMemoryError | MemoryError) or "can't allocate memory" in str(exc):
             return ResourceExhausted(message, torch_error=kind)
         if isinstance(exc, NotImplementedError):
             return Unimplemented(message, torch_error=kind)
