@@ -446,7 +446,8 @@ class TorchSession:
             dtypes = self._dtypes
             for i, ((h, t), meta) in enumerate(zip(outs, metas, strict=True)):
                 dtype, shape, stride, offset = meta
-                if (t.dtype is not dtypes.get(dtype) or t.shape != shape or t.stride() != stride
+                # (tuple(): free on the decoded tuples; an in-process caller may pass lists)
+                if (t.dtype is not dtypes.get(dtype) or t.shape != tuple(shape) or t.stride() != tuple(stride)
                         or t.storage_offset() != offset):
                     outs[i] = (h, self._as_announced(name, t, self.meta(t), meta))
         return outs
