@@ -205,7 +205,7 @@ def test_operators_off_the_allowlist_and_unknown_handles_are_refused(gpu: GpuCom
 # -- memory --------------------------------------------------------------------------------------------------------
 class _Quota(TorchAccounts):
     def __init__(self, quota: int) -> None:
-        self.quota, self.used, self.handles = quota, 0, set[str]()
+        self.limit, self.used, self.handles = quota, 0, set[str]()
 
     def claim(self, handles: Sequence[str]) -> None:
         pass
@@ -217,12 +217,15 @@ class _Quota(TorchAccounts):
         self.handles.discard(handle)
 
     def reserve(self, nbytes: int) -> None:
-        if self.used + nbytes > self.quota:
-            raise ResourceExhausted(f"quota {self.quota}, used {self.used}, requested {nbytes}", quota=self.quota)
+        if self.used + nbytes > self.limit:
+            raise ResourceExhausted(f"quota {self.limit}, used {self.used}, requested {nbytes}", quota=self.limit)
         self.used += nbytes
 
     def unreserve(self, nbytes: int) -> None:
         self.used -= nbytes
+
+    def quota(self) -> int | None:
+        return self.limit
 
 
 @pytest.fixture
