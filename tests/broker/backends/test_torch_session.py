@@ -333,3 +333,28 @@ def test_a_failure_skips_the_rest_of_its_batch_but_its_torch_frees_still_let_go(
     assert tables.memory_used == 0 and "a" not in objs.kinds and "n" not in objs.kinds  # freed; neg skipped
     executor.run("s1", Batch(3, 4, [TorchFree(["a"])]))  # sent again: harmless
     assert tables.memory_used == 0
+
+
+def test_tensors_share_the_sessions_handle_namespace_and_limit(open_device: OpenDevice) -> None:
+    from gpubroker.broker.worker._executor import Executor
+    from gpubroker.broker.worker._handles import HandleTables, Limits
+    from gpubroker.broker.worker._segments import SegmentTable
+    from gpubroker.wire.commands import Allocate, Batch
+    from gpubroker.wire.torch import TorchFree
+
+    backend = open_device("opencl")
+    tables = HandleTables("alice")
+    tables.limits = Limits(memory_quota=1 << 20, max_handles=3)
+    executor = Executor(backend, tables, SegmentTable(backend))
+
+    def zeros(handle: str) -> TorchOp:
+        return TorchOp("aten::zeros.default", [[4]], {"device": DeviceArg()}, [handle], [_meta((4,))])
+
+    assert executor.run("s1", Batch(1, 0, [Allocate("b1", 64), zeros("t1")])).error is None
+    ack = executor.run("s1", Batch(2, 2, [zeros("b1")]))  # a buffer's handle
+    assert ack.error is not None and "already in use in this session (a buf)" in ack.error.message
+    assert executor.run("s1", Batch(3, 3, [zeros("t2")])).error is None
+    ack = executor.run("s1", Batch(4, 4, [zeros("t3")]))
+    assert ack.error is not None and ack.error.code == "RESOURCE_EXHAUSTED" and "limit is 3" in ack.error.message
+    assert executor.run("s1", Batch(5, 5, [TorchFree(["t1"]), zeros("t3")])).error is None  # room again
+    assert executor.run("s2", Batch(6, 0, [zeros("t1")])).error is None  # another session: its own namespace
