@@ -358,3 +358,17 @@ def test_tensors_share_the_sessions_handle_namespace_and_limit(open_device: Open
     assert ack.error is not None and ack.error.code == "RESOURCE_EXHAUSTED" and "limit is 3" in ack.error.message
     assert executor.run("s1", Batch(5, 5, [TorchFree(["t1"]), zeros("t3")])).error is None  # room again
     assert executor.run("s2", Batch(6, 0, [zeros("t1")])).error is None  # another session: its own namespace
+
+
+def test_operators_run_on_the_stream_they_name(gpu: GpuCompute) -> None:
+    stream = gpu.create_stream()
+    try:
+        a = _put(gpu, np.arange(4, dtype=np.float32))
+        out = _h()
+        gpu.torch_op(TorchOp("aten::mul.Tensor", [TensorArg(a), 3.0], {}, [out], [_meta((4,))], stream.handle))
+        assert np.frombuffer(gpu.torch_read(out, stream), np.float32).tolist() == [0, 3, 6, 9]
+        with pytest.raises(NotFound):
+            gpu.torch_op(TorchOp("aten::neg.default", [TensorArg(a)], {}, [_h()], [_meta((4,))], "s-nope"))
+        gpu.torch_free([a, out])
+    finally:
+        gpu.destroy_stream(stream)

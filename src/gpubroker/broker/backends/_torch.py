@@ -578,7 +578,9 @@ class CpuPlacement:
     library operation's is."""
 
     def __init__(self, copy_d2h: Callable[[Buffer, Any, int, Stream | None], None],
-                 copy_h2d: Callable[[Any, Buffer, int, Stream | None], None], charge: Callable[[float], None]) -> None:
+                 copy_h2d: Callable[[Any, Buffer, int, Stream | None], None], charge: Callable[[float], None],
+                 check_stream: Callable[[Stream], object]) -> None:
+        self._check_stream = check_stream
         self._copy_d2h = copy_d2h
         self._copy_h2d = copy_h2d
         self._timed = _Timed(charge)
@@ -589,7 +591,10 @@ class CpuPlacement:
         return device
 
     def running(self, stream: Stream | None) -> AbstractContextManager[None]:
-        # (CPU operators run at once, in order: the stream orders nothing more here)
+        # CPU operators run at once, in order: the stream orders nothing more here, but it must be one of the
+        # backend's (NotFound otherwise, as on every other backend call).
+        if stream is not None:
+            self._check_stream(stream)
         return self._timed
 
 
