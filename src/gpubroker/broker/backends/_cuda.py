@@ -31,6 +31,7 @@ from gpubroker.broker.backends._cuda_device import CudaDevice
 from gpubroker.broker.backends._cuda_modules import CudaCode
 from gpubroker.broker.backends._cuda_peer import CudaPeer
 from gpubroker.broker.backends._cuda_util import list_cuda_devices, props_info, translate
+from gpubroker.broker.backends._torch import CudaPlacement, TorchAccounts, TorchPart, TorchSession
 from gpubroker.wire.errors import Aborted, GpuBrokerError, InvalidArgument, ResourceExhausted
 from gpubroker.wire.types import ArrayRef, Buffer, DeviceInfo, Event, Stream
 
@@ -82,6 +83,14 @@ class CudaBackend:
         self.copy_from_peer = peer.copy_from_peer
         self.close_peer = peer.close_peer
         self._timer = dev.timer  # the device's, which the device-time methods below (and the tests) read
+        torch = self._torch = TorchPart(self.torch_session)
+        self.torch_op = torch.torch_op
+        self.torch_op_sync = torch.torch_op_sync
+        self.torch_from_buffer = torch.torch_from_buffer
+        self.torch_to_buffer = torch.torch_to_buffer
+        self.torch_read = torch.torch_read
+        self.torch_free = torch.torch_free
+        self.torch_seed = torch.torch_seed
 
     # -- lifecycle ---------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -102,6 +111,8 @@ class CudaBackend:
         dev.closed = True
         if not dev.opened:
             return
+        if dev.fatal is None:
+            self._torch.close()
         if dev.fatal is None:
             try:
                 runtime.setDevice(dev.index)
@@ -177,6 +188,13 @@ class CudaBackend:
         except Exception as exc:
             raise self._dev.fail("destroy_stream", exc) from exc
         self._dev.streams.pop(stream.handle)
+
+    # -- the torch device --------------------------------------------------------------------
+    def torch_session(self, accounts: TorchAccounts | None = None) -> TorchSession:
+        """A new torch session on this device (the worker makes one per session; ``torch_*`` use their own):
+        CUDA tensors on this device, each operator on the session's stream, timed as device time."""
+        self._dev.use()
+        return TorchSession(CudaPlacement(self._dev), accounts)
 
     # -- library operations ------------------------------------------------------------------
     def run_library(self, op: str, inputs: Sequence[ArrayRef], outputs: Sequence[ArrayRef],

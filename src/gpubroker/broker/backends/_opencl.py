@@ -24,6 +24,7 @@ from gpubroker.broker.backends._opencl_info import as_int, cl_errors
 from gpubroker.broker.backends._opencl_info import list_opencl_devices as list_opencl_devices
 from gpubroker.broker.backends._opencl_launch import OpenCLCode
 from gpubroker.broker.backends._opencl_timing import OpenCLTiming
+from gpubroker.broker.backends._torch import CpuPlacement, TorchAccounts, TorchPart, TorchSession
 from gpubroker.wire.errors import InvalidArgument, ResourceExhausted
 from gpubroker.wire.host import HostBuffer, check_device_range, readable_bytes, writable_bytes
 from gpubroker.wire.types import ArrayRef, Buffer, DeviceInfo, Event, Stream
@@ -50,6 +51,14 @@ class OpenCLBackend:
         self.unload_module = code.unload_module
         self.execute_kernel = code.execute_kernel
         self.take_device_time = timing.take_device_time
+        torch = self._torch = TorchPart(self.torch_session)
+        self.torch_op = torch.torch_op
+        self.torch_op_sync = torch.torch_op_sync
+        self.torch_from_buffer = torch.torch_from_buffer
+        self.torch_to_buffer = torch.torch_to_buffer
+        self.torch_read = torch.torch_read
+        self.torch_free = torch.torch_free
+        self.torch_seed = torch.torch_seed
         self._lock = dev.lock
         self._allocated = 0
         # An event's last recorded marker; None: never recorded (complete, as in CUDA).
@@ -68,6 +77,7 @@ class OpenCLBackend:
             if dev.closed:
                 return
             dev.closed = True
+            self._torch.close()
             for queue in dev.all_queues():
                 # Closing must release everything even if a queued command failed.
                 with contextlib.suppress(cl.Error):
@@ -197,6 +207,17 @@ class OpenCLBackend:
             with cl_errors("memset"):
                 event = cl.enqueue_fill_buffer(queue, alloc.mem, np.array([value], dtype=np.uint8), start, size)
             self._timing.track(event)
+
+    # -- the torch device ------------------------------------------------------------------------
+
+    def torch_session(self, accounts: TorchAccounts | None = None) -> TorchSession:
+        """A new torch session on this device (the worker makes one per session; ``torch_*`` use their own).
+
+        PyTorch's CPU kernels on CPU tensors: PoCL's device is the host CPU, so they are the device's library, as
+        NumPy is for ``run_library``; the operators' host time is charged as device time.
+        """
+        self._dev.ready()
+        return TorchSession(CpuPlacement(self.copy_d2h, self.copy_h2d, self._timing.charge), accounts)
 
     # -- library operations ----------------------------------------------------------------------
 

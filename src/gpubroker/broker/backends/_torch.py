@@ -1,0 +1,703 @@
+"""The torch device's worker half: one session's tensors, and the real PyTorch running ATen operators on them.
+
+A ``TorchSession`` keeps the client's handles -> real ``torch.Tensor`` and runs each allowlisted operator
+(``gpubroker.wire.torch_ops``) as ``torch.ops.aten.<name>.<overload>`` on the backend's device:
+
+- on an OpenCL backend, PyTorch's CPU kernels on CPU tensors: PoCL's device is the host CPU here, so PyTorch's own
+  CPU kernels are the device's library, as library operations use NumPy there (``OpenCLBackend.run_library``); a
+  discrete OpenCL GPU would have its tensors in host memory all the same (there is no OpenCL PyTorch);
+- on a CUDA backend, CUDA tensors on the backend's device, each operator on the session's stream (PyTorch's
+  ``ExternalStream`` over the CuPy stream), charged as device time by the backend's timer.
+
+A backend makes one per session (``torch_session``): the in-process backend one for itself, the worker one per
+session of its handle table, so two sessions' handles never meet. PyTorch is imported at the first session, never
+at the worker's start.
+
+Memory: every new output's storage is charged to the session's ``TorchAccounts`` (the worker's: the tenant's
+memory quota on the device) before the operator runs, from the metadata the client announced, and settled on what
+PyTorch really made once it has; a view shares its base's storage and is not charged again, and a storage is
+released when the last handle that references it is freed. Errors PyTorch raises running an operator are the
+tenant's: they become gpubroker errors carrying PyTorch's class name (``details["torch_error"]``) and message.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from gpubroker.wire import torch_ops
+from gpubroker.wire.errors import (
+    Aborted,
+    GpuBrokerError,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+    Unimplemented,
+)
+from gpubroker.wire.torch import (
+    MAX_TORCH_READ,
+    ArgValue,
+    Complex,
+    DeviceArg,
+    DtypeArg,
+    LayoutArg,
+    MemoryFormatArg,
+    TensorArg,
+    TensorListArg,
+    TensorMeta,
+    TorchOp,
+    TorchOpSync,
+)
+from gpubroker.wire.types import Buffer, Stream
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CpuPlacement", "CudaPlacement", "TorchAccounts", "TorchPart", "TorchPlacement", "TorchSession",
+           "import_torch"]
+
+_import_lock = threading.Lock()
+_torch: Any = None  # the torch module, once imported (import_torch)
+
+
+def import_torch() -> Any:
+    """PyTorch, imported at the first use (a worker that runs no torch operator never pays for it).
+
+    Its CPU thread pool is kept to the CPUs this process may run on: PyTorch sizes it by the machine's cores, and
+    a sandboxed worker's share is fewer (more threads than CPUs only contend).
+    """
+    global _torch
+    if _torch is not None:
+        return _torch
+    with _import_lock:
+        if _torch is None:
+            try:
+                import torch
+            except ImportError as exc:
+                raise Unimplemented(f"this broker has no PyTorch for the torch device: {exc}") from None
+            cpus = len(os.sched_getaffinity(0))
+            if torch.get_num_threads() > cpus:
+                torch.set_num_threads(cpus)
+            _torch = torch
+    return _torch
+
+
+class TorchAccounts:
+    """Where a session's torch handles and memory are counted. This one counts nothing (an in-process backend:
+    the device's own memory is the limit); the worker's counts them in its handle table, against the quota."""
+
+    def claim(self, handles: Sequence[str]) -> None:
+        """Check that these new handles are free in the session's namespace and that it has room for them."""
+
+    def bind(self, handle: str) -> None:
+        """The handle now names a tensor."""
+
+    def unbind(self, handle: str) -> None:
+        """The handle names nothing any more."""
+
+    def reserve(self, nbytes: int) -> None:
+        """Count ``nbytes`` against the quota (ResourceExhausted past it)."""
+
+    def unreserve(self, nbytes: int) -> None:
+        """Give ``nbytes`` back."""
+
+
+class TorchPlacement(Protocol):
+    """What a backend supplies to a TorchSession: where its tensors live and how its buffers' bytes reach them."""
+
+    def device(self) -> torch.device:
+        """The device every tensor of the session lives on (a DeviceArg becomes this)."""
+        ...
+
+    def running(self, stream: Stream | None) -> AbstractContextManager[None]:
+        """Around an operator: on ``stream``, its time charged as the tenant's device time."""
+        ...
+
+    def from_buffer(self, buf: Buffer, nbytes: int, stream: Stream | None) -> torch.Tensor:
+        """A new uint8 tensor on the device holding ``nbytes`` bytes of ``buf`` from its view's offset."""
+        ...
+
+    def to_buffer(self, data: torch.Tensor, buf: Buffer, stream: Stream | None) -> None:
+        """Write a contiguous uint8 tensor's bytes into ``buf`` at its view's offset."""
+        ...
+
+    def host_bytes(self, data: torch.Tensor, stream: Stream | None) -> bytes:
+        """A contiguous uint8 tensor's bytes, on the host."""
+        ...
+
+    def generator(self) -> torch.Generator:
+        """The device's default generator."""
+        ...
+
+    def error(self, what: str, exc: Exception) -> GpuBrokerError | None:
+        """The backend's own reading of an exception (a CUDA fault that broke the context), or None."""
+        ...
+
+
+@dataclass(slots=True)
+class _OpInfo:
+    """What the session needs of an operator overload, worked out once per name."""
+
+    overload: Any  # torch._ops.OpOverload
+    aliased: tuple[bool, ...]  # per return: an alias of an input (a view, or in-place / out=): no new storage
+    devices: tuple[int, ...]  # positions of Device parameters: only DeviceArg or None may go there
+    device_names: frozenset[str]
+    generator: int  # position of the Generator parameter, -1 if none
+    generator_name: str
+
+
+@dataclass(slots=True)
+class _Storage:
+    nbytes: int
+    refs: int  # handles of the session whose tensors use it
+
+
+_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128", "uint8", "int8",
+                "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
+                "float8_e4m3fnuz", "float8_e5m2fnuz")
+_FORMAT_NAMES = ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format")
+
+
+class TorchSession:
+    """One session's tensors by the client's handles, and the operators run on them."""
+
+    def __init__(self, placement: TorchPlacement, accounts: TorchAccounts | None = None) -> None:
+        tm = self._t = import_torch()
+        self.placement = placement
+        self.accounts = accounts if accounts is not None else TorchAccounts()
+        self._device = placement.device()
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._storage_of: dict[str, int] = {}  # handle -> its tensor's storage key
+        self._storages: dict[int, _Storage] = {}  # storage key (the StorageImpl's address) -> size and references
+        self._ops: dict[str, _OpInfo] = {}
+        self._dtypes: dict[str, torch.dtype] = {
+            n: d for n in _DTYPE_NAMES if isinstance(d := getattr(tm, n, None), tm.dtype)}
+        self._formats = {n: getattr(tm, n) for n in _FORMAT_NAMES}
+
+    # -- the table -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    @property
+    def storage_bytes(self) -> int:
+        """The bytes of every storage the session's tensors use (what its accounts were charged)."""
+        return sum(s.nbytes for s in self._storages.values())
+
+    def tensor(self, handle: str) -> torch.Tensor:
+        t: torch.Tensor | None = self._tensors.get(handle)
+        if t is None:
+            raise NotFound(f"no tensor {handle!r} in this session")
+        return t
+
+    def _claim(self, handles: Sequence[str]) -> None:
+        seen = set()
+        for h in handles:
+            if h in self._tensors or h in seen:
+                raise InvalidArgument(f"handle {h!r} is already in use in this session (a tensor)")
+            seen.add(h)
+        self.accounts.claim(handles)
+
+    def _store(self, handle: str, t: torch.Tensor, key: int) -> None:
+        self._tensors[handle] = t
+        self._storage_of[handle] = key
+        self.accounts.bind(handle)
+
+    def free(self, handles: Sequence[str]) -> None:
+        """Drop the tensors; a storage goes back to the accounts with its last handle. A handle that names no
+        tensor is skipped: the client frees the handles of an operator that failed, which never named one."""
+        for h in handles:
+            if self._tensors.pop(h, None) is None:
+                continue
+            self.accounts.unbind(h)
+            key = self._storage_of.pop(h)
+            storage = self._storages[key]
+            storage.refs -= 1
+            if storage.refs == 0:
+                del self._storages[key]
+                self.accounts.unreserve(storage.nbytes)
+
+    def close(self) -> None:
+        """Drop every tensor (the session ended)."""
+        self.free(list(self._tensors))
+
+    # -- operators -------------------------------------------------------------------------------
+    def _info(self, name: str) -> _OpInfo:
+        info = self._ops.get(name)
+        if info is not None:
+            return info
+        if not torch_ops.allowed(name):
+            raise Unimplemented(f"the torch operator {name!r:.140} is not on the broker's allowlist")
+        namespace, op, overload_name = torch_ops.split_name(name)
+        try:
+            overload = getattr(getattr(getattr(self._t.ops, namespace), op), overload_name)
+        except (AttributeError, RuntimeError):
+            raise Unimplemented(f"this worker's PyTorch {self._t.__version__} has no operator {name}") from None
+        schema = overload._schema
+        aliased = tuple(r.alias_info is not None for r in schema.returns)
+        devices, device_names, generator, generator_name = [], set(), -1, ""
+        for i, arg in enumerate(schema.arguments):
+            kind = str(arg.type).rstrip("?")
+            if kind == "Device":
+                devices.append(i)
+                device_names.add(arg.name)
+            elif kind == "Generator":
+                generator, generator_name = i, arg.name
+        info = self._ops[name] = _OpInfo(overload, aliased, tuple(devices), frozenset(device_names), generator,
+                                         generator_name)
+        return info
+
+    def _arg(self, value: ArgValue) -> Any:
+        if isinstance(value, TensorArg):
+            return self.tensor(value.h)
+        if isinstance(value, TensorListArg):
+            return [None if h is None else self.tensor(h) for h in value.hs]
+        if isinstance(value, DeviceArg):
+            return self._device
+        if isinstance(value, DtypeArg):
+            dtype = self._dtypes.get(value.name)
+            if dtype is None:
+                raise InvalidArgument(f"unknown torch dtype {value.name!r}")
+            return dtype
+        if isinstance(value, MemoryFormatArg):
+            fmt = self._formats.get(value.name)
+            if fmt is None:
+                raise InvalidArgument(f"unknown torch memory format {value.name!r}")
+            return fmt
+        if isinstance(value, LayoutArg):
+            if value.name != "strided":
+                raise InvalidArgument(f"the torch device has strided tensors only, not {value.name!r}")
+            return self._t.strided
+        if isinstance(value, Complex):
+            return complex(value.re, value.im)
+        return value
+
+    def _arguments(self, info: _OpInfo, cmd: TorchOp | TorchOpSync) -> tuple[list[Any], dict[str, Any]]:
+        args = [self._arg(a) for a in cmd.args]
+        kwargs = {k: self._arg(v) for k, v in cmd.kwargs.items()}
+        # A device is always the worker's own, and a generator the session's: a client's string ("cuda:1") or
+        # number there would reach another device or another session's numbers.
+        for i in info.devices:
+            if i < len(cmd.args) and not isinstance(cmd.args[i], DeviceArg | None):
+                raise InvalidArgument(f"{cmd.name}: a device argument must be the torch device itself")
+        for k in info.device_names.intersection(cmd.kwargs):
+            if not isinstance(cmd.kwargs[k], DeviceArg | None):
+                raise InvalidArgument(f"{cmd.name}: a device argument must be the torch device itself")
+        # Random operators draw from the device's default generator (TorchSeed seeds it): most random overloads
+        # have no generator parameter, so one of the session's own could not serve them all.
+        if info.generator >= 0 and (args[info.generator] if info.generator < len(args)
+                                    else kwargs.get(info.generator_name)) is not None:
+            raise InvalidArgument(f"{cmd.name}: random operators use the device's generator; pass none")
+        return args, kwargs
+
+    def _run(self, info: _OpInfo, name: str, args: list[Any], kwargs: dict[str, Any],
+             stream: Stream | None) -> list[Any]:
+        """Run the operator; its returns, Tensor[] ones flattened."""
+        try:
+            with self.placement.running(stream):
+                result = info.overload(*args, **kwargs)
+        except GpuBrokerError:
+            raise
+        except Exception as exc:
+            raise self._error(name, exc) from None
+        if result is None:
+            return []
+        if isinstance(result, tuple | list):
+            flat: list[Any] = []
+            for item in result:
+                if isinstance(item, tuple | list):
+                    flat.extend(item)
+                else:
+                    flat.append(item)
+            return flat
+        return [result]
+
+    def _error(self, name: str, exc: Exception) -> GpuBrokerError:
+        """PyTorch's exception as the tenant's error: its class name and message, naming the operator."""
+        own = self.placement.error(name, exc)
+        if own is not None:
+            return own
+        kind = type(exc).__name__
+        message = f"{name}: {kind}: {exc}"[:4096]
+        if isinstance(exc, self._t.OutOfMemoryError) or "can't allocate memory" in str(exc):
+            return ResourceExhausted(message, torch_error=kind)
+        if isinstance(exc, NotImplementedError):
+            return Unimplemented(message, torch_error=kind)
+        return InvalidArgument(message, torch_error=kind)
+
+    def _new_storages(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[int], int]:
+        """Each tensor's storage key, and the bytes of the storages that no tensor of the session uses yet."""
+        keys, new, seen = [], 0, set()
+        for _, t in tensors:
+            storage = t.untyped_storage()
+            key = storage._cdata
+            keys.append(key)
+            if key not in self._storages and key not in seen:
+                seen.add(key)
+                new += storage.nbytes()
+        return keys, new
+
+    def _keep(self, name: str, outs: Sequence[tuple[str, torch.Tensor]], reserved: int) -> None:
+        """Settle the accounts on the outputs' real storages (``reserved`` was charged before the run), then
+        store them; past the quota, the outputs are dropped and the error names the operator."""
+        keys, new = self._new_storages(outs)
+        self.accounts.unreserve(reserved)
+        try:
+            self.accounts.reserve(new)
+        except ResourceExhausted as exc:
+            raise ResourceExhausted(f"{name}: {exc.message}", **exc.details) from None
+        for (handle, t), key in zip(outs, keys, strict=True):
+            storage = self._storages.get(key)
+            if storage is None:
+                self._storages[key] = _Storage(t.untyped_storage().nbytes(), 1)
+            else:
+                storage.refs += 1
+            self._store(handle, t, key)
+
+    def op(self, cmd: TorchOp, stream: Stream | None = None) -> None:
+        """Run a queued operator and keep its new outputs under the client's handles."""
+        info = self._info(cmd.name)
+        news = [h for h in cmd.outs if h is not None]
+        if len(cmd.metas) != len(news):
+            raise InvalidArgument(f"{cmd.name}: {len(cmd.metas)} metadata for {len(news)} new outputs")
+        self._claim(news)
+        args, kwargs = self._arguments(info, cmd)
+        # Before the run, what the client says the new outputs take (a return that aliases an input takes none).
+        reserved = 0
+        metas = iter(cmd.metas)
+        for i, h in enumerate(cmd.outs):
+            if h is not None:
+                meta = next(metas)
+                if not (i < len(info.aliased) and info.aliased[i]):
+                    reserved += self._extent(meta)
+        try:
+            self.accounts.reserve(reserved)
+        except ResourceExhausted as exc:
+            raise ResourceExhausted(f"{cmd.name}: {exc.message}", **exc.details) from None
+        try:
+            results = self._run(info, cmd.name, args, kwargs, stream)
+            outs = self._outputs(cmd.name, cmd.outs, results, cmd.metas)
+        except BaseException:
+            self.accounts.unreserve(reserved)
+            raise
+        self._keep(cmd.name, outs, reserved)
+
+    def op_sync(self, cmd: TorchOpSync, stream: Stream | None = None) -> list[TensorMeta | int | float | bool | None]:
+        """Run an operator whose outputs depend on the data, or that returns a value: what came out, per return."""
+        info = self._info(cmd.name)
+        news = [h for h in cmd.outs if h is not None]
+        self._claim(news)
+        args, kwargs = self._arguments(info, cmd)
+        results = self._run(info, cmd.name, args, kwargs, stream)
+        outs = self._outputs(cmd.name, cmd.outs, results, None)
+        answer: list[TensorMeta | int | float | bool | None] = []
+        for item in results:
+            if isinstance(item, self._t.Tensor):
+                answer.append(self.meta(item))
+            elif item is None or isinstance(item, bool | int | float):
+                answer.append(item)
+            else:
+                raise Unimplemented(f"{cmd.name} returned a {type(item).__name__}, which the torch device cannot "
+                                    "carry back")
+        self._keep(cmd.name, outs, 0)
+        return answer
+
+    def _outputs(self, name: str, handles: Sequence[str | None], results: list[Any],
+                 metas: Sequence[TensorMeta] | None) -> list[tuple[str, torch.Tensor]]:
+        """The new outputs by handle, each checked against the metadata the client announced (``metas``)."""
+        if len(results) != len(handles):
+            raise InvalidArgument(f"{name} returned {len(results)} values; the command names {len(handles)} outputs")
+        outs: list[tuple[str, torch.Tensor]] = []
+        for h, item in zip(handles, results, strict=True):
+            if h is None:
+                continue
+            if not isinstance(item, self._t.Tensor):
+                raise InvalidArgument(f"{name} returned a {type(item).__name__} where the command names a tensor")
+            outs.append((h, item))
+        if metas is not None:
+            for i, ((h, t), meta) in enumerate(zip(outs, metas, strict=True)):
+                actual = self.meta(t)
+                if actual != meta:
+                    outs[i] = (h, self._as_announced(name, t, actual, meta))
+        return outs
+
+    def _as_announced(self, name: str, t: torch.Tensor, actual: TensorMeta, meta: TensorMeta) -> torch.Tensor:
+        """An output laid out as the client announced it: a copy with its strides where only the layout differs
+        (the client's views of it follow its strides); an error where the shape or dtype differ."""
+        dtype, shape, stride, offset = meta
+        if actual[0] != dtype or actual[1] != tuple(shape) or offset != 0:
+            raise InvalidArgument(f"{name} made a {actual[0]} tensor of shape {list(actual[1])} where the client "
+                                  f"worked out {dtype} {list(shape)} (offset {offset}): the client's shape "
+                                  "inference disagrees with this worker's PyTorch")
+        fixed: torch.Tensor = self._t.empty_strided(tuple(shape), tuple(stride), dtype=t.dtype, device=t.device)
+        fixed.copy_(t)
+        return fixed
+
+    def _extent(self, meta: TensorMeta) -> int:
+        """The bytes a tensor of this metadata spans in its storage."""
+        dtype, shape, stride, offset = meta
+        if any(n == 0 for n in shape):
+            return 0
+        dt = self._dtypes.get(dtype)
+        if dt is None:
+            raise InvalidArgument(f"unknown torch dtype {dtype!r}")
+        span = offset + 1 + sum((n - 1) * abs(s) for n, s in zip(shape, stride, strict=False))
+        return int(span * dt.itemsize)
+
+    @staticmethod
+    def meta(t: torch.Tensor) -> TensorMeta:
+        return (str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+
+    # -- data ------------------------------------------------------------------------------------
+    def _nbytes(self, meta: TensorMeta) -> tuple[torch.dtype, tuple[int, ...], int]:
+        dtype_name, shape, _, _ = meta
+        dtype = self._dtypes.get(dtype_name)
+        if dtype is None:
+            raise InvalidArgument(f"unknown torch dtype {dtype_name!r}")
+        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if any(n < 0 for n in shape) or numel > 1 << 48:
+            raise InvalidArgument(f"a tensor of shape {list(shape)} is too large")
+        return dtype, tuple(shape), numel * dtype.itemsize
+
+    def from_buffer(self, handle: str, buf: Buffer, meta: TensorMeta, stream: Stream | None = None) -> None:
+        """A new contiguous tensor of ``meta``'s dtype and shape holding the buffer's bytes (row-major)."""
+        dtype, shape, nbytes = self._nbytes(meta)
+        self._claim([handle])
+        try:
+            self.accounts.reserve(nbytes)
+        except ResourceExhausted as exc:
+            raise ResourceExhausted(f"torch_from_buffer: {exc.message}", **exc.details) from None
+        try:
+            raw = self.placement.from_buffer(buf, nbytes, stream)
+            try:
+                t = raw.view(dtype).reshape(shape)
+            except RuntimeError as exc:
+                raise InvalidArgument(f"torch_from_buffer: {exc}") from None
+        except BaseException:
+            self.accounts.unreserve(nbytes)
+            raise
+        self._keep("torch_from_buffer", [(handle, t)], nbytes)
+
+    def _flat_bytes(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor's elements, row-major, as a contiguous uint8 tensor."""
+        flat = t.reshape(-1).contiguous()
+        if flat.dtype == self._t.bool:
+            flat = flat.view(self._t.uint8)
+        return flat.view(self._t.uint8)
+
+    def to_buffer(self, handle: str, buf: Buffer, stream: Stream | None = None) -> None:
+        """The tensor's elements, row-major, into the buffer at its view's offset."""
+        t = self.tensor(handle)
+        with self.placement.running(stream):
+            data = self._flat_bytes(t)
+        self.placement.to_buffer(data, buf, stream)
+
+    def read(self, handle: str, stream: Stream | None = None) -> bytes:
+        """A small tensor's elements, row-major (at most MAX_TORCH_READ bytes)."""
+        t = self.tensor(handle)
+        nbytes = t.numel() * t.element_size()
+        if nbytes > MAX_TORCH_READ:
+            raise OutOfRange(f"torch_read of {nbytes} bytes: at most {MAX_TORCH_READ} are read at once; copy larger "
+                             "tensors through a buffer")
+        with self.placement.running(stream):
+            data = self._flat_bytes(t)
+        return self.placement.host_bytes(data, stream)
+
+    def seed(self, seed: int) -> None:
+        """Seed the device's default generator, which every random operator draws from (``torch.manual_seed``'s
+        part for this device). The worker serves one tenant: only its own sessions share it."""
+        try:
+            self.placement.generator().manual_seed(seed)
+        except (RuntimeError, ValueError, OverflowError) as exc:
+            raise InvalidArgument(f"torch_seed: {exc}") from None
+
+
+class CpuPlacement:
+    """PyTorch's CPU kernels on CPU tensors, for an OpenCL backend (PoCL: the device is the host CPU). Buffers'
+    bytes move with the backend's own host copies; an operator's host time is charged as device time, as a
+    library operation's is."""
+
+    def __init__(self, copy_d2h: Callable[[Buffer, Any, int, Stream | None], None],
+                 copy_h2d: Callable[[Any, Buffer, int, Stream | None], None], charge: Callable[[float], None]) -> None:
+        self._copy_d2h = copy_d2h
+        self._copy_h2d = copy_h2d
+        self._charge = charge
+        self._torch = import_torch()
+
+    def device(self) -> torch.device:
+        device: torch.device = self._torch.device("cpu")
+        return device
+
+    @contextmanager
+    def running(self, stream: Stream | None) -> Iterator[None]:
+        # (CPU operators run at once, in order: the stream orders nothing more here)
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._charge(time.perf_counter() - started)
+
+    def from_buffer(self, buf: Buffer, nbytes: int, stream: Stream | None) -> torch.Tensor:
+        host = np.empty(nbytes, dtype=np.uint8)
+        if nbytes:
+            self._copy_d2h(buf, host, 0, stream)  # (OutOfRange past the view: nothing read)
+        t: torch.Tensor = self._torch.from_numpy(host)
+        return t
+
+    def to_buffer(self, data: torch.Tensor, buf: Buffer, stream: Stream | None) -> None:
+        if data.numel():
+            self._copy_h2d(data.numpy(), buf, 0, stream)
+
+    def host_bytes(self, data: torch.Tensor, stream: Stream | None) -> bytes:
+        return bytes(data.numpy().tobytes())
+
+    def generator(self) -> torch.Generator:
+        gen: torch.Generator = self._torch.default_generator
+        return gen
+
+    def error(self, what: str, exc: Exception) -> GpuBrokerError | None:
+        return None
+
+
+class CudaPlacement:
+    """CUDA tensors on the backend's device, each operator on the session's CuPy stream (PyTorch's
+    ``ExternalStream`` over it), bracketed by the backend's device timer; buffers' bytes move through DLPack views
+    of the allocations, on the stream. A CUDA error that breaks the context is the backend's to report (fatal)."""
+
+    def __init__(self, dev: Any) -> None:  # (a CudaDevice: _cuda_device imports CuPy, which this module must not)
+        self._dev = dev
+        self._torch = import_torch()
+        self._streams: dict[int, Any] = {}  # CuPy stream pointer -> torch.cuda.ExternalStream
+
+    def device(self) -> torch.device:
+        device: torch.device = self._torch.device("cuda", self._dev.index)
+        return device
+
+    def _stream(self, stream: Stream | None) -> tuple[Any, Any]:
+        s = self._dev.stream(stream)
+        ext = self._streams.get(s.ptr)
+        if ext is None:
+            if len(self._streams) > 1024:
+                self._streams.clear()
+            ext = self._streams[s.ptr] = self._torch.cuda.ExternalStream(s.ptr, device=self.device())
+        return s, ext
+
+    @contextmanager
+    def running(self, stream: Stream | None) -> Iterator[None]:
+        self._dev.use()
+        s, ext = self._stream(stream)
+        timer = self._dev.timer
+        with timer.lock, self._torch.cuda.stream(ext):  # (as run_library: the timer's segment is open throughout)
+            timer.begin(s.ptr)
+            yield
+
+    def _view(self, buf: Buffer, nbytes: int) -> torch.Tensor:
+        import cupy
+
+        from gpubroker.wire.host import check_device_range
+
+        mem, view = self._dev.resolve(buf)
+        check_device_range(view, 0, nbytes, "torch copy")
+        arr = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, view.offset))
+        t: torch.Tensor = self._torch.from_dlpack(arr)
+        return t
+
+    def from_buffer(self, buf: Buffer, nbytes: int, stream: Stream | None) -> torch.Tensor:
+        with self.running(stream):
+            out: torch.Tensor = self._torch.empty(nbytes, dtype=self._torch.uint8, device=self.device())
+            if nbytes:
+                out.copy_(self._view(buf, nbytes))
+        return out
+
+    def to_buffer(self, data: torch.Tensor, buf: Buffer, stream: Stream | None) -> None:
+        if data.numel():
+            with self.running(stream):
+                self._view(buf, data.numel()).copy_(data)
+
+    def host_bytes(self, data: torch.Tensor, stream: Stream | None) -> bytes:
+        with self.running(stream):
+            host = data.to("cpu")  # (synchronous on the stream)
+        return bytes(host.numpy().tobytes())
+
+    def generator(self) -> torch.Generator:
+        self._dev.use()
+        self._torch.cuda.init()  # (the default generators exist once CUDA is initialized)
+        gen: torch.Generator = self._torch.cuda.default_generators[self._dev.index]
+        return gen
+
+    def error(self, what: str, exc: Exception) -> GpuBrokerError | None:
+        text = str(exc)
+        if "CUDA error" in text or "device-side assert" in text or type(exc).__name__ == "AcceleratorError":
+            err = Aborted(f"{what}: {type(exc).__name__}: {text[:2000]} (the CUDA context is now unusable)",
+                          fatal=True, torch_error=type(exc).__name__)
+            self._dev.fatal = err
+            return err
+        return None
+
+
+def _stream_of(handle: str) -> Stream | None:
+    return Stream(handle) if handle else None
+
+
+def _handle(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"a tensor handle is a non-empty str, got {value!r:.80}")
+    return value
+
+
+class TorchPart:
+    """An in-process backend's torch device methods (GpuCompute's ``torch_*``), on one TorchSession made at the
+    first use; the backend binds them onto itself, as it does its other parts' methods."""
+
+    def __init__(self, make: Callable[[], TorchSession]) -> None:
+        self._make = make
+        self._session: TorchSession | None = None
+        self._lock = threading.Lock()
+
+    def session(self) -> TorchSession:
+        session = self._session
+        if session is None:
+            with self._lock:
+                if self._session is None:
+                    self._session = self._make()
+                session = self._session
+        return session
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+    def torch_op(self, op: TorchOp) -> None:
+        if not isinstance(op, TorchOp):
+            raise InvalidArgument(f"torch_op takes a TorchOp, got {type(op).__name__}")
+        self.session().op(op, _stream_of(op.stream))
+
+    def torch_op_sync(self, op: TorchOpSync) -> list[TensorMeta | int | float | bool | None]:
+        if not isinstance(op, TorchOpSync):
+            raise InvalidArgument(f"torch_op_sync takes a TorchOpSync, got {type(op).__name__}")
+        return self.session().op_sync(op, _stream_of(op.stream))
+
+    def torch_from_buffer(self, handle: str, buf: Buffer, meta: TensorMeta, stream: Stream | None = None) -> None:
+        self.session().from_buffer(_handle(handle), buf, meta, stream)
+
+    def torch_to_buffer(self, handle: str, buf: Buffer, stream: Stream | None = None) -> None:
+        self.session().to_buffer(_handle(handle), buf, stream)
+
+    def torch_read(self, handle: str, stream: Stream | None = None) -> bytes:
+        return self.session().read(_handle(handle), stream)
+
+    def torch_free(self, handles: Sequence[str]) -> None:
+        self.session().free([_handle(h) for h in handles])
+
+    def torch_seed(self, seed: int) -> None:
+        if not isinstance(seed, int | np.integer) or isinstance(seed, bool):
+            raise InvalidArgument(f"a seed is an int, got {type(seed).__name__}")
+        self.session().seed(int(seed))
