@@ -42,7 +42,7 @@ def as_torch_error(exc: GpuBrokerError) -> Exception | None:
     if not isinstance(name, str):
         return None
     cls = _CLASSES.get(name, RuntimeError)
-    message = exc.message
+    message = exc.message.replace(f"{name}: ", "", 1)  # the class is the exception's own, not its text
     command = exc.details.get("command")
     if isinstance(command, str) and command not in message:
         message = f"{command}: {message}"

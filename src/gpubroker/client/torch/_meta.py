@@ -18,7 +18,11 @@ import torch
 from gpubroker.client.torch._session import dtype_name
 from gpubroker.wire.torch import TensorMeta
 
-__all__ = ["SYNC", "Entry", "OpInfo", "Sig", "infer", "meta_tensor", "op_info"]
+__all__ = ["SYNC", "Entry", "OpInfo", "Refused", "Sig", "infer", "meta_tensor", "op_info"]
+
+
+class Refused(NotImplementedError):
+    """A call the device cannot make whatever the worker says (an out= tensor it would have to resize)."""
 
 Sig = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]
 Source = tuple[int, str, bool]  # an argument: its position, name, and whether it is keyword-only
@@ -150,7 +154,7 @@ def infer(info: OpInfo, args: Sequence[Any], kwargs: dict[str, Any],
             before = sig_of(source)
             if before is not None and before[:3] != sig[:3]:
                 if info.name not in META_MUTATING:
-                    raise NotImplementedError(
+                    raise Refused(
                         f"{info.name} would resize or restride its output tensor on the gpubroker device, which "
                         "it cannot do: pass an out= tensor of the right shape, or use the operator's result")
                 mutates = sig

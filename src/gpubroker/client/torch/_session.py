@@ -11,14 +11,13 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Final, NoReturn, Protocol
 
-import numpy as np
 import torch
 
 from gpubroker.client.torch._errors import as_torch_error
 from gpubroker.wire.compute import GpuCompute
 from gpubroker.wire.errors import GpuBrokerError
 from gpubroker.wire.host import HostBuffer
-from gpubroker.wire.torch import MAX_TORCH_READ, TensorMeta, TorchOp, TorchOpSync
+from gpubroker.wire.torch import MAX_TORCH_READ, DeviceArg, DtypeArg, TensorMeta, TorchOp, TorchOpSync
 from gpubroker.wire.types import Buffer, Stream
 
 __all__ = ["FREE_BATCH", "READ_INLINE", "Session", "TorchGpu", "new_handle"]
@@ -184,12 +183,15 @@ class Session:
         """Make tensor ``handle`` of the session from a CPU tensor's elements (contiguous, of its dtype)."""
         if self.pending:
             self.make_pending()
-        flat = cpu.detach().contiguous().reshape(-1)
-        host: HostBuffer = flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(1, np.uint8)
-        buf = self.call(self.gpu.allocate_memory, max(host.nbytes, 1))
+        meta = wire_meta(tuple(cpu.shape), cpu.dtype)
+        if not cpu.numel():  # no bytes to send (and no buffer of 0 bytes): an empty tensor of the shape
+            self.submit(TorchOp("aten::empty.memory_format", [list(cpu.shape)],
+                                {"dtype": DtypeArg(meta[0]), "device": DeviceArg()}, [handle], [meta]))
+            return
+        host: HostBuffer = cpu.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        buf = self.call(self.gpu.allocate_memory, host.nbytes)
         try:
-            if flat.numel():
-                self.call(self.gpu.copy_h2d, host, buf)
-            self.call(self.gpu.torch_from_buffer, handle, buf, wire_meta(tuple(cpu.shape), cpu.dtype))
+            self.call(self.gpu.copy_h2d, host, buf)
+            self.call(self.gpu.torch_from_buffer, handle, buf, meta)
         finally:
             self.call(self.gpu.free_memory, buf)

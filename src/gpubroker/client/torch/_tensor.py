@@ -14,7 +14,18 @@ from typing import Any, Final, cast
 
 import torch
 
-from gpubroker.client.torch._meta import SYNC, Entry, OpInfo, Sig, Source, infer, meta_tensor, op_info, signature
+from gpubroker.client.torch._meta import (
+    SYNC,
+    Entry,
+    OpInfo,
+    Refused,
+    Sig,
+    Source,
+    infer,
+    meta_tensor,
+    op_info,
+    signature,
+)
 from gpubroker.client.torch._session import DTYPES, Session, new_handle
 from gpubroker.wire import torch_ops
 from gpubroker.wire.torch import (
@@ -359,7 +370,14 @@ def _ordinary(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     cache_key = (func, *key)
     entry = _CACHE.get(cache_key)
     if entry is None:
-        entry = _CACHE[cache_key] = _entry(info, args, kwargs)
+        try:
+            entry = _CACHE[cache_key] = _entry(info, args, kwargs)
+        except Refused:
+            raise
+        except Exception:
+            # The meta kernel refused the call (shapes that do not broadcast, a bad dim): the worker's PyTorch
+            # runs it and says why in its own words, at the call (one wait, on this error path only).
+            entry = SYNC
     try:
         if entry is SYNC:
             return _dispatch_sync(sess, info, args, kwargs, wargs, wkwargs)
