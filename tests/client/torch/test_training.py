@@ -1,0 +1,115 @@
+"""A model trains through the device to the same loss as eager CPU: autograd, optimizers, state_dict."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gpubroker.client.torch as gbtorch  # noqa: E402
+
+X = torch.Generator().manual_seed(1)
+INPUTS = torch.randn(128, 32, generator=X)
+LABELS = torch.randint(0, 10, (128,), generator=X)
+
+
+def make() -> Any:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+def train(device: Any, opt_name: str, steps: int = 5, **opt_kwargs: Any) -> tuple[Any, list[float]]:
+    model = make().to(device)
+    opt = getattr(torch.optim, opt_name)(model.parameters(), lr=1e-2, **opt_kwargs)
+    x, y = INPUTS.to(device), LABELS.to(device)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+OPTIMIZERS = [("SGD", {"momentum": 0.9}), ("SGD", {"momentum": 0.9, "foreach": True}), ("Adam", {}),
+              ("Adam", {"foreach": True}), ("AdamW", {}), ("AdamW", {"foreach": True}), ("Adam", {"fused": True}),
+              ("AdamW", {"fused": True})]
+
+
+@pytest.mark.parametrize(("opt_name", "opt_kwargs"), OPTIMIZERS, ids=[f"{n}-{k}" for n, k in OPTIMIZERS])
+def test_an_mlp_trains_to_the_loss_of_eager_cpu(dev: Any, opt_name: str, opt_kwargs: dict[str, Any]) -> None:
+    _, expected = train("cpu", opt_name, **opt_kwargs)
+    model, got = train(dev, opt_name, **opt_kwargs)
+    assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert got[-1] < got[0]
+    eager, _ = train("cpu", opt_name, **opt_kwargs)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        assert p.device == dev and isinstance(p, torch.nn.Parameter), name
+        assert torch.allclose(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6), name
+
+
+def test_no_grad_and_autograd_grad(dev: Any) -> None:
+    model = make().to(dev)
+    x = INPUTS.to(dev).requires_grad_()
+    with torch.no_grad():
+        out = model(x)
+    assert not out.requires_grad
+    (grad,) = torch.autograd.grad(model(x).sum(), x)
+    xc = INPUTS.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(make()(xc).sum(), xc)
+    assert grad.device == dev
+    assert torch.allclose(grad.cpu(), expected, atol=1e-6)
+
+
+def test_state_dict_round_trips_and_saves_from_the_cpu(dev: Any) -> None:
+    model, _ = train(dev, "SGD", steps=2)
+    saved = {k: v.cpu() for k, v in model.state_dict().items()}
+    buf = io.BytesIO()
+    torch.save(model.to("cpu").state_dict(), buf)
+    buf.seek(0)
+    restored = make()
+    restored.load_state_dict(torch.load(buf))
+    on_device = make().to(dev)
+    on_device.load_state_dict(restored.state_dict())
+    for name, value in on_device.state_dict().items():
+        assert value.device == dev
+        assert torch.equal(value.cpu(), saved[name]), name
+
+
+def test_training_frees_what_it_drops(gpu: Any, dev: Any) -> None:
+    if not hasattr(gpu, "tensors"):
+        pytest.skip("counts the fake worker's tensors")
+    model = make().to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = INPUTS.to(dev), LABELS.to(dev)
+
+    def steps(n: int) -> int:
+        for _ in range(n):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        gbtorch.synchronize(dev)
+        return len(gpu.tensors)
+
+    after_two = steps(2)
+    assert steps(20) <= after_two + 2
+
+
+def test_an_error_inside_backward_is_deferred_to_the_next_wait(dev: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpubroker.wire import torch_ops
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to(dev)
+    x = torch.randn(5, 4).to(dev)
+    loss = model(x).sum()
+    # Refused inside backward: raising there would abort the process, so the error waits for the next wait.
+    monkeypatch.setattr(torch_ops, "ALLOWED", torch_ops.ALLOWED - {"aten::threshold_backward.default"})
+    loss.backward()
+    with pytest.raises(NotImplementedError, match=r"aten::threshold_backward\.default"):
+        loss.item()
+    assert (x * 2).sum().item() == pytest.approx((x.cpu() * 2).sum().item())  # the session goes on
+    with pytest.raises(NotImplementedError, match=r"aten::threshold_backward\.default"):  # outside: at the call
+        torch.ops.aten.threshold_backward(x, x, 0.0)
