@@ -24,6 +24,7 @@ import torch
 
 from gpubroker.client.torch._session import Session, TorchGpu
 from gpubroker.client.torch._tensor import NAME, SESSIONS, defer, dispatch, session_of_device
+from gpubroker.wire import torch_ops
 
 __all__ = ["DeviceModule", "register", "session_for"]
 
@@ -99,6 +100,25 @@ _KERNELS: Sequence[tuple[str, Any]] = (
 )
 
 
+def _factories() -> list[tuple[str, Any]]:
+    """The allowlisted factories (no tensor argument, a device argument): one operator each on the device, where
+    PyTorch's composite kernels would make an empty tensor and then fill it, or resize an out= tensor
+    (``arange``, ``linspace``, ``eye``), which a client tensor cannot do."""
+    found = []
+    for name in sorted(torch_ops.ALLOWED):
+        namespace, op, overload = torch_ops.split_name(name)
+        func = getattr(getattr(getattr(torch.ops, namespace), op, None), overload, None)
+        if func is None or name in ("aten::empty.memory_format", "aten::empty_strided.default"):
+            continue
+        schema = func._schema
+        if (any("Tensor" in str(arg.type) for arg in schema.arguments)
+                or not any(arg.name == "device" for arg in schema.arguments)
+                or [str(ret.type) for ret in schema.returns] != ["Tensor"]):
+            continue
+        found.append((f"{op}.{overload}" if overload != "default" else op, func))
+    return found
+
+
 def register() -> None:
     """Make the ``gpubroker`` device known to PyTorch (once per process)."""
     global _registered, _library
@@ -113,7 +133,7 @@ def register() -> None:
                                "device needs it (one PrivateUse1 backend per process)")
         _setup_privateuseone_for_python_backend(NAME, backend_module=DeviceModule())
         library = torch.library.Library("aten", "IMPL")
-        for name, func in _KERNELS:
+        for name, func in (*_KERNELS, *_factories()):
             library.impl(name, _kernel(func), "PrivateUse1")
         _library = library
         _registered = True
