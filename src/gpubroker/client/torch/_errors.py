@@ -24,7 +24,7 @@ _CLASSES: Final[dict[str, type[Exception]]] = {
     "OverflowError": OverflowError,
     "ZeroDivisionError": ZeroDivisionError,
     "OutOfMemoryError": torch.OutOfMemoryError,
-    "LinAlgError": torch.linalg.LinAlgError,
+    "LinAlgError": torch.linalg.LinAlgError,  # type: ignore[attr-defined]
 }
 _accelerator_error = getattr(torch, "AcceleratorError", None)  # a device-side assert on CUDA (torch >= 2.8)
 if isinstance(_accelerator_error, type) and issubclass(_accelerator_error, Exception):

@@ -97,7 +97,7 @@ def meta_tensor(sig: Sig) -> torch.Tensor:
 
 
 def signature(t: torch.Tensor) -> Sig:
-    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+    return (tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), t.dtype)
 
 
 def wire_sig(sig: Sig) -> TensorMeta:

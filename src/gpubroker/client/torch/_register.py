@@ -132,9 +132,9 @@ def register() -> None:
             raise RuntimeError(f"PyTorch's PrivateUse1 device is already {current!r} in this process: the {NAME} "
                                "device needs it (one PrivateUse1 backend per process)")
         _setup_privateuseone_for_python_backend(NAME, backend_module=DeviceModule())
-        library = torch.library.Library("aten", "IMPL")
+        library = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
         for name, func in (*_KERNELS, *_factories()):
-            library.impl(name, _kernel(func), "PrivateUse1")
+            library.impl(name, _kernel(func), "PrivateUse1")  # type: ignore[no-untyped-call]
         _library = library
         _registered = True
 

@@ -16,7 +16,6 @@ import torch
 from gpubroker.client.torch._errors import as_torch_error
 from gpubroker.wire.compute import GpuCompute
 from gpubroker.wire.errors import GpuBrokerError
-from gpubroker.wire.host import HostBuffer
 from gpubroker.wire.torch import MAX_TORCH_READ, DeviceArg, DtypeArg, TensorMeta, TorchOp, TorchOpSync
 from gpubroker.wire.types import Buffer, Stream
 
@@ -188,7 +187,7 @@ class Session:
             self.submit(TorchOp("aten::empty.memory_format", [list(cpu.shape)],
                                 {"dtype": DtypeArg(meta[0]), "device": DeviceArg()}, [handle], [meta]))
             return
-        host: HostBuffer = cpu.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        host = cpu.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         buf = self.call(self.gpu.allocate_memory, host.nbytes)
         try:
             self.call(self.gpu.copy_h2d, host, buf)

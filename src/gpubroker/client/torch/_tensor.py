@@ -58,13 +58,13 @@ class BTensor(torch.Tensor):
     _sig: Sig
     _ref: TensorArg
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(cls, session: Session, sig: Sig, handle: str) -> BTensor:
         shape, stride, offset, dtype = sig
-        t = cast(BTensor, torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=session.device))
+        t: BTensor = torch.Tensor._make_wrapper_subclass(
+            cls, shape, strides=stride, storage_offset=offset, dtype=dtype, device=session.device)
         t._h = handle
         t._s = session
         t._sig = sig
@@ -82,7 +82,7 @@ class BTensor(torch.Tensor):
             pass
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Sequence[Any] = (),
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Sequence[Any] = (),  # type: ignore[override]
                            kwargs: dict[str, Any] | None = None) -> Any:
         try:
             return dispatch(func, args, kwargs or {})
@@ -108,7 +108,7 @@ class BTensor(torch.Tensor):
                            "the broker. Save the CPU copy: torch.save(t.cpu(), f) or "
                            "torch.save(model.to('cpu').state_dict(), f)")
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         text = repr(fetch(self))
         end = len(text) - 1
         for suffix in (", size=(", ", dtype=torch."):
@@ -159,7 +159,8 @@ def _encode_other(value: Any, walk: _Walk) -> tuple[Any, Any]:
     kind = type(value)
     if kind is list or kind is tuple:
         if any(isinstance(v, torch.Tensor) for v in value):  # Tensor[] / Tensor?[]
-            keys, handles = [], []
+            keys: list[Any] = []
+            handles: list[str | None] = []
             for v in value:
                 if v is None:
                     keys.append(None)
