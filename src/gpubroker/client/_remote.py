@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
+import msgspec
 import numpy as np
 
 from gpubroker.client._channel import make_channel, translated
@@ -43,9 +44,21 @@ from gpubroker.wire.commands import (
     WaitEvent,
     new_handle,
 )
-from gpubroker.wire.errors import FailedPrecondition, GpuBrokerError, InvalidArgument
+from gpubroker.wire.errors import FailedPrecondition, GpuBrokerError, InvalidArgument, Unimplemented
 from gpubroker.wire.host import check_device_range, readable_bytes, writable_bytes
 from gpubroker.wire.library import check_library_call
+from gpubroker.wire.torch import (
+    OpResult,
+    TensorMeta,
+    TorchFree,
+    TorchFromBuffer,
+    TorchOp,
+    TorchOpSync,
+    TorchRead,
+    TorchSeed,
+    TorchToBuffer,
+)
+from gpubroker.wire.torch_ops import allowed as torch_allowed
 from gpubroker.wire.types import (
     ArrayRef,
     Buffer,
@@ -509,6 +522,96 @@ class RemoteGpu:
         self._command(RunLibrary(op, [(_ref(r.buffer), r.dtype, r.shape) for r in ins],
                                  [(_ref(r.buffer), r.dtype, r.shape) for r in outs], checked,
                                  _stream(stream) if stream is not None else ""))
+
+    # The torch device's commands. What only changes the worker's tables or queues device work is always queued
+    # (its error raised by the next waiting call), whatever async_commands says: the torch device issues one per
+    # operator, and PyTorch users expect CUDA's asynchronous errors. What returns something waits.
+    def torch_op(self, op: TorchOp) -> None:
+        """Queue one PyTorch operator on the session's tensors (always queued: its error is raised by the next
+        waiting call). See [GpuCompute.torch_op][gpubroker.client.GpuCompute.torch_op].
+
+        Args:
+            op: The operator.
+        """
+        if not isinstance(op, TorchOp):
+            raise InvalidArgument(f"torch_op takes a TorchOp, got {type(op).__name__}")
+        if not torch_allowed(op.name):
+            raise Unimplemented(f"the torch operator {op.name!r:.140} is not on the broker's allowlist")
+        self.transport.submit(op)
+
+    def torch_op_sync(self, op: TorchOpSync) -> OpResult:
+        """Run one PyTorch operator and wait for what it returned. See
+        [GpuCompute.torch_op_sync][gpubroker.client.GpuCompute.torch_op_sync].
+
+        Args:
+            op: The operator.
+
+        Returns:
+            Per return, a tensor's metadata or a plain value.
+        """
+        if not isinstance(op, TorchOpSync):
+            raise InvalidArgument(f"torch_op_sync takes a TorchOpSync, got {type(op).__name__}")
+        if not torch_allowed(op.name):
+            raise Unimplemented(f"the torch operator {op.name!r:.140} is not on the broker's allowlist")
+        # (the Ack's result arrives as plain msgpack values: lists where the metadata's tuples were)
+        result: OpResult = msgspec.convert(self.transport.call(op), OpResult)
+        return result
+
+    def torch_from_buffer(self, handle: str, buf: Buffer, meta: TensorMeta, stream: Stream | None = None) -> None:
+        """Queue a new tensor made from a buffer's bytes. See
+        [GpuCompute.torch_from_buffer][gpubroker.client.GpuCompute.torch_from_buffer].
+
+        Args:
+            handle: The new tensor's handle.
+            buf: The buffer view holding its elements.
+            meta: Its dtype name and shape (strides and offset ignored).
+            stream: The stream the copy is ordered on.
+        """
+        self.transport.submit(TorchFromBuffer(_handle(handle, "tensor"), _ref(buf), meta, _stream(stream)))
+
+    def torch_to_buffer(self, handle: str, buf: Buffer, stream: Stream | None = None) -> None:
+        """Queue a tensor's elements into a buffer. See
+        [GpuCompute.torch_to_buffer][gpubroker.client.GpuCompute.torch_to_buffer].
+
+        Args:
+            handle: The tensor.
+            buf: The destination buffer view.
+            stream: The stream the copy is ordered on.
+        """
+        self.transport.submit(TorchToBuffer(_handle(handle, "tensor"), _ref(buf), _stream(stream)))
+
+    def torch_read(self, handle: str, stream: Stream | None = None) -> bytes:
+        """A small tensor's elements, at once (waits). See
+        [GpuCompute.torch_read][gpubroker.client.GpuCompute.torch_read].
+
+        Args:
+            handle: The tensor.
+            stream: The stream the read is ordered on.
+
+        Returns:
+            The elements' bytes, row-major.
+        """
+        return bytes(self.transport.call(TorchRead(_handle(handle, "tensor"), _stream(stream))))
+
+    def torch_free(self, handles: Sequence[str]) -> None:
+        """Queue dropping tensors. See [GpuCompute.torch_free][gpubroker.client.GpuCompute.torch_free].
+
+        Args:
+            handles: The tensors' handles.
+        """
+        checked = [_handle(h, "tensor") for h in handles]
+        for start in range(0, len(checked), 4096):  # (a command carries at most 4096)
+            self.transport.submit(TorchFree(checked[start:start + 4096]))
+
+    def torch_seed(self, seed: int) -> None:
+        """Queue seeding the device's generator. See [GpuCompute.torch_seed][gpubroker.client.GpuCompute.torch_seed].
+
+        Args:
+            seed: Any int64 or uint64.
+        """
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not -(1 << 63) <= seed < 1 << 64:
+            raise InvalidArgument(f"a seed is an int64 or uint64, got {seed!r:.80}")
+        self.transport.submit(TorchSeed(int(seed)))
 
     def create_stream(self) -> Stream:
         """Create a stream (queued with `async_commands`).

@@ -528,3 +528,8 @@ def decode_ack_for(data: bytes | bytearray | memoryview, batch: Batch) -> Ack:
         return _ack_decoder(last).decode(data)
     except UnicodeDecodeError as exc:
         raise msgspec.DecodeError(f"malformed string: {exc}") from None
+
+
+# The torch device's commands are defined in their own module; importing it here registers them in every process
+# that decodes commands (front, worker, links, client), as a command class defined in this module would be.
+from gpubroker.wire import torch as _torch_commands  # noqa: E402, F401

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from gpubroker.wire.host import HostBuffer
+from gpubroker.wire.torch import OpResult, TensorMeta, TorchOp, TorchOpSync
 from gpubroker.wire.types import ArrayRef, Buffer, DeviceInfo, Event, Kernel, Module, ModuleFormat, Stream
 
 __all__ = ["GpuCompute"]
@@ -350,6 +351,131 @@ class GpuCompute(Protocol):
                 library reports it). Checked at the call; what only the data shows, at the next wait.
             ResourceExhausted: the library ran out of device memory for its temporaries.
             NotFound: a buffer or `stream` names nothing live in this session.
+            GpuBrokerError: any error every call may raise (see [GpuCompute][gpubroker.client.GpuCompute]).
+        """
+        ...
+
+    def torch_op(self, op: TorchOp) -> None:
+        """Run one PyTorch ATen operator on the session's tensors; queued, like a launch.
+
+        The torch device (`gpubroker.client.torch`) calls this for each operator; call it directly only to drive
+        the worker's PyTorch yourself. The worker runs `torch.ops.aten.<name>.<overload>` with the real PyTorch
+        on the device (CUDA tensors on the session's stream on CUDA; PyTorch's CPU kernels on PoCL, whose device
+        is the host CPU) and keeps each new output under the handle `op.outs` names. Before it runs, the new
+        outputs' bytes (from `op.metas`) are reserved against the tenant's memory quota; a view shares its base's
+        storage and costs nothing more. On a broker the command is always queued: its errors are raised by the
+        next call that waits.
+
+        Args:
+            op: The operator (`gpubroker.wire.torch.TorchOp`): its overload name, which must be on the
+                allowlist (`gpubroker.wire.torch_ops.ALLOWED`), its arguments (tensors by handle), a handle per
+                new output (None where the return is an input or no tensor) and each new output's metadata.
+
+        Raises:
+            Unimplemented: the operator is not on the allowlist (or not in the worker's PyTorch); or PyTorch has
+                no kernel for these arguments (`exc.details["torch_error"]` is `"NotImplementedError"`).
+            InvalidArgument: PyTorch refused the operator (a shape mismatch, a dtype error, an index out of
+                range): the message is PyTorch's, `exc.details["torch_error"]` its exception's class name
+                (`"RuntimeError"`, `"IndexError"`, ...). Also: an unknown dtype name, a handle already in use,
+                a device or generator argument other than the torch device's own.
+            ResourceExhausted: the new outputs would take the tenant past its memory quota on this device (the
+                message names the operator); nothing was kept, and the session goes on.
+            NotFound: an argument names no tensor of this session.
+            Aborted: on CUDA, the operator broke the device context (a device-side assert); the worker restarts.
+            GpuBrokerError: any error every call may raise (see [GpuCompute][gpubroker.client.GpuCompute]).
+        """
+        ...
+
+    def torch_op_sync(self, op: TorchOpSync) -> OpResult:
+        """Run one PyTorch operator whose outputs' shapes depend on the data, or that returns a value; waits.
+
+        `nonzero`, `unique`, `masked_select`, `_local_scalar_dense` (`.item()`), `equal`: the ones in
+        `gpubroker.wire.torch_ops.SYNC`. Its errors are `torch_op`'s, raised here (with any earlier queued
+        command's first).
+
+        Args:
+            op: The operator (`gpubroker.wire.torch.TorchOpSync`): as for `torch_op`, with no metadata.
+
+        Returns:
+            One entry per return (per `op.outs`): a tensor's metadata (dtype name, shape, strides, storage offset),
+                or the plain value returned (an int, float or bool).
+        """
+        ...
+
+    def torch_from_buffer(self, handle: str, buf: Buffer, meta: TensorMeta, stream: Stream | None = None) -> None:
+        """A new contiguous tensor `handle` of `meta`'s dtype and shape, holding the bytes of `buf` (row-major);
+        queued, like a device copy. Its bytes count against the tenant's memory quota.
+
+        Args:
+            handle: The new tensor's handle (unique in the session, buffers' and streams' included).
+            buf: The buffer view holding the elements, from its offset.
+            meta: `(dtype name, shape, strides, storage offset)`; the strides and offset are ignored (the new
+                tensor is contiguous).
+            stream: The stream the copy is ordered on; `None` for the default stream.
+
+        Raises:
+            OutOfRange: the buffer holds fewer bytes than the tensor needs.
+            InvalidArgument: an unknown dtype name, or a handle already in use.
+            ResourceExhausted: past the tenant's memory quota.
+            GpuBrokerError: any error every call may raise (see [GpuCompute][gpubroker.client.GpuCompute]).
+        """
+        ...
+
+    def torch_to_buffer(self, handle: str, buf: Buffer, stream: Stream | None = None) -> None:
+        """Write tensor `handle`'s elements, row-major, into `buf` from its offset; queued, like a device copy.
+
+        Args:
+            handle: The tensor (a view is written as its logical elements, not its storage).
+            buf: The destination buffer view.
+            stream: The stream the copy is ordered on; `None` for the default stream.
+
+        Raises:
+            NotFound: `handle` names no tensor of this session.
+            OutOfRange: the elements run past the end of the buffer.
+            GpuBrokerError: any error every call may raise (see [GpuCompute][gpubroker.client.GpuCompute]).
+        """
+        ...
+
+    def torch_read(self, handle: str, stream: Stream | None = None) -> bytes:
+        """A small tensor's elements, row-major, at once (`.item()`, `print`); waits.
+
+        Args:
+            handle: The tensor.
+            stream: The stream the read is ordered on; `None` for the default stream.
+
+        Returns:
+            The elements' bytes, at most `gpubroker.wire.torch.MAX_TORCH_READ` of them.
+
+        Raises:
+            OutOfRange: the tensor is larger than `MAX_TORCH_READ` bytes: copy it through a buffer instead.
+            NotFound: `handle` names no tensor of this session.
+            GpuBrokerError: an earlier queued command's error, or any error every call may raise
+                (see [GpuCompute][gpubroker.client.GpuCompute]).
+        """
+        ...
+
+    def torch_free(self, handles: Sequence[str]) -> None:
+        """Drop the session's tensors `handles`; queued. A storage is freed, and its bytes leave the tenant's quota,
+        with the last tensor that uses it. A handle that names no tensor is skipped (the outputs of an operator
+        that failed never existed).
+
+        Args:
+            handles: The tensors' handles.
+
+        Raises:
+            GpuBrokerError: any error every call may raise (see [GpuCompute][gpubroker.client.GpuCompute]).
+        """
+        ...
+
+    def torch_seed(self, seed: int) -> None:
+        """Seed the device's generator, which the session's random operators draw from (`torch.manual_seed`);
+        queued.
+
+        Args:
+            seed: Any int64 or uint64.
+
+        Raises:
+            InvalidArgument: `seed` is not an int, or out of range.
             GpuBrokerError: any error every call may raise (see [GpuCompute][gpubroker.client.GpuCompute]).
         """
         ...

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gpubroker.broker.backends._torch import TorchAccounts, TorchSession
 from gpubroker.wire.errors import FailedPrecondition, InvalidArgument
 from gpubroker.wire.types import DeviceInfo
 
 if TYPE_CHECKING:
     from gpubroker.wire.compute import GpuCompute
 
-__all__ = ["BACKENDS", "detect_backend", "list_devices", "open_backend"]
+__all__ = ["BACKENDS", "TorchAccounts", "TorchSession", "detect_backend", "list_devices", "open_backend"]
 
 BACKENDS = ("cuda", "opencl")
 

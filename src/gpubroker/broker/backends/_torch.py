@@ -81,7 +81,7 @@ def import_torch() -> Any:
         if _torch is None:
             try:
                 import torch
-            except ImportError as exc:
+            except (ImportError, OSError, MemoryError) as exc:  # (absent, or its libraries failed to load)
                 raise Unimplemented(f"this broker has no PyTorch for the torch device: {exc}") from None
             cpus = len(os.sched_getaffinity(0))
             if torch.get_num_threads() > cpus:
@@ -244,7 +244,7 @@ class TorchSession:
         aliased = tuple(r.alias_info is not None for r in schema.returns)
         devices, device_names, generator, generator_name = [], set(), -1, ""
         for i, arg in enumerate(schema.arguments):
-            kind = str(arg.type).rstrip("?")
+            kind = str(arg.type).removeprefix("Optional[").rstrip("]?")  # ("Device", "Optional[Device]", "Device?")
             if kind == "Device":
                 devices.append(i)
                 device_names.add(arg.name)
@@ -436,8 +436,11 @@ class TorchSession:
             raise InvalidArgument(f"{name} made a {actual[0]} tensor of shape {list(actual[1])} where the client "
                                   f"worked out {dtype} {list(shape)} (offset {offset}): the client's shape "
                                   "inference disagrees with this worker's PyTorch")
-        fixed: torch.Tensor = self._t.empty_strided(tuple(shape), tuple(stride), dtype=t.dtype, device=t.device)
-        fixed.copy_(t)
+        try:
+            fixed: torch.Tensor = self._t.empty_strided(tuple(shape), tuple(stride), dtype=t.dtype, device=t.device)
+            fixed.copy_(t)
+        except Exception as exc:
+            raise self._error(name, exc) from None
         return fixed
 
     def _extent(self, meta: TensorMeta) -> int:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import logging
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any, NamedTuple, TypeVar, cast
 
 import lz4.block
 import numpy as np
 
+from gpubroker.broker.backends import TorchAccounts, TorchSession
 from gpubroker.broker.worker._handles import _CACHE_MAX, BufferEntry, HandleTables, KernelEntry, SessionObjects
 from gpubroker.broker.worker._segments import SegmentTable
 from gpubroker.wire.commands import (
@@ -61,9 +62,26 @@ from gpubroker.wire.commands import (
     tag_of,
 )
 from gpubroker.wire.compute import GpuCompute
-from gpubroker.wire.errors import FailedPrecondition, GpuBrokerError, Internal, InvalidArgument, Unimplemented
+from gpubroker.wire.errors import (
+    FailedPrecondition,
+    GpuBrokerError,
+    Internal,
+    InvalidArgument,
+    ResourceExhausted,
+    Unimplemented,
+)
 from gpubroker.wire.host import check_device_range
 from gpubroker.wire.library import check_library_call
+from gpubroker.wire.torch import (
+    OpResult,
+    TorchFree,
+    TorchFromBuffer,
+    TorchOp,
+    TorchOpSync,
+    TorchRead,
+    TorchSeed,
+    TorchToBuffer,
+)
 from gpubroker.wire.types import ArrayRef, Kernel, Module, ModuleFormat, Stream
 
 __all__ = ["Executor", "Handler", "handles"]
@@ -136,6 +154,39 @@ def _describe(objs: SessionObjects, command: Command) -> str:
         if entry is not None:
             return f"launch of {entry.name!r}"
     return command.describe()
+
+
+class _SessionAccounts(TorchAccounts):
+    """A session's torch tensors in the worker's handle table: their handles in the session's one namespace (and
+    its handle limit), their storages' bytes against the tenant's memory quota."""
+
+    def __init__(self, tables: HandleTables, objs: SessionObjects) -> None:
+        self.tables = tables
+        self.objs = objs
+
+    def claim(self, handles: Sequence[str]) -> None:
+        objs, limit = self.objs, self.tables.limits.max_handles
+        if limit is not None and len(objs.kinds) + len(handles) > limit:
+            raise ResourceExhausted(f"this session already holds {len(objs.kinds)} handles and the limit is {limit}; "
+                                    "free some", limit=limit)
+        for handle in handles:
+            self.tables.claim(objs, "tensor", handle)
+
+    def bind(self, handle: str) -> None:
+        self.objs.kinds[handle] = "tensor"
+
+    def unbind(self, handle: str) -> None:
+        self.objs.kinds.pop(handle, None)
+
+    def reserve(self, nbytes: int) -> None:
+        if nbytes:
+            self.tables.reserve(nbytes)
+            self.objs.memory_used += nbytes
+
+    def unreserve(self, nbytes: int) -> None:
+        if nbytes:
+            self.tables.unreserve(nbytes)
+            self.objs.memory_used -= nbytes
 
 
 class _Unprepared(NamedTuple):
@@ -346,6 +397,46 @@ class Executor:
     def _resolve_args(objs: SessionObjects, args: list[KernelArg]) -> list[object]:
         return [objs.view(arg.handle, arg.offset) if isinstance(arg, BufferArg) else _scalar(arg.dtype, arg.value)
                 for arg in args]
+
+    # -- the torch device ----------------------------------------------------------------------------
+    def _torch(self, objs: SessionObjects) -> TorchSession:
+        """The session's torch tensors, made at its first torch command (PyTorch is imported then)."""
+        session = objs.torch
+        if session is None:
+            make: Callable[[TorchAccounts], TorchSession] | None = getattr(self.backend, "torch_session", None)
+            if make is None:
+                raise Unimplemented("this worker's backend has no torch device")
+            session = objs.torch = make(_SessionAccounts(self.tables, objs))
+        return session
+
+    @handles(TorchOp)
+    def _torch_op(self, objs: SessionObjects, cmd: TorchOp) -> None:
+        self._torch(objs).op(cmd, objs.stream(cmd.stream))
+
+    @handles(TorchOpSync)
+    def _torch_op_sync(self, objs: SessionObjects, cmd: TorchOpSync) -> OpResult:
+        return self._torch(objs).op_sync(cmd, objs.stream(cmd.stream))
+
+    @handles(TorchFromBuffer)
+    def _torch_from_buffer(self, objs: SessionObjects, cmd: TorchFromBuffer) -> None:
+        self._torch(objs).from_buffer(cmd.handle, objs.view(*cmd.buf), cmd.meta, objs.stream(cmd.stream))
+
+    @handles(TorchToBuffer)
+    def _torch_to_buffer(self, objs: SessionObjects, cmd: TorchToBuffer) -> None:
+        self._torch(objs).to_buffer(cmd.handle, objs.view(*cmd.buf), objs.stream(cmd.stream))
+
+    @handles(TorchRead)
+    def _torch_read(self, objs: SessionObjects, cmd: TorchRead) -> bytes:
+        return self._torch(objs).read(cmd.handle, objs.stream(cmd.stream))
+
+    @handles(TorchFree)
+    def _torch_free(self, objs: SessionObjects, cmd: TorchFree) -> None:
+        if objs.torch is not None:  # (no torch command yet: nothing to free, and no reason to import PyTorch)
+            objs.torch.free(cmd.handles)
+
+    @handles(TorchSeed)
+    def _torch_seed(self, objs: SessionObjects, cmd: TorchSeed) -> None:
+        self._torch(objs).seed(cmd.seed)
 
     # -- streams -----------------------------------------------------------------------------------
     @handles(CreateStream)

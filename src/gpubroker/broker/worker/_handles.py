@@ -13,11 +13,14 @@ are none (a bare worker started by a test); a broker sends them before the first
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpubroker.broker.worker._segments import Segment
 from gpubroker.wire.errors import InvalidArgument, NotFound, OutOfRange, ResourceExhausted
 from gpubroker.wire.types import Buffer, Event, Kernel, Module, Stream
+
+if TYPE_CHECKING:
+    from gpubroker.broker.backends import TorchSession
 
 __all__ = ["BufferEntry", "HandleTables", "KernelEntry", "Limits", "SessionObjects"]
 
@@ -69,6 +72,8 @@ class SessionObjects:
     # Reads left to send raw without trying to compress them: a chunk that did not shrink says the next ones of
     # the copy likely will not either (see the executor's _read).
     raw_reads: int = 0
+    # The session's torch tensors (the torch device), made at its first torch command: PyTorch is imported then.
+    torch: TorchSession | None = None
 
     def missing(self, kind: str, handle: str) -> NotFound:
         # The same answer for a freed, foreign or invented handle.

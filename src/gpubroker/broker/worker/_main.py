@@ -133,6 +133,8 @@ class WorkerServer:
         for seg in objs.segments.values():  # unpin and unmap: a dead client's segments go with its lease
             self.segments.release(seg)
         freed = 0
+        if objs.torch is not None:  # its tensors' storages leave the accounts with them
+            objs.torch.close()
         for event in objs.events.values():  # first: a stream's destruction need not outlive them
             try:
                 self.backend.destroy_event(event)

@@ -1,0 +1,295 @@
+"""The torch device's worker half in-process: TorchSession on a backend's device (PoCL's CPU device in CI, where
+PyTorch's CPU kernels are the device's library; CUDA with -m cuda), through the backends' GpuCompute ``torch_*``
+methods and through sessions of their own with a quota."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import pytest
+
+from gpubroker.broker.backends import TorchAccounts, TorchSession
+from gpubroker.client import (
+    GpuCompute,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+    Unimplemented,
+)
+from gpubroker.wire import torch_ops
+from gpubroker.wire.torch import (
+    Complex,
+    DeviceArg,
+    DtypeArg,
+    TensorArg,
+    TensorListArg,
+    TensorMeta,
+    TorchOp,
+    TorchOpSync,
+)
+from tests.backend_kernels import OpenDevice
+
+torch = pytest.importorskip("torch")
+
+BACKENDS = [pytest.param("opencl", id="opencl"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def gpu(request: pytest.FixtureRequest, open_device: OpenDevice) -> GpuCompute:
+    return open_device(request.param)
+
+
+_count = iter(range(1 << 62))
+
+
+def _h() -> str:
+    return f"t{next(_count)}"
+
+
+def _meta(shape: Sequence[int], dtype: str = "float32") -> TensorMeta:
+    """Contiguous metadata for ``shape``."""
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.insert(0, n)
+        n *= size
+    return (dtype, tuple(shape), tuple(strides), 0)
+
+
+def _put(gpu: GpuCompute, data: np.ndarray) -> str:
+    """A tensor holding ``data``, through a buffer (as the client's ``.to(dev)`` does)."""
+    buf = gpu.allocate_memory(max(data.nbytes, 1))
+    try:
+        gpu.copy_h2d(np.ascontiguousarray(data), buf)
+        handle = _h()
+        gpu.torch_from_buffer(handle, buf, _meta(data.shape, str(torch.from_numpy(data).dtype).removeprefix("torch.")))
+        gpu.synchronize()
+    finally:
+        gpu.free_memory(buf)
+    return handle
+
+
+def _get(gpu: GpuCompute, handle: str, dtype: type, shape: Sequence[int]) -> np.ndarray:
+    return np.frombuffer(gpu.torch_read(handle), dtype=dtype).reshape(shape)
+
+
+def _op(gpu: GpuCompute, name: str, args: list, shape: Sequence[int], dtype: str = "float32",
+        kwargs: dict | None = None) -> str:
+    out = _h()
+    gpu.torch_op(TorchOp(name, args, kwargs or {}, [out], [_meta(shape, dtype)]))
+    return out
+
+
+# -- the allowlist -------------------------------------------------------------------------------------------------
+def test_every_listed_operator_is_one_of_pytorchs_and_none_changes_storage_or_process_state() -> None:
+    missing = []
+    for name in sorted(torch_ops.ALLOWED):
+        namespace, op, overload = torch_ops.split_name(name)
+        try:
+            getattr(getattr(getattr(torch.ops, namespace), op), overload)
+        except (AttributeError, RuntimeError):
+            missing.append(name)
+    assert not missing, f"not operators of torch {torch.__version__}: {missing}"
+    assert torch_ops.SYNC <= torch_ops.ALLOWED
+    for name in torch_ops.ALLOWED:
+        _, op, overload = torch_ops.split_name(name)
+        assert name.startswith("aten::")
+        assert overload != "out" and not overload.endswith("_out"), name  # out= resizes what was charged
+        assert op not in ("resize_", "resize_as_", "set_", "from_file", "save", "load", "_copy_from_and_resize")
+        assert "num_threads" not in op and "deterministic" not in op and not op.startswith(("_set", "_use_")), name
+    assert torch_ops.allowed("aten::add.Tensor") and not torch_ops.allowed("aten::resize_.default")
+    with pytest.raises(ValueError):
+        torch_ops.split_name("add")
+
+
+# -- operators -----------------------------------------------------------------------------------------------------
+def test_add_matmul_and_a_reduction_match_numpy(gpu: GpuCompute) -> None:
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((3, 4), dtype=np.float32), rng.standard_normal((4, 5), dtype=np.float32)
+    ha, hb = _put(gpu, a), _put(gpu, b)
+    total = _op(gpu, "aten::add.Tensor", [TensorArg(ha), TensorArg(ha)], (3, 4), kwargs={"alpha": 2})
+    product = _op(gpu, "aten::mm.default", [TensorArg(ha), TensorArg(hb)], (3, 5))
+    summed = _op(gpu, "aten::sum.dim_IntList", [TensorArg(product), [1]], (3,))
+    np.testing.assert_allclose(_get(gpu, total, np.float32, (3, 4)), 3 * a, rtol=1e-6)
+    np.testing.assert_allclose(_get(gpu, product, np.float32, (3, 5)), a @ b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_get(gpu, summed, np.float32, (3,)), (a @ b).sum(1), rtol=1e-5, atol=1e-5)
+    gpu.torch_free([ha, hb, total, product, summed])
+
+
+def test_an_inplace_op_through_a_view_changes_its_base(gpu: GpuCompute) -> None:
+    base = _put(gpu, np.arange(6, dtype=np.float32).reshape(2, 3))
+    row = _h()
+    gpu.torch_op(TorchOp("aten::select.int", [TensorArg(base), 0, 1], {}, [row], [("float32", (3,), (1,), 3)]))
+    gpu.torch_op(TorchOp("aten::add_.Tensor", [TensorArg(row), 100], {}, [None], []))
+    assert _get(gpu, base, np.float32, (2, 3)).tolist() == [[0, 1, 2], [103, 104, 105]]
+    assert _get(gpu, row, np.float32, (3,)).tolist() == [103, 104, 105]  # the view's own elements
+    transposed = _h()
+    gpu.torch_op(TorchOp("aten::t.default", [TensorArg(base)], {}, [transposed], [("float32", (3, 2), (1, 3), 0)]))
+    out = gpu.allocate_memory(24)
+    gpu.torch_to_buffer(transposed, out)  # row-major in the view's order, not the storage's
+    host = np.empty((3, 2), np.float32)
+    gpu.copy_d2h(out, host)
+    assert host.tolist() == [[0, 103], [1, 104], [2, 105]]
+    gpu.free_memory(out)
+    gpu.torch_free([base, row, transposed])
+
+
+def test_a_sync_op_returns_its_outputs_metadata_and_plain_values(gpu: GpuCompute) -> None:
+    x = _put(gpu, np.array([[0, 1.5], [2, 0]], dtype=np.float32))
+    found = _h()
+    assert gpu.torch_op_sync(TorchOpSync("aten::nonzero.default", [TensorArg(x)], {}, [found])) == [
+        ("int64", (2, 2), (1, 2), 0)]
+    assert _get(gpu, found, np.int64, (2, 2)).T.tolist() == [[0, 1], [1, 0]]
+    total = _op(gpu, "aten::sum.default", [TensorArg(x)], ())
+    assert gpu.torch_op_sync(TorchOpSync("aten::_local_scalar_dense.default", [TensorArg(total)], {}, [None])) == [3.5]
+    assert gpu.torch_op_sync(TorchOpSync("aten::equal.default", [TensorArg(x), TensorArg(x)], {}, [None])) == [True]
+    gpu.torch_free([x, found, total])
+
+
+def test_creation_with_the_devices_own_device_and_dtypes_by_name(gpu: GpuCompute) -> None:
+    full = _op(gpu, "aten::full.default", [[2, 2], Complex(1.0, 0.0).re], (2, 2), "float64",
+               kwargs={"dtype": DtypeArg("float64"), "device": DeviceArg()})
+    assert _get(gpu, full, np.float64, (2, 2)).tolist() == [[1, 1], [1, 1]]
+    joined = _op(gpu, "aten::cat.default", [TensorListArg([full, full]), 1], (2, 4), "float64")
+    assert _get(gpu, joined, np.float64, (2, 4)).sum() == 8
+    with pytest.raises(InvalidArgument, match="unknown torch dtype"):
+        _op(gpu, "aten::zeros.default", [[2]], (2,), kwargs={"dtype": DtypeArg("float128")})
+    # A device is always the worker's own: a string naming another is refused, never parsed.
+    with pytest.raises(InvalidArgument, match="device"):
+        _op(gpu, "aten::zeros.default", [[2]], (2,), kwargs={"device": "cpu"})
+    gpu.torch_free([full, joined])
+
+
+def test_the_seed_makes_random_operators_repeat(gpu: GpuCompute) -> None:
+    draws = []
+    for _ in range(2):
+        gpu.torch_seed(1234)
+        r = _op(gpu, "aten::randn.default", [[8]], (8,), kwargs={"device": DeviceArg()})
+        draws.append(_get(gpu, r, np.float32, (8,)))
+        gpu.torch_free([r])
+    assert draws[0].tolist() == draws[1].tolist() and len(set(draws[0].tolist())) == 8
+
+
+# -- errors --------------------------------------------------------------------------------------------------------
+def test_pytorchs_errors_carry_its_class_and_message_and_the_session_goes_on(gpu: GpuCompute) -> None:
+    a = _put(gpu, np.ones((2, 3), np.float32))
+    with pytest.raises(InvalidArgument) as info:
+        _op(gpu, "aten::mm.default", [TensorArg(a), TensorArg(a)], (2, 2))
+        gpu.synchronize()
+    assert info.value.details["torch_error"] == "RuntimeError"
+    assert "aten::mm.default" in info.value.message and "cannot be multiplied" in info.value.message
+    index = _put(gpu, np.array([7], np.int64))
+    with pytest.raises(InvalidArgument) as info:
+        _op(gpu, "aten::index_select.default", [TensorArg(a), 0, TensorArg(index)], (1, 3))
+        gpu.synchronize()
+    assert info.value.details["torch_error"] == "IndexError"
+    fine = _op(gpu, "aten::mul.Tensor", [TensorArg(a), 2.0], (2, 3))  # the failed ops' handles were never taken
+    assert _get(gpu, fine, np.float32, (2, 3)).sum() == 12
+    gpu.torch_free([a, index, fine])
+
+
+def test_operators_off_the_allowlist_and_unknown_handles_are_refused(gpu: GpuCompute) -> None:
+    with pytest.raises(Unimplemented, match=r"aten::from_file\.default"):
+        gpu.torch_op(TorchOp("aten::from_file.default", ["/etc/passwd"], {}, ["x"], [_meta((1,))]))
+    with pytest.raises(Unimplemented, match="allowlist"):
+        gpu.torch_op(TorchOp("aten::resize_.default", [TensorArg("x"), [1 << 40]], {}, [None], []))
+    with pytest.raises(NotFound, match="no tensor 'nope'"):
+        _op(gpu, "aten::neg.default", [TensorArg("nope")], (1,))
+    big = _op(gpu, "aten::zeros.default", [[1 << 19]], (1 << 19,))
+    with pytest.raises(OutOfRange, match="through a buffer"):
+        gpu.torch_read(big)
+    gpu.torch_free([big, "never-made"])  # an unknown handle is skipped
+
+
+# -- memory --------------------------------------------------------------------------------------------------------
+class _Quota(TorchAccounts):
+    def __init__(self, quota: int) -> None:
+        self.quota, self.used, self.handles = quota, 0, set[str]()
+
+    def claim(self, handles: Sequence[str]) -> None:
+        pass
+
+    def bind(self, handle: str) -> None:
+        self.handles.add(handle)
+
+    def unbind(self, handle: str) -> None:
+        self.handles.discard(handle)
+
+    def reserve(self, nbytes: int) -> None:
+        if self.used + nbytes > self.quota:
+            raise ResourceExhausted(f"quota {self.quota}, used {self.used}, requested {nbytes}", quota=self.quota)
+        self.used += nbytes
+
+    def unreserve(self, nbytes: int) -> None:
+        self.used -= nbytes
+
+
+@pytest.fixture
+def quota(gpu: GpuCompute) -> Iterator[tuple[TorchSession, _Quota]]:
+    accounts = _Quota(1 << 20)
+    session = gpu.torch_session(accounts)  # type: ignore[attr-defined]
+    yield session, accounts
+    session.close()
+    assert accounts.used == 0 and not accounts.handles
+
+
+def _zeros(session: TorchSession, handle: str, n: int) -> None:
+    session.op(TorchOp("aten::zeros.default", [[n]], {"device": DeviceArg()}, [handle], [_meta((n,))]))
+
+
+def test_storage_is_charged_once_per_storage_and_released_with_its_last_view(
+        quota: tuple[TorchSession, _Quota]) -> None:
+    session, accounts = quota
+    _zeros(session, "a", 1000)
+    assert accounts.used == 4000
+    session.op(TorchOp("aten::view.default", [TensorArg("a"), [10, 100]], {}, ["v"], [_meta((10, 100))]))
+    session.op(TorchOp("aten::slice.Tensor", [TensorArg("v"), 0, 2, 4], {}, ["s"], [("float32", (2, 100), (100, 1),
+                                                                                        200)]))
+    assert accounts.used == 4000 and len(session) == 3  # views share their base's storage
+    session.free(["a", "v"])
+    assert accounts.used == 4000  # the slice still holds the storage
+    session.free(["s"])
+    assert accounts.used == 0 and len(session) == 0
+
+
+def test_past_the_quota_the_operator_is_refused_naming_it_and_the_session_goes_on(
+        quota: tuple[TorchSession, _Quota]) -> None:
+    session, accounts = quota
+    _zeros(session, "a", 200_000)  # 800 kB of the 1 MiB
+    with pytest.raises(ResourceExhausted, match=r"aten::cat\.default: quota") as info:
+        session.op(TorchOp("aten::cat.default", [TensorListArg(["a", "a"])], {}, ["b"], [_meta((400_000,))]))
+    assert info.value.details["quota"] == 1 << 20
+    assert accounts.used == 800_000 and len(session) == 1  # nothing kept, nothing charged
+    # A client that announces less than the operator makes is refused: what it announced is checked.
+    with pytest.raises(InvalidArgument, match=r"aten::cat\.default made a float32 tensor of shape"):
+        session.op(TorchOp("aten::cat.default", [TensorListArg(["a", "a"])], {}, ["b"], [_meta((4,))]))
+    assert accounts.used == 800_000 and len(session) == 1
+    session.free(["a"])
+    _zeros(session, "c", 250_000)  # room again
+    assert accounts.used == 1_000_000
+
+
+def test_two_sessions_never_see_each_others_tensors(gpu: GpuCompute) -> None:
+    one = gpu.torch_session()  # type: ignore[attr-defined]
+    two = gpu.torch_session()  # type: ignore[attr-defined]
+    _zeros(one, "same", 4)
+    with pytest.raises(NotFound):
+        two.read("same")
+    _zeros(two, "same", 8)  # the same handle in another session is another tensor
+    assert len(one.read("same")) == 16 and len(two.read("same")) == 32
+    one.close()
+    two.close()
+
+
+def test_announced_strides_are_kept_and_a_wrong_shape_is_refused(quota: tuple[TorchSession, _Quota]) -> None:
+    session, _ = quota
+    _zeros(session, "a", 6)
+    session.op(TorchOp("aten::view.default", [TensorArg("a"), [2, 3]], {}, ["m"], [_meta((2, 3))]))
+    # clone keeps a dense layout as it is: a client that announces the column-major layout gets it
+    session.op(TorchOp("aten::clone.default", [TensorArg("m")], {}, ["c"], [("float32", (2, 3), (1, 2), 0)]))
+    assert session.tensor("c").stride() == (1, 2)
+    with pytest.raises(InvalidArgument, match="shape inference disagrees"):
+        session.op(TorchOp("aten::clone.default", [TensorArg("m")], {}, ["d"], [_meta((3, 2))]))
+    with pytest.raises(InvalidArgument, match="already in use"):
+        _zeros(session, "a", 1)
