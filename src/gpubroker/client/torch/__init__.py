@@ -42,13 +42,13 @@ from __future__ import annotations
 import torch
 
 from gpubroker.client.torch._register import register, session_for
-from gpubroker.client.torch._session import TorchGpu
 from gpubroker.client.torch._tensor import SESSIONS
+from gpubroker.wire.compute import GpuCompute
 
-__all__ = ["TorchGpu", "device", "synchronize"]
+__all__ = ["device", "synchronize"]
 
 
-def device(gpu: TorchGpu) -> torch.device:
+def device(gpu: GpuCompute) -> torch.device:
     """The PyTorch device of a GpuCompute: its tensors live in ``gpu``'s session, its operators run there.
 
     The first call registers the ``gpubroker`` device with PyTorch (once per process). The same ``gpu`` gives the

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from gpubroker.client.torch._session import Session, TorchGpu
+from gpubroker.client.torch._session import Session
 from gpubroker.client.torch._tensor import NAME, SESSIONS, defer, dispatch, session_of_device
 from gpubroker.wire import torch_ops
+from gpubroker.wire.compute import GpuCompute
 
 __all__ = ["DeviceModule", "register", "session_for"]
 
@@ -139,7 +140,7 @@ def register() -> None:
         _registered = True
 
 
-def session_for(gpu: TorchGpu) -> Session:
+def session_for(gpu: GpuCompute) -> Session:
     """The session (device index) of ``gpu``: the same one each time for the same object."""
     register()
     with _lock:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any, Final, NoReturn, Protocol
+from typing import Any, Final, NoReturn
 
 import torch
 
@@ -17,9 +17,8 @@ from gpubroker.client.torch._errors import as_torch_error
 from gpubroker.wire.compute import GpuCompute
 from gpubroker.wire.errors import GpuBrokerError
 from gpubroker.wire.torch import MAX_TORCH_READ, DeviceArg, DtypeArg, TensorMeta, TorchOp, TorchOpSync
-from gpubroker.wire.types import Buffer, Stream
 
-__all__ = ["FREE_BATCH", "READ_INLINE", "Session", "TorchGpu", "new_handle"]
+__all__ = ["FREE_BATCH", "READ_INLINE", "Session", "new_handle"]
 
 FREE_BATCH: Final = 64  # dropped tensors' handles sent in one torch_free
 READ_INLINE: Final = min(MAX_TORCH_READ, 256 << 10)  # bytes up to which a read is one torch_read, not a buffer trip
@@ -32,24 +31,6 @@ _counter = itertools.count(1)
 def new_handle() -> str:
     """A fresh handle for a tensor (unique in this process, so in every session it opens)."""
     return f"T{next(_counter):x}"
-
-
-class TorchGpu(GpuCompute, Protocol):
-    """The torch device's calls of a GpuCompute (RemoteGpu and the in-process backends implement them)."""
-
-    def torch_op(self, op: TorchOp) -> None: ...
-
-    def torch_op_sync(self, op: TorchOpSync) -> list[Any]: ...
-
-    def torch_from_buffer(self, handle: str, buf: Buffer, meta: TensorMeta, stream: Stream | None = None) -> None: ...
-
-    def torch_to_buffer(self, handle: str, buf: Buffer, stream: Stream | None = None) -> None: ...
-
-    def torch_read(self, handle: str, stream: Stream | None = None) -> bytes: ...
-
-    def torch_free(self, handles: Sequence[str]) -> None: ...
-
-    def torch_seed(self, seed: int) -> None: ...
 
 
 def raise_error(exc: GpuBrokerError) -> NoReturn:
@@ -80,7 +61,7 @@ def wire_meta(shape: Sequence[int], dtype: torch.dtype) -> TensorMeta:
 class Session:
     """A GpuCompute serving as the device ``gpubroker:<index>``."""
 
-    def __init__(self, gpu: TorchGpu, index: int) -> None:
+    def __init__(self, gpu: GpuCompute, index: int) -> None:
         self.gpu = gpu
         self.index = index
         self.device = torch.device("gpubroker", index)
