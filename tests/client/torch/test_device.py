@@ -61,6 +61,7 @@ def test_views_share_storage_and_inplace_view_ops_restride(dev: Any) -> None:
     assert torch.equal(y.cpu(), x)
     t = y.t()
     assert t.stride() == (1, 4) and torch.equal(t.cpu(), x.t())
+    assert t.cpu().stride() == (1, 4)  # .cpu() keeps dense strides, as from CUDA
     c = y.clone().t_()
     assert (c.shape, c.stride()) == (torch.Size([4, 3]), (1, 4)) and torch.equal(c.cpu(), x.t())
     s = y.clone().unsqueeze_(0)

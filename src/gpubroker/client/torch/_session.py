@@ -94,8 +94,10 @@ class Session:
 
     def flush_frees(self) -> None:
         dead, self.dead = self.dead, []
-        if self.pending or self.poisoned:
-            dead = [h for h in dead if self.pending.pop(h, None) is None and h not in self.poisoned]
+        if self.pending or self.poisoned:  # neither was ever made in the worker
+            made = [h for h in dead if self.pending.pop(h, None) is None and h not in self.poisoned]
+            self.poisoned.difference_update(dead)
+            dead = made
         if dead:
             try:
                 self.gpu.torch_free(dead)

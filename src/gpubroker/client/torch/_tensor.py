@@ -124,8 +124,24 @@ class BTensor(torch.Tensor):
 
 
 def fetch(t: BTensor) -> torch.Tensor:
-    """A contiguous CPU copy of the tensor's elements (waits)."""
-    return t._s.read(t._h, t._sig[0], t._sig[3])
+    """A CPU copy of the tensor's elements (waits), with its strides where they are dense, as ``.cpu()`` keeps
+    them (a transposed tensor's copy is transposed too)."""
+    shape, stride, _, dtype = t._sig
+    cpu = t._s.read(t._h, shape, dtype)
+    if cpu.stride() != stride and _dense(shape, stride):
+        cpu = torch.empty_strided(shape, stride, dtype=dtype).copy_(cpu)
+    return cpu
+
+
+def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether the strides lay the elements out with no gap and no overlap (in some order of the dims)."""
+    expected = 1
+    for size, step in sorted(((size, step) for size, step in zip(shape, stride, strict=True) if size != 1),
+                             key=lambda pair: pair[1]):
+        if step != expected:
+            return False
+        expected *= size
+    return True
 
 
 # ---------------------------------------------------------------- argument encoding
@@ -273,6 +289,7 @@ def _encode(args: Sequence[Any], kwargs: dict[str, Any]
 
 # ---------------------------------------------------------------- shape inference (cold path)
 _CACHE: dict[tuple[Any, ...], Entry] = {}
+MAX_CACHE: Final = 1 << 16  # entries (a training loop uses about 100)
 
 
 def _to_meta(value: Any) -> Any:
@@ -371,6 +388,8 @@ def _ordinary(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     cache_key = (func, *key)
     entry = _CACHE.get(cache_key)
     if entry is None:
+        if len(_CACHE) >= MAX_CACHE:  # shapes that never repeat (inference over varying lengths): start over
+            _CACHE.clear()
         try:
             entry = _CACHE[cache_key] = _entry(info, args, kwargs)
         except Refused:
