@@ -113,3 +113,51 @@ def test_an_error_inside_backward_is_deferred_to_the_next_wait(dev: Any, monkeyp
     assert (x * 2).sum().item() == pytest.approx((x.cpu() * 2).sum().item())  # the session goes on
     with pytest.raises(NotImplementedError, match=r"aten::threshold_backward\.default"):  # outside: at the call
         torch.ops.aten.threshold_backward(x, x, 0.0)
+
+
+def _decoder_losses(device: Any) -> list[float]:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = torch.nn.ModuleList([torch.nn.Embedding(50, 32), torch.nn.TransformerEncoder(layer, 2),
+                                 torch.nn.Linear(32, 50)]).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(3)).to(device)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(12).to(device)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        logits = model[2](model[1](model[0](ids), mask=mask, is_causal=True))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 50), ids.reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_causal_transformer_trains_to_the_loss_of_eager_cpu(dev: Any) -> None:
+    assert _decoder_losses(dev) == pytest.approx(_decoder_losses("cpu"), rel=1e-5, abs=1e-6)
+
+
+def _cnn(device: Any, train: bool) -> Any:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(8, 16, 3, stride=2), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+        torch.nn.Linear(16, 10)).to(device)
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1)).to(device)
+    if train:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    model.eval()
+    with torch.no_grad():
+        return model(x).cpu()
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "trained"])
+def test_a_cnn_with_batch_norm_matches_eager_cpu(dev: Any, train: bool) -> None:
+    # Eval-mode batch norm's saved statistics are empty on the CPU, full on CUDA and on meta: learned from the
+    # worker once per signature.
+    assert torch.allclose(_cnn(dev, train), _cnn("cpu", train), rtol=1e-5, atol=1e-6)

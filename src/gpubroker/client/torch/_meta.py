@@ -18,7 +18,8 @@ import torch
 from gpubroker.client.torch._session import dtype_name
 from gpubroker.wire.torch import TensorMeta
 
-__all__ = ["SYNC", "Entry", "OpInfo", "Refused", "Sig", "infer", "meta_tensor", "op_info"]
+__all__ = ["SYNC", "Entry", "OpInfo", "Out", "Refused", "Sig", "Source", "infer", "meta_tensor", "op_info",
+           "signature", "wire_sig"]
 
 
 class Refused(NotImplementedError):
@@ -66,14 +67,20 @@ def op_info(func: torch._ops.OpOverload) -> OpInfo:
     return info
 
 
+# An output: (the argument returned, None, None) for an in-place or out= return; (None, its signature, its wire
+# metadata) for a new tensor; (None, None, None) for an undefined tensor (None in Python).
+Out = tuple[Source | None, Sig | None, TensorMeta | None]
+
+
 class Entry:
     """A cached call: per output (returns flattened), the argument returned or a new tensor's signature."""
 
-    __slots__ = ("counts", "mutates", "outs")
+    __slots__ = ("counts", "learn", "mutates", "outs")
 
-    def __init__(self, outs: list[tuple[Source | None, Sig, TensorMeta]], counts: list[int],
-                 mutates: Sig | None) -> None:
+    def __init__(self, outs: list[Out], counts: list[int],
+                 mutates: Sig | None, *, learn: bool = False) -> None:
         self.outs = outs
+        self.learn = learn  # ask the worker what comes out, once (its kernels may disagree with the meta kernel)
         self.counts = counts  # per return: -1 a Tensor, n a Tensor[] of n
         self.mutates = mutates  # an in-place view operator's (t_, squeeze_, ...) new signature of its argument
 
@@ -129,7 +136,7 @@ def infer(info: OpInfo, args: Sequence[Any], kwargs: dict[str, Any],
         if _data_dependent(exc):
             return SYNC
         raise
-    flat: list[torch.Tensor] = []
+    flat: list[torch.Tensor | None] = []
     counts: list[int] = []
     if len(info.returns) == 1:
         out = (out,)
@@ -137,18 +144,21 @@ def infer(info: OpInfo, args: Sequence[Any], kwargs: dict[str, Any],
         out = ()
     for kind, value in zip(info.returns, out, strict=True):
         if kind == "t":
-            if not isinstance(value, torch.Tensor):
+            if value is not None and not isinstance(value, torch.Tensor):
                 return SYNC
-            flat.append(value)
+            flat.append(value)  # None: an undefined tensor (convolution_backward's gradients not asked for)
             counts.append(-1)
         else:
             flat.extend(value)
             counts.append(len(value))
     sources = info.sources
-    outs: list[tuple[Source | None, Sig, TensorMeta]] = []
+    outs: list[Out] = []
     mutates: Sig | None = None
     for i, t in enumerate(flat):
         source = sources[i] if i < len(sources) else (sources[0] if sources else None)  # a Tensor[] return's
+        if t is None:
+            outs.append((None, None, None))
+            continue
         sig = signature(t)
         if source is not None:
             before = sig_of(source)

@@ -18,6 +18,7 @@ from gpubroker.client.torch._meta import (
     SYNC,
     Entry,
     OpInfo,
+    Out,
     Refused,
     Sig,
     Source,
@@ -25,6 +26,7 @@ from gpubroker.client.torch._meta import (
     meta_tensor,
     op_info,
     signature,
+    wire_sig,
 )
 from gpubroker.client.torch._session import DTYPES, Session, new_handle
 from gpubroker.wire import torch_ops
@@ -36,6 +38,7 @@ from gpubroker.wire.torch import (
     MemoryFormatArg,
     TensorArg,
     TensorListArg,
+    TensorMeta,
     TorchOp,
     TorchOpSync,
 )
@@ -324,7 +327,10 @@ def _entry(info: OpInfo, args: Sequence[Any], kwargs: dict[str, Any]) -> Entry:
 
     margs = [_to_meta(a) for a in args]
     mkwargs = {k: _to_meta(v) for k, v in kwargs.items()}
-    return infer(info, margs, mkwargs, sig_of)
+    entry = infer(info, margs, mkwargs, sig_of)
+    if entry is not SYNC and info.name in LEARN_FROM_WORKER:
+        return Entry(entry.outs, entry.counts, entry.mutates, learn=True)
+    return entry
 
 
 def _restride(t: BTensor, sig: Sig) -> None:
@@ -401,6 +407,8 @@ def _ordinary(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     try:
         if entry is SYNC:
             return _dispatch_sync(sess, info, args, kwargs, wargs, wkwargs)
+        if entry.learn:
+            return _learn(sess, info, entry, args, kwargs, wargs, wkwargs, cache_key)
         return _dispatch_queued(sess, info, entry, args, kwargs, wargs, wkwargs)
     finally:
         if walk is not None:
@@ -414,10 +422,14 @@ def _dispatch_queued(sess: Session, info: OpInfo, entry: Entry, args: Sequence[A
     values: list[Any] = []
     for source, sig, meta in entry.outs:
         if source is None:
+            if sig is None:  # an undefined tensor
+                values.append(None)
+                outs.append(None)
+                continue
             handle = new_handle()
             values.append(BTensor(sess, sig, handle))
             outs.append(handle)
-            metas.append(meta)
+            metas.append(cast(TensorMeta, meta))
         else:
             values.append(_arg(args, kwargs, source))
             outs.append(None)
@@ -430,6 +442,38 @@ def _dispatch_queued(sess: Session, info: OpInfo, entry: Entry, args: Sequence[A
         sess.pending[cast(str, outs[0])] = op
     else:
         sess.submit(op)
+    return _result(entry.counts, values)
+
+
+# Operators whose outputs' shapes differ between devices' kernels where the meta kernel cannot know which device
+# runs them: native_batch_norm in eval mode returns empty saved statistics on the CPU, full ones on CUDA and meta.
+# The first call of each signature waits for the worker's answer, which the cache keeps.
+LEARN_FROM_WORKER: Final = frozenset({"aten::native_batch_norm.default",
+                                      "aten::_native_batch_norm_legit_no_training.default",
+                                      "aten::_native_batch_norm_legit.default",
+                                      "aten::_native_batch_norm_legit.no_stats"})
+
+
+def _learn(sess: Session, info: OpInfo, entry: Entry, args: Sequence[Any], kwargs: dict[str, Any],
+           wargs: list[Any], wkwargs: dict[str, Any], cache_key: tuple[Any, ...]) -> Any:
+    """Run the operator once waiting, and cache the outputs' metadata the worker's PyTorch made."""
+    outs: list[str | None] = [new_handle() if source is None else None for source, _, _ in entry.outs]
+    result = sess.op_sync(TorchOpSync(info.name, wargs, wkwargs, outs))
+    learned: list[Out] = []
+    values: list[Any] = []
+    for (source, sig, meta), handle, got in zip(entry.outs, outs, result, strict=True):
+        if handle is None:
+            learned.append((source, sig, meta))
+            values.append(_arg(args, kwargs, cast(Source, source)))
+        elif got is None:
+            learned.append((None, None, None))
+            values.append(None)
+        else:
+            dtype, shape, stride, offset = got
+            real: Sig = (tuple(shape), tuple(stride), offset, DTYPES[dtype])
+            learned.append((None, real, wire_sig(real)))
+            values.append(BTensor(sess, real, handle))
+    _CACHE[cache_key] = Entry(learned, entry.counts, entry.mutates)
     return _result(entry.counts, values)
 
 
@@ -458,7 +502,7 @@ def _dispatch_sync(sess: Session, info: OpInfo, args: Sequence[Any], kwargs: dic
     for handle, value, source in zip(outs, result, info.sources, strict=True):
         if source is not None:
             values.append(_arg(args, kwargs, source))
-        elif handle is not None:
+        elif handle is not None and value is not None:
             name, shape, stride, offset = value
             values.append(BTensor(sess, (tuple(shape), tuple(stride), offset, DTYPES[name]), handle))
         else:
@@ -498,7 +542,9 @@ def defer(func: Any, args: Sequence[Any], kwargs: dict[str, Any], exc: Exception
             return None
         values: list[Any] = []
         for source, sig, _ in entry.outs:
-            if source is None:
+            if sig is None:
+                values.append(None)
+            elif source is None:
                 handle = new_handle()
                 sess.poisoned.add(handle)
                 values.append(BTensor(sess, sig, handle))
