@@ -32,7 +32,7 @@ Source = tuple[int, str, bool]  # an argument: its position, name, and whether i
 class OpInfo:
     """What the dispatch loop needs of one overload, read once from its schema."""
 
-    __slots__ = ("func", "name", "returns", "sources", "tensor_returns")
+    __slots__ = ("func", "name", "returns", "sources", "special", "tensor_returns")
 
     def __init__(self, func: torch._ops.OpOverload) -> None:
         schema = func._schema
@@ -55,6 +55,7 @@ class OpInfo:
             kind = str(ret.type)
             self.returns.append("t" if kind == "Tensor" else "l" if kind in ("List[Tensor]", "Tensor[]") else "")
         self.tensor_returns = all(self.returns)
+        self.special: Callable[[Sequence[Any], dict[str, Any]], Any] | None = None  # handled by the client itself
 
 
 _INFOS: dict[Any, OpInfo] = {}

@@ -366,19 +366,22 @@ def _info(func: Any) -> OpInfo:
     info = _INFOS.get(func)
     if info is None:
         info = _INFOS[func] = op_info(func)
+        info.special = _SPECIAL.get(func)
     return info
 
 
 def dispatch(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """Run one ATen operator on the session of its tensors (or of its device argument)."""
-    special = _SPECIAL.get(func)
+    info = _INFOS.get(func)  # (an OpOverload's hash is Python code: one lookup per operator, by its OpInfo after)
+    if info is None:
+        info = _info(func)
+    special = info.special
     if special is not None:
         return special(args, kwargs)
-    return _ordinary(func, args, kwargs)
+    return _ordinary(info, args, kwargs)
 
 
-def _ordinary(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    info = _INFOS.get(func) or _info(func)
+def _ordinary(info: OpInfo, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     if info.name not in torch_ops.ALLOWED:
         raise NotImplementedError(f"{info.name} is not supported on the {NAME} device (it is not on the allowlist, "
                                   "gpubroker.wire.torch_ops)")
@@ -391,7 +394,7 @@ def _ordinary(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
                 raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
                                    f"devices, {sess.device} and cpu! ({info.name})")
             sess.upload(handle, cpu)
-    cache_key = (func, *key)
+    cache_key = (info, *key)
     entry = _CACHE.get(cache_key)
     if entry is None:
         if len(_CACHE) >= MAX_CACHE:  # shapes that never repeat (inference over varying lengths): start over
@@ -567,7 +570,7 @@ def _to_copy(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         if device.type == NAME:
             return _upload(session_of_device(device), cpu)
         return cpu if device.type == "cpu" else cpu.to(device)
-    return _ordinary(aten._to_copy.default, args, kwargs)
+    return _ordinary(_info(aten._to_copy.default), args, kwargs)
 
 
 def _upload(sess: Session, cpu: torch.Tensor) -> BTensor:
@@ -583,7 +586,7 @@ def _copy(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         return dst
     sess = dst._s
     if type(src) is BTensor and src._s is sess:
-        return _ordinary(aten.copy_.default, args, kwargs)
+        return _ordinary(_info(aten.copy_.default), args, kwargs)
     cpu = fetch(src) if type(src) is BTensor else src.detach()
     if cpu.device.type != "cpu":
         cpu = cpu.cpu()
@@ -597,7 +600,7 @@ def _copy(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     handle = new_handle()
     sess.upload(handle, cpu)
     tmp = BTensor(sess, signature(cpu.contiguous()), handle)
-    return _ordinary(aten.copy_.default, (dst, tmp, *args[2:]), kwargs)
+    return _ordinary(_info(aten.copy_.default), (dst, tmp, *args[2:]), kwargs)
 
 
 def _copy_from(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
