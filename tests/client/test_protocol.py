@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from gpubroker.wire import commands as p
+from gpubroker.wire import torch as t
 from gpubroker.wire.errors import WireError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,7 +84,32 @@ def test_two_commands_with_one_tag_are_refused() -> None:
     assert p.tag_of(p.commands()[0]) == "allocate"
 
 
-@pytest.mark.parametrize("command", list(SAMPLES.values()), ids=lambda c: type(c).__name__)
+# The torch device's commands (gpubroker/wire/torch.py), registered by wire.commands in every process.
+TORCH_SAMPLES: dict[type, p.Command] = {
+    t.TorchOp: t.TorchOp("aten::add.Tensor", [t.TensorArg("t1"), 2.5, None, [1, 2], "trunc", t.DeviceArg(),
+                                               t.DtypeArg("float32"), t.Complex(1.0, -1.0),
+                                               t.TensorListArg(["t1", None]), t.MemoryFormatArg("channels_last"),
+                                               t.LayoutArg("strided"), True],
+                         {"alpha": 2}, ["t2", None], [("float32", (2, 3), (3, 1), 0)], "s1"),
+    t.TorchOpSync: t.TorchOpSync("aten::nonzero.default", [t.TensorArg("t1")], {}, ["t3"], ""),
+    t.TorchFromBuffer: t.TorchFromBuffer("t1", ("b1", 64), ("int64", (4,), (1,), 0), ""),
+    t.TorchToBuffer: t.TorchToBuffer("t1", ("b1", 0), "s1"),
+    t.TorchRead: t.TorchRead("t1", ""),
+    t.TorchFree: t.TorchFree(["t1", "t2"]),
+    t.TorchSeed: t.TorchSeed(-(1 << 63)),
+}
+
+
+def test_the_torch_commands_are_registered_with_their_traits() -> None:
+    assert set(TORCH_SAMPLES) == {c for c in p.commands() if c.__module__ == t.__name__}
+    assert {c for c in TORCH_SAMPLES if not c.device_work} == {t.TorchFree, t.TorchSeed}
+    assert {c for c in TORCH_SAMPLES if c.result is not None} == {t.TorchOpSync, t.TorchRead}
+    assert TORCH_SAMPLES[t.TorchOp].describe() == "torch operator aten::add.Tensor"
+    assert p.link_commands() >= set(TORCH_SAMPLES)
+
+
+@pytest.mark.parametrize("command", list(SAMPLES.values()) + list(TORCH_SAMPLES.values()),
+                         ids=lambda c: type(c).__name__)
 def test_round_trip(command: p.Command) -> None:
     batch = p.Batch(3, 17, [command])
     assert p.decode_batch(p.encode(batch)) == batch
@@ -118,6 +144,11 @@ def test_an_ack_for_the_front_decodes_only_what_the_last_command_returns() -> No
     msgspec.msgpack.encode([1, 1, [["launch", "k", [1], [1], [["s", "<f8", b"\0" * 9]], 0, ""]]]),
     msgspec.msgpack.encode([1, 1, [["read", ["b1", -1], 0, 4, ""]]]),  # negative view offset
     msgspec.msgpack.encode({"id": 1}),
+    msgspec.msgpack.encode([1, 1, [["torch_op", "aten::add.Tensor", [{"k": "t", "h": ""}], {}, [], [], ""]]]),
+    msgspec.msgpack.encode([1, 1, [["torch_op", "aten::add.Tensor", [{"k": "zz"}], {}, [], [], ""]]]),
+    msgspec.msgpack.encode([1, 1, [["torch_op", "a" * 129, [], {}, [], [], ""]]]),  # name too long
+    msgspec.msgpack.encode([1, 1, [["torch_op", "aten::x.y", [0] * 65, {}, [], [], ""]]]),  # too many args
+    msgspec.msgpack.encode([1, 1, [["torch_from_buffer", "t", ["b", 0], ["float32", [-1], [1], 0], ""]]]),
 ])
 def test_malformed_batches_are_refused(raw: bytes) -> None:
     with pytest.raises(msgspec.DecodeError):

@@ -156,3 +156,14 @@ def test_two_tenants_tensors_never_mix(broker: BrokerProcess) -> None:
         _put(b, "secret", np.zeros(4, np.float32))  # the same handle in bob's session is bob's own tensor
         assert _get(b, "secret", (4,)).tolist() == [0, 0, 0, 0]
         assert _get(a, "secret", (4,)).tolist() == [7, 7, 7, 7]
+
+
+def test_a_closed_sessions_tensors_leave_the_quota_with_it(broker: BrokerProcess) -> None:
+    with connect(broker.target, token=broker.tokens["bob"]) as watcher:
+        before = watcher.device_info().memory_used
+        with connect(broker.target, token=broker.tokens["bob"]) as gone:
+            gone.torch_op(TorchOp("aten::ones.default", [[1 << 18]], {"device": DeviceArg()}, ["kept"],
+                                  [_meta((1 << 18,))]))
+            gone.synchronize()
+            assert watcher.device_info().memory_used == before + (1 << 20)
+        assert watcher.device_info().memory_used == before  # closed: its tensors went with it

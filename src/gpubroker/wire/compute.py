@@ -399,6 +399,17 @@ class GpuCompute(Protocol):
         Returns:
             One entry per return (per `op.outs`): a tensor's metadata (dtype name, shape, strides, storage offset),
                 or the plain value returned (an int, float or bool).
+
+        Raises:
+            Unimplemented: the operator is not on the allowlist, or returns a value the device cannot carry back
+                (a complex number).
+            InvalidArgument: PyTorch refused the operator (`exc.details["torch_error"]` names its exception's
+                class), or the arguments are malformed, as for `torch_op`.
+            ResourceExhausted: the outputs would take the tenant past its memory quota (the message names the
+                operator); nothing was kept.
+            NotFound: an argument names no tensor of this session.
+            GpuBrokerError: an earlier queued command's error, or any error every call may raise
+                (see [GpuCompute][gpubroker.client.GpuCompute]).
         """
         ...
 

@@ -6,11 +6,12 @@ A name is an overload as ``gpubroker.wire.torch`` sends it: ``"aten::add.Tensor"
 
 What is listed computes on tensors and nothing else. Left out on purpose: whatever reads or writes files
 (``from_file``, ``save``/``load``), loads code or libraries, changes process-wide state (``set_num_threads``,
-deterministic or cuDNN flags, allocator settings, cuFFT plan cache sizes), reaches another process, or changes a
-tensor's storage behind the quota's back (``resize_``, ``set_``, ``out=`` overloads, which resize their
-outputs): the worker charges each new output's storage against the tenant's memory quota, and those would grow
-one it already charged. Every listed forward operator's backward operators are listed too: a refusal inside
-``backward`` can only be deferred.
+deterministic or cuDNN flags, allocator settings, cuFFT plan cache sizes), reaches another process, skips
+PyTorch's bounds checks (``_unsafe_index``, ``_index_put_impl_``'s ``unsafe``), or changes a tensor's storage
+behind the quota's back (``resize_``, ``set_``, ``out=`` overloads, which resize their outputs): the worker
+charges each new output's storage against the tenant's memory quota, and those would grow one it already charged.
+Every listed forward operator's backward operators are listed too: a refusal inside ``backward`` can only be
+deferred.
 
 ``SYNC`` are the listed operators whose output shapes depend on the data, or that return a plain value: the
 client sends them as ``TorchOpSync`` and waits for what came out.
@@ -173,9 +174,9 @@ _CREATE = _listed("""
     cat.default stack.default hstack.default vstack.default dstack.default column_stack.default
     flip.default fliplr.default flipud.default roll.default rot90.default repeat.default tile.default
     repeat_interleave.self_int _pad_packed_sequence.default
-    index.Tensor index_put.default index_put_.default _index_put_impl_.default _unsafe_index.Tensor
-    _unsafe_index_put.default index_select.default index_select_backward.default index_add.default
-    index_add_.default index_copy.default index_copy_.default index_fill.int_Scalar index_fill_.int_Scalar
+    index.Tensor index_put.default index_put_.default index_select.default index_select_backward.default
+    index_add.default index_add_.default index_copy.default index_copy_.default index_fill.int_Scalar
+    index_fill_.int_Scalar
     index_fill.int_Tensor index_fill_.int_Tensor index_reduce.default index_reduce_.default
     gather.default gather_backward.default scatter.src scatter_.src scatter.value scatter_.value scatter.reduce
     scatter_.reduce scatter.value_reduce scatter_.value_reduce scatter_add.default scatter_add_.default

@@ -293,3 +293,14 @@ def test_announced_strides_are_kept_and_a_wrong_shape_is_refused(quota: tuple[To
         session.op(TorchOp("aten::clone.default", [TensorArg("m")], {}, ["d"], [_meta((3, 2))]))
     with pytest.raises(InvalidArgument, match="already in use"):
         _zeros(session, "a", 1)
+
+
+def test_a_worker_imports_pytorch_at_its_first_torch_command_only() -> None:
+    """A worker that runs no torch operator never pays for PyTorch (about 220 MiB and a second or more)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import gpubroker.broker.worker._main, gpubroker.broker.backends._opencl, "
+            "gpubroker.broker.backends._torch, gpubroker.client; print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "False"

@@ -23,8 +23,10 @@ tenant's: they become gpubroker errors carrying PyTorch's class name (``details[
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -83,6 +85,9 @@ def import_torch() -> Any:
                 import torch
             except (ImportError, OSError, MemoryError) as exc:  # (absent, or its libraries failed to load)
                 raise Unimplemented(f"this broker has no PyTorch for the torch device: {exc}") from None
+            # PyTorch's warnings about a tenant's operators (deprecated arguments, a slow path) would reach the
+            # broker's log from every worker, as often as tenants make them: nobody reads them there.
+            warnings.filterwarnings("ignore", module=re.escape(__name__))
             cpus = len(os.sched_getaffinity(0))
             if torch.get_num_threads() > cpus:
                 torch.set_num_threads(cpus)
@@ -137,6 +142,10 @@ class TorchPlacement(Protocol):
         """The device's default generator."""
         ...
 
+    def trim(self) -> None:
+        """Tensors were freed: give idle cached memory back to the device where the backend caches it."""
+        ...
+
     def error(self, what: str, exc: Exception) -> GpuBrokerError | None:
         """The backend's own reading of an exception (a CUDA fault that broke the context), or None."""
         ...
@@ -152,6 +161,7 @@ class _OpInfo:
     device_names: frozenset[str]
     generator: int  # position of the Generator parameter, -1 if none
     generator_name: str
+    guarded: bool  # has a Device or Generator parameter
 
 
 @dataclass(slots=True)
@@ -198,11 +208,12 @@ class TorchSession:
         return t
 
     def _claim(self, handles: Sequence[str]) -> None:
-        seen = set()
+        tensors = self._tensors
         for h in handles:
-            if h in self._tensors or h in seen:
+            if h in tensors:
                 raise InvalidArgument(f"handle {h!r} is already in use in this session (a tensor)")
-            seen.add(h)
+        if len(handles) > 1 and len(set(handles)) != len(handles):
+            raise InvalidArgument("an operator's new outputs need a handle each; these repeat one")
         self.accounts.claim(handles)
 
     def _store(self, handle: str, t: torch.Tensor, key: int) -> None:
@@ -213,6 +224,7 @@ class TorchSession:
     def free(self, handles: Sequence[str]) -> None:
         """Drop the tensors; a storage goes back to the accounts with its last handle. A handle that names no
         tensor is skipped: the client frees the handles of an operator that failed, which never named one."""
+        released = False
         for h in handles:
             if self._tensors.pop(h, None) is None:
                 continue
@@ -223,6 +235,9 @@ class TorchSession:
             if storage.refs == 0:
                 del self._storages[key]
                 self.accounts.unreserve(storage.nbytes)
+                released = True
+        if released:
+            self.placement.trim()
 
     def close(self) -> None:
         """Drop every tensor (the session ended)."""
@@ -241,7 +256,7 @@ class TorchSession:
         except (AttributeError, RuntimeError):
             raise Unimplemented(f"this worker's PyTorch {self._t.__version__} has no operator {name}") from None
         schema = overload._schema
-        aliased = tuple(r.alias_info is not None for r in schema.returns)
+        aliased = tuple(r.alias_info is not None for r in schema.returns) or (False,)
         devices, device_names, generator, generator_name = [], set(), -1, ""
         for i, arg in enumerate(schema.arguments):
             kind = str(arg.type).removeprefix("Optional[").rstrip("]?")  # ("Device", "Optional[Device]", "Device?")
@@ -251,7 +266,7 @@ class TorchSession:
             elif kind == "Generator":
                 generator, generator_name = i, arg.name
         info = self._ops[name] = _OpInfo(overload, aliased, tuple(devices), frozenset(device_names), generator,
-                                         generator_name)
+                                         generator_name, bool(devices) or generator >= 0)
         return info
 
     def _arg(self, value: ArgValue) -> Any:
@@ -281,7 +296,9 @@ class TorchSession:
 
     def _arguments(self, info: _OpInfo, cmd: TorchOp | TorchOpSync) -> tuple[list[Any], dict[str, Any]]:
         args = [self._arg(a) for a in cmd.args]
-        kwargs = {k: self._arg(v) for k, v in cmd.kwargs.items()}
+        kwargs = {k: self._arg(v) for k, v in cmd.kwargs.items()} if cmd.kwargs else {}
+        if not info.guarded:
+            return args, kwargs
         # A device is always the worker's own, and a generator the session's: a client's string ("cuda:1") or
         # number there would reach another device or another session's numbers.
         for i in info.devices:
@@ -326,39 +343,37 @@ class TorchSession:
             return own
         kind = type(exc).__name__
         message = f"{name}: {kind}: {exc}"[:4096]
-        if isinstance(exc, self._t.OutOfMemoryError) or "can't allocate memory" in str(exc):
+        if isinstance(exc, self._t.OutOfMemoryError | MemoryError) or "can't allocate memory" in str(exc):
             return ResourceExhausted(message, torch_error=kind)
         if isinstance(exc, NotImplementedError):
             return Unimplemented(message, torch_error=kind)
         return InvalidArgument(message, torch_error=kind)
 
-    def _new_storages(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[int], int]:
-        """Each tensor's storage key, and the bytes of the storages that no tensor of the session uses yet."""
-        keys, new, seen = [], 0, set()
-        for _, t in tensors:
-            storage = t.untyped_storage()
-            key = storage._cdata
-            keys.append(key)
-            if key not in self._storages and key not in seen:
-                seen.add(key)
-                new += storage.nbytes()
-        return keys, new
-
     def _keep(self, name: str, outs: Sequence[tuple[str, torch.Tensor]], reserved: int) -> None:
         """Settle the accounts on the outputs' real storages (``reserved`` was charged before the run), then
         store them; past the quota, the outputs are dropped and the error names the operator."""
-        keys, new = self._new_storages(outs)
-        self.accounts.unreserve(reserved)
-        try:
-            self.accounts.reserve(new)
-        except ResourceExhausted as exc:
-            raise ResourceExhausted(f"{name}: {exc.message}", **exc.details) from None
+        keys: list[int] = []
+        fresh: dict[int, int] = {}  # storages no tensor of the session uses yet -> their bytes
+        storages = self._storages
+        for _, t in outs:
+            storage = t.untyped_storage()
+            key = storage._cdata  # (the StorageImpl's address: the same for every view of one storage)
+            keys.append(key)
+            if key not in storages and key not in fresh:
+                fresh[key] = storage.nbytes()
+        new = sum(fresh.values())
+        if new != reserved:
+            self.accounts.unreserve(reserved)
+            try:
+                self.accounts.reserve(new)
+            except ResourceExhausted as exc:
+                raise ResourceExhausted(f"{name}: {exc.message}", **exc.details) from None
         for (handle, t), key in zip(outs, keys, strict=True):
-            storage = self._storages.get(key)
-            if storage is None:
-                self._storages[key] = _Storage(t.untyped_storage().nbytes(), 1)
+            storage_entry = storages.get(key)
+            if storage_entry is None:
+                storages[key] = _Storage(fresh[key], 1)
             else:
-                storage.refs += 1
+                storage_entry.refs += 1
             self._store(handle, t, key)
 
     def op(self, cmd: TorchOp, stream: Stream | None = None) -> None:
@@ -371,16 +386,19 @@ class TorchSession:
         args, kwargs = self._arguments(info, cmd)
         # Before the run, what the client says the new outputs take (a return that aliases an input takes none).
         reserved = 0
-        metas = iter(cmd.metas)
+        aliased, count = info.aliased, len(info.aliased)
+        j = 0
         for i, h in enumerate(cmd.outs):
             if h is not None:
-                meta = next(metas)
-                if not (i < len(info.aliased) and info.aliased[i]):
-                    reserved += self._extent(meta)
-        try:
-            self.accounts.reserve(reserved)
-        except ResourceExhausted as exc:
-            raise ResourceExhausted(f"{cmd.name}: {exc.message}", **exc.details) from None
+                # (a single Tensor[] return is flattened into many outputs, each aliased as it is)
+                if not aliased[i if i < count else -1]:
+                    reserved += self._extent(cmd.metas[j])
+                j += 1
+        if reserved:
+            try:
+                self.accounts.reserve(reserved)
+            except ResourceExhausted as exc:
+                raise ResourceExhausted(f"{cmd.name}: {exc.message}", **exc.details) from None
         try:
             results = self._run(info, cmd.name, args, kwargs, stream)
             outs = self._outputs(cmd.name, cmd.outs, results, cmd.metas)
@@ -422,10 +440,12 @@ class TorchSession:
                 raise InvalidArgument(f"{name} returned a {type(item).__name__} where the command names a tensor")
             outs.append((h, item))
         if metas is not None:
+            dtypes = self._dtypes
             for i, ((h, t), meta) in enumerate(zip(outs, metas, strict=True)):
-                actual = self.meta(t)
-                if actual != meta:
-                    outs[i] = (h, self._as_announced(name, t, actual, meta))
+                dtype, shape, stride, offset = meta
+                if (t.dtype is not dtypes.get(dtype) or t.shape != shape or t.stride() != stride
+                        or t.storage_offset() != offset):
+                    outs[i] = (h, self._as_announced(name, t, self.meta(t), meta))
         return outs
 
     def _as_announced(self, name: str, t: torch.Tensor, actual: TensorMeta, meta: TensorMeta) -> torch.Tensor:
@@ -522,6 +542,23 @@ class TorchSession:
             raise InvalidArgument(f"torch_seed: {exc}") from None
 
 
+class _Timed:
+    """Around an operator on the CPU: its time charged as device time (a plain class: cheaper to enter than a
+    generator-based context manager, on every operator)."""
+
+    __slots__ = ("_charge", "_started")
+
+    def __init__(self, charge: Callable[[float], None]) -> None:
+        self._charge = charge
+        self._started = 0.0
+
+    def __enter__(self) -> None:
+        self._started = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self._charge(time.perf_counter() - self._started)
+
+
 class CpuPlacement:
     """PyTorch's CPU kernels on CPU tensors, for an OpenCL backend (PoCL: the device is the host CPU). Buffers'
     bytes move with the backend's own host copies; an operator's host time is charged as device time, as a
@@ -531,21 +568,17 @@ class CpuPlacement:
                  copy_h2d: Callable[[Any, Buffer, int, Stream | None], None], charge: Callable[[float], None]) -> None:
         self._copy_d2h = copy_d2h
         self._copy_h2d = copy_h2d
-        self._charge = charge
+        self._timed = _Timed(charge)
         self._torch = import_torch()
 
     def device(self) -> torch.device:
         device: torch.device = self._torch.device("cpu")
         return device
 
-    @contextmanager
-    def running(self, stream: Stream | None) -> Iterator[None]:
+    def running(self, stream: Stream | None) -> AbstractContextManager[None]:
         # (CPU operators run at once, in order: the stream orders nothing more here)
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._charge(time.perf_counter() - started)
+        return self._timed
+
 
     def from_buffer(self, buf: Buffer, nbytes: int, stream: Stream | None) -> torch.Tensor:
         host = np.empty(nbytes, dtype=np.uint8)
@@ -565,8 +598,15 @@ class CpuPlacement:
         gen: torch.Generator = self._torch.default_generator
         return gen
 
+    def trim(self) -> None:
+        pass  # (CPU tensors are freed with their last reference)
+
     def error(self, what: str, exc: Exception) -> GpuBrokerError | None:
         return None
+
+
+# Idle bytes PyTorch's CUDA caching allocator may keep after tensors are freed (CudaPlacement.trim).
+_CACHE_IDLE_MAX = 256 << 20
 
 
 class CudaPlacement:
@@ -589,7 +629,10 @@ class CudaPlacement:
         if ext is None:
             if len(self._streams) > 1024:
                 self._streams.clear()
-            ext = self._streams[s.ptr] = self._torch.cuda.ExternalStream(s.ptr, device=self.device())
+            # The default stream (CuPy's null stream, pointer 0) is PyTorch's default stream too: both are the
+            # legacy default stream; any other is the CuPy stream itself, wrapped.
+            ext = self._streams[s.ptr] = (self._torch.cuda.default_stream(self.device()) if s.ptr == 0
+                                          else self._torch.cuda.ExternalStream(s.ptr, device=self.device()))
         return s, ext
 
     @contextmanager
@@ -634,6 +677,15 @@ class CudaPlacement:
         self._torch.cuda.init()  # (the default generators exist once CUDA is initialized)
         gen: torch.Generator = self._torch.cuda.default_generators[self._dev.index]
         return gen
+
+    def trim(self) -> None:
+        # PyTorch's caching allocator keeps freed blocks for reuse, outside the quota (which counts live storages);
+        # past this many idle bytes they go back to the device, as CuPy's pool does after library calls. Not after
+        # every free: cudaFree waits for the whole device.
+        cuda = self._torch.cuda
+        index = self._dev.index
+        if cuda.memory_reserved(index) - cuda.memory_allocated(index) > _CACHE_IDLE_MAX:
+            cuda.empty_cache()
 
     def error(self, what: str, exc: Exception) -> GpuBrokerError | None:
         text = str(exc)
