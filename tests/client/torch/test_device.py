@@ -47,6 +47,11 @@ def test_factories_make_one_operator_each(dev: Any) -> None:
     # PyTorch's own kernels for these make an empty tensor and resize it: one allowlisted operator each instead.
     assert torch.equal(torch.arange(10, device=dev).cpu(), torch.arange(10))
     assert torch.equal(torch.arange(0, 1, 0.25, device=dev).cpu(), torch.arange(0, 1, 0.25))
+    assert torch.equal(torch.arange(0, 1, 0.5, device=dev).cpu(), torch.arange(0, 1, 0.5))  # a float's value: a shape
+    x = torch.randn(1, 1, 3, 3)
+    for scale in (2.0, 3.0):  # the scale factor decides the shape too
+        up = torch.ops.aten.upsample_nearest2d.vec(x.to(dev), None, [scale, scale])
+        assert torch.equal(up.cpu(), torch.ops.aten.upsample_nearest2d.vec(x, None, [scale, scale]))
     assert torch.allclose(torch.linspace(0, 1, 5, device=dev).cpu(), torch.linspace(0, 1, 5))
     assert torch.equal(torch.eye(3, device=dev).cpu(), torch.eye(3))
     assert torch.equal(torch.full((2, 3), 7.0, device=dev).cpu(), torch.full((2, 3), 7.0))

@@ -32,7 +32,7 @@ Source = tuple[int, str, bool]  # an argument: its position, name, and whether i
 class OpInfo:
     """What the dispatch loop needs of one overload, read once from its schema."""
 
-    __slots__ = ("func", "name", "returns", "sources", "special", "tensor_returns")
+    __slots__ = ("float_shaped", "func", "name", "returns", "sources", "special", "tensor_returns")
 
     def __init__(self, func: torch._ops.OpOverload) -> None:
         schema = func._schema
@@ -56,6 +56,10 @@ class OpInfo:
             self.returns.append("t" if kind == "Tensor" else "l" if kind in ("List[Tensor]", "Tensor[]") else "")
         self.tensor_returns = all(self.returns)
         self.special: Callable[[Sequence[Any], dict[str, Any]], Any] | None = None  # handled by the client itself
+        # Whether a float argument's value decides the output's shape (arange's end and step, upsampling's scale
+        # factors): then the cache key holds the floats' values, not only their type.
+        self.float_shaped = self.name.startswith(("aten::arange.", "aten::range.")) or (
+            "upsample" in self.name and self.name.endswith(".vec"))
 
 
 _INFOS: dict[Any, OpInfo] = {}

@@ -163,8 +163,6 @@ class Session:
 
     def upload(self, handle: str, cpu: torch.Tensor) -> None:
         """Make tensor ``handle`` of the session from a CPU tensor's elements (contiguous, of its dtype)."""
-        if self.pending:
-            self.make_pending()
         meta = wire_meta(tuple(cpu.shape), cpu.dtype)
         if not cpu.numel():  # no bytes to send (and no buffer of 0 bytes): an empty tensor of the shape
             self.submit(TorchOp("aten::empty.memory_format", [list(cpu.shape)],

@@ -362,6 +362,17 @@ _INFOS: dict[Any, OpInfo] = {}
 _LAZY: Final = frozenset({"aten::empty.memory_format", "aten::empty_strided.default"})
 
 
+def _floats(values: Sequence[Any]) -> tuple[float, ...]:
+    """The float values among arguments (and in their lists), for an operator whose shapes they decide."""
+    found: list[float] = []
+    for v in values:
+        if type(v) is float:
+            found.append(v)
+        elif type(v) in (list, tuple):
+            found.extend(_floats(v))
+    return tuple(found)
+
+
 def _info(func: Any) -> OpInfo:
     info = _INFOS.get(func)
     if info is None:
@@ -394,6 +405,8 @@ def _ordinary(info: OpInfo, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
                 raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
                                    f"devices, {sess.device} and cpu! ({info.name})")
             sess.upload(handle, cpu)
+    if info.float_shaped:
+        key.append(_floats((*args, *kwargs.values())))
     cache_key = (info, *key)
     entry = _CACHE.get(cache_key)
     if entry is None:
