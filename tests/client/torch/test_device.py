@@ -26,6 +26,8 @@ def test_tensors_report_the_device_and_move_both_ways(dev: Any) -> None:
     big = torch.arange(300_000, dtype=torch.float32)  # past one torch_read: through a buffer
     assert torch.equal(big.to(dev).cpu(), big)
     assert torch.equal(torch.empty(0, 3).to(dev).cpu(), torch.empty(0, 3))
+    one = torch.tensor(5.0).expand(1, 1)  # stride 0, yet contiguous
+    assert torch.equal(one.to(dev).cpu(), one)
 
 
 def test_operators_match_eager_cpu(dev: Any) -> None:

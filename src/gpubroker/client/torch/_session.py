@@ -168,7 +168,10 @@ class Session:
             self.submit(TorchOp("aten::empty.memory_format", [list(cpu.shape)],
                                 {"dtype": DtypeArg(meta[0]), "device": DeviceArg()}, [handle], [meta]))
             return
-        host = cpu.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        flat = cpu.detach().contiguous().reshape(-1)
+        if flat.stride() != (1,):  # one element broadcast (stride 0) still counts as contiguous
+            flat = flat.clone(memory_format=torch.contiguous_format)
+        host = flat.view(torch.uint8).numpy()
         buf = self.call(self.gpu.allocate_memory, host.nbytes)
         try:
             self.call(self.gpu.copy_h2d, host, buf)
