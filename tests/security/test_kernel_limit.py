@@ -129,3 +129,62 @@ def test_an_endless_kernel_is_killed_while_another_tenant_waits_but_a_lone_one_r
     with connect(broker.target, token=broker.tokens["alice"], device=0) as again:  # a fresh worker
         kernel, flag, out = _spinner(again)
         assert _spin(again, kernel, flag, out, 1000)[1] == 1000
+
+
+def test_a_long_torch_operator_is_killed_while_another_tenant_waits(broker: BrokerProcess) -> None:
+    """The limit holds for the torch device's operators as for kernels: the worker's PyTorch runs them inside the
+    tenant's device turn."""
+    pytest.importorskip("torch")
+    from gpubroker.wire.torch import DeviceArg, TensorArg, TorchOp
+
+    def contiguous(n: int) -> tuple[str, tuple[int, ...], tuple[int, ...], int]:
+        return ("float32", (n, n), (n, 1), 0)
+
+    with connect(broker.target, token=broker.tokens["alice"], device=0) as alice, \
+            connect(broker.target, token=broker.tokens["bob"], device=0) as bob:
+
+        def matmul(n: int) -> float:
+            """Seconds one n x n matrix product takes (alone, so no limit applies)."""
+            alice.torch_op(TorchOp("aten::rand.default", [[n, n]], {"device": DeviceArg()}, ["m"], [contiguous(n)]))
+            alice.synchronize()
+            start = time.monotonic()
+            alice.torch_op(TorchOp("aten::mm.default", [TensorArg("m"), TensorArg("m")], {}, ["p"], [contiguous(n)]))
+            alice.synchronize()
+            seconds = time.monotonic() - start
+            alice.torch_free(["m", "p"])
+            return seconds
+
+        # Calibrate: a product that takes about 2.5 times the limit alone (the limit is contended time only).
+        n = 512
+        while (seconds := matmul(n)) < 0.5:
+            n = int(n * 1.5)
+        n = int(n * (2.5 * LIMIT / seconds) ** (1 / 3)) + 1
+        [pid] = worker_pids(broker, "alice")
+        alice.torch_op(TorchOp("aten::rand.default", [[n, n]], {"device": DeviceArg()}, ["m"], [contiguous(n)]))
+        alice.synchronize()
+        failure: list[BaseException] = []
+
+        def long_product() -> None:
+            try:
+                for _ in range(4):  # (each past the limit: however its batches are cut, one holds the device;
+                    # the products are dropped as they come: no out handle)
+                    alice.torch_op(TorchOp("aten::mm.default", [TensorArg("m"), TensorArg("m")], {}, [None], []))
+                alice.synchronize()
+            except GpuBrokerError as exc:
+                failure.append(exc)
+
+        thread = threading.Thread(target=long_product, daemon=True)
+        before = _cpu_seconds(pid)
+        thread.start()
+        wait_for(lambda: _cpu_seconds(pid) - before > 0.3, 10, "alice's product to run")
+        buf = bob.allocate_memory(1024)
+        bob.memset(buf, 7)
+        bob.synchronize()
+        data = np.zeros(1024, dtype=np.uint8)
+        bob.copy_d2h(buf, data)
+        assert (data == 7).all()
+        thread.join(60)
+        assert not thread.is_alive()
+        assert isinstance(failure[0], DeadlineExceeded), failure
+        assert "max_kernel_seconds = 1 s" in str(failure[0])
+        assert "past max_kernel_seconds = 1 s while other tenants waited" in broker.log_tail(100_000)

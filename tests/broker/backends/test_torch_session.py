@@ -304,3 +304,29 @@ def test_a_worker_imports_pytorch_at_its_first_torch_command_only() -> None:
             "gpubroker.broker.backends._torch, gpubroker.client; print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_a_failure_skips_the_rest_of_its_batch_but_its_torch_frees_still_let_go(open_device: OpenDevice) -> None:
+    """Through the worker's executor: a training loop that catches an operator's error and goes on would otherwise
+    keep the tensors whose frees were queued behind it on its quota until its session ends."""
+    from gpubroker.broker.worker._executor import Executor
+    from gpubroker.broker.worker._handles import HandleTables
+    from gpubroker.broker.worker._segments import SegmentTable
+    from gpubroker.wire.commands import Batch
+    from gpubroker.wire.torch import TorchFree
+
+    backend = open_device("opencl")
+    tables = HandleTables("alice")
+    executor = Executor(backend, tables, SegmentTable(backend))
+    zeros = TorchOp("aten::zeros.default", [[1000]], {"device": DeviceArg()}, ["a"], [_meta((1000,))])
+    assert executor.run("s1", Batch(1, 0, [zeros])).error is None
+    assert tables.memory_used == 4000 and tables.sessions["s1"].kinds["a"] == "tensor"
+    bad = TorchOp("aten::mm.default", [TensorArg("a"), TensorArg("a")], {}, ["p"], [_meta((1, 1))])
+    neg = TorchOp("aten::neg.default", [TensorArg("a")], {}, ["n"], [_meta((1000,))])
+    ack = executor.run("s1", Batch(2, 1, [bad, neg, TorchFree(["a"])]))
+    assert (ack.done, ack.error.seq, ack.error.command) == (0, 1, "torch operator aten::mm.default")
+    assert ack.error.details["torch_error"] == "RuntimeError"
+    objs = tables.sessions["s1"]
+    assert tables.memory_used == 0 and "a" not in objs.kinds and "n" not in objs.kinds  # freed; neg skipped
+    executor.run("s1", Batch(3, 4, [TorchFree(["a"])]))  # sent again: harmless
+    assert tables.memory_used == 0

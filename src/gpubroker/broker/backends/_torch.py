@@ -81,12 +81,15 @@ def import_torch() -> Any:
         return _torch
     with _import_lock:
         if _torch is None:
+            # PyTorch's C++ warnings about a tenant's operators (a deprecated argument, too few degrees of
+            # freedom) would go to the worker's stderr, the broker's log, as often as tenants make them: nobody
+            # reads them there. Its errors still do (read once, as PyTorch starts).
+            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
             try:
                 import torch
             except (ImportError, OSError, MemoryError) as exc:  # (absent, or its libraries failed to load)
                 raise Unimplemented(f"this broker has no PyTorch for the torch device: {exc}") from None
-            # PyTorch's warnings about a tenant's operators (deprecated arguments, a slow path) would reach the
-            # broker's log from every worker, as often as tenants make them: nobody reads them there.
+            # (and its Python warnings, raised where this module calls an operator)
             warnings.filterwarnings("ignore", module=re.escape(__name__))
             cpus = len(os.sched_getaffinity(0))
             if torch.get_num_threads() > cpus:
@@ -443,7 +446,8 @@ class TorchSession:
             dtypes = self._dtypes
             for i, ((h, t), meta) in enumerate(zip(outs, metas, strict=True)):
                 dtype, shape, stride, offset = meta
-                if (t.dtype is not dtypes.get(dtype) or t.shape != shape or t.stride() != stride
+                # (tuple(): free on the decoded tuples; an in-process caller may pass lists)
+                if (t.dtype is not dtypes.get(dtype) or t.shape != tuple(shape) or t.stride() != tuple(stride)
                         or t.storage_offset() != offset):
                     outs[i] = (h, self._as_announced(name, t, self.meta(t), meta))
         return outs

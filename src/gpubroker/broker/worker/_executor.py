@@ -5,7 +5,8 @@ front's compile time limit) and from links straight from the client (workers/_li
 is a batch of one. Each command class has one handler, registered with ``@handles(TheCommand)``: a method here, or
 a function of an operation defined elsewhere (it takes the executor first), registered before the worker builds its
 Executor. The first failure stops the batch: the Ack says how many ran and names the failed command by its sequence
-number and what it was (``Command.describe``: "launch of 'scale'"); nothing after it runs.
+number and what it was (``Command.describe``: "launch of 'scale'"); nothing after it runs, but the torch frees
+(``_free_tensors_after``: they only let go of tensors).
 
 The launch path is the hot one: a launch is cached per session by its kernel handle and its arguments as sent
 (frozen, hashable protocol structs). The CUDA backend's entry is a prepared launch (its arguments packed once
@@ -254,12 +255,27 @@ class Executor:
         except GpuBrokerError as exc:
             if exc.details.get("fatal"):
                 self.fatal = True
+            else:
+                self._free_tensors_after(objs, batch.commands[done + 1:])
             return Ack(batch.id, done, self._error(batch, done, objs, command, exc))
         except Exception as exc:  # a bug or an untranslated runtime error: report it, keep the worker
             log.exception("%s failed", tag_of(command) if command is not None else "a batch")
             return Ack(batch.id, done, self._error(batch, done, objs, command,
                                                    Internal(f"{type(exc).__name__}: {exc}")))
         return Ack(batch.id, done, None, result)
+
+    @staticmethod
+    def _free_tensors_after(objs: SessionObjects, skipped: list[Command]) -> None:
+        """The torch frees a failure skipped still let go of their tensors. The torch device queues one per few
+        operators and cannot tell which batch a failure cut short; a tenant that catches the error and goes on
+        (a training loop) would otherwise hold those tensors on its quota until its session ends. A free only
+        drops references (an unknown handle is skipped), so running it changes nothing else; the Ack still counts
+        it as not run, and sending it again is harmless."""
+        torch = objs.torch
+        if torch is not None:
+            for command in skipped:
+                if isinstance(command, TorchFree):
+                    torch.free(command.handles)
 
     def issuing(self) -> bool:
         """Whether device-time segments are open: then the worker calls ``idle`` before it waits for input."""
