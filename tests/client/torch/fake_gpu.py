@@ -105,7 +105,7 @@ class FakeTorchGpu:
     def torch_read(self, handle: str, stream: Stream | None = None) -> bytes:
         self.counts["torch_read"] += 1
         self._wait()
-        t = self.tensors[handle].contiguous().reshape(-1)
+        t = self.tensors[handle].reshape(-1).clone(memory_format=torch.contiguous_format)
         return bytes(t.view(torch.uint8).numpy()) if t.numel() else b""
 
     def torch_free(self, handles: Sequence[str]) -> None:
@@ -148,7 +148,7 @@ class FakeTorchGpu:
                                     ).reshape(shape).clone()
         elif kind == "to_buffer":
             handle, buf, offset = value
-            t = self.tensors[handle].contiguous().reshape(-1)
+            t = self.tensors[handle].reshape(-1).clone(memory_format=torch.contiguous_format)
             data = t.view(torch.uint8).numpy().tobytes()
             self.buffers[buf][offset:offset + len(data)] = data
 
