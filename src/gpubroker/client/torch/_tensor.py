@@ -462,12 +462,15 @@ def _dispatch_queued(sess: Session, info: OpInfo, entry: Entry, args: Sequence[A
 
 
 # Operators whose outputs' shapes differ between devices' kernels where the meta kernel cannot know which device
-# runs them: native_batch_norm in eval mode returns empty saved statistics on the CPU, full ones on CUDA and meta.
-# The first call of each signature waits for the worker's answer, which the cache keeps.
+# runs them: native_batch_norm in eval mode returns empty saved statistics on the CPU, full ones on CUDA and meta;
+# _embedding_bag an empty offset2bag on the CPU in some modes. The first call of each signature waits for the
+# worker's answer, which the cache keeps.
 LEARN_FROM_WORKER: Final = frozenset({"aten::native_batch_norm.default",
                                       "aten::_native_batch_norm_legit_no_training.default",
                                       "aten::_native_batch_norm_legit.default",
-                                      "aten::_native_batch_norm_legit.no_stats"})
+                                      "aten::_native_batch_norm_legit.no_stats",
+                                      "aten::_embedding_bag.default",
+                                      "aten::_embedding_bag_forward_only.default"})
 
 
 def _learn(sess: Session, info: OpInfo, entry: Entry, args: Sequence[Any], kwargs: dict[str, Any],
