@@ -142,6 +142,15 @@ def test_seeding_makes_random_ops_reproducible(dev: Any) -> None:
     assert torch.equal(a, b)
 
 
+def test_a_new_device_starts_from_the_process_seed() -> None:
+    from tests.client.torch.fake_gpu import FakeTorchGpu
+
+    torch.manual_seed(7)  # before the device exists, as CUDA allows
+    gpu = FakeTorchGpu()
+    gbtorch.device(gpu)
+    assert ("seed", 7) in gpu.queue  # its worker's generator is seeded
+
+
 def test_two_devices_never_mix(gpu: Any, dev: Any) -> None:
     from tests.client.torch.fake_gpu import FakeTorchGpu
 

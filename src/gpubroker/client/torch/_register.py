@@ -149,4 +149,7 @@ def session_for(gpu: GpuCompute) -> Session:
                 return sess
         sess = Session(gpu, len(SESSIONS))
         SESSIONS.append(sess)
-        return sess
+    # As CUDA applies a torch.manual_seed made before its first use: the new device's generator starts from the
+    # process's seed (PyTorch's fixed default if none was set).
+    sess.seed(torch.initial_seed())
+    return sess
