@@ -80,20 +80,23 @@ class Session:
     def submit(self, op: TorchOp) -> None:
         if self.pending:
             self.make_pending()
-        if len(self.dead) >= FREE_BATCH:
-            self.flush_frees()
         try:
             self.gpu.torch_op(op)
         except GpuBrokerError as exc:
             raise_error(exc)
+        if len(self.dead) >= FREE_BATCH:  # after the operator: a handle it made may be among them already
+            self.flush_frees()
 
     def make_pending(self) -> None:
-        pending, self.pending = self.pending, {}
-        for op in pending.values():
+        while self.pending:
+            _, op = self.pending.popitem()
             self.submit(op)
 
     def flush_frees(self) -> None:
-        dead, self.dead = self.dead, []
+        # Taken by count, not by swapping the list: a finalizer may append while this runs.
+        count = len(self.dead)
+        dead = self.dead[:count]
+        del self.dead[:count]
         if self.pending or self.poisoned:  # neither was ever made in the worker
             made = [h for h in dead if self.pending.pop(h, None) is None and h not in self.poisoned]
             self.poisoned.difference_update(dead)
