@@ -106,6 +106,11 @@ def test_what_is_refused_like_cuda(dev: Any) -> None:
         y + torch.randn(3)  # a CPU tensor with dimensions
 
 
+def test_device_takes_a_gpucompute() -> None:
+    with pytest.raises(TypeError, match="takes a GpuCompute"):
+        gbtorch.device(object())  # type: ignore[arg-type]
+
+
 def test_an_operator_outside_the_allowlist_is_refused_before_sending(dev: Any, gpu: Any) -> None:
     y = torch.randn(4, device=dev)
     before = dict(getattr(gpu, "counts", {}))

@@ -62,8 +62,12 @@ def device(gpu: GpuCompute) -> torch.device:
         `torch.device("gpubroker", i)`, for `.to(dev)`, `device=dev`, `model.to(dev)`.
 
     Raises:
+        TypeError: `gpu` is not a GpuCompute with the torch methods (`torch_op`, ...).
         RuntimeError: another PyTorch backend already took PyTorch's PrivateUse1 device in this process.
     """
+    if not callable(getattr(gpu, "torch_op", None)):
+        raise TypeError(f"gpubroker.client.torch.device takes a GpuCompute (a RemoteGpu or an in-process backend), "
+                        f"got {type(gpu).__name__}")
     register()
     sess = session_for(gpu)
     # Backward on this thread (see _register): per thread, so set by each thread that makes a device.
