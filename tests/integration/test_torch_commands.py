@@ -59,7 +59,7 @@ def _get(gpu: RemoteGpu, handle: str, shape: Sequence[int], dtype: type = np.flo
     return np.frombuffer(gpu.torch_read(handle), dtype=dtype).reshape(shape)
 
 
-@pytest.mark.parametrize("transport", ["ring", "grpc"])
+@pytest.mark.parametrize("transport", ["ring", "link", "grpc"])
 def test_add_view_inplace_and_matmul_run_in_the_worker(broker: BrokerProcess, transport: str) -> None:
     with connect(broker.target, token=broker.tokens["alice"], transport=transport) as gpu:
         a = np.arange(6, dtype=np.float32).reshape(2, 3)

@@ -205,7 +205,7 @@ def test_operators_off_the_allowlist_and_unknown_handles_are_refused(gpu: GpuCom
 # -- memory --------------------------------------------------------------------------------------------------------
 class _Quota(TorchAccounts):
     def __init__(self, quota: int) -> None:
-        self.quota, self.used, self.handles = quota, 0, set[str]()
+        self.limit, self.used, self.handles = quota, 0, set[str]()
 
     def claim(self, handles: Sequence[str]) -> None:
         pass
@@ -217,12 +217,15 @@ class _Quota(TorchAccounts):
         self.handles.discard(handle)
 
     def reserve(self, nbytes: int) -> None:
-        if self.used + nbytes > self.quota:
-            raise ResourceExhausted(f"quota {self.quota}, used {self.used}, requested {nbytes}", quota=self.quota)
+        if self.used + nbytes > self.limit:
+            raise ResourceExhausted(f"quota {self.limit}, used {self.used}, requested {nbytes}", quota=self.limit)
         self.used += nbytes
 
     def unreserve(self, nbytes: int) -> None:
         self.used -= nbytes
+
+    def quota(self) -> int | None:
+        return self.limit
 
 
 @pytest.fixture
@@ -330,3 +333,42 @@ def test_a_failure_skips_the_rest_of_its_batch_but_its_torch_frees_still_let_go(
     assert tables.memory_used == 0 and "a" not in objs.kinds and "n" not in objs.kinds  # freed; neg skipped
     executor.run("s1", Batch(3, 4, [TorchFree(["a"])]))  # sent again: harmless
     assert tables.memory_used == 0
+
+
+def test_tensors_share_the_sessions_handle_namespace_and_limit(open_device: OpenDevice) -> None:
+    from gpubroker.broker.worker._executor import Executor
+    from gpubroker.broker.worker._handles import HandleTables, Limits
+    from gpubroker.broker.worker._segments import SegmentTable
+    from gpubroker.wire.commands import Allocate, Batch
+    from gpubroker.wire.torch import TorchFree
+
+    backend = open_device("opencl")
+    tables = HandleTables("alice")
+    tables.limits = Limits(memory_quota=1 << 20, max_handles=3)
+    executor = Executor(backend, tables, SegmentTable(backend))
+
+    def zeros(handle: str) -> TorchOp:
+        return TorchOp("aten::zeros.default", [[4]], {"device": DeviceArg()}, [handle], [_meta((4,))])
+
+    assert executor.run("s1", Batch(1, 0, [Allocate("b1", 64), zeros("t1")])).error is None
+    ack = executor.run("s1", Batch(2, 2, [zeros("b1")]))  # a buffer's handle
+    assert ack.error is not None and "already in use in this session (a buf)" in ack.error.message
+    assert executor.run("s1", Batch(3, 3, [zeros("t2")])).error is None
+    ack = executor.run("s1", Batch(4, 4, [zeros("t3")]))
+    assert ack.error is not None and ack.error.code == "RESOURCE_EXHAUSTED" and "limit is 3" in ack.error.message
+    assert executor.run("s1", Batch(5, 5, [TorchFree(["t1"]), zeros("t3")])).error is None  # room again
+    assert executor.run("s2", Batch(6, 0, [zeros("t1")])).error is None  # another session: its own namespace
+
+
+def test_operators_run_on_the_stream_they_name(gpu: GpuCompute) -> None:
+    stream = gpu.create_stream()
+    try:
+        a = _put(gpu, np.arange(4, dtype=np.float32))
+        out = _h()
+        gpu.torch_op(TorchOp("aten::mul.Tensor", [TensorArg(a), 3.0], {}, [out], [_meta((4,))], stream.handle))
+        assert np.frombuffer(gpu.torch_read(out, stream), np.float32).tolist() == [0, 3, 6, 9]
+        with pytest.raises(NotFound):
+            gpu.torch_op(TorchOp("aten::neg.default", [TensorArg(a)], {}, [_h()], [_meta((4,))], "s-nope"))
+        gpu.torch_free([a, out])
+    finally:
+        gpu.destroy_stream(stream)

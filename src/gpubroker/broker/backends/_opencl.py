@@ -217,7 +217,8 @@ class OpenCLBackend:
         NumPy is for ``run_library``; the operators' host time is charged as device time.
         """
         self._dev.ready()
-        return TorchSession(CpuPlacement(self.copy_d2h, self.copy_h2d, self._timing.charge), accounts)
+        return TorchSession(CpuPlacement(self.copy_d2h, self.copy_h2d, self._timing.charge, self._dev.queue_for),
+                            accounts)
 
     # -- library operations ----------------------------------------------------------------------
 

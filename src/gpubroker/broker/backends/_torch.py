@@ -117,6 +117,10 @@ class TorchAccounts:
     def unreserve(self, nbytes: int) -> None:
         """Give ``nbytes`` back."""
 
+    def quota(self) -> int | None:
+        """The most bytes the tenant may hold on the device; None: no quota."""
+        return None
+
 
 class TorchPlacement(Protocol):
     """What a backend supplies to a TorchSession: where its tensors live and how its buffers' bytes reach them."""
@@ -147,6 +151,10 @@ class TorchPlacement(Protocol):
 
     def trim(self) -> None:
         """Tensors were freed: give idle cached memory back to the device where the backend caches it."""
+        ...
+
+    def bound(self, quota: int | None) -> None:
+        """Where an allocator of PyTorch's own holds device memory, keep it within the tenant's quota."""
         ...
 
     def error(self, what: str, exc: Exception) -> GpuBrokerError | None:
@@ -187,6 +195,7 @@ class TorchSession:
         self.placement = placement
         self.accounts = accounts if accounts is not None else TorchAccounts()
         self._device = placement.device()
+        placement.bound(self.accounts.quota())
         self._tensors: dict[str, torch.Tensor] = {}
         self._storage_of: dict[str, int] = {}  # handle -> its tensor's storage key
         self._storages: dict[int, _Storage] = {}  # storage key (the StorageImpl's address) -> size and references
@@ -569,7 +578,9 @@ class CpuPlacement:
     library operation's is."""
 
     def __init__(self, copy_d2h: Callable[[Buffer, Any, int, Stream | None], None],
-                 copy_h2d: Callable[[Any, Buffer, int, Stream | None], None], charge: Callable[[float], None]) -> None:
+                 copy_h2d: Callable[[Any, Buffer, int, Stream | None], None], charge: Callable[[float], None],
+                 check_stream: Callable[[Stream], object]) -> None:
+        self._check_stream = check_stream
         self._copy_d2h = copy_d2h
         self._copy_h2d = copy_h2d
         self._timed = _Timed(charge)
@@ -580,7 +591,10 @@ class CpuPlacement:
         return device
 
     def running(self, stream: Stream | None) -> AbstractContextManager[None]:
-        # (CPU operators run at once, in order: the stream orders nothing more here)
+        # CPU operators run at once, in order: the stream orders nothing more here, but it must be one of the
+        # backend's (NotFound otherwise, as on every other backend call).
+        if stream is not None:
+            self._check_stream(stream)
         return self._timed
 
 
@@ -604,6 +618,9 @@ class CpuPlacement:
 
     def trim(self) -> None:
         pass  # (CPU tensors are freed with their last reference)
+
+    def bound(self, quota: int | None) -> None:
+        pass  # (host memory: the sandbox's memory limit holds the worker, kernel-enforced)
 
     def error(self, what: str, exc: Exception) -> GpuBrokerError | None:
         return None
@@ -690,6 +707,16 @@ class CudaPlacement:
         index = self._dev.index
         if cuda.memory_reserved(index) - cuda.memory_allocated(index) > _CACHE_IDLE_MAX:
             cuda.empty_cache()
+
+    def bound(self, quota: int | None) -> None:
+        # The quota is charged from what the client announces before an operator runs, and settled on what it
+        # made; a client that announces less would have PyTorch's caching allocator take more in between. Its
+        # per-process fraction bounds what the allocator may hold at all: a tenant's worker serves that tenant
+        # alone, so this is the tenant's bound (set again as each session starts: the quota may have changed).
+        cuda = self._torch.cuda
+        index = self._dev.index
+        fraction = 1.0 if quota is None else min(1.0, quota / self._dev.info.total_memory)
+        cuda.set_per_process_memory_fraction(fraction, index)
 
     def error(self, what: str, exc: Exception) -> GpuBrokerError | None:
         text = str(exc)

@@ -189,6 +189,9 @@ class _SessionAccounts(TorchAccounts):
             self.tables.unreserve(nbytes)
             self.objs.memory_used -= nbytes
 
+    def quota(self) -> int | None:
+        return self.tables.limits.memory_quota
+
 
 class _Unprepared(NamedTuple):
     kernel: Kernel
