@@ -92,6 +92,7 @@ def test_print_and_repr(dev: Any) -> None:
     assert repr(y) == f"tensor([1.5000, 2.0000], device='{dev}')"
     assert repr(y.to(torch.int32)) == f"tensor([1, 2], device='{dev}', dtype=torch.int32)"
     assert repr(y.requires_grad_()) == f"tensor([1.5000, 2.0000], device='{dev}', requires_grad=True)"
+    assert f"{y.sum():.2f}" == "3.50"
 
 
 def test_what_is_refused_like_cuda(dev: Any) -> None:

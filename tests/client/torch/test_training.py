@@ -58,6 +58,9 @@ def test_no_grad_and_autograd_grad(dev: Any) -> None:
     with torch.no_grad():
         out = model(x)
     assert not out.requires_grad
+    with torch.inference_mode():  # composite operators reach the device undecomposed here
+        inferred = model(INPUTS.to(dev)).cpu()
+    assert torch.equal(inferred, out.cpu())
     (grad,) = torch.autograd.grad(model(x).sum(), x)
     xc = INPUTS.clone().requires_grad_()
     (expected,) = torch.autograd.grad(make()(xc).sum(), xc)

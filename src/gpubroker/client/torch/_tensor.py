@@ -9,6 +9,7 @@ its outputs' metadata, given handles chosen here, and queued; only what needs a 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Final, cast
 
@@ -99,6 +100,12 @@ class BTensor(torch.Tensor):
     def tolist(self) -> Any:
         """The elements as (nested) Python numbers: waits for them, like CUDA's."""
         return fetch(self).tolist()
+
+    def __format__(self, format_spec: str) -> str:
+        # Tensor.__format__ formats a 0-dim tensor's value only for plain Tensors (f"{loss:.4f}" must work here too)
+        if self.dim() == 0:
+            return format(self.detach().item(), format_spec)
+        return object.__format__(self, format_spec)
 
     def numpy(self, *, force: bool = False) -> Any:
         raise TypeError(f"can't convert {self.device} device type tensor to numpy. Use Tensor.cpu() to copy the "
@@ -378,7 +385,19 @@ def _info(func: Any) -> OpInfo:
     if info is None:
         info = _INFOS[func] = op_info(func)
         info.special = _SPECIAL.get(func)
+        if info.special is None and torch._C._dispatch_has_kernel_for_dispatch_key(
+                func.name(), "CompositeImplicitAutograd"):
+            # Reaches the Python key only where autograd is off (inference_mode): PyTorch's own decomposition
+            # into the operators it is made of, as on any device.
+            info.special = functools.partial(_decompose, func)
     return info
+
+
+def _decompose(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    result = func.decompose(*args, **kwargs)
+    if result is NotImplemented:
+        return _ordinary(_info(func), args, kwargs)
+    return result
 
 
 def dispatch(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
