@@ -112,6 +112,12 @@ def test_device_takes_a_gpucompute() -> None:
         gbtorch.device(object())  # type: ignore[arg-type]
 
 
+def test_autocast_disables_itself_with_pytorchs_warning(dev: Any) -> None:
+    with pytest.warns(UserWarning, match="Disabling autocast"), torch.autocast("gpubroker", dtype=torch.bfloat16):
+        product = torch.ones(2, 2, device=dev) @ torch.ones(2, 2, device=dev)
+    assert product.dtype == torch.float32 and torch.equal(product.cpu(), torch.full((2, 2), 2.0))
+
+
 def test_an_operator_outside_the_allowlist_is_refused_before_sending(dev: Any, gpu: Any) -> None:
     y = torch.randn(4, device=dev)
     before = dict(getattr(gpu, "counts", {}))
