@@ -10,9 +10,11 @@ its outputs' metadata, given handles chosen here, and queued; only what needs a 
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, Final, cast
 
+import numpy as np
 import torch
 
 from gpubroker.client.torch._meta import (
@@ -224,8 +226,14 @@ def _encode_other(value: Any, walk: _Walk) -> tuple[Any, Any]:
         return ("cpu", tuple(value.shape), value.stride(), value.dtype), TensorArg(handle)
     if isinstance(value, torch.Generator):  # the worker's own generator for its device (seeded by manual_seed)
         return None, None
-    if isinstance(value, (int, float, bool)):  # NumPy or SymInt-like numbers
-        return _encode_other(value.__index__() if hasattr(value, "__index__") else float(value), walk)
+    # Numbers of other types (NumPy's, an IntEnum): as the Python number they stand for.
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value), bool(value)
+    if hasattr(value, "__index__"):
+        number = int(value.__index__())
+        return number, number
+    if isinstance(value, numbers.Real):
+        return float, float(value)
     raise NotImplementedError(f"an argument of type {kind.__name__} cannot be sent to the {NAME} device")
 
 
