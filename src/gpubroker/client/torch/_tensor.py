@@ -427,11 +427,21 @@ def _ordinary(info: OpInfo, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     if sess is None:
         raise RuntimeError(f"{info.name}: no {NAME} tensor or device among its arguments")
     if walk is not None and walk.uploads:
-        for handle, cpu in walk.uploads:
-            if cpu.dim() and info.name not in _CPU_INDEX_OK:
-                raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
-                                   f"devices, {sess.device} and cpu! ({info.name})")
-            sess.upload(handle, cpu)
+        if info.name not in _CPU_INDEX_OK and any(cpu.dim() for _, cpu in walk.uploads):
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                               f"{sess.device} and cpu! ({info.name})")
+        try:
+            for handle, cpu in walk.uploads:
+                sess.upload(handle, cpu)
+            return _run(sess, info, args, kwargs, key, wargs, wkwargs)
+        finally:  # the uploaded CPU arguments: dropped once their operator is sent (frees go after it)
+            sess.dead.extend(handle for handle, _ in walk.uploads)
+    return _run(sess, info, args, kwargs, key, wargs, wkwargs)
+
+
+def _run(sess: Session, info: OpInfo, args: Sequence[Any], kwargs: dict[str, Any], key: list[Any],
+         wargs: list[Any], wkwargs: dict[str, Any]) -> Any:
+    """The encoded call, by its cache entry: queued, waited for, or learned from the worker."""
     if info.float_shaped:
         key.append(_floats((*args, *kwargs.values())))
     cache_key = (info, *key)
@@ -447,15 +457,11 @@ def _ordinary(info: OpInfo, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
             # The meta kernel refused the call (shapes that do not broadcast, a bad dim): the worker's PyTorch
             # runs it and says why in its own words, at the call (one wait, on this error path only).
             entry = SYNC
-    try:
-        if entry is SYNC:
-            return _dispatch_sync(sess, info, args, kwargs, wargs, wkwargs)
-        if entry.learn:
-            return _learn(sess, info, entry, args, kwargs, wargs, wkwargs, cache_key)
-        return _dispatch_queued(sess, info, entry, args, kwargs, wargs, wkwargs)
-    finally:
-        if walk is not None:
-            sess.dead.extend(handle for handle, _ in walk.uploads)
+    if entry is SYNC:
+        return _dispatch_sync(sess, info, args, kwargs, wargs, wkwargs)
+    if entry.learn:
+        return _learn(sess, info, entry, args, kwargs, wargs, wkwargs, cache_key)
+    return _dispatch_queued(sess, info, entry, args, kwargs, wargs, wkwargs)
 
 
 def _dispatch_queued(sess: Session, info: OpInfo, entry: Entry, args: Sequence[Any], kwargs: dict[str, Any],
