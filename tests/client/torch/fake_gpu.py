@@ -201,5 +201,9 @@ class FakeTorchGpu:
             news = [r for h, r in zip(outs, got, strict=False) if h is not None]
             for m, r in zip(metas, news, strict=True):
                 real = (str(r.dtype).removeprefix("torch."), tuple(r.shape), tuple(r.stride()), r.storage_offset())
+                if m[0] != real[0] or tuple(m[1]) != real[1]:  # as the worker refuses it
+                    raise InvalidArgument(f"{name} made a {real[0]} tensor of shape {list(real[1])} where the client "
+                                          f"worked out {m[0]} {list(m[1])} (offset {m[3]}): the client's shape "
+                                          "inference disagrees with this worker's PyTorch")
                 assert tuple(m) == real, f"{name}: client announced {m}, worker made {real}"
         return got

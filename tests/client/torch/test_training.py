@@ -164,3 +164,25 @@ def test_a_cnn_with_batch_norm_matches_eager_cpu(dev: Any, train: bool) -> None:
     # Eval-mode batch norm's saved statistics are empty on the CPU, full on CUDA and on meta: learned from the
     # worker once per signature.
     assert torch.allclose(_cnn(dev, train), _cnn("cpu", train), rtol=1e-5, atol=1e-6)
+
+
+def test_an_operator_the_worker_makes_otherwise_is_learned_after_its_refusal(
+        gpu: Any, dev: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpubroker.client import InvalidArgument
+    from gpubroker.client.torch import _session, _tensor
+    from tests.client.torch.fake_gpu import FakeTorchGpu
+
+    if not isinstance(gpu, FakeTorchGpu) and gpu.device_info().backend != "opencl":
+        pytest.skip("eval-mode batch norm's outputs disagree with meta only on PyTorch's CPU kernels")
+    # As if eval-mode batch norm were not known to disagree: the worker refuses its first call, and the client
+    # learns from that to ask the worker for its outputs (once per signature).
+    disagreeing: set[str] = set()
+    monkeypatch.setattr(_session, "DISAGREEING", disagreeing)
+    monkeypatch.setattr(_tensor, "DISAGREEING", disagreeing)
+    monkeypatch.setattr(_tensor, "LEARN_FROM_WORKER", frozenset())
+    _tensor._CACHE.clear()
+    with pytest.raises(InvalidArgument, match=r"aten::native_batch_norm\.default made .* disagrees"):
+        _cnn(dev, train=False)
+    assert disagreeing == {"aten::native_batch_norm.default"}
+    assert torch.allclose(_cnn(dev, train=False), _cnn("cpu", train=False), rtol=1e-5, atol=1e-6)
+    _tensor._CACHE.clear()  # nothing learned here outlives the patch

@@ -8,6 +8,7 @@ PyTorch exception class (``_errors``), and frees and made-lazily tensors are sen
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, Final, NoReturn
 
@@ -33,8 +34,24 @@ def new_handle() -> str:
     return f"T{next(_counter):x}"
 
 
+# Operators whose outputs the worker's PyTorch made otherwise than the client's meta kernels said (a kernel of the
+# worker's device that disagrees with meta, as eval-mode batch norm's on the CPU): found from the worker's refusal,
+# after which their calls ask the worker what comes out (once per signature). ``on_disagreement`` empties the
+# client's caches that hold the wrong answer.
+DISAGREEING: set[str] = set()
+on_disagreement: list[Callable[[], None]] = []
+_DISAGREES = re.compile(r"(\w+::[\w.]+) made an? .* shape inference disagrees")
+
+
 def raise_error(exc: GpuBrokerError) -> NoReturn:
     """Raise a worker's error as PyTorch would have raised it (a GpuBrokerError of the broker's own as it is)."""
+    found = _DISAGREES.search(exc.message)
+    if found is not None and found.group(1) not in DISAGREEING:
+        DISAGREEING.add(found.group(1))
+        for forget in on_disagreement:
+            forget()
+        exc.message += " (the next calls of this operator ask the worker what it makes)"
+        exc.args = (exc.message,)
     torch_exc = as_torch_error(exc)
     if torch_exc is None:
         raise exc

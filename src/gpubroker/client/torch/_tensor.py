@@ -31,7 +31,7 @@ from gpubroker.client.torch._meta import (
     signature,
     wire_sig,
 )
-from gpubroker.client.torch._session import DTYPES, Session, new_handle
+from gpubroker.client.torch._session import DISAGREEING, DTYPES, Session, new_handle, on_disagreement
 from gpubroker.wire import torch_ops
 from gpubroker.wire.torch import (
     Complex,
@@ -308,6 +308,7 @@ def _encode(args: Sequence[Any], kwargs: dict[str, Any]
 # ---------------------------------------------------------------- shape inference (cold path)
 _CACHE: dict[tuple[Any, ...], Entry] = {}
 MAX_CACHE: Final = 1 << 16  # entries (a training loop uses about 100)
+on_disagreement.append(_CACHE.clear)
 
 
 def _to_meta(value: Any) -> Any:
@@ -343,7 +344,7 @@ def _entry(info: OpInfo, args: Sequence[Any], kwargs: dict[str, Any]) -> Entry:
     margs = [_to_meta(a) for a in args]
     mkwargs = {k: _to_meta(v) for k, v in kwargs.items()}
     entry = infer(info, margs, mkwargs, sig_of)
-    if entry is not SYNC and info.name in LEARN_FROM_WORKER:
+    if entry is not SYNC and (info.name in LEARN_FROM_WORKER or info.name in DISAGREEING):
         return Entry(entry.outs, entry.counts, entry.mutates, learn=True)
     return entry
 
