@@ -4,8 +4,8 @@ Read as the API reference reads them: griffe loads ``gpubroker.client`` from the
 (scripts/package_tree.sh lays it under build/pkg, as ``./dev docs`` does), so module attributes (``HostBuffer``,
 ``LIBRARY_OPS``) count, and names the package re-exports are followed to where they are defined.
 
-- Each name in the ``__all__`` of ``gpubroker.client`` and ``gpubroker.client.array`` has a docstring, and so does
-  each public method and property of each public class.
+- Each name in the ``__all__`` of ``gpubroker.client``, ``gpubroker.client.array`` and ``gpubroker.client.torch``
+  has a docstring, and so does each public method and property of each public class.
 - Each ``GpuCompute`` method, the SDK's contract, has an ``Args:`` section naming exactly its parameters, a
   ``Returns:`` section where it returns a value, and a ``Raises:`` section (``close`` excepted: it raises nothing).
 - The reference pages (docs/reference/*.md) render every public name with a ``::: gpubroker.client...`` block, and
@@ -28,7 +28,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "docs" / "reference"
-MODULES = ("gpubroker.client", "gpubroker.client.array")
+MODULES = ("gpubroker.client", "gpubroker.client.array", "gpubroker.client.torch")
 NO_RAISES = {"close"}  # GpuCompute methods that raise nothing, so need no Raises: section
 
 
