@@ -22,11 +22,15 @@ status=0
 if [ "${TESTS:-1}" = 1 ]; then
   # TEST_PATHS picks some of them (the whole list takes over 10 minutes on an H200: split it across calls).
   # -rfEs names each failure and skip in the summary; a test that outlives its pytest-timeout fails with its stack.
+  # The torch device's OpInfo pass takes every sample here (the quick pass in CI takes one per OpInfo).
+  export GPUBROKER_OPINFO_SAMPLES=${GPUBROKER_OPINFO_SAMPLES:-0}
   # shellcheck disable=SC2086
   "$PY" -m pytest -p no:cacheprovider -o addopts="" -m cuda -q -rfEs --durations=15 \
     ${TEST_PATHS:-tests/security tests/integration tests/broker/backends/test_backend_contract.py \
     tests/broker/backends/test_cuda_backend.py tests/broker/backends/test_library.py \
-    tests/client/array tests/docs/test_examples.py tests/docs/test_generated.py} 2>&1 | tee "$OUTDIR/gpu-tests.log"
+    tests/client/array tests/client/torch tests/broker/backends/test_torch_session.py \
+    tests/integration/test_torch_commands.py tests/docs/test_examples.py tests/docs/test_generated.py} 2>&1 |
+    tee "$OUTDIR/gpu-tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "${REMOTE:-1}" = 1 ]; then

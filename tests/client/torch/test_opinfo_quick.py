@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +20,9 @@ from torch.utils._pytree import tree_leaves, tree_map  # noqa: E402
 
 import gpubroker.client.torch as gbtorch  # noqa: E402
 
-SAMPLES_PER_OP = 2  # the quick pass (CI: a 2-core machine); the full pass takes every sample
+# The quick pass (CI: a 2-core machine, ~30 s) takes each OpInfo's first sample; GPUBROKER_OPINFO_SAMPLES=0 takes
+# every sample (the full pass, for the GPU check).
+SAMPLES_PER_OP = int(os.environ.get("GPUBROKER_OPINFO_SAMPLES", "1")) or None
 REFUSED = "is not supported on the gpubroker device"  # an operator outside the allowlist
 
 
