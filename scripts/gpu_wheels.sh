@@ -15,9 +15,10 @@ rm -rf .whl && mkdir -p .whl
 # Pure-Python dependencies the GPU image lacks (it has grpcio 1.84, so the grpc add-ons are pinned to match).
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl \
   grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 'prometheus-client>=0.20' 'tomlkit>=0.13' 'pyseccomp>=0.1.2' \
-  'array-api-compat>=1.11' 'array-api-strict>=2.4' 'pytest-json-report>=1.5' pytest-metadata
-# (The image has scikit-learn, scipy and einops; the array namespace's tests and the conformance suite need the
-# rest: array-api-compat, array-api-strict, pytest-json-report and ndindex (its hypothesis was 6.168 in 2026-11).
+  'array-api-compat>=1.11' 'array-api-strict>=2.4' 'pytest-json-report>=1.5' pytest-metadata 'expecttest>=0.2'
+# (The image has torch 2.11, scikit-learn, scipy and einops; the array namespace's tests and the conformance suite
+# need the rest: array-api-compat, array-api-strict, pytest-json-report and ndindex (its hypothesis was 6.168 in
+# 2026-11); the torch device's OpInfo tests need expecttest.)
 # msgspec (the config's schema), lz4 (copies on slow links) and cryptography (TLS test certificates; cffi under it) are compiled: fetched for the GPU image's CPython 3.12 on x86_64, whatever runs here.
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl --implementation cp --python-version 3.12 \
   --abi cp312 --abi abi3 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
