@@ -28,13 +28,7 @@ def test_tensors_report_the_device_and_move_both_ways(dev: Any) -> None:
     assert torch.equal(torch.empty(0, 3).to(dev).cpu(), torch.empty(0, 3))
 
 
-
-def test_a_broadcast_element_moves_both_ways(gpu: Any, dev: Any) -> None:
-    from tests.client.torch.fake_gpu import FakeTorchGpu
-
-    if not isinstance(gpu, FakeTorchGpu):
-        pytest.xfail("the worker's TorchSession reads a one-element tensor of stride 0 as bytes with view(uint8), "
-                     "which PyTorch refuses (backends/_torch.py _flat_bytes): for the worker half to fix")
+def test_a_broadcast_element_moves_both_ways(dev: Any) -> None:
     one = torch.tensor(5.0).expand(1, 1)  # stride 0, yet contiguous: x.to(dev) keeps those strides, as on CUDA
     assert torch.equal(one.to(dev).cpu(), one)
 

@@ -523,7 +523,10 @@ class TorchSession:
 
     def _flat_bytes(self, t: torch.Tensor) -> torch.Tensor:
         """The tensor's elements, row-major, as a contiguous uint8 tensor."""
-        flat = t.reshape(-1).contiguous()
+        flat = t.reshape(-1)
+        if flat.stride() != (1,):
+            # (also a one-element tensor of stride 0, which PyTorch calls contiguous but will not view as bytes)
+            flat = self._t.empty_like(flat, memory_format=self._t.contiguous_format).copy_(flat)
         if flat.dtype == self._t.bool:
             flat = flat.view(self._t.uint8)
         return flat.view(self._t.uint8)
