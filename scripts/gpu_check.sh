@@ -24,6 +24,9 @@ if [ "${TESTS:-1}" = 1 ]; then
   # -rfEs names each failure and skip in the summary; a test that outlives its pytest-timeout fails with its stack.
   # The torch device's OpInfo pass takes every sample here (the quick pass in CI takes one per OpInfo).
   export GPUBROKER_OPINFO_SAMPLES=${GPUBROKER_OPINFO_SAMPLES:-0}
+  # A docs page whose examples outlive this fails with every Python stack of them (the reliability page's did not
+  # finish on CUDA in session 29), within a call's 10 minutes.
+  export GPUBROKER_PAGE_TIMEOUT=${GPUBROKER_PAGE_TIMEOUT:-300}
   # shellcheck disable=SC2086
   "$PY" -m pytest -p no:cacheprovider -o addopts="" -m cuda -q -rfEs --durations=15 \
     ${TEST_PATHS:-tests/security tests/integration tests/broker/backends/test_backend_contract.py \

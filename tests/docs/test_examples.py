@@ -8,8 +8,10 @@ marked ``skip`` never run and say why (tests/docs/pages.py). TOML blocks are rea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tomllib
@@ -24,7 +26,7 @@ from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from ..conftest import BACKENDS
 from .pages import DOCS, REFUSED, RUN, Block, blocks, pages
 
-PAGE_TIMEOUT = 900
+PAGE_TIMEOUT = int(os.environ.get("GPUBROKER_PAGE_TIMEOUT", "900"))  # a page's examples, all together (s)
 # The README's first program is an example too.
 EXAMPLE_PAGES = [p for p in [*pages(), DOCS.parent / "README.md"] if any(b.lang in RUN for b in blocks(p))]
 
@@ -90,14 +92,30 @@ def test_page_examples_run(page: Path, docs_broker: BrokerProcess, tmp_path: Pat
     workdir = tmp_path / "work"
     workdir.mkdir()
     # A reader's environment: nothing the suite's own conftest set (SCIPY_ARRAY_API) leaks into the examples.
-    env = {**{k: v for k, v in os.environ.items() if k != "SCIPY_ARRAY_API"},
+    env = {**{k: v for k, v in os.environ.items() if k not in ("SCIPY_ARRAY_API", "GRPC_ENABLE_FORK_SUPPORT")},
+           "PYTHONFAULTHANDLER": "1",  # (a page that outlives its time dumps every Python stack: below)
            "GPUBROKER_TARGET": docs_broker.target,
            "GPUBROKER_TOKEN": docs_broker.tokens["docs"],
            "GPUBROKER_ADMIN_TOKEN": docs_broker.tokens["ops"],
            "GPUBROKER_METRICS_URL": docs_broker.metrics_url,
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name("run_page.py")), str(spec)], cwd=workdir,
-                            env=env, capture_output=True, text=True, timeout=PAGE_TIMEOUT - 30)
-    assert result.returncode == 0, (f"{page.relative_to(DOCS.parent)}: an example failed\n--- stdout\n"
-                                    f"{result.stdout[-6000:]}\n--- stderr\n{result.stderr[-6000:]}")
+    runner = subprocess.Popen([sys.executable, str(Path(__file__).with_name("run_page.py")), str(spec)], cwd=workdir,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        stdout, stderr = runner.communicate(timeout=PAGE_TIMEOUT - 60)
+    except subprocess.TimeoutExpired:
+        # Where it hangs: SIGABRT to the page's process group makes each Python in it (faulthandler) print its
+        # threads' stacks before it dies.
+        os.killpg(runner.pid, signal.SIGABRT)
+        try:
+            stdout, stderr = runner.communicate(timeout=30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(runner.pid, signal.SIGKILL)
+            runner.wait()
+        pytest.fail(f"{page.relative_to(DOCS.parent)}: the examples did not finish in {PAGE_TIMEOUT - 60} s\n"
+                    f"--- stdout\n{stdout[-6000:]}\n--- stderr (the stacks)\n{stderr[-12000:]}")
+    assert runner.returncode == 0, (f"{page.relative_to(DOCS.parent)}: an example failed\n--- stdout\n"
+                                    f"{stdout[-6000:]}\n--- stderr\n{stderr[-6000:]}")
