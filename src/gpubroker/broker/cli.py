@@ -348,9 +348,9 @@ def _parser() -> argparse.ArgumentParser:
                        "`cold-start` (a tenant's first session, worker start included, sandboxed and not); "
                        "`array-api` (the Array API conformance suite against gpubroker.client.array, over a broker "
                        "or in process); `arrays` (an MLP training loop and an sklearn PCA on the Array API "
-                       "namespace through a broker, against the same code on CuPy natively); `torch` (an MLP, a GPT-style "
-                       "decoder, ResNet-18 inference, launch-bound operators and client CPU per operator on the "
-                       "torch device through a broker, against eager PyTorch natively)")
+                       "namespace through a broker, against the same code on CuPy natively); `torch` (an MLP, a "
+                       "GPT-style decoder, ResNet-18 inference, launch-bound operators and client CPU per operator "
+                       "on the torch device through a broker, against eager PyTorch natively)")
     b.add_argument("which", choices=["remote", "fairness", "multi", "fuzz", "soak", "cold-start", "array-api",
                                      "arrays", "torch"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (--backend, --out, ...)")
