@@ -35,7 +35,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from importlib import metadata
 from typing import Any
 
@@ -202,7 +202,6 @@ class Side:
     synchronize: Callable[[], None]
     release: Callable[[], None] = lambda: None  # drop cached memory between workloads (native CUDA's allocator)
     context: Callable[[], AbstractContextManager[Any]] = nullcontext
-    figures: dict[str, Any] = field(default_factory=dict)
 
 
 def native_side(backend: str, device: int) -> Side:
