@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 "$PY" -c 'import cupy, grpc, google.protobuf as p; print("cupy", cupy.__version__, "grpc", grpc.__version__, "protobuf", p.__version__)'
 "$PY" -m gpubroker.broker.cli devices --backend cuda
 status=0
-# TESTS=0, REMOTE=0, FAIRNESS=0, COLD=0, ARRAY_API=0, ARRAYS=0 skip a part (to split the check across calls with a time limit).
+# TESTS=0, REMOTE=0, FAIRNESS=0, COLD=0, ARRAY_API=0, ARRAYS=0, TORCH=0 skip a part (to split the check across calls with a time limit).
 if [ "${TESTS:-1}" = 1 ]; then
   # TEST_PATHS picks some of them (the whole list takes over 10 minutes on an H200: split it across calls).
   # -rfEs names each failure and skip in the summary; a test that outlives its pytest-timeout fails with its stack.
@@ -54,6 +54,9 @@ if [ "${ARRAY_API:-1}" = 1 ]; then
 fi
 if [ "${ARRAYS:-1}" = 1 ]; then
   "$PY" -m gpubroker.broker.cli bench arrays --backend cuda --out "$OUTDIR/arrays.json" || status=1
+fi
+if [ "${TORCH:-1}" = 1 ]; then
+  "$PY" -m gpubroker.broker.cli bench torch --backend cuda --out "$OUTDIR/torch.json" || status=1
 fi
 if [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ]; then
   "$PY" -m gpubroker.broker.cli bench multi --backend cuda --out "$OUTDIR/multi.json" || status=1

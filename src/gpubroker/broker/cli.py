@@ -213,7 +213,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 # `gpubroker bench WHICH`: the module of the benchmarks' distribution (bench/ in the repository, `gpubroker-bench`,
 # outside the gpubroker wheel) whose main() runs it.
 _BENCHES = {"remote": "remote_vs_local", "fairness": "fairness", "multi": "multi_gpu", "fuzz": "fuzz", "soak": "soak",
-            "cold-start": "cold_start", "arrays": "arrays", "array-api": "array_api"}
+            "cold-start": "cold_start", "arrays": "arrays", "array-api": "array_api",
+            "torch": "torch_bench"}
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -347,9 +348,11 @@ def _parser() -> argparse.ArgumentParser:
                        "`cold-start` (a tenant's first session, worker start included, sandboxed and not); "
                        "`array-api` (the Array API conformance suite against gpubroker.client.array, over a broker "
                        "or in process); `arrays` (an MLP training loop and an sklearn PCA on the Array API "
-                       "namespace through a broker, against the same code on CuPy natively)")
+                       "namespace through a broker, against the same code on CuPy natively); `torch` (an MLP, a "
+                       "GPT-style decoder, ResNet-18 inference, launch-bound operators and client CPU per operator "
+                       "on the torch device through a broker, against eager PyTorch natively)")
     b.add_argument("which", choices=["remote", "fairness", "multi", "fuzz", "soak", "cold-start", "array-api",
-                                     "arrays"])
+                                     "arrays", "torch"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (--backend, --out, ...)")
     b.set_defaults(fn=_cmd_bench)
 
