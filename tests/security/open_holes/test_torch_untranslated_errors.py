@@ -9,6 +9,11 @@ and answers ``INTERNAL`` (a broker bug, by the project's own reading). Measured 
 - ``torch_read`` / ``torch_to_buffer`` of a conjugate view (``aten::conj.default`` of a complex tensor, on the
   allowlist): ``_flat_bytes`` calls ``Tensor.view(uint8)``, which PyTorch refuses for conjugate views
   (RuntimeError);
+- ``torch_to_buffer`` of an expanded view (``aten::expand.default`` of one element to 2**40, a view: no memory
+  charged) into a 64-byte buffer: ``_flat_bytes`` materializes all of it (``reshape(-1).contiguous()``) before
+  anything checks the destination's size, uncharged to the quota; past RLIMIT_DATA PyTorch's "can't allocate
+  memory" RuntimeError is not translated (INTERNAL). Below the rlimit the worker allocates and fills that much
+  host memory outside the quota before OUT_OF_RANGE;
 - ``torch_from_buffer`` with shape ``(2**62, 2)``: ``_nbytes`` multiplies the dims with ``np.prod(dtype=int64)``,
   which wraps to -2**63; the ``> 1 << 48`` check passes, ``accounts.reserve`` is called with a negative count and
   ``np.empty`` raises ValueError;
@@ -65,6 +70,20 @@ def test_read_of_conjugate_view_is_the_tenants_error(broker: BrokerProcess) -> N
                              [("complex64", (4,), (1,), 0)]))
         gpu.torch_op(TorchOp("aten::conj.default", [TensorArg("c")], {}, ["cj"], [("complex64", (4,), (1,), 0)]))
         _check(broker, "torch_read of a conjugate view", lambda: gpu.torch_read("cj"))
+
+
+def test_to_buffer_of_huge_expanded_view_is_the_tenants_error(broker: BrokerProcess) -> None:
+    with connect(broker.target, token=broker.tokens["mallory"], timeout=60) as gpu:
+        assert isinstance(gpu, RemoteGpu)
+        n = 1 << 40
+        gpu.torch_op(TorchOp("aten::ones.default", [[1]], {}, ["one"], [("float32", (1,), (1,), 0)]))
+        gpu.torch_op(TorchOp("aten::expand.default", [TensorArg("one"), [n]], {}, ["big"], [("float32", (n,), (0,), 0)]))
+        buf = gpu.allocate_memory(64)
+
+        def attack() -> None:
+            gpu.torch_to_buffer("big", buf)
+            gpu.synchronize()
+        _check(broker, "torch_to_buffer of a 4 TiB expanded view into 64 bytes", attack)
 
 
 def test_from_buffer_shape_overflow_is_the_tenants_error(broker: BrokerProcess) -> None:
