@@ -7,11 +7,12 @@ that way (``aten::ones.default`` of 48 Mi float32) and the worker allocates and 
 (RESOURCE_EXHAUSTED). Even the genuine SYNC operators do the same (``aten::nonzero.default`` of an expanded view:
 an int64 output of numel x ndim, 16x the input's announced size, on a view that took no memory at all).
 
-Measured on PoCL with a 64 MiB quota: the worker's peak resident memory (VmHWM) grew by 191 MiB for one
-``ones`` sent as a TorchOpSync, 3x the tenant's quota, where the same operator as a TorchOp was refused before it
-ran (no growth), and by 96 MiB for the ``nonzero``. The bound left is RLIMIT_DATA (quota + shared + the runtime's 576 MiB here): host memory the
-quota does not hold, as the quota's docs promise it does for every tensor. On CUDA the same path goes to PyTorch's
-caching allocator, bounded only by ``set_per_process_memory_fraction`` (quota / total) beside CuPy's own pool.
+Measured on PoCL with a 64 MiB quota: the worker's peak resident memory (VmHWM) grew by 191 MiB for one ``ones``
+sent as a TorchOpSync, 3x the tenant's quota, where the same operator as a TorchOp was refused before it ran (no
+growth), and by 96 MiB for the ``nonzero``. The bound left is RLIMIT_DATA (quota + shared + the runtime's 576 MiB
+here): host memory the quota does not hold, as the quota's docs promise it does for every tensor. On CUDA the same
+path goes to PyTorch's caching allocator, bounded only by ``set_per_process_memory_fraction`` (quota / total) beside
+CuPy's own pool.
 
 Fix: refuse a TorchOpSync whose operator is not in ``torch_ops.SYNC`` (and a TorchOp whose operator is); for the
 SYNC ones, bound the output before allocating it (``nonzero``: ``count_nonzero`` first and reserve numel x ndim x

@@ -77,7 +77,8 @@ def test_to_buffer_of_huge_expanded_view_is_the_tenants_error(broker: BrokerProc
         assert isinstance(gpu, RemoteGpu)
         n = 1 << 40
         gpu.torch_op(TorchOp("aten::ones.default", [[1]], {}, ["one"], [("float32", (1,), (1,), 0)]))
-        gpu.torch_op(TorchOp("aten::expand.default", [TensorArg("one"), [n]], {}, ["big"], [("float32", (n,), (0,), 0)]))
+        gpu.torch_op(TorchOp("aten::expand.default", [TensorArg("one"), [n]], {}, ["big"],
+                             [("float32", (n,), (0,), 0)]))
         buf = gpu.allocate_memory(64)
 
         def attack() -> None:
