@@ -14,6 +14,11 @@ here): host memory the quota does not hold, as the quota's docs promise it does 
 path goes to PyTorch's caching allocator, bounded only by ``set_per_process_memory_fraction`` (quota / total) beside
 CuPy's own pool.
 
+The same for a TorchOp whose schema says its return aliases its input (``aten::contiguous.default``,
+``reshape``, ``flatten``, ``to.dtype``: ``Tensor(a)``), which ``op`` reserves nothing for, but which copies when
+the input is not laid out for a view: ``contiguous`` of a 48 Mi-element expanded view (stride 0, no memory)
+fills 192 MiB (VmHWM +193 MiB) before ``_keep`` refuses it (third test).
+
 Fix: refuse a TorchOpSync whose operator is not in ``torch_ops.SYNC`` (and a TorchOp whose operator is); for the
 SYNC ones, bound the output before allocating it (``nonzero``: ``count_nonzero`` first and reserve numel x ndim x
 8; ``masked_select``, ``unique*``, ``repeat_interleave``: likewise from a count), or run them under the quota's
@@ -40,6 +45,17 @@ def broker() -> Iterator[BrokerProcess]:
         yield b
 
 
+def _reset_hwm(broker: BrokerProcess) -> None:
+    """Reset the peak resident memory of the broker's descendants (``clear_refs`` 5), so each test measures its own."""
+    assert broker.process is not None
+    for pid in descendants(broker.process.pid):
+        try:
+            with open(f"/proc/{pid}/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+
 def _worker_hwm(broker: BrokerProcess) -> int:
     """The largest VmHWM (bytes) among the broker's descendants: the worker, once PyTorch is imported in it."""
     assert broker.process is not None
@@ -55,8 +71,6 @@ def _worker_hwm(broker: BrokerProcess) -> int:
     return peak
 
 
-# (One worker for the module: its peak only grows, so the nonzero test runs first, and the 192 MiB ones after it
-# still passes its 96 MiB.)
 def _warm(gpu: RemoteGpu) -> None:
     gpu.torch_op(TorchOp("aten::ones.default", [[4]], {}, ["warm"], [("float32", (4,), (1,), 0)]))
     gpu.torch_read("warm")  # (PyTorch imported and warm: its own memory is in the baseline)
@@ -71,6 +85,7 @@ def test_sync_operator_output_is_bounded_before_it_is_made(broker: BrokerProcess
         gpu.torch_op(TorchOp("aten::expand.default", [TensorArg("one"), [n]], {}, ["wide"],
                              [("float32", (n,), (0,), 0)]))
         gpu.synchronize()
+        _reset_hwm(broker)
         before = _worker_hwm(broker)
         with pytest.raises(GpuBrokerError) as info:
             gpu.torch_op_sync(TorchOpSync("aten::nonzero.default", [TensorArg("wide")], {}, ["nz"]))
@@ -84,6 +99,7 @@ def test_non_sync_operator_as_sync_is_charged_before_it_runs(broker: BrokerProce
     with connect(broker.target, token=broker.tokens["mallory"], timeout=60) as gpu:
         assert isinstance(gpu, RemoteGpu)
         _warm(gpu)
+        _reset_hwm(broker)
         before = _worker_hwm(broker)
         n = 48 << 20  # 192 MiB of float32: 3x the quota
         with pytest.raises(GpuBrokerError) as info:
@@ -92,3 +108,24 @@ def test_non_sync_operator_as_sync_is_charged_before_it_runs(broker: BrokerProce
         print(f"\n{type(info.value).__name__}: {info.value}; the worker's VmHWM grew by {grew >> 20} MiB")
         assert grew < QUOTA, (f"aten::ones.default sent as a TorchOpSync made the worker touch {grew >> 20} MiB "
                               f"before the {QUOTA >> 20} MiB quota refused it")
+
+
+def test_aliasing_operator_that_copies_is_charged_before_it_runs(broker: BrokerProcess) -> None:
+    with connect(broker.target, token=broker.tokens["mallory"], timeout=60) as gpu:
+        assert isinstance(gpu, RemoteGpu)
+        _warm(gpu)
+        n = 48 << 20  # 192 MiB of float32 once materialized
+        gpu.torch_op(TorchOp("aten::ones.default", [[1]], {}, ["one2"], [("float32", (1,), (1,), 0)]))
+        gpu.torch_op(TorchOp("aten::expand.default", [TensorArg("one2"), [n]], {}, ["wide2"],
+                             [("float32", (n,), (0,), 0)]))
+        gpu.synchronize()
+        _reset_hwm(broker)
+        before = _worker_hwm(broker)
+        with pytest.raises(GpuBrokerError) as info:
+            gpu.torch_op(TorchOp("aten::contiguous.default", [TensorArg("wide2")], {}, ["dense"],
+                                 [("float32", (n,), (1,), 0)]))
+            gpu.synchronize()
+        grew = _worker_hwm(broker) - before
+        print(f"\n{type(info.value).__name__}: {info.value}; the worker's VmHWM grew by {grew >> 20} MiB")
+        assert grew < QUOTA, (f"aten::contiguous.default (an aliasing return: nothing reserved) made the worker touch "
+                              f"{grew >> 20} MiB before the {QUOTA >> 20} MiB quota refused it")
