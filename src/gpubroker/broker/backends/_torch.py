@@ -22,6 +22,8 @@ tenant's: they become gpubroker errors carrying PyTorch's class name (``details[
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import re
 import threading
@@ -172,7 +174,10 @@ class _OpInfo:
     device_names: frozenset[str]
     generator: int  # position of the Generator parameter, -1 if none
     generator_name: str
-    guarded: bool  # has a Device or Generator parameter
+    # ScalarType, Layout and MemoryFormat parameters: only their wrappers (DtypeArg, ...) or None may go there (PyTorch
+    # takes a plain int as the enum, which would reach dtypes and layouts the device does not have)
+    enums: frozenset[int | str]
+    guarded: bool  # has a Device, Generator, ScalarType, Layout or MemoryFormat parameter
 
 
 @dataclass(slots=True)
@@ -184,6 +189,7 @@ class _Storage:
 _DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128", "uint8", "int8",
                 "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
                 "float8_e4m3fnuz", "float8_e5m2fnuz")
+_ENUM_PARAMETER = re.compile(r"\b(?:ScalarType|Layout|MemoryFormat)\?? (\w+)")
 _FORMAT_NAMES = ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format")
 
 
@@ -270,6 +276,9 @@ class TorchSession:
         schema = overload._schema
         aliased = tuple(r.alias_info is not None for r in schema.returns) or (False,)
         devices, device_names, generator, generator_name = [], set(), -1, ""
+        enums: set[int | str] = set()
+        # (the Python schema's types say int for these enums; its text says what they are)
+        enum_names = set(_ENUM_PARAMETER.findall(str(schema)))
         for i, arg in enumerate(schema.arguments):
             kind = str(arg.type).removeprefix("Optional[").rstrip("]?")  # ("Device", "Optional[Device]", "Device?")
             if kind == "Device":
@@ -277,8 +286,11 @@ class TorchSession:
                 device_names.add(arg.name)
             elif kind == "Generator":
                 generator, generator_name = i, arg.name
+            elif arg.name in enum_names:
+                enums.update((i, arg.name))
         info = self._ops[name] = _OpInfo(overload, aliased, tuple(devices), frozenset(device_names), generator,
-                                         generator_name, bool(devices) or generator >= 0)
+                                         generator_name, frozenset(enums),
+                                         bool(devices) or generator >= 0 or bool(enums))
         return info
 
     def _arg(self, value: ArgValue) -> Any:
@@ -319,6 +331,10 @@ class TorchSession:
         for k in info.device_names.intersection(cmd.kwargs):
             if not isinstance(cmd.kwargs[k], DeviceArg | None):
                 raise InvalidArgument(f"{cmd.name}: a device argument must be the torch device itself")
+        for where, value in itertools.chain(enumerate(cmd.args), cmd.kwargs.items()):
+            if where in info.enums and not isinstance(value, DtypeArg | LayoutArg | MemoryFormatArg | None):
+                raise InvalidArgument(f"{cmd.name}: a dtype, layout or memory format argument is sent by name, not "
+                                      f"as {type(value).__name__}")
         # Random operators draw from the device's default generator (TorchSeed seeds it): most random overloads
         # have no generator parameter, so one of the session's own could not serve them all.
         if info.generator >= 0 and (args[info.generator] if info.generator < len(args)
@@ -413,7 +429,7 @@ class TorchSession:
                 raise ResourceExhausted(f"{cmd.name}: {exc.message}", **exc.details) from None
         try:
             results = self._run(info, cmd.name, args, kwargs, stream)
-            outs = self._outputs(cmd.name, cmd.outs, results, cmd.metas)
+            outs = self._outputs(cmd.name, cmd.outs, results, cmd.metas, stream)
         except BaseException:
             self.accounts.unreserve(reserved)
             raise
@@ -426,7 +442,7 @@ class TorchSession:
         self._claim(news)
         args, kwargs = self._arguments(info, cmd)
         results = self._run(info, cmd.name, args, kwargs, stream)
-        outs = self._outputs(cmd.name, cmd.outs, results, None)
+        outs = self._outputs(cmd.name, cmd.outs, results, None, stream)
         answer: list[TensorMeta | int | float | bool | None] = []
         for item in results:
             if isinstance(item, self._t.Tensor):
@@ -440,7 +456,7 @@ class TorchSession:
         return answer
 
     def _outputs(self, name: str, handles: Sequence[str | None], results: list[Any],
-                 metas: Sequence[TensorMeta] | None) -> list[tuple[str, torch.Tensor]]:
+                 metas: Sequence[TensorMeta] | None, stream: Stream | None) -> list[tuple[str, torch.Tensor]]:
         """The new outputs by handle, each checked against the metadata the client announced (``metas``)."""
         if len(results) != len(handles):
             raise InvalidArgument(f"{name} returned {len(results)} values; the command names {len(handles)} outputs")
@@ -458,10 +474,11 @@ class TorchSession:
                 # (tuple(): free on the decoded tuples; an in-process caller may pass lists)
                 if (t.dtype is not dtypes.get(dtype) or t.shape != tuple(shape) or t.stride() != tuple(stride)
                         or t.storage_offset() != offset):
-                    outs[i] = (h, self._as_announced(name, t, self.meta(t), meta))
+                    outs[i] = (h, self._as_announced(name, t, self.meta(t), meta, stream))
         return outs
 
-    def _as_announced(self, name: str, t: torch.Tensor, actual: TensorMeta, meta: TensorMeta) -> torch.Tensor:
+    def _as_announced(self, name: str, t: torch.Tensor, actual: TensorMeta, meta: TensorMeta,
+                      stream: Stream | None) -> torch.Tensor:
         """An output laid out as the client announced it: a copy with its strides where only the layout differs
         (the client's views of it follow its strides); an error where the shape or dtype differ."""
         dtype, shape, stride, offset = meta
@@ -470,8 +487,11 @@ class TorchSession:
                                   f"worked out {dtype} {list(shape)} (offset {offset}): the client's shape "
                                   "inference disagrees with this worker's PyTorch")
         try:
-            fixed: torch.Tensor = self._t.empty_strided(tuple(shape), tuple(stride), dtype=t.dtype, device=t.device)
-            fixed.copy_(t)
+            # (device work of the tenant's like the operator's own: timed, on the session's stream)
+            with self.placement.running(stream):
+                fixed: torch.Tensor = self._t.empty_strided(tuple(shape), tuple(stride), dtype=t.dtype,
+                                                            device=t.device)
+                fixed.copy_(t)
         except Exception as exc:
             raise self._error(name, exc) from None
         return fixed
@@ -497,7 +517,7 @@ class TorchSession:
         dtype = self._dtypes.get(dtype_name)
         if dtype is None:
             raise InvalidArgument(f"unknown torch dtype {dtype_name!r}")
-        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        numel = math.prod(shape)  # (Python ints: a product of int64s wraps)
         if any(n < 0 for n in shape) or numel > 1 << 48:
             raise InvalidArgument(f"a tensor of shape {list(shape)} is too large")
         return dtype, tuple(shape), numel * dtype.itemsize
@@ -521,8 +541,16 @@ class TorchSession:
             raise
         self._keep("torch_from_buffer", [(handle, t)], nbytes)
 
-    def _flat_bytes(self, t: torch.Tensor) -> torch.Tensor:
-        """The tensor's elements, row-major, as a contiguous uint8 tensor."""
+    def _flat_bytes(self, what: str, t: torch.Tensor) -> torch.Tensor:
+        """The tensor's elements, row-major, as a contiguous uint8 tensor (a conjugate or negative view resolved)."""
+        try:
+            return self._flat(t.resolve_conj().resolve_neg())
+        except GpuBrokerError:
+            raise
+        except Exception as exc:
+            raise self._error(what, exc) from None
+
+    def _flat(self, t: torch.Tensor) -> torch.Tensor:
         flat = t.reshape(-1)
         if flat.stride() != (1,):
             # (also a one-element tensor of stride 0, which PyTorch calls contiguous but will not view as bytes)
@@ -534,8 +562,11 @@ class TorchSession:
     def to_buffer(self, handle: str, buf: Buffer, stream: Stream | None = None) -> None:
         """The tensor's elements, row-major, into the buffer at its view's offset."""
         t = self.tensor(handle)
+        nbytes = t.numel() * t.element_size()
+        if nbytes > buf.size - buf.offset:  # (before the elements are gathered: an expanded view may be huge)
+            raise OutOfRange(f"torch_to_buffer of {nbytes} bytes into a view of {buf.size - buf.offset}")
         with self.placement.running(stream):
-            data = self._flat_bytes(t)
+            data = self._flat_bytes("torch_to_buffer", t)
         self.placement.to_buffer(data, buf, stream)
 
     def read(self, handle: str, stream: Stream | None = None) -> bytes:
@@ -546,7 +577,7 @@ class TorchSession:
             raise OutOfRange(f"torch_read of {nbytes} bytes: at most {MAX_TORCH_READ} are read at once; copy larger "
                              "tensors through a buffer")
         with self.placement.running(stream):
-            data = self._flat_bytes(t)
+            data = self._flat_bytes("torch_read", t)
         return self.placement.host_bytes(data, stream)
 
     def seed(self, seed: int) -> None:

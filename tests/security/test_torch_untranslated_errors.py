@@ -1,5 +1,5 @@
-"""Open hole (issue 21, round 10): torch commands a hostile client builds itself reach the worker's INTERNAL path,
-with a Python traceback per command in the broker's log.
+"""Torch commands a hostile client builds itself are the tenant's errors, never the worker's INTERNAL path with a
+traceback in the broker's log (issue 21, round 10: each case below did that before its fix).
 
 The worker wraps what PyTorch raises *running an operator* (``TorchSession._run``) as the tenant's error, but not
 what PyTorch, NumPy or the session's own bookkeeping raise around it; ``Executor.run`` then logs it with
@@ -22,21 +22,23 @@ and answers ``INTERNAL`` (a broker bug, by the project's own reading). Measured 
   NotImplementedError in ``_keep``. The same int trick bypasses the dtype allowlist (``dtype=12``: a qint8 tensor
   is made and kept; see the last test).
 
-Fix: wrap PyTorch's and NumPy's exceptions in ``to_buffer``/``read``/``from_buffer``/``_keep`` as the tenant's
-errors (``resolve_conj``/``resolve_neg`` first), compute numel in Python ints, and refuse ints where the schema
-wants a Layout, ScalarType or MemoryFormat (only DtypeArg/LayoutArg/MemoryFormatArg).
+The fix: PyTorch's exceptions in ``to_buffer``/``read`` are the tenant's errors (``resolve_conj``/``resolve_neg``
+first, so a conjugate view reads its values), a read is bounded by its destination before anything is gathered,
+numel is computed in Python ints, and the schema's ScalarType, Layout and MemoryFormat parameters take only
+DtypeArg/LayoutArg/MemoryFormatArg (never an int).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import GpuBrokerError, Internal, connect
 from gpubroker.client._remote import RemoteGpu
-from gpubroker.wire.torch import DtypeArg, TensorArg, TorchOp, TorchOpSync
+from gpubroker.wire.torch import Complex, DtypeArg, TensorArg, TorchOp, TorchOpSync
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +65,17 @@ def _check(broker: BrokerProcess, what: str, call: Callable[[], object]) -> None
     assert "Traceback" not in broker.log_tail(10**7)[len(before):]
 
 
-def test_read_of_conjugate_view_is_the_tenants_error(broker: BrokerProcess) -> None:
+def test_read_of_a_conjugate_view_reads_its_values(broker: BrokerProcess) -> None:
+    """(It was INTERNAL: a conjugate view is no plain bytes; now it is resolved first.)"""
+    before = broker.log_tail(10**7)
     with connect(broker.target, token=broker.tokens["mallory"], timeout=60) as gpu:
         assert isinstance(gpu, RemoteGpu)
-        gpu.torch_op(TorchOp("aten::ones.default", [[4]], {"dtype": DtypeArg("complex64")}, ["c"],
-                             [("complex64", (4,), (1,), 0)]))
+        gpu.torch_op(TorchOp("aten::full.default", [[4], Complex(1.0, 2.0)], {"dtype": DtypeArg("complex64")},
+                             ["c"], [("complex64", (4,), (1,), 0)]))
         gpu.torch_op(TorchOp("aten::conj.default", [TensorArg("c")], {}, ["cj"], [("complex64", (4,), (1,), 0)]))
-        _check(broker, "torch_read of a conjugate view", lambda: gpu.torch_read("cj"))
+        data = gpu.torch_read("cj")
+    assert np.array_equal(np.frombuffer(data, dtype=np.complex64), np.full(4, 1 - 2j, dtype=np.complex64))
+    assert "Traceback" not in broker.log_tail(10**7)[len(before):]
 
 
 def test_to_buffer_of_huge_expanded_view_is_the_tenants_error(broker: BrokerProcess) -> None:

@@ -1,4 +1,5 @@
-"""Open hole (issue 21, round 10): work the torch device does outside its timer is charged to nobody.
+"""Work the torch device does for a command is timed as the tenant's device work (issue 21, round 10; was: charged to
+nobody).
 
 On a CPU device (PoCL) a tenant's fence charge is ``min(what its worker reports, what the front's CPU meter
 measured)`` (scheduler/_device.py ``_switch``): the worker's own figure can only lower it. The worker's figure for
@@ -14,7 +15,8 @@ time; the same 20 materializations as ``aten::clone.default`` (timed) were charg
 device (nobody waiting, so ``contended`` adds nothing) has its usage (Admin Usage, ``gpubroker_device_seconds``)
 and its fair-queuing clock under-counted by ~400x.
 
-Fix: bracket the whole of a torch command's device-side work (``_outputs``/``_as_announced``, ``_keep``,
+The fix: the copy is made inside the placement's timer, on the session's stream (as the operator). Suggested then:
+bracket the whole of a torch command's device-side work (``_outputs``/``_as_announced``, ``_keep``,
 ``from_buffer``'s reshape, ``to_buffer``'s copy) with ``placement.running``; or refuse an announced layout that
 differs from the real output's for an aliasing return (a view is made by the real view operator: a different
 layout is a lie) rather than copying.
