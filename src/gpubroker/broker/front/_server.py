@@ -32,7 +32,7 @@ from gpubroker.broker.front._metrics import MetricsLimits, MetricsServer, serve_
 from gpubroker.broker.front._preauth import PreAuthGate
 from gpubroker.broker.front._segments import SegmentService
 from gpubroker.broker.front._service import GpuBrokerService
-from gpubroker.broker.front._sessions import SessionManager
+from gpubroker.broker.front._sessions import Session, SessionManager
 from gpubroker.broker.front._status import add_servicer
 from gpubroker.broker.front.auth import Authenticator
 from gpubroker.broker.front.listen import listen_unix, listen_vsock, secure_unix_socket
@@ -448,8 +448,22 @@ class Broker:
             pass
         left = list(self.sessions.sessions.values())
         log.warning("drain grace over: ending %d sessions still running", len(left))
+        closing: dict[asyncio.Task[None], Session] = {}
         for session in left:  # (each closed by its worker in a task of its own: none waits for another's)
-            self.sessions.end(session, reason="ended: the broker drained")
+            task = self.sessions.end(session, reason="ended: the broker drained")
+            if task is not None:
+                closing[task] = session
+        if not closing:
+            return
+        # A worker busy in its tenant's long operation answers the close only after it (a lone tenant may have no
+        # time limit): past a margin it is killed, as the broker's stop would. Nobody's failure: the operator's.
+        _, stuck = await asyncio.wait(closing, timeout=_CLOSE_MARGIN)
+        assert self.pool is not None
+        for task in stuck:
+            session = closing[task]
+            log.warning("drain: the worker of tenant %r on device %d did not close session %s within %g s: killed",
+                        session.tenant, session.device, session.id, _CLOSE_MARGIN)
+            self.pool.retire(session.worker, Unavailable("the broker drained: this session's worker was ended"))
 
     async def drain_and_wait(self, grace: float, until: asyncio.Event | None = None) -> None:
         """Drain, then wait until every session has closed or the grace is over (or ``until`` is set)."""

@@ -1,4 +1,4 @@
-"""Open hole (issue 21, round 10): a drain's grace does not end a session whose worker is busy.
+"""A drain's grace ends a session whose worker is busy (issue 21, round 10: it did not).
 
 Admin Drain (or SIGTERM with ``drain_grace_seconds``) promises that running sessions "may go on" for the grace and
 are then ended. Ending one is a CloseSession request to its worker, which waits behind whatever the worker is
@@ -9,7 +9,7 @@ worker was still running (both CPUs), its session not closed, its client's call 
 drained the broker for maintenance is left with a tenant's work running for as long as the tenant likes (only
 SIGTERM's shutdown, which kills the workers, ends it: 6 s).
 
-Fix: at the grace's end, a session whose worker does not close it promptly has its worker killed (charged to
+The fix: at the grace's end, a session whose worker does not close it within 5 s has its worker killed (charged to
 nobody: a drain is nobody's failure), as the shutdown does.
 """
 
