@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from gpubroker.broker.launcher import descendants, parent_pids
@@ -65,3 +65,12 @@ def recv_payload(sock: socket.socket) -> bytes:
 
     (length,) = FRAME_HEADER.unpack(exactly(FRAME_HEADER.size))
     return exactly(length)
+
+
+def contiguous_meta(shape: Sequence[int], dtype: str = "float32") -> tuple[str, tuple[int, ...], tuple[int, ...], int]:
+    """A torch command's metadata (wire/torch.py TensorMeta) for a contiguous tensor of ``shape``."""
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.insert(0, n)
+        n *= size
+    return (dtype, tuple(shape), tuple(strides), 0)

@@ -18,7 +18,9 @@ from gpubroker.client import (
     Unimplemented,
     connect,
 )
-from gpubroker.wire.torch import DeviceArg, TensorArg, TensorMeta, TorchOp, TorchOpSync
+from gpubroker.wire.torch import DeviceArg, TensorArg, TorchOp, TorchOpSync
+
+from ..helpers import contiguous_meta as _meta
 
 pytest.importorskip("torch")  # (the worker runs it: without it, nothing here can run)
 
@@ -39,13 +41,6 @@ def alice(broker: BrokerProcess) -> Iterator[RemoteGpu]:
     with connect(broker.target, token=broker.tokens["alice"]) as gpu:
         yield gpu
 
-
-def _meta(shape: Sequence[int], dtype: str = "float32") -> TensorMeta:
-    strides, n = [], 1
-    for size in reversed(shape):
-        strides.insert(0, n)
-        n *= size
-    return (dtype, tuple(shape), tuple(strides), 0)
 
 
 def _put(gpu: RemoteGpu, handle: str, data: np.ndarray) -> None:

@@ -25,11 +25,11 @@ from gpubroker.wire.torch import (
     DtypeArg,
     TensorArg,
     TensorListArg,
-    TensorMeta,
     TorchOp,
     TorchOpSync,
 )
 from tests.backend_kernels import OpenDevice
+from tests.helpers import contiguous_meta as _meta
 
 torch = pytest.importorskip("torch")
 
@@ -47,14 +47,6 @@ _count = iter(range(1 << 62))
 def _h() -> str:
     return f"t{next(_count)}"
 
-
-def _meta(shape: Sequence[int], dtype: str = "float32") -> TensorMeta:
-    """Contiguous metadata for ``shape``."""
-    strides, n = [], 1
-    for size in reversed(shape):
-        strides.insert(0, n)
-        n *= size
-    return (dtype, tuple(shape), tuple(strides), 0)
 
 
 def _put(gpu: GpuCompute, data: np.ndarray) -> str:
