@@ -30,6 +30,7 @@ discarded, then the close.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import time
@@ -66,6 +67,31 @@ def _stub(broker: BrokerProcess, tenant: str) -> tuple[grpc.Channel, pb_grpc.Gpu
     return channel, pb_grpc.GpuBrokerStub(channel)
 
 
+@contextlib.contextmanager
+def _lingering_socket() -> Iterator[socket.socket]:
+    """A TCP connection whose peer never reads: its send queue full, so its FIN waits behind the data, and a close
+    lingers LINGER seconds. On exit its peer resets the connection (the lingering close ends at once)."""
+    with socket.socket() as listener, socket.socket() as lingering:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        lingering.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        lingering.connect(listener.getsockname())
+        reader, _ = listener.accept()
+        with reader:
+            lingering.setblocking(False)
+            try:
+                while True:
+                    lingering.send(bytes(65536))
+            except BlockingIOError:
+                pass
+            lingering.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, LINGER))
+            try:
+                yield lingering
+            finally:
+                reader.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
 def _bob_call(bob: pb_grpc.GpuBrokerStub) -> float:
     start = time.monotonic()
     try:
@@ -78,27 +104,12 @@ def _bob_call(bob: pb_grpc.GpuBrokerStub) -> float:
 def test_a_descriptor_sent_with_a_segment_request_is_never_closed_on_the_event_loop(broker: BrokerProcess) -> None:
     bob_channel, bob = _stub(broker, "bob")
     alice_channel, alice = _stub(broker, "alice")
-    listener = socket.socket()
-    lingering = socket.socket()
-    reader: socket.socket | None = None
+    stack = contextlib.ExitStack()
     segments: SegmentChannel | None = None
     try:
         before = _bob_call(bob)
         session = alice.OpenSession(pb.OpenSessionRequest(device=0), timeout=60).session
-        # A TCP connection whose peer never reads: its send queue full, so its FIN waits behind the data.
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        lingering.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        lingering.connect(listener.getsockname())
-        reader, _ = listener.accept()
-        lingering.setblocking(False)
-        try:
-            while True:
-                lingering.send(bytes(65536))
-        except BlockingIOError:
-            pass
-        lingering.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, LINGER))
+        lingering = stack.enter_context(_lingering_socket())
         segments = SegmentChannel(fast_path_address(broker.target.removeprefix("unix:")), broker.tokens["alice"],
                                   session, timeout=60)
         payload = encode(RegisterSegment("seg_lingering", 4096))
@@ -109,11 +120,7 @@ def test_a_descriptor_sent_with_a_segment_request_is_never_closed_on_the_event_l
         sock.sendall(frame[1:])
         during = _bob_call(bob)
     finally:
-        if reader is not None:
-            reader.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            reader.close()  # a reset: the lingering close ends at once
-        listener.close()
-        lingering.close()
+        stack.close()  # (the lingering socket's peer reset: its close ends at once)
         if segments is not None:
             segments._sock.close()
         alice_channel.close()
@@ -130,25 +137,11 @@ def test_a_descriptor_queued_behind_a_refused_frame_is_never_closed_on_the_event
     then one byte carrying the lingering socket, which stays queued in the connection when the front closes it."""
     bob_channel, bob = _stub(broker, "bob")
     alice_channel, alice = _stub(broker, "alice")
-    listener = socket.socket()
-    lingering = socket.socket()
-    reader: socket.socket | None = None
+    stack = contextlib.ExitStack()
     segments: SegmentChannel | None = None
     try:
         session = alice.OpenSession(pb.OpenSessionRequest(device=0), timeout=60).session
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        lingering.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        lingering.connect(listener.getsockname())
-        reader, _ = listener.accept()
-        lingering.setblocking(False)
-        try:
-            while True:
-                lingering.send(bytes(65536))
-        except BlockingIOError:
-            pass
-        lingering.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, LINGER))
+        lingering = stack.enter_context(_lingering_socket())
         for _ in range(10):
             segments = SegmentChannel(fast_path_address(broker.target.removeprefix("unix:")), broker.tokens["alice"],
                                       session, timeout=60)
@@ -167,11 +160,7 @@ def test_a_descriptor_queued_behind_a_refused_frame_is_never_closed_on_the_event
         lingering.close()
         during = _bob_call(bob)
     finally:
-        if reader is not None:
-            reader.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            reader.close()
-        listener.close()
-        lingering.close()
+        stack.close()
         if segments is not None:
             segments._sock.close()
         alice_channel.close()
