@@ -1,8 +1,9 @@
 """`gpubroker bench torch`: the same eager PyTorch code natively and on the gpubroker torch device through a broker.
 
-Each workload runs, in the same run and on the same machine, natively with eager PyTorch in this process (cuda:N
-on CUDA; on PoCL the host CPU, as the worker then runs PyTorch's CPU kernels) and on
-``gpubroker.client.torch.device(gpu)`` for a session on a broker this command starts (the same-host ring):
+Each workload runs, in the same run and on the same machine, natively with eager PyTorch in a process of its own
+(cuda:N on CUDA; on PoCL the host CPU, as the worker then runs PyTorch's CPU kernels; NativeProcess says why not
+in this one) and on ``gpubroker.client.torch.device(gpu)`` for a session on a broker this command starts (the
+same-host ring):
 
 - **mlp**: bench arrays' MLP (its sizes: 1024 -> 2048 -> 2048 -> 10, float32, batch 4,096, 100 steps) written as
   an ``nn.Sequential`` trained with autograd, cross-entropy and ``torch.optim.SGD``; the final loss is read back.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import multiprocessing
 import platform
 import socket
 import sys
@@ -37,6 +39,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from importlib import metadata
+from multiprocessing.connection import Connection
 from typing import Any
 
 try:
@@ -366,23 +369,80 @@ def _skipping(name: str, skipped: dict[str, str], progress: Callable[[str], None
         progress(f"{name} skipped: {skipped[name]}")
 
 
-def measure(backend: str, quick: bool, runs: int, device: int = 0,
-            progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    plan = Plan.make(quick)
-    host = host_data(plan)
-    native = native_side(backend, device)
-    native_runs: dict[str, list[float]] = {name: [] for name in (*WORKLOADS, "client_cpu_us")}
-    ours_runs: dict[str, list[float]] = {name: [] for name in (*WORKLOADS, "client_cpu_us")}
-    queued_runs: dict[str, dict[str, list[float]]] = {name: {"native": [], "ours": []} for name in WORKLOADS}
-    checks: dict[str, list[dict[str, Any]]] = {name: [] for name in WORKLOADS}
-    skipped: dict[str, str] = {}
-    timers: dict[str, Callable[[Side], Timing]] = {
+def _timers(plan: Plan, host: dict[str, dict[str, Any]]) -> dict[str, Callable[[Side], Timing]]:
+    return {
         "mlp": lambda side: time_mlp(side, plan.mlp, host["mlp"]),
         "gpt": lambda side: time_gpt(side, plan.gpt, host["gpt"]),
         "resnet": lambda side: time_resnet(side, plan.resnet, host["resnet"]),
         "launch": lambda side: time_launch(side, plan.launch),
     }
-    with BrokerProcess([TenantSpec("bench", memory_quota=1 << 40)], backend=backend) as broker, \
+
+
+def _serve_native(conn: Connection, backend: str, device: int, quick: bool) -> None:
+    """The native side's process: times the workload each request names, with the same plan and host data."""
+    plan = Plan.make(quick)
+    timers = _timers(plan, host_data(plan))
+    native = native_side(backend, device)
+    conn.send(native.name)
+    while (name := conn.recv()) is not None:
+        try:
+            with native.context():
+                value: Timing | float = (client_cpu_us(native, plan.launch, plan.client_cpu_ops)
+                                         if name == "client_cpu" else timers[name](native))
+            native.release()
+            conn.send(("ok", value))
+        except Exception as exc:  # (the parent raises it: the benchmark cannot go on without its baseline)
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class NativeProcess:
+    """Eager PyTorch in a process of its own. Once a process registers the gpubroker device (PyTorch's PrivateUse1
+    backend), PyTorch takes it for the process's accelerator and CUDA's own backward fails inside PyTorch
+    (``opt_ready_stream && opt_parent_stream``, pytorch/pytorch#161129): the native side cannot share a process
+    with ours. Spawned, not forked (CUDA and the broker's threads)."""
+
+    def __init__(self, backend: str, device: int, quick: bool) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve_native, args=(child, backend, device, quick), daemon=True)
+        self._process.start()
+        child.close()
+        self.name: str = self._conn.recv()
+
+    def time(self, name: str) -> Any:
+        """The workload's Timing (``client_cpu``: microseconds per queued operator)."""
+        self._conn.send(name)
+        status, value = self._conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"native {name}: {value}")
+        return value
+
+    def __enter__(self) -> NativeProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass
+        self._process.join(30)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+
+
+def measure(backend: str, quick: bool, runs: int, device: int = 0,
+            progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    plan = Plan.make(quick)
+    host = host_data(plan)
+    native_runs: dict[str, list[float]] = {name: [] for name in (*WORKLOADS, "client_cpu_us")}
+    ours_runs: dict[str, list[float]] = {name: [] for name in (*WORKLOADS, "client_cpu_us")}
+    queued_runs: dict[str, dict[str, list[float]]] = {name: {"native": [], "ours": []} for name in WORKLOADS}
+    checks: dict[str, list[dict[str, Any]]] = {name: [] for name in WORKLOADS}
+    skipped: dict[str, str] = {}
+    timers = _timers(plan, host)
+    with NativeProcess(backend, device, quick) as native, \
+            BrokerProcess([TenantSpec("bench", memory_quota=1 << 40)], backend=backend) as broker, \
             connect(broker.target, token=broker.tokens["bench"], device=device, transport="ring",
                     async_commands=True) as gpu:
         if gpu.transport.kind != "ring":
@@ -400,9 +460,7 @@ def measure(backend: str, quick: bool, runs: int, device: int = 0,
                 if got is None:
                     continue
                 progress(f"run {run + 1} of {runs}: {name}, native")
-                with native.context():
-                    mine = timer(native)
-                native.release()
+                mine: Timing = native.time(name)
                 native_runs[name].append(mine.seconds)
                 ours_runs[name].append(got.seconds)
                 queued_runs[name]["native"].append(mine.queued)
@@ -415,9 +473,7 @@ def measure(backend: str, quick: bool, runs: int, device: int = 0,
                     cpu = client_cpu_us(ours, plan.launch, plan.client_cpu_ops)
                 if cpu is not None:
                     ours_runs["client_cpu_us"].append(cpu)
-                    with native.context():
-                        native_runs["client_cpu_us"].append(client_cpu_us(native, plan.launch,
-                                                                          plan.client_cpu_ops))
+                    native_runs["client_cpu_us"].append(native.time("client_cpu"))
     workloads = _workloads(plan, native_runs, ours_runs, queued_runs, checks, skipped)
     return {
         "bench": "torch", "backend": backend, "quick": quick, "runs": runs,

@@ -172,10 +172,13 @@ def test_pytorchs_errors_carry_its_class_and_message_and_the_session_goes_on(gpu
     assert info.value.details["torch_error"] == "RuntimeError"
     assert "aten::mm.default" in info.value.message and "cannot be multiplied" in info.value.message
     index = _put(gpu, np.array([7], np.int64))
-    with pytest.raises(InvalidArgument) as info:
-        _op(gpu, "aten::index_select.default", [TensorArg(a), 0, TensorArg(index)], (1, 3))
-        gpu.synchronize()
-    assert info.value.details["torch_error"] == "IndexError"
+    if gpu.device_info().backend != "cuda":
+        # (on CUDA an index out of range is a device-side assert, which breaks this process's context for every
+        # later test: tests/client/torch/test_broker.py checks it through a worker)
+        with pytest.raises(InvalidArgument) as info:
+            _op(gpu, "aten::index_select.default", [TensorArg(a), 0, TensorArg(index)], (1, 3))
+            gpu.synchronize()
+        assert info.value.details["torch_error"] == "IndexError"
     fine = _op(gpu, "aten::mul.Tensor", [TensorArg(a), 2.0], (2, 3))  # the failed ops' handles were never taken
     assert _get(gpu, fine, np.float32, (2, 3)).sum() == 12
     gpu.torch_free([a, index, fine])

@@ -12,14 +12,15 @@ torch = pytest.importorskip("torch")
 
 import gpubroker.client.torch as gbtorch  # noqa: E402
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec  # noqa: E402
-from gpubroker.client import RemoteGpu, ResourceExhausted, connect  # noqa: E402
+from gpubroker.client import RemoteGpu, ResourceExhausted, WorkerCrashed, connect  # noqa: E402
 
 QUOTA = 32 << 20
 
 
 @pytest.fixture(scope="module")
 def broker(backend: str) -> Iterator[BrokerProcess]:
-    tenants = [TenantSpec("alice", memory_quota=QUOTA), TenantSpec("bob", memory_quota=QUOTA)]
+    # carol's worker may lose its CUDA context (the device-side assert test): the other tests' sessions are others'
+    tenants = [TenantSpec("alice", memory_quota=QUOTA), TenantSpec("bob", memory_quota=QUOTA), TenantSpec("carol")]
     with BrokerProcess(tenants, backend=backend) as proc:
         yield proc
         log = proc.log_path.read_text(errors="replace")
@@ -60,12 +61,23 @@ def test_two_tenants_devices_in_one_process_never_mix(alice: RemoteGpu, bob: Rem
     assert torch.equal(b.cpu(), x + 1) and torch.equal(a.cpu(), x)
 
 
-def test_a_device_side_assert_is_raised_at_the_next_wait(alice: RemoteGpu) -> None:
-    dev = gbtorch.device(alice)
-    torch._assert_async(torch.tensor(0, device=dev))  # queued: the worker's kernel fails it
-    with pytest.raises(RuntimeError, match=r"_assert_async"):
-        gbtorch.synchronize(dev)
-    assert torch.ones(2, device=dev).sum().item() == 2.0
+def test_a_device_side_assert_is_raised_at_the_next_wait(broker: BrokerProcess, backend: str) -> None:
+    with connect(broker.target, token=broker.tokens["carol"]) as carol:
+        dev = gbtorch.device(carol)
+        torch._assert_async(torch.tensor(0, device=dev))  # queued: the worker's kernel fails it
+        if backend != "cuda":
+            with pytest.raises(RuntimeError, match=r"_assert_async"):
+                gbtorch.synchronize(dev)
+            assert torch.ones(2, device=dev).sum().item() == 2.0  # the session goes on
+            return
+        # On CUDA, as in eager PyTorch: a device-side assert breaks the context, raised as AcceleratorError. The
+        # worker exits; the session's tensors are gone, and a new session gets a fresh worker.
+        with pytest.raises(torch.AcceleratorError, match=r"device-side assert.*connect again"):
+            gbtorch.synchronize(dev)
+        with pytest.raises(WorkerCrashed, match="open a new session"):
+            torch.ones(2, device=dev).sum().item()
+    with connect(broker.target, token=broker.tokens["carol"]) as again:
+        assert torch.ones(2, device=gbtorch.device(again)).sum().item() == 2.0
 
 
 def test_client_cpu_per_warm_queued_operator_through_the_broker(alice: RemoteGpu,

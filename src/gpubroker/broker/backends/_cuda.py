@@ -276,6 +276,12 @@ class CudaBackend:
         """Whether a device-time segment is open (commands issued since the last end mark)."""
         return self._timer.busy
 
+    def context_lost(self) -> bool:
+        """Whether an earlier error left the CUDA context unusable (a device-side assert, an illegal address): every
+        later call fails, so the worker exits and the tenant's next session gets a fresh context. Found by any call,
+        also by the scheduler's device-time wait, whose error no command reports."""
+        return self._dev.fatal is not None
+
     def flush_device_time(self) -> None:
         """End the open device-time segments: the worker calls this when it is about to wait for input, so the
         time the host then spends idle (waiting for the next batch) is not charged. Never raises."""

@@ -531,7 +531,7 @@ class TorchSession:
         except ResourceExhausted as exc:
             raise ResourceExhausted(f"torch_from_buffer: {exc.message}", **exc.details) from None
         try:
-            raw = self.placement.from_buffer(buf, nbytes, stream)
+            raw = self._on_device("torch_from_buffer", self.placement.from_buffer, buf, nbytes, stream)
             try:
                 t = raw.view(dtype).reshape(shape)
             except RuntimeError as exc:
@@ -540,6 +540,16 @@ class TorchSession:
             self.accounts.unreserve(nbytes)
             raise
         self._keep("torch_from_buffer", [(handle, t)], nbytes)
+
+    def _on_device(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, a placement's copy, with PyTorch's exceptions as the tenant's errors (a device-side assert
+        an earlier operator queued surfaces at the copy that waits for it: the backend's fatal error, not Internal)."""
+        try:
+            return fn(*args)
+        except GpuBrokerError:
+            raise
+        except Exception as exc:
+            raise self._error(what, exc) from None
 
     def _flat_bytes(self, what: str, t: torch.Tensor) -> torch.Tensor:
         """The tensor's elements, row-major, as a contiguous uint8 tensor (a conjugate or negative view resolved)."""
@@ -567,7 +577,7 @@ class TorchSession:
             raise OutOfRange(f"torch_to_buffer of {nbytes} bytes into a view of {buf.size - buf.offset}")
         with self.placement.running(stream):
             data = self._flat_bytes("torch_to_buffer", t)
-        self.placement.to_buffer(data, buf, stream)
+        self._on_device("torch_to_buffer", self.placement.to_buffer, data, buf, stream)
 
     def read(self, handle: str, stream: Stream | None = None) -> bytes:
         """A small tensor's elements, row-major (at most MAX_TORCH_READ bytes)."""
@@ -578,7 +588,8 @@ class TorchSession:
                              "tensors through a buffer")
         with self.placement.running(stream):
             data = self._flat_bytes("torch_read", t)
-        return self.placement.host_bytes(data, stream)
+        data_bytes: bytes = self._on_device("torch_read", self.placement.host_bytes, data, stream)
+        return data_bytes
 
     def seed(self, seed: int) -> None:
         """Seed the device's default generator, which every random operator draws from (``torch.manual_seed``'s
@@ -662,6 +673,8 @@ class CpuPlacement:
 
 # Idle bytes PyTorch's CUDA caching allocator may keep after tensors are freed (CudaPlacement.trim).
 _CACHE_IDLE_MAX = 256 << 20
+# What PyTorch's caching allocator may hold past a tenant's quota (CudaPlacement.bound).
+_ALLOCATOR_HEADROOM = 96 << 20
 
 
 class CudaPlacement:
@@ -747,9 +760,13 @@ class CudaPlacement:
         # made; a client that announces less would have PyTorch's caching allocator take more in between. Its
         # per-process fraction bounds what the allocator may hold at all: a tenant's worker serves that tenant
         # alone, so this is the tenant's bound (set again as each session starts: the quota may have changed).
+        # Past the quota it may hold _ALLOCATOR_HEADROOM more: its rounding (a 4 MiB tensor takes a 20 MiB segment)
+        # and cuBLAS's workspace (32 MiB per stream on Hopper), which no tensor counts; without it a 16 MiB quota
+        # could not run one matmul.
         cuda = self._torch.cuda
         index = self._dev.index
-        fraction = 1.0 if quota is None else min(1.0, quota / self._dev.info.total_memory)
+        total = self._dev.info.total_memory
+        fraction = 1.0 if quota is None else min(1.0, (quota + _ALLOCATOR_HEADROOM) / total)
         cuda.set_per_process_memory_fraction(fraction, index)
 
     def error(self, what: str, exc: Exception) -> GpuBrokerError | None:

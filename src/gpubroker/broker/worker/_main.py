@@ -67,6 +67,8 @@ class WorkerServer:
         self.segments = SegmentTable(backend)  # shared-memory segments; main() attaches the fd channel
         self.executor = Executor(backend, self.tables, self.segments)
         self.links = Links(self.executor, self._send_front)
+        # (CUDA's only: an OpenCL device has no context an error corrupts)
+        self._context_lost: Callable[[], bool] | None = getattr(backend, "context_lost", None)
         self.peers = PeerOps(backend, self.tables)  # copies between a tenant's sessions (workers/_peer.py)
         peers = self.peers
         # Each request's handler, by its class; each takes the session and the request (typed: its fields were
@@ -82,8 +84,9 @@ class WorkerServer:
 
     @property
     def fatal(self) -> bool:
-        """A command corrupted the device context: the worker exits once it has replied."""
-        return self.executor.fatal
+        """A command corrupted the device context (or a wait found it corrupted): the worker exits once it has
+        replied."""
+        return self.executor.fatal or (self._context_lost is not None and self._context_lost())
 
     def _send_front(self, message: LeaseToFront) -> None:
         if self.front is not None:

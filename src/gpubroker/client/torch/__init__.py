@@ -30,7 +30,9 @@ do; ``t.to(other_dev)`` copies through the host.
 **Not supported**: ``torch.compile``, custom operators, ``resize_``/``set_`` and out= tensors of the wrong shape
 (NotImplementedError), explicit ``torch.Generator`` objects (the worker's generator is used: seed it with
 ``torch.manual_seed``), ``t.numpy()`` (TypeError, as on CUDA: use ``t.cpu().numpy()``), pickling a device tensor
-(``torch.save(t)`` raises: save ``t.cpu()`` or ``model.to('cpu').state_dict()``). ``data_ptr()`` is 0.
+(``torch.save(t)`` raises: save ``t.cpu()`` or ``model.to('cpu').state_dict()``). ``data_ptr()`` is 0. Local CUDA
+training in the same process: the device becomes PyTorch's accelerator in CUDA's place, and backward over local
+``cuda`` tensors then fails inside PyTorch (pytorch/pytorch#161129; ``device()`` warns): run it in another process.
 
 **Threads.** Backward runs on the calling thread: ``device()`` turns PyTorch's multithreaded backward off for the
 thread that calls it (the setting is per thread); another thread that runs backward on the device must do so

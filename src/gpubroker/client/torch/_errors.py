@@ -39,6 +39,10 @@ def as_torch_error(exc: GpuBrokerError) -> Exception | None:
     already; the GpuBrokerError (its details: the command's sequence number, ...) is kept as ``__cause__``.
     """
     name = exc.details.get(TORCH_ERROR_DETAIL)
+    if name is None and exc.details.get("cuda_error") is not None and exc.details.get("fatal"):
+        # A CUDA error that broke the worker's context (a device-side assert a queued operator hit), found by a
+        # wait that is not an operator's (synchronize): PyTorch raises AcceleratorError for it, so this does too.
+        name = "AcceleratorError"
     if not isinstance(name, str):
         return None
     cls = _CLASSES.get(name, RuntimeError)
@@ -46,4 +50,7 @@ def as_torch_error(exc: GpuBrokerError) -> Exception | None:
     command = exc.details.get("command")
     if isinstance(command, str) and command not in message:
         message = f"{command}: {message}"
+    if exc.details.get("fatal"):
+        message += ("; the worker restarts with a fresh context and this device's tensors are gone: connect again "
+                    "and make a new device")
     return cls(message)

@@ -17,6 +17,7 @@ Why each piece (measured in design/torch-device/DESIGN.md, section 1):
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -134,7 +135,15 @@ def register() -> None:
         if current not in ("privateuseone", NAME):
             raise RuntimeError(f"PyTorch's PrivateUse1 device is already {current!r} in this process: the {NAME} "
                                "device needs it (one PrivateUse1 backend per process)")
+        local = torch.accelerator.current_accelerator()
         _setup_privateuseone_for_python_backend(NAME, backend_module=DeviceModule())
+        if local is not None:
+            # PyTorch takes a registered PrivateUse1 backend for the process's accelerator, before CUDA; its
+            # autograd engine then finds no stream for a CUDA node and fails an internal assert.
+            warnings.warn(f"the {NAME} device is now PyTorch's accelerator in this process, in place of "
+                          f"{local.type}: backward over local {local.type} tensors fails inside PyTorch from now on "
+                          "(pytorch/pytorch#161129); run local training in another process", RuntimeWarning,
+                          stacklevel=4)
         library = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
         for name, func in (*_KERNELS, *_factories()):
             library.impl(name, _kernel(func), "PrivateUse1")  # type: ignore[no-untyped-call]

@@ -85,6 +85,11 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+def _lost(why: str) -> str:
+    """What a call on a worker killed for a cause says: the cause, and what the tenant does next."""
+    return f"{why}; this session's device state is lost, open a new session"
+
+
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "its connection closed while it was still running"
@@ -320,7 +325,7 @@ class WorkerClient:
         """What a call on the dead worker fails with: its fault's status (a time limit: DEADLINE_EXCEEDED), else
         WorkerCrashed; the message says why it died."""
         if self.fault is not None:  # (also while it is being killed for it: the death is not yet noticed)
-            return type(self.fault)(self.death or self.fault.message, **self.fault.details)
+            return type(self.fault)(self.death or _lost(self.fault.message), **self.fault.details)
         death = self.death or "the worker is gone"
         return WorkerCrashed(death)
 
@@ -594,7 +599,7 @@ class WorkerClient:
         await self.output.closed(_OUTPUT_CLOSE_SECONDS)
         await self._release()
         if self.fault is not None:
-            self.death = (f"{self.fault.message}; this session's device state is lost, open a new session")
+            self.death = _lost(self.fault.message)
         else:
             how = _describe_exit(code)
             if self.oom_killed:
