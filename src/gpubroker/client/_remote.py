@@ -326,7 +326,11 @@ class RemoteGpu:
         Args:
             buf: The allocation or any view of it.
         """
-        self._command(Free(_ref(buf)[0]))
+        handle = _ref(buf)[0]
+        transport = self._transport
+        if transport is not None and transport.never_made(handle):
+            return  # (a failed batch did not make it: its error was raised already, and there is nothing to free)
+        self._command(Free(handle))
 
     def host_array(self, shape: int | Sequence[int], dtype: Any = np.uint8) -> np.ndarray:
         """A numpy array in memory shared with the broker's worker (same host, unix: target): copies to and from

@@ -110,7 +110,9 @@ class GpuCompute(Protocol):
     def free_memory(self, buf: Buffer) -> None:
         """Free an allocation; its handle, and every view of it, is invalid afterwards.
 
-        Queued like a launch with `async_commands` (its error deferred to the next wait).
+        Queued like a launch with `async_commands` (its error deferred to the next wait). An allocation queued
+        that way which failed (its error raised at a wait) or never ran (a failure earlier in its batch) is freed
+        by sending nothing, as `cudaFree` of a failed `cudaMalloc`'s null pointer.
 
         Args:
             buf: The allocation, or any view of it.

@@ -16,7 +16,18 @@ from typing import Any, Final, Protocol, cast
 import lz4.block
 import msgspec
 
-from gpubroker.wire.commands import Ack, Batch, BufRef, Command, CommandError, Read, Write, decode_ack, encode
+from gpubroker.wire.commands import (
+    Ack,
+    Allocate,
+    Batch,
+    BufRef,
+    Command,
+    CommandError,
+    Read,
+    Write,
+    decode_ack,
+    encode,
+)
 from gpubroker.wire.errors import (
     DeadlineExceeded,
     GpuBrokerError,
@@ -38,6 +49,8 @@ _RAW_WRITES: Final = 15
 # Seconds unused after which a connection is asked whether the broker hung up (idleness, revocation) before a
 # batch goes out on it: then it is reopened, and nothing queued is lost.
 _QUIET: Final = 1.0
+# How many allocations a failed batch did not make a transport remembers (BatchingTransport.never_made).
+_UNMADE_MAX: Final = 4096
 
 
 class Transport(Protocol):
@@ -82,6 +95,11 @@ class Transport(Protocol):
 
     def copy_out(self, ref: BufRef, offset: int, out: memoryview, stream: str, chunk: int) -> None:
         """Device to host: ``out.nbytes`` bytes of the view from ``offset`` into ``out``, as ``copy_in``."""
+        ...
+
+    def never_made(self, handle: str) -> bool:
+        """Whether a failed batch did not make the allocation ``handle`` (it failed, or came after the failure and
+        did not run); forgets it, so the caller drops its free."""
         ...
 
     def close(self) -> None: ...
@@ -188,6 +206,7 @@ class _Sent:
     count: int
     on_result: Callable[[Any], None] | None
     call_seq: int  # the sequence number of the call waiting for this batch, else 0
+    commands: list[Command]  # (what a failure at one of them left not run)
 
 
 class BatchingTransport:
@@ -215,6 +234,9 @@ class BatchingTransport:
         self._unacked: deque[_Sent] = deque()
         self._error: GpuBrokerError | None = None  # the first deferred failure, raised at the next sync
         self._call_error: GpuBrokerError | None = None
+        # Allocations a failed batch did not make: freeing one sends nothing (a Free would fail NOT_FOUND at the
+        # next wait, after the failure was already raised). Bounded: past _UNMADE_MAX the oldest are forgotten.
+        self._unmade: dict[str, None] = {}
         self._open_now = False
         self._closed = False
         self._last = time.monotonic()
@@ -442,7 +464,7 @@ class BatchingTransport:
         if not self._open_now:
             # Lost while waiting for room: the loss is kept; these commands are reported lost with it.
             return None
-        sent = _Sent(self._next_id, first, len(commands), on_result, call_seq)
+        sent = _Sent(self._next_id, first, len(commands), on_result, call_seq, commands)
         self._next_id += 1
         try:
             self.carrier.send(payload)
@@ -484,8 +506,20 @@ class BatchingTransport:
         self._unacked.popleft()
         self._note(ack, sent)
 
+    def never_made(self, handle: str) -> bool:
+        with self._lock:
+            if handle not in self._unmade:
+                return False
+            del self._unmade[handle]
+            return True
+
     def _note(self, ack: Ack, sent: _Sent) -> None:
         if ack.error is not None:
+            for command in sent.commands[ack.done:]:
+                if isinstance(command, Allocate):
+                    if len(self._unmade) >= _UNMADE_MAX:
+                        del self._unmade[next(iter(self._unmade))]
+                    self._unmade[command.handle] = None
             own = ack.error.seq == sent.call_seq
             error = command_error(ack.error, own)
             if own:
