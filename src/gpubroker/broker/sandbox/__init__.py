@@ -45,8 +45,9 @@ it have been beaten, and says what it stops.
   mount and pivot_root and the new mount API, namespace changes (unshare, setns, clone with CLONE_NEW*; clone3
   gets ENOSYS so glibc falls back to clone), bpf, keyctl, perf_event_open, userfaultfd, io_uring, module and
   kexec calls, personality changes, mknod of any node but a regular file (a FIFO could keep a compile waiting
-  on the tenant's own code), sockets but AF_UNIX, and once the device is open, new sockets of any family
-  (``seal_after_device_open``). Other syscall ABIs (x86 ``int 0x80``) kill it.
+  on the tenant's own code), sockets but AF_UNIX, and once the device is open, new sockets of any family,
+  Landlock rulesets, seccomp filters, and record locks and flock (ENOLCK; ``seal_after_device_open``). Other
+  syscall ABIs (x86 ``int 0x80``) kill it.
   No new processes: fork, vfork and clone without CLONE_THREAD (only threads; on OpenCL also posix_spawn's
   clone(CLONE_VM | CLONE_VFORK), with which PoCL 3.0 starts the system linker for each new kernel). No memory
   outside the limits below: memfd_create, memfd_secret, System V shared memory, message queues and semaphores.

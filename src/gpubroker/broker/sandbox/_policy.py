@@ -381,8 +381,9 @@ class WorkerSandbox:
                 # (only what the worker's environment adds to the launcher's: the rest is the operator's, and a
                 # command line is anyone's to read)
                 "keep_fds": keep_fds, "worker_uid": uid,
-                # No new socket once the device is open (not before: CUDA's initialization makes a Unix socket).
-                "env": {**_cache_environment(cache), _seccomp.SEAL_ENV: "1",
+                # No new socket once the device is open (not before: CUDA's initialization makes a Unix socket),
+                # and no file lock: nothing it runs may need one then (pyopencl's caches would).
+                "env": {**_cache_environment(cache), _seccomp.SEAL_ENV: "1", **_seccomp.LOCK_FREE_ENV,
                         **({_landlock.EXEC_ENV: "linker" if spawn else "none"} if self.landlock else {})},
                 "rlimits": rlimits, "seccomp": True, "tmp_size": self.tmp_max,
                 # PoCL links each new kernel with the system linker (posix_spawn): no other backend spawns, and

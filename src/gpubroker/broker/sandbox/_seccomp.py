@@ -12,10 +12,12 @@ those forms all the same.
 from __future__ import annotations
 
 import errno
+import fcntl
 from typing import Any
 
-__all__ = ["DENIED", "HOST_USER_COUNTS", "HOST_WIDE_COUNTS", "NEW_SOCKETS", "PRIORITY_CALLS", "PROCESS_CREATION",
-           "SEAL_ENV", "SIGNALS_TO_PID", "UNCOUNTED_MEMORY", "build_filter", "seal_after_device_open"]
+__all__ = ["DENIED", "HOST_USER_COUNTS", "HOST_WIDE_COUNTS", "LOCK_FREE_ENV", "NEW_SOCKETS", "PRIORITY_CALLS",
+           "PROCESS_CREATION", "RECORD_LOCKS", "SEAL_ENV", "SIGNALS_TO_PID", "UNCOUNTED_MEMORY", "build_filter",
+           "seal_after_device_open"]
 
 # Refused outright: other processes' memory, mounts and namespaces, kernel interfaces a worker has no use for.
 DENIED = (
@@ -74,10 +76,23 @@ AF_UNIX = 1
 # Kernel objects that no rlimit counts (only a memory cgroup) and that nothing bounds per process: Landlock rulesets
 # and rules (one per TCP port: 3.5 MiB of slab per ruleset, 4,096 of them per worker) and stacked seccomp filters (a
 # page or more of vmalloc each, ~3,600 per thread). The launcher applies its own Landlock ruleset and the worker
-# loads its filters before the device opens. (POSIX record locks are such objects too, but pyopencl's caches are
-# sqlite databases, which lock: docs/operator/security.md, Known gaps.)
+# loads its filters before the device opens.
 SETUP_ONLY = ("landlock_create_ruleset", "landlock_add_rule", "landlock_restrict_self", "seccomp")
 PR_SET_SECCOMP = 22
+# POSIX record locks, the third such object: fcntl's F_SETLK and F_SETLKW, and their open-file-description forms.
+# Each locked range is a file_lock (192 bytes of slab), unbounded per descriptor (Linux does not enforce
+# RLIMIT_LOCKS): 512,000 one-byte ranges held 96 MiB, taken in 3 s. And flock(2) (one lock an open file, as many
+# as the descriptors: nothing of the worker's takes one). Refused with ENOLCK, the kernel's own answer when it has
+# no lock to give. Nothing the worker runs locks a file once its device is open: PoCL's kernel cache takes no
+# lock, and pyopencl's own caches (pytools' sqlite databases: sqlite locks every transaction) are off in a sealed
+# worker (LOCK_FREE_ENV; the broker's build skips pyopencl's binary cache anyway, and the per-tenant compile cache
+# is PoCL's).
+RECORD_LOCKS = (fcntl.F_SETLK, fcntl.F_SETLKW, fcntl.F_OFD_SETLK, fcntl.F_OFD_SETLKW)
+LOCK_CALLS = ("flock",)
+LOCK_FREE_ENV = {"PYOPENCL_NO_CACHE": "1"}
+# An int argument (fcntl's cmd, prctl's option) is the low half of its register to the kernel, but all 64 bits to a
+# filter: a rule on such an argument compares the low half alone, or 1 << 32 | F_SETLK would pass it.
+INT_BITS = 0xFFFFFFFF
 # Set (to "1") in a sandboxed worker's environment: it calls seal_after_device_open once its device is open.
 SEAL_ENV = "GPUBROKER_WORKER_SEAL"
 # Signals aimed at a process (argument 0): only pid 1 (itself) passes; not 0 (its process group), -1 (every
@@ -144,10 +159,10 @@ def build_filter(allow_spawn: bool = False) -> Any:
 
 
 def seal_after_device_open() -> None:
-    """From now on this process, its threads and whatever it spawns make no socket of any family and no Landlock
-    ruleset or seccomp filter (a filter stacked on the launcher's: filters only ever add refusals). Called by a
-    sandboxed worker once its device is open, before anything of a tenant's runs; OSError/ImportError/RuntimeError
-    if the filter cannot be loaded."""
+    """From now on this process, its threads and whatever it spawns make no socket of any family, no Landlock
+    ruleset or seccomp filter (a filter stacked on the launcher's: filters only ever add refusals), and take no
+    record lock or flock. Called by a sandboxed worker once its device is open, before anything of a tenant's runs;
+    OSError/ImportError/RuntimeError if the filter cannot be loaded."""
     seccomp = _import_pyseccomp()
     f = seccomp.SyscallFilter(seccomp.ALLOW)
     f.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
@@ -157,7 +172,12 @@ def seal_after_device_open() -> None:
     deny = seccomp.ERRNO(errno.EPERM)
     for name in NEW_SOCKETS + SETUP_ONLY:
         _rule(seccomp, f, deny, name)
-    _rule(seccomp, f, deny, "prctl", seccomp.Arg(0, seccomp.EQ, PR_SET_SECCOMP))
+    _rule(seccomp, f, deny, "prctl", seccomp.Arg(0, seccomp.MASKED_EQ, INT_BITS, PR_SET_SECCOMP))
+    no_lock = seccomp.ERRNO(errno.ENOLCK)
+    for cmd in RECORD_LOCKS:
+        _rule(seccomp, f, no_lock, "fcntl", seccomp.Arg(1, seccomp.MASKED_EQ, INT_BITS, cmd))
+    for name in LOCK_CALLS:
+        _rule(seccomp, f, no_lock, name)
     f.load()
 
 
