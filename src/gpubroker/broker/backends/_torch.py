@@ -202,9 +202,17 @@ _FORMAT_NAMES = ("contiguous_format", "channels_last", "channels_last_3d", "pres
 _DATA_DEPENDENT = re.compile(r"data.dependent|[Mm]eta tensor|'Meta'|[Mm]eta backend|DynamicOutputShape|item\(\)")
 
 
+def _broadcast(tm: Any, *shapes: Sequence[int]) -> Any:
+    """The shapes broadcast together (refused in the words of PyTorch's kernels, which the operator would use)."""
+    shape = tm.Size(shapes[0])
+    for other in shapes[1:]:
+        shape = tm._C._infer_size(shape, tm.Size(other))
+    return shape
+
+
 def _elements(tm: Any, *tensors: Any) -> int:
     """The elements of the tensors' broadcast shape (a Python int: no wrap)."""
-    return math.prod(tm.broadcast_shapes(*(t.shape for t in tensors)))
+    return math.prod(_broadcast(tm, *(t.shape for t in tensors)))
 
 
 def _most(value: Any) -> int:
@@ -240,6 +248,26 @@ def _ctc_bytes(tm: Any, p: dict[str, Any]) -> int:
     return 2 * alpha + 2 * log_probs.numel() * log_probs.element_size() + batch * 8
 
 
+def _index_bytes(tm: Any, p: dict[str, Any]) -> int:
+    """``t[indices]``: a boolean mask selects its true elements (made into int64 indices first, as nonzero does);
+    the index tensors broadcast together, and the dimensions none indexes are kept whole."""
+    t, shapes, kept, dim, made = p["self"], [], 1, 0, 0
+    for index in p["indices"]:
+        if index is None:
+            kept *= t.size(dim)
+            dim += 1
+        elif index.dtype in (tm.bool, tm.uint8):
+            count = int(tm.count_nonzero(index))
+            shapes.append((count,))
+            made += count * index.dim() * 8
+            dim += index.dim()
+        else:
+            shapes.append(tuple(index.shape))
+            dim += 1
+    kept *= math.prod(t.shape[dim:])
+    return math.prod(_broadcast(tm, *shapes) if shapes else ()) * kept * t.element_size() + made
+
+
 # The operators sent as TorchOpSync whose bytes a meta run cannot tell (their outputs depend on the data, or PyTorch
 # has no meta kernel for them): the most bytes each holds while it runs, from its inputs (params: the schema's
 # parameters by name), counted on the device where the output depends on the values. Temporaries are counted where
@@ -250,10 +278,12 @@ _BOUNDS: dict[str, Callable[[Any, dict[str, Any]], int]] = {
     # int64 indices: one row of ndim per nonzero element
     "aten::nonzero.default": lambda tm, p: int(tm.count_nonzero(p["self"])) * p["self"].dim() * 8,
     "aten::argwhere.default": lambda tm, p: int(tm.count_nonzero(p["self"])) * p["self"].dim() * 8,
+    # (advanced indexing by a boolean mask: its meta kernel cannot count the mask)
+    "aten::index.Tensor": _index_bytes,
     # the selected elements, and the mask as int64 and its prefix sum (PyTorch's parallel kernel)
     "aten::masked_select.default": lambda tm, p: (
         _elements(tm, p["self"], p["mask"]) * 18 + p["self"].element_size() * int(tm.count_nonzero(
-            p["mask"].expand(tm.broadcast_shapes(p["self"].shape, p["mask"].shape))))),
+            p["mask"].expand(_broadcast(tm, p["self"].shape, p["mask"].shape))))),
     "aten::masked_select_backward.default": lambda tm, p: _elements(tm, p["input"], p["mask"]) * (
         max(p["grad"].element_size(), p["input"].element_size()) + 8),
     "aten::_unique.default": _unique_bytes,
