@@ -226,9 +226,9 @@ def _unique_bytes(tm: Any, p: dict[str, Any]) -> int:
     t, dim = p["self"], p.get("dim")
     if dim is None:
         # values, inverse and counts (n x (s + 16)) and the sort's or hash set's own (measured up to 48 B/element)
-        return t.numel() * (2 * t.element_size() + 48)
+        return int(t.numel() * (2 * t.element_size() + 48))
     # row-wise: an index and comparator state per row (measured up to 275 B/row) and copies of the rows
-    return t.size(dim) * 320 + t.numel() * (4 * t.element_size() + 16)
+    return int(t.size(dim) * 320 + t.numel() * (4 * t.element_size() + 16))
 
 
 def _repeat_self_bytes(tm: Any, p: dict[str, Any]) -> int:
@@ -238,14 +238,14 @@ def _repeat_self_bytes(tm: Any, p: dict[str, Any]) -> int:
     rest = n // d if d else 0
     total = max(0, int(repeats.item()) * d if repeats.numel() == 1 else int(repeats.sum()))
     # the output (total rows of rest elements), its index (int64), the repeats expanded and summed, the input flattened
-    return total * (rest * t.element_size() + 8) + d * 24 + n * t.element_size()
+    return int(total * (rest * t.element_size() + 8) + d * 24 + n * t.element_size())
 
 
 def _ctc_bytes(tm: Any, p: dict[str, Any]) -> int:
     log_probs = p["log_probs"]
     steps, batch = log_probs.size(0), (log_probs.size(1) if log_probs.dim() == 3 else 1)
     alpha = batch * steps * (2 * _most(p["target_lengths"]) + 1) * log_probs.element_size()
-    return 2 * alpha + 2 * log_probs.numel() * log_probs.element_size() + batch * 8
+    return int(2 * alpha + 2 * log_probs.numel() * log_probs.element_size() + batch * 8)
 
 
 def _index_bytes(tm: Any, p: dict[str, Any]) -> int:
@@ -265,7 +265,7 @@ def _index_bytes(tm: Any, p: dict[str, Any]) -> int:
             shapes.append(tuple(index.shape))
             dim += 1
     kept *= math.prod(t.shape[dim:])
-    return math.prod(_broadcast(tm, *shapes) if shapes else ()) * kept * t.element_size() + made
+    return int(math.prod(_broadcast(tm, *shapes) if shapes else ()) * kept * t.element_size() + made)
 
 
 # The operators sent as TorchOpSync whose bytes a meta run cannot tell (their outputs depend on the data, or PyTorch
