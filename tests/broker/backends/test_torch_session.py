@@ -367,3 +367,87 @@ def test_operators_run_on_the_stream_they_name(gpu: GpuCompute) -> None:
         gpu.torch_free([a, out])
     finally:
         gpu.destroy_stream(stream)
+
+
+# -- what an operator makes is charged before it runs ------------------------------------------------------------
+def _resident_peak() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def test_every_operator_is_bounded_before_it_runs_by_a_meta_kernel_or_from_its_inputs() -> None:
+    from gpubroker.broker.backends._torch import _BOUNDS
+
+    unbounded = []
+    for name in sorted(torch_ops.ALLOWED - set(_BOUNDS)):
+        _, op, overload = torch_ops.split_name(name)
+        schema = getattr(getattr(torch.ops.aten, op), overload)._schema
+        makes = any(str(r.type) in ("Tensor", "Optional[Tensor]", "List[Tensor]")
+                    and (r.alias_info is None or not r.alias_info.is_write) for r in schema.returns)
+        full = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
+        try:
+            meta = any(torch._C._dispatch_has_kernel_for_dispatch_key(full, key) for key in (
+                "Meta", "CompositeImplicitAutograd", "CompositeExplicitAutograd",
+                "CompositeExplicitAutogradNonFunctional"))
+        except RuntimeError:  # (a name the dispatcher does not know: its run refuses it)
+            meta = True
+        if makes and not meta and name != "aten::_copy_from.default":  # (no CPU or CUDA kernel: a backend's hook)
+            unbounded.append(name)
+    assert not unbounded, f"no meta kernel and no bound in _torch._BOUNDS: {unbounded}"
+
+
+def test_a_sync_operator_past_the_quota_is_refused_before_it_makes_anything(
+        quota: tuple[TorchSession, _Quota]) -> None:
+    session, accounts = quota
+    n = 16 << 20  # 64 MiB of float32 against a 1 MiB quota, sent as a TorchOpSync (nothing announced)
+    _reset_peak()
+    before = _resident_peak()
+    with pytest.raises(ResourceExhausted, match=r"aten::ones\.default: quota"):
+        session.op_sync(TorchOpSync("aten::ones.default", [[n]], {}, ["big"]))
+    session.op(TorchOp("aten::ones.default", [[1]], {}, ["one"], [_meta((1,))]))
+    session.op(TorchOp("aten::expand.default", [TensorArg("one"), [n]], {}, ["wide"], [("float32", (n,), (0,), 0)]))
+    with pytest.raises(ResourceExhausted, match=r"aten::nonzero\.default: quota"):  # 128 MiB of int64 indices
+        session.op_sync(TorchOpSync("aten::nonzero.default", [TensorArg("wide")], {}, ["nz"]))
+    with pytest.raises(ResourceExhausted, match=r"aten::contiguous\.default: quota"):  # a copy, 64 MiB
+        session.op(TorchOp("aten::contiguous.default", [TensorArg("wide")], {}, ["dense"], [_meta((n,))]))
+    assert _resident_peak() - before < 32 << 20
+    assert accounts.used == 4 and len(session) == 2
+    # Within the quota they run, charged what they made: a view is charged nothing, a copy its bytes.
+    session.op(TorchOp("aten::contiguous.default", [TensorArg("one")], {}, ["same"], [_meta((1,))]))
+    assert accounts.used == 4
+    session.op(TorchOp("aten::slice.Tensor", [TensorArg("wide"), 0, 0, 1000], {}, ["part"],
+                       [("float32", (1000,), (0,), 0)]))
+    assert session.op_sync(TorchOpSync("aten::nonzero.default", [TensorArg("part")], {}, ["nz"])) == [
+        ("int64", (1000, 1), (1, 1000), 0)]
+    session.op(TorchOp("aten::reshape.default", [TensorArg("part"), [10, 100]], {}, ["copied"], [_meta((10, 100))]))
+    assert accounts.used == 4 + 8000 + 4000
+
+
+@pytest.mark.parametrize("name, make", [
+    ("nonzero", lambda: (torch.ops.aten.nonzero.default, (torch.ones(1 << 18),))),
+    ("masked_select", lambda: (torch.ops.aten.masked_select.default, (torch.rand(1 << 18), torch.rand(1 << 18) > .5))),
+    ("unique2", lambda: (torch.ops.aten._unique2.default, (torch.randperm(1 << 18), False, True, True))),
+    ("unique_dim", lambda: (torch.ops.aten.unique_dim.default, (torch.rand(1 << 18, 1).double(), 0, True, True,
+                                                                  True))),
+    ("repeat_interleave", lambda: (torch.ops.aten.repeat_interleave.self_Tensor, (torch.rand(1 << 18),
+                                                                                   torch.tensor(2)))),
+    ("allclose", lambda: (torch.ops.aten.allclose.default, (torch.rand(1 << 18).double(),) * 2)),
+])
+def test_a_data_dependent_operators_bound_holds_what_its_kernel_touches(name: str, make: object) -> None:
+    from gpubroker.broker.backends._torch import _BOUNDS
+
+    func, args = make()  # type: ignore[operator]
+    schema = func._schema
+    params = {a.name: v for a, v in zip(schema.arguments, args, strict=False)}
+    params.update({a.name: a.default_value for a in schema.arguments[len(args):] if a.has_default_value()})
+    bound = _BOUNDS[f"{schema.name}.{schema.overload_name or 'default'}"](torch, params)
+    func(*args)  # (warm: the CPU thread pool's stacks and PyTorch's first-call state are not the operator's)
+    _reset_peak()
+    before = _resident_peak()
+    func(*args)
+    assert _resident_peak() - before <= bound + (2 << 20), name

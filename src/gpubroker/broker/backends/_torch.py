@@ -170,6 +170,11 @@ class _OpInfo:
 
     overload: Any  # torch._ops.OpOverload
     aliased: tuple[bool, ...]  # per return: an alias of an input (a view, or in-place / out=): no new storage
+    # A return that aliases its input only when it can (contiguous, reshape, flatten, to: a composite operator
+    # that copies otherwise): its storage is found on meta tensors before it runs, not taken as none.
+    copies: bool
+    makes: bool  # returns a tensor that is not an in-place / out= argument (a new storage, or a view)
+    params: tuple[tuple[str, bool, Any], ...]  # per parameter: its name, whether it has a default, and the default
     devices: tuple[int, ...]  # positions of Device parameters: only DeviceArg or None may go there
     device_names: frozenset[str]
     generator: int  # position of the Generator parameter, -1 if none
@@ -191,6 +196,119 @@ _DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "complex32", "compl
                 "float8_e4m3fnuz", "float8_e5m2fnuz")
 _ENUM_PARAMETER = re.compile(r"\b(?:ScalarType|Layout|MemoryFormat)\?? (\w+)")
 _FORMAT_NAMES = ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format")
+
+
+# What a meta kernel cannot tell (no kernel for meta tensors, or outputs that depend on the data) says so this way.
+_DATA_DEPENDENT = re.compile(r"data.dependent|[Mm]eta tensor|'Meta'|[Mm]eta backend|DynamicOutputShape|item\(\)")
+
+
+def _broadcast(tm: Any, *shapes: Sequence[int]) -> Any:
+    """The shapes broadcast together (refused in the words of PyTorch's kernels, which the operator would use)."""
+    shape = tm.Size(shapes[0])
+    for other in shapes[1:]:
+        shape = tm._C._infer_size(shape, tm.Size(other))
+    return shape
+
+
+def _elements(tm: Any, *tensors: Any) -> int:
+    """The elements of the tensors' broadcast shape (a Python int: no wrap)."""
+    return math.prod(_broadcast(tm, *(t.shape for t in tensors)))
+
+
+def _most(value: Any) -> int:
+    """The largest of a list of lengths, as a tensor or a list (0 if none)."""
+    if isinstance(value, list | tuple):
+        return max((int(v) for v in value), default=0)
+    return int(value.max()) if value.numel() else 0
+
+
+def _unique_bytes(tm: Any, p: dict[str, Any]) -> int:
+    t, dim = p["self"], p.get("dim")
+    if dim is None:
+        # values, inverse and counts (n x (s + 16)) and the sort's or hash set's own (measured up to 48 B/element)
+        return int(t.numel() * (2 * t.element_size() + 48))
+    # row-wise: an index and comparator state per row (measured up to 275 B/row) and copies of the rows
+    return int(t.size(dim) * 320 + t.numel() * (4 * t.element_size() + 16))
+
+
+def _repeat_self_bytes(tm: Any, p: dict[str, Any]) -> int:
+    t, repeats, dim = p["self"], p["repeats"], p.get("dim")
+    n = t.numel()
+    d = n if dim is None else t.size(dim)
+    rest = n // d if d else 0
+    total = max(0, int(repeats.item()) * d if repeats.numel() == 1 else int(repeats.sum()))
+    # the output (total rows of rest elements), its index (int64), the repeats expanded and summed, the input flattened
+    return int(total * (rest * t.element_size() + 8) + d * 24 + n * t.element_size())
+
+
+def _ctc_bytes(tm: Any, p: dict[str, Any]) -> int:
+    log_probs = p["log_probs"]
+    steps, batch = log_probs.size(0), (log_probs.size(1) if log_probs.dim() == 3 else 1)
+    alpha = batch * steps * (2 * _most(p["target_lengths"]) + 1) * log_probs.element_size()
+    return int(2 * alpha + 2 * log_probs.numel() * log_probs.element_size() + batch * 8)
+
+
+def _index_bytes(tm: Any, p: dict[str, Any]) -> int:
+    """``t[indices]``: a boolean mask selects its true elements (made into int64 indices first, as nonzero does);
+    the index tensors broadcast together, and the dimensions none indexes are kept whole."""
+    t, shapes, kept, dim, made = p["self"], [], 1, 0, 0
+    for index in p["indices"]:
+        if index is None:
+            kept *= t.size(dim)
+            dim += 1
+        elif index.dtype in (tm.bool, tm.uint8):
+            count = int(tm.count_nonzero(index))
+            shapes.append((count,))
+            made += count * index.dim() * 8
+            dim += index.dim()
+        else:
+            shapes.append(tuple(index.shape))
+            dim += 1
+    kept *= math.prod(t.shape[dim:])
+    return int(math.prod(_broadcast(tm, *shapes) if shapes else ()) * kept * t.element_size() + made)
+
+
+# The operators sent as TorchOpSync whose bytes a meta run cannot tell (their outputs depend on the data, or PyTorch
+# has no meta kernel for them): the most bytes each holds while it runs, from its inputs (params: the schema's
+# parameters by name), counted on the device where the output depends on the values. Temporaries are counted where
+# they grow with the inputs: measured on PyTorch 2.13's CPU kernels (tests/broker/backends/test_torch_session.py
+# checks each bound against the memory the kernel really touched). Every other operator of the allowlist has a meta
+# kernel, or makes no tensor (tests check that too).
+_BOUNDS: dict[str, Callable[[Any, dict[str, Any]], int]] = {
+    # int64 indices: one row of ndim per nonzero element
+    "aten::nonzero.default": lambda tm, p: int(tm.count_nonzero(p["self"])) * p["self"].dim() * 8,
+    "aten::argwhere.default": lambda tm, p: int(tm.count_nonzero(p["self"])) * p["self"].dim() * 8,
+    # (advanced indexing by a boolean mask: its meta kernel cannot count the mask)
+    "aten::index.Tensor": _index_bytes,
+    # the selected elements, and the mask as int64 and its prefix sum (PyTorch's parallel kernel)
+    "aten::masked_select.default": lambda tm, p: (
+        _elements(tm, p["self"], p["mask"]) * 18 + p["self"].element_size() * int(tm.count_nonzero(
+            p["mask"].expand(_broadcast(tm, p["self"].shape, p["mask"].shape))))),
+    "aten::masked_select_backward.default": lambda tm, p: _elements(tm, p["input"], p["mask"]) * (
+        max(p["grad"].element_size(), p["input"].element_size()) + 8),
+    "aten::_unique.default": _unique_bytes,
+    "aten::_unique2.default": _unique_bytes,
+    "aten::unique_consecutive.default": _unique_bytes,
+    "aten::unique_dim.default": _unique_bytes,
+    "aten::unique_dim_consecutive.default": _unique_bytes,
+    # int64 indices, one per repeat, and the repeats' cumulative sum
+    "aten::repeat_interleave.Tensor": lambda tm, p: (
+        max(0, int(p["repeats"].sum()) if p["repeats"].numel() else 0) * 8 + p["repeats"].numel() * 24),
+    "aten::repeat_interleave.self_Tensor": _repeat_self_bytes,
+    # isclose's elementwise temporaries (a bool result, and differences in the inputs' dtype)
+    "aten::allclose.default": lambda tm, p: _elements(tm, p["self"], p["other"]) * (
+        4 * max(p["self"].element_size(), p["other"].element_size()) + 16),
+    # int64 or float64 counts, one per value up to the largest; the weights as float64
+    "aten::bincount.default": lambda tm, p: (
+        max(int(p["self"].max()) + 1 if p["self"].numel() else 0, p["minlength"]) * 8 + p["self"].numel() * 8),
+    "aten::_logcumsumexp.default": lambda tm, p: 2 * p["self"].numel() * p["self"].element_size(),
+    "aten::multi_margin_loss_backward.default": lambda tm, p: p["self"].numel() * (p["self"].element_size() + 8),
+    "aten::multilabel_margin_loss_backward.default": lambda tm, p: p["self"].numel() * (
+        p["self"].element_size() + 8),
+    "aten::_ctc_loss.Tensor": _ctc_bytes,
+    "aten::_ctc_loss_backward.Tensor": _ctc_bytes,
+    "aten::_ctc_loss_backward.default": _ctc_bytes,
+}
 
 
 class TorchSession:
@@ -275,6 +393,13 @@ class TorchSession:
             raise Unimplemented(f"this worker's PyTorch {self._t.__version__} has no operator {name}") from None
         schema = overload._schema
         aliased = tuple(r.alias_info is not None for r in schema.returns) or (False,)
+        full_name = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
+        copies = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) and \
+            self._t._C._dispatch_has_kernel_for_dispatch_key(full_name, "CompositeImplicitAutograd")
+        makes = any(str(r.type) in ("Tensor", "Optional[Tensor]", "List[Tensor]")
+                    and (r.alias_info is None or not r.alias_info.is_write) for r in schema.returns)
+        params = tuple((a.name, a.has_default_value(), a.default_value if a.has_default_value() else None)
+                       for a in schema.arguments)
         devices, device_names, generator, generator_name = [], set(), -1, ""
         enums: set[int | str] = set()
         # (the Python schema's types say int for these enums; its text says what they are)
@@ -288,7 +413,8 @@ class TorchSession:
                 generator, generator_name = i, arg.name
             elif arg.name in enum_names:
                 enums.update((i, arg.name))
-        info = self._ops[name] = _OpInfo(overload, aliased, tuple(devices), frozenset(device_names), generator,
+        info = self._ops[name] = _OpInfo(overload, aliased, copies, makes, params, tuple(devices),
+                                         frozenset(device_names), generator,
                                          generator_name, frozenset(enums),
                                          bool(devices) or generator >= 0 or bool(enums))
         return info
@@ -412,52 +538,155 @@ class TorchSession:
             raise InvalidArgument(f"{cmd.name}: {len(cmd.metas)} metadata for {len(news)} new outputs")
         self._claim(news)
         args, kwargs = self._arguments(info, cmd)
-        # Before the run, what the client says the new outputs take (a return that aliases an input takes none).
-        reserved = 0
-        aliased, count = info.aliased, len(info.aliased)
-        j = 0
-        for i, h in enumerate(cmd.outs):
-            if h is not None:
-                # (a single Tensor[] return is flattened into many outputs, each aliased as it is)
-                if not aliased[i if i < count else -1]:
-                    reserved += self._extent(cmd.metas[j])
-                j += 1
+        if info.copies:
+            # (contiguous, reshape, to: a view when the input allows, a copy of any size otherwise)
+            reserved = self._meta_bytes(info, cmd.name, args, kwargs)
+        else:
+            # Before the run, what the client says the new outputs take (a return that aliases an input takes none).
+            reserved = 0
+            aliased, count = info.aliased, len(info.aliased)
+            j = 0
+            for i, h in enumerate(cmd.outs):
+                if h is not None:
+                    # (a single Tensor[] return is flattened into many outputs, each aliased as it is)
+                    if not aliased[i if i < count else -1]:
+                        reserved += self._extent(cmd.metas[j])
+                    j += 1
         if reserved:
-            try:
-                self.accounts.reserve(reserved)
-            except ResourceExhausted as exc:
-                raise ResourceExhausted(f"{cmd.name}: {exc.message}", **exc.details) from None
+            self._reserve(cmd.name, reserved)
         try:
             results = self._run(info, cmd.name, args, kwargs, stream)
-            outs = self._outputs(cmd.name, cmd.outs, results, cmd.metas, stream)
+            outs, relaid = self._outputs(cmd.name, cmd.outs, results, cmd.metas, stream)
         except BaseException:
             self.accounts.unreserve(reserved)
             raise
-        self._keep(cmd.name, outs, reserved)
+        self._keep(cmd.name, outs, reserved + relaid)
 
     def op_sync(self, cmd: TorchOpSync, stream: Stream | None = None) -> list[TensorMeta | int | float | bool | None]:
-        """Run an operator whose outputs depend on the data, or that returns a value: what came out, per return."""
+        """Run an operator whose outputs depend on the data, or that returns a value: what came out, per return.
+
+        Nothing says beforehand what it makes (a client sends any operator this way): the bytes are bounded before
+        it runs, from its inputs (``_BOUNDS``, for operators whose outputs depend on the data) or from a run on meta
+        tensors, and charged; the accounts settle on what it made."""
         info = self._info(cmd.name)
         news = [h for h in cmd.outs if h is not None]
         self._claim(news)
         args, kwargs = self._arguments(info, cmd)
-        results = self._run(info, cmd.name, args, kwargs, stream)
-        outs = self._outputs(cmd.name, cmd.outs, results, None, stream)
-        answer: list[TensorMeta | int | float | bool | None] = []
-        for item in results:
-            if isinstance(item, self._t.Tensor):
-                answer.append(self.meta(item))
-            elif item is None or isinstance(item, bool | int | float):
-                answer.append(item)
-            else:
-                raise Unimplemented(f"{cmd.name} returned a {type(item).__name__}, which the torch device cannot "
-                                    "carry back")
-        self._keep(cmd.name, outs, 0)
+        reserved = self._bound(info, cmd.name, args, kwargs, stream)
+        if reserved:
+            self._reserve(cmd.name, reserved)
+        try:
+            results = self._run(info, cmd.name, args, kwargs, stream)
+            outs, _ = self._outputs(cmd.name, cmd.outs, results, None, stream)
+            answer: list[TensorMeta | int | float | bool | None] = []
+            for item in results:
+                if isinstance(item, self._t.Tensor):
+                    answer.append(self.meta(item))
+                elif item is None or isinstance(item, bool | int | float):
+                    answer.append(item)
+                else:
+                    raise Unimplemented(f"{cmd.name} returned a {type(item).__name__}, which the torch device "
+                                        "cannot carry back")
+        except BaseException:
+            self.accounts.unreserve(reserved)
+            raise
+        self._keep(cmd.name, outs, reserved)
         return answer
 
+    def _reserve(self, name: str, nbytes: int) -> None:
+        try:
+            self.accounts.reserve(nbytes)
+        except ResourceExhausted as exc:
+            raise ResourceExhausted(f"{name}: {exc.message}", **exc.details) from None
+
+    def _bound(self, info: _OpInfo, name: str, args: list[Any], kwargs: dict[str, Any],
+               stream: Stream | None) -> int:
+        """The most bytes an operator sent as a TorchOpSync holds while it runs (its outputs, and its temporaries
+        where they grow with its inputs), found without running it."""
+        bound = _BOUNDS.get(name)
+        if bound is None:
+            return self._meta_bytes(info, name, args, kwargs)
+        params: dict[str, Any] = {}
+        for i, (param, has_default, default) in enumerate(info.params):
+            if i < len(args):
+                params[param] = args[i]
+            elif param in kwargs:
+                params[param] = kwargs[param]
+            elif has_default:
+                params[param] = default
+        try:
+            with self.placement.running(stream):  # (counting is the tenant's device work: timed, on its stream)
+                return max(0, bound(self._t, params))
+        except GpuBrokerError:
+            raise
+        except Exception as exc:  # (arguments the operator itself would refuse: a bad dim, a missing one)
+            raise self._error(name, exc) from None
+
+    def _meta_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor of the meta device with ``t``'s dtype and layout (its conjugate and negative bits too)."""
+        tm = self._t
+        shape, stride, offset = t.shape, t.stride(), t.storage_offset()
+        if offset:
+            extent = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 0
+            m = tm.empty((extent,), dtype=t.dtype, device="meta").as_strided(shape, stride, offset)
+        else:
+            m = tm.empty_strided(shape, stride, dtype=t.dtype, device="meta")
+        if t.is_conj():
+            m = m.conj()
+        if t.is_neg():
+            m = tm._neg_view(m)
+        copy: torch.Tensor = m
+        return copy
+
+    def _meta_bytes(self, info: _OpInfo, name: str, args: list[Any], kwargs: dict[str, Any]) -> int:
+        """The bytes of the new storages the operator makes, from a run on meta copies of its inputs (no memory;
+        a return that is a view of an input takes none)."""
+        tm = self._t
+        inputs: set[int] = set()  # the meta inputs' storages
+
+        def meta(value: Any) -> Any:
+            if isinstance(value, tm.Tensor):
+                m = self._meta_copy(value)
+                inputs.add(m.untyped_storage()._cdata)
+                return m
+            if isinstance(value, list | tuple):
+                return [meta(v) for v in value]
+            if isinstance(value, tm.device):
+                return tm.device("meta")
+            return value
+
+        try:
+            margs = [meta(a) for a in args]
+            mkwargs = {k: meta(v) for k, v in kwargs.items()}
+            # A factory's device when none is given is the CPU's: made for real there. Always meta.
+            for i in info.devices:
+                if i < len(margs):
+                    margs[i] = tm.device("meta")
+                else:
+                    mkwargs[info.params[i][0]] = tm.device("meta")
+            result = info.overload(*margs, **mkwargs)
+        except Exception as exc:
+            if not info.makes:
+                return 0  # (it returns values, or writes its own arguments: no new storage)
+            if isinstance(exc, NotImplementedError) or _DATA_DEPENDENT.search(str(exc)):
+                raise Unimplemented(f"{name}: what it makes is not known before it runs (PyTorch has no meta kernel "
+                                    "for it, or its outputs depend on the data), so it cannot be charged to the "
+                                    "memory quota first") from None
+            raise self._error(name, exc) from None
+        fresh: dict[int, int] = {}
+        for item in result if isinstance(result, tuple | list) else (result,):
+            for t in item if isinstance(item, tuple | list) else (item,):
+                if isinstance(t, tm.Tensor):
+                    storage = t.untyped_storage()
+                    if storage._cdata not in inputs:
+                        fresh[storage._cdata] = storage.nbytes()
+        return sum(fresh.values())
+
     def _outputs(self, name: str, handles: Sequence[str | None], results: list[Any],
-                 metas: Sequence[TensorMeta] | None, stream: Stream | None) -> list[tuple[str, torch.Tensor]]:
-        """The new outputs by handle, each checked against the metadata the client announced (``metas``)."""
+                 metas: Sequence[TensorMeta] | None,
+                 stream: Stream | None) -> tuple[list[tuple[str, torch.Tensor]], int]:
+        """The new outputs by handle, each checked against the metadata the client announced (``metas``), and the
+        bytes reserved for outputs laid out again as announced (each charged before its copy is made)."""
         if len(results) != len(handles):
             raise InvalidArgument(f"{name} returned {len(results)} values; the command names {len(handles)} outputs")
         outs: list[tuple[str, torch.Tensor]] = []
@@ -467,25 +696,35 @@ class TorchSession:
             if not isinstance(item, self._t.Tensor):
                 raise InvalidArgument(f"{name} returned a {type(item).__name__} where the command names a tensor")
             outs.append((h, item))
+        relaid = 0
         if metas is not None:
             dtypes = self._dtypes
-            for i, ((h, t), meta) in enumerate(zip(outs, metas, strict=True)):
-                dtype, shape, stride, offset = meta
-                # (tuple(): free on the decoded tuples; an in-process caller may pass lists)
-                if (t.dtype is not dtypes.get(dtype) or t.shape != tuple(shape) or t.stride() != tuple(stride)
-                        or t.storage_offset() != offset):
-                    outs[i] = (h, self._as_announced(name, t, self.meta(t), meta, stream))
-        return outs
+            try:
+                for i, ((h, t), meta) in enumerate(zip(outs, metas, strict=True)):
+                    dtype, shape, stride, offset = meta
+                    # (tuple(): free on the decoded tuples; an in-process caller may pass lists)
+                    if (t.dtype is not dtypes.get(dtype) or t.shape != tuple(shape) or t.stride() != tuple(stride)
+                            or t.storage_offset() != offset):
+                        fixed, extent = self._as_announced(name, t, self.meta(t), meta, stream)
+                        relaid += extent
+                        outs[i] = (h, fixed)
+            except BaseException:
+                self.accounts.unreserve(relaid)
+                raise
+        return outs, relaid
 
     def _as_announced(self, name: str, t: torch.Tensor, actual: TensorMeta, meta: TensorMeta,
-                      stream: Stream | None) -> torch.Tensor:
+                      stream: Stream | None) -> tuple[torch.Tensor, int]:
         """An output laid out as the client announced it: a copy with its strides where only the layout differs
-        (the client's views of it follow its strides); an error where the shape or dtype differ."""
+        (the client's views of it follow its strides); an error where the shape or dtype differ. With the bytes
+        charged for the copy, before it is made (a view's announced strides may span any size)."""
         dtype, shape, stride, offset = meta
         if actual[0] != dtype or actual[1] != tuple(shape) or offset != 0:
             raise InvalidArgument(f"{name} made a {actual[0]} tensor of shape {list(actual[1])} where the client "
                                   f"worked out {dtype} {list(shape)} (offset {offset}): the client's shape "
                                   "inference disagrees with this worker's PyTorch")
+        extent = self._extent(meta)
+        self._reserve(name, extent)
         try:
             # (device work of the tenant's like the operator's own: timed, on the session's stream)
             with self.placement.running(stream):
@@ -493,8 +732,9 @@ class TorchSession:
                                                             device=t.device)
                 fixed.copy_(t)
         except Exception as exc:
+            self.accounts.unreserve(extent)
             raise self._error(name, exc) from None
-        return fixed
+        return fixed, extent
 
     def _extent(self, meta: TensorMeta) -> int:
         """The bytes a tensor of this metadata spans in its storage."""

@@ -1,28 +1,17 @@
-"""Open hole (issue 21, round 10): a TorchOpSync runs its operator before anything is charged to the quota.
+"""A torch operator's outputs are charged to the quota before it runs, whatever the command (issue 21, round 10).
 
-``TorchSession.op`` reserves each new output's bytes (from the client's announced metadata) before it runs the
-operator; ``op_sync`` reserves nothing and settles on what PyTorch made afterwards (``_keep``). The worker never
-checks that a TorchOpSync names an operator of ``torch_ops.SYNC``: a hostile client sends any allowlisted operator
-that way (``aten::ones.default`` of 48 Mi float32) and the worker allocates and fills it, then refuses it
-(RESOURCE_EXHAUSTED). Even the genuine SYNC operators do the same (``aten::nonzero.default`` of an expanded view:
-an int64 output of numel x ndim, 16x the input's announced size, on a view that took no memory at all).
+``TorchSession.op`` reserves each new output's bytes from the client's announced metadata before it runs the
+operator; ``op_sync`` reserved nothing and settled on what PyTorch made afterwards (``_keep``), and the worker never
+checked that a TorchOpSync names an operator of ``torch_ops.SYNC`` (the client sends others that way too, when its
+shape inference disagreed with the worker's). A hostile client sent ``aten::ones.default`` of 48 Mi float32 that way
+and the worker filled it, then refused it: its peak resident memory (VmHWM) grew by 191 MiB against a 64 MiB quota.
+The genuine SYNC operators did the same (``nonzero`` of an expanded view: 16x the view's announced size, +95 MiB),
+and so did a TorchOp whose schema says its return aliases its input but which copies (``contiguous`` of a
+48 Mi-element expanded view: +192 MiB), reserved nothing.
 
-Measured on PoCL with a 64 MiB quota: the worker's peak resident memory (VmHWM) grew by 191 MiB for one ``ones``
-sent as a TorchOpSync, 3x the tenant's quota, where the same operator as a TorchOp was refused before it ran (no
-growth), and by 96 MiB for the ``nonzero``. The bound left is RLIMIT_DATA (quota + shared + the runtime's 576 MiB
-here): host memory the quota does not hold, as the quota's docs promise it does for every tensor. On CUDA the same
-path goes to PyTorch's caching allocator, bounded only by ``set_per_process_memory_fraction`` (quota / total) beside
-CuPy's own pool.
-
-The same for a TorchOp whose schema says its return aliases its input (``aten::contiguous.default``,
-``reshape``, ``flatten``, ``to.dtype``: ``Tensor(a)``), which ``op`` reserves nothing for, but which copies when
-the input is not laid out for a view: ``contiguous`` of a 48 Mi-element expanded view (stride 0, no memory)
-fills 192 MiB (VmHWM +193 MiB) before ``_keep`` refuses it (third test).
-
-Fix: refuse a TorchOpSync whose operator is not in ``torch_ops.SYNC`` (and a TorchOp whose operator is); for the
-SYNC ones, bound the output before allocating it (``nonzero``: ``count_nonzero`` first and reserve numel x ndim x
-8; ``masked_select``, ``unique*``, ``repeat_interleave``: likewise from a count), or run them under the quota's
-remaining bytes as an allocator limit.
+Now the worker bounds what such an operator makes before it runs: a run on meta copies of its inputs (no memory),
+or for operators whose outputs depend on the data, a bound from the inputs (``nonzero``: ``count_nonzero`` first);
+the bound is charged, and refused past the quota before anything is allocated.
 """
 
 from __future__ import annotations
