@@ -3,7 +3,8 @@
 The typed RPCs stay for other languages and grpcurl; each request becomes the same commands a client's link
 sends, once, here. The front picks the handle of what a typed call creates (``new_handle``), as a client does
 on its own link. Every batch, typed or sent ``encoded``, then goes through ``CommandRunner.execute``: decoded
-(msgspec checks every type and range), admitted, sent to the session's worker as one ``batch`` request under
+(msgspec checks every type and range; of a client's encoded batch only its outline, ``outline_batch``, the worker
+decoding the rest), admitted, sent to the session's worker as one ``batch`` request under
 the tenant's scheduler turn when it holds device work, and answered by the worker's Ack, which the worker
 client has already held to the batch (workers/_replies.py).
 """
