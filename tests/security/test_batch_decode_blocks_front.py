@@ -18,7 +18,9 @@ holds at most 4096 commands and 4096 kernel arguments.
 
 Each test floods the front from one tenant (``mallory``) for FLOOD_SECONDS while another (``victim``) times its
 Heartbeats; the bound, 50 ms at the 95th percentile, is above what relaying the same bytes as plain Writes costs
-(~22 ms on a loaded 2-core machine) and well under what decoding them cost.
+(~22 ms on a loaded 2-core machine) and well under what decoding them cost. Measured on PoCL (2 cores, loaded),
+the victim's p95 before / after: torch 89 / 21 ms, frees 626 / 17 ms, typed 284 / 29 ms (what is left of the
+typed flood is gRPC's own parsing of the protobuf message, before the front sees it).
 """
 
 from __future__ import annotations
