@@ -7,12 +7,23 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import grpc
+import msgspec
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
-from gpubroker.wire.commands import Allocate, Batch, Free, Memset, Read, decode_ack, encode, new_handle
+from gpubroker.wire.commands import (
+    MAX_FRONT_COMMANDS,
+    Allocate,
+    Batch,
+    Free,
+    Memset,
+    Read,
+    decode_ack,
+    encode,
+    new_handle,
+)
 
 
 def _channel(broker: BrokerProcess) -> grpc.Channel:
@@ -52,4 +63,27 @@ def test_batches_sent_at_once_run_in_order_and_a_bad_one_ends_the_stream(broker:
                                                        Batch(2, 1, [Free(buf)])]), timeout=60))
         first, second = (decode_ack(a.encoded) for a in again)
         assert first.result == bytes([2] * 4) and (second.done, second.error) == (1, None)  # still there until now
+        stub.CloseSession(pb.SessionRequest(session=session), timeout=60)
+
+
+def test_a_batch_malformed_where_the_front_does_not_read_is_refused_by_the_worker(broker: BrokerProcess) -> None:
+    """The front decodes only an outline of a batch (a kernel's arguments stepped over); the worker decodes all of
+    it and refuses one malformed there: the stream ends as for a batch the front refuses, after the acks before it,
+    and the session (its worker) goes on."""
+    malformed = msgspec.msgpack.encode([2, 1, [["launch", "k1", [1], [1], [{"not": "an argument"}], 0, ""]]])
+    too_many = encode(Batch(2, 1, [Free("b1")] * (MAX_FRONT_COMMANDS + 1)))
+    with _channel(broker) as channel:
+        stub = pb_grpc.GpuBrokerStub(channel)
+        session = stub.OpenSession(pb.OpenSessionRequest(device=0), timeout=60).session
+        buf = new_handle("buf")
+        for bad, why in ((malformed, "malformed batch"), (too_many, f"at most {MAX_FRONT_COMMANDS} commands")):
+            acks = []
+            with pytest.raises(grpc.RpcError) as info:
+                for ack in stub.Commands(_requests(session, [Batch(1, 0, [Allocate(buf, 64)]), bad]), timeout=60):
+                    acks.append(decode_ack(ack.encoded))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in (info.value.details() or "")
+            assert [(a.id, a.done, a.error) for a in acks] == [(1, 1, None)]
+            after = [decode_ack(a.encoded) for a in stub.Commands(_requests(session, [Batch(1, 0, [Free(buf)])]),
+                                                                  timeout=60)]
+            assert [(a.done, a.error) for a in after] == [(1, None)]
         stub.CloseSession(pb.SessionRequest(session=session), timeout=60)

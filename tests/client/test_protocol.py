@@ -10,7 +10,7 @@ import pytest
 
 from gpubroker.wire import commands as p
 from gpubroker.wire import torch as t
-from gpubroker.wire.errors import WireError
+from gpubroker.wire.errors import InvalidArgument, WireError
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES: dict[type, p.Command] = {
@@ -183,3 +183,37 @@ def test_the_wire_has_one_encoder_and_owns_every_decoder() -> None:
     encoders = {path: encoding for path, calls in codecs.items()
                 if (encoding := [call for call in calls if call != "msgspec.msgpack.Decoder"])}
     assert encoders == {"src/gpubroker/wire/commands.py": ["msgspec.msgpack.Encoder"]}, encoders
+
+
+def test_the_fronts_outline_holds_every_field_it_checks() -> None:
+    """The front decodes only an outline of a client's batch (``outline_batch``): each command of its class, every
+    field but its ``front_skips`` as decoded in full; the skipped ones are stepped over (the worker decodes them)."""
+    samples = [*SAMPLES.values(),
+               t.TorchOp("aten::add.Tensor", [t.TensorArg("t1"), 2], {"alpha": 1.5}, ["t2"],
+                         [("float32", (4,), (1,), 0)], "s1"),
+               t.TorchOpSync("aten::nonzero.default", [t.TensorArg("t1")], {}, ["t2"], ""),
+               t.TorchFree(["t1", "t2"])]
+    batch = p.Batch(7, 40, samples)
+    outline = p.outline_batch(p.encode(batch))
+    assert (outline.id, outline.first, len(outline.commands)) == (7, 40, len(samples))
+    for full, seen in zip(samples, outline.commands, strict=True):
+        assert isinstance(seen, type(full)) and p.tag_of(seen) == p.tag_of(full)
+        for field in msgspec.structs.fields(full):
+            if field.name in type(full).front_skips:
+                assert isinstance(getattr(seen, field.name), msgspec.Raw)
+            else:
+                assert getattr(seen, field.name) == getattr(full, field.name), (full, field.name)
+    for cls in p.commands():
+        assert set(cls.front_skips) <= {f.name for f in msgspec.structs.fields(cls)}, cls
+    assert not any(c.outline for c in p.commands())  # (the outlines are no commands of their own)
+
+
+def test_the_front_refuses_a_batch_of_too_many_commands() -> None:
+    p.outline_batch(p.encode(p.Batch(1, 0, [p.Free("b1")] * p.MAX_FRONT_COMMANDS)))
+    with pytest.raises(InvalidArgument, match=f"at most {p.MAX_FRONT_COMMANDS} commands"):
+        p.outline_batch(p.encode(p.Batch(1, 0, [p.Free("b1")] * (p.MAX_FRONT_COMMANDS + 1))))
+    # (what it steps over is only scanned: malformed there, the worker refuses it)
+    launch = msgspec.msgpack.encode([1, 0, [["launch", "k1", [1], [1], [{"bad": 1}], 0, ""]]])
+    assert isinstance(p.outline_batch(launch).commands[0], p.Launch)
+    with pytest.raises(msgspec.DecodeError):
+        p.decode_batch(launch)

@@ -60,6 +60,7 @@ __all__ = [
     "KernelNames",
     "Launch",
     "LoadModule",
+    "MAX_FRONT_COMMANDS",
     "MAX_HANDLE",
     "Memset",
     "NonNegative",
@@ -80,11 +81,16 @@ __all__ = [
     "encode",
     "link_commands",
     "new_handle",
+    "outline_batch",
     "parse_batch",
     "tag_of",
 ]
 
 MAX_HANDLE: Final = 64  # characters; a longer handle is refused at decoding
+# The most commands a batch through the front (gRPC's Commands stream) may hold: the front reads each one's outline
+# on its event loop, so their number bounds that work. (A client sends at most 256 a batch; a link, straight to
+# the worker, has no such limit.)
+MAX_FRONT_COMMANDS: Final = 4096
 Handle = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HANDLE)]
 OptionalStream = Annotated[str, msgspec.Meta(max_length=MAX_HANDLE)]  # "" is the default stream
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -139,6 +145,8 @@ KernelNames = Annotated[list[Annotated[str, msgspec.Meta(max_length=1024)]], msg
 # The decoder of batches of every command, built at first use and again after a command is defined (Command), so
 # that the hot path (each batch of each link) reads one global.
 _batch_decoder: msgspec.msgpack.Decoder[Batch] | None = None
+# The same for the front's outlines of batches (``outline_batch``).
+_outline_decoder: msgspec.msgpack.Decoder[Batch] | None = None
 
 
 def _batches() -> msgspec.msgpack.Decoder[Batch]:
@@ -187,13 +195,21 @@ class Command(_Struct, tag_field="op", frozen=True):
     # The type of what it returns as a batch's last command (msgspec validates a worker's answer as this type and
     # nothing else; ``check_result`` then holds the value to the command). None: it returns nothing.
     result: ClassVar[Any] = None
+    # Fields the front relays without reading (a kernel's arguments, a write's bytes, an operator's metadata): its
+    # outline of a batch (``outline_batch``) leaves them undecoded, for the worker to decode and check, so that what
+    # the front does with them on its event loop is a scan. Never a field that the front's checks read.
+    front_skips: ClassVar[tuple[str, ...]] = ()
+    # True only for the outline classes (``_outline_of``): no commands of their own.
+    outline: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # A new command: the decoders are built again, over every command, when next used.
         super().__init_subclass__(**kwargs)
-        global _batch_decoder
+        if cls.__dict__.get("outline"):
+            return
+        global _batch_decoder, _outline_decoder
         commands.cache_clear()
-        _batch_decoder = None
+        _batch_decoder = _outline_decoder = None
         _ack_decoder.cache_clear()
 
     def describe(self) -> str:
@@ -217,7 +233,7 @@ def commands() -> tuple[type[Command], ...]:
         other = found.setdefault(tag_of(cls), cls)
         if other is not cls:
             raise TypeError(f"two commands with the tag {tag_of(cls)!r}: {other.__qualname__} and {cls.__qualname__}")
-        pending.extend(cls.__subclasses__())
+        pending.extend(sub for sub in cls.__subclasses__() if not sub.outline)
     return tuple(found.values())
 
 
@@ -264,6 +280,7 @@ class CopyD2D(Command, tag="copy_d2d", frozen=True):
 
 
 class Launch(Command, tag="launch", frozen=True):
+    front_skips = ("args",)
     kernel: Handle
     grid: Dims
     block: Dims
@@ -320,6 +337,7 @@ class Write(Command, tag="write", frozen=True):
     """Host to device: ``data`` into the view at ``offset`` (one chunk of a copy; large copies are several)."""
 
     host_work = True
+    front_skips = ("data",)
     buf: BufRef
     offset: NonNegative
     data: bytes
@@ -346,6 +364,7 @@ class RunLibrary(Command, tag="run_library", frozen=True):
     """A library operation (matmul, linalg, fft, sort, unique, ...: gpubroker/wire/library.py's table) on arrays of the
     session; device work like a launch."""
 
+    front_skips = ("inputs", "outputs", "params")
     name: Annotated[str, msgspec.Meta(max_length=32)]  # the op ("linalg.svd"); ``op`` is the command's tag
     inputs: Annotated[list[LibraryArray], msgspec.Meta(max_length=8)]
     outputs: Annotated[list[LibraryArray], msgspec.Meta(max_length=8)]
@@ -410,6 +429,7 @@ class LoadModule(Command, tag="load_module", frozen=True):
     device_work = False
     host_work = True
     result = KernelNames
+    front_skips = ("options",)  # (not ``image``: the front holds its size to max_module_bytes)
     handle: Handle
     format: Annotated[str, msgspec.Meta(max_length=16)]  # a ModuleFormat value
     image: bytes
@@ -508,6 +528,52 @@ def parse_batch(data: bytes | bytearray | memoryview) -> Batch:
         return (_batch_decoder or _batches()).decode(data)
     except msgspec.DecodeError as exc:
         raise InvalidArgument(f"malformed batch: {exc}") from None
+
+
+def _outline_of(cls: type[Command]) -> type[Command]:
+    """``cls`` with its ``front_skips`` fields left undecoded (msgspec.Raw, which msgspec only steps over): a
+    subclass of the same tag, so that the front's checks (isinstance, the class's traits, ``check_result``) read an
+    outline as the command itself."""
+    if not cls.front_skips:
+        return cls
+    defaults = {field.name: field.default is not msgspec.NODEFAULT or field.default_factory is not msgspec.NODEFAULT
+                for field in msgspec.structs.fields(cls)}
+    # (a skipped field that has a default keeps one, else no required field could follow it)
+    skipped: list[Any] = [(name, msgspec.Raw, msgspec.Raw()) if defaults[name] else (name, msgspec.Raw)
+                          for name in cls.front_skips]
+    outline = msgspec.defstruct(f"{cls.__name__}Outline", skipped, bases=(cls,), tag=tag_of(cls), frozen=True,
+                                namespace={"outline": True})
+    assert issubclass(outline, cls)
+    return outline
+
+
+def _outlines() -> msgspec.msgpack.Decoder[Batch]:
+    global _outline_decoder
+    decoder = _outline_decoder
+    if decoder is None:
+        union: Any = functools.reduce(operator.or_, [_outline_of(cls) for cls in commands()])
+        outline = msgspec.defstruct(
+            "BatchOutline", [("commands", Annotated[list[union], msgspec.Meta(max_length=MAX_FRONT_COMMANDS)])],
+            bases=(Batch,), frozen=True)
+        decoder = _outline_decoder = msgspec.msgpack.Decoder(outline)
+    return decoder
+
+
+def outline_batch(data: bytes | bytearray | memoryview) -> Batch:
+    """A batch as the front reads it before relaying it to the worker: its id, its first command's sequence number,
+    and each command as its class with the fields the front checks (its ``front_skips`` fields undecoded: the
+    worker decodes and checks them, and answers a batch malformed there with InvalidArgument), at most
+    MAX_FRONT_COMMANDS of them; InvalidArgument naming why if malformed as far as it is read.
+
+    Stepping over the skipped bytes costs msgspec about 2 ns a byte; decoding them, up to 25 (a torch operator's
+    output metadata), which the front would spend on its event loop, charged to nobody."""
+    try:
+        return (_outline_decoder or _outlines()).decode(data)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        message = f"malformed batch: {exc}"
+        if f"length <= {MAX_FRONT_COMMANDS} - at `$[2]`" in message:
+            message += f" (a batch holds at most {MAX_FRONT_COMMANDS} commands here: send them in several)"
+        raise InvalidArgument(message) from None
 
 
 def decode_ack(data: bytes | bytearray | memoryview) -> Ack:

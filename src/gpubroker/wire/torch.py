@@ -119,6 +119,7 @@ class TorchOp(Command, tag="torch_op", frozen=True):
     """One ATen operator, queued. ``metas`` holds the client's metadata for each new output (each ``outs`` that is
     not None, in order): the worker reserves their bytes against the quota before running the operator."""
 
+    front_skips = ("args", "kwargs", "outs", "metas")
     name: _NAME  # the overload ("aten::add.Tensor"): gpubroker.wire.torch_ops' allowlist
     args: _Args
     kwargs: _Kwargs
@@ -134,6 +135,7 @@ class TorchOpSync(Command, tag="torch_op_sync", frozen=True):
     """One ATen operator whose output shapes depend on the data or which returns a plain value: its result is one
     entry per return (a new tensor's metadata, or the value). ``outs`` as for TorchOp; no metadata is announced."""
 
+    front_skips = ("args", "kwargs")  # (not ``outs``: the front holds the result to their number)
     result = OpResult
     name: _NAME
     args: _Args
@@ -180,6 +182,7 @@ class TorchFree(Command, tag="torch_free", frozen=True):
     collects them."""
 
     device_work = False
+    front_skips = ("handles",)
     handles: Annotated[list[Handle], msgspec.Meta(max_length=4096)]
 
     def describe(self) -> str:

@@ -3,7 +3,8 @@
 The typed RPCs stay for other languages and grpcurl; each request becomes the same commands a client's link
 sends, once, here. The front picks the handle of what a typed call creates (``new_handle``), as a client does
 on its own link. Every batch, typed or sent ``encoded``, then goes through ``CommandRunner.execute``: decoded
-(msgspec checks every type and range), admitted, sent to the session's worker as one ``batch`` request under
+(msgspec checks every type and range; of a client's encoded batch only its outline, ``outline_batch``, the worker
+decoding the rest), admitted, sent to the session's worker as one ``batch`` request under
 the tenant's scheduler turn when it holds device work, and answered by the worker's Ack, which the worker
 client has already held to the batch (workers/_replies.py).
 """
@@ -51,6 +52,7 @@ from gpubroker.wire.types import ModuleFormat
 
 __all__ = [
     "RPC_COMMANDS",
+    "MAX_KERNEL_ARGS",
     "CommandRunner",
     "allocate_commands",
     "command_of",
@@ -83,6 +85,11 @@ SHARED_PIECE = 256 * 1024 * 1024
 
 
 # -- conversions: typed requests -> commands -----------------------------------------------------------------
+# The most kernel arguments a typed launch (or a typed batch's launches together) may carry: CUDA takes at most 32
+# KiB of parameters, 4096 pointers.
+MAX_KERNEL_ARGS = 4096
+
+
 def _handle(value: str, kind: str) -> str:
     """A handle of the session's (resolved by the worker); an empty or oversized one is no handle at all."""
     if not value or len(value) > MAX_HANDLE:
@@ -137,6 +144,8 @@ def copy_d2d_commands(request: pb.CopyDeviceToDeviceRequest) -> list[Command]:
 
 
 def launch_commands(request: pb.LaunchKernelRequest) -> list[Command]:
+    if len(request.args) > MAX_KERNEL_ARGS:  # (each costs the front's event loop a microsecond to convert)
+        raise InvalidArgument(f"a launch with {len(request.args)} kernel arguments; at most {MAX_KERNEL_ARGS}")
     args: list[KernelArg] = []
     for arg in request.args:
         kind = arg.WhichOneof("kind")
@@ -249,11 +258,11 @@ class CommandRunner:
     """Runs batches in a session's worker: the one path of every device operation that reaches the front."""
 
     def __init__(self, config: BrokerConfig, sessions: SessionManager, schedulers: dict[int, DeviceScheduler],
-                 before_free: Callable[[Session, str], Awaitable[None]]) -> None:
+                 before_free: Callable[[Session, set[str]], Awaitable[None]]) -> None:
         self.config = config
         self.sessions = sessions
         self.schedulers = schedulers
-        # Called with the session and a buffer's handle before a batch frees it (CopyPeer unmaps it elsewhere).
+        # Called with the session and the buffers a batch frees, before it runs (CopyPeer unmaps them elsewhere).
         self.before_free = before_free
 
     async def run(self, session: Session, commands: list[Command]) -> Ack:
@@ -270,19 +279,20 @@ class CommandRunner:
         """
         session.check_alive()
         session.touch()
-        device_work = compile_ = False
-        for command in batch.commands:
-            # A command that uses the device (its class's ``device_work``) makes the batch wait for the tenant's
-            # turn on it.
-            if command.device_work:
-                device_work = True
-            if isinstance(command, LoadModule):
-                compile_ = True
-                if len(command.image) > self.config.max_module_bytes:
+        # Each command's class once (up to MAX_FRONT_COMMANDS of them): the front's own work on a batch stays a
+        # pass at C speed, not Python's per command, where the commands are all the same.
+        kinds: set[type[Command]] = set(map(type, batch.commands))
+        # A command that uses the device (its class's ``device_work``) makes the batch wait for the tenant's turn.
+        device_work = any(kind.device_work for kind in kinds)
+        compile_ = any(issubclass(kind, LoadModule) for kind in kinds)
+        if compile_:
+            for command in batch.commands:
+                if isinstance(command, LoadModule) and len(command.image) > self.config.max_module_bytes:
                     raise ResourceExhausted(f"module of {len(command.image)} bytes exceeds the limit of "
                                             f"{self.config.max_module_bytes}")
-            elif isinstance(command, Free):
-                await self.before_free(session, command.handle)
+        if any(issubclass(kind, Free) for kind in kinds):
+            await self.before_free(session, {command.handle for command in batch.commands
+                                             if isinstance(command, Free)})
         async with self.schedulers[session.device].turn(session.tenant) if device_work else _no_turn():
             if not compile_:
                 _resolve(sent)  # (the call below runs on in this step, to its place in the worker's queue)

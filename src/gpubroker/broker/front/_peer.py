@@ -280,11 +280,12 @@ class PeerCopier:
         await self.peer_imports.close_where(session)
         await self.peer_staging.release(session)
 
-    async def before_free(self, session: Session, handle: str) -> None:
-        """Before a batch through the front frees a buffer: refuse while a copy uses it; unmap it where other
-        workers keep it. (A Free on the session's link reaches the worker alone, which refuses a pinned buffer;
-        a mapping kept elsewhere then lives until either session ends.)"""
+    async def before_free(self, session: Session, handles: set[str]) -> None:
+        """Before a batch through the front frees buffers: refuse while a copy uses one; unmap them where other
+        workers keep them. (A Free on the session's link reaches the worker alone, which refuses a pinned buffer;
+        a mapping kept elsewhere then lives until either session ends.) Once for the whole batch: its frees cost
+        this loop one pass, not one each."""
         for _ in range(2):  # again after the unmapping, which awaited: a copy may have begun meanwhile
-            if session.peer_pins.get(handle):
+            if not session.peer_pins.keys().isdisjoint(handles):  # (a pin's count is dropped at 0)
                 raise FailedPrecondition(_BUSY)
-            await self.peer_imports.close_where(session, handle)
+            await self.peer_imports.close_where(session, handles)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 
 from gpubroker.broker.front._sessions import Session
@@ -44,10 +44,11 @@ class ImportCache:
         self._imports[key] = (dst, import_id)
         return True
 
-    async def close_where(self, session: Session, buffer: str | None = None) -> None:
-        """Close the mappings of ``session``'s buffers (only ``buffer``, when given) and those it opened."""
-        for key in [k for k in self._imports if (k[0] == session.id and buffer in (None, k[1]))
-                    or (buffer is None and k[2] == session.id)]:
+    async def close_where(self, session: Session, buffers: Collection[str] | None = None) -> None:
+        """Close the mappings of ``session``'s buffers (only ``buffers``, when given: one pass for a batch's frees)
+        and, when not, those it opened."""
+        for key in [k for k in self._imports if (k[0] == session.id and (buffers is None or k[1] in buffers))
+                    or (buffers is None and k[2] == session.id)]:
             dst, import_id = self._imports.pop(key)
             with contextlib.suppress(GpuBrokerError):  # a dead worker took its mappings with it
                 await dst.worker.call(PeerClose(import_id), dst.id)

@@ -34,7 +34,7 @@ from gpubroker.broker.front.workers._replies import (
     first_words,
 )
 from gpubroker.broker.sandbox import EXIT_SETUP_FAILED, Launch, WorkerSandbox, python_argv
-from gpubroker.wire.commands import Ack, Batch, DeviceInfoQuery
+from gpubroker.wire.commands import Ack, Batch, Command, DeviceInfoQuery
 from gpubroker.wire.errors import FailedPrecondition, GpuBrokerError, ResourceExhausted, Unavailable, WorkerCrashed
 from gpubroker.wire.types import DeviceInfo
 from gpubroker.wire.worker import (
@@ -314,10 +314,12 @@ class WorkerClient:
         """Run ``batch`` (``encoded`` is its encoding) in the session; its Ack, checked against it."""
         # A batch that only asks what the device is runs none of the tenant's code (the front's own, at a session's
         # opening): a death after it is still the device's.
-        front = all(isinstance(command, DeviceInfoQuery) for command in batch.commands)
+        # (each command's class once: a pass at C speed over the batch's commands)
+        kinds: set[type[Command]] = set(map(type, batch.commands))
+        front = all(issubclass(kind, DeviceInfoQuery) for kind in kinds)
         # Only while a compile or a copy (``host_work``) is in flight may a worker use CPU outside its turns (the
         # CPU watch); a tenant that keeps cheap calls (allocations, frees) going does not earn its threads a CPU.
-        host_work = any(command.host_work for command in batch.commands)
+        host_work = any(kind.host_work for kind in kinds)
         ack: Ack = await self._call(RunBatch(encoded), session, None, batch=batch, front=front, host_work=host_work)
         return ack
 
