@@ -101,9 +101,12 @@ def test_environment_is_scrubbed_and_caches_are_per_tenant(sandboxed: BrokerProc
                             "HOME", "XDG_CACHE_HOME", "POCL_CACHE_DIR", "CUPY_CACHE_DIR", "CUDA_CACHE_PATH",
                             "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_PATH", "CUDA_HOME",
                             "PYTHONNOUSERSITE", "GPUBROKER_WORKER_EXEC", "GPUBROKER_WORKER_SEAL",
-                            "PYOPENCL_NO_CACHE"} | {k for k in env if k.startswith(("POCL_", "CUPY_", "OCL_ICD_"))}
+                            "PYOPENCL_NO_CACHE", "USER", "LOGNAME"} | {
+                                k for k in env if k.startswith(("POCL_", "CUPY_", "OCL_ICD_"))}
         # pyopencl's caches are sqlite databases, which lock: the seal refuses record locks once the device is open.
         assert env.get("PYOPENCL_NO_CACHE") == "1"
+        # getpass.getuser() needs no password-database entry for the worker's uid (PyTorch's caches call it)
+        assert env.get("USER") == env.get("LOGNAME") == "gpubroker-worker"
     alice_cache, bob_cache = Path(alice_env["HOME"]), Path(bob_env["HOME"])
     # <cache_dir>/tenants/<name>/<key of its token>: each tenant's own, and a new tenant's under an old name new
     assert alice_cache != bob_cache and alice_cache.parent.parent == bob_cache.parent.parent

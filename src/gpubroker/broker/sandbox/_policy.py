@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from gpubroker.broker.config import parse_uid_range
 from gpubroker.broker.sandbox import _landlock, _seccomp
@@ -383,7 +383,8 @@ class WorkerSandbox:
                 "keep_fds": keep_fds, "worker_uid": uid,
                 # No new socket once the device is open (not before: CUDA's initialization makes a Unix socket),
                 # and no file lock: nothing it runs may need one then (pyopencl's caches would).
-                "env": {**_cache_environment(cache), _seccomp.SEAL_ENV: "1", **_seccomp.LOCK_FREE_ENV,
+                "env": {**_cache_environment(cache), **WORKER_USER_ENV, _seccomp.SEAL_ENV: "1",
+                        **_seccomp.LOCK_FREE_ENV,
                         **({_landlock.EXEC_ENV: "linker" if spawn else "none"} if self.landlock else {})},
                 "rlimits": rlimits, "seccomp": True, "tmp_size": self.tmp_max,
                 # PoCL links each new kernel with the system linker (posix_spawn): no other backend spawns, and
@@ -584,6 +585,11 @@ def _refusal(reason: str) -> str:
     return (f"cannot sandbox the workers: {reason}. Fix that, or run them unsandboxed (every tenant can then "
             "reach the broker and the other tenants) with `sandbox = false` in [broker] or `gpubroker serve "
             "--no-sandbox`")
+
+
+# A user name for getpass.getuser(), which asks the password database when these are unset: the worker's uid has
+# no entry on most hosts (PyTorch's compile caches ask for it, and raised KeyError in a CUDA worker).
+WORKER_USER_ENV: Final = {"USER": "gpubroker-worker", "LOGNAME": "gpubroker-worker"}
 
 
 def _cache_environment(cache: Path | None) -> dict[str, str]:
