@@ -16,7 +16,7 @@ the bound is charged, and refused past the quota before anything is allocated.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -65,6 +65,17 @@ def _warm(gpu: RemoteGpu) -> None:
     gpu.torch_read("warm")  # (PyTorch imported and warm: its own memory is in the baseline)
 
 
+def _refused_within_the_quota(broker: BrokerProcess, what: str, attack: Callable[[], object]) -> None:
+    """``attack`` is refused, and the worker's peak resident memory grew by less than the quota meanwhile."""
+    _reset_hwm(broker)
+    before = _worker_hwm(broker)
+    with pytest.raises(GpuBrokerError) as info:
+        attack()
+    grew = _worker_hwm(broker) - before
+    print(f"\n{type(info.value).__name__}: {info.value}; the worker's VmHWM grew by {grew >> 20} MiB")
+    assert grew < QUOTA, f"{what} made the worker touch {grew >> 20} MiB before the {QUOTA >> 20} MiB quota refused it"
+
+
 def test_sync_operator_output_is_bounded_before_it_is_made(broker: BrokerProcess) -> None:
     with connect(broker.target, token=broker.tokens["mallory"], timeout=60) as gpu:
         assert isinstance(gpu, RemoteGpu)
@@ -74,29 +85,17 @@ def test_sync_operator_output_is_bounded_before_it_is_made(broker: BrokerProcess
         gpu.torch_op(TorchOp("aten::expand.default", [TensorArg("one"), [n]], {}, ["wide"],
                              [("float32", (n,), (0,), 0)]))
         gpu.synchronize()
-        _reset_hwm(broker)
-        before = _worker_hwm(broker)
-        with pytest.raises(GpuBrokerError) as info:
-            gpu.torch_op_sync(TorchOpSync("aten::nonzero.default", [TensorArg("wide")], {}, ["nz"]))
-        grew = _worker_hwm(broker) - before
-        print(f"\n{type(info.value).__name__}: {info.value}; the worker's VmHWM grew by {grew >> 20} MiB")
-        assert grew < QUOTA, (f"aten::nonzero.default made the worker touch {grew >> 20} MiB before the "
-                              f"{QUOTA >> 20} MiB quota refused its output")
+        _refused_within_the_quota(broker, "aten::nonzero.default", lambda: gpu.torch_op_sync(
+            TorchOpSync("aten::nonzero.default", [TensorArg("wide")], {}, ["nz"])))
 
 
 def test_non_sync_operator_as_sync_is_charged_before_it_runs(broker: BrokerProcess) -> None:
     with connect(broker.target, token=broker.tokens["mallory"], timeout=60) as gpu:
         assert isinstance(gpu, RemoteGpu)
         _warm(gpu)
-        _reset_hwm(broker)
-        before = _worker_hwm(broker)
         n = 48 << 20  # 192 MiB of float32: 3x the quota
-        with pytest.raises(GpuBrokerError) as info:
-            gpu.torch_op_sync(TorchOpSync("aten::ones.default", [[n]], {}, ["big"]))
-        grew = _worker_hwm(broker) - before
-        print(f"\n{type(info.value).__name__}: {info.value}; the worker's VmHWM grew by {grew >> 20} MiB")
-        assert grew < QUOTA, (f"aten::ones.default sent as a TorchOpSync made the worker touch {grew >> 20} MiB "
-                              f"before the {QUOTA >> 20} MiB quota refused it")
+        _refused_within_the_quota(broker, "aten::ones.default sent as a TorchOpSync", lambda: gpu.torch_op_sync(
+            TorchOpSync("aten::ones.default", [[n]], {}, ["big"])))
 
 
 def test_aliasing_operator_that_copies_is_charged_before_it_runs(broker: BrokerProcess) -> None:
@@ -108,13 +107,10 @@ def test_aliasing_operator_that_copies_is_charged_before_it_runs(broker: BrokerP
         gpu.torch_op(TorchOp("aten::expand.default", [TensorArg("one2"), [n]], {}, ["wide2"],
                              [("float32", (n,), (0,), 0)]))
         gpu.synchronize()
-        _reset_hwm(broker)
-        before = _worker_hwm(broker)
-        with pytest.raises(GpuBrokerError) as info:
+
+        def densify() -> None:
             gpu.torch_op(TorchOp("aten::contiguous.default", [TensorArg("wide2")], {}, ["dense"],
                                  [("float32", (n,), (1,), 0)]))
             gpu.synchronize()
-        grew = _worker_hwm(broker) - before
-        print(f"\n{type(info.value).__name__}: {info.value}; the worker's VmHWM grew by {grew >> 20} MiB")
-        assert grew < QUOTA, (f"aten::contiguous.default (an aliasing return: nothing reserved) made the worker touch "
-                              f"{grew >> 20} MiB before the {QUOTA >> 20} MiB quota refused it")
+
+        _refused_within_the_quota(broker, "aten::contiguous.default (an aliasing return)", densify)
