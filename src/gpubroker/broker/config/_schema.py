@@ -190,7 +190,8 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Allow plaintext TCP on non-loopback addresses: tokens travel in the clear (warned at every "
         "start)."))] = False
     vsock_port: Annotated[int, Meta(ge=0, le=0xFFFFFFFF, description=(
-        "Also accept VMs (vhost-vsock) on this AF_VSOCK port, relayed to the first unix listener; 0: off."))] = 0
+        "Also accept VMs (vhost-vsock) on this AF_VSOCK port, relayed to the first unix listener's gRPC; each "
+        "guest (its CID) is a peer of the gRPC per-peer caps and call rate; 0: off."))] = 0
     link_listen: Annotated[str, Meta(description=(
         "Serve the framed command link (client <-> worker, authenticated by the front) over TCP on HOST:PORT, "
         "with the TCP listeners' TLS / mTLS ([tls]); without [tls] only on loopback (or insecure = true); empty: "

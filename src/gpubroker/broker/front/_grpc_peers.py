@@ -10,7 +10,9 @@ connection it accepts, the gate names the peer as every listener of the front do
 - on TCP from this host (loopback, or the host's own address), the uid that owns the client's socket, which the
   kernel finds by the connection's addresses (sock_diag, ``_owners.py``): every local process has the address
   127.0.0.1, so counting local peers by address would make all local users one peer;
-- on other TCP, its network: the /24 of an IPv4 address, the /64 of an IPv6 one.
+- on other TCP, its network: the /24 of an IPv4 address, the /64 of an IPv6 one;
+- on vsock (``vsock_port``: VM guests, whose ``gpubroker relay`` connects out over AF_VSOCK), the guest's CID,
+  which the host's kernel sets (a guest cannot claim another's).
 
 and refuses it, by closing it at once before reading a byte, when ``max_grpc_connections`` are open or its peer
 holds ``max_grpc_connections_per_peer``: both caps hold exactly, at every instant, however fast a peer reconnects.
@@ -38,6 +40,8 @@ writes back up pauses the other's reads), on the front's event loop. It costs a 
 wakeup each way (40-60 us on the 2-core VM it was measured on, about 5-8% of a call; gRPC copies within noise).
 On a thread of its own with its own uvloop (``own_thread``) it was no faster there: each relayed write then also
 hands the GIL between threads (unary round trips up to 15% slower than on the front's loop, copies within noise).
+A vsock connection is relayed with the loop's ``sock_*`` calls instead (`_PumpedRelay`): uvloop makes a TCP
+transport of any socket that is not a Unix one, which fails on vsock (``relay.py``, whose pump it is).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from typing import Any, cast
 from gpubroker.broker.front.auth import RateLimitedLog
 from gpubroker.broker.front.listen import listen_unix, tcp_listeners
 from gpubroker.broker.front.listeners import Acceptor, Peer, PeerRate, out_of_descriptors
-from gpubroker.wire.addresses import TcpAddress, UnixAddress, parse_host_port
+from gpubroker.wire.addresses import TcpAddress, UnixAddress, VsockAddress, parse_host_port
 from gpubroker.wire.errors import InvalidArgument
 
 __all__ = ["GrpcGate", "grpc_peer", "grpc_peer_key", "over_call_rate"]
@@ -73,10 +77,12 @@ WRITE_BUFFER_HIGH = 256 * 1024
 # A connection cut for its peer's call rate stops being read at once, and is closed this much later: time for the
 # refusal (RESOURCE_EXHAUSTED, saying which limit) to reach the client.
 CUT_GRACE = 0.2
+# What a pumped (vsock) relay holds in user space per direction: one read's worth.
+PUMP_CHUNK = 64 * 1024
 
 # gRPC's peer string of a relayed connection ("unix-abstract:NAME") -> the relayed connection. Written by the
 # gate's loop, read by the front's handlers (with own_thread, on two threads: each a single dict operation).
-_relayed: dict[str, _Relay] = {}
+_relayed: dict[str, _Relay | _PumpedRelay] = {}
 
 
 def grpc_peer(context: Any) -> str:
@@ -99,8 +105,7 @@ def grpc_peer_key(context: Any) -> str:
 def over_call_rate(context: Any) -> str | None:
     """Take one of the call's peer's tokens of ``max_grpc_calls_per_peer_per_second``; with none left, why the
     call is refused (its connection is being cut). A dict lookup and some arithmetic: the first thing a call
-    does. (A call that did not come through the gate, the vsock relay's, is not counted: the relay caps its
-    VMs' connections itself.)"""
+    does. (Every public listener's calls come through the gate, vsock guests' included.)"""
     relay = _relayed.get(context.peer())
     if relay is None:
         return None
@@ -118,7 +123,7 @@ def over_call_rate(context: Any) -> str | None:
 
 @dataclasses.dataclass(eq=False)
 class _Listener:
-    public: str  # as the broker lists it: unix:PATH or HOST:PORT
+    public: str  # as the broker lists it: unix:PATH or HOST:PORT (vsock:PORT, VM guests)
     private: str  # the path of gRPC's listener its connections are relayed to
     loopback_only: bool  # local credentials: only loopback peers (what gRPC's LOCAL_TCP check allowed)
     acceptor: Acceptor = dataclasses.field(init=False)
@@ -127,7 +132,7 @@ class _Listener:
 @dataclasses.dataclass(frozen=True)
 class _Peer:
     key: str  # whom the connection is counted against (Peer.key): "uid N", a remote network
-    name: str  # as gRPC would name it, for audit lines: ipv4:HOST:PORT [uid=N], unix:PATH uid=N
+    name: str  # as gRPC would name it, for audit lines: ipv4:HOST:PORT [uid=N], unix:PATH uid=N, vsock:CID:PORT
 
 
 def _tcp_name(host: str, port: int) -> str:
@@ -155,7 +160,7 @@ class GrpcGate:
             self.refusals.setdefault(("grpc", reason), 0)
         self._audit = RateLimitedLog(audit)
         self._listeners: list[_Listener] = []
-        self._relays: set[_Relay] = set()
+        self._relays: set[_Relay | _PumpedRelay] = set()
         self.private_dir = Path(tempfile.mkdtemp(prefix="gpubroker-grpc-"))  # mode 0700, the broker's own
         self._private: dict[str, str] = {}  # public address -> private path
         self._own_thread = own_thread
@@ -207,6 +212,15 @@ class GrpcGate:
         private = self._private_path(public)
         for sock in socks:
             self._add_listener(sock, public, private, loopback_only)
+        return public
+
+    def listen_vsock(self, sock: socket.socket, port: int, behind: str) -> str:
+        """Accept VM guests on ``sock``, listening on the AF_VSOCK port ``port`` (grpcio cannot listen on vsock),
+        relayed to gRPC's listener behind the public Unix address ``behind``, whose local credentials then carry
+        the bearer token as for a local client; each guest is a peer of its own (its CID). Returns its public
+        address, ``vsock:PORT``."""
+        public = f"vsock:{port}"
+        self._add_listener(sock, public, self.private_path(behind), loopback_only=False)
         return public
 
     def _add_listener(self, sock: socket.socket, public: str, private: str, loopback_only: bool) -> None:
@@ -331,7 +345,8 @@ class GrpcGate:
             raise
         self.open += 1
         self.per_peer[peer.key] = held + 1
-        relay = _Relay(self, peer)
+        relay: _Relay | _PumpedRelay
+        relay = _PumpedRelay(self, peer) if isinstance(accepted.address, VsockAddress) else _Relay(self, peer)
         self._relays.add(relay)
         assert self._loop is not None
         relay.task = self._loop.create_task(relay.open(conn, backend, listener.private))
@@ -340,7 +355,9 @@ class GrpcGate:
     def _identify(self, listener: _Listener, conn: socket.socket, accepted: Peer) -> _Peer | str:
         """Who is at the other end of ``conn`` (``accepted``: as the front names peers, ``listeners.peer_of``),
         counted as every listener counts peers; a string saying why it may not connect, if it may not."""
-        if not isinstance(accepted.address, TcpAddress):  # (a Unix socket: the gate listens on no vsock port)
+        if isinstance(accepted.address, VsockAddress):  # (a VM guest: its CID, which the host's kernel sets)
+            return _Peer(accepted.key, f"vsock:{accepted.address.cid}:{accepted.address.port}")
+        if not isinstance(accepted.address, TcpAddress):  # (a Unix socket)
             return _Peer(accepted.key, f"{listener.public} uid={accepted.uid}")
         name = _tcp_name(accepted.address.host, accepted.address.port)
         if listener.loopback_only and not accepted.loopback:
@@ -361,7 +378,7 @@ class GrpcGate:
         self._audit.warning(f"grpc {reason}", "action=refuse-connection listener=%s peer=%s reason=%s",
                             listener.public, peer.name if peer is not None else "-", why)
 
-    def too_many_calls(self, relay: _Relay) -> None:
+    def too_many_calls(self, relay: _Relay | _PumpedRelay) -> None:
         """``relay``'s peer started a call past its call rate (on the front's loop): cut the connection."""
         assert self.call_rate is not None
         self.call_rate.count("grpc")
@@ -377,7 +394,7 @@ class GrpcGate:
         else:
             relay.cut()
 
-    def _release(self, relay: _Relay) -> None:
+    def _release(self, relay: _Relay | _PumpedRelay) -> None:
         self._relays.discard(relay)
         self.open -= 1
         key = relay.peer.key
@@ -469,12 +486,7 @@ class _Relay:
         try:
             backend.setblocking(False)
             conn.setblocking(False)
-            with contextlib.suppress(OSError):  # (unnamed, gRPC's peer is "unix:" and audit lines show that)
-                backend.bind("")  # Linux autobind: an abstract address no other socket has, which names the relay
-                name = backend.getsockname()
-                if isinstance(name, bytes) and name[:1] == b"\0":
-                    self.name = "unix-abstract:" + name[1:].decode("ascii", "replace")
-                    _relayed[self.name] = self
+            self.name = _name_relay(backend, self)
             await loop.sock_connect(backend, private)
             await loop.create_unix_connection(lambda: self.backend, sock=backend)
             await loop.connect_accepted_socket(lambda: self.client, sock=conn)
@@ -526,3 +538,85 @@ class _Relay:
             if self.name:
                 _relayed.pop(self.name, None)
             self.gate._release(self)
+
+
+class _PumpedRelay:
+    """A connection the gate admitted on vsock, relayed with the loop's ``sock_*`` calls rather than transports
+    (uvloop cannot make a transport of a vsock socket): each direction holds at most one chunk, and a side that does
+    not take it pushes back on the other. Either side ending ends both, as in ``relay.py``."""
+
+    def __init__(self, gate: GrpcGate, peer: _Peer) -> None:
+        self.gate = gate
+        self.peer = peer
+        self.cutting = False  # its peer went over its call rate: the client is no longer read, and closed soon
+        self.name = ""  # gRPC's peer string of the gate's end
+        self.task: asyncio.Task[None] | None = None
+        self._upstream: asyncio.Task[None] | None = None  # client -> gRPC
+        self._ended: asyncio.Future[None] | None = None
+
+    async def open(self, conn: socket.socket, backend: socket.socket, private: str) -> None:
+        loop = asyncio.get_running_loop()
+        self._ended = ended = loop.create_future()
+        pumps: list[asyncio.Task[None]] = []
+        try:
+            backend.setblocking(False)
+            conn.setblocking(False)
+            self.name = _name_relay(backend, self)
+            await loop.sock_connect(backend, private)
+            self._upstream = loop.create_task(_pump(conn, backend))
+            pumps = [self._upstream, loop.create_task(_pump(backend, conn))]
+            for pump in pumps:
+                pump.add_done_callback(self._pump_ended)
+            await ended
+        except OSError as exc:
+            log.warning("gRPC gate: cannot relay %s to gRPC: %s", self.peer.name, exc)
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            conn.close()
+            backend.close()
+            if self.name:
+                _relayed.pop(self.name, None)
+            self.gate._release(self)
+
+    def _pump_ended(self, pump: asyncio.Task[None]) -> None:
+        if pump.cancelled() and pump is self._upstream and self.cutting:
+            return  # (the cut stopped reading the client: the refusal still goes out until CUT_GRACE)
+        self._end()
+
+    def _end(self) -> None:
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(None)
+
+    def cut(self) -> None:
+        """Stop relaying what the client sends (its calls no longer reach gRPC), and close in CUT_GRACE."""
+        self.cutting = True
+        if self._upstream is not None and not self._upstream.done():
+            self._upstream.cancel()
+            asyncio.get_running_loop().call_later(CUT_GRACE, self._end)
+
+    def abort(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+
+async def _pump(src: socket.socket, dst: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(OSError):  # (a reset is one more way for a side to close)
+        while data := await loop.sock_recv(src, PUMP_CHUNK):
+            await loop.sock_sendall(dst, data)
+
+
+def _name_relay(backend: socket.socket, relay: _Relay | _PumpedRelay) -> str:
+    """Bind ``backend`` (the gate's socket to gRPC) to an abstract address, under which gRPC names the relayed
+    connection's peer and ``_relayed`` finds ``relay``; "" if it cannot be (gRPC's peer is then "unix:", and audit
+    lines show that)."""
+    with contextlib.suppress(OSError):
+        backend.bind("")  # Linux autobind: an abstract address no other socket has
+        name = backend.getsockname()
+        if isinstance(name, bytes) and name[:1] == b"\0":
+            seen = "unix-abstract:" + name[1:].decode("ascii", "replace")
+            _relayed[seen] = relay
+            return seen
+    return ""

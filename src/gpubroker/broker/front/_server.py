@@ -39,7 +39,6 @@ from gpubroker.broker.front.listen import listen_unix, listen_vsock, secure_unix
 from gpubroker.broker.front.listeners import PeerRate
 from gpubroker.broker.front.scheduler import DeviceScheduler
 from gpubroker.broker.front.workers import WorkerClient, WorkerPool, cpu_count, device_info_from_dict, hold_seconds
-from gpubroker.broker.relay import RelayServer, serve_relay
 from gpubroker.broker.sandbox import SandboxUnavailable, WorkerSandbox, cache_key
 from gpubroker.v1 import admin_pb2 as apb
 from gpubroker.v1 import admin_pb2_grpc as apb_grpc
@@ -142,7 +141,6 @@ class Broker:
         self.schedulers: dict[int, DeviceScheduler] = {}
         self.links: LinkServer | None = None
         self.service: GpuBrokerService | None = None
-        self.relay: RelayServer | None = None
         self.health: BrokerHealth | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self._kills: set[asyncio.Task[None]] = set()
@@ -284,6 +282,13 @@ class Broker:
                                else tcp_creds[address])
             self.server.add_secure_port(self.gate.private_address(public), credentials)
             self.ports.append(public)
+        if cfg.vsock_port:
+            # VM guests (`gpubroker relay` connects out over vsock): the gate accepts them too, each guest a peer
+            # of its own (its CID) held to every per-peer cap and rate, and relays them to the first Unix
+            # listener's gRPC socket, whose local credentials carry the bearer token as for a local client.
+            behind = f"unix:{Path(unix_paths[0])}"
+            self.gate.listen_vsock(listen_vsock(cfg.vsock_port), cfg.vsock_port, behind)
+            log.info("relaying vsock port %d to unix:%s", cfg.vsock_port, unix_paths[0])
         await self.server.start()
         self.gate.start()
         # The framed link: the front authenticates its hello, then the session's worker serves it (_links.py); on
@@ -323,20 +328,6 @@ class Broker:
         self.sessions.start()
         self.cpu_watch.start()
         log.info("serving on %s", ", ".join(self.ports))
-        if cfg.vsock_port:
-            # grpcio cannot listen on vsock: relay VM connections to our Unix socket, whose local credentials
-            # then carry the bearer token exactly as for a local client.
-            try:
-                # (straight to gRPC's listener behind it: the relay caps VMs, each a peer of its own, itself)
-                private = self.gate.private_path(f"unix:{Path(unix_paths[0])}")
-                self.relay = await serve_relay(listen_vsock(cfg.vsock_port), private,
-                                               max_per_peer=cfg.max_unauthenticated_per_uid,
-                                               idle_seconds=cfg.connection_idle_seconds,
-                                               connection_rate=connection_rate)
-            except BaseException:
-                await self.stop(0)
-                raise
-            log.info("relaying vsock port %d to unix:%s", cfg.vsock_port, unix_paths[0])
 
     def _worker_exited(self, worker: WorkerClient) -> None:
         if self.sessions is not None:
@@ -537,10 +528,6 @@ class Broker:
             await self.server.stop(grace)
         if self.gate is not None:
             await self.gate.stop()
-        if self.relay is not None:
-            # After the server's grace period, so VM clients get it too; what is left of theirs ends here.
-            self.relay.close()
-            await self.relay.wait_closed()
         if self.cpu_watch is not None:
             await self.cpu_watch.stop()
         # Bounded: a worker held in its tenant's kernel never answers its sessions' closes, nor reads its channel's

@@ -1,5 +1,5 @@
-"""Listening sockets, made one way per scheme: every listener of the broker (the gRPC gate's Unix and TCP sockets,
-the link's ``<socket>.fast``, TCP and vsock ports, the vsock relay to gRPC) and of ``gpubroker relay`` is bound here;
+"""Listening sockets, made one way per scheme: every listener of the broker (the gRPC gate's Unix, TCP and vsock
+sockets, the link's ``<socket>.fast``, TCP and vsock ports) and of ``gpubroker relay`` is bound here;
 what it accepts goes through an `Acceptor` (listeners.py).
 
 A Unix socket replaces a stale socket at its path, never any other file (a symlink included: whatever it points

@@ -1,5 +1,5 @@
-"""The front's one accept loop: every raw listener of the broker (the gRPC gate's Unix and TCP listeners, the
-link's ``<socket>.fast``, vsock and TCP ports, the metrics endpoint, the vsock relay to gRPC) accepts through an
+"""The front's one accept loop: every raw listener of the broker (the gRPC gate's Unix, TCP and vsock listeners,
+the link's ``<socket>.fast``, vsock and TCP ports, the metrics endpoint) accepts through an
 `Acceptor`.
 
 An acceptor takes what its listening socket has queued in batches, then lets the loop serve what it accepted
