@@ -6,6 +6,7 @@ module only: what a client of any language would do."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import ssl
@@ -49,8 +50,10 @@ HELLO_TIMEOUT = 1.0
 def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CertPaths]:
     d = tmp_path_factory.mktemp("ca")
     ca, server = init_certs(d)
+    other = tmp_path_factory.mktemp("other-ca")
+    init_certs(other)  # another CA: its certificate for "alice" is no certificate of this broker's
     return {"ca": ca, "server": server, "alice": mint_client_cert(d, "alice"),
-            "stranger": mint_client_cert(d, "stranger")}
+            "stranger": mint_client_cert(d, "stranger"), "foreign": mint_client_cert(other, "alice")}
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +217,89 @@ def test_a_rotated_token_closes_its_links(broker: BrokerProcess, certs: dict[str
                     return True
 
             wait_for(closed, 10, "the rotated token's link to be closed")
+
+
+# -- failed TLS handshakes: refused with an audit line (rate-limited) and the failure delay, never a traceback ----
+# (last in the module: the flood charges this host's uid the longest failure delay, and uses up the listener's
+# audit lines for 10 s)
+
+# What a client without TLS sends: a link hello in the clear.
+PLAIN_HELLO = FRAME_HEADER.pack(40) + bytes(40)
+# A TLS record header announcing a ClientHello of 512 bytes, and then nothing: a handshake that never ends.
+STALLED_HANDSHAKE = b"\x16\x03\x01\x02\x00"
+
+
+def _bad_handshake(broker: BrokerProcess, certs: dict[str, CertPaths], how: str, wait: bool = True) -> int:
+    """One connection whose TLS handshake fails as ``how`` says; its local port (how the audit names its peer).
+    ``wait``: for the server's answer (its alert, or its close after the failure delay)."""
+    raw = socket.create_connection(("127.0.0.1", broker.link_port), timeout=10)
+    port: int = raw.getsockname()[1]
+    with raw, contextlib.suppress(ssl.SSLError, OSError):
+        if how in ("plain bytes", "stalled"):
+            raw.sendall(PLAIN_HELLO if how == "plain bytes" else STALLED_HANDSHAKE)
+            if wait:
+                raw.recv(64)  # (the server's alert, or its close: at the deadline for a stalled handshake)
+            return port
+        context = ssl.create_default_context(cafile=str(certs["ca"].cert))
+        if how == "another CA's certificate":
+            context.load_cert_chain(str(certs["foreign"].cert), str(certs["foreign"].key))
+        with context.wrap_socket(raw, server_side=False, server_hostname="localhost") as sock:
+            if wait:  # (TLS 1.3: the client's handshake ends first; the server's refusal comes as an alert)
+                sock.recv(1)
+    return port
+
+
+@pytest.mark.parametrize(("how", "why"), [
+    ("no certificate", "reason=TLS handshake failed: PEER_DID_NOT_RETURN_A_CERTIFICATE"),
+    ("another CA's certificate", "reason=TLS handshake failed: CERTIFICATE_VERIFY_FAILED"),
+    ("plain bytes", "reason=TLS handshake failed: "),
+    ("stalled", "reason=no TLS handshake within hello_timeout_seconds"),
+])
+def test_a_failed_tls_handshake_is_audited(broker: BrokerProcess, certs: dict[str, CertPaths], how: str,
+                                           why: str) -> None:
+    port = _bad_handshake(broker, certs, how)
+
+    def audited() -> list[str]:
+        return [line for line in broker.log_tail(200_000).splitlines()
+                if "gpubroker.audit" in line and f"'127.0.0.1', {port})" in line]
+
+    wait_for(lambda: bool(audited()), 10, f"an audit line for the failed handshake ({how}) of port {port}")
+    lines = audited()
+    print("\n" + "\n".join(lines))
+    assert len(lines) == 1 and why in lines[0] and "uid=0" in lines[0], lines
+    assert "Traceback" not in broker.log_path.read_text(errors="replace")
+
+
+FLOOD = 200
+# RateLimitedLog: 20 lines per listener per 10 s, then one line saying how many were left out (evictions of
+# connections sitting out their failure delay are audited on the same listener, within the same 20).
+LINES_PER_WINDOW, WINDOW = 21, 10.0
+
+
+def test_a_flood_of_failed_tls_handshakes_writes_a_bounded_number_of_lines(broker: BrokerProcess,
+                                                                           certs: dict[str, CertPaths]) -> None:
+    before = len(broker.log_path.read_text(errors="replace"))
+    kinds = ["plain bytes", "no certificate", "another CA's certificate"]
+    started = time.monotonic()
+    for i in range(FLOOD):
+        _bad_handshake(broker, certs, kinds[i % len(kinds)], wait=False)  # (as fast as a flooder would)
+    took = time.monotonic() - started
+    # The windows the flood touched (the first may have begun before it), and the line saying what the last left out.
+    allowed = LINES_PER_WINDOW * (int(took // WINDOW) + 2)
+
+    def new_audit_lines() -> list[str]:
+        return [line for line in broker.log_path.read_text(errors="replace")[before:].splitlines()
+                if "gpubroker.audit" in line]
+
+    # The first refusals are audited (the log shows the flood); the rest are counted, not written.
+    wait_for(lambda: any("TLS handshake failed" in line for line in new_audit_lines()), 10,
+             "the flood's first audit lines")
+    lines = new_audit_lines()
+    print(f"\n{FLOOD} failed handshakes in {took:.1f} s: {len(lines)} audit lines (at most {allowed})")
+    assert len(lines) <= allowed < FLOOD, lines
+    log = broker.log_path.read_text(errors="replace")
+    assert "Traceback" not in log and "Exception" not in log[before:]
+    # The broker still serves a good handshake at once.
+    with _tls(broker, certs, "stranger") as sock:
+        _, status, error = _hello(sock, "gpb_bogus_token", "ses_x")
+        assert status == 1 and error["code"] == "UNAUTHENTICATED"

@@ -19,7 +19,10 @@ The hello is one frame (4-byte big-endian length + a msgpack ``Hello``, gpubroke
 ``link: 1`` or ``segments: 1``), read under the pre-authentication limits (``hello_max_bytes``,
 ``hello_timeout_seconds``, the unauthenticated-connection caps) and authenticated exactly as a gRPC call (failure
 delay, audit); a malformed hello (not msgpack, not a map, a field of the wrong type or size, descriptors sent with
-it, cut short) is refused the same way: audited, delayed, answered. A refusal is an error answer from the front;
+it, cut short) is refused the same way: audited, delayed, answered; and so is a failed TLS handshake on
+``link_listen`` (a wrong or absent client certificate, bytes that are no TLS: audited with OpenSSL's reason,
+delayed, then closed; OpenSSL's alert is its answer). A connection closed before its first byte is no handshake, as
+a bare close is no hello: it ends unaudited. A refusal is an error answer from the front;
 the worker itself answers an accepted link's hello (``LinkAccepted``, its max frame). The
 tenant's turns on the device are leased to the worker for its links' device work, and a revoked credential closes
 the session's links (``close_links``) and retires the worker, which ran that credential's holder's code and may keep
@@ -50,10 +53,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from gpubroker.broker.front._preauth import PreAuthGate, Ticket, refuse_malformed
+from gpubroker.broker.front._preauth import PreAuthGate, Ticket, refuse_and_delay, refuse_malformed
 from gpubroker.broker.front._segments import FdStream, SegmentService
 from gpubroker.broker.front._sessions import Session
-from gpubroker.broker.front._tcp_relay import PAIR_BUFFER, TcpRelay
+from gpubroker.broker.front._tcp_relay import PAIR_BUFFER, HandshakeFailed, TcpRelay
 from gpubroker.broker.front.auth import Credentials, Principal, RateLimitedLog, peer_certificate_names
 from gpubroker.broker.front.listen import listen_tcp
 from gpubroker.broker.front.listeners import Acceptor, Peer, PeerRate
@@ -232,10 +235,12 @@ class LinkServer:
             ticket.evict = relay.abort  # (it shuts whichever socket the thread holds, TLS-wrapped or not)
             ticket.progressed = lambda: relay.progressed
         threading.Thread(target=relay.run, name="gpubroker-link", daemon=True).start()
-        late = f"no hello within hello_timeout_seconds ({self.gate.hello_timeout:g} s)"
+        def late() -> str:
+            what = "TLS handshake" if tls is not None and not relay.progressed else "hello"
+            return f"no {what} within hello_timeout_seconds ({self.gate.hello_timeout:g} s)"
 
         def too_late() -> None:
-            ticket.refuse(late)  # (audited before the client sees its connection end)
+            ticket.refuse(late())  # (audited before the client sees its connection end)
             relay.abort()
 
         deadline = loop.call_later(self.gate.hello_timeout, too_late)
@@ -244,9 +249,17 @@ class LinkServer:
         try:
             try:
                 data, cert = await relay.hello
-            except (ssl.SSLError, OSError, EOFError) as exc:  # a failed handshake, a hello cut short, the deadline
+            except HandshakeFailed as exc:
+                # Refused like a malformed hello: an audit line and the failure delay (a wrong certificate is a
+                # failed authentication), then the thread closes the connection (OpenSSL sent its alert). Not
+                # after an abort: the deadline or an eviction audited that end.
+                if ticket.open and not relay.aborted:
+                    await refuse_and_delay(ticket, self.service.auth.penalty, _penalty_key(peer),
+                                           f"TLS handshake failed: {exc}")
+                return
+            except (ssl.SSLError, OSError, EOFError) as exc:  # a hello cut short, the deadline, a bare close
                 if isinstance(exc, TimeoutError) and not relay.aborted:  # (the thread's clock ran out first)
-                    ticket.refuse(late)
+                    ticket.refuse(late())
                 return
             finally:
                 deadline.cancel()

@@ -37,7 +37,7 @@ from gpubroker.broker.front.auth import FailurePenalty, RateLimitedLog, failure_
 from gpubroker.broker.front.listeners import Peer
 from gpubroker.wire.addresses import VsockAddress
 
-__all__ = ["IdleSweeper", "PreAuthGate", "Ticket", "refuse_malformed"]
+__all__ = ["IdleSweeper", "PreAuthGate", "Ticket", "refuse_and_delay", "refuse_malformed"]
 
 audit = logging.getLogger("gpubroker.audit")
 def _where(listener: str) -> str:
@@ -217,7 +217,13 @@ async def refuse_malformed(ticket: Ticket, penalty: FailurePenalty, penalty_key:
     """A hello that is no hello (not msgpack, not a map, unhashable keys, cut short): audited (rate limited) and
     charged to its peer as a failed authentication, whose delay is waited out here; then the caller answers, or
     just closes, and gives the ticket back."""
-    ticket.gate.refused(ticket.listener, ticket.pid, ticket.uid, f"malformed hello: {why}")
+    await refuse_and_delay(ticket, penalty, penalty_key, f"malformed hello: {why}")
+
+
+async def refuse_and_delay(ticket: Ticket, penalty: FailurePenalty, penalty_key: str, why: str) -> None:
+    """A connection refused before its hello was judged (a malformed hello, a failed TLS handshake): audited (rate
+    limited) and charged to its peer as a failed authentication, whose delay is waited out here."""
+    ticket.gate.refused(ticket.listener, ticket.pid, ticket.uid, why)
     failure_delay.set(penalty.fail(penalty_key))
     await ticket.sit_out_failure()
 

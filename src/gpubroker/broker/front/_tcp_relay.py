@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import queue
 import select
 import socket
@@ -18,7 +19,12 @@ from typing import Any
 
 from gpubroker.wire.frames import FRAME_HEADER, FrameDecoder, FrameTooLarge
 
-__all__ = ["PAIR_BUFFER", "TcpRelay"]
+__all__ = ["PAIR_BUFFER", "HandshakeFailed", "TcpRelay"]
+
+
+class HandshakeFailed(Exception):
+    """The TLS handshake failed (a wrong or absent client certificate, bytes that are no TLS, the peer closing or
+    resetting mid-handshake); its message says why in OpenSSL's fixed words, never in any text of the peer's."""
 
 
 class TcpRelay:
@@ -105,13 +111,26 @@ class TcpRelay:
 
         cert: Any = None
         if self._tls is not None:
+            # A connection closed before its first byte is no handshake at all (a port probe), as a bare close is
+            # no hello on the other listeners: it ends without an audit line. (The deadline's shutdown ends this
+            # wait too.)
+            self.sock.settimeout(left())
+            if not self.sock.recv(1, socket.MSG_PEEK):
+                left()  # (the deadline's or an eviction's shutdown: audited by whoever shut it)
+                raise EOFError("closed before the TLS handshake")
             with self._lock:
                 if self.aborted:
                     raise TimeoutError("no hello in time")
                 self.sock = self._tls.wrap_socket(self.sock, server_side=True, do_handshake_on_connect=False)
             assert isinstance(self.sock, ssl.SSLSocket)
             self.sock.settimeout(left())
-            self.sock.do_handshake()
+            try:
+                self.sock.do_handshake()
+            except TimeoutError:
+                raise
+            except (ssl.SSLError, OSError) as exc:
+                left()  # (an abort shut the socket under the handshake: the abort's reason is the one)
+                raise HandshakeFailed(_handshake_failure(exc)) from None
             self.progressed = True
             cert = self.sock.getpeercert()
         frames = FrameDecoder(self._limit)  # (never past the hello's end: what follows is the worker's)
@@ -132,6 +151,20 @@ class TcpRelay:
         with self._lock:
             self._closed = True
             self.sock.close()
+
+
+def _handshake_failure(exc: BaseException) -> str:
+    """Why a handshake failed, for the audit line: OpenSSL's reason and verification message (fixed strings), or
+    the socket error's name; never the exception's text, which may quote what the peer sent."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"{exc.reason or 'CERTIFICATE_VERIFY_FAILED'} ({exc.verify_message})"
+    if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+        return "the peer closed the connection during the handshake"
+    if isinstance(exc, ssl.SSLError):
+        return str(exc.reason or exc.library or "TLS error")
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return os.strerror(exc.errno)
+    return type(exc).__name__
 
 
 def _settle(future: asyncio.Future[Any], outcome: Any) -> None:
