@@ -270,6 +270,22 @@ def test_a_failed_tls_handshake_is_audited(broker: BrokerProcess, certs: dict[st
     assert "Traceback" not in broker.log_path.read_text(errors="replace")
 
 
+def test_a_hello_cut_short_is_audited_as_on_fast(broker: BrokerProcess, certs: dict[str, CertPaths]) -> None:
+    sock = _tls(broker, certs, "stranger")
+    port: int = sock.getsockname()[1]
+    with sock:
+        sock.sendall((100).to_bytes(4, "big") + b"x" * 10)  # a header announcing 100 bytes, then 10, then the end
+
+    def audited() -> list[str]:
+        return [line for line in broker.log_tail(200_000).splitlines()
+                if "gpubroker.audit" in line and f"'127.0.0.1', {port})" in line]
+
+    wait_for(lambda: bool(audited()), 10, f"an audit line for the hello cut short of port {port}")
+    lines = audited()
+    print("\n" + "\n".join(lines))
+    assert len(lines) == 1 and "malformed hello: cut short: the peer closed 14 bytes into its hello" in lines[0], lines
+
+
 FLOOD = 200
 # RateLimitedLog: 20 lines per listener per 10 s, then one line saying how many were left out (evictions of
 # connections sitting out their failure delay are audited on the same listener, within the same 20).

@@ -56,7 +56,7 @@ from typing import Any
 from gpubroker.broker.front._preauth import PreAuthGate, Ticket, refuse_and_delay, refuse_malformed
 from gpubroker.broker.front._segments import FdStream, SegmentService
 from gpubroker.broker.front._sessions import Session
-from gpubroker.broker.front._tcp_relay import PAIR_BUFFER, HandshakeFailed, TcpRelay
+from gpubroker.broker.front._tcp_relay import PAIR_BUFFER, HandshakeFailed, HelloCutShort, TcpRelay
 from gpubroker.broker.front.auth import Credentials, Principal, RateLimitedLog, peer_certificate_names
 from gpubroker.broker.front.listen import listen_tcp
 from gpubroker.broker.front.listeners import Acceptor, Peer, PeerRate
@@ -257,7 +257,11 @@ class LinkServer:
                     await refuse_and_delay(ticket, self.service.auth.penalty, _penalty_key(peer),
                                            f"TLS handshake failed: {exc}")
                 return
-            except (ssl.SSLError, OSError, EOFError) as exc:  # a hello cut short, the deadline, a bare close
+            except HelloCutShort as exc:  # audited as .fast audits it (not after the deadline's or an eviction's end)
+                if ticket.open and not relay.aborted:
+                    await refuse_malformed(ticket, self.service.auth.penalty, _penalty_key(peer), str(exc))
+                return
+            except (ssl.SSLError, OSError, EOFError) as exc:  # the deadline, a bare close
                 if isinstance(exc, TimeoutError) and not relay.aborted:  # (the thread's clock ran out first)
                     ticket.refuse(late())
                 return

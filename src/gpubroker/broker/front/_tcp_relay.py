@@ -19,12 +19,17 @@ from typing import Any
 
 from gpubroker.wire.frames import FRAME_HEADER, FrameDecoder, FrameTooLarge
 
-__all__ = ["PAIR_BUFFER", "HandshakeFailed", "TcpRelay"]
+__all__ = ["PAIR_BUFFER", "HandshakeFailed", "HelloCutShort", "TcpRelay"]
 
 
 class HandshakeFailed(Exception):
     """The TLS handshake failed (a wrong or absent client certificate, bytes that are no TLS, the peer closing or
     resetting mid-handshake); its message says why in OpenSSL's fixed words, never in any text of the peer's."""
+
+
+class HelloCutShort(EOFError):
+    """The peer closed after some of its hello and before the rest (a bare close, before any byte of it, is no
+    hello at all); the message says how far it got."""
 
 
 class TcpRelay:
@@ -134,11 +139,15 @@ class TcpRelay:
             self.progressed = True
             cert = self.sock.getpeercert()
         frames = FrameDecoder(self._limit)  # (never past the hello's end: what follows is the worker's)
+        got = 0
         while True:
             self.sock.settimeout(left())
             n = self.sock.recv_into(frames.buffer())
             if not n:
-                raise EOFError("closed during the hello")
+                if got:
+                    raise HelloCutShort(f"cut short: the peer closed {got} bytes into its hello")
+                raise EOFError("closed before the hello")
+            got += n
             self.progressed = True
             try:
                 payload = frames.advance(n)
