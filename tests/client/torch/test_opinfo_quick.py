@@ -1,6 +1,7 @@
 """PyTorch's own test data through the device: OpInfo samples (``op_db``) of allowlisted operators, forward and
-backward, on the in-process backend (the worker half's TorchSession: PyTorch's CPU kernels on PoCL), compared with
-eager CPU. The quick pass: float32, the first samples of each OpInfo. Failures are printed with their reasons."""
+backward, on the in-process backend (the worker half's TorchSession: PyTorch's CPU kernels on PoCL; CUDA's with -m
+cuda), compared with eager CPU. The quick pass: float32, the first samples of each OpInfo. Failures are printed with
+their reasons."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ REFUSED = "is not supported on the gpubroker device"  # an operator outside the 
 
 
 @pytest.fixture(scope="module")
-def in_process_dev() -> Iterator[Any]:
+def in_process_dev(backend: str) -> Iterator[Any]:
     from gpubroker.broker.backends import open_backend
 
-    with open_backend("opencl") as gpu:
+    with open_backend(backend) as gpu:
         yield gbtorch.device(gpu)
 
 
