@@ -229,6 +229,12 @@ PLAIN_HELLO = FRAME_HEADER.pack(40) + bytes(40)
 STALLED_HANDSHAKE = b"\x16\x03\x01\x02\x00"
 
 
+def _audited(broker: BrokerProcess, port: int) -> list[str]:
+    """The broker's audit lines about the connection from this host's ``port``."""
+    return [line for line in broker.log_tail(200_000).splitlines()
+            if "gpubroker.audit" in line and f"'127.0.0.1', {port})" in line]
+
+
 def _bad_handshake(broker: BrokerProcess, certs: dict[str, CertPaths], how: str, wait: bool = True) -> int:
     """One connection whose TLS handshake fails as ``how`` says; its local port (how the audit names its peer).
     ``wait``: for the server's answer (its alert, or its close after the failure delay)."""
@@ -258,13 +264,8 @@ def _bad_handshake(broker: BrokerProcess, certs: dict[str, CertPaths], how: str,
 def test_a_failed_tls_handshake_is_audited(broker: BrokerProcess, certs: dict[str, CertPaths], how: str,
                                            why: str) -> None:
     port = _bad_handshake(broker, certs, how)
-
-    def audited() -> list[str]:
-        return [line for line in broker.log_tail(200_000).splitlines()
-                if "gpubroker.audit" in line and f"'127.0.0.1', {port})" in line]
-
-    wait_for(lambda: bool(audited()), 10, f"an audit line for the failed handshake ({how}) of port {port}")
-    lines = audited()
+    wait_for(lambda: bool(_audited(broker, port)), 10, f"an audit line for the failed handshake ({how}) of port {port}")
+    lines = _audited(broker, port)
     print("\n" + "\n".join(lines))
     assert len(lines) == 1 and why in lines[0] and "uid=0" in lines[0], lines
     assert "Traceback" not in broker.log_path.read_text(errors="replace")
@@ -275,13 +276,8 @@ def test_a_hello_cut_short_is_audited_as_on_fast(broker: BrokerProcess, certs: d
     port: int = sock.getsockname()[1]
     with sock:
         sock.sendall((100).to_bytes(4, "big") + b"x" * 10)  # a header announcing 100 bytes, then 10, then the end
-
-    def audited() -> list[str]:
-        return [line for line in broker.log_tail(200_000).splitlines()
-                if "gpubroker.audit" in line and f"'127.0.0.1', {port})" in line]
-
-    wait_for(lambda: bool(audited()), 10, f"an audit line for the hello cut short of port {port}")
-    lines = audited()
+    wait_for(lambda: bool(_audited(broker, port)), 10, f"an audit line for the hello cut short of port {port}")
+    lines = _audited(broker, port)
     print("\n" + "\n".join(lines))
     assert len(lines) == 1 and "malformed hello: cut short: the peer closed 14 bytes into its hello" in lines[0], lines
 
