@@ -248,6 +248,16 @@ def _ctc_bytes(tm: Any, p: dict[str, Any]) -> int:
     return int(2 * alpha + 2 * log_probs.numel() * log_probs.element_size() + batch * 8)
 
 
+def _nonzero_bytes(tm: Any, p: dict[str, Any]) -> int:
+    """int64 indices: one row of ndim per nonzero element."""
+    return int(tm.count_nonzero(p["self"])) * int(p["self"].dim()) * 8
+
+
+def _margin_backward_bytes(tm: Any, p: dict[str, Any]) -> int:
+    """The gradient, and an int64 per element of its input."""
+    return int(p["self"].numel() * (p["self"].element_size() + 8))
+
+
 def _index_bytes(tm: Any, p: dict[str, Any]) -> int:
     """``t[indices]``: a boolean mask selects its true elements (made into int64 indices first, as nonzero does);
     the index tensors broadcast together, and the dimensions none indexes are kept whole."""
@@ -275,9 +285,8 @@ def _index_bytes(tm: Any, p: dict[str, Any]) -> int:
 # checks each bound against the memory the kernel really touched). Every other operator of the allowlist has a meta
 # kernel, or makes no tensor (tests check that too).
 _BOUNDS: dict[str, Callable[[Any, dict[str, Any]], int]] = {
-    # int64 indices: one row of ndim per nonzero element
-    "aten::nonzero.default": lambda tm, p: int(tm.count_nonzero(p["self"])) * p["self"].dim() * 8,
-    "aten::argwhere.default": lambda tm, p: int(tm.count_nonzero(p["self"])) * p["self"].dim() * 8,
+    "aten::nonzero.default": _nonzero_bytes,
+    "aten::argwhere.default": _nonzero_bytes,
     # (advanced indexing by a boolean mask: its meta kernel cannot count the mask)
     "aten::index.Tensor": _index_bytes,
     # the selected elements, and the mask as int64 and its prefix sum (PyTorch's parallel kernel)
@@ -302,9 +311,8 @@ _BOUNDS: dict[str, Callable[[Any, dict[str, Any]], int]] = {
     "aten::bincount.default": lambda tm, p: (
         max(int(p["self"].max()) + 1 if p["self"].numel() else 0, p["minlength"]) * 8 + p["self"].numel() * 8),
     "aten::_logcumsumexp.default": lambda tm, p: 2 * p["self"].numel() * p["self"].element_size(),
-    "aten::multi_margin_loss_backward.default": lambda tm, p: p["self"].numel() * (p["self"].element_size() + 8),
-    "aten::multilabel_margin_loss_backward.default": lambda tm, p: p["self"].numel() * (
-        p["self"].element_size() + 8),
+    "aten::multi_margin_loss_backward.default": _margin_backward_bytes,
+    "aten::multilabel_margin_loss_backward.default": _margin_backward_bytes,
     "aten::_ctc_loss.Tensor": _ctc_bytes,
     "aten::_ctc_loss_backward.Tensor": _ctc_bytes,
     "aten::_ctc_loss_backward.default": _ctc_bytes,
@@ -785,7 +793,7 @@ class TorchSession:
         self._keep("torch_from_buffer", [(handle, t)], nbytes)
 
     def _on_device(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``, a placement's copy, with PyTorch's exceptions as the tenant's errors (a device-side assert
+        """``fn(*args)``, device work of a copy, with PyTorch's exceptions as the tenant's errors (a device-side assert
         an earlier operator queued surfaces at the copy that waits for it: the backend's fatal error, not Internal)."""
         try:
             return fn(*args)
@@ -796,15 +804,11 @@ class TorchSession:
 
     def _flat_bytes(self, what: str, t: torch.Tensor) -> torch.Tensor:
         """The tensor's elements, row-major, as a contiguous uint8 tensor (a conjugate or negative view resolved)."""
-        try:
-            return self._flat(t.resolve_conj().resolve_neg())
-        except GpuBrokerError:
-            raise
-        except Exception as exc:
-            raise self._error(what, exc) from None
+        flat: torch.Tensor = self._on_device(what, self._flat, t)
+        return flat
 
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
-        flat = t.reshape(-1)
+        flat = t.resolve_conj().resolve_neg().reshape(-1)
         if flat.stride() != (1,):
             # (also a one-element tensor of stride 0, which PyTorch calls contiguous but will not view as bytes)
             flat = self._t.empty_like(flat, memory_format=self._t.contiguous_format).copy_(flat)
