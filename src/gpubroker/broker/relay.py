@@ -24,7 +24,7 @@ from pathlib import Path
 
 from gpubroker.broker.front.auth import RateLimitedLog
 from gpubroker.broker.front.listen import VMADDR_CID_ANY, VMADDR_PORT_ANY, listen_unix, vsock_socket
-from gpubroker.broker.front.listeners import Acceptor, Peer, PeerRate
+from gpubroker.broker.front.listeners import Acceptor, Peer, PeerRate, pump
 from gpubroker.wire.addresses import AddressError, VsockAddress, parse_address, unix_path
 from gpubroker.wire.errors import InvalidArgument
 
@@ -33,7 +33,6 @@ __all__ = ["VMADDR_CID_ANY", "VMADDR_PORT_ANY", "RelayServer", "serve_relay", "u
 log = logging.getLogger("gpubroker.relay")
 audit = logging.getLogger("gpubroker.audit")
 
-CHUNK = 64 * 1024  # per direction: the most a connection holds in user space
 Connector = Callable[[], Awaitable[socket.socket]]
 
 
@@ -142,8 +141,8 @@ class RelayServer:
                 log.warning("relay: %s: cannot reach the backend: %s", who, exc)
                 return
             activity = [time.monotonic()]
-            pumps = [asyncio.ensure_future(_pump(client, backend, activity)),
-                     asyncio.ensure_future(_pump(backend, client, activity))]
+            pumps = [asyncio.ensure_future(pump(client, backend, activity)),
+                     asyncio.ensure_future(pump(backend, client, activity))]
             try:
                 # Either side closing (or failing) ends the whole connection: close both, nothing lingers.
                 while True:
@@ -155,8 +154,8 @@ class RelayServer:
                         log.info("relay: closing %s, idle for %.0f s", who, self.idle_seconds)
                         break
             finally:
-                for pump in pumps:
-                    pump.cancel()
+                for task in pumps:
+                    task.cancel()
                 await asyncio.gather(*pumps, return_exceptions=True)
         finally:
             client.close()
@@ -172,14 +171,6 @@ class RelayServer:
 
     async def wait_closed(self) -> None:
         await asyncio.gather(*self._conns, return_exceptions=True)
-
-
-async def _pump(src: socket.socket, dst: socket.socket, activity: list[float]) -> None:
-    loop = asyncio.get_running_loop()
-    with contextlib.suppress(OSError):  # a reset is just another way for a side to close
-        while data := await loop.sock_recv(src, CHUNK):
-            activity[0] = time.monotonic()
-            await loop.sock_sendall(dst, data)
 
 
 def _peer_key(sock: socket.socket, peer: Peer) -> object:

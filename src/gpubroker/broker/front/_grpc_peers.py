@@ -40,8 +40,8 @@ writes back up pauses the other's reads), on the front's event loop. It costs a 
 wakeup each way (40-60 us on the 2-core VM it was measured on, about 5-8% of a call; gRPC copies within noise).
 On a thread of its own with its own uvloop (``own_thread``) it was no faster there: each relayed write then also
 hands the GIL between threads (unary round trips up to 15% slower than on the front's loop, copies within noise).
-A vsock connection is relayed with the loop's ``sock_*`` calls instead (`_PumpedRelay`): uvloop makes a TCP
-transport of any socket that is not a Unix one, which fails on vsock (``relay.py``, whose pump it is).
+A vsock connection is relayed with the loop's ``sock_*`` calls instead (`_PumpedRelay`, with ``listeners.pump``,
+as ``relay.py`` does): uvloop makes a TCP transport of any socket that is not a Unix one, which fails on vsock.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from typing import Any, cast
 
 from gpubroker.broker.front.auth import RateLimitedLog
 from gpubroker.broker.front.listen import listen_unix, tcp_listeners
-from gpubroker.broker.front.listeners import Acceptor, Peer, PeerRate, out_of_descriptors
+from gpubroker.broker.front.listeners import Acceptor, Peer, PeerRate, out_of_descriptors, pump
 from gpubroker.wire.addresses import TcpAddress, UnixAddress, VsockAddress, parse_host_port
 from gpubroker.wire.errors import InvalidArgument
 
@@ -77,8 +77,6 @@ WRITE_BUFFER_HIGH = 256 * 1024
 # A connection cut for its peer's call rate stops being read at once, and is closed this much later: time for the
 # refusal (RESOURCE_EXHAUSTED, saying which limit) to reach the client.
 CUT_GRACE = 0.2
-# What a pumped (vsock) relay holds in user space per direction: one read's worth.
-PUMP_CHUNK = 64 * 1024
 
 # gRPC's peer string of a relayed connection ("unix-abstract:NAME") -> the relayed connection. Written by the
 # gate's loop, read by the front's handlers (with own_thread, on two threads: each a single dict operation).
@@ -563,16 +561,16 @@ class _PumpedRelay:
             conn.setblocking(False)
             self.name = _name_relay(backend, self)
             await loop.sock_connect(backend, private)
-            self._upstream = loop.create_task(_pump(conn, backend))
-            pumps = [self._upstream, loop.create_task(_pump(backend, conn))]
-            for pump in pumps:
-                pump.add_done_callback(self._pump_ended)
+            self._upstream = loop.create_task(pump(conn, backend))
+            pumps = [self._upstream, loop.create_task(pump(backend, conn))]
+            for task in pumps:
+                task.add_done_callback(self._pump_ended)
             await ended
         except OSError as exc:
             log.warning("gRPC gate: cannot relay %s to gRPC: %s", self.peer.name, exc)
         finally:
-            for pump in pumps:
-                pump.cancel()
+            for task in pumps:
+                task.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
             conn.close()
             backend.close()
@@ -580,8 +578,8 @@ class _PumpedRelay:
                 _relayed.pop(self.name, None)
             self.gate._release(self)
 
-    def _pump_ended(self, pump: asyncio.Task[None]) -> None:
-        if pump.cancelled() and pump is self._upstream and self.cutting:
+    def _pump_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() and task is self._upstream and self.cutting:
             return  # (the cut stopped reading the client: the refusal still goes out until CUT_GRACE)
         self._end()
 
@@ -599,13 +597,6 @@ class _PumpedRelay:
     def abort(self) -> None:
         if self.task is not None:
             self.task.cancel()
-
-
-async def _pump(src: socket.socket, dst: socket.socket) -> None:
-    loop = asyncio.get_running_loop()
-    with contextlib.suppress(OSError):  # (a reset is one more way for a side to close)
-        while data := await loop.sock_recv(src, PUMP_CHUNK):
-            await loop.sock_sendall(dst, data)
 
 
 def _name_relay(backend: socket.socket, relay: _Relay | _PumpedRelay) -> str:

@@ -15,6 +15,7 @@ is skipped; any other failure ends the listener, with a log line saying so.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import ipaddress
 import logging
@@ -28,8 +29,8 @@ from gpubroker.broker.front._owners import SocketOwners, plain_host
 from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
 from gpubroker.wire.addresses import TcpAddress, VsockAddress
 
-__all__ = ["ACCEPT_BACKOFF", "ACCEPT_BACKOFF_MAX", "ACCEPT_BATCH", "Acceptor", "Admit", "Peer", "PeerRate",
-           "network_of", "out_of_descriptors", "peer_of"]
+__all__ = ["ACCEPT_BACKOFF", "ACCEPT_BACKOFF_MAX", "ACCEPT_BATCH", "PUMP_CHUNK", "Acceptor", "Admit", "Peer",
+           "PeerRate", "network_of", "out_of_descriptors", "peer_of", "pump"]
 
 log = logging.getLogger("gpubroker.server")
 audit = logging.getLogger("gpubroker.audit")
@@ -284,3 +285,19 @@ class Acceptor:
         _audit.warning(f"{self.kind} connection rate", "action=refuse-connection listener=%s peer=%s reason=over "
                        "max_connections_per_peer_per_second (%g a second, %g at once)", self.name, peer.key,
                        self._rate.rate, self._rate.burst)
+
+
+# What a pumped relay (``pump``) holds in user space per direction: one read's worth.
+PUMP_CHUNK = 64 * 1024
+
+
+async def pump(src: socket.socket, dst: socket.socket, activity: list[float] | None = None) -> None:
+    """One direction of a relay with the loop's ``sock_*`` calls, for sockets uvloop makes no transport of (vsock):
+    ``src``'s bytes to ``dst`` until ``src`` ends; each read waits for the kernel to take the last, so a side that
+    does not read pushes back on the other. ``activity[0]`` is set to when bytes last moved."""
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(OSError):  # (a reset is one more way for a side to close)
+        while data := await loop.sock_recv(src, PUMP_CHUNK):
+            if activity is not None:
+                activity[0] = time.monotonic()
+            await loop.sock_sendall(dst, data)
