@@ -233,7 +233,9 @@ class _Flow:
             if not self.eof and not self.src_waits and self.end < _RELAY_PIECE:
                 room = _RELAY_PIECE - self.end
                 try:
-                    n = self.src.recv_into(self.buf[self.end:])
+                    # (the size said: an SSL socket's recv_into otherwise opens a memoryview to measure the
+                    # buffer, for every 16 KiB record)
+                    n = self.src.recv_into(self.buf[self.end:], room)
                 except (ssl.SSLWantReadError, BlockingIOError):
                     self.src_waits = _IN
                 except ssl.SSLWantWriteError:

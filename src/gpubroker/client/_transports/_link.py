@@ -157,7 +157,9 @@ class _Frames:
         recv_into, got, want = self._sock.recv_into, 0, len(into)
         try:
             while got < want:
-                k = recv_into(into[got:])
+                # (the size said: an SSL socket's recv_into otherwise opens a memoryview to measure the buffer,
+                # per 16 KiB record)
+                k = recv_into(into[got:], want - got)
                 if k == 0:
                     raise FrameClosed("peer closed the connection")
                 got += k
