@@ -53,6 +53,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from gpubroker.broker.front._handed import HandedLinks
 from gpubroker.broker.front._preauth import PreAuthGate, Ticket, refuse_and_delay, refuse_malformed
 from gpubroker.broker.front._segments import FdStream, SegmentService
 from gpubroker.broker.front._sessions import Session
@@ -122,6 +123,8 @@ class LinkServer:
         self._link_watches: dict[tuple[str, str], tuple[Principal, int]] = {}  # (session, credential) -> watch
         self._tasks: set[asyncio.Task[Any]] = set()
         self._numbers = itertools.count(1)  # each hand-off's link, as the worker holds it until it is served
+        # The front's copy of each link a worker holds, shut when the worker ends (_handed.py).
+        self.handed = HandedLinks()
         service.sessions.closing_hooks.append(self._session_closing)
 
     # -- listeners -----------------------------------------------------------------------------------
@@ -154,6 +157,7 @@ class LinkServer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.segments.close()
+        self.handed.close()
         for path in self._paths:
             path.unlink(missing_ok=True)
 
@@ -192,10 +196,11 @@ class LinkServer:
             if hello.segments is not None:
                 await self.segments.serve(stream, ticket.peer, penalty, session, principal)
                 return
-            release = await self._hand_over(session, principal, conn.fileno(), stream.send, list(hello.compress))
-            if release is not None:
+            # Handed over whole: from here on it costs the front its copy of the link (kept until the link or the
+            # worker ends, with its place in the counts).
+            if await self._hand_over(session, principal, conn.fileno(), stream.send, list(hello.compress),
+                                     counted_while_kept=True) is not None:
                 stream.handed_on = True
-                release()  # (handed over whole: from here on it costs the front nothing; the worker counts it)
         except (_HelloRefused, ConnectionError, OSError):
             pass
         finally:
@@ -391,7 +396,8 @@ class LinkServer:
         return session, principal, hello
 
     async def _hand_over(self, session: Session, principal: Principal, fd: int,
-                         send: Callable[[bytes], Awaitable[None]], compress: list[str]) -> Callable[[], None] | None:
+                         send: Callable[[bytes], Awaitable[None]], compress: list[str], *,
+                         counted_while_kept: bool = False) -> Callable[[], None] | None:
         """Give the connection (``fd``) to the session's worker, which answers the hello and serves it from then
         on; a worker that cannot take it gets the client the reason instead. Returns the link's place in the
         session's and tenant's counts (to be released once the front holds nothing of it), or None: refused.
@@ -405,7 +411,12 @@ class LinkServer:
         before the first await (a revocation from then on closes the session's links, this one included, as the
         worker reads its requests in order), and the worker only holds the link until the front, once the
         hand-off is done, finds the credential still valid and says ``serve_link``: no frame of a revoked
-        credential's link is ever read."""
+        credential's link is ever read.
+
+        Once served, the front keeps a copy of the link's descriptor until the link ends or the worker does, when it
+        shuts it: that ends every copy the tenant's code may have passed elsewhere (_handed.py). With
+        ``counted_while_kept`` the link's place in the counts goes with that copy (the release returned does
+        nothing); else the caller releases it."""
         self._watch_links(session, principal)
         number = next(self._numbers)
         release: Callable[[], None] | None = None
@@ -422,6 +433,12 @@ class LinkServer:
                         # links.
                         raise Unauthenticated(REVOKED_MESSAGE)
                     await worker.call(ServeLink(number), session.id)
+                if counted_while_kept:
+                    self.handed.keep(worker, dup, release)
+                    release = _nothing  # (its place goes back with the kept copy)
+                else:
+                    self.handed.keep(worker, dup, _nothing)
+                dup = -1  # (the handed links' now)
             except TimeoutError:
                 # The worker may still take the link when it wakes: it is told to drop it, and the link keeps its
                 # place in the counts until it has (or has died), so timed-out hand-offs cannot pile up either.
@@ -439,7 +456,8 @@ class LinkServer:
             await send(_frame(refusal(exc)))
             return None
         finally:
-            os.close(dup)  # the worker holds its own copy now
+            if dup >= 0:
+                os.close(dup)  # the worker holds its own copy (or none: refused)
         return release
 
     async def _drop_held(self, worker: Any, session: Session, number: int, release: Callable[[], None]) -> None:
@@ -490,7 +508,8 @@ class LinkServer:
     def _watch_links(self, session: Session, principal: Principal) -> None:
         """A link lives in the worker: at a revocation, the front tells the worker to close the session's links
         (the client reconnects with the current token). One watch per session and credential. (The same revocation
-        retires the worker, _retire.py: its end is what ends a link whose descriptor the tenant's code dup'd.)"""
+        retires the worker, _retire.py: its end is what ends a link whose descriptor the tenant's code dup'd, and
+        the front's copy of each link, shut then, what ends one the code passed out: _handed.py.)"""
         key = (session.id, principal.credential)
         if key in self._link_watches:
             return
@@ -510,6 +529,10 @@ class LinkServer:
         for key in [k for k in self._link_watches if k[0] == session.id]:
             principal, watch = self._link_watches.pop(key)
             self.service.auth.revocations.unwatch(principal, watch)
+
+
+def _nothing() -> None:
+    """A release with nothing left to give back."""
 
 
 def _shutter(conn: socket.socket) -> Callable[[], None]:

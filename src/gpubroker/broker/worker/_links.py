@@ -28,6 +28,7 @@ deadline), as is one whose outbox outgrows its bound (the client does not read i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import selectors
@@ -185,7 +186,7 @@ class Links:
         link = self._held.get(held)
         if link is not None and link.session == session:
             del self._held[held]
-            link.sock.close()
+            _end(link.sock)
 
     def _answer(self, link: _Link) -> None:
         self.links[link.fd] = link
@@ -194,7 +195,7 @@ class Links:
                                                       compress=link.codec))):
             self.links.pop(link.fd, None)
             self._timed.pop(link.fd, None)
-            link.sock.close()
+            _end(link.sock)
             raise OSError("the client closed its link before the hello's answer")
 
     def watch(self) -> dict[int, tuple[socket.socket, int]]:
@@ -242,7 +243,7 @@ class Links:
         for number, link in list(self._held.items()):
             if link.session == session:
                 del self._held[number]
-                link.sock.close()
+                _end(link.sock)
         for fd, link in list(self.links.items()):
             if link.session == session:
                 self._drop(fd)
@@ -260,7 +261,7 @@ class Links:
                 self._rings.pop(link.ring.bell.fileno(), None)
                 link.ring.close()
                 link.ring = None
-            link.sock.close()
+            _end(link.sock)
 
     # -- the lease ---------------------------------------------------------------------------------
     def on_control(self, message: LeaseToWorker) -> None:
@@ -556,6 +557,14 @@ class Links:
             return
         if link.ended and not link.waiting:
             self._finish(link)
+
+
+def _end(sock: socket.socket) -> None:
+    """Close a link's socket, shut first: the front keeps a copy of every link it hands over (to end every copy
+    of it when this worker ends, front/_handed.py), so a close alone would leave the client's end open."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 def _close_fds(fds: list[int]) -> None:
