@@ -18,20 +18,18 @@ bob's link is hung up at the reload, and mallory's copy is dead.
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.client import AdminClient, ModuleFormat, connect
+from gpubroker.client import ModuleFormat, connect
 
 from ..conftest import worker_pids
 from ..helpers import wait_for
 from .exploits import SYSCALL_SOURCE, check_arch
-from .test_link_outlives_revocation import hung_up, open_link, socket_fds
+from .test_link_outlives_revocation import hangs_up, open_link, rotate_and_reload, socket_fds
 
 # sendmsg(via, {iov: one byte, control: SCM_RIGHTS [fd]}, 0) from inside the worker.
 PASS_SOURCE = SYSCALL_SOURCE + r"""
@@ -95,18 +93,9 @@ def test_a_link_passed_out_of_the_worker_ends_with_the_worker(broker: BrokerProc
         assert len(fds) == 1, "no descriptor came with the byte"
         copy = socket.socket(fileno=fds[0])
         # Bob rotates his token and the broker reloads: the front retires the worker that ran the old token's code.
-        new = subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", "tenant", "rotate-token", "bob",
-                              "--config", str(broker.config_path)], capture_output=True, text=True,
-                             check=True).stdout.strip().splitlines()[-1]
-        with AdminClient(broker.target, broker.tokens["ops"]) as admin:
-            admin.reload()
-        broker.tokens["bob"] = new
+        rotate_and_reload(broker, "bob")
         wait_for(lambda: worker not in worker_pids(broker, "bob"), 10, "the retired worker to be gone")
-        try:
-            wait_for(lambda: hung_up(bobs_link), 5, "bob's link to be hung up")
-            cut = True
-        except AssertionError:
-            cut = False
+        cut = hangs_up(bobs_link, "bob's link")
         forged = b""
         if not cut:  # mallory answers on bob's link in the worker's place
             copy.sendall(b"forged")

@@ -149,6 +149,17 @@ def open_link(broker: BrokerProcess, token: str, session: str) -> socket.socket:
     return sock
 
 
+def rotate_and_reload(broker: BrokerProcess, tenant: str) -> str:
+    """Rotate ``tenant``'s token in the broker's config and have an admin (``ops``) reload it; the new token."""
+    new = subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", "tenant", "rotate-token", tenant,
+                          "--config", str(broker.config_path)], capture_output=True, text=True,
+                         check=True).stdout.strip().splitlines()[-1]
+    with AdminClient(broker.target, broker.tokens["ops"]) as admin:
+        admin.reload()
+    broker.tokens[tenant] = new
+    return new
+
+
 def socket_fds(pid: int) -> dict[int, str]:
     fds = {}
     for name in os.listdir(f"/proc/{pid}/fd"):
@@ -171,6 +182,15 @@ def hung_up(sock: socket.socket) -> bool:
         return True
     finally:
         sock.setblocking(True)
+
+
+def hangs_up(sock: socket.socket, what: str, seconds: float = 5.0) -> bool:
+    """Whether ``sock`` is hung up within ``seconds``."""
+    try:
+        wait_for(lambda: hung_up(sock), seconds, f"{what} to be hung up")
+    except AssertionError:
+        return False
+    return True
 
 
 def metric(broker: BrokerProcess, name: str, tenant: str) -> float:
@@ -204,19 +224,10 @@ def test_a_revoked_tokens_link_cannot_read_the_tenant_after_the_rotation(broker:
               f"thread {planted[2]}")
         assert planted[2] > 0, f"the thread was not started: {planted}"
         # Bob rotates his token and the broker reloads: every channel of the old token must be cut.
-        new = subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", "tenant", "rotate-token", "bob",
-                              "--config", str(broker.config_path)], capture_output=True, text=True,
-                             check=True).stdout.strip().splitlines()[-1]
-        with AdminClient(broker.target, broker.tokens["ops"]) as admin:
-            admin.reload()
-        broker.tokens["bob"] = new
+        new = rotate_and_reload(broker, "bob")
         # The front ends the worker that ran the old token's code (and with it every descriptor it held, the
         # planted thread's dup included): mallory's link is hung up, at once.
-        try:
-            wait_for(lambda: hung_up(link), 5, "the revoked token's link to be hung up")
-            cut = True
-        except AssertionError:
-            cut = False
+        cut = hangs_up(link, "the revoked token's link")
         got = b""
         if not cut:
             # Bob, with his new token, writes a new secret into his buffer (through a link of the new token), and

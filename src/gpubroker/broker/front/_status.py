@@ -268,11 +268,65 @@ class Malformed:
         self.error = error
 
 
-def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+# gRPC parses each request with protobuf on the front's event loop, before any handler sees it, at a cost that
+# grows with the message's fields: a typed Commands batch (its ``commands``, what other languages send) of 3 MiB
+# holding 300,000 kernel arguments cost the loop 30 ms, which the front then refused (4,096 a batch). So a
+# CommandBatch larger than this is parsed only if it holds no typed commands: an encoded batch (``encoded``, one
+# field of bytes, which parses at the speed of a copy) may be as large as a frame. About 1,000 typed launches fit.
+TYPED_BATCH_MAX_BYTES = 64 * 1024
+# A CommandBatch's field numbers: what an encoded batch holds (session, batch, encoded), and the typed commands.
+_ENCODED_FIELDS = frozenset({1, 2, 10})
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    """The varint at ``pos`` and the position after it; ValueError if ``data`` ends first or it is over 10 bytes."""
+    value = shift = 0
+    for k in range(pos, min(pos + 10, len(data))):
+        value |= (data[k] & 0x7F) << shift
+        if data[k] < 0x80:
+            return value, k + 1
+        shift += 7
+    raise ValueError("a varint cut short")
+
+
+def typed_batch_refusal(data: bytes) -> str | None:
+    """Why a CommandBatch of these bytes is refused before it is parsed, or None. A large one must be an encoded
+    batch: at most three top-level fields, none of them typed commands; the walk reads no more than three field
+    headers, whatever the message's size. Bytes that are no protobuf are left to protobuf's parser to refuse."""
+    if len(data) <= TYPED_BATCH_MAX_BYTES:
+        return None
+    refusal = (f"a Commands batch of {len(data)} bytes holding typed commands: a typed batch is at most "
+               f"{TYPED_BATCH_MAX_BYTES} bytes; send several, or the batch encoded (CommandBatch.encoded)")
+    pos = 0
+    try:
+        for _ in range(len(_ENCODED_FIELDS)):
+            if pos >= len(data):
+                return None
+            tag, pos = _varint(data, pos)
+            if tag >> 3 not in _ENCODED_FIELDS:
+                return refusal
+            wire = tag & 7
+            if wire == 0:
+                _, pos = _varint(data, pos)
+            elif wire == 2:
+                length, pos = _varint(data, pos)
+                pos += length
+            else:
+                return None  # (no field of a CommandBatch is sent so: protobuf's parser refuses it)
+    except ValueError:
+        return None
+    return None if pos >= len(data) else refusal
+
+
+def _tolerant(deserialize: Callable[[bytes], Any],
+              refused: Callable[[bytes], str | None] | None = None) -> Callable[[bytes], Any]:
     """gRPC ends a call whose request fails to parse with UNKNOWN (INTERNAL for a stream): a client's bad bytes
-    are its own error, so they reach the handler as Malformed instead."""
+    are its own error, so they reach the handler as Malformed instead. ``refused``: why a request is refused
+    before it is parsed (None: parsed)."""
 
     def parse(data: bytes) -> Any:
+        if refused is not None and (why := refused(data)) is not None:
+            return Malformed(why)
         try:
             return deserialize(data)
         except Exception as exc:  # DecodeError, and whatever else hostile bytes provoke in a parser
@@ -295,7 +349,8 @@ def add_servicer(add: Callable[[Any, Any], None], servicer: Any, server: grpc.ai
 
     add(servicer, _Capture())
     for service, handlers in captured.items():
-        tolerant = {name: _read_when_asked(h._replace(request_deserializer=_tolerant(h.request_deserializer)))
+        tolerant = {name: _read_when_asked(h._replace(request_deserializer=_tolerant(
+                        h.request_deserializer, typed_batch_refusal if name == "Commands" else None)))
                     for name, h in handlers.items()}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, tolerant),))
         server.add_registered_method_handlers(service, tolerant)
