@@ -200,9 +200,10 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Serve the framed command link to VM guests on this AF_VSOCK port (handed straight to the session's "
         "worker after the front authenticates the hello); 0: off."))] = 0
     max_links_per_tenant: Annotated[int, Meta(ge=1, description=(
-        "Framed links one tenant may have being handed to its workers or relayed by the front (a TCP link: a "
-        "thread and a few descriptors each) across all its sessions; more are refused with RESOURCE_EXHAUSTED. "
-        "Each session has at most 8 whatever this is."))] = 64
+        "Framed links one tenant may have being handed to its workers, served by them (the front keeps a "
+        "descriptor of each, to end it with the worker) or relayed by the front (a TCP link: a thread and a few "
+        "descriptors each) across all its sessions; more are refused with RESOURCE_EXHAUSTED. Each session has at "
+        "most 8 whatever this is."))] = 64
     link_handoff_timeout_seconds: Annotated[float, Meta(gt=0, description=(
         "How long a session's worker may take to accept a new link (it is busy in a kernel or compile "
         "meanwhile); past it the link is refused with UNAVAILABLE and the client may retry."))] = 30.0
