@@ -48,9 +48,6 @@ class HandedLinks:
         self._by_worker: dict[WorkerClient, set[int]] = {}
         self._watching = False
 
-    def __len__(self) -> int:
-        return len(self._held)
-
     def keep(self, worker: WorkerClient, fd: int, release: Callable[[], None]) -> None:
         """Keep ``fd`` (a descriptor of a link ``worker`` now serves, this object's to close) until the link ends
         or the worker does; ``release`` is called once then."""

@@ -433,12 +433,10 @@ class LinkServer:
                         # links.
                         raise Unauthenticated(REVOKED_MESSAGE)
                     await worker.call(ServeLink(number), session.id)
-                if counted_while_kept:
-                    self.handed.keep(worker, dup, release)
-                    release = _nothing  # (its place goes back with the kept copy)
-                else:
-                    self.handed.keep(worker, dup, _nothing)
+                self.handed.keep(worker, dup, release if counted_while_kept else _nothing)
                 dup = -1  # (the handed links' now)
+                if counted_while_kept:
+                    release = _nothing  # (its place goes back with the kept copy)
             except TimeoutError:
                 # The worker may still take the link when it wakes: it is told to drop it, and the link keeps its
                 # place in the counts until it has (or has died), so timed-out hand-offs cannot pile up either.
