@@ -1,6 +1,6 @@
 """A torch operator's outputs are charged to the quota before it runs, whatever the command (issue 21, round 10).
 
-``TorchSession.op`` reserves each new output's bytes from the client's announced metadata before it runs the
+``TorchSession.op`` reserved each new output's bytes from the client's announced metadata before it ran the
 operator; ``op_sync`` reserved nothing and settled on what PyTorch made afterwards (``_keep``), and the worker never
 checked that a TorchOpSync names an operator of ``torch_ops.SYNC`` (the client sends others that way too, when its
 shape inference disagreed with the worker's). A hostile client sent ``aten::ones.default`` of 48 Mi float32 that way
@@ -11,7 +11,9 @@ and so did a TorchOp whose schema says its return aliases its input but which co
 
 Now the worker bounds what such an operator makes before it runs: a run on meta copies of its inputs (no memory),
 or for operators whose outputs depend on the data, a bound from the inputs (``nonzero``: ``count_nonzero`` first);
-the bound is charged, and refused past the quota before anything is allocated.
+the bound is charged, and refused past the quota before anything is allocated. The same holds for a TorchOp
+whatever its client announces (the tests at the end): the meta run's answer is cached per operator and input
+signature, so a queued operator pays for it once.
 """
 
 from __future__ import annotations

@@ -14,8 +14,10 @@ session of its handle table, so two sessions' handles never meet. PyTorch is imp
 at the worker's start.
 
 Memory: every new output's storage is charged to the session's ``TorchAccounts`` (the worker's: the tenant's
-memory quota on the device) before the operator runs, from the metadata the client announced, and settled on what
-PyTorch really made once it has; a view shares its base's storage and is not charged again, and a storage is
+memory quota on the device) before the operator runs, from what the worker itself works out it makes, whatever the
+client announced (a run on meta tensors, once per operator and input signature: ``_Predicted``; for an operator
+whose outputs depend on the data, a bound from its inputs: ``_BOUNDS``), and settled on what PyTorch really made
+once it has (the announced metadata is checked against that); a view shares its base's storage and is not charged again, and a storage is
 released when the last handle that references it is freed. Errors PyTorch raises running an operator are the
 tenant's: they become gpubroker errors carrying PyTorch's class name (``details["torch_error"]``) and message.
 """
