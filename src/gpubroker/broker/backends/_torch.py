@@ -17,9 +17,10 @@ Memory: every new output's storage is charged to the session's ``TorchAccounts``
 memory quota on the device) before the operator runs, from what the worker itself works out it makes, whatever the
 client announced (a run on meta tensors, once per operator and input signature: ``_Predicted``; for an operator
 whose outputs depend on the data, a bound from its inputs: ``_BOUNDS``), and settled on what PyTorch really made
-once it has (the announced metadata is checked against that); a view shares its base's storage and is not charged again, and a storage is
-released when the last handle that references it is freed. Errors PyTorch raises running an operator are the
-tenant's: they become gpubroker errors carrying PyTorch's class name (``details["torch_error"]``) and message.
+once it has (the announced metadata is checked against that); a view shares its base's storage and is not charged
+again, and a storage is released when the last handle that references it is freed. Errors PyTorch raises running an
+operator are the tenant's: they become gpubroker errors carrying PyTorch's class name (``details["torch_error"]``)
+and message (a call its meta kernel refuses, in the meta kernel's words: it is refused before it runs).
 """
 
 from __future__ import annotations
