@@ -173,10 +173,6 @@ class _OpInfo:
     """What the session needs of an operator overload, worked out once per name."""
 
     overload: Any  # torch._ops.OpOverload
-    aliased: tuple[bool, ...]  # per return: an alias of an input (a view, or in-place / out=): no new storage
-    # A return that aliases its input only when it can (contiguous, reshape, flatten, to: a composite operator
-    # that copies otherwise): its storage is found on meta tensors before it runs, not taken as none.
-    copies: bool
     makes: bool  # returns a tensor that is not an in-place / out= argument (a new storage, or a view)
     params: tuple[tuple[str, bool, Any], ...]  # per parameter: its name, whether it has a default, and the default
     devices: tuple[int, ...]  # positions of Device parameters: only DeviceArg or None may go there
@@ -484,10 +480,6 @@ class TorchSession:
         except (AttributeError, RuntimeError):
             raise Unimplemented(f"this worker's PyTorch {self._t.__version__} has no operator {name}") from None
         schema = overload._schema
-        aliased = tuple(r.alias_info is not None for r in schema.returns) or (False,)
-        full_name = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
-        copies = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) and \
-            self._t._C._dispatch_has_kernel_for_dispatch_key(full_name, "CompositeImplicitAutograd")
         makes = any(str(r.type) in ("Tensor", "Optional[Tensor]", "List[Tensor]")
                     and (r.alias_info is None or not r.alias_info.is_write) for r in schema.returns)
         params = tuple((a.name, a.has_default_value(), a.default_value if a.has_default_value() else None)
@@ -506,7 +498,7 @@ class TorchSession:
             elif arg.name in enum_names:
                 enums.update((i, arg.name))
         valued = not any("Tensor" in str(a.type) for a in schema.arguments)
-        info = self._ops[name] = _OpInfo(overload, aliased, copies, makes, params, tuple(devices),
+        info = self._ops[name] = _OpInfo(overload, makes, params, tuple(devices),
                                          frozenset(device_names), generator,
                                          generator_name, frozenset(enums),
                                          bool(devices) or generator >= 0 or bool(enums), valued,
