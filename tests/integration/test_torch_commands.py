@@ -4,6 +4,7 @@ PyTorch. (The client's torch device, ``gpubroker.client.torch``, builds these sa
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -93,7 +94,8 @@ def test_a_pytorch_error_arrives_at_the_next_waiting_call_with_its_class(alice: 
         alice.torch_read("m")
     assert info.value.details["torch_error"] == "RuntimeError"
     assert info.value.details["command"] == "torch operator aten::mm.default"
-    assert "mat1 and mat2 shapes cannot be multiplied" in info.value.message
+    # (in the words of PyTorch's meta kernel, which the worker runs first to know what the operator makes)
+    assert re.search("mat1 and mat2 shapes cannot be multiplied|must have same reduction dim", info.value.message)
     # the session goes on; the failed operator's handle names nothing, and freeing it is harmless
     alice.torch_free(["bad"])
     assert _get(alice, "m", (2, 3)).sum() == 6

@@ -1,6 +1,6 @@
 """A torch operator's outputs are charged to the quota before it runs, whatever the command (issue 21, round 10).
 
-``TorchSession.op`` reserves each new output's bytes from the client's announced metadata before it runs the
+``TorchSession.op`` reserved each new output's bytes from the client's announced metadata before it ran the
 operator; ``op_sync`` reserved nothing and settled on what PyTorch made afterwards (``_keep``), and the worker never
 checked that a TorchOpSync names an operator of ``torch_ops.SYNC`` (the client sends others that way too, when its
 shape inference disagreed with the worker's). A hostile client sent ``aten::ones.default`` of 48 Mi float32 that way
@@ -11,7 +11,9 @@ and so did a TorchOp whose schema says its return aliases its input but which co
 
 Now the worker bounds what such an operator makes before it runs: a run on meta copies of its inputs (no memory),
 or for operators whose outputs depend on the data, a bound from the inputs (``nonzero``: ``count_nonzero`` first);
-the bound is charged, and refused past the quota before anything is allocated.
+the bound is charged, and refused past the quota before anything is allocated. The same holds for a TorchOp
+whatever its client announces (the tests at the end): the meta run's answer is cached per operator and input
+signature, so a queued operator pays for it once.
 """
 
 from __future__ import annotations
@@ -114,3 +116,41 @@ def test_aliasing_operator_that_copies_is_charged_before_it_runs(broker: BrokerP
             gpu.synchronize()
 
         _refused_within_the_quota(broker, "aten::contiguous.default (an aliasing return)", densify)
+
+
+# -- a TorchOp whose client announces smaller outputs than the operator makes ------------------------------------
+# The worker reserved what the client announced, ran the operator, and only then compared what it made with the
+# announcement (INVALID_ARGUMENT): meanwhile it held all of it. Measured before the fix: ``aten::ones`` of 48 Mi
+# float32 announced as one element grew the worker's VmHWM by 192 MiB against the 64 MiB quota. Now the worker
+# knows each operator's output bytes before it runs it (a meta run, cached per operator and input signature) and
+# charges the larger of that and the announcement.
+def test_outputs_announced_smaller_than_made_are_charged_before_the_operator_runs(broker: BrokerProcess) -> None:
+    with connect(broker.target, token=broker.tokens["mallory"], timeout=60) as gpu:
+        assert isinstance(gpu, RemoteGpu)
+        _warm(gpu)
+        n = 48 << 20  # 192 MiB of float32, announced as 4 bytes
+
+        def ones() -> None:
+            gpu.torch_op(TorchOp("aten::ones.default", [[n]], {}, ["lie"], [("float32", (1,), (1,), 0)]))
+            gpu.synchronize()
+
+        for _ in range(2):  # (the second time, the worker's answer for this signature comes from its cache)
+            _refused_within_the_quota(broker, "aten::ones.default announced as one element", ones)
+
+
+def test_data_dependent_operator_sent_as_queued_is_bounded_before_it_runs(broker: BrokerProcess) -> None:
+    with connect(broker.target, token=broker.tokens["mallory"], timeout=60) as gpu:
+        assert isinstance(gpu, RemoteGpu)
+        _warm(gpu)
+        n = 12 << 20  # nonzero of 12 Mi ones: 96 MiB of int64 indices, announced as one index
+        gpu.torch_op(TorchOp("aten::ones.default", [[1]], {}, ["one3"], [("float32", (1,), (1,), 0)]))
+        gpu.torch_op(TorchOp("aten::expand.default", [TensorArg("one3"), [n]], {}, ["wide3"],
+                             [("float32", (n,), (0,), 0)]))
+        gpu.synchronize()
+
+        def nonzero() -> None:
+            gpu.torch_op(TorchOp("aten::nonzero.default", [TensorArg("wide3")], {}, ["nz3"],
+                                 [("int64", (1, 1), (1, 1), 0)]))
+            gpu.synchronize()
+
+        _refused_within_the_quota(broker, "aten::nonzero.default sent as a TorchOp", nonzero)

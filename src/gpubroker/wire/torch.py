@@ -9,7 +9,8 @@ Each ATen operator the client dispatches is one ``TorchOp``: the operator's over
 on the allowlist of ``gpubroker.wire.torch_ops``), its arguments (tensors by handle), the handles the client chose
 for its new outputs and the metadata the client worked out for them (cached per operator and input signature, so
 no round trip). The worker reserves each new output's bytes against the tenant's memory quota before it runs the
-operator, runs it on the session's device and stream, and stores the outputs. It is queued like a launch; its
+operator (from its own reckoning, never the client's), runs it on the session's device and stream, checks the
+outputs against the metadata and stores them. It is queued like a launch; its
 errors are deferred to the next waiting call. An operator whose output shapes depend on the data (``nonzero``,
 ``unique``, boolean indexing) or that returns a plain value (``equal``, ``_local_scalar_dense``) is a
 ``TorchOpSync``: the same, whose result tells the client what came out.
@@ -117,7 +118,8 @@ OpResult = Annotated[list[TensorMeta | Scalar], msgspec.Meta(max_length=1024)]
 
 class TorchOp(Command, tag="torch_op", frozen=True):
     """One ATen operator, queued. ``metas`` holds the client's metadata for each new output (each ``outs`` that is
-    not None, in order): the worker reserves their bytes against the quota before running the operator."""
+    not None, in order): the worker checks what the operator made against it (and lays an output out with its
+    strides), having charged what the operator makes to the quota before running it."""
 
     front_skips = ("args", "kwargs", "outs", "metas")
     name: _NAME  # the overload ("aten::add.Tensor"): gpubroker.wire.torch_ops' allowlist

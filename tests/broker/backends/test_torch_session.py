@@ -4,6 +4,7 @@ methods and through sessions of their own with a quota."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -170,7 +171,9 @@ def test_pytorchs_errors_carry_its_class_and_message_and_the_session_goes_on(gpu
         _op(gpu, "aten::mm.default", [TensorArg(a), TensorArg(a)], (2, 2))
         gpu.synchronize()
     assert info.value.details["torch_error"] == "RuntimeError"
-    assert "aten::mm.default" in info.value.message and "cannot be multiplied" in info.value.message
+    # (in the words of PyTorch's meta kernel, which the worker runs first to know what the operator makes)
+    assert "aten::mm.default" in info.value.message and re.search("cannot be multiplied|must have same reduction dim",
+                                                                    info.value.message)
     index = _put(gpu, np.array([7], np.int64))
     if gpu.device_info().backend != "cuda":
         # (on CUDA an index out of range is a device-side assert, which breaks this process's context for every
@@ -259,13 +262,58 @@ def test_past_the_quota_the_operator_is_refused_naming_it_and_the_session_goes_o
         session.op(TorchOp("aten::cat.default", [TensorListArg(["a", "a"])], {}, ["b"], [_meta((400_000,))]))
     assert info.value.details["quota"] == 1 << 20
     assert accounts.used == 800_000 and len(session) == 1  # nothing kept, nothing charged
-    # A client that announces less than the operator makes is refused: what it announced is checked.
-    with pytest.raises(InvalidArgument, match=r"aten::cat\.default made a float32 tensor of shape"):
+    # A client that announces less than the operator makes is charged what it makes, before it runs: the worker
+    # works that out itself (on meta tensors, once per signature).
+    with pytest.raises(ResourceExhausted, match=r"aten::cat\.default: quota .* requested 1600000"):
         session.op(TorchOp("aten::cat.default", [TensorListArg(["a", "a"])], {}, ["b"], [_meta((4,))]))
     assert accounts.used == 800_000 and len(session) == 1
     session.free(["a"])
     _zeros(session, "c", 250_000)  # room again
     assert accounts.used == 1_000_000
+
+
+def test_a_bool_argument_and_an_int_one_are_different_signatures(quota: tuple[TorchSession, _Quota]) -> None:
+    """``True == 1`` in Python, but ``add(bool_t, True)`` is bool and ``add(bool_t, 1)`` int64: eight times the bytes.
+    One cached answer for both would charge the second as the first."""
+    session, accounts = quota
+    n = 150_000
+    session.op(TorchOp("aten::zeros.default", [[n]], {"dtype": DtypeArg("bool"), "device": DeviceArg()}, ["b"],
+                       [_meta((n,), "bool")]))
+    session.op(TorchOp("aten::add.Scalar", [TensorArg("b"), True], {}, ["same"], [_meta((n,), "bool")]))
+    assert accounts.used == 2 * n
+    with pytest.raises(ResourceExhausted, match=rf"aten::add\.Scalar: quota .* requested {8 * n}"):
+        session.op(TorchOp("aten::add.Scalar", [TensorArg("b"), 1], {}, ["wider"], [_meta((n,), "bool")]))
+    assert accounts.used == 2 * n and len(session) == 2
+
+
+def test_an_inplace_view_operator_makes_every_handles_signature_new(quota: tuple[TorchSession, _Quota]) -> None:
+    """``as_strided_`` changes a tensor's shape in place, and every handle of that tensor sees it (``contiguous`` of
+    a contiguous tensor is the tensor itself): a signature kept from before would find the one-element answer."""
+    session, accounts = quota
+    n = 16 << 20  # a 64 MiB copy against the 1 MiB quota
+    _zeros(session, "a", 1)
+    session.op(TorchOp("aten::contiguous.default", [TensorArg("a")], {}, ["also"], [_meta((1,))]))
+    assert session.tensor("also") is session.tensor("a")
+    for h in ("a", "also"):
+        session.op(TorchOp("aten::clone.default", [TensorArg(h)], {}, [f"c{h}"], [_meta((1,))]))
+    session.op(TorchOp("aten::as_strided_.default", [TensorArg("a"), [n], [0]], {}, [None], []))
+    for h in ("a", "also"):
+        with pytest.raises(ResourceExhausted, match=r"aten::clone\.default: quota .* requested 67108864"):
+            session.op(TorchOp("aten::clone.default", [TensorArg(h)], {}, ["big"], [_meta((1,))]))
+    assert accounts.used == 12
+
+
+def test_the_signatures_kept_are_bounded(quota: tuple[TorchSession, _Quota], monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpubroker.broker.backends import _torch
+
+    monkeypatch.setattr(_torch, "_PREDICTED_ENTRIES", 8)
+    session, _ = quota
+    _zeros(session, "a", 64)
+    for i in range(1, 33):  # 32 signatures that never repeat (a hostile client's: any number of them)
+        session.op(TorchOp("aten::view.default", [TensorArg("a"), [i, 64 // i]], {}, [f"v{i}"], [_meta((i, 64 // i))])
+                   if 64 % i == 0 else TorchOp("aten::zeros.default", [[i]], {"device": DeviceArg()}, [f"v{i}"],
+                                               [_meta((i,))]))
+    assert len(session._predicted) == 8
 
 
 def test_two_sessions_never_see_each_others_tensors(gpu: GpuCompute) -> None:

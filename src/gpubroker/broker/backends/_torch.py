@@ -14,10 +14,13 @@ session of its handle table, so two sessions' handles never meet. PyTorch is imp
 at the worker's start.
 
 Memory: every new output's storage is charged to the session's ``TorchAccounts`` (the worker's: the tenant's
-memory quota on the device) before the operator runs, from the metadata the client announced, and settled on what
-PyTorch really made once it has; a view shares its base's storage and is not charged again, and a storage is
-released when the last handle that references it is freed. Errors PyTorch raises running an operator are the
-tenant's: they become gpubroker errors carrying PyTorch's class name (``details["torch_error"]``) and message.
+memory quota on the device) before the operator runs, from what the worker itself works out it makes, whatever the
+client announced (a run on meta tensors, once per operator and input signature: ``_Predicted``; for an operator
+whose outputs depend on the data, a bound from its inputs: ``_BOUNDS``), and settled on what PyTorch really made
+once it has (the announced metadata is checked against that); a view shares its base's storage and is not charged
+again, and a storage is released when the last handle that references it is freed. Errors PyTorch raises running an
+operator are the tenant's: they become gpubroker errors carrying PyTorch's class name (``details["torch_error"]``)
+and message (a call its meta kernel refuses, in the meta kernel's words: it is refused before it runs).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import re
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -169,10 +173,6 @@ class _OpInfo:
     """What the session needs of an operator overload, worked out once per name."""
 
     overload: Any  # torch._ops.OpOverload
-    aliased: tuple[bool, ...]  # per return: an alias of an input (a view, or in-place / out=): no new storage
-    # A return that aliases its input only when it can (contiguous, reshape, flatten, to: a composite operator
-    # that copies otherwise): its storage is found on meta tensors before it runs, not taken as none.
-    copies: bool
     makes: bool  # returns a tensor that is not an in-place / out= argument (a new storage, or a view)
     params: tuple[tuple[str, bool, Any], ...]  # per parameter: its name, whether it has a default, and the default
     devices: tuple[int, ...]  # positions of Device parameters: only DeviceArg or None may go there
@@ -183,6 +183,11 @@ class _OpInfo:
     # takes a plain int as the enum, which would reach dtypes and layouts the device does not have)
     enums: frozenset[int | str]
     guarded: bool  # has a Device, Generator, ScalarType, Layout or MemoryFormat parameter
+    # No Tensor parameter (a factory: arange, full, linspace): a float's value may decide its outputs' shape, so it
+    # is part of the signature (_Predicted); elsewhere only a float's type is (a learning rate must not miss).
+    valued: bool
+    restrides: bool  # an in-place view operator (t_, squeeze_, as_strided_: PyTorch's inplace_view tag)
+    writes: bool  # writes an argument (in-place, out=)
 
 
 @dataclass(slots=True)
@@ -319,6 +324,74 @@ _BOUNDS: dict[str, Callable[[Any, dict[str, Any]], int]] = {
 }
 
 
+class _Sig:
+    """A tensor's signature, interned (TorchSession._sig): what its part in an operator's outputs' sizes may be,
+    without its values: shape, strides, storage offset, dtype, and its conjugate and negative bits (``resolve_conj``
+    copies a conjugate view). Compared by identity: cheap to hash, and never equal to an argument's value."""
+
+    __slots__ = ("sig",)
+
+    def __init__(self, sig: tuple[Any, ...]) -> None:
+        self.sig = sig
+
+
+def _weight(part: Any) -> int:
+    """About how many objects a call's signature holds (what _Predicted bounds, besides its entries)."""
+    if isinstance(part, tuple):
+        return 1 + sum(_weight(p) for p in part)
+    if isinstance(part, _Sig):
+        return 6 + 2 * len(part.sig[0])
+    return 1
+
+
+# The calls whose outputs a session keeps (_Predicted): a training step makes a few hundred signatures; a client
+# that never repeats one (or a hostile one) only makes the least recently used go. Their size is bounded too (about
+# 16 bytes an object): a call may name 1,024 tensors of 32 dimensions.
+_PREDICTED_ENTRIES = 4096
+_PREDICTED_WEIGHT = 1 << 18
+_INTERNED_MAX = 1 << 16  # distinct tensor signatures interned at once (TorchSession._sig)
+_DATA_DEPENDENT_BYTES = -1  # (what a meta run cannot tell: the outputs' sizes depend on the data)
+
+
+@dataclass(slots=True)
+class _Prediction:
+    nbytes: int  # of new storage, or _DATA_DEPENDENT_BYTES
+    restrides: bool  # changes the shape or strides of a tensor it writes (TorchSession._sigs must be worked out again)
+    weight: int
+
+
+class _Predicted:
+    """What an operator makes, by the call's signature (TorchSession._arguments): worked out once per signature
+    on meta tensors (PyTorch's own shape functions), then found in a dict. A bounded LRU."""
+
+    __slots__ = ("_entries", "_weight")
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[tuple[Any, ...], _Prediction] = OrderedDict()
+        self._weight = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple[Any, ...]) -> _Prediction | None:
+        hit = self._entries.get(key)
+        if hit is not None:
+            self._entries.move_to_end(key)
+        return hit
+
+    def put(self, key: tuple[Any, ...], nbytes: int, restrides: bool) -> _Prediction:
+        found = _Prediction(nbytes, restrides, _weight(key))
+        if found.weight > _PREDICTED_WEIGHT // 4:
+            return found  # (a call this large is worked out each time: it would push out most of the others)
+        entries = self._entries
+        while entries and (len(entries) >= _PREDICTED_ENTRIES or self._weight + found.weight > _PREDICTED_WEIGHT):
+            _, gone = entries.popitem(last=False)
+            self._weight -= gone.weight
+        entries[key] = found
+        self._weight += found.weight
+        return found
+
+
 class TorchSession:
     """One session's tensors by the client's handles, and the operators run on them."""
 
@@ -332,6 +405,9 @@ class TorchSession:
         self._storage_of: dict[str, int] = {}  # handle -> its tensor's storage key
         self._storages: dict[int, _Storage] = {}  # storage key (the StorageImpl's address) -> size and references
         self._ops: dict[str, _OpInfo] = {}
+        self._predicted = _Predicted()
+        self._sigs: dict[str, _Sig] = {}  # handle -> its tensor's signature, worked out at its first use
+        self._interned: dict[tuple[Any, ...], _Sig] = {}
         self._released = 0  # storage bytes freed since the placement's last trim
         self._dtypes: dict[str, torch.dtype] = {
             n: d for n in _DTYPE_NAMES if isinstance(d := getattr(tm, n, None), tm.dtype)}
@@ -372,6 +448,7 @@ class TorchSession:
         for h in handles:
             if self._tensors.pop(h, None) is None:
                 continue
+            self._sigs.pop(h, None)
             self.accounts.unbind(h)
             key = self._storage_of.pop(h)
             storage = self._storages[key]
@@ -403,10 +480,6 @@ class TorchSession:
         except (AttributeError, RuntimeError):
             raise Unimplemented(f"this worker's PyTorch {self._t.__version__} has no operator {name}") from None
         schema = overload._schema
-        aliased = tuple(r.alias_info is not None for r in schema.returns) or (False,)
-        full_name = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
-        copies = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) and \
-            self._t._C._dispatch_has_kernel_for_dispatch_key(full_name, "CompositeImplicitAutograd")
         makes = any(str(r.type) in ("Tensor", "Optional[Tensor]", "List[Tensor]")
                     and (r.alias_info is None or not r.alias_info.is_write) for r in schema.returns)
         params = tuple((a.name, a.has_default_value(), a.default_value if a.has_default_value() else None)
@@ -424,10 +497,14 @@ class TorchSession:
                 generator, generator_name = i, arg.name
             elif arg.name in enum_names:
                 enums.update((i, arg.name))
-        info = self._ops[name] = _OpInfo(overload, aliased, copies, makes, params, tuple(devices),
+        valued = not any("Tensor" in str(a.type) for a in schema.arguments)
+        info = self._ops[name] = _OpInfo(overload, makes, params, tuple(devices),
                                          frozenset(device_names), generator,
                                          generator_name, frozenset(enums),
-                                         bool(devices) or generator >= 0 or bool(enums))
+                                         bool(devices) or generator >= 0 or bool(enums), valued,
+                                         self._t.Tag.inplace_view in overload.tags,
+                                         any(a.alias_info is not None and a.alias_info.is_write
+                                             for a in schema.arguments))
         return info
 
     def _arg(self, value: ArgValue) -> Any:
@@ -455,11 +532,89 @@ class TorchSession:
             return complex(value.re, value.im)
         return value
 
-    def _arguments(self, info: _OpInfo, cmd: TorchOp | TorchOpSync) -> tuple[list[Any], dict[str, Any]]:
-        args = [self._arg(a) for a in cmd.args]
-        kwargs = {k: self._arg(v) for k, v in cmd.kwargs.items()} if cmd.kwargs else {}
+    def _sig(self, handle: str, t: torch.Tensor) -> _Sig:
+        """The tensor's signature, kept by handle until the tensor goes or an operator restrides a tensor (views
+        of one storage, and handles of one tensor, see it change: every handle's is worked out again)."""
+        sig = (t.shape, t.stride(), t.storage_offset(), t.dtype, t.is_conj(), t.is_neg())
+        interned = self._interned.get(sig)
+        if interned is None:
+            if len(self._interned) >= _INTERNED_MAX:
+                self._interned.clear()  # (a new _Sig for a signature seen before only misses _Predicted once)
+            interned = self._interned[sig] = _Sig(sig)
+        self._sigs[handle] = interned
+        return interned
+
+    def _key(self, value: ArgValue, valued: bool) -> Any:
+        """An argument's part of the call's signature (not a tensor's, an int's, a str's or None's: _arguments')."""
+        if isinstance(value, TensorArg):
+            return self._sigs.get(value.h) or self._sig(value.h, self.tensor(value.h))
+        if isinstance(value, bool):  # (True == 1: add(bool_t, True) is bool, add(bool_t, 1) int64: never one entry)
+            return (bool, value)
+        if isinstance(value, float):
+            return (float, value) if valued else float
+        if isinstance(value, list):
+            return tuple(v if type(v) is int or v is None else self._key(v, valued) for v in value)
+        if isinstance(value, TensorListArg):
+            sigs = self._sigs
+            return (TensorListArg, *(None if h is None else sigs.get(h) or self._sig(h, self.tensor(h))
+                                     for h in value.hs))
+        if isinstance(value, Complex):
+            return (complex, value.re, value.im) if valued else complex
+        return value  # (a dtype, layout, memory format or device argument: hashable, compared by type and name)
+
+    def _arguments(self, info: _OpInfo, cmd: TorchOp | TorchOpSync
+                   ) -> tuple[list[Any], dict[str, Any], tuple[Any, ...]]:
+        """The operator's arguments, and the call's signature: what its outputs' sizes may depend on without its
+        tensors' values (_Predicted's key; the hot path: tensors and plain numbers inline)."""
+        tensors = self._tensors
+        sigs = self._sigs
+        valued = info.valued
+        key: list[Any] = [cmd.name]
+        args: list[Any] = []
+        for a in cmd.args:
+            kind = type(a)
+            if kind is TensorArg:
+                h = a.h  # type: ignore[union-attr]
+                t = tensors.get(h)
+                if t is None:
+                    raise NotFound(f"no tensor {h!r} in this session")
+                args.append(t)
+                key.append(sigs.get(h) or self._sig(h, t))
+            elif kind is int or kind is str or a is None:
+                args.append(a)
+                key.append(a)
+            elif kind is float:
+                args.append(a)
+                key.append((float, a) if valued else float)
+            elif kind is list:  # (sizes, dims)
+                args.append(a)
+                key.append(tuple(v if type(v) is int or v is None else self._key(v, valued)
+                                 for v in a))  # type: ignore[union-attr]
+            elif kind is TensorListArg:  # (an optimizer's foreach operators: every parameter, at each step)
+                listed: list[torch.Tensor | None] = []
+                parts: list[Any] = [TensorListArg]
+                for h in a.hs:  # type: ignore[union-attr]
+                    if h is None:
+                        listed.append(None)
+                        parts.append(None)
+                        continue
+                    t = tensors.get(h)
+                    if t is None:
+                        raise NotFound(f"no tensor {h!r} in this session")
+                    listed.append(t)
+                    parts.append(sigs.get(h) or self._sig(h, t))
+                args.append(listed)
+                key.append(tuple(parts))
+            else:
+                args.append(self._arg(a))
+                key.append(self._key(a, valued))
+        kwargs: dict[str, Any] = {}
+        for k, a in cmd.kwargs.items():
+            kwargs[k] = self._arg(a)
+            key.append(k)
+            key.append(a if type(a) is int or type(a) is str or a is None else self._key(a, valued))
         if not info.guarded:
-            return args, kwargs
+            return args, kwargs, tuple(key)
         # A device is always the worker's own, and a generator the session's: a client's string ("cuda:1") or
         # number there would reach another device or another session's numbers.
         for i in info.devices:
@@ -477,7 +632,7 @@ class TorchSession:
         if info.generator >= 0 and (args[info.generator] if info.generator < len(args)
                                     else kwargs.get(info.generator_name)) is not None:
             raise InvalidArgument(f"{cmd.name}: random operators use the device's generator; pass none")
-        return args, kwargs
+        return args, kwargs, tuple(key)
 
     def _run(self, info: _OpInfo, name: str, args: list[Any], kwargs: dict[str, Any],
              stream: Stream | None) -> list[Any]:
@@ -548,21 +703,14 @@ class TorchSession:
         if len(cmd.metas) != len(news):
             raise InvalidArgument(f"{cmd.name}: {len(cmd.metas)} metadata for {len(news)} new outputs")
         self._claim(news)
-        args, kwargs = self._arguments(info, cmd)
-        if info.copies:
-            # (contiguous, reshape, to: a view when the input allows, a copy of any size otherwise)
-            reserved = self._meta_bytes(info, cmd.name, args, kwargs)
-        else:
-            # Before the run, what the client says the new outputs take (a return that aliases an input takes none).
-            reserved = 0
-            aliased, count = info.aliased, len(info.aliased)
-            j = 0
-            for i, h in enumerate(cmd.outs):
-                if h is not None:
-                    # (a single Tensor[] return is flattened into many outputs, each aliased as it is)
-                    if not aliased[i if i < count else -1]:
-                        reserved += self._extent(cmd.metas[j])
-                    j += 1
+        args, kwargs, key = self._arguments(info, cmd)
+        # What the operator makes, worked out by this worker before it runs (the client's announcement is checked
+        # against what it made, after: PyTorch's own kernels may differ from its meta kernels there, as
+        # native_batch_norm's do on the CPU, and the client then announces what this worker said). A client that
+        # announces less than the operator makes is charged all the same, and past the quota nothing runs.
+        reserved = self._predict(info, cmd.name, args, kwargs, key)
+        if reserved == _DATA_DEPENDENT_BYTES:  # (an operator of torch_ops.SYNC, sent queued: bounded as op_sync's)
+            reserved = self._bound(info, cmd.name, args, kwargs, stream, key)
         if reserved:
             self._reserve(cmd.name, reserved)
         try:
@@ -582,8 +730,8 @@ class TorchSession:
         info = self._info(cmd.name)
         news = [h for h in cmd.outs if h is not None]
         self._claim(news)
-        args, kwargs = self._arguments(info, cmd)
-        reserved = self._bound(info, cmd.name, args, kwargs, stream)
+        args, kwargs, key = self._arguments(info, cmd)
+        reserved = self._bound(info, cmd.name, args, kwargs, stream, key)
         if reserved:
             self._reserve(cmd.name, reserved)
         try:
@@ -611,12 +759,17 @@ class TorchSession:
             raise ResourceExhausted(f"{name}: {exc.message}", **exc.details) from None
 
     def _bound(self, info: _OpInfo, name: str, args: list[Any], kwargs: dict[str, Any],
-               stream: Stream | None) -> int:
+               stream: Stream | None, key: tuple[Any, ...]) -> int:
         """The most bytes an operator sent as a TorchOpSync holds while it runs (its outputs, and its temporaries
         where they grow with its inputs), found without running it."""
         bound = _BOUNDS.get(name)
         if bound is None:
-            return self._meta_bytes(info, name, args, kwargs)
+            nbytes = self._predict(info, name, args, kwargs, key)
+            if nbytes == _DATA_DEPENDENT_BYTES:
+                raise Unimplemented(f"{name}: what it makes is not known before it runs (PyTorch has no meta kernel "
+                                    "for it, or its outputs depend on the data), so it cannot be charged to the "
+                                    "memory quota first")
+            return nbytes
         params: dict[str, Any] = {}
         for i, (param, has_default, default) in enumerate(info.params):
             if i < len(args):
@@ -649,16 +802,32 @@ class TorchSession:
         copy: torch.Tensor = m
         return copy
 
-    def _meta_bytes(self, info: _OpInfo, name: str, args: list[Any], kwargs: dict[str, Any]) -> int:
+    def _predict(self, info: _OpInfo, name: str, args: list[Any], kwargs: dict[str, Any],
+                 key: tuple[Any, ...]) -> int:
+        """The bytes of the new storages the operator makes (_DATA_DEPENDENT_BYTES: not known before it runs), by
+        the call's signature: from the session's cache, or from a run on meta copies of its inputs, kept."""
+        found = self._predicted.get(key)
+        if found is None:
+            nbytes, restrides = self._meta_bytes(info, name, args, kwargs)
+            found = self._predicted.put(key, nbytes, restrides or info.restrides)
+        if found.restrides:
+            self._sigs.clear()  # (before it runs: an error after its first change must not leave a stale one)
+        return found.nbytes
+
+    def _meta_bytes(self, info: _OpInfo, name: str, args: list[Any], kwargs: dict[str, Any]) -> tuple[int, bool]:
         """The bytes of the new storages the operator makes, from a run on meta copies of its inputs (no memory;
-        a return that is a view of an input takes none)."""
+        a return that is a view of an input takes none), _DATA_DEPENDENT_BYTES where a meta run cannot tell; and
+        whether it changes the shape or strides of a tensor it writes."""
         tm = self._t
-        inputs: set[int] = set()  # the meta inputs' storages
+        inputs: dict[int, tuple[Any, int]] = {}  # the meta inputs' storages -> the storage and its bytes
+        layouts: list[tuple[torch.Tensor, tuple[Any, ...]]] = []  # the meta inputs and their layouts
 
         def meta(value: Any) -> Any:
             if isinstance(value, tm.Tensor):
                 m = self._meta_copy(value)
-                inputs.add(m.untyped_storage()._cdata)
+                storage = m.untyped_storage()
+                inputs[storage._cdata] = (storage, storage.nbytes())
+                layouts.append((m, (m.shape, m.stride(), m.storage_offset())))
                 return m
             if isinstance(value, list | tuple):
                 return [meta(v) for v in value]
@@ -678,12 +847,18 @@ class TorchSession:
             result = info.overload(*margs, **mkwargs)
         except Exception as exc:
             if not info.makes:
-                return 0  # (it returns values, or writes its own arguments: no new storage)
+                # (it returns values, or writes its own arguments: no new storage; what it does to their layout is
+                # not known, so as if it changed it)
+                return 0, info.writes
             if isinstance(exc, NotImplementedError) or _DATA_DEPENDENT.search(str(exc)):
-                raise Unimplemented(f"{name}: what it makes is not known before it runs (PyTorch has no meta kernel "
-                                    "for it, or its outputs depend on the data), so it cannot be charged to the "
-                                    "memory quota first") from None
+                return _DATA_DEPENDENT_BYTES, info.writes
             raise self._error(name, exc) from None
+        for storage, before in inputs.values():
+            if storage.nbytes() > before:  # (an in-place or out= argument resized: a storage already charged)
+                raise InvalidArgument(f"{name} would grow the storage of a tensor it writes from {before} to "
+                                      f"{storage.nbytes()} bytes, which the torch device cannot do: pass a "
+                                      "tensor of the right shape")
+        restrides = info.writes and any((m.shape, m.stride(), m.storage_offset()) != layout for m, layout in layouts)
         fresh: dict[int, int] = {}
         for item in result if isinstance(result, tuple | list) else (result,):
             for t in item if isinstance(item, tuple | list) else (item,):
@@ -691,7 +866,7 @@ class TorchSession:
                     storage = t.untyped_storage()
                     if storage._cdata not in inputs:
                         fresh[storage._cdata] = storage.nbytes()
-        return sum(fresh.values())
+        return sum(fresh.values()), restrides
 
     def _outputs(self, name: str, handles: Sequence[str | None], results: list[Any],
                  metas: Sequence[TensorMeta] | None,
