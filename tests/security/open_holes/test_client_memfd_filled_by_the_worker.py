@@ -11,7 +11,7 @@ neither refused nor counted (the same holds for any file the client sends: a spa
 
 Measured (PoCL, rlimits fallback, tenant quota 64 MiB): one fallocate of 1 GiB in 0.3 s, /proc/meminfo Shmem
 +1,024 MiB, still there after the client closed its copy (the worker holds it), with ``worker_memory_max`` =
-768 MiB: 2 GiB. Nothing in Usage, the metrics or the worker's limits shows it.
+1 GiB: 2 GiB. Nothing in Usage, the metrics or the worker's limits shows it.
 
 Suggested fix: never let a worker receive a descriptor the front has not checked: keep ``SO_PASSRIGHTS`` off on
 every link socket a worker holds, and carry a ring's memfd like a segment's (sent to the front on ``.fast``,
@@ -36,7 +36,7 @@ from gpubroker.client._transports._link import FramedSocket, unix_connector
 
 from ..exploits import SYSCALL_SOURCE
 
-LIMIT = 768 << 20
+LIMIT = 1 << 30
 SIZE = 2 << 30
 SOURCE = SYSCALL_SOURCE + r"""
 __kernel void grab(__global long* s, long size, long secs) {
