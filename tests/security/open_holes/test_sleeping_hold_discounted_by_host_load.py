@@ -10,8 +10,11 @@ nothing and the time limit never fires while another tenant waits.
 
 Measured (2 shared cores, 6 client-side burners): a 30 s sleep held the device the whole 30 s, bob's 16-item
 launch waited 28.7 s against max_kernel_seconds = 10 and alice's kernel completed, no DEADLINE_EXCEEDED. Without
-the burners the same hold is killed at 10.1 s. (Writing 19 to /proc/self/autogroup, to starve the spinner without
-outside load, is refused: EACCES.)
+the burners the same hold is killed at 10.1 s. The spinner is not even needed: a lone sleeping work-item on the
+same busy host held 28.6 s too (the worker's other threads, which wake rarely and then wait for a CPU, make
+``delay / (run + delay)`` near 1), so any tenant's sleeping (or blocked) kernel escapes the limit whenever the host
+is saturated by anyone. (Writing 19 to /proc/self/autogroup, to starve the spinner without outside load, is
+refused: EACCES.)
 
 Suggested fix: discount a hold only by the slowdown of threads that were doing the hold's device work, never let
 a thread that waits for a CPU lend that wait to a thread that sleeps: e.g. count, per thread, ``wall - delay`` and
