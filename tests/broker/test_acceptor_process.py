@@ -68,7 +68,7 @@ async def acceptor_process(rate: float = 1000.0, burst: float = 1000.0) -> Async
                                                                                                  PeerRate]]:
     peer_rate = PeerRate(rate, burst, {})
     accepts = AcceptorProcess(peer_rate)
-    accepts.start()
+    await accepts.start()
     try:
         yield accepts, peer_rate
     finally:
@@ -185,7 +185,7 @@ FRONT = textwrap.dedent("""
 
     async def main():
         accepts = AcceptorProcess(PeerRate(10, 10))
-        accepts.start()
+        await accepts.start()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(sys.argv[1])
         sock.listen()

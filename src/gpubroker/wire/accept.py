@@ -9,9 +9,9 @@ requests, with at most one descriptor attached (SCM_RIGHTS):
 - front -> acceptor, ``ToAcceptor``: ``Listen`` (the listening socket attached: accept on it, as listener
   ``listener``), ``Unlisten`` (stop and close it), ``Pause`` (the front is out of descriptors: accept nothing on
   it for ``seconds``);
-- acceptor -> front, ``FromAcceptor``: ``Admitted`` (the accepted connection attached), ``Refused`` (connections
-  closed for their peer's connection rate since the last report), ``AcceptFailed`` (accept() failed: paused, or
-  stopped for good).
+- acceptor -> front, ``FromAcceptor``: ``Started`` (first: it is ready to accept), ``Admitted`` (the accepted
+  connection attached), ``Refused`` (connections closed for their peer's connection rate since the last report),
+  ``AcceptFailed`` (accept() failed: paused, or stopped for good).
 
 The front checks what it can itself (that the descriptor is a stream socket accepted on that listener, the peer's
 credentials and address): it takes from the acceptor only the owner of a local TCP peer's socket, which the
@@ -25,7 +25,7 @@ from typing import Annotated, Final
 import msgspec
 
 __all__ = ["MAX_ACCEPT_MESSAGE", "MAX_REFUSED_PEERS", "AcceptFailed", "Admitted", "FromAcceptor", "Listen", "Pause",
-           "Refused", "ToAcceptor", "Unlisten", "decode_from_acceptor", "decode_to_acceptor", "encode"]
+           "Refused", "Started", "ToAcceptor", "Unlisten", "decode_from_acceptor", "decode_to_acceptor", "encode"]
 
 # A message is a few dozen bytes; a report of refusals at most MAX_REFUSED_PEERS keys of a few dozen each.
 MAX_ACCEPT_MESSAGE: Final = 16 * 1024
@@ -68,6 +68,12 @@ class _FromAcceptor(msgspec.Struct, array_like=True, tag_field="op", frozen=True
     pass
 
 
+class Started(_FromAcceptor, tag="started", frozen=True):
+    """The acceptor's first message: it runs (at its priority, dying with the front) and takes listeners."""
+
+    pid: int
+
+
 class Admitted(_FromAcceptor, tag="admitted", frozen=True):
     """A connection accepted on ``listener`` within its peer's rate (attached). ``owner``: the uid owning the
     socket of a TCP peer on this host, as the acceptor found it when it accepted the connection (-1: unknown, or
@@ -95,7 +101,7 @@ class AcceptFailed(_FromAcceptor, tag="failed", frozen=True):
     paused: Annotated[float, msgspec.Meta(ge=0.0, le=60.0)] = 0.0
 
 
-FromAcceptor = Admitted | Refused | AcceptFailed
+FromAcceptor = Started | Admitted | Refused | AcceptFailed
 
 # (not commands.py's encoder: the acceptor process imports nothing it does not need, numpy least of all)
 _encoder = msgspec.msgpack.Encoder()
@@ -106,7 +112,8 @@ def encode(message: msgspec.Struct) -> bytes:
 
 
 _to_acceptor: msgspec.msgpack.Decoder[Listen | Unlisten | Pause] = msgspec.msgpack.Decoder(ToAcceptor)
-_from_acceptor: msgspec.msgpack.Decoder[Admitted | Refused | AcceptFailed] = msgspec.msgpack.Decoder(FromAcceptor)
+_from_acceptor: msgspec.msgpack.Decoder[Started | Admitted | Refused | AcceptFailed] = msgspec.msgpack.Decoder(
+    FromAcceptor)
 
 
 def decode_to_acceptor(payload: bytes) -> Listen | Unlisten | Pause:
@@ -114,6 +121,6 @@ def decode_to_acceptor(payload: bytes) -> Listen | Unlisten | Pause:
     return _to_acceptor.decode(payload)
 
 
-def decode_from_acceptor(payload: bytes) -> Admitted | Refused | AcceptFailed:
+def decode_from_acceptor(payload: bytes) -> Started | Admitted | Refused | AcceptFailed:
     """A message of the acceptor; raises ValueError (msgspec's DecodeError or ValidationError) on any other bytes."""
     return _from_acceptor.decode(payload)

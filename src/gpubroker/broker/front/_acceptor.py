@@ -67,6 +67,7 @@ from gpubroker.wire.accept import (
     Listen,
     Pause,
     Refused,
+    Started,
     Unlisten,
     decode_from_acceptor,
     decode_to_acceptor,
@@ -82,6 +83,8 @@ log = logging.getLogger("gpubroker.server")
 ACCEPTOR_NICE: Final = 10
 # Refusals are reported at most this often (and counted meanwhile).
 REPORT_SECONDS: Final = 0.1
+# How long the front waits for the process to say it has started before it accepts on its loop instead.
+START_TIMEOUT: Final = 10.0
 # Connections accepted and not yet taken by the front: past this, the process accepts no more until the front
 # takes some (connections wait in the backlog).
 MAX_UNSENT: Final = 256
@@ -131,14 +134,17 @@ class AcceptorProcess:
         self._unsent: collections.deque[tuple[bytes, int | None]] = collections.deque()  # (waits for the channel)
         self._writing = False
         self._closed = False
+        self._started: asyncio.Future[None] | None = None
 
     @property
     def alive(self) -> bool:
         return self._channel is not None
 
-    def start(self) -> None:
-        """Start the process (on the front's loop)."""
+    async def start(self) -> None:
+        """Start the process (on the front's loop), and wait until it runs: a front that says it is ready accepts.
+        A process that does not start in time is killed, and the acceptors accept on the loop."""
         self._loop = asyncio.get_running_loop()
+        self._started = self._loop.create_future()
         self._thread = threading.get_ident()
         front, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -157,7 +163,15 @@ class AcceptorProcess:
         front.setblocking(False)
         self._channel = front
         self._loop.add_reader(front.fileno(), self._read)
-        log.info("acceptor process started (pid %d)", self.process.pid)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._started), START_TIMEOUT)
+        except TimeoutError:
+            self._gone(f"it did not start within {START_TIMEOUT:g} s")
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+            return
+        if self.alive:
+            log.info("acceptor process started (pid %d, nice +%d)", self.process.pid, ACCEPTOR_NICE)
 
     async def close(self) -> None:
         """End the process (every acceptor closed by now) and wait for it."""
@@ -303,6 +317,10 @@ class AcceptorProcess:
         if isinstance(message, Refused):
             self._on_refused(message)
             return
+        if isinstance(message, Started):
+            if self._started is not None and not self._started.done():
+                self._started.set_result(None)
+            return
         acceptor = self._acceptors.get(message.listener)
         if isinstance(message, AcceptFailed):
             if acceptor is not None:
@@ -348,6 +366,8 @@ class AcceptorProcess:
 
     def _gone(self, why: str) -> None:
         self._drop_channel()
+        if self._started is not None and not self._started.done():
+            self._started.set_result(None)  # (start ends: every acceptor accepts on the loop)
         if self._closed:
             return
         log.error("the acceptor process is gone (%s): accepting on the front's event loop from now on", why)
@@ -402,8 +422,10 @@ class _Acceptor:
         self.reported = 0.0
         self.channel_events = select.EPOLLIN
         self.poll.register(channel.fileno(), self.channel_events)
+        self.unsent.append((encode(Started(os.getpid())), None, -1))
 
     def run(self) -> None:
+        self._flush()  # (Started)
         while True:
             timeout = self._timeout()
             for fd, events in self.poll.poll(timeout):

@@ -271,7 +271,7 @@ class Broker:
         # Every listener accepts in the front's acceptor process, which applies the connection rate and closes what
         # it refuses: a peer connecting and closing in a loop costs this loop nothing (_acceptor.py).
         self.accepts = AcceptorProcess(connection_rate)
-        self.accepts.start()
+        await self.accepts.start()
         self.gate = GrpcGate(grpc_connection_cap(cfg.max_grpc_connections), cfg.max_grpc_connections_per_peer,
                              self.health.refusals, connection_rate=connection_rate, call_rate=call_rate,
                              accepts=self.accepts)
