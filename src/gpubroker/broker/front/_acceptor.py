@@ -22,10 +22,12 @@ up as the connection was accepted, while the peer's socket surely existed). Ever
 still holds on the loop (concurrent connections per peer and in all, the pre-authentication caps). Refusals come
 as counts, at most every ``REPORT_SECONDS``, into gpubroker_endpoint_refusals (reason ``connection rate``) and the
 rate-limited audit lines. Out of descriptors: the process pauses a listener by itself when its own accept fails
-(and says so), and when the front's does (a connection the front cannot take: ``Pause``); connections wait in the
-backlog meanwhile. A listener closed by the front is shut first (the kernel then refuses new connections whoever
-holds it), then closed by the process too. The process exits when the front does (PR_SET_PDEATHSIG, and the
-socketpair's end); should it end first, every acceptor accepts on the front's loop again (``accept_here``).
+(and says so), and when the front's does (``Pause``: the admitter could not serve a connection, or the front could
+not receive one, which the kernel then closes: the one connection lost where accepting on the loop would have left
+it in the backlog); connections wait in the backlog meanwhile. A listener closed by the front is shut first (the
+kernel then refuses new connections whoever holds it), then closed by the process too. The process exits when
+the front does (PR_SET_PDEATHSIG, and the socketpair's end); should it end first, every acceptor accepts on the
+front's loop again (``accept_here``).
 """
 
 from __future__ import annotations
