@@ -61,7 +61,7 @@ from typing import Any, cast
 
 from gpubroker.broker.front.auth import RateLimitedLog
 from gpubroker.broker.front.listen import listen_unix, tcp_listeners
-from gpubroker.broker.front.listeners import Acceptor, Peer, PeerRate, out_of_descriptors, pump
+from gpubroker.broker.front.listeners import Acceptor, OffLoop, Peer, PeerRate, out_of_descriptors, pump
 from gpubroker.wire.addresses import TcpAddress, UnixAddress, VsockAddress, parse_host_port
 from gpubroker.wire.errors import InvalidArgument
 
@@ -142,8 +142,9 @@ class GrpcGate:
 
     def __init__(self, max_connections: int, max_per_peer: int, refusals: dict[tuple[str, str], int] | None = None,
                  own_thread: bool = False, connection_rate: PeerRate | None = None,
-                 call_rate: PeerRate | None = None) -> None:
+                 call_rate: PeerRate | None = None, accepts: OffLoop | None = None) -> None:
         self.max_connections = max_connections
+        self.accepts = accepts  # where the acceptors accept (the front's acceptor process), if not on the loop
         self.max_per_peer = max_per_peer
         self.connection_rate = connection_rate  # how fast each peer may connect (the acceptors')
         self.call_rate = call_rate  # how fast each peer may start calls (``over_call_rate``)
@@ -224,7 +225,7 @@ class GrpcGate:
     def _add_listener(self, sock: socket.socket, public: str, private: str, loopback_only: bool) -> None:
         listener = _Listener(public, private, loopback_only)
         listener.acceptor = Acceptor(sock, public, functools.partial(self._admit, listener), "grpc",
-                                     self.connection_rate)
+                                     self.connection_rate, self.accepts)
         self._listeners.append(listener)
 
     @property

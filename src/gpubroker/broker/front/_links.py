@@ -60,7 +60,7 @@ from gpubroker.broker.front._sessions import Session
 from gpubroker.broker.front._tcp_relay import PAIR_BUFFER, HandshakeFailed, HelloCutShort, TcpRelay
 from gpubroker.broker.front.auth import Credentials, Principal, RateLimitedLog, peer_certificate_names
 from gpubroker.broker.front.listen import listen_tcp
-from gpubroker.broker.front.listeners import Acceptor, Peer, PeerRate
+from gpubroker.broker.front.listeners import Acceptor, OffLoop, Peer, PeerRate
 from gpubroker.broker.front.scheduler import TurnLease
 from gpubroker.broker.logs import bind_log_context
 from gpubroker.wire.errors import (
@@ -102,9 +102,11 @@ class LinkServer:
     """Every link listener of the broker, sharing one pre-authentication gate."""
 
     def __init__(self, service: Any, gate: PreAuthGate, segments: SegmentService, max_links_per_tenant: int = 64,
-                 handoff_timeout: float = 30.0, connection_rate: PeerRate | None = None) -> None:
+                 handoff_timeout: float = 30.0, connection_rate: PeerRate | None = None,
+                 accepts: OffLoop | None = None) -> None:
         self.service = service
         self.connection_rate = connection_rate  # (how fast each peer may connect: the Acceptors')
+        self.accepts = accepts  # (where the Acceptors accept: the front's acceptor process, if not on the loop)
         self.gate = gate
         self.segments = segments
         self.max_links_per_tenant = max_links_per_tenant
@@ -135,7 +137,8 @@ class LinkServer:
             self._no_links.add(where)
         if path is not None:
             self._paths.append(path)
-        self._listen(Acceptor(sock, where, functools.partial(self._admit_socket, where), "link", self.connection_rate))
+        self._listen(Acceptor(sock, where, functools.partial(self._admit_socket, where), "link", self.connection_rate,
+                              self.accepts))
 
     async def listen_tcp(self, host: str, port: int, tls: ssl.SSLContext | None) -> int:
         """Serve links on TCP (TLS terminated here when ``tls``); the port bound."""
@@ -146,7 +149,7 @@ class LinkServer:
         sock = listen_tcp(family, address)
         bound: int = sock.getsockname()[1]
         self._listen(Acceptor(sock, where, functools.partial(self._admit_tcp, where, tls), "link",
-                              self.connection_rate))
+                              self.connection_rate, self.accepts))
         return bound
 
     async def stop(self) -> None:

@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 from gpubroker.broker.front._sessions import SessionManager
 from gpubroker.broker.front.auth import RateLimitedLog
 from gpubroker.broker.front.listen import tcp_listeners
-from gpubroker.broker.front.listeners import Acceptor, Peer, PeerRate
+from gpubroker.broker.front.listeners import Acceptor, OffLoop, Peer, PeerRate
 from gpubroker.broker.front.scheduler import DeviceScheduler
 from gpubroker.broker.front.workers import WorkerPool
 from gpubroker.wire.addresses import TcpAddress, parse_host_port
@@ -309,9 +309,10 @@ class MetricsServer:
     """
 
     def __init__(self, collector: BrokerCollector, limits: MetricsLimits | None = None,
-                 connection_rate: PeerRate | None = None) -> None:
+                 connection_rate: PeerRate | None = None, accepts: OffLoop | None = None) -> None:
         self.collector = collector
         self.connection_rate = connection_rate  # (how fast each peer may connect: the Acceptor's)
+        self.accepts = accepts  # (where the Acceptors accept: the front's acceptor process, if not on the loop)
         self.limits = limits or MetricsLimits()
         self.registry = CollectorRegistry()
         self.registry.register(collector)
@@ -342,7 +343,8 @@ class MetricsServer:
             raise FailedPrecondition(f"metrics_listen {listen}: {exc.strerror or exc}") from None
         self.address = str(TcpAddress(wanted.host, socks[0].getsockname()[1]))
         for sock in socks:
-            acceptor = Acceptor(sock, f"metrics:{self.address}", self._admit, "metrics", self.connection_rate)
+            acceptor = Acceptor(sock, f"metrics:{self.address}", self._admit, "metrics", self.connection_rate,
+                                self.accepts)
             self._acceptors.append(acceptor)
             acceptor.start()
         return self.address
@@ -545,9 +547,9 @@ _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Al
 async def serve_metrics(listen: str, sessions: SessionManager, schedulers: dict[int, DeviceScheduler],
                         pool: WorkerPool, refusals: dict[tuple[str, str], int],
                         limits: MetricsLimits | None = None,
-                        connection_rate: PeerRate | None = None) -> MetricsServer:
+                        connection_rate: PeerRate | None = None, accepts: OffLoop | None = None) -> MetricsServer:
     """Start the endpoint for a running broker (call on its event loop)."""
-    server = MetricsServer(BrokerCollector(sessions, schedulers, pool, refusals), limits, connection_rate)
+    server = MetricsServer(BrokerCollector(sessions, schedulers, pool, refusals), limits, connection_rate, accepts)
     await server.start(listen)
     log.info("metrics on http://%s/metrics (unauthenticated: keep it on loopback or a monitoring network)",
              server.address)

@@ -21,6 +21,7 @@ import grpc
 
 from gpubroker.broker.config import BrokerConfig, load_config
 from gpubroker.broker.front import _systemd
+from gpubroker.broker.front._acceptor import AcceptorProcess
 from gpubroker.broker.front._admin import AdminService
 from gpubroker.broker.front._cpuwatch import CpuWatch
 from gpubroker.broker.front._credentials import link_tls, loopback_address, tcp_credentials
@@ -147,6 +148,7 @@ class Broker:
         self.metrics: MetricsServer | None = None
         self.sandbox: WorkerSandbox | None = None
         self.gate: GrpcGate | None = None
+        self.accepts: AcceptorProcess | None = None  # the acceptor process every listener accepts in
         self._removing = asyncio.Lock()  # deletions of stale compile caches, one at a time
         self._removals: set[asyncio.Task[None]] = set()
         self.cpu_watch: CpuWatch | None = None
@@ -266,8 +268,13 @@ class Broker:
                                    self.health.refusals)
         call_rate = PeerRate(cfg.max_grpc_calls_per_peer_per_second, cfg.grpc_call_burst_per_peer,
                              self.health.refusals, reason="call rate")
+        # Every listener accepts in the front's acceptor process, which applies the connection rate and closes what
+        # it refuses: a peer connecting and closing in a loop costs this loop nothing (_acceptor.py).
+        self.accepts = AcceptorProcess(connection_rate)
+        await self.accepts.start()
         self.gate = GrpcGate(grpc_connection_cap(cfg.max_grpc_connections), cfg.max_grpc_connections_per_peer,
-                             self.health.refusals, connection_rate=connection_rate, call_rate=call_rate)
+                             self.health.refusals, connection_rate=connection_rate, call_rate=call_rate,
+                             accepts=self.accepts)
         for address in cfg.listen:
             if (listen_path := unix_path(address)) is not None:
                 public = self.gate.listen_unix(Path(listen_path), cfg.socket_mode, cfg.socket_group)
@@ -296,7 +303,7 @@ class Broker:
         # front registers itself (_segments.py). With fast_path = false that socket serves segments only.
         segments = SegmentService(cfg, self.auth, self.sessions)
         self.links = LinkServer(service, gate, segments, cfg.max_links_per_tenant, cfg.link_handoff_timeout_seconds,
-                                connection_rate)
+                                connection_rate, self.accepts)
         for address in self.ports:
             if (public_path := unix_path(address)) is not None:
                 secure_unix_socket(Path(public_path), cfg.socket_mode, cfg.socket_group)
@@ -324,7 +331,7 @@ class Broker:
                 cfg.metrics_listen, self.sessions, self.schedulers, self.pool, self.health.refusals,
                 MetricsLimits(cfg.max_metrics_connections, cfg.max_metrics_connections_per_peer,
                               cfg.metrics_request_timeout_seconds, cfg.metrics_refresh_seconds,
-                              cfg.metrics_requests_per_peer_per_second), connection_rate)
+                              cfg.metrics_requests_per_peer_per_second), connection_rate, self.accepts)
         self.sessions.start()
         self.cpu_watch.start()
         log.info("serving on %s", ", ".join(self.ports))
@@ -544,6 +551,8 @@ class Broker:
             await self.health.stop()
         if self.metrics is not None:  # last: a scrape during the stop still sees the sessions go
             await self.metrics.stop()
+        if self.accepts is not None:  # (every listener closed by now)
+            await self.accepts.close()
 
 
 async def _serve(config: BrokerConfig, ready_file: str | None) -> None:

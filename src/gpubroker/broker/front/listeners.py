@@ -10,6 +10,12 @@ Out of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM) it stops acceptin
 lasts, rather than spinning on a listener it cannot serve: connections wait in the backlog meanwhile (or the
 kernel refuses them once it is full). A connection that is gone before it was taken (ECONNABORTED, EPROTO, EPERM)
 is skipped; any other failure ends the listener, with a log line saying so.
+
+In the broker every acceptor accepts off the front's event loop, in the front's acceptor process (``accepts``:
+`_acceptor.AcceptorProcess`), which applies the per-peer connection rate and closes what it refuses, so that a
+peer connecting and closing in a loop costs the loop nothing: the acceptor here is then told of each connection
+admitted (`deliver`), of refusals (`refused`) and of failures (`failed`), and names the peer again itself. With
+no acceptor process (``gpubroker relay``, tests), or once it is gone, it accepts on the loop as described above.
 """
 
 from __future__ import annotations
@@ -23,14 +29,14 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from gpubroker.broker.front._owners import SocketOwners, plain_host
 from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
 from gpubroker.wire.addresses import TcpAddress, VsockAddress
 
-__all__ = ["ACCEPT_BACKOFF", "ACCEPT_BACKOFF_MAX", "ACCEPT_BATCH", "PUMP_CHUNK", "Acceptor", "Admit", "Peer",
-           "PeerRate", "network_of", "out_of_descriptors", "peer_of", "pump"]
+__all__ = ["ACCEPT_BACKOFF", "ACCEPT_BACKOFF_MAX", "ACCEPT_BATCH", "GONE", "PUMP_CHUNK", "Acceptor", "Admit", "OffLoop",
+           "OwnerLookup", "Peer", "PeerRate", "network_of", "out_of_descriptors", "peer_of", "pump"]
 
 log = logging.getLogger("gpubroker.server")
 audit = logging.getLogger("gpubroker.audit")
@@ -41,7 +47,7 @@ ACCEPT_BATCH: Final = 64
 ACCEPT_BACKOFF: Final = 0.05
 ACCEPT_BACKOFF_MAX: Final = 1.0
 _OUT_OF_DESCRIPTORS: Final = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-_GONE: Final = (errno.ECONNABORTED, errno.EPROTO, errno.EPERM)
+GONE: Final = (errno.ECONNABORTED, errno.EPROTO, errno.EPERM)
 # Peers a `PeerRate` remembers at most: past it, those whose bucket is full again are forgotten (they lose nothing),
 # then if need be the oldest half (they start again with a full bucket: the table stays bounded whoever floods it).
 MAX_RATED_PEERS: Final = 4096
@@ -78,10 +84,10 @@ class PeerRate:
             self._forget(now)
         return True
 
-    def count(self, endpoint: str) -> None:
-        """Count a refusal at ``endpoint`` (its key set by `register` before anyone iterates the counts)."""
+    def count(self, endpoint: str, refusals: int = 1) -> None:
+        """Count ``refusals`` at ``endpoint`` (its key set by `register` before anyone iterates the counts)."""
         if (endpoint, self.reason) in self.refusals:
-            self.refusals[(endpoint, self.reason)] += 1
+            self.refusals[(endpoint, self.reason)] += refusals
 
     def register(self, endpoint: str) -> None:
         self.refusals.setdefault((endpoint, self.reason), 0)
@@ -149,7 +155,16 @@ def network_of(host: str) -> str:
     return str(ipaddress.ip_network(f"{ip}/{24 if ip.version == 4 else 64}", strict=False))
 
 
-def peer_of(conn: socket.socket, accepted: Any, owners: SocketOwners | None = None) -> Peer:
+class OwnerLookup(Protocol):
+    """Who owns the socket at the other end of a local TCP connection (`_owners.SocketOwners`; or, in the front,
+    what its acceptor process found when it accepted the connection)."""
+
+    def of(self, conn: socket.socket, peer: tuple[str, int]) -> int | None: ...
+
+    def close(self) -> None: ...
+
+
+def peer_of(conn: socket.socket, accepted: Any, owners: OwnerLookup | None = None) -> Peer:
     """The `Peer` of ``conn``, which accept() returned with the address ``accepted``: the one naming of peers for
     every listener. ``owners``: the caller's lookup of local TCP peers' owners (one is made for this call
     without it)."""
@@ -162,7 +177,7 @@ def peer_of(conn: socket.socket, accepted: Any, owners: SocketOwners | None = No
     address = TcpAddress(host, port)
     if not _is_loopback(host) and host != plain_host(str(conn.getsockname()[0])):
         return Peer(-1, -1, address, accepted)
-    lookup = owners if owners is not None else SocketOwners()
+    lookup: OwnerLookup = owners if owners is not None else SocketOwners()
     owner: int | None
     try:
         owner = lookup.of(conn, (host, port))
@@ -194,6 +209,18 @@ def out_of_descriptors(exc: OSError) -> bool:
     return exc.errno in _OUT_OF_DESCRIPTORS
 
 
+class OffLoop(Protocol):
+    """Where acceptors accept off the front's event loop (`_acceptor.AcceptorProcess`): it accepts on each
+    registered acceptor's listening socket and tells the acceptor what came (`Acceptor.deliver`, `refused`,
+    `failed`); on its end, `Acceptor.accept_here` on each."""
+
+    def register(self, acceptor: Acceptor) -> None: ...
+
+    def unregister(self, acceptor: Acceptor) -> None: ...
+
+    def pause(self, acceptor: Acceptor, seconds: float) -> None: ...
+
+
 class Acceptor:
     """Accepts on one listening socket (non-blocking from here on), on the loop `start` is given.
 
@@ -201,10 +228,13 @@ class Acceptor:
     ``metrics``, ``relay``), the rate-limited audit line's kind and gpubroker_endpoint_refusals' endpoint.
     ``rate``: how fast each peer may connect (one `PeerRate` for every listener of the front, so that a peer is
     one peer whichever it connects to): a connection past it is closed as soon as it is accepted and its peer
-    named, before the listener sees it: a peer connecting and closing in a loop costs the loop one accept, one
-    SO_PEERCRED lookup and one close per connection, and is admitted only at the rate."""
+    named, before the listener sees it. On the loop, a peer connecting and closing in a loop costs it one accept,
+    one SO_PEERCRED lookup and one close per connection (10-16 us); with ``accepts``, the front's acceptor
+    process, which applies the same rate (one bucket per peer for every listener), it costs the loop nothing: the
+    acceptor here counts what the process refused and serves what it admitted."""
 
-    def __init__(self, sock: socket.socket, name: str, admit: Admit, kind: str, rate: PeerRate | None = None) -> None:
+    def __init__(self, sock: socket.socket, name: str, admit: Admit, kind: str, rate: PeerRate | None = None,
+                 accepts: OffLoop | None = None) -> None:
         self.sock, self.name, self.kind = sock, name, kind
         self._admit = admit
         self._rate = rate
@@ -214,21 +244,46 @@ class Acceptor:
         self.backoff = 0.0
         self.closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._accepts = accepts
+        self._paused_until = 0.0  # (off the loop: the acceptor process is told to pause until then)
         # Who owns local TCP peers' sockets: the acceptor's own lookup (its netlink socket is used on its loop only).
         self._owners = SocketOwners() if sock.family in (socket.AF_INET, socket.AF_INET6) else None
         sock.setblocking(False)
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop the acceptor serves its connections on, once started."""
+        return self._loop
+
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Accept on ``loop`` (the running one by default), from its thread."""
+        """Accept on ``loop`` (the running one by default), from its thread; or, with ``accepts``, have the
+        acceptor process accept, and serve what it admits on ``loop``."""
         self._loop = loop or asyncio.get_running_loop()
-        self._loop.add_reader(self.sock.fileno(), self._accept)
+        if self._accepts is not None:
+            self._accepts.register(self)
+        else:
+            self._loop.add_reader(self.sock.fileno(), self._accept)
+
+    def accept_here(self) -> None:
+        """The acceptor process is gone: accept on the loop from now on (on the loop's thread)."""
+        self._accepts = None
+        if not self.closed and self._loop is not None and self.sock.fileno() >= 0:
+            self._loop.add_reader(self.sock.fileno(), self._accept)
 
     def close(self) -> None:
         """Stop accepting and close the listening socket (on the loop's thread, once started)."""
         if self.closed:
             return
         self.closed = True
-        if self._loop is not None and self.sock.fileno() >= 0:
+        if self._accepts is not None:
+            # The acceptor process holds the same listening socket: shut it first, so that from now on the kernel
+            # refuses connections to it whoever holds it (a vsock one cannot be shut: closed when the process is
+            # told to), then tell the process to close its copy (what it accepted meanwhile is closed too).
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            if self._loop is not None:
+                self._accepts.unregister(self)
+        elif self._loop is not None and self.sock.fileno() >= 0:
             self._loop.remove_reader(self.sock.fileno())
         self.sock.close()
         if self._owners is not None:
@@ -237,11 +292,23 @@ class Acceptor:
     def back_off(self, exc: OSError) -> None:
         """Out of descriptors (or memory): accept nothing for a moment; connections wait in the backlog."""
         assert self._loop is not None
+        if self._accepts is not None:
+            now = time.monotonic()
+            if now < self._paused_until:
+                return  # (connections the process handed over before the pause: they find the front as full)
+            self.backoff = min(ACCEPT_BACKOFF_MAX, max(ACCEPT_BACKOFF, self.backoff * 2))
+            self._paused_until = now + self.backoff
+            self._pausing(exc.strerror)
+            self._accepts.pause(self, self.backoff)
+            return
         self.backoff = min(ACCEPT_BACKOFF_MAX, max(ACCEPT_BACKOFF, self.backoff * 2))
-        _audit.warning(f"{self.kind} accept", "action=pause-accept listener=%s reason=accept failed (%s): accepting "
-                       "again in %.2f s (connections wait in the backlog)", self.name, exc.strerror, self.backoff)
+        self._pausing(exc.strerror)
         self._loop.remove_reader(self.sock.fileno())
         self._loop.call_later(self.backoff, self._resume)
+
+    def _pausing(self, why: str | None) -> None:
+        _audit.warning(f"{self.kind} accept", "action=pause-accept listener=%s reason=accept failed (%s): accepting "
+                       "again in %.2f s (connections wait in the backlog)", self.name, why, self.backoff)
 
     def _resume(self) -> None:
         if not self.closed and self.sock.fileno() >= 0:
@@ -259,7 +326,7 @@ class Acceptor:
                     self.failures += 1
                     self.back_off(exc)
                     return
-                if exc.errno in _GONE:
+                if exc.errno in GONE:
                     continue  # (that connection is gone; the next one may be fine)
                 log.error("%s listener %s: accept failed, no longer accepting: %s", self.kind, self.name, exc)
                 assert self._loop is not None
@@ -269,7 +336,8 @@ class Acceptor:
             try:
                 peer = peer_of(conn, address, self._owners)
                 if self._rate is not None and not self._rate.take(peer.key):
-                    self._too_fast(conn, peer)
+                    conn.close()
+                    self.refused(peer.key)
                     continue
                 conn.setblocking(False)  # (as asyncio's sock_accept leaves it: every admitter serves it on a loop)
                 if not self._admit(conn, peer):
@@ -278,13 +346,49 @@ class Acceptor:
                 conn.close()
                 log.error("%s listener %s: admitting a connection failed: %r", self.kind, self.name, exc)
 
-    def _too_fast(self, conn: socket.socket, peer: Peer) -> None:
-        conn.close()
-        assert self._rate is not None
-        self._rate.count(self.kind)
+    # -- told by the acceptor process (on this acceptor's loop) -------------------------------------------------
+
+    def deliver(self, conn: socket.socket, owners: OwnerLookup) -> None:
+        """Serve ``conn``, which the acceptor process accepted on this listener and admitted at its peer's rate.
+        The peer is named here again, as `peer_of` names every peer, from what the kernel tells this process
+        (SO_PEERCRED, the addresses); ``owners``: the owner of a local TCP peer's socket, as the process found it
+        when it accepted the connection (the socket may be gone by now)."""
+        if self.closed:
+            conn.close()
+            return
+        try:
+            peer = peer_of(conn, conn.getpeername(), owners)
+        except OSError:  # (gone already: reset before the front took it)
+            conn.close()
+            return
+        if self._paused_until and time.monotonic() >= self._paused_until:
+            self._paused_until, self.backoff = 0.0, 0.0
+        try:
+            conn.setblocking(False)
+            self._admit(conn, peer)  # (False: it backed off, and told the process so)
+        except Exception as exc:  # one connection's failure must not stop the listener
+            conn.close()
+            log.error("%s listener %s: admitting a connection failed: %r", self.kind, self.name, exc)
+
+    def refused(self, key: str, connections: int = 1) -> None:
+        """``connections`` of the peer ``key`` were closed at accept, past its connection rate: count them."""
+        if self._rate is None:
+            return
+        self._rate.count(self.kind, connections)
         _audit.warning(f"{self.kind} connection rate", "action=refuse-connection listener=%s peer=%s reason=over "
-                       "max_connections_per_peer_per_second (%g a second, %g at once)", self.name, peer.key,
-                       self._rate.rate, self._rate.burst)
+                       "max_connections_per_peer_per_second (%g a second, %g at once)%s", self.name, key,
+                       self._rate.rate, self._rate.burst, f" connections={connections}" if connections > 1 else "")
+
+    def failed(self, code: int, reason: str, paused: float) -> None:
+        """accept() failed in the acceptor process: it paused for ``paused`` seconds (out of descriptors or
+        memory), or, with 0, stopped accepting on this listener."""
+        if paused > 0:
+            self.failures += 1
+            self.backoff = paused
+            self._pausing(reason)
+            return
+        log.error("%s listener %s: accept failed, no longer accepting: [Errno %d] %s", self.kind, self.name, code,
+                  reason)
 
 
 # What a pumped relay (``pump``) holds in user space per direction: one read's worth.
