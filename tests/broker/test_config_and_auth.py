@@ -68,7 +68,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "gpubroker.example.to
 NEW_KEYS = ["sandbox", "cache_dir", "worker_memory_max", "worker_pids_max", "worker_cpu_weight", "max_kernel_seconds",
             "lone_kernel_seconds", "tenant_crash_budget", "tenant_crash_window_seconds", "hello_max_bytes",
             "hello_timeout_seconds", "max_unauthenticated_connections", "max_unauthenticated_per_uid",
-            "connection_idle_seconds", "max_shared_bytes_per_tenant", "auth_failure_delay_max_seconds",
+            "peer_network_ipv4", "peer_network_ipv6", "connection_idle_seconds", "max_shared_bytes_per_tenant",
+            "auth_failure_delay_max_seconds",
             # (issue 21: the gRPC front, .shm, the worker's tmpfs)
             "max_grpc_connections", "max_grpc_connections_per_peer", "grpc_idle_seconds",
             "max_grpc_streams_per_connection", "max_read_ahead_bytes_per_tenant", "max_shm_connections_per_tenant",

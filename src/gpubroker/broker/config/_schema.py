@@ -338,6 +338,15 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "The same, per peer across the raw listeners: a uid on Unix sockets (SO_PEERCRED) and on TCP from this host "
         "(the uid owning the client's socket: every local user has address 127.0.0.1), a /24 (IPv4) or /64 (IPv6) "
         "network on other TCP, a CID on vsock."))] = 64
+    peer_network_ipv4: Annotated[int, Meta(ge=8, le=32, description=(
+        "How remote IPv4 peers (TCP from another host) are grouped into one peer for every per-peer cap and rate: "
+        "by their network of this prefix length. 24 (the default) counts a /24 as one peer, since one host may "
+        "hold many addresses; where many clients each have an address in one /24 (pods of one Kubernetes node "
+        "behind no NAT), 32 gives each address caps of its own, and an attacker holding many addresses as many "
+        "peers. Local peers are counted by their uid, VM guests by their CID, whatever this says."))] = 24
+    peer_network_ipv6: Annotated[int, Meta(ge=32, le=128, description=(
+        "The same for remote IPv6 peers: 64 (the default) counts a /64 as one peer, since a host commonly holds "
+        "a /64 of its own; 128 counts each address."))] = 64
     max_grpc_connections: Annotated[int, Meta(ge=1, description=(
         "gRPC connections the broker keeps open at once, authenticated or not, over all its listen addresses; "
         "more are refused as they are accepted. Each takes three of the broker's descriptors (the client's socket, "

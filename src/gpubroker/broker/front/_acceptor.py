@@ -55,8 +55,10 @@ from gpubroker.broker.front.listeners import (
     ACCEPT_BACKOFF,
     ACCEPT_BACKOFF_MAX,
     ACCEPT_BATCH,
+    DEFAULT_NETWORKS,
     GONE,
     Acceptor,
+    PeerNetworks,
     PeerRate,
     out_of_descriptors,
     peer_of,
@@ -124,8 +126,9 @@ class AcceptorProcess:
     """The front's handle on its acceptor process (``listeners.OffLoop``): `start` it on the front's loop before
     any acceptor starts, `close` it after the last has closed."""
 
-    def __init__(self, rate: PeerRate) -> None:
+    def __init__(self, rate: PeerRate, networks: PeerNetworks = DEFAULT_NETWORKS) -> None:
         self.rate = rate
+        self.networks = networks
         self.process: subprocess.Popen[bytes] | None = None
         self._channel: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -152,7 +155,7 @@ class AcceptorProcess:
         try:
             argv = [sys.executable, "-s", "-P", "-m", __name__, "--channel", str(child.fileno()), "--parent",
                     str(os.getpid()), "--rate", repr(self.rate.rate), "--burst", repr(self.rate.burst),
-                    "--nice", str(ACCEPTOR_NICE)]
+                    "--ipv4", str(self.networks.ipv4), "--ipv6", str(self.networks.ipv6), "--nice", str(ACCEPTOR_NICE)]
             # subprocess (vfork + exec), as the workers are started: never a fork of a process full of threads.
             # Its stdout and stderr are the front's: it writes nothing but a traceback on a bug.
             self.process = subprocess.Popen(argv, pass_fds=[child.fileno()], stdin=subprocess.DEVNULL,
@@ -412,9 +415,10 @@ class _Listening:
 class _Acceptor:
     """The process's one loop: accept on every listener, refuse past the rate, hand over the rest."""
 
-    def __init__(self, channel: socket.socket, rate: PeerRate) -> None:
+    def __init__(self, channel: socket.socket, rate: PeerRate, networks: PeerNetworks) -> None:
         self.channel = channel
         self.rate = rate
+        self.networks = networks
         self.poll = select.epoll()
         self.listening: dict[int, _Listening] = {}
         self.by_fd: dict[int, _Listening] = {}
@@ -543,7 +547,7 @@ class _Acceptor:
                 return
             listening.backoff = 0.0
             try:
-                peer = peer_of(conn, address, listening.owners)
+                peer = peer_of(conn, address, listening.owners, self.networks)
             except Exception:  # (its socket is gone, say): named as the front would not, refused
                 conn.close()
                 continue
@@ -616,7 +620,7 @@ def main(argv: list[str]) -> None:
     channel = socket.socket(fileno=int(options["--channel"]))
     channel.setblocking(False)
     rate = PeerRate(float(options["--rate"]), float(options["--burst"]))
-    _Acceptor(channel, rate).run()
+    _Acceptor(channel, rate, PeerNetworks(int(options["--ipv4"]), int(options["--ipv6"]))).run()
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from gpubroker.broker.front._sessions import Session, SessionManager
 from gpubroker.broker.front._status import add_servicer
 from gpubroker.broker.front.auth import Authenticator
 from gpubroker.broker.front.listen import listen_unix, listen_vsock, secure_unix_socket
-from gpubroker.broker.front.listeners import PeerRate
+from gpubroker.broker.front.listeners import PeerNetworks, PeerRate
 from gpubroker.broker.front.scheduler import DeviceScheduler
 from gpubroker.broker.front.workers import WorkerClient, WorkerPool, cpu_count, device_info_from_dict, hold_seconds
 from gpubroker.broker.sandbox import SandboxUnavailable, WorkerSandbox, cache_key
@@ -270,7 +270,7 @@ class Broker:
                              self.health.refusals, reason="call rate")
         # Every listener accepts in the front's acceptor process, which applies the connection rate and closes what
         # it refuses: a peer connecting and closing in a loop costs this loop nothing (_acceptor.py).
-        self.accepts = AcceptorProcess(connection_rate)
+        self.accepts = AcceptorProcess(connection_rate, PeerNetworks(cfg.peer_network_ipv4, cfg.peer_network_ipv6))
         await self.accepts.start()
         self.gate = GrpcGate(grpc_connection_cap(cfg.max_grpc_connections), cfg.max_grpc_connections_per_peer,
                              self.health.refusals, connection_rate=connection_rate, call_rate=call_rate,

@@ -35,8 +35,9 @@ from gpubroker.broker.front._owners import SocketOwners, plain_host
 from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
 from gpubroker.wire.addresses import TcpAddress, VsockAddress
 
-__all__ = ["ACCEPT_BACKOFF", "ACCEPT_BACKOFF_MAX", "ACCEPT_BATCH", "GONE", "PUMP_CHUNK", "Acceptor", "Admit", "OffLoop",
-           "OwnerLookup", "Peer", "PeerRate", "network_of", "out_of_descriptors", "peer_of", "pump"]
+__all__ = ["ACCEPT_BACKOFF", "ACCEPT_BACKOFF_MAX", "ACCEPT_BATCH", "DEFAULT_NETWORKS", "GONE", "PUMP_CHUNK", "Acceptor",
+           "Admit", "OffLoop", "OwnerLookup", "Peer", "PeerNetworks", "PeerRate", "out_of_descriptors", "peer_of",
+           "pump"]
 
 log = logging.getLogger("gpubroker.server")
 audit = logging.getLogger("gpubroker.audit")
@@ -106,6 +107,28 @@ class PeerRate:
 
 
 @dataclass(frozen=True)
+class PeerNetworks:
+    """How remote TCP peers are grouped into one peer (``peer_network_ipv4`` / ``peer_network_ipv6``): by the
+    network of this prefix length their address is in. One host commonly holds a network's worth of addresses
+    (an IPv6 host its /64), so the default counts a /24 or /64 as one peer; where many clients each have an address
+    of their own in one such network (pods of one Kubernetes node), a longer prefix gives each its own caps."""
+
+    ipv4: int = 24
+    ipv6: int = 64
+
+    def of(self, host: str) -> str:
+        """The network ``host`` is counted by; a name that is no address, itself."""
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return host
+        return str(ipaddress.ip_network(f"{ip}/{self.ipv4 if ip.version == 4 else self.ipv6}", strict=False))
+
+
+DEFAULT_NETWORKS: Final = PeerNetworks()
+
+
+@dataclass(frozen=True)
 class Peer:
     """Who is at the other end of an accepted connection, as far as the kernel tells: on a Unix socket the peer
     process's pid and uid (SO_PEERCRED, which a peer cannot forge; -1 if unknown) and no address; on TCP and vsock
@@ -118,6 +141,7 @@ class Peer:
     address: TcpAddress | VsockAddress | None  # (an IPv4 peer of a dual-stack listener: its IPv4 address)
     accepted: Any  # the address as accept() gave it, as audit lines show it
     local: bool = False
+    networks: PeerNetworks = DEFAULT_NETWORKS  # (how a remote TCP peer is grouped)
 
     @property
     def host(self) -> str:
@@ -135,24 +159,15 @@ class Peer:
     def key(self) -> str:
         """Whom a connection of this peer is counted against, by every listener's caps alike: ``uid N`` where the
         kernel names its uid (a Unix socket, TCP from this host), so that one local user is one peer whatever
-        the listener or address (127.0.0.0/8 is all the host's own); a remote TCP peer's network, a /24 (IPv4) or
-        /64 (IPv6), since one host commonly holds a network's worth of addresses; a VM by its CID."""
+        the listener or address (127.0.0.0/8 is all the host's own); a remote TCP peer's network (`PeerNetworks`:
+        by default a /24 or /64, since one host commonly holds a network's worth of addresses); a VM by its CID."""
         if self.uid >= 0:
             return f"uid {self.uid}"
         if isinstance(self.address, VsockAddress):
             return f"vsock {self.address.cid}"
         if isinstance(self.address, TcpAddress):
-            return self.address.host if self.local else network_of(self.address.host)
+            return self.address.host if self.local else self.networks.of(self.address.host)
         return "unix"  # (a Unix peer whose credentials were not told)
-
-
-def network_of(host: str) -> str:
-    """The network a remote peer is counted by: its /24 (IPv4) or /64 (IPv6); a name that is no address, itself."""
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return host
-    return str(ipaddress.ip_network(f"{ip}/{24 if ip.version == 4 else 64}", strict=False))
 
 
 class OwnerLookup(Protocol):
@@ -164,10 +179,11 @@ class OwnerLookup(Protocol):
     def close(self) -> None: ...
 
 
-def peer_of(conn: socket.socket, accepted: Any, owners: OwnerLookup | None = None) -> Peer:
+def peer_of(conn: socket.socket, accepted: Any, owners: OwnerLookup | None = None,
+            networks: PeerNetworks = DEFAULT_NETWORKS) -> Peer:
     """The `Peer` of ``conn``, which accept() returned with the address ``accepted``: the one naming of peers for
     every listener. ``owners``: the caller's lookup of local TCP peers' owners (one is made for this call
-    without it)."""
+    without it); ``networks``: how remote TCP peers are grouped."""
     if conn.family == socket.AF_UNIX:
         pid, uid = peer_credentials(conn)
         return Peer(pid, uid, None, accepted)
@@ -176,7 +192,7 @@ def peer_of(conn: socket.socket, accepted: Any, owners: OwnerLookup | None = Non
     host, port = plain_host(str(accepted[0])), int(accepted[1])
     address = TcpAddress(host, port)
     if not _is_loopback(host) and host != plain_host(str(conn.getsockname()[0])):
-        return Peer(-1, -1, address, accepted)
+        return Peer(-1, -1, address, accepted, networks=networks)
     lookup: OwnerLookup = owners if owners is not None else SocketOwners()
     owner: int | None
     try:
@@ -187,7 +203,7 @@ def peer_of(conn: socket.socket, accepted: Any, owners: OwnerLookup | None = Non
     finally:
         if owners is None:
             lookup.close()
-    return Peer(-1, -1 if owner is None else owner, address, accepted, local=True)
+    return Peer(-1, -1 if owner is None else owner, address, accepted, local=True, networks=networks)
 
 
 def _is_loopback(host: str) -> bool:
@@ -213,6 +229,8 @@ class OffLoop(Protocol):
     """Where acceptors accept off the front's event loop (`_acceptor.AcceptorProcess`): it accepts on each
     registered acceptor's listening socket and tells the acceptor what came (`Acceptor.deliver`, `refused`,
     `failed`); on its end, `Acceptor.accept_here` on each."""
+
+    networks: PeerNetworks  # (how the front groups remote TCP peers: every acceptor's peers are named alike)
 
     def register(self, acceptor: Acceptor) -> None: ...
 
@@ -245,6 +263,7 @@ class Acceptor:
         self.closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepts = accepts
+        self._networks = accepts.networks if accepts is not None else DEFAULT_NETWORKS
         self._paused_until = 0.0  # (off the loop: the acceptor process is told to pause until then)
         # Who owns local TCP peers' sockets: the acceptor's own lookup (its netlink socket is used on its loop only).
         self._owners = SocketOwners() if sock.family in (socket.AF_INET, socket.AF_INET6) else None
@@ -334,7 +353,7 @@ class Acceptor:
                 return
             self.backoff = 0.0
             try:
-                peer = peer_of(conn, address, self._owners)
+                peer = peer_of(conn, address, self._owners, self._networks)
                 if self._rate is not None and not self._rate.take(peer.key):
                     conn.close()
                     self.refused(peer.key)
@@ -357,7 +376,7 @@ class Acceptor:
             conn.close()
             return
         try:
-            peer = peer_of(conn, conn.getpeername(), owners)
+            peer = peer_of(conn, conn.getpeername(), owners, self._networks)
         except OSError:  # (gone already: reset before the front took it)
             conn.close()
             return
