@@ -393,17 +393,21 @@ class Broker:
             return None
         units, ncpu = self._units[device], self._ncpu
         try:
-            start = cpu.read(time.monotonic())
+            last = cpu.read(time.monotonic())
         except OSError:
             return None
-        last = 0.0
+        total = 0.0
 
         def consumed() -> float:
-            nonlocal last
+            # Summed reading by reading: the scheduler takes differences of this figure (from when others began
+            # waiting), and each stretch between readings is charged at least half its wall time.
+            nonlocal last, total
             if worker.alive:  # (once it is gone, what it consumed until its last reading)
                 with contextlib.suppress(OSError):
-                    last = hold_seconds(start, cpu.read(time.monotonic()), units, ncpu)
-            return last
+                    reading = cpu.read(time.monotonic())
+                    total += hold_seconds(last, reading, units, ncpu)
+                    last = reading
+            return total
 
         return consumed
 
