@@ -17,10 +17,10 @@ of /proc: this kernel has no /proc/<pid>/task/<tid>/children) and reads, for the
 
 ``hold_seconds`` turns two readings into the device seconds a hold consumed on a CPU device (PoCL), where the
 device *is* the host's CPUs. The rule: the hold's wall time, less the time other processes kept the worker off the
-CPUs, never less than half the wall time, and never less than the worker's own CPU-seconds divided by the device's
-compute units::
+CPUs, never less than the wall time over ``slowdown`` (the broker's ``max_kernel_slowdown``, 2 by default), and never
+less than the worker's own CPU-seconds divided by the device's compute units::
 
-    device = max(cpu / units, wall - min(others / ncpu, delay / units, wall / 2))
+    device = max(cpu / units, wall / slowdown, wall - min(others / ncpu, delay / units))
 
 ``others`` is the CPU time the host spent on anything but this worker during the hold (other tenants' kernels and
 the threads they left behind, the front, the host's own processes, a hypervisor's steal), spread over the host's
@@ -35,12 +35,12 @@ its tenant what its kernels used and the compute units it left idle (a kernel th
 surely as one that spins), but not what others took from it.
 
 The two floors bound what the measure cannot tell apart. ``cpu / units`` makes a worker's own extra threads its
-own: they cannot make its hold look cheaper by crowding its kernel off the CPUs. ``wall / 2``: a kernel whose
-threads spin until a deadline on a saturated host looks, thread by thread, exactly like an honest one that others
-slow (only ending on time tells them apart), so however busy the host, a hold is charged at least half its wall
-time, and the host's load stretches the kernel time limit at most twice. Summed over short intervals
-(``hold_seconds`` of consecutive readings), so that every stretch of a hold, the part since others began waiting
-included, is charged at least half its length.
+own: they cannot make its hold look cheaper by crowding its kernel off the CPUs. ``wall / slowdown``: a kernel
+whose threads spin until a deadline on a saturated host (one sleeps, the others spin and wait) looks, thread by
+thread, exactly like an honest one that others slow (only ending on time tells them apart), so however busy the
+host, the host's load stretches the kernel time limit and the fair-share charge at most ``slowdown`` times. The
+front sums ``hold_seconds`` of consecutive readings, so that every stretch of a hold (the part since others began
+waiting included) is held to that floor.
 """
 
 from __future__ import annotations
@@ -54,8 +54,6 @@ _TICK = float(os.sysconf("SC_CLK_TCK"))
 # /proc/stat's cpu line: user nice system idle iowait irq softirq steal (guest time is inside user and nice).
 _IDLE_FIELDS = (3, 4)
 _FIELDS = 8
-# The most of a hold's wall time that others' load may take off its charge (module text: ``wall / 2``).
-MAX_DISCOUNT = 0.5
 
 
 def _host_busy() -> float:
@@ -168,7 +166,7 @@ class WorkerCpu:
         return CpuReading(at, cpu, threads, _host_busy(), serving)
 
 
-def hold_seconds(start: CpuReading, end: CpuReading, units: int, ncpu: int) -> float:
+def hold_seconds(start: CpuReading, end: CpuReading, units: int, ncpu: int, slowdown: float) -> float:
     """The device seconds a worker consumed between two readings on a CPU device (the rule in the module's text)."""
     wall = max(0.0, end.at - start.at)
     cpu = max(0.0, end.cpu - start.cpu)
@@ -177,4 +175,4 @@ def hold_seconds(start: CpuReading, end: CpuReading, units: int, ncpu: int) -> f
     for tid, (_, d1) in end.threads.items():  # threads born in between count from zero
         delay += max(0.0, d1 - start.threads.get(tid, (0.0, 0.0))[1])
     slowed = delay / max(1, units)  # each waiting thread, its own compute unit's share
-    return max(cpu / max(1, units), wall - min(others, slowed, wall * MAX_DISCOUNT))
+    return max(cpu / max(1, units), wall / max(1.0, slowdown), wall - min(others, slowed))
