@@ -311,6 +311,13 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lone_kernel_seconds: Annotated[float, Meta(ge=0, description=(
         "The same limit for a tenant that nobody waits for; 0: a lone tenant may run kernels of any "
         "length."))] = 0.0
+    max_kernel_slowdown: Annotated[float, Meta(ge=1, description=(
+        "On a CPU device (PoCL: the device is the host's CPUs), how many times the host's other load may stretch "
+        "a hold past the device time it is timed and charged by: a hold slowed by others counts what its own "
+        "threads used and the compute units they left idle, but never less than its wall time divided by this. "
+        "1: wall time, as on a GPU; higher: a kernel slowed by a heavier load still finishes, but a kernel that "
+        "sleeps beside a thread that spins may hold the device that many times max_kernel_seconds while the host "
+        "is saturated. Unused on a GPU (a hold's wall time is its device time)."))] = 2.0
     max_cpu_seconds_outside_turns: Annotated[float, Meta(ge=0, description=(
         "Host CPU-seconds a worker may use outside its tenant's device turns within "
         "cpu_outside_turns_window_seconds: threads or processes a kernel left running, beyond the CPU of the "

@@ -398,19 +398,23 @@ class Broker:
         cpu = worker.cpu if worker is not None else None
         if worker is None or cpu is None:
             return None
-        units, ncpu = self._units[device], self._ncpu
+        units, ncpu, slowdown = self._units[device], self._ncpu, self.config.max_kernel_slowdown
         try:
-            start = cpu.read(time.monotonic())
+            last = cpu.read(time.monotonic())
         except OSError:
             return None
-        last = 0.0
+        total = 0.0
 
         def consumed() -> float:
-            nonlocal last
+            # Summed reading by reading: the scheduler takes differences of this figure (from when others began
+            # waiting), and each stretch between readings is held to max_kernel_slowdown on its own.
+            nonlocal last, total
             if worker.alive:  # (once it is gone, what it consumed until its last reading)
                 with contextlib.suppress(OSError):
-                    last = hold_seconds(start, cpu.read(time.monotonic()), units, ncpu)
-            return last
+                    reading = cpu.read(time.monotonic())
+                    total += hold_seconds(last, reading, units, ncpu, slowdown)
+                    last = reading
+            return total
 
         return consumed
 

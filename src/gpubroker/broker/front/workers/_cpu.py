@@ -17,18 +17,30 @@ of /proc: this kernel has no /proc/<pid>/task/<tid>/children) and reads, for the
 
 ``hold_seconds`` turns two readings into the device seconds a hold consumed on a CPU device (PoCL), where the
 device *is* the host's CPUs. The rule: the hold's wall time, less the time other processes kept the worker off the
-CPUs, and never less than the worker's own CPU-seconds divided by the device's compute units::
+CPUs, never less than the wall time over ``slowdown`` (the broker's ``max_kernel_slowdown``, 2 by default), and never
+less than the worker's own CPU-seconds divided by the device's compute units::
 
-    device = max(cpu / units, wall - min(others / ncpu, wall * delay / (run + delay)))
+    device = max(cpu / units, wall / slowdown, wall - min(others / ncpu, delay / units))
 
 ``others`` is the CPU time the host spent on anything but this worker during the hold (other tenants' kernels and
 the threads they left behind, the front, the host's own processes, a hypervisor's steal), spread over the host's
-``ncpu`` CPUs: the share of the device they took. ``delay / (run + delay)`` is the fraction of the time the
-worker's threads wanted a CPU and waited for one: a worker that was not slowed (a one-thread kernel on a host
-with CPUs to spare) loses nothing, whatever else runs. So a hold costs its tenant what its kernels used and the
-compute units it left idle (a kernel that sleeps holds the device as surely as one that spins), but not what
-others took from it. The floor ``cpu / units`` makes a worker's own extra threads its own: they cannot make
-its hold look cheaper by crowding its kernel off the CPUs.
+``ncpu`` CPUs: the share of the device they took. ``delay`` is the time the worker's threads spent waiting for a
+CPU, summed over its threads (``schedstat``), spread over the device's ``units``: each thread's wait discounts only
+the compute unit it wanted, so a kernel whose every work-item is slowed loses its slowdown, while a thread that
+sleeps or blocks (it holds its compute unit and never waits for a CPU) is charged its whole wall time. Its wait is
+never lent to another: a worker's threads that wake rarely and then wait (its event loop, its links), or a
+work-item that spins beside one that sleeps, discount only their own share, not the sleeper's. A worker that was
+not slowed (a one-thread kernel on a host with CPUs to spare) loses nothing, whatever else runs. So a hold costs
+its tenant what its kernels used and the compute units it left idle (a kernel that sleeps holds the device as
+surely as one that spins), but not what others took from it.
+
+The two floors bound what the measure cannot tell apart. ``cpu / units`` makes a worker's own extra threads its
+own: they cannot make its hold look cheaper by crowding its kernel off the CPUs. ``wall / slowdown``: a kernel
+whose threads spin until a deadline on a saturated host (one sleeps, the others spin and wait) looks, thread by
+thread, exactly like an honest one that others slow (only ending on time tells them apart), so however busy the
+host, the host's load stretches the kernel time limit and the fair-share charge at most ``slowdown`` times. The
+front sums ``hold_seconds`` of consecutive readings, so that every stretch of a hold (the part since others began
+waiting included) is held to that floor.
 """
 
 from __future__ import annotations
@@ -154,15 +166,13 @@ class WorkerCpu:
         return CpuReading(at, cpu, threads, _host_busy(), serving)
 
 
-def hold_seconds(start: CpuReading, end: CpuReading, units: int, ncpu: int) -> float:
+def hold_seconds(start: CpuReading, end: CpuReading, units: int, ncpu: int, slowdown: float) -> float:
     """The device seconds a worker consumed between two readings on a CPU device (the rule in the module's text)."""
     wall = max(0.0, end.at - start.at)
     cpu = max(0.0, end.cpu - start.cpu)
     others = max(0.0, end.host_busy - start.host_busy - cpu) / max(1, ncpu)
-    run = delay = 0.0
-    for tid, (r1, d1) in end.threads.items():  # threads born in between count from zero
-        r0, d0 = start.threads.get(tid, (0.0, 0.0))
-        run += max(0.0, r1 - r0)
-        delay += max(0.0, d1 - d0)
-    waited = wall * delay / (run + delay) if run + delay > 0 else 0.0
-    return max(cpu / max(1, units), wall - min(others, waited))
+    delay = 0.0
+    for tid, (_, d1) in end.threads.items():  # threads born in between count from zero
+        delay += max(0.0, d1 - start.threads.get(tid, (0.0, 0.0))[1])
+    slowed = delay / max(1, units)  # each waiting thread, its own compute unit's share
+    return max(cpu / max(1, units), wall / max(1.0, slowdown), wall - min(others, slowed))
