@@ -267,7 +267,8 @@ class Broker:
         call_rate = PeerRate(cfg.max_grpc_calls_per_peer_per_second, cfg.grpc_call_burst_per_peer,
                              self.health.refusals, reason="call rate")
         self.gate = GrpcGate(grpc_connection_cap(cfg.max_grpc_connections), cfg.max_grpc_connections_per_peer,
-                             self.health.refusals, connection_rate=connection_rate, call_rate=call_rate)
+                             self.health.refusals, connection_rate=connection_rate, call_rate=call_rate,
+                             unauthenticated_seconds=cfg.grpc_unauthenticated_seconds)
         for address in cfg.listen:
             if (listen_path := unix_path(address)) is not None:
                 public = self.gate.listen_unix(Path(listen_path), cfg.socket_mode, cfg.socket_group)
