@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
@@ -92,10 +92,11 @@ async def _echo_server(path: str) -> asyncio.Server:
 
 
 @asynccontextmanager
-async def running_gate(max_connections: int, max_per_peer: int,
-                       own_thread: bool) -> AsyncIterator[tuple[GrpcGate, str, str]]:
+async def running_gate(max_connections: int, max_per_peer: int, own_thread: bool,
+                       unauthenticated_seconds: float | None = None) -> AsyncIterator[tuple[GrpcGate, str, str]]:
     """A gate on a Unix socket and loopback TCP, relaying to an echo server: (the gate, its unix path, HOST:PORT)."""
-    gate = GrpcGate(max_connections, max_per_peer, own_thread=own_thread)
+    gate = GrpcGate(max_connections, max_per_peer, own_thread=own_thread,
+                    unauthenticated_seconds=unauthenticated_seconds)
     try:
         public = Path(gate.private_dir) / "public.sock"
         unix = gate.listen_unix(public, 0o600)
@@ -151,30 +152,127 @@ def test_connections_past_a_peers_cap_or_the_total_are_refused_as_they_are_accep
     uvloop.run(main())
 
 
+def _sockets_as(uid: int, count: int) -> list[socket.socket]:
+    """TCP sockets created as ``uid`` (the gate's peer ``uid N`` once connected), all before any is connected: the
+    effective uid is the whole process's, the gate's thread included, whose relaying it must not meet."""
+    os.seteuid(uid)
+    try:
+        return [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    finally:
+        os.seteuid(0)
+
+
+async def _open_from(sock: socket.socket, tcp: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to ``tcp`` (HOST:PORT on loopback) from ``sock``."""
+    host, port = tcp.rsplit(":", 1)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    return await asyncio.open_connection(sock=sock)
+
+
+def _authenticate(gate: GrpcGate, writer: asyncio.StreamWriter) -> None:
+    """What a call that authenticated on this connection tells the gate (``_status._admit``). On TCP, the relay is
+    the one of the client's port; on a Unix socket (which names no client), any that has not authenticated."""
+    local = writer.get_extra_info("sockname")
+    name = next(name for name, relay in gate_module._relayed.items()
+                if relay.gate is gate and not relay.authenticated
+                and (f":{local[1]} " in relay.peer.name if isinstance(local, tuple) else
+                     relay.peer.name.startswith("unix:")))
+    gate_module.grpc_authenticated(_Context(name))
+
+
+async def _settled(condition: Callable[[], bool]) -> None:
+    for _ in range(int(TIMEOUT / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the gate did not get there")
+
+
 def test_the_total_cap_holds_over_every_listener_and_peer(own_thread: bool) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root for a second local uid")
 
     async def main() -> None:
         async with running_gate(max_connections=4, max_per_peer=3, own_thread=own_thread) as (gate, unix, tcp):
+            others = _sockets_as(OTHER_UID, 2)
             mine = [await _open(unix) for _ in range(3)]
             assert all([await _kept(*c) for c in mine])
+            for _reader, writer in mine:  # (a connection that authenticated is never evicted)
+                _authenticate(gate, writer)
+            await _settled(lambda: not gate.unauthenticated)
             # Another uid (its socket created as that uid) gets the one place left, on the other listener.
-            host, port = tcp.rsplit(":", 1)
-            os.seteuid(OTHER_UID)
-            try:
-                others = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(2)]
-            finally:
-                os.seteuid(0)
-            for sock in others:
-                sock.setblocking(False)
-                await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
-            theirs = [await asyncio.open_connection(sock=sock) for sock in others]
+            theirs = [await _open_from(sock, tcp) for sock in others]
             assert [await _kept(*c) for c in theirs] == [True, False]
             assert gate.per_peer == {f"uid {os.geteuid()}": 3, f"uid {OTHER_UID}": 1}
-            assert gate.refusals[("grpc", "connections")] == 1
+            await _settled(lambda: gate.refusals[("grpc", "connections")] == 1)
             for _reader, writer in [*mine, *theirs]:
                 writer.close()
+
+    uvloop.run(main())
+
+
+def test_at_the_cap_a_newcomer_evicts_the_oldest_unauthenticated_connection_of_the_peer_holding_most(
+        own_thread: bool) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root for a second local uid")
+
+    async def main() -> None:
+        async with running_gate(max_connections=4, max_per_peer=4, own_thread=own_thread) as (gate, unix, tcp):
+            others = _sockets_as(OTHER_UID, 3)
+            # One peer holds the whole pool, never authenticating (a wrong token's calls would keep it from idling).
+            mine = [await _open(unix) for _ in range(4)]
+            assert all([await _kept(*c) for c in mine])
+            # Another peer's newcomer takes the place of the oldest of them; so does its second (3 > 1 held).
+            theirs = [await _open_from(others[0], tcp)]
+            assert await _kept(*theirs[0])
+            assert not await _kept(*mine[0]), "the oldest unauthenticated connection was not the one evicted"
+            theirs.append(await _open_from(others[1], tcp))
+            assert await _kept(*theirs[1])
+            assert not await _kept(*mine[1])
+            assert [await _kept(*c) for c in mine[2:]] == [True, True]
+            # Now each holds 2: a third of theirs would only take one of mine to make it 3 against 1, so it is
+            # refused, and so is one of mine (its peer holding as many as the other).
+            assert not await _kept(*await _open_from(others[2], tcp))
+            assert not await _kept(*await _open(unix))
+            assert gate.refusals[("grpc", "evicted unauthenticated")] == 2
+            # (a refusal is counted just after its close, on the gate's thread with own_thread)
+            await _settled(lambda: gate.refusals[("grpc", "connections")] == 2)
+            # Authenticated, theirs are not evictable: my newcomer evicts nothing of theirs, and is refused.
+            for _reader, writer in theirs:
+                _authenticate(gate, writer)
+            await _settled(lambda: f"uid {OTHER_UID}" not in gate.unauthenticated)
+            assert gate.open == 4 and gate.per_peer == {f"uid {os.geteuid()}": 2, f"uid {OTHER_UID}": 2}
+            assert not await _kept(*await _open(unix))
+            assert [await _kept(*c) for c in theirs] == [True, True]
+            for _reader, writer in [*mine, *theirs]:
+                writer.close()
+
+    uvloop.run(main())
+
+
+def test_a_connection_that_does_not_authenticate_in_time_is_closed(own_thread: bool) -> None:
+    grace = 0.5
+
+    async def main() -> None:
+        async with running_gate(max_connections=4, max_per_peer=4, own_thread=own_thread,
+                                unauthenticated_seconds=grace) as (gate, _unix, tcp):
+            began = time.monotonic()
+            kept, dropped = await _open(tcp), await _open(tcp)
+            assert await _kept(*kept) and await _kept(*dropped)
+            _authenticate(gate, kept[1])
+            # Traffic (a call that fails to authenticate, say) does not keep it: the deadline runs from its accept.
+            for _ in range(int(TIMEOUT / 0.05)):
+                if not await _kept(*dropped):
+                    break
+                await asyncio.sleep(0.05)
+            closed_after = time.monotonic() - began
+            assert grace <= closed_after < TIMEOUT, f"closed after {closed_after:.2f} s"
+            assert gate.refusals[("grpc", "unauthenticated timeout")] == 1
+            await _settled(lambda: gate.open == 1)
+            await asyncio.sleep(grace)
+            assert await _kept(*kept), "an authenticated connection was closed"
+            kept[1].close()
 
     uvloop.run(main())
 

@@ -365,6 +365,15 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "and on TCP from this host (the uid owning the client's socket: every local user has address 127.0.0.1), "
         "a /24 (IPv4) or /64 (IPv6) network on other TCP. More are refused as they are accepted, so a flood from "
         "one peer, however fast it reconnects, leaves the rest of max_grpc_connections to everyone else."))] = 64
+    grpc_unauthenticated_seconds: Annotated[float, Meta(gt=0, description=(
+        "A gRPC connection none of whose calls has authenticated (with a tenant's or an admin's credential) this "
+        "long after it was accepted is closed, whatever calls it made: calls refused for a wrong token and "
+        "token-free health checks keep gRPC's idle close (grpc_idle_seconds) away, not this. And at "
+        "max_grpc_connections a new connection takes the place of the oldest such connection of the peer holding "
+        "the most of them, if that peer holds more than the newcomer's (else the newcomer is refused): peers that "
+        "never authenticate cannot keep a tenant out. A health Watch stream on a connection that never "
+        "authenticated ends with it: a monitor that watches makes an authenticated call first "
+        "(ListDevices), or reconnects."))] = 10.0
     max_connections_per_peer_per_second: Annotated[float, Meta(gt=0, description=(
         "How fast one peer (as max_grpc_connections_per_peer names peers: a local user by its uid, a remote host by "
         "its /24 or /64) may open connections, on every listener of the front together (gRPC, <socket>.fast, the "

@@ -14,10 +14,27 @@ connection it accepts, the gate names the peer as every listener of the front do
 - on vsock (``vsock_port``: VM guests, whose ``gpubroker relay`` connects out over AF_VSOCK), the guest's CID,
   which the host's kernel sets (a guest cannot claim another's).
 
-and refuses it, by closing it at once before reading a byte, when ``max_grpc_connections`` are open or its peer
-holds ``max_grpc_connections_per_peer``: both caps hold exactly, at every instant, however fast a peer reconnects.
+and refuses it, by closing it at once before reading a byte, when its peer holds ``max_grpc_connections_per_peer``
+or ``max_grpc_connections`` are open: both caps hold exactly, at every instant, however fast a peer reconnects.
 A refusal costs one accept, one lookup and one close (its audit line is rate-limited). Out of descriptors, the
 gate stops accepting for a moment rather than spinning.
+
+Connections that have not authenticated cannot keep the others out. Until one of its calls authenticates (the
+call's handler tells the gate: ``grpc_authenticated``), a connection is *unauthenticated*, whatever calls that
+failed (a wrong token: each one resets gRPC's idle close) or needed no token (health) it made, and
+
+- it is closed ``grpc_unauthenticated_seconds`` after it was accepted, if it has not authenticated by then;
+- at ``max_grpc_connections``, a newcomer takes the place of the oldest unauthenticated connection of the peer
+  holding the most of them, if that peer holds more than the newcomer's does (else the newcomer is refused).
+  Eight peers (eight uids of a container's user namespace, eight /64s) each holding its per-peer share of the pool
+  with failing calls no longer lock a tenant out: its connection evicts one of theirs, is the newest of its peer's
+  one or two, and is never evicted once its first call has authenticated, within milliseconds. (A flood that
+  needs an identity per connection and evicts faster than a client authenticates is a volumetric attack: each
+  connection also costs its peer a token of ``max_connections_per_peer_per_second``.)
+
+Both are counted in gpubroker_endpoint_refusals (grpc: "unauthenticated timeout", "evicted unauthenticated"), and
+their audit lines are rate-limited. An evicted connection leaves the counts at once (its transports close on the
+loop's next turn), so the caps count connections exactly; their descriptors, within one accept batch.
 
 An admitted connection is relayed to gRPC's private listener byte for byte: TLS passes through untouched (gRPC
 terminates it, so client certificates reach the call's auth context as before), and so do gRPC's own handshake
@@ -65,7 +82,7 @@ from gpubroker.broker.front.listeners import Acceptor, OffLoop, Peer, PeerRate, 
 from gpubroker.wire.addresses import TcpAddress, UnixAddress, VsockAddress, parse_host_port
 from gpubroker.wire.errors import InvalidArgument
 
-__all__ = ["GrpcGate", "grpc_peer", "grpc_peer_key", "over_call_rate"]
+__all__ = ["GrpcGate", "grpc_authenticated", "grpc_peer", "grpc_peer_key", "over_call_rate"]
 
 log = logging.getLogger("gpubroker.server")
 audit = logging.getLogger("gpubroker.audit")
@@ -98,6 +115,16 @@ def grpc_peer_key(context: Any) -> str:
     seen: str = context.peer()
     relay = _relayed.get(seen)
     return relay.peer.key if relay is not None else seen
+
+
+def grpc_authenticated(context: Any) -> None:
+    """A call on this connection authenticated (the call's handler, once the credential checked out): the gate no
+    longer closes the connection for never authenticating, nor evicts it for a newcomer. One dict lookup and a flag
+    for every call after a connection's first."""
+    relay = _relayed.get(context.peer())
+    if relay is not None and not relay.authenticated:
+        relay.authenticated = True
+        relay.gate.authenticated(relay)
 
 
 def over_call_rate(context: Any) -> str | None:
@@ -142,20 +169,28 @@ class GrpcGate:
 
     def __init__(self, max_connections: int, max_per_peer: int, refusals: dict[tuple[str, str], int] | None = None,
                  own_thread: bool = False, connection_rate: PeerRate | None = None,
-                 call_rate: PeerRate | None = None, accepts: OffLoop | None = None) -> None:
+                 call_rate: PeerRate | None = None, accepts: OffLoop | None = None,
+                 unauthenticated_seconds: float | None = None) -> None:
         self.max_connections = max_connections
         self.accepts = accepts  # where the acceptors accept (the front's acceptor process), if not on the loop
         self.max_per_peer = max_per_peer
+        # How long a connection may go without an authenticated call (None: for ever, as a bare relay's tests do).
+        self.unauthenticated_seconds = unauthenticated_seconds
         self.connection_rate = connection_rate  # how fast each peer may connect (the acceptors')
         self.call_rate = call_rate  # how fast each peer may start calls (``over_call_rate``)
         if call_rate is not None:
             call_rate.register("grpc")
         self.open = 0
         self.per_peer: dict[str, int] = {}
+        # Peer key -> its connections that have not authenticated, oldest first; and, for each count n, the peers
+        # holding n of them, in the order they came to hold n: the peer holding the most is found in at most
+        # max_per_peer steps, however many peers there are.
+        self.unauthenticated: dict[str, dict[_Relay | _PumpedRelay, None]] = {}
+        self._holding: list[dict[str, None]] = [{} for _ in range(max_per_peer + 1)]
         # (endpoint, reason) -> count, for gpubroker_endpoint_refusals: its keys are set here, before the gate's
         # thread counts into them, so that a scrape iterating it never sees it grow.
         self.refusals = refusals if refusals is not None else {}
-        for reason in ("connections", "peer connections"):
+        for reason in ("connections", "peer connections", "unauthenticated timeout", "evicted unauthenticated"):
             self.refusals.setdefault(("grpc", reason), 0)
         self._audit = RateLimitedLog(audit)
         self._listeners: list[_Listener] = []
@@ -320,10 +355,6 @@ class GrpcGate:
 
     def _admit(self, listener: _Listener, conn: socket.socket, accepted: Peer) -> bool:
         """Relay ``conn``, or refuse it; whether to go on accepting now."""
-        if self.open >= self.max_connections:
-            self._refuse(conn, listener, "connections", None, f"{self.open} gRPC connections open, the broker's "
-                         f"max_grpc_connections ({self.max_connections})")
-            return True
         peer = self._identify(listener, conn, accepted)
         if isinstance(peer, str):
             self._refuse(conn, listener, "not local", None, peer)
@@ -333,6 +364,15 @@ class GrpcGate:
             self._refuse(conn, listener, "peer connections", peer, f"{peer.key} holds {held} gRPC connections, "
                          f"max_grpc_connections_per_peer")
             return True
+        if self.open >= self.max_connections:
+            victim = self._evictable(peer.key)
+            if victim is None:
+                self._refuse(conn, listener, "connections", peer, f"{self.open} gRPC connections open, the broker's "
+                             f"max_grpc_connections ({self.max_connections}), none of them evictable for this peer")
+                return True
+            self._drop(victim, "evicted unauthenticated", f"max_grpc_connections ({self.max_connections}) open: its "
+                       f"place taken by {peer.name} ({victim.peer.key} holds the most connections that never "
+                       f"authenticated)")
         try:
             # The socket to gRPC, now: a connection accepted is one that has both its descriptors.
             backend = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -347,7 +387,10 @@ class GrpcGate:
         relay: _Relay | _PumpedRelay
         relay = _PumpedRelay(self, peer) if isinstance(accepted.address, VsockAddress) else _Relay(self, peer)
         self._relays.add(relay)
+        self._track(relay)
         assert self._loop is not None
+        if self.unauthenticated_seconds is not None:
+            relay.deadline = self._loop.call_later(self.unauthenticated_seconds, self._expire, relay)
         relay.task = self._loop.create_task(relay.open(conn, backend, listener.private))
         return True
 
@@ -377,6 +420,86 @@ class GrpcGate:
         self._audit.warning(f"grpc {reason}", "action=refuse-connection listener=%s peer=%s reason=%s",
                             listener.public, peer.name if peer is not None else "-", why)
 
+    # -- connections that have not authenticated (on the gate's loop) -------------------------------------------------
+
+    def _track(self, relay: _Relay | _PumpedRelay) -> None:
+        mine = self.unauthenticated.setdefault(relay.peer.key, {})
+        mine[relay] = None
+        self._move(relay.peer.key, len(mine) - 1, len(mine))
+
+    def _untrack(self, relay: _Relay | _PumpedRelay) -> None:
+        key = relay.peer.key
+        mine = self.unauthenticated.get(key)
+        if mine is None or relay not in mine:
+            return
+        del mine[relay]
+        self._move(key, len(mine) + 1, len(mine))
+        if not mine:
+            del self.unauthenticated[key]
+
+    def _move(self, key: str, was: int, now: int) -> None:
+        if was:
+            self._holding[was].pop(key, None)
+        if now:
+            self._holding[now][key] = None
+
+    def _evictable(self, key: str) -> _Relay | _PumpedRelay | None:
+        """The connection a newcomer of peer ``key`` takes the place of at max_grpc_connections: the oldest
+        unauthenticated connection of the peer holding the most, if it holds more than ``key`` does."""
+        mine = len(self.unauthenticated.get(key, ()))
+        for count in range(self.max_per_peer, mine, -1):
+            while self._holding[count]:
+                holder = next(iter(self._holding[count]))
+                oldest = next(iter(self.unauthenticated[holder]))
+                if not oldest.authenticated:
+                    return oldest
+                self._authenticated(oldest)  # (it authenticated on the front's thread a moment ago)
+        return None
+
+    def authenticated(self, relay: _Relay | _PumpedRelay) -> None:
+        """``relay`` carried an authenticated call (``grpc_authenticated``, on the front's loop)."""
+        if self._own_thread and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # (its loop already stopped)
+                self._loop.call_soon_threadsafe(self._authenticated, relay)
+        else:
+            self._authenticated(relay)
+
+    def _authenticated(self, relay: _Relay | _PumpedRelay) -> None:
+        if relay.deadline is not None:
+            relay.deadline.cancel()
+            relay.deadline = None
+        self._untrack(relay)
+
+    def _expire(self, relay: _Relay | _PumpedRelay) -> None:
+        relay.deadline = None
+        if not relay.authenticated and relay.counted:
+            self._drop(relay, "unauthenticated timeout", f"no authenticated call within grpc_unauthenticated_seconds "
+                       f"({self.unauthenticated_seconds:g})")
+
+    def _drop(self, relay: _Relay | _PumpedRelay, reason: str, why: str) -> None:
+        """Close ``relay`` at once (it never authenticated); its place is free now."""
+        self.refusals[("grpc", reason)] += 1
+        self._audit.warning(f"grpc {reason}", "action=close-connection peer=%s reason=%s", relay.peer.name, why)
+        self._uncount(relay)
+        relay.abort()
+
+    def _uncount(self, relay: _Relay | _PumpedRelay) -> None:
+        """Give back ``relay``'s places: when it is released, or at once when it is dropped."""
+        if not relay.counted:
+            return
+        relay.counted = False
+        if relay.deadline is not None:
+            relay.deadline.cancel()
+            relay.deadline = None
+        self._untrack(relay)
+        self.open -= 1
+        key = relay.peer.key
+        left = self.per_peer.get(key, 1) - 1
+        if left > 0:
+            self.per_peer[key] = left
+        else:
+            self.per_peer.pop(key, None)
+
     def too_many_calls(self, relay: _Relay | _PumpedRelay) -> None:
         """``relay``'s peer started a call past its call rate (on the front's loop): cut the connection."""
         assert self.call_rate is not None
@@ -395,13 +518,7 @@ class GrpcGate:
 
     def _release(self, relay: _Relay | _PumpedRelay) -> None:
         self._relays.discard(relay)
-        self.open -= 1
-        key = relay.peer.key
-        left = self.per_peer.get(key, 1) - 1
-        if left > 0:
-            self.per_peer[key] = left
-        else:
-            self.per_peer.pop(key, None)
+        self._uncount(relay)
         if not self._relays and self._emptied is not None and not self._emptied.done():
             self._emptied.set_result(None)
 
@@ -479,6 +596,9 @@ class _Relay:
         self.name = ""  # gRPC's peer string of the gate's end
         self.task: asyncio.Task[None] | None = None
         self._cut: asyncio.TimerHandle | None = None
+        self.authenticated = False  # a call on it authenticated (set on the front's loop: grpc_authenticated)
+        self.counted = True  # it holds its places in the gate's counts (given back when released or dropped)
+        self.deadline: asyncio.TimerHandle | None = None  # closes it unless it authenticates first
 
     async def open(self, conn: socket.socket, backend: socket.socket, private: str) -> None:
         loop = asyncio.get_running_loop()
@@ -550,6 +670,9 @@ class _PumpedRelay:
         self.cutting = False  # its peer went over its call rate: the client is no longer read, and closed soon
         self.name = ""  # gRPC's peer string of the gate's end
         self.task: asyncio.Task[None] | None = None
+        self.authenticated = False  # a call on it authenticated (set on the front's loop: grpc_authenticated)
+        self.counted = True  # it holds its places in the gate's counts (given back when released or dropped)
+        self.deadline: asyncio.TimerHandle | None = None  # closes it unless it authenticates first
         self._upstream: asyncio.Task[None] | None = None  # client -> gRPC
         self._ended: asyncio.Future[None] | None = None
 

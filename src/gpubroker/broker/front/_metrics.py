@@ -106,7 +106,9 @@ ENDPOINT_REFUSALS = MetricSpec("gpubroker_endpoint_refusals", "counter", ("endpo
                                "metrics (over max_metrics_connections or its per-peer cap, too slow, too large or not "
                                "a request, over the per-peer request rate), health (Watch and reflection streams over "
                                "max_health_streams or its per-peer cap), grpc (connections refused as they were "
-                               "accepted: over max_grpc_connections or max_grpc_connections_per_peer; calls over "
+                               "accepted: over max_grpc_connections or max_grpc_connections_per_peer; connections that "
+                               "never authenticated, closed after grpc_unauthenticated_seconds or evicted for a "
+                               "newcomer at max_grpc_connections; calls over "
                                "max_grpc_calls_per_peer_per_second, whose connection is cut). Any endpoint (grpc, "
                                "link, metrics, relay): connections over max_connections_per_peer_per_second.")
 METRICS: tuple[MetricSpec, ...] = (MEMORY_USED, MEMORY_QUOTA, DEVICE_SECONDS, DEVICE_SHARE, SESSIONS, QUEUE_DEPTH,

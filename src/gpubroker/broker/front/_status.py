@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeAlias, TypeVar
 import grpc
 import msgspec
 
-from gpubroker.broker.front._grpc_peers import grpc_peer, over_call_rate
+from gpubroker.broker.front._grpc_peers import grpc_authenticated, grpc_peer, over_call_rate
 from gpubroker.broker.front._metrics import observe_rpc
 from gpubroker.broker.front._sessions import Session, SessionManager, out_of_descriptors
 from gpubroker.broker.front.auth import (
@@ -417,6 +417,7 @@ async def _admit(servicer: Admitting, context: Context) -> None:
     auth = servicer.auth
     await auth.prepare(context.invocation_metadata())  # (a legacy scrypt token: checked off the event loop)
     principal = _authenticate(auth, context)
+    grpc_authenticated(context)  # (its connection may stay: the gate closes those that never authenticate)
     caller.set(principal)
     sessions = servicer.sessions
     sessions.enter_call(principal.tenant)
