@@ -9,8 +9,8 @@ showed the quota as used (the front clamps the worker's report).
 What bounds it:
 
 - on PoCL a buffer is host memory, so the kernel-enforced bound is the worker's memory limit (worker_memory_max,
-  by default the tenant's quota plus its shared memory and the runtime's own: RLIMIT_DATA here, no cgroup): the
-  tampered worker never holds more than that, whatever its accounting says;
+  by default the tenant's quota plus its shared memory and the runtime's own: RLIMIT_DATA, or memory.max where
+  the broker has a cgroup): the tampered worker never holds more than that, whatever its accounting says;
 - a worker never rightly reports more in use than the highest quota the front sent it, so the front takes such a
   report as its accounting overwritten: it kills the worker at once, the tenant's calls fail with
   RESOURCE_EXHAUSTED saying so, the kill is the tenant's crash and a ``gpubroker_device_memory_kills{cause="report"}``
@@ -84,12 +84,16 @@ def _metric(broker: BrokerProcess, name: str, **labels: str) -> float:
     return found[0]
 
 
-def _data_limit(pid: int) -> int:
-    """The worker's RLIMIT_DATA as the kernel holds it (/proc/PID/limits: "Max data size  soft  hard  bytes")."""
+def _memory_limit(pid: int) -> int:
+    """The worker's memory limit as the kernel holds it: its RLIMIT_DATA (/proc/PID/limits: "Max data size  soft
+    hard  bytes"), or where a cgroup holds it instead, its cgroup's memory.max."""
     for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
-        if line.startswith("Max data size"):
+        if line.startswith("Max data size") and line.split()[3] != "unlimited":
             return int(line.split()[3])
-    raise AssertionError("no data size limit")
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            return int(Path(f"/sys/fs/cgroup{line[3:]}/memory.max").read_text())
+    raise AssertionError("the worker has no memory limit")
 
 
 def _tamper(gpu: RemoteGpu) -> int:
@@ -128,7 +132,7 @@ def test_a_tampered_quota_is_held_by_the_memory_limit_and_the_worker_is_stopped(
     bob_buf = bob.allocate_memory(CHUNK)
     gpu = connect(broker.target, token=broker.tokens["alice"])
     (pid,) = worker_pids(broker, "alice")
-    limit = _data_limit(pid)
+    limit = _memory_limit(pid)
     held = _tamper(gpu)
     stopped: GpuBrokerError | None = None
     for _ in range(limit // CHUNK + 2):  # more than the memory limit could ever hold
