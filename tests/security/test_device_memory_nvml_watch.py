@@ -95,8 +95,8 @@ def test_a_module_hoarding_device_memory_past_the_quota_gets_its_worker_killed(b
     for v in range(20):
         alice.execute_kernel(fill, (n + 255) // 256, 256, [alice_buf, np.int32(n), np.int32(v)])
         alice.synchronize()
-    print(f"NVML: alice's worker holds {_nvml_held(alice_pid):,} bytes with {ALICE_QUOTA:,} allocated; bob's "
-          f"{_nvml_held(bob_pid):,} with {BOB_HOLDS:,}")
+    print(f"NVML: alice's worker holds {_nvml_held(alice_pid) or 0:,} bytes with {ALICE_QUOTA:,} allocated; bob's "
+          f"{_nvml_held(bob_pid) or 0:,} with {BOB_HOLDS:,}")
     assert _metric(broker, "gpubroker_device_memory_kills_total", tenant="alice", cause="nvml") == 0
 
     # The hoard: 1.5 GiB as the module loads (touched, so it is there whatever the driver defers).

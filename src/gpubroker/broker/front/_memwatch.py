@@ -254,9 +254,9 @@ class MemoryWatch:
         fault = ResourceExhausted(
             f"the worker for tenant {worker.tenant!r} on device {worker.device} held {used} bytes of device "
             f"{device}'s memory (NVML's count for its processes), past {where}, and was killed: the quota does not "
-            "see such memory (a module's global arrays, a library's workspace, memory native code allocated); this "
-            "session's device state is lost: open a new session and keep within the quota, or ask the operator "
-            "for a larger quota or device_memory_headroom", quota=quota, used=used, allowed=allowed, device=device)
+            "see such memory (a module's global arrays, a library's workspace or temporaries, memory native code "
+            "allocated); keep within the quota, or ask the operator for a larger quota or device_memory_headroom",
+            quota=quota, used=used, allowed=allowed, device=device)
         if not worker.kill_for_memory("nvml", fault):
             return  # already being killed for another cause, which stands
         self._audit.warning(f"memory {worker.tenant}", "action=kill-worker reason=device-memory tenant=%s "

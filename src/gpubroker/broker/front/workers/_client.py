@@ -433,8 +433,7 @@ class WorkerClient:
             fault = ResourceExhausted(
                 f"the worker for tenant {self.tenant!r} on device {self.device} reported {used} bytes of device "
                 f"memory in use, more than its quota ({quota} bytes): its own accounting was overwritten (by native "
-                "code in the worker, such as a kernel writing its memory), and it was killed; this session's device "
-                "state is lost: open a new session and stay within the quota",
+                "code in the worker, such as a kernel writing its memory), and it was killed",
                 quota=quota, used=used, device=self.device)
             if self.kill_for_memory("report", fault):
                 log.error("tenant %s: %s", self.tenant, fault.message)
