@@ -12,10 +12,12 @@ trap 'rm -rf "$src"' EXIT
 git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$src"
 rm -rf .whl && mkdir -p .whl
 (cd "$src" && "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$OLDPWD/.whl" . ./bench)
-# Pure-Python dependencies the GPU image lacks (it has grpcio 1.84, so the grpc add-ons are pinned to match).
+# Pure-Python dependencies the GPU image lacks (it has grpcio 1.84, so the grpc add-ons are pinned to match);
+# nvidia-ml-py (pynvml) lets the front watch each worker's device memory and the GPUs' Xids through NVML.
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl \
   grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 'prometheus-client>=0.20' 'tomlkit>=0.13' 'pyseccomp>=0.1.2' \
-  'array-api-compat>=1.11' 'array-api-strict>=2.4' 'pytest-json-report>=1.5' pytest-metadata 'expecttest>=0.2'
+  'nvidia-ml-py>=12' 'array-api-compat>=1.11' 'array-api-strict>=2.4' 'pytest-json-report>=1.5' pytest-metadata \
+  'expecttest>=0.2'
 # (The image has torch 2.11, scikit-learn, scipy and einops; the array namespace's tests and the conformance suite
 # need the rest: array-api-compat, array-api-strict, pytest-json-report and ndindex (its hypothesis was 6.168 in
 # 2026-11); the torch device's OpInfo tests need expecttest.)

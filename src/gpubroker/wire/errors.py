@@ -216,6 +216,11 @@ class ResourceExhausted(GpuBrokerError):
       memory shared as same-host segments; a module larger than `max_module_bytes`.
     - A new session past the tenant's session limit, or (no device named) on a broker where the tenant's quota is
       used up on every device.
+    - A call on a worker the front killed for device memory: on CUDA it held more than the tenant's quota plus
+      the broker's `device_memory_headroom` (NVML's count: allocations the quota does not see, such as a
+      module's global arrays or memory native code took), or it reported more in use than its quota (its
+      accounting was overwritten). The session's device state is lost: open a new session and stay within the
+      quota (`DeviceInfo.memory_available`), or ask the operator for more.
 
     Free what you hold (buffers, streams, sessions) and retry, or ask the operator for a larger quota. Calls in
     flight: retry once your other calls finish.

@@ -219,6 +219,20 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     nvml_xid_events: Annotated[bool, Meta(description=(
         "On CUDA with pynvml importable: a critical Xid other than an application error takes the device out "
         "of service."))] = True
+    nvml_memory_watch: Annotated[bool, Meta(description=(
+        "On CUDA with pynvml importable (nvidia-ml-py, in the cuda extra): the front reads every worker's device "
+        "memory from NVML every 0.1 s and kills a worker holding more than its tenant's quota on that device plus "
+        "device_memory_headroom (RESOURCE_EXHAUSTED, the tenant's failure). This bound holds whatever runs in the "
+        "worker; without it, device memory is held to the quota only by the worker's own accounting."))] = True
+    device_memory_headroom: Annotated[int, Meta(ge=0, description=(
+        "Device memory a CUDA worker may hold beyond its tenant's quota before the NVML watch (nvml_memory_watch) "
+        "kills it: what no quota counts, the CUDA context (about 525 MiB on an H100 or H200), the loaded modules' "
+        "code and globals, cuBLAS, cuDNN and cuFFT workspaces and plans, the temporaries of library operations "
+        "(run_library: an FFT's or a sort's, transient), and the allocators' rounding (PyTorch's caching "
+        "allocator may hold 96 MiB past the quota). Raise it for tenants that run large library operations "
+        "while holding most of their quota. On a device a worker does not serve, this is all it may hold. A "
+        "quota lowered by a reload applies to new allocations: the bound uses the highest quota the worker was "
+        "given.")), SIZE] = 1024**3
     max_sessions_per_tenant: Annotated[int, Meta(ge=1, description=(
         "Open sessions per tenant across all devices; more get RESOURCE_EXHAUSTED."))] = 16
     max_concurrent_rpcs_per_session: Annotated[int, Meta(ge=1, description=(

@@ -41,7 +41,7 @@ from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.wire.errors import Unavailable
 from gpubroker.wire.types import DeviceInfo
 
-__all__ = ["APPLICATION_XIDS", "BROKER_SERVICE", "BrokerHealth", "device_service"]
+__all__ = ["APPLICATION_XIDS", "BROKER_SERVICE", "BrokerHealth", "device_service", "nvml_handle"]
 
 log = logging.getLogger("gpubroker.health")
 audit = logging.getLogger("gpubroker.audit")
@@ -387,7 +387,7 @@ class _XidWatcher:
             event_set = nvml.nvmlEventSetCreate()
             uuids: dict[str, int] = {}
             for device, ordinal in enumerate(cuda_ordinals):
-                handle = _nvml_handle(nvml, ordinal)
+                handle = nvml_handle(nvml, ordinal)
                 uuids[_text(nvml.nvmlDeviceGetUUID(handle))] = device
                 nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, event_set)
         except Exception as exc:  # NVMLError (no driver, not supported), or a CUDA_VISIBLE_DEVICES we cannot map
@@ -423,7 +423,7 @@ class _XidWatcher:
             pass
 
 
-def _nvml_handle(nvml: Any, ordinal: int) -> Any:
+def nvml_handle(nvml: Any, ordinal: int) -> Any:
     """CUDA's device ``ordinal`` as an NVML handle, through CUDA_VISIBLE_DEVICES (indices or GPU-UUIDs).
 
     NVML numbers GPUs in PCI bus order; set CUDA_DEVICE_ORDER=PCI_BUS_ID so that CUDA numbers them alike.

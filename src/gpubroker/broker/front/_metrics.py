@@ -97,6 +97,12 @@ TENANT_CRASHES = MetricSpec("gpubroker_tenant_worker_crashes", "counter", ("tena
                             "kernel time limit): its crash budget. Never counted against the device.")
 TENANT_BACKOFF = MetricSpec("gpubroker_tenant_backoff_seconds", "gauge", ("tenant",),
                             "Seconds until the tenant, over its crash budget, may open sessions again (0: it may).")
+MEMORY_KILLS = MetricSpec("gpubroker_device_memory_kills", "counter", (*_TD, "cause"),
+                          "Workers killed for device memory, each also one of the tenant's worker crashes: cause "
+                          "nvml (on CUDA, NVML counted more on a device than the tenant's quota there plus "
+                          "device_memory_headroom) or report (the worker reported more in use than its quota: its "
+                          "own accounting was overwritten).")
+MEMORY_KILL_CAUSES = ("nvml", "report")
 OUTPUT_DROPPED = MetricSpec("gpubroker_worker_output_dropped_bytes", "counter", ("tenant",),
                             "Bytes its workers wrote on stdout and stderr that were not logged: over the per-worker "
                             "rate limit, or past the longest line kept.")
@@ -113,7 +119,8 @@ ENDPOINT_REFUSALS = MetricSpec("gpubroker_endpoint_refusals", "counter", ("endpo
                                "link, metrics, relay): connections over max_connections_per_peer_per_second.")
 METRICS: tuple[MetricSpec, ...] = (MEMORY_USED, MEMORY_QUOTA, DEVICE_SECONDS, DEVICE_SHARE, SESSIONS, QUEUE_DEPTH,
                                    INFLIGHT, WORKER_UP, WORKER_RESTARTS, SCHEDULER_WAIT, SHARED_MEMORY, SHARED_LIMIT,
-                                   TENANT_CRASHES, TENANT_BACKOFF, OUTPUT_DROPPED, DRAINING, ENDPOINT_REFUSALS)
+                                   TENANT_CRASHES, TENANT_BACKOFF, MEMORY_KILLS, OUTPUT_DROPPED, DRAINING,
+                                   ENDPOINT_REFUSALS)
 # Every (endpoint, reason) of gpubroker_endpoint_refusals, at 0 from the start (so rate() sees the first one).
 METRICS_REASONS = ("connections", "peer connections", "timeout", "bad request", "rate")
 HEALTH_REASONS = ("streams", "peer streams", "requests", "peer requests")
@@ -160,6 +167,7 @@ class _Snapshot:
     crashes: dict[str, int]
     backoff: dict[str, float]
     output_dropped: dict[str, int]  # bytes of its workers' output not logged (the rate limit)
+    memory_kills: dict[tuple[str, int, str], int]  # workers killed for device memory, by (tenant, device, cause)
 
 
 def _recent_seconds(charges: Reversible[tuple[float, float]], since: float) -> float:
@@ -197,6 +205,7 @@ class BrokerCollector(Collector):
         # and stay after its last; tenants removed by a reload keep theirs while anything remains of them.
         known = set(manager.config.tenants) | {t for t, _ in manager.memory_used} | {t for t, _ in counts}
         known |= {t for t, _ in self.pool.restarts_by} | set(manager.shared_used) | set(self.pool.output_dropped)
+        known |= {t for t, _, _ in self.pool.memory_kills}
         rows = []
         since = time.monotonic() - SHARE_WINDOW_SECONDS  # the schedulers' clock
         for device, scheduler in sorted(self.schedulers.items()):
@@ -220,7 +229,9 @@ class BrokerCollector(Collector):
                          {t: manager.config.shared_limit(t)[0] for t in sorted(known)},
                          {t: crashes.total.get(t, 0) for t in tenants},
                          {t: crashes.backoff(t) or 0.0 for t in tenants},
-                         {t: self.pool.output_dropped.get(t, 0) for t in sorted(known)})
+                         {t: self.pool.output_dropped.get(t, 0) for t in sorted(known)},
+                         {(r.tenant, r.device, cause): self.pool.memory_kills.get((r.tenant, r.device, cause), 0)
+                          for r in rows for cause in MEMORY_KILL_CAUSES})
 
     async def fresh_snapshot(self) -> _Snapshot:
         """Fresh figures: links allocate without the front, so the workers' memory figures first (each bounded)."""
@@ -266,6 +277,10 @@ class BrokerCollector(Collector):
             backoff.add_metric([tenant], snap.backoff[tenant])
         yield crashes
         yield backoff
+        kills = MEMORY_KILLS.family()
+        for (tenant, device, cause), count in snap.memory_kills.items():
+            kills.add_metric([tenant, str(device), cause], count)
+        yield kills
         dropped = OUTPUT_DROPPED.family()
         for tenant, nbytes in snap.output_dropped.items():
             dropped.add_metric([tenant], nbytes)

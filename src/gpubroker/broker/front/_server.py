@@ -29,6 +29,7 @@ from gpubroker.broker.front._descriptors import PASSRIGHTS_SUPPORTED
 from gpubroker.broker.front._grpc_peers import GrpcGate
 from gpubroker.broker.front._health import BrokerHealth
 from gpubroker.broker.front._links import LinkServer, fast_path_address
+from gpubroker.broker.front._memwatch import MemoryWatch, describe_bound
 from gpubroker.broker.front._metrics import MetricsLimits, MetricsServer, serve_metrics
 from gpubroker.broker.front._preauth import PreAuthGate
 from gpubroker.broker.front._segments import SegmentService
@@ -152,6 +153,7 @@ class Broker:
         self._removing = asyncio.Lock()  # deletions of stale compile caches, one at a time
         self._removals: set[asyncio.Task[None]] = set()
         self.cpu_watch: CpuWatch | None = None
+        self.memory_watch: MemoryWatch | None = None
         self._units: dict[int, int] = {}  # by device: its compute units (a CPU device's share of the host)
         self._ncpu = 1
 
@@ -217,6 +219,11 @@ class Broker:
             kill=self._kill_for,
             # (where the kernel does not hold the workers to worker_pids_max, the watch's count is all there is)
             threads_max=cfg.worker_pids_max if not sandbox.pids_enforced else 0)
+        # On CUDA, what each worker holds on the devices, read from NVML (front/_memwatch.py): the quota's bound
+        # from outside the worker, whose own accounting its tenant's native code can overwrite.
+        self.memory_watch = await asyncio.to_thread(MemoryWatch.open, cfg, backend, self.pool.ordinals or [],
+                                                    self.pool, self._kill_for)
+        describe_bound(cfg, backend, self.memory_watch)
         self._apply_weights()
         self.auth = Authenticator(cfg)
         self.service = service = GpuBrokerService(cfg, self.auth, self.sessions, devices, self.schedulers)
@@ -334,6 +341,8 @@ class Broker:
                               cfg.metrics_requests_per_peer_per_second), connection_rate, self.accepts)
         self.sessions.start()
         self.cpu_watch.start()
+        if self.memory_watch is not None:
+            self.memory_watch.start()
         log.info("serving on %s", ", ".join(self.ports))
 
     def _worker_exited(self, worker: WorkerClient) -> None:
@@ -541,6 +550,8 @@ class Broker:
             await self.gate.stop()
         if self.cpu_watch is not None:
             await self.cpu_watch.stop()
+        if self.memory_watch is not None:
+            await self.memory_watch.stop()
         # Bounded: a worker held in its tenant's kernel never answers its sessions' closes, nor reads its channel's
         # end. The sessions' closes and the workers' exits share one grace; past it, the pool's close kills what is
         # left (each worker gets a moment after its channel's end at least).

@@ -125,8 +125,10 @@ class SessionManager:
         self.reserved: dict[str, int] = {}
         # Called as a session ends, before its worker frees its memory (CopyPeer's caches let go of it there).
         self.closing_hooks: list[Callable[[Session], Awaitable[None]]] = []
-        # What each tenant's worker on each device reports it uses, clamped to [0, quota]: placement, views,
-        # metrics and admin read it; the worker enforces the quota itself.
+        # What each tenant's worker on each device reports it uses, clamped to [0, quota] (more than a quota lowered
+        # by a reload, allocated before it): placement, views, metrics and admin read it. The worker keeps the
+        # quota's accounts; one reporting more than the highest quota it was given is killed
+        # (WorkerClient.memory_reported), and on CUDA the NVML watch bounds what it holds (front/_memwatch.py).
         self.memory_used: dict[tuple[str, int], int] = {}
         # Host memory each tenant maps as shared-memory segments, until its worker has unmapped it.
         self.shared_used: dict[str, int] = {}
@@ -372,8 +374,9 @@ class SessionManager:
                          self.config.max_streams_per_session, device, self.config.chunk_bytes + LINK_ENVELOPE)
 
     def mirror(self, worker: WorkerClient, used: int) -> None:
-        """A worker's report of its memory use (checked >= 0 by WorkerClient), clamped to its tenant's quota:
-        a worker may say anything, but its tenant's views and the placement of others stay bounded."""
+        """A worker's report of its memory use (checked >= 0 and within the highest quota it was sent by
+        WorkerClient), clamped to its tenant's quota now: its tenant's views and the placement of others stay
+        bounded."""
         if self.pool.live(worker.tenant, worker.device) is not worker:
             return  # a dead or replaced worker's late report
         self.memory_used[(worker.tenant, worker.device)] = min(used, self.quota(worker.tenant, worker.device))

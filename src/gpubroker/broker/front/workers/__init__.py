@@ -1,8 +1,8 @@
 """The front's side of the per-tenant worker processes: starting them, talking to them, watching what they use."""
 
 from gpubroker.broker.front.workers._client import WorkerClient, device_info_from_dict
-from gpubroker.broker.front.workers._cpu import CpuReading, cpu_count, hold_seconds, scan_children
+from gpubroker.broker.front.workers._cpu import CpuReading, cpu_count, hold_seconds, parent_pid, scan_children
 from gpubroker.broker.front.workers._pool import WorkerPool
 
 __all__ = ["CpuReading", "WorkerClient", "WorkerPool", "cpu_count", "device_info_from_dict", "hold_seconds",
-           "scan_children"]
+           "parent_pid", "scan_children"]

@@ -126,8 +126,10 @@ class WorkerClient:
       PERMISSION_DENIED, never an arbitrary class), message cut at 4 KiB, details bounded to short scalars;
     - decodes a batch's answer as an Ack and holds it to the batch (``check_ack``): its id, no more commands done
       than it held, an error only for one of them, a read's result exactly the bytes asked for;
-    - takes memory use (fences, usage, lease releases) only as integers >= 0, and the front clamps it to the
-      tenant's quota (the mirror only informs placement and views: the worker enforces the quota);
+    - takes memory use (fences, usage, lease releases) only as integers >= 0, and never past the highest quota
+      it was sent (``memory_reported``: more is its accounting overwritten), and the front clamps it to the
+      tenant's quota (the mirror only informs placement and views: the worker keeps the quota's accounts, and on
+      CUDA the front's NVML watch, front/_memwatch.py, bounds what the worker holds from outside);
     - takes lease messages (``CONTROL``) only of the known kinds and in protocol order: one ``Want`` per grant the
       front sends, one ``Released`` per grant, which bounds their rate by the front's own grants;
     - takes fence charges (``take_device_time``) only finite and >= 0, and no more than the wall time since the
@@ -201,6 +203,13 @@ class WorkerClient:
         self.on_death: list[Callable[[], None]] = []
         # The worker's device memory use as it reports it (fences, usage, lease releases), checked >= 0.
         self.on_memory: Callable[[WorkerClient, int], None] | None = None
+        # The highest device-memory quota the front has sent it (SetLimits; None: none yet). A worker reserves
+        # within the quota it holds, so it never rightly reports more than this, whatever reloads lowered since;
+        # the NVML watch (front/_memwatch.py) bounds its device memory by it too.
+        self.memory_quota_max: int | None = None
+        # Set when the front kills it for device memory: "nvml" (NVML counted more than its quota plus the
+        # headroom on a device) or "report" (it reported more in use than its quota): the metrics count these.
+        self.memory_kill: str | None = None
         # Carries file descriptors (shared-memory segments) to the worker, apart from the request stream, whose
         # asyncio transport cannot send SCM_RIGHTS.
         self._fd_sock: socket.socket | None = None
@@ -414,9 +423,40 @@ class WorkerClient:
         return float(seconds)
 
     def memory_reported(self, used: int) -> None:
-        """The worker's memory use, from any of its reports (decoded as a count >= 0)."""
+        """The worker's memory use, from any of its reports (decoded as a count >= 0).
+
+        A report past the highest quota the worker was given is evidence that its accounting was overwritten (its
+        quota is checked inside the worker, whose tenant runs native code there): the worker is killed at once,
+        its calls fail with RESOURCE_EXHAUSTED saying so, and its death is its tenant's failure."""
+        quota = self.memory_quota_max
+        if quota is not None and used > quota:
+            fault = ResourceExhausted(
+                f"the worker for tenant {self.tenant!r} on device {self.device} reported {used} bytes of device "
+                f"memory in use, more than its quota ({quota} bytes): its own accounting was overwritten (by native "
+                "code in the worker, such as a kernel writing its memory), and it was killed",
+                quota=quota, used=used, device=self.device)
+            if self.kill_for_memory("report", fault):
+                log.error("tenant %s: %s", self.tenant, fault.message)
+            return
         if self.on_memory is not None:
             self.on_memory(self, used)
+
+    def quota_sent(self, quota: int | None) -> None:
+        """The front is about to send the worker this memory quota (None: unchanged)."""
+        if quota is not None and (self.memory_quota_max is None or quota > self.memory_quota_max):
+            self.memory_quota_max = quota
+
+    def kill_for_memory(self, cause: str, fault: GpuBrokerError) -> bool:
+        """Kill the worker now, without awaiting, for holding device memory past its quota (``cause``: "nvml" or
+        "report"); its calls fail with ``fault``, its death is its tenant's failure. False (and nothing done) when
+        it is already being killed for another cause, or is gone."""
+        if self.fault is not None or self.death is not None or self.process is None:
+            return False
+        self.fault = fault
+        self.memory_kill = cause
+        if self.process.poll() is None:
+            self.process.kill()  # (the reader then reports its death, charged to its tenant: it has a fault)
+        return True
 
     async def send_control(self, message: LeaseToWorker) -> None:
         """A lease message to the worker (Grant, Yield or Revoke); no reply."""
@@ -562,8 +602,8 @@ class WorkerClient:
             if self._grants_out <= 0:
                 raise WorkerLied("a lease 'released' with no turn granted")
             self._grants_out -= 1
-            if message.memory_used is not None and self.on_memory is not None:  # what its links' commands left
-                self.on_memory(self, message.memory_used)
+            if message.memory_used is not None:  # what its links' commands left
+                self.memory_reported(message.memory_used)
         if self.on_control is not None:
             self.on_control(message)
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["CpuReading", "WorkerCpu", "cpu_count", "hold_seconds", "scan_children"]
+__all__ = ["CpuReading", "WorkerCpu", "cpu_count", "hold_seconds", "parent_pid", "scan_children"]
 
 _TICK = float(os.sysconf("SC_CLK_TCK"))
 # /proc/stat's cpu line: user nice system idle iowait irq softirq steal (guest time is inside user and nice).
@@ -76,6 +76,12 @@ def _stat_fields(pid: int) -> list[bytes] | None:
     except OSError:
         return None
     return data.rsplit(b")", 1)[1].split()  # (the command name may hold spaces and parentheses)
+
+
+def parent_pid(pid: int) -> int | None:
+    """The process's parent pid (0 for a namespace's first process); None if it is gone."""
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields is not None else None
 
 
 def _innermost_pid(pid: int) -> int | None:

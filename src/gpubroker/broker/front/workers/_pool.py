@@ -137,6 +137,9 @@ class WorkerPool:
         self.restarts_by: dict[tuple[str, int], int] = {}
         # Bytes of workers' output dropped over the per-worker rate limit, by tenant (workers/_output.py).
         self.output_dropped: dict[str, int] = {}
+        # Workers killed for device memory, by (tenant, device, cause: WorkerClient.memory_kill), each also one of
+        # its tenant's crashes: gpubroker_device_memory_kills.
+        self.memory_kills: dict[tuple[str, int, str], int] = {}
         self.crashes = TenantCrashes(crash_budget, crash_window, clock)
         # Set when the broker drains or stops: stop signals then are the operator's, not failures.
         self.draining = False
@@ -181,8 +184,10 @@ class WorkerPool:
         await worker.start(self.start_timeout)
         worker.on_memory = self.on_memory
         if self.limits is not None:
+            limits = self.limits(*key)
+            worker.quota_sent(limits.memory_quota)
             try:  # before any session can use it: the quota holds from the first allocation
-                await worker.call(self.limits(*key))
+                await worker.call(limits)
             except BaseException:
                 await worker.kill()
                 raise
@@ -200,8 +205,9 @@ class WorkerPool:
         tasks = []
         for (tenant, device), worker in list(self._workers.items()):
             if worker.alive:
-                tasks.append(_spawn(self._requests, self._set_limits(worker, self.limits(tenant, device)),
-                                    f"set-limits-{tenant}-{device}"))
+                limits = self.limits(tenant, device)
+                worker.quota_sent(limits.memory_quota)  # (before the worker may use it)
+                tasks.append(_spawn(self._requests, self._set_limits(worker, limits), f"set-limits-{tenant}-{device}"))
         return tasks
 
     @staticmethod
@@ -250,6 +256,9 @@ class WorkerPool:
             return
         self._count_restart((worker.tenant, worker.device))
         if blame == "tenant":
+            if worker.memory_kill is not None:
+                kill = (worker.tenant, worker.device, worker.memory_kill)
+                self.memory_kills[kill] = self.memory_kills.get(kill, 0) + 1
             self.crashes.record(worker.tenant, worker.death or "the worker died")
         else:
             log.error("device %d: worker for tenant %s failed before running any tenant code: %s", worker.device,
