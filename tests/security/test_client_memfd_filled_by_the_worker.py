@@ -34,8 +34,8 @@ from gpubroker.client import connect
 from gpubroker.client._transports._link import FramedSocket, unix_connector
 
 from ..conftest import worker_pids
-from .exploits import SYSCALL_SOURCE
 from ..helpers import wait_for
+from .exploits import SYSCALL_SOURCE
 
 pytestmark = pytest.mark.skipif(os.uname().machine != "x86_64", reason="raw syscall numbers of x86-64")
 

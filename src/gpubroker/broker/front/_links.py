@@ -55,9 +55,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpubroker.broker.front._descriptors import set_passrights
 from gpubroker.broker.front._handed import HandedLinks
 from gpubroker.broker.front._preauth import PreAuthGate, Ticket, refuse_and_delay, refuse_malformed
-from gpubroker.broker.front._descriptors import set_passrights
 from gpubroker.broker.front._segments import FdStream, SegmentService
 from gpubroker.broker.front._sessions import LINK_ENVELOPE, Session
 from gpubroker.broker.front._tcp_relay import PAIR_BUFFER, HandshakeFailed, HelloCutShort, TcpRelay

@@ -44,7 +44,7 @@ import msgspec
 from gpubroker.broker.worker._executor import Executor
 from gpubroker.broker.worker._ring import RingBroken, WorkerRing
 from gpubroker.wire.commands import CODECS, Ack, Batch, CommandError, decode_batch, encode
-from gpubroker.wire.errors import GpuBrokerError, InvalidArgument, ResourceExhausted
+from gpubroker.wire.errors import InvalidArgument, ResourceExhausted
 from gpubroker.wire.frames import FRAME_HEADER, FrameDecoder
 from gpubroker.wire.link import LINK_VERSION, LinkAccepted, accepted
 from gpubroker.wire.worker import (

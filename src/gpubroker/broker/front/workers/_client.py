@@ -332,8 +332,8 @@ class WorkerClient:
         death = self.death or "the worker is gone"
         return WorkerCrashed(death)
 
-    async def _call(self, request: WorkerRequest[Any], session: str, fd: int | Sequence[int] | None, batch: Batch | None = None,
-                    front: bool = False, host_work: bool = True) -> Any:
+    async def _call(self, request: WorkerRequest[Any], session: str, fd: int | Sequence[int] | None,
+                    batch: Batch | None = None, front: bool = False, host_work: bool = True) -> Any:
         if self.death is not None:
             raise self.death_error()
         if self._writer is None:
