@@ -5,7 +5,12 @@ the front never sees them. Three listeners, one hello and one hand-off:
 
 - ``<socket>.fast`` beside each Unix listener (same host): the accepted socket goes to the worker (SCM_RIGHTS);
   or, when its hello asks for ``segments``, it stays with the front, which registers the shared-memory segments
-  sent on it (memfds, SCM_RIGHTS: ``_segments.py``). With ``fast_path = false`` it serves segments only.
+  sent on it (memfds, SCM_RIGHTS: ``_segments.py``). With ``fast_path = false`` it serves segments only. A batch
+  link's hello may ask for a shared-memory ring: the front makes it (a sealed memfd of exactly its size, charged
+  to the tenant's shared memory like a segment, and the doorbells' socketpair), answers ``RingGranted`` with the
+  client's part, and passes the worker its part with the link. No client's descriptor reaches a worker: the
+  worker's end of every link (and doorbell) refuses them (``SO_PASSRIGHTS`` off, ``_refuse_rights``), and a
+  sandboxed worker receives on its fd channel alone (sandbox/_seccomp.py).
 - ``link_vsock_port`` (VM guests): the accepted AF_VSOCK socket goes to the worker the same way.
 - ``link_listen`` (TCP): the front terminates TLS (mTLS as the gRPC listener's) and relays bytes both ways
   between the connection and one end of a socketpair whose other end goes to the worker: a worker runs its

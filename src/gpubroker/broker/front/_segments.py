@@ -226,7 +226,8 @@ class FdStream:
         discard(fds)  # (never on the loop: a descriptor's last close may wait as long as its sender likes)
 
     def allow_rights(self) -> None:
-        """Authenticated: from now on the peer may pass descriptors (a ring's memfd, a segment's)."""
+        """Authenticated for segments: from now on the peer may pass descriptors (a segment's memfd; a batch link
+        never: its socket goes to the worker, front/_links.py)."""
         set_passrights(self.sock, True)
         self.rights = True
 
