@@ -461,7 +461,10 @@ class LinkServer:
             release = self._claim_link(session)
             worker = session.check_alive()
             if ring is not None:
-                made = await self._grant_ring(session, *ring)
+                try:
+                    made = await self._grant_ring(session, *ring)
+                except OSError as exc:  # the client went while the front answered: its place goes back (below)
+                    raise Unavailable(f"the link closed while its ring was granted: {exc.strerror}") from None
                 if made is not None:
                     release = _both(release, made.release)
             self._lease(session)
@@ -516,12 +519,16 @@ class LinkServer:
                 release()
                 raise Unavailable(f"no memory for a ring: {exc.strerror}") from None
             grant = accepted(RingGranted(ring=1, commands=cap, acks=cap))
-            await _send_with_fds(conn, _frame(grant), [made.memfd, made.client_bell.fileno()])
+            # (the connection's first bytes from here: a client that reads nothing still has room for them; one
+            # that never reads gets no longer than a hand-off, TimeoutError being an OSError)
+            async with asyncio.timeout(self.handoff_timeout):
+                await _send_with_fds(conn, _frame(grant), [made.memfd, made.client_bell.fileno()])
         except GpuBrokerError as exc:
             if made is not None:
                 made.release()
                 made.close()
-            await _send_all(conn, _frame(accepted(RingGranted(ring=0, reason=exc.message[:1024]))))
+            async with asyncio.timeout(self.handoff_timeout):
+                await _send_all(conn, _frame(accepted(RingGranted(ring=0, reason=exc.message[:1024]))))
             return None
         except BaseException:
             if made is not None:
@@ -680,6 +687,7 @@ async def _send_with_fds(sock: socket.socket, frame: bytes, fds: list[int]) -> N
                 loop.remove_writer(sock.fileno())
     if sent < len(frame):
         await _send_all(sock, frame[sent:])
+
 
 def _shutter(conn: socket.socket) -> Callable[[], None]:
     """Ends a connection from outside its task: its pending read sees the end, and the task closes it."""
