@@ -480,3 +480,19 @@ def test_a_client_that_blocks_and_floods_its_doorbells_cannot_stall_the_worker(r
         sock.close()
     assert not thread.is_alive()
     _still_serves(ring_broker, gpu, pid)
+
+
+def test_ring_hellos_whose_clients_leave_at_once_give_their_places_and_memory_back(ring_broker: BrokerProcess,
+                                                                                     gpu: RemoteGpu) -> None:
+    """A client that asks for a ring and closes before the front's grant goes out: the link's place in the session's
+    counts (8 links) and the ring's charge to the tenant's shared memory come back, every time."""
+    for _ in range(80):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(_fast(ring_broker))
+        send_frame(sock, {"token": ring_broker.tokens["alice"], "session": gpu.session, "link": 1,
+                          "ring": {"window": 8}})
+        sock.close()
+    t = _ring(ring_broker, gpu.session)  # (the session's 8 places were each taken 10 times)
+    assert _carrier(t).kind == "ring"
+    t.call(Synchronize())
+    t.close()
