@@ -17,14 +17,13 @@ from gpubroker.wire.link import (
     Malformed,
     RegisterSegment,
     ReleaseSegment,
-    RingAccepted,
-    RingOffer,
+    RingGranted,
+    RingRequest,
     SegmentRegistered,
     SegmentReleased,
     SegmentsAccepted,
     accepted,
     decode_hello,
-    decode_ring_offer,
     decode_segment_request,
     encode,
     open_answer,
@@ -40,19 +39,25 @@ def test_the_messages_are_the_maps_they_replaced_byte_for_byte() -> None:
     assert accepted(LinkAccepted(link=1, max_frame=1 << 20)) == msgpack.packb([0, 0, {"link": 1, "max_frame": 1 << 20}])
     assert accepted(LinkAccepted(link=1, max_frame=9, compress="lz4")) == msgpack.packb(
         [0, 0, {"link": 1, "max_frame": 9, "compress": "lz4"}])
-    assert encode(RingOffer(ring=1, commands=8, acks=9, spin_us=3)) == msgpack.packb(
-        {"ring": 1, "commands": 8, "acks": 9, "spin_us": 3})
-    assert accepted(RingAccepted()) == msgpack.packb([0, 0, {"ring": 1}])
+    assert encode(Hello(token="t", session="s", link=1, ring=RingRequest(window=4, spin_us=3))) == msgpack.packb(
+        {"token": "t", "session": "s", "link": 1, "ring": {"window": 4, "spin_us": 3}})
+    assert accepted(RingGranted(ring=1, commands=8, acks=9)) == msgpack.packb(
+        [0, 0, {"ring": 1, "commands": 8, "acks": 9}])
+    assert accepted(RingGranted(ring=0, reason="full")) == msgpack.packb([0, 0, {"ring": 0, "reason": "full"}])
+    assert accepted(LinkAccepted(link=1, max_frame=9, ring=1)) == msgpack.packb(
+        [0, 0, {"link": 1, "max_frame": 9, "ring": 1}])
     error = NotFound("no session 'x'")
     assert refusal(error) == msgpack.packb([0, 1, msgspec.structs.asdict(error.as_wire())], use_bin_type=True)
 
 
-def test_a_newer_clients_extra_fields_are_ignored_and_the_old_ring_offer_still_reads() -> None:
+def test_a_newer_clients_extra_fields_are_ignored() -> None:
     hello = decode_hello(msgpack.packb({"token": "t", "session": "s", "link": 1, "hello": 1, "x": [1, {"k": None}]}))
     assert hello == Hello(token="t", session="s", link=1)
     assert decode_hello(msgpack.packb({"token": None, "segments": 1})).segments == 1
-    assert decode_ring_offer(msgpack.packb({"ring": 1, "commands": 8, "acks": 9})) == RingOffer(ring=1, commands=8,
-                                                                                                   acks=9)
+    assert decode_hello(msgpack.packb({"link": 1, "ring": {"window": 2, "more": 1}})).ring == RingRequest(window=2)
+    for ring in ({"window": 0}, {"window": 9}, {"window": 4, "spin_us": -1}, {"window": 4, "spin_us": 201}, 4, []):
+        with pytest.raises(Malformed):
+            decode_hello(msgpack.packb({"link": 1, "ring": ring}))
 
 
 def test_answers_open_to_their_result_or_raise_their_error() -> None:
@@ -95,7 +100,7 @@ def test_any_bytes_decode_to_a_message_or_malformed() -> None:
             data[rng.randrange(len(data))] = rng.randrange(256)
         samples.append(bytes(data[:rng.randint(1, len(data))]))
     for data in samples:
-        for decode in (decode_hello, decode_ring_offer, decode_segment_request):
+        for decode in (decode_hello, decode_segment_request):
             try:
                 decode(data)
             except Malformed:

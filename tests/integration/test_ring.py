@@ -14,7 +14,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from gpubroker.broker import samples
+from gpubroker.broker.front._descriptors import PASSRIGHTS_SUPPORTED
 from gpubroker.broker.launcher import BrokerProcess
 from gpubroker.client import InvalidArgument, RemoteGpu, Unavailable, WorkerCrashed, connect
 from gpubroker.client._transports import BatchingTransport, Lost, RingUpgrade, ring_transport, unix_connector
@@ -158,85 +159,90 @@ def _memfd(size: int, seals: int) -> int:
     return fd
 
 
-def _offers(max_frame: int, keep: list[socket.socket]) -> dict[str, tuple[Any, Callable[[], list[int]], str]]:
-    """What a hostile client may offer as a ring: (request, its fds, what the refusal says). Sockets whose fds
-    are sent go into ``keep`` (the caller closes them), as do their other ends."""
-    cap = ring_caps(4, max_frame)
-    good = {"ring": 1, "commands": cap, "acks": cap}
-    size = RING_DATA + 2 * cap
-
-    def kept(*socks: socket.socket) -> int:
-        keep.extend(socks)
-        return socks[0].fileno()
-
-    def bell(kind: int = socket.SOCK_SEQPACKET) -> int:
-        return kept(*socket.socketpair(socket.AF_UNIX, kind))
-
-    def pipe() -> list[int]:
-        r, w = os.pipe()
-        os.close(w)
-        return [_memfd(size, RING_SEALS), r]
-
-    def named() -> list[int]:  # connected, but to a listener (of anyone's): not the client's own end
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listener.bind(f"\0gpubroker-test-{os.getpid()}-{len(keep)}")
-        listener.listen(1)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sock.connect(listener.getsockname())
-        return [_memfd(size, RING_SEALS), kept(sock, listener)]
-
-    return {
-        "unsealed": (good, lambda: [_memfd(size, 0), bell()], "not sealed"),
-        "too small": (good, lambda: [_memfd(size - 4096, RING_SEALS), bell()], "holds"),
-        # (issue 21: pages past the ring, or grown into, could be filled from the worker past its memory bounds)
-        "too large": (good, lambda: [_memfd(size + (64 << 20), RING_SEALS), bell()], "holds"),
-        "growable": (good, lambda: [_memfd(size, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL), bell()], "growing"),
-        "huge rings": ({**good, "acks": 1 << 40}, lambda: [_memfd(size, RING_SEALS), bell()], "size"),
-        "tiny rings": ({**good, "commands": 16}, lambda: [_memfd(size, RING_SEALS), bell()], "size"),
-        "a long spin": ({**good, "spin_us": 10**6}, lambda: [_memfd(size, RING_SEALS), bell()], "spin"),
-        "a pipe for a doorbell": (good, pipe, "must be a socket"),
-        "an eventfd for a doorbell": (good, lambda: [_memfd(size, RING_SEALS), os.eventfd(0)], "must be a socket"),
-        "a datagram doorbell": (good, lambda: [_memfd(size, RING_SEALS), bell(socket.SOCK_DGRAM)], "SOCK_SEQPACKET"),
-        "an inet doorbell": (good, lambda: [_memfd(size, RING_SEALS), kept(socket.socket(socket.AF_INET,
-                                                                                         socket.SOCK_DGRAM))],
-                             "AF_UNIX"),
-        "an unconnected doorbell": (good, lambda: [_memfd(size, RING_SEALS),
-                                                   kept(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET))],
-                                    "connected"),
-        "a doorbell to a listener": (good, named, "no names"),
-        "one fd": (good, lambda: [_memfd(size, RING_SEALS)], "2 fds"),
-        "three fds": (good, lambda: [_memfd(size, RING_SEALS), bell(), bell()], "2 fds"),
-        "not a map": ([1, 2, 3], lambda: [_memfd(size, RING_SEALS), bell()], "ring upgrade"),
-    }
+def _ring_hello(broker: BrokerProcess, session: str, ring: Any,
+                tenant: str = "alice") -> tuple[socket.socket, dict[str, Any], list[int]]:
+    """A link whose hello asks for ``ring``: the socket, the front's first answer and the fds that came with it."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(_fast(broker))
+    send_frame(sock, {"token": broker.tokens[tenant], "session": session, "link": 1, "ring": ring})
+    header, fds, _, _ = socket.recv_fds(sock, 4, 4)
+    payload = recv_payload_after(sock, header)
+    _, status, result = unpack_frame(payload)
+    return sock, {"status": status, "result": result}, fds
 
 
-@pytest.mark.parametrize("how", list(_offers(1 << 20, [])))
-def test_a_bad_ring_offer_is_refused_and_the_link_stays(ring_broker: BrokerProcess, gpu: RemoteGpu,
-                                                        how: str) -> None:
-    (pid,) = worker_pids(ring_broker, "alice")
-    max_frame = gpu.transport.max_frame
-    keep: list[socket.socket] = []
-    request, make_fds, message = _offers(max_frame, keep)[how]
-    sock = _hello(ring_broker, gpu.session)
-    fds = make_fds()
-    kept = {s.fileno() for s in keep}
+def recv_payload_after(sock: socket.socket, header: bytes) -> bytes:
+    while len(header) < 4:
+        header += sock.recv(4 - len(header))
+    n = int.from_bytes(header, "big")
+    data = b""
+    while len(data) < n:
+        data += sock.recv(n - len(data))
+    return data
+
+
+def test_the_ring_is_the_fronts_sealed_exact_and_its_doorbells_refuse_descriptors(ring_broker: BrokerProcess,
+                                                                                  gpu: RemoteGpu) -> None:
+    """The front makes the ring (issue 21: a client's memfd handed to the worker was filled past every memory
+    bound): a memfd sealed against growing and shrinking, exactly the two rings and the index page, and doorbells
+    that refuse descriptors both ways; the worker maps it and says so."""
+    sock, answer, fds = _ring_hello(ring_broker, gpu.session, {"window": 4})
     try:
-        frame = pack_frame(request)
-        sent = socket.send_fds(sock, [frame], fds)
-        sock.sendall(frame[sent:])
+        assert answer["status"] == 0 and answer["result"]["ring"] == 1 and len(fds) == 2
+        memfd, bell_fd = fds
+        cap = ring_caps(4, gpu.transport.max_frame)
+        assert answer["result"]["commands"] == answer["result"]["acks"] == cap
+        assert os.fstat(memfd).st_size == RING_DATA + 2 * cap
+        assert fcntl.fcntl(memfd, fcntl.F_GET_SEALS) & RING_SEALS == RING_SEALS
+        bell = socket.socket(fileno=bell_fd)
+        other = _memfd(4096, 0)
+        try:
+            if PASSRIGHTS_SUPPORTED:
+                with pytest.raises(PermissionError):
+                    socket.send_fds(bell, [b"\x01"], [other])
+        finally:
+            os.close(other)
+            bell.close()
+            os.close(memfd)
+        _, status, accepted = unpack_frame(recv_payload(sock, 1 << 16))
+        assert status == 0 and accepted["ring"] == 1
     finally:
-        for fd in fds:
-            if fd not in kept:
-                os.close(fd)
-        for s in keep:
-            s.close()
-    _, status, error = unpack_frame(recv_payload(sock, 1 << 16))
-    assert status == 1 and error["code"] == InvalidArgument.code and message in error["message"]
-    send_payload(sock, encode(Batch(1, 1, [Synchronize()])))  # still a plain link
+        sock.close()
+
+
+@pytest.mark.skipif(not PASSRIGHTS_SUPPORTED, reason="SO_PASSRIGHTS needs Linux 6.16")
+def test_descriptors_sent_on_a_link_are_refused_by_the_kernel_and_the_link_stays(ring_broker: BrokerProcess,
+                                                                                 gpu: RemoteGpu) -> None:
+    """The worker's end of a link takes no descriptor: the client's sendmsg fails (EPERM), nothing is sent, and
+    the link goes on. (An older client's ring offer fails so; the SDK then falls back to a plain link.)"""
+    (pid,) = worker_pids(ring_broker, "alice")
+    sock = _hello(ring_broker, gpu.session)
+    fd = _memfd(1 << 20, RING_SEALS)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        with pytest.raises(PermissionError):
+            socket.send_fds(sock, [pack_frame({"ring": 1, "commands": 1, "acks": 1})], [fd, theirs.fileno()])
+    finally:
+        os.close(fd)
+        ours.close()
+        theirs.close()
+    send_payload(sock, encode(Batch(1, 1, [Synchronize()])))  # still a plain link, in step
     ack = decode_ack(recv_payload(sock, 1 << 16))
     assert ack.id == 1 and ack.done == 1 and ack.error is None
     sock.close()
     _still_serves(ring_broker, gpu, pid)
+
+
+@pytest.mark.parametrize("ring", [{"window": 0}, {"window": 99}, {"window": 4, "spin_us": 10**6}, [4], "ring"],
+                         ids=["no window", "a huge window", "a long spin", "not a map", "a string"])
+def test_a_malformed_ring_request_is_refused_as_a_malformed_hello(ring_broker: BrokerProcess, gpu: RemoteGpu,
+                                                                   ring: Any) -> None:
+    sock, answer, fds = _ring_hello(ring_broker, gpu.session, ring)
+    sock.close()
+    assert not fds
+    assert answer["status"] == 1 and answer["result"]["code"] == InvalidArgument.code
+    assert "malformed link hello" in answer["result"]["message"]
 
 
 def _cpus(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
@@ -362,22 +368,25 @@ def test_a_spinning_ring_does_not_keep_the_device_from_another_tenant(ring_broke
     assert not errors
 
 
-def test_a_refused_upgrade_leaves_auto_on_the_link_and_ring_says_why(ring_broker: BrokerProcess,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """A client offering rings smaller than a frame (as an older or broken one might) is refused by the worker:
-    "auto" goes on over the plain link it upgraded, "ring" raises the worker's reason."""
-    import gpubroker.client._transports._ring as ring_module
-
-    monkeypatch.setattr(ring_module, "ring_caps", lambda window, max_frame: 4096)
-    with connect(ring_broker.target, token=ring_broker.tokens["alice"]) as gpu:
-        assert gpu.transport.kind == "unix"
-        buf = gpu.allocate_memory(64)
-        gpu.memset(buf, 7)
-        out = np.empty(64, dtype=np.uint8)
-        gpu.copy_d2h(buf, out)
-        assert (out == 7).all()
-    with pytest.raises(Unavailable, match=r"no link .*unix: a ring's size must be"):
-        connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring")
+def test_a_ring_past_the_tenants_shared_memory_leaves_auto_on_the_link_and_ring_says_why(
+        ring_broker: BrokerProcess) -> None:
+    """A ring is shared memory, charged to the tenant as a segment is (its whole size: the worker may fill every
+    page of it). Past the tenant's shared memory (carol's: her 64 MiB quota, nearly all in a host array) the front
+    declines it: "auto" goes on over a plain link, "ring" raises the reason."""
+    with connect(ring_broker.target, token=ring_broker.tokens["carol"], transport="grpc") as holder:
+        held = holder.host_array(60 << 20)
+        with connect(ring_broker.target, token=ring_broker.tokens["carol"], shared_memory=False) as gpu:
+            assert gpu.transport.kind == "unix"
+            buf = gpu.allocate_memory(64)
+            gpu.memset(buf, 7)
+            out = np.empty(64, dtype=np.uint8)
+            gpu.copy_d2h(buf, out)
+            assert (out == 7).all()
+        with pytest.raises(Unavailable, match=r"no ring on this link: .*shared memory"):
+            connect(ring_broker.target, token=ring_broker.tokens["carol"], transport="ring", shared_memory=False)
+        del held
+    with connect(ring_broker.target, token=ring_broker.tokens["carol"], transport="ring") as gpu:
+        assert gpu.transport.kind == "ring"  # (the array's release gave the room back)
 
 
 def test_random_corruption_of_the_command_ring_is_answered_or_dropped(ring_broker: BrokerProcess,
@@ -415,35 +424,27 @@ def _next_ack(acks: ByteRing, what: str) -> bytes:
 
 def test_a_client_that_blocks_and_floods_its_doorbells_cannot_stall_the_worker(ring_broker: BrokerProcess,
                                                                                gpu: RemoteGpu) -> None:
-    """A hostile client keeps a copy of the worker's end of the doorbells, clears O_NONBLOCK on both ends, fills
-    the queue the worker rings into (a blocking send there would never return) and floods the worker with
+    """A hostile client (which no longer holds the worker's end of the doorbells: the front makes them) clears
+    O_NONBLOCK on its own end, never drains the wake-ups the worker rings into it, and floods the worker with
     wake-ups. The worker still answers every batch in its ring (dropping the wake-ups it cannot send), and never
     holds the device turn while stuck: another tenant's launches get done within a deadline."""
     (pid,) = worker_pids(ring_broker, "alice")
-    sock = _hello(ring_broker, gpu.session)
+    sock, answer, (fd, bell_fd) = _ring_hello(ring_broker, gpu.session, {"window": 4})
     max_frame = gpu.transport.max_frame
-    cap = ring_caps(4, max_frame)
+    cap = answer["result"]["commands"]
     size = RING_DATA + 2 * cap
-    fd = _memfd(size, RING_SEALS)
     mm = mmap.mmap(fd, size)
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    frame = pack_frame({"ring": 1, "commands": cap, "acks": cap})
-    sent = socket.send_fds(sock, [frame], [fd, theirs.fileno()])
-    sock.sendall(frame[sent:])
+    ours = socket.socket(fileno=bell_fd)
     os.close(fd)
     _, status, _ = unpack_frame(recv_payload(sock, 1 << 16))
     assert status == 0
     words = memoryview(mm).cast("Q")
     commands = ByteRing(mm, words, RING_DATA, cap, CMD_HEAD * 8, CMD_TAIL * 8, max_frame)
     acks = ByteRing(mm, words, RING_DATA + cap, cap, ACK_HEAD * 8, ACK_TAIL * 8, cap - 4)
-    for end in (ours, theirs):  # the worker's end shares its file description with this copy
-        fcntl.fcntl(end.fileno(), fcntl.F_SETFL, fcntl.fcntl(end.fileno(), fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    for sender in (theirs, ours):  # fill both directions: the worker's rings and its inbox
-        with contextlib.suppress(BlockingIOError):
-            while True:
-                sender.send(b"\x01", socket.MSG_DONTWAIT)
-    with pytest.raises(BlockingIOError):  # a send from the worker's end (without MSG_DONTWAIT: blocks) finds no room
-        theirs.send(b"\x01", socket.MSG_DONTWAIT)
+    fcntl.fcntl(ours.fileno(), fcntl.F_SETFL, fcntl.fcntl(ours.fileno(), fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    with contextlib.suppress(BlockingIOError):  # the worker's inbox, full
+        while True:
+            ours.send(b"\x01", socket.MSG_DONTWAIT)
     stop, flooded = threading.Event(), [0]
 
     def flood() -> None:  # blocking sends: each one as soon as the worker drains room for it
@@ -476,7 +477,22 @@ def test_a_client_that_blocks_and_floods_its_doorbells_cannot_stall_the_worker(r
         words.release()
         mm.close()
         ours.close()
-        theirs.close()
         sock.close()
     assert not thread.is_alive()
     _still_serves(ring_broker, gpu, pid)
+
+
+def test_ring_hellos_whose_clients_leave_at_once_give_their_places_and_memory_back(ring_broker: BrokerProcess,
+                                                                                     gpu: RemoteGpu) -> None:
+    """A client that asks for a ring and closes before the front's grant goes out: the link's place in the session's
+    counts (8 links) and the ring's charge to the tenant's shared memory come back, every time."""
+    for _ in range(80):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(_fast(ring_broker))
+        send_frame(sock, {"token": ring_broker.tokens["alice"], "session": gpu.session, "link": 1,
+                          "ring": {"window": 8}})
+        sock.close()
+    t = _ring(ring_broker, gpu.session)  # (the session's 8 places were each taken 10 times)
+    assert _carrier(t).kind == "ring"
+    t.call(Synchronize())
+    t.close()

@@ -209,10 +209,25 @@ results["whiteout"] = err(lambda: os.mknod("/tmp/whiteout", 0o020600, 0))
 results["fifo_high_bits"] = err(lambda: libc.syscall(259, -100, b"/tmp/fifo2", ctypes.c_ulong((1 << 40) | 0o010600), 0))
 results["regular_node"] = err(lambda: os.mknod("/tmp/regular", 0o100600))
 # What a worker does once its device is open (CUDA's initialization makes a Unix socket): no new socket at all.
+# Descriptors come in on the front's fd channel alone (issue 21: a client's memfd received off a link and filled):
+# recvmsg on any other socket is refused, and the channel's number cannot be made to name another socket.
 from gpubroker.broker.sandbox import seal_after_device_open
-seal_after_device_open()
+channel, front = socket.socketpair()
+link, client = socket.socketpair()
+for sender in (front, client):
+    socket.send_fds(sender, [b"x"], [os.open("/dev/null", os.O_RDONLY)])
+seal_after_device_open(channel.fileno())
 results["unix_once_open"] = err(lambda: socket.socketpair())
 results["unix_socket_once_open"] = err(lambda: socket.socket(socket.AF_UNIX))
+results["recvmsg_link"] = err(lambda: socket.recv_fds(link, 1, 1))
+results["recvmsg_high_bits"] = err(lambda: libc.syscall(47, ctypes.c_ulong((1 << 32) | channel.fileno()), None, 0))
+results["passrights_on"] = err(lambda: link.setsockopt(socket.SOL_SOCKET, 83, 1))
+results["dup2_onto_channel"] = err(lambda: os.dup2(link.fileno(), channel.fileno()))
+results["dup3_onto_channel"] = err(lambda: os.dup2(link.fileno(), channel.fileno(), inheritable=False))
+results["close_channel"] = err(lambda: libc.close(channel.fileno()))
+results["cloexec_channel"] = err(lambda: os.set_inheritable(channel.fileno(), False))
+results["close_range"] = err(lambda: libc.syscall(436, 0, 0xFFFFFFFF, 0))
+results["recvmsg_channel"] = err(lambda: socket.recv_fds(channel, 1, 1))
 print(results)
 """
 
@@ -234,7 +249,10 @@ def test_sandboxed_process_is_refused_what_it_must_not_do(tmp_path: Path) -> Non
         "personality": "EPERM", "bpf": "EPERM", "config": "ENOENT", "passwd": "ENOENT", "sysctl": "EROFS",
         "usr": "EROFS", "tmp": "allowed", "fork": "EPERM", "memfd": "EPERM", "shmget": "EPERM",
         "posix_spawn": "allowed", "unix_once_open": "EPERM", "unix_socket_once_open": "EPERM", "fifo": "EPERM",
-        "socket_node": "EPERM", "whiteout": "EPERM", "fifo_high_bits": "EPERM", "regular_node": "allowed"}
+        "socket_node": "EPERM", "whiteout": "EPERM", "fifo_high_bits": "EPERM", "regular_node": "allowed",
+        "recvmsg_link": "EPERM", "recvmsg_high_bits": "EPERM", "passrights_on": "EPERM", "dup2_onto_channel": "EPERM",
+        "dup3_onto_channel": "EPERM", "close_channel": "EPERM", "cloexec_channel": "EPERM", "close_range": "ENOSYS",
+        "recvmsg_channel": "allowed"}
 
 
 def test_devices_command_shows_the_sandbox() -> None:

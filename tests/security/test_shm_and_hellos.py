@@ -250,10 +250,12 @@ def _shared_round_trip(gpu: RemoteGpu) -> None:
 
 def test_a_tenants_shared_memory_is_bounded_by_its_quota_across_sessions(broker: BrokerProcess) -> None:
     # Three sessions of alice (128 MiB quota) each ask for a 64 MiB host array: the third is past her shared
-    # memory (which defaults to her quota), counted across all her sessions.
+    # memory (which defaults to her quota), counted across all her sessions. (On plain links: a ring is shared
+    # memory too, charged the same way, test_ring.py.)
     token = broker.tokens["alice"]
-    with connect(broker.target, token=token) as s1, connect(broker.target, token=token) as s2, \
-            connect(broker.target, token=token) as s3:
+    with connect(broker.target, token=token, transport="link") as s1, \
+            connect(broker.target, token=token, transport="link") as s2, \
+            connect(broker.target, token=token, transport="link") as s3:
         a1 = s1.host_array(64 << 20)
         a2 = s2.host_array(64 << 20)
         with pytest.raises(ResourceExhausted) as info:

@@ -10,9 +10,13 @@ typed result, or status 1 and an error (``GpuBrokerError.to_wire``).
   extra fields are ignored, not refused. ``link: 1``: batches; the front hands the connection to the session's
   worker, which answers ``LinkAccepted``. ``segments: 1`` (Unix sockets only, where descriptors pass): the
   front keeps the connection and registers shared-memory segments on it, answering ``SegmentsAccepted``.
-- ``RingOffer`` (client -> worker, a batch link's first frame after the hello, with a memfd and a doorbell
-  attached by SCM_RIGHTS): the same-host ring (``ring.py``); answered ``RingAccepted`` (or an error, and the link
-  stays a plain link).
+- ``RingRequest`` (in a batch link's hello on ``<socket>.fast``: the client's window and spin): the same-host
+  ring (``ring.py``). The FRONT makes the ring, never the client: a sealed memfd of exactly the rings' size,
+  charged to the tenant's ``shared_memory`` as a segment is, and a SOCK_SEQPACKET socketpair for the doorbells,
+  both ends refusing descriptors (``SO_PASSRIGHTS`` off). It answers ``RingGranted`` first, with the memfd and the
+  client's doorbell attached (SCM_RIGHTS), or ``ring: 0`` and why not; then hands the link, the memfd and the
+  worker's doorbell to the worker, whose ``LinkAccepted`` says whether it mapped the ring. A client's descriptor
+  never reaches a worker: the worker's end of every link refuses them (front/_links.py).
 - ``SegmentRequest`` (client -> front, on a segments connection after its hello): ``RegisterSegment`` with one
   memfd attached (sealed, exactly ``size`` bytes: the SDK's ``create_segment_fd``), answered
   ``SegmentRegistered``; ``ReleaseSegment``, answered ``SegmentReleased``. Tagged arrays, as the commands.
@@ -31,6 +35,7 @@ import msgspec
 from gpubroker.wire.commands import MAX_HANDLE
 from gpubroker.wire.commands import encode as _encode
 from gpubroker.wire.errors import GpuBrokerError, WireError, error_from_wire
+from gpubroker.wire.ring import MAX_RING_WINDOW, MAX_SPIN_US
 
 __all__ = [
     "LINK_SUFFIX",
@@ -43,15 +48,14 @@ __all__ = [
     "Malformed",
     "RegisterSegment",
     "ReleaseSegment",
-    "RingAccepted",
-    "RingOffer",
+    "RingGranted",
+    "RingRequest",
     "SegmentRegistered",
     "SegmentReleased",
     "SegmentRequest",
     "SegmentsAccepted",
     "accepted",
     "decode_hello",
-    "decode_ring_offer",
     "decode_segment_request",
     "encode",
     "link_path",
@@ -79,6 +83,14 @@ def link_path(unix_path: str) -> str:
     return unix_path + LINK_SUFFIX
 
 
+class RingRequest(msgspec.Struct, kw_only=True, frozen=True):
+    """A hello's ask for a same-host ring: room for ``window`` batches in flight each way (the front sizes the
+    rings from it and the link's max frame), and how long the worker may spin for the next batch."""
+
+    window: Annotated[int, msgspec.Meta(ge=1, le=MAX_RING_WINDOW)]
+    spin_us: Annotated[int, msgspec.Meta(ge=0, le=MAX_SPIN_US)] = 0
+
+
 # -- the hello -----------------------------------------------------------------------------------
 class Hello(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
     """A link's first frame: who (``token``; over mTLS the certificate may say it instead), which session, and
@@ -90,6 +102,8 @@ class Hello(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
     segments: int | None = None
     # Codecs the client takes for a batch link's bulk bytes, in its order of preference (the worker picks one).
     compress: Annotated[tuple[Codec, ...], msgspec.Meta(max_length=MAX_CODECS)] = ()
+    # A batch link on ``<socket>.fast`` may ask for a shared-memory ring (answered RingGranted first).
+    ring: RingRequest | None = None
 
 
 class LinkAccepted(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
@@ -98,6 +112,7 @@ class LinkAccepted(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True
     link: int  # LINK_VERSION
     max_frame: int
     compress: Codec = ""
+    ring: int = 0  # 1: the worker mapped the ring the front granted; its batches go through it
 
 
 class SegmentsAccepted(msgspec.Struct, frozen=True):
@@ -106,20 +121,16 @@ class SegmentsAccepted(msgspec.Struct, frozen=True):
     segments: int = SEGMENTS_VERSION
 
 
-# -- the ring upgrade ----------------------------------------------------------------------------
-class RingOffer(msgspec.Struct, kw_only=True, frozen=True):
-    """A batch link's first frame, with the ring's memfd and the worker's doorbell attached: the sizes of the
-    command and ack rings (bytes) and how long the worker may spin for the next batch (microseconds). Their
-    bounds depend on the link's max frame: the worker checks them (``broker/worker/_ring.py``)."""
+# -- the ring ----------------------------------------------------------------------------------
+class RingGranted(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
+    """The front's answer to a hello's RingRequest, before the link's own answer: ``ring`` 1 with the ring's memfd
+    and the client's doorbell attached (the command ring of ``commands`` bytes, then the ack ring of ``acks``,
+    after the index page), or 0 with ``reason`` (the link goes on without a ring)."""
 
     ring: int
-    commands: int
-    acks: int
-    spin_us: int = 0
-
-
-class RingAccepted(msgspec.Struct, frozen=True):
-    ring: int = 1
+    commands: int = 0
+    acks: int = 0
+    reason: str = ""
 
 
 # -- segment registration ------------------------------------------------------------------------
@@ -160,7 +171,6 @@ class Malformed(ValueError):
 
 encode = _encode  # the command model's one encoder: a Struct or plain values -> msgpack bytes
 _hello = msgspec.msgpack.Decoder(Hello)
-_ring_offer = msgspec.msgpack.Decoder(RingOffer)
 _segment_request: msgspec.msgpack.Decoder[RegisterSegment | ReleaseSegment] = msgspec.msgpack.Decoder(SegmentRequest)
 _answer = msgspec.msgpack.Decoder(tuple[int, int, msgspec.Raw])
 _error = msgspec.msgpack.Decoder(WireError)  # the one error envelope (wire/errors.py)
@@ -180,10 +190,6 @@ def _decode(decoder: msgspec.msgpack.Decoder[T], payload: bytes | bytearray | me
 
 def decode_hello(payload: bytes | bytearray | memoryview) -> Hello:
     return _decode(_hello, payload)
-
-
-def decode_ring_offer(payload: bytes | bytearray | memoryview) -> RingOffer:
-    return _decode(_ring_offer, payload)
 
 
 def decode_segment_request(payload: bytes | bytearray | memoryview) -> RegisterSegment | ReleaseSegment:

@@ -69,6 +69,7 @@ __all__ = [
     "Grant",
     "LeaseToFront",
     "LeaseToWorker",
+    "LinkRing",
     "PeerClose",
     "PeerCopy",
     "PeerExport",
@@ -224,14 +225,25 @@ class ReleaseSegment(WorkerRequest[None], tag="release_segment", frozen=True):
     handle: Handle
 
 
+class LinkRing(msgspec.Struct, frozen=True):
+    """A same-host ring the front made for a link: the command ring's and the ack ring's bytes (after the index
+    page) and the spin the client asked for (microseconds)."""
+
+    commands: int
+    acks: int
+    spin_us: int = 0
+
+
 class AttachLink(WorkerRequest[None], tag="attach_link", frozen=True):
     """Take over a client's authenticated link (sent on the fd channel, paired by ``token``) for the session: the
     worker answers its hello at once, or with ``held`` (the front's number for the link) only once the front says
-    ``ServeLink``. ``compress``: the codecs the hello asked for, in the client's order."""
+    ``ServeLink``. ``compress``: the codecs the hello asked for, in the client's order. With ``ring``, the fd
+    channel carries the ring's memfd and the worker's doorbell after the link (three fds): the front made them."""
 
     compress: list[str] = []  # (unbounded: see RegisterSegment; the worker reads its first 16)
     held: int | None = None
     token: bytes = b""
+    ring: LinkRing | None = None
 
 
 class ServeLink(WorkerRequest[None], tag="serve_link", frozen=True):

@@ -8,10 +8,11 @@ take (in the receiving thread), it would stop the event loop, and every tenant w
 
 So every Unix socket the front listens on refuses descriptors (``SO_PASSRIGHTS`` = 0, Linux >= 6.16: inherited
 by the connections it accepts, checked as the peer sends, whose ``sendmsg`` fails with EPERM); a ``.fast``
-connection takes them only once its hello has authenticated it (a link's ring upgrade, a segment's memfd), and the
-front's ends of its workers' channels never do. What the front still receives and does not keep is closed here
-(``discard``): a memfd at once, a socket unlingered first, anything else on a thread of its own; and a connection
-that took descriptors is emptied of those still queued in it before its close (``close_receiving``).
+connection takes them only once its hello has authenticated it for segments (a segment's memfd; a batch link's
+socket, handed to the worker, never does), and the front's ends of its workers' channels never do. What the
+front still receives and does not keep is closed here (``discard``): a memfd at once, a socket unlingered first,
+anything else on a thread of its own; and a connection that took descriptors is emptied of those still queued in
+it before its close (``close_receiving``).
 """
 
 from __future__ import annotations

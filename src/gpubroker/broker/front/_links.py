@@ -5,7 +5,12 @@ the front never sees them. Three listeners, one hello and one hand-off:
 
 - ``<socket>.fast`` beside each Unix listener (same host): the accepted socket goes to the worker (SCM_RIGHTS);
   or, when its hello asks for ``segments``, it stays with the front, which registers the shared-memory segments
-  sent on it (memfds, SCM_RIGHTS: ``_segments.py``). With ``fast_path = false`` it serves segments only.
+  sent on it (memfds, SCM_RIGHTS: ``_segments.py``). With ``fast_path = false`` it serves segments only. A batch
+  link's hello may ask for a shared-memory ring: the front makes it (a sealed memfd of exactly its size, charged
+  to the tenant's shared memory like a segment, and the doorbells' socketpair), answers ``RingGranted`` with the
+  client's part, and passes the worker its part with the link. No client's descriptor reaches a worker: the
+  worker's end of every link (and doorbell) refuses them (``SO_PASSRIGHTS`` off, ``_refuse_rights``), and a
+  sandboxed worker receives on its fd channel alone (sandbox/_seccomp.py).
 - ``link_vsock_port`` (VM guests): the accepted AF_VSOCK socket goes to the worker the same way.
 - ``link_listen`` (TCP): the front terminates TLS (mTLS as the gRPC listener's) and relays bytes both ways
   between the connection and one end of a socketpair whose other end goes to the worker: a worker runs its
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import functools
 import itertools
 import logging
@@ -50,13 +56,15 @@ import socket
 import ssl
 import threading
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpubroker.broker.front._descriptors import set_passrights
 from gpubroker.broker.front._handed import HandedLinks
 from gpubroker.broker.front._preauth import PreAuthGate, Ticket, refuse_and_delay, refuse_malformed
 from gpubroker.broker.front._segments import FdStream, SegmentService
-from gpubroker.broker.front._sessions import Session
+from gpubroker.broker.front._sessions import LINK_ENVELOPE, Session
 from gpubroker.broker.front._tcp_relay import PAIR_BUFFER, HandshakeFailed, HelloCutShort, TcpRelay
 from gpubroker.broker.front.auth import Credentials, Principal, RateLimitedLog, peer_certificate_names
 from gpubroker.broker.front.listen import listen_tcp
@@ -73,12 +81,25 @@ from gpubroker.wire.errors import (
     WorkerCrashed,
 )
 from gpubroker.wire.frames import FRAME_HEADER, FrameTooLarge, frame_length
-from gpubroker.wire.link import LINK_VERSION, SEGMENTS_VERSION, Hello, Malformed, decode_hello, refusal
-from gpubroker.wire.worker import MAX_LINKS_PER_SESSION, AttachLink, CloseLinks, DropLink, ServeLink
+from gpubroker.wire.link import (
+    LINK_VERSION,
+    SEGMENTS_VERSION,
+    Hello,
+    Malformed,
+    RingGranted,
+    RingRequest,
+    accepted,
+    decode_hello,
+    refusal,
+)
+from gpubroker.wire.ring import RING_DATA, RING_SEALS, ring_caps
+from gpubroker.wire.worker import MAX_LINKS_PER_SESSION, AttachLink, CloseLinks, DropLink, LinkRing, ServeLink
 
 __all__ = ["LinkServer", "fast_path_address"]
 
 log = logging.getLogger("gpubroker.links")
+_RING_HERE = ("a shared-memory ring is the same host's: ask for it on the broker's Unix socket <socket>.fast; this "
+              "link goes on without one")
 REVOKED_MESSAGE = ("the token that opened this link was rotated or its tenant removed while the link was being "
                    "set up; reconnect with the current token")
 
@@ -194,15 +215,21 @@ class LinkServer:
         try:
             session, principal, hello = await self._hello(stream.recv_exactly, stream.send, ticket, (), penalty,
                                                           segments=local, links=links)
-            if local:  # authenticated: now it may pass descriptors (a ring's memfd, a segment's)
-                stream.allow_rights()
             if hello.segments is not None:
+                stream.allow_rights()  # authenticated, and kept by the front: now it may pass a segment's memfd
                 await self.segments.serve(stream, ticket.peer, penalty, session, principal)
                 return
             # Handed over whole: from here on it costs the front its copy of the link (kept until the link or the
-            # worker ends, with its place in the counts).
+            # worker ends, with its place in the counts). The worker's end refuses descriptors (see _refuse_rights).
+            _refuse_rights(conn)
+            ring = None
+            if hello.ring is not None:
+                if conn.family == socket.AF_UNIX:
+                    ring = (hello.ring, conn)
+                else:  # (vsock: another host's memory)
+                    await stream.send(_frame(accepted(RingGranted(ring=0, reason=_RING_HERE))))
             if await self._hand_over(session, principal, conn.fileno(), stream.send, list(hello.compress),
-                                     counted_while_kept=True) is not None:
+                                     counted_while_kept=True, ring=ring) is not None:
                 stream.handed_on = True
         except (_HelloRefused, ConnectionError, OSError):
             pass
@@ -289,10 +316,13 @@ class LinkServer:
 
             session, principal, hello = await self._hello(recv_exactly, send, ticket, peer_certificate_names(cert),
                                                           _penalty_key(peer), segments=False, links=True)
+            if hello.ring is not None:  # (a ring is shared memory: the same host's, on its Unix socket)
+                await send(_frame(accepted(RingGranted(ring=0, reason=_RING_HERE))))
             ours: socket.socket | None
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             for end in (ours, theirs):  # a copy's chunk or more in flight each way: fewer wake-ups per byte
                 end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PAIR_BUFFER)
+            _refuse_rights(theirs)  # (only the relay writes to it; refused all the same, as on every link)
             try:
                 release = await self._hand_over(session, principal, theirs.fileno(), send, list(hello.compress))
                 if release is not None:  # counted until the relay's thread ends
@@ -400,7 +430,8 @@ class LinkServer:
 
     async def _hand_over(self, session: Session, principal: Principal, fd: int,
                          send: Callable[[bytes], Awaitable[None]], compress: list[str], *,
-                         counted_while_kept: bool = False) -> Callable[[], None] | None:
+                         counted_while_kept: bool = False,
+                         ring: tuple[RingRequest, socket.socket] | None = None) -> Callable[[], None] | None:
         """Give the connection (``fd``) to the session's worker, which answers the hello and serves it from then
         on; a worker that cannot take it gets the client the reason instead. Returns the link's place in the
         session's and tenant's counts (to be released once the front holds nothing of it), or None: refused.
@@ -419,18 +450,32 @@ class LinkServer:
         Once served, the front keeps a copy of the link's descriptor until the link ends or the worker does, when it
         shuts it: that ends every copy the tenant's code may have passed elsewhere (_handed.py). With
         ``counted_while_kept`` the link's place in the counts goes with that copy (the release returned does
-        nothing); else the caller releases it."""
+        nothing); else the caller releases it.
+
+        ``ring``: the hello asked for a shared-memory ring, on this Unix connection: the front makes it
+        (``_make_ring``), answers RingGranted with the client's part, and passes the worker its part with the link.
+        Its charge to the tenant's shared memory goes with the link's place in the counts."""
         self._watch_links(session, principal)
         number = next(self._numbers)
         release: Callable[[], None] | None = None
+        made: _Ring | None = None
         dup = os.dup(fd)
         try:
             release = self._claim_link(session)
             worker = session.check_alive()
+            if ring is not None:
+                try:
+                    made = await self._grant_ring(session, *ring)
+                except OSError as exc:  # the client went while the front answered: its place goes back (below)
+                    raise Unavailable(f"the link closed while its ring was granted: {exc.strerror}") from None
+                if made is not None:
+                    release = _both(release, made.release)
             self._lease(session)
+            fds = [dup] if made is None else [dup, made.memfd, made.bell.fileno()]
             try:
                 async with asyncio.timeout(self.handoff_timeout):
-                    await worker.call(AttachLink(compress, number), session.id, dup)
+                    await worker.call(AttachLink(compress, number, ring=made.spec if made is not None else None),
+                                      session.id, fds)
                     if not self.service.auth.valid(principal.tenant, principal.credential):
                         # Revoked while the worker took it: the watch has asked the worker to close the session's
                         # links.
@@ -459,7 +504,42 @@ class LinkServer:
         finally:
             if dup >= 0:
                 os.close(dup)  # the worker holds its own copy (or none: refused)
+            if made is not None:
+                made.close()  # (the worker has its own)
         return release
+
+    async def _grant_ring(self, session: Session, request: RingRequest, conn: socket.socket) -> _Ring | None:
+        """Make the ring a hello asked for, charge it, and answer RingGranted with the client's part (the memfd,
+        its doorbell); or answer why not (RingGranted 0: the link goes on as a plain one) and return None."""
+        made: _Ring | None = None
+        try:
+            max_frame = self.service.config.chunk_bytes + LINK_ENVELOPE  # (the worker's, set_limits)
+            cap = ring_caps(request.window, max_frame)
+            release = self.segments.charge(session, RING_DATA + 2 * cap)
+            try:
+                made = _make_ring(cap, request.spin_us, release)
+            except OSError as exc:
+                release()
+                raise Unavailable(f"no memory for a ring: {exc.strerror}") from None
+            grant = accepted(RingGranted(ring=1, commands=cap, acks=cap))
+            # (the connection's first bytes from here: a client that reads nothing still has room for them; one
+            # that never reads gets no longer than a hand-off, TimeoutError being an OSError)
+            async with asyncio.timeout(self.handoff_timeout):
+                await _send_with_fds(conn, _frame(grant), [made.memfd, made.client_bell.fileno()])
+        except GpuBrokerError as exc:
+            if made is not None:
+                made.release()
+                made.close()
+            async with asyncio.timeout(self.handoff_timeout):
+                await _send_all(conn, _frame(accepted(RingGranted(ring=0, reason=exc.message[:1024]))))
+            return None
+        except BaseException:
+            if made is not None:
+                made.release()
+                made.close()
+            raise
+        made.client_bell.close()  # (the client has its own)
+        return made
 
     async def _drop_held(self, worker: Any, session: Session, number: int, release: Callable[[], None]) -> None:
         try:
@@ -534,6 +614,82 @@ class LinkServer:
 
 def _nothing() -> None:
     """A release with nothing left to give back."""
+
+
+def _both(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def release() -> None:
+        first()
+        second()
+    return release
+
+
+def _refuse_rights(sock: socket.socket) -> None:
+    """The worker's end of a link takes no descriptor from the client (SO_PASSRIGHTS off, Linux >= 6.16: the
+    client's sendmsg with SCM_RIGHTS fails with EPERM). A worker runs its tenant's code: a memfd it received from
+    the tenant's client would be shared memory outside every bound (only the front's, checked and charged, may
+    reach it). The worker cannot turn it back on (its filter refuses that setsockopt, sandbox/_seccomp.py), and
+    where the kernel is older the same filter refuses recvmsg on every socket but the front's fd channel."""
+    set_passrights(sock, False)
+
+
+@dataclass(eq=False)
+class _Ring:
+    """A ring the front made for a link: its memfd, both doorbells (each refusing descriptors), its shape for
+    the worker, and its charge to the tenant's shared memory."""
+
+    memfd: int
+    client_bell: socket.socket
+    bell: socket.socket  # the worker's
+    spec: LinkRing
+    release: Callable[[], None]
+
+    def close(self) -> None:
+        """The front's own copies (the client and the worker hold theirs)."""
+        if self.memfd >= 0:
+            os.close(self.memfd)
+            self.memfd = -1
+        self.client_bell.close()
+        self.bell.close()
+
+
+def _make_ring(cap: int, spin_us: int, release: Callable[[], None]) -> _Ring:
+    """A sealed memfd holding the index page and two rings of ``cap`` bytes (exactly: sealed against growing and
+    shrinking), and a SOCK_SEQPACKET socketpair for the doorbells; OSError if the host has none to give."""
+    size = RING_DATA + 2 * cap
+    memfd = os.memfd_create("gpubroker-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(memfd, size)  # (sparse: pages are allocated as the client and the worker touch them)
+        fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, RING_SEALS)
+        client_bell, bell = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    except BaseException:
+        os.close(memfd)
+        raise
+    for end in (client_bell, bell):
+        set_passrights(end, False)  # no descriptor either way through a doorbell
+    return _Ring(memfd, client_bell, bell, LinkRing(cap, cap, spin_us), release)
+
+
+async def _send_all(sock: socket.socket, data: bytes) -> None:
+    loop = asyncio.get_running_loop()
+    await loop.sock_sendall(sock, data)
+
+
+async def _send_with_fds(sock: socket.socket, frame: bytes, fds: list[int]) -> None:
+    """A frame with ``fds`` attached to its first bytes; the rest, if the socket took only part, after."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            sent = socket.send_fds(sock, [frame], fds)
+            break
+        except BlockingIOError:  # (only a client that sent its hello and stopped reading fills a buffer this early)
+            room = loop.create_future()
+            loop.add_writer(sock.fileno(), room.set_result, None)
+            try:
+                await room
+            finally:
+                loop.remove_writer(sock.fileno())
+    if sent < len(frame):
+        await _send_all(sock, frame[sent:])
 
 
 def _shutter(conn: socket.socket) -> Callable[[], None]:

@@ -32,6 +32,7 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Callable
 
 from gpubroker.broker.config import BrokerConfig
 from gpubroker.broker.front._descriptors import PASSRIGHTS_SUPPORTED, close_receiving, discard, set_passrights
@@ -225,7 +226,8 @@ class FdStream:
         discard(fds)  # (never on the loop: a descriptor's last close may wait as long as its sender likes)
 
     def allow_rights(self) -> None:
-        """Authenticated: from now on the peer may pass descriptors (a ring's memfd, a segment's)."""
+        """Authenticated for segments: from now on the peer may pass descriptors (a segment's memfd; a batch link
+        never: its socket goes to the worker, front/_links.py)."""
         set_passrights(self.sock, True)
         self.rights = True
 
@@ -351,7 +353,8 @@ class SegmentService:
             log.exception("segments: unexpected error")
             return refusal(Internal(f"internal broker error: {type(exc).__name__}"))
 
-    async def _register(self, session: Session, fd: int, size: int, handle: str, peer: str) -> None:
+    def _check_limits(self, session: Session, size: int) -> None:
+        """ResourceExhausted if ``size`` more bytes of shared memory would pass the session's or tenant's limit."""
         limit = self.config.max_shared_bytes_per_session
         if session.shared_bytes + size > limit:
             raise ResourceExhausted(f"this session would map {session.shared_bytes + size} bytes of shared memory; "
@@ -365,6 +368,25 @@ class SegmentService:
                 f"sessions: {size} requested, {tenant_used} in use, and the limit ({which}) is "
                 f"{tenant_limit}; release segments (drop host arrays) or end sessions first, or ask the operator "
                 "to raise it", limit=tenant_limit, used=tenant_used, requested=size)
+
+    def charge(self, session: Session, size: int) -> Callable[[], None]:
+        """Count ``size`` bytes of shared memory the front itself gives the session's worker (a link's ring, whose
+        every page the worker can fill: its whole size), within the limits a segment is held to; ResourceExhausted
+        past them. The callable returned uncounts it (once)."""
+        self._check_limits(session, size)
+        self.sessions.reserve_shared(session, size)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.sessions.release_shared(session, size)
+
+        return release
+
+    async def _register(self, session: Session, fd: int, size: int, handle: str, peer: str) -> None:
+        self._check_limits(session, size)
         try:
             check_segment_fd(fd, size)
         except InvalidArgument as exc:  # a client that is not the SDK, or a hostile one: the operator sees it

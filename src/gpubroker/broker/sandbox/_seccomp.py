@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import os
 from typing import Any
 
 __all__ = ["DENIED", "HOST_USER_COUNTS", "HOST_WIDE_COUNTS", "LOCK_FREE_ENV", "NEW_SOCKETS", "PRIORITY_CALLS",
@@ -90,6 +91,22 @@ PR_SET_SECCOMP = 22
 RECORD_LOCKS = (fcntl.F_SETLK, fcntl.F_SETLKW, fcntl.F_OFD_SETLK, fcntl.F_OFD_SETLKW)
 LOCK_CALLS = ("flock",)
 LOCK_FREE_ENV = {"PYOPENCL_NO_CACHE": "1"}
+# Descriptors come to a worker from the front alone, on its fd channel (the links it hands over, the memfds it made
+# or checked and charged: a segment's, a ring's). A client's would be memory outside every bound: a sparse memfd
+# received off a link and fallocated, 2 GiB past a 1 GiB worker_memory_max. Two locks, either enough alone:
+# - the front turns SO_PASSRIGHTS off on the worker's end of every link and doorbell (Linux >= 6.16: the client's
+#   sendmsg fails), and this filter refuses the setsockopt that would turn it back on (level and name in
+#   registers). A socket the worker sent out could be turned back on by whoever got it: the second lock holds then.
+# - recvmsg and recvmmsg (the only calls that install a received descriptor, io_uring being refused) pass on the fd
+#   channel's number alone: any other argument, upper bits included, is refused. That number keeps naming the
+#   channel: no close of it, no dup2/dup3 onto it, no close-on-exec for it (fcntl F_SETFD, ioctl FIOCLEX, dup3's
+#   O_CLOEXEC), and close_range fails with ENOSYS (its bounds are unsigned ints, which a 64-bit comparison cannot
+#   hold to a range; glibc then closes one by one). A new descriptor only ever takes the lowest free number, never
+#   one in use. Kernels before 6.16 have only this lock.
+SO_PASSRIGHTS = 83  # (include/uapi/asm-generic/socket.h; Python has no name for it yet)
+SOL_SOCKET = 1
+RECEIVING_CALLS = ("recvmsg", "recvmmsg")
+FIOCLEX = 0x5451
 # An int argument (fcntl's cmd, prctl's option) is the low half of its register to the kernel, but all 64 bits to a
 # filter: a rule on such an argument compares the low half alone, or 1 << 32 | F_SETLK would pass it.
 INT_BITS = 0xFFFFFFFF
@@ -158,11 +175,14 @@ def build_filter(allow_spawn: bool = False) -> Any:
     return f
 
 
-def seal_after_device_open() -> None:
+def seal_after_device_open(channel: int | None = None) -> None:
     """From now on this process, its threads and whatever it spawns make no socket of any family, no Landlock
-    ruleset or seccomp filter (a filter stacked on the launcher's: filters only ever add refusals), and take no
-    record lock or flock. Called by a sandboxed worker once its device is open, before anything of a tenant's runs;
+    ruleset or seccomp filter (a filter stacked on the launcher's: filters only ever add refusals), take no
+    record lock or flock, and receive descriptors on the front's fd channel (``channel``; None: nowhere) alone.
+    Called by a sandboxed worker once its device is open, before anything of a tenant's runs;
     OSError/ImportError/RuntimeError if the filter cannot be loaded."""
+    if channel is not None:
+        os.set_inheritable(channel, True)  # (an exec keeps it: its number names the channel in the new image too)
     seccomp = _import_pyseccomp()
     f = seccomp.SyscallFilter(seccomp.ALLOW)
     f.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
@@ -178,6 +198,22 @@ def seal_after_device_open() -> None:
         _rule(seccomp, f, no_lock, "fcntl", seccomp.Arg(1, seccomp.MASKED_EQ, INT_BITS, cmd))
     for name in LOCK_CALLS:
         _rule(seccomp, f, no_lock, name)
+    _rule(seccomp, f, deny, "setsockopt", seccomp.Arg(1, seccomp.MASKED_EQ, INT_BITS, SOL_SOCKET),
+          seccomp.Arg(2, seccomp.MASKED_EQ, INT_BITS, SO_PASSRIGHTS))
+    for name in RECEIVING_CALLS:
+        if channel is None:
+            _rule(seccomp, f, deny, name)
+        else:
+            _rule(seccomp, f, deny, name, seccomp.Arg(0, seccomp.NE, channel))
+    if channel is not None:
+        _rule(seccomp, f, deny, "close", seccomp.Arg(0, seccomp.MASKED_EQ, INT_BITS, channel))
+        for name in ("dup2", "dup3"):
+            _rule(seccomp, f, deny, name, seccomp.Arg(1, seccomp.MASKED_EQ, INT_BITS, channel))
+        _rule(seccomp, f, deny, "fcntl", seccomp.Arg(0, seccomp.MASKED_EQ, INT_BITS, channel),
+              seccomp.Arg(1, seccomp.MASKED_EQ, INT_BITS, fcntl.F_SETFD))
+        _rule(seccomp, f, deny, "ioctl", seccomp.Arg(0, seccomp.MASKED_EQ, INT_BITS, channel),
+              seccomp.Arg(1, seccomp.MASKED_EQ, INT_BITS, FIOCLEX))
+    _rule(seccomp, f, seccomp.ERRNO(errno.ENOSYS), "close_range")
     f.load()
 
 

@@ -11,8 +11,10 @@ Device work needs the tenant's turn on the device, which only the front's schedu
 lease (``want``), runs link batches while it holds one, and hands it back when the front revokes it (another
 tenant's turn, or the scheduler's periodic accounting). While others wait, each batch is one turn.
 
-On the same host the client may upgrade its link, in the link's first frame, to a shared-memory ring
-(``_ring.py``): the same batches and acks, through memory, with socket doorbells. A ring's batches are taken
+On the same host the client may ask in its hello for a shared-memory ring (``_ring.py``), which the front makes
+and passes with the link: the same batches and acks, through memory, with socket doorbells. No descriptor comes
+from a client: the front turned SO_PASSRIGHTS off on the worker's end of every link, and the sandbox's filter
+refuses recvmsg on anything but the front's fd channel. A ring's batches are taken
 only while the worker holds the turn (else they stay in the ring, which bounds them, and the worker asks for the
 turn); after answering one the worker polls the ring briefly for the next, only while it holds an uncontended
 turn, so a spin never delays another tenant and never runs a batch without the turn.
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import selectors
 import socket
 import time
@@ -41,11 +42,11 @@ from dataclasses import dataclass, field
 import msgspec
 
 from gpubroker.broker.worker._executor import Executor
-from gpubroker.broker.worker._ring import MAX_FDS, RingBroken, WorkerRing, open_ring
+from gpubroker.broker.worker._ring import RingBroken, WorkerRing
 from gpubroker.wire.commands import CODECS, Ack, Batch, CommandError, decode_batch, encode
-from gpubroker.wire.errors import GpuBrokerError, InvalidArgument, ResourceExhausted
+from gpubroker.wire.errors import InvalidArgument, ResourceExhausted
 from gpubroker.wire.frames import FRAME_HEADER, FrameDecoder
-from gpubroker.wire.link import LINK_VERSION, LinkAccepted, RingAccepted, accepted, refusal
+from gpubroker.wire.link import LINK_VERSION, LinkAccepted, accepted
 from gpubroker.wire.worker import (
     CONTROL,
     MAX_LINKS_PER_SESSION,
@@ -88,11 +89,9 @@ class _Link:
     waiting: int = 0  # its batches queued for the lease: acks go out in order, so its end waits for them
     ended: bool = False  # no more frames will be read (the client closed, or a malformed frame): drop once answered
     closing: bool = False  # nothing more to answer: dropped once its outbox is out
-    fresh: bool = True  # no frame read yet: the first may be a ring upgrade (with fds attached)
     ring: WorkerRing | None = None
     frames: FrameDecoder = field(default_factory=lambda: FrameDecoder(DEFAULT_MAX_FRAME))  # the frame being read
     started: float = 0.0  # when its first byte came (monotonic)
-    fds: list[int] = field(default_factory=list)  # fds that came with the first frame's first bytes (a ring's)
     # Frames (header and payload apart) the socket has not taken yet, in order, and their bytes.
     outbox: deque[memoryview] = field(default_factory=deque)
     queued: int = 0
@@ -149,21 +148,23 @@ class Links:
             link.frames.limit = value  # (the links open now too: their next header is held to it)
 
     # -- links -------------------------------------------------------------------------------------
-    def attach(self, sock: socket.socket, session: str, compress: object = None, held: int | None = None) -> None:
+    def attach(self, sock: socket.socket, session: str, compress: object = None, held: int | None = None,
+               ring: WorkerRing | None = None) -> None:
         """Serve ``sock`` for ``session``: answer the client's hello, then take its batches. ``compress`` is the
         hello's list of codecs the client takes, in its order of preference (as the front relayed it: unchecked):
         the first this worker knows is the link's, named in the answer; none known, the answer names none.
 
         With ``held`` (the front's number for it) the link is only taken: neither answered nor read until the
         front says ``serve(held)``, after it has checked that the credential which opened it still holds (this
-        worker may have been busy for seconds, a rotation or removal meanwhile); ``close_session`` drops it."""
+        worker may have been busy for seconds, a rotation or removal meanwhile); ``close_session`` drops it.
+        ``ring``: the link's ring (mapped from what the front made), served once the link is answered."""
         links = [link for link in (*self.links.values(), *self._held.values()) if link.session == session]
         if len(links) >= MAX_LINKS_PER_SESSION:
             raise ResourceExhausted(f"this session already has {MAX_LINKS_PER_SESSION} links, the limit")
         if held is not None and held in self._held:
             raise InvalidArgument(f"a link numbered {held} is already held")
         sock.setblocking(False)
-        link = _Link(sock, session, sock.fileno(), frames=FrameDecoder(self.max_frame))
+        link = _Link(sock, session, sock.fileno(), ring=ring, frames=FrameDecoder(self.max_frame))
         if type(compress) is list:
             link.codec = next((c for c in compress[:16] if type(c) is str and c in CODECS), "")
         if held is not None:
@@ -186,16 +187,16 @@ class Links:
         link = self._held.get(held)
         if link is not None and link.session == session:
             del self._held[held]
-            _end(link.sock)
+            _end_held(link)
 
     def _answer(self, link: _Link) -> None:
         self.links[link.fd] = link
         self.version += 1
+        if link.ring is not None:
+            self._rings[link.ring.bell.fileno()] = link
         if not self._send(link, accepted(LinkAccepted(link=LINK_VERSION, max_frame=self.max_frame,
-                                                      compress=link.codec))):
-            self.links.pop(link.fd, None)
-            self._timed.pop(link.fd, None)
-            _end(link.sock)
+                                                      compress=link.codec, ring=int(link.ring is not None)))):
+            self._drop(link.fd)  # (its ring too)
             raise OSError("the client closed its link before the hello's answer")
 
     def watch(self) -> dict[int, tuple[socket.socket, int]]:
@@ -243,7 +244,7 @@ class Links:
         for number, link in list(self._held.items()):
             if link.session == session:
                 del self._held[number]
-                _end(link.sock)
+                _end_held(link)
         for fd, link in list(self.links.items()):
             if link.session == session:
                 self._drop(fd)
@@ -255,7 +256,6 @@ class Links:
             self.version += 1
             self._resuming.pop(fd, None)
             self._timed.pop(fd, None)
-            _close_fds(link.fds)
             link.outbox.clear()
             if link.ring is not None:
                 self._rings.pop(link.ring.bell.fileno(), None)
@@ -317,12 +317,6 @@ class Links:
             payload = self._receive(link)
             if payload is None:
                 return  # the rest of the frame is still on its way
-            if link.fresh:
-                link.fresh = False
-                fds, link.fds = link.fds, []
-                if fds:
-                    self._upgrade(link, payload, fds)
-                    return
             item = decode_batch(payload)
         except (FrameClosed, OSError):  # the client's end (a half frame with it): nothing to answer
             self._end(fd, link)
@@ -355,19 +349,13 @@ class Links:
     def _receive(self, link: _Link) -> bytearray | None:
         """Read what the link's socket holds of its next frame, never waiting for more: the payload once whole,
         else None. FrameClosed at the client's end, FrameTooLarge (before the payload is read) past the max frame.
-        The first frame's first bytes may carry fds (a ring upgrade's): kept on the link."""
+        A plain recv: it takes no descriptor (nor could a recvmsg here, in a sandbox: sandbox/_seccomp.py)."""
         sock, frames = link.sock, link.frames
         while True:
             view = frames.buffer()  # (never past the frame's end: the next frame's bytes stay in the socket)
             first = not frames.reading  # (the frame's first bytes come now)
             try:
-                if link.fresh and first:
-                    n, ancdata, _, _ = sock.recvmsg_into([view], socket.CMSG_SPACE(MAX_FDS * 4))
-                    for level, kind, data in ancdata:
-                        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                            link.fds.extend(memoryview(data)[:len(data) - len(data) % 4].cast("i"))
-                else:
-                    n = sock.recv_into(view)
+                n = sock.recv_into(view)
             except (BlockingIOError, InterruptedError):
                 if link.reading:  # half a frame: the rest has the link timeout (from its first byte) to come
                     self._timed[link.fd] = link
@@ -440,23 +428,6 @@ class Links:
             self._drop(link.fd)
 
     # -- rings -------------------------------------------------------------------------------------
-    def _upgrade(self, link: _Link, payload: bytearray, fds: list[int]) -> None:
-        """Map the ring the client offers in its link's first frame and answer on the link; a refusal leaves
-        a plain link."""
-        try:
-            ring = open_ring(payload, fds, self.max_frame)
-        except GpuBrokerError as exc:
-            reply = refusal(exc)
-        except OSError as exc:
-            reply = refusal(InvalidArgument(f"the ring could not be mapped: {exc}"))
-        else:
-            link.ring = ring
-            self._rings[ring.bell.fileno()] = link
-            self.version += 1
-            reply = accepted(RingAccepted())
-        if not self._send(link, reply):
-            self._drop(link.fd)
-
     @property
     def resuming(self) -> bool:
         """Rings whose batches were cut off by their time slice: the serve loop polls, then calls ``resume``."""
@@ -567,6 +538,9 @@ def _end(sock: socket.socket) -> None:
     sock.close()
 
 
-def _close_fds(fds: list[int]) -> None:
-    while fds:
-        os.close(fds.pop())
+def _end_held(link: _Link) -> None:
+    """Close a link that was taken but never answered, and its ring."""
+    if link.ring is not None:
+        link.ring.close()
+        link.ring = None
+    _end(link.sock)

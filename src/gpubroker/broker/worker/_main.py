@@ -18,6 +18,7 @@ from gpubroker.broker.worker._executor import Executor
 from gpubroker.broker.worker._handles import HandleTables, Limits
 from gpubroker.broker.worker._links import Links
 from gpubroker.broker.worker._peer import PeerOps
+from gpubroker.broker.worker._ring import RING_FDS, WorkerRing, open_ring
 from gpubroker.broker.worker._segments import SegmentTable
 from gpubroker.wire.commands import MAX_HANDLE, encode, parse_batch
 from gpubroker.wire.compute import GpuCompute
@@ -191,19 +192,33 @@ class WorkerServer:
         """Take over a client's authenticated link (sent on the fd channel) for this session; the worker
         answers the client's hello itself, at once, or with ``held`` (the front's number for the link) once the
         front says ServeLink."""
-        fd = self.segments.receive(request.token)
+        spec = request.ring
+        fd, *ring_fds = self.segments.receive_all(request.token, 1 + (RING_FDS if spec is not None else 0))
+        ring: WorkerRing | None = None
+        if spec is not None:
+            # Mapped now and its memfd closed (the mapping keeps it): the front made it and charged it to the
+            # tenant's shared memory. A ring that cannot be mapped leaves a plain link (the answer says so).
+            try:
+                ring = open_ring(spec.commands, spec.acks, spec.spin_us, ring_fds, self.links.max_frame)
+            except (GpuBrokerError, OSError) as exc:
+                log.warning("a link's ring of session %s not mapped: %s", session,
+                            exc.message if isinstance(exc, GpuBrokerError) else exc)
         sock = socket.socket(fileno=fd)
-        # The front hands over a Unix socket (same host, or its end of a TLS relay) or a vsock connection.
-        if sock.family not in (socket.AF_UNIX, getattr(socket, "AF_VSOCK", -1)) or sock.type != socket.SOCK_STREAM:
-            sock.close()
-            raise InvalidArgument("a link must be a Unix or vsock stream socket")
         try:
-            self.links.attach(sock, session, request.compress, request.held)
+            # The front hands over a Unix socket (same host, or its end of a TLS relay) or a vsock connection.
+            if (sock.family not in (socket.AF_UNIX, getattr(socket, "AF_VSOCK", -1))
+                    or sock.type != socket.SOCK_STREAM):
+                raise InvalidArgument("a link must be a Unix or vsock stream socket")
+            self.links.attach(sock, session, request.compress, request.held, ring)
         except GpuBrokerError:
             sock.close()
+            if ring is not None:
+                ring.close()
             raise
         except OSError as exc:
             sock.close()
+            if ring is not None:
+                ring.close()  # (again, if the link's drop closed it: closing twice does nothing)
             raise Internal(f"could not answer the client on its link: {exc}") from None
 
     def op_serve_link(self, session: str, request: ServeLink) -> None:

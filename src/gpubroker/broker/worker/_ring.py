@@ -1,7 +1,10 @@
 """The worker's end of a same-host ring: a link upgraded to shared memory (``gpubroker/client/_transports/_ring.py`` has
 the layout and the client's side).
 
-The client owns the memfd and the doorbells' socketpair, and may write anything into them at any time: every
+The front makes the ring's memfd and the doorbells' socketpair (front/_links.py: sealed, exactly the rings' size,
+charged to the tenant's shared memory, both doorbell ends refusing descriptors) and passes the worker its part with
+the link (``AttachLink``); the checks below still hold it to that shape. The client maps the same memfd and holds
+the other doorbell, and may write anything into them at any time: every
 index and length read from the shared page is checked before use (``ByteRing``), a record is copied out before
 it is decoded, the memfd must be sealed against shrinking (a mapping past its end would SIGBUS), both rings are
 bounded by the link's frame size, and nothing here ever blocks on the doorbell, whatever the client does to its
@@ -23,7 +26,6 @@ import time
 from typing import Final
 
 from gpubroker.wire.errors import InvalidArgument
-from gpubroker.wire.link import Malformed, decode_ring_offer
 from gpubroker.wire.ring import (
     ACK_HEAD,
     ACK_TAIL,
@@ -39,17 +41,14 @@ from gpubroker.wire.ring import (
     ring_caps,
 )
 
-__all__ = ["MAX_FDS", "RingBroken", "WorkerRing", "open_ring"]
+__all__ = ["RING_FDS", "RingBroken", "WorkerRing", "open_ring"]
 
 # After answering a batch the worker polls the ring for the next before going back to its select, as long as
 # the client asked (``spin_us``: 0 where its host has no spare CPU), at most MAX_SPIN_US: a synchronous client's
 # next command is usually a few microseconds behind its ack. Short, so the front's messages (a revoked turn)
 # and other links wait at most this long.
 _SPIN_POLLS: Final = 16
-_RING_FDS: Final = 2  # the memfd, the worker's end of the doorbells' socketpair
-# The room a link's first frame is read with (_links.py): one fd more than a ring takes, so that an offer of too
-# many is seen as such (the kernel closes those past the room it finds, silently) and refused.
-MAX_FDS: Final = _RING_FDS + 1
+RING_FDS: Final = 2  # the memfd, the worker's end of the doorbells' socketpair
 
 
 def _close_all(fds: list[int]) -> None:
@@ -133,25 +132,17 @@ class WorkerRing:
         self.bell.close()
 
 
-def open_ring(payload: bytes | bytearray, fds: list[int], max_frame: int) -> WorkerRing:
-    """Map the ring a client offers (a ``RingOffer``, gpubroker/wire/link.py, with a sealed memfd and its
-    doorbell, a SOCK_SEQPACKET socketpair's end, attached); InvalidArgument naming what is wrong. Takes the fds:
-    closed here on failure, by the ring after."""
+def open_ring(commands: int, acks: int, spin: int, fds: list[int], max_frame: int) -> WorkerRing:
+    """Map the ring the front made for a link (a sealed memfd and the worker's doorbell, a SOCK_SEQPACKET
+    socketpair's end); InvalidArgument naming what is wrong. Takes the fds: closed here on failure, by the ring
+    after."""
     try:
-        if len(fds) != _RING_FDS:
-            raise InvalidArgument(f"a ring upgrade carries {_RING_FDS} fds (memfd, doorbell), got {len(fds)}")
-        try:
-            offer = decode_ring_offer(payload)
-        except Malformed as exc:
-            raise InvalidArgument(f"a frame with fds attached must be a ring upgrade {{'ring': 1, 'commands': n, "
-                                  f"'acks': m, 'spin_us': s}} ({exc})") from None
-        if offer.ring != 1:
-            raise InvalidArgument(f"this worker speaks ring version 1, the upgrade asked for {offer.ring}")
+        if len(fds) != RING_FDS:
+            raise InvalidArgument(f"a ring comes with {RING_FDS} fds (memfd, doorbell), got {len(fds)}")
         low, high = max_frame + 4, ring_caps(MAX_RING_WINDOW, max_frame)
-        for size in (offer.commands, offer.acks):
+        for size in (commands, acks):
             if not low <= size <= high:
                 raise InvalidArgument(f"a ring's size must be {low} to {high} bytes, got {size!r}")
-        commands, acks, spin = offer.commands, offer.acks, offer.spin_us
         if not 0 <= spin <= MAX_SPIN_US:
             raise InvalidArgument(f"a ring's spin must be 0 to {MAX_SPIN_US} us, got {spin!r}")
         memfd, bell_fd = fds
@@ -160,8 +151,7 @@ def open_ring(payload: bytes | bytearray, fds: list[int], max_frame: int) -> Wor
         except OSError:
             raise InvalidArgument("the ring's memory is not a memfd") from None
         # Sealed against shrinking (touching a page past a shrunk end would SIGBUS) and growing, and exactly the
-        # ring's size: the pages of a larger or growable memfd could be filled from the worker (mremap over the
-        # mapping) past every memory bound, uncounted.
+        # ring's size: what the front charged.
         if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
             raise InvalidArgument("the ring's memfd is not sealed against shrinking and growing "
                                   "(F_SEAL_SHRINK | F_SEAL_GROW)")
@@ -179,4 +169,3 @@ def open_ring(payload: bytes | bytearray, fds: list[int], max_frame: int) -> Wor
         mm.close()
         raise
     return WorkerRing(mm, bell, commands, acks, max_frame, spin * 1e-6)
-

@@ -50,17 +50,23 @@ class SegmentTable:
 
     def receive(self, token: bytes) -> int:
         """The one fd the front sent with the current request, checked against its one-time token."""
+        return self.receive_all(token, 1)[0]
+
+    def receive_all(self, token: bytes, count: int) -> list[int]:
+        """The ``count`` fds the front sent with the current request, checked against its one-time token. (The
+        only descriptors a sandboxed worker can receive: its seccomp filter refuses recvmsg on every other socket,
+        sandbox/_seccomp.py.)"""
         if self.channel is None:
             raise FailedPrecondition("this worker has no fd channel (started without --fd-channel)")
         try:
             data, fds, flags, _ = socket.recv_fds(self.channel, 64, 4)
         except OSError as exc:
             raise Internal(f"no file descriptor arrived on the fd channel: {exc}") from None
-        if data != token or len(fds) != 1 or flags & socket.MSG_CTRUNC:
+        if data != token or len(fds) != count or flags & socket.MSG_CTRUNC:
             for fd in fds:
                 os.close(fd)
             raise Internal("the fd channel is out of step with the requests")
-        return fds[0]
+        return fds
 
     def register(self, token: bytes, size: Any) -> Segment:
         """Receive the fd sent with this request and map ``size`` bytes of it (page-locked at its first copy)."""

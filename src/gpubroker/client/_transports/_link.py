@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Final
 
+import msgspec
+
 from gpubroker.client._tls import TlsOptions
 from gpubroker.client._transports._core import ENVELOPE, BatchingTransport, Lost, Stripes
 from gpubroker.wire.errors import GpuBrokerError, Unavailable
@@ -32,7 +34,16 @@ from gpubroker.wire.frames import (
     recv_payload,
     send_payload,
 )
-from gpubroker.wire.link import LINK_VERSION, Hello, LinkAccepted, Malformed, encode, open_answer
+from gpubroker.wire.link import (
+    LINK_VERSION,
+    Hello,
+    LinkAccepted,
+    Malformed,
+    RingGranted,
+    RingRequest,
+    encode,
+    open_answer,
+)
 
 __all__ = ["HELLO_REPLY_MAX", "STRIPE_MIN", "TCP_STRIPES", "VMADDR_CID_HOST", "Connector", "FramedSocket",
            "framed_link", "peer_hung_up", "tcp_connector", "tcp_stripes", "unix_connector", "vsock_connector"]
@@ -200,12 +211,43 @@ def framed_link(connect: Connector, token: str, session: str, *, kind: str, time
     return transport
 
 
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _close_grant(granted: tuple[RingGranted, list[int]] | None) -> None:
+    if granted is not None:
+        _close_fds(granted[1])
+
+
+def _recv_payload_with_fds(sock: socket.socket, limit: int, max_fds: int = 2) -> tuple[bytearray, list[int]]:
+    """One frame's payload and the descriptors that came with it (at most ``max_fds``: the kernel closes any
+    more); nothing past the frame's end is read."""
+    frames = FrameDecoder(limit)
+    fds: list[int] = []
+    try:
+        while True:
+            into = frames.buffer()
+            data, got, _, _ = socket.recv_fds(sock, len(into), max_fds - len(fds) or 1)
+            fds += got
+            if not data:
+                raise FrameClosed("peer closed the connection")
+            into[:len(data)] = data
+            payload = frames.advance(len(data))
+            if payload is not None:
+                return payload, fds
+    except BaseException:
+        _close_fds(fds)
+        raise
+
+
 class FramedSocket:
     """The carrier of batches on a framed stream socket to the session's worker: the hello at each open, then
     one frame per batch one way and per ack the other."""
 
     def __init__(self, connect: Connector, token: str, session: str, *, kind: str, timeout: float | None,
-                 compress: str = "") -> None:
+                 compress: str = "", ring: RingRequest | None = None) -> None:
         self.kind = kind  # (set by a ring upgrading this link: "ring", or "unix" where the worker declined)
         self.max_data = 0  # (the worker's max frame less ENVELOPE, once a hello is answered)
         self.max_frame = 0
@@ -213,9 +255,14 @@ class FramedSocket:
         self.sock: socket.socket | None = None
         self._connect = connect
         self._timeout = timeout  # the hello's answer and each ack are waited for this long
-        self._hello = Hello(token=token, session=session, link=LINK_VERSION, compress=(compress,) if compress else ())
+        self._hello = Hello(token=token, session=session, link=LINK_VERSION, compress=(compress,) if compress else (),
+                            ring=ring)
         self._compress = compress  # asked for in the hello
         self._frames: _Frames | None = None
+        # What the front and the worker said of the ring the hello asked for, at the last open: granted and mapped
+        # (the grant, with the memfd and this side's doorbell: the ring carrier's to take), or why not.
+        self.ring: tuple[RingGranted, list[int]] | None = None
+        self.ring_declined = ""
 
     def another(self) -> FramedSocket:
         """A further link of the same session, not yet open (for striped copies)."""
@@ -223,23 +270,34 @@ class FramedSocket:
                             timeout=self._timeout, compress=self._compress)
 
     def open(self) -> None:
-        self.sock, max_frame = self._handshake()
+        self.sock, max_frame = self._handshake(ring=True)
         self._frames = _Frames(self.sock, max_frame)
         self.max_data, self.max_frame = max_frame - ENVELOPE, max_frame
 
-    def _handshake(self) -> tuple[socket.socket, int]:
-        """A connection whose hello the worker answered, and its max frame; or the refusal, raised."""
+    def _handshake(self, ring: bool = False) -> tuple[socket.socket, int]:
+        """A connection whose hello the worker answered, and its max frame; or the refusal, raised. With ``ring``
+        the hello asks for the ring this carrier was made with (if any): the front's RingGranted comes first."""
+        self._drop_ring()
+        hello = self._hello if ring else msgspec.structs.replace(self._hello, ring=None)
         try:
             sock = self._connect(self._timeout)
         except OSError as exc:
             raise Unavailable(f"no {self.kind} link to the broker: {exc}") from None
+        granted: tuple[RingGranted, list[int]] | None = None
         try:
             sock.settimeout(self._timeout)  # the hello's answer and each ack are waited for this long
-            send_payload(sock, encode(self._hello))
+            send_payload(sock, encode(hello))
+            if hello.ring is not None:
+                reply, fds = _recv_payload_with_fds(sock, HELLO_REPLY_MAX)
+                granted = self._take_grant(sock, reply, fds)
             reply = recv_payload(sock, HELLO_REPLY_MAX)
         except (OSError, EOFError, ValueError) as exc:  # closed unanswered: refused before authentication, a cap
             sock.close()
+            _close_grant(granted)
             raise Unavailable(f"the broker's {self.kind} link did not answer its hello: {exc}") from None
+        except BaseException:
+            _close_grant(granted)
+            raise
         try:
             answer = open_answer(reply, LinkAccepted)  # (the front's refusal raised as its error)
             max_frame, codec = answer.max_frame, answer.compress
@@ -248,12 +306,43 @@ class FramedSocket:
             self.codec = codec
         except Malformed as exc:
             sock.close()
+            _close_grant(granted)
             raise Unavailable(f"the broker's {self.kind} link answered its hello with {bytes(reply[:200])!r} "
                               f"({exc})") from None
         except GpuBrokerError:
             sock.close()
+            _close_grant(granted)
             raise
+        if granted is not None and not answer.ring:
+            _close_grant(granted)
+            granted, self.ring_declined = None, "the worker could not map the ring the broker made (see its log)"
+        self.ring = granted
         return sock, max_frame
+
+    def _take_grant(self, sock: socket.socket, reply: bytearray,
+                    fds: list[int]) -> tuple[RingGranted, list[int]] | None:
+        """The front's answer to the hello's ring: the grant and its fds (the memfd, this side's doorbell), or None
+        (``ring_declined`` says why). A refusal of the hello itself is raised (and the fds closed)."""
+        try:
+            grant = open_answer(reply, RingGranted)
+        except Malformed as exc:
+            _close_fds(fds)
+            sock.close()
+            raise Unavailable(f"the broker's {self.kind} link answered its ring with {bytes(reply[:200])!r} "
+                              f"({exc})") from None
+        except GpuBrokerError:
+            _close_fds(fds)
+            sock.close()
+            raise
+        if grant.ring != 1 or len(fds) != 2:
+            _close_fds(fds)
+            self.ring_declined = grant.reason or f"the broker answered the ring with {grant!r}"
+            return None
+        return grant, fds
+
+    def _drop_ring(self) -> None:
+        _close_grant(self.ring)
+        self.ring, self.ring_declined = None, ""
 
     def send(self, payload: bytes) -> None:
         sock = self.sock
@@ -290,7 +379,7 @@ class FramedSocket:
     def hung_up(self) -> bool:
         return self.sock is None or peer_hung_up(self.sock)
 
-    def why_lost(self, reason: str) -> GpuBrokerError:
+    def why_lost(self, reason: str) -> GpuBrokerError:  # (a hello that asks for no ring)
         """The front knows why a link dropped (the session's worker died, the session ended): ask it with a new
         hello; one that is answered means the session lives and only the connection was lost."""
         try:

@@ -1,14 +1,17 @@
 """The ring: same-host batches through shared memory, with a socket doorbell each way (the ``RingUpgrade``
 carrier under a BatchingTransport, made by ``ring_transport``).
 
-A Unix link (a ``FramedSocket``, which the ring carrier holds) is upgraded once its hello is answered: the client
-creates a sealed memfd holding two single-producer/single-consumer byte rings (batches client -> worker, acks
-worker -> client) and a connected ``SOCK_SEQPACKET`` socketpair (the doorbells: a one-byte record each way), and
-sends the memfd and the worker's end of the pair over the link in one frame, a ``RingOffer``
-(``gpubroker/wire/link.py``: the rings' sizes and the worker's spin) with the two fds attached (SCM_RIGHTS); the
-worker maps them (``gpubroker/broker/worker/_ring.py``) and answers on the link ``RingAccepted``, or an error and
-the link stays a plain link. From then on each batch is one record in the command ring and each ack one record in
-the ack ring, in order; the link socket stays open and says when the other side is gone (its close ends the ring).
+A Unix link (a ``FramedSocket``, which the ring carrier holds) asks for a ring in its hello (a ``RingRequest``,
+``gpubroker/wire/link.py``: its window and the worker's spin). The front makes it: a sealed memfd holding two
+single-producer/single-consumer byte rings (batches client -> worker, acks worker -> client), charged to the
+tenant's shared memory, and a connected ``SOCK_SEQPACKET`` socketpair (the doorbells: a one-byte record each way);
+it answers ``RingGranted`` with the memfd and this side's doorbell attached (SCM_RIGHTS), and passes the worker the
+rest with the link (``gpubroker/broker/worker/_ring.py``), whose ``LinkAccepted`` says it mapped them. (The
+client never sends a descriptor: the worker runs its tenant's code, and a memfd of the client's would be memory
+outside every bound; the worker's end of the link refuses them.) A ring declined (the tenant's shared memory is
+full, say) leaves a plain link. From then on each batch is one record in the command ring and each ack one record
+in the ack ring, in order; the link socket stays open and says when the other side is gone (its close ends the
+ring).
 
 Each side spins for the other's answer (polls of the ring's index, where the host has CPUs to spare) before
 blocking on its doorbell: a launch + sync then costs no wake-up across processes. The worker spins briefly
@@ -18,8 +21,8 @@ waiting for room in the window it blocks at once, since the worker has a window 
 doorbell is always rung after a record is published, so a side that stopped spinning is never missed; a side
 that was spinning finds a record waiting on its socket and drains it before it next blocks.
 
-Doorbells are sockets, not eventfds, because the client shares the worker's end's open file description (it
-created it) and may change its flags (O_NONBLOCK) or fill its queues at any time: with a socket each call says
+Doorbells are sockets, not eventfds, because a client could share the worker's end's open file description (an
+older one created it) and may change its flags (O_NONBLOCK) or fill its queues at any time: with a socket each call says
 ``MSG_DONTWAIT`` for itself, so no doorbell operation ever blocks, whatever the file's flags. A ring that finds
 no room to ring drops the wake-up: a full queue means the other side has one pending already.
 
@@ -37,7 +40,6 @@ supported by this transport.
 
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
 import select
@@ -45,10 +47,9 @@ import socket
 import time
 
 from gpubroker.client._transports._core import BatchingTransport, Lost
-from gpubroker.client._transports._link import HELLO_REPLY_MAX, Connector, FramedSocket
+from gpubroker.client._transports._link import Connector, FramedSocket
 from gpubroker.wire.errors import GpuBrokerError, Unavailable
-from gpubroker.wire.frames import FRAME_HEADER, recv_payload
-from gpubroker.wire.link import Malformed, RingAccepted, RingOffer, encode, open_answer
+from gpubroker.wire.link import RingRequest
 from gpubroker.wire.ring import (
     ACK_HEAD,
     ACK_TAIL,
@@ -57,14 +58,12 @@ from gpubroker.wire.ring import (
     MAX_RING_WINDOW,
     RECORD_LENGTH,
     RING_DATA,
-    RING_SEALS,
     RING_SUPPORTED,
     SPIN_POLLS,
     ByteRing,
     RingBroken,
     drain_bell,
     ring_bell,
-    ring_caps,
     spin_us,
     wait_spin_us,
 )
@@ -86,8 +85,9 @@ def ring_transport(connect: Connector, token: str, session: str, *, timeout: flo
     answered) here. With ``fallback`` a worker that refuses the upgrade leaves a plain link (``kind`` "unix");
     without it the refusal is raised (Unavailable)."""
     window = min(window, MAX_RING_WINDOW)
-    carrier = RingUpgrade(FramedSocket(connect, token, session, kind="ring", timeout=timeout), window=window,
-                          fallback=fallback)
+    ring = RingRequest(window=window, spin_us=spin_us()) if RING_SUPPORTED else None
+    carrier = RingUpgrade(FramedSocket(connect, token, session, kind="ring", timeout=timeout, ring=ring),
+                          window=window, fallback=fallback)
     transport = BatchingTransport(carrier, timeout=timeout, window=window, batch_size=batch_size)
     transport.open()
     return transport
@@ -107,7 +107,6 @@ class RingUpgrade:
         self._commands: ByteRing | None = None
         self._acks: ByteRing | None = None
         self._poller: select.poll | None = None  # the doorbell and the link socket
-        self._ring_window = window  # (sizes the rings: at most MAX_RING_WINDOW batches in flight)
         self._spin = wait_spin_us() * 1e-6
 
     @property
@@ -124,72 +123,50 @@ class RingUpgrade:
 
     def open(self) -> None:
         link = self.link
-        link.open()
+        link.kind = "ring"
+        link.open()  # (its hello asks for the ring: the front's grant and the worker's answer say how it went)
         try:
-            self._upgrade()
-            link.kind = "ring"
+            self._map()
             return
-        except _Declined as declined:  # answered: the link is as it was
+        except _Declined as declined:  # the link is a plain one, answered
             self._unmap()
             if self._fallback:
                 link.kind = "unix"
                 return
             link.shut()
             raise declined.error from None
-        except GpuBrokerError:  # unanswered or garbled: the link is in no known state
-            self._unmap()
-            link.shut()
-            if not self._fallback:
-                raise
-        link.open()  # a plain link, then
-        link.kind = "unix"
 
-    def _upgrade(self) -> None:
-        """Offer the worker a ring on the open link; _Declined when it answers no, Unavailable otherwise."""
-        if not RING_SUPPORTED:
-            raise _Declined(Unavailable("shared-memory rings need Linux (memfd, sealing, SOCK_SEQPACKET)"))
-        sock = self.link.sock
+    def _map(self) -> None:
+        """Map the ring the front granted and the worker took; _Declined when there is none."""
+        link = self.link
+        granted, link.ring = link.ring, None  # (this carrier's to close from now on)
+        if granted is None:
+            reason = link.ring_declined or "shared-memory rings need Linux (memfd, sealing, SOCK_SEQPACKET)"
+            raise _Declined(Unavailable(f"no ring on this link: {reason}"))
+        grant, (fd, bell_fd) = granted
+        sock = link.sock
         assert sock is not None
-        max_frame = self.link.max_frame
-        cap = ring_caps(self._ring_window, max_frame)
-        size = RING_DATA + 2 * cap
+        max_frame = link.max_frame
         try:
-            fd = os.memfd_create(f"gpubroker-ring-{os.getpid()}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        except OSError as exc:
-            raise _Declined(Unavailable(f"no memory for a ring: {exc}")) from None
-        try:
-            os.ftruncate(fd, size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, RING_SEALS)
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            self._bell, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._bell = socket.socket(fileno=bell_fd)
+            bell_fd = -1
             self._bell.settimeout(None)  # each call made once (no wait for readiness first, as a timeout has)
-        except OSError as exc:  # (nothing sent yet: the link is untouched)
-            os.close(fd)
-            raise _Declined(Unavailable(f"no memory for a ring: {exc}")) from None
-        try:
-            offer = encode(RingOffer(ring=1, commands=cap, acks=cap, spin_us=spin_us()))
-            frame = FRAME_HEADER.pack(len(offer)) + offer
-            sent = socket.send_fds(sock, [frame], [fd, theirs.fileno()])
-            sock.sendall(frame[sent:])
-            reply = recv_payload(sock, HELLO_REPLY_MAX)
-        except (OSError, EOFError, ValueError) as exc:
-            raise Unavailable(f"the worker did not answer the ring upgrade: {exc}") from None
+            cap, acks = grant.commands, grant.acks
+            if min(cap, acks) < max_frame + RECORD_LENGTH.size or os.fstat(fd).st_size != RING_DATA + cap + acks:
+                raise _Declined(Unavailable(f"the broker granted a ring of {cap} and {acks} bytes in a memfd of "
+                                            f"{os.fstat(fd).st_size}, for frames of {max_frame}"))
+            self._mm = mmap.mmap(fd, RING_DATA + cap + acks, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise _Declined(Unavailable(f"the ring the broker granted could not be mapped: {exc}")) from None
         finally:
-            os.close(fd)  # mapped, and the worker has its own: the fds themselves are not needed any more
-            theirs.close()
-        try:
-            answer = open_answer(reply, RingAccepted)
-        except GpuBrokerError as refused:
-            raise _Declined(refused) from None
-        except Malformed as exc:
-            raise Unavailable(f"the worker answered the ring upgrade with {bytes(reply[:200])!r} ({exc})") from None
-        if answer.ring != 1:
-            raise Unavailable(f"the worker answered the ring upgrade with {answer!r}")
+            os.close(fd)  # mapped (or not): the descriptor itself is not needed any more
+            if bell_fd >= 0:
+                os.close(bell_fd)
         words = memoryview(self._mm).cast("Q")
         self._words = words
         self._commands = ByteRing(self._mm, words, RING_DATA, cap, CMD_HEAD * 8, CMD_TAIL * 8, max_frame)
-        self._acks = ByteRing(self._mm, words, RING_DATA + cap, cap, ACK_HEAD * 8, ACK_TAIL * 8,
-                              cap - RECORD_LENGTH.size)
+        self._acks = ByteRing(self._mm, words, RING_DATA + cap, acks, ACK_HEAD * 8, ACK_TAIL * 8,
+                              acks - RECORD_LENGTH.size)
         self._poller = select.poll()
         self._poller.register(self._bell, select.POLLIN)
         self._poller.register(sock, select.POLLIN | select.POLLRDHUP)

@@ -14,7 +14,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -307,11 +307,12 @@ class WorkerClient:
         log.info("worker for tenant %s on device %d started (pid %d)", self.tenant, self.device, self.process.pid)
         return self.info
 
-    async def call(self, request: WorkerRequest[T], session: str = "", fd: int | None = None) -> T:
+    async def call(self, request: WorkerRequest[T], session: str = "", fd: int | Sequence[int] | None = None) -> T:
         """Run one request (in ``session``, for those of a session); its result, of the type the request returns.
         Raises the worker's error, or WorkerCrashed if it dies meanwhile.
 
-        With ``fd`` (a request with a ``token`` field), the fd is passed on the fd channel and the worker receives
+        With ``fd`` (a request with a ``token`` field; or several, in one message), the fd is passed on the fd
+        channel and the worker receives
         it while serving the request: it goes out just before the request, under the same lock and with no await in
         between, so the worker (which reads the channel in request order) pairs them; a one-time token checks the
         pairing.
@@ -340,8 +341,8 @@ class WorkerClient:
         death = self.death or "the worker is gone"
         return WorkerCrashed(death)
 
-    async def _call(self, request: WorkerRequest[Any], session: str, fd: int | None, batch: Batch | None = None,
-                    front: bool = False, host_work: bool = True) -> Any:
+    async def _call(self, request: WorkerRequest[Any], session: str, fd: int | Sequence[int] | None,
+                    batch: Batch | None = None, front: bool = False, host_work: bool = True) -> Any:
         if self.death is not None:
             raise self.death_error()
         if self._writer is None:
@@ -477,7 +478,7 @@ class WorkerClient:
         assert self._writer is not None
         return self._writer.transport.get_write_buffer_size() + self._waiting_bytes
 
-    async def _send(self, frame: ToWorker[Any], fd: int | None = None, capped: bool = True) -> None:
+    async def _send(self, frame: ToWorker[Any], fd: int | Sequence[int] | None = None, capped: bool = True) -> None:
         """Write ``frame`` once the worker's socket has room for it (below the transport's high-water mark).
 
         Waiting comes before the write, not after: a caller cancelled while it waits (its deadline) leaves
@@ -535,12 +536,12 @@ class WorkerClient:
             raise self.death_error() from None
         self._stalled_since = None
 
-    def _send_fd(self, fd: int) -> bytes:
+    def _send_fd(self, fd: int | Sequence[int]) -> bytes:
         if self._fd_sock is None:
             raise FailedPrecondition("worker not started")
         token = secrets.token_bytes(16)
         try:
-            socket.send_fds(self._fd_sock, [token], [fd])
+            socket.send_fds(self._fd_sock, [token], [fd] if isinstance(fd, int) else list(fd))
         except BlockingIOError:
             raise ResourceExhausted("the worker's fd channel is full; retry") from None
         except ConnectionError:
