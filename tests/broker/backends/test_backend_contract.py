@@ -293,6 +293,8 @@ def test_unknown_kernel_name(gpu: Backend, module: Module, backend: str) -> None
         gpu.compile_kernel(module_source(backend), "no_such_kernel")
     with pytest.raises(NotFound):
         gpu.get_kernel(module, "no_such_kernel")
+    with pytest.raises(NotFound):  # (a C string ends at its NUL: the driver alone would find "vadd")
+        gpu.get_kernel(module, "vadd\x00")
     with pytest.raises(NotFound):
         gpu.execute_kernel(Kernel("kernel-999", "x"), 1, 1, [])
 

@@ -26,7 +26,7 @@ from gpubroker.broker.backends._cuda_util import (
     compile_module,
     make_kernel_rec,
 )
-from gpubroker.wire.errors import CompileError, InvalidArgument
+from gpubroker.wire.errors import CompileError, InvalidArgument, NotFound
 from gpubroker.wire.types import Buffer, Dim3, Kernel, KernelArg, Module, ModuleFormat, Stream
 
 __all__ = ["CudaCode", "PreparedLaunch"]
@@ -111,6 +111,8 @@ class CudaCode:
         rec = self.modules.get(module.handle)
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"kernel name must be a non-empty str, got {name!r}")
+        if "\x00" in name:  # (the driver reads a C string: "vadd\0" would find vadd)
+            raise NotFound(f"no kernel {name!r} in module {module.handle!r}: a kernel's name has no NUL character")
         if name not in rec.kernels:
             try:
                 krec = make_kernel_rec(rec.module, name, module.handle, rec.source)
