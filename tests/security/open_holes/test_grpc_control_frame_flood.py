@@ -13,7 +13,9 @@ discarding what comes back): alice's unary ListDevices p50 0.85 -> 22.9 ms (SETT
 12.4 ms (WINDOW_UPDATE, 2.9 GB in 6 s); the front's process used 137-144 % of a CPU meanwhile. Each such
 connection may stay for ``grpc_idle_seconds`` (30 s), then reconnect. A re-run: 0.91 -> 11.3 ms (SETTINGS, 227 MiB),
 0.79 -> 21.4 ms (WINDOW_UPDATE, 2.2 GiB). Control: the same flood against a sink process of its own (34 GB in 6 s)
-left alice's p50 at 0.82 -> 1.31 ms: the cost is the front's.
+left alice's p50 at 0.82 -> 1.31 ms: the cost is the front's. PRIORITY frames for an idle stream: 0.86 -> 16.7 ms
+(2.4 GiB); CONTINUATION frames after an unfinished HEADERS kept the front at 121-190 % of a CPU (260 MB taken,
+its memory flat).
 
 Suggested fix: count a connection's bytes and frames outside calls (control frames, frames for closed or idle
 streams) against a per-peer budget in the gate, which already parses the preface, and cut the connection past it
@@ -47,7 +49,8 @@ FLOOD = textwrap.dedent(r"""
     path, seconds, kind, conns = sys.argv[1], float(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     def frame(t, flags, sid, payload=b""):
         return struct.pack(">I", len(payload))[1:] + bytes([t, flags]) + struct.pack(">I", sid) + payload
-    unit = frame(4, 0, 0) if kind == "settings" else frame(8, 0, 1, struct.pack(">I", 1))
+    unit = {"settings": frame(4, 0, 0), "window_update": frame(8, 0, 1, struct.pack(">I", 1)),
+            "priority": frame(2, 0, 3, struct.pack(">I", 1) + b"\x10")}[kind]
     blob, sent = unit * 4096, [0]
     def one():
         s = socket.socket(socket.AF_UNIX)
@@ -77,7 +80,7 @@ FLOOD = textwrap.dedent(r"""
 """)
 
 
-@pytest.mark.parametrize("kind", ["settings", "window_update"])
+@pytest.mark.parametrize("kind", ["settings", "window_update", "priority"])
 def test_control_frames_of_an_unauthenticated_peer_do_not_slow_other_tenants(kind: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to run the flood as another uid")
