@@ -7,9 +7,9 @@ distinct sources back to back forever. On PoCL the device *is* the host's CPUs, 
 other tenant's kernels while the attacker's fair-share clock stands still (it keeps winning turns too).
 
 Measured (PoCL, 2 shared cores): 15 s of back-to-back compiles of a small macro-expanded source (each a distinct
-kernel: the seed is in the code, PoCL's cache keys the preprocessed source) used 15.1 CPU-seconds (a full CPU) of the attacker's
-worker; ``Usage`` charged mallory 0.0 device-seconds; alice's 1.0 s kernel took 1.5-2.0 s meanwhile (8.9 s for
-the one that overlapped a 9 s compile).
+kernel: the seed is in the code, PoCL's cache keys the preprocessed source) used 15.1 CPU-seconds (a full CPU) of
+the attacker's worker; ``Usage`` charged mallory 0.0 device-seconds; alice's 1.0 s kernel took 1.3-2.8 s
+meanwhile (8.9 s for the one that overlapped a 9 s compile).
 
 Suggested fix: charge a compile's CPU (the serving thread's, as the watch already measures it) to the tenant's
 fair-queuing clock like the rest of its worker's CPU (on a CPU device, over its compute units), and give compiles

@@ -25,8 +25,6 @@ from __future__ import annotations
 import os
 import time
 
-import numpy as np
-
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import AdminClient, connect
 

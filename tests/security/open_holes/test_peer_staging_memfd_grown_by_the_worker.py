@@ -25,7 +25,6 @@ mapping will do (map it in the launcher and pass the mapping), so a kernel has n
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
