@@ -51,7 +51,7 @@ def _new_connections(broker: BrokerProcess, n: int) -> list[str]:
             with grpc.secure_channel(broker.target, credentials) as channel:
                 pb_grpc.GpuBrokerStub(channel).ListDevices(pb.ListDevicesRequest(), timeout=30)
         except grpc.RpcError as exc:
-            failed.append(f"{exc.code().name}: {exc.details()[:160]}")
+            failed.append(f"{exc.code().name}: {(exc.details() or '')[:160]}")
         time.sleep(0.05)
     return failed
 

@@ -89,6 +89,6 @@ def test_a_worker_cannot_grow_the_fronts_staging_memfds_past_its_limit() -> None
                 break
         grown = _shmem() - before
         print(f"\n{kept} staging memfds kept and grown to {GROW >> 20} MiB: Shmem +{grown >> 20} MiB; "
-              f"mallory's use as the front sees it: {here.device_info().memory_used >> 20} MiB")
+              f"mallory's use as the front sees it: {(here.device_info().memory_used or 0) >> 20} MiB")
         assert grown < LIMIT, (f"mallory's worker holds {grown >> 20} MiB of host shared memory in the front's "
                                f"CopyPeer staging memfds, worker_memory_max = {LIMIT >> 20} MiB, quota 64 MiB")
