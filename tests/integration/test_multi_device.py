@@ -41,7 +41,7 @@ from ..helpers import wait_for
 MiB = 1 << 20
 TENANTS = [TenantSpec("ops", admin=True), TenantSpec("alice", memory_quota=1 << 40),
            TenantSpec("bob", memory_quota=4 * MiB, device_memory={1: 8 * MiB}), TenantSpec("carol"),
-           TenantSpec("dave")]
+           TenantSpec("dave"), TenantSpec("erin", shared_memory=16 << 10), TenantSpec("frank", shared_memory=4 * MiB)]
 
 
 WORKER_IDLE = 5.0  # (a test waits for idle workers to exit)
@@ -331,6 +331,27 @@ def test_the_kept_staging_goes_when_the_workers_end(backend: str, two: BrokerPro
     # The sessions ended: the workers unmapped it; the front keeps it, counted, until they exit (idle).
     wait_for(lambda: not _peer_staging_held(two, "carol") and _shared_bytes(two, "carol") == 0, 60,
              "the workers to exit and the staging to be closed and uncounted")
+
+
+def test_a_copy_through_the_host_needs_room_in_the_tenants_shared_memory(backend: str, two: BrokerProcess) -> None:
+    if backend != "opencl":
+        pytest.skip("only the host path stages (CUDA takes the peer path where it can)")
+    with connect(two.target, two.tokens["erin"], device=0) as a, connect(two.target, two.tokens["erin"], device=1) as b:
+        src, dst = a.allocate_memory(4096), b.allocate_memory(4096)
+        with pytest.raises(ResourceExhausted, match="too little to stage through"):
+            a.copy_peer(src, b, dst, 4096)  # a quarter of 16 KiB is less than two pages
+    token = two.tokens["frank"]
+    with connect(two.target, token, device=0) as a, connect(two.target, token, device=1) as b:
+        src, dst = a.allocate_memory(4096), b.allocate_memory(4096)
+        with connect(two.target, token, device=0) as c:
+            held = c.host_array(3 * MiB + 512 * 1024)
+            with pytest.raises(ResourceExhausted, match="1048576 bytes of host shared memory") as full:
+                a.copy_peer(src, b, dst, 4096)
+            assert full.value.details["limit"] == 4 * MiB
+            del held
+        before = _shared_bytes(two, "frank")  # (its segment went with its session)
+        assert a.copy_peer(src, b, dst, 4096) == "host"
+        assert _shared_bytes(two, "frank") - before == MiB  # a quarter of its shared memory
 
 
 def test_peer_copy_runs_after_queued_kernels(two: BrokerProcess) -> None:
