@@ -36,6 +36,10 @@ __all__ = ["STAGING_PIECE", "STAGING_SEALS", "ImportCache", "Staging", "StagingC
 # Sealed once sized: no copy of it a worker keeps can grow it (or shrink it under another's mapping), nor unseal it.
 STAGING_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
+# The most a piece of a host-path copy takes: about a millisecond of copying either way (pinned host copies run at
+# ~50 GB/s).
+STAGING_PIECE = 64 * 1024 * 1024
+
 ImportKey = tuple[str, str, str]  # (source session, source buffer's handle, destination session)
 
 
@@ -83,15 +87,11 @@ class Staging:
 
 
 def staging_size(limit: int) -> int:
-    """The staging for a tenant whose shared memory is ``limit`` bytes: two pieces of at most ``piece`` each,
-    a quarter of its shared memory at most, in whole pages (0: too little to stage through)."""
+    """The staging's size for a tenant whose shared memory is ``limit`` bytes: two pieces of at most STAGING_PIECE,
+    a quarter of its shared memory at most (the rest stays its own), in whole pages (0: too little to stage
+    through)."""
     unit = 2 * mmap.PAGESIZE
     return min(2 * STAGING_PIECE, limit // 4) // unit * unit
-
-
-# The most a piece of a host-path copy takes: about a millisecond of copying either way (pinned host copies run at
-# ~50 GB/s).
-STAGING_PIECE = 64 * 1024 * 1024
 
 
 class StagingCache:
