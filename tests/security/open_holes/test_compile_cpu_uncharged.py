@@ -36,7 +36,7 @@ BOMB = r"""
 #define C B B B B B B B B B B
 #define D C C C C C C C C C C
 #define E D D D D D D D D D D
-__kernel void k(__global float* x) { float v = x[0]; int i = get_global_id(0); E x[i] = v; }
+__kernel void k(__global float* x) { float v = x[0]; int i = get_global_id(0); E x[get_global_id(0)] = v + (float)i; }
 """
 
 
