@@ -216,7 +216,7 @@ class Broker:
             hold_cpus={d: float(u) if cpu_device else 1.0 for d, u in self._units.items()},
             charge_cpus={d: float(u) if cpu_device else float(self._ncpu) for d, u in self._units.items()},
             limit=cfg.max_cpu_seconds_outside_turns, window=cfg.cpu_outside_turns_window_seconds,
-            kill=self._kill_for,
+            kill=self._kill_for, charge_host_work=frozenset(self._units) if cpu_device else frozenset(),
             # (where the kernel does not hold the workers to worker_pids_max, the watch's count is all there is)
             threads_max=cfg.worker_pids_max if not sandbox.pids_enforced else 0)
         # On CUDA, what each worker holds on the devices, read from NVML (front/_memwatch.py): the quota's bound
