@@ -79,7 +79,8 @@ from gpubroker.wire.accept import (
     encode,
 )
 
-__all__ = ["ACCEPTOR_NICE", "REPORT_SECONDS", "AcceptorProcess", "ChurnBans"]
+__all__ = ["ACCEPTOR_NICE", "BAN_SECONDS", "BAN_SECONDS_MAX", "CHURN_REFUSALS", "CHURN_WINDOW", "REPORT_SECONDS",
+           "AcceptorProcess", "ChurnBans"]
 
 log = logging.getLogger("gpubroker.server")
 audit = logging.getLogger("gpubroker.audit")
