@@ -8,7 +8,7 @@ connections faster than the acceptor refused them, the backlog stayed full, and 
 anyone else then failed at once (``EAGAIN``: a non-blocking connect to a full backlog), which gRPC reports as
 ``UNAVAILABLE``. The per-peer rate could not help: the refused connections were in the one queue before it applied.
 Measured (PoCL broker, 2 shared cores; two churners of one uid, ``connect(); close()`` in a loop, ~20,000 a second
-each): 2-13 of alice's 20 new channels failed UNAVAILABLE, the rest 45 ms p50 (4-5 ms before); 30-87 % of
+each): 2-13 of alice's 20 new channels failed UNAVAILABLE, the rest 45 ms p50 (4-5 ms before); 16-87 % of
 non-blocking connects failed. A backlog of 4096 and a leaner refusal path alone did not do (3-12 of 20 failed,
 the backlog full at every sample even with the acceptor at nice -5: it was runnable all the time and got a third
 of a core on this loaded machine), nor would any CPU priority against enough churning processes: the kernel

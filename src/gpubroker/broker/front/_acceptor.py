@@ -12,6 +12,12 @@ SOCK_SEQPACKET socketpair: one typed message a packet (``wire/accept.py``), the 
 It runs at a lower CPU priority (``ACCEPTOR_NICE``): a churner's refusals cost the front's loop nothing and
 compete for the CPU as a process of their own, behind the front and the workers.
 
+Refusing after accept cannot keep the listener's backlog (one queue every peer's connect needs room in) from
+filling: a churner's connections wait there until refused, and a non-blocking connect() by anyone else to a full
+backlog fails (EAGAIN). So the front bans a uid that the process refuses for its rate 1,000 times within a second
+from every Unix socket file, by an ACL entry the kernel checks at connect() (`ChurnBans`); and the process drains
+a Unix listener in large batches with the cheapest refusal it has (`_Acceptor._accept_unix`).
+
 A thread would not do: the accept, peer lookup and close of each refusal run Python code, which holds the GIL
 the front's loop needs; a churner would take the loop's interpreter as surely as its time.
 
