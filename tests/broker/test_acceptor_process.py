@@ -12,6 +12,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from gpubroker.broker.front._acceptor import ACCEPTOR_NICE, AcceptorProcess
+from gpubroker.broker.front._acceptor import ACCEPTOR_NICE, CHURN_REFUSALS, CHURN_WINDOW, AcceptorProcess, ChurnBans
 from gpubroker.broker.front.listeners import Acceptor, Peer, PeerRate
 
 TIMEOUT = 10.0
@@ -217,3 +218,43 @@ def test_the_process_dies_with_the_front(tmp_path: Path) -> None:
         if not select.select([pidfd], [], [], 0)[0]:  # (failed: no stopped process left behind)
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         os.close(pidfd)
+
+
+def _acl_users(path: Path) -> set[int]:
+    """The uids the socket file at ``path`` has a named user's ACL entry for (none: no ACL)."""
+    try:
+        acl = os.getxattr(path, "system.posix_acl_access")
+    except OSError:
+        return set()
+    return {ident for tag, _, ident in struct.iter_unpack("<HHI", acl[4:]) if tag == 0x02}
+
+
+def test_a_churning_uid_is_banned_from_the_unix_sockets_then_let_back(tmp_path: Path) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        paths = [tmp_path / "a.sock", tmp_path / "b.sock"]
+        socks = []
+        for path in paths:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(str(path))
+            os.chmod(path, 0o660)
+            socks.append(sock)
+        bans = ChurnBans(loop)
+        for path in paths:
+            bans.add(str(path))
+        now = 1000.0
+        bans.refused("uid 4321", CHURN_REFUSALS - 1, now)
+        bans.refused("uid 4321", 1, now + CHURN_WINDOW + 0.1)  # (a new window: no ban)
+        bans.refused("uid 0", 10 * CHURN_REFUSALS, now)  # (root: no permission stops it)
+        bans.refused("10.0.0.0/24", 10 * CHURN_REFUSALS, now)  # (a remote peer: no uid)
+        assert not bans.banned and all(not _acl_users(path) for path in paths)
+        bans.refused("uid 4321", CHURN_REFUSALS, now + 2 * CHURN_WINDOW)
+        assert bans.banned == {4321}
+        assert all(_acl_users(path) == {4321} for path in paths)
+        assert all(os.stat(path).st_mode & 0o777 == 0o660 for path in paths)  # (the mode is the same)
+        bans._lift(4321)  # (as the timer does, BAN_SECONDS later)
+        assert not bans.banned and all(not _acl_users(path) for path in paths)
+        for sock in socks:
+            sock.close()
+
+    asyncio.run(main())

@@ -12,6 +12,12 @@ SOCK_SEQPACKET socketpair: one typed message a packet (``wire/accept.py``), the 
 It runs at a lower CPU priority (``ACCEPTOR_NICE``): a churner's refusals cost the front's loop nothing and
 compete for the CPU as a process of their own, behind the front and the workers.
 
+Refusing after accept cannot keep the listener's backlog (one queue every peer's connect needs room in) from
+filling: a churner's connections wait there until refused, and a non-blocking connect() by anyone else to a full
+backlog fails (EAGAIN). So the front bans a uid that the process refuses for its rate 1,000 times within a second
+from every Unix socket file, by an ACL entry the kernel checks at connect() (`ChurnBans`); and the process drains
+a Unix listener in large batches with the cheapest refusal it has (`_Acceptor._accept_unix`).
+
 A thread would not do: the accept, peer lookup and close of each refusal run Python code, which holds the GIL
 the front's loop needs; a churner would take the loop's interpreter as surely as its time.
 
@@ -43,6 +49,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -78,9 +85,11 @@ from gpubroker.wire.accept import (
     encode,
 )
 
-__all__ = ["ACCEPTOR_NICE", "REPORT_SECONDS", "AcceptorProcess"]
+__all__ = ["ACCEPTOR_NICE", "BAN_SECONDS", "BAN_SECONDS_MAX", "CHURN_REFUSALS", "CHURN_WINDOW", "REPORT_SECONDS",
+           "AcceptorProcess", "ChurnBans"]
 
 log = logging.getLogger("gpubroker.server")
+audit = logging.getLogger("gpubroker.audit")
 
 # How much less CPU priority the acceptor process has than the front (nice): under contention it gets about a
 # tenth of a core against each busy process of the front's priority.
@@ -93,7 +102,26 @@ START_TIMEOUT: Final = 10.0
 # takes some (connections wait in the backlog).
 MAX_UNSENT: Final = 256
 _FD_SPACE: Final = socket.CMSG_SPACE(array.array("i", [0]).itemsize)
+# Connections a Unix listener's wakeup takes at most (the refusal path): a churner's backlog drained in one go.
+DRAIN_BATCH: Final = 4096
+_PEERCRED_SIZE: Final = 12  # struct ucred: pid, uid, gid
+_UID: Final = struct.Struct("i")
 _PR_SET_PDEATHSIG: Final = 1
+# A local user refused for its connection rate this many times within CHURN_WINDOW seconds is connecting and
+# closing in a loop (the default rate admits 200 a second): `ChurnBans` bans it from the Unix sockets for
+# BAN_SECONDS, doubling while it goes on, up to BAN_SECONDS_MAX.
+CHURN_REFUSALS: Final = 1000
+CHURN_WINDOW: Final = 1.0
+BAN_SECONDS: Final = 10.0
+BAN_SECONDS_MAX: Final = 300.0
+MAX_BANNED: Final = 64
+# POSIX ACLs as the kernel takes them in system.posix_acl_access (linux/posix_acl_xattr.h): a version, then
+# (tag, permissions, id) entries sorted by tag.
+_ACL_XATTR: Final = "system.posix_acl_access"
+_ACL_VERSION: Final = struct.Struct("<I")
+_ACL_ENTRY: Final = struct.Struct("<HHI")
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_ACL_UNDEFINED_ID: Final = 0xFFFFFFFF
 
 
 class _ToldOwner:
@@ -107,6 +135,107 @@ class _ToldOwner:
 
     def close(self) -> None:
         pass
+
+
+class ChurnBans:
+    """Refuses a churning local user at connect, in the kernel: a uid whose connections the acceptor process refused
+    for its rate `CHURN_REFUSALS` times within `CHURN_WINDOW` seconds gets a POSIX ACL entry with no permission
+    on every Unix socket file of the front (``system.posix_acl_access``; the kernel checks a socket file's write
+    permission at every ``connect()``, and a named user's entry decides before any group's) for `BAN_SECONDS`,
+    doubling while it goes on (up to `BAN_SECONDS_MAX`).
+
+    Why: every Unix listener has one backlog, shared by every peer, and the per-peer rate applies only after
+    accept. A uid connecting and closing in a loop queues connections as fast as the acceptor refuses them, the
+    backlog stays full, and anyone else's non-blocking connect() fails (EAGAIN: gRPC's UNAVAILABLE). Banned, its
+    connect() fails with EACCES before a connection is made: the backlog drains, and the churn costs nothing but
+    its own CPU. Uid 0 (which no permission stops) and the front's own uid are never banned; at most
+    `MAX_BANNED` uids at once. A file system without POSIX ACLs: said once, and no bans (the backlog and the
+    acceptor's rate are all there is)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._paths: set[str] = set()
+        self._windows: dict[int, tuple[float, int]] = {}  # uid -> (window start, refusals in it)
+        self._banned: dict[int, float] = {}  # uid -> when its ban ends
+        self._strikes: dict[int, tuple[int, float]] = {}  # uid -> (bans in a row, when the last ended)
+        self._unsupported = False
+
+    def add(self, path: str) -> None:
+        self._paths.add(path)
+        if self._banned:
+            self._apply(path)
+
+    def discard(self, path: str) -> None:
+        self._paths.discard(path)
+
+    @property
+    def banned(self) -> frozenset[int]:
+        return frozenset(self._banned)
+
+    def refused(self, key: str, connections: int, now: float | None = None) -> None:
+        """``connections`` of the peer ``key`` were refused for its rate: ban it if it is a churning local user."""
+        uid_text = key.removeprefix("uid ")
+        if uid_text == key or not uid_text.isdigit() or self._unsupported:
+            return
+        uid = int(uid_text)
+        if uid in (0, os.getuid()) or uid in self._banned:
+            return
+        now = time.monotonic() if now is None else now
+        start, count = self._windows.get(uid, (now, 0))
+        if now - start > CHURN_WINDOW:
+            start, count = now, 0
+        count += connections
+        self._windows[uid] = (start, count)
+        if len(self._windows) > MAX_REFUSED_PEERS:
+            self._windows = {uid: (start, count)}
+        if count >= CHURN_REFUSALS and len(self._banned) < MAX_BANNED:
+            self._ban(uid, now)
+
+    def _ban(self, uid: int, now: float) -> None:
+        del self._windows[uid]
+        strikes, ended = self._strikes.get(uid, (0, 0.0))
+        if now - ended > BAN_SECONDS_MAX:
+            strikes = 0
+        seconds = min(BAN_SECONDS_MAX, BAN_SECONDS * 2 ** strikes)
+        self._banned[uid] = now + seconds
+        for path in list(self._paths):
+            self._apply(path)
+        if self._unsupported:
+            del self._banned[uid]
+            return
+        self._strikes[uid] = (strikes + 1, now + seconds)
+        self._loop.call_later(seconds, self._lift, uid)
+        audit.warning("action=ban-uid peer=uid %d reason=connecting and closing in a loop (%d connections refused "
+                      "for max_connections_per_peer_per_second within %g s): its connect() to the front's Unix "
+                      "sockets refused by the kernel for %g s", uid, CHURN_REFUSALS, CHURN_WINDOW, seconds)
+
+    def _lift(self, uid: int) -> None:
+        if self._banned.pop(uid, None) is None:
+            return
+        for path in list(self._paths):
+            self._apply(path)
+
+    def _apply(self, path: str) -> None:
+        """Give the socket file at ``path`` an ACL of its mode plus one empty entry per banned uid (none: no ACL)."""
+        try:
+            if not self._banned:
+                with contextlib.suppress(OSError):
+                    os.removexattr(path, _ACL_XATTR)
+                return
+            mode = os.stat(path).st_mode
+            owner, group, other = (mode >> 6) & 7, (mode >> 3) & 7, mode & 7
+            entries = [(_ACL_USER_OBJ, owner, _ACL_UNDEFINED_ID)]
+            entries += [(_ACL_USER, 0, uid) for uid in sorted(self._banned)]
+            entries += [(_ACL_GROUP_OBJ, group, _ACL_UNDEFINED_ID), (_ACL_MASK, group, _ACL_UNDEFINED_ID),
+                        (_ACL_OTHER, other, _ACL_UNDEFINED_ID)]
+            os.setxattr(path, _ACL_XATTR, _ACL_VERSION.pack(2) + b"".join(_ACL_ENTRY.pack(*e) for e in entries))
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.ENOTSUP) and not self._unsupported:
+                self._unsupported = True
+                log.warning("cannot ban a churning uid from %s: its file system has no POSIX ACLs (%s); a uid "
+                            "connecting and closing in a loop can keep its backlog full", path, exc.strerror)
+            elif exc.errno != errno.ENOENT:
+                log.warning("cannot set the ACL of %s: %s", path, exc.strerror)
 
 
 def _take_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
@@ -140,6 +269,7 @@ class AcceptorProcess:
         self._writing = False
         self._closed = False
         self._started: asyncio.Future[None] | None = None
+        self.bans: ChurnBans | None = None
 
     @property
     def alive(self) -> bool:
@@ -150,6 +280,7 @@ class AcceptorProcess:
         A process that does not start in time is killed, and the acceptors accept on the loop."""
         self._loop = asyncio.get_running_loop()
         self._started = self._loop.create_future()
+        self.bans = ChurnBans(self._loop)
         self._thread = threading.get_ident()
         front, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -236,6 +367,8 @@ class AcceptorProcess:
             acceptor.accept_here()
             return
         self._send(encode(Listen(number, acceptor.kind)), fd)
+        if (path := _unix_path(acceptor.sock)) and self.bans is not None:
+            self.bans.add(path)
 
     def _unregister(self, acceptor: Acceptor) -> None:
         number = self._ids.pop(acceptor, None)
@@ -243,6 +376,8 @@ class AcceptorProcess:
             return
         del self._acceptors[number]
         self._send(encode(Unlisten(number)), None)
+        if (path := _unix_path(acceptor.sock)) and self.bans is not None:
+            self.bans.discard(path)
 
     def _pause(self, acceptor: Acceptor, seconds: float) -> None:
         number = self._ids.get(acceptor)
@@ -355,6 +490,8 @@ class AcceptorProcess:
             if acceptor is not None:
                 named[number] = named.get(number, 0) + connections
                 self._on_loop(acceptor, acceptor.refused, key, connections)
+            if self.bans is not None:
+                self.bans.refused(key, connections)
         for number, connections in message.counts:
             acceptor = self._acceptors.get(number)
             rest = connections - named.get(number, 0)
@@ -379,6 +516,17 @@ class AcceptorProcess:
         acceptors, self._acceptors, self._ids = list(self._acceptors.values()), {}, {}
         for acceptor in acceptors:
             self._on_loop(acceptor, acceptor.accept_here)
+
+
+def _unix_path(sock: socket.socket) -> str:
+    """A Unix listener's socket file ("" for any other socket, or one with no file)."""
+    if sock.family != socket.AF_UNIX:
+        return ""
+    try:
+        name = sock.getsockname()
+    except OSError:
+        return ""
+    return name if isinstance(name, str) and name.startswith("/") else ""
 
 
 def _accepted_on(conn: socket.socket, listening: socket.socket) -> bool:
@@ -425,6 +573,7 @@ class _Acceptor:
         self.unsent: collections.deque[tuple[bytes, socket.socket | None, int]] = collections.deque()
         self.refused: dict[int, int] = {}
         self.refused_peers: dict[tuple[int, str], int] = {}
+        self.uid_keys: dict[int, str] = {}  # (a Unix peer's uid -> its `Peer.key`, made once)
         self.reported = 0.0
         self.channel_events = select.EPOLLIN
         self.poll.register(channel.fileno(), self.channel_events)
@@ -522,6 +671,9 @@ class _Acceptor:
                 listening.paused_until = 0.0
 
     def _accept(self, listening: _Listening) -> None:
+        if listening.sock.family == socket.AF_UNIX:
+            self._accept_unix(listening)
+            return
         for _ in range(ACCEPT_BATCH):
             if len(self.unsent) >= MAX_UNSENT:
                 return
@@ -530,20 +682,9 @@ class _Acceptor:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                if out_of_descriptors(exc):
-                    listening.backoff = min(ACCEPT_BACKOFF_MAX, max(ACCEPT_BACKOFF, listening.backoff * 2))
-                    listening.paused_until = time.monotonic() + listening.backoff
-                    self._stop_watching(listening)
-                    self._tell(AcceptFailed(listening.number, exc.errno or 0, exc.strerror or str(exc),
-                                            listening.backoff))
-                    return
                 if exc.errno in GONE:
                     continue
-                self._stop_watching(listening)
-                del self.by_fd[listening.sock.fileno()]
-                del self.listening[listening.number]
-                listening.close()
-                self._tell(AcceptFailed(listening.number, exc.errno or 0, (exc.strerror or str(exc))[:200]))
+                self._accept_failed(listening, exc)
                 return
             listening.backoff = 0.0
             try:
@@ -561,6 +702,66 @@ class _Acceptor:
             owner = peer.uid if peer.local else -1
             self.unsent.append((encode(Admitted(listening.number, owner)), conn, listening.number))
             self._flush()
+
+    def _accept_unix(self, listening: _Listening) -> None:
+        """`_accept` on a Unix listener, with the cheapest refusal there is: accept, SO_PEERCRED, the peer's
+        bucket, close (no `Peer` made; its key is the one `Peer.key` gives), up to `DRAIN_BATCH` at a time. A
+        churner's connections queue in the one backlog every peer's connect needs room in: every microsecond of
+        Python here is one the backlog stays fuller."""
+        sock, take, keys = listening.sock, self.rate.take, self.uid_keys
+        refused = 0
+        try:
+            for _ in range(DRAIN_BATCH):
+                if len(self.unsent) >= MAX_UNSENT:
+                    return
+                try:
+                    conn, _ = sock.accept()
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError as exc:
+                    if exc.errno in GONE:
+                        continue
+                    self._accept_failed(listening, exc)
+                    return
+                listening.backoff = 0.0
+                try:
+                    uid = _UID.unpack_from(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED_SIZE),
+                                           4)[0]
+                except OSError:  # (its socket is gone): named as the front would not, refused
+                    conn.close()
+                    continue
+                key = keys.get(uid)
+                if key is None:
+                    key = f"uid {uid}" if uid >= 0 else "unix"
+                    if len(keys) < MAX_REFUSED_PEERS:
+                        keys[uid] = key
+                if not take(key):
+                    conn.close()
+                    refused += 1
+                    peer = (listening.number, key)
+                    if peer in self.refused_peers or len(self.refused_peers) < MAX_REFUSED_PEERS:
+                        self.refused_peers[peer] = self.refused_peers.get(peer, 0) + 1
+                    continue
+                self.unsent.append((encode(Admitted(listening.number, -1)), conn, listening.number))
+                self._flush()
+        finally:
+            if refused:
+                self.refused[listening.number] = self.refused.get(listening.number, 0) + refused
+
+    def _accept_failed(self, listening: _Listening, exc: OSError) -> None:
+        """accept() failed (but for a connection gone before it was taken): out of descriptors or memory, pause
+        the listener (doubling while that lasts); anything else, end it. The front is told either way."""
+        if out_of_descriptors(exc):
+            listening.backoff = min(ACCEPT_BACKOFF_MAX, max(ACCEPT_BACKOFF, listening.backoff * 2))
+            listening.paused_until = time.monotonic() + listening.backoff
+            self._stop_watching(listening)
+            self._tell(AcceptFailed(listening.number, exc.errno or 0, exc.strerror or str(exc), listening.backoff))
+            return
+        self._stop_watching(listening)
+        del self.by_fd[listening.sock.fileno()]
+        del self.listening[listening.number]
+        listening.close()
+        self._tell(AcceptFailed(listening.number, exc.errno or 0, (exc.strerror or str(exc))[:200]))
 
     # -- to the front ---------------------------------------------------------------------------------------
 

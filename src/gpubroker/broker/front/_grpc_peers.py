@@ -77,7 +77,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from gpubroker.broker.front.auth import RateLimitedLog
-from gpubroker.broker.front.listen import listen_unix, tcp_listeners
+from gpubroker.broker.front.listen import BACKLOG, listen_unix, tcp_listeners
 from gpubroker.broker.front.listeners import Acceptor, OffLoop, Peer, PeerRate, out_of_descriptors, pump
 from gpubroker.wire.addresses import TcpAddress, UnixAddress, VsockAddress, parse_host_port
 from gpubroker.wire.errors import InvalidArgument
@@ -219,7 +219,7 @@ class GrpcGate:
         """The path of gRPC's Unix listener behind the public address ``public``."""
         return self._private[public]
 
-    def listen_unix(self, path: Path, mode: int, group: str = "", backlog: int = 1024) -> str:
+    def listen_unix(self, path: Path, mode: int, group: str = "", backlog: int = BACKLOG) -> str:
         """Listen on the Unix socket ``path`` (a stale one replaced; its ``group`` and ``mode`` set before anyone
         can connect); returns its public address, whose private one ``private_address`` gives."""
         public = f"unix:{path}"
@@ -229,7 +229,7 @@ class GrpcGate:
         self._add_listener(sock, public, self._private_path(public), loopback_only=False)
         return public
 
-    def listen_tcp(self, address: str, loopback_only: bool, backlog: int = 1024) -> str:
+    def listen_tcp(self, address: str, loopback_only: bool, backlog: int = BACKLOG) -> str:
         """Listen on ``HOST:PORT`` (every address HOST resolves to, on one port; port 0: one the kernel picks);
         returns the address with its port, whose private one ``private_address`` gives."""
         try:

@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 
 from gpubroker.broker.front._sessions import SessionManager
 from gpubroker.broker.front.auth import RateLimitedLog
-from gpubroker.broker.front.listen import tcp_listeners
+from gpubroker.broker.front.listen import BACKLOG, tcp_listeners
 from gpubroker.broker.front.listeners import Acceptor, OffLoop, Peer, PeerRate
 from gpubroker.broker.front.scheduler import DeviceScheduler
 from gpubroker.broker.front.workers import WorkerPool
@@ -357,7 +357,7 @@ class MetricsServer:
         except ValueError as exc:
             raise InvalidArgument(f"metrics_listen: {exc}") from None
         try:
-            socks = tcp_listeners(wanted.host, wanted.port, backlog=128)
+            socks = tcp_listeners(wanted.host, wanted.port, BACKLOG)
         except OSError as exc:
             raise FailedPrecondition(f"metrics_listen {listen}: {exc.strerror or exc}") from None
         self.address = str(TcpAddress(wanted.host, socks[0].getsockname()[1]))

@@ -19,8 +19,13 @@ from typing import Any
 from gpubroker.broker.front._descriptors import set_passrights
 from gpubroker.wire.errors import FailedPrecondition, InvalidArgument
 
-__all__ = ["VMADDR_CID_ANY", "VMADDR_PORT_ANY", "listen_tcp", "listen_unix", "listen_vsock", "secure_unix_socket",
-           "tcp_listeners", "vsock_socket"]
+__all__ = ["BACKLOG", "VMADDR_CID_ANY", "VMADDR_PORT_ANY", "listen_tcp", "listen_unix", "listen_vsock",
+           "secure_unix_socket", "tcp_listeners", "vsock_socket"]
+
+# Every listener's backlog: as many as the host allows (listen() caps it at net.core.somaxconn, 4096 by default).
+# Connections a peer made and closed before they were accepted wait there too, and a Unix peer's non-blocking
+# connect() fails (EAGAIN) while it is full: the deeper it is, the longer a burst the acceptor can fall behind.
+BACKLOG = 65535
 
 # socket.VMADDR_* exist only where AF_VSOCK does; the values are fixed by the Linux ABI.
 VMADDR_CID_ANY = 0xFFFFFFFF
@@ -39,7 +44,7 @@ def secure_unix_socket(path: Path, mode: int, group: str = "") -> None:
     os.chmod(path, mode)
 
 
-def listen_unix(path: Path, mode: int, group: str = "", backlog: int = 128,
+def listen_unix(path: Path, mode: int, group: str = "", backlog: int = BACKLOG,
                 passrights: bool | None = None) -> socket.socket:
     """A listening Unix stream socket at ``path`` (its directory made if missing), owned by ``group`` with
     ``mode`` before anyone can connect; a stale socket there is replaced, any other file refused
@@ -63,7 +68,7 @@ def listen_unix(path: Path, mode: int, group: str = "", backlog: int = 128,
     return sock
 
 
-def listen_tcp(family: int, address: Any, backlog: int = 128, v6only: bool | None = None) -> socket.socket:
+def listen_tcp(family: int, address: Any, backlog: int = BACKLOG, v6only: bool | None = None) -> socket.socket:
     """A listening TCP socket of ``family`` bound to ``address`` (a sockaddr as getaddrinfo gives it), with
     SO_REUSEADDR (a restart rebinds while the last run's connections linger); ``v6only``: IPV6_V6ONLY's value
     for an IPv6 socket (None: the kernel's default)."""
@@ -118,7 +123,7 @@ def vsock_socket() -> socket.socket:
                                  "support (load vhost_vsock on a KVM host)") from None
 
 
-def listen_vsock(port: int, cid: int = VMADDR_CID_ANY, backlog: int = 128) -> socket.socket:
+def listen_vsock(port: int, cid: int = VMADDR_CID_ANY, backlog: int = BACKLOG) -> socket.socket:
     """A listening AF_VSOCK stream socket, or FailedPrecondition saying why there cannot be one."""
     sock = vsock_socket()
     try:
