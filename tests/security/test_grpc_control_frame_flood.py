@@ -148,10 +148,7 @@ def test_control_frames_of_an_unauthenticated_peer_are_cut_and_do_not_load_the_f
     print(f"\n{kind}: {done['bytes'] / 2**20:,.1f} MiB of control frames taken on {done['connections']} connections "
           f"({done['cuts']} cut, {refused:.0f} counted) in {SECONDS:g} s; alice's p50 {before:.2f} -> {during:.2f} ms; "
           f"the front used {cpu:.2f} CPU-s in {elapsed:.1f} s")
-    assert done["cuts"] >= 1 and refused >= 1, (
-        f"the front never cut a connection sending nothing but HTTP/2 {kind} frames, or did not count it: {done}, "
-        f"{refused:.0f} counted")
-    # Before the fix the front used 1.2-1.4 CPU-s a second of flood (on a loaded machine, whatever it could get);
+    # Before the fix the front used 0.5-1.2 CPU-s a second of flood (2.1-4.9 CPU-s in 4 s, on a loaded 2-core machine);
     # what is left is alice's calls, the flooder's reconnects (max_connections_per_peer_per_second) and the reads
     # of each connection up to its cut.
     assert cpu <= 0.4 * elapsed, (
@@ -161,3 +158,6 @@ def test_control_frames_of_an_unauthenticated_peer_are_cut_and_do_not_load_the_f
     assert during <= max(4 * before, before + 10.0), (
         f"alice's ListDevices p50 went from {before:.2f} ms to {during:.2f} ms while uid {ATTACKER_UID} sent "
         f"HTTP/2 {kind} frames on {CONNECTIONS} unauthenticated connections ({done})")
+    assert done["cuts"] >= 1 and refused >= 1, (
+        f"the front never cut a connection sending nothing but HTTP/2 {kind} frames, or did not count it: {done}, "
+        f"{refused:.0f} counted")
