@@ -256,8 +256,6 @@ class GrpcGate:
             call_rate.register("grpc")
         # How fast each peer may send control frames (ControlFrames), on all its connections together.
         self.control_rate = control_rate
-        if control_rate is not None:
-            control_rate.register("grpc")
         self.open = 0
         self.per_peer: dict[str, int] = {}
         # Peer key -> its connections that have not authenticated, oldest first; and, for each count n, the peers
@@ -268,7 +266,8 @@ class GrpcGate:
         # (endpoint, reason) -> count, for gpubroker_endpoint_refusals: its keys are set here, before the gate's
         # thread counts into them, so that a scrape iterating it never sees it grow.
         self.refusals = refusals if refusals is not None else {}
-        for reason in ("connections", "peer connections", "unauthenticated timeout", "evicted unauthenticated"):
+        for reason in ("connections", "peer connections", "unauthenticated timeout", "evicted unauthenticated",
+                       "control frames"):
             self.refusals.setdefault(("grpc", reason), 0)
         self._audit = RateLimitedLog(audit)
         self._listeners: list[_Listener] = []
@@ -606,7 +605,7 @@ class GrpcGate:
         if not cost or rate.take(relay.peer.key, now, cost):
             return False
         frames.reading = False  # (read no more of it)
-        rate.count("grpc")
+        self.refusals[("grpc", "control frames")] += 1
         if not relay.cutting:
             relay.cutting = True
             self._audit.warning("grpc control frames", "action=close-connection peer=%s reason=over "

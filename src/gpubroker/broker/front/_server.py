@@ -277,7 +277,7 @@ class Broker:
                              self.health.refusals, reason="call rate")
         # and send HTTP/2 frames that start no call (ControlFrames), all of which gRPC parses on the front's loop.
         control_rate = PeerRate(cfg.max_grpc_control_frames_per_peer_per_second,
-                                cfg.grpc_control_frame_burst_per_peer, self.health.refusals, reason="control frames")
+                                cfg.grpc_control_frame_burst_per_peer)
         # Every listener accepts in the front's acceptor process, which applies the connection rate and closes what
         # it refuses: a peer connecting and closing in a loop costs this loop nothing (_acceptor.py).
         self.accepts = AcceptorProcess(connection_rate, PeerNetworks(cfg.peer_network_ipv4, cfg.peer_network_ipv6))
