@@ -50,7 +50,15 @@ the call's handler before any other work: ``over_call_rate``). A call past its p
 the connection it came on is cut: the gate stops relaying what the client sends at once (a flood of HTTP/2
 HEADERS and RST_STREAM frames already on its way stops reaching gRPC, whose every call runs the front's handler
 on the loop every tenant's calls share), lets the refusal reach the client, then closes the connection. A
-flooder must reconnect, at the connection rate. (The gate reads no HTTP/2: TLS passes through it.)
+flooder must reconnect, at the connection rate.
+
+gRPC parses every HTTP/2 frame in the front's process, and frames that start no call (SETTINGS, WINDOW_UPDATE for a
+stream that never existed, PRIORITY, CONTINUATION...) need no stream and no token. So the gate reads the frame
+headers of what a cleartext client sends it (``ControlFrames``: headers only, across reads; payloads skipped) and
+takes each such frame from its peer's ``max_grpc_control_frames_per_peer_per_second``: a read past it is not
+relayed and the connection is cut, counted in gpubroker_endpoint_refusals (grpc: "control frames") and audited
+rate-limited. A client sends about two per call and two or three per MiB copied. TLS passes through the gate
+unread (gRPC terminates it): a TLS listener's control frames are bounded by gRPC alone.
 
 The relay forwards at the protocol level (each side's data is written to the other's transport; a side whose
 writes back up pauses the other's reads), on the front's event loop. It costs a gRPC unary round trip one more
