@@ -417,7 +417,7 @@ def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
     return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
 
 
-SETTINGS, WINDOW_UPDATE, HEADERS, DATA, CONTINUATION = 4, 8, 1, 0, 9
+SETTINGS, WINDOW_UPDATE, HEADERS, DATA, CONTINUATION, RST_STREAM = 4, 8, 1, 0, 9, 3
 
 
 def test_control_frames_are_counted_from_frame_headers_split_anyhow_across_reads() -> None:
@@ -430,6 +430,10 @@ def test_control_frames_are_counted_from_frame_headers_split_anyhow_across_reads
         frames = ControlFrames()
         cost = sum(frames.feed(stream[at:at + size], 1e9) for at in range(0, len(stream), size))
         assert cost == 3 * (1 + 1 + 5 + 1), f"reads of {size} bytes"
+    # An RST_STREAM cancelling a call it opened is part of that call; one more is not.
+    cancels = ControlFrames()
+    assert cancels.feed(H2_PREFACE + (_frame(HEADERS, 4, 1, b"\x82") + _frame(RST_STREAM, 0, 1, b"\0\0\0\x08")) * 50
+                        + _frame(RST_STREAM, 0, 1, b"\0\0\0\x08") * 5, 1e9) == 5
     # A flood is read no further than the budget it goes over.
     assert ControlFrames().feed(H2_PREFACE + _frame(SETTINGS, 0, 0) * 1000, 10) == 11
     # TLS (a ClientHello), or anything but the cleartext preface, is passed through unread.

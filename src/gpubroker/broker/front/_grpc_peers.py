@@ -164,22 +164,23 @@ class ControlFrames:
     """Counts the HTTP/2 frames a client sends that start no call, from the frame headers of what it sends, across
     reads (a header split between two reads is joined; payloads are skipped, never copied).
 
-    gRPC parses every frame in the front's process. HEADERS start calls, which ``max_grpc_calls_per_peer_per_second``
-    bounds; DATA frames carry their messages, which flow control bounds. Every other frame (SETTINGS,
-    WINDOW_UPDATE, PRIORITY, PING, RST_STREAM, GOAWAY, CONTINUATION, PUSH_PROMISE, an unknown type), and an empty
-    DATA frame that does not end its stream, is a *control frame*: it needs no stream and no token, and nothing
-    else bounds it. ``feed`` says what a read's control frames cost (one token each, one more per
-    ``CONTROL_FRAME_BYTES`` of payload), which the gate takes from its peer's
-    ``max_grpc_control_frames_per_peer_per_second``. A connection that does not start with the cleartext preface
-    (TLS: the gate cannot read it) is passed through unread."""
+    gRPC parses every frame in the front's process. HEADERS start calls, which
+    ``max_grpc_calls_per_peer_per_second`` bounds, and an RST_STREAM may cancel each; DATA frames carry their
+    messages, which flow control bounds. Every other frame (SETTINGS, WINDOW_UPDATE, PRIORITY, PING, RST_STREAM
+    beyond one per HEADERS, GOAWAY, CONTINUATION, PUSH_PROMISE, an unknown type), and an empty DATA frame that does
+    not end its stream, is a *control frame*: it needs no stream and no token, and nothing else bounds it. ``feed``
+    says what a read's control frames cost (one token each, one more per ``CONTROL_FRAME_BYTES`` of payload), which
+    the gate takes from its peer's ``max_grpc_control_frames_per_peer_per_second``. A connection that does not start
+    with the cleartext preface (TLS: the gate cannot read it) is passed through unread."""
 
-    __slots__ = ("_seen", "_skip", "_head", "reading")
+    __slots__ = ("_calls", "_head", "_seen", "_skip", "reading")
 
     def __init__(self) -> None:
         self.reading: bool | None = None  # None: until the preface is seen (or is not); False: never read
         self._seen = b""  # the connection's first bytes, until they are the preface (or are not)
         self._skip = len(H2_PREFACE)  # bytes still to pass before the next frame header
         self._head = b""  # the part of a frame header the last read ended in
+        self._calls = 0  # HEADERS frames sent and not cancelled by an RST_STREAM (an upper bound of calls open)
 
     def feed(self, data: bytes, most: float) -> float:
         """What the control frames whose headers end in ``data`` cost; it stops counting past ``most`` (a flood
@@ -206,14 +207,14 @@ class ControlFrames:
             self._head = b""
             high, low, kind, flags = _FRAME_HEAD.unpack_from(head)
             length = high << 16 | low
-            if kind > 1 or (kind == 0 and length == 0 and not flags & 1):
-                cost += 1 + length // CONTROL_FRAME_BYTES
+            if kind or not length:
+                cost += self._cost(kind, flags, length)
             pos = taken + length
         while pos + 9 <= size:
             high, low, kind, flags = _FRAME_HEAD.unpack_from(data, pos)
             length = high << 16 | low
-            if kind > 1 or (kind == 0 and length == 0 and not flags & 1):
-                cost += 1 + length // CONTROL_FRAME_BYTES
+            if kind or not length:  # (not a DATA frame with bytes: the most frames of a copy, passed at once)
+                cost += self._cost(kind, flags, length)
                 if cost > most:
                     return cost  # (its connection is cut: where this read ends no longer matters)
             pos += 9 + length
@@ -223,6 +224,17 @@ class ControlFrames:
             self._skip = 0
             self._head = data[pos:]
         return cost
+
+    def _cost(self, kind: int, flags: int, length: int) -> int:
+        if kind == 1:  # HEADERS: a call (max_grpc_calls_per_peer_per_second), which an RST_STREAM may cancel
+            self._calls += 1
+            return 0
+        if kind == 0:  # an empty DATA frame: the end of a call's messages, or nothing
+            return 0 if flags & 1 else 1
+        if kind == 3 and self._calls:  # RST_STREAM cancelling a call it started
+            self._calls -= 1
+            return 0
+        return 1 + length // CONTROL_FRAME_BYTES
 
 
 # -- listeners and peers -------------------------------------------------------------------------------------
