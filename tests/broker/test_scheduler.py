@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gpubroker.broker.front.scheduler import DeviceScheduler, FairPolicy, TurnLease
+from gpubroker.broker.front.scheduler import DeviceScheduler, FairPolicy, HoldMeter, Metered, TurnLease
 from gpubroker.wire.worker import LeaseToWorker, Want
 
 
@@ -441,15 +441,15 @@ def test_a_worker_that_keeps_its_leased_turn_past_the_limit_is_killed() -> None:
     asyncio.run(scenario())
 
 
-def _metered(loop: asyncio.AbstractEventLoop, rates: dict[str, float]) -> Callable[[str], Callable[[], float] | None]:
+def _metered(loop: asyncio.AbstractEventLoop, rates: dict[str, float]) -> HoldMeter:
     """A hold meter whose holder consumes the device at ``rates[tenant]`` device seconds per second (1: alone;
     below 1: slowed by others' use of a CPU device); None (wall time) for a tenant without a rate."""
 
-    def start(tenant: str) -> Callable[[], float] | None:
+    def start(tenant: str) -> Callable[[], Metered] | None:
         if tenant not in rates:
             return None
         began = loop.time()
-        return lambda: (loop.time() - began) * rates[tenant]
+        return lambda: Metered((loop.time() - began) * rates[tenant], (loop.time() - began) * rates[tenant])
 
     return start
 

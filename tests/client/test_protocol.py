@@ -174,15 +174,16 @@ def _msgspec_codec_calls(path: Path) -> list[str]:
 
 
 def test_the_wire_has_one_encoder_and_owns_every_decoder() -> None:
-    """Every message between processes is a type of gpubroker/wire, encoded by the one encoder (wire/commands.py
-    ``encode``) and decoded by the wire's own decoders: no module elsewhere builds a msgspec codec or encodes with
-    one (the front checks a worker's replies with the wire's decoders of each request's result type)."""
+    """Every message between processes is a type of gpubroker/wire, encoded by the one encoder (wire/encoding.py
+    ``encode``, which wire/commands.py names too) and decoded by the wire's own decoders: no module elsewhere
+    builds a msgspec codec or encodes with one (the front checks a worker's replies with the wire's decoders of
+    each request's result type)."""
     codecs = {str(path.relative_to(ROOT)): calls for path in sorted((ROOT / "src" / "gpubroker").rglob("*.py"))
               if (calls := _msgspec_codec_calls(path))}
     assert all(path.startswith("src/gpubroker/wire/") for path in codecs), codecs
     encoders = {path: encoding for path, calls in codecs.items()
                 if (encoding := [call for call in calls if call != "msgspec.msgpack.Decoder"])}
-    assert encoders == {"src/gpubroker/wire/commands.py": ["msgspec.msgpack.Encoder"]}, encoders
+    assert encoders == {"src/gpubroker/wire/encoding.py": ["msgspec.msgpack.Encoder"]}, encoders
 
 
 def test_the_fronts_outline_holds_every_field_it_checks() -> None:

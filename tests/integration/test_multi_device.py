@@ -41,7 +41,10 @@ from ..helpers import wait_for
 MiB = 1 << 20
 TENANTS = [TenantSpec("ops", admin=True), TenantSpec("alice", memory_quota=1 << 40),
            TenantSpec("bob", memory_quota=4 * MiB, device_memory={1: 8 * MiB}), TenantSpec("carol"),
-           TenantSpec("dave")]
+           TenantSpec("dave"), TenantSpec("erin", shared_memory=16 << 10), TenantSpec("frank", shared_memory=4 * MiB)]
+
+
+WORKER_IDLE = 5.0  # (a test waits for idle workers to exit)
 
 
 def _env(backend: str) -> dict[str, str]:
@@ -60,7 +63,7 @@ def _start(backend: str, **settings: object) -> BrokerProcess:
 @pytest.fixture(scope="module")
 def two(backend: str) -> Iterator[BrokerProcess]:
     """A broker on two devices shared by the tests that leave it as they found it."""
-    proc = _start(backend, lease_seconds=30.0)
+    proc = _start(backend, lease_seconds=30.0, worker_idle_seconds=WORKER_IDLE)
     try:
         yield proc
     finally:
@@ -291,25 +294,64 @@ def test_peer_copies_follow_a_freed_and_replaced_source(backend: str,
         b.free_memory(dst)
 
 
-def _peer_staging_held(broker: BrokerProcess, tenant: str) -> list[str]:
-    """Processes of ``broker`` (the front, the tenant's workers) that still hold the tenant's staging memfd."""
+def _peer_staging_held(broker: BrokerProcess, tenant: str) -> list[int]:
+    """Processes of ``broker`` (the front, the tenant's workers) that map or hold the tenant's staging memfd."""
     assert broker.process is not None
-    pids = [broker.process.pid] + [_worker_pid(broker, tenant, d) for d in (0, 1)]
     name = f"gpubroker-peer-{tenant}"
-    return [f"{pid}" for pid in pids if name in Path(f"/proc/{pid}/maps").read_text()
-            or any(name in os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir())]
+    held = []
+    for pid in [broker.process.pid, *worker_pids(broker, tenant)]:
+        try:
+            if (name in Path(f"/proc/{pid}/maps").read_text()
+                    or any(name in os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir())):
+                held.append(pid)
+        except OSError:  # (a worker that exited meanwhile)
+            continue
+    return held
 
 
-def test_the_kept_staging_goes_when_the_sessions_end(backend: str, two: BrokerProcess) -> None:
+def _shared_bytes(broker: BrokerProcess, tenant: str) -> int:
+    with AdminClient(broker.target, broker.tokens["ops"]) as admin:
+        return sum(u.shared_bytes for u in admin.usage().tenants if u.tenant == tenant and u.device == 0)
+
+
+def test_the_kept_staging_goes_when_the_workers_end(backend: str, two: BrokerProcess) -> None:
     if backend != "opencl":
         pytest.skip("only the host path keeps a staging memfd")
     token = two.tokens["carol"]
     with connect(two.target, token, device=0) as a, connect(two.target, token, device=1) as b:
         data = np.random.default_rng(3).integers(0, 256, 9 * MiB, dtype=np.uint8)
-        src, dst = _filled(a, data), b.allocate_memory(data.nbytes)
+        src, dst = _filled(a, data), _filled(b, np.zeros_like(data))
+        before = _shared_bytes(two, "carol")  # (the sessions' rings and the SDK's staging segments)
         assert a.copy_peer(src, b, dst, data.nbytes) == "host"
-        assert len(_peer_staging_held(two, "carol")) == 3  # the front's memfd, mapped by both workers
-    wait_for(lambda: not _peer_staging_held(two, "carol"), 30, "the staging to be unmapped and closed")
+        front, *workers = _peer_staging_held(two, "carol")
+        assert front == two.process.pid and len(workers) == 2  # the front's memfd, mapped by both workers
+        # Counted in carol's shared memory (a quarter of it, 128 MiB at most): its workers may keep it.
+        assert _shared_bytes(two, "carol") - before == 128 * MiB
+        assert np.array_equal(_read(b, dst, data.nbytes), data)
+    # The sessions ended: the workers unmapped it; the front keeps it, counted, until they exit (idle).
+    wait_for(lambda: not _peer_staging_held(two, "carol") and _shared_bytes(two, "carol") == 0, 60,
+             "the workers to exit and the staging to be closed and uncounted")
+
+
+def test_a_copy_through_the_host_needs_room_in_the_tenants_shared_memory(backend: str, two: BrokerProcess) -> None:
+    if backend != "opencl":
+        pytest.skip("only the host path stages (CUDA takes the peer path where it can)")
+    with connect(two.target, two.tokens["erin"], device=0) as a, connect(two.target, two.tokens["erin"], device=1) as b:
+        src, dst = a.allocate_memory(4096), b.allocate_memory(4096)
+        with pytest.raises(ResourceExhausted, match="too little to stage through"):
+            a.copy_peer(src, b, dst, 4096)  # a quarter of 16 KiB is less than two pages
+    token = two.tokens["frank"]
+    with connect(two.target, token, device=0) as a, connect(two.target, token, device=1) as b:
+        src, dst = a.allocate_memory(4096), b.allocate_memory(4096)
+        with connect(two.target, token, device=0) as c:
+            held = c.host_array(3 * MiB + 512 * 1024)
+            with pytest.raises(ResourceExhausted, match="1048576 bytes of host shared memory") as full:
+                a.copy_peer(src, b, dst, 4096)
+            assert full.value.details["limit"] == 4 * MiB
+            del held
+        before = _shared_bytes(two, "frank")  # (its segment went with its session)
+        assert a.copy_peer(src, b, dst, 4096) == "host"
+        assert _shared_bytes(two, "frank") - before == MiB  # a quarter of its shared memory
 
 
 def test_peer_copy_runs_after_queued_kernels(two: BrokerProcess) -> None:

@@ -43,6 +43,14 @@ def scrape(broker: BrokerProcess) -> Samples:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def metric(broker: BrokerProcess, name: str, **labels: str) -> float:
+    """The one sample of ``name`` whose labels include ``labels``."""
+    found = [value for (sample, sample_labels), value in scrape(broker).items()
+             if sample == name and labels.items() <= dict(sample_labels).items()]
+    assert len(found) == 1, f"{len(found)} samples of {name} with {labels}"
+    return found[0]
+
+
 def wchans(pid: int) -> dict[int, str]:
     """Where each thread of ``pid`` waits in the kernel (its wchan), by thread id; {} once it is gone."""
     found = {}

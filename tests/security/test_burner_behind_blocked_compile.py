@@ -220,9 +220,10 @@ def test_a_kernel_cannot_make_a_fifo_or_a_socket_node(broker: BrokerProcess) -> 
         assert list(results[:3]) == [-EPERM, -EPERM, 0], results[:3]  # FIFO, socket: refused; a regular file: made
 
 
-def test_a_compile_longer_than_the_limit_is_its_own_and_not_charged(broker: BrokerProcess) -> None:
+def test_a_compile_longer_than_the_limit_is_its_own_and_not_killed(broker: BrokerProcess) -> None:
     # The compile's CPU is the serving thread's, found by the front: a compile that uses more than the limit on it
-    # is neither stopped nor charged as CPU outside the turns.
+    # is not stopped, and charged no more than its own CPU (on PoCL, whose device is those CPUs, a compile's CPU is
+    # charged to its tenant's fair share: test_compile_cpu_charged.py).
     # (PoCL's build parses: 2^DOUBLINGS statements through a chain of macros keep its front end busy)
     macros = "".join(f"#define S{k + 1} S{k} S{k}\n" for k in range(DOUBLINGS))
     source = (f"#define S0 acc = acc * 1.5f + x[1];\n{macros}"
@@ -239,7 +240,9 @@ def test_a_compile_longer_than_the_limit_is_its_own_and_not_charged(broker: Brok
         charged = usage["alice"].device_seconds if "alice" in usage else 0.0
     assert used > 1.5 * LIMIT, f"the compile used only {used:.1f} CPU-seconds: make it longer"
     assert worker in worker_pids(broker, "alice") and "'alice'" not in broker.log_tail(1_000_000), used
-    assert charged < 0.5, f"a compile of {used:.1f} CPU-seconds was charged {charged:.2f} device-seconds"
+    units = min(len(os.sched_getaffinity(0)), os.cpu_count() or 1)  # (PoCL's compute units: this host's CPUs)
+    assert charged <= used / units + 0.5, (
+        f"a compile of {used:.1f} CPU-seconds was charged {charged:.2f} device-seconds")
 
 
 def test_a_burner_hidden_behind_a_blocked_compile_is_charged_and_stopped(broker: BrokerProcess) -> None:

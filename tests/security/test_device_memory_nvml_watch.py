@@ -14,18 +14,17 @@ Needs nvidia-ml-py (pynvml) where the broker runs: ``./dev gpu-wheels`` carries 
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import ResourceExhausted, connect
 
 from ..conftest import worker_pids
 from ..helpers import wait_for
+from ._probes import metric
 
 pytestmark = pytest.mark.cuda
 
@@ -44,7 +43,6 @@ extern "C" __global__ void touch(long n) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) hoard[i] = 1;
 }
 """
-_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local endpoint: never via a proxy
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +52,6 @@ def broker() -> Iterator[BrokerProcess]:
         yield proc
 
 
-def _metric(broker: BrokerProcess, name: str, **labels: str) -> float:
-    with _HTTP.open(broker.metrics_url, timeout=30) as response:
-        text = response.read().decode()
-    found = [s.value for family in text_string_to_metric_families(text) for s in family.samples
-             if s.name == name and labels.items() <= s.labels.items()]
-    assert len(found) == 1, f"{len(found)} samples of {name} with {labels}"
-    return found[0]
 
 
 def _nvml_held(pid: int) -> int | None:
@@ -97,7 +88,7 @@ def test_a_module_hoarding_device_memory_past_the_quota_gets_its_worker_killed(b
         alice.synchronize()
     print(f"NVML: alice's worker holds {_nvml_held(alice_pid) or 0:,} bytes with {ALICE_QUOTA:,} allocated; bob's "
           f"{_nvml_held(bob_pid) or 0:,} with {BOB_HOLDS:,}")
-    assert _metric(broker, "gpubroker_device_memory_kills_total", tenant="alice", cause="nvml") == 0
+    assert metric(broker, "gpubroker_device_memory_kills_total", tenant="alice", cause="nvml") == 0
 
     # The hoard: 1.5 GiB as the module loads (touched, so it is there whatever the driver defers).
     def killed() -> bool:
@@ -111,10 +102,10 @@ def test_a_module_hoarding_device_memory_past_the_quota_gets_its_worker_killed(b
         return False
 
     wait_for(killed, 10, "alice's worker killed for holding device memory past her quota plus the headroom")
-    wait_for(lambda: _metric(broker, "gpubroker_device_memory_kills_total", tenant="alice", cause="nvml") == 1, 10,
+    wait_for(lambda: metric(broker, "gpubroker_device_memory_kills_total", tenant="alice", cause="nvml") == 1, 10,
              "the kill counted")
-    assert _metric(broker, "gpubroker_tenant_worker_crashes_total", tenant="alice") == 1
-    assert _metric(broker, "gpubroker_tenant_worker_crashes_total", tenant="bob") == 0
+    assert metric(broker, "gpubroker_tenant_worker_crashes_total", tenant="alice") == 1
+    assert metric(broker, "gpubroker_tenant_worker_crashes_total", tenant="bob") == 0
     assert "action=kill-worker reason=device-memory tenant=alice" in broker.log_tail(1 << 20)
 
     # Bob, holding 3 GiB within his own quota, worked on throughout.
@@ -123,7 +114,7 @@ def test_a_module_hoarding_device_memory_past_the_quota_gets_its_worker_killed(b
     out = np.empty(m, np.int32)
     bob.copy_d2h(bob_buf, out)
     assert (out == 7).all()
-    assert _metric(broker, "gpubroker_device_memory_kills_total", tenant="bob", cause="nvml") == 0
+    assert metric(broker, "gpubroker_device_memory_kills_total", tenant="bob", cause="nvml") == 0
     # Alice's next session gets a fresh worker.
     again = connect(broker.target, token=broker.tokens["alice"])
     again.allocate_memory(ALICE_QUOTA)

@@ -22,25 +22,23 @@ What bounds it:
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import GpuBrokerError, RemoteGpu, ResourceExhausted, connect
 
 from ..conftest import worker_pids
 from ..helpers import wait_for
+from ._probes import metric
 from .exploits import SYSCALL_SOURCE
 
 QUOTA = 123_456_789  # distinctive: a single-digit PyLong in the worker
 BOB_QUOTA = 256 << 20
 CHUNK = 100_000_000
-_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a local endpoint: never via a proxy
 SOURCE = SYSCALL_SOURCE + r"""
 __kernel void maps(__global char* buf, long cap, __global long* out) {
     long fd = sys6(257, -100, (long)buf, 0, 0, 0, 0);   /* openat("/proc/self/maps") */
@@ -75,13 +73,6 @@ def broker() -> Iterator[BrokerProcess]:
         yield proc
 
 
-def _metric(broker: BrokerProcess, name: str, **labels: str) -> float:
-    with _HTTP.open(broker.metrics_url, timeout=30) as response:
-        text = response.read().decode()
-    found = [s.value for family in text_string_to_metric_families(text) for s in family.samples
-             if s.name == name and labels.items() <= s.labels.items()]
-    assert len(found) == 1, f"{len(found)} samples of {name} with {labels}"
-    return found[0]
 
 
 def _memory_limit(pid: int) -> int:
@@ -155,11 +146,11 @@ def test_a_tampered_quota_is_held_by_the_memory_limit_and_the_worker_is_stopped(
         return False
 
     wait_for(killed, 10, "alice's worker killed for reporting more than her quota in use")
-    wait_for(lambda: _metric(broker, "gpubroker_device_memory_kills_total", tenant="alice", cause="report") == 1,
+    wait_for(lambda: metric(broker, "gpubroker_device_memory_kills_total", tenant="alice", cause="report") == 1,
              10, "the kill counted")
-    assert _metric(broker, "gpubroker_tenant_worker_crashes_total", tenant="alice") == 1
-    assert _metric(broker, "gpubroker_tenant_worker_crashes_total", tenant="bob") == 0
-    assert _metric(broker, "gpubroker_device_memory_kills_total", tenant="bob", cause="report") == 0
+    assert metric(broker, "gpubroker_tenant_worker_crashes_total", tenant="alice") == 1
+    assert metric(broker, "gpubroker_tenant_worker_crashes_total", tenant="bob") == 0
+    assert metric(broker, "gpubroker_device_memory_kills_total", tenant="bob", cause="report") == 0
 
     # Bob was unharmed throughout; alice's next session has a fresh worker whose quota holds again.
     data = np.arange(CHUNK // 8, dtype=np.int64)

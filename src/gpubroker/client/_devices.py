@@ -98,6 +98,8 @@ def copy_peer(src_gpu: RemoteGpu, src: Buffer, dst_gpu: RemoteGpu, dst: Buffer, 
             a negative size or offset.
         OutOfRange: either range runs past the end of its allocation.
         NotFound: `src` or `dst` names no allocation of its session, or `dst_gpu` is another tenant's session.
+        ResourceExhausted: the copy goes through host memory and the tenant's shared memory cannot take the
+            staging it needs (a quarter of its `shared_memory`, 128 MiB at most, kept while its workers live).
         GpuBrokerError: any error every call may raise (see [GpuCompute][gpubroker.client.GpuCompute]). Deferred
             errors of either session stay kept for its next wait.
     """

@@ -24,6 +24,8 @@ from typing import Annotated, Final
 
 import msgspec
 
+from gpubroker.wire import encoding
+
 __all__ = ["MAX_ACCEPT_MESSAGE", "MAX_REFUSED_PEERS", "AcceptFailed", "Admitted", "FromAcceptor", "Listen", "Pause",
            "Refused", "Started", "ToAcceptor", "Unlisten", "decode_from_acceptor", "decode_to_acceptor", "encode"]
 
@@ -103,12 +105,8 @@ class AcceptFailed(_FromAcceptor, tag="failed", frozen=True):
 
 FromAcceptor = Started | Admitted | Refused | AcceptFailed
 
-# (not commands.py's encoder: the acceptor process imports nothing it does not need, numpy least of all)
-_encoder = msgspec.msgpack.Encoder()
-
-
-def encode(message: msgspec.Struct) -> bytes:
-    return _encoder.encode(message)
+# (wire/encoding.py's, not commands.py's name for it: the acceptor process imports no numpy)
+encode: Final = encoding.encode
 
 
 _to_acceptor: msgspec.msgpack.Decoder[Listen | Unlisten | Pause] = msgspec.msgpack.Decoder(ToAcceptor)

@@ -33,6 +33,7 @@ from typing import Annotated, Any, ClassVar, Final, Generic, Optional
 import msgspec
 from typing_extensions import TypeVar
 
+from gpubroker.wire import encoding
 from gpubroker.wire.errors import GpuBrokerError, InvalidArgument, WireError
 from gpubroker.wire.types import device_info_from_report
 
@@ -510,8 +511,7 @@ class Ack(_Struct, Generic[R], frozen=True):
     result: R = None  # type: ignore[assignment]  # (None where no result is due: an R of None or Any)
 
 
-_encoder = msgspec.msgpack.Encoder()
-encode = _encoder.encode  # Batch, Ack, or any message of gpubroker/wire -> bytes: the one encoding
+encode = encoding.encode  # Batch, Ack, or any message of gpubroker/wire -> bytes: the one encoding (wire/encoding.py)
 
 
 def decode_batch(data: bytes | bytearray | memoryview) -> Batch:

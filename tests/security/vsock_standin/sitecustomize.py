@@ -26,11 +26,12 @@ if _path:
 
     _real_peer_of = listeners.peer_of
 
-    def _peer_of(conn: socket.socket, accepted: Any, owners: Any = None) -> listeners.Peer:
+    def _peer_of(conn: socket.socket, accepted: Any, owners: Any = None,
+                 networks: listeners.PeerNetworks = listeners.DEFAULT_NETWORKS) -> listeners.Peer:
         if conn.family == socket.AF_UNIX and conn.getsockname() == _path:
             _, _, cid, n = bytes(accepted).decode().split("-")  # (an unbound peer fails here: refused)
             return listeners.Peer(-1, -1, VsockAddress(int(cid), 1024 + int(n)), accepted)
-        return _real_peer_of(conn, accepted, owners)
+        return _real_peer_of(conn, accepted, owners, networks)
 
     _server.listen_vsock = _listen_standin  # type: ignore[assignment]
     listeners.peer_of = _peer_of

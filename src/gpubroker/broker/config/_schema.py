@@ -114,7 +114,8 @@ class TenantConfig(msgspec.Struct, forbid_unknown_fields=True):
         SIZE] = msgspec.field(default_factory=dict)
     shared_memory_quota: Annotated[Annotated[int, Meta(ge=0)] | None, Meta(description=(
         "Host memory all of the tenant's sessions together may share with their workers as segments registered "
-        "on <socket>.fast (host arrays and staging buffers, on every device); more is refused with "
+        "on <socket>.fast (host arrays and staging buffers, on every device), links' rings and CopyPeer's host "
+        "staging (a quarter of it, 128 MiB at most); more is refused with "
         "RESOURCE_EXHAUSTED. Absent: equal to the tenant's memory (its device memory quota), so a tenant's "
         "shared host memory grows with its quota. The broker's max_shared_bytes_per_tenant caps it too.")),
         SIZE] = msgspec.field(default=None, name="shared_memory")

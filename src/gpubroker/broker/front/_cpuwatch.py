@@ -15,6 +15,10 @@ and takes what it used beyond what its turns and requests account for:
   while a thread a kernel left behind burns, and that thread's CPU is outside the turns all the same;
 - ``_IDLE_CPU`` always: an idle worker's own upkeep.
 
+On a CPU device (``charge_host_work``) the host work is allowed but charged all the same: a compile there takes
+the device's own CPUs from every other tenant's kernels (PoCL's clang), so its CPU goes to its tenant's fair-queuing
+clock and usage like the rest, only never towards ``limit`` (a compile is bounded by ``compile_timeout_seconds``).
+
 The rest is charged to the tenant's fair-queuing clock (in device seconds: over the compute units on a CPU device,
 over the host's CPUs otherwise), and once the rest summed over ``window`` seconds passes ``limit`` CPU-seconds the
 worker is killed, its calls fail with RESOURCE_EXHAUSTED saying why, and its death is its tenant's failure (its
@@ -59,11 +63,14 @@ class CpuWatch:
     def __init__(self, pool: WorkerPool, schedulers: dict[int, DeviceScheduler], hold_cpus: dict[int, float],
                  charge_cpus: dict[int, float], limit: float, window: float,
                  kill: Callable[[WorkerClient, GpuBrokerError], None], period: float = 0.5,
-                 threads_max: int = 0) -> None:
+                 threads_max: int = 0, charge_host_work: frozenset[int] = frozenset()) -> None:
         self.pool = pool
         self.schedulers = schedulers
         self.hold_cpus = hold_cpus  # by device: CPUs a worker may use while its tenant holds the device
         self.charge_cpus = charge_cpus  # by device: CPU-seconds that make a device second on the fair clock
+        # Devices whose workers' host work (a compile's CPU: the serving thread's) is charged, not only allowed:
+        # CPU devices, whose compute units are the CPUs a compile takes.
+        self.charge_host_work = charge_host_work
         self.limit = limit
         # Threads a worker's tree may have beyond its launcher's one; 0: not watched (the kernel holds the workers
         # to worker_pids_max: a pids cgroup, or RLIMIT_NPROC on a worker that is not the host's root). A backstop:
@@ -121,13 +128,16 @@ class CpuWatch:
         wall = reading.at - seen.reading.at
         # Host work: the serving thread's CPU only, and no more than the wall time such work was in flight.
         host = min(busy - seen.busy, max(0.0, reading.serving - seen.reading.serving))
-        allowed = self.hold_cpus.get(worker.device, 1.0) * (held - seen.held) + host + _IDLE_CPU * wall
-        outside = reading.cpu - seen.reading.cpu - allowed
-        if outside <= 0:
-            return
-        if scheduler is not None:
-            scheduler.charge_outside(worker.tenant, outside / self.charge_cpus.get(worker.device, 1.0))
-        if self.limit <= 0:
+        # Beyond what its turns (charged at their fences, on a CPU device at least the worker's CPU) and its upkeep
+        # account for: its host work, then anything else.
+        beyond = (reading.cpu - seen.reading.cpu - self.hold_cpus.get(worker.device, 1.0) * (held - seen.held)
+                  - _IDLE_CPU * wall)
+        outside = beyond - host
+        # On a CPU device a compile's CPU is the device's too, taken from every other tenant's kernels: charged.
+        charged = beyond if worker.device in self.charge_host_work else outside
+        if scheduler is not None and charged > 0:
+            scheduler.charge_outside(worker.tenant, charged / self.charge_cpus.get(worker.device, 1.0))
+        if outside <= 0 or self.limit <= 0:
             return
         now.outside.append((reading.at, outside))
         while now.outside and now.outside[0][0] < reading.at - self.window:

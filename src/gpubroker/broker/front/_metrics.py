@@ -87,8 +87,9 @@ WORKER_RESTARTS = MetricSpec("gpubroker_worker_restarts", "counter", _TD,
 SCHEDULER_WAIT = MetricSpec("gpubroker_scheduler_wait_seconds", "gauge", (*_TD, "quantile"),
                             "Wait for a turn on the device, over the tenant's last 4096 device calls.")
 SHARED_MEMORY = MetricSpec("gpubroker_shared_memory_bytes", "gauge", ("tenant",),
-                           "Host memory the tenant maps as same-host shared-memory segments, summed "
-                           "over its sessions on every device.")
+                           "Host memory the tenant maps as same-host shared-memory segments and links' "
+                           "rings, summed over its sessions on every device, and CopyPeer's host staging while "
+                           "its workers hold it.")
 SHARED_LIMIT = MetricSpec("gpubroker_shared_memory_limit_bytes", "gauge", ("tenant",),
                           "How much of it the tenant may map: its shared_memory (its memory quota unless set), "
                           "within max_shared_bytes_per_tenant.")
@@ -204,7 +205,8 @@ class BrokerCollector(Collector):
         # Configured tenants always have rows, so a tenant's figures are there (at 0) before its first session
         # and stay after its last; tenants removed by a reload keep theirs while anything remains of them.
         known = set(manager.config.tenants) | {t for t, _ in manager.memory_used} | {t for t, _ in counts}
-        known |= {t for t, _ in self.pool.restarts_by} | set(manager.shared_used) | set(self.pool.output_dropped)
+        known |= {t for t, _ in self.pool.restarts_by} | set(manager.shared_used) | set(manager.shared_held)
+        known |= set(self.pool.output_dropped)
         known |= {t for t, _, _ in self.pool.memory_kills}
         rows = []
         since = time.monotonic() - SHARE_WINDOW_SECONDS  # the schedulers' clock

@@ -5,9 +5,10 @@ The path is chosen per copy:
 - ``device``: both sessions on one device, so in one worker: a device-to-device copy there.
 - ``peer``: CUDA, ``peer_copies = "auto"``, and the destination GPU can reach the source as a peer: the source
   worker exports its allocation (CUDA IPC), the destination worker maps it and copies from it over NVLink or PCIe.
-- ``host``: anything else (OpenCL, no peer access): a memfd that both workers map (and on CUDA page-lock); the
-  source worker copies one piece device-to-host into one half while the destination worker copies the previous
-  piece host-to-device from the other.
+- ``host``: anything else (OpenCL, no peer access): the tenant's staging memfd, which both workers map (and on
+  CUDA page-lock); the source worker copies one piece device-to-host into one half while the destination worker
+  copies the previous piece host-to-device from the other. It counts in the tenant's shared memory
+  (``_peer_cache``).
 
 Both devices' queued work finishes first, and the copy is done when the call returns. Every piece takes the
 tenant's scheduler turn on each device it uses (the peer path's two in device order, so two copies in opposite
@@ -23,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -33,7 +33,7 @@ from gpubroker.broker.front._peer_cache import ImportCache, StagingCache
 from gpubroker.broker.front._sessions import Session, SessionManager
 from gpubroker.broker.front.scheduler import DeviceScheduler
 from gpubroker.v1 import broker_pb2 as pb
-from gpubroker.wire.commands import Batch, BufRef, Command, CopyShared, Synchronize, encode, new_handle
+from gpubroker.wire.commands import Batch, BufRef, Command, CopyShared, Synchronize, encode
 from gpubroker.wire.errors import FailedPrecondition, GpuBrokerError, InvalidArgument, NotFound, OutOfRange
 from gpubroker.wire.worker import (
     PeerClose,
@@ -42,8 +42,6 @@ from gpubroker.wire.worker import (
     PeerLocal,
     PeerOpen,
     Pin,
-    RegisterSegment,
-    ReleaseSegment,
     Unpin,
     WorkerRequest,
 )
@@ -52,12 +50,9 @@ __all__ = ["PeerCopier"]
 
 log = logging.getLogger("gpubroker.server")
 T = TypeVar("T")
-# Bytes per piece, each under its own scheduler turns: about a millisecond of copying either way (pinned host
-# copies run at ~50 GB/s, peer and device copies at hundreds).
-HOST_PIECE = 64 * 1024 * 1024
+# Bytes per piece, each under its own scheduler turns: about a millisecond of copying (peer and device copies run
+# at hundreds of GB/s; the host path's pieces are its staging's halves, _peer_cache.STAGING_PIECE at most).
 DEVICE_PIECE = 256 * 1024 * 1024
-# Host-path copies up to this size get a staging memfd of their own; larger ones use the tenant's kept one.
-SMALL_HOST_COPY = 8 * 1024 * 1024
 
 
 async def _together(*coros: Coroutine[Any, Any, Any]) -> None:
@@ -104,7 +99,7 @@ class PeerCopier:
         # (source, destination) backend device indices whose peer path failed: they go through the host from then on.
         self.peer_unreachable: set[tuple[int, int]] = set()
         self.peer_imports = ImportCache()
-        self.peer_staging = StagingCache(2 * HOST_PIECE)
+        self.peer_staging = StagingCache(config, sessions)
         sessions.closing_hooks.append(self._session_closing)
 
     async def copy(self, src: Session, dst: Session, request: pb.CopyPeerRequest) -> str:
@@ -229,28 +224,11 @@ class PeerCopier:
 
     async def _copy_by_host(self, src: Session, dst: Session, src_ref: BufRef, dst_ref: BufRef,
                             request: pb.CopyPeerRequest) -> None:
-        if request.size > SMALL_HOST_COPY:  # through the tenant's kept staging
-            async with self.peer_staging.use(src.tenant) as staging:
-                segments = await staging.segment(src), await staging.segment(dst)
-                await self._pipeline(src, dst, src_ref, dst_ref, request, segments, HOST_PIECE)
-            return
-        fd = os.memfd_create("gpubroker-peer-staging", os.MFD_CLOEXEC)  # a small one of its own
-        registered: list[tuple[Session, str]] = []
-        try:
-            os.ftruncate(fd, request.size)
-            for session in (src, dst):
-                segment = new_handle("segment")
-                await session.worker.call(RegisterSegment(segment, request.size), session.id, fd)
-                registered.append((session, segment))
-        finally:
-            os.close(fd)  # the workers' mappings keep the memory
-        try:
-            segments = registered[0][1], registered[1][1]
-            await self._pipeline(src, dst, src_ref, dst_ref, request, segments, request.size)
-        finally:
-            for session, segment in registered:
-                with contextlib.suppress(GpuBrokerError):
-                    await session.worker.call(ReleaseSegment(segment), session.id)
+        # Through the tenant's one staging, whatever the size: a memfd per copy would give its workers one more
+        # file to keep each time (_peer_cache.py).
+        async with self.peer_staging.use(src.tenant) as staging:
+            segments = await self.peer_staging.segment(staging, src), await self.peer_staging.segment(staging, dst)
+            await self._pipeline(src, dst, src_ref, dst_ref, request, segments, staging.piece)
 
     async def _pipeline(self, src: Session, dst: Session, src_ref: BufRef, dst_ref: BufRef,
                         request: pb.CopyPeerRequest, segments: tuple[str, str], piece: int) -> None:

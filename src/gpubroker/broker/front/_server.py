@@ -39,7 +39,7 @@ from gpubroker.broker.front._status import add_servicer
 from gpubroker.broker.front.auth import Authenticator
 from gpubroker.broker.front.listen import listen_unix, listen_vsock, secure_unix_socket
 from gpubroker.broker.front.listeners import PeerNetworks, PeerRate
-from gpubroker.broker.front.scheduler import DeviceScheduler
+from gpubroker.broker.front.scheduler import DeviceScheduler, Metered
 from gpubroker.broker.front.workers import WorkerClient, WorkerPool, cpu_count, device_info_from_dict, hold_seconds
 from gpubroker.broker.sandbox import SandboxUnavailable, WorkerSandbox, cache_key
 from gpubroker.v1 import admin_pb2 as apb
@@ -216,7 +216,7 @@ class Broker:
             hold_cpus={d: float(u) if cpu_device else 1.0 for d, u in self._units.items()},
             charge_cpus={d: float(u) if cpu_device else float(self._ncpu) for d, u in self._units.items()},
             limit=cfg.max_cpu_seconds_outside_turns, window=cfg.cpu_outside_turns_window_seconds,
-            kill=self._kill_for,
+            kill=self._kill_for, charge_host_work=frozenset(self._units) if cpu_device else frozenset(),
             # (where the kernel does not hold the workers to worker_pids_max, the watch's count is all there is)
             threads_max=cfg.worker_pids_max if not sandbox.pids_enforced else 0)
         # On CUDA, what each worker holds on the devices, read from NVML (front/_memwatch.py): the quota's bound
@@ -405,7 +405,7 @@ class Broker:
         self._kills.add(task)
         task.add_done_callback(self._kills.discard)
 
-    def _hold_meter(self, device: int, tenant: str) -> Callable[[], float] | None:
+    def _hold_meter(self, device: int, tenant: str) -> Callable[[], Metered] | None:
         """Start measuring the device seconds the tenant's worker consumes of a CPU device (workers/_cpu.py)."""
         worker = self.pool.live(tenant, device) if self.pool is not None else None
         cpu = worker.cpu if worker is not None else None
@@ -416,9 +416,9 @@ class Broker:
             last = cpu.read(time.monotonic())
         except OSError:
             return None
-        total = 0.0
+        first, total = last, 0.0
 
-        def consumed() -> float:
+        def consumed() -> Metered:
             # Summed reading by reading: the scheduler takes differences of this figure (from when others began
             # waiting), and each stretch between readings is held to max_kernel_slowdown on its own.
             nonlocal last, total
@@ -427,7 +427,7 @@ class Broker:
                     reading = cpu.read(time.monotonic())
                     total += hold_seconds(last, reading, units, ncpu, slowdown)
                     last = reading
-            return total
+            return Metered(total, max(0.0, last.cpu - first.cpu) / max(1, units))
 
         return consumed
 

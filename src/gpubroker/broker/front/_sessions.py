@@ -132,6 +132,9 @@ class SessionManager:
         self.memory_used: dict[tuple[str, int], int] = {}
         # Host memory each tenant maps as shared-memory segments, until its worker has unmapped it.
         self.shared_used: dict[str, int] = {}
+        # Host memory the front shares with a tenant's workers for no one session (CopyPeer's staging), counted in
+        # the tenant's shared memory for as long as a worker of its may hold it.
+        self.shared_held: dict[str, int] = {}
         self.draining = False
         # A session's opening and end, logged for each tenant at most 20 lines in 10 s (then a count): a tenant
         # cycling sessions as fast as the front answers wrote 60 KiB/s of the log.
@@ -423,6 +426,18 @@ class SessionManager:
         else:
             self.shared_used.pop(session.tenant, None)
 
+    def hold_shared(self, tenant: str, size: int) -> None:
+        """Count host memory shared with the tenant's workers for none of its sessions (the caller checked the
+        limits); it stays counted across a removal of the tenant until ``unhold_shared``, when no worker holds it."""
+        self.shared_held[tenant] = self.shared_held.get(tenant, 0) + size
+
+    def unhold_shared(self, tenant: str, size: int) -> None:
+        left = self.shared_held.get(tenant, 0) - size
+        if left > 0:
+            self.shared_held[tenant] = left
+        else:
+            self.shared_held.pop(tenant, None)
+
     def shared(self, tenant: str) -> int:
-        """Host memory the tenant's sessions map as shared-memory segments now."""
-        return self.shared_used.get(tenant, 0)
+        """Host memory the tenant shares with its workers now: its sessions' segments and rings, CopyPeer's staging."""
+        return self.shared_used.get(tenant, 0) + self.shared_held.get(tenant, 0)

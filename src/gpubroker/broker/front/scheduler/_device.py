@@ -30,19 +30,29 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from gpubroker.broker.front.scheduler._policy import FairPolicy
 
-__all__ = ["DeviceScheduler", "TenantUsage"]
+__all__ = ["DeviceScheduler", "HoldMeter", "Metered", "TenantUsage"]
 
 log = logging.getLogger("gpubroker.scheduler")
 
 Fence = Callable[[str], Awaitable[float]]
 # Called with the tenant whose device work overran the time limit and a message naming the limit.
 Overrun = Callable[[str, str], None]
-# Starts measuring what a tenant's worker consumes of the device: the callable it returns gives the device seconds
-# consumed since (None: no meter for this tenant's worker, its hold's wall time is its device time).
-HoldMeter = Callable[[str], Callable[[], float] | None]
+
+
+class Metered(NamedTuple):
+    """What a hold meter read of a tenant's worker since it started, in device seconds."""
+
+    consumed: float  # the device it held: its use, and the compute units it left idle (workers/_cpu.py)
+    used: float  # of which its own CPU over the device's compute units: work it certainly did on the device
+
+
+# Starts measuring what a tenant's worker consumes of the device: the callable it returns reads what it consumed
+# since (None: no meter for this tenant's worker, its hold's wall time is its device time).
+HoldMeter = Callable[[str], Callable[[], Metered] | None]
 
 
 @dataclass
@@ -86,7 +96,7 @@ class DeviceScheduler:
         # began (its contention), if the meter was running by then.
         self._hold_meter = hold_meter
         self.meter_after = meter_after
-        self._meter: Callable[[], float] | None = None
+        self._meter: Callable[[], Metered] | None = None
         self._meter_at = 0.0
         self._meter_timer: asyncio.TimerHandle | None = None
         self._meter_base: tuple[float, float] | None = None
@@ -195,7 +205,7 @@ class DeviceScheduler:
         if self.holder not in (None, tenant) and self.contended_since is None:
             self.contended_since = now
             if self._meter is not None:  # the limit starts now: what the holder consumed so far is not in it
-                self._meter_base = (now, self._meter())
+                self._meter_base = (now, self._meter().consumed)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(tenant, deque()).append(fut)
         use.queued += 1
@@ -354,7 +364,10 @@ class DeviceScheduler:
                         contended = self._clock() - held_since
                 else:
                     if self._meter is not None:  # the fence's figure is wall time, slowdowns included
-                        seconds = min(seconds, self._consumed(self.slice_start))
+                        # ... and the worker's own: never less than the CPU the front saw its worker use of the
+                        # device (a first launch's JIT on PoCL is outside the kernel's profiled time; a hostile
+                        # worker can report 0), never more than the hold consumed.
+                        seconds = min(max(seconds, self._meter().used), self._consumed(self.slice_start))
                 if self._meter is not None:
                     contended = min(contended, self._consumed(held_since))
                 self._charge(old, seconds, max(seconds, contended))
@@ -436,10 +449,10 @@ class DeviceScheduler:
         if meter is None:
             return now - since
         if self._meter_at >= since:
-            return self._meter_at - since + meter()
+            return self._meter_at - since + meter().consumed
         base = self._meter_base
         if base is not None and base[0] == since:
-            return meter() - base[1]
+            return meter().consumed - base[1]
         return now - since
 
     def held_seconds(self, tenant: str) -> float:
