@@ -19,9 +19,9 @@ import uvloop
 
 from gpubroker.broker.front import _grpc_peers as gate_module
 from gpubroker.broker.front import _owners as owners_module
-from gpubroker.broker.front._grpc_peers import GrpcGate
+from gpubroker.broker.front._grpc_peers import H2_PREFACE, ControlFrames, GrpcGate
 from gpubroker.broker.front._owners import socket_owner
-from gpubroker.broker.front.listeners import peer_of
+from gpubroker.broker.front.listeners import PeerRate, peer_of
 
 OTHER_UID = 65533
 TIMEOUT = 10.0
@@ -93,10 +93,11 @@ async def _echo_server(path: str) -> asyncio.Server:
 
 @asynccontextmanager
 async def running_gate(max_connections: int, max_per_peer: int, own_thread: bool,
-                       unauthenticated_seconds: float | None = None) -> AsyncIterator[tuple[GrpcGate, str, str]]:
+                       unauthenticated_seconds: float | None = None, control_rate: PeerRate | None = None
+                       ) -> AsyncIterator[tuple[GrpcGate, str, str]]:
     """A gate on a Unix socket and loopback TCP, relaying to an echo server: (the gate, its unix path, HOST:PORT)."""
     gate = GrpcGate(max_connections, max_per_peer, own_thread=own_thread,
-                    unauthenticated_seconds=unauthenticated_seconds)
+                    unauthenticated_seconds=unauthenticated_seconds, control_rate=control_rate)
     try:
         public = Path(gate.private_dir) / "public.sock"
         unix = gate.listen_unix(public, 0o600)
@@ -409,3 +410,60 @@ def test_out_of_descriptors_the_gate_backs_off_and_accepts_again_later() -> None
             sock.close()
         stdin.close()
         child.wait(timeout=TIMEOUT)
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    """An HTTP/2 frame (RFC 9113 4.1)."""
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+SETTINGS, WINDOW_UPDATE, HEADERS, DATA, CONTINUATION, RST_STREAM = 4, 8, 1, 0, 9, 3
+
+
+def test_control_frames_are_counted_from_frame_headers_split_anyhow_across_reads() -> None:
+    # 3 control frames (one of them 1 KiB: 1 + 4 tokens) and an empty DATA frame that does not end its stream (1);
+    # HEADERS, DATA with bytes and an empty DATA that ends its stream cost nothing.
+    stream = H2_PREFACE + (_frame(SETTINGS, 0, 0) + _frame(HEADERS, 4, 1, b"\x82" * 30)
+                           + _frame(DATA, 0, 1, b"x" * 20000) + _frame(WINDOW_UPDATE, 0, 1, b"\0\0\0\1")
+                           + _frame(CONTINUATION, 0, 1, b"y" * 1024) + _frame(DATA, 0, 1) + _frame(DATA, 1, 1)) * 3
+    for size in (1, 2, 7, 9, 10, 100, 4096, len(stream)):
+        frames = ControlFrames()
+        cost = sum(frames.feed(stream[at:at + size], 1e9) for at in range(0, len(stream), size))
+        assert cost == 3 * (1 + 1 + 5 + 1), f"reads of {size} bytes"
+    # An RST_STREAM cancelling a call it opened is part of that call; one more is not.
+    cancels = ControlFrames()
+    assert cancels.feed(H2_PREFACE + (_frame(HEADERS, 4, 1, b"\x82") + _frame(RST_STREAM, 0, 1, b"\0\0\0\x08")) * 50
+                        + _frame(RST_STREAM, 0, 1, b"\0\0\0\x08") * 5, 1e9) == 5
+    # A flood is read no further than the budget it goes over.
+    assert ControlFrames().feed(H2_PREFACE + _frame(SETTINGS, 0, 0) * 1000, 10) == 11
+    # TLS (a ClientHello), or anything but the cleartext preface, is passed through unread.
+    tls = ControlFrames()
+    assert tls.feed(b"\x16\x03\x01\x02\x00", 1e9) == 0 and tls.reading is False
+    assert tls.feed(H2_PREFACE + _frame(SETTINGS, 0, 0) * 100, 1e9) == 0
+
+
+def test_a_peer_past_its_control_frame_rate_has_its_connection_cut_while_calls_data_pass(own_thread: bool) -> None:
+    async def echoes(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, data: bytes) -> bool:
+        writer.write(data)
+        try:
+            return await asyncio.wait_for(reader.readexactly(len(data)), TIMEOUT) == data
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return False
+
+    async def main() -> None:
+        # A bucket of 100 frames, refilled at one a second: a call's 60 pass, a flood's 200 do not.
+        async with running_gate(max_connections=4, max_per_peer=4, own_thread=own_thread,
+                                control_rate=PeerRate(1.0, 100)) as (gate, unix, _tcp):
+            call = await _open(unix)
+            megabyte = b"".join(_frame(DATA, 0, 1, b"x" * 16384) for _ in range(64))
+            assert await echoes(*call, H2_PREFACE + _frame(SETTINGS, 0, 0) + _frame(HEADERS, 4, 1, b"\x82")
+                                + megabyte + _frame(WINDOW_UPDATE, 0, 0, b"\0\0\1\0") * 59)
+            flood = await _open(unix)
+            assert not await echoes(*flood, H2_PREFACE + _frame(SETTINGS, 0, 0) * 200), "a flood was relayed"
+            assert gate.refusals[("grpc", "control frames")] == 1
+            # The peer's other connection, its frames within the bucket, is relayed as before.
+            assert await echoes(*call, megabyte)
+            call[1].close()
+            flood[1].close()
+
+    uvloop.run(main())

@@ -22,6 +22,7 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -165,3 +166,30 @@ def test_each_guest_holds_at_most_its_connections(broker: BrokerProcess) -> None
     finally:
         for sock in held:
             sock.close()
+
+
+def test_a_guests_control_frame_flood_is_cut(broker: BrokerProcess) -> None:
+    """HTTP/2 frames that start no call (empty SETTINGS here) past the guest's
+    max_grpc_control_frames_per_peer_per_second: the gate stops relaying them and closes the connection."""
+    with guest_socket(broker, 7) as flooder:
+        ended = threading.Event()
+        closed: list[bool] = []
+
+        def drain() -> None:  # (gRPC acknowledges each SETTINGS: a flooder that does not read is held back)
+            closed.append(closed_by_broker(flooder))
+            ended.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        flood = _frame(4, 0, 0, b"") * 4096
+        # (well before grpc_unauthenticated_seconds, 10 s, which closes a connection that never authenticates)
+        deadline = time.monotonic() + 5.0
+        try:
+            flooder.sendall(PREFACE)
+            while not ended.is_set() and time.monotonic() < deadline:
+                flooder.sendall(flood)
+        except OSError:
+            pass
+        assert ended.wait(max(0.0, deadline - time.monotonic())) and closed == [True], (
+            "guest 7's connection stayed open through 5 s of its control-frame flood")
+    wait_for(lambda: "peer=vsock:7:" in broker.log_tail(200_000) and "max_grpc_control_frames_per_peer_per_second"
+             in broker.log_tail(200_000), TIMEOUT, "the audit line of guest 7's cut")

@@ -50,7 +50,15 @@ the call's handler before any other work: ``over_call_rate``). A call past its p
 the connection it came on is cut: the gate stops relaying what the client sends at once (a flood of HTTP/2
 HEADERS and RST_STREAM frames already on its way stops reaching gRPC, whose every call runs the front's handler
 on the loop every tenant's calls share), lets the refusal reach the client, then closes the connection. A
-flooder must reconnect, at the connection rate. (The gate reads no HTTP/2: TLS passes through it.)
+flooder must reconnect, at the connection rate.
+
+gRPC parses every HTTP/2 frame in the front's process, and frames that start no call (SETTINGS, WINDOW_UPDATE for a
+stream that never existed, PRIORITY, CONTINUATION...) need no stream and no token. So the gate reads the frame
+headers of what a cleartext client sends it (``ControlFrames``: headers only, across reads; payloads skipped) and
+takes each such frame from its peer's ``max_grpc_control_frames_per_peer_per_second``: a read past it is not
+relayed and the connection is cut, counted in gpubroker_endpoint_refusals (grpc: "control frames") and audited
+rate-limited. A client sends about two per call and two or three per MiB copied. TLS passes through the gate
+unread (gRPC terminates it): a TLS listener's control frames are bounded by gRPC alone.
 
 The relay forwards at the protocol level (each side's data is written to the other's transport; a side whose
 writes back up pauses the other's reads), on the front's event loop. It costs a gRPC unary round trip one more
@@ -70,8 +78,10 @@ import functools
 import logging
 import shutil
 import socket
+import struct
 import tempfile
 import threading
+import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, cast
@@ -94,6 +104,13 @@ WRITE_BUFFER_HIGH = 256 * 1024
 # A connection cut for its peer's call rate stops being read at once, and is closed this much later: time for the
 # refusal (RESOURCE_EXHAUSTED, saying which limit) to reach the client.
 CUT_GRACE = 0.2
+# The client connection preface of HTTP/2 in cleartext (RFC 9113 3.4): a connection that starts otherwise is TLS
+# (gRPC terminates it: the gate cannot read its frames) or garbage (gRPC closes it).
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+# A control frame costs one token, and one more for each this many bytes of its payload: a 16 KiB SETTINGS frame
+# holds 2,730 settings, each parsed (legit control frames are 4 to 40 bytes).
+CONTROL_FRAME_BYTES = 256
+_FRAME_HEAD = struct.Struct(">BHBB")  # an HTTP/2 frame header's length (8 + 16 bits), type and flags; then its stream
 
 # gRPC's peer string of a relayed connection ("unix-abstract:NAME") -> the relayed connection. Written by the
 # gate's loop, read by the front's handlers (with own_thread, on two threads: each a single dict operation).
@@ -143,6 +160,83 @@ def over_call_rate(context: Any) -> str | None:
             f"connection closed; slow down")
 
 
+class ControlFrames:
+    """Counts the HTTP/2 frames a client sends that start no call, from the frame headers of what it sends, across
+    reads (a header split between two reads is joined; payloads are skipped, never copied).
+
+    gRPC parses every frame in the front's process. HEADERS start calls, which
+    ``max_grpc_calls_per_peer_per_second`` bounds, and an RST_STREAM may cancel each; DATA frames carry their
+    messages, which flow control bounds. Every other frame (SETTINGS, WINDOW_UPDATE, PRIORITY, PING, RST_STREAM
+    beyond one per HEADERS, GOAWAY, CONTINUATION, PUSH_PROMISE, an unknown type), and an empty DATA frame that does
+    not end its stream, is a *control frame*: it needs no stream and no token, and nothing else bounds it. ``feed``
+    says what a read's control frames cost (one token each, one more per ``CONTROL_FRAME_BYTES`` of payload), which
+    the gate takes from its peer's ``max_grpc_control_frames_per_peer_per_second``. A connection that does not start
+    with the cleartext preface (TLS: the gate cannot read it) is passed through unread."""
+
+    __slots__ = ("_calls", "_head", "_seen", "_skip", "reading")
+
+    def __init__(self) -> None:
+        self.reading: bool | None = None  # None: until the preface is seen (or is not); False: never read
+        self._seen = b""  # the connection's first bytes, until they are the preface (or are not)
+        self._skip = len(H2_PREFACE)  # bytes still to pass before the next frame header
+        self._head = b""  # the part of a frame header the last read ended in
+        self._calls = 0  # HEADERS frames sent and not cancelled by an RST_STREAM (an upper bound of calls open)
+
+    def feed(self, data: bytes, most: float) -> float:
+        """What the control frames whose headers end in ``data`` cost; it stops counting past ``most`` (a flood
+        of tiny frames costs its reader no more than the budget it went over)."""
+        if not self.reading:
+            if self.reading is False:
+                return 0.0
+            seen = self._seen + data[:len(H2_PREFACE) - len(self._seen)]
+            if not H2_PREFACE.startswith(seen):
+                self.reading = False
+                return 0.0
+            self._seen = seen
+            if len(seen) == len(H2_PREFACE):
+                self.reading = True
+        size = len(data)
+        pos = self._skip
+        cost: float = 0.0
+        if self._head:  # (the rest of the header the last read ended in: nothing to skip before it)
+            taken = 9 - len(self._head)
+            head = self._head + data[:taken]
+            if len(head) < 9:
+                self._head = head
+                return 0.0
+            self._head = b""
+            high, low, kind, flags = _FRAME_HEAD.unpack_from(head)
+            length = high << 16 | low
+            if kind or not length:
+                cost += self._cost(kind, flags, length)
+            pos = taken + length
+        while pos + 9 <= size:
+            high, low, kind, flags = _FRAME_HEAD.unpack_from(data, pos)
+            length = high << 16 | low
+            if kind or not length:  # (not a DATA frame with bytes: the most frames of a copy, passed at once)
+                cost += self._cost(kind, flags, length)
+                if cost > most:
+                    return cost  # (its connection is cut: where this read ends no longer matters)
+            pos += 9 + length
+        if pos >= size:
+            self._skip = pos - size
+        else:
+            self._skip = 0
+            self._head = data[pos:]
+        return cost
+
+    def _cost(self, kind: int, flags: int, length: int) -> int:
+        if kind == 1:  # HEADERS: a call (max_grpc_calls_per_peer_per_second), which an RST_STREAM may cancel
+            self._calls += 1
+            return 0
+        if kind == 0:  # an empty DATA frame: the end of a call's messages, or nothing
+            return 0 if flags & 1 else 1
+        if kind == 3 and self._calls:  # RST_STREAM cancelling a call it started
+            self._calls -= 1
+            return 0
+        return 1 + length // CONTROL_FRAME_BYTES
+
+
 # -- listeners and peers -------------------------------------------------------------------------------------
 
 
@@ -170,7 +264,7 @@ class GrpcGate:
     def __init__(self, max_connections: int, max_per_peer: int, refusals: dict[tuple[str, str], int] | None = None,
                  own_thread: bool = False, connection_rate: PeerRate | None = None,
                  call_rate: PeerRate | None = None, accepts: OffLoop | None = None,
-                 unauthenticated_seconds: float | None = None) -> None:
+                 unauthenticated_seconds: float | None = None, control_rate: PeerRate | None = None) -> None:
         self.max_connections = max_connections
         self.accepts = accepts  # where the acceptors accept (the front's acceptor process), if not on the loop
         self.max_per_peer = max_per_peer
@@ -180,6 +274,8 @@ class GrpcGate:
         self.call_rate = call_rate  # how fast each peer may start calls (``over_call_rate``)
         if call_rate is not None:
             call_rate.register("grpc")
+        # How fast each peer may send control frames (ControlFrames), on all its connections together.
+        self.control_rate = control_rate
         self.open = 0
         self.per_peer: dict[str, int] = {}
         # Peer key -> its connections that have not authenticated, oldest first; and, for each count n, the peers
@@ -190,7 +286,8 @@ class GrpcGate:
         # (endpoint, reason) -> count, for gpubroker_endpoint_refusals: its keys are set here, before the gate's
         # thread counts into them, so that a scrape iterating it never sees it grow.
         self.refusals = refusals if refusals is not None else {}
-        for reason in ("connections", "peer connections", "unauthenticated timeout", "evicted unauthenticated"):
+        for reason in ("connections", "peer connections", "unauthenticated timeout", "evicted unauthenticated",
+                       "control frames"):
             self.refusals.setdefault(("grpc", reason), 0)
         self._audit = RateLimitedLog(audit)
         self._listeners: list[_Listener] = []
@@ -516,6 +613,27 @@ class GrpcGate:
         else:
             relay.cut()
 
+    def over_control_rate(self, relay: _Relay | _PumpedRelay, frames: ControlFrames, data: bytes) -> bool:
+        """Whether ``data``, from ``relay``'s client, takes its peer past its control-frame rate: then it is not
+        relayed, and the connection is cut (on the gate's loop)."""
+        rate = self.control_rate
+        assert rate is not None
+        # (what the peer has left bounds what is read of a flood: a flooder reconnecting with its bucket empty is
+        # cut at its first control frame)
+        now = time.monotonic()
+        cost = frames.feed(data, rate.left(relay.peer.key, now))
+        if not cost or rate.take(relay.peer.key, now, cost):
+            return False
+        frames.reading = False  # (read no more of it)
+        self.refusals[("grpc", "control frames")] += 1
+        if not relay.cutting:
+            relay.cutting = True
+            self._audit.warning("grpc control frames", "action=close-connection peer=%s reason=over "
+                                "max_grpc_control_frames_per_peer_per_second (%g a second, %g at once): HTTP/2 "
+                                "frames that start no call", relay.peer.name, rate.rate, rate.burst)
+            relay.cut()
+        return True
+
     def _release(self, relay: _Relay | _PumpedRelay) -> None:
         self._relays.discard(relay)
         self._uncount(relay)
@@ -526,11 +644,12 @@ class GrpcGate:
 class _Side(asyncio.Protocol):
     """One side of a relayed connection: what it receives is written to the other side."""
 
-    def __init__(self, relay: _Relay) -> None:
+    def __init__(self, relay: _Relay, frames: ControlFrames | None = None) -> None:
         self.relay = relay
         self.transport: asyncio.Transport | None = None
         self.other: _Side | None = None
         self.early: list[bytes] = []  # received before the other side opened
+        self.frames = frames  # the client's side: its control frames, counted against its peer's rate
 
     def _peer_transport(self) -> asyncio.Transport | None:
         other = self.other.transport if self.other is not None else None
@@ -553,6 +672,10 @@ class _Side(asyncio.Protocol):
             other.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        frames = self.frames
+        if frames is not None and frames.reading is not False and self.relay.gate.over_control_rate(
+                self.relay, frames, data):
+            return
         other = self._peer_transport()
         if other is not None:
             other.write(data)
@@ -585,7 +708,7 @@ class _Relay:
     def __init__(self, gate: GrpcGate, peer: _Peer) -> None:
         self.gate = gate
         self.peer = peer
-        self.client = _Side(self)
+        self.client = _Side(self, ControlFrames() if gate.control_rate is not None else None)
         self.backend = _Side(self)
         self.client.other, self.backend.other = self.backend, self.client
         self.sides = 0  # transports open
@@ -685,7 +808,9 @@ class _PumpedRelay:
             conn.setblocking(False)
             self.name = _name_relay(backend, self)
             await loop.sock_connect(backend, private)
-            self._upstream = loop.create_task(pump(conn, backend))
+            frames = ControlFrames() if self.gate.control_rate is not None else None
+            self._upstream = loop.create_task(pump(conn, backend, inspect=None if frames is None else (
+                lambda data: frames.reading is False or not self.gate.over_control_rate(self, frames, data))))
             pumps = [self._upstream, loop.create_task(pump(backend, conn))]
             for task in pumps:
                 task.add_done_callback(self._pump_ended)

@@ -275,13 +275,17 @@ class Broker:
                                    self.health.refusals)
         call_rate = PeerRate(cfg.max_grpc_calls_per_peer_per_second, cfg.grpc_call_burst_per_peer,
                              self.health.refusals, reason="call rate")
+        # and send HTTP/2 frames that start no call (ControlFrames), all of which gRPC parses on the front's loop.
+        control_rate = PeerRate(cfg.max_grpc_control_frames_per_peer_per_second,
+                                cfg.grpc_control_frame_burst_per_peer)
         # Every listener accepts in the front's acceptor process, which applies the connection rate and closes what
         # it refuses: a peer connecting and closing in a loop costs this loop nothing (_acceptor.py).
         self.accepts = AcceptorProcess(connection_rate, PeerNetworks(cfg.peer_network_ipv4, cfg.peer_network_ipv6))
         await self.accepts.start()
         self.gate = GrpcGate(grpc_connection_cap(cfg.max_grpc_connections), cfg.max_grpc_connections_per_peer,
                              self.health.refusals, connection_rate=connection_rate, call_rate=call_rate,
-                             accepts=self.accepts, unauthenticated_seconds=cfg.grpc_unauthenticated_seconds)
+                             accepts=self.accepts, unauthenticated_seconds=cfg.grpc_unauthenticated_seconds,
+                             control_rate=control_rate)
         for address in cfg.listen:
             if (listen_path := unix_path(address)) is not None:
                 public = self.gate.listen_unix(Path(listen_path), cfg.socket_mode, cfg.socket_group)

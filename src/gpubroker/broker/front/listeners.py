@@ -71,19 +71,23 @@ class PeerRate:
         self._slack = (max(1.0, burst) - 1.0) * self._interval  # how far ahead of now a bucket may be full again
         self._full_at: dict[str, float] = {}
 
-    def take(self, key: str, now: float | None = None) -> bool:
-        """Take one of ``key``'s tokens; False (nothing taken) if it has none left."""
+    def take(self, key: str, now: float | None = None, tokens: float = 1.0) -> bool:
+        """Take ``tokens`` of ``key``'s tokens (one by default); False (nothing taken) if it has fewer left."""
         if now is None:
             now = time.monotonic()
         full_at = self._full_at.get(key, now)
         if full_at < now:
             full_at = now
-        elif full_at - now > self._slack:
+        elif full_at - now > self._slack - (tokens - 1.0) * self._interval:
             return False
-        self._full_at[key] = full_at + self._interval
+        self._full_at[key] = full_at + tokens * self._interval
         if len(self._full_at) > MAX_RATED_PEERS:
             self._forget(now)
         return True
+
+    def left(self, key: str, now: float) -> float:
+        """The tokens ``key`` has left now."""
+        return self.burst - max(0.0, self._full_at.get(key, now) - now) / self._interval
 
     def count(self, endpoint: str, refusals: int = 1) -> None:
         """Count ``refusals`` at ``endpoint`` (its key set by `register` before anyone iterates the counts)."""
@@ -414,13 +418,17 @@ class Acceptor:
 PUMP_CHUNK = 64 * 1024
 
 
-async def pump(src: socket.socket, dst: socket.socket, activity: list[float] | None = None) -> None:
+async def pump(src: socket.socket, dst: socket.socket, activity: list[float] | None = None,
+               inspect: Callable[[bytes], bool] | None = None) -> None:
     """One direction of a relay with the loop's ``sock_*`` calls, for sockets uvloop makes no transport of (vsock):
     ``src``'s bytes to ``dst`` until ``src`` ends; each read waits for the kernel to take the last, so a side that
-    does not read pushes back on the other. ``activity[0]`` is set to when bytes last moved."""
+    does not read pushes back on the other. ``activity[0]`` is set to when bytes last moved. ``inspect`` sees each
+    read first: False ends the pump, that read unsent."""
     loop = asyncio.get_running_loop()
     with contextlib.suppress(OSError):  # (a reset is one more way for a side to close)
         while data := await loop.sock_recv(src, PUMP_CHUNK):
             if activity is not None:
                 activity[0] = time.monotonic()
+            if inspect is not None and not inspect(data):
+                return
             await loop.sock_sendall(dst, data)
