@@ -23,20 +23,10 @@ from gpubroker.client import AdminClient, connect
 
 from ..conftest import worker_pids
 from ..helpers import wait_for
+from .exploits import COMPILE_BOMB
 from .test_time_limit_cause import _tree_cpu
 
 SECONDS = 4.0
-# Each statement distinct per compile (a seed in the code, not a comment: PoCL keys its cache on the preprocessed
-# source); 3,000 statements from a few hundred bytes of macros, ~0.6 s of clang each on an idle core.
-BOMB = r"""
-#define A v = v * 1.0001f + (float)i + SEED; i = i ^ (int)v;
-#define B A A A A A A A A A A
-#define C B B B B B B B B B B
-#define D C C C C C C C C C C
-__kernel void k(__global float* x) {
-    float v = x[0]; int i = get_global_id(0); D D D x[get_global_id(0)] = v + (float)i;
-}
-"""
 
 
 def test_compile_cpu_is_charged_to_the_tenant() -> None:
@@ -53,7 +43,7 @@ def test_compile_cpu_is_charged_to_the_tenant() -> None:
         charged_before, before = charged(), _tree_cpu(worker)
         end, n = time.monotonic() + SECONDS, 0
         while time.monotonic() < end:
-            mallory.compile_kernel(BOMB.replace("SEED", f"{n}.0f + {os.getpid()}.0f"), "k")
+            mallory.compile_kernel(COMPILE_BOMB.replace("SEED", f"{n}.0f + {os.getpid()}.0f"), "k")
             n += 1
         used = _tree_cpu(worker) - before
         assert used > 1.0, used  # (the attack ran)

@@ -25,19 +25,8 @@ from gpubroker.client import AdminClient, connect
 
 from ..conftest import worker_pids
 from ..helpers import wait_for
+from .exploits import COMPILE_BOMB
 from .test_time_limit_cause import _tree_cpu
-
-# 3,000 statements from a few hundred bytes of macros: ~0.6 CPU-s to compile, ~2 CPU-s of PoCL's JIT at the first
-# launch (a 2-core host; the JIT grows faster than the statements). The seed makes it a kernel of this test's own.
-SOURCE = r"""
-#define A v = v * 1.0001f + (float)i + SEED; i = i ^ (int)v;
-#define B A A A A A A A A A A
-#define C B B B B B B B B B B
-#define D C C C C C C C C C C
-__kernel void k(__global float* x) {
-    float v = x[0]; int i = get_global_id(0); D D D x[get_global_id(0)] = v + (float)i;
-}
-"""
 
 
 def test_a_kernels_first_launch_is_charged_to_its_tenant() -> None:
@@ -51,7 +40,7 @@ def test_a_kernels_first_launch_is_charged_to_its_tenant() -> None:
 
         scratch = mallory.allocate_memory(4096)
         [worker] = worker_pids(broker, "mallory")
-        kernel = mallory.compile_kernel(SOURCE.replace("SEED", f"{os.getpid() % 1000}.5f"), "k")
+        kernel = mallory.compile_kernel(COMPILE_BOMB.replace("SEED", f"{os.getpid() % 1000}.5f"), "k")
         mallory.synchronize()
         # The compile's own CPU is charged too (test_compile_cpu_charged.py), at the CPU watch's next look: not
         # in what this test counts. (Where compiles are not charged, nothing comes.)

@@ -97,5 +97,7 @@ def test_relayout_copies_are_charged(broker: BrokerProcess) -> None:
             untimed = _charged(broker) - start
     print(f"\n{ROUNDS} materializations of 128 MiB: charged {timed:.3f} s as clone, {untimed:.4f} s as an alias "
           "announced contiguous")
-    assert untimed >= timed / 2, (f"the same work charged {untimed:.4f} s of device time where clone was charged "
+    # (within 4x: a hold is charged at least its worker's own CPU now, which counts the clone's allocation of fresh
+    # pages more than the alias's copy into them; before the fix the alias was charged ~400x less)
+    assert untimed >= timed / 4, (f"the same work charged {untimed:.4f} s of device time where clone was charged "
                                   f"{timed:.3f} s: _as_announced's copies run outside the torch device's timer")

@@ -165,10 +165,11 @@ class ControlFrames:
     reads (a header split between two reads is joined; payloads are skipped, never copied).
 
     gRPC parses every frame in the front's process. HEADERS start calls, which
-    ``max_grpc_calls_per_peer_per_second`` bounds, and an RST_STREAM may cancel each; DATA frames carry their
-    messages, which flow control bounds. Every other frame (SETTINGS, WINDOW_UPDATE, PRIORITY, PING, RST_STREAM
-    beyond one per HEADERS, GOAWAY, CONTINUATION, PUSH_PROMISE, an unknown type), and an empty DATA frame that does
-    not end its stream, is a *control frame*: it needs no stream and no token, and nothing else bounds it. ``feed``
+    ``max_grpc_calls_per_peer_per_second`` bounds only once they reach a handler (a rapid reset's never do), so each
+    costs a token here too, and an RST_STREAM cancelling one costs none; DATA frames carry their messages, which
+    flow control bounds. Every other frame (SETTINGS, WINDOW_UPDATE, PRIORITY, PING, RST_STREAM beyond one per
+    HEADERS, GOAWAY, CONTINUATION, PUSH_PROMISE, an unknown type), and an empty DATA frame that does not end its
+    stream, is a *control frame*: it needs no stream and no token, and nothing else bounds it. ``feed``
     says what a read's control frames cost (one token each, one more per ``CONTROL_FRAME_BYTES`` of payload), which
     the gate takes from its peer's ``max_grpc_control_frames_per_peer_per_second``. A connection that does not start
     with the cleartext preface (TLS: the gate cannot read it) is passed through unread."""
@@ -226,9 +227,11 @@ class ControlFrames:
         return cost
 
     def _cost(self, kind: int, flags: int, length: int) -> int:
-        if kind == 1:  # HEADERS: a call (max_grpc_calls_per_peer_per_second), which an RST_STREAM may cancel
+        if kind == 1:  # HEADERS: a call, which an RST_STREAM may cancel. It costs a token too: gRPC parses a
+            # rapid reset's HEADERS and RST_STREAM here though few of its calls ever reach a handler and the call rate
+            # (a legit call costs about 3 tokens, 1,500 a second at the call rate's most: far under this rate)
             self._calls += 1
-            return 0
+            return 1
         if kind == 0:  # an empty DATA frame: the end of a call's messages, or nothing
             return 0 if flags & 1 else 1
         if kind == 3 and self._calls:  # RST_STREAM cancelling a call it started
