@@ -223,7 +223,7 @@ def test_a_kernel_cannot_make_a_fifo_or_a_socket_node(broker: BrokerProcess) -> 
 def test_a_compile_longer_than_the_limit_is_its_own_and_not_killed(broker: BrokerProcess) -> None:
     # The compile's CPU is the serving thread's, found by the front: a compile that uses more than the limit on it
     # is not stopped, and charged no more than its own CPU (on PoCL, whose device is those CPUs, a compile's CPU is
-    # charged to its tenant's fair share: test_compile_cpu_charged.py).
+    # charged to its tenant's fair share: test_host_work_charged.py).
     # (PoCL's build parses: 2^DOUBLINGS statements through a chain of macros keep its front end busy)
     macros = "".join(f"#define S{k + 1} S{k} S{k}\n" for k in range(DOUBLINGS))
     source = (f"#define S0 acc = acc * 1.5f + x[1];\n{macros}"
