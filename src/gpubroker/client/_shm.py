@@ -62,6 +62,7 @@ from gpubroker.wire.link import (
     link_path,
     open_answer,
 )
+from gpubroker.wire.ring import sealed_memfd
 from gpubroker.wire.types import Buffer
 
 try:
@@ -69,7 +70,7 @@ try:
 except ImportError:  # not a Unix: no shared memory, copies go as Write and Read commands
     fcntl = None  # type: ignore[assignment]  # the module or None, tested before use
 
-__all__ = ["SEGMENT_SEALS", "STAGE_MIN", "STAGING_BYTES", "STAGING_SLOTS", "SUPPORTED", "SegmentChannel",
+__all__ = ["STAGE_MIN", "STAGING_BYTES", "STAGING_SLOTS", "SUPPORTED", "SegmentChannel",
            "SharedMemory", "create_segment_fd", "staged_pieces"]
 
 log = logging.getLogger("gpubroker.client")
@@ -91,20 +92,12 @@ STAGING_BYTES = STAGING_SLOTS * 32 * 1024 * 1024
 SUPPORTED = hasattr(os, "memfd_create") and hasattr(fcntl, "F_SEAL_SHRINK") and hasattr(socket, "send_fds")
 # The broker refuses a segment that could shrink under the worker's mapping (touching it would SIGBUS), or that
 # could hold more than the size it announced and is charged for (a larger file, or one that could grow).
-SEGMENT_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if SUPPORTED else 0
 _names = itertools.count(1)
 
 
 def create_segment_fd(size: int) -> int:
     """A sealed memfd of ``size`` bytes, named so it is recognizable in /proc/PID/maps of the worker."""
-    fd = os.memfd_create(f"gpubroker-seg-{os.getpid()}-{next(_names)}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEGMENT_SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return sealed_memfd(f"gpubroker-seg-{os.getpid()}-{next(_names)}", size)
 
 
 class SegmentChannel:

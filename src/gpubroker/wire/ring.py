@@ -17,7 +17,7 @@ from typing import Final
 
 __all__ = ["ACK_HEAD", "ACK_TAIL", "CMD_HEAD", "CMD_TAIL", "MAX_RING_WINDOW", "MAX_SPIN_US", "RING_DATA", "RING_SEALS",
            "RECORD_LENGTH", "RING_SUPPORTED", "SPIN_ENV", "SPIN_POLLS", "WAIT_SPIN_US", "ByteRing", "RingBroken",
-           "drain_bell", "ring_bell",
+           "drain_bell", "ring_bell", "sealed_memfd",
            "ring_caps", "spin_us", "wait_spin_us"]
 
 # Where each index lives, in u64 words of the first page (a cache line apart: no false sharing between sides).
@@ -30,6 +30,23 @@ RING_DATA: Final = 4096  # the command ring starts after the index page
 RING_SUPPORTED: Final = (hasattr(os, "memfd_create") and hasattr(socket, "send_fds") and hasattr(fcntl, "F_SEAL_SHRINK")
                          and hasattr(socket, "SOCK_SEQPACKET") and hasattr(socket, "MSG_NOSIGNAL"))
 RING_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if RING_SUPPORTED else 0
+
+
+def sealed_memfd(name: str, size: int) -> int:
+    """A memfd of exactly ``size`` bytes (sparse: pages come as they are touched), sealed with ``RING_SEALS``
+    against growing, shrinking and further seals: how every process of gpubroker makes the shared memory it hands
+    to another (a ring, a segment, CopyPeer's staging), which can then neither SIGBUS a mapping nor grow past
+    what was counted. ``name`` shows in /proc's maps and fd links; OSError (its fd closed) if the host gives none."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, RING_SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 # A ring holds a window of the largest records: an ack never waits for room, and a batch only when the window
 # is full (the core reads an ack first). Windows above this are cut to it for the ring.
 MAX_RING_WINDOW: Final = 8

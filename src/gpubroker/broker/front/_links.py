@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import functools
 import itertools
 import logging
@@ -92,7 +91,7 @@ from gpubroker.wire.link import (
     decode_hello,
     refusal,
 )
-from gpubroker.wire.ring import RING_DATA, RING_SEALS, ring_caps
+from gpubroker.wire.ring import RING_DATA, ring_caps, sealed_memfd
 from gpubroker.wire.worker import MAX_LINKS_PER_SESSION, AttachLink, CloseLinks, DropLink, LinkRing, ServeLink
 
 __all__ = ["LinkServer", "fast_path_address"]
@@ -656,10 +655,8 @@ def _make_ring(cap: int, spin_us: int, release: Callable[[], None]) -> _Ring:
     """A sealed memfd holding the index page and two rings of ``cap`` bytes (exactly: sealed against growing and
     shrinking), and a SOCK_SEQPACKET socketpair for the doorbells; OSError if the host has none to give."""
     size = RING_DATA + 2 * cap
-    memfd = os.memfd_create("gpubroker-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    memfd = sealed_memfd("gpubroker-ring", size)  # (sparse: pages come as the client and the worker touch them)
     try:
-        os.ftruncate(memfd, size)  # (sparse: pages are allocated as the client and the worker touch them)
-        fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, RING_SEALS)
         client_bell, bell = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     except BaseException:
         os.close(memfd)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import functools
 import mmap
 import os
@@ -29,12 +28,10 @@ from gpubroker.broker.front._sessions import Session, SessionManager
 from gpubroker.broker.front.workers import WorkerClient
 from gpubroker.wire.commands import new_handle
 from gpubroker.wire.errors import GpuBrokerError, ResourceExhausted
+from gpubroker.wire.ring import sealed_memfd
 from gpubroker.wire.worker import PeerClose, RegisterSegment, ReleaseSegment
 
-__all__ = ["STAGING_PIECE", "STAGING_SEALS", "ImportCache", "Staging", "StagingCache", "staging_size"]
-
-# Sealed once sized: no copy of it a worker keeps can grow it (or shrink it under another's mapping), nor unseal it.
-STAGING_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+__all__ = ["STAGING_PIECE", "ImportCache", "Staging", "StagingCache", "staging_size"]
 
 # The most a piece of a host-path copy takes: about a millisecond of copying either way (pinned host copies run at
 # ~50 GB/s).
@@ -132,13 +129,9 @@ class StagingCache:
                 f"tenant {tenant!r}'s shared memory while its workers live: {used} of {limit} ({which}) in use; "
                 "release segments (drop host arrays) or end sessions first, or ask the operator to raise it",
                 limit=limit, used=used, requested=size)
-        fd = os.memfd_create(f"gpubroker-peer-{tenant}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, STAGING_SEALS)
-        except OSError:
-            os.close(fd)
-            raise
+        # Sealed once sized: no copy of it a worker keeps can grow it (or shrink it under another's mapping), nor
+        # unseal it.
+        fd = sealed_memfd(f"gpubroker-peer-{tenant}", size)
         self.sessions.hold_shared(tenant, size)
         staging = self._by_tenant[tenant] = Staging(fd, size)
         return staging
