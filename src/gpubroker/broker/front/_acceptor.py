@@ -55,7 +55,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 from gpubroker.broker.front._owners import SocketOwners
 from gpubroker.broker.front.listeners import (
@@ -675,18 +675,9 @@ class _Acceptor:
             self._accept_unix(listening)
             return
         for _ in range(ACCEPT_BATCH):
-            if len(self.unsent) >= MAX_UNSENT:
+            if len(self.unsent) >= MAX_UNSENT or (accepted := self._next(listening)) is None:
                 return
-            try:
-                conn, address = listening.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in GONE:
-                    continue
-                self._accept_failed(listening, exc)
-                return
-            listening.backoff = 0.0
+            conn, address = accepted
             try:
                 peer = peer_of(conn, address, listening.owners, self.networks)
             except Exception:  # (its socket is gone, say): named as the front would not, refused
@@ -695,9 +686,7 @@ class _Acceptor:
             if not self.rate.take(peer.key):
                 conn.close()
                 self.refused[listening.number] = self.refused.get(listening.number, 0) + 1
-                key = (listening.number, peer.key[:128])
-                if key in self.refused_peers or len(self.refused_peers) < MAX_REFUSED_PEERS:
-                    self.refused_peers[key] = self.refused_peers.get(key, 0) + 1
+                self._refused_peer(listening.number, peer.key[:128])
                 continue
             owner = peer.uid if peer.local else -1
             self.unsent.append((encode(Admitted(listening.number, owner)), conn, listening.number))
@@ -708,22 +697,13 @@ class _Acceptor:
         bucket, close (no `Peer` made; its key is the one `Peer.key` gives), up to `DRAIN_BATCH` at a time. A
         churner's connections queue in the one backlog every peer's connect needs room in: every microsecond of
         Python here is one the backlog stays fuller."""
-        sock, take, keys = listening.sock, self.rate.take, self.uid_keys
+        take, keys = self.rate.take, self.uid_keys
         refused = 0
         try:
             for _ in range(DRAIN_BATCH):
-                if len(self.unsent) >= MAX_UNSENT:
+                if len(self.unsent) >= MAX_UNSENT or (accepted := self._next(listening)) is None:
                     return
-                try:
-                    conn, _ = sock.accept()
-                except (BlockingIOError, InterruptedError):
-                    return
-                except OSError as exc:
-                    if exc.errno in GONE:
-                        continue
-                    self._accept_failed(listening, exc)
-                    return
-                listening.backoff = 0.0
+                conn = accepted[0]
                 try:
                     uid = _UID.unpack_from(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED_SIZE),
                                            4)[0]
@@ -738,15 +718,35 @@ class _Acceptor:
                 if not take(key):
                     conn.close()
                     refused += 1
-                    peer = (listening.number, key)
-                    if peer in self.refused_peers or len(self.refused_peers) < MAX_REFUSED_PEERS:
-                        self.refused_peers[peer] = self.refused_peers.get(peer, 0) + 1
+                    self._refused_peer(listening.number, key)
                     continue
                 self.unsent.append((encode(Admitted(listening.number, -1)), conn, listening.number))
                 self._flush()
         finally:
             if refused:
                 self.refused[listening.number] = self.refused.get(listening.number, 0) + refused
+
+    def _next(self, listening: _Listening) -> tuple[socket.socket, Any] | None:
+        """The next connection of ``listening``'s backlog and its address, skipping those gone before they were
+        taken; None when there is none now, or accept() failed (`_accept_failed` has paused or ended it)."""
+        while True:
+            try:
+                accepted = listening.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return None
+            except OSError as exc:
+                if exc.errno in GONE:
+                    continue
+                self._accept_failed(listening, exc)
+                return None
+            listening.backoff = 0.0
+            return accepted
+
+    def _refused_peer(self, listener: int, key: str) -> None:
+        """Count a refusal of ``key``'s on ``listener`` by name, for the report's first MAX_REFUSED_PEERS peers."""
+        peer = (listener, key)
+        if peer in self.refused_peers or len(self.refused_peers) < MAX_REFUSED_PEERS:
+            self.refused_peers[peer] = self.refused_peers.get(peer, 0) + 1
 
     def _accept_failed(self, listening: _Listening, exc: OSError) -> None:
         """accept() failed (but for a connection gone before it was taken): out of descriptors or memory, pause
