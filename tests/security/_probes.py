@@ -9,6 +9,7 @@ import statistics
 import time
 from pathlib import Path
 
+import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpubroker.broker.launcher import BrokerProcess
@@ -16,6 +17,12 @@ from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def tenant_credentials(broker: BrokerProcess, tenant: str) -> grpc.ChannelCredentials:
+    """A local client's credentials on the broker's Unix socket, with ``tenant``'s token."""
+    return grpc.composite_channel_credentials(grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
+                                              grpc.access_token_call_credentials(broker.tokens[tenant]))
 
 
 def p50_ms(stub: pb_grpc.GpuBrokerStub, calls: int = 30) -> float:

@@ -43,6 +43,7 @@ from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ..helpers import wait_for
+from ._probes import tenant_credentials
 
 CHURNERS = 2
 GRPC_ATTEMPTS = 20
@@ -92,8 +93,7 @@ def _banned(path: str, uid: int) -> bool:
 def _new_channels(broker: BrokerProcess, n: int, deadline: float = float("inf")) -> tuple[int, list[str]]:
     """Open ``n`` new channels as alice (as many as ``deadline`` leaves time for), one call each: how many were
     opened, and what failed."""
-    credentials = grpc.composite_channel_credentials(grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
-                                                     grpc.access_token_call_credentials(broker.tokens["alice"]))
+    credentials = tenant_credentials(broker, "alice")
     failed = []
     for tried in range(n):
         if time.monotonic() > deadline:

@@ -29,6 +29,8 @@ from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.v1 import admin_pb2 as apb
 from gpubroker.v1 import admin_pb2_grpc as apb_grpc
 
+from ._probes import tenant_credentials
+
 KiB = 1024
 SECONDS = 4.0
 THREADS = 4
@@ -45,8 +47,7 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
 
 
 def test_a_non_admin_cannot_flood_the_audit_log_with_refused_admin_calls(broker: BrokerProcess) -> None:
-    credentials = grpc.composite_channel_credentials(grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
-                                                     grpc.access_token_call_credentials(broker.tokens["mallory"]))
+    credentials = tenant_credentials(broker, "mallory")
     before = broker.log_path.stat().st_size
     denied: list[int] = []
     start = time.monotonic()

@@ -30,6 +30,8 @@ from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 from gpubroker.wire.commands import Batch, Read, encode
 
+from ._probes import tenant_credentials
+
 STREAMS = 16  # in one session: within max_concurrent_rpcs_per_session (32)
 BATCHES = 4  # per stream: its READ_AHEAD
 READ = 4 * 1024**2 - 4096  # one Read per batch: its ack just under max_message_bytes (4 MiB)
@@ -58,8 +60,7 @@ def _rss(pid: int) -> int:
 def test_unread_acks_of_a_tenants_read_batches_are_bounded(broker: BrokerProcess) -> None:
     assert broker.process is not None
     pid = broker.process.pid
-    credentials = grpc.composite_channel_credentials(grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
-                                                     grpc.access_token_call_credentials(broker.tokens["alice"]))
+    credentials = tenant_credentials(broker, "alice")
     # (no BDP probing: the client's window stays 64 KiB, so what it does not read stays in the front)
     with grpc.secure_channel(broker.target, credentials, options=[("grpc.http2.bdp_probe", 0)]) as channel:
         stub = pb_grpc.GpuBrokerStub(channel)
@@ -102,8 +103,7 @@ def test_unread_acks_of_a_tenants_read_batches_are_bounded(broker: BrokerProcess
 def test_acks_abandoned_unread_give_their_budget_back(broker: BrokerProcess) -> None:
     """Streams cancelled with their acks unread leave nothing of the tenant's reply budget held: a stream after
     them still runs its Reads (a budget left held would stall it until its deadline)."""
-    credentials = grpc.composite_channel_credentials(grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
-                                                     grpc.access_token_call_credentials(broker.tokens["alice"]))
+    credentials = tenant_credentials(broker, "alice")
     with grpc.secure_channel(broker.target, credentials, options=[("grpc.http2.bdp_probe", 0)]) as channel:
         stub = pb_grpc.GpuBrokerStub(channel)
         session = stub.OpenSession(pb.OpenSessionRequest(device=0), timeout=60).session

@@ -41,7 +41,7 @@ from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ..helpers import wait_for
-from ._probes import p50_ms, scrape
+from ._probes import p50_ms, scrape, tenant_credentials
 
 ATTACKER_UID = 65533
 CHURN_SECONDS = 6.0
@@ -98,8 +98,7 @@ def test_connection_churn_of_one_local_user_does_not_slow_other_tenants(broker: 
     if os.geteuid() != 0:
         pytest.skip("needs root to run the churner as another uid")
     path = broker.target.removeprefix("unix:") + suffix
-    credentials = grpc.composite_channel_credentials(grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
-                                                     grpc.access_token_call_credentials(broker.tokens["alice"]))
+    credentials = tenant_credentials(broker, "alice")
 
     endpoint = "link" if suffix else "grpc"
     front = broker.process.pid

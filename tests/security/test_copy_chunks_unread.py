@@ -25,6 +25,8 @@ from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
+from ._probes import tenant_credentials
+
 CALLS = 16  # in one session: within max_concurrent_rpcs_per_session (32)
 CHUNK = 4 * 1024**2 - 4096  # chunk_bytes: the largest the broker allows
 SIZE = 8 * CHUNK  # each call's copy: more chunks than a call reads ahead
@@ -52,8 +54,7 @@ def _rss(pid: int) -> int:
 def test_unread_chunks_of_a_tenants_copies_are_bounded(broker: BrokerProcess) -> None:
     assert broker.process is not None
     pid = broker.process.pid
-    credentials = grpc.composite_channel_credentials(grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
-                                                     grpc.access_token_call_credentials(broker.tokens["alice"]))
+    credentials = tenant_credentials(broker, "alice")
     # (no BDP probing: the client's window stays 64 KiB, so what it does not read stays in the front)
     with grpc.secure_channel(broker.target, credentials, options=[("grpc.http2.bdp_probe", 0)]) as channel:
         stub = pb_grpc.GpuBrokerStub(channel)

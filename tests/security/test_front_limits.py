@@ -26,6 +26,7 @@ from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 from gpubroker.wire.commands import Batch, Write, encode
 
 from ..helpers import wait_for
+from ._probes import tenant_credentials
 
 CALL_LIMIT = 8  # max_concurrent_rpcs_per_session
 READ_AHEAD_BUDGET = 16 * 1024**2  # max_read_ahead_bytes_per_tenant
@@ -67,8 +68,7 @@ def front(backend: str) -> Iterator[BrokerProcess]:
 
 
 def _channel(broker: BrokerProcess, tenant: str) -> grpc.Channel:
-    credentials = grpc.composite_channel_credentials(grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
-                                                     grpc.access_token_call_credentials(broker.tokens[tenant]))
+    credentials = tenant_credentials(broker, tenant)
     return grpc.secure_channel(broker.target, credentials, options=[("grpc.max_send_message_length", -1)])
 
 

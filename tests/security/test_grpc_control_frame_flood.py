@@ -36,7 +36,7 @@ import pytest
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
-from ._probes import p50_ms, scrape
+from ._probes import p50_ms, scrape, tenant_credentials
 
 ATTACKER_UID = 65533
 SECONDS = 4.0
@@ -122,8 +122,7 @@ def test_control_frames_of_an_unauthenticated_peer_are_cut_and_do_not_load_the_f
         pytest.skip("needs root to run the flood as another uid")
     assert broker.process is not None
     front = broker.process.pid
-    credentials = grpc.composite_channel_credentials(grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
-                                                     grpc.access_token_call_credentials(broker.tokens["alice"]))
+    credentials = tenant_credentials(broker, "alice")
     with grpc.secure_channel(broker.target, credentials) as channel:
         stub = pb_grpc.GpuBrokerStub(channel)
         p50_ms(stub, CALLS)  # (warm)

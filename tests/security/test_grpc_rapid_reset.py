@@ -41,7 +41,7 @@ from gpubroker.broker.config import BrokerSettings
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
-from ._probes import Samples, p50_ms, scrape
+from ._probes import Samples, p50_ms, scrape, tenant_credentials
 
 ATTACKER_UID = 65533
 FLOOD_SECONDS = 6.0
@@ -140,8 +140,7 @@ def test_rapid_reset_from_one_peer_does_not_slow_other_tenants(broker: BrokerPro
     if os.geteuid() != 0:
         pytest.skip("needs root to run the flooder as another uid")
     os.chmod(os.path.dirname(broker.target.removeprefix("unix:")), 0o755)  # (a local user in socket_group)
-    credentials = grpc.composite_channel_credentials(grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
-                                                     grpc.access_token_call_credentials(broker.tokens["alice"]))
+    credentials = tenant_credentials(broker, "alice")
     with grpc.secure_channel(broker.target, credentials) as channel:
         stub = pb_grpc.GpuBrokerStub(channel)
         p50_ms(stub, CALLS)  # (warm)

@@ -47,6 +47,8 @@ from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 from gpubroker.wire.frames import FRAME_HEADER
 from gpubroker.wire.link import RegisterSegment, encode
 
+from ._probes import tenant_credentials
+
 LINGER = 8  # seconds the front's close may wait (the test resets the connection once it has measured)
 BOB_TIMEOUT = 4.0  # bob's call while the front closes alice's socket
 ALLOWED = 2.0  # what bob's call may take on a loaded 2-core machine (5-10 ms unloaded)
@@ -61,8 +63,7 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
 
 
 def _stub(broker: BrokerProcess, tenant: str) -> tuple[grpc.Channel, pb_grpc.GpuBrokerStub]:
-    credentials = grpc.composite_channel_credentials(grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
-                                                     grpc.access_token_call_credentials(broker.tokens[tenant]))
+    credentials = tenant_credentials(broker, tenant)
     channel = grpc.secure_channel(broker.target, credentials)
     return channel, pb_grpc.GpuBrokerStub(channel)
 
