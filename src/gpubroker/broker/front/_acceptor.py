@@ -69,6 +69,7 @@ from gpubroker.broker.front.listeners import (
     PeerRate,
     out_of_descriptors,
     peer_of,
+    uid_key,
 )
 from gpubroker.wire.accept import (
     MAX_ACCEPT_MESSAGE,
@@ -712,7 +713,7 @@ class _Acceptor:
                     continue
                 key = keys.get(uid)
                 if key is None:
-                    key = f"uid {uid}" if uid >= 0 else "unix"
+                    key = uid_key(uid)
                     if len(keys) < MAX_REFUSED_PEERS:
                         keys[uid] = key
                 if not take(key):

@@ -37,7 +37,7 @@ from gpubroker.wire.addresses import TcpAddress, VsockAddress
 
 __all__ = ["ACCEPT_BACKOFF", "ACCEPT_BACKOFF_MAX", "ACCEPT_BATCH", "DEFAULT_NETWORKS", "GONE", "PUMP_CHUNK", "Acceptor",
            "Admit", "OffLoop", "OwnerLookup", "Peer", "PeerNetworks", "PeerRate", "out_of_descriptors", "peer_of",
-           "pump"]
+           "pump", "uid_key"]
 
 log = logging.getLogger("gpubroker.server")
 audit = logging.getLogger("gpubroker.audit")
@@ -166,12 +166,18 @@ class Peer:
         the listener or address (127.0.0.0/8 is all the host's own); a remote TCP peer's network (`PeerNetworks`:
         by default a /24 or /64, since one host commonly holds a network's worth of addresses); a VM by its CID."""
         if self.uid >= 0:
-            return f"uid {self.uid}"
+            return uid_key(self.uid)
         if isinstance(self.address, VsockAddress):
             return f"vsock {self.address.cid}"
         if isinstance(self.address, TcpAddress):
             return self.address.host if self.local else self.networks.of(self.address.host)
-        return "unix"  # (a Unix peer whose credentials were not told)
+        return uid_key(-1)  # (a Unix peer whose credentials were not told)
+
+
+def uid_key(uid: int) -> str:
+    """`Peer.key` of a peer the kernel names by its uid (-1: a Unix peer whose credentials were not told); the
+    acceptor process's cheapest refusal of a Unix peer computes it without making a `Peer`."""
+    return f"uid {uid}" if uid >= 0 else "unix"
 
 
 class OwnerLookup(Protocol):
