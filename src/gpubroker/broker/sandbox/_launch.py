@@ -341,7 +341,8 @@ def _map_ids_from_outside(host_id: int) -> tuple[int, int]:
 def _limit(spec: dict[str, Any]) -> None:
     resource.setrlimit(resource.RLIMIT_SIGPENDING, (SIGPENDING_MAX, SIGPENDING_MAX))  # (lower than the launcher's)
     limits = {"core": resource.RLIMIT_CORE, "nofile": resource.RLIMIT_NOFILE, "as": resource.RLIMIT_AS,
-              "nproc": resource.RLIMIT_NPROC, "fsize": resource.RLIMIT_FSIZE, "data": resource.RLIMIT_DATA}
+              "nproc": resource.RLIMIT_NPROC, "fsize": resource.RLIMIT_FSIZE, "data": resource.RLIMIT_DATA,
+              "stack": resource.RLIMIT_STACK}
     for name, value in spec.get("rlimits", {}).items():
         kind = limits[name]
         _, hard = resource.getrlimit(kind)

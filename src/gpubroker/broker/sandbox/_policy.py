@@ -37,7 +37,10 @@ PACKAGES = ("gpubroker",)
 SYSTEM_RO = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin", "/etc/ld.so.cache",
              "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/OpenCL", "/sys/devices/system/cpu",
              "/sys/devices/system/node")
-DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+# No /dev/zero: its shared writable mapping is shared anonymous memory, which RLIMIT_DATA does not count (the
+# filter refuses the anonymous forms by their flags, but cannot tell /dev/zero's descriptor from a segment's memfd).
+# Nothing a worker runs opens it (glibc, Python, PoCL and LLVM map anonymous memory instead).
+DEVICES = ("/dev/null", "/dev/full", "/dev/random", "/dev/urandom")
 CUDA_RO = ("/usr/local/cuda", "/usr/local/nvidia", "/sys", "/etc/nvidia", "/usr/share/nvidia")
 CUDA_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset",
                 "/dev/nvidia-caps")
@@ -46,6 +49,10 @@ ENV_KEEP = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "LD_LIBRARY_PATH", "GP
             "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_PATH", "CUDA_HOME")
 ENV_PREFIXES = ("POCL_", "CUPY_", "OCL_ICD_")
 NOFILE = 4096
+# The main stack's most (soft and hard, so the worker cannot raise it): a stack grows on any thread's fault below
+# it, counted only as address space (RLIMIT_AS, which CUDA workers do not have), never as data. glibc's default
+# for new threads' stacks too (8 MiB: the usual soft limit).
+STACK_MAX = 8 << 20
 # Under the cache root: one directory per tenant name, in it one per credential (see ``cache_key``). Nothing outside
 # it is ever deleted, so a cache_dir that the operator shares with other files loses none of them.
 TENANT_CACHES = "tenants"
@@ -359,7 +366,7 @@ class WorkerSandbox:
         ro += [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p.startswith("/")]
         # No file the worker writes (its cache, /tmp, /dev/shm, a memfd the front passed it) grows past the larger
         # of its tmpfs: EFBIG (the worker, a Python, ignores SIGXFSZ).
-        rlimits = {"core": 0, "nofile": NOFILE, "fsize": max(self.cache_max, self.tmp_max)}
+        rlimits = {"core": 0, "nofile": NOFILE, "fsize": max(self.cache_max, self.tmp_max), "stack": STACK_MAX}
         pids_cgroup = cgroup is not None and self.cgroups is not None and "pids" in self.cgroups.controllers
         if self.pids_max and not pids_cgroup:
             # Counted per user namespace (Linux >= 5.14): this worker's processes and threads only.

@@ -91,6 +91,17 @@ PR_SET_SECCOMP = 22
 RECORD_LOCKS = (fcntl.F_SETLK, fcntl.F_SETLKW, fcntl.F_OFD_SETLK, fcntl.F_OFD_SETLKW)
 LOCK_CALLS = ("flock",)
 LOCK_FREE_ENV = {"PYOPENCL_NO_CACHE": "1"}
+# Mappings whose pages RLIMIT_DATA does not count (it counts private writable mappings only), refused by mmap's
+# flags (argument 3) once the device is open: shared anonymous memory (MAP_SHARED or MAP_SHARED_VALIDATE with
+# MAP_ANONYMOUS: shmem no rlimit but RLIMIT_AS counts, and CUDA has none) and grows-down mappings (stacks, counted
+# apart from data). A kernel populated 704 MiB of the first past a PoCL worker's bound, where RLIMIT_AS allows
+# PoCL's reserved address space, and without limit under a CUDA worker's RLIMIT_DATA alone. The worker's shared
+# memory is the front's memfds alone (file mappings, not anonymous); the sandbox has no /dev/zero, whose shared
+# mapping is the same memory (_policy.DEVICES), and the main stack is held by a fixed RLIMIT_STACK.
+MAP_FLAGS_ARG = 3
+MAP_TYPE_ANONYMOUS = 0x23  # MAP_SHARED | MAP_PRIVATE (MAP_SHARED_VALIDATE is both) and MAP_ANONYMOUS
+UNCOUNTED_MAPPINGS = (0x21, 0x23)  # MAP_SHARED | MAP_ANONYMOUS, MAP_SHARED_VALIDATE | MAP_ANONYMOUS
+MAP_GROWSDOWN = 0x0100
 # Descriptors come to a worker from the front alone, on its fd channel (the links it hands over, the memfds it made
 # or checked and charged: a segment's, a ring's). A client's would be memory outside every bound: a sparse memfd
 # received off a link and fallocated, 2 GiB past a 1 GiB worker_memory_max. Two locks, either enough alone:
@@ -178,7 +189,7 @@ def build_filter(allow_spawn: bool = False) -> Any:
 def seal_after_device_open(channel: int | None = None) -> None:
     """From now on this process, its threads and whatever it spawns make no socket of any family, no Landlock
     ruleset or seccomp filter (a filter stacked on the launcher's: filters only ever add refusals), take no
-    record lock or flock, and receive descriptors on the front's fd channel (``channel``; None: nowhere) alone.
+    record lock or flock, map no shared anonymous or grows-down memory, and receive descriptors on the front's fd channel (``channel``; None: nowhere) alone.
     Called by a sandboxed worker once its device is open, before anything of a tenant's runs;
     OSError/ImportError/RuntimeError if the filter cannot be loaded."""
     if channel is not None:
@@ -198,6 +209,9 @@ def seal_after_device_open(channel: int | None = None) -> None:
         _rule(seccomp, f, no_lock, "fcntl", seccomp.Arg(1, seccomp.MASKED_EQ, INT_BITS, cmd))
     for name in LOCK_CALLS:
         _rule(seccomp, f, no_lock, name)
+    for shape in UNCOUNTED_MAPPINGS:
+        _rule(seccomp, f, deny, "mmap", seccomp.Arg(MAP_FLAGS_ARG, seccomp.MASKED_EQ, MAP_TYPE_ANONYMOUS, shape))
+    _rule(seccomp, f, deny, "mmap", seccomp.Arg(MAP_FLAGS_ARG, seccomp.MASKED_EQ, MAP_GROWSDOWN, MAP_GROWSDOWN))
     _rule(seccomp, f, deny, "setsockopt", seccomp.Arg(1, seccomp.MASKED_EQ, INT_BITS, SOL_SOCKET),
           seccomp.Arg(2, seccomp.MASKED_EQ, INT_BITS, SO_PASSRIGHTS))
     for name in RECEIVING_CALLS:
