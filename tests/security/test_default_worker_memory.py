@@ -93,7 +93,9 @@ def test_a_default_worker_cannot_take_host_memory_far_past_its_quota(broker: Bro
         for attempt in attempts:
             assert not attempt.succeeded, (
                 f"with the default config a kernel populated {attempt.label}: worker_memory_max = 0 bounds nothing")
-            assert attempt.ret == -12, attempt  # ENOMEM: refused by the limit, the worker unharmed
+            # ENOMEM: refused by the limit; EPERM: a shared anonymous mapping, refused by the filter whatever its
+            # size (test_worker_shared_mappings.py); the worker unharmed either way
+            assert attempt.ret in (-12, -1), attempt
         # The worker serves on: memory within the quota, and shared memory, work.
         buf = gpu.allocate_memory(QUOTA // 2)
         host = gpu.host_array(16 * MiB // 4, np.float32)
