@@ -189,9 +189,9 @@ def build_filter(allow_spawn: bool = False) -> Any:
 def seal_after_device_open(channel: int | None = None) -> None:
     """From now on this process, its threads and whatever it spawns make no socket of any family, no Landlock
     ruleset or seccomp filter (a filter stacked on the launcher's: filters only ever add refusals), take no
-    record lock or flock, map no shared anonymous or grows-down memory, and receive descriptors on the front's fd channel (``channel``; None: nowhere) alone.
-    Called by a sandboxed worker once its device is open, before anything of a tenant's runs;
-    OSError/ImportError/RuntimeError if the filter cannot be loaded."""
+    record lock or flock, map no shared anonymous or grows-down memory, and receive descriptors on the front's
+    fd channel (``channel``; None: nowhere) alone. Called by a sandboxed worker once its device is open, before
+    anything of a tenant's runs; OSError/ImportError/RuntimeError if the filter cannot be loaded."""
     if channel is not None:
         os.set_inheritable(channel, True)  # (an exec keeps it: its number names the channel in the new image too)
     seccomp = _import_pyseccomp()
