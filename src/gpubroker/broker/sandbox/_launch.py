@@ -342,7 +342,7 @@ def _limit(spec: dict[str, Any]) -> None:
     resource.setrlimit(resource.RLIMIT_SIGPENDING, (SIGPENDING_MAX, SIGPENDING_MAX))  # (lower than the launcher's)
     limits = {"core": resource.RLIMIT_CORE, "nofile": resource.RLIMIT_NOFILE, "as": resource.RLIMIT_AS,
               "nproc": resource.RLIMIT_NPROC, "fsize": resource.RLIMIT_FSIZE, "data": resource.RLIMIT_DATA,
-              "stack": resource.RLIMIT_STACK}
+              "stack": resource.RLIMIT_STACK, "rtprio": resource.RLIMIT_RTPRIO, "nice": resource.RLIMIT_NICE}
     for name, value in spec.get("rlimits", {}).items():
         kind = limits[name]
         _, hard = resource.getrlimit(kind)

@@ -366,7 +366,11 @@ class WorkerSandbox:
         ro += [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(":") if p.startswith("/")]
         # No file the worker writes (its cache, /tmp, /dev/shm, a memfd the front passed it) grows past the larger
         # of its tmpfs: EFBIG (the worker, a Python, ignores SIGXFSZ).
-        rlimits = {"core": 0, "nofile": NOFILE, "fsize": max(self.cache_max, self.tmp_max), "stack": STACK_MAX}
+        rlimits = {"core": 0, "nofile": NOFILE, "fsize": max(self.cache_max, self.tmp_max), "stack": STACK_MAX,
+                   # No priority over the host or another worker, whatever the broker inherited (a login's
+                   # limits.conf, a unit's LimitRTPRIO=/LimitNICE=): without them no SCHED_FIFO or SCHED_RR, no nice
+                   # below 0 for its threads or its autogroup, which need no capability within these limits.
+                   "rtprio": 0, "nice": 0}
         pids_cgroup = cgroup is not None and self.cgroups is not None and "pids" in self.cgroups.controllers
         if self.pids_max and not pids_cgroup:
             # Counted per user namespace (Linux >= 5.14): this worker's processes and threads only.
