@@ -57,8 +57,8 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
                            settings={"cache_dir": str(tmp / "caches")}) as proc:
             yield proc
     finally:
-        for kind, value in saved.items():
-            resource.setrlimit(kind, value)
+        for kind, limits in saved.items():
+            resource.setrlimit(kind, limits)
 
 
 def test_a_kernel_gets_no_priority_over_other_workers(broker: BrokerProcess) -> None:
