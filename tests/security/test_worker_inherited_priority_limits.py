@@ -50,6 +50,8 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
         for kind, value in RAISED.items():
             resource.setrlimit(kind, (value, value))
     except (ValueError, OSError):
+        for kind, limits in saved.items():
+            resource.setrlimit(kind, limits)
         pytest.skip("raising RLIMIT_RTPRIO and RLIMIT_NICE needs root (CAP_SYS_RESOURCE)")
     tmp = tmp_path_factory.mktemp("priority")
     try:
