@@ -46,7 +46,7 @@ it have been beaten, and says what it stops.
   gets ENOSYS so glibc falls back to clone), bpf, keyctl, perf_event_open, userfaultfd, io_uring, module and
   kexec calls, personality changes, mknod of any node but a regular file (a FIFO could keep a compile waiting
   on the tenant's own code), sockets but AF_UNIX, and once the device is open, new sockets of any family,
-  Landlock rulesets, seccomp filters, shared anonymous and grows-down mappings, and record locks and flock
+  Landlock rulesets, seccomp filters, on OpenCL shared anonymous and grows-down mappings, and record locks and flock
   (ENOLCK; ``seal_after_device_open``). Other
   syscall ABIs (x86 ``int 0x80``) kill it.
   No new processes: fork, vfork and clone without CLONE_THREAD (only threads; on OpenCL also posix_spawn's
@@ -72,8 +72,8 @@ it have been beaten, and says what it stops.
   Always: no core dumps, bounded descriptors, ``RLIMIT_FSIZE`` (the larger tmpfs size: EFBIG past it, which also
   bounds a memfd the front passed), ``RLIMIT_STACK`` of 8 MiB, soft and hard (a stack grows outside RLIMIT_DATA).
   Shared anonymous and grows-down mappings, which RLIMIT_DATA does not count either, are refused by the filter
-  once the device is open, and there is no ``/dev/zero`` to map shared. A worker the OOM killer ends is its
-  tenant's failure.
+  once the device is open on OpenCL (CUDA's runtime maps the first itself), and there is no ``/dev/zero`` to map
+  shared. A worker the OOM killer ends is its tenant's failure.
 - **Environment and descriptors**: only PATH, locale, PYTHONPATH, LD_LIBRARY_PATH, the log format, CUDA's device
   selection and the operator's ``POCL_*``/``CUPY_*`` settings pass; HOME and every compile cache point into the
   tenant's cache. The worker inherits only stdio and its two channels to the front.

@@ -144,10 +144,11 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
                 return EXIT_FATAL
 
 
-def main(argv: list[str] | None = None, on_device_open: Callable[[int | None], None] | None = None) -> int:
+def main(argv: list[str] | None = None,
+         on_device_open: Callable[[int | None, str], None] | None = None) -> int:
     """The worker: open the device, answer the front's first request with its description, then serve.
     ``on_device_open`` runs once the device is open, before anything of a tenant's (the sandbox's last layer), with
-    the fd channel's number: the one socket descriptors may come from."""
+    the fd channel's number (the one socket descriptors may come from) and the device's backend ("cuda", "opencl")."""
     parser = argparse.ArgumentParser(prog="gpubroker-worker")
     parser.add_argument("--fd", type=int)
     parser.add_argument("--fd-channel", type=int, help="socket on which the front passes segment fds")
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None, on_device_open: Callable[[int | None], N
         backend = open_backend(args.backend, args.device)
         if on_device_open is not None:
             try:
-                on_device_open(args.fd_channel)
+                on_device_open(args.fd_channel, backend.device_info().backend)
             except (OSError, ImportError, RuntimeError) as exc:
                 _reply(sock, 0, 1, Internal(f"the worker's sandbox could not refuse new sockets: {exc}").as_wire())
                 return 2
