@@ -31,7 +31,7 @@ from gpubroker.broker.backends._cuda_device import CudaDevice
 from gpubroker.broker.backends._cuda_modules import CudaCode
 from gpubroker.broker.backends._cuda_peer import CudaPeer
 from gpubroker.broker.backends._cuda_util import list_cuda_devices, props_info, translate
-from gpubroker.broker.backends._torch import CudaPlacement, TorchAccounts, TorchPart, TorchSession
+from gpubroker.broker.backends._torch import CudaPlacement, TorchAccounts, TorchCache, TorchPart, TorchSession
 from gpubroker.wire.errors import Aborted, GpuBrokerError, InvalidArgument, ResourceExhausted
 from gpubroker.wire.types import ArrayRef, Buffer, DeviceInfo, Event, Stream
 
@@ -63,6 +63,7 @@ class CudaBackend:
         peer = self._peer = CudaPeer(dev)
         self._cuda_events: HandleTable[cupy.cuda.Event] = HandleTable("event")
         self.allocated_bytes = 0
+        self._torch_cache: TorchCache | None = None  # PyTorch's allocator, once a torch session used it
         # The parts' methods, bound once: a launch or a copy calls the part's method with no forwarding frame.
         self.synchronize = dev.synchronize
         self.copy_h2d = copies.copy_h2d
@@ -154,11 +155,16 @@ class CudaBackend:
         total = self._dev.info.total_memory
         if size > total:
             raise ResourceExhausted(f"{size} bytes is more than the device's {total}")
+        torch_cache = self._torch_cache
+        if torch_cache is not None:
+            torch_cache.make_room()  # (what tensors freed, PyTorch's allocator keeps: within the bound together)
         try:
             mem = Memory(size)  # plain cudaMalloc, not CuPy's pool: exact accounting, real frees
         except Exception as exc:
             raise self._dev.fail(f"allocate {size} bytes", exc) from exc
         self.allocated_bytes += size
+        if torch_cache is not None:
+            torch_cache.others(self.allocated_bytes)
         return Buffer(self._dev.buffers.add(mem), size)
 
     def free_memory(self, buf: Buffer) -> None:
@@ -166,6 +172,8 @@ class CudaBackend:
         self._dev.resolve(buf)
         # Dropping the last reference calls cudaFree, which also waits for work that may use it.
         self.allocated_bytes -= self._dev.buffers.pop(buf.handle).size
+        if self._torch_cache is not None:
+            self._torch_cache.others(self.allocated_bytes)
 
     # -- streams -----------------------------------------------------------------------------
     def create_stream(self) -> Stream:
@@ -194,7 +202,10 @@ class CudaBackend:
         """A new torch session on this device (the worker makes one per session; ``torch_*`` use their own):
         CUDA tensors on this device, each operator on the session's stream, timed as device time."""
         self._dev.use()
-        return TorchSession(CudaPlacement(self._dev), accounts)
+        if self._torch_cache is None:
+            self._torch_cache = TorchCache(self._dev.index, self._dev.info.total_memory)
+            self._torch_cache.others(self.allocated_bytes)
+        return TorchSession(CudaPlacement(self._dev, self._torch_cache), accounts)
 
     # -- library operations ------------------------------------------------------------------
     def run_library(self, op: str, inputs: Sequence[ArrayRef], outputs: Sequence[ArrayRef],

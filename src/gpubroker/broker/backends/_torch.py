@@ -69,8 +69,8 @@ from gpubroker.wire.types import Buffer, Stream
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CpuPlacement", "CudaPlacement", "TorchAccounts", "TorchPart", "TorchPlacement", "TorchSession",
-           "import_torch"]
+__all__ = ["CpuPlacement", "CudaPlacement", "TorchAccounts", "TorchCache", "TorchPart", "TorchPlacement",
+           "TorchSession", "import_torch"]
 
 _import_lock = threading.Lock()
 _torch: Any = None  # the torch module, once imported (import_torch)
@@ -155,8 +155,9 @@ class TorchPlacement(Protocol):
         """The device's default generator."""
         ...
 
-    def trim(self) -> None:
-        """Tensors were freed: give idle cached memory back to the device where the backend caches it."""
+    def freed(self, nbytes: int) -> None:
+        """Tensors' storages of ``nbytes`` were freed (a caching allocator may keep them for the next operators;
+        the backend gives them back before it allocates otherwise)."""
         ...
 
     def bound(self, quota: int | None) -> None:
@@ -408,7 +409,6 @@ class TorchSession:
         self._predicted = _Predicted()
         self._sigs: dict[str, _Sig] = {}  # handle -> its tensor's signature, worked out at its first use
         self._interned: dict[tuple[Any, ...], _Sig] = {}
-        self._released = 0  # storage bytes freed since the placement's last trim
         self._dtypes: dict[str, torch.dtype] = {
             n: d for n in _DTYPE_NAMES if isinstance(d := getattr(tm, n, None), tm.dtype)}
         self._formats = {n: getattr(tm, n) for n in _FORMAT_NAMES}
@@ -445,6 +445,7 @@ class TorchSession:
     def free(self, handles: Sequence[str]) -> None:
         """Drop the tensors; a storage goes back to the accounts with its last handle. A handle that names no
         tensor is skipped: the client frees the handles of an operator that failed, which never named one."""
+        released = 0
         for h in handles:
             if self._tensors.pop(h, None) is None:
                 continue
@@ -456,12 +457,9 @@ class TorchSession:
             if storage.refs == 0:
                 del self._storages[key]
                 self.accounts.unreserve(storage.nbytes)
-                self._released += storage.nbytes
-        # Asking PyTorch's allocator what it holds costs ~250 us on CUDA (memory_stats builds its whole report):
-        # only once a trim could matter, not at each small tensor's free.
-        if self._released >= _TRIM_AFTER_BYTES:
-            self._released = 0
-            self.placement.trim()
+                released += storage.nbytes
+        if released:
+            self.placement.freed(released)
 
     def close(self) -> None:
         """Drop every tensor (the session ended)."""
@@ -1083,7 +1081,7 @@ class CpuPlacement:
         gen: torch.Generator = self._torch.default_generator
         return gen
 
-    def trim(self) -> None:
+    def freed(self, nbytes: int) -> None:
         pass  # (CPU tensors are freed with their last reference)
 
     def bound(self, quota: int | None) -> None:
@@ -1093,12 +1091,63 @@ class CpuPlacement:
         return None
 
 
-# Idle bytes PyTorch's CUDA caching allocator may keep after tensors are freed (CudaPlacement.trim).
-_CACHE_IDLE_MAX = 256 << 20
-# Storage bytes freed between two looks at what the allocator keeps idle (TorchSession.free).
-_TRIM_AFTER_BYTES = 32 << 20
-# What PyTorch's caching allocator may hold past a tenant's quota (CudaPlacement.bound).
+# What PyTorch's caching allocator may hold past a tenant's quota (TorchCache.bound).
 _ALLOCATOR_HEADROOM = 96 << 20
+
+
+class TorchCache:
+    """PyTorch's CUDA caching allocator on one device, shared by the backend's torch sessions (one per process).
+
+    What tensors free stays cached for the next operators, as in eager PyTorch: emptying the cache mid-stream
+    waits for the whole device (cudaFree) and makes the next operators cudaMalloc again (a ResNet forward pass took
+    5x eager's time while the cache was emptied every 256 MiB freed). Its bound keeps it within the tenant's quota
+    anyway: the allocator's per-process fraction is the quota plus ``_ALLOCATOR_HEADROOM`` less what the backend
+    allocated otherwise (buffers, exact cudaMallocs), and the allocator meets it by giving cached blocks back
+    itself when it needs room. Before the backend allocates otherwise, ``make_room`` gives back what tensors freed,
+    so cached and other memory together stay within the bound whichever came first."""
+
+    def __init__(self, index: int, total: int) -> None:
+        self._index = index
+        self._total = total
+        self._quota: int | None = None
+        self._bounded = False  # a torch session set the bound (PyTorch is imported and its allocator in use)
+        self._others = 0  # bytes the backend allocated otherwise
+        self._freed = 0  # tensor bytes freed since the last make_room
+        self.stream: Any = None  # PyTorch's current stream on the device, as CudaPlacement.running last set it
+
+    def freed(self, nbytes: int) -> None:
+        self._freed += nbytes
+
+    def bound(self, quota: int | None) -> None:
+        """The tenant's quota (set again as each session starts: it may have changed)."""
+        self._quota, self._bounded = quota, True
+        self._apply()
+
+    def others(self, nbytes: int) -> None:
+        """The backend now holds ``nbytes`` of its own allocations on the device."""
+        self._others = nbytes
+        if self._bounded and self._quota is not None:
+            self._apply()
+
+    def make_room(self) -> None:
+        """The backend is about to allocate otherwise: give cached blocks freed since the last call back."""
+        if self._freed:
+            self._freed = 0
+            cuda = import_torch().cuda
+            if cuda.memory_reserved(self._index) > cuda.memory_allocated(self._index):
+                cuda.empty_cache()
+
+    def _apply(self) -> None:
+        # The quota is charged from what the client announces before an operator runs, and settled on what it
+        # made; a client that announces less would have the allocator take more in between. Its per-process
+        # fraction bounds what it may hold at all: a tenant's worker serves that tenant alone, so this is the
+        # tenant's bound. Past the quota it may hold _ALLOCATOR_HEADROOM more: its rounding (a 4 MiB tensor takes a
+        # 20 MiB segment) and cuBLAS's workspace (32 MiB per stream on Hopper), which no tensor counts; without it
+        # a 16 MiB quota could not run one matmul.
+        quota = self._quota
+        room = self._total if quota is None else quota + _ALLOCATOR_HEADROOM - self._others
+        fraction = min(1.0, max(room, _ALLOCATOR_HEADROOM) / self._total)
+        import_torch().cuda.set_per_process_memory_fraction(fraction, self._index)
 
 
 class CudaPlacement:
@@ -1106,8 +1155,9 @@ class CudaPlacement:
     ``ExternalStream`` over it), bracketed by the backend's device timer; buffers' bytes move through DLPack views
     of the allocations, on the stream. A CUDA error that breaks the context is the backend's to report (fatal)."""
 
-    def __init__(self, dev: Any) -> None:  # (a CudaDevice: _cuda_device imports CuPy, which this module must not)
+    def __init__(self, dev: Any, cache: TorchCache) -> None:  # (dev: a CudaDevice, whose module imports CuPy)
         self._dev = dev
+        self._cache = cache
         self._torch = import_torch()
         self._streams: dict[int, Any] = {}  # CuPy stream pointer -> torch.cuda.ExternalStream
 
@@ -1131,8 +1181,14 @@ class CudaPlacement:
     def running(self, stream: Stream | None) -> Iterator[None]:
         self._dev.use()
         s, ext = self._stream(stream)
+        cache = self._cache
+        if cache.stream is not ext:
+            # PyTorch's current stream stays the last operator's: nothing in the worker runs torch work outside
+            # this, and entering and leaving torch.cuda.stream(ext) at each operator cost more than some operators.
+            self._torch.cuda.set_stream(ext)
+            cache.stream = ext
         timer = self._dev.timer
-        with timer.lock, self._torch.cuda.stream(ext):  # (as run_library: the timer's segment is open throughout)
+        with timer.lock:  # (as run_library: the timer's segment is open throughout)
             timer.begin(s.ptr)
             yield
 
@@ -1170,28 +1226,11 @@ class CudaPlacement:
         gen: torch.Generator = self._torch.cuda.default_generators[self._dev.index]
         return gen
 
-    def trim(self) -> None:
-        # PyTorch's caching allocator keeps freed blocks for reuse, outside the quota (which counts live storages);
-        # past this many idle bytes they go back to the device, as CuPy's pool does after library calls. Not after
-        # every free: cudaFree waits for the whole device.
-        cuda = self._torch.cuda
-        index = self._dev.index
-        if cuda.memory_reserved(index) - cuda.memory_allocated(index) > _CACHE_IDLE_MAX:
-            cuda.empty_cache()
+    def freed(self, nbytes: int) -> None:
+        self._cache.freed(nbytes)
 
     def bound(self, quota: int | None) -> None:
-        # The quota is charged from what the client announces before an operator runs, and settled on what it
-        # made; a client that announces less would have PyTorch's caching allocator take more in between. Its
-        # per-process fraction bounds what the allocator may hold at all: a tenant's worker serves that tenant
-        # alone, so this is the tenant's bound (set again as each session starts: the quota may have changed).
-        # Past the quota it may hold _ALLOCATOR_HEADROOM more: its rounding (a 4 MiB tensor takes a 20 MiB segment)
-        # and cuBLAS's workspace (32 MiB per stream on Hopper), which no tensor counts; without it a 16 MiB quota
-        # could not run one matmul.
-        cuda = self._torch.cuda
-        index = self._dev.index
-        total = self._dev.info.total_memory
-        fraction = 1.0 if quota is None else min(1.0, (quota + _ALLOCATOR_HEADROOM) / total)
-        cuda.set_per_process_memory_fraction(fraction, index)
+        self._cache.bound(quota)
 
     def error(self, what: str, exc: Exception) -> GpuBrokerError | None:
         text = str(exc)
