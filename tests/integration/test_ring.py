@@ -496,3 +496,29 @@ def test_ring_hellos_whose_clients_leave_at_once_give_their_places_and_memory_ba
     assert _carrier(t).kind == "ring"
     t.call(Synchronize())
     t.close()
+
+
+def test_queued_commands_leave_the_client_once_the_worker_ran_everything_sent(ring_broker: BrokerProcess) -> None:
+    """Past the first batch, commands queue up to a full batch (256) while the worker is busy; once it has
+    acknowledged every batch sent, the next look (every 64 commands) sends what is queued, so the worker does not
+    idle behind a client still queueing."""
+    with connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring",
+                 async_commands=True, shared_memory=False) as gpu:
+        kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "scale_inplace")
+        buf = gpu.allocate_memory(4)
+        gpu.synchronize()
+        t = gpu.transport
+        assert isinstance(t, BatchingTransport)
+        launch = [buf, np.float32(1), np.int32(1)]
+        for _ in range(16):  # the first batch: sent at once, nothing being unacknowledged
+            gpu.execute_kernel(kernel, 1, 1, launch)
+        sent = t._next_id
+        acks = _carrier(t)._acks
+        assert acks is not None
+        wait_for(acks.ready, timeout=30, what="the worker's ack of the first batch")  # (read by no one yet)
+        for _ in range(63):
+            gpu.execute_kernel(kernel, 1, 1, launch)
+        assert t._next_id == sent and len(t._pending) == 63  # queued: not yet a look
+        gpu.execute_kernel(kernel, 1, 1, launch)
+        assert t._next_id == sent + 1 and not t._pending  # the 64th looked, found the worker idle, and sent
+        gpu.synchronize()

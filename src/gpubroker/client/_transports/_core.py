@@ -44,6 +44,8 @@ __all__ = ["ENVELOPE", "BatchingTransport", "Carrier", "Lost", "Stripes", "Trans
 ENVELOPE: Final = 64 * 1024
 # The first batch of a burst goes out small, so the device starts while the rest of the burst is being built.
 _FIRST_BATCH: Final = 16
+# Queued commands between two looks at whether the peer ran everything sent (then they go at once).
+_IDLE_LOOK: Final = 64
 # Chunks sent raw untried after one that lz4 did not shrink by a sixteenth (random data: not worth the CPU).
 _RAW_WRITES: Final = 15
 # Seconds unused after which a connection is asked whether the broker hung up (idleness, revocation) before a
@@ -146,6 +148,11 @@ class Carrier(Protocol):
         """The next encoded Ack; raise Lost if the connection failed, TimeoutError after ``timeout``.
         ``in_flight``: the batches unacknowledged, the awaited one included (1: nothing is queued behind it, so
         the answer may be worth spinning for)."""
+        ...
+
+    def arrived(self) -> bytes | bytearray | None:
+        """The next encoded Ack if it is already here, else None, without waiting (a carrier that cannot tell
+        cheaply says None); raise Lost if the connection failed."""
         ...
 
     def shut(self) -> None:
@@ -274,7 +281,11 @@ class BatchingTransport:
                 pending = self._pending
                 pending.append(command)
                 n = len(pending)
-                if n >= self.batch_size or (n >= _FIRST_BATCH and not self._unacked):
+                # Past _FIRST_BATCH, once the peer ran everything sent (looked at every _IDLE_LOOK commands), what is
+                # queued goes now rather than at a full batch: the worker (and its device) do not wait on a client
+                # still queueing.
+                if n >= self.batch_size or (n >= _FIRST_BATCH and (
+                        not self._unacked or (n % _IDLE_LOOK == 0 and self._idle_peer()))):
                     self._flush()
                 return self._seq
             if type(command) is Write and self._pending:
@@ -475,6 +486,19 @@ class BatchingTransport:
         self._last = time.monotonic()
         return sent
 
+    def _idle_peer(self) -> bool:
+        """Whether every batch sent is acknowledged, reading the acks already here without waiting."""
+        while self._unacked:
+            try:
+                payload = self.carrier.arrived()
+            except Lost as exc:
+                self._lose(exc.reason, self._unacked[0].call_seq)
+                return False
+            if payload is None:
+                return False
+            self._take_ack(payload)
+        return self._open_now
+
     def _read_ack(self) -> None:
         try:
             payload = self.carrier.receive(self.timeout, len(self._unacked))
@@ -487,6 +511,9 @@ class BatchingTransport:
         except Lost as exc:
             self._lose(exc.reason, self._unacked[0].call_seq if self._unacked else 0)
             return
+        self._take_ack(payload)
+
+    def _take_ack(self, payload: bytes | bytearray) -> None:
         self._last = time.monotonic()
         try:
             ack = decode_ack(payload)

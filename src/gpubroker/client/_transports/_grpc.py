@@ -96,6 +96,9 @@ class GrpcStream:
             raise item
         return bytes(item)
 
+    def arrived(self) -> bytes | bytearray | None:
+        return None  # (the ack reader thread's queue: read by receive alone, which also tells why a stream ended)
+
     def shut(self) -> None:
         if self._outbox is not None:
             self._outbox.put(_END)

@@ -371,6 +371,9 @@ class FramedSocket:
         except (OSError, EOFError, FrameRefused) as exc:
             raise Lost(str(exc) or type(exc).__name__) from None
 
+    def arrived(self) -> bytes | bytearray | None:
+        return None  # (a socket's next frame may be partly here: asked only by blocking reads)
+
     def shut(self) -> None:
         if self.sock is not None:
             self.sock.close()

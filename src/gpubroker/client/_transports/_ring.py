@@ -222,6 +222,15 @@ class RingUpgrade:
         except RingBroken as exc:
             raise Lost(f"the ack ring is broken: {exc}") from None
 
+    def arrived(self) -> bytes | bytearray | None:
+        acks = self._acks
+        if acks is None:
+            return self.link.arrived()
+        try:
+            return acks.get()
+        except RingBroken as exc:
+            raise Lost(f"the ack ring is broken: {exc}") from None
+
     def _block(self, acks: ByteRing, timeout: float | None) -> bytes:
         """Wait on the doorbell (and the link socket, whose hang-up says the worker is gone) for the next ack.
         The bell is drained after each wake-up and before the ring is looked at again: an ack published after
