@@ -27,8 +27,11 @@ FLOOD_SECONDS = 12.0
 ATTACKER_UID = 65533
 
 FLOODER = textwrap.dedent("""
-    import os, selectors, socket, sys, time
+    import os, selectors, signal, socket, sys, time
     path, n, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    def stop(*_):
+        raise SystemExit(0)
+    signal.signal(signal.SIGTERM, stop)  # (the test ends the flood once its tries are done)
     sel = selectors.DefaultSelector()
     opened = 0
     def one():
@@ -46,26 +49,28 @@ FLOODER = textwrap.dedent("""
         sel.register(s, selectors.EVENT_READ)
     end = time.monotonic() + seconds
     first_round = True
-    while time.monotonic() < end:
-        while len(sel.get_map()) < n and time.monotonic() < end:
-            before = len(sel.get_map())
-            one()
-            if len(sel.get_map()) == before:
-                time.sleep(0.001)
-                break
-        for key, _ in sel.select(0.01):
-            s = key.fileobj
-            try:
-                data = s.recv(65536)
-            except OSError:
-                data = b""
-            if not data:  # shut down by the broker: take the place again at once
-                sel.unregister(s)
-                s.close()
-        if first_round:  # (every place tried once: the flood is on)
-            first_round = False
-            print("flooding", flush=True)
-    print(f"opened {opened}", flush=True)
+    try:
+        while time.monotonic() < end:
+            while len(sel.get_map()) < n and time.monotonic() < end:
+                before = len(sel.get_map())
+                one()
+                if len(sel.get_map()) == before:
+                    time.sleep(0.001)
+                    break
+            for key, _ in sel.select(0.01):
+                s = key.fileobj
+                try:
+                    data = s.recv(65536)
+                except OSError:
+                    data = b""
+                if not data:  # shut down by the broker: take the place again at once
+                    sel.unregister(s)
+                    s.close()
+            if first_round:  # (every place tried once: the flood is on)
+                first_round = False
+                print("flooding", flush=True)
+    finally:
+        print(f"opened {opened}", flush=True)
 """)
 
 
@@ -111,7 +116,9 @@ def test_one_peer_cannot_hold_the_grpc_listener_full(broker: BrokerProcess) -> N
         while time.monotonic() - start < FLOOD_SECONDS - 3 and tries < 6:
             tries += 1
             ok += try_session(broker)
-        out, _ = flood.communicate(timeout=FLOOD_SECONDS + 10)
+        assert flood.poll() is None, "the flood ended before the tenant's tries did"
+        flood.terminate()  # (it flooded throughout the tries: no need to wait out FLOOD_SECONDS)
+        out, _ = flood.communicate(timeout=10)
     finally:
         if flood.poll() is None:
             flood.kill()

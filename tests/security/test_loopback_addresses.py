@@ -75,7 +75,11 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
     tmp = tmp_path_factory.mktemp("loopback-addresses")
     settings = {"cache_dir": str(tmp / "caches"), "link_listen": "127.0.0.1:0", "metrics_listen": "127.0.0.1:0",
                 # (a total of 4 users' shares: the test's holders fill it with few connections)
-                "max_unauthenticated_connections": 4 * PER_UID, "max_unauthenticated_per_uid": PER_UID}
+                "max_unauthenticated_connections": 4 * PER_UID, "max_unauthenticated_per_uid": PER_UID,
+                # (figures taken for every scrape: at the default, once a second, each paced scrape waited ~1 s
+                # for the next refresh; and a silent connection closed after 2 s, not 5, so the ~2 s of paced
+                # scrapes still span the holder's reconnections)
+                "metrics_refresh_seconds": 0.0, "metrics_request_timeout_seconds": 2.0}
     with BrokerProcess([TenantSpec("alice")], backend="opencl", settings=settings) as proc:
         yield proc
 
