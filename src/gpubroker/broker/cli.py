@@ -7,6 +7,7 @@ import importlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 
 from gpubroker import __version__
@@ -77,7 +78,8 @@ def _cmd_tenant_add(args: argparse.Namespace) -> int:
     tenant = TenantConfig(name=args.name, token_id=token.token_id, token_hash=token.token_hash,
                           memory_quota=parse_size(args.memory), weight=args.weight, admin=args.admin,
                           device_memory=_device_memory(args.device_memory),
-                          shared_memory_quota=parse_size(args.shared_memory) if args.shared_memory else None)
+                          shared_memory_quota=parse_size(args.shared_memory) if args.shared_memory else None,
+                          certificates_since=round(time.time(), 3))
     # In place: the operator's comments and layout stay as they were; only the new table is appended.
     path = add_tenant_in_place(args.config, tenant)
     audit.info("action=tenant-add tenant=%s config=%s admin=%s by=%s", args.name, path, args.admin, _who())

@@ -65,7 +65,13 @@ from gpubroker.broker.front._preauth import PreAuthGate, Ticket, refuse_and_dela
 from gpubroker.broker.front._segments import FdStream, SegmentService
 from gpubroker.broker.front._sessions import LINK_ENVELOPE, Session
 from gpubroker.broker.front._tcp_relay import PAIR_BUFFER, HandshakeFailed, HelloCutShort, TcpRelay
-from gpubroker.broker.front.auth import Credentials, Principal, RateLimitedLog, peer_certificate_names
+from gpubroker.broker.front.auth import (
+    Credentials,
+    Principal,
+    RateLimitedLog,
+    peer_certificate_issued,
+    peer_certificate_names,
+)
 from gpubroker.broker.front.listen import listen_tcp
 from gpubroker.broker.front.listeners import Acceptor, OffLoop, Peer, PeerRate
 from gpubroker.broker.front.scheduler import TurnLease
@@ -314,7 +320,8 @@ class LinkServer:
                 frames.append(frame)  # (the thread writes them, before it relays or closes)
 
             session, principal, hello = await self._hello(recv_exactly, send, ticket, peer_certificate_names(cert),
-                                                          _penalty_key(peer), segments=False, links=True)
+                                                          _penalty_key(peer), segments=False, links=True,
+                                                          certificate_issued=peer_certificate_issued(cert))
             if hello.ring is not None:  # (a ring is shared memory: the same host's, on its Unix socket)
                 await send(_frame(accepted(RingGranted(ring=0, reason=_RING_HERE))))
             ours: socket.socket | None
@@ -342,7 +349,7 @@ class LinkServer:
     # -- the hello and the hand-off --------------------------------------------------------------------
     async def _hello(self, recv_exactly: Callable[[int], Awaitable[bytes]], send: Callable[[bytes], Awaitable[None]],
                      ticket: Ticket, certificate_names: tuple[str, ...], penalty: str, *, segments: bool,
-                     links: bool) -> tuple[Session, Principal, Hello]:
+                     links: bool, certificate_issued: float | None = None) -> tuple[Session, Principal, Hello]:
         """The first frame, authenticated as a gRPC call would be; refusals are answered and raise _HelloRefused.
         ``segments``: this listener may serve segment connections (a Unix socket, where descriptors pass);
         ``links``: batch links (not on ``<socket>.fast`` with fast_path = false)."""
@@ -396,7 +403,8 @@ class LinkServer:
         try:
             await auth.tokens.prepare(token)
             try:
-                principal = auth.authenticate(Credentials(token, certificate_names, ticket.peer), "link/hello",
+                principal = auth.authenticate(Credentials(token, certificate_names, ticket.peer, certificate_issued),
+                                              "link/hello",
                                               penalty_key=penalty)
             except Unauthenticated:
                 ticket.judging = False

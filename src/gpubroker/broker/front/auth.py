@@ -15,12 +15,14 @@ import asyncio
 import base64
 import contextlib
 import contextvars
+import functools
 import hashlib
 import hmac
 import itertools
 import logging
 import secrets
 import socket
+import ssl
 import struct
 import time
 from collections import OrderedDict
@@ -231,6 +233,7 @@ class Credentials:
     token: str | None
     certificate_names: tuple[str, ...]
     peer: str
+    certificate_issued: float | None = None  # the certificate's notBefore, Unix seconds (None: unknown or none)
 
 
 def certificate_identities(auth_context: Mapping[str, Iterable[bytes]]) -> list[str]:
@@ -241,8 +244,40 @@ def certificate_identities(auth_context: Mapping[str, Iterable[bytes]]) -> list[
 
 
 def grpc_credentials(metadata: object, auth_context: Mapping[str, Iterable[bytes]], peer: str) -> Credentials:
-    """A gRPC call's credentials: the bearer token of its metadata, the names of its auth context."""
-    return Credentials(TokenVerifier.token_from_metadata(metadata), tuple(certificate_identities(auth_context)), peer)
+    """A gRPC call's credentials: the bearer token of its metadata, the names of its auth context and when its
+    certificate was issued."""
+    names = tuple(certificate_identities(auth_context))
+    issued = None
+    if names:
+        pem = next(iter(auth_context.get("x509_pem_cert", ())), None)
+        issued = _pem_issued(pem) if pem is not None else None
+    return Credentials(TokenVerifier.token_from_metadata(metadata), names, peer, issued)
+
+
+@functools.lru_cache(maxsize=256)
+def _pem_issued(pem: bytes) -> float | None:
+    """A PEM certificate's notBefore (gRPC verified it; parsed once per certificate, not per call)."""
+    from cryptography import x509
+
+    try:
+        return x509.load_pem_x509_certificate(pem).not_valid_before_utc.timestamp()
+    except ValueError:
+        return None
+
+
+def peer_certificate_issued(cert: object) -> float | None:
+    """A verified client certificate's notBefore, from `ssl.SSLSocket.getpeercert`'s dict."""
+    if not isinstance(cert, dict) or not isinstance(cert.get("notBefore"), str):
+        return None
+    try:
+        return float(ssl.cert_time_to_seconds(cert["notBefore"]))
+    except ValueError:
+        return None
+
+
+# How much earlier than its tenant's certificates_since a certificate's notBefore may be: certificates are
+# backdated for clock skew (``gpubroker cert client``: 5 minutes), and X.509 times are whole seconds.
+CERTIFICATE_SKEW_SECONDS = 301.0
 
 
 def peer_certificate_names(cert: object) -> tuple[str, ...]:
@@ -253,6 +288,13 @@ def peer_certificate_names(cert: object) -> tuple[str, ...]:
     names = [value for kind, value in cert.get("subjectAltName", ()) if kind == "URI" and "://" in value]
     names += [value for rdn in cert.get("subject", ()) for key, value in rdn if key == "commonName"]
     return tuple(names)
+
+
+def _issued_to(tenant: TenantConfig, issued: float | None) -> bool:
+    """Whether a certificate issued at ``issued`` may name ``tenant``: not one issued before the tenant was added
+    (a removed tenant's, whose name was given to a new one)."""
+    since = tenant.certificates_since
+    return not since or (issued is not None and issued >= since - CERTIFICATE_SKEW_SECONDS)
 
 
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -442,7 +484,7 @@ class Authenticator:
         t = self.config.tenants.get(tenant)
         if t is None:
             return False
-        return credential.startswith("certificate:") or credential == t.token_hash
+        return credential.startswith(f"certificate:{t.certificates_since!r}:") or credential == t.token_hash
 
     async def prepare(self, metadata: object) -> None:
         """What authentication may need off the event loop (legacy scrypt entries), before ``authenticate``."""
@@ -456,8 +498,11 @@ class Authenticator:
         for identity in identities:
             name = tls.identities.get(identity, identity) if tls is not None else identity
             tenant = self.config.tenants.get(name)
-            if tenant is not None:
-                return Principal(tenant.name, tenant.admin, "certificate", f"certificate:{identity}")
+            if tenant is not None and _issued_to(tenant, credentials.certificate_issued):
+                # (the credential names the tenant's certificates_since: a tenant removed and added again in one
+                # reload ends the channels its predecessor's certificates authenticated)
+                return Principal(tenant.name, tenant.admin, "certificate",
+                                 f"certificate:{tenant.certificates_since!r}:{identity}")
         if tls is not None and identities and not tls.allow_tokens:
             self._failed(peer, penalty_key, "auth failure: peer=%s method=%s certificate=%s maps to no tenant",
                          peer, method, identities)
