@@ -421,16 +421,19 @@ SETTINGS, WINDOW_UPDATE, HEADERS, DATA, CONTINUATION, RST_STREAM = 4, 8, 1, 0, 9
 
 
 def test_control_frames_are_counted_from_frame_headers_split_anyhow_across_reads() -> None:
-    # 3 control frames (one of them 1 KiB: 1 + 4 tokens), an empty DATA frame that does not end its stream (1) and
-    # a HEADERS (1: a call, whose frames gRPC parses whether or not it reaches a handler); DATA with bytes and an
-    # empty DATA that ends its stream cost nothing.
+    # 3 control frames (one of them 1 KiB: 1 + 4 tokens), an empty DATA frame that does not end its stream (1), a
+    # HEADERS (1: a call, whose frames gRPC parses whether or not it reaches a handler) and two DATA frames under
+    # SMALL_DATA_BYTES, ending their stream or not (1 each: 1-byte DATA frames were a flood nothing counted); a DATA
+    # frame of 1 KiB or more and an empty DATA that ends its stream cost nothing.
     stream = H2_PREFACE + (_frame(SETTINGS, 0, 0) + _frame(HEADERS, 4, 1, b"\x82" * 30)
                            + _frame(DATA, 0, 1, b"x" * 20000) + _frame(WINDOW_UPDATE, 0, 1, b"\0\0\0\1")
+                           + _frame(DATA, 0, 1, b"x" * 1024) + _frame(DATA, 0, 1, b"x" * 1023)
+                           + _frame(DATA, 1, 3, b"x")
                            + _frame(CONTINUATION, 0, 1, b"y" * 1024) + _frame(DATA, 0, 1) + _frame(DATA, 1, 1)) * 3
     for size in (1, 2, 7, 9, 10, 100, 4096, len(stream)):
         frames = ControlFrames()
         cost = sum(frames.feed(stream[at:at + size], 1e9) for at in range(0, len(stream), size))
-        assert cost == 3 * (1 + 1 + 1 + 5 + 1), f"reads of {size} bytes"
+        assert cost == 3 * (1 + 1 + 1 + 1 + 1 + 5 + 1), f"reads of {size} bytes"
     # An RST_STREAM cancelling a call it opened is part of that call (its HEADERS' token); one more is not.
     cancels = ControlFrames()
     assert cancels.feed(H2_PREFACE + (_frame(HEADERS, 4, 1, b"\x82") + _frame(RST_STREAM, 0, 1, b"\0\0\0\x08")) * 50

@@ -57,8 +57,8 @@ stream that never existed, PRIORITY, CONTINUATION...) need no stream and no toke
 headers of what a cleartext client sends it (``ControlFrames``: headers only, across reads; payloads skipped) and
 takes each such frame from its peer's ``max_grpc_control_frames_per_peer_per_second``: a read past it is not
 relayed and the connection is cut, counted in gpubroker_endpoint_refusals (grpc: "control frames") and audited
-rate-limited. A client sends about two per call and two or three per MiB copied. TLS passes through the gate
-unread (gRPC terminates it): a TLS listener's control frames are bounded by gRPC alone.
+rate-limited. A client sends about four per unary call, one or two per Commands batch, one per MiB copied. TLS
+passes through the gate unread (gRPC terminates it): a TLS listener's control frames are bounded by gRPC alone.
 
 The relay forwards at the protocol level (each side's data is written to the other's transport; a side whose
 writes back up pauses the other's reads), on the front's event loop. It costs a gRPC unary round trip one more
@@ -110,6 +110,12 @@ H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 # A control frame costs one token, and one more for each this many bytes of its payload: a 16 KiB SETTINGS frame
 # holds 2,730 settings, each parsed (legit control frames are 4 to 40 bytes).
 CONTROL_FRAME_BYTES = 256
+# A DATA frame carrying fewer bytes than this costs a token too: gRPC parses every frame it is given, whether or not
+# its stream exists (DATA for a stream never opened is skipped, not an error), so 1-byte DATA frames (10 bytes on
+# the wire) were a flood no bucket counted: 270 MB in 4 s from one uid cost the front 5.1 CPU-s and alice's p50
+# 0.9 -> 110 ms. A client's messages go in frames of 16 KiB (gRPC's frame size), each ending in one smaller frame:
+# about one token per message it sends.
+SMALL_DATA_BYTES = 1024
 _FRAME_HEAD = struct.Struct(">BHBB")  # an HTTP/2 frame header's length (8 + 16 bits), type and flags; then its stream
 
 # gRPC's peer string of a relayed connection ("unix-abstract:NAME") -> the relayed connection. Written by the
@@ -167,9 +173,11 @@ class ControlFrames:
     gRPC parses every frame in the front's process. HEADERS start calls, which
     ``max_grpc_calls_per_peer_per_second`` bounds only once they reach a handler (a rapid reset's never do), so each
     costs a token here too, and an RST_STREAM cancelling one costs none; DATA frames carry their messages, which
-    flow control bounds. Every other frame (SETTINGS, WINDOW_UPDATE, PRIORITY, PING, RST_STREAM beyond one per
-    HEADERS, GOAWAY, CONTINUATION, PUSH_PROMISE, an unknown type), and an empty DATA frame that does not end its
-    stream, is a *control frame*: it needs no stream and no token, and nothing else bounds it. ``feed``
+    flow control bounds by bytes, not by frames: one under ``SMALL_DATA_BYTES`` costs a token (the last frame of a
+    message, or a small message; or a flood of 1-byte frames for a stream that need not exist), an empty one that
+    ends its stream none. Every other frame (SETTINGS, WINDOW_UPDATE, PRIORITY, PING, RST_STREAM beyond one per
+    HEADERS, GOAWAY, CONTINUATION, PUSH_PROMISE, an unknown type) is a *control frame*: it needs no stream and no
+    token, and nothing else bounds it. ``feed``
     says what a read's control frames cost (one token each, one more per ``CONTROL_FRAME_BYTES`` of payload), which
     the gate takes from its peer's ``max_grpc_control_frames_per_peer_per_second``. A connection that does not start
     with the cleartext preface (TLS: the gate cannot read it) is passed through unread."""
@@ -208,13 +216,13 @@ class ControlFrames:
             self._head = b""
             high, low, kind, flags = _FRAME_HEAD.unpack_from(head)
             length = high << 16 | low
-            if kind or not length:
+            if kind or length < SMALL_DATA_BYTES:
                 cost += self._cost(kind, flags, length)
             pos = taken + length
         while pos + 9 <= size:
             high, low, kind, flags = _FRAME_HEAD.unpack_from(data, pos)
             length = high << 16 | low
-            if kind or not length:  # (not a DATA frame with bytes: the most frames of a copy, passed at once)
+            if kind or length < SMALL_DATA_BYTES:  # (not a full DATA frame: the most frames of a copy, passed at once)
                 cost += self._cost(kind, flags, length)
                 if cost > most:
                     return cost  # (its connection is cut: where this read ends no longer matters)
@@ -232,8 +240,8 @@ class ControlFrames:
             # (a legit call costs about 3 tokens, 1,500 a second at the call rate's most: far under this rate)
             self._calls += 1
             return 1
-        if kind == 0:  # an empty DATA frame: the end of a call's messages, or nothing
-            return 0 if flags & 1 else 1
+        if kind == 0:  # a DATA frame under SMALL_DATA_BYTES: the end of a call's messages, a small message, or nothing
+            return 0 if flags & 1 and not length else 1
         if kind == 3 and self._calls:  # RST_STREAM cancelling a call it started
             self._calls -= 1
             return 0
