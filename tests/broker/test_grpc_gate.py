@@ -434,6 +434,8 @@ def test_control_frames_are_counted_from_frame_headers_split_anyhow_across_reads
         frames = ControlFrames()
         cost = sum(frames.feed(stream[at:at + size], 1e9) for at in range(0, len(stream), size))
         assert cost == 3 * (1 + 1 + 1 + 1 + 1 + 5 + 1), f"reads of {size} bytes"
+    # A HEADERS frame's header block costs as a CONTINUATION's does: one more per 256 bytes (16 KiB: 1 + 64).
+    assert ControlFrames().feed(H2_PREFACE + _frame(HEADERS, 5, 1, b"a" * 16384), 1e9) == 65
     # An RST_STREAM cancelling a call it opened is part of that call (its HEADERS' token); one more is not.
     cancels = ControlFrames()
     assert cancels.feed(H2_PREFACE + (_frame(HEADERS, 4, 1, b"\x82") + _frame(RST_STREAM, 0, 1, b"\0\0\0\x08")) * 50

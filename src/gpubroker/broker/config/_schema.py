@@ -413,13 +413,14 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_grpc_control_frames_per_peer_per_second: Annotated[float, Meta(gt=0, description=(
         "How fast one peer (as max_connections_per_peer_per_second names peers) may send HTTP/2 frames that start no "
         "call (SETTINGS, WINDOW_UPDATE, PRIORITY, PING, GOAWAY, CONTINUATION, PUSH_PROMISE, unknown types, RST_STREAM "
-        "beyond one per HEADERS, a DATA frame under 1 KiB unless empty and ending its stream: one token each, one more"
-        " per 256 bytes of a control frame's payload) on all its cleartext gRPC connections together (Unix sockets, "
-        "loopback TCP, vsock; a TLS connection is not read): a token bucket of grpc_control_frame_burst_per_peer, "
-        "refilled at this rate. gRPC parses every frame in the front's process; the gate reads the headers of the "
-        "frames it relays, and a connection whose frames go past its peer's rate is no longer relayed and is closed "
-        "(its peer reconnects, at max_connections_per_peer_per_second). A client sends about four per unary call, "
-        "one or two per Commands batch and one per MiB a copy moves (a 256 MiB gRPC copy: 9 up, 270 down)."
+        "beyond one per HEADERS, a DATA frame under 1 KiB unless empty and ending its stream, and each HEADERS: one "
+        "token each, one more per 256 bytes of a HEADERS' or a control frame's payload) on all its cleartext gRPC "
+        "connections together (Unix sockets, loopback TCP, vsock; a TLS connection is not read): a token bucket of "
+        "grpc_control_frame_burst_per_peer, refilled at this rate. gRPC parses every frame in the front's process; the"
+        " gate reads the headers of the frames it relays, and a connection whose frames go past its peer's rate is no "
+        "longer relayed and is closed (its peer reconnects, at max_connections_per_peer_per_second). A client sends "
+        "about four per unary call, about two per Commands batch and one per MiB a copy moves (a 256 MiB gRPC copy: 9 "
+        "up, 270 down)."
         ))] = 50000.0
     grpc_control_frame_burst_per_peer: Annotated[int, Meta(ge=1, description=(
         "The control frames (as max_grpc_control_frames_per_peer_per_second counts them) one peer may send at "

@@ -57,7 +57,7 @@ stream that never existed, PRIORITY, CONTINUATION...) need no stream and no toke
 headers of what a cleartext client sends it (``ControlFrames``: headers only, across reads; payloads skipped) and
 takes each such frame from its peer's ``max_grpc_control_frames_per_peer_per_second``: a read past it is not
 relayed and the connection is cut, counted in gpubroker_endpoint_refusals (grpc: "control frames") and audited
-rate-limited. A client sends about four per unary call, one or two per Commands batch, one per MiB copied. TLS
+rate-limited. A client sends about four per unary call, about two per Commands batch, one per MiB copied. TLS
 passes through the gate unread (gRPC terminates it): a TLS listener's control frames are bounded by gRPC alone.
 
 The relay forwards at the protocol level (each side's data is written to the other's transport; a side whose
@@ -237,9 +237,11 @@ class ControlFrames:
     def _cost(self, kind: int, flags: int, length: int) -> int:
         if kind == 1:  # HEADERS: a call, which an RST_STREAM may cancel. It costs a token too: gRPC parses a
             # rapid reset's HEADERS and RST_STREAM here though few of its calls ever reach a handler and the call rate
-            # (a legit call costs about 3 tokens, 1,500 a second at the call rate's most: far under this rate)
+            # (a legit unary call costs about 4 tokens, 2,000 a second at the call rate's most: far under this rate).
+            # Its header block costs what a CONTINUATION's would: gRPC decodes all of it (HPACK) before any handler,
+            # and no flow control bounds it (16 KiB HEADERS, one a token, cost the front 4.6 CPU-s in 4 s).
             self._calls += 1
-            return 1
+            return 1 + length // CONTROL_FRAME_BYTES
         if kind == 0:  # a DATA frame under SMALL_DATA_BYTES: the end of a call's messages, a small message, or nothing
             return 0 if flags & 1 and not length else 1
         if kind == 3 and self._calls:  # RST_STREAM cancelling a call it started
