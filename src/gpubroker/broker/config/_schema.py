@@ -380,6 +380,13 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "and on TCP from this host (the uid owning the client's socket: every local user has address 127.0.0.1), "
         "a /24 (IPv4) or /64 (IPv6) network on other TCP. More are refused as they are accepted, so a flood from "
         "one peer, however fast it reconnects, leaves the rest of max_grpc_connections to everyone else."))] = 64
+    max_grpc_connections_per_tenant: Annotated[int, Meta(ge=1, description=(
+        "gRPC connections one tenant may hold authenticated at once, whatever peers they come from: a connection "
+        "counts against the tenant of its first authenticated call, and a call that would take its tenant past "
+        "this is refused (RESOURCE_EXHAUSTED), its connection left unauthenticated (closed after "
+        "grpc_unauthenticated_seconds, and evictable at max_grpc_connections). Authenticated connections are never "
+        "evicted, so without it a tenant whose clients are several peers (uids of a container, /64s of an IPv6 "
+        "prefix) could hold all of max_grpc_connections and lock the other tenants out."))] = 64
     grpc_unauthenticated_seconds: Annotated[float, Meta(gt=0, description=(
         "A gRPC connection none of whose calls has authenticated (with a tenant's or an admin's credential) this "
         "long after it was accepted is closed, whatever calls it made: calls refused for a wrong token and "

@@ -140,14 +140,19 @@ def grpc_peer_key(context: Any) -> str:
     return relay.peer.key if relay is not None else seen
 
 
-def grpc_authenticated(context: Any) -> None:
-    """A call on this connection authenticated (the call's handler, once the credential checked out): the gate no
-    longer closes the connection for never authenticating, nor evicts it for a newcomer. One dict lookup and a flag
-    for every call after a connection's first."""
+def grpc_authenticated(context: Any, tenant: str) -> str | None:
+    """A call on this connection authenticated as ``tenant`` (the call's handler, once the credential checked out):
+    the gate no longer closes the connection for never authenticating, nor evicts it for a newcomer, and counts it
+    against ``tenant``'s ``max_grpc_connections_per_tenant``; past that, why the call is refused (the connection
+    stays unauthenticated). One dict lookup and a flag for every call after a connection's first."""
     relay = _relayed.get(context.peer())
     if relay is not None and not relay.authenticated:
+        if not relay.gate.claim(relay, tenant):
+            return (f"tenant {tenant!r} holds {relay.gate.max_per_tenant} authenticated gRPC connections, "
+                    "max_grpc_connections_per_tenant: make this call on one of them (a client needs one)")
         relay.authenticated = True
         relay.gate.authenticated(relay)
+    return None
 
 
 def over_call_rate(context: Any) -> str | None:
@@ -277,7 +282,8 @@ class GrpcGate:
     def __init__(self, max_connections: int, max_per_peer: int, refusals: dict[tuple[str, str], int] | None = None,
                  own_thread: bool = False, connection_rate: PeerRate | None = None,
                  call_rate: PeerRate | None = None, accepts: OffLoop | None = None,
-                 unauthenticated_seconds: float | None = None, control_rate: PeerRate | None = None) -> None:
+                 unauthenticated_seconds: float | None = None, control_rate: PeerRate | None = None,
+                 max_per_tenant: int | None = None) -> None:
         self.max_connections = max_connections
         self.accepts = accepts  # where the acceptors accept (the front's acceptor process), if not on the loop
         self.max_per_peer = max_per_peer
@@ -291,6 +297,12 @@ class GrpcGate:
         self.control_rate = control_rate
         self.open = 0
         self.per_peer: dict[str, int] = {}
+        # Authenticated connections per tenant (of their first authenticated call), at most max_per_tenant: they are
+        # never evicted, so without it one tenant from many peers could hold the whole pool. Claimed on the front's
+        # loop, given back on the gate's (with own_thread, two threads: the lock).
+        self.max_per_tenant = max_per_tenant
+        self.per_tenant: dict[str, int] = {}
+        self._tenant_lock = threading.Lock()
         # Peer key -> its connections that have not authenticated, oldest first; and, for each count n, the peers
         # holding n of them, in the order they came to hold n: the peer holding the most is found in at most
         # max_per_peer steps, however many peers there are.
@@ -300,7 +312,7 @@ class GrpcGate:
         # thread counts into them, so that a scrape iterating it never sees it grow.
         self.refusals = refusals if refusals is not None else {}
         for reason in ("connections", "peer connections", "unauthenticated timeout", "evicted unauthenticated",
-                       "control frames"):
+                       "control frames", "tenant connections"):
             self.refusals.setdefault(("grpc", reason), 0)
         self._audit = RateLimitedLog(audit)
         self._listeners: list[_Listener] = []
@@ -566,6 +578,26 @@ class GrpcGate:
                 self._authenticated(oldest)  # (it authenticated on the front's thread a moment ago)
         return None
 
+    def claim(self, relay: _Relay | _PumpedRelay, tenant: str) -> bool:
+        """Count ``relay``'s first authenticated call's ``tenant`` (on the front's loop); False (counted in
+        gpubroker_endpoint_refusals, audited rate-limited) if the tenant holds max_per_tenant already."""
+        with self._tenant_lock:
+            if not relay.counted or relay.tenant is not None:  # (gone already, or counted)
+                return True
+            held = self.per_tenant.get(tenant, 0)
+            if self.max_per_tenant is not None and held >= self.max_per_tenant:
+                refused = True
+            else:
+                refused = False
+                self.per_tenant[tenant] = held + 1
+                relay.tenant = tenant
+        if refused:
+            self.refusals[("grpc", "tenant connections")] += 1
+            self._audit.warning("grpc tenant connections", "action=refuse-call peer=%s tenant=%s reason=the tenant "
+                                "holds %d authenticated gRPC connections, max_grpc_connections_per_tenant",
+                                relay.peer.name, tenant, held)
+        return not refused
+
     def authenticated(self, relay: _Relay | _PumpedRelay) -> None:
         """``relay`` carried an authenticated call (``grpc_authenticated``, on the front's loop)."""
         if self._own_thread and self._loop is not None:
@@ -595,9 +627,17 @@ class GrpcGate:
 
     def _uncount(self, relay: _Relay | _PumpedRelay) -> None:
         """Give back ``relay``'s places: when it is released, or at once when it is dropped."""
-        if not relay.counted:
-            return
-        relay.counted = False
+        with self._tenant_lock:
+            if not relay.counted:
+                return
+            relay.counted = False
+            if (tenant := relay.tenant) is not None:
+                relay.tenant = None
+                left = self.per_tenant.get(tenant, 1) - 1
+                if left > 0:
+                    self.per_tenant[tenant] = left
+                else:
+                    self.per_tenant.pop(tenant, None)
         if relay.deadline is not None:
             relay.deadline.cancel()
             relay.deadline = None
@@ -733,6 +773,7 @@ class _Relay:
         self.task: asyncio.Task[None] | None = None
         self._cut: asyncio.TimerHandle | None = None
         self.authenticated = False  # a call on it authenticated (set on the front's loop: grpc_authenticated)
+        self.tenant: str | None = None  # whose max_grpc_connections_per_tenant it counts against, once authenticated
         self.counted = True  # it holds its places in the gate's counts (given back when released or dropped)
         self.deadline: asyncio.TimerHandle | None = None  # closes it unless it authenticates first
 
@@ -807,6 +848,7 @@ class _PumpedRelay:
         self.name = ""  # gRPC's peer string of the gate's end
         self.task: asyncio.Task[None] | None = None
         self.authenticated = False  # a call on it authenticated (set on the front's loop: grpc_authenticated)
+        self.tenant: str | None = None  # whose max_grpc_connections_per_tenant it counts against, once authenticated
         self.counted = True  # it holds its places in the gate's counts (given back when released or dropped)
         self.deadline: asyncio.TimerHandle | None = None  # closes it unless it authenticates first
         self._upstream: asyncio.Task[None] | None = None  # client -> gRPC

@@ -285,7 +285,7 @@ class Broker:
         self.gate = GrpcGate(grpc_connection_cap(cfg.max_grpc_connections), cfg.max_grpc_connections_per_peer,
                              self.health.refusals, connection_rate=connection_rate, call_rate=call_rate,
                              accepts=self.accepts, unauthenticated_seconds=cfg.grpc_unauthenticated_seconds,
-                             control_rate=control_rate)
+                             control_rate=control_rate, max_per_tenant=cfg.max_grpc_connections_per_tenant)
         for address in cfg.listen:
             if (listen_path := unix_path(address)) is not None:
                 public = self.gate.listen_unix(Path(listen_path), cfg.socket_mode, cfg.socket_group)

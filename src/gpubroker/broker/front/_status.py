@@ -417,7 +417,10 @@ async def _admit(servicer: Admitting, context: Context) -> None:
     auth = servicer.auth
     await auth.prepare(context.invocation_metadata())  # (a legacy scrypt token: checked off the event loop)
     principal = _authenticate(auth, context)
-    grpc_authenticated(context)  # (its connection may stay: the gate closes those that never authenticate)
+    # (its connection may stay: the gate closes those that never authenticate; and one past its tenant's share of
+    # the gate's connections is refused here, so that it stays one of those)
+    if (too_many := grpc_authenticated(context, principal.tenant)) is not None:
+        raise ResourceExhausted(too_many)
     caller.set(principal)
     sessions = servicer.sessions
     sessions.enter_call(principal.tenant)
