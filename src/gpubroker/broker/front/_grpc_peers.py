@@ -82,7 +82,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, cast
 
@@ -140,14 +140,20 @@ def grpc_peer_key(context: Any) -> str:
     return relay.peer.key if relay is not None else seen
 
 
-def grpc_authenticated(context: Any, tenant: str) -> str | None:
+# Registers a call's credential's revocation watch: given what to do at the revocation, returns what unregisters it.
+Watch = Callable[[Callable[[], None]], Callable[[], None]]
+
+
+def grpc_authenticated(context: Any, tenant: str, watch: Watch | None = None) -> str | None:
     """A call on this connection authenticated as ``tenant`` (the call's handler, once the credential checked out):
     the gate no longer closes the connection for never authenticating, nor evicts it for a newcomer, and counts it
     against ``tenant``'s ``max_grpc_connections_per_tenant``; past that, why the call is refused (the connection
-    stays unauthenticated). One dict lookup and a flag for every call after a connection's first."""
+    stays unauthenticated). ``watch`` registers the credential's revocation, at which the connection is
+    unauthenticated again (its place in the tenant's share given back, its deadline running again). One dict lookup
+    and a flag for every call after a connection's first."""
     relay = _relayed.get(context.peer())
     if relay is not None and not relay.authenticated:
-        if not relay.gate.claim(relay, tenant):
+        if not relay.gate.claim(relay, tenant, watch):
             return (f"tenant {tenant!r} holds {relay.gate.max_per_tenant} authenticated gRPC connections, "
                     "max_grpc_connections_per_tenant: make this call on one of them (a client needs one)")
         relay.authenticated = True
@@ -303,6 +309,7 @@ class GrpcGate:
         self.max_per_tenant = max_per_tenant
         self.per_tenant: dict[str, int] = {}
         self._tenant_lock = threading.Lock()
+        self._front_loop: asyncio.AbstractEventLoop | None = None  # (where grpc_authenticated runs)
         # Peer key -> its connections that have not authenticated, oldest first; and, for each count n, the peers
         # holding n of them, in the order they came to hold n: the peer holding the most is found in at most
         # max_per_peer steps, however many peers there are.
@@ -394,6 +401,8 @@ class GrpcGate:
 
     def start(self) -> None:
         """Start accepting (gRPC's private listeners must be serving by now)."""
+        with contextlib.suppress(RuntimeError):
+            self._front_loop = asyncio.get_running_loop()
         if not self._own_thread:
             self._loop = asyncio.get_running_loop()
             self._begin()
@@ -578,9 +587,10 @@ class GrpcGate:
                 self._authenticated(oldest)  # (it authenticated on the front's thread a moment ago)
         return None
 
-    def claim(self, relay: _Relay | _PumpedRelay, tenant: str) -> bool:
-        """Count ``relay``'s first authenticated call's ``tenant`` (on the front's loop); False (counted in
-        gpubroker_endpoint_refusals, audited rate-limited) if the tenant holds max_per_tenant already."""
+    def claim(self, relay: _Relay | _PumpedRelay, tenant: str, watch: Watch | None = None) -> bool:
+        """Count ``relay``'s first authenticated call's ``tenant`` (on the front's loop), and watch its credential
+        (``watch``); False (counted in gpubroker_endpoint_refusals, audited rate-limited) if the tenant holds
+        max_per_tenant already."""
         with self._tenant_lock:
             if not relay.counted or relay.tenant is not None:  # (gone already, or counted)
                 return True
@@ -591,12 +601,48 @@ class GrpcGate:
                 refused = False
                 self.per_tenant[tenant] = held + 1
                 relay.tenant = tenant
+                if watch is not None:
+                    # A rotated token's (or a removed tenant's) connection is one that never authenticated again:
+                    # else its holder would keep it for ever (a wrong token's calls keep gRPC's idle close away),
+                    # never evicted, in its former tenant's share. (Under the lock: its release takes it off.)
+                    relay.unwatch = watch(functools.partial(self._revoked, relay))
         if refused:
             self.refusals[("grpc", "tenant connections")] += 1
             self._audit.warning("grpc tenant connections", "action=refuse-call peer=%s tenant=%s reason=the tenant "
                                 "holds %d authenticated gRPC connections, max_grpc_connections_per_tenant",
                                 relay.peer.name, tenant, held)
         return not refused
+
+    def _revoked(self, relay: _Relay | _PumpedRelay) -> None:
+        """The credential that authenticated ``relay`` was revoked (on the front's loop, at a reload): it gives back
+        its place in its tenant's share and is unauthenticated again, until a call authenticates on it."""
+        relay.unwatch = None  # (the revocation took the watch off)
+        self._untenant(relay)
+        relay.authenticated = False
+        if self._own_thread and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # (its loop already stopped)
+                self._loop.call_soon_threadsafe(self._unauthenticated, relay)
+        else:
+            self._unauthenticated(relay)
+
+    def _unauthenticated(self, relay: _Relay | _PumpedRelay) -> None:
+        if not relay.counted or relay.authenticated:  # (gone, or authenticated again meanwhile)
+            return
+        if relay.peer.key not in self.unauthenticated or relay not in self.unauthenticated[relay.peer.key]:
+            self._track(relay)
+        if self.unauthenticated_seconds is not None and relay.deadline is None:
+            assert self._loop is not None
+            relay.deadline = self._loop.call_later(self.unauthenticated_seconds, self._expire, relay)
+
+    def _untenant(self, relay: _Relay | _PumpedRelay) -> None:
+        with self._tenant_lock:
+            if (tenant := relay.tenant) is not None:
+                relay.tenant = None
+                left = self.per_tenant.get(tenant, 1) - 1
+                if left > 0:
+                    self.per_tenant[tenant] = left
+                else:
+                    self.per_tenant.pop(tenant, None)
 
     def authenticated(self, relay: _Relay | _PumpedRelay) -> None:
         """``relay`` carried an authenticated call (``grpc_authenticated``, on the front's loop)."""
@@ -631,13 +677,14 @@ class GrpcGate:
             if not relay.counted:
                 return
             relay.counted = False
-            if (tenant := relay.tenant) is not None:
-                relay.tenant = None
-                left = self.per_tenant.get(tenant, 1) - 1
-                if left > 0:
-                    self.per_tenant[tenant] = left
-                else:
-                    self.per_tenant.pop(tenant, None)
+        self._untenant(relay)
+        if (unwatch := relay.unwatch) is not None:
+            relay.unwatch = None
+            if self._own_thread and self._front_loop is not None:  # (the watches are the front loop's)
+                with contextlib.suppress(RuntimeError):
+                    self._front_loop.call_soon_threadsafe(unwatch)
+            else:
+                unwatch()
         if relay.deadline is not None:
             relay.deadline.cancel()
             relay.deadline = None
@@ -774,6 +821,7 @@ class _Relay:
         self._cut: asyncio.TimerHandle | None = None
         self.authenticated = False  # a call on it authenticated (set on the front's loop: grpc_authenticated)
         self.tenant: str | None = None  # whose max_grpc_connections_per_tenant it counts against, once authenticated
+        self.unwatch: Callable[[], None] | None = None  # takes its credential's revocation watch off
         self.counted = True  # it holds its places in the gate's counts (given back when released or dropped)
         self.deadline: asyncio.TimerHandle | None = None  # closes it unless it authenticates first
 
@@ -849,6 +897,7 @@ class _PumpedRelay:
         self.task: asyncio.Task[None] | None = None
         self.authenticated = False  # a call on it authenticated (set on the front's loop: grpc_authenticated)
         self.tenant: str | None = None  # whose max_grpc_connections_per_tenant it counts against, once authenticated
+        self.unwatch: Callable[[], None] | None = None  # takes its credential's revocation watch off
         self.counted = True  # it holds its places in the gate's counts (given back when released or dropped)
         self.deadline: asyncio.TimerHandle | None = None  # closes it unless it authenticates first
         self._upstream: asyncio.Task[None] | None = None  # client -> gRPC
