@@ -493,7 +493,9 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "the peer ends them) open at once, in all; more are refused with RESOURCE_EXHAUSTED. The same number "
         "again of health Check requests still on their way in (a probe's arrives with its call at once; one sent "
         "slowly or never completed holds up to max_message_bytes of the broker's memory while it is read); Check "
-        "calls themselves are not limited."))] = 64
+        "calls themselves are not limited. At the total, a newcomer takes the place of (ends) the oldest of the "
+        "peer holding the most, if it holds at least two more than the newcomer's: peers at their share cannot "
+        "keep the readiness probe out."))] = 64
     max_health_streams_per_peer: Annotated[int, Meta(ge=1, description=(
         "The same (streams, and Check requests on their way in), per peer, as the gRPC listeners count peers: a "
         "local peer (Unix socket, or TCP from this host) by its uid, a remote one by its /24 (IPv4) or /64 "

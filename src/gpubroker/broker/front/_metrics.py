@@ -124,7 +124,7 @@ METRICS: tuple[MetricSpec, ...] = (MEMORY_USED, MEMORY_QUOTA, DEVICE_SECONDS, DE
                                    ENDPOINT_REFUSALS)
 # Every (endpoint, reason) of gpubroker_endpoint_refusals, at 0 from the start (so rate() sees the first one).
 METRICS_REASONS = ("connections", "peer connections", "timeout", "bad request", "rate")
-HEALTH_REASONS = ("streams", "peer streams", "requests", "peer requests")
+HEALTH_REASONS = ("streams", "peer streams", "requests", "peer requests", "evicted streams", "evicted requests")
 
 
 # One histogram for the process: the RPC wrappers observe it whether or not an endpoint serves it (a few
