@@ -472,7 +472,9 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "monitoring network); empty: off."))] = ""
     max_metrics_connections: Annotated[int, Meta(ge=1, description=(
         "Connections the metrics endpoint holds at once (it serves them on the broker's event loop, no thread "
-        "each); more are closed as they are accepted, and counted in gpubroker_endpoint_refusals."))] = 16
+        "each); more are closed as they are accepted, and counted in gpubroker_endpoint_refusals, unless the peer "
+        "holding the most holds at least two more than the newcomer's: then its oldest is closed instead (peers "
+        "at their share cannot keep a scraper out)."))] = 16
     max_metrics_connections_per_peer: Annotated[int, Meta(ge=1, description=(
         "The same, per peer (as max_grpc_connections_per_peer names peers: a local user by its uid, whatever its "
         "loopback address; a remote host by its /24 or /64): one peer's flood leaves the rest to Prometheus."))] = 4
