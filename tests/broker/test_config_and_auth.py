@@ -82,7 +82,8 @@ NEW_KEYS = ["sandbox", "cache_dir", "worker_memory_max", "worker_pids_max", "wor
             "max_kernel_slowdown",  # (issue 21: how far others' load may stretch a PoCL hold's limit and charge)
             "grpc_unauthenticated_seconds",  # (issue 21: peers that never authenticate hold no gRPC slot)
             # (issue 21: HTTP/2 frames that start no call)
-            "max_grpc_control_frames_per_peer_per_second", "grpc_control_frame_burst_per_peer"]
+            "max_grpc_control_frames_per_peer_per_second", "grpc_control_frame_burst_per_peer",
+            "max_grpc_connections_per_tenant"]  # (issue 21: one tenant's authenticated connections)
 # Values other than the defaults for keys whose type alone does not give one.
 SPECIAL = {"listen": ["unix:/tmp/a.sock", "127.0.0.1:0", "[::1]:7070"], "devices": [1, 0], "chunk_bytes": 3 << 20,
            "max_message_bytes": 5 << 20, "socket_mode": 0o640, "backend": "opencl", "peer_copies": "host",

@@ -93,11 +93,12 @@ async def _echo_server(path: str) -> asyncio.Server:
 
 @asynccontextmanager
 async def running_gate(max_connections: int, max_per_peer: int, own_thread: bool,
-                       unauthenticated_seconds: float | None = None, control_rate: PeerRate | None = None
-                       ) -> AsyncIterator[tuple[GrpcGate, str, str]]:
+                       unauthenticated_seconds: float | None = None, control_rate: PeerRate | None = None,
+                       max_per_tenant: int | None = None) -> AsyncIterator[tuple[GrpcGate, str, str]]:
     """A gate on a Unix socket and loopback TCP, relaying to an echo server: (the gate, its unix path, HOST:PORT)."""
     gate = GrpcGate(max_connections, max_per_peer, own_thread=own_thread,
-                    unauthenticated_seconds=unauthenticated_seconds, control_rate=control_rate)
+                    unauthenticated_seconds=unauthenticated_seconds, control_rate=control_rate,
+                    max_per_tenant=max_per_tenant)
     try:
         public = Path(gate.private_dir) / "public.sock"
         unix = gate.listen_unix(public, 0o600)
@@ -171,15 +172,16 @@ async def _open_from(sock: socket.socket, tcp: str) -> tuple[asyncio.StreamReade
     return await asyncio.open_connection(sock=sock)
 
 
-def _authenticate(gate: GrpcGate, writer: asyncio.StreamWriter) -> None:
-    """What a call that authenticated on this connection tells the gate (``_status._admit``). On TCP, the relay is
-    the one of the client's port; on a Unix socket (which names no client), any that has not authenticated."""
+def _authenticate(gate: GrpcGate, writer: asyncio.StreamWriter, tenant: str = "alice") -> str | None:
+    """What a call that authenticated as ``tenant`` on this connection tells the gate (``_status._admit``), and the
+    gate's answer (why the call is refused, or None). On TCP, the relay is the one of the client's port; on a Unix
+    socket (which names no client), any that has not authenticated."""
     local = writer.get_extra_info("sockname")
     name = next(name for name, relay in gate_module._relayed.items()
                 if relay.gate is gate and not relay.authenticated
                 and (f":{local[1]} " in relay.peer.name if isinstance(local, tuple) else
                      relay.peer.name.startswith("unix:")))
-    gate_module.grpc_authenticated(_Context(name))
+    return gate_module.grpc_authenticated(_Context(name), tenant)
 
 
 async def _settled(condition: Callable[[], bool]) -> None:
@@ -248,6 +250,39 @@ def test_at_the_cap_a_newcomer_evicts_the_oldest_unauthenticated_connection_of_t
             assert [await _kept(*c) for c in theirs] == [True, True]
             for _reader, writer in [*mine, *theirs]:
                 writer.close()
+
+    uvloop.run(main())
+
+
+def test_a_tenant_authenticates_at_most_its_share_of_connections_and_the_rest_stay_evictable(
+        own_thread: bool) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root for a second local uid")
+
+    async def main() -> None:
+        async with running_gate(max_connections=4, max_per_peer=4, own_thread=own_thread,
+                                max_per_tenant=2) as (gate, _unix, tcp):
+            others = _sockets_as(OTHER_UID, 1)
+            mine = [await _open(tcp) for _ in range(4)]  # (on TCP, _authenticate finds each one's relay)
+            assert all([await _kept(*c) for c in mine])
+            # alice's calls authenticate two of them; the third's call is refused and its connection stays
+            # unauthenticated; bob's call on the fourth counts against bob.
+            assert _authenticate(gate, mine[0][1]) is None and _authenticate(gate, mine[1][1]) is None
+            refusal = _authenticate(gate, mine[2][1])
+            assert refusal is not None and "max_grpc_connections_per_tenant" in refusal
+            assert _authenticate(gate, mine[3][1], "bob") is None
+            assert gate.per_tenant == {"alice": 2, "bob": 1} and gate.refusals[("grpc", "tenant connections")] == 1
+            await _settled(lambda: len(gate.unauthenticated.get(f"uid {os.geteuid()}", ())) == 1)
+            # At the cap, another peer's newcomer evicts the one alice could not authenticate.
+            theirs = await _open_from(others[0], tcp)
+            assert await _kept(*theirs)
+            assert not await _kept(*mine[2]), "the connection refused for its tenant's share was not the one evicted"
+            # One of alice's closes: its place in her share goes back.
+            mine[0][1].close()
+            await _settled(lambda: gate.per_tenant.get("alice") == 1)
+            for _reader, writer in [*mine[1:], theirs]:
+                writer.close()
+            await _settled(lambda: not gate.per_tenant)
 
     uvloop.run(main())
 
@@ -421,16 +456,21 @@ SETTINGS, WINDOW_UPDATE, HEADERS, DATA, CONTINUATION, RST_STREAM = 4, 8, 1, 0, 9
 
 
 def test_control_frames_are_counted_from_frame_headers_split_anyhow_across_reads() -> None:
-    # 3 control frames (one of them 1 KiB: 1 + 4 tokens), an empty DATA frame that does not end its stream (1) and
-    # a HEADERS (1: a call, whose frames gRPC parses whether or not it reaches a handler); DATA with bytes and an
-    # empty DATA that ends its stream cost nothing.
+    # 3 control frames (one of them 1 KiB: 1 + 4 tokens), an empty DATA frame that does not end its stream (1), a
+    # HEADERS (1: a call, whose frames gRPC parses whether or not it reaches a handler) and two DATA frames under
+    # SMALL_DATA_BYTES, ending their stream or not (1 each: 1-byte DATA frames were a flood nothing counted); a DATA
+    # frame of 1 KiB or more and an empty DATA that ends its stream cost nothing.
     stream = H2_PREFACE + (_frame(SETTINGS, 0, 0) + _frame(HEADERS, 4, 1, b"\x82" * 30)
                            + _frame(DATA, 0, 1, b"x" * 20000) + _frame(WINDOW_UPDATE, 0, 1, b"\0\0\0\1")
+                           + _frame(DATA, 0, 1, b"x" * 1024) + _frame(DATA, 0, 1, b"x" * 1023)
+                           + _frame(DATA, 1, 3, b"x")
                            + _frame(CONTINUATION, 0, 1, b"y" * 1024) + _frame(DATA, 0, 1) + _frame(DATA, 1, 1)) * 3
     for size in (1, 2, 7, 9, 10, 100, 4096, len(stream)):
         frames = ControlFrames()
         cost = sum(frames.feed(stream[at:at + size], 1e9) for at in range(0, len(stream), size))
-        assert cost == 3 * (1 + 1 + 1 + 5 + 1), f"reads of {size} bytes"
+        assert cost == 3 * (1 + 1 + 1 + 1 + 1 + 5 + 1), f"reads of {size} bytes"
+    # A HEADERS frame's header block costs as a CONTINUATION's does: one more per 256 bytes (16 KiB: 1 + 64).
+    assert ControlFrames().feed(H2_PREFACE + _frame(HEADERS, 5, 1, b"a" * 16384), 1e9) == 65
     # An RST_STREAM cancelling a call it opened is part of that call (its HEADERS' token); one more is not.
     cancels = ControlFrames()
     assert cancels.feed(H2_PREFACE + (_frame(HEADERS, 4, 1, b"\x82") + _frame(RST_STREAM, 0, 1, b"\0\0\0\x08")) * 50

@@ -16,6 +16,8 @@ import contextlib
 import http.client
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -267,3 +269,84 @@ def test_unauthenticated_health_watch_streams_are_bounded(broker: BrokerProcess)
         fresh.cancel()
     found = _scrape(broker)
     assert _refused(found, "health", "peer streams") >= CHANNELS * STREAMS_PER_CHANNEL - PER_PEER
+
+
+# -- the metrics endpoint: every peer at its share ----------------------------------------------------------------
+HOLDER_UIDS = [20601, 20602, 20603, 20604]  # 4 peers x max_metrics_connections_per_peer (4): all 16 connections
+
+# One holder (a uid of its own): 4 threads, each keeping a connection with half a request, reconnecting at once
+# when the endpoint closes it (its request timeout), for the given seconds.
+HOLDER = r"""
+import os, socket, sys, threading, time
+host, port, uid, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+os.setgroups([])
+os.setgid(uid)
+os.setuid(uid)
+end = time.monotonic() + seconds
+def hold():
+    while time.monotonic() < end:
+        s = socket.socket()
+        try:
+            s.connect((host, port))
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")
+            s.recv(1)
+        except OSError:
+            time.sleep(0.01)
+        finally:
+            s.close()
+print("holding", flush=True)
+threads = [threading.Thread(target=hold) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+"""
+
+
+def _held_by(pid: int, port: int) -> int:
+    """Established TCP connections on local ``port`` whose socket the process ``pid`` holds (accepted by it)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    held = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01" and fields[9] in inodes:
+                    held += 1
+    return held
+
+
+def test_peers_at_their_share_of_metrics_connections_do_not_keep_scrapes_out(broker: BrokerProcess) -> None:
+    """The hole (issue 21, a fresh attack): 4 local users, each holding its 4 connections with half a request and
+    reconnecting when timed out, held all of max_metrics_connections (16): every scrape from another peer was
+    refused, 5 of 5 (reset). Now at the total a newcomer ends the oldest connection of the peer holding the most,
+    if it holds at least two more than the newcomer's."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to hold connections as other uids")
+    host, port = broker.metrics.rsplit(":", 1)
+    holders = [subprocess.Popen([sys.executable, "-c", HOLDER, host, port, str(uid), "30"], stdout=subprocess.PIPE,
+                                text=True) for uid in HOLDER_UIDS]
+    try:
+        for holder in holders:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        assert broker.process is not None
+        wait_for(lambda: _held_by(broker.process.pid if broker.process else 0, int(port)) >= 16, 20,
+                 "the holders' 16 connections held by the front (the endpoint full)")
+        outcomes = []
+        for _ in range(5):
+            try:
+                _scrape(broker)
+                outcomes.append("200")
+            except (OSError, http.client.HTTPException, AssertionError) as exc:
+                outcomes.append(type(exc).__name__)
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+    print(f"\nscrapes while {len(HOLDER_UIDS)} uids held 4 metrics connections each: {outcomes}")
+    assert outcomes == ["200"] * 5, f"scrapes refused while {len(HOLDER_UIDS)} peers held their share: {outcomes}"

@@ -13,6 +13,15 @@ one kind of control frame as fast as the socket takes them): alice's unary ListD
 (SETTINGS, 373 MB in 6 s), 0.92 -> 12.4 ms (WINDOW_UPDATE, 2.9 GB), 0.86 -> 16.7 ms (PRIORITY); the front's process
 used 137-144 % of a CPU meanwhile. The same flood against a sink process of its own left alice's p50 at 1.3 ms.
 
+A second hole of the same kind: DATA frames with bytes were never counted (flow control bounds their bytes, not
+their number), and gRPC parses and skips DATA for a stream that was never opened. 1-byte DATA frames (10 bytes on
+the wire) from the same 4 connections: 270 MB in 4 s, the front 5.1 CPU-s in 4.0 s, alice's p50 0.9 -> 109 ms. Now
+a DATA frame under 1 KiB costs a token (a client's messages go in 16 KiB frames: about one a message). And a third:
+a HEADERS frame cost one token whatever its size, though gRPC decodes its whole header block (HPACK) before any
+handler and no flow control bounds it: calls of 16 KiB header blocks, each reset at once, 3.3 GB in 4 s on 4
+connections, the front 4.6 CPU-s, alice's p50 0.9 -> 12 ms. Now it costs as a CONTINUATION does (one more token per
+256 bytes).
+
 The fix: the gate reads the frame headers of what it relays from a cleartext client (``ControlFrames``: headers
 only, across reads) and takes each control frame from its peer's ``max_grpc_control_frames_per_peer_per_second``
 (a token bucket of ``grpc_control_frame_burst_per_peer``); past it, the read is not relayed and the connection is
@@ -51,10 +60,15 @@ FLOOD = textwrap.dedent(r"""
     def frame(t, flags, sid, payload=b""):
         return struct.pack(">I", len(payload))[1:] + bytes([t, flags]) + struct.pack(">I", sid) + payload
     unit = {"settings": frame(4, 0, 0), "window_update": frame(8, 0, 1, struct.pack(">I", 1)),
-            "priority": frame(2, 0, 3, struct.pack(">I", 1) + b"\x10"), "continuation": frame(9, 0, 1)}[kind]
+            "priority": frame(2, 0, 3, struct.pack(">I", 1) + b"\x10"), "continuation": frame(9, 0, 1),
+            "data": frame(0, 0, 1, b"x"), "data_end": frame(0, 1, 1, b"x"), "headers": b""}[kind]
     # (CONTINUATION frames follow a HEADERS frame that never ends its header block)
     start = frame(1, 0, 1, b"\x82") if kind == "continuation" else b""
     blob = unit * 4096
+    # "headers": calls of 16 KiB header blocks (a header of 16,000 literal bytes), each reset at once, on new streams
+    block = (b"\x83\x87\x04\x21/gpubroker.v1.GpuBroker/Heartbeat\x00\x03x-a\x7f" + bytes([0x81, 0x7c]) + b"a" * 16000)
+    def calls(sid):
+        return b"".join(frame(1, 5, sid + 2 * i, block) + frame(3, 0, sid + 2 * i, b"\0\0\0\x08") for i in range(64))
     totals = {"bytes": 0, "connections": 0, "cuts": 0}
     lock = threading.Lock()
     def one(end):
@@ -73,9 +87,13 @@ FLOOD = textwrap.dedent(r"""
                     except OSError:
                         pass
                 threading.Thread(target=drain, daemon=True).start()
+                sid = 1
                 while time.monotonic() < end:
-                    s.sendall(blob)
-                    sent += len(blob)
+                    chunk = blob
+                    if kind == "headers":
+                        chunk, sid = calls(sid), sid + 128
+                    s.sendall(chunk)
+                    sent += len(chunk)
             except OSError:
                 if time.monotonic() < end:
                     with lock:
@@ -115,7 +133,8 @@ def _refused(broker: BrokerProcess) -> float:
                                (("endpoint", "grpc"), ("reason", "control frames"))), 0.0)
 
 
-@pytest.mark.parametrize("kind", ["settings", "window_update", "priority", "continuation"])
+@pytest.mark.parametrize("kind", ["settings", "window_update", "priority", "continuation", "data", "data_end",
+                                  "headers"])
 def test_control_frames_of_an_unauthenticated_peer_are_cut_and_do_not_load_the_front(broker: BrokerProcess,
                                                                                       kind: str) -> None:
     if os.geteuid() != 0:

@@ -31,6 +31,7 @@ from .test_calls_staged_before_rotation import Staged
 from .test_grpc_partial_messages import FLOODER
 
 ATTACKER_UID = 65534
+FOUR_UIDS = [20501, 20502, 20503, 20504]  # at PER_PEER each: max_health_streams (64) in all
 PER_PEER = 16  # max_health_streams_per_peer (the default)
 TRIES = 3  # readiness checks from root while the attacker holds its requests (the DaemonSet fails at 2)
 # request_message_timeout_seconds: long enough that the attacker's calls are still held (none ended) when it says
@@ -71,6 +72,36 @@ def test_one_local_user_cannot_fail_the_brokers_readiness_probe(broker: BrokerPr
     failed = [what for passed, what in seen if not passed]
     assert not failed, (f"uid {ATTACKER_UID}'s {PER_PEER} unfinished health requests failed {len(failed)} of {TRIES} "
                         f"readiness checks from uid 0: {failed[0]}")
+
+
+def test_four_local_users_cannot_fail_the_brokers_readiness_probe(broker: BrokerProcess) -> None:
+    """The same hold from four uids, each at its own share: together they held all of max_health_streams (64) of
+    the requests on their way in, and the readiness check got RESOURCE_EXHAUSTED ("64 Check requests open,
+    max_health_streams is 64") 3 times of 3 (four local users, or four remote /24s, took a DaemonSet's broker out
+    of its Service for as long as they liked). Now, at the total, a newcomer takes the place of the oldest request
+    of the peer holding the most, if that peer holds more than the newcomer's: the probe, one request of its own,
+    always gets one."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to hold the requests as other uids")
+    attackers = [subprocess.Popen(
+        ["/usr/bin/python3", "-I", "-c", FLOODER, broker.target.removeprefix("unix:"),
+         "/grpc.health.v1.Health/Check", "", str(PER_PEER), "2", "2", "60"],
+        stdout=subprocess.PIPE, text=True, user=uid, group=uid, extra_groups=[]) for uid in FOUR_UIDS]
+    try:
+        sent = []
+        for attacker in attackers:
+            assert attacker.stdout is not None
+            sent.append(attacker.stdout.readline().strip())
+        assert all(s.endswith(f"opened {PER_PEER} calls, the server ended 0") for s in sent), sent
+        seen = [check(broker.target, timeout=10) for _ in range(TRIES)]
+    finally:
+        for attacker in attackers:
+            attacker.kill()
+            attacker.wait()
+    print(f"\nuids {FOUR_UIDS} each held {PER_PEER} unfinished health requests; the readiness check: {seen}")
+    failed = [what for passed, what in seen if not passed]
+    assert not failed, (f"{len(FOUR_UIDS)} uids' {PER_PEER} unfinished health requests each failed {len(failed)} of "
+                        f"{TRIES} readiness checks from uid 0: {failed[0]}")
 
 
 def test_a_health_request_held_one_byte_short_ends_at_its_deadline(broker: BrokerProcess) -> None:

@@ -34,6 +34,7 @@ audit = logging.getLogger("gpubroker.audit")
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from gpubroker.broker.front import run_broker
+    from gpubroker.broker.front._native_log import capture_native_stderr
     from gpubroker.broker.sandbox import set_dumpable
 
     cfg = load_config(args.config)
@@ -51,6 +52,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         cfg.metrics_listen = args.metrics_listen
     if args.log_format:
         cfg.log_format = args.log_format
+    # gRPC core's own lines (a peer's bad metadata, one a call) through the log, rate-limited: before the handler
+    # takes sys.stderr, which becomes the real stderr.
+    capture_native_stderr()
     configure_logging(cfg.log_format, verbose=args.verbose)
     os.environ["GPUBROKER_LOG_FORMAT"] = cfg.log_format  # for the workers it starts
     # The front holds every tenant's tokens in memory: no same-uid process may ptrace it or read /proc/<pid>/mem.

@@ -526,7 +526,9 @@ def parse_batch(data: bytes | bytearray | memoryview) -> Batch:
     """``decode_batch`` for a receiver that answers a malformed batch with an error: InvalidArgument naming why."""
     try:
         return (_batch_decoder or _batches()).decode(data)
-    except msgspec.DecodeError as exc:
+    # (a str that is not UTF-8 comes as UnicodeDecodeError: the client's error too, not the worker's bug, which
+    # was a traceback in the broker's log and INTERNAL for every such batch)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"malformed batch: {exc}") from None
 
 

@@ -385,6 +385,13 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "and on TCP from this host (the uid owning the client's socket: every local user has address 127.0.0.1), "
         "a /24 (IPv4) or /64 (IPv6) network on other TCP. More are refused as they are accepted, so a flood from "
         "one peer, however fast it reconnects, leaves the rest of max_grpc_connections to everyone else."))] = 64
+    max_grpc_connections_per_tenant: Annotated[int, Meta(ge=1, description=(
+        "gRPC connections one tenant may hold authenticated at once, whatever peers they come from: a connection "
+        "counts against the tenant of its first authenticated call, and a call that would take its tenant past "
+        "this is refused (RESOURCE_EXHAUSTED), its connection left unauthenticated (closed after "
+        "grpc_unauthenticated_seconds, and evictable at max_grpc_connections). Authenticated connections are never "
+        "evicted, so without it a tenant whose clients are several peers (uids of a container, /64s of an IPv6 "
+        "prefix) could hold all of max_grpc_connections and lock the other tenants out."))] = 64
     grpc_unauthenticated_seconds: Annotated[float, Meta(gt=0, description=(
         "A gRPC connection none of whose calls has authenticated (with a tenant's or an admin's credential) this "
         "long after it was accepted is closed, whatever calls it made: calls refused for a wrong token and "
@@ -416,15 +423,17 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     grpc_call_burst_per_peer: Annotated[int, Meta(ge=1, description=(
         "The gRPC calls one peer may start at once, beyond max_grpc_calls_per_peer_per_second."))] = 1000
     max_grpc_control_frames_per_peer_per_second: Annotated[float, Meta(gt=0, description=(
-        "How fast one peer (as max_connections_per_peer_per_second names peers) may send HTTP/2 frames that start "
-        "no call (SETTINGS, WINDOW_UPDATE, PRIORITY, PING, GOAWAY, CONTINUATION, PUSH_PROMISE, unknown types, "
-        "RST_STREAM beyond one per HEADERS, an empty DATA frame that does not end its stream: one token each, one "
-        "more per 256 bytes of its payload) on all its cleartext gRPC connections together (Unix sockets, loopback "
-        "TCP, vsock; a TLS connection is not read): a token bucket of grpc_control_frame_burst_per_peer, refilled "
-        "at this rate. gRPC parses every frame in the front's process; the gate reads the headers of the frames it "
-        "relays, and a connection whose frames go past its peer's rate is no longer relayed and is closed (its peer "
-        "reconnects, at max_connections_per_peer_per_second). A client sends about two per unary call and two or "
-        "three per MiB a copy moves, either way (a 256 MiB gRPC copy: 480-600)."))] = 50000.0
+        "How fast one peer (as max_connections_per_peer_per_second names peers) may send HTTP/2 frames that start no "
+        "call (SETTINGS, WINDOW_UPDATE, PRIORITY, PING, GOAWAY, CONTINUATION, PUSH_PROMISE, unknown types, RST_STREAM "
+        "beyond one per HEADERS, a DATA frame under 1 KiB unless empty and ending its stream, and each HEADERS: one "
+        "token each, one more per 256 bytes of a HEADERS' or a control frame's payload) on all its cleartext gRPC "
+        "connections together (Unix sockets, loopback TCP, vsock; a TLS connection is not read): a token bucket of "
+        "grpc_control_frame_burst_per_peer, refilled at this rate. gRPC parses every frame in the front's process; the"
+        " gate reads the headers of the frames it relays, and a connection whose frames go past its peer's rate is no "
+        "longer relayed and is closed (its peer reconnects, at max_connections_per_peer_per_second). A client sends "
+        "about four per unary call, about two per Commands batch and one per MiB a copy moves (a 256 MiB gRPC copy: 9 "
+        "up, 270 down)."
+        ))] = 50000.0
     grpc_control_frame_burst_per_peer: Annotated[int, Meta(ge=1, description=(
         "The control frames (as max_grpc_control_frames_per_peer_per_second counts them) one peer may send at "
         "once, beyond that rate."))] = 100000
@@ -468,7 +477,9 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "monitoring network); empty: off."))] = ""
     max_metrics_connections: Annotated[int, Meta(ge=1, description=(
         "Connections the metrics endpoint holds at once (it serves them on the broker's event loop, no thread "
-        "each); more are closed as they are accepted, and counted in gpubroker_endpoint_refusals."))] = 16
+        "each); more are closed as they are accepted, and counted in gpubroker_endpoint_refusals, unless the peer "
+        "holding the most holds at least two more than the newcomer's: then its oldest is closed instead (peers "
+        "at their share cannot keep a scraper out)."))] = 16
     max_metrics_connections_per_peer: Annotated[int, Meta(ge=1, description=(
         "The same, per peer (as max_grpc_connections_per_peer names peers: a local user by its uid, whatever its "
         "loopback address; a remote host by its /24 or /64): one peer's flood leaves the rest to Prometheus."))] = 4
@@ -489,7 +500,9 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "the peer ends them) open at once, in all; more are refused with RESOURCE_EXHAUSTED. The same number "
         "again of health Check requests still on their way in (a probe's arrives with its call at once; one sent "
         "slowly or never completed holds up to max_message_bytes of the broker's memory while it is read); Check "
-        "calls themselves are not limited."))] = 64
+        "calls themselves are not limited. At the total, a newcomer takes the place of (ends) the oldest of the "
+        "peer holding the most, if it holds at least two more than the newcomer's: peers at their share cannot "
+        "keep the readiness probe out."))] = 64
     max_health_streams_per_peer: Annotated[int, Meta(ge=1, description=(
         "The same (streams, and Check requests on their way in), per peer, as the gRPC listeners count peers: a "
         "local peer (Unix socket, or TCP from this host) by its uid, a remote one by its /24 (IPv4) or /64 "

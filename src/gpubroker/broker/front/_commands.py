@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from gpubroker.broker.config import BrokerConfig
@@ -188,15 +188,25 @@ def get_kernel_commands(request: pb.GetKernelRequest) -> list[Command]:
     return [GetKernel(new_handle("kernel"), _handle(request.module, "module"), request.name)]
 
 
-def copy_shared_commands(request: pb.CopySharedRequest) -> list[Command]:
-    """One command per piece: each runs as its own batch, under its own turn."""
+def copy_shared_commands(request: pb.CopySharedRequest) -> Iterator[Command]:
+    """One command per piece: each runs as its own batch, under its own turn. Made one at a time, as the caller
+    runs them: the size is the client's (up to 2**63 - 1), and a list of its pieces built before the first ran
+    (2**34 of them for 2**62 bytes) took the front's loop and all the host's memory, until the OOM killer ended the
+    front; the first piece past the segment fails in the worker and ends the copy. (Its arguments are checked
+    here, before the first piece.)"""
     size = _non_negative(request.size, "copy size")
     offset = _non_negative(request.offset, "copy offset")
     segment, buf, stream = _handle(request.segment, "segment"), _ref(request.buffer), _stream(request.stream)
-    return [CopyShared(segment, request.segment_offset + done, buf, offset + done, min(SHARED_PIECE, size - done),
-                       request.to_device, stream)
-            for done in range(0, size, SHARED_PIECE)] or [
-        CopyShared(segment, request.segment_offset, buf, offset, 0, request.to_device, stream)]
+    return _shared_pieces(segment, request.segment_offset, buf, offset, size, request.to_device, stream)
+
+
+def _shared_pieces(segment: str, segment_offset: int, buf: BufRef, offset: int, size: int, to_device: bool,
+                   stream: str) -> Iterator[Command]:
+    if not size:
+        yield CopyShared(segment, segment_offset, buf, offset, 0, to_device, stream)
+    for done in range(0, size, SHARED_PIECE):
+        yield CopyShared(segment, segment_offset + done, buf, offset + done, min(SHARED_PIECE, size - done),
+                         to_device, stream)
 
 
 def write_command(header: pb.HostToDeviceHeader, done: int, data: bytes) -> Command:

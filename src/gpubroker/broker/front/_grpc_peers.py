@@ -57,8 +57,8 @@ stream that never existed, PRIORITY, CONTINUATION...) need no stream and no toke
 headers of what a cleartext client sends it (``ControlFrames``: headers only, across reads; payloads skipped) and
 takes each such frame from its peer's ``max_grpc_control_frames_per_peer_per_second``: a read past it is not
 relayed and the connection is cut, counted in gpubroker_endpoint_refusals (grpc: "control frames") and audited
-rate-limited. A client sends about two per call and two or three per MiB copied. TLS passes through the gate
-unread (gRPC terminates it): a TLS listener's control frames are bounded by gRPC alone.
+rate-limited. A client sends about four per unary call, about two per Commands batch, one per MiB copied. TLS
+passes through the gate unread (gRPC terminates it): a TLS listener's control frames are bounded by gRPC alone.
 
 The relay forwards at the protocol level (each side's data is written to the other's transport; a side whose
 writes back up pauses the other's reads), on the front's event loop. It costs a gRPC unary round trip one more
@@ -82,7 +82,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, cast
 
@@ -110,6 +110,12 @@ H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 # A control frame costs one token, and one more for each this many bytes of its payload: a 16 KiB SETTINGS frame
 # holds 2,730 settings, each parsed (legit control frames are 4 to 40 bytes).
 CONTROL_FRAME_BYTES = 256
+# A DATA frame carrying fewer bytes than this costs a token too: gRPC parses every frame it is given, whether or not
+# its stream exists (DATA for a stream never opened is skipped, not an error), so 1-byte DATA frames (10 bytes on
+# the wire) were a flood no bucket counted: 270 MB in 4 s from one uid cost the front 5.1 CPU-s and alice's p50
+# 0.9 -> 110 ms. A client's messages go in frames of 16 KiB (gRPC's frame size), each ending in one smaller frame:
+# about one token per message it sends.
+SMALL_DATA_BYTES = 1024
 _FRAME_HEAD = struct.Struct(">BHBB")  # an HTTP/2 frame header's length (8 + 16 bits), type and flags; then its stream
 
 # gRPC's peer string of a relayed connection ("unix-abstract:NAME") -> the relayed connection. Written by the
@@ -134,14 +140,25 @@ def grpc_peer_key(context: Any) -> str:
     return relay.peer.key if relay is not None else seen
 
 
-def grpc_authenticated(context: Any) -> None:
-    """A call on this connection authenticated (the call's handler, once the credential checked out): the gate no
-    longer closes the connection for never authenticating, nor evicts it for a newcomer. One dict lookup and a flag
-    for every call after a connection's first."""
+# Registers a call's credential's revocation watch: given what to do at the revocation, returns what unregisters it.
+Watch = Callable[[Callable[[], None]], Callable[[], None]]
+
+
+def grpc_authenticated(context: Any, tenant: str, watch: Watch | None = None) -> str | None:
+    """A call on this connection authenticated as ``tenant`` (the call's handler, once the credential checked out):
+    the gate no longer closes the connection for never authenticating, nor evicts it for a newcomer, and counts it
+    against ``tenant``'s ``max_grpc_connections_per_tenant``; past that, why the call is refused (the connection
+    stays unauthenticated). ``watch`` registers the credential's revocation, at which the connection is
+    unauthenticated again (its place in the tenant's share given back, its deadline running again). One dict lookup
+    and a flag for every call after a connection's first."""
     relay = _relayed.get(context.peer())
     if relay is not None and not relay.authenticated:
+        if not relay.gate.claim(relay, tenant, watch):
+            return (f"tenant {tenant!r} holds {relay.gate.max_per_tenant} authenticated gRPC connections, "
+                    "max_grpc_connections_per_tenant: make this call on one of them (a client needs one)")
         relay.authenticated = True
         relay.gate.authenticated(relay)
+    return None
 
 
 def over_call_rate(context: Any) -> str | None:
@@ -167,9 +184,11 @@ class ControlFrames:
     gRPC parses every frame in the front's process. HEADERS start calls, which
     ``max_grpc_calls_per_peer_per_second`` bounds only once they reach a handler (a rapid reset's never do), so each
     costs a token here too, and an RST_STREAM cancelling one costs none; DATA frames carry their messages, which
-    flow control bounds. Every other frame (SETTINGS, WINDOW_UPDATE, PRIORITY, PING, RST_STREAM beyond one per
-    HEADERS, GOAWAY, CONTINUATION, PUSH_PROMISE, an unknown type), and an empty DATA frame that does not end its
-    stream, is a *control frame*: it needs no stream and no token, and nothing else bounds it. ``feed``
+    flow control bounds by bytes, not by frames: one under ``SMALL_DATA_BYTES`` costs a token (the last frame of a
+    message, or a small message; or a flood of 1-byte frames for a stream that need not exist), an empty one that
+    ends its stream none. Every other frame (SETTINGS, WINDOW_UPDATE, PRIORITY, PING, RST_STREAM beyond one per
+    HEADERS, GOAWAY, CONTINUATION, PUSH_PROMISE, an unknown type) is a *control frame*: it needs no stream and no
+    token, and nothing else bounds it. ``feed``
     says what a read's control frames cost (one token each, one more per ``CONTROL_FRAME_BYTES`` of payload), which
     the gate takes from its peer's ``max_grpc_control_frames_per_peer_per_second``. A connection that does not start
     with the cleartext preface (TLS: the gate cannot read it) is passed through unread."""
@@ -208,13 +227,13 @@ class ControlFrames:
             self._head = b""
             high, low, kind, flags = _FRAME_HEAD.unpack_from(head)
             length = high << 16 | low
-            if kind or not length:
+            if kind or length < SMALL_DATA_BYTES:
                 cost += self._cost(kind, flags, length)
             pos = taken + length
         while pos + 9 <= size:
             high, low, kind, flags = _FRAME_HEAD.unpack_from(data, pos)
             length = high << 16 | low
-            if kind or not length:  # (not a DATA frame with bytes: the most frames of a copy, passed at once)
+            if kind or length < SMALL_DATA_BYTES:  # (not a full DATA frame: the most frames of a copy, passed at once)
                 cost += self._cost(kind, flags, length)
                 if cost > most:
                     return cost  # (its connection is cut: where this read ends no longer matters)
@@ -229,11 +248,13 @@ class ControlFrames:
     def _cost(self, kind: int, flags: int, length: int) -> int:
         if kind == 1:  # HEADERS: a call, which an RST_STREAM may cancel. It costs a token too: gRPC parses a
             # rapid reset's HEADERS and RST_STREAM here though few of its calls ever reach a handler and the call rate
-            # (a legit call costs about 3 tokens, 1,500 a second at the call rate's most: far under this rate)
+            # (a legit unary call costs about 4 tokens, 2,000 a second at the call rate's most: far under this rate).
+            # Its header block costs what a CONTINUATION's would: gRPC decodes all of it (HPACK) before any handler,
+            # and no flow control bounds it (16 KiB HEADERS, one a token, cost the front 4.6 CPU-s in 4 s).
             self._calls += 1
-            return 1
-        if kind == 0:  # an empty DATA frame: the end of a call's messages, or nothing
-            return 0 if flags & 1 else 1
+            return 1 + length // CONTROL_FRAME_BYTES
+        if kind == 0:  # a DATA frame under SMALL_DATA_BYTES: the end of a call's messages, a small message, or nothing
+            return 0 if flags & 1 and not length else 1
         if kind == 3 and self._calls:  # RST_STREAM cancelling a call it started
             self._calls -= 1
             return 0
@@ -267,7 +288,8 @@ class GrpcGate:
     def __init__(self, max_connections: int, max_per_peer: int, refusals: dict[tuple[str, str], int] | None = None,
                  own_thread: bool = False, connection_rate: PeerRate | None = None,
                  call_rate: PeerRate | None = None, accepts: OffLoop | None = None,
-                 unauthenticated_seconds: float | None = None, control_rate: PeerRate | None = None) -> None:
+                 unauthenticated_seconds: float | None = None, control_rate: PeerRate | None = None,
+                 max_per_tenant: int | None = None) -> None:
         self.max_connections = max_connections
         self.accepts = accepts  # where the acceptors accept (the front's acceptor process), if not on the loop
         self.max_per_peer = max_per_peer
@@ -281,6 +303,13 @@ class GrpcGate:
         self.control_rate = control_rate
         self.open = 0
         self.per_peer: dict[str, int] = {}
+        # Authenticated connections per tenant (of their first authenticated call), at most max_per_tenant: they are
+        # never evicted, so without it one tenant from many peers could hold the whole pool. Claimed on the front's
+        # loop, given back on the gate's (with own_thread, two threads: the lock).
+        self.max_per_tenant = max_per_tenant
+        self.per_tenant: dict[str, int] = {}
+        self._tenant_lock = threading.Lock()
+        self._front_loop: asyncio.AbstractEventLoop | None = None  # (where grpc_authenticated runs)
         # Peer key -> its connections that have not authenticated, oldest first; and, for each count n, the peers
         # holding n of them, in the order they came to hold n: the peer holding the most is found in at most
         # max_per_peer steps, however many peers there are.
@@ -290,7 +319,7 @@ class GrpcGate:
         # thread counts into them, so that a scrape iterating it never sees it grow.
         self.refusals = refusals if refusals is not None else {}
         for reason in ("connections", "peer connections", "unauthenticated timeout", "evicted unauthenticated",
-                       "control frames"):
+                       "control frames", "tenant connections"):
             self.refusals.setdefault(("grpc", reason), 0)
         self._audit = RateLimitedLog(audit)
         self._listeners: list[_Listener] = []
@@ -372,6 +401,8 @@ class GrpcGate:
 
     def start(self) -> None:
         """Start accepting (gRPC's private listeners must be serving by now)."""
+        with contextlib.suppress(RuntimeError):
+            self._front_loop = asyncio.get_running_loop()
         if not self._own_thread:
             self._loop = asyncio.get_running_loop()
             self._begin()
@@ -556,6 +587,63 @@ class GrpcGate:
                 self._authenticated(oldest)  # (it authenticated on the front's thread a moment ago)
         return None
 
+    def claim(self, relay: _Relay | _PumpedRelay, tenant: str, watch: Watch | None = None) -> bool:
+        """Count ``relay``'s first authenticated call's ``tenant`` (on the front's loop), and watch its credential
+        (``watch``); False (counted in gpubroker_endpoint_refusals, audited rate-limited) if the tenant holds
+        max_per_tenant already."""
+        with self._tenant_lock:
+            if not relay.counted or relay.tenant is not None:  # (gone already, or counted)
+                return True
+            held = self.per_tenant.get(tenant, 0)
+            if self.max_per_tenant is not None and held >= self.max_per_tenant:
+                refused = True
+            else:
+                refused = False
+                self.per_tenant[tenant] = held + 1
+                relay.tenant = tenant
+                if watch is not None:
+                    # A rotated token's (or a removed tenant's) connection is one that never authenticated again:
+                    # else its holder would keep it for ever (a wrong token's calls keep gRPC's idle close away),
+                    # never evicted, in its former tenant's share. (Under the lock: its release takes it off.)
+                    relay.unwatch = watch(functools.partial(self._revoked, relay))
+        if refused:
+            self.refusals[("grpc", "tenant connections")] += 1
+            self._audit.warning("grpc tenant connections", "action=refuse-call peer=%s tenant=%s reason=the tenant "
+                                "holds %d authenticated gRPC connections, max_grpc_connections_per_tenant",
+                                relay.peer.name, tenant, held)
+        return not refused
+
+    def _revoked(self, relay: _Relay | _PumpedRelay) -> None:
+        """The credential that authenticated ``relay`` was revoked (on the front's loop, at a reload): it gives back
+        its place in its tenant's share and is unauthenticated again, until a call authenticates on it."""
+        relay.unwatch = None  # (the revocation took the watch off)
+        self._untenant(relay)
+        relay.authenticated = False
+        if self._own_thread and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # (its loop already stopped)
+                self._loop.call_soon_threadsafe(self._unauthenticated, relay)
+        else:
+            self._unauthenticated(relay)
+
+    def _unauthenticated(self, relay: _Relay | _PumpedRelay) -> None:
+        if not relay.counted or relay.authenticated:  # (gone, or authenticated again meanwhile)
+            return
+        if relay.peer.key not in self.unauthenticated or relay not in self.unauthenticated[relay.peer.key]:
+            self._track(relay)
+        if self.unauthenticated_seconds is not None and relay.deadline is None:
+            assert self._loop is not None
+            relay.deadline = self._loop.call_later(self.unauthenticated_seconds, self._expire, relay)
+
+    def _untenant(self, relay: _Relay | _PumpedRelay) -> None:
+        with self._tenant_lock:
+            if (tenant := relay.tenant) is not None:
+                relay.tenant = None
+                left = self.per_tenant.get(tenant, 1) - 1
+                if left > 0:
+                    self.per_tenant[tenant] = left
+                else:
+                    self.per_tenant.pop(tenant, None)
+
     def authenticated(self, relay: _Relay | _PumpedRelay) -> None:
         """``relay`` carried an authenticated call (``grpc_authenticated``, on the front's loop)."""
         if self._own_thread and self._loop is not None:
@@ -585,9 +673,18 @@ class GrpcGate:
 
     def _uncount(self, relay: _Relay | _PumpedRelay) -> None:
         """Give back ``relay``'s places: when it is released, or at once when it is dropped."""
-        if not relay.counted:
-            return
-        relay.counted = False
+        with self._tenant_lock:
+            if not relay.counted:
+                return
+            relay.counted = False
+        self._untenant(relay)
+        if (unwatch := relay.unwatch) is not None:
+            relay.unwatch = None
+            if self._own_thread and self._front_loop is not None:  # (the watches are the front loop's)
+                with contextlib.suppress(RuntimeError):
+                    self._front_loop.call_soon_threadsafe(unwatch)
+            else:
+                unwatch()
         if relay.deadline is not None:
             relay.deadline.cancel()
             relay.deadline = None
@@ -723,6 +820,8 @@ class _Relay:
         self.task: asyncio.Task[None] | None = None
         self._cut: asyncio.TimerHandle | None = None
         self.authenticated = False  # a call on it authenticated (set on the front's loop: grpc_authenticated)
+        self.tenant: str | None = None  # whose max_grpc_connections_per_tenant it counts against, once authenticated
+        self.unwatch: Callable[[], None] | None = None  # takes its credential's revocation watch off
         self.counted = True  # it holds its places in the gate's counts (given back when released or dropped)
         self.deadline: asyncio.TimerHandle | None = None  # closes it unless it authenticates first
 
@@ -797,6 +896,8 @@ class _PumpedRelay:
         self.name = ""  # gRPC's peer string of the gate's end
         self.task: asyncio.Task[None] | None = None
         self.authenticated = False  # a call on it authenticated (set on the front's loop: grpc_authenticated)
+        self.tenant: str | None = None  # whose max_grpc_connections_per_tenant it counts against, once authenticated
+        self.unwatch: Callable[[], None] | None = None  # takes its credential's revocation watch off
         self.counted = True  # it holds its places in the gate's counts (given back when released or dropped)
         self.deadline: asyncio.TimerHandle | None = None  # closes it unless it authenticates first
         self._upstream: asyncio.Task[None] | None = None  # client -> gRPC

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -43,6 +43,7 @@ from gpubroker.wire.types import DeviceInfo
 
 __all__ = ["APPLICATION_XIDS", "BROKER_SERVICE", "BrokerHealth", "device_service", "nvml_handle"]
 
+T = TypeVar("T")
 log = logging.getLogger("gpubroker.health")
 audit = logging.getLogger("gpubroker.audit")
 
@@ -237,12 +238,49 @@ class BrokerHealth:
         task.add_done_callback(self._tasks.discard)
 
 
+@dataclass(eq=False)
+class _Hold:
+    """One stream or request a peer holds open: its call's task, to end it if a newcomer takes its place."""
+
+    peer: str
+    task: asyncio.Task[Any] | None
+    counted: bool = True
+
+
 @dataclass
 class _Tally:
-    """What is open, in all and per peer."""
+    """What is open, in all and per peer (each peer's holds oldest first)."""
 
     open: int = 0
-    by_peer: dict[str, int] = field(default_factory=dict)
+    by_peer: dict[str, dict[_Hold, None]] = field(default_factory=dict)
+
+    def held(self, peer: str) -> int:
+        return len(self.by_peer.get(peer, ()))
+
+    def add(self, hold: _Hold) -> None:
+        self.open += 1
+        self.by_peer.setdefault(hold.peer, {})[hold] = None
+
+    def release(self, hold: _Hold) -> None:
+        if not hold.counted:
+            return
+        hold.counted = False
+        self.open -= 1
+        mine = self.by_peer[hold.peer]
+        del mine[hold]
+        if not mine:
+            del self.by_peer[hold.peer]
+
+    def evictable(self, peer: str) -> _Hold | None:
+        """The hold a newcomer of ``peer`` takes the place of at the total: the oldest of the peer holding the most,
+        if it holds at least two more than ``peer`` does (so each peer keeps its fair share of the total, whoever
+        came first, and two peers never take turns evicting each other)."""
+        if not self.by_peer:
+            return None
+        most = max(self.by_peer, key=lambda key: len(self.by_peer[key]))
+        if len(self.by_peer[most]) <= self.held(peer) + 1:
+            return None
+        return next(iter(self.by_peer[most]))
 
 
 class StreamLimiter:
@@ -278,11 +316,24 @@ class StreamLimiter:
         peer = grpc_peer_key(context)  # (the gate's key: one local user is one peer, whatever its socket)
         total, per_peer = self.config.max_health_streams, self.config.max_health_streams_per_peer
         refusal = None
-        if tally.open >= total:
-            refusal = (kind, f"{tally.open} {what} {kind} open, max_health_streams is {total}")
-        elif tally.by_peer.get(peer, 0) >= per_peer:
-            refusal = (f"peer {kind}", f"this peer has {tally.by_peer[peer]} {what} {kind} open, "
+        if tally.held(peer) >= per_peer:
+            refusal = (f"peer {kind}", f"this peer has {tally.held(peer)} {what} {kind} open, "
                        f"max_health_streams_per_peer is {per_peer}")
+        elif tally.open >= total:
+            # Four peers at their share held the whole total (the readiness probe refused for as long as they
+            # liked): a newcomer takes the place of the oldest of the peer holding the most, if that is more than
+            # its own would hold, which ends.
+            victim = tally.evictable(peer)
+            if victim is None:
+                refusal = (kind, f"{tally.open} {what} {kind} open, max_health_streams is {total}")
+            else:
+                tally.release(victim)
+                if victim.task is not None:
+                    victim.task.cancel()
+                self.refusals[("health", f"evicted {kind}")] += 1
+                self._log.warning(f"health evicted {kind}", "action=end-%s listener=grpc peer=%s reason=max_health_"
+                                  "streams (%d) open: its place taken by %s (its peer holds the most)",
+                                  kind.removesuffix("s"), victim.peer, total, peer)
         if refusal is not None:
             reason, detail = refusal
             self.refusals[("health", reason)] += 1
@@ -291,15 +342,12 @@ class StreamLimiter:
             hint = "end one (Check needs no stream)" if kind == "streams" else "send whole requests"
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many open {kind}: {detail}; {hint} or "
                                 "retry later")
-        tally.open += 1
-        tally.by_peer[peer] = tally.by_peer.get(peer, 0) + 1
+        hold = _Hold(peer, asyncio.current_task())
+        tally.add(hold)
         try:
             yield
         finally:
-            tally.open -= 1
-            tally.by_peer[peer] -= 1
-            if not tally.by_peer[peer]:
-                del tally.by_peer[peer]
+            tally.release(hold)
 
 
 async def _read(request: Any, context: grpc.aio.ServicerContext[Any, Any], config: BrokerConfig) -> Any:
@@ -358,9 +406,20 @@ class _BoundedReflectionServicer(reflection.aio.ReflectionServicer):
         async with self._streams.slot(context, "ServerReflectionInfo"):
             # (an async generator, though its stub says a coroutine that returns an AsyncIterable)
             responses = cast(AsyncIterable[reflection_pb2.ServerReflectionResponse],
-                             super().ServerReflectionInfo(request_iterator, context))
+                             super().ServerReflectionInfo(_each_a_call(request_iterator, context), context))
             async for response in responses:
                 yield response
+
+
+async def _each_a_call(requests: AsyncIterable[T], context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[T]:
+    """A reflection stream's requests, each taking a token of its peer's call rate as a call does: each is answered
+    by the front's loop (a whole file descriptor serialised again), and a stream, started once, carried them
+    unbounded (two uids' streams, 37,800 answers in 5 s, held the front at a CPU). Past the rate the stream is
+    refused and its connection cut (``over_call_rate``)."""
+    async for request in requests:
+        if (too_fast := over_call_rate(context)) is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_fast)
+        yield request
 
 
 class _XidWatcher:

@@ -123,8 +123,8 @@ METRICS: tuple[MetricSpec, ...] = (MEMORY_USED, MEMORY_QUOTA, DEVICE_SECONDS, DE
                                    TENANT_CRASHES, TENANT_BACKOFF, MEMORY_KILLS, OUTPUT_DROPPED, DRAINING,
                                    ENDPOINT_REFUSALS)
 # Every (endpoint, reason) of gpubroker_endpoint_refusals, at 0 from the start (so rate() sees the first one).
-METRICS_REASONS = ("connections", "peer connections", "timeout", "bad request", "rate")
-HEALTH_REASONS = ("streams", "peer streams", "requests", "peer requests")
+METRICS_REASONS = ("connections", "peer connections", "timeout", "bad request", "rate", "evicted")
+HEALTH_REASONS = ("streams", "peer streams", "requests", "peer requests", "evicted streams", "evicted requests")
 
 
 # One histogram for the process: the RPC wrappers observe it whether or not an endpoint serves it (a few
@@ -343,6 +343,8 @@ class MetricsServer:
         self._acceptors: list[Acceptor] = []
         self._connections = 0  # held, from their accept to their close
         self._open: dict[str, int] = {}  # peer (Peer.key) -> connections held
+        self._held: dict[str, dict[asyncio.Task[None], None]] = {}  # peer -> its connections' handlers, oldest first
+        self._evicted: set[asyncio.Task[None]] = set()  # ended for a newcomer: their places already given back
         self._writers: set[asyncio.StreamWriter] = set()
         self._handlers: set[asyncio.Task[None]] = set()
         self._next_turn: dict[str, float] = {}  # peer -> when its next answer may go (the event loop's clock)
@@ -394,11 +396,11 @@ class MetricsServer:
         """Serve ``conn`` (from the acceptor), or close it at once past a cap; go on accepting either way."""
         limits = self.limits
         peer = _name(accepted)
-        if self._connections >= limits.max_connections:
+        key = accepted.key
+        if self._connections >= limits.max_connections and not self._evict_for(key, peer):
             self._refuse("connections", peer, f"over max_metrics_connections ({limits.max_connections})")
             conn.close()
             return True
-        key = accepted.key
         if self._open.get(key, 0) >= limits.max_connections_per_peer:
             self._refuse("peer connections", peer,
                          f"{key} holds {self._open[key]}: max_metrics_connections_per_peer "
@@ -410,7 +412,36 @@ class MetricsServer:
         task = asyncio.get_running_loop().create_task(self._connection(conn, key, peer))
         self._handlers.add(task)
         task.add_done_callback(self._handlers.discard)
+        self._held.setdefault(key, {})[task] = None
         return True
+
+    def _evict_for(self, key: str, peer: str) -> bool:
+        """At max_metrics_connections, end the oldest connection of the peer holding the most, if it holds at
+        least two more than ``key`` (four local users at their share held all 16, and every scrape was refused);
+        whether one was ended (its places given back now)."""
+        if self._open.get(key, 0) >= self.limits.max_connections_per_peer or not self._held:
+            return False
+        most = max(self._held, key=lambda k: len(self._held[k]))
+        if len(self._held[most]) < self._open.get(key, 0) + 2:
+            return False
+        victim = next(iter(self._held[most]))
+        self._uncount(most, victim)
+        self._evicted.add(victim)
+        victim.cancel()
+        self._refuse("evicted", most, f"max_metrics_connections ({self.limits.max_connections}) open: its place "
+                     f"taken by {peer} ({most} holds the most)")
+        return True
+
+    def _uncount(self, key: str, task: asyncio.Task[None]) -> None:
+        self._connections -= 1
+        self._open[key] -= 1
+        if not self._open[key]:
+            del self._open[key]
+        held = self._held.get(key)
+        if held is not None:
+            held.pop(task, None)
+            if not held:
+                del self._held[key]
 
     async def _connection(self, conn: socket.socket, key: str, peer: str) -> None:
         writer: asyncio.StreamWriter | None = None
@@ -423,10 +454,11 @@ class MetricsServer:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the peer went away
         finally:
-            self._connections -= 1
-            self._open[key] -= 1
-            if not self._open[key]:
-                del self._open[key]
+            task = asyncio.current_task()
+            if task in self._evicted:
+                self._evicted.discard(task)  # (its places went back as it was ended)
+            elif task is not None:
+                self._uncount(key, task)
             if writer is None:
                 conn.close()
             else:

@@ -253,6 +253,12 @@ class Broker:
             # (through a 4 ms round-trip proxy, 1 MiB messages: 115 MB/s, against 300-450 with BDP probing);
             # remote clients' copies take the TCP link (link_listen), whose flow control is the front's own.
             ("grpc.http2.bdp_probe", 0),
+            # No compressed requests: gRPC inflates a message in the front before any handler sees it, and
+            # max_message_bytes bounds what it inflates to, not what came in: 4 KiB of gzip became a 4 MiB request,
+            # and two local uids sending such health checks (no token needed) under the call rate took the front
+            # from 0.1 to over 1 CPU and alice's p50 from 0.9 to 15-29 ms. Identity only (the SDK compresses
+            # nothing; its links compress on the tenant's worker, lz4): a compressed message is refused unread.
+            ("grpc.compression_enabled_algorithms_bitset", 1),
         ])
         # Requests whose bytes do not parse get INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN).
         add_servicer(pb_grpc.add_GpuBrokerServicer_to_server, service, self.server)
@@ -285,7 +291,7 @@ class Broker:
         self.gate = GrpcGate(grpc_connection_cap(cfg.max_grpc_connections), cfg.max_grpc_connections_per_peer,
                              self.health.refusals, connection_rate=connection_rate, call_rate=call_rate,
                              accepts=self.accepts, unauthenticated_seconds=cfg.grpc_unauthenticated_seconds,
-                             control_rate=control_rate)
+                             control_rate=control_rate, max_per_tenant=cfg.max_grpc_connections_per_tenant)
         for address in cfg.listen:
             if (listen_path := unix_path(address)) is not None:
                 public = self.gate.listen_unix(Path(listen_path), cfg.socket_mode, cfg.socket_group)

@@ -417,11 +417,22 @@ async def _admit(servicer: Admitting, context: Context) -> None:
     auth = servicer.auth
     await auth.prepare(context.invocation_metadata())  # (a legacy scrypt token: checked off the event loop)
     principal = _authenticate(auth, context)
-    grpc_authenticated(context)  # (its connection may stay: the gate closes those that never authenticate)
+    # (its connection may stay: the gate closes those that never authenticate; and one past its tenant's share of
+    # the gate's connections is refused here, so that it stays one of those)
+    too_many = grpc_authenticated(context, principal.tenant, functools.partial(_watch, auth, principal))
+    if too_many is not None:
+        raise ResourceExhausted(too_many)
     caller.set(principal)
     sessions = servicer.sessions
     sessions.enter_call(principal.tenant)
     counted.set(_Admitted(auth, sessions, principal))
+
+
+def _watch(auth: Authenticator, principal: Principal, on_revoke: Callable[[], None]) -> Callable[[], None]:
+    """Watch ``principal``'s credential (a connection's first authenticated call's, for the gRPC gate): returns what
+    takes the watch off."""
+    watch = auth.revocations.watch(principal, on_revoke)
+    return functools.partial(auth.revocations.unwatch, principal, watch)
 
 
 async def _received(request: Any) -> Any:
