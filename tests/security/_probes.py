@@ -1,5 +1,5 @@
-"""What several security tests read from a running broker: a tenant's unary latency, the metrics endpoint, and
-where a worker's threads wait."""
+"""What several security tests read from a running broker: a tenant's unary latency, the metrics endpoint, where a
+worker's threads wait, and whether its shared memory still works."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpubroker.broker.launcher import BrokerProcess
+from gpubroker.client import RemoteGpu
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
@@ -78,3 +80,47 @@ def waits_on_its_kernel(pid: int) -> bool:
     """The worker's main thread waits in the device's finish while its kernel's thread sleeps."""
     waits = wchans(pid)
     return "futex" in waits.get(pid, "") and "nanosleep" in "".join(waits.values())
+
+
+# A peer holding gRPC connections, run as ``python -c CONNECTION_HOLDER TARGET COUNT UID TOKEN`` (as root: it takes
+# UID once its modules are loaded, as the interpreter's files may be root's only): COUNT connections, each a channel
+# of its own, each making a call with TOKEN every half second (a channel whose connection was closed reconnects at
+# its next call). The first round's status codes go to stdout: one per connection the gate admitted.
+CONNECTION_HOLDER = r"""
+import os, sys, time
+import grpc
+from gpubroker.v1 import broker_pb2 as pb, broker_pb2_grpc as pbg
+target, count, uid, token = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+os.setgroups([])
+os.setgid(uid)
+os.setuid(uid)
+stubs = [pbg.GpuBrokerStub(grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]))
+         for _ in range(count)]
+first = True
+while True:
+    calls = [s.ListDevices.future(pb.ListDevicesRequest(), metadata=[("authorization", "Bearer " + token)], timeout=10)
+             for s in stubs]
+    codes = []
+    for call in calls:
+        try:
+            call.result()
+            codes.append("OK")
+        except grpc.RpcError as exc:
+            codes.append(exc.code().name)
+    if first:
+        print(" ".join(codes), flush=True)
+        first = False
+    time.sleep(0.5)
+"""
+
+
+def assert_shared_memory_works(gpu: RemoteGpu, nbytes: int) -> None:
+    """A buffer of ``nbytes`` and a host array of 16 MiB: the array's bytes go to the buffer and come back through the
+    front's shared-memory segments."""
+    buf = gpu.allocate_memory(nbytes)
+    host = gpu.host_array((16 << 20) // 4, np.float32)
+    host[:] = 3.0
+    gpu.copy_h2d(host, buf)
+    back = np.zeros_like(host)
+    gpu.copy_d2h(buf, back)
+    np.testing.assert_array_equal(back, host)

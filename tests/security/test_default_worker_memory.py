@@ -17,7 +17,6 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from gpubroker.broker.config import BrokerConfig
@@ -27,6 +26,7 @@ from gpubroker.broker.sandbox._spawn import LINKER_MEMORY
 from gpubroker.client import ModuleFormat, connect
 
 from ..conftest import worker_pids
+from ._probes import assert_shared_memory_works
 from .exploits import ATTACK_SOURCE, NR, Attempt, Program, Result, check_arch, run
 
 MiB = 1 << 20
@@ -97,13 +97,7 @@ def test_a_default_worker_cannot_take_host_memory_far_past_its_quota(broker: Bro
             # size (test_worker_shared_mappings.py); the worker unharmed either way
             assert attempt.ret in (-12, -1), attempt
         # The worker serves on: memory within the quota, and shared memory, work.
-        buf = gpu.allocate_memory(QUOTA // 2)
-        host = gpu.host_array(16 * MiB // 4, np.float32)
-        host[:] = 3.0
-        gpu.copy_h2d(host, buf)
-        back = np.zeros_like(host)
-        gpu.copy_d2h(buf, back)
-        np.testing.assert_array_equal(back, host)
+        assert_shared_memory_works(gpu, QUOTA // 2)
         assert worker_pids(broker, "alice") == [pid], "the worker was replaced"
 
 

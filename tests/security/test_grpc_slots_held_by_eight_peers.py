@@ -37,6 +37,7 @@ from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pbg
 
 from ..helpers import wait_for
+from ._probes import CONNECTION_HOLDER
 
 PEERS = 4  # attacking uids, each its own peer
 PER_PEER = 8  # max_grpc_connections_per_peer
@@ -46,37 +47,7 @@ FIRST_UID = 20001
 # starts connecting on a loaded machine (each connect of his then evicts one); short enough to wait for.
 GRACE = 6.0
 CONNECTS = 5  # bob's connects while the attack goes on
-
-# One attacking peer, a uid of its own (taken once its modules are loaded: the interpreter's files may be root's
-# only): PER_PEER connections, each a channel of its own, each making a call with a wrong token every half second (a
-# channel whose connection was closed reconnects at its next call). The first round's status codes go to stdout:
-# UNAUTHENTICATED from each connection the gate admitted.
-ATTACKER = r"""
-import os, sys, time
-import grpc
-from gpubroker.v1 import broker_pb2 as pb, broker_pb2_grpc as pbg
-target, count, uid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-os.setgroups([])
-os.setgid(uid)
-os.setuid(uid)
-stubs = [pbg.GpuBrokerStub(grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]))
-         for _ in range(count)]
-first = True
-while True:
-    calls = [s.ListDevices.future(pb.ListDevicesRequest(), metadata=[("authorization", "Bearer gpb_x.y")], timeout=10)
-             for s in stubs]
-    codes = []
-    for call in calls:
-        try:
-            call.result()
-            codes.append("OK")
-        except grpc.RpcError as exc:
-            codes.append(exc.code().name)
-    if first:
-        print(" ".join(codes), flush=True)
-        first = False
-    time.sleep(0.5)
-"""
+WRONG_TOKEN = "gpb_x.y"
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +73,9 @@ def _refused(broker: BrokerProcess, reason: str) -> float:
 def test_unauthenticated_peers_cannot_lock_a_tenant_out_of_grpc(broker: BrokerProcess) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to attack as other uids")
-    attackers = [subprocess.Popen([sys.executable, "-c", ATTACKER, broker.target, str(PER_PEER), str(FIRST_UID + n)],
-                                  stdout=subprocess.PIPE, text=True)
+    # (each attacker's calls carry a wrong token: UNAUTHENTICATED from each connection the gate admitted)
+    attackers = [subprocess.Popen([sys.executable, "-c", CONNECTION_HOLDER, broker.target, str(PER_PEER),
+                                   str(FIRST_UID + n), WRONG_TOKEN], stdout=subprocess.PIPE, text=True)
                  for n in range(PEERS)]
     try:
         for attacker in attackers:  # every connection of every attacker admitted: the pool is full

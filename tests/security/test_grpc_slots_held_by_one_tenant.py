@@ -37,7 +37,7 @@ from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import AdminClient, connect
 
 from ..helpers import wait_for
-from ._probes import scrape
+from ._probes import CONNECTION_HOLDER, scrape
 
 PEERS = 4  # mallory's uids, each its own peer
 PER_PEER = 8  # max_grpc_connections_per_peer
@@ -46,36 +46,6 @@ PER_TENANT = 8  # max_grpc_connections_per_tenant
 FIRST_UID = 20101
 GRACE = 6.0  # grpc_unauthenticated_seconds
 CONNECTS = 5  # bob's connects while mallory holds the pool
-
-# One of mallory's uids (taken once its modules are loaded): PER_PEER connections, each a channel of its own, each
-# making a call with mallory's token every half second. The first round's status codes go to stdout: OK (or, past
-# mallory's share, RESOURCE_EXHAUSTED) from each connection the gate admitted.
-ATTACKER = r"""
-import os, sys, time
-import grpc
-from gpubroker.v1 import broker_pb2 as pb, broker_pb2_grpc as pbg
-target, count, uid, token = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-os.setgroups([])
-os.setgid(uid)
-os.setuid(uid)
-stubs = [pbg.GpuBrokerStub(grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)]))
-         for _ in range(count)]
-first = True
-while True:
-    calls = [s.ListDevices.future(pb.ListDevicesRequest(), metadata=[("authorization", "Bearer " + token)], timeout=10)
-             for s in stubs]
-    codes = []
-    for call in calls:
-        try:
-            call.result()
-            codes.append("OK")
-        except grpc.RpcError as exc:
-            codes.append(exc.code().name)
-    if first:
-        print(" ".join(codes), flush=True)
-        first = False
-    time.sleep(0.5)
-"""
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +63,9 @@ def broker() -> Iterator[BrokerProcess]:
 def test_one_tenants_authenticated_connections_cannot_lock_another_out_of_grpc(broker: BrokerProcess) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to attack as other uids")
-    attackers = [subprocess.Popen([sys.executable, "-c", ATTACKER, broker.target, str(PER_PEER), str(FIRST_UID + n),
-                                   broker.tokens["mallory"]], stdout=subprocess.PIPE, text=True)
+    # (mallory's uids: OK, or past her share RESOURCE_EXHAUSTED, from each connection the gate admitted)
+    attackers = [subprocess.Popen([sys.executable, "-c", CONNECTION_HOLDER, broker.target, str(PER_PEER),
+                                   str(FIRST_UID + n), broker.tokens["mallory"]], stdout=subprocess.PIPE, text=True)
                  for n in range(PEERS)]
     try:
         codes = []
@@ -132,8 +103,8 @@ def test_a_rotated_tokens_connections_do_not_keep_the_tenants_share(broker: Brok
         pytest.skip("needs root to attack as another uid")
     old = broker.tokens["carol"]
     # Whoever holds carol's token: her whole share of connections, from one uid, a call on each every half second.
-    holder = subprocess.Popen([sys.executable, "-c", ATTACKER, broker.target, str(PER_TENANT), str(FIRST_UID + PEERS),
-                               old], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", CONNECTION_HOLDER, broker.target, str(PER_TENANT),
+                               str(FIRST_UID + PEERS), old], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None
         codes = holder.stdout.readline().split()

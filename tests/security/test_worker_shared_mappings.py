@@ -24,7 +24,6 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from gpubroker.broker.config import BrokerConfig
@@ -35,6 +34,7 @@ from gpubroker.client import ModuleFormat, connect
 
 from ..conftest import worker_pids
 from . import exploits
+from ._probes import assert_shared_memory_works
 from .exploits import AT_FDCWD, ATTACK_SOURCE, O_RDWR, Attempt, Program, Result, check_arch, run
 
 MiB = 1 << 20
@@ -126,10 +126,4 @@ def test_a_kernel_populates_no_memory_outside_the_workers_private_limit(broker: 
 
         # The worker serves on: shared memory through the front's segments still works.
         assert worker_pids(broker, "alice") == [pid], "the worker was replaced"
-        buf = gpu.allocate_memory(16 * MiB)
-        host = gpu.host_array(16 * MiB // 4, np.float32)
-        host[:] = 3.0
-        gpu.copy_h2d(host, buf)
-        back = np.zeros_like(host)
-        gpu.copy_d2h(buf, back)
-        np.testing.assert_array_equal(back, host)
+        assert_shared_memory_works(gpu, 16 * MiB)
