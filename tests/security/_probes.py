@@ -14,7 +14,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpubroker.broker.launcher import BrokerProcess
-from gpubroker.client import RemoteGpu
+from gpubroker.client import RemoteGpu, connect
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
@@ -124,3 +124,15 @@ def assert_shared_memory_works(gpu: RemoteGpu, nbytes: int) -> None:
     back = np.zeros_like(host)
     gpu.copy_d2h(buf, back)
     np.testing.assert_array_equal(back, host)
+
+
+def failed_connects(broker: BrokerProcess, tenant: str, count: int) -> list[str]:
+    """Connect ``count`` times as ``tenant`` (a session and a call each): why each that failed did."""
+    failures = []
+    for _ in range(count):
+        try:
+            with connect(broker.target, token=broker.tokens[tenant], timeout=10) as gpu:
+                gpu.device_info()
+        except Exception as exc:
+            failures.append(f"{type(exc).__name__}: {exc}")
+    return failures

@@ -32,12 +32,11 @@ import grpc
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.client import connect
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pbg
 
 from ..helpers import wait_for
-from ._probes import CONNECTION_HOLDER
+from ._probes import CONNECTION_HOLDER, failed_connects
 
 PEERS = 4  # attacking uids, each its own peer
 PER_PEER = 8  # max_grpc_connections_per_peer
@@ -83,13 +82,7 @@ def test_unauthenticated_peers_cannot_lock_a_tenant_out_of_grpc(broker: BrokerPr
             codes = attacker.stdout.readline().split()
             assert codes == ["UNAUTHENTICATED"] * PER_PEER, f"an attacker's first calls: {codes}"
         evicted = _refused(broker, "evicted unauthenticated")
-        failures = []
-        for _ in range(CONNECTS):
-            try:
-                with connect(broker.target, token=broker.tokens["bob"], timeout=10) as gpu:
-                    gpu.device_info()
-            except Exception as exc:
-                failures.append(f"{type(exc).__name__}: {exc}")
+        failures = failed_connects(broker, "bob", CONNECTS)
         assert all(attacker.poll() is None for attacker in attackers), "an attacker stopped"
     finally:
         for attacker in attackers:

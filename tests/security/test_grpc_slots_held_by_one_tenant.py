@@ -34,10 +34,10 @@ from collections.abc import Iterator
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.client import AdminClient, connect
+from gpubroker.client import AdminClient
 
 from ..helpers import wait_for
-from ._probes import CONNECTION_HOLDER, scrape
+from ._probes import CONNECTION_HOLDER, failed_connects, scrape
 
 PEERS = 4  # mallory's uids, each its own peer
 PER_PEER = 8  # max_grpc_connections_per_peer
@@ -73,13 +73,7 @@ def test_one_tenants_authenticated_connections_cannot_lock_another_out_of_grpc(b
             assert attacker.stdout is not None
             codes += attacker.stdout.readline().split()
         assert len(codes) == POOL and set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, f"mallory's first calls: {codes}"
-        failures = []
-        for _ in range(CONNECTS):
-            try:
-                with connect(broker.target, token=broker.tokens["bob"], timeout=10) as gpu:
-                    gpu.device_info()
-            except Exception as exc:
-                failures.append(f"{type(exc).__name__}: {exc}")
+        failures = failed_connects(broker, "bob", CONNECTS)
         assert all(attacker.poll() is None for attacker in attackers), "an attacker stopped"
     finally:
         for attacker in attackers:
@@ -116,13 +110,7 @@ def test_a_rotated_tokens_connections_do_not_keep_the_tenants_share(broker: Brok
             admin.reload()
         reloaded = time.monotonic()
         broker.tokens["carol"] = out.strip().splitlines()[-1]
-        failures = []
-        for _ in range(3):
-            try:
-                with connect(broker.target, token=broker.tokens["carol"], timeout=10) as gpu:
-                    gpu.device_info()
-            except Exception as exc:
-                failures.append(f"{type(exc).__name__}: {exc}")
+        failures = failed_connects(broker, "carol", 3)
         assert holder.poll() is None, "the old token's holder stopped"
         # Its connections, their calls failing now, are closed as any that never authenticated.
         wait_for(lambda: _timeouts(broker) >= timeouts + PER_TENANT, GRACE + 20.0,
