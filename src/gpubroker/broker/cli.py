@@ -33,8 +33,7 @@ audit = logging.getLogger("gpubroker.audit")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from gpubroker.broker.front import run_broker
-    from gpubroker.broker.front._native_log import capture_native_stderr
+    from gpubroker.broker.front import capture_native_stderr, run_broker
     from gpubroker.broker.sandbox import set_dumpable
 
     cfg = load_config(args.config)

@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from gpubroker.broker.front._native_log import capture_native_stderr
     from gpubroker.broker.front._server import Broker, probe_devices, run_broker
     from gpubroker.broker.front._service import GpuBrokerService, device_info_to_pb
 
-__all__ = ["Broker", "GpuBrokerService", "device_info_to_pb", "probe_devices", "run_broker"]
+__all__ = ["Broker", "GpuBrokerService", "capture_native_stderr", "device_info_to_pb", "probe_devices", "run_broker"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,6 +20,10 @@ def __getattr__(name: str) -> Any:
         from gpubroker.broker.front import _server
 
         return getattr(_server, name)
+    if name == "capture_native_stderr":
+        from gpubroker.broker.front import _native_log
+
+        return _native_log.capture_native_stderr
     if name in ("GpuBrokerService", "device_info_to_pb"):
         from gpubroker.broker.front import _service
 
