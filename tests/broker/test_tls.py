@@ -207,5 +207,6 @@ def test_certs_commands_write_private_keys_and_print_the_config(tmp_path: Path) 
 def test_serve_insecure_flag_sets_the_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     seen: list[BrokerConfig] = []
     monkeypatch.setattr("gpubroker.broker.front.run_broker", lambda cfg, ready_file=None: seen.append(cfg))
+    (tmp_path / "c.toml").write_text("")  # (an empty config: no tenants)
     assert cli.main(["serve", "--config", str(tmp_path / "c.toml"), "--insecure"]) == 0
     assert seen[0].insecure is True

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -198,6 +199,25 @@ def test_cli_status_sessions_end_session_and_drain(ops_broker: BrokerProcess) ->
         after = _cli(ops_broker, "status")
         assert "NOT_SERVING, draining" in after.splitlines()[0] and "NOT_SERVING" in _row(after, "0").split()
         assert alice.session in _cli(ops_broker, "admin", "sessions")  # `gpubroker admin ...` still works
+
+
+def test_the_cli_takes_its_target_from_the_environment_and_exits_1_on_failure_2_on_a_bad_request(
+        ops_broker: BrokerProcess, tmp_path: Path) -> None:
+    """GPUBROKER_TARGET as the quickstart exports it, beside GPUBROKER_TOKEN; exit 1 when the broker fails the call
+    (nobody listening), 2 when the command cannot be done as asked (a config file that is not there)."""
+    def cli(*args: str, target: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "GPUBROKER_TOKEN": ops_broker.tokens["ops"], "GPUBROKER_TARGET": target}
+        return subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", *args], env=env, capture_output=True,
+                              text=True, timeout=60)
+
+    status = cli("status", target=ops_broker.target)
+    assert status.returncode == 0, status.stderr
+    assert f" at {ops_broker.target}: " in status.stdout.splitlines()[0]
+    nobody = cli("sessions", target=f"unix:{tmp_path}/nobody-listens.sock")
+    assert nobody.returncode == 1 and nobody.stderr.startswith("gpubroker: error: "), nobody
+    typo = cli("serve", "--config", str(tmp_path / "gpubrokr.toml"), target=ops_broker.target)
+    assert typo.returncode == 2 and "no config file at" in typo.stderr and "tenant add" in typo.stderr, typo
+    assert not (tmp_path / "gpubrokr.toml").exists()
 
 
 def test_connect_places_the_session_on_the_first_healthy_broker_with_room(backend: str) -> None:

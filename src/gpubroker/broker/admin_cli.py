@@ -19,6 +19,8 @@ __all__ = ["add_admin_parsers", "run_admin", "table"]
 # Top-level commands and what each is called under `gpubroker admin`.
 _TOP_LEVEL = ("status", "sessions", "end-session", "drain")
 
+# The broker's address when --target is not given, as the quickstart exports it (beside GPUBROKER_TOKEN).
+TARGET_ENV = "GPUBROKER_TARGET"
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Iterable[int] = ()) -> str:
     """Rows as aligned columns under their headers; columns numbered in ``right`` align right."""
@@ -120,8 +122,9 @@ def run_admin(args: argparse.Namespace) -> int:
 def _target_options(defaults: bool = True) -> argparse.ArgumentParser:
     """--target and --token; without ``defaults`` (a subcommand's copy) they do not override the group's."""
     options = argparse.ArgumentParser(add_help=False)
-    options.add_argument("--target", default=DEFAULT_SOCKET if defaults else argparse.SUPPRESS,
-                         help=f"broker address (default {DEFAULT_SOCKET})")
+    options.add_argument("--target", default=os.environ.get(TARGET_ENV) or DEFAULT_SOCKET if defaults
+                         else argparse.SUPPRESS,
+                         help=f"broker address (default: the {TARGET_ENV} variable, else {DEFAULT_SOCKET})")
     options.add_argument("--token", default=None if defaults else argparse.SUPPRESS,
                          help="an admin tenant's token (prefer the GPUBROKER_TOKEN variable)")
     return options

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from gpubroker import __version__
-from gpubroker.broker.admin_cli import add_admin_parsers
+from gpubroker.broker.admin_cli import TARGET_ENV, add_admin_parsers
 from gpubroker.broker.config import (
     BrokerConfig,
     TenantConfig,
@@ -24,7 +24,19 @@ from gpubroker.broker.config import (
 )
 from gpubroker.broker.front.auth import mint_token
 from gpubroker.broker.logs import configure_logging
-from gpubroker.client import GpuBrokerError, InvalidArgument
+from gpubroker.client import (
+    Aborted,
+    Cancelled,
+    DeadlineExceeded,
+    GpuBrokerError,
+    Internal,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    WorkerCrashed,
+)
 from gpubroker.wire.addresses import parse_host_port
 
 __all__ = ["main"]
@@ -36,6 +48,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from gpubroker.broker.front import capture_native_stderr, run_broker
     from gpubroker.broker.sandbox import set_dumpable
 
+    if not os.path.exists(args.config):
+        # (load_config reads a missing file as no tenants, for `tenant add`: a broker serving nobody from a typo)
+        raise InvalidArgument(f"no config file at {args.config}: create it with `gpubroker tenant add NAME --config "
+                              f"{args.config}`, or give the path of an existing one")
     cfg = load_config(args.config)
     if args.listen:
         cfg.listen = args.listen
@@ -337,7 +353,9 @@ def _parser() -> argparse.ArgumentParser:
                        "running broker serves, with their health)")
     d.add_argument("--config")
     d.add_argument("--backend", choices=["auto", "cuda", "opencl"])
-    d.add_argument("--target", help="ask a running broker (unix:PATH or HOST:PORT) instead of probing here")
+    d.add_argument("--target", default=os.environ.get(TARGET_ENV) or None,
+                   help=f"ask a running broker (unix:PATH or HOST:PORT) instead of probing here (default: the "
+                        f"{TARGET_ENV} variable)")
     d.add_argument("--token", help="a tenant's token for --target (prefer the GPUBROKER_TOKEN variable)")
     d.set_defaults(fn=_cmd_devices)
 
@@ -382,6 +400,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_RUNTIME_ERRORS = (Unavailable, DeadlineExceeded, Unauthenticated, PermissionDenied, ResourceExhausted, Internal,
+                   Aborted, Cancelled, WorkerCrashed)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -389,8 +411,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.fn(args) or 0)
     except GpuBrokerError as exc:
+        # 1: it failed where it ran (the broker unreachable, refusing the token, out of time or room, crashed),
+        # which may pass on a retry; 2: what was asked cannot be done as asked (a bad argument, a bad or missing
+        # config file, a name that exists or does not), as argparse's own usage errors.
         print(f"gpubroker: error: {exc.message}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, _RUNTIME_ERRORS) else 2
 
 
 if __name__ == "__main__":
