@@ -3,6 +3,7 @@ clients that place sessions across several brokers."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -213,6 +214,15 @@ def test_the_cli_takes_its_target_from_the_environment_and_exits_1_on_failure_2_
     status = cli("status", target=ops_broker.target)
     assert status.returncode == 0, status.stderr
     assert f" at {ops_broker.target}: " in status.stdout.splitlines()[0]
+    # --json: what the broker answered, for scripts; usage and reload at the top level too.
+    answered = json.loads(cli("status", "--json", target=ops_broker.target).stdout)
+    assert answered["target"] == ops_broker.target and answered["status"]["devices"][0]["device"] == 0
+    assert {t["tenant"] for t in answered["status"]["tenants"]} >= {"alice", "bob", "ops"}
+    with connect(ops_broker.target, token=ops_broker.tokens["alice"]) as alice:
+        sessions = json.loads(cli("sessions", "--json", "--tenant", "alice", target=ops_broker.target).stdout)
+        assert [s["session"] for s in sessions["sessions"]] == [alice.session]
+    assert "tenants" in json.loads(cli("usage", "--json", "--window", "5", target=ops_broker.target).stdout)
+    assert json.loads(cli("reload", "--json", target=ops_broker.target).stdout)["sessions_ended"] == 0
     nobody = cli("sessions", target=f"unix:{tmp_path}/nobody-listens.sock")
     assert nobody.returncode == 1 and nobody.stderr.startswith("gpubroker: error: "), nobody
     typo = cli("serve", "--config", str(tmp_path / "gpubrokr.toml"), target=ops_broker.target)

@@ -1,12 +1,13 @@
-"""The operator's commands over the Admin service: `gpubroker status | sessions | end-session | drain`.
-
-The same commands (plus `reload` and `usage`) stay under `gpubroker admin ...`. Every one needs an admin tenant's
-token (`--token` or, better, the GPUBROKER_TOKEN variable) and the broker's address (`--target`).
+"""The operator's commands over the Admin service: `gpubroker status | sessions | end-session | drain | reload |
+usage`, each also under `gpubroker admin ...`. Every one needs an admin tenant's token (`--token` or, better, the
+GPUBROKER_TOKEN variable) and the broker's address (`--target`, or the GPUBROKER_TARGET variable); `--json` prints
+what the broker answered as JSON (the Admin service's messages, protobuf's JSON mapping) instead of tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Iterable, Sequence
@@ -14,13 +15,14 @@ from typing import Any
 
 from gpubroker.broker.config import DEFAULT_SOCKET, format_size
 
-__all__ = ["add_admin_parsers", "run_admin", "table"]
+__all__ = ["TARGET_ENV", "add_admin_parsers", "run_admin", "table"]
 
-# Top-level commands and what each is called under `gpubroker admin`.
-_TOP_LEVEL = ("status", "sessions", "end-session", "drain")
+# The commands, each at the top level and under `gpubroker admin`.
+_COMMANDS = ("status", "sessions", "end-session", "reload", "drain", "usage")
 
 # The broker's address when --target is not given, as the quickstart exports it (beside GPUBROKER_TOKEN).
 TARGET_ENV = "GPUBROKER_TARGET"
+
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Iterable[int] = ()) -> str:
     """Rows as aligned columns under their headers; columns numbered in ``right`` align right."""
@@ -91,7 +93,9 @@ def run_admin(args: argparse.Namespace) -> int:
         return 2
     with AdminClient(args.target, token) as admin:
         command = args.admin_cmd
-        if command == "status":
+        if args.json:
+            print(json.dumps(_answer(admin, args), indent=2))
+        elif command == "status":
             window = 10.0
             status = admin.status()
             _print_status(args.target, status, admin.list_sessions(), admin.usage(window), window)
@@ -119,6 +123,31 @@ def run_admin(args: argparse.Namespace) -> int:
     return 0
 
 
+def _answer(admin: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The command's answers as JSON objects (protobuf's JSON mapping of the Admin service's messages)."""
+    from google.protobuf.json_format import MessageToDict
+
+    def plain(message: Any) -> dict[str, Any]:
+        found: dict[str, Any] = MessageToDict(message, preserving_proto_field_name=True,
+                                              always_print_fields_with_no_presence=True)
+        return found
+
+    command = args.admin_cmd
+    if command == "status":
+        window = 10.0
+        return {"target": args.target, "status": plain(admin.status()),
+                "sessions": [plain(s) for s in admin.list_sessions()], "usage": plain(admin.usage(window))}
+    if command == "sessions":
+        return {"sessions": [plain(s) for s in admin.list_sessions(args.tenant or "")]}
+    if command == "end-session":
+        return {"session": args.session, **plain(admin.end_session(args.session))}
+    if command == "reload":
+        return plain(admin.reload())
+    if command == "usage":
+        return plain(admin.usage(args.window))
+    return plain(admin.drain(args.grace))
+
+
 def _target_options(defaults: bool = True) -> argparse.ArgumentParser:
     """--target and --token; without ``defaults`` (a subcommand's copy) they do not override the group's."""
     options = argparse.ArgumentParser(add_help=False)
@@ -127,6 +156,8 @@ def _target_options(defaults: bool = True) -> argparse.ArgumentParser:
                          help=f"broker address (default: the {TARGET_ENV} variable, else {DEFAULT_SOCKET})")
     options.add_argument("--token", default=None if defaults else argparse.SUPPRESS,
                          help="an admin tenant's token (prefer the GPUBROKER_TOKEN variable)")
+    options.add_argument("--json", action="store_true", default=False if defaults else argparse.SUPPRESS,
+                         help="print the broker's answer as JSON instead of tables")
     return options
 
 
@@ -154,10 +185,9 @@ def _add_commands(sub: Any, parents: list[argparse.ArgumentParser], names: Seque
 
 
 def add_admin_parsers(sub: Any) -> None:
-    """`gpubroker admin ...` and the top-level `status`, `sessions`, `end-session` and `drain`."""
+    """`gpubroker admin ...` and the same commands at the top level."""
     options = _target_options()
     a = sub.add_parser("admin", help="admin calls on a running broker (token: --token or GPUBROKER_TOKEN)",
                        parents=[options])
-    _add_commands(a.add_subparsers(dest="admin_cmd", required=True), [_target_options(defaults=False)],
-                  ["status", "sessions", "end-session", "reload", "drain", "usage"])
-    _add_commands(sub, [options], _TOP_LEVEL)
+    _add_commands(a.add_subparsers(dest="admin_cmd", required=True), [_target_options(defaults=False)], _COMMANDS)
+    _add_commands(sub, [options], _COMMANDS)
