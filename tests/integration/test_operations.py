@@ -182,7 +182,7 @@ def test_cli_status_sessions_end_session_and_drain(ops_broker: BrokerProcess) ->
         assert ": SERVING; up " in lines[0]
         assert {"devices", "tenants", "sessions"} <= set(lines) and any(line.startswith("usage (") for line in lines)
         assert "SERVING" in _row(status, "0").split()
-        assert _row(status, "alice").split()[4:6] == ["1", "4096"]  # tenants: sessions, memory used
+        assert _row(status, "alice").split()[4:6] == ["1", "4KiB"]  # tenants: sessions, memory used
         header = next(line for line in status.splitlines() if line.startswith("session "))
         row = _row(status, alice.session)
         assert header.index("tenant") == row.index("alice")  # columns line up under their headings

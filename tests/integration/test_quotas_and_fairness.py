@@ -126,5 +126,5 @@ def test_admin_cli_shows_usage_and_sessions(weighted: BrokerProcess) -> None:
                                     cmd], env=env, capture_output=True, text=True, check=True).stdout
                for cmd in ("usage", "sessions")}
     heavy_row = next(line for line in out["usage"].splitlines() if line.startswith("heavy"))
-    assert heavy_row.split()[2] == "3" and "12345" in heavy_row
+    assert heavy_row.split()[2] == "3" and "12.1KiB" in heavy_row
     assert gpu.session in out["sessions"]

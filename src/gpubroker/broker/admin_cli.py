@@ -15,7 +15,7 @@ from typing import Any
 
 from gpubroker.broker.config import DEFAULT_SOCKET, format_size
 
-__all__ = ["TARGET_ENV", "add_admin_parsers", "run_admin", "table"]
+__all__ = ["TARGET_ENV", "add_admin_parsers", "human_size", "run_admin", "table"]
 
 # The commands, each at the top level and under `gpubroker admin`.
 _COMMANDS = ("status", "sessions", "end-session", "reload", "drain", "usage")
@@ -34,6 +34,17 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Iterable
     return "\n".join(line.rstrip() for line in lines)
 
 
+def human_size(n: int) -> str:
+    """Bytes for a table: in binary units as the config writes them, one decimal where not whole (``4.0KiB``,
+    ``12.1KiB``, ``3GiB``), one token so that columns split on whitespace; --json keeps the bytes."""
+    if n % 1024 == 0 and n:
+        return format_size(n)
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n}B"
+
+
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
     if seconds < 60:
@@ -47,7 +58,7 @@ def _sessions_table(sessions: Sequence[Any]) -> str:
     if not sessions:
         return "(no sessions)"
     return table(["session", "tenant", "dev", "idle s", "memory", "worker", "lost"],
-                 [[s.session, s.tenant, s.device, f"{s.idle_seconds:.1f}", s.memory_used,
+                 [[s.session, s.tenant, s.device, f"{s.idle_seconds:.1f}", human_size(s.memory_used),
                    s.worker_pid or "", s.lost] for s in sessions], right=(2, 3, 4, 5))
 
 
@@ -57,8 +68,9 @@ def _usage_table(resp: Any) -> str:
     return table(["tenant", "dev", "weight", "device s", "share", "queued", "inflight", "wait p50 ms", "p99 ms",
                   "memory used", "quota", "sessions", "shared host", "limit"],
                  [[u.tenant, u.device, f"{u.weight:g}", f"{u.device_seconds:.3f}", f"{u.share:.1%}", u.queued,
-                   u.inflight, f"{u.wait_p50_ms:.2f}", f"{u.wait_p99_ms:.2f}", u.memory_used, u.memory_quota,
-                   u.sessions, u.shared_bytes, u.shared_bytes_limit] for u in resp.tenants], right=range(1, 14))
+                   u.inflight, f"{u.wait_p50_ms:.2f}", f"{u.wait_p99_ms:.2f}", human_size(u.memory_used),
+                   human_size(u.memory_quota), u.sessions, human_size(u.shared_bytes),
+                   human_size(u.shared_bytes_limit)] for u in resp.tenants], right=range(1, 14))
 
 
 def _print_status(target: str, status: Any, sessions: Sequence[Any], usage: Any, window: float) -> None:
@@ -71,12 +83,12 @@ def _print_status(target: str, status: Any, sessions: Sequence[Any], usage: Any,
     print(table(["dev", "name", "backend", "memory", "health", "sessions", "memory used", "worker failures",
                  "reason"],
                 [[d.device, d.name, d.backend, f"{d.total_memory / 2**30:.1f} GiB", d.health, d.sessions,
-                  d.memory_used, d.recent_worker_failures, d.reason] for d in status.devices],
+                  human_size(d.memory_used), d.recent_worker_failures, d.reason] for d in status.devices],
                 right=(0, 3, 5, 6, 7)))
     print("\ntenants")
     print(table(["tenant", "weight", "quota", "admin", "sessions", "memory used"],
                 [[t.tenant, t.weight, format_size(t.memory_quota), "yes" if t.admin else "no", t.sessions,
-                  t.memory_used] for t in status.tenants], right=(1, 2, 4, 5)))
+                  human_size(t.memory_used)] for t in status.tenants], right=(1, 2, 4, 5)))
     print("\nsessions")
     print(_sessions_table(sessions))
     print(f"\nusage (share over the last {window:g} s; fair scheduling {'on' if usage.fair_scheduling else 'off'}, "

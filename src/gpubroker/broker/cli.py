@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from gpubroker import __version__
-from gpubroker.broker.admin_cli import TARGET_ENV, add_admin_parsers
+from gpubroker.broker.admin_cli import TARGET_ENV, add_admin_parsers, human_size
 from gpubroker.broker.config import (
     BrokerConfig,
     TenantConfig,
@@ -103,7 +103,8 @@ def _cmd_tenant_add(args: argparse.Namespace) -> int:
     path = add_tenant_in_place(args.config, tenant)
     audit.info("action=tenant-add tenant=%s config=%s admin=%s by=%s", args.name, path, args.admin, _who())
     print(f"added tenant {args.name!r} to {path} (memory {format_size(tenant.memory_quota)}, "
-          f"weight {args.weight}). Its token, shown only now:")
+          f"weight {args.weight}). A running broker serves it after a reload (SIGHUP, `systemctl reload "
+          f"gpubroker` or `gpubroker reload`). Its token, shown only now:")
     print(token.token)
     return 0
 
@@ -194,7 +195,7 @@ def _cmd_devices(args: argparse.Namespace) -> int:
                 f"{d.multiprocessor_count} SMs/CUs at {d.clock_mhz} MHz, L2 {d.l2_cache_bytes / 2**20:.1f} MiB, {cc}")
         if d.health is not None:  # from a broker: whether it takes sessions, and this tenant's quota there
             line += f"; {d.health}" + (f" ({d.health_reason})" if d.health_reason else "")
-            line += f"; quota {format_size(d.memory_quota or 0)}, used {d.memory_used or 0}"
+            line += f"; quota {human_size(d.memory_quota or 0)}, used {human_size(d.memory_used or 0)}"
         print(line)
     return 0
 
