@@ -183,3 +183,21 @@ def test_concurrent_tenant_adds_lose_no_tenant(tmp_path: Path) -> None:
     verifier = TokenVerifier(cfg)
     assert all(verifier.tenant_for(token) == name for name, token in tokens.items())
     assert [line for line in _lines(path.read_text()) if line in CONFIG.splitlines()] == _lines(CONFIG)
+
+
+def test_config_check_reads_as_serve_would_and_names_the_problem(tmp_path: Path) -> None:
+    """`gpubroker config check`: 0 with a summary for a config `serve` would take; 2 naming the key for a typo
+    (with the guess), plaintext on a non-loopback address without `insecure`, or a file that is not there."""
+    path = tmp_path / "gpubroker.toml"
+    assert _cli("tenant", "add", "team-a", "--config", str(path)).returncode == 0
+    ok = _cli("config", "check", "--config", str(path))
+    assert ok.returncode == 0 and ": OK: 1 tenants (0 admin)" in ok.stdout, ok
+    text = path.read_text()
+    path.write_text("[broker]\nlease_secnds = 30.0\n" + text)
+    typo = _cli("config", "check", "--config", str(path))
+    assert typo.returncode == 2 and "lease_secnds" in typo.stderr and "lease_seconds" in typo.stderr, typo
+    path.write_text('[broker]\nlisten = ["0.0.0.0:0"]\n' + text)
+    plaintext = _cli("config", "check", "--config", str(path))
+    assert plaintext.returncode == 2 and "insecure" in plaintext.stderr, plaintext
+    missing = _cli("config", "check", "--config", str(tmp_path / "nope.toml"))
+    assert missing.returncode == 2 and "no config file at" in missing.stderr, missing

@@ -44,15 +44,33 @@ __all__ = ["main"]
 audit = logging.getLogger("gpubroker.audit")
 
 
+def _existing_config(path: str) -> BrokerConfig:
+    """The config `serve` reads (load_config reads a missing file as no tenants, for `tenant add`: a broker would
+    serve nobody from a typo)."""
+    if not os.path.exists(path):
+        raise InvalidArgument(f"no config file at {path}: create it with `gpubroker tenant add NAME --config "
+                              f"{path}`, or give the path of an existing one")
+    return load_config(path)
+
+
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    from gpubroker.broker.front import check_listeners
+
+    cfg = _existing_config(args.config)  # (strict: unknown keys with a guess, types, ranges, every table's rules)
+    check_listeners(cfg)  # (TLS files, plaintext only on loopback unless insecure, vsock's Unix listener)
+    admins = sum(t.admin for t in cfg.tenants.values())
+    print(f"{args.config}: OK: {len(cfg.tenants)} tenants ({admins} admin); listens on {', '.join(cfg.listen)}"
+          f"{'; TLS' + (' with client certificates' if cfg.tls.client_ca_file else '') if cfg.tls else ''}; "
+          f"backend {cfg.backend}. Devices and the sandbox are checked as the broker starts "
+          f"(`gpubroker devices --config {args.config}` shows both here).")
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from gpubroker.broker.front import capture_native_stderr, run_broker
     from gpubroker.broker.sandbox import set_dumpable
 
-    if not os.path.exists(args.config):
-        # (load_config reads a missing file as no tenants, for `tenant add`: a broker serving nobody from a typo)
-        raise InvalidArgument(f"no config file at {args.config}: create it with `gpubroker tenant add NAME --config "
-                              f"{args.config}`, or give the path of an existing one")
-    cfg = load_config(args.config)
+    cfg = _existing_config(args.config)
     if args.listen:
         cfg.listen = args.listen
     if args.backend:
@@ -330,7 +348,12 @@ def _parser() -> argparse.ArgumentParser:
     tt.add_argument("--config", required=True)
     tt.set_defaults(fn=_cmd_tenant_rotate)
 
-    add_admin_parsers(sub)  # `gpubroker admin ...`, and `status`, `sessions`, `end-session`, `drain`
+    cfg_sub = sub.add_parser("config", help="a config file").add_subparsers(dest="config_cmd", required=True)
+    cc_check = cfg_sub.add_parser("check", help="read a config as `serve` would and check its listeners; exit 2 on a "
+                                          "problem, naming the key")
+    cc_check.add_argument("--config", required=True, help="the TOML config to check")
+    cc_check.set_defaults(fn=_cmd_config_check)
+    add_admin_parsers(sub)  # `gpubroker status`, `sessions`, `end-session`, `drain`, `reload`, `usage` (and admin)
 
     c = sub.add_parser("certs", help="mint a CA, server and client certificates for TLS on TCP listeners")
     cs = c.add_subparsers(dest="certs_cmd", required=True)

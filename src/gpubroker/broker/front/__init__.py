@@ -8,11 +8,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from gpubroker.broker.front._credentials import check_listeners
     from gpubroker.broker.front._native_log import capture_native_stderr
     from gpubroker.broker.front._server import Broker, probe_devices, run_broker
     from gpubroker.broker.front._service import GpuBrokerService, device_info_to_pb
 
-__all__ = ["Broker", "GpuBrokerService", "capture_native_stderr", "device_info_to_pb", "probe_devices", "run_broker"]
+__all__ = ["Broker", "GpuBrokerService", "capture_native_stderr", "check_listeners", "device_info_to_pb",
+           "probe_devices", "run_broker"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from gpubroker.broker.front import _server
 
         return getattr(_server, name)
+    if name == "check_listeners":
+        from gpubroker.broker.front import _credentials
+
+        return _credentials.check_listeners
     if name == "capture_native_stderr":
         from gpubroker.broker.front import _native_log
 

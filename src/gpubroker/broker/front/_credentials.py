@@ -12,10 +12,10 @@ from pathlib import Path
 import grpc
 
 from gpubroker.broker.config import BrokerConfig
-from gpubroker.wire.addresses import AddressError, parse_host_port
+from gpubroker.wire.addresses import AddressError, parse_host_port, unix_path
 from gpubroker.wire.errors import FailedPrecondition, InvalidArgument
 
-__all__ = ["link_tls", "tcp_credentials"]
+__all__ = ["check_listeners", "link_tls", "tcp_credentials"]
 
 log = logging.getLogger("gpubroker.server")
 
@@ -109,3 +109,15 @@ def link_tls(cfg: BrokerConfig, address: str) -> ssl.SSLContext | None:
         context.load_verify_locations(cadata=_read_tls_file(cfg, "client_ca_file").decode())
         context.verify_mode = ssl.CERT_REQUIRED
     return context
+
+
+def check_listeners(cfg: BrokerConfig) -> tuple[dict[str, grpc.ServerCredentials], ssl.SSLContext | None]:
+    """What a broker serving ``cfg`` listens with, checked before anything slow (the device probe) and by
+    `gpubroker config check`: each TCP listener's credentials (TLS files readable, plaintext only on loopback
+    unless insecure), the TCP link's TLS, a Unix listener for vsock to relay to. FailedPrecondition or
+    InvalidArgument naming the key otherwise."""
+    tcp = {a: tcp_credentials(cfg, a) for a in cfg.listen if unix_path(a) is None}
+    link = link_tls(cfg, cfg.link_listen) if cfg.link_listen else None
+    if cfg.vsock_port and not any(unix_path(a) is not None for a in cfg.listen):
+        raise FailedPrecondition("vsock_port relays to the broker's own Unix socket: add a unix: listener")
+    return tcp, link

@@ -24,7 +24,7 @@ from gpubroker.broker.front import _systemd
 from gpubroker.broker.front._acceptor import AcceptorProcess
 from gpubroker.broker.front._admin import AdminService
 from gpubroker.broker.front._cpuwatch import CpuWatch
-from gpubroker.broker.front._credentials import link_tls, loopback_address, tcp_credentials
+from gpubroker.broker.front._credentials import check_listeners, loopback_address, tcp_credentials
 from gpubroker.broker.front._descriptors import PASSRIGHTS_SUPPORTED
 from gpubroker.broker.front._grpc_peers import GrpcGate
 from gpubroker.broker.front._health import BrokerHealth
@@ -160,11 +160,8 @@ class Broker:
     async def start(self) -> None:
         cfg = self.config
         # Listener credentials first: a TLS or plaintext misconfiguration fails before the slow device probe.
-        tcp_creds = {a: tcp_credentials(cfg, a) for a in cfg.listen if unix_path(a) is None}
-        link_context = link_tls(cfg, cfg.link_listen) if cfg.link_listen else None
+        tcp_creds, link_context = check_listeners(cfg)
         unix_paths = [path for path in map(unix_path, cfg.listen) if path is not None]
-        if cfg.vsock_port and not unix_paths:
-            raise FailedPrecondition("vsock_port relays to the broker's own Unix socket: add a unix: listener")
         backend, devices = await asyncio.to_thread(probe_devices, cfg.backend)
         if cfg.devices is not None:
             missing = [d for d in cfg.devices if d >= len(devices)]
