@@ -6,6 +6,7 @@ GPUs, and the tests skip when there are fewer than two.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -115,6 +116,9 @@ def test_devices_are_listed_with_health_and_the_tenants_quota_on_each(two: Broke
     rows = [line for line in listed.splitlines() if line.startswith("  ")]
     assert [row.split(":")[0].strip() for row in rows] == ["0", "1"]
     assert all("SERVING" in row for row in rows) and "quota 8MiB" in rows[1]
+    as_json = subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", "devices", "--target", two.target,
+                              "--json"], env=env, capture_output=True, text=True, check=True, timeout=60).stdout
+    assert [d["memory_quota"] for d in json.loads(as_json)["devices"]] == [4 * MiB, 8 * MiB]
 
 
 def test_gpubroker_devices_probes_every_device_here(backend: str, two: BrokerProcess) -> None:

@@ -3,6 +3,7 @@ edit the operator's file without losing what else is in it, and keep it private.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -192,6 +193,8 @@ def test_config_check_reads_as_serve_would_and_names_the_problem(tmp_path: Path)
     assert _cli("tenant", "add", "team-a", "--config", str(path)).returncode == 0
     ok = _cli("config", "check", "--config", str(path))
     assert ok.returncode == 0 and ": OK: 1 tenants (0 admin)" in ok.stdout, ok
+    listed = json.loads(_cli("tenant", "list", "--config", str(path), "--json").stdout)["tenants"]
+    assert [(t["name"], t["memory"]) for t in listed] == [("team-a", 8 << 30)] and "token_hash" not in listed[0]
     text = path.read_text()
     path.write_text("[broker]\nlease_secnds = 30.0\n" + text)
     typo = _cli("config", "check", "--config", str(path))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import json
 import logging
 import os
 import sys
@@ -129,6 +131,13 @@ def _cmd_tenant_add(args: argparse.Namespace) -> int:
 
 def _cmd_tenant_list(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
+    if args.json:  # (sizes in bytes; no token hashes)
+        print(json.dumps({"tenants": [
+            {"name": t.name, "memory": t.memory_quota, "weight": t.weight, "admin": t.admin,
+             "device_memory": {str(d): q for d, q in sorted(t.device_memory.items())},
+             "shared_memory": t.shared_quota()[0], "certificates_since": t.certificates_since}
+            for t in cfg.tenants.values()]}, indent=2))
+        return 0
     print(f"{'tenant':<24} {'memory':>10} {'weight':>6} {'admin':>5}  per device")
     for t in cfg.tenants.values():
         own = ", ".join(f"{d}: {format_size(q)}" for d, q in sorted(t.device_memory.items()))
@@ -199,14 +208,21 @@ def _cmd_devices(args: argparse.Namespace) -> int:
         token = args.token or os.environ.get("GPUBROKER_TOKEN") or None
         devices = list_devices(args.target, token)
         kind = devices[0].backend if devices else "none"
-        print(f"broker {args.target}, backend: {kind}, sandbox: {_remote_sandbox(args.target, token)}")
+        sandbox = _remote_sandbox(args.target, token)
+        heading = f"broker {args.target}, backend: {kind}, sandbox: {sandbox}"
     else:
         from gpubroker.broker.front import probe_devices
 
         cfg = load_config(args.config) if args.config else BrokerConfig()
         backend = args.backend or cfg.backend
         kind, devices = probe_devices(backend)
-        print(f"backend: {kind}, sandbox: {_local_sandbox(cfg, kind)}")
+        sandbox = _local_sandbox(cfg, kind)
+        heading = f"backend: {kind}, sandbox: {sandbox}"
+    if args.json:
+        print(json.dumps({"target": args.target, "backend": kind, "sandbox": sandbox,
+                          "devices": [dataclasses.asdict(d) for d in devices]}, indent=2))
+        return 0
+    print(heading)
     for d in devices:
         cc = f"cc {d.compute_capability[0]}.{d.compute_capability[1]}" if d.compute_capability else d.opencl_version
         line = (f"  {d.id}: {d.name} ({d.vendor}), {d.total_memory / 2**30:.1f} GiB, "
@@ -338,6 +354,7 @@ def _parser() -> argparse.ArgumentParser:
     ta.set_defaults(fn=_cmd_tenant_add)
     tl = t.add_parser("list", help="list tenants")
     tl.add_argument("--config", required=True)
+    tl.add_argument("--json", action="store_true", help="the tenants as JSON (sizes in bytes) instead of a table")
     tl.set_defaults(fn=_cmd_tenant_list)
     tr = t.add_parser("remove", help="remove a tenant")
     tr.add_argument("name")
@@ -381,6 +398,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"ask a running broker (unix:PATH or HOST:PORT) instead of probing here (default: the "
                         f"{TARGET_ENV} variable)")
     d.add_argument("--token", help="a tenant's token for --target (prefer the GPUBROKER_TOKEN variable)")
+    d.add_argument("--json", action="store_true", help="the devices as JSON (sizes in bytes) instead of lines")
     d.set_defaults(fn=_cmd_devices)
 
     m = sub.add_parser("demo", help="start an embedded broker and run two tenants' work against it")
