@@ -106,6 +106,12 @@ def test_drain_turns_everything_not_serving_and_hints_when_to_retry() -> None:
         assert health.drain_deadline == clock.now + 5 and health.retry_after() == 5.0
         for service in ("", BROKER_SERVICE, device_service(0)):
             assert await _status(health, service) == "NOT_SERVING"
+        assert await health.undrain() is True  # the drain ends: each status its own again
+        health.check_open(0)
+        assert health.drain_deadline is None
+        for service in ("", BROKER_SERVICE, device_service(0)):
+            assert await _status(health, service) == "SERVING"
+        assert await health.undrain() is False
         await health.stop()
 
     asyncio.run(scenario())

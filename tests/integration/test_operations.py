@@ -201,6 +201,16 @@ def test_cli_status_sessions_end_session_and_drain(ops_broker: BrokerProcess) ->
         assert "NOT_SERVING, draining" in after.splitlines()[0] and "NOT_SERVING" in _row(after, "0").split()
         assert alice.session in _cli(ops_broker, "admin", "sessions")  # `gpubroker admin ...` still works
 
+        # The drain ends: new sessions are taken again, and the health is SERVING again.
+        assert "drain ended: new sessions are taken again" in _cli(ops_broker, "undrain")
+        assert ": SERVING; up " in _cli(ops_broker, "status").splitlines()[0]
+        with grpc.insecure_channel(ops_broker.target) as channel:
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        with connect(ops_broker.target, token=ops_broker.tokens["bob"]) as bob_again:
+            bob_again.allocate_memory(16)
+        assert "the broker was not draining" in _cli(ops_broker, "undrain")
+
 
 def test_the_cli_takes_its_target_from_the_environment_and_exits_1_on_failure_2_on_a_bad_request(
         ops_broker: BrokerProcess, tmp_path: Path) -> None:

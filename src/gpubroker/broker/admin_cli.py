@@ -18,7 +18,7 @@ from gpubroker.broker.config import DEFAULT_SOCKET, format_size
 __all__ = ["TARGET_ENV", "add_admin_parsers", "human_size", "run_admin", "table"]
 
 # The commands, each at the top level and under `gpubroker admin`.
-_COMMANDS = ("status", "sessions", "end-session", "reload", "drain", "usage")
+_COMMANDS = ("status", "sessions", "end-session", "reload", "drain", "undrain", "usage")
 
 # The broker's address when --target is not given, as the quickstart exports it (beside GPUBROKER_TOKEN).
 TARGET_ENV = "GPUBROKER_TARGET"
@@ -125,6 +125,10 @@ def run_admin(args: argparse.Namespace) -> int:
             print(f"fair scheduling {'on' if usage.fair_scheduling else 'off'}, quantum {usage.quantum_ms:g} ms; "
                   f"share over the last {args.window:g} s")
             print(_usage_table(usage))
+        elif command == "undrain":
+            undrained = admin.undrain()
+            print(("drain ended: new sessions are taken again" if undrained.was_draining
+                   else "the broker was not draining") + f"; {undrained.sessions_running} sessions running")
         elif command == "drain":
             drained = admin.drain(args.grace)
             when = (f"; those still running are ended in {drained.seconds_left:.0f} s"
@@ -157,6 +161,8 @@ def _answer(admin: Any, args: argparse.Namespace) -> dict[str, Any]:
         return plain(admin.reload())
     if command == "usage":
         return plain(admin.usage(args.window))
+    if command == "undrain":
+        return plain(admin.undrain())
     return plain(admin.drain(args.grace))
 
 
@@ -180,6 +186,7 @@ def _add_commands(sub: Any, parents: list[argparse.ArgumentParser], names: Seque
         "end-session": "end a session and free its memory",
         "reload": "re-read tenants from the config file",
         "drain": "refuse new sessions (health NOT_SERVING); running ones go on",
+        "undrain": "end a drain: take new sessions again",
         "usage": "per tenant and device: device time, share, queue, waits, memory, shared host memory",
     }
     for name in names:

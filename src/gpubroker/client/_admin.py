@@ -116,8 +116,8 @@ class AdminClient:
         """Refuse new sessions from now on; with a grace, the broker ends the sessions left after it.
 
         Every health status turns `NOT_SERVING` and new sessions get `Unavailable` with a retry hint; running
-        sessions go on. A drain cannot be undone (restart the broker); a later drain may shorten the grace, never
-        lengthen it. The broker stays up: stop it with SIGTERM.
+        sessions go on. `undrain` ends it; a later drain may shorten the grace, never lengthen it. The broker stays
+        up: stop it with SIGTERM.
 
         Args:
             grace_seconds: Seconds the running sessions may go on before the broker ends them; None lets them run
@@ -132,6 +132,18 @@ class AdminClient:
         """
         request = apb.DrainRequest() if grace_seconds is None else apb.DrainRequest(grace_seconds=grace_seconds)
         return self._call("Drain", request, apb.DrainResponse)
+
+    def undrain(self) -> apb.UndrainResponse:
+        """End a drain: new sessions are taken again, every device's health is its own again, and a grace not yet
+        over no longer ends the sessions left.
+
+        Returns:
+            Whether the broker was draining, and the sessions running.
+
+        Raises:
+            PermissionDenied: the token is not an admin tenant's.
+        """
+        return self._call("Undrain", apb.UndrainRequest(), apb.UndrainResponse)
 
     def status(self) -> apb.StatusResponse:
         """The broker at a glance, as `gpubroker status` prints it.

@@ -82,6 +82,18 @@ class DrainResponse(_message.Message):
     seconds_left: float
     def __init__(self, sessions_running: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionSummary, _Mapping]]] = ..., seconds_left: _Optional[float] = ...) -> None: ...
 
+class UndrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UndrainResponse(_message.Message):
+    __slots__ = ("was_draining", "sessions_running")
+    WAS_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    was_draining: bool
+    sessions_running: int
+    def __init__(self, was_draining: _Optional[bool] = ..., sessions_running: _Optional[int] = ...) -> None: ...
+
 class UsageRequest(_message.Message):
     __slots__ = ("window_seconds",)
     WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class AdminStub:
                 request_serializer=gpubroker_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
                 response_deserializer=gpubroker_dot_v1_dot_admin__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Undrain = channel.unary_unary(
+                '/gpubroker.v1.Admin/Undrain',
+                request_serializer=gpubroker_dot_v1_dot_admin__pb2.UndrainRequest.SerializeToString,
+                response_deserializer=gpubroker_dot_v1_dot_admin__pb2.UndrainResponse.FromString,
+                _registered_method=True)
         self.Usage = channel.unary_unary(
                 '/gpubroker.v1.Admin/Usage',
                 request_serializer=gpubroker_dot_v1_dot_admin__pb2.UsageRequest.SerializeToString,
@@ -97,6 +102,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Undrain(self, request, context):
+        """Ends a drain: new sessions are taken again and every device's health is its own again; a grace not yet over
+        no longer ends the sessions left. Nothing happens on a broker that is not draining (was_draining false).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Usage(self, request, context):
         """Per tenant and device: device time, share, queue depth and waits (the fair scheduler's view), memory.
         """
@@ -133,6 +146,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=gpubroker_dot_v1_dot_admin__pb2.DrainRequest.FromString,
                     response_serializer=gpubroker_dot_v1_dot_admin__pb2.DrainResponse.SerializeToString,
+            ),
+            'Undrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undrain,
+                    request_deserializer=gpubroker_dot_v1_dot_admin__pb2.UndrainRequest.FromString,
+                    response_serializer=gpubroker_dot_v1_dot_admin__pb2.UndrainResponse.SerializeToString,
             ),
             'Usage': grpc.unary_unary_rpc_method_handler(
                     servicer.Usage,
@@ -253,6 +271,33 @@ class Admin:
             '/gpubroker.v1.Admin/Drain',
             gpubroker_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
             gpubroker_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Undrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpubroker.v1.Admin/Undrain',
+            gpubroker_dot_v1_dot_admin__pb2.UndrainRequest.SerializeToString,
+            gpubroker_dot_v1_dot_admin__pb2.UndrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,6 +40,7 @@ class AdminService(apb_grpc.AdminServicer):
     def __init__(self, auth: Authenticator, sessions: SessionManager,
                  reload: Callable[[], Awaitable[apb.ReloadResponse]], schedulers: dict[int, DeviceScheduler], *,
                  drain: Callable[[float | None], Awaitable[float | None]] | None = None,
+                 undrain: Callable[[], Awaitable[bool]] | None = None,
                  health: BrokerHealth | None = None, devices: Sequence[DeviceInfo] = (), sandbox: str = "") -> None:
         self.auth = auth
         self.sandbox = sandbox  # the worker sandbox's layers in force (or "OFF")
@@ -47,6 +48,7 @@ class AdminService(apb_grpc.AdminServicer):
         self._reload = reload
         self.schedulers = schedulers
         self._drain = drain
+        self._undrain = undrain
         self.health = health
         self.devices = list(devices)
         self.started = time.monotonic()
@@ -104,6 +106,16 @@ class AdminService(apb_grpc.AdminServicer):
         now = time.monotonic()
         running = [_summary(s, now) for s in self.sessions.sessions.values()]
         return apb.DrainResponse(sessions_running=len(running), sessions=running, seconds_left=seconds_left)
+
+    @rpc
+    async def Undrain(self, request: apb.UndrainRequest, context: Context) -> apb.UndrainResponse:
+        admin = self._admin(context, "Undrain")
+        audit.info("admin=%s action=undrain peer=%s", admin, grpc_peer(context))
+        if self._undrain is not None:
+            was = await self._undrain()
+        else:
+            was, self.sessions.draining = self.sessions.draining, False
+        return apb.UndrainResponse(was_draining=was, sessions_running=len(self.sessions.sessions))
 
     @rpc
     async def Usage(self, request: apb.UsageRequest, context: Context) -> apb.UsageResponse:

@@ -217,15 +217,21 @@ class BrokerHealth:
 
     # -- publishing --------------------------------------------------------------------------------
     async def drain(self, deadline: float | None) -> None:
-        """From now on the broker takes no new sessions; every health status goes NOT_SERVING for good."""
+        """From now on the broker takes no new sessions; every health status goes NOT_SERVING until ``undrain``."""
         self.draining = True
         if deadline is not None and (self.drain_deadline is None or deadline < self.drain_deadline):
             self.drain_deadline = deadline
-        await self.servicer.enter_graceful_shutdown()
+        await self.publish()
+
+    async def undrain(self) -> bool:
+        """Take new sessions again, each device's health its own; whether the broker was draining."""
+        was, self.draining, self.drain_deadline = self.draining, False, None
+        await self.publish()
+        return was
 
     async def publish(self) -> None:
-        """Write the current statuses into the servicer (ignored once draining: all are NOT_SERVING then)."""
-        serving = [self.problem(d) is None for d in range(len(self._states))]
+        """Write the current statuses into the servicer (all NOT_SERVING while draining)."""
+        serving = [self.problem(d) is None and not self.draining for d in range(len(self._states))]
         for device, ok in enumerate(serving):
             await self.servicer.set(device_service(device), _SERVING if ok else _NOT_SERVING)
         overall = _SERVING if any(serving) and not self.draining else _NOT_SERVING

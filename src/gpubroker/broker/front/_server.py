@@ -260,7 +260,7 @@ class Broker:
         # Requests whose bytes do not parse get INVALID_ARGUMENT (gRPC's own answer would be UNKNOWN).
         add_servicer(pb_grpc.add_GpuBrokerServicer_to_server, service, self.server)
         admin = AdminService(self.auth, self.sessions, self.reload, self.schedulers, drain=self.drain,
-                             health=self.health, devices=devices, sandbox=sandbox.description)
+                             undrain=self.undrain, health=self.health, devices=devices, sandbox=sandbox.description)
         add_servicer(apb_grpc.add_AdminServicer_to_server, admin, self.server)
         self.health.add_to_server(self.server)  # grpc.health.v1 and reflection, both without a token
         await self.health.start()
@@ -456,6 +456,20 @@ class Broker:
                 self._drain_task.cancel()
             self._drain_task = asyncio.create_task(self._end_sessions_at(deadline), name="drain")
         return max(0.0, deadline - time.monotonic())
+
+    async def undrain(self) -> bool:
+        """End a drain: new sessions are taken again and a grace not yet over ends nobody. Whether it was draining."""
+        assert self.sessions is not None and self.health is not None
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+            self._drain_task = None
+        self.sessions.draining = False
+        if self.pool is not None:
+            self.pool.draining = False
+        was = await self.health.undrain()
+        if was:
+            log.warning("drain ended: new sessions are taken again, %d running", len(self.sessions.sessions))
+        return was
 
     async def _end_sessions_at(self, deadline: float) -> None:
         assert self.sessions is not None
