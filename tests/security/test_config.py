@@ -204,3 +204,16 @@ def test_config_check_reads_as_serve_would_and_names_the_problem(tmp_path: Path)
     assert plaintext.returncode == 2 and "insecure" in plaintext.stderr, plaintext
     missing = _cli("config", "check", "--config", str(tmp_path / "nope.toml"))
     assert missing.returncode == 2 and "no config file at" in missing.stderr, missing
+
+
+def test_a_stale_ready_file_never_says_a_broker_is_ready(tmp_path: Path) -> None:
+    """The quickstart waits for --ready-file to exist: a previous run's file is removed as serve starts (and as it
+    stops), so a broker that fails to start is not taken for a ready one."""
+    path = tmp_path / "gpubroker.toml"
+    assert _cli("tenant", "add", "team-a", "--config", str(path)).returncode == 0
+    path.write_text(f'[broker]\nlisten = ["unix:{tmp_path}/b.sock", "0.0.0.0:0"]\n' + path.read_text())
+    ready = tmp_path / "ready.json"
+    ready.write_text('{"ports": ["unix:/a/previous/run.sock"], "pid": 1}')
+    proc = _cli("serve", "--config", str(path), "--ready-file", str(ready))
+    assert proc.returncode != 0 and "insecure" in proc.stderr, proc  # (plaintext on 0.0.0.0 refused at start)
+    assert not ready.exists(), "the previous run's ready file is still there"

@@ -592,6 +592,18 @@ class Broker:
 
 
 async def _serve(config: BrokerConfig, ready_file: str | None) -> None:
+    if ready_file:
+        # A previous run's file would tell whoever waits for it that this broker is ready before it is (or when it
+        # never will be): gone before anything else, and again when this broker stops.
+        Path(ready_file).unlink(missing_ok=True)
+    try:
+        await _serve_ready(config, ready_file)
+    finally:
+        if ready_file:
+            Path(ready_file).unlink(missing_ok=True)
+
+
+async def _serve_ready(config: BrokerConfig, ready_file: str | None) -> None:
     broker = Broker(config)
     await broker.start()
     if ready_file:
