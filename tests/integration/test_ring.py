@@ -522,3 +522,24 @@ def test_queued_commands_leave_the_client_once_the_worker_ran_everything_sent(ri
         gpu.execute_kernel(kernel, 1, 1, launch)
         assert t._next_id == sent + 1 and not t._pending  # the 64th looked, found the worker idle, and sent
         gpu.synchronize()
+
+
+def test_a_ring_its_client_closes_is_logged_as_closed_not_broken(ring_broker: BrokerProcess) -> None:
+    """The ordinary end of a ring (its client shuts its doorbell, as its close does first) reads as such in the
+    broker's log, not as a fault ("broken ring: the client's doorbell is closed")."""
+    with connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring") as gpu:
+        gpu.allocate_memory(16)
+        gpu.synchronize()
+        session = gpu.session
+        t = gpu.transport
+        assert isinstance(t, BatchingTransport)
+        bell = _carrier(t)._bell
+        assert bell is not None
+        bell.shutdown(socket.SHUT_RDWR)  # (the link's socket stays: the worker sees the doorbell's end alone)
+
+        def ring_lines() -> list[str]:
+            return [line for line in ring_broker.log_path.read_text().splitlines()
+                    if session in line and "closing a ring" in line]
+
+        wait_for(ring_lines, 30, "the worker's line for the ring")
+    assert all("the client closed it" in line and "broken" not in line for line in ring_lines()), ring_lines()

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from gpubroker.broker.worker._executor import Executor
-from gpubroker.broker.worker._ring import RingBroken, WorkerRing
+from gpubroker.broker.worker._ring import RingBroken, RingClosed, WorkerRing
 from gpubroker.wire.commands import CODECS, Ack, Batch, CommandError, decode_batch, encode
 from gpubroker.wire.errors import InvalidArgument, ResourceExhausted
 from gpubroker.wire.frames import FRAME_HEADER, FrameDecoder
@@ -301,6 +301,9 @@ class Links:
             assert ring_link.ring is not None
             try:
                 ring_link.ring.drain()  # then look: a batch published after this rings again
+            except RingClosed as exc:
+                self._end_ring(ring_link, str(exc))
+                return
             except RingBroken as exc:
                 self._end_ring(ring_link, f"broken ring: {exc}")
                 return
@@ -474,6 +477,9 @@ class Links:
                     self._end_ring(link, f"malformed batch: {exc}")
                     return
                 ring.answer(ack)
+            except RingClosed as exc:
+                self._end_ring(link, str(exc))
+                return
             except RingBroken as exc:
                 self._end_ring(link, f"broken ring: {exc}")
                 return

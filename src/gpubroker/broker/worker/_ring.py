@@ -41,7 +41,7 @@ from gpubroker.wire.ring import (
     ring_caps,
 )
 
-__all__ = ["RING_FDS", "RingBroken", "WorkerRing", "open_ring"]
+__all__ = ["RING_FDS", "RingBroken", "RingClosed", "WorkerRing", "open_ring"]
 
 # After answering a batch the worker polls the ring for the next before going back to its select, as long as
 # the client asked (``spin_us``: 0 where its host has no spare CPU), at most MAX_SPIN_US: a synchronous client's
@@ -85,6 +85,10 @@ def _doorbell(fd: int) -> socket.socket:
     return bell
 
 
+class RingClosed(RingBroken):
+    """The client's end of the ring is gone: the way a ring ends when its client closes, not a fault."""
+
+
 class WorkerRing:
     """A mapped ring: batches to take (``commands``), acks to give (``answer``), the doorbell to watch (``bell``:
     readable when the client rang, or when its end is gone)."""
@@ -99,9 +103,10 @@ class WorkerRing:
         self.acks = ByteRing(mm, self._words, RING_DATA + commands, acks, ACK_HEAD * 8, ACK_TAIL * 8, acks)
 
     def drain(self) -> None:
-        """Take the client's wake-ups; RingBroken when its end is gone or shut (no more would come)."""
+        """Take the client's wake-ups; RingClosed when its end is gone or shut (no more would come: the client
+        closed its session or went away)."""
         if not drain_bell(self.bell):
-            raise RingBroken("the client's doorbell is closed")
+            raise RingClosed("the client closed it")
 
     def spin(self) -> bool:
         """Poll for the next batch for a short while; whether one came."""
@@ -123,8 +128,8 @@ class WorkerRing:
             raise RingBroken("the client does not read its acks (its ring is full)")
         try:
             ring_bell(self.bell)
-        except OSError as exc:
-            raise RingBroken(f"the client's doorbell is closed: {exc}") from None
+        except OSError:
+            raise RingClosed("the client closed it") from None
 
     def close(self) -> None:
         self._words.release()

@@ -641,16 +641,20 @@ class WorkerClient:
         # Its last words (a fatal device error, say) before the line that reports its death.
         await self.output.closed(_OUTPUT_CLOSE_SECONDS)
         await self._release()
+        asked = self._stopping or self.retired
         if self.fault is not None:
             self.death = _lost(self.fault.message)
+            line = self.death
         else:
             how = _describe_exit(code)
             if self.oom_killed:
                 how += f" by the OOM killer (the worker memory limit, {self.memory_max} bytes)"
-            self.death = (f"the worker process for tenant {self.tenant!r} on device {self.device} "
-                          f"(pid {self.pid}) {how}; this session's device state is lost, "
-                          "open a new session")
-        (log.info if self._stopping or self.retired else log.error)("%s", self.death)
+            line = f"the worker process for tenant {self.tenant!r} on device {self.device} (pid {self.pid}) {how}"
+            self.death = _lost(line)
+            if asked and code == 0:  # (its sessions closed and the front stopped it: the ordinary end, no loss)
+                line = (f"the worker process for tenant {self.tenant!r} on device {self.device} (pid {self.pid}) "
+                        "ended as the front asked")
+        (log.info if asked else log.error)("%s", line)
         for fut, _, _ in self._pending.values():
             if not fut.done():
                 fut.set_exception(self.death_error())
