@@ -347,3 +347,18 @@ def test_one_batching_core_composes_each_carrier() -> None:
     t = link([peer])
     assert isinstance(t.carrier, FramedSocket) and t.kind == "unix" and t.stripes is None
     t.close()
+
+
+@pytest.mark.parametrize(("target", "hint"), [
+    ("unix:{tmp}/nobody-listens.sock", "no broker is listening there (the socket file does not exist)"),
+    ("127.0.0.1:1", "nothing accepts connections at that address"),
+    ("{tmp}/nobody-listens.sock", "the target is no host name that resolves: a broker's Unix socket is written"),
+    ("10.255.255.1:5000", "a broker on another host is reached over TLS only"),
+])
+def test_a_connection_mistake_says_what_to_do(tmp_path: Any, target: str, hint: str) -> None:
+    """gRPC's own words for a connection that never came to be get the fix in front of them (kept after it)."""
+    from gpubroker.client import Unavailable, list_devices
+
+    with pytest.raises(Unavailable) as refused:
+        list_devices(target.format(tmp=tmp_path), "gpb_x_y", timeout=10)
+    assert refused.value.message.startswith(hint) and "(" in refused.value.message, refused.value.message

@@ -66,7 +66,33 @@ def translate_rpc_error(err: grpc.RpcError) -> GpuBrokerError:
                 type_name, details = extra.type, extra.details
             except msgspec.DecodeError:
                 pass  # (the status alone, then)
+    if not type_name and code == grpc.StatusCode.UNAVAILABLE:  # (gRPC's own words, no broker answered)
+        message = _connection_hint(message)
     return error_from_wire(WireError(code.name, message, type_name, details))
+
+
+# gRPC's words for a connection that never came to be, and what the user does about each (the gRPC text is kept
+# after the hint, for a search).
+_CONNECTION_HINTS = (
+    ("No such file or directory", "no broker is listening there (the socket file does not exist): start one "
+                                  "(`gpubroker serve --config FILE`) or check the target (--target, GPUBROKER_TARGET)"),
+    ("Connection refused", "nothing accepts connections at that address: is the broker running, and is this its "
+                           "address and port?"),
+    ("errors resolving", "the target is no host name that resolves: a broker's Unix socket is written "
+                         "unix:/PATH, a TCP one HOST:PORT"),
+    ("neither UDS or TCP loopback", "a broker on another host is reached over TLS only: connect(target, "
+                                    "tls=TlsOptions(ca_file=...)) (plaintext is for Unix sockets and loopback)"),
+    ("Socket closed", "the broker closed the connection during its TLS handshake: it may require a client "
+                      "certificate (TlsOptions(cert_file=..., key_file=...)) or not trust this one, or this "
+                      "client may not trust the broker's (TlsOptions(ca_file=...))"),
+)
+
+
+def _connection_hint(message: str) -> str:
+    for words, hint in _CONNECTION_HINTS:
+        if words in message:
+            return f"{hint} ({message})"
+    return message
 
 
 def translated(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
