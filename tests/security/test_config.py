@@ -217,3 +217,21 @@ def test_a_stale_ready_file_never_says_a_broker_is_ready(tmp_path: Path) -> None
     proc = _cli("serve", "--config", str(path), "--ready-file", str(ready))
     assert proc.returncode != 0 and "insecure" in proc.stderr, proc  # (plaintext on 0.0.0.0 refused at start)
     assert not ready.exists(), "the previous run's ready file is still there"
+
+
+def test_config_keys_lists_every_key_with_what_it_does() -> None:
+    """The wheel ships no example config: `gpubroker config keys` is where the written file's header and an
+    unknown key's error point, and it lists every key of every table from the schema itself."""
+    import msgspec
+
+    from gpubroker.broker.config import BrokerSettings, TenantConfig, TlsConfig
+
+    listed = _cli("config", "keys")
+    assert listed.returncode == 0, listed
+    lines = listed.stdout.splitlines()
+    for struct in (BrokerSettings, TlsConfig, TenantConfig):
+        for field in msgspec.structs.fields(struct):
+            if field.encode_name == "name":
+                continue  # (a tenant's name is its table's)
+            line = next((line for line in lines if line.startswith(f"{field.encode_name} (")), None)
+            assert line is not None and len(line.split("): ", 1)[-1]) > 10, (field.encode_name, line)

@@ -68,6 +68,20 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_config_keys(args: argparse.Namespace) -> int:
+    from gpubroker.broker.config import describe_keys
+
+    table = None
+    for name, key, kind, description in describe_keys():
+        if args.table and not name.startswith(args.table):
+            continue
+        if name != table:
+            print(f"{'' if table is None else chr(10)}[{name}]")
+            table = name
+        print(f"{key} ({kind}): {description}")
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from gpubroker.broker.front import capture_native_stderr, run_broker
     from gpubroker.broker.sandbox import set_dumpable
@@ -370,6 +384,9 @@ def _parser() -> argparse.ArgumentParser:
                                           "problem, naming the key")
     cc_check.add_argument("--config", required=True, help="the TOML config to check")
     cc_check.set_defaults(fn=_cmd_config_check)
+    cc_keys = cfg_sub.add_parser("keys", help="every key a config may hold, with its type and what it does")
+    cc_keys.add_argument("--table", choices=["broker", "tls", "tenants"], help="only this table's")
+    cc_keys.set_defaults(fn=_cmd_config_keys)
     add_admin_parsers(sub)  # `gpubroker status`, `sessions`, `end-session`, `drain`, `reload`, `usage` (and admin)
 
     c = sub.add_parser("certs", help="mint a CA, server and client certificates for TLS on TCP listeners")

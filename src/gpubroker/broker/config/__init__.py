@@ -14,7 +14,7 @@ from gpubroker.broker.config._edit import (
     remove_tenant_in_place,
     rotate_token_in_place,
 )
-from gpubroker.broker.config._read import describe_type, load_config, parse_config
+from gpubroker.broker.config._read import describe_keys, describe_type, load_config, parse_config
 from gpubroker.broker.config._schema import (
     DEFAULT_SOCKET,
     BrokerConfig,
@@ -34,6 +34,7 @@ __all__ = [
     "TenantConfig",
     "TlsConfig",
     "add_tenant_in_place",
+    "describe_keys",
     "describe_type",
     "edit_config",
     "format_size",

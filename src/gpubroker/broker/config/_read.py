@@ -133,7 +133,7 @@ class _Where:
     def unknown(self, key: str, known: list[str]) -> InvalidArgument:
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
         hint = (f"; did you mean {close[0]}?" if close else f"; the keys of [{self.table}] are: {', '.join(known)}"
-                if len(known) <= 12 else "; deploy/gpubroker.example.toml lists every key")
+                if len(known) <= 12 else "; `gpubroker config keys` lists every key")
         return InvalidArgument(f"{self.source}: unknown key [{self.table}] {key}{hint}", file=self.source,
                                table=self.table, key=key, suggestion=close[0] if close else "")
 
@@ -273,3 +273,13 @@ def load_config(path: str | os.PathLike[str]) -> BrokerConfig:
         raise InvalidArgument(f"{path}: cannot read it: {exc}", file=str(path)) from None
     return parse_config(data, str(path), path)
 
+
+def describe_keys() -> list[tuple[str, str, str, str]]:
+    """Every key a config may hold: (table, key, its type, its description), as `gpubroker config keys` prints them
+    (the wheel ships no example file: the schema itself is the list)."""
+    rows = []
+    for table, keys in (("broker", _BROKER_KEYS), ("tls", _TLS_KEYS), ("tenants.NAME", _TENANT_KEYS)):
+        for key, field in keys.items():
+            meta = next((m for m in getattr(field.type, "__metadata__", ()) if isinstance(m, msgspec.Meta)), None)
+            rows.append((table, key, describe_type(field.type), (meta.description or "") if meta else ""))
+    return rows

@@ -17,7 +17,7 @@ from gpubroker.broker.config._schema import OCTAL, SIZE, BrokerConfig, TenantCon
 
 __all__ = ["save_config"]
 
-_HEADER = ("gpubroker config (see deploy/gpubroker.example.toml for every setting). It holds token hashes: "
+_HEADER = ("gpubroker config (`gpubroker config keys` lists every setting). It holds token hashes: "
            "keep it mode 0600.")
 
 
