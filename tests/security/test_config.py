@@ -235,3 +235,19 @@ def test_config_keys_lists_every_key_with_what_it_does() -> None:
                 continue  # (a tenant's name is its table's)
             line = next((line for line in lines if line.startswith(f"{field.encode_name} (")), None)
             assert line is not None and len(line.split("): ", 1)[-1]) > 10, (field.encode_name, line)
+
+
+def test_a_token_file_holds_the_token_alone_and_privately(tmp_path: Path) -> None:
+    """`tenant add --token-file`: the token goes into the file (mode 0600) and nowhere else, so a script cannot hide
+    a failed add behind `| tail -n 1`; it authenticates as the tenant; rotate-token replaces it."""
+    path, token_file = tmp_path / "gpubroker.toml", tmp_path / "me.token"
+    added = _cli("tenant", "add", "me", "--config", str(path), "--token-file", str(token_file))
+    assert added.returncode == 0 and "gpb_" not in added.stdout and str(token_file) in added.stdout, added
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    token = token_file.read_text().strip()
+    assert TokenVerifier(load_config(path)).tenant_for(token) == "me"
+    again = _cli("tenant", "add", "me", "--config", str(path), "--token-file", str(token_file))
+    assert again.returncode == 2 and token_file.read_text().strip() == token  # (a failed add leaves it)
+    assert _cli("tenant", "rotate-token", "me", "--config", str(path), "--token-file", str(token_file)).returncode == 0
+    assert token_file.read_text().strip() != token
+    assert TokenVerifier(load_config(path)).tenant_for(token_file.read_text().strip()) == "me"

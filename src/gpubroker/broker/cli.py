@@ -138,9 +138,24 @@ def _cmd_tenant_add(args: argparse.Namespace) -> int:
     audit.info("action=tenant-add tenant=%s config=%s admin=%s by=%s", args.name, path, args.admin, _who())
     print(f"added tenant {args.name!r} to {path} (memory {format_size(tenant.memory_quota)}, "
           f"weight {args.weight}). A running broker serves it after a reload (SIGHUP, `systemctl reload "
-          f"gpubroker` or `gpubroker reload`). Its token, shown only now:")
-    print(token.token)
+          f"gpubroker` or `gpubroker reload`).", end=" ")
+    _give_token(token.token, args.token_file)
     return 0
+
+
+def _give_token(token: str, token_file: str | None) -> None:
+    """The token, once: into ``token_file`` (mode 0600, replaced whole), or printed as the last line."""
+    if token_file is None:
+        print("Its token, shown only now:")
+        print(token)
+        return
+    tmp = f"{token_file}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(token + "\n")
+    os.replace(tmp, token_file)
+    print(f"Its token is in {token_file} (mode 0600), shown nowhere else.")
 
 
 def _cmd_tenant_list(args: argparse.Namespace) -> int:
@@ -164,8 +179,8 @@ def _cmd_tenant_rotate(args: argparse.Namespace) -> int:
     path = rotate_token_in_place(args.config, args.name, token.token_id, token.token_hash)
     audit.info("action=tenant-rotate-token tenant=%s config=%s by=%s", args.name, path, _who())
     print(f"new token for tenant {args.name!r} in {path}; the old one stops working when the broker reloads "
-          "(SIGHUP or `gpubroker admin reload`). Shown only now:")
-    print(token.token)
+          "(SIGHUP or `gpubroker reload`).", end=" ")
+    _give_token(token.token, args.token_file)
     return 0
 
 
@@ -365,6 +380,8 @@ def _parser() -> argparse.ArgumentParser:
     ta.add_argument("--admin", action="store_true", help="may call the Admin service")
     ta.add_argument("--device-memory", action="append", metavar="DEVICE=SIZE",
                     help="a quota of its own on one device, e.g. 1=16GiB (repeatable; others get --memory)")
+    ta.add_argument("--token-file", metavar="PATH", help="write the token there (mode 0600) instead of printing it: "
+                    "a script's `| tail -n 1 > FILE` would hide a failed add")
     ta.set_defaults(fn=_cmd_tenant_add)
     tl = t.add_parser("list", help="list tenants")
     tl.add_argument("--config", required=True)
@@ -377,6 +394,7 @@ def _parser() -> argparse.ArgumentParser:
     tt = t.add_parser("rotate-token", help="replace a tenant's token and print the new one once")
     tt.add_argument("name")
     tt.add_argument("--config", required=True)
+    tt.add_argument("--token-file", metavar="PATH", help="write the new token there (mode 0600) instead of printing it")
     tt.set_defaults(fn=_cmd_tenant_rotate)
 
     cfg_sub = sub.add_parser("config", help="a config file").add_subparsers(dest="config_cmd", required=True)
