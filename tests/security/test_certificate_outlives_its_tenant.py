@@ -9,13 +9,13 @@ authenticated as the new one: its sessions, its quota, its data. Measured before
 certificate opened a session of the new alice (quota 3 GiB, not the removed one's 1 GiB) right after the reload
 that added her.
 
-The fix: ``tenant add`` writes the tenant's ``certificates_since``; a certificate issued before it (its notBefore,
-less the 5 minutes certificates are backdated) authenticates nobody as that tenant, and a certificate minted for the
-new tenant works.
+The fix: ``tenant add`` writes the tenant's ``certificates_since``; a certificate issued more than an hour before it
+(its notBefore) authenticates nobody as that tenant, and a certificate minted for the new tenant works.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -34,7 +34,9 @@ TIMEOUT = 30.0
 def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CertPaths]:
     d = tmp_path_factory.mktemp("ca")
     ca, server = init_certs(d)
-    return {"ca": ca, "server": server, "alice": mint_client_cert(d, "alice")}
+    # The removed alice's certificate was issued when she was added, as a rule long before her name is freed.
+    issued = dt.datetime.now(dt.UTC) - dt.timedelta(days=30)
+    return {"ca": ca, "server": server, "alice": mint_client_cert(d, "alice", not_before=issued)}
 
 
 @pytest.fixture(scope="module")

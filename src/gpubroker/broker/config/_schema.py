@@ -120,10 +120,11 @@ class TenantConfig(msgspec.Struct, forbid_unknown_fields=True):
         "shared host memory grows with its quota. The broker's max_shared_bytes_per_tenant caps it too.")),
         SIZE] = msgspec.field(default=None, name="shared_memory")
     certificates_since: Annotated[float, Meta(ge=0, description=(
-        "With mTLS: a client certificate issued before this (Unix seconds; its notBefore earlier by more than the "
-        "5 minutes certificates are backdated for clock skew) authenticates nobody as this tenant, so a tenant "
-        "added again under a freed name gets none of the certificates issued to its predecessor. `gpubroker tenant "
-        "add` writes the time it adds the tenant; 0: every certificate naming the tenant."))] = 0.0
+        "With mTLS: a client certificate issued before this (Unix seconds; its notBefore earlier by more than an "
+        "hour, which allows minting a tenant's certificate just before adding it) authenticates nobody as this "
+        "tenant, so a tenant added again under a freed name gets none of the certificates issued to its "
+        "predecessor. `gpubroker tenant add` writes the time it adds the tenant; 0: every certificate naming the "
+        "tenant."))] = 0.0
 
     def quota_on(self, device: int) -> int:
         """The memory quota on one of the broker's devices."""

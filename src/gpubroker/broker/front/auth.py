@@ -275,9 +275,11 @@ def peer_certificate_issued(cert: object) -> float | None:
         return None
 
 
-# How much earlier than its tenant's certificates_since a certificate's notBefore may be: certificates are
-# backdated for clock skew (``gpubroker cert client``: 5 minutes), and X.509 times are whole seconds.
-CERTIFICATE_SKEW_SECONDS = 301.0
+# How much earlier than its tenant's certificates_since a certificate's notBefore may be: an operator may mint a
+# tenant's certificate just before adding the tenant (the docs' own example does), and certificates are backdated
+# for clock skew (``gpubroker certs client``: 5 minutes). A removed tenant's certificates were issued when it was
+# added, as a rule long before its name is given again.
+CERTIFICATE_SKEW_SECONDS = 3600.0
 
 
 def peer_certificate_names(cert: object) -> tuple[str, ...]:
