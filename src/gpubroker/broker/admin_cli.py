@@ -96,6 +96,10 @@ def _print_status(target: str, status: Any, sessions: Sequence[Any], usage: Any,
     print(_usage_table(usage))
 
 
+# The window `status` shows the usage share over.
+_STATUS_WINDOW = 10.0
+
+
 def run_admin(args: argparse.Namespace) -> int:
     from gpubroker.client import AdminClient
 
@@ -104,43 +108,34 @@ def run_admin(args: argparse.Namespace) -> int:
         print("gpubroker: error: an admin token is needed (--token or GPUBROKER_TOKEN)", file=sys.stderr)
         return 2
     with AdminClient(args.target, token) as admin:
-        command = args.admin_cmd
-        if args.json:
-            print(json.dumps(_answer(admin, args), indent=2))
-        elif command == "status":
-            window = 10.0
-            status = admin.status()
-            _print_status(args.target, status, admin.list_sessions(), admin.usage(window), window)
-        elif command == "sessions":
-            print(_sessions_table(admin.list_sessions(args.tenant or "")))
-        elif command == "end-session":
-            ended = admin.end_session(args.session)
-            print(f"ended session {args.session} of tenant {ended.tenant}; freed {ended.memory_freed} bytes")
-        elif command == "reload":
-            r = admin.reload()
-            print(f"reloaded: added {list(r.added)}, removed {list(r.removed)}, changed {list(r.changed)}, "
-                  f"{r.sessions_ended} sessions ended")
-        elif command == "usage":
-            usage = admin.usage(args.window)
-            print(f"fair scheduling {'on' if usage.fair_scheduling else 'off'}, quantum {usage.quantum_ms:g} ms; "
-                  f"share over the last {args.window:g} s")
-            print(_usage_table(usage))
-        elif command == "undrain":
-            undrained = admin.undrain()
-            print(("drain ended: new sessions are taken again" if undrained.was_draining
-                   else "the broker was not draining") + f"; {undrained.sessions_running} sessions running")
-        elif command == "drain":
-            drained = admin.drain(args.grace)
-            when = (f"; those still running are ended in {drained.seconds_left:.0f} s"
-                    if drained.HasField("seconds_left") else "; running sessions go on until they close")
-            print(f"draining: new sessions are refused (health NOT_SERVING){when}. "
-                  f"{drained.sessions_running} sessions still running:")
-            print(_sessions_table(drained.sessions))
+        answer = _ask(admin, args)
+    if args.json:
+        print(json.dumps(_as_json(args, answer), indent=2))
+    else:
+        _print_answer(args, answer)
     return 0
 
 
-def _answer(admin: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """The command's answers as JSON objects (protobuf's JSON mapping of the Admin service's messages)."""
+def _ask(admin: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The broker's answers to the command (Admin service messages, or lists of them), by name."""
+    command = args.admin_cmd
+    if command == "status":
+        return {"status": admin.status(), "sessions": admin.list_sessions(), "usage": admin.usage(_STATUS_WINDOW)}
+    if command == "sessions":
+        return {"sessions": admin.list_sessions(args.tenant or "")}
+    if command == "end-session":
+        return {"ended": admin.end_session(args.session)}
+    if command == "reload":
+        return {"reload": admin.reload()}
+    if command == "usage":
+        return {"usage": admin.usage(args.window)}
+    if command == "undrain":
+        return {"undrain": admin.undrain()}
+    return {"drain": admin.drain(args.grace)}
+
+
+def _as_json(args: argparse.Namespace, answer: dict[str, Any]) -> dict[str, Any]:
+    """The answers in protobuf's JSON mapping: status and sessions by name, a command's one message as itself."""
     from google.protobuf.json_format import MessageToDict
 
     def plain(message: Any) -> dict[str, Any]:
@@ -149,21 +144,43 @@ def _answer(admin: Any, args: argparse.Namespace) -> dict[str, Any]:
         return found
 
     command = args.admin_cmd
+    if command in ("status", "sessions"):
+        shaped = {name: [plain(m) for m in value] if isinstance(value, list) else plain(value)
+                  for name, value in answer.items()}
+        return {"target": args.target, **shaped} if command == "status" else shaped
+    (one,) = answer.values()
+    return {"session": args.session, **plain(one)} if command == "end-session" else plain(one)
+
+
+def _print_answer(args: argparse.Namespace, answer: dict[str, Any]) -> None:
+    command = args.admin_cmd
     if command == "status":
-        window = 10.0
-        return {"target": args.target, "status": plain(admin.status()),
-                "sessions": [plain(s) for s in admin.list_sessions()], "usage": plain(admin.usage(window))}
-    if command == "sessions":
-        return {"sessions": [plain(s) for s in admin.list_sessions(args.tenant or "")]}
-    if command == "end-session":
-        return {"session": args.session, **plain(admin.end_session(args.session))}
-    if command == "reload":
-        return plain(admin.reload())
-    if command == "usage":
-        return plain(admin.usage(args.window))
-    if command == "undrain":
-        return plain(admin.undrain())
-    return plain(admin.drain(args.grace))
+        _print_status(args.target, answer["status"], answer["sessions"], answer["usage"], _STATUS_WINDOW)
+    elif command == "sessions":
+        print(_sessions_table(answer["sessions"]))
+    elif command == "end-session":
+        ended = answer["ended"]
+        print(f"ended session {args.session} of tenant {ended.tenant}; freed {ended.memory_freed} bytes")
+    elif command == "reload":
+        r = answer["reload"]
+        print(f"reloaded: added {list(r.added)}, removed {list(r.removed)}, changed {list(r.changed)}, "
+              f"{r.sessions_ended} sessions ended")
+    elif command == "usage":
+        usage = answer["usage"]
+        print(f"fair scheduling {'on' if usage.fair_scheduling else 'off'}, quantum {usage.quantum_ms:g} ms; "
+              f"share over the last {args.window:g} s")
+        print(_usage_table(usage))
+    elif command == "undrain":
+        undrained = answer["undrain"]
+        print(("drain ended: new sessions are taken again" if undrained.was_draining
+               else "the broker was not draining") + f"; {undrained.sessions_running} sessions running")
+    else:
+        drained = answer["drain"]
+        when = (f"; those still running are ended in {drained.seconds_left:.0f} s"
+                if drained.HasField("seconds_left") else "; running sessions go on until they close")
+        print(f"draining: new sessions are refused (health NOT_SERVING){when}. "
+              f"{drained.sessions_running} sessions still running:")
+        print(_sessions_table(drained.sessions))
 
 
 def _target_options(defaults: bool = True) -> argparse.ArgumentParser:
