@@ -36,6 +36,7 @@ __all__ = [
     "mint_client_cert",
     "mint_server_cert",
     "tls_snippet",
+    "write_atomically",
 ]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # also a safe file name
@@ -58,8 +59,9 @@ def default_sans() -> list[str]:
     return sans
 
 
-def _write(path: Path, data: bytes, mode: int) -> None:
-    """Atomically, with ``mode`` set before the data is visible: a key is never readable by others, even briefly."""
+def write_atomically(path: Path, data: bytes, mode: int) -> None:
+    """Atomically, with ``mode`` set before the data is visible: a key (or a token) is never readable by others,
+    even briefly; the parent directory is made (0700) where missing."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
     try:
@@ -132,8 +134,8 @@ def _leaf(directory: Path, subject: str, sans: list[x509.GeneralName], usage: x5
     if sans:
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())
-    _write(out.key, _pem_key(key), 0o600)
-    _write(out.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_atomically(out.key, _pem_key(key), 0o600)
+    write_atomically(out.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return out
 
 
@@ -159,8 +161,8 @@ def mint_ca(directory: str | os.PathLike[str], *, common_name: str = "gpubroker 
                                          crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .sign(key, hashes.SHA256()))
-    _write(out.key, _pem_key(key), 0o600)
-    _write(out.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_atomically(out.key, _pem_key(key), 0o600)
+    write_atomically(out.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
     return out
 
 

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from gpubroker import __version__
 from gpubroker.broker.admin_cli import TARGET_ENV, add_admin_parsers, human_size
@@ -149,12 +150,9 @@ def _give_token(token: str, token_file: str | None) -> None:
         print("Its token, shown only now:")
         print(token)
         return
-    tmp = f"{token_file}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(f.fileno(), 0o600)
-        f.write(token + "\n")
-    os.replace(tmp, token_file)
+    from gpubroker.broker.certs import write_atomically
+
+    write_atomically(Path(token_file), (token + "\n").encode(), 0o600)
     print(f"Its token is in {token_file} (mode 0600), shown nowhere else.")
 
 
