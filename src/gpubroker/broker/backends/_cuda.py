@@ -203,8 +203,7 @@ class CudaBackend:
         CUDA tensors on this device, each operator on the session's stream, timed as device time."""
         self._dev.use()
         if self._torch_cache is None:
-            self._torch_cache = TorchCache(self._dev.index, self._dev.info.total_memory)
-            self._torch_cache.others(self.allocated_bytes)
+            self._torch_cache = TorchCache(self._dev.index, self._dev.info.total_memory, self.allocated_bytes)
         return TorchSession(CudaPlacement(self._dev, self._torch_cache), accounts)
 
     # -- library operations ------------------------------------------------------------------

@@ -1106,12 +1106,11 @@ class TorchCache:
     itself when it needs room. Before the backend allocates otherwise, ``make_room`` gives back what tensors freed,
     so cached and other memory together stay within the bound whichever came first."""
 
-    def __init__(self, index: int, total: int) -> None:
+    def __init__(self, index: int, total: int, others: int) -> None:
         self._index = index
         self._total = total
-        self._quota: int | None = None
-        self._bounded = False  # a torch session set the bound (PyTorch is imported and its allocator in use)
-        self._others = 0  # bytes the backend allocated otherwise
+        self._quota: int | None = None  # (None until a torch session sets the bound, or where it has no quota)
+        self._others = others  # bytes the backend allocated otherwise
         self._freed = 0  # tensor bytes freed since the last make_room
         self.stream: Any = None  # PyTorch's current stream on the device, as CudaPlacement.running last set it
 
@@ -1120,13 +1119,13 @@ class TorchCache:
 
     def bound(self, quota: int | None) -> None:
         """The tenant's quota (set again as each session starts: it may have changed)."""
-        self._quota, self._bounded = quota, True
+        self._quota = quota
         self._apply()
 
     def others(self, nbytes: int) -> None:
         """The backend now holds ``nbytes`` of its own allocations on the device."""
         self._others = nbytes
-        if self._bounded and self._quota is not None:
+        if self._quota is not None:  # (without a quota the fraction is the whole device whatever they hold)
             self._apply()
 
     def make_room(self) -> None:
