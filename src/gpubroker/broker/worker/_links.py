@@ -115,6 +115,11 @@ def _refusal(message: str) -> bytes:
     return encode(Ack(0, 0, CommandError.of(0, "batch", InvalidArgument(message))))
 
 
+def _ended(exc: RingBroken) -> str:
+    """Why a ring ends, for its client and the log: its client closed it (the ordinary end), or it broke."""
+    return str(exc) if isinstance(exc, RingClosed) else f"broken ring: {exc}"
+
+
 class Links:
     """The worker's client links and its lease on the device."""
 
@@ -301,11 +306,8 @@ class Links:
             assert ring_link.ring is not None
             try:
                 ring_link.ring.drain()  # then look: a batch published after this rings again
-            except RingClosed as exc:
-                self._end_ring(ring_link, str(exc))
-                return
             except RingBroken as exc:
-                self._end_ring(ring_link, f"broken ring: {exc}")
+                self._end_ring(ring_link, _ended(exc))
                 return
             self._pump(ring_link)
             return
@@ -477,11 +479,8 @@ class Links:
                     self._end_ring(link, f"malformed batch: {exc}")
                     return
                 ring.answer(ack)
-            except RingClosed as exc:
-                self._end_ring(link, str(exc))
-                return
             except RingBroken as exc:
-                self._end_ring(link, f"broken ring: {exc}")
+                self._end_ring(link, _ended(exc))
                 return
             served = True
             if self.contended:
