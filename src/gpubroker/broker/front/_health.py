@@ -234,7 +234,7 @@ class BrokerHealth:
         serving = [self.problem(d) is None and not self.draining for d in range(len(self._states))]
         for device, ok in enumerate(serving):
             await self.servicer.set(device_service(device), _SERVING if ok else _NOT_SERVING)
-        overall = _SERVING if any(serving) and not self.draining else _NOT_SERVING
+        overall = _SERVING if any(serving) else _NOT_SERVING
         for name in ("", BROKER_SERVICE):
             await self.servicer.set(name, overall)
 

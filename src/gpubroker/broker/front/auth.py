@@ -293,8 +293,8 @@ def peer_certificate_names(cert: object) -> tuple[str, ...]:
 
 
 def _issued_to(tenant: TenantConfig, issued: float | None) -> bool:
-    """Whether a certificate issued at ``issued`` may name ``tenant``: not one issued before the tenant was added
-    (a removed tenant's, whose name was given to a new one)."""
+    """Whether a certificate issued at ``issued`` may name ``tenant``: not one issued more than
+    CERTIFICATE_SKEW_SECONDS before the tenant was added (a removed tenant's, whose name was given to a new one)."""
     since = tenant.certificates_since
     return not since or (issued is not None and issued >= since - CERTIFICATE_SKEW_SECONDS)
 

@@ -189,7 +189,7 @@ def build_filter(allow_spawn: bool = False) -> Any:
 def seal_after_device_open(channel: int | None = None, backend: str = "opencl") -> None:
     """From now on this process, its threads and whatever it spawns make no socket of any family, no Landlock
     ruleset or seccomp filter (a filter stacked on the launcher's: filters only ever add refusals), take no
-    record lock or flock, map no shared anonymous or grows-down memory, and receive descriptors on the front's
+    record lock or flock, on OpenCL map no shared anonymous or grows-down memory, and receive descriptors on the front's
     fd channel (``channel``; None: nowhere) alone. Called by a sandboxed worker once its device is open, before
     anything of a tenant's runs; OSError/ImportError/RuntimeError if the filter cannot be loaded."""
     if channel is not None:
@@ -211,9 +211,9 @@ def seal_after_device_open(channel: int | None = None, backend: str = "opencl") 
         _rule(seccomp, f, no_lock, name)
     # (OpenCL only: CUDA's runtime maps shared anonymous memory of its own, and without it PyTorch's first kernel
     # fails with "out of memory": a CUDA worker's such pages are a known gap, counted only by a memory cgroup.)
-    for shape in UNCOUNTED_MAPPINGS if backend == "opencl" else ():
-        _rule(seccomp, f, deny, "mmap", seccomp.Arg(MAP_FLAGS_ARG, seccomp.MASKED_EQ, MAP_TYPE_ANONYMOUS, shape))
     if backend == "opencl":
+        for shape in UNCOUNTED_MAPPINGS:
+            _rule(seccomp, f, deny, "mmap", seccomp.Arg(MAP_FLAGS_ARG, seccomp.MASKED_EQ, MAP_TYPE_ANONYMOUS, shape))
         _rule(seccomp, f, deny, "mmap", seccomp.Arg(MAP_FLAGS_ARG, seccomp.MASKED_EQ, MAP_GROWSDOWN, MAP_GROWSDOWN))
     _rule(seccomp, f, deny, "setsockopt", seccomp.Arg(1, seccomp.MASKED_EQ, INT_BITS, SOL_SOCKET),
           seccomp.Arg(2, seccomp.MASKED_EQ, INT_BITS, SO_PASSRIGHTS))

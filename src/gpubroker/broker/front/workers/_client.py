@@ -649,11 +649,10 @@ class WorkerClient:
             how = _describe_exit(code)
             if self.oom_killed:
                 how += f" by the OOM killer (the worker memory limit, {self.memory_max} bytes)"
-            line = f"the worker process for tenant {self.tenant!r} on device {self.device} (pid {self.pid}) {how}"
-            self.death = _lost(line)
-            if asked and code == 0:  # (its sessions closed and the front stopped it: the ordinary end, no loss)
-                line = (f"the worker process for tenant {self.tenant!r} on device {self.device} (pid {self.pid}) "
-                        "ended as the front asked")
+            who = f"the worker process for tenant {self.tenant!r} on device {self.device} (pid {self.pid})"
+            self.death = _lost(f"{who} {how}")
+            # (its sessions closed and the front stopped it: the ordinary end, no loss)
+            line = f"{who} ended as the front asked" if asked and code == 0 else f"{who} {how}"
         (log.info if asked else log.error)("%s", line)
         for fut, _, _ in self._pending.values():
             if not fut.done():
