@@ -136,3 +136,10 @@ def failed_connects(broker: BrokerProcess, tenant: str, count: int) -> list[str]
         except Exception as exc:
             failures.append(f"{type(exc).__name__}: {exc}")
     return failures
+
+
+def open_to_other_users(broker: BrokerProcess) -> None:
+    """Let other local users reach the broker's sockets, as `socket_mode` / `socket_group` allow an operator to: its
+    working directory searchable (the broker started with ``socket_mode = 0o666``)."""
+    assert broker.workdir is not None
+    os.chmod(broker.workdir, 0o755)

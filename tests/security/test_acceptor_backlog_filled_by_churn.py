@@ -43,7 +43,7 @@ from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ..helpers import wait_for
-from ._probes import tenant_credentials
+from ._probes import open_to_other_users, tenant_credentials
 
 CHURNERS = 2
 GRPC_ATTEMPTS = 20
@@ -77,7 +77,7 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
     tmp = tmp_path_factory.mktemp("backlog-churn")
     with BrokerProcess([TenantSpec("alice")], backend="opencl",
                        settings={"cache_dir": str(tmp / "caches"), "socket_mode": 0o666}) as proc:
-        os.chmod(os.path.dirname(proc.target.removeprefix("unix:")), 0o755)  # (a local user in socket_group)
+        open_to_other_users(proc)
         yield proc
 
 

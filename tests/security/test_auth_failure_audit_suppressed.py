@@ -32,6 +32,7 @@ from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ..helpers import wait_for
+from ._probes import open_to_other_users
 
 ATTACKER_UID = 65533
 NOISE_CALLS = 30  # more than the audit log's burst (20 lines in 10 s)
@@ -61,7 +62,7 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
     tmp = tmp_path_factory.mktemp("audit")
     settings = {"cache_dir": str(tmp / "caches"), "socket_mode": 0o666}
     with BrokerProcess([TenantSpec("alice"), TenantSpec("bob")], backend="opencl", settings=settings) as proc:
-        os.chmod(os.path.dirname(proc.target.removeprefix("unix:")), 0o755)  # (a local user in socket_group)
+        open_to_other_users(proc)
         yield proc
 
 

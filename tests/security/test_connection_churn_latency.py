@@ -41,7 +41,7 @@ from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ..helpers import wait_for
-from ._probes import p50_ms, scrape, tenant_credentials
+from ._probes import open_to_other_users, p50_ms, scrape, tenant_credentials
 
 ATTACKER_UID = 65533
 CHURN_SECONDS = 6.0
@@ -76,7 +76,7 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
     tmp = tmp_path_factory.mktemp("churn-latency")
     settings = {"cache_dir": str(tmp / "caches"), "socket_mode": 0o666, "metrics_listen": "127.0.0.1:0"}
     with BrokerProcess([TenantSpec("alice")], backend="opencl", settings=settings) as proc:
-        os.chmod(os.path.dirname(proc.target.removeprefix("unix:")), 0o755)  # (a local user in socket_group)
+        open_to_other_users(proc)
         yield proc
 
 

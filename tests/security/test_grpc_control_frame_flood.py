@@ -45,7 +45,7 @@ import pytest
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
-from ._probes import p50_ms, scrape, tenant_credentials
+from ._probes import open_to_other_users, p50_ms, scrape, tenant_credentials
 
 ATTACKER_UID = 65533
 SECONDS = 4.0
@@ -117,7 +117,7 @@ FLOOD = textwrap.dedent(r"""
 def broker() -> Iterator[BrokerProcess]:
     settings = {"socket_mode": 0o666, "metrics_listen": "127.0.0.1:0"}
     with BrokerProcess([TenantSpec("alice")], backend="opencl", settings=settings) as proc:
-        os.chmod(os.path.dirname(proc.target.removeprefix("unix:")), 0o755)  # (a local user in socket_group)
+        open_to_other_users(proc)
         yield proc
 
 

@@ -41,7 +41,7 @@ from gpubroker.broker.config import BrokerSettings
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
-from ._probes import Samples, p50_ms, scrape, tenant_credentials
+from ._probes import Samples, open_to_other_users, p50_ms, scrape, tenant_credentials
 
 ATTACKER_UID = 65533
 FLOOD_SECONDS = 6.0
@@ -139,7 +139,7 @@ def _flood(broker: BrokerProcess, method: str, stub: pb_grpc.GpuBrokerStub, toke
 def test_rapid_reset_from_one_peer_does_not_slow_other_tenants(broker: BrokerProcess, with_token: bool) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to run the flooder as another uid")
-    os.chmod(os.path.dirname(broker.target.removeprefix("unix:")), 0o755)  # (a local user in socket_group)
+    open_to_other_users(broker)
     credentials = tenant_credentials(broker, "alice")
     with grpc.secure_channel(broker.target, credentials) as channel:
         stub = pb_grpc.GpuBrokerStub(channel)

@@ -30,7 +30,7 @@ import pytest
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
-from ._probes import p50_ms, tenant_credentials
+from ._probes import open_to_other_users, p50_ms, tenant_credentials
 from .test_grpc_control_frame_flood import _cpu_seconds
 
 FIRST_UID = 20401
@@ -90,8 +90,7 @@ FLOOD = textwrap.dedent(r"""
 @pytest.fixture(scope="module")
 def broker() -> Iterator[BrokerProcess]:
     with BrokerProcess([TenantSpec("alice")], backend="opencl", settings={"socket_mode": 0o666}) as proc:
-        assert proc.workdir is not None
-        os.chmod(proc.workdir, 0o755)  # (the socket open to other local users, as socket_mode/socket_group allow)
+        open_to_other_users(proc)
         yield proc
 
 

@@ -36,7 +36,7 @@ from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pbg
 
 from ..helpers import wait_for
-from ._probes import CONNECTION_HOLDER, failed_connects
+from ._probes import CONNECTION_HOLDER, failed_connects, open_to_other_users
 
 PEERS = 4  # attacking uids, each its own peer
 PER_PEER = 8  # max_grpc_connections_per_peer
@@ -54,8 +54,7 @@ def broker() -> Iterator[BrokerProcess]:
     settings = {"socket_mode": 0o666, "max_grpc_connections": POOL, "max_grpc_connections_per_peer": PER_PEER,
                 "grpc_unauthenticated_seconds": GRACE, "metrics_listen": "127.0.0.1:0"}
     with BrokerProcess([TenantSpec("bob")], backend="opencl", settings=settings) as proc:
-        assert proc.workdir is not None
-        os.chmod(proc.workdir, 0o755)  # (the socket open to other local users, as socket_mode/socket_group allow)
+        open_to_other_users(proc)
         yield proc
 
 

@@ -37,7 +37,7 @@ from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import AdminClient
 
 from ..helpers import wait_for
-from ._probes import CONNECTION_HOLDER, failed_connects, scrape
+from ._probes import CONNECTION_HOLDER, failed_connects, open_to_other_users, scrape
 
 PEERS = 4  # mallory's uids, each its own peer
 PER_PEER = 8  # max_grpc_connections_per_peer
@@ -55,8 +55,7 @@ def broker() -> Iterator[BrokerProcess]:
                 "metrics_listen": "127.0.0.1:0"}
     tenants = [TenantSpec("mallory"), TenantSpec("bob"), TenantSpec("carol"), TenantSpec("ops", admin=True)]
     with BrokerProcess(tenants, backend="opencl", settings=settings) as proc:
-        assert proc.workdir is not None
-        os.chmod(proc.workdir, 0o755)  # (the socket open to other local users, as socket_mode/socket_group allow)
+        open_to_other_users(proc)
         yield proc
 
 

@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2
 from gpubroker.broker.healthcheck import check
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 
+from ._probes import open_to_other_users
 from .test_calls_staged_before_rotation import Staged
 from .test_grpc_partial_messages import FLOODER
 
@@ -45,7 +46,7 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
     settings = {"cache_dir": str(tmp / "caches"), "socket_mode": 0o666,
                 "request_message_timeout_seconds": REQUEST_TIMEOUT}
     with BrokerProcess([TenantSpec("alice")], backend="opencl", settings=settings) as proc:
-        os.chmod(os.path.dirname(proc.target.removeprefix("unix:")), 0o755)  # (a local user in socket_group)
+        open_to_other_users(proc)
         yield proc
 
 

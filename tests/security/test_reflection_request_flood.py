@@ -30,7 +30,7 @@ import pytest
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
-from ._probes import p50_ms, tenant_credentials
+from ._probes import open_to_other_users, p50_ms, tenant_credentials
 from .test_grpc_control_frame_flood import _cpu_seconds
 
 PEERS = 2
@@ -78,8 +78,7 @@ FLOOD = textwrap.dedent(r"""
 def broker() -> Iterator[BrokerProcess]:
     settings = {"socket_mode": 0o666, "max_grpc_calls_per_peer_per_second": RATE, "grpc_call_burst_per_peer": BURST}
     with BrokerProcess([TenantSpec("alice")], backend="opencl", settings=settings) as proc:
-        assert proc.workdir is not None
-        os.chmod(proc.workdir, 0o755)  # (the socket open to other local users, as socket_mode/socket_group allow)
+        open_to_other_users(proc)
         yield proc
 
 
