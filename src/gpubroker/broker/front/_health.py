@@ -35,6 +35,7 @@ from gpubroker.broker.front._grpc_peers import grpc_peer_key, over_call_rate
 from gpubroker.broker.front._metrics import HEALTH_REASONS
 from gpubroker.broker.front._status import Malformed, Unread, add_servicer
 from gpubroker.broker.front.auth import RateLimitedLog
+from gpubroker.broker.front.listeners import take_place_of
 from gpubroker.broker.front.workers import WorkerClient
 from gpubroker.v1 import admin_pb2 as apb
 from gpubroker.v1 import broker_pb2 as pb
@@ -278,15 +279,9 @@ class _Tally:
             del self.by_peer[hold.peer]
 
     def evictable(self, peer: str) -> _Hold | None:
-        """The hold a newcomer of ``peer`` takes the place of at the total: the oldest of the peer holding the most,
-        if it holds at least two more than ``peer`` does (so each peer keeps its fair share of the total, whoever
-        came first, and two peers never take turns evicting each other)."""
-        if not self.by_peer:
-            return None
-        most = max(self.by_peer, key=lambda key: len(self.by_peer[key]))
-        if len(self.by_peer[most]) <= self.held(peer) + 1:
-            return None
-        return next(iter(self.by_peer[most]))
+        """The hold a newcomer of ``peer`` takes the place of at the total (`listeners.take_place_of`)."""
+        found = take_place_of(self.by_peer, peer)
+        return None if found is None else found[1]
 
 
 class StreamLimiter:

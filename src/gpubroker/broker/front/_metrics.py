@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 from gpubroker.broker.front._sessions import SessionManager
 from gpubroker.broker.front.auth import RateLimitedLog
 from gpubroker.broker.front.listen import BACKLOG, tcp_listeners
-from gpubroker.broker.front.listeners import Acceptor, OffLoop, Peer, PeerRate
+from gpubroker.broker.front.listeners import Acceptor, OffLoop, Peer, PeerRate, take_place_of
 from gpubroker.broker.front.scheduler import DeviceScheduler
 from gpubroker.broker.front.workers import WorkerPool
 from gpubroker.wire.addresses import TcpAddress, parse_host_port
@@ -419,12 +419,12 @@ class MetricsServer:
         """At max_metrics_connections, end the oldest connection of the peer holding the most, if it holds at
         least two more than ``key`` (four local users at their share held all 16, and every scrape was refused);
         whether one was ended (its places given back now)."""
-        if self._open.get(key, 0) >= self.limits.max_connections_per_peer or not self._held:
+        if self._open.get(key, 0) >= self.limits.max_connections_per_peer:
             return False
-        most = max(self._held, key=lambda k: len(self._held[k]))
-        if len(self._held[most]) < self._open.get(key, 0) + 2:
+        found = take_place_of(self._held, key)
+        if found is None:
             return False
-        victim = next(iter(self._held[most]))
+        most, victim = found
         self._uncount(most, victim)
         self._evicted.add(victim)
         victim.cancel()

@@ -27,9 +27,9 @@ import ipaddress
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeVar
 
 from gpubroker.broker.front._owners import SocketOwners, plain_host
 from gpubroker.broker.front.auth import RateLimitedLog, peer_credentials
@@ -37,7 +37,7 @@ from gpubroker.wire.addresses import TcpAddress, VsockAddress
 
 __all__ = ["ACCEPT_BACKOFF", "ACCEPT_BACKOFF_MAX", "ACCEPT_BATCH", "DEFAULT_NETWORKS", "GONE", "PUMP_CHUNK", "Acceptor",
            "Admit", "OffLoop", "OwnerLookup", "Peer", "PeerNetworks", "PeerRate", "out_of_descriptors", "peer_of",
-           "pump", "uid_key"]
+           "pump", "take_place_of", "uid_key"]
 
 log = logging.getLogger("gpubroker.server")
 audit = logging.getLogger("gpubroker.audit")
@@ -172,6 +172,24 @@ class Peer:
         if isinstance(self.address, TcpAddress):
             return self.address.host if self.local else self.networks.of(self.address.host)
         return uid_key(-1)  # (a Unix peer whose credentials were not told)
+
+
+H = TypeVar("H")
+
+
+def take_place_of(held: Mapping[str, Mapping[H, None]], newcomer: str) -> tuple[str, H] | None:
+    """At a cap on what all peers together hold (``held``: each peer's holds, oldest first), the hold a newcomer of
+    peer ``newcomer`` takes the place of, with its peer: the oldest of the peer holding the most, if it holds at
+    least two more than ``newcomer`` does (so each peer keeps its fair share of the total, whoever came first, and
+    two peers never take turns ending each other's); None: the newcomer is refused. Four local users at their
+    per-peer share held a whole total before (the health probe's streams, the metrics endpoint's connections)."""
+    if not held:
+        return None
+    most = max(held, key=lambda key: len(held[key]))
+    mine = held.get(newcomer)
+    if len(held[most]) <= (len(mine) if mine is not None else 0) + 1:
+        return None
+    return most, next(iter(held[most]))
 
 
 def uid_key(uid: int) -> str:
