@@ -619,11 +619,7 @@ class GrpcGate:
         relay.unwatch = None  # (the revocation took the watch off)
         self._untenant(relay)
         relay.authenticated = False
-        if self._own_thread and self._loop is not None:
-            with contextlib.suppress(RuntimeError):  # (its loop already stopped)
-                self._loop.call_soon_threadsafe(self._unauthenticated, relay)
-        else:
-            self._unauthenticated(relay)
+        self._on_gate_loop(self._unauthenticated, relay)
 
     def _unauthenticated(self, relay: _Relay | _PumpedRelay) -> None:
         if not relay.counted or relay.authenticated:  # (gone, or authenticated again meanwhile)
@@ -633,6 +629,15 @@ class GrpcGate:
         if self.unauthenticated_seconds is not None and relay.deadline is None:
             assert self._loop is not None
             relay.deadline = self._loop.call_later(self.unauthenticated_seconds, self._expire, relay)
+
+    def _on_gate_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the gate's loop: from the front's loop, handed over where the gate has a thread of
+        its own (nothing, once that loop has stopped); here otherwise."""
+        if self._own_thread and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # (its loop already stopped)
+                self._loop.call_soon_threadsafe(fn, *args)
+        else:
+            fn(*args)
 
     def _untenant(self, relay: _Relay | _PumpedRelay) -> None:
         with self._tenant_lock:
@@ -646,11 +651,7 @@ class GrpcGate:
 
     def authenticated(self, relay: _Relay | _PumpedRelay) -> None:
         """``relay`` carried an authenticated call (``grpc_authenticated``, on the front's loop)."""
-        if self._own_thread and self._loop is not None:
-            with contextlib.suppress(RuntimeError):  # (its loop already stopped)
-                self._loop.call_soon_threadsafe(self._authenticated, relay)
-        else:
-            self._authenticated(relay)
+        self._on_gate_loop(self._authenticated, relay)
 
     def _authenticated(self, relay: _Relay | _PumpedRelay) -> None:
         if relay.deadline is not None:
@@ -707,11 +708,7 @@ class GrpcGate:
         self._audit.warning("grpc call rate", "action=close-connection peer=%s reason=over "
                             "max_grpc_calls_per_peer_per_second (%g a second, %g at once)", relay.peer.name,
                             self.call_rate.rate, self.call_rate.burst)
-        if self._own_thread and self._loop is not None:
-            with contextlib.suppress(RuntimeError):  # (its loop already stopped)
-                self._loop.call_soon_threadsafe(relay.cut)
-        else:
-            relay.cut()
+        self._on_gate_loop(relay.cut)
 
     def over_control_rate(self, relay: _Relay | _PumpedRelay, frames: ControlFrames, data: bytes) -> bool:
         """Whether ``data``, from ``relay``'s client, takes its peer past its control-frame rate: then it is not
