@@ -1,13 +1,13 @@
 """What native code in the front writes to its stderr (gRPC core above all), logged rate-limited and escaped.
 
 gRPC core logs its own errors straight to file descriptor 2, one line per event, and many of those events are a
-peer's doing before any token is checked: a call whose ``grpc-encoding`` is unknown ("Error parsing
-'grpc-encoding' metadata"), or disabled, and others. One local user sending such calls put 50,159 lines (5.3 MB)
-into the broker's log in 3 s. So the front's descriptor 2 becomes a pipe that a thread of the front reads: each
-line it carries is logged through ``gpubroker.native`` at the level gRPC gave it, escaped (a peer's bytes in it
-cannot start a line of their own), at most ``BURST`` lines per ``WINDOW`` seconds for each source location (then one
-line saying how many were left out; lines without gRPC's prefix, a traceback of a process the front started, at
-most ``OTHER_BURST``). Python's own writes to ``sys.stderr`` (the log handler, the ``serving on``
+peer's doing before any token is checked: a call whose ``grpc-encoding`` is unknown ("Error parsing 'grpc-encoding'
+metadata"), or disabled, and others. One local user sending such calls put 50,159 lines (5.3 MB) into the broker's
+log in 3 s. So the front's descriptor 2 becomes a pipe that a thread of the front reads: each line it carries is
+logged through ``gpubroker.native`` at the level gRPC gave it, escaped as worker output is (``workers.escape``: a
+peer's bytes in it cannot start a line of their own), at most ``BURST`` lines per ``WINDOW`` seconds for each source
+location (then one line saying how many were left out; lines without gRPC's prefix, a traceback of a process the
+front started, at most ``OTHER_BURST``). Python's own writes to ``sys.stderr`` (the log handler, the ``serving on``
 line) go to the real stderr, as before. A process the front starts with its stderr (the acceptor, which writes only
 a traceback on a bug) goes through the pipe too; the workers have pipes of their own (workers/_output.py).
 """
@@ -21,6 +21,7 @@ import sys
 import threading
 
 from gpubroker.broker.front.auth import RateLimitedLog
+from gpubroker.broker.front.workers import escape
 
 __all__ = ["capture_native_stderr"]
 
@@ -35,22 +36,15 @@ _PREFIX = re.compile(r"^([IWEF])\d{4} [\d:.]+\s+\d+ ([\w./-]+:\d+)\] ?")
 _LEVELS = {"I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
 
 
-def _escaped(text: str) -> str:
-    """``text`` with every character that is not printable (control characters, line separators) escaped."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
-
-
 def _log_line(limited: RateLimitedLog, other: RateLimitedLog, raw: bytes) -> None:
-    text = raw.decode("utf-8", "backslashreplace").rstrip("\r")
+    text = raw.decode("utf-8", "surrogateescape").rstrip("\r")
     if not text:
         return
     match = _PREFIX.match(text)
     if match:
-        limited.log(_LEVELS[match.group(1)], match.group(2), "%s", _escaped(text[:MAX_LINE]))
+        limited.log(_LEVELS[match.group(1)], match.group(2), "%s", escape(text[:MAX_LINE], quote=False))
     else:
-        other.log(logging.WARNING, "native stderr", "%s", _escaped(text[:MAX_LINE]))
+        other.log(logging.WARNING, "native stderr", "%s", escape(text[:MAX_LINE], quote=False))
 
 
 def _pump(fd: int, limited: RateLimitedLog, other: RateLimitedLog) -> None:

@@ -2,7 +2,8 @@
 
 from gpubroker.broker.front.workers._client import WorkerClient, device_info_from_dict
 from gpubroker.broker.front.workers._cpu import CpuReading, cpu_count, hold_seconds, parent_pid, scan_children
+from gpubroker.broker.front.workers._output import escape
 from gpubroker.broker.front.workers._pool import WorkerPool
 
-__all__ = ["CpuReading", "WorkerClient", "WorkerPool", "cpu_count", "device_info_from_dict", "hold_seconds",
-           "parent_pid", "scan_children"]
+__all__ = ["CpuReading", "WorkerClient", "WorkerPool", "cpu_count", "device_info_from_dict", "escape",
+           "hold_seconds", "parent_pid", "scan_children"]
