@@ -211,8 +211,8 @@ class _Quota(TorchAccounts):
     def bind(self, handle: str) -> None:
         self.handles.add(handle)
 
-    def unbind(self, handle: str) -> None:
-        self.handles.discard(handle)
+    def unbind(self, handles: Sequence[str]) -> None:
+        self.handles.difference_update(handles)
 
     def reserve(self, nbytes: int) -> None:
         if self.used + nbytes > self.limit:

@@ -191,3 +191,25 @@ def test_dropped_tensors_are_freed_in_batches(gpu: Any, dev: Any) -> None:
     gbtorch.synchronize(dev)
     assert len(gpu.tensors) <= live + 1
     assert gpu.counts["torch_free"] - frees <= 640 // 64 + 1  # batched, not one command per tensor
+
+
+def test_an_empty_tensor_nothing_names_is_never_made() -> None:
+    from tests.client.torch.fake_gpu import FakeTorchGpu
+
+    gpu = FakeTorchGpu()
+    dev = gbtorch.device(gpu)
+    x = torch.ones(4, device=dev)
+    made = gpu.counts["torch_op"]
+    # An inference pass's batch norm makes a 0-byte reserve per layer that nothing reads: dropped before any
+    # operator named it, it costs the worker nothing.
+    reserve = torch.empty(0, dtype=torch.uint8, device=dev)
+    y = x + 1
+    del reserve
+    gbtorch.synchronize(dev)
+    assert gpu.counts["torch_op"] - made == 1  # the add alone
+    out = torch.empty(4, device=dev)  # one an operator writes is made first
+    out.copy_(y + 1)
+    assert torch.equal(out.cpu(), torch.full((4,), 3.0))
+    kept = torch.empty(2, device=dev)  # and one alive at a wait is made there
+    gbtorch.synchronize(dev)
+    assert kept.shape == (2,) and gpu.counts["torch_op"] - made == 5

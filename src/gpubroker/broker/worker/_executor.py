@@ -170,14 +170,18 @@ class _SessionAccounts(TorchAccounts):
         if limit is not None and len(objs.kinds) + len(handles) > limit:
             raise ResourceExhausted(f"this session already holds {len(objs.kinds)} handles and the limit is {limit}; "
                                     "free some", limit=limit)
+        kinds = objs.kinds
         for handle in handles:
-            self.tables.claim(objs, "tensor", handle)
+            if handle in kinds:
+                self.tables.claim(objs, "tensor", handle)  # (raises, naming what the handle is)
 
     def bind(self, handle: str) -> None:
         self.objs.kinds[handle] = "tensor"
 
-    def unbind(self, handle: str) -> None:
-        self.objs.kinds.pop(handle, None)
+    def unbind(self, handles: Sequence[str]) -> None:
+        kinds = self.objs.kinds
+        for handle in handles:
+            kinds.pop(handle, None)
 
     def reserve(self, nbytes: int) -> None:
         if nbytes:

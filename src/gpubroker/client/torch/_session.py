@@ -17,7 +17,16 @@ import torch
 from gpubroker.client.torch._errors import as_torch_error
 from gpubroker.wire.compute import GpuCompute
 from gpubroker.wire.errors import GpuBrokerError
-from gpubroker.wire.torch import MAX_TORCH_READ, DeviceArg, DtypeArg, TensorMeta, TorchOp, TorchOpSync
+from gpubroker.wire.torch import (
+    MAX_TORCH_READ,
+    DeviceArg,
+    DtypeArg,
+    TensorArg,
+    TensorListArg,
+    TensorMeta,
+    TorchOp,
+    TorchOpSync,
+)
 
 __all__ = ["FREE_BATCH", "READ_INLINE", "Session", "new_handle"]
 
@@ -86,7 +95,9 @@ class Session:
         # torch_free once FREE_BATCH gather or before anything that waits.
         self.dead: list[str] = []
         # Empty tensors not made yet: torch.empty / x.to(dev)'s destination, usually filled by an upload next,
-        # which then makes the tensor from the uploaded bytes directly (one command instead of three).
+        # which then makes the tensor from the uploaded bytes directly (one command instead of three). Made when an
+        # operator names them or something waits; never, if dropped first (batch norm's 0-byte reserve, which an
+        # inference pass makes at every layer and nothing reads).
         self.pending: dict[str, TorchOp] = {}
         # An error raised inside backward (where raising would abort the process), raised at the next wait; and
         # the handles of the placeholder tensors returned instead, which the worker never made.
@@ -96,13 +107,28 @@ class Session:
     # ------------------------------------------------------------------ queued work
     def submit(self, op: TorchOp) -> None:
         if self.pending:
-            self.make_pending()
+            self._make_named(op)
         try:
             self.gpu.torch_op(op)
         except GpuBrokerError as exc:
             raise_error(exc)
         if len(self.dead) >= FREE_BATCH:  # after the operator: a handle it made may be among them already
             self.flush_frees()
+
+    def _make_named(self, op: TorchOp) -> None:
+        """Make the pending tensors the operator names, before it."""
+        pending = self.pending
+        for arg in (*op.args, *op.kwargs.values()):
+            kind = type(arg)
+            if kind is TensorArg:
+                made = pending.pop(arg.h, None)
+                if made is not None:
+                    self.submit(made)
+            elif kind is TensorListArg:
+                for h in arg.hs:
+                    made = pending.pop(h, None) if h is not None else None
+                    if made is not None:
+                        self.submit(made)
 
     def make_pending(self) -> None:
         while self.pending:
@@ -134,10 +160,10 @@ class Session:
     # ------------------------------------------------------------------ waits
     def before_wait(self) -> None:
         """What every waiting call does first: send what is due, then raise the error kept from backward."""
+        if self.dead:
+            self.flush_frees()  # (first: a pending tensor dropped already is never made)
         if self.pending:
             self.make_pending()
-        if self.dead:
-            self.flush_frees()
         if self.deferred is not None:
             exc, self.deferred = self.deferred, None
             raise exc
