@@ -119,12 +119,11 @@ class Session:
         """Make the pending tensors the operator names, before it."""
         pending = self.pending
         for arg in (*op.args, *op.kwargs.values()):
-            kind = type(arg)
-            if kind is TensorArg:
+            if isinstance(arg, TensorArg):
                 made = pending.pop(arg.h, None)
                 if made is not None:
                     self.submit(made)
-            elif kind is TensorListArg:
+            elif isinstance(arg, TensorListArg):
                 for h in arg.hs:
                     made = pending.pop(h, None) if h is not None else None
                     if made is not None:
