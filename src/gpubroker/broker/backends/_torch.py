@@ -36,7 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import numpy as np
 
@@ -197,6 +197,7 @@ class _Storage:
     refs: int  # handles of the session whose tensors use it
 
 
+_INTS: Final = frozenset({int})  # (an argument list of these alone is its own part of a call's signature)
 _DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128", "uint8", "int8",
                 "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
                 "float8_e4m3fnuz", "float8_e5m2fnuz")
@@ -594,10 +595,14 @@ class TorchSession:
             elif kind is float:
                 args.append(a)
                 key.append((float, a) if valued else float)
+            elif kind is bool:  # (True == 1: add(bool_t, True) is bool, add(bool_t, 1) int64: never one entry)
+                args.append(a)
+                key.append((bool, a))
             elif kind is list:  # (sizes, dims)
                 args.append(a)
-                key.append(tuple(v if type(v) is int or v is None else self._key(v, valued)
-                                 for v in a))  # type: ignore[union-attr]
+                key.append(tuple(a) if _INTS.issuperset(map(type, a))  # type: ignore[arg-type]
+                           else tuple(v if type(v) is int or v is None else self._key(v, valued)
+                                      for v in a))  # type: ignore[union-attr]
             elif kind is TensorListArg:  # (an optimizer's foreach operators: every parameter, at each step)
                 listed: list[torch.Tensor | None] = []
                 parts: list[Any] = [TensorListArg]

@@ -159,6 +159,7 @@ def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 # ---------------------------------------------------------------- argument encoding
 _DTYPES: dict[torch.dtype, DtypeArg] = {dt: DtypeArg(name) for name, dt in DTYPES.items()}
 _DEVICE_ARG: Final = DeviceArg()
+_INTS: Final = frozenset({int})  # (a list of these alone is its own cache key part and wire value)
 _CPU_INDEX_OK: Final = frozenset({  # operators whose index tensors may be CPU tensors, as on CUDA
     "aten::index.Tensor", "aten::_unsafe_index.Tensor", "aten::index_put.default", "aten::index_put_.default",
     "aten::_index_put_impl_.default", "aten::_unsafe_index_put.default"})
@@ -265,6 +266,9 @@ def _encode(args: Sequence[Any], kwargs: dict[str, Any]
         elif kind is int or kind is bool or a is None or kind is str:
             key.append(a)
             wargs.append(a)
+        elif (kind is list or kind is tuple) and _INTS.issuperset(map(type, a)):  # sizes, strides, dims
+            key.append(tuple(a))
+            wargs.append(a if kind is list else list(a))
         else:
             if walk is None:
                 walk = _Walk()
@@ -289,6 +293,9 @@ def _encode(args: Sequence[Any], kwargs: dict[str, Any]
         elif kind is int or kind is bool or a is None or kind is str:
             key.append(a)
             wkwargs[name] = a
+        elif (kind is list or kind is tuple) and _INTS.issuperset(map(type, a)):
+            key.append(tuple(a))
+            wkwargs[name] = a if kind is list else list(a)
         else:
             if walk is None:
                 walk = _Walk()
