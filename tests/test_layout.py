@@ -163,12 +163,13 @@ def test_a_client_only_install_pulls_none_of_the_brokers_dependencies(wheel: zip
     assert not base & BROKER_ONLY, base & BROKER_ONLY
     assert broker >= BROKER_ONLY, BROKER_ONLY - broker
     assert {"grpcio", "numpy", "protobuf", "msgspec"} <= base
+    assert "msgpack" not in base | broker  # one msgpack library for the wire: msgspec's (msgpack is the tests')
 
 
 def test_the_client_imports_none_of_the_brokers_dependencies() -> None:
     """The SDK (and its array and loadtest-free parts) imports with every broker-only module refused: a client-only
     install works. A finder on sys.meta_path refuses them, in a fresh interpreter."""
-    blocked = ["cryptography", "uvloop", "prometheus_client", "tomlkit", "pyseccomp", "grpc_reflection"]
+    blocked = ["cryptography", "uvloop", "prometheus_client", "tomlkit", "pyseccomp", "grpc_reflection", "msgpack"]
     script = f"""
 import sys
 
@@ -195,7 +196,7 @@ print("ok", sorted(m for m in sys.modules if m.split(".")[0] in {blocked!r}))
 def test_the_cli_runs_its_client_commands_on_a_client_only_install(tmp_path: Path) -> None:
     """`gpubroker devices` and the rest that only call a broker work without the broker's dependencies; `tenant add`
     (tomlkit) says which extra to install instead of a traceback."""
-    blocked = ["cryptography", "uvloop", "prometheus_client", "tomlkit", "pyseccomp", "grpc_reflection"]
+    blocked = ["cryptography", "uvloop", "prometheus_client", "tomlkit", "pyseccomp", "grpc_reflection", "msgpack"]
     script = f"""
 import sys
 
