@@ -217,3 +217,15 @@ sys.exit(main(["tenant", "add", "team-a", "--config", "{tmp_path}/gpubroker.toml
     assert "Traceback" not in result.stderr
     assert "`gpubroker tenant` needs the broker's dependencies (tomlkit is not installed): pip install " \
            "'gpubroker[broker]'" in result.stderr
+
+
+def test_dev_help_lists_every_command_and_nothing_else() -> None:
+    """`./dev help` prints the script's own list (not its `set` line), and the list names each command it runs."""
+    script = (ROOT / "dev").read_text()
+    commands = set(re.findall(r"^  ([a-z-]+)\)$", script, re.MULTILINE))
+    assert {"demo", "test", "bench", "docs", "gpu-wheels"} <= commands
+    result = subprocess.run([str(ROOT / "dev"), "help"], capture_output=True, text=True, timeout=30, check=True)
+    assert "set -" not in result.stdout and "#" not in result.stdout
+    listed = set(re.findall(r"^  \./dev ([a-z-]+)", result.stdout, re.MULTILINE))
+    assert listed == commands | {"help"}, listed ^ (commands | {"help"})
+    assert subprocess.run([str(ROOT / "dev"), "no-such-command"], capture_output=True, timeout=30).returncode == 2
