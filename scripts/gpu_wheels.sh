@@ -21,7 +21,7 @@ rm -rf .whl && mkdir -p .whl
 # (The image has torch 2.11, scikit-learn, scipy and einops; the array namespace's tests and the conformance suite
 # need the rest: array-api-compat, array-api-strict, pytest-json-report and ndindex (its hypothesis was 6.168 in
 # 2026-11); the torch device's OpInfo tests need expecttest.)
-# msgspec (the config's schema), lz4 (copies on slow links) and cryptography (TLS test certificates; cffi under it) are compiled: fetched for the GPU image's CPython 3.12 on x86_64, whatever runs here.
+# msgspec (the wire's msgpack and the config's schema), lz4 (copies on slow links) and cryptography (TLS test certificates; cffi under it) are compiled: fetched for the GPU image's CPython 3.12 on x86_64, whatever runs here.
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl --implementation cp --python-version 3.12 \
   --abi cp312 --abi abi3 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_34_x86_64 'msgspec>=0.19' 'lz4>=4' 'cryptography>=42' 'cffi>=1.14' \

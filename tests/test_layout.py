@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import ast
+import email
+import re
 import shutil
 import subprocess
 import sys
@@ -98,9 +100,10 @@ def test_an_injected_forbidden_import_breaks_its_contract(lint_copy: Path, modul
     assert contract in broken, result.stdout
 
 
-def test_setuptools_finds_the_packages_and_the_wheel_holds_no_benchmarks(tmp_path: Path) -> None:
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    assert "package-dir" not in pyproject
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+    """The wheel built from the work tree's tracked and untracked (not ignored) files, as a user's pip builds it."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     source = tmp_path / "source"
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
                            text=True, check=True).stdout.split()
@@ -110,11 +113,119 @@ def test_setuptools_finds_the_packages_and_the_wheel_holds_no_benchmarks(tmp_pat
             shutil.copy2(ROOT / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path / "dist"), str(source)], check=True, capture_output=True, timeout=300)
-    (wheel,) = (tmp_path / "dist").glob("gpubroker-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+    (path,) = (tmp_path / "dist").glob("gpubroker-*.whl")
+    return zipfile.ZipFile(path)
+
+
+def test_setuptools_finds_the_packages_and_the_wheel_holds_no_benchmarks(wheel: zipfile.ZipFile) -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert "package-dir" not in pyproject
+    names = wheel.namelist()
     for expected in ("gpubroker/wire/commands.py", "gpubroker/client/array/__init__.py",
                      "gpubroker/broker/front/_server.py", "gpubroker/broker/worker/__main__.py",
                      "gpubroker/v1/broker.proto", "gpubroker/v1/broker_pb2.pyi", "gpubroker/loadtest/__init__.py",
                      "gpubroker/client/array/csrc/prelude.h", "gpubroker/client/array/csrc/reduce.c.in"):
         assert expected in names
     assert not [n for n in names if n.startswith(("gpubroker_bench/", "bench/", "tests/"))]
+
+
+def test_the_wheel_is_typed_and_says_where_it_comes_from(wheel: zipfile.ZipFile) -> None:
+    """py.typed (PEP 561: a user's type checker reads the SDK's annotations), one version (the package's own
+    ``__version__``), the project's links and classifiers."""
+    import gpubroker
+
+    assert "gpubroker/py.typed" in wheel.namelist()
+    (metadata_name,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    metadata = email.message_from_bytes(wheel.read(metadata_name))
+    assert metadata["Version"] == gpubroker.__version__
+    assert metadata_name == f"gpubroker-{gpubroker.__version__}.dist-info/METADATA"
+    urls = dict(url.split(", ", 1) for url in metadata.get_all("Project-URL") or [])
+    assert {"Homepage", "Documentation", "Source", "Issues", "Changelog"} <= set(urls), urls
+    classifiers = metadata.get_all("Classifier") or []
+    assert "Typing :: Typed" in classifiers
+    assert any(c.startswith("Programming Language :: Python :: 3.11") for c in classifiers)
+
+
+# What only the broker's processes import: a client-only install (`pip install gpubroker`) goes without them, and
+# `pip install gpubroker[broker]` brings them.
+BROKER_ONLY = {"cryptography", "uvloop", "prometheus-client", "tomlkit", "pyseccomp", "grpcio-reflection"}
+
+
+def test_a_client_only_install_pulls_none_of_the_brokers_dependencies(wheel: zipfile.ZipFile) -> None:
+    (metadata_name,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    requires = email.message_from_bytes(wheel.read(metadata_name)).get_all("Requires-Dist") or []
+
+    def name(requirement: str) -> str:
+        return re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0].lower()
+
+    base = {name(r) for r in requires if "extra ==" not in r}
+    broker = {name(r) for r in requires if re.search(r"extra == ['\"]broker['\"]", r)}
+    assert not base & BROKER_ONLY, base & BROKER_ONLY
+    assert broker >= BROKER_ONLY, BROKER_ONLY - broker
+    assert {"grpcio", "numpy", "protobuf", "msgspec"} <= base
+    assert "msgpack" not in base | broker  # one msgpack library for the wire: msgspec's (msgpack is the tests')
+
+
+def test_the_client_imports_none_of_the_brokers_dependencies() -> None:
+    """The SDK (and its array and loadtest-free parts) imports with every broker-only module refused: a client-only
+    install works. A finder on sys.meta_path refuses them, in a fresh interpreter."""
+    blocked = ["cryptography", "uvloop", "prometheus_client", "tomlkit", "pyseccomp", "grpc_reflection", "msgpack"]
+    script = f"""
+import sys
+
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ImportError(f"{{name}} is the broker's (blocked by tests/test_layout.py)")
+        return None
+
+sys.meta_path.insert(0, Refuse())
+import gpubroker.client
+from gpubroker.client import RemoteGpu, connect, AdminClient, list_devices, TlsOptions
+import gpubroker.client.array
+import gpubroker.client._transports
+assert callable(connect) and RemoteGpu and AdminClient and list_devices and TlsOptions
+gpu = RemoteGpu("unix:/nonexistent/gpubroker.sock", "gpb_x")  # builds its channel; connects to nothing
+print("ok", sorted(m for m in sys.modules if m.split(".")[0] in {blocked!r}))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok []"
+
+
+def test_the_cli_runs_its_client_commands_on_a_client_only_install(tmp_path: Path) -> None:
+    """`gpubroker devices` and the rest that only call a broker work without the broker's dependencies; `tenant add`
+    (tomlkit) says which extra to install instead of a traceback."""
+    blocked = ["cryptography", "uvloop", "prometheus_client", "tomlkit", "pyseccomp", "grpc_reflection", "msgpack"]
+    script = f"""
+import sys
+
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+sys.meta_path.insert(0, Refuse())
+from gpubroker.broker.cli import main
+assert main(["devices", "--target", "unix:{tmp_path}/none.sock", "--token", "gpb_x"]) == 1
+sys.exit(main(["tenant", "add", "team-a", "--config", "{tmp_path}/gpubroker.toml"]))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert "no broker is listening there" in result.stderr
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "`gpubroker tenant` needs the broker's dependencies (tomlkit is not installed): pip install " \
+           "'gpubroker[broker]'" in result.stderr
+
+
+def test_dev_help_lists_every_command_and_nothing_else() -> None:
+    """`./dev help` prints the script's own list (not its `set` line), and the list names each command it runs."""
+    script = (ROOT / "dev").read_text()
+    commands = set(re.findall(r"^  ([a-z-]+)\)$", script, re.MULTILINE))
+    assert {"demo", "test", "bench", "docs", "gpu-wheels"} <= commands
+    result = subprocess.run([str(ROOT / "dev"), "help"], capture_output=True, text=True, timeout=30, check=True)
+    assert "set -" not in result.stdout and "#" not in result.stdout
+    listed = set(re.findall(r"^  \./dev ([a-z-]+)", result.stdout, re.MULTILINE))
+    assert listed == commands | {"help"}, listed ^ (commands | {"help"})
+    assert subprocess.run([str(ROOT / "dev"), "no-such-command"], capture_output=True, timeout=30).returncode == 2

@@ -6,9 +6,18 @@ import asyncio
 import socket
 import threading
 
+import msgpack
 import pytest
 
-from gpubroker.wire.frames import FRAME_HEADER, FrameDecoder, FrameTooLarge, frame_length, recv_payload
+from gpubroker.wire.frames import (
+    FRAME_HEADER,
+    FrameDecoder,
+    FrameTooLarge,
+    frame_length,
+    pack_frame,
+    recv_payload,
+    unpack_frame,
+)
 from gpubroker.wire.worker import FrameClosed, read_frame_async, recv_frame, send_frame
 
 
@@ -98,3 +107,19 @@ def test_recv_payload_reads_only_its_frame() -> None:
     with pytest.raises(FrameClosed):
         recv_payload(b, 10)
     b.close()
+
+
+@pytest.mark.parametrize("message", [
+    {"token": "gpb_" + "x" * 40, "session": "ses_abc", "link": 1, "ring": 1},
+    [0, 0, {"link": 1, "max_frame": 1 << 24}],
+    [0, 1, {"code": "NOT_FOUND", "message": "no session", "type": "", "details": {"retry_after_seconds": 0.5}}],
+    [1, 2**40, -2**40, 2**64 - 1, -2**63, 1.5, float("inf"), None, True, b"\x00" * 300, "\u00e9" * 40, {7: "k"}],
+    [1, b"\x01" * 70000],
+])
+def test_frames_are_the_bytes_msgpack_writes(message: object) -> None:
+    """The wire's frames come from msgspec alone; their bytes are what msgpack-python writes (use_bin_type), and
+    msgpack-python reads them back the same: the format is unchanged for any peer."""
+    frame = pack_frame(message)
+    payload = msgpack.packb(message, use_bin_type=True)
+    assert frame == FRAME_HEADER.pack(len(payload)) + payload
+    assert unpack_frame(frame[FRAME_HEADER.size:]) == msgpack.unpackb(payload, raw=False, strict_map_key=False)

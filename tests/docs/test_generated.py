@@ -103,3 +103,22 @@ def test_every_metric_family_of_a_live_scrape_is_in_the_metrics_list(backend: st
     listed_names = {part.strip().strip("`") for line in listed.splitlines()[2:]
                     for part in line.split("|")[1].split("<br>")}
     assert listed_names <= served, f"listed but not served: {sorted(listed_names - served)}"
+
+
+def test_every_command_and_option_of_the_cli_is_in_its_reference() -> None:
+    """The command-line reference comes from the parser itself: each command has its section and usage, each
+    option its row, and a command added to cli.py shows up without a docs change."""
+    import argparse
+
+    reference = _generated("cli-reference")
+    commands = list(_hook("gen_cli").commands())
+    names = {" ".join(path) for path, _, _ in commands}
+    assert {"gpubroker serve", "gpubroker tenant add", "gpubroker config check", "gpubroker undrain",
+            "gpubroker usage", "gpubroker devices", "gpubroker bench"} <= names
+    for path, _, parser in commands:
+        assert f"## `{' '.join(path)}` {{ #{'-'.join(path)} }}" in reference
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+                continue
+            for option in action.option_strings:
+                assert f"`{option}" in reference, f"{' '.join(path)} {option}"

@@ -8,6 +8,7 @@ reference are checked too. External links are not followed (CI has no network).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -86,3 +87,55 @@ def test_internal_links_and_anchors_resolve(site: Path) -> None:
 def test_no_page_is_a_stub() -> None:
     stubs = [str(p.relative_to(ROOT)) for p in pages() if "To be written." in p.read_text()]
     assert not stubs, f"pages still to be written: {stubs}"
+
+
+class _Paragraphs(HTMLParser):
+    """The text of every <p>, inline markup and all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0
+        self.text: list[str] = []
+        self.paragraphs: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "p":
+            self.depth += 1
+            self.text = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "p" and self.depth:
+            self.depth -= 1
+            self.paragraphs.append("".join(self.text))
+
+    def handle_data(self, data: str) -> None:
+        if self.depth:
+            self.text.append(data)
+
+
+# A line of a paragraph that starts like a list item: the list did not render (Python-Markdown took the items as
+# a lazy continuation of the paragraph before them, e.g. after a block indented 4 spaces inside 2-space items).
+_RUN_ON_ITEM = re.compile(r"\n[ \t]*(?:[-*+]|\d+[.)])[ \t]+\S")
+
+
+def test_no_list_renders_as_a_paragraph(site: Path) -> None:
+    run_on = []
+    for html in sorted(site.rglob("*.html")):
+        paragraphs = _Paragraphs()
+        paragraphs.feed(html.read_text(errors="replace"))
+        for text in paragraphs.paragraphs:
+            found = _RUN_ON_ITEM.search(text)
+            if found:
+                run_on.append(f"{html.relative_to(site)}: ...{text[max(0, found.start() - 60):found.end() + 30]!r}")
+    assert not run_on, "list items rendered inside a paragraph (indent the item's blocks, or end the nested " \
+                       "block with a blank line):\n" + "\n".join(run_on)
+
+
+def test_the_site_links_the_repository_the_changelog_and_the_cli_reference(site: Path) -> None:
+    home = (site / "index.html").read_text()
+    assert 'class="md-source"' in home  # repo_url: the repository's link in the header
+    changelog = (site / "changelog" / "index.html").read_text()
+    assert "Unreleased" in changelog
+    cli = (site / "reference" / "cli" / "index.html").read_text()
+    assert 'id="gpubroker-serve"' in cli and 'id="gpubroker-tenant-add"' in cli and "--ready-file" in cli
+    assert "stylesheets/extra.css" in home  # 120-column code fits at 1400 px

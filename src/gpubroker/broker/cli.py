@@ -46,6 +46,9 @@ __all__ = ["main"]
 
 audit = logging.getLogger("gpubroker.audit")
 
+# The modules of the `broker` extra (pyproject.toml): what a client-only install lacks.
+BROKER_MODULES = frozenset({"cryptography", "uvloop", "prometheus_client", "tomlkit", "pyseccomp", "grpc_reflection"})
+
 
 def _existing_config(path: str) -> BrokerConfig:
     """The config `serve` reads (load_config reads a missing file as no tenants, for `tenant add`: a broker would
@@ -491,6 +494,13 @@ def main(argv: list[str] | None = None) -> int:
         # config file, a name that exists or does not), as argparse's own usage errors.
         print(f"gpubroker: error: {exc.message}", file=sys.stderr)
         return 1 if isinstance(exc, _RUNTIME_ERRORS) else 2
+    except ModuleNotFoundError as exc:
+        # A client-only install (`pip install gpubroker`) runs the client's commands; the broker's need its extra.
+        if (exc.name or "").partition(".")[0] not in BROKER_MODULES:
+            raise
+        print(f"gpubroker: error: `gpubroker {args.command}` needs the broker's dependencies ({exc.name} is not "
+              f"installed): pip install 'gpubroker[broker]'", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

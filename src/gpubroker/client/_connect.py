@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from gpubroker.client._endpoints import place_session, split_targets
 from gpubroker.client._remote import RemoteGpu
@@ -13,7 +12,10 @@ __all__ = ["connect"]
 
 
 def connect(target: str | Sequence[str], token: str | None = None, device: int | None = None, *,
-            tls: TlsOptions | None = None, **kwargs: Any) -> RemoteGpu:
+            tls: TlsOptions | None = None, async_commands: bool = False, transport: str = "auto",
+            timeout: float | None = 300.0, shared_memory: bool = True, compress: str | None = "auto",
+            vsock: bool | None = None, chunk_bytes: int | None = None,
+            client_name: str = "gpubroker-python") -> RemoteGpu:
     """Open a session on ``device`` of the broker at ``target`` (``unix:/path`` or ``host:port``); without a device,
     on the one the broker chooses (the least loaded that serves and where the tenant has quota room).
 
@@ -35,8 +37,17 @@ def connect(target: str | Sequence[str], token: str | None = None, device: int |
         token: The tenant's token (`gpb_...`); None with a client certificate that names the tenant.
         device: The broker's device index; None lets the broker choose (`gpu.device` then says which).
         tls: TLS settings for `host:port` targets ([TlsOptions][gpubroker.client.TlsOptions]).
-        **kwargs: The session's options, passed to [`RemoteGpu`][gpubroker.client.RemoteGpu]: `async_commands`,
-            `transport`, `timeout`, `shared_memory`, `compress`, `vsock`, `chunk_bytes`, `client_name`.
+        async_commands: Queue commands and defer their errors to the next wait (`synchronize`), as CUDA does;
+            False makes each command a round trip that raises its own error.
+        transport: `"auto"`, `"ring"`, `"link"` or `"grpc"`: how device commands travel (`"auto"` takes the
+            fastest the broker offers; see [`RemoteGpu`][gpubroker.client.RemoteGpu]).
+        timeout: Seconds each call, and each wait for an acknowledgement, may take; None: no limit. A call past
+            it raises `DeadlineExceeded`.
+        shared_memory: Whether host copies on a `unix:` target may use shared memory with the broker's worker.
+        compress: `"auto"`, `"lz4"` or None: lz4 for copies' bytes on links (`"auto"`: on TCP and vsock links).
+        vsock: Whether to look for the broker's vsock link (in a VM guest); None: probe for one.
+        chunk_bytes: The most bytes one copy command carries (the broker's limit caps it); None: the broker's.
+        client_name: How the session names its client in the broker's logs.
 
     Returns:
         An open session.
@@ -55,7 +66,9 @@ def connect(target: str | Sequence[str], token: str | None = None, device: int |
     """
 
     def open_on(one: str) -> RemoteGpu:
-        gpu = RemoteGpu(one, token, device, tls=tls, **kwargs)
+        gpu = RemoteGpu(one, token, device, tls=tls, async_commands=async_commands, transport=transport,
+                        timeout=timeout, shared_memory=shared_memory, compress=compress, vsock=vsock,
+                        chunk_bytes=chunk_bytes, client_name=client_name)
         try:
             gpu.initialize()
         except BaseException:

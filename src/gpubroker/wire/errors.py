@@ -350,6 +350,12 @@ def _all_subclasses(cls: type[GpuBrokerError]) -> list[type[GpuBrokerError]]:
     return found
 
 
+# Tracebacks, reprs and pickles name the module a user imports them from (`gpubroker.client.CompileError`), not
+# this one: gpubroker.client exports every one of them, so pickle finds the same class there.
+PUBLIC_MODULE: Final = "gpubroker.client"
+for _cls in _all_subclasses(GpuBrokerError):
+    _cls.__module__ = PUBLIC_MODULE
+
 _BY_NAME = {cls.__name__: cls for cls in _all_subclasses(GpuBrokerError)}
 # The first class declared for a code is its plain form: InvalidArgument, not CompileError.
 _BY_CODE: dict[str, type[GpuBrokerError]] = {}

@@ -15,7 +15,7 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
-import msgpack
+import msgspec
 
 __all__ = ["FRAME_HEADER", "MAX_FRAME", "FrameClosed", "FrameDecoder", "FrameRefused", "FrameTooLarge",
            "frame_length", "pack_frame", "read_frame_async", "read_payload_async", "recv_frame", "recv_payload",
@@ -142,18 +142,26 @@ class FrameDecoder:
 _JOIN_MAX = 64 * 1024
 
 
-def unpack_frame(payload: bytes | bytearray) -> Any:
-    return msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=False)
+# Untyped frames (hellos and their replies, tests' probes) in the one msgpack library the wire uses: msgspec writes
+# the same bytes msgpack-python did with use_bin_type=True (str as str, bytes as bin, the smallest int form, floats
+# as float64), and reads arrays as lists and maps with any keys, as it did with strict_map_key=False.
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder().decode
+
+
+def unpack_frame(payload: bytes | bytearray | memoryview) -> Any:
+    """A frame's payload decoded without a schema (msgspec.DecodeError, a ValueError, if it is not msgpack)."""
+    return _decode(payload)
 
 
 def pack_frame(obj: Any) -> bytes:
     """One whole frame, header and payload joined (for small messages: large ones go out as two buffers)."""
-    payload: bytes = msgpack.packb(obj, use_bin_type=True)
+    payload = _encode(obj)
     return _HEADER.pack(len(payload)) + payload
 
 
 def send_frame(sock: socket.socket, obj: Any) -> None:
-    send_payload(sock, msgpack.packb(obj, use_bin_type=True))
+    send_payload(sock, _encode(obj))
 
 
 def send_payload(sock: socket.socket, payload: bytes) -> None:
@@ -199,7 +207,7 @@ async def read_frame_async(reader: asyncio.StreamReader) -> Any:
 
 
 async def write_frame_async(writer: asyncio.StreamWriter, obj: Any) -> None:
-    payload = msgpack.packb(obj, use_bin_type=True)
+    payload = _encode(obj)
     if len(payload) <= _JOIN_MAX:
         writer.write(_HEADER.pack(len(payload)) + payload)
     else:

@@ -12,9 +12,7 @@ import os
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import tomlkit
+from typing import TYPE_CHECKING, Any
 
 from gpubroker.broker.config._read import load_config, parse_config
 from gpubroker.broker.config._schema import BrokerConfig, TenantConfig
@@ -22,6 +20,9 @@ from gpubroker.broker.config._write import _HEADER, _tenant_table, _write
 from gpubroker.wire.errors import InvalidArgument, NotFound
 
 __all__ = ["add_tenant_in_place", "edit_config", "remove_tenant_in_place", "rotate_token_in_place"]
+
+if TYPE_CHECKING:  # imported where used: tomlkit is the broker's (the `broker` extra), and the CLI's client
+    import tomlkit  # commands import this package on a client-only install
 
 
 @contextlib.contextmanager
@@ -33,6 +34,8 @@ def edit_config(path: str | os.PathLike[str]) -> Iterator[tuple[tomlkit.TOMLDocu
     replaces the file atomically (mode 0600). A missing file starts as a short header. Concurrent editors of
     the same directory take turns (flock on the directory), so neither loses the other's tenant.
     """
+    import tomlkit
+
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     dirfd = os.open(target.parent, os.O_RDONLY)
@@ -56,6 +59,8 @@ def edit_config(path: str | os.PathLike[str]) -> Iterator[tuple[tomlkit.TOMLDocu
 
 
 def _tenants_table(doc: tomlkit.TOMLDocument) -> Any:
+    import tomlkit
+
     if "tenants" not in doc:
         doc.add("tenants", tomlkit.table(is_super_table=True))
     return doc["tenants"]
@@ -63,6 +68,8 @@ def _tenants_table(doc: tomlkit.TOMLDocument) -> Any:
 
 def add_tenant_in_place(path: str | os.PathLike[str], tenant: TenantConfig) -> Path:
     """Append a ``[tenants.NAME]`` table to the file; AlreadyExists if the tenant is there."""
+    import tomlkit
+
     with edit_config(path) as (doc, cfg):
         cfg.add_tenant(tenant)
         table = _tenant_table(tenant)

@@ -7,15 +7,17 @@ import os
 import tempfile
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import tomlkit
 
 from gpubroker.broker.config._read import _BROKER_KEYS, _TENANT_KEYS, _TLS_KEYS, _forms, parse_config
 from gpubroker.broker.config._schema import OCTAL, SIZE, BrokerConfig, TenantConfig, format_size
 
 __all__ = ["save_config"]
+
+if TYPE_CHECKING:  # imported where used: tomlkit is the broker's (the `broker` extra), and the CLI's client
+    import tomlkit  # commands import this package on a client-only install
 
 _HEADER = ("gpubroker config (`gpubroker config keys` lists every setting). It holds token hashes: "
            "keep it mode 0600.")
@@ -36,6 +38,8 @@ def _toml(field: msgspec.structs.FieldInfo, value: Any) -> Any:
 
 
 def _inline(values: dict[str, Any]) -> tomlkit.items.InlineTable:
+    import tomlkit
+
     table = tomlkit.inline_table()
     table.update(values)
     return table
@@ -48,6 +52,8 @@ def _size(n: int) -> str | int:
 
 def _tenant_table(tenant: TenantConfig) -> tomlkit.items.Table:
     """A ``[tenants.NAME]`` table for ``tenant``, defaults left out except its memory and weight."""
+    import tomlkit
+
     table = tomlkit.table()
     for key, field in _TENANT_KEYS.items():
         value = getattr(tenant, field.name)
@@ -61,6 +67,8 @@ def _default(field: msgspec.structs.FieldInfo) -> Any:
 
 
 def _render(cfg: BrokerConfig) -> str:
+    import tomlkit
+
     doc = tomlkit.document()
     doc.add(tomlkit.comment(_HEADER))
     broker = tomlkit.table()
