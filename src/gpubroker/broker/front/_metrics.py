@@ -328,8 +328,11 @@ class MetricsServer:
     """
 
     def __init__(self, collector: BrokerCollector, limits: MetricsLimits | None = None,
-                 connection_rate: PeerRate | None = None, accepts: OffLoop | None = None) -> None:
+                 connection_rate: PeerRate | None = None, accepts: OffLoop | None = None,
+                 ready: Callable[[], str | None] | None = None) -> None:
         self.collector = collector
+        # Why the broker takes no new sessions, None when it does (BrokerHealth.not_ready): /readyz.
+        self.ready: Callable[[], str | None] = ready or (lambda: None)
         self.connection_rate = connection_rate  # (how fast each peer may connect: the Acceptor's)
         self.accepts = accepts  # (where the Acceptors accept: the front's acceptor process, if not on the loop)
         self.limits = limits or MetricsLimits()
@@ -500,14 +503,24 @@ class MetricsServer:
             if sep:
                 headers[name.strip().lower()] = value.strip()
         path = target.split("?", 1)[0]
+        head_only = method == "HEAD"
         if method not in ("GET", "HEAD"):
             await self._answer(writer, 405, b"only GET and HEAD\n", extra=[("Allow", "GET, HEAD")])
             return
-        if path == "/":
-            await self._answer(writer, 200, b"gpubroker: the metrics are at /metrics\n", head_only=method == "HEAD")
+        if path == "/livez":
+            # Answered on the event loop every call and stream is served on: an answer means the loop turns.
+            await self._answer(writer, 200, b"ok\n", head_only=head_only)
+            return
+        if path == "/readyz":
+            problem = self.ready()
+            if problem is None:
+                await self._answer(writer, 200, b"ready\n", head_only=head_only)
+            else:
+                await self._answer(writer, 503, f"not ready: {problem}\n".encode(), head_only=head_only)
             return
         if path != "/metrics":
-            await self._answer(writer, 404, b"not found: the metrics are at /metrics\n")
+            await self._answer(writer, 404, b"not found: this endpoint serves /metrics, /livez and /readyz\n",
+                               head_only=head_only)
             return
         encoder, content_type = _encoder(headers.get("accept", ""))
         gzipped = "gzip" in headers.get("accept-encoding", "")
@@ -515,7 +528,8 @@ class MetricsServer:
             page = await self._fresh_page()
         except Exception:
             log.exception("taking the metrics figures failed")
-            await self._answer(writer, 503, b"the figures could not be taken; see the broker's log\n")
+            await self._answer(writer, 503, b"the figures could not be taken; see the broker's log\n",
+                               head_only=head_only)
             return
         key = (content_type, gzipped)
         body = page.bodies.get(key)
@@ -527,7 +541,7 @@ class MetricsServer:
                 self.collector.current = None
             page.bodies[key] = body = gzip.compress(body) if gzipped else body
         extra = [("Content-Encoding", "gzip")] if gzipped else []
-        await self._answer(writer, 200, body, content_type, extra, head_only=method == "HEAD")
+        await self._answer(writer, 200, body, content_type, extra, head_only=head_only)
 
     async def _answer(self, writer: asyncio.StreamWriter, status: int, body: bytes,
                       content_type: str = "text/plain; charset=utf-8", extra: list[tuple[str, str]] | None = None,
@@ -598,12 +612,15 @@ _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Al
 async def serve_metrics(listen: str, sessions: SessionManager, schedulers: dict[int, DeviceScheduler],
                         pool: WorkerPool, refusals: dict[tuple[str, str], int],
                         limits: MetricsLimits | None = None,
-                        connection_rate: PeerRate | None = None, accepts: OffLoop | None = None) -> MetricsServer:
-    """Start the endpoint for a running broker (call on its event loop)."""
-    server = MetricsServer(BrokerCollector(sessions, schedulers, pool, refusals), limits, connection_rate, accepts)
+                        connection_rate: PeerRate | None = None, accepts: OffLoop | None = None,
+                        ready: Callable[[], str | None] | None = None) -> MetricsServer:
+    """Start the endpoint for a running broker (call on its event loop); ``ready`` says why the broker takes no new
+    sessions (None when it does), for ``/readyz``."""
+    server = MetricsServer(BrokerCollector(sessions, schedulers, pool, refusals), limits, connection_rate, accepts,
+                           ready)
     await server.start(listen)
-    log.info("metrics on http://%s/metrics (unauthenticated: keep it on loopback or a monitoring network)",
-             server.address)
+    log.info("metrics on http://%s/metrics, probes on /livez and /readyz (unauthenticated: keep it on loopback or a "
+             "monitoring network)", server.address)
     return server
 
 

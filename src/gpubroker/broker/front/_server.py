@@ -345,7 +345,8 @@ class Broker:
                 cfg.metrics_listen, self.sessions, self.schedulers, self.pool, self.health.refusals,
                 MetricsLimits(cfg.max_metrics_connections, cfg.max_metrics_connections_per_peer,
                               cfg.metrics_request_timeout_seconds, cfg.metrics_refresh_seconds,
-                              cfg.metrics_requests_per_peer_per_second), connection_rate, self.accepts)
+                              cfg.metrics_requests_per_peer_per_second), connection_rate, self.accepts,
+                ready=self.health.not_ready)
         self.sessions.start()
         self.cpu_watch.start()
         if self.memory_watch is not None:
