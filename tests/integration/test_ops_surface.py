@@ -4,7 +4,6 @@ metric families operators alert on, and a stderr that is JSON from its first lin
 from __future__ import annotations
 
 import http.client
-import json
 from collections.abc import Iterator
 
 import numpy as np
@@ -75,3 +74,50 @@ def test_probes_answer_on_the_metrics_listener_and_readyz_follows_drain_and_undr
         finally:
             admin.undrain()
     assert request(broker, "GET", "/readyz") == (200, b"ready\n")
+
+
+def test_build_info_device_figures_and_the_counters_of_a_session(broker: BrokerProcess) -> None:
+    before = scrape(broker)
+    (info,) = [s for s in before if s.name == "gpubroker_build_info"]
+    assert info.value == 1 and info.labels["version"] and info.labels["python"].count(".") == 2
+    assert info.labels["backend"] in ("opencl", "cuda")
+    assert value(before, "gpubroker_device_healthy", device="0") == 1
+    assert value(before, "gpubroker_device_memory_total_bytes", device="0") > 0
+    assert value(before, "gpubroker_device_memory_used_bytes", device="0") == 0
+    failed = value(before, "gpubroker_auth_failures_total", credential="token")
+
+    with pytest.raises(Unauthenticated):
+        connect(broker.target, token="gpb_nobody_0123456789abcdef").device_info()
+    n = 1 << 16
+    with connect(broker.target, token=broker.tokens["alice"]) as gpu:
+        buf = gpu.allocate_memory(n * 4)
+        gpu.copy_h2d(np.ones(n, np.float32), buf)
+        kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "scale_inplace")
+        for _ in range(3):
+            gpu.execute_kernel(kernel, grid=n, block=256, args=[buf, np.float32(2.0), np.int32(n)])
+        out = np.empty(n, np.float32)
+        gpu.copy_d2h(buf, out)
+        assert out[0] == 15.0  # (x = 2x + 1, three times)
+        during = scrape(broker)
+        assert value(during, "gpubroker_device_memory_used_bytes", device="0") == n * 4
+
+    def counted() -> bool:
+        found = scrape(broker)
+        return value(found, "gpubroker_sessions_ended_total", tenant="alice", device="0", how="closed") == 1
+    wait_for(counted, 30, "alice's session's close to be counted")
+    after = scrape(broker)
+    alice = {"tenant": "alice", "device": "0"}
+    assert value(after, "gpubroker_auth_failures_total", credential="token") == failed + 1
+    assert value(after, "gpubroker_sessions_opened_total", **alice) == 1
+    assert value(after, "gpubroker_sessions_ended_total", how="expired", **alice) == 0
+    assert value(after, "gpubroker_kernel_launches_total", **alice) == 3
+    assert value(after, "gpubroker_copied_bytes_total", direction="h2d", **alice) == n * 4
+    assert value(after, "gpubroker_copied_bytes_total", direction="d2h", **alice) == n * 4
+    assert value(after, "gpubroker_copied_bytes_total", direction="d2d", **alice) == 0
+    # The scheduler's waits: a histogram (cumulative buckets, +Inf = count), which rate() and sum() can add up.
+    buckets = sorted((float(s.labels["le"]), s.value) for s in after
+                      if s.name == "gpubroker_scheduler_wait_seconds_bucket" and alice.items() <= s.labels.items())
+    assert [c for _, c in buckets] == sorted(c for _, c in buckets)
+    assert buckets[-1] == (float("inf"), value(after, "gpubroker_scheduler_wait_seconds_count", **alice)) and \
+        buckets[-1][1] > 0
+    assert not [s for s in after if "quantile" in s.labels]

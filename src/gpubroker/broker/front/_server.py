@@ -30,7 +30,7 @@ from gpubroker.broker.front._grpc_peers import GrpcGate
 from gpubroker.broker.front._health import BrokerHealth
 from gpubroker.broker.front._links import LinkServer, fast_path_address
 from gpubroker.broker.front._memwatch import MemoryWatch, describe_bound
-from gpubroker.broker.front._metrics import MetricsLimits, MetricsServer, serve_metrics
+from gpubroker.broker.front._metrics import BrokerCollector, MetricsLimits, MetricsServer, serve_metrics
 from gpubroker.broker.front._preauth import PreAuthGate
 from gpubroker.broker.front._segments import SegmentService
 from gpubroker.broker.front._service import GpuBrokerService
@@ -341,8 +341,10 @@ class Broker:
             self.links.listen_socket(listen_vsock(cfg.link_vsock_port), f"vsock:{cfg.link_vsock_port}")
             service.link_vsock_port = cfg.link_vsock_port
         if cfg.metrics_listen:
+            collector = BrokerCollector(self.sessions, self.schedulers, self.pool, self.health.refusals, devices,
+                                        self.health.problem, self.auth.failures)
             self.metrics = await serve_metrics(
-                cfg.metrics_listen, self.sessions, self.schedulers, self.pool, self.health.refusals,
+                cfg.metrics_listen, collector,
                 MetricsLimits(cfg.max_metrics_connections, cfg.max_metrics_connections_per_peer,
                               cfg.metrics_request_timeout_seconds, cfg.metrics_refresh_seconds,
                               cfg.metrics_requests_per_peer_per_second), connection_rate, self.accepts,

@@ -34,9 +34,9 @@ from gpubroker.broker.config import BrokerConfig, TenantConfig
 from gpubroker.wire.addresses import AddressError, parse_host_port
 from gpubroker.wire.errors import PermissionDenied, Unauthenticated, Unavailable
 
-__all__ = ["REVOKED_CALL_MESSAGE", "Authenticator", "FailurePenalty", "NewToken", "Principal", "RateLimitedLog",
-           "Revocations", "TokenVerifier", "hash_token", "mint_token", "peer_credentials", "peer_key",
-           "wait_failure_delay"]
+__all__ = ["AUTH_FAILURE_KINDS", "REVOKED_CALL_MESSAGE", "Authenticator", "FailurePenalty", "NewToken", "Principal",
+           "RateLimitedLog", "Revocations", "TokenVerifier", "hash_token", "mint_token", "peer_credentials",
+           "peer_key", "wait_failure_delay"]
 
 _TOKEN_PREFIX = "gpb"
 _HMAC = "hmac-sha256"
@@ -449,6 +449,8 @@ class Revocations:
         return revoked
 
 
+AUTH_FAILURE_KINDS = ("token", "certificate")
+
 # The delay a failed authentication in this call earned (set by Authenticator.authenticate, applied by the
 # transport before it answers, so the failing peer waits and nobody else does).
 failure_delay: contextvars.ContextVar[float] = contextvars.ContextVar("failure_delay", default=0.0)
@@ -471,6 +473,9 @@ class Authenticator:
         self.penalty = FailurePenalty(cap=config.auth_failure_delay_max_seconds)
         self.revocations = Revocations()
         self.audit = RateLimitedLog(audit)
+        # Failed authentications, by what failed ("token": missing, unknown or wrong; "certificate": a client
+        # certificate that maps to no tenant): gpubroker_auth_failures_total.
+        self.failures: dict[str, int] = dict.fromkeys(AUTH_FAILURE_KINDS, 0)
         self.reload(config)
 
     def reload(self, config: BrokerConfig) -> None:
@@ -506,6 +511,7 @@ class Authenticator:
                 return Principal(tenant.name, tenant.admin, "certificate",
                                  f"certificate:{tenant.certificates_since!r}:{identity}")
         if tls is not None and identities and not tls.allow_tokens:
+            self.failures["certificate"] += 1
             self._failed(peer, penalty_key, "auth failure: peer=%s method=%s certificate=%s maps to no tenant",
                          peer, method, identities)
             raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
@@ -515,6 +521,7 @@ class Authenticator:
         except Unauthenticated:
             token_id = token.split("_", 2)[1] if token and token.count("_") >= 2 else "-"
             known = token_id in self.tokens.known_ids
+            self.failures["token"] += 1
             self._failed(peer, penalty_key, "auth failure: peer=%s method=%s token_id=%s", peer, method,
                          token_id if known else "unknown", token_id=token_id if known else None)
             raise
