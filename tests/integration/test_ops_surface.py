@@ -3,8 +3,13 @@ metric families operators alert on, and a stderr that is JSON from its first lin
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import json
+import socket
+import struct
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -121,3 +126,57 @@ def test_build_info_device_figures_and_the_counters_of_a_session(broker: BrokerP
     assert buckets[-1] == (float("inf"), value(after, "gpubroker_scheduler_wait_seconds_count", **alice)) and \
         buckets[-1][1] > 0
     assert not [s for s in after if "quantile" in s.labels]
+
+
+def _bogus_encoding_call(broker: BrokerProcess) -> None:
+    """A health Check as raw HTTP/2 whose ``grpc-encoding`` gRPC core does not know: core writes an error line of
+    its own to the front's descriptor 2 (what front/_native_log.py reads)."""
+    def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+        return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream) + payload
+
+    def header(name: bytes, value: bytes) -> bytes:  # (HPACK: a literal without indexing, a new name)
+        return b"\0" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+    block = b"".join(header(n, v) for n, v in [
+        (b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/grpc.health.v1.Health/Check"),
+        (b":authority", b"x"), (b"content-type", b"application/grpc"), (b"te", b"trailers"),
+        (b"grpc-encoding", b"bogus")])
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(broker.target.removeprefix("unix:"))
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0) + frame(1, 4, 1, block)
+                     + frame(0, 1, 1, b"\0\0\0\0\0"))
+        with contextlib.suppress(OSError):
+            sock.recv(1 << 16)  # (its answer, or the close)
+
+
+def test_every_line_of_stderr_is_json_with_audit_fields_and_named_sessions(broker: BrokerProcess) -> None:
+    """(Last in the module: it reads what the tests above made the broker log.)"""
+    with connect(broker.target, token=broker.tokens["alice"]) as gpu:
+        session = gpu.session
+    _bogus_encoding_call(broker)
+
+    def records() -> list[dict[str, Any]]:
+        text = broker.log_path.read_text(errors="replace")
+        return [json.loads(line) for line in text.splitlines() if line.strip()]  # (each line JSON, or it raises)
+
+    wait_for(lambda: any(r["logger"] == "gpubroker.native" for r in records())
+             and any(r.get("session") == session and "closed" in r["message"] for r in records()), 30,
+             "gRPC core's line and the session's close in the log")
+    found = records()
+    assert all({"time", "level", "logger", "message"} <= r.keys() for r in found)
+    assert any(r["logger"] == "gpubroker.server" and r["message"].startswith("serving on") for r in found)
+    assert not any("gpubroker: serving on" in r["message"] for r in found)
+    # "session opened" names its session as a field (no call had bound it yet), with its tenant and device.
+    opened = next(r for r in found if r["message"].startswith(f"session {session} opened"))
+    assert (opened["session"], opened["tenant"], opened["device"]) == (session, "alice", 0)
+    # Audit events: their key=value data as fields, the message free of them.
+    audit = [r for r in found if r["logger"] == "gpubroker.audit"]
+    drain = next(r for r in audit if r.get("action") == "drain")
+    assert (drain["admin"], drain["grace"], drain["message"]) == ("ops", "300", "drain")
+    assert drain["peer"].startswith("unix:")
+    failure = next(r for r in audit if r["message"] == "auth failure")
+    assert failure["token_id"] == "unknown" and failure["method"] and failure["peer"]
+    assert all("=" not in r["message"] for r in audit), [r["message"] for r in audit if "=" in r["message"]]
+    native = next(r for r in found if r["logger"] == "gpubroker.native")
+    assert native["level"] in ("ERROR", "WARNING", "INFO")

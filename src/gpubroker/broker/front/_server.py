@@ -41,6 +41,7 @@ from gpubroker.broker.front.listen import listen_unix, listen_vsock, secure_unix
 from gpubroker.broker.front.listeners import PeerNetworks, PeerRate
 from gpubroker.broker.front.scheduler import DeviceScheduler, Metered
 from gpubroker.broker.front.workers import WorkerClient, WorkerPool, cpu_count, device_info_from_dict, hold_seconds
+from gpubroker.broker.logs import json_logging
 from gpubroker.broker.sandbox import SandboxUnavailable, WorkerSandbox, cache_key
 from gpubroker.v1 import admin_pb2 as apb
 from gpubroker.v1 import admin_pb2_grpc as apb_grpc
@@ -619,7 +620,8 @@ async def _serve_ready(config: BrokerConfig, ready_file: str | None) -> None:
             ready["link_port"] = broker.service.link_port
         tmp.write_text(json.dumps(ready))
         tmp.replace(ready_file)
-    print(f"gpubroker: serving on {', '.join(broker.ports)}", file=sys.stderr, flush=True)
+    if not json_logging():  # (with JSON lines, the log's "serving on" line says it: stderr is all JSON)
+        print(f"gpubroker: serving on {', '.join(broker.ports)}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -243,7 +243,8 @@ class SessionManager:
         self.idle.clear()
         self.opened[(tenant, device)] = self.opened.get((tenant, device), 0) + 1
         self.lifecycle_log.log(logging.INFO, f"sessions of tenant {tenant}",
-                               "session %s opened for tenant %s on device %d", session.id, tenant, device)
+                               "session %s opened for tenant %s on device %d", session.id, tenant, device,
+                               extra={"session": session.id, "device": device})
         return session
 
     def place(self, tenant: str) -> int:
@@ -314,7 +315,8 @@ class SessionManager:
         self.release_shared(session, session.shared_bytes)  # the worker's close_session unmapped them
         session.segments.clear()
         self.lifecycle_log.log(logging.INFO, f"sessions of tenant {session.tenant}", "session %s of tenant %s %s",
-                               session.id, session.tenant, reason)
+                               session.id, session.tenant, reason,
+                               extra={"session": session.id, "tenant": session.tenant, "device": session.device})
 
     def end(self, session: Session, reason: str) -> asyncio.Task[None] | None:
         """End the session on behalf of someone other than its client (the lease reaper, an admin, a drain, the

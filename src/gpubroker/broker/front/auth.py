@@ -365,7 +365,9 @@ class RateLimitedLog:
     def warning(self, kind: str, msg: str, *args: object) -> None:
         self.log(logging.WARNING, kind, msg, *args)
 
-    def log(self, level: int, kind: str, msg: str, *args: object) -> None:
+    def log(self, level: int, kind: str, msg: str, *args: object, extra: Mapping[str, object] | None = None) -> None:
+        """Log the line unless ``kind`` is over its burst; ``extra`` as ``Logger.log`` takes it (fields of the
+        record: a JSON line's own keys)."""
         now = time.monotonic()
         if kind not in self._state and len(self._state) >= _MAX_KINDS:
             self._forget(now)
@@ -376,7 +378,7 @@ class RateLimitedLog:
             state[:] = [now, 0, 0]
         if state[1] < self.burst:
             state[1] += 1
-            self.logger.log(level, msg, *args)
+            self.logger.log(level, msg, *args, extra=extra)
             return
         state[2] += 1
         if state[2] == 1:  # say how many were left out at the window's end, even if the flood stops
