@@ -121,3 +121,11 @@ def test_serve_refuses_a_bad_metrics_address(capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--config", "unused.toml", "--metrics-listen", "localhost"])
     assert exit_info.value.code == 2 and "expected HOST:PORT" in capsys.readouterr().err
+
+
+def test_serve_with_json_logs_says_a_missing_config_in_json(tmp_path: Path, json_lines: io.StringIO,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    logging.getLogger().handlers[:] = []  # (as main finds it: JSON logging not configured yet)
+    assert main(["serve", "--config", str(tmp_path / "missing.toml"), "--log-format", "json"]) == 2
+    (line,) = [json.loads(text) for text in capsys.readouterr().err.splitlines()]
+    assert line["level"] == "ERROR" and line["message"].startswith("no config file at ")

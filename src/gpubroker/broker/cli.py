@@ -496,7 +496,9 @@ def main(argv: list[str] | None = None) -> int:
         # 1: it failed where it ran (the broker unreachable, refusing the token, out of time or room, crashed),
         # which may pass on a retry; 2: what was asked cannot be done as asked (a bad argument, a bad or missing
         # config file, a name that exists or does not), as argparse's own usage errors.
-        if json_logging():  # (`serve --log-format json`: its stderr is JSON lines only)
+        if json_logging() or getattr(args, "log_format", None) == "json":  # (`serve --log-format json`: its
+            if not json_logging():  # stderr is JSON lines only, a config that failed to load included)
+                configure_logging("json")
             logging.getLogger("gpubroker").error("%s", exc.message)
         else:
             print(f"gpubroker: error: {exc.message}", file=sys.stderr)
