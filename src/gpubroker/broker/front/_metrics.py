@@ -1,4 +1,5 @@
-"""Prometheus metrics: per-tenant memory, device time, shares, sessions, queues and waits; RPC latencies.
+"""Prometheus metrics: per-tenant memory, device time, shares, sessions, queues and waits; RPC latencies; devices'
+health and memory; the build; and the probes ``/livez`` and ``/readyz`` on the same listener.
 
 The tenant figures are read from the live sessions, schedulers and worker pool at scrape time, on the broker's
 event loop (they are only ever changed there), so a scrape sees one consistent moment and costs nothing between
@@ -398,7 +399,8 @@ class MetricsLimits:
 
 
 class MetricsServer:
-    """``/metrics`` over HTTP/1.1 on the broker's event loop, on a registry of this broker's own.
+    """``/metrics`` (and the probes ``/livez``, ``/readyz``) over HTTP/1.1 on the broker's event loop, on a registry
+    of this broker's own.
 
     The endpoint is unauthenticated by design, so everything it does for a peer is bounded: at most
     ``max_connections`` connections (``max_connections_per_peer`` from one peer: a local user by its uid, a remote
