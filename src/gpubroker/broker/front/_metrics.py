@@ -579,18 +579,19 @@ class MetricsServer:
             self._refuse("bad request", peer, "not an HTTP/1 request")
             await self._answer(writer, 400, b"bad request\n")
             return
+        method, target = parts[0], parts[1]
+        head_only = method == "HEAD"  # (every answer to a HEAD: its status and headers alone)
         if not await self._turn(peer_key):
             self._refuse("rate", peer, "over metrics_requests_per_peer_per_second")
-            await self._answer(writer, 429, b"too many requests from this peer\n", extra=[("Retry-After", "1")])
+            await self._answer(writer, 429, b"too many requests from this peer\n", extra=[("Retry-After", "1")],
+                               head_only=head_only)
             return
-        method, target = parts[0], parts[1]
         headers = {}
         for line in lines[1:]:
             name, sep, value = line.partition(":")
             if sep:
                 headers[name.strip().lower()] = value.strip()
         path = target.split("?", 1)[0]
-        head_only = method == "HEAD"
         if method not in ("GET", "HEAD"):
             await self._answer(writer, 405, b"only GET and HEAD\n", extra=[("Allow", "GET, HEAD")])
             return
