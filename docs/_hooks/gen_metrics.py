@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpubroker.broker.front._metrics import METRICS, RPC_BUCKETS, RPC_METRIC, MetricSpec
+from gpubroker.broker.front._metrics import METRICS, RPC_BUCKETS, RPC_METRIC, SCHEDULER_WAIT, MetricSpec
+from gpubroker.broker.front.scheduler import WAIT_BUCKETS
 
 __all__ = ["GENERATED", "metrics_list", "series"]
 
@@ -18,8 +19,10 @@ def series(spec: MetricSpec) -> list[str]:
     if spec.type == "counter":
         return [f"{spec.name}_total"]
     if spec.type == "histogram":
-        # prometheus_client also serves each labelled series' creation time as ``_created`` (a gauge)
-        return [f"{spec.name}_bucket", f"{spec.name}_sum", f"{spec.name}_count", f"{spec.name}_created"]
+        # prometheus_client also serves each labelled series' creation time of its own Histogram (the RPC one)
+        # as ``_created`` (a gauge); the collector's (built at each scrape) have none
+        created = [f"{spec.name}_created"] if spec is RPC_METRIC else []
+        return [f"{spec.name}_bucket", f"{spec.name}_sum", f"{spec.name}_count", *created]
     return [spec.name]
 
 
@@ -32,8 +35,9 @@ def _row(spec: MetricSpec, extra: str = "") -> str:
 def metrics_list() -> str:
     """Markdown: a table of every family the broker's /metrics serves (besides prometheus_client's process_*)."""
     buckets = ", ".join(f"{b:g}" for b in RPC_BUCKETS)
+    waits = ", ".join(f"{b:g}" for b in WAIT_BUCKETS)
     lines = ["| metric | type | labels | what it measures |", "| --- | --- | --- | --- |"]
-    lines += [_row(spec) for spec in METRICS]
+    lines += [_row(spec, f" Buckets (seconds): {waits}." if spec is SCHEDULER_WAIT else "") for spec in METRICS]
     lines.append(_row(RPC_METRIC, f" Buckets (seconds): {buckets}."))
     return "\n".join(lines) + "\n"
 

@@ -63,7 +63,6 @@ from gpubroker.wire.worker import (
     SetLimits,
     Unpin,
     Usage,
-    UsageReport,
     WorkerRequest,
     Yield,
 )
@@ -212,14 +211,16 @@ def test_the_memory_quota_is_the_workers_and_fails_the_allocation_naming_it(work
         assert ack.error.message == ("memory quota exceeded for tenant 't' on device 2: quota 4096 bytes, used 3000, "
                                      "requested 2000")
         assert ack.error.details == {"quota": 4096, "used": 3000, "requested": 2000, "device": 2}
-        assert worker.call(Usage()) == UsageReport(3000, {session: 3000})
+        usage = worker.call(Usage())  # (its counters are the module's worker's, since it started)
+        assert (usage.memory_used, usage.sessions) == (3000, {session: 3000})
         assert worker.run(worker.client.take_device_time()) >= 0
         assert worker.batch(session, Free(a), Allocate(b, 2000)).error is None  # freed memory counts no more
         assert worker.call(Usage()).memory_used == 2000
     finally:
         worker.call(SetLimits(memory_quota=1 << 40, max_handles=4096, max_streams=64))
     worker.call(CloseSession(), session)
-    assert worker.call(Usage()) == UsageReport(0, {})
+    usage = worker.call(Usage())
+    assert (usage.memory_used, usage.sessions) == (0, {})
 
 
 def test_handle_and_stream_limits_are_per_session(worker: Worker, session: str) -> None:

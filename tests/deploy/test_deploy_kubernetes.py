@@ -121,12 +121,11 @@ def test_daemonset_is_unprivileged_and_outlasts_the_drain(example_config: Any) -
 
 
 def probe_command(probe: str, target: str) -> list[str]:
-    """The DaemonSet's exec probe, run here: this Python, and ``target`` for the node's socket."""
-    command = list(broker_container(one("DaemonSet"))[probe]["exec"]["command"])
-    assert command[:3] == ["python3", "-m", "gpubroker.broker.healthcheck"], command
-    command[0] = sys.executable
-    command[command.index("--target") + 1] = target
-    return command
+    """The exec probe daemonset.yaml names for a broker without metrics_listen (its probes are HTTP GETs on the
+    metrics port: tests/deploy/test_deploy_monitoring.py), run here: this Python, and ``target`` for the socket."""
+    assert "gpubroker.broker.healthcheck" in (MANIFESTS / "daemonset.yaml").read_text()
+    live = ["--live"] if probe != "readinessProbe" else []
+    return [sys.executable, "-m", "gpubroker.broker.healthcheck", *live, "--target", target]
 
 
 def run_probe(command: list[str]) -> subprocess.CompletedProcess[str]:

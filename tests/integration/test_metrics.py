@@ -86,7 +86,11 @@ def test_scrape_follows_a_working_tenant_and_its_session_end(metered: BrokerProc
         busy = scrape(metered)
         assert tenant(busy, "gpubroker_device_share") == 1.0  # nobody else used the device
         assert tenant(busy, "gpubroker_device_seconds_total", "bob") == 0
-        assert value(busy, "gpubroker_scheduler_wait_seconds", tenant="alice", device="0", quantile="0.99") >= 0
+        # A histogram of every wait: each device call counted once, in +Inf and in every bucket at or above it.
+        waits = value(busy, "gpubroker_scheduler_wait_seconds_count", tenant="alice", device="0")
+        assert waits > 0
+        assert value(busy, "gpubroker_scheduler_wait_seconds_bucket", tenant="alice", device="0", le="+Inf") == waits
+        assert value(busy, "gpubroker_scheduler_wait_seconds_sum", tenant="alice", device="0") >= 0
         gpu.free_memory(extra)
         assert tenant(scrape(metered), "gpubroker_memory_used_bytes") == n * 4
         charged_total = tenant(scrape(metered), "gpubroker_device_seconds_total")

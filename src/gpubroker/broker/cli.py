@@ -26,7 +26,7 @@ from gpubroker.broker.config import (
     rotate_token_in_place,
 )
 from gpubroker.broker.front.auth import mint_token
-from gpubroker.broker.logs import configure_logging
+from gpubroker.broker.logs import configure_logging, json_logging
 from gpubroker.client import (
     Aborted,
     Cancelled,
@@ -86,6 +86,14 @@ def _cmd_config_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn(message: str) -> None:
+    """A warning on stderr: a log line where the log is JSON lines, else ``gpubroker: warning: ...``."""
+    if json_logging():
+        logging.getLogger("gpubroker").warning("%s", message)
+    else:
+        print(f"gpubroker: warning: {message}", file=sys.stderr)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from gpubroker.broker.front import capture_native_stderr, run_broker
     from gpubroker.broker.sandbox import set_dumpable
@@ -113,8 +121,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # The front holds every tenant's tokens in memory: no same-uid process may ptrace it or read /proc/<pid>/mem.
     set_dumpable(False)
     if not cfg.tenants:
-        print(f"gpubroker: warning: {args.config} has no tenants; add one with `gpubroker tenant add`",
-              file=sys.stderr)
+        _warn(f"{args.config} has no tenants; add one with `gpubroker tenant add`")
     run_broker(cfg, ready_file=args.ready_file)
     return 0
 
@@ -492,7 +499,12 @@ def main(argv: list[str] | None = None) -> int:
         # 1: it failed where it ran (the broker unreachable, refusing the token, out of time or room, crashed),
         # which may pass on a retry; 2: what was asked cannot be done as asked (a bad argument, a bad or missing
         # config file, a name that exists or does not), as argparse's own usage errors.
-        print(f"gpubroker: error: {exc.message}", file=sys.stderr)
+        if json_logging() or getattr(args, "log_format", None) == "json":  # (`serve --log-format json`: its
+            if not json_logging():  # stderr is JSON lines only, a config that failed to load included)
+                configure_logging("json")
+            logging.getLogger("gpubroker").error("%s", exc.message)
+        else:
+            print(f"gpubroker: error: {exc.message}", file=sys.stderr)
         return 1 if isinstance(exc, _RUNTIME_ERRORS) else 2
     except ModuleNotFoundError as exc:
         # A client-only install (`pip install gpubroker`) runs the client's commands; the broker's need its extra.

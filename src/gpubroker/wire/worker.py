@@ -137,11 +137,16 @@ class DeviceTime(_Message, frozen=True):
 
 
 class UsageReport(_Message, frozen=True):
-    """The worker's memory in use, all and by session."""
+    """The worker's memory in use, all and by session; and what it ran since it started (counters: kernel launches,
+    bytes copied host to device, device to host, device to device), which the front turns into metrics."""
 
     memory_used: NonNegative
     sessions: Annotated[dict[Annotated[str, msgspec.Meta(max_length=256)], NonNegative],
                         msgspec.Meta(max_length=_MAX_SESSIONS)]
+    launches: NonNegative = 0
+    h2d_bytes: NonNegative = 0
+    d2h_bytes: NonNegative = 0
+    d2d_bytes: NonNegative = 0
 
 
 class PeerExported(_Message, frozen=True):

@@ -127,6 +127,16 @@ class BrokerHealth:
             return f"{state.failure_reason}; back in service in {left:.0f} s without another failure"
         return None
 
+    def not_ready(self) -> str | None:
+        """Why the whole broker takes no new sessions (its health status ``""`` is NOT_SERVING), or None when it
+        does: the metrics listener's ``/readyz`` answers from this, as the health service does."""
+        if self.draining:
+            return "draining: new sessions are refused"
+        problems = [self.problem(d) for d in range(len(self._states))]
+        if any(p is None for p in problems):
+            return None
+        return "no device serves new sessions: " + "; ".join(f"device {d}: {p}" for d, p in enumerate(problems))
+
     def recent_failures(self, device: int) -> int:
         state = self._states[device]
         self._expire(state, self._clock())

@@ -1,4 +1,5 @@
-"""Prometheus metrics: per-tenant memory, device time, shares, sessions, queues and waits; RPC latencies.
+"""Prometheus metrics: per-tenant memory, device time, shares, sessions, queues and waits; RPC latencies; devices'
+health and memory; the build; and the probes ``/livez`` and ``/readyz`` on the same listener.
 
 The tenant figures are read from the live sessions, schedulers and worker pool at scrape time, on the broker's
 event loop (they are only ever changed there), so a scrape sees one consistent moment and costs nothing between
@@ -13,37 +14,43 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import itertools
 import logging
 import math
+import os
+import platform
 import socket
 import time
-from collections.abc import Callable, Iterator, Reversible
+from collections.abc import Callable, Iterator, Reversible, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, TypeVar
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, exposition
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.openmetrics import exposition as openmetrics_exposition
 from prometheus_client.registry import Collector
 
-from gpubroker.broker.front._sessions import SessionManager
-from gpubroker.broker.front.auth import RateLimitedLog
+from gpubroker import __version__
+from gpubroker.broker.front._sessions import END_REASONS, SessionManager
+from gpubroker.broker.front.auth import AUTH_FAILURE_KINDS, RateLimitedLog
 from gpubroker.broker.front.listen import BACKLOG, tcp_listeners
 from gpubroker.broker.front.listeners import Acceptor, OffLoop, Peer, PeerRate, take_place_of
-from gpubroker.broker.front.scheduler import DeviceScheduler
+from gpubroker.broker.front.scheduler import WAIT_BUCKETS, DeviceScheduler
 from gpubroker.broker.front.workers import WorkerPool
 from gpubroker.wire.addresses import TcpAddress, parse_host_port
 from gpubroker.wire.errors import FailedPrecondition, InvalidArgument
+from gpubroker.wire.types import DeviceInfo
 
-__all__ = ["METRICS", "RPC_BUCKETS", "RPC_DURATION", "RPC_METRIC", "SHARE_WINDOW_SECONDS", "BrokerCollector",
-           "MetricSpec", "MetricsLimits", "MetricsServer", "observe_rpc", "serve_metrics"]
+__all__ = ["METRICS", "RPC_BUCKETS", "RPC_DURATION", "RPC_METRIC", "SCHEDULER_WAIT", "SHARE_WINDOW_SECONDS",
+           "BrokerCollector", "MetricSpec", "MetricsLimits", "MetricsServer", "build_commit", "observe_rpc",
+           "serve_metrics"]
 
 log = logging.getLogger("gpubroker.metrics")
 audit = logging.getLogger("gpubroker.audit")
 T = TypeVar("T")
 
 SHARE_WINDOW_SECONDS = 10.0  # gpubroker_device_share covers this much recent device time
-_QUANTILES = (0.5, 0.99)
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,9 @@ class MetricSpec:
     help: str
 
     def family(self, value: float | None = None) -> CounterMetricFamily | GaugeMetricFamily:
-        """An empty family to fill with ``add_metric`` (or, without labels, holding ``value``)."""
+        """An empty family to fill with ``add_metric`` (or, without labels, holding ``value``); not a histogram's
+        (``histogram``)."""
+        assert self.type != "histogram"
         kind: type[CounterMetricFamily | GaugeMetricFamily] = (
             CounterMetricFamily if self.type == "counter" else GaugeMetricFamily)
         if value is not None:
@@ -84,8 +93,21 @@ WORKER_UP = MetricSpec("gpubroker_worker_up", "gauge", _TD,
 WORKER_RESTARTS = MetricSpec("gpubroker_worker_restarts", "counter", _TD,
                              "Workers that died or were killed (crash, fatal device error, compile timeout); the "
                              "tenant's next session gets a fresh one.")
-SCHEDULER_WAIT = MetricSpec("gpubroker_scheduler_wait_seconds", "gauge", (*_TD, "quantile"),
-                            "Wait for a turn on the device, over the tenant's last 4096 device calls.")
+SCHEDULER_WAIT = MetricSpec("gpubroker_scheduler_wait_seconds", "histogram", _TD,
+                            "Wait of each of the tenant's device calls for its turn on the device (0 when it "
+                            "already held it), since the broker started.")
+LAUNCHES = MetricSpec("gpubroker_kernel_launches", "counter", _TD,
+                      "Kernel launches the tenant's workers ran (the tenant's own kernels; library and torch "
+                      "operators are not counted), as its workers report them at each refresh.")
+BYTES_COPIED = MetricSpec("gpubroker_copied_bytes", "counter", (*_TD, "direction"),
+                          "Bytes the tenant's workers copied: direction h2d (host to device: writes, shared-memory "
+                          "copies in), d2h (device to host) or d2d (within the device), as its workers report "
+                          "them at each refresh.")
+COPY_DIRECTIONS = ("h2d", "d2h", "d2d")
+SESSIONS_OPENED = MetricSpec("gpubroker_sessions_opened", "counter", _TD, "Sessions opened.")
+SESSIONS_ENDED = MetricSpec("gpubroker_sessions_ended", "counter", (*_TD, "how"),
+                            "Sessions ended: how closed (by the client), expired (no heartbeat within the lease) "
+                            "or ended (by an admin, a drain, the broker's stop, its tenant's removal).")
 SHARED_MEMORY = MetricSpec("gpubroker_shared_memory_bytes", "gauge", ("tenant",),
                            "Host memory the tenant maps as same-host shared-memory segments and links' "
                            "rings, summed over its sessions on every device, and CopyPeer's host staging while "
@@ -108,6 +130,20 @@ OUTPUT_DROPPED = MetricSpec("gpubroker_worker_output_dropped_bytes", "counter", 
                             "Bytes its workers wrote on stdout and stderr that were not logged: over the per-worker "
                             "rate limit, or past the longest line kept.")
 DRAINING = MetricSpec("gpubroker_draining", "gauge", (), "1 while the broker refuses new sessions.")
+BUILD_INFO = MetricSpec("gpubroker_build_info", "gauge", ("version", "commit", "python", "backend"),
+                        "Always 1: the broker's version, the commit it was built from (GPUBROKER_COMMIT, or the "
+                        "source checkout's HEAD; empty when unknown), the Python it runs on and its backend.")
+DEVICE_HEALTHY = MetricSpec("gpubroker_device_healthy", "gauge", ("device",),
+                            "1 while the device takes new sessions as far as its health goes (0: its workers keep "
+                            "failing, or a critical Xid); a drain does not change it (gpubroker_draining does).")
+DEVICE_MEMORY_TOTAL = MetricSpec("gpubroker_device_memory_total_bytes", "gauge", ("device",),
+                                 "The device's memory, as its backend reports it.")
+DEVICE_MEMORY_USED = MetricSpec("gpubroker_device_memory_used_bytes", "gauge", ("device",),
+                                "Device memory every tenant's sessions hold on the device, summed "
+                                "(gpubroker_memory_used_bytes over the tenants).")
+AUTH_FAILURES = MetricSpec("gpubroker_auth_failures", "counter", ("credential",),
+                           "Failed authentications: credential token (missing, unknown or wrong) or certificate "
+                           "(a client certificate that maps to no tenant). Each is also an audit line.")
 ENDPOINT_REFUSALS = MetricSpec("gpubroker_endpoint_refusals", "counter", ("endpoint", "reason"),
                                "Connections, requests and streams the unauthenticated endpoints refused or cut: "
                                "metrics (over max_metrics_connections or its per-peer cap, too slow, too large or not "
@@ -119,9 +155,10 @@ ENDPOINT_REFUSALS = MetricSpec("gpubroker_endpoint_refusals", "counter", ("endpo
                                "max_grpc_calls_per_peer_per_second, whose connection is cut). Any endpoint (grpc, "
                                "link, metrics, relay): connections over max_connections_per_peer_per_second.")
 METRICS: tuple[MetricSpec, ...] = (MEMORY_USED, MEMORY_QUOTA, DEVICE_SECONDS, DEVICE_SHARE, SESSIONS, QUEUE_DEPTH,
-                                   INFLIGHT, WORKER_UP, WORKER_RESTARTS, SCHEDULER_WAIT, SHARED_MEMORY, SHARED_LIMIT,
-                                   TENANT_CRASHES, TENANT_BACKOFF, MEMORY_KILLS, OUTPUT_DROPPED, DRAINING,
-                                   ENDPOINT_REFUSALS)
+                                   INFLIGHT, WORKER_UP, WORKER_RESTARTS, SCHEDULER_WAIT, LAUNCHES, BYTES_COPIED,
+                                   SESSIONS_OPENED, SESSIONS_ENDED, SHARED_MEMORY, SHARED_LIMIT, TENANT_CRASHES,
+                                   TENANT_BACKOFF, MEMORY_KILLS, OUTPUT_DROPPED, DRAINING, BUILD_INFO, DEVICE_HEALTHY,
+                                   DEVICE_MEMORY_TOTAL, DEVICE_MEMORY_USED, AUTH_FAILURES, ENDPOINT_REFUSALS)
 # Every (endpoint, reason) of gpubroker_endpoint_refusals, at 0 from the start (so rate() sees the first one).
 METRICS_REASONS = ("connections", "peer connections", "timeout", "bad request", "rate", "evicted")
 HEALTH_REASONS = ("streams", "peer streams", "requests", "peer requests", "evicted streams", "evicted requests")
@@ -153,9 +190,13 @@ class _TenantRow:
     share: float
     queued: int
     inflight: int
-    waits: dict[float, float]
+    wait_counts: list[int]  # by bucket of WAIT_BUCKETS, then over them all (not cumulative)
+    wait_sum: float
     worker_up: bool
     restarts: int
+    done: list[int]  # launches, bytes h2d, d2h, d2d
+    opened: int
+    ended: dict[str, int]  # by END_REASONS
 
 
 @dataclass
@@ -169,6 +210,8 @@ class _Snapshot:
     backoff: dict[str, float]
     output_dropped: dict[str, int]  # bytes of its workers' output not logged (the rate limit)
     memory_kills: dict[tuple[str, int, str], int]  # workers killed for device memory, by (tenant, device, cause)
+    device_healthy: list[bool]  # by device
+    auth_failures: dict[str, int]  # by AUTH_FAILURE_KINDS
 
 
 def _recent_seconds(charges: Reversible[tuple[float, float]], since: float) -> float:
@@ -185,8 +228,15 @@ class BrokerCollector(Collector):
     """Reads the broker's state at scrape time, on its event loop."""
 
     def __init__(self, sessions: SessionManager, schedulers: dict[int, DeviceScheduler], pool: WorkerPool,
-                 refusals: dict[tuple[str, str], int]) -> None:
+                 refusals: dict[tuple[str, str], int], devices: Sequence[DeviceInfo] = (),
+                 device_problem: Callable[[int], str | None] | None = None,
+                 auth_failures: dict[str, int] | None = None) -> None:
         self.sessions = sessions
+        self.devices = list(devices)  # (as clients number them)
+        self.device_problem = device_problem or (lambda device: None)  # (BrokerHealth.problem)
+        self.auth_failures = auth_failures if auth_failures is not None else dict.fromkeys(AUTH_FAILURE_KINDS, 0)
+        backend = self.devices[0].backend if self.devices else ""
+        self.build = (__version__, build_commit(), platform.python_version(), backend)
         self.schedulers = schedulers
         self.pool = pool
         # What ``collect`` shows: the endpoint sets it to a fresh snapshot just before it renders a page.
@@ -215,16 +265,19 @@ class BrokerCollector(Collector):
             whole = sum(recent.values())
             for tenant in sorted(known | set(scheduler.usage)):
                 use = scheduler.usage.get(tenant)
-                waits = sorted(use.waits) if use is not None else []
                 rows.append(_TenantRow(
                     tenant=tenant, device=device, memory_used=manager.used(tenant, device),
                     memory_quota=manager.quota(tenant, device), sessions=counts.get((tenant, device), 0),
                     device_seconds=use.device_seconds if use is not None else 0.0,
                     share=recent.get(tenant, 0.0) / whole if whole > 0 else 0.0,
                     queued=use.queued if use is not None else 0, inflight=use.inflight if use is not None else 0,
-                    waits={q: waits[min(len(waits) - 1, int(q * len(waits)))] if waits else 0.0 for q in _QUANTILES},
+                    wait_counts=list(use.wait_counts) if use is not None else [0] * (len(WAIT_BUCKETS) + 1),
+                    wait_sum=use.wait_sum if use is not None else 0.0,
                     worker_up=self.pool.live(tenant, device) is not None,
-                    restarts=self.pool.restarts_by.get((tenant, device), 0)))
+                    restarts=self.pool.restarts_by.get((tenant, device), 0),
+                    done=list(manager.done.get((tenant, device), (0, 0, 0, 0))),
+                    opened=manager.opened.get((tenant, device), 0),
+                    ended={how: manager.ended.get((tenant, device, how), 0) for how in END_REASONS}))
         crashes = self.pool.crashes
         tenants = sorted(known | set(crashes.total))
         return _Snapshot(rows, manager.draining, {t: manager.shared(t) for t in sorted(known)},
@@ -233,7 +286,9 @@ class BrokerCollector(Collector):
                          {t: crashes.backoff(t) or 0.0 for t in tenants},
                          {t: self.pool.output_dropped.get(t, 0) for t in sorted(known)},
                          {(r.tenant, r.device, cause): self.pool.memory_kills.get((r.tenant, r.device, cause), 0)
-                          for r in rows for cause in MEMORY_KILL_CAUSES})
+                          for r in rows for cause in MEMORY_KILL_CAUSES},
+                         [self.device_problem(d) is None for d in range(len(self.devices))],
+                         dict(self.auth_failures))
 
     async def fresh_snapshot(self) -> _Snapshot:
         """Fresh figures: links allocate without the front, so the workers' memory figures first (each bounded)."""
@@ -259,11 +314,25 @@ class BrokerCollector(Collector):
         yield per_row(INFLIGHT, lambda r: r.inflight)
         yield per_row(WORKER_UP, lambda r: int(r.worker_up))
         yield per_row(WORKER_RESTARTS, lambda r: r.restarts)
-        waits = SCHEDULER_WAIT.family()
+        waits = HistogramMetricFamily(SCHEDULER_WAIT.name, SCHEDULER_WAIT.help, labels=list(SCHEDULER_WAIT.labels))
         for row in snap.rows:
-            for q, seconds in row.waits.items():
-                waits.add_metric([row.tenant, str(row.device), str(q)], seconds)
+            cumulative = list(itertools.accumulate(row.wait_counts))
+            buckets = [(f"{bound:g}", float(n)) for bound, n in zip(WAIT_BUCKETS, cumulative, strict=False)]
+            buckets.append(("+Inf", float(cumulative[-1])))
+            waits.add_metric([row.tenant, str(row.device)], buckets, row.wait_sum)
         yield waits
+        yield per_row(LAUNCHES, lambda r: r.done[0])
+        copied = BYTES_COPIED.family()
+        for row in snap.rows:
+            for direction, nbytes in zip(COPY_DIRECTIONS, row.done[1:], strict=True):
+                copied.add_metric([row.tenant, str(row.device), direction], nbytes)
+        yield copied
+        yield per_row(SESSIONS_OPENED, lambda r: r.opened)
+        ended = SESSIONS_ENDED.family()
+        for row in snap.rows:
+            for how, count in row.ended.items():
+                ended.add_metric([row.tenant, str(row.device), how], count)
+        yield ended
         shared = SHARED_MEMORY.family()
         for name, used in snap.shared.items():
             shared.add_metric([name], used)
@@ -288,6 +357,23 @@ class BrokerCollector(Collector):
             dropped.add_metric([tenant], nbytes)
         yield dropped
         yield DRAINING.family(value=int(snap.draining))
+        build = BUILD_INFO.family()
+        build.add_metric(list(self.build), 1)
+        yield build
+        healthy = DEVICE_HEALTHY.family()
+        memory_total = DEVICE_MEMORY_TOTAL.family()
+        memory_used = DEVICE_MEMORY_USED.family()
+        for device, ok in enumerate(snap.device_healthy):
+            healthy.add_metric([str(device)], int(ok))
+            memory_total.add_metric([str(device)], self.devices[device].total_memory)
+            memory_used.add_metric([str(device)], sum(r.memory_used for r in snap.rows if r.device == device))
+        yield healthy
+        yield memory_total
+        yield memory_used
+        failures = AUTH_FAILURES.family()
+        for kind, count in snap.auth_failures.items():
+            failures.add_metric([kind], count)
+        yield failures
         refused = ENDPOINT_REFUSALS.family()
         for (endpoint, reason), count in sorted(self.refusals.items()):
             refused.add_metric([endpoint, reason], count)
@@ -313,7 +399,8 @@ class MetricsLimits:
 
 
 class MetricsServer:
-    """``/metrics`` over HTTP/1.1 on the broker's event loop, on a registry of this broker's own.
+    """``/metrics`` (and the probes ``/livez``, ``/readyz``) over HTTP/1.1 on the broker's event loop, on a registry
+    of this broker's own.
 
     The endpoint is unauthenticated by design, so everything it does for a peer is bounded: at most
     ``max_connections`` connections (``max_connections_per_peer`` from one peer: a local user by its uid, a remote
@@ -328,8 +415,11 @@ class MetricsServer:
     """
 
     def __init__(self, collector: BrokerCollector, limits: MetricsLimits | None = None,
-                 connection_rate: PeerRate | None = None, accepts: OffLoop | None = None) -> None:
+                 connection_rate: PeerRate | None = None, accepts: OffLoop | None = None,
+                 ready: Callable[[], str | None] | None = None) -> None:
         self.collector = collector
+        # Why the broker takes no new sessions, None when it does (BrokerHealth.not_ready): /readyz.
+        self.ready: Callable[[], str | None] = ready or (lambda: None)
         self.connection_rate = connection_rate  # (how fast each peer may connect: the Acceptor's)
         self.accepts = accepts  # (where the Acceptors accept: the front's acceptor process, if not on the loop)
         self.limits = limits or MetricsLimits()
@@ -489,11 +579,13 @@ class MetricsServer:
             self._refuse("bad request", peer, "not an HTTP/1 request")
             await self._answer(writer, 400, b"bad request\n")
             return
+        method, target = parts[0], parts[1]
+        head_only = method == "HEAD"  # (every answer to a HEAD: its status and headers alone)
         if not await self._turn(peer_key):
             self._refuse("rate", peer, "over metrics_requests_per_peer_per_second")
-            await self._answer(writer, 429, b"too many requests from this peer\n", extra=[("Retry-After", "1")])
+            await self._answer(writer, 429, b"too many requests from this peer\n", extra=[("Retry-After", "1")],
+                               head_only=head_only)
             return
-        method, target = parts[0], parts[1]
         headers = {}
         for line in lines[1:]:
             name, sep, value = line.partition(":")
@@ -503,11 +595,20 @@ class MetricsServer:
         if method not in ("GET", "HEAD"):
             await self._answer(writer, 405, b"only GET and HEAD\n", extra=[("Allow", "GET, HEAD")])
             return
-        if path == "/":
-            await self._answer(writer, 200, b"gpubroker: the metrics are at /metrics\n", head_only=method == "HEAD")
+        if path == "/livez":
+            # Answered on the event loop every call and stream is served on: an answer means the loop turns.
+            await self._answer(writer, 200, b"ok\n", head_only=head_only)
+            return
+        if path == "/readyz":
+            problem = self.ready()
+            if problem is None:
+                await self._answer(writer, 200, b"ready\n", head_only=head_only)
+            else:
+                await self._answer(writer, 503, f"not ready: {problem}\n".encode(), head_only=head_only)
             return
         if path != "/metrics":
-            await self._answer(writer, 404, b"not found: the metrics are at /metrics\n")
+            await self._answer(writer, 404, b"not found: this endpoint serves /metrics, /livez and /readyz\n",
+                               head_only=head_only)
             return
         encoder, content_type = _encoder(headers.get("accept", ""))
         gzipped = "gzip" in headers.get("accept-encoding", "")
@@ -515,7 +616,8 @@ class MetricsServer:
             page = await self._fresh_page()
         except Exception:
             log.exception("taking the metrics figures failed")
-            await self._answer(writer, 503, b"the figures could not be taken; see the broker's log\n")
+            await self._answer(writer, 503, b"the figures could not be taken; see the broker's log\n",
+                               head_only=head_only)
             return
         key = (content_type, gzipped)
         body = page.bodies.get(key)
@@ -527,7 +629,7 @@ class MetricsServer:
                 self.collector.current = None
             page.bodies[key] = body = gzip.compress(body) if gzipped else body
         extra = [("Content-Encoding", "gzip")] if gzipped else []
-        await self._answer(writer, 200, body, content_type, extra, head_only=method == "HEAD")
+        await self._answer(writer, 200, body, content_type, extra, head_only=head_only)
 
     async def _answer(self, writer: asyncio.StreamWriter, status: int, body: bytes,
                       content_type: str = "text/plain; charset=utf-8", extra: list[tuple[str, str]] | None = None,
@@ -584,6 +686,32 @@ class MetricsServer:
         return _Page(await self.collector.fresh_snapshot())
 
 
+def build_commit() -> str:
+    """The commit the broker was built from: ``GPUBROKER_COMMIT`` (an image build sets it), else the HEAD of the git
+    checkout the package runs from (an editable install), else ""."""
+    commit = os.environ.get("GPUBROKER_COMMIT", "").strip()
+    if commit:
+        return commit[:64]
+    for parent in Path(__file__).resolve().parents:
+        git = parent / ".git"
+        if git.is_dir():
+            try:
+                head = (git / "HEAD").read_text().strip()
+                if not head.startswith("ref: "):
+                    return head[:40]
+                ref = head[5:]
+                loose = git / ref
+                if loose.is_file():
+                    return loose.read_text().strip()[:40]
+                for line in (git / "packed-refs").read_text().splitlines():
+                    if line.endswith(" " + ref):
+                        return line.split(" ", 1)[0][:40]
+            except OSError:
+                pass
+            return ""
+    return ""
+
+
 def _name(peer: Peer) -> str:
     """A peer as the audit lines name it: its address, and its uid where the kernel names it."""
     return f"{peer.address}" + (f" uid={peer.uid}" if peer.uid >= 0 else "")
@@ -595,15 +723,15 @@ _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Al
             431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
 
-async def serve_metrics(listen: str, sessions: SessionManager, schedulers: dict[int, DeviceScheduler],
-                        pool: WorkerPool, refusals: dict[tuple[str, str], int],
-                        limits: MetricsLimits | None = None,
-                        connection_rate: PeerRate | None = None, accepts: OffLoop | None = None) -> MetricsServer:
-    """Start the endpoint for a running broker (call on its event loop)."""
-    server = MetricsServer(BrokerCollector(sessions, schedulers, pool, refusals), limits, connection_rate, accepts)
+async def serve_metrics(listen: str, collector: BrokerCollector, limits: MetricsLimits | None = None,
+                        connection_rate: PeerRate | None = None, accepts: OffLoop | None = None,
+                        ready: Callable[[], str | None] | None = None) -> MetricsServer:
+    """Start the endpoint for a running broker (call on its event loop); ``ready`` says why the broker takes no new
+    sessions (None when it does), for ``/readyz``."""
+    server = MetricsServer(collector, limits, connection_rate, accepts, ready)
     await server.start(listen)
-    log.info("metrics on http://%s/metrics (unauthenticated: keep it on loopback or a monitoring network)",
-             server.address)
+    log.info("metrics on http://%s/metrics, probes on /livez and /readyz (unauthenticated: keep it on loopback or a "
+             "monitoring network)", server.address)
     return server
 
 

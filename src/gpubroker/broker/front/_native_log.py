@@ -8,8 +8,8 @@ logged through ``gpubroker.native`` at the level gRPC gave it, escaped as worker
 peer's bytes in it cannot start a line of their own), at most ``BURST`` lines per ``WINDOW`` seconds for each source
 location (then one line saying how many were left out; lines without gRPC's prefix, a traceback of a process the
 front started, at most ``OTHER_BURST``). Python's own writes to ``sys.stderr`` (the log handler, the ``serving on``
-line) go to the real stderr, as before. A process the front starts with its stderr (the acceptor, which writes only
-a traceback on a bug) goes through the pipe too; the workers have pipes of their own (workers/_output.py).
+line of text logs) go to the real stderr, as before. A process the front starts with its stderr (the acceptor, which
+writes only a traceback on a bug) goes through the pipe too; the workers have pipes of their own (workers/_output.py).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from gpubroker.broker.front._grpc_peers import GrpcGate
 from gpubroker.broker.front._health import BrokerHealth
 from gpubroker.broker.front._links import LinkServer, fast_path_address
 from gpubroker.broker.front._memwatch import MemoryWatch, describe_bound
-from gpubroker.broker.front._metrics import MetricsLimits, MetricsServer, serve_metrics
+from gpubroker.broker.front._metrics import BrokerCollector, MetricsLimits, MetricsServer, serve_metrics
 from gpubroker.broker.front._preauth import PreAuthGate
 from gpubroker.broker.front._segments import SegmentService
 from gpubroker.broker.front._service import GpuBrokerService
@@ -41,6 +41,7 @@ from gpubroker.broker.front.listen import listen_unix, listen_vsock, secure_unix
 from gpubroker.broker.front.listeners import PeerNetworks, PeerRate
 from gpubroker.broker.front.scheduler import DeviceScheduler, Metered
 from gpubroker.broker.front.workers import WorkerClient, WorkerPool, cpu_count, device_info_from_dict, hold_seconds
+from gpubroker.broker.logs import json_logging
 from gpubroker.broker.sandbox import SandboxUnavailable, WorkerSandbox, cache_key
 from gpubroker.v1 import admin_pb2 as apb
 from gpubroker.v1 import admin_pb2_grpc as apb_grpc
@@ -341,11 +342,14 @@ class Broker:
             self.links.listen_socket(listen_vsock(cfg.link_vsock_port), f"vsock:{cfg.link_vsock_port}")
             service.link_vsock_port = cfg.link_vsock_port
         if cfg.metrics_listen:
+            collector = BrokerCollector(self.sessions, self.schedulers, self.pool, self.health.refusals, devices,
+                                        self.health.problem, self.auth.failures)
             self.metrics = await serve_metrics(
-                cfg.metrics_listen, self.sessions, self.schedulers, self.pool, self.health.refusals,
+                cfg.metrics_listen, collector,
                 MetricsLimits(cfg.max_metrics_connections, cfg.max_metrics_connections_per_peer,
                               cfg.metrics_request_timeout_seconds, cfg.metrics_refresh_seconds,
-                              cfg.metrics_requests_per_peer_per_second), connection_rate, self.accepts)
+                              cfg.metrics_requests_per_peer_per_second), connection_rate, self.accepts,
+                ready=self.health.not_ready)
         self.sessions.start()
         self.cpu_watch.start()
         if self.memory_watch is not None:
@@ -616,7 +620,8 @@ async def _serve_ready(config: BrokerConfig, ready_file: str | None) -> None:
             ready["link_port"] = broker.service.link_port
         tmp.write_text(json.dumps(ready))
         tmp.replace(ready_file)
-    print(f"gpubroker: serving on {', '.join(broker.ports)}", file=sys.stderr, flush=True)
+    if not json_logging():  # (with JSON lines, the log's "serving on" line says it: stderr is all JSON)
+        print(f"gpubroker: serving on {', '.join(broker.ports)}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

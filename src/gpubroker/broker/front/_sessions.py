@@ -32,9 +32,13 @@ from gpubroker.wire.errors import (
 from gpubroker.wire.types import DeviceInfo
 from gpubroker.wire.worker import CloseSession, SetLimits, Usage
 
-__all__ = ["Admission", "Session", "SessionManager", "out_of_descriptors"]
+__all__ = ["END_REASONS", "Admission", "Session", "SessionManager", "out_of_descriptors"]
 
 log = logging.getLogger("gpubroker.sessions")
+# How a session ended, as gpubroker_sessions_ended_total's ``how`` (the start of the reason it ended with):
+# closed by its client, expired (no heartbeat within the lease), or ended by anyone else (an admin, a drain, the
+# broker's stop, its tenant removed).
+END_REASONS = ("closed", "expired", "ended")
 # A link frame's room around a copy chunk (the contract's max frame: chunk_bytes + 64 KiB).
 LINK_ENVELOPE = 64 * 1024
 # How long a view (placement, admin, metrics) waits for a worker's fresh memory figures before it uses the last.
@@ -136,6 +140,11 @@ class SessionManager:
         # the tenant's shared memory for as long as a worker of its may hold it.
         self.shared_held: dict[str, int] = {}
         self.draining = False
+        # Counters for the metrics, by (tenant, device): what the tenant's workers ran (launches, bytes h2d, d2h,
+        # d2h; from their usage reports), sessions opened, and sessions ended by how (``END_REASONS``).
+        self.done: dict[tuple[str, int], list[int]] = {}
+        self.opened: dict[tuple[str, int], int] = {}
+        self.ended: dict[tuple[str, int, str], int] = {}
         # A session's opening and end, logged for each tenant at most 20 lines in 10 s (then a count): a tenant
         # cycling sessions as fast as the front answers wrote 60 KiB/s of the log.
         self.lifecycle_log = RateLimitedLog(log)
@@ -232,8 +241,10 @@ class SessionManager:
             if not self.reserved[tenant]:
                 del self.reserved[tenant]
         self.idle.clear()
+        self.opened[(tenant, device)] = self.opened.get((tenant, device), 0) + 1
         self.lifecycle_log.log(logging.INFO, f"sessions of tenant {tenant}",
-                               "session %s opened for tenant %s on device %d", session.id, tenant, device)
+                               "session %s opened for tenant %s on device %d", session.id, tenant, device,
+                               extra={"session": session.id, "device": device})
         return session
 
     def place(self, tenant: str) -> int:
@@ -269,13 +280,16 @@ class SessionManager:
 
     async def close(self, session: Session, reason: str = "closed") -> None:
         """End the session and wait for its worker to close it (its client's own close; others use ``end``)."""
-        if self._remove(session):
+        if self._remove(session, reason):
             await self._closed(session, reason)
 
-    def _remove(self, session: Session) -> bool:
+    def _remove(self, session: Session, reason: str) -> bool:
         """Take the session off the list (and its tenant's count); False if it had already ended."""
         if self.sessions.pop(session.id, None) is None:
             return False
+        how = next((r for r in END_REASONS if reason.startswith(r)), "ended")
+        key = (session.tenant, session.device, how)
+        self.ended[key] = self.ended.get(key, 0) + 1
         if not self.sessions:
             # (a drain waits for this: the closes under way are the broker's stop's to bound, not the drain's)
             self.idle.set()
@@ -301,7 +315,8 @@ class SessionManager:
         self.release_shared(session, session.shared_bytes)  # the worker's close_session unmapped them
         session.segments.clear()
         self.lifecycle_log.log(logging.INFO, f"sessions of tenant {session.tenant}", "session %s of tenant %s %s",
-                               session.id, session.tenant, reason)
+                               session.id, session.tenant, reason,
+                               extra={"session": session.id, "tenant": session.tenant, "device": session.device})
 
     def end(self, session: Session, reason: str) -> asyncio.Task[None] | None:
         """End the session on behalf of someone other than its client (the lease reaper, an admin, a drain, the
@@ -309,7 +324,7 @@ class SessionManager:
         a task of its own, so that a worker that does not answer (its tenant's kernel may hold it for as long as it
         likes) holds up nothing but that close. Until the worker answers (or dies), what the session mapped stays
         counted against its own tenant. The task, or None if the session had already ended."""
-        if not self._remove(session):
+        if not self._remove(session, reason):
             return None
         task = asyncio.create_task(self._end(session, reason), name=f"close-{session.id}")
         self._closing.add(task)
@@ -403,6 +418,16 @@ class SessionManager:
         except (GpuBrokerError, TimeoutError):
             return
         worker.memory_reported(usage.memory_used)
+        before = worker.done_reported
+        # Counters: what this report adds to the last (a figure that went down is a lie or a bug: nothing added).
+        added = [max(0, usage.launches - before[0]), max(0, usage.h2d_bytes - before[1]),
+                 max(0, usage.d2h_bytes - before[2]), max(0, usage.d2d_bytes - before[3])]
+        worker.done_reported = (before[0] + added[0], before[1] + added[1], before[2] + added[2],
+                                before[3] + added[3])
+        if any(added):
+            totals = self.done.setdefault((worker.tenant, worker.device), [0, 0, 0, 0])
+            for i, n in enumerate(added):
+                totals[i] += n
         for session in self.sessions.values():
             if session.worker is worker:
                 session.memory_used = min(usage.sessions.get(session.id, 0),

@@ -34,9 +34,9 @@ from gpubroker.broker.config import BrokerConfig, TenantConfig
 from gpubroker.wire.addresses import AddressError, parse_host_port
 from gpubroker.wire.errors import PermissionDenied, Unauthenticated, Unavailable
 
-__all__ = ["REVOKED_CALL_MESSAGE", "Authenticator", "FailurePenalty", "NewToken", "Principal", "RateLimitedLog",
-           "Revocations", "TokenVerifier", "hash_token", "mint_token", "peer_credentials", "peer_key",
-           "wait_failure_delay"]
+__all__ = ["AUTH_FAILURE_KINDS", "REVOKED_CALL_MESSAGE", "Authenticator", "FailurePenalty", "NewToken", "Principal",
+           "RateLimitedLog", "Revocations", "TokenVerifier", "hash_token", "mint_token", "peer_credentials",
+           "peer_key", "wait_failure_delay"]
 
 _TOKEN_PREFIX = "gpb"
 _HMAC = "hmac-sha256"
@@ -365,7 +365,9 @@ class RateLimitedLog:
     def warning(self, kind: str, msg: str, *args: object) -> None:
         self.log(logging.WARNING, kind, msg, *args)
 
-    def log(self, level: int, kind: str, msg: str, *args: object) -> None:
+    def log(self, level: int, kind: str, msg: str, *args: object, extra: Mapping[str, object] | None = None) -> None:
+        """Log the line unless ``kind`` is over its burst; ``extra`` as ``Logger.log`` takes it (fields of the
+        record: a JSON line's own keys)."""
         now = time.monotonic()
         if kind not in self._state and len(self._state) >= _MAX_KINDS:
             self._forget(now)
@@ -376,7 +378,7 @@ class RateLimitedLog:
             state[:] = [now, 0, 0]
         if state[1] < self.burst:
             state[1] += 1
-            self.logger.log(level, msg, *args)
+            self.logger.log(level, msg, *args, extra=extra)
             return
         state[2] += 1
         if state[2] == 1:  # say how many were left out at the window's end, even if the flood stops
@@ -449,6 +451,8 @@ class Revocations:
         return revoked
 
 
+AUTH_FAILURE_KINDS = ("token", "certificate")
+
 # The delay a failed authentication in this call earned (set by Authenticator.authenticate, applied by the
 # transport before it answers, so the failing peer waits and nobody else does).
 failure_delay: contextvars.ContextVar[float] = contextvars.ContextVar("failure_delay", default=0.0)
@@ -471,6 +475,9 @@ class Authenticator:
         self.penalty = FailurePenalty(cap=config.auth_failure_delay_max_seconds)
         self.revocations = Revocations()
         self.audit = RateLimitedLog(audit)
+        # Failed authentications, by what failed ("token": missing, unknown or wrong; "certificate": a client
+        # certificate that maps to no tenant): gpubroker_auth_failures_total.
+        self.failures: dict[str, int] = dict.fromkeys(AUTH_FAILURE_KINDS, 0)
         self.reload(config)
 
     def reload(self, config: BrokerConfig) -> None:
@@ -506,6 +513,7 @@ class Authenticator:
                 return Principal(tenant.name, tenant.admin, "certificate",
                                  f"certificate:{tenant.certificates_since!r}:{identity}")
         if tls is not None and identities and not tls.allow_tokens:
+            self.failures["certificate"] += 1
             self._failed(peer, penalty_key, "auth failure: peer=%s method=%s certificate=%s maps to no tenant",
                          peer, method, identities)
             raise Unauthenticated(UNAUTHENTICATED_MESSAGE)
@@ -515,6 +523,7 @@ class Authenticator:
         except Unauthenticated:
             token_id = token.split("_", 2)[1] if token and token.count("_") >= 2 else "-"
             known = token_id in self.tokens.known_ids
+            self.failures["token"] += 1
             self._failed(peer, penalty_key, "auth failure: peer=%s method=%s token_id=%s", peer, method,
                          token_id if known else "unknown", token_id=token_id if known else None)
             raise

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import types
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, TypeVar, cast
 
 import lz4.block
@@ -85,7 +85,7 @@ from gpubroker.wire.torch import (
 )
 from gpubroker.wire.types import ArrayRef, Kernel, Module, ModuleFormat, Stream
 
-__all__ = ["Executor", "Handler", "handles"]
+__all__ = ["Done", "Executor", "Handler", "handles"]
 
 log = logging.getLogger("gpubroker.worker")
 
@@ -202,11 +202,23 @@ class _Unprepared(NamedTuple):
     args: list[object]
 
 
+@dataclass
+class Done:
+    """What the worker ran since it started, for the front's metrics (``usage``): kernel launches (Launch commands;
+    library and torch operators are not counted) and the bytes of its copies, by direction."""
+
+    launches: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    d2d_bytes: int = 0
+
+
 class Executor:
     """Runs batches for every session of the worker against its backend, through the one handle table."""
 
     def __init__(self, backend: GpuCompute, tables: HandleTables, segments: SegmentTable) -> None:
         self.backend = backend
+        self.done = Done()
         self.tables = tables
         self.segments = segments
         self._codec = ""  # what the link of the batch being run negotiated (see run)
@@ -342,6 +354,7 @@ class Executor:
     def _copy_d2d(self, objs: SessionObjects, cmd: CopyD2D) -> None:
         self.backend.copy_d2d(objs.view(*cmd.src), objs.view(*cmd.dst), cmd.size, cmd.src_offset, cmd.dst_offset,
                               objs.stream(cmd.stream))
+        self.done.d2d_bytes += cmd.size
 
     @handles(Write)
     def _write(self, objs: SessionObjects, cmd: Write) -> None:
@@ -357,6 +370,7 @@ class Executor:
                                       f"max frame), this one says {cmd.size}")
             data = _lz4_block_exact(cmd.data, cmd.size)
         self.backend.copy_h2d(data, view, cmd.offset, objs.stream(cmd.stream))
+        self.done.h2d_bytes += len(data)
 
     @handles(Read)
     def _read(self, objs: SessionObjects, cmd: Read) -> bytearray | list[Any]:
@@ -364,6 +378,7 @@ class Executor:
         check_device_range(view, cmd.offset, cmd.size, "copy_d2h")  # before the host buffer is made for it
         out = bytearray(cmd.size)  # encoded as bin as it is: no copy to bytes first
         self.backend.copy_d2h(view, out, cmd.offset, objs.stream(cmd.stream))
+        self.done.d2h_bytes += cmd.size
         if not cmd.codec or cmd.codec != self._codec:  # not asked, or not negotiated on this path: raw bytes
             return out
         if objs.raw_reads > 0:
@@ -384,8 +399,10 @@ class Executor:
         with self.segments.view(objs.segment(cmd.segment), cmd.segment_offset, cmd.size) as host:
             if cmd.to_device:
                 self.backend.copy_h2d(host, buf, cmd.offset, stream)
+                self.done.h2d_bytes += cmd.size
             else:
                 self.backend.copy_d2h(buf, host, cmd.offset, stream)
+                self.done.d2h_bytes += cmd.size
 
     # -- launches ----------------------------------------------------------------------------------
     @handles(Launch)
@@ -403,6 +420,7 @@ class Executor:
             objs.launch_args[key] = prep
         self._launch_prepared(prep, cmd.grid, cmd.block, cmd.shared_mem,
                               objs.stream(cmd.stream) if cmd.stream else None)
+        self.done.launches += 1
 
     @handles(RunLibrary)
     def _run_library(self, objs: SessionObjects, cmd: RunLibrary) -> None:

@@ -124,7 +124,9 @@ class WorkerServer:
             self.links.max_frame = self.executor.max_inflate = request.max_frame
 
     def op_usage(self, session: str, request: Usage) -> UsageReport:
-        return UsageReport(self.tables.memory_used, self.tables.usage())
+        done = self.executor.done
+        return UsageReport(self.tables.memory_used, self.tables.usage(), done.launches, done.h2d_bytes,
+                           done.d2h_bytes, done.d2d_bytes)
 
     def op_close_session(self, session: str, request: CloseSession) -> int:
         """Free everything the session owned; an error on one object does not stop the rest. Returns how many

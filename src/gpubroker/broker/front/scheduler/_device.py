@@ -24,6 +24,7 @@ dies is still charged its hold.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import time
@@ -34,7 +35,7 @@ from typing import NamedTuple
 
 from gpubroker.broker.front.scheduler._policy import FairPolicy
 
-__all__ = ["DeviceScheduler", "HoldMeter", "Metered", "TenantUsage"]
+__all__ = ["WAIT_BUCKETS", "DeviceScheduler", "HoldMeter", "Metered", "TenantUsage"]
 
 log = logging.getLogger("gpubroker.scheduler")
 
@@ -55,12 +56,22 @@ class Metered(NamedTuple):
 HoldMeter = Callable[[str], Callable[[], Metered] | None]
 
 
+# The upper bounds (seconds) of gpubroker_scheduler_wait_seconds' buckets: a turn granted at once is 0, a wait
+# behind another tenant's quantum a few ms, behind a long kernel up to the kernel time limit.
+WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                60.0)
+
+
 @dataclass
 class TenantUsage:
     """What the scheduler saw of one tenant on one device."""
 
     device_seconds: float = 0.0
-    waits: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    waits: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # the last ones (admin usage's p50/p99)
+    # Every wait since the start, by bucket of WAIT_BUCKETS (the last: over them all), and their sum: a histogram
+    # Prometheus can add up across tenants and brokers, which quantiles of the last 4096 were not.
+    wait_counts: list[int] = field(default_factory=lambda: [0] * (len(WAIT_BUCKETS) + 1))
+    wait_sum: float = 0.0
     charges: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=65536))
     queued: int = 0
     inflight: int = 0
@@ -68,6 +79,11 @@ class TenantUsage:
     # Device seconds charged for CPU its worker used outside its turns (threads a kernel left running, compiles).
     outside_seconds: float = 0.0
     held: float = 0.0  # wall seconds it held the device, in slices already ended
+
+    def record_wait(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        self.wait_counts[bisect.bisect_left(WAIT_BUCKETS, seconds)] += 1
+        self.wait_sum += seconds
 
     def wait_percentile(self, q: float) -> float:
         if not self.waits:
@@ -200,7 +216,7 @@ class DeviceScheduler:
                     and not self._accounting_due()):
                 self._cancel_grace()  # the holder came back in time
                 use.inflight += 1
-                use.waits.append(0.0)
+                use.record_wait(0.0)
                 return
         if self.holder not in (None, tenant) and self.contended_since is None:
             self.contended_since = now
@@ -221,7 +237,7 @@ class DeviceScheduler:
                     self._waiters[tenant].remove(fut)
                 use.queued -= 1
             raise
-        use.waits.append(self._clock() - now)
+        use.record_wait(self._clock() - now)
 
     def _release(self, tenant: str) -> None:
         use = self._use(tenant)

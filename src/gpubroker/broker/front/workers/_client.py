@@ -210,6 +210,9 @@ class WorkerClient:
         # Set when the front kills it for device memory: "nvml" (NVML counted more than its quota plus the
         # headroom on a device) or "report" (it reported more in use than its quota): the metrics count these.
         self.memory_kill: str | None = None
+        # Its counters (launches, bytes h2d, d2h, d2d) as of its last ``usage`` report: the metrics add what each
+        # report adds (its tenant's own figures, as its worker says: native code there could forge them).
+        self.done_reported: tuple[int, int, int, int] = (0, 0, 0, 0)
         # Carries file descriptors (shared-memory segments) to the worker, apart from the request stream, whose
         # asyncio transport cannot send SCM_RIGHTS.
         self._fd_sock: socket.socket | None = None
