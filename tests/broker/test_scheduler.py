@@ -511,6 +511,30 @@ def test_a_dead_workers_hold_is_charged() -> None:
     assert asyncio.run(scenario()) == pytest.approx(0.1, abs=0.05)
 
 
+def test_work_running_past_its_call_is_charged_until_its_worker_dies() -> None:
+    """A kernel launched asynchronously returns at once and runs on; a fence waits for it, and the worker is killed
+    while it waits (a cancel, the time limit): the tenant is charged the time its kernel held the device, not the
+    moment its launch took."""
+
+    async def scenario() -> float:
+        loop = asyncio.get_running_loop()
+
+        async def fence(tenant: str) -> float:
+            if tenant == "a":
+                await asyncio.sleep(0.3)  # its kernel still runs...
+                raise RuntimeError("the worker is gone")  # ...until its worker is killed
+            return 0.0
+
+        sched = DeviceScheduler(fence, quantum=0.005, clock=loop.time)
+        async with sched.turn("a"):
+            pass  # the launch returned at once
+        async with sched.turn("b"):
+            pass
+        return sched.usage["a"].device_seconds
+
+    assert asyncio.run(scenario()) == pytest.approx(0.3, abs=0.1)
+
+
 def test_an_idle_lone_holder_is_fenced_and_gives_the_device_up() -> None:
     """With fence_idle, a lone holder's hold ends (fenced) an accounting period after its last work: the time it
     counts as holding the device, when its worker's CPU is device work, ends with its work."""

@@ -41,7 +41,8 @@ def _state(pid: int) -> str:
 def test_a_call_past_its_deadline_raises_deadline_exceeded_and_the_next_calls_get_their_own_answers(
         backend: str) -> None:
     """Bob's synchronize waits for the device behind Alice's endless kernel until its deadline. Its answer could
-    still come later: the connection it used must not hand it to his next call."""
+    still come later: it must be read as that batch's, never as his next call's (the connection stays: acks name
+    their batch)."""
     with BrokerProcess([TenantSpec("alice"), TenantSpec("bob")], backend=backend) as broker, \
             connect(broker.target, token=broker.tokens["alice"]) as alice, \
             connect(broker.target, token=broker.tokens["bob"], timeout=2.0) as bob:
@@ -51,7 +52,7 @@ def test_a_call_past_its_deadline_raises_deadline_exceeded_and_the_next_calls_ge
         with pytest.raises(DeadlineExceeded):
             bob.synchronize()  # (on the link to his worker, which waits for a turn on the device)
         with pytest.raises(DeadlineExceeded):
-            bob.synchronize()  # (on a new link: the first is dropped, since its late answer could still come)
+            bob.synchronize()  # (the same link, the first sync still unanswered ahead of this one)
         (pid,) = worker_pids(broker, "alice")
         os.kill(pid, signal.SIGKILL)  # the device is free again
         bob.memset(buf, 9)

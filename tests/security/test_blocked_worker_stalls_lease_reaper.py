@@ -5,7 +5,7 @@ The hole: the front's lease reaper (``SessionManager._reap_loop``, front/_sessio
 turn with ``await self.close(session)``, which asks the session's worker to close it (``CloseSession``) and waits
 for the answer, with no timeout. A worker answers the front only between the commands it runs, and a tenant can
 keep its worker inside one for as long as it likes: a kernel that sleeps (``nanosleep``: no CPU) and then a
-``synchronize``, on a device where nobody else waits (``lone_kernel_seconds`` = 0 by default: no limit). Once that
+``synchronize``, on a device where nobody else waits (``lone_kernel_seconds``: 600 s by default). Once that
 tenant's session expires (its client stops heartbeating: the synchronize on the link does not renew the lease), the
 reaper waits on that worker for as long as the kernel lasts, and reaps nothing else: every other tenant's expired
 session keeps its device memory, its place in ``max_sessions_per_tenant`` and its worker.

@@ -7,7 +7,7 @@ only then ends the removed tenants' sessions and stops their workers (``SessionM
 ``close`` awaits ``CloseSession`` from the worker, again with no timeout). A worker answers the front only between
 the commands it runs, and a tenant can keep its worker inside one for as long as it likes: a kernel that sleeps
 (``nanosleep``: no CPU), then a ``synchronize``. Nobody else uses the device, so no time limit applies
-(``lone_kernel_seconds`` = 0 by default: a lone tenant may run kernels of any length). The reload then waits on that
+(``lone_kernel_seconds``: 600 s by default). The reload then waits on that
 worker for as long as the kernel lasts; so does every later reload (each SIGHUP or admin Reload is a new task that
 stops at the same worker). Meanwhile the tenants the operator removed keep their sessions, their workers (and the
 device memory and processes they hold) and their caches; quota changes are not applied. A removal of the blocking

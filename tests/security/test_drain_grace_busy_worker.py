@@ -2,7 +2,7 @@
 
 Admin Drain (or SIGTERM with ``drain_grace_seconds``) promises that running sessions "may go on" for the grace and
 are then ended. Ending one is a CloseSession request to its worker, which waits behind whatever the worker is
-running; a lone tenant's device work has no time limit by default (``lone_kernel_seconds = 0``). So a tenant that
+running; a lone tenant's device work may run for ``lone_kernel_seconds`` (600 s by default). So a tenant that
 keeps its worker busy (one torch operator: ``aten::sum`` of a 4 Ti-element expanded view, minutes of CPU, no
 memory) outlives the drain: measured on PoCL, 20 s after "drain grace over: ending 1 sessions still running" the
 worker was still running (both CPUs), its session not closed, its client's call still waiting. The operator who

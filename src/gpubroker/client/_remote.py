@@ -637,15 +637,20 @@ class RemoteGpu:
         """
         self.transport.call(DestroyStream(_stream_ref(stream)))
 
-    def synchronize(self, stream: Stream | None = None) -> None:
+    def synchronize(self, stream: Stream | None = None, *, timeout: float | None = None) -> None:
         """Wait for the device: one round trip carrying whatever is still queued. See
         [GpuCompute.synchronize][gpubroker.client.GpuCompute.synchronize].
 
         Args:
             stream: The stream to wait for; None for all of the session's.
+            timeout: Seconds this wait may take; None: the session's `timeout`.
+
+        Raises:
+            DeadlineExceeded: The work did not finish within ``timeout``. It goes on running and the session stays
+                usable: wait again (with a longer timeout), or `cancel()` to abandon it.
         """
         # One round trip carrying what is queued and the sync; an asynchronous command's error surfaces here.
-        self.transport.call(Synchronize(_stream(stream)))
+        self.transport.call(Synchronize(_stream(stream)), _timeout(timeout))
 
     # Events are commands like stream creation: queued with async_commands, the handle chosen here.
     def create_event(self) -> Event:
@@ -679,15 +684,20 @@ class RemoteGpu:
         """
         self._command(WaitEvent(_event_ref(event), _stream(stream)))
 
-    def synchronize_event(self, event: Event) -> None:
+    def synchronize_event(self, event: Event, *, timeout: float | None = None) -> None:
         """Wait on the host for an event; always a round trip.
         See [GpuCompute.synchronize_event][gpubroker.client.GpuCompute.synchronize_event].
 
         Args:
             event: The event.
+            timeout: Seconds this wait may take; None: the session's `timeout`.
+
+        Raises:
+            DeadlineExceeded: The event was not reached within ``timeout``; the session stays usable, as for
+                `synchronize`.
         """
         # The host waits: one round trip carrying what is queued, as synchronize.
-        self.transport.call(SynchronizeEvent(_event_ref(event)))
+        self.transport.call(SynchronizeEvent(_event_ref(event)), _timeout(timeout))
 
     def destroy_event(self, event: Event) -> None:
         """Destroy an event (queued with `async_commands`).
@@ -701,11 +711,26 @@ class RemoteGpu:
     def close(self) -> None:
         """End the session (the broker frees its buffers, modules and streams) and the channel.
 
-        Commands still queued in the client are dropped (those already sent may run): `synchronize()` first to
-        have them all run and see their errors.
+        Commands still queued in the client are dropped (those already sent may run, and the close waits for
+        them): `synchronize()` first to have them all run and see their errors, or `cancel()` to abandon them.
         Never raises for a session that is already gone; closing twice does nothing. Leaving a `with` block
-        calls it.
+        calls it (`cancel` if the block raised, Ctrl-C's KeyboardInterrupt included).
         """
+        self._end(cancel=False)
+
+    def cancel(self) -> None:
+        """Abandon the session's work and end the session, without waiting for the work.
+
+        Commands still queued in the client are dropped; the broker ends the session, and if its work still
+        runs a second later (a long kernel, or work queued before it) it stops the session's worker, unless the
+        tenant's other sessions on the device use that worker too (then the work finishes there, unwaited for).
+        The work's device time up to then is charged to the tenant as usual. The RemoteGpu is closed afterwards:
+        open a new session to go on; the next one does not wait behind the abandoned work. Never raises for a
+        session that is already gone.
+        """
+        self._end(cancel=True)
+
+    def _end(self, cancel: bool) -> None:
         if self._closed.is_set():
             return
         if self._transport is not None:
@@ -713,7 +738,7 @@ class RemoteGpu:
             self._transport = None
         try:
             if self._session:
-                self._call("CloseSession", pb.SessionRequest(session=self._session))
+                self._call("CloseSession", pb.CloseSessionRequest(session=self._session, cancel=cancel))
         except GpuBrokerError:
             pass  # already gone (expired, worker lost): nothing left to free
         finally:
@@ -727,9 +752,19 @@ class RemoteGpu:
         self.initialize()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        """Close the session on leaving the block, whether or not it raised."""
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        """End the session on leaving the block: `close()`, or `cancel()` if the block raised (Ctrl-C in a long
+        `synchronize()` leaves at once, abandoning the work, instead of waiting for it in the close)."""
+        self._end(cancel=kind is not None)
+
+
+def _timeout(value: object) -> float | None:
+    """A call's own time limit, checked (a bad one raises before anything is sent)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise InvalidArgument(f"timeout must be a positive number of seconds or None, got {value!r:.80}")
+    return float(value)
 
 
 def _check_counts(**values: object) -> None:

@@ -58,6 +58,14 @@ class SessionRequest(_message.Message):
     session: str
     def __init__(self, session: _Optional[str] = ...) -> None: ...
 
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session", "cancel")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    cancel: bool
+    def __init__(self, session: _Optional[str] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_seconds",)
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]

@@ -41,7 +41,7 @@ class GpuBrokerStub:
                 _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/gpubroker.v1.GpuBroker/CloseSession',
-                request_serializer=gpubroker_dot_v1_dot_broker__pb2.SessionRequest.SerializeToString,
+                request_serializer=gpubroker_dot_v1_dot_broker__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=gpubroker_dot_v1_dot_broker__pb2.Empty.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
@@ -285,7 +285,7 @@ def add_GpuBrokerServicer_to_server(servicer, server):
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
-                    request_deserializer=gpubroker_dot_v1_dot_broker__pb2.SessionRequest.FromString,
+                    request_deserializer=gpubroker_dot_v1_dot_broker__pb2.CloseSessionRequest.FromString,
                     response_serializer=gpubroker_dot_v1_dot_broker__pb2.Empty.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
@@ -431,7 +431,7 @@ class GpuBroker:
             request,
             target,
             '/gpubroker.v1.GpuBroker/CloseSession',
-            gpubroker_dot_v1_dot_broker__pb2.SessionRequest.SerializeToString,
+            gpubroker_dot_v1_dot_broker__pb2.CloseSessionRequest.SerializeToString,
             gpubroker_dot_v1_dot_broker__pb2.Empty.FromString,
             options,
             channel_credentials,

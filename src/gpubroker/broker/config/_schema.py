@@ -330,8 +330,9 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "A tenant whose device work holds the device longer than this while another tenant waits has its "
         "worker killed; its calls fail with DEADLINE_EXCEEDED."))] = 10.0
     lone_kernel_seconds: Annotated[float, Meta(ge=0, description=(
-        "The same limit for a tenant that nobody waits for; 0: a lone tenant may run kernels of any "
-        "length."))] = 0.0
+        "The same limit for a tenant that nobody waits for (a runaway kernel is stopped even on an idle broker; a "
+        "client can also cancel() its session's work); 0: a lone tenant may run kernels of any "
+        "length."))] = 600.0
     max_kernel_slowdown: Annotated[float, Meta(ge=1, description=(
         "On a CPU device (PoCL: the device is the host's CPUs), how many times the host's other load may stretch "
         "a hold past the device time it is timed and charged by: a hold slowed by others counts what its own "

@@ -8,6 +8,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import logging
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -32,10 +33,18 @@ from gpubroker.wire.commands import (
     GetKernel,
     LoadModule,
     Read,
+    Synchronize,
     encode,
     outline_batch,
 )
-from gpubroker.wire.errors import GpuBrokerError, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
+from gpubroker.wire.errors import (
+    Cancelled,
+    GpuBrokerError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unauthenticated,
+)
 from gpubroker.wire.types import DeviceInfo
 
 __all__ = ["GpuBrokerService", "device_info_to_pb"]
@@ -48,6 +57,10 @@ READ_AHEAD = 4
 REVOKED_MESSAGE = ("the token that opened this stream was rotated or its tenant removed; reconnect with the "
                    "current token")
 T = TypeVar("T")
+# How long a cancelled session's work may take to finish before its worker is stopped (CloseSession with cancel).
+CANCEL_GRACE = 1.0
+
+log = logging.getLogger("gpubroker.sessions")
 
 
 class _Revocable:
@@ -323,10 +336,34 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         return info
 
     @rpc
-    async def CloseSession(self, request: pb.SessionRequest, context: Context) -> pb.Empty:
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: Context) -> pb.Empty:
         session = self.sessions.get(request.session, self._tenant(context))
-        await self.sessions.close(session)
+        if request.cancel:
+            await self._abandon_work(session)
+            await self.sessions.close(session, reason="closed (cancelled by its client)")
+        else:
+            await self.sessions.close(session)
         return pb.Empty()
+
+    async def _abandon_work(self, session: Session) -> None:
+        """A cancel: the session's work (a kernel still running, work queued before it) is waited for at most
+        ``CANCEL_GRACE``; past it the session's worker is stopped, unless it serves the tenant's other sessions
+        too (they go on, and the close waits for the work in the background of the client). The stop is nobody's
+        failure (the tenant asked for it); the work's device time is charged up to it (the scheduler's fence)."""
+        batch, data = commands.pack([Synchronize()])  # (waits for the session's work; runs nothing of its own)
+        settled = asyncio.ensure_future(session.worker.run_batch(session.id, batch, data))
+        settled.add_done_callback(_outcome_unread)
+        done, _ = await asyncio.wait({settled}, timeout=CANCEL_GRACE)
+        if done or not session.worker.alive:
+            return
+        if any(other.worker is session.worker for other in self.sessions.sessions.values() if other is not session):
+            log.info("session %s of tenant %s cancelled: its work goes on in the worker the tenant's other sessions "
+                     "use", session.id, session.tenant)
+            return
+        log.info("session %s of tenant %s cancelled while its work ran: its worker is stopped", session.id,
+                 session.tenant)
+        self.sessions.pool.retire(session.worker, Cancelled(
+            f"session {session.id} was cancelled by its client while its work ran; the worker was stopped"))
 
     @rpc
     async def Heartbeat(self, request: pb.SessionRequest, context: Context) -> pb.HeartbeatResponse:
@@ -610,3 +647,9 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         finally:
             if dst is not src:
                 release_slot(dst)
+
+
+def _outcome_unread(settled: asyncio.Future[Any]) -> None:
+    """A cancel's wait for the work is not read past its grace: its outcome (the worker stopped) is nobody's news."""
+    if not settled.cancelled():
+        settled.exception()

@@ -39,6 +39,7 @@ log = logging.getLogger("gpubroker.sessions")
 # closed by its client, expired (no heartbeat within the lease), or ended by anyone else (an admin, a drain, the
 # broker's stop, its tenant removed).
 END_REASONS = ("closed", "expired", "ended")
+RECENTLY_ENDED = 4096  # sessions whose end a later call by their id is told
 # A link frame's room around a copy chunk (the contract's max frame: chunk_bytes + 64 KiB).
 LINK_ENVELOPE = 64 * 1024
 # How long a view (placement, admin, metrics) waits for a worker's fresh memory figures before it uses the last.
@@ -123,6 +124,7 @@ class SessionManager:
         self.admission = admission
         self.devices = list(devices)
         self.sessions: dict[str, Session] = {}
+        self.recently_ended: dict[str, tuple[str, str]] = {}  # session id -> (tenant, why it ended), oldest first
         self.opening: dict[int, int] = {}  # sessions being opened (worker starting) per device, for placement
         # Sessions being opened per tenant: each holds its place under max_sessions_per_tenant from the check
         # to its registration (or failure), so concurrent opens waiting for one worker start cannot all pass.
@@ -274,6 +276,9 @@ class SessionManager:
     def get(self, session_id: str, tenant: str) -> Session:
         session = self.sessions.get(session_id)
         if session is None or session.tenant != tenant:
+            ended = self.recently_ended.get(session_id)
+            if ended is not None and ended[0] == tenant:
+                raise NotFound(f"session {session_id!r} has ended: {ended[1]}; open a new session")
             raise NotFound(f"no session {session_id!r}")
         session.touch()
         return session
@@ -287,6 +292,11 @@ class SessionManager:
         """Take the session off the list (and its tenant's count); False if it had already ended."""
         if self.sessions.pop(session.id, None) is None:
             return False
+        # Why it ended, for its client's next call (a lease that expired while the client was suspended, say): the
+        # last RECENTLY_ENDED of them.
+        self.recently_ended[session.id] = (session.tenant, reason)
+        if len(self.recently_ended) > RECENTLY_ENDED:
+            del self.recently_ended[next(iter(self.recently_ended))]
         how = next((r for r in END_REASONS if reason.startswith(r)), "ended")
         key = (session.tenant, session.device, how)
         self.ended[key] = self.ended.get(key, 0) + 1
@@ -372,7 +382,9 @@ class SessionManager:
             for session in list(self.sessions.values()):
                 if now - session.last_seen > session.lease_seconds:
                     # (in a task of its own: a worker held in its tenant's kernel never stops the reaping of others)
-                    self.end(session, reason="expired (no heartbeat within the lease)")
+                    self.end(session, reason=f"expired: no heartbeat from its client within its "
+                                             f"{session.lease_seconds:g} s lease (the client process stopped, was "
+                                             "suspended, or lost the broker)")
             busy = {(s.tenant, s.device) for s in self.sessions.values() if s.lost is None}
             self.pool.reap_idle(busy)
 

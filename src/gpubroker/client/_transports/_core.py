@@ -69,9 +69,11 @@ class Transport(Protocol):
         """The largest Write or Read chunk one command may carry."""
         ...
 
-    def call(self, command: Command) -> Any:
+    def call(self, command: Command, timeout: float | None = None) -> Any:
         """Send what is queued plus ``command`` as one batch and wait for its ack (one round trip); return the
-        command's result. Raises the command's own error, or a deferred one of an earlier command."""
+        command's result. Raises the command's own error, or a deferred one of an earlier command. ``timeout``
+        bounds this wait (None: the transport's own bound per ack); past it DeadlineExceeded, and the transport
+        goes on (the work still runs; its errors are deferred ones)."""
         ...
 
     def submit(self, command: Command, on_result: Callable[[Any], None] | None = None) -> int:
@@ -296,7 +298,7 @@ class BatchingTransport:
             self._flush()  # a result is only ever the last command's; a Write rides alone
             return self._seq
 
-    def call(self, command: Command) -> Any:
+    def call(self, command: Command, timeout: float | None = None) -> Any:
         box: list[Any] = []
         with self._lock:
             self._seq += 1
@@ -304,8 +306,17 @@ class BatchingTransport:
             self._pending.append(command)
             self._pending_result = box.append
             sent = self._flush(call_seq=seq)
-            while sent is not None and self._unacked and self._unacked[0].id <= sent.id:
-                self._read_ack()
+            end = None if timeout is None else time.monotonic() + timeout
+            try:
+                while sent is not None and self._unacked and self._unacked[0].id <= sent.id:
+                    self._read_ack(end, timeout)
+            except DeadlineExceeded:
+                # Nobody waits for this call's batches any more: what they report is an earlier command's error
+                # for the next call that waits, as for any queued command.
+                for waiting in self._unacked:
+                    if waiting.call_seq == seq:
+                        waiting.call_seq, waiting.on_result = 0, None
+                raise
             own, self._call_error = self._call_error, None
             if own is not None:
                 raise own
@@ -499,15 +510,22 @@ class BatchingTransport:
             self._take_ack(payload)
         return self._open_now
 
-    def _read_ack(self) -> None:
+    def _read_ack(self, end: float | None = None, limit: float | None = None) -> None:
+        """Read the next ack: within ``self.timeout``, or until ``end`` (monotonic) for a call that set its own
+        ``limit``. Past it DeadlineExceeded, and the connection stays: the batch is still unacknowledged, and its
+        ack, when it comes, is read as its own (acks come in order, each naming its batch)."""
+        if end is None:
+            wait = limit = self.timeout
+        else:
+            wait = max(1e-3, end - time.monotonic())  # (0 would make a socket's recv non-blocking)
         try:
-            payload = self.carrier.receive(self.timeout, len(self._unacked))
+            payload = self.carrier.receive(wait, len(self._unacked))
         except TimeoutError:
-            # The answer may still come, and would be read as the next batch's: this connection is done.
             waiting = self._unacked[0]
-            self._drop()
-            raise DeadlineExceeded(f"no answer from the broker within {self.timeout:g} s (batch of "
-                                   f"{waiting.count} commands from command {waiting.first})") from None
+            raise DeadlineExceeded(
+                f"no answer from the broker within {limit:g} s (batch of {waiting.count} commands from command "
+                f"{waiting.first}): the work is still running and the session goes on. Wait again (synchronize, "
+                "with a longer timeout=), or cancel() the session to abandon it") from None
         except Lost as exc:
             self._lose(exc.reason, self._unacked[0].call_seq if self._unacked else 0)
             return

@@ -362,14 +362,21 @@ class FramedSocket:
             raise Lost(f"sending failed: {exc}") from None
 
     def receive(self, timeout: float | None, in_flight: int) -> bytes | bytearray:
-        # (``timeout`` is the socket's own, set at the hello: a recv waits no longer)
-        assert self._frames is not None
+        # (the socket's own timeout is the hello's: a call with a bound of its own sets it for this wait alone; a
+        # recv it cuts short leaves the frame decoder where it was, so the next receive goes on with that frame)
+        assert self._frames is not None and self.sock is not None
+        own = timeout != self._timeout
+        if own:
+            self.sock.settimeout(timeout)
         try:
             return self._frames.next()
         except TimeoutError:
             raise
         except (OSError, EOFError, FrameRefused) as exc:
             raise Lost(str(exc) or type(exc).__name__) from None
+        finally:
+            if own and self.sock is not None:
+                self.sock.settimeout(self._timeout)
 
     def arrived(self) -> bytes | bytearray | None:
         return None  # (a socket's next frame may be partly here: asked only by blocking reads)

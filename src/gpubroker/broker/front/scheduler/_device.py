@@ -368,14 +368,18 @@ class DeviceScheduler:
                 contended = self._contended_hold(old)
                 held_since = self._contended_start()
                 gen = self._slice_gen
+                fenced_at = self._clock()
                 try:
                     seconds = await self._fence(old)
                 except Exception as exc:  # a dead worker: its hold was still its own, charged as consumed
                     log.info("fence for tenant %s failed: %s", old, exc)
-                    # (until its last call ended, which its death ended: not the grace the scheduler gave it)
+                    # (until its last call ended, which its death ended: not the grace the scheduler gave it; and
+                    # however long the fence waited for its queued work before the death, which held the device
+                    # all that time: a kernel launched asynchronously ran past its call, until it was killed)
                     last = self._use(old).last_release
-                    until = last if last is not None and last >= self.slice_start else self._clock()
-                    seconds = min(self._consumed(self.slice_start), until - self.slice_start)
+                    until = last if last is not None and last >= self.slice_start else fenced_at
+                    seconds = min(self._consumed(self.slice_start),
+                                  until - self.slice_start + self._clock() - fenced_at)
                     if self._overran == gen:  # killed for holding the device: that hold was at others' cost
                         contended = self._clock() - held_since
                 else:
