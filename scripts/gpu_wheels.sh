@@ -15,7 +15,7 @@ rm -rf .whl && mkdir -p .whl
 # Pure-Python dependencies the GPU image lacks (it has grpcio 1.84, so the grpc add-ons are pinned to match);
 # nvidia-ml-py (pynvml) lets the front watch each worker's device memory and the GPUs' Xids through NVML.
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl \
-  grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 'prometheus-client>=0.20' 'tomlkit>=0.13' 'pyseccomp>=0.1.2' \
+  grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0 grpcio-status==1.84.0 'googleapis-common-protos>=1.63' 'prometheus-client>=0.20' 'tomlkit>=0.13' 'pyseccomp>=0.1.2' \
   'nvidia-ml-py>=12' 'array-api-compat>=1.11' 'array-api-strict>=2.4' 'pytest-json-report>=1.5' pytest-metadata \
   'expecttest>=0.2'
 # (The image has torch 2.11, scikit-learn, scipy and einops; the array namespace's tests and the conformance suite

@@ -148,7 +148,8 @@ def test_the_wheel_is_typed_and_says_where_it_comes_from(wheel: zipfile.ZipFile)
 
 # What only the broker's processes import: a client-only install (`pip install gpubroker`) goes without them, and
 # `pip install gpubroker[broker]` brings them.
-BROKER_ONLY = {"cryptography", "uvloop", "prometheus-client", "tomlkit", "pyseccomp", "grpcio-reflection"}
+BROKER_ONLY = {"cryptography", "uvloop", "prometheus-client", "tomlkit", "pyseccomp", "grpcio-reflection",
+               "googleapis-common-protos"}
 
 
 def test_a_client_only_install_pulls_none_of_the_brokers_dependencies(wheel: zipfile.ZipFile) -> None:
@@ -169,13 +170,14 @@ def test_a_client_only_install_pulls_none_of_the_brokers_dependencies(wheel: zip
 def test_the_client_imports_none_of_the_brokers_dependencies() -> None:
     """The SDK (and its array and loadtest-free parts) imports with every broker-only module refused: a client-only
     install works. A finder on sys.meta_path refuses them, in a fresh interpreter."""
-    blocked = ["cryptography", "uvloop", "prometheus_client", "tomlkit", "pyseccomp", "grpc_reflection", "msgpack"]
+    blocked = ["cryptography", "uvloop", "prometheus_client", "tomlkit", "pyseccomp", "grpc_reflection", "msgpack",
+               "google.rpc"]
     script = f"""
 import sys
 
 class Refuse:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {blocked!r}:
+        if any(name == b or name.startswith(b + ".") for b in {blocked!r}):
             raise ImportError(f"{{name}} is the broker's (blocked by tests/test_layout.py)")
         return None
 
@@ -186,7 +188,7 @@ import gpubroker.client.array
 import gpubroker.client._transports
 assert callable(connect) and RemoteGpu and AdminClient and list_devices and TlsOptions
 gpu = RemoteGpu("unix:/nonexistent/gpubroker.sock", "gpb_x")  # builds its channel; connects to nothing
-print("ok", sorted(m for m in sys.modules if m.split(".")[0] in {blocked!r}))
+print("ok", sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in {blocked!r})))
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
@@ -196,13 +198,14 @@ print("ok", sorted(m for m in sys.modules if m.split(".")[0] in {blocked!r}))
 def test_the_cli_runs_its_client_commands_on_a_client_only_install(tmp_path: Path) -> None:
     """`gpubroker devices` and the rest that only call a broker work without the broker's dependencies; `tenant add`
     (tomlkit) says which extra to install instead of a traceback."""
-    blocked = ["cryptography", "uvloop", "prometheus_client", "tomlkit", "pyseccomp", "grpc_reflection", "msgpack"]
+    blocked = ["cryptography", "uvloop", "prometheus_client", "tomlkit", "pyseccomp", "grpc_reflection", "msgpack",
+               "google.rpc"]
     script = f"""
 import sys
 
 class Refuse:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {blocked!r}:
+        if any(name == b or name.startswith(b + ".") for b in {blocked!r}):
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
         return None
 

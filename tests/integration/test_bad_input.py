@@ -180,3 +180,36 @@ def test_broker_still_healthy_after_bad_input(gpu: RemoteGpu, saxpy) -> None:
     out = np.empty_like(x)
     gpu.copy_d2h(dy, out)
     np.testing.assert_array_equal(out, 3.0)
+
+
+def test_a_refused_call_carries_the_standard_rich_status_for_other_grpc_clients(broker: BrokerProcess, stub) -> None:
+    """Beside our client's own trailer, a refused call carries a google.rpc.Status in grpc-status-details-bin, read
+    here as a client in another language (or grpcurl) would, with grpcio-status: the code and message repeated, an
+    ErrorInfo naming the error's class and its details, and a QuotaFailure on a refusal over the quota."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    auth = (("authorization", f"Bearer {broker.tokens['carol']}"),)
+    with pytest.raises(grpc.RpcError) as missing:
+        stub.Allocate(pb.AllocateRequest(session="ses_invented", size=8), metadata=auth)
+    status = rpc_status.from_call(missing.value)  # (raises if the code or message differ from the call's)
+    assert status is not None and status.code == grpc.StatusCode.NOT_FOUND.value[0]
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info) and info.reason == "NOT_FOUND" and info.domain == "gpubroker"
+
+    session = stub.OpenSession(pb.OpenSessionRequest(client_name="rich-status"), metadata=auth).session
+    try:
+        with pytest.raises(grpc.RpcError) as over:
+            stub.Allocate(pb.AllocateRequest(session=session, size=128 << 20), metadata=auth)  # carol has 64 MiB
+        assert over.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        status = rpc_status.from_call(over.value)
+        assert status is not None and status.message == over.value.details()
+        kinds = {detail.type_url.rsplit("/", 1)[-1]: detail for detail in status.details}
+        assert {"google.rpc.ErrorInfo", "google.rpc.QuotaFailure"} <= set(kinds), set(kinds)
+        kinds["google.rpc.ErrorInfo"].Unpack(info)
+        assert info.metadata["quota"] == str(64 << 20) and info.metadata["requested"] == str(128 << 20), info
+        quota = error_details_pb2.QuotaFailure()
+        kinds["google.rpc.QuotaFailure"].Unpack(quota)
+        assert quota.violations[0].subject.startswith("device memory")
+    finally:
+        stub.CloseSession(pb.CloseSessionRequest(session=session), metadata=auth)

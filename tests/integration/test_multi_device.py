@@ -116,6 +116,13 @@ def test_devices_are_listed_with_health_and_the_tenants_quota_on_each(two: Broke
     rows = [line for line in listed.splitlines() if line.startswith("  ")]
     assert [row.split(":")[0].strip() for row in rows] == ["0", "1"]
     assert all("SERVING" in row for row in rows) and "quota 8MiB" in rows[1]
+    # The sandbox comes with the tenant's own devices (as the admins' Status says it): no admin call, so no
+    # refused call audited for a tenant that only asked what it may use.
+    with AdminClient(two.target, two.tokens["ops"]) as admin:
+        sandbox = admin.status().sandbox
+    assert sandbox and f"sandbox: {sandbox}" in listed.splitlines()[0]
+    assert {d.sandbox for d in devices} == {sandbox}
+    assert "(not an admin)" not in two.log_path.read_text()
     as_json = subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", "devices", "--target", two.target,
                               "--json"], env=env, capture_output=True, text=True, check=True, timeout=60).stdout
     assert [d["memory_quota"] for d in json.loads(as_json)["devices"]] == [4 * MiB, 8 * MiB]

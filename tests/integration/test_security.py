@@ -124,6 +124,40 @@ def test_rotated_token_and_added_tenant_take_effect_on_sighup(guarded: BrokerPro
         assert dave.device_info().memory_quota == 1024**3
 
 
+def test_tenant_edits_reload_the_running_broker_when_asked(guarded: BrokerProcess) -> None:
+    """`tenant add | rotate-token | remove --reload` reload the broker through its Admin service with an admin's token
+    (GPUBROKER_TOKEN); without one (the first admin) the edit stands, the token is still shown, the exit is 1 and
+    the message says how the first admin comes (a signal)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUBROKER_")}
+
+    def cli(*args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", *args, "--config",
+                               str(guarded.config_path), "--reload", "--target", guarded.target],
+                              env=env if token is None else {**env, "GPUBROKER_TOKEN": token},
+                              capture_output=True, text=True, timeout=120)
+
+    first = cli("tenant", "add", "erin")
+    assert first.returncode == 1, first.stderr
+    assert "Not reloaded: --reload needs an admin tenant's token" in first.stdout and "SIGHUP" in first.stdout
+    erin = first.stdout.strip().splitlines()[-1]
+    with pytest.raises(Unauthenticated):  # added to the file, not yet served
+        connect(guarded.target, token=erin)
+    second = cli("tenant", "add", "frank", token=guarded.tokens["ops"])
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "reloaded (added ['erin', 'frank']" in second.stdout and "it serves it now" in second.stdout
+    frank = second.stdout.strip().splitlines()[-1]
+    with connect(guarded.target, token=erin) as a, connect(guarded.target, token=frank) as b:
+        assert a.allocate_memory(16) and b.allocate_memory(16)
+    removed = cli("tenant", "remove", "frank", token=guarded.tokens["ops"])
+    assert removed.returncode == 0 and "removed ['frank']" in removed.stdout, removed.stdout + removed.stderr
+    with pytest.raises(Unauthenticated):
+        connect(guarded.target, token=frank)
+    refused = cli("tenant", "rotate-token", "erin", token=guarded.tokens["alice"])  # not an admin: the edit stands
+    assert refused.returncode == 1 and "Not reloaded (PermissionDenied)" in refused.stdout
+    with connect(guarded.target, token=erin) as a:  # the old token until a reload
+        assert a.allocate_memory(16)
+
+
 def test_broken_config_on_sighup_keeps_the_old_tenants(guarded: BrokerProcess) -> None:
     guarded.config_path.write_text("[broker\n")
     assert guarded.process is not None

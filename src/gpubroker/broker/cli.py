@@ -16,6 +16,7 @@ from pathlib import Path
 from gpubroker import __version__
 from gpubroker.broker.admin_cli import TARGET_ENV, add_admin_parsers, human_size
 from gpubroker.broker.config import (
+    DEFAULT_SOCKET,
     BrokerConfig,
     TenantConfig,
     add_tenant_in_place,
@@ -47,7 +48,8 @@ __all__ = ["main"]
 audit = logging.getLogger("gpubroker.audit")
 
 # The modules of the `broker` extra (pyproject.toml): what a client-only install lacks.
-BROKER_MODULES = frozenset({"cryptography", "uvloop", "prometheus_client", "tomlkit", "pyseccomp", "grpc_reflection"})
+BROKER_MODULES = frozenset({"cryptography", "uvloop", "prometheus_client", "tomlkit", "pyseccomp", "grpc_reflection",
+                            "google.rpc"})
 
 
 def _existing_config(path: str) -> BrokerConfig:
@@ -147,11 +149,38 @@ def _cmd_tenant_add(args: argparse.Namespace) -> int:
     # In place: the operator's comments and layout stay as they were; only the new table is appended.
     path = add_tenant_in_place(args.config, tenant)
     audit.info("action=tenant-add tenant=%s config=%s admin=%s by=%s", args.name, path, args.admin, _who())
+    # The reload before the token, and the token whatever the reload did: the token is shown only now.
+    reloaded, status = _reload_after_edit(args, "serves it")
     print(f"added tenant {args.name!r} to {path} (memory {format_size(tenant.memory_quota)}, "
-          f"weight {args.weight}). A running broker serves it after a reload (SIGHUP, `systemctl reload "
-          f"gpubroker` or `gpubroker reload`).", end=" ")
+          f"weight {args.weight}). {reloaded}", end=" ")
     _give_token(token.token, args.token_file)
-    return 0
+    return status
+
+
+# What each edit of the tenants tells when nothing reloaded the broker.
+_RELOAD_HINT = ("A running broker {what} after a reload: `gpubroker reload` (an admin's token), SIGHUP or "
+                "`systemctl reload gpubroker`, or this command's --reload.")
+
+
+def _reload_after_edit(args: argparse.Namespace, what: str) -> tuple[str, int]:
+    """With --reload, the running broker at --target re-reads its tenants now, through its Admin service with the
+    admin token in GPUBROKER_TOKEN: what happened, for the operator, and the exit status it makes. The edit stands
+    either way (the first admin has no token yet: it comes by SIGHUP, docs/operator/tenants.md)."""
+    if not args.reload:
+        return _RELOAD_HINT.format(what=what), 0
+    token = os.environ.get("GPUBROKER_TOKEN", "")
+    if not token:
+        return ("Not reloaded: --reload needs an admin tenant's token in GPUBROKER_TOKEN. The first admin comes by "
+                "a signal instead: SIGHUP to the broker, or `systemctl reload gpubroker`."), 1
+    from gpubroker.client import AdminClient
+
+    try:
+        with AdminClient(args.target, token) as admin:
+            answer = admin.reload()
+    except GpuBrokerError as exc:
+        return f"Not reloaded ({type(exc).__name__}): {exc.message}", 1
+    return (f"The broker at {args.target} reloaded (added {list(answer.added)}, removed {list(answer.removed)}, "
+            f"changed {list(answer.changed)}, {answer.sessions_ended} sessions ended): it {what} now."), 0
 
 
 def _give_token(token: str, token_file: str | None) -> None:
@@ -186,10 +215,18 @@ def _cmd_tenant_rotate(args: argparse.Namespace) -> int:
     token = mint_token()
     path = rotate_token_in_place(args.config, args.name, token.token_id, token.token_hash)
     audit.info("action=tenant-rotate-token tenant=%s config=%s by=%s", args.name, path, _who())
-    print(f"new token for tenant {args.name!r} in {path}; the old one stops working when the broker reloads "
-          "(SIGHUP or `gpubroker reload`).", end=" ")
+    reloaded, status = _reload_after_edit(args, "takes the new token and refuses the old one")
+    print(f"new token for tenant {args.name!r} in {path}. {reloaded}", end=" ")
     _give_token(token.token, args.token_file)
-    return 0
+    return status
+
+
+def _reload_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--reload", action="store_true",
+                        help="then reload the running broker at --target (an admin's token in GPUBROKER_TOKEN); "
+                             "without it, the edit takes effect at the broker's next reload")
+    parser.add_argument("--target", default=os.environ.get(TARGET_ENV) or DEFAULT_SOCKET,
+                        help=f"the broker --reload reloads (default: the {TARGET_ENV} variable, else {DEFAULT_SOCKET})")
 
 
 def _who() -> str:
@@ -204,8 +241,9 @@ def _who() -> str:
 def _cmd_tenant_remove(args: argparse.Namespace) -> int:
     path = remove_tenant_in_place(args.config, args.name)
     audit.info("action=tenant-remove tenant=%s config=%s by=%s", args.name, path, _who())
-    print(f"removed tenant {args.name!r}")
-    return 0
+    reloaded, status = _reload_after_edit(args, "ends its sessions and refuses its token")
+    print(f"removed tenant {args.name!r} from {path}. {reloaded}")
+    return status
 
 
 def _cmd_certs_init(args: argparse.Namespace) -> int:
@@ -245,7 +283,8 @@ def _cmd_devices(args: argparse.Namespace) -> int:
         token = args.token or os.environ.get("GPUBROKER_TOKEN") or None
         devices = list_devices(args.target, token)
         kind = devices[0].backend if devices else "none"
-        sandbox = _remote_sandbox(args.target, token)
+        # (From the tenant's own ListDevices: an admin-only Status call would be refused, and audited, for most.)
+        sandbox = (devices[0].sandbox if devices else None) or "unknown (the broker does not say)"
         heading = f"broker {args.target}, backend: {kind}, sandbox: {sandbox}"
     else:
         from gpubroker.broker.front import probe_devices
@@ -282,19 +321,6 @@ def _local_sandbox(cfg: BrokerConfig, backend: str) -> str:
     except SandboxUnavailable as exc:
         return f"UNAVAILABLE ({exc})"
     return sandbox.description if not cfg.sandbox else "namespaces+seccomp (+cgroup where delegated)"
-
-
-def _remote_sandbox(target: str, token: str | None) -> str:
-    """What a running broker reports (its Status is for admin tenants only)."""
-    from gpubroker.client import AdminClient, PermissionDenied
-
-    if not token:
-        return "unknown (needs a token)"
-    try:
-        with AdminClient(target, token) as admin:
-            return admin.status().sandbox or "unknown"
-    except PermissionDenied:
-        return "unknown (shown to admin tenants only: see `gpubroker status`)"
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -390,6 +416,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="a quota of its own on one device, e.g. 1=16GiB (repeatable; others get --memory)")
     ta.add_argument("--token-file", metavar="PATH", help="write the token there (mode 0600) instead of printing it: "
                     "a script's `| tail -n 1 > FILE` would hide a failed add")
+    _reload_options(ta)
     ta.set_defaults(fn=_cmd_tenant_add)
     tl = t.add_parser("list", help="list tenants")
     tl.add_argument("--config", required=True)
@@ -398,11 +425,13 @@ def _parser() -> argparse.ArgumentParser:
     tr = t.add_parser("remove", help="remove a tenant")
     tr.add_argument("name")
     tr.add_argument("--config", required=True)
+    _reload_options(tr)
     tr.set_defaults(fn=_cmd_tenant_remove)
     tt = t.add_parser("rotate-token", help="replace a tenant's token and print the new one once")
     tt.add_argument("name")
     tt.add_argument("--config", required=True)
     tt.add_argument("--token-file", metavar="PATH", help="write the new token there (mode 0600) instead of printing it")
+    _reload_options(tt)
     tt.set_defaults(fn=_cmd_tenant_rotate)
 
     cfg_sub = sub.add_parser("config", help="a config file").add_subparsers(dest="config_cmd", required=True)
@@ -508,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if isinstance(exc, _RUNTIME_ERRORS) else 2
     except ModuleNotFoundError as exc:
         # A client-only install (`pip install gpubroker`) runs the client's commands; the broker's need its extra.
-        if (exc.name or "").partition(".")[0] not in BROKER_MODULES:
+        missing = exc.name or ""
+        if not any(missing == m or missing.startswith(m + ".") for m in BROKER_MODULES):
             raise
         print(f"gpubroker: error: `gpubroker {args.command}` needs the broker's dependencies ({exc.name} is not "
               f"installed): pip install 'gpubroker[broker]'", file=sys.stderr)

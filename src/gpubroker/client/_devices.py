@@ -31,7 +31,7 @@ def device_info_from_pb(msg: pb.DeviceInfo) -> DeviceInfo:
         memory_quota=msg.memory_quota if msg.HasField("memory_quota") else None,
         memory_used=msg.memory_used if msg.HasField("memory_used") else None,
         memory_available=msg.memory_available if msg.HasField("memory_available") else None,
-        health=msg.health or None, health_reason=msg.health_reason)
+        health=msg.health or None, health_reason=msg.health_reason, sandbox=msg.sandbox or None)
 
 
 def list_devices(target: str, token: str | None = None, *, tls: TlsOptions | None = None,

@@ -83,7 +83,7 @@ class ListDevicesResponse(_message.Message):
     def __init__(self, devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
-    __slots__ = ("id", "name", "vendor", "backend", "total_memory", "free_memory", "multiprocessor_count", "clock_mhz", "l2_cache_bytes", "unified_memory", "max_threads_per_block", "max_block_dims", "max_grid_dims", "compute_capability", "opencl_version", "driver_version", "memory_quota", "memory_used", "memory_available", "health", "health_reason")
+    __slots__ = ("id", "name", "vendor", "backend", "total_memory", "free_memory", "multiprocessor_count", "clock_mhz", "l2_cache_bytes", "unified_memory", "max_threads_per_block", "max_block_dims", "max_grid_dims", "compute_capability", "opencl_version", "driver_version", "memory_quota", "memory_used", "memory_available", "health", "health_reason", "sandbox")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VENDOR_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class DeviceInfo(_message.Message):
     MEMORY_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     HEALTH_REASON_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_FIELD_NUMBER: _ClassVar[int]
     id: int
     name: str
     vendor: str
@@ -126,7 +127,8 @@ class DeviceInfo(_message.Message):
     memory_available: int
     health: str
     health_reason: str
-    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., vendor: _Optional[str] = ..., backend: _Optional[str] = ..., total_memory: _Optional[int] = ..., free_memory: _Optional[int] = ..., multiprocessor_count: _Optional[int] = ..., clock_mhz: _Optional[int] = ..., l2_cache_bytes: _Optional[int] = ..., unified_memory: _Optional[bool] = ..., max_threads_per_block: _Optional[int] = ..., max_block_dims: _Optional[_Iterable[int]] = ..., max_grid_dims: _Optional[_Iterable[int]] = ..., compute_capability: _Optional[_Iterable[int]] = ..., opencl_version: _Optional[str] = ..., driver_version: _Optional[str] = ..., memory_quota: _Optional[int] = ..., memory_used: _Optional[int] = ..., memory_available: _Optional[int] = ..., health: _Optional[str] = ..., health_reason: _Optional[str] = ...) -> None: ...
+    sandbox: str
+    def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., vendor: _Optional[str] = ..., backend: _Optional[str] = ..., total_memory: _Optional[int] = ..., free_memory: _Optional[int] = ..., multiprocessor_count: _Optional[int] = ..., clock_mhz: _Optional[int] = ..., l2_cache_bytes: _Optional[int] = ..., unified_memory: _Optional[bool] = ..., max_threads_per_block: _Optional[int] = ..., max_block_dims: _Optional[_Iterable[int]] = ..., max_grid_dims: _Optional[_Iterable[int]] = ..., compute_capability: _Optional[_Iterable[int]] = ..., opencl_version: _Optional[str] = ..., driver_version: _Optional[str] = ..., memory_quota: _Optional[int] = ..., memory_used: _Optional[int] = ..., memory_available: _Optional[int] = ..., health: _Optional[str] = ..., health_reason: _Optional[str] = ..., sandbox: _Optional[str] = ...) -> None: ...
 
 class BufferHandle(_message.Message):
     __slots__ = ("handle", "size")

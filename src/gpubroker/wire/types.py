@@ -105,6 +105,9 @@ class DeviceInfo:
     sessions already open go on."""
     health_reason: str = ""
     """Why the device is not serving; empty while it serves."""
+    sandbox: str | None = None
+    """How the broker sandboxes the worker that runs the tenant's sessions here (`"namespaces+seccomp+cgroup"`,
+    ...; broker only)."""
 
 
 def _count(value: Any, what: str, high: int = 1 << 63) -> int:

@@ -224,7 +224,8 @@ class Broker:
         describe_bound(cfg, backend, self.memory_watch)
         self._apply_weights()
         self.auth = Authenticator(cfg)
-        self.service = service = GpuBrokerService(cfg, self.auth, self.sessions, devices, self.schedulers)
+        self.service = service = GpuBrokerService(cfg, self.auth, self.sessions, devices, self.schedulers,
+                                                     sandbox.description)
         self.server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),

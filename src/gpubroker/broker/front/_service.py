@@ -240,6 +240,7 @@ def device_info_to_pb(info: DeviceInfo) -> pb.DeviceInfo:
     fields["compute_capability"] = list(info.compute_capability or ())
     fields["opencl_version"] = info.opencl_version or ""
     fields["health"] = info.health or ""
+    fields["sandbox"] = info.sandbox or ""
     for key in ("memory_quota", "memory_used", "memory_available"):
         if fields[key] is None:
             del fields[key]
@@ -248,8 +249,9 @@ def device_info_to_pb(info: DeviceInfo) -> pb.DeviceInfo:
 
 class GpuBrokerService(pb_grpc.GpuBrokerServicer):
     def __init__(self, config: BrokerConfig, auth: Authenticator, sessions: SessionManager,
-                 devices: list[DeviceInfo], schedulers: dict[int, DeviceScheduler]) -> None:
+                 devices: list[DeviceInfo], schedulers: dict[int, DeviceScheduler], sandbox: str = "") -> None:
         self.config = config
+        self.sandbox = sandbox  # how workers are sandboxed, told to every tenant with its devices
         self.auth = auth
         self.sessions = sessions
         self.devices = devices
@@ -307,6 +309,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         if self.sessions.draining:
             problem = "the broker is draining"
         view.health, view.health_reason = ("NOT_SERVING", problem) if problem else ("SERVING", "")
+        view.sandbox = self.sandbox
         return view
 
     # -- sessions ----------------------------------------------------------------------------------

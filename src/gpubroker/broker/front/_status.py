@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeAlias, TypeVar
 import grpc
 import msgspec
 
+from gpubroker.broker.front._error_details import DETAILS_TRAILER, rich_status
 from gpubroker.broker.front._grpc_peers import grpc_authenticated, grpc_peer, over_call_rate
 from gpubroker.broker.front._metrics import observe_rpc
 from gpubroker.broker.front._sessions import Session, SessionManager, out_of_descriptors
@@ -216,8 +217,13 @@ Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 async def abort_with(context: Context, exc: GpuBrokerError) -> None:
     # The status says the code and the message; the trailer, the WireError's class and details (its message left
     # empty: the status has it, and a trailer has little room).
+    # Beside it, the standard google.rpc.Status that other gRPC clients read (_error_details.py).
     trailer = encode(msgspec.structs.replace(exc.as_wire(), message=""))
-    await context.abort(grpc.StatusCode[exc.code], exc.message, trailing_metadata=((ERROR_TRAILER, trailer),))
+    trailers: tuple[tuple[str, bytes], ...] = ((ERROR_TRAILER, trailer),)
+    rich = rich_status(exc)
+    if rich is not None:
+        trailers += ((DETAILS_TRAILER, rich),)
+    await context.abort(grpc.StatusCode[exc.code], exc.message, trailing_metadata=trailers)
 
 
 def principal_of(auth: Authenticator, context: Context) -> Principal:
