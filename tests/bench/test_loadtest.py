@@ -1,4 +1,5 @@
-"""`gpubroker loadtest`: mix assignment, local-only targets, verified workloads, and real runs on PoCL."""
+"""`gpubroker loadtest`: mix assignment, local targets (remote ones over TLS), verified workloads, and real runs on
+PoCL."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 from gpubroker.broker import cli
 from gpubroker.broker.backends import open_backend
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.client import InvalidArgument
+from gpubroker.broker.config import TlsConfig
+from gpubroker.client import InvalidArgument, TlsOptions
 from gpubroker.loadtest import (
     LoadTestConfig,
     WorkloadSpec,
@@ -37,13 +39,26 @@ def test_mix_is_round_robin_or_weighted() -> None:
             assign_workloads(bad, 3)
 
 
-def test_only_local_targets_are_accepted() -> None:
+def test_local_targets_are_accepted_and_remote_ones_only_over_tls() -> None:
     for ok in ("unix:/run/gpubroker.sock", "127.0.0.1:7070", "127.8.9.10:1", "[::1]:7070", "localhost:7070"):
         assert check_target(ok) == ok
-    for bad in ("10.0.0.5:7070", "example.org:7070", "[2001:db8::1]:7070", "0.0.0.0:7070", "unix:",
-                "127.0.0.1", "127.0.0.1:0", "dns:///localhost:7070", "vsock:2:7070"):
-        with pytest.raises(InvalidArgument, match=r"Unix socket .* or a loopback address"):
+    remote = ("10.0.0.5:7070", "example.org:7070", "[2001:db8::1]:7070")
+    for bad in (*remote, "0.0.0.0:7070", "unix:", "127.0.0.1", "127.0.0.1:0", "dns:///localhost:7070",
+                "vsock:2:7070"):
+        with pytest.raises(InvalidArgument, match=r"Unix socket .* or a loopback address.*with --tls-ca"):
             check_target(bad)
+    for ok in remote:
+        assert check_target(ok, remote=True) == ok
+    for bad in ("0.0.0.0:7070", "example.org:0"):
+        with pytest.raises(InvalidArgument):
+            check_target(bad, remote=True)
+    with pytest.raises(InvalidArgument, match="--tls-ca"):
+        LoadTestConfig(target="gpu-host.example:7070", tokens_file="t.json").check()
+    LoadTestConfig(target="gpu-host.example:7070", tokens_file="t.json", tls_ca="ca.pem").check()
+    with pytest.raises(InvalidArgument, match="host:port --target"):
+        LoadTestConfig(target="unix:/run/gpubroker.sock", tokens_file="t.json", tls_ca="ca.pem").check()
+    with pytest.raises(InvalidArgument, match="go together"):
+        LoadTestConfig(target="gpu-host.example:7070", tokens_file="t.json", tls_ca="ca.pem", tls_cert="c.pem").check()
 
 
 def test_workloads_check_what_the_device_computed() -> None:
@@ -97,14 +112,18 @@ def test_loadtest_command_runs_mixed_tenants_on_pocl(tmp_path: Path, capsys: pyt
     assert any(p["tenants"]["t03"].get("share") is not None for p in timeline)
 
 
-def test_loadtest_against_a_running_broker_counts_a_tenant_that_fails(tmp_path: Path) -> None:
+def test_loadtest_against_a_running_broker_counts_a_tenant_that_fails(
+        tmp_path: Path, server_tls: tuple[TlsConfig, TlsOptions]) -> None:
+    """Against a running broker over TCP with TLS, as a remote one is reached (its CA given): the tenants' processes,
+    the calibration and the admin's usage all take the TLS options."""
     specs = [TenantSpec("ops", admin=True), TenantSpec("good"), TenantSpec("stale")]
-    with BrokerProcess(specs, backend="opencl", tcp=["127.0.0.1:0"]) as broker:
+    with BrokerProcess(specs, backend="opencl", tcp=["127.0.0.1:0"], settings={"tls": server_tls[0]}) as broker:
         tokens = tmp_path / "tokens.json"
         tokens.write_text(json.dumps({"ops": broker.tokens["ops"], "good": broker.tokens["good"],
                                       "stale": broker.tokens["good"][:-4] + "AAAA"}))
         config = LoadTestConfig(tenants=2, duration=1.5, mix="sync", target=broker.tcp_target,
-                                tokens_file=str(tokens), admin_tenant="ops", out=str(tmp_path / "run.json"))
+                                tokens_file=str(tokens), admin_tenant="ops", out=str(tmp_path / "run.json"),
+                                tls_ca=str(server_tls[1].ca_file))
         code, report = loadtest(config)
     assert code == 1  # any tenant's error fails the run
     assert report["broker"]["embedded"] is False and report["broker"]["target"] == broker.tcp_target

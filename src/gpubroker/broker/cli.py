@@ -354,6 +354,7 @@ def _cmd_loadtest(args: argparse.Namespace) -> int:
 
     config = LoadTestConfig(tenants=args.tenants, duration=args.duration, mix=args.mix, backend=args.backend,
                             target=args.target, tokens_file=args.tokens, admin_tenant=args.admin_tenant,
+                            tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                             device=args.device, max_ops=args.max_ops, long_ms=args.long_ms,
                             copy_bytes=parse_size(args.copy_size), out=args.out, png=args.png)
     return loadtest(config)[0]
@@ -493,7 +494,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (--backend, --out, ...)")
     b.set_defaults(fn=_cmd_bench)
 
-    lt = sub.add_parser("loadtest", help="many tenants with mixed workloads against a broker (embedded, or a local "
+    lt = sub.add_parser("loadtest", help="many tenants with mixed workloads against a broker (embedded, or a "
                         "--target): live progress, a per-tenant table, JSON and a PNG; exit 1 on any error")
     lt.add_argument("--tenants", type=int, default=4, help="tenants, one process each (default 4, at most 64)")
     lt.add_argument("--duration", type=float, default=10.0, help="seconds of load (default 10, at most 3600)")
@@ -501,7 +502,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="workloads given to tenants round-robin (a,b,c) or by weight (a=3,b=1): copies, short, "
                     "long, sync, async (default: all five)")
     lt.add_argument("--backend", choices=["auto", "cuda", "opencl"], default="auto", help="the embedded broker's")
-    lt.add_argument("--target", help="a running broker instead: unix:PATH or a loopback HOST:PORT (nothing else)")
+    lt.add_argument("--target", help="a running broker instead: unix:PATH, a loopback HOST:PORT, or a remote "
+                    "HOST:PORT with --tls-ca")
+    lt.add_argument("--tls-ca", metavar="PEM", help="TLS to a HOST:PORT target: the CA of the broker's certificate")
+    lt.add_argument("--tls-cert", metavar="PEM", help="with --tls-key: a client certificate (mTLS)")
+    lt.add_argument("--tls-key", metavar="PEM", help="the client certificate's key")
     lt.add_argument("--tokens", help="with --target: JSON object of tenant name -> token, with the admin tenant's")
     lt.add_argument("--admin-tenant", default="admin", help="the admin tenant in --tokens, for usage (default admin)")
     lt.add_argument("--device", type=int, default=0, help="device index (default 0)")

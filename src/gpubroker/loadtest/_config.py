@@ -1,4 +1,5 @@
-"""Load-test settings and their checks: the mix of workloads, the target (local only) and the tokens file."""
+"""Load-test settings and their checks: the mix of workloads, the target (local, or remote over TLS) and the tokens
+file."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpubroker.client import InvalidArgument
+from gpubroker.client import InvalidArgument, TlsOptions
 from gpubroker.loadtest._workloads import WORKLOADS
 from gpubroker.wire.addresses import AddressError, parse_host_port, unix_path
 
@@ -24,6 +25,9 @@ class LoadTestConfig:
     mix: str = ",".join(WORKLOADS)
     backend: str = "auto"  # the embedded broker's; ignored with a target
     target: str | None = None  # a running broker (unix:/path or a loopback host:port) instead of an embedded one
+    tls_ca: str | None = None  # TLS to a host:port target: the CA of the broker's certificate (a remote one needs it)
+    tls_cert: str | None = None  # with tls_key: a client certificate, for a broker that requires one (mTLS)
+    tls_key: str | None = None
     tokens_file: str | None = None  # with target: JSON {tenant: token}, including the admin tenant's
     admin_tenant: str = "admin"
     device: int = 0
@@ -47,11 +51,22 @@ class LoadTestConfig:
             raise InvalidArgument(f"--long-ms must be more than 0 and at most 1000, not {self.long_ms:g}")
         if not 16 <= self.copy_bytes <= 1 << 30:
             raise InvalidArgument(f"--copy-bytes must be 16 B to 1 GiB, not {self.copy_bytes}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise InvalidArgument("--tls-cert and --tls-key go together (a client certificate and its key)")
+        if self.tls is not None and (self.target is None or unix_path(self.target) is not None):
+            raise InvalidArgument("--tls-ca, --tls-cert and --tls-key are for a host:port --target")
         if self.target is not None:
-            check_target(self.target)
+            check_target(self.target, remote=self.tls_ca is not None)
             if not self.tokens_file:
                 raise InvalidArgument("--target needs --tokens FILE (JSON: tenant name -> token)")
         assign_workloads(self.mix, self.tenants)
+
+    @property
+    def tls(self) -> TlsOptions | None:
+        """The TLS options for a host:port target, if any were given."""
+        if self.tls_ca is None and self.tls_cert is None:
+            return None
+        return TlsOptions(ca_file=self.tls_ca, cert_file=self.tls_cert, key_file=self.tls_key)
 
     @property
     def png_path(self) -> str:
@@ -95,10 +110,11 @@ def assign_workloads(mix: str, tenants: int) -> list[str]:
     return order
 
 
-def check_target(target: str) -> str:
-    """``target`` if it is a Unix socket or a loopback TCP address; a load test never leaves the host."""
+def check_target(target: str, remote: bool = False) -> str:
+    """``target`` if it is a Unix socket or a loopback TCP address, or with ``remote`` (TLS given, so the tokens
+    travel encrypted, to the broker the CA vouches for) any ``host:port``."""
     hint = ("loadtest targets must be a Unix socket (unix:/path) or a loopback address "
-            f"(127.0.0.1:PORT, [::1]:PORT, localhost:PORT), not {target!r}")
+            f"(127.0.0.1:PORT, [::1]:PORT, localhost:PORT), or a remote HOST:PORT with --tls-ca, not {target!r}")
     path = unix_path(target)
     if path is not None:
         if not path.lstrip("/"):
@@ -111,7 +127,7 @@ def check_target(target: str) -> str:
     host = address.host
     if address.port == 0:
         raise InvalidArgument(hint)
-    if host == "localhost":
+    if host == "localhost" or (remote and host not in ("0.0.0.0", "::")):
         return target
     try:
         loopback = ipaddress.ip_address(host).is_loopback

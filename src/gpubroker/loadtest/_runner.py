@@ -14,7 +14,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from gpubroker.broker import samples
-from gpubroker.client import GpuBrokerError
+from gpubroker.client import GpuBrokerError, TlsOptions
 from gpubroker.loadtest._config import LoadTestConfig, assign_workloads, load_tokens
 from gpubroker.loadtest._progress import Progress
 from gpubroker.loadtest._tenant import TenantJob, TenantSample, run_tenant
@@ -72,12 +72,12 @@ class RawRun:
     elapsed: float = 0.0
 
 
-def _probe_and_calibrate(target: str, token: str, device: int,
-                         long_ms: float | None) -> tuple[str, str, dict[str, Any]]:
+def _probe_and_calibrate(target: str, token: str, device: int, long_ms: float | None,
+                         tls: TlsOptions | None) -> tuple[str, str, dict[str, Any]]:
     """The broker's backend and device name, and spin iterations taking about ``long_ms`` there (with the result)."""
     from gpubroker.client import connect
 
-    with connect(target, token=token, device=device) as gpu:
+    with connect(target, token=token, device=device, tls=tls) as gpu:
         info = gpu.device_info()
         if long_ms is None:
             return info.backend, info.name, {}
@@ -106,13 +106,13 @@ def _probe_and_calibrate(target: str, token: str, device: int,
 class _Usage:
     """The Admin Usage RPC, reduced to device seconds per tenant on one device; None when unavailable."""
 
-    def __init__(self, target: str, token: str | None, device: int) -> None:
+    def __init__(self, target: str, token: str | None, device: int, tls: TlsOptions | None) -> None:
         self.device = device
         self.client: Any = None
         if token:
             from gpubroker.client import AdminClient
 
-            self.client = AdminClient(target, token, timeout=10.0)
+            self.client = AdminClient(target, token, timeout=10.0, tls=tls)
         self.last: Any = None
 
     def read(self) -> dict[str, float] | None:
@@ -168,7 +168,7 @@ def _run_tenants(config: LoadTestConfig, run: RawRun, tokens: dict[str, str], us
     for tenant, state in states.items():
         job = TenantJob(tenant, tokens[tenant], run.target, config.device,
                         WorkloadSpec(state.workload, copy_bytes=config.copy_bytes, **spec_args),
-                        config.duration, config.max_ops, setup_timeout=config.setup_timeout)
+                        config.duration, config.max_ops, setup_timeout=config.setup_timeout, tls=config.tls)
         procs[tenant] = ctx.Process(target=run_tenant, args=(job, q, go, stop), name=f"loadtest-{tenant}",
                                     daemon=True)
     try:
@@ -273,13 +273,13 @@ def run_loadtest(config: LoadTestConfig, stream: TextIO | None = None) -> RawRun
             if admin_token is None:
                 progress.message(f"no {config.admin_tenant!r} token in {config.tokens_file}: "
                                  "device-time shares are not measured")
-        usage = _Usage(target, admin_token, config.device)
+        usage = _Usage(target, admin_token, config.device, config.tls)
         stack.callback(usage.close)
         long_ms = config.long_ms if "long" in workloads else None
         if long_ms is not None:
             progress.message(f"calibrating the long kernel to {long_ms:g} ms")
         backend, device_name, calibration = _probe_and_calibrate(
-            target, admin_token or next(iter(tokens.values())), config.device, long_ms)
+            target, admin_token or next(iter(tokens.values())), config.device, long_ms, config.tls)
         states = {t: TenantState(t, w) for t, w in zip(tokens, workloads, strict=True)}
         run = RawRun(config, target, embedded, backend, device_name,
                      datetime.now(UTC).isoformat(timespec="seconds"), calibration, states)

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpubroker.client import TlsOptions
 from gpubroker.loadtest._workloads import WorkloadSpec, WrongResult, make_workload
 
 __all__ = ["TenantJob", "TenantSample", "run_tenant"]
@@ -29,6 +30,7 @@ class TenantJob:
     max_ops: int
     setup_timeout: float = 120.0
     sample_period: float = 0.2
+    tls: TlsOptions | None = None  # for a host:port target over TLS
 
 
 @dataclass
@@ -60,7 +62,8 @@ def run_tenant(job: TenantJob, queue: Any, go: Any, stop: Any) -> None:
 
     try:
         workload = make_workload(job.workload)
-        with connect(job.target, token=job.token, device=job.device, async_commands=workload.async_commands) as gpu:
+        with connect(job.target, token=job.token, device=job.device, async_commands=workload.async_commands,
+                     tls=job.tls) as gpu:
             workload.setup(gpu)
             queue.put(("ready", job.tenant))
             if not go.wait(job.setup_timeout):
