@@ -12,8 +12,8 @@ import pytest
 
 from gpubroker.broker import cli
 from gpubroker.broker.backends import open_backend
-from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.broker.config import TlsConfig
+from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import InvalidArgument, TlsOptions
 from gpubroker.loadtest import (
     LoadTestConfig,

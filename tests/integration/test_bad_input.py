@@ -20,6 +20,7 @@ from gpubroker.client import (
     ResourceExhausted,
     Unauthenticated,
     connect,
+    list_devices,
 )
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
@@ -73,6 +74,13 @@ def test_unknown_session_and_handles_are_not_found(gpu: RemoteGpu, stub, broker:
         gpu.execute_kernel(Kernel("krn_invented", "x"), 1, 1, [])
     with pytest.raises(NotFound):
         gpu.synchronize(Stream("str_invented"))
+
+
+def test_a_device_the_broker_lacks_says_which_it_has(broker: BrokerProcess) -> None:
+    count = len(list_devices(broker.target, broker.tokens["bob"]))
+    with pytest.raises(NotFound, match=rf"no device {count + 6}: this broker serves {count} \(device=0 to "
+                                       rf"{count - 1}; list_devices\(\)"):
+        connect(broker.target, token=broker.tokens["bob"], device=count + 6)
 
 
 def test_free_twice(gpu: RemoteGpu) -> None:

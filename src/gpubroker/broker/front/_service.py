@@ -318,7 +318,8 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         principal = principal_of(self.auth, context)
         tenant = principal.tenant
         if not request.any_device and request.device >= len(self.devices):
-            raise NotFound(f"no device {request.device}; this broker serves {len(self.devices)}")
+            raise NotFound(f"no device {request.device}: this broker serves {len(self.devices)} (device=0 to "
+                           f"{len(self.devices) - 1}; list_devices() or `gpubroker devices --target ...` lists them)")
         session = await self.sessions.open(tenant, None if request.any_device else request.device)
         try:
             self.credentials.used(session.worker, principal)  # (revoked while the worker started: no session)
