@@ -5,6 +5,7 @@ ended says why to its client's next call."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import pytest
 
 from gpubroker.broker import samples
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.client import DeadlineExceeded, RemoteGpu, connect
+from gpubroker.client import DeadlineExceeded, GpuBrokerError, RemoteGpu, connect
 from gpubroker.client._channel import make_channel
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
@@ -36,6 +37,8 @@ def _spin(gpu: RemoteGpu, backend: str) -> tuple[object, object]:
 
 def _iterations_for(gpu: RemoteGpu, kernel: object, buf: object, seconds: float) -> int:
     """Iterations of one spin that take about ``seconds`` on this device (measured, then scaled)."""
+    gpu.execute_kernel(kernel, 1, 1, [buf, np.int64(1)])  # type: ignore[arg-type]
+    gpu.synchronize()  # (the first launch builds the kernel for the device: it must not be measured)
     iters = 1 << 20
     while True:
         start = time.monotonic()
@@ -112,6 +115,68 @@ def test_leaving_a_with_block_by_ctrl_c_abandons_the_work(cancel_broker: BrokerP
         raise KeyboardInterrupt  # as Ctrl-C in a synchronize() that waits for it
     assert time.monotonic() - start < 10.0  # (before: the close waited for the kernel)
     with connect(cancel_broker.target, token=cancel_broker.tokens["bob"]) as again:
+        kernel, buf = _spin(again, backend)
+        _works(again, kernel, buf)
+
+
+def test_ctrl_c_in_a_scripts_wait_abandons_the_work_and_spares_the_other_tenants(cancel_broker: BrokerProcess,
+                                                                                   backend: str) -> None:
+    """A script (no `with` block) waits in synchronize() for a kernel that would run for days; Ctrl-C (a real
+    SIGINT) abandons the work before the KeyboardInterrupt ends the script, so the tenant's next session is served
+    at once, and another tenant's session, open all along, goes on as before."""
+    with connect(cancel_broker.target, token=cancel_broker.tokens["bob"]) as bob:
+        bob_kernel, bob_buf = _spin(bob, backend)
+        _works(bob, bob_kernel, bob_buf)
+        child = subprocess.Popen([sys.executable, CLIENT, cancel_broker.target, cancel_broker.tokens["alice"], "spin"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline() == b"waiting\n"
+            # Ctrl-C once its main thread waits in the synchronize (blocked in poll: the ring's wait for the ack),
+            # not before it got there.
+            wait_for(lambda: "poll" in Path(f"/proc/{child.pid}/wchan").read_text(), 30,
+                     "the script to wait in synchronize()")
+            child.send_signal(signal.SIGINT)
+            _, err = child.communicate(timeout=30)
+        finally:
+            child.kill()
+        assert b"KeyboardInterrupt" in err, err.decode(errors="replace")[-2000:]
+        start = time.monotonic()
+        with connect(cancel_broker.target, token=cancel_broker.tokens["alice"]) as again:
+            mem = again.allocate_memory(64)
+            again.memset(mem, 1)
+            out = bytearray(64)
+            again.copy_d2h(mem, out)  # served: a fresh worker, nothing to wait behind
+            took = time.monotonic() - start
+            assert out == b"\x01" * 64 and took < 2.0, f"the next session was served after {took:.2f} s"
+            kernel, buf = _spin(again, backend)
+            _works(again, kernel, buf)
+        _works(bob, bob_kernel, bob_buf)  # the other tenant's session and worker were never touched
+
+
+def test_a_killed_script_s_work_does_not_hold_up_its_rerun(cancel_broker: BrokerProcess, backend: str) -> None:
+    """A script killed in the middle of an endless kernel (SIGKILL: no cancel) and run again at once: the rerun's
+    session shares the tenant's worker, behind the kernel, until the dead client's lease expires; then the
+    abandoned work is stopped with the worker (an expiry spares no session of the tenant there: they would all
+    wait for the kernel), the rerun is told why, and its next session is served."""
+    token = cancel_broker.tokens["alice"]
+    child = subprocess.Popen([sys.executable, CLIENT, cancel_broker.target, token, "spin"], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"waiting\n"
+        wait_for(lambda: "poll" in Path(f"/proc/{child.pid}/wchan").read_text(), 30, "the kernel to run")
+    finally:
+        child.kill()
+        child.wait()
+    start = time.monotonic()
+    # (the open itself may be what fails: the worker answers it behind the kernel)
+    with pytest.raises(GpuBrokerError, match=r"expired \(no heartbeat from its client\) while its work ran; the "
+                                             r"worker was stopped") as stopped, \
+            connect(cancel_broker.target, token=token) as rerun:
+        rerun.allocate_memory(64)
+        rerun.synchronize(timeout=60)
+    assert time.monotonic() - start < 30, "the rerun waited for more than the lease (2 s) and the grace (1 s)"
+    assert not isinstance(stopped.value, DeadlineExceeded)
+    with connect(cancel_broker.target, token=token) as again:
         kernel, buf = _spin(again, backend)
         _works(again, kernel, buf)
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
 import msgspec
@@ -73,6 +74,25 @@ from gpubroker.wire.types import (
 )
 
 __all__ = ["RemoteGpu"]
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _abandons_on_interrupt(wait: Callable[Concatenate[RemoteGpu, P], R]) -> Callable[Concatenate[RemoteGpu, P], R]:
+    """A wait that Ctrl-C interrupts abandons the session's work, as `cancel()` does, before the KeyboardInterrupt
+    goes on: whatever the program does next (exits, or a notebook's next cell), the work does not keep the tenant's
+    worker busy, and the tenant's next session does not wait behind it. (The transport may also be mid-frame then:
+    the session could not go on anyway.)"""
+    @functools.wraps(wait)
+    def interruptible(self: RemoteGpu, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return wait(self, *args, **kwargs)
+        except KeyboardInterrupt:
+            self.cancel()
+            raise
+    return interruptible
 
 
 class RemoteGpu:
@@ -361,6 +381,7 @@ class RemoteGpu:
             raise FailedPrecondition("host_array needs shared memory; this RemoteGpu has shared_memory=False")
         return self._shm.host_array(shape, dtype)
 
+    @_abandons_on_interrupt
     def copy_h2d(self, src: Any, buf: Buffer, offset: int = 0, stream: Stream | None = None) -> None:
         """Copy host memory to the device; always a round trip, also with `async_commands`. On a `unix:` target a
         `host_array` (or any host buffer of 256 KiB or more, through a staging segment) goes through shared
@@ -382,6 +403,7 @@ class RemoteGpu:
         check_device_range(buf, offset, data.nbytes, "copy_h2d")
         transport.copy_in(ref, offset, data, where, self.chunk_bytes)
 
+    @_abandons_on_interrupt
     def copy_d2h(self, buf: Buffer, dst: Any, offset: int = 0, stream: Stream | None = None) -> None:
         """Copy device memory to the host; always a round trip, through shared memory where `copy_h2d` would go.
         See [GpuCompute.copy_d2h][gpubroker.client.GpuCompute.copy_d2h].
@@ -543,6 +565,7 @@ class RemoteGpu:
             raise Unimplemented(f"the torch operator {op.name!r:.140} is not on the broker's allowlist")
         self.transport.submit(op)
 
+    @_abandons_on_interrupt
     def torch_op_sync(self, op: TorchOpSync) -> OpResult:
         """Run one PyTorch operator and wait for what it returned. See
         [GpuCompute.torch_op_sync][gpubroker.client.GpuCompute.torch_op_sync].
@@ -584,6 +607,7 @@ class RemoteGpu:
         """
         self.transport.submit(TorchToBuffer(_handle(handle, "tensor"), _ref(buf), _stream(stream)))
 
+    @_abandons_on_interrupt
     def torch_read(self, handle: str, stream: Stream | None = None) -> bytes:
         """A small tensor's elements, at once (waits). See
         [GpuCompute.torch_read][gpubroker.client.GpuCompute.torch_read].
@@ -637,6 +661,7 @@ class RemoteGpu:
         """
         self.transport.call(DestroyStream(_stream_ref(stream)))
 
+    @_abandons_on_interrupt
     def synchronize(self, stream: Stream | None = None, *, timeout: float | None = None) -> None:
         """Wait for the device: one round trip carrying whatever is still queued. See
         [GpuCompute.synchronize][gpubroker.client.GpuCompute.synchronize].
@@ -648,6 +673,8 @@ class RemoteGpu:
         Raises:
             DeadlineExceeded: The work did not finish within ``timeout``. It goes on running and the session stays
                 usable: wait again (with a longer timeout), or `cancel()` to abandon it.
+            KeyboardInterrupt: Ctrl-C during the wait: the session's work is abandoned and the session ended first,
+                as by `cancel()` (so in a notebook, an interrupted wait ends the session: open a new one).
         """
         # One round trip carrying what is queued and the sync; an asynchronous command's error surfaces here.
         self.transport.call(Synchronize(_stream(stream)), _timeout(timeout))
@@ -684,6 +711,7 @@ class RemoteGpu:
         """
         self._command(WaitEvent(_event_ref(event), _stream(stream)))
 
+    @_abandons_on_interrupt
     def synchronize_event(self, event: Event, *, timeout: float | None = None) -> None:
         """Wait on the host for an event; always a round trip.
         See [GpuCompute.synchronize_event][gpubroker.client.GpuCompute.synchronize_event].

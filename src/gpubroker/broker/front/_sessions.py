@@ -131,6 +131,9 @@ class SessionManager:
         self.reserved: dict[str, int] = {}
         # Called as a session ends, before its worker frees its memory (CopyPeer's caches let go of it there).
         self.closing_hooks: list[Callable[[Session], Awaitable[None]]] = []
+        # What abandons a session's work when its client is gone (the service's, as for a cancel): called with the
+        # session and what happened to it ("expired (...)"), before its close.
+        self.abandon: Callable[[Session, str], Awaitable[None]] | None = None
         # What each tenant's worker on each device reports it uses, clamped to [0, quota] (more than a quota lowered
         # by a reload, allocated before it): placement, views, metrics and admin read it. The worker keeps the
         # quota's accounts; one reporting more than the highest quota it was given is killed
@@ -305,8 +308,10 @@ class SessionManager:
             self.idle.set()
         return True
 
-    async def _end(self, session: Session, reason: str) -> None:
+    async def _end(self, session: Session, reason: str, abandon: bool = False) -> None:
         try:
+            if abandon and self.abandon is not None:
+                await self.abandon(session, "expired (no heartbeat from its client)")
             await self._closed(session, reason)
         except Exception:  # (nobody awaits it: said here, once)
             log.exception("closing session %s of tenant %s failed", session.id, session.tenant)
@@ -328,15 +333,16 @@ class SessionManager:
                                session.id, session.tenant, reason,
                                extra={"session": session.id, "tenant": session.tenant, "device": session.device})
 
-    def end(self, session: Session, reason: str) -> asyncio.Task[None] | None:
+    def end(self, session: Session, reason: str, abandon: bool = False) -> asyncio.Task[None] | None:
         """End the session on behalf of someone other than its client (the lease reaper, an admin, a drain, the
         broker's stop): it leaves the sessions, and its tenant's count, at once; its worker is asked to close it in
         a task of its own, so that a worker that does not answer (its tenant's kernel may hold it for as long as it
         likes) holds up nothing but that close. Until the worker answers (or dies), what the session mapped stays
-        counted against its own tenant. The task, or None if the session had already ended."""
+        counted against its own tenant. The task, or None if the session had already ended. With ``abandon`` (its
+        client is gone: an expired lease), its work is abandoned first as a cancel's is (``abandon``)."""
         if not self._remove(session, reason):
             return None
-        task = asyncio.create_task(self._end(session, reason), name=f"close-{session.id}")
+        task = asyncio.create_task(self._end(session, reason, abandon), name=f"close-{session.id}")
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
         return task
@@ -382,9 +388,11 @@ class SessionManager:
             for session in list(self.sessions.values()):
                 if now - session.last_seen > session.lease_seconds:
                     # (in a task of its own: a worker held in its tenant's kernel never stops the reaping of others)
+                    # (its client is gone: whatever it left running is abandoned, as by a cancel, so that the
+                    # tenant's next session does not wait behind it)
                     self.end(session, reason=f"expired: no heartbeat from its client within its "
                                              f"{session.lease_seconds:g} s lease (the client process stopped, was "
-                                             "suspended, or lost the broker)")
+                                             "suspended, or lost the broker)", abandon=True)
             busy = {(s.tenant, s.device) for s in self.sessions.values() if s.lost is None}
             self.pool.reap_idle(busy)
 

@@ -250,8 +250,8 @@ class WorkerPool:
     def _charge(self, worker: WorkerClient, blame: str | None) -> None:
         worker.blame = blame
         if blame is None:
-            how = ("retired: a credential it served was revoked" if worker.retired else "stopped" if worker.stopping
-                   else "stopped by a signal while the broker drains")
+            how = (f"retired: {worker.fault.message}" if worker.retired and worker.fault is not None
+                   else "stopped" if worker.stopping else "stopped by a signal while the broker drains")
             log.info("worker for tenant %s on device %d ended: no failure (%s)", worker.tenant, worker.device, how)
             return
         self._count_restart((worker.tenant, worker.device))
@@ -309,8 +309,8 @@ class WorkerPool:
 
     def retire(self, worker: WorkerClient, fault: GpuBrokerError) -> None:
         """Kill a worker, now and without awaiting, because a credential it served was revoked (a reload runs this:
-        WorkerCredentials). Its calls fail with ``fault``; its death is nobody's failure; the tenant's next session
-        gets a fresh worker."""
+        WorkerCredentials), or its session's work was abandoned (a cancel, an expired lease). Its calls fail with
+        ``fault``; its death is nobody's failure; the tenant's next session gets a fresh worker."""
         key = (worker.tenant, worker.device)
         if self._workers.get(key) is worker:
             del self._workers[key]
