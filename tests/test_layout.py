@@ -232,3 +232,39 @@ def test_dev_help_lists_every_command_and_nothing_else() -> None:
     listed = set(re.findall(r"^  \./dev ([a-z-]+)", result.stdout, re.MULTILINE))
     assert listed == commands | {"help"}, listed ^ (commands | {"help"})
     assert subprocess.run([str(ROOT / "dev"), "no-such-command"], capture_output=True, timeout=30).returncode == 2
+
+
+def test_a_client_only_virtualenv_installs_runs_and_type_checks(wheel: zipfile.ZipFile, tmp_path: Path) -> None:
+    """`pip install gpubroker` into a fresh virtualenv, as a user's: none of the broker's dependencies come with it,
+    the SDK imports, the CLI's client commands run (and the broker's say which extra they need), and mypy --strict
+    there reads the package's annotations (py.typed) and catches a misspelt option."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = str(venv / "bin" / "python")
+    # (pip's cache already holds these dependencies: ./dev test installed them a moment ago)
+    installed = subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", wheel.filename,
+                                "mypy"], capture_output=True, text=True, timeout=900)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    listed = subprocess.run([python, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True,
+                            check=True, timeout=120).stdout.lower()
+    present = {line.split("==")[0] for line in listed.splitlines()}
+    assert not present & BROKER_ONLY, present & BROKER_ONLY
+    cli = str(venv / "bin" / "gpubroker")
+    asked = subprocess.run([cli, "devices", "--target", f"unix:{tmp_path}/none.sock", "--token", "gpb_x_y"],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert asked.returncode == 1 and "no broker is listening there" in asked.stderr, asked.stderr
+    served = subprocess.run([cli, "serve", "--config", str(tmp_path / "gpubroker.toml")], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path)
+    assert served.returncode == 1 and "pip install 'gpubroker[broker]'" in served.stderr, served.stderr
+    script = tmp_path / "user.py"
+    script.write_text(
+        "from gpubroker.client import connect\n"
+        "gpu = connect('unix:/run/gpubroker/gpubroker.sock', token='gpb_x', async_commands=True)\n"
+        "reveal_type(gpu)\n"
+        "connect('unix:/run/gpubroker/gpubroker.sock', async_comands=True)\n")
+    checked = subprocess.run([python, "-m", "mypy", "--strict", "--no-incremental", "--config-file", "", str(script)],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    out = checked.stdout + checked.stderr
+    assert "py.typed" not in out and "missing library stubs" not in out, out
+    assert 'Revealed type is "gpubroker.client._remote.RemoteGpu"' in out, out
+    assert 'Unexpected keyword argument "async_comands" for "connect"' in out, out
