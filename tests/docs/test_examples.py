@@ -29,6 +29,8 @@ from .pages import DOCS, REFUSED, RUN, Block, blocks, pages
 PAGE_TIMEOUT = int(os.environ.get("GPUBROKER_PAGE_TIMEOUT", "900"))  # a page's examples, all together (s)
 # The README's first program is an example too.
 EXAMPLE_PAGES = [p for p in [*pages(), DOCS.parent / "README.md"] if any(b.lang in RUN for b in blocks(p))]
+# The quickstart runs twice in one directory instead (a reader's second try must work as the first did).
+QUICKSTART = DOCS / "quickstart.md"
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -79,18 +81,35 @@ def _page_id(page: Path) -> str:
 
 
 @pytest.mark.timeout(PAGE_TIMEOUT)
-@pytest.mark.parametrize("page", EXAMPLE_PAGES, ids=_page_id)
+@pytest.mark.parametrize("page", [p for p in EXAMPLE_PAGES if p != QUICKSTART], ids=_page_id)
 def test_page_examples_run(page: Path, docs_broker: BrokerProcess, tmp_path: Path) -> None:
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    _run_page(page, docs_broker, tmp_path, workdir)
+
+
+@pytest.mark.timeout(2 * PAGE_TIMEOUT)
+def test_the_quickstart_runs_twice_in_one_directory(docs_broker: BrokerProcess, tmp_path: Path) -> None:
+    """A reader who runs the quickstart again where it ran (its config, tokens, socket and ready file are there):
+    the second run works as the first (a stale --ready-file once let the wait pass before the broker served)."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    _run_page(QUICKSTART, docs_broker, tmp_path / "first", workdir)
+    assert (workdir / "gpubroker.toml").exists()  # (what the first run left is there for the second)
+    _run_page(QUICKSTART, docs_broker, tmp_path / "second", workdir)
+
+
+def _run_page(page: Path, docs_broker: BrokerProcess, tmp_path: Path, workdir: Path) -> None:
+    """The page's examples in order, in ``workdir``, as a reader runs them (tests/docs/run_page.py)."""
     on_gpu = docs_broker.backend == "cuda"
     chosen: list[Block] = [b for b in blocks(page)
                            if b.lang in RUN and b.marker != "skip" and (b.marker != "gpu" or on_gpu)]
     if not chosen:
         pytest.skip("every example on this page is marked gpu (run on CUDA) or skip (with its reason)")
+    tmp_path.mkdir(exist_ok=True)
     spec = tmp_path / "blocks.json"
     spec.write_text(json.dumps([{"file": str(b.page), "line": b.line, "lang": b.lang, "source": b.source,
                                  "where": b.where} for b in chosen]))
-    workdir = tmp_path / "work"
-    workdir.mkdir()
     # A reader's environment: nothing the suite's own conftest set (SCIPY_ARRAY_API) leaks into the examples.
     env = {**{k: v for k, v in os.environ.items() if k not in ("SCIPY_ARRAY_API", "GRPC_ENABLE_FORK_SUPPORT")},
            "PYTHONFAULTHANDLER": "1",  # (a page that outlives its time dumps every Python stack: below)
