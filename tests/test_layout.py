@@ -167,28 +167,37 @@ def test_a_client_only_install_pulls_none_of_the_brokers_dependencies(wheel: zip
     assert "msgpack" not in base | broker  # one msgpack library for the wire: msgspec's (msgpack is the tests')
 
 
-def test_the_client_imports_none_of_the_brokers_dependencies() -> None:
-    """The SDK (and its array and loadtest-free parts) imports with every broker-only module refused: a client-only
-    install works. A finder on sys.meta_path refuses them, in a fresh interpreter."""
-    blocked = ["cryptography", "uvloop", "prometheus_client", "tomlkit", "pyseccomp", "grpc_reflection", "msgpack",
-               "google.rpc"]
-    script = f"""
+# The modules of the broker's dependencies (BROKER_ONLY) and the tests' msgpack, as a fresh interpreter's finder
+# refuses them: a script that starts with REFUSING runs as on a client-only install.
+BLOCKED = ["cryptography", "uvloop", "prometheus_client", "tomlkit", "pyseccomp", "grpc_reflection", "msgpack",
+           "google.rpc"]
+REFUSING = f"""
 import sys
+
+def _blocked(name):
+    return any(name == b or name.startswith(b + ".") for b in {BLOCKED!r})
 
 class Refuse:
     def find_spec(self, name, path=None, target=None):
-        if any(name == b or name.startswith(b + ".") for b in {blocked!r}):
-            raise ImportError(f"{{name}} is the broker's (blocked by tests/test_layout.py)")
+        if _blocked(name):
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by tests/test_layout.py)", name=name)
         return None
 
 sys.meta_path.insert(0, Refuse())
+"""
+
+
+def test_the_client_imports_none_of_the_brokers_dependencies() -> None:
+    """The SDK (and its array and loadtest-free parts) imports with every broker-only module refused: a client-only
+    install works. A finder on sys.meta_path refuses them, in a fresh interpreter."""
+    script = REFUSING + """
 import gpubroker.client
 from gpubroker.client import RemoteGpu, connect, AdminClient, list_devices, TlsOptions
 import gpubroker.client.array
 import gpubroker.client._transports
 assert callable(connect) and RemoteGpu and AdminClient and list_devices and TlsOptions
 gpu = RemoteGpu("unix:/nonexistent/gpubroker.sock", "gpb_x")  # builds its channel; connects to nothing
-print("ok", sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in {blocked!r})))
+print("ok", sorted(m for m in sys.modules if _blocked(m)))
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
@@ -198,18 +207,7 @@ print("ok", sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".")
 def test_the_cli_runs_its_client_commands_on_a_client_only_install(tmp_path: Path) -> None:
     """`gpubroker devices` and the rest that only call a broker work without the broker's dependencies; `tenant add`
     (tomlkit) says which extra to install instead of a traceback."""
-    blocked = ["cryptography", "uvloop", "prometheus_client", "tomlkit", "pyseccomp", "grpc_reflection", "msgpack",
-               "google.rpc"]
-    script = f"""
-import sys
-
-class Refuse:
-    def find_spec(self, name, path=None, target=None):
-        if any(name == b or name.startswith(b + ".") for b in {blocked!r}):
-            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-        return None
-
-sys.meta_path.insert(0, Refuse())
+    script = REFUSING + f"""
 from gpubroker.broker.cli import main
 assert main(["devices", "--target", "unix:{tmp_path}/none.sock", "--token", "gpb_x"]) == 1
 sys.exit(main(["tenant", "add", "team-a", "--config", "{tmp_path}/gpubroker.toml"]))
