@@ -154,11 +154,11 @@ def test_ctrl_c_in_a_scripts_wait_abandons_the_work_and_spares_the_other_tenants
         _works(bob, bob_kernel, bob_buf)  # the other tenant's session and worker were never touched
 
 
-def test_a_killed_script_s_work_does_not_hold_up_its_rerun(cancel_broker: BrokerProcess, backend: str) -> None:
-    """A script killed in the middle of an endless kernel (SIGKILL: no cancel) and run again at once: the rerun's
-    session shares the tenant's worker, behind the kernel, until the dead client's lease expires; then the
-    abandoned work is stopped with the worker (an expiry spares no session of the tenant there: they would all
-    wait for the kernel), the rerun is told why, and its next session is served."""
+def test_a_script_killed_in_its_wait_leaves_nothing_running(cancel_broker: BrokerProcess, backend: str) -> None:
+    """A script killed while it waits for an endless kernel (SIGKILL: no cancel) and run again at once: the
+    rerun's session cannot open while the worker is blocked in the dead client's wait; when that client's lease
+    expires, its work is stopped with the worker (no other session of the tenant uses it), the rerun is told why,
+    and its next session is served."""
     token = cancel_broker.tokens["alice"]
     child = subprocess.Popen([sys.executable, CLIENT, cancel_broker.target, token, "spin"], stdout=subprocess.PIPE)
     try:
@@ -179,6 +179,25 @@ def test_a_killed_script_s_work_does_not_hold_up_its_rerun(cancel_broker: Broker
     with connect(cancel_broker.target, token=token) as again:
         kernel, buf = _spin(again, backend)
         _works(again, kernel, buf)
+
+
+def test_an_idle_sessions_expiry_spares_the_tenants_busy_session(cancel_broker: BrokerProcess, backend: str) -> None:
+    """A session of the tenant whose client went quiet (no heartbeats) expires while another of its sessions runs a
+    long kernel on the same worker: the expiry's wait sees that work, but it is not the gone client's, so the
+    worker is left alone and the busy session's kernel finishes."""
+    token = cancel_broker.tokens["bob"]
+    with connect(cancel_broker.target, token=token) as busy:
+        kernel, buf = _spin(busy, backend)
+        iters = _iterations_for(busy, kernel, buf, seconds=6.0)  # past the idle one's lease (2 s) and grace (1 s)
+        quiet = connect(cancel_broker.target, token=token)
+        quiet._closed.set()  # its client stops heartbeating (as a suspended process): it expires
+        busy.execute_kernel(kernel, 1, 1, [buf, np.int64(iters)])  # type: ignore[arg-type]
+        busy.synchronize(timeout=120)
+        quiet._channel.close()
+        assert f"session {quiet.session} of tenant bob expired" in cancel_broker.log_tail(200_000)
+        _works(busy, kernel, buf)
+    assert f"session {quiet.session} of tenant bob expired (no heartbeat from its client): its work goes on" in \
+        cancel_broker.log_tail(200_000)
 
 
 def test_a_session_that_expired_says_so(cancel_broker: BrokerProcess) -> None:

@@ -344,35 +344,35 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
     async def CloseSession(self, request: pb.CloseSessionRequest, context: Context) -> pb.Empty:
         session = self.sessions.get(request.session, self._tenant(context))
         if request.cancel:
-            await self._abandon_work(session, "was cancelled by its client", spare_others=True)
+            await self._abandon_work(session, "was cancelled by its client")
             await self.sessions.close(session, reason="closed (cancelled by its client)")
         else:
             await self.sessions.close(session)
         return pb.Empty()
 
-    async def _abandon_work(self, session: Session, what: str, spare_others: bool = False) -> None:
-        """A cancel, or a lease that expired (its client is gone): the session's work (a kernel still running, work
-        queued before it) is waited for at most ``CANCEL_GRACE``; past it the session's worker is stopped. A cancel
-        (``spare_others``) spares a worker that serves the tenant's other sessions too: they go on, and the work
-        finishes there unwaited for. An expiry does not: a client that vanished in the middle of its work (killed,
-        or its program interrupted outside a wait) would otherwise hold the tenant's worker, and the sessions its
-        next run opens there, for as long as the work runs (up to the kernel time limit); they end with the
-        worker, told why. The stop is nobody's failure (the tenant's client asked for it, or left); the work's
-        device time is charged up to it (the scheduler's fence)."""
+    async def _abandon_work(self, session: Session, what: str) -> None:
+        """A cancel, or a lease that expired (its client is gone: killed in a wait, say): the session's work (a
+        kernel still running, work queued before it) is waited for at most ``CANCEL_GRACE``; past it the session's
+        worker is stopped, unless it serves the tenant's other sessions too: they go on, and the work finishes
+        there unwaited for. (The wait covers the worker's whole queue, the other sessions' work too, and nothing
+        tells whose work runs: so an idle session's expiry never stops a worker another session of the tenant
+        keeps busy. A worker blocked in the gone client's wait cannot even open another session, so a rerun's
+        session is not there yet to spare it.) The stop is nobody's failure (the tenant's client asked for it, or
+        left); the work's device time is charged up to it (the scheduler's fence)."""
         batch, data = commands.pack([Synchronize()])  # (waits for the session's work; runs nothing of its own)
         settled = asyncio.ensure_future(session.worker.run_batch(session.id, batch, data))
         settled.add_done_callback(_outcome_unread)
         done, _ = await asyncio.wait({settled}, timeout=CANCEL_GRACE)
         if done or not session.worker.alive:
             return
-        others = [other for other in self.sessions.sessions.values()
-                  if other is not session and other.worker is session.worker]
-        if others and spare_others:
+        others = any(other is not session and other.worker is session.worker
+                     for other in self.sessions.sessions.values())
+        if others:
             log.info("session %s of tenant %s %s: its work goes on in the worker the tenant's other sessions use",
                      session.id, session.tenant, what)
             return
-        log.info("session %s of tenant %s %s while its work ran: its worker is stopped%s", session.id, session.tenant,
-                 what, f" (with {len(others)} other sessions of the tenant)" if others else "")
+        log.info("session %s of tenant %s %s while its work ran: its worker is stopped", session.id, session.tenant,
+                 what)
         self.sessions.pool.retire(session.worker, Cancelled(
             f"session {session.id} of tenant {session.tenant} {what} while its work ran; the worker was stopped"))
 
