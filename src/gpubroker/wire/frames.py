@@ -17,6 +17,8 @@ from typing import Any
 
 import msgspec
 
+from gpubroker.wire.encoding import encode
+
 __all__ = ["FRAME_HEADER", "MAX_FRAME", "FrameClosed", "FrameDecoder", "FrameRefused", "FrameTooLarge",
            "frame_length", "pack_frame", "read_frame_async", "read_payload_async", "recv_frame", "recv_payload",
            "send_frame", "send_payload", "unpack_frame", "write_frame_async"]
@@ -145,7 +147,7 @@ _JOIN_MAX = 64 * 1024
 # Untyped frames (hellos and their replies, tests' probes) in the one msgpack library the wire uses: msgspec writes
 # the same bytes msgpack-python did with use_bin_type=True (str as str, bytes as bin, the smallest int form, floats
 # as float64), and reads arrays as lists and maps with any keys, as it did with strict_map_key=False.
-_encode = msgspec.msgpack.Encoder().encode
+_encode = encode  # (the wire's one encoder: wire/encoding.py)
 _decode = msgspec.msgpack.Decoder().decode
 
 
