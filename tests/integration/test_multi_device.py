@@ -418,8 +418,8 @@ def test_a_closed_session_cannot_take_part_in_a_peer_copy(two: BrokerProcess) ->
             a.copy_peer(src, b, dst, 128)  # refused by the client
         request = pb.CopyPeerRequest(src_session=closed, src=pb.BufferRef(handle=src.handle), dst_session=b.session,
                                      dst=pb.BufferRef(handle=dst.handle), size=128)
-        with pytest.raises(NotFound, match="no session"):
-            b._call("CopyPeer", request)  # and by the broker
+        with pytest.raises(NotFound, match="has ended: closed"):
+            b._call("CopyPeer", request)  # and by the broker (which remembers why it ended)
 
 
 @pytest.mark.cuda
