@@ -103,6 +103,7 @@ def test_a_kernel_populates_no_memory_outside_the_workers_private_limit(broker: 
         # Fill each path in turn (private first, to its limit) until it is refused, keeping every chunk.
         held: dict[str, int] = {}
         refusals: dict[str, Attempt] = {}
+        kept: list[int] = []  # the chunks' addresses
         for label, flags in PATHS.items():
             held[label] = 0
             for _ in range(64):
@@ -113,6 +114,7 @@ def test_a_kernel_populates_no_memory_outside_the_workers_private_limit(broker: 
                     refusals[label] = a
                     break
                 held[label] += CHUNK
+                kept.append(a.results[-2] if flags == MAP_SHARED else a.results[-1])
         resident = _resident(pid)
         for label in PATHS:
             print(f"  {label:17} {held[label] >> 20:5} MiB populated; then {refusals.get(label, 'never refused')}")
@@ -124,6 +126,12 @@ def test_a_kernel_populates_no_memory_outside_the_workers_private_limit(broker: 
             assert held[label] == 0, f"{label}: {held[label] >> 20} MiB populated outside RLIMIT_DATA"
         assert not stack.succeeded, f"the worker raised its own RLIMIT_STACK: {stack}"
 
-        # The worker serves on: shared memory through the front's segments still works.
+        # The worker serves on: shared memory through the front's segments still works once the kernel gives its
+        # chunks back (with its private memory full, PoCL's own allocations fail: the copy crashed the worker here,
+        # pyopencl 2026.1.4, a crash of the tenant's own worker charged to it; not what this test is about).
         assert worker_pids(broker, "alice") == [pid], "the worker was replaced"
+        program = Program()
+        for address in kept:
+            program.call(program.attempt("munmap", must_fail=False), "munmap", address, CHUNK)
+        run(gpu, kernel, program)
         assert_shared_memory_works(gpu, 16 * MiB)
