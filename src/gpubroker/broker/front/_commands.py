@@ -304,6 +304,9 @@ class CommandRunner:
             await self.before_free(session, {command.handle for command in batch.commands
                                              if isinstance(command, Free)})
         async with self.schedulers[session.device].turn(session.tenant) if device_work else _no_turn():
+            # (again: the session may have ended while the batch waited for its turn, and a batch sent after its
+            # CloseSession would make the worker serve a session nobody counts any more)
+            session.check_alive()
             if not compile_:
                 _resolve(sent)  # (the call below runs on in this step, to its place in the worker's queue)
                 return await session.worker.run_batch(session.id, batch, data)

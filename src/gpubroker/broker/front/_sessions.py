@@ -62,6 +62,9 @@ class Session:
     last_seen: float = field(default_factory=time.monotonic)
     memory_used: int = 0  # as the worker last reported it (usage)
     lost: str | None = None  # why the session's device state is gone
+    # Why it ended (closed, cancelled, expired, ended by an admin), once it left the list: a stream or link that
+    # still holds it (a Commands stream looks its session up once) runs nothing more for it.
+    ended: str | None = None
     inflight: int = 0
     shared_bytes: int = 0  # host memory mapped for this session as shared-memory segments
     # The sizes of the segments the front registered for it, to uncount each at its release (not a handle
@@ -91,6 +94,8 @@ class Session:
         self.last_seen = time.monotonic()
 
     def check_alive(self) -> WorkerClient:
+        if self.ended is not None:
+            raise NotFound(f"session {self.id!r} has ended: {self.ended}; open a new session")
         if self.worker.fault is not None:
             # Killed (or being killed) for a cause: a client that asks why its link dropped learns the cause at
             # once, not a crash, even before the front has noticed the process's exit.
@@ -295,6 +300,7 @@ class SessionManager:
         """Take the session off the list (and its tenant's count); False if it had already ended."""
         if self.sessions.pop(session.id, None) is None:
             return False
+        session.ended = reason
         # Why it ended, for its client's next call (a lease that expired while the client was suspended, say): the
         # last RECENTLY_ENDED of them.
         self.recently_ended[session.id] = (session.tenant, reason)

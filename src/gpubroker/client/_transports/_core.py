@@ -305,12 +305,19 @@ class BatchingTransport:
             seq = self._seq
             self._pending.append(command)
             self._pending_result = box.append
-            sent = self._flush(call_seq=seq)
             end = None if timeout is None else time.monotonic() + timeout
             try:
+                # (the wait for room in the window is this call's too: bounded by its own timeout)
+                sent = self._flush(call_seq=seq, end=end, limit=timeout)
                 while sent is not None and self._unacked and self._unacked[0].id <= sent.id:
                     self._read_ack(end, timeout)
             except DeadlineExceeded:
+                if self._pending and self._pending[-1] is command:
+                    # No room within the bound, so nothing was sent: the queued commands stay queued for the next
+                    # flush, and this call's own command, which nobody waits for any more, goes.
+                    self._pending.pop()
+                    self._seq -= 1
+                    self._pending_result = None
                 # Nobody waits for this call's batches any more: what they report is an earlier command's error
                 # for the next call that waits, as for any queued command.
                 for waiting in self._unacked:
@@ -454,7 +461,10 @@ class BatchingTransport:
         if error is not None:
             raise error
 
-    def _flush(self, call_seq: int = 0) -> _Sent | None:
+    def _flush(self, call_seq: int = 0, end: float | None = None, limit: float | None = None) -> _Sent | None:
+        """Send what is queued as one batch (two, if too large for one frame). A call's own bound (``end``,
+        ``limit``: ``_read_ack``'s) bounds its wait for room in the window; past it DeadlineExceeded, with nothing
+        taken off the queue."""
         if not self._pending:
             return None
         commands, self._pending = self._pending, []
@@ -467,6 +477,13 @@ class BatchingTransport:
         if not self._open_now:
             self.carrier.open()  # (refused: these commands never went out, and the refusal says why)
             self._open_now = True
+        try:
+            while end is not None and len(self._unacked) >= self.window and self._open_now:
+                self._read_ack(end, limit)
+        except DeadlineExceeded:
+            # (no room within the call's bound: nothing was sent, and the commands go back to the queue)
+            self._pending, self._pending_result = commands + self._pending, on_result
+            raise
         return self._send_batch(commands, self._seq - len(commands) + 1, on_result, call_seq)
 
     def _send_batch(self, commands: list[Command], first: int, on_result: Callable[[Any], None] | None,
