@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import base64
+
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
-from gpubroker.broker.front._error_details import MAX_STATUS_BYTES, rich_status
-from gpubroker.wire.errors import CompileError, ResourceExhausted, Unavailable
+from gpubroker.broker.front._error_details import (
+    DEFAULT_BUDGET,
+    DETAILS_TRAILER,
+    MAX_BUDGET,
+    MAX_STATUS_BYTES,
+    budget,
+    error_trailers,
+    rich_status,
+)
+from gpubroker.wire.errors import (
+    ERROR_BUDGET_HEADER,
+    ERROR_TRAILER,
+    CompileError,
+    ResourceExhausted,
+    Unavailable,
+    decode_wire_error,
+)
 
 
 def _details(data: bytes | None) -> tuple[status_pb2.Status, dict[str, object]]:
@@ -49,3 +66,30 @@ def test_a_quota_refusal_names_the_quota() -> None:
 
 def test_an_error_too_long_for_the_trailers_goes_without_its_rich_form() -> None:
     assert rich_status(Unavailable("m" * (MAX_STATUS_BYTES + 1))) is None
+
+
+def test_the_trailers_fit_a_client_that_says_nothing_and_carry_everything_to_ours() -> None:
+    log = "".join(f"line {i}: warning: {'w' * 150}\n" for i in range(400)) + "error: the real one\n"
+    exc = CompileError("OpenCL build failed:\n" + "x" * 20_000, log=log, line=3)
+    message, trailers = error_trailers(exc, budget(None))
+    size = sum(len(key) + len(base64.b64encode(value)) for key, value in trailers) + len(message.encode())
+    assert size <= DEFAULT_BUDGET and DEFAULT_BUDGET < 8 * 1024  # gRPC's default limit on a response's metadata
+    assert message.startswith("OpenCL build failed:") and "characters cut" in message
+    ours = decode_wire_error(dict(trailers)[ERROR_TRAILER])
+    assert ours.type == "CompileError" and ours.details["line"] == 3
+    cut = ours.details["log"]
+    assert isinstance(cut, str) and cut.startswith("line 0:") and cut.endswith("error: the real one\n")
+    assert "characters cut" in cut
+    status = status_pb2.Status.FromString(dict(trailers)[DETAILS_TRAILER])
+    assert status.message == message  # (grpcio-status checks it against the call's)
+
+    whole = decode_wire_error(dict(error_trailers(exc, budget([(ERROR_BUDGET_HEADER, str(512 * 1024))]))[1])[
+        ERROR_TRAILER])
+    assert whole.details["log"] == log  # our client raised its limit: the log whole
+
+
+def test_a_budget_is_what_the_client_asked_within_bounds() -> None:
+    assert budget(None) == budget([("other", "1")]) == DEFAULT_BUDGET
+    assert budget([(ERROR_BUDGET_HEADER, "1")]) == DEFAULT_BUDGET
+    assert budget([(ERROR_BUDGET_HEADER, "999999999")]) == MAX_BUDGET
+    assert budget([(ERROR_BUDGET_HEADER, "nope")]) == DEFAULT_BUDGET

@@ -18,16 +18,24 @@ Suggested fix: bound the trailers as a whole, not only the rich Status: cut the 
 client's trailer (and the message's head, by characters, not only by lines) so that message + trailers stay within
 ~8 KiB, saying in the message that the log was cut (or carry a long log in the response body: an Ack, not
 metadata).
+
+The fix (front/_error_details.py ``error_trailers``): the message and both trailers are bounded together, to 6 KiB
+for a client that says nothing (the message cut to 2 KiB, the rich status only where it fits, our trailer's
+longest texts cut in the middle, saying so); our client raises gRPC's limit and asks for 512 KiB in each call's
+metadata (``gpubroker-error-budget``), so its compile logs arrive whole.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import CompileError, connect
+from gpubroker.v1 import broker_pb2 as pb
+from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +57,23 @@ def test_a_long_compile_log_is_a_compile_error(broker: BrokerProcess, transport:
             gpu.compile_kernel(_source(warnings, line), "k")
         assert "stop" in raised.value.log or "cut" in raised.value.message
         gpu.allocate_memory(64)  # the session goes on
+
+
+def test_another_grpc_client_gets_the_compile_error_within_its_limits(broker: BrokerProcess) -> None:
+    """A client that is not ours (no error budget asked, gRPC's default 8 KiB limit): the same compile error arrives
+    as its code and a cut message, with the standard rich status, not as a refused response."""
+    from grpc_status import rpc_status
+
+    auth = (("authorization", f"Bearer {broker.tokens['bob']}"),)
+    with grpc.secure_channel(broker.target, grpc.local_channel_credentials(grpc.LocalConnectionType.UDS)) as channel:
+        stub = pb_grpc.GpuBrokerStub(channel)
+        session = stub.OpenSession(pb.OpenSessionRequest(client_name="grpcurl-like"), metadata=auth).session
+        try:
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.LoadModule(pb.LoadModuleRequest(session=session, format=pb.MODULE_FORMAT_OPENCL_C,
+                                                     image=_source(200, 200).encode()), metadata=auth)
+            assert refused.value.code() != grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+            status = rpc_status.from_call(refused.value)
+            assert status is not None and status.code == refused.value.code().value[0]
+        finally:
+            stub.CloseSession(pb.CloseSessionRequest(session=session), metadata=auth)

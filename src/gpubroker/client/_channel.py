@@ -10,7 +10,14 @@ import msgspec
 
 from gpubroker.client._tls import TlsOptions
 from gpubroker.wire.addresses import unix_path
-from gpubroker.wire.errors import ERROR_TRAILER, GpuBrokerError, WireError, decode_wire_error, error_from_wire
+from gpubroker.wire.errors import (
+    ERROR_BUDGET_HEADER,
+    ERROR_TRAILER,
+    GpuBrokerError,
+    WireError,
+    decode_wire_error,
+    error_from_wire,
+)
 
 __all__ = ["KEEPALIVE_OPTIONS", "make_channel", "translate_rpc_error", "translated"]
 
@@ -21,6 +28,11 @@ T = TypeVar("T")
 KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000), ("grpc.http2.ping_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 0), ("grpc.http2.max_pings_without_data", 0))
+# The error trailers this client accepts (gRPC's limit on received metadata raised to it, and the broker told so in
+# each call's metadata): an error's details arrive whole, a compile log of up to 256 KiB among them (a client that
+# says nothing gets them cut to gRPC's default 8 KiB).
+ERROR_BUDGET = 512 * 1024
+_ERROR_BUDGET_METADATA = ((ERROR_BUDGET_HEADER, str(ERROR_BUDGET)),)
 
 
 def make_channel(target: str, token: str | None,
@@ -32,12 +44,14 @@ def make_channel(target: str, token: str | None,
     The client sends any size; the broker enforces its own limit.
     """
     options: list[tuple[str, Any]] = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
+                                      ("grpc.max_metadata_size", ERROR_BUDGET + 16 * 1024),
+                                      ("grpc.absolute_max_metadata_size", ERROR_BUDGET + 16 * 1024),
                                       *KEEPALIVE_OPTIONS]
     unix = unix_path(target) is not None
     if tls is not None and tls.insecure and not unix:
         # gRPC refuses call credentials on an insecure channel, so the token rides as plain metadata.
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        return grpc.insecure_channel(target, options=options), metadata
+        return grpc.insecure_channel(target, options=options), metadata + _ERROR_BUDGET_METADATA
     if tls is not None and not unix:  # a Unix socket is local: tls does not apply to it
         root, key, cert = tls.materials()
         creds = grpc.ssl_channel_credentials(root, key, cert)
@@ -48,7 +62,7 @@ def make_channel(target: str, token: str | None,
         creds = grpc.local_channel_credentials(kind)
     if token:
         creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
-    return grpc.secure_channel(target, creds, options=options), ()
+    return grpc.secure_channel(target, creds, options=options), _ERROR_BUDGET_METADATA
 
 
 def translate_rpc_error(err: grpc.RpcError) -> GpuBrokerError:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, ClassVar, Final
 import msgspec
 
 __all__ = [
+    "ERROR_BUDGET_HEADER",
     "ERROR_TRAILER",
     "Aborted",
     "AlreadyExists",
@@ -41,6 +42,10 @@ __all__ = [
 # The gRPC trailer in which the front sends a refused call's WireError (the status carries the code and message
 # too, for clients in other languages).
 ERROR_TRAILER: Final = "gpubroker-error-bin"
+# The call metadata in which a client says how many bytes of error trailers it accepts (it raised gRPC's limit on
+# received metadata to that): the front then sends an error's details whole within it (a long compile log), and
+# bounds them to gRPC's default for a client that says nothing.
+ERROR_BUDGET_HEADER: Final = "gpubroker-error-budget"
 
 # What an error's details may hold on the wire: a few short scalars by name (a quota's numbers, a retry delay, a
 # compile log). Anything else is sent as its str (as_wire), so an honest sender's error always decodes, and a

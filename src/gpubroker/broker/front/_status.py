@@ -13,9 +13,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeAlias, TypeVar
 
 import grpc
-import msgspec
 
-from gpubroker.broker.front._error_details import DETAILS_TRAILER, rich_status
+from gpubroker.broker.front._error_details import budget, error_trailers
 from gpubroker.broker.front._grpc_peers import grpc_authenticated, grpc_peer, over_call_rate
 from gpubroker.broker.front._metrics import observe_rpc
 from gpubroker.broker.front._sessions import Session, SessionManager, out_of_descriptors
@@ -29,9 +28,7 @@ from gpubroker.broker.front.auth import (
     wait_failure_delay,
 )
 from gpubroker.broker.logs import bind_log_context, log_context
-from gpubroker.wire.commands import encode
 from gpubroker.wire.errors import (
-    ERROR_TRAILER,
     DeadlineExceeded,
     GpuBrokerError,
     Internal,
@@ -215,15 +212,15 @@ Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
 async def abort_with(context: Context, exc: GpuBrokerError) -> None:
-    # The status says the code and the message; the trailer, the WireError's class and details (its message left
-    # empty: the status has it, and a trailer has little room).
-    # Beside it, the standard google.rpc.Status that other gRPC clients read (_error_details.py).
-    trailer = encode(msgspec.structs.replace(exc.as_wire(), message=""))
-    trailers: tuple[tuple[str, bytes], ...] = ((ERROR_TRAILER, trailer),)
-    rich = rich_status(exc)
-    if rich is not None:
-        trailers += ((DETAILS_TRAILER, rich),)
-    await context.abort(grpc.StatusCode[exc.code], exc.message, trailing_metadata=trailers)
+    # The status says the code and the message; our trailer, the WireError's class and details; beside it the
+    # standard google.rpc.Status that other gRPC clients read: all within what the client accepts
+    # (_error_details.py).
+    try:
+        asked = context.invocation_metadata()
+    except Exception:  # (a call the front refused before gRPC read its headers has none)
+        asked = None
+    message, trailers = error_trailers(exc, budget(asked))
+    await context.abort(grpc.StatusCode[exc.code], message, trailing_metadata=trailers)
 
 
 def principal_of(auth: Authenticator, context: Context) -> Principal:
