@@ -274,6 +274,11 @@ def test_bad_modules(gpu: Backend, backend: str) -> None:
                        (b"", ModuleFormat.PTX)):
         with pytest.raises(InvalidArgument):  # CompileError is an InvalidArgument
             gpu.load_module(image, fmt)
+    # A NUL in source text: a compiler would read only up to it (the build "succeeded" with none of the kernels).
+    cut = "// nothing here\n\0" + source(backend, "fill_index")
+    for image in (cut, cut.encode()):
+        with pytest.raises(InvalidArgument, match="NUL character at offset 16"):
+            gpu.load_module(image, FORMAT[backend])
     with pytest.raises(NotFound):
         gpu.get_kernel(Module("module-999"), "vadd")
     with pytest.raises(NotFound):

@@ -9,7 +9,17 @@ from typing import Generic, TypeVar, cast
 from gpubroker.wire.errors import InvalidArgument, NotFound
 from gpubroker.wire.types import Buffer, DeviceInfo, Dim3, KernelArg, check_kernel_args, normalize_dims
 
-__all__ = ["HandleTable", "LaunchChecker", "LaunchShape", "PlanMemo", "check_launch"]
+__all__ = ["HandleTable", "LaunchChecker", "LaunchShape", "PlanMemo", "check_launch", "source_text"]
+
+
+def source_text(source: str, language: str) -> str:
+    """``source`` if it is text a compiler reads whole: one with a NUL character would be read only up to it (the
+    build then "succeeded" with none of the kernels after it, and the error came at the next call)."""
+    nul = source.find("\0")
+    if nul >= 0:
+        raise InvalidArgument(f"{language} source holds a NUL character at offset {nul}: a compiler reads source "
+                              "text only up to it; send the source as text")
+    return source
 
 T = TypeVar("T")
 

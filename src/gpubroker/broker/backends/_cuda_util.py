@@ -9,7 +9,7 @@ from typing import Any
 import cupy
 from cupy.cuda import compiler, driver, function, runtime
 
-from gpubroker.broker.backends._common import PlanMemo
+from gpubroker.broker.backends._common import PlanMemo, source_text
 from gpubroker.broker.backends._cuda_driver import driver_extras
 from gpubroker.broker.backends._cuda_sig import ParamKind, param_kinds
 from gpubroker.wire.errors import (
@@ -164,12 +164,12 @@ def check_params(rec: KernelRec, args: list[Any]) -> None:
 def as_source(source: object) -> str:
     if isinstance(source, (bytes, bytearray, memoryview)):
         try:
-            return bytes(source).decode("utf-8")
+            return source_text(bytes(source).decode("utf-8"), "CUDA C")
         except UnicodeDecodeError as exc:
             raise InvalidArgument(f"CUDA C source is not valid UTF-8: {exc}") from None
     if not isinstance(source, str):
         raise InvalidArgument(f"CUDA C source must be str or bytes, got {type(source).__name__}")
-    return source
+    return source_text(source, "CUDA C")
 
 
 def compile_module(source: str, options: Sequence[str]) -> function.Module:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyopencl as cl
 
-from gpubroker.broker.backends._common import HandleTable, LaunchShape
+from gpubroker.broker.backends._common import HandleTable, LaunchShape, source_text
 from gpubroker.broker.backends._opencl_device import OpenCLDevice
 from gpubroker.broker.backends._opencl_info import KernelRec, build_program, check_arg, cl_errors, translate_cl_error
 from gpubroker.broker.backends._opencl_timing import OpenCLTiming
@@ -67,7 +67,7 @@ class OpenCLCode:
                 raise InvalidArgument(f"OpenCL C source is not valid UTF-8: {exc}") from None
         if not isinstance(image, str):
             raise InvalidArgument(f"OpenCL C source must be str or bytes, got {type(image).__name__}")
-        handle = self._build(image, options)
+        handle = self._build(source_text(image, "OpenCL C"), options)
         return Module(handle, self._modules.get(handle).kernel_names)
 
     def compile_kernel(self, source: str, name: str, options: Sequence[str] = ()) -> Kernel:
