@@ -7,11 +7,15 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from gpubroker.broker.launcher import descendants, parent_pids
 from gpubroker.wire.frames import FRAME_HEADER
 
-__all__ = ["descendants", "parent_pids", "proc_status", "recv_payload", "send_payload", "wait_for"]
+__all__ = ["descendants", "parent_pids", "proc_status", "recv_payload", "send_payload", "spin_iterations",
+           "wait_for"]
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -21,6 +25,22 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.05)
+
+
+def spin_iterations(gpu: Any, kernel: Any, buf: Any, seconds: float) -> int:
+    """Iterations of one launch of the sample ``spin`` kernel that take about ``seconds`` on this device: measured
+    on a launch past 50 ms, then scaled (its first launch, which builds it for the device, is not measured)."""
+    gpu.execute_kernel(kernel, 1, 1, [buf, np.int64(1)])
+    gpu.synchronize()
+    iters = 1 << 20
+    while True:
+        start = time.monotonic()
+        gpu.execute_kernel(kernel, 1, 1, [buf, np.int64(iters)])
+        gpu.synchronize()
+        took = time.monotonic() - start
+        if took > 0.05:
+            return max(iters, int(iters * seconds / took))
+        iters *= 8
 
 
 def mem_available() -> int:

@@ -24,7 +24,7 @@ from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
 from ..conftest import TRANSPORTS, OpenGpu
-from ..helpers import wait_for
+from ..helpers import spin_iterations, wait_for
 
 CLIENT = str(Path(__file__).with_name("killable_client.py"))
 
@@ -33,21 +33,6 @@ ENDLESS = 1 << 50  # iterations of the sample spin kernel: days, on any device
 
 def _spin(gpu: RemoteGpu, backend: str) -> tuple[object, object]:
     return gpu.compile_kernel(samples.source(backend), "spin"), gpu.allocate_memory(4096)
-
-
-def _iterations_for(gpu: RemoteGpu, kernel: object, buf: object, seconds: float) -> int:
-    """Iterations of one spin that take about ``seconds`` on this device (measured, then scaled)."""
-    gpu.execute_kernel(kernel, 1, 1, [buf, np.int64(1)])  # type: ignore[arg-type]
-    gpu.synchronize()  # (the first launch builds the kernel for the device: it must not be measured)
-    iters = 1 << 20
-    while True:
-        start = time.monotonic()
-        gpu.execute_kernel(kernel, 1, 1, [buf, np.int64(iters)])  # type: ignore[arg-type]
-        gpu.synchronize()
-        took = time.monotonic() - start
-        if took > 0.05:
-            return max(iters, int(iters * seconds / took))
-        iters *= 8
 
 
 def _works(gpu: RemoteGpu, kernel: object, buf: object) -> None:
@@ -66,7 +51,7 @@ def test_a_wait_past_its_own_timeout_leaves_the_session_usable(open_gpu: OpenGpu
                                                                transport: str) -> None:
     with open_gpu("alice", transport) as gpu:
         kernel, buf = _spin(gpu, backend)
-        iters = _iterations_for(gpu, kernel, buf, seconds=1.5)
+        iters = spin_iterations(gpu, kernel, buf, seconds=1.5)
         gpu.execute_kernel(kernel, 1, 1, [buf, np.int64(iters)])  # type: ignore[arg-type]
         start = time.monotonic()
         with pytest.raises(DeadlineExceeded, match="still running and the session goes on"):
@@ -188,7 +173,7 @@ def test_an_idle_sessions_expiry_spares_the_tenants_busy_session(cancel_broker: 
     token = cancel_broker.tokens["bob"]
     with connect(cancel_broker.target, token=token) as busy:
         kernel, buf = _spin(busy, backend)
-        iters = _iterations_for(busy, kernel, buf, seconds=6.0)  # past the idle one's lease (2 s) and grace (1 s)
+        iters = spin_iterations(busy, kernel, buf, seconds=6.0)  # past the idle one's lease (2 s) and grace (1 s)
         quiet = connect(cancel_broker.target, token=token)
         quiet._closed.set()  # its client stops heartbeating (as a suspended process): it expires
         busy.execute_kernel(kernel, 1, 1, [buf, np.int64(iters)])  # type: ignore[arg-type]

@@ -41,6 +41,8 @@ from gpubroker.broker import samples
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import DeadlineExceeded, RemoteGpu, connect
 
+from ..helpers import spin_iterations
+
 ENDLESS = 1 << 50
 
 
@@ -56,18 +58,6 @@ def _spin(gpu: RemoteGpu) -> tuple[object, object]:
     gpu.execute_kernel(kernel, 1, 1, [buf, np.int64(1)])  # type: ignore[arg-type]
     gpu.synchronize()  # (the first launch builds the kernel)
     return kernel, buf
-
-
-def _iterations_for(gpu: RemoteGpu, kernel: object, buf: object, seconds: float) -> int:
-    iters = 1 << 20
-    while True:
-        start = time.monotonic()
-        gpu.execute_kernel(kernel, 1, 1, [buf, np.int64(iters)])  # type: ignore[arg-type]
-        gpu.synchronize()
-        took = time.monotonic() - start
-        if took > 0.05:
-            return max(iters, int(iters * seconds / took))
-        iters *= 8
 
 
 @pytest.mark.parametrize("transport", ["ring", "grpc"])
@@ -93,7 +83,7 @@ def test_commands_queued_before_a_timed_out_wait_are_not_lost(broker: BrokerProc
     gpu = connect(broker.target, token=broker.tokens["bob"], transport=transport, timeout=3.0, async_commands=True)
     try:
         kernel, buf = _spin(gpu)
-        iters = _iterations_for(gpu, kernel, buf, seconds=6.0)
+        iters = spin_iterations(gpu, kernel, buf, seconds=6.0)
         gpu.execute_kernel(kernel, 1, 1, [buf, np.int64(iters)])  # type: ignore[arg-type]
         ends = time.monotonic() + 8.0
         for _ in range(4):
