@@ -93,3 +93,20 @@ def test_a_budget_is_what_the_client_asked_within_bounds() -> None:
     assert budget([(ERROR_BUDGET_HEADER, "1")]) == DEFAULT_BUDGET
     assert budget([(ERROR_BUDGET_HEADER, "999999999")]) == MAX_BUDGET
     assert budget([(ERROR_BUDGET_HEADER, "nope")]) == DEFAULT_BUDGET
+
+
+def test_many_long_texts_from_a_worker_are_cut_each_to_its_share() -> None:
+    """A worker's error may hold 32 texts of 256 KiB (what the front decodes from it): each keeps its share of the
+    room, cut in the middle, in one pass."""
+    exc = CompileError("failed", **{f"t{i}": f"{i}" * (256 * 1024) for i in range(32)})
+    for room in (DEFAULT_BUDGET, MAX_BUDGET):
+        _, trailers = error_trailers(exc, room)
+        ours = decode_wire_error(dict(trailers)[ERROR_TRAILER])
+        assert sum(len(key) + len(base64.b64encode(value)) for key, value in trailers) <= room
+        assert len(ours.details) == 32 and all("characters" in str(v) for v in ours.details.values())
+        if room == MAX_BUDGET:
+            assert all("characters cut" in str(v) and len(str(v)) > 1000 for v in ours.details.values())
+
+
+def test_a_header_only_unicode_calls_a_digit_is_no_budget() -> None:
+    assert budget([(ERROR_BUDGET_HEADER, "\u00b2")]) == budget([(ERROR_BUDGET_HEADER, "\u0663")]) == DEFAULT_BUDGET

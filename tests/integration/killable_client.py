@@ -3,8 +3,8 @@
 ``python killable_client.py TARGET TOKEN MODE``: MODE "h2d" or "d2h" holds a streamed gRPC copy open, "shm" loops
 over shared-memory copies, "stall" opens an upload and stops its own process (alive, connected and silent),
 "spin" launches a kernel that runs for days and waits for it in a plain `synchronize()` (no `with` block: a
-script's Ctrl-C lands in the wait). It prints "copying" (for "stall", its session; for "spin", "waiting") once
-the copy or the kernel is under way.
+script's Ctrl-C lands in the wait). It prints "copying" (for "stall", its session; for "spin", "waiting" and its
+session) once the copy or the kernel is under way.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main(target: str, token: str, mode: str) -> None:
     if mode == "spin":
         spin = gpu.compile_kernel(samples.source(gpu.device_info().backend), "spin")
         gpu.execute_kernel(spin, 1, 1, [gpu.allocate_memory(4096), np.int64(1 << 50)])
-        print("waiting", flush=True)
+        print("waiting", gpu.session, flush=True)
         gpu.synchronize()
         return
     buf = gpu.allocate_memory(32 * MIB)

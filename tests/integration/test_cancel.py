@@ -116,7 +116,7 @@ def test_ctrl_c_in_a_scripts_wait_abandons_the_work_and_spares_the_other_tenants
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             assert child.stdout is not None
-            assert child.stdout.readline() == b"waiting\n"
+            assert child.stdout.readline().startswith(b"waiting ")
             # Ctrl-C once its main thread waits in the synchronize (blocked in poll: the ring's wait for the ack),
             # not before it got there.
             wait_for(lambda: "poll" in Path(f"/proc/{child.pid}/wchan").read_text(), 30,
@@ -141,25 +141,27 @@ def test_ctrl_c_in_a_scripts_wait_abandons_the_work_and_spares_the_other_tenants
 
 def test_a_script_killed_in_its_wait_leaves_nothing_running(cancel_broker: BrokerProcess, backend: str) -> None:
     """A script killed while it waits for an endless kernel (SIGKILL: no cancel) and run again at once: the
-    rerun's session cannot open while the worker is blocked in the dead client's wait; when that client's lease
-    expires, its work is stopped with the worker (no other session of the tenant uses it), the rerun is told why,
-    and its next session is served."""
+    rerun's open waits for the worker, blocked in the dead client's wait; when that client's lease expires, its
+    work is stopped with the worker (a session still opening is not one to spare), the rerun is told which session
+    expired, and its next session is served."""
     token = cancel_broker.tokens["alice"]
     child = subprocess.Popen([sys.executable, CLIENT, cancel_broker.target, token, "spin"], stdout=subprocess.PIPE)
     try:
-        assert child.stdout is not None and child.stdout.readline() == b"waiting\n"
+        assert child.stdout is not None
+        waiting, killed = child.stdout.readline().decode().split()
+        assert waiting == "waiting"
         wait_for(lambda: "poll" in Path(f"/proc/{child.pid}/wchan").read_text(), 30, "the kernel to run")
     finally:
         child.kill()
         child.wait()
     start = time.monotonic()
     # (the open itself may be what fails: the worker answers it behind the kernel)
-    with pytest.raises(GpuBrokerError, match=r"expired \(no heartbeat from its client\) while its work ran; the "
-                                             r"worker was stopped") as stopped, \
+    with pytest.raises(GpuBrokerError, match=rf"session {killed} of tenant alice expired \(no heartbeat from its "
+                                             r"client\) while its work ran; the worker was stopped") as stopped, \
             connect(cancel_broker.target, token=token) as rerun:
         rerun.allocate_memory(64)
         rerun.synchronize(timeout=60)
-    assert time.monotonic() - start < 30, "the rerun waited for more than the lease (2 s) and the grace (1 s)"
+    assert time.monotonic() - start < 10, "the rerun waited for more than the lease (2 s) and the grace (1 s)"
     assert not isinstance(stopped.value, DeadlineExceeded)
     with connect(cancel_broker.target, token=token) as again:
         kernel, buf = _spin(again, backend)

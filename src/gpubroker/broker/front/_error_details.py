@@ -63,10 +63,11 @@ def _metadata(wire: WireError) -> dict[str, str]:
     return metadata
 
 
-def rich_status(exc: GpuBrokerError, message: str | None = None) -> bytes | None:
+def rich_status(exc: GpuBrokerError, message: str | None = None, wire: WireError | None = None) -> bytes | None:
     """``exc`` as a serialized ``google.rpc.Status`` for ``grpc-status-details-bin`` (with ``message`` as the
-    status's, if the call's is cut), or None when it would not fit (the message alone is too long)."""
-    wire = exc.as_wire()
+    status's, if the call's is cut; ``wire``: ``exc.as_wire()`` if made already), or None when it would not fit
+    (the message alone is too long)."""
+    wire = exc.as_wire() if wire is None else wire
     message = exc.message if message is None else message
     status = status_pb2.Status(code=grpc.StatusCode[exc.code].value[0], message=message)
     status.details.add().Pack(error_details_pb2.ErrorInfo(reason=_reason(wire), domain=ERROR_DOMAIN,
@@ -89,7 +90,9 @@ def budget(metadata: Iterable[tuple[str, str | bytes]] | None) -> int:
     """The trailers' budget for a call: what its client asked for (ERROR_BUDGET_HEADER, within MAX_BUDGET), else
     DEFAULT_BUDGET."""
     for key, value in metadata or ():
-        if key == ERROR_BUDGET_HEADER and isinstance(value, str) and value.isdigit() and len(value) < 10:
+        # (isascii: str.isdigit takes "²", which int() refuses; any peer may send the header)
+        if key == ERROR_BUDGET_HEADER and isinstance(value, str) and value.isascii() and value.isdigit() \
+                and len(value) < 10:
             return max(DEFAULT_BUDGET, min(int(value), MAX_BUDGET))
     return DEFAULT_BUDGET
 
@@ -112,35 +115,44 @@ def _cut(text: str, keep: int) -> str:
 
 
 def error_trailers(exc: GpuBrokerError, room: int) -> tuple[str, tuple[tuple[str, bytes], ...]]:
-    """The status message and the trailers for ``exc`` within ``room`` bytes (``budget``): the message cut to
-    MAX_MESSAGE_BYTES on the wire, the rich status if it fits in half of what is left, our trailer (the WireError,
-    its message left empty: the status has it) with its longest texts cut until it fits in the rest."""
+    """The status message and the trailers for ``exc`` within ``room`` bytes (``budget``): the message cut to an
+    eighth of it on the wire (MAX_MESSAGE_BYTES at the least), the rich status if it fits in half of what is left,
+    our trailer (the WireError, its message left empty: the status has it) with its long texts cut to fit the
+    rest. A worker's error may hold 32 texts of 256 KiB: they are cut in one pass, each to its share, so a refused
+    call costs the front one encoding of what is sent, not one per text."""
     message = exc.message
-    if _on_the_wire(message) > MAX_MESSAGE_BYTES:
-        keep = min(len(message), MAX_MESSAGE_BYTES)
-        while keep > 64 and _on_the_wire(cut := _cut(message, keep)) > MAX_MESSAGE_BYTES:
+    message_room = max(MAX_MESSAGE_BYTES, room // 8)
+    if _on_the_wire(message) > message_room:
+        keep = min(len(message), message_room)
+        while keep > 64 and _on_the_wire(cut := _cut(message, keep)) > message_room:
             keep = keep * 3 // 4
         message = cut if keep > 64 else message[:64]
     left = room - _on_the_wire(message)
     trailers: list[tuple[str, bytes]] = []
-    rich = rich_status(exc, message)
+    wire = exc.as_wire()
+    rich = rich_status(exc, message, wire)
     if rich is not None and _base64(len(rich)) + len(DETAILS_TRAILER) <= left // 2:
         trailers.append((DETAILS_TRAILER, rich))
         left -= _base64(len(rich)) + len(DETAILS_TRAILER)
-    wire = msgspec.structs.replace(exc.as_wire(), message="")
-    ours = encode(wire)
-    while _base64(len(ours)) + len(ERROR_TRAILER) > left:
-        texts = {k: v for k, v in wire.details.items() if isinstance(v, str) and len(v) > 256}
-        if not texts:  # (only short details, too many of them for the room: the class and code still go)
-            wire = msgspec.structs.replace(wire, details={})
-            ours = encode(wire)
-            break
-        longest = max(texts, key=lambda k: len(texts[k]))
-        over = len(ours) - (left - len(ERROR_TRAILER)) * 3 // 4 + 128
-        keep = max(128, len(texts[longest]) - over)
+    wire = msgspec.structs.replace(wire, message="")
+    raw_room = (left - len(ERROR_TRAILER)) * 3 // 4  # what our trailer may take before base64
+    long = {k: v for k, v in wire.details.items() if isinstance(v, str) and len(v) > 256}
+    if long and sum(len(v.encode()) for v in long.values()) > raw_room:
+        # Each long text its share of the room, less the rest of the error (in UTF-8 bytes: a character may
+        # take four), with room for the cut's note.
+        rest = len(encode(msgspec.structs.replace(wire, details={k: v for k, v in wire.details.items()
+                                                                 if k not in long})))
+        share = (raw_room - rest) // len(long) - 96
         details = dict(wire.details)
-        details[longest] = _cut(texts[longest], keep) if keep < len(texts[longest]) - 96 else texts[longest][:keep]
+        for key, text in long.items():
+            size = len(text.encode())
+            if share < 128:  # (too many to keep any of each: their sizes only)
+                details[key] = f"[{len(text)} characters: more than gRPC's trailers hold]"
+            elif size > share:
+                details[key] = _cut(text, max(64, len(text) * share // size))
         wire = msgspec.structs.replace(wire, details=details)
-        ours = encode(wire)
+    ours = encode(wire)
+    if _base64(len(ours)) + len(ERROR_TRAILER) > left:  # (many short details and no room: the class and code go)
+        ours = encode(msgspec.structs.replace(wire, details={}))
     trailers.insert(0, (ERROR_TRAILER, ours))
     return message, tuple(trailers)

@@ -327,10 +327,17 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         except Unauthenticated:
             await self.sessions.close(session, reason="closed: its token was revoked as it opened")
             raise
+        try:
+            info = await self._device_info(session)
+        except BaseException:
+            # (its worker failed, or the client gave up, before the open was answered: no client holds the session)
+            self.sessions.end(session, reason="closed: its opening failed")
+            raise
+        session.opened = True
         return pb.OpenSessionResponse(
             session=session.id, lease_seconds=session.lease_seconds, max_chunk_bytes=self.config.chunk_bytes,
-            device=self._tenant_view(tenant, session.device, await self._device_info(session)),
-            link_port=self.link_port, link_vsock_port=self.link_vsock_port)
+            device=self._tenant_view(tenant, session.device, info), link_port=self.link_port,
+            link_vsock_port=self.link_vsock_port)
 
     async def _device_info(self, session: Session) -> DeviceInfo:
         """The device as the worker describes it now (its memory use then mirrored)."""
@@ -356,8 +363,8 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         worker is stopped, unless it serves the tenant's other sessions too: they go on, and the work finishes
         there unwaited for. (The wait covers the worker's whole queue, the other sessions' work too, and nothing
         tells whose work runs: so an idle session's expiry never stops a worker another session of the tenant
-        keeps busy. A worker blocked in the gone client's wait cannot even open another session, so a rerun's
-        session is not there yet to spare it.) The stop is nobody's failure (the tenant's client asked for it, or
+        keeps busy. A session still opening does not count: a killed script's rerun, whose open waits for the
+        worker behind the abandoned work.) The stop is nobody's failure (the tenant's client asked for it, or
         left); the work's device time is charged up to it (the scheduler's fence)."""
         batch, data = commands.pack([Synchronize()])  # (waits for the session's work; runs nothing of its own)
         settled = asyncio.ensure_future(session.worker.run_batch(session.id, batch, data))
@@ -365,7 +372,9 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
         done, _ = await asyncio.wait({settled}, timeout=CANCEL_GRACE)
         if done or not session.worker.alive:
             return
-        others = any(other is not session and other.worker is session.worker
+        # (a session still opening is not one to spare: its client has nothing yet, and its open waits behind the
+        # very work abandoned here, as a killed script's rerun does)
+        others = any(other is not session and other.worker is session.worker and other.opened
                      for other in self.sessions.sessions.values())
         if others:
             log.info("session %s of tenant %s %s: its work goes on in the worker the tenant's other sessions use",

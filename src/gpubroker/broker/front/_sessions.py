@@ -65,6 +65,8 @@ class Session:
     # Why it ended (closed, cancelled, expired, ended by an admin), once it left the list: a stream or link that
     # still holds it (a Commands stream looks its session up once) runs nothing more for it.
     ended: str | None = None
+    # Whether its client has it: OpenSession answered (until then the open waits for the worker's device info).
+    opened: bool = False
     inflight: int = 0
     shared_bytes: int = 0  # host memory mapped for this session as shared-memory segments
     # The sizes of the segments the front registered for it, to uncount each at its release (not a handle

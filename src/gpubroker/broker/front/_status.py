@@ -219,7 +219,11 @@ async def abort_with(context: Context, exc: GpuBrokerError) -> None:
         asked = context.invocation_metadata()
     except Exception:  # (a call the front refused before gRPC read its headers has none)
         asked = None
-    message, trailers = error_trailers(exc, budget(asked))
+    try:
+        message, trailers = error_trailers(exc, budget(asked))
+    except Exception:  # (a bug here must not turn a refusal into a traceback: the code and a short message go)
+        log.exception("the trailers of a %s error failed", exc.code)
+        message, trailers = exc.message[:1024], ()
     await context.abort(grpc.StatusCode[exc.code], message, trailing_metadata=trailers)
 
 
