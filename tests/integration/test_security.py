@@ -152,6 +152,11 @@ def test_tenant_edits_reload_the_running_broker_when_asked(guarded: BrokerProces
     assert removed.returncode == 0 and "removed ['frank']" in removed.stdout, removed.stdout + removed.stderr
     with pytest.raises(Unauthenticated):
         connect(guarded.target, token=frank)
+    elsewhere = subprocess.run([sys.executable, "-m", "gpubroker.broker.cli", "tenant", "add", "gus", "--config",
+                                str(guarded.config_path.with_name("other.toml")), "--reload", "--target",
+                                guarded.target], env={**env, "GPUBROKER_TOKEN": guarded.tokens["ops"]},
+                               capture_output=True, text=True, timeout=120)
+    assert elsewhere.returncode == 1 and "did not see this change: it reads another config file" in elsewhere.stdout
     refused = cli("tenant", "rotate-token", "erin", token=guarded.tokens["alice"])  # not an admin: the edit stands
     assert refused.returncode == 1 and "Not reloaded (PermissionDenied)" in refused.stdout
     with connect(guarded.target, token=erin) as a:  # the old token until a reload

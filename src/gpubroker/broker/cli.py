@@ -149,11 +149,14 @@ def _cmd_tenant_add(args: argparse.Namespace) -> int:
     # In place: the operator's comments and layout stay as they were; only the new table is appended.
     path = add_tenant_in_place(args.config, tenant)
     audit.info("action=tenant-add tenant=%s config=%s admin=%s by=%s", args.name, path, args.admin, _who())
-    # The reload before the token, and the token whatever the reload did: the token is shown only now.
-    reloaded, status = _reload_after_edit(args, "serves it")
-    print(f"added tenant {args.name!r} to {path} (memory {format_size(tenant.memory_quota)}, "
-          f"weight {args.weight}). {reloaded}", end=" ")
-    _give_token(token.token, args.token_file)
+    # The reload before the token, and the token whatever the reload did (Ctrl-C included): it is shown only now.
+    reloaded, status = "Not reloaded: interrupted.", 130
+    try:
+        reloaded, status = _reload_after_edit(args, path, "added", "serves it")
+    finally:
+        print(f"added tenant {args.name!r} to {path} (memory {format_size(tenant.memory_quota)}, "
+              f"weight {args.weight}). {reloaded}", end=" ")
+        _give_token(token.token, args.token_file)
     return status
 
 
@@ -162,10 +165,12 @@ _RELOAD_HINT = ("A running broker {what} after a reload: `gpubroker reload` (an 
                 "`systemctl reload gpubroker`, or this command's --reload.")
 
 
-def _reload_after_edit(args: argparse.Namespace, what: str) -> tuple[str, int]:
+def _reload_after_edit(args: argparse.Namespace, path: Path, seen: str, what: str) -> tuple[str, int]:
     """With --reload, the running broker at --target re-reads its tenants now, through its Admin service with the
-    admin token in GPUBROKER_TOKEN: what happened, for the operator, and the exit status it makes. The edit stands
-    either way (the first admin has no token yet: it comes by SIGHUP, docs/operator/tenants.md)."""
+    admin token in GPUBROKER_TOKEN: what happened, for the operator, and the exit status it makes (1 unless the
+    reload saw this tenant among those it ``seen``: "added", "changed" or "removed"; a broker that reads another
+    file did not). The edit stands either way (the first admin has no token yet: it comes by SIGHUP,
+    docs/operator/tenants.md)."""
     if not args.reload:
         return _RELOAD_HINT.format(what=what), 0
     token = os.environ.get("GPUBROKER_TOKEN", "")
@@ -179,8 +184,14 @@ def _reload_after_edit(args: argparse.Namespace, what: str) -> tuple[str, int]:
             answer = admin.reload()
     except GpuBrokerError as exc:
         return f"Not reloaded ({type(exc).__name__}): {exc.message}", 1
-    return (f"The broker at {args.target} reloaded (added {list(answer.added)}, removed {list(answer.removed)}, "
-            f"changed {list(answer.changed)}, {answer.sessions_ended} sessions ended): it {what} now."), 0
+    except Exception as exc:  # (a target that is no address, say: the edit and its token stand all the same)
+        return f"Not reloaded ({type(exc).__name__}): {exc}", 1
+    did = (f"added {list(answer.added)}, removed {list(answer.removed)}, changed {list(answer.changed)}, "
+           f"{answer.sessions_ended} sessions ended")
+    if args.name not in getattr(answer, seen):
+        return (f"The broker at {args.target} reloaded ({did}) but did not see this change: it reads another "
+                f"config file than {path}. Reload the broker that reads it."), 1
+    return f"The broker at {args.target} reloaded ({did}): it {what} now.", 0
 
 
 def _give_token(token: str, token_file: str | None) -> None:
@@ -215,9 +226,12 @@ def _cmd_tenant_rotate(args: argparse.Namespace) -> int:
     token = mint_token()
     path = rotate_token_in_place(args.config, args.name, token.token_id, token.token_hash)
     audit.info("action=tenant-rotate-token tenant=%s config=%s by=%s", args.name, path, _who())
-    reloaded, status = _reload_after_edit(args, "takes the new token and refuses the old one")
-    print(f"new token for tenant {args.name!r} in {path}. {reloaded}", end=" ")
-    _give_token(token.token, args.token_file)
+    reloaded, status = "Not reloaded: interrupted.", 130
+    try:
+        reloaded, status = _reload_after_edit(args, path, "changed", "takes the new token and refuses the old one")
+    finally:
+        print(f"new token for tenant {args.name!r} in {path}. {reloaded}", end=" ")
+        _give_token(token.token, args.token_file)
     return status
 
 
@@ -241,7 +255,7 @@ def _who() -> str:
 def _cmd_tenant_remove(args: argparse.Namespace) -> int:
     path = remove_tenant_in_place(args.config, args.name)
     audit.info("action=tenant-remove tenant=%s config=%s by=%s", args.name, path, _who())
-    reloaded, status = _reload_after_edit(args, "ends its sessions and refuses its token")
+    reloaded, status = _reload_after_edit(args, path, "removed", "ends its sessions and refuses its token")
     print(f"removed tenant {args.name!r} from {path}. {reloaded}")
     return status
 
