@@ -202,13 +202,15 @@ class RemoteGpu:
             raise FailedPrecondition("this RemoteGpu is not initialized (use connect(), or call initialize())")
         return self._transport
 
-    def _call(self, method: str, request: Any) -> Any:
-        """A control-plane call (typed gRPC). It sees the effects of every command queued before it: program order
-        across the two planes (a queued error stays kept for the next synchronize)."""
+    def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        """A control-plane call (typed gRPC), within ``timeout`` (None: the session's). It sees the effects of every
+        command queued before it: program order across the two planes (a queued error stays kept for the next
+        synchronize)."""
         if self._closed.is_set():
             raise FailedPrecondition("this RemoteGpu is closed")
         self._drain()
-        return translated(getattr(self._stub, method), request, metadata=self._metadata, timeout=self.timeout)
+        return translated(getattr(self._stub, method), request, metadata=self._metadata,
+                          timeout=self.timeout if timeout is None else timeout)
 
     def _command(self, command: Command) -> None:
         """Queued with async_commands (errors deferred to the next synchronize), else a round trip."""
@@ -766,7 +768,9 @@ class RemoteGpu:
             self._transport = None
         try:
             if self._session:
-                self._call("CloseSession", pb.CloseSessionRequest(session=self._session, cancel=cancel))
+                # (a cancel waits for no work: the broker's grace and a worker's stop, not the session's timeout)
+                self._call("CloseSession", pb.CloseSessionRequest(session=self._session, cancel=cancel),
+                           timeout=min(self.timeout or _CANCEL_TIMEOUT, _CANCEL_TIMEOUT) if cancel else None)
         except GpuBrokerError:
             pass  # already gone (expired, worker lost): nothing left to free
         finally:
@@ -784,6 +788,10 @@ class RemoteGpu:
         """End the session on leaving the block: `close()`, or `cancel()` if the block raised (Ctrl-C in a long
         `synchronize()` leaves at once, abandoning the work, instead of waiting for it in the close)."""
         self._end(cancel=kind is not None)
+
+
+# How long a cancel waits for the broker's answer: its grace for the work (1 s) and a worker's stop, with room.
+_CANCEL_TIMEOUT = 15.0
 
 
 def _timeout(value: object) -> float | None:

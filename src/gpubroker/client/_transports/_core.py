@@ -477,29 +477,35 @@ class BatchingTransport:
         if not self._open_now:
             self.carrier.open()  # (refused: these commands never went out, and the refusal says why)
             self._open_now = True
-        try:
-            while end is not None and len(self._unacked) >= self.window and self._open_now:
-                self._read_ack(end, limit)
-        except DeadlineExceeded:
-            # (no room within the call's bound: nothing was sent, and the commands go back to the queue)
-            self._pending, self._pending_result = commands + self._pending, on_result
-            raise
-        return self._send_batch(commands, self._seq - len(commands) + 1, on_result, call_seq)
+        return self._send_batch(commands, self._seq - len(commands) + 1, on_result, call_seq, end, limit)
 
     def _send_batch(self, commands: list[Command], first: int, on_result: Callable[[Any], None] | None,
-                    call_seq: int) -> _Sent | None:
+                    call_seq: int, end: float | None = None, limit: float | None = None) -> _Sent | None:
+        """Send ``commands`` as a batch (two halves, in order, if too large for a frame), each once the window has
+        room; waiting for it past a call's bound raises DeadlineExceeded with what was not sent back on the
+        queue, in order, ahead of anything queued after."""
         payload = encode(Batch(self._next_id, first, commands))
         if len(payload) > self.carrier.max_data + ENVELOPE:  # (max_frame, without a property's call)
             if len(commands) > 1:  # (many launches with long argument lists): two batches, in order
                 half = len(commands) // 2
-                if self._send_batch(commands[:half], first, None, 0) is None:
-                    return None
-                return self._send_batch(commands[half:], first + half, on_result, call_seq)
+                try:
+                    if self._send_batch(commands[:half], first, None, 0, end, limit) is None:
+                        return None
+                except DeadlineExceeded:
+                    self._pending[half:half] = commands[half:]  # (after the first half, which went back)
+                    self._pending_result = on_result
+                    raise
+                return self._send_batch(commands[half:], first + half, on_result, call_seq, end, limit)
             self._keep(InvalidArgument(f"command {first} ({type(commands[0]).__name__}) is {len(payload)} bytes "
                                        f"encoded, more than the {self.max_frame} a batch may be"), call_seq)
             return None
-        while len(self._unacked) >= self.window and self._open_now:
-            self._read_ack()  # back-pressure: the worker is `window` batches behind
+        try:
+            while len(self._unacked) >= self.window and self._open_now:
+                self._read_ack(end, limit)  # back-pressure: the worker is `window` batches behind
+        except DeadlineExceeded:
+            self._pending[:0] = commands  # (not sent: queued again, for the next flush)
+            self._pending_result = on_result
+            raise
         if not self._open_now:
             # Lost while waiting for room: the loss is kept; these commands are reported lost with it.
             return None
