@@ -179,7 +179,8 @@ class WorkerClient:
         # and the death is its tenant's failure.
         self.fault: GpuBrokerError | None = None
         self.tenant_code_ran = False
-        # Killed by the front because a credential it served was revoked (``retire``): nobody's failure.
+        # Killed by the front because a credential it served was revoked, or its session's work was abandoned
+        # (``retire``): nobody's failure.
         self.retired = False
         # Who the death is charged to, once decided by the pool: "tenant", "device" or None (a stop, a drain).
         self.blame: str | None = None
