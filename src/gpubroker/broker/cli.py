@@ -149,20 +149,26 @@ def _cmd_tenant_add(args: argparse.Namespace) -> int:
     # In place: the operator's comments and layout stay as they were; only the new table is appended.
     path = add_tenant_in_place(args.config, tenant)
     audit.info("action=tenant-add tenant=%s config=%s admin=%s by=%s", args.name, path, args.admin, _who())
-    # The reload before the token, and the token whatever the reload did (Ctrl-C included): it is shown only now.
-    reloaded, status = "Not reloaded: interrupted.", 130
-    try:
-        reloaded, status = _reload_after_edit(args, path, "added", "serves it")
-    finally:
-        print(f"added tenant {args.name!r} to {path} (memory {format_size(tenant.memory_quota)}, "
-              f"weight {args.weight}). {reloaded}", end=" ")
-        _give_token(token.token, args.token_file)
-    return status
+    return _reload_then_give_token(args, path, "added", "serves it", token.token,
+                                   f"added tenant {args.name!r} to {path} (memory "
+                                   f"{format_size(tenant.memory_quota)}, weight {args.weight}).")
 
 
 # What each edit of the tenants tells when nothing reloaded the broker.
 _RELOAD_HINT = ("A running broker {what} after a reload: `gpubroker reload` (an admin's token), SIGHUP or "
                 "`systemctl reload gpubroker`, or this command's --reload.")
+
+
+def _reload_then_give_token(args: argparse.Namespace, path: Path, seen: str, what: str, token: str, done: str) -> int:
+    """After an edit that made ``token``: the reload (``_reload_after_edit``), then what was ``done`` and the token,
+    whatever the reload did, Ctrl-C included (the token is shown only now). The exit status."""
+    reloaded, status = "Not reloaded: interrupted.", 130
+    try:
+        reloaded, status = _reload_after_edit(args, path, seen, what)
+    finally:
+        print(f"{done} {reloaded}", end=" ")
+        _give_token(token, args.token_file)
+    return status
 
 
 def _reload_after_edit(args: argparse.Namespace, path: Path, seen: str, what: str) -> tuple[str, int]:
@@ -182,9 +188,7 @@ def _reload_after_edit(args: argparse.Namespace, path: Path, seen: str, what: st
     try:
         with AdminClient(args.target, token) as admin:
             answer = admin.reload()
-    except GpuBrokerError as exc:
-        return f"Not reloaded ({type(exc).__name__}): {exc.message}", 1
-    except Exception as exc:  # (a target that is no address, say: the edit and its token stand all the same)
+    except Exception as exc:  # (a refusal, or a target that is no address: the edit and its token stand)
         return f"Not reloaded ({type(exc).__name__}): {exc}", 1
     did = (f"added {list(answer.added)}, removed {list(answer.removed)}, changed {list(answer.changed)}, "
            f"{answer.sessions_ended} sessions ended")
@@ -226,13 +230,8 @@ def _cmd_tenant_rotate(args: argparse.Namespace) -> int:
     token = mint_token()
     path = rotate_token_in_place(args.config, args.name, token.token_id, token.token_hash)
     audit.info("action=tenant-rotate-token tenant=%s config=%s by=%s", args.name, path, _who())
-    reloaded, status = "Not reloaded: interrupted.", 130
-    try:
-        reloaded, status = _reload_after_edit(args, path, "changed", "takes the new token and refuses the old one")
-    finally:
-        print(f"new token for tenant {args.name!r} in {path}. {reloaded}", end=" ")
-        _give_token(token.token, args.token_file)
-    return status
+    return _reload_then_give_token(args, path, "changed", "takes the new token and refuses the old one", token.token,
+                                   f"new token for tenant {args.name!r} in {path}.")
 
 
 def _reload_options(parser: argparse.ArgumentParser) -> None:

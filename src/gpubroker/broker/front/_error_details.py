@@ -136,16 +136,16 @@ def error_trailers(exc: GpuBrokerError, room: int) -> tuple[str, tuple[tuple[str
         left -= _base64(len(rich)) + len(DETAILS_TRAILER)
     wire = msgspec.structs.replace(wire, message="")
     raw_room = (left - len(ERROR_TRAILER)) * 3 // 4  # what our trailer may take before base64
-    long = {k: v for k, v in wire.details.items() if isinstance(v, str) and len(v) > 256}
-    if long and sum(len(v.encode()) for v in long.values()) > raw_room:
-        # Each long text its share of the room, less the rest of the error (in UTF-8 bytes: a character may
-        # take four), with room for the cut's note.
+    long = {k: v for k, v in wire.details.items() if isinstance(v, str) and len(v) > MAX_METADATA_VALUE}
+    sizes = {k: len(v.encode()) for k, v in long.items()}  # (in UTF-8 bytes: a character may take four)
+    if sum(sizes.values()) > raw_room:
+        # Each long text its share of the room, less the rest of the error, with room for the cut's note.
         rest = len(encode(msgspec.structs.replace(wire, details={k: v for k, v in wire.details.items()
                                                                  if k not in long})))
         share = (raw_room - rest) // len(long) - 96
         details = dict(wire.details)
         for key, text in long.items():
-            size = len(text.encode())
+            size = sizes[key]
             if share < 128:  # (too many to keep any of each: their sizes only)
                 details[key] = f"[{len(text)} characters: more than gRPC's trailers hold]"
             elif size > share:

@@ -333,7 +333,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
             # (its worker failed, or the client gave up, before the open was answered: no client holds the session)
             self.sessions.end(session, reason="closed: its opening failed")
             raise
-        session.opened = True
+        session.answered = True
         return pb.OpenSessionResponse(
             session=session.id, lease_seconds=session.lease_seconds, max_chunk_bytes=self.config.chunk_bytes,
             device=self._tenant_view(tenant, session.device, info), link_port=self.link_port,
@@ -374,7 +374,7 @@ class GpuBrokerService(pb_grpc.GpuBrokerServicer):
             return
         # (a session still opening is not one to spare: its client has nothing yet, and its open waits behind the
         # very work abandoned here, as a killed script's rerun does)
-        others = any(other is not session and other.worker is session.worker and other.opened
+        others = any(other is not session and other.worker is session.worker and other.answered
                      for other in self.sessions.sessions.values())
         if others:
             log.info("session %s of tenant %s %s: its work goes on in the worker the tenant's other sessions use",

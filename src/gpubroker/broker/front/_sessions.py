@@ -64,9 +64,9 @@ class Session:
     lost: str | None = None  # why the session's device state is gone
     # Why it ended (closed, cancelled, expired, ended by an admin), once it left the list: a stream or link that
     # still holds it (a Commands stream looks its session up once) runs nothing more for it.
-    ended: str | None = None
+    end_reason: str | None = None
     # Whether its client has it: OpenSession answered (until then the open waits for the worker's device info).
-    opened: bool = False
+    answered: bool = False
     inflight: int = 0
     shared_bytes: int = 0  # host memory mapped for this session as shared-memory segments
     # The sizes of the segments the front registered for it, to uncount each at its release (not a handle
@@ -96,8 +96,8 @@ class Session:
         self.last_seen = time.monotonic()
 
     def check_alive(self) -> WorkerClient:
-        if self.ended is not None:
-            raise NotFound(f"session {self.id!r} has ended: {self.ended}; open a new session")
+        if self.end_reason is not None:
+            raise ended_error(self.id, self.end_reason)
         if self.worker.fault is not None:
             # Killed (or being killed) for a cause: a client that asks why its link dropped learns the cause at
             # once, not a crash, even before the front has noticed the process's exit.
@@ -107,6 +107,11 @@ class Session:
             raise self.worker.death_error() if self.worker.death is not None else WorkerCrashed(self.lost)
         return self.worker
 
+
+
+def ended_error(session_id: str, reason: str) -> NotFound:
+    """What a call naming a session that ended is told: why, and what to do."""
+    return NotFound(f"session {session_id!r} has ended: {reason}; open a new session")
 
 
 class Admission(Protocol):
@@ -288,7 +293,7 @@ class SessionManager:
         if session is None or session.tenant != tenant:
             ended = self.recently_ended.get(session_id)
             if ended is not None and ended[0] == tenant:
-                raise NotFound(f"session {session_id!r} has ended: {ended[1]}; open a new session")
+                raise ended_error(session_id, ended[1])
             raise NotFound(f"no session {session_id!r}")
         session.touch()
         return session
@@ -302,7 +307,7 @@ class SessionManager:
         """Take the session off the list (and its tenant's count); False if it had already ended."""
         if self.sessions.pop(session.id, None) is None:
             return False
-        session.ended = reason
+        session.end_reason = reason
         # Why it ended, for its client's next call (a lease that expired while the client was suspended, say): the
         # last RECENTLY_ENDED of them.
         self.recently_ended[session.id] = (session.tenant, reason)

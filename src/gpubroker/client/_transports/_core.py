@@ -463,8 +463,8 @@ class BatchingTransport:
 
     def _flush(self, call_seq: int = 0, end: float | None = None, limit: float | None = None) -> _Sent | None:
         """Send what is queued as one batch (two, if too large for one frame). A call's own bound (``end``,
-        ``limit``: ``_read_ack``'s) bounds its wait for room in the window; past it DeadlineExceeded, with nothing
-        taken off the queue."""
+        ``limit``: ``_read_ack``'s) bounds its wait for room in the window; past it DeadlineExceeded, with what was
+        not sent back on the queue (``_send_batch``)."""
         if not self._pending:
             return None
         commands, self._pending = self._pending, []
