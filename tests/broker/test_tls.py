@@ -119,9 +119,9 @@ def test_handshake_refuses_bad_or_missing_client_certificates(tls_broker: Broker
     # A valid token does not help: the TLS handshake itself fails before any call is authenticated.
     err = _refused(tls_broker.tcp_target, _client(certs, who), tls_broker.tokens["alice"])
     assert isinstance(err, Unavailable)
-    # gRPC's own words ("Socket closed") get what to check in front of them.
-    assert err.message.startswith("the broker closed the connection during its TLS handshake: it may require a "
-                                  "client certificate"), err.message
+    # gRPC's own words ("Socket closed", or a reset, as the handshake's timing goes) get what to check in front.
+    assert err.message.startswith("the broker closed the connection") and "require a client certificate" in \
+        err.message, err.message
     # The broker's gRPC core logs why it refused, which tells these cases apart (the client sees only a reset);
     # it logs that at INFO, which GRPC_VERBOSITY=ERROR silences.
     if os.environ.get("GRPC_VERBOSITY", "").upper() in ("ERROR", "NONE"):

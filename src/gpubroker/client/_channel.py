@@ -99,6 +99,9 @@ _CONNECTION_HINTS = (
     ("Socket closed", "the broker closed the connection during its TLS handshake: it may require a client "
                       "certificate (TlsOptions(cert_file=..., key_file=...)) or not trust this one, or this "
                       "client may not trust the broker's (TlsOptions(ca_file=...))"),
+    ("Connection reset by peer", "the broker closed the connection as it was made (a reset): over TLS it may "
+                                 "require a client certificate (TlsOptions(cert_file=..., key_file=...)) or not "
+                                 "trust this one; else it may have stopped"),
 )
 
 
