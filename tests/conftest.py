@@ -120,3 +120,18 @@ def _no_proxy() -> None:
     # grpc honours http_proxy even for unix sockets on some builds; tests talk only to local brokers.
     for key in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
         os.environ.pop(key, None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test shows the end of each of its brokers' logs (audit lines say why the front closed a connection,
+    refused a call or killed a worker): a failure on CI, whose brokers are gone when it ends, can be read from the
+    report alone."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if not report.failed or call.when == "teardown":
+        return
+    funcargs = getattr(item, "funcargs", {})
+    brokers = {id(value): (name, value) for name, value in funcargs.items() if isinstance(value, BrokerProcess)}
+    for name, proc in brokers.values():
+        report.sections.append((f"broker log ({name}, its last 12 KB)", proc.log_tail(12_000)))

@@ -362,3 +362,40 @@ def test_a_connection_mistake_says_what_to_do(tmp_path: Any, target: str, hint: 
     with pytest.raises(Unavailable) as refused:
         list_devices(target.format(tmp=tmp_path), "gpb_x_y", timeout=10)
     assert refused.value.message.startswith(hint) and "(" in refused.value.message, refused.value.message
+
+
+def test_a_unix_connection_the_broker_closes_gets_no_tls_hint(tmp_path: Any) -> None:
+    """A Unix socket negotiates no TLS: a connection closed as it is made (a broker refusing it over a cap, as its
+    front does by closing it) is said to be that, not a certificate the client lacks."""
+    import socket
+    import threading
+
+    from gpubroker.client import Unavailable, list_devices
+
+    path = str(tmp_path / "closes.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(16)
+    stop = threading.Event()
+
+    def refuse_all() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.close()
+
+    thread = threading.Thread(target=refuse_all, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(Unavailable) as refused:
+            list_devices(f"unix:{path}", "gpb_x_y", timeout=10)
+    finally:
+        stop.set()
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        thread.join(5)
+    message = refused.value.message
+    assert message.startswith("the broker closed the connection: it refuses a connection over its caps"), message
+    assert "certificate" not in message

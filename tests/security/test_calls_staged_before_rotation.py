@@ -27,7 +27,14 @@ import grpc
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.client import AdminClient, GpuBrokerError, ResourceExhausted, Unauthenticated, connect
+from gpubroker.client import (
+    AdminClient,
+    GpuBrokerError,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    connect,
+)
 from gpubroker.v1 import broker_pb2 as pb
 from gpubroker.v1 import broker_pb2_grpc as pb_grpc
 
@@ -154,6 +161,19 @@ def _stage(broker: BrokerProcess, token: str, calls: list[tuple[str, bytes]]) ->
     return staged
 
 
+def _refused_as_revoked(broker: BrokerProcess, token: str) -> None:
+    """A fresh session with ``token`` is refused UNAUTHENTICATED. (A connection the front closed as it was made, on
+    a loaded machine, is tried again, as a client does with UNAVAILABLE: once it reaches gRPC, the token decides.)"""
+    for attempt in range(3):
+        try:
+            with pytest.raises(Unauthenticated):
+                connect(broker.target, token=token, transport="grpc", shared_memory=False)
+            return
+        except Unavailable:
+            if attempt == 2:
+                raise
+
+
 def _no_traceback(broker: BrokerProcess) -> None:
     log = broker.log_tail(1_000_000)
     assert "Traceback" not in log, log[log.index("Traceback") - 500:][:3000]
@@ -169,8 +189,7 @@ def test_a_call_staged_before_a_rotation_does_not_run_with_the_revoked_token(bro
     try:
         _rotate(broker, "bob")
         ended = [call.ended(ENDED_WITHIN) for call in staged]
-        with pytest.raises(Unauthenticated):
-            connect(broker.target, token=old, transport="grpc", shared_memory=False)
+        _refused_as_revoked(broker, old)
         allocated = allocate.finish()
         opened = open_session.finish()
     finally:

@@ -86,7 +86,9 @@ def translate_rpc_error(err: grpc.RpcError) -> GpuBrokerError:
 
 
 # gRPC's words for a connection that never came to be, and what the user does about each (the gRPC text is kept
-# after the hint, for a search).
+# after the hint, for a search). A closed or reset connection means a TLS handshake refused only where there is one:
+# on a Unix socket (gRPC names the address unix:...) nothing is negotiated, and the broker closes a connection there
+# only when it refuses it (over one of its connection caps, which its audit log names) or stops.
 _CONNECTION_HINTS = (
     ("No such file or directory", "no broker is listening there (the socket file does not exist): start one "
                                   "(`gpubroker serve --config FILE`) or check the target (--target, GPUBROKER_TARGET)"),
@@ -96,19 +98,22 @@ _CONNECTION_HINTS = (
                          "unix:/PATH, a TCP one HOST:PORT"),
     ("neither UDS or TCP loopback", "a broker on another host is reached over TLS only: connect(target, "
                                     "tls=TlsOptions(ca_file=...)) (plaintext is for Unix sockets and loopback)"),
-    ("Socket closed", "the broker closed the connection during its TLS handshake: it may require a client "
-                      "certificate (TlsOptions(cert_file=..., key_file=...)) or not trust this one, or this "
-                      "client may not trust the broker's (TlsOptions(ca_file=...))"),
-    ("Connection reset by peer", "the broker closed the connection as it was made (a reset): over TLS it may "
-                                 "require a client certificate (TlsOptions(cert_file=..., key_file=...)) or not "
-                                 "trust this one; else it may have stopped"),
 )
+_CLOSED = ("Socket closed", "Connection reset by peer")
+_CLOSED_UNIX_HINT = ("the broker closed the connection: it refuses a connection over its caps (its audit log says "
+                     "which: connections per peer, per tenant, or their rate), or it is stopping; try again, and "
+                     "if it goes on, ask the operator")
+_CLOSED_TLS_HINT = ("the broker closed the connection as it was made: over TLS it may require a client certificate "
+                    "(TlsOptions(cert_file=..., key_file=...)) or not trust this one, or this client may not trust "
+                    "the broker's (TlsOptions(ca_file=...)); else it refused the connection over its caps or stopped")
 
 
 def _connection_hint(message: str) -> str:
     for words, hint in _CONNECTION_HINTS:
         if words in message:
             return f"{hint} ({message})"
+    if any(words in message for words in _CLOSED):
+        return f"{_CLOSED_UNIX_HINT if 'unix:' in message else _CLOSED_TLS_HINT} ({message})"
     return message
 
 
