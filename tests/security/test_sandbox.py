@@ -101,7 +101,9 @@ def test_environment_is_scrubbed_and_caches_are_per_tenant(sandboxed: BrokerProc
                             "HOME", "XDG_CACHE_HOME", "POCL_CACHE_DIR", "CUPY_CACHE_DIR", "CUDA_CACHE_PATH",
                             "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_PATH", "CUDA_HOME",
                             "PYTHONNOUSERSITE", "GPUBROKER_WORKER_EXEC", "GPUBROKER_WORKER_SEAL",
-                            "PYOPENCL_NO_CACHE", "USER", "LOGNAME"} | {
+                            "PYOPENCL_NO_CACHE", "USER", "LOGNAME",
+                            # (forked by the zygote: its BLAS pools of one thread)
+                            "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"} | {
                                 k for k in env if k.startswith(("POCL_", "CUPY_", "OCL_ICD_"))}
         # pyopencl's caches are sqlite databases, which lock: the seal refuses record locks once the device is open.
         assert env.get("PYOPENCL_NO_CACHE") == "1"

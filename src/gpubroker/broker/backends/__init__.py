@@ -17,7 +17,7 @@ from gpubroker.wire.types import DeviceInfo
 if TYPE_CHECKING:
     from gpubroker.wire.compute import GpuCompute
 
-__all__ = ["BACKENDS", "TorchAccounts", "TorchSession", "detect_backend", "list_devices", "open_backend"]
+__all__ = ["BACKENDS", "TorchAccounts", "TorchSession", "detect_backend", "list_devices", "open_backend", "preload"]
 
 BACKENDS = ("cuda", "opencl")
 
@@ -48,6 +48,20 @@ def list_devices(kind: str) -> list[DeviceInfo]:
 
         return list_opencl_devices()
     raise InvalidArgument(f"unknown backend {kind!r}; expected one of {', '.join(BACKENDS)}")
+
+
+def preload(kind: str) -> None:
+    """Import the backend's modules (CuPy, or pyopencl and PoCL's library) without touching a device: no CUDA call,
+    no OpenCL platform query, so that a process forked afterwards may still open one (CUDA forbids a fork after
+    its initialization). ``auto`` loads whichever is installed."""
+    for name in (("cuda", "opencl") if kind == "auto" else (kind,)):
+        try:
+            if name == "cuda":
+                import gpubroker.broker.backends._cuda
+            elif name == "opencl":
+                import gpubroker.broker.backends._opencl  # noqa: F401
+        except ImportError:  # (open_backend says what is missing, when a worker needs it)
+            pass
 
 
 def open_backend(kind: str, device: int = 0) -> GpuCompute:

@@ -281,6 +281,13 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Run every worker in a sandbox (namespaces, an allowlisted filesystem, seccomp, resource limits); "
         "false is warned at every start, and the broker refuses to start when it cannot sandbox unless this is "
         "false."))] = True
+    worker_zygote: Annotated[bool, Meta(description=(
+        "Start sandboxed workers as forks of one process (the zygote, started with the broker) that has loaded a "
+        "worker's code once, instead of a new interpreter each that imports it again: a tenant's first session "
+        "is that much faster, the sandbox the same. The workers then share the zygote's address-space layout "
+        "(none can reach another's memory). false: each worker is a fresh exec, as is every worker while the "
+        "zygote loads (a start meanwhile waits for it), should it fail, or after a worker it forked fails to "
+        "start where an exec'd one starts (the log says which)."))] = True
     cache_dir: Annotated[str, Meta(description=(
         "Where the per-tenant compile caches live, one private subdirectory each (tenants/NAME/KEY, the key "
         "derived from the tenant's token: deleted when the tenant is removed or its token rotated, never found by "

@@ -40,7 +40,14 @@ from gpubroker.broker.front.auth import Authenticator
 from gpubroker.broker.front.listen import listen_unix, listen_vsock, secure_unix_socket
 from gpubroker.broker.front.listeners import PeerNetworks, PeerRate
 from gpubroker.broker.front.scheduler import DeviceScheduler, Metered
-from gpubroker.broker.front.workers import WorkerClient, WorkerPool, cpu_count, device_info_from_dict, hold_seconds
+from gpubroker.broker.front.workers import (
+    WorkerClient,
+    WorkerPool,
+    Zygote,
+    cpu_count,
+    device_info_from_dict,
+    hold_seconds,
+)
 from gpubroker.broker.logs import json_logging
 from gpubroker.broker.sandbox import SandboxUnavailable, WorkerSandbox, cache_key
 from gpubroker.v1 import admin_pb2 as apb
@@ -188,6 +195,11 @@ class Broker:
                                on_failure=self.health.worker_exited, max_reply_bytes=cfg.max_message_bytes + (1 << 20),
                                sandbox=self.sandbox, send_buffer_bytes=cfg.worker_send_buffer_bytes,
                                write_stall_seconds=cfg.worker_write_stall_seconds)
+        if sandbox.enabled and cfg.worker_zygote:
+            # Sandboxed workers start as forks of a process that has loaded their code (workers/_zygote.py); it
+            # loads in the background, and a start meanwhile waits for it.
+            self.pool.zygote = Zygote(backend, sandbox.zygote_environment())
+            self.pool.zygote.start()
         # Clients number the devices as this broker serves them: 0, 1, ... in the config's order.
         devices = [dataclasses.replace(d, id=i) for i, d in enumerate(devices)]
         self.sessions = SessionManager(cfg, self.pool, self.health, devices)
@@ -586,6 +598,8 @@ class Broker:
             await self.sessions.stop(grace)
         if self.pool is not None:
             await self.pool.close(max(_WORKER_EXIT_SECONDS, deadline - time.monotonic()))
+            if self.pool.zygote is not None:  # (after the workers: its launchers die with it)
+                await self.pool.zygote.stop()
         if self._removals:  # (caches of workers that just exited)
             await asyncio.gather(*self._removals, return_exceptions=True)
         if self.health is not None:

@@ -94,7 +94,8 @@ from typing import Any
 
 __all__ = ["EXEC_ENV", "EXIT_SETUP_FAILED", "SEAL_ENV", "Launch", "SandboxUnavailable", "WorkerCgroups",
            "WorkerSandbox", "WorkerUidsExhausted", "automatic_memory_max", "automatic_reserved", "cache_key",
-           "confine_exec", "default_cache_dir", "linker_files", "python_argv", "seal_after_device_open", "set_dumpable"]
+           "confine_exec", "default_cache_dir", "linker_files", "python_argv", "run_launcher", "seal_after_device_open",
+           "set_command_line", "set_dumpable"]
 
 
 def set_dumpable(dumpable: bool) -> None:
@@ -116,6 +117,10 @@ def __getattr__(name: str) -> Any:
         from gpubroker.broker.sandbox._launch import EXIT_SETUP_FAILED
 
         return EXIT_SETUP_FAILED
+    if name in ("run_launcher", "set_command_line"):  # the zygote's forked launchers (broker/zygote)
+        from gpubroker.broker.sandbox import _launch
+
+        return _launch.main if name == "run_launcher" else _launch.set_command_line
     if name in ("EXEC_ENV", "confine_exec", "linker_files"):  # the worker confines what it may execute
         from gpubroker.broker.sandbox import _landlock
 

@@ -1,11 +1,15 @@
-"""The sandbox launcher: runs as ``python -m gpubroker.broker.sandbox --spec JSON -- WORKER ARGV``.
+"""The sandbox launcher: runs as ``python -m gpubroker.broker.sandbox --spec JSON -- WORKER ARGV``, or forked by
+the workers' zygote (``broker/zygote``), which has the worker's code loaded already.
 
-It is a fresh, single-threaded interpreter (the front spawns it with vfork+exec), so it may ``unshare`` the user
-namespace, which a multithreaded process may not. Only the standard library, ctypes and pyseccomp are imported
-here: the launcher is on every worker's start path and must stay cheap.
+It is a single-threaded interpreter (a fresh one the front spawns with vfork+exec, or a fork of the single-threaded
+zygote), so it may ``unshare`` the user namespace, which a multithreaded process may not. Here only the standard
+library, ctypes and pyseccomp are imported: run as a module, the launcher is on every worker's start path.
 
 Parent (outside the new PID namespace): unshare, write the id maps, fork, wait, mirror the child's exit.
-Child (PID 1 of the new PID namespace): build the new root, pivot into it, limit, drop, filter, exec the worker.
+Child (PID 1 of the new PID namespace): build the new root, pivot into it, limit, drop, filter, then exec the
+worker, or (forked by the zygote: ``start``) run it in this very process: the same sandbox, every layer in place
+before the worker's first line, without a second interpreter's start and imports. Its command line is then set to
+the worker's (``set_command_line``), as an exec would have.
 """
 
 from __future__ import annotations
@@ -19,11 +23,16 @@ import signal
 import socket
 import stat
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from gpubroker.broker.sandbox._cache import CacheView, inodes_for
 
-__all__ = ["EXIT_SETUP_FAILED", "main"]
+__all__ = ["EXIT_SETUP_FAILED", "WorkerStart", "launch", "main", "set_command_line"]
+
+# Runs the worker in the launcher's child, once its sandbox is built (instead of exec'ing ``argv``): the worker's
+# argv and its environment. It never returns.
+WorkerStart = Callable[[list[str], dict[str, str]], NoReturn]
 
 EXIT_SETUP_FAILED = 125  # the sandbox could not be built; the message is on stderr
 # Queued signals (POSIX timers hold one each). The kernel counts them per uid in the worker's user namespace, checked
@@ -65,6 +74,8 @@ AT_RECURSIVE = 0x8000
 
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
+PR_SET_MM = 35
+PR_SET_MM_MAP = 14
 PR_CAPBSET_DROP = 24
 PR_SET_SECUREBITS = 28
 PR_SET_NO_NEW_PRIVS = 38
@@ -130,6 +141,48 @@ def _write(path: str, text: str) -> None:
             os.close(fd)
     except OSError as exc:
         raise SetupError(f"write {text.strip()!r} to {path}: {exc.strerror}") from None
+
+
+class _MmMap(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_uint64) for name in (
+        "start_code", "end_code", "start_data", "end_data", "start_brk", "brk", "start_stack", "arg_start", "arg_end",
+        "env_start", "env_end")),
+        ("auxv", ctypes.c_void_p), ("auxv_size", ctypes.c_uint32), ("exe_fd", ctypes.c_uint32)]
+
+
+_process_strings: list[ctypes.Array[ctypes.c_char]] = []  # (what /proc/self/cmdline and environ show: kept alive)
+
+
+def set_command_line(argv: list[str], env: dict[str, str] | None = None) -> None:
+    """Make /proc/self/cmdline (what ps and the front's process scans read) show ``argv``, and /proc/self/environ
+    ``env``: a process forked from the zygote shows what an exec of ``argv`` with ``env`` would have. PR_SET_MM_MAP
+    with the process's own map and those strings moved to buffers of ours: the kernel checks the map, and needs no
+    capability unless the executable changes."""
+    with open("/proc/self/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+
+    def field(n: int) -> int:  # (proc(5) numbers the fields from 1; ``state``, the first after the name, is 3)
+        return int(fields[n - 3])
+
+    def strings(values: list[str]) -> ctypes.Array[ctypes.c_char]:
+        text = b"".join(os.fsencode(value) + b"\0" for value in values)
+        return ctypes.create_string_buffer(text, len(text))
+
+    args = strings(argv)
+    arg_start = ctypes.addressof(args)
+    env_start, env_end = field(50), field(51)
+    kept = [args]
+    if env is not None:
+        environ = strings([f"{key}={value}" for key, value in env.items()])
+        env_start = ctypes.addressof(environ)
+        env_end = env_start + len(environ)
+        kept.append(environ)
+    _libc.sbrk.restype = ctypes.c_void_p
+    mm = _MmMap(field(26), field(27), field(45), field(46), field(47), _libc.sbrk(0) or 0, field(28), arg_start,
+                arg_start + len(args), env_start, env_end, None, 0, 0xFFFFFFFF)
+    _check(_libc.prctl(ctypes.c_int(PR_SET_MM), ctypes.c_ulong(PR_SET_MM_MAP), ctypes.byref(mm),
+                       ctypes.c_ulong(ctypes.sizeof(mm)), ctypes.c_ulong(0)), "set the command line")
+    _process_strings[:] = kept
 
 
 # ---- the new root ----
@@ -362,7 +415,7 @@ def _close_fds(keep: list[int]) -> None:
 # ---- the two processes ----
 
 def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any, go: int,
-           channel: socket.socket | None) -> None:
+           channel: socket.socket | None, start: WorkerStart | None) -> None:
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "set the parent-death signal")
         # Nothing until the launcher says go: it first hands the front this process's pidfd, by which the front
@@ -383,6 +436,8 @@ def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any, go: int,
         _drop_capabilities(switch_user=spec.get("worker_uid") is not None)
         _prctl(PR_SET_NO_NEW_PRIVS, 1, "set no_new_privs")
         _prctl(PR_SET_DUMPABLE, 0, "clear dumpable")
+        if start is not None:  # (before the filter, which may refuse prctl's memory map calls)
+            set_command_line(argv, _worker_environment(spec))
         if seccomp_filter is not None:
             try:
                 seccomp_filter.load()
@@ -399,13 +454,20 @@ def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any, go: int,
     except (SetupError, OSError) as exc:
         os.write(2, f"gpubroker sandbox: cannot build the worker's sandbox: {exc}\n".encode())
         os._exit(EXIT_SETUP_FAILED)
+    env = _worker_environment(spec)
+    if start is not None:
+        start(argv, env)
     try:
-        # The worker's own environment (HOME and the caches in the tenant's cache) is added only here, inside the
-        # sandbox: the launcher itself never had it.
-        os.execve(argv[0], argv, {**os.environ, **{str(k): str(v) for k, v in spec.get("env", {}).items()}})
+        os.execve(argv[0], argv, env)
     except OSError as exc:
         os.write(2, f"gpubroker sandbox: cannot start {argv[0]}: {exc.strerror}\n".encode())
     os._exit(127)
+
+
+def _worker_environment(spec: dict[str, Any]) -> dict[str, str]:
+    """The worker's own environment (HOME and the caches in the tenant's cache), added only inside the sandbox: the
+    launcher itself never has it."""
+    return {**os.environ, **{str(k): str(v) for k, v in spec.get("env", {}).items()}}
 
 
 def _report_pidfd(report_fd: int, pid: int) -> None:
@@ -436,12 +498,18 @@ def _mirror_exit(status: int) -> None:
     os._exit(os.waitstatus_to_exitcode(status))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, start: WorkerStart | None = None) -> int:
+    """``--spec JSON -- PROGRAM [ARGS...]``: run PROGRAM in a worker sandbox (``start``: run it in the sandbox's
+    process instead of exec'ing it, forked by the zygote); the worker's exit status, mirrored."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) < 4 or args[0] != "--spec" or args[2] != "--":
         print("usage: python -m gpubroker.broker.sandbox --spec JSON -- PROGRAM [ARGS...]", file=sys.stderr)
         return 2
-    spec, worker_argv = json.loads(args[1]), args[3:]
+    return launch(json.loads(args[1]), args[3:], start)
+
+
+def launch(spec: dict[str, Any], worker_argv: list[str], start: WorkerStart | None = None) -> int:
+    """Build the sandbox ``spec`` describes and run ``worker_argv`` in it (exec'd, or ``start``ed)."""
     try:
         # The launcher dies with the front (the worker then dies with the launcher).
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "set the parent-death signal")
@@ -512,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     pid = os.fork()
     if pid == 0:
         os.close(say_go)
-        _child(spec, worker_argv, seccomp_filter, go, channel[1] if channel is not None else None)
+        _child(spec, worker_argv, seccomp_filter, go, channel[1] if channel is not None else None, start)
     os.close(go)
     if spec.get("report_fd") is not None:
         try:
@@ -542,7 +610,8 @@ def main(argv: list[str] | None = None) -> int:
         if listener is not None:
             from gpubroker.broker.sandbox._spawn import ExecSupervisor
 
-            status = ExecSupervisor(pid, listener, proc).wait()
+            # (a worker run in its process makes no exec of its own start: none passes)
+            status = ExecSupervisor(pid, listener, proc, started=start is not None).wait()
         else:
             _, status = os.waitpid(pid, 0)
     except ChildProcessError:

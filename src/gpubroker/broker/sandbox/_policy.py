@@ -348,6 +348,15 @@ class WorkerSandbox:
         env["PYTHONNOUSERSITE"] = "1"  # (besides -s: any Python started from here skips the user site too)
         return env
 
+    @classmethod
+    def zygote_environment(cls) -> dict[str, str]:
+        """The workers' zygote's (and so every launcher's it forks): the launcher's, with what the worker's code
+        reads as it is imported set as a worker has it (pyopencl reads PYOPENCL_NO_CACHE then; nothing reads a
+        tenant's cache paths then, which each worker gets at its start), and the BLAS thread pools held to one
+        thread: NumPy's import would otherwise start one thread per core, and a launcher forked from a
+        multithreaded process could not unshare its user namespace."""
+        return {**cls.launcher_environment(), **_seccomp.LOCK_FREE_ENV, **WORKER_USER_ENV, **ONE_THREAD_ENV}
+
     def environment(self, cache: Path | None) -> dict[str, str]:
         """The worker's environment: the launcher's, with HOME and every compile cache in the tenant's cache."""
         return {**self.launcher_environment(), **_cache_environment(cache)}
@@ -601,6 +610,9 @@ def _refusal(reason: str) -> str:
 # A user name for getpass.getuser(), which asks the password database when these are unset: the worker's uid has
 # no entry on most hosts (PyTorch's compile caches ask for it, and raised KeyError in a CUDA worker).
 WORKER_USER_ENV: Final = {"USER": "gpubroker-worker", "LOGNAME": "gpubroker-worker"}
+# BLAS and OpenMP thread pools of one thread: the zygote's imports start none (workers/_zygote.py). A worker computes
+# on its device; its host-side NumPy work is small.
+ONE_THREAD_ENV: Final = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def _cache_environment(cache: Path | None) -> dict[str, str]:

@@ -11,7 +11,8 @@ So every execve and execveat in the worker's process tree, and every clone of po
 kernel (a second seccomp filter of the launcher's child returns SECCOMP_RET_USER_NOTIF for them; the launcher,
 outside the sandbox, holds its listener) until the launcher answers:
 
-- the worker's own start (the launcher's child exec'ing the worker) passes, once; the worker never execs again;
+- the worker's own start (the launcher's child exec'ing the worker) passes, once; the worker never execs again
+  (forked by the zygote, the child runs the worker without an exec: then none passes at all);
 - posix_spawn's clone passes from the worker only: a spawned process makes none, so no CLONE_VM child of its
   keeps its address space alive once it has exited (a child of the worker's shares the worker's, and its limits);
 - any other process's exec waits while the image of an earlier one is alive, then passes with RLIMIT_DATA and
@@ -135,7 +136,8 @@ def receive_listener(channel: socket.socket) -> int | None:
 class ExecSupervisor:
     """The launcher's side: answers the worker tree's execs until the worker exits (``wait``)."""
 
-    def __init__(self, worker: int, listener: int, proc: int, memory: int = LINKER_MEMORY) -> None:
+    def __init__(self, worker: int, listener: int, proc: int, memory: int = LINKER_MEMORY,
+                 started: bool = False) -> None:
         self.worker = worker
         self.listener = listener
         # The host's /proc, opened before the fork: the child's pivot_root moved this process's root too (one mount
@@ -143,7 +145,7 @@ class ExecSupervisor:
         self.proc = proc
         self.memory = memory
         self.clone = _ARCH[os.uname().machine][3]
-        self.started = False  # the worker's own exec has passed
+        self.started = started  # the worker's own exec has passed (or, run in the launcher's child, needs none)
         self.running: tuple[int, int] | None = None  # (pid, pidfd) of the spawned image alive now
         self.waiting: collections.deque[tuple[int, int]] = collections.deque()  # (notification id, pid)
         self._poll = select.poll()

@@ -33,6 +33,7 @@ from gpubroker.broker.front.workers._replies import (
     device_info_from_dict,
     first_words,
 )
+from gpubroker.broker.front.workers._zygote import LauncherProcess, Zygote
 from gpubroker.broker.sandbox import EXIT_SETUP_FAILED, Launch, WorkerSandbox, python_argv
 from gpubroker.wire.commands import Ack, Batch, Command, DeviceInfoQuery
 from gpubroker.wire.errors import FailedPrecondition, GpuBrokerError, ResourceExhausted, Unavailable, WorkerCrashed
@@ -151,7 +152,7 @@ class WorkerClient:
                  on_exit: Callable[[WorkerClient], None] | None = None, ordinal: int | None = None,
                  sandbox: WorkerSandbox | None = None, max_reply_bytes: int = MAX_FRAME,
                  on_output_dropped: Callable[[int], None] | None = None, send_buffer_bytes: int = DEFAULT_SEND_BUFFER,
-                 write_stall_seconds: float = DEFAULT_WRITE_STALL) -> None:
+                 write_stall_seconds: float = DEFAULT_WRITE_STALL, zygote: Zygote | None = None) -> None:
         self.tenant = tenant
         self.device = device  # the broker's index
         self.ordinal = device if ordinal is None else ordinal  # the backend's index of the same device
@@ -163,7 +164,10 @@ class WorkerClient:
         self.cache_dir: Path | None = None  # the tenant's compile cache it writes to (kept while it runs)
         self.oom_killed = False  # the kernel's OOM killer ended it in its cgroup (memory.max): its tenant's doing
         self.info: DeviceInfo | None = None
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: LauncherProcess | None = None
+        # Where its launcher comes from: forked by the zygote when there is one (``forked``), else exec'd.
+        self.zygote = zygote
+        self.forked = False
         # Its stdout and stderr: untrusted, read by the front and logged rate-limited and escaped as this tenant's.
         self.output = WorkerOutput(tenant, device, on_output_dropped)
         self.death: str | None = None
@@ -266,9 +270,7 @@ class WorkerClient:
                 # setpriority(PRIO_PGRP, 0)) would otherwise reach (the sandbox's worker makes one of its own too).
                 # The front ends workers by pid; a launcher dies with the front (PR_SET_PDEATHSIG), an unsandboxed
                 # worker at its channel's end-of-file.
-                self.process = subprocess.Popen(self._launch.argv, env=self._launch.env,
-                                                pass_fds=[*fds, *self._launch.launcher_fds], stdin=subprocess.DEVNULL,
-                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                self.process = await self._spawn(self._launch, [*fds, *self._launch.launcher_fds])
                 self.cpu = WorkerCpu(self.process.pid, launcher=self.sandbox.enabled)
                 self.output.pid = self.process.pid
                 assert self.process.stdout is not None and self.process.stderr is not None
@@ -310,6 +312,19 @@ class WorkerClient:
         self._reader_task = asyncio.create_task(self._read_replies(reader), name=f"worker-{self.tenant}-{self.device}")
         log.info("worker for tenant %s on device %d started (pid %d)", self.tenant, self.device, self.process.pid)
         return self.info
+
+    async def _spawn(self, launch: Launch, pass_fds: list[int]) -> LauncherProcess:
+        """The launcher: forked by the zygote (sandboxed, when it serves), or exec'd."""
+        if self.zygote is not None and self.sandbox.enabled and await self.zygote.usable():
+            try:
+                process = await self.zygote.spawn(launch.argv, pass_fds)
+                self.forked = True
+                return process
+            except OSError as exc:  # (the zygote is given up: this start and the next are exec'd)
+                log.info("tenant %s's worker on device %d is started without the zygote: %s", self.tenant,
+                         self.device, exc)
+        return subprocess.Popen(launch.argv, env=launch.env, pass_fds=pass_fds, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
     async def call(self, request: WorkerRequest[T], session: str = "", fd: int | Sequence[int] | None = None) -> T:
         """Run one request (in ``session``, for those of a session); its result, of the type the request returns.

@@ -24,6 +24,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from gpubroker.broker.front.workers._client import DEFAULT_SEND_BUFFER, DEFAULT_WRITE_STALL, EXIT_FATAL, WorkerClient
+from gpubroker.broker.front.workers._zygote import Zygote
 from gpubroker.broker.sandbox import WorkerSandbox
 from gpubroker.wire.errors import GpuBrokerError, Unavailable
 from gpubroker.wire.worker import MAX_FRAME, SetLimits
@@ -118,6 +119,7 @@ class WorkerPool:
                  write_stall_seconds: float = DEFAULT_WRITE_STALL) -> None:
         self.backend = backend
         self.sandbox = sandbox
+        self.zygote: Zygote | None = None  # forks the sandboxed workers' launchers (the server starts it)
         # The backend's own index of each of the broker's devices (config `devices` may pick and reorder them).
         self.ordinals = list(ordinals) if ordinals is not None else None
         self._on_worker_exit = on_worker_exit
@@ -175,13 +177,27 @@ class WorkerPool:
     def _output_dropped(self, tenant: str, nbytes: int) -> None:
         self.output_dropped[tenant] = self.output_dropped.get(tenant, 0) + nbytes
 
-    async def _start(self, key: tuple[str, int]) -> WorkerClient:
+    def _client(self, key: tuple[str, int], zygote: Zygote | None) -> WorkerClient:
         ordinal = self.ordinals[key[1]] if self.ordinals is not None else key[1]
-        worker = WorkerClient(key[0], key[1], self.backend, on_exit=self._forget, ordinal=ordinal,
-                              sandbox=self.sandbox, max_reply_bytes=self.max_reply_bytes,
-                              on_output_dropped=functools.partial(self._output_dropped, key[0]),
-                              send_buffer_bytes=self.send_buffer_bytes, write_stall_seconds=self.write_stall_seconds)
-        await worker.start(self.start_timeout)
+        return WorkerClient(key[0], key[1], self.backend, on_exit=self._forget, ordinal=ordinal,
+                            sandbox=self.sandbox, max_reply_bytes=self.max_reply_bytes,
+                            on_output_dropped=functools.partial(self._output_dropped, key[0]),
+                            send_buffer_bytes=self.send_buffer_bytes, write_stall_seconds=self.write_stall_seconds,
+                            zygote=zygote)
+
+    async def _start(self, key: tuple[str, int]) -> WorkerClient:
+        worker = self._client(key, self.zygote)
+        try:
+            await worker.start(self.start_timeout)
+        except GpuBrokerError as exc:
+            if not worker.forked or self.zygote is None:
+                raise
+            # A start runs none of the tenant's code: a worker the zygote forked that fails to start is tried again
+            # at once as before (exec'd). Should that one start, the zygote is what failed: it is given up.
+            worker = self._client(key, None)
+            await worker.start(self.start_timeout)
+            self.zygote.give_up(f"tenant {key[0]}'s worker on device {key[1]}, forked by it, failed to start "
+                                f"({exc.message}) where an exec'd one started")
         worker.on_memory = self.on_memory
         if self.limits is not None:
             limits = self.limits(*key)
