@@ -88,7 +88,7 @@ SECUREBITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80
 PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs", "acpi", "scsi", "kcore", "keys", "timer_list")
 
 # Syscall numbers glibc has no wrapper for (mount_setattr shares its number on every architecture).
-_SYSCALLS = {"x86_64": {"pivot_root": 155}, "aarch64": {"pivot_root": 41}}
+_SYSCALLS = {"x86_64": {"pivot_root": 155, "brk": 12}, "aarch64": {"pivot_root": 41, "brk": 214}}
 SYS_MOUNT_SETATTR = 442
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -177,11 +177,20 @@ def set_command_line(argv: list[str], env: dict[str, str] | None = None) -> None
         env_start = ctypes.addressof(environ)
         env_end = env_start + len(environ)
         kept.append(environ)
-    _libc.sbrk.restype = ctypes.c_void_p
-    mm = _MmMap(field(26), field(27), field(45), field(46), field(47), _libc.sbrk(0) or 0, field(28), arg_start,
-                arg_start + len(args), env_start, env_end, None, 0, 0xFFFFFFFF)
-    _check(_libc.prctl(ctypes.c_int(PR_SET_MM), ctypes.c_ulong(PR_SET_MM_MAP), ctypes.byref(mm),
-                       ctypes.c_ulong(ctypes.sizeof(mm)), ctypes.c_ulong(0)), "set the command line")
+    mm = _MmMap(field(26), field(27), field(45), field(46), field(47), 0, field(28), arg_start, arg_start + len(args),
+                env_start, env_end, None, 0, 0xFFFFFFFF)
+    # The map sets the heap's end (brk) too, and it must be the kernel's exactly: were it another, malloc's next
+    # growth or trim would go by the wrong end and corrupt the heap. So everything is built first, and the end is
+    # read (brk(0) returns it) just before the call, with nothing in between that could move it.
+    number = _SYSCALLS.get(os.uname().machine, {}).get("brk")
+    if number is None:
+        raise SetupError(f"brk: unsupported architecture {os.uname().machine}")
+    args_of_call = (ctypes.c_int(PR_SET_MM), ctypes.c_ulong(PR_SET_MM_MAP), ctypes.byref(mm),
+                    ctypes.c_ulong(ctypes.sizeof(mm)), ctypes.c_ulong(0))
+    brk, syscall, prctl = ctypes.c_long(number), _libc["syscall"], _libc.prctl  # (a function object of its own)
+    syscall.restype = ctypes.c_long
+    mm.brk = syscall(brk, ctypes.c_long(0))
+    _check(prctl(*args_of_call), "set the command line")
     _process_strings[:] = kept
 
 

@@ -65,6 +65,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 EXIT_SETUP_FAILED: int = _EXIT_SETUP_FAILED
 _WORKER_MODULE = "gpubroker.broker.worker"
 _imported_environment: dict[str, str] = {}
+ZYGOTE_OOM_SCORE_ADJ = -900
+_oom_score_adj: str | None = None  # the front's, which each launcher takes back
 _LAUNCHER_MODULE = "gpubroker.broker.sandbox"
 
 
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != front:  # (the front died before the parent-death signal was set)
         return 1
     _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # (no same-uid process reads its memory, which every worker gets)
+    _protect_from_oom()
     started = time.monotonic()
     before = dict(os.environ)
     preload(args.backend)
@@ -110,6 +113,27 @@ def main(argv: list[str] | None = None) -> int:
                 _reap(control)
             elif not _serve_one(control, (wake_read, wake_write)):
                 return 0
+
+
+def _protect_from_oom() -> None:
+    """Every sandboxed worker's launcher dies with the zygote (its parent-death signal): the OOM killer should pick
+    a worker, whose memory is its tenant's, before it. Lowered where the broker may (root); each launcher takes the
+    front's value back (raising needs no privilege), so the workers are chosen as before."""
+    global _oom_score_adj
+    try:
+        with open("/proc/self/oom_score_adj") as f:
+            own = f.read().strip()
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(ZYGOTE_OOM_SCORE_ADJ))
+    except OSError:  # (not permitted: it stays as the front)
+        return
+    _oom_score_adj = own
+
+
+def _unprotect_from_oom() -> None:
+    if _oom_score_adj is not None:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(_oom_score_adj)
 
 
 def _send(control: socket.socket, message: bytes, fds: list[int] | None = None) -> None:
@@ -178,6 +202,7 @@ def _launcher(channel: int, zygote: int) -> int:
         return EXIT_SETUP_FAILED
     # A session and process group of its own, as the front's Popen(start_new_session=True) gave the launcher.
     os.setsid()
+    _unprotect_from_oom()
     with socket.socket(fileno=channel) as sock:
         message, fds, _flags, _addr = socket.recv_fds(sock, MAX_LAUNCH_MESSAGE, 18)
     if not message:

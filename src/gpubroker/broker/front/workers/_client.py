@@ -33,7 +33,7 @@ from gpubroker.broker.front.workers._replies import (
     device_info_from_dict,
     first_words,
 )
-from gpubroker.broker.front.workers._zygote import LauncherProcess, Zygote
+from gpubroker.broker.front.workers._zygote import LauncherProcess, Zygote, ZygoteProcess
 from gpubroker.broker.sandbox import EXIT_SETUP_FAILED, Launch, WorkerSandbox, python_argv
 from gpubroker.wire.commands import Ack, Batch, Command, DeviceInfoQuery
 from gpubroker.wire.errors import FailedPrecondition, GpuBrokerError, ResourceExhausted, Unavailable, WorkerCrashed
@@ -167,7 +167,7 @@ class WorkerClient:
         self.process: LauncherProcess | None = None
         # Where its launcher comes from: forked by the zygote when there is one (``forked``), else exec'd.
         self.zygote = zygote
-        self.forked = False
+        self._forked: ZygoteProcess | None = None
         # Its stdout and stderr: untrusted, read by the front and logged rate-limited and escaped as this tenant's.
         self.output = WorkerOutput(tenant, device, on_output_dropped)
         self.death: str | None = None
@@ -235,6 +235,17 @@ class WorkerClient:
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
+
+    @property
+    def forked(self) -> bool:
+        """Its launcher was forked by the zygote."""
+        return self._forked is not None
+
+    @property
+    def lost_with_zygote(self) -> bool:
+        """It died because the zygote that forked its launcher did (its launcher's parent-death signal): nobody's
+        failure, neither its tenant's nor its device's."""
+        return self._forked is not None and self._forked.orphaned
 
     @property
     def stopping(self) -> bool:
@@ -317,9 +328,8 @@ class WorkerClient:
         """The launcher: forked by the zygote (sandboxed, when it serves), or exec'd."""
         if self.zygote is not None and self.sandbox.enabled and await self.zygote.usable():
             try:
-                process = await self.zygote.spawn(launch.argv, pass_fds)
-                self.forked = True
-                return process
+                self._forked = await self.zygote.spawn(launch.argv, pass_fds)
+                return self._forked
             except OSError as exc:  # (the zygote is given up: this start and the next are exec'd)
                 log.info("tenant %s's worker on device %d is started without the zygote: %s", self.tenant,
                          self.device, exc)

@@ -253,7 +253,7 @@ class WorkerPool:
 
     def _blame(self, worker: WorkerClient) -> str | None:
         code = worker.returncode
-        if worker.retired:
+        if worker.retired or worker.lost_with_zygote:
             return None
         if worker.stopping and worker.fault is None:
             return None
@@ -267,6 +267,7 @@ class WorkerPool:
         worker.blame = blame
         if blame is None:
             how = (f"retired: {worker.fault.message}" if worker.retired and worker.fault is not None
+                   else "its launcher ended with the workers' zygote" if worker.lost_with_zygote
                    else "stopped" if worker.stopping else "stopped by a signal while the broker drains")
             log.info("worker for tenant %s on device %d ended: no failure (%s)", worker.tenant, worker.device, how)
             return

@@ -77,6 +77,8 @@ class ZygoteProcess:
         self.stdout: IO[bytes] | None = None
         self.stderr: IO[bytes] | None = None
         self._pidfd: int | None = pidfd
+        self.orphaned = False  # it ended because the zygote did (its parent-death signal), not by its own doing
+        self._watched_by: asyncio.AbstractEventLoop | None = None  # (its pidfd, once the zygote is gone)
         self._ended = threading.Event()  # (wait() runs in a thread; the exit is learnt on the front's loop)
 
     def poll(self) -> int | None:
@@ -93,11 +95,26 @@ class ZygoteProcess:
         assert self.returncode is not None
         return self.returncode
 
+    def ended_when_gone(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """The zygote died: no exit code will come. Killed by its parent-death signal, the launcher ends now; it is
+        taken for ended (-SIGKILL) once its pidfd turns readable."""
+        pidfd = self._pidfd
+        if self.returncode is not None or pidfd is None:
+            return
+        if loop is None or loop.is_closed():
+            self.exited(-signal.SIGKILL)
+            return
+
+        self._watched_by = loop
+        loop.add_reader(pidfd, self.exited, -signal.SIGKILL)
+
     def exited(self, code: int) -> None:
         if self.returncode is not None:
             return
         self.returncode = code
         if self._pidfd is not None:
+            if self._watched_by is not None:
+                self._watched_by.remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
         self._ended.set()
@@ -294,7 +311,9 @@ class Zygote:
         if self.process is not None and self.process.poll() is None:
             with contextlib.suppress(OSError):
                 self.process.kill()
-        # Its launchers die with it (their parent-death signal): nobody will report their exits.
+        # Its launchers die with it (their parent-death signal), and nobody reports their exits: each is taken for
+        # ended once its pidfd says so (another process, the host's init, reaps it).
         for launcher in self._launchers.values():
-            launcher.exited(-signal.SIGKILL)
+            launcher.orphaned = launcher.returncode is None
+            launcher.ended_when_gone(self._loop)
         self._launchers.clear()
