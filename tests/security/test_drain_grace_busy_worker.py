@@ -40,12 +40,14 @@ def broker() -> Iterator[BrokerProcess]:
 
 
 def _workers(broker: BrokerProcess) -> list[int]:
-    """The broker's workers and their sandbox launchers: its descendants but its acceptor process, which stays."""
+    """The broker's workers and their sandbox launchers: its descendants but its acceptor process and the workers'
+    zygote, which stay."""
     assert broker.process is not None
     found = []
     for pid in descendants(broker.process.pid):
         try:
-            if b"gpubroker.broker.front._acceptor" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"gpubroker.broker.front._acceptor" not in cmdline and b"gpubroker.broker.zygote" not in cmdline:
                 found.append(pid)
         except OSError:
             pass

@@ -5,11 +5,13 @@ accepts inline asm and integer-to-pointer casts; assume it on CUDA too). Each la
 it have been beaten, and says what it stops.
 
 - **Launcher** (``python -s -P -m gpubroker.broker.sandbox``, spawned by the front with vfork+exec in a session of
-  its own): a fresh, single-threaded process that unshares the namespaces, forks the worker as PID 1 of the new PID
-  namespace and waits, mirroring the worker's exit (same status, or death by the same signal) so the front's crash
-  accounting is unchanged. Both die with their parent (``PR_SET_PDEATHSIG``). It runs on the host with the
-  broker's capabilities, so nothing it reads may be the tenant's: its environment is the operator's alone (no
-  HOME, no cache: a Python runs the ``.pth`` files under ``$HOME/.local``; ``-s`` skips them besides), and the
+  its own, or forked by the workers' zygote, ``broker/zygote``, which has the worker's code loaded already): a
+  single-threaded process that unshares the namespaces, forks the worker as PID 1 of the new PID namespace and
+  waits, mirroring the worker's exit (same status, or death by the same signal) so the front's crash accounting is
+  unchanged. Forked by the zygote, its child runs the worker in its own process once every layer below is in place,
+  rather than exec'ing a new interpreter. Both die with their parent (``PR_SET_PDEATHSIG``). It runs on the host
+  with the broker's capabilities, so nothing it reads may be the tenant's: its environment is the operator's alone
+  (no HOME, no cache: a Python runs the ``.pth`` files under ``$HOME/.local``; ``-s`` skips them besides), and the
   worker's environment is set only at the worker's exec, inside the sandbox. The worker starts with ``-s -P`` too
   and leads a session of its own (``setsid``): "its process group" is never the front's or another worker's.
 - **User namespace** (the broker's uid mapped to itself, setgroups denied): the worker holds capabilities only
