@@ -99,7 +99,7 @@ _CONNECTION_HINTS = (
     ("neither UDS or TCP loopback", "a broker on another host is reached over TLS only: connect(target, "
                                     "tls=TlsOptions(ca_file=...)) (plaintext is for Unix sockets and loopback)"),
 )
-_CLOSED = ("Socket closed", "Connection reset by peer")
+_CLOSED = ("Socket closed", "Connection reset by peer", "Broken pipe")
 _CLOSED_UNIX_HINT = ("the broker closed the connection: it refuses a connection over its caps (its audit log says "
                      "which: connections per peer, per tenant, or their rate), or it is stopping; try again, and "
                      "if it goes on, ask the operator")
