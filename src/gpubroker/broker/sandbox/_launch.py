@@ -157,7 +157,8 @@ def set_command_line(argv: list[str], env: dict[str, str] | None = None) -> None
     """Make /proc/self/cmdline (what ps and the front's process scans read) show ``argv``, and /proc/self/environ
     ``env``: a process forked from the zygote shows what an exec of ``argv`` with ``env`` would have. PR_SET_MM_MAP
     with the process's own map and those strings moved to buffers of ours: the kernel checks the map, and needs no
-    capability unless the executable changes."""
+    capability unless the executable changes. OSError where the kernel cannot (the launch then fails, and the
+    front starts the worker exec'd)."""
     with open("/proc/self/stat", "rb") as f:
         fields = f.read().rsplit(b")", 1)[1].split()
 
@@ -184,13 +185,15 @@ def set_command_line(argv: list[str], env: dict[str, str] | None = None) -> None
     # read (brk(0) returns it) just before the call, with nothing in between that could move it.
     number = _SYSCALLS.get(os.uname().machine, {}).get("brk")
     if number is None:
-        raise SetupError(f"brk: unsupported architecture {os.uname().machine}")
+        raise OSError(errno.ENOSYS, f"set the command line: unsupported architecture {os.uname().machine}")
     args_of_call = (ctypes.c_int(PR_SET_MM), ctypes.c_ulong(PR_SET_MM_MAP), ctypes.byref(mm),
                     ctypes.c_ulong(ctypes.sizeof(mm)), ctypes.c_ulong(0))
     brk, syscall, prctl = ctypes.c_long(number), _libc["syscall"], _libc.prctl  # (a function object of its own)
     syscall.restype = ctypes.c_long
     mm.brk = syscall(brk, ctypes.c_long(0))
-    _check(prctl(*args_of_call), "set the command line")
+    if prctl(*args_of_call) < 0:  # (EINVAL: a kernel built without CONFIG_CHECKPOINT_RESTORE)
+        err = ctypes.get_errno()
+        raise OSError(err, f"set the command line (PR_SET_MM_MAP): {os.strerror(err)}")
     _process_strings[:] = kept
 
 

@@ -216,7 +216,11 @@ def _launcher(channel: int, zygote: int) -> int:
     argv = request.argv
     if _LAUNCHER_MODULE not in argv:
         raise ValueError("a launch that is not the sandbox launcher's command line")
-    set_command_line(argv)
+    try:
+        set_command_line(argv)
+    except OSError as exc:  # (said in one line; the front then starts this worker exec'd, and gives the zygote up)
+        print(f"gpubroker sandbox: cannot build the worker's sandbox: {exc}", file=sys.stderr, flush=True)
+        return EXIT_SETUP_FAILED
     return int(run_launcher(argv[argv.index(_LAUNCHER_MODULE) + 1:], _start_worker))
 
 
