@@ -130,7 +130,7 @@ class Zygote:
         self.failed: str | None = None  # why workers start without it (None: it serves, or is loading)
         self._control: socket.socket | None = None
         self._ready: asyncio.Future[None] | None = None
-        self._forks: deque[asyncio.Future[int]] = deque()
+        self._forks: deque[asyncio.Future[ZygoteProcess]] = deque()
         self._launchers: dict[int, ZygoteProcess] = {}
         self._lock = asyncio.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -180,17 +180,21 @@ class Zygote:
             async with self._lock:  # (Forked answers the Forks in order)
                 if self._control is None or self._loop is None:
                     raise OSError(f"the workers' zygote is not running ({self.failed})")
-                answer = self._loop.create_future()
+                answer: asyncio.Future[ZygoteProcess] = self._loop.create_future()
                 self._forks.append(answer)
                 try:
                     socket.send_fds(self._control, [encode(Fork())], [theirs.fileno()])
+                except BlockingIOError:  # (it reads nothing: stuck, but its launchers may be serving)
+                    self._forks.remove(answer)
+                    self._give_up("it reads no more of the front's messages")
+                    raise
                 except OSError as exc:
                     self._forks.remove(answer)
                     self._dead(f"a fork could not be asked for: {exc}")
                     raise
                 theirs.close()
                 try:
-                    pid = await asyncio.wait_for(asyncio.shield(answer), FORK_TIMEOUT)
+                    process = await asyncio.wait_for(asyncio.shield(answer), FORK_TIMEOUT)
                 except TimeoutError:
                     self._give_up(f"a fork took more than {FORK_TIMEOUT:g} s")
                     raise OSError("the workers' zygote did not fork") from None
@@ -198,7 +202,6 @@ class Zygote:
                     if answer.cancelled():  # (given up meanwhile)
                         raise OSError(f"the workers' zygote ended ({self.failed})") from None
                     raise
-            process = self._launchers[pid]
             out_read, out_write = os.pipe()
             pipes += [out_read, out_write]
             err_read, err_write = os.pipe()
@@ -271,14 +274,14 @@ class Zygote:
                 late.kill()
                 return
             # Registered here, before any Exited of it can be read (the zygote reports the fork first).
-            self._launchers[reply.pid] = ZygoteProcess(reply.pid, fds[0])
+            launcher = self._launchers[reply.pid] = ZygoteProcess(reply.pid, fds[0])
             answer = self._forks.popleft()
             if not answer.done():
-                answer.set_result(reply.pid)
+                answer.set_result(launcher)
         elif isinstance(reply, Exited):
-            launcher = self._launchers.pop(reply.pid, None)
-            if launcher is not None:
-                launcher.exited(reply.code)
+            ended = self._launchers.pop(reply.pid, None)
+            if ended is not None:
+                ended.exited(reply.code)
 
     def _late(self) -> None:
         if self._ready is not None and not self._ready.done() and self.failed is None:
