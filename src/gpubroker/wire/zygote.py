@@ -33,7 +33,7 @@ from gpubroker.wire import encoding
 __all__ = ["MAX_LAUNCH_MESSAGE", "MAX_ZYGOTE_MESSAGE", "Exited", "Fork", "Forked", "FromZygote", "Launch", "Ready",
            "decode_from_zygote", "decode_launch", "decode_to_zygote", "encode"]
 
-MAX_ZYGOTE_MESSAGE: Final = 256  # a pid and an exit code
+MAX_ZYGOTE_MESSAGE: Final = 256  # either way: a Fork, or a pid and an exit code
 MAX_LAUNCH_MESSAGE: Final = 256 * 1024  # a launcher's argv: its spec (the binds, the limits) and the worker's argv
 
 Pid = Annotated[int, msgspec.Meta(ge=1, lt=1 << 31)]

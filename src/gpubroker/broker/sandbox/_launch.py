@@ -428,6 +428,7 @@ def _close_fds(keep: list[int]) -> None:
 
 def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any, go: int,
            channel: socket.socket | None, start: WorkerStart | None) -> None:
+    env = _worker_environment(spec)
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, "set the parent-death signal")
         # Nothing until the launcher says go: it first hands the front this process's pidfd, by which the front
@@ -449,7 +450,7 @@ def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any, go: int,
         _prctl(PR_SET_NO_NEW_PRIVS, 1, "set no_new_privs")
         _prctl(PR_SET_DUMPABLE, 0, "clear dumpable")
         if start is not None:  # (before the filter, which may refuse prctl's memory map calls)
-            set_command_line(argv, _worker_environment(spec))
+            set_command_line(argv, env)
         if seccomp_filter is not None:
             try:
                 seccomp_filter.load()
@@ -466,7 +467,6 @@ def _child(spec: dict[str, Any], argv: list[str], seccomp_filter: Any, go: int,
     except (SetupError, OSError) as exc:
         os.write(2, f"gpubroker sandbox: cannot build the worker's sandbox: {exc}\n".encode())
         os._exit(EXIT_SETUP_FAILED)
-    env = _worker_environment(spec)
     if start is not None:
         start(argv, env)
     try:

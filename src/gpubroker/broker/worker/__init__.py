@@ -53,8 +53,6 @@ def run(argv: list[str]) -> NoReturn:
 def preload(backend: str) -> None:
     """Import everything a worker of ``backend`` loads before it serves, opening nothing (no device, no file kept
     open, no thread started): what the zygote does once for every worker it forks."""
-    import faulthandler  # noqa: F401
-
     import gpubroker.broker.logs
     import gpubroker.broker.sandbox
     import gpubroker.broker.worker._process
@@ -62,5 +60,4 @@ def preload(backend: str) -> None:
 
     for name in ("confine_exec", "linker_files", "seal_after_device_open", "set_dumpable"):
         getattr(gpubroker.broker.sandbox, name)  # (each loads its module)
-    gpubroker.broker.logs.configure_logging  # noqa: B018
     preload_backend(backend)

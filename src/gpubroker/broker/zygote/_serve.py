@@ -45,10 +45,11 @@ import traceback
 from typing import NoReturn
 
 from gpubroker.broker.sandbox import EXIT_SETUP_FAILED as _EXIT_SETUP_FAILED
-from gpubroker.broker.sandbox import python_argv, run_launcher, set_command_line
+from gpubroker.broker.sandbox import python_argv, run_launcher, set_command_line, set_dumpable
 from gpubroker.broker.worker import preload, run
 from gpubroker.wire.zygote import (
     MAX_LAUNCH_MESSAGE,
+    MAX_ZYGOTE_MESSAGE,
     Exited,
     Forked,
     Ready,
@@ -60,7 +61,6 @@ from gpubroker.wire.zygote import (
 __all__ = ["main"]
 
 PR_SET_PDEATHSIG = 1
-PR_SET_DUMPABLE = 4
 _libc = ctypes.CDLL(None, use_errno=True)
 EXIT_SETUP_FAILED: int = _EXIT_SETUP_FAILED
 _WORKER_MODULE = "gpubroker.broker.worker"
@@ -76,11 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True, help="the SOCK_SEQPACKET socket to the front")
     args = parser.parse_args(argv)
     control = socket.socket(fileno=args.fd)
-    front = os.getppid()
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != front:  # (the front died before the parent-death signal was set)
+    if not _dies_with(os.getppid()):  # (the front)
         return 1
-    _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # (no same-uid process reads its memory, which every worker gets)
+    set_dumpable(False)  # (no same-uid process reads its memory, which every worker gets)
     _protect_from_oom()
     started = time.monotonic()
     before = dict(os.environ)
@@ -115,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
 
 
+def _dies_with(parent: int) -> bool:
+    """Be killed when ``parent`` ends (PR_SET_PDEATHSIG); False if it has ended already (before the signal was
+    set: this process was handed to another parent)."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    return os.getppid() == parent
+
+
 def _protect_from_oom() -> None:
     """Every sandboxed worker's launcher dies with the zygote (its parent-death signal): the OOM killer should pick
     a worker, whose memory is its tenant's, before it. Lowered where the broker may (root); each launcher takes the
@@ -145,7 +150,7 @@ def _send(control: socket.socket, message: bytes, fds: list[int] | None = None) 
 
 def _serve_one(control: socket.socket, wake: tuple[int, int]) -> bool:
     """Answer one message of the front; False once the front has closed its end (the zygote then exits)."""
-    message, fds, _flags, _addr = socket.recv_fds(control, 256, 1)
+    message, fds, _flags, _addr = socket.recv_fds(control, MAX_ZYGOTE_MESSAGE, 1)
     if not message:
         return False
     try:
@@ -197,8 +202,7 @@ def _fork_launcher(channel: int, control: socket.socket, wake: tuple[int, int]) 
 
 def _launcher(channel: int, zygote: int) -> int:
     """In the forked launcher: take the front's ``Launch`` and run it; the exit code (the worker's, mirrored)."""
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != zygote:  # (the zygote died before the parent-death signal was set)
+    if not _dies_with(zygote):
         return EXIT_SETUP_FAILED
     # A session and process group of its own, as the front's Popen(start_new_session=True) gave the launcher.
     os.setsid()

@@ -104,7 +104,6 @@ class ZygoteProcess:
         if loop is None or loop.is_closed():
             self.exited(-signal.SIGKILL)
             return
-
         self._watched_by = loop
         loop.add_reader(pidfd, self.exited, -signal.SIGKILL)
 
@@ -149,7 +148,7 @@ class Zygote:
                 start_new_session=True)
         except OSError as exc:
             front.close()
-            self._give_up(f"it could not be started: {exc}")
+            self.give_up(f"it could not be started: {exc}")
             return
         finally:
             child.close()
@@ -158,15 +157,11 @@ class Zygote:
         loop.add_reader(front.fileno(), self._readable)
         loop.call_later(READY_TIMEOUT, self._late)
 
-    @property
-    def ready(self) -> bool:
-        return self.failed is None and self._ready is not None and self._ready.done()
-
     async def usable(self) -> bool:
         """Whether workers start from the zygote now, waiting while it loads."""
         if self.failed is not None or self._ready is None:
             return False
-        with contextlib.suppress(asyncio.CancelledError):  # (cancelled by _give_up: it failed meanwhile)
+        with contextlib.suppress(asyncio.CancelledError):  # (cancelled by give_up: it failed meanwhile)
             await asyncio.shield(self._ready)
         return self.failed is None
 
@@ -186,7 +181,7 @@ class Zygote:
                     socket.send_fds(self._control, [encode(Fork())], [theirs.fileno()])
                 except BlockingIOError:  # (it reads nothing: stuck, but its launchers may be serving)
                     self._forks.remove(answer)
-                    self._give_up("it reads no more of the front's messages")
+                    self.give_up("it reads no more of the front's messages")
                     raise
                 except OSError as exc:
                     self._forks.remove(answer)
@@ -196,7 +191,7 @@ class Zygote:
                 try:
                     process = await asyncio.wait_for(asyncio.shield(answer), FORK_TIMEOUT)
                 except TimeoutError:
-                    self._give_up(f"a fork took more than {FORK_TIMEOUT:g} s")
+                    self.give_up(f"a fork took more than {FORK_TIMEOUT:g} s")
                     raise OSError("the workers' zygote did not fork") from None
                 except asyncio.CancelledError:
                     if answer.cancelled():  # (given up meanwhile)
@@ -223,14 +218,9 @@ class Zygote:
                 with contextlib.suppress(OSError):
                     os.close(fd)
 
-    def give_up(self, why: str) -> None:
-        """Start workers without the zygote from now on (``why``, for the log). It lives on while launchers it
-        forked run (they die with it), until ``stop``."""
-        self._give_up(why)
-
     async def stop(self, timeout: float = 5.0) -> None:
         """End the zygote (its launchers end with it: their parent-death signal)."""
-        self._give_up("the broker stops", quiet=True)
+        self.give_up("the broker stops", quiet=True)
         self._close()
         if self.process is not None and self.process.poll() is None:
             try:
@@ -287,7 +277,9 @@ class Zygote:
         if self._ready is not None and not self._ready.done() and self.failed is None:
             self._dead(f"it was not ready within {READY_TIMEOUT:g} s")
 
-    def _give_up(self, why: str, quiet: bool = False) -> None:
+    def give_up(self, why: str, quiet: bool = False) -> None:
+        """Start workers without the zygote from now on (``why``, for the log). It lives on while launchers it
+        forked run (they die with it), until ``stop``."""
         if self.failed is not None:
             return
         self.failed = why
@@ -301,7 +293,7 @@ class Zygote:
 
     def _dead(self, why: str) -> None:
         """The zygote is gone or cannot be trusted: so are its launchers."""
-        self._give_up(why)
+        self.give_up(why)
         self._close()
 
     def _close(self) -> None:
