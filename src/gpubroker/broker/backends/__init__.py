@@ -8,6 +8,8 @@ Each is usable without the broker::
 
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import TYPE_CHECKING
 
 from gpubroker.broker.backends._torch import TorchAccounts, TorchSession
@@ -57,7 +59,16 @@ def preload(kind: str) -> None:
     for name in (("cuda", "opencl") if kind == "auto" else (kind,)):
         try:
             if name == "cuda":
-                import gpubroker.broker.backends._cuda
+                # CuPy makes its kernel cache's folder as it is imported (CUPY_CACHE_DIR, else ~/.cupy/kernel_cache:
+                # the operator's home, here); one that exists makes nothing. A worker takes its tenant's folder
+                # when it opens its device (_cuda_util.use_kernel_cache_of_environment).
+                imported_without = "CUPY_CACHE_DIR" not in os.environ
+                os.environ.setdefault("CUPY_CACHE_DIR", tempfile.gettempdir())
+                try:
+                    import gpubroker.broker.backends._cuda
+                finally:
+                    if imported_without:
+                        del os.environ["CUPY_CACHE_DIR"]
             elif name == "opencl":
                 import gpubroker.broker.backends._opencl  # noqa: F401
         except ImportError:  # (open_backend says what is missing, when a worker needs it)

@@ -30,7 +30,12 @@ from gpubroker.broker.backends._cuda_copies import CudaCopies
 from gpubroker.broker.backends._cuda_device import CudaDevice
 from gpubroker.broker.backends._cuda_modules import CudaCode
 from gpubroker.broker.backends._cuda_peer import CudaPeer
-from gpubroker.broker.backends._cuda_util import list_cuda_devices, props_info, translate
+from gpubroker.broker.backends._cuda_util import (
+    list_cuda_devices,
+    props_info,
+    translate,
+    use_kernel_cache_of_environment,
+)
 from gpubroker.broker.backends._torch import CudaPlacement, TorchAccounts, TorchCache, TorchPart, TorchSession
 from gpubroker.wire.errors import Aborted, GpuBrokerError, InvalidArgument, ResourceExhausted
 from gpubroker.wire.types import ArrayRef, Buffer, DeviceInfo, Event, Stream
@@ -57,6 +62,7 @@ class CudaBackend:
     def __init__(self, device: int = 0) -> None:
         if not isinstance(device, (int, np.integer)) or isinstance(device, bool):
             raise InvalidArgument(f"device must be an int, got {device!r}")
+        use_kernel_cache_of_environment()
         dev = self._dev = CudaDevice(int(device))
         copies = self._copies = CudaCopies(dev)
         code = self._code = CudaCode(dev)

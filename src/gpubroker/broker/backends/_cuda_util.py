@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,7 @@ from gpubroker.wire.types import Buffer, DeviceInfo
 
 __all__ = [
     "BAD_IMAGE", "KernelRec", "ModuleRec", "as_source", "check_params", "compile_module", "list_cuda_devices",
-    "make_kernel_rec", "props_info", "translate",
+    "make_kernel_rec", "props_info", "translate", "use_kernel_cache_of_environment",
 ]
 
 # Errors after which the context is unusable: every later call fails, so the worker must exit.
@@ -37,6 +38,18 @@ _NOT_FOUND = {100, 101, 500}  # no device, invalid device ordinal, CUDA_ERROR_NO
 _BAD_INPUT = {1, 9, 98, 200, 209, 218, 222, 300, 400, 701}
 BAD_IMAGE = {200, 209, 218, 222, 300}
 _NO_DRIVER = {34, 35}  # stub library, insufficient driver: this machine cannot run CUDA at all
+
+
+def use_kernel_cache_of_environment() -> None:
+    """CuPy's kernel cache (its own kernels': a library call's) in the folder this process's environment names now.
+    CuPy fixes that folder as it is imported: a worker forked from the zygote imported it there, in the zygote's
+    environment, and learns its tenant's cache folder only at its start (its writes elsewhere fail in the sandbox)."""
+    try:
+        from cupy.cuda._compiler_cache import DiskKernelCacheBackend
+    except ImportError:  # (a CuPy before 14 reads CUPY_CACHE_DIR at each compile)
+        return
+    folder = os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
+    compiler._set_kernel_cache_backend(DiskKernelCacheBackend(folder))
 
 
 def translate(what: str, exc: BaseException) -> GpuBrokerError:
