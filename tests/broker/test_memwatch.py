@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpubroker.broker.front._memwatch import MemoryWatch, attribute, over_bound
+from gpubroker.broker.front._memwatch import MemoryWatch, attribute, lineage, over_bound
 from gpubroker.broker.front.workers import WorkerClient
 from gpubroker.wire.errors import GpuBrokerError, ResourceExhausted
 from tests.helpers import descendants, wait_for
@@ -51,14 +51,19 @@ def _worker(process: subprocess.Popen[bytes], quota: int | None = 64 * MiB) -> W
     return worker
 
 
-def test_nvml_processes_are_summed_by_the_fronts_child_they_descend_from(
+def test_nvml_processes_are_summed_by_the_worker_they_descend_from(
         tree: tuple[subprocess.Popen[bytes], list[int]]) -> None:
     launcher, (a, b) = tree
     front = os.getpid()
     processes = {a: {0: 100, 1: 7}, b: {0: 50}, launcher.pid: {0: 1}, front: {0: 5}, 1: {0: 999}}
-    assert attribute(processes, front) == {launcher.pid: {0: 151, 1: 7}}
-    assert attribute({a: {0: 100}}, launcher.pid) == {a: {0: 100}}  # (another front: its own child)
-    assert attribute({a: {0: 100}}, 1 << 30) == {}  # nobody's: left out
+    lines = lineage(processes, front)
+    assert lines[a][-1] == lines[b][-1] == launcher.pid and front not in lines and 1 not in lines
+    assert attribute(processes, lines, {launcher.pid}) == {launcher.pid: {0: 151, 1: 7}}
+    # A launcher the workers' zygote forked is the front's grandchild: the nearest worker is found, not the zygote.
+    assert attribute(processes, lines, {a, launcher.pid}) == {a: {0: 100, 1: 7}, launcher.pid: {0: 51}}
+    assert attribute({a: {0: 100}}, lineage([a], launcher.pid), {a}) == {a: {0: 100}}  # (another front)
+    assert lineage([a], 1 << 30) == {}  # nobody's: left out
+    assert attribute(processes, lines, {1 << 30}) == {}  # no worker's: left out
 
 
 def test_a_workers_bound_is_its_highest_quota_plus_the_headroom_on_its_device_and_the_headroom_elsewhere(

@@ -6,7 +6,7 @@ A tenant's quota (``memory``, ``device_memory``) is counted inside its own worke
 take device memory the count never sees. On CUDA the driver knows what each process holds, and NVML reports it by
 host pid (``nvmlDeviceGetComputeRunningProcesses``). ``MemoryWatch`` reads it every ``period`` seconds in a thread
 of its own (never on the event loop: NVML calls block), adds up each worker's processes (a process belongs to the
-worker whose launcher, the front's child, it descends from: found from ``/proc`` by parent pids), and kills a
+worker whose launcher it descends from: found from ``/proc`` by parent pids), and kills a
 worker that holds on a device more than
 
 - on its own device: the highest quota the front gave it (``WorkerClient.memory_quota_max``; a reload's lower
@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 from gpubroker.broker.config import BrokerConfig
@@ -37,7 +37,7 @@ from gpubroker.broker.front.auth import RateLimitedLog
 from gpubroker.broker.front.workers import WorkerClient, WorkerPool, parent_pid
 from gpubroker.wire.errors import GpuBrokerError, ResourceExhausted
 
-__all__ = ["MemoryWatch", "attribute", "describe_bound", "over_bound"]
+__all__ = ["MemoryWatch", "attribute", "describe_bound", "lineage", "over_bound"]
 
 log = logging.getLogger("gpubroker.memory")
 audit = logging.getLogger("gpubroker.audit")
@@ -46,8 +46,10 @@ PERIOD = 0.1  # seconds between two readings of NVML
 _MAX_DEPTH = 32  # parents walked up from a process NVML names before giving up on it (a worker's tree is shallow)
 _UNSEEN_WARNING_SECONDS = 10.0  # a live worker NVML never named this long after the watch first saw it: warn once
 
-# {front's child pid: {broker device index: bytes}}: what each worker's process tree holds on each device.
+# {worker pid: {broker device index: bytes}}: what each worker's process tree holds on each device.
 Reading = dict[int, dict[int, int]]
+# {pid: (pid, its parent, ...)}: up to the front's child, the front left out.
+Lineage = dict[int, tuple[int, ...]]
 
 
 def describe_bound(config: BrokerConfig, backend: str, watch: MemoryWatch | None) -> None:
@@ -79,32 +81,36 @@ def _importable() -> bool:
     return True
 
 
-def attribute(processes: dict[int, dict[int, int]], front: int,
-              parent: Callable[[int], int | None] = parent_pid) -> Reading:
-    """Sum ``processes`` ({pid: {device: bytes}}, NVML's figures) by the front's child each descends from: a
-    worker's launcher (or an unsandboxed worker). Processes that are not the front's descendants are left out."""
+def lineage(pids: Iterable[int], front: int, parent: Callable[[int], int | None] = parent_pid) -> Lineage:
+    """Each of ``pids`` with its ancestors up to the front's child (the front left out), read from ``/proc``;
+    processes that are not the front's descendants (or are gone) are left out."""
+    lines: Lineage = {}
+    for pid in pids:
+        line = [pid]
+        for _ in range(_MAX_DEPTH):
+            up = parent(line[-1])
+            if up is None or up <= 1:
+                break  # gone, or not ours: init's, or another namespace's first process
+            if up == front:
+                lines[pid] = tuple(line)
+                break
+            line.append(up)
+    return lines
+
+
+def attribute(processes: dict[int, dict[int, int]], lines: Lineage, roots: Container[int]) -> Reading:
+    """Sum ``processes`` ({pid: {device: bytes}}, NVML's figures) by the nearest of ``roots`` (the workers' pids:
+    each one's launcher, or an unsandboxed worker) each is or descends from (``lines``: ``lineage``'s). A launcher
+    is the front's child, or the workers' zygote's; processes that are no worker's are left out."""
     reading: Reading = {}
     for pid, devices in processes.items():
-        root = _front_child(pid, front, parent)
+        root = next((p for p in lines.get(pid, ()) if p in roots), None)
         if root is None:
             continue
         held = reading.setdefault(root, {})
         for device, used in devices.items():
             held[device] = held.get(device, 0) + used
     return reading
-
-
-def _front_child(pid: int, front: int, parent: Callable[[int], int | None]) -> int | None:
-    for _ in range(_MAX_DEPTH):
-        up = parent(pid)
-        if up is None:
-            return None  # gone
-        if up == front:
-            return pid
-        if up <= 1:
-            return None  # not ours: init's, or another namespace's first process
-        pid = up
-    return None
 
 
 def over_bound(worker: WorkerClient, held: dict[int, int], headroom: int) -> tuple[int, int, int] | None:
@@ -181,7 +187,8 @@ class MemoryWatch:
             if self._judging.is_set():
                 continue  # the loop has not judged the last reading yet: it is busy, add nothing to its queue
             try:
-                reading = attribute(self.read(), self._front)
+                processes = self.read()
+                lines = lineage(processes, self._front)  # (/proc is read here, not on the loop)
             except Exception as exc:  # (never end the watch: the next period tries again)
                 log.warning("reading NVML's device memory failed: %s", exc)
                 continue
@@ -190,7 +197,7 @@ class MemoryWatch:
                 continue
             self._judging.set()
             try:
-                loop.call_soon_threadsafe(self._judge, reading)
+                loop.call_soon_threadsafe(self._judge, processes, lines)
             except RuntimeError:  # the loop is closed: the broker is stopping
                 return
 
@@ -221,15 +228,15 @@ class MemoryWatch:
             log.warning("%s", message)
 
     # -- the event loop ------------------------------------------------------------------------------
-    def _judge(self, reading: Reading) -> None:
+    def _judge(self, processes: dict[int, dict[int, int]], lines: Lineage) -> None:
         self._judging.clear()
         now = time.monotonic()
-        live = set()
-        for worker in self.pool.workers():
+        workers = [w for w in self.pool.workers() if w.alive and w.pid is not None]
+        live = {w.pid for w in workers}
+        reading = attribute(processes, lines, live)
+        for worker in workers:
             pid = worker.pid
-            if not worker.alive or pid is None:
-                continue
-            live.add(pid)
+            assert pid is not None
             self._first_seen.setdefault(pid, now)
             held = reading.get(pid)
             if held is None:
