@@ -231,12 +231,12 @@ class MemoryWatch:
     def _judge(self, processes: dict[int, dict[int, int]], lines: Lineage) -> None:
         self._judging.clear()
         now = time.monotonic()
-        workers = [w for w in self.pool.workers() if w.alive and w.pid is not None]
-        live = {w.pid for w in workers}
+        live: dict[int, WorkerClient] = {}
+        for worker in self.pool.workers():
+            if worker.alive and worker.pid is not None:
+                live[worker.pid] = worker
         reading = attribute(processes, lines, live)
-        for worker in workers:
-            pid = worker.pid
-            assert pid is not None
+        for pid, worker in live.items():
             self._first_seen.setdefault(pid, now)
             held = reading.get(pid)
             if held is None:
