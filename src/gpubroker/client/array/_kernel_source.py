@@ -137,13 +137,29 @@ def _extremes(dtype: np.dtype[Any]) -> tuple[str, str]:
     return f"(({t})0)", f"(({t})0)"
 
 
+_UNROLL: Final = 4  # elements a reduction's work-item reads before it combines them
+
+
+def _tree(half: int, pair: str) -> str:
+    """C combining a work-group's shares (in work-group memory) pairwise, ``pair`` the statement that folds share
+    ``LID + s`` into share ``LID``: a barrier after each step; on CUDA the last five steps run in the first warp
+    alone, which synchronizes only itself (GB_WARP_TREE is 16 there, 0 in OpenCL, where a barrier inside a branch
+    that not every work-item takes is undefined)."""
+    out = f"    for (int s = {half}; s > GB_WARP_TREE; s >>= 1) {{\n      if (LID < s) {pair}\n      SYNC();\n    }}\n"
+    out += "#ifndef __OPENCL_VERSION__\n"
+    out += (f"    if (LID < 32) {{\n      for (int s = {min(half, 16)}; s > 0; s >>= 1) {{\n"
+            f"        if (LID < s) {pair}\n        __syncwarp();\n      }}\n    }}\n")
+    return out + "#endif\n"
+
+
 def reduce_source(name: str, fn: str, out_dtype: np.dtype[Any], x_dtype: np.dtype[Any],
-                  center_dtype: np.dtype[Any] | None, variant: tuple[int, int, bool, int]) -> str:
+                  center_dtype: np.dtype[Any] | None, variant: tuple[int, int, bool, int, bool]) -> str:
     """The kernel ``name`` of the reduction ``fn`` (``_reductions``) of x (``x_dtype``) into ``out_dtype``, with a
     center of ``center_dtype`` where it takes one. ``variant``: (kept dimensions, reduced dimensions, whether
-    indices fit 32 bits, the work-group size)."""
+    indices fit 32 bits, the work-group size, whether the reduced elements are contiguous: element j at x's
+    base + j, with no shape or strides to walk)."""
     reduction = REDUCTIONS[fn]
-    kd, rd, small, block = variant
+    kd, rd, small, block, contiguous = variant
     idx = "U32" if small else "I64"
     ot, xt = ctype(out_dtype), ctype(x_dtype)
     acc_dtype = {"out": out_dtype, "x": x_dtype, "bool": np.dtype(np.bool_),
@@ -170,22 +186,37 @@ def reduce_source(name: str, fn: str, out_dtype: np.dtype[Any], x_dtype: np.dtyp
     prologue += "".join(f"  const I64 rt{d} = meta[{base + rd + d}];\n" for d in range(rd))
     bases = ("xb", "ob", "cb")[:nk]
     locate = _walk("    ", idx, "r", "kd", kd, [(target, f"kt{p}_") for p, target in enumerate(bases)])
-    walk = f"      {idx} q = ({idx})j;\n      I64 xp = xb;\n" + _walk("      ", idx, "q", "rd", rd, [("xp", "rt")])
+    if contiguous:
+        walk = "      const I64 xp = xb + j;\n"
+    else:
+        walk = f"      {idx} q = ({idx})j;\n      I64 xp = xb;\n" + _walk("      ", idx, "q", "rd", rd, [("xp", "rt")])
     if reduction.read == "nonzero":
         load = f"(I64){cast(x_dtype, np.dtype(np.bool_), 'x[xp]')}"
     else:
         load = cast(x_dtype, acc_dtype, "x[xp]")
+    unrolled = range(_UNROLL)
+    inner = walk.replace("      ", "        ")
+    loads = f"      {at} " + ", ".join(f"v{u}" for u in unrolled) + ";\n" + "".join(
+        f"      {{ const I64 j = jn + {u * block};\n{inner}        v{u} = {load}; }}\n" for u in unrolled)
+    last, stride = (_UNROLL - 1) * block, _UNROLL * block
     if arg:
-        loop = _REDUCE_ARG.substitute(A=at, identity=identity, block=block, walk=walk, load=load, half=block // 2,
-                                      post=cast(np.dtype(np.int64), out_dtype, "si[0]"))
+        steps = "".join(f"      if (gb_better(v{u}, jn + {u * block}, acc, ai)) "
+                        f"{{ acc = v{u}; ai = jn + {u * block}; }}\n" for u in unrolled)
+        pair = ("if (gb_better(sv[LID + s], si[LID + s], sv[LID], si[LID])) "
+                "{ sv[LID] = sv[LID + s]; si[LID] = si[LID + s]; }")
+        loop = _REDUCE_ARG.substitute(A=at, identity=identity, block=block, walk=walk, load=load, unroll=_UNROLL,
+                                      last=last, stride=stride, unrolled_loads=loads, unrolled_steps=steps,
+                                      tree=_tree(block // 2, pair), post=cast(np.dtype(np.int64), out_dtype, "si[0]"))
     else:
         combine = reduction.reduce[kind]
         center = (f"    const {at} cv = {cast(center_dtype, acc_dtype, 'cen[cb]')};\n"
                   if center_dtype is not None else "")
+        step = combine.format(a="acc", b=reduction.map, **names)
+        steps = "".join(f"      {{ const {at} v = v{u}; acc = {step}; }}\n" for u in unrolled)
+        pair = "sv[LID] = " + combine.format(a="sv[LID]", b="sv[LID + s]", **names) + ";"
         loop = _REDUCE_VALUE.substitute(
-            center=center, A=at, identity=identity, block=block, walk=walk, load=load,
-            step=combine.format(a="acc", b=reduction.map, **names), half=block // 2,
-            pair=combine.format(a="sv[LID]", b="sv[LID + s]", **names),
+            center=center, A=at, identity=identity, block=block, walk=walk, load=load, step=step, unroll=_UNROLL,
+            last=last, stride=stride, unrolled_loads=loads, unrolled_steps=steps, tree=_tree(block // 2, pair),
             post=cast(acc_dtype, out_dtype, reduction.post_map.format(a="sv[0]")))
     body = _REDUCE.substitute(helpers=helpers, name=name, params=", ".join(params), A=at, block=block,
                               shared_index=f"  SHARED I64 si[{block}];\n" if arg else "", prologue=prologue,

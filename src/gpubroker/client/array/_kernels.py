@@ -323,7 +323,8 @@ class Kernels:
         block = self.block  # a work-group as small as the reduced extent allows (a row of 10: one warp)
         while block > 32 and block // 2 >= m:
             block //= 2
-        variant = (len(kdims), len(rdims), m < _SMALL_INDEX and nout < _SMALL_INDEX, block)
+        contiguous = not rdims or (len(rdims) == 1 and rper[0][0] == 1)  # element j at x's base + j
+        variant = (len(kdims), len(rdims), m < _SMALL_INDEX and nout < _SMALL_INDEX, block, contiguous)
         ckey = ("reduce", fn, out.dtype, x.dtype, None if center is None else center.dtype, variant)
 
         def make(name: str) -> str:

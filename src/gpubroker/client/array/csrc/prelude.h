@@ -3,7 +3,8 @@
 // GSIZE are a work-item's global index and the grid's size, LID, GROUP and NGROUPS its index in its work-group,
 // its work-group's index and the number of work-groups; SYNC() is a work-group barrier. I8 ... U64, F32, F64 name
 // the dtypes' C types (C64 and C128, the complex ones, are structs of complex.h). GB_INF and GB_NAN are float
-// constants every compiler folds; GB_PI_2, GB_PI_4 and GB_LN2 are pi/2, pi/4 and log(2).
+// constants every compiler folds; GB_PI_2, GB_PI_4 and GB_LN2 are pi/2, pi/4 and log(2). GB_WARP_TREE: a tree
+// combining a work-group's shares leaves its steps of at most this many pairs to one warp (CUDA: 16; OpenCL: 0).
 // (Lines beginning with // at the top of a file of csrc/ describe it and are not part of the source.)
 
 #ifdef __OPENCL_VERSION__
@@ -27,6 +28,7 @@
 #define U64 ulong
 #define GB_INF ((float)INFINITY)
 #define GB_NAN ((float)NAN)
+#define GB_WARP_TREE 0
 #else
 #define KERNEL extern "C" __global__
 #define GLOBAL
@@ -48,6 +50,7 @@
 #define U64 unsigned long long
 #define GB_INF __int_as_float(0x7f800000)
 #define GB_NAN __int_as_float(0x7fffffff)
+#define GB_WARP_TREE 16
 #endif
 #define F32 float
 #define F64 double
