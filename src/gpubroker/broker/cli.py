@@ -498,8 +498,9 @@ def _parser() -> argparse.ArgumentParser:
                        "hostile requests, --cases N), `soak` (session cycles: leaks of memory, fds, segments) and "
                        "`cold-start` (a tenant's first session, worker start included, sandboxed and not); "
                        "`array-api` (the Array API conformance suite against gpubroker.client.array, over a broker "
-                       "or in process); `arrays` (an MLP training loop and an sklearn PCA on the Array API "
-                       "namespace through a broker, against the same code on CuPy natively); `torch` (an MLP, a "
+                       "or in process); `arrays` (an MLP training loop, an sklearn PCA, a row softmax, a stencil "
+                       "and single operations on the Array API namespace through a broker, against the same code "
+                       "on CuPy natively; --only picks parts); `torch` (an MLP, a "
                        "GPT-style decoder, ResNet-18 inference, launch-bound operators and client CPU per operator "
                        "on the torch device through a broker, against eager PyTorch natively)")
     b.add_argument("which", choices=["remote", "fairness", "multi", "fuzz", "soak", "cold-start", "array-api",
