@@ -825,7 +825,13 @@ def _stream_ref(stream: Stream) -> str:
     return _stream(stream)
 
 
+_SCALAR_CODES: dict[type, str] = {}  # a NumPy scalar type's dtype.str (built as a new string at each read)
+
+
 def _scalar(value: np.generic) -> ScalarArg:
-    if value.dtype.itemsize > 8:  # (long double): no device takes it by value
-        raise InvalidArgument(f"a kernel scalar is at most 8 bytes, got {value.dtype} ({value.dtype.itemsize})")
-    return ScalarArg(value.dtype.str, value.tobytes())
+    code = _SCALAR_CODES.get(type(value))
+    if code is None:
+        if value.dtype.itemsize > 8:  # (long double): no device takes it by value
+            raise InvalidArgument(f"a kernel scalar is at most 8 bytes, got {value.dtype} ({value.dtype.itemsize})")
+        code = _SCALAR_CODES[type(value)] = value.dtype.str
+    return ScalarArg(code, value.tobytes())

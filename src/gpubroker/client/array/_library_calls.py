@@ -52,10 +52,21 @@ def normalize_axis(axis: int, ndim: int, what: str = "axis") -> int:
     return int(axis) % ndim
 
 
+_DTYPE_NAMES: dict[np.dtype[Any], str] = {}
+
+
+def dtype_name(dtype: np.dtype[Any]) -> str:
+    """``dtype.name``, remembered (NumPy computes it in Python at each call: a few microseconds per array)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype.name
+    return name
+
+
 def as_ref(x: Array) -> ArrayRef:
     """The library operation's handle on the contiguous ``x``: its buffer from its first element, dtype and shape."""
     v = x._view
-    return ArrayRef(v.buffer.at(v.offset * v.dtype.itemsize), v.dtype.name, v.shape)
+    return ArrayRef(v.buffer.at(v.offset * v.dtype.itemsize), dtype_name(v.dtype), v.shape)
 
 
 def call(op: str, inputs: Sequence[Array], params: Mapping[str, object] | None = None) -> list[Array]:
@@ -67,7 +78,7 @@ def call(op: str, inputs: Sequence[Array], params: Mapping[str, object] | None =
     ctx = context_of(*inputs)
     ready = [contiguous(x) for x in inputs]
     params = dict(params or {})
-    specs = library_outputs(op, [(x.dtype.name, x.shape) for x in ready], params)
+    specs = library_outputs(op, [(dtype_name(x.dtype), x.shape) for x in ready], params)
     outputs = [empty_array(ctx, tuple(shape), np.dtype(dtype)) for dtype, shape in specs]
     if any(o.size for o in outputs):  # else there is nothing to write (and no round trip to make)
         ctx.gpu.run_library(op, [as_ref(x) for x in ready], [as_ref(o) for o in outputs], params)
