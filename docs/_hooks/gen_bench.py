@@ -181,10 +181,16 @@ def _multi_table() -> str:
 
 
 # -- cold start, arrays, conformance ---------------------------------------------------------------------------------
+_COLD_START_MODES = (("sandbox", "sandboxed, forked from the zygote"),
+                     ("sandbox_exec", "sandboxed, exec'd (worker_zygote = false)"), ("no_sandbox", "not sandboxed"))
+
+
 def _cold_start_table() -> str:
     d = _load("cold-start-h200.json")
     rows = []
-    for key, label in (("sandbox", "sandboxed"), ("no_sandbox", "not sandboxed")):
+    for key, label in _COLD_START_MODES:
+        if key not in d:
+            continue
         runs = d[key]["p50_s_per_run"]
         rows.append([label, *[f"{x:.3f} s" for x in runs],
                      f"**{d[key]['p50_s_median']:.3f} s** ({d[key]['spread_s']:.2f} s)"])
@@ -207,6 +213,29 @@ def _arrays_table() -> str:
                      _spread(d["ours_figures"][f"{key}_s"], digits=3), _ratio(d["ours_over_native"][key]),
                      f"{target['target']}: {'met' if target['met'] else '**not met**'}"])
     return _table(["workload", "native (s)", "gpubroker (s)", "ratio", "target"], rows, "lrrrl")
+
+
+def _arrays_ops_table() -> str:
+    d = _load("arrays-h200.json")
+    if "ops" not in d["workloads"]:
+        return ""
+    w = d["workloads"]
+    rows = []
+    for key, expression in w["ops"]["expressions"].items():
+        target = d["targets"][f"ops.{key}"]
+        rows.append([f"`{expression}`", f"{d['native_figures']['ops_us'][key]['median']:.1f}",
+                     _spread(d["ours_figures"]["ops_us"][key], digits=1), _ratio(d["ours_over_native"]["ops"][key]),
+                     f"{target['target']}: {'met' if target['met'] else '**not met**'}"])
+    for key, label in (("softmax", f"row softmax + log-sum-exp + argmax, {w['softmax']['iterations']} iterations "
+                                   "(s)"),
+                       ("stencil", f"heat diffusion by slicing, {w['stencil']['steps']} steps (s)")):
+        if key in w:
+            target = d["targets"][key]
+            rows.append([label, f"{d['native_figures'][f'{key}_s']['median']:.4g}",
+                         _spread(d["ours_figures"][f"{key}_s"], digits=4), _ratio(d["ours_over_native"][key]),
+                         f"{target['target']}: {'met' if target['met'] else '**not met**'}"])
+    return _table([f"operation ({w['ops']['operands']}; us per call)", "native", "gpubroker", "ratio", "target"],
+                  rows, "lrrrl")
 
 
 def _arrays_host() -> str:
@@ -295,6 +324,7 @@ GENERATED: dict[str, Callable[[], str]] = {
     "bench-fairness-table": _fairness_table,
     "bench-multi-table": _multi_table,
     "bench-cold-start-table": _cold_start_table,
+    "bench-arrays-ops-table": _arrays_ops_table,
     "bench-arrays-host": _arrays_host,
     "bench-arrays-table": _arrays_table,
     "bench-array-api-table": _array_api_table,
@@ -413,18 +443,19 @@ def _fairness_plot() -> bytes:
 
 def _cold_start_plot() -> bytes:
     d = _load("cold-start-h200.json")
-    fig, axes = _figure(7, 3.6)
+    fig, axes = _figure(9, 3.6)
     ax = axes[0][0]
-    for row, key in enumerate(("sandbox", "no_sandbox")):
+    modes = [(key, label) for key, label in _COLD_START_MODES if key in d]
+    for row, (key, _) in enumerate(modes):
         for run, samples in enumerate(d[key]["samples_s"]):
             ys = [row + (run - 1) * 0.12] * len(samples)
             ax.scatter(samples, ys, s=18, label=f"run {run + 1}" if row == 0 else None,
                        color=["#3f51b5", "#009688", "#ff9800"][run % 3])
-        ax.axvline(d[key]["p50_s_median"], ymin=(row * 0.5) + 0.05, ymax=(row * 0.5) + 0.45, color="black")
+        ax.plot([d[key]["p50_s_median"]] * 2, [row - 0.4, row + 0.4], color="black")
         ax.text(d[key]["p50_s_median"], row + 0.3, f" median p50 {d[key]['p50_s_median']:.2f} s", fontsize=9)
-    ax.set_yticks([0, 1], ["sandboxed", "not sandboxed"])
-    ax.set_ylim(-0.5, 1.5)
-    ax.set_xlim(0.5, 1.05)
+    ax.set_yticks(range(len(modes)), [label for _, label in modes])
+    ax.set_ylim(-0.5, len(modes) - 0.5)
+    ax.set_xlim(left=0)
     ax.set_xlabel("a tenant's first session, worker start included (s)")
     ax.set_title(f"Cold first session on the H200, CUDA ({d['tenants']} tenants a run, {d['runs']} runs)")
     ax.legend(fontsize=8, loc="lower right")
