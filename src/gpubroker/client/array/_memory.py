@@ -3,7 +3,8 @@
 An array's bytes live in a ``Storage`` (one device allocation) shared by every view of it. When the last array
 holding a Storage dies, its finalizer only appends the buffer to the pool's list of dead buffers (a finalizer may
 run inside any call, on any thread: it must never call the device); the next allocation takes dead buffers of a
-fitting size for reuse, and queues a free for what the pool does not keep. Frees and allocations are commands like
+fitting size for reuse; the pool keeps the buffers that died last, up to its bound, and queues a free for those it
+has kept longest. Frees and allocations are commands like
 launches: on a RemoteGpu with ``async_commands`` they queue without a round trip.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,7 @@ class Memory:
         self._gpu = gpu
         self._dead: deque[Buffer] = deque()  # appended by finalizers (any thread), drained by allocate
         self._pool: dict[int, list[Buffer]] = {}
+        self._ages: OrderedDict[int, Buffer] = OrderedDict()  # the pooled buffers by id, the longest pooled first
         self._pooled = 0
         self._pool_max = POOL_MAX if memory_quota is None else min(POOL_MAX, memory_quota // 4)
         self._lock = threading.Lock()
@@ -57,19 +59,29 @@ class Memory:
             self._collect()
             free = self._pool.get(size)
             if free:
+                buf = free.pop()
+                del self._ages[id(buf)]
                 self._pooled -= size
-                return Storage(self, free.pop(), size)
+                return Storage(self, buf, size)
         return Storage(self, self._gpu.allocate_memory(size), size)
 
     def _collect(self) -> None:
-        """Dead buffers into the pool, or freed past its bound (the caller holds the lock)."""
+        """Dead buffers into the pool; past its bound, the buffers pooled longest are freed to make room (the
+        caller holds the lock). A pool full of one size (a loop's 128 MiB results) must not refuse the next loop's
+        sizes: each of its results would be a new allocation and a free, and a free waits for the device (cudaFree)."""
         while self._dead:
             buf = self._dead.popleft()
-            if self._pooled + buf.size <= self._pool_max:
-                self._pool.setdefault(buf.size, []).append(buf)
-                self._pooled += buf.size
-            else:
+            if buf.size > self._pool_max:
                 self._gpu.free_memory(buf)
+                continue
+            self._pool.setdefault(buf.size, []).append(buf)
+            self._ages[id(buf)] = buf
+            self._pooled += buf.size
+            while self._pooled > self._pool_max:
+                _, old = self._ages.popitem(last=False)
+                self._pool[old.size].remove(old)
+                self._pooled -= old.size
+                self._gpu.free_memory(old)
 
     def release(self) -> None:
         """Free every pooled buffer now (memory of live arrays stays)."""
@@ -79,6 +91,7 @@ class Memory:
                 for buf in bufs:
                     self._gpu.free_memory(buf)
             self._pool.clear()
+            self._ages.clear()
             self._pooled = 0
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> tuple[Storage, View]:
