@@ -15,7 +15,8 @@ Each message is one packet (its boundaries kept by the socket), a msgspec Struct
   another tenant's.
 - zygote -> front: ``Ready`` (first: it has loaded everything and runs single-threaded, so its children may
   unshare a user namespace), ``Forked`` (the launcher's pid, its pidfd attached: the front signals it by that,
-  never by a pid that may have been reused), ``Exited`` (a launcher ended: its exit code as Popen gives one,
+  never by a pid that may have been reused), ``ForkFailed`` (that fork could not be made: the system refused it;
+  the zygote serves on), ``Exited`` (a launcher ended: its exit code as Popen gives one,
   negative for a signal; the zygote is its parent and reaps it).
 - front -> launcher, on the launcher's own socket: ``Launch`` (attached: its stdout's and stderr's pipes, then the
   descriptors ``fds`` names, which the launcher puts at those numbers): the argv the front would have exec'd (the
@@ -30,10 +31,10 @@ import msgspec
 
 from gpubroker.wire import encoding
 
-__all__ = ["MAX_LAUNCH_MESSAGE", "MAX_ZYGOTE_MESSAGE", "Exited", "Fork", "Forked", "FromZygote", "Launch", "Ready",
-           "decode_from_zygote", "decode_launch", "decode_to_zygote", "encode"]
+__all__ = ["MAX_LAUNCH_MESSAGE", "MAX_ZYGOTE_MESSAGE", "Exited", "Fork", "ForkFailed", "Forked", "FromZygote", "Launch",
+           "Ready", "decode_from_zygote", "decode_launch", "decode_to_zygote", "encode"]
 
-MAX_ZYGOTE_MESSAGE: Final = 256  # either way: a Fork, or a pid and an exit code
+MAX_ZYGOTE_MESSAGE: Final = 256  # either way: a Fork, a pid and an exit code, or a fork's failure
 MAX_LAUNCH_MESSAGE: Final = 256 * 1024  # a launcher's argv: its spec (the binds, the limits) and the worker's argv
 
 Pid = Annotated[int, msgspec.Meta(ge=1, lt=1 << 31)]
@@ -61,6 +62,13 @@ class Forked(_FromZygote, tag="forked", frozen=True):
     pid: Pid
 
 
+class ForkFailed(_FromZygote, tag="fork_failed", frozen=True):
+    """The oldest ``Fork`` not yet answered could not be made (``reason``: the system's, such as EAGAIN past a
+    task limit); the zygote serves on."""
+
+    reason: Annotated[str, msgspec.Meta(max_length=160)]
+
+
 class Exited(_FromZygote, tag="exited", frozen=True):
     """Launcher ``pid`` ended: ``code`` as subprocess gives one (the exit status, or minus the signal)."""
 
@@ -68,7 +76,7 @@ class Exited(_FromZygote, tag="exited", frozen=True):
     code: Annotated[int, msgspec.Meta(ge=-128, le=255)]
 
 
-FromZygote = Ready | Forked | Exited
+FromZygote = Ready | Forked | ForkFailed | Exited
 
 
 class Launch(msgspec.Struct, array_like=True, tag="launch", tag_field="op", frozen=True):
@@ -83,7 +91,7 @@ class Launch(msgspec.Struct, array_like=True, tag="launch", tag_field="op", froz
 encode: Final = encoding.encode
 
 _to_zygote: msgspec.msgpack.Decoder[Fork] = msgspec.msgpack.Decoder(Fork)
-_from_zygote: msgspec.msgpack.Decoder[Ready | Forked | Exited] = msgspec.msgpack.Decoder(FromZygote)
+_from_zygote: msgspec.msgpack.Decoder[Ready | Forked | ForkFailed | Exited] = msgspec.msgpack.Decoder(FromZygote)
 _launch: msgspec.msgpack.Decoder[Launch] = msgspec.msgpack.Decoder(Launch)
 
 
@@ -92,7 +100,7 @@ def decode_to_zygote(payload: bytes) -> Fork:
     return _to_zygote.decode(payload)
 
 
-def decode_from_zygote(payload: bytes) -> Ready | Forked | Exited:
+def decode_from_zygote(payload: bytes) -> Ready | Forked | ForkFailed | Exited:
     """A message of the zygote; raises ValueError (msgspec's DecodeError or ValidationError) on any other bytes."""
     return _from_zygote.decode(payload)
 

@@ -52,6 +52,7 @@ from gpubroker.wire.zygote import (
     MAX_ZYGOTE_MESSAGE,
     Exited,
     Forked,
+    ForkFailed,
     Ready,
     decode_launch,
     decode_to_zygote,
@@ -157,8 +158,20 @@ def _serve_one(control: socket.socket, wake: tuple[int, int]) -> bool:
         decode_to_zygote(message)  # (a Fork: the only message there is)
         if len(fds) != 1:
             raise ValueError(f"a fork came with {len(fds)} descriptors, not 1")
-        pid = _fork_launcher(fds[0], control, wake)
-        pidfd = os.pidfd_open(pid)
+        try:
+            pid = _fork_launcher(fds[0], control, wake)
+        except OSError as exc:
+            # The system refused the fork (EAGAIN past the broker's task limit, ENOMEM): that one start fails, and
+            # the zygote serves on. Were it to exit, every launcher it forked would die with it, and with them
+            # every tenant's running worker.
+            _send(control, encode(ForkFailed(f"fork: {exc.strerror or exc}"[:160])))
+            return True
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as exc:  # (its child, not reaped yet: the pid is still this launcher's)
+            os.kill(pid, signal.SIGKILL)
+            _send(control, encode(ForkFailed(f"pidfd_open: {exc.strerror or exc}"[:160])))
+            return True
         try:
             _send(control, encode(Forked(pid)), [pidfd])
         finally:

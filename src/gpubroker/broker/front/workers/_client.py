@@ -330,7 +330,7 @@ class WorkerClient:
             try:
                 self._forked = await self.zygote.spawn(launch.argv, pass_fds)
                 return self._forked
-            except OSError as exc:  # (the zygote is given up: this start and the next are exec'd)
+            except OSError as exc:  # (this start is exec'd; the next too, unless the system only refused one fork)
                 log.info("tenant %s's worker on device %d is started without the zygote: %s", self.tenant,
                          self.device, exc)
         return subprocess.Popen(launch.argv, env=launch.env, pass_fds=pass_fds, stdin=subprocess.DEVNULL,

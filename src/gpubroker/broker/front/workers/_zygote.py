@@ -30,13 +30,14 @@ from gpubroker.wire.zygote import (
     Exited,
     Fork,
     Forked,
+    ForkFailed,
     Launch,
     Ready,
     decode_from_zygote,
     encode,
 )
 
-__all__ = ["LauncherProcess", "Zygote", "ZygoteProcess"]
+__all__ = ["ForkRefused", "LauncherProcess", "Zygote", "ZygoteProcess"]
 
 log = logging.getLogger("gpubroker.workers")
 
@@ -44,6 +45,11 @@ log = logging.getLogger("gpubroker.workers")
 READY_TIMEOUT = 60.0
 # How long a Fork may wait for its answer: the zygote forks at once; past this it is taken for stuck.
 FORK_TIMEOUT = 10.0
+
+
+class ForkRefused(OSError):
+    """The zygote's fork of one launcher failed (the system refused it: a task limit, memory); the zygote serves
+    on, and that start is tried exec'd."""
 
 
 class LauncherProcess(Protocol):
@@ -168,7 +174,8 @@ class Zygote:
     async def spawn(self, argv: list[str], pass_fds: list[int]) -> ZygoteProcess:
         """Fork a launcher that runs ``argv`` (the sandbox launcher's command line) with ``pass_fds`` at their
         numbers, its stdout and stderr on new pipes (the process's ``stdout``, ``stderr``). OSError when the
-        zygote cannot (it is then given up: the caller starts the launcher itself)."""
+        zygote cannot (it is then given up: the caller starts the launcher itself); ForkRefused (an OSError) when
+        the system refused this one fork (the zygote serves on)."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pipes: list[int] = []
         try:
@@ -193,6 +200,8 @@ class Zygote:
                 except TimeoutError:
                     self.give_up(f"a fork took more than {FORK_TIMEOUT:g} s")
                     raise OSError("the workers' zygote did not fork") from None
+                except ForkRefused:  # (the system's refusal, for this start only: the zygote serves on)
+                    raise
                 except asyncio.CancelledError:
                     if answer.cancelled():  # (given up meanwhile)
                         raise OSError(f"the workers' zygote ended ({self.failed})") from None
@@ -268,6 +277,11 @@ class Zygote:
             answer = self._forks.popleft()
             if not answer.done():
                 answer.set_result(launcher)
+        elif isinstance(reply, ForkFailed):
+            if self._forks:
+                answer = self._forks.popleft()
+                if not answer.done():
+                    answer.set_exception(ForkRefused(f"the workers' zygote could not fork a launcher: {reply.reason}"))
         elif isinstance(reply, Exited):
             ended = self._launchers.pop(reply.pid, None)
             if ended is not None:
