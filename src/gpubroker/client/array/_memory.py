@@ -4,8 +4,8 @@ An array's bytes live in a ``Storage`` (one device allocation) shared by every v
 holding a Storage dies, its finalizer only appends the buffer to the pool's list of dead buffers (a finalizer may
 run inside any call, on any thread: it must never call the device); the next allocation takes dead buffers of a
 fitting size for reuse; the pool keeps the buffers that died last, up to its bound, and queues a free for those it
-has kept longest. Frees and allocations are commands like
-launches: on a RemoteGpu with ``async_commands`` they queue without a round trip.
+has kept longest. Frees and allocations are commands like launches: on a RemoteGpu with ``async_commands`` they
+queue without a round trip.
 """
 
 from __future__ import annotations
