@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
-from gpubroker.client import GpuBrokerError, ModuleFormat, ResourceExhausted, connect
+from gpubroker.client import GpuBrokerError, ModuleFormat, RemoteGpu, ResourceExhausted, connect
 
 from ..helpers import descendants, proc_status, wait_for
 from .exploits import SYSCALL_SOURCE, check_arch, pid_state
@@ -172,6 +172,25 @@ def no_workers_left(broker: BrokerProcess) -> None:
     wait_for(lambda: not workers(broker), TIMEOUT, "the earlier workers to end")
 
 
+def connect_when_a_uid_is_free(broker: BrokerProcess, tenant: str) -> RemoteGpu:
+    """A session of ``tenant``, its worker started. The earlier tests' workers are gone from /proc a moment before
+    the front has their uids back (once their launchers' output has closed); a start meanwhile is refused with the
+    retryable WorkerUidsExhausted ("retry in a moment"), retried here as a client would."""
+    opened: list[RemoteGpu] = []
+
+    def started() -> bool:
+        try:
+            opened.append(connect(broker.target, token=broker.tokens[tenant], timeout=TIMEOUT))
+        except ResourceExhausted as exc:
+            if "worker_uids" not in exc.message:
+                raise
+            return False
+        return True
+
+    wait_for(started, TIMEOUT, f"a host uid for {tenant}'s worker")
+    return opened[0]
+
+
 def device_health(broker: BrokerProcess) -> str:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -188,8 +207,8 @@ def device_health(broker: BrokerProcess) -> str:
 def test_each_worker_runs_as_a_host_uid_of_its_own_until_its_last_process_ends(broker: BrokerProcess) -> None:
     root_only()
     no_workers_left(broker)
-    with (connect(broker.target, token=broker.tokens["alice"], timeout=TIMEOUT) as alice,
-          connect(broker.target, token=broker.tokens["bob"], timeout=TIMEOUT) as bob):
+    with (connect_when_a_uid_is_free(broker, "alice") as alice,
+          connect_when_a_uid_is_free(broker, "bob") as bob):
         alice.free_memory(alice.allocate_memory(4096))
         bob.free_memory(bob.allocate_memory(4096))
         (alices,), (bobs,) = workers(broker, "alice"), workers(broker, "bob")
@@ -229,8 +248,8 @@ def test_a_worker_cannot_take_another_workers_pipe_buffers_or_descriptors_in_fli
     if not 0 < pipes * 2 < 3800:
         pytest.skip(f"fs.pipe-user-pages-soft = {soft}: no soft limit a worker's 4096 descriptors could pass")
     no_workers_left(broker)
-    with (connect(broker.target, token=broker.tokens["alice"], timeout=TIMEOUT) as alice,
-          connect(broker.target, token=broker.tokens["bob"], timeout=TIMEOUT) as bob):
+    with (connect_when_a_uid_is_free(broker, "alice") as alice,
+          connect_when_a_uid_is_free(broker, "bob") as bob):
         results = {}
         for name, gpu, n, sends in (("alice", alice, pipes, 40), ("bob", bob, 1, 1)):
             kernel = gpu.get_kernel(gpu.load_module(SOURCE, ModuleFormat.OPENCL_C), "gpb_user_counts")
@@ -260,7 +279,7 @@ def test_a_worker_cannot_take_every_workers_epoll_watches(broker: BrokerProcess)
     """For every broker, root or not: no worker makes an epoll instance (seccomp), so none makes a watch."""
     no_workers_left(broker)
     scratch = TARGETS * 4 + 16 + 128 + 16 + 4 * BATCH + 64
-    with connect(broker.target, token=broker.tokens["alice"], timeout=TIMEOUT) as gpu:
+    with connect_when_a_uid_is_free(broker, "alice") as gpu:
         kernel = gpu.get_kernel(gpu.load_module(SOURCE, ModuleFormat.OPENCL_C), "gpb_epoll")
         buf, res = gpu.allocate_memory(scratch), gpu.allocate_memory(8 * 8)
         gpu.execute_kernel(kernel, 1, 1, [buf, np.int32(TARGETS), np.int32(BATCH), res])
