@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -199,7 +199,7 @@ class Buffer:
         if offset < 0 or self.offset + offset > self.size:
             raise InvalidArgument(
                 f"offset {offset} is outside the buffer ({self.nbytes} bytes from offset {self.offset})")
-        return replace(self, offset=self.offset + offset)
+        return Buffer(self.handle, self.size, self.offset + offset)  # (dataclasses.replace costs 2 us more)
 
 
 @dataclass(frozen=True)
