@@ -186,25 +186,30 @@ def reduce_source(name: str, fn: str, out_dtype: np.dtype[Any], x_dtype: np.dtyp
     prologue += "".join(f"  const I64 rt{d} = meta[{base + rd + d}];\n" for d in range(rd))
     bases = ("xb", "ob", "cb")[:nk]
     locate = _walk("    ", idx, "r", "kd", kd, [(target, f"kt{p}_") for p, target in enumerate(bases)])
-    if contiguous:
-        walk = "      const I64 xp = xb + j;\n"
-    else:
-        walk = f"      {idx} q = ({idx})j;\n      I64 xp = xb;\n" + _walk("      ", idx, "q", "rd", rd, [("xp", "rt")])
+
+    def walk_at(indent: str) -> str:
+        """C finding element j's position xp (x's base + j where the reduced elements are contiguous)."""
+        if contiguous:
+            return f"{indent}const I64 xp = xb + j;\n"
+        return f"{indent}{idx} q = ({idx})j;\n{indent}I64 xp = xb;\n" + _walk(indent, idx, "q", "rd", rd,
+                                                                              [("xp", "rt")])
+
+    walk = walk_at("      ")
     if reduction.read == "nonzero":
         load = f"(I64){cast(x_dtype, np.dtype(np.bool_), 'x[xp]')}"
     else:
         load = cast(x_dtype, acc_dtype, "x[xp]")
     unrolled = range(_UNROLL)
-    inner = walk.replace("      ", "        ")
     loads = f"      {at} " + ", ".join(f"v{u}" for u in unrolled) + ";\n" + "".join(
-        f"      {{ const I64 j = jn + {u * block};\n{inner}        v{u} = {load}; }}\n" for u in unrolled)
+        f"      {{ const I64 j = jn + {u * block};\n{walk_at('        ')}        v{u} = {load}; }}\n"
+        for u in unrolled)
     last, stride = (_UNROLL - 1) * block, _UNROLL * block
     if arg:
         steps = "".join(f"      if (gb_better(v{u}, jn + {u * block}, acc, ai)) "
                         f"{{ acc = v{u}; ai = jn + {u * block}; }}\n" for u in unrolled)
         pair = ("if (gb_better(sv[LID + s], si[LID + s], sv[LID], si[LID])) "
                 "{ sv[LID] = sv[LID + s]; si[LID] = si[LID + s]; }")
-        loop = _REDUCE_ARG.substitute(A=at, identity=identity, block=block, walk=walk, load=load, unroll=_UNROLL,
+        loop = _REDUCE_ARG.substitute(A=at, identity=identity, block=block, walk=walk, load=load,
                                       last=last, stride=stride, unrolled_loads=loads, unrolled_steps=steps,
                                       tree=_tree(block // 2, pair), post=cast(np.dtype(np.int64), out_dtype, "si[0]"))
     else:
@@ -215,7 +220,7 @@ def reduce_source(name: str, fn: str, out_dtype: np.dtype[Any], x_dtype: np.dtyp
         steps = "".join(f"      {{ const {at} v = v{u}; acc = {step}; }}\n" for u in unrolled)
         pair = "sv[LID] = " + combine.format(a="sv[LID]", b="sv[LID + s]", **names) + ";"
         loop = _REDUCE_VALUE.substitute(
-            center=center, A=at, identity=identity, block=block, walk=walk, load=load, step=step, unroll=_UNROLL,
+            center=center, A=at, identity=identity, block=block, walk=walk, load=load, step=step,
             last=last, stride=stride, unrolled_loads=loads, unrolled_steps=steps, tree=_tree(block // 2, pair),
             post=cast(acc_dtype, out_dtype, reduction.post_map.format(a="sv[0]")))
     body = _REDUCE.substitute(helpers=helpers, name=name, params=", ".join(params), A=at, block=block,
