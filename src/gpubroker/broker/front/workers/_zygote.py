@@ -200,11 +200,12 @@ class Zygote:
                 except TimeoutError:
                     self.give_up(f"a fork took more than {FORK_TIMEOUT:g} s")
                     raise OSError("the workers' zygote did not fork") from None
-                except ForkRefused:  # (the system's refusal, for this start only: the zygote serves on)
-                    raise
                 except asyncio.CancelledError:
                     if answer.cancelled():  # (given up meanwhile)
                         raise OSError(f"the workers' zygote ended ({self.failed})") from None
+                    # The zygote still answers this Fork, in its turn, to nobody: a ForkFailed set on a pending
+                    # answer nobody reads would be logged as an exception never retrieved.
+                    answer.cancel()
                     raise
             out_read, out_write = os.pipe()
             pipes += [out_read, out_write]
