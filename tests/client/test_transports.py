@@ -333,12 +333,83 @@ def test_a_batch_over_the_frame_limit_goes_as_several_and_a_command_over_it_is_r
     t.close()
 
 
+class HeldAcks:
+    """A carrier that sees acks as the ring does (``sees_acks``), whose peer answers what it was sent only when
+    told to (``answer``): what the core sends while its peer works is then known exactly."""
+
+    kind, max_data, codec, sees_acks = "ring", MAX_FRAME, "", True
+
+    def __init__(self) -> None:
+        self.batches: list[Batch] = []
+        self._unanswered: list[bytes] = []
+        self._answered: list[bytes] = []
+
+    def open(self) -> None:
+        pass
+
+    def send(self, payload: bytes) -> None:
+        batch = decode_batch(payload)
+        self.batches.append(batch)
+        self._unanswered.append(encode(ok(batch)))
+
+    def answer(self) -> None:
+        self._answered += self._unanswered
+        self._unanswered = []
+
+    def receive(self, timeout: float | None, in_flight: int) -> bytes:
+        self.answer()
+        return self._answered.pop(0)
+
+    def arrived(self) -> bytes | None:
+        return self._answered.pop(0) if self._answered else None
+
+    def shut(self) -> None:
+        pass
+
+    def hung_up(self) -> bool:
+        return False
+
+    def why_lost(self, reason: str) -> Unavailable:
+        return Unavailable(reason)
+
+
+def test_where_acks_are_seen_a_command_goes_at_once_to_an_idle_peer_and_those_queued_meanwhile_go_together() -> None:
+    """Issue 25's 'queued launches leave the client when the pipe goes idle', on the ring: nothing is held back
+    from a worker that has answered everything (its device would idle behind a client still queueing), and while
+    it works, commands queue and go as one batch once it has answered: no batch per command."""
+    carrier = HeldAcks()
+    t = BatchingTransport(carrier, timeout=10)
+    t.open()
+    t.submit(launch("a"))
+    assert [[c.kernel for c in b.commands] for b in carrier.batches] == [["a"]]  # type: ignore[attr-defined]
+    for name in "bcd":
+        t.submit(launch(name))
+    assert len(carrier.batches) == 1  # the peer is working on "a": queued
+    carrier.answer()
+    t.submit(launch("e"))
+    assert [[c.kernel for c in b.commands] for b in carrier.batches] == [  # type: ignore[attr-defined]
+        ["a"], ["b", "c", "d", "e"]]
+    t.wait()
+    # A carrier that cannot see acks cheaply (a socket) sends the first batch of a burst at 16 commands instead.
+    peer = Peer(ok)
+    sock = link([peer])
+    for i in range(15):
+        sock.submit(launch(f"k{i}"))
+    assert sock._next_id == 1
+    sock.submit(launch("k15"))
+    assert sock._next_id == 2
+    sock.wait()
+    assert [len(b.commands) for b in peer.batches] == [16]
+    sock.close()
+
+
 def test_one_batching_core_composes_each_carrier() -> None:
     """Each medium is a carrier the one core owns (issue 22): nothing subclasses the core, and every carrier has
     what the core calls."""
     assert BatchingTransport.__subclasses__() == []
     members = {name for name in vars(Carrier) if not name.startswith("_")}
-    assert members == {"kind", "max_data", "codec", "open", "send", "receive", "arrived", "shut", "hung_up", "why_lost"}
+    assert members == {"kind", "max_data", "codec", "open", "send", "receive", "arrived", "sees_acks", "shut", "hung_up",
+                       "why_lost"}
     for carrier in (FramedSocket, RingUpgrade, GrpcStream):
         missing = {name for name in members - set(dir(carrier))
                    if name not in ("kind", "max_data", "codec")}  # (set per instance, or class attributes)

@@ -263,6 +263,13 @@ def test_calls_are_checked_against_the_table_and_the_buffers(gpu: GpuCompute) ->
     with pytest.raises(InvalidArgument, match=r"^linalg.inv: x must be a stack of square matrices"):
         gpu.run_library("linalg.inv", [ArrayRef(inputs[0].buffer, "float64", (2, 8))], outputs)
     gpu.run_library("linalg.inv", inputs, outputs)  # the good call still runs
+    # A call whose dtypes, shapes and params passed before is remembered (wire/library.py's _CALLS_SEEN): only its
+    # buffers are checked again, as strictly as the first time.
+    with pytest.raises(InvalidArgument, match=r"^linalg.inv: outputs\[0\] .* overruns its"):
+        gpu.run_library("linalg.inv", inputs, [ArrayRef(out.buffer.at(8), "float64", (4, 4))])
+    with pytest.raises(InvalidArgument, match=r"^linalg.inv: inputs\[0\] must be an ArrayRef"):
+        gpu.run_library("linalg.inv", [ArrayRef("not a buffer", "float64", (4, 4))], outputs)  # type: ignore[arg-type]
+    gpu.run_library("linalg.inv", inputs, outputs)
     gpu.synchronize()
 
 

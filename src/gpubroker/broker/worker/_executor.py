@@ -72,7 +72,6 @@ from gpubroker.wire.errors import (
     Unimplemented,
 )
 from gpubroker.wire.host import check_device_range
-from gpubroker.wire.library import check_library_call
 from gpubroker.wire.torch import (
     OpResult,
     TorchFree,
@@ -424,13 +423,12 @@ class Executor:
 
     @handles(RunLibrary)
     def _run_library(self, objs: SessionObjects, cmd: RunLibrary) -> None:
-        """The arrays on the session's buffer views, checked here against their allocations and the op table (the
-        worker trusts nothing the client sends), then the backend's library, which checks them again: an
-        in-process caller has no worker in front of it."""
+        """The arrays on the session's buffer views (a handle of the session's, a view inside its allocation),
+        then the backend's library, which checks everything else against the op table and the allocations
+        (``check_library_call``, as it does for an in-process caller: the worker trusts nothing the client sends,
+        and checks once)."""
         inputs = [ArrayRef(objs.view(*ref), dtype, shape) for ref, dtype, shape in cmd.inputs]
         outputs = [ArrayRef(objs.view(*ref), dtype, shape) for ref, dtype, shape in cmd.outputs]
-        # The views are sized to their allocations (SessionObjects.view): no resolve needed.
-        check_library_call(cmd.name, inputs, outputs, cmd.params)
         self.backend.run_library(cmd.name, inputs, outputs, cmd.params,
                                  objs.stream(cmd.stream) if cmd.stream else None)
 

@@ -42,9 +42,13 @@ __all__ = ["ENVELOPE", "BatchingTransport", "Carrier", "Lost", "Stripes", "Trans
 
 # What a frame may carry beyond its copy data (the contract's max frame is chunk_bytes + this).
 ENVELOPE: Final = 64 * 1024
-# The first batch of a burst goes out small, so the device starts while the rest of the burst is being built.
+# On a carrier that cannot see an ack without waiting (a socket, gRPC): the first batch of a burst goes out
+# small, so the device starts while the rest of the burst is being built, and queued commands between two looks
+# at whether the peer ran everything sent (never true there: they go at a full batch or a wait). A carrier that
+# sees acks cheaply (the ring: one read of shared memory) looks at every command, and a command goes at once to
+# a peer that has answered everything sent: the device never idles behind a client still queueing, and while the
+# worker is busy what is queued meanwhile goes as one batch when it answers.
 _FIRST_BATCH: Final = 16
-# Queued commands between two looks at whether the peer ran everything sent (then they go at once).
 _IDLE_LOOK: Final = 64
 # Chunks sent raw untried after one that lz4 did not shrink by a sixteenth (random data: not worth the CPU).
 _RAW_WRITES: Final = 15
@@ -157,6 +161,12 @@ class Carrier(Protocol):
         cheaply says None); raise Lost if the connection failed."""
         ...
 
+    @property
+    def sees_acks(self) -> bool:
+        """Whether ``arrived`` can see an ack at the cost of a memory read (asked after each open): then the core
+        looks at every command queued, and sends to a peer that has answered everything at once."""
+        ...
+
     def shut(self) -> None:
         """Drop the connection (no error)."""
         ...
@@ -249,6 +259,7 @@ class BatchingTransport:
         self._open_now = False
         self._closed = False
         self._last = time.monotonic()
+        self._first, self._look = _FIRST_BATCH, _IDLE_LOOK  # (set from the carrier at each open: _opened)
 
     # -- what the carrier says -----------------------------------------------------------------
     @property
@@ -273,7 +284,7 @@ class BatchingTransport:
         with self._lock:
             if not self._open_now:
                 self.carrier.open()
-                self._open_now = True
+                self._opened()
 
     # -- the caller's side -----------------------------------------------------------------------
     def submit(self, command: Command, on_result: Callable[[Any], None] | None = None) -> int:
@@ -283,11 +294,11 @@ class BatchingTransport:
                 pending = self._pending
                 pending.append(command)
                 n = len(pending)
-                # Past _FIRST_BATCH, once the peer ran everything sent (looked at every _IDLE_LOOK commands), what is
-                # queued goes now rather than at a full batch: the worker (and its device) do not wait on a client
-                # still queueing.
-                if n >= self.batch_size or (n >= _FIRST_BATCH and (
-                        not self._unacked or (n % _IDLE_LOOK == 0 and self._idle_peer()))):
+                # Past the first batch's size, once the peer ran everything sent (looked at every ``_look``
+                # commands), what is queued goes now rather than at a full batch: the worker (and its device) do
+                # not wait on a client still queueing.
+                if n >= self.batch_size or (n >= self._first and (
+                        not self._unacked or (n % self._look == 0 and self._idle_peer()))):
                     self._flush()
                 return self._seq
             if type(command) is Write and self._pending:
@@ -476,7 +487,7 @@ class BatchingTransport:
             self._drop()  # closed by the broker while idle: reopened below, nothing lost
         if not self._open_now:
             self.carrier.open()  # (refused: these commands never went out, and the refusal says why)
-            self._open_now = True
+            self._opened()
         return self._send_batch(commands, self._seq - len(commands) + 1, on_result, call_seq, end, limit)
 
     def _send_batch(self, commands: list[Command], first: int, on_result: Callable[[Any], None] | None,
@@ -519,6 +530,11 @@ class BatchingTransport:
         self._unacked.append(sent)
         self._last = time.monotonic()
         return sent
+
+    def _opened(self) -> None:
+        self._open_now = True
+        # (a ring the worker declined leaves a plain link: asked at each open)
+        self._first, self._look = (1, 1) if self.carrier.sees_acks else (_FIRST_BATCH, _IDLE_LOOK)
 
     def _idle_peer(self) -> bool:
         """Whether every batch sent is acknowledged, reading the acks already here without waiting."""

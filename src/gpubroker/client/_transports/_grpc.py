@@ -99,6 +99,10 @@ class GrpcStream:
     def arrived(self) -> bytes | bytearray | None:
         return None  # (the ack reader thread's queue: read by receive alone, which also tells why a stream ended)
 
+    @property
+    def sees_acks(self) -> bool:
+        return False
+
     def shut(self) -> None:
         if self._outbox is not None:
             self._outbox.put(_END)

@@ -381,6 +381,10 @@ class FramedSocket:
     def arrived(self) -> bytes | bytearray | None:
         return None  # (a socket's next frame may be partly here: asked only by blocking reads)
 
+    @property
+    def sees_acks(self) -> bool:
+        return False
+
     def shut(self) -> None:
         if self.sock is not None:
             self.sock.close()

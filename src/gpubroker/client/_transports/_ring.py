@@ -231,6 +231,10 @@ class RingUpgrade:
         except RingBroken as exc:
             raise Lost(f"the ack ring is broken: {exc}") from None
 
+    @property
+    def sees_acks(self) -> bool:
+        return self._acks is not None  # (not once the worker declined: a plain link then)
+
     def _block(self, acks: ByteRing, timeout: float | None) -> bytes:
         """Wait on the doorbell (and the link socket, whose hang-up says the worker is gone) for the next ack.
         The bell is drained after each wake-up and before the ring is looked at again: an ack published after
