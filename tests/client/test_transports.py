@@ -381,14 +381,20 @@ def test_where_acks_are_seen_a_command_goes_at_once_to_an_idle_peer_and_those_qu
     t = BatchingTransport(carrier, timeout=10)
     t.open()
     t.submit(launch("a"))
-    assert [[c.kernel for c in b.commands] for b in carrier.batches] == [["a"]]  # type: ignore[attr-defined]
-    for name in "bcd":
+    assert carrier.batches == []  # one alone waits for a second (a launch and its sync go as one round trip)
+    t.submit(launch("b"))
+    assert [[c.kernel for c in b.commands] for b in carrier.batches] == [["a", "b"]]  # type: ignore[attr-defined]
+    for name in "cde":
         t.submit(launch(name))
-    assert len(carrier.batches) == 1  # the peer is working on "a": queued
+    assert len(carrier.batches) == 1  # the peer is working on "a" and "b": queued
     carrier.answer()
-    t.submit(launch("e"))
+    t.submit(launch("f"))
     assert [[c.kernel for c in b.commands] for b in carrier.batches] == [  # type: ignore[attr-defined]
-        ["a"], ["b", "c", "d", "e"]]
+        ["a", "b"], ["c", "d", "e", "f"]]
+    carrier.answer()
+    t.submit(launch("g"))
+    t.call(Synchronize())  # a call takes what is queued with it
+    assert [[type(c).__name__ for c in b.commands] for b in carrier.batches][2:] == [["Launch", "Synchronize"]]
     t.wait()
     # A carrier that cannot see acks cheaply (a socket) sends the first batch of a burst at 16 commands instead.
     peer = Peer(ok)

@@ -499,9 +499,9 @@ def test_ring_hellos_whose_clients_leave_at_once_give_their_places_and_memory_ba
 
 
 def test_queued_commands_leave_the_client_once_the_worker_ran_everything_sent(ring_broker: BrokerProcess) -> None:
-    """On the ring a command goes at once to a worker that has answered everything sent (the first of a burst,
-    and the first after the worker's answer came), so the worker does not idle behind a client still queueing;
-    what queues while the worker works goes with it (the order and grouping: tests/client/test_transports.py)."""
+    """On the ring two commands queued go at once to a worker that has answered everything sent (at a burst's
+    start, and after the worker's answer came), so the worker does not idle behind a client still queueing; what
+    queues while the worker works goes with them (the order and grouping: tests/client/test_transports.py)."""
     with connect(ring_broker.target, token=ring_broker.tokens["alice"], transport="ring",
                  async_commands=True, shared_memory=False) as gpu:
         kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "scale_inplace")
@@ -511,11 +511,14 @@ def test_queued_commands_leave_the_client_once_the_worker_ran_everything_sent(ri
         assert isinstance(t, BatchingTransport)
         launch = [buf, np.float32(1), np.int32(1)]
         sent = t._next_id
+        gpu.execute_kernel(kernel, 1, 1, launch)
+        assert t._next_id == sent and len(t._pending) == 1  # one alone waits for a second (or a wait)
         gpu.execute_kernel(kernel, 1, 1, launch)  # nothing unacknowledged: sent at once
         assert t._next_id == sent + 1 and not t._pending
         acks = _carrier(t)._acks
         assert acks is not None
         wait_for(acks.ready, timeout=30, what="the worker's ack")  # (read by no one yet)
+        gpu.execute_kernel(kernel, 1, 1, launch)
         gpu.execute_kernel(kernel, 1, 1, launch)  # looked, found the worker idle, and sent
         assert t._next_id == sent + 2 and not t._pending
         gpu.synchronize()

@@ -45,11 +45,14 @@ ENVELOPE: Final = 64 * 1024
 # On a carrier that cannot see an ack without waiting (a socket, gRPC): the first batch of a burst goes out
 # small, so the device starts while the rest of the burst is being built, and queued commands between two looks
 # at whether the peer ran everything sent (never true there: they go at a full batch or a wait). A carrier that
-# sees acks cheaply (the ring: one read of shared memory) looks at every command, and a command goes at once to
-# a peer that has answered everything sent: the device never idles behind a client still queueing, and while the
-# worker is busy what is queued meanwhile goes as one batch when it answers.
+# sees acks cheaply (the ring: one read of shared memory) looks at every command: two queued go at once to a peer
+# that has answered everything sent, so the device does not idle behind a client still queueing (what queues
+# while the worker is busy goes as one batch when it has answered). Two, not one: a lone launch followed by its
+# synchronize (or read) goes with it in one round trip, and on the H200 sending it alone cost a launch + sync
+# 5 us more; a burst's device queue is then never more than a command's worth of client time behind.
 _FIRST_BATCH: Final = 16
 _IDLE_LOOK: Final = 64
+_RING_FIRST_BATCH: Final = 2
 # Chunks sent raw untried after one that lz4 did not shrink by a sixteenth (random data: not worth the CPU).
 _RAW_WRITES: Final = 15
 # Seconds unused after which a connection is asked whether the broker hung up (idleness, revocation) before a
@@ -534,7 +537,7 @@ class BatchingTransport:
     def _opened(self) -> None:
         self._open_now = True
         # (a ring the worker declined leaves a plain link: asked at each open)
-        self._first, self._look = (1, 1) if self.carrier.sees_acks else (_FIRST_BATCH, _IDLE_LOOK)
+        self._first, self._look = (_RING_FIRST_BATCH, 1) if self.carrier.sees_acks else (_FIRST_BATCH, _IDLE_LOOK)
 
     def _idle_peer(self) -> bool:
         """Whether every batch sent is acknowledged, reading the acks already here without waiting."""
