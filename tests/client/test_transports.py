@@ -414,8 +414,8 @@ def test_one_batching_core_composes_each_carrier() -> None:
     what the core calls."""
     assert BatchingTransport.__subclasses__() == []
     members = {name for name in vars(Carrier) if not name.startswith("_")}
-    assert members == {"kind", "max_data", "codec", "open", "send", "receive", "arrived", "sees_acks", "shut", "hung_up",
-                       "why_lost"}
+    assert members == {"kind", "max_data", "codec", "open", "send", "receive", "arrived", "sees_acks", "shut",
+                       "hung_up", "why_lost"}
     for carrier in (FramedSocket, RingUpgrade, GrpcStream):
         missing = {name for name in members - set(dir(carrier))
                    if name not in ("kind", "max_data", "codec")}  # (set per instance, or class attributes)

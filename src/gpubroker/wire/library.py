@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 
@@ -653,9 +653,9 @@ def check_library_call(op: object, inputs: object, outputs: object, params: Mapp
         assert key is not None
         checked, sizes = known
         n_in = len(key[1])
-        refs = [*inputs, *outputs]  # type: ignore[misc]  # (lists or tuples of ArrayRef: _call_key)
+        given = [*cast("Sequence[ArrayRef]", inputs), *cast("Sequence[ArrayRef]", outputs)]  # (so _call_key found)
         placed = [_within(name, i, n_in, ref, shape, nbytes, resolve)
-                  for i, (ref, (_, shape), nbytes) in enumerate(zip(refs, key[1] + key[2], sizes, strict=True))]
+                  for i, (ref, (_, shape), nbytes) in enumerate(zip(given, key[1] + key[2], sizes, strict=True))]
         return placed[:n_in], placed[n_in:], dict(checked)
     checked = entry.check_params(params)
     resolved: list[list[ArrayRef]] = []
@@ -702,7 +702,7 @@ def _call_key(op: str, inputs: object, outputs: object, params: object) -> tuple
         for ref in refs:
             if type(ref) is not ArrayRef or type(ref.dtype) is not str:
                 return None
-            shape = ref.shape
+            shape: object = ref.shape  # (a list, as msgpack gives it, or anything a caller passed)
             if type(shape) is not tuple and type(shape) is not list:
                 return None
             for extent in shape:
