@@ -163,6 +163,25 @@ def test_a_call_returns_its_result_and_raises_its_own_error_plainly() -> None:
     t.close()
 
 
+def test_a_call_that_fails_after_an_earlier_deferred_failure_raises_the_earlier_one() -> None:
+    """Program order: a queued command failed in an earlier batch (its error deferred), then a call failed (here
+    NOT_FOUND: what that command would have made); the call raises the earlier failure, as a synchronous run would
+    have, and nothing stays behind for the next sync."""
+    def handler(batch: Batch) -> Ack:
+        first = batch.commands[0]
+        if isinstance(first, Launch):
+            return Ack(batch.id, 0, CommandError(batch.first, "launch", WireError("INVALID_ARGUMENT", "bad launch")))
+        return Ack(batch.id, 0, CommandError(batch.first, "memset", WireError("NOT_FOUND", "no buf 'b1'")))
+
+    t = link([Peer(handler)])
+    for _ in range(16):  # the first batch of a burst: sent at 16
+        t.submit(launch())
+    with pytest.raises(InvalidArgument, match=r"^command 1 \(launch\) failed: bad launch$"):
+        t.call(Memset(("b1", 0), 1, -1))
+    t.wait()  # nothing kept
+    t.close()
+
+
 def test_results_of_submitted_reads_arrive_in_order() -> None:
     t = link([Peer(ok)])
     got: list[bytes] = []

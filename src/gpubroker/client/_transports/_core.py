@@ -340,6 +340,9 @@ class BatchingTransport:
                 raise
             own, self._call_error = self._call_error, None
             if own is not None:
+                # An earlier command's failure, deferred, comes first in program order: as in a synchronous run it
+                # is what is raised (the call's own failure most likely follows from it: a handle never made).
+                self._raise_kept()
                 raise own
             self._raise_kept()
             return box[0] if box else None
