@@ -315,9 +315,9 @@ def _soak_table() -> str:
 
 
 GENERATED: dict[str, Callable[[], str]] = {
-    "bench-remote-host": lambda: _remote_host("remote-h200-dataplane.json") + "\n",
-    "bench-remote-table": lambda: _remote_table("remote-h200-dataplane.json"),
-    "bench-remote-targets": lambda: _remote_targets("remote-h200-dataplane.json"),
+    "bench-remote-host": lambda: _remote_host("remote-h200.json") + "\n",
+    "bench-remote-table": lambda: _remote_table("remote-h200.json"),
+    "bench-remote-targets": lambda: _remote_targets("remote-h200.json"),
     "bench-remote-pocl-host": lambda: _remote_host("remote-pocl.json") + "\n",
     "bench-remote-pocl-table": lambda: _remote_table("remote-pocl.json"),
     "bench-remote-pocl-targets": lambda: _remote_targets("remote-pocl.json"),
@@ -361,7 +361,7 @@ def _err(f: dict[str, float], scale: float = 1.0) -> tuple[float, list[float]]:
 
 
 def _latency_plot() -> bytes:
-    d = _load("remote-h200-dataplane.json")
+    d = _load("remote-h200.json")
     rem = d["remote_figures"]
     bars = [("native CuPy, in process", d["native_figures"]["launch_sync_p50_us"]),
             ("ring (same host), async_commands", rem["launch_sync_async_p50_us"]),
@@ -390,7 +390,7 @@ def _latency_plot() -> bytes:
 
 
 def _copies_plot() -> bytes:
-    d = _load("remote-h200-dataplane.json")
+    d = _load("remote-h200.json")
     nat, rem = d["native_figures"], d["remote_figures"]
     fig, axes = _figure(10, 4.8, cols=2)
     mib = [int(s.removesuffix("MiB")) for s in SIZES]
