@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     if "lone" in results:
         print(f"lone tenant: {results['lone']['ratio']:.3f} of its throughput with the scheduler off", file=sys.stderr)
     for name, target in results.get("targets", {}).items():
-        print(f"  {'met ' if target['met'] else 'MISS'} {name}: {target['target']}: {target['values']}", file=sys.stderr)
+        verdict = "met " if target["met"] else "MISS"
+        print(f"  {verdict} {name}: {target['target']}: {target['values']}", file=sys.stderr)
     return 0
 
 
