@@ -31,6 +31,7 @@ from gpubroker.wire.frames import pack_frame, recv_payload, send_frame, send_pay
 from gpubroker.wire.ring import (
     ACK_HEAD,
     ACK_TAIL,
+    CLIENT_AWAKE,
     CMD_HEAD,
     CMD_TAIL,
     RING_DATA,
@@ -38,6 +39,7 @@ from gpubroker.wire.ring import (
     SPIN_ENV,
     WAIT_SPIN_US,
     ByteRing,
+    drain_bell,
     ring_bell,
     ring_caps,
     wait_spin_us,
@@ -135,6 +137,8 @@ def test_an_impossible_ack_index_or_a_shut_doorbell_drops_the_ring(ring_broker: 
     r = _carrier(t)
     assert r._bell is not None and r.link.sock is not None and r._commands is not None
     r._bell.shutdown(socket.SHUT_RD)  # the worker's ring of it fails (EPIPE): no ack could wake this client
+    assert r._words is not None
+    r._words[CLIENT_AWAKE] = 0  # (as a client about to block says: the worker rings for its ack)
     assert r._commands.put(encode(Batch(1, 1, [Synchronize()])))
     ring_bell(r._bell)
     assert r.link.sock.recv(1) == b""  # the worker closed the link, and with it the ring
@@ -522,3 +526,25 @@ def test_queued_commands_leave_the_client_once_the_worker_ran_everything_sent(ri
         gpu.execute_kernel(kernel, 1, 1, launch)  # looked, found the worker idle, and sent
         assert t._next_id == sent + 2 and not t._pending
         gpu.synchronize()
+
+
+def test_the_worker_rings_only_a_client_that_may_block(ring_broker: BrokerProcess, gpu: RemoteGpu) -> None:
+    """Issue 25's hot path: an ack for a client that said it looks at the ring before it blocks (its awake word,
+    wire/ring.py) costs no doorbell; one for a client that may block rings it, as every ack did before."""
+    t = _ring(ring_broker, gpu.session)
+    r = _carrier(t)
+    assert r._words is not None and r._bell is not None and r._commands is not None and r._acks is not None
+    t.call(Synchronize())
+    drain_bell(r._bell)  # (what the opening took)
+    for batch, (awake, rung) in enumerate(((1, False), (0, True), (1, False)), start=100):
+        r._words[CLIENT_AWAKE] = awake
+        assert r._commands.put(encode(Batch(batch, 1, [Synchronize()])))
+        ring_bell(r._bell)  # (the worker may be blocked: this client rings whatever the worker's word says)
+        wait_for(r._acks.ready, timeout=30, what="the worker's ack")
+        try:
+            got = r._bell.recv(16, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            got = b""
+        assert bool(got) is rung, (awake, got)
+        assert r._acks.get() is not None
+    t.close()

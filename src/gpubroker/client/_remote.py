@@ -519,13 +519,16 @@ class RemoteGpu:
             shared_mem: Bytes of dynamic shared memory per block.
             stream: The stream the launch is queued on; None for the default stream.
         """
-        # The hot path of asynchronous work: checks cost a type test each where the arguments are well formed.
-        checked = check_kernel_args(args) if args or type(args) not in (list, tuple) else []
+        # The hot path of asynchronous work: arguments of the types seen before are converted in one pass (a
+        # type test each); anything else takes the full check, which says what is wrong.
+        wire = _wire_args(args) if type(args) is list or type(args) is tuple else None
+        if wire is None:
+            checked = check_kernel_args(args)
+            wire = [BufferArg(*_ref(a)) if isinstance(a, Buffer) else _scalar(a) for a in checked]
         if type(kernel) is not Kernel:
             raise InvalidArgument(f"expected a Kernel, got {type(kernel).__name__}")
         if type(shared_mem) is not int or shared_mem < 0:
             _check_counts(shared_mem=shared_mem)
-        wire: list[KernelArg] = [BufferArg(*_ref(a)) if isinstance(a, Buffer) else _scalar(a) for a in checked]
         handle = kernel.handle if type(kernel.handle) is str and 0 < len(kernel.handle) <= MAX_HANDLE \
             else _handle(kernel.handle, "kernel")
         self._command(Launch(handle, normalize_dims(grid, "grid"), normalize_dims(block, "block"), wire, shared_mem,
@@ -826,6 +829,26 @@ def _stream_ref(stream: Stream) -> str:
 
 
 _SCALAR_CODES: dict[type, str] = {}  # a NumPy scalar type's dtype.str (built as a new string at each read)
+
+
+def _wire_args(args: Sequence[object]) -> list[KernelArg] | None:
+    """Kernel arguments as a launch carries them, where each is a plain Buffer with a well-formed handle and
+    offset or a NumPy scalar of a type ``_scalar`` accepted before (only those are in _SCALAR_CODES); None for
+    anything else, which then takes ``check_kernel_args`` (and its error)."""
+    wire: list[KernelArg] = []
+    for arg in args:
+        kind = type(arg)
+        code = _SCALAR_CODES.get(kind)
+        if code is not None:
+            wire.append(ScalarArg(code, arg.tobytes()))  # type: ignore[attr-defined]  # (a NumPy scalar)
+        elif kind is Buffer:
+            name, offset = arg.handle, arg.offset  # type: ignore[attr-defined]
+            if type(name) is not str or not 0 < len(name) <= MAX_HANDLE or type(offset) is not int or offset < 0:
+                return None
+            wire.append(BufferArg(name, offset))
+        else:
+            return None
+    return wire
 
 
 def _scalar(value: np.generic) -> ScalarArg:

@@ -13,18 +13,25 @@ import mmap
 import os
 import socket
 import struct
+import threading
 from typing import Final
 
-__all__ = ["ACK_HEAD", "ACK_TAIL", "CMD_HEAD", "CMD_TAIL", "MAX_RING_WINDOW", "MAX_SPIN_US", "RING_DATA", "RING_SEALS",
-           "RECORD_LENGTH", "RING_SUPPORTED", "SPIN_ENV", "SPIN_POLLS", "WAIT_SPIN_US", "ByteRing", "RingBroken",
-           "drain_bell", "ring_bell", "sealed_memfd",
-           "ring_caps", "spin_us", "wait_spin_us"]
+__all__ = ["ACK_HEAD", "ACK_TAIL", "CLIENT_AWAKE", "CMD_HEAD", "CMD_TAIL", "MAX_RING_WINDOW", "MAX_SPIN_US",
+           "RING_DATA", "RING_SEALS", "RECORD_LENGTH", "RING_SUPPORTED", "SPIN_ENV", "SPIN_POLLS", "WAIT_SPIN_US",
+           "WORKER_AWAKE", "ByteRing", "RingBroken", "drain_bell", "full_fence", "rest", "ring_bell",
+           "ring_unless_awake", "sealed_memfd", "ring_caps", "spin_us", "wait_spin_us"]
 
 # Where each index lives, in u64 words of the first page (a cache line apart: no false sharing between sides).
 CMD_HEAD: Final = 0
 CMD_TAIL: Final = 8
 ACK_HEAD: Final = 16
 ACK_TAIL: Final = 24
+# Whether each side will look at the ring again before it blocks (1), or may be blocked on its doorbell (0), each
+# word written by its side only: a producer rings the doorbell only when the consumer may be blocked, so a round
+# trip while both sides poll costs no system call. (A side that never writes its word, an older one, is taken
+# as blocked: rung every time, as before. A word the other side scribbles over only costs that side its bells.)
+WORKER_AWAKE: Final = 32
+CLIENT_AWAKE: Final = 40
 RING_DATA: Final = 4096  # the command ring starts after the index page
 # The worker refuses a memfd that could shrink under its mapping (touching it would SIGBUS).
 RING_SUPPORTED: Final = (hasattr(os, "memfd_create") and hasattr(socket, "send_fds") and hasattr(fcntl, "F_SEAL_SHRINK")
@@ -106,6 +113,34 @@ _RING: Final = b"\x01"
 # (plain ints: or-ing the socket module's flag enums costs a microsecond at every ring)
 _RING_FLAGS: Final = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL) if hasattr(socket, "MSG_NOSIGNAL") else 0
 _DONTWAIT: Final = int(socket.MSG_DONTWAIT) if hasattr(socket, "MSG_DONTWAIT") else 0
+
+
+_FENCE: Final = threading.Lock()
+
+
+def full_fence() -> None:
+    """Order this thread's stores before its later loads. x86-64 keeps every other order but may let a load pass
+    an earlier store to another word: a producer that published a record and then read the consumer's awake word
+    could read it stale while the consumer, having cleared it, reads the producer's index stale, and both would
+    miss. A locked instruction orders them, and taking an uncontended lock is one (CPython has no fence)."""
+    _FENCE.acquire()
+    _FENCE.release()
+
+
+def ring_unless_awake(words: memoryview, awake: int, bell: socket.socket) -> None:
+    """After publishing a record: ring the consumer's doorbell unless it said it will look at the ring again
+    (``words[awake]`` is 1). ``ring_bell``'s errors."""
+    full_fence()
+    if words[awake] != 1:
+        ring_bell(bell)
+
+
+def rest(words: memoryview, awake: int, ring: ByteRing) -> bool:
+    """Before blocking on its doorbell: say so (``words[awake]`` = 0), then look once more; whether a record
+    came meanwhile (then the caller takes it instead of blocking, and says it is awake again)."""
+    words[awake] = 0
+    full_fence()
+    return ring.ready()
 
 
 def ring_bell(bell: socket.socket) -> None:

@@ -76,6 +76,10 @@ _SEND_BUFFERS = 64
 # How long the worker runs one ring's batches (and spins for more) before it looks at the front and its other
 # links: a "yield" or "revoke" is read this late at most, besides the batch in hand.
 _RING_SLICE = 500e-6
+# After the worker said its rings may be rung (``rest_rings``, before it blocks), it looks at them again this much
+# later: the client rings only a worker that said so (wire/ring.py's awake words), and were that ever missed, a
+# batch waits this long, never forever.
+_RECHECK = 1e-3
 # The largest frame a link takes: a copy chunk (the config's chunk_bytes, 1 MiB unless the front's set_limits
 # says otherwise) plus 64 KiB for the batch around it.
 DEFAULT_MAX_FRAME = 1024 * 1024 + 64 * 1024
@@ -132,6 +136,8 @@ class Links:
         self._rings: dict[int, _Link] = {}  # by the fd of the ring's commands doorbell
         self._resuming: dict[int, _Link] = {}  # rings to pump again after the serve loop's next look around
         self._timed: dict[int, _Link] = {}  # links that may have a deadline (a half frame, an outbox waiting)
+        self._pumped = False  # a ring was served since the last rest_rings
+        self._recheck_at: float | None = None  # when rest_rings' look again is due (monotonic)
         # Whether the front has written something not yet read (the serve loop sets it: a zero-timeout poll).
         self.front_waiting: Callable[[], bool] = lambda: False
         self.version = 0  # bumped whenever a link comes or goes, so the serve loop re-reads the set
@@ -221,8 +227,8 @@ class Links:
     def timeout(self) -> float | None:
         """Seconds until the earliest link deadline (the serve loop's select waits no longer), or None."""
         if not self._timed:
-            return None
-        deadlines = []
+            return None if self._recheck_at is None else max(0.0, self._recheck_at - time.monotonic())
+        deadlines = [] if self._recheck_at is None else [self._recheck_at]
         for fd, link in list(self._timed.items()):
             deadline = link.deadline()
             if deadline is None:
@@ -232,7 +238,11 @@ class Links:
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def expire(self) -> None:
-        """Drop the links whose half frame or waiting outbox did not move for the link timeout."""
+        """Drop the links whose half frame or waiting outbox did not move for the link timeout; look at the rings
+        again once rest_rings' recheck is due."""
+        if self._recheck_at is not None and self._recheck_at <= time.monotonic():
+            self._recheck_at = None
+            self._look_at_rings()
         if not self._timed:
             return
         now = time.monotonic()
@@ -444,6 +454,33 @@ class Links:
             if link.ring is not None:
                 self._pump(link)
 
+    def rest_rings(self) -> None:
+        """The serve loop is about to block: every ring's client rings from now on; a batch published before
+        that is found here (the ring is resumed, or the turn asked for), and once more _RECHECK later."""
+        for link in self._rings.values():
+            assert link.ring is not None
+            link.ring.rest()
+        self._look_at_rings()
+        if self._pumped:
+            self._pumped = False
+            self._recheck_at = time.monotonic() + _RECHECK
+
+    def wake_rings(self) -> None:
+        """The serve loop is running: it looks at every ring before it blocks again (rest_rings), so clients
+        need not ring."""
+        for link in self._rings.values():
+            assert link.ring is not None
+            link.ring.awake()
+
+    def _look_at_rings(self) -> None:
+        for fd, link in self._rings.items():
+            assert link.ring is not None
+            if link.ring.commands.ready():
+                if self.holding:
+                    self._resuming[fd] = link
+                else:
+                    self._ask()  # (every ring is pumped at the grant)
+
     def _rings_pending(self) -> bool:
         return any(link.ring is not None and link.ring.commands.ready() for link in self._rings.values())
 
@@ -453,6 +490,7 @@ class Links:
         ring, fd = link.ring, link.fd
         assert ring is not None
         served = False
+        self._pumped = True
         end = time.perf_counter() + _RING_SLICE
         while self.links.get(fd) is link and not self._executor.fatal:
             if time.perf_counter() > end:

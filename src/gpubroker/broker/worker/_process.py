@@ -115,7 +115,12 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
         # No read or write on a link ever waits: the select wakes up for the links' deadlines instead.
         executor = server.executor
         issuing = executor.issuing()
+        blocking = not (links.resuming or issuing)
+        if blocking:
+            links.rest_rings()  # (clients ring from now on; a batch that came meanwhile resumes its ring)
         events = selector.select(0 if links.resuming or issuing else links.timeout())
+        if blocking:
+            links.wake_rings()
         if issuing and not events and not links.resuming:
             # Nothing to read and no ring to go back to: the host goes idle now, which must not count as device
             # time. (Only now, not at every batch end: see _cuda_timing.)

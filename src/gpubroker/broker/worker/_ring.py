@@ -29,16 +29,19 @@ from gpubroker.wire.errors import InvalidArgument
 from gpubroker.wire.ring import (
     ACK_HEAD,
     ACK_TAIL,
+    CLIENT_AWAKE,
     CMD_HEAD,
     CMD_TAIL,
     MAX_RING_WINDOW,
     MAX_SPIN_US,
     RING_DATA,
+    WORKER_AWAKE,
     ByteRing,
     RingBroken,
     drain_bell,
-    ring_bell,
+    rest,
     ring_caps,
+    ring_unless_awake,
 )
 
 __all__ = ["RING_FDS", "RingBroken", "RingClosed", "WorkerRing", "open_ring"]
@@ -122,14 +125,24 @@ class WorkerRing:
         return False
 
     def answer(self, payload: bytes) -> None:
-        """Publish one ack and ring the client's doorbell. RingBroken when the client does not read its acks
-        (the window it was given always fits) or its index is impossible, or its doorbell's end is gone or shut."""
+        """Publish one ack and ring the client's doorbell, unless the client said it looks at the ring before it
+        blocks. RingBroken when the client does not read its acks (the window it was given always fits) or its
+        index is impossible, or its doorbell's end is gone or shut."""
         if not self.acks.put(payload):
             raise RingBroken("the client does not read its acks (its ring is full)")
         try:
-            ring_bell(self.bell)
+            ring_unless_awake(self._words, CLIENT_AWAKE, self.bell)
         except OSError:
             raise RingClosed("the client closed it") from None
+
+    def awake(self) -> None:
+        """This worker will look at the ring before it next blocks: the client need not ring for a batch."""
+        self._words[WORKER_AWAKE] = 1
+
+    def rest(self) -> bool:
+        """This worker may block from now on (the client rings for each batch); whether a batch came meanwhile
+        (then the worker takes it rather than block)."""
+        return rest(self._words, WORKER_AWAKE, self.commands)
 
     def close(self) -> None:
         self._words.release()

@@ -19,7 +19,12 @@ blocking on its doorbell: a launch + sync then costs no wake-up across processes
 sync) for up to WAIT_SPIN_US, so a call that keeps the device busy for milliseconds costs no wake-up either:
 waiting for room in the window it blocks at once, since the worker has a window of batches to run first. A
 doorbell is always rung after a record is published, so a side that stopped spinning is never missed; a side
-that was spinning finds a record waiting on its socket and drains it before it next blocks.
+that was spinning finds a record waiting on its socket and drains it before it next blocks. A side that will
+look at the ring again before it blocks says so in its awake word (the worker while its serve loop runs, the
+client except in its blocking wait), and the other side rings only when that word is down: a round trip while
+both poll costs no system call. Going to block, a side lowers its word, orders that store before its loads
+(``full_fence``), and looks at the ring once more; its first wait is short (a millisecond), then it looks again:
+a missed ring would cost that much, never a hang.
 
 Doorbells are sockets, not eventfds, because a client could share the worker's end's open file description (an
 older one created it) and may change its flags (O_NONBLOCK) or fill its queues at any time: with a socket each call says
@@ -28,14 +33,16 @@ no room to ring drops the wake-up: a full queue means the other side has one pen
 
 Layout (little-endian, all indices byte counts that only grow; a record is a 4-byte length then its bytes,
 wrapping around the ring's end): the first page holds four u64 indices, each on its own cache line (command
-head written by the client, command tail by the worker, ack head by the worker, ack tail by the client); the
-command ring follows, then the ack ring. Each side keeps its own indices privately and only publishes them: an
-index read from the shared page is the other side's, and is checked before it is used.
+head written by the client, command tail by the worker, ack head by the worker, ack tail by the client), then
+the worker's and the client's awake words, each on its own line too; the command ring follows, then the ack
+ring. Each side keeps its own indices privately and only publishes them: an index read from the shared page is
+the other side's, and is checked before it is used.
 
 Ordering: the producer copies a record in, then publishes the head with one aligned 8-byte store (a
 ``memoryview`` cast to "Q"); the consumer reads the head, then the record. That order holds on x86-64 (stores
-are not reordered with stores, loads with loads); Python gives no fences, so weaker memory models are not
-supported by this transport.
+are not reordered with stores, loads with loads); the one order it does not keep, a load after a store to
+another word, the awake words need, and ``full_fence`` gives (a locked instruction: CPython has no fence), so
+weaker memory models are not supported by this transport.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ import os
 import select
 import socket
 import time
+from typing import Final
 
 from gpubroker.client._transports._core import BatchingTransport, Lost
 from gpubroker.client._transports._link import Connector, FramedSocket
@@ -53,6 +61,7 @@ from gpubroker.wire.link import RingRequest
 from gpubroker.wire.ring import (
     ACK_HEAD,
     ACK_TAIL,
+    CLIENT_AWAKE,
     CMD_HEAD,
     CMD_TAIL,
     MAX_RING_WINDOW,
@@ -60,15 +69,22 @@ from gpubroker.wire.ring import (
     RING_DATA,
     RING_SUPPORTED,
     SPIN_POLLS,
+    WORKER_AWAKE,
     ByteRing,
     RingBroken,
     drain_bell,
-    ring_bell,
+    rest,
+    ring_unless_awake,
     spin_us,
     wait_spin_us,
 )
 
 __all__ = ["RING_SUPPORTED", "RingUpgrade", "ring_transport"]
+
+# The first wait for an ack after this side said it may block is at most this long (milliseconds), then the ring is
+# looked at again: the worker rings only a client that may block (wire/ring.py's awake words), and were that ever
+# missed, an ack is late by this much, never lost.
+_RECHECK_MS: Final = 1.0
 
 
 class _Declined(Exception):
@@ -163,6 +179,7 @@ class RingUpgrade:
             if bell_fd >= 0:
                 os.close(bell_fd)
         words = memoryview(self._mm).cast("Q")
+        words[CLIENT_AWAKE] = 1  # (this side looks at the ring before it blocks: _block)
         self._words = words
         self._commands = ByteRing(self._mm, words, RING_DATA, cap, CMD_HEAD * 8, CMD_TAIL * 8, max_frame)
         self._acks = ByteRing(self._mm, words, RING_DATA + cap, acks, ACK_HEAD * 8, ACK_TAIL * 8,
@@ -188,11 +205,11 @@ class RingUpgrade:
         if self._commands is None:
             self.link.send(payload)
             return
-        assert self._bell is not None
+        assert self._bell is not None and self._words is not None
         try:
             if not self._commands.put(payload):  # the window bounds what is in flight: the worker stopped reading
                 raise Lost("the worker stopped taking batches from the ring")
-            ring_bell(self._bell)
+            ring_unless_awake(self._words, WORKER_AWAKE, self._bell)  # (a polling worker needs no wake-up)
         except RingBroken as exc:
             raise Lost(f"the command ring is broken: {exc}") from None
         except OSError as exc:
@@ -237,22 +254,36 @@ class RingUpgrade:
 
     def _block(self, acks: ByteRing, timeout: float | None) -> bytes:
         """Wait on the doorbell (and the link socket, whose hang-up says the worker is gone) for the next ack.
-        The bell is drained after each wake-up and before the ring is looked at again: an ack published after
-        that look rings it anew, so none is missed."""
+        This side says it may block first (``rest``, then one more look): from then on the worker rings for each
+        ack. The bell is drained after each wake-up and before the ring is looked at again: an ack published
+        after that look rings it anew, so none is missed. The first wait is at most _RECHECK: were a ring missed
+        after all, it costs that, not a hang."""
         assert self._bell is not None and self.link.sock is not None and self._poller is not None
-        bell, sock = self._bell, self.link.sock.fileno()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1000
-            events = self._poller.poll(left)
-            if not events:
-                raise TimeoutError
-            gone = any(fd == sock for fd, _ in events) or not drain_bell(bell)
-            payload = acks.get()  # (after a hang-up too: an ack written just before the worker closed the link)
-            if payload is not None:
-                return payload
-            if gone:
-                raise Lost("the worker closed the link")
+        assert self._words is not None
+        words, bell, sock = self._words, self._bell, self.link.sock.fileno()
+        try:
+            if rest(words, CLIENT_AWAKE, acks):
+                payload = acks.get()
+                if payload is not None:
+                    return payload
+            deadline = None if timeout is None else time.monotonic() + timeout
+            cap: float | None = _RECHECK_MS
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1000
+                wait = cap if left is None else left if cap is None else min(left, cap)
+                events = self._poller.poll(wait)
+                if not events:
+                    if cap is None or (deadline is not None and time.monotonic() >= deadline):
+                        raise TimeoutError
+                    cap = None  # (the look below, then a plain wait)
+                gone = any(fd == sock for fd, _ in events) or not drain_bell(bell)
+                payload = acks.get()  # (after a hang-up too: an ack written just before the worker closed the link)
+                if payload is not None:
+                    return payload
+                if gone:
+                    raise Lost("the worker closed the link")
+        finally:
+            words[CLIENT_AWAKE] = 1
 
     def shut(self) -> None:
         self._unmap()
