@@ -17,7 +17,9 @@ from a client: the front turned SO_PASSRIGHTS off on the worker's end of every l
 refuses recvmsg on anything but the front's fd channel. A ring's batches are taken
 only while the worker holds the turn (else they stay in the ring, which bounds them, and the worker asks for the
 turn); after answering one the worker polls the ring briefly for the next, only while it holds an uncontended
-turn, so a spin never delays another tenant and never runs a batch without the turn.
+turn, so a spin never delays another tenant and never runs a batch without the turn. While its serve loop runs,
+the worker's awake word in each ring says it will look at the ring before it blocks, so clients need not ring;
+before it blocks it lowers them and looks once more (``rest_rings``), and once more a millisecond later.
 
 Nothing a client does (or fails to do) on its link may hold the worker, whose loop serves every session of the
 tenant on the device and may hold the tenant's turn, for which other tenants wait: every link's socket is
@@ -225,7 +227,8 @@ class Links:
 
     # -- deadlines ---------------------------------------------------------------------------------
     def timeout(self) -> float | None:
-        """Seconds until the earliest link deadline (the serve loop's select waits no longer), or None."""
+        """Seconds until the earliest link deadline or the rings' recheck (the serve loop's select waits no
+        longer), or None."""
         if not self._timed:
             return None if self._recheck_at is None else max(0.0, self._recheck_at - time.monotonic())
         deadlines = [] if self._recheck_at is None else [self._recheck_at]
