@@ -54,6 +54,9 @@ def test_error_in_a_batch_surfaces_at_the_next_synchronize_naming_the_command(gp
     buf = gpu.allocate_memory(64 * 4)
     gpu.memset(buf, 0)
     gpu.execute_kernel(kernel, 1, 64, [buf, np.float32(1), np.int32(64)])  # runs
+    # Everything answered: the two below go out as one batch on every transport (the ring sends two queued
+    # commands at once to a worker that has answered everything; the others wait for 16, or the synchronize).
+    gpu.synchronize()
     gpu.execute_kernel(kernel, 1, 64, [buf, np.float32(1)])  # one argument short: fails on the broker
     gpu.execute_kernel(kernel, 1, 64, [buf, np.float32(1), np.int32(64)])  # same batch, after the failure
     with pytest.raises(InvalidArgument, match=r"command \d+ \(launch of 'scale_inplace'\) failed") as info:
