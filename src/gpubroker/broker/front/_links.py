@@ -227,6 +227,9 @@ class LinkServer:
             # Handed over whole: from here on it costs the front its copy of the link (kept until the link or the
             # worker ends, with its place in the counts). The worker's end refuses descriptors (see _refuse_rights).
             _refuse_rights(conn)
+            # A copy's chunk or more in flight towards the client: the worker's reads go out in one send each,
+            # not in pieces of the default buffer, each a wake-up of the worker's loop (as the TCP relay's pair).
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PAIR_BUFFER)
             ring = None
             if hello.ring is not None:
                 if conn.family == socket.AF_UNIX:
