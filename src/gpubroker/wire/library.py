@@ -648,14 +648,17 @@ def check_library_call(op: object, inputs: object, outputs: object, params: Mapp
     entry = library_op(op)
     name = entry.name
     key = _call_key(name, inputs, outputs, params)
-    known = _CALLS_SEEN.get(key) if key is not None else None
-    if known is not None:  # the same dtypes, shapes and params passed before: only the buffers are new
-        assert key is not None
+    if key is not None and (known := _CALLS_SEEN.get(key)) is not None:
+        # The same dtypes, shapes and params passed before: only the buffers are new.
         checked, sizes = known
         n_in = len(key[1])
         given = [*cast("Sequence[ArrayRef]", inputs), *cast("Sequence[ArrayRef]", outputs)]  # (so _call_key found)
-        placed = [_within(name, i, n_in, ref, shape, nbytes, resolve)
-                  for i, (ref, (_, shape), nbytes) in enumerate(zip(given, key[1] + key[2], sizes, strict=True))]
+        placed: list[ArrayRef] = []
+        for i, (ref, (dtype, shape), nbytes) in enumerate(zip(given, key[1] + key[2], sizes, strict=True)):
+            what = f"inputs[{i}]" if i < n_in else f"outputs[{i - n_in}]"
+            if not isinstance(ref.buffer, Buffer):
+                raise InvalidArgument(f"{name}: {what} must be an ArrayRef, got {type(ref).__name__}")
+            placed.append(_placed(name, what, ref.buffer, dtype, shape, nbytes, resolve))
         return placed[:n_in], placed[n_in:], dict(checked)
     checked = entry.check_params(params)
     resolved: list[list[ArrayRef]] = []
@@ -685,7 +688,8 @@ def check_library_call(op: object, inputs: object, outputs: object, params: Mapp
 
 # Calls whose op, dtypes, shapes and params passed every check (by ``_call_key``), with their checked params and
 # each array's bytes: a loop calling one op on the same shapes (a matmul per step) checks only that each array
-# lies in its buffer. Checked on both sides of every call, the whole check was most of a small call's host cost.
+# lies in its buffer (``_placed``, as the full check does). Checked on both sides of every call, the whole check
+# was most of a small call's host cost.
 _CALLS_SEEN: dict[tuple[Any, ...], tuple[Params, tuple[int, ...]]] = {}
 _CALLS_SEEN_MAX: Final = 1024
 
@@ -724,28 +728,6 @@ def _call_key(op: str, inputs: object, outputs: object, params: object) -> tuple
     return key
 
 
-def _within(op: str, index: int, n_in: int, ref: ArrayRef, shape: Shape, nbytes: int,
-            resolve: Callable[[Buffer], Buffer] | None) -> ArrayRef:
-    """``_fits`` for the ``index``-th array (inputs first) of a call whose dtypes and shapes passed before
-    (``nbytes``: its size): its buffer view, checked, with the same errors."""
-    buffer = ref.buffer
-    if not isinstance(buffer, Buffer):
-        raise InvalidArgument(f"{op}: {_which(index, n_in)} must be an ArrayRef, got {type(ref).__name__}")
-    if resolve is not None:
-        buffer = resolve(buffer)
-    offset, size = buffer.offset, buffer.size
-    if type(offset) is not int or type(size) is not int or offset < 0:
-        raise InvalidArgument(f"{op}: {_which(index, n_in)} has a malformed buffer view ({offset!r} into {size!r})")
-    if offset + nbytes > size:
-        raise InvalidArgument(f"{op}: {_which(index, n_in)} ({ref.dtype} of shape {shape}, {nbytes} bytes from "
-                              f"offset {offset}) overruns its {size}-byte buffer")
-    return ArrayRef(buffer, ref.dtype, shape)
-
-
-def _which(index: int, n_in: int) -> str:
-    return f"inputs[{index}]" if index < n_in else f"outputs[{index - n_in}]"
-
-
 def _fits(op: str, what: str, ref: ArrayRef, resolve: Callable[[Buffer], Buffer] | None) -> ArrayRef:
     dtype: object = ref.dtype
     if isinstance(dtype, np.dtype):
@@ -753,10 +735,16 @@ def _fits(op: str, what: str, ref: ArrayRef, resolve: Callable[[Buffer], Buffer]
     if type(dtype) is not str or dtype not in ALL_DTYPES:
         raise InvalidArgument(f"{op}: {what} has an unknown dtype {str(dtype)[:40]!r}")
     shape = check_shape(op, what, ref.shape)
-    buffer = ref.buffer if resolve is None else resolve(ref.buffer)
+    return _placed(op, what, ref.buffer, dtype, shape, math.prod(shape) * _ITEMSIZE[dtype], resolve)
+
+
+def _placed(op: str, what: str, buffer: Buffer, dtype: str, shape: Shape, nbytes: int,
+            resolve: Callable[[Buffer], Buffer] | None) -> ArrayRef:
+    """The array of ``nbytes`` on its buffer view (``resolve``d), which must be well formed and hold it."""
+    if resolve is not None:
+        buffer = resolve(buffer)
     if type(buffer.offset) is not int or type(buffer.size) is not int or buffer.offset < 0:
         raise InvalidArgument(f"{op}: {what} has a malformed buffer view ({buffer.offset!r} into {buffer.size!r})")
-    nbytes = math.prod(shape) * _ITEMSIZE[dtype]
     if buffer.offset + nbytes > buffer.size:
         raise InvalidArgument(f"{op}: {what} ({dtype} of shape {shape}, {nbytes} bytes from offset "
                               f"{buffer.offset}) overruns its {buffer.size}-byte buffer")
