@@ -55,6 +55,7 @@ import numpy as np
 from gpubroker.broker.backends import detect_backend
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import RemoteGpu, connect
+from gpubroker_bench._cli import comma_list
 from gpubroker_bench.remote_vs_local import _commit, summarize, write_result
 
 __all__ = ["ELEMENTWISE_OPS", "OPS", "PARTS", "MlpPlan", "MlpState", "OpsPlan", "PcaPlan", "Plan", "SoftmaxPlan",
@@ -595,21 +596,13 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _parts(text: str) -> tuple[str, ...]:
-    parts = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [part for part in parts if part not in PARTS]
-    if unknown or not parts:
-        raise argparse.ArgumentTypeError(f"a comma list of {', '.join(PARTS)} (got {text!r})")
-    return parts
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpubroker bench arrays", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "opencl"])
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CI)")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--only", type=_parts, default=PARTS, metavar="PARTS",
+    parser.add_argument("--only", type=comma_list(PARTS), default=PARTS, metavar="PARTS",
                         help=f"a comma list of the parts to run: {', '.join(PARTS)} (default: all)")
     parser.add_argument("--out", help="write the JSON here (default: a new file in bench/results/)")
     args = parser.parse_args(argv)

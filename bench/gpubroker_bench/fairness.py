@@ -25,6 +25,7 @@ from gpubroker.broker import samples
 from gpubroker.broker.backends import detect_backend, open_backend
 from gpubroker.broker.launcher import BrokerProcess, TenantSpec
 from gpubroker.client import AdminClient, connect
+from gpubroker_bench._cli import comma_list
 
 __all__ = ["LIGHT_KERNEL_MS", "SCENARIOS", "main", "share_series"]
 
@@ -186,13 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--out", help="write the JSON here")
     parser.add_argument("--png", default="fairness.png")
-    parser.add_argument("--only", default=",".join(SCENARIOS),
-                        help=f"a comma list of {', '.join(SCENARIOS)} (default all)")
+    parser.add_argument("--only", type=comma_list(SCENARIOS), default=SCENARIOS, metavar="SCENARIOS",
+                        help=f"a comma list of the scenarios to run: {', '.join(SCENARIOS)} (default: all)")
     args = parser.parse_args(argv)
-    only = [name.strip() for name in args.only.split(",") if name.strip()]
-    unknown = sorted(set(only) - set(SCENARIOS))
-    if unknown:
-        parser.error(f"--only: unknown scenario(s) {', '.join(unknown)}; pick from {', '.join(SCENARIOS)}")
+    only = args.only
     backend = detect_backend() if args.backend == "auto" else args.backend
     short, long_ = _calibrate(backend, 1.0), _calibrate(backend, 5.0)
     lengths = [short, short, long_, short]
