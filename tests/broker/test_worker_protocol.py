@@ -15,6 +15,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from gpubroker.broker import samples
 from gpubroker.broker.backends import open_backend
 from gpubroker.broker.front.workers import WorkerClient
 from gpubroker.broker.sandbox import WorkerSandbox
@@ -66,7 +67,7 @@ from gpubroker.wire.worker import (
     WorkerRequest,
     Yield,
 )
-from tests.helpers import recv_payload, send_payload, wait_for
+from tests.helpers import recv_payload, send_payload, spin_iterations, wait_for
 
 T = TypeVar("T")
 SCALE = b"""__kernel void scale(__global float* x, const float a, const int n) {
@@ -419,6 +420,50 @@ def test_a_link_that_ends_while_its_batches_wait_still_gets_their_acks_in_order(
     worker.run(worker.client.send_control(Revoke()))
     wait_for(lambda: worker.control[-1] == "released", 10, "the turn revoked")
     assert worker.call(Usage()).sessions[session] == 64  # the batches ran
+
+
+def test_a_paced_batch_stops_for_a_revoke_and_goes_on_at_the_next_grant(worker: Worker, session: str) -> None:
+    """Others wait (a Yield came): the worker paces its link batches, and a Revoke mid-batch ends its turn after at
+    most the kernel in hand, not after the whole batch; the batch goes on at the next grant, answered once, whole."""
+    with open_backend("opencl", 0) as gpu:  # (the worker's device, measured in this process)
+        probe = gpu.compile_kernel(samples.source("opencl"), "spin")
+        iters = spin_iterations(gpu, probe, gpu.allocate_memory(4), 0.02)
+    module, spin, scale, buf = new_handle("module"), new_handle("kernel"), new_handle("kernel"), new_handle("buf")
+    ack = worker.batch(session, LoadModule(module, "opencl_c", samples.source("opencl").encode()),
+                       GetKernel(spin, module, "spin"), GetKernel(scale, module, "scale_inplace"))
+    assert ack.error is None
+    worker.control.clear()
+    link = _attach(worker, session)
+    with link:
+        send_payload(link, encode(Batch(1, 0, [Allocate(buf, 4 * N), Memset((buf, 0), 0, 4 * N)])))
+        wait_for(lambda: worker.control == ["want"], 10, "the worker's lease request")
+        worker.run(worker.client.send_control(Grant()))
+        assert decode_ack(recv_payload(link)).done == 2
+        worker.run(worker.client.send_control(Yield()))  # others wait: the turn goes back, pacing starts
+        wait_for(lambda: worker.control == ["want", "released"], 10, "the turn given back")
+        # Six 20 ms kernels (each also doubles x and adds 1), then the result: a batch of some 120 ms.
+        n = np.int32(N).tobytes()
+        steps: list[Command] = []
+        for _ in range(6):
+            steps += [Launch(spin, (1,), (1,), [BufferArg(buf, 0), ScalarArg("<i8", np.int64(iters).tobytes())]),
+                      Launch(scale, (1,), (N,), [BufferArg(buf, 0), ScalarArg("<f4", np.float32(2).tobytes()),
+                                                 ScalarArg("<i4", n)])]
+        send_payload(link, encode(Batch(2, 2, [*steps, Read((buf, 4), 0, 4 * (N - 1))])))
+        wait_for(lambda: worker.control[-1] == "want", 10, "a second lease request")
+        worker.run(worker.client.send_control(Grant()))
+        worker.run(worker.client.send_control(Revoke()))  # sent while the first kernels run
+        wait_for(lambda: worker.control == ["want", "released", "want", "released", "want"], 10,
+                 "the turn given back mid-batch")
+        link.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            link.recv(1)  # no answer: the batch stopped, and asked for the turn to go on
+        link.settimeout(30)
+        worker.run(worker.client.send_control(Grant()))
+        ack = decode_ack(recv_payload(link))
+        assert (ack.id, ack.done, ack.error) == (2, 13, None)
+        assert np.array_equal(np.frombuffer(ack.result, np.float32), np.full(N - 1, 63, np.float32))
+    worker.run(worker.client.send_control(Revoke()))
+    wait_for(lambda: worker.control[-1] == "released", 10, "the turn revoked")
 
 
 def test_every_command_has_one_handler_and_links_take_only_link_commands() -> None:

@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 # go back to the device. Not after every call: cudaFree waits for the whole device, which would make each
 # library call synchronous.
 _POOL_IDLE_MAX = 256 << 20
+# Completion marks kept for reuse (a pacing worker has at most worker/_pacing.py's MAX_DEPTH pending).
+_IDLE_MARKS = 16
 
 
 class CudaBackend:
@@ -68,6 +70,7 @@ class CudaBackend:
         code = self._code = CudaCode(dev)
         peer = self._peer = CudaPeer(dev)
         self._cuda_events: HandleTable[cupy.cuda.Event] = HandleTable("event")
+        self._idle_marks: list[cupy.cuda.Event] = []  # completion marks waited for, for reuse
         self.allocated_bytes = 0
         self._torch_cache: TorchCache | None = None  # PyTorch's allocator, once a torch session used it
         # The parts' methods, bound once: a launch or a copy calls the part's method with no forwarding frame.
@@ -286,6 +289,31 @@ class CudaBackend:
         self._dev.use()
         self._event(event)
         self._cuda_events.pop(event.handle)  # cudaEventDestroy defers until a pending record completes
+
+    # -- completion marks (the worker's pacing: worker/_pacing.py) -------------------------------
+    def mark(self, stream: Stream | None) -> cupy.cuda.Event:
+        """An event recorded on the stream after the work issued on it so far: no timing (a timing event between
+        two kernels drains the GPU's queue, see _cuda_timing), no blocking sync (a wait spins: a host wake-up
+        would be a gap between two paced kernels)."""
+        self._dev.use()
+        s = self._dev.stream(stream)
+        try:
+            event = self._idle_marks.pop() if self._idle_marks else cupy.cuda.Event(disable_timing=True)
+            event.record(s)
+        except Exception as exc:
+            raise self._dev.fail("record a completion mark", exc) from exc
+        return event
+
+    def wait_mark(self, mark: object) -> None:
+        """Wait until a mark's work is done; the mark is then reused."""
+        if not isinstance(mark, cupy.cuda.Event):
+            raise InvalidArgument(f"expected a mark of this backend's, got {type(mark).__name__}")
+        try:
+            mark.synchronize()
+        except Exception as exc:
+            raise self._dev.fail("wait for a completion mark", exc) from exc
+        if len(self._idle_marks) < _IDLE_MARKS:
+            self._idle_marks.append(mark)
 
     # -- device-time accounting --------------------------------------------------------------
     def device_time_open(self) -> bool:

@@ -297,6 +297,22 @@ class OpenCLBackend:
         with self._lock:
             self._markers.pop(event.handle)  # the OpenCL event lives on while a barrier still waits for it
 
+    # -- completion marks (the worker's pacing: worker/_pacing.py) -------------------------------
+    def mark(self, stream: Stream | None) -> cl.Event:
+        """A marker on the stream's queue after the work enqueued so far, submitted now (the host waits for it)."""
+        queue = self._dev.queue_for(stream)
+        with cl_errors("record a completion mark"):
+            event = cl.enqueue_marker(queue)
+            queue.flush()
+        return event
+
+    def wait_mark(self, mark: object) -> None:
+        """Wait until a mark's work is done."""
+        if not isinstance(mark, cl.Event):
+            raise InvalidArgument(f"expected a mark of this backend's, got {type(mark).__name__}")
+        with cl_errors("wait for a completion mark"):
+            mark.wait()
+
     # -- streams ---------------------------------------------------------------------------------
 
     def create_stream(self) -> Stream:

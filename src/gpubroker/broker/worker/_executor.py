@@ -29,6 +29,7 @@ import numpy as np
 
 from gpubroker.broker.backends import TorchAccounts, TorchSession
 from gpubroker.broker.worker._handles import _CACHE_MAX, BufferEntry, HandleTables, KernelEntry, SessionObjects
+from gpubroker.broker.worker._pacing import Pacer
 from gpubroker.broker.worker._segments import SegmentTable
 from gpubroker.wire.commands import (
     CODECS,
@@ -84,7 +85,7 @@ from gpubroker.wire.torch import (
 )
 from gpubroker.wire.types import ArrayRef, Kernel, Module, ModuleFormat, Stream
 
-__all__ = ["Done", "Executor", "Handler", "handles"]
+__all__ = ["Done", "Executor", "Handler", "Paused", "handles"]
 
 log = logging.getLogger("gpubroker.worker")
 
@@ -97,6 +98,15 @@ C = TypeVar("C", bound=Command)
 Handler = Callable[["Executor", SessionObjects, C], Any]
 # Every command's handler, by the command's class (``handles``).
 _HANDLERS: dict[type[Command], Handler[Any]] = {}
+# What a pacing worker paces (worker/_pacing.py): the commands that queue kernels and return at once.
+_PACED: frozenset[type[Command]] = frozenset({Launch, RunLibrary})
+
+
+class Paused(NamedTuple):
+    """A link batch stopped before a paced command: how many of its commands ran, and the last one's result."""
+
+    done: int
+    result: Any
 
 
 def handles(command: type[C]) -> Callable[[Handler[C]], Handler[C]]:
@@ -251,30 +261,56 @@ class Executor:
         self.link_handlers = {kind: fn for kind, fn in self.handlers.items() if kind.link}
 
     # -- batches -----------------------------------------------------------------------------------
-    def run(self, session: str, batch: Batch, link: bool = False, codec: str = "") -> Ack:
-        """Run ``batch`` for ``session``; the first failure stops it and is reported in the Ack. ``codec`` is what
-        the batch's link negotiated for Read results ("" elsewhere: the front checks results are raw bytes)."""
+    def run(self, session: str, batch: Batch) -> Ack:
+        """Run a batch the front sent (``RunBatch``: any command, module loads included) for ``session``; the
+        first failure stops it and is reported in the Ack."""
+        outcome = self._run(session, batch, self.handlers, Paused(0, None), None)
+        assert type(outcome) is Ack  # (never paused without a pacer)
+        return outcome
+
+    def run_link(self, session: str, batch: Batch, codec: str = "", resume: Paused | None = None,
+                 pacer: Pacer | None = None) -> Ack | Paused:
+        """Run (or, with ``resume``, go on with) a batch from a client's link: link commands only. ``codec`` is
+        what the link negotiated for Read results. While ``pacer`` is active, its launches and library calls are
+        paced (worker/_pacing.py), and the batch may stop before one of them: ``Paused``, to be passed back as
+        ``resume``."""
         self._codec = codec
-        objs = self.tables.session(session)
-        handlers = self.link_handlers if link else self.handlers
-        result: Any = None
-        done = 0
-        command: Command | None = None
         try:
-            for command in batch.commands:
+            return self._run(session, batch, self.link_handlers, resume or Paused(0, None),
+                             pacer if pacer is not None and pacer.active else None)
+        finally:
+            self._codec = ""  # ("" elsewhere: the front checks results are raw bytes)
+
+    def _run(self, session: str, batch: Batch, handlers: dict[type[Command], Callable[[SessionObjects, Any], Any]],
+             start: Paused, pacer: Pacer | None) -> Ack | Paused:
+        objs = self.tables.session(session)
+        result: Any = start.result
+        done = start.done
+        command: Command | None = None
+        commands = batch.commands
+        try:
+            for command in commands[done:] if done else commands:
                 handler = handlers.get(type(command))
                 if handler is None:
                     if type(command) in self.handlers:
                         raise InvalidArgument(f"{tag_of(command)} cannot be sent on a link; it goes through the "
                                               "front")
                     raise Unimplemented(f"this worker has no handler for {tag_of(command)}")
-                result = handler(objs, command)
+                if pacer is not None and type(command) in _PACED:
+                    # (a resumed batch runs one command before it stops again: it always gets on)
+                    if pacer.before() and done > start.done:
+                        return Paused(done, result)
+                    result = handler(objs, command)
+                    stream = command.stream  # type: ignore[attr-defined]  # (every paced command has one)
+                    pacer.after(objs.stream(stream) if stream else None)
+                else:
+                    result = handler(objs, command)
                 done += 1
         except GpuBrokerError as exc:
             if exc.details.get("fatal"):
                 self.fatal = True
             else:
-                self._free_tensors_after(objs, batch.commands[done + 1:])
+                self._free_tensors_after(objs, commands[done + 1:])
             return Ack(batch.id, done, self._error(batch, done, objs, command, exc))
         except Exception as exc:  # a bug or an untranslated runtime error: report it, keep the worker
             log.exception("%s failed", tag_of(command) if command is not None else "a batch")

@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gpubroker.broker.worker._executor import Executor
+from gpubroker.broker.worker._executor import Executor, Paused
+from gpubroker.broker.worker._pacing import Pacer
 from gpubroker.broker.worker._ring import RingBroken, RingClosed, WorkerRing
 from gpubroker.wire.commands import CODECS, Ack, Batch, CommandError, decode_batch, encode
 from gpubroker.wire.errors import InvalidArgument, ResourceExhausted
@@ -116,6 +117,15 @@ class _Link:
         return min(times) + _LINK_TIMEOUT if times else None
 
 
+@dataclass(slots=True, eq=False)
+class _PausedBatch:
+    """A link's batch that stopped before a paced command (worker/_pacing.py): it goes on before anything else."""
+
+    link: _Link
+    batch: Batch
+    progress: Paused
+
+
 def _refusal(message: str) -> bytes:
     """The Ack for a frame that is no batch: id 0, nothing done, INVALID_ARGUMENT."""
     return encode(Ack(0, 0, CommandError.of(0, "batch", InvalidArgument(message))))
@@ -148,6 +158,9 @@ class Links:
         self._asked = False
         # Batches waiting for the lease, in arrival order; a str is a refusal that must follow its link's batches.
         self._waiting: deque[tuple[_Link, Batch | str]] = deque()
+        # While others want the device, link batches are paced, and one may stop for the front's message.
+        self._pacer = Pacer.for_backend(executor.backend, lambda: self.front_waiting())
+        self._paused: _PausedBatch | None = None
 
     @property
     def max_frame(self) -> int:
@@ -273,6 +286,8 @@ class Links:
         if link is not None:
             self.version += 1
             self._resuming.pop(fd, None)
+            if self._paused is not None and self._paused.link is link:
+                self._paused = None
             self._timed.pop(fd, None)
             link.outbox.clear()
             if link.ring is not None:
@@ -285,20 +300,23 @@ class Links:
     def on_control(self, message: LeaseToWorker) -> None:
         if isinstance(message, Grant):
             self.holding, self._asked, self.contended = True, False, False
-            while self._waiting and self.holding and not self._executor.fatal:
-                link, item = self._waiting.popleft()
-                link.waiting -= 1
-                self._serve(link, item)
-            for link in list(self._rings.values()):
-                if self.holding:
-                    self._pump(link)
+            if self._go_on():
+                while self._waiting and self.holding and self._paused is None and not self._executor.fatal:
+                    link, item = self._waiting.popleft()
+                    link.waiting -= 1
+                    self._serve(link, item)
+                for link in list(self._rings.values()):
+                    if self.holding and self._paused is None:
+                        self._pump(link)
         elif isinstance(message, Yield):
             self.contended = True
-            if not self._waiting:
+            if self._pacer is not None:
+                self._pacer.others_waited()
+            if not self._waiting and self._paused is None:
                 self._release()
         elif isinstance(message, Revoke):
             self._release()
-        if not self.holding and (self._waiting or self._rings_pending()):
+        if not self.holding and (self._waiting or self._paused is not None or self._rings_pending()):
             self._ask()
 
     def _release(self) -> None:
@@ -351,11 +369,11 @@ class Links:
                 self._serve(link, item)
                 self._finish(link)
             return
-        if not self.holding or self._waiting:
+        if not self.holding or self._waiting or self._paused is not None:
             self._queue(link, item)
             return
         self._serve(link, item)
-        if self.contended:
+        if self.contended and self._paused is None:
             self._release()  # others wait: each batch is one turn, as it would be through the front
 
     def writable(self, fd: int) -> None:
@@ -448,10 +466,13 @@ class Links:
     # -- rings -------------------------------------------------------------------------------------
     @property
     def resuming(self) -> bool:
-        """Rings whose batches were cut off by their time slice: the serve loop polls, then calls ``resume``."""
-        return bool(self._resuming)
+        """Rings whose batches were cut off by their time slice, or a paced batch that stopped for the front's
+        message while the turn is held: the serve loop polls, then calls ``resume``."""
+        return bool(self._resuming) or (self._paused is not None and self.holding)
 
     def resume(self) -> None:
+        if not self._go_on():
+            return
         resuming, self._resuming = self._resuming, {}
         for link in resuming.values():
             if link.ring is not None:
@@ -492,6 +513,12 @@ class Links:
         next (an uncontended turn only). Without the turn they stay in the ring: ask for it."""
         ring, fd = link.ring, link.fd
         assert ring is not None
+        if self._paused is not None:  # a batch that stopped goes on first (``resume``, or the grant)
+            if self.holding:
+                self._resuming[fd] = link
+            else:
+                self._ask()
+            return
         served = False
         self._pumped = True
         end = time.perf_counter() + _RING_SLICE
@@ -515,13 +542,16 @@ class Links:
                         continue
                     return
                 try:
-                    ack = encode(self._executor.run(link.session, decode_batch(payload), link=True))
+                    batch = decode_batch(payload)
                 except msgspec.DecodeError as exc:  # (ValidationError too): as a malformed frame on a link
                     self._end_ring(link, f"malformed batch: {exc}")
                     return
-                ring.answer(ack)
             except RingBroken as exc:
                 self._end_ring(link, _ended(exc))
+                return
+            if not self._run_batch(link, batch):
+                return  # stopped for the front's message: the serve loop reads it, then goes on (``resume``)
+            if self.links.get(fd) is not link:
                 return
             served = True
             if self.contended:
@@ -561,19 +591,61 @@ class Links:
 
     def _serve(self, link: _Link, item: Batch | str) -> None:
         """Answer one batch (run it) or refusal (Ack id 0); drop the link after its last answer or a failed send."""
-        fd = link.fd
-        if self.links.get(fd) is not link:
+        if self.links.get(link.fd) is not link:
             return  # dropped while its batch waited
         if type(item) is str:
-            payload = _refusal(item[:1024])
+            self._answer_link(link, _refusal(item[:1024]))
         else:
             assert isinstance(item, Batch)
-            payload = encode(self._executor.run(link.session, item, link=True, codec=link.codec))
+            self._run_batch(link, item)
+
+    def _run_batch(self, link: _Link, batch: Batch, resume: Paused | None = None) -> bool:
+        """Run (or go on with) one of a link's batches and answer it, on its ring or its socket; False when it
+        stopped for the front's message (``_paused``: it goes on first, at ``resume`` or the next grant)."""
+        # (a ring's Read results stay raw: nothing to gain from compressing through memory)
+        outcome = self._executor.run_link(link.session, batch, "" if link.ring is not None else link.codec, resume,
+                                          self._pacer)
+        if type(outcome) is Paused:
+            link.waiting += 1  # (its link's end waits for its answer, as for a queued batch)
+            self._paused = _PausedBatch(link, batch, outcome)
+            return False
+        payload = encode(outcome)
+        if link.ring is None:
+            self._answer_link(link, payload)
+            return True
+        try:
+            link.ring.answer(payload)
+        except RingBroken as exc:
+            self._end_ring(link, _ended(exc))
+        return True
+
+    def _answer_link(self, link: _Link, payload: bytes) -> None:
+        """Send one answer on a link's socket; drop the link after its last answer or a failed send."""
         if not self._send(link, payload):
-            self._drop(fd)
-            return
-        if link.ended and not link.waiting:
+            self._drop(link.fd)
+        elif link.ended and not link.waiting:
             self._finish(link)
+
+    def _go_on(self) -> bool:
+        """Go on with the batch that stopped for the front's message, while the turn is held; whether none is left
+        stopped (False: it stopped again, or waits for the turn)."""
+        paused = self._paused
+        if paused is None:
+            return True
+        if not self.holding or self._executor.fatal:
+            return False
+        self._paused = None
+        link = paused.link
+        link.waiting -= 1
+        if self.links.get(link.fd) is not link:
+            return True  # dropped meanwhile
+        if not self._run_batch(link, paused.batch, paused.progress):
+            return False
+        if link.ring is not None and self.links.get(link.fd) is link:
+            self._resuming[link.fd] = link  # its ring's next batches, in turn
+        if self.contended:
+            self._release()  # others wait: each batch is one turn
+        return True
 
 
 def _end(sock: socket.socket) -> None:
