@@ -11,7 +11,7 @@ from gpubroker.broker.worker._pacing import PACE_HOLD, Pacer
 from tests.helpers import spin_iterations
 
 
-def test_long_kernels_are_paced_one_at_a_time_and_the_front_is_asked_before_each() -> None:
+def test_long_kernels_are_paced_one_at_a_time_and_the_front_is_asked_before_each(backend: str) -> None:
     asked: list[int] = []  # how many paced launches were unfinished each time the front was asked
 
     def front_waiting() -> bool:
@@ -19,8 +19,8 @@ def test_long_kernels_are_paced_one_at_a_time_and_the_front_is_asked_before_each
         asked.append(pacer.unfinished)
         return False
 
-    with open_backend("opencl", 0) as gpu:
-        spin = gpu.compile_kernel(samples.source("opencl"), "spin")
+    with open_backend(backend, 0) as gpu:
+        spin = gpu.compile_kernel(samples.source(backend), "spin")
         buf = gpu.allocate_memory(4)
         iters = spin_iterations(gpu, spin, buf, 0.005)
         pacer = Pacer.for_backend(gpu, front_waiting)
@@ -36,9 +36,9 @@ def test_long_kernels_are_paced_one_at_a_time_and_the_front_is_asked_before_each
         gpu.synchronize()
 
 
-def test_pacing_lasts_a_while_after_others_waited() -> None:
+def test_pacing_lasts_a_while_after_others_waited(backend: str) -> None:
     now = [100.0]
-    with open_backend("opencl", 0) as gpu:
+    with open_backend(backend, 0) as gpu:
         pacer = Pacer(gpu.mark, gpu.wait_mark, lambda: False, clock=lambda: now[0])
         assert not pacer.active  # a lone tenant is never paced
         pacer.others_waited()

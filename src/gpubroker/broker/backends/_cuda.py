@@ -304,16 +304,19 @@ class CudaBackend:
             raise self._dev.fail("record a completion mark", exc) from exc
         return event
 
-    def wait_mark(self, mark: object) -> None:
-        """Wait until a mark's work is done; the mark is then reused."""
+    def wait_mark(self, mark: object) -> bool:
+        """Wait until a mark's work is done (the mark is then reused); whether it was unfinished."""
         if not isinstance(mark, cupy.cuda.Event):
             raise InvalidArgument(f"expected a mark of this backend's, got {type(mark).__name__}")
         try:
-            mark.synchronize()
+            waited = not mark.done
+            if waited:
+                mark.synchronize()
         except Exception as exc:
             raise self._dev.fail("wait for a completion mark", exc) from exc
         if len(self._idle_marks) < _IDLE_MARKS:
             self._idle_marks.append(mark)
+        return waited
 
     # -- device-time accounting --------------------------------------------------------------
     def device_time_open(self) -> bool:

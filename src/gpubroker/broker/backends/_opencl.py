@@ -306,12 +306,15 @@ class OpenCLBackend:
             queue.flush()
         return event
 
-    def wait_mark(self, mark: object) -> None:
-        """Wait until a mark's work is done."""
+    def wait_mark(self, mark: object) -> bool:
+        """Wait until a mark's work is done; whether it was unfinished."""
         if not isinstance(mark, cl.Event):
             raise InvalidArgument(f"expected a mark of this backend's, got {type(mark).__name__}")
         with cl_errors("wait for a completion mark"):
-            mark.wait()
+            waited = mark.command_execution_status != cl.command_execution_status.COMPLETE
+            if waited:
+                mark.wait()
+        return waited
 
     # -- streams ---------------------------------------------------------------------------------
 

@@ -264,7 +264,7 @@ class Executor:
     def run(self, session: str, batch: Batch) -> Ack:
         """Run a batch the front sent (``RunBatch``: any command, module loads included) for ``session``; the
         first failure stops it and is reported in the Ack."""
-        outcome = self._run(session, batch, self.handlers, Paused(0, None), None)
+        outcome = self._run(session, batch, self.handlers, Paused(0, None), False, None)
         assert type(outcome) is Ack  # (never paused without a pacer)
         return outcome
 
@@ -276,13 +276,13 @@ class Executor:
         ``resume``."""
         self._codec = codec
         try:
-            return self._run(session, batch, self.link_handlers, resume or Paused(0, None),
+            return self._run(session, batch, self.link_handlers, resume or Paused(0, None), resume is not None,
                              pacer if pacer is not None and pacer.active else None)
         finally:
             self._codec = ""  # ("" elsewhere: the front checks results are raw bytes)
 
     def _run(self, session: str, batch: Batch, handlers: dict[type[Command], Callable[[SessionObjects, Any], Any]],
-             start: Paused, pacer: Pacer | None) -> Ack | Paused:
+             start: Paused, resumed: bool, pacer: Pacer | None) -> Ack | Paused:
         objs = self.tables.session(session)
         result: Any = start.result
         done = start.done
@@ -297,8 +297,8 @@ class Executor:
                                               "front")
                     raise Unimplemented(f"this worker has no handler for {tag_of(command)}")
                 if pacer is not None and type(command) in _PACED:
-                    # (a resumed batch runs one command before it stops again: it always gets on)
-                    if pacer.before() and done > start.done:
+                    # (a batch that goes on runs one command before it stops again: it always gets on)
+                    if pacer.before() and (done > start.done or not resumed):
                         return Paused(done, result)
                     result = handler(objs, command)
                     stream = command.stream  # type: ignore[attr-defined]  # (every paced command has one)

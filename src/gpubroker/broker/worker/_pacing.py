@@ -7,13 +7,15 @@ and a batch under way holds the turn until it ends. So while others have waited 
 came within ``PACE_HOLD``), the worker issues a link batch's launches and library calls paced:
 
 - before each, it waits until fewer than ``depth`` of its earlier ones are unfinished (a completion mark recorded
-  after each: an event, not a timing one). ``depth`` adapts: 1 while the wait for the oldest took longer than
-  ``LONG`` (long kernels go one at a time: the gap between two is one host wake-up, ~1 % of a 2 ms kernel), one
-  more per short wait up to ``MAX_DEPTH`` (short kernels keep the device busy, and at most ``MAX_DEPTH`` x
-  ``LONG`` of them are queued);
+  after each: an event, not a timing one), across batches: a client without ``async_commands`` sends each launch
+  as a batch of its own, and one slice of a few milliseconds would otherwise queue several kernels. ``depth``
+  adapts: 1 while the wait for the oldest took longer than ``LONG`` (long kernels go one at a time: the gap
+  between two is one host wake-up, ~1 % of a 2 ms kernel), one more per short wait up to ``MAX_DEPTH`` (short
+  kernels keep the device busy, and at most about ``MAX_DEPTH`` x ``LONG`` of them are queued);
 - then, if the front has a message (a Revoke: the slice is over), the batch stops before that command
   (``Paused``): the serve loop reads the message, and the batch goes on where it stopped while the worker still
-  holds the turn, or at its next one. The Ack goes out once the whole batch ran, as always.
+  holds the turn, or at its next one. The Ack goes out once the whole batch ran, as always. A batch that goes on
+  runs one command before it may stop again, so it always gets on.
 
 A lone tenant is never paced (nobody waits for it). A backend without completion marks is never paced. Batches
 that come through the front (gRPC clients, module loads) are not paced: the front holds their turn for the call.
@@ -43,10 +45,11 @@ MAX_DEPTH = 8
 class Pacer:
     """Paces one worker's link batches while others want the device (see the module's docstring)."""
 
-    def __init__(self, mark: Callable[[Stream | None], object], wait_mark: Callable[[object], None],
+    def __init__(self, mark: Callable[[Stream | None], object], wait_mark: Callable[[object], bool],
                  front_waiting: Callable[[], bool], clock: Callable[[], float] = time.monotonic) -> None:
         # A backend's completion marks: one recorded on a stream after the work issued on it so far, and a wait
-        # for one (each mark is waited for once, then the backend may reuse it).
+        # for one, which says whether the mark was unfinished (each mark is waited for once, then the backend may
+        # reuse it).
         self._mark = mark
         self._wait_mark = wait_mark
         self._front_waiting = front_waiting
@@ -59,7 +62,7 @@ class Pacer:
     def for_backend(cls, backend: GpuCompute, front_waiting: Callable[[], bool]) -> Pacer | None:
         """A pacer for ``backend`` if it offers completion marks (``mark`` and ``wait_mark``), else None."""
         mark: Callable[[Stream | None], object] | None = getattr(backend, "mark", None)
-        wait_mark: Callable[[object], None] | None = getattr(backend, "wait_mark", None)
+        wait_mark: Callable[[object], bool] | None = getattr(backend, "wait_mark", None)
         return None if mark is None or wait_mark is None else cls(mark, wait_mark, front_waiting)
 
     def others_waited(self) -> None:
@@ -81,9 +84,10 @@ class Pacer:
         pending = self._pending
         while len(pending) >= self.depth:
             started = time.perf_counter()
-            self._wait_mark(pending.popleft())
-            waited = time.perf_counter() - started
-            self.depth = 1 if waited > LONG else min(self.depth + 1, MAX_DEPTH)
+            if self._wait_mark(pending.popleft()):
+                # (only a wait tells a kernel's length: a mark found done, the fence's work perhaps, says nothing)
+                waited = time.perf_counter() - started
+                self.depth = 1 if waited > LONG else min(self.depth + 1, MAX_DEPTH)
         return self._front_waiting()
 
     def after(self, stream: Stream | None) -> None:
