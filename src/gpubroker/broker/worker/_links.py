@@ -632,8 +632,8 @@ class Links:
         paused = self._paused
         if paused is None:
             return True
-        if not self.holding or self._executor.fatal:
-            return False
+        if not self.holding or self._executor.fatal or self.front_waiting():
+            return False  # (the front's message first: the batch stopped for it, and it may be a revoke)
         self._paused = None
         link = paused.link
         link.waiting -= 1
