@@ -17,7 +17,7 @@ import numpy as np
 
 from gpubroker.client.array._csource import UNSIGNED, cast, ctype, source, template
 from gpubroker.client.array._op_table import ELEMENTWISE_OPS, expression
-from gpubroker.client.array._reductions import REDUCTIONS
+from gpubroker.client.array._reductions import REDUCTIONS, Reduction
 
 __all__ = ["elementwise_source", "generated_source", "reduce_source"]
 
@@ -152,20 +152,62 @@ def _tree(half: int, pair: str) -> str:
     return out + "#endif\n"
 
 
+def _accumulator(reduction: Reduction, out_dtype: np.dtype[Any], x_dtype: np.dtype[Any]) -> np.dtype[Any]:
+    return {"out": out_dtype, "x": x_dtype, "bool": np.dtype(np.bool_),
+            "int64": np.dtype(np.int64)}[reduction.accumulator]
+
+
+def _finish(fn: str, out_dtype: np.dtype[Any], block: int) -> tuple[str, str, str]:
+    """(work-group memory, C, its types) of a split reduction's finish: after each part's value is written, its
+    work-group takes a ticket of its output's (in ``cnt``, zero between launches); the last one reads the parts'
+    values and combines them with the reduction ``partials`` names, as a second pass would (one work-group per
+    output, a tree), writes the output (``fo``, contiguous: output ``go`` at ``foo + go``) and sets the ticket back
+    to zero. The fences order each part's value before its ticket, and the last one's reads after it."""
+    second = REDUCTIONS[REDUCTIONS[fn].partials or fn]
+    acc = _accumulator(second, out_dtype, out_dtype)
+    at, kind = ctype(acc), acc.kind
+    lowest, highest = _extremes(acc)
+    names = {"T": at, "U": UNSIGNED.get(at, at), "LOWEST": lowest, "HIGHEST": highest}
+    combine = second.reduce[kind]
+    step = combine.format(a="acc2", b=second.map, **names)
+    pair = "sf[LID] = " + combine.format(a="sf[LID]", b="sf[LID + s]", **names) + ";"
+    load = cast(out_dtype, acc, "o[pb + p * pstep]")
+    code = (
+        "    GB_FENCE();\n"
+        "    if (LID == 0) gb_last = GB_TICKET(cnt + go) == (U32)(parts - 1);\n"
+        "    SYNC();\n"
+        "    if (gb_last) {\n"
+        "      GB_FENCE();\n"
+        "      const I64 pb = ob - gp * pstep;\n"
+        f"      {at} acc2 = {second.identity[kind].format(**names)};\n"
+        f"      for (I64 p = LID; p < parts; p += {block}) {{ const {at} v = {load}; acc2 = {step}; }}\n"
+        "      sf[LID] = acc2; SYNC();\n"
+        + _tree(block // 2, pair)
+        + f"      if (LID == 0) {{ fo[foo + go] = {cast(acc, out_dtype, second.post_map.format(a='sf[0]'))}; "
+        "cnt[go] = 0; }\n"
+        "    }\n"
+        "    SYNC();\n")
+    return f"  SHARED {at} sf[{block}];\n  SHARED int gb_last;\n", code, at
+
+
 def reduce_source(name: str, fn: str, out_dtype: np.dtype[Any], x_dtype: np.dtype[Any],
-                  center_dtype: np.dtype[Any] | None, variant: tuple[int, int, bool, int, bool]) -> str:
+                  center_dtype: np.dtype[Any] | None, variant: tuple[int, int, bool, int, bool, bool]) -> str:
     """The kernel ``name`` of the reduction ``fn`` (``_reductions``) of x (``x_dtype``) into ``out_dtype``, with a
     center of ``center_dtype`` where it takes one. ``variant``: (kept dimensions, reduced dimensions, whether
     indices fit 32 bits, the work-group size, whether the reduced elements are contiguous: element j at x's
-    base + j, with no shape or strides to walk)."""
+    base + j, with no shape or strides to walk, whether a split reduction finishes in the same launch:
+    ``_finish``)."""
     reduction = REDUCTIONS[fn]
-    kd, rd, small, block, contiguous = variant
+    kd, rd, small, block, contiguous, finish = variant
     idx = "U32" if small else "I64"
     ot, xt = ctype(out_dtype), ctype(x_dtype)
-    acc_dtype = {"out": out_dtype, "x": x_dtype, "bool": np.dtype(np.bool_),
-                 "int64": np.dtype(np.int64)}[reduction.accumulator]
+    acc_dtype = _accumulator(reduction, out_dtype, x_dtype)
     at = ctype(acc_dtype)
     types = {ot, xt, at, "I64"} | ({ctype(center_dtype)} if center_dtype is not None else set())
+    finish_shared = finish_code = ""
+    if finish:
+        finish_shared, finish_code, finish_type = _finish(fn, out_dtype, block)
+        types.add(finish_type)
     kind = acc_dtype.kind
     lowest, highest = _extremes(acc_dtype)
     names = {"T": at, "U": UNSIGNED.get(at, at), "LOWEST": lowest, "HIGHEST": highest}
@@ -179,6 +221,8 @@ def reduce_source(name: str, fn: str, out_dtype: np.dtype[Any], x_dtype: np.dtyp
     if center_dtype is not None:
         params += [f"GLOBAL const {ctype(center_dtype)}* cen", "I64 co"]
     params += ["GLOBAL const I64* meta", "I64 nout", "I64 m", "I64 parts", "I64 chunk", "I64 pstep"]
+    if finish:
+        params += [f"GLOBAL {ot}* fo", "I64 foo", "GLOBAL U32* cnt"]
     nk = 3 if center_dtype is not None else 2  # the kept dimensions' operands: x, the output (, the center)
     prologue = _read_meta(idx, "kd", "kt", 0, kd, nk)
     base = kd + nk * kd
@@ -225,5 +269,6 @@ def reduce_source(name: str, fn: str, out_dtype: np.dtype[Any], x_dtype: np.dtyp
             post=cast(acc_dtype, out_dtype, reduction.post_map.format(a="sv[0]")))
     body = _REDUCE.substitute(helpers=helpers, name=name, params=", ".join(params), A=at, block=block,
                               shared_index=f"  SHARED I64 si[{block}];\n" if arg else "", prologue=prologue,
-                              idx=idx, center_base=", cb = co" if nk == 3 else "", locate=locate, loop=loop)
+                              idx=idx, center_base=", cb = co" if nk == 3 else "", locate=locate, loop=loop,
+                              finish_shared=finish_shared, finish=finish_code)
     return source(types, body)

@@ -46,6 +46,9 @@ class _Plan:
     meta: Storage | None  # keeps the meta buffer alive while the plan is cached
     partials: View | None = None  # a split reduction's first pass writes here (see Kernels.reduce)
     partials_storage: Storage | None = None
+    # A split reduction that finishes in its one launch (_kernel_source._finish): its outputs' tickets, zero
+    # between launches.
+    tickets: Storage | None = None
 
 
 def collapse(shape: tuple[int, ...], strides: Sequence[tuple[int, ...]]) -> tuple[list[int], list[list[int]]]:
@@ -283,7 +286,9 @@ class Kernels:
         its share, and a tree in shared memory combines the partial values pairwise. Where there are few outputs
         and many elements each (a full ``sum``), each output's elements are split in parts, one work-group each,
         into a buffer of partial values that a second pass reduces: the whole device works, and float sums stay
-        close to pairwise."""
+        close to pairwise. Into a contiguous output (any fresh one), the last work-group of each output's parts
+        does that second pass in the same launch: one kernel call, not two, which the client's per-call cost
+        feels (a full ``sum``)."""
         cstrides = center.strides if center is not None else None
         key = ("reduce", fn, out.dtype, out.shape, out.strides, x.dtype, x.shape, x.strides, axes, cstrides,
                None if center is None else center.dtype)
@@ -298,6 +303,10 @@ class Kernels:
         if center is not None:
             args += [center.buffer, np.int64(center.offset)]
         args.extend(plan.tail)
+        if plan.tickets is not None:  # the parts' values are combined in the same launch
+            args += [out.buffer, np.int64(out.offset), plan.tickets.buffer]
+            self._gpu.execute_kernel(plan.kernel, plan.grid, plan.block, args)
+            return
         self._gpu.execute_kernel(plan.kernel, plan.grid, plan.block, args)
         if partials is not None:
             second = REDUCTIONS[fn].partials  # the reduction of the partial values (a split reduction has one)
@@ -324,26 +333,31 @@ class Kernels:
         while block > 32 and block // 2 >= m:
             block //= 2
         contiguous = not rdims or (len(rdims) == 1 and rper[0][0] == 1)  # element j at x's base + j
-        variant = (len(kdims), len(rdims), m < _SMALL_INDEX and nout < _SMALL_INDEX, block, contiguous)
+        parts = 1
+        if REDUCTIONS[fn].partials is not None and m >= 32 * self.block:
+            parts = min(-(-m // (8 * self.block)), max(1, self._grid_cap // nout))
+        # A split reduction into a contiguous output (any fresh one) combines its parts in the same launch.
+        finish = parts > 1 and out.strides == contiguous_strides(out.shape)
+        variant = (len(kdims), len(rdims), m < _SMALL_INDEX and nout < _SMALL_INDEX, block, contiguous, finish)
         ckey = ("reduce", fn, out.dtype, x.dtype, None if center is None else center.dtype, variant)
 
         def make(name: str) -> str:
             return reduce_source(name, fn, out.dtype, x.dtype, None if center is None else center.dtype, variant)
 
         kernel = self._compile(ckey, make)
-        parts = 1
-        if REDUCTIONS[fn].partials is not None and m >= 32 * self.block:
-            parts = min(-(-m // (8 * self.block)), max(1, self._grid_cap // nout))
-        partials = partials_storage = None
+        partials = partials_storage = tickets = None
         if parts > 1:  # the first pass writes (out.shape..., parts) partial values, contiguous
             partials_storage = self._memory.allocate(nout * parts * out.dtype.itemsize)
             shape = (*out.shape, parts)
             partials = View(partials_storage.buffer, out.dtype, shape, contiguous_strides(shape), 0)
             kept_strides[1] = partials.strides[:-1]
             kdims, kper = collapse(out.shape, kept_strides)
+        if finish:
+            tickets = self._memory.allocate(4 * nout)
+            self._gpu.memset(tickets.buffer, 0, 4 * nout)
         chunk = -(-m // parts)
         meta = self._meta([*kdims, *[s for p in kper for s in p], *rdims, *rper[0], 0])
         tail: list[Any] = [meta.buffer, np.int64(nout), np.int64(m), np.int64(parts), np.int64(chunk),
                            np.int64(1 if parts > 1 else 0)]
         grid = min(nout * parts, 65535)
-        return self._remember(key, _Plan(kernel, grid, block, tail, meta, partials, partials_storage))
+        return self._remember(key, _Plan(kernel, grid, block, tail, meta, partials, partials_storage, tickets))
