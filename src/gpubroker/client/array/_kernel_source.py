@@ -157,6 +157,19 @@ def _accumulator(reduction: Reduction, out_dtype: np.dtype[Any], x_dtype: np.dty
             "int64": np.dtype(np.int64)}[reduction.accumulator]
 
 
+# A finishing reduction's fence and ticket (in its source only, not the prelude every kernel shares): GB_FENCE()
+# orders a work-item's device-memory writes before its later ones, as other work-groups see them; GB_TICKET(p) adds
+# 1 to the U32 at p atomically and gives its value before.
+_TICKETS: Final = """#ifdef __OPENCL_VERSION__
+#define GB_FENCE() mem_fence(CLK_GLOBAL_MEM_FENCE)
+#define GB_TICKET(p) atomic_inc((volatile GLOBAL U32*)(p))
+#else
+#define GB_FENCE() __threadfence()
+#define GB_TICKET(p) atomicAdd((U32*)(p), 1u)
+#endif
+"""
+
+
 def _finish(fn: str, out_dtype: np.dtype[Any], block: int) -> tuple[str, str, str]:
     """(work-group memory, C, its types) of a split reduction's finish: after each part's value is written, its
     work-group takes a ticket of its output's (in ``cnt``, zero between launches); the last one reads the parts'
@@ -267,6 +280,8 @@ def reduce_source(name: str, fn: str, out_dtype: np.dtype[Any], x_dtype: np.dtyp
             center=center, A=at, identity=identity, block=block, walk=walk, load=load, step=step,
             last=last, stride=stride, unrolled_loads=loads, unrolled_steps=steps, tree=_tree(block // 2, pair),
             post=cast(acc_dtype, out_dtype, reduction.post_map.format(a="sv[0]")))
+    if finish:
+        helpers = _TICKETS + helpers
     body = _REDUCE.substitute(helpers=helpers, name=name, params=", ".join(params), A=at, block=block,
                               shared_index=f"  SHARED I64 si[{block}];\n" if arg else "", prologue=prologue,
                               idx=idx, center_base=", cb = co" if nk == 3 else "", locate=locate, loop=loop,

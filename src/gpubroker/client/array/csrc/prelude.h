@@ -5,8 +5,6 @@
 // the dtypes' C types (C64 and C128, the complex ones, are structs of complex.h). GB_INF and GB_NAN are float
 // constants every compiler folds; GB_PI_2, GB_PI_4 and GB_LN2 are pi/2, pi/4 and log(2). GB_WARP_TREE: a tree
 // combining a work-group's shares leaves its steps of at most this many pairs to one warp (CUDA: 16; OpenCL: 0).
-// GB_FENCE() orders a work-item's device-memory writes before its later ones, as other work-groups see them;
-// GB_TICKET(p) adds 1 to the U32 at p atomically and gives its value before.
 // (Lines beginning with // at the top of a file of csrc/ describe it and are not part of the source.)
 
 #ifdef __OPENCL_VERSION__
@@ -20,8 +18,6 @@
 #define GROUP ((long)get_group_id(0))
 #define NGROUPS ((long)get_num_groups(0))
 #define SYNC() barrier(CLK_LOCAL_MEM_FENCE)
-#define GB_FENCE() mem_fence(CLK_GLOBAL_MEM_FENCE)
-#define GB_TICKET(p) atomic_inc((volatile GLOBAL U32*)(p))
 #define I8 char
 #define U8 uchar
 #define I16 short
@@ -44,8 +40,6 @@
 #define GROUP ((long long)blockIdx.x)
 #define NGROUPS ((long long)gridDim.x)
 #define SYNC() __syncthreads()
-#define GB_FENCE() __threadfence()
-#define GB_TICKET(p) atomicAdd((U32*)(p), 1u)
 #define I8 signed char
 #define U8 unsigned char
 #define I16 short
