@@ -153,3 +153,23 @@ def test_axis_and_dtype_errors(xp: Any) -> None:
         xp.mean(xp.asarray(np.zeros(3, dtype=np.int32)))
     with pytest.raises(TypeError):
         xp.max(xp.asarray(np.zeros(3, dtype=np.complex64)))
+
+
+def test_split_reductions_finish_in_one_launch_again_and_again(xp: Any) -> None:
+    """Reductions of many elements into few outputs split each output's elements in parts, and the last part of
+    each output to finish combines them (its ticket, set back to zero for the next launch). Two arrays alternate,
+    so a result that was not written would show the other's value, left in the pooled buffer."""
+    a = RNG.uniform(-1, 1, (3, 50_000))
+    b = RNG.uniform(2, 3, (3, 50_000))
+    ints = RNG.integers(-3, 4, 70_000).astype(np.int32)
+    xa, xb, xi = xp.asarray(a), xp.asarray(b), xp.asarray(ints)
+    for _ in range(3):
+        for data, x in ((a, xa), (b, xb)):
+            check(xp.sum(x, axis=1), data.sum(axis=1), rtol=1e-9)
+            check(xp.sum(x), data.sum(), rtol=1e-9)
+            check(xp.max(x, axis=1, keepdims=True), data.max(axis=1, keepdims=True))
+            check(xp.var(x, axis=1), data.var(axis=1), rtol=1e-9)
+        check(xp.sum(xi), ints.sum(dtype=np.int64))
+        check(xp.count_nonzero(xi), np.asarray(np.count_nonzero(ints), dtype=np.int64))
+        check(xp.all(xi != 9), np.asarray(True))
+        check(xp.any(xi == 9), np.asarray(False))
