@@ -170,6 +170,44 @@ _TICKETS: Final = """#ifdef __OPENCL_VERSION__
 """
 
 
+# The 16-byte loads of a reduction's contiguous 4-byte elements: OpenCL's vload4 takes any element-aligned address;
+# CUDA's vector types need 16-byte alignment, so there the loop takes them only from an aligned start.
+_LOADS4: Final = """#ifdef __OPENCL_VERSION__
+#define GB_ALIGNED16(p) 1
+#define GB_LOAD4(V, p, k) vload4((k), (p))
+#else
+#define GB_ALIGNED16(p) ((((unsigned long long)(p)) & 15) == 0)
+#define GB_LOAD4(V, p, k) (reinterpret_cast<const V*>(p)[k])
+#endif
+"""
+_VECTOR4: Final = {"F32": "float4", "I32": "int4", "U32": "uint4"}  # (the same names in both dialects)
+
+
+def _vector(xt: str, at: str, load: str, step: str, block: int) -> str:
+    """C reading the quadruples of a work-group's contiguous 4-byte elements [j0, j1) 16 bytes at a time, each
+    work-item four quadruples in flight, combining each element as the scalar loop would; then the scalar loops go
+    on with what is left (fewer than 4 elements). Measured on an H200: a row sum of 8192 x 4096 float32 took 36-37
+    us with 4-byte loads, 33 us with these, as CuPy's."""
+    v4 = _VECTOR4[xt]
+
+    def combine(q: str) -> str:
+        return "".join(f"        {{ const {at} v = {load.replace('x[xp]', f'{q}.{c}')}; acc = {step}; }}\n"
+                       for c in "xyzw")
+
+    return (f"    if (GB_ALIGNED16(x + xb + j0)) {{\n"
+            f"      const GLOBAL {xt}* xr = x + xb + j0;\n"
+            "      const I64 n4 = (j1 - j0) >> 2;\n"
+            "      I64 k = LID;\n"
+            f"      for (; k + {3 * block} < n4; k += {4 * block}) {{\n"
+            + "".join(f"        const {v4} q{u} = GB_LOAD4({v4}, xr, k + {u * block});\n" for u in range(4))
+            + "".join(combine(f"q{u}") for u in range(4))
+            + "      }\n"
+            f"      for (; k < n4; k += {block}) {{\n        const {v4} q0 = GB_LOAD4({v4}, xr, k);\n"
+            + combine("q0") + "      }\n"
+            "      jn = j0 + 4 * n4 + LID;\n"
+            "    }\n")
+
+
 def _finish(fn: str, out_dtype: np.dtype[Any], block: int) -> tuple[str, str, str]:
     """(work-group memory, C, its types) of a split reduction's finish: after each part's value is written, its
     work-group takes a ticket of its output's (in ``cnt``, zero between launches); the last one reads the parts'
@@ -276,8 +314,12 @@ def reduce_source(name: str, fn: str, out_dtype: np.dtype[Any], x_dtype: np.dtyp
         step = combine.format(a="acc", b=reduction.map, **names)
         steps = "".join(f"      {{ const {at} v = v{u}; acc = {step}; }}\n" for u in unrolled)
         pair = "sv[LID] = " + combine.format(a="sv[LID]", b="sv[LID + s]", **names) + ";"
+        vector = ""
+        if contiguous and xt in _VECTOR4:
+            vector = _vector(xt, at, load, step, block)
+            helpers = _LOADS4 + helpers
         loop = _REDUCE_VALUE.substitute(
-            center=center, A=at, identity=identity, block=block, walk=walk, load=load, step=step,
+            center=center, A=at, identity=identity, block=block, walk=walk, load=load, step=step, vector=vector,
             last=last, stride=stride, unrolled_loads=loads, unrolled_steps=steps, tree=_tree(block // 2, pair),
             post=cast(acc_dtype, out_dtype, reduction.post_map.format(a="sv[0]")))
     if finish:
