@@ -466,6 +466,39 @@ def test_a_paced_batch_stops_for_a_revoke_and_goes_on_at_the_next_grant(worker: 
     wait_for(lambda: worker.control[-1] == "released", 10, "the turn revoked")
 
 
+def test_batches_that_came_while_one_was_stopped_run_once_it_ends(worker: Worker, session: str) -> None:
+    """A paced batch stops for any message of the front's (a request here, not a revoke) and goes on once it is
+    answered; a batch that came on another link meanwhile runs right after it, in the same turn."""
+    with open_backend("opencl", 0) as gpu:
+        probe = gpu.compile_kernel(samples.source("opencl"), "spin")
+        iters = spin_iterations(gpu, probe, gpu.allocate_memory(4), 0.02)
+    module, spin, buf = new_handle("module"), new_handle("kernel"), new_handle("buf")
+    ack = worker.batch(session, LoadModule(module, "opencl_c", samples.source("opencl").encode()),
+                       GetKernel(spin, module, "spin"))
+    assert ack.error is None
+    worker.control.clear()
+    with _attach(worker, session) as first, _attach(worker, session) as second:
+        send_payload(first, encode(Batch(1, 0, [Allocate(buf, 64)])))
+        wait_for(lambda: worker.control == ["want"], 10, "the worker's lease request")
+        worker.run(worker.client.send_control(Grant()))
+        assert decode_ack(recv_payload(first)).done == 1
+        worker.run(worker.client.send_control(Yield()))  # others wait: the turn goes back, pacing starts
+        wait_for(lambda: worker.control == ["want", "released"], 10, "the turn given back")
+        launch = Launch(spin, (1,), (1,), [BufferArg(buf, 0), ScalarArg("<i8", np.int64(iters).tobytes())])
+        send_payload(first, encode(Batch(2, 1, [launch] * 6)))  # some 120 ms
+        send_payload(second, encode(Batch(3, 0, [Memset((buf, 0), 0, 4)])))
+        wait_for(lambda: worker.control[-1] == "want", 10, "a second lease request")
+        worker.run(worker.client.send_control(Grant()))
+        assert worker.call(Usage()).sessions[session] == 64  # answered mid-batch: the batch stopped for it
+        ack = decode_ack(recv_payload(first))
+        assert (ack.id, ack.done, ack.error) == (2, 6, None)
+        second.settimeout(10)  # (no second grant comes: the batch runs in this turn, or never)
+        ack = decode_ack(recv_payload(second))
+        assert (ack.id, ack.done, ack.error) == (3, 1, None)
+    worker.run(worker.client.send_control(Revoke()))
+    wait_for(lambda: worker.control[-1] == "released", 10, "the turn revoked")
+
+
 def test_every_command_has_one_handler_and_links_take_only_link_commands() -> None:
     backend = open_backend("opencl", 0)
     try:

@@ -301,10 +301,7 @@ class Links:
         if isinstance(message, Grant):
             self.holding, self._asked, self.contended = True, False, False
             if self._go_on():
-                while self._waiting and self.holding and self._paused is None and not self._executor.fatal:
-                    link, item = self._waiting.popleft()
-                    link.waiting -= 1
-                    self._serve(link, item)
+                self._serve_waiting()
                 for link in list(self._rings.values()):
                     if self.holding and self._paused is None:
                         self._pump(link)
@@ -318,6 +315,13 @@ class Links:
             self._release()
         if not self.holding and (self._waiting or self._paused is not None or self._rings_pending()):
             self._ask()
+
+    def _serve_waiting(self) -> None:
+        """Run the batches that waited for the turn, in order, while it is held (and none stopped)."""
+        while self._waiting and self.holding and self._paused is None and not self._executor.fatal:
+            link, item = self._waiting.popleft()
+            link.waiting -= 1
+            self._serve(link, item)
 
     def _release(self) -> None:
         if self.holding:
@@ -473,6 +477,7 @@ class Links:
     def resume(self) -> None:
         if not self._go_on():
             return
+        self._serve_waiting()  # (what came on socket links while a batch was stopped)
         resuming, self._resuming = self._resuming, {}
         for link in resuming.values():
             if link.ring is not None:
