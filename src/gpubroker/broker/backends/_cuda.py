@@ -21,7 +21,7 @@ from typing import Any
 
 import cupy
 import numpy as np
-from cupy.cuda import cublas, runtime
+from cupy.cuda import runtime
 from cupy.cuda.memory import Memory
 
 from gpubroker.broker.backends import _library
@@ -49,8 +49,8 @@ log = logging.getLogger(__name__)
 # go back to the device. Not after every call: cudaFree waits for the whole device, which would make each
 # library call synchronous.
 _POOL_IDLE_MAX = 256 << 20
-# The matmuls that go straight to cuBLAS (CudaBackend._gemm), and their (alpha, beta) = (1, 0).
-_GEMM: dict[str, Any] = {"float32": cublas.sgemm, "float64": cublas.dgemm}
+# The matmuls that go straight to cuBLAS (CudaBackend._gemm): their gemm, and their (alpha, beta) = (1, 0).
+_GEMM: dict[str, str] = {"float32": "sgemm", "float64": "dgemm"}
 _GEMM_SCALARS: dict[str, np.ndarray[Any, Any]] = {"float32": np.array([1, 0], np.float32),
                                                    "float64": np.array([1, 0], np.float64)}
 # Completion marks kept for reuse (a pacing worker has at most worker/_pacing.py's MAX_DEPTH pending).
@@ -250,11 +250,13 @@ class CudaBackend:
         except Exception as exc:
             raise self._dev.fail(f"run_library of {op!r}", exc) from exc
 
-    def _gemm(self, gemm: Any, a: ArrayRef, b: ArrayRef, c: ArrayRef, stream_ptr: int) -> None:
+    def _gemm(self, gemm: str, a: ArrayRef, b: ArrayRef, c: ArrayRef, stream_ptr: int) -> None:
         """``c = a @ b`` of 2-D row-major arrays straight through cuBLAS's gemm: a matmul's host cost without
         CuPy's arrays and dispatch (the library call's whole cost on the worker, for a 1024^2 one on an H200 about
         twice the GPU's). Row-major C = A B is column-major C^T = B^T A^T: gemm(n, m, k) of B then A, leading
         dimensions n, k, n. Full precision, as CuPy's matmul (no TF32)."""
+        from cupy.cuda import cublas  # (here: a worker that never multiplies never loads cuBLAS for it)
+
         (m, k), n = a.shape, b.shape[1]
         ptrs = []
         for ref in (a, b, c):
@@ -264,8 +266,9 @@ class CudaBackend:
         handle = cupy.cuda.device.get_cublas_handle()
         cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
         cublas.setStream(handle, stream_ptr)
-        gemm(handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, n, m, k, scalars.ctypes.data, ptrs[1], n, ptrs[0], k,
-             scalars.ctypes.data + scalars.itemsize, ptrs[2], n)
+        one = scalars.ctypes.data
+        getattr(cublas, gemm)(handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, n, m, k, one, ptrs[1], n, ptrs[0], k,
+                              one + scalars.itemsize, ptrs[2], n)
 
     def _cupy_array(self, ref: ArrayRef) -> Any:
         """A CuPy array over the buffer (no copy); it holds the allocation while CuPy uses it."""
