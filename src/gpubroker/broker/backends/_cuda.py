@@ -49,10 +49,10 @@ log = logging.getLogger(__name__)
 # go back to the device. Not after every call: cudaFree waits for the whole device, which would make each
 # library call synchronous.
 _POOL_IDLE_MAX = 256 << 20
-# The matmuls that go straight to cuBLAS (CudaBackend._gemm): their gemm, and their (alpha, beta) = (1, 0).
-_GEMM: dict[str, str] = {"float32": "sgemm", "float64": "dgemm"}
-_GEMM_SCALARS: dict[str, np.ndarray[Any, Any]] = {"float32": np.array([1, 0], np.float32),
-                                                   "float64": np.array([1, 0], np.float64)}
+# The matmuls that go straight to cuBLAS (CudaBackend._gemm), by dtype: their gemm, and (alpha, beta) = (1, 0) in
+# host memory, which gemm reads during the call.
+_GEMM: dict[str, tuple[str, np.ndarray[Any, Any]]] = {"float32": ("sgemm", np.array([1, 0], np.float32)),
+                                                      "float64": ("dgemm", np.array([1, 0], np.float64))}
 # Completion marks kept for reuse (a pacing worker has at most worker/_pacing.py's MAX_DEPTH pending).
 _IDLE_MARKS = 16
 
@@ -250,7 +250,8 @@ class CudaBackend:
         except Exception as exc:
             raise self._dev.fail(f"run_library of {op!r}", exc) from exc
 
-    def _gemm(self, gemm: str, a: ArrayRef, b: ArrayRef, c: ArrayRef, stream_ptr: int) -> None:
+    def _gemm(self, gemm: tuple[str, np.ndarray[Any, Any]], a: ArrayRef, b: ArrayRef, c: ArrayRef,
+              stream_ptr: int) -> None:
         """``c = a @ b`` of 2-D row-major arrays straight through cuBLAS's gemm: a matmul's host cost without
         CuPy's arrays and dispatch (the library call's whole cost on the worker, for a 1024^2 one on an H200 about
         twice the GPU's). Row-major C = A B is column-major C^T = B^T A^T: gemm(n, m, k) of B then A, leading
@@ -262,12 +263,12 @@ class CudaBackend:
         for ref in (a, b, c):
             mem, view = self._dev.resolve(ref.buffer)
             ptrs.append(mem.ptr + view.offset)
-        scalars = _GEMM_SCALARS[c.dtype]  # (1, 0) in host memory, read during the call
+        name, scalars = gemm
         handle = cupy.cuda.device.get_cublas_handle()
         cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
         cublas.setStream(handle, stream_ptr)
         one = scalars.ctypes.data
-        getattr(cublas, gemm)(handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, n, m, k, one, ptrs[1], n, ptrs[0], k,
+        getattr(cublas, name)(handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, n, m, k, one, ptrs[1], n, ptrs[0], k,
                               one + scalars.itemsize, ptrs[2], n)
 
     def _cupy_array(self, ref: ArrayRef) -> Any:

@@ -264,7 +264,7 @@ class Executor:
     def run(self, session: str, batch: Batch) -> Ack:
         """Run a batch the front sent (``RunBatch``: any command, module loads included) for ``session``; the
         first failure stops it and is reported in the Ack."""
-        outcome = self._run(session, batch, self.handlers, Paused(0, None), False, None)
+        outcome = self._run(session, batch, self.handlers, None, None)
         assert type(outcome) is Ack  # (never paused without a pacer)
         return outcome
 
@@ -276,14 +276,15 @@ class Executor:
         ``resume``."""
         self._codec = codec
         try:
-            return self._run(session, batch, self.link_handlers, resume or Paused(0, None), resume is not None,
+            return self._run(session, batch, self.link_handlers, resume,
                              pacer if pacer is not None and pacer.active else None)
         finally:
             self._codec = ""  # ("" elsewhere: the front checks results are raw bytes)
 
     def _run(self, session: str, batch: Batch, handlers: dict[type[Command], Callable[[SessionObjects, Any], Any]],
-             start: Paused, resumed: bool, pacer: Pacer | None) -> Ack | Paused:
+             resume: Paused | None, pacer: Pacer | None) -> Ack | Paused:
         objs = self.tables.session(session)
+        start = resume or Paused(0, None)
         result: Any = start.result
         done = start.done
         command: Command | None = None
@@ -298,7 +299,7 @@ class Executor:
                     raise Unimplemented(f"this worker has no handler for {tag_of(command)}")
                 if pacer is not None and type(command) in _PACED:
                     # (a batch that goes on runs one command before it stops again: it always gets on)
-                    if pacer.before() and (done > start.done or not resumed):
+                    if pacer.before() and (done > start.done or resume is None):
                         return Paused(done, result)
                     result = handler(objs, command)
                     stream = command.stream  # type: ignore[attr-defined]  # (every paced command has one)

@@ -157,6 +157,14 @@ def _accumulator(reduction: Reduction, out_dtype: np.dtype[Any], x_dtype: np.dty
             "int64": np.dtype(np.int64)}[reduction.accumulator]
 
 
+def _names(acc_dtype: np.dtype[Any]) -> dict[str, str]:
+    """What a reduction's expressions name of their accumulator's type (``_reductions``): {T}, {U}, {LOWEST},
+    {HIGHEST}."""
+    at = ctype(acc_dtype)
+    lowest, highest = _extremes(acc_dtype)
+    return {"T": at, "U": UNSIGNED.get(at, at), "LOWEST": lowest, "HIGHEST": highest}
+
+
 # A finishing reduction's fence and ticket (in its source only, not the prelude every kernel shares): GB_FENCE()
 # orders a work-item's device-memory writes before its later ones, as other work-groups see them; GB_TICKET(p) adds
 # 1 to the U32 at p atomically and gives its value before.
@@ -217,8 +225,7 @@ def _finish(fn: str, out_dtype: np.dtype[Any], block: int) -> tuple[str, str, st
     second = REDUCTIONS[REDUCTIONS[fn].partials or fn]
     acc = _accumulator(second, out_dtype, out_dtype)
     at, kind = ctype(acc), acc.kind
-    lowest, highest = _extremes(acc)
-    names = {"T": at, "U": UNSIGNED.get(at, at), "LOWEST": lowest, "HIGHEST": highest}
+    names = _names(acc)
     combine = second.reduce[kind]
     step = combine.format(a="acc2", b=second.map, **names)
     pair = "sf[LID] = " + combine.format(a="sf[LID]", b="sf[LID + s]", **names) + ";"
@@ -260,8 +267,7 @@ def reduce_source(name: str, fn: str, out_dtype: np.dtype[Any], x_dtype: np.dtyp
         finish_shared, finish_code, finish_type = _finish(fn, out_dtype, block)
         types.add(finish_type)
     kind = acc_dtype.kind
-    lowest, highest = _extremes(acc_dtype)
-    names = {"T": at, "U": UNSIGNED.get(at, at), "LOWEST": lowest, "HIGHEST": highest}
+    names = _names(acc_dtype)
     identity = reduction.identity[kind].format(**names)
     arg = reduction.better is not None
     helpers = ""

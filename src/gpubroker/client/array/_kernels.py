@@ -305,10 +305,8 @@ class Kernels:
         args.extend(plan.tail)
         if plan.tickets is not None:  # the parts' values are combined in the same launch
             args += [out.buffer, np.int64(out.offset), plan.tickets.buffer]
-            self._gpu.execute_kernel(plan.kernel, plan.grid, plan.block, args)
-            return
         self._gpu.execute_kernel(plan.kernel, plan.grid, plan.block, args)
-        if partials is not None:
+        if partials is not None and plan.tickets is None:
             second = REDUCTIONS[fn].partials  # the reduction of the partial values (a split reduction has one)
             assert second is not None
             self.reduce(second, out, partials, (len(out.shape),))
