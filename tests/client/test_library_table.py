@@ -114,3 +114,19 @@ def test_numpy_integers_and_dtypes_are_taken_as_python_ones() -> None:
         == ("float64", (3, 2))
     with pytest.raises(InvalidArgument, match="'upper' must be a bool"):
         library_outputs("linalg.cholesky", [("float64", (2, 2))], {"upper": np.int8(1)})
+
+
+def test_a_remembered_answer_is_given_only_for_the_same_plain_call() -> None:
+    """library_outputs remembers its answers (a loop asks the same one each step); a call that equals a remembered
+    one but for its types (True == 1, 1.0 == 1) still takes the table's check, and a returned list is the caller's."""
+    first = library_outputs("linalg.cholesky", [("float64", (2, 2))], {"upper": True})
+    first.append(("int8", ()))
+    assert library_outputs("linalg.cholesky", [("float64", (2, 2))], {"upper": True}) == [("float64", (2, 2))]
+    with pytest.raises(InvalidArgument, match="'upper' must be a bool"):
+        library_outputs("linalg.cholesky", [("float64", (2, 2))], {"upper": 1})
+    assert library_outputs("sort", [("float32", (3,))], {"axis": 0}) == [("float32", (3,))]
+    with pytest.raises(InvalidArgument, match="'axis' must be an int"):
+        library_outputs("sort", [("float32", (3,))], {"axis": 0.0})
+    assert library_outputs("sort", [("float32", [1, 3])], {}) == [("float32", (1, 3))]
+    with pytest.raises(InvalidArgument, match="must hold ints >= 0"):
+        library_outputs("sort", [("float32", (True, 3))], {})

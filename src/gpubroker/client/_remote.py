@@ -36,6 +36,7 @@ from gpubroker.wire.commands import (
     Free,
     KernelArg,
     Launch,
+    LibraryArray,
     Memset,
     RecordEvent,
     RunLibrary,
@@ -550,8 +551,7 @@ class RemoteGpu:
         # Checked here too (the table is pure): a mistake raises at the call, not at the next synchronize, and
         # only what encodes is sent. The worker checks again against the real allocations.
         ins, outs, checked = check_library_call(op, inputs, outputs, params)
-        self._command(RunLibrary(op, [(_ref(r.buffer), r.dtype, r.shape) for r in ins],
-                                 [(_ref(r.buffer), r.dtype, r.shape) for r in outs], checked,
+        self._command(RunLibrary(op, [_library_array(r) for r in ins], [_library_array(r) for r in outs], checked,
                                  _stream(stream) if stream is not None else ""))
 
     # The torch device's commands. What only changes the worker's tables or queues device work is always queued
@@ -820,6 +820,16 @@ def _event_ref(event: Event) -> str:
     if type(event) is not Event:
         raise InvalidArgument(f"expected an Event, got {type(event).__name__}")
     return _handle(event.handle, "event")
+
+
+def _library_array(ref: ArrayRef) -> LibraryArray:
+    """A checked ArrayRef (``check_library_call``: a Buffer of int offset) as RunLibrary carries it; only its
+    handle is left to check."""
+    buf = ref.buffer
+    handle = buf.handle
+    if type(handle) is not str or not 0 < len(handle) <= MAX_HANDLE:
+        handle = _handle(handle, "buffer")  # (raises)
+    return (handle, buf.offset), ref.dtype, ref.shape
 
 
 def _stream_ref(stream: Stream) -> str:

@@ -201,33 +201,7 @@ class LibraryOp:
         if specs and specs[0][0] not in self.dtypes:
             raise InvalidArgument(f"{self.name}: input dtype {specs[0][0]} is not supported; it takes "
                                   f"{', '.join(self.dtypes)}")
-        # The rule is pure: a loop calling one op on the same shapes (a matmul per step) asks it once. Checked on
-        # both sides of every call, it was most of a small library call's cost.
-        key = _rule_key(self.name, specs, params)
-        known = _RULES_SEEN.get(key) if key is not None else None
-        if known is not None:
-            return list(known)
-        outputs = self.rule(self, specs, params)
-        if key is not None:
-            if len(_RULES_SEEN) >= _RULES_SEEN_MAX:
-                _RULES_SEEN.clear()
-            _RULES_SEEN[key] = tuple(outputs)
-        return outputs
-
-
-_RULES_SEEN: dict[tuple[object, ...], tuple[ArraySpec, ...]] = {}
-_RULES_SEEN_MAX: Final = 1024
-
-
-def _rule_key(op: str, specs: list[ArraySpec], params: Params) -> tuple[object, ...] | None:
-    """What a rule's answer depends on, hashable (each param's type too: True is not 1), or None where a param's
-    value is not hashable."""
-    key = (op, tuple(specs), tuple((name, type(value), value) for name, value in params.items()))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+        return self.rule(self, specs, params)
 
 
 def _spec(op: str, index: int, item: object) -> ArraySpec:
@@ -635,8 +609,72 @@ def library_outputs(op: str, inputs: Sequence[tuple[str, Sequence[int]]],
         InvalidArgument: naming the op: an unknown op or param, a wrong number of inputs, a dtype the op does not
             take, a shape it cannot work on, or a param out of range.
     """
+    # The table is pure: a loop calling one op on the same shapes (a matmul per step) asks it once. Checked on both
+    # sides of every call, it was most of a small library call's cost.
+    key = _outputs_key(op, inputs, params)
+    known = _OUTPUTS_SEEN.get(key) if key is not None else None
+    if known is not None:
+        return list(known)
     entry = library_op(op)
-    return entry.outputs_for(inputs, entry.check_params(params))
+    outputs = entry.outputs_for(inputs, entry.check_params(params))
+    if key is not None:
+        _remember(_OUTPUTS_SEEN, key, tuple(outputs))
+    return outputs
+
+
+# What library_outputs answered, by ``_outputs_key``.
+_OUTPUTS_SEEN: dict[tuple[object, ...], tuple[ArraySpec, ...]] = {}
+_SEEN_MAX: Final = 1024
+
+
+def _remember(seen: dict[Any, Any], key: tuple[object, ...], value: object) -> None:
+    if len(seen) >= _SEEN_MAX:
+        seen.clear()
+    seen[key] = value
+
+
+def _plain_spec(dtype: object, shape: object) -> ArraySpec | None:
+    """(dtype, shape) as a key where both are of the plain types the wire carries (a str, a tuple or list of
+    ints: True is not 1), else None."""
+    if type(dtype) is not str or (type(shape) is not tuple and type(shape) is not list):
+        return None
+    for extent in shape:
+        if type(extent) is not int:
+            return None
+    return dtype, tuple(shape)
+
+
+def _params_key(params: object) -> tuple[object, ...] | None:
+    """The params as a key, each value with its type (True is not 1), or None where they are not a plain dict."""
+    if params is None:
+        return ()
+    if type(params) is not dict:
+        return None
+    return tuple((name, type(value), value) for name, value in params.items())
+
+
+def _hashable(key: tuple[object, ...]) -> tuple[object, ...] | None:
+    try:
+        hash(key)
+    except TypeError:  # (a param holding a list)
+        return None
+    return key
+
+
+def _outputs_key(op: object, inputs: object, params: object) -> tuple[object, ...] | None:
+    """(op, each input's (dtype, shape), the params with their types), or None where anything is not plain."""
+    if type(inputs) is not list and type(inputs) is not tuple:
+        return None
+    specs = []
+    for item in inputs:
+        if (type(item) is not tuple and type(item) is not list) or len(item) != 2:
+            return None
+        spec = _plain_spec(item[0], item[1])
+        if spec is None:
+            return None
+        specs.append(spec)
+    given = _params_key(params)
+    return None if given is None else _hashable((op, tuple(specs), given))
 
 
 def check_library_call(op: object, inputs: object, outputs: object, params: Mapping[str, object] | None,
@@ -649,16 +687,25 @@ def check_library_call(op: object, inputs: object, outputs: object, params: Mapp
     name = entry.name
     key = _call_key(name, inputs, outputs, params)
     if key is not None and (known := _CALLS_SEEN.get(key)) is not None:
-        # The same dtypes, shapes and params passed before: only the buffers are new.
+        # The same dtypes, shapes and params passed before: only the buffers are new, and each array must lie in
+        # its own (as the full check's _placed says; the names for its message are made only for a failure).
         checked, sizes = known
-        n_in = len(key[1])
         given = [*cast("Sequence[ArrayRef]", inputs), *cast("Sequence[ArrayRef]", outputs)]  # (so _call_key found)
         placed: list[ArrayRef] = []
         for i, (ref, (dtype, shape), nbytes) in enumerate(zip(given, key[1] + key[2], sizes, strict=True)):
-            what = f"inputs[{i}]" if i < n_in else f"outputs[{i - n_in}]"
-            if not isinstance(ref.buffer, Buffer):
-                raise InvalidArgument(f"{name}: {what} must be an ArrayRef, got {type(ref).__name__}")
-            placed.append(_placed(name, what, ref.buffer, dtype, shape, nbytes, resolve))
+            buffer = ref.buffer
+            if not isinstance(buffer, Buffer):
+                raise InvalidArgument(f"{name}: {_what(i, len(key[1]))} must be an ArrayRef, got {type(ref).__name__}")
+            if resolve is not None:
+                buffer = resolve(buffer)
+            if type(buffer.offset) is not int or type(buffer.size) is not int \
+                    or not 0 <= buffer.offset <= buffer.size - nbytes:
+                placed.append(_placed(name, _what(i, len(key[1])), buffer, dtype, shape, nbytes, None))  # (raises)
+            elif buffer is ref.buffer and type(ref.shape) is tuple:
+                placed.append(ref)  # (making a frozen dataclass anew costs a microsecond)
+            else:
+                placed.append(ArrayRef(buffer, dtype, shape))
+        n_in = len(key[1])
         return placed[:n_in], placed[n_in:], dict(checked)
     checked = entry.check_params(params)
     resolved: list[list[ArrayRef]] = []
@@ -680,9 +727,8 @@ def check_library_call(op: object, inputs: object, outputs: object, params: Mapp
             raise InvalidArgument(f"{name}: output {i} must be {dtype} of shape {shape}, got {ref.dtype} of shape "
                                   f"{tuple(ref.shape)}")
     if key is not None:
-        if len(_CALLS_SEEN) >= _CALLS_SEEN_MAX:
-            _CALLS_SEEN.clear()
-        _CALLS_SEEN[key] = (dict(checked), tuple(math.prod(r.shape) * _ITEMSIZE[r.dtype] for r in (*ins, *outs)))
+        sizes = tuple(math.prod(r.shape) * _ITEMSIZE[r.dtype] for r in (*ins, *outs))
+        _remember(_CALLS_SEEN, key, (dict(checked), sizes))
     return ins, outs, checked
 
 
@@ -691,41 +737,32 @@ def check_library_call(op: object, inputs: object, outputs: object, params: Mapp
 # lies in its buffer (``_placed``, as the full check does). Checked on both sides of every call, the whole check
 # was most of a small call's host cost.
 _CALLS_SEEN: dict[tuple[Any, ...], tuple[Params, tuple[int, ...]]] = {}
-_CALLS_SEEN_MAX: Final = 1024
 
 
 def _call_key(op: str, inputs: object, outputs: object, params: object) -> tuple[Any, ...] | None:
     """(op, each input's and each output's (dtype, shape), the params with their types: True is not 1), or None
     where anything is not of the plain types the wire carries (str dtypes, int extents, a dict of hashable
     params): those take the full check."""
-    groups: list[tuple[tuple[str, tuple[int, ...]], ...]] = []
+    groups: list[tuple[ArraySpec, ...]] = []
     for refs in (inputs, outputs):
         if type(refs) is not list and type(refs) is not tuple:
             return None
         group = []
         for ref in refs:
-            if type(ref) is not ArrayRef or type(ref.dtype) is not str:
+            if type(ref) is not ArrayRef:
                 return None
-            shape: object = ref.shape  # (a list, as msgpack gives it, or anything a caller passed)
-            if type(shape) is not tuple and type(shape) is not list:
+            spec = _plain_spec(ref.dtype, ref.shape)  # (a list, as msgpack gives it, or anything a caller passed)
+            if spec is None:
                 return None
-            for extent in shape:
-                if type(extent) is not int:
-                    return None
-            group.append((ref.dtype, tuple(shape)))
+            group.append(spec)
         groups.append(tuple(group))
-    if params is None:
-        given: tuple[object, ...] = ()
-    elif type(params) is dict:
-        given = tuple((name, type(value), value) for name, value in params.items())
-    else:
-        return None
-    key = (op, groups[0], groups[1], given)
-    try:
-        hash(key)
-    except TypeError:  # (a param holding a list)
-        return None
-    return key
+    given = _params_key(params)
+    return None if given is None else _hashable((op, groups[0], groups[1], given))
+
+
+def _what(index: int, inputs: int) -> str:
+    """How a check's message names the array at ``index`` of a call's inputs then outputs."""
+    return f"inputs[{index}]" if index < inputs else f"outputs[{index - inputs}]"
 
 
 def _fits(op: str, what: str, ref: ArrayRef, resolve: Callable[[Buffer], Buffer] | None) -> ArrayRef:

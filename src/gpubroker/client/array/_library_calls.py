@@ -66,7 +66,8 @@ def dtype_name(dtype: np.dtype[Any]) -> str:
 def as_ref(x: Array) -> ArrayRef:
     """The library operation's handle on the contiguous ``x``: its buffer from its first element, dtype and shape."""
     v = x._view
-    return ArrayRef(v.buffer.at(v.offset * v.dtype.itemsize), dtype_name(v.dtype), v.shape)
+    buffer = v.buffer.at(v.offset * v.dtype.itemsize) if v.offset else v.buffer  # (a fresh array starts at 0)
+    return ArrayRef(buffer, dtype_name(v.dtype), v.shape)
 
 
 def call(op: str, inputs: Sequence[Array], params: Mapping[str, object] | None = None) -> list[Array]:
