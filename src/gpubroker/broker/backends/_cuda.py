@@ -77,6 +77,7 @@ class CudaBackend:
         self._idle_marks: list[cupy.cuda.Event] = []  # completion marks waited for, for reuse
         self.allocated_bytes = 0
         self._torch_cache: TorchCache | None = None  # PyTorch's allocator, once a torch session used it
+        self._cublas: Any = None  # cupy.cuda.cublas, imported at the first gemm
         # The parts' methods, bound once: a launch or a copy calls the part's method with no forwarding frame.
         self.synchronize = dev.synchronize
         self.copy_h2d = copies.copy_h2d
@@ -256,8 +257,10 @@ class CudaBackend:
         CuPy's arrays and dispatch (the library call's whole cost on the worker, for a 1024^2 one on an H200 about
         twice the GPU's). Row-major C = A B is column-major C^T = B^T A^T: gemm(n, m, k) of B then A, leading
         dimensions n, k, n. Full precision, as CuPy's matmul (no TF32)."""
-        from cupy.cuda import cublas  # (here: a worker that never multiplies never loads cuBLAS for it)
-
+        if self._cublas is None:  # (here: a worker that never multiplies never loads cuBLAS for it)
+            from cupy.cuda import cublas as module
+            self._cublas = module
+        cublas = self._cublas
         (m, k), n = a.shape, b.shape[1]
         ptrs = []
         for ref in (a, b, c):
