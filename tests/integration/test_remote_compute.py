@@ -244,3 +244,35 @@ def _read(g: RemoteGpu, buf: Buffer, size: int) -> np.ndarray:
     out = np.empty(size, dtype=np.uint8)
     g.copy_d2h(buf, out)
     return out
+
+
+_SCALARS = [np.int8(-5), np.uint8(250), np.int16(-30000), np.uint16(65000), np.int32(-(2**31)), np.uint32(2**32 - 1),
+            np.int64(-(2**63)), np.uint64(2**64 - 1), np.float32(-1.5), np.float64(np.pi)]
+_CTYPES = {"cuda": {"int8": "signed char", "uint8": "unsigned char", "int16": "short", "uint16": "unsigned short",
+                    "int32": "int", "uint32": "unsigned int", "int64": "long long", "uint64": "unsigned long long",
+                    "float32": "float", "float64": "double"},
+           "opencl": {"int8": "char", "uint8": "uchar", "int16": "short", "uint16": "ushort", "int32": "int",
+                      "uint32": "uint", "int64": "long", "uint64": "ulong", "float32": "float", "float64": "double"}}
+
+
+def test_every_scalar_type_reaches_the_kernel_bit_for_bit(gpu: RemoteGpu, backend: str) -> None:
+    """Each NumPy scalar type a launch takes arrives with its exact bytes (the client packs them without numpy for
+    the common types): a kernel stores each argument in its own 8-byte slot."""
+    types = _CTYPES[backend]
+    space = "" if backend == "cuda" else "__global "  # (OpenCL's pointers into a buffer name their address space)
+    params = ", ".join(f"{types[v.dtype.name]} a{i}" for i, v in enumerate(_SCALARS))
+    stores = " ".join(f"*(({space}{types[v.dtype.name]}*)(out + {8 * i})) = a{i};" for i, v in enumerate(_SCALARS))
+    if backend == "cuda":
+        src = f'extern "C" __global__ void store(unsigned char* out, {params}) {{ {stores} }}'
+    else:
+        src = f"__kernel void store(__global uchar* out, {params}) {{ {stores} }}"
+    kernel = gpu.compile_kernel(src, "store")
+    out = gpu.allocate_memory(8 * len(_SCALARS))
+    gpu.memset(out, 0)
+    for _ in range(2):  # the first launch of each type takes the full check, the second the fast path
+        gpu.execute_kernel(kernel, 1, 1, [out, *_SCALARS])
+    gpu.synchronize()
+    got = np.empty(8 * len(_SCALARS), np.uint8)
+    gpu.copy_d2h(out, got)
+    for i, value in enumerate(_SCALARS):
+        assert got[8 * i: 8 * i + value.itemsize].tobytes() == value.tobytes(), value
