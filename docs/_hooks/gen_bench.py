@@ -197,6 +197,10 @@ def _cold_start_table() -> str:
     return _table(["cold first session p50", *[f"run {i + 1}" for i in range(d["runs"])], "median (spread)"], rows)
 
 
+# The operations, softmax and stencil: a later run (``--only``) than the workloads' file.
+_ARRAYS_OPS = "arrays-h200-ops.json"
+
+
 def _arrays_table() -> str:
     d = _load("arrays-h200.json")
     w = d["workloads"]
@@ -216,7 +220,7 @@ def _arrays_table() -> str:
 
 
 def _arrays_ops_table() -> str:
-    d = _load("arrays-h200.json")
+    d = _load(_ARRAYS_OPS)
     if "ops" not in d["workloads"]:
         return ""
     w = d["workloads"]
@@ -238,11 +242,13 @@ def _arrays_ops_table() -> str:
                   rows, "lrrrl")
 
 
-def _arrays_host() -> str:
-    d = _load("arrays-h200.json")
+def _arrays_host(name: str = "arrays-h200.json") -> str:
+    d = _load(name)
     versions = ", ".join(f"{k} {v}" for k, v in d["host"]["versions"].items())
-    return (f"`bench/results/arrays-h200.json`: {d['host']['device']}, commit {_commit(d)}, {d['date'][:10]}, "
-            f"{d['runs']} runs; native: {d['native']}; ours: {d['ours']}. Versions: {versions}.\n")
+    return (f"`bench/results/{name}`: {d['host']['device']}, commit {_commit(d)}, {d['date'][:10]}, "
+            f"{d['runs']} runs of {', '.join(d['parts'])}; native: {d['native']}; ours: {d['ours']}. "
+            f"Versions: {versions}.\n")
+
 
 
 def _array_api_table() -> str:
@@ -326,6 +332,7 @@ GENERATED: dict[str, Callable[[], str]] = {
     "bench-cold-start-table": _cold_start_table,
     "bench-arrays-ops-table": _arrays_ops_table,
     "bench-arrays-host": _arrays_host,
+    "bench-arrays-ops-host": lambda: _arrays_host(_ARRAYS_OPS),
     "bench-arrays-table": _arrays_table,
     "bench-array-api-table": _array_api_table,
     "reliability-fuzz-summary": _fuzz_summary,
