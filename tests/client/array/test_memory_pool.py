@@ -63,3 +63,18 @@ def test_a_buffer_larger_than_the_pool_is_freed_not_pooled(xp: Any) -> None:
     assert gpu.allocations == 6 and gpu.frees == 4  # each result freed once it died and the next was made
     memory.allocate(16 * KiB)  # collects the last two
     assert gpu.allocations == 7 and gpu.frees == 6
+
+
+def test_two_large_results_stay_pooled_while_a_loop_of_small_ones_runs(xp: Any) -> None:
+    # bench arrays' order: 50 calls of x * x on 8192 x 4096 float32 (two 128 MiB results alive at a time), then a
+    # row sum's 32 KiB results. A pool of 256 MiB freed a 128 MiB buffer at the row sum's first result, inside its
+    # timed loop (a cudaFree: ~0.4 ms on an H200). Without a tight quota the pool keeps them.
+    gpu = CountingGpu(xp._ctx.gpu)
+    memory = Memory(gpu, memory_quota=None)
+    _loop(memory, 128 * 1024 * KiB + 256, 3)
+    _loop(memory, 32 * KiB, 50)
+    assert gpu.frees == 0
+    _loop(memory, 128 * 1024 * KiB + 256, 3)
+    assert gpu.frees == 0 and gpu.allocations == 4  # both large buffers reused, then the two small ones
+    memory.release()
+    assert gpu.frees == gpu.allocations
