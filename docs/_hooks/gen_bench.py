@@ -197,8 +197,8 @@ def _cold_start_table() -> str:
     return _table(["cold first session p50", *[f"run {i + 1}" for i in range(d["runs"])], "median (spread)"], rows)
 
 
-# The operations, softmax and stencil: a later run (``--only``) than the workloads' file.
-_ARRAYS_OPS = "arrays-h200-ops.json"
+# The operations, softmax and stencil: the same run as the workloads (a later ``--only`` run may take its place).
+_ARRAYS_OPS = "arrays-h200.json"
 
 
 def _arrays_table() -> str:
