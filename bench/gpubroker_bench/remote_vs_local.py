@@ -288,7 +288,9 @@ def _leaves(tree: Any) -> Iterator[float]:
 
 
 def _targets(remote: dict[str, Any], ratios: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets (for CUDA on an H200), each with the medians it was judged on."""
+    """The targets (issue 25's, for CUDA on an H100 or H200; issue 13's where issue 25 sets none: large kernels,
+    numpy copies, the vsock stand-in's round trip, the client's CPU per launch), each with the medians it was
+    judged on."""
     def med(tree: dict[str, Any], key: str) -> float:
         return float(tree[key]["median"])
 
@@ -296,19 +298,19 @@ def _targets(remote: dict[str, Any], ratios: dict[str, Any]) -> dict[str, Any]:
         return {"target": text, "values": values, "met": met}
 
     sync, sync_async = med(remote, "launch_sync_p50_us"), med(remote, "launch_sync_async_p50_us")
-    r_sync, r_async = med(ratios, "launch_sync_p50"), med(ratios, "launch_sync_async_p50")
     tcp, vsock = remote["tcp_tls"], remote["vsock_standin"]
     out = {
         "same_host_launch_sync": target(
-            "p50 <= 25 us and <= 2.5x native, with and without async_commands",
-            {"p50_us": sync, "async_p50_us": sync_async, "ratio": r_sync, "async_ratio": r_async},
-            max(sync, sync_async) <= 25 and max(r_sync, r_async) <= 2.5),
+            "p50 <= 25 us, and <= 20 us with async_commands",
+            {"p50_us": sync, "async_p50_us": sync_async, "ratio": med(ratios, "launch_sync_p50"),
+             "async_ratio": med(ratios, "launch_sync_async_p50")},
+            sync <= 25 and sync_async <= 20),
         "async_launches": target(
-            ">= 0.8x native's rate; client CPU per queued launch <= 3 us",
+            ">= 0.9x native's rate; client CPU per queued launch <= 3 us",
             {"ratio": med(ratios, "async_launch_rate"), "cpu_us_per_launch": med(remote, "cpu_us_per_launch")},
-            med(ratios, "async_launch_rate") >= 0.8 and med(remote, "cpu_us_per_launch") <= 3),
-        "dependent_small_kernels": target("<= 1.25x native", {"ratio": med(ratios, "dependent_small_kernels_time")},
-                                          med(ratios, "dependent_small_kernels_time") <= 1.25),
+            med(ratios, "async_launch_rate") >= 0.9 and med(remote, "cpu_us_per_launch") <= 3),
+        "dependent_small_kernels": target("<= 1.2x native", {"ratio": med(ratios, "dependent_small_kernels_time")},
+                                          med(ratios, "dependent_small_kernels_time") <= 1.2),
         "large_kernels": target("<= 1.03x native", {"ratio": med(ratios, "large_kernels_time")},
                                 med(ratios, "large_kernels_time") <= 1.03),
         "host_array_copies": target(">= 0.95x pinned native, every size and direction",
@@ -318,11 +320,11 @@ def _targets(remote: dict[str, Any], ratios: dict[str, Any]) -> dict[str, Any]:
                                {"worst_ratio": min(_leaves(ratios["numpy_vs_pageable"]))},
                                min(_leaves(ratios["numpy_vs_pageable"])) >= 1.0),
     }
-    for name, figures in (("tcp_tls", tcp), ("vsock_standin", vsock)):
+    for name, figures, bound in (("tcp_tls", tcp, 100), ("vsock_standin", vsock, 150)):
         worst = min(_leaves(figures["copies"]))
         p50 = max(med(figures, "launch_sync_p50_us"), med(figures, "launch_sync_async_p50_us"))
-        out[name] = target("launch + sync p50 <= 150 us (with and without async_commands); copies >= 3 GB/s",
-                           {"worst_p50_us": p50, "worst_copy_gbps": worst}, p50 <= 150 and worst >= 3)
+        out[name] = target(f"launch + sync p50 <= {bound} us (with and without async_commands); copies >= 3 GB/s "
+                           "each way", {"worst_p50_us": p50, "worst_copy_gbps": worst}, p50 <= bound and worst >= 3)
     return out
 
 
