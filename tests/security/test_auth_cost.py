@@ -167,14 +167,17 @@ def test_a_wrong_secret_flood_leaves_another_tenants_calls_as_fast(broker: Broke
         calls = {"grpc": lambda: by_grpc.memset(grpc_buf, 1), "fast": lambda: by_fast.memset(fast_buf, 1)}
         for call in calls.values():
             _median_seconds(call, 20)  # warm
-        quiet = {name: _median_seconds(call, 150) for name, call in calls.items()}
+        quiet = {name: min(_median_seconds(call, 150) for _ in range(3)) for name, call in calls.items()}
         threads = [threading.Thread(target=grpc_flood if i % 2 else fast_flood, daemon=True) for i in range(8)]
         for thread in threads:
             thread.start()
         try:
             # The flood at full strength: each sender's failures already cost it a growing delay.
             wait_for(lambda: len(failures) >= 32, 60, "the flood to get going")
-            flooded = {name: _median_seconds(call, 150) for name, call in calls.items()}
+            # The best of three medians, as without the flood: a front the flood slowed is slow in all three, while
+            # the flood's own threads, in this process and on CI's 2 busy cores, now and then take one sample's CPU
+            # (a fast-path p50 of 105 -> 233 us once, from single medians).
+            flooded = {name: min(_median_seconds(call, 150) for _ in range(3)) for name, call in calls.items()}
             sent = len(failures)
         finally:
             stop.set()
