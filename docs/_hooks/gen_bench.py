@@ -201,10 +201,6 @@ def _cold_start_table() -> str:
     return _table(["cold first session p50", *[f"run {i + 1}" for i in range(d["runs"])], "median (spread)"], rows)
 
 
-# The operations, softmax and stencil: the same run as the workloads (a later ``--only`` run may take its place).
-_ARRAYS_OPS = "arrays-h200.json"
-
-
 def _arrays_table() -> str:
     d = _load("arrays-h200.json")
     w = d["workloads"]
@@ -224,7 +220,7 @@ def _arrays_table() -> str:
 
 
 def _arrays_ops_table() -> str:
-    d = _load(_ARRAYS_OPS)
+    d = _load("arrays-h200.json")
     if "ops" not in d["workloads"]:
         return ""
     w = d["workloads"]
@@ -246,7 +242,8 @@ def _arrays_ops_table() -> str:
                   rows, "lrrrl")
 
 
-def _arrays_host(name: str = "arrays-h200.json") -> str:
+def _arrays_host() -> str:
+    name = "arrays-h200.json"
     d = _load(name)
     versions = ", ".join(f"{k} {v}" for k, v in d["host"]["versions"].items())
     return (f"`bench/results/{name}`: {d['host']['device']}, commit {_commit(d)}, {d['date'][:10]}, "
@@ -337,7 +334,6 @@ GENERATED: dict[str, Callable[[], str]] = {
     "bench-cold-start-table": _cold_start_table,
     "bench-arrays-ops-table": _arrays_ops_table,
     "bench-arrays-host": _arrays_host,
-    "bench-arrays-ops-host": lambda: _arrays_host(_ARRAYS_OPS),
     "bench-arrays-table": _arrays_table,
     "bench-array-api-table": _array_api_table,
     "reliability-fuzz-summary": _fuzz_summary,
