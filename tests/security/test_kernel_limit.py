@@ -82,9 +82,16 @@ def test_an_endless_kernel_is_killed_while_another_tenant_waits_but_a_lone_one_r
         while seconds < 0.1:
             n *= 3
             seconds, _ = _spin(alice, kernel, flag, out, n)
-        target = int(n * 2.5 / seconds)
-        seconds, done = _spin(alice, kernel, flag, out, target)
-        assert done == target and seconds > 1.5 * LIMIT, (seconds, done, target)
+        # A short calibration misjudges a busy host's speed (once 2.5 s came out at 1.44 s): a run that ended too
+        # soon to show anything is scaled up and run again; every run must finish its whole count.
+        for _ in range(4):
+            target = int(n * 2.5 / seconds)
+            seconds, done = _spin(alice, kernel, flag, out, target)
+            assert done == target, (seconds, done, target)
+            if seconds > 1.5 * LIMIT:
+                break
+            n = target
+        assert seconds > 1.5 * LIMIT, (seconds, target)
         [pid] = worker_pids(broker, "alice")
 
         # Now an endless one, and bob comes along while it runs.
