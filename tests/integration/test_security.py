@@ -225,13 +225,15 @@ def test_module_size_and_compile_timeout(guarded: BrokerProcess, backend: str) -
         with pytest.raises(ResourceExhausted, match="exceeds the limit"):
             bob.load_module("//" + "x" * (64 * 1024), fmt)
         bob.compile_kernel(samples.source(backend), "empty_kernel")  # still serving
-        # 100,000 unrolled statements; a unique constant defeats the runtime's compile cache.
-        slow = ("#define A(x) x x x x x x x x x x\n#define B(x) A(A(x))\n#define C(x) B(B(x))\n"
+        # 300,000 unrolled statements (PoCL builds them in ~12 s on an idle 2-core host; a third of that took 4.5 s,
+        # too close to the 4 s limit); a unique constant defeats the runtime's compile cache.
+        slow = ("#define A(x) x x x x x x x x x x\n#define B(x) A(A(x))\n#define C(x) B(B(x))\n#define D(x) x x x\n"
                 f"#define SALT {uuid.uuid4().int % 1000003}.0f\n")
+        body = "{ float v = p[0]; C(A(D(v = v * SALT + 0.5f;))) p[0] = v; }"
         if backend == "cuda":
-            slow += 'extern "C" __global__ void slow(float* p) { float v = p[0]; C(A(v = v * SALT + 0.5f;)) p[0] = v; }'
+            slow += 'extern "C" __global__ void slow(float* p) ' + body
         else:
-            slow += "__kernel void slow(__global float* p) { float v = p[0]; C(A(v = v * SALT + 0.5f;)) p[0] = v; }"
+            slow += "__kernel void slow(__global float* p) " + body
         t0 = time.monotonic()
         with pytest.raises(DeadlineExceeded, match="longer than"):
             bob.compile_kernel(slow, "slow")
