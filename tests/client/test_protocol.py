@@ -131,6 +131,35 @@ def test_an_ack_for_the_front_decodes_only_what_the_last_command_returns() -> No
         p.decode_ack_for(p.encode(p.Ack(1, 1, None, "b_forged")), p.Batch(1, 0, [p.Allocate("b1", 8)]))
 
 
+def test_a_chunks_bytes_are_decoded_as_a_view_of_the_frame_not_copied() -> None:
+    """A Write's bytes in the worker, and a Read's in the client, are views of the frame they came in."""
+    frame = bytearray(p.encode(p.Batch(1, 0, [p.Write(("b1", 0), 0, bytes(range(256)) * 4096)])))
+    data = p.decode_batch(frame).commands[0].data
+    assert type(data) is memoryview and data.obj is frame and data == bytes(range(256)) * 4096
+    for result in (bytearray(b"\x07" * 100_000), ["", bytearray(b"\x07" * 100_000)]):
+        frame = bytearray(p.encode(p.Ack(2, 1, None, result)))
+        got = p.decode_read_ack(frame).result
+        view = got if isinstance(got, memoryview) else got[1]
+        assert view.obj is frame and view == b"\x07" * 100_000
+    assert p.decode_read_ack(p.encode(p.Ack(2, 0, None, None))).result is None
+
+
+_BIG, _MIB, _SMALL = bytearray(range(256)) * 256, bytearray(1 << 20), bytearray(100)
+
+
+@pytest.mark.parametrize(("result", "apart"), [
+    (None, None), (b"", None), (_SMALL, None), (_BIG, _BIG), (_MIB, _MIB), (["", _BIG], _BIG),
+    (["lz4", _BIG], _BIG), (["", _SMALL], None), ({"name": "x"}, None), ([1, 2], None),
+], ids=["none", "empty", "small", "large", "1MiB", "raw-pair", "lz4-pair", "small-pair", "dict", "list"])
+def test_an_ack_in_two_parts_is_its_encoding(result: object, apart: bytearray | None) -> None:
+    """What a worker sends with one sendmsg, its head then a large Read's bytes as they are, is the Ack's one
+    encoding: the client decodes it as it decodes any."""
+    ack = p.Ack(9, 3, None, result)
+    head, tail = p.encode_ack_parts(ack)
+    assert head + bytes(tail) == p.encode(ack)
+    assert tail is apart if apart is not None else tail == b""
+
+
 @pytest.mark.parametrize("raw", [
     b"", b"\xc1", msgspec.msgpack.encode([1, 1, [["explode", 1]]]),  # no such command
     msgspec.msgpack.encode([1, 1, [["allocate", "b1", 0]]]),  # size must be > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from gpubroker.client._transports import (
     choose_transport,
     framed_link,
     split_host_port,
+    unix_connector,
 )
 from gpubroker.wire.commands import (
     Ack,
@@ -495,3 +497,16 @@ def test_a_unix_connection_the_broker_closes_gets_no_tls_hint(tmp_path: Any) -> 
     message = refused.value.message
     assert message.startswith("the broker closed the connection: it refuses a connection over its caps"), message
     assert "certificate" not in message
+
+
+def test_a_unix_links_socket_sends_a_whole_copy_chunk_at_once(tmp_path: Path) -> None:
+    """The client's end of a Unix link buffers a copy's 1 MiB chunk (as far as the host's wmem_max lets it), so the
+    worker reads a frame in one recv rather than in pieces of the default ~200 KiB, each a wake-up of its loop."""
+    path = str(tmp_path / "link.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen(1)
+        with unix_connector(path)(1.0) as sock:
+            wmem_max = int(Path("/proc/sys/net/core/wmem_max").read_text())
+            # (Linux doubles what it is given, for its bookkeeping)
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= 2 * min(2 << 20, wmem_max)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import operator
 import secrets
-from typing import Annotated, Any, ClassVar, Final, Generic, Optional
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Final, Generic, Optional
 
 import msgspec
 from typing_extensions import TypeVar
@@ -43,6 +43,7 @@ __all__ = [
     "Batch",
     "BufferArg",
     "BufRef",
+    "Bytes",
     "CODECS",
     "Command",
     "CommandError",
@@ -78,8 +79,10 @@ __all__ = [
     "commands",
     "decode_ack",
     "decode_ack_for",
+    "decode_read_ack",
     "decode_batch",
     "encode",
+    "encode_ack_parts",
     "link_commands",
     "new_handle",
     "outline_batch",
@@ -96,6 +99,12 @@ Handle = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HANDLE)]
 OptionalStream = Annotated[str, msgspec.Meta(max_length=MAX_HANDLE)]  # "" is the default stream
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Codec = Annotated[str, msgspec.Meta(max_length=16)]
+if TYPE_CHECKING:
+    Bytes = bytes | bytearray | memoryview
+else:
+    # A copy chunk's bytes: any bytes-like value encodes as they are, and a receiver decodes a view of the frame
+    # it read (msgspec's memoryview: no copy of the chunk before it goes to the device).
+    Bytes = memoryview
 # Codecs a link may negotiate for its bulk bytes (Write data, Read results): lz4 blocks, for slow links.
 CODECS: Final = ("lz4",)
 Dims = Annotated[tuple[int, ...], msgspec.Meta(min_length=1, max_length=3)]
@@ -341,7 +350,7 @@ class Write(Command, tag="write", frozen=True):
     front_skips = ("data",)
     buf: BufRef
     offset: NonNegative
-    data: bytes
+    data: Bytes
     stream: OptionalStream = ""
     # "lz4": ``data`` is an lz4 block (no stored size) that decompresses to exactly ``size`` bytes (slow links
     # only: a link that negotiated lz4); "" : ``data`` is the bytes as they are and ``size`` is unused.
@@ -513,6 +522,32 @@ class Ack(_Struct, Generic[R], frozen=True):
 
 encode = encoding.encode  # Batch, Ack, or any message of gpubroker/wire -> bytes: the one encoding (wire/encoding.py)
 
+# A result at least this large is sent beside its Ack's head rather than copied into it (``encode_ack_parts``).
+_RESULT_APART = 64 * 1024
+_EMPTY_BIN: Final = b"\xc4\x00"  # msgpack's bin 8 of no bytes
+_BIN32: Final = b"\xc6"  # msgpack's bin 32 tag (a 4-byte big-endian length follows)
+
+
+def encode_ack_parts(ack: Ack) -> tuple[bytes, Bytes]:
+    """``encode(ack)`` as two parts whose concatenation it is: a head, and the result's bytes as they are where
+    they are large (a Read's, raw or as ``[codec, bytes]``), else ``b""``. A sender that writes both with one
+    ``sendmsg`` then never copies a chunk into its answer. An Ack is an array whose last element is its result (so
+    are the bytes of a ``[codec, bytes]``): encoded with empty bytes in their place it ends in that empty bin,
+    which is replaced by the header of theirs."""
+    result = ack.result
+    placeholder: bytes | list[Any]
+    if type(result) is bytearray:
+        data, placeholder = result, b""
+    elif type(result) is list and len(result) == 2 and type(result[1]) is bytearray:
+        data, placeholder = result[1], [result[0], b""]
+    else:
+        return encode(ack), b""
+    if not _RESULT_APART <= len(data) < 1 << 32:
+        return encode(ack), b""
+    head = encode(msgspec.structs.replace(ack, result=placeholder))
+    assert head.endswith(_EMPTY_BIN)
+    return head[:-len(_EMPTY_BIN)] + _BIN32 + len(data).to_bytes(4, "big"), data
+
 
 def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
     """A batch from the wire; msgspec.ValidationError / DecodeError (both msgspec.DecodeError) if malformed."""
@@ -582,6 +617,20 @@ def decode_ack(data: bytes | bytearray | memoryview) -> Ack:
     """An Ack from a sender the receiver trusts (a client reading its broker): its result as it comes."""
     try:
         return _ack_decoder(None).decode(data)
+    except UnicodeDecodeError as exc:
+        raise msgspec.DecodeError(f"malformed string: {exc}") from None
+
+
+# (decode_read_ack: raw bytes, or ``[codec, bytes]`` where the Read named a codec)
+_read_ack_decoder: Final = msgspec.msgpack.Decoder(Ack[Optional[memoryview | tuple[str, memoryview]]])  # noqa: UP045
+
+
+def decode_read_ack(data: bytes | bytearray | memoryview) -> Ack:
+    """``decode_ack`` for an Ack to a batch that ends in a Read: its bytes a view of ``data`` (msgspec's
+    memoryview: a chunk is not copied before it goes where the caller wants it), as they are or, where the Read
+    named a codec, in a ``(codec, bytes)`` tuple."""
+    try:
+        return _read_ack_decoder.decode(data)
     except UnicodeDecodeError as exc:
         raise msgspec.DecodeError(f"malformed string: {exc}") from None
 

@@ -37,6 +37,7 @@ from gpubroker.wire.commands import (
     Allocate,
     Batch,
     BufferArg,
+    Bytes,
     Command,
     CommandError,
     CopyD2D,
@@ -140,7 +141,7 @@ def _scalar(dtype: str, raw: bytes) -> np.generic:
 _RAW_READS = 15
 
 
-def _lz4_block_exact(block: bytes, size: int) -> bytes:
+def _lz4_block_exact(block: Bytes, size: int) -> bytes:
     """``block`` decompressed, which must be exactly ``size`` bytes: lz4 writes no more than ``size`` (a bomb is
     refused, not inflated), and a block that holds fewer is a lie; both INVALID_ARGUMENT."""
     if size == 0:
@@ -395,7 +396,7 @@ class Executor:
     @handles(Write)
     def _write(self, objs: SessionObjects, cmd: Write) -> None:
         view = objs.view(*cmd.buf)
-        data: bytes = cmd.data
+        data: Bytes = cmd.data  # (a view of the frame it came in: no copy)
         if cmd.codec:
             if cmd.codec not in CODECS:
                 raise InvalidArgument(f"unknown codec {cmd.codec!r}; this worker knows {list(CODECS)}")

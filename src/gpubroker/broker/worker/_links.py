@@ -46,7 +46,7 @@ import msgspec
 from gpubroker.broker.worker._executor import Executor, Paused
 from gpubroker.broker.worker._pacing import Pacer
 from gpubroker.broker.worker._ring import RingBroken, RingClosed, WorkerRing
-from gpubroker.wire.commands import CODECS, Ack, Batch, CommandError, decode_batch, encode
+from gpubroker.wire.commands import CODECS, Ack, Batch, Bytes, CommandError, decode_batch, encode, encode_ack_parts
 from gpubroker.wire.errors import InvalidArgument, ResourceExhausted
 from gpubroker.wire.frames import FRAME_HEADER, FrameDecoder
 from gpubroker.wire.link import LINK_VERSION, LinkAccepted, accepted
@@ -409,13 +409,17 @@ class Links:
                 return payload
             # Else the rest of the header or payload: most likely not there yet (the next read says so).
 
-    def _send(self, link: _Link, payload: bytes) -> bool:
-        """Queue one frame on the link's outbox and send what its socket takes now; False when the link must be
-        dropped (its socket failed, or its outbox outgrew its bound: the client does not read its acks)."""
+    def _send(self, link: _Link, payload: bytes, tail: Bytes = b"") -> bool:
+        """Queue one frame (``payload``, then ``tail``) on the link's outbox and send what its socket takes now;
+        False when the link must be dropped (its socket failed, or its outbox outgrew its bound: the client does
+        not read its acks)."""
         was_empty = not link.outbox
-        link.outbox.append(memoryview(FRAME_HEADER.pack(len(payload))))
+        size = len(payload) + len(tail)
+        link.outbox.append(memoryview(FRAME_HEADER.pack(size)))
         link.outbox.append(memoryview(payload))
-        link.queued += FRAME_HEADER.size + len(payload)
+        if tail:
+            link.outbox.append(memoryview(tail))
+        link.queued += FRAME_HEADER.size + size
         if was_empty and not self._flush(link):
             return False
         if link.queued > _OUTBOX_FRAMES * self.max_frame:
@@ -610,23 +614,23 @@ class Links:
         # (a ring's Read results stay raw: nothing to gain from compressing through memory)
         outcome = self._executor.run_link(link.session, batch, "" if link.ring is not None else link.codec, resume,
                                           self._pacer)
-        if type(outcome) is Paused:
+        if isinstance(outcome, Paused):
             link.waiting += 1  # (its link's end waits for its answer, as for a queued batch)
             self._paused = _PausedBatch(link, batch, outcome)
             return False
-        payload = encode(outcome)
         if link.ring is None:
-            self._answer_link(link, payload)
+            self._answer_link(link, *encode_ack_parts(outcome))  # (a Read's bytes sent as they are, not copied)
             return True
         try:
-            link.ring.answer(payload)
+            link.ring.answer(encode(outcome))
         except RingBroken as exc:
             self._end_ring(link, _ended(exc))
         return True
 
-    def _answer_link(self, link: _Link, payload: bytes) -> None:
-        """Send one answer on a link's socket; drop the link after its last answer or a failed send."""
-        if not self._send(link, payload):
+    def _answer_link(self, link: _Link, payload: bytes, tail: Bytes = b"") -> None:
+        """Send one answer (``payload`` then ``tail``: one frame) on a link's socket; drop the link after its last
+        answer or a failed send."""
+        if not self._send(link, payload, tail):
             self._drop(link.fd)
         elif link.ended and not link.waiting:
             self._finish(link)

@@ -26,6 +26,7 @@ from gpubroker.wire.commands import (
     Read,
     Write,
     decode_ack,
+    decode_read_ack,
     encode,
 )
 from gpubroker.wire.errors import (
@@ -198,8 +199,8 @@ def read_into(out: memoryview, start: int, size: int, codec: str = "") -> Callab
     """Where a Read's bytes go, once they are checked to be exactly the bytes asked for. With ``codec`` (asked of
     the worker), the result is ``[codec, data]``: "" for raw bytes, or the codec, decompressed to exactly ``size``."""
     def put(data: Any) -> None:
-        if codec and type(data) is list and len(data) == 2 and data[0] in ("", codec) \
-                and isinstance(data[1], (bytes, bytearray)):
+        if codec and type(data) in (list, tuple) and len(data) == 2 and data[0] in ("", codec) \
+                and isinstance(data[1], (bytes, bytearray, memoryview)):
             if data[0]:
                 try:
                     data = lz4.block.decompress(data[1], uncompressed_size=size) if size else b""
@@ -208,8 +209,8 @@ def read_into(out: memoryview, start: int, size: int, codec: str = "") -> Callab
                                          f"{exc}") from None
             else:
                 data = data[1]
-        if not isinstance(data, (bytes, bytearray)) or len(data) != size:
-            got = len(data) if isinstance(data, (bytes, bytearray)) else type(data).__name__
+        if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) != size:
+            got = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else type(data).__name__
             raise GpuBrokerError(f"the broker answered a read of {size} bytes with {got}")
         out[start:start + size] = data
     return put
@@ -578,12 +579,14 @@ class BatchingTransport:
 
     def _take_ack(self, payload: bytes | bytearray) -> None:
         self._last = time.monotonic()
-        try:
-            ack = decode_ack(payload)
-        except msgspec.DecodeError as exc:
-            self._lose(f"a malformed acknowledgement ({exc})", self._unacked[0].call_seq)
-            return
         sent = self._unacked[0]
+        last = sent.commands[-1] if sent.commands else None
+        try:
+            # (a raw Read's bytes as a view of the payload: copied once, where they go)
+            ack = decode_read_ack(payload) if type(last) is Read else decode_ack(payload)
+        except msgspec.DecodeError as exc:
+            self._lose(f"a malformed acknowledgement ({exc})", sent.call_seq)
+            return
         if ack.id == 0 and ack.error is not None:  # the worker refused a frame of ours, then closed the link
             self._keep(command_error(ack.error, own=False), sent.call_seq)
             self._drop()
