@@ -510,3 +510,31 @@ def test_a_unix_links_socket_sends_a_whole_copy_chunk_at_once(tmp_path: Path) ->
             wmem_max = int(Path("/proc/sys/net/core/wmem_max").read_text())
             # (Linux doubles what it is given, for its bookkeeping)
             assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= 2 * min(2 << 20, wmem_max)
+
+
+def test_a_reads_bytes_land_only_when_they_are_what_was_asked_for() -> None:
+    """``read_into`` takes what ``decode_read_ack`` gives: raw bytes, or ``(codec, bytes)`` where a codec was asked;
+    anything else, or another byte count, is the broker's error, and nothing lands."""
+    import lz4.block
+
+    from gpubroker.client import GpuBrokerError
+    from gpubroker.wire.commands import decode_read_ack
+
+    def result(value: object) -> Any:
+        return decode_read_ack(encode(Ack(1, 1, None, value))).result
+
+    data = bytes(range(200)) * 5
+    out = bytearray(1000)
+    _core.read_into(memoryview(out), 0, 1000)(result(bytearray(data)))
+    assert out == data
+    for codec_result in (["", bytearray(data)], ["lz4", lz4.block.compress(data, store_size=False)]):
+        out = bytearray(1000)
+        _core.read_into(memoryview(out), 0, 1000, "lz4")(result(codec_result))
+        assert out == data
+    out = bytearray(1000)
+    for bad, codec, message in ((bytearray(999), "", "with 999"), (["", bytearray(data)], "", "with tuple"),
+                                (["lz4", b"\xff" * 64], "lz4", "bad lz4 block"),
+                                (["zstd", bytearray(data)], "lz4", "with tuple")):
+        with pytest.raises(GpuBrokerError, match=message):
+            _core.read_into(memoryview(out), 0, 1000, codec)(result(bad))
+    assert out == bytearray(1000)

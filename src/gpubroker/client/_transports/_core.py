@@ -196,11 +196,11 @@ class Stripes:
 
 
 def read_into(out: memoryview, start: int, size: int, codec: str = "") -> Callable[[Any], None]:
-    """Where a Read's bytes go, once they are checked to be exactly the bytes asked for. With ``codec`` (asked of
-    the worker), the result is ``[codec, data]``: "" for raw bytes, or the codec, decompressed to exactly ``size``."""
+    """Where a Read's bytes go, once they are checked to be exactly the bytes asked for. The result is as
+    ``decode_read_ack`` gives it: a view of the bytes or, with ``codec`` (asked of the worker), a ``(codec, view)``
+    tuple: "" for raw bytes, or the codec, decompressed to exactly ``size``."""
     def put(data: Any) -> None:
-        if codec and type(data) in (list, tuple) and len(data) == 2 and data[0] in ("", codec) \
-                and isinstance(data[1], (bytes, bytearray, memoryview)):
+        if codec and type(data) is tuple and data[0] in ("", codec):
             if data[0]:
                 try:
                     data = lz4.block.decompress(data[1], uncompressed_size=size) if size else b""
@@ -209,8 +209,8 @@ def read_into(out: memoryview, start: int, size: int, codec: str = "") -> Callab
                                          f"{exc}") from None
             else:
                 data = data[1]
-        if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) != size:
-            got = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else type(data).__name__
+        if not isinstance(data, (bytes, memoryview)) or len(data) != size:  # (bytes: decompressed)
+            got = len(data) if isinstance(data, (bytes, memoryview)) else type(data).__name__
             raise GpuBrokerError(f"the broker answered a read of {size} bytes with {got}")
         out[start:start + size] = data
     return put
