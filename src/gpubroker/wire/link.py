@@ -38,6 +38,7 @@ from gpubroker.wire.errors import GpuBrokerError, WireError, error_from_wire
 from gpubroker.wire.ring import MAX_RING_WINDOW, MAX_SPIN_US
 
 __all__ = [
+    "LINK_SEND_BUFFER",
     "LINK_SUFFIX",
     "LINK_VERSION",
     "MAX_CODECS",
@@ -68,6 +69,10 @@ SEGMENTS_VERSION: Final = 1  # the hello's ``segments``: the requests below
 # The Unix socket beside each ``unix:PATH`` listener that takes links (and segment registrations): ``PATH.fast``.
 LINK_SUFFIX: Final = ".fast"
 MAX_CODECS: Final = 16  # codecs a hello may offer
+# What each end of a link (and of the front's socketpair behind a TCP link) may have on its way to the other: a
+# copy's 1 MiB chunk and more, so the reader takes a frame in one recv and one wake-up, not in pieces of the
+# default buffer (~200 KiB). The kernel caps it at wmem_max.
+LINK_SEND_BUFFER: Final = 2 << 20
 # A segment request is a handle and a size: a few dozen bytes. Larger is a bug or a hostile peer.
 MAX_SEGMENT_FRAME: Final = 64 * 1024
 

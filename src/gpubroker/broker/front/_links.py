@@ -64,7 +64,7 @@ from gpubroker.broker.front._handed import HandedLinks
 from gpubroker.broker.front._preauth import PreAuthGate, Ticket, refuse_and_delay, refuse_malformed
 from gpubroker.broker.front._segments import FdStream, SegmentService
 from gpubroker.broker.front._sessions import LINK_ENVELOPE, Session
-from gpubroker.broker.front._tcp_relay import PAIR_BUFFER, HandshakeFailed, HelloCutShort, TcpRelay
+from gpubroker.broker.front._tcp_relay import HandshakeFailed, HelloCutShort, TcpRelay
 from gpubroker.broker.front.auth import (
     Credentials,
     Principal,
@@ -87,6 +87,7 @@ from gpubroker.wire.errors import (
 )
 from gpubroker.wire.frames import FRAME_HEADER, FrameTooLarge, frame_length
 from gpubroker.wire.link import (
+    LINK_SEND_BUFFER,
     LINK_VERSION,
     SEGMENTS_VERSION,
     Hello,
@@ -229,7 +230,7 @@ class LinkServer:
             _refuse_rights(conn)
             # A copy's chunk or more in flight towards the client: the worker's reads go out in one send each,
             # not in pieces of the default buffer, each a wake-up of the worker's loop (as the TCP relay's pair).
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PAIR_BUFFER)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LINK_SEND_BUFFER)
             ring = None
             if hello.ring is not None:
                 if conn.family == socket.AF_UNIX:
@@ -330,7 +331,7 @@ class LinkServer:
             ours: socket.socket | None
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             for end in (ours, theirs):  # a copy's chunk or more in flight each way: fewer wake-ups per byte
-                end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PAIR_BUFFER)
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LINK_SEND_BUFFER)
             _refuse_rights(theirs)  # (only the relay writes to it; refused all the same, as on every link)
             try:
                 release = await self._hand_over(session, principal, theirs.fileno(), send, list(hello.compress))

@@ -19,7 +19,7 @@ from typing import Any
 
 from gpubroker.wire.frames import FRAME_HEADER, FrameDecoder, FrameTooLarge
 
-__all__ = ["PAIR_BUFFER", "HandshakeFailed", "HelloCutShort", "TcpRelay"]
+__all__ = ["HandshakeFailed", "HelloCutShort", "TcpRelay"]
 
 
 class HandshakeFailed(Exception):
@@ -191,8 +191,6 @@ _VERDICT_WAIT = 120.0
 # client's frames in the front at a time (the rest waits in the sockets).
 _RELAY_PIECE = 512 * 1024
 _IN, _OUT = select.POLLIN, select.POLLOUT
-# What each end of a TCP link's socketpair may have on its way to the other (the kernel caps it at wmem_max).
-PAIR_BUFFER = 2 << 20
 # A TLS record's most plaintext. A client streaming a large frame sends full records, and its frame's last
 # record is short: while full ones come, the relay gathers up to _GATHER bytes before it writes them to the
 # worker, so neither it nor the worker wakes for every 16 KiB; a short record (a small batch, a frame's end) goes

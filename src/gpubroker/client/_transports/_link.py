@@ -35,6 +35,7 @@ from gpubroker.wire.frames import (
     send_payload,
 )
 from gpubroker.wire.link import (
+    LINK_SEND_BUFFER,
     LINK_VERSION,
     Hello,
     LinkAccepted,
@@ -54,7 +55,6 @@ VMADDR_CID_HOST: Final = 2  # a VM guest reaches its host at this vsock CID
 _RDHUP = getattr(select, "POLLRDHUP", 0x2000)  # the peer shut its end (Linux)
 _JOIN_MAX = 64 * 1024
 _RECORD = 16 * 1024  # a TLS record's most plaintext
-_UNIX_SEND_BUFFER = 2 << 20  # a Unix link's send buffer (the worker's end has the front's PAIR_BUFFER)
 
 # A connected socket within ``timeout`` seconds (OSError if not).
 Connector = Callable[[float | None], socket.socket]
@@ -76,10 +76,8 @@ def unix_connector(path: str) -> Connector:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)
-            # A copy's chunk in flight at once: the worker then reads each frame in one recv and one wake-up,
-            # not in pieces of the default buffer (~200 KiB) each waking its loop. The front gives the worker's
-            # end as much towards us. (The kernel caps it at wmem_max.)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _UNIX_SEND_BUFFER)
+            # (the front gives the worker's end as much towards us)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LINK_SEND_BUFFER)
             sock.connect(path)
         except BaseException:
             sock.close()
