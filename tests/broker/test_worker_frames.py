@@ -55,11 +55,11 @@ def test_decoder_takes_any_split_and_never_reads_past_a_frame() -> None:
     payloads = [b"", b"x", bytes(range(256)) * 3, b"yz"]
     stream = b"".join(FRAME_HEADER.pack(len(p)) + p for p in payloads)
     for step in (1, 3, 5, len(stream)):
-        frames = FrameDecoder(1024)
+        frames = FrameDecoder(1024, bytearray)
         got = [bytes(p) for k in range(0, len(stream), step) for p in frames.feed(stream[k:k + step])]
         assert got == payloads
         assert not frames.reading and frames.cut_short() is None
-    frames = FrameDecoder(1024)
+    frames = FrameDecoder(1024, bytearray)
     assert len(frames.buffer()) == FRAME_HEADER.size
     assert frames.advance(0) is None
     frames.buffer()[:2] = FRAME_HEADER.pack(10)[:2]
@@ -77,7 +77,7 @@ def test_decoder_takes_any_split_and_never_reads_past_a_frame() -> None:
 
 
 def test_decoder_refuses_a_header_over_its_bound_before_its_payload() -> None:
-    frames = FrameDecoder(8)
+    frames = FrameDecoder(8, bytearray)
     with pytest.raises(FrameTooLarge, match="frame of 9 bytes exceeds 8") as caught:
         list(frames.feed(FRAME_HEADER.pack(4) + b"okok" + FRAME_HEADER.pack(9)))
     assert (caught.value.length, caught.value.limit) == (9, 8)
@@ -86,7 +86,7 @@ def test_decoder_refuses_a_header_over_its_bound_before_its_payload() -> None:
         frame_length(FRAME_HEADER.pack(9), 8)
     assert frame_length(FRAME_HEADER.pack(8), 8) == 8
     # feed yields the frames before a refused header first
-    frames = FrameDecoder(8)
+    frames = FrameDecoder(8, bytearray)
     feed = frames.feed(FRAME_HEADER.pack(2) + b"ok" + FRAME_HEADER.pack(9))
     assert bytes(next(feed)) == b"ok"
     with pytest.raises(FrameTooLarge):

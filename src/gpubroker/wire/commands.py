@@ -526,6 +526,9 @@ encode = encoding.encode  # Batch, Ack, or any message of gpubroker/wire -> byte
 _RESULT_APART = 64 * 1024
 _EMPTY_BIN: Final = b"\xc4\x00"  # msgpack's bin 8 of no bytes
 _BIN32: Final = b"\xc6"  # msgpack's bin 32 tag (a 4-byte big-endian length follows)
+# A Read's result as the worker makes it: plain bytes, or a flat byte view (format "B": its len is its bytes) of
+# a page-locked buffer, which msgspec encodes as bin too.
+_APART_TYPES: Final = (bytearray, memoryview)
 
 
 def encode_ack_parts(ack: Ack) -> tuple[bytes, Bytes]:
@@ -536,9 +539,9 @@ def encode_ack_parts(ack: Ack) -> tuple[bytes, Bytes]:
     which is replaced by the header of theirs."""
     result = ack.result
     placeholder: bytes | list[Any]
-    if type(result) is bytearray:
+    if type(result) in _APART_TYPES:
         data, placeholder = result, b""
-    elif type(result) is list and len(result) == 2 and type(result[1]) is bytearray:
+    elif type(result) is list and len(result) == 2 and type(result[1]) in _APART_TYPES:
         data, placeholder = result[1], [result[0], b""]
     else:
         return encode(ack), b""

@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
 from gpubroker.wire.encoding import encode
 
-__all__ = ["FRAME_HEADER", "MAX_FRAME", "FrameClosed", "FrameDecoder", "FrameRefused", "FrameTooLarge",
+__all__ = ["FRAME_HEADER", "MAX_FRAME", "FrameClosed", "FrameDecoder", "FrameRefused", "FrameTooLarge", "Payload",
            "frame_length", "pack_frame", "read_frame_async", "read_payload_async", "recv_frame", "recv_payload",
            "send_frame", "send_payload", "unpack_frame", "write_frame_async"]
 
@@ -53,9 +53,15 @@ def frame_length(header: bytes | bytearray | memoryview, limit: int) -> int:
     return length
 
 
-class FrameDecoder:
+# A payload as a reader keeps it: plain bytes, or a view of a buffer the reader allocates itself (the worker's
+# link frames land in page-locked memory: backends/_cuda_copies.py's pinned_buffer).
+Payload = TypeVar("Payload", bound=bytearray | memoryview)
+
+
+class FrameDecoder(Generic[Payload]):
     """One stream's frames, decoded incrementally without IO: the reader receives into ``buffer()`` (or has bytes
-    ``feed``-ed) and ``advance`` hands back each payload once whole.
+    ``feed``-ed) and ``advance`` hands back each payload once whole, in a buffer ``allocate`` made for it (of its
+    length: ``bytearray`` for most readers).
 
     ``buffer()`` never reaches past the end of the frame being read, so a reader that fills it reads nothing of
     the next frame: neither its bytes nor the descriptors that may come with them (what follows a link's hello is
@@ -64,14 +70,15 @@ class FrameDecoder:
     nothing), and handed to the caller as is: msgpack and msgspec read any buffer.
     """
 
-    __slots__ = ("_body", "_got", "_head", "_head_view", "limit", "reading")
+    __slots__ = ("_allocate", "_body", "_got", "_head", "_head_view", "limit", "reading")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, allocate: Callable[[int], Payload]) -> None:
         self.limit = limit
+        self._allocate = allocate
         self.reading = False  # a frame is partly received (a stream's end now would cut it short)
         self._head = bytearray(_HEADER.size)
         self._head_view = memoryview(self._head)
-        self._body: bytearray | None = None  # the payload being read, once its header is whole
+        self._body: Payload | None = None  # the payload being read, once its header is whole
         self._got = 0  # bytes of the header, then of the payload, received so far
 
     # (buffer and advance run twice for every frame of a link: plain attributes, the header's view made once)
@@ -81,7 +88,7 @@ class FrameDecoder:
         view = self._head_view if body is None else memoryview(body)
         return view[got:] if got else view
 
-    def advance(self, n: int) -> bytearray | None:
+    def advance(self, n: int) -> Payload | None:
         """``n`` more bytes were put in ``buffer()``: the payload once whole (the caller's from then on), else
         None. FrameTooLarge when a header announces more than ``limit``; the decoder is then between frames."""
         got = self._got + n
@@ -93,16 +100,16 @@ class FrameDecoder:
             self._got, self.reading = 0, False
             length = frame_length(self._head, self.limit)
             if length:
-                self._body, self.reading = bytearray(length), True
+                self._body, self.reading = self._allocate(length), True
                 return None
-            return bytearray()
+            return self._allocate(0)
         if got < len(body):
             self._got = got
             return None
         self._body, self._got, self.reading = None, 0, False
         return body
 
-    def feed(self, data: bytes | bytearray | memoryview) -> Iterator[bytearray]:
+    def feed(self, data: bytes | bytearray | memoryview) -> Iterator[Payload]:
         """Each payload that ``data`` completes, in order (copied out of ``data``), as it completes: a header over
         the bound raises FrameTooLarge where it stands, after the frames before it. Exhaust it."""
         view = memoryview(data)
@@ -115,7 +122,8 @@ class FrameDecoder:
                     raise FrameTooLarge(length, self.limit)
                 end = _HEADER.size + length
                 if len(view) >= end:
-                    whole = bytearray(view[_HEADER.size:end])
+                    whole = self._allocate(length)
+                    whole[:] = view[_HEADER.size:end]
                     view = view[end:]
                     yield whole
                     continue
@@ -185,7 +193,7 @@ def recv_frame(sock: socket.socket) -> Any:
 def recv_payload(sock: socket.socket, limit: int) -> bytearray:
     """One frame's payload, still encoded; FrameTooLarge (before a byte of it is read) if it exceeds ``limit``.
     Reads nothing past the frame's end."""
-    frames = FrameDecoder(limit)
+    frames = FrameDecoder(limit, bytearray)
     while True:
         n = sock.recv_into(frames.buffer())
         if n == 0:

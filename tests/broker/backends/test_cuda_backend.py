@@ -356,3 +356,38 @@ def test_worker_segment_spans_batches_and_ends_when_the_worker_goes_idle(gpu: Cu
     time.sleep(0.05)  # host idle time: not the device's, so not charged
     took = gpu.take_device_time()
     assert 2e-3 < took < 20e-3, took
+
+
+def test_pinned_buffers_are_page_locked_and_come_back_to_their_pool(gpu: CudaBackend) -> None:
+    """A link's chunk lands in page-locked memory (one DMA, no staging copy) from a pool: a block comes back when
+    its last view goes (not before: a frame in an outbox keeps it), free blocks stay within their bound, and small
+    buffers are plain memory."""
+    from gpubroker.broker.backends import _cuda_copies
+
+    assert type(gpu.pinned_buffer(_cuda_copies.PINNED_MIN - 1)) is bytearray
+    size = (1 << 20) + 100  # (a chunk's frame: a little over 1 MiB)
+    view = gpu.pinned_buffer(size)
+    assert isinstance(view, memoryview) and len(view) == size and view.format == "B"
+    address = np.frombuffer(view, np.uint8).ctypes.data
+    attributes = cupy.cuda.runtime.pointerGetAttributes(address)
+    assert attributes.type == cupy.cuda.runtime.memoryTypeHost  # registered with CUDA: page-locked
+
+    data = np.arange(size, dtype=np.uint64).astype(np.uint8)
+    buf = upload(gpu, data)
+    gpu.copy_d2h(buf, view)
+    assert bytes(view) == data.tobytes()
+
+    kept = view[10:20]  # another view of the same block keeps it out of the pool
+    del view
+    other = gpu.pinned_buffer(size)
+    assert np.frombuffer(other, np.uint8).ctypes.data != address
+    del kept
+    again = gpu.pinned_buffer(size)
+    assert np.frombuffer(again, np.uint8).ctypes.data == address  # back in the pool once its last view went
+
+    # Far more than the pool keeps, all given back at once: what it keeps stays within its bound.
+    many = [gpu.pinned_buffer(size) for _ in range(2 * _cuda_copies._PINNED_FREE_MAX // size)]
+    del many, other, again
+    pool = gpu._copies._pinned
+    assert 0 < pool._free_bytes <= _cuda_copies._PINNED_FREE_MAX
+    gpu.free_memory(buf)

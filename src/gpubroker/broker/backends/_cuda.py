@@ -86,6 +86,8 @@ class CudaBackend:
         self.memset = copies.memset
         self.register_host_memory = copies.register_host_memory
         self.unregister_host_memory = copies.unregister_host_memory
+        self.pinned_buffer = copies.pinned_buffer
+        self.copy_registered = copies.copy_registered
         self.compile_kernel = code.compile_kernel
         self.load_module = code.load_module
         self.get_kernel = code.get_kernel

@@ -187,7 +187,7 @@ class FdStream:
         """The next frame's payload and the descriptors that came with it (the caller closes them); None at the
         peer's end between frames, CutShort within one, InvalidArgument for a frame over ``limit`` bytes (before
         a byte of its payload is read)."""
-        frames = FrameDecoder(limit)
+        frames = FrameDecoder(limit, bytearray)
         while True:
             into = frames.buffer()  # (never past the frame's end: the next frame and its descriptors wait)
             part = await self._recv(len(into))

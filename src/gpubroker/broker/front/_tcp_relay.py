@@ -138,7 +138,7 @@ class TcpRelay:
                 raise HandshakeFailed(_handshake_failure(exc)) from None
             self.progressed = True
             cert = self.sock.getpeercert()
-        frames = FrameDecoder(self._limit)  # (never past the hello's end: what follows is the worker's)
+        frames = FrameDecoder(self._limit, bytearray)  # (never past the hello's end: what follows is the worker's)
         got = 0
         while True:
             self.sock.settimeout(left())

@@ -84,7 +84,7 @@ from gpubroker.wire.torch import (
     TorchSeed,
     TorchToBuffer,
 )
-from gpubroker.wire.types import ArrayRef, Kernel, Module, ModuleFormat, Stream
+from gpubroker.wire.types import ArrayRef, Buffer, Kernel, Module, ModuleFormat, Stream
 
 __all__ = ["Done", "Executor", "Handler", "Paused", "handles"]
 
@@ -236,6 +236,13 @@ class Executor:
         # set it from the front's limits.
         self.max_inflate = 1 << 20 | 1 << 16
         self.fatal = False  # a command corrupted the device context: the worker exits after replying
+        # Where a Read's bytes land on their way to the client: page-locked memory where the backend offers it
+        # (CUDA's pinned_buffer: one DMA, no staging copy), else plain.
+        self.host_buffer: Callable[[int], bytearray | memoryview] = getattr(backend, "pinned_buffer", bytearray)
+        # A copy between device memory and host memory the backend page-locked, by its address (CUDA's
+        # copy_registered: a shared-memory segment's copies make no view of the mapping each time), or None.
+        self._copy_registered: Callable[[int, int, Buffer, int, bool, Stream | None], None] | None = getattr(
+            backend, "copy_registered", None)
         # The backend's device-time segments (CUDA: a pair of timing events per stream) stay open while batches
         # keep coming, and end when the worker is about to wait for input (``idle``, from the serve loop): idle
         # host time is never charged, and back-to-back batches put no timing event between their kernels (each
@@ -410,10 +417,10 @@ class Executor:
         self.done.h2d_bytes += len(data)
 
     @handles(Read)
-    def _read(self, objs: SessionObjects, cmd: Read) -> bytearray | list[Any]:
+    def _read(self, objs: SessionObjects, cmd: Read) -> bytearray | memoryview | list[Any]:
         view = objs.view(*cmd.buf)
         check_device_range(view, cmd.offset, cmd.size, "copy_d2h")  # before the host buffer is made for it
-        out = bytearray(cmd.size)  # encoded as bin as it is: no copy to bytes first
+        out = self.host_buffer(cmd.size)  # encoded as bin as it is: no copy to bytes first
         self.backend.copy_d2h(view, out, cmd.offset, objs.stream(cmd.stream))
         self.done.d2h_bytes += cmd.size
         if not cmd.codec or cmd.codec != self._codec:  # not asked, or not negotiated on this path: raw bytes
@@ -431,9 +438,20 @@ class Executor:
 
     @handles(CopyShared)
     def _copy_shared(self, objs: SessionObjects, cmd: CopyShared) -> None:
-        """Between a mapped segment and device memory: the backend reads or writes the mapping directly."""
-        buf, stream = objs.view(*cmd.buf), objs.stream(cmd.stream)
-        with self.segments.view(objs.segment(cmd.segment), cmd.segment_offset, cmd.size) as host:
+        """Between a mapped segment and device memory: the backend reads or writes the mapping directly (by its
+        page-locked address where it has one: no view of the mapping made for each copy)."""
+        buf, stream, seg = objs.view(*cmd.buf), objs.stream(cmd.stream), objs.segment(cmd.segment)
+        copy = self._copy_registered
+        if copy is not None:
+            address = self.segments.address(seg, cmd.segment_offset, cmd.size)
+            if address is not None:
+                copy(address, cmd.size, buf, cmd.offset, cmd.to_device, stream)
+                if cmd.to_device:
+                    self.done.h2d_bytes += cmd.size
+                else:
+                    self.done.d2h_bytes += cmd.size
+                return
+        with self.segments.view(seg, cmd.segment_offset, cmd.size) as host:
             if cmd.to_device:
                 self.backend.copy_h2d(host, buf, cmd.offset, stream)
                 self.done.h2d_bytes += cmd.size

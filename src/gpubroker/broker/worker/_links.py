@@ -97,7 +97,9 @@ class _Link:
     ended: bool = False  # no more frames will be read (the client closed, or a malformed frame): drop once answered
     closing: bool = False  # nothing more to answer: dropped once its outbox is out
     ring: WorkerRing | None = None
-    frames: FrameDecoder = field(default_factory=lambda: FrameDecoder(DEFAULT_MAX_FRAME))  # the frame being read
+    # The frame being read, into a buffer ``Links._frame_buffer`` gives it
+    frames: FrameDecoder[bytearray | memoryview] = field(
+        default_factory=lambda: FrameDecoder(DEFAULT_MAX_FRAME, bytearray))
     started: float = 0.0  # when its first byte came (monotonic)
     # Frames (header and payload apart) the socket has not taken yet, in order, and their bytes.
     outbox: deque[memoryview] = field(default_factory=deque)
@@ -190,7 +192,7 @@ class Links:
         if held is not None and held in self._held:
             raise InvalidArgument(f"a link numbered {held} is already held")
         sock.setblocking(False)
-        link = _Link(sock, session, sock.fileno(), ring=ring, frames=FrameDecoder(self.max_frame))
+        link = _Link(sock, session, sock.fileno(), ring=ring, frames=FrameDecoder(self.max_frame, self._frame_buffer))
         if type(compress) is list:
             link.codec = next((c for c in compress[:16] if type(c) is str and c in CODECS), "")
         if held is not None:
@@ -386,7 +388,16 @@ class Links:
         if link is not None and not self._flush(link):
             self._drop(fd)
 
-    def _receive(self, link: _Link) -> bytearray | None:
+    def _frame_buffer(self, size: int) -> bytearray | memoryview:
+        """Where a link's next frame lands: the executor's host buffer (page-locked on CUDA: a Write's chunk then
+        goes to the device in one DMA, as it is decoded as a view of its frame) while this worker holds the turn and
+        no batch waits, so the frame most likely runs as soon as it is whole and gives its buffer back; plain memory
+        for one that would wait in the queue (which page-locked memory must not grow)."""
+        if self.holding and not self._waiting and self._paused is None:
+            return self._executor.host_buffer(size)
+        return bytearray(size)
+
+    def _receive(self, link: _Link) -> bytearray | memoryview | None:
         """Read what the link's socket holds of its next frame, never waiting for more: the payload once whole,
         else None. FrameClosed at the client's end, FrameTooLarge (before the payload is read) past the max frame.
         A plain recv: it takes no descriptor (nor could a recvmsg here, in a sandbox: sandbox/_seccomp.py)."""

@@ -23,7 +23,9 @@ from gpubroker.wire.commands import (
     BufRef,
     Command,
     CommandError,
+    CopyShared,
     Read,
+    Synchronize,
     Write,
     decode_ack,
     decode_read_ack,
@@ -38,8 +40,8 @@ from gpubroker.wire.errors import (
     error_from_wire,
 )
 
-__all__ = ["ENVELOPE", "BatchingTransport", "Carrier", "Lost", "Stripes", "Transport", "command_error",
-           "read_into"]
+__all__ = ["ENVELOPE", "BatchingTransport", "Carrier", "Landed", "Lost", "ReadInto", "Stripes", "Transport",
+           "command_error", "read_into"]
 
 # What a frame may carry beyond its copy data (the contract's max frame is chunk_bytes + this).
 ENVELOPE: Final = 64 * 1024
@@ -154,10 +156,12 @@ class Carrier(Protocol):
         """One encoded Batch; raise Lost if the connection failed."""
         ...
 
-    def receive(self, timeout: float | None, in_flight: int) -> bytes | bytearray:
+    def receive(self, timeout: float | None, in_flight: int, into: memoryview | None = None) -> bytes | bytearray:
         """The next encoded Ack; raise Lost if the connection failed, TimeoutError after ``timeout``.
         ``in_flight``: the batches unacknowledged, the awaited one included (1: nothing is queued behind it, so
-        the answer may be worth spinning for)."""
+        the answer may be worth spinning for). ``into``: where the bytes go if that Ack answers a raw Read of
+        ``len(into)`` bytes; a carrier that can receive them there straight from its medium may, and then
+        returns the Ack as ``Landed`` (its result empty); any other may ignore it."""
         ...
 
     def arrived(self) -> bytes | bytearray | None:
@@ -195,11 +199,25 @@ class Stripes:
     carrier: Callable[[], Carrier]  # a further connection's carrier, not yet open
 
 
-def read_into(out: memoryview, start: int, size: int, codec: str = "") -> Callable[[Any], None]:
-    """Where a Read's bytes go, once they are checked to be exactly the bytes asked for. The result is as
-    ``decode_read_ack`` gives it: a view of the bytes or, with ``codec`` (asked of the worker), a ``(codec, view)``
-    tuple: "" for raw bytes, or the codec, decompressed to exactly ``size``."""
-    def put(data: Any) -> None:
+class Landed(bytes):
+    """An encoded Ack to a raw Read whose bytes a carrier received straight into where they go (``receive``'s
+    ``into``), encoded with an empty result in their place: its result is delivered already."""
+
+
+class ReadInto:
+    """Where a Read's bytes go (``into``, a part of the caller's memory), once they are checked to be exactly the
+    bytes asked for. The result is as ``decode_read_ack`` gives it: a view of the bytes or, with ``codec`` (asked
+    of the worker), a ``(codec, view)`` tuple: "" for raw bytes, or the codec, decompressed to exactly the size.
+    A carrier may land a raw Read's bytes in ``into`` itself (``Landed``)."""
+
+    __slots__ = ("codec", "into")
+
+    def __init__(self, out: memoryview, start: int, size: int, codec: str = "") -> None:
+        self.into = out[start:start + size]
+        self.codec = codec
+
+    def __call__(self, data: Any) -> None:
+        codec, size = self.codec, len(self.into)
         if codec and type(data) is tuple and data[0] in ("", codec):
             if data[0]:
                 try:
@@ -212,8 +230,12 @@ def read_into(out: memoryview, start: int, size: int, codec: str = "") -> Callab
         if not isinstance(data, (bytes, memoryview)) or len(data) != size:  # (bytes: decompressed)
             got = len(data) if isinstance(data, (bytes, memoryview)) else type(data).__name__
             raise GpuBrokerError(f"the broker answered a read of {size} bytes with {got}")
-        out[start:start + size] = data
-    return put
+        self.into[:] = data
+
+
+def read_into(out: memoryview, start: int, size: int, codec: str = "") -> ReadInto:
+    """Where a Read's bytes go: ``size`` bytes of ``out`` from ``start`` (see ``ReadInto``)."""
+    return ReadInto(out, start, size, codec)
 
 
 def command_error(e: CommandError, own: bool) -> GpuBrokerError:
@@ -264,6 +286,11 @@ class BatchingTransport:
         self._closed = False
         self._last = time.monotonic()
         self._first, self._look = _FIRST_BATCH, _IDLE_LOOK  # (set from the carrier at each open: _opened)
+        # Nothing of this session's is left on the device: a synchronize succeeded, and every command since was a
+        # copy, which waits for itself (its ack comes once its bytes are where they go). A synchronize then has
+        # nothing to wait for and nothing to report, and sends nothing (a copy then a synchronize is one round
+        # trip, as a native synchronous copy is one call). Any other command, a failure or a loss clears it.
+        self._settled = False
 
     # -- what the carrier says -----------------------------------------------------------------
     @property
@@ -293,6 +320,7 @@ class BatchingTransport:
     # -- the caller's side -----------------------------------------------------------------------
     def submit(self, command: Command, on_result: Callable[[Any], None] | None = None) -> int:
         with self._lock:
+            self._settled = False  # (a copy that is done gives it back: copy_in, copy_out, call)
             if on_result is None and type(command) is not Write:  # the hot path: one more queued command
                 self._seq += 1
                 pending = self._pending
@@ -316,6 +344,13 @@ class BatchingTransport:
     def call(self, command: Command, timeout: float | None = None) -> Any:
         box: list[Any] = []
         with self._lock:
+            kind = type(command)
+            if kind is Synchronize and self._settled and not self._pending and not self._unacked \
+                    and self._error is None and not cast(Synchronize, command).stream:
+                # Nothing of this session's on the device, nothing kept to report: nothing to send. (The whole
+                # device's only: one stream's names a handle, which only the worker can say is still good.)
+                return None
+            settled, self._settled = self._settled, False
             self._seq += 1
             seq = self._seq
             self._pending.append(command)
@@ -346,6 +381,10 @@ class BatchingTransport:
                 self._raise_kept()
                 raise own
             self._raise_kept()
+            if kind is Synchronize:
+                self._settled = not cast(Synchronize, command).stream
+            elif kind is CopyShared:
+                self._settled = settled  # (a copy done leaves nothing behind: as it was)
             return box[0] if box else None
 
     def flush(self) -> None:
@@ -383,34 +422,38 @@ class BatchingTransport:
         return Write(ref, offset, cast("bytes", data), stream)  # (encoded straight from the caller's buffer)
 
     def copy_in(self, ref: BufRef, offset: int, data: memoryview, stream: str, chunk: int) -> None:
-        stripes = self.stripes
-        if stripes is not None and stripes.count > 1 and data.nbytes >= stripes.min_bytes:
-            def write(link: BatchingTransport, start: int, size: int) -> None:
-                link.submit(link.write_command(ref, offset + start, data[start:start + size], stream))
-
-            self._striped(data.nbytes, chunk, write)
-            return
         with self._lock:
-            for start in range(0, max(data.nbytes, 1), chunk):
-                # (each chunk's bytes encoded straight from the caller's buffer: msgspec takes a memoryview)
-                self.submit(self.write_command(ref, offset + start, data[start:start + chunk], stream))
-            self.wait(raise_error=True)
+            settled = self._settled
+            stripes = self.stripes
+            if stripes is not None and stripes.count > 1 and data.nbytes >= stripes.min_bytes:
+                def write(link: BatchingTransport, start: int, size: int) -> None:
+                    link.submit(link.write_command(ref, offset + start, data[start:start + size], stream))
+
+                self._striped(data.nbytes, chunk, write)
+            else:
+                for start in range(0, max(data.nbytes, 1), chunk):
+                    # (each chunk's bytes encoded straight from the caller's buffer: msgspec takes a memoryview)
+                    self.submit(self.write_command(ref, offset + start, data[start:start + chunk], stream))
+                self.wait(raise_error=True)
+            self._settled = settled  # (done, and raised nothing: a copy leaves nothing behind)
 
     def copy_out(self, ref: BufRef, offset: int, out: memoryview, stream: str, chunk: int) -> None:
-        stripes = self.stripes
-        if stripes is not None and stripes.count > 1 and out.nbytes >= stripes.min_bytes:
-            def read(link: BatchingTransport, start: int, size: int) -> None:
-                link.submit(Read(ref, offset + start, size, stream, link.codec),
-                            on_result=read_into(out, start, size, link.codec))
-
-            self._striped(out.nbytes, chunk, read)
-            return
         with self._lock:
-            for start in range(0, max(out.nbytes, 1), chunk):
-                n = min(chunk, out.nbytes - start)
-                self.submit(Read(ref, offset + start, n, stream, self.codec),
-                            on_result=read_into(out, start, n, self.codec))
-            self.wait(raise_error=True)
+            settled = self._settled
+            stripes = self.stripes
+            if stripes is not None and stripes.count > 1 and out.nbytes >= stripes.min_bytes:
+                def read(link: BatchingTransport, start: int, size: int) -> None:
+                    link.submit(Read(ref, offset + start, size, stream, link.codec),
+                                on_result=read_into(out, start, size, link.codec))
+
+                self._striped(out.nbytes, chunk, read)
+            else:
+                for start in range(0, max(out.nbytes, 1), chunk):
+                    n = min(chunk, out.nbytes - start)
+                    self.submit(Read(ref, offset + start, n, stream, self.codec),
+                                on_result=read_into(out, start, n, self.codec))
+                self.wait(raise_error=True)
+            self._settled = settled  # (done, and raised nothing: a copy leaves nothing behind)
 
     def close(self) -> None:
         with self._lock:
@@ -564,8 +607,11 @@ class BatchingTransport:
             wait = limit = self.timeout
         else:
             wait = max(1e-3, end - time.monotonic())  # (0 would make a socket's recv non-blocking)
+        # (a raw Read's bytes may be received straight into where they go: no buffer of its own, no copy)
+        reading = self._unacked[0].on_result
+        into = reading.into if type(reading) is ReadInto and not reading.codec else None
         try:
-            payload = self.carrier.receive(wait, len(self._unacked))
+            payload = self.carrier.receive(wait, len(self._unacked), into)
         except TimeoutError:
             waiting = self._unacked[0]
             raise DeadlineExceeded(
@@ -582,8 +628,9 @@ class BatchingTransport:
         sent = self._unacked[0]
         last = sent.commands[-1] if sent.commands else None
         try:
-            # (a raw Read's bytes as a view of the payload: copied once, where they go)
-            ack = decode_read_ack(payload) if type(last) is Read else decode_ack(payload)
+            # (a raw Read's bytes as a view of the payload: copied once, where they go; landed: not even that)
+            ack = decode_read_ack(payload) if type(last) is Read and type(payload) is not Landed \
+                else decode_ack(payload)
         except msgspec.DecodeError as exc:
             self._lose(f"a malformed acknowledgement ({exc})", sent.call_seq)
             return
@@ -597,6 +644,8 @@ class BatchingTransport:
                        f"{sent.id} of {sent.count})", sent.call_seq)
             return
         self._unacked.popleft()
+        if type(payload) is Landed and ack.error is None:
+            return  # (its bytes are where they go: the carrier checked the Ack answers a read of just as many)
         self._note(ack, sent)
 
     def never_made(self, handle: str) -> bool:
@@ -642,6 +691,7 @@ class BatchingTransport:
         self._keep(self.carrier.why_lost(reason), call_seq)
 
     def _drop(self) -> None:
+        self._settled = False
         self._unacked.clear()
         if self._open_now:
             self._open_now = False

@@ -82,7 +82,7 @@ class GrpcStream:
             self._first = False
         self._outbox.put(message)
 
-    def receive(self, timeout: float | None, in_flight: int) -> bytes | bytearray:
+    def receive(self, timeout: float | None, in_flight: int, into: memoryview | None = None) -> bytes | bytearray:
         assert self._acks is not None
         try:
             item = self._acks.get(timeout=timeout)

@@ -24,7 +24,8 @@ from typing import Final
 import msgspec
 
 from gpubroker.client._tls import TlsOptions
-from gpubroker.client._transports._core import ENVELOPE, BatchingTransport, Lost, Stripes
+from gpubroker.client._transports._core import ENVELOPE, BatchingTransport, Landed, Lost, Stripes
+from gpubroker.wire.commands import decode_ack
 from gpubroker.wire.errors import GpuBrokerError, Unavailable
 from gpubroker.wire.frames import (
     FRAME_HEADER,
@@ -55,6 +56,11 @@ VMADDR_CID_HOST: Final = 2  # a VM guest reaches its host at this vsock CID
 _RDHUP = getattr(select, "POLLRDHUP", 0x2000)  # the peer shut its end (Linux)
 _JOIN_MAX = 64 * 1024
 _RECORD = 16 * 1024  # a TLS record's most plaintext
+# An Ack's encoding around a Read's bytes sent apart (wire.commands.encode_ack_parts) is at most this long: an
+# array header, three small fields and the bytes' bin 32 header. Read's bytes of at least _JOIN_MAX come so.
+_READ_HEAD_MAX = 64
+_BIN32 = b"\xc6"  # msgpack's bin 32 tag, then a 4-byte big-endian length
+_EMPTY_BIN = b"\xc4\x00"
 
 # A connected socket within ``timeout`` seconds (OSError if not).
 Connector = Callable[[float | None], socket.socket]
@@ -148,12 +154,18 @@ class _Frames:
 
     def __init__(self, sock: socket.socket, limit: int) -> None:
         self._sock = sock
-        self._decoder = FrameDecoder(limit)
+        self._decoder = FrameDecoder(limit, bytearray)
         self._ready: deque[bytearray] = deque()
         self._chunk = memoryview(bytearray(_JOIN_MAX))
+        self._peeks = not isinstance(sock, ssl.SSLSocket)  # (a TLS socket's recv takes no flags)
 
-    def next(self) -> bytearray:
+    def next(self, into: memoryview | None = None) -> bytearray | Landed:
+        """The next frame's payload; ``into``: see ``_land``."""
         ready = self._ready
+        if into is not None and not ready and self._peeks and len(into) >= _JOIN_MAX and not self._decoder.reading:
+            landed = self._land(into)
+            if landed is not None:
+                return landed
         while not ready:
             into = self._decoder.buffer()
             if len(into) > _JOIN_MAX:
@@ -163,6 +175,36 @@ class _Frames:
                 raise FrameClosed("peer closed the connection")
             ready.extend(self._decoder.feed(self._chunk[:k]))
         return ready.popleft()
+
+    def _land(self, into: memoryview) -> Landed | None:
+        """Where the next frame is an Ack to a raw Read of ``len(into)`` bytes, sent as encode_ack_parts sends it
+        (its head, then the bytes): the head is read, checked and rewritten with an empty result (``Landed``), and
+        the bytes received straight into ``into``, with no buffer of their own and no copy. Looked at first
+        without taking anything (MSG_PEEK): anything else, or a head not all here yet, is left for the usual
+        reading (None). Waits for the frame's first bytes as a receive does (TimeoutError, nothing taken); once
+        the head is taken, bytes that stop coming lose the link (its frames would be out of step)."""
+        n = len(into)
+        peeked = self._sock.recv(FRAME_HEADER.size + _READ_HEAD_MAX, socket.MSG_PEEK)
+        if len(peeked) < FRAME_HEADER.size:
+            return None
+        head = FRAME_HEADER.unpack_from(peeked)[0] - n
+        end = FRAME_HEADER.size + head
+        if not len(_BIN32) + 4 < head <= _READ_HEAD_MAX or len(peeked) < end \
+                or peeked[end - 5:end] != _BIN32 + n.to_bytes(4, "big"):
+            return None
+        ack = Landed(peeked[FRAME_HEADER.size:end - 5] + _EMPTY_BIN)
+        try:
+            answer = decode_ack(ack)
+        except msgspec.DecodeError:
+            return None
+        if answer.error is not None or answer.result != b"":
+            return None
+        try:
+            _recv_exactly(self._sock, memoryview(bytearray(end)))  # (what was peeked, taken)
+            _recv_exactly(self._sock, into)
+        except TimeoutError:
+            raise FrameClosed("a read's bytes stopped coming halfway") from None
+        return ack
 
     def _rest(self, into: memoryview) -> bytearray:
         """A large payload's rest, received in place (no copy) until whole. Over TLS each recv brings one record
@@ -181,6 +223,16 @@ class _Frames:
             payload = self._decoder.advance(got) if got else None
         assert payload is not None  # (``into`` was the payload's whole rest)
         return payload
+
+
+def _recv_exactly(sock: socket.socket, into: memoryview) -> None:
+    """Fill ``into`` from ``sock``; FrameClosed at the peer's end."""
+    got, want = 0, len(into)
+    while got < want:
+        k = sock.recv_into(into[got:], want - got)
+        if k == 0:
+            raise FrameClosed("peer closed the connection")
+        got += k
 
 
 # A copy this large over TCP is striped over several links of the session: one TLS connection is one core's
@@ -227,7 +279,7 @@ def _close_grant(granted: tuple[RingGranted, list[int]] | None) -> None:
 def _recv_payload_with_fds(sock: socket.socket, limit: int, max_fds: int = 2) -> tuple[bytearray, list[int]]:
     """One frame's payload and the descriptors that came with it (at most ``max_fds``: the kernel closes any
     more); nothing past the frame's end is read."""
-    frames = FrameDecoder(limit)
+    frames = FrameDecoder(limit, bytearray)
     fds: list[int] = []
     try:
         while True:
@@ -364,7 +416,7 @@ class FramedSocket:
         except OSError as exc:  # (a timeout too: part of a frame may have gone, so the stream is out of step)
             raise Lost(f"sending failed: {exc}") from None
 
-    def receive(self, timeout: float | None, in_flight: int) -> bytes | bytearray:
+    def receive(self, timeout: float | None, in_flight: int, into: memoryview | None = None) -> bytes | bytearray:
         # (the socket's own timeout is the hello's: a call with a bound of its own sets it for this wait alone; a
         # recv it cuts short leaves the frame decoder where it was, so the next receive goes on with that frame)
         assert self._frames is not None and self.sock is not None
@@ -372,7 +424,7 @@ class FramedSocket:
         if own:
             self.sock.settimeout(timeout)
         try:
-            return self._frames.next()
+            return self._frames.next(into)
         except TimeoutError:
             raise
         except (OSError, EOFError, FrameRefused) as exc:

@@ -215,10 +215,11 @@ class RingUpgrade:
         except OSError as exc:
             raise Lost(f"ringing the worker failed: {exc}") from None
 
-    def receive(self, timeout: float | None, in_flight: int) -> bytes | bytearray:
+    def receive(self, timeout: float | None, in_flight: int, into: memoryview | None = None) -> bytes | bytearray:
         acks = self._acks
         if acks is None:
-            return self.link.receive(timeout, in_flight)
+            return self.link.receive(timeout, in_flight, into)
+        # (a ring's records are copied out of shared memory whole: ``into`` would save nothing)
         try:
             payload = acks.get()
             if payload is not None:
