@@ -18,7 +18,7 @@ from gpubroker.client import (
 )
 from gpubroker.wire.commands import encode
 from gpubroker.wire.errors import Internal, WireError, decode_wire_error, error_from_wire
-from gpubroker.wire.host import check_device_range, readable_bytes, writable_bytes
+from gpubroker.wire.host import address_of, check_device_range, readable_bytes, writable_bytes
 from gpubroker.wire.types import check_kernel_args, normalize_dims
 
 
@@ -98,3 +98,14 @@ def test_an_errors_details_are_bounded_so_that_every_receiver_decodes_them() -> 
     assert wire.details["huge"] == str(1 << 70)
     with pytest.raises(msgspec.DecodeError, match="unknown field"):
         decode_wire_error(msgspec.msgpack.encode({"code": "INTERNAL", "message": "m", "pad": [[]] * 100}))
+
+
+def test_address_of_a_view_is_its_first_bytes_address() -> None:
+    """A copy's DMA and the lookup of shared memory take a view's address: that of its first byte, writable or
+    read-only, whole or a slice."""
+    array = np.arange(4096, dtype=np.uint8)
+    for view in (memoryview(array), memoryview(array)[100:], memoryview(array).toreadonly()[7:9],
+                 memoryview(array)[:0]):
+        expected = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        assert address_of(view) == expected
+    assert address_of(memoryview(array)[100:]) == array.ctypes.data + 100

@@ -1,9 +1,11 @@
 """The ring's awake words (gpubroker/wire/ring.py): a producer rings only a consumer that may block, and a consumer
-that says it may block looks at the ring once more first, so no record is left unseen."""
+that says it may block looks at the ring once more first, so no record is left unseen; and its byte rings' records
+across the ring's end."""
 
 from __future__ import annotations
 
 import mmap
+import random
 import socket
 
 from gpubroker.wire.ring import (
@@ -52,3 +54,29 @@ def test_a_record_rings_only_a_consumer_that_may_block_and_one_going_to_block_fi
         mm.close()
         ours.close()
         theirs.close()
+
+
+def test_records_of_any_size_come_out_whole_and_in_order_across_the_rings_end() -> None:
+    """A record is its length then its bytes, written at once where it fits before the ring's end and in two
+    pieces where it wraps: either way the consumer gets every record whole, in order, and no more than fits."""
+    cap = 4096
+    mm = mmap.mmap(-1, RING_DATA + cap)
+    words = memoryview(mm).cast("Q")
+    producer = ByteRing(mm, words, RING_DATA, cap, 0, 8, cap)
+    consumer = ByteRing(mm, words, RING_DATA, cap, 0, 8, cap)
+    rng = random.Random(1)
+    sent: list[bytes] = []
+    for _ in range(5000):
+        if rng.random() < 0.55:
+            record = rng.randbytes(rng.randrange(0, 700))
+            if producer.put(record):
+                sent.append(record)
+            else:
+                assert sum(4 + len(r) for r in sent) + 4 + len(record) > cap
+        else:
+            got = consumer.get()
+            assert got == (sent.pop(0) if sent else None)
+    while sent:
+        assert consumer.get() == sent.pop(0)
+    words.release()
+    mm.close()

@@ -47,7 +47,7 @@ from gpubroker.wire.errors import (
     Unavailable,
 )
 from gpubroker.wire.frames import FRAME_HEADER, FrameClosed, FrameTooLarge, recv_payload
-from gpubroker.wire.host import check_device_range
+from gpubroker.wire.host import address_of, check_device_range
 from gpubroker.wire.link import (
     MAX_SEGMENT_FRAME,
     SEGMENTS_VERSION,
@@ -211,10 +211,6 @@ def staged_pieces(total: int, slot: int, to_device: bool) -> list[int]:
     return sizes[::-1] if to_device else sizes
 
 
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-
-
 class SharedMemory:
     """The client side of shared memory for one RemoteGpu session: host arrays, staging, CopyShared commands.
 
@@ -313,7 +309,7 @@ class SharedMemory:
         owner = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
         # Every view of the result keeps ``owner`` alive (numpy stops collapsing bases at the mmap), so its
         # finalizer marks exactly when no array can reach the segment any more.
-        self._arrays[handle] = (_address(owner.data) if nbytes else 0, nbytes)
+        self._arrays[handle] = (address_of(owner.data) if nbytes else 0, nbytes)
         weakref.finalize(owner, _forget, self._arrays, self._released, handle)
         array: np.ndarray = owner.view(dt).reshape(dims)
         return array
@@ -345,7 +341,7 @@ class SharedMemory:
         size = host.nbytes
         if size == 0 or self._off or not isinstance(buf, Buffer):
             return False  # (an empty copy still goes to the broker, which checks its handles)
-        hit = self._find(_address(host), size) if self._arrays else None
+        hit = self._find(address_of(host), size) if self._arrays else None
         if hit is not None:
             self._copy_shared(hit[0], hit[1], buf, offset, size, to_device, stream)
             return True

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from gpubroker.wire.errors import InvalidArgument, OutOfRange
 from gpubroker.wire.types import Buffer
 
-__all__ = ["HostBuffer", "check_device_range", "readable_bytes", "writable_bytes"]
+__all__ = ["HostBuffer", "address_of", "check_device_range", "readable_bytes", "writable_bytes"]
 
 # Anything with the buffer protocol (numpy arrays, bytes, bytearray, memoryview, mmap).
 HostBuffer = bytes | bytearray | memoryview | np.ndarray
@@ -31,6 +33,15 @@ def readable_bytes(src: object) -> memoryview:
     if not view.c_contiguous:
         raise InvalidArgument("host buffer must be C-contiguous")
     return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+
+
+def address_of(view: memoryview) -> int:
+    """The address of a flat byte view's first byte (what a copy's DMA or a lookup of shared memory needs). A
+    writable view's through ctypes (0.5 us), a read-only one's through numpy (ctypes maps only writable memory;
+    numpy's ``ctypes.data`` takes ~3 us, more with the host's caches cold after a large copy)."""
+    if not view.readonly and view.nbytes:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 def writable_bytes(dst: object) -> memoryview:

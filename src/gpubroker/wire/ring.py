@@ -195,8 +195,13 @@ class ByteRing:
         if n > self.cap - used:
             return False
         pos = self._index % self.cap
-        self._copy_in(pos, RECORD_LENGTH.pack(len(payload)))
-        self._copy_in((pos + RECORD_LENGTH.size) % self.cap, payload)
+        if pos + n <= self.cap:  # (the usual case, a record that does not wrap: its length and bytes at once)
+            start = self._base + pos
+            RECORD_LENGTH.pack_into(self._mm, start, len(payload))
+            self._mm[start + RECORD_LENGTH.size:start + n] = payload
+        else:
+            self._copy_in(pos, RECORD_LENGTH.pack(len(payload)))
+            self._copy_in((pos + RECORD_LENGTH.size) % self.cap, payload)
         self._index += n
         self._words[self._head_word] = self._index  # published: after the record's bytes
         return True
@@ -226,7 +231,10 @@ class ByteRing:
         if not RECORD_LENGTH.size <= avail <= self.cap:
             raise RingBroken(f"the producer's index is {avail} bytes ahead in a ring of {self.cap}")
         pos = self._index % self.cap
-        (length,) = RECORD_LENGTH.unpack(self._copy_out(pos, RECORD_LENGTH.size))
+        if pos + RECORD_LENGTH.size <= self.cap:  # (the usual case: read in place)
+            (length,) = RECORD_LENGTH.unpack_from(self._mm, self._base + pos)
+        else:
+            (length,) = RECORD_LENGTH.unpack(self._copy_out(pos, RECORD_LENGTH.size))
         if length > self._limit or RECORD_LENGTH.size + length > avail:
             published = avail - RECORD_LENGTH.size
             raise RingBroken(f"a record of {length} bytes (limit {self._limit}, {published} published)")

@@ -17,7 +17,7 @@ from cupy.cuda import runtime
 
 from gpubroker.broker.backends._cuda_device import CudaDevice
 from gpubroker.wire.errors import GpuBrokerError, InvalidArgument
-from gpubroker.wire.host import HostBuffer, check_device_range, readable_bytes, writable_bytes
+from gpubroker.wire.host import HostBuffer, address_of, check_device_range, readable_bytes, writable_bytes
 from gpubroker.wire.types import Buffer, Stream
 
 __all__ = ["PINNED_MIN", "CudaCopies"]
@@ -46,12 +46,12 @@ class CudaCopies:
         start = check_device_range(buf, offset, view.nbytes, "copy_h2d")
         if view.nbytes == 0:
             return
-        host = np.frombuffer(view, dtype=np.uint8)  # no copy; only for its address
+        host = address_of(view)  # (no copy: only its address)
         timer = self._timer
         try:
             with timer.lock:
                 timer.begin(s.ptr)
-                runtime.memcpyAsync(mem.ptr + start, host.ctypes.data, view.nbytes, runtime.memcpyHostToDevice,
+                runtime.memcpyAsync(mem.ptr + start, host, view.nbytes, runtime.memcpyHostToDevice,
                                     s.ptr)
                 timer.close(s.ptr)  # we wait next: the host's idle time must not count
             s.synchronize()  # the caller may reuse src as soon as we return
@@ -65,12 +65,12 @@ class CudaCopies:
         start = check_device_range(buf, offset, view.nbytes, "copy_d2h")
         if view.nbytes == 0:
             return
-        host = np.frombuffer(view, dtype=np.uint8)
+        host = address_of(view)
         timer = self._timer
         try:
             with timer.lock:
                 timer.begin(s.ptr)
-                runtime.memcpyAsync(host.ctypes.data, mem.ptr + start, view.nbytes, runtime.memcpyDeviceToHost,
+                runtime.memcpyAsync(host, mem.ptr + start, view.nbytes, runtime.memcpyDeviceToHost,
                                     s.ptr)
                 timer.close(s.ptr)
             s.synchronize()  # dst must hold the data when we return
