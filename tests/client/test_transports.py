@@ -31,7 +31,6 @@ from gpubroker.wire.commands import (
     Ack,
     Batch,
     CommandError,
-    CopyShared,
     Launch,
     Memset,
     Read,
@@ -278,7 +277,6 @@ def test_an_idle_link_closed_by_the_broker_is_reopened_before_the_next_batch(mon
     t.call(Synchronize())
     first._sock.shutdown(socket.SHUT_RDWR)  # the broker closes it (idleness): the client's end sees a hang-up
     first.thread.join(5)
-    t.submit(launch())
     t.call(Synchronize())  # nothing lost, no error: it went on a new connection
     assert len(second.batches) == 1
     t.close()
@@ -540,46 +538,6 @@ def test_a_reads_bytes_land_only_when_they_are_what_was_asked_for() -> None:
         with pytest.raises(GpuBrokerError, match=message):
             _core.read_into(memoryview(out), 0, 1000, codec)(result(bad))
     assert out == bytearray(1000)
-
-
-def test_a_synchronize_with_nothing_of_the_sessions_left_on_the_device_sends_nothing() -> None:
-    """After a synchronize that succeeded, copies (each answered once its bytes are where they go) leave nothing
-    on the device: the next synchronize of the whole device sends nothing. Anything else sent, a stream's
-    synchronize, a failed copy or a lost link makes the next one go to the worker."""
-    def handler(batch: Batch) -> Ack:
-        last = batch.commands[-1]
-        if isinstance(last, Write | CopyShared) and last.buf[0] == "gone":
-            seq = batch.first + len(batch.commands) - 1
-            return Ack(batch.id, len(batch.commands) - 1, CommandError(seq, "write", WireError("NOT_FOUND", "no")))
-        return ok(batch)
-
-    peer = Peer(handler)
-    t = link([peer])
-
-    def sends(action: Callable[[], object]) -> int:
-        before = len(peer.batches)
-        action()
-        return len(peer.batches) - before
-
-    assert sends(lambda: t.call(Synchronize())) == 1  # (nothing known of the device before)
-    assert sends(lambda: t.call(Synchronize())) == 0
-    out = bytearray(3)
-    assert sends(lambda: t.copy_in(("b1", 0), 0, memoryview(b"abc"), "", 1 << 20)) == 1
-    assert sends(lambda: t.call(CopyShared("seg_1", 0, ("b1", 0), 0, 3, True))) == 1
-    assert sends(lambda: t.copy_out(("b1", 0), 0, memoryview(out), "", 1 << 20)) == 1
-    assert sends(lambda: t.call(Synchronize())) == 0
-    assert sends(lambda: t.call(Synchronize("s1"))) == 1  # (a stream's handle is the worker's to check)
-    assert sends(lambda: t.call(Synchronize())) == 1
-    t.submit(launch())
-    assert sends(lambda: t.call(Synchronize())) == 1  # the launch rides with it
-    with pytest.raises(NotFound):
-        t.copy_in(("gone", 0), 0, memoryview(b"abc"), "", 1 << 20)
-    assert sends(lambda: t.call(Synchronize())) == 1
-    with pytest.raises(NotFound):
-        t.call(CopyShared("seg_1", 0, ("gone", 0), 0, 3, True))
-    assert sends(lambda: t.call(Synchronize())) == 1
-    assert sends(lambda: t.call(Synchronize())) == 0
-    t.close()
 
 
 def test_a_raw_reads_bytes_are_received_straight_into_where_they_go(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -670,9 +670,7 @@ class RemoteGpu:
 
     @_abandons_on_interrupt
     def synchronize(self, stream: Stream | None = None, *, timeout: float | None = None) -> None:
-        """Wait for the device: one round trip carrying whatever is still queued; none when nothing of the
-        session's can be left on the device (a synchronize of the whole device succeeded, and only copies, which
-        wait for themselves, came since): then it returns at once. See
+        """Wait for the device: one round trip carrying whatever is still queued. See
         [GpuCompute.synchronize][gpubroker.client.GpuCompute.synchronize].
 
         Args:

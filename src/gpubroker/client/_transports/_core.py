@@ -23,9 +23,7 @@ from gpubroker.wire.commands import (
     BufRef,
     Command,
     CommandError,
-    CopyShared,
     Read,
-    Synchronize,
     Write,
     decode_ack,
     decode_read_ack,
@@ -286,11 +284,6 @@ class BatchingTransport:
         self._closed = False
         self._last = time.monotonic()
         self._first, self._look = _FIRST_BATCH, _IDLE_LOOK  # (set from the carrier at each open: _opened)
-        # Nothing of this session's is left on the device: a synchronize succeeded, and every command since was a
-        # copy, which waits for itself (its ack comes once its bytes are where they go). A synchronize then has
-        # nothing to wait for and nothing to report, and sends nothing (a copy then a synchronize is one round
-        # trip, as a native synchronous copy is one call). Any other command, a failure or a loss clears it.
-        self._settled = False
 
     # -- what the carrier says -----------------------------------------------------------------
     @property
@@ -320,7 +313,6 @@ class BatchingTransport:
     # -- the caller's side -----------------------------------------------------------------------
     def submit(self, command: Command, on_result: Callable[[Any], None] | None = None) -> int:
         with self._lock:
-            self._settled = False  # (a copy that is done gives it back: copy_in, copy_out, call)
             if on_result is None and type(command) is not Write:  # the hot path: one more queued command
                 self._seq += 1
                 pending = self._pending
@@ -344,13 +336,6 @@ class BatchingTransport:
     def call(self, command: Command, timeout: float | None = None) -> Any:
         box: list[Any] = []
         with self._lock:
-            kind = type(command)
-            if kind is Synchronize and self._settled and not self._pending and not self._unacked \
-                    and self._error is None and not cast(Synchronize, command).stream:
-                # Nothing of this session's on the device, nothing kept to report: nothing to send. (The whole
-                # device's only: one stream's names a handle, which only the worker can say is still good.)
-                return None
-            settled, self._settled = self._settled, False
             self._seq += 1
             seq = self._seq
             self._pending.append(command)
@@ -381,10 +366,6 @@ class BatchingTransport:
                 self._raise_kept()
                 raise own
             self._raise_kept()
-            if kind is Synchronize:
-                self._settled = not cast(Synchronize, command).stream
-            elif kind is CopyShared:
-                self._settled = settled  # (a copy done leaves nothing behind: as it was)
             return box[0] if box else None
 
     def flush(self) -> None:
@@ -422,38 +403,34 @@ class BatchingTransport:
         return Write(ref, offset, cast("bytes", data), stream)  # (encoded straight from the caller's buffer)
 
     def copy_in(self, ref: BufRef, offset: int, data: memoryview, stream: str, chunk: int) -> None:
-        with self._lock:
-            settled = self._settled
-            stripes = self.stripes
-            if stripes is not None and stripes.count > 1 and data.nbytes >= stripes.min_bytes:
-                def write(link: BatchingTransport, start: int, size: int) -> None:
-                    link.submit(link.write_command(ref, offset + start, data[start:start + size], stream))
+        stripes = self.stripes
+        if stripes is not None and stripes.count > 1 and data.nbytes >= stripes.min_bytes:
+            def write(link: BatchingTransport, start: int, size: int) -> None:
+                link.submit(link.write_command(ref, offset + start, data[start:start + size], stream))
 
-                self._striped(data.nbytes, chunk, write)
-            else:
-                for start in range(0, max(data.nbytes, 1), chunk):
-                    # (each chunk's bytes encoded straight from the caller's buffer: msgspec takes a memoryview)
-                    self.submit(self.write_command(ref, offset + start, data[start:start + chunk], stream))
-                self.wait(raise_error=True)
-            self._settled = settled  # (done, and raised nothing: a copy leaves nothing behind)
+            self._striped(data.nbytes, chunk, write)
+            return
+        with self._lock:
+            for start in range(0, max(data.nbytes, 1), chunk):
+                # (each chunk's bytes encoded straight from the caller's buffer: msgspec takes a memoryview)
+                self.submit(self.write_command(ref, offset + start, data[start:start + chunk], stream))
+            self.wait(raise_error=True)
 
     def copy_out(self, ref: BufRef, offset: int, out: memoryview, stream: str, chunk: int) -> None:
-        with self._lock:
-            settled = self._settled
-            stripes = self.stripes
-            if stripes is not None and stripes.count > 1 and out.nbytes >= stripes.min_bytes:
-                def read(link: BatchingTransport, start: int, size: int) -> None:
-                    link.submit(Read(ref, offset + start, size, stream, link.codec),
-                                on_result=read_into(out, start, size, link.codec))
+        stripes = self.stripes
+        if stripes is not None and stripes.count > 1 and out.nbytes >= stripes.min_bytes:
+            def read(link: BatchingTransport, start: int, size: int) -> None:
+                link.submit(Read(ref, offset + start, size, stream, link.codec),
+                            on_result=read_into(out, start, size, link.codec))
 
-                self._striped(out.nbytes, chunk, read)
-            else:
-                for start in range(0, max(out.nbytes, 1), chunk):
-                    n = min(chunk, out.nbytes - start)
-                    self.submit(Read(ref, offset + start, n, stream, self.codec),
-                                on_result=read_into(out, start, n, self.codec))
-                self.wait(raise_error=True)
-            self._settled = settled  # (done, and raised nothing: a copy leaves nothing behind)
+            self._striped(out.nbytes, chunk, read)
+            return
+        with self._lock:
+            for start in range(0, max(out.nbytes, 1), chunk):
+                n = min(chunk, out.nbytes - start)
+                self.submit(Read(ref, offset + start, n, stream, self.codec),
+                            on_result=read_into(out, start, n, self.codec))
+            self.wait(raise_error=True)
 
     def close(self) -> None:
         with self._lock:
@@ -691,7 +668,6 @@ class BatchingTransport:
         self._keep(self.carrier.why_lost(reason), call_seq)
 
     def _drop(self) -> None:
-        self._settled = False
         self._unacked.clear()
         if self._open_now:
             self._open_now = False
