@@ -160,6 +160,24 @@ def test_an_ack_in_two_parts_is_its_encoding(result: object, apart: bytearray | 
     assert tail is apart if apart is not None else tail == b""
 
 
+def test_the_head_of_a_raw_reads_ack_is_taken_apart_from_its_bytes_and_nothing_else_is() -> None:
+    """A client that takes a Read's bytes straight into the caller's memory reads the Ack's head alone: rewritten
+    with an empty result, it decodes as the Ack (its id and count); any other head is not taken so."""
+    for data in (_BIG, _MIB, memoryview(bytearray(70_000))):
+        head, tail = p.encode_ack_parts(p.Ack(12345, 7, None, data))
+        assert len(head) <= p.READ_HEAD_MAX and tail is data
+        encoded = p.read_ack_head(head, len(data))
+        assert encoded is not None
+        assert p.decode_ack(encoded) == p.Ack(12345, 7, None, b"")
+        assert p.read_ack_head(head, len(data) - 1) is None  # (another size)
+    for result in (["", _BIG], ["lz4", _BIG]):  # a codec's pair: its bytes are not the raw read's
+        head, _ = p.encode_ack_parts(p.Ack(1, 1, None, result))
+        assert p.read_ack_head(head, len(_BIG)) is None
+    error = p.encode(p.Ack(1, 0, p.CommandError(1, "read", WireError("NOT_FOUND", "no"))))
+    assert p.read_ack_head(error[:-1] + b"\xc6" + len(_BIG).to_bytes(4, "big"), len(_BIG)) is None
+    assert p.read_ack_head(b"\xc6" + len(_BIG).to_bytes(4, "big"), len(_BIG)) is None  # (no Ack before it)
+
+
 @pytest.mark.parametrize("raw", [
     b"", b"\xc1", msgspec.msgpack.encode([1, 1, [["explode", 1]]]),  # no such command
     msgspec.msgpack.encode([1, 1, [["allocate", "b1", 0]]]),  # size must be > 0

@@ -64,6 +64,7 @@ __all__ = [
     "LoadModule",
     "MAX_FRONT_COMMANDS",
     "MAX_HANDLE",
+    "READ_HEAD_MAX",
     "Memset",
     "NonNegative",
     "OptionalStream",
@@ -87,6 +88,7 @@ __all__ = [
     "new_handle",
     "outline_batch",
     "parse_batch",
+    "read_ack_head",
     "tag_of",
 ]
 
@@ -636,6 +638,27 @@ def decode_read_ack(data: bytes | bytearray | memoryview) -> Ack:
         return _read_ack_decoder.decode(data)
     except UnicodeDecodeError as exc:
         raise msgspec.DecodeError(f"malformed string: {exc}") from None
+
+
+# The most bytes ``encode_ack_parts`` sends before a Read's raw bytes: an array header, three small fields and the
+# bytes' bin 32 header.
+READ_HEAD_MAX: Final = 64
+
+
+def read_ack_head(head: bytes | bytearray | memoryview, size: int) -> bytes | None:
+    """Where ``head`` is what ``encode_ack_parts`` sends before a Read's ``size`` raw bytes (an Ack with no error
+    whose result is those bytes: their bin 32 header last), that Ack encoded with an empty result in their place
+    (``decode_ack`` reads it with result ``b""``): a receiver can take the bytes straight into where they go. None
+    for anything else (an error, a ``[codec, bytes]`` result, another size)."""
+    tail = _BIN32 + size.to_bytes(4, "big")
+    if not len(tail) < len(head) <= READ_HEAD_MAX or bytes(head[-len(tail):]) != tail:
+        return None
+    encoded = bytes(head[:-len(tail)]) + _EMPTY_BIN
+    try:
+        ack = decode_ack(encoded)
+    except msgspec.DecodeError:
+        return None
+    return encoded if ack.error is None and ack.result == b"" else None
 
 
 def decode_ack_for(data: bytes | bytearray | memoryview, batch: Batch) -> Ack:

@@ -25,7 +25,7 @@ import msgspec
 
 from gpubroker.client._tls import TlsOptions
 from gpubroker.client._transports._core import ENVELOPE, BatchingTransport, Landed, Lost, Stripes
-from gpubroker.wire.commands import decode_ack
+from gpubroker.wire.commands import READ_HEAD_MAX, read_ack_head
 from gpubroker.wire.errors import GpuBrokerError, Unavailable
 from gpubroker.wire.frames import (
     FRAME_HEADER,
@@ -56,11 +56,6 @@ VMADDR_CID_HOST: Final = 2  # a VM guest reaches its host at this vsock CID
 _RDHUP = getattr(select, "POLLRDHUP", 0x2000)  # the peer shut its end (Linux)
 _JOIN_MAX = 64 * 1024
 _RECORD = 16 * 1024  # a TLS record's most plaintext
-# An Ack's encoding around a Read's bytes sent apart (wire.commands.encode_ack_parts) is at most this long: an
-# array header, three small fields and the bytes' bin 32 header. Read's bytes of at least _JOIN_MAX come so.
-_READ_HEAD_MAX = 64
-_BIN32 = b"\xc6"  # msgpack's bin 32 tag, then a 4-byte big-endian length
-_EMPTY_BIN = b"\xc4\x00"
 
 # A connected socket within ``timeout`` seconds (OSError if not).
 Connector = Callable[[float | None], socket.socket]
@@ -184,27 +179,21 @@ class _Frames:
         reading (None). Waits for the frame's first bytes as a receive does (TimeoutError, nothing taken); once
         the head is taken, bytes that stop coming lose the link (its frames would be out of step)."""
         n = len(into)
-        peeked = self._sock.recv(FRAME_HEADER.size + _READ_HEAD_MAX, socket.MSG_PEEK)
+        peeked = self._sock.recv(FRAME_HEADER.size + READ_HEAD_MAX, socket.MSG_PEEK)
         if len(peeked) < FRAME_HEADER.size:
             return None
-        head = FRAME_HEADER.unpack_from(peeked)[0] - n
-        end = FRAME_HEADER.size + head
-        if not len(_BIN32) + 4 < head <= _READ_HEAD_MAX or len(peeked) < end \
-                or peeked[end - 5:end] != _BIN32 + n.to_bytes(4, "big"):
+        end = FRAME_HEADER.size + FRAME_HEADER.unpack_from(peeked)[0] - n  # (where the bytes would start)
+        if not FRAME_HEADER.size < end <= len(peeked):
             return None
-        ack = Landed(peeked[FRAME_HEADER.size:end - 5] + _EMPTY_BIN)
-        try:
-            answer = decode_ack(ack)
-        except msgspec.DecodeError:
-            return None
-        if answer.error is not None or answer.result != b"":
+        encoded = read_ack_head(peeked[FRAME_HEADER.size:end], n)
+        if encoded is None:
             return None
         try:
             _recv_exactly(self._sock, memoryview(bytearray(end)))  # (what was peeked, taken)
             _recv_exactly(self._sock, into)
         except TimeoutError:
             raise FrameClosed("a read's bytes stopped coming halfway") from None
-        return ack
+        return Landed(encoded)
 
     def _rest(self, into: memoryview) -> bytearray:
         """A large payload's rest, received in place (no copy) until whole. Over TLS each recv brings one record
