@@ -42,40 +42,12 @@ class CudaCopies:
     def copy_h2d(self, src: HostBuffer, buf: Buffer, offset: int = 0, stream: Stream | None = None) -> None:
         self._dev.use()
         view = readable_bytes(src)
-        (mem, buf), s = self._dev.resolve(buf), self._dev.stream(stream)
-        start = check_device_range(buf, offset, view.nbytes, "copy_h2d")
-        if view.nbytes == 0:
-            return
-        host = address_of(view)  # (no copy: only its address)
-        timer = self._timer
-        try:
-            with timer.lock:
-                timer.begin(s.ptr)
-                runtime.memcpyAsync(mem.ptr + start, host, view.nbytes, runtime.memcpyHostToDevice,
-                                    s.ptr)
-                timer.close(s.ptr)  # we wait next: the host's idle time must not count
-            s.synchronize()  # the caller may reuse src as soon as we return
-        except Exception as exc:
-            raise self._dev.fail("copy_h2d", exc) from exc
+        self._copy(address_of(view), view.nbytes, buf, offset, True, stream)  # (no copy of src: its address)
 
     def copy_d2h(self, buf: Buffer, dst: HostBuffer, offset: int = 0, stream: Stream | None = None) -> None:
         self._dev.use()
         view = writable_bytes(dst)
-        (mem, buf), s = self._dev.resolve(buf), self._dev.stream(stream)
-        start = check_device_range(buf, offset, view.nbytes, "copy_d2h")
-        if view.nbytes == 0:
-            return
-        host = address_of(view)
-        timer = self._timer
-        try:
-            with timer.lock:
-                timer.begin(s.ptr)
-                runtime.memcpyAsync(host, mem.ptr + start, view.nbytes, runtime.memcpyDeviceToHost,
-                                    s.ptr)
-                timer.close(s.ptr)
-            s.synchronize()  # dst must hold the data when we return
-        except Exception as exc:
-            raise self._dev.fail("copy_d2h", exc) from exc
+        self._copy(address_of(view), view.nbytes, buf, offset, False, stream)
 
     def copy_registered(self, host: int, size: int, buf: Buffer, offset: int, to_device: bool,
                         stream: Stream | None = None) -> None:
@@ -85,8 +57,15 @@ class CudaCopies:
         mapping (the view, numpy's address of it) than from its address, and ~150 us with the host's caches cold
         from the copy before. One DMA, waited for, as copy_h2d and copy_d2h."""
         self._dev.use()
+        self._copy(host, size, buf, offset, to_device, stream)
+
+    def _copy(self, host: int, size: int, buf: Buffer, offset: int, to_device: bool, stream: Stream | None) -> None:
+        """The DMA of copy_h2d, copy_d2h and copy_registered: ``size`` bytes between host address ``host`` and the
+        view at ``offset``, waited for (the host memory is the caller's again when it returns: a source to reuse,
+        a destination that holds the data)."""
+        what = "copy_h2d" if to_device else "copy_d2h"
         (mem, buf), s = self._dev.resolve(buf), self._dev.stream(stream)
-        start = check_device_range(buf, offset, size, "copy_h2d" if to_device else "copy_d2h")
+        start = check_device_range(buf, offset, size, what)
         if size == 0:
             return
         device = mem.ptr + start
@@ -98,9 +77,9 @@ class CudaCopies:
                 timer.begin(s.ptr)
                 runtime.memcpyAsync(dst, src, size, kind, s.ptr)
                 timer.close(s.ptr)  # we wait next: the host's idle time must not count
-            s.synchronize()  # the copy is done when we return, as copy_h2d and copy_d2h
+            s.synchronize()
         except Exception as exc:
-            raise self._dev.fail("copy_h2d" if to_device else "copy_d2h", exc) from exc
+            raise self._dev.fail(what, exc) from exc
 
     def register_host_memory(self, host: HostBuffer) -> int:
         """Page-lock a host range (a shared-memory segment) so copy_h2d / copy_d2h on views of it DMA directly.
@@ -109,7 +88,7 @@ class CudaCopies:
         """
         self._dev.use()
         view = readable_bytes(host)
-        ptr, size = int(np.frombuffer(view, dtype=np.uint8).ctypes.data), view.nbytes  # its address; no copy
+        ptr, size = address_of(view), view.nbytes  # (its address; no copy)
         view.release()  # a live export would keep the caller from unmapping it later
         try:
             runtime.hostRegister(ptr, size, 0)  # cudaHostRegisterDefault

@@ -442,22 +442,19 @@ class Executor:
         page-locked address where it has one: no view of the mapping made for each copy)."""
         buf, stream, seg = objs.view(*cmd.buf), objs.stream(cmd.stream), objs.segment(cmd.segment)
         copy = self._copy_registered
-        if copy is not None:
-            address = self.segments.address(seg, cmd.segment_offset, cmd.size)
-            if address is not None:
-                copy(address, cmd.size, buf, cmd.offset, cmd.to_device, stream)
+        address = None if copy is None else self.segments.address(seg, cmd.segment_offset, cmd.size)
+        if copy is not None and address is not None:
+            copy(address, cmd.size, buf, cmd.offset, cmd.to_device, stream)
+        else:
+            with self.segments.view(seg, cmd.segment_offset, cmd.size) as host:
                 if cmd.to_device:
-                    self.done.h2d_bytes += cmd.size
+                    self.backend.copy_h2d(host, buf, cmd.offset, stream)
                 else:
-                    self.done.d2h_bytes += cmd.size
-                return
-        with self.segments.view(seg, cmd.segment_offset, cmd.size) as host:
-            if cmd.to_device:
-                self.backend.copy_h2d(host, buf, cmd.offset, stream)
-                self.done.h2d_bytes += cmd.size
-            else:
-                self.backend.copy_d2h(buf, host, cmd.offset, stream)
-                self.done.d2h_bytes += cmd.size
+                    self.backend.copy_d2h(buf, host, cmd.offset, stream)
+        if cmd.to_device:
+            self.done.h2d_bytes += cmd.size
+        else:
+            self.done.d2h_bytes += cmd.size
 
     # -- launches ----------------------------------------------------------------------------------
     @handles(Launch)

@@ -97,29 +97,28 @@ class SegmentTable:
             # Pageable copies still work: worth a warning, not a refusal.
             log.warning("segment of %d bytes not page-locked: %s", seg.size, exc.message)
 
-    @staticmethod
-    def _check(seg: Segment, offset: int, size: int) -> None:
+    def _for_copy(self, seg: Segment, offset: int, size: int) -> None:
+        """A copy of ``[offset, offset + size)`` of a segment is coming: the range checked, the segment page-locked
+        at its first copy."""
         if offset < 0 or size < 0:
             raise InvalidArgument(f"segment offset and size must be >= 0, got {offset} and {size}")
         if offset + size > seg.size:
             raise OutOfRange(f"{size} bytes at segment offset {offset} run past the end of the {seg.size}-byte "
                              "segment")
+        if not seg.pin_tried and size > 0:
+            self._pin(seg)
 
     def address(self, seg: Segment, offset: int, size: int) -> int | None:
         """The host address of ``[offset, offset + size)`` of a segment the backend page-locked (at its first
         copy, as ``view`` does), checked as ``view`` checks it; None where it is not page-locked (then ``view``).
         The address is the worker's own, from the backend's registration: nothing a client sent but the range."""
-        self._check(seg, offset, size)
-        if not seg.pin_tried and size > 0:
-            self._pin(seg)
+        self._for_copy(seg, offset, size)
         return None if seg.pinned is None else seg.pinned + offset
 
     @contextlib.contextmanager
     def view(self, seg: Segment, offset: int, size: int) -> Iterator[memoryview]:
         """A memoryview of ``[offset, offset + size)`` of a segment, released on exit so it can be unmapped."""
-        self._check(seg, offset, size)
-        if not seg.pin_tried and size > 0:
-            self._pin(seg)
+        self._for_copy(seg, offset, size)
         whole = memoryview(seg.mm)
         part = whole[offset:offset + size]
         try:

@@ -189,7 +189,7 @@ class _Frames:
         if encoded is None:
             return None
         try:
-            _recv_exactly(self._sock, memoryview(bytearray(end)))  # (what was peeked, taken)
+            _recv_exactly(self._sock, self._chunk[:end])  # (what was peeked, taken)
             _recv_exactly(self._sock, into)
         except TimeoutError:
             raise FrameClosed("a read's bytes stopped coming halfway") from None
