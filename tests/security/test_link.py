@@ -7,6 +7,7 @@ module only: what a client of any language would do."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import ssl
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -315,3 +317,55 @@ def test_a_flood_of_failed_tls_handshakes_writes_a_bounded_number_of_lines(broke
     with _tls(broker, certs, "stranger") as sock:
         _, status, error = _hello(sock, "gpb_bogus_token", "ses_x")
         assert status == 1 and error["code"] == "UNAUTHENTICATED"
+
+
+def _tls_relay_processes(broker: BrokerProcess) -> list[int]:
+    """The broker's TLS relay processes: its children running broker/front/_tls_relays.py."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # (gone meanwhile)
+            continue
+        if parent == broker.process.pid and b"gpubroker.broker.front._tls_relays" in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _link_works(sock: socket.socket, session: str, batch: int) -> None:
+    _, status, reply = _hello(sock, "", session)
+    assert status == 0 and reply["link"] == 1, reply
+    send_payload(sock, encode(Batch(batch, 0, [Synchronize()])))
+    assert decode_ack(recv_payload(sock)).done == 1
+
+
+def test_tls_links_are_relayed_by_processes_of_the_front_and_outlive_their_ending(
+        broker: BrokerProcess, certs: dict[str, CertPaths]) -> None:
+    # One process per two cores, at most 4 (a TLS record's decryption a turn on the GIL: threads of one process
+    # go at its one pace, processes each at theirs).
+    relays = _tls_relay_processes(broker)
+    assert 1 <= len(relays) <= 4, relays
+    channel, session, _ = _open_session(broker, certs)
+    with channel:
+        with _tls(broker, certs, "alice") as sock:
+            _link_works(sock, session, 1)
+            for pid in relays:
+                os.kill(pid, signal.SIGKILL)
+            # The link was relayed by one of them: its connection ends with it, and no other process goes on
+            # relaying it (the front keeps no copy of a relayed connection).
+            sock.settimeout(10)
+            with contextlib.suppress(OSError):
+                send_payload(sock, encode(Batch(2, 1, [Synchronize()])))
+            with pytest.raises((ConnectionError, ssl.SSLError, EOFError)):
+                if not sock.recv(1):
+                    raise EOFError
+        wait_for(lambda: "TLS relay process" in broker.log_tail(200_000), 10, "the front to see its relays end")
+        # The next link works (in a thread of the front until a process is started again: one is, at once).
+        with _tls(broker, certs, "alice") as sock:
+            _link_works(sock, session, 3)
+        wait_for(lambda: bool(set(_tls_relay_processes(broker)) - set(relays)), 15, "a TLS relay process again")
+        with _tls(broker, certs, "alice") as sock:
+            _link_works(sock, session, 4)

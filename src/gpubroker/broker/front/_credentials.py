@@ -6,16 +6,17 @@ from __future__ import annotations
 import ipaddress
 import logging
 import ssl
-import tempfile
 from pathlib import Path
 
 import grpc
 
 from gpubroker.broker.config import BrokerConfig
+from gpubroker.broker.front._tls_relays import server_context
 from gpubroker.wire.addresses import AddressError, parse_host_port, unix_path
 from gpubroker.wire.errors import FailedPrecondition, InvalidArgument
+from gpubroker.wire.tls_relay import Serve
 
-__all__ = ["check_listeners", "link_tls", "tcp_credentials"]
+__all__ = ["check_listeners", "link_tls", "link_tls_material", "tcp_credentials"]
 
 log = logging.getLogger("gpubroker.server")
 
@@ -83,9 +84,9 @@ def tcp_credentials(cfg: BrokerConfig, address: str) -> grpc.ServerCredentials:
                              "(see `gpubroker certs init`) or pass --insecure")
 
 
-def link_tls(cfg: BrokerConfig, address: str) -> ssl.SSLContext | None:
-    """The TCP link's TLS: the gRPC listeners' certificate, key and (mTLS) client CA; None for plaintext, which
-    only loopback or ``insecure`` allows, as for gRPC."""
+def link_tls_material(cfg: BrokerConfig, address: str) -> Serve | None:
+    """The TCP link's TLS: the gRPC listeners' certificate, key and (mTLS) client CA, read now; None for
+    plaintext, which only loopback or ``insecure`` allows, as for gRPC."""
     tls = cfg.tls
     if tls is None:
         if not loopback_address(address):
@@ -96,19 +97,15 @@ def link_tls(cfg: BrokerConfig, address: str) -> ssl.SSLContext | None:
                         address)
         return None
     _check_tls(cfg)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    # ssl loads a chain and key only from files: copies in a private temporary directory, removed at once.
-    with tempfile.TemporaryDirectory() as tmp:
-        cert_path, key_path = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
-        cert_path.write_bytes(_read_tls_file(cfg, "cert_file"))
-        key_path.touch(0o600)
-        key_path.write_bytes(_read_tls_file(cfg, "key_file"))
-        context.load_cert_chain(cert_path, key_path)
-    if tls.require_client_cert:
-        context.load_verify_locations(cadata=_read_tls_file(cfg, "client_ca_file").decode())
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
+    client_ca = _read_tls_file(cfg, "client_ca_file") if tls.require_client_cert else None
+    return Serve(_read_tls_file(cfg, "cert_file"), _read_tls_file(cfg, "key_file"), client_ca)
+
+
+def link_tls(cfg: BrokerConfig, address: str) -> ssl.SSLContext | None:
+    """The TCP link's TLS context (``link_tls_material``'s), which checks the files hold a usable certificate and
+    key; None for plaintext."""
+    material = link_tls_material(cfg, address)
+    return server_context(material) if material is not None else None
 
 
 def check_listeners(cfg: BrokerConfig) -> tuple[dict[str, grpc.ServerCredentials], ssl.SSLContext | None]:

@@ -16,9 +16,10 @@ the front never sees them. Three listeners, one hello and one hand-off:
   between the connection and one end of a socketpair whose other end goes to the worker: a worker runs its
   tenant's code and must never hold the server's key. Without [tls] (loopback, or ``insecure``) the same relay:
   a worker takes only local sockets, whose peers the kernel names. Each TCP link has a thread of its own for
-  its handshake, its hello's bytes and then the relay (``TcpRelay``, in _tcp_relay.py): the encryption is a
-  link's whole cost in the front, and threads spread it over cores (a client stripes a large copy over several
-  links) and keep it off the event loop.
+  its handshake, its hello's bytes and then the relay (``TcpRelay``, in _tcp_relay.py), off the event loop. A
+  TLS link's thread runs in one of the front's TLS relay processes (_tls_relays.py): OpenSSL decrypts a record a
+  call, each a turn on the process's GIL, so the relays of one process share one interpreter's pace however many
+  links a client stripes a large copy over; a plaintext link's thread runs in the front.
 
 The hello is one frame (4-byte big-endian length + a msgpack ``Hello``, gpubroker/wire/link.py: token, session,
 ``link: 1`` or ``segments: 1``), read under the pre-authentication limits (``hello_max_bytes``,
@@ -53,7 +54,6 @@ import logging
 import os
 import socket
 import ssl
-import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,14 +64,9 @@ from gpubroker.broker.front._handed import HandedLinks
 from gpubroker.broker.front._preauth import PreAuthGate, Ticket, refuse_and_delay, refuse_malformed
 from gpubroker.broker.front._segments import FdStream, SegmentService
 from gpubroker.broker.front._sessions import LINK_ENVELOPE, Session
-from gpubroker.broker.front._tcp_relay import HandshakeFailed, HelloCutShort, TcpRelay
-from gpubroker.broker.front.auth import (
-    Credentials,
-    Principal,
-    RateLimitedLog,
-    peer_certificate_issued,
-    peer_certificate_names,
-)
+from gpubroker.broker.front._tcp_relay import HandshakeFailed, HelloCutShort, LinkRelay, ThreadRelay
+from gpubroker.broker.front._tls_relays import TlsRelays
+from gpubroker.broker.front.auth import Credentials, Principal, RateLimitedLog
 from gpubroker.broker.front.listen import listen_tcp
 from gpubroker.broker.front.listeners import Acceptor, OffLoop, Peer, PeerRate
 from gpubroker.broker.front.scheduler import TurnLease
@@ -154,6 +149,7 @@ class LinkServer:
         self._numbers = itertools.count(1)  # each hand-off's link, as the worker holds it until it is served
         # The front's copy of each link a worker holds, shut when the worker ends (_handed.py).
         self.handed = HandedLinks()
+        self.tls_relays: TlsRelays | None = None  # (the processes TLS links are relayed by: _tls_relays.py)
         service.sessions.closing_hooks.append(self._session_closing)
 
     # -- listeners -----------------------------------------------------------------------------------
@@ -167,8 +163,13 @@ class LinkServer:
         self._listen(Acceptor(sock, where, functools.partial(self._admit_socket, where), "link", self.connection_rate,
                               self.accepts))
 
-    async def listen_tcp(self, host: str, port: int, tls: ssl.SSLContext | None) -> int:
-        """Serve links on TCP (TLS terminated here when ``tls``); the port bound."""
+    async def listen_tcp(self, host: str, port: int, tls: ssl.SSLContext | None,
+                         relays: TlsRelays | None = None) -> int:
+        """Serve links on TCP (TLS terminated here when ``tls``: by ``relays``' processes, `start`ed here, where
+        they serve, else by threads of the front); the port bound."""
+        if relays is not None:
+            self.tls_relays = relays
+            await relays.start()
         where = f"{'tls' if tls is not None else 'tcp'}:{host}:{port}"
         loop = asyncio.get_running_loop()
         family, _, _, _, address = (await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
@@ -181,6 +182,8 @@ class LinkServer:
 
     async def stop(self) -> None:
         os.write(self._stop_w, b"x")  # every TCP link's relay thread polls this: they all end
+        if self.tls_relays is not None:
+            await self.tls_relays.close()  # (and so do the relay processes' links)
         for acceptor in self._listeners:
             acceptor.close()
         for task in list(self._tasks):
@@ -273,12 +276,17 @@ class LinkServer:
         thread answers a refusal, or relays between the connection and a socketpair whose other end is the
         worker's."""
         loop = asyncio.get_running_loop()
-        relay = TcpRelay(conn, tls, self.gate.hello_max_bytes, self.gate.hello_timeout, self._stop_r, loop)
+        relay: LinkRelay | None = None
+        if tls is not None and self.tls_relays is not None:
+            relay = self.tls_relays.relay(conn, self.gate.hello_max_bytes, self.gate.hello_timeout)
+        if relay is None:
+            relay = ThreadRelay(conn, tls, self.gate.hello_max_bytes, self.gate.hello_timeout, self._stop_r, loop)
         peek = ticket.sock
         if peek is not None:
             ticket.evict = relay.abort  # (it shuts whichever socket the thread holds, TLS-wrapped or not)
             ticket.progressed = lambda: relay.progressed
-        threading.Thread(target=relay.run, name="gpubroker-link", daemon=True).start()
+        relay.start()
+
         def late() -> str:
             what = "TLS handshake" if tls is not None and not relay.progressed else "hello"
             return f"no {what} within hello_timeout_seconds ({self.gate.hello_timeout:g} s)"
@@ -292,7 +300,7 @@ class LinkServer:
         worker_end: socket.socket | None = None
         try:
             try:
-                data, cert = await relay.hello
+                data, names, issued = await relay.hello
             except HandshakeFailed as exc:
                 # Refused like a malformed hello: an audit line and the failure delay (a wrong certificate is a
                 # failed authentication), then the thread closes the connection (OpenSSL sent its alert). Not
@@ -323,9 +331,8 @@ class LinkServer:
             async def send(frame: bytes) -> None:
                 frames.append(frame)  # (the thread writes them, before it relays or closes)
 
-            session, principal, hello = await self._hello(recv_exactly, send, ticket, peer_certificate_names(cert),
-                                                          _penalty_key(peer), segments=False, links=True,
-                                                          certificate_issued=peer_certificate_issued(cert))
+            session, principal, hello = await self._hello(recv_exactly, send, ticket, names, _penalty_key(peer),
+                                                          segments=False, links=True, certificate_issued=issued)
             if hello.ring is not None:  # (a ring is shared memory: the same host's, on its Unix socket)
                 await send(_frame(accepted(RingGranted(ring=0, reason=_RING_HERE))))
             ours: socket.socket | None

@@ -24,7 +24,7 @@ from gpubroker.broker.front import _systemd
 from gpubroker.broker.front._acceptor import AcceptorProcess
 from gpubroker.broker.front._admin import AdminService
 from gpubroker.broker.front._cpuwatch import CpuWatch
-from gpubroker.broker.front._credentials import check_listeners, loopback_address, tcp_credentials
+from gpubroker.broker.front._credentials import check_listeners, link_tls_material, loopback_address, tcp_credentials
 from gpubroker.broker.front._descriptors import PASSRIGHTS_SUPPORTED
 from gpubroker.broker.front._grpc_peers import GrpcGate
 from gpubroker.broker.front._health import BrokerHealth
@@ -36,6 +36,7 @@ from gpubroker.broker.front._segments import SegmentService
 from gpubroker.broker.front._service import GpuBrokerService
 from gpubroker.broker.front._sessions import Session, SessionManager
 from gpubroker.broker.front._status import add_servicer
+from gpubroker.broker.front._tls_relays import TlsRelays
 from gpubroker.broker.front.auth import Authenticator
 from gpubroker.broker.front.listen import listen_unix, listen_vsock, secure_unix_socket
 from gpubroker.broker.front.listeners import PeerNetworks, PeerRate
@@ -348,7 +349,9 @@ class Broker:
         if cfg.link_listen:
             link = parse_host_port(cfg.link_listen)
             host, port = link.host, link.port
-            service.link_port = await self.links.listen_tcp(host, port, link_context)
+            material = link_tls_material(cfg, cfg.link_listen) if link_context is not None else None
+            relays = TlsRelays(material) if material is not None else None
+            service.link_port = await self.links.listen_tcp(host, port, link_context, relays)
             log.info("serving links on %s:%d (%s)", host, service.link_port,
                      "TLS" if link_context is not None else "plaintext")
         if cfg.link_vsock_port:

@@ -1,6 +1,10 @@
 """A TCP link's thread: the TLS handshake (when the link does TLS) and the hello's bytes, then the relay between
 the connection and the worker's end of a socketpair (the front keeps the server's key; a worker takes only local
-sockets). `front/_links.py` judges the hello on its loop and tells the thread what to do (`TcpRelay.decide`).
+sockets). `front/_links.py` judges the hello on its loop and tells the thread what to do (`LinkRelay.decide`).
+
+The thread runs in the front (`ThreadRelay`: plaintext TCP, or TLS where no relay process serves) or in one of
+the front's TLS relay processes (`_tls_relays.py`: there the same `TcpRelay` runs, told and heard through typed
+messages); `front/_links.py` sees either as a `LinkRelay`.
 """
 
 from __future__ import annotations
@@ -15,11 +19,16 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
+from gpubroker.broker.front.auth import peer_certificate_issued, peer_certificate_names
 from gpubroker.wire.frames import FRAME_HEADER, FrameDecoder, FrameTooLarge
 
-__all__ = ["HandshakeFailed", "HelloCutShort", "TcpRelay"]
+__all__ = ["HandshakeFailed", "Hello", "HelloCutShort", "LinkRelay", "TcpRelay", "ThreadRelay"]
+
+# A hello as the relay read it: its frame (header and body, or only the header of one past the limit), and its
+# verified client certificate's names (gRPC's order) and notBefore: (), None without one.
+Hello = tuple[bytes, tuple[str, ...], float | None]
 
 
 class HandshakeFailed(Exception):
@@ -32,36 +41,98 @@ class HelloCutShort(EOFError):
     hello at all); the message says how far it got."""
 
 
-class TcpRelay:
-    """One TCP link, in a thread of its own: the TLS handshake and the hello (judged by the front on its loop),
-    then the relay between the connection and the worker's socketpair.
+class LinkRelay(Protocol):
+    """A TCP link as the front's loop sees it, whichever process relays it: `start` it; its `hello` comes (or
+    the exception saying why none: HandshakeFailed, HelloCutShort, TimeoutError, EOFError, OSError); the front
+    judges it and `decide`s; `abort` at the hello's deadline or an eviction. ``on_end``, set before `decide`, is
+    called (from any thread) once the relay is over."""
 
-    A thread, not the event loop, because the relay is the link's whole cost in the front: decrypting and
-    encrypting every byte, and copying it. The ssl and socket calls let go of the GIL, so several links (a
-    striped copy) use several cores, and none of it delays the loop's gRPC calls and scheduler. One thread
-    does both directions: an SSL object is not safe for two threads at once.
-    """
+    hello: asyncio.Future[Hello]
+    on_end: Callable[[], Any] | None
+
+    @property
+    def aborted(self) -> bool: ...
+
+    @property
+    def progressed(self) -> bool:
+        """The handshake is done or a byte of the hello came: the connection is not idle (never evicted)."""
+
+    def start(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+    def decide(self, frames: list[bytes], worker: socket.socket | None) -> None:
+        """Write ``frames`` (a refusal or the hand-off's answers), then relay to ``worker`` (taken) or close."""
+
+
+class ThreadRelay:
+    """A `LinkRelay` run by a thread of the front."""
 
     def __init__(self, conn: socket.socket, tls: ssl.SSLContext | None, hello_limit: int, timeout: float,
                  stop_fd: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.hello: asyncio.Future[Hello] = loop.create_future()
+        hello = self.hello
+
+        def report(outcome: Hello | BaseException) -> None:
+            loop.call_soon_threadsafe(_settle, hello, outcome)
+
+        self._relay = TcpRelay(conn, tls, hello_limit, timeout, stop_fd, report)
+
+    @property
+    def on_end(self) -> Callable[[], Any] | None:
+        return self._relay.on_end
+
+    @on_end.setter
+    def on_end(self, call: Callable[[], Any] | None) -> None:
+        self._relay.on_end = call
+
+    @property
+    def aborted(self) -> bool:
+        return self._relay.aborted
+
+    @property
+    def progressed(self) -> bool:
+        return self._relay.progressed
+
+    def start(self) -> None:
+        threading.Thread(target=self._relay.run, name="gpubroker-link", daemon=True).start()
+
+    def abort(self) -> None:
+        self._relay.abort()
+
+    def decide(self, frames: list[bytes], worker: socket.socket | None) -> None:
+        self._relay.decide(frames, worker)
+
+
+class TcpRelay:
+    """One TCP link, in a thread of its own: the TLS handshake and the hello (``report``ed, to be judged by the
+    front on its loop), then the relay between the connection and the worker's socketpair.
+
+    A thread, not an event loop, because the relay is the link's whole cost: decrypting and encrypting every
+    byte, and copying it. The ssl and socket calls let go of the GIL, and none of it delays the front's gRPC calls
+    and scheduler. One thread does both directions: an SSL object is not safe for two threads at once.
+    """
+
+    def __init__(self, conn: socket.socket, tls: ssl.SSLContext | None, hello_limit: int, timeout: float,
+                 stop_fd: int, report: Callable[[Hello | BaseException], None],
+                 on_progress: Callable[[], None] | None = None) -> None:
         self.sock: socket.socket = conn
         self.aborted = False
         # Set by the thread once the handshake is done or a byte of the hello has come: the connection is not idle
         # (the gate never evicts it to make room), whatever its socket still holds.
         self.progressed = False
-        self.hello: asyncio.Future[tuple[bytes, Any]] = loop.create_future()
+        self._report = report
+        self._on_progress = on_progress
         self._tls = tls
         self._limit = hello_limit
         self._timeout = timeout
         self._stop_fd = stop_fd
-        self._loop = loop
         self._lock = threading.Lock()  # abort (the loop) against the thread's wrap and close of the socket
         self._closed = False
         self._verdict: queue.SimpleQueue[tuple[list[bytes], socket.socket | None]] = queue.SimpleQueue()
         # Called (from the thread) once the relay is over: gives the link's place back in the front's counts.
         self.on_end: Callable[[], Any] | None = None
 
-    # -- the loop's side -----------------------------------------------------------------------------
     def abort(self) -> None:
         """The hello's deadline: shut the connection, which ends the thread's read (the thread closes it)."""
         with self._lock:
@@ -77,10 +148,10 @@ class TcpRelay:
     # -- the thread ----------------------------------------------------------------------------------
     def run(self) -> None:
         try:
-            hello: tuple[bytes, Any] | BaseException = self._read_hello()
+            hello: Hello | BaseException = self._read_hello()
         except Exception as exc:  # (ssl.SSLError, OSError, EOFError: the loop's side sorts them out)
             hello = exc
-        self._loop.call_soon_threadsafe(_settle, self.hello, hello)
+        self._report(hello)
         try:
             frames, worker = self._verdict.get(timeout=_VERDICT_WAIT)
         except queue.Empty:  # (the broker stopping before it judged the hello)
@@ -104,7 +175,13 @@ class TcpRelay:
                 with contextlib.suppress(RuntimeError):  # (the loop closed: the broker stopped)
                     self.on_end()
 
-    def _read_hello(self) -> tuple[bytes, Any]:
+    def _progress(self) -> None:
+        if not self.progressed:
+            self.progressed = True
+            if self._on_progress is not None:
+                self._on_progress()
+
+    def _read_hello(self) -> Hello:
         """The handshake and the hello's frame (only its header if that announces more than the limit)."""
         deadline = time.monotonic() + self._timeout
 
@@ -136,7 +213,7 @@ class TcpRelay:
             except (ssl.SSLError, OSError) as exc:
                 left()  # (an abort shut the socket under the handshake: the abort's reason is the one)
                 raise HandshakeFailed(_handshake_failure(exc)) from None
-            self.progressed = True
+            self._progress()
             cert = self.sock.getpeercert()
         frames = FrameDecoder(self._limit, bytearray)  # (never past the hello's end: what follows is the worker's)
         got = 0
@@ -148,13 +225,15 @@ class TcpRelay:
                     raise HelloCutShort(f"cut short: the peer closed {got} bytes into its hello")
                 raise EOFError("closed before the hello")
             got += n
-            self.progressed = True
+            self._progress()
             try:
                 payload = frames.advance(n)
             except FrameTooLarge as exc:
-                return FRAME_HEADER.pack(exc.length), cert  # refused by the front before a byte of the body is read
+                # (refused by the front before a byte of the body is read)
+                return FRAME_HEADER.pack(exc.length), peer_certificate_names(cert), peer_certificate_issued(cert)
             if payload is not None:
-                return FRAME_HEADER.pack(len(payload)) + payload, cert
+                return (FRAME_HEADER.pack(len(payload)) + payload, peer_certificate_names(cert),
+                        peer_certificate_issued(cert))
 
     def _close(self) -> None:
         with self._lock:
