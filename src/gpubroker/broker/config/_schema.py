@@ -203,6 +203,11 @@ class BrokerSettings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         "Serve the framed command link (client <-> worker, authenticated by the front) over TCP on HOST:PORT, "
         "with the TCP listeners' TLS / mTLS ([tls]); without [tls] only on loopback (or insecure = true); empty: "
         "off."))] = ""
+    link_tls_processes: Annotated[int, Meta(ge=-1, le=64, description=(
+        "Processes that relay link_listen's TLS links (the handshake, then decrypting and encrypting every byte): "
+        "Python's ssl decrypts a 16 KiB record a call, one turn on its process's interpreter, so relays in one "
+        "process go at one core's pace together; -1: one per two cores, at most 4; 0: none (the front's threads "
+        "relay them)."))] = -1
     link_vsock_port: Annotated[int, Meta(ge=0, le=0xFFFFFFFF, description=(
         "Serve the framed command link to VM guests on this AF_VSOCK port (handed straight to the session's "
         "worker after the front authenticates the hello); 0: off."))] = 0

@@ -350,7 +350,9 @@ class Broker:
             link = parse_host_port(cfg.link_listen)
             host, port = link.host, link.port
             material = link_tls_material(cfg, cfg.link_listen) if link_context is not None else None
-            relays = TlsRelays(material) if material is not None else None
+            relays = None
+            if material is not None and cfg.link_tls_processes != 0:
+                relays = TlsRelays(material, cfg.link_tls_processes if cfg.link_tls_processes > 0 else None)
             service.link_port = await self.links.listen_tcp(host, port, link_context, relays)
             log.info("serving links on %s:%d (%s)", host, service.link_port,
                      "TLS" if link_context is not None else "plaintext")
