@@ -7,6 +7,7 @@ it runs no device work (the integration suite does that against real brokers).""
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -50,17 +51,24 @@ Handler = Callable[[Batch], Ack | None]  # None: close the connection instead of
 class Peer:
     """One scripted connection: answers the hello, then each batch with ``handler``'s ack, in order."""
 
-    def __init__(self, handler: Handler, refuse: dict[str, Any] | None = None) -> None:
+    def __init__(self, handler: Handler, refuse: dict[str, Any] | None = None,
+                 tls: tuple[ssl.SSLContext, ssl.SSLContext] | None = None) -> None:
+        """``tls``: the client's and the peer's contexts (the connection is TLS, as a TCP link's)."""
         self.client, self._sock = socket.socketpair()
         self.batches: list[Batch] = []
         self.hello: dict[str, Any] = {}
         self._handler, self._refuse = handler, refuse
+        self._tls = tls[1] if tls is not None else None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
+        if tls is not None:
+            self.client = tls[0].wrap_socket(self.client, server_hostname="localhost")
 
     def _run(self) -> None:
         sock = self._sock
         try:
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_side=True)
             self.hello = recv_frame(sock)
             if self._refuse is not None:
                 send_frame(sock, [0, 1, self._refuse])
@@ -72,7 +80,11 @@ class Peer:
                 ack = self._handler(batch)
                 if ack is None:
                     return
-                send_payload(sock, encode(ack))
+                if isinstance(sock, ssl.SSLSocket):  # (no sendmsg)
+                    payload = encode(ack)
+                    sock.sendall(len(payload).to_bytes(4, "big") + payload)
+                else:
+                    send_payload(sock, encode(ack))
         except (EOFError, OSError):
             pass
         finally:
@@ -540,21 +552,37 @@ def test_a_reads_bytes_land_only_when_they_are_what_was_asked_for() -> None:
     assert out == bytearray(1000)
 
 
-def test_a_raw_reads_bytes_are_received_straight_into_where_they_go(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a socket link a raw Read's answer (its Ack's head, then the bytes) is looked at before it is taken: the
-    bytes go straight from the socket into the caller's memory. Any other answer (a short read, an error) is read
-    as before, and lands nothing."""
+@pytest.fixture(scope="module")
+def tls_contexts(tmp_path_factory: pytest.TempPathFactory) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A client's and a server's TLS context (a CA and its server certificate for localhost)."""
+    from gpubroker.broker.certs import init_certs
+
+    ca, server = init_certs(tmp_path_factory.mktemp("ca"))
+    client = ssl.create_default_context(cafile=str(ca.cert))
+    peer = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    peer.load_cert_chain(str(server.cert), str(server.key))
+    return client, peer
+
+
+@pytest.mark.parametrize("transport", ["unix", "tls"])
+def test_a_raw_reads_bytes_are_received_straight_into_where_they_go(
+        monkeypatch: pytest.MonkeyPatch, transport: str, tls_contexts: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    """On a socket link a raw Read's answer (its Ack's head, then the bytes) is looked at before it is taken (on
+    TLS, which cannot look without taking, its frame's header and head are taken first): the bytes go straight
+    from the socket into the caller's memory. Any other answer (a short read, an error) is read as before, and
+    lands nothing."""
     from gpubroker.client._transports import _link
 
     landed: list[int] = []
-    land = _link._Frames._land
+    name = "_land" if transport == "unix" else "_land_taking"
+    land = getattr(_link._Frames, name)
 
     def counted(self: Any, into: memoryview) -> Any:
         result = land(self, into)
         landed.append(result is not None)
         return result
 
-    monkeypatch.setattr(_link._Frames, "_land", counted)
+    monkeypatch.setattr(_link._Frames, name, counted)
     chunk = 256 * 1024
     data = bytes(range(256)) * (4 * chunk // 256)
 
@@ -569,7 +597,7 @@ def test_a_raw_reads_bytes_are_received_straight_into_where_they_go(monkeypatch:
             return Ack(batch.id, len(batch.commands), None, bytearray(data[last.offset:last.offset + last.size]))
         return ok(batch)
 
-    t = link([Peer(handler)])
+    t = link([Peer(handler, tls=tls_contexts if transport == "tls" else None)])
     out = bytearray(len(data))
     t.copy_out(("b1", 0), 0, memoryview(out), "", chunk)
     assert out == data and landed == [True] * 4

@@ -157,10 +157,12 @@ class _Frames:
     def next(self, into: memoryview | None = None) -> bytearray | Landed:
         """The next frame's payload; ``into``: see ``_land``."""
         ready = self._ready
-        if into is not None and not ready and self._peeks and len(into) >= _JOIN_MAX and not self._decoder.reading:
-            landed = self._land(into)
+        if into is not None and not ready and len(into) >= _JOIN_MAX and not self._decoder.reading:
+            landed = self._land(into) if self._peeks else self._land_taking(into)
             if landed is not None:
                 return landed
+            if ready:
+                return ready.popleft()
         while not ready:
             into = self._decoder.buffer()
             if len(into) > _JOIN_MAX:
@@ -190,6 +192,33 @@ class _Frames:
             return None
         try:
             _recv_exactly(self._sock, self._chunk[:end])  # (what was peeked, taken)
+            _recv_exactly(self._sock, into)
+        except TimeoutError:
+            raise FrameClosed("a read's bytes stopped coming halfway") from None
+        return Landed(encoded)
+
+    def _land_taking(self, into: memoryview) -> Landed | None:
+        """``_land`` where nothing can be looked at without taking it (a TLS socket): the frame's header is taken
+        first (one recv of its 4 bytes, which waits as a receive does: nothing taken on a timeout), then the head
+        it announces, then, where the head is a raw Read's Ack of ``len(into)`` bytes, the bytes into ``into``.
+        Anything else goes to the frame decoder as taken, and the frame is read as usual (None)."""
+        n, chunk, size = len(into), self._chunk, FRAME_HEADER.size
+        k = self._sock.recv_into(chunk[:size], size)
+        if k == 0:
+            raise FrameClosed("peer closed the connection")
+        end = size + FRAME_HEADER.unpack_from(chunk)[0] - n if k == size else 0  # (where the bytes would start)
+        encoded = None
+        if size < end <= size + READ_HEAD_MAX:
+            try:
+                _recv_exactly(self._sock, chunk[size:end])
+            except TimeoutError:
+                raise FrameClosed("a frame stopped coming halfway") from None
+            encoded = read_ack_head(chunk[size:end], n)
+            k = end
+        if encoded is None:
+            self._ready.extend(self._decoder.feed(chunk[:k]))
+            return None
+        try:
             _recv_exactly(self._sock, into)
         except TimeoutError:
             raise FrameClosed("a read's bytes stopped coming halfway") from None
