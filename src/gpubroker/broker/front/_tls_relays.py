@@ -29,6 +29,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import signal
@@ -271,8 +272,13 @@ class _Process:
                     self.loop.add_writer(channel.fileno(), self._flush)
                 return
             except OSError as exc:
-                self.gone(f"cannot write to it ({exc.strerror})")
-                return
+                if exc.errno != errno.EMSGSIZE:
+                    self.gone(f"cannot write to it ({exc.strerror})")
+                    return
+                # (a message past the socket's buffer: only that link goes without it, its hello or verdict
+                # never coming; the process and its other links go on)
+                log.error("TLS relay process %s: a message of %d bytes is too large to send: dropped", self.pid,
+                          len(payload))
             self._unsent.popleft()
             if fd is not None:
                 os.close(fd)
@@ -322,8 +328,9 @@ class _Process:
                 del self.links[message.link]
                 link.ended()
 
-    def gone(self, why: str) -> None:
-        """The process ended or cannot be spoken to: its links end, and the process is killed."""
+    def gone(self, why: str, stopping: bool = False) -> None:
+        """The process ended or cannot be spoken to (or the broker stops): its links end, and the process is
+        killed."""
         channel, self.channel = self.channel, None
         if channel is None:
             return
@@ -339,7 +346,8 @@ class _Process:
         if not self.ready.done():
             self.ready.set_result(None)
         if self.started:
-            log.warning("TLS relay process %s: %s; its %d links end", self.pid, why, len(self.links))
+            (log.info if stopping else log.warning)("TLS relay process %s: %s; its %d links end", self.pid, why,
+                                                    len(self.links))
         links, self.links = self.links, {}
         for link in links.values():
             link.ended()
@@ -434,7 +442,7 @@ class TlsRelays:
             task.cancel()
         processes = list(self.processes)
         for process in processes:
-            process.gone("the broker stops")
+            process.gone("the broker stops", stopping=True)
         for process in processes:
             if process.process is not None:
                 await asyncio.to_thread(process.process.wait)
