@@ -42,12 +42,10 @@ import array
 import asyncio
 import collections
 import contextlib
-import ctypes
 import errno
 import logging
 import os
 import select
-import signal
 import socket
 import struct
 import subprocess
@@ -57,6 +55,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
+from gpubroker.broker.front._child_channel import FD_SPACE, ChildChannel, die_with_parent, start_child, take_fds
 from gpubroker.broker.front._owners import SocketOwners
 from gpubroker.broker.front.listeners import (
     ACCEPT_BACKOFF,
@@ -102,12 +101,10 @@ START_TIMEOUT: Final = 10.0
 # Connections accepted and not yet taken by the front: past this, the process accepts no more until the front
 # takes some (connections wait in the backlog).
 MAX_UNSENT: Final = 256
-_FD_SPACE: Final = socket.CMSG_SPACE(array.array("i", [0]).itemsize)
 # Connections a Unix listener's wakeup takes at most (the refusal path): a churner's backlog drained in one go.
 DRAIN_BATCH: Final = 4096
 _PEERCRED_SIZE: Final = 12  # struct ucred: pid, uid, gid
 _UID: Final = struct.Struct("i")
-_PR_SET_PDEATHSIG: Final = 1
 # A local user refused for its connection rate this many times within CHURN_WINDOW seconds is connecting and
 # closing in a loop (the default rate admits 200 a second): `ChurnBans` bans it from the Unix sockets for
 # BAN_SECONDS, doubling while it goes on, up to BAN_SECONDS_MAX.
@@ -239,16 +236,6 @@ class ChurnBans:
                 log.warning("cannot set the ACL of %s: %s", path, exc.strerror)
 
 
-def _take_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
-    fds: list[int] = []
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            found = array.array("i")
-            found.frombytes(data[:len(data) - len(data) % found.itemsize])
-            fds.extend(found)
-    return fds
-
-
 # -- the front's side --------------------------------------------------------------------------------------------
 
 
@@ -260,14 +247,12 @@ class AcceptorProcess:
         self.rate = rate
         self.networks = networks
         self.process: subprocess.Popen[bytes] | None = None
-        self._channel: socket.socket | None = None
+        self._channel: ChildChannel | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: int | None = None
         self._acceptors: dict[int, Acceptor] = {}
         self._ids: dict[Acceptor, int] = {}
         self._next_id = 0
-        self._unsent: collections.deque[tuple[bytes, int | None]] = collections.deque()  # (waits for the channel)
-        self._writing = False
         self._closed = False
         self._started: asyncio.Future[None] | None = None
         self.bans: ChurnBans | None = None
@@ -283,23 +268,10 @@ class AcceptorProcess:
         self._started = self._loop.create_future()
         self.bans = ChurnBans(self._loop)
         self._thread = threading.get_ident()
-        front, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            argv = [sys.executable, "-s", "-P", "-m", __name__, "--channel", str(child.fileno()), "--parent",
-                    str(os.getpid()), "--rate", repr(self.rate.rate), "--burst", repr(self.rate.burst),
-                    "--ipv4", str(self.networks.ipv4), "--ipv6", str(self.networks.ipv6), "--nice", str(ACCEPTOR_NICE)]
-            # subprocess (vfork + exec), as the workers are started: never a fork of a process full of threads.
-            # Its stdout and stderr are the front's: it writes nothing but a traceback on a bug.
-            self.process = subprocess.Popen(argv, pass_fds=[child.fileno()], stdin=subprocess.DEVNULL,
-                                            start_new_session=True)
-        except BaseException:
-            front.close()
-            raise
-        finally:
-            child.close()
-        front.setblocking(False)
-        self._channel = front
-        self._loop.add_reader(front.fileno(), self._read)
+        self.process, front = start_child(__name__, [
+            "--rate", repr(self.rate.rate), "--burst", repr(self.rate.burst), "--ipv4", str(self.networks.ipv4),
+            "--ipv6", str(self.networks.ipv6), "--nice", str(ACCEPTOR_NICE)])
+        self._channel = ChildChannel(front, self._loop, "the acceptor process", self._read, self._gone)
         try:
             await asyncio.wait_for(asyncio.shield(self._started), START_TIMEOUT)
         except TimeoutError:
@@ -321,17 +293,8 @@ class AcceptorProcess:
 
     def _drop_channel(self) -> None:
         channel, self._channel = self._channel, None
-        if channel is None:
-            return
-        assert self._loop is not None
-        self._loop.remove_reader(channel.fileno())
-        if self._writing:
-            self._loop.remove_writer(channel.fileno())
-        channel.close()
-        for _, fd in self._unsent:
-            if fd is not None:
-                os.close(fd)
-        self._unsent.clear()
+        if channel is not None:
+            channel.close()
 
     # -- listeners.OffLoop (from any thread: the gRPC gate may run a loop of its own) -----------------------
 
@@ -393,54 +356,24 @@ class AcceptorProcess:
             if fd is not None:
                 os.close(fd)
             return
-        self._unsent.append((payload, fd))
-        self._flush()
-
-    def _flush(self) -> None:
-        channel = self._channel
-        assert channel is not None and self._loop is not None
-        while self._unsent:
-            payload, fd = self._unsent[0]
-            try:
-                if fd is None:
-                    channel.send(payload)
-                else:
-                    channel.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-            except (BlockingIOError, InterruptedError):
-                if not self._writing:
-                    self._writing = True
-                    self._loop.add_writer(channel.fileno(), self._flush)
-                return
-            except OSError as exc:
-                self._gone(f"cannot write to it ({exc.strerror})")
-                return
-            self._unsent.popleft()
-            if fd is not None:
-                os.close(fd)
-        if self._writing:
-            self._writing = False
-            self._loop.remove_writer(channel.fileno())
+        self._channel.send(payload, fd)
 
     def _read(self) -> None:
         channel = self._channel
         for _ in range(ACCEPT_BATCH):
             if channel is None or self._channel is not channel:
                 return
-            try:
-                payload, ancdata, flags, _ = channel.recvmsg(MAX_ACCEPT_MESSAGE, _FD_SPACE)
-            except (BlockingIOError, InterruptedError):
+            got = channel.receive(MAX_ACCEPT_MESSAGE)
+            if got is None:
                 return
-            except OSError as exc:
-                self._gone(f"cannot read from it ({exc.strerror})")
-                return
-            fds = _take_fds(ancdata)
+            payload, fds, truncated = got
             if not payload:
                 for fd in fds:
                     os.close(fd)
                 self._gone("it ended")
                 return
             try:
-                self._on_message(payload, fds, truncated=bool(flags & socket.MSG_CTRUNC))
+                self._on_message(payload, fds, truncated=truncated)
             except Exception as exc:  # (a bug of ours: one message must not stop the front's accepting)
                 log.error("acceptor process: a message failed: %r", exc)
             finally:
@@ -609,12 +542,12 @@ class _Acceptor:
         """Take the front's messages; False once the front is gone."""
         for _ in range(ACCEPT_BATCH):
             try:
-                payload, ancdata, _, _ = self.channel.recvmsg(MAX_ACCEPT_MESSAGE, _FD_SPACE)
+                payload, ancdata, _, _ = self.channel.recvmsg(MAX_ACCEPT_MESSAGE, FD_SPACE)
             except (BlockingIOError, InterruptedError):
                 return True
             except OSError:
                 return False
-            fds = _take_fds(ancdata)
+            fds = take_fds(ancdata)
             if not payload:
                 return False
             message = decode_to_acceptor(payload)
@@ -807,17 +740,9 @@ class _Acceptor:
             self.poll.modify(self.channel.fileno(), events)
 
 
-def _die_with_parent(parent: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
-               ctypes.c_ulong(0), ctypes.c_ulong(0))
-    if os.getppid() != parent:  # (the front died before the prctl took)
-        raise SystemExit(0)
-
-
 def main(argv: list[str]) -> None:
     options = dict(zip(argv[::2], argv[1::2], strict=False))
-    _die_with_parent(int(options["--parent"]))
+    die_with_parent(int(options["--parent"]))
     os.nice(int(options["--nice"]))
     channel = socket.socket(fileno=int(options["--channel"]))
     channel.setblocking(False)

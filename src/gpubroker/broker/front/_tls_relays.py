@@ -24,15 +24,10 @@ or (none left) to threads of the front.
 
 from __future__ import annotations
 
-import array
 import asyncio
-import collections
 import contextlib
-import ctypes
-import errno
 import logging
 import os
-import signal
 import socket
 import ssl
 import subprocess
@@ -44,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
+from gpubroker.broker.front._child_channel import FD_SPACE, ChildChannel, die_with_parent, start_child, take_fds
 from gpubroker.broker.front._tcp_relay import HandshakeFailed, Hello, HelloCutShort, TcpRelay
 from gpubroker.wire.tls_relay import (
     MAX_RELAY_MESSAGE,
@@ -75,8 +71,6 @@ MAX_PROCESSES: Final = 4
 START_TIMEOUT: Final = 10.0
 # A process that ended is started again, at most this often (one that fails at once is not restarted in a loop).
 RESTART_SECONDS: Final = 1.0
-_FD_SPACE: Final = socket.CMSG_SPACE(array.array("i", [0]).itemsize)
-_PR_SET_PDEATHSIG: Final = 1
 
 
 def tls_relay_processes() -> int:
@@ -205,38 +199,22 @@ class _Process:
     def __init__(self, loop: asyncio.AbstractEventLoop, on_gone: Callable[[_Process], None]) -> None:
         self.loop = loop
         self.process: subprocess.Popen[bytes] | None = None
-        self.channel: socket.socket | None = None
+        self.channel: ChildChannel | None = None
         self.links: dict[int, HelperRelay] = {}
         self.ready: asyncio.Future[None] = loop.create_future()  # (done at its Ready, or when it is gone)
         self.started = False
         self._on_gone = on_gone
-        self._unsent: collections.deque[tuple[bytes, int | None]] = collections.deque()
-        self._writing = False
 
     def start(self, material: Serve) -> None:
-        front, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        memfd = -1
+        memfd = os.memfd_create("gpubroker-tls", os.MFD_CLOEXEC)
         try:
-            for end in (front, child):
-                end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, MAX_RELAY_MESSAGE * 2)
-            memfd = os.memfd_create("gpubroker-tls", os.MFD_CLOEXEC)
             os.write(memfd, encode(material))
             os.lseek(memfd, 0, os.SEEK_SET)
-            argv = [sys.executable, "-s", "-P", "-m", __name__, "--channel", str(child.fileno()), "--material",
-                    str(memfd), "--parent", str(os.getpid())]
-            # Its stdout and stderr are the front's: it writes nothing but a traceback on a bug.
-            self.process = subprocess.Popen(argv, pass_fds=[child.fileno(), memfd], stdin=subprocess.DEVNULL,
-                                            start_new_session=True)
-        except BaseException:
-            front.close()
-            raise
+            self.process, front = start_child(__name__, ["--material", str(memfd)], (memfd,),
+                                              send_buffer=MAX_RELAY_MESSAGE * 2)
         finally:
-            child.close()
-            if memfd >= 0:
-                os.close(memfd)
-        front.setblocking(False)
-        self.channel = front
-        self.loop.add_reader(front.fileno(), self._read)
+            os.close(memfd)
+        self.channel = ChildChannel(front, self.loop, f"TLS relay process {self.process.pid}", self._read, self.gone)
 
     @property
     def alive(self) -> bool:
@@ -253,55 +231,17 @@ class _Process:
             return False
         if link is not None:
             self.links[link.link] = link
-        self._unsent.append((encode(message), fd))
-        self._flush()
+        self.channel.send(encode(message), fd)
         return True
-
-    def _flush(self) -> None:
-        channel = self.channel
-        while channel is not None and self._unsent:
-            payload, fd = self._unsent[0]
-            try:
-                if fd is None:
-                    channel.send(payload)
-                else:
-                    channel.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-            except (BlockingIOError, InterruptedError):
-                if not self._writing:
-                    self._writing = True
-                    self.loop.add_writer(channel.fileno(), self._flush)
-                return
-            except OSError as exc:
-                if exc.errno != errno.EMSGSIZE:
-                    self.gone(f"cannot write to it ({exc.strerror})")
-                    return
-                # (a message past the socket's buffer: only that link goes without it, its hello or verdict
-                # never coming; the process and its other links go on)
-                log.error("TLS relay process %s: a message of %d bytes is too large to send: dropped", self.pid,
-                          len(payload))
-            self._unsent.popleft()
-            if fd is not None:
-                os.close(fd)
-        if self._writing and channel is not None:
-            self._writing = False
-            self.loop.remove_writer(channel.fileno())
 
     def _read(self) -> None:
         for _ in range(64):
-            channel = self.channel
-            if channel is None:
+            got = self.channel.receive(MAX_RELAY_MESSAGE) if self.channel is not None else None
+            if got is None:
                 return
-            try:
-                payload, ancdata, _, _ = channel.recvmsg(MAX_RELAY_MESSAGE, _FD_SPACE)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                self.gone(f"cannot read from it ({exc.strerror})")
-                return
-            for level, kind, data in ancdata:  # (it sends none: any is closed)
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    for fd in array.array("i", data[:len(data) - len(data) % 4]):
-                        os.close(fd)
+            payload, fds, _ = got
+            for fd in fds:  # (it sends none: any is closed)
+                os.close(fd)
             if not payload:
                 self.gone("it ended")
                 return
@@ -334,15 +274,7 @@ class _Process:
         channel, self.channel = self.channel, None
         if channel is None:
             return
-        self.loop.remove_reader(channel.fileno())
-        if self._writing:
-            self._writing = False
-            self.loop.remove_writer(channel.fileno())
         channel.close()
-        for _, fd in self._unsent:
-            if fd is not None:
-                os.close(fd)
-        self._unsent.clear()
         if not self.ready.done():
             self.ready.set_result(None)
         if self.started:
@@ -470,13 +402,12 @@ class _RelayProcess:
         self.send(Ready(os.getpid()))
         while True:
             try:
-                payload, ancdata, _, _ = self.channel.recvmsg(MAX_RELAY_MESSAGE, _FD_SPACE)
+                payload, ancdata, _, _ = self.channel.recvmsg(MAX_RELAY_MESSAGE, FD_SPACE)
             except InterruptedError:
                 continue
             except OSError:
                 payload, ancdata = b"", []
-            fds = [fd for level, kind, data in ancdata if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
-                   for fd in array.array("i", data[:len(data) - len(data) % 4])]
+            fds = take_fds(ancdata)
             if not payload:  # the front ended: every relay ends (they poll the stop pipe), and so does this
                 os.write(self._stop_w, b"x")
                 return
@@ -539,17 +470,9 @@ def _failure(exc: BaseException) -> tuple[Failure, str]:
     return "error", type(exc).__name__
 
 
-def _die_with_parent(parent: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
-               ctypes.c_ulong(0), ctypes.c_ulong(0))
-    if os.getppid() != parent:  # (the front died before the prctl took)
-        raise SystemExit(0)
-
-
 def main(argv: list[str]) -> None:
     options = dict(zip(argv[::2], argv[1::2], strict=False))
-    _die_with_parent(int(options["--parent"]))
+    die_with_parent(int(options["--parent"]))
     with open(int(options["--material"]), "rb") as material:
         context = server_context(decode_serve(material.read()))
     channel = socket.socket(fileno=int(options["--channel"]))
