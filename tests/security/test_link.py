@@ -369,3 +369,58 @@ def test_tls_links_are_relayed_by_processes_of_the_front_and_outlive_their_endin
         wait_for(lambda: bool(set(_tls_relay_processes(broker)) - set(relays)), 15, "a TLS relay process again")
         with _tls(broker, certs, "alice") as sock:
             _link_works(sock, session, 4)
+
+
+_CONNECT_AND_CLOSE = """
+import socket, sys, time
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    try:
+        socket.create_connection(("127.0.0.1", int(sys.argv[1]))).close()
+    except OSError:
+        time.sleep(0.01)
+"""
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _threads(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+
+
+def test_a_flood_of_connections_evicted_as_they_come_stays_within_the_caps(backend: str,
+                                                                           certs: dict[str, CertPaths]) -> None:
+    """Two processes connect and close on the TLS port as fast as they can (the per-peer connection rate raised,
+    as many peers at the default rate would add up): each newcomer evicts an older connection of its peer. The
+    front keeps nothing of an evicted connection while the relay process catches up, and a relay process behind
+    is given no more: the front's descriptors stay within what the pre-authentication caps allow (256
+    connections, two descriptors each), the relay's threads within its bound, and both come back after. (Before:
+    20,000 descriptors, the front's limit, within 4 s, and 6,800 threads in the relay process.)"""
+    tls = TlsConfig(cert_file=str(certs["server"].cert), key_file=str(certs["server"].key),
+                    client_ca_file=str(certs["ca"].cert), require_client_cert=True)
+    settings = {"tls": tls, "link_listen": "127.0.0.1:0", "max_connections_per_peer_per_second": 100000.0,
+                "connection_burst_per_peer": 100000}
+    with BrokerProcess(TENANTS, backend=backend, settings=settings) as broker:
+        front = broker.process.pid
+        relays = _tls_relay_processes(broker)
+        assert relays
+        base_fds = _fds(front)
+        flooders = [subprocess.Popen([sys.executable, "-c", _CONNECT_AND_CLOSE, str(broker.link_port), "4"])
+                    for _ in range(2)]
+        peak_fds = peak_threads = 0
+        try:
+            while any(f.poll() is None for f in flooders):
+                peak_fds = max(peak_fds, _fds(front))
+                peak_threads = max(peak_threads, max(_threads(pid) for pid in relays))
+                time.sleep(0.1)  # (sampling the flood's cost, not waiting for it)
+        finally:
+            for flooder in flooders:
+                flooder.kill()
+                flooder.wait()
+        assert peak_fds < base_fds + 3 * 256, (base_fds, peak_fds)
+        assert peak_threads < 600, peak_threads
+        wait_for(lambda: all(_threads(pid) == 1 for pid in relays), 30, "the relay's threads to end")
+        wait_for(lambda: _fds(front) <= base_fds + 8, 30, "the front's descriptors to come back")

@@ -25,15 +25,18 @@ import msgspec
 
 from gpubroker.wire import encoding
 
-__all__ = ["MAX_RELAYED_HELLO", "MAX_RELAY_MESSAGE", "Abort", "Ended", "FromRelay", "HelloFailed", "HelloRead",
-           "Progressed", "Ready", "Relay", "Serve", "ToRelay", "Verdict", "decode_from_relay", "decode_serve",
-           "decode_to_relay", "encode"]
+__all__ = ["MAX_NAME", "MAX_NAMES", "MAX_RELAYED_HELLO", "MAX_RELAY_MESSAGE", "Abort", "Ended", "FromRelay",
+           "HelloFailed", "HelloRead", "Progressed", "Ready", "Relay", "Serve", "ToRelay", "Verdict",
+           "decode_from_relay", "decode_serve", "decode_to_relay", "encode"]
 
 # The largest hello_max_bytes a relay process reads for the front (a larger one is read by a thread of the front),
 # and the largest message: such a hello with room for its envelope. A packet must fit in the socket's send buffer
 # (wmem_max, 208 KiB by default, doubled by the kernel).
 MAX_RELAYED_HELLO: Final = 128 * 1024
-MAX_RELAY_MESSAGE: Final = MAX_RELAYED_HELLO + 16 * 1024
+# A client certificate's names a hello carries at most, and their length (a certificate past them is refused).
+MAX_NAMES: Final = 64
+MAX_NAME: Final = 1024
+MAX_RELAY_MESSAGE: Final = MAX_RELAYED_HELLO + MAX_NAMES * MAX_NAME + 16 * 1024
 
 LinkId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
 Pem = Annotated[bytes, msgspec.Meta(max_length=64 << 20)]
@@ -104,7 +107,8 @@ class HelloRead(_FromRelay, tag="hello", frozen=True):
 
     link: LinkId
     frame: Annotated[bytes, msgspec.Meta(max_length=MAX_RELAYED_HELLO + 4)]
-    names: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=4096)], ...], msgspec.Meta(max_length=64)] = ()
+    names: Annotated[tuple[Annotated[str, msgspec.Meta(max_length=MAX_NAME)], ...],
+                     msgspec.Meta(max_length=MAX_NAMES)] = ()
     issued: float | None = None
 
 

@@ -156,21 +156,20 @@ class TcpRelay:
             frames, worker = self._verdict.get(timeout=_VERDICT_WAIT)
         except queue.Empty:  # (the broker stopping before it judged the hello)
             frames, worker = [], None
-        if isinstance(hello, BaseException):
-            self._close()
-            return
         try:
-            self.sock.settimeout(self._timeout)
-            for frame in frames:
-                self.sock.sendall(frame)
-            if worker is not None:
-                _relay(self.sock, worker, self._stop_fd)
+            if not isinstance(hello, BaseException):
+                self.sock.settimeout(self._timeout)
+                for frame in frames:
+                    self.sock.sendall(frame)
+                if worker is not None:
+                    _relay(self.sock, worker, self._stop_fd)
         except OSError:
             pass
         finally:
             if worker is not None:
                 worker.close()
             self._close()
+            # (also after a failed hello: in a relay process the link is forgotten, and the front told, only so)
             if self.on_end is not None:
                 with contextlib.suppress(RuntimeError):  # (the loop closed: the broker stopped)
                     self.on_end()

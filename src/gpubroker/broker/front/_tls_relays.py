@@ -42,6 +42,8 @@ from typing import Any, Final
 from gpubroker.broker.front._child_channel import FD_SPACE, ChildChannel, die_with_parent, start_child, take_fds
 from gpubroker.broker.front._tcp_relay import HandshakeFailed, Hello, HelloCutShort, TcpRelay
 from gpubroker.wire.tls_relay import (
+    MAX_NAME,
+    MAX_NAMES,
     MAX_RELAY_MESSAGE,
     MAX_RELAYED_HELLO,
     Abort,
@@ -66,6 +68,10 @@ log = logging.getLogger("gpubroker.server")
 
 # Processes at most: a striped copy uses 4 links (client/_transports/_link.py TCP_STRIPES).
 MAX_PROCESSES: Final = 4
+# Links a process may owe the front their hello's report (handed over, not yet reported) before it is given no
+# more: more than the pre-authentication caps let wait at once (max_unauthenticated_connections, 256), so only a
+# process that fell behind (a flood of connections evicted as fast as they come, a process that hangs) reaches it.
+MAX_PENDING: Final = 512
 # How long the front waits for a process to say it is ready; one that does not is killed (its links are then
 # relayed by threads of the front).
 START_TIMEOUT: Final = 10.0
@@ -135,11 +141,14 @@ class HelperRelay:
         self._process.send(Relay(self.link, self._hello_limit, self._timeout), fd, self)
 
     def abort(self) -> None:
+        """Shut the connection (whichever process holds it, the socket ends) and settle its hello here and now:
+        the front keeps nothing of an evicted or late connection while the relay process catches up."""
         self._aborted = True
         if self._conn is not None:
             with contextlib.suppress(OSError):
                 self._conn.shutdown(socket.SHUT_RDWR)
         self._process.send(Abort(self.link), None, None)
+        self._settle(EOFError("shut: its hello's deadline passed, or it was evicted"))
 
     def decide(self, frames: list[bytes], worker: socket.socket | None) -> None:
         fd: int | None = None
@@ -201,6 +210,9 @@ class _Process:
         self.process: subprocess.Popen[bytes] | None = None
         self.channel: ChildChannel | None = None
         self.links: dict[int, HelperRelay] = {}
+        # Links handed over whose hello it has not yet reported: what it owes. Past MAX_PENDING it is given no more
+        # (an anonymous flood of connections must not outrun it: each would wait in its channel and its threads).
+        self.pending: set[int] = set()
         self.ready: asyncio.Future[None] = loop.create_future()  # (done at its Ready, or when it is gone)
         self.started = False
         self._on_gone = on_gone
@@ -231,6 +243,7 @@ class _Process:
             return False
         if link is not None:
             self.links[link.link] = link
+            self.pending.add(link.link)
         self.channel.send(encode(message), fd)
         return True
 
@@ -258,6 +271,8 @@ class _Process:
             link = self.links.get(message.link)
             if link is None:
                 continue
+            if not isinstance(message, Progressed):
+                self.pending.discard(message.link)
             if isinstance(message, Progressed):
                 link.progress()
             elif isinstance(message, HelloRead):
@@ -281,6 +296,7 @@ class _Process:
             (log.info if stopping else log.warning)("TLS relay process %s: %s; its %d links end", self.pid, why,
                                                     len(self.links))
         links, self.links = self.links, {}
+        self.pending.clear()
         for link in links.values():
             link.ended()
         self.kill()
@@ -359,8 +375,8 @@ class TlsRelays:
         serves, or for hellos larger than a message carries."""
         if self._loop is None or self._closed or hello_limit > MAX_RELAYED_HELLO:
             return None
-        alive = [p for p in self.processes if p.alive]
-        if not alive:
+        alive = [p for p in self.processes if p.alive and len(p.pending) < MAX_PENDING]
+        if not alive:  # (none serves, or all are behind: a thread of the front relays it, as before them)
             return None
         process = min(alive, key=lambda p: len(p.links))
         link = HelperRelay(process, self._next_link, conn, hello_limit, timeout, self._loop)
@@ -442,7 +458,11 @@ class _RelayProcess:
                 self.send(HelloFailed(number, failure, why[:512]))
             else:
                 frame, names, issued = outcome
-                self.send(HelloRead(number, frame, names, issued))
+                if len(names) > MAX_NAMES or any(len(name) > MAX_NAME for name in names):
+                    self.send(HelloFailed(number, "handshake", f"the client certificate has more than {MAX_NAMES} "
+                                          f"names or one longer than {MAX_NAME} characters"))
+                else:
+                    self.send(HelloRead(number, frame, names, issued))
 
         def ended() -> None:
             with self._links_lock:
