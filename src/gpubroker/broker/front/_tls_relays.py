@@ -3,9 +3,9 @@
 A link's relay is its whole cost: every byte decrypted, encrypted and copied. OpenSSL decrypts a TLS record
 (16 KiB) a call, and Python's ssl lets go of the GIL for each call and takes it again; threads of one process
 doing so take turns on its interpreter, each turn a wake-up of the thread that waits. Measured on an H200 host
-(16 cores, `scratch`-free: tests/security's relays are the same code), a striped copy's TLS streams through relay
-threads of one process went at 1.2-1.6 GB/s in all for 1 to 8 streams; through a process each, 2.5 GB/s for 2 and
-4.8 GB/s for 4. So the front starts a few processes (``tls_relay_processes``: one per two cores, at most 4), and
+(16 cores; the front's own ``_relay`` between TLS clients and a drain process), TLS streams through relay threads
+of one process went at 1.2-1.6 GB/s in all for 1 to 8 streams; through a process each, 2.5 GB/s for 2 and 4.8 GB/s
+for 4. So the front starts a few processes (``link_tls_processes``: by default one per two cores, at most 4), and
 each takes its share of the TLS links, in a thread a link as before (``TcpRelay``): a striped copy's links are
 dealt to different processes (the one relaying fewest links takes the next).
 
@@ -16,7 +16,10 @@ front's), with one typed message a packet on a Unix SOCK_SEQPACKET socketpair (`
 the handshake, reads the hello and sends it to the front, which judges it on its loop as every hello; the front's
 verdict comes back with the worker's end of the link's socketpair, and the process relays until either end
 closes, then says so (the link's place in the counts is given back). The front keeps a descriptor of the
-connection until the hello comes, so an abort shuts it even if the process does not answer. A process exits with
+connection until the hello comes: an abort (the hello's deadline, an eviction) shuts it and settles the link in the
+front at once, whatever the process has done with it yet; and a process that owes MAX_PENDING hellos is given no
+more links until it catches up (the front's threads relay them meanwhile), so a flood of connections evicted as
+fast as they come, or a hung process, costs the front no more than its caps allow. A process exits with
 the front (PR_SET_PDEATHSIG, and the socketpair's end); should one end first, its links end (the front hears of
 each, its hello failing or its relay over), another is started in its place, and meanwhile links go to the others
 or (none left) to threads of the front.
