@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import signal
 import socket
+import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,16 +17,27 @@ from pathlib import Path
 import pytest
 
 from gpubroker.broker.certs import init_certs
-from gpubroker.broker.front import _tls_relays
-from gpubroker.broker.front._tcp_relay import HandshakeFailed
-from gpubroker.broker.front._tls_relays import TlsRelays
+from gpubroker.broker.front import _tcp_relay, _tls_relays
+from gpubroker.broker.front._tcp_relay import HandshakeFailed, ThreadRelay
+from gpubroker.broker.front._tls_relays import HelperRelay, TlsRelays
+from gpubroker.wire.frames import FRAME_HEADER
 from gpubroker.wire.tls_relay import Serve
 
 
 @pytest.fixture(scope="module")
-def material(tmp_path_factory: pytest.TempPathFactory) -> Serve:
+def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Serve]:
     ca, server = init_certs(tmp_path_factory.mktemp("ca"))
-    return Serve(server.cert.read_bytes(), server.key.read_bytes(), ca.cert.read_bytes())
+    return ca.cert, Serve(server.cert.read_bytes(), server.key.read_bytes())  # (no client certificate asked)
+
+
+@pytest.fixture
+def material(certs: tuple[Path, Serve]) -> Serve:
+    return certs[1]
+
+
+@pytest.fixture
+def ca_file(certs: tuple[Path, Serve]) -> Path:
+    return certs[0]
 
 
 @pytest.fixture
@@ -121,5 +134,122 @@ def test_an_aborted_link_is_settled_at_once_and_a_process_behind_is_given_no_mor
             for client in clients:
                 client.close()
             await relays.close()
+
+    asyncio.run(main())
+
+
+def _tls_link(relays: TlsRelays, listener: socket.socket, ca: Path) -> tuple[ssl.SSLSocket, HelperRelay]:
+    """A client's TLS connection through a relay process, its handshake done and a hello sent."""
+    client = socket.create_connection(listener.getsockname())
+    conn, _ = listener.accept()
+    link = relays.relay(conn, 65536, 10.0)
+    assert link is not None
+    link.start()
+    context = ssl.create_default_context(cafile=str(ca))
+    tls = context.wrap_socket(client, server_hostname="localhost")
+    tls.sendall(FRAME_HEADER.pack(5) + b"hello")
+    return tls, link
+
+
+def _vm_size(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmSize:"))) * 1024
+
+
+def test_a_link_a_relay_process_has_no_thread_for_fails_alone(material: Serve, ca_file: Path,
+                                                              listener: socket.socket) -> None:
+    """The relay process at its address-space limit (as at a host's or container's task limit, a thread cannot
+    start): the new link fails, and the process goes on relaying the links it has."""
+
+    async def main() -> None:
+        relays = TlsRelays(material, count=1)
+        await relays.start()
+        process = relays.processes[0]
+        assert process.pid is not None
+        try:
+            tls, live = await asyncio.to_thread(_tls_link, relays, listener, ca_file)
+            frame, _, _ = await asyncio.wait_for(live.hello, 10)
+            assert frame == FRAME_HEADER.pack(5) + b"hello"
+            ours, worker = socket.socketpair()
+            live.decide([], worker)
+            limit = resource.prlimit(process.pid, resource.RLIMIT_AS)
+            resource.prlimit(process.pid, resource.RLIMIT_AS, (_vm_size(process.pid) + (2 << 20), limit[1]))
+            try:
+                client = socket.create_connection(listener.getsockname())
+                conn, _ = listener.accept()
+                link = relays.relay(conn, 65536, 10.0)
+                assert link is not None
+                link.start()
+                with pytest.raises(OSError, match="no thread"):
+                    await asyncio.wait_for(link.hello, 10)
+                link.decide([], None)
+                client.close()
+            finally:
+                resource.prlimit(process.pid, resource.RLIMIT_AS, limit)
+            assert process.alive
+            tls.sendall(b"still here")  # the live link, relayed as before
+            assert await asyncio.to_thread(ours.recv, 64) == b"still here"
+            ours.sendall(b"and back")
+            assert await asyncio.to_thread(tls.recv, 64) == b"and back"
+            tls.close()
+            ours.close()
+        finally:
+            await relays.close()
+
+    asyncio.run(main())
+
+
+def test_a_tls_handshake_under_way_is_no_idle_connection(material: Serve, listener: socket.socket) -> None:
+    """Once the handshake's first bytes came (taken by OpenSSL, so a peek at the socket sees nothing), the link
+    has progressed: the gate does not evict it for a newcomer while its client is still sending."""
+
+    async def main() -> None:
+        relays = TlsRelays(material, count=1)
+        await relays.start()
+        try:
+            client = socket.create_connection(listener.getsockname())
+            conn, _ = listener.accept()
+            link = relays.relay(conn, 65536, 10.0)
+            assert link is not None
+            link.start()
+            assert not link.started
+            client.sendall(b"\x16\x03\x01")  # the first bytes of a ClientHello, the rest still to come
+            await _until(lambda: link.started, "the link to have started")
+            assert not link.hello.done() and not link.progressed  # (a late one is still a late handshake)
+            client.close()
+            with pytest.raises((EOFError, OSError, HandshakeFailed)):
+                await link.hello
+            link.decide([], None)
+        finally:
+            await relays.close()
+
+    asyncio.run(main())
+
+
+def test_a_verdict_after_the_thread_stopped_waiting_still_gives_the_place_back(
+        monkeypatch: pytest.MonkeyPatch, listener: socket.socket) -> None:
+    """The front's verdict came after the relay's thread stopped waiting for it (the hand-off and failure delays
+    are configurable past _VERDICT_WAIT): the worker's end is closed and the link's place given back."""
+    monkeypatch.setattr(_tcp_relay, "_VERDICT_WAIT", 0.2)
+
+    async def main() -> None:
+        stop_r, stop_w = os.pipe()
+        client = socket.create_connection(listener.getsockname())
+        conn, _ = listener.accept()
+        relay = ThreadRelay(conn, None, 65536, 10.0, stop_r, asyncio.get_running_loop())
+        relay.start()
+        client.sendall(FRAME_HEADER.pack(5) + b"hello")
+        await asyncio.wait_for(relay.hello, 10)
+        assert await asyncio.to_thread(client.recv, 1) == b""  # the thread gave up and closed the connection
+        ended: list[bool] = []
+        relay.on_end = lambda: ended.append(True)
+        ours, worker = socket.socketpair()
+        relay.decide([], worker)
+        assert ended == [True]
+        assert ours.recv(1) == b""  # (the worker's end closed)
+        for end in (ours, client):
+            end.close()
+        os.close(stop_r)
+        os.close(stop_w)
 
     asyncio.run(main())

@@ -12,8 +12,8 @@ one packet (its boundaries kept by the socket), a msgspec Struct tagged like the
   connection attached: do its handshake and read its hello, as link ``link``), ``Abort`` (its hello's deadline
   passed, or it was evicted: shut it), ``Verdict`` (write ``frames``; then relay to the worker's socket
   attached, or close);
-- relay process -> front, ``FromRelay``: ``Ready`` (it serves), ``Progressed`` (a link's handshake is done or
-  its hello's first byte came: not idle), ``HelloRead`` (the hello's frame and the client certificate's names),
+- relay process -> front, ``FromRelay``: ``Ready`` (it serves), ``Progressed`` (a link's handshake began, or is
+  done or its hello's first byte came), ``HelloRead`` (the hello's frame and the client certificate's names),
   ``HelloFailed`` (why there is no hello), ``Ended`` (the link's relay is over: its place in the counts is free).
 """
 
@@ -96,9 +96,11 @@ class Ready(_FromRelay, tag="ready", frozen=True):
 
 
 class Progressed(_FromRelay, tag="progressed", frozen=True):
-    """Link ``link``'s handshake is done, or a byte of its hello came: it is not an idle connection."""
+    """Link ``link``'s handshake has begun (``progressed`` false: its first bytes came, so it is no idle
+    connection), or is done or a byte of its hello came (``progressed`` true: a late hello is audited as such)."""
 
     link: LinkId
+    progressed: bool
 
 
 class HelloRead(_FromRelay, tag="hello", frozen=True):

@@ -284,7 +284,7 @@ class LinkServer:
         peek = ticket.sock
         if peek is not None:
             ticket.evict = relay.abort  # (it shuts whichever socket the thread holds, TLS-wrapped or not)
-            ticket.progressed = lambda: relay.progressed
+            ticket.progressed = lambda: relay.started
         relay.start()
 
         def late() -> str:

@@ -55,7 +55,11 @@ class LinkRelay(Protocol):
 
     @property
     def progressed(self) -> bool:
-        """The handshake is done or a byte of the hello came: the connection is not idle (never evicted)."""
+        """The handshake is done or a byte of the hello came (a late one is audited as a late hello)."""
+
+    @property
+    def started(self) -> bool:
+        """A byte of the handshake or of the hello came: the connection is not idle (never evicted)."""
 
     def start(self) -> None: ...
 
@@ -94,8 +98,16 @@ class ThreadRelay:
     def progressed(self) -> bool:
         return self._relay.progressed
 
+    @property
+    def started(self) -> bool:
+        return self._relay.started
+
     def start(self) -> None:
-        threading.Thread(target=self._relay.run, name="gpubroker-link", daemon=True).start()
+        try:
+            threading.Thread(target=self._relay.run, name="gpubroker-link", daemon=True).start()
+        except RuntimeError as exc:  # (no thread to be had: the host's or the broker's task limit)
+            self._relay.never_ran()
+            _settle(self.hello, OSError(f"no thread to relay the link: {exc}"))
 
     def abort(self) -> None:
         self._relay.abort()
@@ -115,12 +127,14 @@ class TcpRelay:
 
     def __init__(self, conn: socket.socket, tls: ssl.SSLContext | None, hello_limit: int, timeout: float,
                  stop_fd: int, report: Callable[[Hello | BaseException], None],
-                 on_progress: Callable[[], None] | None = None) -> None:
+                 on_progress: Callable[[bool], None] | None = None) -> None:
         self.sock: socket.socket = conn
         self.aborted = False
-        # Set by the thread once the handshake is done or a byte of the hello has come: the connection is not idle
-        # (the gate never evicts it to make room), whatever its socket still holds.
+        # Set by the thread once the handshake is done or a byte of the hello has come (the audit's words for a
+        # late one), and once the handshake's first byte has come: the connection is not idle (the gate never
+        # evicts it to make room), whatever its socket still holds.
         self.progressed = False
+        self.started = False
         self._report = report
         self._on_progress = on_progress
         self._tls = tls
@@ -129,6 +143,7 @@ class TcpRelay:
         self._stop_fd = stop_fd
         self._lock = threading.Lock()  # abort (the loop) against the thread's wrap and close of the socket
         self._closed = False
+        self._late = False  # the thread stopped waiting for the verdict
         self._verdict: queue.SimpleQueue[tuple[list[bytes], socket.socket | None]] = queue.SimpleQueue()
         # Called (from the thread) once the relay is over: gives the link's place back in the front's counts.
         self.on_end: Callable[[], Any] | None = None
@@ -141,9 +156,25 @@ class TcpRelay:
                 with contextlib.suppress(OSError):
                     self.sock.shutdown(socket.SHUT_RDWR)
 
+    def never_ran(self) -> None:
+        """Its thread could not start: the connection is closed, and `decide` answers for the thread."""
+        with self._lock:
+            self._late = True
+        self._close()
+
     def decide(self, frames: list[bytes], worker: socket.socket | None) -> None:
-        """What the thread does after the hello: write ``frames`` (a refusal), then relay to ``worker`` or close."""
-        self._verdict.put((frames, worker))
+        """What the thread does after the hello: write ``frames`` (a refusal), then relay to ``worker`` or close.
+        After the thread stopped waiting for it (the front took longer than _VERDICT_WAIT): ``worker`` is closed
+        and ``on_end`` called here, so that the link's place is given back all the same."""
+        with self._lock:
+            late = self._late
+            if not late:
+                self._verdict.put((frames, worker))
+        if late:
+            if worker is not None:
+                worker.close()
+            if self.on_end is not None:
+                self.on_end()
 
     # -- the thread ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -151,11 +182,17 @@ class TcpRelay:
             hello: Hello | BaseException = self._read_hello()
         except Exception as exc:  # (ssl.SSLError, OSError, EOFError: the loop's side sorts them out)
             hello = exc
+            self.started = False  # (a failed handshake waits out its failure delay: a newcomer may take its place)
         self._report(hello)
         try:
             frames, worker = self._verdict.get(timeout=_VERDICT_WAIT)
         except queue.Empty:  # (the broker stopping before it judged the hello)
-            frames, worker = [], None
+            with self._lock:
+                self._late = True  # (a verdict after this is answered by decide itself)
+            try:
+                frames, worker = self._verdict.get_nowait()
+            except queue.Empty:
+                frames, worker = [], None
         try:
             if not isinstance(hello, BaseException):
                 self.sock.settimeout(self._timeout)
@@ -174,11 +211,17 @@ class TcpRelay:
                 with contextlib.suppress(RuntimeError):  # (the loop closed: the broker stopped)
                     self.on_end()
 
+    def _start(self) -> None:
+        if not self.started:
+            self.started = True
+            if self._on_progress is not None:
+                self._on_progress(False)
+
     def _progress(self) -> None:
         if not self.progressed:
-            self.progressed = True
+            self.started = self.progressed = True
             if self._on_progress is not None:
-                self._on_progress()
+                self._on_progress(True)
 
     def _read_hello(self) -> Hello:
         """The handshake and the hello's frame (only its header if that announces more than the limit)."""
@@ -199,6 +242,10 @@ class TcpRelay:
             if not self.sock.recv(1, socket.MSG_PEEK):
                 left()  # (the deadline's or an eviction's shutdown: audited by whoever shut it)
                 raise EOFError("closed before the TLS handshake")
+            # The handshake has begun: no longer an idle connection (its bytes are OpenSSL's once taken, so the
+            # gate's peek would see a client still sending its certificate as idle, and evict it for a newcomer).
+            # A byte of the hello counts the same on the listeners without TLS; the deadline bounds both.
+            self._start()
             with self._lock:
                 if self.aborted:
                     raise TimeoutError("no hello in time")

@@ -124,6 +124,8 @@ class HelperRelay:
         self._timeout = timeout
         self._aborted = False
         self._progressed = False
+        self._started = False
+        self._over = False  # the process has ended the link (or is gone)
 
     @property
     def aborted(self) -> bool:
@@ -132,6 +134,10 @@ class HelperRelay:
     @property
     def progressed(self) -> bool:
         return self._progressed
+
+    @property
+    def started(self) -> bool:
+        return self._started
 
     def start(self) -> None:
         conn = self._conn
@@ -162,13 +168,18 @@ class HelperRelay:
                 fd = None
             worker.close()
         self._drop_conn()
-        if not self._process.send(Verdict(self.link, tuple(frames)), fd, None):
+        if self._over:  # (it stopped waiting for the verdict: nothing is relayed, the place given back here)
+            if fd is not None:
+                os.close(fd)
+            self.ended()
+        elif not self._process.send(Verdict(self.link, tuple(frames)), fd, None):
             self.ended()  # (the process is gone: nothing is relayed)
 
     # -- told by the process (on the front's loop) ---------------------------------------------------------
 
-    def progress(self) -> None:
-        self._progressed = True
+    def progress(self, handshake: bool) -> None:
+        self._started = True
+        self._progressed = self._progressed or handshake
 
     def _settle(self, outcome: Hello | BaseException) -> None:
         self._drop_conn()
@@ -182,10 +193,12 @@ class HelperRelay:
         self._settle((message.frame, message.names, message.issued))
 
     def failed(self, failure: Failure, why: str) -> None:
+        self._started = False  # (a failed handshake waits out its failure delay: a newcomer may take its place)
         self._settle(_FAILURES[failure](why))
 
     def ended(self) -> None:
         """The relay is over (or never began): the link's place is given back, once."""
+        self._over = True
         self._drop_conn()
         if not self.hello.done():
             self.hello.set_exception(EOFError("the TLS relay process ended"))
@@ -277,7 +290,7 @@ class _Process:
             if not isinstance(message, Progressed):
                 self.pending.discard(message.link)
             if isinstance(message, Progressed):
-                link.progress()
+                link.progress(message.progressed)
             elif isinstance(message, HelloRead):
                 link.read(message)
             elif isinstance(message, HelloFailed):
@@ -424,6 +437,9 @@ class _RelayProcess:
                 payload, ancdata, _, _ = self.channel.recvmsg(MAX_RELAY_MESSAGE, FD_SPACE)
             except InterruptedError:
                 continue
+            except MemoryError:  # (the process's memory limit, for now: the message waits in the socket)
+                time.sleep(0.05)
+                continue
             except OSError:
                 payload, ancdata = b"", []
             fds = take_fds(ancdata)
@@ -434,23 +450,39 @@ class _RelayProcess:
             fd = fds.pop() if fds else None
             for extra in fds:
                 os.close(extra)
-            if isinstance(message, Relay):
-                if fd is None:
-                    self.send(HelloFailed(message.link, "error", "no connection came with the link"))
-                    self.send(Ended(message.link))
-                    continue
-                self._relay(message, socket.socket(fileno=fd))
-                continue
-            with self._links_lock:
-                link = self.links.get(message.link)
-            if isinstance(message, Abort):
-                if link is not None:
-                    link.abort()
-            elif link is None:  # (a verdict for a link that ended: its worker's end is closed)
-                if fd is not None:
+            sock: socket.socket | None = None
+            try:
+                sock = socket.socket(fileno=fd) if fd is not None else None  # (its descriptor is the socket's now)
+                self._handle(message, sock)
+            except Exception as exc:  # (this link fails, not the process and every other link in it)
+                if sock is not None:
+                    sock.close()
+                elif fd is not None:
                     os.close(fd)
-            else:
-                link.decide(list(message.frames), socket.socket(fileno=fd) if fd is not None else None)
+                if isinstance(message, Relay):
+                    self.send(HelloFailed(message.link, "error", type(exc).__name__))
+                    self.send(Ended(message.link))
+
+    def _handle(self, message: Relay | Abort | Verdict, sock: socket.socket | None) -> None:
+        """One message of the front, with the socket it brought (taken here, or closed by the caller on an
+        error)."""
+        if isinstance(message, Relay):
+            if sock is None:
+                self.send(HelloFailed(message.link, "error", "no connection came with the link"))
+                self.send(Ended(message.link))
+                return
+            self._relay(message, sock)
+            return
+        with self._links_lock:
+            link = self.links.get(message.link)
+        if isinstance(message, Abort):
+            if link is not None:
+                link.abort()
+        elif link is None:  # (a verdict for a link that ended: its worker's end is closed)
+            if sock is not None:
+                sock.close()
+        else:
+            link.decide(list(message.frames), sock)
 
     def _relay(self, message: Relay, conn: socket.socket) -> None:
         number = message.link
@@ -473,11 +505,16 @@ class _RelayProcess:
             self.send(Ended(number))
 
         link = TcpRelay(conn, self.context, message.hello_limit, message.timeout, self._stop_r, report,
-                        on_progress=lambda: self.send(Progressed(number)))
+                        on_progress=lambda done: self.send(Progressed(number, done)))
         link.on_end = ended
         with self._links_lock:
             self.links[number] = link
-        threading.Thread(target=link.run, name="gpubroker-link", daemon=True).start()
+        try:
+            threading.Thread(target=link.run, name="gpubroker-link", daemon=True).start()
+        except RuntimeError:  # (no thread to be had: the host's task limit) this link fails, not the process
+            link.never_ran()
+            self.send(HelloFailed(number, "error", "no thread to relay it"))
+            ended()
 
 
 def _failure(exc: BaseException) -> tuple[Failure, str]:
