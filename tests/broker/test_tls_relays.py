@@ -54,6 +54,21 @@ def _threads(pid: int) -> int:
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
 
 
+def _connected(listener: socket.socket) -> tuple[socket.socket, socket.socket]:
+    """A client's connection and its accepted end (what the front hands a relay)."""
+    client = socket.create_connection(listener.getsockname())
+    return client, listener.accept()[0]
+
+
+def _started(relays: TlsRelays, listener: socket.socket, timeout: float = 10.0) -> tuple[socket.socket, HelperRelay]:
+    """A client's connection handed to a relay process, as _serve_tcp hands it."""
+    client, conn = _connected(listener)
+    link = relays.relay(conn, 65536, timeout)
+    assert link is not None
+    link.start()
+    return client, link
+
+
 async def _until(condition: object, what: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():  # type: ignore[operator]
@@ -74,11 +89,7 @@ def test_links_whose_hello_fails_are_forgotten_on_both_sides(material: Serve, li
             assert process.pid is not None
             for garbage in (b"", b"GET / HTTP/1.0\r\n\r\n" * 4):
                 for _ in range(40):
-                    client = socket.create_connection(listener.getsockname())
-                    conn, _ = listener.accept()
-                    link = relays.relay(conn, 65536, 5.0)
-                    assert link is not None
-                    link.start()
+                    client, link = _started(relays, listener, 5.0)
                     if garbage:
                         client.sendall(garbage)
                     client.close()
@@ -109,25 +120,22 @@ def test_an_aborted_link_is_settled_at_once_and_a_process_behind_is_given_no_mor
         os.kill(process.pid, signal.SIGSTOP)
         try:
             for _ in range(8):
-                clients.append(socket.create_connection(listener.getsockname()))
-                conn, _ = listener.accept()
-                link = relays.relay(conn, 65536, 5.0)
-                assert link is not None
-                link.start()
+                client, link = _started(relays, listener, 5.0)
+                clients.append(client)
                 link.abort()  # (the front's deadline or an eviction)
                 with pytest.raises(EOFError):
                     await asyncio.wait_for(link.hello, 5)  # (not waiting for the stopped process)
                 link.decide([], None)
-            clients.append(socket.create_connection(listener.getsockname()))
-            conn, _ = listener.accept()
+            client, conn = _connected(listener)
+            clients.append(client)
             assert relays.relay(conn, 65536, 5.0) is None  # behind: the front relays this one itself
             conn.close()
         finally:
             os.kill(process.pid, signal.SIGCONT)
         try:
             await _until(lambda: not process.pending, "the process to catch up")
-            clients.append(socket.create_connection(listener.getsockname()))
-            conn, _ = listener.accept()
+            client, conn = _connected(listener)
+            clients.append(client)
             assert relays.relay(conn, 65536, 5.0) is not None
             conn.close()
         finally:
@@ -140,11 +148,7 @@ def test_an_aborted_link_is_settled_at_once_and_a_process_behind_is_given_no_mor
 
 def _tls_link(relays: TlsRelays, listener: socket.socket, ca: Path) -> tuple[ssl.SSLSocket, HelperRelay]:
     """A client's TLS connection through a relay process, its handshake done and a hello sent."""
-    client = socket.create_connection(listener.getsockname())
-    conn, _ = listener.accept()
-    link = relays.relay(conn, 65536, 10.0)
-    assert link is not None
-    link.start()
+    client, link = _started(relays, listener)
     context = ssl.create_default_context(cafile=str(ca))
     tls = context.wrap_socket(client, server_hostname="localhost")
     tls.sendall(FRAME_HEADER.pack(5) + b"hello")
@@ -175,11 +179,7 @@ def test_a_link_a_relay_process_has_no_thread_for_fails_alone(material: Serve, c
             limit = resource.prlimit(process.pid, resource.RLIMIT_AS)
             resource.prlimit(process.pid, resource.RLIMIT_AS, (_vm_size(process.pid) + (2 << 20), limit[1]))
             try:
-                client = socket.create_connection(listener.getsockname())
-                conn, _ = listener.accept()
-                link = relays.relay(conn, 65536, 10.0)
-                assert link is not None
-                link.start()
+                client, link = _started(relays, listener)
                 with pytest.raises(OSError, match="no thread"):
                     await asyncio.wait_for(link.hello, 10)
                 link.decide([], None)
@@ -207,11 +207,7 @@ def test_a_tls_handshake_under_way_is_no_idle_connection(material: Serve, listen
         relays = TlsRelays(material, count=1)
         await relays.start()
         try:
-            client = socket.create_connection(listener.getsockname())
-            conn, _ = listener.accept()
-            link = relays.relay(conn, 65536, 10.0)
-            assert link is not None
-            link.start()
+            client, link = _started(relays, listener)
             assert not link.started
             client.sendall(b"\x16\x03\x01")  # the first bytes of a ClientHello, the rest still to come
             await _until(lambda: link.started, "the link to have started")
@@ -234,8 +230,7 @@ def test_a_verdict_after_the_thread_stopped_waiting_still_gives_the_place_back(
 
     async def main() -> None:
         stop_r, stop_w = os.pipe()
-        client = socket.create_connection(listener.getsockname())
-        conn, _ = listener.accept()
+        client, conn = _connected(listener)
         relay = ThreadRelay(conn, None, 65536, 10.0, stop_r, asyncio.get_running_loop())
         relay.start()
         client.sendall(FRAME_HEADER.pack(5) + b"hello")
