@@ -173,8 +173,16 @@ class TcpRelay:
         if late:
             if worker is not None:
                 worker.close()
-            if self.on_end is not None:
-                self.on_end()
+            self._end()
+
+    def _end(self) -> None:
+        """Call ``on_end``, once: the thread at its end and a late `decide` may both get here (``on_end`` set
+        between the thread's timeout and its end: the link's place must not be given back twice)."""
+        with self._lock:
+            on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            with contextlib.suppress(RuntimeError):  # (the loop closed: the broker stopped)
+                on_end()
 
     # -- the thread ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -207,9 +215,7 @@ class TcpRelay:
                 worker.close()
             self._close()
             # (also after a failed hello: in a relay process the link is forgotten, and the front told, only so)
-            if self.on_end is not None:
-                with contextlib.suppress(RuntimeError):  # (the loop closed: the broker stopped)
-                    self.on_end()
+            self._end()
 
     def _start(self) -> None:
         if not self.started:
