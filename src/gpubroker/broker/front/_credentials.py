@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import ssl
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 
@@ -16,7 +17,7 @@ from gpubroker.wire.addresses import AddressError, parse_host_port, unix_path
 from gpubroker.wire.errors import FailedPrecondition, InvalidArgument
 from gpubroker.wire.tls_relay import Serve
 
-__all__ = ["check_listeners", "link_tls", "link_tls_material", "tcp_credentials"]
+__all__ = ["LinkTls", "check_listeners", "link_tls_material", "tcp_credentials"]
 
 log = logging.getLogger("gpubroker.server")
 
@@ -101,20 +102,22 @@ def link_tls_material(cfg: BrokerConfig, address: str) -> Serve | None:
     return Serve(_read_tls_file(cfg, "cert_file"), _read_tls_file(cfg, "key_file"), client_ca)
 
 
-def link_tls(cfg: BrokerConfig, address: str) -> ssl.SSLContext | None:
-    """The TCP link's TLS context (``link_tls_material``'s), which checks the files hold a usable certificate and
-    key; None for plaintext."""
-    material = link_tls_material(cfg, address)
-    return server_context(material) if material is not None else None
+class LinkTls(NamedTuple):
+    """The TCP link's TLS, read once: what the TLS relay processes serve with, and the same as the context the
+    front's own relay threads serve with (building it checks the files hold a usable certificate and key)."""
+
+    material: Serve
+    context: ssl.SSLContext
 
 
-def check_listeners(cfg: BrokerConfig) -> tuple[dict[str, grpc.ServerCredentials], ssl.SSLContext | None]:
+def check_listeners(cfg: BrokerConfig) -> tuple[dict[str, grpc.ServerCredentials], LinkTls | None]:
     """What a broker serving ``cfg`` listens with, checked before anything slow (the device probe) and by
     `gpubroker config check`: each TCP listener's credentials (TLS files readable, plaintext only on loopback
-    unless insecure), the TCP link's TLS, a Unix listener for vsock to relay to. FailedPrecondition or
-    InvalidArgument naming the key otherwise."""
+    unless insecure), the TCP link's TLS (its files read once), a Unix listener for vsock to relay to.
+    FailedPrecondition or InvalidArgument naming the key otherwise."""
     tcp = {a: tcp_credentials(cfg, a) for a in cfg.listen if unix_path(a) is None}
-    link = link_tls(cfg, cfg.link_listen) if cfg.link_listen else None
+    material = link_tls_material(cfg, cfg.link_listen) if cfg.link_listen else None
+    link = LinkTls(material, server_context(material)) if material is not None else None
     if cfg.vsock_port and not any(unix_path(a) is not None for a in cfg.listen):
         raise FailedPrecondition("vsock_port relays to the broker's own Unix socket: add a unix: listener")
     return tcp, link

@@ -24,7 +24,7 @@ from gpubroker.broker.front import _systemd
 from gpubroker.broker.front._acceptor import AcceptorProcess
 from gpubroker.broker.front._admin import AdminService
 from gpubroker.broker.front._cpuwatch import CpuWatch
-from gpubroker.broker.front._credentials import check_listeners, link_tls_material, loopback_address, tcp_credentials
+from gpubroker.broker.front._credentials import check_listeners, loopback_address, tcp_credentials
 from gpubroker.broker.front._descriptors import PASSRIGHTS_SUPPORTED
 from gpubroker.broker.front._grpc_peers import GrpcGate
 from gpubroker.broker.front._health import BrokerHealth
@@ -169,7 +169,7 @@ class Broker:
     async def start(self) -> None:
         cfg = self.config
         # Listener credentials first: a TLS or plaintext misconfiguration fails before the slow device probe.
-        tcp_creds, link_context = check_listeners(cfg)
+        tcp_creds, link_tls = check_listeners(cfg)
         unix_paths = [path for path in map(unix_path, cfg.listen) if path is not None]
         backend, devices = await asyncio.to_thread(probe_devices, cfg.backend)
         if cfg.devices is not None:
@@ -349,13 +349,13 @@ class Broker:
         if cfg.link_listen:
             link = parse_host_port(cfg.link_listen)
             host, port = link.host, link.port
-            material = link_tls_material(cfg, cfg.link_listen) if link_context is not None else None
             relays = None
-            if material is not None and cfg.link_tls_processes != 0:
-                relays = TlsRelays(material, cfg.link_tls_processes if cfg.link_tls_processes > 0 else None)
-            service.link_port = await self.links.listen_tcp(host, port, link_context, relays)
+            if link_tls is not None and cfg.link_tls_processes != 0:
+                relays = TlsRelays(link_tls.material, cfg.link_tls_processes if cfg.link_tls_processes > 0 else None)
+            service.link_port = await self.links.listen_tcp(
+                host, port, link_tls.context if link_tls is not None else None, relays)
             log.info("serving links on %s:%d (%s)", host, service.link_port,
-                     "TLS" if link_context is not None else "plaintext")
+                     "TLS" if link_tls is not None else "plaintext")
         if cfg.link_vsock_port:
             self.links.listen_socket(listen_vsock(cfg.link_vsock_port), f"vsock:{cfg.link_vsock_port}")
             service.link_vsock_port = cfg.link_vsock_port

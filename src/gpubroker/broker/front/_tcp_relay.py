@@ -267,6 +267,7 @@ class TcpRelay:
                 raise HandshakeFailed(_handshake_failure(exc)) from None
             self._progress()
             cert = self.sock.getpeercert()
+        names, issued = peer_certificate_names(cert), peer_certificate_issued(cert)
         frames = FrameDecoder(self._limit, bytearray)  # (never past the hello's end: what follows is the worker's)
         got = 0
         while True:
@@ -281,11 +282,9 @@ class TcpRelay:
             try:
                 payload = frames.advance(n)
             except FrameTooLarge as exc:
-                # (refused by the front before a byte of the body is read)
-                return FRAME_HEADER.pack(exc.length), peer_certificate_names(cert), peer_certificate_issued(cert)
+                return FRAME_HEADER.pack(exc.length), names, issued  # (refused before a byte of the body is read)
             if payload is not None:
-                return (FRAME_HEADER.pack(len(payload)) + payload, peer_certificate_names(cert),
-                        peer_certificate_issued(cert))
+                return FRAME_HEADER.pack(len(payload)) + payload, names, issued
 
     def _close(self) -> None:
         with self._lock:

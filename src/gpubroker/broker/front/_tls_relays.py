@@ -160,13 +160,7 @@ class HelperRelay:
         self._settle(EOFError("shut: its hello's deadline passed, or it was evicted"))
 
     def decide(self, frames: list[bytes], worker: socket.socket | None) -> None:
-        fd: int | None = None
-        if worker is not None:
-            try:
-                fd = os.dup(worker.fileno())
-            except OSError:
-                fd = None
-            worker.close()
+        fd = worker.detach() if worker is not None else None  # (sent, then closed here)
         self._drop_conn()
         if self._over:  # (it stopped waiting for the verdict: nothing is relayed, the place given back here)
             if fd is not None:
@@ -287,11 +281,11 @@ class _Process:
             link = self.links.get(message.link)
             if link is None:
                 continue
-            if not isinstance(message, Progressed):
-                self.pending.discard(message.link)
             if isinstance(message, Progressed):
                 link.progress(message.progressed)
-            elif isinstance(message, HelloRead):
+                continue
+            self.pending.discard(message.link)  # (its hello reported, or the link over)
+            if isinstance(message, HelloRead):
                 link.read(message)
             elif isinstance(message, HelloFailed):
                 link.failed(message.failure, message.why)
@@ -460,16 +454,21 @@ class _RelayProcess:
                 elif fd is not None:
                     os.close(fd)
                 if isinstance(message, Relay):
-                    self.send(HelloFailed(message.link, "error", type(exc).__name__))
-                    self.send(Ended(message.link))
+                    self._failed(message.link, type(exc).__name__)
+
+    def _failed(self, number: int, why: str) -> None:
+        """Link ``number`` has no hello, nor relay: forgotten here, and the front told (its Ended follows)."""
+        with self._links_lock:
+            self.links.pop(number, None)
+        self.send(HelloFailed(number, "error", why))
+        self.send(Ended(number))
 
     def _handle(self, message: Relay | Abort | Verdict, sock: socket.socket | None) -> None:
         """One message of the front, with the socket it brought (taken here, or closed by the caller on an
         error)."""
         if isinstance(message, Relay):
             if sock is None:
-                self.send(HelloFailed(message.link, "error", "no connection came with the link"))
-                self.send(Ended(message.link))
+                self._failed(message.link, "no connection came with the link")
                 return
             self._relay(message, sock)
             return
@@ -513,8 +512,7 @@ class _RelayProcess:
             threading.Thread(target=link.run, name="gpubroker-link", daemon=True).start()
         except RuntimeError:  # (no thread to be had: the host's task limit) this link fails, not the process
             link.never_ran()
-            self.send(HelloFailed(number, "error", "no thread to relay it"))
-            ended()
+            self._failed(number, "no thread to relay it")
 
 
 def _failure(exc: BaseException) -> tuple[Failure, str]:

@@ -161,8 +161,6 @@ class _Frames:
             landed = self._land(into) if self._peeks else self._land_taking(into)
             if landed is not None:
                 return landed
-            if ready:
-                return ready.popleft()
         while not ready:
             into = self._decoder.buffer()
             if len(into) > _JOIN_MAX:
