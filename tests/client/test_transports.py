@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -278,6 +279,45 @@ def test_an_ack_that_never_comes_is_a_deadline() -> None:
     t = link([Peer(lambda batch: (hold.wait(10), ok(batch))[1])], timeout=0.3)
     with pytest.raises(DeadlineExceeded, match=r"no answer from the broker within 0\.3 s"):
         t.call(Synchronize())
+    hold.set()
+    t.close()
+
+
+@pytest.mark.parametrize("transport", ["unix", "tls"])
+def test_a_links_wait_for_its_last_answer_polls_then_blocks_within_the_calls_bound(
+        monkeypatch: pytest.MonkeyPatch, transport: str, tls_contexts: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    """Where the client spins (wire/ring.py), a link's wait for the answer to its last batch polls the socket
+    before it blocks: an answer that comes meanwhile ends the poll (nothing left of it), a later one is still
+    received once it blocks, and a call's own bound counts the poll (a 0.3 s bound with a 0.25 s poll: no answer
+    is a deadline after about 0.3 s, not 0.55)."""
+    from gpubroker.client._transports import _link
+
+    monkeypatch.setattr(_link, "wait_spin_us", lambda: 250_000)
+    polls: list[float] = []
+    poll = _link._Frames.await_spinning
+
+    def counted(self: Any, seconds: float) -> float:
+        polls.append(poll(self, seconds))
+        return polls[-1]
+
+    monkeypatch.setattr(_link._Frames, "await_spinning", counted)
+    late, hold = threading.Event(), threading.Event()
+
+    def handler(batch: Batch) -> Ack:
+        if late.is_set():
+            hold.wait(10)  # (answered once the client stopped polling: the test sets it after the deadline)
+        return ok(batch)
+
+    t = link([Peer(handler, tls=tls_contexts if transport == "tls" else None)], timeout=10)
+    for _ in range(20):
+        t.call(Synchronize())
+    assert len(polls) == 20 and max(polls) == 0.0  # (every answer came while it polled)
+    late.set()
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        t.call(Synchronize(), timeout=0.3)
+    took = time.monotonic() - t0
+    assert polls[-1] >= 0.25 and 0.3 <= took < 0.5, (polls[-1], took)
     hold.set()
     t.close()
 

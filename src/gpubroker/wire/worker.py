@@ -243,12 +243,15 @@ class AttachLink(WorkerRequest[None], tag="attach_link", frozen=True):
     """Take over a client's authenticated link (sent on the fd channel, paired by ``token``) for the session: the
     worker answers its hello at once, or with ``held`` (the front's number for the link) only once the front says
     ``ServeLink``. ``compress``: the codecs the hello asked for, in the client's order. With ``ring``, the fd
-    channel carries the ring's memfd and the worker's doorbell after the link (three fds): the front made them."""
+    channel carries the ring's memfd and the worker's doorbell after the link (three fds): the front made them.
+    ``spin_us``: how long the worker polls a link without a ring for the client's next batch after answering one
+    (the broker host's spin, wire/ring.py; the worker takes at most MAX_SPIN_US)."""
 
     compress: list[str] = []  # (unbounded: see RegisterSegment; the worker reads its first 16)
     held: int | None = None
     token: bytes = b""
     ring: LinkRing | None = None
+    spin_us: int = 0
 
 
 class ServeLink(WorkerRequest[None], tag="serve_link", frozen=True):

@@ -93,7 +93,7 @@ from gpubroker.wire.link import (
     decode_hello,
     refusal,
 )
-from gpubroker.wire.ring import RING_DATA, ring_caps, sealed_memfd
+from gpubroker.wire.ring import RING_DATA, link_spin_us, ring_caps, sealed_memfd
 from gpubroker.wire.worker import MAX_LINKS_PER_SESSION, AttachLink, CloseLinks, DropLink, LinkRing, ServeLink
 
 __all__ = ["LinkServer", "fast_path_address"]
@@ -133,6 +133,10 @@ class LinkServer:
         self.segments = segments
         self.max_links_per_tenant = max_links_per_tenant
         self.handoff_timeout = handoff_timeout
+        # How long a worker polls a link (no ring) for its client's next batch after answering one: this host's
+        # spin (none on a host of 2 or 3 CPUs, where it would take the CPU the client needs), longer for a TCP
+        # link's (its relay process polls as long, wire/ring.py).
+        self.link_spin_us = {relayed: link_spin_us(relayed) for relayed in (False, True)}
         # Links being handed over (any listener) or relayed (TCP: a thread each), by session and by tenant.
         self._session_links: dict[str, int] = {}
         self._tenant_links: dict[str, int] = {}
@@ -341,7 +345,8 @@ class LinkServer:
                 end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LINK_SEND_BUFFER)
             _refuse_rights(theirs)  # (only the relay writes to it; refused all the same, as on every link)
             try:
-                release = await self._hand_over(session, principal, theirs.fileno(), send, list(hello.compress))
+                release = await self._hand_over(session, principal, theirs.fileno(), send, list(hello.compress),
+                                                relayed=True)
                 if release is not None:  # counted until the relay's thread ends
                     relay.on_end = functools.partial(loop.call_soon_threadsafe, release)
                     worker_end, ours = ours, None
@@ -448,7 +453,7 @@ class LinkServer:
 
     async def _hand_over(self, session: Session, principal: Principal, fd: int,
                          send: Callable[[bytes], Awaitable[None]], compress: list[str], *,
-                         counted_while_kept: bool = False,
+                         counted_while_kept: bool = False, relayed: bool = False,
                          ring: tuple[RingRequest, socket.socket] | None = None) -> Callable[[], None] | None:
         """Give the connection (``fd``) to the session's worker, which answers the hello and serves it from then
         on; a worker that cannot take it gets the client the reason instead. Returns the link's place in the
@@ -472,7 +477,8 @@ class LinkServer:
 
         ``ring``: the hello asked for a shared-memory ring, on this Unix connection: the front makes it
         (``_make_ring``), answers RingGranted with the client's part, and passes the worker its part with the link.
-        Its charge to the tenant's shared memory goes with the link's place in the counts."""
+        Its charge to the tenant's shared memory goes with the link's place in the counts. ``relayed``: a TCP
+        link, the worker's end a relay's socketpair (its worker polls longer for the next batch)."""
         self._watch_links(session, principal)
         number = next(self._numbers)
         release: Callable[[], None] | None = None
@@ -492,7 +498,8 @@ class LinkServer:
             fds = [dup] if made is None else [dup, made.memfd, made.bell.fileno()]
             try:
                 async with asyncio.timeout(self.handoff_timeout):
-                    await worker.call(AttachLink(compress, number, ring=made.spec if made is not None else None),
+                    await worker.call(AttachLink(compress, number, ring=made.spec if made is not None else None,
+                                                 spin_us=0 if made is not None else self.link_spin_us[relayed]),
                                       session.id, fds)
                     if not self.service.auth.valid(principal.tenant, principal.credential):
                         # Revoked while the worker took it: the watch has asked the worker to close the session's

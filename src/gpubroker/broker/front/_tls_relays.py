@@ -44,6 +44,7 @@ from typing import Any, Final
 
 from gpubroker.broker.front._child_channel import FD_SPACE, ChildChannel, die_with_parent, start_child, take_fds
 from gpubroker.broker.front._tcp_relay import HandshakeFailed, Hello, HelloCutShort, TcpRelay
+from gpubroker.wire.ring import link_spin_us
 from gpubroker.wire.tls_relay import (
     MAX_NAME,
     MAX_NAMES,
@@ -412,9 +413,10 @@ class TlsRelays:
 class _RelayProcess:
     """The process's side: a thread a link (``TcpRelay``), told and heard over the channel."""
 
-    def __init__(self, channel: socket.socket, context: ssl.SSLContext) -> None:
+    def __init__(self, channel: socket.socket, context: ssl.SSLContext, spin: float = 0.0) -> None:
         self.channel = channel
         self.context = context
+        self.spin = spin  # (each relay's, ``TcpRelay``)
         self.links: dict[int, TcpRelay] = {}
         self._send_lock = threading.Lock()
         self._links_lock = threading.Lock()
@@ -504,7 +506,7 @@ class _RelayProcess:
             self.send(Ended(number))
 
         link = TcpRelay(conn, self.context, message.hello_limit, message.timeout, self._stop_r, report,
-                        on_progress=lambda done: self.send(Progressed(number, done)))
+                        on_progress=lambda done: self.send(Progressed(number, done)), spin=self.spin)
         link.on_end = ended
         with self._links_lock:
             self.links[number] = link
@@ -534,7 +536,9 @@ def main(argv: list[str]) -> None:
     with open(int(options["--material"]), "rb") as material:
         context = server_context(decode_serve(material.read()))
     channel = socket.socket(fileno=int(options["--channel"]))
-    _RelayProcess(channel, context).run()
+    # Its relays poll for a link's next bytes a while before they block (a TCP link's spin, wire/ring.py): the
+    # process is the front's own, off its event loop (the front's own relay threads never spin).
+    _RelayProcess(channel, context, link_spin_us(relayed=True) * 1e-6).run()
 
 
 if __name__ == "__main__":

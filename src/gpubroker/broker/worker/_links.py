@@ -50,6 +50,7 @@ from gpubroker.wire.commands import CODECS, Ack, Batch, Bytes, CommandError, dec
 from gpubroker.wire.errors import InvalidArgument, ResourceExhausted
 from gpubroker.wire.frames import FRAME_HEADER, FrameDecoder
 from gpubroker.wire.link import LINK_VERSION, LinkAccepted, accepted
+from gpubroker.wire.ring import MAX_SPIN_US
 from gpubroker.wire.worker import (
     CONTROL,
     MAX_LINKS_PER_SESSION,
@@ -107,6 +108,7 @@ class _Link:
     writing: bool = False  # the selector watches it for room (its outbox is not empty)
     progress: float = 0.0  # when the socket last took bytes of a waiting outbox (monotonic)
     codec: str = ""  # what its hello negotiated for Read results ("" none)
+    spin: float = 0.0  # seconds the serve loop polls for its next frame after answering one (no ring: ``attach``)
 
     @property
     def reading(self) -> bool:
@@ -151,6 +153,7 @@ class Links:
         self._resuming: dict[int, _Link] = {}  # rings to pump again after the serve loop's next look around
         self._timed: dict[int, _Link] = {}  # links that may have a deadline (a half frame, an outbox waiting)
         self._pumped = False  # a ring was served since the last rest_rings
+        self._spin_until = 0.0  # the serve loop polls until then (perf_counter) for a link's next frame: ``spinning``
         self._recheck_at: float | None = None  # when rest_rings' look again is due (monotonic)
         # Whether the front has written something not yet read (the serve loop sets it: a zero-timeout poll).
         self.front_waiting: Callable[[], bool] = lambda: False
@@ -177,7 +180,7 @@ class Links:
 
     # -- links -------------------------------------------------------------------------------------
     def attach(self, sock: socket.socket, session: str, compress: object = None, held: int | None = None,
-               ring: WorkerRing | None = None) -> None:
+               ring: WorkerRing | None = None, spin_us: int = 0) -> None:
         """Serve ``sock`` for ``session``: answer the client's hello, then take its batches. ``compress`` is the
         hello's list of codecs the client takes, in its order of preference (as the front relayed it: unchecked):
         the first this worker knows is the link's, named in the answer; none known, the answer names none.
@@ -185,7 +188,8 @@ class Links:
         With ``held`` (the front's number for it) the link is only taken: neither answered nor read until the
         front says ``serve(held)``, after it has checked that the credential which opened it still holds (this
         worker may have been busy for seconds, a rotation or removal meanwhile); ``close_session`` drops it.
-        ``ring``: the link's ring (mapped from what the front made), served once the link is answered."""
+        ``ring``: the link's ring (mapped from what the front made), served once the link is answered.
+        ``spin_us``: how long to poll a link without a ring for its next frame after answering one (``spinning``)."""
         links = [link for link in (*self.links.values(), *self._held.values()) if link.session == session]
         if len(links) >= MAX_LINKS_PER_SESSION:
             raise ResourceExhausted(f"this session already has {MAX_LINKS_PER_SESSION} links, the limit")
@@ -193,6 +197,8 @@ class Links:
             raise InvalidArgument(f"a link numbered {held} is already held")
         sock.setblocking(False)
         link = _Link(sock, session, sock.fileno(), ring=ring, frames=FrameDecoder(self.max_frame, self._frame_buffer))
+        if ring is None and type(spin_us) is int:
+            link.spin = max(0, min(spin_us, MAX_SPIN_US)) * 1e-6
         if type(compress) is list:
             link.codec = next((c for c in compress[:16] if type(c) is str and c in CODECS), "")
         if held is not None:
@@ -260,7 +266,7 @@ class Links:
         again once rest_rings' recheck is due."""
         if self._recheck_at is not None and self._recheck_at <= time.monotonic():
             self._recheck_at = None
-            self._look_at_rings()
+            self.look_at_rings()
         if not self._timed:
             return
         now = time.monotonic()
@@ -381,6 +387,20 @@ class Links:
         self._serve(link, item)
         if self.contended and self._paused is None:
             self._release()  # others wait: each batch is one turn, as it would be through the front
+        elif link.spin and self.holding:
+            # A synchronous client's next batch is usually a few microseconds behind its answer: the serve loop
+            # polls for it a while (a wake-up from a blocking poll goes through the hypervisor in a VM), while
+            # the turn is held and nobody else wants it, as a ring's pump does.
+            self._spin_until = time.perf_counter() + link.spin
+
+    def spinning(self) -> bool:
+        """Whether the serve loop polls (select without waiting) for a link's next frame, rather than blocking:
+        for a link's spin after its answer, while this worker holds an uncontended turn."""
+        if self._spin_until:
+            if self.holding and not self.contended and time.perf_counter() < self._spin_until:
+                return True
+            self._spin_until = 0.0
+        return False
 
     def writable(self, fd: int) -> None:
         """A link's socket has room for its waiting outbox."""
@@ -504,7 +524,7 @@ class Links:
         for link in self._rings.values():
             assert link.ring is not None
             link.ring.rest()
-        self._look_at_rings()
+        self.look_at_rings()
         if self._pumped:
             self._pumped = False
             self._recheck_at = time.monotonic() + _RECHECK
@@ -516,7 +536,9 @@ class Links:
             assert link.ring is not None
             link.ring.awake()
 
-    def _look_at_rings(self) -> None:
+    def look_at_rings(self) -> None:
+        """A batch waiting in a ring is resumed (or the turn asked for): while the serve loop polls, ring clients
+        do not ring."""
         for fd, link in self._rings.items():
             assert link.ring is not None
             if link.ring.commands.ready():

@@ -211,7 +211,7 @@ class WorkerServer:
             if (sock.family not in (socket.AF_UNIX, getattr(socket, "AF_VSOCK", -1))
                     or sock.type != socket.SOCK_STREAM):
                 raise InvalidArgument("a link must be a Unix or vsock stream socket")
-            self.links.attach(sock, session, request.compress, request.held, ring)
+            self.links.attach(sock, session, request.compress, request.held, ring, request.spin_us)
         except GpuBrokerError:
             sock.close()
             if ring is not None:

@@ -115,13 +115,20 @@ def serve(sock: socket.socket, server: WorkerServer) -> int:
         # No read or write on a link ever waits: the select wakes up for the links' deadlines instead.
         executor = server.executor
         issuing = executor.issuing()
-        blocking = not (links.resuming or issuing)
+        spinning = links.spinning()
+        blocking = not (links.resuming or issuing or spinning)
         if blocking:
             links.rest_rings()  # (clients ring from now on; a batch that came meanwhile resumes its ring)
-        events = selector.select(0 if links.resuming or issuing else links.timeout())
+        events = selector.select(links.timeout() if blocking else 0)
         if blocking:
             links.wake_rings()
-        if issuing and not events and not links.resuming:
+        else:
+            links.look_at_rings()  # (their clients ring no doorbell while this loop goes on without blocking)
+        if spinning and not events:
+            # Polling for a link's next frame (a device-time segment stays open, as in a ring's spin: the turn is
+            # uncontended).
+            os.sched_yield()  # a polite spin: whatever else wants this CPU runs
+        elif issuing and not events and not links.resuming:
             # Nothing to read and no ring to go back to: the host goes idle now, which must not count as device
             # time. (Only now, not at every batch end: see _cuda_timing.)
             executor.idle()

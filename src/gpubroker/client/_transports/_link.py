@@ -17,6 +17,7 @@ import os
 import select
 import socket
 import ssl
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Final
@@ -46,6 +47,7 @@ from gpubroker.wire.link import (
     encode,
     open_answer,
 )
+from gpubroker.wire.ring import wait_spin_us
 
 __all__ = ["HELLO_REPLY_MAX", "STRIPE_MIN", "TCP_STRIPES", "VMADDR_CID_HOST", "Connector", "FramedSocket",
            "framed_link", "peer_hung_up", "tcp_connector", "tcp_stripes", "unix_connector", "vsock_connector"]
@@ -153,6 +155,25 @@ class _Frames:
         self._ready: deque[bytearray] = deque()
         self._chunk = memoryview(bytearray(_JOIN_MAX))
         self._peeks = not isinstance(sock, ssl.SSLSocket)  # (a TLS socket's recv takes no flags)
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
+
+    def await_spinning(self, seconds: float) -> float:
+        """Poll for the next frame's bytes for up to ``seconds`` before a read blocks on them (as the ring's client
+        does, wire/ring.py: in a VM the wake-up of a blocked reader goes through the hypervisor); how long it
+        polled. Returns at once where a frame is here already (or TLS holds bytes the socket no longer shows)."""
+        sock = self._sock
+        if self._ready or (not self._peeks and sock.pending()):  # type: ignore[attr-defined]
+            return 0.0
+        poll = self._poller.poll
+        start = time.perf_counter()
+        end = start + seconds
+        while not poll(0):
+            now = time.perf_counter()
+            if now >= end:
+                return now - start
+            os.sched_yield()  # a polite spin: whatever else wants this CPU runs
+        return 0.0
 
     def next(self, into: memoryview | None = None) -> bytearray | Landed:
         """The next frame's payload; ``into``: see ``_land``."""
@@ -330,6 +351,8 @@ class FramedSocket:
                             ring=ring)
         self._compress = compress  # asked for in the hello
         self._frames: _Frames | None = None
+        # How long a wait for the answer to the last batch sent polls before it blocks (wire/ring.py).
+        self._spin = wait_spin_us() * 1e-6
         # What the front and the worker said of the ring the hello asked for, at the last open: granted and mapped
         # (the grant, with the memfd and this side's doorbell: the ring carrier's to take), or why not.
         self.ring: tuple[RingGranted, list[int]] | None = None
@@ -436,6 +459,12 @@ class FramedSocket:
         # (the socket's own timeout is the hello's: a call with a bound of its own sets it for this wait alone; a
         # recv it cuts short leaves the frame decoder where it was, so the next receive goes on with that frame)
         assert self._frames is not None and self.sock is not None
+        if in_flight <= 1 and self._spin:
+            # The answer to the last batch sent: polled for before the read blocks (``in_flight`` > 1 is back-
+            # pressure or a drain: the rest is behind what is awaited, and a spin would only take CPU).
+            spent = self._frames.await_spinning(self._spin)
+            if spent and timeout is not None:
+                timeout = max(timeout - spent, 1e-3)  # (the call's bound counts the spin)
         own = timeout != self._timeout
         if own:
             self.sock.settimeout(timeout)
