@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -42,7 +43,7 @@ def _client_spins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SPIN_ENV, _SPIN_US)
 
 
-def _connect(broker: BrokerProcess, tls: TlsOptions, kind: str, token: str = "alice", **kwargs: object) -> RemoteGpu:
+def _connect(broker: BrokerProcess, tls: TlsOptions, kind: str, token: str = "alice", **kwargs: Any) -> RemoteGpu:
     if kind == "tcp":
         gpu = connect(broker.tcp_target, token=broker.tokens[token], tls=tls, transport="link", **kwargs)
     else:
