@@ -19,7 +19,9 @@ only while the worker holds the turn (else they stay in the ring, which bounds t
 turn); after answering one the worker polls the ring briefly for the next, only while it holds an uncontended
 turn, so a spin never delays another tenant and never runs a batch without the turn. While its serve loop runs,
 the worker's awake word in each ring says it will look at the ring before it blocks, so clients need not ring;
-before it blocks it lowers them and looks once more (``rest_rings``), and once more a millisecond later.
+before it blocks it lowers them and looks once more (``rest_rings``), and once more a millisecond later. A link
+without a ring is polled the same way after its answer (``spinning``: the serve loop's select does not wait), for as
+long as the front said (``AttachLink.spin_us``), and only while the turn is held uncontended.
 
 Nothing a client does (or fails to do) on its link may hold the worker, whose loop serves every session of the
 tenant on the device and may hold the tenant's turn, for which other tenants wait: every link's socket is
