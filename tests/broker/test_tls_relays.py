@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+import select
 import signal
 import socket
 import ssl
@@ -259,3 +260,29 @@ def test_a_verdict_after_the_thread_stopped_waiting_still_gives_the_place_back(
         os.close(stop_w)
 
     asyncio.run(main())
+
+
+def test_relays_of_one_process_poll_two_at_a_time_and_the_rest_block() -> None:
+    """A relay polls a while for its link's next bytes before it blocks (where the host spins), but at most two of
+    a process's relays at once: a tenant's many links, each sending a little now and then, cannot keep the relay
+    process's threads (the front's CPU, its GIL) polling. A third relay's poll gives up at once, and it blocks."""
+    a, b = socket.socketpair()
+    poller = select.poll()
+    poller.register(a, select.POLLIN)
+    try:
+        assert _tcp_relay._spin_poll(poller, time.perf_counter() + 0.05) == {}  # (polled its while: nothing came)
+        b.send(b"x")
+        assert _tcp_relay._spin_poll(poller, time.perf_counter() + 60) == {a.fileno(): select.POLLIN}
+        a.recv(1)
+        taken = [_tcp_relay._SPINNERS.acquire(blocking=False) for _ in range(2)]  # two relays polling
+        try:
+            assert taken == [True, True]
+            t0 = time.perf_counter()
+            assert _tcp_relay._spin_poll(poller, t0 + 60) == {}
+            assert time.perf_counter() - t0 < 5
+        finally:
+            for _ in taken:
+                _tcp_relay._SPINNERS.release()
+    finally:
+        a.close()
+        b.close()

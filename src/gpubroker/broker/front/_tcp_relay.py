@@ -331,13 +331,25 @@ _GATHER = 256 * 1024
 _LINGER_MS = 2
 
 
+# Relays of one process that poll at once, at most: the rest block. A tenant's links (up to its link cap) that each
+# send a small message now and then would otherwise keep as many threads of a relay process polling, the front's
+# CPU, and every turn of one a turn on the process's GIL, which the other tenants' links of the process need.
+_SPINNERS = threading.BoundedSemaphore(2)
+
+
 def _spin_poll(poller: select.poll, end: float) -> dict[int, int]:
-    """Poll without waiting until something is ready or ``end`` (perf_counter) passes."""
-    while True:
-        ready = poller.poll(0)
-        if ready or time.perf_counter() >= end:
-            return dict(ready)
-        os.sched_yield()  # a polite spin: whatever else wants this CPU runs
+    """Poll without waiting until something is ready or ``end`` (perf_counter) passes; nothing (at once) where
+    the process's other relays poll already (``_SPINNERS``)."""
+    if not _SPINNERS.acquire(blocking=False):
+        return {}
+    try:
+        while True:
+            ready = poller.poll(0)
+            if ready or time.perf_counter() >= end:
+                return dict(ready)
+            os.sched_yield()  # a polite spin: whatever else wants this CPU runs
+    finally:
+        _SPINNERS.release()
 
 
 class _Flow:
