@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +16,8 @@ import numpy as np
 from gpubroker.broker.launcher import descendants, parent_pids
 from gpubroker.wire.frames import FRAME_HEADER
 
-__all__ = ["descendants", "parent_pids", "proc_status", "recv_payload", "send_payload", "spin_iterations",
-           "wait_for"]
+__all__ = ["busy_synchronizing", "descendants", "other_tenants_launches_take", "parent_pids", "proc_status",
+           "recv_payload", "send_payload", "spin_iterations", "wait_for"]
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -25,6 +27,45 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.05)
+
+
+@contextmanager
+def busy_synchronizing(gpu: Any) -> Iterator[list[int]]:
+    """``gpu.synchronize()`` over and over in a thread (a client whose next batch always follows its answer) while
+    the block runs, once at least 100 have been answered; yields the count so far (``[n]``). Whatever the calls
+    raised is raised at the end."""
+    stop, counts, errors = threading.Event(), [0], list[BaseException]()
+
+    def hammer() -> None:
+        try:
+            while not stop.is_set():
+                gpu.synchronize()
+                counts[0] += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    try:
+        wait_for(lambda: counts[0] > 100 or bool(errors), 30, "the busy client's calls")
+        yield counts
+    finally:
+        stop.set()
+        thread.join(30)
+    if errors:
+        raise errors[0]
+
+
+def other_tenants_launches_take(gpu: Any, count: int = 20) -> float:
+    """Seconds ``count`` launches + synchronizes of an empty kernel take (another tenant's, beside a busy one)."""
+    from gpubroker.broker import samples
+
+    kernel = gpu.compile_kernel(samples.source(gpu.device_info().backend), "empty_kernel")
+    t0 = time.monotonic()
+    for _ in range(count):
+        gpu.execute_kernel(kernel, 1, 1, [])
+        gpu.synchronize()
+    return time.monotonic() - t0
 
 
 def spin_iterations(gpu: Any, kernel: Any, buf: Any, seconds: float) -> int:

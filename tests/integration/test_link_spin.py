@@ -5,8 +5,6 @@ for the answer to its last batch (wire/ring.py), as the shared-memory ring's two
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +19,7 @@ from gpubroker.client import InvalidArgument, RemoteGpu, TlsOptions, connect
 from gpubroker.wire.ring import MAX_SPIN_US, SPIN_ENV, link_spin_us
 
 from ..conftest import TENANTS
-from ..helpers import wait_for
+from ..helpers import busy_synchronizing, other_tenants_launches_take
 
 _SPIN_US = "200"  # (the longest: a synchronous client's next batch comes within it even on a slow CI host)
 
@@ -94,36 +92,18 @@ def test_results_through_links_that_poll(spinning_broker: tuple[BrokerProcess, T
         gpu.synchronize()
 
 
-def _hammer(gpu: RemoteGpu, stop: threading.Event, counts: list[int], errors: list[BaseException]) -> None:
-    try:
-        while not stop.is_set():
-            gpu.synchronize()
-            counts[0] += 1
-    except BaseException as exc:
-        errors.append(exc)
-
-
 def test_a_worker_polling_its_link_still_serves_the_tenants_ring(
         spinning_broker: tuple[BrokerProcess, TlsOptions]) -> None:
     """A client whose next batch always comes within the worker's poll keeps its worker polling; a ring of the
     same tenant's (same worker), whose client rings no doorbell while that worker's loop runs, is looked at
     meanwhile: its calls are answered while the link's client goes on."""
     broker, tls = spinning_broker
-    stop, counts, errors = threading.Event(), [0], list[BaseException]()
-    with _connect(broker, tls, "unix", timeout=20) as link:
-        thread = threading.Thread(target=_hammer, args=(link, stop, counts, errors))
-        thread.start()
-        try:
-            wait_for(lambda: counts[0] > 100 or bool(errors), 30, "the link's client to be busy")
-            with _connect(broker, tls, "ring", timeout=20) as ring:
-                start = counts[0]
-                for _ in range(100):
-                    ring.synchronize()
-            assert counts[0] > start, "the link's client stopped meanwhile: this test shows nothing"
-        finally:
-            stop.set()
-            thread.join(30)
-    assert not errors
+    with _connect(broker, tls, "unix", timeout=20) as link, busy_synchronizing(link) as counts:
+        with _connect(broker, tls, "ring", timeout=20) as ring:
+            start = counts[0]
+            for _ in range(100):
+                ring.synchronize()
+        assert counts[0] > start, "the link's client stopped meanwhile: this test shows nothing"
 
 
 @pytest.mark.parametrize("kind", ["unix", "tcp"])
@@ -132,23 +112,9 @@ def test_a_polling_link_does_not_keep_the_device_from_another_tenant(
     """The worker polls only while its turn is uncontended: another tenant that wants the device gets its turns
     while the first tenant's link goes on."""
     broker, tls = spinning_broker
-    stop, counts, errors = threading.Event(), [0], list[BaseException]()
-    with _connect(broker, tls, kind, timeout=20) as alice:
-        thread = threading.Thread(target=_hammer, args=(alice, stop, counts, errors))
-        thread.start()
-        try:
-            wait_for(lambda: counts[0] > 100 or bool(errors), 30, "alice's link to be busy")
-            with connect(broker.target, token=broker.tokens["bob"], transport="grpc", timeout=20) as bob:
-                kernel = bob.compile_kernel(samples.source(bob.device_info().backend), "empty_kernel")
-                start = counts[0]
-                t0 = time.monotonic()
-                for _ in range(20):
-                    bob.execute_kernel(kernel, 1, 1, [])
-                    bob.synchronize()
-                took = time.monotonic() - t0
-            assert counts[0] > start, "alice stopped while bob ran: this test shows nothing"
-            assert took < 10, f"bob's 20 launches took {took:.1f} s beside a polling link"
-        finally:
-            stop.set()
-            thread.join(30)
-    assert not errors
+    with _connect(broker, tls, kind, timeout=20) as alice, busy_synchronizing(alice) as counts:
+        with connect(broker.target, token=broker.tokens["bob"], transport="grpc", timeout=20) as bob:
+            start = counts[0]
+            took = other_tenants_launches_take(bob)
+        assert counts[0] > start, "alice stopped while bob ran: this test shows nothing"
+        assert took < 10, f"bob's 20 launches took {took:.1f} s beside a polling link"
