@@ -5,6 +5,7 @@ for the answer to its last batch (wire/ring.py), as the shared-memory ring's two
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,11 +16,12 @@ from gpubroker.broker import samples
 from gpubroker.broker.certs import init_certs
 from gpubroker.broker.config import TlsConfig
 from gpubroker.broker.launcher import BrokerProcess
-from gpubroker.client import InvalidArgument, RemoteGpu, TlsOptions, connect
+from gpubroker.client import DeadlineExceeded, InvalidArgument, RemoteGpu, TlsOptions, connect
+from gpubroker.client._transports import _link, _ring
 from gpubroker.wire.ring import MAX_SPIN_US, SPIN_ENV, link_spin_us
 
 from ..conftest import TENANTS
-from ..helpers import busy_synchronizing, other_tenants_launches_take
+from ..helpers import busy_synchronizing, other_tenants_launches_take, spin_iterations
 
 _SPIN_US = "200"  # (the longest: a synchronous client's next batch comes within it even on a slow CI host)
 
@@ -118,3 +120,24 @@ def test_a_polling_link_does_not_keep_the_device_from_another_tenant(
             took = other_tenants_launches_take(bob)
         assert counts[0] > start, "alice stopped while bob ran: this test shows nothing"
         assert took < 10, f"bob's 20 launches took {took:.1f} s beside a polling link"
+
+
+@pytest.mark.parametrize("kind", ["ring", "unix", "tcp"])
+def test_a_calls_own_timeout_bounds_its_poll(spinning_broker: tuple[BrokerProcess, TlsOptions], backend: str,
+                                             kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client polls for its answer (here up to 0.5 s) within the call's own bound: a synchronize(timeout=0.1)
+    of work that runs on gives its DeadlineExceeded after about 0.1 s, not after the poll, and the session goes
+    on."""
+    for module in (_link, _ring):
+        monkeypatch.setattr(module, "wait_spin_us", lambda: 500_000)
+    broker, tls = spinning_broker
+    with _connect(broker, tls, kind) as gpu:
+        kernel, buf = gpu.compile_kernel(samples.source(backend), "spin"), gpu.allocate_memory(4096)
+        iters = spin_iterations(gpu, kernel, buf, seconds=1.5)
+        gpu.execute_kernel(kernel, 1, 1, [buf, np.int64(iters)])
+        start = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            gpu.synchronize(timeout=0.1)
+        took = time.monotonic() - start
+        assert 0.1 <= took < 0.4, took
+        gpu.synchronize(timeout=60)

@@ -166,14 +166,12 @@ class _Frames:
         if self._ready or (not self._peeks and sock.pending()):  # type: ignore[attr-defined]
             return 0.0
         poll = self._poller.poll
-        start = time.perf_counter()
+        start = now = time.perf_counter()
         end = start + seconds
-        while not poll(0):
-            now = time.perf_counter()
-            if now >= end:
-                return now - start
+        while not poll(0) and now < end:
             os.sched_yield()  # a polite spin: whatever else wants this CPU runs
-        return 0.0
+            now = time.perf_counter()
+        return now - start
 
     def next(self, into: memoryview | None = None) -> bytearray | Landed:
         """The next frame's payload; ``into``: see ``_land``."""
@@ -461,10 +459,11 @@ class FramedSocket:
         assert self._frames is not None and self.sock is not None
         if in_flight <= 1 and self._spin:
             # The answer to the last batch sent: polled for before the read blocks (``in_flight`` > 1 is back-
-            # pressure or a drain: the rest is behind what is awaited, and a spin would only take CPU).
-            spent = self._frames.await_spinning(self._spin)
-            if spent and timeout is not None:
-                timeout = max(timeout - spent, 1e-3)  # (the call's bound counts the spin)
+            # pressure or a drain: the rest is behind what is awaited, and a spin would only take CPU), within
+            # the call's bound, which counts the poll.
+            spent = self._frames.await_spinning(self._spin if timeout is None else min(self._spin, timeout))
+            if timeout is not None:
+                timeout = max(timeout - spent, 1e-4)
         own = timeout != self._timeout
         if own:
             self.sock.settimeout(timeout)

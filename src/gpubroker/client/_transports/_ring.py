@@ -228,7 +228,8 @@ class RingUpgrade:
                 # Back-pressure or a drain: what is awaited is not the last batch, and the rest is behind it;
                 # spinning would only burn the client's CPU (and the CPU the worker and its device may need).
                 return self._block(acks, timeout)
-            spin_end = time.perf_counter() + self._spin
+            start = time.perf_counter()
+            spin_end = start + (self._spin if timeout is None else min(self._spin, timeout))  # (within the bound)
             while time.perf_counter() < spin_end:
                 for _ in range(SPIN_POLLS):
                     if acks.ready():
@@ -236,6 +237,8 @@ class RingUpgrade:
                         if payload is not None:
                             return payload
                 os.sched_yield()  # a polite spin: whatever else wants this CPU (the worker, its device) runs
+            if timeout is not None:
+                timeout = max(timeout - (time.perf_counter() - start), 0.0)  # (the call's bound counts the spin)
             return self._block(acks, timeout)
         except RingBroken as exc:
             raise Lost(f"the ack ring is broken: {exc}") from None
