@@ -331,25 +331,53 @@ _GATHER = 256 * 1024
 _LINGER_MS = 2
 
 
-# Relays of one process that poll at once, at most: the rest block. A tenant's links (up to its link cap) that each
-# send a small message now and then would otherwise keep as many threads of a relay process polling, the front's
-# CPU, and every turn of one a turn on the process's GIL, which the other tenants' links of the process need.
-_SPINNERS = threading.BoundedSemaphore(2)
+# A relay's poll is the front's CPU spent waiting on a link's peers, whose timing the tenant controls: a client
+# sending a byte (or a worker an answer) every ~100 us would keep its relay polling all the time for next to
+# nothing of its own (an attacker measured 7x its own CPU in a relay process, with two links). So one relay of a
+# process polls at a time (the rest block, as before polling), and a relay polls at most _SPIN_SHARE of its time:
+# it earns that share of the wall time it runs, up to _SPIN_BURST, and spends what it polls. One tenant's links
+# then cost a relay process at most half a core polling; others' links meanwhile go as they did without it.
+_SPINNERS = threading.BoundedSemaphore(1)
+_SPIN_SHARE = 0.5
+_SPIN_BURST = 0.002
 
 
-def _spin_poll(poller: select.poll, end: float) -> dict[int, int]:
-    """Poll without waiting until something is ready or ``end`` (perf_counter) passes; nothing (at once) where
-    the process's other relays poll already (``_SPINNERS``)."""
-    if not _SPINNERS.acquire(blocking=False):
+class _SpinBudget:
+    """What a relay may still poll (seconds): ``_SPIN_SHARE`` of the wall time since it began, at most
+    ``_SPIN_BURST`` ahead, less what it polled."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.credit = _SPIN_BURST
+        self._clock = clock
+        self._at = clock()
+
+    def until(self, end: float) -> float:
+        """When a poll that wants to go on until ``end`` must stop (the past: none now)."""
+        now = self._clock()
+        self.credit = min(_SPIN_BURST, self.credit + (now - self._at) * _SPIN_SHARE)
+        self._at = now
+        return now + min(end - now, self.credit)
+
+    def spent(self, seconds: float) -> None:
+        self.credit -= seconds
+
+
+def _spin_poll(poller: select.poll, end: float, budget: _SpinBudget) -> dict[int, int]:
+    """Poll without waiting until something is ready or ``end`` (perf_counter) passes, as far as the relay's
+    budget goes; nothing (at once) where another relay of the process polls already (``_SPINNERS``)."""
+    start = time.perf_counter()
+    stop = budget.until(end)
+    if stop <= start or not _SPINNERS.acquire(blocking=False):
         return {}
     try:
         while True:
             ready = poller.poll(0)
-            if ready or time.perf_counter() >= end:
+            if ready or time.perf_counter() >= stop:
                 return dict(ready)
             os.sched_yield()  # a polite spin: whatever else wants this CPU runs
     finally:
         _SPINNERS.release()
+        budget.spent(time.perf_counter() - start)
 
 
 class _Flow:
@@ -441,7 +469,8 @@ def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int, spin: float 
 
     With ``spin``, after moving bytes it polls that long for more before it blocks: a client's batch is answered,
     and a synchronous client's next batch follows its answer, within tens of microseconds, and a blocked thread's
-    wake-up in a VM goes through the hypervisor (wire/ring.py). Never while it gathers a streamed frame."""
+    wake-up in a VM goes through the hypervisor (wire/ring.py). Never while it gathers a streamed frame, and
+    within its budget (``_SpinBudget``), one relay of the process at a time."""
     tcp.setblocking(False)
     worker.setblocking(False)
     up, down = _Flow(tcp, worker), _Flow(worker, tcp)
@@ -450,6 +479,7 @@ def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int, spin: float 
     registered: dict[int, int] = {}
     shut = False
     spin_end = 0.0
+    budget = _SpinBudget()
     while True:
         moved = up.pump()
         if down.pump() or moved:
@@ -475,7 +505,7 @@ def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int, spin: float 
             else:  # not even for a hang-up, which poll would report at once, again and again
                 poller.unregister(fd)
         holding = [flow for flow in (up, down) if flow.holding]
-        ready = _spin_poll(poller, spin_end) if spin_end and not holding else {}
+        ready = _spin_poll(poller, spin_end, budget) if spin_end and not holding else {}
         if not ready:
             spin_end = 0.0
             ready = dict(poller.poll(_LINGER_MS if holding else None))
