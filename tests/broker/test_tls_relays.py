@@ -262,26 +262,34 @@ def test_a_verdict_after_the_thread_stopped_waiting_still_gives_the_place_back(
     asyncio.run(main())
 
 
-def test_one_relay_of_a_process_polls_at_a_time_and_the_others_block() -> None:
-    """A relay polls a while for its link's next bytes before it blocks (where the host spins), one relay of a
-    process at a time: a tenant's many links cannot keep the relay process's threads (the front's CPU, its GIL)
-    polling. Another relay's poll gives up at once, and it blocks."""
+def test_a_tenants_links_poll_one_at_a_time_and_two_relays_of_a_process_at_most() -> None:
+    """A relay polls a while for its link's next bytes before it blocks (where the host spins), within its
+    tenant's share of the process: one of the tenant's links at a time (its many links cannot keep the relay
+    process's threads, the front's CPU and its GIL, polling), beside another tenant's link; at most two relays of
+    a process at once. A relay past those gives up its poll at once, and blocks."""
     a, b = socket.socketpair()
     poller = select.poll()
     poller.register(a, select.POLLIN)
-    budget = _tcp_relay._SpinBudget()
+    alice, bob = _tcp_relay.SpinShare(), _tcp_relay.SpinShare()
     try:
-        assert _tcp_relay._spin_poll(poller, time.perf_counter() + 0.001, budget) == {}  # (polled: nothing came)
+        assert _tcp_relay._spin_poll(poller, time.perf_counter() + 0.001, alice) == {}  # (polled: nothing came)
         b.send(b"x")
-        assert _tcp_relay._spin_poll(poller, time.perf_counter() + 60, budget) == {a.fileno(): select.POLLIN}
-        a.recv(1)
-        assert _tcp_relay._SPINNERS.acquire(blocking=False)  # another relay polling
-        try:
+        assert _tcp_relay._spin_poll(poller, time.perf_counter() + 60, alice) == {a.fileno(): select.POLLIN}
+        assert _tcp_relay._spin_poll(poller, time.perf_counter() + 60, bob) == {a.fileno(): select.POLLIN}
+        with alice.slot:  # another of alice's links polling: hers gives up, bob's polls
             t0 = time.perf_counter()
-            assert _tcp_relay._spin_poll(poller, t0 + 60, _tcp_relay._SpinBudget()) == {}
+            assert _tcp_relay._spin_poll(poller, t0 + 60, alice) == {}
+            assert time.perf_counter() - t0 < 1
+            assert _tcp_relay._spin_poll(poller, time.perf_counter() + 60, bob) == {a.fileno(): select.POLLIN}
+        taken = [_tcp_relay._SPINNERS.acquire(blocking=False) for _ in range(2)]  # two relays polling
+        try:
+            assert taken == [True, True]
+            t0 = time.perf_counter()
+            assert _tcp_relay._spin_poll(poller, t0 + 60, _tcp_relay.SpinShare()) == {}
             assert time.perf_counter() - t0 < 1
         finally:
-            _tcp_relay._SPINNERS.release()
+            for _ in taken:
+                _tcp_relay._SPINNERS.release()
     finally:
         a.close()
         b.close()
@@ -289,8 +297,8 @@ def test_one_relay_of_a_process_polls_at_a_time_and_the_others_block() -> None:
 
 def test_a_relay_polls_at_most_half_its_time() -> None:
     """A peer that sends a byte every 100 us (its own CPU next to nothing) would keep a relay polling for it all
-    the time, the front's CPU: a relay earns half the wall time it runs for polling (a little ahead, at most
-    _SPIN_BURST), and blocks for the rest. Over one second of such a peer, on a clock of the test's own."""
+    the time, the front's CPU: a tenant's links earn half the wall time for polling (a little ahead, at most
+    _SPIN_BURST), and block for the rest. Over one second of such a peer, on a clock of the test's own."""
     clock = [0.0]
     budget = _tcp_relay._SpinBudget(lambda: clock[0])
     polled = 0.0

@@ -76,10 +76,11 @@ class Abort(_ToRelay, tag="abort", frozen=True):
 
 class Verdict(_ToRelay, tag="verdict", frozen=True):
     """What link ``link`` does after its hello: write ``frames`` (the front's answers), then relay between the
-    connection and the worker's socket attached, or (none attached) close it."""
+    connection and the worker's socket attached (tenant ``tenant``'s link), or (none attached) close it."""
 
     link: LinkId
     frames: Annotated[tuple[bytes, ...], msgspec.Meta(max_length=16)]
+    tenant: Annotated[str, msgspec.Meta(max_length=1024)] = ""  # whose link (its relay polls within the tenant's share)
 
 
 ToRelay = Relay | Abort | Verdict

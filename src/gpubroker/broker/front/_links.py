@@ -302,6 +302,7 @@ class LinkServer:
         deadline = loop.call_later(self.gate.hello_timeout, too_late)
         frames: list[bytes] = []
         worker_end: socket.socket | None = None
+        tenant = ""  # (whose link it is, once handed over)
         try:
             try:
                 data, names, issued = await relay.hello
@@ -349,7 +350,7 @@ class LinkServer:
                                                 relayed=True)
                 if release is not None:  # counted until the relay's thread ends
                     relay.on_end = functools.partial(loop.call_soon_threadsafe, release)
-                    worker_end, ours = ours, None
+                    worker_end, ours, tenant = ours, None, session.tenant
             finally:
                 theirs.close()
                 if ours is not None:
@@ -360,7 +361,7 @@ class LinkServer:
             ticket.done()
             if peek is not None:
                 peek.close()
-            relay.decide(frames, worker_end)
+            relay.decide(frames, worker_end, tenant)
 
     # -- the hello and the hand-off --------------------------------------------------------------------
     async def _hello(self, recv_exactly: Callable[[int], Awaitable[bytes]], send: Callable[[bytes], Awaitable[None]],

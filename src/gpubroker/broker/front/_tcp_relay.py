@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from gpubroker.broker.front.auth import peer_certificate_issued, peer_certificate_names
 from gpubroker.wire.frames import FRAME_HEADER, FrameDecoder, FrameTooLarge
 
-__all__ = ["HandshakeFailed", "Hello", "HelloCutShort", "LinkRelay", "TcpRelay", "ThreadRelay"]
+__all__ = ["HandshakeFailed", "Hello", "HelloCutShort", "LinkRelay", "SpinShare", "TcpRelay", "ThreadRelay"]
 
 # A hello as the relay read it: its frame (header and body, or only the header of one past the limit), and its
 # verified client certificate's names (gRPC's order) and notBefore: (), None without one.
@@ -65,8 +65,9 @@ class LinkRelay(Protocol):
 
     def abort(self) -> None: ...
 
-    def decide(self, frames: list[bytes], worker: socket.socket | None) -> None:
-        """Write ``frames`` (a refusal or the hand-off's answers), then relay to ``worker`` (taken) or close."""
+    def decide(self, frames: list[bytes], worker: socket.socket | None, tenant: str = "") -> None:
+        """Write ``frames`` (a refusal or the hand-off's answers), then relay to ``worker`` (taken) or close.
+        ``tenant``: whose link it is (its relay's polls are the tenant's share of its process's)."""
 
 
 class ThreadRelay:
@@ -112,8 +113,8 @@ class ThreadRelay:
     def abort(self) -> None:
         self._relay.abort()
 
-    def decide(self, frames: list[bytes], worker: socket.socket | None) -> None:
-        self._relay.decide(frames, worker)
+    def decide(self, frames: list[bytes], worker: socket.socket | None, tenant: str = "") -> None:
+        self._relay.decide(frames, worker, tenant)
 
 
 class TcpRelay:
@@ -127,9 +128,13 @@ class TcpRelay:
 
     def __init__(self, conn: socket.socket, tls: ssl.SSLContext | None, hello_limit: int, timeout: float,
                  stop_fd: int, report: Callable[[Hello | BaseException], None],
-                 on_progress: Callable[[bool], None] | None = None, spin: float = 0.0) -> None:
+                 on_progress: Callable[[bool], None] | None = None, spin: float = 0.0,
+                 spin_share: Callable[[str], SpinShare] | None = None) -> None:
         self.sock: socket.socket = conn
-        self.spin = spin  # seconds the relay polls for more after moving bytes, before it blocks (``_relay``)
+        # Seconds the relay polls for more after moving bytes, before it blocks (``_relay``), within its tenant's
+        # share of the process's polls (``spin_share``; none: it never polls).
+        self.spin = spin
+        self._spin_share = spin_share
         self.aborted = False
         # Set by the thread once the handshake is done or a byte of the hello has come (the audit's words for a
         # late one), and once the handshake's first byte has come: the connection is not idle (the gate never
@@ -145,7 +150,7 @@ class TcpRelay:
         self._lock = threading.Lock()  # abort (the loop) against the thread's wrap and close of the socket
         self._closed = False
         self._late = False  # the thread stopped waiting for the verdict
-        self._verdict: queue.SimpleQueue[tuple[list[bytes], socket.socket | None]] = queue.SimpleQueue()
+        self._verdict: queue.SimpleQueue[tuple[list[bytes], socket.socket | None, str]] = queue.SimpleQueue()
         # Called (from the thread) once the relay is over: gives the link's place back in the front's counts.
         self.on_end: Callable[[], Any] | None = None
 
@@ -163,14 +168,15 @@ class TcpRelay:
             self._late = True
         self._close()
 
-    def decide(self, frames: list[bytes], worker: socket.socket | None) -> None:
-        """What the thread does after the hello: write ``frames`` (a refusal), then relay to ``worker`` or close.
+    def decide(self, frames: list[bytes], worker: socket.socket | None, tenant: str = "") -> None:
+        """What the thread does after the hello: write ``frames`` (a refusal), then relay to ``worker`` (the link of
+        ``tenant``) or close.
         After the thread stopped waiting for it (the front took longer than _VERDICT_WAIT): ``worker`` is closed
         and ``on_end`` called here, so that the link's place is given back all the same."""
         with self._lock:
             late = self._late
             if not late:
-                self._verdict.put((frames, worker))
+                self._verdict.put((frames, worker, tenant))
         if late:
             if worker is not None:
                 worker.close()
@@ -194,21 +200,22 @@ class TcpRelay:
             self.started = False  # (a failed handshake waits out its failure delay: a newcomer may take its place)
         self._report(hello)
         try:
-            frames, worker = self._verdict.get(timeout=_VERDICT_WAIT)
+            frames, worker, tenant = self._verdict.get(timeout=_VERDICT_WAIT)
         except queue.Empty:  # (the broker stopping before it judged the hello)
             with self._lock:
                 self._late = True  # (a verdict after this is answered by decide itself)
             try:
-                frames, worker = self._verdict.get_nowait()
+                frames, worker, tenant = self._verdict.get_nowait()
             except queue.Empty:
-                frames, worker = [], None
+                frames, worker, tenant = [], None, ""
         try:
             if not isinstance(hello, BaseException):
                 self.sock.settimeout(self._timeout)
                 for frame in frames:
                     self.sock.sendall(frame)
                 if worker is not None:
-                    _relay(self.sock, worker, self._stop_fd, self.spin)
+                    share = self._spin_share(tenant) if self._spin_share is not None and self.spin else None
+                    _relay(self.sock, worker, self._stop_fd, self.spin, share)
         except OSError:
             pass
         finally:
@@ -333,18 +340,19 @@ _LINGER_MS = 2
 
 # A relay's poll is the front's CPU spent waiting on a link's peers, whose timing the tenant controls: a client
 # sending a byte (or a worker an answer) every ~100 us would keep its relay polling all the time for next to
-# nothing of its own (an attacker measured 7x its own CPU in a relay process, with two links). So one relay of a
-# process polls at a time (the rest block, as before polling), and a relay polls at most _SPIN_SHARE of its time:
-# it earns that share of the wall time it runs, up to _SPIN_BURST, and spends what it polls. One tenant's links
-# then cost a relay process at most half a core polling; others' links meanwhile go as they did without it.
-_SPINNERS = threading.BoundedSemaphore(1)
+# nothing of its own (an attacker measured 7x its own CPU in a relay process, with two links). So the links of one
+# tenant in a relay process share what they may poll (``SpinShare``): one of them at a time, and half their wall
+# time between them (each earns that share of the wall time, up to _SPIN_BURST ahead, and spends what it polls);
+# and at most _SPINNERS relays of a process poll at once, whoever's. One tenant's links then cost a relay process
+# at most half a core polling, and another tenant's links poll beside them.
+_SPINNERS = threading.BoundedSemaphore(2)
 _SPIN_SHARE = 0.5
 _SPIN_BURST = 0.002
 
 
 class _SpinBudget:
-    """What a relay may still poll (seconds): ``_SPIN_SHARE`` of the wall time since it began, at most
-    ``_SPIN_BURST`` ahead, less what it polled."""
+    """What may still be polled (seconds): ``_SPIN_SHARE`` of the wall time since it began, at most
+    ``_SPIN_BURST`` ahead, less what was polled."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.credit = _SPIN_BURST
@@ -362,22 +370,39 @@ class _SpinBudget:
         self.credit -= seconds
 
 
-def _spin_poll(poller: select.poll, end: float, budget: _SpinBudget) -> dict[int, int]:
-    """Poll without waiting until something is ready or ``end`` (perf_counter) passes, as far as the relay's
-    budget goes; nothing (at once) where another relay of the process polls already (``_SPINNERS``)."""
-    start = time.perf_counter()
-    stop = budget.until(end)
-    if stop <= start or not _SPINNERS.acquire(blocking=False):
+class SpinShare:
+    """What the links of one tenant in one relay process may poll: one at a time (``slot``), within one budget."""
+
+    __slots__ = ("__weakref__", "budget", "slot")
+
+    def __init__(self) -> None:
+        self.slot = threading.Lock()
+        self.budget = _SpinBudget()
+
+
+def _spin_poll(poller: select.poll, end: float, share: SpinShare) -> dict[int, int]:
+    """Poll without waiting until something is ready or ``end`` (perf_counter) passes, as far as the tenant's
+    share goes; nothing (at once) where another of its links, or _SPINNERS relays of the process, poll already."""
+    if not _SPINNERS.acquire(blocking=False):
         return {}
     try:
-        while True:
-            ready = poller.poll(0)
-            if ready or time.perf_counter() >= stop:
-                return dict(ready)
-            os.sched_yield()  # a polite spin: whatever else wants this CPU runs
+        if not share.slot.acquire(blocking=False):
+            return {}
+        try:
+            start = time.perf_counter()
+            stop = share.budget.until(end)
+            try:
+                while True:
+                    ready = poller.poll(0)
+                    if ready or time.perf_counter() >= stop:
+                        return dict(ready)
+                    os.sched_yield()  # a polite spin: whatever else wants this CPU runs
+            finally:
+                share.budget.spent(time.perf_counter() - start)
+        finally:
+            share.slot.release()
     finally:
         _SPINNERS.release()
-        budget.spent(time.perf_counter() - start)
 
 
 class _Flow:
@@ -464,13 +489,14 @@ class _Flow:
         return self.eof and self.start == self.end
 
 
-def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int, spin: float = 0.0) -> None:
+def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int, spin: float = 0.0,
+           share: SpinShare | None = None) -> None:
     """Relay until the worker's end closes (after the client's, or at a revocation) or either side fails.
 
     With ``spin``, after moving bytes it polls that long for more before it blocks: a client's batch is answered,
     and a synchronous client's next batch follows its answer, within tens of microseconds, and a blocked thread's
-    wake-up in a VM goes through the hypervisor (wire/ring.py). Never while it gathers a streamed frame, and
-    within its budget (``_SpinBudget``), one relay of the process at a time."""
+    wake-up in a VM goes through the hypervisor (wire/ring.py). Never while it gathers a streamed frame, and only
+    within ``share``, its tenant's (none: it never polls)."""
     tcp.setblocking(False)
     worker.setblocking(False)
     up, down = _Flow(tcp, worker), _Flow(worker, tcp)
@@ -479,7 +505,8 @@ def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int, spin: float 
     registered: dict[int, int] = {}
     shut = False
     spin_end = 0.0
-    budget = _SpinBudget()
+    if share is None:
+        spin = 0.0
     while True:
         moved = up.pump()
         if down.pump() or moved:
@@ -505,7 +532,7 @@ def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int, spin: float 
             else:  # not even for a hang-up, which poll would report at once, again and again
                 poller.unregister(fd)
         holding = [flow for flow in (up, down) if flow.holding]
-        ready = _spin_poll(poller, spin_end, budget) if spin_end and not holding else {}
+        ready = _spin_poll(poller, spin_end, share) if spin_end and share is not None and not holding else {}
         if not ready:
             spin_end = 0.0
             ready = dict(poller.poll(_LINGER_MS if holding else None))

@@ -38,12 +38,13 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
 from gpubroker.broker.front._child_channel import FD_SPACE, ChildChannel, die_with_parent, start_child, take_fds
-from gpubroker.broker.front._tcp_relay import HandshakeFailed, Hello, HelloCutShort, TcpRelay
+from gpubroker.broker.front._tcp_relay import HandshakeFailed, Hello, HelloCutShort, SpinShare, TcpRelay
 from gpubroker.wire.ring import link_spin_us
 from gpubroker.wire.tls_relay import (
     MAX_NAME,
@@ -160,14 +161,14 @@ class HelperRelay:
         self._process.send(Abort(self.link), None, None)
         self._settle(EOFError("shut: its hello's deadline passed, or it was evicted"))
 
-    def decide(self, frames: list[bytes], worker: socket.socket | None) -> None:
+    def decide(self, frames: list[bytes], worker: socket.socket | None, tenant: str = "") -> None:
         fd = worker.detach() if worker is not None else None  # (sent, then closed here)
         self._drop_conn()
         if self._over:  # (it stopped waiting for the verdict: nothing is relayed, the place given back here)
             if fd is not None:
                 os.close(fd)
             self.ended()
-        elif not self._process.send(Verdict(self.link, tuple(frames)), fd, None):
+        elif not self._process.send(Verdict(self.link, tuple(frames), tenant), fd, None):
             self.ended()  # (the process is gone: nothing is relayed)
 
     # -- told by the process (on the front's loop) ---------------------------------------------------------
@@ -417,6 +418,8 @@ class _RelayProcess:
         self.channel = channel
         self.context = context
         self.spin = spin  # (each relay's, ``TcpRelay``)
+        self._shares: weakref.WeakValueDictionary[str, SpinShare] = weakref.WeakValueDictionary()  # by tenant
+        self._shares_lock = threading.Lock()
         self.links: dict[int, TcpRelay] = {}
         self._send_lock = threading.Lock()
         self._links_lock = threading.Lock()
@@ -425,6 +428,14 @@ class _RelayProcess:
     def send(self, message: Ready | Progressed | HelloRead | HelloFailed | Ended) -> None:
         with self._send_lock, contextlib.suppress(OSError):  # (the front is gone: the process ends anyway)
             self.channel.send(encode(message))
+
+    def spin_share(self, tenant: str) -> SpinShare:
+        """What the tenant's links in this process may poll, together (held by each while it relays)."""
+        with self._shares_lock:
+            share = self._shares.get(tenant)
+            if share is None:
+                share = self._shares[tenant] = SpinShare()
+            return share
 
     def run(self) -> None:
         self.send(Ready(os.getpid()))
@@ -483,7 +494,7 @@ class _RelayProcess:
             if sock is not None:
                 sock.close()
         else:
-            link.decide(list(message.frames), sock)
+            link.decide(list(message.frames), sock, message.tenant)
 
     def _relay(self, message: Relay, conn: socket.socket) -> None:
         number = message.link
@@ -506,7 +517,8 @@ class _RelayProcess:
             self.send(Ended(number))
 
         link = TcpRelay(conn, self.context, message.hello_limit, message.timeout, self._stop_r, report,
-                        on_progress=lambda done: self.send(Progressed(number, done)), spin=self.spin)
+                        on_progress=lambda done: self.send(Progressed(number, done)), spin=self.spin,
+                        spin_share=self.spin_share)
         link.on_end = ended
         with self._links_lock:
             self.links[number] = link
