@@ -270,7 +270,7 @@ def test_a_tenants_links_poll_one_at_a_time_and_two_relays_of_a_process_at_most(
     a, b = socket.socketpair()
     poller = select.poll()
     poller.register(a, select.POLLIN)
-    alice, bob = _tcp_relay.SpinShare(), _tcp_relay.SpinShare()
+    alice, bob = _tcp_relay.SpinShare(200e-6), _tcp_relay.SpinShare(200e-6)
     try:
         assert _tcp_relay._spin_poll(poller, time.perf_counter() + 0.001, alice) == {}  # (polled: nothing came)
         b.send(b"x")
@@ -285,7 +285,7 @@ def test_a_tenants_links_poll_one_at_a_time_and_two_relays_of_a_process_at_most(
         try:
             assert taken == [True, True]
             t0 = time.perf_counter()
-            assert _tcp_relay._spin_poll(poller, t0 + 60, _tcp_relay.SpinShare()) == {}
+            assert _tcp_relay._spin_poll(poller, t0 + 60, _tcp_relay.SpinShare(200e-6)) == {}
             assert time.perf_counter() - t0 < 1
         finally:
             for _ in taken:

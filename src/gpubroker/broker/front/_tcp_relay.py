@@ -128,12 +128,11 @@ class TcpRelay:
 
     def __init__(self, conn: socket.socket, tls: ssl.SSLContext | None, hello_limit: int, timeout: float,
                  stop_fd: int, report: Callable[[Hello | BaseException], None],
-                 on_progress: Callable[[bool], None] | None = None, spin: float = 0.0,
+                 on_progress: Callable[[bool], None] | None = None,
                  spin_share: Callable[[str], SpinShare] | None = None) -> None:
         self.sock: socket.socket = conn
-        # Seconds the relay polls for more after moving bytes, before it blocks (``_relay``), within its tenant's
-        # share of the process's polls (``spin_share``; none: it never polls).
-        self.spin = spin
+        # What the relay may poll for more after moving bytes, before it blocks (``_relay``): its tenant's share of
+        # the process's polls (none: it never polls).
         self._spin_share = spin_share
         self.aborted = False
         # Set by the thread once the handshake is done or a byte of the hello has come (the audit's words for a
@@ -214,8 +213,8 @@ class TcpRelay:
                 for frame in frames:
                     self.sock.sendall(frame)
                 if worker is not None:
-                    share = self._spin_share(tenant) if self._spin_share is not None and self.spin else None
-                    _relay(self.sock, worker, self._stop_fd, self.spin, share)
+                    share = self._spin_share(tenant) if self._spin_share is not None else None
+                    _relay(self.sock, worker, self._stop_fd, share)
         except OSError:
             pass
         finally:
@@ -371,11 +370,13 @@ class _SpinBudget:
 
 
 class SpinShare:
-    """What the links of one tenant in one relay process may poll: one at a time (``slot``), within one budget."""
+    """What the links of one tenant in one relay process may poll: ``seconds`` after each move of bytes, one of
+    them at a time (``slot``), within one budget."""
 
-    __slots__ = ("__weakref__", "budget", "slot")
+    __slots__ = ("__weakref__", "budget", "seconds", "slot")
 
-    def __init__(self) -> None:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
         self.slot = threading.Lock()
         self.budget = _SpinBudget()
 
@@ -489,14 +490,13 @@ class _Flow:
         return self.eof and self.start == self.end
 
 
-def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int, spin: float = 0.0,
-           share: SpinShare | None = None) -> None:
+def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int, share: SpinShare | None = None) -> None:
     """Relay until the worker's end closes (after the client's, or at a revocation) or either side fails.
 
-    With ``spin``, after moving bytes it polls that long for more before it blocks: a client's batch is answered,
-    and a synchronous client's next batch follows its answer, within tens of microseconds, and a blocked thread's
-    wake-up in a VM goes through the hypervisor (wire/ring.py). Never while it gathers a streamed frame, and only
-    within ``share``, its tenant's (none: it never polls)."""
+    With ``share`` (its tenant's), after moving bytes it polls a while for more before it blocks: a client's batch
+    is answered, and a synchronous client's next batch follows its answer, within tens of microseconds, and a
+    blocked thread's wake-up in a VM goes through the hypervisor (wire/ring.py). Never while it gathers a streamed
+    frame."""
     tcp.setblocking(False)
     worker.setblocking(False)
     up, down = _Flow(tcp, worker), _Flow(worker, tcp)
@@ -505,12 +505,10 @@ def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int, spin: float 
     registered: dict[int, int] = {}
     shut = False
     spin_end = 0.0
-    if share is None:
-        spin = 0.0
     while True:
         moved = up.pump()
-        if down.pump() or moved:
-            spin_end = time.perf_counter() + spin if spin else 0.0
+        if (down.pump() or moved) and share is not None:
+            spin_end = time.perf_counter() + share.seconds
         if down.broken or down.drained:
             return  # (the worker ended the link, or the client's side failed: the connection closes)
         if up.drained and not shut:
@@ -532,7 +530,7 @@ def _relay(tcp: socket.socket, worker: socket.socket, stop_fd: int, spin: float 
             else:  # not even for a hang-up, which poll would report at once, again and again
                 poller.unregister(fd)
         holding = [flow for flow in (up, down) if flow.holding]
-        ready = _spin_poll(poller, spin_end, share) if spin_end and share is not None and not holding else {}
+        ready = _spin_poll(poller, spin_end, share) if share is not None and spin_end and not holding else {}
         if not ready:
             spin_end = 0.0
             ready = dict(poller.poll(_LINGER_MS if holding else None))

@@ -417,7 +417,7 @@ class _RelayProcess:
     def __init__(self, channel: socket.socket, context: ssl.SSLContext, spin: float = 0.0) -> None:
         self.channel = channel
         self.context = context
-        self.spin = spin  # (each relay's, ``TcpRelay``)
+        self.spin = spin  # seconds a relay polls after moving bytes (0: never), within its tenant's share
         self._shares: weakref.WeakValueDictionary[str, SpinShare] = weakref.WeakValueDictionary()  # by tenant
         self._shares_lock = threading.Lock()
         self.links: dict[int, TcpRelay] = {}
@@ -434,7 +434,7 @@ class _RelayProcess:
         with self._shares_lock:
             share = self._shares.get(tenant)
             if share is None:
-                share = self._shares[tenant] = SpinShare()
+                share = self._shares[tenant] = SpinShare(self.spin)
             return share
 
     def run(self) -> None:
@@ -517,8 +517,8 @@ class _RelayProcess:
             self.send(Ended(number))
 
         link = TcpRelay(conn, self.context, message.hello_limit, message.timeout, self._stop_r, report,
-                        on_progress=lambda done: self.send(Progressed(number, done)), spin=self.spin,
-                        spin_share=self.spin_share)
+                        on_progress=lambda done: self.send(Progressed(number, done)),
+                        spin_share=self.spin_share if self.spin else None)
         link.on_end = ended
         with self._links_lock:
             self.links[number] = link

@@ -463,7 +463,7 @@ class FramedSocket:
             # the call's bound, which counts the poll.
             spent = self._frames.await_spinning(self._spin if timeout is None else min(self._spin, timeout))
             if timeout is not None:
-                timeout = max(timeout - spent, 1e-4)
+                timeout = max(timeout - spent, 1e-4)  # (never 0: that would make the socket non-blocking)
         own = timeout != self._timeout
         if own:
             self.sock.settimeout(timeout)
