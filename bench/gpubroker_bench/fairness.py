@@ -69,13 +69,14 @@ def _saturate(target: str, token: str, backend: str, lengths: list[int], seconds
 def _light(target: str, token: str, backend: str, seconds: float, out: Any, device: int = 0) -> None:
     with connect(target, token=token, device=device) as gpu:
         kernel = gpu.compile_kernel(samples.source(backend), "empty_kernel")
-        latencies = []
+        latencies: list[tuple[float, float]] = []  # (when it began on the monotonic clock, how long it took)
         end = time.monotonic() + seconds
         while time.monotonic() < end:
+            began = time.monotonic()
             t0 = time.perf_counter()
             gpu.execute_kernel(kernel, 1, 1, [])
             gpu.synchronize()
-            latencies.append(time.perf_counter() - t0)
+            latencies.append((began, time.perf_counter() - t0))
             time.sleep(0.01)  # a light tenant: one small synchronous launch every ~10 ms
     out.put(("latencies", latencies))
 
@@ -111,7 +112,6 @@ def _run(backend: str, weights: dict[str, int], lengths: list[int], seconds: flo
         results = [out.get() for _ in procs]
         final = {u.tenant: u for u in admin.usage().tenants}
     kernels = sum(v for k, v in results if k == "kernels")
-    latencies = sorted(x for k, v in results if k == "latencies" for x in v)
     # The window: from when every saturating tenant had been charged until the end (start-up excluded).
     started = next((i for i, s in enumerate(samples_over_time) if all(s.get(t, 0) > 0 for t in weights)), 0)
     # ... until the first tenant finished: after that the rest share a smaller field.
@@ -134,11 +134,25 @@ def _run(backend: str, weights: dict[str, int], lengths: list[int], seconds: flo
     if "light" in final:
         # The scheduler's own queue wait, which the bound is about (the latency below adds two RPCs).
         result["light_wait_ms"] = {"p50": final["light"].wait_p50_ms, "p99": final["light"].wait_p99_ms}
-    if latencies:
-        result["light_latency_ms"] = {"p50": latencies[len(latencies) // 2] * 1e3,
-                                      "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3,
-                                      "count": len(latencies)}
+    calls = [call for k, v in results if k == "latencies" for call in v]
+    if calls:
+        # Judged over the same window as the shares: while the saturating tenants start (their sandboxed
+        # workers, their modules' compiles, their first launches) they do not saturate anything yet.
+        window = (t_start + first["t"], t_start + last["t"])
+        inside = [took for began, took in calls if window[0] <= began <= window[1]]
+        result["light_latency_ms"] = _percentiles(inside)
+        result["light_latency_all_calls_ms"] = _percentiles([took for _, took in calls])
+        result["light_slowest_calls"] = [{"at_s": round(began - window[0], 3), "ms": round(took * 1e3, 3)}
+                                         for began, took in sorted(calls, key=lambda c: -c[1])[:12]]
     return result
+
+
+def _percentiles(latencies: list[float]) -> dict[str, float]:
+    ordered = sorted(latencies)
+    if not ordered:
+        return {"count": 0}
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return {"p50": ordered[len(ordered) // 2] * 1e3, "p99": p99 * 1e3, "count": len(ordered)}
 
 
 def share_series(timeline: list[dict[str, float]], tenants: list[str], tenant: str) -> tuple[list[float], list[float]]:

@@ -30,7 +30,15 @@ from gpubroker.client import (  # noqa: E402
     NotFound,
     ResourceExhausted,
 )
-from gpubroker.wire.commands import Batch, GetKernel, Launch, LoadModule, ScalarArg  # noqa: E402
+from gpubroker.wire.commands import (  # noqa: E402
+    Batch,
+    CreateStream,
+    GetKernel,
+    Launch,
+    LoadModule,
+    ScalarArg,
+    Synchronize,
+)
 from tests.backend_kernels import source  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -356,6 +364,88 @@ def test_worker_segment_spans_batches_and_ends_when_the_worker_goes_idle(gpu: Cu
     time.sleep(0.05)  # host idle time: not the device's, so not charged
     took = gpu.take_device_time()
     assert 2e-3 < took < 20e-3, took
+
+
+def _spin_executor(gpu: CudaBackend) -> Executor:
+    executor = Executor(gpu, HandleTables(), SegmentTable(gpu))
+    ack = executor.run("s", Batch(1, 0, [LoadModule("m", "cuda_c", SPIN_SOURCE.encode(), []),
+                                         GetKernel("spin", "m", "spin")]))
+    assert ack.error is None, ack.error
+    return executor
+
+
+def _spin(cycles: np.int64, stream: str = "") -> Launch:
+    return Launch("spin", (1,), (1,), [ScalarArg(cycles.dtype.str, cycles.tobytes())], stream=stream)
+
+
+def _counting_event_records(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every cudaEventRecord the device-time code makes from now on, by stream."""
+    records: list[int] = []
+    record = cupy.cuda.runtime.eventRecord
+
+    def counted(event: int, stream: int) -> None:
+        records.append(stream)
+        record(event, stream)
+
+    monkeypatch.setattr(_cuda_timing.runtime, "eventRecord", counted)
+    return records
+
+
+def test_a_synchronous_round_trip_records_no_timing_event_and_is_charged_its_wall_time(
+        gpu: CudaBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launch + synchronize, answered, again and again (a synchronous client on a link): the start mark is recorded
+    after each answer (``answered``: while the client reads it), none while a batch runs, and each run is charged
+    its wall time, which holds its kernel."""
+    executor = _spin_executor(gpu)
+    spin = _spin(spin_cycles(gpu, 1e-3))
+    executor.run_link("s", Batch(2, 0, [spin, Synchronize()]))  # warm-up
+    executor.answered()
+    gpu.take_device_time()
+    records = _counting_event_records(monkeypatch)
+    during_batches = 0
+    t0 = time.perf_counter()
+    for i in range(20):
+        before = len(records)
+        assert executor.run_link("s", Batch(10 + i, 0, [spin, Synchronize()])).error is None
+        during_batches += len(records) - before
+        executor.answered()
+    wall = time.perf_counter() - t0
+    assert during_batches == 0 and len(records) == 20, records
+    took = gpu.take_device_time()
+    assert 20 * 0.7e-3 < took <= wall, (took, wall)
+
+
+def test_a_run_begun_on_a_start_mark_recorded_ahead_is_charged_its_device_time_not_the_wait_before(
+        gpu: CudaBackend) -> None:
+    """The start mark recorded ahead (the device quiet) and a run that ends without a synchronize (the worker
+    waits for input with its kernel in flight): the host's wait between the mark and the run is not charged."""
+    executor = _spin_executor(gpu)
+    gpu.synchronize()
+    gpu.take_device_time()
+    executor.answered()
+    time.sleep(0.05)  # the client thinks: 50 ms between the mark and the next batch
+    assert executor.run_link("s", Batch(2, 0, [_spin(spin_cycles(gpu, 2e-3))])).error is None
+    executor.idle()
+    took = gpu.take_device_time()
+    assert 1e-3 < took < 10e-3, took
+
+
+def test_a_synchronize_after_another_streams_work_measures_each_run_with_events(
+        gpu: CudaBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run begun on a quiet device is charged its wall time only if it was the only work: here a second stream
+    ran too (the synchronize's wait holds both), so each run gets its end mark and counts its own kernel."""
+    executor = _spin_executor(gpu)
+    assert executor.run("s", Batch(2, 0, [CreateStream("side")])).error is None
+    cycles = spin_cycles(gpu, 2e-3)
+    gpu.synchronize()
+    gpu.take_device_time()
+    executor.answered()
+    records = _counting_event_records(monkeypatch)
+    ack = executor.run_link("s", Batch(3, 0, [_spin(cycles), _spin(cycles, "side"), Synchronize()]))
+    assert ack.error is None, ack.error
+    assert len(records) == 3, records  # the second stream's start, then an end mark for each
+    took = gpu.take_device_time()
+    assert 3e-3 < took < 8e-3, took
 
 
 def test_pinned_buffers_are_page_locked_and_come_back_to_their_pool(gpu: CudaBackend) -> None:

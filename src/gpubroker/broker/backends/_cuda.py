@@ -205,12 +205,14 @@ class CudaBackend:
         s = self._dev.stream(stream)
         if s is self._dev.null:
             raise InvalidArgument("cannot destroy the default stream")
+        timer = self._timer
         try:
-            with self._timer.lock:
-                self._timer.close(s.ptr)  # its pointer may be reused by a later stream
+            with timer.lock:
+                waited = timer.close_for_sync(s.ptr)  # its pointer may be reused by a later stream
             s.synchronize()
         except Exception as exc:
             raise self._dev.fail("destroy_stream", exc) from exc
+        timer.synced(waited)  # (its work is done: the stream counts as unfinished no more)
         self._dev.streams.pop(stream.handle)
 
     # -- the torch device --------------------------------------------------------------------
@@ -366,6 +368,19 @@ class CudaBackend:
         also by the scheduler's device-time wait, whose error no command reports."""
         return self._dev.fatal is not None
 
+    def anchor_device_time(self) -> None:
+        """The host has a moment (the worker answered a batch; its client is reading the answer): if none of the
+        device's work is unfinished, record the next segment's start mark now, so the next command does not pay
+        for it (_cuda_timing). Never raises: a failure here shows at the next command."""
+        dev = self._dev
+        if dev.fatal is None and dev.opened and not dev.closed:
+            try:
+                if runtime.getDevice() != dev.index:
+                    runtime.setDevice(dev.index)
+                self._timer.anchor()
+            except Exception:
+                pass
+
     def flush_device_time(self) -> None:
         """End the open device-time segments: the worker calls this when it is about to wait for input, so the
         time the host then spends idle (waiting for the next batch) is not charged. Never raises."""
@@ -379,8 +394,10 @@ class CudaBackend:
 
         Each stream's run of commands (up to a batch end, synchronize or take) is bracketed by a pair of CUDA
         events, so this is GPU time, not host time; streams that overlapped each count in full. Idle gaps
-        inside a run count too (see _cuda_timing). Never raises: it is 0.0 before initialize and after a
-        fatal error (the context can no longer tell).
+        inside a run count too, and a run that a synchronize ends, begun with none of the device's work
+        unfinished, counts its host wall time up to the synchronize's return, without events (see
+        _cuda_timing). Never raises: it is 0.0 before initialize and after a fatal error (the context can no
+        longer tell).
         """
         dev = self._dev
         if dev.fatal is not None:

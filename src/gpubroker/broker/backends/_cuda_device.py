@@ -108,15 +108,21 @@ class CudaDevice:
             deferred, self._deferred = self._deferred, None
         if deferred is not None:
             raise deferred  # surfaced by a take_device_time wait; it belongs to the tenant's work
+        timer = self.timer
         try:
-            with self.timer.lock:
-                self.timer.close(None if s is None else s.ptr)  # the host waits now: end the segments first
+            with timer.lock:
+                waited = timer.close_for_sync(None if s is None else s.ptr)  # the host waits now: end the segments
+        except Exception as exc:
+            raise self.fail("synchronize", exc) from exc
+        try:
             if s is None:
                 runtime.deviceSynchronize()
             else:
                 s.synchronize()
         except Exception as exc:
+            timer.synced(waited, finished=False)
             raise self.fail("synchronize", exc) from exc
+        timer.synced(waited)
 
     def defer(self, err: GpuBrokerError) -> None:
         """Keep a non-fatal error a device-time wait saw for the tenant's next synchronize (the first one wins)."""

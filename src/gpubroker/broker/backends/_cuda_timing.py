@@ -13,31 +13,73 @@ next batch too). Segments end whenever the worker waits for input and at every s
 scheduler takes (fences) at slice ends, so host idle time between batches is not charged. A start
 recorded while the stream is still busy with an earlier segment completes only after that work, so
 segments never double count.
+
+Synchronous round trips cost no events. Each ``cudaEventRecord`` costs the host ~2 us (H200), and a launch +
+synchronize paid two of them, with their Python, on every round trip (~4-6 us of ~11). So:
+
+- A segment begun while none of this device's work is unfinished (every stream synchronized since its last
+  command: *quiet*) and ended by a synchronize that waits for it, with no other stream's work issued
+  meanwhile, is charged its host wall time from its first command's issue to the synchronize's return: no end
+  event. That bounds its device time from above (its work started after the issue, ran alone, and ended before
+  the return) by the host's few microseconds around it, which a tenant holding the device keeps from everyone
+  anyway (a slice that others waited for is charged its wall time regardless).
+- Its start mark is recorded ahead (``anchor``: the worker calls it once it has answered a batch and the device
+  is quiet, while its client reads the answer): the next segment begun while the device is still quiet takes
+  that event as its start, with the host time between the two (its *lead*) taken off its elapsed time should
+  it end without a synchronize (the anchor completed at once: the device was idle). An anchor older than
+  ``ANCHOR_MAX_AGE`` is not used (the host's and the GPU's clocks may drift apart), and without one ``begin``
+  records its start event as before.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+import time
+from dataclasses import dataclass
 
 import cupy
 from cupy.cuda import runtime
 
-__all__ = ["DeviceTimer"]
+__all__ = ["ANCHOR_MAX_AGE", "DeviceTimer", "Waited"]
 
 # Past this many unread pairs, completed ones are folded into a running total (bounded memory).
 FOLD_PAIRS = 4096
 # Idle events kept for reuse; more than this are destroyed.
 POOL_MAX = 2 * FOLD_PAIRS
 
-Pair = tuple[cupy.cuda.Event, cupy.cuda.Event]
+# An anchor older than this (seconds) is not a segment's start: over longer, the host's clock and the GPU's may have
+# drifted apart by more than the microseconds a lead is measured in.
+ANCHOR_MAX_AGE = 0.5
+
+# A closed segment: its start and end events and its lead (seconds to take off their elapsed time).
+Pair = tuple[cupy.cuda.Event, cupy.cuda.Event, float]
 
 
-def _elapsed(start: cupy.cuda.Event, end: cupy.cuda.Event) -> float:
-    """Seconds between two completed events on one stream (0.0 if the runtime cannot say)."""
+@dataclass(slots=True)
+class _Segment:
+    """A stream's open segment."""
+
+    start: cupy.cuda.Event  # its start mark: recorded at its first command, or the anchor recorded ahead
+    began: float  # the host's perf_counter when its first command was issued
+    lead: float  # how long before ``began`` its start mark was recorded (an anchor's), taken off its elapsed time
+    quiet: bool  # begun with none of the device's work unfinished: a synchronize may charge its wall time
+
+
+@dataclass(slots=True)
+class Waited:
+    """What ``close_for_sync`` handed to the synchronize after it (``synced``): the segments charged their wall
+    time once it returns, and the streams it waits for (with the count of their last ``begin``)."""
+
+    walls: list[_Segment]
+    streams: dict[int, int]
+
+
+def _elapsed(start: cupy.cuda.Event, end: cupy.cuda.Event, lead: float) -> float:
+    """Seconds between two completed events, less ``lead`` (0.0 if the runtime cannot say)."""
     try:
         ms: float = cupy.cuda.get_elapsed_time(start, end)  # CuPy is untyped: a float of milliseconds
-        return ms / 1000.0
+        return max(0.0, ms / 1000.0 - lead)
     except Exception:
         return 0.0
 
@@ -56,7 +98,13 @@ class DeviceTimer:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self._open: dict[int, cupy.cuda.Event] = {}  # stream pointer -> start event of its open segment
+        self._open: dict[int, _Segment] = {}  # stream pointer -> its open segment
+        # Streams with commands issued since they were last synchronized, each with the count of its last
+        # ``begin`` (a synchronize forgets a stream only if nothing began on it since it started): while this is
+        # empty the device is quiet (none of this device's work unfinished).
+        self._unfinished: dict[int, int] = {}
+        self._begun = 0
+        self._anchor: tuple[cupy.cuda.Event, float] | None = None  # a start mark recorded ahead, and when
         self._pairs: list[Pair] = []
         self._pool: list[cupy.cuda.Event] = []
         self._folded = 0.0
@@ -68,31 +116,92 @@ class DeviceTimer:
         except IndexError:
             return cupy.cuda.Event(block=False, disable_timing=False)
 
-    def _recycle(self, start: cupy.cuda.Event, end: cupy.cuda.Event) -> None:
+    def _recycle(self, *events: cupy.cuda.Event) -> None:
+        # (an event recorded again while an earlier record is pending takes the new one: CUDA's rule)
         if len(self._pool) < POOL_MAX:
-            self._pool.append(start)
-            self._pool.append(end)
+            self._pool.extend(events)
 
     def begin(self, stream_ptr: int) -> None:
         """Open a segment on the stream unless one is open. Call with ``lock`` held, right before issuing a
         command, and keep holding it until the command is issued (so a take cannot close the segment between)."""
-        if stream_ptr not in self._open:
+        if stream_ptr in self._open:
+            return
+        now = time.perf_counter()
+        quiet = not self._unfinished
+        anchor, self._anchor = self._anchor, None
+        if anchor is not None and quiet and now - anchor[1] < ANCHOR_MAX_AGE:
+            segment = _Segment(anchor[0], now, now - anchor[1], True)
+        else:
+            if anchor is not None:
+                self._recycle(anchor[0])
             event = self._event()
             runtime.eventRecord(event.ptr, stream_ptr)
-            self._open[stream_ptr] = event
+            segment = _Segment(event, now, 0.0, quiet)
+        self._open[stream_ptr] = segment
+        self._begun += 1
+        self._unfinished[stream_ptr] = self._begun
+
+    def anchor(self) -> None:
+        """Record the next segment's start mark now, if the device is quiet and none is recorded: called where the
+        host has a moment (the worker, once it answered a batch), so the next command does not pay for it.
+        Takes ``lock``; call with the backend's device current. Raises the runtime's error."""
+        if self._unfinished or self._anchor is not None:
+            return
+        with self.lock:
+            if self._unfinished or self._anchor is not None or self._open:
+                return
+            event = self._event()
+            runtime.eventRecord(event.ptr, 0)  # (the legacy default stream: after any work of the device's)
+            self._anchor = (event, time.perf_counter())
 
     def close(self, stream_ptr: int | None = None) -> None:
         """Record the end mark of the open segment of one stream (or of all). Call with ``lock`` held."""
         ptrs = list(self._open) if stream_ptr is None else [stream_ptr] if stream_ptr in self._open else []
         for ptr in ptrs:
-            start, end = self._open.pop(ptr), self._event()
-            try:
-                runtime.eventRecord(end.ptr, ptr)
-            except Exception:
-                pass  # an unrecorded end reads as 0.0; the error surfaces at the tenant's next call
-            self._pairs.append((start, end))
+            self._end(ptr, self._open.pop(ptr))
         if len(self._pairs) > self._fold_at:
             self._fold()
+
+    def _end(self, ptr: int, segment: _Segment) -> None:
+        end = self._event()
+        try:
+            runtime.eventRecord(end.ptr, ptr)
+        except Exception:
+            pass  # an unrecorded end reads as 0.0; the error surfaces at the tenant's next call
+        self._pairs.append((segment.start, end, segment.lead))
+
+    def close_for_sync(self, stream_ptr: int | None = None) -> Waited:
+        """``close`` before a synchronize of one stream (or of the device) that the host waits for next: a quiet
+        segment that is the only unfinished work gets no end mark, and ``synced`` charges its wall time once the
+        wait returns. Call with ``lock`` held; pass what it returns to ``synced``."""
+        walls: list[_Segment] = []
+        ptrs = list(self._open) if stream_ptr is None else [stream_ptr] if stream_ptr in self._open else []
+        for ptr in ptrs:
+            segment = self._open.pop(ptr)
+            if segment.quiet and len(self._unfinished) == 1:  # (it is that one: it is open)
+                walls.append(segment)
+            else:
+                self._end(ptr, segment)
+        if len(self._pairs) > self._fold_at:
+            self._fold()
+        unfinished = self._unfinished
+        streams = dict(unfinished) if stream_ptr is None else \
+            {stream_ptr: unfinished[stream_ptr]} if stream_ptr in unfinished else {}
+        return Waited(walls, streams)
+
+    def synced(self, waited: Waited, finished: bool = True) -> None:
+        """The synchronize after ``close_for_sync`` returned: charge its segments their wall time, and (if it
+        ``finished``: it did not fail) forget the streams it waited for that nothing began on since."""
+        now = time.perf_counter()
+        with self.lock:
+            for segment in waited.walls:
+                self._folded += now - segment.began
+                self._recycle(segment.start)
+            if finished:
+                unfinished = self._unfinished
+                for ptr, begun in waited.streams.items():
+                    if unfinished.get(ptr) == begun:
+                        del unfinished[ptr]
 
     @property
     def busy(self) -> bool:
@@ -108,16 +217,16 @@ class DeviceTimer:
     def _fold(self) -> None:
         """Fold completed pairs into the running total. Hold the lock; never raises."""
         keep: list[Pair] = []
-        for start, end in self._pairs:
+        for start, end, lead in self._pairs:
             try:
                 done = end.done  # the end mark is done only once the command and its start mark are
             except Exception:
                 done = False
             if done:
-                self._folded += _elapsed(start, end)
+                self._folded += _elapsed(start, end, lead)
                 self._recycle(start, end)
             else:
-                keep.append((start, end))
+                keep.append((start, end, lead))
         self._pairs = keep
         # Doubling keeps folding amortized O(1) per command even when the device runs far behind.
         self._fold_at = max(FOLD_PAIRS, 2 * len(keep))
@@ -134,14 +243,14 @@ class DeviceTimer:
     def settle_pairs(self, pairs: list[Pair], completed_only: bool = False) -> float:
         """Seconds of the pairs, once the device has finished them (or only of the completed ones)."""
         total = 0.0
-        for start, end in pairs:
+        for start, end, lead in pairs:
             if completed_only:
                 try:
                     if not end.done:
                         continue
                 except Exception:
                     continue
-            total += _elapsed(start, end)
+            total += _elapsed(start, end, lead)
             self._recycle(start, end)
         return total
 
@@ -151,13 +260,15 @@ class DeviceTimer:
             self.close()
             pairs, self._pairs = self._pairs, []
             self._folded += self.settle_pairs(pairs)
-            self._pool = []
+            self._pool, self._anchor = [], None
+            self._unfinished.clear()
 
     def abandon(self, pairs: list[Pair] | None = None) -> None:
         """After a fatal error: forget every pair and the total, and leak the events rather than destroy them."""
         with self.lock:
-            if self._pairs or self._pool or pairs or self._open:
-                _leak((self._pairs, self._pool, pairs, self._open))
-            self._pairs, self._pool, self._open = [], [], {}
+            if self._pairs or self._pool or pairs or self._open or self._anchor:
+                _leak((self._pairs, self._pool, pairs, self._open, self._anchor))
+            self._pairs, self._pool, self._open, self._anchor = [], [], {}, None
+            self._unfinished.clear()
             self._folded = 0.0
             self._fold_at = FOLD_PAIRS

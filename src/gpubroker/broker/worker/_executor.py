@@ -250,6 +250,9 @@ class Executor:
         # per batch).
         self._segments_open: Callable[[], bool] | None = getattr(backend, "device_time_open", None)
         self._end_segments: Callable[[], object] | None = getattr(backend, "flush_device_time", None)
+        # What the backend does ahead for the next batch while a client reads its answer (CUDA: the next
+        # segment's start mark, where the device is quiet: a synchronous round trip then records no event).
+        self._anchor: Callable[[], object] | None = getattr(backend, "anchor_device_time", None)
         # A backend that packs a launch's arguments once (CUDA) is given them once per (kernel, arguments);
         # any other gets the resolved arguments at each launch.
         prepare = getattr(backend, "prepare_launch", None)
@@ -348,6 +351,12 @@ class Executor:
         """The worker is about to wait for input: end the device-time segments, so the wait is not charged."""
         if self._end_segments is not None and not self.fatal:
             self._end_segments()
+
+    def answered(self) -> None:
+        """A link's batch was answered: its client reads the answer now, and the backend may do ahead what the
+        next batch's first command would otherwise pay for (``anchor_device_time``)."""
+        if self._anchor is not None and not self.fatal:
+            self._anchor()
 
     @staticmethod
     def _error(batch: Batch, done: int, objs: SessionObjects, command: Command | None,

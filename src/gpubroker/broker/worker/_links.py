@@ -655,11 +655,12 @@ class Links:
             return False
         if link.ring is None:
             self._answer_link(link, *encode_ack_parts(outcome))  # (a Read's bytes sent as they are, not copied)
-            return True
-        try:
-            link.ring.answer(encode(outcome))
-        except RingBroken as exc:
-            self._end_ring(link, _ended(exc))
+        else:
+            try:
+                link.ring.answer(encode(outcome))
+            except RingBroken as exc:
+                self._end_ring(link, _ended(exc))
+        self._executor.answered()  # (while the client reads its answer)
         return True
 
     def _answer_link(self, link: _Link, payload: bytes, tail: Bytes = b"") -> None:
