@@ -395,7 +395,8 @@ def test_a_synchronous_round_trip_records_no_timing_event_and_is_charged_its_wal
         gpu: CudaBackend, monkeypatch: pytest.MonkeyPatch) -> None:
     """Launch + synchronize, answered, again and again (a synchronous client on a link): the start mark is recorded
     after each answer (``answered``: while the client reads it), none while a batch runs, and each run is charged
-    its wall time, which holds its kernel."""
+    its wall time, which holds its kernel. (Runs of 1 ms count as short here: see the next test.)"""
+    monkeypatch.setattr(_cuda_timing, "LONG_SYNC", 1.0)
     executor = _spin_executor(gpu)
     spin = _spin(spin_cycles(gpu, 1e-3))
     executor.run_link("s", Batch(2, 0, [spin, Synchronize()]))  # warm-up
@@ -415,19 +416,54 @@ def test_a_synchronous_round_trip_records_no_timing_event_and_is_charged_its_wal
     assert 20 * 0.7e-3 < took <= wall, (took, wall)
 
 
+def test_after_a_long_synchronous_run_the_next_records_its_end_mark_and_is_charged_by_it(
+        gpu: CudaBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A synchronous run longer than LONG_SYNC (a 2 ms kernel): the next one records its end mark while its kernel
+    runs, so the host's time after the kernel (a wake-up, a late turn on the CPU) is not in its charge."""
+    executor = _spin_executor(gpu)
+    spin = _spin(spin_cycles(gpu, 2e-3))
+    gpu.synchronize()
+    executor.answered()
+    assert executor.run_link("s", Batch(2, 0, [spin, Synchronize()])).error is None  # long: charged its wall time
+    executor.answered()
+    gpu.take_device_time()
+    records = _counting_event_records(monkeypatch)
+    assert executor.run_link("s", Batch(3, 0, [spin, Synchronize()])).error is None
+    assert len(records) == 1, records  # its end mark (its start: the mark recorded ahead)
+    took = gpu.take_device_time()
+    assert 1e-3 < took < 8e-3, took
+
+
 def test_a_run_begun_on_a_start_mark_recorded_ahead_is_charged_its_device_time_not_the_wait_before(
-        gpu: CudaBackend) -> None:
+        gpu: CudaBackend, monkeypatch: pytest.MonkeyPatch) -> None:
     """The start mark recorded ahead (the device quiet) and a run that ends without a synchronize (the worker
     waits for input with its kernel in flight): the host's wait between the mark and the run is not charged."""
     executor = _spin_executor(gpu)
     gpu.synchronize()
     gpu.take_device_time()
     executor.answered()
-    time.sleep(0.05)  # the client thinks: 50 ms between the mark and the next batch
+    time.sleep(0.01)  # the client thinks: 10 ms between the mark and the next batch (ANCHOR_MAX_AGE is 20)
+    records = _counting_event_records(monkeypatch)
     assert executor.run_link("s", Batch(2, 0, [_spin(spin_cycles(gpu, 2e-3))])).error is None
     executor.idle()
+    assert len(records) == 1, records  # the end mark alone: the run began on the mark recorded ahead
     took = gpu.take_device_time()
-    assert 1e-3 < took < 10e-3, took
+    assert 1e-3 < took < 8e-3, took  # (12 ms and more with the 10 ms before it)
+
+
+def test_a_fences_wait_leaves_the_device_quiet(gpu: CudaBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Work on a second stream that no synchronize waited for: the scheduler's take (which waits for the device)
+    finishes it, so the next answer records a start mark ahead."""
+    executor = _spin_executor(gpu)
+    assert executor.run("s", Batch(2, 0, [CreateStream("side")])).error is None
+    assert executor.run_link("s", Batch(3, 0, [_spin(spin_cycles(gpu, 1e-3), "side")])).error is None
+    executor.idle()
+    records = _counting_event_records(monkeypatch)
+    executor.answered()
+    assert records == []  # its work unfinished: no mark ahead
+    assert gpu.take_device_time() > 0
+    executor.answered()
+    assert records == [0], records  # after the fence's wait: the mark, on the default stream
 
 
 def test_a_synchronize_after_another_streams_work_measures_each_run_with_events(

@@ -209,8 +209,12 @@ class CudaBackend:
         try:
             with timer.lock:
                 waited = timer.close_for_sync(s.ptr)  # its pointer may be reused by a later stream
+        except Exception as exc:
+            raise self._dev.fail("destroy_stream", exc) from exc
+        try:
             s.synchronize()
         except Exception as exc:
+            timer.synced(waited, finished=False)
             raise self._dev.fail("destroy_stream", exc) from exc
         timer.synced(waited)  # (its work is done: the stream counts as unfinished no more)
         self._dev.streams.pop(stream.handle)
@@ -409,13 +413,14 @@ class CudaBackend:
                     runtime.setDevice(dev.index)
             except Exception:
                 pass  # the wait below reports it
-        pairs, total = self._timer.take()
+        pairs, total, streams = self._timer.take()
         if not pairs:
             return total  # nothing unread (close() waited and folded everything into the total)
         try:
             if runtime.getDevice() != dev.index:
                 runtime.setDevice(dev.index)
             runtime.deviceSynchronize()
+            self._timer.finished(streams)  # (the device is quiet again: a fence's wait counts as a synchronize)
         except Exception as exc:
             err = self._dev.fail("take_device_time", exc)
             if dev.fatal is not None:

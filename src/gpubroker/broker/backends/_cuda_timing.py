@@ -23,11 +23,16 @@ synchronize paid two of them, with their Python, on every round trip (~4-6 us of
   event. That bounds its device time from above (its work started after the issue, ran alone, and ended before
   the return) by the host's few microseconds around it, which a tenant holding the device keeps from everyone
   anyway (a slice that others waited for is charged its wall time regardless).
+- Only while such runs are short: the host time after the work ends (the synchronizing thread's wake-up, its
+  turn on the CPU and the GIL) is in the wall time, which a busy host can stretch. So once a synchronous run
+  took longer than ``LONG_SYNC`` (host time: a long kernel, or a host that is late), the next ones get their end
+  event again, recorded while their work still runs (its 2 us then hidden behind the wait), until one is short.
 - Its start mark is recorded ahead (``anchor``: the worker calls it once it has answered a batch and the device
   is quiet, while its client reads the answer): the next segment begun while the device is still quiet takes
   that event as its start, with the host time between the two (its *lead*) taken off its elapsed time should
-  it end without a synchronize (the anchor completed at once: the device was idle). An anchor older than
-  ``ANCHOR_MAX_AGE`` is not used (the host's and the GPU's clocks may drift apart), and without one ``begin``
+  it end with an end event (the anchor completed at once: the device was idle). An anchor older than
+  ``ANCHOR_MAX_AGE`` is not used (a synchronous client's next call comes within microseconds to milliseconds,
+  and the host's clock, which NTP may slew by 500 ppm, is compared with the GPU's), and without one ``begin``
   records its start event as before.
 """
 
@@ -41,7 +46,7 @@ from dataclasses import dataclass
 import cupy
 from cupy.cuda import runtime
 
-__all__ = ["ANCHOR_MAX_AGE", "DeviceTimer", "Waited"]
+__all__ = ["ANCHOR_MAX_AGE", "LONG_SYNC", "DeviceTimer", "Waited"]
 
 # Past this many unread pairs, completed ones are folded into a running total (bounded memory).
 FOLD_PAIRS = 4096
@@ -50,7 +55,9 @@ POOL_MAX = 2 * FOLD_PAIRS
 
 # An anchor older than this (seconds) is not a segment's start: over longer, the host's clock and the GPU's may have
 # drifted apart by more than the microseconds a lead is measured in.
-ANCHOR_MAX_AGE = 0.5
+ANCHOR_MAX_AGE = 0.02
+# A synchronous run longer than this (host seconds) makes the next ones record their end events (see above).
+LONG_SYNC = 200e-6
 
 # A closed segment: its start and end events and its lead (seconds to take off their elapsed time).
 Pair = tuple[cupy.cuda.Event, cupy.cuda.Event, float]
@@ -69,9 +76,11 @@ class _Segment:
 @dataclass(slots=True)
 class Waited:
     """What ``close_for_sync`` handed to the synchronize after it (``synced``): the segments charged their wall
-    time once it returns, and the streams it waits for (with the count of their last ``begin``)."""
+    time once it returns, when the synchronous run began that it ends (None: no such run), and the streams it
+    waits for (with the count of their last ``begin``)."""
 
     walls: list[_Segment]
+    began: float | None
     streams: dict[int, int]
 
 
@@ -104,6 +113,7 @@ class DeviceTimer:
         # empty the device is quiet (none of this device's work unfinished).
         self._unfinished: dict[int, int] = {}
         self._begun = 0
+        self._long_syncs = False  # the last synchronous run took longer than LONG_SYNC: end events for now
         self._anchor: tuple[cupy.cuda.Event, float] | None = None  # a start mark recorded ahead, and when
         self._pairs: list[Pair] = []
         self._pool: list[cupy.cuda.Event] = []
@@ -151,7 +161,7 @@ class DeviceTimer:
             if self._unfinished or self._anchor is not None or self._open:
                 return
             event = self._event()
-            runtime.eventRecord(event.ptr, 0)  # (the legacy default stream: after any work of the device's)
+            runtime.eventRecord(event.ptr, 0)  # (the legacy default stream; the device is quiet: it completes now)
             self._anchor = (event, time.perf_counter())
 
     def close(self, stream_ptr: int | None = None) -> None:
@@ -175,33 +185,54 @@ class DeviceTimer:
         segment that is the only unfinished work gets no end mark, and ``synced`` charges its wall time once the
         wait returns. Call with ``lock`` held; pass what it returns to ``synced``."""
         walls: list[_Segment] = []
+        began: float | None = None
         ptrs = list(self._open) if stream_ptr is None else [stream_ptr] if stream_ptr in self._open else []
-        for ptr in ptrs:
-            segment = self._open.pop(ptr)
-            if segment.quiet and len(self._unfinished) == 1:  # (it is that one: it is open)
-                walls.append(segment)
-            else:
+        try:
+            for ptr in ptrs:
+                segment = self._open.pop(ptr)
+                if segment.quiet and len(self._unfinished) == 1:  # (it is that one: it is open)
+                    began = segment.began  # a synchronous run: alone, waited for
+                    if not self._long_syncs:
+                        walls.append(segment)
+                        continue
                 self._end(ptr, segment)
+        except BaseException:
+            self._charge_walls(walls)  # (a failure to make an event: what was popped is still charged)
+            raise
         if len(self._pairs) > self._fold_at:
             self._fold()
         unfinished = self._unfinished
         streams = dict(unfinished) if stream_ptr is None else \
             {stream_ptr: unfinished[stream_ptr]} if stream_ptr in unfinished else {}
-        return Waited(walls, streams)
+        return Waited(walls, began, streams)
+
+    def _charge_walls(self, walls: list[_Segment]) -> None:
+        now = time.perf_counter()
+        for segment in walls:
+            self._folded += now - segment.began
+            self._recycle(segment.start)
 
     def synced(self, waited: Waited, finished: bool = True) -> None:
         """The synchronize after ``close_for_sync`` returned: charge its segments their wall time, and (if it
         ``finished``: it did not fail) forget the streams it waited for that nothing began on since."""
-        now = time.perf_counter()
         with self.lock:
-            for segment in waited.walls:
-                self._folded += now - segment.began
-                self._recycle(segment.start)
+            self._charge_walls(waited.walls)
+            if waited.began is not None:
+                self._long_syncs = time.perf_counter() - waited.began > LONG_SYNC
             if finished:
-                unfinished = self._unfinished
-                for ptr, begun in waited.streams.items():
-                    if unfinished.get(ptr) == begun:
-                        del unfinished[ptr]
+                self._forget(waited.streams)
+
+    def _forget(self, streams: dict[int, int]) -> None:
+        """A wait for these streams' work returned: those nothing began on since are finished. Hold the lock."""
+        unfinished = self._unfinished
+        for ptr, begun in streams.items():
+            if unfinished.get(ptr) == begun:
+                del unfinished[ptr]
+
+    def finished(self, streams: dict[int, int]) -> None:
+        """A device-wide wait that began after ``take`` returned these streams has returned: see ``_forget``."""
+        with self.lock:
+            self._forget(streams)
 
     @property
     def busy(self) -> bool:
@@ -231,14 +262,16 @@ class DeviceTimer:
         # Doubling keeps folding amortized O(1) per command even when the device runs far behind.
         self._fold_at = max(FOLD_PAIRS, 2 * len(keep))
 
-    def take(self) -> tuple[list[Pair], float]:
-        """Close the open segments, then detach the unread pairs and the folded seconds, resetting both."""
+    def take(self) -> tuple[list[Pair], float, dict[int, int]]:
+        """Close the open segments, then detach the unread pairs and the folded seconds, resetting both; with
+        the streams unfinished now (for ``finished``, once a device-wide wait after this returns)."""
         with self.lock:
             self.close()
             pairs, self._pairs = self._pairs, []
             total, self._folded = self._folded, 0.0
             self._fold_at = FOLD_PAIRS
-        return pairs, total
+            streams = dict(self._unfinished)
+        return pairs, total, streams
 
     def settle_pairs(self, pairs: list[Pair], completed_only: bool = False) -> float:
         """Seconds of the pairs, once the device has finished them (or only of the completed ones)."""
