@@ -66,7 +66,7 @@ def _commit(d: dict[str, Any]) -> str:
 
 # -- the data plane: gpubroker bench remote --------------------------------------------------------------------------
 # The targets' list: a later run than the table's, judged by issue 25's bounds (the table's file has issue 13's).
-_REMOTE_TARGETS = "remote-h200-38d5696.json"
+_REMOTE_TARGETS = "remote-h200-cdf35dc.json"
 
 
 def _remote_host(name: str) -> str:
