@@ -397,6 +397,7 @@ def test_a_synchronous_round_trip_records_no_timing_event_and_is_charged_its_wal
     after each answer (``answered``: while the client reads it), none while a batch runs, and each run is charged
     its wall time, which holds its kernel. (Runs of 1 ms count as short here: see the next test.)"""
     monkeypatch.setattr(_cuda_timing, "LONG_SYNC", 1.0)
+    monkeypatch.setattr(_cuda_timing, "ANCHOR_MAX_AGE", 1.0)  # (a busy host's gaps between the calls below)
     executor = _spin_executor(gpu)
     spin = _spin(spin_cycles(gpu, 1e-3))
     executor.run_link("s", Batch(2, 0, [spin, Synchronize()]))  # warm-up
@@ -419,36 +420,65 @@ def test_a_synchronous_round_trip_records_no_timing_event_and_is_charged_its_wal
 def test_after_a_long_synchronous_run_the_next_records_its_end_mark_and_is_charged_by_it(
         gpu: CudaBackend, monkeypatch: pytest.MonkeyPatch) -> None:
     """A synchronous run longer than LONG_SYNC (a 2 ms kernel): the next one records its end mark while its kernel
-    runs, so the host's time after the kernel (a wake-up, a late turn on the CPU) is not in its charge."""
+    runs, so the host's time after the kernel (a wake-up, a late turn on the CPU) is not in its charge; once one is
+    short again, the next records none."""
+    monkeypatch.setattr(_cuda_timing, "ANCHOR_MAX_AGE", 1.0)
+    monkeypatch.setattr(_cuda_timing, "LONG_SYNC", 1e-3)  # (a 2 ms kernel is long, an empty one short)
     executor = _spin_executor(gpu)
-    spin = _spin(spin_cycles(gpu, 2e-3))
+    spin, short = _spin(spin_cycles(gpu, 2e-3)), _spin(np.int64(0))
     gpu.synchronize()
     executor.answered()
     assert executor.run_link("s", Batch(2, 0, [spin, Synchronize()])).error is None  # long: charged its wall time
     executor.answered()
     gpu.take_device_time()
     records = _counting_event_records(monkeypatch)
-    assert executor.run_link("s", Batch(3, 0, [spin, Synchronize()])).error is None
-    assert len(records) == 1, records  # its end mark (its start: the mark recorded ahead)
-    took = gpu.take_device_time()
-    assert 1e-3 < took < 8e-3, took
+    counts = []
+    for i, command in enumerate([spin, short, short]):
+        before = len(records)
+        assert executor.run_link("s", Batch(3 + i, 0, [command, Synchronize()])).error is None
+        counts.append(len(records) - before)
+        if i == 0:
+            took = gpu.take_device_time()
+            assert 1e-3 < took < 8e-3, took
+        executor.answered()
+    # the long run after a long one: its end mark (its start: the mark recorded ahead); the short one after it:
+    # its end mark too; the short one after a short one: none
+    assert counts == [1, 1, 0], counts
 
 
 def test_a_run_begun_on_a_start_mark_recorded_ahead_is_charged_its_device_time_not_the_wait_before(
         gpu: CudaBackend, monkeypatch: pytest.MonkeyPatch) -> None:
     """The start mark recorded ahead (the device quiet) and a run that ends without a synchronize (the worker
     waits for input with its kernel in flight): the host's wait between the mark and the run is not charged."""
+    monkeypatch.setattr(_cuda_timing, "ANCHOR_MAX_AGE", 1.0)
     executor = _spin_executor(gpu)
     gpu.synchronize()
     gpu.take_device_time()
     executor.answered()
-    time.sleep(0.01)  # the client thinks: 10 ms between the mark and the next batch (ANCHOR_MAX_AGE is 20)
+    time.sleep(0.05)  # the client thinks: 50 ms between the mark and the next batch
     records = _counting_event_records(monkeypatch)
     assert executor.run_link("s", Batch(2, 0, [_spin(spin_cycles(gpu, 2e-3))])).error is None
+    assert records == []  # the run began on the mark recorded ahead
     executor.idle()
-    assert len(records) == 1, records  # the end mark alone: the run began on the mark recorded ahead
+    assert len(records) == 1, records  # its end mark
     took = gpu.take_device_time()
-    assert 1e-3 < took < 8e-3, took  # (12 ms and more with the 10 ms before it)
+    assert 1e-3 < took < 10e-3, took  # (52 ms and more with the 50 ms before it)
+
+
+def test_a_start_mark_too_old_to_use_is_recorded_again(gpu: CudaBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mark older than ANCHOR_MAX_AGE is not a run's start (the run records its own); the next answer records the
+    mark again."""
+    monkeypatch.setattr(_cuda_timing, "ANCHOR_MAX_AGE", 0.01)
+    executor = _spin_executor(gpu)
+    gpu.synchronize()
+    executor.answered()
+    time.sleep(0.03)
+    records = _counting_event_records(monkeypatch)
+    executor.answered()  # too old: recorded again
+    assert records == [0], records
+    time.sleep(0.03)
+    assert executor.run_link("s", Batch(2, 0, [_spin(np.int64(0))])).error is None
+    assert records == [0, 0], records  # the run's own start mark
 
 
 def test_a_fences_wait_leaves_the_device_quiet(gpu: CudaBackend, monkeypatch: pytest.MonkeyPatch) -> None:

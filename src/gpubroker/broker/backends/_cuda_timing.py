@@ -155,12 +155,15 @@ class DeviceTimer:
         """Record the next segment's start mark now, if the device is quiet and none is recorded: called where the
         host has a moment (the worker, once it answered a batch), so the next command does not pay for it.
         Takes ``lock``; call with the backend's device current. Raises the runtime's error."""
-        if self._unfinished or self._anchor is not None:
+        if self._unfinished or (self._anchor is not None and time.perf_counter() - self._anchor[1] < ANCHOR_MAX_AGE):
             return
         with self.lock:
-            if self._unfinished or self._anchor is not None or self._open:
+            anchor = self._anchor
+            if self._unfinished or self._open or (anchor is not None
+                                                  and time.perf_counter() - anchor[1] < ANCHOR_MAX_AGE):
                 return
-            event = self._event()
+            event = self._event() if anchor is None else anchor[0]  # (one too old to use is recorded again)
+            self._anchor = None
             runtime.eventRecord(event.ptr, 0)  # (the legacy default stream; the device is quiet: it completes now)
             self._anchor = (event, time.perf_counter())
 
@@ -168,12 +171,14 @@ class DeviceTimer:
         """Record the end mark of the open segment of one stream (or of all). Call with ``lock`` held."""
         ptrs = list(self._open) if stream_ptr is None else [stream_ptr] if stream_ptr in self._open else []
         for ptr in ptrs:
-            self._end(ptr, self._open.pop(ptr))
+            self._end(ptr)
         if len(self._pairs) > self._fold_at:
             self._fold()
 
-    def _end(self, ptr: int, segment: _Segment) -> None:
-        end = self._event()
+    def _end(self, ptr: int) -> None:
+        """Record the end mark of ``ptr``'s open segment: its pair is read at the next take."""
+        end = self._event()  # (first: were no event to be had, the segment stays open, for the next close)
+        segment = self._open.pop(ptr)
         try:
             runtime.eventRecord(end.ptr, ptr)
         except Exception:
@@ -187,18 +192,17 @@ class DeviceTimer:
         walls: list[_Segment] = []
         began: float | None = None
         ptrs = list(self._open) if stream_ptr is None else [stream_ptr] if stream_ptr in self._open else []
-        try:
-            for ptr in ptrs:
-                segment = self._open.pop(ptr)
-                if segment.quiet and len(self._unfinished) == 1:  # (it is that one: it is open)
-                    began = segment.began  # a synchronous run: alone, waited for
-                    if not self._long_syncs:
-                        walls.append(segment)
-                        continue
-                self._end(ptr, segment)
-        except BaseException:
-            self._charge_walls(walls)  # (a failure to make an event: what was popped is still charged)
-            raise
+        for ptr in ptrs:
+            segment = self._open[ptr]
+            # A synchronous run: begun quiet, and no command began on any stream since (nothing else unfinished,
+            # nor anything synchronized meanwhile, whose time would be in this wall time).
+            if segment.quiet and len(self._unfinished) == 1 and self._unfinished[ptr] == self._begun:
+                began = segment.began
+                if not self._long_syncs:
+                    del self._open[ptr]
+                    walls.append(segment)
+                    continue
+            self._end(ptr)
         if len(self._pairs) > self._fold_at:
             self._fold()
         unfinished = self._unfinished
@@ -206,8 +210,7 @@ class DeviceTimer:
             {stream_ptr: unfinished[stream_ptr]} if stream_ptr in unfinished else {}
         return Waited(walls, began, streams)
 
-    def _charge_walls(self, walls: list[_Segment]) -> None:
-        now = time.perf_counter()
+    def _charge_walls(self, walls: list[_Segment], now: float) -> None:
         for segment in walls:
             self._folded += now - segment.began
             self._recycle(segment.start)
@@ -215,10 +218,11 @@ class DeviceTimer:
     def synced(self, waited: Waited, finished: bool = True) -> None:
         """The synchronize after ``close_for_sync`` returned: charge its segments their wall time, and (if it
         ``finished``: it did not fail) forget the streams it waited for that nothing began on since."""
+        now = time.perf_counter()  # (before the lock: a take holding it is not this run's time)
         with self.lock:
-            self._charge_walls(waited.walls)
+            self._charge_walls(waited.walls, now)
             if waited.began is not None:
-                self._long_syncs = time.perf_counter() - waited.began > LONG_SYNC
+                self._long_syncs = now - waited.began > LONG_SYNC
             if finished:
                 self._forget(waited.streams)
 
