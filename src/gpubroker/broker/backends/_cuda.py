@@ -209,14 +209,9 @@ class CudaBackend:
         try:
             with timer.lock:
                 waited = timer.close_for_sync(s.ptr)  # its pointer may be reused by a later stream
+            timer.wait(waited, s.synchronize)  # (its work done: the stream counts as unfinished no more)
         except Exception as exc:
             raise self._dev.fail("destroy_stream", exc) from exc
-        try:
-            s.synchronize()
-        except Exception as exc:
-            timer.synced(waited, finished=False)
-            raise self._dev.fail("destroy_stream", exc) from exc
-        timer.synced(waited)  # (its work is done: the stream counts as unfinished no more)
         self._dev.streams.pop(stream.handle)
 
     # -- the torch device --------------------------------------------------------------------

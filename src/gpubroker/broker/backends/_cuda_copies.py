@@ -77,14 +77,9 @@ class CudaCopies:
                 timer.begin(s.ptr)
                 runtime.memcpyAsync(dst, src, size, kind, s.ptr)
                 waited = timer.close_for_sync(s.ptr)  # we wait next: the host's idle time must not count
+            timer.wait(waited, s.synchronize)
         except Exception as exc:
             raise self._dev.fail(what, exc) from exc
-        try:
-            s.synchronize()
-        except Exception as exc:
-            timer.synced(waited, finished=False)
-            raise self._dev.fail(what, exc) from exc
-        timer.synced(waited)
 
     def register_host_memory(self, host: HostBuffer) -> int:
         """Page-lock a host range (a shared-memory segment) so copy_h2d / copy_d2h on views of it DMA directly.

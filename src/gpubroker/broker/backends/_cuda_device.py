@@ -112,17 +112,9 @@ class CudaDevice:
         try:
             with timer.lock:
                 waited = timer.close_for_sync(None if s is None else s.ptr)  # the host waits now: end the segments
+            timer.wait(waited, runtime.deviceSynchronize if s is None else s.synchronize)
         except Exception as exc:
             raise self.fail("synchronize", exc) from exc
-        try:
-            if s is None:
-                runtime.deviceSynchronize()
-            else:
-                s.synchronize()
-        except Exception as exc:
-            timer.synced(waited, finished=False)
-            raise self.fail("synchronize", exc) from exc
-        timer.synced(waited)
 
     def defer(self, err: GpuBrokerError) -> None:
         """Keep a non-fatal error a device-time wait saw for the tenant's next synchronize (the first one wins)."""

@@ -76,14 +76,9 @@ class CudaPeer:
                 timer.begin(s.ptr)
                 runtime.memcpyAsync(mem.ptr + start, src_ptr, size, runtime.memcpyDefault, s.ptr)
                 waited = timer.close_for_sync(s.ptr)
+            timer.wait(waited, s.synchronize)
         except Exception as exc:
             raise self._dev.fail("peer copy", exc) from exc
-        try:
-            s.synchronize()
-        except Exception as exc:
-            timer.synced(waited, finished=False)
-            raise self._dev.fail("peer copy", exc) from exc
-        timer.synced(waited)
 
     def close_peer(self, src_ptr: int) -> None:
         self._dev.use()

@@ -41,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import cupy
@@ -151,17 +152,22 @@ class DeviceTimer:
         self._begun += 1
         self._unfinished[stream_ptr] = self._begun
 
+    def _wants_anchor(self) -> bool:
+        """The device is quiet and no start mark young enough to use is recorded."""
+        anchor = self._anchor
+        return not self._unfinished and not self._open and (
+            anchor is None or time.perf_counter() - anchor[1] >= ANCHOR_MAX_AGE)
+
     def anchor(self) -> None:
         """Record the next segment's start mark now, if the device is quiet and none is recorded: called where the
         host has a moment (the worker, once it answered a batch), so the next command does not pay for it.
         Takes ``lock``; call with the backend's device current. Raises the runtime's error."""
-        if self._unfinished or (self._anchor is not None and time.perf_counter() - self._anchor[1] < ANCHOR_MAX_AGE):
+        if not self._wants_anchor():  # (looked at first without the lock: mostly there is nothing to do)
             return
         with self.lock:
-            anchor = self._anchor
-            if self._unfinished or self._open or (anchor is not None
-                                                  and time.perf_counter() - anchor[1] < ANCHOR_MAX_AGE):
+            if not self._wants_anchor():
                 return
+            anchor = self._anchor
             event = self._event() if anchor is None else anchor[0]  # (one too old to use is recorded again)
             self._anchor = None
             runtime.eventRecord(event.ptr, 0)  # (the legacy default stream; the device is quiet: it completes now)
@@ -214,6 +220,16 @@ class DeviceTimer:
         for segment in walls:
             self._folded += now - segment.began
             self._recycle(segment.start)
+
+    def wait(self, waited: Waited, sync: Callable[[], object]) -> None:
+        """Run ``sync``, the synchronize ``close_for_sync`` prepared (without the lock), then ``synced``: its
+        streams finished only if it returned. Its error is raised."""
+        try:
+            sync()
+        except BaseException:
+            self.synced(waited, finished=False)
+            raise
+        self.synced(waited)
 
     def synced(self, waited: Waited, finished: bool = True) -> None:
         """The synchronize after ``close_for_sync`` returned: charge its segments their wall time, and (if it
