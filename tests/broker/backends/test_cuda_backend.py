@@ -347,25 +347,6 @@ def test_device_time_of_a_kernel_survives_close() -> None:
 
 # -- the worker's device-time segments across batches -------------------------------------------------------------
 
-def test_worker_segment_spans_batches_and_ends_when_the_worker_goes_idle(gpu: CudaBackend) -> None:
-    executor = Executor(gpu, HandleTables(), SegmentTable(gpu))
-    ack = executor.run("s", Batch(1, 0, [LoadModule("m", "cuda_c", SPIN_SOURCE.encode(), []),
-                                         GetKernel("spin", "m", "spin")]))
-    assert ack.error is None, ack.error
-    cycles = spin_cycles(gpu, 1e-3)
-    spin = Launch("spin", (1,), (1,), [ScalarArg(cycles.dtype.str, cycles.tobytes())])
-    gpu.take_device_time()
-    for i in range(3):  # back-to-back batches: one segment, no timing event between their kernels
-        assert executor.run("s", Batch(10 + i, 0, [spin])).error is None
-        assert executor.issuing()
-    assert gpu._timer._pairs == []
-    executor.idle()  # what the serve loop does before it waits for input
-    assert not executor.issuing()
-    time.sleep(0.05)  # host idle time: not the device's, so not charged
-    took = gpu.take_device_time()
-    assert 2e-3 < took < 20e-3, took
-
-
 def _spin_executor(gpu: CudaBackend) -> Executor:
     executor = Executor(gpu, HandleTables(), SegmentTable(gpu))
     ack = executor.run("s", Batch(1, 0, [LoadModule("m", "cuda_c", SPIN_SOURCE.encode(), []),
@@ -376,6 +357,21 @@ def _spin_executor(gpu: CudaBackend) -> Executor:
 
 def _spin(cycles: np.int64, stream: str = "") -> Launch:
     return Launch("spin", (1,), (1,), [ScalarArg(cycles.dtype.str, cycles.tobytes())], stream=stream)
+
+
+def test_worker_segment_spans_batches_and_ends_when_the_worker_goes_idle(gpu: CudaBackend) -> None:
+    executor = _spin_executor(gpu)
+    spin = _spin(spin_cycles(gpu, 1e-3))
+    gpu.take_device_time()
+    for i in range(3):  # back-to-back batches: one segment, no timing event between their kernels
+        assert executor.run("s", Batch(10 + i, 0, [spin])).error is None
+        assert executor.issuing()
+    assert gpu._timer._pairs == []
+    executor.idle()  # what the serve loop does before it waits for input
+    assert not executor.issuing()
+    time.sleep(0.05)  # host idle time: not the device's, so not charged
+    took = gpu.take_device_time()
+    assert 2e-3 < took < 20e-3, took
 
 
 def _counting_event_records(monkeypatch: pytest.MonkeyPatch) -> list[int]:
